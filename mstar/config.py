@@ -1,0 +1,113 @@
+"""Configuration, read in one place: the command line becomes a frozen
+`ServerConfig` holding an `EngineConfig`; nothing else reads argv or env."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+from mstar.errors import ConfigError
+
+DEFAULT_MODEL = "tiny-llama"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-mode caps of one step and the paged KV cache geometry."""
+
+    max_num_seqs: int = 256            # rows in one step
+    max_num_batched_tokens: int = 8192  # packed tokens in one step
+    page_size: int = 16                 # tokens per KV page
+    num_pages: int | None = None        # None: sized from kv_cache_memory
+    kv_cache_memory: float = 0.25       # GiB per KV component when num_pages is None (CPU)
+    gpu_memory_utilization: float = 0.9
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    load_format: str = "auto"             # auto | dummy
+    devices: tuple[str, ...] = ("cpu",)
+    dtype: str = "auto"                   # auto | float32 | bfloat16 | float16
+    max_model_len: int | None = None
+    seed: int = 0
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    log_format: str = "console"           # console | json
+    log_level: str = "info"
+    served_model_name: str | None = None
+
+
+def parse_devices(spec: str) -> tuple[str, ...]:
+    """`cpu` | `cpu:0,cpu:1` | `0` | `0,1` -> torch device strings."""
+    out = []
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        if part == "cpu" or part.startswith("cpu:"):
+            out.append(part)
+        elif part.isdigit():
+            out.append(f"cuda:{part}")
+        elif part.startswith("cuda:") and part[5:].isdigit():
+            out.append(part)
+        else:
+            raise ConfigError(f"--gpus: cannot read device '{part}'")
+    if not out:
+        raise ConfigError("--gpus: no device given")
+    if len(set(out)) != len(out):
+        raise ConfigError("--gpus: a device is listed twice")
+    return tuple(out)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m mstar.http", description="Serve a model over HTTP.")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="built-in model name or a local Hugging Face folder")
+    p.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
+    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto")
+    p.add_argument("--gpus", default="cpu", help="cpu | cpu:0,cpu:1 | 0 | 0,1")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--num-pages", type=int, default=None, help="KV pages per KV component (default: from memory)")
+    p.add_argument("--kv-cache-memory", type=float, default=0.25, help="GiB of KV cache on CPU")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--log-format", choices=("console", "json"), default="console")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> ServerConfig:
+    a = build_parser().parse_args(argv)
+    for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
+        if getattr(a, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+    sched = SchedulerConfig(
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens,
+        page_size=a.page_size,
+        num_pages=a.num_pages,
+        kv_cache_memory=a.kv_cache_memory,
+        gpu_memory_utilization=a.gpu_memory_utilization,
+    )
+    engine = EngineConfig(
+        model=a.model,
+        load_format=a.load_format,
+        devices=parse_devices(a.gpus),
+        dtype=a.dtype,
+        max_model_len=a.max_model_len,
+        seed=a.seed,
+        scheduler=sched,
+    )
+    return ServerConfig(engine=engine, host=a.host, port=a.port, log_format=a.log_format,
+                        log_level=a.log_level, served_model_name=a.served_model_name)

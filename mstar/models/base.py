@@ -1,0 +1,74 @@
+"""The contract between a model file and the runtime.
+
+A `Model` declares its components and walks, builds each component's module
+on a device, and turns a request's raw inputs into the walk's initial values.
+It knows nothing of scheduling, batching, threads or HTTP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from mstar.graph import Component, Walk
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from mstar.models.tokenizer import Tokenizer
+    from mstar.types import GenerateRequest
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """Shape of one KV-cache component's pages (per layer: K and V of
+    [num_pages, page_size, num_kv_heads, head_dim])."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+
+class Model:
+    """Base of every model file. Subclasses set the class attributes and
+    implement `build_component` and `prepare`."""
+
+    components: dict[str, Component] = {}
+    walks: dict[str, Walk] = {}
+    default_walk: str = ""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    # -- what the runtime reads
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return None
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return ()
+
+    @property
+    def max_model_len(self) -> int:
+        raise NotImplementedError
+
+    def kv_spec(self, component: str) -> KVSpec:
+        raise NotImplementedError(f"component '{component}' has no KV cache")
+
+    def default_dtype(self, device: torch.device) -> torch.dtype:
+        import torch
+
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+    # -- what the runtime calls
+    def build_component(self, component: str, device: torch.device, dtype: torch.dtype) -> nn.Module:
+        """The component's module, weights loaded, on `device`. Each mode of
+        the component is a method of the module named after the mode."""
+        raise NotImplementedError
+
+    def prepare(self, request: GenerateRequest) -> dict[str, Any]:
+        """The walk's initial values (CPU tensors) from the request's inputs.
+        Raises `RequestError` for bad input."""
+        raise NotImplementedError

@@ -1,0 +1,136 @@
+"""Contracts shared across layers: requests, sampling, output chunks, and the
+attention interface that components see.
+
+Importable without torch (tensor types appear only in annotations), so the
+HTTP layer and the Python client can use these dataclasses too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, Protocol
+
+from mstar.errors import RequestError
+
+if TYPE_CHECKING:
+    import torch
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+# Sampling bounds: beyond these a request is refused with a 400 naming the field.
+MAX_TEMPERATURE = 100.0
+MAX_REPETITION_PENALTY = 100.0
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a request's tokens are drawn and when its generation stops.
+
+    `temperature == 0` is greedy. `top_k <= 0` and `top_p == 1` disable those
+    filters. `seed` makes a request's draws reproducible whatever it is batched
+    with. `stop` strings are checked on the event loop, after detokenising.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self, max_model_tokens: int | None = None) -> None:
+        """Raise `RequestError` naming the first field out of range."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise RequestError("must be a positive integer", field="max_tokens")
+        if max_model_tokens is not None and self.max_tokens > max_model_tokens:
+            raise RequestError(f"must be at most {max_model_tokens}", field="max_tokens")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise RequestError(f"must be in [0, {MAX_TEMPERATURE}]", field="temperature")
+        if self.top_k < 0 and self.top_k != -1:
+            raise RequestError("must be >= 0 (or -1 to disable)", field="top_k")
+        if not 0.0 < self.top_p <= 1.0:
+            raise RequestError("must be in (0, 1]", field="top_p")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise RequestError("must be in [0, 1]", field="min_p")
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise RequestError(f"must be in (0, {MAX_REPETITION_PENALTY}]", field="repetition_penalty")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise RequestError("must be in [0, 2**63)", field="seed")
+        if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
+            raise RequestError("must be non-negative integers", field="stop_token_ids")
+        if any((not isinstance(s, str)) or not s for s in self.stop):
+            raise RequestError("must be non-empty strings", field="stop")
+
+
+@dataclass
+class GenerateRequest:
+    """What the engine accepts. `inputs` are the walk's inputs before the
+    model prepares them (for a language model: `prompt_ids`, a list of ints)."""
+
+    request_id: str
+    model: str
+    inputs: dict[str, Any]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    walk: str | None = None
+
+
+@dataclass(frozen=True)
+class OutputChunk:
+    """One piece of a request's output, in order. `token_ids` and `text` are
+    the new tokens and text since the previous chunk; `num_output_tokens` is
+    cumulative. The last chunk has `finished` set and a `finish_reason`."""
+
+    request_id: str
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    modality: str = "text"
+    audio: bytes | None = None
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    """What `/v1/models` and `/health` show of a served model."""
+
+    name: str
+    max_model_len: int
+    walks: tuple[str, ...]
+    default_walk: str
+    devices: dict[str, tuple[str, ...]] = field(default_factory=dict)  # component -> devices
+
+
+class AttentionContext(Protocol):
+    """Attention over the paged KV cache for the rows of one step.
+
+    `q`: [T, Hq, D], `k`, `v`: [T, Hkv, D] for the T packed new tokens of the
+    step. Writes `k`, `v` into layer `layer`'s pages at the rows' new positions,
+    then attends each query causally to its row's cached and new keys.
+    Returns [T, Hq, D]. Planned once per step, reused by every layer.
+    """
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                scale: float) -> torch.Tensor: ...
+
+
+@dataclass
+class TokenBatch:
+    """The packed input of a step of a KV-cache component.
+
+    Rows are packed along T: row i owns tokens [query_start[i], query_start[i+1]).
+    `logits_index` [B]: the token of each row whose logits the step returns.
+    """
+
+    input_ids: torch.Tensor        # [T] int64
+    positions: torch.Tensor        # [T] int64
+    query_start: torch.Tensor      # [B + 1] int64 (CPU)
+    logits_index: torch.Tensor     # [B] int64
+    attn: AttentionContext
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
