@@ -25,7 +25,10 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """What the engine serves and where."""
+
     model: str = DEFAULT_MODEL
+    served_model_name: str | None = None  # the name clients use; default: `model`
     load_format: str = "auto"             # auto | dummy
     devices: tuple[str, ...] = ("cpu",)
     dtype: str = "auto"                   # auto | float32 | bfloat16 | float16
@@ -36,12 +39,13 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
+    """The HTTP server's settings plus the engine's."""
+
     engine: EngineConfig = field(default_factory=EngineConfig)
     host: str = "127.0.0.1"
     port: int = 8000
     log_format: str = "console"           # console | json
     log_level: str = "info"
-    served_model_name: str | None = None
 
 
 def parse_devices(spec: str) -> tuple[str, ...]:
@@ -102,6 +106,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
     )
     engine = EngineConfig(
         model=a.model,
+        served_model_name=a.served_model_name,
         load_format=a.load_format,
         devices=parse_devices(a.gpus),
         dtype=a.dtype,
@@ -110,4 +115,4 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         scheduler=sched,
     )
     return ServerConfig(engine=engine, host=a.host, port=a.port, log_format=a.log_format,
-                        log_level=a.log_level, served_model_name=a.served_model_name)
+                        log_level=a.log_level)
