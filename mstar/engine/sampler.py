@@ -1,0 +1,150 @@
+"""Token sampling for the rows of one step: logits [B, V] in, token ids [B] out.
+
+Every operation is vectorised over rows; no Python loop runs per row in the
+hot path. Randomness is a pure function of (seed, counter, vocab index), so a
+request draws the same tokens whichever rows share its batch, in whatever
+order, and the noise bits are the same on CPU and CUDA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from mstar.types import SamplingParams
+
+_M32 = 0xFFFFFFFF
+# Odd multipliers below 2**31: a 32-bit value times one stays below 2**63, so
+# int64 products never overflow (signed overflow is not portable across devices).
+_MUL_A = 0x7FEB352D
+_MUL_B = 0x5BD1E995
+_ROW_SALT = 0x3C6EF372
+_INV_2_24 = 1.0 / (1 << 24)
+
+
+def mix32(x: Tensor) -> Tensor:
+    """A bijective avalanche mix of 32-bit values held in int64 (values in [0, 2**32))."""
+    x = x ^ (x >> 16)
+    x = (x * _MUL_A) & _M32
+    x = x ^ (x >> 15)
+    x = (x * _MUL_B) & _M32
+    return x ^ (x >> 16)
+
+
+def row_keys(seeds: Tensor, counters: Tensor) -> Tensor:
+    """One 32-bit key per row from its 64-bit seed and 64-bit draw counter."""
+    # Masking after the shift also folds negative int64 seeds to their bit pattern.
+    key = mix32((seeds & _M32) ^ _ROW_SALT)
+    key = mix32(key ^ ((seeds >> 32) & _M32))
+    key = mix32(key ^ (counters & _M32))
+    return mix32(key ^ ((counters >> 32) & _M32))
+
+
+def random_bits(seeds: Tensor, counters: Tensor, vocab_size: int) -> Tensor:
+    """[B, V] int64 of 32 random bits for each (row, vocab index)."""
+    keys = row_keys(seeds, counters)
+    # Pre-mixing the index keeps neighbouring indices from sharing low-bit patterns.
+    idx = mix32(torch.arange(vocab_size, device=seeds.device, dtype=torch.int64))
+    return mix32(keys[:, None] ^ idx[None, :])
+
+
+def exponential_noise(seeds: Tensor, counters: Tensor, vocab_size: int) -> Tensor:
+    """[B, V] float32 Exp(1) draws derived from `random_bits`."""
+    # 24 bits fit a float32 mantissa exactly; the half-step keeps u inside (0, 1).
+    u = ((random_bits(seeds, counters, vocab_size) >> 8).to(torch.float32) + 0.5) * _INV_2_24
+    return -torch.log(u)
+
+
+@dataclass
+class SamplingTensors:
+    """The sampling parameters of a step's rows, on the logits' device."""
+
+    temperature: Tensor          # [B] float32; 0 = greedy
+    top_k: Tensor                # [B] int64; <= 0 = off
+    top_p: Tensor                # [B] float32
+    min_p: Tensor                # [B] float32
+    repetition_penalty: Tensor   # [B] float32
+    seeds: Tensor                # [B] int64
+    counters: Tensor             # [B] int64: index of each row's draw
+    all_greedy: bool
+    any_penalty: bool
+    any_filter: bool             # any sampled row with top-k, top-p or min-p active
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], counters: Sequence[int],
+              device: torch.device | str) -> SamplingTensors:
+        if not len(params) == len(seeds) == len(counters):
+            raise ValueError("params, seeds and counters must have one entry per row")
+        sampled = [p for p in params if p.temperature > 0]
+
+        def col(values: list, dtype: torch.dtype) -> Tensor:
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return cls(
+            temperature=col([p.temperature for p in params], torch.float32),
+            top_k=col([p.top_k for p in params], torch.int64),
+            top_p=col([p.top_p for p in params], torch.float32),
+            min_p=col([p.min_p for p in params], torch.float32),
+            repetition_penalty=col([p.repetition_penalty for p in params], torch.float32),
+            seeds=col(list(seeds), torch.int64),
+            counters=col(list(counters), torch.int64),
+            all_greedy=not sampled,
+            any_penalty=any(p.repetition_penalty != 1.0 for p in params),
+            any_filter=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in sampled),
+        )
+
+
+def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: Tensor) -> Tensor:
+    """Penalise the `seen` [B, V] tokens of each row as Hugging Face does:
+    positive logits are divided by the row's penalty, negative ones multiplied."""
+    pen = penalty.to(logits.dtype)[:, None]
+    penalised = torch.where(logits > 0, logits / pen, logits * pen)
+    return torch.where(seen, penalised, logits)
+
+
+def _filter_and_race(scaled: Tensor, st: SamplingTensors, noise: Tensor) -> Tensor:
+    """Top-k, then top-p over the survivors, then min-p; race in sorted order."""
+    vocab = scaled.shape[-1]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=scaled.device)[None, :]
+    k = torch.where(st.top_k > 0, st.top_k.clamp(max=vocab), vocab)
+    keep = rank < k[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
+    # Keep a token while the mass before it is short of p: the smallest set
+    # reaching p, and never empty since the first token has nothing before it.
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    keep &= (mass_before < st.top_p[:, None]) | (st.top_p[:, None] >= 1.0)
+    keep &= probs >= st.min_p[:, None] * probs[:, :1]
+    # The row's scale of the weights does not change the argmax: no renormalising.
+    weights = probs.masked_fill(~keep, 0.0)
+    winner = torch.argmax(weights / noise.gather(1, order), dim=-1, keepdim=True)
+    return order.gather(1, winner).squeeze(1)
+
+
+def sample(logits: Tensor, st: SamplingTensors, seen: Tensor | None = None) -> Tensor:
+    """Draw one token per row: [B, V] float logits -> [B] int64.
+
+    Greedy rows take the argmax of the (penalised) logits. Other rows draw by
+    an exponential race (argmax of probs / Exp noise), equivalent to sampling
+    from the filtered softmax at the row's temperature.
+    """
+    logits = logits.float()
+    if st.any_penalty:
+        if seen is None:
+            raise ValueError("a row has a repetition penalty but no `seen` mask was given")
+        logits = apply_repetition_penalty(logits, seen, st.repetition_penalty)
+    greedy = torch.argmax(logits, dim=-1)
+    if st.all_greedy:
+        return greedy
+    is_greedy = st.temperature <= 0
+    temp = torch.where(is_greedy, torch.ones_like(st.temperature), st.temperature)
+    scaled = logits / temp[:, None]
+    noise = exponential_noise(st.seeds, st.counters, logits.shape[-1])
+    if st.any_filter:
+        drawn = _filter_and_race(scaled, st, noise)
+    else:
+        drawn = torch.argmax(torch.softmax(scaled, dim=-1) / noise, dim=-1)
+    return torch.where(is_greedy, greedy, drawn)

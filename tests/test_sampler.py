@@ -1,0 +1,205 @@
+"""Sampler: greedy rows, batch-independent seeded draws, the filters, the
+repetition penalty, and the counter-based hash behind the noise."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from mstar.engine.sampler import (
+    SamplingTensors,
+    apply_repetition_penalty,
+    random_bits,
+    sample,
+)
+from mstar.types import SamplingParams
+
+M32 = 0xFFFFFFFF
+
+
+def _py_mix32(x: int) -> int:
+    """The sampler's mix, written with unbounded Python ints as a reference."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & M32
+    x ^= x >> 15
+    x = (x * 0x5BD1E995) & M32
+    return x ^ (x >> 16)
+
+
+def _py_bits(seed: int, counter: int, v: int) -> int:
+    seed &= (1 << 64) - 1  # the int64 bit pattern, as torch sees a negative seed
+    key = _py_mix32((seed & M32) ^ 0x3C6EF372)
+    key = _py_mix32(key ^ (seed >> 32))
+    key = _py_mix32(key ^ (counter & M32))
+    key = _py_mix32(key ^ ((counter >> 32) & M32))
+    return _py_mix32(key ^ _py_mix32(v))
+
+
+def _tensors(params: list[SamplingParams], seeds: list[int], counters: list[int] | None = None) -> SamplingTensors:
+    return SamplingTensors.build(params, seeds, counters or [0] * len(params), "cpu")
+
+
+def _draw_many(logits_row: torch.Tensor, params: SamplingParams, n: int) -> torch.Tensor:
+    """One draw for each of n seeds, as counts per vocab index."""
+    st = _tensors([params] * n, list(range(n)))
+    tokens = sample(logits_row.expand(n, -1).contiguous(), st)
+    return torch.bincount(tokens, minlength=logits_row.shape[-1])
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    support = expected > 0
+    return float((((counts - expected) ** 2)[support] / expected[support]).sum())
+
+
+def test_hash_matches_python_reference() -> None:
+    rng = random.Random(7)
+    cases = [(0, 0), (1, 0), (2**63 - 1, 2**32 - 1), (2**32, 2**32 + 5), (-1, 3), (-(2**63), 1)]
+    cases += [(rng.randrange(-(2**63), 2**63), rng.randrange(0, 2**40)) for _ in range(20)]
+    vocab = 300
+    seeds = torch.tensor([s for s, _ in cases], dtype=torch.int64)
+    counters = torch.tensor([c for _, c in cases], dtype=torch.int64)
+    bits = random_bits(seeds, counters, vocab)
+    assert bits.min() >= 0 and bits.max() <= M32
+    for row, (s, c) in enumerate(cases):
+        for v in (0, 1, 2, 17, vocab - 1):
+            assert int(bits[row, v]) == _py_bits(s, c, v), (s, c, v)
+
+
+def test_hash_bits_look_uniform() -> None:
+    bits = random_bits(torch.arange(64), torch.zeros(64, dtype=torch.int64), 4096)
+    # Each bit position is set about half the time over 262144 draws.
+    per_bit = torch.stack([(bits >> b) & 1 for b in range(32)]).float().mean(dim=(1, 2))
+    assert torch.all((per_bit - 0.5).abs() < 0.01)
+
+
+def test_greedy_equals_argmax() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    st = _tensors([SamplingParams(temperature=0.0, top_k=3, top_p=0.5)] * 6, [1] * 6)
+    assert st.all_greedy
+    assert torch.equal(sample(logits, st), logits.argmax(dim=-1))
+
+
+def test_mixed_batch_greedy_rows_take_argmax() -> None:
+    torch.manual_seed(1)
+    logits = torch.randn(4, 40)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)] * 2
+    out = sample(logits, _tensors(params, [3, 4, 5, 6]))
+    assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8),
+                                    SamplingParams(temperature=1.2, top_k=20, top_p=0.9, min_p=0.01)])
+def test_draw_depends_only_on_seed_and_counter(params: SamplingParams) -> None:
+    torch.manual_seed(2)
+    target = torch.randn(1, 100)
+    alone = sample(target, _tensors([params], [1234], [9]))
+    others = torch.randn(4, 100)
+    batch = torch.cat([others[:2], target, others[2:]])
+    seeds, counters = [11, 12, 1234, 13, 14], [0, 5, 9, 2, 7]
+    mixed = [SamplingParams(temperature=0.0), SamplingParams(top_k=5), params,
+             SamplingParams(), SamplingParams(top_p=0.3)]
+    together = sample(batch, _tensors(mixed, seeds, counters))
+    assert together[2] == alone[0]
+    reversed_order = sample(batch.flip(0), _tensors(mixed[::-1], seeds[::-1], counters[::-1]))
+    assert torch.equal(reversed_order.flip(0), together)
+
+
+def test_counters_change_the_draw() -> None:
+    logits = torch.zeros(64, 1000)  # uniform: any change of noise shows
+    same_seed = [SamplingParams()] * 64
+    draws = sample(logits, _tensors(same_seed, [42] * 64, list(range(64))))
+    assert len(set(draws.tolist())) > 50
+    again = sample(logits, _tensors(same_seed, [42] * 64, list(range(64))))
+    assert torch.equal(draws, again)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_empirical_distribution_matches_softmax(temperature: float) -> None:
+    logits = torch.tensor([[1.0, 0.0, -1.0, 2.0, 0.5]])
+    counts = _draw_many(logits, SamplingParams(temperature=temperature), 20_000)
+    probs = torch.softmax(logits[0] / temperature, dim=-1)
+    # df = 4; the 99.99% quantile is ~23.5. Seeds are fixed, so this is deterministic.
+    assert _chi_square(counts.float(), probs) < 23.5
+
+
+def test_top_k_distribution_is_renormalised() -> None:
+    logits = torch.tensor([[1.0, 0.0, -1.0, 2.0, 0.5, -3.0]])
+    counts = _draw_many(logits, SamplingParams(top_k=3), 20_000)
+    expected = torch.softmax(logits[0].masked_fill(logits[0] < 0.5, float("-inf")), dim=-1)
+    assert counts[expected == 0].sum() == 0
+    assert _chi_square(counts.float(), expected) < 20.0  # df = 2
+
+
+def _naive_allowed(row: torch.Tensor, p: SamplingParams) -> set[int]:
+    """Which tokens may be drawn, computed one token at a time."""
+    probs = torch.softmax(row / p.temperature, dim=-1).tolist()
+    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    if p.top_k > 0:
+        order = order[: p.top_k]
+    total = sum(probs[i] for i in order)
+    kept, mass = [], 0.0
+    for i in order:
+        kept.append(i)
+        mass += probs[i] / total
+        if mass >= p.top_p:
+            break
+    top = probs[kept[0]]
+    return {i for i in kept if probs[i] >= p.min_p * top}
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(top_k=4),
+    SamplingParams(top_p=0.6),
+    SamplingParams(min_p=0.2),
+    SamplingParams(temperature=0.7, top_k=10, top_p=0.8, min_p=0.05),
+])
+def test_filters_never_pick_filtered_tokens(params: SamplingParams) -> None:
+    torch.manual_seed(3)
+    n = 400
+    logits = torch.randn(n, 32) * 2
+    tokens = sample(logits, _tensors([params] * n, list(range(n))))
+    for row, token in enumerate(tokens.tolist()):
+        assert token in _naive_allowed(logits[row], params), row
+    assert len(set(tokens.tolist())) > 1  # the draws are not all the argmax
+
+
+def test_top_p_keeps_the_top_token_when_it_alone_reaches_p() -> None:
+    logits = torch.tensor([[10.0, 0.0, 0.0, 0.0]])
+    tokens = sample(logits.expand(100, -1), _tensors([SamplingParams(top_p=0.5)] * 100, list(range(100))))
+    assert torch.all(tokens == 0)
+
+
+def test_repetition_penalty_matches_naive_loop() -> None:
+    torch.manual_seed(4)
+    logits = torch.randn(3, 20)
+    seen = torch.rand(3, 20) < 0.4
+    penalty = torch.tensor([1.0, 1.3, 2.0])
+    expected = logits.clone()
+    for b in range(3):
+        for v in range(20):
+            if seen[b, v]:
+                x = expected[b, v]
+                expected[b, v] = x / penalty[b] if x > 0 else x * penalty[b]
+    assert torch.allclose(apply_repetition_penalty(logits, seen, penalty), expected)
+
+
+def test_penalty_steers_greedy_and_needs_a_seen_mask() -> None:
+    logits = torch.tensor([[3.0, 2.5, -1.0]])
+    st = _tensors([SamplingParams(temperature=0.0, repetition_penalty=2.0)], [0])
+    assert st.any_penalty
+    assert sample(logits, st, seen=torch.tensor([[True, False, False]])).item() == 1
+    with pytest.raises(ValueError):
+        sample(logits, st)
+
+
+def test_build_flags() -> None:
+    st = _tensors([SamplingParams(temperature=0.0, top_k=5), SamplingParams()], [0, 1])
+    assert not st.all_greedy and not st.any_penalty
+    assert not st.any_filter  # the filtered row is greedy: filters would be wasted work
+    assert st.top_k.dtype == torch.int64 and st.temperature.dtype == torch.float32
+    with pytest.raises(ValueError):
+        SamplingTensors.build([SamplingParams()], [0, 1], [0], "cpu")
