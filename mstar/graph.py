@@ -102,7 +102,7 @@ class ChunkPolicy:
         """Chunks to cut when the producer has finished."""
         raise NotImplementedError
 
-    def keep_from(self, cut: int) -> int:
+    def keep_from(self, total: int, cut: int) -> int:
         """Items before this index are never read again (they may be freed)."""
         raise NotImplementedError
 
@@ -110,9 +110,9 @@ class ChunkPolicy:
 @dataclass(frozen=True)
 class SlidingWindow(ChunkPolicy):
     """Windows of `size` items every `stride` items: window i is
-    [i*stride, i*stride + size). At the end, one last window covers the items
-    the previous windows left out, if any (shorter than `size` when the whole
-    stream is shorter)."""
+    [i*stride, i*stride + size). At the end, if items are left that no window
+    covered, one last window holds the final `size` items (all of them when
+    the whole stream is shorter)."""
 
     size: int
     stride: int
@@ -133,13 +133,11 @@ class SlidingWindow(ChunkPolicy):
         covered = 0 if cut == 0 else (cut - 1) * self.stride + self.size
         if total <= covered:
             return []
-        start = max(0, total - self.size)
-        # align the last window to the stride grid so consumers see whole strides
-        start -= start % self.stride
-        return [(start, total)]
+        return [(max(0, total - self.size), total)]
 
-    def keep_from(self, cut: int) -> int:
-        return cut * self.stride
+    def keep_from(self, total: int, cut: int) -> int:
+        # the flush window reaches back `size` items from the end
+        return min(cut * self.stride, max(0, total - self.size))
 
 
 @dataclass(frozen=True)
@@ -159,7 +157,7 @@ class FixedChunks(ChunkPolicy):
         start = cut * self.size
         return [(start, total)] if total > start else []
 
-    def keep_from(self, cut: int) -> int:
+    def keep_from(self, total: int, cut: int) -> int:
         return cut * self.size
 
 

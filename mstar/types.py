@@ -89,6 +89,7 @@ class OutputChunk:
     text: str = ""
     modality: str = "text"
     audio: bytes | None = None
+    data: Any = None              # an emitted value of another modality, as host data
     finished: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None

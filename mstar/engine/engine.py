@@ -1,0 +1,225 @@
+"""The Engine: the asyncio side of the runtime and its public API.
+
+`submit` validates a request, prepares its walk's inputs and hands it to a
+device worker; it returns a `RequestStream` of output chunks. Workers report
+once per step through `loop.call_soon_threadsafe`; the engine turns each
+report into chunks for the requests in it, applies stop strings, and sends
+stops and aborts back. Every device runs a full replica of the model; a new
+request goes to the replica with the least outstanding requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import Counter
+from typing import Callable
+
+import structlog
+
+from mstar.config import EngineConfig
+from mstar.engine.messages import Abort, Finished, Shutdown, StepReport, Stop, Submit
+from mstar.engine.requests import RequestState, RequestStream
+from mstar.engine.tensor_store import TensorStore
+from mstar.engine.worker import DeviceWorker
+from mstar.errors import MstarError, ModelNotFound, RequestError
+from mstar.graph import HostStop, Loop, WalkPlan, compile_walks
+from mstar.models.base import Model
+from mstar.models.registry import load_model
+from mstar.models.tokenizer import IncrementalDetokenizer
+from mstar.types import GenerateRequest, ModelCard
+
+log = structlog.get_logger("mstar.engine")
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, model: Model | None = None) -> None:
+        """`model`: an already built model file (tests, embedding); by default
+        the engine loads `config.model` when it starts."""
+        self.config = config
+        self.store = TensorStore()
+        self.model: Model | None = model
+        self.plans: dict[str, WalkPlan] = {}
+        self.workers: list[DeviceWorker] = []
+        self.stats: Counter[str] = Counter()
+        self._states: dict[str, RequestState] = {}
+        self._outstanding: list[int] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._report_hooks: list[Callable[[StepReport], None]] = []
+        self._pre_hooks: list[Callable[[StepReport], None]] = []
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        cfg = self.config
+        if self.model is None:
+            self.model = await self._loop.run_in_executor(
+                None, lambda: load_model(cfg.model, cfg.load_format, cfg.max_model_len))
+        self.plans = compile_walks(self.model.walks, self.model.components)
+        self.workers = [DeviceWorker(d, self.model, cfg, self.store, self._post) for d in cfg.devices]
+        self._outstanding = [0] * len(self.workers)
+        for w in self.workers:
+            w.start()
+        for w in self.workers:
+            await self._loop.run_in_executor(None, w.ready.wait)
+        failed = [w for w in self.workers if w.error is not None]
+        if failed:
+            await self.shutdown()
+            raise MstarError(f"worker on {failed[0].name} failed to start: {failed[0].error!r}") from failed[0].error
+        log.info("engine started", model=self.model_name, devices=list(cfg.devices))
+
+    async def shutdown(self) -> None:
+        for w in self.workers:
+            w.send(Shutdown())
+        loop = asyncio.get_running_loop()
+        for w in self.workers:
+            await loop.run_in_executor(None, w.join, 10.0)
+        for state in list(self._states.values()):
+            state.finish("abort", "the engine shut down")
+        self._states.clear()
+
+    # -------------------------------------------------------------- queries
+
+    @property
+    def model_name(self) -> str:
+        return self.config.served_model_name or self.config.model
+
+    def _model(self, name: str | None) -> Model:
+        if self.model is None:
+            raise MstarError("the engine has not started")
+        if name not in (None, self.model_name, self.config.model):
+            raise ModelNotFound(str(name))
+        return self.model
+
+    def tokenizer(self, model: str):
+        tok = self._model(model).tokenizer
+        if tok is None:
+            raise RequestError(f"model '{model}' has no tokenizer", field="model")
+        return tok
+
+    def model_cards(self) -> list[ModelCard]:
+        m = self._model(None)
+        placed = {c: tuple(w.name for w in self.workers) for c in m.components}
+        return [ModelCard(self.model_name, m.max_model_len, tuple(self.plans), m.default_walk, placed)]
+
+    def health(self) -> dict:
+        ok = bool(self.workers) and all(w.alive for w in self.workers)
+        return {
+            "status": "ok" if ok else "unhealthy",
+            "model": self.model_name,
+            "devices": [{"device": w.name, "alive": w.alive, "components": w.components,
+                         "kv_pages_in_use": w.pages_in_use()} for w in self.workers],
+            "requests_running": len(self._states),
+            "tensors_held": len(self.store),
+        }
+
+    def pages_in_use(self) -> int:
+        return sum(sum(w.pages_in_use().values()) for w in self.workers)
+
+    def num_running(self) -> int:
+        return len(self._states)
+
+    # --------------------------------------------------------------- submit
+
+    def submit(self, request: GenerateRequest) -> RequestStream:
+        """Start a request. Bad input raises `RequestError` here, before
+        anything is queued."""
+        model = self._model(request.model)
+        if not self.workers or not any(w.alive for w in self.workers):
+            raise RequestError("the engine is not running", status=503, code="unavailable")
+        if request.request_id in self._states:
+            raise RequestError(f"request id '{request.request_id}' is already running", field="request_id")
+        walk_name = request.walk or model.default_walk
+        plan = self.plans.get(walk_name)
+        if plan is None:
+            raise RequestError(f"unknown walk '{walk_name}'; this model has {sorted(self.plans)}", field="walk")
+        sp = request.sampling
+        sp.validate(model.max_model_len)
+        values = model.prepare(request)
+        prompt = values.get(plan.inputs[0]) if plan.inputs else None
+        num_prompt = int(prompt.numel()) if prompt is not None and hasattr(prompt, "numel") else 0
+        seed = sp.seed if sp.seed is not None else random.getrandbits(63)
+        stop_ids = (() if sp.ignore_eos else tuple(model.eos_token_ids)) + tuple(sp.stop_token_ids)
+        idx = self._pick_worker()
+        tok = model.tokenizer
+        state = RequestState(request.request_id, plan, sp, num_prompt, idx,
+                             IncrementalDetokenizer(tok) if tok is not None else None,
+                             host_predicates=_host_predicates(plan))
+        self._states[request.request_id] = state
+        self._outstanding[idx] += 1
+        self.stats["requests_submitted"] += 1
+        self.workers[idx].send(Submit(request.request_id, plan, values, sp, seed, stop_ids))
+        return RequestStream(state, self.abort)
+
+    def _pick_worker(self) -> int:
+        alive = [i for i, w in enumerate(self.workers) if w.alive]
+        return min(alive, key=lambda i: self._outstanding[i])
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free what it holds; idempotent."""
+        state = self._states.get(request_id)
+        if state is None:
+            return
+        if not state.finished:
+            self.stats["requests_aborted"] += 1
+            state.finish("abort")
+        self.workers[state.worker].send(Abort(request_id))
+
+    # -------------------------------------------------------- worker reports
+
+    def _post(self, report: StepReport) -> None:
+        """Called on a worker thread, once per step."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._on_report, report)
+
+    def add_report_hook(self, hook: Callable[[StepReport], None], before: bool = False) -> None:
+        """Observe every step report on the event loop (metrics, tests), after
+        the engine has handled it or, with `before`, just before."""
+        (self._pre_hooks if before else self._report_hooks).append(hook)
+
+    def _on_report(self, report: StepReport) -> None:
+        for hook in self._pre_hooks:
+            hook(report)
+        for batch in report.emits:
+            data = batch.data.tolist() if hasattr(batch.data, "tolist") else [t.tolist() for t in batch.data]
+            for rid, part, row in zip(batch.request_ids, batch.partitions, data):
+                state = self._states.get(rid)
+                if state is None or state.finished or part in state.stopped:
+                    self.stats["outputs_dropped"] += 1
+                    continue
+                emit = state.walk.emits.get(batch.value)
+                modality = emit.modality if emit is not None else "text"
+                if modality == "text" and isinstance(row, int):
+                    hit = state.feed_tokens(part, [row])
+                else:
+                    hit = state.feed_value(part, batch.value, modality, row)
+                if hit or (state.host_predicates and state.host_stop(part, batch.value, row)):
+                    self.workers[state.worker].send(Stop(rid, part))
+        for fin in report.finished:
+            self._on_finished(fin)
+        for hook in self._report_hooks:
+            hook(report)
+
+    def _on_finished(self, fin: Finished) -> None:
+        state = self._states.get(fin.request_id)
+        if state is None:
+            return
+        if fin.request_done:
+            del self._states[fin.request_id]
+            self._outstanding[state.worker] -= 1
+            reason = state.stop_reason or fin.reason
+            self.stats[f"finished_{reason}"] += 1
+            state.finish(reason if reason in ("stop", "length", "abort", "error") else "stop", fin.error)
+
+
+def _host_predicates(plan: WalkPlan) -> dict[tuple[str, str], Callable[[object], bool]]:
+    out = {}
+    for pname, part in plan.partitions.items():
+        for node in part.nodes:
+            if isinstance(node, Loop) and node.until is not None:
+                for rule in node.until.rules():
+                    if isinstance(rule, HostStop) and rule.predicate is not None:
+                        out[(pname, node.value)] = rule.predicate
+    return out

@@ -1,0 +1,84 @@
+"""Messages between the event loop and the device workers.
+
+Into a worker's inbox: `Submit`, `Stop` (one partition of a request, keyed by
+(request, partition)), `Abort` (a whole request), `Shutdown`. Out of a worker,
+once per step for the whole batch: a `StepReport`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from mstar.graph import WalkPlan
+from mstar.types import SamplingParams
+
+
+@dataclass(eq=False)
+class Submit:
+    request_id: str
+    walk: WalkPlan
+    values: dict[str, torch.Tensor]
+    sampling: SamplingParams
+    seed: int
+    stop_ids: tuple[int, ...]   # ids that end token loops (EOS unless ignore_eos, plus stop_token_ids)
+
+
+@dataclass(frozen=True)
+class Stop:
+    """The event loop decided that a partition is done (e.g. a stop string)."""
+
+    request_id: str
+    partition: str
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+    reason: str = "abort"
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+@dataclass(eq=False)
+class EmitBatch:
+    """Values written by one step that reach clients: row i of `data` belongs
+    to (`request_ids[i]`, `partition[i]`). `data` is on the CPU."""
+
+    value: str
+    request_ids: list[str]
+    partitions: list[str]
+    data: torch.Tensor | list[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A partition is done; `request_done` when it was the request's last."""
+
+    request_id: str
+    partition: str
+    reason: str                 # stop | length | abort | error
+    request_done: bool
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class StepReport:
+    """What one worker step (or one inbox pass) tells the event loop."""
+
+    device: str
+    emits: list[EmitBatch] = field(default_factory=list)
+    finished: list[Finished] = field(default_factory=list)
+    component: str = ""
+    mode: str = ""
+    rows: int = 0
+    step_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def empty(self) -> bool:
+        return not self.emits and not self.finished

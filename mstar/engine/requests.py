@@ -1,0 +1,159 @@
+"""Request state on the event loop side: the client's stream of output
+chunks, incremental detokenising, stop strings, and the stops that the event
+loop sends back to the workers.
+
+`RequestState.feed` takes the values a step emitted for this request and turns
+them into `OutputChunk`s; `finish` closes the stream once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, AsyncIterator, Callable
+
+from mstar.graph import WalkPlan
+from mstar.types import FinishReason, OutputChunk, SamplingParams
+
+if TYPE_CHECKING:
+    from mstar.models.tokenizer import IncrementalDetokenizer
+
+
+class StopStrings:
+    """Finds the first stop string in streamed text and holds back any tail
+    that could still become one."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
+        self.text = ""
+        self.sent = 0
+
+    def push(self, new: str) -> tuple[str, bool]:
+        """Text that is safe to send now, and whether a stop string matched
+        (the text is then cut before it)."""
+        if not self.stops:
+            return new, False
+        start = max(0, self.sent - max(len(s) for s in self.stops) + 1)
+        self.text += new
+        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        if hits:
+            cut = min(hits)
+            out = self.text[self.sent:cut] if cut > self.sent else ""
+            self.sent = max(self.sent, cut)
+            return out, True
+        safe = len(self.text) - self._held_tail()
+        out = self.text[self.sent:safe] if safe > self.sent else ""
+        self.sent = max(self.sent, safe)
+        return out, False
+
+    def flush(self) -> str:
+        out = self.text[self.sent:]
+        self.sent = len(self.text)
+        return out
+
+    def _held_tail(self) -> int:
+        """Length of the longest text suffix that is a proper prefix of a stop."""
+        best = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(self.text)), best, -1):
+                if self.text.endswith(s[:n]):
+                    best = n
+                    break
+        return best
+
+
+@dataclass(eq=False)
+class RequestState:
+    request_id: str
+    walk: WalkPlan
+    sampling: SamplingParams
+    num_prompt_tokens: int
+    worker: int
+    detok: IncrementalDetokenizer | None
+    host_predicates: dict[tuple[str, str], Callable[[object], bool]] = field(default_factory=dict)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    num_output_tokens: int = 0
+    finished: bool = False
+    stopped: set[str] = field(default_factory=set)   # partitions the event loop has stopped
+    stop_reason: FinishReason | None = None
+    stops: StopStrings = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stops = StopStrings(self.sampling.stop)
+
+    def feed_tokens(self, partition: str, ids: list[int]) -> bool:
+        """New token ids from a step; returns True when a stop string matched
+        (the caller then stops the partition on its worker)."""
+        self.num_output_tokens += len(ids)
+        text = self.detok.push(ids) if self.detok is not None else ""
+        safe, hit = self.stops.push(text)
+        self.queue.put_nowait(OutputChunk(
+            request_id=self.request_id, token_ids=tuple(ids), text=safe,
+            num_prompt_tokens=self.num_prompt_tokens, num_output_tokens=self.num_output_tokens))
+        if hit:
+            self.stopped.add(partition)
+            self.stop_reason = "stop"
+        return hit
+
+    def feed_value(self, partition: str, value: str, modality: str, data: object) -> bool:
+        """A non-token value (audio and the like)."""
+        self.queue.put_nowait(OutputChunk(
+            request_id=self.request_id, modality=modality,
+            audio=data if isinstance(data, bytes) else None,
+            data=None if isinstance(data, bytes) else data,
+            num_prompt_tokens=self.num_prompt_tokens, num_output_tokens=self.num_output_tokens))
+        return False
+
+    def host_stop(self, partition: str, value: str, data: object) -> bool:
+        """Whether the walk's host stop predicate for this value says stop."""
+        pred = self.host_predicates.get((partition, value))
+        if pred is None or not pred(data):
+            return False
+        self.stopped.add(partition)
+        self.stop_reason = "stop"
+        return True
+
+    def finish(self, reason: FinishReason, error: str | None = None) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        tail = ""
+        if self.stop_reason is None and reason in ("stop", "length"):
+            # text held back (a partial character, a possible stop string) is final now
+            rest = self.detok.flush() if self.detok is not None else ""
+            tail, hit = self.stops.push(rest)
+            if not hit:
+                tail += self.stops.flush()
+        self.queue.put_nowait(OutputChunk(
+            request_id=self.request_id, text=tail, finished=True, finish_reason=reason, error=error,
+            num_prompt_tokens=self.num_prompt_tokens, num_output_tokens=self.num_output_tokens))
+
+
+class RequestStream:
+    """What `Engine.submit` returns: an async iterator of the request's chunks."""
+
+    def __init__(self, state: RequestState, abort: Callable[[str], None]) -> None:
+        self.request_id = state.request_id
+        self.num_prompt_tokens = state.num_prompt_tokens
+        self._state = state
+        self._abort = abort
+        self._done = False
+
+    def __aiter__(self) -> AsyncIterator[OutputChunk]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[OutputChunk]:
+        try:
+            while not self._done:
+                chunk = await self._state.queue.get()
+                if chunk.finished:
+                    self._done = True
+                yield chunk
+        finally:
+            if not self._done:
+                self._abort(self.request_id)
+
+    async def aclose(self) -> None:
+        if not self._done:
+            self._done = True
+            self._abort(self.request_id)

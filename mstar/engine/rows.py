@@ -1,0 +1,69 @@
+"""Per-request execution state on a device worker.
+
+A `RequestRun` is one request's walk on a worker; each of its partitions is a
+`PartitionRun` with a cursor into the partition's nodes, the handles of the
+values it can read, its KV pages, and (for a stream consumer) the buffer of
+stream items. Only the owning worker thread touches these objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mstar.engine.tensor_store import TensorRef
+from mstar.graph import Loop, PartitionPlan, Step, WalkPlan
+from mstar.types import SamplingParams
+
+
+@dataclass(eq=False)
+class RequestRun:
+    request_id: str
+    walk: WalkPlan
+    sampling: SamplingParams
+    seed: int
+    stop_ids: tuple[int, ...]
+    partitions: dict[str, PartitionRun] = field(default_factory=dict)
+    live: int = 0
+    root_reason: str | None = None
+
+
+@dataclass(eq=False, slots=True)
+class PartitionRun:
+    request: RequestRun
+    plan: PartitionPlan
+    cursor: int = 0
+    values: dict[str, TensorRef] = field(default_factory=dict)
+    writes: dict[str, int] = field(default_factory=dict)
+    busy: bool = False              # an item of this partition is queued or running
+    done: bool = False
+    # paged KV of the partition's KV component
+    pages: list[int] = field(default_factory=list)
+    kv_tokens: int = 0
+    kv_component: str | None = None
+    generated: int = 0              # tokens sampled so far (the sampler's draw counter)
+    seen: torch.Tensor | None = None  # [vocab] bool, for the repetition penalty
+    # stream consumer state
+    items: list[TensorRef] = field(default_factory=list)
+    item_base: int = 0              # stream index of items[0]
+    produced: int = 0               # stream items received so far
+    chunks_cut: int = 0
+    closed: bool = False
+    pending: list[tuple[int, int]] = field(default_factory=list)  # chunks cut, not yet run
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def name(self) -> str:
+        return self.plan.name
+
+    def node(self) -> Step | Loop | None:
+        return self.plan.nodes[self.cursor] if self.cursor < len(self.plan.nodes) else None
+
+    def current_step(self) -> Step:
+        node = self.node()
+        assert node is not None
+        return node.step if isinstance(node, Loop) else node

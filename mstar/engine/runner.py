@@ -1,0 +1,138 @@
+"""Runs one batch of one (component, mode) on a device: prepare inputs →
+forward → sample. Rows come in as scheduler items carrying tensor handles;
+what each row wrote goes out as one batch tensor per value.
+
+Two kinds of components: a KV component takes token ids, appends them to each
+row's paged KV cache and (when it samples) returns one token per row; any
+other component takes its inputs stacked over rows and returns named tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mstar.engine.attention import TorchPagedAttention
+from mstar.engine.kv_cache import KVCache
+from mstar.engine.rows import PartitionRun
+from mstar.engine.sampler import SamplingTensors, sample
+from mstar.engine.tensor_store import TensorRef, TensorStore
+from mstar.graph import Component, Step
+from mstar.scheduler import Batch, WorkItem
+from mstar.types import TokenBatch
+
+
+@dataclass(eq=False)
+class StepOutput:
+    """Per value written by the step: one tensor whose row i belongs to row i."""
+
+    parts: list[PartitionRun]
+    values: dict[str, torch.Tensor | list[torch.Tensor]]
+
+
+class ComponentRunner:
+    def __init__(self, name: str, spec: Component, module: nn.Module, device: torch.device,
+                 store: TensorStore, kv: KVCache | None, vocab_size: int | None) -> None:
+        self.name = name
+        self.spec = spec
+        self.module = module
+        self.device = device
+        self.store = store
+        self.kv = kv
+        self.vocab_size = vocab_size
+
+    @torch.inference_mode()
+    def run(self, batch: Batch) -> StepOutput:
+        parts = [item.payload[0] for item in batch.items]
+        step = parts[0].current_step()
+        fn = getattr(self.module, batch.mode)
+        if self.kv is not None:
+            values = self._run_tokens(batch.items, parts, step, fn)
+        else:
+            values = self._run_plain(batch.items, step, fn)
+        return StepOutput(parts, values)
+
+    # ------------------------------------------------------------ KV rows
+
+    def _run_tokens(self, items: list[WorkItem], parts: list[PartitionRun], step: Step, fn) -> dict:
+        assert self.kv is not None
+        ids, positions, lens, ctx, tables = [], [], [], [], []
+        for item, part in zip(items, parts):
+            toks = self._take(item, step.inputs[0]).reshape(-1)
+            n = toks.numel()
+            ids.append(toks)
+            positions.append(torch.arange(part.kv_tokens, part.kv_tokens + n))
+            lens.append(n)
+            ctx.append(part.kv_tokens)
+            tables.append(part.pages)
+        query_start = torch.zeros(len(items) + 1, dtype=torch.long)
+        query_start[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.long), 0)
+        input_ids = torch.cat(ids).to(self.device, torch.long)
+        attn = TorchPagedAttention(self.kv, query_start, torch.tensor(ctx, dtype=torch.long), tables)
+        batch = TokenBatch(
+            input_ids=input_ids,
+            positions=torch.cat(positions).to(self.device),
+            query_start=query_start,
+            logits_index=(query_start[1:] - 1).to(self.device),
+            attn=attn,
+        )
+        out = fn(batch)
+        for part, n in zip(parts, lens):
+            part.kv_tokens += n
+        if not self.spec.samples:
+            return self._name_outputs(step, out)
+        tokens = self._sample(out["logits"], parts, ids)
+        return {step.outputs[0]: tokens}
+
+    def _sample(self, logits: torch.Tensor, parts: list[PartitionRun], inputs: list[torch.Tensor]) -> torch.Tensor:
+        params = [p.request.sampling for p in parts]
+        st = SamplingTensors.build(params, [p.request.seed for p in parts], [p.generated for p in parts],
+                                   logits.device)
+        seen = None
+        if st.any_penalty:
+            vocab = logits.shape[-1]
+            for part, toks in zip(parts, inputs):
+                if part.request.sampling.repetition_penalty != 1.0:
+                    if part.seen is None:
+                        part.seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+                    part.seen[toks.to(logits.device).clamp_(0, vocab - 1)] = True
+            empty = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+            seen = torch.stack([p.seen if p.seen is not None else empty for p in parts])
+        tokens = sample(logits.float(), st, seen)
+        for part in parts:
+            part.generated += 1
+        return tokens
+
+    # --------------------------------------------------------- plain rows
+
+    def _run_plain(self, items: list[WorkItem], step: Step, fn) -> dict:
+        inputs: dict[str, list[torch.Tensor]] = {n: [] for n in step.inputs}
+        for item in items:
+            for name in step.inputs:
+                inputs[name].append(self._take(item, name))
+        same = all(len({tuple(t.shape) for t in ts}) == 1 for ts in inputs.values())
+        if same:
+            return self._name_outputs(step, fn(*(torch.stack(ts).to(self.device) for ts in inputs.values())))
+        # rows of different shapes (a short last chunk): one call per row
+        outs = [self._name_outputs(step, fn(*(ts[i].unsqueeze(0).to(self.device) for ts in inputs.values())))
+                for i in range(len(items))]
+        return {n: [o[n][0] for o in outs] for n in step.outputs}
+
+    def _name_outputs(self, step: Step, out) -> dict[str, torch.Tensor]:
+        if isinstance(out, torch.Tensor):
+            out = {step.outputs[0]: out}
+        if len(step.outputs) == 1 and len(out) == 1:
+            return {step.outputs[0]: next(iter(out.values()))}
+        missing = [n for n in step.outputs if n not in out]
+        if missing:
+            raise RuntimeError(f"{step.label} returned {sorted(out)}, not {missing}")
+        return {n: out[n] for n in step.outputs}
+
+    def _take(self, item: WorkItem, name: str) -> torch.Tensor:
+        ref = item.payload[1][name]
+        if isinstance(ref, list):  # a stream chunk: items of the stream, in order
+            return torch.stack([self.store.take(r, item.request_id) for r in ref])
+        assert isinstance(ref, TensorRef)
+        return self.store.take(ref, item.request_id)

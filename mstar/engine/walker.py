@@ -1,0 +1,325 @@
+"""Advances requests along their walks on one device worker.
+
+After each step the worker hands the walker what every row wrote; the walker
+moves each partition's cursor: a loop whose stop rule does not hold is queued
+again with its own output as input (loop-back, the value never leaves the
+device), a stream producer's writes are appended to its consumer's buffer and
+cut into chunks, fan-outs start their branches, and a partition with no nodes
+left finishes. Pages and tensor references are released as partitions finish.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from mstar.engine.messages import Finished, Submit
+from mstar.engine.rows import PartitionRun, RequestRun
+from mstar.engine.tensor_store import TensorRef, TensorStore
+from mstar.graph import AnyOf, EosToken, Loop, MaxSteps, MaxTokens, Step, StopRule, TokenIn
+from mstar.scheduler import PagePool, Scheduler, WorkItem
+
+
+def _rules(rule: StopRule | None) -> tuple[StopRule, ...]:
+    return rule.rules() if rule is not None else ()
+
+
+class Walker:
+    def __init__(self, store: TensorStore, scheduler: Scheduler, pools: dict[str, PagePool],
+                 max_model_len: int, on_finish: Callable[[Finished], None]) -> None:
+        self.store = store
+        self.scheduler = scheduler
+        self.pools = pools
+        self.max_model_len = max_model_len
+        self.on_finish = on_finish
+        self.runs: dict[str, RequestRun] = {}
+
+    # --------------------------------------------------------------- start
+
+    def start(self, sub: Submit) -> None:
+        run = RequestRun(sub.request_id, sub.walk, sub.sampling, sub.seed, sub.stop_ids)
+        self.runs[run.request_id] = run
+        for plan in sub.walk.partitions.values():
+            if plan.stream is not None:
+                self._add_partition(run, plan.name)
+        root = self._add_partition(run, sub.walk.root)
+        rid = run.request_id
+        for name, tensor in sub.values.items():
+            root.values[name] = TensorRef(self.store.put(tensor, (rid,)))
+        self._fork(root, -1)
+        self._advance(root)
+
+    def _add_partition(self, run: RequestRun, name: str) -> PartitionRun:
+        part = PartitionRun(run, run.walk.partitions[name])
+        run.partitions[name] = part
+        run.live += 1
+        return part
+
+    def _fork(self, part: PartitionRun, after: int) -> None:
+        for name in part.request.walk.forks.get((part.name, after), ()):
+            branch = self._add_partition(part.request, name)
+            for value, ref in part.values.items():
+                self.store.retain(ref, part.request_id)
+                branch.values[value] = ref
+            self._advance(branch)
+
+    # ------------------------------------------------------------ queueing
+
+    def _advance(self, part: PartitionRun) -> None:
+        """Queue the node under the cursor, or finish the partition."""
+        if part.done:
+            return
+        if part.plan.stream is not None:
+            self._pump(part)
+            return
+        if part.cursor >= len(part.plan.nodes):
+            self.finish(part, part.request.root_reason or "stop")
+            return
+        self._enqueue(part, part.current_step(), {n: part.values[n] for n in part.current_step().inputs})
+
+    def _enqueue(self, part: PartitionRun, step: Step, inputs: dict[str, TensorRef | list[TensorRef]]) -> None:
+        rid = part.request_id
+        for refs in inputs.values():
+            for ref in refs if isinstance(refs, list) else (refs,):
+                self.store.retain(ref, rid)
+        pool = self.pools.get(step.component)
+        num_tokens, pages = 1, 0
+        if pool is not None:
+            first = inputs[step.inputs[0]]
+            assert isinstance(first, TensorRef)
+            num_tokens = self.store.get(first).numel()
+            total = part.kv_tokens + num_tokens
+            if not part.pages:
+                total += self._reserve(part)
+            pages = max(0, pool.pages_for(min(total, self.max_model_len)) - len(part.pages))
+        part.busy = True
+        self.scheduler.add(WorkItem(rid, part.name, step.component, step.mode, num_tokens, pages,
+                                    payload=(part, inputs)))
+
+    def _reserve(self, part: PartitionRun) -> int:
+        """Tokens a KV partition will append after its first step: the cap of
+        the loop that follows, so admission reserves the whole request once."""
+        nxt = part.plan.nodes[part.cursor + 1] if part.cursor + 1 < len(part.plan.nodes) else None
+        if not isinstance(nxt, Loop):
+            return 0
+        caps = [part.request.sampling.max_tokens if isinstance(r, MaxTokens) else r.n
+                for r in _rules(nxt.until) if isinstance(r, (MaxTokens, MaxSteps))]
+        return min(caps) if caps else 0
+
+    def cancel(self, items: list[WorkItem]) -> None:
+        """Release what queued items hold (they will never run)."""
+        for item in items:
+            part, inputs = item.payload
+            part.busy = False
+            for refs in inputs.values():
+                for ref in refs if isinstance(refs, list) else (refs,):
+                    self.store.release(ref, item.request_id)
+
+    # ----------------------------------------------------------- stop rules
+
+    def checking_loop(self, part: PartitionRun) -> Loop | None:
+        """The loop whose stop rule judges what the current step writes."""
+        node = part.node()
+        if isinstance(node, Loop):
+            return node
+        nxt = part.plan.nodes[part.cursor + 1] if part.cursor + 1 < len(part.plan.nodes) else None
+        if isinstance(nxt, Loop) and isinstance(node, Step) and nxt.value in node.outputs:
+            return nxt
+        return None
+
+    def stop_reasons(self, parts: list[PartitionRun], values: dict[str, torch.Tensor]) -> list[str | None]:
+        """Device-side stop rules for every row of a step, vectorised over the
+        rows where the rule is about tokens: "stop" (a stop token), "length"
+        (a write cap) or None."""
+        reasons: list[str | None] = [None] * len(parts)
+        token_rows: list[int] = []
+        token_sets: list[tuple[int, ...]] = []
+        loop_value = None
+        for i, part in enumerate(parts):
+            loop = self.checking_loop(part)
+            if loop is None:
+                continue
+            loop_value = loop.value
+            count = part.writes.get(loop.value, 0) + 1
+            ids: tuple[int, ...] = ()
+            for rule in _rules(loop.until):
+                if isinstance(rule, MaxTokens) and count >= part.request.sampling.max_tokens:
+                    reasons[i] = "length"
+                elif isinstance(rule, MaxSteps) and count >= rule.n:
+                    reasons[i] = "length"
+                elif isinstance(rule, EosToken):
+                    ids += part.request.stop_ids
+                elif isinstance(rule, TokenIn) and not part.request.sampling.ignore_eos:
+                    ids += rule.ids
+            if ids:
+                token_rows.append(i)
+                token_sets.append(ids)
+        if token_rows and loop_value is not None and loop_value in values:
+            width = max(len(s) for s in token_sets)
+            table = torch.full((len(token_rows), width), -1, dtype=torch.long)
+            for j, s in enumerate(token_sets):
+                table[j, : len(s)] = torch.tensor(s, dtype=torch.long)
+            tokens = values[loop_value].reshape(len(parts), -1)[token_rows, -1].to("cpu", torch.long)
+            hit = (table == tokens[:, None]).any(dim=1).tolist()
+            for j, i in enumerate(token_rows):
+                if hit[j]:
+                    reasons[i] = "stop"
+        return reasons
+
+    # --------------------------------------------------------- completion
+
+    def completed(self, part: PartitionRun, outputs: dict[str, TensorRef], reason: str | None) -> None:
+        """Row `part` of a finished step wrote `outputs` (one reference each,
+        owned by its request); move the partition on."""
+        part.busy = False
+        if part.done:
+            for ref in outputs.values():
+                self.store.release(ref, part.request_id)
+            return
+        loop = self.checking_loop(part)
+        for name, ref in outputs.items():
+            old = part.values.get(name)
+            if old is not None:
+                self.store.release(old, part.request_id)
+            part.values[name] = ref
+            part.writes[name] = part.writes.get(name, 0) + 1
+            self._feed_streams(part, name, ref)
+        if part.plan.stream is not None:
+            self._consumed(part)
+            return
+        node = part.node()
+        before = part.cursor
+        if reason is not None and loop is not None:
+            if part.plan.parent is None:
+                part.request.root_reason = reason
+            # leave the loop: past it, or past the step and the loop it skips
+            part.cursor += 1 if isinstance(node, Loop) else 2
+        elif isinstance(node, Loop):
+            self._advance(part)  # loop-back
+            return
+        else:
+            part.cursor += 1
+        for index in range(before, part.cursor):
+            self._fork(part, index)
+        self._advance(part)
+
+    # --------------------------------------------------------------- streams
+
+    def _feed_streams(self, part: PartitionRun, value: str, ref: TensorRef) -> None:
+        for sp in part.request.walk.streams.get(value, ()):
+            if sp.producer != part.name:
+                continue
+            cons = part.request.partitions[sp.consumer]
+            if cons.done:
+                continue
+            self.store.retain(ref, part.request_id)
+            cons.items.append(ref)
+            cons.produced += 1
+            chunks = sp.chunks.ready(cons.produced, cons.chunks_cut)
+            cons.chunks_cut += len(chunks)
+            cons.pending.extend(chunks)
+            self._pump(cons)
+
+    def _close_streams(self, part: PartitionRun) -> None:
+        for plans in part.request.walk.streams.values():
+            for sp in plans:
+                if sp.producer != part.name:
+                    continue
+                cons = part.request.partitions[sp.consumer]
+                if cons.done or cons.closed:
+                    continue
+                cons.closed = True
+                tail = sp.chunks.flush(cons.produced, cons.chunks_cut)
+                cons.chunks_cut += len(tail)
+                cons.pending.extend(tail)
+                self._pump(cons)
+
+    def _pump(self, cons: PartitionRun) -> None:
+        """Queue the consumer's next chunk, or finish it once its stream has
+        closed and every chunk has run."""
+        if cons.busy or cons.done:
+            return
+        if cons.pending:
+            start, end = cons.pending.pop(0)
+            refs = cons.items[start - cons.item_base: end - cons.item_base]
+            step = cons.plan.nodes[0]
+            assert isinstance(step, Step)
+            inputs: dict[str, TensorRef | list[TensorRef]] = {
+                n: refs if n == cons.plan.stream.source else cons.values[n] for n in step.inputs}
+            self._enqueue(cons, step, inputs)
+        elif cons.closed:
+            self.finish(cons, cons.request.root_reason or "stop")
+
+    def _consumed(self, cons: PartitionRun) -> None:
+        sp = cons.plan.stream
+        assert sp is not None
+        keep = sp.chunks.keep_from(cons.produced, cons.chunks_cut)
+        if cons.pending:
+            keep = min(keep, cons.pending[0][0])
+        drop = max(0, keep - cons.item_base)
+        for ref in cons.items[:drop]:
+            self.store.release(ref, cons.request_id)
+        del cons.items[:drop]
+        cons.item_base += drop
+        self._pump(cons)
+
+    # ---------------------------------------------------------- finishing
+
+    def finish(self, part: PartitionRun, reason: str, error: str | None = None) -> None:
+        if part.done:
+            return
+        part.done = True
+        run = part.request
+        rid = run.request_id
+        if part.plan.parent is None and part.plan.stream is None and run.root_reason is None:
+            run.root_reason = reason
+        for ref in part.values.values():
+            self.store.release(ref, rid)
+        part.values.clear()
+        for ref in part.items:
+            self.store.release(ref, rid)
+        part.items.clear()
+        self._free_pages(part)
+        run.live -= 1
+        self._close_streams(part)
+        done = run.live == 0
+        if done:
+            self.runs.pop(rid, None)
+            self.store.drop_owner(rid)
+        self.on_finish(Finished(rid, part.name, reason, done, error))
+
+    def _free_pages(self, part: PartitionRun) -> None:
+        if part.pages and part.kv_component is not None:
+            self.pools[part.kv_component].free(part.pages)
+        part.pages = []
+
+    def stop(self, request_id: str, partition: str) -> int:
+        """The event loop stopped a partition: cancel its queued work and
+        finish it. Returns how many queued steps were cancelled."""
+        run = self.runs.get(request_id)
+        part = run.partitions.get(partition) if run else None
+        if part is None or part.done:
+            return 0
+        cancelled = self.scheduler.remove(request_id, partition)
+        self.cancel(cancelled)
+        if part.plan.parent is None:
+            run.root_reason = run.root_reason or "stop"
+        self.finish(part, "stop")
+        return len(cancelled)
+
+    def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> int:
+        """Tear a whole request down; returns how many queued steps it had."""
+        run = self.runs.get(request_id)
+        if run is None:
+            return 0
+        cancelled = self.scheduler.remove(request_id)
+        self.cancel(cancelled)
+        run.root_reason = reason
+        parts = [p for p in run.partitions.values() if not p.done]
+        for p in parts:
+            p.pending.clear()
+            p.closed = True
+        for p in parts:
+            self.finish(p, reason, error)
+        return len(cancelled)

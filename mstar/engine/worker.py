@@ -1,0 +1,244 @@
+"""A device worker: the one thread that runs the components placed on its
+device.
+
+Its loop: drain the inbox (submits, stops, aborts) → let the scheduler build a
+batch → run it (prepare inputs, forward, sample) → fast postprocess (stop
+rules, loop-back, streams, emits) → hand the event loop one `StepReport` for
+the whole step → next batch. It never waits for the event loop: a loop's next
+step is queued as soon as its previous step is done (speculation), and a stop
+that the event loop sends later cancels what is still queued; outputs of a
+step that already ran are dropped by the engine.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Callable
+
+import structlog
+import torch
+
+from mstar.config import EngineConfig
+from mstar.engine.kv_cache import KVCache
+from mstar.engine.messages import Abort, EmitBatch, Finished, Shutdown, Stop, StepReport, Submit
+from mstar.engine.runner import ComponentRunner, StepOutput
+from mstar.engine.tensor_store import TensorRef, TensorStore
+from mstar.engine.walker import Walker
+from mstar.models.base import Model
+from mstar.scheduler import Batch, ModeCaps, PagePool, Scheduler
+
+log = structlog.get_logger("mstar.worker")
+
+_IDLE_WAIT_S = 0.05  # how long to wait for the inbox while queued work cannot be scheduled
+
+
+@dataclass
+class WorkerStats:
+    steps: int = 0
+    rows: int = 0
+    cancelled_steps: int = 0  # queued steps a late stop cancelled
+    failed_steps: int = 0
+
+
+class DeviceWorker:
+    def __init__(self, device: str, model: Model, config: EngineConfig, store: TensorStore,
+                 post: Callable[[StepReport], None]) -> None:
+        self.device = torch.device(device)
+        self.name = device
+        self.model = model
+        self.config = config
+        self.store = store
+        self.post = post
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.stats = WorkerStats()
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+        self.alive = False
+        self.pools: dict[str, PagePool] = {}
+        self.runners: dict[str, ComponentRunner] = {}
+        self._report = StepReport(device=device)
+        self._thread = threading.Thread(target=self._main, name=f"mstar-worker-{device}", daemon=True)
+
+    # ------------------------------------------------------------ control
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def send(self, msg: object) -> None:
+        self.inbox.put(msg)
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    @property
+    def components(self) -> list[str]:
+        return list(self.model.components)
+
+    def pages_in_use(self) -> dict[str, int]:
+        return {name: pool.num_used for name, pool in self.pools.items()}
+
+    # -------------------------------------------------------------- setup
+
+    def _setup(self) -> None:
+        cfg = self.config.scheduler
+        caps = {}
+        for name, spec in self.model.components.items():
+            dtype = self._dtype()
+            module = self.model.build_component(name, self.device, dtype)
+            kv = None
+            if spec.kv_cache:
+                kvspec = self.model.kv_spec(name)
+                num_pages = cfg.num_pages or KVCache.pages_for_memory(
+                    kvspec, cfg.page_size, dtype, cfg.kv_cache_memory * 2**30)
+                need = -(-self.model.max_model_len // cfg.page_size)
+                if num_pages < need:
+                    raise ValueError(f"{name}: {num_pages} KV pages cannot hold one request of "
+                                     f"max_model_len {self.model.max_model_len} ({need} pages)")
+                kv = KVCache(kvspec, num_pages, cfg.page_size, self.device, dtype)
+                self.pools[name] = PagePool(num_pages, cfg.page_size)
+                log.info("kv cache", device=self.name, component=name, pages=num_pages,
+                         tokens=num_pages * cfg.page_size)
+            vocab = getattr(self.model, "vocab_size", None)
+            self.runners[name] = ComponentRunner(name, spec, module, self.device, self.store, kv, vocab)
+            for mode in spec.modes:
+                caps[(name, mode)] = ModeCaps(cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.scheduler = Scheduler(caps, self.pools)
+        self.walker = Walker(self.store, self.scheduler, self.pools, self.model.max_model_len, self._finished)
+
+    def _dtype(self) -> torch.dtype:
+        names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        if self.config.dtype in names:
+            return names[self.config.dtype]
+        return self.model.default_dtype(self.device)
+
+    # --------------------------------------------------------------- loop
+
+    def _main(self) -> None:
+        try:
+            with torch.inference_mode():
+                self._setup()
+        except BaseException as e:  # reported to the engine, which fails its start
+            self.error = e
+            self.ready.set()
+            return
+        self.alive = True
+        self.ready.set()
+        try:
+            with torch.inference_mode():
+                self._loop()
+        except BaseException as e:
+            self.error = e
+            log.error("worker died", device=self.name, error=repr(e), trace=traceback.format_exc())
+        finally:
+            self.alive = False
+
+    def _loop(self) -> None:
+        waiting = False
+        while True:
+            if not self._drain(block=waiting or not self.scheduler.has_work()):
+                return
+            batch = self.scheduler.schedule()
+            if batch is None:
+                self._flush()
+                waiting = self.scheduler.has_work()
+                continue
+            waiting = False
+            self._step(batch)
+            self._flush()
+
+    def _drain(self, block: bool) -> bool:
+        """Apply every message in the inbox; False on shutdown."""
+        try:
+            if block:
+                timeout = _IDLE_WAIT_S if self.scheduler.has_work() else None
+                msg = self.inbox.get(timeout=timeout)
+            else:
+                msg = self.inbox.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if isinstance(msg, Shutdown):
+                return False
+            self._apply(msg)
+            try:
+                msg = self.inbox.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _apply(self, msg: object) -> None:
+        if isinstance(msg, Submit):
+            try:
+                self.walker.start(msg)
+            except Exception as e:  # a bad request must not take the worker down
+                log.exception("submit failed", request_id=msg.request_id)
+                self.walker.abort(msg.request_id, "error", f"{type(e).__name__}: {e}")
+        elif isinstance(msg, Stop):
+            self.stats.cancelled_steps += self.walker.stop(msg.request_id, msg.partition)
+        elif isinstance(msg, Abort):
+            self.walker.abort(msg.request_id, msg.reason)
+        else:
+            raise TypeError(f"unknown worker message {msg!r}")
+
+    # --------------------------------------------------------------- step
+
+    def _step(self, batch: Batch) -> None:
+        t0 = time.perf_counter()
+        for item in batch.items:
+            if item.pages:  # pages the scheduler admitted the row with: the row owns them now
+                part = item.payload[0]
+                part.pages.extend(item.pages)
+                part.kv_component = item.component
+                item.pages = []
+        try:
+            out = self.runners[batch.component].run(batch)
+        except Exception as e:
+            self.stats.failed_steps += 1
+            log.exception("step failed", device=self.name, component=batch.component, mode=batch.mode,
+                          rows=len(batch))
+            self._fail(batch, f"{type(e).__name__}: {e}")
+            return
+        self._route(out)
+        self.stats.steps += 1
+        self.stats.rows += len(batch)
+        r = self._report
+        r.component, r.mode, r.rows = batch.component, batch.mode, len(batch)
+        r.step_s = time.perf_counter() - t0
+
+    def _fail(self, batch: Batch, error: str) -> None:
+        for item in batch.items:
+            item.payload[0].busy = False
+            self.walker.abort(item.request_id, "error", error)
+
+    def _route(self, out: StepOutput) -> None:
+        """Fast postprocess of a step: emits, stop rules, then every row moves on."""
+        parts = out.parts
+        reasons = self.walker.stop_reasons(parts, {k: v for k, v in out.values.items()
+                                                   if isinstance(v, torch.Tensor)})
+        rids = [p.request_id for p in parts]
+        refs: dict[str, list[TensorRef]] = {}
+        for name, data in out.values.items():
+            emitting = [i for i, p in enumerate(parts) if name in p.request.walk.emits]
+            if emitting:
+                rows = data if isinstance(data, list) else data.detach()
+                host = [rows[i].cpu() for i in emitting] if isinstance(rows, list) else rows[emitting].cpu()
+                self._report.emits.append(EmitBatch(
+                    name, [rids[i] for i in emitting], [parts[i].name for i in emitting], host))
+            if isinstance(data, list):
+                refs[name] = [TensorRef(self.store.put(t, (rid,))) for t, rid in zip(data, rids)]
+            else:
+                handle = self.store.put(data, rids)
+                refs[name] = [TensorRef(handle, i) for i in range(len(parts))]
+        for i, part in enumerate(parts):
+            self.walker.completed(part, {name: rs[i] for name, rs in refs.items()}, reasons[i])
+
+    def _finished(self, fin: Finished) -> None:
+        self._report.finished.append(fin)
+
+    def _flush(self) -> None:
+        if not self._report.empty():
+            self.post(self._report)
+        self._report = StepReport(device=self.name)

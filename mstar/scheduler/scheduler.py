@@ -1,0 +1,100 @@
+"""The scheduler of one device: ready queues per (component, mode), batch
+building under per-mode caps, FIFO fairness, and KV page admission.
+
+Work items come in (`add`), batches go out (`schedule`). The queue served next
+is the one whose oldest item has waited longest, so prefills of new requests
+and decode steps of running ones take turns in arrival order. Within a queue,
+items are taken in FIFO order until a cap is reached or an item cannot get its
+pages; an item that cannot get pages waits at the head of its queue (nothing
+behind it in that queue jumps ahead, so large requests are not starved).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+
+from mstar.scheduler.pages import PagePool
+from mstar.scheduler.work import Batch, ModeCaps, QueueKey, WorkItem
+
+
+class Scheduler:
+    def __init__(self, caps: dict[QueueKey, ModeCaps], pools: dict[str, PagePool] | None = None) -> None:
+        self.caps = dict(caps)
+        self.pools = dict(pools or {})
+        self._queues: dict[QueueKey, deque[WorkItem]] = {k: deque() for k in self.caps}
+        self._tickets = itertools.count()
+
+    # ------------------------------------------------------------- intake
+
+    def add(self, item: WorkItem) -> None:
+        """Queue an item at the back of its (component, mode) queue."""
+        q = self._queues.get(item.key)
+        if q is None:
+            raise KeyError(f"no queue for {item.component}.{item.mode} on this device")
+        if item.pages_needed:
+            pool = self.pools.get(item.component)
+            if pool is None:
+                raise KeyError(f"component '{item.component}' has no page pool here")
+            if item.pages_needed > pool.num_pages:
+                raise ValueError(f"a row needs {item.pages_needed} pages; the pool has {pool.num_pages}")
+        item.ticket = next(self._tickets)
+        q.append(item)
+
+    def add_front(self, items: list[WorkItem]) -> None:
+        """Requeue items ahead of everything (they keep their old tickets)."""
+        for item in reversed(items):
+            self._queues[item.key].appendleft(item)
+
+    def remove(self, request_id: str, partition: str | None = None) -> list[WorkItem]:
+        """Take out the queued items of a request (of one partition, or all)."""
+        removed: list[WorkItem] = []
+        for key, q in self._queues.items():
+            if not q:
+                continue
+            keep = deque()
+            for item in q:
+                hit = item.request_id == request_id and (partition is None or item.partition == partition)
+                (removed if hit else keep).append(item)
+            if len(keep) != len(q):
+                self._queues[key] = keep
+        return removed
+
+    # ------------------------------------------------------------ batching
+
+    def has_work(self) -> bool:
+        return any(self._queues.values())
+
+    def num_waiting(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    def schedule(self) -> Batch | None:
+        """The next batch, or None when no queue can make progress."""
+        order = sorted((q[0].ticket, key) for key, q in self._queues.items() if q)
+        for _, key in order:
+            items = self._take(key)
+            if items:
+                return Batch(key[0], key[1], items)
+        return None
+
+    def _take(self, key: QueueKey) -> list[WorkItem]:
+        q = self._queues[key]
+        caps = self.caps[key]
+        pool = self.pools.get(key[0])
+        taken: list[WorkItem] = []
+        tokens = 0
+        while q and len(taken) < caps.max_rows:
+            item = q[0]
+            if taken and tokens + item.num_tokens > caps.max_tokens:
+                break
+            if item.pages_needed:
+                assert pool is not None
+                pages = pool.allocate(item.pages_needed)
+                if pages is None:
+                    break
+                item.pages = pages
+                item.pages_needed = 0
+            q.popleft()
+            taken.append(item)
+            tokens += item.num_tokens
+        return taken

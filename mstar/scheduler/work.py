@@ -1,0 +1,58 @@
+"""What the scheduler moves around: work items (one row of a future step) and
+the batches it builds from them. The engine's row state rides along in
+`payload`; the scheduler never looks inside it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+QueueKey = tuple[str, str]  # (component, mode)
+
+
+@dataclass(frozen=True)
+class ModeCaps:
+    """Most rows and packed tokens one step of a (component, mode) may take."""
+
+    max_rows: int
+    max_tokens: int
+
+
+@dataclass(eq=False, slots=True)
+class WorkItem:
+    """One row of a future step of `component.mode`.
+
+    `num_tokens`: tokens the row adds to the step (1 for non-token modes).
+    `pages_needed`: KV pages the row must get before it may run; the scheduler
+    allocates them all or leaves the item waiting, and puts them in `pages`.
+    """
+
+    request_id: str
+    partition: str
+    component: str
+    mode: str
+    num_tokens: int = 1
+    pages_needed: int = 0
+    payload: Any = None
+    ticket: int = -1
+    pages: list[int] = field(default_factory=list)
+
+    @property
+    def key(self) -> QueueKey:
+        return (self.component, self.mode)
+
+
+@dataclass(eq=False)
+class Batch:
+    """The rows of one step, in FIFO order."""
+
+    component: str
+    mode: str
+    items: list[WorkItem]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(i.num_tokens for i in self.items)
+
+    def __len__(self) -> int:
+        return len(self.items)

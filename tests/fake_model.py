@@ -1,0 +1,119 @@
+"""Deterministic fake components for engine tests: a counter loop, a chunk
+summer fed by a stream, and a gate that lets a test decide when a step may
+finish (to make "the stop arrives one step late" happen every time)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from mstar.graph import Component, Emit, FanOut, FixedChunks, HostStop, Loop, MaxSteps, SlidingWindow, Step, Stream, Walk
+from mstar.models.base import Model
+from mstar.types import GenerateRequest
+
+
+class Counter(nn.Module):
+    """tick: x -> x + 1, one row per request; calls `gate(step_index)` first."""
+
+    def __init__(self, gate: Callable[[int], None] | None) -> None:
+        super().__init__()
+        self.gate = gate
+        self.calls = 0
+        self.fail_on: int | None = None  # a value of x that makes the step raise
+
+    def tick(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate is not None:
+            self.gate(self.calls)
+        self.calls += 1
+        if self.fail_on is not None and bool((x == self.fail_on).any()):
+            raise RuntimeError("injected fault")
+        return x + 1
+
+
+class Summer(nn.Module):
+    """window: a chunk of stream items [B, L] -> [B, 2] (sum, length)."""
+
+    def window(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.stack([x.sum(-1), torch.full_like(x[:, 0], x.shape[-1])], dim=-1)
+
+
+class Doubler(nn.Module):
+    def double(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+class FakeModel(Model):
+    """Walks over fake components; `limit` in the request inputs is the host
+    stop: the event loop stops the loop once x reaches it."""
+
+    components = {
+        "counter": Component(modes=("tick",)),
+        "summer": Component(modes=("window",)),
+        "doubler": Component(modes=("double",)),
+    }
+
+    def __init__(self, gate: Callable[[int], None] | None = None, max_steps: int = 1000) -> None:
+        super().__init__("fake")
+        self.gate = gate
+        self.counter = Counter(gate)
+        stop = HostStop(predicate=lambda v: v >= self.limit) | MaxSteps(max_steps)
+        self.limit = 10**9
+        self.walks = {
+            "count": Walk(Loop(Step("counter", "tick", "x", "x"), until=stop), Emit("x"), inputs=("x",)),
+            "stream": Walk(
+                Loop(Step("counter", "tick", "x", "x"), until=MaxSteps(max_steps)),
+                Stream("x", Step("summer", "window", "x", "sum"), SlidingWindow(size=4, stride=2)),
+                Emit("sum", modality="data"),
+                inputs=("x",)),
+            "chunks": Walk(
+                Loop(Step("counter", "tick", "x", "x"), until=MaxSteps(max_steps)),
+                Stream("x", Step("summer", "window", "x", "sum"), FixedChunks(3)),
+                Emit("sum", modality="data"),
+                inputs=("x",)),
+            "fanout": Walk(
+                Step("doubler", "double", "x", "y"),
+                FanOut(((Loop(Step("counter", "tick", "y", "y"), until=MaxSteps(3)),),
+                        (Step("doubler", "double", "y", "z"),)), names=("a", "b")),
+                Emit("y", modality="data"), Emit("z", modality="data"),
+                inputs=("x",)),
+        }
+        self.default_walk = "count"
+
+    @property
+    def max_model_len(self) -> int:
+        return 4096
+
+    def build_component(self, component: str, device: torch.device, dtype: torch.dtype) -> nn.Module:
+        return {"counter": self.counter, "summer": Summer(), "doubler": Doubler()}[component]
+
+    def prepare(self, request: GenerateRequest) -> dict[str, Any]:
+        return {"x": torch.tensor(int(request.inputs.get("x", 0)))}
+
+
+class StepGate:
+    """Makes every stop decided on the event loop arrive one step late: the
+    event loop handles the report of tick n only once tick n + 1 has started,
+    and tick n + 1 finishes only once that report has been handled."""
+
+    def __init__(self) -> None:
+        self.started = [threading.Event() for _ in range(10_000)]
+        self.processed = [threading.Event() for _ in range(10_000)]
+        self.reports = 0
+
+    def __call__(self, n: int) -> None:  # on the worker, at the start of tick n
+        self.started[n].set()
+        if n > 0:
+            assert self.processed[n - 1].wait(timeout=30), "event loop never handled a report"
+
+    def before_report(self, report: object) -> None:  # on the event loop
+        if getattr(report, "emits", None):
+            # the last tick has no successor: don't wait long for it
+            self.started[self.reports + 1].wait(timeout=0.5)
+
+    def after_report(self, report: object) -> None:
+        if getattr(report, "emits", None):
+            self.processed[self.reports].set()
+            self.reports += 1
