@@ -1,0 +1,157 @@
+"""The Llama family as a served model: request prompt ids in, a walk that
+prefills them and decodes token by token until EOS or the token budget.
+
+`LlamaModel(name, path, ...)` reads a Hugging Face folder (config.json,
+safetensors, tokenizer files); `path=None` is the builtin tiny config with the
+byte tokenizer and seeded random weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mstar.errors import ConfigError, RequestError
+from mstar.graph import Component, Emit, EosToken, HostStop, Loop, MaxTokens, Step, Walk
+from mstar.models.base import KVSpec, Model
+from mstar.models.llama.config import TINY_LLAMA, LlamaConfig, read_config_json
+from mstar.models.llama.loader import checkpoint_has_lm_head, dummy_weights, load_weights
+from mstar.models.llama.model import LlamaDecoder
+from mstar.models.tokenizer import Tokenizer, builtin_byte_tokenizer
+from mstar.types import GenerateRequest
+
+log = logging.getLogger(__name__)
+
+LOAD_FORMATS = ("auto", "dummy")
+DUMMY_SEED = 0
+
+__all__ = ["LlamaConfig", "LlamaDecoder", "LlamaModel"]
+
+
+class LlamaModel(Model):
+    components = {"llm": Component(modes=("prefill", "decode"), kv_cache=True, samples=True)}
+    walks = {
+        "generate": Walk(
+            Step("llm", "prefill", "prompt_ids", "token"),
+            Loop(Step("llm", "decode", "token", "token"), until=EosToken() | MaxTokens() | HostStop()),
+            Emit("token", modality="text"),
+            inputs=("prompt_ids",),
+        ),
+    }
+    default_walk = "generate"
+
+    def __init__(self, name: str, path: str | None, load_format: str = "auto",
+                 max_model_len: int | None = None) -> None:
+        super().__init__(name)
+        if load_format not in LOAD_FORMATS:
+            raise ConfigError(f"load format '{load_format}' is not one of {', '.join(LOAD_FORMATS)}")
+        if max_model_len is not None and max_model_len < 1:
+            raise ConfigError(f"max_model_len must be positive, got {max_model_len}")
+        self.path = Path(path) if path is not None else None
+        self._generation_eos: tuple[int, ...] = ()
+        if self.path is None:
+            # the builtin model has no checkpoint: its weights are always seeded random
+            self.config = TINY_LLAMA
+            self.load_format = "dummy"
+            self._tokenizer: Tokenizer | None = builtin_byte_tokenizer()
+        else:
+            raw = read_config_json(self.path)
+            if raw.get("model_type") != "llama":
+                raise ConfigError(f"{self.path}: model_type is '{raw.get('model_type')}', not 'llama'")
+            self.config = LlamaConfig.from_dict(raw)
+            self.load_format = load_format
+            self._tokenizer = self._folder_tokenizer(self.path)
+            gen = _read_optional_json(self.path / "generation_config.json")
+            eos = gen.get("eos_token_id")
+            self._generation_eos = (eos,) if isinstance(eos, int) else tuple(eos or ())
+        if max_model_len is not None and max_model_len > self.config.max_position_embeddings:
+            log.warning("max_model_len %d is beyond the model's max_position_embeddings %d",
+                        max_model_len, self.config.max_position_embeddings)
+        self._max_model_len = max_model_len or self.config.max_position_embeddings
+
+    @staticmethod
+    def _folder_tokenizer(path: Path) -> Tokenizer | None:
+        if not (path / "tokenizer.json").is_file():
+            log.warning("%s has no tokenizer.json: only token-id prompts can be served", path)
+            return None
+        return Tokenizer.from_folder(path)
+
+    # -- what the runtime reads
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self._tokenizer
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        tok = self._tokenizer.eos_token_ids if self._tokenizer is not None else ()
+        return tuple(dict.fromkeys((*self._generation_eos, *self.config.eos_token_ids, *tok)))
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    def kv_spec(self, component: str) -> KVSpec:
+        if component != "llm":
+            return super().kv_spec(component)
+        c = self.config
+        return KVSpec(num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
+
+    # -- what the runtime calls
+    def build_component(self, component: str, device: torch.device, dtype: torch.dtype) -> LlamaDecoder:
+        if component != "llm":
+            raise ConfigError(f"model '{self.name}' has no component '{component}'")
+        tie = self.config.tie_word_embeddings
+        if self.load_format != "dummy" and self.path is not None:
+            tie = tie or not checkpoint_has_lm_head(self.path)
+        max_positions = max(self._max_model_len, self.config.max_position_embeddings)
+        decoder = LlamaDecoder(self.config, max_positions=max_positions, tie_word_embeddings=tie,
+                               device=device, dtype=dtype)
+        if self.load_format == "dummy":
+            dummy_weights(decoder, seed=DUMMY_SEED)
+        else:
+            assert self.path is not None
+            load_weights(decoder, self.path)
+        return decoder.eval()
+
+    def prepare(self, request: GenerateRequest) -> dict[str, Any]:
+        ids = _prompt_ids(request.inputs.get("prompt_ids"))
+        if not ids:
+            raise RequestError("the prompt is empty", field="prompt")
+        vocab = self.config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab})", field="prompt")
+        max_tokens = request.sampling.max_tokens
+        if len(ids) + max_tokens > self._max_model_len:
+            raise RequestError(
+                f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: together "
+                f"{len(ids) + max_tokens}, more than the model's context length {self._max_model_len}",
+                field="max_tokens")
+        return {"prompt_ids": torch.tensor(ids, dtype=torch.long)}
+
+
+def _prompt_ids(value: Any) -> list[int]:
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1 or value.dtype.is_floating_point or value.dtype == torch.bool:
+            raise RequestError("must be a 1-D integer tensor", field="prompt")
+        return value.tolist()
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)) or any(isinstance(t, bool) or not isinstance(t, int) for t in value):
+        raise RequestError("must be a list of integer token ids", field="prompt")
+    return list(value)
+
+
+def _read_optional_json(file: Path) -> dict[str, Any]:
+    import json
+
+    if not file.is_file():
+        return {}
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{file}: cannot read: {e}") from None
+    return data if isinstance(data, dict) else {}

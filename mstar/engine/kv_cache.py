@@ -1,0 +1,67 @@
+"""KVCache: the paged key/value memory of one KV component on one device.
+
+Per layer, K and V are [num_pages, page_size, num_kv_heads, head_dim] tensors
+allocated once at startup; rows of a step own pages through block tables, and
+attention backends write and read tokens at slot `page * page_size + offset`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mstar.errors import ConfigError
+from mstar.models.base import KVSpec
+
+
+class KVCache:
+    def __init__(self, spec: KVSpec, num_pages: int, page_size: int, device: torch.device | str,
+                 dtype: torch.dtype) -> None:
+        if num_pages < 1 or page_size < 1:
+            raise ConfigError(f"KV cache needs positive num_pages and page_size, got {num_pages} and {page_size}")
+        self.spec = spec
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.device = torch.device(device)
+        self.dtype = dtype
+        shape = (num_pages, page_size, spec.num_kv_heads, spec.head_dim)
+        # zeroed, not empty: padded gathers read unused slots, and garbage there
+        # could be NaN/inf, which survives a zero attention weight as NaN
+        self.k: list[torch.Tensor] = [torch.zeros(shape, device=self.device, dtype=dtype)
+                                      for _ in range(spec.num_layers)]
+        self.v: list[torch.Tensor] = [torch.zeros(shape, device=self.device, dtype=dtype)
+                                      for _ in range(spec.num_layers)]
+
+    @property
+    def num_layers(self) -> int:
+        return self.spec.num_layers
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V pages of `layer`."""
+        return self.k[layer], self.v[layer]
+
+    @staticmethod
+    def bytes_per_page(spec: KVSpec, page_size: int, dtype: torch.dtype) -> int:
+        """Bytes one page takes over all layers, K and V."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * spec.num_layers * page_size * spec.num_kv_heads * spec.head_dim * itemsize
+
+    @classmethod
+    def pages_for_memory(cls, spec: KVSpec, page_size: int, dtype: torch.dtype, memory_bytes: int | float) -> int:
+        """How many pages fit in `memory_bytes`; a `ConfigError` if not even one."""
+        n = int(memory_bytes // cls.bytes_per_page(spec, page_size, dtype))
+        if n < 1:
+            raise ConfigError(f"KV cache memory of {int(memory_bytes)} bytes holds no page of "
+                              f"{cls.bytes_per_page(spec, page_size, dtype)} bytes")
+        return n
+
+    def memory_bytes(self) -> int:
+        return self.num_pages * self.bytes_per_page(self.spec, self.page_size, self.dtype)
+
+    def __repr__(self) -> str:
+        s = self.spec
+        return (f"KVCache(layers={s.num_layers}, pages={self.num_pages}, page_size={self.page_size}, "
+                f"kv_heads={s.num_kv_heads}, head_dim={s.head_dim}, {self.dtype}, {self.device})")

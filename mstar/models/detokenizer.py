@@ -1,0 +1,64 @@
+"""IncrementalDetokenizer: generated token ids in, streamable text out.
+
+Pure Python over a `Tokenizer`'s `decode`: each push decodes a short window,
+never the whole sequence, and never emits half of a multi-byte character.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mstar.models.tokenizer import Tokenizer
+
+
+class IncrementalDetokenizer:
+    """Generated token ids in, new text out, one push at a time.
+
+    Decodes only a short window: the tokens emitted by the previous advance
+    (kept as context, so the tokenizer's spacing rules see a left neighbour)
+    followed by the tokens not yet emitted. The new text is the window's text
+    minus the context's. Text ending in U+FFFD is held back, since it is
+    usually a character whose bytes are split across tokens; `flush` releases
+    whatever is still held at the end. The pieces concatenate to
+    `tokenizer.decode(ids)`.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
+                 prompt_ids: Sequence[int] = (), context: int = 5) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        # window = context tokens [0, _read) + unemitted tokens [_read, end)
+        self._window: list[int] = list(prompt_ids[-context:]) if context > 0 else []
+        self._read = len(self._window)
+        self.text = ""
+
+    def push(self, new_ids: Iterable[int]) -> str:
+        """Append `new_ids`; return the text that is now safe to show."""
+        held = len(self._window) - self._read
+        self._window.extend(new_ids)
+        return self._advance(final=False, held=held)
+
+    def flush(self) -> str:
+        """The text held back at the end of generation (an incomplete character)."""
+        return self._advance(final=True, held=-1)
+
+    def _advance(self, final: bool, held: int) -> str:
+        if self._read >= len(self._window):
+            return ""
+        before = self.tokenizer.decode(self._window[:self._read], self.skip_special_tokens)
+        after = self.tokenizer.decode(self._window, self.skip_special_tokens)
+        if after == before and held == 0:
+            # the new ids render as nothing (skipped specials): forget them so a
+            # long run of them does not grow the window
+            del self._window[self._read:]
+            return ""
+        if not final and (len(after) <= len(before) or after.endswith("\ufffd")):
+            return ""
+        delta = after[len(before):]
+        # what was just emitted becomes the next context
+        self._window = self._window[self._read:]
+        self._read = len(self._window)
+        self.text += delta
+        return delta

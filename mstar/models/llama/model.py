@@ -1,0 +1,106 @@
+"""LlamaDecoder, the `llm` component: a packed `TokenBatch` of new tokens in,
+logits [B, vocab] (float32) for one chosen token per row out.
+
+Prefill and decode are the same computation over packed rows; only the number
+of tokens per row differs. Attention goes through `batch.attn`, which owns the
+paged KV cache, so this module never sees pages, requests or devices.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mstar.models.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, qkv_linear
+from mstar.models.llama.config import LlamaConfig
+from mstar.types import AttentionContext, TokenBatch
+
+Device = torch.device | str | None
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer: int, *, device: Device = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.layer = layer
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        self.qkv_proj = qkv_linear(cfg.hidden_size, self.num_heads, self.num_kv_heads, self.head_dim,
+                                   cfg.attention_bias, device=device, dtype=dtype)
+        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, cfg.attention_bias,
+                             device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                attn: AttentionContext) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        out = attn.forward(self.layer, q, k, v, self.scale)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class LlamaLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer: int, *, device: Device = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
+        self.self_attn = LlamaAttention(cfg, layer, device=device, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, device=device, dtype=dtype)
+
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                attn: AttentionContext) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaDecoder(nn.Module):
+    """The Llama decoder stack with its LM head.
+
+    Parameters are allocated uninitialised on `device` in `dtype`; the loader
+    fills them. `tie_word_embeddings` makes `lm_head` share the embedding.
+    `max_positions` sizes the rotary tables (the served context length).
+    """
+
+    def __init__(self, cfg: LlamaConfig, *, max_positions: int | None = None, tie_word_embeddings: bool | None = None,
+                 device: Device = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.tie_word_embeddings = cfg.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta", dtype=dtype)
+        # nn.Embedding initialises its weight; allocate it empty on the device instead
+        self.embed_tokens.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype),
+                                                requires_grad=False)
+        self.layers = nn.ModuleList(LlamaLayer(cfg, i, device=device, dtype=dtype)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, device=device, dtype=dtype)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta,
+                                      cfg.rope_scaling, device=device)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @torch.no_grad()
+    def forward(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
+        h = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            h = layer(h, batch.positions, self.rotary, batch.attn)
+        # norm and head only on the rows whose logits are wanted: the head is
+        # the largest matmul of a decode step
+        h = self.norm(h[batch.logits_index])
+        return {"logits": self.lm_head(h).float()}
+
+    def prefill(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
+        """Rows of prompt tokens (any number per row, cached context or not)."""
+        return self.forward(batch)
+
+    def decode(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
+        """Rows of one new token each; the same computation as `prefill`."""
+        return self.forward(batch)

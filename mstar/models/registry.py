@@ -1,0 +1,74 @@
+"""Model names in, `Model` objects out.
+
+A name is either a builtin (`tiny-llama`) or a local Hugging Face folder whose
+config.json `model_type` picks the model class. Model files register
+themselves here by name; the runtime only calls `load_model`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from mstar.errors import ConfigError
+from mstar.models.base import Model
+
+# (name_or_path, load_format, max_model_len) -> Model
+ModelFactory = Callable[[str, str, "int | None"], Model]
+
+BUILTINS: dict[str, ModelFactory] = {}
+MODEL_TYPES: dict[str, ModelFactory] = {}
+
+
+def register_builtin(name: str, factory: ModelFactory) -> None:
+    """A model served by name alone, without a folder."""
+    BUILTINS[name] = factory
+
+
+def register_model_type(model_type: str, factory: ModelFactory) -> None:
+    """The model class for folders whose config.json has this `model_type`."""
+    MODEL_TYPES[model_type] = factory
+
+
+def _tiny_llama(name: str, load_format: str, max_model_len: int | None) -> Model:
+    from mstar.models.llama import LlamaModel
+
+    return LlamaModel(name, None, load_format, max_model_len)
+
+
+def _llama_folder(path: str, load_format: str, max_model_len: int | None) -> Model:
+    from mstar.models.llama import LlamaModel
+
+    return LlamaModel(path, path, load_format, max_model_len)
+
+
+register_builtin("tiny-llama", _tiny_llama)
+register_model_type("llama", _llama_folder)
+
+
+def _model_type(folder: Path) -> object:
+    file = folder / "config.json"
+    if not file.is_file():
+        raise ConfigError(f"{folder}: no config.json")
+    try:
+        data = json.loads(file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{file}: cannot read: {e}") from None
+    return data.get("model_type") if isinstance(data, dict) else None
+
+
+def load_model(name_or_path: str, load_format: str = "auto", max_model_len: int | None = None) -> Model:
+    """The model named `name_or_path`: a builtin name or a local HF folder."""
+    if name_or_path in BUILTINS:
+        return BUILTINS[name_or_path](name_or_path, load_format, max_model_len)
+    folder = Path(name_or_path).expanduser()
+    if folder.is_dir():
+        model_type = _model_type(folder)
+        factory = MODEL_TYPES.get(model_type) if isinstance(model_type, str) else None
+        if factory is None:
+            raise ConfigError(f"{folder}: model_type '{model_type}' is not supported "
+                              f"(supported: {', '.join(sorted(MODEL_TYPES))})")
+        return factory(str(folder), load_format, max_model_len)
+    raise ConfigError(f"unknown model '{name_or_path}': not a builtin ({', '.join(sorted(BUILTINS))}) "
+                      f"and not a local folder")

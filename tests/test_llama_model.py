@@ -1,0 +1,120 @@
+"""LlamaModel and the registry: builtin tiny-llama, folder loading errors,
+request preparation."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from mstar.errors import ConfigError, RequestError
+from mstar.graph import compile_walks
+from mstar.models.llama import LlamaModel
+from mstar.models.registry import load_model
+from mstar.types import GenerateRequest, SamplingParams
+
+
+def _request(ids, max_tokens=16):
+    return GenerateRequest("r", "m", {"prompt_ids": ids}, SamplingParams(max_tokens=max_tokens))
+
+
+def test_tiny_llama_builtin():
+    model = load_model("tiny-llama")
+    assert isinstance(model, LlamaModel)
+    assert model.max_model_len == 2048
+    assert model.tokenizer is not None and model.tokenizer.vocab_size == model.config.vocab_size
+    assert set(model.eos_token_ids) == {257, 260}
+    spec = model.kv_spec("llm")
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (2, 2, 16)
+    plans = compile_walks(model.walks, model.components)
+    assert model.default_walk in plans
+    a = model.build_component("llm", torch.device("cpu"), torch.float32)
+    b = load_model("tiny-llama").build_component("llm", torch.device("cpu"), torch.float32)
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(pa, pb), name  # every start gets the same weights
+    assert torch.equal(a.norm.weight, torch.ones_like(a.norm.weight))
+    assert 0.015 < float(a.embed_tokens.weight.std()) < 0.025
+
+
+def test_max_model_len_override():
+    assert load_model("tiny-llama", max_model_len=64).max_model_len == 64
+    with pytest.raises(ConfigError):
+        load_model("tiny-llama", load_format="pt")
+
+
+def test_prepare():
+    model = load_model("tiny-llama", max_model_len=32)
+    out = model.prepare(_request([256, 104, 105]))
+    assert out["prompt_ids"].dtype == torch.long and out["prompt_ids"].tolist() == [256, 104, 105]
+    with pytest.raises(RequestError) as e:
+        model.prepare(_request([]))
+    assert e.value.field == "prompt"
+    with pytest.raises(RequestError) as e:
+        model.prepare(_request([1, model.config.vocab_size]))
+    assert e.value.field == "prompt" and str(model.config.vocab_size) in str(e.value)
+    with pytest.raises(RequestError) as e:
+        model.prepare(_request([1, -1]))
+    assert e.value.field == "prompt"
+    with pytest.raises(RequestError) as e:
+        model.prepare(_request(["a"]))
+    assert e.value.field == "prompt"
+    with pytest.raises(RequestError) as e:
+        model.prepare(_request([1] * 20, max_tokens=13))
+    assert e.value.field == "max_tokens" and "20" in e.value.message and "32" in e.value.message
+    model.prepare(_request([1] * 20, max_tokens=12))
+
+
+def test_unknown_names_and_folders(tmp_path):
+    with pytest.raises(ConfigError, match="tiny-llama"):
+        load_model("no-such-model")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ConfigError, match="gpt2"):
+        load_model(str(tmp_path))
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                   num_key_value_heads=1, vocab_size=100, max_position_embeddings=128,
+                                   eos_token_id=[5, 6], bos_token_id=1)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def test_folder_eos_and_dummy(folder):
+    model = load_model(str(folder))
+    assert model.tokenizer is None
+    assert model.eos_token_ids == (5, 6)
+    dummy = load_model(str(folder), load_format="dummy").build_component("llm", torch.device("cpu"), torch.float32)
+    assert dummy.lm_head.weight.shape == (100, 32)
+
+
+def _rewrite(src, dst, edit):
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    tensors = load_file(str(src / "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+def test_missing_unexpected_and_misshapen_tensors(folder, tmp_path):
+    cpu = torch.device("cpu")
+    bad = _rewrite(folder, tmp_path / "missing", lambda t: t.pop("model.layers.0.self_attn.k_proj.weight"))
+    with pytest.raises(ConfigError, match=r"missing 1 tensor.*qkv_proj\.weight\[k\]"):
+        load_model(str(bad)).build_component("llm", cpu, torch.float32)
+    bad = _rewrite(folder, tmp_path / "extra", lambda t: t.update({"model.layers.7.mlp.up_proj.weight": t["lm_head.weight"].clone()}))
+    with pytest.raises(ConfigError, match=r"unexpected 1 tensor.*layers\.7"):
+        load_model(str(bad)).build_component("llm", cpu, torch.float32)
+    bad = _rewrite(folder, tmp_path / "shape", lambda t: t.update({"model.norm.weight": torch.ones(31)}))
+    with pytest.raises(ConfigError, match="shape"):
+        load_model(str(bad)).build_component("llm", cpu, torch.float32)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "config.json").write_text((folder / "config.json").read_text())
+    with pytest.raises(ConfigError, match="safetensors"):
+        load_model(str(tmp_path / "empty")).build_component("llm", cpu, torch.float32)

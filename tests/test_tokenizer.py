@@ -1,0 +1,187 @@
+"""Tokenizer: the builtin byte tokenizer, a folder tokenizer trained in code,
+chat templates, and streaming detokenisation."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer as HFTokenizer
+
+from mstar.errors import RequestError
+from mstar.models.tokenizer import (BYTE_TOKENIZER_VOCAB_SIZE, IncrementalDetokenizer, Tokenizer,
+                                    builtin_byte_tokenizer)
+
+SAMPLES = ["", "hello world", "héllo wörld", "日本語のテキスト", "emoji 🎉🚀👩‍👩‍👧", "mixed ä 中 🎉 end\n\ttabs",
+           "<|eot_id|> is text here", "\x00\x01 control"]
+
+CHAT_TEMPLATE = (
+    "{% if messages[0]['role'] == 'assistant' %}{{ raise_exception('conversation must start with a user') }}{% endif %}"
+    "{{ bos_token }}{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_byte_tokenizer_round_trips_unicode():
+    tok = builtin_byte_tokenizer()
+    assert tok.vocab_size == BYTE_TOKENIZER_VOCAB_SIZE
+    rng = random.Random(0)
+    texts = SAMPLES[:-2] + ["".join(chr(rng.randint(1, 0x2FFFF)) for _ in range(40)) for _ in range(20)]
+    texts = [t for t in texts if not any(0xD800 <= ord(c) < 0xE000 for c in t)]  # no lone surrogates
+    for text in texts:
+        ids = tok.encode(text)
+        assert ids[0] == tok.bos_token_id and ids.count(tok.bos_token_id) == 1
+        assert all(i < 256 for i in ids[1:])
+        assert len(ids) - 1 == len(text.encode("utf-8"))
+        assert tok.decode(ids) == text
+        assert tok.encode(text, add_special_tokens=False) == ids[1:]
+
+
+def test_byte_tokenizer_specials_and_eos():
+    tok = builtin_byte_tokenizer()
+    assert tok.bos_token_id == 256
+    assert tok.eos_token_ids == (257, 260)
+    assert tok.token_to_id("<|eot_id|>") == 260
+    ids = tok.encode("a<|eot_id|>b", add_special_tokens=False)
+    assert ids == [97, 260, 98]
+    assert tok.decode(ids) == "ab"
+    assert tok.decode(ids, skip_special_tokens=False) == "a<|eot_id|>b"
+
+
+def test_byte_tokenizer_chat_template_renders_once_bos():
+    tok = builtin_byte_tokenizer()
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "text", "text": "there"}]}]
+    text = tok.apply_chat_template(messages)
+    assert text == ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nbe brief<|eot_id|>"
+                    "<|start_header_id|>user<|end_header_id|>\n\nhi\nthere<|eot_id|>"
+                    "<|start_header_id|>assistant<|end_header_id|>\n\n")
+    assert not tok.apply_chat_template(messages, add_generation_prompt=False).endswith("\n\n")
+    # the template already holds BOS: encoding must not add a second one
+    for special in (True, False):
+        ids = tok.encode(text, add_special_tokens=special)
+        assert ids.count(tok.bos_token_id) == 1 and ids[0] == tok.bos_token_id
+    with pytest.raises(RequestError):
+        tok.apply_chat_template([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}])
+    with pytest.raises(RequestError):
+        tok.apply_chat_template([])
+
+
+def test_fallback_template_when_folder_has_none():
+    tok = Tokenizer(builtin_byte_tokenizer()._tok)
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "user: hi\nassistant: "
+
+
+def _stream(tok, ids, chunks, skip=True):
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+    pieces, i = [], 0
+    for n in chunks:
+        piece = detok.push(ids[i:i + n])
+        pieces.append(piece)
+        i += n
+    pieces.append(detok.flush())
+    return pieces
+
+
+def test_detokenizer_streams_whole_characters():
+    tok = builtin_byte_tokenizer()
+    text = "héllo 世界 🎉 ok"
+    ids = tok.encode(text, add_special_tokens=False)
+    pieces = _stream(tok, ids, [1] * len(ids))
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_detokenizer_random_sequences_match_decode():
+    tok = builtin_byte_tokenizer()
+    rng = random.Random(1)
+    texts = ["".join(rng.choice("aé中🎉 \n") for _ in range(30)) for _ in range(30)]
+    for k, text in enumerate(texts):
+        ids = tok.encode(text, add_special_tokens=False)
+        if k % 3 == 0:  # sprinkle specials between bytes, inside characters too
+            for _ in range(4):
+                ids.insert(rng.randrange(len(ids) + 1), rng.choice([256, 257, 260]))
+        chunks = []
+        while sum(chunks) < len(ids):
+            chunks.append(rng.randint(1, 3))
+        for skip in (True, False):
+            assert "".join(_stream(tok, ids, chunks, skip)) == tok.decode(ids, skip_special_tokens=skip)
+    # arbitrary ids, including invalid UTF-8 byte runs
+    for _ in range(50):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 40))]
+        assert "".join(_stream(tok, ids, [1] * len(ids))) == tok.decode(ids)
+
+
+def test_detokenizer_window_stays_small():
+    tok = builtin_byte_tokenizer()
+    detok = IncrementalDetokenizer(tok)
+    for _ in range(500):
+        detok.push([97])
+        detok.push([260])  # skipped special: must not grow the window
+    assert len(detok._window) <= 2
+    assert detok.text == "a" * 500
+
+
+def _trained_folder(tmp_path, post_processor: bool, add_bos: bool | None):
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<s>", "</s>", "<|im_start|>", "<|im_end|>"])
+    corpus = ["the quick brown fox jumps over the lazy dog", "héllo wörld 日本語", "tokenizers are fun"] * 50
+    tok.train_from_iterator(corpus, trainer)
+    if post_processor:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tok.add_special_tokens([AddedToken("<|im_end|>", special=True)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    cfg = {"bos_token": {"content": "<s>", "special": True}, "eos_token": "</s>", "chat_template": CHAT_TEMPLATE}
+    if add_bos is not None:
+        cfg["add_bos_token"] = add_bos
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [3, 1], "bos_token_id": 0}))
+    return tmp_path
+
+
+@pytest.mark.parametrize("post_processor,add_bos", [(True, None), (False, True), (True, True)])
+def test_folder_tokenizer(tmp_path, post_processor, add_bos):
+    tok = Tokenizer.from_folder(_trained_folder(tmp_path, post_processor, add_bos))
+    assert tok.bos_token == "<s>" and tok.bos_token_id == 0
+    assert tok.eos_token_ids == (3, 1)  # generation config first, then the tokenizer's eos
+    ids = tok.encode("the quick brown fox")
+    assert ids[0] == 0 and ids.count(0) == 1
+    assert len(ids) < len("the quick brown fox")  # merges were learnt
+    assert tok.decode(ids) == "the quick brown fox"
+    text = tok.apply_chat_template([{"role": "user", "content": "héllo"}])
+    assert text == "<s><|im_start|>user\nhéllo<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.encode(text).count(0) == 1
+    with pytest.raises(RequestError, match="must start with a user"):
+        tok.apply_chat_template([{"role": "assistant", "content": "x"}])
+    for seed in range(5):
+        rng = random.Random(seed)
+        ids = [rng.randrange(tok.vocab_size) for _ in range(30)]
+        assert "".join(_stream(tok, ids, [1] * 30)) == tok.decode(ids)
+
+
+def test_folder_without_bos_request(tmp_path):
+    tok = Tokenizer.from_folder(_trained_folder(tmp_path, post_processor=False, add_bos=None))
+    assert 0 not in tok.encode("the fox")
+
+
+def test_chat_template_file_is_read(tmp_path):
+    folder = _trained_folder(tmp_path, True, None)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    del cfg["chat_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    assert Tokenizer.from_folder(folder).apply_chat_template([{"role": "user", "content": "x"}]) == "[x]"
+
+
+def test_importable_without_torch():
+    code = ("import sys; import mstar.models.tokenizer as t; t.builtin_byte_tokenizer().encode('x'); "
+            "assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
