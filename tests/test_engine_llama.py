@@ -1,0 +1,198 @@
+"""A served Llama end to end on CPU: parity with transformers for concurrent
+requests sharing batches, stop rules, page admission under a tight budget, and
+1,000 requests (some aborted) leaving the store and the page pool as they were."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from mstar.config import EngineConfig, SchedulerConfig
+from mstar.engine.engine import Engine
+from mstar.types import GenerateRequest, SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 384
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    model = transformers.LlamaForCausalLM(cfg)
+    # random init is close to uniform: widen the logits so greedy choices are not near-ties
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)
+    folder = tmp_path_factory.mktemp("llama")
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def _hf_greedy(folder: Path, prompts: list[list[int]], new: int) -> list[list[int]]:
+    model = transformers.LlamaForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                                 pad_token_id=0)
+        outs.append(out[0, len(p):].tolist())
+    return outs
+
+
+async def _run(eng: Engine, rid: str, prompt: list[int], sp: SamplingParams) -> tuple[list[int], str | None]:
+    toks: list[int] = []
+    reason = None
+    async for chunk in eng.submit(GenerateRequest(rid, eng.model_name, {"prompt_ids": prompt}, sp)):
+        toks.extend(chunk.token_ids)
+        reason = chunk.finish_reason
+    return toks, reason
+
+
+async def _drained(eng: Engine) -> None:
+    for _ in range(300):
+        if eng.pages_in_use() == 0 and len(eng.store) == 0 and not any(w.walker.runs for w in eng.workers):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"not drained: {eng.pages_in_use()} pages, {len(eng.store)} tensors")
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(1)
+    return [[1] + [rng.randrange(3, VOCAB) for _ in range(n)] for n in (2, 6, 13, 30, 47, 64)]
+
+
+async def test_concurrent_greedy_matches_transformers(hf_folder: Path) -> None:
+    prompts = _prompts()
+    new = 24
+    expected = _hf_greedy(hf_folder, prompts, new)
+    eng = Engine(EngineConfig(model=str(hf_folder), scheduler=SchedulerConfig(page_size=4, num_pages=512)))
+    await eng.start()
+    try:
+        sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+        # every prompt at once, and each one twice more staggered so that
+        # prefills land between the decode steps of running requests
+        tasks = [_run(eng, f"a{i}", p, sp) for i, p in enumerate(prompts)]
+        first = asyncio.gather(*tasks)
+        await asyncio.sleep(0.01)
+        later = asyncio.gather(*[_run(eng, f"b{i}", p, sp) for i, p in enumerate(prompts)])
+        got_a, got_b = await first, await later
+        for i, exp in enumerate(expected):
+            assert got_a[i] == (exp, "length"), f"prompt {i}"
+            assert got_b[i] == (exp, "length"), f"prompt {i} (staggered)"
+        stats = eng.workers[0].stats
+        assert stats.rows > 2 * stats.steps  # requests really shared steps
+        await _drained(eng)
+    finally:
+        await eng.shutdown()
+
+
+async def test_eos_and_stop_token_ids_end_with_stop(hf_folder: Path) -> None:
+    prompts = _prompts()[:3]
+    expected = _hf_greedy(hf_folder, prompts, 12)
+    eng = Engine(EngineConfig(model=str(hf_folder), scheduler=SchedulerConfig(page_size=4, num_pages=256)))
+    await eng.start()
+    try:
+        for i, (p, exp) in enumerate(zip(prompts, expected)):
+            stop_at = exp[5]
+            cut = exp[: exp.index(stop_at) + 1]
+            sp = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(stop_at,))
+            assert await _run(eng, f"s{i}", p, sp) == (cut, "stop")
+        # ignore_eos does not switch off stop_token_ids
+        sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=(expected[0][3],))
+        toks, reason = await _run(eng, "x", prompts[0], sp)
+        assert reason == "stop" and toks[-1] == expected[0][3]
+        # max_tokens=1: the prefill's token is the whole answer
+        assert await _run(eng, "one", prompts[0], SamplingParams(max_tokens=1, temperature=0.0)) == (
+            expected[0][:1], "length")
+        await _drained(eng)
+    finally:
+        await eng.shutdown()
+
+
+async def test_seeded_sampling_is_reproducible_whatever_the_batch() -> None:
+    eng = Engine(EngineConfig(model="tiny-llama"))
+    await eng.start()
+    try:
+        prompt = eng.tokenizer("tiny-llama").encode("Once upon a time")
+        sp = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, top_k=50, repetition_penalty=1.2, seed=7)
+        alone = await _run(eng, "alone", prompt, sp)
+        crowd = await asyncio.gather(*[
+            _run(eng, f"c{i}", prompt if i == 3 else prompt[: 2 + i],
+                 sp if i == 3 else SamplingParams(max_tokens=16, temperature=1.0, seed=i)) for i in range(8)])
+        assert crowd[3] == alone
+        other = await _run(eng, "other", prompt, SamplingParams(max_tokens=16, temperature=0.9, seed=8))
+        assert other[0] != alone[0]
+    finally:
+        await eng.shutdown()
+
+
+async def test_tight_page_budget_admits_whole_requests_only() -> None:
+    # 12 pages of 16 tokens; each request reserves prompt + max_tokens = 3 pages
+    cfg = EngineConfig(model="tiny-llama", max_model_len=64,
+                       scheduler=SchedulerConfig(page_size=16, num_pages=12))
+    eng = Engine(cfg)
+    await eng.start()
+    peak = 0
+
+    def watch(_report: object) -> None:
+        nonlocal peak
+        peak = max(peak, eng.pages_in_use())
+
+    eng.add_report_hook(watch)
+    try:
+        prompt = list(range(5, 25))
+        sp = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+        results = await asyncio.gather(*[_run(eng, f"r{i}", prompt, sp) for i in range(10)])
+        assert all(len(t) == 20 and r == "length" for t, r in results)
+        assert len({tuple(t) for t, _ in results}) == 1
+        assert 0 < peak <= 12
+        await _drained(eng)
+    finally:
+        await eng.shutdown()
+
+
+async def test_a_thousand_requests_with_aborts_leave_nothing_behind() -> None:
+    eng = Engine(EngineConfig(model="tiny-llama", scheduler=SchedulerConfig(page_size=8, num_pages=2048)))
+    await eng.start()
+    pool = eng.workers[0].pools["llm"]
+    free_before = pool.num_free
+    try:
+        rng = random.Random(0)
+
+        async def one(i: int) -> str | None:
+            prompt = [rng.randrange(5, 250) for _ in range(rng.randrange(1, 40))]
+            sp = SamplingParams(max_tokens=rng.randrange(1, 12), temperature=rng.choice([0.0, 1.0]), seed=i)
+            stream = eng.submit(GenerateRequest(f"q{i}", "tiny-llama", {"prompt_ids": prompt}, sp))
+            mode = i % 5
+            if mode == 0:  # aborted before its first output
+                eng.abort(stream.request_id)
+            reason = None
+            async for chunk in stream:
+                if mode == 1 and not chunk.finished:  # aborted mid-stream
+                    await stream.aclose()
+                    return "abort"
+                reason = chunk.finish_reason
+            return reason
+
+        reasons = []
+        for start in range(0, 1000, 250):
+            reasons += await asyncio.gather(*[one(i) for i in range(start, start + 250)])
+        assert reasons.count("abort") >= 200
+        assert set(reasons) <= {"abort", "length", "stop"}
+        await _drained(eng)
+        assert pool.num_free == free_before
+        assert all(pool.refcount(p) == 0 for p in range(pool.num_pages))
+        assert eng.store.num_owners() == 0
+        assert not eng.workers[0].scheduler.has_work()
+    finally:
+        await eng.shutdown()
