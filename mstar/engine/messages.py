@@ -77,7 +77,8 @@ class StepReport:
     component: str = ""
     mode: str = ""
     rows: int = 0
-    step_s: float = 0.0
+    step_s: float = 0.0     # the whole step on the worker
+    device_s: float = 0.0   # of which forward and sampling; the rest is host work
     extra: dict[str, Any] = field(default_factory=dict)
 
     def empty(self) -> bool:

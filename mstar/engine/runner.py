@@ -9,7 +9,9 @@ other component takes its inputs stacked over rows and returns named tensors.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
@@ -42,12 +44,14 @@ class ComponentRunner:
         self.store = store
         self.kv = kv
         self.vocab_size = vocab_size
+        self.device_s = 0.0
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> StepOutput:
         parts = [item.payload[0] for item in batch.items]
         step = parts[0].current_step()
-        fn = getattr(self.module, batch.mode)
+        self.device_s = 0.0
+        fn = self._timed(getattr(self.module, batch.mode))
         if self.kv is not None:
             values = self._run_tokens(batch.items, parts, step, fn)
         else:
@@ -100,7 +104,7 @@ class ComponentRunner:
                     part.seen[toks.to(logits.device).clamp_(0, vocab - 1)] = True
             empty = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
             seen = torch.stack([p.seen if p.seen is not None else empty for p in parts])
-        tokens = sample(logits.float(), st, seen)
+        tokens = self._timed(sample)(logits.float(), st, seen)
         for part in parts:
             part.generated += 1
         return tokens
@@ -119,6 +123,17 @@ class ComponentRunner:
         outs = [self._name_outputs(step, fn(*(ts[i].unsqueeze(0).to(self.device) for ts in inputs.values())))
                 for i in range(len(items))]
         return {n: [o[n][0] for o in outs] for n in step.outputs}
+
+    def _timed(self, fn: Callable) -> Callable:
+        """`fn`, adding its run time to `device_s`: the compute a device would
+        do, as opposed to the host work around it (exact on CPU, where calls
+        are synchronous)."""
+        def call(*args):
+            t0 = time.perf_counter()
+            out = fn(*args)
+            self.device_s += time.perf_counter() - t0
+            return out
+        return call
 
     def _name_outputs(self, step: Step, out) -> dict[str, torch.Tensor]:
         if isinstance(out, torch.Tensor):

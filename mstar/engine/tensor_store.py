@@ -61,6 +61,15 @@ class TensorStore:
             t = self._entries[ref.handle].tensor
         return t if ref.row is None else t[ref.row]
 
+    def numel(self, ref: TensorRef) -> int:
+        """Elements of the referenced row (or tensor), without slicing it."""
+        with self._lock:
+            shape = self._entries[ref.handle].tensor.shape
+        n = 1
+        for d in shape if ref.row is None else shape[1:]:
+            n *= d
+        return n
+
     def take(self, ref: TensorRef, owner: str) -> torch.Tensor:
         """Read and drop `owner`'s reference."""
         with self._lock:

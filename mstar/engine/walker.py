@@ -88,7 +88,7 @@ class Walker:
         if pool is not None:
             first = inputs[step.inputs[0]]
             assert isinstance(first, TensorRef)
-            num_tokens = self.store.get(first).numel()
+            num_tokens = self.store.numel(first)
             total = part.kv_tokens + num_tokens
             if not part.pages:
                 total += self._reserve(part)

@@ -207,6 +207,7 @@ class DeviceWorker:
         r = self._report
         r.component, r.mode, r.rows = batch.component, batch.mode, len(batch)
         r.step_s = time.perf_counter() - t0
+        r.device_s = self.runners[batch.component].device_s
 
     def _fail(self, batch: Batch, error: str) -> None:
         for item in batch.items:

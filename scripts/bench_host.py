@@ -1,0 +1,90 @@
+"""Host work per decode step as the batch grows.
+
+Runs the engine in-process on `--model` (default: the built-in tiny-llama, on
+CPU) with N concurrent greedy requests of a fixed length, and reports per
+decode step: the whole step on the worker, the part spent in forward and
+sampling, the host work around them (batch building, input preparation,
+routing, stop checks, hand-off), and the event loop's time handling the
+step's report.
+
+    python scripts/bench_host.py --batches 1 64 256 --tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+from mstar.config import EngineConfig, SchedulerConfig
+from mstar.engine.engine import Engine
+from mstar.engine.messages import StepReport
+from mstar.types import GenerateRequest, SamplingParams
+
+
+async def measure(model: str, devices: tuple[str, ...], batch: int, tokens: int, load_format: str) -> dict:
+    eng = Engine(EngineConfig(model=model, devices=devices, load_format=load_format,
+                              scheduler=SchedulerConfig(max_num_seqs=max(batch, 1))))
+    await eng.start()
+    steps: list[StepReport] = []
+    loop_s: list[float] = []
+    t_in = 0.0
+
+    def before(_r: StepReport) -> None:
+        nonlocal t_in
+        t_in = time.perf_counter()
+
+    def after(r: StepReport) -> None:
+        loop_s.append(time.perf_counter() - t_in)
+        if r.mode == "decode" and r.rows == batch:
+            steps.append(r)
+
+    eng.add_report_hook(before, before=True)
+    eng.add_report_hook(after)
+    prompt = list(range(10, 42))
+    sp = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+
+    async def one(i: int) -> None:
+        async for _ in eng.submit(GenerateRequest(f"r{i}", eng.model_name, {"prompt_ids": prompt}, sp)):
+            pass
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*[one(i) for i in range(batch)])
+    wall = time.perf_counter() - t0
+    await eng.shutdown()
+    med = statistics.median
+    return {
+        "batch": batch,
+        "decode_steps": len(steps),
+        "step_ms": 1e3 * med(r.step_s for r in steps),
+        "device_ms": 1e3 * med(r.device_s for r in steps),
+        "host_ms": 1e3 * med(r.step_s - r.device_s for r in steps),
+        "loop_ms_per_report": 1e3 * med(loop_s),
+        "tokens_per_s": batch * tokens / wall,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--load-format", default="auto")
+    p.add_argument("--devices", default="cpu")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
+    p.add_argument("--tokens", type=int, default=64)
+    a = p.parse_args()
+    print(f"# {platform.platform()} | python {platform.python_version()} | torch {torch.__version__} "
+          f"| {os.cpu_count()} cpus | threads {torch.get_num_threads()} | model {a.model} on {a.devices}")
+    print(f"{'batch':>6} {'steps':>6} {'step ms':>8} {'device ms':>10} {'host ms':>8} {'loop ms':>8} {'tok/s':>9}")
+    for b in a.batches:
+        r = asyncio.run(measure(a.model, tuple(a.devices.split(",")), b, a.tokens, a.load_format))
+        print(f"{r['batch']:>6} {r['decode_steps']:>6} {r['step_ms']:>8.2f} {r['device_ms']:>10.2f} "
+              f"{r['host_ms']:>8.2f} {r['loop_ms_per_report']:>8.2f} {r['tokens_per_s']:>9.0f}")
+
+
+if __name__ == "__main__":
+    main()
