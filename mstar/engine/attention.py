@@ -25,19 +25,23 @@ from mstar.engine.kv_cache import KVCache
 SCORE_BUDGET_BYTES = 1 << 30
 
 
-def _padded_block_tables(block_tables: torch.Tensor | Sequence[Sequence[int]], rows: int) -> torch.Tensor:
+def _padded_block_tables(block_tables: torch.Tensor | Sequence[Sequence[int]],
+                         rows: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[B, P] int64 page ids on the host, and each row's table length when
+    the tables came as lists (a padded tensor does not say)."""
+    lengths = None
     if isinstance(block_tables, torch.Tensor):
         bt = block_tables.to(device="cpu", dtype=torch.int64)
     else:
-        width = max((len(r) for r in block_tables), default=0)
-        bt = torch.zeros(len(block_tables), max(width, 1), dtype=torch.int64)
+        lengths = torch.tensor([len(r) for r in block_tables], dtype=torch.int64)
+        bt = torch.zeros(len(block_tables), max(int(lengths.max()) if len(lengths) else 0, 1), dtype=torch.int64)
         for i, pages in enumerate(block_tables):  # host-side conversion of the scheduler's lists
             bt[i, :len(pages)] = torch.as_tensor(list(pages), dtype=torch.int64)
     if bt.dim() != 2 or bt.shape[0] != rows:
         raise ValueError(f"block_tables must have one row per batch row ({rows}), got shape {tuple(bt.shape)}")
     if bt.shape[1] == 0:
         bt = torch.zeros(rows, 1, dtype=torch.int64)
-    return bt
+    return bt, lengths
 
 
 class TorchPagedAttention:
@@ -64,11 +68,10 @@ class TorchPagedAttention:
         q_lens = qs[1:] - qs[:-1]
         if (q_lens < 0).any() or (ctx < 0).any():
             raise ValueError("query_start must be non-decreasing and context_lens non-negative")
-        bt = _padded_block_tables(block_tables, rows)
+        bt, have = _padded_block_tables(block_tables, rows)
         seq_lens = ctx + q_lens
         pages_needed = (seq_lens + ps - 1) // ps
-        if not isinstance(block_tables, torch.Tensor):
-            have = torch.tensor([len(r) for r in block_tables], dtype=torch.int64)
+        if have is not None:
             short = (pages_needed > have).nonzero().flatten()
             if short.numel():
                 i = int(short[0])
@@ -119,6 +122,8 @@ class TorchPagedAttention:
             raise ValueError(f"attention planned for {self.num_tokens} tokens, got q/k/v of {t}/{k.shape[0]}/{v.shape[0]}")
         k_pages, v_pages = self.cache.layer(layer)
         hkv = k_pages.shape[2]
+        if hq % hkv:
+            raise ValueError(f"{hq} query heads do not group over {hkv} KV heads")
         k_flat = k_pages.view(-1, hkv, d)
         v_flat = v_pages.view(-1, hkv, d)
         k_flat.index_copy_(0, self.slot_mapping, k.to(k_flat.dtype))
@@ -131,11 +136,14 @@ class TorchPagedAttention:
         q_pad[self.query_slots] = q.float()
         q_pad = q_pad.view(b, qmax, hq, d).transpose(1, 2)               # [B, Hq, Qmax, D]
         out = torch.empty_like(q_pad)
+        group = hq // hkv
         for rows in self._row_groups(hq):
             keys = k_flat[self.gather_slots[rows]].float().transpose(1, 2)    # [b, Hkv, L, D]
             values = v_flat[self.gather_slots[rows]].float().transpose(1, 2)
+            if group > 1:  # GQA by repeating KV heads: SDPA's enable_gqa needs torch >= 2.5
+                keys = keys.repeat_interleave(group, dim=1)
+                values = values.repeat_interleave(group, dim=1)
             out[rows] = F.scaled_dot_product_attention(
-                q_pad[rows], keys, values, attn_mask=self.mask[rows].unsqueeze(1), scale=scale,
-                enable_gqa=hq != hkv)
+                q_pad[rows], keys, values, attn_mask=self.mask[rows].unsqueeze(1), scale=scale)
         out = out.transpose(1, 2).reshape(b * qmax, hq, d)
         return out[self.query_slots].to(q.dtype)

@@ -30,7 +30,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         # window = context tokens [0, _read) + unemitted tokens [_read, end)
-        self._window: list[int] = list(prompt_ids[-context:]) if context > 0 else []
+        self._window: list[int] = [int(i) for i in list(prompt_ids)[-context:]] if context > 0 else []
         self._read = len(self._window)
         self.text = ""
 

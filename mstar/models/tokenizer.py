@@ -58,9 +58,9 @@ class Tokenizer:
         self.eos_token = eos_token
         self.chat_template = chat_template
         self.add_bos_token = add_bos_token
-        self.bos_token_id = tokenizer.token_to_id(bos_token) if bos_token else bos_token_id
-        if self.bos_token_id is None:
-            self.bos_token_id = bos_token_id
+        # the token string wins; the generation config's id is the fallback
+        from_token = tokenizer.token_to_id(bos_token) if bos_token else None
+        self.bos_token_id: int | None = from_token if from_token is not None else bos_token_id
         if self.bos_token is None and self.bos_token_id is not None:
             self.bos_token = tokenizer.id_to_token(self.bos_token_id)
         eos = list(eos_token_ids)
