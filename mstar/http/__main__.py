@@ -1,0 +1,103 @@
+"""The command line in, a serving process out: `python -m mstar.http`.
+
+Parses the arguments (`mstar.config.parse_args`), configures logging, starts
+the engine and the aiohttp app on host:port (on uvloop when installed), and
+serves until SIGINT or SIGTERM. Then it stops accepting connections, lets
+in-flight requests finish for up to `SHUTDOWN_GRACE_S`, cancels the rest
+(which aborts their engine requests) and shuts the engine down. A second
+signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import Coroutine
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from mstar.config import ServerConfig, parse_args
+from mstar.errors import ConfigError
+from mstar.http.logs import configure_logging
+from mstar.http.server import build_app
+
+SHUTDOWN_GRACE_S = 10.0
+
+log = structlog.get_logger("mstar.http")
+
+
+async def serve(config: ServerConfig) -> None:
+    """Serve until a stop signal; the engine lives and dies with the app."""
+    from mstar.engine.engine import Engine  # torch comes in here, not at import of this module
+
+    engine = Engine(config.engine)
+    app = build_app(engine, manage_engine=True)
+    # handler_cancellation: a client that hangs up cancels its handler, whose
+    # `finally` aborts the engine request at once instead of at the next write.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set():
+            log.warning("second signal; exiting without waiting", signal=sig.name)
+            os._exit(128 + sig.value)
+        log.info("stop signal received; draining", signal=sig.name, grace_s=SHUTDOWN_GRACE_S)
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        log.info("starting engine", model=config.engine.model, devices=list(config.engine.devices))
+        await runner.setup()  # runs on_startup, which starts the engine
+        site = web.TCPSite(runner, config.host, config.port)
+        await site.start()
+        for address in runner.addresses:
+            host, port = address[0], address[1]
+            log.info("listening", url=f"http://{host}:{port}", model=engine.model_name)
+        await stop.wait()
+    finally:
+        await runner.cleanup()  # stop intake, drain, cancel, then engine.shutdown()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        log.info("stopped")
+
+
+def _run(coro: Coroutine[Any, Any, None]) -> None:
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coro)
+        return
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(coro)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = parse_args(argv)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        configure_logging(config.log_format, config.log_level)
+    except ValueError as e:
+        print(f"error: --log-level: {e}", file=sys.stderr)
+        return 2
+    try:
+        _run(serve(config))
+    except OSError as e:  # the port is taken, the host does not resolve
+        log.error("cannot serve", error=str(e))
+        return 1
+    except Exception:
+        log.exception("server failed")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,16 @@
+"""Typed keys of what the aiohttp application and each request hold: the
+engine served, when the app was built (the `created` time `/v1/models`
+shows), and the request's id."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+if TYPE_CHECKING:
+    from mstar.engine.engine import Engine
+
+ENGINE: web.AppKey[Engine] = web.AppKey("mstar_engine")
+STARTED = web.AppKey("mstar_started", int)      # unix time the app was built
+REQUEST_ID = web.RequestKey("mstar_request_id", str)

@@ -1,0 +1,256 @@
+"""Request bodies in, checked request dataclasses out.
+
+Raw JSON bytes of `/v1/completions`, `/v1/chat/completions` and `/generate`
+become `CompletionBody`, `ChatBody` and `GenerateBody`; anything malformed,
+mistyped, out of range or unsupported raises `RequestError` naming the field.
+Nothing here knows the model: prompt lengths and the context window are
+checked later, when the prompt is tokenised (see `submission.py`).
+Importable without torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Union
+
+import orjson
+
+from mstar.errors import RequestError
+from mstar.http.chat_messages import read_messages
+from mstar.http.fields import Fields, is_int_list, type_name
+from mstar.types import SamplingParams
+
+MAX_N = 64                 # samples per prompt
+MAX_CHOICES = 256          # prompts x n in one request
+COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+# A prompt is text, or token ids that skip the tokenizer.
+Prompt = Union[str, tuple[int, ...]]
+
+SAMPLING_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+GENERATE_KEYS = frozenset({"text", "input_ids", "model", "sampling_params", "stream"})
+
+
+@dataclass(frozen=True)
+class CompletionBody:
+    """`/v1/completions`: one choice per (prompt, sample); index = prompt * n + sample."""
+
+    model: str | None
+    prompts: tuple[Prompt, ...]
+    max_tokens: int
+    sampling: SamplingParams
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+
+
+@dataclass(frozen=True)
+class ChatBody:
+    """`/v1/chat/completions`. `max_tokens` None: whatever the context leaves."""
+
+    model: str | None
+    messages: tuple[dict[str, str], ...]
+    max_tokens: int | None
+    sampling: SamplingParams
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    add_generation_prompt: bool = True
+    max_tokens_field: str = "max_tokens"  # the name the client used, for errors
+
+
+@dataclass(frozen=True)
+class GenerateBody:
+    """`/generate`, the native route: one prompt, `SamplingParams` by name."""
+
+    model: str | None
+    prompt: Prompt
+    sampling: SamplingParams
+    stream: bool = False
+
+
+def parse_json_object(body: bytes) -> dict[str, Any]:
+    if not body.strip():
+        raise RequestError("the request body is empty; expected a JSON object", field="body")
+    try:
+        obj = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise RequestError(f"invalid JSON: {e}", field="body") from None
+    if not isinstance(obj, dict):
+        raise RequestError(f"must be a JSON object, not {type_name(obj)}", field="body")
+    return obj
+
+
+def parse_completion(body: bytes) -> CompletionBody:
+    f = Fields(parse_json_object(body))
+    _refuse_openai_extras(f)
+    f.unsupported_if_truthy("echo")
+    f.unsupported_if_truthy("logprobs")
+    f.unsupported_if_truthy("suffix")
+    n = _read_n(f)
+    best_of = f.integer("best_of", n, lo=1)
+    if best_of != n:
+        raise f.error("best_of", "is not supported (only best_of == n is accepted)")
+    prompts = _read_prompts(f)
+    if len(prompts) * n > MAX_CHOICES:
+        raise f.error("n", f"prompts x n must be at most {MAX_CHOICES}")
+    stream, include_usage = _read_stream(f)
+    return CompletionBody(
+        model=f.string("model"),
+        prompts=prompts,
+        max_tokens=f.integer("max_tokens", COMPLETIONS_MAX_TOKENS, lo=1),
+        sampling=read_sampling(f),
+        n=n,
+        stream=stream,
+        include_usage=include_usage,
+    )
+
+
+def parse_chat(body: bytes) -> ChatBody:
+    f = Fields(parse_json_object(body))
+    _refuse_openai_extras(f)
+    f.unsupported_if_truthy("logprobs")
+    f.unsupported_if_truthy("top_logprobs")
+    f.unsupported_if_truthy("tools")
+    f.unsupported_if_truthy("functions")
+    tool_choice = f.raw("tool_choice")
+    if tool_choice not in (None, "none", "auto"):
+        raise f.error("tool_choice", "tools are not supported")
+    modalities = f.raw("modalities", ["text"])
+    if not isinstance(modalities, list) or any(m != "text" for m in modalities):
+        raise f.error("modalities", "only [\"text\"] is supported")
+    # max_completion_tokens replaced max_tokens in the chat API; either works.
+    key = "max_completion_tokens" if f.has("max_completion_tokens") else "max_tokens"
+    n = _read_n(f)
+    stream, include_usage = _read_stream(f)
+    return ChatBody(
+        model=f.string("model"),
+        messages=read_messages(f),
+        max_tokens=f.integer(key, None, lo=1),
+        sampling=read_sampling(f),
+        n=n,
+        stream=stream,
+        include_usage=include_usage,
+        add_generation_prompt=f.boolean("add_generation_prompt", True),
+        max_tokens_field=key,
+    )
+
+
+def parse_generate(body: bytes) -> GenerateBody:
+    f = Fields(parse_json_object(body))
+    for key in f.obj:
+        if key not in GENERATE_KEYS:
+            raise f.error(key, f"unknown field; expected one of {sorted(GENERATE_KEYS)}")
+    if f.has("text") == f.has("input_ids"):
+        raise RequestError("give exactly one of 'text' and 'input_ids'", field="text")
+    prompt: Prompt
+    if f.has("text"):
+        prompt = f.string("text") or ""
+    else:
+        ids = f.raw("input_ids")
+        if not is_int_list(ids) or not ids:
+            raise f.error("input_ids", "must be a non-empty array of integers")
+        prompt = tuple(ids)
+    sp = Fields(f.raw("sampling_params", {}), "sampling_params.")
+    for key in sp.obj:
+        if key not in SAMPLING_KEYS:
+            raise sp.error(key, f"unknown sampling parameter; expected one of {sorted(SAMPLING_KEYS)}")
+    sampling = read_sampling(sp)
+    max_tokens = sp.integer("max_tokens", SamplingParams.max_tokens, lo=1)
+    return GenerateBody(
+        model=f.string("model"),
+        prompt=prompt,
+        sampling=dataclasses.replace(sampling, max_tokens=max_tokens),
+        stream=f.boolean("stream"),
+    )
+
+
+def read_sampling(f: Fields) -> SamplingParams:
+    """Every `SamplingParams` field but `max_tokens`, which needs the prompt
+    length to resolve; ranges are `SamplingParams.validate`'s."""
+    params = SamplingParams(
+        temperature=f.number("temperature", 1.0),
+        top_p=f.number("top_p", 1.0),
+        top_k=f.integer("top_k", 0),
+        min_p=f.number("min_p", 0.0),
+        repetition_penalty=f.number("repetition_penalty", 1.0),
+        seed=f.integer("seed"),
+        stop=f.stops("stop"),
+        stop_token_ids=f.int_list("stop_token_ids"),
+        ignore_eos=f.boolean("ignore_eos"),
+    )
+    try:
+        params.validate()
+    except RequestError as e:
+        raise RequestError(e.message, field=f.name(e.field) if e.field else None,
+                           status=e.status, code=e.code) from None
+    return params
+
+
+# ----------------------------------------------------------------- helpers
+
+
+def _refuse_openai_extras(f: Fields) -> None:
+    """OpenAI features we do not implement: refused, never silently ignored."""
+    f.unsupported_unless_zero("presence_penalty")
+    f.unsupported_unless_zero("frequency_penalty")
+    f.unsupported_if_truthy("logit_bias")
+    f.string("user")
+    fmt = f.raw("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind in ("json_object", "json_schema"):
+            raise f.error("response_format", f"'{kind}' is not supported; only 'text' is")
+        if kind != "text":
+            raise f.error("response_format", "must be an object with type 'text'")
+
+
+def _read_n(f: Fields) -> int:
+    n = f.integer("n", 1, lo=1, hi=MAX_N)
+    assert n is not None
+    return n
+
+
+def _read_stream(f: Fields) -> tuple[bool, bool]:
+    stream = f.boolean("stream")
+    if not f.has("stream_options"):
+        return stream, False
+    if not stream:
+        raise f.error("stream_options", "is only allowed when stream is true")
+    opts = Fields(f.raw("stream_options"), "stream_options.")
+    return stream, opts.boolean("include_usage")
+
+
+def _read_prompts(f: Fields) -> tuple[Prompt, ...]:
+    """A string, token ids, or an array of either (one choice set per prompt)."""
+    value = f.raw("prompt")
+    if value is None:
+        raise f.error("prompt", "is required")
+    if isinstance(value, str):
+        items: list[Any] = [value]
+    elif isinstance(value, list) and value and not isinstance(value[0], (str, list)):
+        # An array that starts with a number is one prompt of token ids.
+        if not is_int_list(value):
+            raise f.error("prompt", "an array of token ids must hold integers only")
+        items = [value]
+    elif isinstance(value, list) and value:
+        items = value
+    else:
+        raise f.error("prompt", "must be a string, an array of token ids, or a non-empty array of either")
+    out: list[Prompt] = []
+    for i, item in enumerate(items):
+        # "" is a prompt (of just the tokenizer's BOS, if it has one); an
+        # empty token array is not, as nothing would condition the model.
+        if isinstance(item, str):
+            out.append(item)
+        elif isinstance(item, list) and item and is_int_list(item):
+            out.append(tuple(item))
+        else:
+            raise RequestError("must be a string or a non-empty array of token ids",
+                               field=_index("prompt", i, len(items)))
+    return tuple(out)
+
+
+def _index(key: str, i: int, count: int) -> str:
+    return key if count == 1 and i == 0 else f"{key}[{i}]"

@@ -1,0 +1,92 @@
+"""HTTP requests in, engine calls and JSON / streamed answers out.
+
+`build_app` wires the routes to one `Engine`, adds the request-id / access-log
+middleware and the error middleware that turns every failure into an
+OpenAI-shaped JSON error (`RequestError` -> its 4xx, unknown route -> 404,
+a client that hung up -> 499, anything unexpected -> a logged 500).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import structlog
+from aiohttp import web
+
+from mstar.errors import RequestError
+from mstar.http import native_routes, openai_routes
+from mstar.http.keys import ENGINE, STARTED
+from mstar.http.logs import Handler, add_request_id_header, request_context
+from mstar.http.responses import error_response, json_response, request_error_body
+from mstar.http.submission import ClientGone, GenerationFailed
+
+if TYPE_CHECKING:
+    from mstar.engine.engine import Engine
+
+log = structlog.get_logger("mstar.http")
+
+# Token-id prompts are long in JSON; aiohttp's 1 MiB default is too small.
+MAX_BODY_BYTES = 32 * 2**20
+
+
+@web.middleware
+async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except RequestError as e:
+        return json_response(request_error_body(e), status=e.status)
+    except ClientGone:
+        log.info("client went away before its answer; aborted")
+        return web.Response(status=ClientGone.status)
+    except GenerationFailed as e:
+        log.warning("generation failed", error=e.message)
+        return error_response(e.message, status=e.status, code=e.code)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        if e.status == 404:
+            message = f"no route for {request.method} {request.path}"
+        elif e.status == 405:
+            message = f"method {request.method} is not allowed on {request.path}"
+        else:
+            message = e.reason
+        return error_response(message, status=e.status, code=e.reason.lower().replace(" ", "_"))
+    except Exception:
+        log.exception("unhandled error", method=request.method, path=request.path)
+        return error_response("internal server error", status=500, code="internal_error")
+
+
+async def health(request: web.Request) -> web.Response:
+    report = request.app[ENGINE].health()
+    return json_response(report, status=200 if report.get("status") == "ok" else 503)
+
+
+def build_app(engine: Engine, *, manage_engine: bool = True) -> web.Application:
+    """The aiohttp application serving `engine`.
+
+    With `manage_engine` (the default) the app owns the engine's lifetime:
+    `engine.start()` runs on app startup and `engine.shutdown()` on cleanup,
+    which aiohttp runs after in-flight requests finished or were cancelled.
+    Pass `manage_engine=False` when the caller starts and stops the engine
+    itself (tests sharing one engine across several apps).
+    """
+    app = web.Application(middlewares=[request_context, errors_as_json], client_max_size=MAX_BODY_BYTES)
+    app[ENGINE] = engine
+    app[STARTED] = int(time.time())
+    app.on_response_prepare.append(add_request_id_header)
+    if manage_engine:
+        async def start_engine(_: web.Application) -> None:
+            await engine.start()
+
+        async def stop_engine(_: web.Application) -> None:
+            await engine.shutdown()
+
+        app.on_startup.append(start_engine)
+        app.on_cleanup.append(stop_engine)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", openai_routes.list_models)
+    app.router.add_post("/v1/completions", openai_routes.completions)
+    app.router.add_post("/v1/chat/completions", openai_routes.chat_completions)
+    app.router.add_post("/generate", native_routes.generate)
+    return app

@@ -1,0 +1,88 @@
+"""The official `openai` client against the server and the real tiny-llama
+engine: models, completions and chat, streaming and not, and its errors."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import openai
+import pytest
+import pytest_asyncio
+from http_support import MODEL, running_engine, serving
+
+from mstar.engine.engine import Engine
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def engine() -> AsyncIterator[Engine]:
+    async with running_engine() as e:
+        yield e
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def client(engine: Engine) -> AsyncIterator[openai.AsyncOpenAI]:
+    async with serving(engine) as base:
+        api = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=30)
+        yield api
+        await api.close()
+
+
+async def test_models(client: openai.AsyncOpenAI) -> None:
+    models = [m async for m in client.models.list()]
+    assert [m.id for m in models] == [MODEL]
+
+
+async def test_completion(client: openai.AsyncOpenAI, engine: Engine) -> None:
+    answer = await client.completions.create(model=MODEL, prompt="Once upon", max_tokens=5, **GREEDY)
+    assert answer.object == "text_completion" and answer.model == MODEL
+    [choice] = answer.choices
+    assert choice.finish_reason == "length" and choice.index == 0
+    prompt = len(engine.tokenizer(MODEL).encode("Once upon"))
+    assert answer.usage is not None
+    assert (answer.usage.prompt_tokens, answer.usage.completion_tokens, answer.usage.total_tokens) == (
+        prompt, 5, prompt + 5)
+
+
+async def test_completion_stream(client: openai.AsyncOpenAI) -> None:
+    whole = await client.completions.create(model=MODEL, prompt="Once upon", max_tokens=6, **GREEDY)
+    stream = await client.completions.create(model=MODEL, prompt="Once upon", max_tokens=6, stream=True,
+                                             stream_options={"include_usage": True}, **GREEDY)
+    chunks = [c async for c in stream]
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+
+
+async def test_chat(client: openai.AsyncOpenAI) -> None:
+    answer = await client.chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": "be kind"}, {"role": "user", "content": "hello"}],
+        max_completion_tokens=4, n=2, seed=5, **GREEDY)
+    assert answer.object == "chat.completion" and len(answer.choices) == 2
+    assert all(c.message.role == "assistant" and c.finish_reason == "length" for c in answer.choices)
+    assert answer.usage is not None and answer.usage.completion_tokens == 8
+
+
+async def test_chat_stream(client: openai.AsyncOpenAI) -> None:
+    messages = [{"role": "user", "content": "hello"}]
+    whole = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, **GREEDY)
+    stream = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, stream=True,
+                                                  **GREEDY)
+    chunks = [c async for c in stream]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+async def test_errors_reach_the_client(client: openai.AsyncOpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        await client.completions.create(model=MODEL, prompt="x", temperature=-1)
+    assert "temperature" in str(bad.value)
+    with pytest.raises(openai.NotFoundError) as missing:
+        await client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
+    assert "no-such-model" in str(missing.value)
