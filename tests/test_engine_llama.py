@@ -196,3 +196,46 @@ async def test_a_thousand_requests_with_aborts_leave_nothing_behind() -> None:
         assert not eng.workers[0].scheduler.has_work()
     finally:
         await eng.shutdown()
+
+
+async def test_decode_rows_step_in_turn_when_more_than_a_step_holds() -> None:
+    eng = Engine(EngineConfig(model="tiny-llama", scheduler=SchedulerConfig(max_num_seqs=3)))
+    await eng.start()
+    try:
+        prompts = [list(range(5 + i, 12 + 2 * i)) for i in range(10)]
+        sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        together = await asyncio.gather(*[_run(eng, f"t{i}", p, sp) for i, p in enumerate(prompts)])
+        for i, p in enumerate(prompts):
+            assert together[i] == await _run(eng, f"a{i}", p, sp)
+        # the decode loops ran as a tensor-held group, in windows of 3 rows
+        groups = list(eng.workers[0].walker.groups.values())
+        assert groups and all(len(g) == 0 for g in groups)
+        await _drained(eng)
+    finally:
+        await eng.shutdown()
+
+
+async def test_stop_string_stops_a_decoding_row_and_frees_it() -> None:
+    eng = Engine(EngineConfig(model="tiny-llama"))
+    await eng.start()
+    try:
+        tok = eng.tokenizer("tiny-llama")
+        prompt = tok.encode("ab")
+        sp = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+        async def text(rid: str, params: SamplingParams) -> tuple[str, str | None]:
+            out, reason = [], None
+            async for chunk in eng.submit(GenerateRequest(rid, "tiny-llama", {"prompt_ids": prompt}, params)):
+                out.append(chunk.text)
+                reason = chunk.finish_reason
+            return "".join(out), reason
+
+        full, _ = await text("full", sp)
+        stop = full[10:13]
+        assert len(stop) == 3
+        cut, reason = await text("cut", SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                                       stop=(stop,)))
+        assert reason == "stop" and cut == full[: full.index(stop)]
+        await _drained(eng)
+    finally:
+        await eng.shutdown()

@@ -18,6 +18,7 @@ from torch import nn
 
 from mstar.engine.attention import TorchPagedAttention
 from mstar.engine.kv_cache import KVCache
+from mstar.engine.loop_group import LoopGroup
 from mstar.engine.rows import PartitionRun
 from mstar.engine.sampler import SamplingTensors, sample
 from mstar.engine.tensor_store import TensorRef, TensorStore
@@ -108,6 +109,25 @@ class ComponentRunner:
         for part in parts:
             part.generated += 1
         return tokens
+
+    @torch.inference_mode()
+    def run_group(self, group: LoopGroup, sl: slice) -> torch.Tensor:
+        """One decode step of rows `sl` of a token loop group: [n] new tokens."""
+        assert self.kv is not None
+        self.device_s = 0.0
+        n = sl.stop - sl.start
+        query_start = torch.arange(n + 1, dtype=torch.long)
+        ctx = group.kv_lens[sl]
+        batch = TokenBatch(
+            input_ids=group.tokens[sl],
+            positions=ctx.to(self.device),
+            query_start=query_start,
+            logits_index=torch.arange(n, device=self.device),
+            attn=TorchPagedAttention(self.kv, query_start, ctx, group.block_table[sl]),
+        )
+        out = self._timed(getattr(self.module, group.mode))(batch)
+        seen = group.update_seen(sl)
+        return self._timed(sample)(out["logits"].float(), group.sampling_for(sl), seen)
 
     # --------------------------------------------------------- plain rows
 

@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from mstar.engine.loop_group import Leave, LoopGroup
 from mstar.engine.messages import Finished, Submit
 from mstar.engine.rows import PartitionRun, RequestRun
 from mstar.engine.tensor_store import TensorRef, TensorStore
@@ -27,13 +28,19 @@ def _rules(rule: StopRule | None) -> tuple[StopRule, ...]:
 
 class Walker:
     def __init__(self, store: TensorStore, scheduler: Scheduler, pools: dict[str, PagePool],
-                 max_model_len: int, on_finish: Callable[[Finished], None]) -> None:
+                 max_model_len: int, on_finish: Callable[[Finished], None],
+                 token_loops: set[str] = frozenset(), device: torch.device | None = None) -> None:
+        """`token_loops`: KV components that sample; their decode loops run
+        as `LoopGroup`s on `device`."""
         self.store = store
         self.scheduler = scheduler
         self.pools = pools
         self.max_model_len = max_model_len
         self.on_finish = on_finish
+        self.token_loops = token_loops
+        self.device = device or torch.device("cpu")
         self.runs: dict[str, RequestRun] = {}
+        self.groups: dict[tuple[str, str, int], LoopGroup] = {}
 
     # --------------------------------------------------------------- start
 
@@ -76,6 +83,9 @@ class Walker:
         if part.cursor >= len(part.plan.nodes):
             self.finish(part, part.request.root_reason or "stop")
             return
+        node = part.node()
+        if isinstance(node, Loop) and self._join_group(part, node):
+            return
         self._enqueue(part, part.current_step(), {n: part.values[n] for n in part.current_step().inputs})
 
     def _enqueue(self, part: PartitionRun, step: Step, inputs: dict[str, TensorRef | list[TensorRef]]) -> None:
@@ -103,9 +113,60 @@ class Walker:
         nxt = part.plan.nodes[part.cursor + 1] if part.cursor + 1 < len(part.plan.nodes) else None
         if not isinstance(nxt, Loop):
             return 0
+        return self._cap(part, nxt) or 0
+
+    def _join_group(self, part: PartitionRun, loop: Loop) -> bool:
+        """Hand a token loop to its `LoopGroup`; False when the loop does not
+        qualify (not a sampling KV component reading back its own token, no
+        write cap, or pages that do not cover the cap) and runs item by item."""
+        step = loop.step
+        if (step.component not in self.token_loops or step.inputs != (loop.value,)
+                or len(step.outputs) != 1):
+            return False
+        cap = self._cap(part, loop)
+        count = part.writes.get(loop.value, 0)
+        pool = self.pools[step.component]
+        if cap is None or pool.pages_for(part.kv_tokens + cap - count) > len(part.pages):
+            return False
+        key = (part.request.walk.name, part.name, part.cursor)
+        group = self.groups.get(key)
+        if group is None:
+            group = self.groups[key] = LoopGroup(step.component, step.mode, loop, self.device)
+            self.scheduler.add_group((step.component, step.mode), group)
+        if not len(group):
+            group.ticket = self.scheduler.ticket()
+        token = self.store.take(part.values.pop(loop.value), part.request_id)
+        group.join(part, token, count, cap, self._stop_ids(part, loop))
+        part.busy = True
+        return True
+
+    def _cap(self, part: PartitionRun, loop: Loop) -> int | None:
         caps = [part.request.sampling.max_tokens if isinstance(r, MaxTokens) else r.n
-                for r in _rules(nxt.until) if isinstance(r, (MaxTokens, MaxSteps))]
-        return min(caps) if caps else 0
+                for r in _rules(loop.until) if isinstance(r, (MaxTokens, MaxSteps))]
+        return min(caps) if caps else None
+
+    def _stop_ids(self, part: PartitionRun, loop: Loop) -> tuple[int, ...]:
+        ids: tuple[int, ...] = ()
+        for rule in _rules(loop.until):
+            if isinstance(rule, EosToken):
+                ids += part.request.stop_ids
+            elif isinstance(rule, TokenIn) and not part.request.sampling.ignore_eos:
+                ids += rule.ids
+        return ids
+
+    def left_group(self, leave: Leave) -> None:
+        """A row's loop stopped inside its group: move it on like any row."""
+        part = leave.part
+        ref = TensorRef(self.store.put(leave.token, (part.request_id,)))
+        self.completed(part, {part.node().value: ref}, leave.reason)
+
+    def _take_out_of_groups(self, request_id: str, partition: str | None) -> int:
+        n = 0
+        for group in self.groups.values():
+            for leave in group.take_out(request_id, partition):
+                leave.part.busy = False
+                n += 1
+        return n
 
     def cancel(self, items: list[WorkItem]) -> None:
         """Release what queued items hold (they will never run)."""
@@ -141,17 +202,10 @@ class Walker:
             if loop is None:
                 continue
             loop_value = loop.value
-            count = part.writes.get(loop.value, 0) + 1
-            ids: tuple[int, ...] = ()
-            for rule in _rules(loop.until):
-                if isinstance(rule, MaxTokens) and count >= part.request.sampling.max_tokens:
-                    reasons[i] = "length"
-                elif isinstance(rule, MaxSteps) and count >= rule.n:
-                    reasons[i] = "length"
-                elif isinstance(rule, EosToken):
-                    ids += part.request.stop_ids
-                elif isinstance(rule, TokenIn) and not part.request.sampling.ignore_eos:
-                    ids += rule.ids
+            cap = self._cap(part, loop)
+            if cap is not None and part.writes.get(loop.value, 0) + 1 >= cap:
+                reasons[i] = "length"
+            ids = self._stop_ids(part, loop)
             if ids:
                 token_rows.append(i)
                 token_sets.append(ids)
@@ -184,7 +238,7 @@ class Walker:
                 self.store.release(old, part.request_id)
             part.values[name] = ref
             part.writes[name] = part.writes.get(name, 0) + 1
-            self._feed_streams(part, name, ref)
+            self.feed_streams(part, name, ref)
         if part.plan.stream is not None:
             self._consumed(part)
             return
@@ -206,7 +260,7 @@ class Walker:
 
     # --------------------------------------------------------------- streams
 
-    def _feed_streams(self, part: PartitionRun, value: str, ref: TensorRef) -> None:
+    def feed_streams(self, part: PartitionRun, value: str, ref: TensorRef) -> None:
         for sp in part.request.walk.streams.get(value, ()):
             if sp.producer != part.name:
                 continue
@@ -303,10 +357,11 @@ class Walker:
             return 0
         cancelled = self.scheduler.remove(request_id, partition)
         self.cancel(cancelled)
+        grouped = self._take_out_of_groups(request_id, partition)
         if part.plan.parent is None:
             run.root_reason = run.root_reason or "stop"
         self.finish(part, "stop")
-        return len(cancelled)
+        return len(cancelled) + grouped
 
     def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> int:
         """Tear a whole request down; returns how many queued steps it had."""
@@ -315,6 +370,7 @@ class Walker:
             return 0
         cancelled = self.scheduler.remove(request_id)
         self.cancel(cancelled)
+        grouped = self._take_out_of_groups(request_id, None)
         run.root_reason = reason
         parts = [p for p in run.partitions.values() if not p.done]
         for p in parts:
@@ -322,4 +378,4 @@ class Walker:
             p.closed = True
         for p in parts:
             self.finish(p, reason, error)
-        return len(cancelled)
+        return len(cancelled) + grouped

@@ -24,6 +24,7 @@ import torch
 
 from mstar.config import EngineConfig
 from mstar.engine.kv_cache import KVCache
+from mstar.engine.loop_group import LoopGroup
 from mstar.engine.messages import Abort, EmitBatch, Finished, Shutdown, Stop, StepReport, Submit
 from mstar.engine.runner import ComponentRunner, StepOutput
 from mstar.engine.tensor_store import TensorRef, TensorStore
@@ -107,7 +108,9 @@ class DeviceWorker:
             for mode in spec.modes:
                 caps[(name, mode)] = ModeCaps(cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.scheduler = Scheduler(caps, self.pools)
-        self.walker = Walker(self.store, self.scheduler, self.pools, self.model.max_model_len, self._finished)
+        token_loops = {n for n, spec in self.model.components.items() if spec.kv_cache and spec.samples}
+        self.walker = Walker(self.store, self.scheduler, self.pools, self.model.max_model_len, self._finished,
+                             token_loops, self.device)
 
     def _dtype(self) -> torch.dtype:
         names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -135,6 +138,17 @@ class DeviceWorker:
             log.error("worker died", device=self.name, error=repr(e), trace=traceback.format_exc())
         finally:
             self.alive = False
+            self._fail_all(f"the worker on {self.name} stopped: {self.error!r}" if self.error else None)
+
+    def _fail_all(self, error: str | None) -> None:
+        """Tell the event loop that every request still here is over; the
+        worker's own state may be broken, so nothing is freed through it."""
+        walker = getattr(self, "walker", None)
+        runs = list(walker.runs) if walker is not None else []
+        reason = "error" if error else "abort"
+        report = StepReport(device=self.name, finished=[Finished(rid, "", reason, True, error) for rid in runs])
+        if runs:
+            self.post(report)
 
     def _loop(self) -> None:
         waiting = False
@@ -186,6 +200,9 @@ class DeviceWorker:
     # --------------------------------------------------------------- step
 
     def _step(self, batch: Batch) -> None:
+        if batch.group is not None:
+            self._step_group(batch.group)
+            return
         t0 = time.perf_counter()
         for item in batch.items:
             if item.pages:  # pages the scheduler admitted the row with: the row owns them now
@@ -208,6 +225,45 @@ class DeviceWorker:
         r.component, r.mode, r.rows = batch.component, batch.mode, len(batch)
         r.step_s = time.perf_counter() - t0
         r.device_s = self.runners[batch.component].device_s
+
+    def _step_group(self, group: LoopGroup) -> None:
+        """A decode step of a token loop group: no per-row work but for rows
+        that stop (and rows whose tokens feed a stream)."""
+        t0 = time.perf_counter()
+        runner = self.runners[group.component]
+        sl = group.window(self.config.scheduler.max_num_seqs)
+        rows = group.rows[sl]
+        rids, names = group.request_ids[sl], group.partitions[sl]
+        try:
+            tokens = runner.run_group(group, sl)
+        except Exception as e:
+            self.stats.failed_steps += 1
+            log.exception("step failed", device=self.name, component=group.component, mode=group.mode,
+                          rows=len(rows))
+            for rid in dict.fromkeys(rids):
+                self.walker.abort(rid, "error", f"{type(e).__name__}: {e}")
+            return
+        value = group.loop.value
+        walk = rows[0].request.walk
+        if value in walk.emits:
+            self._report.emits.append(EmitBatch(value, rids, names, tokens.cpu()))
+        _, leaving = group.advance(sl, tokens)
+        if walk.streams.get(value):
+            gone = {id(leave.part) for leave in leaving}
+            handle = self.store.put(tokens, rids)
+            for i, (part, rid) in enumerate(zip(rows, rids)):
+                ref = TensorRef(handle, i)
+                if id(part) not in gone:
+                    self.walker.feed_streams(part, value, ref)
+                self.store.release(ref, rid)
+        for leave in leaving:
+            self.walker.left_group(leave)
+        self.stats.steps += 1
+        self.stats.rows += len(rows)
+        r = self._report
+        r.component, r.mode, r.rows = group.component, group.mode, len(rows)
+        r.step_s = time.perf_counter() - t0
+        r.device_s = runner.device_s
 
     def _fail(self, batch: Batch, error: str) -> None:
         for item in batch.items:

@@ -7,15 +7,27 @@ and decode steps of running ones take turns in arrival order. Within a queue,
 items are taken in FIFO order until a cap is reached or an item cannot get its
 pages; an item that cannot get pages waits at the head of its queue (nothing
 behind it in that queue jumps ahead, so large requests are not starved).
+
+A standing group (rows that step together until each stops, like a decode
+loop held as tensors) takes part in the same order as one queue: it holds a
+ticket, renewed each time it steps, and is scheduled when its ticket is the
+oldest.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
+from typing import Protocol
 
 from mstar.scheduler.pages import PagePool
 from mstar.scheduler.work import Batch, ModeCaps, QueueKey, WorkItem
+
+
+class StandingGroup(Protocol):
+    ticket: int
+
+    def __len__(self) -> int: ...
 
 
 class Scheduler:
@@ -23,7 +35,19 @@ class Scheduler:
         self.caps = dict(caps)
         self.pools = dict(pools or {})
         self._queues: dict[QueueKey, deque[WorkItem]] = {k: deque() for k in self.caps}
+        self._groups: list[tuple[QueueKey, StandingGroup]] = []
         self._tickets = itertools.count()
+
+    def ticket(self) -> int:
+        """The next ticket: a place at the back of the line."""
+        return next(self._tickets)
+
+    def add_group(self, key: QueueKey, group: StandingGroup) -> None:
+        """Schedule `group` (any object with a `ticket` and a length) for
+        (component, mode) whenever it is non-empty and its turn has come."""
+        if key not in self.caps:
+            raise KeyError(f"no queue for {key[0]}.{key[1]} on this device")
+        self._groups.append((key, group))
 
     # ------------------------------------------------------------- intake
 
@@ -63,15 +87,21 @@ class Scheduler:
     # ------------------------------------------------------------ batching
 
     def has_work(self) -> bool:
-        return any(self._queues.values())
+        return any(self._queues.values()) or any(len(g) for _, g in self._groups)
 
     def num_waiting(self) -> int:
-        return sum(len(q) for q in self._queues.values())
+        return sum(len(q) for q in self._queues.values()) + sum(len(g) for _, g in self._groups)
 
     def schedule(self) -> Batch | None:
         """The next batch, or None when no queue can make progress."""
-        order = sorted((q[0].ticket, key) for key, q in self._queues.items() if q)
-        for _, key in order:
+        order: list[tuple[int, int, QueueKey, StandingGroup | None]] = [
+            (q[0].ticket, 0, key, None) for key, q in self._queues.items() if q]
+        order += [(g.ticket, 1, key, g) for key, g in self._groups if len(g)]
+        order.sort(key=lambda entry: (entry[0], entry[1]))
+        for _, _, key, group in order:
+            if group is not None:
+                group.ticket = self.ticket()
+                return Batch(key[0], key[1], [], group=group)
             items = self._take(key)
             if items:
                 return Batch(key[0], key[1], items)

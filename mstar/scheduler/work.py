@@ -44,15 +44,17 @@ class WorkItem:
 
 @dataclass(eq=False)
 class Batch:
-    """The rows of one step, in FIFO order."""
+    """The rows of one step, in FIFO order; or, with `group` set, a step of a
+    standing group (see `Scheduler.add_group`) and no items."""
 
     component: str
     mode: str
     items: list[WorkItem]
+    group: Any = None
 
     @property
     def num_tokens(self) -> int:
         return sum(i.num_tokens for i in self.items)
 
     def __len__(self) -> int:
-        return len(self.items)
+        return len(self.group) if self.group is not None else len(self.items)

@@ -1,0 +1,237 @@
+"""Token loops held as tensors.
+
+The rows of one decode loop (a KV component that samples a token and reads it
+back) stay together in a `LoopGroup` from the step after their prefill until
+their stop rule holds. The group keeps what every step needs as tensors over
+rows: the last tokens (on the device: loop-back never leaves it), positions,
+block tables, sampling parameters and draw counters, write counts and caps,
+stop ids. A step of the group touches no per-row Python: rows that joined are
+merged once at the start of the step, and only rows that stop are handled one
+by one when they leave.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from mstar.engine.rows import PartitionRun
+from mstar.engine.sampler import SamplingTensors
+from mstar.graph import Loop
+
+_NO_CAP = 2**62
+
+
+@dataclass(eq=False)
+class _Join:
+    part: PartitionRun
+    token: torch.Tensor   # scalar, on the device
+    count: int            # writes of the loop value so far
+    cap: int              # writes at which the loop stops ("length")
+    stop_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Leave:
+    """A row whose stop rule held at this step (or that was taken out)."""
+
+    part: PartitionRun
+    token: torch.Tensor   # its last token, scalar on the device
+    reason: str | None
+
+
+class LoopGroup:
+    def __init__(self, component: str, mode: str, loop: Loop, device: torch.device) -> None:
+        self.component = component
+        self.mode = mode
+        self.loop = loop
+        self.device = device
+        self.ticket = -1
+        self.rows: list[PartitionRun] = []
+        self.request_ids: list[str] = []
+        self.partitions: list[str] = []
+        self._joins: list[_Join] = []
+        self._offset = 0
+        self.tokens = torch.empty(0, dtype=torch.long, device=device)
+        self.kv_lens = torch.empty(0, dtype=torch.long)
+        self.block_table = torch.empty(0, 1, dtype=torch.long)
+        self.counts = torch.empty(0, dtype=torch.long)
+        self.caps = torch.empty(0, dtype=torch.long)
+        self.stop_table = torch.full((0, 1), -1, dtype=torch.long)
+        self.sampling: SamplingTensors | None = None
+        self.seen: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.rows) + len(self._joins)
+
+    # ----------------------------------------------------------- membership
+
+    def join(self, part: PartitionRun, token: torch.Tensor, count: int, cap: int | None,
+             stop_ids: tuple[int, ...]) -> None:
+        self._joins.append(_Join(part, token, count, _NO_CAP if cap is None else cap, stop_ids))
+
+    def take_out(self, request_id: str, partition: str | None) -> list[Leave]:
+        """Remove a request's rows (of one partition, or all) without a step."""
+        out = []
+        for j in [j for j in self._joins if j.part.request_id == request_id
+                  and (partition is None or j.part.name == partition)]:
+            self._joins.remove(j)
+            out.append(Leave(j.part, j.token, None))
+        idx = [i for i, (r, p) in enumerate(zip(self.request_ids, self.partitions))
+               if r == request_id and (partition is None or p == partition)]
+        if idx:
+            out += self._remove(idx, [None] * len(idx))
+        return out
+
+    def _merge(self) -> None:
+        """Fold the rows that joined since the last step into the tensors."""
+        if not self._joins:
+            return
+        joins, self._joins = self._joins, []
+        parts = [j.part for j in joins]
+        self.rows += parts
+        self.request_ids += [p.request_id for p in parts]
+        self.partitions += [p.name for p in parts]
+        dev = self.device
+        self.tokens = torch.cat([self.tokens, torch.stack([j.token.reshape(()) for j in joins]).to(dev)])
+        self.kv_lens = torch.cat([self.kv_lens, torch.tensor([p.kv_tokens for p in parts], dtype=torch.long)])
+        self.counts = torch.cat([self.counts, torch.tensor([j.count for j in joins], dtype=torch.long)])
+        self.caps = torch.cat([self.caps, torch.tensor([j.cap for j in joins], dtype=torch.long)])
+        self.block_table = _cat_padded(self.block_table, [p.pages for p in parts], 0)
+        self.stop_table = _cat_padded(self.stop_table, [j.stop_ids for j in joins], -1)
+        new = SamplingTensors.build([p.request.sampling for p in parts], [p.request.seed for p in parts],
+                                    [p.generated for p in parts], dev)
+        self.sampling = new if self.sampling is None else _cat_sampling(self.sampling, new)
+        # one `seen` row per group row once any row has a repetition penalty
+        vocab = next((p.seen.numel() for p in parts if p.seen is not None), None)
+        if self.seen is not None or vocab is not None:
+            vocab = vocab or self.seen.shape[1]
+            rows = [p.seen if p.seen is not None else torch.zeros(vocab, dtype=torch.bool, device=dev)
+                    for p in parts]
+            old = self.seen if self.seen is not None else torch.zeros(
+                len(self.rows) - len(parts), vocab, dtype=torch.bool, device=dev)
+            self.seen = torch.cat([old, torch.stack(rows)])
+            for p in parts:
+                p.seen = None  # the group's copy is the live one now
+
+    # ----------------------------------------------------------------- step
+
+    def window(self, max_rows: int) -> slice:
+        """The rows of the next step: all of them, or `max_rows` taken in turn."""
+        self._merge()
+        n = len(self.rows)
+        if n <= max_rows:
+            self._offset = 0
+            return slice(0, n)
+        start = self._offset % n
+        stop = min(n, start + max_rows)
+        self._offset = 0 if stop == n else stop
+        return slice(start, stop)
+
+    def sampling_for(self, sl: slice) -> SamplingTensors:
+        assert self.sampling is not None
+        st = self.sampling
+        if sl == slice(0, len(self.rows)):
+            return st
+        return SamplingTensors(**{f.name: _slice(getattr(st, f.name), sl) for f in fields(st)})
+
+    def advance(self, sl: slice, new_tokens: torch.Tensor) -> tuple[torch.Tensor, list[Leave]]:
+        """Take the tokens a step sampled for rows `sl`; returns the stop mask
+        over those rows and the rows that left the loop."""
+        self.tokens[sl] = new_tokens
+        self.kv_lens[sl] += 1
+        self.counts[sl] += 1
+        assert self.sampling is not None
+        self.sampling.counters[sl] += 1
+        host = new_tokens.to("cpu")
+        hit_stop = (self.stop_table[sl] == host[:, None]).any(dim=1)
+        hit_len = self.counts[sl] >= self.caps[sl]
+        done = (hit_stop | hit_len).nonzero().flatten()
+        if not done.numel():
+            return hit_stop, []
+        idx = (done + sl.start).tolist()
+        stop = hit_stop[done].tolist()
+        return hit_stop, self._remove(idx, ["stop" if s else "length" for s in stop])
+
+    def _remove(self, idx: list[int], reasons: list[str | None]) -> list[Leave]:
+        out = []
+        for i, reason in zip(idx, reasons):
+            part = self.rows[i]
+            part.kv_tokens = int(self.kv_lens[i])
+            part.generated = int(self.sampling.counters[i]) if self.sampling is not None else part.generated
+            # a row leaving with a reason still has this step's write to be
+            # routed (the walker counts it then)
+            part.writes[self.loop.value] = int(self.counts[i]) - (reason is not None)
+            if self.seen is not None:
+                part.seen = self.seen[i].clone()
+            out.append(Leave(part, self.tokens[i].clone(), reason))
+        keep = torch.ones(len(self.rows), dtype=torch.bool)
+        keep[idx] = False
+        kept = keep.nonzero().flatten()
+        gone = set(idx)
+        self.rows = [r for i, r in enumerate(self.rows) if i not in gone]
+        self.request_ids = [r.request_id for r in self.rows]
+        self.partitions = [r.name for r in self.rows]
+        dev_kept = kept.to(self.device)
+        self.tokens = self.tokens[dev_kept]
+        self.kv_lens, self.counts, self.caps = self.kv_lens[kept], self.counts[kept], self.caps[kept]
+        self.block_table, self.stop_table = self.block_table[kept], self.stop_table[kept]
+        if not self.rows:  # start afresh: no flags or penalty rows linger
+            self.sampling, self.seen = None, None
+        if self.sampling is not None:
+            self.sampling = _select_sampling(self.sampling, dev_kept)
+        if self.seen is not None:
+            self.seen = self.seen[dev_kept]
+        return out
+
+    def update_seen(self, sl: slice) -> torch.Tensor | None:
+        """Mark the tokens about to be fed back as seen (repetition penalty)."""
+        if self.seen is None:
+            return None
+        rows = torch.arange(sl.start, sl.stop, device=self.device)
+        self.seen[rows, self.tokens[sl]] = True
+        return self.seen[sl]
+
+
+def _cat_padded(table: torch.Tensor, rows: list, fill: int) -> torch.Tensor:
+    width = max([table.shape[1]] + [len(r) for r in rows]) or 1
+    new = torch.full((len(rows), width), fill, dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            new[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
+    if table.shape[1] < width:
+        table = torch.cat([table, torch.full((table.shape[0], width - table.shape[1]), fill, dtype=torch.long)], 1)
+    return torch.cat([table, new])
+
+
+def _slice(value: object, sl: slice) -> object:
+    return value[sl] if isinstance(value, torch.Tensor) else value
+
+
+def _cat_sampling(a: SamplingTensors, b: SamplingTensors) -> SamplingTensors:
+    out = {}
+    for f in fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, torch.Tensor):
+            out[f.name] = torch.cat([x, y])
+        elif f.name == "all_greedy":
+            out[f.name] = x and y
+        else:
+            out[f.name] = x or y
+    return SamplingTensors(**out)
+
+
+def _select_sampling(st: SamplingTensors, idx: torch.Tensor) -> SamplingTensors:
+    out = {f.name: getattr(st, f.name) for f in fields(st)}
+    for name, value in out.items():
+        if isinstance(value, torch.Tensor):
+            out[name] = value[idx]
+    # flags stay conservative (a penalty or filter row may have left); they are
+    # recomputed from the tensors so that a group of greedy rows is fast again
+    t = out["temperature"]
+    sampled = t > 0
+    out["all_greedy"] = not bool(sampled.any())
+    out["any_penalty"] = bool((out["repetition_penalty"] != 1.0).any())
+    out["any_filter"] = bool(((out["top_k"] > 0) | (out["top_p"] < 1.0) | (out["min_p"] > 0.0))[sampled].any())
+    return SamplingTensors(**out)
