@@ -5,13 +5,11 @@ tiny-llama engine on a loopback port."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import orjson
 import pytest
-import pytest_asyncio
 from http_support import running_engine, serving, wait_until
 
 from mstar.engine.engine import Engine
@@ -19,24 +17,6 @@ from mstar.engine.engine import Engine
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 CHAT = [{"role": "user", "content": "hi"}]
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def engine() -> AsyncIterator[Engine]:
-    async with running_engine() as e:
-        yield e
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def server(engine: Engine) -> AsyncIterator[str]:
-    async with serving(engine) as s:
-        yield s
-
-
-@pytest_asyncio.fixture(loop_scope="module")
-async def http(server: str) -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(base_url=server) as session:
-        yield session
 
 
 async def error_of(response: aiohttp.ClientResponse) -> dict[str, Any]:

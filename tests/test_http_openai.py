@@ -8,19 +8,13 @@ from collections.abc import AsyncIterator
 import openai
 import pytest
 import pytest_asyncio
-from http_support import MODEL, running_engine, serving
+from http_support import MODEL, serving
 
 from mstar.engine.engine import Engine
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def engine() -> AsyncIterator[Engine]:
-    async with running_engine() as e:
-        yield e
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")

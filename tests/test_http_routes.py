@@ -3,34 +3,14 @@ answers, streams, token counts and finish reasons."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
-import pytest_asyncio
-from http_support import MODEL, read_ndjson, read_sse, running_engine, serving, wait_until
+from http_support import MODEL, read_ndjson, read_sse, wait_until
 
 from mstar.engine.engine import Engine
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def engine() -> AsyncIterator[Engine]:
-    async with running_engine() as e:
-        yield e
-
-
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def server(engine: Engine) -> AsyncIterator[str]:
-    async with serving(engine) as s:
-        yield s
-
-
-@pytest_asyncio.fixture(loop_scope="module")
-async def http(server: str) -> AsyncIterator[aiohttp.ClientSession]:
-    async with aiohttp.ClientSession(base_url=server) as session:
-        yield session
 
 
 def greedy(max_tokens: int, **extra: object) -> dict[str, object]:

@@ -37,14 +37,13 @@ class StepOutput:
 
 class ComponentRunner:
     def __init__(self, name: str, spec: Component, module: nn.Module, device: torch.device,
-                 store: TensorStore, kv: KVCache | None, vocab_size: int | None) -> None:
+                 store: TensorStore, kv: KVCache | None) -> None:
         self.name = name
         self.spec = spec
         self.module = module
         self.device = device
         self.store = store
         self.kv = kv
-        self.vocab_size = vocab_size
         self.device_s = 0.0
 
     @torch.inference_mode()

@@ -18,7 +18,7 @@ from mstar.engine.loop_group import Leave, LoopGroup
 from mstar.engine.messages import Finished, Submit
 from mstar.engine.rows import PartitionRun, RequestRun
 from mstar.engine.tensor_store import TensorRef, TensorStore
-from mstar.graph import AnyOf, EosToken, Loop, MaxSteps, MaxTokens, Step, StopRule, TokenIn
+from mstar.graph import EosToken, Loop, MaxSteps, MaxTokens, Step, StopRule, TokenIn
 from mstar.scheduler import PagePool, Scheduler, WorkItem
 
 

@@ -103,8 +103,7 @@ class DeviceWorker:
                 self.pools[name] = PagePool(num_pages, cfg.page_size)
                 log.info("kv cache", device=self.name, component=name, pages=num_pages,
                          tokens=num_pages * cfg.page_size)
-            vocab = getattr(self.model, "vocab_size", None)
-            self.runners[name] = ComponentRunner(name, spec, module, self.device, self.store, kv, vocab)
+            self.runners[name] = ComponentRunner(name, spec, module, self.device, self.store, kv)
             for mode in spec.modes:
                 caps[(name, mode)] = ModeCaps(cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.scheduler = Scheduler(caps, self.pools)

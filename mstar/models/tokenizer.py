@@ -85,8 +85,8 @@ class Tokenizer:
             tok = _HFTokenizer.from_file(str(tok_file))
         except Exception as e:  # the tokenizers library raises plain Exception
             raise ConfigError(f"{tok_file}: cannot load: {e}") from None
-        cfg = _read_json(folder / "tokenizer_config.json")
-        gen = _read_json(folder / "generation_config.json")
+        cfg = read_optional_json(folder / "tokenizer_config.json")
+        gen = read_optional_json(folder / "generation_config.json")
         template = cfg.get("chat_template")
         if isinstance(template, list):  # named templates: take the default one
             named = {t.get("name"): t.get("template") for t in template}
@@ -203,7 +203,8 @@ def _normalise_message(m: Any, i: int) -> dict[str, Any]:
     return out
 
 
-def _read_json(file: Path) -> dict[str, Any]:
+def read_optional_json(file: Path) -> dict[str, Any]:
+    """A JSON object from `file`, or {} when the file is absent."""
     if not file.is_file():
         return {}
     try:

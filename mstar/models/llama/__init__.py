@@ -20,7 +20,7 @@ from mstar.models.base import KVSpec, Model
 from mstar.models.llama.config import TINY_LLAMA, LlamaConfig, read_config_json
 from mstar.models.llama.loader import checkpoint_has_lm_head, dummy_weights, load_weights
 from mstar.models.llama.model import LlamaDecoder
-from mstar.models.tokenizer import Tokenizer, builtin_byte_tokenizer
+from mstar.models.tokenizer import Tokenizer, builtin_byte_tokenizer, read_optional_json
 from mstar.types import GenerateRequest
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class LlamaModel(Model):
             self.config = LlamaConfig.from_dict(raw)
             self.load_format = load_format
             self._tokenizer = self._folder_tokenizer(self.path)
-            gen = _read_optional_json(self.path / "generation_config.json")
+            gen = read_optional_json(self.path / "generation_config.json")
             eos = gen.get("eos_token_id")
             self._generation_eos = (eos,) if isinstance(eos, int) else tuple(eos or ())
         if max_model_len is not None and max_model_len > self.config.max_position_embeddings:
@@ -143,15 +143,3 @@ def _prompt_ids(value: Any) -> list[int]:
     if not isinstance(value, (list, tuple)) or any(isinstance(t, bool) or not isinstance(t, int) for t in value):
         raise RequestError("must be a list of integer token ids", field="prompt")
     return list(value)
-
-
-def _read_optional_json(file: Path) -> dict[str, Any]:
-    import json
-
-    if not file.is_file():
-        return {}
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{file}: cannot read: {e}") from None
-    return data if isinstance(data, dict) else {}
