@@ -78,8 +78,8 @@ class TorchPagedAttention:
                 raise ValueError(f"row {i} needs {int(pages_needed[i])} pages for {int(seq_lens[i])} tokens, "
                                  f"its block table has {int(have[i])}")
         used = torch.arange(bt.shape[1])[None, :] < pages_needed[:, None]
-        if ((bt < 0) | (bt >= cache.num_pages))[used].any():
-            raise ValueError(f"block_tables hold page ids outside [0, {cache.num_pages})")
+        if ((bt < 0) | (bt > cache.scratch_page))[used].any():
+            raise ValueError(f"block_tables hold page ids outside [0, {cache.scratch_page}]")
 
         self.num_rows = rows
         self.num_tokens = int(qs[-1] - qs[0]) if rows else 0

@@ -1,6 +1,6 @@
 """KVCache: the paged key/value memory of one KV component on one device.
 
-Per layer, K and V are [num_pages, page_size, num_kv_heads, head_dim] tensors
+Per layer, K and V are [num_pages + 1, page_size, num_kv_heads, head_dim] tensors
 allocated once at startup; rows of a step own pages through block tables, and
 attention backends write and read tokens at slot `page * page_size + offset`.
 """
@@ -23,7 +23,10 @@ class KVCache:
         self.page_size = page_size
         self.device = torch.device(device)
         self.dtype = dtype
-        shape = (num_pages, page_size, spec.num_kv_heads, spec.head_dim)
+        # one page more than the pool hands out: the scratch page, where the
+        # padding rows of a CUDA-graph batch write and read harmlessly
+        self.scratch_page = num_pages
+        shape = (num_pages + 1, page_size, spec.num_kv_heads, spec.head_dim)
         # zeroed, not empty: padded gathers read unused slots, and garbage there
         # could be NaN/inf, which survives a zero attention weight as NaN
         self.k: list[torch.Tensor] = [torch.zeros(shape, device=self.device, dtype=dtype)
