@@ -108,17 +108,32 @@ class ModelCard:
     devices: dict[str, tuple[str, ...]] = field(default_factory=dict)  # component -> devices
 
 
+@dataclass(frozen=True)
+class Rotary:
+    """Rotary position embedding for the new tokens of a step, in the
+    rotate-half layout: x * cos[p] + rotate_half(x) * sin[p].
+
+    `cos`, `sin`: [max_positions, head_dim] float32 tables; `positions`: [T].
+    An attention context applies it to q and k (fused with the KV write where
+    a kernel can)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: torch.Tensor
+
+
 class AttentionContext(Protocol):
     """Attention over the paged KV cache for the rows of one step.
 
     `q`: [T, Hq, D], `k`, `v`: [T, Hkv, D] for the T packed new tokens of the
-    step. Writes `k`, `v` into layer `layer`'s pages at the rows' new positions,
-    then attends each query causally to its row's cached and new keys.
-    Returns [T, Hq, D]. Planned once per step, reused by every layer.
+    step. Applies `rotary` to q and k when given, writes `k`, `v` into layer
+    `layer`'s pages at the rows' new positions, then attends each query
+    causally to its row's cached and new keys. Returns [T, Hq, D]. Planned
+    once per step, reused by every layer.
     """
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                scale: float) -> torch.Tensor: ...
+                scale: float, rotary: Rotary | None = None) -> torch.Tensor: ...
 
 
 @dataclass
