@@ -28,6 +28,7 @@ class KVSpec:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    num_q_heads: int = 0   # the query heads attending over these pages (0: unknown)
 
 
 class Model:

@@ -97,7 +97,8 @@ class LlamaModel(Model):
         if component != "llm":
             return super().kv_spec(component)
         c = self.config
-        return KVSpec(num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim)
+        return KVSpec(num_layers=c.num_hidden_layers, num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
+                      num_q_heads=c.num_attention_heads)
 
     # -- what the runtime calls
     def build_component(self, component: str, device: torch.device, dtype: torch.dtype) -> LlamaDecoder:
