@@ -34,6 +34,9 @@ class EngineConfig:
     dtype: str = "auto"                   # auto | float32 | bfloat16 | float16
     max_model_len: int | None = None
     seed: int = 0
+    attention_backend: str = "auto"       # auto | torch | flashinfer (auto: flashinfer on CUDA)
+    enforce_eager: bool = False           # no CUDA graphs
+    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
 
@@ -69,6 +72,18 @@ def parse_devices(spec: str) -> tuple[str, ...]:
     return tuple(out)
 
 
+def graph_buckets(max_batch: int) -> tuple[int, ...]:
+    """Powers of two up to `max_batch`, and `max_batch` itself."""
+    if max_batch < 1:
+        raise ConfigError("--cuda-graph-max-batch must be positive")
+    out = []
+    b = 1
+    while b < max_batch:
+        out.append(b)
+        b *= 2
+    return tuple(out + [max_batch])
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m mstar.http", description="Serve a model over HTTP.")
     p.add_argument("--model", default=DEFAULT_MODEL, help="built-in model name or a local Hugging Face folder")
@@ -84,6 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-memory", type=float, default=0.25, help="GiB of KV cache on CPU")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attention-backend", choices=("auto", "torch", "flashinfer"), default="auto",
+                   help="auto: FlashInfer on CUDA, the torch reference on CPU")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--cuda-graph-max-batch", type=int, default=256,
+                   help="capture decode graphs for batch sizes 1, 2, 4, ... up to this")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-format", choices=("console", "json"), default="console")
@@ -112,6 +132,9 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         dtype=a.dtype,
         max_model_len=a.max_model_len,
         seed=a.seed,
+        attention_backend=a.attention_backend,
+        enforce_eager=a.enforce_eager,
+        cuda_graph_batch_sizes=graph_buckets(a.cuda_graph_max_batch),
         scheduler=sched,
     )
     return ServerConfig(engine=engine, host=a.host, port=a.port, log_format=a.log_format,

@@ -136,15 +136,15 @@ class LoopGroup:
             return st
         return SamplingTensors(**{f.name: _slice(getattr(st, f.name), sl) for f in fields(st)})
 
-    def advance(self, sl: slice, new_tokens: torch.Tensor) -> tuple[torch.Tensor, list[Leave]]:
-        """Take the tokens a step sampled for rows `sl`; returns the stop mask
-        over those rows and the rows that left the loop."""
+    def advance(self, sl: slice, new_tokens: torch.Tensor, host: torch.Tensor) -> tuple[torch.Tensor, list[Leave]]:
+        """Take the tokens a step sampled for rows `sl` (on the device, and
+        their host copy); returns the stop mask over those rows and the rows
+        that left the loop."""
         self.tokens[sl] = new_tokens
         self.kv_lens[sl] += 1
         self.counts[sl] += 1
         assert self.sampling is not None
         self.sampling.counters[sl] += 1
-        host = new_tokens.to("cpu")
         hit_stop = (self.stop_table[sl] == host[:, None]).any(dim=1)
         hit_len = self.counts[sl] >= self.caps[sl]
         done = (hit_stop | hit_len).nonzero().flatten()

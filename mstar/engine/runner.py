@@ -16,7 +16,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from mstar.engine.attention import TorchPagedAttention
+from mstar.engine.backends import AttentionBackend
+from mstar.engine.cuda_graphs import DecodeGraphs
 from mstar.engine.kv_cache import KVCache
 from mstar.engine.loop_group import LoopGroup
 from mstar.engine.rows import PartitionRun
@@ -37,14 +38,18 @@ class StepOutput:
 
 class ComponentRunner:
     def __init__(self, name: str, spec: Component, module: nn.Module, device: torch.device,
-                 store: TensorStore, kv: KVCache | None) -> None:
+                 store: TensorStore, kv: KVCache | None, attention: AttentionBackend | None = None,
+                 graphs: DecodeGraphs | None = None) -> None:
         self.name = name
         self.spec = spec
         self.module = module
         self.device = device
         self.store = store
         self.kv = kv
+        self.attention = attention
+        self.graphs = graphs
         self.device_s = 0.0
+        self._cuda = device.type == "cuda"
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> StepOutput:
@@ -74,7 +79,8 @@ class ComponentRunner:
         query_start = torch.zeros(len(items) + 1, dtype=torch.long)
         query_start[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.long), 0)
         input_ids = torch.cat(ids).to(self.device, torch.long)
-        attn = TorchPagedAttention(self.kv, query_start, torch.tensor(ctx, dtype=torch.long), tables)
+        assert self.attention is not None
+        attn = self.attention.plan(query_start, torch.tensor(ctx, dtype=torch.long), tables)
         batch = TokenBatch(
             input_ids=input_ids,
             positions=torch.cat(positions).to(self.device),
@@ -107,26 +113,33 @@ class ComponentRunner:
         tokens = self._timed(sample)(logits.float(), st, seen)
         for part in parts:
             part.generated += 1
+        self._wait()
         return tokens
 
     @torch.inference_mode()
     def run_group(self, group: LoopGroup, sl: slice) -> torch.Tensor:
         """One decode step of rows `sl` of a token loop group: [n] new tokens."""
-        assert self.kv is not None
+        assert self.kv is not None and self.attention is not None
         self.device_s = 0.0
         n = sl.stop - sl.start
-        query_start = torch.arange(n + 1, dtype=torch.long)
         ctx = group.kv_lens[sl]
-        batch = TokenBatch(
-            input_ids=group.tokens[sl],
-            positions=ctx.to(self.device),
-            query_start=query_start,
-            logits_index=torch.arange(n, device=self.device),
-            attn=TorchPagedAttention(self.kv, query_start, ctx, group.block_table[sl]),
-        )
-        out = self._timed(getattr(self.module, group.mode))(batch)
+        logits = None
+        if self.graphs is not None:
+            logits = self.graphs.run(group.tokens[sl], ctx, group.block_table[sl])
+        if logits is None:
+            query_start = torch.arange(n + 1, dtype=torch.long)
+            batch = TokenBatch(
+                input_ids=group.tokens[sl],
+                positions=ctx.to(self.device),
+                query_start=query_start,
+                logits_index=torch.arange(n, device=self.device),
+                attn=self.attention.plan(query_start, ctx, group.block_table[sl]),
+            )
+            logits = self._timed(getattr(self.module, group.mode))(batch)["logits"]
         seen = group.update_seen(sl)
-        return self._timed(sample)(out["logits"].float(), group.sampling_for(sl), seen)
+        tokens = self._timed(sample)(logits.float(), group.sampling_for(sl), seen)
+        self._wait()
+        return tokens
 
     # --------------------------------------------------------- plain rows
 
@@ -144,15 +157,25 @@ class ComponentRunner:
         return {n: [o[n][0] for o in outs] for n in step.outputs}
 
     def _timed(self, fn: Callable) -> Callable:
-        """`fn`, adding its run time to `device_s`: the compute a device would
-        do, as opposed to the host work around it (exact on CPU, where calls
-        are synchronous)."""
+        """`fn`, adding its run time to `device_s` on the CPU, where compute is
+        synchronous. On CUDA calls only launch work; `_wait` measures there."""
+        if self._cuda:
+            return fn
+
         def call(*args):
             t0 = time.perf_counter()
             out = fn(*args)
             self.device_s += time.perf_counter() - t0
             return out
         return call
+
+    def _wait(self) -> None:
+        """On CUDA: wait for the step's kernels, counting the time as device
+        time (what is left of the step is host work)."""
+        if self._cuda:
+            t0 = time.perf_counter()
+            torch.cuda.current_stream(self.device).synchronize()
+            self.device_s += time.perf_counter() - t0
 
     def _name_outputs(self, step: Step, out) -> dict[str, torch.Tensor]:
         if isinstance(out, torch.Tensor):

@@ -23,6 +23,7 @@ import structlog
 import torch
 
 from mstar.config import EngineConfig
+from mstar.engine.backends import attention_backend, decode_graphs
 from mstar.engine.kv_cache import KVCache
 from mstar.engine.loop_group import LoopGroup
 from mstar.engine.messages import Abort, EmitBatch, Finished, Shutdown, Stop, StepReport, Submit
@@ -103,7 +104,15 @@ class DeviceWorker:
                 self.pools[name] = PagePool(num_pages, cfg.page_size)
                 log.info("kv cache", device=self.name, component=name, pages=num_pages,
                          tokens=num_pages * cfg.page_size)
-            self.runners[name] = ComponentRunner(name, spec, module, self.device, self.store, kv)
+                attention = attention_backend(kv, kvspec.num_q_heads, need, self.config)
+                graphs = decode_graphs(module.decode, attention, self.device, self.config) \
+                    if spec.samples and hasattr(module, "decode") else None
+                log.info("attention", device=self.name, component=name, backend=type(attention).__name__,
+                         cuda_graphs=graphs.buckets if graphs is not None else None)
+                self.runners[name] = ComponentRunner(name, spec, module, self.device, self.store, kv,
+                                                     attention, graphs)
+            else:
+                self.runners[name] = ComponentRunner(name, spec, module, self.device, self.store, None)
             for mode in spec.modes:
                 caps[(name, mode)] = ModeCaps(cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.scheduler = Scheduler(caps, self.pools)
@@ -120,6 +129,8 @@ class DeviceWorker:
     # --------------------------------------------------------------- loop
 
     def _main(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         try:
             with torch.inference_mode():
                 self._setup()
@@ -244,9 +255,10 @@ class DeviceWorker:
             return
         value = group.loop.value
         walk = rows[0].request.walk
+        host = tokens.cpu()
         if value in walk.emits:
-            self._report.emits.append(EmitBatch(value, rids, names, tokens.cpu()))
-        _, leaving = group.advance(sl, tokens)
+            self._report.emits.append(EmitBatch(value, rids, names, host))
+        _, leaving = group.advance(sl, tokens, host)
         if walk.streams.get(value):
             gone = {id(leave.part) for leave in leaving}
             handle = self.store.put(tokens, rids)

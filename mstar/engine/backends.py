@@ -1,0 +1,69 @@
+"""Which attention backend and which CUDA graphs a KV component gets.
+
+The torch reference (`TorchPagedAttention`) runs everywhere and is the oracle;
+FlashInfer serves CUDA devices when it is installed. Decode steps replay CUDA
+graphs when the backend can plan into static buffers and graphs are not
+switched off.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol, Sequence
+
+import structlog
+import torch
+
+from mstar.config import EngineConfig
+from mstar.engine.attention import TorchPagedAttention
+from mstar.engine.cuda_graphs import DecodeGraphs
+from mstar.engine.kv_cache import KVCache
+from mstar.errors import ConfigError
+from mstar.types import AttentionContext, TokenBatch
+
+log = structlog.get_logger("mstar.backends")
+
+
+class AttentionBackend(Protocol):
+    def plan(self, query_start: torch.Tensor, context_lens: torch.Tensor,
+             block_tables: torch.Tensor | Sequence[Sequence[int]]) -> AttentionContext: ...
+
+
+class TorchBackend:
+    """The reference: plain torch over the pages, on any device."""
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+
+    def plan(self, query_start: torch.Tensor, context_lens: torch.Tensor,
+             block_tables: torch.Tensor | Sequence[Sequence[int]]) -> AttentionContext:
+        return TorchPagedAttention(self.cache, query_start, context_lens, block_tables)
+
+
+def attention_backend(cache: KVCache, num_q_heads: int, max_pages_per_row: int,
+                      config: EngineConfig) -> AttentionBackend:
+    choice = config.attention_backend
+    if choice == "torch" or (choice == "auto" and cache.device.type != "cuda"):
+        return TorchBackend(cache)
+    if cache.device.type != "cuda":
+        raise ConfigError("--attention-backend flashinfer needs a CUDA device")
+    try:
+        from mstar.engine.flashinfer_attention import FlashInferAttention
+    except ImportError as e:
+        if choice == "flashinfer":
+            raise ConfigError(f"FlashInfer is not importable: {e}") from e
+        log.warning("flashinfer is not installed: using the torch reference attention", error=str(e))
+        return TorchBackend(cache)
+    if num_q_heads < 1:
+        raise ConfigError("the model's KVSpec does not give its number of query heads")
+    buckets = () if config.enforce_eager else config.cuda_graph_batch_sizes
+    return FlashInferAttention(cache, num_q_heads, graph_batch_sizes=buckets, max_pages_per_row=max_pages_per_row)
+
+
+def decode_graphs(step: Callable[[TokenBatch], dict[str, torch.Tensor]], backend: AttentionBackend,
+                  device: torch.device, config: EngineConfig) -> DecodeGraphs | None:
+    """Captured decode graphs, or None where they cannot or should not run."""
+    if config.enforce_eager or device.type != "cuda" or not hasattr(backend, "plan_graph"):
+        return None
+    graphs = DecodeGraphs(step, backend, config.cuda_graph_batch_sizes, device)
+    graphs.capture()
+    return graphs
