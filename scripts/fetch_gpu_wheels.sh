@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Downloads, on the CPU box, the wheels the GPU machine lacks (it has no
+# network): FlashInfer and what its import and JIT need, plus the runtime and
+# test packages its image does not ship. They land in .wheels/ (gitignored),
+# which scripts/gpu_check.sh installs; pass it to the device tool with carry.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p .wheels
+pip download --no-deps --only-binary=:all: -d .wheels \
+  --python-version 3.12 --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
+  --platform manylinux_2_17_x86_64 \
+  flashinfer-python==0.6.4 apache-tvm-ffi nvidia-ml-py ninja structlog orjson pytest-asyncio
+du -sh .wheels
