@@ -1,13 +1,21 @@
 """Fixtures shared by the HTTP tests: one running tiny-llama engine and one
-server in front of it per test module, and a client session per test."""
+server in front of it per test module, and a client session per test. Without
+a GPU, Triton's interpreter is switched on for the kernel tests."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest_asyncio
+import torch
+
+# Triton kernels run on CPU tensors through its interpreter, which must be on
+# before any @triton.jit decorator runs, i.e. before mstar.kernels is imported
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests import their helper modules by name
 

@@ -44,8 +44,11 @@ RULES = (
          lambda n: under(n, "mstar") and n not in LEAVES | {"mstar"},
          "leaf modules import no mstar module but each other"),
     Rule(lambda m: under(m, "mstar.scheduler"),
-         lambda n: under(n, "mstar.engine", "mstar.models", "mstar.http", "torch"),
-         "scheduler/ is pure Python: no engine, models, http or torch"),
+         lambda n: under(n, "mstar.engine", "mstar.models", "mstar.kernels", "mstar.http", "torch"),
+         "scheduler/ is pure Python: no engine, models, kernels, http or torch"),
+    Rule(lambda m: under(m, "mstar.kernels"),
+         lambda n: under(n, "mstar") and not (n in LEAVES | {"mstar"} or under(n, "mstar.kernels")),
+         "kernels/ imports only torch, triton and the leaves: never engine, models, scheduler or http"),
     Rule(lambda m: under(m, "mstar.models"),
          lambda n: under(n, "mstar.engine", "mstar.scheduler"),
          "models/ never imports engine/ or scheduler/"),
@@ -122,7 +125,8 @@ def test_layer_rules_hold() -> None:
 
 
 KNOWN = {"mstar", "mstar.types", "mstar.errors", "mstar.graph", "mstar.engine", "mstar.engine.engine",
-         "mstar.engine.worker", "mstar.scheduler", "mstar.scheduler.pages", "mstar.http", "mstar.http.app"}
+         "mstar.engine.worker", "mstar.scheduler", "mstar.scheduler.pages", "mstar.http", "mstar.http.app",
+         "mstar.kernels", "mstar.kernels.norm", "mstar.models", "mstar.models.layers"}
 
 
 @pytest.mark.parametrize("module, is_package, source, expected", [
@@ -135,6 +139,10 @@ KNOWN = {"mstar", "mstar.types", "mstar.errors", "mstar.graph", "mstar.engine", 
      "mstar.scheduler"),
     ("mstar.http", True, "from .. import engine\nfrom ..engine import worker", "mstar.engine.worker"),
     ("mstar.http.app", False, "from mstar.scheduler.pages import PagePool", "mstar.scheduler.pages"),
+    ("mstar.kernels.norm", False, "from mstar.models.layers import RMSNorm", "mstar.models.layers"),
+    ("mstar.kernels.norm", False, "def f():\n    from ..engine import worker", "mstar.engine.worker"),
+    ("mstar.kernels", True, "from mstar.scheduler import pages", "mstar.scheduler.pages"),
+    ("mstar.scheduler.pages", False, "from mstar.kernels.norm import rms_norm", "mstar.kernels.norm"),
 ])
 def test_checker_flags_violations(module: str, is_package: bool, source: str, expected: str) -> None:
     found = violations(source, module, is_package, KNOWN)
@@ -152,6 +160,10 @@ def test_checker_accepts_allowed_imports() -> None:
     assert violations(http, "mstar.http.server", False, KNOWN) == []
     leaf = "from mstar.errors import WalkError\nif TYPE_CHECKING:\n    import torch\n    from mstar.types import X"
     assert violations(leaf, "mstar.graph", False, KNOWN) == []
+    kernels = "import torch\nimport triton\nfrom mstar.types import Rotary\nfrom mstar.kernels import norm"
+    assert violations(kernels, "mstar.kernels.rope_kv", False, KNOWN) == []
+    # models/ and engine/ may both build on kernels/
+    assert violations("from mstar.kernels.norm import rms_norm", "mstar.models.layers.norm", False, KNOWN) == []
 
 
 # Raises on any import of torch, so a module that needs it fails to import.

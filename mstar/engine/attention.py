@@ -2,8 +2,10 @@
 
 A step's rows and their pages in (query_start, context_lens, block_tables),
 planned once; then, for every layer, packed q [T, Hq, D] and new k/v
-[T, Hkv, D] in, attention output [T, Hq, D] out. Plain torch, so it runs on
-CPU and CUDA alike and is what faster backends are tested against.
+[T, Hkv, D] (and the step's `Rotary`, applied as k is written) in, attention
+output [T, Hq, D] out. Plain torch attention, so it runs on CPU and CUDA alike
+and is what faster backends are tested against; the RoPE + KV write goes
+through `mstar.kernels.rope_kv` (its torch reference on CPU).
 
 The plan lays rows out padded: queries [B, Qmax], keys [B, L] gathered from
 each row's pages, and a [B, Qmax, L] causal mask. All rows run in one
@@ -19,6 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from mstar.engine.kv_cache import KVCache
+from mstar.kernels.rope_kv import rope_and_store, store_kv
+from mstar.types import Rotary
 
 # score tensors beyond this are computed a group of rows at a time, so a long
 # prefill batched with many decodes does not allocate B * Qmax * L at once
@@ -116,7 +120,8 @@ class TorchPagedAttention:
         step = max(1, SCORE_BUDGET_BYTES // per_row)
         return [slice(i, min(i + step, self.num_rows)) for i in range(0, self.num_rows, step)]
 
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                rotary: Rotary | None = None) -> torch.Tensor:
         t, hq, d = q.shape
         if t != self.num_tokens or k.shape[0] != t or v.shape[0] != t:
             raise ValueError(f"attention planned for {self.num_tokens} tokens, got q/k/v of {t}/{k.shape[0]}/{v.shape[0]}")
@@ -124,10 +129,13 @@ class TorchPagedAttention:
         hkv = k_pages.shape[2]
         if hq % hkv:
             raise ValueError(f"{hq} query heads do not group over {hkv} KV heads")
+        if rotary is None:
+            store_kv(k, v, k_pages, v_pages, self.slot_mapping)
+        else:
+            q = rope_and_store(q, k, v, rotary.cos, rotary.sin, rotary.positions, k_pages, v_pages,
+                               self.slot_mapping)
         k_flat = k_pages.view(-1, hkv, d)
         v_flat = v_pages.view(-1, hkv, d)
-        k_flat.index_copy_(0, self.slot_mapping, k.to(k_flat.dtype))
-        v_flat.index_copy_(0, self.slot_mapping, v.to(v_flat.dtype))
         if t == 0:
             return q.new_empty(0, hq, d)
 

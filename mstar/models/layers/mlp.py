@@ -1,15 +1,16 @@
 """SwiGLU feed-forward: hidden states [T, H] -> [T, H].
 
 Gate and up projections are one merged weight (`gate_up`, laid out at load), so
-the block runs two matmuls: `down(silu(gate) * up)`.
+the block runs two matmuls around one fused `silu(gate) * up`
+(`mstar.kernels.activation`).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from mstar.kernels.activation import silu_and_mul
 from mstar.models.layers.linear import Linear, MergedLinear
 
 
@@ -22,5 +23,5 @@ class SwiGLU(nn.Module):
         self.down = Linear(intermediate, hidden, bias, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up.split(self.gate_up(x))
-        return self.down(F.silu(gate) * up)
+        # gate and up shards sit side by side in the merged output, the layout silu_and_mul reads
+        return self.down(silu_and_mul(self.gate_up(x)))

@@ -1,13 +1,20 @@
-"""RMSNorm: hidden states [T, H] in, normalised hidden states [T, H] out.
+"""RMSNorm: hidden states [T, H] in, normalised hidden states [T, H] out;
+with the residual stream [T, H] also in, the add fused into the norm:
+(rmsnorm(x + residual), x + residual) out.
 
 The statistics are taken in float32 whatever the activation dtype, as the
-reference implementation does, so bf16 runs stay close to fp32 ones.
+reference implementation does, so bf16 runs stay close to fp32 ones. The math
+lives in `mstar.kernels.norm` (Triton on CUDA, torch elsewhere).
 """
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 from torch import nn
+
+from mstar.kernels.norm import fused_add_rms_norm, rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -19,13 +26,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        # cast before the weight multiply, as the reference does: changing the order
-        # changes bf16 rounding and breaks logit parity
-        return self.weight * h.to(dtype)
+    @overload
+    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
+
+    @overload
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward(self, x: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -1,10 +1,12 @@
-"""Rotary position embedding: q [T, Hq, D], k [T, Hkv, D] and positions [T] in,
-rotated q and k out.
+"""Rotary position embedding: the cos/sin tables of a model, and per step a
+`Rotary` (tables + positions [T]) that the attention context applies to q and
+k, fused with its KV write.
 
 cos/sin tables for every position up to `max_positions` are computed once, in
 float32, at construction; a step only indexes them. The rotation follows the
 Hugging Face "rotate_half" layout (the two halves of the head dim pair up), so
-checkpoints load without permuting q/k weights.
+checkpoints load without permuting q/k weights. Calling the module applies it
+directly: q [T, Hq, D], k [T, Hkv, D] and positions [T] in, rotated q, k out.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import torch
 from torch import nn
 
 from mstar.errors import ConfigError
+from mstar.kernels.rope_kv import apply_rope
+from mstar.types import Rotary
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -80,11 +84,6 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> to
     return torch.where(in_band, blended, scaled)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     """Applies RoPE at given positions; tables are buffers (not saved)."""
 
@@ -101,11 +100,12 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos().to(device), persistent=False)
         self.register_buffer("sin", angles.sin().to(device), persistent=False)
 
+    def at(self, positions: torch.Tensor) -> Rotary:
+        """What the attention context applies for the tokens at `positions` [T]."""
+        return Rotary(cos=self.cos, sin=self.sin, positions=positions)
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # [T, 1, D]: one angle per token, shared by all heads
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return apply_rope(q, self.cos, self.sin, positions), apply_rope(k, self.cos, self.sin, positions)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_positions={self.max_positions}"

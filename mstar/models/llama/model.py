@@ -3,7 +3,12 @@ logits [B, vocab] (float32) for one chosen token per row out.
 
 Prefill and decode are the same computation over packed rows; only the number
 of tokens per row differs. Attention goes through `batch.attn`, which owns the
-paged KV cache, so this module never sees pages, requests or devices.
+paged KV cache and applies the rotary embedding (fused with its KV write), so
+this module never sees pages, requests or devices.
+
+Layers pass the residual stream beside the hidden states, (h, residual): each
+norm adds the previous block's output into the stream and normalises it in
+one fused pass.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from torch import nn
 
 from mstar.models.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, qkv_linear
 from mstar.models.llama.config import LlamaConfig
-from mstar.types import AttentionContext, TokenBatch
+from mstar.types import AttentionContext, Rotary, TokenBatch
 
 Device = torch.device | str | None
 
@@ -31,15 +36,13 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, cfg.attention_bias,
                              device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                attn: AttentionContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: Rotary, attn: AttentionContext) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
-        out = attn.forward(self.layer, q, k, v, self.scale)
+        out = attn.forward(self.layer, q, k, v, self.scale, rotary=rotary)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -51,10 +54,18 @@ class LlamaLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias, device=device, dtype=dtype)
 
-    def forward(self, h: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                attn: AttentionContext) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rotary: Rotary,
+                attn: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, residual) in, (this layer's MLP output, the stream before it) out;
+        the stream after the layer is their sum, which the next norm forms.
+        The first layer gets residual None: its input is the stream itself."""
+        if residual is None:
+            h, residual = self.input_layernorm(h), h
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(h, rotary, attn)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaDecoder(nn.Module):
@@ -90,11 +101,14 @@ class LlamaDecoder(nn.Module):
     @torch.no_grad()
     def forward(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
         h = self.embed_tokens(batch.input_ids)
-        for layer in self.layers:
-            h = layer(h, batch.positions, self.rotary, batch.attn)
-        # norm and head only on the rows whose logits are wanted: the head is
-        # the largest matmul of a decode step
-        h = self.norm(h[batch.logits_index])
+        residual: torch.Tensor | None = None
+        rotary = self.rotary.at(batch.positions)
+        for layer in self.layers:  # at least one: the config refuses zero layers
+            h, residual = layer(h, residual, rotary, batch.attn)
+        # the last add, norm and head only on the rows whose logits are
+        # wanted: the head is the largest matmul of a decode step
+        rows = batch.logits_index
+        h, _ = self.norm(h[rows], residual[rows])
         return {"logits": self.lm_head(h).float()}
 
     def prefill(self, batch: TokenBatch) -> dict[str, torch.Tensor]:

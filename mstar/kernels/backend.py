@@ -1,0 +1,49 @@
+"""Which implementation runs a fused op: tensors in, Triton or the torch
+reference out.
+
+Triton kernels serve CUDA tensors when triton imports; CPU tensors, and
+machines without triton, take the torch reference. Tests run the Triton path
+on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1, set before
+the kernels are decorated).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # a CPU-only install: every op falls back to torch
+    triton = None
+    tl = None
+
+HAVE_TRITON = triton is not None
+
+
+def jit(fn: Callable[..., Any]) -> Any:
+    """`triton.jit` where triton imports; otherwise the bare function, which
+    is never launched because `use_triton` is then always False."""
+    return triton.jit(fn) if HAVE_TRITON else fn
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    return HAVE_TRITON and x.is_cuda
+
+
+def block_size(n: int) -> int:
+    """The power of two a kernel tiles `n` elements with (tl.arange needs one)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def num_warps(elements: int) -> int:
+    """Warps for a program touching `elements` values: about 8 per thread.
+    Fixed from shapes rather than autotuned, so launches stay deterministic
+    and graph-capturable."""
+    return min(block_size(max(elements // 256, 1)), 16)
+
+
+__all__ = ["HAVE_TRITON", "block_size", "jit", "num_warps", "tl", "triton", "use_triton"]

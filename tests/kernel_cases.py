@@ -1,0 +1,116 @@
+"""The kernel comparisons shared by the CPU tests (Triton's interpreter) and
+the CUDA tests: random inputs on a device in, the Triton path checked against
+the torch reference.
+
+Inputs arrive the way the model produces them: hidden states as row views of
+a wider tensor, q/k/v as strided views of one qkv projection, a cache
+prefilled with noise so a write to a wrong slot shows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from mstar.kernels import activation, norm, rope_kv
+
+EPS = 1e-5
+
+
+def tolerance(dtype: torch.dtype, interpreted: bool) -> dict[str, float]:
+    if dtype == torch.float32:
+        return {"atol": 1e-5, "rtol": 1e-5}
+    # Triton's interpreter rounds fp32 -> bf16 toward zero, not to nearest:
+    # with two roundings in a kernel its results can sit two ulps off
+    return {"atol": 2e-2, "rtol": 3e-2} if interpreted else {"atol": 1e-2, "rtol": 1.6e-2}
+
+
+def _rows(gen: torch.Generator, t: int, h: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """[t, h] as a row view of a [t, h + 8] tensor (a stride the kernels must honour)."""
+    return torch.randn(t, h + 8, generator=gen).to(device=device, dtype=dtype)[:, 4:4 + h]
+
+
+def check_rms_norm(t: int, h: int, dtype: torch.dtype, device: str, interpreted: bool) -> None:
+    gen = torch.Generator().manual_seed(t * 1000 + h)
+    x = _rows(gen, t, h, dtype, device) * 3
+    weight = (1 + 0.5 * torch.randn(h, generator=gen)).to(device=device, dtype=dtype)
+    got = norm.rms_norm_triton(x, weight, EPS)
+    assert got.dtype == dtype and got.shape == x.shape
+    torch.testing.assert_close(got, norm.rms_norm_reference(x, weight, EPS), **tolerance(dtype, interpreted))
+
+
+def check_fused_add_rms_norm(t: int, h: int, dtype: torch.dtype, device: str, interpreted: bool) -> None:
+    gen = torch.Generator().manual_seed(t * 1000 + h + 1)
+    x = _rows(gen, t, h, dtype, device)
+    residual = _rows(gen, t, h, dtype, device) * 4
+    weight = (1 + 0.5 * torch.randn(h, generator=gen)).to(device=device, dtype=dtype)
+    x_before, residual_before = x.clone(), residual.clone()
+    normed, summed = norm.fused_add_rms_norm_triton(x, residual, weight, EPS)
+    ref_normed, ref_summed = norm.fused_add_rms_norm_reference(x, residual, weight, EPS)
+    tol = tolerance(dtype, interpreted)
+    torch.testing.assert_close(summed, ref_summed, **tol)
+    torch.testing.assert_close(normed, ref_normed, **tol)
+    # out of place: the caller's stream is not overwritten
+    assert torch.equal(x, x_before) and torch.equal(residual, residual_before)
+
+
+def check_silu_and_mul(t: int, inter: int, dtype: torch.dtype, device: str, interpreted: bool) -> None:
+    gen = torch.Generator().manual_seed(t * 1000 + inter)
+    gate_up = _rows(gen, t, 2 * inter, dtype, device) * 3
+    got = activation.silu_and_mul_triton(gate_up)
+    assert got.shape == (t, inter) and got.dtype == dtype
+    torch.testing.assert_close(got, activation.silu_and_mul_reference(gate_up), **tolerance(dtype, interpreted))
+
+
+def check_rope_and_store(t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, cache_dtype: torch.dtype,
+                         device: str, interpreted: bool) -> None:
+    gen = torch.Generator().manual_seed(t * 1000 + hq * 100 + hkv * 10 + d)
+    page, max_pos = 4, 64
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=gen).to(device=device, dtype=dtype)
+    q, k, v = qkv.split((hq * d, hkv * d, hkv * d), dim=-1)
+    q, k, v = q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
+    angles = torch.rand(max_pos, d, generator=gen) * 6.3
+    cos, sin = angles.cos().to(device), angles.sin().to(device)
+    positions = torch.randint(0, max_pos, (t,), generator=gen).to(device)
+    num_pages = (t + page - 1) // page + 2
+    slots = torch.randperm(num_pages * page, generator=gen)[:t].to(device)
+    k_cache = torch.randn(num_pages, page, hkv, d, generator=gen).to(device=device, dtype=cache_dtype)
+    v_cache = torch.randn(num_pages, page, hkv, d, generator=gen).to(device=device, dtype=cache_dtype)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+
+    got_q = rope_kv.rope_and_store_triton(q, k, v, cos, sin, positions, k_cache, v_cache, slots)
+    ref_q = rope_kv.rope_and_store_reference(q, k, v, cos, sin, positions, ref_k, ref_v, slots)
+    assert got_q.shape == q.shape and got_q.dtype == dtype
+    torch.testing.assert_close(got_q, ref_q, **tolerance(dtype, interpreted))
+    # k is rounded to its own dtype, then the cache's: bf16 spacing if either is bf16
+    narrowest = torch.bfloat16 if torch.bfloat16 in (dtype, cache_dtype) else torch.float32
+    torch.testing.assert_close(k_cache, ref_k, **tolerance(narrowest, interpreted))
+    # v is a plain cast: exact but for the interpreter's rounding toward zero
+    v_tol = tolerance(narrowest, interpreted) if interpreted else {"atol": 0, "rtol": 0}
+    torch.testing.assert_close(v_cache, ref_v, **v_tol)
+
+
+def same_on_replay(make_inputs: Callable[[], list[torch.Tensor]],
+                   op: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]) -> None:
+    """Capture `op` in a CUDA graph on static inputs, refill them with new
+    values, replay, and compare with an eager run on the new values."""
+    static = make_inputs()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        op(*static)  # compile outside the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = op(*static)
+    fresh = make_inputs()
+    for s, f in zip(static, fresh):
+        s.copy_(f)
+    graph.replay()
+    torch.cuda.synchronize()
+    expect = op(*fresh)
+    outs = out if isinstance(out, tuple) else (out,)
+    expects = expect if isinstance(expect, tuple) else (expect,)
+    for o, e in zip(outs, expects):
+        torch.testing.assert_close(o, e, atol=0, rtol=0)

@@ -1,0 +1,114 @@
+"""The Triton kernels of mstar.kernels against their torch references, run on
+CPU tensors through Triton's interpreter (conftest switches it on), and the
+dispatch that sends CPU tensors to the references."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from kernel_cases import check_fused_add_rms_norm, check_rms_norm, check_rope_and_store, check_silu_and_mul
+
+from mstar.kernels import activation, fused_add_rms_norm, norm, rms_norm, rope_and_store, rope_kv, silu_and_mul
+from mstar.kernels.backend import HAVE_TRITON, block_size, num_warps
+
+interpreted = pytest.mark.skipif(
+    not HAVE_TRITON or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs triton with TRITON_INTERPRET=1 (pip install triton==3.7.1; conftest sets it without CUDA)")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,h", [(1, 64), (7, 96), (33, 128), (3, 4096)])
+@pytest.mark.parametrize("check", [check_rms_norm, check_fused_add_rms_norm], ids=["plain", "fused_add"])
+def test_rms_norm(check, t, h, dtype):
+    check(t, h, dtype, "cpu", interpreted=True)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,inter", [(1, 64), (7, 1500), (33, 128), (2, 2048)])
+def test_silu_and_mul(t, inter, dtype):
+    check_silu_and_mul(t, inter, dtype, "cpu", interpreted=True)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("t,hq,hkv,d", [(1, 4, 2, 64), (7, 8, 1, 128), (33, 6, 6, 64), (5, 12, 4, 128)])
+def test_rope_and_store(t, hq, hkv, d, dtype, cache_dtype):
+    check_rope_and_store(t, hq, hkv, d, dtype, cache_dtype, "cpu", interpreted=True)
+
+
+@interpreted
+def test_rope_and_store_head_dim_not_a_power_of_two():
+    check_rope_and_store(5, 4, 2, 80, torch.float32, torch.float32, "cpu", interpreted=True)
+
+
+@interpreted
+def test_empty_batches_launch_nothing():
+    x = torch.zeros(0, 64)
+    assert norm.rms_norm_triton(x, torch.ones(64), 1e-6).shape == (0, 64)
+    assert activation.silu_and_mul_triton(torch.zeros(0, 128)).shape == (0, 64)
+    q, kv = torch.zeros(0, 4, 64), torch.zeros(0, 2, 64)
+    cache = torch.zeros(2, 4, 2, 64)
+    out = rope_kv.rope_and_store_triton(q, kv, kv, torch.ones(8, 64), torch.zeros(8, 64),
+                                        torch.zeros(0, dtype=torch.long), cache, cache.clone(),
+                                        torch.zeros(0, dtype=torch.long))
+    assert out.shape == (0, 4, 64)
+
+
+@interpreted
+def test_shape_errors_are_clear():
+    with pytest.raises(ValueError, match="weight"):
+        norm.rms_norm_triton(torch.zeros(2, 64), torch.ones(32), 1e-6)
+    with pytest.raises(ValueError, match="residual"):
+        norm.fused_add_rms_norm_triton(torch.zeros(2, 64), torch.zeros(3, 64), torch.ones(64), 1e-6)
+    with pytest.raises(ValueError, match="even"):
+        activation.silu_and_mul_triton(torch.zeros(2, 7))
+    with pytest.raises(ValueError, match="head_dim"):
+        rope_kv.rope_and_store_triton(torch.zeros(1, 2, 8), torch.zeros(1, 1, 8), torch.zeros(1, 1, 8),
+                                      torch.ones(4, 16), torch.ones(4, 16), torch.zeros(1, dtype=torch.long),
+                                      torch.zeros(1, 4, 1, 8), torch.zeros(1, 4, 1, 8),
+                                      torch.zeros(1, dtype=torch.long))
+
+
+def test_cpu_tensors_take_the_references():
+    gen = torch.Generator().manual_seed(0)
+    x, r, w = (torch.randn(3, 32, generator=gen) for _ in range(3))
+    assert torch.equal(rms_norm(x, w[0], 1e-6), norm.rms_norm_reference(x, w[0], 1e-6))
+    for a, b in zip(fused_add_rms_norm(x, r, w[0], 1e-6), norm.fused_add_rms_norm_reference(x, r, w[0], 1e-6)):
+        assert torch.equal(a, b)
+    assert torch.equal(silu_and_mul(x), activation.silu_and_mul_reference(x))
+    q, k = torch.randn(3, 4, 8, generator=gen), torch.randn(3, 2, 8, generator=gen)
+    cos, sin = torch.randn(6, 8, generator=gen), torch.randn(6, 8, generator=gen)
+    pos, slots = torch.tensor([5, 0, 2]), torch.tensor([7, 1, 4])
+    caches = [torch.zeros(2, 4, 2, 8) for _ in range(4)]
+    got = rope_and_store(q, k, k + 1, cos, sin, pos, caches[0], caches[1], slots)
+    ref = rope_kv.rope_and_store_reference(q, k, k + 1, cos, sin, pos, caches[2], caches[3], slots)
+    assert torch.equal(got, ref) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+def test_reference_rope_matches_the_unfused_formula():
+    """In fp32 the reference is exactly x * cos + rotate_half(x) * sin, the
+    formula the model applied before the rotation moved into attention."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 3, 16, generator=gen)
+    cos, sin = torch.randn(9, 16, generator=gen), torch.randn(9, 16, generator=gen)
+    pos = torch.tensor([0, 8, 3, 3, 1])
+    c, s = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)
+    rotated = torch.cat((-x[..., 8:], x[..., :8]), dim=-1)
+    assert torch.equal(rope_kv.apply_rope(x, cos, sin, pos), x * c + rotated * s)
+
+
+@pytest.mark.parametrize("n,expected", [(1, 1), (2, 2), (3, 4), (64, 64), (65, 128)])
+def test_block_size(n, expected):
+    assert block_size(n) == expected
+
+
+def test_num_warps_is_a_power_of_two_at_most_16():
+    for elements in (1, 100, 256, 1000, 4096, 1 << 20):
+        w = num_warps(elements)
+        assert 1 <= w <= 16 and w & (w - 1) == 0

@@ -1,0 +1,92 @@
+"""The Triton kernels of mstar.kernels on CUDA: against their torch
+references at model-sized shapes, picked by the public ops for CUDA tensors,
+and unchanged under CUDA-graph capture and replay. Runs on the GPU machine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import (
+    check_fused_add_rms_norm,
+    check_rms_norm,
+    check_rope_and_store,
+    check_silu_and_mul,
+    same_on_replay,
+)
+
+from mstar.kernels import activation, fused_add_rms_norm, norm, rms_norm, rope_and_store, rope_kv, silu_and_mul
+from mstar.kernels.backend import HAVE_TRITON
+
+pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and HAVE_TRITON),
+                                reason="needs CUDA and triton (runs on the GPU machine)")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,h", [(1, 64), (7, 96), (33, 3072), (512, 8192)])
+@pytest.mark.parametrize("check", [check_rms_norm, check_fused_add_rms_norm], ids=["plain", "fused_add"])
+def test_rms_norm(check, t, h, dtype):
+    check(t, h, dtype, "cuda", interpreted=False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,inter", [(1, 64), (7, 1500), (33, 8192), (256, 14336)])
+def test_silu_and_mul(t, inter, dtype):
+    check_silu_and_mul(t, inter, dtype, "cuda", interpreted=False)
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("t,hq,hkv,d", [(1, 4, 2, 64), (7, 8, 1, 128), (33, 24, 8, 128), (300, 64, 8, 128),
+                                        (5, 12, 4, 80)])
+def test_rope_and_store(t, hq, hkv, d, dtype, cache_dtype):
+    check_rope_and_store(t, hq, hkv, d, dtype, cache_dtype, "cuda", interpreted=False)
+
+
+def test_cuda_tensors_take_triton():
+    gen = torch.Generator().manual_seed(0)
+    x, r = (torch.randn(5, 256, generator=gen).cuda().bfloat16() for _ in range(2))
+    w = torch.randn(256, generator=gen).cuda().bfloat16()
+    assert torch.equal(rms_norm(x, w, 1e-6), norm.rms_norm_triton(x, w, 1e-6))
+    for a, b in zip(fused_add_rms_norm(x, r, w, 1e-6), norm.fused_add_rms_norm_triton(x, r, w, 1e-6)):
+        assert torch.equal(a, b)
+    assert torch.equal(silu_and_mul(x), activation.silu_and_mul_triton(x))
+    q, k = x.view(5, 4, 64), r.view(5, 4, 64)[:, :2]
+    cos, sin = torch.randn(8, 64, generator=gen).cuda(), torch.randn(8, 64, generator=gen).cuda()
+    pos, slots = torch.tensor([5, 0, 2, 7, 7]).cuda(), torch.tensor([9, 1, 4, 0, 3]).cuda()
+    caches = [torch.zeros(3, 4, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+    got = rope_and_store(q, k, k, cos, sin, pos, caches[0], caches[1], slots)
+    ref = rope_kv.rope_and_store_triton(q, k, k, cos, sin, pos, caches[2], caches[3], slots)
+    assert torch.equal(got, ref) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+def _maker(*shapes: tuple[int, ...], dtype: torch.dtype = torch.bfloat16):
+    gen = torch.Generator(device="cuda").manual_seed(7)  # advances: every call draws new values
+    return lambda: [torch.randn(s, generator=gen, device="cuda", dtype=dtype) for s in shapes]
+
+
+def test_norms_replay_under_cuda_graphs():
+    same_on_replay(_maker((8, 2048), (2048,)), lambda x, w: rms_norm(x, w, 1e-5))
+    same_on_replay(_maker((8, 2048), (8, 2048), (2048,)), lambda x, r, w: fused_add_rms_norm(x, r, w, 1e-5))
+
+
+def test_silu_and_mul_replays_under_cuda_graphs():
+    same_on_replay(_maker((8, 2 * 3000)), silu_and_mul)
+
+
+def test_rope_and_store_replays_under_cuda_graphs():
+    t, hq, hkv, d, pages, page = 8, 8, 2, 128, 6, 16
+    floats = _maker((t, hq, d), (t, hkv, d), (t, hkv, d), (pages, page, hkv, d), (pages, page, hkv, d))
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    cos, sin = torch.randn(64, d, device="cuda"), torch.randn(64, d, device="cuda")
+
+    def make():
+        q, k, v, k_cache, v_cache = floats()
+        positions = torch.randint(0, 64, (t,), generator=gen, device="cuda")
+        slots = torch.randperm(pages * page, generator=gen, device="cuda")[:t]
+        return [q, k, v, positions, k_cache, v_cache, slots]
+
+    def op(q, k, v, positions, k_cache, v_cache, slots):
+        return rope_and_store(q, k, v, cos, sin, positions, k_cache, v_cache, slots), k_cache, v_cache
+
+    same_on_replay(make, op)
