@@ -1,6 +1,7 @@
 """Model names in, `Model` objects out.
 
-A name is either a builtin (`tiny-llama`) or a local Hugging Face folder whose
+A name is either a builtin (`tiny-llama`; `orpheus-3b`, a shape without
+a checkpoint, served with `load_format="dummy"`) or a local Hugging Face folder whose
 config.json `model_type` picks the model class. Model files register
 themselves here by name; the runtime only calls `load_model`.
 """
@@ -37,6 +38,14 @@ def _tiny_llama(name: str, load_format: str, max_model_len: int | None) -> Model
     return LlamaModel(name, None, load_format, max_model_len)
 
 
+def _orpheus_3b(name: str, load_format: str, max_model_len: int | None) -> Model:
+    from mstar.models.llama import LlamaModel
+    from mstar.models.llama.config import ORPHEUS_3B, ORPHEUS_3B_MAX_MODEL_LEN
+
+    return LlamaModel(name, None, load_format, max_model_len, builtin=ORPHEUS_3B,
+                      default_max_model_len=ORPHEUS_3B_MAX_MODEL_LEN)
+
+
 def _llama_folder(path: str, load_format: str, max_model_len: int | None) -> Model:
     from mstar.models.llama import LlamaModel
 
@@ -44,6 +53,7 @@ def _llama_folder(path: str, load_format: str, max_model_len: int | None) -> Mod
 
 
 register_builtin("tiny-llama", _tiny_llama)
+register_builtin("orpheus-3b", _orpheus_3b)
 register_model_type("llama", _llama_folder)
 
 

@@ -3,7 +3,10 @@ prefills them and decodes token by token until EOS or the token budget.
 
 `LlamaModel(name, path, ...)` reads a Hugging Face folder (config.json,
 safetensors, tokenizer files); `path=None` is the builtin tiny config with the
-byte tokenizer and seeded random weights.
+byte tokenizer and seeded random weights. `path=None, builtin=<LlamaConfig>` is
+a named architecture without a bundled checkpoint (orpheus-3b): it serves only
+with `load_format="dummy"`, with the byte tokenizer (every byte id is inside
+the vocabulary; the real Orpheus tokenizer comes with the Orpheus model).
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from mstar.models.base import KVSpec, Model
 from mstar.models.llama.config import TINY_LLAMA, LlamaConfig, read_config_json
 from mstar.models.llama.loader import checkpoint_has_lm_head, dummy_weights, load_weights
 from mstar.models.llama.model import LlamaDecoder
-from mstar.models.tokenizer import Tokenizer, builtin_byte_tokenizer, read_optional_json
+from mstar.models.tokenizer import (BYTE_TOKENIZER_VOCAB_SIZE, Tokenizer, builtin_byte_tokenizer,
+                                    read_optional_json)
 from mstar.types import GenerateRequest
 
 log = logging.getLogger(__name__)
@@ -44,7 +48,11 @@ class LlamaModel(Model):
     default_walk = "generate"
 
     def __init__(self, name: str, path: str | None, load_format: str = "auto",
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, *, builtin: LlamaConfig | None = None,
+                 default_max_model_len: int | None = None) -> None:
+        """`builtin`: the architecture of a checkpoint-less builtin (needs
+        `load_format="dummy"`); `default_max_model_len`: the served context
+        when `max_model_len` is None (default: max_position_embeddings)."""
         super().__init__(name)
         if load_format not in LOAD_FORMATS:
             raise ConfigError(f"load format '{load_format}' is not one of {', '.join(LOAD_FORMATS)}")
@@ -52,7 +60,17 @@ class LlamaModel(Model):
             raise ConfigError(f"max_model_len must be positive, got {max_model_len}")
         self.path = Path(path) if path is not None else None
         self._generation_eos: tuple[int, ...] = ()
-        if self.path is None:
+        if self.path is None and builtin is not None:
+            if load_format != "dummy":
+                raise ConfigError(f"model '{name}' has no bundled checkpoint: pass a local Hugging Face folder "
+                                  f"as the model, or --load-format dummy for random weights of its shape")
+            if builtin.vocab_size < BYTE_TOKENIZER_VOCAB_SIZE:
+                raise ConfigError(f"model '{name}': vocab {builtin.vocab_size} is smaller than the byte "
+                                  f"tokenizer's {BYTE_TOKENIZER_VOCAB_SIZE}")
+            self.config = builtin
+            self.load_format = load_format
+            self._tokenizer = builtin_byte_tokenizer()
+        elif self.path is None:
             # the builtin model has no checkpoint: its weights are always seeded random
             self.config = TINY_LLAMA
             self.load_format = "dummy"
@@ -70,7 +88,7 @@ class LlamaModel(Model):
         if max_model_len is not None and max_model_len > self.config.max_position_embeddings:
             log.warning("max_model_len %d is beyond the model's max_position_embeddings %d",
                         max_model_len, self.config.max_position_embeddings)
-        self._max_model_len = max_model_len or self.config.max_position_embeddings
+        self._max_model_len = max_model_len or default_max_model_len or self.config.max_position_embeddings
 
     @staticmethod
     def _folder_tokenizer(path: Path) -> Tokenizer | None:

@@ -3,6 +3,7 @@ numbers the decoder and its loader need out.
 
 Reads both the transformers 4 form (`rope_theta` + `rope_scaling`) and the
 transformers 5 form (`rope_parameters` holding `rope_theta` and the scaling).
+Also holds the builtin architectures: TINY_LLAMA and ORPHEUS_3B.
 """
 
 from __future__ import annotations
@@ -127,3 +128,32 @@ def tiny_llama_config() -> LlamaConfig:
 
 
 TINY_LLAMA: LlamaConfig = tiny_llama_config()
+
+
+# Orpheus-3B (canopylabs/orpheus-3b-0.1-ft) is a Llama-3.2-3B body whose
+# vocabulary grows from 128,256 to 156,940 with the SNAC audio-code tokens.
+# Kept in config.json form so the bench can hand the same dict to transformers.
+ORPHEUS_3B_CONFIG_JSON: dict[str, Any] = {
+    "model_type": "llama",
+    "hidden_size": 3072,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 156940,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": True,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "bos_token_id": 128000,
+    "eos_token_id": 128009,
+}
+ORPHEUS_3B: LlamaConfig = LlamaConfig.from_dict(ORPHEUS_3B_CONFIG_JSON)
+# served context by default: the rope's original window, and what Orpheus
+# requests need; 131072 would only size KV admission checks for no use
+ORPHEUS_3B_MAX_MODEL_LEN = 8192

@@ -155,9 +155,16 @@ def dummy_weights(decoder: LlamaDecoder, seed: int = 0) -> None:
         if name.endswith(".bias"):
             param.data.zero_()
             continue
-        # small tensors are drawn on the host so a small model gets the same
-        # weights on every device; large ones on the device, where it is fast
-        device = param.device if param.numel() > DUMMY_ON_HOST_MAX else torch.device("cpu")
-        gen = torch.Generator(device=device).manual_seed(seed * 1_000_003 + i)
-        values = torch.empty(param.shape, device=device, dtype=torch.float32).normal_(0.0, DUMMY_STD, generator=gen)
+        gen_seed = seed * 1_000_003 + i
+        if param.numel() > DUMMY_ON_HOST_MAX:
+            # large ones are drawn in place, on the device and in the weight's
+            # dtype: no float32 temporary (2 GB for a 3B model's embedding) and
+            # one pass over memory instead of three
+            gen = torch.Generator(device=param.device).manual_seed(gen_seed)
+            param.data.normal_(0.0, DUMMY_STD, generator=gen)
+            continue
+        # small tensors are drawn in float32 on the host so a small model gets
+        # the same weights on every device and in every dtype
+        gen = torch.Generator().manual_seed(gen_seed)
+        values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, DUMMY_STD, generator=gen)
         param.data.copy_(values)

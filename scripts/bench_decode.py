@@ -1,0 +1,209 @@
+"""Decode speed against the bandwidth floor, on one device.
+
+Measures, in one run: the device's copy bandwidth; mstar's median decode step
+at each batch x context (one Engine in-process for all rows; B concurrent
+greedy `ignore_eos` requests whose prompt is `context` tokens, timed from the
+StepReports of decode steps with all B rows); the floor of each step (weights
++ KV read, over the copy bandwidth); mstar's decode tokens/s at the first
+context; and transformers' `generate` at batch 1 and 16 with the same shape.
+Writes a JSON file and a markdown table beside it.
+
+On the H200 (orpheus-3b with random weights, the default; from the repo root,
+PYTHONPATH=. where mstar is not pip-installed):
+    python scripts/bench_decode.py --out docs/benchmarks/decode.json
+A CPU smoke test:
+    python scripts/bench_decode.py --model tiny-llama --gpus cpu --batches 1 4 --contexts 32 \\
+        --new-tokens 8 --skip-hf --out /tmp/x.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+# sibling modules: the script's folder is first on sys.path
+from decode_measures import (GiB, build_hf, copy_bandwidth_gbps, hf_decode_tokens_per_s, kv_bytes_per_step,
+                             weight_bytes_per_step)
+from decode_report import environment, write_markdown
+from mstar.config import EngineConfig, SchedulerConfig, parse_devices
+from mstar.engine.engine import Engine
+from mstar.engine.messages import StepReport
+from mstar.models.llama import LlamaModel
+from mstar.models.registry import load_model
+from mstar.types import GenerateRequest, SamplingParams
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Run:
+    """Reports of one batch x context run, as the event loop sees them."""
+
+    batch: int
+    full: list[StepReport] = field(default_factory=list)  # decode steps with all rows
+    decode_tokens: int = 0          # rows of decode steps after the last prefill
+    last_prefill_at: float = 0.0
+
+    def on_report(self, r: StepReport) -> None:
+        if r.mode == "prefill":
+            self.last_prefill_at = time.perf_counter()
+            self.decode_tokens = 0
+        elif r.mode == "decode":
+            self.decode_tokens += r.rows
+            if r.rows == self.batch:
+                self.full.append(r)
+
+
+class Bench:
+    """One engine, runs of B concurrent requests on it."""
+
+    def __init__(self, engine: Engine, new_tokens: int) -> None:
+        self.engine = engine
+        self.new_tokens = new_tokens
+        self.run: Run | None = None
+        engine.add_report_hook(self._hook)
+
+    def _hook(self, r: StepReport) -> None:
+        if self.run is not None:
+            self.run.on_report(r)
+
+    async def measure(self, batch: int, context: int, new_tokens: int | None = None) -> tuple[Run, float]:
+        """The run's reports and its decode wall time: from the last prefill
+        report to the last request's end."""
+        n = new_tokens or self.new_tokens
+        self.run = run = Run(batch)
+        sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        gen = torch.Generator().manual_seed(context)
+        # byte ids: inside every Llama vocab here and the byte tokenizer's
+        prompts = torch.randint(0, 256, (batch, context), generator=gen).tolist()
+
+        async def one(i: int) -> None:
+            req = GenerateRequest(f"b{batch}c{context}r{i}", self.engine.model_name, {"prompt_ids": prompts[i]}, sp)
+            async for _ in self.engine.submit(req):
+                pass
+
+        await asyncio.gather(*(one(i) for i in range(batch)))
+        wall = time.perf_counter() - run.last_prefill_at
+        self.run = None
+        return run, wall
+
+
+def row_of(run: Run, batch: int, context: int, new_tokens: int, weights: int, spec, dtype, gbps: float) -> dict:
+    if not run.full:
+        raise SystemExit(f"batch {batch} context {context}: no decode step ran with all {batch} rows")
+    step = statistics.median(r.step_s for r in run.full)
+    host = statistics.median(r.step_s - r.device_s for r in run.full)
+    # the context grows by one per step: take its mean over the decode steps
+    floor = (weights + kv_bytes_per_step(spec, dtype, batch, context + new_tokens / 2)) / (gbps * 1e9)
+    return {"batch": batch, "context": context, "step_ms": round(1e3 * step, 3), "floor_ms": round(1e3 * floor, 3),
+            "ratio": round(step / floor, 2), "host_ms": round(1e3 * host, 3)}
+
+
+async def bench_engine(a: argparse.Namespace, model: LlamaModel, device: torch.device, dtype: torch.dtype,
+                       gbps: float) -> tuple[list[dict], list[dict]]:
+    page = a.page_size
+    per_row = -(-(max(a.contexts) + a.new_tokens) // page) + 1  # +1: room for a step launched ahead
+    # the worker insists that one request of max_model_len fits
+    pages = a.num_pages or max(max(a.batches) * per_row, -(-model.max_model_len // page))
+    cfg = EngineConfig(model=a.model, load_format=a.load_format, devices=(str(device),), dtype=a.dtype,
+                       max_model_len=a.max_model_len,
+                       scheduler=SchedulerConfig(max_num_seqs=max(256, *a.batches), page_size=page, num_pages=pages,
+                                                 max_num_batched_tokens=a.max_num_batched_tokens))
+    engine = Engine(cfg, model=model)
+    t0 = time.perf_counter()
+    await engine.start()
+    print(f"# engine started in {time.perf_counter() - t0:.1f} s ({pages} KV pages of {page})", flush=True)
+    bench = Bench(engine, a.new_tokens)
+    weights = weight_bytes_per_step(model.config, torch.empty((), dtype=dtype).element_size())
+    spec = model.kv_spec("llm")
+    try:
+        await bench.measure(max(a.batches), min(a.contexts), 4)  # warm-up: allocator, lazy kernels
+        rows, tps = [], []
+        print(f"{'batch':>6} {'context':>8} {'steps':>6} {'step ms':>8} {'floor ms':>9} {'ratio':>6} "
+              f"{'host ms':>8} {'tok/s':>9}", flush=True)
+        for context in a.contexts:
+            for batch in a.batches:
+                run, wall = await bench.measure(batch, context)
+                row = row_of(run, batch, context, a.new_tokens, weights, spec, dtype, gbps)
+                rows.append(row)
+                rate = run.decode_tokens / wall
+                if context == a.contexts[0]:
+                    tps.append({"batch": batch, "tokens_per_s": round(rate, 1)})
+                print(f"{batch:>6} {context:>8} {len(run.full):>6} {row['step_ms']:>8.2f} {row['floor_ms']:>9.2f} "
+                      f"{row['ratio']:>6.2f} {row['host_ms']:>8.2f} {rate:>9.0f}", flush=True)
+    finally:
+        await engine.shutdown()
+    return rows, tps
+
+
+def bench_hf(a: argparse.Namespace, model: LlamaModel, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    hf = build_hf(model.config, device, dtype)
+    out = []
+    for batch in a.hf_batches:
+        rate = hf_decode_tokens_per_s(hf, batch, a.contexts[0], a.new_tokens, device)
+        out.append({"batch": batch, "tokens_per_s": round(rate, 1)})
+        print(f"# transformers generate: batch {batch} context {a.contexts[0]}: {rate:.0f} tokens/s", flush=True)
+    del hf
+    return out
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="orpheus-3b")
+    p.add_argument("--load-format", choices=("auto", "dummy"), default="dummy")
+    p.add_argument("--gpus", default="0" if torch.cuda.is_available() else "cpu", help="one device: 0 | cpu")
+    p.add_argument("--dtype", choices=("auto", *DTYPES), default="auto")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    p.add_argument("--contexts", type=int, nargs="+", default=[512, 1024])
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--hf-batches", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--copy-gib", type=float, default=1.0, help="size of the bandwidth copy")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--num-pages", type=int, default=None, help="default: enough for the largest run")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--out", type=Path, default=Path("docs/benchmarks/decode.json"))
+    a = p.parse_args()
+    if a.new_tokens < 3:
+        p.error("--new-tokens must be at least 3 (prefill makes the first token)")
+    return a
+
+
+def main() -> None:
+    a = parse()
+    (device_name,) = parse_devices(a.gpus)
+    device = torch.device(device_name)
+    model = load_model(a.model, a.load_format, a.max_model_len)
+    if not isinstance(model, LlamaModel):
+        raise SystemExit(f"{a.model}: bench_decode measures Llama-family models only")
+    if max(a.contexts) + a.new_tokens > model.max_model_len:
+        raise SystemExit(f"context {max(a.contexts)} + {a.new_tokens} new tokens exceed max_model_len "
+                         f"{model.max_model_len}: pass --max-model-len")
+    dtype = DTYPES.get(a.dtype) or model.default_dtype(device)
+    env = environment(device, a, dtype)
+    print("# " + " | ".join(f"{k} {v}" for k, v in env.items()), flush=True)
+    gbps = copy_bandwidth_gbps(device, int(a.copy_gib * GiB))
+    print(f"# copy bandwidth {gbps:.0f} GB/s (read + write)", flush=True)
+    rows, tps = asyncio.run(bench_engine(a, model, device, dtype, gbps))
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    hf = [] if a.skip_hf else bench_hf(a, model, device, dtype)
+    result = {"gpu": env["gpu"], "copy_GBps": round(gbps, 1), "rows": rows, "hf": hf, "mstar_tokens_per_s": tps}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=2) + "\n")
+    md = a.out.with_suffix(".md")
+    write_markdown(md, result, env)
+    print(f"# wrote {a.out} and {md}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
