@@ -25,6 +25,7 @@ import torch
 from mstar.config import EngineConfig
 from mstar.engine.backends import attention_backend, decode_graphs
 from mstar.engine.kv_cache import KVCache
+from mstar.engine.memory import kv_cache_log_fields, kv_cache_pages
 from mstar.engine.loop_group import LoopGroup
 from mstar.engine.messages import Abort, EmitBatch, Finished, Shutdown, Stop, StepReport, Submit
 from mstar.engine.runner import ComponentRunner, StepOutput
@@ -94,16 +95,18 @@ class DeviceWorker:
             kv = None
             if spec.kv_cache:
                 kvspec = self.model.kv_spec(name)
-                num_pages = cfg.num_pages or KVCache.pages_for_memory(
-                    kvspec, cfg.page_size, dtype, cfg.kv_cache_memory * 2**30)
+                # sized after the weights are in place, from what memory is left
+                num_pages = cfg.num_pages or kv_cache_pages(
+                    self.device, kvspec, cfg.page_size, dtype, gpu_memory_utilization=cfg.gpu_memory_utilization,
+                    cpu_bytes=cfg.kv_cache_memory * 2**30, max_model_len=self.model.max_model_len)
                 need = -(-self.model.max_model_len // cfg.page_size)
                 if num_pages < need:
                     raise ValueError(f"{name}: {num_pages} KV pages cannot hold one request of "
                                      f"max_model_len {self.model.max_model_len} ({need} pages)")
                 kv = KVCache(kvspec, num_pages, cfg.page_size, self.device, dtype)
                 self.pools[name] = PagePool(num_pages, cfg.page_size)
-                log.info("kv cache", device=self.name, component=name, pages=num_pages,
-                         tokens=num_pages * cfg.page_size)
+                log.info("kv cache", device=self.name, component=name,
+                         **kv_cache_log_fields(num_pages, cfg.page_size, kvspec, dtype))
                 attention = attention_backend(kv, kvspec.num_q_heads, need, self.config)
                 graphs = decode_graphs(module.decode, attention, self.device, self.config) \
                     if spec.samples and hasattr(module, "decode") else None

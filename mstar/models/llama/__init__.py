@@ -125,7 +125,9 @@ class LlamaModel(Model):
         tie = self.config.tie_word_embeddings
         if self.load_format != "dummy" and self.path is not None:
             tie = tie or not checkpoint_has_lm_head(self.path)
-        max_positions = max(self._max_model_len, self.config.max_position_embeddings)
+        # positions never pass the served length: tables for 128k positions
+        # would cost 128 MiB of device memory for nothing
+        max_positions = self._max_model_len
         decoder = LlamaDecoder(self.config, max_positions=max_positions, tie_word_embeddings=tie,
                                device=device, dtype=dtype)
         if self.load_format == "dummy":
