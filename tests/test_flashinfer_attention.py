@@ -1,0 +1,198 @@
+"""FlashInferAttention against TorchPagedAttention: random bf16 q/k/v and cache
+contents, rows on random non-contiguous pages; decode, prefill, mixed, RoPE,
+and a CUDA-graph bucket captured once and replayed with new rows.
+
+Needs CUDA and flashinfer (the GPU machine: scripts/gpu_flashinfer_check.sh).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("FlashInfer attention needs a CUDA device", allow_module_level=True)
+pytest.importorskip("flashinfer", reason="flashinfer is not installed")
+
+from mstar.engine.attention import TorchPagedAttention  # noqa: E402
+from mstar.engine.flashinfer_attention import FlashInferAttention  # noqa: E402
+from mstar.engine.kv_cache import KVCache  # noqa: E402
+from mstar.models.base import KVSpec  # noqa: E402
+from mstar.models.layers.rotary import RotaryEmbedding  # noqa: E402
+from mstar.types import Rotary  # noqa: E402
+
+DEVICE = "cuda"
+PAGE = 16
+HQ, HKV, D = 24, 8, 128      # Orpheus-3B's attention shape
+LAYERS = 2
+NUM_PAGES = 160
+SCALE = 0.1                  # not 1/sqrt(D): the scale must reach the kernel
+ATOL = RTOL = 2e-2
+
+
+def caches(seed: int) -> tuple[KVCache, KVCache]:
+    """Two caches with the same random contents: one for FlashInfer, one for the reference."""
+    gen = torch.Generator().manual_seed(seed)
+    spec = KVSpec(LAYERS, HKV, D)
+    fi = KVCache(spec, NUM_PAGES, PAGE, DEVICE, torch.bfloat16)
+    ref = KVCache(spec, NUM_PAGES, PAGE, DEVICE, torch.bfloat16)
+    for layer in range(LAYERS):
+        for t in (fi.k[layer], fi.v[layer]):
+            t.copy_(torch.randn(t.shape, generator=gen).to(torch.bfloat16))
+        ref.k[layer].copy_(fi.k[layer])
+        ref.v[layer].copy_(fi.v[layer])
+    return fi, ref
+
+
+def tables(gen: torch.Generator, ctx: list[int], new: list[int], spare: int = 2) -> list[list[int]]:
+    """Each row's pages, drawn from a random permutation (so never contiguous),
+    with a few spare pages beyond what the row needs."""
+    perm = torch.randperm(NUM_PAGES, generator=gen).tolist()
+    out, start = [], 0
+    for c, n in zip(ctx, new):
+        count = math.ceil((c + n) / PAGE) + spare
+        out.append(perm[start:start + count])
+        start += count
+    assert start <= NUM_PAGES
+    return out
+
+
+def rotary_for(positions: torch.Tensor) -> Rotary:
+    rope = RotaryEmbedding(D, 4096, theta=500000.0, device=DEVICE)
+    return Rotary(cos=rope.cos, sin=rope.sin, positions=positions.to(DEVICE))
+
+
+def rotate(x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+    """RoPE written out here, independent of the kernel under test: rotate-half
+    in float32, rounded once."""
+    cos = rotary.cos[rotary.positions].unsqueeze(1)
+    sin = rotary.sin[rotary.positions].unsqueeze(1)
+    xf = x.float()
+    half = x.shape[-1] // 2
+    return (xf * cos + torch.cat((-xf[..., half:], xf[..., :half]), dim=-1) * sin).to(x.dtype)
+
+
+def new_tokens(gen: torch.Generator, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q = torch.randn(t, HQ, D, generator=gen).to(DEVICE, torch.bfloat16)
+    k = torch.randn(t, HKV, D, generator=gen).to(DEVICE, torch.bfloat16)
+    v = torch.randn(t, HKV, D, generator=gen).to(DEVICE, torch.bfloat16)
+    return q, k, v
+
+
+def reference(ref: TorchPagedAttention, layer: int, q, k, v, rotary: Rotary | None) -> torch.Tensor:
+    if rotary is not None:
+        q, k = rotate(q, rotary), rotate(k, rotary)
+    return ref.forward(layer, q, k, v, SCALE)
+
+
+def check_step(ctx: list[int], new: list[int], seed: int, *, use_rotary: bool = False,
+               tensor_cores: bool = False) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    fi_cache, ref_cache = caches(seed)
+    bt = tables(gen, ctx, new)
+    qs = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()])
+    context_lens = torch.tensor(ctx)
+    attn = FlashInferAttention(fi_cache, HQ, max_pages_per_row=64, decode_tensor_cores=tensor_cores)
+    fi = attn.plan(qs, context_lens, bt)
+    ref = TorchPagedAttention(ref_cache, qs, context_lens, bt)
+    rows = torch.repeat_interleave(torch.arange(len(ctx)), torch.tensor(new))
+    positions = context_lens[rows] + torch.arange(int(qs[-1])) - qs[rows]
+    rotary = rotary_for(positions) if use_rotary else None
+    for layer in range(LAYERS):
+        q, k, v = new_tokens(gen, int(qs[-1]))
+        out = fi.forward(layer, q, k, v, SCALE, rotary)
+        want = reference(ref, layer, q, k, v, rotary)
+        assert out.shape == (int(qs[-1]), HQ, D) and out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), want.float(), atol=ATOL, rtol=RTOL)
+        # both wrote the same (rotated) keys and values into the same slots
+        torch.testing.assert_close(fi_cache.k[layer].float(), ref_cache.k[layer].float(), atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(fi_cache.v[layer].float(), ref_cache.v[layer].float(), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("tensor_cores", [False, True])
+def test_decode_batch(tensor_cores):
+    gen = torch.Generator().manual_seed(1)
+    ctx = torch.randint(0, 300, (16,), generator=gen).tolist()
+    ctx[0], ctx[1], ctx[2] = 0, PAGE - 1, PAGE  # first token, last slot of a page, first slot of the next
+    check_step(ctx, [1] * 16, seed=2, tensor_cores=tensor_cores)
+
+
+def test_prefill_batch_with_and_without_context():
+    check_step(ctx=[0, 0, 20, 33, 0, 16], new=[37, 5, 16, 50, 128, 1], seed=3)
+
+
+def test_mixed_batch():
+    check_step(ctx=[0, 40, 17, 5, 100, 0], new=[20, 1, 1, 9, 1, 1], seed=4)
+
+
+def test_rotary_is_applied_before_the_write():
+    check_step(ctx=[0, 40, 17, 5], new=[20, 1, 1, 9], seed=5, use_rotary=True)
+    check_step(ctx=[3, 40, 170], new=[1, 1, 1], seed=6, use_rotary=True)
+
+
+@pytest.mark.parametrize("use_rotary", [False, True])
+@pytest.mark.parametrize("tensor_cores", [False, True])
+def test_cuda_graph_bucket_replays_with_new_rows(tensor_cores, use_rotary):
+    bucket, rows, layers = 8, 5, range(LAYERS)
+    gen = torch.Generator().manual_seed(7)
+    fi_cache, ref_cache = caches(7)
+    attn = FlashInferAttention(fi_cache, HQ, graph_batch_sizes=(4, bucket), max_pages_per_row=24,
+                               decode_tensor_cores=tensor_cores)
+    q_in = torch.zeros(bucket, HQ, D, device=DEVICE, dtype=torch.bfloat16)
+    k_in = torch.zeros(bucket, HKV, D, device=DEVICE, dtype=torch.bfloat16)
+    v_in = torch.zeros(bucket, HKV, D, device=DEVICE, dtype=torch.bfloat16)
+    pos_in = torch.zeros(bucket, dtype=torch.long, device=DEVICE)
+    rope = rotary_for(pos_in)
+    rotary = Rotary(cos=rope.cos, sin=rope.sin, positions=pos_in) if use_rotary else None
+
+    # capture as the engine does: planned for padding rows only, warmed up on a side stream
+    ctx_obj = attn.plan_graph(bucket, torch.zeros(0, dtype=torch.long), torch.zeros(0, 1, dtype=torch.long))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            [ctx_obj.forward(layer, q_in, k_in, v_in, SCALE, rotary) for layer in layers]
+    stream.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        outs = [ctx_obj.forward(layer, q_in, k_in, v_in, SCALE, rotary) for layer in layers]
+    torch.cuda.current_stream().wait_stream(stream)
+    # the capture wrote k/v of zeros into whatever it was planned on: the scratch page only
+    for layer in layers:
+        torch.testing.assert_close(fi_cache.k[layer][:NUM_PAGES], ref_cache.k[layer][:NUM_PAGES], atol=0, rtol=0)
+
+    # one row starts at position 0; a later row grows past the graph's first plan
+    for ctx in ([0, 31, 47, 90, 200], [15, 5, 16, 300, 64]):
+        bt = tables(gen, ctx, [1] * rows)
+        width = max(len(r) for r in bt)
+        block_table = torch.tensor([r + [0] * (width - len(r)) for r in bt])  # padded like a loop group's
+        context_lens = torch.tensor(ctx)
+        q, k, v = new_tokens(gen, rows)
+        for t in (q_in, k_in, v_in):  # padding rows hold junk: it must not matter
+            t.normal_()
+        q_in[:rows], k_in[:rows], v_in[:rows] = q, k, v
+        pos_in.zero_()
+        pos_in[:rows] = context_lens.to(DEVICE)
+        assert attn.plan_graph(bucket, context_lens, block_table) is ctx_obj
+        graph.replay()
+        ref = TorchPagedAttention(ref_cache, torch.arange(rows + 1), context_lens, bt)
+        ref_rotary = Rotary(cos=rope.cos, sin=rope.sin, positions=context_lens.to(DEVICE)) if use_rotary else None
+        for layer in layers:
+            # the reference writes layer by layer after the graph wrote them all: same slots, same values
+            want = reference(ref, layer, q, k, v, ref_rotary)
+            torch.testing.assert_close(outs[layer][:rows].float(), want.float(), atol=ATOL, rtol=RTOL)
+            torch.testing.assert_close(fi_cache.v[layer][:NUM_PAGES], ref_cache.v[layer][:NUM_PAGES], atol=0, rtol=0)
+
+
+def test_plan_graph_refuses_what_its_buffers_cannot_hold():
+    fi_cache, _ = caches(8)
+    attn = FlashInferAttention(fi_cache, HQ, graph_batch_sizes=(4,), max_pages_per_row=2)
+    table = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="bucket"):
+        attn.plan_graph(8, torch.tensor([3]), table)
+    with pytest.raises(ValueError, match="do not fit"):
+        attn.plan_graph(4, torch.zeros(5, dtype=torch.long), torch.zeros(5, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="pages"):
+        attn.plan_graph(4, torch.tensor([2 * PAGE]), table)

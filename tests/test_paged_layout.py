@@ -1,0 +1,105 @@
+"""PagedLayout (FlashInfer's page lists, built on the host) against a per-row
+spelling-out of the format and against TorchPagedAttention's slot mapping."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from mstar.engine.attention import TorchPagedAttention
+from mstar.engine.kv_cache import KVCache
+from mstar.engine.paged_layout import build_layout, decode_bucket
+from mstar.models.base import KVSpec
+
+PAGE = 4
+NUM_PAGES = 64
+
+
+def random_tables(gen, ctx, new, spare=1):
+    perm = torch.randperm(NUM_PAGES, generator=gen).tolist()
+    out, start = [], 0
+    for c, n in zip(ctx, new):
+        count = math.ceil((c + n) / PAGE) + spare
+        out.append(perm[start:start + count])
+        start += count
+    return out
+
+
+def per_row(ctx, new, tables):
+    """The format spelled out one row at a time."""
+    indptr, indices, last = [0], [], []
+    for c, n, pages in zip(ctx, new, tables):
+        seq = c + n
+        used = math.ceil(seq / PAGE)
+        indices += pages[:used]
+        indptr.append(indptr[-1] + used)
+        last.append(seq - (used - 1) * PAGE if used else 0)
+    return indptr, indices, last
+
+
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_mixed_rows_match_the_format_and_the_reference_slots(as_tensor):
+    gen = torch.Generator().manual_seed(0)
+    ctx = [0, 6, 9, 0, 13, 4, 7]
+    new = [7, 5, 1, 1, 1, 0, 4]   # a row with no new tokens still lists its pages
+    tables = random_tables(gen, ctx, new)
+    qs = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()])
+    bt = tables
+    if as_tensor:  # padded like a scheduler's table, with junk past each row's pages
+        width = max(map(len, tables))
+        bt = torch.tensor([r + [-1] * (width - len(r)) for r in tables])
+    layout = build_layout(qs, torch.tensor(ctx), bt, PAGE, NUM_PAGES)
+    indptr, indices, last = per_row(ctx, new, tables)
+    assert layout.kv_indptr.tolist() == indptr
+    assert layout.kv_indices.tolist() == indices
+    assert layout.kv_last_page_len.tolist() == last
+    assert layout.qo_indptr.tolist() == qs.tolist()
+    assert {t.dtype for t in (layout.qo_indptr, layout.kv_indptr, layout.kv_indices, layout.kv_last_page_len)} \
+        == {torch.int32}
+    cache = KVCache(KVSpec(1, 1, 2), NUM_PAGES, PAGE, "cpu", torch.float32)
+    ref = TorchPagedAttention(cache, qs, torch.tensor(ctx), tables)
+    assert torch.equal(layout.slot_mapping, ref.slot_mapping)
+    assert layout.num_tokens == sum(new) and layout.num_rows == len(ctx) and not layout.is_decode
+
+
+def test_query_start_need_not_start_at_zero():
+    tables = [[3, 4], [9]]
+    layout = build_layout(torch.tensor([5, 8, 9]), torch.tensor([2, 0]), tables, PAGE, NUM_PAGES)
+    assert layout.qo_indptr.tolist() == [0, 3, 4]
+    assert layout.slot_mapping.tolist() == [3 * PAGE + 2, 3 * PAGE + 3, 4 * PAGE, 9 * PAGE]
+
+
+def test_decode_rows_fill_the_last_page_then_open_the_next():
+    ctx = [0, PAGE - 1, PAGE, 2 * PAGE + 1]
+    tables = [[10], [11], [12, 13], [14, 15, 16]]
+    layout = build_layout(torch.arange(5), torch.tensor(ctx), tables, PAGE, NUM_PAGES)
+    assert layout.is_decode
+    assert layout.kv_last_page_len.tolist() == [1, PAGE, 1, 2]
+    assert layout.kv_indices.tolist() == [10, 11, 12, 13, 14, 15, 16]
+    assert layout.slot_mapping.tolist() == [10 * PAGE, 11 * PAGE + PAGE - 1, 13 * PAGE, 16 * PAGE + 1]
+
+
+def test_decode_bucket_pads_onto_the_scratch_page():
+    scratch = NUM_PAGES
+    bt = torch.tensor([[5, 6, 0], [7, 0, 0]])
+    layout = decode_bucket(4, torch.tensor([PAGE + 1, 0]), bt, PAGE, scratch)
+    assert layout.num_rows == 4 and layout.is_decode
+    assert layout.kv_indptr.tolist() == [0, 2, 3, 4, 5]
+    assert layout.kv_indices.tolist() == [5, 6, 7, scratch, scratch]
+    assert layout.kv_last_page_len.tolist() == [2, 1, 1, 1]
+    assert layout.slot_mapping.tolist() == [6 * PAGE + 1, 7 * PAGE, scratch * PAGE, scratch * PAGE]
+    empty = decode_bucket(2, torch.zeros(0, dtype=torch.long), torch.zeros(0, 1, dtype=torch.long), PAGE, scratch)
+    assert empty.kv_indices.tolist() == [scratch, scratch] and empty.slot_mapping.tolist() == [scratch * PAGE] * 2
+
+
+def test_refusals_name_the_problem():
+    with pytest.raises(ValueError, match="row 1 needs 2 pages"):
+        build_layout(torch.tensor([0, 1, 2]), torch.tensor([0, PAGE]), [[1], [2]], PAGE, NUM_PAGES)
+    with pytest.raises(ValueError, match="outside"):
+        build_layout(torch.tensor([0, 1]), torch.tensor([0]), [[NUM_PAGES + 1]], PAGE, NUM_PAGES)
+    with pytest.raises(ValueError, match="do not fit"):
+        decode_bucket(1, torch.tensor([0, 0]), torch.zeros(2, 1, dtype=torch.long), PAGE, NUM_PAGES)
+    with pytest.raises(ValueError, match="disagree"):
+        build_layout(torch.tensor([0, 1]), torch.tensor([0, 0]), [[1], [2]], PAGE, NUM_PAGES)
