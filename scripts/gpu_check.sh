@@ -3,9 +3,10 @@
 # scripts/fetch_gpu_wheels.sh), runs the GPU tests, then the benchmarks, and
 # leaves logs and results under $OUT. Run through the device tool from the
 # repo root with carry=[".wheels"]:
-#   scripts/gpu_check.sh tests     GPU tests only
-#   scripts/gpu_check.sh bench     decode + host benchmarks only
-#   scripts/gpu_check.sh all       both (default)
+#   scripts/gpu_check.sh tests      GPU tests only
+#   scripts/gpu_check.sh bench      decode + host benchmarks only
+#   scripts/gpu_check.sh pagesize   the attention page-size measurement
+#   scripts/gpu_check.sh all        tests and bench (default)
 # FlashInfer compiles its kernels on first use into ~/.cache/flashinfer; a
 # second call on the same (still warm) machine reuses them.
 set -uo pipefail
@@ -17,16 +18,22 @@ export FLASHINFER_CUDA_ARCH_LIST=9.0 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 export MAX_JOBS=${MAX_JOBS:-16} FLASHINFER_NVCC_THREADS=${FLASHINFER_NVCC_THREADS:-4}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
-python3 -m pip install -q --no-deps .wheels/*.whl 2>&1 | grep -v "root user" | tail -3
+python3 -m pip install -q --no-deps --no-index .wheels/*.whl 2>&1 | grep -v "root user" | tail -3
 {
   nvidia-smi -L
   python3 -c 'import torch, triton, flashinfer, transformers; print("torch", torch.__version__, "triton", triton.__version__, "flashinfer", flashinfer.__version__, "transformers", transformers.__version__)'
 } 2>&1 | tee "$OUT/env.txt"
 
+# FlashInfer's prefill and decode kernels in one parallel build, before anything needs them
+t0=$SECONDS
+python3 -c 'import torch; from mstar.engine.flashinfer_attention import build_kernels; build_kernels(torch.bfloat16, 128)' \
+  2>&1 | tail -20 | tee "$OUT/jit.txt"
+echo "FlashInfer JIT build: $((SECONDS - t0)) s" | tee -a "$OUT/jit.txt"
+
 rc=0
 if [[ $what == tests || $what == all ]]; then
-  tests=$(ls tests/test_kernels_gpu.py tests/test_flashinfer_attention.py tests/test_gpu_engine.py \
-            tests/test_llama_parity_model.py tests/test_paged_attention.py 2>/dev/null)
+  tests=$(ls tests/test_kernels_gpu.py tests/test_flashinfer_attention.py tests/test_paged_layout.py \
+            tests/test_gpu_engine.py tests/test_llama_parity_model.py tests/test_paged_attention.py 2>/dev/null)
   timeout 480 python3 -m pytest -q -p no:cacheprovider -x -o timeout=400 $tests 2>&1 | tail -60 | tee "$OUT/gpu_tests.txt"
   rc=${PIPESTATUS[0]}
 fi
@@ -36,5 +43,8 @@ if [[ $what == bench || $what == all ]]; then
   cp docs/benchmarks/decode.md "$OUT/" 2>/dev/null || true
   timeout 240 python3 scripts/bench_host.py --model orpheus-3b --load-format dummy --devices cuda:0 \
       --batches 1 64 256 --tokens 64 2>&1 | grep -v "\[info" | tail -10 | tee "$OUT/bench_host.txt"
+fi
+if [[ $what == pagesize ]]; then
+  timeout 240 python3 scripts/bench_page_size.py --out "$OUT/page_size.json" 2>&1 | tail -30 | tee "$OUT/page_size.txt"
 fi
 exit $rc

@@ -66,9 +66,9 @@ class DecodeGraphs:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         for b in tqdm(sorted(self.buckets, reverse=True), desc="capturing CUDA graphs", disable=not show_progress):
-            attn = self.attention.plan_graph(b, empty_ctx, empty_table)
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm up: lazy inits and autotuning happen outside the graph
+            with torch.cuda.stream(stream):  # planning's copies are ordered before the warm-up on this stream
+                attn = self.attention.plan_graph(b, empty_ctx, empty_table)
+                for _ in range(2):  # warm up: lazy inits and kernel compiles happen outside the graph
                     self.step(self._batch(b, attn))
             stream.synchronize()
             graph = torch.cuda.CUDAGraph()

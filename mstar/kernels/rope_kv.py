@@ -94,9 +94,9 @@ def _rotate_heads(src, src_stride_h, dst, dst_stride_h, n_heads, cos1, cos2, sin
     x2 = tl.load(src + heads * src_stride_h + HALF + cols, mask=mask, other=0.0).to(tl.float32)
     # rounded to the source dtype first: a cache wider than k holds the same
     # values as an unfused rope-then-store would have written
-    src_dtype, dst_dtype = src.dtype.element_ty, dst.dtype.element_ty
-    out1 = (x1 * cos1 - x2 * sin1).to(src_dtype).to(dst_dtype)
-    out2 = (x2 * cos2 + x1 * sin2).to(src_dtype).to(dst_dtype)
+    # (dtypes inline: Triton 3.6 cannot unpack a tuple of dtypes)
+    out1 = (x1 * cos1 - x2 * sin1).to(src.dtype.element_ty).to(dst.dtype.element_ty)
+    out2 = (x2 * cos2 + x1 * sin2).to(src.dtype.element_ty).to(dst.dtype.element_ty)
     tl.store(dst + heads * dst_stride_h + cols, out1, mask=mask)
     tl.store(dst + heads * dst_stride_h + HALF + cols, out2, mask=mask)
 
