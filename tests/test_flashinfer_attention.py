@@ -2,7 +2,7 @@
 contents, rows on random non-contiguous pages; decode, prefill, mixed, RoPE,
 and a CUDA-graph bucket captured once and replayed with new rows.
 
-Needs CUDA and flashinfer (the GPU machine: scripts/gpu_flashinfer_check.sh).
+Needs CUDA and flashinfer (the GPU machine: scripts/gpu_check.sh tests).
 """
 
 from __future__ import annotations
