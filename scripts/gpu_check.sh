@@ -5,6 +5,7 @@
 # repo root with carry=[".wheels"]:
 #   scripts/gpu_check.sh tests      GPU tests only
 #   scripts/gpu_check.sh bench      decode + host benchmarks only
+#   scripts/gpu_check.sh profile    kernels by time in a decode step
 #   scripts/gpu_check.sh pagesize   the attention page-size measurement
 #   scripts/gpu_check.sh all        tests and bench (default)
 # FlashInfer compiles its kernels on first use into ~/.cache/flashinfer; a
@@ -42,8 +43,14 @@ if [[ $what == bench || $what == all ]]; then
   timeout 420 python3 scripts/bench_decode.py --model orpheus-3b --load-format dummy \
       --out "$OUT/decode.json" 2>&1 | grep -v "\[info" | tail -40 | tee "$OUT/bench_decode.txt"
   cp docs/benchmarks/decode.md "$OUT/" 2>/dev/null || true
+  sleep 5  # let the driver take back the last process's memory before sizing a KV pool again
   timeout 240 python3 scripts/bench_host.py --model orpheus-3b --load-format dummy --devices cuda:0 \
       --batches 1 64 256 --tokens 64 2>&1 | grep -v "\[info" | tail -10 | tee "$OUT/bench_host.txt"
+fi
+if [[ $what == profile || $what == bench || $what == all ]]; then
+  timeout 240 python3 scripts/profile_decode.py --batch 1 64 256 --context 512 2>&1 | grep -v "\[info" \
+      | tail -70 > "$OUT/profile.txt"
+  tail -25 "$OUT/profile.txt"
 fi
 if [[ $what == pagesize ]]; then
   timeout 240 python3 scripts/bench_page_size.py --out "$OUT/page_size.json" 2>&1 | tail -30 | tee "$OUT/page_size.txt"
