@@ -106,7 +106,16 @@ async def test_eos_and_stop_token_ids_end_with_stop(hf_folder: Path) -> None:
             stop_at = exp[5]
             cut = exp[: exp.index(stop_at) + 1]
             sp = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(stop_at,))
+            dropped = eng.workers[0].stats.dropped_rows
             assert await _run(eng, f"s{i}", p, sp) == (cut, "stop")
+            for _ in range(200):
+                if not eng.workers[0].busy:
+                    break
+                await asyncio.sleep(0.005)
+            if len(cut) > 2:
+                # decode steps are launched before the previous one is read: the step
+                # after the stop token ran speculatively and its output was dropped
+                assert eng.workers[0].stats.dropped_rows == dropped + 1
         # ignore_eos does not switch off stop_token_ids
         sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=(expected[0][3],))
         toks, reason = await _run(eng, "x", prompts[0], sp)

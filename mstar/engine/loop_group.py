@@ -8,6 +8,12 @@ block tables, sampling parameters and draw counters, write counts and caps,
 stop ids. A step of the group touches no per-row Python: rows that joined are
 merged once at the start of the step, and only rows that stop are handled one
 by one when they leave.
+
+A step is launched (`launched`) before the previous one is finalised
+(`finalize`): the device computes step K while the host reads step K-1's
+tokens. A row that stops at step K-1 on a token (EOS) has therefore already
+been computed once more in step K; `finalize` drops that output. Rows that
+reach their write cap are known on the host and are never launched past it.
 """
 
 from __future__ import annotations
@@ -41,6 +47,29 @@ class Leave:
     reason: str | None
 
 
+@dataclass(eq=False)
+class Pending:
+    """A launched step whose tokens the host has not read yet; per row, the
+    state after the step (what a row that leaves with it keeps)."""
+
+    seq: int
+    rows: list[PartitionRun]
+    request_ids: list[str]
+    partitions: list[str]
+    tokens: torch.Tensor        # [n] on the device
+    host: torch.Tensor          # [n] host copy, valid once `event` is done
+    event: torch.cuda.Event | None
+    stop_table: torch.Tensor    # [n, S]
+    kv_lens: torch.Tensor       # [n]
+    counts: torch.Tensor        # [n]
+    counters: torch.Tensor      # [n]
+    exhausted: torch.Tensor     # [n] bool: reached the write cap with this step
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+
 class LoopGroup:
     def __init__(self, component: str, mode: str, loop: Loop, device: torch.device) -> None:
         self.component = component
@@ -60,7 +89,11 @@ class LoopGroup:
         self.caps = torch.empty(0, dtype=torch.long)
         self.stop_table = torch.full((0, 1), -1, dtype=torch.long)
         self.sampling: SamplingTensors | None = None
+        self.counters = torch.empty(0, dtype=torch.long)  # host copy of the sampler's draw counters
         self.seen: torch.Tensor | None = None
+        self.seq = 0                        # steps launched
+        self._left: dict[int, int] = {}           # id(row) -> the launch after which it left
+        self._left_at: dict[int, list[int]] = {}  # launch seq -> ids of the rows that left after it
 
     def __len__(self) -> int:
         return len(self.rows) + len(self._joins)
@@ -80,8 +113,9 @@ class LoopGroup:
             out.append(Leave(j.part, j.token, None))
         idx = [i for i, (r, p) in enumerate(zip(self.request_ids, self.partitions))
                if r == request_id and (partition is None or p == partition)]
-        if idx:
-            out += self._remove(idx, [None] * len(idx))
+        for i in idx:
+            out.append(Leave(self.rows[i], self.tokens[i].clone(), None))
+        self._drop(idx, self.seq)
         return out
 
     def _merge(self) -> None:
@@ -100,6 +134,9 @@ class LoopGroup:
         self.caps = torch.cat([self.caps, torch.tensor([j.cap for j in joins], dtype=torch.long)])
         self.block_table = _cat_padded(self.block_table, [p.pages for p in parts], 0)
         self.stop_table = _cat_padded(self.stop_table, [j.stop_ids for j in joins], -1)
+        self.counters = torch.cat([self.counters, torch.tensor([p.generated for p in parts], dtype=torch.long)])
+        for p in parts:
+            self._left.pop(id(p), None)
         new = SamplingTensors.build([p.request.sampling for p in parts], [p.request.seed for p in parts],
                                     [p.generated for p in parts], dev)
         self.sampling = new if self.sampling is None else _cat_sampling(self.sampling, new)
@@ -136,36 +173,86 @@ class LoopGroup:
             return st
         return SamplingTensors(**{f.name: _slice(getattr(st, f.name), sl) for f in fields(st)})
 
-    def advance(self, sl: slice, new_tokens: torch.Tensor, host: torch.Tensor) -> tuple[torch.Tensor, list[Leave]]:
-        """Take the tokens a step sampled for rows `sl` (on the device, and
-        their host copy); returns the stop mask over those rows and the rows
-        that left the loop."""
+    def launched(self, sl: slice, new_tokens: torch.Tensor) -> Pending:
+        """Rows `sl` have just been given a step that samples `new_tokens`
+        (still being computed on the device). Advances their state, starts
+        the copy of the tokens to the host, and takes out the rows that this
+        step brings to their write cap."""
+        assert self.sampling is not None
+        self.seq += 1
         self.tokens[sl] = new_tokens
         self.kv_lens[sl] += 1
         self.counts[sl] += 1
-        assert self.sampling is not None
+        self.counters[sl] += 1
         self.sampling.counters[sl] += 1
-        hit_stop = (self.stop_table[sl] == host[:, None]).any(dim=1)
-        hit_len = self.counts[sl] >= self.caps[sl]
-        done = (hit_stop | hit_len).nonzero().flatten()
-        if not done.numel():
-            return hit_stop, []
-        idx = (done + sl.start).tolist()
-        stop = hit_stop[done].tolist()
-        return hit_stop, self._remove(idx, ["stop" if s else "length" for s in stop])
+        event = None
+        if new_tokens.device.type == "cuda":
+            host = torch.empty(new_tokens.shape, dtype=new_tokens.dtype, pin_memory=True)
+            host.copy_(new_tokens, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = new_tokens
+        counts = self.counts[sl].clone()
+        exhausted = counts >= self.caps[sl]
+        pending = Pending(self.seq, self.rows[sl], self.request_ids[sl], self.partitions[sl], new_tokens, host,
+                          event, self.stop_table[sl], self.kv_lens[sl].clone(), counts, self.counters[sl].clone(),
+                          exhausted)
+        if bool(exhausted.any()):
+            # valid in this step's output, gone from the next
+            self._drop((exhausted.nonzero().flatten() + sl.start).tolist(), self.seq + 1)
+        return pending
 
-    def _remove(self, idx: list[int], reasons: list[str | None]) -> list[Leave]:
+    def valid_rows(self, p: Pending) -> list[int] | None:
+        """Rows of `p` whose output still counts (None: all of them). A row
+        taken out after launch `p.seq` (stopped, aborted, or already left on
+        an earlier token) has a dead output there."""
+        if not self._left_at.get(p.seq):
+            return None
+        return [i for i, part in enumerate(p.rows) if self._left.get(id(part), p.seq + 1) > p.seq]
+
+    def finalize(self, p: Pending) -> list[Leave]:
+        """The host has `p`'s tokens (the caller waited): the rows whose stop
+        rule held at that step leave the group."""
+        hit_stop = (p.stop_table == p.host.to("cpu")[:, None]).any(dim=1)
+        done = (hit_stop | p.exhausted).nonzero().flatten().tolist()
+        for seq in [q for q in self._left_at if q < p.seq]:
+            # rows that left before launch p.seq are in no step still to finalise
+            for key in self._left_at.pop(seq):
+                if self._left.get(key) == seq:
+                    del self._left[key]
         out = []
-        for i, reason in zip(idx, reasons):
+        for i in done:
+            part = p.rows[i]
+            if part.done or self._left.get(id(part), p.seq + 1) <= p.seq:
+                continue  # stopped or aborted meanwhile
+            # its outputs after this step are dead (this one still counts)
+            mark = max(self.seq, p.seq + 1)
+            if id(part) not in self._left:  # it stopped on a token: still in the group
+                idx = next(j for j, r in enumerate(self.rows) if r is part)
+                self._drop([idx], mark)
+            elif self._left[id(part)] > mark:
+                # taken out at a later launch for reaching its cap, but it
+                # stopped on a token before: that later output is dead too
+                self._left[id(part)] = mark
+                self._left_at.setdefault(mark, []).append(id(part))
+            part.kv_tokens = int(p.kv_lens[i])
+            part.generated = int(p.counters[i])
+            # the walker counts this step's write when it routes the row on
+            part.writes[self.loop.value] = int(p.counts[i]) - 1
+            out.append(Leave(part, p.tokens[i].clone(), "stop" if bool(hit_stop[i]) else "length"))
+        return out
+
+    def _drop(self, idx: list[int], seq: int) -> None:
+        """Remove rows from the tensors; they count as gone after launch `seq`."""
+        if not idx:
+            return
+        for i in idx:
             part = self.rows[i]
-            part.kv_tokens = int(self.kv_lens[i])
-            part.generated = int(self.sampling.counters[i]) if self.sampling is not None else part.generated
-            # a row leaving with a reason still has this step's write to be
-            # routed (the walker counts it then)
-            part.writes[self.loop.value] = int(self.counts[i]) - (reason is not None)
+            self._left[id(part)] = seq
             if self.seen is not None:
                 part.seen = self.seen[i].clone()
-            out.append(Leave(part, self.tokens[i].clone(), reason))
+        self._left_at.setdefault(seq, []).extend(id(self.rows[i]) for i in idx)
         keep = torch.ones(len(self.rows), dtype=torch.bool)
         keep[idx] = False
         kept = keep.nonzero().flatten()
@@ -176,6 +263,7 @@ class LoopGroup:
         dev_kept = kept.to(self.device)
         self.tokens = self.tokens[dev_kept]
         self.kv_lens, self.counts, self.caps = self.kv_lens[kept], self.counts[kept], self.caps[kept]
+        self.counters = self.counters[kept]
         self.block_table, self.stop_table = self.block_table[kept], self.stop_table[kept]
         if not self.rows:  # start afresh: no flags or penalty rows linger
             self.sampling, self.seen = None, None
@@ -183,7 +271,6 @@ class LoopGroup:
             self.sampling = _select_sampling(self.sampling, dev_kept)
         if self.seen is not None:
             self.seen = self.seen[dev_kept]
-        return out
 
     def update_seen(self, sl: slice) -> torch.Tensor | None:
         """Mark the tokens about to be fed back as seen (repetition penalty)."""

@@ -118,7 +118,8 @@ class ComponentRunner:
 
     @torch.inference_mode()
     def run_group(self, group: LoopGroup, sl: slice) -> torch.Tensor:
-        """One decode step of rows `sl` of a token loop group: [n] new tokens."""
+        """Launch one decode step of rows `sl` of a token loop group; returns
+        its [n] new tokens, on the device and possibly not computed yet."""
         assert self.kv is not None and self.attention is not None
         self.device_s = 0.0
         n = sl.stop - sl.start
@@ -137,9 +138,8 @@ class ComponentRunner:
             )
             logits = self._timed(getattr(self.module, group.mode))(batch)["logits"]
         seen = group.update_seen(sl)
-        tokens = self._timed(sample)(logits.float(), group.sampling_for(sl), seen)
-        self._wait()
-        return tokens
+        # no wait: the worker reads these tokens after launching the next step
+        return self._timed(sample)(logits.float(), group.sampling_for(sl), seen)
 
     # --------------------------------------------------------- plain rows
 

@@ -26,7 +26,7 @@ from mstar.config import EngineConfig
 from mstar.engine.backends import attention_backend, decode_graphs
 from mstar.engine.kv_cache import KVCache
 from mstar.engine.memory import kv_cache_log_fields, kv_cache_pages
-from mstar.engine.loop_group import LoopGroup
+from mstar.engine.loop_group import LoopGroup, Pending
 from mstar.engine.messages import Abort, EmitBatch, Finished, Shutdown, Stop, StepReport, Submit
 from mstar.engine.runner import ComponentRunner, StepOutput
 from mstar.engine.tensor_store import TensorRef, TensorStore
@@ -44,6 +44,7 @@ class WorkerStats:
     steps: int = 0
     rows: int = 0
     cancelled_steps: int = 0  # queued steps a late stop cancelled
+    dropped_rows: int = 0     # rows of launched decode steps whose output was dead (stopped a step before)
     failed_steps: int = 0
 
 
@@ -64,6 +65,8 @@ class DeviceWorker:
         self.pools: dict[str, PagePool] = {}
         self.runners: dict[str, ComponentRunner] = {}
         self._report = StepReport(device=device)
+        self._inflight: dict[LoopGroup, Pending] = {}  # launched group steps not read yet
+        self._group_mark: dict[LoopGroup, float] = {}   # when each group's last step was done
         self._thread = threading.Thread(target=self._main, name=f"mstar-worker-{device}", daemon=True)
 
     # ------------------------------------------------------------ control
@@ -80,6 +83,11 @@ class DeviceWorker:
     @property
     def components(self) -> list[str]:
         return list(self.model.components)
+
+    @property
+    def busy(self) -> bool:
+        """Work queued, or launched and not read yet (racy: for tests and stats)."""
+        return self.scheduler.has_work() or bool(self._inflight)
 
     def pages_in_use(self) -> dict[str, int]:
         return {name: pool.num_used for name, pool in self.pools.items()}
@@ -166,15 +174,21 @@ class DeviceWorker:
     def _loop(self) -> None:
         waiting = False
         while True:
-            if not self._drain(block=waiting or not self.scheduler.has_work()):
+            idle = not self.scheduler.has_work() and not self._inflight
+            if not self._drain(block=waiting or idle):
                 return
             batch = self.scheduler.schedule()
             if batch is None:
+                self._settle()
                 self._flush()
                 waiting = self.scheduler.has_work()
                 continue
             waiting = False
-            self._step(batch)
+            if batch.group is not None:
+                self._launch_group(batch.group)
+            else:
+                self._settle()
+                self._step(batch)
             self._flush()
 
     def _drain(self, block: bool) -> bool:
@@ -213,9 +227,6 @@ class DeviceWorker:
     # --------------------------------------------------------------- step
 
     def _step(self, batch: Batch) -> None:
-        if batch.group is not None:
-            self._step_group(batch.group)
-            return
         t0 = time.perf_counter()
         for item in batch.items:
             if item.pages:  # pages the scheduler admitted the row with: the row owns them now
@@ -239,45 +250,78 @@ class DeviceWorker:
         r.step_s = time.perf_counter() - t0
         r.device_s = self.runners[batch.component].device_s
 
-    def _step_group(self, group: LoopGroup) -> None:
-        """A decode step of a token loop group: no per-row work but for rows
-        that stop (and rows whose tokens feed a stream)."""
-        t0 = time.perf_counter()
+    def _launch_group(self, group: LoopGroup) -> None:
+        """Launch the next decode step of a token loop group, then read the
+        previous one's tokens while the device computes: the host work of a
+        step (stop rules, emits, routing, the report) overlaps the next step.
+        No per-row work but for rows that stop (and rows feeding a stream)."""
         runner = self.runners[group.component]
+        prev = self._inflight.get(group)
+        t0 = time.perf_counter()
+        if prev is not None:
+            prev.wait()
+        waited = time.perf_counter() - t0
         sl = group.window(self.config.scheduler.max_num_seqs)
-        rows = group.rows[sl]
-        rids, names = group.request_ids[sl], group.partitions[sl]
-        try:
-            tokens = runner.run_group(group, sl)
-        except Exception as e:
-            self.stats.failed_steps += 1
-            log.exception("step failed", device=self.name, component=group.component, mode=group.mode,
-                          rows=len(rows))
-            for rid in dict.fromkeys(rids):
-                self.walker.abort(rid, "error", f"{type(e).__name__}: {e}")
-            return
+        n = sl.stop - sl.start
+        launched: Pending | None = None
+        if n:
+            try:
+                tokens = runner.run_group(group, sl)
+            except Exception as e:
+                self.stats.failed_steps += 1
+                log.exception("step failed", device=self.name, component=group.component, mode=group.mode, rows=n)
+                for rid in dict.fromkeys(group.request_ids[sl]):
+                    self.walker.abort(rid, "error", f"{type(e).__name__}: {e}")
+            else:
+                launched = group.launched(sl, tokens)
+                self.stats.steps += 1
+                self.stats.rows += n
+        if prev is not None:
+            self._finalize_group(group, prev)
+        if launched is not None:
+            self._inflight[group] = launched
+        else:
+            self._inflight.pop(group, None)
+        now = time.perf_counter()
+        r = self._report
+        r.component, r.mode, r.rows = group.component, group.mode, n
+        r.step_s = now - self._group_mark.get(group, t0)
+        r.device_s = waited + runner.device_s
+        self._group_mark[group] = t0 + waited
+
+    def _finalize_group(self, group: LoopGroup, p: Pending) -> None:
+        p.wait()
+        leaving = group.finalize(p)
+        valid = group.valid_rows(p)
         value = group.loop.value
-        walk = rows[0].request.walk
-        host = tokens.cpu()
+        walk = p.rows[0].request.walk
+        keep = range(len(p.rows)) if valid is None else valid
+        self.stats.dropped_rows += len(p.rows) - len(keep)
         if value in walk.emits:
-            self._report.emits.append(EmitBatch(value, rids, names, host))
-        _, leaving = group.advance(sl, tokens, host)
+            if valid is None:
+                self._report.emits.append(EmitBatch(value, p.request_ids, p.partitions, p.host))
+            elif valid:
+                self._report.emits.append(EmitBatch(value, [p.request_ids[i] for i in valid],
+                                                    [p.partitions[i] for i in valid], p.host[valid]))
         if walk.streams.get(value):
             gone = {id(leave.part) for leave in leaving}
-            handle = self.store.put(tokens, rids)
-            for i, (part, rid) in enumerate(zip(rows, rids)):
+            handle = self.store.put(p.tokens, [p.request_ids[i] for i in range(len(p.rows))])
+            for i, rid in enumerate(p.request_ids):
                 ref = TensorRef(handle, i)
-                if id(part) not in gone:
-                    self.walker.feed_streams(part, value, ref)
+                if i in keep and id(p.rows[i]) not in gone and not p.rows[i].done:
+                    self.walker.feed_streams(p.rows[i], value, ref)
                 self.store.release(ref, rid)
         for leave in leaving:
             self.walker.left_group(leave)
-        self.stats.steps += 1
-        self.stats.rows += len(rows)
-        r = self._report
-        r.component, r.mode, r.rows = group.component, group.mode, len(rows)
-        r.step_s = time.perf_counter() - t0
-        r.device_s = runner.device_s
+
+    def _settle(self) -> None:
+        """Read every launched group step (before a step of another kind, or
+        when there is nothing left to launch)."""
+        while self._inflight:
+            group = next(iter(self._inflight))
+            self._finalize_group(group, self._inflight[group])
+            del self._inflight[group]  # only now: `busy` stays true until the step is read
+            self._group_mark.pop(group, None)
 
     def _fail(self, batch: Batch, error: str) -> None:
         for item in batch.items:
