@@ -56,6 +56,7 @@ async def measure(model: str, devices: tuple[str, ...], batch: int, tokens: int,
     t0 = time.perf_counter()
     await asyncio.gather(*[one(i) for i in range(batch)])
     wall = time.perf_counter() - t0
+    st = eng.workers[0].stats
     await eng.shutdown()
     med = statistics.median
     return {
@@ -66,6 +67,10 @@ async def measure(model: str, devices: tuple[str, ...], batch: int, tokens: int,
         "host_ms": 1e3 * med(r.step_s - r.device_s for r in steps),
         "loop_ms_per_report": 1e3 * med(loop_s),
         "tokens_per_s": batch * tokens / wall,
+        # per decode group step, from the worker's phase counters
+        "wait_ms": 1e3 * st.wait_s / max(st.steps, 1),
+        "launch_ms": 1e3 * st.launch_s / max(st.steps, 1),
+        "finalize_ms": 1e3 * st.finalize_s / max(st.steps, 1),
     }
 
 
@@ -79,11 +84,15 @@ def main() -> None:
     a = p.parse_args()
     print(f"# {platform.platform()} | python {platform.python_version()} | torch {torch.__version__} "
           f"| {os.cpu_count()} cpus | threads {torch.get_num_threads()} | model {a.model} on {a.devices}")
-    print(f"{'batch':>6} {'steps':>6} {'step ms':>8} {'device ms':>10} {'host ms':>8} {'loop ms':>8} {'tok/s':>9}")
+    print("step = period between decode steps; device = blocked on the device (CPU: compute); host = step - device;")
+    print("loop = event loop per report; wait/launch/finalize = the worker's phases per step")
+    print(f"{'batch':>6} {'steps':>6} {'step ms':>8} {'device ms':>10} {'host ms':>8} {'loop ms':>8} "
+          f"{'wait':>6} {'launch':>7} {'final':>6} {'tok/s':>9}")
     for b in a.batches:
         r = asyncio.run(measure(a.model, tuple(a.devices.split(",")), b, a.tokens, a.load_format))
         print(f"{r['batch']:>6} {r['decode_steps']:>6} {r['step_ms']:>8.2f} {r['device_ms']:>10.2f} "
-              f"{r['host_ms']:>8.2f} {r['loop_ms_per_report']:>8.2f} {r['tokens_per_s']:>9.0f}")
+              f"{r['host_ms']:>8.2f} {r['loop_ms_per_report']:>8.2f} {r['wait_ms']:>6.2f} {r['launch_ms']:>7.2f} "
+              f"{r['finalize_ms']:>6.2f} {r['tokens_per_s']:>9.0f}")
 
 
 if __name__ == "__main__":

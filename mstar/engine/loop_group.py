@@ -92,6 +92,8 @@ class LoopGroup:
         self.counters = torch.empty(0, dtype=torch.long)  # host copy of the sampler's draw counters
         self.seen: torch.Tensor | None = None
         self.seq = 0                        # steps launched
+        self._pinned: list[torch.Tensor | None] = [None, None]
+        self._events = [torch.cuda.Event(), torch.cuda.Event()] if device.type == "cuda" else []
         self._left: dict[int, int] = {}           # id(row) -> the launch after which it left
         self._left_at: dict[int, list[int]] = {}  # launch seq -> ids of the rows that left after it
 
@@ -187,9 +189,16 @@ class LoopGroup:
         self.sampling.counters[sl] += 1
         event = None
         if new_tokens.device.type == "cuda":
-            host = torch.empty(new_tokens.shape, dtype=new_tokens.dtype, pin_memory=True)
+            # two pinned buffers and events, used in turn: a step is read
+            # before the step after next is launched
+            slot = self.seq % 2
+            buf = self._pinned[slot]
+            if buf is None or buf.numel() < new_tokens.numel():
+                buf = self._pinned[slot] = torch.empty(max(new_tokens.numel(), 256), dtype=torch.long,
+                                                       pin_memory=True)
+            host = buf[: new_tokens.numel()]
             host.copy_(new_tokens, non_blocking=True)
-            event = torch.cuda.Event()
+            event = self._events[slot]
             event.record()
         else:
             host = new_tokens

@@ -46,6 +46,10 @@ def kv_cache_pages(device: torch.device, spec: KVSpec, page_size: int, dtype: to
     if device.type == "cuda":
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ConfigError(f"--gpu-memory-utilization must be in (0, 1], got {gpu_memory_utilization}")
+        if mem_get_info is None:
+            # memory that torch's caching allocator holds but no tensor uses
+            # (an engine shut down in this process) would read as in use
+            torch.cuda.empty_cache()
         free, total = (mem_get_info or torch.cuda.mem_get_info)(device)
         used = total - free
         budget = gpu_memory_utilization * total - used - reserve_bytes

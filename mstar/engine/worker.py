@@ -45,6 +45,10 @@ class WorkerStats:
     rows: int = 0
     cancelled_steps: int = 0  # queued steps a late stop cancelled
     dropped_rows: int = 0     # rows of launched decode steps whose output was dead (stopped a step before)
+    # seconds spent per phase of a decode group step, summed (host profile)
+    wait_s: float = 0.0       # blocked on the device for the previous step
+    launch_s: float = 0.0     # planning, graph replay, sampling launch, group bookkeeping
+    finalize_s: float = 0.0   # reading the previous step: stop rules, emits, routing
     failed_steps: int = 0
 
 
@@ -160,6 +164,17 @@ class DeviceWorker:
         finally:
             self.alive = False
             self._fail_all(f"the worker on {self.name} stopped: {self.error!r}" if self.error else None)
+            self._release()
+
+    def _release(self) -> None:
+        """Drop the modules, KV caches and graphs, and give their device
+        memory back (another engine may start in this process)."""
+        self.runners.clear()
+        self._inflight.clear()
+        self._group_mark.clear()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     def _fail_all(self, error: str | None) -> None:
         """Tell the event loop that every request still here is over; the
@@ -276,8 +291,12 @@ class DeviceWorker:
                 launched = group.launched(sl, tokens)
                 self.stats.steps += 1
                 self.stats.rows += n
+        t1 = time.perf_counter()
         if prev is not None:
             self._finalize_group(group, prev)
+        self.stats.wait_s += waited
+        self.stats.launch_s += t1 - t0 - waited
+        self.stats.finalize_s += time.perf_counter() - t1
         if launched is not None:
             self._inflight[group] = launched
         else:
@@ -291,6 +310,7 @@ class DeviceWorker:
 
     def _finalize_group(self, group: LoopGroup, p: Pending) -> None:
         p.wait()
+        host = p.host.clone()  # its pinned buffer is reused two launches on; the event loop reads later
         leaving = group.finalize(p)
         valid = group.valid_rows(p)
         value = group.loop.value
@@ -299,10 +319,10 @@ class DeviceWorker:
         self.stats.dropped_rows += len(p.rows) - len(keep)
         if value in walk.emits:
             if valid is None:
-                self._report.emits.append(EmitBatch(value, p.request_ids, p.partitions, p.host))
+                self._report.emits.append(EmitBatch(value, p.request_ids, p.partitions, host))
             elif valid:
                 self._report.emits.append(EmitBatch(value, [p.request_ids[i] for i in valid],
-                                                    [p.partitions[i] for i in valid], p.host[valid]))
+                                                    [p.partitions[i] for i in valid], host[valid]))
         if walk.streams.get(value):
             gone = {id(leave.part) for leave in leaving}
             handle = self.store.put(p.tokens, [p.request_ids[i] for i in range(len(p.rows))])
