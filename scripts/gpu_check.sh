@@ -5,6 +5,7 @@
 # repo root with carry=[".wheels"]:
 #   scripts/gpu_check.sh tests      GPU tests only
 #   scripts/gpu_check.sh bench      decode + host benchmarks only
+#   scripts/gpu_check.sh quick      attention + engine GPU tests, then the host benchmark
 #   scripts/gpu_check.sh profile    kernels by time in a decode step
 #   scripts/gpu_check.sh pagesize   the attention page-size measurement
 #   scripts/gpu_check.sh all        tests and bench (default)
@@ -46,6 +47,14 @@ if [[ $what == bench || $what == all ]]; then
   sleep 5  # let the driver take back the last process's memory before sizing a KV pool again
   timeout 240 python3 scripts/bench_host.py --model orpheus-3b --load-format dummy --devices cuda:0 \
       --batches 1 64 256 --tokens 64 2>&1 | grep -v "\[info" | tail -10 | tee "$OUT/bench_host.txt"
+fi
+if [[ $what == quick ]]; then
+  timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider -o timeout=180 tests/test_flashinfer_attention.py \
+      tests/test_gpu_engine.py > "$OUT/gpu_tests.txt" 2>&1
+  rc=$?
+  tail -5 "$OUT/gpu_tests.txt"
+  timeout 100 python3 scripts/bench_host.py --model orpheus-3b --load-format dummy --devices cuda:0 \
+      --batches 1 64 256 --tokens 64 2>&1 | grep -v "\[info\|capturing" | tail -8 | tee "$OUT/bench_host.txt"
 fi
 if [[ $what == profile || $what == bench || $what == all ]]; then
   timeout 240 python3 scripts/profile_decode.py --batch 1 64 256 --context 512 2>&1 | grep -v "\[info" \

@@ -4,13 +4,16 @@ A decode step of n rows replays the graph of the smallest bucket >= n: the
 rows' tokens and positions are copied into the bucket's static inputs, the
 attention backend re-plans the bucket's static metadata (padding rows point at
 the KV cache's scratch page), and the graph writes logits into its static
-output. Steps larger than the largest bucket run eagerly. Graphs are captured
+output. Every host-to-device copy is from page-locked memory, so a step can be
+prepared and launched while the previous one still runs: the host waits only
+until the previous step's inputs have landed. Steps larger than the largest bucket run eagerly. Graphs are captured
 once at startup, largest bucket first, sharing one memory pool.
 """
 
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
@@ -44,7 +47,12 @@ class DecodeGraphs:
         self._ids = torch.zeros(top, dtype=torch.long, device=device)
         self._positions = torch.zeros(top, dtype=torch.long, device=device)
         self._rows = torch.arange(top, dtype=torch.long, device=device)
+        self._pinned_positions = torch.empty(top, dtype=torch.long, pin_memory=True)
         self._graphs: dict[int, _Graph] = {}
+        # recorded once a run's host-to-device copies are queued: the next run
+        # waits for it before rewriting the page-locked staging those copies read
+        self._copied: torch.cuda.Event | None = None
+        self.wait_s = 0.0  # time the last run waited for the previous run's copies
 
     @property
     def max_batch(self) -> int:
@@ -85,12 +93,21 @@ class DecodeGraphs:
         b = self.bucket(n)
         if b is None or b not in self._graphs:
             return None
+        self.wait_s = 0.0
+        if self._copied is not None:
+            t0 = time.perf_counter()
+            self._copied.synchronize()  # the previous step's inputs have landed: its staging is free
+            self.wait_s = time.perf_counter() - t0
+        else:
+            self._copied = torch.cuda.Event()
         self._ids[:n].copy_(tokens, non_blocking=True)
-        self._positions[:n].copy_(context_lens, non_blocking=True)
+        self._pinned_positions[:n].copy_(context_lens)
+        self._positions[:n].copy_(self._pinned_positions[:n], non_blocking=True)
         if b > n:
             self._ids[n:b].zero_()
             self._positions[n:b].zero_()
         self.attention.plan_graph(b, context_lens, block_table)
+        self._copied.record()
         g = self._graphs[b]
         g.graph.replay()
         return g.logits[:n]

@@ -109,6 +109,15 @@ class _GraphBucket:
         self.kv_indices = torch.zeros(self.max_pages, dtype=torch.int32, device=dev)
         self.kv_indices[:empty.kv_indices.numel()] = empty.kv_indices.to(dev)
         self.kv_last_page_len = empty.kv_last_page_len.to(dev)
+        # host staging in page-locked memory, so that every copy a plan makes
+        # is asynchronous and the host need not wait for the step in flight;
+        # the caller waits for the previous plan's copies before reusing these
+        self.pinned_indptr = torch.empty(batch_size + 1, dtype=torch.int32, pin_memory=True)
+        self.pinned_last = torch.empty(batch_size, dtype=torch.int32, pin_memory=True)
+        self.pinned_indices = torch.empty(self.max_pages, dtype=torch.int32, pin_memory=True)
+        self.pinned_slots = torch.empty(batch_size, dtype=torch.int64, pin_memory=True)
+        # FlashInfer copies host page indices synchronously: hand it device ones
+        self.indices_stage = torch.zeros(self.max_pages, dtype=torch.int32, device=dev)
         self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             owner.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=owner.decode_tensor_cores,
             paged_kv_indptr_buffer=self.kv_indptr, paged_kv_indices_buffer=self.kv_indices,
@@ -174,8 +183,15 @@ class FlashInferAttention:
         widest = int((layout.kv_indptr[1:] - layout.kv_indptr[:-1]).max())
         if widest > self.max_pages_per_row:
             raise ValueError(f"a row needs {widest} pages, graph buckets hold {self.max_pages_per_row} a row")
-        # a host-to-device copy from pageable memory is staged before it returns:
-        # the temporary may go, and the copy runs in stream order before the replay
-        bucket.slot_mapping.copy_(layout.slot_mapping, non_blocking=True)
-        self._plan_decode(bucket.wrapper, layout)
+        # every copy below is from page-locked memory, so none of them blocks
+        # the host; all run in stream order before the replay
+        n = layout.kv_indices.numel()
+        bucket.pinned_indptr.copy_(layout.kv_indptr)
+        bucket.pinned_last.copy_(layout.kv_last_page_len)
+        bucket.pinned_indices[:n].copy_(layout.kv_indices)
+        bucket.pinned_slots.copy_(layout.slot_mapping)
+        bucket.slot_mapping.copy_(bucket.pinned_slots, non_blocking=True)
+        bucket.indices_stage[:n].copy_(bucket.pinned_indices[:n], non_blocking=True)
+        bucket.wrapper.plan(bucket.pinned_indptr, bucket.indices_stage[:n], bucket.pinned_last, *self._dims,
+                            non_blocking=True, **self._dtypes)
         return bucket.context

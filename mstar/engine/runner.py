@@ -127,6 +127,7 @@ class ComponentRunner:
         logits = None
         if self.graphs is not None:
             logits = self.graphs.run(group.tokens[sl], ctx, group.block_table[sl])
+            self.device_s += self.graphs.wait_s
         if logits is None:
             query_start = torch.arange(n + 1, dtype=torch.long)
             batch = TokenBatch(

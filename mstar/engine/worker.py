@@ -268,14 +268,12 @@ class DeviceWorker:
     def _launch_group(self, group: LoopGroup) -> None:
         """Launch the next decode step of a token loop group, then read the
         previous one's tokens while the device computes: the host work of a
-        step (stop rules, emits, routing, the report) overlaps the next step.
+        step (stop rules, emits, routing, the report) overlaps the next step,
+        and on CUDA the next step is prepared while the previous one runs.
         No per-row work but for rows that stop (and rows feeding a stream)."""
         runner = self.runners[group.component]
         prev = self._inflight.get(group)
         t0 = time.perf_counter()
-        if prev is not None:
-            prev.wait()
-        waited = time.perf_counter() - t0
         sl = group.window(self.config.scheduler.max_num_seqs)
         n = sl.stop - sl.start
         launched: Pending | None = None
@@ -292,11 +290,14 @@ class DeviceWorker:
                 self.stats.steps += 1
                 self.stats.rows += n
         t1 = time.perf_counter()
-        if prev is not None:
-            self._finalize_group(group, prev)
-        self.stats.wait_s += waited
-        self.stats.launch_s += t1 - t0 - waited
-        self.stats.finalize_s += time.perf_counter() - t1
+        # on CUDA the runner only waited for the previous step's inputs to land;
+        # on the CPU it computed (synchronously) for that long
+        device = runner.device_s if n else 0.0
+        waited = self._finalize_group(group, prev) if prev is not None else 0.0
+        blocked = waited + (device if self.device.type == "cuda" else 0.0)
+        self.stats.wait_s += blocked
+        self.stats.launch_s += t1 - t0 - (device if self.device.type == "cuda" else 0.0)
+        self.stats.finalize_s += time.perf_counter() - t1 - waited
         if launched is not None:
             self._inflight[group] = launched
         else:
@@ -305,11 +306,14 @@ class DeviceWorker:
         r = self._report
         r.component, r.mode, r.rows = group.component, group.mode, n
         r.step_s = now - self._group_mark.get(group, t0)
-        r.device_s = waited + runner.device_s
-        self._group_mark[group] = t0 + waited
+        r.device_s = waited + device
+        self._group_mark[group] = now
 
-    def _finalize_group(self, group: LoopGroup, p: Pending) -> None:
+    def _finalize_group(self, group: LoopGroup, p: Pending) -> float:
+        """Route what step `p` sampled; returns the time spent waiting for it."""
+        t0 = time.perf_counter()
         p.wait()
+        waited = time.perf_counter() - t0
         host = p.host.clone()  # its pinned buffer is reused two launches on; the event loop reads later
         leaving = group.finalize(p)
         valid = group.valid_rows(p)
@@ -333,6 +337,7 @@ class DeviceWorker:
                 self.store.release(ref, rid)
         for leave in leaving:
             self.walker.left_group(leave)
+        return waited
 
     def _settle(self) -> None:
         """Read every launched group step (before a step of another kind, or
