@@ -329,6 +329,7 @@ class DeviceWorker:
                                                     [p.partitions[i] for i in valid], host[valid]))
         if walk.streams.get(value):
             gone = {id(leave.part) for leave in leaving}
+            keep = set(keep)
             handle = self.store.put(p.tokens, [p.request_ids[i] for i in range(len(p.rows))])
             for i, rid in enumerate(p.request_ids):
                 ref = TensorRef(handle, i)
