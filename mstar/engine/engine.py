@@ -26,6 +26,7 @@ from mstar.errors import MstarError, ModelNotFound, RequestError
 from mstar.graph import HostStop, Loop, WalkPlan, compile_walks
 from mstar.models.base import Model
 from mstar.models.registry import load_model
+from mstar.models.detokenizer import push_batch
 from mstar.models.tokenizer import IncrementalDetokenizer
 from mstar.types import GenerateRequest, ModelCard
 
@@ -184,6 +185,7 @@ class Engine:
             hook(report)
         for batch in report.emits:
             data = batch.data.tolist() if hasattr(batch.data, "tolist") else [t.tolist() for t in batch.data]
+            tokens: list[tuple[RequestState, str, int]] = []
             for rid, part, row in zip(batch.request_ids, batch.partitions, data):
                 state = self._states.get(rid)
                 if state is None or state.finished or part in state.stopped:
@@ -192,15 +194,32 @@ class Engine:
                 emit = state.walk.emits.get(batch.value)
                 modality = emit.modality if emit is not None else "text"
                 if modality == "text" and isinstance(row, int):
-                    hit = state.feed_tokens(part, [row])
-                else:
-                    hit = state.feed_value(part, batch.value, modality, row)
-                if hit or (state.host_predicates and state.host_stop(part, batch.value, row)):
+                    tokens.append((state, part, row))
+                elif state.feed_value(part, batch.value, modality, row) or self._host_stop(state, part, batch.value, row):
                     self.workers[state.worker].send(Stop(rid, part))
+            if tokens:
+                self._feed_tokens(tokens, batch.value)
         for fin in report.finished:
             self._on_finished(fin)
         for hook in self._report_hooks:
             hook(report)
+
+    def _feed_tokens(self, tokens: list[tuple[RequestState, str, int]], value: str) -> None:
+        """One token for each of many requests: detokenised together (one
+        call into the tokenizer for the step), then fed one by one."""
+        with_text = [i for i, (state, _, _) in enumerate(tokens) if state.detok is not None]
+        texts = [""] * len(tokens)
+        if with_text:
+            pieces = push_batch([tokens[i][0].detok for i in with_text], [[tokens[i][2]] for i in with_text])
+            for i, piece in zip(with_text, pieces):
+                texts[i] = piece
+        for (state, part, token), text in zip(tokens, texts):
+            if state.feed_tokens(part, [token], text) or self._host_stop(state, part, value, token):
+                self.workers[state.worker].send(Stop(state.request_id, part))
+
+    @staticmethod
+    def _host_stop(state: RequestState, part: str, value: str, data: object) -> bool:
+        return bool(state.host_predicates) and state.host_stop(part, value, data)
 
     def _on_finished(self, fin: Finished) -> None:
         state = self._states.get(fin.request_id)

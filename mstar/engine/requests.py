@@ -81,11 +81,11 @@ class RequestState:
     def __post_init__(self) -> None:
         self.stops = StopStrings(self.sampling.stop)
 
-    def feed_tokens(self, partition: str, ids: list[int]) -> bool:
-        """New token ids from a step; returns True when a stop string matched
-        (the caller then stops the partition on its worker)."""
+    def feed_tokens(self, partition: str, ids: list[int], text: str) -> bool:
+        """New token ids from a step and their new text (detokenised by the
+        caller, for many requests at once); returns True when a stop string
+        matched (the caller then stops the partition on its worker)."""
         self.num_output_tokens += len(ids)
-        text = self.detok.push(ids) if self.detok is not None else ""
         safe, hit = self.stops.push(text)
         self.queue.put_nowait(OutputChunk(
             request_id=self.request_id, token_ids=tuple(ids), text=safe,

@@ -36,19 +36,17 @@ class IncrementalDetokenizer:
 
     def push(self, new_ids: Iterable[int]) -> str:
         """Append `new_ids`; return the text that is now safe to show."""
-        held = len(self._window) - self._read
-        self._window.extend(new_ids)
-        return self._advance(final=False, held=held)
+        return push_batch([self], [new_ids])[0]
 
     def flush(self) -> str:
         """The text held back at the end of generation (an incomplete character)."""
-        return self._advance(final=True, held=-1)
-
-    def _advance(self, final: bool, held: int) -> str:
         if self._read >= len(self._window):
             return ""
-        before = self.tokenizer.decode(self._window[:self._read], self.skip_special_tokens)
-        after = self.tokenizer.decode(self._window, self.skip_special_tokens)
+        before, after = self.tokenizer.decode_batch([self._window[:self._read], self._window],
+                                                    self.skip_special_tokens)
+        return self._advance(before, after, final=True, held=-1)
+
+    def _advance(self, before: str, after: str, final: bool, held: int) -> str:
         if after == before and held == 0:
             # the new ids render as nothing (skipped specials): forget them so a
             # long run of them does not grow the window
@@ -62,3 +60,26 @@ class IncrementalDetokenizer:
         self._read = len(self._window)
         self.text += delta
         return delta
+
+
+def push_batch(detoks: Sequence[IncrementalDetokenizer], new_ids: Sequence[Iterable[int]]) -> list[str]:
+    """`push` for many requests at once: one call into the tokenizer library
+    per tokenizer and options, not two per request (the per-step cost on the
+    event loop, which serves every stream)."""
+    out = [""] * len(detoks)
+    held = []
+    for d, ids in zip(detoks, new_ids):
+        held.append(len(d._window) - d._read)
+        d._window.extend(ids)
+    groups: dict[tuple[int, bool], list[int]] = {}
+    for i, d in enumerate(detoks):
+        if d._read < len(d._window):
+            groups.setdefault((id(d.tokenizer), d.skip_special_tokens), []).append(i)
+    for (_, skip), rows in groups.items():
+        tok = detoks[rows[0]].tokenizer
+        seqs = [detoks[i]._window[:detoks[i]._read] for i in rows] + [detoks[i]._window for i in rows]
+        texts = tok.decode_batch(seqs, skip)
+        n = len(rows)
+        for j, i in enumerate(rows):
+            out[i] = detoks[i]._advance(texts[j], texts[n + j], final=False, held=held[i])
+    return out

@@ -129,6 +129,10 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def decode_batch(self, seqs: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
+        """Several decodes in one call into the tokenizer library."""
+        return self._tok.decode_batch([list(s) for s in seqs], skip_special_tokens=skip_special_tokens)
+
     # ------------------------------------------------------------ chat
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
         """The prompt text for a chat. Message content may be a string or a
