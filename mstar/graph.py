@@ -111,8 +111,9 @@ class ChunkPolicy:
 class SlidingWindow(ChunkPolicy):
     """Windows of `size` items every `stride` items: window i is
     [i*stride, i*stride + size). At the end, if items are left that no window
-    covered, one last window holds the final `size` items (all of them when
-    the whole stream is shorter)."""
+    covered, the window that would have come next is cut short at the end of
+    the stream, [cut*stride, total): a consumer knows it is the last by its
+    length (the whole stream, when it is shorter than one window)."""
 
     size: int
     stride: int
@@ -133,11 +134,10 @@ class SlidingWindow(ChunkPolicy):
         covered = 0 if cut == 0 else (cut - 1) * self.stride + self.size
         if total <= covered:
             return []
-        return [(max(0, total - self.size), total)]
+        return [(cut * self.stride, total)]
 
     def keep_from(self, total: int, cut: int) -> int:
-        # the flush window reaches back `size` items from the end
-        return min(cut * self.stride, max(0, total - self.size))
+        return cut * self.stride
 
 
 @dataclass(frozen=True)

@@ -88,7 +88,8 @@ class OutputChunk:
     token_ids: tuple[int, ...] = ()
     text: str = ""
     modality: str = "text"
-    audio: bytes | None = None
+    audio: bytes | None = None    # PCM16 little-endian mono at `sample_rate`
+    sample_rate: int | None = None
     data: Any = None              # an emitted value of another modality, as host data
     finished: bool = False
     finish_reason: FinishReason | None = None

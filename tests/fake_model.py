@@ -40,6 +40,13 @@ class Summer(nn.Module):
         return torch.stack([x.sum(-1), torch.full_like(x[:, 0], x.shape[-1])], dim=-1)
 
 
+class Tone(nn.Module):
+    """synth: a chunk of stream items [B, L] -> a waveform [B, 4L] in [-1, 1]."""
+
+    def synth(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.float() / 10.0).repeat_interleave(4, dim=-1).clamp(-1.0, 1.0)
+
+
 class Doubler(nn.Module):
     def double(self, x: torch.Tensor) -> torch.Tensor:
         return x * 2
@@ -53,6 +60,7 @@ class FakeModel(Model):
         "counter": Component(modes=("tick",)),
         "summer": Component(modes=("window",)),
         "doubler": Component(modes=("double",)),
+        "tone": Component(modes=("synth",)),
     }
 
     def __init__(self, gate: Callable[[int], None] | None = None, max_steps: int = 1000) -> None:
@@ -73,6 +81,11 @@ class FakeModel(Model):
                 Stream("x", Step("summer", "window", "x", "sum"), FixedChunks(3)),
                 Emit("sum", modality="data"),
                 inputs=("x",)),
+            "audio": Walk(
+                Loop(Step("counter", "tick", "x", "x"), until=MaxSteps(max_steps)),
+                Stream("x", Step("tone", "synth", "x", "pcm"), FixedChunks(2)),
+                Emit("pcm", modality="audio", sample_rate=24_000),
+                inputs=("x",)),
             "fanout": Walk(
                 Step("doubler", "double", "x", "y"),
                 FanOut(((Loop(Step("counter", "tick", "y", "y"), until=MaxSteps(3)),),
@@ -87,7 +100,7 @@ class FakeModel(Model):
         return 4096
 
     def build_component(self, component: str, device: torch.device, dtype: torch.dtype) -> nn.Module:
-        return {"counter": self.counter, "summer": Summer(), "doubler": Doubler()}[component]
+        return {"counter": self.counter, "summer": Summer(), "doubler": Doubler(), "tone": Tone()}[component]
 
     def prepare(self, request: GenerateRequest) -> dict[str, Any]:
         return {"x": torch.tensor(int(request.inputs.get("x", 0)))}

@@ -71,8 +71,8 @@ async def test_sliding_window_stream_runs_concurrently_and_flushes() -> None:
     try:
         chunks = await _collect(eng, "r1", "stream")
         sums = [tuple(c.data) for c in chunks if c.data is not None]
-        # items 1..9, windows of 4 every 2, then the last 4 items
-        assert sums == [(10, 4), (18, 4), (26, 4), (30, 4)]
+        # items 1..9, windows of 4 every 2, then the next window cut short: 7, 8, 9
+        assert sums == [(10, 4), (18, 4), (26, 4), (24, 3)]
         assert chunks[-1].finished
         await _drained(eng)
     finally:
@@ -108,7 +108,7 @@ async def test_many_concurrent_streams_share_batches() -> None:
         results = await asyncio.gather(*[_collect(eng, f"r{i}", "stream", x=i) for i in range(20)])
         for i, chunks in enumerate(results):
             sums = [c.data[0] for c in chunks if c.data is not None]
-            assert sums == [4 * i + 10, 4 * i + 18, 4 * i + 26, 4 * i + 30]
+            assert sums == [4 * i + 10, 4 * i + 18, 4 * i + 26, 3 * i + 24]
         assert eng.workers[0].stats.rows > eng.workers[0].stats.steps  # rows did share steps
         await _drained(eng)
     finally:
@@ -156,6 +156,23 @@ async def test_two_cpu_workers_split_requests(devices: tuple[str, ...]) -> None:
         for i, chunks in enumerate(results):
             assert [t for c in chunks for t in c.token_ids] == [i + 1, i + 2, i + 3, i + 4, i + 5]
         assert all(w.stats.steps > 0 for w in eng.workers)
+        await _drained(eng)
+    finally:
+        await eng.shutdown()
+
+
+async def test_audio_emits_reach_the_client_as_pcm16() -> None:
+    import numpy as np
+
+    eng = await _engine(FakeModel(max_steps=5))
+    try:
+        chunks = await _collect(eng, "r1", "audio", x=3)
+        audio = [c for c in chunks if c.audio is not None]
+        assert [c.modality for c in audio] == ["audio"] * 3 and {c.sample_rate for c in audio} == {24_000}
+        pcm = np.frombuffer(b"".join(c.audio for c in audio), dtype="<i2")
+        # items 4..8 in chunks of 2 (the last one short), each item 4 samples of item / 10, clamped
+        expected = np.repeat(np.clip(np.arange(4, 9) / 10.0, -1, 1), 4)
+        assert np.array_equal(pcm, np.round(expected * 32767).astype("<i2"))
         await _drained(eng)
     finally:
         await eng.shutdown()

@@ -30,10 +30,10 @@ def test_sliding_window_cuts_every_stride_and_flushes_the_tail() -> None:
     assert w.ready(27, 0) == []
     assert w.ready(35, 0) == [(0, 28), (7, 35)]
     assert w.ready(36, 2) == []
-    assert w.flush(36, 2) == [(8, 36)]
+    assert w.flush(36, 2) == [(14, 36)]  # the next window, cut short at the end
     assert w.flush(35, 2) == []          # every item already covered
     assert w.flush(10, 0) == [(0, 10)]   # a stream shorter than one window
-    assert w.keep_from(36, 2) == 8
+    assert w.keep_from(36, 2) == 14
 
 
 def test_fixed_chunks() -> None:

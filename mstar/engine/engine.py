@@ -16,6 +16,7 @@ from collections import Counter
 from typing import Callable
 
 import structlog
+import torch
 
 from mstar.config import EngineConfig
 from mstar.engine.messages import Abort, Finished, Shutdown, StepReport, Stop, Submit
@@ -23,7 +24,7 @@ from mstar.engine.requests import RequestState, RequestStream
 from mstar.engine.tensor_store import TensorStore
 from mstar.engine.worker import DeviceWorker
 from mstar.errors import MstarError, ModelNotFound, RequestError
-from mstar.graph import HostStop, Loop, WalkPlan, compile_walks
+from mstar.graph import Emit, HostStop, Loop, WalkPlan, compile_walks
 from mstar.models.base import Model
 from mstar.models.registry import load_model
 from mstar.models.detokenizer import push_batch
@@ -184,18 +185,21 @@ class Engine:
         for hook in self._pre_hooks:
             hook(report)
         for batch in report.emits:
-            data = batch.data.tolist() if hasattr(batch.data, "tolist") else [t.tolist() for t in batch.data]
+            emit = self._emit_of(batch.value)
+            if emit.modality == "audio":
+                data: list = _pcm16(batch.data)
+            else:
+                data = batch.data.tolist() if hasattr(batch.data, "tolist") else [t.tolist() for t in batch.data]
             tokens: list[tuple[RequestState, str, int]] = []
             for rid, part, row in zip(batch.request_ids, batch.partitions, data):
                 state = self._states.get(rid)
                 if state is None or state.finished or part in state.stopped:
                     self.stats["outputs_dropped"] += 1
                     continue
-                emit = state.walk.emits.get(batch.value)
-                modality = emit.modality if emit is not None else "text"
-                if modality == "text" and isinstance(row, int):
+                if emit.modality == "text" and isinstance(row, int):
                     tokens.append((state, part, row))
-                elif state.feed_value(part, batch.value, modality, row) or self._host_stop(state, part, batch.value, row):
+                elif (state.feed_value(part, batch.value, emit.modality, row, emit.sample_rate)
+                      or self._host_stop(state, part, batch.value, row)):
                     self.workers[state.worker].send(Stop(rid, part))
             if tokens:
                 self._feed_tokens(tokens, batch.value)
@@ -203,6 +207,12 @@ class Engine:
             self._on_finished(fin)
         for hook in self._report_hooks:
             hook(report)
+
+    def _emit_of(self, value: str) -> Emit:
+        for plan in self.plans.values():
+            if value in plan.emits:
+                return plan.emits[value]
+        return Emit(value)
 
     def _feed_tokens(self, tokens: list[tuple[RequestState, str, int]], value: str) -> None:
         """One token for each of many requests: detokenised together (one
@@ -231,6 +241,14 @@ class Engine:
             reason = state.stop_reason or fin.reason
             self.stats[f"finished_{reason}"] += 1
             state.finish(reason if reason in ("stop", "length", "abort", "error") else "stop", fin.error)
+
+
+def _pcm16(data: torch.Tensor | list[torch.Tensor]) -> list[bytes]:
+    """Float waveforms in [-1, 1] (a [B, S] batch or a list of [S] rows) as
+    PCM16 little-endian bytes, one string per row."""
+    rows = list(data.unbind(0)) if isinstance(data, torch.Tensor) else list(data)
+    return [(r.float().reshape(-1).clamp(-1.0, 1.0) * 32767.0).round().to(torch.int16).numpy().tobytes()
+            for r in rows]
 
 
 def _host_predicates(plan: WalkPlan) -> dict[tuple[str, str], Callable[[object], bool]]:

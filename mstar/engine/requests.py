@@ -95,11 +95,13 @@ class RequestState:
             self.stop_reason = "stop"
         return hit
 
-    def feed_value(self, partition: str, value: str, modality: str, data: object) -> bool:
-        """A non-token value (audio and the like)."""
+    def feed_value(self, partition: str, value: str, modality: str, data: object,
+                   sample_rate: int | None = None) -> bool:
+        """A non-token value: audio as PCM16 bytes, anything else as host data."""
         self.queue.put_nowait(OutputChunk(
             request_id=self.request_id, modality=modality,
             audio=data if isinstance(data, bytes) else None,
+            sample_rate=sample_rate if isinstance(data, bytes) else None,
             data=None if isinstance(data, bytes) else data,
             num_prompt_tokens=self.num_prompt_tokens, num_output_tokens=self.num_output_tokens))
         return False
