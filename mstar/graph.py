@@ -203,12 +203,14 @@ class Loop:
 class Stream:
     """Items written by a producer loop flow, in chunks, into `into`, which
     runs concurrently as its own partition (named `partition` or after the
-    consumer's component)."""
+    consumer's component). With `accept`, only integer items in that id range
+    enter (a speech LM's audio tokens, not its control tokens)."""
 
     source: str
     into: Step | None
     chunks: ChunkPolicy
     partition: str | None = None
+    accept: tuple[int, int] | None = None  # only integer items in [lo, hi) enter the stream
 
 
 @dataclass(frozen=True)
@@ -252,6 +254,7 @@ class StreamPlan:
     producer: str
     consumer: str
     chunks: ChunkPolicy
+    accept: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -377,7 +380,7 @@ class _Builder:
                     raise self.fail(where, f"'{node.source}' is not written by a loop before the stream")
                 consumer = node.partition or node.into.component
                 self._check_step(node.into, available | {node.source}, f"{where} -> {node.into.label}")
-                plan = StreamPlan(node.source, pname, consumer, node.chunks)
+                plan = StreamPlan(node.source, pname, consumer, node.chunks, node.accept)
                 self.streams.setdefault(node.source, []).append(plan)
                 if consumer in self.partitions:
                     raise self.fail(where, f"partition '{consumer}' is declared twice")

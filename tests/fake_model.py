@@ -86,6 +86,11 @@ class FakeModel(Model):
                 Stream("x", Step("tone", "synth", "x", "pcm"), FixedChunks(2)),
                 Emit("pcm", modality="audio", sample_rate=24_000),
                 inputs=("x",)),
+            "filtered": Walk(
+                Loop(Step("counter", "tick", "x", "x"), until=MaxSteps(max_steps)),
+                Stream("x", Step("summer", "window", "x", "sum"), FixedChunks(2), accept=(3, 7)),
+                Emit("sum", modality="data"),
+                inputs=("x",)),
             "fanout": Walk(
                 Step("doubler", "double", "x", "y"),
                 FanOut(((Loop(Step("counter", "tick", "y", "y"), until=MaxSteps(3)),),

@@ -176,3 +176,14 @@ async def test_audio_emits_reach_the_client_as_pcm16() -> None:
         await _drained(eng)
     finally:
         await eng.shutdown()
+
+
+async def test_a_stream_takes_only_items_in_its_accept_range() -> None:
+    eng = await _engine(FakeModel(max_steps=9))
+    try:
+        chunks = await _collect(eng, "r1", "filtered")
+        # items 1..9, of which 3..6 enter, in chunks of 2
+        assert [tuple(c.data) for c in chunks if c.data is not None] == [(7, 2), (11, 2)]
+        await _drained(eng)
+    finally:
+        await eng.shutdown()

@@ -260,13 +260,20 @@ class Walker:
 
     # --------------------------------------------------------------- streams
 
-    def feed_streams(self, part: PartitionRun, value: str, ref: TensorRef) -> None:
+    def feed_streams(self, part: PartitionRun, value: str, ref: TensorRef, host: int | None = None) -> None:
+        """A write of `value` by `part` enters the streams it feeds. `host`:
+        the item's value when the caller has it on the host already (streams
+        with an `accept` range read it)."""
         for sp in part.request.walk.streams.get(value, ()):
             if sp.producer != part.name:
                 continue
             cons = part.request.partitions[sp.consumer]
             if cons.done:
                 continue
+            if sp.accept is not None:
+                item = host if host is not None else int(self.store.get(ref))
+                if not sp.accept[0] <= item < sp.accept[1]:
+                    continue
             self.store.retain(ref, part.request_id)
             cons.items.append(ref)
             cons.produced += 1

@@ -330,11 +330,12 @@ class DeviceWorker:
         if walk.streams.get(value):
             gone = {id(leave.part) for leave in leaving}
             keep = set(keep)
+            items = host.tolist()
             handle = self.store.put(p.tokens, [p.request_ids[i] for i in range(len(p.rows))])
             for i, rid in enumerate(p.request_ids):
                 ref = TensorRef(handle, i)
                 if i in keep and id(p.rows[i]) not in gone and not p.rows[i].done:
-                    self.walker.feed_streams(p.rows[i], value, ref)
+                    self.walker.feed_streams(p.rows[i], value, ref, items[i])
                 self.store.release(ref, rid)
         for leave in leaving:
             self.walker.left_group(leave)
