@@ -1,0 +1,102 @@
+"""The decoder's building blocks; activations [B, C, T] in and out.
+
+- `Snake`: x + sin(alpha x)^2 / alpha with a learned alpha per channel, the
+  periodic activation of SNAC/DAC vocoders.
+- `ResidualUnit`: snake, dilated (depthwise) conv k=7, snake, 1x1 conv, plus
+  the input. Same length in and out.
+- `NoiseInjection`: x + noise * proj(x), noise [B, 1, T] drawn by the caller.
+- `UpsampleBlock`: snake, transposed conv (T -> T * stride), noise, three
+  residual units with dilations 1, 3, 9.
+
+Convolutions are plain `nn.Conv1d`/`nn.ConvTranspose1d`: the checkpoint's
+weight normalisation is folded into their weights at load, so a forward does
+no weight-norm work.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+Device = torch.device | str | None
+DILATIONS = (1, 3, 9)
+KERNEL = 7
+# the package's guard against alpha == 0; kept so outputs match it bit for bit
+ALPHA_EPS = 1e-9
+
+
+def snake(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """x [B, C, T], alpha [1, C, 1]. The package's operations on the same
+    operands (its TorchScript version runs them unfused on CPU), so the bits
+    match; all but the first run in place on one temporary: at batch 16 a
+    window's activations are tens of MB, and a fresh buffer per op costs page
+    faults on CPU and memory on GPU."""
+    if torch.is_grad_enabled():   # autograd needs the intermediates the in-place form overwrites
+        return x + (alpha + ALPHA_EPS).reciprocal() * torch.sin(alpha * x).pow(2)
+    out = torch.mul(alpha, x).sin_().pow_(2)
+    return out.mul_((alpha + ALPHA_EPS).reciprocal()).add_(x)
+
+
+class Snake(nn.Module):
+    def __init__(self, channels: int, *, device: Device = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(1, channels, 1, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return snake(x, self.alpha)
+
+
+class ResidualUnit(nn.Module):
+    def __init__(self, dim: int, dilation: int, groups: int, *, device: Device = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        pad = (KERNEL - 1) * dilation // 2   # odd kernel: the output keeps the input's length
+        self.snake1 = Snake(dim, device=device, dtype=dtype)
+        self.conv = nn.Conv1d(dim, dim, KERNEL, dilation=dilation, padding=pad, groups=groups,
+                              device=device, dtype=dtype)
+        self.snake2 = Snake(dim, device=device, dtype=dtype)
+        self.proj = nn.Conv1d(dim, dim, 1, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.proj(self.snake2(self.conv(self.snake1(x))))
+        # y is this unit's own temporary: add the input into it instead of a third buffer
+        return y.add_(x) if not torch.is_grad_enabled() else x + y
+
+
+class NoiseInjection(nn.Module):
+    def __init__(self, dim: int, *, device: Device = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.proj = nn.Conv1d(dim, dim, 1, bias=False, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        h = self.proj(x)
+        if torch.is_grad_enabled():
+            return x + noise * h
+        return h.mul_(noise).add_(x)   # in place on proj's output: noise * h, then x + that
+
+
+class UpsampleBlock(nn.Module):
+    def __init__(self, in_dim: int, out_dim: int, stride: int, noise: bool, groups: int, *,
+                 device: Device = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.stride = stride
+        self.snake = Snake(in_dim, device=device, dtype=dtype)
+        # kernel 2s, padding ceil(s/2), output padding s % 2: exactly T * s samples out
+        self.upsample = nn.ConvTranspose1d(in_dim, out_dim, 2 * stride, stride=stride,
+                                           padding=math.ceil(stride / 2), output_padding=stride % 2,
+                                           device=device, dtype=dtype)
+        self.noise = NoiseInjection(out_dim, device=device, dtype=dtype) if noise else None
+        self.residuals = nn.ModuleList(ResidualUnit(out_dim, d, groups, device=device, dtype=dtype)
+                                       for d in DILATIONS)
+
+    def forward(self, x: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
+        """`noise` [B, 1, T * stride]; None skips the noise (also when the
+        config has none)."""
+        x = self.upsample(self.snake(x))
+        if self.noise is not None and noise is not None:
+            x = self.noise(x, noise)
+        for unit in self.residuals:
+            x = unit(x)
+        return x

@@ -1,0 +1,95 @@
+"""SNAC 24 kHz window decode time, per batch size, on one device.
+
+Windows of `--frames` coarse frames (4: one Orpheus window of 28 tokens,
+8192 samples) with random codes, decoded by mstar's SnacDecoder (dummy
+weights, per-row seeded noise) eagerly and, on CUDA, replayed from a CUDA
+graph; with `--package`, also by `snac.SNAC.decode` with the same weights'
+shapes (random init). Prints one line per batch size: median milliseconds per
+call and audio seconds decoded per wall second.
+
+    python scripts/bench_snac.py --device cpu --batches 1 16
+    python scripts/bench_snac.py --device cuda --batches 1 16 64 --graphs --package
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from mstar.models.snac import SNAC_24KHZ, load_snac_decoder
+
+
+def timed(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 2) -> float:
+    """Median milliseconds of `fn()`, synchronised on CUDA."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--frames", type=int, default=4)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--graphs", action="store_true", help="also time a CUDA graph replay (CUDA only)")
+    parser.add_argument("--package", action="store_true", help="also time snac.SNAC.decode")
+    args = parser.parse_args()
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    cfg = SNAC_24KHZ
+    decoder = load_snac_decoder(None, load_format="dummy", device=device, dtype=dtype)
+    reference = None
+    if args.package:
+        import snac
+
+        reference = snac.SNAC(**cfg.to_dict()).eval().to(device=device, dtype=dtype)
+    audio_s = args.frames * cfg.samples_per_coarse_frame / cfg.sampling_rate
+    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
+          f"{args.dtype}, {torch.get_num_threads()} threads, window of {args.frames} coarse frames "
+          f"({audio_s * 1e3:.0f} ms of audio)")
+    for batch in args.batches:
+        gen = torch.Generator().manual_seed(batch)
+        codes = [torch.randint(0, cfg.codebook_size, (batch, n), generator=gen).to(device)
+                 for n in cfg.level_lengths(args.frames)]
+        seeds = torch.arange(batch, device=device)
+        with torch.inference_mode():
+            eager = timed(lambda c=codes, s=seeds: decoder.decode(c, seeds=s), device, args.iters)
+            line = f"batch {batch:3d}: eager {eager:8.2f} ms ({batch * audio_s / eager * 1e3:7.1f} audio-s/s)"
+            if args.graphs and device.type == "cuda":
+                graph = torch.cuda.CUDAGraph()
+                stream = torch.cuda.Stream(device)
+                stream.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(stream):   # warm up off the default stream before capture
+                    for _ in range(2):
+                        decoder.decode(codes, seeds=seeds)
+                torch.cuda.current_stream(device).wait_stream(stream)
+                with torch.cuda.graph(graph):
+                    out = decoder.decode(codes, seeds=seeds)
+                replay = timed(graph.replay, device, args.iters)
+                eager_out = decoder.decode(codes, seeds=seeds)
+                graph.replay()
+                diff = (out - eager_out).abs().max().item()
+                line += f" | graph {replay:7.2f} ms ({batch * audio_s / replay * 1e3:7.1f} audio-s/s, " \
+                        f"max |graph - eager| {diff:.1e})"
+            if reference is not None:
+                package = timed(lambda c=codes: reference.decode(c), device, args.iters)
+                line += f" | snac package {package:8.2f} ms"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
