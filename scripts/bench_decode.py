@@ -86,7 +86,9 @@ class Bench:
         prompts = torch.randint(0, 256, (batch, context), generator=gen).tolist()
 
         async def one(i: int) -> None:
-            req = GenerateRequest(f"b{batch}c{context}r{i}", self.engine.model_name, {"prompt_ids": prompts[i]}, sp)
+            # the LLM's own walk: a speech model's default walk would also run its codec
+            req = GenerateRequest(f"b{batch}c{context}r{i}", self.engine.model_name, {"prompt_ids": prompts[i]}, sp,
+                                  walk="generate")
             async for _ in self.engine.submit(req):
                 pass
 

@@ -50,7 +50,8 @@ async def measure(model: str, devices: tuple[str, ...], batch: int, tokens: int,
     sp = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
 
     async def one(i: int) -> None:
-        async for _ in eng.submit(GenerateRequest(f"r{i}", eng.model_name, {"prompt_ids": prompt}, sp)):
+        # the LLM's own walk: a speech model's default walk would also run its codec
+        async for _ in eng.submit(GenerateRequest(f"r{i}", eng.model_name, {"prompt_ids": prompt}, sp, walk="generate")):
             pass
 
     t0 = time.perf_counter()

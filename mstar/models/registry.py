@@ -1,9 +1,10 @@
 """Model names in, `Model` objects out.
 
-A name is either a builtin (`tiny-llama`; `orpheus-3b`, a shape without
+A name is either a builtin (`tiny-llama`; `orpheus-tiny`; `orpheus-3b`, a shape without
 a checkpoint, served with `load_format="dummy"`) or a local Hugging Face folder whose
-config.json `model_type` picks the model class. Model files register
-themselves here by name; the runtime only calls `load_model`.
+config.json `model_type` picks the model class (a llama folder with a `snac/`
+subfolder is Orpheus). Model files register themselves here by name; the
+runtime only calls `load_model`.
 """
 
 from __future__ import annotations
@@ -39,20 +40,32 @@ def _tiny_llama(name: str, load_format: str, max_model_len: int | None) -> Model
 
 
 def _orpheus_3b(name: str, load_format: str, max_model_len: int | None) -> Model:
-    from mstar.models.llama import LlamaModel
     from mstar.models.llama.config import ORPHEUS_3B, ORPHEUS_3B_MAX_MODEL_LEN
+    from mstar.models.orpheus import OrpheusModel
 
-    return LlamaModel(name, None, load_format, max_model_len, builtin=ORPHEUS_3B,
-                      default_max_model_len=ORPHEUS_3B_MAX_MODEL_LEN)
+    return OrpheusModel(name, None, load_format, max_model_len, builtin=ORPHEUS_3B,
+                        default_max_model_len=ORPHEUS_3B_MAX_MODEL_LEN)
+
+
+def _orpheus_tiny(name: str, load_format: str, max_model_len: int | None) -> Model:
+    from mstar.models.orpheus.model import ORPHEUS_TINY, TINY_AUDIO_LEAN, OrpheusModel
+
+    # no checkpoint: always seeded random weights, like tiny-llama
+    return OrpheusModel(name, None, "dummy", max_model_len, builtin=ORPHEUS_TINY, audio_lean=TINY_AUDIO_LEAN)
 
 
 def _llama_folder(path: str, load_format: str, max_model_len: int | None) -> Model:
     from mstar.models.llama import LlamaModel
 
+    if (Path(path) / "snac").is_dir():
+        from mstar.models.orpheus import OrpheusModel
+
+        return OrpheusModel(path, path, load_format, max_model_len)
     return LlamaModel(path, path, load_format, max_model_len)
 
 
 register_builtin("tiny-llama", _tiny_llama)
+register_builtin("orpheus-tiny", _orpheus_tiny)
 register_builtin("orpheus-3b", _orpheus_3b)
 register_model_type("llama", _llama_folder)
 
