@@ -1,5 +1,5 @@
-"""What the HTTP tests share: a real tiny-llama engine behind the aiohttp app
-on a loopback port, and readers for SSE and NDJSON bodies."""
+"""What the HTTP tests share: a real engine (tiny-llama unless told) behind the
+aiohttp app on a loopback port, and readers for SSE and NDJSON bodies."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ MODEL = "tiny-llama"
 
 
 @asynccontextmanager
-async def running_engine() -> AsyncIterator[Engine]:
-    engine = Engine(EngineConfig(model=MODEL))
+async def running_engine(model: str = MODEL) -> AsyncIterator[Engine]:
+    engine = Engine(EngineConfig(model=model))
     await engine.start()
     try:
         yield engine

@@ -25,7 +25,8 @@ LEAVES = frozenset({"mstar.types", "mstar.config", "mstar.errors", "mstar.graph"
 HTTP_ALLOWED = LEAVES | {"mstar", "mstar.engine", "mstar.engine.engine"}
 # Modules that promise to import without torch (the leaves, the client side of http).
 # request parsing must stay usable by clients that have no torch
-TORCH_FREE = sorted(LEAVES) + ["mstar.http.protocol", "mstar.http.fields", "mstar.http.chat_messages"]
+TORCH_FREE = sorted(LEAVES) + ["mstar.http.protocol", "mstar.http.fields", "mstar.http.chat_messages",
+                              "mstar.http.audio", "mstar.http.speech_protocol"]
 
 
 def under(name: str, *prefixes: str) -> bool:

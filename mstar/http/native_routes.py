@@ -2,21 +2,36 @@
 by name come in; one JSON answer (`text`, `token_ids`, `finish_reason`,
 `usage`) or an NDJSON stream (one object per chunk, the last one `finished`)
 goes out.
+
+Speech models: a body with a `voice`, or whose walk (`walk`, else the
+model's default) is `speak`, sends its `text` and `voice` to the model as
+they are (the model builds its own prompt), with the model's default
+sampling for what `sampling_params` leaves out. Audio comes back as base64
+PCM16 (little-endian, mono) with its `sample_rate`: on each NDJSON line that
+carries some, and as the whole waveform in the JSON answer.
 """
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import uuid
 from contextlib import aclosing
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 from aiohttp import web
 
+from mstar.errors import RequestError
 from mstar.http.keys import ENGINE
-from mstar.http.protocol import parse_generate
+from mstar.http.protocol import GenerateBody, parse_generate
 from mstar.http.responses import EventStream, client_gone, error_body, json_response
-from mstar.http.submission import Submission, encode_prompt, failure_of, fit_max_tokens, resolve_model, submit
+from mstar.http.submission import (SPEAK_WALK, Choice, Submission, Target, encode_prompt, failure_of,
+                                   fit_max_tokens, model_defaults, resolve_model, submit, submit_inputs)
+from mstar.types import OutputChunk
+
+if TYPE_CHECKING:
+    from mstar.engine.engine import Engine
 
 log = structlog.get_logger("mstar.http")
 
@@ -25,20 +40,46 @@ async def generate(request: web.Request) -> web.StreamResponse:
     body = parse_generate(await request.read())
     engine = request.app[ENGINE]
     target = resolve_model(engine, body.model)
-    field = "text" if isinstance(body.prompt, str) else "input_ids"
-    ids = encode_prompt(target, body.prompt, field)
-    limit = fit_max_tokens(body.sampling.max_tokens, len(ids), target.max_model_len, field,
-                           "sampling_params.max_tokens")
     request_id = f"gen-{uuid.uuid4().hex}"
-    sub = submit(engine, request_id, target, [ids], body.sampling, [limit])
+    if isinstance(body.prompt, str) and (body.voice is not None or (body.walk or target.default_walk) == SPEAK_WALK):
+        sub = _submit_speech(engine, request_id, target, body)
+    else:
+        field = "text" if isinstance(body.prompt, str) else "input_ids"
+        ids = encode_prompt(target, body.prompt, field)
+        limit = fit_max_tokens(body.sampling.max_tokens, len(ids), target.max_model_len, field,
+                               "sampling_params.max_tokens")
+        sub = submit(engine, request_id, target, [ids], body.sampling, [limit], walk=body.walk)
     try:
         if body.stream:
             return await _stream_ndjson(request, sub, request_id)
         [choice] = await sub.run_to_end(client_gone(request))
         return json_response({"request_id": request_id, "text": choice.text, "token_ids": choice.token_ids,
-                              "finish_reason": choice.finish_reason, "usage": sub.usage()})
+                              **_audio_of(choice), "finish_reason": choice.finish_reason, "usage": sub.usage()})
     finally:
         await sub.aclose()
+
+
+def _submit_speech(engine: Engine, request_id: str, target: Target, body: GenerateBody) -> Submission:
+    """Text and voice to the model as they are; the model's default sampling
+    under what the client set."""
+    given = {k: getattr(body.sampling, k) for k in body.sampling_given}
+    sampling = dataclasses.replace(model_defaults(engine), **given)
+    try:
+        sampling.validate()
+    except RequestError as e:
+        raise RequestError(e.message, field=f"sampling_params.{e.field}" if e.field else None) from None
+    tokens_field = "sampling_params.max_tokens" if "max_tokens" in given else None
+    return submit_inputs(engine, request_id, target, {"text": body.prompt, "voice": body.voice},
+                         body.walk or target.default_walk, sampling, prompt_field="text",
+                         tokens_field=tokens_field, keep_audio=not body.stream)
+
+
+def _audio_of(source: Choice | OutputChunk) -> dict[str, Any]:
+    """`audio` (base64 PCM16) and `sample_rate`, if there is audio."""
+    audio = source.audio
+    if not audio:
+        return {}
+    return {"audio": base64.b64encode(audio).decode("ascii"), "sample_rate": source.sample_rate}
 
 
 async def _stream_ndjson(request: web.Request, sub: Submission, request_id: str) -> web.StreamResponse:
@@ -49,7 +90,7 @@ async def _stream_ndjson(request: web.Request, sub: Submission, request_id: str)
         async with aclosing(sub.chunks()) as chunks:
             async for choice, chunk in chunks:
                 line: dict[str, Any] = {"request_id": request_id, "token_ids": list(chunk.token_ids),
-                                        "text": chunk.text, "finished": chunk.finished}
+                                        "text": chunk.text, **_audio_of(chunk), "finished": chunk.finished}
                 if chunk.finished:
                     failure = failure_of(choice)
                     if failure is not None:

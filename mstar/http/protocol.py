@@ -29,7 +29,7 @@ COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 Prompt = Union[str, tuple[int, ...]]
 
 SAMPLING_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
-GENERATE_KEYS = frozenset({"text", "input_ids", "model", "sampling_params", "stream"})
+GENERATE_KEYS = frozenset({"text", "input_ids", "model", "sampling_params", "stream", "voice", "walk"})
 
 
 @dataclass(frozen=True)
@@ -62,12 +62,16 @@ class ChatBody:
 
 @dataclass(frozen=True)
 class GenerateBody:
-    """`/generate`, the native route: one prompt, `SamplingParams` by name."""
+    """`/generate`, the native route: one prompt, `SamplingParams` by name.
+    `walk` None is the model's default walk; `voice` is for speech walks."""
 
     model: str | None
     prompt: Prompt
     sampling: SamplingParams
     stream: bool = False
+    voice: str | None = None
+    walk: str | None = None
+    sampling_given: frozenset[str] = frozenset()  # the sampling_params keys the client set
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:
@@ -152,6 +156,9 @@ def parse_generate(body: bytes) -> GenerateBody:
         if not is_int_list(ids) or not ids:
             raise f.error("input_ids", "must be a non-empty array of integers")
         prompt = tuple(ids)
+    voice = f.string("voice")
+    if voice is not None and not isinstance(prompt, str):
+        raise f.error("voice", "needs 'text' (a voice speaks text, not token ids)")
     sp = Fields(f.raw("sampling_params", {}), "sampling_params.")
     for key in sp.obj:
         if key not in SAMPLING_KEYS:
@@ -163,6 +170,9 @@ def parse_generate(body: bytes) -> GenerateBody:
         prompt=prompt,
         sampling=dataclasses.replace(sampling, max_tokens=max_tokens),
         stream=f.boolean("stream"),
+        voice=voice,
+        walk=f.string("walk"),
+        sampling_given=frozenset(k for k, v in sp.obj.items() if v is not None),
     )
 
 

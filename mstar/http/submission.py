@@ -23,6 +23,9 @@ if TYPE_CHECKING:
     from mstar.engine.engine import Engine, RequestStream
 
 
+SPEAK_WALK = "speak"  # the walk of speech models: text and a voice in, audio out
+
+
 class GenerationFailed(MstarError):
     """A request the engine accepted but could not finish: a 5xx answer."""
 
@@ -46,21 +49,32 @@ class Target:
     name: str
     tokenizer: Any
     max_model_len: int
+    walks: tuple[str, ...] = ()
+    default_walk: str = ""
 
 
 def resolve_model(engine: Engine, requested: str | None) -> Target:
-    """The model a request names (default: the engine's); 404 if not served."""
+    """The model a request names (default: the engine's); 404 if not served.
+    A model without a tokenizer resolves with `tokenizer` None: routes that
+    need one refuse it (`encode_prompt`), the speech route does not."""
     name = requested or engine.model_name
-    tokenizer = engine.tokenizer(name)
     card = next((c for c in engine.model_cards() if c.name == name), None)
     if card is None:
         raise ModelNotFound(name)
-    return Target(name=name, tokenizer=tokenizer, max_model_len=card.max_model_len)
+    try:
+        tokenizer = engine.tokenizer(name)
+    except ModelNotFound:
+        raise
+    except RequestError:
+        tokenizer = None
+    return Target(name=name, tokenizer=tokenizer, max_model_len=card.max_model_len, walks=tuple(card.walks),
+                  default_walk=card.default_walk)
 
 
 def encode_prompt(target: Target, prompt: Prompt, field_name: str) -> list[int]:
     """Text through the tokenizer (with its special tokens), or ids as given
     once checked against the vocabulary."""
+    _need_tokenizer(target)
     if isinstance(prompt, str):
         ids = list(target.tokenizer.encode(prompt, add_special_tokens=True))
     else:
@@ -77,6 +91,7 @@ def encode_prompt(target: Target, prompt: Prompt, field_name: str) -> list[int]:
 def encode_chat(target: Target, messages: Sequence[dict[str, str]], add_generation_prompt: bool) -> list[int]:
     """Messages through the model's chat template, then the tokenizer; the
     template already placed the special tokens, so encoding adds none."""
+    _need_tokenizer(target)
     try:
         text = target.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt)
     except (ValueError, TypeError, KeyError) as e:
@@ -89,6 +104,11 @@ def encode_chat(target: Target, messages: Sequence[dict[str, str]], add_generati
     if not ids:
         raise RequestError("the messages have no tokens", field="messages")
     return ids
+
+
+def _need_tokenizer(target: Target) -> None:
+    if target.tokenizer is None:
+        raise RequestError(f"model '{target.name}' has no tokenizer", field="model")
 
 
 def fit_max_tokens(requested: int | None, prompt_len: int, max_model_len: int,
@@ -119,6 +139,9 @@ class Choice:
     num_output_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    audio: bytearray | None = None   # PCM16 so far, if `keep_audio` (streams send it on instead)
+    sample_rate: int | None = None
+    keep_audio: bool = False
 
     @property
     def text(self) -> str:
@@ -127,6 +150,12 @@ class Choice:
     def record(self, chunk: OutputChunk) -> None:
         if chunk.text:
             self.texts.append(chunk.text)
+        if chunk.audio is not None:
+            self.sample_rate = chunk.sample_rate or self.sample_rate
+            if self.keep_audio:
+                if self.audio is None:
+                    self.audio = bytearray()
+                self.audio += chunk.audio
         self.token_ids.extend(chunk.token_ids)
         self.num_output_tokens = max(chunk.num_output_tokens, len(self.token_ids))
         if chunk.finished:
@@ -221,7 +250,7 @@ class Submission:
 
 
 def submit(engine: Engine, base_id: str, target: Target, prompts: Sequence[list[int]],
-           sampling: SamplingParams, max_tokens: Sequence[int], n: int = 1) -> Submission:
+           sampling: SamplingParams, max_tokens: Sequence[int], n: int = 1, walk: str | None = None) -> Submission:
     """One engine request per (prompt, sample), choice index prompt * n + sample.
     Samples of one prompt get distinct seeds (seed, seed + 1, ...) so they differ
     yet stay reproducible. If any submit is refused, the ones before are aborted."""
@@ -235,7 +264,7 @@ def submit(engine: Engine, base_id: str, target: Target, prompts: Sequence[list[
                 params.validate(target.max_model_len)
                 index = len(streams)
                 request = GenerateRequest(request_id=f"{base_id}-{index}", model=target.name,
-                                          inputs={"prompt_ids": list(ids)}, sampling=params)
+                                          inputs={"prompt_ids": list(ids)}, sampling=params, walk=walk)
                 streams.append(engine.submit(request))
                 choices.append(Choice(index=index, prompt_index=p))
     except BaseException:
@@ -249,3 +278,42 @@ def submit(engine: Engine, base_id: str, target: Target, prompts: Sequence[list[
         if counted:
             lengths[p] = counted
     return Submission(streams=streams, choices=choices, prompt_lengths=lengths)
+
+
+def model_defaults(engine: Engine) -> SamplingParams:
+    """The served model's default sampling (speech models declare theirs),
+    read off the engine's loaded model: an attribute, not an import, as http
+    never imports models/."""
+    defaults = getattr(getattr(engine, "model", None), "default_sampling", None)
+    if callable(defaults):  # a method or a property, whichever the model file chose
+        defaults = defaults()
+    return defaults if isinstance(defaults, SamplingParams) else SamplingParams()
+
+
+def submit_inputs(engine: Engine, request_id: str, target: Target, inputs: dict[str, Any], walk: str,
+                  sampling: SamplingParams, *, prompt_field: str, tokens_field: str | None,
+                  keep_audio: bool = False) -> Submission:
+    """One engine request from a walk's raw inputs (the model builds its own
+    prompt, e.g. text and a voice for speech). The prompt length is known only
+    once the engine prepared it, so the context is checked after submitting:
+    a request that does not fit is aborted and refused, naming `tokens_field`
+    (the client's max_tokens) or, when the client gave none, `prompt_field`."""
+    # The model names fields as the speech route does; this route's names may differ.
+    renamed = {"max_tokens": tokens_field or prompt_field, "input": prompt_field}
+    try:
+        sampling.validate(target.max_model_len)
+        stream = engine.submit(GenerateRequest(request_id=request_id, model=target.name, inputs=inputs,
+                                               sampling=sampling, walk=walk))
+    except RequestError as e:
+        if e.field not in renamed or renamed[e.field] == e.field:
+            raise
+        raise RequestError(e.message, field=renamed[e.field], status=e.status, code=e.code) from None
+    prompt_len = getattr(stream, "num_prompt_tokens", 0)
+    try:
+        fit_max_tokens(sampling.max_tokens, prompt_len, target.max_model_len, prompt_field,
+                       tokens_field or prompt_field)
+    except RequestError:
+        engine.abort(stream.request_id)
+        raise
+    return Submission(streams=[stream], choices=[Choice(index=0, prompt_index=0, keep_audio=keep_audio)],
+                      prompt_lengths=[prompt_len])

@@ -1,0 +1,109 @@
+"""`POST /v1/audio/speech` bodies in, a checked `SpeechBody` out.
+
+OpenAI's fields (`model`, `input`, `voice`, `response_format`,
+`stream_format`, `speed`, `instructions`) plus mstar's sampling extensions
+(`max_tokens`, `temperature`, `top_p`, `top_k`, `min_p`,
+`repetition_penalty`, `seed`, `ignore_eos`). Sampling fields a client leaves
+out take the model's defaults, so they are kept as overrides here and merged
+once the model is known. Anything malformed or unsupported raises
+`RequestError` naming the field. Importable without torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from mstar.http.audio import check_format
+from mstar.http.fields import Fields, type_name
+from mstar.http.protocol import parse_json_object
+
+MAX_INPUT_CHARS = 4096  # OpenAI's limit on `input`
+DEFAULT_FORMAT = "mp3"  # OpenAI's default
+
+StreamFormat = Literal["audio", "sse"]
+
+OPENAI_KEYS = frozenset({"model", "input", "voice", "response_format", "stream_format", "speed", "instructions"})
+SAMPLING_INTS = ("max_tokens", "top_k", "seed")
+SAMPLING_NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty")
+SAMPLING_KEYS = frozenset(SAMPLING_INTS + SAMPLING_NUMBERS + ("ignore_eos",))
+
+
+@dataclass(frozen=True)
+class SpeechBody:
+    """A speech request; `voice` None is the model's default voice and
+    `sampling` holds only the sampling fields the client gave."""
+
+    model: str | None
+    input: str
+    voice: str | None
+    response_format: str
+    stream_format: StreamFormat
+    sampling: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_speech(body: bytes) -> SpeechBody:
+    f = Fields(parse_json_object(body))
+    for key in f.obj:
+        if key not in OPENAI_KEYS | SAMPLING_KEYS:
+            raise f.error(key, f"unknown field; expected one of {sorted(OPENAI_KEYS | SAMPLING_KEYS)}")
+    fmt = f.string("response_format", DEFAULT_FORMAT) or DEFAULT_FORMAT
+    check_format(fmt)
+    stream_format = f.string("stream_format", "audio")
+    if stream_format not in ("audio", "sse"):
+        raise f.error("stream_format", f"must be 'audio' or 'sse', got '{stream_format}'")
+    # Changing the tempo without changing the pitch needs a time-stretcher;
+    # refused rather than faked with a resample that shifts the voice.
+    speed = f.number("speed", 1.0)
+    if speed != 1.0:
+        raise f.error("speed", f"only 1.0 is supported, got {speed}")
+    if f.string("instructions"):
+        raise f.error("instructions", "voice instructions are not supported by the served speech models")
+    return SpeechBody(
+        model=f.string("model"),
+        input=_read_input(f),
+        voice=_read_voice(f),
+        response_format=fmt,
+        stream_format=stream_format,  # type: ignore[arg-type]  # checked just above
+        sampling=_read_sampling(f),
+    )
+
+
+def _read_input(f: Fields) -> str:
+    text = f.string("input")
+    if text is None:
+        raise f.error("input", "is required")
+    if not text.strip():
+        raise f.error("input", "must not be empty")
+    if len(text) > MAX_INPUT_CHARS:
+        raise f.error("input", f"must be at most {MAX_INPUT_CHARS} characters, got {len(text)}")
+    return text
+
+
+def _read_voice(f: Fields) -> str | None:
+    """A voice name, or OpenAI's custom-voice object `{"id": name}`."""
+    value = f.raw("voice")
+    if isinstance(value, dict):
+        value = Fields(value, "voice.").string("id")
+        if value is None:
+            raise f.error("voice", "an object voice needs an 'id'")
+    if value is not None and not isinstance(value, str):
+        raise f.error("voice", f"must be a string or an object with an 'id', not {type_name(value)}")
+    if value is not None and not value.strip():
+        raise f.error("voice", "must not be empty")
+    return value
+
+
+def _read_sampling(f: Fields) -> dict[str, Any]:
+    """Only what the client gave, type-checked; ranges are checked by
+    `SamplingParams.validate` once merged with the model's defaults."""
+    out: dict[str, Any] = {}
+    for key in SAMPLING_INTS:
+        if f.has(key):
+            out[key] = f.integer(key, lo=1 if key == "max_tokens" else None)
+    for key in SAMPLING_NUMBERS:
+        if f.has(key):
+            out[key] = f.number(key)
+    if f.has("ignore_eos"):
+        out["ignore_eos"] = f.boolean("ignore_eos")
+    return out
