@@ -238,6 +238,8 @@ class Engine:
         if fin.request_done:
             del self._states[fin.request_id]
             self._outstanding[state.worker] -= 1
+            # a walk that emits audio, not tokens, still reports what it sampled
+            state.num_output_tokens = max(state.num_output_tokens, fin.num_generated)
             reason = state.stop_reason or fin.reason
             self.stats[f"finished_{reason}"] += 1
             state.finish(reason if reason in ("stop", "length", "abort", "error") else "stop", fin.error)

@@ -65,6 +65,7 @@ class Finished:
     reason: str                 # stop | length | abort | error
     request_done: bool
     error: str | None = None
+    num_generated: int = 0      # tokens the request sampled, all partitions (with request_done)
 
 
 @dataclass(eq=False)

@@ -348,7 +348,8 @@ class Walker:
         if done:
             self.runs.pop(rid, None)
             self.store.drop_owner(rid)
-        self.on_finish(Finished(rid, part.name, reason, done, error))
+        generated = sum(p.generated for p in run.partitions.values()) if done else 0
+        self.on_finish(Finished(rid, part.name, reason, done, error, generated))
 
     def _free_pages(self, part: PartitionRun) -> None:
         if part.pages and part.kv_component is not None:
