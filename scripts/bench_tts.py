@@ -1,0 +1,446 @@
+"""Closed-loop TTS load benchmark: POST /v1/audio/speech over loopback HTTP.
+
+Starts the server itself (`python -m mstar.http --model orpheus-3b
+--load-format dummy --gpus 0 --port P`, its output in a log file), or targets
+a running one with `--url`, and waits for /health. Then, after `--warmup`
+requests that are not counted, for each `--concurrency` c: c aiohttp clients
+in a closed loop, each sending `POST /v1/audio/speech` with a short fixed
+sentence, `response_format: "pcm"`, `ignore_eos: true` and `max_tokens:
+--audio-tokens`, streaming the body and timing every HTTP chunk. A level
+ends after `--requests-per-client` rounds or once `--seconds` have passed
+(no client starts a request after that; the ones in flight finish, each
+bounded by `--timeout`), so every run stops by itself. The server is stopped
+(SIGTERM, then killed) before the baseline and on any exit.
+
+Per request: TTFA (send -> first audio byte), the chunks' arrival times and
+sizes (PCM16 mono -> seconds of audio), RTF (first -> last byte over the
+audio's duration; also over the whole request) and stalls (see
+tts_report.py). Per level: TTFA p50/p99, RTF p50, SV (share of all chunks on
+time), audio seconds per wall second; and max_realtime_streams, the largest
+concurrency with SV >= 0.99, TTFA p99 <= 1 s and no failed request.
+
+Baseline (unless `--skip-baseline`), after the server is gone: transformers
+`generate` on the same shapes (LlamaForCausalLM of the model's config,
+random weights, bf16 on a GPU, Orpheus's sampling, exactly `--audio-tokens`
+new tokens) and the snac package's 24 kHz decoder (random weights) over the
+whole utterance, at each `--baseline-batches`: audio s/s = batch x
+(audio_tokens // 7 x 2048 / 24000) / wall time.
+
+Writes `--out` (JSON: gpu, rows, max_realtime_streams, baseline) and a
+markdown table beside it (.md) with the environment and M*'s reference
+numbers.
+
+On the H200, from the repo root (PYTHONPATH=. where mstar is not
+pip-installed; the server subprocess gets the repo root on its path anyway):
+    python scripts/bench_tts.py --out docs/benchmarks/tts.json
+Against a server already running:
+    python scripts/bench_tts.py --url http://127.0.0.1:8000 --skip-baseline --out /tmp/tts.json
+A CPU smoke test (its numbers do not belong in docs/benchmarks):
+    python scripts/bench_tts.py --model orpheus-tiny --gpus cpu --concurrency 1 2 --audio-tokens 70 \\
+        --requests-per-client 1 --skip-baseline --out /tmp/tts.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+# sibling module: the script's folder is first on sys.path
+from tts_report import (Level, Stream, environment, expected_audio_s, level_extras, level_row, max_realtime_streams,
+                        write_markdown)
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Tens of words each: long enough to be a real utterance's prompt, short
+# enough that prefill is a small part of a request next to 1024 decode steps.
+SENTENCES = (
+    ("The morning train was late again, so I bought a coffee and watched the pigeons argue over a crust of bread "
+     "on the platform."),
+    ("Please remember to water the tomatoes while I am away, and check that the back gate is closed before it gets "
+     "dark."),
+    ("Our quarterly numbers look better than expected, mostly because the new warehouse finally started shipping "
+     "orders on time."),
+    ("If you follow the river path for about two miles, you will reach an old stone bridge with a small cafe on the "
+     "other side."),
+    "The museum opens at ten on weekdays, but the guided tour of the east wing only runs on Saturday afternoons.",
+    "I tried to fix the kitchen tap myself, and now there is a puddle under the sink and a very confused cat.",
+    ("Thank you for calling; all of our agents are busy right now, so please stay on the line and we will be with "
+     "you shortly."),
+    ("She read the letter twice, folded it carefully along the old creases, and put it back in the drawer without "
+     "a word."),
+)
+
+SERVER_STOP_GRACE_S = 30.0  # the server drains for up to 10 s, then shuts its engine down
+
+
+class Server:
+    """`python -m mstar.http` in a subprocess with its output in a log file:
+    the benchmark's client and the server must not share an event loop or a
+    GIL, or the client's timing would measure its own server."""
+
+    def __init__(self, argv: list[str], log_path: Path) -> None:
+        self.argv = argv
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        env = dict(os.environ)
+        # the server imports mstar from this checkout whether or not it is pip-installed
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         cwd=REPO, env=env)
+
+    def exited(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        """SIGTERM (the server drains and frees its devices), then SIGKILL if it
+        hangs; a no-op once stopped."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(SERVER_STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            print(f"# server pid {proc.pid} did not stop in {SERVER_STOP_GRACE_S:.0f} s; killing it", flush=True)
+            proc.kill()
+            proc.wait()
+
+
+def free_port() -> int:
+    """A port nothing listens on now (the kernel's pick for port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def wait_healthy(url: str, timeout_s: float, server: Server | None) -> dict[str, Any]:
+    """Poll GET /health until it answers 200; its report. Fails early when
+    the server process exits (a bad flag, a model that does not load)."""
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as session:
+        while True:
+            if server is not None and server.exited() is not None:
+                raise SystemExit(f"server exited with status {server.exited()} before it was healthy:\n"
+                                 f"{server.tail()}")
+            try:
+                async with session.get(f"{url}/health") as r:
+                    if r.status == 200:
+                        return await r.json()
+            except (aiohttp.ClientError, TimeoutError):
+                pass  # not listening yet
+            if time.monotonic() > deadline:
+                tail = f":\n{server.tail()}" if server is not None else ""
+                raise SystemExit(f"{url}/health not ok after {timeout_s:.0f} s{tail}")
+            await asyncio.sleep(0.5)
+
+
+def speech_body(a: argparse.Namespace, model: str, n: int) -> dict[str, Any]:
+    """The n-th request's body: every one asks for the same number of tokens
+    so requests are alike; the sentence only varies the (short) prompt."""
+    body: dict[str, Any] = {"model": model, "input": SENTENCES[n % len(SENTENCES)], "voice": a.voice,
+                            "response_format": "pcm", "max_tokens": a.audio_tokens, "ignore_eos": True}
+    if a.seed is not None:
+        body["seed"] = a.seed + n
+    return body
+
+
+async def speak(session: aiohttp.ClientSession, url: str, body: dict[str, Any], timeout_s: float) -> Stream:
+    """One streamed request; never raises for the request's own failures
+    (they land in `Stream.error`)."""
+    stream = Stream(sent=time.perf_counter())
+    try:
+        async with session.post(f"{url}/v1/audio/speech", json=body,
+                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+            if r.status != 200:
+                stream.error = f"HTTP {r.status}: {(await r.text())[:200]}"
+                return stream
+            stream.sample_rate = int(r.headers.get("X-Sample-Rate", stream.sample_rate))
+            pending = 0
+            # iter_chunks marks the end of each HTTP chunk: one server write,
+            # one window of audio, whatever pieces TCP delivered it in
+            async for data, end_of_chunk in r.content.iter_chunks():
+                now = time.perf_counter()
+                if data and stream.first_byte is None:
+                    stream.first_byte = now
+                pending += len(data)
+                if end_of_chunk and pending:
+                    stream.add(now, pending)
+                    pending = 0
+            if pending:
+                stream.add(time.perf_counter(), pending)
+    except (aiohttp.ClientError, TimeoutError) as e:
+        # a body cut short (the server failed mid-stream), a refused
+        # connection, or the request running past --timeout
+        stream.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    finally:
+        stream.end = time.perf_counter()
+    return stream
+
+
+async def run_level(session: aiohttp.ClientSession, url: str, model: str, concurrency: int,
+                    a: argparse.Namespace, first_index: int) -> Level:
+    """`concurrency` clients, each sending its next request as soon as its
+    last one ended, for the rounds or seconds of `a`."""
+    streams: list[Stream] = []
+    start = time.perf_counter()
+
+    async def client(i: int) -> None:
+        for rnd in range(a.requests_per_client):
+            if time.perf_counter() - start >= a.seconds:
+                break
+            n = first_index + rnd * concurrency + i
+            streams.append(await speak(session, url, speech_body(a, model, n), a.timeout))
+
+    await asyncio.gather(*(client(i) for i in range(concurrency)))
+    return Level(concurrency, streams, time.perf_counter() - start)
+
+
+async def bench_server(a: argparse.Namespace, url: str, server: Server | None
+                       ) -> tuple[dict[str, Any], list[Level]]:
+    """Health, warm-up, then every level; /health's report and the levels."""
+    t0 = time.perf_counter()
+    health = await wait_healthy(url, a.startup_timeout, server)
+    print(f"# server healthy after {time.perf_counter() - t0:.1f} s: model {health.get('model')}, devices "
+          f"{[d.get('device') for d in health.get('devices', [])]}", flush=True)
+    model = health.get("model") or a.model
+    # limit=0: one connection per client, or aiohttp's default pool of 100
+    # would queue the clients of the larger levels inside the client itself
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+    levels = []
+    async with aiohttp.ClientSession(connector=connector) as session:
+        for i in range(a.warmup):
+            # first requests pay for lazy initialisation (allocators, kernels)
+            # that no later request sees
+            t = time.perf_counter()
+            s = await speak(session, url, speech_body(a, model, i), a.timeout)
+            state = f"{s.audio_s:.2f} s of audio" if s.ok else f"failed: {s.error}"
+            print(f"# warm-up request {i + 1}: {time.perf_counter() - t:.1f} s, {state}", flush=True)
+        print(f"{'conc':>5} {'reqs':>5} {'errs':>5} {'ttfa p50':>9} {'ttfa p99':>9} {'rtf p50':>8} {'rtf tot':>8} "
+              f"{'sv':>6} {'audio/s':>8} {'audio/req':>9} {'wall s':>7}", flush=True)
+        n = a.warmup
+        for c in a.concurrency:
+            if server is not None and server.exited() is not None:
+                print(f"# server exited with status {server.exited()}; stopping:\n{server.tail()}", flush=True)
+                break
+            level = await run_level(session, url, model, c, a, n)
+            n += len(level.streams)
+            levels.append(level)
+            print_level(level)
+    return health, levels
+
+
+def print_level(level: Level) -> None:
+    row, x = level_row(level), level_extras(level)
+    if row is None:
+        print(f"{level.concurrency:>5} {x['requests']:>5} {x['errors']:>5}  no request produced audio: "
+              f"{level.errors[0] if level.errors else ''}", flush=True)
+        return
+    print(f"{level.concurrency:>5} {x['requests']:>5} {x['errors']:>5} {row['ttfa_p50_ms']:>7.0f}ms "
+          f"{row['ttfa_p99_ms']:>7.0f}ms {row['rtf_p50']:>8.3f} {x['rtf_total_p50']:>8.3f} {row['sv']:>6.3f} "
+          f"{row['audio_s_per_s']:>8.2f} {x['audio_s_per_request']:>8.2f}s {x['wall_s']:>7.1f}", flush=True)
+    if x["errors"]:
+        print(f"#   first error: {level.errors[0]}", flush=True)
+
+
+# -- baseline
+
+def baseline(a: argparse.Namespace) -> list[dict[str, Any]]:
+    """transformers `generate` + snac decode at each baseline batch (see the
+    module doc); one row per batch."""
+    import snac
+    import torch
+    from decode_measures import build_hf  # sibling module
+
+    from mstar.config import parse_devices
+    from mstar.models.orpheus.tokens import LEVEL_POSITIONS
+    from mstar.models.registry import load_model
+    from mstar.models.snac import SNAC_24KHZ
+    from mstar.types import GenerateRequest
+
+    device = torch.device(parse_devices(a.gpus)[0])
+    model = load_model(a.model, a.load_format, None)
+    dtype = model.default_dtype(device)  # bf16 on a GPU, as the server runs its LLM
+    sp = model.default_sampling()
+    # the same prompt as the first benchmark request, through the model's own prompt format
+    prompt = model.prepare(GenerateRequest("baseline", a.model, {"text": SENTENCES[0], "voice": a.voice}, sp))
+    prompt_ids = torch.as_tensor(prompt["prompt_ids"]).view(1, -1)
+    hf = build_hf(model.config, device, dtype)
+    # float32: the snac package's own precision, as the server's codec runs
+    codec = snac.SNAC(**SNAC_24KHZ.to_dict()).eval().to(device)
+    frame = sum(len(p) for p in LEVEL_POSITIONS)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    @torch.inference_mode()
+    def speak_batch(batch: int, new_tokens: int) -> float:
+        ids = prompt_ids.repeat(batch, 1).to(device)
+        sync()
+        t0 = time.perf_counter()
+        out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens, do_sample=True, temperature=sp.temperature, top_p=sp.top_p,
+                          repetition_penalty=sp.repetition_penalty, pad_token_id=0)
+        tokens = out[:, ids.shape[1]:]
+        assert tokens.shape == (batch, new_tokens), tokens.shape
+        frames = new_tokens // frame
+        # random weights write any id: fold them into codes the way Orpheus's
+        # decoder splits a 7-token frame across SNAC's three levels
+        grid = (tokens[:, :frames * frame] % SNAC_24KHZ.codebook_size).view(batch, frames, frame)
+        codes = [grid[:, :, list(pos)].reshape(batch, -1) for pos in LEVEL_POSITIONS]
+        audio = codec.decode(codes)
+        sync()
+        wall = time.perf_counter() - t0
+        assert audio.shape[-1] == frames * SNAC_24KHZ.samples_per_coarse_frame, audio.shape
+        return wall
+
+    rows = []
+    audio_s = expected_audio_s(a.audio_tokens, SNAC_24KHZ.sampling_rate)
+    for batch in a.baseline_batches:
+        speak_batch(batch, 4 * frame)  # warm-up: kernels, allocator, the codec's first shapes
+        wall = statistics.median(speak_batch(batch, a.audio_tokens) for _ in range(a.baseline_repeats))
+        rate = batch * audio_s / wall
+        rows.append({"name": "transformers generate + snac decode", "batch": batch, "audio_s_per_s": round(rate, 2)})
+        print(f"# baseline batch {batch}: {wall:.1f} s for {batch} x {audio_s:.2f} s of audio -> {rate:.2f} audio s/s",
+              flush=True)
+    return rows
+
+
+# -- the run
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="orpheus-3b", help="the server's --model (and the baseline's config)")
+    p.add_argument("--load-format", choices=("auto", "dummy"), default="dummy")
+    p.add_argument("--gpus", default="0", help="the server's --gpus (cpu | 0 | 0,1); the baseline uses the first")
+    p.add_argument("--port", type=int, default=0, help="the server's port (0: a free one)")
+    p.add_argument("--server-args", default="", help="more arguments for python -m mstar.http, one string")
+    p.add_argument("--server-log", type=Path, default=None, help="the server's output (default: a temp file)")
+    p.add_argument("--url", default=None, help="benchmark a running server instead of starting one")
+    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for /health")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
+    p.add_argument("--audio-tokens", type=int, default=1024, help="max_tokens of every request (ignore_eos)")
+    p.add_argument("--requests-per-client", type=int, default=2, help="rounds per level at most")
+    p.add_argument("--seconds", type=float, default=60.0, help="no request starts this long into a level")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds one request may take")
+    p.add_argument("--warmup", type=int, default=1, help="uncounted requests before the first level")
+    p.add_argument("--voice", default="tara")
+    p.add_argument("--seed", type=int, default=None, help="send seed + request index (default: none sent)")
+    p.add_argument("--skip-baseline", action="store_true")
+    p.add_argument("--baseline-batches", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--baseline-repeats", type=int, default=1)
+    p.add_argument("--out", type=Path, default=Path("docs/benchmarks/tts.json"))
+    a = p.parse_args()
+    for name in ("audio_tokens", "requests_per_client", "baseline_repeats"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1")
+    if min(a.concurrency) < 1 or min(a.baseline_batches) < 1:
+        p.error("concurrencies and batches must be at least 1")
+    if a.audio_tokens < 7:
+        p.error("--audio-tokens must be at least 7 (one frame of audio)")
+    return a
+
+
+def run_async(coro: Coroutine[Any, Any, Any]) -> Any:
+    """On uvloop when installed, as the server runs: the client's own loop
+    overhead stays small beside the times it measures."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
+def on_sigterm(signum: int, _frame: Any) -> None:
+    # `timeout` and the device tool stop us with SIGTERM: unwind through the
+    # `finally` that stops the server instead of leaving it holding the GPU
+    raise SystemExit(128 + signum)
+
+
+def main() -> None:
+    a = parse()
+    signal.signal(signal.SIGTERM, on_sigterm)
+    server: Server | None = None
+    if a.url:
+        url = a.url.rstrip("/")
+        server_desc = f"running server at {url}"
+    else:
+        port = a.port or free_port()
+        url = f"http://127.0.0.1:{port}"
+        argv = [sys.executable, "-m", "mstar.http", "--model", a.model, "--load-format", a.load_format,
+                "--gpus", a.gpus, "--host", "127.0.0.1", "--port", str(port), *shlex.split(a.server_args)]
+        log_path = a.server_log or Path(tempfile.mkstemp(prefix="bench_tts_server_", suffix=".log")[1])
+        server = Server(argv, log_path)
+        server_desc = "python -m mstar.http " + " ".join(shlex.quote(x) for x in argv[3:])
+        print(f"# starting: {server_desc} (log: {log_path})", flush=True)
+        server.start()
+    try:
+        health, levels = run_async(bench_server(a, url, server))
+    finally:
+        if server is not None:
+            server.stop()  # before the baseline: it needs the GPU memory the server holds
+    devices = [str(d.get("device")) for d in health.get("devices", [])] or [
+        f"cuda:{g}" if g.isdigit() else g for g in a.gpus.split(",")]
+    model = str(health.get("model") or a.model)
+    if not a.url:
+        model += f" ({a.load_format} weights)"
+    settings = {
+        "audio tokens per request": f"{a.audio_tokens} (max_tokens, ignore_eos; "
+                                    f"{expected_audio_s(a.audio_tokens):.2f} s of audio if all are audio tokens)",
+        "levels": f"concurrency {' '.join(map(str, a.concurrency))}; {a.requests_per_client} requests per client or "
+                  f"{a.seconds:.0f} s, whichever first; {a.warmup} warm-up request(s) not counted",
+        "requests": f"response_format pcm, voice {a.voice}, {len(SENTENCES)} fixed sentences of "
+                    f"{min(len(s.split()) for s in SENTENCES)}-{max(len(s.split()) for s in SENTENCES)} words, "
+                    f"the model's default sampling" + (f", seed {a.seed} + index" if a.seed is not None else ""),
+    }
+    env = environment(devices, model, server_desc, REPO, settings)
+    print("# " + " | ".join(f"{k} {v}" for k, v in env.items()), flush=True)
+
+    rows, extras, failed = [], {}, {}
+    for level in levels:
+        row = level_row(level)
+        if level.errors:
+            failed[level.concurrency] = level.errors
+        if row is not None:
+            rows.append(row)
+            extras[level.concurrency] = level_extras(level)
+    best = max_realtime_streams(rows, extras)
+    print(f"# max_realtime_streams {best}", flush=True)
+    base = [] if a.skip_baseline else baseline(a)
+    result = {"gpu": env["gpu"], "rows": rows, "max_realtime_streams": best, "baseline": base}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=2) + "\n")
+    md = a.out.with_suffix(".md")
+    write_markdown(md, result, extras, env, failed, a.audio_tokens)
+    print(f"# wrote {a.out} and {md}", file=sys.stderr)
+    if not rows:
+        raise SystemExit("no level produced audio")
+
+
+if __name__ == "__main__":
+    main()
