@@ -9,6 +9,8 @@ other component takes its inputs stacked over rows and returns named tensors.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -50,6 +52,7 @@ class ComponentRunner:
         self.graphs = graphs
         self.device_s = 0.0
         self._cuda = device.type == "cuda"
+        self._seeded: dict[str, bool] = {}
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> StepOutput:
@@ -60,8 +63,24 @@ class ComponentRunner:
         if self.kv is not None:
             values = self._run_tokens(batch.items, parts, step, fn)
         else:
+            if self._takes_seeds(batch.mode):
+                fn = functools.partial(fn, seeds=self._row_seeds(parts, step))
             values = self._run_plain(batch.items, step, fn)
         return StepOutput(parts, values)
+
+    def _takes_seeds(self, mode: str) -> bool:
+        """Whether a mode draws randomness per row (a `seeds` keyword)."""
+        if mode not in self._seeded:
+            params = inspect.signature(getattr(self.module, mode)).parameters
+            self._seeded[mode] = "seeds" in params
+        return self._seeded[mode]
+
+    def _row_seeds(self, parts: list[PartitionRun], step: Step) -> torch.Tensor:
+        """One seed per row from its request's seed and how many times the row
+        has run this step: a row's draws do not depend on its batch."""
+        value = step.outputs[0]
+        seeds = [(p.request.seed * 1_000_003 + p.writes.get(value, 0)) % 2**63 for p in parts]
+        return torch.tensor(seeds, dtype=torch.long, device=self.device)
 
     # ------------------------------------------------------------ KV rows
 
@@ -153,9 +172,16 @@ class ComponentRunner:
         if same:
             return self._name_outputs(step, fn(*(torch.stack(ts).to(self.device) for ts in inputs.values())))
         # rows of different shapes (a short last chunk): one call per row
-        outs = [self._name_outputs(step, fn(*(ts[i].unsqueeze(0).to(self.device) for ts in inputs.values())))
+        seeds = fn.keywords.get("seeds") if isinstance(fn, functools.partial) else None
+        outs = [self._name_outputs(step, self._call_row(fn, seeds, i, [ts[i] for ts in inputs.values()]))
                 for i in range(len(items))]
         return {n: [o[n][0] for o in outs] for n in step.outputs}
+
+    def _call_row(self, fn: Callable, seeds: torch.Tensor | None, i: int, args: list[torch.Tensor]):
+        rows = [a.unsqueeze(0).to(self.device) for a in args]
+        if seeds is None:
+            return fn(*rows)
+        return fn.func(*rows, seeds=seeds[i:i + 1])
 
     def _timed(self, fn: Callable) -> Callable:
         """`fn`, adding its run time to `device_s` on the CPU, where compute is
@@ -163,9 +189,9 @@ class ComponentRunner:
         if self._cuda:
             return fn
 
-        def call(*args):
+        def call(*args, **kwargs):
             t0 = time.perf_counter()
-            out = fn(*args)
+            out = fn(*args, **kwargs)
             self.device_s += time.perf_counter() - t0
             return out
         return call

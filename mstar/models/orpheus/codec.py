@@ -37,16 +37,19 @@ class OrpheusCodec(nn.Module):
         self.samples_per_frame = samples_per_frame
 
     @torch.no_grad()
-    def window(self, tokens: torch.Tensor) -> torch.Tensor:
+    def window(self, tokens: torch.Tensor, seeds: torch.Tensor | None = None) -> torch.Tensor:
         """Audio token ids [B, L] (int64, frame-aligned) -> float32 samples
         [B, S]: S = 2048 for a full window (L = 28), (L // 7 - 1) * 2048 for
         a shorter last window, 0 when it has fewer than 2 whole frames.
-        Out-of-range codes are clamped (`tokens_to_codes`)."""
+        Out-of-range codes are clamped (`tokens_to_codes`). `seeds` [B]: the
+        SNAC noise of each row (the runtime passes one per request and
+        window, so a request's audio does not depend on its batch); None:
+        the global generator."""
         rows, length = tokens.shape
         frames = length // FRAME_TOKENS
         spf = self.samples_per_frame
         if frames < 2:
             return torch.zeros(rows, 0, dtype=torch.float32, device=tokens.device)
-        audio = self.snac.decode(tokens_to_codes(tokens))[:, 0]
+        audio = self.snac.decode(tokens_to_codes(tokens), seeds=seeds)[:, 0]
         end = 2 * spf if length == WINDOW_TOKENS else frames * spf
         return audio[:, spf:end].float().contiguous()
