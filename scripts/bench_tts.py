@@ -28,7 +28,8 @@ whole utterance, at each `--baseline-batches`: audio s/s = batch x
 
 Writes `--out` (JSON: gpu, rows, max_realtime_streams, baseline) and a
 markdown table beside it (.md) with the environment and M*'s reference
-numbers.
+numbers; both are rewritten after every level, so a run stopped by a
+`timeout` keeps the levels it finished.
 
 On the H200, from the repo root (PYTHONPATH=. where mstar is not
 pip-installed; the server subprocess gets the repo root on its path anyway):
@@ -219,18 +220,70 @@ async def run_level(session: aiohttp.ClientSession, url: str, model: str, concur
     return Level(concurrency, streams, time.perf_counter() - start)
 
 
-async def bench_server(a: argparse.Namespace, url: str, server: Server | None
-                       ) -> tuple[dict[str, Any], list[Level]]:
-    """Health, warm-up, then every level; /health's report and the levels."""
+class Results:
+    """What the run measured so far, written to `--out` and its .md after
+    every level, so a run stopped midway (a `timeout` around it) still
+    leaves the levels it finished."""
+
+    def __init__(self, a: argparse.Namespace, server_desc: str) -> None:
+        self.a = a
+        self.server_desc = server_desc
+        self.env: dict[str, str] = {}
+        self.levels: list[Level] = []
+        self.baseline: list[dict[str, Any]] = []
+
+    def set_environment(self, health: dict[str, Any]) -> None:
+        """The environment from the server's /health (its devices and model)
+        and the run's settings."""
+        a = self.a
+        devices = [str(d.get("device")) for d in health.get("devices", [])] or [
+            f"cuda:{g}" if g.isdigit() else g for g in a.gpus.split(",")]
+        model = str(health.get("model") or a.model)
+        if not a.url:
+            model += f" ({a.load_format} weights)"
+        words = [len(s.split()) for s in SENTENCES]
+        settings = {
+            "audio tokens per request": f"{a.audio_tokens} (max_tokens, ignore_eos; "
+                                        f"{expected_audio_s(a.audio_tokens):.2f} s of audio if all are audio tokens)",
+            "levels": f"concurrency {' '.join(map(str, a.concurrency))}; {a.requests_per_client} requests per client "
+                      f"or {a.seconds:.0f} s, whichever first; {a.warmup} warm-up request(s) not counted",
+            "requests": f"response_format pcm, voice {a.voice}, {len(SENTENCES)} fixed sentences of "
+                        f"{min(words)}-{max(words)} words, the model's default sampling"
+                        + (f", seed {a.seed} + index" if a.seed is not None else ""),
+        }
+        self.env = environment(devices, model, self.server_desc, REPO, settings)
+        print("# " + " | ".join(f"{k} {v}" for k, v in self.env.items()), flush=True)
+
+    def write(self) -> dict[str, Any]:
+        """The JSON (exactly the schema's keys) and the markdown; the JSON."""
+        rows, extras, failed = [], {}, {}
+        for level in self.levels:
+            row = level_row(level)
+            if level.errors:
+                failed[level.concurrency] = level.errors
+            if row is not None:
+                rows.append(row)
+                extras[level.concurrency] = level_extras(level)
+        result = {"gpu": self.env.get("gpu", "unknown"), "rows": rows,
+                  "max_realtime_streams": max_realtime_streams(rows, extras), "baseline": self.baseline}
+        out = self.a.out
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        write_markdown(out.with_suffix(".md"), result, extras, self.env, failed, self.a.audio_tokens)
+        return result
+
+
+async def bench_server(a: argparse.Namespace, url: str, server: Server | None, results: Results) -> None:
+    """Health, warm-up, then every level, each written out as it ends."""
     t0 = time.perf_counter()
     health = await wait_healthy(url, a.startup_timeout, server)
     print(f"# server healthy after {time.perf_counter() - t0:.1f} s: model {health.get('model')}, devices "
           f"{[d.get('device') for d in health.get('devices', [])]}", flush=True)
+    results.set_environment(health)
     model = health.get("model") or a.model
     # limit=0: one connection per client, or aiohttp's default pool of 100
     # would queue the clients of the larger levels inside the client itself
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
-    levels = []
     async with aiohttp.ClientSession(connector=connector) as session:
         for i in range(a.warmup):
             # first requests pay for lazy initialisation (allocators, kernels)
@@ -248,9 +301,9 @@ async def bench_server(a: argparse.Namespace, url: str, server: Server | None
                 break
             level = await run_level(session, url, model, c, a, n)
             n += len(level.streams)
-            levels.append(level)
             print_level(level)
-    return health, levels
+            results.levels.append(level)
+            results.write()
 
 
 def print_level(level: Level) -> None:
@@ -399,48 +452,20 @@ def main() -> None:
         server_desc = "python -m mstar.http " + " ".join(shlex.quote(x) for x in argv[3:])
         print(f"# starting: {server_desc} (log: {log_path})", flush=True)
         server.start()
+    results = Results(a, server_desc)
     try:
-        health, levels = run_async(bench_server(a, url, server))
+        run_async(bench_server(a, url, server, results))
     finally:
         if server is not None:
             server.stop()  # before the baseline: it needs the GPU memory the server holds
-    devices = [str(d.get("device")) for d in health.get("devices", [])] or [
-        f"cuda:{g}" if g.isdigit() else g for g in a.gpus.split(",")]
-    model = str(health.get("model") or a.model)
-    if not a.url:
-        model += f" ({a.load_format} weights)"
-    settings = {
-        "audio tokens per request": f"{a.audio_tokens} (max_tokens, ignore_eos; "
-                                    f"{expected_audio_s(a.audio_tokens):.2f} s of audio if all are audio tokens)",
-        "levels": f"concurrency {' '.join(map(str, a.concurrency))}; {a.requests_per_client} requests per client or "
-                  f"{a.seconds:.0f} s, whichever first; {a.warmup} warm-up request(s) not counted",
-        "requests": f"response_format pcm, voice {a.voice}, {len(SENTENCES)} fixed sentences of "
-                    f"{min(len(s.split()) for s in SENTENCES)}-{max(len(s.split()) for s in SENTENCES)} words, "
-                    f"the model's default sampling" + (f", seed {a.seed} + index" if a.seed is not None else ""),
-    }
-    env = environment(devices, model, server_desc, REPO, settings)
-    print("# " + " | ".join(f"{k} {v}" for k, v in env.items()), flush=True)
-
-    rows, extras, failed = [], {}, {}
-    for level in levels:
-        row = level_row(level)
-        if level.errors:
-            failed[level.concurrency] = level.errors
-        if row is not None:
-            rows.append(row)
-            extras[level.concurrency] = level_extras(level)
-    best = max_realtime_streams(rows, extras)
-    print(f"# max_realtime_streams {best}", flush=True)
-    base = [] if a.skip_baseline else baseline(a)
-    result = {"gpu": env["gpu"], "rows": rows, "max_realtime_streams": best, "baseline": base}
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=2) + "\n")
-    md = a.out.with_suffix(".md")
-    write_markdown(md, result, extras, env, failed, a.audio_tokens)
-    print(f"# wrote {a.out} and {md}", file=sys.stderr)
-    if not rows:
+    result = results.write()
+    print(f"# max_realtime_streams {result['max_realtime_streams']}", flush=True)
+    if not a.skip_baseline:
+        results.baseline = baseline(a)
+        results.write()
+    print(f"# wrote {a.out} and {a.out.with_suffix('.md')}", file=sys.stderr)
+    if not result["rows"]:
         raise SystemExit("no level produced audio")
-
 
 if __name__ == "__main__":
     main()
