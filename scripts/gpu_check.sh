@@ -7,6 +7,7 @@
 #   scripts/gpu_check.sh bench      decode + host benchmarks only
 #   scripts/gpu_check.sh quick      attention + engine GPU tests, then the host benchmark
 #   scripts/gpu_check.sh profile    kernels by time in a decode step
+#   scripts/gpu_check.sh tts        the speech benchmark (scripts/bench_tts.py)
 #   scripts/gpu_check.sh pagesize   the attention page-size measurement
 #   scripts/gpu_check.sh all        tests and bench (default)
 # FlashInfer compiles its kernels on first use into ~/.cache/flashinfer; a
@@ -60,6 +61,11 @@ if [[ $what == profile || $what == bench || $what == all ]]; then
   timeout 240 python3 scripts/profile_decode.py --batch 1 64 256 --context 512 2>&1 | grep -v "\[info" \
       | tail -70 > "$OUT/profile.txt"
   tail -25 "$OUT/profile.txt"
+fi
+if [[ $what == tts ]]; then
+  # Orpheus-3B (dummy weights) over loopback HTTP at 1/16/64/256 streams, plus transformers + snac baseline
+  timeout 540 python3 scripts/bench_tts.py --out "$OUT/tts.json" --server-log "$OUT/tts_server.log" \
+      2>&1 | tail -40 | tee "$OUT/bench_tts.txt"
 fi
 if [[ $what == pagesize ]]; then
   timeout 240 python3 scripts/bench_page_size.py --out "$OUT/page_size.json" 2>&1 | tail -30 | tee "$OUT/page_size.txt"
