@@ -6,29 +6,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import platform
-import subprocess
-from importlib import metadata
 from pathlib import Path
 
 import torch
-
-
-def _version(*dists: str) -> str:
-    for dist in dists:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return "not installed"
-
-
-def _commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                             check=False)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
+from bench_env import REPO, commit, version
 
 
 def environment(device: torch.device, a: argparse.Namespace, dtype: torch.dtype) -> dict[str, str]:
@@ -38,10 +19,10 @@ def environment(device: torch.device, a: argparse.Namespace, dtype: torch.dtype)
         "model": f"{a.model} ({a.load_format} weights, {str(dtype).removeprefix('torch.')})",
         "torch": torch.__version__,
         "cuda": torch.version.cuda or "none",
-        "flashinfer": _version("flashinfer-python", "flashinfer"),
-        "transformers": _version("transformers"),
+        "flashinfer": version("flashinfer-python", "flashinfer"),
+        "transformers": version("transformers"),
         "python": platform.python_version(),
-        "mstar commit": _commit(),
+        "mstar commit": commit(REPO),
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "new tokens": str(a.new_tokens),
     }

@@ -24,9 +24,10 @@ import platform
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from bench_env import commit, version
 
 SAMPLE_BYTES = 2  # PCM16
 
@@ -177,27 +178,6 @@ def expected_audio_s(audio_tokens: int, sample_rate: int = 24_000) -> float:
 
 
 # -- environment
-
-def version(*dists: str) -> str:
-    """The installed version of the first distribution found."""
-    for dist in dists:
-        try:
-            return metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return "not installed"
-
-
-def commit(repo: Path) -> str:
-    """Short HEAD of `repo`, marked `-dirty` with uncommitted changes to
-    tracked files (the numbers may not be HEAD's then)."""
-    try:
-        out = subprocess.run(["git", "-C", str(repo), "describe", "--always", "--dirty", "--abbrev=7",
-                              "--exclude", "*"], capture_output=True, text=True, timeout=10, check=False)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
 
 def cpu_name() -> str:
     try:

@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from mstar.errors import ConfigError
+from mstar.models.checkpoint import mismatch_error
 from mstar.models.layers import MergedLinear
 from mstar.models.llama.model import LlamaDecoder
 
@@ -137,13 +138,7 @@ def load_weights(decoder: LlamaDecoder, folder: str | Path, progress: bool = Tru
     bar.close()
     missing = sorted(f"{p}[{s}]" if s else p for p, s in set(slots) - filled)
     if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing {len(missing)} tensor(s): {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
-        if unexpected:
-            parts.append(f"unexpected {len(unexpected)} tensor(s): {', '.join(sorted(unexpected)[:8])}"
-                         f"{' ...' if len(unexpected) > 8 else ''}")
-        raise ConfigError(f"{folder}: checkpoint does not match the llama config: {'; '.join(parts)}")
+        raise mismatch_error(folder, "llama", missing, list(unexpected))
 
 
 def dummy_weights(decoder: LlamaDecoder, seed: int = 0) -> None:

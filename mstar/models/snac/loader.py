@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from mstar.errors import ConfigError
+from mstar.models.checkpoint import mismatch_error
 from mstar.models.snac.config import SNAC_24KHZ, SnacConfig, read_config
 from mstar.models.snac.model import SnacDecoder
 
@@ -149,13 +150,7 @@ def load_weights(decoder: SnacDecoder, folder: str | Path) -> None:
             param.copy_(value)
     unexpected = sorted(k for k in tensors if k not in used and not IGNORED.fullmatch(k))
     if missing or unexpected:
-        parts = []
-        if missing:
-            parts.append(f"missing {len(missing)} tensor(s): {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}")
-        if unexpected:
-            parts.append(f"unexpected {len(unexpected)} tensor(s): {', '.join(unexpected[:8])}"
-                         f"{' ...' if len(unexpected) > 8 else ''}")
-        raise ConfigError(f"{folder}: checkpoint does not match the snac config: {'; '.join(parts)}")
+        raise mismatch_error(folder, "snac", missing, unexpected)
 
 
 def dummy_weights(decoder: SnacDecoder, seed: int = 0) -> None:
