@@ -107,6 +107,8 @@ class ModelCard:
     walks: tuple[str, ...]
     default_walk: str
     devices: dict[str, tuple[str, ...]] = field(default_factory=dict)  # component -> devices
+    voices: tuple[str, ...] = ()
+    default_sampling: SamplingParams = field(default_factory=SamplingParams)
 
 
 @dataclass(frozen=True)

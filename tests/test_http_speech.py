@@ -177,7 +177,8 @@ async def test_voices(api: aiohttp.ClientSession) -> None:
 
 async def test_the_models_default_sampling_is_used(speaker: Engine) -> None:
     defaults = model_defaults(speaker)
-    assert defaults == speaker.model.default_sampling()  # Orpheus's: a method of the model
+    assert defaults == speaker.model.default_sampling()  # Orpheus's published defaults
+    assert speaker.model_cards()[0].voices == speaker.model.voices
     assert (defaults.temperature, defaults.top_p, defaults.repetition_penalty) == (0.6, 0.8, 1.3)
 
 

@@ -41,7 +41,10 @@ class FakeSpeaker(Model):
         Emit("pcm", modality="audio", sample_rate=24_000),
         inputs=("x",))}
     default_walk = "speak"
-    default_sampling = SamplingParams(max_tokens=6)
+    voices = ("robot",)
+
+    def default_sampling(self) -> SamplingParams:
+        return SamplingParams(max_tokens=6)
 
     def __init__(self) -> None:
         super().__init__("fake-speaker")

@@ -103,7 +103,8 @@ class Engine:
     def model_cards(self) -> list[ModelCard]:
         m = self._model(None)
         placed = {c: tuple(w.name for w in self.workers) for c in m.components}
-        return [ModelCard(self.model_name, m.max_model_len, tuple(self.plans), m.default_walk, placed)]
+        return [ModelCard(self.model_name, m.max_model_len, tuple(self.plans), m.default_walk, placed,
+                          tuple(m.voices), m.default_sampling())]
 
     def health(self) -> dict:
         ok = bool(self.workers) and all(w.alive for w in self.workers)

@@ -281,13 +281,9 @@ def submit(engine: Engine, base_id: str, target: Target, prompts: Sequence[list[
 
 
 def model_defaults(engine: Engine) -> SamplingParams:
-    """The served model's default sampling (speech models declare theirs),
-    read off the engine's loaded model: an attribute, not an import, as http
-    never imports models/."""
-    defaults = getattr(getattr(engine, "model", None), "default_sampling", None)
-    if callable(defaults):  # a method or a property, whichever the model file chose
-        defaults = defaults()
-    return defaults if isinstance(defaults, SamplingParams) else SamplingParams()
+    """The served model's default sampling (speech models declare theirs)."""
+    cards = engine.model_cards()
+    return cards[0].default_sampling if cards else SamplingParams()
 
 
 def submit_inputs(engine: Engine, request_id: str, target: Target, inputs: dict[str, Any], walk: str,

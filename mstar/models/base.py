@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from mstar.models.tokenizer import Tokenizer
-    from mstar.types import GenerateRequest
+    from mstar.types import GenerateRequest, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ class Model:
     components: dict[str, Component] = {}
     walks: dict[str, Walk] = {}
     default_walk: str = ""
+    voices: tuple[str, ...] = ()  # speaker names, for models that speak
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -54,6 +55,13 @@ class Model:
     @property
     def max_model_len(self) -> int:
         raise NotImplementedError
+
+    def default_sampling(self) -> SamplingParams:
+        """What a request gets for the sampling fields it leaves out (a speech
+        model's published defaults, say)."""
+        from mstar.types import SamplingParams
+
+        return SamplingParams()
 
     def kv_spec(self, component: str) -> KVSpec:
         raise NotImplementedError(f"component '{component}' has no KV cache")
