@@ -1,0 +1,88 @@
+"""The OpenAPI 3.1 document of every route `server.build_app` serves.
+
+Built once, on first use, from the request schemas of `openapi_schemas.py`
+(whose bounds and enums are the parsers' own constants) and the answer
+schemas of `openapi_responses.py`. `GET /openapi.json` serves it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from mstar.http import openapi_responses as out
+from mstar.http import openapi_schemas as req
+from mstar.http.audio import CONTENT_TYPES
+
+Schema = dict[str, Any]
+
+VERSION = "0.1.0"  # pyproject's; the package may run uninstalled, so not read from its metadata
+
+
+def _json(schema: Schema) -> Schema:
+    return {"application/json": {"schema": schema}}
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    why = {400: "the request is malformed or out of range; `param` names the field",
+           404: "unknown model (POST) or no such route", 500: "an unexpected server failure",
+           503: "the engine is not running"}
+    return {str(s): {"description": why[s], "content": _json(req.ref("Error"))} for s in statuses}
+
+
+def _post(summary: str, body: str, ok: dict[str, Any], ok_description: str) -> dict[str, Any]:
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": _json(req.ref(body))},
+        "responses": {"200": {"description": ok_description, "content": ok}, **_errors(400, 404, 500, 503)},
+    }}
+
+
+def _get(summary: str, ok: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return {"get": {"summary": summary, "responses": {"200": {"description": summary, "content": ok},
+                                                      **_errors(500), **extra}}}
+
+
+@functools.cache
+def document() -> Schema:
+    """The document; callers must not mutate it (it is shared)."""
+    speech_ok = {media: {"schema": {"type": "string", "contentMediaType": media}}
+                 for media in sorted(set(CONTENT_TYPES.values()))}
+    speech_ok["text/event-stream"] = {"schema": out.sse(req.ref("SpeechEvent"))}
+    paths = {
+        "/health": _get("engine liveness and load", _json(req.ref("Health")),
+                        **{"503": {"description": "a worker died", "content": _json(req.ref("Health"))}}),
+        "/metrics": _get("Prometheus metrics, text format 0.0.4", {"text/plain": {"schema": {"type": "string"}}}),
+        "/openapi.json": _get("this document", _json({"type": "object"})),
+        "/v1/models": _get("the served models", _json(req.ref("ModelList"))),
+        "/v1/completions": _post("OpenAI text completions", "CompletionRequest", {
+            **_json(req.ref("Completion")), "text/event-stream": {"schema": out.sse(req.ref("Completion"))}},
+            "the completion; with `stream`, its chunks as server-sent events"),
+        "/v1/chat/completions": _post("OpenAI chat completions", "ChatRequest", {
+            **_json(req.ref("ChatCompletion")),
+            "text/event-stream": {"schema": out.sse(req.ref("ChatCompletionChunk"))}},
+            "the completion; with `stream`, its chunks as server-sent events"),
+        "/generate": _post("native generation: text or token ids, SamplingParams by name", "GenerateRequest", {
+            **_json(req.ref("GenerateResponse")),
+            "application/x-ndjson": {"schema": {"type": "string", "x-line-schema": req.ref("GenerateLine")}}},
+            "the answer; with `stream`, one JSON object per line (NDJSON)"),
+        "/v1/audio/speech": _post("OpenAI text to speech, streamed", "SpeechRequest", speech_ok,
+                                  "the audio in `response_format` (header X-Sample-Rate), or with "
+                                  "`stream_format: sse` its base64 pieces as events"),
+    }
+    schemas = {
+        "CompletionRequest": req.COMPLETION_REQUEST, "ChatRequest": req.CHAT_REQUEST,
+        "GenerateRequest": req.GENERATE_REQUEST, "SpeechRequest": req.SPEECH_REQUEST,
+        "Error": out.ERROR, "Health": out.HEALTH, "ModelList": out.MODEL_LIST, "Completion": out.COMPLETION,
+        "ChatCompletion": out.CHAT_COMPLETION, "ChatCompletionChunk": out.CHAT_CHUNK,
+        "GenerateResponse": out.GENERATE, "GenerateLine": out.GENERATE_LINE, "SpeechEvent": out.SPEECH_EVENT,
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "mstar", "version": VERSION,
+                 "description": "A serving system for composite multimodal models. Optional request fields "
+                                "may also be null, which means their default."},
+        "jsonSchemaDialect": "https://spec.openapis.org/oas/3.1/dialect/base",
+        "paths": paths,
+        "components": {"schemas": schemas},
+    }

@@ -1,0 +1,135 @@
+"""JSON Schemas of the answers, for `openapi.py`: the shapes that
+`openai_routes.py`, `native_routes.py`, `speech_routes.py` and
+`responses.py` write, including each stream's events."""
+
+from __future__ import annotations
+
+from typing import Any
+
+Schema = dict[str, Any]
+
+FINISH_REASON: Schema = {"enum": ["stop", "length", "abort", "error", None]}
+NULLABLE_STRING: Schema = {"type": ["string", "null"]}
+
+ERROR: Schema = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {
+        "type": "object",
+        "required": ["message", "type", "param", "code"],
+        "properties": {
+            "message": {"type": "string"},
+            "type": {"enum": ["invalid_request_error", "server_error"]},
+            "param": {**NULLABLE_STRING, "description": "the offending field, with its path"},
+            "code": NULLABLE_STRING,
+        },
+    }},
+}
+
+USAGE: Schema = {
+    "type": "object",
+    "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+    "properties": {k: {"type": "integer"} for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+}
+
+HEALTH: Schema = {
+    "type": "object",
+    "required": ["status"],
+    "properties": {
+        "status": {"enum": ["ok", "unhealthy"]},
+        "model": {"type": "string"},
+        "devices": {"type": "array", "items": {"type": "object"}},
+        "requests_running": {"type": "integer"},
+        "tensors_held": {"type": "integer"},
+    },
+}
+
+MODEL_LIST: Schema = {
+    "type": "object",
+    "required": ["object", "data"],
+    "properties": {
+        "object": {"const": "list"},
+        "data": {"type": "array", "items": {
+            "type": "object",
+            "required": ["id", "object", "created", "owned_by", "max_model_len"],
+            "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
+                           "owned_by": {"type": "string"}, "max_model_len": {"type": "integer"}},
+        }},
+    },
+}
+
+
+def reply(obj: str, choice: Schema) -> Schema:
+    """An OpenAI answer or stream chunk: `Reply.body` of `openai_routes.py`."""
+    return {
+        "type": "object",
+        "required": ["id", "object", "created", "model", "choices"],
+        "properties": {
+            "id": {"type": "string"}, "object": {"const": obj}, "created": {"type": "integer"},
+            "model": {"type": "string"}, "system_fingerprint": {"type": "null"},
+            "choices": {"type": "array", "items": choice},
+            "usage": {"oneOf": [USAGE, {"type": "null"}],
+                      "description": "in a stream: only with include_usage, the totals on the last chunk"},
+        },
+    }
+
+
+def choice(**fields: Schema) -> Schema:
+    return {"type": "object", "required": ["index", *fields, "finish_reason"],
+            "properties": {"index": {"type": "integer"}, **fields, "logprobs": {"type": "null"},
+                           "finish_reason": FINISH_REASON}}
+
+
+MESSAGE: Schema = {"type": "object", "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}}
+COMPLETION = reply("text_completion", choice(text={"type": "string"}))
+CHAT_COMPLETION = reply("chat.completion", choice(message=MESSAGE))
+CHAT_CHUNK = reply("chat.completion.chunk", choice(delta=MESSAGE))
+
+SSE_DESCRIPTION = ("server-sent events: each `data: {json}` frame a chunk, the stream ending with "
+                   "`data: [DONE]`; a failure after the headers is an `{\"error\": ...}` frame")
+
+
+def sse(event: Schema) -> Schema:
+    # OpenAPI 3.1 has no schema for event streams; the event's schema rides along for readers.
+    return {"type": "string", "description": SSE_DESCRIPTION, "x-event-schema": event}
+
+
+AUDIO_B64: Schema = {"type": "string", "contentEncoding": "base64", "description": "PCM16 little-endian mono"}
+
+GENERATE: Schema = {
+    "type": "object",
+    "required": ["request_id", "text", "token_ids", "finish_reason", "usage"],
+    "properties": {
+        "request_id": {"type": "string"}, "text": {"type": "string"},
+        "token_ids": {"type": "array", "items": {"type": "integer"}},
+        "audio": AUDIO_B64, "sample_rate": {"type": "integer"},
+        "finish_reason": FINISH_REASON, "usage": USAGE,
+    },
+}
+
+GENERATE_LINE: Schema = {
+    "type": "object",
+    "required": ["request_id", "finished"],
+    "properties": {
+        "request_id": {"type": "string"}, "text": {"type": "string"},
+        "token_ids": {"type": "array", "items": {"type": "integer"}},
+        "audio": AUDIO_B64, "sample_rate": {"type": "integer"},
+        "finished": {"type": "boolean"},
+        "finish_reason": FINISH_REASON, "usage": USAGE,
+        "error": ERROR["properties"]["error"],
+    },
+    "description": "one line per chunk; the last has `finished`, its `finish_reason` and `usage`, or an `error`",
+}
+
+SPEECH_EVENT: Schema = {
+    "type": "object",
+    "required": ["type"],
+    "properties": {
+        "type": {"enum": ["speech.audio.delta", "speech.audio.done", "error"]},
+        "audio": {"type": "string", "contentEncoding": "base64",
+                  "description": "the next piece of the encoded `response_format` stream"},
+        "usage": {"type": "object", "properties": {
+            k: {"type": "integer"} for k in ("input_tokens", "output_tokens", "total_tokens")}},
+        "error": ERROR["properties"]["error"],
+    },
+}

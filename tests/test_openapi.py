@@ -1,0 +1,148 @@
+"""`GET /openapi.json`: a valid OpenAPI 3.1 document, describing exactly the
+routes the app serves, whose request schemas agree with the parsers: a
+minimal example built from each schema is accepted, and breaking any one
+documented constraint is refused with a 400 naming that field."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from openapi_spec_validator import validate
+
+from mstar.errors import RequestError
+from mstar.http.openapi import document
+from mstar.http.server import build_app
+from mstar.http.speech_protocol import parse_speech
+from mstar.http.speech_routes import speech_sampling
+from mstar.types import SamplingParams
+
+Schema = dict[str, Any]
+BAD = "not-a-documented-value"
+
+
+def resolve(schema: Schema) -> Schema:
+    ref = schema.get("$ref")
+    if ref is None:
+        return schema
+    return document()["components"]["schemas"][ref.rsplit("/", 1)[1]]
+
+
+def body_schema(path: str) -> Schema:
+    return resolve(document()["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"])
+
+
+def minimal(schema: Schema, needing: str | None = None) -> dict[str, Any]:
+    """The schema's required fields, each its example; of its `oneOf` branches
+    the one that requires `needing`, else the first (a body may take one only)."""
+    branches = schema.get("oneOf", [{}])
+    branch = next((b for b in branches if needing in b.get("required", [])), branches[0])
+    required = list(schema.get("required", [])) + list(branch.get("required", []))
+    return {key: schema["properties"][key]["examples"][0] for key in required}
+
+
+def violation(schema: Schema) -> Any:
+    """A value breaking one documented constraint of a field, or None if there is none to break."""
+    if "enum" in schema:
+        return BAD
+    kind = schema.get("type")
+    if "maximum" in schema:
+        return schema["maximum"] + 1
+    if "exclusiveMinimum" in schema:
+        return schema["exclusiveMinimum"]
+    if "minimum" in schema:
+        return schema["minimum"] - 1
+    if "maxLength" in schema:
+        return "x" * (schema["maxLength"] + 1)
+    if kind in ("string", "object", "array"):
+        return 12345
+    if kind in ("integer", "number", "boolean"):
+        return BAD
+    return None
+
+
+def violations(schema: Schema, prefix: str = "") -> Iterator[tuple[str, list[str], Any]]:
+    """(field path as errors name it, keys to reach it, the bad value) for every property."""
+    for key, prop in schema.get("properties", {}).items():
+        if prop.get("type") == "object" and "properties" in prop and "additionalProperties" in prop:
+            for name, keys, bad in violations(prop, f"{prefix}{key}."):
+                yield name, [key, *keys], bad
+        bad = violation(prop)
+        if bad is not None:
+            yield f"{prefix}{key}", [key], bad
+
+
+def with_value(body: dict[str, Any], keys: list[str], value: Any) -> dict[str, Any]:
+    out = copy.deepcopy(body)
+    node = out
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+    node[keys[-1]] = value
+    return out
+
+
+POST_ROUTES = ["/generate", "/v1/completions", "/v1/chat/completions"]
+# Requests that would generate long on CPU get a short limit; it is not what the test is about.
+SHORT = {"/v1/chat/completions": {"max_tokens": 2}, "/v1/completions": {}, "/generate": {}}
+
+
+def test_document_is_valid_openapi_3_1() -> None:
+    doc = document()
+    assert doc["openapi"].startswith("3.1")
+    validate(doc)  # raises on any departure from the OpenAPI 3.1 schema
+
+
+def test_every_served_route_is_documented_and_vice_versa() -> None:
+    app = build_app(None, manage_engine=False)  # type: ignore[arg-type]  # routes only, no engine runs
+    served = {(r.method.lower(), r.resource.canonical) for r in app.router.routes() if r.method != "HEAD"}
+    documented = {(method, path) for path, item in document()["paths"].items() for method in item}
+    assert served == documented
+
+
+def test_every_operation_documents_its_errors() -> None:
+    for path, item in document()["paths"].items():
+        for method, op in item.items():
+            assert "500" in op["responses"], (method, path)
+            if method == "post":
+                assert {"400", "404"} <= set(op["responses"]), path
+                assert resolve(op["responses"]["400"]["content"]["application/json"]["schema"]) is \
+                    document()["components"]["schemas"]["Error"]
+
+
+@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.parametrize("path", POST_ROUTES)
+async def test_minimal_examples_are_accepted(http: aiohttp.ClientSession, path: str) -> None:
+    schema = body_schema(path)
+    for needing in [None, *(k for b in schema.get("oneOf", []) for k in b.get("required", []))]:
+        async with http.post(path, json={**minimal(schema, needing), **SHORT[path]}) as r:
+            assert r.status == 200, (needing, await r.text())
+
+
+@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.parametrize("path", POST_ROUTES)
+async def test_each_broken_constraint_is_a_400_naming_its_field(http: aiohttp.ClientSession, path: str) -> None:
+    schema = body_schema(path)
+    cases = list(violations(schema))
+    assert len(cases) >= 8
+    for field, keys, bad in cases:
+        async with http.post(path, json=with_value(minimal(schema, keys[0]), keys, bad)) as r:
+            answer = await r.json()
+            assert r.status == 400, (field, bad, answer)
+            assert answer["error"]["param"] == field, (field, bad, answer)
+
+
+def test_speech_schema_agrees_with_its_parser() -> None:
+    schema = body_schema("/v1/audio/speech")
+    base = minimal(schema)
+    speech_sampling(SamplingParams(), parse_speech(orjson.dumps(base)))
+    cases = list(violations(schema))
+    assert len(cases) >= 8
+    for field, keys, bad in cases:
+        with pytest.raises(RequestError) as caught:
+            # Ranges are checked once the model's defaults are merged, as the route does.
+            speech_sampling(SamplingParams(), parse_speech(orjson.dumps(with_value(base, keys, bad))))
+        assert caught.value.field == field, (field, bad, caught.value)
