@@ -20,6 +20,7 @@ import torch
 
 from mstar.config import EngineConfig
 from mstar.engine.messages import Abort, Finished, Shutdown, StepReport, Stop, Submit
+from mstar.engine.metrics import EngineMetrics
 from mstar.engine.requests import RequestState, RequestStream
 from mstar.engine.tensor_store import TensorStore
 from mstar.engine.worker import DeviceWorker
@@ -49,6 +50,8 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._report_hooks: list[Callable[[StepReport], None]] = []
         self._pre_hooks: list[Callable[[StepReport], None]] = []
+        self._metrics = EngineMetrics()
+        self.add_report_hook(self._metrics.on_report)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -123,6 +126,11 @@ class Engine:
     def num_running(self) -> int:
         return len(self._states)
 
+    def metrics_text(self) -> str:
+        """The engine's metrics in the Prometheus text format 0.0.4."""
+        return self._metrics.render(self.workers, len(self._states), len(self.store),
+                                    self.stats["outputs_dropped"])
+
     # --------------------------------------------------------------- submit
 
     def submit(self, request: GenerateRequest) -> RequestStream:
@@ -152,6 +160,7 @@ class Engine:
         self._states[request.request_id] = state
         self._outstanding[idx] += 1
         self.stats["requests_submitted"] += 1
+        self._metrics.submitted(request.request_id)
         self.workers[idx].send(Submit(request.request_id, plan, values, sp, seed, stop_ids))
         return RequestStream(state, self.abort)
 
@@ -166,6 +175,7 @@ class Engine:
             return
         if not state.finished:
             self.stats["requests_aborted"] += 1
+            self._metrics.forget(request_id)
             state.finish("abort")
         self.workers[state.worker].send(Abort(request_id))
 
@@ -204,6 +214,7 @@ class Engine:
                     self.workers[state.worker].send(Stop(rid, part))
             if tokens:
                 self._feed_tokens(tokens, batch.value)
+            self._metrics.outputs(batch.request_ids, emit.modality)
         for fin in report.finished:
             self._on_finished(fin)
         for hook in self._report_hooks:
@@ -243,7 +254,9 @@ class Engine:
             state.num_output_tokens = max(state.num_output_tokens, fin.num_generated)
             reason = state.stop_reason or fin.reason
             self.stats[f"finished_{reason}"] += 1
-            state.finish(reason if reason in ("stop", "length", "abort", "error") else "stop", fin.error)
+            status = reason if reason in ("stop", "length", "abort", "error") else "stop"
+            self._metrics.finished(fin.request_id, status)
+            state.finish(status, fin.error)
 
 
 def _pcm16(data: torch.Tensor | list[torch.Tensor]) -> list[bytes]:

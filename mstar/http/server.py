@@ -15,7 +15,7 @@ import structlog
 from aiohttp import web
 
 from mstar.errors import RequestError
-from mstar.http import native_routes, openai_routes, openapi_routes, speech_routes
+from mstar.http import metrics_routes, native_routes, openai_routes, openapi_routes, speech_routes
 from mstar.http.keys import ENGINE, STARTED
 from mstar.http.logs import Handler, add_request_id_header, request_context
 from mstar.http.responses import error_response, json_response, request_error_body
@@ -85,6 +85,7 @@ def build_app(engine: Engine, *, manage_engine: bool = True) -> web.Application:
         app.on_startup.append(start_engine)
         app.on_cleanup.append(stop_engine)
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics_routes.metrics)
     app.router.add_get("/v1/models", openai_routes.list_models)
     app.router.add_post("/v1/completions", openai_routes.completions)
     app.router.add_post("/v1/chat/completions", openai_routes.chat_completions)

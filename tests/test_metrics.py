@@ -1,0 +1,128 @@
+"""`GET /metrics` against the real tiny-llama engine: request counts by
+status, first-token latency, steps by mode, KV pages, and a text that parses
+as the Prometheus exposition format; plus the renderer on its own."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import aiohttp
+import pytest
+from http_support import MODEL, wait_until
+
+from mstar.engine.engine import Engine
+from mstar.engine.prometheus import Histogram, family
+from mstar.types import GenerateRequest, SamplingParams
+
+Sample = tuple[str, dict[str, str], float]
+
+_SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})? (\S+)$')
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"(,|$)')
+
+
+def parse(text: str) -> list[Sample]:
+    """Every sample of an exposition text; asserts that each line is well
+    formed and that every sampled family has its HELP and TYPE first."""
+    helped: set[str] = set()
+    typed: dict[str, str] = {}
+    samples: list[Sample] = []
+    assert text.endswith("\n")
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            helped.add(line.split(" ", 3)[2])
+            continue
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split(" ")
+            assert kind in ("counter", "gauge", "histogram", "summary", "untyped"), line
+            typed[name] = kind
+            continue
+        m = _SAMPLE.match(line)
+        assert m, f"not a sample line: {line!r}"
+        name, _, body, value = m.groups()
+        labels: dict[str, str] = {}
+        if body:
+            pos = 0
+            while pos < len(body):
+                lm = _LABEL.match(body, pos)
+                assert lm, f"bad labels in {line!r}"
+                labels[lm.group(1)] = lm.group(2)
+                pos = lm.end()
+        base = re.sub(r"_(bucket|sum|count)$", "", name) if typed.get(name) is None else name
+        assert base in typed and base in helped, f"{name} has no HELP/TYPE before it"
+        samples.append((name, labels, float(value)))
+    return samples
+
+
+def value(samples: list[Sample], name: str, **labels: str) -> float:
+    found = [v for n, ls, v in samples if n == name and all(ls.get(k) == x for k, x in labels.items())]
+    assert found, f"no sample {name}{labels}"
+    return sum(found)
+
+
+def test_renderer() -> None:
+    h = Histogram((0.1, 1.0), labelled=True)
+    for v in (0.05, 0.1, 0.5, 2.0):
+        h.observe(v, (("mode", "decode"),))
+    text = family("x_seconds", "histogram", "A test.", h) + family(
+        "y_total", "counter", "Another.", [((("status", 'a"b\\c\n'),), 3), ((), 1.5)])
+    assert text.splitlines() == [
+        "# HELP x_seconds A test.",
+        "# TYPE x_seconds histogram",
+        'x_seconds_bucket{mode="decode",le="0.1"} 2',   # `le` is inclusive
+        'x_seconds_bucket{mode="decode",le="1"} 3',
+        'x_seconds_bucket{mode="decode",le="+Inf"} 4',
+        'x_seconds_sum{mode="decode"} 2.65',
+        'x_seconds_count{mode="decode"} 4',
+        "# HELP y_total Another.",
+        "# TYPE y_total counter",
+        'y_total{status="a\\"b\\\\c\\n"} 3',
+        "y_total 1.5",
+    ]
+    samples = parse(text)
+    assert value(samples, "y_total", status='a\\"b\\\\c\\n') == 3
+    assert h.count((("mode", "decode"),)) == 4 and h.count() == 0
+    assert math.isclose(value(samples, "x_seconds_sum"), 2.65)
+    # an unlabelled histogram shows its zero series before any observation
+    assert parse(family("z_seconds", "histogram", "Empty.", Histogram((1.0,))))[-1] == ("z_seconds_count", {}, 0.0)
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_metrics_after_some_requests(engine: Engine, http: aiohttp.ClientSession) -> None:
+    body = {"model": MODEL, "prompt": "Once upon", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    for _ in range(2):
+        async with http.post("/v1/completions", json=body) as r:
+            assert r.status == 200
+            assert (await r.json())["choices"][0]["finish_reason"] == "length"
+    # one aborted after its first token
+    sp = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    stream = engine.submit(GenerateRequest("metrics-abort", MODEL, {"prompt_ids": [5, 6, 7]}, sp))
+    async for chunk in stream:
+        if chunk.token_ids:
+            engine.abort(stream.request_id)
+            break
+    await stream.aclose()
+    assert await wait_until(lambda: engine.num_running() == 0 and engine.pages_in_use() == 0)
+
+    async with http.get("/metrics") as r:
+        assert r.status == 200
+        assert r.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        samples = parse(await r.text())
+
+    counts = {s: value(samples, "mstar_requests_total", status=s) for s in ("stop", "length", "abort", "error")}
+    assert counts == {"stop": 0, "length": 2, "abort": 1, "error": 0}
+    # every request produced tokens before it ended, the aborted one included
+    assert value(samples, "mstar_time_to_first_token_seconds_count") == 3
+    assert value(samples, "mstar_time_to_first_token_seconds_bucket", le="+Inf") == 3
+    assert value(samples, "mstar_time_to_first_audio_seconds_count") == 0
+    assert value(samples, "mstar_kv_pages_in_use", component="llm") == 0
+    assert value(samples, "mstar_kv_pages_total", component="llm") > 0
+    assert value(samples, "mstar_requests_running") == 0
+    assert value(samples, "mstar_queue_depth") == 0
+    for mode in ("prefill", "decode"):
+        assert value(samples, "mstar_step_seconds_count", component="llm", mode=mode) > 0
+        assert value(samples, "mstar_batch_size_count", component="llm", mode=mode) > 0
+    assert value(samples, "mstar_decode_steps_total") == value(
+        samples, "mstar_step_seconds_count", component="llm", mode="decode")
+    assert value(samples, "mstar_speculative_steps_dropped_total") >= 0
+    assert value(samples, "mstar_tensors_held") >= 0
