@@ -1,0 +1,441 @@
+"""Bounded loopback load test: streaming, disconnecting and malformed requests
+at once, then a check that the server lost nothing and leaked nothing.
+
+Starts `python -m mstar.http --model tiny-llama --port P` itself (its output
+in a log file) or targets a running server with `--url`, and waits for
+/health. Then fires, all through one aiohttp session and at most
+`--concurrency` at a time (default: all at once):
+
+* `--requests` streaming requests, a shuffled mix of `/v1/completions` SSE,
+  `/v1/chat/completions` SSE and `/generate` NDJSON, each with a random
+  `max_tokens` in 1..32 and `ignore_eos: true`, so its length is known;
+  `--disconnects` of them are closed by the client after a random number of
+  events (zero: right after the headers);
+* `--malformed` bad requests (invalid JSON, wrong types, negative
+  max_tokens, an unknown model, out-of-range sampling values, ...), each
+  with the field the server must name.
+
+Checks: every stream that was not cut got exactly max_tokens tokens
+(`usage.completion_tokens`; NDJSON also by its `token_ids`),
+`finish_reason: "length"` and a proper end (`data: [DONE]` last for SSE, a
+`finished` line last for NDJSON); every malformed request got a 4xx whose
+JSON `error.param` is the expected field; no response was a 5xx; and after
+the run /metrics settles (polled for `--settle` seconds) to
+`mstar_kv_pages_in_use` 0, `mstar_tensors_held` 0 and
+`mstar_requests_running` 0, with no request finished as `error`.
+
+The run is bounded: no request starts after `--seconds`, and every request
+in flight is cut at that deadline (it then counts as lost). Prints requests
+per second, latency p50/p99, and the counts of lost requests, 5xx and
+leaked pages; exits 1 if any check fails.
+
+    python scripts/loadtest.py                                   # tiny-llama on CPU, the defaults
+    python scripts/loadtest.py --url http://127.0.0.1:8000 --requests 50 --disconnects 10 --malformed 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import shlex
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+# sibling module (the script's folder is first on sys.path): the server
+# subprocess, its health wait and the uvloop runner are shared, not copied
+from bench_tts import Server, free_port, on_sigterm, run_async, wait_healthy
+
+MAX_TOKENS = 32
+PROMPTS = ("Hello", "The quick brown fox", "Once upon a time, in a land far away,", "1 2 3 4 5",
+           "Tell me about the weather today.")
+ROUTES = ("/v1/completions", "/v1/chat/completions", "/generate")
+
+# A body that is not JSON at all (bytes) or a JSON value, the route it goes
+# to, and the field the server's error must name (its `error.param`).
+MALFORMED: tuple[tuple[str, bytes | Any, str], ...] = (
+    ("/v1/completions", b"{bad json", "body"),
+    ("/v1/chat/completions", b'{"model": "tiny-llama", "messages": [', "body"),
+    ("/generate", b"\xff\xfe not utf-8", "body"),
+    ("/v1/completions", [1, 2, 3], "body"),
+    ("/v1/completions", {"prompt": 5, "max_tokens": 3}, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "x"}, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "temperature": 1000}, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "top_p": 2}, "top_p"),
+    ("/v1/completions", {"model": "no-such-model", "prompt": "hi", "max_tokens": 3}, "model"),
+    ("/v1/chat/completions", {"messages": "hi"}, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages[0].content"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_tokens": -3}}, "sampling_params.max_tokens"),
+    ("/generate", {"text": "hi", "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
+    ("/generate", {"text": "hi", "sampling_params": 5}, "sampling_params"),
+    ("/generate", {"input_ids": ["a"]}, "input_ids"),
+)
+
+
+@dataclass
+class Job:
+    """One request to send and what its answer must be."""
+
+    kind: str  # "stream", "disconnect" or "malformed"
+    route: str
+    body: bytes
+    max_tokens: int = 0
+    cut_after: int = -1  # disconnects: close after this many events
+    expect_param: str = ""
+
+
+@dataclass
+class Outcome:
+    """What happened to one job; `problem` is empty when it passed its checks."""
+
+    job: Job
+    status: int = 0
+    latency_s: float = 0.0
+    cut: bool = False  # the client closed it mid-stream, as planned
+    problem: str = ""
+
+
+@dataclass
+class Tally:
+    """Every outcome of a run, the jobs the deadline kept from starting, and its wall time."""
+
+    outcomes: list[Outcome] = field(default_factory=list)
+    not_started: int = 0
+    wall_s: float = 0.0
+
+
+def stream_body(route: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """A streaming body for `route` whose length is fixed by max_tokens."""
+    if route == "/generate":
+        return {"model": model, "text": prompt, "stream": True,
+                "sampling_params": {"max_tokens": max_tokens, "ignore_eos": True}}
+    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+                            # the totals in a last chunk: SSE text pieces need not be one per token
+                            "stream_options": {"include_usage": True}}
+    if route == "/v1/chat/completions":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    return body
+
+
+def make_jobs(a: argparse.Namespace, model: str, rng: random.Random) -> list[Job]:
+    """Streams, disconnects and malformed requests, shuffled so every kind
+    overlaps every other."""
+    jobs: list[Job] = []
+    for i in range(a.requests):
+        route = ROUTES[i % len(ROUTES)]
+        n = rng.randint(1, MAX_TOKENS)
+        body = json.dumps(stream_body(route, model, rng.choice(PROMPTS), n)).encode()
+        if i < a.disconnects:
+            # SSE and NDJSON both send at least n + 1 events, so any cut in
+            # 0..n lands before the end
+            jobs.append(Job("disconnect", route, body, n, cut_after=rng.randint(0, n)))
+        else:
+            jobs.append(Job("stream", route, body, n))
+    for i in range(a.malformed):
+        route, bad, param = MALFORMED[i % len(MALFORMED)]
+        if not isinstance(bad, bytes):
+            if isinstance(bad, dict) and route != "/generate":
+                bad = {"model": model, **bad}  # the one wrong thing is the one named
+            bad = json.dumps(bad).encode()
+        jobs.append(Job("malformed", route, bad, expect_param=param))
+    rng.shuffle(jobs)
+    return jobs
+
+
+async def read_events(resp: aiohttp.ClientResponse, route: str, cut_after: int) -> tuple[list[Any], bool]:
+    """The stream's events (parsed JSON, or "[DONE]") and whether we cut it.
+    A cut closes the connection itself, so the server sees the client leave."""
+    events: list[Any] = []
+    if cut_after == 0:
+        resp.close()
+        return events, True
+    async for raw in resp.content:
+        line = raw.decode().strip()
+        if not line:
+            continue
+        if route != "/generate":
+            if not line.startswith("data: "):
+                raise ValueError(f"not an SSE data line: {line[:80]!r}")
+            line = line[len("data: "):]
+        events.append("[DONE]" if line == "[DONE]" else json.loads(line))
+        if 0 < cut_after <= len(events):
+            break
+    else:
+        return events, False  # the server ended the stream first
+    if resp.content.at_eof():
+        return events, False
+    resp.close()
+    return events, True
+
+
+def check_stream(route: str, events: list[Any], max_tokens: int) -> str:
+    """'' if a complete stream is right, else what is wrong with it."""
+    if not events:
+        return "empty stream"
+    errors = [e for e in events if isinstance(e, dict) and "error" in e]
+    if errors:
+        return f"error event: {json.dumps(errors[0])[:200]}"
+    if route == "/generate":
+        last = events[-1]
+        if not last.get("finished") or any(e.get("finished") for e in events[:-1]):
+            return "the finished line is not exactly the last one"
+        got = sum(len(e.get("token_ids", [])) for e in events)
+        usage = last.get("usage", {}).get("completion_tokens")
+        finish = last.get("finish_reason")
+    else:
+        if events[-1] != "[DONE]" or "[DONE]" in events[:-1]:
+            return "does not end with exactly one [DONE]"
+        finishes = [c.get("finish_reason") for e in events[:-1] for c in e.get("choices", [])
+                    if c.get("finish_reason") is not None]
+        if len(finishes) != 1:
+            return f"{len(finishes)} finish_reasons"
+        finish = finishes[0]
+        usage = next((e["usage"].get("completion_tokens") for e in events[:-1] if e.get("usage")), None)
+        got = usage
+    if finish != "length":
+        return f"finish_reason {finish!r}, not 'length'"
+    if got != max_tokens or usage != max_tokens:
+        return f"{got} tokens (usage {usage}), asked for {max_tokens}"
+    return ""
+
+
+def check_error(status: int, text: str, param: str) -> str:
+    """'' if a malformed request got a 4xx naming `param`, else what is wrong."""
+    if not 400 <= status < 500:
+        return f"HTTP {status}, not 4xx: {text[:200]}"
+    try:
+        err = json.loads(text)["error"]
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {status} without a JSON error: {text[:200]}"
+    if err.get("param") != param:
+        return f"error names {err.get('param')!r}, not {param!r}: {err.get('message')}"
+    return ""
+
+
+async def run_job(session: aiohttp.ClientSession, url: str, job: Job, deadline: float) -> Outcome:
+    """Send one job and judge its answer; never raises for its own failures."""
+    out = Outcome(job)
+    t0 = time.monotonic()
+    timeout = aiohttp.ClientTimeout(total=max(deadline - t0, 0.001))
+    try:
+        async with session.post(url + job.route, data=job.body, timeout=timeout,
+                                headers={"Content-Type": "application/json"}) as r:
+            out.status = r.status
+            if job.kind == "malformed":
+                out.problem = check_error(r.status, await r.text(errors="replace"), job.expect_param)
+            elif r.status != 200:
+                out.problem = f"HTTP {r.status}: {(await r.text(errors='replace'))[:200]}"
+            else:
+                events, out.cut = await read_events(r, job.route, job.cut_after)
+                if not out.cut:  # a disconnect whose stream ended first is judged as a whole one
+                    out.problem = check_stream(job.route, events, job.max_tokens)
+    except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+        out.problem = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+    out.latency_s = time.monotonic() - t0
+    return out
+
+
+async def fire(url: str, jobs: list[Job], a: argparse.Namespace) -> Tally:
+    """Every job, at most `a.concurrency` at a time, none started after the deadline."""
+    tally = Tally()
+    sem = asyncio.Semaphore(a.concurrency)
+    start = time.monotonic()
+    deadline = start + a.seconds
+
+    async def one(job: Job) -> None:
+        async with sem:
+            if time.monotonic() >= deadline:
+                tally.not_started += 1
+                return
+            tally.outcomes.append(await run_job(session, url, job, deadline))
+
+    # limit=0: aiohttp's default pool of 100 would queue requests inside the client
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        await asyncio.gather(*(one(j) for j in jobs))
+    tally.wall_s = time.monotonic() - start
+    return tally
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text to {name: value}, samples of one name summed over labels
+    (pages over devices and components), except requests_total kept by status."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        series, _, value = line.rpartition(" ")
+        name = series.split("{", 1)[0]
+        if name == "mstar_requests_total":
+            name = series  # one entry per status
+        values[name] = values.get(name, 0.0) + float(value)
+    return values
+
+
+async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
+        r.raise_for_status()
+        return parse_metrics(await r.text())
+
+
+async def settle(session: aiohttp.ClientSession, url: str, seconds: float) -> dict[str, float]:
+    """Poll /metrics until nothing is held or `seconds` pass: aborts of cut
+    streams reach the workers a step or so after the client left."""
+    end = time.monotonic() + seconds
+    while True:
+        m = await scrape(session, url)
+        held = (m.get("mstar_kv_pages_in_use", 0), m.get("mstar_tensors_held", 0), m.get("mstar_requests_running", 0))
+        if not any(held) or time.monotonic() >= end:
+            return m
+        await asyncio.sleep(0.25)
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """Nearest-rank percentile; 0 for no data."""
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q / 100 * len(xs) + 0.5) - 1))]
+
+
+def report(tally: Tally, before: dict[str, float], after: dict[str, float], own_server: bool) -> list[str]:
+    """Print the figures; the failed checks."""
+    outs = tally.outcomes
+    streams = [o for o in outs if o.job.kind != "malformed"]
+    cut = [o for o in streams if o.cut]
+    done = [o for o in streams if not o.cut and not o.problem]
+    lost = [o for o in streams if not o.cut and o.problem]  # includes planned disconnects that never got to cut
+    bad = [o for o in outs if o.job.kind == "malformed"]
+    bad_wrong = [o for o in bad if o.problem]
+    five = [o for o in outs if o.status >= 500]
+    lat = [o.latency_s for o in done]
+    pages = after.get("mstar_kv_pages_in_use", -1)
+    tensors = after.get("mstar_tensors_held", -1)
+    running = after.get("mstar_requests_running", -1)
+    finished = {s: after.get(f'mstar_requests_total{{status="{s}"}}', 0) - before.get(
+        f'mstar_requests_total{{status="{s}"}}', 0) for s in ("stop", "length", "abort", "error")}
+
+    print(f"requests sent       {len(outs)} in {tally.wall_s:.1f} s ({len(outs) / max(tally.wall_s, 1e-9):.1f} req/s), "
+          f"{tally.not_started} not started before the deadline")
+    print(f"streams completed   {len(done)}  latency p50 {percentile(lat, 50) * 1e3:.0f} ms, "
+          f"p99 {percentile(lat, 99) * 1e3:.0f} ms; {sum(o.job.max_tokens for o in done)} tokens")
+    print(f"streams cut         {len(cut)} (by the client, mid-stream)")
+    print(f"lost                {len(lost)}")
+    print(f"malformed           {len(bad)}: {len(bad) - len(bad_wrong)} answered 4xx naming the field, "
+          f"{len(bad_wrong)} not")
+    print(f"5xx                 {len(five)}")
+    print(f"metrics after       kv_pages_in_use {pages:g} (leaked pages), tensors_held {tensors:g}, "
+          f"requests_running {running:g}")
+    print("requests finished   " + ", ".join(f"{s} {n:g}" for s, n in finished.items()) + " (this run)")
+    for label, group in (("lost", lost), ("malformed", bad_wrong)):
+        for o in group[:5]:
+            print(f"  {label}: {o.job.kind} {o.job.route} max_tokens={o.job.max_tokens}: {o.problem}")
+
+    failures = []
+    if tally.not_started:
+        failures.append(f"{tally.not_started} requests not started within --seconds")
+    if lost:
+        failures.append(f"{len(lost)} lost requests")
+    if bad_wrong:
+        failures.append(f"{len(bad_wrong)} malformed requests not answered 4xx naming the field")
+    if five:
+        failures.append(f"{len(five)} 5xx responses")
+    if pages != 0:
+        failures.append(f"kv_pages_in_use {pages:g}")
+    if tensors != 0:
+        failures.append(f"tensors_held {tensors:g}")
+    if running != 0:
+        failures.append(f"requests_running {running:g}")
+    if finished["error"]:
+        failures.append(f"{finished['error']:g} requests finished as error")
+    # with our own server nothing else talks to it: every stream that got its
+    # headers was submitted, and must have finished once (malformed ones never are)
+    submitted = sum(1 for o in streams if o.status == 200)
+    if own_server and sum(finished.values()) != submitted:
+        failures.append(f"engine finished {sum(finished.values()):g} requests, {submitted} were submitted")
+    return failures
+
+
+async def main_async(a: argparse.Namespace, url: str, server: Server | None) -> list[str]:
+    t0 = time.monotonic()
+    health = await wait_healthy(url, a.startup_timeout, server)
+    model = str(health.get("model") or a.model)
+    print(f"# server healthy after {time.monotonic() - t0:.1f} s: model {model}", flush=True)
+    jobs = make_jobs(a, model, random.Random(a.seed))
+    async with aiohttp.ClientSession() as session:
+        before = await scrape(session, url)
+    print(f"# firing {a.requests} streams ({a.disconnects} cut), {a.malformed} malformed; "
+          f"concurrency {a.concurrency}, at most {a.seconds:g} s", flush=True)
+    tally = await fire(url, jobs, a)
+    async with aiohttp.ClientSession() as session:
+        after = await settle(session, url, a.settle)
+    if server is not None and server.exited() is not None:
+        return [f"server exited with status {server.exited()}"]
+    return report(tally, before, after, server is not None)
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny-llama", help="the server's --model")
+    p.add_argument("--port", type=int, default=0, help="the server's port (0: a free one)")
+    p.add_argument("--server-args", default="", help="more arguments for python -m mstar.http, one string")
+    p.add_argument("--server-log", type=Path, default=None, help="the server's output (default: a temp file)")
+    p.add_argument("--url", default=None, help="test a running server instead of starting one")
+    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for /health")
+    p.add_argument("--requests", type=int, default=500, help="streaming requests")
+    p.add_argument("--disconnects", type=int, default=100, help="of --requests, how many the client cuts")
+    p.add_argument("--malformed", type=int, default=200, help="bad requests")
+    p.add_argument("--concurrency", type=int, default=500, help="requests in flight at most")
+    p.add_argument("--seconds", type=float, default=300.0, help="no request starts or runs past this")
+    p.add_argument("--settle", type=float, default=10.0, help="seconds to wait for /metrics to show nothing held")
+    p.add_argument("--seed", type=int, default=0, help="seeds the mix, lengths and cut points")
+    a = p.parse_args()
+    if min(a.requests, a.disconnects, a.malformed) < 0 or a.concurrency < 1 or a.seconds <= 0:
+        p.error("counts must be >= 0, --concurrency >= 1, --seconds > 0")
+    if a.disconnects > a.requests:
+        p.error("--disconnects must not exceed --requests")
+    return a
+
+
+def main() -> int:
+    a = parse()
+    signal.signal(signal.SIGTERM, on_sigterm)  # unwind through `finally`: the server must not outlive us
+    server: Server | None = None
+    if a.url:
+        url = a.url.rstrip("/")
+    else:
+        port = a.port or free_port()
+        url = f"http://127.0.0.1:{port}"
+        argv = [sys.executable, "-m", "mstar.http", "--model", a.model, "--host", "127.0.0.1", "--port", str(port),
+                *shlex.split(a.server_args)]
+        log_path = a.server_log or Path(tempfile.mkstemp(prefix="loadtest_server_", suffix=".log")[1])
+        print(f"# starting: {' '.join(shlex.quote(x) for x in argv[1:])} (log: {log_path})", flush=True)
+        server = Server(argv, log_path)
+        server.start()
+    t0 = time.monotonic()
+    try:
+        failures = run_async(main_async(a, url, server))
+    finally:
+        if server is not None:
+            server.stop()
+    print(f"# total wall time {time.monotonic() - t0:.1f} s")
+    for f in failures:
+        print(f"FAIL: {f}")
+    print("PASS" if not failures else "FAILED")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""scripts/loadtest.py's judges: what counts as a proper stream, a proper
+4xx and a settled /metrics, without a server."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+
+from loadtest import check_error, check_stream, make_jobs, parse_metrics, percentile
+
+
+def _sse(n: int, finish: str = "length") -> list:
+    pieces = [{"choices": [{"text": "x", "finish_reason": None}], "usage": None} for _ in range(n - 1)]
+    pieces.append({"choices": [{"text": "x", "finish_reason": finish}], "usage": None})
+    return [*pieces, {"choices": [], "usage": {"completion_tokens": n}}, "[DONE]"]
+
+
+def test_sse_stream_needs_length_usage_and_done() -> None:
+    assert check_stream("/v1/completions", _sse(3), 3) == ""
+    assert "tokens" in check_stream("/v1/completions", _sse(3), 4)
+    assert "finish_reason" in check_stream("/v1/completions", _sse(3, "stop"), 3)
+    assert "[DONE]" in check_stream("/v1/chat/completions", _sse(3)[:-1], 3)
+    assert "error" in check_stream("/v1/completions", [{"error": {"message": "boom"}}, "[DONE]"], 1)
+
+
+def test_ndjson_stream_counts_token_ids() -> None:
+    lines = [{"token_ids": [1], "finished": False}, {"token_ids": [2], "finished": False},
+             {"token_ids": [], "finished": True, "finish_reason": "length", "usage": {"completion_tokens": 2}}]
+    assert check_stream("/generate", lines, 2) == ""
+    assert "tokens" in check_stream("/generate", lines, 3)
+    assert "finished" in check_stream("/generate", lines[:-1], 2)
+
+
+def test_error_must_be_4xx_naming_the_field() -> None:
+    body = json.dumps({"error": {"message": "max_tokens: bad", "param": "max_tokens"}})
+    assert check_error(400, body, "max_tokens") == ""
+    assert "not 'prompt'" in check_error(400, body, "prompt")
+    assert "not 4xx" in check_error(500, body, "max_tokens")
+    assert "JSON" in check_error(400, "oops", "max_tokens")
+
+
+def test_metrics_sum_over_labels_and_keep_statuses() -> None:
+    text = ('# HELP x\nmstar_kv_pages_in_use{device="cpu",component="llm"} 2\n'
+            'mstar_kv_pages_in_use{device="cpu",component="talker"} 1\nmstar_tensors_held 0\n'
+            'mstar_requests_total{status="abort"} 4\n')
+    m = parse_metrics(text)
+    assert m["mstar_kv_pages_in_use"] == 3 and m["mstar_tensors_held"] == 0
+    assert m['mstar_requests_total{status="abort"}'] == 4
+
+
+def test_jobs_mix_and_percentile() -> None:
+    a = Namespace(requests=30, disconnects=6, malformed=20)
+    jobs = make_jobs(a, "tiny-llama", random.Random(0))
+    kinds = [j.kind for j in jobs]
+    assert (kinds.count("stream"), kinds.count("disconnect"), kinds.count("malformed")) == (24, 6, 20)
+    assert all(1 <= j.max_tokens <= 32 and 0 <= j.cut_after <= j.max_tokens for j in jobs if j.kind == "disconnect")
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.0 and percentile([1.0, 2.0, 3.0, 4.0], 99) == 4.0
