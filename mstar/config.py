@@ -34,6 +34,8 @@ class EngineConfig:
     dtype: str = "auto"                   # auto | float32 | bfloat16 | float16
     max_model_len: int | None = None
     seed: int = 0
+    max_waiting_requests: int = 1024      # submitted, not yet producing output; beyond it new ones wait, then 429
+    queue_timeout: float = 10.0           # seconds a new request waits for room before its 429
     attention_backend: str = "auto"       # auto | torch | flashinfer (auto: flashinfer on CUDA)
     enforce_eager: bool = False           # no CUDA graphs
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -99,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-memory", type=float, default=0.25, help="GiB of KV cache on CPU")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="requests waiting to start; a new one past this waits --queue-timeout, then gets 429")
+    p.add_argument("--queue-timeout", type=float, default=10.0, help="seconds a new request waits for room")
     p.add_argument("--attention-backend", choices=("auto", "torch", "flashinfer"), default="auto",
                    help="auto: FlashInfer on CUDA, the torch reference on CPU")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
@@ -113,6 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> ServerConfig:
     a = build_parser().parse_args(argv)
+    if a.max_waiting_requests < 0 or a.queue_timeout < 0:
+        raise ConfigError("--max-waiting-requests and --queue-timeout must not be negative")
     for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
         if getattr(a, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")
@@ -132,6 +139,8 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         dtype=a.dtype,
         max_model_len=a.max_model_len,
         seed=a.seed,
+        max_waiting_requests=a.max_waiting_requests,
+        queue_timeout=a.queue_timeout,
         attention_backend=a.attention_backend,
         enforce_eager=a.enforce_eager,
         cuda_graph_batch_sizes=graph_buckets(a.cuda_graph_max_batch),

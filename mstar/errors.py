@@ -22,6 +22,7 @@ class RequestError(MstarError):
     field: str | None = None
     status: int = 400
     code: str = "invalid_request_error"
+    retry_after: float | None = None  # seconds, for answers that ask the client to come back (429, 503)
 
     def __str__(self) -> str:
         return self.message if self.field is None else f"{self.field}: {self.message}"

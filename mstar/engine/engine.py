@@ -46,6 +46,8 @@ class Engine:
         self.workers: list[DeviceWorker] = []
         self.stats: Counter[str] = Counter()
         self._states: dict[str, RequestState] = {}
+        self._waiting: set[str] = set()  # submitted, no output yet (queued, or waiting for pages)
+        self._room: asyncio.Event | None = None
         self._outstanding: list[int] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._report_hooks: list[Callable[[StepReport], None]] = []
@@ -83,6 +85,7 @@ class Engine:
         for state in list(self._states.values()):
             state.finish("abort", "the engine shut down")
         self._states.clear()
+        self._waiting.clear()
 
     # -------------------------------------------------------------- queries
 
@@ -158,11 +161,45 @@ class Engine:
                              IncrementalDetokenizer(tok) if tok is not None else None,
                              host_predicates=_host_predicates(plan))
         self._states[request.request_id] = state
+        self._waiting.add(request.request_id)
         self._outstanding[idx] += 1
         self.stats["requests_submitted"] += 1
         self._metrics.submitted(request.request_id)
         self.workers[idx].send(Submit(request.request_id, plan, values, sp, seed, stop_ids))
         return RequestStream(state, self.abort)
+
+    async def admit(self, timeout: float | None = None) -> None:
+        """Wait until fewer than `max_waiting_requests` requests are waiting to
+        start, at most `timeout` seconds (default: the configured queue
+        timeout); then raise a 429 asking the client to retry. An unhealthy
+        engine answers 503 at once."""
+        if not self.workers or not any(w.alive for w in self.workers):
+            raise RequestError("the engine is not running", status=503, code="unavailable", retry_after=5)
+        limit = self.config.max_waiting_requests
+        if len(self._waiting) < limit:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + (self.config.queue_timeout if timeout is None else timeout)
+        if self._room is None:
+            self._room = asyncio.Event()
+        while len(self._waiting) >= limit:
+            self._room.clear()
+            left = deadline - loop.time()
+            if left <= 0:
+                self.stats["requests_refused_busy"] += 1
+                raise RequestError(f"{len(self._waiting)} requests are waiting to start (the limit is {limit}); "
+                                   "retry shortly", status=429, code="queue_full", retry_after=1)
+            try:
+                await asyncio.wait_for(self._room.wait(), left)
+            except TimeoutError:
+                pass
+
+    def _started(self, request_id: str) -> None:
+        """A request left the waiting line (first output, or its end)."""
+        if request_id in self._waiting:
+            self._waiting.discard(request_id)
+            if self._room is not None and len(self._waiting) < self.config.max_waiting_requests:
+                self._room.set()
 
     def _pick_worker(self) -> int:
         alive = [i for i, w in enumerate(self.workers) if w.alive]
@@ -207,6 +244,8 @@ class Engine:
                 if state is None or state.finished or part in state.stopped:
                     self.stats["outputs_dropped"] += 1
                     continue
+                if rid in self._waiting:
+                    self._started(rid)
                 if emit.modality == "text" and isinstance(row, int):
                     tokens.append((state, part, row))
                 elif (state.feed_value(part, batch.value, emit.modality, row, emit.sample_rate)
@@ -249,6 +288,7 @@ class Engine:
             return
         if fin.request_done:
             del self._states[fin.request_id]
+            self._started(fin.request_id)
             self._outstanding[state.worker] -= 1
             # a walk that emits audio, not tokens, still reports what it sampled
             state.num_output_tokens = max(state.num_output_tokens, fin.num_generated)

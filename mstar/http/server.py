@@ -3,11 +3,14 @@
 `build_app` wires the routes to one `Engine`, adds the request-id / access-log
 middleware and the error middleware that turns every failure into an
 OpenAI-shaped JSON error (`RequestError` -> its 4xx, unknown route -> 404,
-a client that hung up -> 499, anything unexpected -> a logged 500).
+a client that hung up -> 499, anything unexpected -> a logged 500), and the
+admission middleware: a generation request waits for room in the engine's
+waiting line, then gets 429 with Retry-After (503 when the engine is down).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -35,7 +38,10 @@ async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamRe
     try:
         return await handler(request)
     except RequestError as e:
-        return json_response(request_error_body(e), status=e.status)
+        response = json_response(request_error_body(e), status=e.status)
+        if e.retry_after is not None:
+            response.headers["Retry-After"] = str(max(1, math.ceil(e.retry_after)))
+        return response
     except ClientGone:
         log.info("client went away before its answer; aborted")
         return web.Response(status=ClientGone.status)
@@ -57,6 +63,17 @@ async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamRe
         return error_response("internal server error", status=500, code="internal_error")
 
 
+# the routes that start engine requests: under load they wait for room, then 429
+ADMITTED = frozenset({"/generate", "/v1/completions", "/v1/chat/completions", "/v1/audio/speech"})
+
+
+@web.middleware
+async def admission(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if request.method == "POST" and request.path in ADMITTED:
+        await request.app[ENGINE].admit()
+    return await handler(request)
+
+
 async def health(request: web.Request) -> web.Response:
     report = request.app[ENGINE].health()
     return json_response(report, status=200 if report.get("status") == "ok" else 503)
@@ -71,7 +88,7 @@ def build_app(engine: Engine, *, manage_engine: bool = True) -> web.Application:
     Pass `manage_engine=False` when the caller starts and stops the engine
     itself (tests sharing one engine across several apps).
     """
-    app = web.Application(middlewares=[request_context, errors_as_json], client_max_size=MAX_BODY_BYTES)
+    app = web.Application(middlewares=[request_context, errors_as_json, admission], client_max_size=MAX_BODY_BYTES)
     app[ENGINE] = engine
     app[STARTED] = int(time.time())
     app.on_response_prepare.append(add_request_id_header)

@@ -1,0 +1,72 @@
+"""Admission under load: a bounded waiting line; a new request waits for room
+up to the queue timeout, then gets 429 with Retry-After; a stopped engine
+answers 503."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import aiohttp
+import pytest
+
+from fake_model import FakeModel
+from http_support import serving
+from mstar.config import EngineConfig
+from mstar.engine.engine import Engine
+from mstar.errors import RequestError
+from mstar.types import GenerateRequest, SamplingParams
+
+
+class Hold:
+    """Holds every step of the fake counter until released."""
+
+    def __init__(self) -> None:
+        self.released = threading.Event()
+
+    def __call__(self, n: int) -> None:
+        assert self.released.wait(timeout=30)
+
+
+async def test_a_full_waiting_line_answers_429_after_the_queue_timeout() -> None:
+    hold = Hold()
+    eng = Engine(EngineConfig(model="fake", max_waiting_requests=2, queue_timeout=0.05),
+                 model=FakeModel(gate=hold, max_steps=3))
+    await eng.start()
+    try:
+        await eng.admit()  # room
+        streams = [eng.submit(GenerateRequest(f"r{i}", "fake", {"x": 0}, SamplingParams(), walk="count"))
+                   for i in range(2)]
+        with pytest.raises(RequestError) as e:
+            await eng.admit()
+        assert e.value.status == 429 and e.value.retry_after and "limit is 2" in str(e.value)
+        # room appears while a request waits: it is admitted before its deadline
+        waiter = asyncio.create_task(eng.admit(timeout=10))
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        hold.released.set()
+        await asyncio.wait_for(waiter, 10)
+        for s in streams:
+            assert [c async for c in s][-1].finish_reason == "length"
+    finally:
+        hold.released.set()
+        await eng.shutdown()
+    with pytest.raises(RequestError) as e:
+        await eng.admit()
+    assert e.value.status == 503
+
+
+async def test_http_answers_429_with_retry_after() -> None:
+    eng = Engine(EngineConfig(model="tiny-llama", max_waiting_requests=0, queue_timeout=0.01))
+    await eng.start()
+    try:
+        async with serving(eng) as base, aiohttp.ClientSession(base_url=base) as http:
+            async with http.post("/v1/completions", json={"model": "tiny-llama", "prompt": "hi"}) as r:
+                assert r.status == 429
+                assert r.headers["Retry-After"] == "1"
+                body = await r.json()
+                assert body["error"]["code"] == "queue_full"
+            async with http.get("/health") as r:  # not a generation route: never held back
+                assert r.status == 200
+    finally:
+        await eng.shutdown()
