@@ -9,11 +9,11 @@ runtime only calls `load_model`.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
 from mstar.errors import ConfigError
+from mstar.models.checkpoint import read_json
 from mstar.models.base import Model
 
 # (name_or_path, load_format, max_model_len) -> Model
@@ -71,13 +71,7 @@ register_model_type("llama", _llama_folder)
 
 
 def _model_type(folder: Path) -> object:
-    file = folder / "config.json"
-    if not file.is_file():
-        raise ConfigError(f"{folder}: no config.json")
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{file}: cannot read: {e}") from None
+    data = read_json(folder / "config.json")
     return data.get("model_type") if isinstance(data, dict) else None
 
 

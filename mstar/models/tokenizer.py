@@ -18,6 +18,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _HFTokenizer
 
 from mstar.errors import ConfigError, RequestError
+from mstar.models.checkpoint import read_json
 
 BEGIN_OF_TEXT = "<|begin_of_text|>"
 END_OF_TEXT = "<|end_of_text|>"
@@ -209,12 +210,7 @@ def _normalise_message(m: Any, i: int) -> dict[str, Any]:
 
 def read_optional_json(file: Path) -> dict[str, Any]:
     """A JSON object from `file`, or {} when the file is absent."""
-    if not file.is_file():
-        return {}
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{file}: cannot read: {e}") from None
+    data = read_json(file, required=False)
     return data if isinstance(data, dict) else {}
 
 

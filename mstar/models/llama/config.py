@@ -8,13 +8,13 @@ Also holds the builtin architectures: TINY_LLAMA and ORPHEUS_3B.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mstar.errors import ConfigError
+from mstar.models.checkpoint import read_json
 from mstar.models.layers.rotary import RopeScaling
 
 LLAMA_MODEL_TYPES = ("llama",)
@@ -98,13 +98,7 @@ class LlamaConfig:
 
 def read_config_json(path: str | Path) -> dict[str, Any]:
     """The folder's config.json as a dict, or a `ConfigError` saying why not."""
-    file = Path(path) / "config.json"
-    if not file.is_file():
-        raise ConfigError(f"{path}: no config.json")
-    try:
-        return json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{file}: cannot read: {e}") from None
+    return read_json(Path(path) / "config.json")
 
 
 def tiny_llama_config() -> LlamaConfig:

@@ -10,7 +10,6 @@ Also holds SNAC_24KHZ, the codec of Orpheus.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Mapping
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from mstar.errors import ConfigError
+from mstar.models.checkpoint import read_json
 
 log = logging.getLogger(__name__)
 
@@ -129,12 +129,7 @@ class SnacConfig:
 def read_config(folder: str | Path) -> SnacConfig:
     """The SnacConfig of a local snac folder (its config.json)."""
     file = Path(folder) / CONFIG_FILE
-    if not file.is_file():
-        raise ConfigError(f"{folder}: no {CONFIG_FILE}")
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{file}: cannot read: {e}") from None
+    data = read_json(file)
     if not isinstance(data, dict):
         raise ConfigError(f"{file}: expected a JSON object")
     return SnacConfig.from_dict(data)
