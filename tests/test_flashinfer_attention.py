@@ -7,10 +7,10 @@ Needs CUDA and flashinfer (the GPU machine: scripts/gpu_check.sh tests).
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
+from paged_tables import scattered_tables
 
 if not torch.cuda.is_available():
     pytest.skip("FlashInfer attention needs a CUDA device", allow_module_level=True)
@@ -47,16 +47,7 @@ def caches(seed: int) -> tuple[KVCache, KVCache]:
 
 
 def tables(gen: torch.Generator, ctx: list[int], new: list[int], spare: int = 2) -> list[list[int]]:
-    """Each row's pages, drawn from a random permutation (so never contiguous),
-    with a few spare pages beyond what the row needs."""
-    perm = torch.randperm(NUM_PAGES, generator=gen).tolist()
-    out, start = [], 0
-    for c, n in zip(ctx, new):
-        count = math.ceil((c + n) / PAGE) + spare
-        out.append(perm[start:start + count])
-        start += count
-    assert start <= NUM_PAGES
-    return out
+    return scattered_tables(gen, ctx, new, page=PAGE, num_pages=NUM_PAGES, spare=spare)
 
 
 def rotary_for(positions: torch.Tensor) -> Rotary:

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from paged_tables import scattered_tables
 
 from mstar.engine.attention import TorchPagedAttention
 from mstar.engine.kv_cache import KVCache
@@ -17,14 +18,8 @@ PAGE = 4
 NUM_PAGES = 64
 
 
-def random_tables(gen, ctx, new, spare=1):
-    perm = torch.randperm(NUM_PAGES, generator=gen).tolist()
-    out, start = [], 0
-    for c, n in zip(ctx, new):
-        count = math.ceil((c + n) / PAGE) + spare
-        out.append(perm[start:start + count])
-        start += count
-    return out
+def random_tables(gen: torch.Generator, ctx: list[int], new: list[int], spare: int = 1) -> list[list[int]]:
+    return scattered_tables(gen, ctx, new, page=PAGE, num_pages=NUM_PAGES, spare=spare)
 
 
 def per_row(ctx, new, tables):
