@@ -138,6 +138,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def add_server_args(p: argparse.ArgumentParser, *, startup_timeout: float) -> None:
+    """The flags of a script that starts its own server (or uses `--url`)."""
+    p.add_argument("--port", type=int, default=0, help="the server's port (0: a free one)")
+    p.add_argument("--server-args", default="", help="more arguments for python -m mstar.http, one string")
+    p.add_argument("--server-log", type=Path, default=None, help="the server's output (default: a temp file)")
+    p.add_argument("--url", default=None, help="use a running server instead of starting one")
+    p.add_argument("--startup-timeout", type=float, default=startup_timeout, help="seconds to wait for /health")
+
+
+def start_server(a: argparse.Namespace, serve_args: list[str], log_prefix: str) -> tuple[str, Server | None, str]:
+    """The base URL, the server this script started (None with `--url`) and
+    a line describing it. The server runs `python -m mstar.http` on loopback
+    with `serve_args`, then `--server-args`."""
+    if a.url:
+        url = a.url.rstrip("/")
+        return url, None, f"running server at {url}"
+    port = a.port or free_port()
+    argv = [sys.executable, "-m", "mstar.http", *serve_args, "--host", "127.0.0.1", "--port", str(port),
+            *shlex.split(a.server_args)]
+    log_path = a.server_log or Path(tempfile.mkstemp(prefix=log_prefix, suffix=".log")[1])
+    desc = "python -m mstar.http " + " ".join(shlex.quote(x) for x in argv[3:])
+    print(f"# starting: {desc} (log: {log_path})", flush=True)
+    server = Server(argv, log_path)
+    server.start()
+    return f"http://127.0.0.1:{port}", server, desc
+
+
 async def wait_healthy(url: str, timeout_s: float, server: Server | None) -> dict[str, Any]:
     """Poll GET /health until it answers 200; its report. Fails early when
     the server process exits (a bad flag, a model that does not load)."""
@@ -390,11 +417,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--model", default="orpheus-3b", help="the server's --model (and the baseline's config)")
     p.add_argument("--load-format", choices=("auto", "dummy"), default="dummy")
     p.add_argument("--gpus", default="0", help="the server's --gpus (cpu | 0 | 0,1); the baseline uses the first")
-    p.add_argument("--port", type=int, default=0, help="the server's port (0: a free one)")
-    p.add_argument("--server-args", default="", help="more arguments for python -m mstar.http, one string")
-    p.add_argument("--server-log", type=Path, default=None, help="the server's output (default: a temp file)")
-    p.add_argument("--url", default=None, help="benchmark a running server instead of starting one")
-    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for /health")
+    add_server_args(p, startup_timeout=900.0)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
     p.add_argument("--audio-tokens", type=int, default=1024, help="max_tokens of every request (ignore_eos)")
     p.add_argument("--requests-per-client", type=int, default=2, help="rounds per level at most")
@@ -438,20 +461,8 @@ def on_sigterm(signum: int, _frame: Any) -> None:
 def main() -> None:
     a = parse()
     signal.signal(signal.SIGTERM, on_sigterm)
-    server: Server | None = None
-    if a.url:
-        url = a.url.rstrip("/")
-        server_desc = f"running server at {url}"
-    else:
-        port = a.port or free_port()
-        url = f"http://127.0.0.1:{port}"
-        argv = [sys.executable, "-m", "mstar.http", "--model", a.model, "--load-format", a.load_format,
-                "--gpus", a.gpus, "--host", "127.0.0.1", "--port", str(port), *shlex.split(a.server_args)]
-        log_path = a.server_log or Path(tempfile.mkstemp(prefix="bench_tts_server_", suffix=".log")[1])
-        server = Server(argv, log_path)
-        server_desc = "python -m mstar.http " + " ".join(shlex.quote(x) for x in argv[3:])
-        print(f"# starting: {server_desc} (log: {log_path})", flush=True)
-        server.start()
+    url, server, server_desc = start_server(
+        a, ["--model", a.model, "--load-format", a.load_format, "--gpus", a.gpus], "bench_tts_server_")
     results = Results(a, server_desc)
     try:
         run_async(bench_server(a, url, server, results))

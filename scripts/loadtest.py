@@ -39,20 +39,17 @@ import argparse
 import asyncio
 import json
 import random
-import shlex
 import signal
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 # sibling module (the script's folder is first on sys.path): the server
 # subprocess, its health wait and the uvloop runner are shared, not copied
-from bench_tts import Server, free_port, on_sigterm, run_async, wait_healthy
+from bench_tts import Server, add_server_args, on_sigterm, run_async, start_server, wait_healthy
 
 MAX_TOKENS = 32
 PROMPTS = ("Hello", "The quick brown fox", "Once upon a time, in a land far away,", "1 2 3 4 5",
@@ -389,11 +386,7 @@ async def main_async(a: argparse.Namespace, url: str, server: Server | None) -> 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny-llama", help="the server's --model")
-    p.add_argument("--port", type=int, default=0, help="the server's port (0: a free one)")
-    p.add_argument("--server-args", default="", help="more arguments for python -m mstar.http, one string")
-    p.add_argument("--server-log", type=Path, default=None, help="the server's output (default: a temp file)")
-    p.add_argument("--url", default=None, help="test a running server instead of starting one")
-    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for /health")
+    add_server_args(p, startup_timeout=300.0)
     p.add_argument("--requests", type=int, default=500, help="streaming requests")
     p.add_argument("--disconnects", type=int, default=100, help="of --requests, how many the client cuts")
     p.add_argument("--malformed", type=int, default=200, help="bad requests")
@@ -412,18 +405,7 @@ def parse() -> argparse.Namespace:
 def main() -> int:
     a = parse()
     signal.signal(signal.SIGTERM, on_sigterm)  # unwind through `finally`: the server must not outlive us
-    server: Server | None = None
-    if a.url:
-        url = a.url.rstrip("/")
-    else:
-        port = a.port or free_port()
-        url = f"http://127.0.0.1:{port}"
-        argv = [sys.executable, "-m", "mstar.http", "--model", a.model, "--host", "127.0.0.1", "--port", str(port),
-                *shlex.split(a.server_args)]
-        log_path = a.server_log or Path(tempfile.mkstemp(prefix="loadtest_server_", suffix=".log")[1])
-        print(f"# starting: {' '.join(shlex.quote(x) for x in argv[1:])} (log: {log_path})", flush=True)
-        server = Server(argv, log_path)
-        server.start()
+    url, server, _ = start_server(a, ["--model", a.model], "loadtest_server_")
     t0 = time.monotonic()
     try:
         failures = run_async(main_async(a, url, server))
