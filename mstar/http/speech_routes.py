@@ -105,6 +105,16 @@ async def _open(request: web.Request, content_type: str, sample_rate: int) -> we
     return response
 
 
+async def _encoded(chunks: Chunks, first: OutputChunk, encoder: AudioEncoder) -> AsyncIterator[bytes]:
+    """The response's audio, encoded as it comes: the encoder's start, one
+    piece per PCM chunk, its end (any of them may be empty)."""
+    yield encoder.start()
+    async with aclosing(_audio_chunks(chunks, first)) as pcm:
+        async for piece in pcm:
+            yield encoder.push(piece)
+    yield encoder.finish()
+
+
 async def _stream_audio(request: web.Request, chunks: Chunks, first: OutputChunk,
                         encoder: AudioEncoder) -> web.StreamResponse:
     response = await _open(request, encoder.content_type, first.sample_rate or DEFAULT_SAMPLE_RATE)
@@ -114,11 +124,9 @@ async def _stream_audio(request: web.Request, chunks: Chunks, first: OutputChunk
             await response.write(data)
 
     try:
-        await send(encoder.start())
-        async with aclosing(_audio_chunks(chunks, first)) as pcm:
-            async for piece in pcm:
-                await send(encoder.push(piece))
-        await send(encoder.finish())
+        async with aclosing(_encoded(chunks, first, encoder)) as parts:
+            async for data in parts:
+                await send(data)
         await response.write_eof()
     except GenerationFailed as e:
         log.warning("speech failed mid-stream; cutting the body short", error=e.message)
@@ -143,11 +151,9 @@ async def _stream_sse(request: web.Request, sub: Submission, chunks: Chunks, fir
             await event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
 
     try:
-        await delta(encoder.start())
-        async with aclosing(_audio_chunks(chunks, first)) as pcm:
-            async for piece in pcm:
-                await delta(encoder.push(piece))
-        await delta(encoder.finish())
+        async with aclosing(_encoded(chunks, first, encoder)) as parts:
+            async for data in parts:
+                await delta(data)
         usage = sub.usage()
         await event({"type": "speech.audio.done", "usage": {"input_tokens": usage["prompt_tokens"],
                      "output_tokens": usage["completion_tokens"], "total_tokens": usage["total_tokens"]}})
