@@ -152,4 +152,3 @@ class TokenBatch:
     query_start: torch.Tensor      # [B + 1] int64 (CPU)
     logits_index: torch.Tensor     # [B] int64
     attn: AttentionContext
-    extra: dict[str, torch.Tensor] = field(default_factory=dict)

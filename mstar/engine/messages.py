@@ -8,7 +8,6 @@ once per step for the whole batch: a `StepReport`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -80,7 +79,6 @@ class StepReport:
     rows: int = 0
     step_s: float = 0.0     # the whole step on the worker
     device_s: float = 0.0   # of which forward and sampling; the rest is host work
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def empty(self) -> bool:
         return not self.emits and not self.finished

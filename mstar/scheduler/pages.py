@@ -31,9 +31,6 @@ class PagePool:
         """Pages needed to hold `num_tokens` tokens."""
         return -(-num_tokens // self.page_size)
 
-    def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
-
     def allocate(self, n: int) -> list[int] | None:
         """`n` fresh pages with one holder each, or None if fewer are free."""
         if n > len(self._free):

@@ -65,11 +65,6 @@ class Scheduler:
         item.ticket = next(self._tickets)
         q.append(item)
 
-    def add_front(self, items: list[WorkItem]) -> None:
-        """Requeue items ahead of everything (they keep their old tickets)."""
-        for item in reversed(items):
-            self._queues[item.key].appendleft(item)
-
     def remove(self, request_id: str, partition: str | None = None) -> list[WorkItem]:
         """Take out the queued items of a request (of one partition, or all)."""
         removed: list[WorkItem] = []
