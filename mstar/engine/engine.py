@@ -302,9 +302,13 @@ class Engine:
 def _pcm16(data: torch.Tensor | list[torch.Tensor]) -> list[bytes]:
     """Float waveforms in [-1, 1] (a [B, S] batch or a list of [S] rows) as
     PCM16 little-endian bytes, one string per row."""
-    rows = list(data.unbind(0)) if isinstance(data, torch.Tensor) else list(data)
-    return [(r.float().reshape(-1).clamp(-1.0, 1.0) * 32767.0).round().to(torch.int16).numpy().tobytes()
-            for r in rows]
+    def pcm(x: torch.Tensor) -> torch.Tensor:
+        return (x.float().clamp(-1.0, 1.0) * 32767.0).round().to(torch.int16)
+
+    if isinstance(data, torch.Tensor):  # one conversion for the batch, then a slice per row
+        batch = pcm(data.reshape(data.shape[0], -1)).numpy()
+        return [row.tobytes() for row in batch]
+    return [pcm(r.reshape(-1)).numpy().tobytes() for r in data]
 
 
 def _host_predicates(plan: WalkPlan) -> dict[tuple[str, str], Callable[[object], bool]]:
