@@ -1,23 +1,27 @@
-"""Which attention backend and which CUDA graphs a KV component gets.
+"""Which attention backend and which CUDA graphs a component gets.
 
 The torch reference (`TorchPagedAttention`) runs everywhere and is the oracle;
 FlashInfer serves CUDA devices when it is installed. Decode steps replay CUDA
 graphs when the backend can plan into static buffers and graphs are not
-switched off.
+switched off; so do the plain modes whose row shapes the model declares.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable, Protocol, Sequence
 
 import structlog
 import torch
+from torch import nn
 
 from mstar.config import EngineConfig
 from mstar.engine.attention import TorchPagedAttention
 from mstar.engine.cuda_graphs import DecodeGraphs
 from mstar.engine.kv_cache import KVCache
+from mstar.engine.mode_graphs import ModeGraphs
 from mstar.errors import ConfigError
+from mstar.models.base import Model
 from mstar.types import AttentionContext, TokenBatch
 
 log = structlog.get_logger("mstar.backends")
@@ -66,4 +70,22 @@ def decode_graphs(step: Callable[[TokenBatch], dict[str, torch.Tensor]], backend
         return None
     graphs = DecodeGraphs(step, backend, config.cuda_graph_batch_sizes, device)
     graphs.capture()
+    return graphs
+
+
+def mode_graphs(model: Model, component: str, modes: Sequence[str], module: nn.Module, device: torch.device,
+                config: EngineConfig) -> dict[str, ModeGraphs]:
+    """Captured graphs of the plain modes the model declares row shapes for
+    (`Model.graph_rows`), by mode; empty where graphs cannot or should not run."""
+    if config.enforce_eager or device.type != "cuda":
+        return {}
+    graphs = {}
+    for mode in modes:
+        rows = model.graph_rows(component, mode)
+        if rows is None:
+            continue
+        fn = getattr(module, mode)
+        seeded = "seeds" in inspect.signature(fn).parameters
+        graphs[mode] = ModeGraphs(f"{component}.{mode}", fn, rows, seeded, config.cuda_graph_batch_sizes, device)
+        graphs[mode].capture()
     return graphs

@@ -224,10 +224,18 @@ class Engine:
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._on_report, report)
 
-    def add_report_hook(self, hook: Callable[[StepReport], None], before: bool = False) -> None:
+    def add_report_hook(self, hook: Callable[[StepReport], None],
+                        before: bool = False) -> Callable[[StepReport], None]:
         """Observe every step report on the event loop (metrics, tests), after
-        the engine has handled it or, with `before`, just before."""
+        the engine has handled it or, with `before`, just before. Returns
+        `hook`, for `remove_report_hook`."""
         (self._pre_hooks if before else self._report_hooks).append(hook)
+        return hook
+
+    def remove_report_hook(self, hook: Callable[[StepReport], None]) -> None:
+        for hooks in (self._pre_hooks, self._report_hooks):
+            if hook in hooks:
+                hooks.remove(hook)
 
     def _on_report(self, report: StepReport) -> None:
         for hook in self._pre_hooks:

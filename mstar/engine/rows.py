@@ -16,6 +16,12 @@ from mstar.engine.tensor_store import TensorRef
 from mstar.graph import Loop, PartitionPlan, Step, WalkPlan
 from mstar.types import SamplingParams
 
+# An item of a stream: a tensor in the store, or a token id the host already
+# holds (a token loop's output is copied to the host for its stop rules; a
+# window of ints becomes the consumer's input in one copy, not one device
+# read per token).
+StreamItem = TensorRef | int
+
 
 @dataclass(eq=False)
 class RequestRun:
@@ -45,7 +51,7 @@ class PartitionRun:
     generated: int = 0              # tokens sampled so far (the sampler's draw counter)
     seen: torch.Tensor | None = None  # [vocab] bool, for the repetition penalty
     # stream consumer state
-    items: list[TensorRef] = field(default_factory=list)
+    items: list[StreamItem] = field(default_factory=list)
     item_base: int = 0              # stream index of items[0]
     produced: int = 0               # stream items received so far
     chunks_cut: int = 0

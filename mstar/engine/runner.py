@@ -22,6 +22,7 @@ from mstar.engine.backends import AttentionBackend
 from mstar.engine.cuda_graphs import DecodeGraphs
 from mstar.engine.kv_cache import KVCache
 from mstar.engine.loop_group import LoopGroup
+from mstar.engine.mode_graphs import ModeGraphs
 from mstar.engine.rows import PartitionRun
 from mstar.engine.sampler import SamplingTensors, sample
 from mstar.engine.tensor_store import TensorRef, TensorStore
@@ -41,7 +42,7 @@ class StepOutput:
 class ComponentRunner:
     def __init__(self, name: str, spec: Component, module: nn.Module, device: torch.device,
                  store: TensorStore, kv: KVCache | None, attention: AttentionBackend | None = None,
-                 graphs: DecodeGraphs | None = None) -> None:
+                 graphs: DecodeGraphs | None = None, mode_graphs: dict[str, ModeGraphs] | None = None) -> None:
         self.name = name
         self.spec = spec
         self.module = module
@@ -50,6 +51,7 @@ class ComponentRunner:
         self.kv = kv
         self.attention = attention
         self.graphs = graphs
+        self.mode_graphs = mode_graphs or {}
         self.device_s = 0.0
         self._cuda = device.type == "cuda"
         self._seeded: dict[str, bool] = {}
@@ -164,16 +166,15 @@ class ComponentRunner:
     # --------------------------------------------------------- plain rows
 
     def _run_plain(self, items: list[WorkItem], step: Step, fn) -> dict:
-        inputs: dict[str, list[torch.Tensor]] = {n: [] for n in step.inputs}
-        for item in items:
-            for name in step.inputs:
-                inputs[name].append(self._take(item, name))
-        same = all(len({tuple(t.shape) for t in ts}) == 1 for ts in inputs.values())
-        if same:
-            return self._name_outputs(step, fn(*(torch.stack(ts).to(self.device) for ts in inputs.values())))
-        # rows of different shapes (a short last chunk): one call per row
+        rows = {n: [self._take(item, n) for item in items] for n in step.inputs}
         seeds = fn.keywords.get("seeds") if isinstance(fn, functools.partial) else None
-        outs = [self._name_outputs(step, self._call_row(fn, seeds, i, [ts[i] for ts in inputs.values()]))
+        if all(len({tuple(t.shape) for t in ts}) == 1 for ts in rows.values()):
+            stacked = [torch.stack(ts).to(self.device, non_blocking=True) for ts in rows.values()]
+            graphs = self.mode_graphs.get(step.mode)
+            out = graphs.run(stacked, seeds) if graphs is not None else None
+            return self._name_outputs(step, out if out is not None else fn(*stacked))
+        # rows of different shapes (a short last chunk): one call per row
+        outs = [self._name_outputs(step, self._call_row(fn, seeds, i, [ts[i] for ts in rows.values()]))
                 for i in range(len(items))]
         return {n: [o[n][0] for o in outs] for n in step.outputs}
 
@@ -217,6 +218,9 @@ class ComponentRunner:
     def _take(self, item: WorkItem, name: str) -> torch.Tensor:
         ref = item.payload[1][name]
         if isinstance(ref, list):  # a stream chunk: items of the stream, in order
-            return torch.stack([self.store.take(r, item.request_id) for r in ref])
+            if all(isinstance(r, int) for r in ref):  # token ids held on the host: one tensor, no device reads
+                return torch.tensor(ref, dtype=torch.long)
+            return torch.stack([self.store.take(r, item.request_id) if isinstance(r, TensorRef)
+                                else torch.tensor(r, device=self.device) for r in ref])
         assert isinstance(ref, TensorRef)
         return self.store.take(ref, item.request_id)

@@ -16,7 +16,7 @@ import torch
 
 from mstar.engine.loop_group import Leave, LoopGroup
 from mstar.engine.messages import Finished, Submit
-from mstar.engine.rows import PartitionRun, RequestRun
+from mstar.engine.rows import PartitionRun, RequestRun, StreamItem
 from mstar.engine.tensor_store import TensorRef, TensorStore
 from mstar.graph import EosToken, Loop, MaxSteps, MaxTokens, Step, StopRule, TokenIn
 from mstar.scheduler import PagePool, Scheduler, WorkItem
@@ -88,11 +88,12 @@ class Walker:
             return
         self._enqueue(part, part.current_step(), {n: part.values[n] for n in part.current_step().inputs})
 
-    def _enqueue(self, part: PartitionRun, step: Step, inputs: dict[str, TensorRef | list[TensorRef]]) -> None:
+    def _enqueue(self, part: PartitionRun, step: Step, inputs: dict[str, TensorRef | list[StreamItem]]) -> None:
         rid = part.request_id
         for refs in inputs.values():
             for ref in refs if isinstance(refs, list) else (refs,):
-                self.store.retain(ref, rid)
+                if isinstance(ref, TensorRef):
+                    self.store.retain(ref, rid)
         pool = self.pools.get(step.component)
         num_tokens, pages = 1, 0
         if pool is not None:
@@ -175,7 +176,7 @@ class Walker:
             part.busy = False
             for refs in inputs.values():
                 for ref in refs if isinstance(refs, list) else (refs,):
-                    self.store.release(ref, item.request_id)
+                    self._release(ref, item.request_id)
 
     # ----------------------------------------------------------- stop rules
 
@@ -260,10 +261,9 @@ class Walker:
 
     # --------------------------------------------------------------- streams
 
-    def feed_streams(self, part: PartitionRun, value: str, ref: TensorRef, host: int | None = None) -> None:
-        """A write of `value` by `part` enters the streams it feeds. `host`:
-        the item's value when the caller has it on the host already (streams
-        with an `accept` range read it)."""
+    def feed_streams(self, part: PartitionRun, value: str, item: StreamItem) -> None:
+        """A write of `value` by `part` enters the streams it feeds: a stored
+        tensor, or a token id the caller holds on the host already."""
         for sp in part.request.walk.streams.get(value, ()):
             if sp.producer != part.name:
                 continue
@@ -271,11 +271,12 @@ class Walker:
             if cons.done:
                 continue
             if sp.accept is not None:
-                item = host if host is not None else int(self.store.get(ref))
-                if not sp.accept[0] <= item < sp.accept[1]:
+                token = item if isinstance(item, int) else int(self.store.get(item))
+                if not sp.accept[0] <= token < sp.accept[1]:
                     continue
-            self.store.retain(ref, part.request_id)
-            cons.items.append(ref)
+            if isinstance(item, TensorRef):
+                self.store.retain(item, part.request_id)
+            cons.items.append(item)
             cons.produced += 1
             chunks = sp.chunks.ready(cons.produced, cons.chunks_cut)
             cons.chunks_cut += len(chunks)
@@ -306,7 +307,7 @@ class Walker:
             refs = cons.items[start - cons.item_base: end - cons.item_base]
             step = cons.plan.nodes[0]
             assert isinstance(step, Step)
-            inputs: dict[str, TensorRef | list[TensorRef]] = {
+            inputs: dict[str, TensorRef | list[StreamItem]] = {
                 n: refs if n == cons.plan.stream.source else cons.values[n] for n in step.inputs}
             self._enqueue(cons, step, inputs)
         elif cons.closed:
@@ -320,10 +321,14 @@ class Walker:
             keep = min(keep, cons.pending[0][0])
         drop = max(0, keep - cons.item_base)
         for ref in cons.items[:drop]:
-            self.store.release(ref, cons.request_id)
+            self._release(ref, cons.request_id)
         del cons.items[:drop]
         cons.item_base += drop
         self._pump(cons)
+
+    def _release(self, item: StreamItem, owner: str) -> None:
+        if isinstance(item, TensorRef):
+            self.store.release(item, owner)
 
     # ---------------------------------------------------------- finishing
 
@@ -339,7 +344,7 @@ class Walker:
             self.store.release(ref, rid)
         part.values.clear()
         for ref in part.items:
-            self.store.release(ref, rid)
+            self._release(ref, rid)
         part.items.clear()
         self._free_pages(part)
         run.live -= 1

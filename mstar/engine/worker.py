@@ -23,7 +23,7 @@ import structlog
 import torch
 
 from mstar.config import EngineConfig
-from mstar.engine.backends import attention_backend, decode_graphs
+from mstar.engine.backends import attention_backend, decode_graphs, mode_graphs
 from mstar.engine.kv_cache import KVCache
 from mstar.engine.memory import kv_cache_log_fields, kv_cache_pages
 from mstar.engine.loop_group import LoopGroup, Pending
@@ -127,7 +127,12 @@ class DeviceWorker:
                 self.runners[name] = ComponentRunner(name, spec, module, self.device, self.store, kv,
                                                      attention, graphs)
             else:
-                self.runners[name] = ComponentRunner(name, spec, module, self.device, self.store, None)
+                graphs_by_mode = mode_graphs(self.model, name, spec.modes, module, self.device, self.config)
+                if graphs_by_mode:
+                    log.info("cuda graphs", device=self.name, component=name,
+                             modes={m: g.buckets for m, g in graphs_by_mode.items()})
+                self.runners[name] = ComponentRunner(name, spec, module, self.device, self.store, None,
+                                                     mode_graphs=graphs_by_mode)
             for mode in spec.modes:
                 caps[(name, mode)] = ModeCaps(cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.scheduler = Scheduler(caps, self.pools)
@@ -330,13 +335,10 @@ class DeviceWorker:
         if walk.streams.get(value):
             gone = {id(leave.part) for leave in leaving}
             keep = set(keep)
-            items = host.tolist()
-            handle = self.store.put(p.tokens, [p.request_ids[i] for i in range(len(p.rows))])
-            for i, rid in enumerate(p.request_ids):
-                ref = TensorRef(handle, i)
-                if i in keep and id(p.rows[i]) not in gone and not p.rows[i].done:
-                    self.walker.feed_streams(p.rows[i], value, ref, items[i])
-                self.store.release(ref, rid)
+            items = host.tolist()  # token ids enter streams as host ints
+            for i in keep:
+                if id(p.rows[i]) not in gone and not p.rows[i].done:
+                    self.walker.feed_streams(p.rows[i], value, items[i])
         for leave in leaving:
             self.walker.left_group(leave)
         return waited
@@ -381,6 +383,7 @@ class DeviceWorker:
         self._report.finished.append(fin)
 
     def _flush(self) -> None:
-        if not self._report.empty():
+        # every step is reported, emits or not: metrics time the steps that only feed a stream too
+        if not self._report.empty() or self._report.component:
             self.post(self._report)
         self._report = StepReport(device=self.name)

@@ -31,6 +31,15 @@ class KVSpec:
     num_q_heads: int = 0   # the query heads attending over these pages (0: unknown)
 
 
+@dataclass(frozen=True)
+class RowShape:
+    """One row's input of a plain mode, for CUDA graphs captured at batch
+    buckets: shape without the batch dimension, and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
 class Model:
     """Base of every model file. Subclasses set the class attributes and
     implement `build_component` and `prepare`."""
@@ -70,6 +79,12 @@ class Model:
         import torch
 
         return torch.float32 if device.type == "cpu" else torch.bfloat16
+
+    def graph_rows(self, component: str, mode: str) -> tuple[RowShape, ...] | None:
+        """The per-row inputs (in the mode's input order) at which a plain
+        mode's step is captured as CUDA graphs; None: the mode runs eagerly
+        (its rows vary in shape, or a graph would not pay)."""
+        return None
 
     # -- what the runtime calls
     def build_component(self, component: str, device: torch.device, dtype: torch.dtype) -> nn.Module:

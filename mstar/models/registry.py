@@ -41,10 +41,12 @@ def _tiny_llama(name: str, load_format: str, max_model_len: int | None) -> Model
 
 def _orpheus_3b(name: str, load_format: str, max_model_len: int | None) -> Model:
     from mstar.models.llama.config import ORPHEUS_3B, ORPHEUS_3B_MAX_MODEL_LEN
-    from mstar.models.orpheus import OrpheusModel
+    from mstar.models.orpheus.model import DUMMY_3B_AUDIO_LEAN, OrpheusModel
 
+    # random weights that speak, so a benchmark's requests carry audio like a real checkpoint's
+    lean = DUMMY_3B_AUDIO_LEAN if load_format == "dummy" else 0.0
     return OrpheusModel(name, None, load_format, max_model_len, builtin=ORPHEUS_3B,
-                        default_max_model_len=ORPHEUS_3B_MAX_MODEL_LEN)
+                        default_max_model_len=ORPHEUS_3B_MAX_MODEL_LEN, audio_lean=lean)
 
 
 def _orpheus_tiny(name: str, load_format: str, max_model_len: int | None) -> Model:

@@ -38,10 +38,11 @@ from mstar.errors import ConfigError, RequestError
 from mstar.graph import Component, Emit, EosToken, HostStop, Loop, MaxTokens, Step, Stream, TokenIn, Walk
 from mstar.models.llama import LlamaModel
 from mstar.models.llama.config import LlamaConfig
+from mstar.models.base import RowShape
 from mstar.models.llama.model import LlamaDecoder
 from mstar.models.orpheus.codec import WINDOW_TOKENS, OrpheusCodec
 from mstar.models.orpheus.tokens import (AUDIO_END_IDS, AUDIO_TOKEN_BASE, AUDIO_TOKEN_END, DEFAULT_VOICE,
-                                         END_OF_TEXT, FRAME_TOKENS, ORPHEUS_VOCAB_SIZE, VOICES, prompt_ids,
+                                         END_OF_TEXT, FRAME_TOKENS, ORPHEUS_VOCAB_SIZE, START_OF_SPEECH, VOICES, prompt_ids,
                                          voice_text)
 from mstar.models.orpheus.windows import PlayedWindows
 from mstar.models.snac import SnacDecoder, load_snac_decoder
@@ -68,6 +69,8 @@ ORPHEUS_TINY = LlamaConfig(
     # untied: the head must read the hidden state differently from the embedding (lean_toward_audio)
     tie_word_embeddings=False, bos_token_id=128_000, eos_token_ids=(END_OF_TEXT,))
 TINY_AUDIO_LEAN = 1.0
+# orpheus-3b --load-format dummy: 28 random layers of width 3072 add ~8 per unit to the residual stream
+DUMMY_3B_AUDIO_LEAN = 30.0
 
 
 class OrpheusModel(LlamaModel):
@@ -131,12 +134,14 @@ class OrpheusModel(LlamaModel):
             lean_toward_audio(decoder, self.audio_lean)
         return decoder
 
+    def graph_rows(self, component: str, mode: str) -> tuple[RowShape, ...] | None:
+        # a full window is the codec's every step but a stream's last
+        return (RowShape((WINDOW_TOKENS,), torch.long),) if (component, mode) == ("codec", "window") else None
+
     def _snac(self, device: torch.device) -> SnacDecoder:
         folder = self.snac_path if self.snac_path is not None and self.snac_path.is_dir() else None
-        # float32 whatever the LLM runs in: SNAC is small (20 M parameters)
-        # and its reference, the snac package, decodes in float32
         snac = load_snac_decoder(folder, load_format=self.load_format if folder else "dummy", device=device,
-                                 dtype=torch.float32)
+                                 dtype=codec_dtype(device))
         cfg = snac.config
         # the 7-token frame is one level-0 code, two level-1 codes, four level-2 codes
         if cfg.level_lengths(1) != (1, 2, 4) or cfg.sampling_rate != SAMPLE_RATE:
@@ -170,17 +175,41 @@ class OrpheusModel(LlamaModel):
         return name
 
 
+def codec_dtype(device: torch.device) -> torch.dtype:
+    """SNAC's dtype on `device`, whatever the LLM runs in. On CUDA, float16:
+    SNAC decodes a window 4 frames wide to play one, so at hundreds of
+    streams it is a large share of the GPU's work, and float16 runs it on
+    tensor cores. Against float32 (the snac package's dtype) a window differs
+    by ~0.1 % RMS (max ~1e-3 on samples in [-1, 1]); bfloat16, with 3 fewer
+    mantissa bits, by ~0.8 %, so float16 is the one used
+    (tests/test_snac_gpu.py holds the bound). On the CPU, float32: CPU float16
+    convolutions are slow."""
+    return torch.float16 if device.type == "cuda" else torch.float32
+
+
 def lean_toward_audio(decoder: LlamaDecoder, strength: float) -> None:
-    """Make random weights write audio ids: every embedding gets `strength`
-    on hidden unit 0, so unit 0 dominates the hidden state after the final
-    norm (the layers' random updates are small beside it), and the head reads
-    unit 0 with weight 1 for audio ids and 0 for every other id. An audio id
-    then outscores the rest by ~sqrt(hidden) logits. A property of the demo
-    model orpheus-tiny, not of Orpheus; needs an untied head."""
-    if decoder.tie_word_embeddings:
-        raise ConfigError("lean_toward_audio needs an untied lm_head")
+    """Make random weights write audio ids, so that dummy weights speak and a
+    benchmark's requests carry as much audio as a real checkpoint's (a
+    property of the dummy weights, not of Orpheus).
+
+    Untied head (orpheus-tiny): every embedding gets `strength` on hidden
+    unit 0, so unit 0 dominates the hidden state after the final norm, and
+    the head reads unit 0 with weight 1 for audio ids and 0 for every other
+    id. Tied head (orpheus-3b's shape): only the audio ids' and
+    START_OF_SPEECH's embeddings (the prompt's last token) get `strength` on
+    unit 0 and every other id gets 0 there; the state after START_OF_SPEECH
+    or an audio id is then dominated by unit 0, and the shared matrix scores
+    audio ids highest. In both cases an audio id outscores the rest by many
+    logits once `strength` outweighs what the random layers add to the
+    residual stream (about 1 per unit per layer with std 0.02 weights)."""
     with torch.no_grad():
-        decoder.embed_tokens.weight[:, 0] = strength
+        embed = decoder.embed_tokens.weight
+        if decoder.tie_word_embeddings:
+            embed[:, 0] = 0.0
+            embed[AUDIO_TOKEN_BASE:AUDIO_TOKEN_END, 0] = strength
+            embed[START_OF_SPEECH, 0] = strength
+            return
+        embed[:, 0] = strength
         head = decoder.lm_head.weight
         head[:, 0] = 0.0
         head[AUDIO_TOKEN_BASE:AUDIO_TOKEN_END, 0] = 1.0

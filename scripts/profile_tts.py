@@ -1,0 +1,123 @@
+"""Where a speech step's time goes: the engine in-process, no HTTP.
+
+Runs `--model` (default orpheus-3b, dummy weights) on one device with c
+concurrent `speak` requests (the model's default sampling, `ignore_eos`,
+`--tokens` new tokens each) and prints, per level: wall time, audio seconds
+per wall second, the share of sampled tokens that were audio ids, and per
+(component, mode): steps, mean rows, mean step and device milliseconds, and
+the share of the worker's time. With `--trace`, a torch profiler window in
+the middle of the last level prints the top CUDA kernels and CPU ops.
+
+    python scripts/profile_tts.py --concurrency 1 64 256 --tokens 512
+    python scripts/profile_tts.py --model orpheus-tiny --devices cpu --concurrency 2 --tokens 70
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import os
+import platform
+import time
+from collections import defaultdict
+
+import torch
+
+from mstar.config import EngineConfig, SchedulerConfig
+from mstar.engine.engine import Engine
+from mstar.engine.messages import StepReport
+from mstar.types import GenerateRequest
+
+TEXT = "The morning train was late again, so I bought a coffee and watched the pigeons argue over a crust of bread."
+
+
+async def level(eng: Engine, c: int, tokens: int, trace_s: float) -> dict:
+    by_step: dict[tuple[str, str], list[StepReport]] = defaultdict(list)
+    hook = eng.add_report_hook(lambda r: by_step[(r.component, r.mode)].append(r) if r.component else None)
+    sampling = dataclasses.replace(eng.model.default_sampling(), max_tokens=tokens, ignore_eos=True)
+    audio_bytes = 0
+    sampled = 0
+    first_audio: list[float] = []
+
+    async def one(i: int) -> None:
+        nonlocal audio_bytes, sampled
+        t0 = time.perf_counter()
+        params = dataclasses.replace(sampling, seed=i)
+        req = GenerateRequest(f"p{c}-{i}", eng.model_name, {"text": TEXT, "voice": None}, params)
+        heard = False
+        async for out in eng.submit(req):
+            if out.audio:
+                if not heard:
+                    heard = True
+                    first_audio.append(time.perf_counter() - t0)
+                audio_bytes += len(out.audio)
+            if out.finished:
+                sampled += out.num_output_tokens
+
+    t0 = time.perf_counter()
+    tasks = [asyncio.create_task(one(i)) for i in range(c)]
+    prof = None
+    if trace_s > 0:
+        await asyncio.sleep(max(1.0, trace_s))
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                  torch.profiler.ProfilerActivity.CUDA])
+        prof.__enter__()
+        await asyncio.sleep(trace_s)
+        prof.__exit__(None, None, None)
+    await asyncio.gather(*tasks)
+    wall = time.perf_counter() - t0
+    eng.remove_report_hook(hook)
+    return {"c": c, "wall": wall, "audio_s": audio_bytes / 2 / 24_000, "sampled": sampled, "steps": dict(by_step),
+            "first_audio": sorted(first_audio), "prof": prof}
+
+
+def show(r: dict, tokens: int) -> None:
+    audio_ids = r["audio_s"] * 24_000 / 2048 * 7
+    ttfa = r["first_audio"]
+    print(f"\n## concurrency {r['c']}: wall {r['wall']:.2f} s, audio {r['audio_s']:.1f} s "
+          f"({r['audio_s'] / r['wall']:.1f} audio s/s), ~{audio_ids / max(r['sampled'], 1):.0%} of "
+          f"{r['sampled']} sampled tokens became audio; first audio p50 {1e3 * ttfa[len(ttfa) // 2]:.0f} ms"
+          if ttfa else f"\n## concurrency {r['c']}: no audio")
+    total = sum(x.step_s for reps in r["steps"].values() for x in reps) or 1.0
+    print(f"{'component/mode':>16} {'steps':>6} {'rows':>7} {'step ms':>8} {'device ms':>10} {'share':>6}")
+    for (comp, mode), reps in sorted(r["steps"].items()):
+        n = len(reps)
+        step = sum(x.step_s for x in reps)
+        print(f"{comp + '/' + mode:>16} {n:>6} {sum(x.rows for x in reps) / n:>7.1f} {1e3 * step / n:>8.2f} "
+              f"{1e3 * sum(x.device_s for x in reps) / n:>10.2f} {step / total:>6.0%}")
+    decode = r["steps"].get(("llm", "decode"), [])
+    if decode:
+        print(f"decode steps per request token: {len(decode) / tokens:.2f}; "
+              f"mean period {1e3 * r['wall'] / len(decode):.2f} ms")
+    if r["prof"] is not None:
+        ka = r["prof"].key_averages()
+        print(ka.table(sort_by="self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total",
+                       row_limit=25, max_name_column_width=60))
+        print(ka.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
+
+
+async def main(a: argparse.Namespace) -> None:
+    eng = Engine(EngineConfig(model=a.model, devices=tuple(a.devices.split(",")), load_format=a.load_format,
+                              scheduler=SchedulerConfig(max_num_seqs=max(a.concurrency))))
+    await eng.start()
+    try:
+        for i, c in enumerate(a.concurrency):
+            last = i == len(a.concurrency) - 1
+            show(await level(eng, c, a.tokens, a.trace if last else 0.0), a.tokens)
+    finally:
+        await eng.shutdown()
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="orpheus-3b")
+    p.add_argument("--load-format", default="dummy")
+    p.add_argument("--devices", default="cuda:0")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
+    p.add_argument("--tokens", type=int, default=512)
+    p.add_argument("--trace", type=float, default=0.0, help="seconds of torch profiler in the last level")
+    args = p.parse_args()
+    print(f"# {platform.platform()} | python {platform.python_version()} | torch {torch.__version__} "
+          f"| {os.cpu_count()} cpus | model {args.model} ({args.load_format}) on {args.devices}")
+    asyncio.run(main(args))
