@@ -5,8 +5,10 @@ concurrent `speak` requests (the model's default sampling, `ignore_eos`,
 `--tokens` new tokens each) and prints, per level: wall time, audio seconds
 per wall second, the share of sampled tokens that were audio ids, and per
 (component, mode): steps, mean rows, mean step and device milliseconds, and
-the share of the worker's time. With `--trace`, a torch profiler window in
-the middle of the last level prints the top CUDA kernels and CPU ops.
+the share of the worker's time. With `--trace S`, S seconds of torch
+profiler in each level (after its first second) print the worker's phases
+(the `mstar.*` ranges: CPU time and the device time of what they launched)
+and the top CUDA kernels.
 
     python scripts/profile_tts.py --concurrency 1 64 256 --tokens 512
     python scripts/profile_tts.py --model orpheus-tiny --devices cpu --concurrency 2 --tokens 70
@@ -59,12 +61,8 @@ async def level(eng: Engine, c: int, tokens: int, trace_s: float) -> dict:
     tasks = [asyncio.create_task(one(i)) for i in range(c)]
     prof = None
     if trace_s > 0:
-        await asyncio.sleep(max(1.0, trace_s))
-        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                  torch.profiler.ProfilerActivity.CUDA])
-        prof.__enter__()
-        await asyncio.sleep(trace_s)
-        prof.__exit__(None, None, None)
+        await asyncio.sleep(1.0)
+        prof = await eng.profile(trace_s)
     await asyncio.gather(*tasks)
     wall = time.perf_counter() - t0
     eng.remove_report_hook(hook)
@@ -91,10 +89,14 @@ def show(r: dict, tokens: int) -> None:
         print(f"decode steps per request token: {len(decode) / tokens:.2f}; "
               f"mean period {1e3 * r['wall'] / len(decode):.2f} ms")
     if r["prof"] is not None:
-        ka = r["prof"].key_averages()
-        print(ka.table(sort_by="self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total",
-                       row_limit=25, max_name_column_width=60))
-        print(ka.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
+        events = r["prof"].key_averages()
+        cuda = torch.cuda.is_available()
+        print("worker phases in the trace window (CPU ms total, calls; device ms of their kernels):")
+        for e in sorted((e for e in events if e.key.startswith("mstar.")), key=lambda e: -e.cpu_time_total):
+            device = f"{e.device_time_total / 1e3:9.1f}" if cuda else ""
+            print(f"  {e.key:<24} {e.cpu_time_total / 1e3:9.1f} {e.count:>6} {device}")
+        sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        print(events.table(sort_by=sort, row_limit=18, max_name_column_width=70))
 
 
 async def main(a: argparse.Namespace) -> None:
@@ -103,8 +105,7 @@ async def main(a: argparse.Namespace) -> None:
     await eng.start()
     try:
         for i, c in enumerate(a.concurrency):
-            last = i == len(a.concurrency) - 1
-            show(await level(eng, c, a.tokens, a.trace if last else 0.0), a.tokens)
+            show(await level(eng, c, a.tokens, a.trace), a.tokens)
     finally:
         await eng.shutdown()
 

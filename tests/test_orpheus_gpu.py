@@ -65,7 +65,8 @@ def test_codec_graphs_replay_what_eager_computes() -> None:
     assert torch.equal(first, kept)
 
 
-async def _speak_all(eager: bool) -> tuple[list[bytes], Engine]:
+async def _speak_all(eager: bool) -> tuple[list[bytes], bool]:
+    """Five seeded requests at once: their PCM, and whether the codec had graphs."""
     eng = Engine(EngineConfig(model="orpheus-tiny", devices=("cuda:0",), enforce_eager=eager,
                               cuda_graph_batch_sizes=(1, 2, 4, 8)))
     await eng.start()
@@ -81,16 +82,18 @@ async def _speak_all(eager: bool) -> tuple[list[bytes], Engine]:
         return audio
 
     try:
-        return list(await asyncio.gather(*[one(i) for i in range(5)])), eng
+        audio = list(await asyncio.gather(*[one(i) for i in range(5)]))
+        assert all(n == 0 for n in eng.workers[0].pages_in_use().values())
+        return audio, bool(eng.workers[0].runners["codec"].mode_graphs)
     finally:
         await eng.shutdown()
 
 
 async def test_speak_with_graphs_matches_eager() -> None:
-    graphs, eng = await _speak_all(eager=False)
-    assert eng.workers[0].runners["codec"].mode_graphs, "the codec should replay graphs on CUDA"
-    assert all(n == 0 for n in eng.workers[0].pages_in_use().values())
-    eager, _ = await _speak_all(eager=True)
+    graphs, captured = await _speak_all(eager=False)
+    assert captured, "the codec should replay graphs on CUDA"
+    eager, captured = await _speak_all(eager=True)
+    assert not captured
     for a, b in zip(graphs, eager):
         x = np.frombuffer(a, dtype="<i2").astype(np.int32)
         y = np.frombuffer(b, dtype="<i2").astype(np.int32)

@@ -26,6 +26,8 @@ from mstar.types import AttentionContext, TokenBatch
 
 log = structlog.get_logger("mstar.backends")
 
+FLASHINFER_HEAD_DIMS = (64, 128, 256)  # the head sizes its prefill and decode kernels are built for
+
 
 class AttentionBackend(Protocol):
     def plan(self, query_start: torch.Tensor, context_lens: torch.Tensor,
@@ -59,6 +61,13 @@ def attention_backend(cache: KVCache, num_q_heads: int, max_pages_per_row: int,
         return TorchBackend(cache)
     if num_q_heads < 1:
         raise ConfigError("the model's KVSpec does not give its number of query heads")
+    if cache.spec.head_dim not in FLASHINFER_HEAD_DIMS:
+        if choice == "flashinfer":
+            raise ConfigError(f"FlashInfer's kernels take head_dim {FLASHINFER_HEAD_DIMS}, "
+                              f"not {cache.spec.head_dim}")
+        log.info("head_dim outside FlashInfer's kernels: using the torch reference attention",
+                 head_dim=cache.spec.head_dim)
+        return TorchBackend(cache)
     buckets = () if config.enforce_eager else config.cuda_graph_batch_sizes
     return FlashInferAttention(cache, num_q_heads, graph_batch_sizes=buckets, max_pages_per_row=max_pages_per_row)
 

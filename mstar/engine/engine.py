@@ -11,6 +11,7 @@ request goes to the replica with the least outstanding requests.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import random
 from collections import Counter
 from typing import Callable
@@ -19,7 +20,7 @@ import structlog
 import torch
 
 from mstar.config import EngineConfig
-from mstar.engine.messages import Abort, Finished, Shutdown, StepReport, Stop, Submit
+from mstar.engine.messages import Abort, Finished, Profile, Shutdown, StepReport, Stop, Submit
 from mstar.engine.metrics import EngineMetrics
 from mstar.engine.requests import RequestState, RequestStream
 from mstar.engine.tensor_store import TensorStore
@@ -111,6 +112,13 @@ class Engine:
         placed = {c: tuple(w.name for w in self.workers) for c in m.components}
         return [ModelCard(self.model_name, m.max_model_len, tuple(self.plans), m.default_walk, placed,
                           tuple(m.voices), m.default_sampling())]
+
+    async def profile(self, seconds: float, worker: int = 0) -> torch.profiler.profile:
+        """torch's profiler over `seconds` of worker `worker`'s thread (its
+        steps' CPU ops and, on CUDA, their kernels)."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self.workers[worker].send(Profile(seconds, done))
+        return await asyncio.wrap_future(done)
 
     def health(self) -> dict:
         ok = bool(self.workers) and all(w.alive for w in self.workers)

@@ -7,6 +7,8 @@ once per step for the whole batch: a `StepReport`.
 
 from __future__ import annotations
 
+import concurrent.futures
+
 from dataclasses import dataclass, field
 
 import torch
@@ -42,6 +44,15 @@ class Abort:
 @dataclass(frozen=True)
 class Shutdown:
     pass
+
+
+@dataclass
+class Profile:
+    """Run torch's profiler on the worker thread for `seconds`, then resolve
+    `done` with the finished profiler (its `key_averages()`, traces)."""
+
+    seconds: float
+    done: concurrent.futures.Future
 
 
 @dataclass(eq=False)

@@ -9,7 +9,6 @@ other component takes its inputs stacked over rows and returns named tensors.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import time
 from dataclasses import dataclass
@@ -65,9 +64,8 @@ class ComponentRunner:
         if self.kv is not None:
             values = self._run_tokens(batch.items, parts, step, fn)
         else:
-            if self._takes_seeds(batch.mode):
-                fn = functools.partial(fn, seeds=self._row_seeds(parts, step))
-            values = self._run_plain(batch.items, step, fn)
+            seeds = self._row_seeds(parts, step) if self._takes_seeds(batch.mode) else None
+            values = self._run_plain(batch.items, step, fn, seeds)
         return StepOutput(parts, values)
 
     def _takes_seeds(self, mode: str) -> bool:
@@ -82,7 +80,7 @@ class ComponentRunner:
         has run this step: a row's draws do not depend on its batch."""
         value = step.outputs[0]
         seeds = [(p.request.seed * 1_000_003 + p.writes.get(value, 0)) % 2**63 for p in parts]
-        return torch.tensor(seeds, dtype=torch.long, device=self.device)
+        return torch.tensor(seeds, dtype=torch.long)  # on the host: a graph stages it, an eager call moves it
 
     # ------------------------------------------------------------ KV rows
 
@@ -109,7 +107,8 @@ class ComponentRunner:
             logits_index=(query_start[1:] - 1).to(self.device),
             attn=attn,
         )
-        out = fn(batch)
+        with torch.profiler.record_function("mstar.forward"):
+            out = fn(batch)
         for part, n in zip(parts, lens):
             part.kv_tokens += n
         if not self.spec.samples:
@@ -131,7 +130,8 @@ class ComponentRunner:
                     part.seen[toks.to(logits.device).clamp_(0, vocab - 1)] = True
             empty = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
             seen = torch.stack([p.seen if p.seen is not None else empty for p in parts])
-        tokens = self._timed(sample)(logits.float(), st, seen)
+        with torch.profiler.record_function("mstar.sample"):
+            tokens = self._timed(sample)(logits.float(), st, seen)
         for part in parts:
             part.generated += 1
         self._wait()
@@ -165,24 +165,25 @@ class ComponentRunner:
 
     # --------------------------------------------------------- plain rows
 
-    def _run_plain(self, items: list[WorkItem], step: Step, fn) -> dict:
+    def _run_plain(self, items: list[WorkItem], step: Step, fn: Callable, seeds: torch.Tensor | None) -> dict:
+        """Rows stacked into one call (a captured graph where one fits), or
+        one call per row when their shapes differ (a stream's short last
+        chunk). `seeds` [B] on the host, for modes that take them."""
         rows = {n: [self._take(item, n) for item in items] for n in step.inputs}
-        seeds = fn.keywords.get("seeds") if isinstance(fn, functools.partial) else None
         if all(len({tuple(t.shape) for t in ts}) == 1 for ts in rows.values()):
-            stacked = [torch.stack(ts).to(self.device, non_blocking=True) for ts in rows.values()]
+            stacked = [torch.stack(ts) for ts in rows.values()]
             graphs = self.mode_graphs.get(step.mode)
             out = graphs.run(stacked, seeds) if graphs is not None else None
-            return self._name_outputs(step, out if out is not None else fn(*stacked))
-        # rows of different shapes (a short last chunk): one call per row
-        outs = [self._name_outputs(step, self._call_row(fn, seeds, i, [ts[i] for ts in rows.values()]))
+            if out is None:
+                out = self._call(fn, [t.to(self.device) for t in stacked], seeds)
+            return self._name_outputs(step, out)
+        outs = [self._name_outputs(step, self._call(fn, [ts[i].unsqueeze(0).to(self.device) for ts in rows.values()],
+                                                    None if seeds is None else seeds[i:i + 1]))
                 for i in range(len(items))]
         return {n: [o[n][0] for o in outs] for n in step.outputs}
 
-    def _call_row(self, fn: Callable, seeds: torch.Tensor | None, i: int, args: list[torch.Tensor]):
-        rows = [a.unsqueeze(0).to(self.device) for a in args]
-        if seeds is None:
-            return fn(*rows)
-        return fn.func(*rows, seeds=seeds[i:i + 1])
+    def _call(self, fn: Callable, args: list[torch.Tensor], seeds: torch.Tensor | None):
+        return fn(*args) if seeds is None else fn(*args, seeds=seeds.to(self.device))
 
     def _timed(self, fn: Callable) -> Callable:
         """`fn`, adding its run time to `device_s` on the CPU, where compute is

@@ -12,6 +12,7 @@ step that already ran are dropped by the engine.
 
 from __future__ import annotations
 
+import concurrent.futures
 import queue
 import threading
 import time
@@ -27,7 +28,8 @@ from mstar.engine.backends import attention_backend, decode_graphs, mode_graphs
 from mstar.engine.kv_cache import KVCache
 from mstar.engine.memory import kv_cache_log_fields, kv_cache_pages
 from mstar.engine.loop_group import LoopGroup, Pending
-from mstar.engine.messages import Abort, EmitBatch, Finished, Shutdown, Stop, StepReport, Submit
+from mstar.engine.outbox import Outbox, to_host
+from mstar.engine.messages import Abort, EmitBatch, Finished, Profile, Shutdown, Stop, StepReport, Submit
 from mstar.engine.runner import ComponentRunner, StepOutput
 from mstar.engine.tensor_store import TensorRef, TensorStore
 from mstar.engine.walker import Walker
@@ -69,6 +71,8 @@ class DeviceWorker:
         self.pools: dict[str, PagePool] = {}
         self.runners: dict[str, ComponentRunner] = {}
         self._report = StepReport(device=device)
+        self.outbox = Outbox()
+        self._profile: tuple[torch.profiler.profile, float, concurrent.futures.Future] | None = None
         self._inflight: dict[LoopGroup, Pending] = {}  # launched group steps not read yet
         self._group_mark: dict[LoopGroup, float] = {}   # when each group's last step was done
         self._thread = threading.Thread(target=self._main, name=f"mstar-worker-{device}", daemon=True)
@@ -194,12 +198,13 @@ class DeviceWorker:
     def _loop(self) -> None:
         waiting = False
         while True:
-            idle = not self.scheduler.has_work() and not self._inflight
+            idle = not self.scheduler.has_work() and not self._inflight and not self.outbox
             if not self._drain(block=waiting or idle):
                 return
             batch = self.scheduler.schedule()
-            if batch is None:
+            if batch is None:  # nothing to launch: read what is in flight
                 self._settle()
+                self.outbox.release(self._report, wait=True)
                 self._flush()
                 waiting = self.scheduler.has_work()
                 continue
@@ -207,17 +212,41 @@ class DeviceWorker:
             if batch.group is not None:
                 self._launch_group(batch.group)
             else:
-                self._settle()
+                # a KV step changes pages and groups that launched steps read; a
+                # plain step only queues behind them on the device
+                if batch.component in self.pools:
+                    self._settle()
                 self._step(batch)
             self._flush()
+
+    def _start_profile(self, msg: Profile) -> None:
+        """torch's profiler records the thread that starts it, so it runs here."""
+        if self._profile is not None:
+            msg.done.set_exception(RuntimeError("a profile is already running"))
+            return
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        prof = torch.profiler.profile(activities=activities)
+        prof.start()
+        self._profile = (prof, time.perf_counter() + msg.seconds, msg.done)
+
+    def _check_profile(self) -> None:
+        if self._profile is not None and time.perf_counter() >= self._profile[1]:
+            prof, _, done = self._profile
+            self._profile = None
+            prof.stop()
+            done.set_result(prof)
 
     def _drain(self, block: bool) -> bool:
         """Apply every message in the inbox; False on shutdown."""
         try:
             if block:
-                timeout = _IDLE_WAIT_S if self.scheduler.has_work() else None
+                self._check_profile()
+                timeout = _IDLE_WAIT_S if self.scheduler.has_work() or self._profile else None
                 msg = self.inbox.get(timeout=timeout)
             else:
+                self._check_profile()
                 msg = self.inbox.get_nowait()
         except queue.Empty:
             return True
@@ -241,6 +270,8 @@ class DeviceWorker:
             self.stats.cancelled_steps += self.walker.stop(msg.request_id, msg.partition)
         elif isinstance(msg, Abort):
             self.walker.abort(msg.request_id, msg.reason)
+        elif isinstance(msg, Profile):
+            self._start_profile(msg)
         else:
             raise TypeError(f"unknown worker message {msg!r}")
 
@@ -255,14 +286,16 @@ class DeviceWorker:
                 part.kv_component = item.component
                 item.pages = []
         try:
-            out = self.runners[batch.component].run(batch)
+            with torch.profiler.record_function(f"mstar.{batch.component}.{batch.mode}"):
+                out = self.runners[batch.component].run(batch)
         except Exception as e:
             self.stats.failed_steps += 1
             log.exception("step failed", device=self.name, component=batch.component, mode=batch.mode,
                           rows=len(batch))
             self._fail(batch, f"{type(e).__name__}: {e}")
             return
-        self._route(out)
+        with torch.profiler.record_function("mstar.route"):
+            self._route(out)
         self.stats.steps += 1
         self.stats.rows += len(batch)
         r = self._report
@@ -284,7 +317,8 @@ class DeviceWorker:
         launched: Pending | None = None
         if n:
             try:
-                tokens = runner.run_group(group, sl)
+                with torch.profiler.record_function(f"mstar.{group.component}.{group.mode}"):
+                    tokens = runner.run_group(group, sl)
             except Exception as e:
                 self.stats.failed_steps += 1
                 log.exception("step failed", device=self.name, component=group.component, mode=group.mode, rows=n)
@@ -298,7 +332,8 @@ class DeviceWorker:
         # on CUDA the runner only waited for the previous step's inputs to land;
         # on the CPU it computed (synchronously) for that long
         device = runner.device_s if n else 0.0
-        waited = self._finalize_group(group, prev) if prev is not None else 0.0
+        with torch.profiler.record_function("mstar.finalize"):
+            waited = self._finalize_group(group, prev) if prev is not None else 0.0
         blocked = waited + (device if self.device.type == "cuda" else 0.0)
         self.stats.wait_s += blocked
         self.stats.launch_s += t1 - t0 - (device if self.device.type == "cuda" else 0.0)
@@ -328,10 +363,10 @@ class DeviceWorker:
         self.stats.dropped_rows += len(p.rows) - len(keep)
         if value in walk.emits:
             if valid is None:
-                self._report.emits.append(EmitBatch(value, p.request_ids, p.partitions, host))
+                self.outbox.emit(self._report, EmitBatch(value, p.request_ids, p.partitions, host))
             elif valid:
-                self._report.emits.append(EmitBatch(value, [p.request_ids[i] for i in valid],
-                                                    [p.partitions[i] for i in valid], host[valid]))
+                self.outbox.emit(self._report, EmitBatch(value, [p.request_ids[i] for i in valid],
+                                                         [p.partitions[i] for i in valid], host[valid]))
         if walk.streams.get(value):
             gone = {id(leave.part) for leave in leaving}
             keep = set(keep)
@@ -367,10 +402,10 @@ class DeviceWorker:
         for name, data in out.values.items():
             emitting = [i for i, p in enumerate(parts) if name in p.request.walk.emits]
             if emitting:
-                rows = data if isinstance(data, list) else data.detach()
-                host = [rows[i].cpu() for i in emitting] if isinstance(rows, list) else rows[emitting].cpu()
-                self._report.emits.append(EmitBatch(
-                    name, [rids[i] for i in emitting], [parts[i].name for i in emitting], host))
+                rows = [data[i] for i in emitting] if isinstance(data, list) else data.detach()[emitting]
+                host, ready = to_host(rows)  # no wait: the rows reach the report once copied
+                self.outbox.emit(self._report, EmitBatch(
+                    name, [rids[i] for i in emitting], [parts[i].name for i in emitting], host), ready)
             if isinstance(data, list):
                 refs[name] = [TensorRef(self.store.put(t, (rid,))) for t, rid in zip(data, rids)]
             else:
@@ -380,9 +415,10 @@ class DeviceWorker:
             self.walker.completed(part, {name: rs[i] for name, rs in refs.items()}, reasons[i])
 
     def _finished(self, fin: Finished) -> None:
-        self._report.finished.append(fin)
+        self.outbox.finished(self._report, fin)
 
     def _flush(self) -> None:
+        self.outbox.release(self._report)
         # every step is reported, emits or not: metrics time the steps that only feed a stream too
         if not self._report.empty() or self._report.component:
             self.post(self._report)

@@ -91,7 +91,9 @@ def tokens_to_codes(tokens: torch.Tensor) -> list[torch.Tensor]:
     offsets = AUDIO_TOKEN_BASE + CODEBOOK_SIZE * torch.arange(FRAME_TOKENS, device=tokens.device)
     codes = (tokens[:, :frames * FRAME_TOKENS].reshape(b, frames, FRAME_TOKENS).long() - offsets)
     codes = codes.clamp_(0, CODEBOOK_SIZE - 1)
-    return [codes[:, :, list(pos)].reshape(b, frames * len(pos)) for pos in LEVEL_POSITIONS]
+    # slices, not index lists: an index list is a host tensor, which a CUDA graph cannot capture
+    return [torch.cat([codes[:, :, p:p + 1] for p in pos], dim=2).reshape(b, frames * len(pos))
+            for pos in LEVEL_POSITIONS]
 
 
 def codes_to_tokens(codes: Sequence[torch.Tensor]) -> torch.Tensor:
