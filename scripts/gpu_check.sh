@@ -8,7 +8,9 @@
 #   scripts/gpu_check.sh quick      attention + engine GPU tests, then the host benchmark
 #   scripts/gpu_check.sh profile    kernels by time in a decode step
 #   scripts/gpu_check.sh orpheus    Orpheus GPU tests, then where a speech step's time goes
-#   scripts/gpu_check.sh tts        the speech benchmark (scripts/bench_tts.py; $TTS_ARGS adds flags)
+#   scripts/gpu_check.sh tts        the speech benchmark (scripts/bench_tts.py; $TTS_ARGS adds flags,
+#                                   $TTS_SERVER_ARGS the server's)
+#   scripts/gpu_check.sh speech     orpheus, then tts
 #   scripts/gpu_check.sh pagesize   the attention page-size measurement
 #   scripts/gpu_check.sh all        tests and bench (default)
 # FlashInfer compiles its kernels on first use into ~/.cache/flashinfer; a
@@ -64,18 +66,18 @@ if [[ $what == profile || $what == bench || $what == all ]]; then
       | tail -70 > "$OUT/profile.txt"
   tail -25 "$OUT/profile.txt"
 fi
-if [[ $what == orpheus ]]; then
+if [[ $what == orpheus || $what == speech ]]; then
   timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider -o timeout=180 tests/test_orpheus_gpu.py \
-      > "$OUT/gpu_tests.txt" 2>&1
+      tests/test_kernels_gpu.py > "$OUT/gpu_tests.txt" 2>&1
   rc=$?
   tail -5 "$OUT/gpu_tests.txt"
   timeout 240 python3 scripts/profile_tts.py --concurrency 1 64 256 --tokens 512 --trace 2 ${PROFILE_ARGS:-} \
       2>&1 | grep -v "\[info\|capturing" > "$OUT/profile_tts.txt"
   head -40 "$OUT/profile_tts.txt"
 fi
-if [[ $what == tts ]]; then
+if [[ $what == tts || $what == speech ]]; then
   # Orpheus-3B (dummy weights) over loopback HTTP at 1/16/64/256 streams, plus transformers + snac baseline
-  timeout 540 python3 scripts/bench_tts.py ${TTS_ARGS:-} --out "$OUT/tts.json" --server-log "$OUT/tts_server.log" \
+  timeout ${TTS_TIMEOUT:-540} python3 scripts/bench_tts.py ${TTS_ARGS:-} --server-args "${TTS_SERVER_ARGS:-}" --out "$OUT/tts.json" --server-log "$OUT/tts_server.log" \
       2>&1 | tail -40 | tee "$OUT/bench_tts.txt"
 fi
 if [[ $what == pagesize ]]; then

@@ -6,7 +6,7 @@ concurrent `speak` requests (the model's default sampling, `ignore_eos`,
 per wall second, the share of sampled tokens that were audio ids, and per
 (component, mode): steps, mean rows, mean step and device milliseconds, and
 the share of the worker's time. With `--trace S`, S seconds of torch
-profiler in each level (after its first second) print the worker's phases
+profiler in each level (from `--trace-after` seconds in) print the worker's phases
 (the `mstar.*` ranges: CPU time and the device time of what they launched)
 and the top CUDA kernels.
 
@@ -34,7 +34,7 @@ from mstar.types import GenerateRequest
 TEXT = "The morning train was late again, so I bought a coffee and watched the pigeons argue over a crust of bread."
 
 
-async def level(eng: Engine, c: int, tokens: int, trace_s: float) -> dict:
+async def level(eng: Engine, c: int, tokens: int, trace_s: float, trace_after: float) -> dict:
     by_step: dict[tuple[str, str], list[StepReport]] = defaultdict(list)
     hook = eng.add_report_hook(lambda r: by_step[(r.component, r.mode)].append(r) if r.component else None)
     sampling = dataclasses.replace(eng.model.default_sampling(), max_tokens=tokens, ignore_eos=True)
@@ -61,7 +61,7 @@ async def level(eng: Engine, c: int, tokens: int, trace_s: float) -> dict:
     tasks = [asyncio.create_task(one(i)) for i in range(c)]
     prof = None
     if trace_s > 0:
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(trace_after)
         prof = await eng.profile(trace_s)
     await asyncio.gather(*tasks)
     wall = time.perf_counter() - t0
@@ -105,7 +105,7 @@ async def main(a: argparse.Namespace) -> None:
     await eng.start()
     try:
         for i, c in enumerate(a.concurrency):
-            show(await level(eng, c, a.tokens, a.trace), a.tokens)
+            show(await level(eng, c, a.tokens, a.trace, a.trace_after), a.tokens)
     finally:
         await eng.shutdown()
 
@@ -117,7 +117,8 @@ if __name__ == "__main__":
     p.add_argument("--devices", default="cuda:0")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
     p.add_argument("--tokens", type=int, default=512)
-    p.add_argument("--trace", type=float, default=0.0, help="seconds of torch profiler in the last level")
+    p.add_argument("--trace", type=float, default=0.0, help="seconds of torch profiler in each level")
+    p.add_argument("--trace-after", type=float, default=1.0, help="when the trace starts, in seconds into a level")
     args = p.parse_args()
     print(f"# {platform.platform()} | python {platform.python_version()} | torch {torch.__version__} "
           f"| {os.cpu_count()} cpus | model {args.model} ({args.load_format}) on {args.devices}")

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from mstar.kernels import activation, norm, rope_kv
+from mstar.kernels import activation, noise, norm, rope_kv, snake
 
 EPS = 1e-5
 
@@ -61,6 +61,31 @@ def check_silu_and_mul(t: int, inter: int, dtype: torch.dtype, device: str, inte
     got = activation.silu_and_mul_triton(gate_up)
     assert got.shape == (t, inter) and got.dtype == dtype
     torch.testing.assert_close(got, activation.silu_and_mul_reference(gate_up), **tolerance(dtype, interpreted))
+
+
+def check_snake(b: int, c: int, t: int, dtype: torch.dtype, device: str) -> None:
+    """Against the float32 reference on the same (rounded) inputs: the kernel
+    computes in float32 and rounds once."""
+    gen = torch.Generator().manual_seed(b * 10_000 + c * 100 + t)
+    x = (torch.randn(b, c, t, generator=gen) * 2).to(device=device, dtype=dtype)
+    alpha = (0.2 + torch.rand(1, c, 1, generator=gen) * 3).to(device=device, dtype=dtype)
+    got = snake.snake_triton(x, alpha)
+    assert got.shape == x.shape and got.dtype == dtype
+    want = snake.snake_reference(x.float(), alpha.float())
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 4e-3, "rtol": 2e-3}
+    torch.testing.assert_close(got.float(), want, **tol)
+
+
+def check_exponential_noise(rows: int, vocab: int, device: str) -> None:
+    """The same draws as the int64 reference, up to the last bit of the log:
+    seeds and counters beyond 32 bits, negative seeds, a ragged last block."""
+    gen = torch.Generator().manual_seed(rows * 7 + vocab)
+    seeds = torch.randint(-2**62, 2**62, (rows,), generator=gen).to(device)
+    counters = torch.randint(0, 2**40, (rows,), generator=gen).to(device)
+    got = noise.exponential_noise_triton(seeds, counters, vocab)
+    want = noise.exponential_noise_reference(seeds, counters, vocab)
+    assert got.shape == (rows, vocab) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=0, rtol=1e-6)
 
 
 def check_rope_and_store(t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, cache_dtype: torch.dtype,

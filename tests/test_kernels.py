@@ -8,7 +8,8 @@ import os
 
 import pytest
 import torch
-from kernel_cases import check_fused_add_rms_norm, check_rms_norm, check_rope_and_store, check_silu_and_mul
+from kernel_cases import (check_fused_add_rms_norm, check_rms_norm, check_rope_and_store, check_silu_and_mul,
+                          check_exponential_noise, check_snake)
 
 from mstar.kernels import activation, fused_add_rms_norm, norm, rms_norm, rope_and_store, rope_kv, silu_and_mul
 from mstar.kernels.backend import HAVE_TRITON, block_size, num_warps
@@ -32,6 +33,28 @@ def test_rms_norm(check, t, h, dtype):
 @pytest.mark.parametrize("t,inter", [(1, 64), (7, 1500), (33, 128), (2, 2048)])
 def test_silu_and_mul(t, inter, dtype):
     check_silu_and_mul(t, inter, dtype, "cpu", interpreted=True)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("b,c,t", [(1, 3, 5), (2, 4, 1500), (3, 64, 2048)])
+def test_snake(b, c, t, dtype):
+    check_snake(b, c, t, dtype, "cpu")
+
+
+@interpreted
+@pytest.mark.parametrize("rows,vocab", [(1, 5), (4, 3000), (2, 156_940)])
+def test_exponential_noise(rows, vocab):
+    check_exponential_noise(rows, vocab, "cpu")
+
+
+def test_snake_reference_is_the_package_formula():
+    from mstar.kernels.snake import ALPHA_EPS, snake, snake_reference
+
+    x, alpha = torch.randn(2, 3, 17), torch.rand(1, 3, 1) + 0.1
+    want = x + (alpha + ALPHA_EPS).reciprocal() * torch.sin(alpha * x).pow(2)
+    assert torch.equal(snake_reference(x, alpha), want)
+    assert torch.equal(snake(x, alpha), want)  # CPU tensors take the reference
 
 
 @interpreted

@@ -11,6 +11,8 @@ from kernel_cases import (
     check_rms_norm,
     check_rope_and_store,
     check_silu_and_mul,
+    check_snake,
+    check_exponential_noise,
     same_on_replay,
 )
 
@@ -41,6 +43,17 @@ def test_silu_and_mul(t, inter, dtype):
                                         (5, 12, 4, 80)])
 def test_rope_and_store(t, hq, hkv, d, dtype, cache_dtype):
     check_rope_and_store(t, hq, hkv, d, dtype, cache_dtype, "cuda", interpreted=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("b,c,t", [(1, 3, 5), (16, 64, 8192), (4, 1024, 16)])
+def test_snake(b, c, t, dtype):
+    check_snake(b, c, t, dtype, "cuda")
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 5), (256, 156_940)])
+def test_exponential_noise(rows, vocab):
+    check_exponential_noise(rows, vocab, "cuda")
 
 
 def test_cuda_tensors_take_triton():

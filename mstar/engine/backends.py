@@ -95,6 +95,17 @@ def mode_graphs(model: Model, component: str, modes: Sequence[str], module: nn.M
             continue
         fn = getattr(module, mode)
         seeded = "seeds" in inspect.signature(fn).parameters
-        graphs[mode] = ModeGraphs(f"{component}.{mode}", fn, rows, seeded, config.cuda_graph_batch_sizes, device)
+        graphs[mode] = ModeGraphs(f"{component}.{mode}", fn, rows, seeded, halfway_buckets(config.cuda_graph_batch_sizes),
+                                  device)
         graphs[mode].capture()
     return graphs
+
+
+def halfway_buckets(buckets: Sequence[int]) -> tuple[int, ...]:
+    """`buckets` plus a bucket halfway between each neighbouring pair (1, 2,
+    3, 4, 6, 8, 12, ...): a plain mode's cost grows with its padded rows (a
+    codec window is real work, not a launch), so padding stays under a
+    third instead of under a half."""
+    ordered = sorted(set(buckets))
+    halves = {(a + b) // 2 for a, b in zip(ordered, ordered[1:]) if b - a > 1}
+    return tuple(sorted(set(ordered) | halves))

@@ -14,49 +14,10 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from mstar.kernels.noise import exponential_noise, mix32, random_bits, row_keys
 from mstar.types import SamplingParams
 
-_M32 = 0xFFFFFFFF
-# Odd multipliers below 2**31: a 32-bit value times one stays below 2**63, so
-# int64 products never overflow (signed overflow is not portable across devices).
-_MUL_A = 0x7FEB352D
-_MUL_B = 0x5BD1E995
-_ROW_SALT = 0x3C6EF372
-_INV_2_24 = 1.0 / (1 << 24)
-
-
-def mix32(x: Tensor) -> Tensor:
-    """A bijective avalanche mix of 32-bit values held in int64 (values in [0, 2**32))."""
-    x = x ^ (x >> 16)
-    x = (x * _MUL_A) & _M32
-    x = x ^ (x >> 15)
-    x = (x * _MUL_B) & _M32
-    return x ^ (x >> 16)
-
-
-def row_keys(seeds: Tensor, counters: Tensor) -> Tensor:
-    """One 32-bit key per row from its 64-bit seed and 64-bit draw counter."""
-    # Masking after the shift also folds negative int64 seeds to their bit pattern.
-    key = mix32((seeds & _M32) ^ _ROW_SALT)
-    key = mix32(key ^ ((seeds >> 32) & _M32))
-    key = mix32(key ^ (counters & _M32))
-    return mix32(key ^ ((counters >> 32) & _M32))
-
-
-def random_bits(seeds: Tensor, counters: Tensor, vocab_size: int) -> Tensor:
-    """[B, V] int64 of 32 random bits for each (row, vocab index)."""
-    keys = row_keys(seeds, counters)
-    # Pre-mixing the index keeps neighbouring indices from sharing low-bit patterns.
-    idx = mix32(torch.arange(vocab_size, device=seeds.device, dtype=torch.int64))
-    return mix32(keys[:, None] ^ idx[None, :])
-
-
-def exponential_noise(seeds: Tensor, counters: Tensor, vocab_size: int) -> Tensor:
-    """[B, V] float32 Exp(1) draws derived from `random_bits`."""
-    # 24 bits fit a float32 mantissa exactly; the half-step keeps u inside (0, 1).
-    u = ((random_bits(seeds, counters, vocab_size) >> 8).to(torch.float32) + 0.5) * _INV_2_24
-    return -torch.log(u)
-
+__all__ = ["SamplingTensors", "exponential_noise", "mix32", "random_bits", "row_keys", "sample"]
 
 @dataclass
 class SamplingTensors:

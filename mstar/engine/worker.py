@@ -402,7 +402,7 @@ class DeviceWorker:
         for name, data in out.values.items():
             emitting = [i for i, p in enumerate(parts) if name in p.request.walk.emits]
             if emitting:
-                rows = [data[i] for i in emitting] if isinstance(data, list) else data.detach()[emitting]
+                rows = [data[i] for i in emitting] if isinstance(data, list) else _rows(data.detach(), emitting)
                 host, ready = to_host(rows)  # no wait: the rows reach the report once copied
                 self.outbox.emit(self._report, EmitBatch(
                     name, [rids[i] for i in emitting], [parts[i].name for i in emitting], host), ready)
@@ -423,3 +423,14 @@ class DeviceWorker:
         if not self._report.empty() or self._report.component:
             self.post(self._report)
         self._report = StepReport(device=self.name)
+
+
+def _rows(data: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """`data[index]` without a blocking copy: a Python list index becomes a
+    pageable host tensor, and copying that to the device waits for the stream."""
+    if len(index) == data.shape[0]:
+        return data
+    idx = torch.tensor(index, dtype=torch.long)
+    if data.device.type == "cuda":
+        idx = idx.pin_memory().to(data.device, non_blocking=True)
+    return data.index_select(0, idx)

@@ -20,23 +20,11 @@ import math
 import torch
 from torch import nn
 
+from mstar.kernels.snake import snake
+
 Device = torch.device | str | None
 DILATIONS = (1, 3, 9)
 KERNEL = 7
-# the package's guard against alpha == 0; kept so outputs match it bit for bit
-ALPHA_EPS = 1e-9
-
-
-def snake(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
-    """x [B, C, T], alpha [1, C, 1]. The package's operations on the same
-    operands (its TorchScript version runs them unfused on CPU), so the bits
-    match; all but the first run in place on one temporary: at batch 16 a
-    window's activations are tens of MB, and a fresh buffer per op costs page
-    faults on CPU and memory on GPU."""
-    if torch.is_grad_enabled():   # autograd needs the intermediates the in-place form overwrites
-        return x + (alpha + ALPHA_EPS).reciprocal() * torch.sin(alpha * x).pow(2)
-    out = torch.mul(alpha, x).sin_().pow_(2)
-    return out.mul_((alpha + ALPHA_EPS).reciprocal()).add_(x)
 
 
 class Snake(nn.Module):

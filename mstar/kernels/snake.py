@@ -1,0 +1,64 @@
+"""Snake, the periodic activation of SNAC's decoder: x [B, C, T] and a
+per-channel alpha [1, C, 1] in, x + sin(alpha x)^2 / (alpha + eps) out, in
+x's dtype.
+
+The torch expression is five passes over the activations (multiply, sine,
+square, scale, add); at hundreds of codec windows per step those passes are
+a large share of the GPU's time. The Triton kernel is one read and one write,
+computing in float32 and rounding once, so in float16 it is closer to the
+float32 result than the unfused expression, which rounds after every op.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mstar.kernels.backend import jit, num_warps, tl, use_triton
+
+# the snac package's guard against alpha == 0; the reference keeps it so its bits match the package
+ALPHA_EPS = 1e-9
+BLOCK = 1024
+
+
+def snake(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    if use_triton(x) and not torch.is_grad_enabled():
+        return snake_triton(x, alpha)
+    return snake_reference(x, alpha)
+
+
+def snake_reference(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """The package's operations on the same operands (its TorchScript
+    version runs them unfused on CPU), so the bits match; all but the first
+    run in place on one temporary: at batch 16 a window's activations are
+    tens of MB, and a fresh buffer per op costs page faults on CPU and
+    memory on GPU."""
+    if torch.is_grad_enabled():   # autograd needs the intermediates the in-place form overwrites
+        return x + (alpha + ALPHA_EPS).reciprocal() * torch.sin(alpha * x).pow(2)
+    out = torch.mul(alpha, x).sin_().pow_(2)
+    return out.mul_((alpha + ALPHA_EPS).reciprocal()).add_(x)
+
+
+def snake_triton(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    if x.dim() != 3 or alpha.numel() != x.shape[1]:
+        raise ValueError(f"snake takes x [B, C, T] and alpha [1, C, 1], got {tuple(x.shape)} and "
+                         f"{tuple(alpha.shape)}")
+    x = x.contiguous()
+    batch, channels, length = x.shape
+    out = torch.empty_like(x)
+    if out.numel():
+        grid = (batch * channels, (length + BLOCK - 1) // BLOCK)
+        _snake_kernel[grid](x, alpha.reshape(-1).contiguous(), out, channels, length, ALPHA_EPS,
+                            BLOCK=BLOCK, num_warps=num_warps(BLOCK))
+    return out
+
+
+@jit
+def _snake_kernel(x_ptr, alpha_ptr, out_ptr, channels, length, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)   # one (batch, channel) row of T samples
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < length
+    a = tl.load(alpha_ptr + row % channels).to(tl.float32)
+    x = tl.load(x_ptr + row * length + cols, mask=mask, other=0.0).to(tl.float32)
+    s = tl.sin(a * x)
+    y = x + s * s / (a + eps)
+    tl.store(out_ptr + row * length + cols, y.to(out_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,74 @@
+"""The worker's outbox: emits whose host copies are in flight hold back what
+comes after them, so a request's audio always reaches the event loop before
+its end; and the graph buckets of plain modes."""
+
+from __future__ import annotations
+
+import torch
+
+from mstar.engine.backends import halfway_buckets
+from mstar.engine.messages import EmitBatch, Finished, StepReport
+from mstar.engine.outbox import Outbox, to_host
+
+
+class FakeEvent:
+    """A copy that completes when the test says so."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.waited = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited = True
+        self.done = True
+
+
+def _emit(rid: str) -> EmitBatch:
+    return EmitBatch("pcm", [rid], ["codec"], torch.zeros(1, 4))
+
+
+def test_ready_emits_go_straight_into_the_report() -> None:
+    box, report = Outbox(), StepReport(device="cpu")
+    box.emit(report, _emit("a"))
+    box.finished(report, Finished("a", "codec", "stop", True))
+    assert len(report.emits) == 1 and len(report.finished) == 1 and len(box) == 0
+
+
+def test_an_emit_in_flight_holds_back_what_follows_it() -> None:
+    box, report = Outbox(), StepReport(device="cpu")
+    copy = FakeEvent()
+    box.emit(report, _emit("a"), copy)
+    box.emit(report, _emit("b"))                                # ready, but behind a's copy
+    box.finished(report, Finished("a", "codec", "stop", True))  # a's end after a's audio
+    box.release(report)
+    assert report.emits == [] and report.finished == [] and len(box) == 3
+    copy.done = True
+    box.release(report)
+    assert [e.request_ids[0] for e in report.emits] == ["a", "b"] and len(report.finished) == 1
+    assert len(box) == 0
+
+
+def test_release_with_wait_blocks_on_the_copies() -> None:
+    box, report = Outbox(), StepReport(device="cpu")
+    first, second = FakeEvent(), FakeEvent()
+    box.emit(report, _emit("a"), first)
+    box.emit(report, _emit("b"), second)
+    box.release(report, wait=True)
+    assert first.waited and second.waited and len(report.emits) == 2 and len(box) == 0
+
+
+def test_cpu_rows_need_no_copy() -> None:
+    rows = torch.ones(2, 3)
+    host, ready = to_host(rows)
+    assert host is rows and ready is None
+    listed, ready = to_host([rows[0], rows[1]])
+    assert ready is None and len(listed) == 2
+
+
+def test_halfway_buckets() -> None:
+    assert halfway_buckets((1, 2, 4, 8, 16)) == (1, 2, 3, 4, 6, 8, 12, 16)
+    assert halfway_buckets((4, 1)) == (1, 2, 4)
+    assert halfway_buckets((8,)) == (8,)
