@@ -45,6 +45,7 @@ class Leave:
     part: PartitionRun
     token: torch.Tensor   # its last token, scalar on the device
     reason: str | None
+    host_token: int | None = None  # the same token, where the host has read it already
 
 
 @dataclass(eq=False)
@@ -249,7 +250,7 @@ class LoopGroup:
             part.generated = int(p.counters[i])
             # the walker counts this step's write when it routes the row on
             part.writes[self.loop.value] = int(p.counts[i]) - 1
-            out.append(Leave(part, p.tokens[i].clone(), "stop" if bool(hit_stop[i]) else "length"))
+            out.append(Leave(part, p.tokens[i].clone(), "stop" if bool(hit_stop[i]) else "length", int(p.host[i])))
         return out
 
     def _drop(self, idx: list[int], seq: int) -> None:

@@ -171,7 +171,8 @@ class ComponentRunner:
         chunk). `seeds` [B] on the host, for modes that take them."""
         rows = {n: [self._take(item, n) for item in items] for n in step.inputs}
         if all(len({tuple(t.shape) for t in ts}) == 1 for ts in rows.values()):
-            stacked = [torch.stack(ts) for ts in rows.values()]
+            stacked = [torch.stack(ts if len({t.device for t in ts}) == 1 else [t.to(self.device) for t in ts])
+                       for ts in rows.values()]
             graphs = self.mode_graphs.get(step.mode)
             out = graphs.run(stacked, seeds) if graphs is not None else None
             if out is None:
@@ -221,7 +222,9 @@ class ComponentRunner:
         if isinstance(ref, list):  # a stream chunk: items of the stream, in order
             if all(isinstance(r, int) for r in ref):  # token ids held on the host: one tensor, no device reads
                 return torch.tensor(ref, dtype=torch.long)
-            return torch.stack([self.store.take(r, item.request_id) if isinstance(r, TensorRef)
-                                else torch.tensor(r, device=self.device) for r in ref])
+            if any(isinstance(r, int) for r in ref):  # token ids, some still stored: read those (a wait)
+                return torch.tensor([r if isinstance(r, int) else int(self.store.take(r, item.request_id))
+                                     for r in ref], dtype=torch.long)
+            return torch.stack([self.store.take(r, item.request_id) for r in ref])
         assert isinstance(ref, TensorRef)
         return self.store.take(ref, item.request_id)

@@ -158,8 +158,10 @@ class Walker:
     def left_group(self, leave: Leave) -> None:
         """A row's loop stopped inside its group: move it on like any row."""
         part = leave.part
+        value = part.node().value
         ref = TensorRef(self.store.put(leave.token, (part.request_id,)))
-        self.completed(part, {part.node().value: ref}, leave.reason)
+        host = {value: leave.host_token} if leave.host_token is not None else None
+        self.completed(part, {value: ref}, leave.reason, host)
 
     def _take_out_of_groups(self, request_id: str, partition: str | None) -> int:
         n = 0
@@ -224,9 +226,12 @@ class Walker:
 
     # --------------------------------------------------------- completion
 
-    def completed(self, part: PartitionRun, outputs: dict[str, TensorRef], reason: str | None) -> None:
+    def completed(self, part: PartitionRun, outputs: dict[str, TensorRef], reason: str | None,
+                  tokens: dict[str, int] | None = None) -> None:
         """Row `part` of a finished step wrote `outputs` (one reference each,
-        owned by its request); move the partition on."""
+        owned by its request); move the partition on. `tokens`: the sampled
+        token ids among them, already on the host; streams take those as
+        ints, like the tokens of a loop group."""
         part.busy = False
         if part.done:
             for ref in outputs.values():
@@ -239,7 +244,7 @@ class Walker:
                 self.store.release(old, part.request_id)
             part.values[name] = ref
             part.writes[name] = part.writes.get(name, 0) + 1
-            self.feed_streams(part, name, ref)
+            self.feed_streams(part, name, tokens[name] if tokens and name in tokens else ref)
         if part.plan.stream is not None:
             self._consumed(part)
             return

@@ -295,7 +295,8 @@ class DeviceWorker:
             self._fail(batch, f"{type(e).__name__}: {e}")
             return
         with torch.profiler.record_function("mstar.route"):
-            self._route(out)
+            # a sampling step has waited for its tokens already: reading them costs no wait
+            self._route(out, sampled=self.runners[batch.component].spec.samples)
         self.stats.steps += 1
         self.stats.rows += len(batch)
         r = self._report
@@ -392,8 +393,9 @@ class DeviceWorker:
             item.payload[0].busy = False
             self.walker.abort(item.request_id, "error", error)
 
-    def _route(self, out: StepOutput) -> None:
-        """Fast postprocess of a step: emits, stop rules, then every row moves on."""
+    def _route(self, out: StepOutput, sampled: bool = False) -> None:
+        """Fast postprocess of a step: emits, stop rules, then every row moves
+        on. `sampled`: the step's outputs are token ids [B] it sampled."""
         parts = out.parts
         reasons = self.walker.stop_reasons(parts, {k: v for k, v in out.values.items()
                                                    if isinstance(v, torch.Tensor)})
@@ -411,8 +413,11 @@ class DeviceWorker:
             else:
                 handle = self.store.put(data, rids)
                 refs[name] = [TensorRef(handle, i) for i in range(len(parts))]
+        tokens = {name: data.tolist() for name, data in out.values.items()
+                  if sampled and isinstance(data, torch.Tensor) and data.dim() == 1}
         for i, part in enumerate(parts):
-            self.walker.completed(part, {name: rs[i] for name, rs in refs.items()}, reasons[i])
+            self.walker.completed(part, {name: rs[i] for name, rs in refs.items()}, reasons[i],
+                                  {name: ids[i] for name, ids in tokens.items()})
 
     def _finished(self, fin: Finished) -> None:
         self.outbox.finished(self._report, fin)

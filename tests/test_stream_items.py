@@ -1,0 +1,36 @@
+"""Sampled token ids enter streams as host ints, the prefill's first token
+included: a codec window is then built on the host in one copy, and a batch
+of windows never mixes rows on the device with rows on the host."""
+
+from __future__ import annotations
+
+import pytest
+
+from mstar.config import EngineConfig
+from mstar.engine.engine import Engine
+from mstar.engine.walker import Walker
+from mstar.types import GenerateRequest, SamplingParams
+
+
+async def test_token_streams_carry_host_ints(monkeypatch: pytest.MonkeyPatch) -> None:
+    fed: list[object] = []
+    original = Walker.feed_streams
+
+    def spy(self, part, value, item):
+        if value == "token" and part.request.walk.streams.get(value):
+            fed.append(item)
+        return original(self, part, value, item)
+
+    monkeypatch.setattr(Walker, "feed_streams", spy)
+    eng = Engine(EngineConfig(model="orpheus-tiny"))
+    await eng.start()
+    try:
+        sp = SamplingParams(max_tokens=30, temperature=0.6, seed=3, ignore_eos=True)
+        audio = b""
+        async for chunk in eng.submit(GenerateRequest("r", "orpheus-tiny", {"text": "hello"}, sp)):
+            audio += chunk.audio or b""
+    finally:
+        await eng.shutdown()
+    assert len(fed) == 30, "the prefill's token and every decode token"
+    assert all(type(item) is int for item in fed), [type(i) for i in fed if type(i) is not int]
+    assert audio
