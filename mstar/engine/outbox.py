@@ -69,3 +69,14 @@ def to_host(rows: torch.Tensor | list[torch.Tensor]) -> tuple[torch.Tensor | lis
     ready = torch.cuda.Event()
     ready.record()
     return host, ready
+
+
+def select_rows(data: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """`data[index]` without a blocking copy: a Python list index becomes a
+    pageable host tensor, and copying that to the device waits for the stream."""
+    if len(index) == data.shape[0]:
+        return data
+    idx = torch.tensor(index, dtype=torch.long)
+    if data.device.type == "cuda":
+        idx = idx.pin_memory().to(data.device, non_blocking=True)
+    return data.index_select(0, idx)

@@ -12,7 +12,6 @@ step that already ran are dropped by the engine.
 
 from __future__ import annotations
 
-import concurrent.futures
 import queue
 import threading
 import time
@@ -28,7 +27,8 @@ from mstar.engine.backends import attention_backend, decode_graphs, mode_graphs
 from mstar.engine.kv_cache import KVCache
 from mstar.engine.memory import kv_cache_log_fields, kv_cache_pages
 from mstar.engine.loop_group import LoopGroup, Pending
-from mstar.engine.outbox import Outbox, to_host
+from mstar.engine.outbox import Outbox, select_rows, to_host
+from mstar.engine.profiling import WorkerProfiler
 from mstar.engine.messages import Abort, EmitBatch, Finished, Profile, Shutdown, Stop, StepReport, Submit
 from mstar.engine.runner import ComponentRunner, StepOutput
 from mstar.engine.tensor_store import TensorRef, TensorStore
@@ -72,7 +72,7 @@ class DeviceWorker:
         self.runners: dict[str, ComponentRunner] = {}
         self._report = StepReport(device=device)
         self.outbox = Outbox()
-        self._profile: tuple[torch.profiler.profile, float, concurrent.futures.Future] | None = None
+        self.profiler = WorkerProfiler(self.device)
         self._inflight: dict[LoopGroup, Pending] = {}  # launched group steps not read yet
         self._group_mark: dict[LoopGroup, float] = {}   # when each group's last step was done
         self._thread = threading.Thread(target=self._main, name=f"mstar-worker-{device}", daemon=True)
@@ -219,34 +219,15 @@ class DeviceWorker:
                 self._step(batch)
             self._flush()
 
-    def _start_profile(self, msg: Profile) -> None:
-        """torch's profiler records the thread that starts it, so it runs here."""
-        if self._profile is not None:
-            msg.done.set_exception(RuntimeError("a profile is already running"))
-            return
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if self.device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        prof = torch.profiler.profile(activities=activities)
-        prof.start()
-        self._profile = (prof, time.perf_counter() + msg.seconds, msg.done)
-
-    def _check_profile(self) -> None:
-        if self._profile is not None and time.perf_counter() >= self._profile[1]:
-            prof, _, done = self._profile
-            self._profile = None
-            prof.stop()
-            done.set_result(prof)
-
     def _drain(self, block: bool) -> bool:
         """Apply every message in the inbox; False on shutdown."""
         try:
             if block:
-                self._check_profile()
-                timeout = _IDLE_WAIT_S if self.scheduler.has_work() or self._profile else None
+                self.profiler.check()
+                timeout = _IDLE_WAIT_S if self.scheduler.has_work() or self.profiler.running else None
                 msg = self.inbox.get(timeout=timeout)
             else:
-                self._check_profile()
+                self.profiler.check()
                 msg = self.inbox.get_nowait()
         except queue.Empty:
             return True
@@ -271,7 +252,7 @@ class DeviceWorker:
         elif isinstance(msg, Abort):
             self.walker.abort(msg.request_id, msg.reason)
         elif isinstance(msg, Profile):
-            self._start_profile(msg)
+            self.profiler.start(msg)
         else:
             raise TypeError(f"unknown worker message {msg!r}")
 
@@ -404,7 +385,7 @@ class DeviceWorker:
         for name, data in out.values.items():
             emitting = [i for i, p in enumerate(parts) if name in p.request.walk.emits]
             if emitting:
-                rows = [data[i] for i in emitting] if isinstance(data, list) else _rows(data.detach(), emitting)
+                rows = [data[i] for i in emitting] if isinstance(data, list) else select_rows(data.detach(), emitting)
                 host, ready = to_host(rows)  # no wait: the rows reach the report once copied
                 self.outbox.emit(self._report, EmitBatch(
                     name, [rids[i] for i in emitting], [parts[i].name for i in emitting], host), ready)
@@ -429,13 +410,3 @@ class DeviceWorker:
             self.post(self._report)
         self._report = StepReport(device=self.name)
 
-
-def _rows(data: torch.Tensor, index: list[int]) -> torch.Tensor:
-    """`data[index]` without a blocking copy: a Python list index becomes a
-    pageable host tensor, and copying that to the device waits for the stream."""
-    if len(index) == data.shape[0]:
-        return data
-    idx = torch.tensor(index, dtype=torch.long)
-    if data.device.type == "cuda":
-        idx = idx.pin_memory().to(data.device, non_blocking=True)
-    return data.index_select(0, idx)
