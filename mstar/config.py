@@ -36,6 +36,7 @@ class EngineConfig:
     seed: int = 0
     max_waiting_requests: int = 1024      # submitted, not yet producing output; beyond it new ones wait, then 429
     queue_timeout: float = 10.0           # seconds a new request waits for room before its 429
+    request_timeout: float = 600.0        # seconds a request may run in all; past it, it ends with "timeout" (0: none)
     attention_backend: str = "auto"       # auto | torch | flashinfer (auto: flashinfer on CUDA)
     enforce_eager: bool = False           # no CUDA graphs
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -104,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="requests waiting to start; a new one past this waits --queue-timeout, then gets 429")
     p.add_argument("--queue-timeout", type=float, default=10.0, help="seconds a new request waits for room")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a request may run from submission to its end (0: no limit); past it, 504 or an "
+                        "error event")
     p.add_argument("--attention-backend", choices=("auto", "torch", "flashinfer"), default="auto",
                    help="auto: FlashInfer on CUDA, the torch reference on CPU")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
@@ -118,8 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> ServerConfig:
     a = build_parser().parse_args(argv)
-    if a.max_waiting_requests < 0 or a.queue_timeout < 0:
-        raise ConfigError("--max-waiting-requests and --queue-timeout must not be negative")
+    if a.max_waiting_requests < 0 or a.queue_timeout < 0 or a.request_timeout < 0:
+        raise ConfigError("--max-waiting-requests, --queue-timeout and --request-timeout must not be negative")
     for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
         if getattr(a, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")
@@ -141,6 +145,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         seed=a.seed,
         max_waiting_requests=a.max_waiting_requests,
         queue_timeout=a.queue_timeout,
+        request_timeout=a.request_timeout,
         attention_backend=a.attention_backend,
         enforce_eager=a.enforce_eager,
         cuda_graph_batch_sizes=graph_buckets(a.cuda_graph_max_batch),

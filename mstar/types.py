@@ -15,7 +15,7 @@ from mstar.errors import RequestError
 if TYPE_CHECKING:
     import torch
 
-FinishReason = Literal["stop", "length", "abort", "error"]
+FinishReason = Literal["stop", "length", "abort", "error", "timeout"]
 
 # Sampling bounds: beyond these a request is refused with a 400 naming the field.
 MAX_TEMPERATURE = 100.0

@@ -174,7 +174,21 @@ class Engine:
         self.stats["requests_submitted"] += 1
         self._metrics.submitted(request.request_id)
         self.workers[idx].send(Submit(request.request_id, plan, values, sp, seed, stop_ids))
+        if self.config.request_timeout > 0:
+            state.timer = asyncio.get_running_loop().call_later(self.config.request_timeout, self._expire,
+                                                                request.request_id)
         return RequestStream(state, self.abort)
+
+    def _expire(self, request_id: str) -> None:
+        """The request outlived --request-timeout: it ends with "timeout" and
+        the worker frees what it holds."""
+        state = self._states.get(request_id)
+        if state is None or state.finished:
+            return
+        self._metrics.forget(request_id)  # counted when the worker confirms the request is gone
+        state.finish("timeout", f"the request ran past the server's limit of {self.config.request_timeout:g} s "
+                                "(--request-timeout)")
+        self.workers[state.worker].send(Abort(request_id, "timeout"))
 
     async def admit(self, timeout: float | None = None) -> None:
         """Wait until fewer than `max_waiting_requests` requests are waiting to
@@ -304,13 +318,15 @@ class Engine:
             return
         if fin.request_done:
             del self._states[fin.request_id]
+            if state.timer is not None:
+                state.timer.cancel()
             self._started(fin.request_id)
             self._outstanding[state.worker] -= 1
             # a walk that emits audio, not tokens, still reports what it sampled
             state.num_output_tokens = max(state.num_output_tokens, fin.num_generated)
             reason = state.stop_reason or fin.reason
             self.stats[f"finished_{reason}"] += 1
-            status = reason if reason in ("stop", "length", "abort", "error") else "stop"
+            status = reason if reason in ("stop", "length", "abort", "error", "timeout") else "stop"
             self._metrics.finished(fin.request_id, status)
             state.finish(status, fin.error)
 

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from mstar.engine.messages import StepReport
     from mstar.engine.worker import DeviceWorker
 
-STATUSES = ("stop", "length", "abort", "error")
+STATUSES = ("stop", "length", "abort", "error", "timeout")
 
 
 class EngineMetrics:

@@ -80,6 +80,7 @@ class RequestState:
 
     def __post_init__(self) -> None:
         self.stops = StopStrings(self.sampling.stop)
+        self.timer: asyncio.TimerHandle | None = None  # the --request-timeout deadline
 
     def feed_tokens(self, partition: str, ids: list[int], text: str) -> bool:
         """New token ids from a step and their new text (detokenised by the

@@ -27,7 +27,9 @@ def _errors(*statuses: int) -> dict[str, Any]:
     why = {400: "the request is malformed or out of range; `param` names the field",
            404: "unknown model (POST) or no such route", 500: "an unexpected server failure",
            429: "too many requests are waiting to start; retry after the `Retry-After` header's seconds",
-           503: "the engine is not running; retry after the `Retry-After` header's seconds"}
+           503: "the engine is not running; retry after the `Retry-After` header's seconds",
+           413: "the request body is larger than the server accepts; the message gives the limit",
+           504: "the request ran past the server's --request-timeout (a stream ends with an error event instead)"}
     retry = {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}}}
     return {str(s): {"description": why[s], "content": _json(req.ref("Error")),
                      **({"headers": retry} if s in (429, 503) else {})} for s in statuses}
@@ -37,7 +39,7 @@ def _post(summary: str, body: str, ok: dict[str, Any], ok_description: str) -> d
     return {"post": {
         "summary": summary,
         "requestBody": {"required": True, "content": _json(req.ref(body))},
-        "responses": {"200": {"description": ok_description, "content": ok}, **_errors(400, 404, 429, 500, 503)},
+        "responses": {"200": {"description": ok_description, "content": ok}, **_errors(400, 404, 413, 429, 500, 503, 504)},
     }}
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 Schema = dict[str, Any]
 
-FINISH_REASON: Schema = {"enum": ["stop", "length", "abort", "error", None]}
+FINISH_REASON: Schema = {"enum": ["stop", "length", "abort", "error", "timeout", None]}
 NULLABLE_STRING: Schema = {"type": ["string", "null"]}
 
 ERROR: Schema = {

@@ -55,6 +55,9 @@ async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamRe
             message = f"no route for {request.method} {request.path}"
         elif e.status == 405:
             message = f"method {request.method} is not allowed on {request.path}"
+        elif e.status == 413:
+            message = (f"the request body is larger than the server's limit of {MAX_BODY_BYTES} bytes "
+                       f"({MAX_BODY_BYTES // 2**20} MiB)")
         else:
             message = e.reason
         return error_response(message, status=e.status, code=e.reason.lower().replace(" ", "_"))

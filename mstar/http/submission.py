@@ -167,6 +167,8 @@ def failure_of(choice: Choice) -> GenerationFailed | None:
     """Why a finished choice has no answer to give, if it has none."""
     if choice.finish_reason == "error":
         return GenerationFailed(f"generation failed: {choice.error or 'unknown error'}")
+    if choice.finish_reason == "timeout":
+        return GenerationFailed(choice.error or "the request timed out", status=504, code="timeout")
     if choice.finish_reason == "abort":
         return GenerationFailed("the request was aborted (the server may be shutting down)",
                                 status=503, code="aborted")

@@ -1,0 +1,93 @@
+"""Per-request limits: a request that runs past --request-timeout ends with
+"timeout" (504, or an error event on a stream) and frees what it held; a body
+past the server's size limit gets a 413 that names the limit."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import aiohttp
+
+from fake_model import FakeModel
+from http_support import read_sse, serving
+from mstar.config import EngineConfig
+from mstar.engine.engine import Engine
+from mstar.http.server import MAX_BODY_BYTES
+from mstar.types import GenerateRequest, SamplingParams
+
+
+class Hold:
+    """Holds every step of the fake counter until released."""
+
+    def __init__(self) -> None:
+        self.released = threading.Event()
+
+    def __call__(self, n: int) -> None:
+        assert self.released.wait(timeout=30)
+
+
+async def test_a_request_past_its_timeout_ends_and_frees_everything() -> None:
+    hold = Hold()
+    eng = Engine(EngineConfig(model="fake", request_timeout=0.2), model=FakeModel(gate=hold, max_steps=3))
+    await eng.start()
+    try:
+        stream = eng.submit(GenerateRequest("slow", "fake", {"x": 0}, SamplingParams(), walk="count"))
+        chunks = [c async for c in stream]  # the step is held: only the deadline can end it
+        last = chunks[-1]
+        assert last.finished and last.finish_reason == "timeout"
+        assert "0.2 s" in last.error and "--request-timeout" in last.error
+        hold.released.set()
+        for _ in range(200):  # the worker hears of it after the held step returns
+            if len(eng.store) == 0 and eng.store.num_owners() == 0 and not eng.workers[0].walker.runs:
+                break
+            await asyncio.sleep(0.01)
+        assert len(eng.store) == 0 and eng.store.num_owners() == 0 and not eng.workers[0].walker.runs
+        assert 'mstar_requests_total{status="timeout"} 1' in eng.metrics_text()
+    finally:
+        hold.released.set()
+        await eng.shutdown()
+
+
+async def test_a_request_within_its_timeout_is_untouched() -> None:
+    eng = Engine(EngineConfig(model="fake", request_timeout=30), model=FakeModel(max_steps=3))
+    await eng.start()
+    try:
+        stream = eng.submit(GenerateRequest("quick", "fake", {"x": 0}, SamplingParams(), walk="count"))
+        assert [c async for c in stream][-1].finish_reason == "length"
+    finally:
+        await eng.shutdown()
+
+
+async def test_http_timeouts_are_504_or_an_error_event() -> None:
+    eng = Engine(EngineConfig(model="tiny-llama", request_timeout=0.05))
+    await eng.start()
+    body = {"model": "tiny-llama", "prompt": "hi", "max_tokens": 200, "ignore_eos": True}
+    try:
+        async with serving(eng) as base, aiohttp.ClientSession(base_url=base) as http:
+            async with http.post("/v1/completions", json=body) as r:
+                assert r.status == 504
+                error = (await r.json())["error"]
+                assert error["code"] == "timeout" and "--request-timeout" in error["message"]
+            async with http.post("/v1/completions", json={**body, "stream": True}) as r:
+                assert r.status == 200
+                events = await read_sse(r)
+            assert events[-1] == "[DONE]"
+            assert events[-2]["error"]["code"] == "timeout"
+            assert 'status="timeout"' in eng.metrics_text()
+    finally:
+        await eng.shutdown()
+
+
+async def test_an_oversized_body_gets_a_413_naming_the_limit() -> None:
+    eng = Engine(EngineConfig(model="tiny-llama"))
+    await eng.start()
+    try:
+        async with serving(eng) as base, aiohttp.ClientSession(base_url=base) as http:
+            big = b'{"model": "tiny-llama", "prompt": "' + b"a" * (MAX_BODY_BYTES + 1) + b'"}'
+            async with http.post("/v1/completions", data=big, headers={"Content-Type": "application/json"}) as r:
+                assert r.status == 413
+                error = (await r.json())["error"]
+                assert str(MAX_BODY_BYTES) in error["message"]
+    finally:
+        await eng.shutdown()
