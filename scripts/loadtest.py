@@ -24,6 +24,11 @@ the run /metrics settles (polled for `--settle` seconds) to
 `mstar_kv_pages_in_use` 0, `mstar_tensors_held` 0 and
 `mstar_requests_running` 0, with no request finished as `error`.
 
+With a bounded waiting line (`--server-args "--max-waiting-requests N
+--queue-timeout S"`), requests past it get 429; each must carry Retry-After,
+and the client sends the request again after it (at most 5 s), so a refused
+request is delayed, not lost.
+
 The run is bounded: no request starts after `--seconds`, and every request
 in flight is cut at that deadline (it then counts as lost). Prints requests
 per second, latency p50/p99, and the counts of lost requests, 5xx and
@@ -31,6 +36,7 @@ leaked pages; exits 1 if any check fails.
 
     python scripts/loadtest.py                                   # tiny-llama on CPU, the defaults
     python scripts/loadtest.py --url http://127.0.0.1:8000 --requests 50 --disconnects 10 --malformed 20
+    python scripts/loadtest.py --server-args "--max-waiting-requests 50 --queue-timeout 0.2"   # overload: 429s
 """
 
 from __future__ import annotations
@@ -101,6 +107,7 @@ class Outcome:
     latency_s: float = 0.0
     cut: bool = False  # the client closed it mid-stream, as planned
     problem: str = ""
+    refusals: int = 0  # 429/503 answers (each with Retry-After) before it got in
 
 
 @dataclass
@@ -209,6 +216,9 @@ def check_stream(route: str, events: list[Any], max_tokens: int) -> str:
     return ""
 
 
+RETRY_CAP_S = 5.0  # the longest a refused job waits before its next try, whatever Retry-After says
+
+
 def check_error(status: int, text: str, param: str) -> str:
     """'' if a malformed request got a 4xx naming `param`, else what is wrong."""
     if not 400 <= status < 500:
@@ -223,22 +233,39 @@ def check_error(status: int, text: str, param: str) -> str:
 
 
 async def run_job(session: aiohttp.ClientSession, url: str, job: Job, deadline: float) -> Outcome:
-    """Send one job and judge its answer; never raises for its own failures."""
+    """Send one job and judge its answer; never raises for its own failures.
+    A 429 or 503 must carry Retry-After; the job is sent again after it, until
+    the deadline."""
     out = Outcome(job)
     t0 = time.monotonic()
-    timeout = aiohttp.ClientTimeout(total=max(deadline - t0, 0.001))
     try:
-        async with session.post(url + job.route, data=job.body, timeout=timeout,
-                                headers={"Content-Type": "application/json"}) as r:
-            out.status = r.status
-            if job.kind == "malformed":
-                out.problem = check_error(r.status, await r.text(errors="replace"), job.expect_param)
-            elif r.status != 200:
-                out.problem = f"HTTP {r.status}: {(await r.text(errors='replace'))[:200]}"
-            else:
-                events, out.cut = await read_events(r, job.route, job.cut_after)
-                if not out.cut:  # a disconnect whose stream ended first is judged as a whole one
-                    out.problem = check_stream(job.route, events, job.max_tokens)
+        while True:
+            timeout = aiohttp.ClientTimeout(total=max(deadline - time.monotonic(), 0.001))
+            async with session.post(url + job.route, data=job.body, timeout=timeout,
+                                    headers={"Content-Type": "application/json"}) as r:
+                out.status = r.status
+                if r.status in (429, 503):
+                    retry = r.headers.get("Retry-After")
+                    if retry is None or not retry.isdigit():
+                        out.problem = f"HTTP {r.status} without a Retry-After header"
+                        break
+                    out.refusals += 1
+                    await r.read()
+                else:
+                    if job.kind == "malformed":
+                        out.problem = check_error(r.status, await r.text(errors="replace"), job.expect_param)
+                    elif r.status != 200:
+                        out.problem = f"HTTP {r.status}: {(await r.text(errors='replace'))[:200]}"
+                    else:
+                        events, out.cut = await read_events(r, job.route, job.cut_after)
+                        if not out.cut:  # a disconnect whose stream ended first is judged as a whole one
+                            out.problem = check_stream(job.route, events, job.max_tokens)
+                    break
+            wait = min(float(retry), RETRY_CAP_S)
+            if time.monotonic() + wait >= deadline:
+                out.problem = f"still refused ({out.refusals} times) at the deadline"
+                break
+            await asyncio.sleep(wait)
     except (aiohttp.ClientError, TimeoutError, ValueError) as e:
         out.problem = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
     out.latency_s = time.monotonic() - t0
@@ -316,7 +343,8 @@ def report(tally: Tally, before: dict[str, float], after: dict[str, float], own_
     lost = [o for o in streams if not o.cut and o.problem]  # includes planned disconnects that never got to cut
     bad = [o for o in outs if o.job.kind == "malformed"]
     bad_wrong = [o for o in bad if o.problem]
-    five = [o for o in outs if o.status >= 500]
+    five = [o for o in outs if o.status >= 500 and o.status != 503]
+    refused = [o for o in outs if o.refusals]
     lat = [o.latency_s for o in done]
     pages = after.get("mstar_kv_pages_in_use", -1)
     tensors = after.get("mstar_tensors_held", -1)
@@ -332,7 +360,9 @@ def report(tally: Tally, before: dict[str, float], after: dict[str, float], own_
     print(f"lost                {len(lost)}")
     print(f"malformed           {len(bad)}: {len(bad) - len(bad_wrong)} answered 4xx naming the field, "
           f"{len(bad_wrong)} not")
-    print(f"5xx                 {len(five)}")
+    print(f"refused             {sum(o.refusals for o in outs)} answers 429/503 with Retry-After, to "
+          f"{len(refused)} requests, which then retried")
+    print(f"5xx                 {len(five)} (503 with Retry-After counts as refused)")
     print(f"metrics after       kv_pages_in_use {pages:g} (leaked pages), tensors_held {tensors:g}, "
           f"requests_running {running:g}")
     print("requests finished   " + ", ".join(f"{s} {n:g}" for s, n in finished.items()) + " (this run)")

@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 import random
 import sys
+import time
 from argparse import Namespace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 
-from loadtest import check_error, check_stream, make_jobs, parse_metrics, percentile
+import aiohttp
+from aiohttp import web
+from loadtest import Job, check_error, check_stream, make_jobs, parse_metrics, percentile, run_job
 
 
 def _sse(n: int, finish: str = "length") -> list:
@@ -60,3 +63,45 @@ def test_jobs_mix_and_percentile() -> None:
     assert (kinds.count("stream"), kinds.count("disconnect"), kinds.count("malformed")) == (24, 6, 20)
     assert all(1 <= j.max_tokens <= 32 and 0 <= j.cut_after <= j.max_tokens for j in jobs if j.kind == "disconnect")
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.0 and percentile([1.0, 2.0, 3.0, 4.0], 99) == 4.0
+
+
+async def _refusing_server(headers: dict[str, str]):
+    """A server that answers 429 (with `headers`) once, then a proper 400."""
+    calls = []
+
+    async def handle(request: web.Request) -> web.Response:
+        calls.append(1)
+        if len(calls) == 1:
+            return web.json_response({"error": {"message": "busy"}}, status=429, headers=headers)
+        return web.json_response({"error": {"message": "bad", "param": "prompt"}}, status=400)
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    return runner, f"http://{host}:{port}", calls
+
+
+async def test_a_refused_job_waits_retry_after_and_tries_again() -> None:
+    runner, url, calls = await _refusing_server({"Retry-After": "0"})
+    job = Job("malformed", "/v1/completions", b"{}", expect_param="prompt")
+    try:
+        async with aiohttp.ClientSession() as session:
+            out = await run_job(session, url, job, time.monotonic() + 10)
+    finally:
+        await runner.cleanup()
+    assert out.refusals == 1 and out.problem == "" and out.status == 400 and len(calls) == 2
+
+
+async def test_a_429_without_retry_after_is_a_problem() -> None:
+    runner, url, calls = await _refusing_server({})
+    job = Job("malformed", "/v1/completions", b"{}", expect_param="prompt")
+    try:
+        async with aiohttp.ClientSession() as session:
+            out = await run_job(session, url, job, time.monotonic() + 10)
+    finally:
+        await runner.cleanup()
+    assert "Retry-After" in out.problem and len(calls) == 1
