@@ -76,6 +76,21 @@ def check_snake(b: int, c: int, t: int, dtype: torch.dtype, device: str) -> None
     torch.testing.assert_close(got.float(), want, **tol)
 
 
+def check_snake_dwconv(b: int, c: int, t: int, dilation: int, dtype: torch.dtype, device: str) -> None:
+    """Snake then SNAC's depthwise conv (kernel 7, `dilation`, length kept),
+    against the float32 reference on the same rounded inputs; edges included."""
+    gen = torch.Generator().manual_seed(b * 10_000 + c * 100 + t + dilation)
+    x = (torch.randn(b, c, t, generator=gen) * 2).to(device=device, dtype=dtype)
+    alpha = (0.2 + torch.rand(1, c, 1, generator=gen) * 3).to(device=device, dtype=dtype)
+    weight = (torch.randn(c, 1, 7, generator=gen) * 0.3).to(device=device, dtype=dtype)
+    bias = torch.randn(c, generator=gen).to(device=device, dtype=dtype)
+    got = snake.snake_dwconv_triton(x, alpha, weight, bias, dilation)
+    assert got.shape == x.shape and got.dtype == dtype
+    want = snake.snake_dwconv_reference(x.float(), alpha.float(), weight.float(), bias.float(), dilation)
+    tol = {"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 4e-3}
+    torch.testing.assert_close(got.float(), want, **tol)
+
+
 def check_exponential_noise(rows: int, vocab: int, device: str) -> None:
     """The same draws as the int64 reference, up to the last bit of the log:
     seeds and counters beyond 32 bits, negative seeds, a ragged last block."""

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 from kernel_cases import (check_fused_add_rms_norm, check_rms_norm, check_rope_and_store, check_silu_and_mul,
-                          check_exponential_noise, check_snake)
+                          check_exponential_noise, check_snake, check_snake_dwconv)
 
 from mstar.kernels import activation, fused_add_rms_norm, norm, rms_norm, rope_and_store, rope_kv, silu_and_mul
 from mstar.kernels.backend import HAVE_TRITON, block_size, num_warps
@@ -40,6 +40,20 @@ def test_silu_and_mul(t, inter, dtype):
 @pytest.mark.parametrize("b,c,t", [(1, 3, 5), (2, 4, 1500), (3, 64, 2048)])
 def test_snake(b, c, t, dtype):
     check_snake(b, c, t, dtype, "cpu")
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("b,c,t,dilation", [(1, 2, 5, 1), (2, 3, 40, 3), (2, 8, 1100, 9), (1, 4, 9, 9)])
+def test_snake_dwconv(b, c, t, dilation, dtype):
+    check_snake_dwconv(b, c, t, dilation, dtype, "cpu")
+
+
+def test_snake_dwconv_rejects_a_grouped_weight():
+    from mstar.kernels.snake import snake_dwconv_triton
+
+    with pytest.raises(ValueError, match="depthwise"):
+        snake_dwconv_triton(torch.zeros(1, 4, 8), torch.ones(1, 4, 1), torch.zeros(4, 2, 7), None, 1)
 
 
 @interpreted
@@ -135,3 +149,30 @@ def test_num_warps_is_a_power_of_two_at_most_16():
     for elements in (1, 100, 256, 1000, 4096, 1 << 20):
         w = num_warps(elements)
         assert 1 <= w <= 16 and w & (w - 1) == 0
+
+
+@interpreted
+def test_snac_decoder_through_the_fused_kernels_matches_the_reference(monkeypatch):
+    """The residual units' wiring of snake_dwconv (weight, bias, dilation) and
+    snake: a small depthwise SNAC decoded with the Triton path (interpreted)
+    against the torch path, same weights, same seeded noise."""
+    from mstar.kernels import snake as snake_kernels
+    from mstar.models.snac import SnacConfig, load_snac_decoder
+
+    cfg = SnacConfig(sampling_rate=16_000, encoder_dim=8, encoder_rates=(2, 2), decoder_dim=64,
+                     decoder_rates=(2, 2), attn_window_size=None, codebook_size=64, codebook_dim=4,
+                     vq_strides=(2, 1), noise=True, depthwise=True)
+    decoder = load_snac_decoder(None, load_format="dummy", config=cfg)
+    gen = torch.Generator().manual_seed(0)
+    codes = [torch.randint(0, 64, (2, 3 * (2 // s)), generator=gen) for s in cfg.vq_strides]
+    seeds = torch.tensor([5, 6])
+    with torch.no_grad():
+        want = decoder.decode(codes, seeds=seeds)
+        monkeypatch.setattr(snake_kernels, "use_triton", lambda x: True)
+        calls = []
+        fused = snake_kernels.snake_dwconv_triton
+        monkeypatch.setattr(snake_kernels, "snake_dwconv_triton", lambda *a: calls.append(1) or fused(*a))
+        got = decoder.decode(codes, seeds=seeds)
+    assert len(calls) == 3 * len(cfg.decoder_rates)  # every residual unit took the fused kernel
+    assert got.shape == want.shape and want.abs().max() > 0
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -13,6 +13,7 @@ from kernel_cases import (
     check_silu_and_mul,
     check_snake,
     check_exponential_noise,
+    check_snake_dwconv,
     same_on_replay,
 )
 
@@ -49,6 +50,12 @@ def test_rope_and_store(t, hq, hkv, d, dtype, cache_dtype):
 @pytest.mark.parametrize("b,c,t", [(1, 3, 5), (16, 64, 8192), (4, 1024, 16)])
 def test_snake(b, c, t, dtype):
     check_snake(b, c, t, dtype, "cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("b,c,t,dilation", [(1, 2, 5, 1), (16, 64, 8192, 9), (8, 512, 128, 3)])
+def test_snake_dwconv(b, c, t, dilation, dtype):
+    check_snake_dwconv(b, c, t, dilation, dtype, "cuda")
 
 
 @pytest.mark.parametrize("rows,vocab", [(1, 5), (256, 156_940)])

@@ -1,6 +1,7 @@
 """Snake, the periodic activation of SNAC's decoder: x [B, C, T] and a
 per-channel alpha [1, C, 1] in, x + sin(alpha x)^2 / (alpha + eps) out, in
-x's dtype.
+x's dtype. Also snake followed by the depthwise dilated convolution (kernel
+7) that opens each of SNAC's residual units, in one pass.
 
 The torch expression is five passes over the activations (multiply, sine,
 square, scale, add); at hundreds of codec windows per step those passes are
@@ -12,6 +13,7 @@ float32 result than the unfused expression, which rounds after every op.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from mstar.kernels.backend import jit, num_warps, tl, use_triton
 
@@ -62,3 +64,58 @@ def _snake_kernel(x_ptr, alpha_ptr, out_ptr, channels, length, eps, BLOCK: tl.co
     s = tl.sin(a * x)
     y = x + s * s / (a + eps)
     tl.store(out_ptr + row * length + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def snake_dwconv(x: torch.Tensor, alpha: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 dilation: int) -> torch.Tensor:
+    """conv1d(snake(x, alpha), weight, bias) with groups = channels, odd
+    kernel, `dilation`, and the padding that keeps the length."""
+    if use_triton(x) and not torch.is_grad_enabled():
+        return snake_dwconv_triton(x, alpha, weight, bias, dilation)
+    return snake_dwconv_reference(x, alpha, weight, bias, dilation)
+
+
+def snake_dwconv_reference(x: torch.Tensor, alpha: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           dilation: int) -> torch.Tensor:
+    pad = (weight.shape[-1] - 1) * dilation // 2
+    return F.conv1d(snake_reference(x, alpha), weight, bias, padding=pad, dilation=dilation, groups=x.shape[1])
+
+
+def snake_dwconv_triton(x: torch.Tensor, alpha: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        dilation: int) -> torch.Tensor:
+    """One read of x per tap (from cache), one write: the snake's output and
+    the convolution's input are never stored. Padding is zeros after the
+    snake, which is what the padded convolution sees (snake(0) = 0 anyway)."""
+    batch, channels, length = x.shape
+    taps = weight.shape[-1]
+    if weight.shape != (channels, 1, taps) or taps % 2 == 0 or alpha.numel() != channels:
+        raise ValueError(f"snake_dwconv takes a depthwise weight [C, 1, odd k] and alpha [1, C, 1] for "
+                         f"C = {channels}, got {tuple(weight.shape)} and {tuple(alpha.shape)}")
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    if out.numel():
+        b = bias if bias is not None else torch.zeros(channels, dtype=x.dtype, device=x.device)
+        grid = (batch * channels, (length + BLOCK - 1) // BLOCK)
+        _snake_dwconv_kernel[grid](x, alpha.reshape(-1).contiguous(), weight.reshape(channels, taps).contiguous(),
+                                   b.contiguous(), out, channels, length, dilation, ALPHA_EPS, TAPS=taps,
+                                   BLOCK=BLOCK, num_warps=num_warps(BLOCK))
+    return out
+
+
+@jit
+def _snake_dwconv_kernel(x_ptr, alpha_ptr, w_ptr, b_ptr, out_ptr, channels, length, dilation, eps,
+                         TAPS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)   # one (batch, channel) row of T samples
+    c = row % channels
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    a = tl.load(alpha_ptr + c).to(tl.float32)
+    inv = 1.0 / (a + eps)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32) + tl.load(b_ptr + c).to(tl.float32)
+    for k in tl.static_range(TAPS):
+        src = cols + (k - (TAPS - 1) // 2) * dilation
+        valid = (src >= 0) & (src < length)
+        xv = tl.load(x_ptr + row * length + src, mask=valid, other=0.0).to(tl.float32)
+        s = tl.sin(a * xv)
+        w = tl.load(w_ptr + c * TAPS + k).to(tl.float32)
+        acc += w * (xv + s * s * inv)
+    tl.store(out_ptr + row * length + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < length)

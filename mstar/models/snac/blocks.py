@@ -20,7 +20,7 @@ import math
 import torch
 from torch import nn
 
-from mstar.kernels.snake import snake
+from mstar.kernels.snake import snake, snake_dwconv
 
 Device = torch.device | str | None
 DILATIONS = (1, 3, 9)
@@ -48,7 +48,11 @@ class ResidualUnit(nn.Module):
         self.proj = nn.Conv1d(dim, dim, 1, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.proj(self.snake2(self.conv(self.snake1(x))))
+        if self.conv.groups == self.conv.in_channels:  # depthwise (SNAC 24 kHz): snake and conv in one pass
+            h = snake_dwconv(x, self.snake1.alpha, self.conv.weight, self.conv.bias, self.conv.dilation[0])
+        else:
+            h = self.conv(self.snake1(x))
+        y = self.proj(self.snake2(h))
         # y is this unit's own temporary: add the input into it instead of a third buffer
         return y.add_(x) if not torch.is_grad_enabled() else x + y
 
