@@ -135,3 +135,13 @@ class StepGate:
         if getattr(report, "emits", None):
             self.processed[self.reports].set()
             self.reports += 1
+
+
+class Hold:
+    """A fake component's gate that holds every step until released."""
+
+    def __init__(self) -> None:
+        self.released = threading.Event()
+
+    def __call__(self, n: int) -> None:
+        assert self.released.wait(timeout=30)

@@ -5,27 +5,16 @@ answers 503."""
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import aiohttp
 import pytest
 
-from fake_model import FakeModel
+from fake_model import FakeModel, Hold
 from http_support import serving
 from mstar.config import EngineConfig
 from mstar.engine.engine import Engine
 from mstar.errors import RequestError
 from mstar.types import GenerateRequest, SamplingParams
-
-
-class Hold:
-    """Holds every step of the fake counter until released."""
-
-    def __init__(self) -> None:
-        self.released = threading.Event()
-
-    def __call__(self, n: int) -> None:
-        assert self.released.wait(timeout=30)
 
 
 async def test_a_full_waiting_line_answers_429_after_the_queue_timeout() -> None:

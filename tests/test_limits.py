@@ -5,26 +5,15 @@ past the server's size limit gets a 413 that names the limit."""
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import aiohttp
 
-from fake_model import FakeModel
+from fake_model import FakeModel, Hold
 from http_support import read_sse, serving
 from mstar.config import EngineConfig
 from mstar.engine.engine import Engine
 from mstar.http.server import MAX_BODY_BYTES
 from mstar.types import GenerateRequest, SamplingParams
-
-
-class Hold:
-    """Holds every step of the fake counter until released."""
-
-    def __init__(self) -> None:
-        self.released = threading.Event()
-
-    def __call__(self, n: int) -> None:
-        assert self.released.wait(timeout=30)
 
 
 async def test_a_request_past_its_timeout_ends_and_frees_everything() -> None:

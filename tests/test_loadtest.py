@@ -85,23 +85,22 @@ async def _refusing_server(headers: dict[str, str]):
     return runner, f"http://{host}:{port}", calls
 
 
-async def test_a_refused_job_waits_retry_after_and_tries_again() -> None:
-    runner, url, calls = await _refusing_server({"Retry-After": "0"})
+async def _send_once(headers: dict[str, str]):
+    """A malformed job against the refusing server: its outcome and how many calls it took."""
+    runner, url, calls = await _refusing_server(headers)
     job = Job("malformed", "/v1/completions", b"{}", expect_param="prompt")
     try:
         async with aiohttp.ClientSession() as session:
-            out = await run_job(session, url, job, time.monotonic() + 10)
+            return await run_job(session, url, job, time.monotonic() + 10), len(calls)
     finally:
         await runner.cleanup()
-    assert out.refusals == 1 and out.problem == "" and out.status == 400 and len(calls) == 2
+
+
+async def test_a_refused_job_waits_retry_after_and_tries_again() -> None:
+    out, calls = await _send_once({"Retry-After": "0"})
+    assert out.refusals == 1 and out.problem == "" and out.status == 400 and calls == 2
 
 
 async def test_a_429_without_retry_after_is_a_problem() -> None:
-    runner, url, calls = await _refusing_server({})
-    job = Job("malformed", "/v1/completions", b"{}", expect_param="prompt")
-    try:
-        async with aiohttp.ClientSession() as session:
-            out = await run_job(session, url, job, time.monotonic() + 10)
-    finally:
-        await runner.cleanup()
-    assert "Retry-After" in out.problem and len(calls) == 1
+    out, calls = await _send_once({})
+    assert "Retry-After" in out.problem and calls == 1
