@@ -10,7 +10,7 @@
 #   scripts/gpu_check.sh orpheus    Orpheus GPU tests, then where a speech step's time goes
 #   scripts/gpu_check.sh tts        the speech benchmark (scripts/bench_tts.py; $TTS_ARGS adds flags,
 #                                   $TTS_SERVER_ARGS the server's)
-#   scripts/gpu_check.sh speech     orpheus, then tts
+#   scripts/gpu_check.sh speech     orpheus, then tts at the documented configuration (one call, ~8 min)
 #   scripts/gpu_check.sh pagesize   the attention page-size measurement
 #   scripts/gpu_check.sh all        tests and bench (default)
 # FlashInfer compiles its kernels on first use into ~/.cache/flashinfer; a
@@ -35,6 +35,13 @@ t0=$SECONDS
 python3 -c 'import torch; from mstar.engine.flashinfer_attention import build_kernels; build_kernels(torch.bfloat16, 128)' \
   2>&1 | tail -20 | tee "$OUT/jit.txt"
 echo "FlashInfer JIT build: $((SECONDS - t0)) s" | tee -a "$OUT/jit.txt"
+
+if [[ $what == speech ]]; then  # the measured configuration of docs/benchmarks/tts.md, unless told otherwise
+  : "${PROFILE_ARGS:=--concurrency 1 256 --tokens 256}"
+  : "${TTS_ARGS:=--concurrency 1 16 64 256 384 --requests-per-client 1}"
+  : "${TTS_SERVER_ARGS:=--max-num-seqs 512 --cuda-graph-max-batch 512}"
+  : "${TTS_TIMEOUT:=420}"
+fi
 
 rc=0
 if [[ $what == tests || $what == all ]]; then

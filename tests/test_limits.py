@@ -80,3 +80,17 @@ async def test_an_oversized_body_gets_a_413_naming_the_limit() -> None:
                 assert str(MAX_BODY_BYTES) in error["message"]
     finally:
         await eng.shutdown()
+
+
+def test_request_timeout_flag() -> None:
+    from mstar.config import parse_args
+    from mstar.errors import ConfigError
+
+    assert parse_args([]).engine.request_timeout == 600.0
+    assert parse_args(["--request-timeout", "0"]).engine.request_timeout == 0.0
+    try:
+        parse_args(["--request-timeout", "-1"])
+    except ConfigError as e:
+        assert "--request-timeout" in str(e)
+    else:
+        raise AssertionError("a negative timeout must be refused")
