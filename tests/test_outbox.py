@@ -8,7 +8,8 @@ import torch
 
 from mstar.engine.backends import halfway_buckets
 from mstar.engine.messages import EmitBatch, Finished, StepReport
-from mstar.engine.outbox import Outbox, to_host
+from mstar.engine.outbox import Outbox
+from mstar.engine.transfer import to_device, to_host
 
 
 class FakeEvent:
@@ -66,6 +67,11 @@ def test_cpu_rows_need_no_copy() -> None:
     assert host is rows and ready is None
     listed, ready = to_host([rows[0], rows[1]])
     assert ready is None and len(listed) == 2
+
+
+def test_to_device_on_the_cpu_is_a_plain_move() -> None:
+    t = torch.arange(3)
+    assert torch.equal(to_device(t, "cpu"), t)
 
 
 def test_halfway_buckets() -> None:

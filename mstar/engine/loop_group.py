@@ -24,6 +24,7 @@ import torch
 
 from mstar.engine.rows import PartitionRun
 from mstar.engine.sampler import SamplingTensors
+from mstar.engine.transfer import to_device
 from mstar.graph import Loop
 
 _NO_CAP = 2**62
@@ -270,7 +271,7 @@ class LoopGroup:
         self.rows = [r for i, r in enumerate(self.rows) if i not in gone]
         self.request_ids = [r.request_id for r in self.rows]
         self.partitions = [r.name for r in self.rows]
-        dev_kept = kept.to(self.device)
+        dev_kept = to_device(kept, self.device)
         self.tokens = self.tokens[dev_kept]
         self.kv_lens, self.counts, self.caps = self.kv_lens[kept], self.counts[kept], self.caps[kept]
         self.counters = self.counters[kept]

@@ -52,31 +52,3 @@ class Outbox:
                 report.emits.append(item)
             else:
                 report.finished.append(item)
-
-
-def to_host(rows: torch.Tensor | list[torch.Tensor]) -> tuple[torch.Tensor | list[torch.Tensor],
-                                                              torch.cuda.Event | None]:
-    """Rows copied to the host without blocking: (host rows, the copy's event);
-    on the CPU the rows themselves and None."""
-    if isinstance(rows, list):
-        if not rows or rows[0].device.type != "cuda":
-            return rows, None
-        host = [torch.empty(r.shape, dtype=r.dtype, pin_memory=True).copy_(r, non_blocking=True) for r in rows]
-    else:
-        if rows.device.type != "cuda":
-            return rows, None
-        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True).copy_(rows, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record()
-    return host, ready
-
-
-def select_rows(data: torch.Tensor, index: list[int]) -> torch.Tensor:
-    """`data[index]` without a blocking copy: a Python list index becomes a
-    pageable host tensor, and copying that to the device waits for the stream."""
-    if len(index) == data.shape[0]:
-        return data
-    idx = torch.tensor(index, dtype=torch.long)
-    if data.device.type == "cuda":
-        idx = idx.pin_memory().to(data.device, non_blocking=True)
-    return data.index_select(0, idx)

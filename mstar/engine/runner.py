@@ -25,6 +25,7 @@ from mstar.engine.mode_graphs import ModeGraphs
 from mstar.engine.rows import PartitionRun
 from mstar.engine.sampler import SamplingTensors, sample
 from mstar.engine.tensor_store import TensorRef, TensorStore
+from mstar.engine.transfer import to_device
 from mstar.graph import Component, Step
 from mstar.scheduler import Batch, WorkItem
 from mstar.types import TokenBatch
@@ -176,15 +177,16 @@ class ComponentRunner:
             graphs = self.mode_graphs.get(step.mode)
             out = graphs.run(stacked, seeds) if graphs is not None else None
             if out is None:
-                out = self._call(fn, [t.to(self.device) for t in stacked], seeds)
+                out = self._call(fn, stacked, seeds)
             return self._name_outputs(step, out)
-        outs = [self._name_outputs(step, self._call(fn, [ts[i].unsqueeze(0).to(self.device) for ts in rows.values()],
+        outs = [self._name_outputs(step, self._call(fn, [ts[i].unsqueeze(0) for ts in rows.values()],
                                                     None if seeds is None else seeds[i:i + 1]))
                 for i in range(len(items))]
         return {n: [o[n][0] for o in outs] for n in step.outputs}
 
     def _call(self, fn: Callable, args: list[torch.Tensor], seeds: torch.Tensor | None):
-        return fn(*args) if seeds is None else fn(*args, seeds=seeds.to(self.device))
+        args = [to_device(a, self.device) for a in args]
+        return fn(*args) if seeds is None else fn(*args, seeds=to_device(seeds, self.device))
 
     def _timed(self, fn: Callable) -> Callable:
         """`fn`, adding its run time to `device_s` on the CPU, where compute is

@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from mstar.engine.transfer import to_device
 from mstar.kernels.noise import exponential_noise, mix32, random_bits, row_keys
 from mstar.types import SamplingParams
 
@@ -42,7 +43,7 @@ class SamplingTensors:
         sampled = [p for p in params if p.temperature > 0]
 
         def col(values: list, dtype: torch.dtype) -> Tensor:
-            return torch.tensor(values, dtype=dtype, device=device)
+            return to_device(torch.tensor(values, dtype=dtype), device)
 
         return cls(
             temperature=col([p.temperature for p in params], torch.float32),

@@ -27,10 +27,11 @@ from mstar.engine.backends import attention_backend, decode_graphs, mode_graphs
 from mstar.engine.kv_cache import KVCache
 from mstar.engine.memory import kv_cache_log_fields, kv_cache_pages
 from mstar.engine.loop_group import LoopGroup, Pending
-from mstar.engine.outbox import Outbox, select_rows, to_host
+from mstar.engine.outbox import Outbox
 from mstar.engine.profiling import WorkerProfiler
 from mstar.engine.messages import Abort, EmitBatch, Finished, Profile, Shutdown, Stop, StepReport, Submit
 from mstar.engine.runner import ComponentRunner, StepOutput
+from mstar.engine.transfer import select_rows, to_host
 from mstar.engine.tensor_store import TensorRef, TensorStore
 from mstar.engine.walker import Walker
 from mstar.models.base import Model
