@@ -8,7 +8,7 @@ per wall second, the share of sampled tokens that were audio ids, and per
 the share of the worker's time. With `--trace S`, S seconds of torch
 profiler in each level (from `--trace-after` seconds in) print the worker's phases
 (the `mstar.*` ranges: CPU time and the device time of what they launched)
-and the top CUDA kernels.
+and the top CUDA kernels. A short warm-up level runs first, uncounted.
 
     python scripts/profile_tts.py --concurrency 1 64 256 --tokens 512
     python scripts/profile_tts.py --model orpheus-tiny --devices cpu --concurrency 2 --tokens 70
@@ -104,7 +104,9 @@ async def main(a: argparse.Namespace) -> None:
                               scheduler=SchedulerConfig(max_num_seqs=max(a.concurrency))))
     await eng.start()
     try:
-        for i, c in enumerate(a.concurrency):
+        # not counted: first uses compile the Triton kernels and warm the allocators
+        await level(eng, 2, min(a.tokens, 64), 0.0, 0.0)
+        for c in a.concurrency:
             show(await level(eng, c, a.tokens, a.trace, a.trace_after), a.tokens)
     finally:
         await eng.shutdown()
