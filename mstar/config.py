@@ -21,6 +21,10 @@ class SchedulerConfig:
     num_pages: int | None = None        # None: sized from kv_cache_memory
     kv_cache_memory: float = 0.25       # GiB per KV component when num_pages is None (CPU)
     gpu_memory_utilization: float = 0.9
+    # "request": a request's first step reserves pages for its prompt plus max_tokens, so a running
+    # request never runs short; "lazy": pages are taken as tokens arrive, and when the pool runs
+    # dry the youngest running rows are preempted (their KV swapped to host memory) and resumed later
+    kv_reservation: str = "request"
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-pages", type=int, default=None, help="KV pages per KV component (default: from memory)")
     p.add_argument("--kv-cache-memory", type=float, default=0.25, help="GiB of KV cache on CPU")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--kv-reservation", choices=("request", "lazy"), default="request",
+                   help="request: reserve prompt + max_tokens pages at the start; lazy: take pages as tokens "
+                        "arrive, and preempt (swap out) the youngest rows when they run out")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="requests waiting to start; a new one past this waits --queue-timeout, then gets 429")
@@ -134,6 +141,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         num_pages=a.num_pages,
         kv_cache_memory=a.kv_cache_memory,
         gpu_memory_utilization=a.gpu_memory_utilization,
+        kv_reservation=a.kv_reservation,
     )
     engine = EngineConfig(
         model=a.model,

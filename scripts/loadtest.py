@@ -364,7 +364,8 @@ def report(tally: Tally, before: dict[str, float], after: dict[str, float], own_
           f"{len(refused)} requests, which then retried")
     print(f"5xx                 {len(five)} (503 with Retry-After counts as refused)")
     print(f"metrics after       kv_pages_in_use {pages:g} (leaked pages), tensors_held {tensors:g}, "
-          f"requests_running {running:g}")
+          f"requests_running {running:g}; preemptions "
+          f"{after.get('mstar_preemptions_total', 0) - before.get('mstar_preemptions_total', 0):g} (this run)")
     print("requests finished   " + ", ".join(f"{s} {n:g}" for s, n in finished.items()) + " (this run)")
     for label, group in (("lost", lost), ("malformed", bad_wrong)):
         for o in group[:5]:

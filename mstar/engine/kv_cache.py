@@ -68,3 +68,34 @@ class KVCache:
         s = self.spec
         return (f"KVCache(layers={s.num_layers}, pages={self.num_pages}, page_size={self.page_size}, "
                 f"kv_heads={s.num_kv_heads}, head_dim={s.head_dim}, {self.dtype}, {self.device})")
+
+    def swap_out(self, pages: list[int]) -> "SwappedKV":
+        """Copy `pages` (every layer, K and V) to host memory, queued on the
+        current stream behind the steps that wrote them; the pages may be
+        reused by any step queued after this call."""
+        idx = torch.tensor(pages, dtype=torch.long)
+        dev_idx = idx.to(self.device)
+        host = []
+        for k, v in zip(self.k, self.v):
+            for t in (k, v):
+                rows = t.index_select(0, dev_idx)
+                buf = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=self.device.type == "cuda")
+                host.append(buf.copy_(rows, non_blocking=True))
+        return SwappedKV(host, len(pages))
+
+    def swap_in(self, swapped: "SwappedKV", pages: list[int]) -> None:
+        """Write what `swap_out` saved into `pages` (as many as were saved)."""
+        if len(pages) != swapped.num_pages:
+            raise ValueError(f"{swapped.num_pages} pages were swapped out, {len(pages)} given back")
+        dev_idx = torch.tensor(pages, dtype=torch.long).to(self.device)
+        tensors = [t for pair in zip(self.k, self.v) for t in pair]
+        for t, saved in zip(tensors, swapped.host):
+            t.index_copy_(0, dev_idx, saved.to(self.device, non_blocking=True))
+
+
+class SwappedKV:
+    """A preempted row's KV pages in host memory (page-locked on CUDA)."""
+
+    def __init__(self, host: list[torch.Tensor], num_pages: int) -> None:
+        self.host = host
+        self.num_pages = num_pages

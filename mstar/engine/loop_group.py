@@ -87,6 +87,7 @@ class LoopGroup:
         self.tokens = torch.empty(0, dtype=torch.long, device=device)
         self.kv_lens = torch.empty(0, dtype=torch.long)
         self.block_table = torch.empty(0, 1, dtype=torch.long)
+        self.page_counts = torch.empty(0, dtype=torch.long)  # pages each row owns (its block table's width)
         self.counts = torch.empty(0, dtype=torch.long)
         self.caps = torch.empty(0, dtype=torch.long)
         self.stop_table = torch.full((0, 1), -1, dtype=torch.long)
@@ -137,6 +138,7 @@ class LoopGroup:
         self.counts = torch.cat([self.counts, torch.tensor([j.count for j in joins], dtype=torch.long)])
         self.caps = torch.cat([self.caps, torch.tensor([j.cap for j in joins], dtype=torch.long)])
         self.block_table = _cat_padded(self.block_table, [p.pages for p in parts], 0)
+        self.page_counts = torch.cat([self.page_counts, torch.tensor([len(p.pages) for p in parts], dtype=torch.long)])
         self.stop_table = _cat_padded(self.stop_table, [j.stop_ids for j in joins], -1)
         self.counters = torch.cat([self.counters, torch.tensor([p.generated for p in parts], dtype=torch.long)])
         for p in parts:
@@ -169,6 +171,37 @@ class LoopGroup:
         stop = min(n, start + max_rows)
         self._offset = 0 if stop == n else stop
         return slice(start, stop)
+
+    # ---------------------------------------------------------- KV pages
+
+    def short_of_pages(self, page_size: int) -> list[int]:
+        """Rows whose pages cannot hold the token the next step writes (at
+        position kv_lens, which counts the steps launched already)."""
+        self._merge()
+        return (self.kv_lens >= self.page_counts * page_size).nonzero().flatten().tolist()
+
+    def add_page(self, i: int, page: int) -> None:
+        """Row `i` owns one more page, at the end of its block table."""
+        part = self.rows[i]
+        part.pages.append(page)
+        n = int(self.page_counts[i])
+        if n >= self.block_table.shape[1]:
+            pad = torch.zeros(self.block_table.shape[0], n + 1 - self.block_table.shape[1], dtype=torch.long)
+            self.block_table = torch.cat([self.block_table, pad], 1)
+        self.block_table[i, n] = page
+        self.page_counts[i] = n + 1
+
+    def evict(self, i: int) -> Leave:
+        """Take row `i` out with its state exact, to be resumed later (the
+        caller has read every launched step: nothing of the row is in
+        flight). Its pages stay with the row; the caller frees them."""
+        part = self.rows[i]
+        part.kv_tokens = int(self.kv_lens[i])
+        part.generated = int(self.counters[i])
+        part.writes[self.loop.value] = int(self.counts[i])
+        token = self.tokens[i].clone()
+        self._drop([i], self.seq)
+        return Leave(part, token, "preempt")
 
     def sampling_for(self, sl: slice) -> SamplingTensors:
         assert self.sampling is not None
@@ -276,6 +309,7 @@ class LoopGroup:
         self.kv_lens, self.counts, self.caps = self.kv_lens[kept], self.counts[kept], self.caps[kept]
         self.counters = self.counters[kept]
         self.block_table, self.stop_table = self.block_table[kept], self.stop_table[kept]
+        self.page_counts = self.page_counts[kept]
         if not self.rows:  # start afresh: no flags or penalty rows linger
             self.sampling, self.seen = None, None
         if self.sampling is not None:

@@ -87,6 +87,7 @@ class EngineMetrics:
         waiting = sum(w.scheduler.num_waiting() for w in workers if hasattr(w, "scheduler"))
         pools = [((("device", w.name), ("component", c)), p) for w in workers for c, p in list(w.pools.items())]
         dropped = outputs_dropped + sum(w.stats.cancelled_steps + w.stats.dropped_rows for w in workers)
+        preempted = sum(w.preemption.preempted for w in workers if getattr(w, "preemption", None) is not None)
         parts = [
             family("mstar_requests_total", "counter", "Requests finished, by final status.",
                    [((("status", s),), n) for s, n in self.requests.items()]),
@@ -103,6 +104,8 @@ class EngineMetrics:
             family("mstar_speculative_steps_dropped_total", "counter",
                    "Speculative work thrown away: cancelled queued steps, dead rows of launched steps, "
                    "outputs the engine dropped.", [((), dropped)]),
+            family("mstar_preemptions_total", "counter",
+                   "Running rows swapped out for lack of KV pages (--kv-reservation lazy).", [((), preempted)]),
             family("mstar_kv_pages_in_use", "gauge", "KV cache pages held by requests.",
                    [(labels, p.num_used) for labels, p in pools]),
             family("mstar_kv_pages_total", "gauge", "KV cache pages in the pool.",

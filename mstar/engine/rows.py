@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mstar.engine.kv_cache import SwappedKV
 from mstar.engine.tensor_store import TensorRef
 from mstar.graph import Loop, PartitionPlan, Step, WalkPlan
 from mstar.types import SamplingParams
@@ -50,6 +51,7 @@ class PartitionRun:
     kv_component: str | None = None
     generated: int = 0              # tokens sampled so far (the sampler's draw counter)
     seen: torch.Tensor | None = None  # [vocab] bool, for the repetition penalty
+    swapped: SwappedKV | None = None  # preempted: its KV pages, in host memory until it resumes
     # stream consumer state
     items: list[StreamItem] = field(default_factory=list)
     item_base: int = 0              # stream index of items[0]

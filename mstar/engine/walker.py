@@ -16,6 +16,7 @@ import torch
 
 from mstar.engine.loop_group import Leave, LoopGroup
 from mstar.engine.messages import Finished, Submit
+from mstar.engine.kv_cache import SwappedKV
 from mstar.engine.rows import PartitionRun, RequestRun, StreamItem
 from mstar.engine.tensor_store import TensorRef, TensorStore
 from mstar.graph import EosToken, Loop, MaxSteps, MaxTokens, Step, StopRule, TokenIn
@@ -29,9 +30,12 @@ def _rules(rule: StopRule | None) -> tuple[StopRule, ...]:
 class Walker:
     def __init__(self, store: TensorStore, scheduler: Scheduler, pools: dict[str, PagePool],
                  max_model_len: int, on_finish: Callable[[Finished], None],
-                 token_loops: set[str] = frozenset(), device: torch.device | None = None) -> None:
+                 token_loops: set[str] = frozenset(), device: torch.device | None = None,
+                 lazy_pages: bool = False) -> None:
         """`token_loops`: KV components that sample; their decode loops run
-        as `LoopGroup`s on `device`."""
+        as `LoopGroup`s on `device`. `lazy_pages`: a request's first step
+        takes pages for its prompt only, and a group row gets more as it
+        grows (the worker's `_grow`), instead of all of them up front."""
         self.store = store
         self.scheduler = scheduler
         self.pools = pools
@@ -39,6 +43,7 @@ class Walker:
         self.on_finish = on_finish
         self.token_loops = token_loops
         self.device = device or torch.device("cpu")
+        self.lazy_pages = lazy_pages
         self.runs: dict[str, RequestRun] = {}
         self.groups: dict[tuple[str, str, int], LoopGroup] = {}
 
@@ -112,7 +117,7 @@ class Walker:
         """Tokens a KV partition will append after its first step: the cap of
         the loop that follows, so admission reserves the whole request once."""
         nxt = part.plan.nodes[part.cursor + 1] if part.cursor + 1 < len(part.plan.nodes) else None
-        if not isinstance(nxt, Loop):
+        if not isinstance(nxt, Loop) or self.lazy_pages:
             return 0
         return self._cap(part, nxt) or 0
 
@@ -127,7 +132,7 @@ class Walker:
         cap = self._cap(part, loop)
         count = part.writes.get(loop.value, 0)
         pool = self.pools[step.component]
-        if cap is None or pool.pages_for(part.kv_tokens + cap - count) > len(part.pages):
+        if cap is None or (not self.lazy_pages and pool.pages_for(part.kv_tokens + cap - count) > len(part.pages)):
             return False
         key = (part.request.walk.name, part.name, part.cursor)
         group = self.groups.get(key)
@@ -154,6 +159,23 @@ class Walker:
             elif isinstance(rule, TokenIn) and not part.request.sampling.ignore_eos:
                 ids += rule.ids
         return ids
+
+    def preempted(self, leave: Leave, swapped: SwappedKV) -> None:
+        """A group row was preempted (its pages freed, its KV in `swapped`):
+        it waits in its loop's queue for as many pages, then resumes."""
+        part = leave.part
+        part.swapped = swapped
+        part.values[part.node().value] = TensorRef(self.store.put(leave.token, (part.request_id,)))
+        part.busy = True
+        step = part.current_step()
+        self.scheduler.add(WorkItem(part.request_id, part.name, step.component, step.mode, 1, swapped.num_pages,
+                                    payload=(part, {})))
+
+    def resume(self, part: PartitionRun) -> None:
+        """A preempted row has its pages and KV back: into its group again."""
+        part.swapped = None
+        part.busy = False
+        self._advance(part)
 
     def left_group(self, leave: Leave) -> None:
         """A row's loop stopped inside its group: move it on like any row."""

@@ -28,6 +28,7 @@ from mstar.engine.kv_cache import KVCache
 from mstar.engine.memory import kv_cache_log_fields, kv_cache_pages
 from mstar.engine.loop_group import LoopGroup, Pending
 from mstar.engine.outbox import Outbox
+from mstar.engine.preemption import Preemption
 from mstar.engine.profiling import WorkerProfiler
 from mstar.engine.messages import Abort, EmitBatch, Finished, Profile, Shutdown, Stop, StepReport, Submit
 from mstar.engine.runner import ComponentRunner, StepOutput
@@ -142,8 +143,11 @@ class DeviceWorker:
                 caps[(name, mode)] = ModeCaps(cfg.max_num_seqs, cfg.max_num_batched_tokens)
         self.scheduler = Scheduler(caps, self.pools)
         token_loops = {n for n, spec in self.model.components.items() if spec.kv_cache and spec.samples}
+        lazy = cfg.kv_reservation == "lazy"
         self.walker = Walker(self.store, self.scheduler, self.pools, self.model.max_model_len, self._finished,
-                             token_loops, self.device)
+                             token_loops, self.device, lazy_pages=lazy)
+        caches = {name: r.kv for name, r in self.runners.items() if r.kv is not None}
+        self.preemption = Preemption(self.pools, caches, self.walker, self._settle) if lazy else None
 
     def _dtype(self) -> torch.dtype:
         names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -267,6 +271,10 @@ class DeviceWorker:
                 part.pages.extend(item.pages)
                 part.kv_component = item.component
                 item.pages = []
+        if self.preemption is not None:
+            batch.items = self.preemption.resume(batch.items)
+            if not batch.items:
+                return
         try:
             with torch.profiler.record_function(f"mstar.{batch.component}.{batch.mode}"):
                 out = self.runners[batch.component].run(batch)
@@ -293,6 +301,8 @@ class DeviceWorker:
         and on CUDA the next step is prepared while the previous one runs.
         No per-row work but for rows that stop (and rows feeding a stream)."""
         runner = self.runners[group.component]
+        if self.preemption is not None:
+            self.preemption.grow(group)  # may read the launched steps first
         prev = self._inflight.get(group)
         t0 = time.perf_counter()
         sl = group.window(self.config.scheduler.max_num_seqs)
