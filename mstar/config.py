@@ -15,7 +15,7 @@ DEFAULT_MODEL = "tiny-llama"
 class SchedulerConfig:
     """Per-mode caps of one step and the paged KV cache geometry."""
 
-    max_num_seqs: int = 256            # rows in one step
+    max_num_seqs: int = 256            # rows in one step, and running rows per KV component
     max_num_batched_tokens: int = 8192  # packed tokens in one step
     page_size: int = 16                 # tokens per KV page
     num_pages: int | None = None        # None: sized from kv_cache_memory

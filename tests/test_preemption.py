@@ -50,6 +50,7 @@ async def _run(model: str, reservation: str, pages: int, n: int, tokens: int,
                 break
             await asyncio.sleep(0.01)
         assert eng.workers[0].pages_in_use() == {"llm": 0}
+        assert eng.workers[0].scheduler.running == {"llm": 0}
         assert len(eng.store) == 0 and not eng.workers[0].scheduler.has_work()
         return out, eng
     finally:
@@ -105,3 +106,34 @@ def test_swap_round_trip_moves_pages() -> None:
 def test_kv_reservation_flag() -> None:
     assert parse_args([]).engine.scheduler.kv_reservation == "request"
     assert parse_args(["--kv-reservation", "lazy"]).engine.scheduler.kv_reservation == "lazy"
+
+
+async def test_running_rows_are_capped_at_max_num_seqs() -> None:
+    """Past max_num_seqs running rows, a new request waits for a slot instead
+    of slowing every running one down."""
+    eng = Engine(EngineConfig(model="tiny-llama", max_model_len=MAX_LEN,
+                              scheduler=SchedulerConfig(max_num_seqs=2, page_size=PAGE)))
+    widest = 0
+
+    def watch(report) -> None:
+        nonlocal widest
+        if report.mode == "decode":
+            widest = max(widest, report.rows)
+            assert eng.workers[0].scheduler.running["llm"] <= 2
+
+    eng.add_report_hook(watch)
+    await eng.start()
+    try:
+        sp = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+
+        async def one(i: int) -> int:
+            n = 0
+            async for c in eng.submit(GenerateRequest(f"r{i}", "tiny-llama", {"prompt_ids": [3 + i, 4, 5]}, sp)):
+                n += len(c.token_ids)
+            return n
+
+        assert await asyncio.gather(*[one(i) for i in range(6)]) == [20] * 6
+        assert widest == 2
+        assert eng.workers[0].scheduler.running == {"llm": 0}
+    finally:
+        await eng.shutdown()

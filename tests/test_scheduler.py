@@ -82,3 +82,16 @@ def test_a_row_larger_than_the_pool_is_refused_at_once() -> None:
     s = _sched(pages=2)
     with pytest.raises(ValueError):
         s.add(WorkItem("a", "llm", "llm", "prefill", num_tokens=40, pages_needed=10))
+
+
+def test_rows_that_would_start_past_max_running_wait() -> None:
+    caps = {("llm", "prefill"): ModeCaps(8, 64)}
+    s = Scheduler(caps, {"llm": PagePool(16, page_size=4)}, max_running={"llm": 2})
+    for i in range(3):
+        s.add(WorkItem(f"p{i}", "llm", "llm", "prefill", num_tokens=4, pages_needed=1, starts_row=True))
+    b = s.schedule()
+    assert b is not None and [i.request_id for i in b.items] == ["p0", "p1"] and s.running["llm"] == 2
+    assert s.schedule() is None  # p2 waits for a running row to end, though pages are free
+    s.row_ended("llm")
+    b = s.schedule()
+    assert b is not None and [i.request_id for i in b.items] == ["p2"] and s.running["llm"] == 2

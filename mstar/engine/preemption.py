@@ -58,6 +58,7 @@ class Preemption:
         part = leave.part
         swapped = self.caches[group.component].swap_out(part.pages)
         self.pools[group.component].free(part.pages)
+        self.walker.scheduler.row_ended(group.component)
         part.pages = []
         self.preempted += 1
         self.walker.preempted(leave, swapped)

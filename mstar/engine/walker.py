@@ -111,7 +111,7 @@ class Walker:
             pages = max(0, pool.pages_for(min(total, self.max_model_len)) - len(part.pages))
         part.busy = True
         self.scheduler.add(WorkItem(rid, part.name, step.component, step.mode, num_tokens, pages,
-                                    payload=(part, inputs)))
+                                    payload=(part, inputs), starts_row=pool is not None and not part.pages))
 
     def _reserve(self, part: PartitionRun) -> int:
         """Tokens a KV partition will append after its first step: the cap of
@@ -169,7 +169,7 @@ class Walker:
         part.busy = True
         step = part.current_step()
         self.scheduler.add(WorkItem(part.request_id, part.name, step.component, step.mode, 1, swapped.num_pages,
-                                    payload=(part, {})))
+                                    payload=(part, {}), starts_row=True))
 
     def resume(self, part: PartitionRun) -> None:
         """A preempted row has its pages and KV back: into its group again."""
@@ -386,6 +386,7 @@ class Walker:
     def _free_pages(self, part: PartitionRun) -> None:
         if part.pages and part.kv_component is not None:
             self.pools[part.kv_component].free(part.pages)
+            self.scheduler.row_ended(part.kv_component)
         part.pages = []
 
     def stop(self, request_id: str, partition: str) -> int:

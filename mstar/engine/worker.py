@@ -141,7 +141,8 @@ class DeviceWorker:
                                                      mode_graphs=graphs_by_mode)
             for mode in spec.modes:
                 caps[(name, mode)] = ModeCaps(cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        self.scheduler = Scheduler(caps, self.pools)
+        # a request that starts decoding beyond max_num_seqs running rows waits its turn
+        self.scheduler = Scheduler(caps, self.pools, max_running=dict.fromkeys(self.pools, cfg.max_num_seqs))
         token_loops = {n for n, spec in self.model.components.items() if spec.kv_cache and spec.samples}
         lazy = cfg.kv_reservation == "lazy"
         self.walker = Walker(self.store, self.scheduler, self.pools, self.model.max_model_len, self._finished,

@@ -6,7 +6,10 @@ is the one whose oldest item has waited longest, so prefills of new requests
 and decode steps of running ones take turns in arrival order. Within a queue,
 items are taken in FIFO order until a cap is reached or an item cannot get its
 pages; an item that cannot get pages waits at the head of its queue (nothing
-behind it in that queue jumps ahead, so large requests are not starved).
+behind it in that queue jumps ahead, so large requests are not starved). A KV
+component has at most `max_running` running rows (rows holding pages): an
+item that would start one more waits the same way, so under overload new
+requests queue instead of slowing every running stream down.
 
 A standing group (rows that step together until each stops, like a decode
 loop held as tensors) takes part in the same order as one queue: it holds a
@@ -31,9 +34,12 @@ class StandingGroup(Protocol):
 
 
 class Scheduler:
-    def __init__(self, caps: dict[QueueKey, ModeCaps], pools: dict[str, PagePool] | None = None) -> None:
+    def __init__(self, caps: dict[QueueKey, ModeCaps], pools: dict[str, PagePool] | None = None,
+                 max_running: dict[str, int] | None = None) -> None:
         self.caps = dict(caps)
         self.pools = dict(pools or {})
+        self.max_running = dict(max_running or {})
+        self.running: dict[str, int] = dict.fromkeys(self.pools, 0)  # rows holding pages, per KV component
         self._queues: dict[QueueKey, deque[WorkItem]] = {k: deque() for k in self.caps}
         self._groups: list[tuple[QueueKey, StandingGroup]] = []
         self._tickets = itertools.count()
@@ -79,6 +85,10 @@ class Scheduler:
                 self._queues[key] = keep
         return removed
 
+    def row_ended(self, component: str) -> None:
+        """A running row of `component` gave its pages back (finished, or preempted)."""
+        self.running[component] -= 1
+
     # ------------------------------------------------------------ batching
 
     def has_work(self) -> bool:
@@ -112,6 +122,9 @@ class Scheduler:
             item = q[0]
             if taken and tokens + item.num_tokens > caps.max_tokens:
                 break
+            limit = self.max_running.get(key[0])
+            if item.starts_row and limit is not None and self.running.get(key[0], 0) >= limit:
+                break
             if item.pages_needed:
                 assert pool is not None
                 pages = pool.allocate(item.pages_needed)
@@ -120,6 +133,8 @@ class Scheduler:
                 item.pages = pages
                 item.pages_needed = 0
             q.popleft()
+            if item.starts_row:
+                self.running[key[0]] = self.running.get(key[0], 0) + 1
             taken.append(item)
             tokens += item.num_tokens
         return taken
