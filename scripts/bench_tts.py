@@ -86,6 +86,7 @@ SENTENCES = (
      "a word."),
 )
 
+RETRY_CAP_S = 5.0  # the longest a refused request waits before it is sent again
 SERVER_STOP_GRACE_S = 30.0  # the server drains for up to 10 s, then shuts its engine down
 
 
@@ -201,8 +202,18 @@ async def speak(session: aiohttp.ClientSession, url: str, body: dict[str, Any], 
     (they land in `Stream.error`)."""
     stream = Stream(sent=time.perf_counter())
     try:
-        async with session.post(f"{url}/v1/audio/speech", json=body,
-                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+        while True:  # a refusal (429/503) carries Retry-After: wait, then send again
+            r = await session.post(f"{url}/v1/audio/speech", json=body, timeout=aiohttp.ClientTimeout(total=timeout_s))
+            retry = r.headers.get("Retry-After", "")
+            if r.status not in (429, 503) or not retry.isdigit():
+                break
+            stream.refusals += 1
+            r.release()
+            if time.perf_counter() + float(retry) - stream.sent > timeout_s:
+                stream.error = f"refused {stream.refusals} times until --timeout"
+                return stream
+            await asyncio.sleep(min(float(retry), RETRY_CAP_S))
+        async with r:
             if r.status != 200:
                 stream.error = f"HTTP {r.status}: {(await r.text())[:200]}"
                 return stream
@@ -319,7 +330,7 @@ async def bench_server(a: argparse.Namespace, url: str, server: Server | None, r
             s = await speak(session, url, speech_body(a, model, i), a.timeout)
             state = f"{s.audio_s:.2f} s of audio" if s.ok else f"failed: {s.error}"
             print(f"# warm-up request {i + 1}: {time.perf_counter() - t:.1f} s, {state}", flush=True)
-        print(f"{'conc':>5} {'reqs':>5} {'errs':>5} {'ttfa p50':>9} {'ttfa p99':>9} {'rtf p50':>8} {'rtf tot':>8} "
+        print(f"{'conc':>5} {'reqs':>5} {'errs':>5} {'refd':>5} {'ttfa p50':>9} {'ttfa p99':>9} {'rtf p50':>8} {'rtf tot':>8} "
               f"{'sv':>6} {'audio/s':>8} {'audio/req':>9} {'wall s':>7}", flush=True)
         n = a.warmup
         for c in a.concurrency:
@@ -339,7 +350,7 @@ def print_level(level: Level) -> None:
         print(f"{level.concurrency:>5} {x['requests']:>5} {x['errors']:>5}  no request produced audio: "
               f"{level.errors[0] if level.errors else ''}", flush=True)
         return
-    print(f"{level.concurrency:>5} {x['requests']:>5} {x['errors']:>5} {row['ttfa_p50_ms']:>7.0f}ms "
+    print(f"{level.concurrency:>5} {x['requests']:>5} {x['errors']:>5} {x['refused']:>5} {row['ttfa_p50_ms']:>7.0f}ms "
           f"{row['ttfa_p99_ms']:>7.0f}ms {row['rtf_p50']:>8.3f} {x['rtf_total_p50']:>8.3f} {row['sv']:>6.3f} "
           f"{row['audio_s_per_s']:>8.2f} {x['audio_s_per_request']:>8.2f}s {x['wall_s']:>7.1f}", flush=True)
     if x["errors"]:

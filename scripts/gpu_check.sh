@@ -11,6 +11,7 @@
 #   scripts/gpu_check.sh tts        the speech benchmark (scripts/bench_tts.py; $TTS_ARGS adds flags,
 #                                   $TTS_SERVER_ARGS the server's)
 #   scripts/gpu_check.sh speech     orpheus, then tts at the documented configuration (one call, ~8 min)
+#   scripts/gpu_check.sh overload   twice the real-time capacity offered to a server that admits 64 streams
 #   scripts/gpu_check.sh pagesize   the attention page-size measurement
 #   scripts/gpu_check.sh all        tests and bench (default)
 # FlashInfer compiles its kernels on first use into ~/.cache/flashinfer; a
@@ -86,6 +87,14 @@ if [[ $what == tts || $what == speech ]]; then
   # Orpheus-3B (dummy weights) over loopback HTTP at 1/16/64/256 streams, plus transformers + snac baseline
   timeout ${TTS_TIMEOUT:-540} python3 scripts/bench_tts.py ${TTS_ARGS:-} --server-args "${TTS_SERVER_ARGS:-}" --out "$OUT/tts.json" --server-log "$OUT/tts_server.log" \
       2>&1 | tail -40 | tee "$OUT/bench_tts.txt"
+fi
+if [[ $what == overload ]]; then
+  # issue 7's overload goal: 128 closed-loop clients against 64 running + 16 waiting; the rest get 429 with
+  # Retry-After and retry. Admitted streams must stay real time (SV), with no 5xx and no crash.
+  timeout ${TTS_TIMEOUT:-480} python3 scripts/bench_tts.py --concurrency ${OVERLOAD_CLIENTS:-128} \
+      --requests-per-client 2 --skip-baseline --out "$OUT/overload.json" --server-log "$OUT/overload_server.log" \
+      --server-args "--max-num-seqs ${OVERLOAD_RUNNING:-64} --max-waiting-requests 16 --queue-timeout 2" \
+      2>&1 | tail -20 | tee "$OUT/overload.txt"
 fi
 if [[ $what == pagesize ]]; then
   timeout 240 python3 scripts/bench_page_size.py --out "$OUT/page_size.json" 2>&1 | tail -30 | tee "$OUT/page_size.txt"

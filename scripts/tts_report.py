@@ -58,6 +58,7 @@ class Stream:
     sizes: list[int] = field(default_factory=list)        # its bytes
     end: float | None = None
     error: str | None = None
+    refusals: int = 0  # 429/503 answers (with Retry-After) before the server took it
 
     def add(self, at: float, nbytes: int) -> None:
         self.arrivals.append(at)
@@ -155,6 +156,7 @@ def level_extras(level: Level) -> dict[str, Any]:
     return {
         "requests": len(level.streams),
         "errors": len(level.streams) - len(good),
+        "refused": sum(s.refusals for s in level.streams),
         "rtf_total_p50": round(percentile([s.rtf_total for s in good], 50), 3) if good else math.nan,
         "audio_s_per_request": round(sum(s.audio_s for s in good) / len(good), 2) if good else 0.0,
         "chunks_per_request": round(sum(len(s.sizes) for s in good) / len(good), 1) if good else 0.0,
@@ -254,17 +256,19 @@ def write_markdown(path: Path, result: dict[str, Any], extras: dict[int, dict[st
     lines += ["", (f"Closed loop: at concurrency c, c clients each send a request, stream its PCM body to the "
                    f"end, and send the next. Every request asks for {audio_tokens} tokens with `ignore_eos` "
                    f"({expected_audio_s(audio_tokens):.2f} s of audio when all are audio tokens). "
-                   "TTFA: send -> first audio byte. RTF: (last byte - first byte) / audio seconds; RTF total "
+                   "TTFA: first send -> first audio byte (a request the server refused with 429 is sent again "
+                   "after Retry-After; refused counts those answers). RTF: (last byte - first byte) / audio seconds; RTF total "
                    "counts from the send. SV: share of chunks that arrive before a player that started at the "
                    "first byte runs dry (after a stall it resumes with the late chunk). audio s/s: audio "
                    f"received / the level's wall time. Real time: SV >= {REALTIME_SV} and TTFA p99 <= "
                    f"{REALTIME_TTFA_P99_MS:.0f} ms with no failed request."), ""]
-    lines += [("| concurrency | requests | errors | TTFA p50 ms | TTFA p99 ms | RTF p50 | RTF total p50 | SV | "
-               "audio s/s | audio s / request | chunks / request | wall s |"),
-              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [("| concurrency | requests | errors | refused | TTFA p50 ms | TTFA p99 ms | RTF p50 | RTF total p50 | "
+               "SV | audio s/s | audio s / request | chunks / request | wall s |"),
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         x = extras[r["concurrency"]]
-        lines.append(f"| {r['concurrency']} | {x['requests']} | {x['errors']} | {r['ttfa_p50_ms']:.0f} | "
+        lines.append(f"| {r['concurrency']} | {x['requests']} | {x['errors']} | {x['refused']} | "
+                     f"{r['ttfa_p50_ms']:.0f} | "
                      f"{r['ttfa_p99_ms']:.0f} | {r['rtf_p50']:.2f} | {_num(x['rtf_total_p50'], '.2f')} | "
                      f"{r['sv']:.3f} | {r['audio_s_per_s']:.1f} | {x['audio_s_per_request']:.2f} | "
                      f"{x['chunks_per_request']:.0f} | {x['wall_s']:.0f} |")
