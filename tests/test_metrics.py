@@ -117,6 +117,8 @@ async def test_metrics_after_some_requests(engine: Engine, http: aiohttp.ClientS
     assert value(samples, "mstar_time_to_first_audio_seconds_count") == 0
     assert value(samples, "mstar_kv_pages_in_use", component="llm") == 0
     assert value(samples, "mstar_kv_pages_total", component="llm") > 0
+    assert value(samples, "mstar_kv_rows_running", component="llm") == 0
+    assert value(samples, "mstar_preemptions_total") == 0
     assert value(samples, "mstar_requests_running") == 0
     assert value(samples, "mstar_queue_depth") == 0
     for mode in ("prefill", "decode"):

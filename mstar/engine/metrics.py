@@ -104,6 +104,10 @@ class EngineMetrics:
             family("mstar_speculative_steps_dropped_total", "counter",
                    "Speculative work thrown away: cancelled queued steps, dead rows of launched steps, "
                    "outputs the engine dropped.", [((), dropped)]),
+            family("mstar_kv_rows_running", "gauge",
+                   "Rows holding KV pages, per device and component (capped at --max-num-seqs).",
+                   [((("device", w.name), ("component", c)), n) for w in workers if hasattr(w, "scheduler")
+                    for c, n in w.scheduler.running.items()]),
             family("mstar_preemptions_total", "counter",
                    "Running rows swapped out for lack of KV pages (--kv-reservation lazy).", [((), preempted)]),
             family("mstar_kv_pages_in_use", "gauge", "KV cache pages held by requests.",
