@@ -19,12 +19,9 @@ from mstar.engine.messages import Finished, Submit
 from mstar.engine.kv_cache import SwappedKV
 from mstar.engine.rows import PartitionRun, RequestRun, StreamItem
 from mstar.engine.tensor_store import TensorRef, TensorStore
-from mstar.graph import EosToken, Loop, MaxSteps, MaxTokens, Step, StopRule, TokenIn
+from mstar.engine.stop_rules import checking_loop, stop_ids, write_cap
+from mstar.graph import Loop, Step
 from mstar.scheduler import PagePool, Scheduler, WorkItem
-
-
-def _rules(rule: StopRule | None) -> tuple[StopRule, ...]:
-    return rule.rules() if rule is not None else ()
 
 
 class Walker:
@@ -119,7 +116,7 @@ class Walker:
         nxt = part.plan.nodes[part.cursor + 1] if part.cursor + 1 < len(part.plan.nodes) else None
         if not isinstance(nxt, Loop) or self.lazy_pages:
             return 0
-        return self._cap(part, nxt) or 0
+        return write_cap(part, nxt) or 0
 
     def _join_group(self, part: PartitionRun, loop: Loop) -> bool:
         """Hand a token loop to its `LoopGroup`; False when the loop does not
@@ -129,7 +126,7 @@ class Walker:
         if (step.component not in self.token_loops or step.inputs != (loop.value,)
                 or len(step.outputs) != 1):
             return False
-        cap = self._cap(part, loop)
+        cap = write_cap(part, loop)
         count = part.writes.get(loop.value, 0)
         pool = self.pools[step.component]
         if cap is None or (not self.lazy_pages and pool.pages_for(part.kv_tokens + cap - count) > len(part.pages)):
@@ -142,23 +139,9 @@ class Walker:
         if not len(group):
             group.ticket = self.scheduler.ticket()
         token = self.store.take(part.values.pop(loop.value), part.request_id)
-        group.join(part, token, count, cap, self._stop_ids(part, loop))
+        group.join(part, token, count, cap, stop_ids(part, loop))
         part.busy = True
         return True
-
-    def _cap(self, part: PartitionRun, loop: Loop) -> int | None:
-        caps = [part.request.sampling.max_tokens if isinstance(r, MaxTokens) else r.n
-                for r in _rules(loop.until) if isinstance(r, (MaxTokens, MaxSteps))]
-        return min(caps) if caps else None
-
-    def _stop_ids(self, part: PartitionRun, loop: Loop) -> tuple[int, ...]:
-        ids: tuple[int, ...] = ()
-        for rule in _rules(loop.until):
-            if isinstance(rule, EosToken):
-                ids += part.request.stop_ids
-            elif isinstance(rule, TokenIn) and not part.request.sampling.ignore_eos:
-                ids += rule.ids
-        return ids
 
     def preempted(self, leave: Leave, swapped: SwappedKV) -> None:
         """A group row was preempted (its pages freed, its KV in `swapped`):
@@ -202,50 +185,6 @@ class Walker:
                 for ref in refs if isinstance(refs, list) else (refs,):
                     self._release(ref, item.request_id)
 
-    # ----------------------------------------------------------- stop rules
-
-    def checking_loop(self, part: PartitionRun) -> Loop | None:
-        """The loop whose stop rule judges what the current step writes."""
-        node = part.node()
-        if isinstance(node, Loop):
-            return node
-        nxt = part.plan.nodes[part.cursor + 1] if part.cursor + 1 < len(part.plan.nodes) else None
-        if isinstance(nxt, Loop) and isinstance(node, Step) and nxt.value in node.outputs:
-            return nxt
-        return None
-
-    def stop_reasons(self, parts: list[PartitionRun], values: dict[str, torch.Tensor]) -> list[str | None]:
-        """Device-side stop rules for every row of a step, vectorised over the
-        rows where the rule is about tokens: "stop" (a stop token), "length"
-        (a write cap) or None."""
-        reasons: list[str | None] = [None] * len(parts)
-        token_rows: list[int] = []
-        token_sets: list[tuple[int, ...]] = []
-        loop_value = None
-        for i, part in enumerate(parts):
-            loop = self.checking_loop(part)
-            if loop is None:
-                continue
-            loop_value = loop.value
-            cap = self._cap(part, loop)
-            if cap is not None and part.writes.get(loop.value, 0) + 1 >= cap:
-                reasons[i] = "length"
-            ids = self._stop_ids(part, loop)
-            if ids:
-                token_rows.append(i)
-                token_sets.append(ids)
-        if token_rows and loop_value is not None and loop_value in values:
-            width = max(len(s) for s in token_sets)
-            table = torch.full((len(token_rows), width), -1, dtype=torch.long)
-            for j, s in enumerate(token_sets):
-                table[j, : len(s)] = torch.tensor(s, dtype=torch.long)
-            tokens = values[loop_value].reshape(len(parts), -1)[token_rows, -1].to("cpu", torch.long)
-            hit = (table == tokens[:, None]).any(dim=1).tolist()
-            for j, i in enumerate(token_rows):
-                if hit[j]:
-                    reasons[i] = "stop"
-        return reasons
-
     # --------------------------------------------------------- completion
 
     def completed(self, part: PartitionRun, outputs: dict[str, TensorRef], reason: str | None,
@@ -259,7 +198,7 @@ class Walker:
             for ref in outputs.values():
                 self.store.release(ref, part.request_id)
             return
-        loop = self.checking_loop(part)
+        loop = checking_loop(part)
         for name, ref in outputs.items():
             old = part.values.get(name)
             if old is not None:

@@ -23,15 +23,14 @@ import structlog
 import torch
 
 from mstar.config import EngineConfig
-from mstar.engine.backends import attention_backend, decode_graphs, mode_graphs
-from mstar.engine.kv_cache import KVCache
-from mstar.engine.memory import kv_cache_log_fields, kv_cache_pages
+from mstar.engine.components import build_runner
 from mstar.engine.loop_group import LoopGroup, Pending
 from mstar.engine.outbox import Outbox
 from mstar.engine.preemption import Preemption
 from mstar.engine.profiling import WorkerProfiler
 from mstar.engine.messages import Abort, EmitBatch, Finished, Profile, Shutdown, Stop, StepReport, Submit
 from mstar.engine.runner import ComponentRunner, StepOutput
+from mstar.engine.stop_rules import stop_reasons
 from mstar.engine.transfer import select_rows, to_host
 from mstar.engine.tensor_store import TensorRef, TensorStore
 from mstar.engine.walker import Walker
@@ -108,37 +107,10 @@ class DeviceWorker:
         cfg = self.config.scheduler
         caps = {}
         for name, spec in self.model.components.items():
-            dtype = self._dtype()
-            module = self.model.build_component(name, self.device, dtype)
-            kv = None
-            if spec.kv_cache:
-                kvspec = self.model.kv_spec(name)
-                # sized after the weights are in place, from what memory is left
-                num_pages = cfg.num_pages or kv_cache_pages(
-                    self.device, kvspec, cfg.page_size, dtype, gpu_memory_utilization=cfg.gpu_memory_utilization,
-                    cpu_bytes=cfg.kv_cache_memory * 2**30, max_model_len=self.model.max_model_len)
-                need = -(-self.model.max_model_len // cfg.page_size)
-                if num_pages < need:
-                    raise ValueError(f"{name}: {num_pages} KV pages cannot hold one request of "
-                                     f"max_model_len {self.model.max_model_len} ({need} pages)")
-                kv = KVCache(kvspec, num_pages, cfg.page_size, self.device, dtype)
-                self.pools[name] = PagePool(num_pages, cfg.page_size)
-                log.info("kv cache", device=self.name, component=name,
-                         **kv_cache_log_fields(num_pages, cfg.page_size, kvspec, dtype))
-                attention = attention_backend(kv, kvspec.num_q_heads, need, self.config)
-                graphs = decode_graphs(module.decode, attention, self.device, self.config) \
-                    if spec.samples and hasattr(module, "decode") else None
-                log.info("attention", device=self.name, component=name, backend=type(attention).__name__,
-                         cuda_graphs=graphs.buckets if graphs is not None else None)
-                self.runners[name] = ComponentRunner(name, spec, module, self.device, self.store, kv,
-                                                     attention, graphs)
-            else:
-                graphs_by_mode = mode_graphs(self.model, name, spec.modes, module, self.device, self.config)
-                if graphs_by_mode:
-                    log.info("cuda graphs", device=self.name, component=name,
-                             modes={m: g.buckets for m, g in graphs_by_mode.items()})
-                self.runners[name] = ComponentRunner(name, spec, module, self.device, self.store, None,
-                                                     mode_graphs=graphs_by_mode)
+            runner, pool = build_runner(self.model, name, spec, self.device, self.store, self.config)
+            self.runners[name] = runner
+            if pool is not None:
+                self.pools[name] = pool
             for mode in spec.modes:
                 caps[(name, mode)] = ModeCaps(cfg.max_num_seqs, cfg.max_num_batched_tokens)
         # a request that starts decoding beyond max_num_seqs running rows waits its turn
@@ -149,12 +121,6 @@ class DeviceWorker:
                              token_loops, self.device, lazy_pages=lazy)
         caches = {name: r.kv for name, r in self.runners.items() if r.kv is not None}
         self.preemption = Preemption(self.pools, caches, self.walker, self._settle) if lazy else None
-
-    def _dtype(self) -> torch.dtype:
-        names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-        if self.config.dtype in names:
-            return names[self.config.dtype]
-        return self.model.default_dtype(self.device)
 
     # --------------------------------------------------------------- loop
 
@@ -390,7 +356,7 @@ class DeviceWorker:
         """Fast postprocess of a step: emits, stop rules, then every row moves
         on. `sampled`: the step's outputs are token ids [B] it sampled."""
         parts = out.parts
-        reasons = self.walker.stop_reasons(parts, {k: v for k, v in out.values.items()
+        reasons = stop_reasons(parts, {k: v for k, v in out.values.items()
                                                    if isinstance(v, torch.Tensor)})
         rids = [p.request_id for p in parts]
         refs: dict[str, list[TensorRef]] = {}
