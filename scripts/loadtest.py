@@ -37,12 +37,14 @@ leaked pages; exits 1 if any check fails.
     python scripts/loadtest.py                                   # tiny-llama on CPU, the defaults
     python scripts/loadtest.py --url http://127.0.0.1:8000 --requests 50 --disconnects 10 --malformed 20
     python scripts/loadtest.py --server-args "--max-waiting-requests 50 --queue-timeout 0.2"   # overload: 429s
+    python scripts/loadtest.py --model orpheus-tiny --requests 100 --disconnects 20 --malformed 50 --speech 50
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import json
 import random
 import signal
@@ -61,6 +63,8 @@ MAX_TOKENS = 32
 PROMPTS = ("Hello", "The quick brown fox", "Once upon a time, in a land far away,", "1 2 3 4 5",
            "Tell me about the weather today.")
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/generate")
+SPEECH_ROUTE = "/v1/audio/speech"
+SPEECH_MAX_TOKENS = 70  # ten 7-token frames: a few audio windows per stream
 
 # A body that is not JSON at all (bytes) or a JSON value, the route it goes
 # to, and the field the server's error must name (its `error.param`).
@@ -122,8 +126,12 @@ class Tally:
 def stream_body(route: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
     """A streaming body for `route` whose length is fixed by max_tokens."""
     if route == "/generate":
-        return {"model": model, "text": prompt, "stream": True,
+        # the text walk by name: a speech model's default walk answers with audio
+        return {"model": model, "text": prompt, "stream": True, "walk": "generate",
                 "sampling_params": {"max_tokens": max_tokens, "ignore_eos": True}}
+    if route == SPEECH_ROUTE:
+        return {"model": model, "input": prompt, "voice": "tara", "response_format": "pcm", "stream_format": "sse",
+                "max_tokens": max_tokens, "ignore_eos": True}
     body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
                             # the totals in a last chunk: SSE text pieces need not be one per token
                             "stream_options": {"include_usage": True}}
@@ -138,9 +146,13 @@ def make_jobs(a: argparse.Namespace, model: str, rng: random.Random) -> list[Job
     """Streams, disconnects and malformed requests, shuffled so every kind
     overlaps every other."""
     jobs: list[Job] = []
+    speech = getattr(a, "speech", 0)
+    every = a.requests // speech if speech else 0
     for i in range(a.requests):
-        route = ROUTES[i % len(ROUTES)]
-        n = rng.randint(1, MAX_TOKENS)
+        if every and i % every == 0 and i // every < speech:
+            route, n = SPEECH_ROUTE, rng.randint(1, SPEECH_MAX_TOKENS)
+        else:
+            route, n = ROUTES[i % len(ROUTES)], rng.randint(1, MAX_TOKENS)
         body = json.dumps(stream_body(route, model, rng.choice(PROMPTS), n)).encode()
         if i < a.disconnects:
             # SSE and NDJSON both send at least n + 1 events, so any cut in
@@ -192,6 +204,8 @@ def check_stream(route: str, events: list[Any], max_tokens: int) -> str:
     errors = [e for e in events if isinstance(e, dict) and "error" in e]
     if errors:
         return f"error event: {json.dumps(errors[0])[:200]}"
+    if route == SPEECH_ROUTE:
+        return check_speech(events, max_tokens)
     if route == "/generate":
         last = events[-1]
         if not last.get("finished") or any(e.get("finished") for e in events[:-1]):
@@ -217,6 +231,24 @@ def check_stream(route: str, events: list[Any], max_tokens: int) -> str:
 
 
 RETRY_CAP_S = 5.0  # the longest a refused job waits before its next try, whatever Retry-After says
+
+
+def check_speech(events: list[Any], max_tokens: int) -> str:
+    """'' if a complete /v1/audio/speech SSE stream is right: audio deltas of
+    whole PCM16 samples, then exactly one done event whose usage counts
+    max_tokens sampled tokens."""
+    kinds = [e.get("type") if isinstance(e, dict) else e for e in events]
+    if kinds[-1] != "speech.audio.done" or "speech.audio.done" in kinds[:-1]:
+        return "does not end with exactly one speech.audio.done"
+    if any(k != "speech.audio.delta" for k in kinds[:-1]):
+        return f"unexpected events {sorted(set(kinds[:-1]) - {'speech.audio.delta'})}"
+    size = sum(len(base64.b64decode(e["audio"])) for e in events[:-1])
+    if size % 2:
+        return f"{size} bytes of PCM16: not whole samples"
+    usage = events[-1].get("usage", {}).get("output_tokens")
+    if usage != max_tokens:
+        return f"usage says {usage} tokens, asked for {max_tokens}"
+    return ""
 
 
 def check_error(status: int, text: str, param: str) -> str:
@@ -421,6 +453,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=500, help="streaming requests")
     p.add_argument("--disconnects", type=int, default=100, help="of --requests, how many the client cuts")
     p.add_argument("--malformed", type=int, default=200, help="bad requests")
+    p.add_argument("--speech", type=int, default=0,
+                   help="of --requests, how many go to /v1/audio/speech (SSE; the model must speak)")
     p.add_argument("--concurrency", type=int, default=500, help="requests in flight at most")
     p.add_argument("--seconds", type=float, default=300.0, help="no request starts or runs past this")
     p.add_argument("--settle", type=float, default=10.0, help="seconds to wait for /metrics to show nothing held")
@@ -428,8 +462,8 @@ def parse() -> argparse.Namespace:
     a = p.parse_args()
     if min(a.requests, a.disconnects, a.malformed) < 0 or a.concurrency < 1 or a.seconds <= 0:
         p.error("counts must be >= 0, --concurrency >= 1, --seconds > 0")
-    if a.disconnects > a.requests:
-        p.error("--disconnects must not exceed --requests")
+    if a.disconnects > a.requests or not 0 <= a.speech <= a.requests:
+        p.error("--disconnects and --speech must be between 0 and --requests")
     return a
 
 

@@ -14,7 +14,8 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 
 import aiohttp
 from aiohttp import web
-from loadtest import Job, check_error, check_stream, make_jobs, parse_metrics, percentile, run_job
+from loadtest import (SPEECH_ROUTE, Job, check_error, check_stream, make_jobs, parse_metrics, percentile,
+                      run_job)
 
 
 def _sse(n: int, finish: str = "length") -> list:
@@ -37,6 +38,28 @@ def test_ndjson_stream_counts_token_ids() -> None:
     assert check_stream("/generate", lines, 2) == ""
     assert "tokens" in check_stream("/generate", lines, 3)
     assert "finished" in check_stream("/generate", lines[:-1], 2)
+
+
+def test_speech_stream_needs_whole_samples_and_one_done() -> None:
+    import base64
+
+    def delta(n: int) -> dict:
+        return {"type": "speech.audio.delta", "audio": base64.b64encode(b"\0" * n).decode()}
+
+    done = {"type": "speech.audio.done", "usage": {"input_tokens": 5, "output_tokens": 21, "total_tokens": 26}}
+    assert check_stream(SPEECH_ROUTE, [delta(4096), delta(4096), done], 21) == ""
+    assert "whole samples" in check_stream(SPEECH_ROUTE, [delta(3), done], 21)
+    assert "usage" in check_stream(SPEECH_ROUTE, [delta(4), done], 20)
+    assert "exactly one" in check_stream(SPEECH_ROUTE, [delta(4)], 21)
+    assert "error" in check_stream(SPEECH_ROUTE, [{"type": "error", "error": {"message": "x"}}], 21)
+
+
+def test_speech_jobs_are_spread_over_the_streams() -> None:
+    a = Namespace(requests=30, disconnects=6, malformed=0, speech=10)
+    jobs = make_jobs(a, "orpheus-tiny", random.Random(0))
+    speech = [j for j in jobs if j.route == SPEECH_ROUTE]
+    assert len(speech) == 10 and any(j.kind == "disconnect" for j in speech)
+    assert all(json.loads(j.body)["stream_format"] == "sse" for j in speech)
 
 
 def test_error_must_be_4xx_naming_the_field() -> None:
