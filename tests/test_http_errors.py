@@ -13,6 +13,7 @@ import pytest
 from http_support import running_engine, serving, wait_until
 
 from mstar.engine.engine import Engine
+from mstar.http.server import MAX_BODY_BYTES
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -73,6 +74,14 @@ async def test_unknown_model_is_404_naming_it(http: aiohttp.ClientSession, path:
         assert r.status == 404
         err = await error_of(r)
     assert "gpt-nope" in err["message"] and err["param"] == "model" and err["code"] == "model_not_found"
+
+
+async def test_an_oversized_body_gets_a_413_naming_the_limit(http: aiohttp.ClientSession) -> None:
+    big = b'{"model": "tiny-llama", "prompt": "' + b"a" * (MAX_BODY_BYTES + 1) + b'"}'
+    async with http.post("/v1/completions", data=big, headers={"Content-Type": "application/json"}) as r:
+        assert r.status == 413
+        error = (await r.json())["error"]
+        assert str(MAX_BODY_BYTES) in error["message"]
 
 
 async def test_unknown_route_and_method_are_json(http: aiohttp.ClientSession) -> None:

@@ -46,8 +46,9 @@ def test_float16_codec_is_within_a_tenth_of_a_percent_of_float32() -> None:
 
 def test_codec_graphs_replay_what_eager_computes() -> None:
     codec = _codec(torch.float16)
-    graphs = ModeGraphs("codec.window", codec.window, (RowShape((WINDOW_TOKENS,), torch.long),), True,
+    graphs = ModeGraphs("codec.window", codec.window, (RowShape((WINDOW_TOKENS,), torch.long),),
                         (1, 4, 16), torch.device("cuda"))
+    assert graphs.seeded
     graphs.capture(show_progress=False)
     for n in (1, 3, 16):  # exact and padded buckets
         tokens, seeds = _windows(n, seed=n), torch.arange(100, 100 + n, device="cuda")

@@ -8,12 +8,8 @@ import random
 import pytest
 import torch
 
-from mstar.engine.sampler import (
-    SamplingTensors,
-    apply_repetition_penalty,
-    random_bits,
-    sample,
-)
+from mstar.engine.sampler import SamplingTensors, apply_repetition_penalty, sample
+from mstar.kernels.noise import random_bits
 from mstar.types import SamplingParams
 
 M32 = 0xFFFFFFFF

@@ -8,7 +8,6 @@ switched off; so do the plain modes whose row shapes the model declares.
 
 from __future__ import annotations
 
-import inspect
 from typing import Callable, Protocol, Sequence
 
 import structlog
@@ -93,10 +92,8 @@ def mode_graphs(model: Model, component: str, modes: Sequence[str], module: nn.M
         rows = model.graph_rows(component, mode)
         if rows is None:
             continue
-        fn = getattr(module, mode)
-        seeded = "seeds" in inspect.signature(fn).parameters
-        graphs[mode] = ModeGraphs(f"{component}.{mode}", fn, rows, seeded, halfway_buckets(config.cuda_graph_batch_sizes),
-                                  device)
+        graphs[mode] = ModeGraphs(f"{component}.{mode}", getattr(module, mode), rows,
+                                  halfway_buckets(config.cuda_graph_batch_sizes), device)
         graphs[mode].capture()
     return graphs
 

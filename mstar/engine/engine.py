@@ -21,7 +21,7 @@ import torch
 
 from mstar.config import EngineConfig
 from mstar.engine.messages import Abort, Finished, Profile, Shutdown, StepReport, Stop, Submit
-from mstar.engine.metrics import EngineMetrics
+from mstar.engine.metrics import STATUSES, EngineMetrics
 from mstar.engine.requests import RequestState, RequestStream
 from mstar.engine.tensor_store import TensorStore
 from mstar.engine.worker import DeviceWorker
@@ -326,7 +326,7 @@ class Engine:
             state.num_output_tokens = max(state.num_output_tokens, fin.num_generated)
             reason = state.stop_reason or fin.reason
             self.stats[f"finished_{reason}"] += 1
-            status = reason if reason in ("stop", "length", "abort", "error", "timeout") else "stop"
+            status = reason if reason in STATUSES else "stop"
             self._metrics.finished(fin.request_id, status)
             state.finish(status, fin.error)
 

@@ -15,6 +15,7 @@ at startup, largest first, sharing one memory pool.
 from __future__ import annotations
 
 import bisect
+import inspect
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -32,16 +33,20 @@ class _Graph:
     outputs: Outputs
 
 
-class ModeGraphs:
-    """`fn(*inputs[, seeds=])`: the mode's method; `seeded`: whether it takes
-    the per-row `seeds` keyword."""
+def takes_seeds(fn: Callable) -> bool:
+    """Whether a mode's method draws randomness per row (a `seeds` keyword)."""
+    return "seeds" in inspect.signature(fn).parameters
 
-    def __init__(self, name: str, fn: Callable[..., Outputs], rows: Sequence[RowShape], seeded: bool,
+
+class ModeGraphs:
+    """`fn(*inputs[, seeds=])`: the mode's method."""
+
+    def __init__(self, name: str, fn: Callable[..., Outputs], rows: Sequence[RowShape],
                  buckets: Sequence[int], device: torch.device) -> None:
         self.name = name
         self.fn = fn
         self.rows = tuple(rows)
-        self.seeded = seeded
+        self.seeded = takes_seeds(fn)
         self.buckets = sorted(set(buckets))
         self.device = device
         top = self.buckets[-1]

@@ -57,9 +57,7 @@ class Preemption:
         leave = group.evict(i)
         part = leave.part
         swapped = self.caches[group.component].swap_out(part.pages)
-        self.pools[group.component].free(part.pages)
-        self.walker.scheduler.row_ended(group.component)
-        part.pages = []
+        self.walker.free_pages(part)
         self.preempted += 1
         self.walker.preempted(leave, swapped)
 

@@ -9,7 +9,6 @@ other component takes its inputs stacked over rows and returns named tensors.
 
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -21,7 +20,7 @@ from mstar.engine.backends import AttentionBackend
 from mstar.engine.cuda_graphs import DecodeGraphs
 from mstar.engine.kv_cache import KVCache
 from mstar.engine.loop_group import LoopGroup
-from mstar.engine.mode_graphs import ModeGraphs
+from mstar.engine.mode_graphs import ModeGraphs, takes_seeds
 from mstar.engine.rows import PartitionRun
 from mstar.engine.sampler import SamplingTensors, sample
 from mstar.engine.tensor_store import TensorRef, TensorStore
@@ -54,7 +53,7 @@ class ComponentRunner:
         self.mode_graphs = mode_graphs or {}
         self.device_s = 0.0
         self._cuda = device.type == "cuda"
-        self._seeded: dict[str, bool] = {}
+        self._takes_seeds: dict[str, bool] = {}  # by mode
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> StepOutput:
@@ -65,16 +64,14 @@ class ComponentRunner:
         if self.kv is not None:
             values = self._run_tokens(batch.items, parts, step, fn)
         else:
-            seeds = self._row_seeds(parts, step) if self._takes_seeds(batch.mode) else None
+            seeds = self._row_seeds(parts, step) if self._seeded(batch.mode) else None
             values = self._run_plain(batch.items, step, fn, seeds)
         return StepOutput(parts, values)
 
-    def _takes_seeds(self, mode: str) -> bool:
-        """Whether a mode draws randomness per row (a `seeds` keyword)."""
-        if mode not in self._seeded:
-            params = inspect.signature(getattr(self.module, mode)).parameters
-            self._seeded[mode] = "seeds" in params
-        return self._seeded[mode]
+    def _seeded(self, mode: str) -> bool:
+        if mode not in self._takes_seeds:
+            self._takes_seeds[mode] = takes_seeds(getattr(self.module, mode))
+        return self._takes_seeds[mode]
 
     def _row_seeds(self, parts: list[PartitionRun], step: Step) -> torch.Tensor:
         """One seed per row from its request's seed and how many times the row

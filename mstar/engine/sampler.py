@@ -15,10 +15,9 @@ import torch
 from torch import Tensor
 
 from mstar.engine.transfer import to_device
-from mstar.kernels.noise import exponential_noise, mix32, random_bits, row_keys
+from mstar.kernels.noise import exponential_noise
 from mstar.types import SamplingParams
 
-__all__ = ["SamplingTensors", "exponential_noise", "mix32", "random_bits", "row_keys", "sample"]
 
 @dataclass
 class SamplingTensors:

@@ -32,7 +32,7 @@ class Walker:
         """`token_loops`: KV components that sample; their decode loops run
         as `LoopGroup`s on `device`. `lazy_pages`: a request's first step
         takes pages for its prompt only, and a group row gets more as it
-        grows (the worker's `_grow`), instead of all of them up front."""
+        grows (`Preemption.grow`), instead of all of them up front."""
         self.store = store
         self.scheduler = scheduler
         self.pools = pools
@@ -312,7 +312,7 @@ class Walker:
         for ref in part.items:
             self._release(ref, rid)
         part.items.clear()
-        self._free_pages(part)
+        self.free_pages(part)
         run.live -= 1
         self._close_streams(part)
         done = run.live == 0
@@ -322,7 +322,8 @@ class Walker:
         generated = sum(p.generated for p in run.partitions.values()) if done else 0
         self.on_finish(Finished(rid, part.name, reason, done, error, generated))
 
-    def _free_pages(self, part: PartitionRun) -> None:
+    def free_pages(self, part: PartitionRun) -> None:
+        """Give the partition's KV pages back; it is no longer a running row."""
         if part.pages and part.kv_component is not None:
             self.pools[part.kv_component].free(part.pages)
             self.scheduler.row_ended(part.kv_component)
