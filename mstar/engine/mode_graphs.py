@@ -3,13 +3,13 @@ stacked inputs (and per-row seeds) in, the mode's outputs out.
 
 A step of n rows whose inputs have the captured row shapes replays the graph
 of the smallest bucket >= n: the inputs are copied into the bucket's static
-buffers (host inputs through page-locked staging, so nothing waits for the
-device; padding rows get zeros and seed 0, and their outputs are ignored),
-the graph runs, and the first n rows of its static outputs are
-copied out, so a later replay cannot overwrite what the step returned. A
-step of other shapes (a stream's short last window) or more rows than the
-largest bucket returns None and runs eagerly. Every bucket is captured once
-at startup, largest first, sharing one memory pool.
+buffers (host inputs through page-locked memory, `transfer.to_device`, so
+nothing waits for the device; padding rows get zeros and seed 0, and their
+outputs are ignored), the graph runs, and the first n rows of its static
+outputs are copied out, so a later replay cannot overwrite what the step
+returned. A step of other shapes (a stream's short last window) or more rows
+than the largest bucket returns None and runs eagerly. Every bucket is
+captured once at startup, largest first, sharing one memory pool.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 import torch
 from tqdm import tqdm
 
+from mstar.engine.transfer import to_device
 from mstar.models.base import RowShape
 
 Outputs = torch.Tensor | dict[str, torch.Tensor]
@@ -52,11 +53,6 @@ class ModeGraphs:
         top = self.buckets[-1]
         self._inputs = [torch.zeros((top, *r.shape), dtype=r.dtype, device=device) for r in self.rows]
         self._seeds = torch.zeros(top, dtype=torch.long, device=device)
-        # host inputs are staged here, so the copies queue behind the device's
-        # work instead of waiting for it (a copy from pageable memory may)
-        self._pinned = [torch.zeros((top, *r.shape), dtype=r.dtype, pin_memory=True) for r in self.rows]
-        self._pinned_seeds = torch.zeros(top, dtype=torch.long, pin_memory=True)
-        self._copied: torch.cuda.Event | None = None  # the last run's copies have read the staging
         self._graphs: dict[int, _Graph] = {}
 
     def _call(self, b: int) -> Outputs:
@@ -94,27 +90,16 @@ class ModeGraphs:
             return None
         n = inputs[0].shape[0]
         b = self.buckets[bisect.bisect_left(self.buckets, n)]
-        if self._copied is None:
-            self._copied = torch.cuda.Event()
-        else:
-            self._copied.synchronize()
-        for static, pinned, t in zip(self._inputs, self._pinned, inputs):
-            _stage(static[:n], pinned[:n], t)
+        for static, t in zip(self._inputs, inputs):
+            static[:n].copy_(to_device(t, self.device))
             static[n:b].zero_()
         if self.seeded:
             assert seeds is not None
-            _stage(self._seeds[:n], self._pinned_seeds[:n], seeds)
+            self._seeds[:n].copy_(to_device(seeds, self.device))
             self._seeds[n:b].zero_()
-        self._copied.record()
         g = self._graphs[b]
         g.graph.replay()
         if isinstance(g.outputs, torch.Tensor):
             return g.outputs[:n].clone()
         return {k: v[:n].clone() for k, v in g.outputs.items()}
 
-
-def _stage(static: torch.Tensor, pinned: torch.Tensor, t: torch.Tensor) -> None:
-    if t.device.type == "cpu":
-        pinned.copy_(t)
-        t = pinned
-    static.copy_(t, non_blocking=True)

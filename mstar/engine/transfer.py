@@ -23,14 +23,13 @@ def to_host(rows: torch.Tensor | list[torch.Tensor]) -> tuple[torch.Tensor | lis
                                                               torch.cuda.Event | None]:
     """Rows copied to the host without blocking: (host rows, the copy's event);
     on the CPU the rows themselves and None."""
-    if isinstance(rows, list):
-        if not rows or rows[0].device.type != "cuda":
-            return rows, None
-        host = [torch.empty(r.shape, dtype=r.dtype, pin_memory=True).copy_(r, non_blocking=True) for r in rows]
-    else:
-        if rows.device.type != "cuda":
-            return rows, None
-        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True).copy_(rows, non_blocking=True)
+    def pinned_copy(r: torch.Tensor) -> torch.Tensor:
+        return torch.empty(r.shape, dtype=r.dtype, pin_memory=True).copy_(r, non_blocking=True)
+
+    first = rows[0] if isinstance(rows, list) and rows else rows
+    if not isinstance(first, torch.Tensor) or first.device.type != "cuda":
+        return rows, None
+    host = [pinned_copy(r) for r in rows] if isinstance(rows, list) else pinned_copy(rows)
     ready = torch.cuda.Event()
     ready.record()
     return host, ready
@@ -41,7 +40,4 @@ def select_rows(data: torch.Tensor, index: list[int]) -> torch.Tensor:
     pageable host tensor, and copying that to the device waits for the stream."""
     if len(index) == data.shape[0]:
         return data
-    idx = torch.tensor(index, dtype=torch.long)
-    if data.device.type == "cuda":
-        idx = idx.pin_memory().to(data.device, non_blocking=True)
-    return data.index_select(0, idx)
+    return data.index_select(0, to_device(torch.tensor(index, dtype=torch.long), data.device))
