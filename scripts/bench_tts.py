@@ -330,8 +330,8 @@ async def bench_server(a: argparse.Namespace, url: str, server: Server | None, r
             s = await speak(session, url, speech_body(a, model, i), a.timeout)
             state = f"{s.audio_s:.2f} s of audio" if s.ok else f"failed: {s.error}"
             print(f"# warm-up request {i + 1}: {time.perf_counter() - t:.1f} s, {state}", flush=True)
-        print(f"{'conc':>5} {'reqs':>5} {'errs':>5} {'refd':>5} {'ttfa p50':>9} {'ttfa p99':>9} {'rtf p50':>8} {'rtf tot':>8} "
-              f"{'sv':>6} {'audio/s':>8} {'audio/req':>9} {'wall s':>7}", flush=True)
+        print(f"{'conc':>5} {'reqs':>5} {'errs':>5} {'refd':>5} {'ttfa p50':>9} {'ttfa p99':>9} {'rtf p50':>8} "
+              f"{'rtf tot':>8} {'sv':>6} {'audio/s':>8} {'audio/req':>9} {'wall s':>7}", flush=True)
         n = a.warmup
         for c in a.concurrency:
             if server is not None and server.exited() is not None:

@@ -14,12 +14,12 @@ from typing import Callable
 
 import torch
 
+from mstar.engine.kv_cache import SwappedKV
 from mstar.engine.loop_group import Leave, LoopGroup
 from mstar.engine.messages import Finished, Submit
-from mstar.engine.kv_cache import SwappedKV
 from mstar.engine.rows import PartitionRun, RequestRun, StreamItem
-from mstar.engine.tensor_store import TensorRef, TensorStore
 from mstar.engine.stop_rules import checking_loop, stop_ids, write_cap
+from mstar.engine.tensor_store import TensorRef, TensorStore
 from mstar.graph import Loop, Step
 from mstar.scheduler import PagePool, Scheduler, WorkItem
 

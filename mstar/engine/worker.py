@@ -25,14 +25,14 @@ import torch
 from mstar.config import EngineConfig
 from mstar.engine.components import build_runner
 from mstar.engine.loop_group import LoopGroup, Pending
+from mstar.engine.messages import Abort, EmitBatch, Finished, Profile, Shutdown, Stop, StepReport, Submit
 from mstar.engine.outbox import Outbox
 from mstar.engine.preemption import Preemption
 from mstar.engine.profiling import WorkerProfiler
-from mstar.engine.messages import Abort, EmitBatch, Finished, Profile, Shutdown, Stop, StepReport, Submit
 from mstar.engine.runner import ComponentRunner, StepOutput
 from mstar.engine.stop_rules import stop_reasons
-from mstar.engine.transfer import select_rows, to_host
 from mstar.engine.tensor_store import TensorRef, TensorStore
+from mstar.engine.transfer import select_rows, to_host
 from mstar.engine.walker import Walker
 from mstar.models.base import Model
 from mstar.scheduler import Batch, ModeCaps, PagePool, Scheduler

@@ -39,7 +39,8 @@ def _post(summary: str, body: str, ok: dict[str, Any], ok_description: str) -> d
     return {"post": {
         "summary": summary,
         "requestBody": {"required": True, "content": _json(req.ref(body))},
-        "responses": {"200": {"description": ok_description, "content": ok}, **_errors(400, 404, 413, 429, 500, 503, 504)},
+        "responses": {"200": {"description": ok_description, "content": ok},
+                      **_errors(400, 404, 413, 429, 500, 503, 504)},
     }}
 
 

@@ -36,14 +36,14 @@ import torch
 
 from mstar.errors import ConfigError, RequestError
 from mstar.graph import Component, Emit, EosToken, HostStop, Loop, MaxTokens, Step, Stream, TokenIn, Walk
+from mstar.models.base import RowShape
 from mstar.models.llama import LlamaModel
 from mstar.models.llama.config import LlamaConfig
-from mstar.models.base import RowShape
 from mstar.models.llama.model import LlamaDecoder
 from mstar.models.orpheus.codec import WINDOW_TOKENS, OrpheusCodec
 from mstar.models.orpheus.tokens import (AUDIO_END_IDS, AUDIO_TOKEN_BASE, AUDIO_TOKEN_END, DEFAULT_VOICE,
-                                         END_OF_TEXT, FRAME_TOKENS, ORPHEUS_VOCAB_SIZE, START_OF_SPEECH, VOICES, prompt_ids,
-                                         voice_text)
+                                         END_OF_TEXT, FRAME_TOKENS, ORPHEUS_VOCAB_SIZE, START_OF_SPEECH, VOICES,
+                                         prompt_ids, voice_text)
 from mstar.models.orpheus.windows import PlayedWindows
 from mstar.models.snac import SnacDecoder, load_snac_decoder
 from mstar.types import GenerateRequest, SamplingParams
