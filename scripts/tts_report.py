@@ -260,7 +260,8 @@ def write_markdown(path: Path, result: dict[str, Any], extras: dict[int, dict[st
                    "after Retry-After; refused counts those answers). RTF: (last byte - first byte) / audio "
                    "seconds; RTF total counts from the send. SV: share of chunks that arrive before a player "
                    "that started at the first byte runs dry (after a stall it resumes with the late chunk). "
-                   "audio s/s: audio received / the level's wall time. Real time: SV >= {REALTIME_SV} and TTFA p99 <= "
+                   "audio s/s: audio received / the level's wall time. "
+                   f"Real time: SV >= {REALTIME_SV} and TTFA p99 <= "
                    f"{REALTIME_TTFA_P99_MS:.0f} ms with no failed request."), ""]
     lines += [("| concurrency | requests | errors | refused | TTFA p50 ms | TTFA p99 ms | RTF p50 | RTF total p50 | "
                "SV | audio s/s | audio s / request | chunks / request | wall s |"),
