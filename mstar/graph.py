@@ -235,12 +235,20 @@ class FanOut:
 
 
 class Walk:
-    """A named plan for a request: `Walk(*nodes, inputs=(...))`."""
+    """A named plan for a request: `Walk(*nodes, inputs=(...))`.
 
-    def __init__(self, *nodes: Node, inputs: tuple[str, ...], partition: str | None = None) -> None:
+    `more_input`: an input that may keep arriving while the request runs (text
+    streamed into a speech request). Each new piece is one more turn of the
+    root partition: when its loop ends, the partition starts over at its first
+    step with the piece as that input, on the same KV cache, and its streams
+    start a new segment. The root's first node must be a step reading it."""
+
+    def __init__(self, *nodes: Node, inputs: tuple[str, ...], partition: str | None = None,
+                 more_input: str | None = None) -> None:
         self.nodes = tuple(nodes)
         self.inputs = tuple(inputs)
         self.partition = partition
+        self.more_input = more_input
 
 
 # -------------------------------------------------------------------- plan
@@ -282,6 +290,7 @@ class WalkPlan:
     emits: dict[str, Emit]
     streams: dict[str, tuple[StreamPlan, ...]] = field(default_factory=dict)
     forks: dict[tuple[str, int], tuple[str, ...]] = field(default_factory=dict)
+    more_input: str | None = None
 
     def components(self) -> set[str]:
         return {(n.step if isinstance(n, Loop) else n).component
@@ -320,6 +329,7 @@ class _Builder:
         for value, emit in self.emits.items():
             if value not in self.written:
                 raise self.fail(f"emit {value}", f"emits '{value}', which no step writes")
+        self._check_more_input(root)
         return WalkPlan(
             name=self.name,
             inputs=self.walk.inputs,
@@ -328,7 +338,20 @@ class _Builder:
             emits=self.emits,
             streams={k: tuple(v) for k, v in self.streams.items()},
             forks=self.forks,
+            more_input=self.walk.more_input,
         )
+
+    def _check_more_input(self, root: str) -> None:
+        more = self.walk.more_input
+        if more is None:
+            return
+        first = self.partitions[root].nodes[0]
+        if more not in self.walk.inputs:
+            raise self.fail(f"more_input {more}", f"'{more}' is not an input of the walk")
+        if not isinstance(first, Step) or more not in first.inputs:
+            raise self.fail(f"more_input {more}", "the root partition's first node must be a step reading it")
+        if not any(isinstance(n, Loop) for n in self.partitions[root].nodes):
+            raise self.fail(f"more_input {more}", "the root partition has no loop to end a turn")
 
     def _first_component(self, nodes: tuple[Node, ...]) -> str | None:
         for n in nodes:

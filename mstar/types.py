@@ -76,6 +76,7 @@ class GenerateRequest:
     inputs: dict[str, Any]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     walk: str | None = None
+    more_input: bool = False   # more input follows (`Engine.append`) until `Engine.close_input`
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,7 @@ class OutputChunk:
     error: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    awaiting_input: bool = False  # a request taking more input has caught up with all it was given
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import structlog
 import torch
 
 from mstar.config import EngineConfig
-from mstar.engine.messages import Abort, Finished, Profile, Shutdown, StepReport, Stop, Submit
+from mstar.engine.messages import Abort, Append, CloseInput, Finished, Profile, Shutdown, StepReport, Stop, Submit
 from mstar.engine.metrics import STATUSES, EngineMetrics
 from mstar.engine.requests import RequestState, RequestStream
 from mstar.engine.tensor_store import TensorStore
@@ -156,6 +156,9 @@ class Engine:
         plan = self.plans.get(walk_name)
         if plan is None:
             raise RequestError(f"unknown walk '{walk_name}'; this model has {sorted(self.plans)}", field="walk")
+        if request.more_input and plan.more_input is None:
+            raise RequestError(f"walk '{walk_name}' of model '{self.model_name}' takes no input while it runs",
+                               field="input")
         sp = request.sampling
         sp.validate(model.max_model_len)
         values = model.prepare(request)
@@ -167,17 +170,41 @@ class Engine:
         tok = model.tokenizer
         state = RequestState(request.request_id, plan, sp, num_prompt, idx,
                              IncrementalDetokenizer(tok) if tok is not None else None,
-                             host_predicates=_host_predicates(plan))
+                             host_predicates=_host_predicates(plan), request=request)
         self._states[request.request_id] = state
         self._waiting.add(request.request_id)
         self._outstanding[idx] += 1
         self.stats["requests_submitted"] += 1
         self._metrics.submitted(request.request_id)
-        self.workers[idx].send(Submit(request.request_id, plan, values, sp, seed, stop_ids))
+        self.workers[idx].send(Submit(request.request_id, plan, values, sp, seed, stop_ids, request.more_input))
         if self.config.request_timeout > 0:
             state.timer = asyncio.get_running_loop().call_later(self.config.request_timeout, self._expire,
                                                                 request.request_id)
         return RequestStream(state, self.abort)
+
+    def append(self, request_id: str, inputs: dict) -> int:
+        """More input for a running request submitted with `more_input` (for
+        a speech model: `{"text": ...}`): it runs as the next turn, after what
+        the request has already. Returns the piece's token count. Raises
+        `RequestError` for bad input or a request that takes no more."""
+        state = self._states.get(request_id)
+        if state is None or state.finished:
+            raise RequestError(f"request '{request_id}' is not running", field="request_id", status=404)
+        if not state.input_open:
+            raise RequestError(f"request '{request_id}' takes no more input", field="input")
+        ids = self._model(None).prepare_more(state.request, inputs)
+        state.num_prompt_tokens += len(ids)
+        self.workers[state.worker].send(Append(request_id, tuple(ids)))
+        return len(ids)
+
+    def close_input(self, request_id: str) -> None:
+        """No more input: the request ends once it has run what it was given.
+        Idempotent; a request that has ended is left alone."""
+        state = self._states.get(request_id)
+        if state is None or not state.input_open:
+            return
+        state.input_open = False
+        self.workers[state.worker].send(CloseInput(request_id))
 
     def _expire(self, request_id: str) -> None:
         """The request outlived --request-timeout: it ends with "timeout" and
@@ -286,6 +313,10 @@ class Engine:
             self._metrics.outputs(batch.request_ids, emit.modality)
         for fin in report.finished:
             self._on_finished(fin)
+        for waiting in report.awaiting:
+            state = self._states.get(waiting.request_id)
+            if state is not None and not state.finished:
+                state.awaiting()
         for hook in self._report_hooks:
             hook(report)
 

@@ -1,8 +1,9 @@
 """Messages between the event loop and the device workers.
 
-Into a worker's inbox: `Submit`, `Stop` (one partition of a request, keyed by
-(request, partition)), `Abort` (a whole request), `Shutdown`. Out of a worker,
-once per step for the whole batch: a `StepReport`.
+Into a worker's inbox: `Submit`, `Append` and `CloseInput` (input that keeps
+arriving), `Stop` (one partition of a request, keyed by (request,
+partition)), `Abort` (a whole request), `Shutdown`. Out of a worker, once per
+step for the whole batch: a `StepReport`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,22 @@ class Submit:
     sampling: SamplingParams
     seed: int
     stop_ids: tuple[int, ...]   # ids that end token loops (EOS unless ignore_eos, plus stop_token_ids)
+    more_input: bool = False    # the walk's `more_input` keeps arriving (`Append`) until `CloseInput`
+
+
+@dataclass(frozen=True)
+class Append:
+    """One more piece of a running request's `more_input` (token ids)."""
+
+    request_id: str
+    ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class CloseInput:
+    """No more input for the request: it ends after the pieces it has."""
+
+    request_id: str
 
 
 @dataclass(frozen=True)
@@ -78,6 +95,13 @@ class Finished:
     num_generated: int = 0      # tokens the request sampled, all partitions (with request_done)
 
 
+@dataclass(frozen=True)
+class Awaiting:
+    """A request taking more input has run every piece it was given."""
+
+    request_id: str
+
+
 @dataclass(eq=False)
 class StepReport:
     """What one worker step (or one inbox pass) tells the event loop."""
@@ -85,6 +109,7 @@ class StepReport:
     device: str
     emits: list[EmitBatch] = field(default_factory=list)
     finished: list[Finished] = field(default_factory=list)
+    awaiting: list[Awaiting] = field(default_factory=list)
     component: str = ""
     mode: str = ""
     rows: int = 0
@@ -92,4 +117,4 @@ class StepReport:
     device_s: float = 0.0   # of which forward and sampling; the rest is host work
 
     def empty(self) -> bool:
-        return not self.emits and not self.finished
+        return not self.emits and not self.finished and not self.awaiting

@@ -15,12 +15,12 @@ from collections import deque
 
 import torch
 
-from mstar.engine.messages import EmitBatch, Finished, StepReport
+from mstar.engine.messages import Awaiting, EmitBatch, Finished, StepReport
 
 
 class Outbox:
     def __init__(self) -> None:
-        self._held: deque[tuple[torch.cuda.Event | None, EmitBatch | Finished]] = deque()
+        self._held: deque[tuple[torch.cuda.Event | None, EmitBatch | Finished | Awaiting]] = deque()
 
     def __len__(self) -> int:
         return len(self._held)
@@ -33,11 +33,12 @@ class Outbox:
         else:
             self._held.append((ready, batch))
 
-    def finished(self, report: StepReport, fin: Finished) -> None:
+    def finished(self, report: StepReport, fin: Finished | Awaiting) -> None:
+        """A partition's end (or a request's wait for input), behind its emits."""
         if self._held:
             self._held.append((None, fin))
         else:
-            report.finished.append(fin)
+            _after(report, fin)
 
     def release(self, report: StepReport, wait: bool = False) -> None:
         """Move what is ready (with `wait`: everything) into `report`, in order."""
@@ -51,4 +52,8 @@ class Outbox:
             if isinstance(item, EmitBatch):
                 report.emits.append(item)
             else:
-                report.finished.append(item)
+                _after(report, item)
+
+
+def _after(report: StepReport, item: Finished | Awaiting) -> None:
+    (report.awaiting if isinstance(item, Awaiting) else report.finished).append(item)

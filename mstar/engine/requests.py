@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from mstar.graph import WalkPlan
-from mstar.types import FinishReason, OutputChunk, SamplingParams
+from mstar.types import FinishReason, GenerateRequest, OutputChunk, SamplingParams
 
 if TYPE_CHECKING:
     from mstar.models.tokenizer import IncrementalDetokenizer
@@ -76,11 +76,19 @@ class RequestState:
     finished: bool = False
     stopped: set[str] = field(default_factory=set)   # partitions the event loop has stopped
     stop_reason: FinishReason | None = None
+    request: GenerateRequest | None = None  # as submitted: what later input inherits
     stops: StopStrings = field(init=False)
 
     def __post_init__(self) -> None:
         self.stops = StopStrings(self.sampling.stop)
         self.timer: asyncio.TimerHandle | None = None  # the --request-timeout deadline
+        self.input_open = self.request is not None and self.request.more_input
+
+    def awaiting(self) -> None:
+        """The request has run all the input it was given; more may come."""
+        self.queue.put_nowait(OutputChunk(
+            request_id=self.request_id, awaiting_input=True,
+            num_prompt_tokens=self.num_prompt_tokens, num_output_tokens=self.num_output_tokens))
 
     def feed_tokens(self, partition: str, ids: list[int], text: str) -> bool:
         """New token ids from a step and their new text (detokenised by the

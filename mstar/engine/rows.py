@@ -34,6 +34,9 @@ class RequestRun:
     partitions: dict[str, PartitionRun] = field(default_factory=dict)
     live: int = 0
     root_reason: str | None = None
+    # input that keeps arriving (WalkPlan.more_input): the pieces not started yet, and whether more may come
+    input_open: bool = False
+    more: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(eq=False, slots=True)
@@ -52,13 +55,18 @@ class PartitionRun:
     generated: int = 0              # tokens sampled so far (the sampler's draw counter)
     seen: torch.Tensor | None = None  # [vocab] bool, for the repetition penalty
     swapped: SwappedKV | None = None  # preempted: its KV pages, in host memory until it resumes
+    turn_cap: int | None = None     # a later turn's write cap: what is left of the context
+    awaiting_input: bool = False    # its turn is over and it waits for more input
+    turn_token: int | None = None   # the last token of its last turn (not in the cache yet)
     # stream consumer state
     items: list[StreamItem] = field(default_factory=list)
     item_base: int = 0              # stream index of items[0]
     produced: int = 0               # stream items received so far
     chunks_cut: int = 0
     closed: bool = False
-    pending: list[tuple[int, int]] = field(default_factory=list)  # chunks cut, not yet run
+    pending: list[tuple[int, int, int]] = field(default_factory=list)  # chunks cut, not run: start, end, index
+    segment_start: int = 0          # stream index where the producer's current turn began
+    segment_cuts: int = 0           # chunks cut before it
 
     @property
     def request_id(self) -> str:

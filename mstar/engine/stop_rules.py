@@ -19,6 +19,8 @@ def write_cap(part: PartitionRun, loop: Loop) -> int | None:
     """Writes of the loop's value at which it stops ("length"); None: no cap."""
     caps = [part.request.sampling.max_tokens if isinstance(r, MaxTokens) else r.n
             for r in _rules(loop.until) if isinstance(r, (MaxTokens, MaxSteps))]
+    if part.turn_cap is not None:
+        caps.append(part.turn_cap)
     return min(caps) if caps else None
 
 

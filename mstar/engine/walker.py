@@ -20,6 +20,7 @@ from mstar.engine.messages import Finished, Submit
 from mstar.engine.rows import PartitionRun, RequestRun, StreamItem
 from mstar.engine.stop_rules import checking_loop, stop_ids, write_cap
 from mstar.engine.tensor_store import TensorRef, TensorStore
+from mstar.engine.turns import Turns
 from mstar.graph import Loop, Step
 from mstar.scheduler import PagePool, Scheduler, WorkItem
 
@@ -28,11 +29,13 @@ class Walker:
     def __init__(self, store: TensorStore, scheduler: Scheduler, pools: dict[str, PagePool],
                  max_model_len: int, on_finish: Callable[[Finished], None],
                  token_loops: set[str] = frozenset(), device: torch.device | None = None,
-                 lazy_pages: bool = False) -> None:
+                 lazy_pages: bool = False, join_turn: Callable[[int, list[int]], list[int]] | None = None,
+                 on_awaiting: Callable[[str], None] | None = None) -> None:
         """`token_loops`: KV components that sample; their decode loops run
         as `LoopGroup`s on `device`. `lazy_pages`: a request's first step
         takes pages for its prompt only, and a group row gets more as it
-        grows (`Preemption.grow`), instead of all of them up front."""
+        grows (`Preemption.grow`), instead of all of them up front.
+        `join_turn`, `on_awaiting`: see `Turns`."""
         self.store = store
         self.scheduler = scheduler
         self.pools = pools
@@ -43,11 +46,13 @@ class Walker:
         self.lazy_pages = lazy_pages
         self.runs: dict[str, RequestRun] = {}
         self.groups: dict[tuple[str, str, int], LoopGroup] = {}
+        self.turns = Turns(self, join_turn, on_awaiting)
 
     # --------------------------------------------------------------- start
 
     def start(self, sub: Submit) -> None:
-        run = RequestRun(sub.request_id, sub.walk, sub.sampling, sub.seed, sub.stop_ids)
+        run = RequestRun(sub.request_id, sub.walk, sub.sampling, sub.seed, sub.stop_ids,
+                         input_open=sub.more_input and sub.walk.more_input is not None)
         self.runs[run.request_id] = run
         for plan in sub.walk.partitions.values():
             if plan.stream is not None:
@@ -57,7 +62,7 @@ class Walker:
         for name, tensor in sub.values.items():
             root.values[name] = TensorRef(self.store.put(tensor, (rid,)))
         self._fork(root, -1)
-        self._advance(root)
+        self.advance(root)
 
     def _add_partition(self, run: RequestRun, name: str) -> PartitionRun:
         part = PartitionRun(run, run.walk.partitions[name])
@@ -71,11 +76,11 @@ class Walker:
             for value, ref in part.values.items():
                 self.store.retain(ref, part.request_id)
                 branch.values[value] = ref
-            self._advance(branch)
+            self.advance(branch)
 
     # ------------------------------------------------------------ queueing
 
-    def _advance(self, part: PartitionRun) -> None:
+    def advance(self, part: PartitionRun) -> None:
         """Queue the node under the cursor, or finish the partition."""
         if part.done:
             return
@@ -103,7 +108,7 @@ class Walker:
             assert isinstance(first, TensorRef)
             num_tokens = self.store.numel(first)
             total = part.kv_tokens + num_tokens
-            if not part.pages:
+            if not part.pages or part.cursor == 0:  # a request's first step, or a later turn's
                 total += self._reserve(part)
             pages = max(0, pool.pages_for(min(total, self.max_model_len)) - len(part.pages))
         part.busy = True
@@ -158,7 +163,7 @@ class Walker:
         """A preempted row has its pages and KV back: into its group again."""
         part.swapped = None
         part.busy = False
-        self._advance(part)
+        self.advance(part)
 
     def left_group(self, leave: Leave) -> None:
         """A row's loop stopped inside its group: move it on like any row."""
@@ -212,18 +217,21 @@ class Walker:
         node = part.node()
         before = part.cursor
         if reason is not None and loop is not None:
+            if self.turns.ends_turn(part, reason):
+                self.turns.end(part, loop, tokens.get(loop.value) if tokens else None)
+                return
             if part.plan.parent is None:
                 part.request.root_reason = reason
             # leave the loop: past it, or past the step and the loop it skips
             part.cursor += 1 if isinstance(node, Loop) else 2
         elif isinstance(node, Loop):
-            self._advance(part)  # loop-back
+            self.advance(part)  # loop-back
             return
         else:
             part.cursor += 1
         for index in range(before, part.cursor):
             self._fork(part, index)
-        self._advance(part)
+        self.advance(part)
 
     # --------------------------------------------------------------- streams
 
@@ -244,24 +252,38 @@ class Walker:
                 self.store.retain(item, part.request_id)
             cons.items.append(item)
             cons.produced += 1
-            chunks = sp.chunks.ready(cons.produced, cons.chunks_cut)
-            cons.chunks_cut += len(chunks)
-            cons.pending.extend(chunks)
+            self._cut(cons, sp.chunks.ready)
             self._pump(cons)
 
-    def _close_streams(self, part: PartitionRun) -> None:
+    @staticmethod
+    def _cut(cons: PartitionRun, policy: Callable[[int, int], list[tuple[int, int]]]) -> None:
+        """Cut the chunks `policy` (a chunk policy's `ready` or `flush`) finds in
+        the producer's current turn: a policy counts from the turn's start."""
+        s, first = cons.segment_start, cons.chunks_cut - cons.segment_cuts
+        chunks = policy(cons.produced - s, first)
+        cons.chunks_cut += len(chunks)
+        cons.pending.extend((s + a, s + b, first + k) for k, (a, b) in enumerate(chunks))
+
+    def end_segment(self, part: PartitionRun) -> None:
+        """The producer `part` ended a turn and will start another: its streams
+        cut their tails as at the end of a stream, and count anew."""
+        for cons, sp in self._consumers(part):
+            self._cut(cons, sp.chunks.flush)
+            cons.segment_start, cons.segment_cuts = cons.produced, cons.chunks_cut
+            self._pump(cons)
+
+    def _consumers(self, part: PartitionRun):
         for plans in part.request.walk.streams.values():
             for sp in plans:
-                if sp.producer != part.name:
-                    continue
                 cons = part.request.partitions[sp.consumer]
-                if cons.done or cons.closed:
-                    continue
-                cons.closed = True
-                tail = sp.chunks.flush(cons.produced, cons.chunks_cut)
-                cons.chunks_cut += len(tail)
-                cons.pending.extend(tail)
-                self._pump(cons)
+                if sp.producer == part.name and not cons.done and not cons.closed:
+                    yield cons, sp
+
+    def _close_streams(self, part: PartitionRun) -> None:
+        for cons, sp in list(self._consumers(part)):
+            cons.closed = True
+            self._cut(cons, sp.chunks.flush)
+            self._pump(cons)
 
     def _pump(self, cons: PartitionRun) -> None:
         """Queue the consumer's next chunk, or finish it once its stream has
@@ -269,10 +291,12 @@ class Walker:
         if cons.busy or cons.done:
             return
         if cons.pending:
-            start, end = cons.pending.pop(0)
+            start, end, index = cons.pending.pop(0)
             refs = cons.items[start - cons.item_base: end - cons.item_base]
             step = cons.plan.nodes[0]
             assert isinstance(step, Step)
+            for name in step.outputs:  # a seeded consumer draws by its chunk's place in the segment
+                cons.writes[name] = index
             inputs: dict[str, TensorRef | list[StreamItem]] = {
                 n: refs if n == cons.plan.stream.source else cons.values[n] for n in step.inputs}
             self._enqueue(cons, step, inputs)
@@ -282,7 +306,8 @@ class Walker:
     def _consumed(self, cons: PartitionRun) -> None:
         sp = cons.plan.stream
         assert sp is not None
-        keep = sp.chunks.keep_from(cons.produced, cons.chunks_cut)
+        s = cons.segment_start
+        keep = s + sp.chunks.keep_from(cons.produced - s, cons.chunks_cut - cons.segment_cuts)
         if cons.pending:
             keep = min(keep, cons.pending[0][0])
         drop = max(0, keep - cons.item_base)

@@ -25,7 +25,8 @@ import torch
 from mstar.config import EngineConfig
 from mstar.engine.components import build_runner
 from mstar.engine.loop_group import LoopGroup, Pending
-from mstar.engine.messages import Abort, EmitBatch, Finished, Profile, Shutdown, Stop, StepReport, Submit
+from mstar.engine.messages import (Abort, Append, Awaiting, CloseInput, EmitBatch, Finished, Profile, Shutdown, Stop,
+                                   StepReport, Submit)
 from mstar.engine.outbox import Outbox
 from mstar.engine.preemption import Preemption
 from mstar.engine.profiling import WorkerProfiler
@@ -118,7 +119,8 @@ class DeviceWorker:
         token_loops = {n for n, spec in self.model.components.items() if spec.kv_cache and spec.samples}
         lazy = cfg.kv_reservation == "lazy"
         self.walker = Walker(self.store, self.scheduler, self.pools, self.model.max_model_len, self._finished,
-                             token_loops, self.device, lazy_pages=lazy)
+                             token_loops, self.device, lazy_pages=lazy, join_turn=self.model.join_turn,
+                             on_awaiting=lambda rid: self.outbox.finished(self._report, Awaiting(rid)))
         caches = {name: r.kv for name, r in self.runners.items() if r.kv is not None}
         self.preemption = Preemption(self.pools, caches, self.walker, self._settle) if lazy else None
 
@@ -221,6 +223,10 @@ class DeviceWorker:
                 self.walker.abort(msg.request_id, "error", f"{type(e).__name__}: {e}")
         elif isinstance(msg, Stop):
             self.stats.cancelled_steps += self.walker.stop(msg.request_id, msg.partition)
+        elif isinstance(msg, Append):
+            self.walker.turns.append(msg.request_id, list(msg.ids))
+        elif isinstance(msg, CloseInput):
+            self.walker.turns.close(msg.request_id)
         elif isinstance(msg, Abort):
             self.walker.abort(msg.request_id, msg.reason)
         elif isinstance(msg, Profile):

@@ -96,3 +96,16 @@ class Model:
         """The walk's initial values (CPU tensors) from the request's inputs.
         Raises `RequestError` for bad input."""
         raise NotImplementedError
+
+    def prepare_more(self, request: GenerateRequest, inputs: dict[str, Any]) -> list[int]:
+        """One more piece of a running request's `more_input` (a walk that
+        takes one), as token ids, from raw `inputs` (`request`: the request as
+        submitted, for what the piece inherits, a voice say)."""
+        from mstar.errors import RequestError
+
+        raise RequestError(f"model '{self.name}' takes no input while a request runs", field="input")
+
+    def join_turn(self, last_token: int, ids: list[int]) -> list[int]:
+        """What the cache reads to start the next turn: the turn's last sampled
+        token (never fed back yet), then the model's turn markers and `ids`."""
+        return [last_token, *ids]

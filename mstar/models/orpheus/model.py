@@ -8,8 +8,11 @@ Walk `speak` (the default): prefill the prompt, decode token by token until
 an audio-end id, EOS, max_tokens or a host stop; the audio tokens (only ids
 in the audio range enter the stream) flow to the codec in windows of 28
 tokens every 7 (`PlayedWindows`), and each window's new samples reach the
-client as PCM16 at 24 kHz. Walk `generate` is the LLM alone, emitting token
-ids (benchmarks of the decode step, token-level tests).
+client as PCM16 at 24 kHz. Text may keep arriving while it speaks
+(`Engine.append`): each piece is the next human turn on the same KV cache,
+spoken when the current one is done (`join_turn`). Walk `generate` is the
+LLM alone, emitting token ids (benchmarks of the decode step, token-level
+tests).
 
 Where the weights come from:
 - `orpheus-tiny`: builtin, CPU-sized (hidden 64, 2 layers) with the full
@@ -43,7 +46,7 @@ from mstar.models.llama.model import LlamaDecoder
 from mstar.models.orpheus.codec import WINDOW_TOKENS, OrpheusCodec
 from mstar.models.orpheus.tokens import (AUDIO_END_IDS, AUDIO_TOKEN_BASE, AUDIO_TOKEN_END, DEFAULT_VOICE,
                                          END_OF_TEXT, FRAME_TOKENS, ORPHEUS_VOCAB_SIZE, START_OF_SPEECH, VOICES,
-                                         prompt_ids, voice_text)
+                                         prompt_ids, turn_after, voice_text)
 from mstar.models.orpheus.windows import PlayedWindows
 from mstar.models.snac import SnacDecoder, load_snac_decoder
 from mstar.types import GenerateRequest, SamplingParams
@@ -88,6 +91,7 @@ class OrpheusModel(LlamaModel):
                    accept=(AUDIO_TOKEN_BASE, AUDIO_TOKEN_END)),
             Emit("pcm", modality="audio", sample_rate=SAMPLE_RATE),
             inputs=("prompt_ids",),
+            more_input="prompt_ids",  # text streamed in while it speaks: one more turn per piece
         ),
         "generate": LlamaModel.walks["generate"],
     }
@@ -165,6 +169,20 @@ class OrpheusModel(LlamaModel):
         ids = prompt_ids(self.tokenizer.encode(voice_text(text, voice)))
         # the Llama checks: ids inside the vocabulary, prompt + max_tokens inside the context
         return super().prepare(dataclasses.replace(request, inputs={"prompt_ids": ids}))
+
+    def prepare_more(self, request: GenerateRequest, inputs: dict[str, Any]) -> list[int]:
+        """More text for a running `speak` request: the next human turn, in
+        the request's voice (`inputs["voice"]` to change it)."""
+        text = inputs.get("text")
+        if not isinstance(text, str) or not text.strip():
+            raise RequestError("the text to speak is empty", field="input")
+        voice = self._voice(inputs.get("voice", request.inputs.get("voice")))
+        if self.tokenizer is None:
+            raise RequestError(f"model '{self.name}' has no tokenizer", field="input")
+        return prompt_ids(self.tokenizer.encode(voice_text(text, voice)))
+
+    def join_turn(self, last_token: int, ids: list[int]) -> list[int]:
+        return [*turn_after(last_token), *ids]
 
     def _voice(self, voice: Any) -> str:
         if voice is None:

@@ -75,6 +75,18 @@ def prompt_ids(text_ids: Sequence[int]) -> list[int]:
     return [*PROMPT_PREFIX, *text_ids, *PROMPT_SUFFIX]
 
 
+def turn_after(last_token: int) -> list[int]:
+    """What closes a spoken turn that ended on `last_token`, before the next
+    human turn: the token itself (the cache has not read it), then the
+    END_OF_SPEECH and END_OF_AI that training rows put after the audio, as
+    far as the model did not write them."""
+    if last_token == END_OF_AI:
+        return [last_token]
+    if last_token == END_OF_SPEECH:
+        return [last_token, END_OF_AI]
+    return [last_token, END_OF_SPEECH, END_OF_AI]
+
+
 def tokens_to_codes(tokens: torch.Tensor) -> list[torch.Tensor]:
     """Audio token ids [B, L] (frame-aligned: position 0 is a frame's first
     token) -> SNAC codes [B, F], [B, 2F], [B, 4F] for the F = L // 7 whole

@@ -1,0 +1,165 @@
+"""Text streamed into a running speech request: each piece is one more turn
+on the same KV cache. Checked on orpheus-tiny (CPU, greedy): the second turn
+prefills only its own tokens, and its audio is exactly what one request with
+the whole history as its prompt gives; input can close, a waiting request can
+be aborted, and a full context ends the request."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator
+
+import numpy as np
+import pytest
+import pytest_asyncio
+
+from mstar.config import EngineConfig
+from mstar.engine.engine import Engine
+from mstar.errors import RequestError
+from mstar.models.orpheus.tokens import turn_after
+from mstar.types import GenerateRequest, OutputChunk, SamplingParams
+
+TOKENS = 35  # five frames a turn
+GREEDY = SamplingParams(max_tokens=TOKENS, temperature=0.0, seed=5, ignore_eos=True)
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def eng() -> AsyncIterator[Engine]:
+    engine = Engine(EngineConfig(model="orpheus-tiny", max_model_len=256))
+    await engine.start()
+    yield engine
+    await engine.shutdown()
+
+
+def _prompt(eng: Engine, text: str) -> list[int]:
+    return eng.model.prepare(GenerateRequest("p", "orpheus-tiny", {"text": text, "voice": "tara"}))["prompt_ids"].tolist()
+
+
+async def _collect(stream) -> tuple[bytes, list[OutputChunk]]:
+    audio, chunks = b"", []
+    async for chunk in stream:
+        audio += chunk.audio or b""
+        chunks.append(chunk)
+    return audio, chunks
+
+
+async def _until_awaiting(chunks: AsyncIterator[OutputChunk]) -> tuple[bytes, list[OutputChunk]]:
+    """Read one iterator (leaving an `async for` would close the stream) up to
+    the request's wait for input."""
+    audio, seen = b"", []
+    async for chunk in chunks:
+        seen.append(chunk)
+        if chunk.awaiting_input:
+            break
+        audio += chunk.audio or b""
+    return audio, seen
+
+
+def _pcm(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype="<i2").astype(np.int32)
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_second_turn_reuses_the_cache_and_speaks_like_one_long_prompt(eng: Engine) -> None:
+    prefills: list[int] = []
+    module = eng.workers[0].runners["llm"].module
+    real = module.prefill
+
+    def counting(batch):
+        prefills.append(int(batch.input_ids.numel()))
+        return real(batch)
+
+    module.prefill = counting
+    try:
+        stream = eng.submit(GenerateRequest("turns", "orpheus-tiny", {"text": "hello there", "voice": "tara"},
+                                            GREEDY, more_input=True))
+        chunks = aiter(stream)
+        first, seen = await _until_awaiting(chunks)
+        assert seen[-1].awaiting_input and not seen[-1].finished
+        eng.append("turns", {"text": "and a second thing"})
+        eng.close_input("turns")
+        rest, tail = await _collect(chunks)
+    finally:
+        module.prefill = real
+    assert tail[-1].finished and tail[-1].finish_reason == "length"
+    p1, p2 = _prompt(eng, "hello there"), _prompt(eng, "and a second thing")
+    assert prefills == [len(p1), len(turn_after(0)) + len(p2)]  # the second turn reads only its own tokens
+
+    # the first turn's tokens, greedy, from the LLM alone
+    gen = GenerateRequest("t1", "orpheus-tiny", {"prompt_ids": p1}, GREEDY, walk="generate")
+    _, gen_chunks = await _collect(eng.submit(gen))
+    t1 = [t for c in gen_chunks for t in c.token_ids]
+    assert len(t1) == TOKENS
+    history = p1 + t1[:-1] + turn_after(t1[-1]) + p2
+
+    alone, _ = await _collect(eng.submit(GenerateRequest("a1", "orpheus-tiny", {"text": "hello there",
+                                                                                "voice": "tara"}, GREEDY)))
+    whole, _ = await _collect(eng.submit(GenerateRequest("a2", "orpheus-tiny", {"prompt_ids": history}, GREEDY)))
+    # turn one speaks as a request of its own, turn two as one whose prompt is the whole history
+    got, want = _pcm(first + rest), _pcm(alone + whole)
+    assert len(alone) == len(whole) == 4 * 2048 * 2
+    assert got.size == want.size and np.abs(got - want).max() <= 2
+    assert 0 < len(first) <= len(alone)  # the wait for input is known before the turn's last audio
+    assert eng.pages_in_use() == 0 and len(eng.store) == 0
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_pieces_sent_early_queue_in_order_and_close_ends_the_request(eng: Engine) -> None:
+    stream = eng.submit(GenerateRequest("queued", "orpheus-tiny", {"text": "one"}, GREEDY, more_input=True))
+    n2 = eng.append("queued", {"text": "two"})
+    n3 = eng.append("queued", {"text": "three", "voice": "leo"})
+    assert n2 == len(_prompt(eng, "two")) and n3 > 0
+    eng.close_input("queued")
+    audio, chunks = await _collect(stream)
+    assert chunks[-1].finished and chunks[-1].finish_reason == "length"
+    # three turns of five frames; each turn plays every frame but its first
+    assert len(audio) == 3 * 4 * 2048 * 2
+    assert chunks[-1].num_prompt_tokens == len(_prompt(eng, "one")) + n2 + n3
+    assert chunks[-1].num_output_tokens == 3 * TOKENS
+    assert eng.pages_in_use() == 0 and len(eng.store) == 0
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_abort_while_waiting_for_input_frees_everything(eng: Engine) -> None:
+    stream = eng.submit(GenerateRequest("idle", "orpheus-tiny", {"text": "wait"}, GREEDY, more_input=True))
+    chunks = aiter(stream)
+    _, seen = await _until_awaiting(chunks)
+    assert seen[-1].awaiting_input and eng.pages_in_use() > 0  # the cache is kept for the next turn
+    eng.abort("idle")
+    for _ in range(100):
+        if eng.pages_in_use() == 0 and eng.num_running() == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert eng.pages_in_use() == 0 and eng.num_running() == 0 and len(eng.store) == 0
+    with pytest.raises(RequestError):
+        eng.append("idle", {"text": "too late"})
+    _, rest = await _collect(chunks)
+    assert rest[-1].finish_reason == "abort"
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_full_context_ends_the_request(eng: Engine) -> None:
+    stream = eng.submit(GenerateRequest("full", "orpheus-tiny", {"text": "a"}, GREEDY, more_input=True))
+    for i in range(10):  # 256 positions hold about four turns of this size
+        eng.append("full", {"text": f"piece {i}"})
+    audio, chunks = await _collect(stream)
+    assert chunks[-1].finished and chunks[-1].finish_reason == "length"
+    assert 0 < len(audio) < 10 * 4 * 2048 * 2
+    assert eng.pages_in_use() == 0 and len(eng.store) == 0
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_input_is_refused_where_a_request_takes_none(eng: Engine) -> None:
+    with pytest.raises(RequestError) as e:
+        eng.submit(GenerateRequest("g", "orpheus-tiny", {"prompt_ids": [1, 2]}, GREEDY, walk="generate",
+                                   more_input=True))
+    assert e.value.field == "input"
+    await _collect(eng.submit(GenerateRequest("plain", "orpheus-tiny", {"text": "x"}, GREEDY)))
+    with pytest.raises(RequestError):
+        eng.append("plain", {"text": "more"})
+    stream = eng.submit(GenerateRequest("empty", "orpheus-tiny", {"text": "x"}, GREEDY, more_input=True))
+    with pytest.raises(RequestError) as e:
+        eng.append("empty", {"text": "  "})
+    assert e.value.field == "input"
+    eng.close_input("empty")
+    await _collect(stream)
