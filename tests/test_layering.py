@@ -23,10 +23,10 @@ PACKAGE = ROOT / "mstar"
 LEAVES = frozenset({"mstar.types", "mstar.config", "mstar.errors", "mstar.graph"})
 # What http may reach: the Engine's public API, the leaves, and itself.
 HTTP_ALLOWED = LEAVES | {"mstar", "mstar.engine", "mstar.engine.engine"}
-# Modules that promise to import without torch (the leaves, the client side of http).
+# Modules that promise to import without torch (the leaves, the client side of http, the SDK).
 # request parsing must stay usable by clients that have no torch
 TORCH_FREE = sorted(LEAVES) + ["mstar.http.protocol", "mstar.http.fields", "mstar.http.chat_messages",
-                              "mstar.http.audio", "mstar.http.speech_protocol"]
+                              "mstar.http.audio", "mstar.http.speech_protocol", "mstar.client"]
 
 
 def under(name: str, *prefixes: str) -> bool:
@@ -56,6 +56,10 @@ RULES = (
     Rule(lambda m: under(m, "mstar.http"),
          lambda n: under(n, "mstar") and not (n in HTTP_ALLOWED or under(n, "mstar.http")),
          "http/ talks only to the Engine's public API (mstar.engine, mstar.engine.engine)"),
+    # the SDK installs where torch may not: it knows the server only through HTTP
+    Rule(lambda m: under(m, "mstar.client"),
+         lambda n: under(n, "torch") or (under(n, "mstar") and not under(n, "mstar.client") and n != "mstar"),
+         "client/ speaks HTTP only: it imports no other mstar module, and no torch"),
 )
 
 
@@ -144,6 +148,8 @@ KNOWN = {"mstar", "mstar.types", "mstar.errors", "mstar.graph", "mstar.engine", 
     ("mstar.kernels.norm", False, "def f():\n    from ..engine import worker", "mstar.engine.worker"),
     ("mstar.kernels", True, "from mstar.scheduler import pages", "mstar.scheduler.pages"),
     ("mstar.scheduler.pages", False, "from mstar.kernels.norm import rms_norm", "mstar.kernels.norm"),
+    ("mstar.client.results", False, "from mstar.types import SamplingParams", "mstar.types"),
+    ("mstar.client.audio", False, "def f():\n    import torch", "torch"),
 ])
 def test_checker_flags_violations(module: str, is_package: bool, source: str, expected: str) -> None:
     found = violations(source, module, is_package, KNOWN)
@@ -165,6 +171,8 @@ def test_checker_accepts_allowed_imports() -> None:
     assert violations(kernels, "mstar.kernels.rope_kv", False, KNOWN) == []
     # models/ and engine/ may both build on kernels/
     assert violations("from mstar.kernels.norm import rms_norm", "mstar.models.layers.norm", False, KNOWN) == []
+    client = "import aiohttp\nfrom mstar.client.errors import MstarError\nfrom . import results"
+    assert violations(client, "mstar.client.streams", False, KNOWN) == []
 
 
 # Raises on any import of torch, so a module that needs it fails to import.

@@ -1,0 +1,27 @@
+"""Sampling options: keyword arguments of the client's methods in, fields
+of a request body out (top level on the OpenAI routes, under
+`sampling_params` on `/generate`), so each method's signature is typed once."""
+
+from __future__ import annotations
+
+from typing import TypedDict
+
+
+class Sampling(TypedDict, total=False):
+    """Sampling fields every generating route takes; what is left out takes
+    the server's (or, for speech, the model's) default."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    seed: int
+    ignore_eos: bool
+
+
+class TextSampling(Sampling, total=False):
+    """Text routes also stop on strings or token ids."""
+
+    stop: str | list[str]
+    stop_token_ids: list[int]
