@@ -75,6 +75,16 @@ def document() -> Schema:
         "/v1/audio/speech": _post("OpenAI text to speech, streamed", "SpeechRequest", speech_ok,
                                   "the audio in `response_format` (header X-Sample-Rate), or with "
                                   "`stream_format: sse` its base64 pieces as events"),
+        "/v1/realtime": {"get": {
+            "summary": "the OpenAI Realtime API (GA events) over a websocket",
+            "description": "Upgrade to a websocket, then exchange Realtime events as JSON text messages: "
+                           "session.update, conversation.item.create, response.create, response.cancel, ... in; "
+                           "session.created, response.output_audio.delta, response.done, error, ... out. Text "
+                           "sent while a speech response runs is spoken in the same request.",
+            "parameters": [{"name": "model", "in": "query", "required": False, "schema": {"type": "string"},
+                            "description": "the served model (default: the one the server runs)"}],
+            "responses": {"101": {"description": "switching to the websocket protocol"},
+                          **_errors(400, 404, 500)}}},
     }
     schemas = {
         "CompletionRequest": req.COMPLETION_REQUEST, "ChatRequest": req.CHAT_REQUEST,

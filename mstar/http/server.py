@@ -18,7 +18,7 @@ import structlog
 from aiohttp import web
 
 from mstar.errors import RequestError
-from mstar.http import metrics_routes, native_routes, openai_routes, openapi_routes, speech_routes
+from mstar.http import metrics_routes, native_routes, openai_routes, openapi_routes, realtime_routes, speech_routes
 from mstar.http.keys import ENGINE, STARTED
 from mstar.http.logs import Handler, add_request_id_header, request_context
 from mstar.http.responses import error_response, json_response, request_error_body
@@ -111,5 +111,6 @@ def build_app(engine: Engine, *, manage_engine: bool = True) -> web.Application:
     app.router.add_post("/v1/chat/completions", openai_routes.chat_completions)
     app.router.add_post("/v1/audio/speech", speech_routes.speech)
     app.router.add_post("/generate", native_routes.generate)
+    app.router.add_get("/v1/realtime", realtime_routes.realtime)
     app.router.add_get("/openapi.json", openapi_routes.openapi)
     return app
