@@ -1,0 +1,212 @@
+"""`/v1/realtime` with the official `openai` client (GA events), on CPU:
+text in, audio deltas out, `response.done`; cancel mid-response; text
+appended while a response speaks; error events for bad events and bad
+base64, with the session still usable after them; a closed socket frees
+everything; a text model answers in text deltas."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from http_support import running_engine, serving
+from openai import AsyncOpenAI
+
+from mstar.engine.engine import Engine
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+SHORT = 35  # tokens a turn: five frames, four of them played (8192 samples)
+FAST = {"type": "realtime", "max_output_tokens": SHORT, "mstar": {"input_linger_ms": 0}}
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def speech() -> AsyncIterator[tuple[Engine, str]]:
+    async with running_engine("orpheus-tiny") as engine, serving(engine) as url:
+        yield engine, url
+
+
+def _client(url: str) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
+
+
+def _user(text: str) -> dict[str, Any]:
+    return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+
+
+async def _until(conn, kind: str, seen: list[Any]) -> Any:
+    async for ev in conn:
+        seen.append(ev)
+        if ev.type == kind:
+            return ev
+    raise AssertionError(f"the socket closed before {kind}")
+
+
+def _audio(events: list[Any]) -> bytes:
+    return b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta")
+
+
+async def _settled(engine: Engine) -> None:
+    for _ in range(200):
+        if engine.pages_in_use() == 0 and engine.num_running() == 0 and len(engine.store) == 0:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"held: {engine.pages_in_use()} pages, {engine.num_running()} requests")
+
+
+async def test_text_in_audio_out(speech) -> None:
+    engine, url = speech
+    async with _client(url).realtime.connect(model="orpheus-tiny") as conn:
+        created = await conn.recv()
+        assert created.type == "session.created" and created.session.audio.output.voice == "tara"
+        await conn.session.update(session={**FAST, "audio": {"output": {"voice": "leo"}}})
+        seen: list[Any] = []
+        updated = await _until(conn, "session.updated", seen)
+        assert updated.session.audio.output.voice == "leo"
+        await conn.conversation.item.create(item=_user("hello world"))
+        await conn.response.create()
+        done = await _until(conn, "response.done", seen)
+    kinds = [e.type for e in seen]
+    assert kinds.index("conversation.item.added") < kinds.index("response.created") < kinds.index(
+        "response.output_audio.delta") < kinds.index("response.output_audio.done")
+    assert done.response.status == "completed"
+    assert len(_audio(seen)) == 4 * 2048 * 2  # one turn of five frames plays four
+    transcript = next(e for e in seen if e.type == "response.output_audio_transcript.done").transcript
+    assert transcript == "hello world"
+    assert done.response.usage.output_tokens == SHORT and done.response.usage.input_tokens > 0
+    assert done.response.output[0].content[0].transcript == "hello world"
+    await _settled(engine)
+
+
+async def test_cancel_mid_response_then_the_session_goes_on(speech) -> None:
+    engine, url = speech
+    async with _client(url).realtime.connect(model="orpheus-tiny") as conn:
+        await conn.session.update(session={"type": "realtime", "max_output_tokens": 1000})
+        seen: list[Any] = []
+        await conn.conversation.item.create(item=_user("a long answer"))
+        await conn.response.create()
+        first = await _until(conn, "response.output_audio.delta", seen)
+        await conn.response.cancel()
+        done = await _until(conn, "response.done", seen)
+        assert done.response.status == "cancelled"
+        assert done.response.status_details.reason == "client_cancelled"
+        assert len(_audio(seen)) < 100 * 2048 * 2  # far short of the 1000 tokens it would have said
+        await _settled(engine)  # cancelled within a step: pages and tensors are back
+        # barge-in: the client heard 40 ms of it
+        await conn.conversation.item.truncate(item_id=first.item_id, content_index=0, audio_end_ms=40)
+        truncated = await _until(conn, "conversation.item.truncated", seen)
+        assert truncated.audio_end_ms == 40
+        await conn.session.update(session=FAST)
+        await conn.conversation.item.create(item=_user("again"))
+        await conn.response.create()
+        again = await _until(conn, "response.done", seen)
+        assert again.response.status == "completed"
+
+
+async def test_text_appended_mid_response_is_spoken_in_the_same_request(speech) -> None:
+    engine, url = speech
+    async with _client(url).realtime.connect(model="orpheus-tiny") as conn:
+        await conn.session.update(session={"type": "realtime", "max_output_tokens": SHORT,
+                                           "mstar": {"input_linger_ms": 3000}})
+        seen: list[Any] = []
+        await conn.conversation.item.create(item=_user("first part"))
+        await conn.response.create()
+        await _until(conn, "response.output_audio.delta", seen)
+        await conn.conversation.item.create(item=_user("second part"))
+        await _until(conn, "conversation.item.done", seen)
+        await conn.send({"type": "session.update", "session": {"mstar": {"input_linger_ms": 0}}})
+        done = await _until(conn, "response.done", seen)
+    responses = {e.response.id for e in seen if e.type == "response.created"}
+    assert len(responses) == 1
+    assert done.response.status == "completed"
+    assert len(_audio(seen)) == 2 * 4 * 2048 * 2  # two turns in one response
+    assert done.response.usage.output_tokens == 2 * SHORT
+    deltas = [e.delta for e in seen if e.type == "response.output_audio_transcript.delta"]
+    assert deltas == ["first part", " second part"]
+    await _settled(engine)
+
+
+async def test_bad_events_get_error_events_and_the_socket_stays(speech) -> None:
+    engine, url = speech
+    ws_url = url.replace("http://", "ws://") + "/v1/realtime?model=orpheus-tiny"
+    async with aiohttp.ClientSession() as http, http.ws_connect(ws_url) as ws:
+        assert (await ws.receive_json())["type"] == "session.created"
+
+        async def error_for(message: Any) -> dict[str, Any]:
+            await (ws.send_str(message) if isinstance(message, str) else ws.send_json(message))
+            ev = await ws.receive_json()
+            assert ev["type"] == "error", ev
+            return ev["error"]
+
+        assert (await error_for("{not json"))["code"] == "invalid_json"
+        assert (await error_for({"type": "no.such.event"}))["code"] == "unknown_event_type"
+        err = await error_for({"type": "input_audio_buffer.append", "audio": "***", "event_id": "ev1"})
+        assert err["code"] == "invalid_base64" and err["event_id"] == "ev1"
+        err = await error_for({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"\0\0").decode()})
+        assert err["code"] == "audio_input_not_supported" and "no audio input" in err["message"]
+        assert (await error_for({"type": "response.cancel"}))["code"] == "response_cancel_not_active"
+        assert (await error_for({"type": "response.create"}))["code"] == "empty_input"
+        err = await error_for({"type": "session.update", "session": {"audio": {"output": {"voice": "nobody"}}}})
+        assert err["param"] == "session.audio.output.voice"
+        err = await error_for({"type": "session.update", "session": {"audio": {"input": {
+            "turn_detection": {"type": "server_vad"}}}}})
+        assert err["code"] == "unsupported_turn_detection"
+        err = await error_for({"type": "conversation.item.create", "item": {"type": "message", "role": "robot",
+                                                                              "content": []}})
+        assert err["param"] == "item.role"
+        err = await error_for({"type": "conversation.item.truncate", "item_id": "nope", "content_index": 0,
+                               "audio_end_ms": 0})
+        assert err["code"] == "item_not_found"
+        # still usable: a response runs, and a second create while it runs is refused
+        await ws.send_json({"type": "session.update", "session": FAST})
+        await ws.send_json({"type": "conversation.item.create", "item": _user("still here")})
+        await ws.send_json({"type": "response.create"})
+        await ws.send_json({"type": "response.create"})
+        kinds, codes = [], []
+        while "response.done" not in kinds:
+            ev = await ws.receive_json()
+            kinds.append(ev["type"])
+            if ev["type"] == "error":
+                codes.append(ev["error"]["code"])
+        assert codes == ["conversation_already_has_active_response"]
+        assert "response.output_audio.delta" in kinds
+    await _settled(engine)
+
+
+async def test_closing_the_socket_mid_response_frees_everything(speech) -> None:
+    engine, url = speech
+    async with _client(url).realtime.connect(model="orpheus-tiny") as conn:
+        await conn.session.update(session={"type": "realtime", "max_output_tokens": 1000})
+        await conn.conversation.item.create(item=_user("talk for a while"))
+        await conn.response.create()
+        await _until(conn, "response.output_audio.delta", [])
+        assert engine.pages_in_use() > 0
+    await _settled(engine)
+
+
+async def test_unknown_model_is_refused_before_the_upgrade(speech) -> None:
+    _, url = speech
+    async with aiohttp.ClientSession() as http:
+        with pytest.raises(aiohttp.WSServerHandshakeError) as e:
+            await http.ws_connect(url.replace("http://", "ws://") + "/v1/realtime?model=nope")
+        assert e.value.status == 404
+
+
+async def test_a_text_model_answers_in_text() -> None:
+    async with running_engine("tiny-llama") as engine, serving(engine) as url:
+        async with _client(url).realtime.connect(model="tiny-llama") as conn:
+            created = await conn.recv()
+            assert created.session.output_modalities == ["text"]
+            await conn.conversation.item.create(item=_user("say something"))
+            await conn.response.create(response={"max_output_tokens": 12})
+            seen: list[Any] = []
+            done = await _until(conn, "response.done", seen)
+        deltas = "".join(e.delta for e in seen if e.type == "response.output_text.delta")
+        assert done.response.usage.output_tokens == 12
+        assert done.response.status == "incomplete" and done.response.status_details.reason == "max_output_tokens"
+        assert deltas and next(e for e in seen if e.type == "response.output_text.done").text == deltas
