@@ -11,7 +11,9 @@
 #   scripts/gpu_check.sh tts        the speech benchmark (scripts/bench_tts.py; $TTS_ARGS adds flags,
 #                                   $TTS_SERVER_ARGS the server's)
 #   scripts/gpu_check.sh speech     orpheus, then tts at the documented configuration (one call, ~8 min)
-#   scripts/gpu_check.sh overload   twice the real-time capacity offered to a server that admits 64 streams
+#   scripts/gpu_check.sh overload   twice the real-time capacity offered to a server that admits 64 streams,
+#                                   then overload-lazy
+#   scripts/gpu_check.sh overload-lazy  64 streams on a KV pool too small for them (--kv-reservation lazy)
 #   scripts/gpu_check.sh pagesize   the attention page-size measurement
 #   scripts/gpu_check.sh all        tests and bench (default)
 # FlashInfer compiles its kernels on first use into ~/.cache/flashinfer; a
@@ -95,6 +97,16 @@ if [[ $what == overload ]]; then
       --requests-per-client 2 --skip-baseline --out "$OUT/overload.json" --server-log "$OUT/overload_server.log" \
       --server-args "--max-num-seqs ${OVERLOAD_RUNNING:-64} --max-waiting-requests 16 --queue-timeout 2" \
       2>&1 | tail -20 | tee "$OUT/overload.txt"
+fi
+if [[ $what == overload || $what == overload-lazy ]]; then
+  # --kv-reservation lazy with a pool too small for 64 streams (~70 pages of 16 each): rows get preempted
+  # (swapped out) on the GPU; /metrics' preemption counter, polled while it runs, goes to lazy.txt
+  (while sleep 5; do curl -s 127.0.0.1:18123/metrics | grep '^mstar_preempt' | sed "s/^/$SECONDS s /"; done) \
+      > "$OUT/lazy_metrics.txt" 2>/dev/null & poll=$!
+  timeout ${LAZY_TIMEOUT:-240} python3 scripts/bench_tts.py --concurrency 64 --requests-per-client 1 --skip-baseline \
+      --port 18123 --out "$OUT/lazy.json" --server-log "$OUT/lazy_server.log" \
+      --server-args "--kv-reservation lazy --num-pages 2500 --max-num-seqs 64" 2>&1 | tail -12 | tee "$OUT/lazy.txt"
+  kill $poll; tail -2 "$OUT/lazy_metrics.txt" | tee -a "$OUT/lazy.txt"; rm -f "$OUT/lazy_metrics.txt"
 fi
 if [[ $what == pagesize ]]; then
   timeout 240 python3 scripts/bench_page_size.py --out "$OUT/page_size.json" 2>&1 | tail -30 | tee "$OUT/page_size.txt"
