@@ -86,6 +86,11 @@ def document() -> Schema:
             "responses": {"101": {"description": "switching to the websocket protocol"},
                           **_errors(400, 404, 500)}}},
     }
+    # text streamed in while the audio streams out: the body's first line, then {"input": ...} lines
+    paths["/v1/audio/speech"]["post"]["requestBody"]["content"]["application/x-ndjson"] = {"schema": {
+        "type": "string", "x-line-schema": req.ref("SpeechRequest"),
+        "description": "first line: the JSON body; each later line {\"input\": \"more text\"} is spoken after "
+                       "what came before, in the same request; the body's end ends the input"}}
     schemas = {
         "CompletionRequest": req.COMPLETION_REQUEST, "ChatRequest": req.CHAT_REQUEST,
         "GenerateRequest": req.GENERATE_REQUEST, "SpeechRequest": req.SPEECH_REQUEST,

@@ -12,10 +12,18 @@ change the status any more: an SSE stream gets an `error` event, an audio
 body is cut off (the connection closes before the chunked body's end, which
 HTTP clients report as an incomplete read). A client that hangs up aborts its
 engine request.
+
+Text can also stream in while the audio streams out: a body of content type
+`application/x-ndjson` is read line by line. Its first line is the JSON body
+above; each later line, `{"input": "more text"}`, is spoken after what came
+before, in the same engine request (one more turn on the same KV cache, no
+prompt prefilled again). The end of the body ends the input. A later line
+that is not such an object ends the input there (logged).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import dataclasses
 import uuid
@@ -43,8 +51,12 @@ DEFAULT_SAMPLE_RATE = 24_000  # only for a request that ends without any audio t
 Chunks = AsyncIterator[tuple[Any, OutputChunk]]
 
 
+NDJSON = "application/x-ndjson"
+
+
 async def speech(request: web.Request) -> web.StreamResponse:
-    body = parse_speech(await request.read())
+    streamed = request.content_type == NDJSON
+    body = parse_speech(await request.content.readline() if streamed else await request.read())
     engine = request.app[ENGINE]
     target = resolve_model(engine, body.model)
     if SPEAK_WALK not in target.walks:
@@ -53,7 +65,8 @@ async def speech(request: web.Request) -> web.StreamResponse:
     sampling = speech_sampling(model_defaults(engine), body)
     sub = submit_inputs(engine, f"speech-{uuid.uuid4().hex}", target, {"text": body.input, "voice": body.voice},
                         SPEAK_WALK, sampling, prompt_field="input",
-                        tokens_field="max_tokens" if "max_tokens" in body.sampling else None)
+                        tokens_field="max_tokens" if "max_tokens" in body.sampling else None, more_input=streamed)
+    reader = asyncio.get_running_loop().create_task(_more_text(request, sub)) if streamed else None
     try:
         async with aclosing(sub.chunks()) as chunks:
             first = await _first_audio(request, chunks)
@@ -62,7 +75,32 @@ async def speech(request: web.Request) -> web.StreamResponse:
                 return await _stream_sse(request, sub, chunks, first, encoder)
             return await _stream_audio(request, chunks, first, encoder)
     finally:
+        if reader is not None:
+            reader.cancel()
         await sub.aclose()
+
+
+async def _more_text(request: web.Request, sub: Submission) -> None:
+    """The rest of an NDJSON body: each line's text into the running request,
+    then the end of its input."""
+    engine = request.app[ENGINE]
+    request_id = sub.streams[0].request_id
+    try:
+        while line := await request.content.readline():
+            if not line.strip():
+                continue
+            try:
+                text = orjson.loads(line).get("input")
+                if not isinstance(text, str):
+                    raise ValueError("no 'input' string")
+                engine.append(request_id, {"text": text})
+            except (ValueError, AttributeError, RequestError) as e:
+                log.warning("streamed speech input ends at a bad line", request_id=request_id, error=str(e))
+                break
+    except ConnectionError:
+        pass
+    finally:
+        engine.close_input(request_id)
 
 
 def speech_sampling(defaults: SamplingParams, body: SpeechBody) -> SamplingParams:

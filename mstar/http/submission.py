@@ -137,6 +137,7 @@ class Choice:
     texts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     num_output_tokens: int = 0
+    num_prompt_tokens: int = 0       # as the engine counts it (it grows as input streams in)
     finish_reason: str | None = None
     error: str | None = None
     audio: bytearray | None = None   # PCM16 so far, if `keep_audio` (streams send it on instead)
@@ -158,6 +159,7 @@ class Choice:
                 self.audio += chunk.audio
         self.token_ids.extend(chunk.token_ids)
         self.num_output_tokens = max(chunk.num_output_tokens, len(self.token_ids))
+        self.num_prompt_tokens = max(self.num_prompt_tokens, chunk.num_prompt_tokens)
         if chunk.finished:
             self.finish_reason = chunk.finish_reason or "stop"
             self.error = chunk.error
@@ -189,7 +191,9 @@ class Submission:
 
     def usage(self) -> dict[str, int]:
         # A prompt counts once however many samples were drawn from it.
-        prompt = sum(self.prompt_lengths)
+        # the engine's count wins when it grew (input streamed in after the start)
+        prompt = sum(max([n, *(c.num_prompt_tokens for c in self.choices if c.prompt_index == p)])
+                     for p, n in enumerate(self.prompt_lengths))
         completion = sum(c.num_output_tokens for c in self.choices)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
@@ -290,7 +294,7 @@ def model_defaults(engine: Engine) -> SamplingParams:
 
 def submit_inputs(engine: Engine, request_id: str, target: Target, inputs: dict[str, Any], walk: str,
                   sampling: SamplingParams, *, prompt_field: str, tokens_field: str | None,
-                  keep_audio: bool = False) -> Submission:
+                  keep_audio: bool = False, more_input: bool = False) -> Submission:
     """One engine request from a walk's raw inputs (the model builds its own
     prompt, e.g. text and a voice for speech). The prompt length is known only
     once the engine prepared it, so the context is checked after submitting:
@@ -301,7 +305,7 @@ def submit_inputs(engine: Engine, request_id: str, target: Target, inputs: dict[
     try:
         sampling.validate(target.max_model_len)
         stream = engine.submit(GenerateRequest(request_id=request_id, model=target.name, inputs=inputs,
-                                               sampling=sampling, walk=walk))
+                                               sampling=sampling, walk=walk, more_input=more_input))
     except RequestError as e:
         if e.field not in renamed or renamed[e.field] == e.field:
             raise
