@@ -14,6 +14,7 @@
 #   scripts/gpu_check.sh overload   twice the real-time capacity offered to a server that admits 64 streams,
 #                                   then overload-lazy
 #   scripts/gpu_check.sh overload-lazy  64 streams on a KV pool too small for them (--kv-reservation lazy)
+#   scripts/gpu_check.sh realtime   /v1/realtime: first audio delta and cancel to silence at 1/16/64 sessions
 #   scripts/gpu_check.sh pagesize   the attention page-size measurement
 #   scripts/gpu_check.sh all        tests and bench (default)
 # FlashInfer compiles its kernels on first use into ~/.cache/flashinfer; a
@@ -107,6 +108,11 @@ if [[ $what == overload || $what == overload-lazy ]]; then
       --port 18123 --out "$OUT/lazy.json" --server-log "$OUT/lazy_server.log" \
       --server-args "--kv-reservation lazy --num-pages 2500 --max-num-seqs 64" 2>&1 | tail -12 | tee "$OUT/lazy.txt"
   kill $poll; tail -2 "$OUT/lazy_metrics.txt" | tee -a "$OUT/lazy.txt"; rm -f "$OUT/lazy_metrics.txt"
+fi
+if [[ $what == realtime ]]; then
+  timeout ${REALTIME_TIMEOUT:-300} python3 scripts/bench_realtime.py --sessions ${REALTIME_SESSIONS:-1 16 64} \
+      --out "$OUT/realtime.json" --server-log "$OUT/realtime_server.log" \
+      --server-args "${REALTIME_SERVER_ARGS:-}" 2>&1 | tail -12 | tee "$OUT/realtime.txt"
 fi
 if [[ $what == pagesize ]]; then
   timeout 240 python3 scripts/bench_page_size.py --out "$OUT/page_size.json" 2>&1 | tail -30 | tee "$OUT/page_size.txt"
