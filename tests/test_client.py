@@ -288,3 +288,37 @@ async def test_error_event_mid_stream_raises(stub: tuple[str, list[float]]) -> N
         with pytest.raises(MstarError) as cut:
             await stream.__anext__()
     assert (cut.value.status, cut.value.code, cut.value.type) == (None, "timeout", "server_error")
+
+
+def test_realtime_session_speaks_cancels_and_reports_errors(speech_url: str, tmp_path: Path) -> None:
+    with Client(speech_url) as client, client.realtime("orpheus-tiny", voice="leo", max_output_tokens=35,
+                                                       input_linger_ms=0, seed=3) as rt:
+        assert rt.session["audio"]["output"]["voice"] == "leo"
+        reply = rt.speak("hello from the sdk")
+        assert reply.status == "completed" and reply.transcript == "hello from the sdk"
+        # at most four frames (random weights write a non-audio id now and then), whole ones
+        assert 0 < len(reply.audio) <= 4 * 2048 * 2 and len(reply.audio) % 4096 == 0
+        assert reply.first_delta_s is not None
+        assert reply.usage["output_tokens"] == 35
+        reply.to_wav(tmp_path / "rt.wav")
+        with wave.open(str(tmp_path / "rt.wav"), "rb") as w:
+            assert w.getframerate() == 24_000 and w.getnframes() == len(reply.audio) // 2
+        with pytest.raises(MstarError) as e:
+            rt.cancel()
+            rt.reply()
+        assert e.value.code == "response_cancel_not_active"
+        rt.update(max_output_tokens=1000)
+        rt.say("a long one")
+        rt.respond()
+        for ev in rt.events():
+            if ev["type"] == "response.output_audio.delta":
+                rt.cancel()
+                break
+        assert rt.reply().status == "cancelled"
+
+
+async def test_async_realtime_refuses_an_unknown_model(speech_url: str) -> None:
+    async with AsyncClient(speech_url) as client:
+        with pytest.raises(MstarError) as e:
+            await client.realtime("no-such-model")
+        assert e.value.status == 404

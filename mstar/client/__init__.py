@@ -17,18 +17,18 @@ Modules: `async_client` and `client` (the clients), `results` (answers and
 chunks as dataclasses), `sampling` (the sampling options), `audio`
 (`Speech`, WAV), `streams` (streamed answers), `events` (SSE and NDJSON
 decoding), `errors` (`MstarError`), `loop_thread`.
-A `realtime` module, a session on the `/v1/realtime` websocket, is to come:
-it can reach the server through `AsyncClient.session()` and `AsyncClient.url()`.
+`realtime`: a session on the `/v1/realtime` websocket (`client.realtime()`).
 """
 
 from mstar.client.async_client import AsyncClient, Prompt
 from mstar.client.audio import Speech
 from mstar.client.client import Client
 from mstar.client.errors import MstarError
+from mstar.client.realtime import AsyncRealtimeSession, RealtimeReply, RealtimeSession
 from mstar.client.results import Choice, Completion, Generation, Health, ModelCard, Usage
 from mstar.client.sampling import Sampling, TextSampling
 from mstar.client.streams import AsyncSpeechStream, AsyncStream, SpeechStream, Stream
 
-__all__ = ["AsyncClient", "AsyncSpeechStream", "AsyncStream", "Choice", "Client", "Completion", "Generation",
-           "Health", "ModelCard", "MstarError", "Prompt", "Sampling", "Speech", "SpeechStream", "Stream",
+__all__ = ["AsyncClient", "AsyncRealtimeSession", "AsyncSpeechStream", "AsyncStream", "Choice", "Client", "Completion", "Generation",
+           "Health", "ModelCard", "MstarError", "Prompt", "RealtimeReply", "RealtimeSession", "Sampling", "Speech", "SpeechStream", "Stream",
            "TextSampling", "Usage"]

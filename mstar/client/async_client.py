@@ -14,6 +14,7 @@ import json
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Collection, Mapping, Sequence
 from types import TracebackType
+from urllib.parse import quote
 from typing import Any, Literal, Self, TypeVar, Unpack, overload
 
 import aiohttp
@@ -21,6 +22,7 @@ import aiohttp
 from mstar.client.audio import Speech
 from mstar.client.errors import RETRYABLE, MstarError, connection_error, error_from_body
 from mstar.client.events import ndjson_events, sse_events
+from mstar.client.realtime import AsyncRealtimeSession
 from mstar.client.results import Completion, Generation, Health, ModelCard
 from mstar.client.sampling import Sampling, TextSampling
 from mstar.client.streams import TRANSPORT_ERRORS, AsyncSpeechStream, AsyncStream
@@ -75,6 +77,18 @@ class AsyncClient:
         elif self._loop is not loop:
             raise RuntimeError("this AsyncClient's session belongs to another event loop; use one client per loop")
         return self._session
+
+    async def realtime(self, model: str | None = None, **update: Any) -> AsyncRealtimeSession:
+        """A session on `/v1/realtime` (`update`: `session.update` fields such
+        as voice, max_output_tokens, input_linger_ms, sent once connected)."""
+        url = self.url("/v1/realtime").replace("http://", "ws://", 1).replace("https://", "wss://", 1)
+        if model is not None:
+            url += f"?model={quote(model)}"
+        try:
+            return await AsyncRealtimeSession.connect(await self.session(), url, **update)
+        except aiohttp.WSServerHandshakeError as e:
+            raise MstarError(f"the realtime session was refused: {e.message}", status=e.status,
+                             code="model_not_found" if e.status == 404 else "handshake_failed") from None
 
     async def aclose(self) -> None:
         if self._session is not None:

@@ -18,6 +18,7 @@ from typing import Any, Literal, Self, Unpack, overload
 from mstar.client.async_client import DEFAULT_BASE_URL, DEFAULT_TIMEOUT, AsyncClient, Prompt
 from mstar.client.audio import Speech
 from mstar.client.loop_thread import LoopThread
+from mstar.client.realtime import RealtimeSession
 from mstar.client.results import Completion, Generation, Health, ModelCard
 from mstar.client.sampling import Sampling, TextSampling
 from mstar.client.streams import AsyncSpeechStream, AsyncStream, SpeechStream, Stream
@@ -146,6 +147,10 @@ class Client:
             input, voice=voice, model=model, response_format=response_format, max_tokens=max_tokens,
             stream=stream, **sampling))
         return SpeechStream(self._runner, answer) if isinstance(answer, AsyncSpeechStream) else answer
+
+    def realtime(self, model: str | None = None, **update: Any) -> RealtimeSession:
+        """A blocking session on `/v1/realtime`; see `AsyncClient.realtime`."""
+        return RealtimeSession(self._runner.run(self.aio.realtime(model, **update)), self._runner)
 
     def _wrap(self, answer: Any) -> Any:
         """A streamed answer made blocking; a whole one as it is."""

@@ -141,6 +141,7 @@ class SessionConfig:
     instructions: str = ""
     max_output_tokens: int | None = None
     input_linger_ms: int = DEFAULT_INPUT_LINGER_MS
+    seed: int | None = None  # responses draw reproducibly (each response from this seed)
 
     @property
     def modalities(self) -> list[str]:
@@ -156,7 +157,7 @@ class SessionConfig:
                 "input": {"format": AUDIO_FORMAT, "turn_detection": None, "transcription": None},
                 "output": {"format": AUDIO_FORMAT, "voice": self.voice, "speed": 1.0},
             },
-            "mstar": {"input_linger_ms": self.input_linger_ms, "voices": list(self.voices)},
+            "mstar": {"input_linger_ms": self.input_linger_ms, "seed": self.seed, "voices": list(self.voices)},
         }
         return out
 
@@ -185,6 +186,10 @@ class SessionConfig:
         audio = field_of(session, "audio", dict, "session", required=False) or {}
         voice = self._audio(audio)
         linger = self._linger(session)
+        ext = session.get("mstar") or {}
+        seed = field_of(ext, "seed", int, "session.mstar", required=False)
+        if seed is not None and not 0 <= seed < 2**63:
+            raise ProtocolError("must be in [0, 2**63)", "invalid_value", "session.mstar.seed")
         # all checked: apply together, so a refused update changes nothing
         if instructions is not None:
             self.instructions = instructions
@@ -194,6 +199,8 @@ class SessionConfig:
             self.voice = voice
         if linger is not None:
             self.input_linger_ms = linger
+        if seed is not None:
+            self.seed = seed
 
     def _audio(self, audio: dict[str, Any]) -> str | None:
         inp = field_of(audio, "input", dict, "session.audio", required=False) or {}

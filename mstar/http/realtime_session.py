@@ -214,7 +214,7 @@ class RealtimeSession:
         texts = self._input_texts(given) if given is not None else None
         rid = new_id("resp")
         defaults = model_defaults(self.engine)
-        sampling = dataclasses.replace(defaults, max_tokens=limit or defaults.max_tokens)
+        sampling = dataclasses.replace(defaults, max_tokens=limit or defaults.max_tokens, seed=self.config.seed)
         if self.speaks:
             audio = ((params.get("audio") or {}).get("output") or {}) if isinstance(params.get("audio"), dict) else {}
             voice = self.config.voice

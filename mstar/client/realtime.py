@@ -1,0 +1,221 @@
+"""A session on the server's `/v1/realtime` websocket: client events out,
+server events (plain dicts, the OpenAI Realtime GA shapes) in.
+
+    async with AsyncClient(url) as client:
+        async with await client.realtime(model="orpheus-tiny", voice="tara") as rt:
+            reply = await rt.speak("Hello there.")       # audio until response.done
+            reply.to_wav("hello.wav")
+
+`speak` is the common case; for more control, `say` adds a user message (while
+a speech response runs, the server appends it to that response), `respond`
+starts a response, `cancel` stops it (barge-in), and `events()` yields every
+server event. `RealtimeSession` is the blocking twin, on the `Client`'s loop
+thread.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Self
+
+import aiohttp
+
+from mstar.client.audio import DEFAULT_SAMPLE_RATE, Speech
+from mstar.client.errors import MstarError
+
+if TYPE_CHECKING:
+    from mstar.client.loop_thread import LoopThread
+
+
+@dataclass
+class RealtimeReply:
+    """One response as it ended: its status, the audio (PCM16, 24 kHz) or
+    text, the transcript, the usage, and the time from `response.create` to
+    the first audio or text delta (measured here)."""
+
+    response_id: str
+    status: str
+    audio: bytes = b""
+    text: str = ""
+    transcript: str = ""
+    usage: dict[str, Any] = field(default_factory=dict)
+    first_delta_s: float | None = None
+    elapsed_s: float = 0.0
+
+    def speech(self) -> Speech:
+        return Speech(self.audio, "pcm", DEFAULT_SAMPLE_RATE, 1, self.first_delta_s, self.elapsed_s)
+
+    def to_wav(self, target: Any) -> None:
+        self.speech().to_wav(target)
+
+
+class AsyncRealtimeSession:
+    """Open with `await AsyncClient.realtime(...)`; close with `aclose()` or
+    `async with`. Closing aborts whatever response is running."""
+
+    def __init__(self, ws: aiohttp.ClientWebSocketResponse, session: dict[str, Any]) -> None:
+        self.ws = ws
+        self.session = session  # the latest session object the server sent
+
+    @classmethod
+    async def connect(cls, http: aiohttp.ClientSession, url: str, **update: Any) -> AsyncRealtimeSession:
+        ws = await http.ws_connect(url, max_msg_size=0)
+        first = await ws.receive_json()
+        if first.get("type") != "session.created":
+            await ws.close()
+            raise MstarError(f"expected session.created, got {first.get('type')!r}", code="protocol_error")
+        rt = cls(ws, first["session"])
+        if update:
+            await rt.update(**update)
+        return rt
+
+    async def aclose(self) -> None:
+        await self.ws.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    # ---------------------------------------------------------- events out
+
+    async def send(self, event: dict[str, Any]) -> None:
+        """Any client event, as is."""
+        await self.ws.send_json(event)
+
+    async def update(self, *, voice: str | None = None, instructions: str | None = None,
+                     max_output_tokens: int | str | None = None, input_linger_ms: int | None = None,
+                     seed: int | None = None) -> dict[str, Any]:
+        """`session.update`; returns the session as the server now has it.
+        `input_linger_ms` and `seed` are mstar's own fields (how long a speech
+        response waits for more text; reproducible draws)."""
+        session: dict[str, Any] = {"type": "realtime"}
+        if voice is not None:
+            session["audio"] = {"output": {"voice": voice}}
+        if instructions is not None:
+            session["instructions"] = instructions
+        if max_output_tokens is not None:
+            session["max_output_tokens"] = max_output_tokens
+        ext = {k: v for k, v in (("input_linger_ms", input_linger_ms), ("seed", seed)) if v is not None}
+        if ext:
+            session["mstar"] = ext
+        await self.send({"type": "session.update", "session": session})
+        async for ev in self.events():
+            if ev["type"] == "session.updated":
+                self.session = ev["session"]
+                return self.session
+
+    async def say(self, text: str, role: str = "user") -> None:
+        """Add a message; a speech response that is running speaks it next."""
+        await self.send({"type": "conversation.item.create", "item": {
+            "type": "message", "role": role, "content": [{"type": "input_text", "text": text}]}})
+
+    async def respond(self, **response: Any) -> None:
+        """`response.create` (fields of its `response` object as keywords)."""
+        await self.send({"type": "response.create", **({"response": response} if response else {})})
+
+    async def cancel(self) -> None:
+        await self.send({"type": "response.cancel"})
+
+    async def truncate(self, item_id: str, audio_end_ms: int) -> None:
+        await self.send({"type": "conversation.item.truncate", "item_id": item_id, "content_index": 0,
+                         "audio_end_ms": audio_end_ms})
+
+    # ----------------------------------------------------------- events in
+
+    async def events(self) -> AsyncIterator[dict[str, Any]]:
+        """Server events as they come; an `error` event raises `MstarError`
+        (the session stays usable)."""
+        async for msg in self.ws:
+            if msg.type != aiohttp.WSMsgType.TEXT:
+                if msg.type == aiohttp.WSMsgType.ERROR:
+                    raise MstarError(f"the websocket failed: {self.ws.exception()}", code="connection_error")
+                continue
+            ev = msg.json()
+            if ev.get("type") == "error":
+                err = ev.get("error") or {}
+                raise MstarError(err.get("message", "error"), code=err.get("code"), param=err.get("param"),
+                                 type=err.get("type"))
+            yield ev
+
+    async def reply(self, started: float | None = None) -> RealtimeReply:
+        """Read events up to the running response's `response.done`."""
+        started = time.perf_counter() if started is None else started
+        audio, text, transcript = bytearray(), [], []
+        first: float | None = None
+        async for ev in self.events():
+            kind = ev["type"]
+            if kind in ("response.output_audio.delta", "response.output_text.delta"):
+                first = first if first is not None else time.perf_counter() - started
+                if kind == "response.output_audio.delta":
+                    audio += base64.b64decode(ev["delta"])
+                else:
+                    text.append(ev["delta"])
+            elif kind == "response.output_audio_transcript.delta":
+                transcript.append(ev["delta"])
+            elif kind == "response.done":
+                r = ev["response"]
+                return RealtimeReply(r["id"], r["status"], bytes(audio), "".join(text), "".join(transcript),
+                                     r.get("usage") or {}, first, time.perf_counter() - started)
+        raise MstarError("the websocket closed before response.done", code="connection_error")
+
+    async def speak(self, text: str, **response: Any) -> RealtimeReply:
+        """Say `text` as a user message, start a response and read it to the end."""
+        await self.say(text)
+        started = time.perf_counter()
+        await self.respond(**response)
+        return await self.reply(started)
+
+
+class RealtimeSession:
+    """The blocking twin of `AsyncRealtimeSession` (from `Client.realtime`)."""
+
+    def __init__(self, aio: AsyncRealtimeSession, runner: LoopThread) -> None:
+        self.aio = aio
+        self._runner = runner
+
+    @property
+    def session(self) -> dict[str, Any]:
+        return self.aio.session
+
+    def close(self) -> None:
+        self._runner.run(self.aio.aclose())
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.close()
+
+    def send(self, event: dict[str, Any]) -> None:
+        self._runner.run(self.aio.send(event))
+
+    def update(self, **fields: Any) -> dict[str, Any]:
+        return self._runner.run(self.aio.update(**fields))
+
+    def say(self, text: str, role: str = "user") -> None:
+        self._runner.run(self.aio.say(text, role))
+
+    def respond(self, **response: Any) -> None:
+        self._runner.run(self.aio.respond(**response))
+
+    def cancel(self) -> None:
+        self._runner.run(self.aio.cancel())
+
+    def truncate(self, item_id: str, audio_end_ms: int) -> None:
+        self._runner.run(self.aio.truncate(item_id, audio_end_ms))
+
+    def events(self) -> Iterator[dict[str, Any]]:
+        return self._runner.iterate(self.aio.events())
+
+    def reply(self) -> RealtimeReply:
+        return self._runner.run(self.aio.reply())
+
+    def speak(self, text: str, **response: Any) -> RealtimeReply:
+        return self._runner.run(self.aio.speak(text, **response))
