@@ -32,7 +32,8 @@ async def eng() -> AsyncIterator[Engine]:
 
 
 def _prompt(eng: Engine, text: str) -> list[int]:
-    return eng.model.prepare(GenerateRequest("p", "orpheus-tiny", {"text": text, "voice": "tara"}))["prompt_ids"].tolist()
+    request = GenerateRequest("p", "orpheus-tiny", {"text": text, "voice": "tara"})
+    return eng.model.prepare(request)["prompt_ids"].tolist()
 
 
 async def _collect(stream) -> tuple[bytes, list[OutputChunk]]:

@@ -55,12 +55,19 @@ def document() -> Schema:
     speech_ok = {media: {"schema": {"type": "string", "contentMediaType": media}}
                  for media in sorted(set(CONTENT_TYPES.values()))}
     speech_ok["text/event-stream"] = {"schema": out.sse(req.ref("SpeechEvent"))}
+    demo_file = _get("a file of the browser demo", {media: {"schema": {"type": "string"}} for media in
+                                                    ("text/html", "text/css", "text/javascript")},
+                     **{"404": {"description": "no such file", "content": _json(req.ref("Error"))}})
+    demo_file["get"]["parameters"] = [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"},
+                                       "description": "the file's name, e.g. demo.js"}]
     paths = {
         "/health": _get("engine liveness and load", _json(req.ref("Health")),
                         **{"503": {"description": "a worker died", "content": _json(req.ref("Health"))}}),
         "/metrics": _get("Prometheus metrics, text format 0.0.4", {"text/plain": {"schema": {"type": "string"}}}),
         "/openapi.json": _get("this document", _json({"type": "object"})),
         "/v1/models": _get("the served models", _json(req.ref("ModelList"))),
+        "/": _get("the browser demo page", {"text/html": {"schema": {"type": "string"}}}),
+        "/static/{name}": demo_file,
         "/v1/completions": _post("OpenAI text completions", "CompletionRequest", {
             **_json(req.ref("Completion")), "text/event-stream": {"schema": out.sse(req.ref("Completion"))}},
             "the completion; with `stream`, its chunks as server-sent events"),

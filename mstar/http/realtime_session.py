@@ -17,7 +17,6 @@ streamed as `response.output_text.delta`.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from typing import TYPE_CHECKING, Any, Callable
 

@@ -18,7 +18,8 @@ import structlog
 from aiohttp import web
 
 from mstar.errors import RequestError
-from mstar.http import metrics_routes, native_routes, openai_routes, openapi_routes, realtime_routes, speech_routes
+from mstar.http import (demo_routes, metrics_routes, native_routes, openai_routes, openapi_routes, realtime_routes,
+                        speech_routes)
 from mstar.http.keys import ENGINE, STARTED
 from mstar.http.logs import Handler, add_request_id_header, request_context
 from mstar.http.responses import error_response, json_response, request_error_body
@@ -113,4 +114,6 @@ def build_app(engine: Engine, *, manage_engine: bool = True) -> web.Application:
     app.router.add_post("/generate", native_routes.generate)
     app.router.add_get("/v1/realtime", realtime_routes.realtime)
     app.router.add_get("/openapi.json", openapi_routes.openapi)
+    app.router.add_get("/", demo_routes.index)
+    app.router.add_get("/static/{name}", demo_routes.static_file)
     return app
