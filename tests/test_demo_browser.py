@@ -1,0 +1,187 @@
+"""The browser demo end to end: headless Chromium (Debian's /usr/bin/chromium,
+driven by Selenium through /usr/bin/chromedriver) loads `/` from a real
+orpheus-tiny server on loopback, speaks through /v1/realtime and reports what
+it measured on `window.mstarDemo` and in the page.
+
+Skipped when Chromium, its driver or Selenium is missing;
+`scripts/browser_test.sh` installs them and runs this file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from http_support import running_engine, serving
+
+CHROMIUM = "/usr/bin/chromium"
+DRIVER = "/usr/bin/chromedriver"
+MODEL = "orpheus-tiny"
+
+try:
+    from selenium import webdriver
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+except ImportError:
+    webdriver = None
+
+_missing = [what for what, ok in ((CHROMIUM, os.path.exists(CHROMIUM)), (DRIVER, os.path.exists(DRIVER)),
+                                  ("the selenium package", webdriver is not None)) if not ok]
+if _missing:
+    pytest.skip(f"no {', '.join(_missing)}: run scripts/browser_test.sh (apt chromium chromium-driver, "
+                "pip selenium)", allow_module_level=True)
+
+# headless, and nothing that reaches outside the machine or waits for a user gesture to play audio
+FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         "--autoplay-policy=no-user-gesture-required", "--disable-dev-shm-usage")
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    """orpheus-tiny behind the app, on a loop of its own in a thread: the
+    Selenium calls block, so the server cannot share the test's loop."""
+    started = threading.Event()
+    box: dict[str, Any] = {}
+
+    async def serve() -> None:
+        try:
+            async with running_engine(MODEL) as engine, serving(engine) as url:
+                box["stop"] = asyncio.Event()
+                box["loop"] = asyncio.get_running_loop()
+                box["url"] = url
+                started.set()
+                await box["stop"].wait()
+        except Exception as e:  # surfaced in the test thread
+            box["error"] = e
+        finally:
+            started.set()
+
+    thread = threading.Thread(target=asyncio.run, args=(serve(),), name="demo-server", daemon=True)
+    thread.start()
+    assert started.wait(180), "the server did not start"
+    if "error" in box:
+        raise box["error"]
+    yield box["url"]
+    box["loop"].call_soon_threadsafe(box["stop"].set)
+    thread.join(60)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    profile = tempfile.mkdtemp(prefix="mstar-chromium-")
+    options = Options()
+    options.binary_location = CHROMIUM
+    for flag in (*FLAGS, f"--user-data-dir={profile}"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(executable_path=DRIVER), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+def demo(driver: Any) -> dict[str, Any]:
+    return driver.execute_script("return window.mstarDemo")
+
+
+def wait_for(driver: Any, check: Callable[[dict[str, Any]], bool], what: str, timeout: float = 120) -> dict:
+    try:
+        WebDriverWait(driver, timeout, poll_frequency=0.05).until(lambda d: check(demo(d)))
+    except TimeoutException:
+        pytest.fail(f"timed out waiting for {what}; page state {demo(driver)}; console {driver.get_log('browser')}")
+    return demo(driver)
+
+
+def open_page(driver: Any, server: str, max_tokens: int, stream: bool = False) -> None:
+    """A fresh page, connected, with the token limit and mode set."""
+    driver.get(server + "/")
+    wait_for(driver, lambda s: s["connected"] and s["session"] is not None, "session.created", timeout=30)
+    driver.find_element(By.ID, "maxTokens").send_keys(str(max_tokens))
+    if stream:
+        driver.find_element(By.ID, "streamMode").click()
+
+
+def type_text(driver: Any, text: str) -> Any:
+    box = driver.find_element(By.ID, "text")
+    box.clear()
+    box.send_keys(text)
+    return box
+
+
+def text_of(driver: Any, element_id: str) -> str:
+    return driver.find_element(By.ID, element_id).text
+
+
+def no_console_errors(driver: Any) -> None:
+    severe = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
+    assert not severe, severe
+
+
+def test_speak_streams_audio_and_measures_it(server: str, browser: Any) -> None:
+    open_page(browser, server, max_tokens=60)
+    voices = [o.get_attribute("value") for o in Select(browser.find_element(By.ID, "voice")).options]
+    assert "tara" in voices and "leo" in voices
+    Select(browser.find_element(By.ID, "voice")).select_by_value("leo")
+    assert browser.find_element(By.ID, "mic").get_attribute("disabled") is not None
+    assert text_of(browser, "micNote") == "this model takes no audio input"
+    said = "Hello from the browser test."
+    type_text(browser, said)
+    browser.find_element(By.ID, "speak").click()
+
+    state = wait_for(browser, lambda s: len(s["responses"]) == 1, "response.done")
+    assert state["responses"][0] in ("completed", "incomplete"), state
+    assert state["errors"] == [], state["errors"]
+    assert state["session"]["audio"]["output"]["voice"] == "leo"  # session.update took the picked voice
+    assert state["audioBytes"] > 0 and state["audioBytes"] % 2 == 0
+    assert state["ttfaMs"] is not None and state["ttfaMs"] > 0
+    assert state["transcript"] == said
+    assert state["audioState"] == "running"  # Web Audio played it (to headless Chromium's null sink)
+    assert text_of(browser, "audioBytes") == str(state["audioBytes"])
+    assert abs(int(text_of(browser, "ttfa")) - state["ttfaMs"]) <= 1  # JS rounds halves its own way
+    assert text_of(browser, "transcript") == said
+    assert text_of(browser, "status") == state["responses"][0]
+    no_console_errors(browser)
+
+
+def test_stop_cancels_the_response_and_playback(server: str, browser: Any) -> None:
+    open_page(browser, server, max_tokens=1000)  # ~30 s of generation on CPU: still running when stopped
+    type_text(browser, "A long answer that the listener interrupts.")
+    browser.find_element(By.ID, "speak").click()
+    wait_for(browser, lambda s: s["audioBytes"] > 0 and s["scheduled"] > 0, "the first audio playing")
+    browser.find_element(By.ID, "stop").click()
+    assert demo(browser)["scheduled"] == 0  # local playback stopped at once, before the server answers
+
+    state = wait_for(browser, lambda s: len(s["responses"]) == 1, "response.done after response.cancel", 30)
+    assert state["responses"] == ["cancelled"] and state["errors"] == []
+    assert state["audioSeconds"] < 20  # far less than the 1000 tokens would have made
+    assert text_of(browser, "status") == "cancelled"
+    no_console_errors(browser)
+
+
+def test_stream_text_adds_to_the_running_response(server: str, browser: Any) -> None:
+    open_page(browser, server, max_tokens=400, stream=True)
+    box = type_text(browser, "First part.")
+    box.send_keys(Keys.ENTER)  # stream mode: Enter speaks, and while it speaks, sends more
+    wait_for(browser, lambda s: s["audioBytes"] > 0, "the first audio")
+    assert box.get_attribute("value") == ""
+    type_text(browser, "Second part.").send_keys(Keys.ENTER)
+
+    state = wait_for(browser, lambda s: s["responses"] and not s["active"], "response.done")
+    assert state["errors"] == [], state["errors"]
+    assert state["transcript"] == "First part. Second part."
+    # one response: the second text joined it while it ran (the first part takes seconds to say)
+    assert len(state["responses"]) == 1 and state["responses"][0] in ("completed", "incomplete"), state
+    no_console_errors(browser)
