@@ -3,6 +3,7 @@ commit (shared by the decode and speech benchmarks' reports)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 from importlib import metadata
 from pathlib import Path
@@ -22,7 +23,11 @@ def version(*dists: str) -> str:
 
 def commit(repo: Path) -> str:
     """Short HEAD of `repo`, marked `-dirty` with uncommitted changes to
-    tracked files (the numbers may not be HEAD's then)."""
+    tracked files (the numbers may not be HEAD's then). `$MSTAR_COMMIT`, when
+    set, wins: the device tool's copy of the tree carries a `.git` that can be
+    older than the files it runs."""
+    if os.environ.get("MSTAR_COMMIT"):
+        return os.environ["MSTAR_COMMIT"]
     try:
         out = subprocess.run(["git", "-C", str(repo), "describe", "--always", "--dirty", "--abbrev=7",
                               "--exclude", "*"], capture_output=True, text=True, timeout=10, check=False)
