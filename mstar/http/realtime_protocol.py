@@ -157,7 +157,9 @@ class SessionConfig:
                 "input": {"format": AUDIO_FORMAT, "turn_detection": None, "transcription": None},
                 "output": {"format": AUDIO_FORMAT, "voice": self.voice, "speed": 1.0},
             },
-            "mstar": {"input_linger_ms": self.input_linger_ms, "seed": self.seed, "voices": list(self.voices)},
+            # no served model takes audio input yet; the demo's microphone follows this flag
+            "mstar": {"input_linger_ms": self.input_linger_ms, "seed": self.seed, "voices": list(self.voices),
+                      "audio_input": False},
         }
         return out
 
