@@ -7,6 +7,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from mstar.errors import ConfigError
+from mstar.placement import PlacementSpec, parse_spec
 
 DEFAULT_MODEL = "tiny-llama"
 
@@ -35,6 +36,7 @@ class EngineConfig:
     served_model_name: str | None = None  # the name clients use; default: `model`
     load_format: str = "auto"             # auto | dummy
     devices: tuple[str, ...] = ("cpu",)
+    placement: PlacementSpec = field(default_factory=PlacementSpec)  # which devices run which components
     dtype: str = "auto"                   # auto | float32 | bfloat16 | float16
     max_model_len: int | None = None
     seed: int = 0
@@ -42,6 +44,7 @@ class EngineConfig:
     queue_timeout: float = 10.0           # seconds a new request waits for room before its 429
     request_timeout: float = 600.0        # seconds a request may run in all; past it, it ends with "timeout" (0: none)
     attention_backend: str = "auto"       # auto | torch | flashinfer (auto: flashinfer on CUDA)
+    host_arena_mb: int | None = None      # per worker, for staged outputs (None: 64 on CUDA, none on CPU)
     enforce_eager: bool = False           # no CUDA graphs
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -97,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto")
     p.add_argument("--gpus", default="cpu", help="cpu | cpu:0,cpu:1 | 0 | 0,1")
+    p.add_argument("--placement", default="replicas",
+                   help="replicas (every device runs the whole model) | split (the model's own split, e.g. "
+                        "Orpheus: llm, then codec on the last device) | component[.mode]=device[+device],... "
+                        "with devices by --gpus index or name, e.g. llm=0,codec=1 or llm=0+1,codec=1")
+    p.add_argument("--placement-file", default=None, help="the same as a JSON or YAML mapping")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -118,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention-backend", choices=("auto", "torch", "flashinfer"), default="auto",
                    help="auto: FlashInfer on CUDA, the torch reference on CPU")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--host-arena-mb", type=int, default=None,
+                   help="MiB of shared, page-locked host memory per worker for outputs on their way to clients "
+                        "(default: 64 on a GPU, none on the CPU)")
     p.add_argument("--cuda-graph-max-batch", type=int, default=256,
                    help="capture decode graphs for batch sizes 1, 2, 4, ... up to this")
     p.add_argument("--host", default="127.0.0.1")
@@ -148,6 +159,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         served_model_name=a.served_model_name,
         load_format=a.load_format,
         devices=parse_devices(a.gpus),
+        placement=parse_spec(a.placement, a.placement_file),
         dtype=a.dtype,
         max_model_len=a.max_model_len,
         seed=a.seed,
@@ -156,6 +168,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         request_timeout=a.request_timeout,
         attention_backend=a.attention_backend,
         enforce_eager=a.enforce_eager,
+        host_arena_mb=a.host_arena_mb,
         cuda_graph_batch_sizes=graph_buckets(a.cuda_graph_max_batch),
         scheduler=sched,
     )

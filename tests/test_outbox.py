@@ -9,7 +9,8 @@ import torch
 from mstar.engine.backends import halfway_buckets
 from mstar.engine.messages import EmitBatch, Finished, StepReport
 from mstar.engine.outbox import Outbox
-from mstar.engine.transfer import to_device, to_host
+from mstar.engine.arena import stage_to_host
+from mstar.engine.transfer import to_device
 
 
 class FakeEvent:
@@ -63,9 +64,9 @@ def test_release_with_wait_blocks_on_the_copies() -> None:
 
 def test_cpu_rows_need_no_copy() -> None:
     rows = torch.ones(2, 3)
-    host, ready = to_host(rows)
-    assert host is rows and ready is None
-    listed, ready = to_host([rows[0], rows[1]])
+    host, ready, blocks = stage_to_host(rows, None)
+    assert host is rows and ready is None and blocks == []
+    listed, ready, _ = stage_to_host([rows[0], rows[1]], None)
     assert ready is None and len(listed) == 2
 
 

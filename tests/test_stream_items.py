@@ -8,20 +8,20 @@ import pytest
 
 from mstar.config import EngineConfig
 from mstar.engine.engine import Engine
-from mstar.engine.walker import Walker
+from mstar.engine.streams import Streams
 from mstar.types import GenerateRequest, SamplingParams
 
 
 async def test_token_streams_carry_host_ints(monkeypatch: pytest.MonkeyPatch) -> None:
     fed: list[object] = []
-    original = Walker.feed_streams
+    original = Streams.feed
 
     def spy(self, part, value, item):
         if value == "token" and part.request.walk.streams.get(value):
             fed.append(item)
         return original(self, part, value, item)
 
-    monkeypatch.setattr(Walker, "feed_streams", spy)
+    monkeypatch.setattr(Streams, "feed", spy)
     eng = Engine(EngineConfig(model="orpheus-tiny"))
     await eng.start()
     try:

@@ -257,12 +257,15 @@ def attach(name: str) -> tuple[shared_memory.SharedMemory, torch.Tensor]:
     return shm, torch.frombuffer(np.frombuffer(shm.buf, dtype=np.uint8), dtype=torch.uint8)
 
 
-def stage_to_host(rows: torch.Tensor | list[torch.Tensor], arena: HostArena | None
+def stage_to_host(rows: torch.Tensor | list[torch.Tensor], arena: HostArena | None, stage_cpu: bool = False,
                   ) -> tuple[torch.Tensor | list[torch.Tensor], torch.cuda.Event | None, list[ArenaBlock]]:
     """Rows copied to the host without blocking, into arena blocks where they
     fit: (host rows, the copy's event, the blocks used). Like
     `transfer.to_host`: a list gives a list, a tensor a tensor; rows not on
     CUDA come back as they are, with no event and no blocks.
+
+    With `stage_cpu`, rows on the host are copied into the arena as well (no
+    event): a CPU worker given an arena stages its outputs the same way.
 
     The caller waits on the event before reading the rows, and releases the
     blocks only after that (the GPU writes into them until then). Rows that
@@ -270,7 +273,8 @@ def stage_to_host(rows: torch.Tensor | list[torch.Tensor], arena: HostArena | No
     caching host allocator, which keeps them until the copy has run.
     """
     first = rows[0] if isinstance(rows, list) and rows else rows
-    if not isinstance(first, torch.Tensor) or first.device.type != "cuda":
+    on_cpu = not isinstance(first, torch.Tensor) or first.device.type != "cuda"
+    if on_cpu and not (stage_cpu and arena is not None and isinstance(first, torch.Tensor)):
         return rows, None, []
     blocks: list[ArenaBlock] = []
 
@@ -282,6 +286,8 @@ def stage_to_host(rows: torch.Tensor | list[torch.Tensor], arena: HostArena | No
         return block.tensor.copy_(r, non_blocking=True)
 
     host = [copy(r) for r in rows] if isinstance(rows, list) else copy(rows)
+    if on_cpu:  # `stage_cpu`: host rows copied into the arena too (a CPU worker with an arena)
+        return host, None, blocks
     ready = torch.cuda.Event()
     ready.record()
     return host, ready, blocks

@@ -21,7 +21,7 @@ import torch
 
 from mstar.config import EngineConfig
 from mstar.engine.messages import Abort, Append, CloseInput, Finished, Profile, Shutdown, StepReport, Stop, Submit
-from mstar.engine.metrics import STATUSES, EngineMetrics
+from mstar.engine.metrics import STATUSES, EngineMetrics, LagMonitor
 from mstar.engine.requests import RequestState, RequestStream
 from mstar.engine.tensor_store import TensorStore
 from mstar.engine.worker import DeviceWorker
@@ -31,6 +31,7 @@ from mstar.models.base import Model
 from mstar.models.registry import load_model
 from mstar.models.detokenizer import push_batch
 from mstar.models.tokenizer import IncrementalDetokenizer
+from mstar.placement import describe, resolve
 from mstar.types import GenerateRequest, ModelCard
 
 log = structlog.get_logger("mstar.engine")
@@ -54,6 +55,7 @@ class Engine:
         self._report_hooks: list[Callable[[StepReport], None]] = []
         self._pre_hooks: list[Callable[[StepReport], None]] = []
         self._metrics = EngineMetrics()
+        self._lag: LagMonitor | None = None
         self.add_report_hook(self._metrics.on_report)
 
     # ------------------------------------------------------------ lifecycle
@@ -65,7 +67,14 @@ class Engine:
             self.model = await self._loop.run_in_executor(
                 None, lambda: load_model(cfg.model, cfg.load_format, cfg.max_model_len))
         self.plans = compile_walks(self.model.walks, self.model.components)
-        self.workers = [DeviceWorker(d, self.model, cfg, self.store, self._post) for d in cfg.devices]
+        self.placement = resolve(cfg.placement, cfg.devices, self.model.components, self.plans,
+                                 self.model.split_placement(len(cfg.devices)))
+        devices = [d for d in cfg.devices if self.placement.on(d)]
+        self.workers = [DeviceWorker(d, self.model, cfg, self.store, self._post, self.placement.on(d), i)
+                        for i, d in enumerate(devices)]
+        for w in self.workers:
+            w.link.peers = self.workers
+        self._index = {w.name: i for i, w in enumerate(self.workers)}
         self._outstanding = [0] * len(self.workers)
         for w in self.workers:
             w.start()
@@ -75,9 +84,14 @@ class Engine:
         if failed:
             await self.shutdown()
             raise MstarError(f"worker on {failed[0].name} failed to start: {failed[0].error!r}") from failed[0].error
-        log.info("engine started", model=self.model_name, devices=list(cfg.devices))
+        self._lag = LagMonitor(self._metrics.loop_lag)
+        self._lag.start()
+        log.info("engine started", model=self.model_name, devices=list(cfg.devices),
+                 placement=describe(self.placement))
 
     async def shutdown(self) -> None:
+        if self._lag is not None:
+            self._lag.stop()
         for w in self.workers:
             w.send(Shutdown())
         loop = asyncio.get_running_loop()
@@ -109,7 +123,7 @@ class Engine:
 
     def model_cards(self) -> list[ModelCard]:
         m = self._model(None)
-        placed = {c: tuple(w.name for w in self.workers) for c in m.components}
+        placed = self.placement.components()
         return [ModelCard(self.model_name, m.max_model_len, tuple(self.plans), m.default_walk, placed,
                           tuple(m.voices), m.default_sampling())]
 
@@ -127,6 +141,7 @@ class Engine:
             "model": self.model_name,
             "devices": [{"device": w.name, "alive": w.alive, "components": w.components,
                          "kv_pages_in_use": w.pages_in_use()} for w in self.workers],
+            "placement": describe(self.placement) if self.workers else {},
             "requests_running": len(self._states),
             "tensors_held": len(self.store),
         }
@@ -166,17 +181,21 @@ class Engine:
         num_prompt = int(prompt.numel()) if prompt is not None and hasattr(prompt, "numel") else 0
         seed = sp.seed if sp.seed is not None else random.getrandbits(63)
         stop_ids = (() if sp.ignore_eos else tuple(model.eos_token_ids)) + tuple(sp.stop_token_ids)
-        idx = self._pick_worker()
+        places = self._route(plan)
+        idx = places[plan.root]
         tok = model.tokenizer
         state = RequestState(request.request_id, plan, sp, num_prompt, idx,
                              IncrementalDetokenizer(tok) if tok is not None else None,
-                             host_predicates=_host_predicates(plan), request=request)
+                             host_predicates=_host_predicates(plan), request=request, places=places)
         self._states[request.request_id] = state
         self._waiting.add(request.request_id)
-        self._outstanding[idx] += 1
         self.stats["requests_submitted"] += 1
         self._metrics.submitted(request.request_id)
-        self.workers[idx].send(Submit(request.request_id, plan, values, sp, seed, stop_ids, request.more_input))
+        shared = places if len(state.shards) > 1 else None
+        for w in state.shards:  # the root's worker gets the inputs; the others start their partitions
+            self._outstanding[w] += 1
+            self.workers[w].send(Submit(request.request_id, plan, values if w == idx else {}, sp, seed, stop_ids,
+                                        request.more_input, shared))
         if self.config.request_timeout > 0:
             state.timer = asyncio.get_running_loop().call_later(self.config.request_timeout, self._expire,
                                                                 request.request_id)
@@ -215,7 +234,8 @@ class Engine:
         self._metrics.forget(request_id)  # counted when the worker confirms the request is gone
         state.finish("timeout", f"the request ran past the server's limit of {self.config.request_timeout:g} s "
                                 "(--request-timeout)")
-        self.workers[state.worker].send(Abort(request_id, "timeout"))
+        for w in state.shards:
+            self.workers[w].send(Abort(request_id, "timeout"))
 
     async def admit(self, timeout: float | None = None) -> None:
         """Wait until fewer than `max_waiting_requests` requests are waiting to
@@ -250,9 +270,11 @@ class Engine:
             if self._room is not None and len(self._waiting) < self.config.max_waiting_requests:
                 self._room.set()
 
-    def _pick_worker(self) -> int:
-        alive = [i for i, w in enumerate(self.workers) if w.alive]
-        return min(alive, key=lambda i: self._outstanding[i])
+    def _route(self, plan: WalkPlan) -> dict[str, int]:
+        """A worker for each partition of a new request (see `Placement.route`):
+        as few workers as it can, the least loaded among the live ones."""
+        load = {w.name: (self._outstanding[i] if w.alive else 1 << 30) for i, w in enumerate(self.workers)}
+        return {part: self._index[device] for part, device in self.placement.route(plan, load).items()}
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free what it holds; idempotent."""
@@ -263,7 +285,8 @@ class Engine:
             self.stats["requests_aborted"] += 1
             self._metrics.forget(request_id)
             state.finish("abort")
-        self.workers[state.worker].send(Abort(request_id))
+        for w in state.shards:
+            self.workers[w].send(Abort(request_id))
 
     # -------------------------------------------------------- worker reports
 
@@ -307,18 +330,20 @@ class Engine:
                     tokens.append((state, part, row))
                 elif (state.feed_value(part, batch.value, emit.modality, row, emit.sample_rate)
                       or self._host_stop(state, part, batch.value, row)):
-                    self.workers[state.worker].send(Stop(rid, part))
+                    self.workers[state.worker_of(part)].send(Stop(rid, part))
             if tokens:
                 self._feed_tokens(tokens, batch.value)
             self._metrics.outputs(batch.request_ids, emit.modality)
         for fin in report.finished:
-            self._on_finished(fin)
+            self._on_finished(fin, self._index.get(report.device, 0))
         for waiting in report.awaiting:
             state = self._states.get(waiting.request_id)
             if state is not None and not state.finished:
                 state.awaiting()
         for hook in self._report_hooks:
             hook(report)
+        for batch in report.emits:
+            batch.release()  # read (hooks included): its arena blocks go back
 
     def _emit_of(self, value: str) -> Emit:
         for plan in self.plans.values():
@@ -337,25 +362,41 @@ class Engine:
                 texts[i] = piece
         for (state, part, token), text in zip(tokens, texts):
             if state.feed_tokens(part, [token], text) or self._host_stop(state, part, value, token):
-                self.workers[state.worker].send(Stop(state.request_id, part))
+                self.workers[state.worker_of(part)].send(Stop(state.request_id, part))
 
     @staticmethod
     def _host_stop(state: RequestState, part: str, value: str, data: object) -> bool:
         return bool(state.host_predicates) and state.host_stop(part, value, data)
 
-    def _on_finished(self, fin: Finished) -> None:
+    def _on_finished(self, fin: Finished, worker: int) -> None:
         state = self._states.get(fin.request_id)
-        if state is None:
+        if state is None or not fin.request_done:
             return
-        if fin.request_done:
+        # one worker is done with the request; the request is done when all of its workers are
+        self._outstanding[worker] -= 1
+        state.shards_left -= 1
+        state.num_generated += fin.num_generated
+        if worker == state.worker:  # the root's worker: its last partition ends the way the root did
+            state.root_reason = fin.reason
+        if state.shards_left > 0:
+            if fin.reason == "error" and not state.finished:  # one part failed: so does the request
+                state.failed = fin.error
+                for w in state.shards:
+                    if w != worker:
+                        self.workers[w].send(Abort(fin.request_id, "error"))
+            return
+        if state.shards_left == 0:
             del self._states[fin.request_id]
+            if len(state.shards) > 1:
+                self.store.drop_owner(fin.request_id)  # references one worker sent another and nobody took
             if state.timer is not None:
                 state.timer.cancel()
             self._started(fin.request_id)
-            self._outstanding[state.worker] -= 1
             # a walk that emits audio, not tokens, still reports what it sampled
-            state.num_output_tokens = max(state.num_output_tokens, fin.num_generated)
-            reason = state.stop_reason or fin.reason
+            state.num_output_tokens = max(state.num_output_tokens, state.num_generated)
+            ended = state.root_reason if len(state.shards) > 1 and state.root_reason else fin.reason
+            reason = state.stop_reason or ("error" if state.failed else ended)
+            fin = Finished(fin.request_id, fin.partition, reason, True, state.failed or fin.error)
             self.stats[f"finished_{reason}"] += 1
             status = reason if reason in STATUSES else "stop"
             self._metrics.finished(fin.request_id, status)

@@ -2,7 +2,9 @@
 
 Into a worker's inbox: `Submit`, `Append` and `CloseInput` (input that keeps
 arriving), `Stop` (one partition of a request, keyed by (request,
-partition)), `Abort` (a whole request), `Shutdown`. Out of a worker, once per
+partition)), `Abort` (a whole request), `Shutdown`, and from other workers
+`Forward` (stream items of a request whose partitions run on several
+devices). Out of a worker, once per
 step for the whole batch: a `StepReport`.
 """
 
@@ -27,6 +29,9 @@ class Submit:
     seed: int
     stop_ids: tuple[int, ...]   # ids that end token loops (EOS unless ignore_eos, plus stop_token_ids)
     more_input: bool = False    # the walk's `more_input` keeps arriving (`Append`) until `CloseInput`
+    # the worker (index) of each partition, when they are not all on the one that gets this Submit; each
+    # worker of the request gets a Submit, and only the root's worker gets `values`
+    places: dict[str, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,12 @@ class EmitBatch:
     request_ids: list[str]
     partitions: list[str]
     data: torch.Tensor | list[torch.Tensor]
+    blocks: list = field(default_factory=list)  # arena blocks under `data`: released once the engine read it
+
+    def release(self) -> None:
+        for block in self.blocks:
+            block.release()
+        self.blocks = []
 
 
 @dataclass(frozen=True)
@@ -93,6 +104,43 @@ class Finished:
     request_done: bool
     error: str | None = None
     num_generated: int = 0      # tokens the request sampled, all partitions (with request_done)
+
+
+@dataclass(eq=False)
+class StreamItems:
+    """Items a producer on another worker wrote into stream consumer
+    `consumer`: token ids, or references to tensors on `Forward.device`."""
+
+    request_id: str
+    consumer: str
+    items: list
+
+
+@dataclass(frozen=True)
+class StreamSegment:
+    """The producer ended a turn: the consumer cuts its tail and counts anew."""
+
+    request_id: str
+    consumer: str
+
+
+@dataclass(frozen=True)
+class StreamEnd:
+    """The producer finished (`reason`: the request's reason so far)."""
+
+    request_id: str
+    consumer: str
+    reason: str
+
+
+@dataclass(eq=False)
+class Forward:
+    """What one worker's step sends another, in order. `ready` (CUDA) is
+    recorded on the sender's stream after the work that wrote the tensors."""
+
+    device: str
+    items: list[StreamItems | StreamSegment | StreamEnd]
+    ready: object = None  # torch.cuda.Event | None
 
 
 @dataclass(frozen=True)

@@ -9,17 +9,49 @@ worker writes, so a scrape may be a step stale but never torn.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from mstar.engine.prometheus import BATCH_BUCKETS, LATENCY_BUCKETS, Histogram, Labels, family
 
+LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
+
 if TYPE_CHECKING:
     from mstar.engine.messages import StepReport
     from mstar.engine.worker import DeviceWorker
 
 STATUSES = ("stop", "length", "abort", "error", "timeout")
+
+
+class LagMonitor:
+    """Samples the event loop's lag: a callback scheduled `interval` ahead
+    runs late by however long the loop was busy with other work (reports,
+    HTTP, detokenising). Runs until `stop`."""
+
+    def __init__(self, hist: Histogram, interval: float = 0.01) -> None:
+        self.hist = hist
+        self.interval = interval
+        self._handle: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._arm(loop, loop.time())
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, now: float) -> None:
+        due = now + self.interval
+        self._handle = loop.call_at(due, self._tick, loop, due)
+
+    def _tick(self, loop: asyncio.AbstractEventLoop, due: float) -> None:
+        now = loop.time()
+        self.hist.observe(max(0.0, now - due))
+        self._arm(loop, now)
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
 
 
 class EngineMetrics:
@@ -30,6 +62,7 @@ class EngineMetrics:
         self.step_seconds = Histogram(LATENCY_BUCKETS, labelled=True)
         self.batch_size = Histogram(BATCH_BUCKETS, labelled=True)
         self.decode_steps = 0
+        self.loop_lag = Histogram(LAG_BUCKETS)  # event-loop lateness, sampled by `LagMonitor`
         # submit times of requests still waiting for their first token / audio;
         # an entry leaves at the first output or when the request ends, so the
         # per-row check in `outputs` is one dict pop on a small dict
@@ -116,5 +149,12 @@ class EngineMetrics:
                    [(labels, p.num_pages) for labels, p in pools]),
             family("mstar_tensors_held", "gauge", "Tensors held in the engine's tensor store.",
                    [((), tensors_held)]),
+            family("mstar_host_arena_bytes_in_use", "gauge",
+                   "Bytes of the workers' host arenas holding outputs on their way to the event loop.",
+                   [((("device", w.name),), w.arena.in_use_bytes) for w in workers
+                    if getattr(w, "arena", None) is not None]),
+            family("mstar_event_loop_lag_seconds", "histogram",
+                   "How late the event loop runs a callback it scheduled (every 10 ms): the time it was busy.",
+                   self.loop_lag),
         ]
         return "".join(parts)

@@ -77,12 +77,22 @@ class RequestState:
     stopped: set[str] = field(default_factory=set)   # partitions the event loop has stopped
     stop_reason: FinishReason | None = None
     request: GenerateRequest | None = None  # as submitted: what later input inherits
+    places: dict[str, int] = field(default_factory=dict)  # partition -> worker index
     stops: StopStrings = field(init=False)
 
     def __post_init__(self) -> None:
         self.stops = StopStrings(self.sampling.stop)
         self.timer: asyncio.TimerHandle | None = None  # the --request-timeout deadline
         self.input_open = self.request is not None and self.request.more_input
+        # the workers running its partitions; it is done when each has reported its part done
+        self.shards: tuple[int, ...] = tuple(sorted(set(self.places.values()))) or (self.worker,)
+        self.shards_left = len(self.shards)
+        self.num_generated = 0
+        self.root_reason: str | None = None
+        self.failed: str | None = None  # the error of a part that failed
+
+    def worker_of(self, partition: str) -> int:
+        return self.places.get(partition, self.worker)
 
     def awaiting(self) -> None:
         """The request has run all the input it was given; more may come."""

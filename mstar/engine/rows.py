@@ -37,6 +37,8 @@ class RequestRun:
     # input that keeps arriving (WalkPlan.more_input): the pieces not started yet, and whether more may come
     input_open: bool = False
     more: list[list[int]] = field(default_factory=list)
+    places: dict[str, int] = field(default_factory=dict)  # partition -> worker, where not all run here
+    shared: bool = False            # some of its partitions run on other workers
 
 
 @dataclass(eq=False, slots=True)

@@ -84,11 +84,13 @@ class TensorStore:
             self._entries[ref.handle].refs[owner] += n
             self._by_owner.setdefault(owner, set()).add(ref.handle)
 
-    def release(self, ref: TensorRef, owner: str) -> None:
-        """Drop one of `owner`'s references without reading."""
+    def release(self, ref: TensorRef, owner: str, missing_ok: bool = False) -> None:
+        """Drop one of `owner`'s references without reading. `missing_ok`: a
+        reference the owner may no longer hold (sent by another worker to a
+        request the engine has since torn down) is ignored."""
         with self._lock:
             entry = self._entries.get(ref.handle)
-            if entry is not None:
+            if entry is not None and (not missing_ok or entry.refs[owner] > 0):
                 self._drop(ref.handle, entry, owner, 1)
 
     def drop_owner(self, owner: str) -> int:

@@ -82,7 +82,7 @@ class Turns:
         part.turn_token = last_token
         part.busy = False
         part.awaiting_input = True
-        self.walker.end_segment(part)
+        self.walker.streams.end_segment(part)
         if part.request.more:
             self._next(part)
         else:

@@ -19,6 +19,7 @@ from mstar.engine.loop_group import Leave, LoopGroup
 from mstar.engine.messages import Finished, Submit
 from mstar.engine.rows import PartitionRun, RequestRun, StreamItem
 from mstar.engine.stop_rules import checking_loop, stop_ids, write_cap
+from mstar.engine.streams import Send, Streams
 from mstar.engine.tensor_store import TensorRef, TensorStore
 from mstar.engine.turns import Turns
 from mstar.graph import Loop, Step
@@ -30,12 +31,15 @@ class Walker:
                  max_model_len: int, on_finish: Callable[[Finished], None],
                  token_loops: set[str] = frozenset(), device: torch.device | None = None,
                  lazy_pages: bool = False, join_turn: Callable[[int, list[int]], list[int]] | None = None,
-                 on_awaiting: Callable[[str], None] | None = None) -> None:
+                 on_awaiting: Callable[[str], None] | None = None, index: int = 0, send: Send | None = None,
+                 ) -> None:
         """`token_loops`: KV components that sample; their decode loops run
         as `LoopGroup`s on `device`. `lazy_pages`: a request's first step
         takes pages for its prompt only, and a group row gets more as it
         grows (`Preemption.grow`), instead of all of them up front.
-        `join_turn`, `on_awaiting`: see `Turns`."""
+        `join_turn`, `on_awaiting`: see `Turns`. `index`: this worker's
+        place among the engine's workers; `send`: to another worker (see
+        `Streams`)."""
         self.store = store
         self.scheduler = scheduler
         self.pools = pools
@@ -46,17 +50,26 @@ class Walker:
         self.lazy_pages = lazy_pages
         self.runs: dict[str, RequestRun] = {}
         self.groups: dict[tuple[str, str, int], LoopGroup] = {}
+        self.index = index
         self.turns = Turns(self, join_turn, on_awaiting)
+        self.streams = Streams(self, index, send)
 
     # --------------------------------------------------------------- start
 
     def start(self, sub: Submit) -> None:
+        """Start the request's partitions that run here (all of them unless
+        `sub.places` puts some on other workers)."""
+        places = sub.places or {}
         run = RequestRun(sub.request_id, sub.walk, sub.sampling, sub.seed, sub.stop_ids,
-                         input_open=sub.more_input and sub.walk.more_input is not None)
+                         input_open=sub.more_input and sub.walk.more_input is not None, places=places,
+                         shared=len(set(places.values())) > 1)
         self.runs[run.request_id] = run
-        for plan in sub.walk.partitions.values():
-            if plan.stream is not None:
-                self._add_partition(run, plan.name)
+        here = [name for name in sub.walk.partitions if places.get(name, self.index) == self.index]
+        for name in here:
+            if sub.walk.partitions[name].stream is not None:
+                self._add_partition(run, name)
+        if sub.walk.root not in here:
+            return  # its producers run elsewhere and feed these consumers through `Streams`
         root = self._add_partition(run, sub.walk.root)
         rid = run.request_id
         for name, tensor in sub.values.items():
@@ -85,7 +98,7 @@ class Walker:
         if part.done:
             return
         if part.plan.stream is not None:
-            self._pump(part)
+            self.streams.pump(part)
             return
         if part.cursor >= len(part.plan.nodes):
             self.finish(part, part.request.root_reason or "stop")
@@ -93,9 +106,9 @@ class Walker:
         node = part.node()
         if isinstance(node, Loop) and self._join_group(part, node):
             return
-        self._enqueue(part, part.current_step(), {n: part.values[n] for n in part.current_step().inputs})
+        self.enqueue(part, part.current_step(), {n: part.values[n] for n in part.current_step().inputs})
 
-    def _enqueue(self, part: PartitionRun, step: Step, inputs: dict[str, TensorRef | list[StreamItem]]) -> None:
+    def enqueue(self, part: PartitionRun, step: Step, inputs: dict[str, TensorRef | list[StreamItem]]) -> None:
         rid = part.request_id
         for refs in inputs.values():
             for ref in refs if isinstance(refs, list) else (refs,):
@@ -188,7 +201,7 @@ class Walker:
             part.busy = False
             for refs in inputs.values():
                 for ref in refs if isinstance(refs, list) else (refs,):
-                    self._release(ref, item.request_id)
+                    self.streams.release(ref, item.request_id)
 
     # --------------------------------------------------------- completion
 
@@ -210,9 +223,9 @@ class Walker:
                 self.store.release(old, part.request_id)
             part.values[name] = ref
             part.writes[name] = part.writes.get(name, 0) + 1
-            self.feed_streams(part, name, tokens[name] if tokens and name in tokens else ref)
+            self.streams.feed(part, name, tokens[name] if tokens and name in tokens else ref)
         if part.plan.stream is not None:
-            self._consumed(part)
+            self.streams.consumed(part)
             return
         node = part.node()
         before = part.cursor
@@ -233,94 +246,6 @@ class Walker:
             self._fork(part, index)
         self.advance(part)
 
-    # --------------------------------------------------------------- streams
-
-    def feed_streams(self, part: PartitionRun, value: str, item: StreamItem) -> None:
-        """A write of `value` by `part` enters the streams it feeds: a stored
-        tensor, or a token id the caller holds on the host already."""
-        for sp in part.request.walk.streams.get(value, ()):
-            if sp.producer != part.name:
-                continue
-            cons = part.request.partitions[sp.consumer]
-            if cons.done:
-                continue
-            if sp.accept is not None:
-                token = item if isinstance(item, int) else int(self.store.get(item))
-                if not sp.accept[0] <= token < sp.accept[1]:
-                    continue
-            if isinstance(item, TensorRef):
-                self.store.retain(item, part.request_id)
-            cons.items.append(item)
-            cons.produced += 1
-            self._cut(cons, sp.chunks.ready)
-            self._pump(cons)
-
-    @staticmethod
-    def _cut(cons: PartitionRun, policy: Callable[[int, int], list[tuple[int, int]]]) -> None:
-        """Cut the chunks `policy` (a chunk policy's `ready` or `flush`) finds in
-        the producer's current turn: a policy counts from the turn's start."""
-        s, first = cons.segment_start, cons.chunks_cut - cons.segment_cuts
-        chunks = policy(cons.produced - s, first)
-        cons.chunks_cut += len(chunks)
-        cons.pending.extend((s + a, s + b, first + k) for k, (a, b) in enumerate(chunks))
-
-    def end_segment(self, part: PartitionRun) -> None:
-        """The producer `part` ended a turn and will start another: its streams
-        cut their tails as at the end of a stream, and count anew."""
-        for cons, sp in self._consumers(part):
-            self._cut(cons, sp.chunks.flush)
-            cons.segment_start, cons.segment_cuts = cons.produced, cons.chunks_cut
-            self._pump(cons)
-
-    def _consumers(self, part: PartitionRun):
-        for plans in part.request.walk.streams.values():
-            for sp in plans:
-                cons = part.request.partitions[sp.consumer]
-                if sp.producer == part.name and not cons.done and not cons.closed:
-                    yield cons, sp
-
-    def _close_streams(self, part: PartitionRun) -> None:
-        for cons, sp in list(self._consumers(part)):
-            cons.closed = True
-            self._cut(cons, sp.chunks.flush)
-            self._pump(cons)
-
-    def _pump(self, cons: PartitionRun) -> None:
-        """Queue the consumer's next chunk, or finish it once its stream has
-        closed and every chunk has run."""
-        if cons.busy or cons.done:
-            return
-        if cons.pending:
-            start, end, index = cons.pending.pop(0)
-            refs = cons.items[start - cons.item_base: end - cons.item_base]
-            step = cons.plan.nodes[0]
-            assert isinstance(step, Step)
-            for name in step.outputs:  # a seeded consumer draws by its chunk's place in the segment
-                cons.writes[name] = index
-            inputs: dict[str, TensorRef | list[StreamItem]] = {
-                n: refs if n == cons.plan.stream.source else cons.values[n] for n in step.inputs}
-            self._enqueue(cons, step, inputs)
-        elif cons.closed:
-            self.finish(cons, cons.request.root_reason or "stop")
-
-    def _consumed(self, cons: PartitionRun) -> None:
-        sp = cons.plan.stream
-        assert sp is not None
-        s = cons.segment_start
-        keep = s + sp.chunks.keep_from(cons.produced - s, cons.chunks_cut - cons.segment_cuts)
-        if cons.pending:
-            keep = min(keep, cons.pending[0][0])
-        drop = max(0, keep - cons.item_base)
-        for ref in cons.items[:drop]:
-            self._release(ref, cons.request_id)
-        del cons.items[:drop]
-        cons.item_base += drop
-        self._pump(cons)
-
-    def _release(self, item: StreamItem, owner: str) -> None:
-        if isinstance(item, TensorRef):
-            self.store.release(item, owner)
-
     # ---------------------------------------------------------- finishing
 
     def finish(self, part: PartitionRun, reason: str, error: str | None = None) -> None:
@@ -335,15 +260,16 @@ class Walker:
             self.store.release(ref, rid)
         part.values.clear()
         for ref in part.items:
-            self._release(ref, rid)
+            self.streams.release(ref, rid)
         part.items.clear()
         self.free_pages(part)
         run.live -= 1
-        self._close_streams(part)
+        self.streams.close(part)
         done = run.live == 0
         if done:
             self.runs.pop(rid, None)
-            self.store.drop_owner(rid)
+            if not run.shared:  # other workers' parts of the request still hold references (the engine drops them)
+                self.store.drop_owner(rid)
         generated = sum(p.generated for p in run.partitions.values()) if done else 0
         self.on_finish(Finished(rid, part.name, reason, done, error, generated))
 

@@ -25,15 +25,17 @@ import torch
 from mstar.config import EngineConfig
 from mstar.engine.components import build_runner
 from mstar.engine.loop_group import LoopGroup, Pending
-from mstar.engine.messages import (Abort, Append, Awaiting, CloseInput, EmitBatch, Finished, Profile, Shutdown, Stop,
-                                   StepReport, Submit)
+from mstar.engine.messages import (Abort, Append, Awaiting, CloseInput, EmitBatch, Finished, Forward, Profile,
+                                   Shutdown, Stop, StepReport, Submit)
+from mstar.engine.arena import HostArena, stage_to_host
 from mstar.engine.outbox import Outbox
+from mstar.engine.peer_link import PeerLink
 from mstar.engine.preemption import Preemption
 from mstar.engine.profiling import WorkerProfiler
 from mstar.engine.runner import ComponentRunner, StepOutput
 from mstar.engine.stop_rules import stop_reasons
 from mstar.engine.tensor_store import TensorRef, TensorStore
-from mstar.engine.transfer import select_rows, to_host
+from mstar.engine.transfer import select_rows
 from mstar.engine.walker import Walker
 from mstar.models.base import Model
 from mstar.scheduler import Batch, ModeCaps, PagePool, Scheduler
@@ -41,6 +43,8 @@ from mstar.scheduler import Batch, ModeCaps, PagePool, Scheduler
 log = structlog.get_logger("mstar.worker")
 
 _IDLE_WAIT_S = 0.05  # how long to wait for the inbox while queued work cannot be scheduled
+DEFAULT_ARENA_MB = 64  # a CUDA worker's page-locked staging for emitted rows (PCM of a whole batch is ~2 MiB)
+_COPY_POLL_S = 0.001  # how long to wait for the inbox while copies from other devices are in flight
 
 
 @dataclass
@@ -58,9 +62,15 @@ class WorkerStats:
 
 class DeviceWorker:
     def __init__(self, device: str, model: Model, config: EngineConfig, store: TensorStore,
-                 post: Callable[[StepReport], None]) -> None:
+                 post: Callable[[StepReport], None], components: dict[str, tuple[str, ...]] | None = None,
+                 index: int = 0) -> None:
+        """`components`: what runs here, component -> modes (default: the
+        whole model); `index`: this worker's place among the engine's."""
         self.device = torch.device(device)
         self.name = device
+        self.index = index
+        self.placed = components if components is not None else {c: s.modes for c, s in model.components.items()}
+        self.link = PeerLink(self.device, store)  # to and from the other workers (`peers` set by the engine)
         self.model = model
         self.config = config
         self.store = store
@@ -92,7 +102,7 @@ class DeviceWorker:
 
     @property
     def components(self) -> list[str]:
-        return list(self.model.components)
+        return list(self.placed)
 
     @property
     def busy(self) -> bool:
@@ -107,20 +117,26 @@ class DeviceWorker:
     def _setup(self) -> None:
         cfg = self.config.scheduler
         caps = {}
-        for name, spec in self.model.components.items():
+        for name, modes in self.placed.items():
+            spec = self.model.components[name]
             runner, pool = build_runner(self.model, name, spec, self.device, self.store, self.config)
             self.runners[name] = runner
             if pool is not None:
                 self.pools[name] = pool
-            for mode in spec.modes:
+            for mode in modes:
                 caps[(name, mode)] = ModeCaps(cfg.max_num_seqs, cfg.max_num_batched_tokens)
         # a request that starts decoding beyond max_num_seqs running rows waits its turn
         self.scheduler = Scheduler(caps, self.pools, max_running=dict.fromkeys(self.pools, cfg.max_num_seqs))
-        token_loops = {n for n, spec in self.model.components.items() if spec.kv_cache and spec.samples}
+        token_loops = {n for n in self.placed if self.model.components[n].kv_cache and self.model.components[n].samples}
         lazy = cfg.kv_reservation == "lazy"
         self.walker = Walker(self.store, self.scheduler, self.pools, self.model.max_model_len, self._finished,
                              token_loops, self.device, lazy_pages=lazy, join_turn=self.model.join_turn,
-                             on_awaiting=lambda rid: self.outbox.finished(self._report, Awaiting(rid)))
+                             on_awaiting=lambda rid: self.outbox.finished(self._report, Awaiting(rid)),
+                             index=self.index, send=self.link.send)
+        arena_mb = self.config.host_arena_mb
+        if arena_mb is None:  # pinned staging pays on CUDA; on the CPU rows are host memory already
+            arena_mb = DEFAULT_ARENA_MB if self.device.type == "cuda" else 0
+        self.arena = HostArena(arena_mb << 20, pin=self.device.type == "cuda") if arena_mb else None
         caches = {name: r.kv for name, r in self.runners.items() if r.kv is not None}
         self.preemption = Preemption(self.pools, caches, self.walker, self._settle) if lazy else None
 
@@ -152,6 +168,9 @@ class DeviceWorker:
     def _release(self) -> None:
         """Drop the modules, KV caches and graphs, and give their device
         memory back (another engine may start in this process)."""
+        self.link.close()
+        if getattr(self, "arena", None) is not None:
+            self.arena.close(force=True)  # blocks of reports nobody will read any more
         self.runners.clear()
         self._inflight.clear()
         self._group_mark.clear()
@@ -175,6 +194,7 @@ class DeviceWorker:
             idle = not self.scheduler.has_work() and not self._inflight and not self.outbox
             if not self._drain(block=waiting or idle):
                 return
+            self.link.poll()
             batch = self.scheduler.schedule()
             if batch is None:  # nothing to launch: read what is in flight
                 self._settle()
@@ -199,6 +219,8 @@ class DeviceWorker:
             if block:
                 self.profiler.check()
                 timeout = _IDLE_WAIT_S if self.scheduler.has_work() or self.profiler.running else None
+                if self.link.pending:  # a copy's source is released once the copy is done: look again soon
+                    timeout = _COPY_POLL_S
                 msg = self.inbox.get(timeout=timeout)
             else:
                 self.profiler.check()
@@ -229,6 +251,8 @@ class DeviceWorker:
             self.walker.turns.close(msg.request_id)
         elif isinstance(msg, Abort):
             self.walker.abort(msg.request_id, msg.reason)
+        elif isinstance(msg, Forward):
+            self.link.receive(msg, self.walker.streams)
         elif isinstance(msg, Profile):
             self.profiler.start(msg)
         else:
@@ -339,7 +363,7 @@ class DeviceWorker:
             items = host.tolist()  # token ids enter streams as host ints
             for i in keep:
                 if id(p.rows[i]) not in gone and not p.rows[i].done:
-                    self.walker.feed_streams(p.rows[i], value, items[i])
+                    self.walker.streams.feed(p.rows[i], value, items[i])
         for leave in leaving:
             self.walker.left_group(leave)
         return waited
@@ -370,9 +394,10 @@ class DeviceWorker:
             emitting = [i for i, p in enumerate(parts) if name in p.request.walk.emits]
             if emitting:
                 rows = [data[i] for i in emitting] if isinstance(data, list) else select_rows(data.detach(), emitting)
-                host, ready = to_host(rows)  # no wait: the rows reach the report once copied
+                # no wait: the rows reach the report once copied (into the arena, freed once the engine read them)
+                host, ready, blocks = stage_to_host(rows, self.arena, stage_cpu=True)
                 self.outbox.emit(self._report, EmitBatch(
-                    name, [rids[i] for i in emitting], [parts[i].name for i in emitting], host), ready)
+                    name, [rids[i] for i in emitting], [parts[i].name for i in emitting], host, blocks), ready)
             if isinstance(data, list):
                 refs[name] = [TensorRef(self.store.put(t, (rid,))) for t, rid in zip(data, rids)]
             else:
@@ -393,4 +418,4 @@ class DeviceWorker:
         if not self._report.empty() or self._report.component:
             self.post(self._report)
         self._report = StepReport(device=self.name)
-
+        self.link.flush()

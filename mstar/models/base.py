@@ -86,6 +86,11 @@ class Model:
         (its rows vary in shape, or a graph would not pay)."""
         return None
 
+    def split_placement(self, num_devices: int) -> dict[str, list[int]] | None:
+        """`--placement split`: component -> device indices (into --gpus);
+        None: the model has no split of its own."""
+        return None
+
     # -- what the runtime calls
     def build_component(self, component: str, device: torch.device, dtype: torch.dtype) -> nn.Module:
         """The component's module, weights loaded, on `device`. Each mode of

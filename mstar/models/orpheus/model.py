@@ -128,6 +128,10 @@ class OrpheusModel(LlamaModel):
         return SamplingParams(max_tokens=DEFAULT_MAX_TOKENS, temperature=DEFAULT_TEMPERATURE, top_p=DEFAULT_TOP_P,
                               repetition_penalty=DEFAULT_REPETITION_PENALTY)
 
+    def split_placement(self, num_devices: int) -> dict[str, list[int]] | None:
+        # the LLM is the heavy part; the codec gets the last device to itself
+        return {"llm": list(range(num_devices - 1)), "codec": [num_devices - 1]}
+
     # -- what the runtime calls
     def build_component(self, component: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
         if component == "codec":
