@@ -15,6 +15,8 @@
 #                                   then overload-lazy
 #   scripts/gpu_check.sh overload-lazy  64 streams on a KV pool too small for them (--kv-reservation lazy)
 #   scripts/gpu_check.sh realtime   /v1/realtime: first audio delta and cancel to silence at 1/16/64 sessions
+#   scripts/gpu_check.sh multi      two GPUs (nvidia-h200-x2): multi-GPU tests, transport benchmark, Orpheus
+#                                   speech on both as replicas and split, with /metrics (lag, host time) sampled
 #   scripts/gpu_check.sh pagesize   the attention page-size measurement
 #   scripts/gpu_check.sh all        tests and bench (default)
 # FlashInfer compiles its kernels on first use into ~/.cache/flashinfer; a
@@ -113,6 +115,24 @@ if [[ $what == realtime ]]; then
   timeout ${REALTIME_TIMEOUT:-300} python3 scripts/bench_realtime.py --sessions ${REALTIME_SESSIONS:-1 16 64} \
       --out "$OUT/realtime.json" --server-log "$OUT/realtime_server.log" \
       --server-args "${REALTIME_SERVER_ARGS:-}" 2>&1 | tail -12 | tee "$OUT/realtime.txt"
+fi
+if [[ $what == multi ]]; then
+  timeout 240 python3 -m pytest -q -rfE -p no:cacheprovider -o timeout=200 tests/test_multi_gpu.py \
+      tests/test_transport_gpu.py tests/test_arena.py > "$OUT/multi_tests.txt" 2>&1
+  rc=$?
+  tail -6 "$OUT/multi_tests.txt"
+  timeout 120 python3 scripts/bench_transport.py --out "$OUT/transport.json" 2>&1 | tail -24 | tee "$OUT/transport.txt"
+  for run in ${MULTI_RUNS:-replicas:128 split:64}; do  # placement:concurrency
+    placement=${run%%:*} conc=${run##*:}
+    (while sleep 3; do curl -s 127.0.0.1:18124/metrics | grep -E '^mstar_(event_loop_lag|worker_)' \
+        > "$OUT/metrics_$placement.tmp" && mv "$OUT/metrics_$placement.tmp" "$OUT/metrics_$placement.txt"; done) &
+    poll=$!
+    timeout ${MULTI_TIMEOUT:-200} python3 scripts/bench_tts.py --gpus 0,1 --concurrency $conc --requests-per-client 1 \
+        --skip-baseline --port 18124 --out "$OUT/tts_$placement.json" --server-log "$OUT/server_$placement.log" \
+        --server-args "--placement $placement --max-num-seqs 512 --cuda-graph-max-batch 512" 2>&1 | tail -4 \
+        | tee -a "$OUT/multi_tts.txt"
+    kill $poll 2>/dev/null; rm -f "$OUT/metrics_$placement.tmp"
+  done
 fi
 if [[ $what == pagesize ]]; then
   timeout 240 python3 scripts/bench_page_size.py --out "$OUT/page_size.json" 2>&1 | tail -30 | tee "$OUT/page_size.txt"

@@ -153,6 +153,13 @@ class EngineMetrics:
                    "Bytes of the workers' host arenas holding outputs on their way to the event loop.",
                    [((("device", w.name),), w.arena.in_use_bytes) for w in workers
                     if getattr(w, "arena", None) is not None]),
+            family("mstar_worker_seconds_total", "counter",
+                   "A worker thread's time in decode group steps, by phase: launch (planning, graph replay, "
+                   "bookkeeping), finalize (stop rules, emits, routing), wait (blocked on the device).",
+                   [((("device", w.name), ("phase", ph)), getattr(w.stats, f"{ph}_s")) for w in workers
+                    for ph in ("launch", "finalize", "wait")]),
+            family("mstar_worker_steps_total", "counter", "Steps a worker ran.",
+                   [((("device", w.name),), w.stats.steps) for w in workers]),
             family("mstar_event_loop_lag_seconds", "histogram",
                    "How late the event loop runs a callback it scheduled (every 10 ms): the time it was busy.",
                    self.loop_lag),
