@@ -117,12 +117,19 @@ if [[ $what == realtime ]]; then
       --server-args "${REALTIME_SERVER_ARGS:-}" 2>&1 | tail -12 | tee "$OUT/realtime.txt"
 fi
 if [[ $what == multi ]]; then
-  timeout 240 python3 -m pytest -q -rfE -p no:cacheprovider -o timeout=200 tests/test_multi_gpu.py \
-      tests/test_transport_gpu.py tests/test_arena.py > "$OUT/multi_tests.txt" 2>&1
-  rc=$?
-  tail -6 "$OUT/multi_tests.txt"
-  timeout 120 python3 scripts/bench_transport.py --out "$OUT/transport.json" 2>&1 | tail -24 | tee "$OUT/transport.txt"
+  parts=${MULTI_PARTS:-tests transport tts}
+  if [[ $parts == *tests* ]]; then
+    timeout 240 python3 -m pytest -q -rfE -p no:cacheprovider -o timeout=200 tests/test_multi_gpu.py \
+        tests/test_transport_gpu.py tests/test_arena.py ${MULTI_TESTS:-} > "$OUT/multi_tests.txt" 2>&1
+    rc=$?
+    tail -6 "$OUT/multi_tests.txt"
+  fi
+  if [[ $parts == *transport* ]]; then
+    timeout 120 python3 scripts/bench_transport.py --out "$OUT/transport.json" 2>&1 | tail -24 | tee "$OUT/transport.txt"
+  fi
+  [[ $parts == *tts* ]] || MULTI_RUNS=none
   for run in ${MULTI_RUNS:-replicas:128 split:64}; do  # placement:concurrency
+    [[ $run == none ]] && break
     placement=${run%%:*} conc=${run##*:}
     (while sleep 3; do curl -s 127.0.0.1:18124/metrics | grep -E '^mstar_(event_loop_lag|worker_)' \
         > "$OUT/metrics_$placement.tmp" && mv "$OUT/metrics_$placement.tmp" "$OUT/metrics_$placement.txt"; done) &

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 import torch
-from tqdm import tqdm
+
+from mstar.engine.graph_capture import capture_buckets
 
 from mstar.types import AttentionContext, TokenBatch
 
@@ -66,26 +67,13 @@ class DecodeGraphs:
         return TokenBatch(input_ids=self._ids[:b], positions=self._positions[:b],
                           query_start=torch.arange(b + 1, dtype=torch.long), logits_index=self._rows[:b], attn=attn)
 
-    @torch.inference_mode()
     def capture(self, show_progress: bool = True) -> None:
-        pool = None
         empty_ctx = torch.zeros(0, dtype=torch.long)
         empty_table = torch.zeros(0, 1, dtype=torch.long)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        for b in tqdm(sorted(self.buckets, reverse=True), desc="capturing CUDA graphs", disable=not show_progress):
-            with torch.cuda.stream(stream):  # planning's copies are ordered before the warm-up on this stream
-                attn = self.attention.plan_graph(b, empty_ctx, empty_table)
-                for _ in range(2):  # warm up: lazy inits and kernel compiles happen outside the graph
-                    self.step(self._batch(b, attn))
-            stream.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                logits = self.step(self._batch(b, attn))["logits"]
-            pool = graph.pool()
-            self._graphs[b] = _Graph(graph, logits)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
+        graphs = capture_buckets(
+            self.device, self.buckets, lambda b: self.attention.plan_graph(b, empty_ctx, empty_table),
+            lambda b, attn: self.step(self._batch(b, attn))["logits"], "capturing CUDA graphs", show_progress)
+        self._graphs = {b: _Graph(graph, logits) for b, (graph, logits) in graphs.items()}
 
     def run(self, tokens: torch.Tensor, context_lens: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor | None:
         """Logits [n, V] for n rows, or None when n is past the largest bucket."""

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
-from tqdm import tqdm
+
+from mstar.engine.graph_capture import capture_buckets
 
 from mstar.engine.transfer import to_device
 from mstar.models.base import RowShape
@@ -59,24 +60,10 @@ class ModeGraphs:
         args = [t[:b] for t in self._inputs]
         return self.fn(*args, seeds=self._seeds[:b]) if self.seeded else self.fn(*args)
 
-    @torch.inference_mode()
     def capture(self, show_progress: bool = True) -> None:
-        pool = None
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        for b in tqdm(sorted(self.buckets, reverse=True), desc=f"capturing CUDA graphs of {self.name}",
-                      disable=not show_progress):
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm up: lazy inits and autotuning happen outside the graph
-                    self._call(b)
-            stream.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                outputs = self._call(b)
-            pool = graph.pool()
-            self._graphs[b] = _Graph(graph, outputs)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
+        graphs = capture_buckets(self.device, self.buckets, lambda b: None, lambda b, _: self._call(b),
+                                 f"capturing CUDA graphs of {self.name}", show_progress)
+        self._graphs = {b: _Graph(graph, outputs) for b, (graph, outputs) in graphs.items()}
 
     def fits(self, inputs: Sequence[torch.Tensor]) -> bool:
         """Whether stacked `inputs` ([n, *row shape] each) can replay a graph."""

@@ -1,0 +1,51 @@
+"""Capturing a step as CUDA graphs at batch buckets, shared by the decode
+graphs and the graphs of plain modes: a bucket size in, its graph and the
+output tensors the graph writes out.
+
+Workers of one process capture one at a time (a process-wide lock), and each
+capture is `thread_local`: under the default global mode, a CUDA call that
+another worker thread makes meanwhile (an allocation, an event query, a
+copy on its own device) invalidates the capture.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+import torch
+from tqdm import tqdm
+
+T = TypeVar("T")
+
+_CAPTURING = threading.Lock()
+
+
+@torch.inference_mode()
+def capture_buckets(device: torch.device, buckets: Iterable[int], prepare: Callable[[int], Any],
+                    step: Callable[[int, Any], T], desc: str,
+                    show_progress: bool = True) -> dict[int, tuple[torch.cuda.CUDAGraph, T]]:
+    """For each bucket b, largest first, sharing one memory pool: `prepare(b)`
+    (planning, on the capture stream), two warm-up calls of `step(b, prepared)`
+    (lazy inits and kernel compiles stay out of the graph), then the captured
+    call. Returns b -> (graph, what the captured call returned)."""
+    out: dict[int, tuple[torch.cuda.CUDAGraph, T]] = {}
+    with _CAPTURING:
+        pool = None
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        for b in tqdm(sorted(buckets, reverse=True), desc=desc, disable=not show_progress):
+            with torch.cuda.stream(stream):  # planning's copies are ordered before the warm-up on this stream
+                prepared = prepare(b)
+                for _ in range(2):
+                    step(b, prepared)
+            stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                outputs = step(b, prepared)
+            pool = graph.pool()
+            out[b] = (graph, outputs)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        torch.cuda.synchronize(device)
+    return out
