@@ -54,6 +54,11 @@ class ArenaBlock:
     def released(self) -> bool:
         return self._released
 
+    @property
+    def arena_name(self) -> str:
+        """The shared-memory name of its arena (what another process maps)."""
+        return self._arena.name
+
 
 def size_class(nbytes: int) -> int:
     """The smallest power of two >= `nbytes`, at least MIN_BLOCK."""
