@@ -45,6 +45,7 @@ class EngineConfig:
     request_timeout: float = 600.0        # seconds a request may run in all; past it, it ends with "timeout" (0: none)
     attention_backend: str = "auto"       # auto | torch | flashinfer (auto: flashinfer on CUDA)
     host_arena_mb: int | None = None      # per worker, for staged outputs (None: 64 on CUDA, none on CPU)
+    gil_switch_interval_ms: float | None = None  # Python's thread switch interval while serving (None: as is)
     enforce_eager: bool = False           # no CUDA graphs
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -126,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--attention-backend", choices=("auto", "torch", "flashinfer"), default="auto",
                    help="auto: FlashInfer on CUDA, the torch reference on CPU")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--gil-switch-interval-ms", type=float, default=None,
+                   help="how long a thread may hold the GIL while another waits (Python's default: 5 ms); the "
+                        "worker threads and the event loop share it")
     p.add_argument("--host-arena-mb", type=int, default=None,
                    help="MiB of shared, page-locked host memory per worker for outputs on their way to clients "
                         "(default: 64 on a GPU, none on the CPU)")
@@ -169,6 +173,7 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         attention_backend=a.attention_backend,
         enforce_eager=a.enforce_eager,
         host_arena_mb=a.host_arena_mb,
+        gil_switch_interval_ms=a.gil_switch_interval_ms,
         cuda_graph_batch_sizes=graph_buckets(a.cuda_graph_max_batch),
         scheduler=sched,
     )

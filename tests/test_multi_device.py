@@ -157,3 +157,15 @@ async def test_split_speech_with_host_arenas_aborted_midway_leaves_nothing() -> 
         await _drained(eng)
     finally:
         await eng.shutdown()
+
+
+async def test_the_gil_switch_interval_is_set_while_serving_and_restored() -> None:
+    import sys
+
+    before = sys.getswitchinterval()
+    eng = await _started(EngineConfig(model="fake", devices=TWO, gil_switch_interval_ms=0.5), FakeModel(max_steps=3))
+    try:
+        assert sys.getswitchinterval() == pytest.approx(0.0005)
+    finally:
+        await eng.shutdown()
+    assert sys.getswitchinterval() == before

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import random
+import sys
 from collections import Counter
 from typing import Callable
 
@@ -56,6 +57,7 @@ class Engine:
         self._pre_hooks: list[Callable[[StepReport], None]] = []
         self._metrics = EngineMetrics()
         self._lag: LagMonitor | None = None
+        self._switch_interval: float | None = None  # Python's, to restore at shutdown
         self.add_report_hook(self._metrics.on_report)
 
     # ------------------------------------------------------------ lifecycle
@@ -63,6 +65,10 @@ class Engine:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         cfg = self.config
+        if cfg.gil_switch_interval_ms is not None:
+            # a worker waiting for the GIL waits up to this long for whoever holds it (Python's default 5 ms)
+            self._switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(cfg.gil_switch_interval_ms / 1000)
         if self.model is None:
             self.model = await self._loop.run_in_executor(
                 None, lambda: load_model(cfg.model, cfg.load_format, cfg.max_model_len))
@@ -92,6 +98,9 @@ class Engine:
     async def shutdown(self) -> None:
         if self._lag is not None:
             self._lag.stop()
+        if self._switch_interval is not None:
+            sys.setswitchinterval(self._switch_interval)
+            self._switch_interval = None
         for w in self.workers:
             w.send(Shutdown())
         loop = asyncio.get_running_loop()
