@@ -29,6 +29,6 @@ from mstar.client.results import Choice, Completion, Generation, Health, ModelCa
 from mstar.client.sampling import Sampling, TextSampling
 from mstar.client.streams import AsyncSpeechStream, AsyncStream, SpeechStream, Stream
 
-__all__ = ["AsyncClient", "AsyncRealtimeSession", "AsyncSpeechStream", "AsyncStream", "Choice", "Client", "Completion", "Generation",
-           "Health", "ModelCard", "MstarError", "Prompt", "RealtimeReply", "RealtimeSession", "Sampling", "Speech", "SpeechStream", "Stream",
-           "TextSampling", "Usage"]
+__all__ = ["AsyncClient", "AsyncRealtimeSession", "AsyncSpeechStream", "AsyncStream", "Choice", "Client",
+           "Completion", "Generation", "Health", "ModelCard", "MstarError", "Prompt", "RealtimeReply",
+           "RealtimeSession", "Sampling", "Speech", "SpeechStream", "Stream", "TextSampling", "Usage"]
