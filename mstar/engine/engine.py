@@ -25,6 +25,7 @@ from mstar.engine.messages import Abort, Append, CloseInput, Finished, Profile, 
 from mstar.engine.metrics import STATUSES, EngineMetrics, LagMonitor
 from mstar.engine.requests import RequestState, RequestStream
 from mstar.engine.tensor_store import TensorStore
+from mstar.engine.waiting_line import WaitingLine
 from mstar.engine.worker import DeviceWorker
 from mstar.errors import MstarError, ModelNotFound, RequestError
 from mstar.graph import Emit, HostStop, Loop, WalkPlan, compile_walks
@@ -49,8 +50,7 @@ class Engine:
         self.workers: list[DeviceWorker] = []
         self.stats: Counter[str] = Counter()
         self._states: dict[str, RequestState] = {}
-        self._waiting: set[str] = set()  # submitted, no output yet (queued, or waiting for pages)
-        self._room: asyncio.Event | None = None
+        self._waiting = WaitingLine(config.max_waiting_requests, config.queue_timeout, self.stats)
         self._outstanding: list[int] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._report_hooks: list[Callable[[StepReport], None]] = []
@@ -247,37 +247,12 @@ class Engine:
             self.workers[w].send(Abort(request_id, "timeout"))
 
     async def admit(self, timeout: float | None = None) -> None:
-        """Wait until fewer than `max_waiting_requests` requests are waiting to
-        start, at most `timeout` seconds (default: the configured queue
-        timeout); then raise a 429 asking the client to retry. An unhealthy
-        engine answers 503 at once."""
+        """Wait for room in the waiting line (`WaitingLine.admit`: a 429 after
+        `timeout`, default the configured queue timeout). An unhealthy engine
+        answers 503 at once."""
         if not self.workers or not any(w.alive for w in self.workers):
             raise RequestError("the engine is not running", status=503, code="unavailable", retry_after=5)
-        limit = self.config.max_waiting_requests
-        if len(self._waiting) < limit:
-            return
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + (self.config.queue_timeout if timeout is None else timeout)
-        if self._room is None:
-            self._room = asyncio.Event()
-        while len(self._waiting) >= limit:
-            self._room.clear()
-            left = deadline - loop.time()
-            if left <= 0:
-                self.stats["requests_refused_busy"] += 1
-                raise RequestError(f"{len(self._waiting)} requests are waiting to start (the limit is {limit}); "
-                                   "retry shortly", status=429, code="queue_full", retry_after=1)
-            try:
-                await asyncio.wait_for(self._room.wait(), left)
-            except TimeoutError:
-                pass
-
-    def _started(self, request_id: str) -> None:
-        """A request left the waiting line (first output, or its end)."""
-        if request_id in self._waiting:
-            self._waiting.discard(request_id)
-            if self._room is not None and len(self._waiting) < self.config.max_waiting_requests:
-                self._room.set()
+        await self._waiting.admit(timeout)
 
     def _route(self, plan: WalkPlan) -> dict[str, int]:
         """A worker for each partition of a new request (see `Placement.route`):
@@ -333,8 +308,7 @@ class Engine:
                 if state is None or state.finished or part in state.stopped:
                     self.stats["outputs_dropped"] += 1
                     continue
-                if rid in self._waiting:
-                    self._started(rid)
+                self._waiting.started(rid)
                 if emit.modality == "text" and isinstance(row, int):
                     tokens.append((state, part, row))
                 elif (state.feed_value(part, batch.value, emit.modality, row, emit.sample_rate)
@@ -400,7 +374,7 @@ class Engine:
                 self.store.drop_owner(fin.request_id)  # references one worker sent another and nobody took
             if state.timer is not None:
                 state.timer.cancel()
-            self._started(fin.request_id)
+            self._waiting.started(fin.request_id)
             # a walk that emits audio, not tokens, still reports what it sampled
             state.num_output_tokens = max(state.num_output_tokens, state.num_generated)
             ended = state.root_reason if len(state.shards) > 1 and state.root_reason else fin.reason
