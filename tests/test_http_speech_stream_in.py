@@ -21,7 +21,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 TURN_BYTES = 4 * 2048 * 2  # a 35-token turn plays four frames of PCM16
 FIRST = {"model": "orpheus-tiny", "input": "the first sentence.", "voice": "tara", "response_format": "pcm",
-         "stream_format": "sse", "max_tokens": 35, "ignore_eos": True}
+         "stream_format": "sse", "max_tokens": 35, "ignore_eos": True, "seed": 3}
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
@@ -78,7 +78,8 @@ async def test_a_bad_line_ends_the_input_and_the_request_finishes(speaker) -> No
                              headers={"Content-Type": "application/x-ndjson"}) as r:
             assert r.status == 200
             audio = await r.read()
-    assert len(audio) == TURN_BYTES
+    # one turn only: at most its four frames (random weights write a non-audio id now and then)
+    assert 0 < len(audio) <= TURN_BYTES and len(audio) % 4096 == 0
 
 
 async def test_a_bad_first_line_is_a_400(speaker) -> None:
