@@ -97,6 +97,12 @@ async def usage_of(api: aiohttp.ClientSession, **fields: Any) -> dict[str, int]:
     return done["usage"]
 
 
+async def test_the_model_list_names_the_voices(api: aiohttp.ClientSession) -> None:
+    async with api.get("/v1/models") as r:
+        [card] = (await r.json())["data"]
+    assert card["voices"] == ["tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe"]
+
+
 async def test_wav_streams_the_header_first_then_the_audio(api: aiohttp.ClientSession) -> None:
     r, chunks = await fetch(api, response_format="wav")
     assert r.content_type == "audio/wav" and r.headers["Transfer-Encoding"] == "chunked"

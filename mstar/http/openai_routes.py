@@ -47,7 +47,7 @@ class Reply:
 async def list_models(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     data = [{"id": card.name, "object": "model", "created": request.app[STARTED], "owned_by": "mstar",
-             "max_model_len": card.max_model_len} for card in engine.model_cards()]
+             "max_model_len": card.max_model_len, "voices": list(card.voices)} for card in engine.model_cards()]
     return json_response({"object": "list", "data": data})
 
 
