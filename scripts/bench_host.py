@@ -51,7 +51,8 @@ async def measure(model: str, devices: tuple[str, ...], batch: int, tokens: int,
 
     async def one(i: int) -> None:
         # the LLM's own walk: a speech model's default walk would also run its codec
-        async for _ in eng.submit(GenerateRequest(f"r{i}", eng.model_name, {"prompt_ids": prompt}, sp, walk="generate")):
+        request = GenerateRequest(f"r{i}", eng.model_name, {"prompt_ids": prompt}, sp, walk="generate")
+        async for _ in eng.submit(request):
             pass
 
     t0 = time.perf_counter()

@@ -10,7 +10,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from mstar.graph import Component, Emit, FanOut, FixedChunks, HostStop, Loop, MaxSteps, SlidingWindow, Step, Stream, Walk
+from mstar.graph import (Component, Emit, FanOut, FixedChunks, HostStop, Loop, MaxSteps, SlidingWindow, Step, Stream,
+                         Walk)
 from mstar.models.base import Model
 from mstar.types import GenerateRequest
 

@@ -36,8 +36,15 @@ async def serving(engine: Engine, cancel_handlers: bool = True) -> AsyncIterator
     the engine's lifetime. With `cancel_handlers` a client that hangs up
     cancels its handler, as under `__main__`; without, only a failed write
     tells the handler."""
-    runner = web.AppRunner(build_app(engine, manage_engine=False), handler_cancellation=cancel_handlers,
-                           access_log=None, shutdown_timeout=1.0)
+    async with serving_app(build_app(engine, manage_engine=False), handler_cancellation=cancel_handlers,
+                           access_log=None, shutdown_timeout=1.0) as url:
+        yield url
+
+
+@asynccontextmanager
+async def serving_app(app: web.Application, **runner_args: Any) -> AsyncIterator[str]:
+    """Any aiohttp app (a stub server, say) on 127.0.0.1:<free port>, yielding its base URL."""
+    runner = web.AppRunner(app, **runner_args)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

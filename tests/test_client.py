@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
-from http_support import running_engine, serving
+from http_support import running_engine, serving, serving_app
 
 from mstar.client import AsyncClient, Client, Completion, MstarError
 
@@ -258,15 +258,8 @@ async def stub() -> AsyncIterator[tuple[str, list[float]]]:
     app = web.Application()
     app.router.add_get("/health", health)
     app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    try:
-        yield f"http://{host}:{port}", calls
-    finally:
-        await runner.cleanup()
+    async with serving_app(app) as url:
+        yield url, calls
 
 
 async def test_retries_honour_retry_after(stub: tuple[str, list[float]]) -> None:

@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 
 import aiohttp
 from aiohttp import web
+from http_support import serving_app
 from loadtest import (SPEECH_ROUTE, Job, check_error, check_stream, make_jobs, parse_metrics, percentile,
                       run_job)
 
@@ -88,10 +89,8 @@ def test_jobs_mix_and_percentile() -> None:
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.0 and percentile([1.0, 2.0, 3.0, 4.0], 99) == 4.0
 
 
-async def _refusing_server(headers: dict[str, str]):
+def _refusing_app(headers: dict[str, str], calls: list[int]) -> web.Application:
     """A server that answers 429 (with `headers`) once, then a proper 400."""
-    calls = []
-
     async def handle(request: web.Request) -> web.Response:
         calls.append(1)
         if len(calls) == 1:
@@ -100,23 +99,15 @@ async def _refusing_server(headers: dict[str, str]):
 
     app = web.Application()
     app.router.add_post("/v1/completions", handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    return runner, f"http://{host}:{port}", calls
+    return app
 
 
 async def _send_once(headers: dict[str, str]):
     """A malformed job against the refusing server: its outcome and how many calls it took."""
-    runner, url, calls = await _refusing_server(headers)
+    calls: list[int] = []
     job = Job("malformed", "/v1/completions", b"{}", expect_param="prompt")
-    try:
-        async with aiohttp.ClientSession() as session:
-            return await run_job(session, url, job, time.monotonic() + 10), len(calls)
-    finally:
-        await runner.cleanup()
+    async with serving_app(_refusing_app(headers, calls)) as url, aiohttp.ClientSession() as session:
+        return await run_job(session, url, job, time.monotonic() + 10), len(calls)
 
 
 async def test_a_refused_job_waits_retry_after_and_tries_again() -> None:

@@ -368,22 +368,20 @@ class Engine:
                     if w != worker:
                         self.workers[w].send(Abort(fin.request_id, "error"))
             return
-        if state.shards_left == 0:
-            del self._states[fin.request_id]
-            if len(state.shards) > 1:
-                self.store.drop_owner(fin.request_id)  # references one worker sent another and nobody took
-            if state.timer is not None:
-                state.timer.cancel()
-            self._waiting.started(fin.request_id)
-            # a walk that emits audio, not tokens, still reports what it sampled
-            state.num_output_tokens = max(state.num_output_tokens, state.num_generated)
-            ended = state.root_reason if len(state.shards) > 1 and state.root_reason else fin.reason
-            reason = state.stop_reason or ("error" if state.failed else ended)
-            fin = Finished(fin.request_id, fin.partition, reason, True, state.failed or fin.error)
-            self.stats[f"finished_{reason}"] += 1
-            status = reason if reason in STATUSES else "stop"
-            self._metrics.finished(fin.request_id, status)
-            state.finish(status, fin.error)
+        del self._states[fin.request_id]
+        if len(state.shards) > 1:
+            self.store.drop_owner(fin.request_id)  # references one worker sent another and nobody took
+        if state.timer is not None:
+            state.timer.cancel()
+        self._waiting.started(fin.request_id)
+        # a walk that emits audio, not tokens, still reports what it sampled
+        state.num_output_tokens = max(state.num_output_tokens, state.num_generated)
+        ended = state.root_reason if len(state.shards) > 1 and state.root_reason else fin.reason
+        reason = state.stop_reason or ("error" if state.failed else ended)
+        self.stats[f"finished_{reason}"] += 1
+        status = reason if reason in STATUSES else "stop"
+        self._metrics.finished(fin.request_id, status)
+        state.finish(status, state.failed or fin.error)
 
 
 def _pcm16(data: torch.Tensor | list[torch.Tensor]) -> list[bytes]:

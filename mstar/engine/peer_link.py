@@ -21,6 +21,7 @@ import torch
 from mstar.engine.messages import Forward, StreamItems, StreamSegment
 from mstar.engine.rows import StreamItem
 from mstar.engine.tensor_store import TensorRef, TensorStore
+from mstar.engine.transport import Received, Transport, is_done
 
 if TYPE_CHECKING:
     from mstar.engine.streams import Streams
@@ -33,8 +34,8 @@ class PeerLink:
         self.store = store
         self.peers: list[DeviceWorker] = []  # every worker of the engine, by index
         self._outbound: dict[int, list[Any]] = {}
-        self._copies: list[tuple[Any, TensorRef, str]] = []  # (copy in flight, source ref, owner)
-        self._transport = None
+        self._copies: list[tuple[Received, TensorRef, str]] = []  # (copy in flight, source ref, owner)
+        self._transport: Transport | None = None
 
     @property
     def pending(self) -> bool:
@@ -86,9 +87,7 @@ class PeerLink:
         src = self.store.get(item)
         if src.device == self.device or (src.device.type == "cpu" and self.device.type == "cpu"):
             return item
-        if self._transport is None:
-            from mstar.engine.transport import Transport
-
+        if self._transport is None:  # made by the first copy: only a worker that receives tensors needs streams
             self._transport = Transport(self.device)
         received = self._transport.receive(src, ready)
         copy = TensorRef(self.store.put(received.tensor, (owner,)))
@@ -101,17 +100,16 @@ class PeerLink:
             return
         left = []
         for received, src, owner in self._copies:
-            if self._transport is not None and not self._transport.is_done(received):
-                left.append((received, src, owner))
-            else:
+            if is_done(received):
                 self.store.release(src, owner)
+            else:
+                left.append((received, src, owner))
         self._copies = left
 
     def close(self) -> None:
         """Wait for the copies in flight and release their sources."""
         for received, src, owner in self._copies:
-            done = getattr(received, "done", None)
-            if done is not None:
-                done.synchronize()
+            if received.done is not None:
+                received.done.synchronize()
             self.store.release(src, owner)
         self._copies = []

@@ -38,7 +38,11 @@ class RequestRun:
     input_open: bool = False
     more: list[list[int]] = field(default_factory=list)
     places: dict[str, int] = field(default_factory=dict)  # partition -> worker, where not all run here
-    shared: bool = False            # some of its partitions run on other workers
+
+    @property
+    def shared(self) -> bool:
+        """Some of its partitions run on other workers."""
+        return len(set(self.places.values())) > 1
 
 
 @dataclass(eq=False, slots=True)

@@ -32,10 +32,9 @@ Send = Callable[[int, object], None]  # (worker index, message)
 
 
 class Streams:
-    def __init__(self, walker: Walker, index: int = 0, send: Send | None = None) -> None:
+    def __init__(self, walker: Walker, send: Send | None = None) -> None:
         self.walker = walker
         self.store = walker.store
-        self.index = index
         self.send = send
 
     # ------------------------------------------------------ producer side

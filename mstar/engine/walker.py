@@ -52,7 +52,7 @@ class Walker:
         self.groups: dict[tuple[str, str, int], LoopGroup] = {}
         self.index = index
         self.turns = Turns(self, join_turn, on_awaiting)
-        self.streams = Streams(self, index, send)
+        self.streams = Streams(self, send)
 
     # --------------------------------------------------------------- start
 
@@ -61,8 +61,7 @@ class Walker:
         `sub.places` puts some on other workers)."""
         places = sub.places or {}
         run = RequestRun(sub.request_id, sub.walk, sub.sampling, sub.seed, sub.stop_ids,
-                         input_open=sub.more_input and sub.walk.more_input is not None, places=places,
-                         shared=len(set(places.values())) > 1)
+                         input_open=sub.more_input and sub.walk.more_input is not None, places=places)
         self.runs[run.request_id] = run
         here = [name for name in sub.walk.partitions if places.get(name, self.index) == self.index]
         for name in here:

@@ -125,6 +125,15 @@ def item_text(item: dict[str, Any], where: str) -> str:
     return "".join(texts)
 
 
+def output_limit(value: Any, param: str) -> int | None:
+    """A `max_output_tokens` value: a positive integer, or "inf" (None)."""
+    if value == "inf":
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ProtocolError(f"'{param}' must be a positive integer or 'inf'", "invalid_value", param)
+    return value
+
+
 # -------------------------------------------------------------- session
 
 
@@ -176,27 +185,17 @@ class SessionConfig:
             raise ProtocolError(f"this session serves '{self.model}'; connect with ?model= to use another",
                                 "invalid_value", "session.model")
         instructions = field_of(session, "instructions", str, "session", required=False)
-        modalities = field_of(session, "output_modalities", list, "session", required=False)
-        if modalities is not None and sorted(modalities) != self.modalities:
-            raise ProtocolError(f"model '{self.model}' answers in {self.modalities}, not {modalities}",
-                                "invalid_value", "session.output_modalities")
-        limit = session.get("max_output_tokens")
-        if limit is not None and limit != "inf" and (not isinstance(limit, int) or isinstance(limit, bool)
-                                                     or limit < 1):
-            raise ProtocolError("'session.max_output_tokens' must be a positive integer or 'inf'",
-                                "invalid_value", "session.max_output_tokens")
+        self.check_modalities(session, "session")
+        raw_limit = session.get("max_output_tokens")
+        limit = output_limit(raw_limit, "session.max_output_tokens") if raw_limit is not None else None
         audio = field_of(session, "audio", dict, "session", required=False) or {}
         voice = self._audio(audio)
-        linger = self._linger(session)
-        ext = session.get("mstar") or {}
-        seed = field_of(ext, "seed", int, "session.mstar", required=False)
-        if seed is not None and not 0 <= seed < 2**63:
-            raise ProtocolError("must be in [0, 2**63)", "invalid_value", "session.mstar.seed")
+        linger, seed = self._extension(session)
         # all checked: apply together, so a refused update changes nothing
         if instructions is not None:
             self.instructions = instructions
-        if limit is not None:
-            self.max_output_tokens = None if limit == "inf" else limit
+        if raw_limit is not None:
+            self.max_output_tokens = limit
         if voice is not None:
             self.voice = voice
         if linger is not None:
@@ -229,11 +228,22 @@ class SessionConfig:
             raise ProtocolError(f"unknown voice {voice!r}; this model has {have}", "invalid_value", param)
         return name
 
+    def check_modalities(self, obj: dict[str, Any], where: str) -> None:
+        """`output_modalities`, if given, must be what the model answers in."""
+        modalities = field_of(obj, "output_modalities", list, where, required=False)
+        if modalities is not None and sorted(modalities) != self.modalities:
+            raise ProtocolError(f"model '{self.model}' answers in {self.modalities}, not {modalities}",
+                                "invalid_value", f"{where}.output_modalities")
+
     @staticmethod
-    def _linger(session: dict[str, Any]) -> int | None:
+    def _extension(session: dict[str, Any]) -> tuple[int | None, int | None]:
+        """mstar's own fields under `session.mstar`: (input_linger_ms, seed)."""
         ext = field_of(session, "mstar", dict, "session", required=False) or {}
         linger = field_of(ext, "input_linger_ms", int, "session.mstar", required=False)
         if linger is not None and not 0 <= linger <= MAX_INPUT_LINGER_MS:
             raise ProtocolError(f"must be in [0, {MAX_INPUT_LINGER_MS}]", "invalid_value",
                                 "session.mstar.input_linger_ms")
-        return linger
+        seed = field_of(ext, "seed", int, "session.mstar", required=False)
+        if seed is not None and not 0 <= seed < 2**63:
+            raise ProtocolError("must be in [0, 2**63)", "invalid_value", "session.mstar.seed")
+        return linger, seed

@@ -24,7 +24,7 @@ import structlog
 
 from mstar.errors import MstarError, RequestError
 from mstar.http.realtime_protocol import (ProtocolError, SessionConfig, decode_audio, event, field_of, item_text,
-                                          new_id)
+                                          new_id, output_limit)
 from mstar.http.realtime_response import ActiveResponse, ResponsePlan
 from mstar.http.submission import SPEAK_WALK, Target, encode_chat, encode_prompt, model_defaults
 from mstar.types import GenerateRequest, ModelCard
@@ -52,11 +52,7 @@ class RealtimeSession:
         self.audio_ms: dict[str, int] = {}  # item id -> ms of its audio sent (truncation stays within it)
 
     def start(self) -> None:
-        self.send(self._event("session.created", session=self.config.to_json()))
-
-    @staticmethod
-    def _event(kind: str, **fields: Any) -> dict[str, Any]:
-        return event(kind, **fields)
+        self.send(event("session.created", session=self.config.to_json()))
 
     # ------------------------------------------------------------ dispatch
 
@@ -76,7 +72,7 @@ class RealtimeSession:
 
     async def _on_session_update(self, obj: dict[str, Any]) -> None:
         self.config.update(field_of(obj, "session", dict, ""))
-        self.send(self._event("session.updated", session=self.config.to_json()))
+        self.send(event("session.updated", session=self.config.to_json()))
 
     # ---------------------------------------------------------------- audio
 
@@ -90,7 +86,7 @@ class RealtimeSession:
                             "input_audio_buffer_commit_empty")
 
     async def _on_input_audio_buffer_clear(self, obj: dict[str, Any]) -> None:
-        self.send(self._event("input_audio_buffer.cleared"))
+        self.send(event("input_audio_buffer.cleared"))
 
     # --------------------------------------------------------- conversation
 
@@ -115,7 +111,7 @@ class RealtimeSession:
         self.items.insert(index, item)
         before = self.items[index - 1]["id"] if index > 0 else None
         for kind in ("conversation.item.added", "conversation.item.created", "conversation.item.done"):
-            self.send(self._event(kind, previous_item_id=before, item=item))
+            self.send(event(kind, previous_item_id=before, item=item))
         if role == "user" and text.strip():
             self._user_text(text)
 
@@ -151,7 +147,7 @@ class RealtimeSession:
             resp.cancel()  # the client stopped playing it: nothing more of it is wanted
             await resp.wait()
         self.audio_ms[item_id] = audio_end_ms
-        self.send(self._event("conversation.item.truncated", item_id=item_id, content_index=0,
+        self.send(event("conversation.item.truncated", item_id=item_id, content_index=0,
                               audio_end_ms=audio_end_ms))
 
     async def _on_conversation_item_delete(self, obj: dict[str, Any]) -> None:
@@ -160,11 +156,11 @@ class RealtimeSession:
         if self.response is not None and self.response.item["id"] == item_id:
             raise ProtocolError("the item of the active response cannot be deleted", "invalid_value", "item_id")
         del self.items[index]
-        self.send(self._event("conversation.item.deleted", item_id=item_id))
+        self.send(event("conversation.item.deleted", item_id=item_id))
 
     async def _on_conversation_item_retrieve(self, obj: dict[str, Any]) -> None:
         item_id = field_of(obj, "item_id", str, "")
-        self.send(self._event("conversation.item.retrieved", item=self.items[self._index(item_id, "item_id")]))
+        self.send(event("conversation.item.retrieved", item=self.items[self._index(item_id, "item_id")]))
 
     def _index(self, item_id: Any, param: str) -> int:
         for i, item in enumerate(self.items):
@@ -200,15 +196,9 @@ class RealtimeSession:
 
     def _plan(self, params: dict[str, Any]) -> ResponsePlan:
         """The engine request a `response.create` starts."""
-        modalities = field_of(params, "output_modalities", list, "response", required=False)
-        if modalities is not None and sorted(modalities) != self.config.modalities:
-            raise ProtocolError(f"model '{self.target.name}' answers in {self.config.modalities}",
-                                "invalid_value", "response.output_modalities")
+        self.config.check_modalities(params, "response")
         limit = params.get("max_output_tokens", self.config.max_output_tokens)
-        if limit == "inf":
-            limit = None
-        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
-            raise ProtocolError("must be a positive integer or 'inf'", "invalid_value", "response.max_output_tokens")
+        limit = output_limit(limit, "response.max_output_tokens") if limit is not None else None
         given = field_of(params, "input", list, "response", required=False)
         texts = self._input_texts(given) if given is not None else None
         rid = new_id("resp")
@@ -219,7 +209,7 @@ class RealtimeSession:
             voice = self.config.voice
             if audio.get("voice") is not None:
                 voice = self.config.check_voice(str(audio["voice"]), "response.audio.output.voice")
-            spoken = " ".join(t["text"] for t in texts if t["role"] == "user") if texts is not None \
+            spoken = " ".join(t["content"] for t in texts if t["role"] == "user") if texts is not None \
                 else " ".join(self.unanswered)
             if not spoken.strip():
                 raise ProtocolError("there is no text to speak: add a user message (input_text) first",
@@ -256,7 +246,7 @@ class RealtimeSession:
             if item.get("type") == "item_reference":
                 item = self.items[self._index(item.get("id"), f"{where}.id")]
             role = field_of(item, "role", str, where)
-            out.append({"role": role, "text": item_text(item, where), "content": item_text(item, where)})
+            out.append({"role": role, "content": item_text(item, where)})
         return out
 
     async def _on_response_cancel(self, obj: dict[str, Any]) -> None:

@@ -227,7 +227,8 @@ def _token_str(value: Any) -> str | None:
 def _byte_alphabet() -> list[str]:
     """The printable stand-in character of each byte, as byte-level BPE uses:
     printable Latin-1 bytes stand for themselves, the rest are shifted past 255."""
-    keep = set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1)) | set(range(ord("®"), ord("ÿ") + 1))
+    keep = (set(range(ord("!"), ord("~") + 1)) | set(range(ord("¡"), ord("¬") + 1))
+            | set(range(ord("®"), ord("ÿ") + 1)))
     chars, shift = [], 0
     for b in range(256):
         if b in keep:

@@ -37,7 +37,8 @@ class CodebookLevel(nn.Module):
     """One level of the residual quantizer, decode side: codes [B, T_l] in,
     latent [B, latent, T_l * stride] out."""
 
-    def __init__(self, cfg: SnacConfig, stride: int, *, device: Device = None, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, cfg: SnacConfig, stride: int, *, device: Device = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.stride = stride
         self.codebook = nn.Embedding(cfg.codebook_size, cfg.codebook_dim, device=device, dtype=dtype)
