@@ -220,7 +220,12 @@ class Engine:
             raise RequestError(f"request '{request_id}' is not running", field="request_id", status=404)
         if not state.input_open:
             raise RequestError(f"request '{request_id}' takes no more input", field="input")
-        ids = self._model(None).prepare_more(state.request, inputs)
+        model = self._model(None)
+        ids = model.prepare_more(state.request, inputs)
+        held = state.num_prompt_tokens + state.num_output_tokens
+        if held + len(ids) >= model.max_model_len:  # refused here, while the client can still be told
+            raise RequestError(f"{len(ids)} more tokens after the {held} this request holds would leave no room "
+                               f"in the model's context of {model.max_model_len} tokens", field="input")
         state.num_prompt_tokens += len(ids)
         self.workers[state.worker].send(Append(request_id, tuple(ids)))
         return len(ids)
