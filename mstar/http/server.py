@@ -108,6 +108,7 @@ def build_app(engine: Engine, *, manage_engine: bool = True) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics_routes.metrics)
     app.router.add_get("/v1/models", openai_routes.list_models)
+    app.router.add_get("/v1/models/{model:.+}", openai_routes.retrieve_model)  # an id may hold slashes
     app.router.add_post("/v1/completions", openai_routes.completions)
     app.router.add_post("/v1/chat/completions", openai_routes.chat_completions)
     app.router.add_post("/v1/audio/speech", speech_routes.speech)
