@@ -1,5 +1,5 @@
-"""OpenAI-compatible routes: `/v1/models`, `/v1/completions`,
-`/v1/chat/completions`.
+"""OpenAI-compatible routes: `/v1/models` (and `/v1/models/{model}`),
+`/v1/completions`, `/v1/chat/completions`.
 
 A JSON body comes in; the engine's chunks go out either as one JSON answer or
 as server-sent events (`data: {...}` frames ending with `data: [DONE]`), shaped
@@ -18,11 +18,13 @@ from typing import Any
 import structlog
 from aiohttp import web
 
+from mstar.errors import ModelNotFound
 from mstar.http.keys import ENGINE, STARTED
 from mstar.http.protocol import parse_chat, parse_completion
 from mstar.http.responses import EventStream, client_gone, error_body, json_response
 from mstar.http.submission import (Choice, Submission, encode_chat, encode_prompt, failure_of, fit_max_tokens,
                                    resolve_model, submit)
+from mstar.types import ModelCard
 
 log = structlog.get_logger("mstar.http")
 
@@ -45,10 +47,22 @@ class Reply:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE]
-    data = [{"id": card.name, "object": "model", "created": request.app[STARTED], "owned_by": "mstar",
-             "max_model_len": card.max_model_len, "voices": list(card.voices)} for card in engine.model_cards()]
+    data = [_model(request, card) for card in request.app[ENGINE].model_cards()]
     return json_response({"object": "list", "data": data})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    """`GET /v1/models/{model}`: one entry of the list; 404 `model_not_found` if it is not served."""
+    name = request.match_info["model"]
+    card = next((c for c in request.app[ENGINE].model_cards() if c.name == name), None)
+    if card is None:
+        raise ModelNotFound(name)
+    return json_response(_model(request, card))
+
+
+def _model(request: web.Request, card: ModelCard) -> dict[str, Any]:
+    return {"id": card.name, "object": "model", "created": request.app[STARTED], "owned_by": "mstar",
+            "max_model_len": card.max_model_len, "voices": list(card.voices)}
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
