@@ -163,3 +163,24 @@ async def test_prefill_logits_within_bf16_tolerance(which: str, request: pytest.
         ref = torch.stack([hf(torch.tensor([p], device="cuda")).logits[0, -1].float() for p in prompts])
     scale = ref.abs().max().item()
     assert (ours - ref).abs().max().item() <= 0.03 * scale
+
+
+async def test_float32_serves_on_cuda_through_the_torch_reference(tiny: Path) -> None:
+    """`--dtype float32` on a GPU: FlashInfer has no float32 kernels, so the
+    engine starts on the torch reference attention and gives transformers'
+    float32 greedy tokens."""
+    prompts = _prompts(2, 1024)
+    eng = Engine(EngineConfig(model=str(tiny), devices=("cuda:0",), dtype="float32"))
+    await eng.start()
+    try:
+        streams = [eng.submit(GenerateRequest(f"r{i}", eng.model_name, {"prompt_ids": p},
+                                              SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)))
+                   for i, p in enumerate(prompts)]
+        ours = [[t async for c in s for t in c.token_ids] for s in streams]
+    finally:
+        await eng.shutdown()
+    hf = transformers.LlamaForCausalLM.from_pretrained(tiny, dtype=torch.float32).cuda().eval()
+    for p, toks in zip(prompts, ours):
+        out = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=16, do_sample=False,
+                          min_new_tokens=16)
+        assert toks == out[0, len(p):].tolist()

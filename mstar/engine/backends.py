@@ -26,6 +26,7 @@ from mstar.types import AttentionContext, TokenBatch
 log = structlog.get_logger("mstar.backends")
 
 FLASHINFER_HEAD_DIMS = (64, 128, 256)  # the head sizes its prefill and decode kernels are built for
+FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)  # the KV dtypes they are built for
 
 
 class AttentionBackend(Protocol):
@@ -51,6 +52,13 @@ def attention_backend(cache: KVCache, num_q_heads: int, max_pages_per_row: int,
         return TorchBackend(cache)
     if cache.device.type != "cuda":
         raise ConfigError("--attention-backend flashinfer needs a CUDA device")
+    if cache.dtype not in FLASHINFER_DTYPES:
+        if choice == "flashinfer":
+            raise ConfigError(f"FlashInfer's kernels take float16 or bfloat16 KV caches, not {cache.dtype}: "
+                              "use --attention-backend torch, or --dtype bfloat16")
+        log.info("KV cache dtype outside FlashInfer's kernels: using the torch reference attention",
+                 dtype=str(cache.dtype))
+        return TorchBackend(cache)
     try:
         from mstar.engine.flashinfer_attention import FlashInferAttention
     except ImportError as e:
