@@ -13,7 +13,14 @@ in a log file) or targets a running server with `--url`, and waits for
   events (zero: right after the headers);
 * `--malformed` bad requests (invalid JSON, wrong types, negative
   max_tokens, an unknown model, out-of-range sampling values, ...), each
-  with the field the server must name.
+  with the field the server must name (`loadtest_cases.py`).
+
+Before them, two probes: a `--big-prompt-mib` prompt (default 8 MiB) to
+`/v1/completions`, which must be a 4xx naming `prompt` while `/health`,
+polled meanwhile, answers each time in under 100 ms; and poisoned
+neighbours: for each route one request with a field past any bound (such as
+`top_k: 2**63`), sent in a burst with `--poison-neighbours` good streams
+(default 20), which must all complete while it alone gets its 4xx.
 
 Checks: every stream that was not cut got exactly max_tokens tokens
 (`usage.completion_tokens`; NDJSON also by its `token_ids`),
@@ -44,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import json
 import random
 import signal
@@ -58,37 +64,14 @@ import aiohttp
 # sibling module (the script's folder is first on sys.path): the server
 # subprocess, its health wait and the uvloop runner are shared, not copied
 from bench_tts import Server, add_server_args, on_sigterm, run_async, start_server, wait_healthy
+from loadtest_cases import MALFORMED, POISONED, big_prompt
+from loadtest_checks import SPEECH_ROUTE, check_error, check_stream
 
 MAX_TOKENS = 32
 PROMPTS = ("Hello", "The quick brown fox", "Once upon a time, in a land far away,", "1 2 3 4 5",
            "Tell me about the weather today.")
 ROUTES = ("/v1/completions", "/v1/chat/completions", "/generate")
-SPEECH_ROUTE = "/v1/audio/speech"
 SPEECH_MAX_TOKENS = 70  # ten 7-token frames: a few audio windows per stream
-
-# A body that is not JSON at all (bytes) or a JSON value, the route it goes
-# to, and the field the server's error must name (its `error.param`).
-MALFORMED: tuple[tuple[str, bytes | Any, str], ...] = (
-    ("/v1/completions", b"{bad json", "body"),
-    ("/v1/chat/completions", b'{"model": "tiny-llama", "messages": [', "body"),
-    ("/generate", b"\xff\xfe not utf-8", "body"),
-    ("/v1/completions", [1, 2, 3], "body"),
-    ("/v1/completions", {"prompt": 5, "max_tokens": 3}, "prompt"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": "x"}, "max_tokens"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "temperature": 1000}, "temperature"),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "top_p": 2}, "top_p"),
-    ("/v1/completions", {"model": "no-such-model", "prompt": "hi", "max_tokens": 3}, "model"),
-    ("/v1/chat/completions", {"messages": "hi"}, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, "messages[0].content"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, "max_tokens"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, "temperature"),
-    ("/generate", {"text": "hi", "sampling_params": {"max_tokens": -3}}, "sampling_params.max_tokens"),
-    ("/generate", {"text": "hi", "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
-    ("/generate", {"text": "hi", "sampling_params": 5}, "sampling_params"),
-    ("/generate", {"input_ids": ["a"]}, "input_ids"),
-)
-
 
 @dataclass
 class Job:
@@ -160,15 +143,29 @@ def make_jobs(a: argparse.Namespace, model: str, rng: random.Random) -> list[Job
             jobs.append(Job("disconnect", route, body, n, cut_after=rng.randint(0, n)))
         else:
             jobs.append(Job("stream", route, body, n))
-    for i in range(a.malformed):
-        route, bad, param = MALFORMED[i % len(MALFORMED)]
-        if not isinstance(bad, bytes):
-            if isinstance(bad, dict) and route != "/generate":
-                bad = {"model": model, **bad}  # the one wrong thing is the one named
-            bad = json.dumps(bad).encode()
-        jobs.append(Job("malformed", route, bad, expect_param=param))
+    jobs += [malformed_job(MALFORMED[i % len(MALFORMED)], model) for i in range(a.malformed)]
     rng.shuffle(jobs)
     return jobs
+
+
+def malformed_job(case: tuple[str, Any, str], model: str) -> Job:
+    route, bad, param = case
+    if not isinstance(bad, bytes):
+        if isinstance(bad, dict) and route != "/generate":
+            bad = {"model": model, **bad}  # the one wrong thing is the one named
+        bad = json.dumps(bad).encode()
+    return Job("malformed", route, bad, expect_param=param)
+
+
+def poison_bursts(model: str, neighbours: int, rng: random.Random) -> list[list[Job]]:
+    """For each poisoned case, one burst: it and `neighbours` good streams of its route."""
+    bursts = []
+    for case in POISONED:
+        route = case[0]
+        good = [Job("stream", route, json.dumps(stream_body(route, model, rng.choice(PROMPTS), n)).encode(), n)
+                for n in (rng.randint(1, MAX_TOKENS) for _ in range(neighbours))]
+        bursts.append([malformed_job(case, model), *good])
+    return bursts
 
 
 async def read_events(resp: aiohttp.ClientResponse, route: str, cut_after: int) -> tuple[list[Any], bool]:
@@ -197,71 +194,7 @@ async def read_events(resp: aiohttp.ClientResponse, route: str, cut_after: int) 
     return events, True
 
 
-def check_stream(route: str, events: list[Any], max_tokens: int) -> str:
-    """'' if a complete stream is right, else what is wrong with it."""
-    if not events:
-        return "empty stream"
-    errors = [e for e in events if isinstance(e, dict) and "error" in e]
-    if errors:
-        return f"error event: {json.dumps(errors[0])[:200]}"
-    if route == SPEECH_ROUTE:
-        return check_speech(events, max_tokens)
-    if route == "/generate":
-        last = events[-1]
-        if not last.get("finished") or any(e.get("finished") for e in events[:-1]):
-            return "the finished line is not exactly the last one"
-        got = sum(len(e.get("token_ids", [])) for e in events)
-        usage = last.get("usage", {}).get("completion_tokens")
-        finish = last.get("finish_reason")
-    else:
-        if events[-1] != "[DONE]" or "[DONE]" in events[:-1]:
-            return "does not end with exactly one [DONE]"
-        finishes = [c.get("finish_reason") for e in events[:-1] for c in e.get("choices", [])
-                    if c.get("finish_reason") is not None]
-        if len(finishes) != 1:
-            return f"{len(finishes)} finish_reasons"
-        finish = finishes[0]
-        usage = next((e["usage"].get("completion_tokens") for e in events[:-1] if e.get("usage")), None)
-        got = usage
-    if finish != "length":
-        return f"finish_reason {finish!r}, not 'length'"
-    if got != max_tokens or usage != max_tokens:
-        return f"{got} tokens (usage {usage}), asked for {max_tokens}"
-    return ""
-
-
 RETRY_CAP_S = 5.0  # the longest a refused job waits before its next try, whatever Retry-After says
-
-
-def check_speech(events: list[Any], max_tokens: int) -> str:
-    """'' if a complete /v1/audio/speech SSE stream is right: audio deltas of
-    whole PCM16 samples, then exactly one done event whose usage counts
-    max_tokens sampled tokens."""
-    kinds = [e.get("type") if isinstance(e, dict) else e for e in events]
-    if kinds[-1] != "speech.audio.done" or "speech.audio.done" in kinds[:-1]:
-        return "does not end with exactly one speech.audio.done"
-    if any(k != "speech.audio.delta" for k in kinds[:-1]):
-        return f"unexpected events {sorted(set(kinds[:-1]) - {'speech.audio.delta'})}"
-    size = sum(len(base64.b64decode(e["audio"])) for e in events[:-1])
-    if size % 2:
-        return f"{size} bytes of PCM16: not whole samples"
-    usage = events[-1].get("usage", {}).get("output_tokens")
-    if usage != max_tokens:
-        return f"usage says {usage} tokens, asked for {max_tokens}"
-    return ""
-
-
-def check_error(status: int, text: str, param: str) -> str:
-    """'' if a malformed request got a 4xx naming `param`, else what is wrong."""
-    if not 400 <= status < 500:
-        return f"HTTP {status}, not 4xx: {text[:200]}"
-    try:
-        err = json.loads(text)["error"]
-    except (ValueError, KeyError, TypeError):
-        return f"HTTP {status} without a JSON error: {text[:200]}"
-    if err.get("param") != param:
-        return f"error names {err.get('param')!r}, not {param!r}: {err.get('message')}"
-    return ""
 
 
 async def run_job(session: aiohttp.ClientSession, url: str, job: Job, deadline: float) -> Outcome:
@@ -433,17 +366,38 @@ async def main_async(a: argparse.Namespace, url: str, server: Server | None) -> 
     health = await wait_healthy(url, a.startup_timeout, server)
     model = str(health.get("model") or a.model)
     print(f"# server healthy after {time.monotonic() - t0:.1f} s: model {model}", flush=True)
-    jobs = make_jobs(a, model, random.Random(a.seed))
+    rng = random.Random(a.seed)
+    jobs = make_jobs(a, model, rng)
     async with aiohttp.ClientSession() as session:
         before = await scrape(session, url)
+    failures = []
+    if a.big_prompt_mib > 0:
+        seen = await big_prompt(url, model, a.big_prompt_mib)
+        health = max(seen.health_s, default=0.0)
+        print(f"big prompt          {a.big_prompt_mib:g} MiB: HTTP {seen.status} naming {seen.param!r} after "
+              f"{seen.answer_s * 1e3:.0f} ms; /health polled {len(seen.health_s)} times meanwhile, slowest "
+              f"{health * 1e3:.1f} ms", flush=True)
+        failures += seen.problems()
+    poisoned = Tally()
+    for burst in poison_bursts(model, a.poison_neighbours, rng) if a.poison_neighbours else []:
+        part = await fire(url, burst, a)
+        poisoned.outcomes += part.outcomes
+        poisoned.not_started += part.not_started
+    if poisoned.outcomes:
+        good = [o for o in poisoned.outcomes if o.job.kind == "stream"]
+        print(f"poisoned neighbours {len(POISONED)} bursts of one request with a field past any bound and "
+              f"{a.poison_neighbours} good ones: {sum(not o.problem for o in good)}/{len(good)} good completed",
+              flush=True)
     print(f"# firing {a.requests} streams ({a.disconnects} cut), {a.malformed} malformed; "
           f"concurrency {a.concurrency}, at most {a.seconds:g} s", flush=True)
     tally = await fire(url, jobs, a)
+    tally.outcomes += poisoned.outcomes  # judged with the rest: the good ones complete, the bad one is a 4xx
+    tally.not_started += poisoned.not_started
     async with aiohttp.ClientSession() as session:
         after = await settle(session, url, a.settle)
     if server is not None and server.exited() is not None:
         return [f"server exited with status {server.exited()}"]
-    return report(tally, before, after, server is not None)
+    return failures + report(tally, before, after, server is not None)
 
 
 def parse() -> argparse.Namespace:
@@ -459,6 +413,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=300.0, help="no request starts or runs past this")
     p.add_argument("--settle", type=float, default=10.0, help="seconds to wait for /metrics to show nothing held")
     p.add_argument("--seed", type=int, default=0, help="seeds the mix, lengths and cut points")
+    p.add_argument("--poison-neighbours", type=int, default=20,
+                   help="good streams sent with each poisoned request (a field past any bound; 0: none)")
+    p.add_argument("--big-prompt-mib", type=float, default=8.0,
+                   help="first, a prompt this big to /v1/completions while /health is polled (0: none)")
     a = p.parse_args()
     if min(a.requests, a.disconnects, a.malformed) < 0 or a.concurrency < 1 or a.seconds <= 0:
         p.error("counts must be >= 0, --concurrency >= 1, --seconds > 0")
