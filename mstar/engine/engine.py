@@ -224,7 +224,7 @@ class Engine:
         ids = model.prepare_more(state.request, inputs)
         held = state.num_prompt_tokens + state.num_output_tokens
         if held + len(ids) >= model.max_model_len:  # refused here, while the client can still be told
-            raise RequestError(f"{len(ids)} more tokens after the {held} this request holds would leave no room "
+            raise RequestError(f"{len(ids)} more tokens on top of the {held} the request has would leave no room "
                                f"in the model's context of {model.max_model_len} tokens", field="input")
         state.num_prompt_tokens += len(ids)
         self.workers[state.worker].send(Append(request_id, tuple(ids)))
