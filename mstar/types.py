@@ -19,6 +19,7 @@ FinishReason = Literal["stop", "length", "abort", "error", "timeout"]
 
 # Sampling bounds: beyond these a request is refused with a 400 naming the field.
 MAX_TEMPERATURE = 100.0
+MAX_LOGPROBS = 20  # most likely tokens reported per sampled token, as OpenAI's chat API allows
 MAX_REPETITION_PENALTY = 100.0
 
 
@@ -29,6 +30,11 @@ class SamplingParams:
     `temperature == 0` is greedy. `top_k <= 0` and `top_p == 1` disable those
     filters. `seed` makes a request's draws reproducible whatever it is batched
     with. `stop` strings are checked on the event loop, after detokenising.
+    `logprobs` k (0..MAX_LOGPROBS) reports each sampled token's log
+    probability and the k most likely tokens' (`OutputChunk.logprobs`), from
+    the model's raw distribution: log_softmax of the logits before the
+    repetition penalty, temperature and top-k/top-p/min-p (vLLM's default),
+    so the numbers do not depend on how the token was drawn.
     """
 
     max_tokens: int = 16
@@ -41,6 +47,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def validate(self, max_model_tokens: int | None = None) -> None:
         """Raise `RequestError` naming the first field out of range."""
@@ -64,6 +71,9 @@ class SamplingParams:
             raise RequestError("must be non-negative integers", field="stop_token_ids")
         if any((not isinstance(s, str)) or not s for s in self.stop):
             raise RequestError("must be non-empty strings", field="stop")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise RequestError(f"must be an integer in [0, {MAX_LOGPROBS}]", field="logprobs")
 
 
 @dataclass
@@ -77,6 +87,16 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     walk: str | None = None
     more_input: bool = False   # more input follows (`Engine.append`) until `Engine.close_input`
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log probability and the `top` most likely tokens
+    (id, logprob) at its position, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -98,6 +118,7 @@ class OutputChunk:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     awaiting_input: bool = False  # a request taking more input has caught up with all it was given
+    logprobs: tuple[TokenLogprob, ...] | None = None  # one per token of `token_ids`, if the request asked
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ import concurrent.futures
 import random
 import sys
 from collections import Counter
+from itertools import repeat
 from typing import Callable
 
 import structlog
@@ -307,15 +308,16 @@ class Engine:
                 data: list = _pcm16(batch.data)
             else:
                 data = batch.data.tolist() if hasattr(batch.data, "tolist") else [t.tolist() for t in batch.data]
-            tokens: list[tuple[RequestState, str, int]] = []
-            for rid, part, row in zip(batch.request_ids, batch.partitions, data):
+            tokens: list[tuple[RequestState, str, int, list[float] | None]] = []
+            logprobs = repeat(None) if batch.logprobs is None else batch.logprobs.tolist()
+            for rid, part, row, logprob in zip(batch.request_ids, batch.partitions, data, logprobs):
                 state = self._states.get(rid)
                 if state is None or state.finished or part in state.stopped:
                     self.stats["outputs_dropped"] += 1
                     continue
                 self._waiting.started(rid)
                 if emit.modality == "text" and isinstance(row, int):
-                    tokens.append((state, part, row))
+                    tokens.append((state, part, row, logprob))
                 elif (state.feed_value(part, batch.value, emit.modality, row, emit.sample_rate)
                       or self._host_stop(state, part, batch.value, row)):
                     self.workers[state.worker_of(part)].send(Stop(rid, part))
@@ -339,17 +341,18 @@ class Engine:
                 return plan.emits[value]
         return Emit(value)
 
-    def _feed_tokens(self, tokens: list[tuple[RequestState, str, int]], value: str) -> None:
-        """One token for each of many requests: detokenised together (one
-        call into the tokenizer for the step), then fed one by one."""
-        with_text = [i for i, (state, _, _) in enumerate(tokens) if state.detok is not None]
+    def _feed_tokens(self, tokens: list[tuple[RequestState, str, int, list[float] | None]], value: str) -> None:
+        """One token (and its packed logprobs, if its step computed any) for
+        each of many requests: detokenised together (one call into the
+        tokenizer for the step), then fed one by one."""
+        with_text = [i for i, (state, _, _, _) in enumerate(tokens) if state.detok is not None]
         texts = [""] * len(tokens)
         if with_text:
             pieces = push_batch([tokens[i][0].detok for i in with_text], [[tokens[i][2]] for i in with_text])
             for i, piece in zip(with_text, pieces):
                 texts[i] = piece
-        for (state, part, token), text in zip(tokens, texts):
-            if state.feed_tokens(part, [token], text) or self._host_stop(state, part, value, token):
+        for (state, part, token, logprob), text in zip(tokens, texts):
+            if state.feed_tokens(part, [token], text, logprob) or self._host_stop(state, part, value, token):
                 self.workers[state.worker_of(part)].send(Stop(state.request_id, part))
 
     @staticmethod

@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from mstar.engine.rows import PartitionRun
-from mstar.engine.sampler import SamplingTensors
+from mstar.engine.sampler import NOT_ASKED, SamplingTensors
 from mstar.engine.transfer import to_device
 from mstar.graph import Loop
 
@@ -66,6 +66,7 @@ class Pending:
     counts: torch.Tensor        # [n]
     counters: torch.Tensor      # [n]
     exhausted: torch.Tensor     # [n] bool: reached the write cap with this step
+    logprobs: torch.Tensor | None = None  # [n, 1 + 2K] packed (`sampler.token_logprobs`), host copy as `host`
 
     def wait(self) -> None:
         if self.event is not None:
@@ -210,10 +211,11 @@ class LoopGroup:
             return st
         return SamplingTensors(**{f.name: _slice(getattr(st, f.name), sl) for f in fields(st)})
 
-    def launched(self, sl: slice, new_tokens: torch.Tensor) -> Pending:
+    def launched(self, sl: slice, new_tokens: torch.Tensor, logprobs: torch.Tensor | None = None) -> Pending:
         """Rows `sl` have just been given a step that samples `new_tokens`
-        (still being computed on the device). Advances their state, starts
-        the copy of the tokens to the host, and takes out the rows that this
+        (still being computed on the device), with the packed `logprobs` of
+        the rows that asked. Advances their state, starts the copy of the
+        tokens (and logprobs) to the host, and takes out the rows that this
         step brings to their write cap."""
         assert self.sampling is not None
         self.seq += 1
@@ -233,6 +235,10 @@ class LoopGroup:
                                                        pin_memory=True)
             host = buf[: new_tokens.numel()]
             host.copy_(new_tokens, non_blocking=True)
+            if logprobs is not None:
+                # not a reused buffer: the event loop reads these after later launches
+                pinned = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True)
+                logprobs = pinned.copy_(logprobs, non_blocking=True)
             event = self._events[slot]
             event.record()
         else:
@@ -241,7 +247,7 @@ class LoopGroup:
         exhausted = counts >= self.caps[sl]
         pending = Pending(self.seq, self.rows[sl], self.request_ids[sl], self.partitions[sl], new_tokens, host,
                           event, self.stop_table[sl], self.kv_lens[sl].clone(), counts, self.counters[sl].clone(),
-                          exhausted)
+                          exhausted, logprobs)
         if bool(exhausted.any()):
             # valid in this step's output, gone from the next
             self._drop((exhausted.nonzero().flatten() + sl.start).tolist(), self.seq + 1)
@@ -313,7 +319,7 @@ class LoopGroup:
         if not self.rows:  # start afresh: no flags or penalty rows linger
             self.sampling, self.seen = None, None
         if self.sampling is not None:
-            self.sampling = _select_sampling(self.sampling, dev_kept)
+            self.sampling = _select_sampling(self.sampling, dev_kept, kept)
         if self.seen is not None:
             self.seen = self.seen[dev_kept]
 
@@ -354,11 +360,12 @@ def _cat_sampling(a: SamplingTensors, b: SamplingTensors) -> SamplingTensors:
     return SamplingTensors(**out)
 
 
-def _select_sampling(st: SamplingTensors, idx: torch.Tensor) -> SamplingTensors:
+def _select_sampling(st: SamplingTensors, idx: torch.Tensor, host_idx: torch.Tensor) -> SamplingTensors:
+    """Rows `idx` (on the device; `host_idx` the same on the host) of `st`."""
     out = {f.name: getattr(st, f.name) for f in fields(st)}
     for name, value in out.items():
         if isinstance(value, torch.Tensor):
-            out[name] = value[idx]
+            out[name] = value[host_idx if value.device.type == "cpu" else idx]
     # flags stay conservative (a penalty or filter row may have left); they are
     # recomputed from the tensors so that a group of greedy rows is fast again
     t = out["temperature"]
@@ -366,4 +373,5 @@ def _select_sampling(st: SamplingTensors, idx: torch.Tensor) -> SamplingTensors:
     out["all_greedy"] = not bool(sampled.any())
     out["any_penalty"] = bool((out["repetition_penalty"] != 1.0).any())
     out["any_filter"] = bool(((out["top_k"] > 0) | (out["top_p"] < 1.0) | (out["min_p"] > 0.0))[sampled].any())
+    out["any_logprobs"] = bool((out["logprobs"] != NOT_ASKED).any())
     return SamplingTensors(**out)

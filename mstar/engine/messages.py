@@ -80,13 +80,16 @@ class Profile:
 @dataclass(eq=False)
 class EmitBatch:
     """Values written by one step that reach clients: row i of `data` belongs
-    to (`request_ids[i]`, `partition[i]`). `data` is on the CPU."""
+    to (`request_ids[i]`, `partition[i]`). `data` is on the CPU, and so are
+    `logprobs`: sampled tokens' logprobs, a row per row of `data`, packed as
+    `sampler.token_logprobs` packs them (None when no row asked)."""
 
     value: str
     request_ids: list[str]
     partitions: list[str]
     data: torch.Tensor | list[torch.Tensor]
     blocks: list = field(default_factory=list)  # arena blocks under `data`: released once the engine read it
+    logprobs: torch.Tensor | None = None
 
     def release(self) -> None:
         for block in self.blocks:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from mstar.graph import WalkPlan
-from mstar.types import FinishReason, GenerateRequest, OutputChunk, SamplingParams
+from mstar.types import FinishReason, GenerateRequest, OutputChunk, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from mstar.models.tokenizer import IncrementalDetokenizer
@@ -100,14 +100,17 @@ class RequestState:
             request_id=self.request_id, awaiting_input=True,
             num_prompt_tokens=self.num_prompt_tokens, num_output_tokens=self.num_output_tokens))
 
-    def feed_tokens(self, partition: str, ids: list[int], text: str) -> bool:
+    def feed_tokens(self, partition: str, ids: list[int], text: str, logprob: list[float] | None = None) -> bool:
         """New token ids from a step and their new text (detokenised by the
-        caller, for many requests at once); returns True when a stop string
+        caller, for many requests at once), with the token's packed logprobs
+        row when its step computed some; returns True when a stop string
         matched (the caller then stops the partition on its worker)."""
         self.num_output_tokens += len(ids)
         safe, hit = self.stops.push(text)
+        k = self.sampling.logprobs
+        logprobs = (_token_logprob(ids[0], logprob, k),) if logprob is not None and k is not None else None
         self.queue.put_nowait(OutputChunk(
-            request_id=self.request_id, token_ids=tuple(ids), text=safe,
+            request_id=self.request_id, token_ids=tuple(ids), text=safe, logprobs=logprobs,
             num_prompt_tokens=self.num_prompt_tokens, num_output_tokens=self.num_output_tokens))
         if hit:
             self.stopped.add(partition)
@@ -148,6 +151,13 @@ class RequestState:
         self.queue.put_nowait(OutputChunk(
             request_id=self.request_id, text=tail, finished=True, finish_reason=reason, error=error,
             num_prompt_tokens=self.num_prompt_tokens, num_output_tokens=self.num_output_tokens))
+
+
+def _token_logprob(token: int, row: list[float], k: int) -> TokenLogprob:
+    """A packed logprobs row (see `sampler.py`) as the `k` its request asked for."""
+    width = (len(row) - 1) // 2
+    values, ids = row[1:1 + k], row[1 + width:1 + width + k]
+    return TokenLogprob(token, row[0], tuple(zip(map(int, ids), values)))
 
 
 class RequestStream:

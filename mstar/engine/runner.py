@@ -22,7 +22,7 @@ from mstar.engine.kv_cache import KVCache
 from mstar.engine.loop_group import LoopGroup
 from mstar.engine.mode_graphs import ModeGraphs, takes_seeds
 from mstar.engine.rows import PartitionRun
-from mstar.engine.sampler import SamplingTensors, sample
+from mstar.engine.sampler import SamplingTensors, sample, token_logprobs
 from mstar.engine.tensor_store import TensorRef, TensorStore
 from mstar.engine.transfer import to_device
 from mstar.graph import Component, Step
@@ -36,6 +36,7 @@ class StepOutput:
 
     parts: list[PartitionRun]
     values: dict[str, torch.Tensor | list[torch.Tensor]]
+    logprobs: torch.Tensor | None = None  # of a sampling step's tokens, packed (`sampler.token_logprobs`), on the host
 
 
 class ComponentRunner:
@@ -61,12 +62,13 @@ class ComponentRunner:
         step = parts[0].current_step()
         self.device_s = 0.0
         fn = self._timed(getattr(self.module, batch.mode))
+        logprobs = None
         if self.kv is not None:
-            values = self._run_tokens(batch.items, parts, step, fn)
+            values, logprobs = self._run_tokens(batch.items, parts, step, fn)
         else:
             seeds = self._row_seeds(parts, step) if self._seeded(batch.mode) else None
             values = self._run_plain(batch.items, step, fn, seeds)
-        return StepOutput(parts, values)
+        return StepOutput(parts, values, logprobs)
 
     def _seeded(self, mode: str) -> bool:
         if mode not in self._takes_seeds:
@@ -82,7 +84,8 @@ class ComponentRunner:
 
     # ------------------------------------------------------------ KV rows
 
-    def _run_tokens(self, items: list[WorkItem], parts: list[PartitionRun], step: Step, fn) -> dict:
+    def _run_tokens(self, items: list[WorkItem], parts: list[PartitionRun], step: Step,
+                    fn) -> tuple[dict, torch.Tensor | None]:
         assert self.kv is not None
         ids, positions, lens, ctx, tables = [], [], [], [], []
         for item, part in zip(items, parts):
@@ -110,11 +113,13 @@ class ComponentRunner:
         for part, n in zip(parts, lens):
             part.kv_tokens += n
         if not self.spec.samples:
-            return self._name_outputs(step, out)
-        tokens = self._sample(out["logits"], parts, ids)
-        return {step.outputs[0]: tokens}
+            return self._name_outputs(step, out), None
+        tokens, logprobs = self._sample(out["logits"], parts, ids)
+        return {step.outputs[0]: tokens}, logprobs
 
-    def _sample(self, logits: torch.Tensor, parts: list[PartitionRun], inputs: list[torch.Tensor]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, parts: list[PartitionRun],
+                inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The rows' tokens, and the packed logprobs of those that asked (on the host)."""
         params = [p.request.sampling for p in parts]
         st = SamplingTensors.build(params, [p.request.seed for p in parts], [p.generated for p in parts],
                                    logits.device)
@@ -129,16 +134,19 @@ class ComponentRunner:
             empty = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
             seen = torch.stack([p.seen if p.seen is not None else empty for p in parts])
         with torch.profiler.record_function("mstar.sample"):
-            tokens = self._timed(sample)(logits.float(), st, seen)
+            logits = logits.float()
+            tokens = self._timed(sample)(logits, st, seen)
+            logprobs = self._timed(token_logprobs)(logits, tokens, st)
         for part in parts:
             part.generated += 1
         self._wait()
-        return tokens
+        return tokens, None if logprobs is None else logprobs.cpu()
 
     @torch.inference_mode()
-    def run_group(self, group: LoopGroup, sl: slice) -> torch.Tensor:
+    def run_group(self, group: LoopGroup, sl: slice) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Launch one decode step of rows `sl` of a token loop group; returns
-        its [n] new tokens, on the device and possibly not computed yet."""
+        its [n] new tokens and the packed logprobs of the rows that asked, on
+        the device and possibly not computed yet."""
         assert self.kv is not None and self.attention is not None
         self.device_s = 0.0
         n = sl.stop - sl.start
@@ -158,8 +166,12 @@ class ComponentRunner:
             )
             logits = self._timed(getattr(self.module, group.mode))(batch)["logits"]
         seen = group.update_seen(sl)
-        # no wait: the worker reads these tokens after launching the next step
-        return self._timed(sample)(logits.float(), group.sampling_for(sl), seen)
+        st = group.sampling_for(sl)
+        # no wait: the worker reads these tokens after launching the next step. A graph's logits are
+        # its static output: read here, in stream order, before the next replay rewrites them
+        logits = logits.float()
+        tokens = self._timed(sample)(logits, st, seen)
+        return tokens, self._timed(token_logprobs)(logits, tokens, st)
 
     # --------------------------------------------------------- plain rows
 

@@ -1,9 +1,17 @@
-"""Token sampling for the rows of one step: logits [B, V] in, token ids [B] out.
+"""Token sampling for the rows of one step: logits [B, V] in, token ids [B]
+out, and for the rows that asked, the tokens' log probabilities.
 
 Every operation is vectorised over rows; no Python loop runs per row in the
 hot path. Randomness is a pure function of (seed, counter, vocab index), so a
 request draws the same tokens whichever rows share its batch, in whatever
 order, and the noise bits are the same on CPU and CUDA.
+
+Logprobs are of the model's raw distribution, log_softmax of the logits before
+the repetition penalty, temperature and filters (vLLM's default): what a row
+reports does not depend on how it samples. They come packed, one float64 row
+per step row, so that one copy per step brings them to the host: for a step
+whose largest count is K, [logprob, top K logprobs, top K ids]; a row asking
+for k < K uses the first k, a row that did not ask is NaN.
 """
 
 from __future__ import annotations
@@ -18,10 +26,13 @@ from mstar.engine.transfer import to_device
 from mstar.kernels.noise import exponential_noise
 from mstar.types import SamplingParams
 
+NOT_ASKED = -1  # a row's logprobs count when its request reports none
+
 
 @dataclass
 class SamplingTensors:
-    """The sampling parameters of a step's rows, on the logits' device."""
+    """The sampling parameters of a step's rows, on the logits' device (but
+    `logprobs`)."""
 
     temperature: Tensor          # [B] float32; 0 = greedy
     top_k: Tensor                # [B] int64; <= 0 = off
@@ -30,9 +41,11 @@ class SamplingTensors:
     repetition_penalty: Tensor   # [B] float32
     seeds: Tensor                # [B] int64
     counters: Tensor             # [B] int64: index of each row's draw
+    logprobs: Tensor             # [B] int64 on the host: top logprobs each row reports, NOT_ASKED for none
     all_greedy: bool
     any_penalty: bool
     any_filter: bool             # any sampled row with top-k, top-p or min-p active
+    any_logprobs: bool
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], counters: Sequence[int],
@@ -52,9 +65,13 @@ class SamplingTensors:
             repetition_penalty=col([p.repetition_penalty for p in params], torch.float32),
             seeds=col(list(seeds), torch.int64),
             counters=col(list(counters), torch.int64),
+            # on the host: it only picks the rows whose logprobs are computed
+            logprobs=torch.tensor([NOT_ASKED if p.logprobs is None else p.logprobs for p in params],
+                                  dtype=torch.int64),
             all_greedy=not sampled,
             any_penalty=any(p.repetition_penalty != 1.0 for p in params),
             any_filter=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in sampled),
+            any_logprobs=any(p.logprobs is not None for p in params),
         )
 
 
@@ -109,3 +126,25 @@ def sample(logits: Tensor, st: SamplingTensors, seen: Tensor | None = None) -> T
     else:
         drawn = torch.argmax(torch.softmax(scaled, dim=-1) / noise, dim=-1)
     return torch.where(is_greedy, greedy, drawn)
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor, st: SamplingTensors) -> Tensor | None:
+    """The packed logprobs [B, 1 + 2K] float64 of the sampled `tokens`, on the
+    logits' device; None when no row asked. Only the rows that asked are
+    computed. `logits`: the raw ones the step sampled from."""
+    if not st.any_logprobs:
+        return None
+    asked = (st.logprobs != NOT_ASKED).nonzero().flatten()
+    if not asked.numel():  # a window of a group whose other rows asked
+        return None
+    k = int(st.logprobs[asked].max())
+    rows = to_device(asked, logits.device)
+    logp = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)
+    parts = [logp.gather(1, tokens.index_select(0, rows).reshape(-1, 1))]
+    if k:
+        top = torch.topk(logp, k, dim=-1)  # sorted, most likely first
+        parts += [top.values, top.indices]
+    # float64 holds the ids exactly (vocabularies are far below 2**53)
+    packed = torch.cat([p.to(torch.float64) for p in parts], dim=1)
+    out = torch.full((logits.shape[0], packed.shape[1]), float("nan"), dtype=torch.float64, device=logits.device)
+    return out.index_copy_(0, rows, packed)

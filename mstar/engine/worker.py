@@ -308,14 +308,14 @@ class DeviceWorker:
         if n:
             try:
                 with torch.profiler.record_function(f"mstar.{group.component}.{group.mode}"):
-                    tokens = runner.run_group(group, sl)
+                    tokens, logprobs = runner.run_group(group, sl)
             except Exception as e:
                 self.stats.failed_steps += 1
                 log.exception("step failed", device=self.name, component=group.component, mode=group.mode, rows=n)
                 for rid in dict.fromkeys(group.request_ids[sl]):
                     self.walker.abort(rid, "error", f"{type(e).__name__}: {e}")
             else:
-                launched = group.launched(sl, tokens)
+                launched = group.launched(sl, tokens, logprobs)
                 self.stats.steps += 1
                 self.stats.rows += n
         t1 = time.perf_counter()
@@ -353,10 +353,12 @@ class DeviceWorker:
         self.stats.dropped_rows += len(p.rows) - len(keep)
         if value in walk.emits:
             if valid is None:
-                self.outbox.emit(self._report, EmitBatch(value, p.request_ids, p.partitions, host))
+                self.outbox.emit(self._report, EmitBatch(value, p.request_ids, p.partitions, host,
+                                                         logprobs=p.logprobs))
             elif valid:
                 self.outbox.emit(self._report, EmitBatch(value, [p.request_ids[i] for i in valid],
-                                                         [p.partitions[i] for i in valid], host[valid]))
+                                                         [p.partitions[i] for i in valid], host[valid],
+                                                         logprobs=None if p.logprobs is None else p.logprobs[valid]))
         if walk.streams.get(value):
             gone = {id(leave.part) for leave in leaving}
             keep = set(keep)
@@ -397,7 +399,8 @@ class DeviceWorker:
                 # no wait: the rows reach the report once copied (into the arena, freed once the engine read them)
                 host, ready, blocks = stage_to_host(rows, self.arena, stage_cpu=True)
                 self.outbox.emit(self._report, EmitBatch(
-                    name, [rids[i] for i in emitting], [parts[i].name for i in emitting], host, blocks), ready)
+                    name, [rids[i] for i in emitting], [parts[i].name for i in emitting], host, blocks,
+                    None if out.logprobs is None else out.logprobs[emitting]), ready)
             if isinstance(data, list):
                 refs[name] = [TensorRef(self.store.put(t, (rid,))) for t, rid in zip(data, rids)]
             else:

@@ -1,7 +1,8 @@
 """The native route, `POST /generate`: text or token ids plus `SamplingParams`
 by name come in; one JSON answer (`text`, `token_ids`, `finish_reason`,
 `usage`) or an NDJSON stream (one object per chunk, the last one `finished`)
-goes out.
+goes out. With `sampling_params.logprobs` k, the answer and each line carry
+`logprobs` of their tokens: ids with their logprobs and the k most likely.
 
 Speech models: a body with a `voice`, or whose walk (`walk`, else the
 model's default) is `speak`, sends its `text` and `voice` to the model as
@@ -24,6 +25,7 @@ from aiohttp import web
 
 from mstar.errors import RequestError
 from mstar.http.keys import ENGINE
+from mstar.http.logprobs import native_logprobs
 from mstar.http.protocol import GenerateBody, parse_generate
 from mstar.http.responses import EventStream, client_gone, error_body, json_response
 from mstar.http.submission import (SPEAK_WALK, Choice, Submission, Target, encode_prompt, failure_of,
@@ -53,8 +55,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
         if body.stream:
             return await _stream_ndjson(request, sub, request_id)
         [choice] = await sub.run_to_end(client_gone(request))
+        logprobs = {"logprobs": native_logprobs(choice.logprobs)} if body.sampling.logprobs is not None else {}
         return json_response({"request_id": request_id, "text": choice.text, "token_ids": choice.token_ids,
-                              **_audio_of(choice), "finish_reason": choice.finish_reason, "usage": sub.usage()})
+                              **logprobs, **_audio_of(choice), "finish_reason": choice.finish_reason,
+                              "usage": sub.usage()})
     finally:
         await sub.aclose()
 
@@ -91,6 +95,8 @@ async def _stream_ndjson(request: web.Request, sub: Submission, request_id: str)
             async for choice, chunk in chunks:
                 line: dict[str, Any] = {"request_id": request_id, "token_ids": list(chunk.token_ids),
                                         "text": chunk.text, **_audio_of(chunk), "finished": chunk.finished}
+                if chunk.logprobs is not None:
+                    line["logprobs"] = native_logprobs(chunk.logprobs)
                 if chunk.finished:
                     failure = failure_of(choice)
                     if failure is not None:

@@ -20,16 +20,17 @@ from aiohttp import web
 
 from mstar.errors import ModelNotFound
 from mstar.http.keys import ENGINE, STARTED
+from mstar.http.logprobs import LogprobShapes
 from mstar.http.protocol import parse_chat, parse_completion
 from mstar.http.responses import EventStream, client_gone, error_body, json_response
 from mstar.http.submission import (Choice, Submission, encode_chat, encode_prompt, failure_of, fit_max_tokens,
                                    resolve_model, submit)
-from mstar.types import ModelCard
+from mstar.types import ModelCard, OutputChunk
 
 log = structlog.get_logger("mstar.http")
 
-# (choice index, new text, finish reason or None) -> one entry of a chunk's `choices`
-Piece = Callable[[int, str, str | None], dict[str, Any]]
+# a choice and its new chunk -> one entry of a streamed chunk's `choices`
+Piece = Callable[[Choice, OutputChunk], dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -78,12 +79,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
         limits.append(fit_max_tokens(body.max_tokens, len(ids), target.max_model_len, name, "max_tokens"))
     reply = Reply(f"cmpl-{uuid.uuid4().hex}", "text_completion", int(time.time()), target.name)
     sub = submit(engine, reply.id, target, prompts, body.sampling, limits, body.n)
+    shapes = LogprobShapes(target.tokenizer) if body.sampling.logprobs is not None else None
     try:
         if body.stream:
-            return await stream_sse(request, sub, reply, _completion_piece, [], body.include_usage)
+            return await stream_sse(request, sub, reply, _completion_piece(shapes), [], body.include_usage)
         choices = await sub.run_to_end(client_gone(request))
-        return json_response(reply.body([_completion_piece(c.index, c.text, c.finish_reason) for c in choices],
-                                        usage=sub.usage()))
+        return json_response(reply.body([_completion_choice(c, shapes) for c in choices], usage=sub.usage()))
     finally:
         await sub.aclose()
 
@@ -96,15 +97,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     limit = fit_max_tokens(body.max_tokens, len(ids), target.max_model_len, "messages", body.max_tokens_field)
     reply = Reply(f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", int(time.time()), target.name)
     sub = submit(engine, reply.id, target, [ids], body.sampling, [limit], body.n)
+    shapes = LogprobShapes(target.tokenizer) if body.sampling.logprobs is not None else None
     try:
         if body.stream:
             chunk_reply = Reply(reply.id, "chat.completion.chunk", reply.created, reply.model)
             # OpenAI opens each choice's stream with the role, before any content.
             intro = [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for c in sub.choices]
-            return await stream_sse(request, sub, chunk_reply, _chat_piece, intro, body.include_usage)
+            return await stream_sse(request, sub, chunk_reply, _chat_piece(shapes), intro, body.include_usage)
         choices = await sub.run_to_end(client_gone(request))
-        return json_response(reply.body([_chat_message(c) for c in choices], usage=sub.usage()))
+        return json_response(reply.body([_chat_message(c, shapes) for c in choices], usage=sub.usage()))
     finally:
         await sub.aclose()
 
@@ -132,9 +134,9 @@ async def stream_sse(request: web.Request, sub: Submission, reply: Reply, piece:
                         log.warning("generation failed mid-stream", error=failure.message)
                         await events.fail(error_body(failure.message, status=failure.status, code=failure.code))
                         return events.response
-                if chunk.text or chunk.finished:
-                    finish = choice.finish_reason if chunk.finished else None
-                    await events.send(reply.body([piece(choice.index, chunk.text, finish)], **extra))
+                # tokens whose text is held back (a possible stop string) still send their logprobs
+                if chunk.text or chunk.finished or chunk.logprobs:
+                    await events.send(reply.body([piece(choice, chunk)], **extra))
         if include_usage:
             await events.send(reply.body([], usage=sub.usage()))
         await events.close()
@@ -146,15 +148,29 @@ async def stream_sse(request: web.Request, sub: Submission, reply: Reply, piece:
     return events.response
 
 
-def _completion_piece(index: int, text: str, finish: str | None) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+def _completion_piece(shapes: LogprobShapes | None) -> Piece:
+    def piece(choice: Choice, chunk: OutputChunk) -> dict[str, Any]:
+        logprobs = shapes.completion(choice.index, chunk.logprobs) if shapes and chunk.logprobs else None
+        return {"index": choice.index, "text": chunk.text, "logprobs": logprobs,
+                "finish_reason": choice.finish_reason if chunk.finished else None}
+    return piece
 
 
-def _chat_piece(index: int, text: str, finish: str | None) -> dict[str, Any]:
-    return {"index": index, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": finish}
+def _completion_choice(choice: Choice, shapes: LogprobShapes | None) -> dict[str, Any]:
+    return {"index": choice.index, "text": choice.text,
+            "logprobs": shapes.completion(choice.index, choice.logprobs) if shapes else None,
+            "finish_reason": choice.finish_reason}
 
 
-def _chat_message(choice: Choice) -> dict[str, Any]:
+def _chat_piece(shapes: LogprobShapes | None) -> Piece:
+    def piece(choice: Choice, chunk: OutputChunk) -> dict[str, Any]:
+        return {"index": choice.index, "delta": {"content": chunk.text} if chunk.text else {},
+                "logprobs": shapes.chat(chunk.logprobs) if shapes and chunk.logprobs else None,
+                "finish_reason": choice.finish_reason if chunk.finished else None}
+    return piece
+
+
+def _chat_message(choice: Choice, shapes: LogprobShapes | None) -> dict[str, Any]:
     return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
-            "logprobs": None, "finish_reason": choice.finish_reason}
+            "logprobs": shapes.chat(choice.logprobs) if shapes else None, "finish_reason": choice.finish_reason}
 

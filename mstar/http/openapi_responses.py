@@ -76,16 +76,52 @@ def reply(obj: str, choice: Schema) -> Schema:
     }
 
 
-def choice(**fields: Schema) -> Schema:
+def choice(logprobs: Schema, **fields: Schema) -> Schema:
     return {"type": "object", "required": ["index", *fields, "finish_reason"],
-            "properties": {"index": {"type": "integer"}, **fields, "logprobs": {"type": "null"},
+            "properties": {"index": {"type": "integer"}, **fields,
+                           "logprobs": {"oneOf": [logprobs, {"type": "null"}],
+                                        "description": "null unless the request asked; in a stream, of the "
+                                                       "chunk's tokens"},
                            "finish_reason": FINISH_REASON}}
 
 
+NUMBERS: Schema = {"type": "array", "items": {"type": "number"}}
+COMPLETION_LOGPROBS: Schema = {
+    "type": "object",
+    "properties": {
+        "tokens": {"type": "array", "items": {"type": "string"}},
+        "token_logprobs": NUMBERS,
+        "top_logprobs": {"type": "array", "items": {"type": "object", "additionalProperties": {"type": "number"}},
+                         "description": "token -> logprob of the most likely tokens, and of the sampled one"},
+        "text_offset": {"type": "array", "items": {"type": "integer"},
+                        "description": "characters of the token strings before each token, in the choice's text"},
+    },
+}
+TOKEN_LOGPROB: Schema = {
+    "type": "object",
+    "required": ["token", "logprob", "bytes"],
+    "properties": {"token": {"type": "string"}, "logprob": {"type": "number"},
+                   "bytes": {"type": "array", "items": {"type": "integer"}}},
+}
+CHAT_LOGPROBS: Schema = {
+    "type": "object",
+    "properties": {"content": {"type": "array", "items": {
+        **TOKEN_LOGPROB, "required": [*TOKEN_LOGPROB["required"], "top_logprobs"],
+        "properties": {**TOKEN_LOGPROB["properties"], "top_logprobs": {"type": "array", "items": TOKEN_LOGPROB}}}}},
+}
+NATIVE_LOGPROBS: Schema = {
+    "type": "array",
+    "items": {"type": "object", "properties": {
+        "token_id": {"type": "integer"}, "logprob": {"type": "number"},
+        "top_logprobs": {"type": "array", "items": {"type": "object", "properties": {
+            "token_id": {"type": "integer"}, "logprob": {"type": "number"}}}}}},
+    "description": "with sampling_params.logprobs: one entry per token of `token_ids`",
+}
+
 MESSAGE: Schema = {"type": "object", "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}}
-COMPLETION = reply("text_completion", choice(text={"type": "string"}))
-CHAT_COMPLETION = reply("chat.completion", choice(message=MESSAGE))
-CHAT_CHUNK = reply("chat.completion.chunk", choice(delta=MESSAGE))
+COMPLETION = reply("text_completion", choice(COMPLETION_LOGPROBS, text={"type": "string"}))
+CHAT_COMPLETION = reply("chat.completion", choice(CHAT_LOGPROBS, message=MESSAGE))
+CHAT_CHUNK = reply("chat.completion.chunk", choice(CHAT_LOGPROBS, delta=MESSAGE))
 
 SSE_DESCRIPTION = ("server-sent events: each `data: {json}` frame a chunk, the stream ending with "
                    "`data: [DONE]`; a failure after the headers is an `{\"error\": ...}` frame")
@@ -104,6 +140,7 @@ GENERATE: Schema = {
     "properties": {
         "request_id": {"type": "string"}, "text": {"type": "string"},
         "token_ids": {"type": "array", "items": {"type": "integer"}},
+        "logprobs": NATIVE_LOGPROBS,
         "audio": AUDIO_B64, "sample_rate": {"type": "integer"},
         "finish_reason": FINISH_REASON, "usage": USAGE,
     },
@@ -115,6 +152,7 @@ GENERATE_LINE: Schema = {
     "properties": {
         "request_id": {"type": "string"}, "text": {"type": "string"},
         "token_ids": {"type": "array", "items": {"type": "integer"}},
+        "logprobs": NATIVE_LOGPROBS,
         "audio": AUDIO_B64, "sample_rate": {"type": "integer"},
         "finished": {"type": "boolean"},
         "finish_reason": FINISH_REASON, "usage": USAGE,

@@ -20,7 +20,7 @@ from mstar.http.fields import Fields
 from mstar.http.protocol import COMPLETIONS_MAX_TOKENS, MAX_CHOICES, MAX_N
 from mstar.http.speech_protocol import DEFAULT_FORMAT, MAX_INPUT_CHARS, StreamFormat
 from mstar.http.speech_protocol import SAMPLING_KEYS as SPEECH_SAMPLING_KEYS
-from mstar.types import MAX_REPETITION_PENALTY, MAX_TEMPERATURE, SamplingParams
+from mstar.types import MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, SamplingParams
 
 Schema = dict[str, Any]
 
@@ -63,6 +63,12 @@ def sampling_properties() -> dict[str, Schema]:
         "stop_token_ids": {**int_list(), "maxItems": MAX_STOP_TOKEN_IDS},
         "ignore_eos": {"type": "boolean", "default": DEFAULTS.ignore_eos},
     }
+
+
+def logprobs_count(what: str) -> Schema:
+    return {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
+            "description": f"{what}: each sampled token's log probability and the given number of most likely "
+                           "tokens', of the model's raw distribution (before penalty, temperature and filters)"}
 
 
 def max_tokens(default: int | None = None) -> Schema:
@@ -113,7 +119,7 @@ COMPLETION_REQUEST: Schema = {
         "max_tokens": max_tokens(COMPLETIONS_MAX_TOKENS),
         "best_of": {"type": "integer", "minimum": 1, "description": "only equal to `n` is accepted"},
         "echo": unsupported("echo"),
-        "logprobs": unsupported("logprobs"),
+        "logprobs": logprobs_count("logprobs"),
         "suffix": unsupported("suffix"),
         **openai_common(),
     },
@@ -150,13 +156,16 @@ CHAT_REQUEST: Schema = {
         "add_generation_prompt": {"type": "boolean", "default": True},
         "tool_choice": {"enum": ["none", "auto"], "description": "tools are not supported"},
         "modalities": {"type": "array", "items": {"enum": ["text"]}},
-        "logprobs": unsupported("logprobs"),
-        "top_logprobs": unsupported("top_logprobs"),
+        "logprobs": {"type": "boolean", "default": False,
+                     "description": "each sampled token's log probability, of the model's raw distribution"},
+        "top_logprobs": {**logprobs_count("top_logprobs"),
+                         "description": "with `logprobs: true`: how many most likely tokens each position lists"},
         "tools": unsupported("tools"),
         "functions": unsupported("functions"),
         **openai_common(),
     },
-    "dependentSchemas": STREAM_OPTIONS_NEED_STREAM,
+    "dependentSchemas": {**STREAM_OPTIONS_NEED_STREAM, "top_logprobs": {
+        "required": ["logprobs"], "properties": {"logprobs": {"const": True}}}},
 }
 
 GENERATE_REQUEST: Schema = {
@@ -172,7 +181,8 @@ GENERATE_REQUEST: Schema = {
         "sampling_params": {
             "type": "object",
             "additionalProperties": False,
-            "properties": {"max_tokens": max_tokens(DEFAULTS.max_tokens), **sampling_properties()},
+            "properties": {"max_tokens": max_tokens(DEFAULTS.max_tokens), **sampling_properties(),
+                           "logprobs": logprobs_count("logprobs")},
             "description": "`SamplingParams` by name; a speech walk takes the model's defaults for what is left out",
         },
         "stream": {"type": "boolean", "default": False, "description": "NDJSON, one object per chunk"},

@@ -19,7 +19,7 @@ import orjson
 from mstar.errors import RequestError
 from mstar.http.chat_messages import read_messages
 from mstar.http.fields import Fields, is_int_list, type_name
-from mstar.types import SamplingParams
+from mstar.types import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 64                 # samples per prompt
 MAX_CHOICES = 256          # prompts x n in one request
@@ -90,7 +90,6 @@ def parse_completion(body: bytes) -> CompletionBody:
     f = Fields(parse_json_object(body))
     _refuse_openai_extras(f)
     f.unsupported_if_truthy("echo")
-    f.unsupported_if_truthy("logprobs")
     f.unsupported_if_truthy("suffix")
     n = _read_n(f)
     best_of = f.integer("best_of", n, lo=1)
@@ -104,7 +103,7 @@ def parse_completion(body: bytes) -> CompletionBody:
         model=f.string("model"),
         prompts=prompts,
         max_tokens=f.integer("max_tokens", COMPLETIONS_MAX_TOKENS, lo=1),
-        sampling=read_sampling(f),
+        sampling=read_sampling(f, f.integer("logprobs", None, lo=0, hi=MAX_LOGPROBS)),
         n=n,
         stream=stream,
         include_usage=include_usage,
@@ -114,8 +113,6 @@ def parse_completion(body: bytes) -> CompletionBody:
 def parse_chat(body: bytes) -> ChatBody:
     f = Fields(parse_json_object(body))
     _refuse_openai_extras(f)
-    f.unsupported_if_truthy("logprobs")
-    f.unsupported_if_truthy("top_logprobs")
     f.unsupported_if_truthy("tools")
     f.unsupported_if_truthy("functions")
     tool_choice = f.raw("tool_choice")
@@ -132,7 +129,7 @@ def parse_chat(body: bytes) -> ChatBody:
         model=f.string("model"),
         messages=read_messages(f),
         max_tokens=f.integer(key, None, lo=1),
-        sampling=read_sampling(f),
+        sampling=read_sampling(f, _chat_logprobs(f)),
         n=n,
         stream=stream,
         include_usage=include_usage,
@@ -163,7 +160,7 @@ def parse_generate(body: bytes) -> GenerateBody:
     for key in sp.obj:
         if key not in SAMPLING_KEYS:
             raise sp.error(key, f"unknown sampling parameter; expected one of {sorted(SAMPLING_KEYS)}")
-    sampling = read_sampling(sp)
+    sampling = read_sampling(sp, sp.integer("logprobs", None, lo=0, hi=MAX_LOGPROBS))
     max_tokens = sp.integer("max_tokens", SamplingParams.max_tokens, lo=1)
     return GenerateBody(
         model=f.string("model"),
@@ -176,9 +173,10 @@ def parse_generate(body: bytes) -> GenerateBody:
     )
 
 
-def read_sampling(f: Fields) -> SamplingParams:
+def read_sampling(f: Fields, logprobs: int | None = None) -> SamplingParams:
     """Every `SamplingParams` field but `max_tokens`, which needs the prompt
-    length to resolve; ranges are `SamplingParams.validate`'s."""
+    length to resolve, and `logprobs`, which each route spells its own way;
+    ranges are `SamplingParams.validate`'s."""
     params = SamplingParams(
         temperature=f.number("temperature", 1.0),
         top_p=f.number("top_p", 1.0),
@@ -189,6 +187,7 @@ def read_sampling(f: Fields) -> SamplingParams:
         stop=f.stops("stop"),
         stop_token_ids=f.int_list("stop_token_ids"),
         ignore_eos=f.boolean("ignore_eos"),
+        logprobs=logprobs,
     )
     try:
         params.validate()
@@ -214,6 +213,15 @@ def _refuse_openai_extras(f: Fields) -> None:
             raise f.error("response_format", f"'{kind}' is not supported; only 'text' is")
         if kind != "text":
             raise f.error("response_format", "must be an object with type 'text'")
+
+
+def _chat_logprobs(f: Fields) -> int | None:
+    """Chat's `logprobs: true` with `top_logprobs` (0 if left out) as one count."""
+    wanted = f.boolean("logprobs")
+    top = f.integer("top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    if top is not None and not wanted:
+        raise f.error("top_logprobs", "needs logprobs: true")
+    return (top or 0) if wanted else None
 
 
 def _read_n(f: Fields) -> int:

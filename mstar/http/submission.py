@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from mstar.errors import ModelNotFound, MstarError, RequestError
 from mstar.http.protocol import Prompt
-from mstar.types import GenerateRequest, OutputChunk, SamplingParams
+from mstar.types import GenerateRequest, OutputChunk, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from mstar.engine.engine import Engine, RequestStream
@@ -143,6 +143,7 @@ class Choice:
     audio: bytearray | None = None   # PCM16 so far, if `keep_audio` (streams send it on instead)
     sample_rate: int | None = None
     keep_audio: bool = False
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, if the request asked
 
     @property
     def text(self) -> str:
@@ -158,6 +159,8 @@ class Choice:
                     self.audio = bytearray()
                 self.audio += chunk.audio
         self.token_ids.extend(chunk.token_ids)
+        if chunk.logprobs:
+            self.logprobs.extend(chunk.logprobs)
         self.num_output_tokens = max(chunk.num_output_tokens, len(self.token_ids))
         self.num_prompt_tokens = max(self.num_prompt_tokens, chunk.num_prompt_tokens)
         if chunk.finished:

@@ -1,0 +1,82 @@
+"""Sampled tokens' logprobs in (the engine's `TokenLogprob`s), the shapes
+clients read out: the legacy completions object (`tokens`, `token_logprobs`,
+`top_logprobs` as token -> logprob maps, `text_offset`), chat's `content`
+entries with each token's UTF-8 bytes, and the native route's id entries.
+
+Numbers are of the model's raw distribution (see `SamplingParams`). A token
+string is the token decoded on its own with special tokens kept, as vLLM
+shows it: a token holding part of a multi-byte character reads U+FFFD, and
+its `bytes` are that string's UTF-8. `text_offset` counts the characters of
+the choice's token strings before each token (`echo` is not supported, so the
+prompt is not part of the text). JSON has no -inf: a logprob below -9999 (a
+token the model rules out) is reported as -9999, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from mstar.types import TokenLogprob
+
+FLOOR = -9999.0
+
+
+def _number(logprob: float) -> float:
+    return logprob if logprob > FLOOR else FLOOR  # NaN and -inf compare false: the floor
+
+
+class LogprobShapes:
+    """One request's logprobs in the OpenAI shapes, token strings from the
+    served model's tokenizer. Keeps each completions choice's text offset, so
+    a stream's chunks continue where the previous one ended."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._offsets: dict[int, int] = {}  # choice index -> characters of its token strings so far
+
+    def _strings(self, entries: Sequence[TokenLogprob]) -> dict[int, str]:
+        """Every token id of `entries` (sampled and top) decoded, in one call."""
+        ids = list(dict.fromkeys([i for e in entries for i in (e.token_id, *(t for t, _ in e.top))]))
+        return dict(zip(ids, self.tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=False)))
+
+    def completion(self, index: int, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+        """`/v1/completions`' `logprobs` for choice `index`'s `entries` (its next tokens)."""
+        text = self._strings(entries)
+        tokens = [text[e.token_id] for e in entries]
+        offsets = []
+        at = self._offsets.get(index, 0)
+        for token in tokens:
+            offsets.append(at)
+            at += len(token)
+        self._offsets[index] = at
+        return {"tokens": tokens, "token_logprobs": [_number(e.logprob) for e in entries],
+                "top_logprobs": [_top_map(e, text) for e in entries], "text_offset": offsets}
+
+    def chat(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+        """`/v1/chat/completions`' `logprobs` of `entries`."""
+        text = self._strings(entries)
+
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            token = text[token_id]
+            return {"token": token, "logprob": _number(logprob), "bytes": list(token.encode("utf-8"))}
+
+        return {"content": [{**entry(e.token_id, e.logprob), "top_logprobs": [entry(t, v) for t, v in e.top]}
+                            for e in entries]}
+
+
+def _top_map(entry: TokenLogprob, text: dict[int, str]) -> dict[str, float]:
+    """A position's token string -> logprob map: the sampled token (always
+    there, so a map may hold k + 1 entries, as OpenAI's) and the k most
+    likely. Tokens whose strings are equal (parts of characters all read
+    U+FFFD) share one key: the sampled token's, else the most likely's."""
+    out = {text[entry.token_id]: _number(entry.logprob)}
+    for token_id, logprob in entry.top:
+        out.setdefault(text[token_id], _number(logprob))
+    return out
+
+
+def native_logprobs(entries: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+    """`/generate`'s `logprobs`: ids, no strings (the route speaks token ids)."""
+    return [{"token_id": e.token_id, "logprob": _number(e.logprob),
+             "top_logprobs": [{"token_id": t, "logprob": _number(v)} for t, v in e.top]} for e in entries]
