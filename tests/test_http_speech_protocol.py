@@ -62,7 +62,9 @@ def test_refusals() -> None:
     refused("max_tokens", max_tokens=0)
     refused("temperature", temperature="hot")
     refused("ignore_eos", ignore_eos="yes")
-    refused("stream", stream=True)  # unknown fields are refused, not ignored
+    refused("strem", strem=False)  # unknown fields are refused, not ignored
+    refused("stream", stream="no")
+    refused("stream", stream=False, stream_format="sse")
     with pytest.raises(RequestError) as e:
         parse_speech(orjson.dumps({"voice": "tara"}))
     assert e.value.field == "input"

@@ -1,12 +1,15 @@
 """`POST /v1/audio/speech` bodies in, a checked `SpeechBody` out.
 
 OpenAI's fields (`model`, `input`, `voice`, `response_format`,
-`stream_format`, `speed`, `instructions`) plus mstar's sampling extensions
-(`max_tokens`, `temperature`, `top_p`, `top_k`, `min_p`,
+`stream_format`, `speed`, `instructions`) plus mstar's extensions: `stream`
+(false: the whole audio in one answer of known length) and the sampling
+fields (`max_tokens`, `temperature`, `top_p`, `top_k`, `min_p`,
 `repetition_penalty`, `seed`, `ignore_eos`). Sampling fields a client leaves
 out take the model's defaults, so they are kept as overrides here and merged
-once the model is known. Anything malformed or unsupported raises
-`RequestError` naming the field. Importable without torch.
+once the model is known. The later lines of a streamed (NDJSON) body,
+`{"input": "more text"}`, are checked as the first line's `input` is.
+Anything malformed, unknown or unsupported raises `RequestError` naming the
+field. Importable without torch.
 """
 
 from __future__ import annotations
@@ -24,15 +27,18 @@ DEFAULT_FORMAT = "mp3"  # OpenAI's default
 StreamFormat = Literal["audio", "sse"]
 
 OPENAI_KEYS = frozenset({"model", "input", "voice", "response_format", "stream_format", "speed", "instructions"})
+MORE_INPUT_KEYS = frozenset({"input"})
 SAMPLING_INTS = ("max_tokens", "top_k", "seed")
 SAMPLING_NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty")
 SAMPLING_KEYS = frozenset(SAMPLING_INTS + SAMPLING_NUMBERS + ("ignore_eos",))
+SPEECH_KEYS = OPENAI_KEYS | SAMPLING_KEYS | {"stream"}
 
 
 @dataclass(frozen=True)
 class SpeechBody:
-    """A speech request; `voice` None is the model's default voice and
-    `sampling` holds only the sampling fields the client gave."""
+    """A speech request; `voice` None is the model's default voice,
+    `sampling` holds only the sampling fields the client gave, and `stream`
+    False asks for the whole audio in one answer."""
 
     model: str | None
     input: str
@@ -40,18 +46,20 @@ class SpeechBody:
     response_format: str
     stream_format: StreamFormat
     sampling: dict[str, Any] = field(default_factory=dict)
+    stream: bool = True
 
 
 def parse_speech(body: bytes) -> SpeechBody:
     f = Fields(parse_json_object(body))
-    for key in f.obj:
-        if key not in OPENAI_KEYS | SAMPLING_KEYS:
-            raise f.error(key, f"unknown field; expected one of {sorted(OPENAI_KEYS | SAMPLING_KEYS)}")
+    f.refuse_unknown(SPEECH_KEYS)
     fmt = f.string("response_format", DEFAULT_FORMAT) or DEFAULT_FORMAT
     check_format(fmt)
     stream_format = f.string("stream_format", "audio")
     if stream_format not in ("audio", "sse"):
         raise f.error("stream_format", f"must be 'audio' or 'sse', got '{stream_format}'")
+    stream = f.boolean("stream", True)
+    if not stream and stream_format == "sse":
+        raise f.error("stream", "false asks for one answer, but stream_format 'sse' streams events")
     # Changing the tempo without changing the pitch needs a time-stretcher;
     # refused rather than faked with a resample that shifts the voice.
     speed = f.number("speed", 1.0)
@@ -66,7 +74,15 @@ def parse_speech(body: bytes) -> SpeechBody:
         response_format=fmt,
         stream_format=stream_format,  # type: ignore[arg-type]  # checked just above
         sampling=_read_sampling(f),
+        stream=stream,
     )
+
+
+def parse_more_input(line: bytes) -> str:
+    """The text of a later line of a streamed body, `{"input": "more text"}`."""
+    f = Fields(parse_json_object(line))
+    f.refuse_unknown(MORE_INPUT_KEYS)
+    return _read_input(f)
 
 
 def _read_input(f: Fields) -> str:

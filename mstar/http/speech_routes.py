@@ -5,6 +5,8 @@ they are produced, encoded in the requested `response_format` (see
 `audio.py`): either as the audio body itself (chunked transfer) or, with
 `stream_format: "sse"`, as `speech.audio.delta` events carrying base64 pieces
 of that same encoded stream, closed by `speech.audio.done` with the usage.
+With `stream: false` the whole audio is gathered first and sent as one file
+of known length whose header carries its true sizes.
 
 Headers wait for the first audio: a request that fails before producing any
 gets a JSON error with its status. A failure after audio went out cannot
@@ -18,7 +20,9 @@ Text can also stream in while the audio streams out: a body of content type
 above; each later line, `{"input": "more text"}`, is spoken after what came
 before, in the same engine request (one more turn on the same KV cache, no
 prompt prefilled again). The end of the body ends the input. A later line
-that is not such an object ends the input there (logged).
+that is refused (see `speech_input.py`) ends the request, and the client is
+told as a failure is: a JSON 400 naming the field before any audio, an
+`error` event on an SSE stream, an audio body cut short (and logged).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import asyncio
 import base64
 import dataclasses
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -35,13 +39,14 @@ import orjson
 import structlog
 from aiohttp import web
 
-from mstar.errors import RequestError
-from mstar.http.audio import AudioEncoder, encoder_for
+from mstar.errors import MstarError, RequestError
+from mstar.http.audio import CONTENT_TYPES, AudioEncoder, encode_whole, encoder_for
 from mstar.http.keys import ENGINE
-from mstar.http.responses import client_gone, error_body
+from mstar.http.responses import client_gone, error_body, request_error_body
+from mstar.http.speech_input import StreamedInput
 from mstar.http.speech_protocol import SpeechBody, parse_speech
-from mstar.http.submission import (SPEAK_WALK, ClientGone, GenerationFailed, Submission, failure_of, model_defaults,
-                                   resolve_model, submit_inputs)
+from mstar.http.submission import (SPEAK_WALK, Choice, ClientGone, GenerationFailed, Submission, failure_of,
+                                   model_defaults, resolve_model, submit_inputs)
 from mstar.types import OutputChunk, SamplingParams
 
 log = structlog.get_logger("mstar.http")
@@ -49,6 +54,8 @@ log = structlog.get_logger("mstar.http")
 DEFAULT_SAMPLE_RATE = 24_000  # only for a request that ends without any audio to say otherwise
 
 Chunks = AsyncIterator[tuple[Any, OutputChunk]]
+# why a finished choice has no answer to give, if it has none
+Failure = Callable[[Choice], MstarError | None]
 
 
 NDJSON = "application/x-ndjson"
@@ -65,42 +72,27 @@ async def speech(request: web.Request) -> web.StreamResponse:
     sampling = speech_sampling(model_defaults(engine), body)
     sub = submit_inputs(engine, f"speech-{uuid.uuid4().hex}", target, {"text": body.input, "voice": body.voice},
                         SPEAK_WALK, sampling, prompt_field="input",
-                        tokens_field="max_tokens" if "max_tokens" in body.sampling else None, more_input=streamed)
-    reader = asyncio.get_running_loop().create_task(_more_text(request, sub)) if streamed else None
+                        tokens_field="max_tokens" if "max_tokens" in body.sampling else None,
+                        keep_audio=not body.stream, more_input=streamed)
+    more = StreamedInput(request, engine, sub.streams[0].request_id) if streamed else None
+
+    def failed(choice: Choice) -> MstarError | None:
+        refused = more.refused(choice.finish_reason) if more is not None else None
+        return refused or failure_of(choice)
+
     try:
+        if not body.stream:
+            return await _whole(request, sub, body.response_format, failed)
         async with aclosing(sub.chunks()) as chunks:
-            first = await _first_audio(request, chunks)
+            first = await _first_audio(request, chunks, failed)
             encoder = encoder_for(body.response_format, first.sample_rate or DEFAULT_SAMPLE_RATE)
             if body.stream_format == "sse":
-                return await _stream_sse(request, sub, chunks, first, encoder)
-            return await _stream_audio(request, chunks, first, encoder)
+                return await _stream_sse(request, sub, chunks, first, encoder, failed)
+            return await _stream_audio(request, chunks, first, encoder, failed)
     finally:
-        if reader is not None:
-            reader.cancel()
+        if more is not None:
+            more.cancel()
         await sub.aclose()
-
-
-async def _more_text(request: web.Request, sub: Submission) -> None:
-    """The rest of an NDJSON body: each line's text into the running request,
-    then the end of its input."""
-    engine = request.app[ENGINE]
-    request_id = sub.streams[0].request_id
-    try:
-        while line := await request.content.readline():
-            if not line.strip():
-                continue
-            try:
-                text = orjson.loads(line).get("input")
-                if not isinstance(text, str):
-                    raise ValueError("no 'input' string")
-                engine.append(request_id, {"text": text})
-            except (ValueError, AttributeError, RequestError) as e:
-                log.warning("streamed speech input ends at a bad line", request_id=request_id, error=str(e))
-                break
-    except ConnectionError:
-        pass
-    finally:
-        engine.close_input(request_id)
 
 
 def speech_sampling(defaults: SamplingParams, body: SpeechBody) -> SamplingParams:
@@ -111,13 +103,30 @@ def speech_sampling(defaults: SamplingParams, body: SpeechBody) -> SamplingParam
     return params
 
 
-async def _first_audio(request: web.Request, chunks: Chunks) -> OutputChunk:
+async def _whole(request: web.Request, sub: Submission, response_format: str, failed: Failure) -> web.Response:
+    """All the audio, then one answer of known length (any failure is still
+    a JSON error): a file whose header has the true sizes."""
+    async for _ in sub.chunks(client_gone(request)):
+        pass
+    [choice] = sub.choices
+    if choice.finish_reason is None:
+        raise ClientGone()
+    failure = failed(choice)
+    if failure is not None:
+        raise failure
+    rate = choice.sample_rate or DEFAULT_SAMPLE_RATE
+    data = await asyncio.to_thread(encode_whole, response_format, rate, bytes(choice.audio or b""))
+    return web.Response(body=data, content_type=CONTENT_TYPES[response_format],
+                        headers={"X-Sample-Rate": str(rate), "Cache-Control": "no-cache"})
+
+
+async def _first_audio(request: web.Request, chunks: Chunks, failed: Failure) -> OutputChunk:
     """Wait for the first chunk with audio, or the end: raises the failure of
     a request that ended without audio, or `ClientGone`."""
     gone = client_gone(request)
     async for choice, chunk in chunks:
         if chunk.finished:
-            failure = failure_of(choice)
+            failure = failed(choice)
             if failure is not None:
                 raise failure
         if chunk.audio or chunk.finished:
@@ -143,18 +152,19 @@ async def _open(request: web.Request, content_type: str, sample_rate: int) -> we
     return response
 
 
-async def _encoded(chunks: Chunks, first: OutputChunk, encoder: AudioEncoder) -> AsyncIterator[bytes]:
+async def _encoded(chunks: Chunks, first: OutputChunk, encoder: AudioEncoder,
+                   failed: Failure) -> AsyncIterator[bytes]:
     """The response's audio, encoded as it comes: the encoder's start, one
     piece per PCM chunk, its end (any of them may be empty)."""
     yield encoder.start()
-    async with aclosing(_audio_chunks(chunks, first)) as pcm:
+    async with aclosing(_audio_chunks(chunks, first, failed)) as pcm:
         async for piece in pcm:
             yield encoder.push(piece)
     yield encoder.finish()
 
 
 async def _stream_audio(request: web.Request, chunks: Chunks, first: OutputChunk,
-                        encoder: AudioEncoder) -> web.StreamResponse:
+                        encoder: AudioEncoder, failed: Failure) -> web.StreamResponse:
     response = await _open(request, encoder.content_type, first.sample_rate or DEFAULT_SAMPLE_RATE)
 
     async def send(data: bytes) -> None:
@@ -162,12 +172,13 @@ async def _stream_audio(request: web.Request, chunks: Chunks, first: OutputChunk
             await response.write(data)
 
     try:
-        async with aclosing(_encoded(chunks, first, encoder)) as parts:
+        async with aclosing(_encoded(chunks, first, encoder, failed)) as parts:
             async for data in parts:
                 await send(data)
         await response.write_eof()
-    except GenerationFailed as e:
-        log.warning("speech failed mid-stream; cutting the body short", error=e.message)
+    except (GenerationFailed, RequestError) as e:
+        log.warning("speech failed mid-stream; cutting the body short", error=e.message,
+                    field=getattr(e, "field", None))
         _cut(request, response)
     except ConnectionError:
         log.info("client went away mid-stream; aborting its request")
@@ -178,7 +189,7 @@ async def _stream_audio(request: web.Request, chunks: Chunks, first: OutputChunk
 
 
 async def _stream_sse(request: web.Request, sub: Submission, chunks: Chunks, first: OutputChunk,
-                      encoder: AudioEncoder) -> web.StreamResponse:
+                      encoder: AudioEncoder, failed: Failure) -> web.StreamResponse:
     response = await _open(request, "text/event-stream", first.sample_rate or DEFAULT_SAMPLE_RATE)
 
     async def event(obj: dict[str, Any]) -> None:
@@ -189,7 +200,7 @@ async def _stream_sse(request: web.Request, sub: Submission, chunks: Chunks, fir
             await event({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
 
     try:
-        async with aclosing(_encoded(chunks, first, encoder)) as parts:
+        async with aclosing(_encoded(chunks, first, encoder, failed)) as parts:
             async for data in parts:
                 await delta(data)
         usage = sub.usage()
@@ -201,6 +212,9 @@ async def _stream_sse(request: web.Request, sub: Submission, chunks: Chunks, fir
     except GenerationFailed as e:
         log.warning("speech failed mid-stream", error=e.message)
         await _end_with_error(response, event, error_body(e.message, status=e.status, code=e.code))
+    except RequestError as e:
+        log.warning("speech input refused mid-stream", error=e.message, field=e.field)
+        await _end_with_error(response, event, request_error_body(e))
     except Exception:
         log.exception("speech stream failed")
         await _end_with_error(response, event, error_body("internal server error", status=500,
@@ -208,9 +222,9 @@ async def _stream_sse(request: web.Request, sub: Submission, chunks: Chunks, fir
     return response
 
 
-async def _audio_chunks(chunks: Chunks, first: OutputChunk) -> AsyncIterator[bytes]:
+async def _audio_chunks(chunks: Chunks, first: OutputChunk, failed: Failure) -> AsyncIterator[bytes]:
     """The PCM of `first` and of every chunk after it, until the request ends;
-    raises `GenerationFailed` if it ended in a failure."""
+    raises its failure (`failed`) if it ended in one."""
     if first.audio:
         yield first.audio
     if first.finished:
@@ -219,7 +233,7 @@ async def _audio_chunks(chunks: Chunks, first: OutputChunk) -> AsyncIterator[byt
         if chunk.audio:
             yield chunk.audio
         if chunk.finished:
-            failure = failure_of(choice)
+            failure = failed(choice)
             if failure is not None:
                 raise failure
             return
