@@ -1,4 +1,5 @@
-"""PCM16 in, the client's audio format out, chunk by chunk as it is produced.
+"""PCM16 in, the client's audio format out: chunk by chunk as it is
+produced, or as one file once the whole waveform is there.
 
 Each encoder turns little-endian mono PCM16 into bytes that can go on the
 wire at once: `start()` before any audio (a WAV header), `push(pcm)` per
@@ -11,6 +12,11 @@ chunk, `finish()` at the end. Nothing waits for the whole waveform:
   ship the codecs), writing into a sink that hands out each encoded frame as
   soon as the codec emits it. Headers the codec would patch on close
   (FLAC's total sample count and MD5) stay at "unknown", as in any FLAC stream.
+
+`encode_whole` is for an answer sent once all its audio exists: the same
+formats, with the true sizes in their headers (WAV's RIFF and data sizes,
+FLAC's total sample count and MD5, MP3's LAME tag), so readers that trust
+the header (Python's `wave`, `soundfile`) get the right duration.
 
 No torch here; `soundfile` is imported only when a compressed format is used.
 """
@@ -92,6 +98,25 @@ def wav_header(sample_rate: int, data_bytes: int | None = None, channels: int = 
         (8 * SAMPLE_WIDTH).to_bytes(2, "little"),
         b"data", data_size.to_bytes(4, "little"),
     ))
+
+
+def encode_whole(name: str, sample_rate: int, pcm: bytes) -> bytes:
+    """The whole waveform as one file of a format `check_format` accepted."""
+    if name == "pcm":
+        return pcm
+    if name == "wav":
+        return wav_header(sample_rate, len(pcm)) + pcm
+    import io
+
+    import numpy as np
+    import soundfile
+
+    fmt, subtype = _SOUNDFILE_FORMATS[name]
+    out = io.BytesIO()  # seekable: libsndfile goes back to write the true sizes on close
+    with soundfile.SoundFile(out, mode="w", samplerate=sample_rate, channels=1, format=fmt, subtype=subtype,
+                             **_soundfile_options(name)) as file:
+        file.write(np.frombuffer(pcm[:len(pcm) - len(pcm) % SAMPLE_WIDTH], dtype="<i2"))
+    return out.getvalue()
 
 
 class PcmEncoder:
@@ -186,13 +211,8 @@ class SoundFileEncoder:
         fmt, subtype = _SOUNDFILE_FORMATS[name]
         self.content_type = CONTENT_TYPES[name]
         self.sink = StreamSink(skip_placeholder=name == "mp3")
-        extra: dict[str, Any] = {}
-        if name == "mp3":
-            # Constant bitrate: without the LAME tag (never sent, see StreamSink)
-            # a decoder can only size a stream by its bytes, exact only for CBR.
-            extra = {"bitrate_mode": "CONSTANT", "compression_level": MP3_COMPRESSION_LEVEL}
         self.file = soundfile.SoundFile(self.sink, mode="w", samplerate=sample_rate, channels=1,
-                                        format=fmt, subtype=subtype, **extra)
+                                        format=fmt, subtype=subtype, **_soundfile_options(name))
         self.carry = b""  # an odd byte left over from a chunk, completed by the next
         if name == "opus":
             _set_ogg_page_latency(self.file, OGG_PAGE_LATENCY_MS)
@@ -213,6 +233,14 @@ class SoundFileEncoder:
     def finish(self) -> bytes:
         self.file.close()  # flushes the codec's last frames
         return self.sink.take()
+
+
+def _soundfile_options(name: str) -> dict[str, Any]:
+    if name != "mp3":
+        return {}
+    # Constant bitrate: without the LAME tag (never sent in a stream, see
+    # StreamSink) a decoder can only size a stream by its bytes, exact only for CBR.
+    return {"bitrate_mode": "CONSTANT", "compression_level": MP3_COMPRESSION_LEVEL}
 
 
 def _soundfile_has(name: str) -> bool:

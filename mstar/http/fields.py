@@ -9,6 +9,7 @@ every integer read refuses bools explicitly.
 from __future__ import annotations
 
 import math
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from mstar.errors import RequestError
@@ -141,6 +142,13 @@ class Fields:
         if any(v < lo for v in value):
             raise self.error(key, f"items must be at least {lo}")
         return tuple(value)
+
+    def refuse_unknown(self, known: AbstractSet[str]) -> None:
+        """A 400 naming the first key not in `known`: a typo such as
+        `max_toknes` would otherwise be ignored without a word."""
+        for key in self.obj:
+            if key not in known:
+                raise self.error(key, f"unknown field; expected one of {sorted(known)}")
 
     def unsupported_unless_zero(self, key: str) -> None:
         """Accept a number-valued feature only at its neutral value 0."""
