@@ -9,7 +9,8 @@ model's default) is `speak`, sends its `text` and `voice` to the model as
 they are (the model builds its own prompt), with the model's default
 sampling for what `sampling_params` leaves out. Audio comes back as base64
 PCM16 (little-endian, mono) with its `sample_rate`: on each NDJSON line that
-carries some, and as the whole waveform in the JSON answer.
+carries some, and as the whole waveform in the JSON answer. A `voice` for
+a model that does not speak is refused naming it.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     target = resolve_model(engine, body.model)
     request_id = f"gen-{uuid.uuid4().hex}"
+    if body.voice is not None and SPEAK_WALK not in target.walks:
+        raise RequestError(f"model '{target.name}' has no voices: it does not speak (its walks: "
+                           f"{', '.join(target.walks)})", field="voice")
     if isinstance(body.prompt, str) and (body.voice is not None or (body.walk or target.default_walk) == SPEAK_WALK):
         sub = _submit_speech(engine, request_id, target, body)
     else:

@@ -17,7 +17,7 @@ from typing import Any
 from mstar.http.audio import CONTENT_TYPES
 from mstar.http.chat_messages import CHAT_ROLES
 from mstar.http.fields import Fields
-from mstar.http.protocol import COMPLETIONS_MAX_TOKENS, MAX_CHOICES, MAX_N
+from mstar.http.protocol import COMPLETIONS_MAX_TOKENS, MAX_CHOICES, MAX_N, SERVICE_TIERS
 from mstar.http.speech_protocol import DEFAULT_FORMAT, MAX_INPUT_CHARS, StreamFormat
 from mstar.http.speech_protocol import SAMPLING_KEYS as SPEECH_SAMPLING_KEYS
 from mstar.types import MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, SamplingParams
@@ -96,6 +96,23 @@ def openai_common() -> dict[str, Schema]:
     }
 
 
+def chat_extras() -> dict[str, Schema]:
+    """Chat fields that ask for nothing this server lacks, and those refused."""
+    return {
+        "function_call": {"enum": ["none", "auto"], "description": "functions are not supported"},
+        "parallel_tool_calls": {"type": "boolean", "description": "tools are not supported; accepted for clients "
+                                                                  "that always send it"},
+        "metadata": {"type": "object", "additionalProperties": {"type": "string"},
+                     "description": "accepted; nothing is stored"},
+        "store": {"enum": [False, None], "description": "storing completions is not supported"},
+        "service_tier": {"enum": list(SERVICE_TIERS), "description": "one tier serves every request"},
+        "safety_identifier": {"type": "string"},
+        "prompt_cache_key": {"type": "string"},
+        "audio": unsupported("audio output"),
+        **{key: unsupported(key) for key in ("prediction", "reasoning_effort", "verbosity", "web_search_options")},
+    }
+
+
 # `stream_options` needs `stream: true`.
 STREAM_OPTIONS_NEED_STREAM: Schema = {
     "stream_options": {"required": ["stream"], "properties": {"stream": {"const": True}}}}
@@ -113,6 +130,7 @@ PROMPT: Schema = {
 
 COMPLETION_REQUEST: Schema = {
     "type": "object",
+    "additionalProperties": False,
     "required": ["prompt"],
     "properties": {
         "prompt": PROMPT,
@@ -147,6 +165,7 @@ CHAT_MESSAGE: Schema = {
 
 CHAT_REQUEST: Schema = {
     "type": "object",
+    "additionalProperties": False,
     "required": ["messages"],
     "properties": {
         "messages": {"type": "array", "items": CHAT_MESSAGE, "minItems": 1,
@@ -162,6 +181,7 @@ CHAT_REQUEST: Schema = {
                          "description": "with `logprobs: true`: how many most likely tokens each position lists"},
         "tools": unsupported("tools"),
         "functions": unsupported("functions"),
+        **chat_extras(),
         **openai_common(),
     },
     "dependentSchemas": {**STREAM_OPTIONS_NEED_STREAM, "top_logprobs": {
@@ -206,6 +226,9 @@ SPEECH_REQUEST: Schema = {
         "response_format": {"enum": sorted(CONTENT_TYPES), "default": DEFAULT_FORMAT,
                             "description": "flac, mp3 and opus need a soundfile with those codecs"},
         "stream_format": {"enum": list(typing.get_args(StreamFormat)), "default": "audio"},
+        "stream": {"type": "boolean", "default": True,
+                   "description": "mstar's: false gathers the whole audio first and answers with one file of "
+                                  "known length (its header has the true sizes); needs stream_format 'audio'"},
         "speed": {"enum": [1.0], "description": "only 1.0 is supported"},
         "instructions": {"type": "string", "maxLength": 0, "description": "not supported"},
         "max_tokens": max_tokens(),

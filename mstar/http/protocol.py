@@ -30,6 +30,19 @@ Prompt = Union[str, tuple[int, ...]]
 
 SAMPLING_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 GENERATE_KEYS = frozenset({"text", "input_ids", "model", "sampling_params", "stream", "voice", "walk"})
+# Every route answers a field it does not know with a 400 naming it, as OpenAI does. The OpenAI routes know
+# each field of OpenAI's own request, whether served or refused with a reason, and mstar's sampling extensions.
+SAMPLING_EXTENSIONS = frozenset({"top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos"})
+OPENAI_KEYS = SAMPLING_EXTENSIONS | {
+    "model", "max_tokens", "n", "stream", "stream_options", "temperature", "top_p", "seed", "stop", "user",
+    "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "response_format"}
+COMPLETION_KEYS = OPENAI_KEYS | {"prompt", "best_of", "echo", "suffix"}
+CHAT_KEYS = OPENAI_KEYS | {
+    "messages", "max_completion_tokens", "add_generation_prompt", "top_logprobs", "tools", "tool_choice",
+    "parallel_tool_calls", "functions", "function_call", "modalities", "audio", "prediction", "reasoning_effort",
+    "verbosity", "web_search_options", "metadata", "store", "service_tier", "safety_identifier",
+    "prompt_cache_key"}
+SERVICE_TIERS = ("auto", "default")  # the tiers that ask for nothing special; one tier serves every request
 
 
 @dataclass(frozen=True)
@@ -88,6 +101,7 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
 
 def parse_completion(body: bytes) -> CompletionBody:
     f = Fields(parse_json_object(body))
+    f.refuse_unknown(COMPLETION_KEYS)
     _refuse_openai_extras(f)
     f.unsupported_if_truthy("echo")
     f.unsupported_if_truthy("suffix")
@@ -112,7 +126,9 @@ def parse_completion(body: bytes) -> CompletionBody:
 
 def parse_chat(body: bytes) -> ChatBody:
     f = Fields(parse_json_object(body))
+    f.refuse_unknown(CHAT_KEYS)
     _refuse_openai_extras(f)
+    _refuse_chat_extras(f)
     f.unsupported_if_truthy("tools")
     f.unsupported_if_truthy("functions")
     tool_choice = f.raw("tool_choice")
@@ -140,9 +156,7 @@ def parse_chat(body: bytes) -> ChatBody:
 
 def parse_generate(body: bytes) -> GenerateBody:
     f = Fields(parse_json_object(body))
-    for key in f.obj:
-        if key not in GENERATE_KEYS:
-            raise f.error(key, f"unknown field; expected one of {sorted(GENERATE_KEYS)}")
+    f.refuse_unknown(GENERATE_KEYS)
     if f.has("text") == f.has("input_ids"):
         raise RequestError("give exactly one of 'text' and 'input_ids'", field="text")
     prompt: Prompt
@@ -157,9 +171,7 @@ def parse_generate(body: bytes) -> GenerateBody:
     if voice is not None and not isinstance(prompt, str):
         raise f.error("voice", "needs 'text' (a voice speaks text, not token ids)")
     sp = Fields(f.raw("sampling_params", {}), "sampling_params.")
-    for key in sp.obj:
-        if key not in SAMPLING_KEYS:
-            raise sp.error(key, f"unknown sampling parameter; expected one of {sorted(SAMPLING_KEYS)}")
+    sp.refuse_unknown(SAMPLING_KEYS)
     sampling = read_sampling(sp, sp.integer("logprobs", None, lo=0, hi=MAX_LOGPROBS))
     max_tokens = sp.integer("max_tokens", SamplingParams.max_tokens, lo=1)
     return GenerateBody(
@@ -213,6 +225,27 @@ def _refuse_openai_extras(f: Fields) -> None:
             raise f.error("response_format", f"'{kind}' is not supported; only 'text' is")
         if kind != "text":
             raise f.error("response_format", "must be an object with type 'text'")
+
+
+def _refuse_chat_extras(f: Fields) -> None:
+    """Chat fields that ask for nothing this server lacks are read and
+    type-checked; those that would change the answer are refused."""
+    metadata = Fields(f.raw("metadata", {}), "metadata.")
+    for key in metadata.obj:
+        metadata.string(key)
+    for key in ("safety_identifier", "prompt_cache_key"):
+        f.string(key)
+    f.boolean("parallel_tool_calls", True)
+    if f.boolean("store"):
+        raise f.error("store", "storing completions is not supported")
+    tier = f.string("service_tier")
+    if tier is not None and tier not in SERVICE_TIERS:
+        raise f.error("service_tier", f"only {list(SERVICE_TIERS)} are supported, got '{tier}'")
+    if f.raw("function_call") not in (None, "none", "auto"):
+        raise f.error("function_call", "functions are not supported")
+    f.unsupported_if_truthy("audio", "audio output")
+    for key in ("prediction", "reasoning_effort", "verbosity", "web_search_options"):
+        f.unsupported_if_truthy(key)
 
 
 def _chat_logprobs(f: Fields) -> int | None:
