@@ -114,6 +114,11 @@ class AsyncClient:
         response, _ = await self._send("GET", "/v1/models")
         return [ModelCard.of(m) for m in (await _read_json(response)).get("data") or ()]
 
+    async def model(self, name: str) -> ModelCard:
+        """`/v1/models/{name}`; a model not served raises `MstarError` (404, code `model_not_found`)."""
+        response, _ = await self._send("GET", "/v1/models/" + quote(name, safe=""))
+        return ModelCard.of(await _read_json(response))
+
     async def metrics(self) -> str:
         """`/metrics`: the Prometheus text, as it is."""
         response, _ = await self._send("GET", "/metrics")

@@ -54,6 +54,9 @@ class Client:
     def models(self) -> list[ModelCard]:
         return self._runner.run(self.aio.models())
 
+    def model(self, name: str) -> ModelCard:
+        return self._runner.run(self.aio.model(name))
+
     def metrics(self) -> str:
         return self._runner.run(self.aio.metrics())
 

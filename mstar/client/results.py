@@ -101,19 +101,21 @@ class Generation:
 
 @dataclass(frozen=True)
 class ModelCard:
-    """One entry of `/v1/models`."""
+    """One entry of `/v1/models` (or `/v1/models/{id}`); `voices` are a
+    speech model's, empty for others."""
 
     id: str
     owned_by: str
     created: int
     max_model_len: int | None
+    voices: tuple[str, ...]
     raw: dict[str, Any] = field(repr=False, compare=False)
 
     @classmethod
     def of(cls, obj: dict[str, Any]) -> ModelCard:
         limit = obj.get("max_model_len")
         return cls(str(obj.get("id", "")), str(obj.get("owned_by", "")), int(obj.get("created", 0)),
-                   int(limit) if limit is not None else None, obj)
+                   int(limit) if limit is not None else None, tuple(str(v) for v in obj.get("voices") or ()), obj)
 
 
 @dataclass(frozen=True)

@@ -60,12 +60,18 @@ def document() -> Schema:
                      **{"404": {"description": "no such file", "content": _json(req.ref("Error"))}})
     demo_file["get"]["parameters"] = [{"name": "name", "in": "path", "required": True, "schema": {"type": "string"},
                                        "description": "the file's name, e.g. demo.js"}]
+    model = _get("one served model", _json(req.ref("Model")),
+                 **{"404": {"description": "the model is not served here (code `model_not_found`)",
+                            "content": _json(req.ref("Error"))}})
+    model["get"]["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"},
+                                   "description": "the model's id, as `/v1/models` lists it"}]
     paths = {
         "/health": _get("engine liveness and load", _json(req.ref("Health")),
                         **{"503": {"description": "a worker died", "content": _json(req.ref("Health"))}}),
         "/metrics": _get("Prometheus metrics, text format 0.0.4", {"text/plain": {"schema": {"type": "string"}}}),
         "/openapi.json": _get("this document", _json({"type": "object"})),
         "/v1/models": _get("the served models", _json(req.ref("ModelList"))),
+        "/v1/models/{model}": model,
         "/": _get("the browser demo page", {"text/html": {"schema": {"type": "string"}}}),
         "/static/{name}": demo_file,
         "/v1/completions": _post("OpenAI text completions", "CompletionRequest", {
@@ -80,8 +86,9 @@ def document() -> Schema:
             "application/x-ndjson": {"schema": {"type": "string", "x-line-schema": req.ref("GenerateLine")}}},
             "the answer; with `stream`, one JSON object per line (NDJSON)"),
         "/v1/audio/speech": _post("OpenAI text to speech, streamed", "SpeechRequest", speech_ok,
-                                  "the audio in `response_format` (header X-Sample-Rate), or with "
-                                  "`stream_format: sse` its base64 pieces as events"),
+                                  "the audio in `response_format` (header X-Sample-Rate) as it is produced, or "
+                                  "with `stream_format: sse` its base64 pieces as events; with `stream: false` "
+                                  "one file of known length whose header has the true sizes"),
         "/v1/realtime": {"get": {
             "summary": "the OpenAI Realtime API (GA events) over a websocket",
             "description": "Upgrade to a websocket, then exchange Realtime events as JSON text messages: "
@@ -97,11 +104,14 @@ def document() -> Schema:
     paths["/v1/audio/speech"]["post"]["requestBody"]["content"]["application/x-ndjson"] = {"schema": {
         "type": "string", "x-line-schema": req.ref("SpeechRequest"),
         "description": "first line: the JSON body; each later line {\"input\": \"more text\"} is spoken after "
-                       "what came before, in the same request; the body's end ends the input"}}
+                       "what came before, in the same request; the body's end ends the input. A later line "
+                       "refused (as `input` is, or past the context) ends the request: a 400 before any audio, "
+                       "an `error` event on an SSE stream, an audio body cut short"}}
     schemas = {
         "CompletionRequest": req.COMPLETION_REQUEST, "ChatRequest": req.CHAT_REQUEST,
         "GenerateRequest": req.GENERATE_REQUEST, "SpeechRequest": req.SPEECH_REQUEST,
-        "Error": out.ERROR, "Health": out.HEALTH, "ModelList": out.MODEL_LIST, "Completion": out.COMPLETION,
+        "Error": out.ERROR, "Health": out.HEALTH, "ModelList": out.MODEL_LIST, "Model": out.MODEL,
+        "Completion": out.COMPLETION,
         "ChatCompletion": out.CHAT_COMPLETION, "ChatCompletionChunk": out.CHAT_CHUNK,
         "GenerateResponse": out.GENERATE, "GenerateLine": out.GENERATE_LINE, "SpeechEvent": out.SPEECH_EVENT,
     }

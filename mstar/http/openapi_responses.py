@@ -44,20 +44,19 @@ HEALTH: Schema = {
     },
 }
 
+MODEL: Schema = {
+    "type": "object",
+    "required": ["id", "object", "created", "owned_by", "max_model_len"],
+    "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
+                   "owned_by": {"type": "string"}, "max_model_len": {"type": "integer"},
+                   "voices": {"type": "array", "items": {"type": "string"},
+                              "description": "a speech model's voices (empty for others)"}},
+}
+
 MODEL_LIST: Schema = {
     "type": "object",
     "required": ["object", "data"],
-    "properties": {
-        "object": {"const": "list"},
-        "data": {"type": "array", "items": {
-            "type": "object",
-            "required": ["id", "object", "created", "owned_by", "max_model_len"],
-            "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
-                           "owned_by": {"type": "string"}, "max_model_len": {"type": "integer"},
-                           "voices": {"type": "array", "items": {"type": "string"},
-                                      "description": "a speech model's voices (empty for others)"}},
-        }},
-    },
+    "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": MODEL}},
 }
 
 
