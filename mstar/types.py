@@ -21,6 +21,7 @@ FinishReason = Literal["stop", "length", "abort", "error", "timeout"]
 MAX_TEMPERATURE = 100.0
 MAX_LOGPROBS = 20  # most likely tokens reported per sampled token, as OpenAI's chat API allows
 MAX_REPETITION_PENALTY = 100.0
+MAX_TOKEN_ID = 2**31 - 1  # top_k and token ids beyond any vocabulary; they become int64 tensors on the device
 
 
 @dataclass(frozen=True)
@@ -57,8 +58,8 @@ class SamplingParams:
             raise RequestError(f"must be at most {max_model_tokens}", field="max_tokens")
         if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
             raise RequestError(f"must be in [0, {MAX_TEMPERATURE}]", field="temperature")
-        if self.top_k < 0 and self.top_k != -1:
-            raise RequestError("must be >= 0 (or -1 to disable)", field="top_k")
+        if (self.top_k < 0 and self.top_k != -1) or self.top_k > MAX_TOKEN_ID:
+            raise RequestError(f"must be in [0, {MAX_TOKEN_ID}] (or -1 to disable)", field="top_k")
         if not 0.0 < self.top_p <= 1.0:
             raise RequestError("must be in (0, 1]", field="top_p")
         if not 0.0 <= self.min_p <= 1.0:
@@ -67,8 +68,8 @@ class SamplingParams:
             raise RequestError(f"must be in (0, {MAX_REPETITION_PENALTY}]", field="repetition_penalty")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise RequestError("must be in [0, 2**63)", field="seed")
-        if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
-            raise RequestError("must be non-negative integers", field="stop_token_ids")
+        if any((not isinstance(t, int)) or not 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids):
+            raise RequestError(f"must be integers in [0, {MAX_TOKEN_ID}]", field="stop_token_ids")
         if any((not isinstance(s, str)) or not s for s in self.stop):
             raise RequestError("must be non-empty strings", field="stop")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)

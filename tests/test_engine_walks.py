@@ -4,6 +4,7 @@ streams with both chunk policies, fan-out, faults and aborts."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -126,6 +127,30 @@ async def test_fault_in_a_step_fails_that_step_and_the_worker_survives() -> None
         ok = await _collect(eng, "good", "count", x=100)
         assert [t for c in ok for t in c.token_ids] == [101, 102, 103, 104, 105, 106]
         assert eng.health()["status"] == "ok"
+        await _drained(eng)
+    finally:
+        await eng.shutdown()
+
+
+async def test_a_row_that_breaks_its_step_fails_alone() -> None:
+    """Rows batched with one whose input makes the step raise go on: the step
+    runs again row by row, and only the bad row fails."""
+    first = threading.Event()
+    model = FakeModel(gate=lambda n: first.wait(timeout=30) if n == 0 else None, max_steps=4)
+    model.counter.fail_on = 503
+    eng = await _engine(model)
+    try:
+        # the first tick holds the worker, so the other four queue and run as one batch
+        streams = {rid: eng.submit(GenerateRequest(rid, "fake", {"x": x}, SamplingParams(), walk="count"))
+                   for rid, x in (("holder", 0), ("a", 100), ("b", 200), ("bad", 503), ("c", 300))}
+        await asyncio.sleep(0.2)
+        first.set()
+        results = {rid: [c async for c in s] for rid, s in streams.items()}
+        for rid, start in (("holder", 0), ("a", 100), ("b", 200), ("c", 300)):
+            assert results[rid][-1].finish_reason == "length", results[rid][-1]
+            assert [t for c in results[rid] for t in c.token_ids] == [start + 1, start + 2, start + 3, start + 4]
+        assert results["bad"][-1].finish_reason == "error" and "injected fault" in (results["bad"][-1].error or "")
+        assert eng.workers[0].stats.failed_steps == 1  # the batch once; the retries alone were single rows
         await _drained(eng)
     finally:
         await eng.shutdown()

@@ -129,10 +129,13 @@ def test_completion_refusals_name_the_field(fields: dict, field: str) -> None:
     assert refused(parse_completion, orjson.dumps(fields)).field == field
 
 
-def test_integers_beyond_64_bits_are_read_not_crashed_on() -> None:
-    req = parse_completion(b'{"prompt": "x", "max_tokens": 100000000000000000000000}')
-    assert req.max_tokens > 2**64  # the context window check refuses it later
+def test_integers_beyond_64_bits_are_refused_naming_the_field() -> None:
+    # no tensor or counter downstream could hold them: refused before they get that far
+    err = refused(parse_completion, b'{"prompt": "x", "max_tokens": 100000000000000000000000}')
+    assert err.field == "max_tokens" and "out of range" in err.message
     assert refused(parse_completion, b'{"prompt": "x", "seed": 100000000000000000000000}').field == "seed"
+    assert refused(parse_completion, b'{"prompt": "x", "top_k": 9223372036854775808}').field == "top_k"
+    assert parse_completion(b'{"prompt": "x", "seed": 9223372036854775807}').sampling.seed == 2**63 - 1
 
 
 def test_too_many_choices() -> None:

@@ -59,6 +59,7 @@ class Engine:
         self._metrics = EngineMetrics()
         self._lag: LagMonitor | None = None
         self._switch_interval: float | None = None  # Python's, to restore at shutdown
+        self._draining = False  # shutting down: running requests may finish, new ones are refused
         self.add_report_hook(self._metrics.on_report)
 
     # ------------------------------------------------------------ lifecycle
@@ -111,6 +112,22 @@ class Engine:
             state.finish("abort", "the engine shut down")
         self._states.clear()
         self._waiting.clear()
+
+    async def drain(self, grace: float) -> int:
+        """Refuse new requests, let the running ones finish for up to `grace`
+        seconds, then abort the rest: their streams end with an "abort" that
+        the routes turn into an error event. Returns how many were aborted."""
+        self._draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        while self._states and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        left = list(self._states)
+        for request_id in left:
+            self.abort(request_id)
+        if left:
+            log.warning("aborted requests still running at shutdown", requests=len(left), grace_s=grace)
+        return len(left)
 
     # -------------------------------------------------------------- queries
 
@@ -258,6 +275,8 @@ class Engine:
         answers 503 at once."""
         if not self.workers or not any(w.alive for w in self.workers):
             raise RequestError("the engine is not running", status=503, code="unavailable", retry_after=5)
+        if self._draining:
+            raise RequestError("the server is shutting down", status=503, code="unavailable", retry_after=5)
         await self._waiting.admit(timeout)
 
     def _route(self, plan: WalkPlan) -> dict[str, int]:

@@ -110,6 +110,10 @@ class LoopGroup:
              stop_ids: tuple[int, ...]) -> None:
         self._joins.append(_Join(part, token, count, _NO_CAP if cap is None else cap, stop_ids))
 
+    def joining(self) -> list[str]:
+        """The requests of the rows that joined since the last step."""
+        return [j.part.request_id for j in self._joins]
+
     def take_out(self, request_id: str, partition: str | None) -> list[Leave]:
         """Remove a request's rows (of one partition, or all) without a step."""
         out = []
@@ -128,8 +132,11 @@ class LoopGroup:
         """Fold the rows that joined since the last step into the tensors."""
         if not self._joins:
             return
+        parts = [j.part for j in self._joins]
+        # built before anything changes: a row whose parameters cannot be built leaves the group as it was
+        new = SamplingTensors.build([p.request.sampling for p in parts], [p.request.seed for p in parts],
+                                    [p.generated for p in parts], self.device)
         joins, self._joins = self._joins, []
-        parts = [j.part for j in joins]
         self.rows += parts
         self.request_ids += [p.request_id for p in parts]
         self.partitions += [p.name for p in parts]
@@ -144,8 +151,6 @@ class LoopGroup:
         self.counters = torch.cat([self.counters, torch.tensor([p.generated for p in parts], dtype=torch.long)])
         for p in parts:
             self._left.pop(id(p), None)
-        new = SamplingTensors.build([p.request.sampling for p in parts], [p.request.seed for p in parts],
-                                    [p.generated for p in parts], dev)
         self.sampling = new if self.sampling is None else _cat_sampling(self.sampling, new)
         # one `seen` row per group row once any row has a repetition penalty
         vocab = next((p.seen.numel() for p in parts if p.seen is not None), None)

@@ -58,16 +58,30 @@ class ComponentRunner:
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> StepOutput:
+        return self.compute(batch, self.take_inputs(batch))
+
+    def take_inputs(self, batch: Batch) -> list[dict[str, torch.Tensor]]:
+        """Each row's inputs, read out of the store (its references dropped):
+        a batch that fails in `compute` can run again row by row from these."""
+        step = batch.items[0].payload[0].current_step()
+        names = step.inputs[:1] if self.kv is not None else step.inputs
+        return [{n: self._take(item, n) for n in names} for item in batch.items]
+
+    @torch.inference_mode()
+    def compute(self, batch: Batch, inputs: list[dict[str, torch.Tensor]]) -> StepOutput:
+        """Forward (and sample) the rows on `inputs`. A row's state moves on
+        only once the whole step has succeeded, so a failed step can be run
+        again."""
         parts = [item.payload[0] for item in batch.items]
         step = parts[0].current_step()
         self.device_s = 0.0
         fn = self._timed(getattr(self.module, batch.mode))
         logprobs = None
         if self.kv is not None:
-            values, logprobs = self._run_tokens(batch.items, parts, step, fn)
+            values, logprobs = self._run_tokens([row[step.inputs[0]] for row in inputs], parts, step, fn)
         else:
             seeds = self._row_seeds(parts, step) if self._seeded(batch.mode) else None
-            values = self._run_plain(batch.items, step, fn, seeds)
+            values = self._run_plain(inputs, step, fn, seeds)
         return StepOutput(parts, values, logprobs)
 
     def _seeded(self, mode: str) -> bool:
@@ -84,19 +98,19 @@ class ComponentRunner:
 
     # ------------------------------------------------------------ KV rows
 
-    def _run_tokens(self, items: list[WorkItem], parts: list[PartitionRun], step: Step,
+    def _run_tokens(self, rows: list[torch.Tensor], parts: list[PartitionRun], step: Step,
                     fn) -> tuple[dict, torch.Tensor | None]:
         assert self.kv is not None
         ids, positions, lens, ctx, tables = [], [], [], [], []
-        for item, part in zip(items, parts):
-            toks = self._take(item, step.inputs[0]).reshape(-1)
+        for row, part in zip(rows, parts):
+            toks = row.reshape(-1)
             n = toks.numel()
             ids.append(toks)
             positions.append(torch.arange(part.kv_tokens, part.kv_tokens + n))
             lens.append(n)
             ctx.append(part.kv_tokens)
             tables.append(part.pages)
-        query_start = torch.zeros(len(items) + 1, dtype=torch.long)
+        query_start = torch.zeros(len(rows) + 1, dtype=torch.long)
         query_start[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.long), 0)
         input_ids = torch.cat(ids).to(self.device, torch.long)
         assert self.attention is not None
@@ -110,12 +124,14 @@ class ComponentRunner:
         )
         with torch.profiler.record_function("mstar.forward"):
             out = fn(batch)
+        if self.spec.samples:
+            tokens, logprobs = self._sample(out["logits"], parts, ids)
+            values = {step.outputs[0]: tokens}
+        else:
+            values, logprobs = self._name_outputs(step, out), None
         for part, n in zip(parts, lens):
             part.kv_tokens += n
-        if not self.spec.samples:
-            return self._name_outputs(step, out), None
-        tokens, logprobs = self._sample(out["logits"], parts, ids)
-        return {step.outputs[0]: tokens}, logprobs
+        return values, logprobs
 
     def _sample(self, logits: torch.Tensor, parts: list[PartitionRun],
                 inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -175,11 +191,12 @@ class ComponentRunner:
 
     # --------------------------------------------------------- plain rows
 
-    def _run_plain(self, items: list[WorkItem], step: Step, fn: Callable, seeds: torch.Tensor | None) -> dict:
+    def _run_plain(self, inputs: list[dict[str, torch.Tensor]], step: Step, fn: Callable,
+                   seeds: torch.Tensor | None) -> dict:
         """Rows stacked into one call (a captured graph where one fits), or
         one call per row when their shapes differ (a stream's short last
         chunk). `seeds` [B] on the host, for modes that take them."""
-        rows = {n: [self._take(item, n) for item in items] for n in step.inputs}
+        rows = {n: [row[n] for row in inputs] for n in step.inputs}
         if all(len({tuple(t.shape) for t in ts}) == 1 for ts in rows.values()):
             stacked = [torch.stack(ts if len({t.device for t in ts}) == 1 else [t.to(self.device) for t in ts])
                        for ts in rows.values()]
@@ -190,7 +207,7 @@ class ComponentRunner:
             return self._name_outputs(step, out)
         outs = [self._name_outputs(step, self._call(fn, [ts[i].unsqueeze(0) for ts in rows.values()],
                                                     None if seeds is None else seeds[i:i + 1]))
-                for i in range(len(items))]
+                for i in range(len(inputs))]
         return {n: [o[n][0] for o in outs] for n in step.outputs}
 
     def _call(self, fn: Callable, args: list[torch.Tensor], seeds: torch.Tensor | None):

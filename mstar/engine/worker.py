@@ -272,18 +272,24 @@ class DeviceWorker:
             batch.items = self.preemption.resume(batch.items)
             if not batch.items:
                 return
+        runner = self.runners[batch.component]
+        inputs: list[dict[str, torch.Tensor]] | None = None
         try:
+            inputs = runner.take_inputs(batch)
             with torch.profiler.record_function(f"mstar.{batch.component}.{batch.mode}"):
-                out = self.runners[batch.component].run(batch)
+                out = runner.compute(batch, inputs)
         except Exception as e:
             self.stats.failed_steps += 1
             log.exception("step failed", device=self.name, component=batch.component, mode=batch.mode,
                           rows=len(batch))
-            self._fail(batch, f"{type(e).__name__}: {e}")
+            if inputs is None or len(batch) == 1:
+                self._fail(batch, f"{type(e).__name__}: {e}")
+            else:
+                self._retry_alone(batch, inputs)
             return
         with torch.profiler.record_function("mstar.route"):
             # a sampling step has waited for its tokens already: reading them costs no wait
-            self._route(out, sampled=self.runners[batch.component].spec.samples)
+            self._route(out, sampled=runner.spec.samples)
         self.stats.steps += 1
         self.stats.rows += len(batch)
         r = self._report
@@ -302,7 +308,13 @@ class DeviceWorker:
             self.preemption.grow(group)  # may read the launched steps first
         prev = self._inflight.get(group)
         t0 = time.perf_counter()
-        sl = group.window(self.config.scheduler.max_num_seqs)
+        try:
+            sl = group.window(self.config.scheduler.max_num_seqs)
+        except Exception as e:  # the rows joining now failed to join (their prefill built the same tensors)
+            log.exception("rows could not join their decode group", device=self.name, component=group.component)
+            for rid in dict.fromkeys(group.joining()):
+                self.walker.abort(rid, "error", f"{type(e).__name__}: {e}")
+            sl = group.window(self.config.scheduler.max_num_seqs)
         n = sl.stop - sl.start
         launched: Pending | None = None
         if n:
@@ -383,6 +395,20 @@ class DeviceWorker:
         for item in batch.items:
             item.payload[0].busy = False
             self.walker.abort(item.request_id, "error", error)
+
+    def _retry_alone(self, batch: Batch, inputs: list[dict[str, torch.Tensor]]) -> None:
+        """A step of several rows failed: run each row on its own, so that a
+        row whose input breaks the step fails alone and its neighbours go on."""
+        runner = self.runners[batch.component]
+        for item, row in zip(batch.items, inputs):
+            alone = Batch(batch.component, batch.mode, [item])
+            try:
+                out = runner.compute(alone, [row])
+            except Exception as e:
+                log.warning("row failed on its own", device=self.name, request_id=item.request_id, error=repr(e))
+                self._fail(alone, f"{type(e).__name__}: {e}")
+            else:
+                self._route(out, sampled=runner.spec.samples)
 
     def _route(self, out: StepOutput, sampled: bool = False) -> None:
         """Fast postprocess of a step: emits, stop rules, then every row moves

@@ -15,6 +15,7 @@ from typing import Any
 from mstar.errors import RequestError
 
 _MISSING = object()
+INT64_LIMIT = 2**63
 
 
 def type_name(value: Any) -> str:
@@ -83,6 +84,9 @@ class Fields:
             value = int(value)
         if not is_int(value):
             raise self.error(key, f"must be an integer, not {type_name(value)}")
+        # JSON integers are unbounded; past int64 no tensor or counter can hold them
+        if not -INT64_LIMIT <= value < INT64_LIMIT:
+            raise self.error(key, f"is out of range, got {value}")
         if lo is not None and value < lo:
             raise self.error(key, f"must be at least {lo}, got {value}")
         if hi is not None and value > hi:
