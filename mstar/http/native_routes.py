@@ -30,7 +30,7 @@ from mstar.http.logprobs import native_logprobs
 from mstar.http.protocol import GenerateBody, parse_generate
 from mstar.http.responses import EventStream, client_gone, error_body, json_response
 from mstar.http.submission import (SPEAK_WALK, Choice, Submission, Target, encode_prompt, failure_of,
-                                   fit_max_tokens, model_defaults, resolve_model, submit, submit_inputs)
+                                   fit_max_tokens, model_defaults, off_loop, resolve_model, submit, submit_inputs)
 from mstar.types import OutputChunk
 
 if TYPE_CHECKING:
@@ -40,7 +40,8 @@ log = structlog.get_logger("mstar.http")
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
-    body = parse_generate(await request.read())
+    raw = await request.read()
+    body = await off_loop(len(raw), parse_generate, raw)
     engine = request.app[ENGINE]
     target = resolve_model(engine, body.model)
     request_id = f"gen-{uuid.uuid4().hex}"
@@ -51,7 +52,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         sub = _submit_speech(engine, request_id, target, body)
     else:
         field = "text" if isinstance(body.prompt, str) else "input_ids"
-        ids = encode_prompt(target, body.prompt, field)
+        ids = await off_loop(len(body.prompt), encode_prompt, target, body.prompt, field)
         limit = fit_max_tokens(body.sampling.max_tokens, len(ids), target.max_model_len, field,
                                "sampling_params.max_tokens")
         sub = submit(engine, request_id, target, [ids], body.sampling, [limit], walk=body.walk)

@@ -21,10 +21,10 @@ from aiohttp import web
 from mstar.errors import ModelNotFound
 from mstar.http.keys import ENGINE, STARTED
 from mstar.http.logprobs import LogprobShapes
-from mstar.http.protocol import parse_chat, parse_completion
+from mstar.http.protocol import CompletionBody, parse_chat, parse_completion
 from mstar.http.responses import EventStream, client_gone, error_body, json_response
-from mstar.http.submission import (Choice, Submission, encode_chat, encode_prompt, failure_of, fit_max_tokens,
-                                   resolve_model, submit)
+from mstar.http.submission import (Choice, Submission, Target, encode_chat, encode_prompt, failure_of,
+                                   fit_max_tokens, off_loop, resolve_model, submit)
 from mstar.types import ModelCard, OutputChunk
 
 log = structlog.get_logger("mstar.http")
@@ -67,16 +67,11 @@ def _model(request: web.Request, card: ModelCard) -> dict[str, Any]:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    body = parse_completion(await request.read())
+    raw = await request.read()
+    body = await off_loop(len(raw), parse_completion, raw)
     engine = request.app[ENGINE]
     target = resolve_model(engine, body.model)
-    many = len(body.prompts) > 1
-    prompts, limits = [], []
-    for i, prompt in enumerate(body.prompts):
-        name = f"prompt[{i}]" if many else "prompt"
-        ids = encode_prompt(target, prompt, name)
-        prompts.append(ids)
-        limits.append(fit_max_tokens(body.max_tokens, len(ids), target.max_model_len, name, "max_tokens"))
+    prompts, limits = await off_loop(sum(len(p) for p in body.prompts), _encode_prompts, target, body)
     reply = Reply(f"cmpl-{uuid.uuid4().hex}", "text_completion", int(time.time()), target.name)
     sub = submit(engine, reply.id, target, prompts, body.sampling, limits, body.n)
     shapes = LogprobShapes(target.tokenizer) if body.sampling.logprobs is not None else None
@@ -90,10 +85,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    body = parse_chat(await request.read())
+    raw = await request.read()
+    body = await off_loop(len(raw), parse_chat, raw)
     engine = request.app[ENGINE]
     target = resolve_model(engine, body.model)
-    ids = encode_chat(target, body.messages, body.add_generation_prompt)
+    ids = await off_loop(sum(len(m["content"]) for m in body.messages), encode_chat, target, body.messages,
+                         body.add_generation_prompt)
     limit = fit_max_tokens(body.max_tokens, len(ids), target.max_model_len, "messages", body.max_tokens_field)
     reply = Reply(f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", int(time.time()), target.name)
     sub = submit(engine, reply.id, target, [ids], body.sampling, [limit], body.n)
@@ -109,6 +106,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return json_response(reply.body([_chat_message(c, shapes) for c in choices], usage=sub.usage()))
     finally:
         await sub.aclose()
+
+
+def _encode_prompts(target: Target, body: CompletionBody) -> tuple[list[list[int]], list[int]]:
+    """Each prompt's ids and how many tokens it may generate."""
+    many = len(body.prompts) > 1
+    prompts, limits = [], []
+    for i, prompt in enumerate(body.prompts):
+        name = f"prompt[{i}]" if many else "prompt"
+        ids = encode_prompt(target, prompt, name)
+        prompts.append(ids)
+        limits.append(fit_max_tokens(body.max_tokens, len(ids), target.max_model_len, name, "max_tokens"))
+    return prompts, limits
 
 
 async def stream_sse(request: web.Request, sub: Submission, reply: Reply, piece: Piece,

@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from mstar.errors import ModelNotFound, MstarError, RequestError
 from mstar.http.protocol import Prompt
@@ -23,7 +23,10 @@ if TYPE_CHECKING:
     from mstar.engine.engine import Engine, RequestStream
 
 
+R = TypeVar("R")
+
 SPEAK_WALK = "speak"  # the walk of speech models: text and a voice in, audio out
+OFF_LOOP_SIZE = 1 << 16  # request bodies and prompts from this size on are parsed and tokenised on a thread
 
 
 class GenerationFailed(MstarError):
@@ -71,11 +74,31 @@ def resolve_model(engine: Engine, requested: str | None) -> Target:
                   default_walk=card.default_walk)
 
 
+async def off_loop(size: int, fn: Callable[..., R], *args: Any) -> R:
+    """`fn(*args)`, run on a thread when its input is `size` >= `OFF_LOOP_SIZE`
+    (characters, bytes or ids): parsing and tokenising a long prompt would
+    stall every other client of the event loop meanwhile."""
+    if size < OFF_LOOP_SIZE:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
+def check_length(target: Target, chars: int, field_name: str) -> None:
+    """Refuse a text that cannot fit the context before tokenising it: it has
+    at least `chars / max_token_bytes` tokens, whatever they turn out to be."""
+    per_token = getattr(target.tokenizer, "max_token_bytes", None)
+    if per_token and chars > target.max_model_len * per_token:
+        raise RequestError(
+            f"the prompt is {chars} characters, so at least {chars // per_token} tokens, more than the model's "
+            f"context of {target.max_model_len} tokens", field=field_name)
+
+
 def encode_prompt(target: Target, prompt: Prompt, field_name: str) -> list[int]:
     """Text through the tokenizer (with its special tokens), or ids as given
     once checked against the vocabulary."""
     _need_tokenizer(target)
     if isinstance(prompt, str):
+        check_length(target, len(prompt), field_name)
         ids = list(target.tokenizer.encode(prompt, add_special_tokens=True))
     else:
         ids = list(prompt)
@@ -92,6 +115,7 @@ def encode_chat(target: Target, messages: Sequence[dict[str, str]], add_generati
     """Messages through the model's chat template, then the tokenizer; the
     template already placed the special tokens, so encoding adds none."""
     _need_tokenizer(target)
+    check_length(target, sum(len(m.get("content") or "") for m in messages), "messages")
     try:
         text = target.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt)
     except (ValueError, TypeError, KeyError) as e:

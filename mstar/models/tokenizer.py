@@ -9,6 +9,7 @@ Importable without torch.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -25,6 +26,8 @@ END_OF_TEXT = "<|end_of_text|>"
 START_HEADER = "<|start_header_id|>"
 END_HEADER = "<|end_header_id|>"
 EOT = "<|eot_id|>"
+# from this length on a text is encoded through the call that lets other threads run
+LONG_TEXT_CHARS = 16_384
 BYTE_TOKENIZER_SPECIALS = (BEGIN_OF_TEXT, END_OF_TEXT, START_HEADER, END_HEADER, EOT)
 # byte b has id b; specials follow in the order above
 BYTE_TOKENIZER_VOCAB_SIZE = 256 + len(BYTE_TOKENIZER_SPECIALS)
@@ -106,6 +109,12 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The longest token's text in UTF-8 bytes: a text of n characters
+        has at least n / max_token_bytes tokens, known without tokenising it."""
+        return max((len(t.encode()) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
@@ -117,7 +126,10 @@ class Tokenizer:
         BOS when the folder asks for one (its post-processor or `add_bos_token`),
         even when `text` already starts with the BOS token (a rendered chat
         template usually does)."""
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) < LONG_TEXT_CHARS:
+            ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        else:  # the batch call releases the GIL while it works: other threads run meanwhile
+            ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         bos = self.bos_token_id
         if not add_special_tokens or bos is None:
             return ids
