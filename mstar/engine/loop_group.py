@@ -124,6 +124,7 @@ class LoopGroup:
         idx = [i for i, (r, p) in enumerate(zip(self.request_ids, self.partitions))
                if r == request_id and (partition is None or p == partition)]
         for i in idx:
+            self.rows[i].generated = int(self.counters[i])  # what it sampled counts, though it ends early
             out.append(Leave(self.rows[i], self.tokens[i].clone(), None))
         self._drop(idx, self.seq)
         return out

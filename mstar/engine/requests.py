@@ -170,6 +170,12 @@ class RequestStream:
         self._abort = abort
         self._done = False
 
+    @property
+    def num_generated(self) -> int | None:
+        """Tokens the workers sampled for the request, once each is done with
+        it (after an abort, a step after the last chunk); None before."""
+        return self._state.num_generated if self._state.shards_left == 0 else None
+
     def __aiter__(self) -> AsyncIterator[OutputChunk]:
         return self._iterate()
 

@@ -74,9 +74,11 @@ class Turns:
         return (run.walk.more_input is not None and part.plan.parent is None and part.plan.stream is None
                 and reason in ("stop", "length") and (run.input_open or bool(run.more)))
 
-    def end(self, part: PartitionRun, loop: Loop, last_token: int | None) -> None:
-        """`part`'s loop ended a turn on `last_token` (None: read it from the
-        store, a device read): cut its streams, then go on or wait."""
+    def end(self, part: PartitionRun, loop: Loop, reason: str, last_token: int | None) -> None:
+        """`part`'s loop ended a turn (`reason`: "stop" or "length") on
+        `last_token` (None: read it from the store, a device read): cut its
+        streams, then go on or wait."""
+        part.request.root_reason = reason  # the input may close now: the request then ends as this turn did
         if last_token is None:
             last_token = int(self.walker.store.get(part.values[loop.value]).reshape(-1)[-1])
         part.turn_token = last_token
@@ -98,6 +100,7 @@ class Turns:
         ids = self.join_turn(part.turn_token, run.more.pop(0))
         room = walker.max_model_len - part.kv_tokens - len(ids)
         part.awaiting_input = False
+        run.root_reason = None
         if room < 1:  # the context is full: the request ends as if its cap was reached
             run.root_reason = "length"
             part.cursor = len(part.plan.nodes)

@@ -230,7 +230,7 @@ class Walker:
         before = part.cursor
         if reason is not None and loop is not None:
             if self.turns.ends_turn(part, reason):
-                self.turns.end(part, loop, tokens.get(loop.value) if tokens else None)
+                self.turns.end(part, loop, reason, tokens.get(loop.value) if tokens else None)
                 return
             if part.plan.parent is None:
                 part.request.root_reason = reason
