@@ -288,7 +288,7 @@ def test_realtime_session_speaks_cancels_and_reports_errors(speech_url: str, tmp
                                                        input_linger_ms=0, seed=3) as rt:
         assert rt.session["audio"]["output"]["voice"] == "leo"
         reply = rt.speak("hello from the sdk")
-        assert reply.status == "completed" and reply.transcript == "hello from the sdk"
+        assert reply.status == "incomplete" and reply.transcript == "hello from the sdk"  # cut at 35 tokens
         # at most four frames (random weights write a non-audio id now and then), whole ones
         assert 0 < len(reply.audio) <= 4 * 2048 * 2 and len(reply.audio) % 4096 == 0
         assert reply.first_delta_s is not None

@@ -79,7 +79,8 @@ async def test_text_in_audio_out(speech) -> None:
     kinds = [e.type for e in seen]
     assert kinds.index("conversation.item.added") < kinds.index("response.created") < kinds.index(
         "response.output_audio.delta") < kinds.index("response.output_audio.done")
-    assert done.response.status == "completed"
+    assert done.response.status == "incomplete"  # cut by max_output_tokens
+    assert done.response.status_details.reason == "max_output_tokens"
     assert 0 < _frames(_audio(seen)) <= 4  # one turn of five frames plays four
     transcript = next(e for e in seen if e.type == "response.output_audio_transcript.done").transcript
     assert transcript == "hello world"
@@ -110,7 +111,7 @@ async def test_cancel_mid_response_then_the_session_goes_on(speech) -> None:
         await conn.conversation.item.create(item=_user("again"))
         await conn.response.create()
         again = await _until(conn, "response.done", seen)
-        assert again.response.status == "completed"
+        assert again.response.status == "incomplete"
 
 
 async def test_text_appended_mid_response_is_spoken_in_the_same_request(speech) -> None:
@@ -128,7 +129,7 @@ async def test_text_appended_mid_response_is_spoken_in_the_same_request(speech) 
         done = await _until(conn, "response.done", seen)
     responses = {e.response.id for e in seen if e.type == "response.created"}
     assert len(responses) == 1
-    assert done.response.status == "completed"
+    assert done.response.status == "incomplete"
     assert 0 < _frames(_audio(seen)) <= 8  # two turns in one response
     assert done.response.usage.output_tokens == 2 * SHORT
     deltas = [e.delta for e in seen if e.type == "response.output_audio_transcript.delta"]

@@ -20,6 +20,7 @@ import orjson
 
 # what mstar speaks on the websocket: 24 kHz mono PCM16 both ways
 AUDIO_FORMAT = {"type": "audio/pcm", "rate": 24_000}
+MODALITIES = ("text", "audio")
 # a speech request's input stays open this long after the model caught up,
 # so text sent while the audio still plays joins the same request
 DEFAULT_INPUT_LINGER_MS = 1000
@@ -116,8 +117,9 @@ def item_text(item: dict[str, Any], where: str) -> str:
         if kind in ("input_text", "text", "output_text"):
             texts.append(field_of(part, "text", str, path))
         elif kind in ("input_audio", "output_audio", "audio"):
-            if part.get("transcript"):
-                texts.append(str(part["transcript"]))
+            transcript = field_of(part, "transcript", str, path, required=False)
+            if transcript:
+                texts.append(transcript)
             elif kind == "input_audio":
                 raise ProtocolError("this model takes no audio input", "audio_input_not_supported", path)
         else:
@@ -125,13 +127,22 @@ def item_text(item: dict[str, Any], where: str) -> str:
     return "".join(texts)
 
 
-def output_limit(value: Any, param: str) -> int | None:
-    """A `max_output_tokens` value: a positive integer, or "inf" (None)."""
-    if value == "inf":
+def output_limit(value: Any, param: str, most: int) -> int | None:
+    """A `max_output_tokens` value: a positive integer up to `most` (the
+    model's context: more could never be written), or "inf" (None)."""
+    if isinstance(value, str) and value == "inf":
         return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ProtocolError(f"'{param}' must be a positive integer or 'inf'", "invalid_value", param)
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= most:
+        raise ProtocolError(f"'{param}' must be an integer in [1, {most}] or 'inf'", "invalid_value", param)
     return value
+
+
+def check_format(fmt: Any, param: str) -> None:
+    """An audio `format`, if given, must be what mstar speaks."""
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != AUDIO_FORMAT["type"]
+                            or fmt.get("rate", AUDIO_FORMAT["rate"]) != AUDIO_FORMAT["rate"]):
+        raise ProtocolError("only 24 kHz PCM16 audio ('audio/pcm', rate 24000) is supported",
+                            "unsupported_audio_format", param)
 
 
 # -------------------------------------------------------------- session
@@ -147,6 +158,7 @@ class SessionConfig:
     speaks: bool
     voices: tuple[str, ...]
     voice: str | None
+    max_model_len: int
     instructions: str = ""
     max_output_tokens: int | None = None
     input_linger_ms: int = DEFAULT_INPUT_LINGER_MS
@@ -187,7 +199,8 @@ class SessionConfig:
         instructions = field_of(session, "instructions", str, "session", required=False)
         self.check_modalities(session, "session")
         raw_limit = session.get("max_output_tokens")
-        limit = output_limit(raw_limit, "session.max_output_tokens") if raw_limit is not None else None
+        limit = (output_limit(raw_limit, "session.max_output_tokens", self.max_model_len)
+                 if raw_limit is not None else None)
         audio = field_of(session, "audio", dict, "session", required=False) or {}
         voice = self._audio(audio)
         linger, seed = self._extension(session)
@@ -207,11 +220,7 @@ class SessionConfig:
         inp = field_of(audio, "input", dict, "session.audio", required=False) or {}
         out = field_of(audio, "output", dict, "session.audio", required=False) or {}
         for where, part in (("input", inp), ("output", out)):
-            fmt = part.get("format")
-            if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "audio/pcm"
-                                    or fmt.get("rate", 24_000) != 24_000):
-                raise ProtocolError("only 24 kHz PCM16 audio ('audio/pcm', rate 24000) is supported",
-                                    "unsupported_audio_format", f"session.audio.{where}.format")
+            check_format(part.get("format"), f"session.audio.{where}.format")
         if inp.get("turn_detection") is not None:
             raise ProtocolError("server-side turn detection is not supported; set it to null and commit the "
                                 "input audio buffer yourself", "unsupported_turn_detection",
@@ -231,7 +240,13 @@ class SessionConfig:
     def check_modalities(self, obj: dict[str, Any], where: str) -> None:
         """`output_modalities`, if given, must be what the model answers in."""
         modalities = field_of(obj, "output_modalities", list, where, required=False)
-        if modalities is not None and sorted(modalities) != self.modalities:
+        if modalities is None:
+            return
+        for i, modality in enumerate(modalities):
+            if not isinstance(modality, str) or modality not in MODALITIES:
+                param = f"{where}.output_modalities[{i}]"
+                raise ProtocolError(f"'{param}' must be one of {', '.join(MODALITIES)}", "invalid_value", param)
+        if sorted(set(modalities)) != self.modalities:
             raise ProtocolError(f"model '{self.model}' answers in {self.modalities}, not {modalities}",
                                 "invalid_value", f"{where}.output_modalities")
 

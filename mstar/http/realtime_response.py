@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("mstar.realtime")
 
 SAMPLE_RATE = 24_000
+SETTLE_S = 1.0  # how long a cancelled response waits for the workers' count of what they sampled
 
 
 @dataclass(frozen=True)
@@ -160,7 +161,8 @@ class ActiveResponse:
             if self._linger is not None:
                 self._linger.cancel()
             self.more_input_open = False
-            self._finish(last)
+            generated = await self._generated() if self.cancelled else None
+            self._finish(last, generated)
             self._on_done(self)
 
     def _chunk(self, chunk: OutputChunk) -> None:
@@ -177,7 +179,17 @@ class ActiveResponse:
             linger = self.session.config.input_linger_ms / 1000
             self._linger = asyncio.get_running_loop().call_later(linger, self._close_input)
 
-    def _finish(self, last: OutputChunk | None) -> None:
+    async def _generated(self) -> int | None:
+        """The tokens the engine sampled before the cancel. The abort's chunk
+        comes at once and cannot know them for a walk that emits audio, not
+        tokens; the workers tell within a step."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + SETTLE_S
+        while self.stream.num_generated is None and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        return self.stream.num_generated
+
+    def _finish(self, last: OutputChunk | None, generated: int | None) -> None:
         reason = "abort" if self.cancelled else (last.finish_reason if last is not None else "error")
         status, why = _STATUS.get(reason or "error", ("failed", None))
         done_part = self._part(True)
@@ -198,6 +210,7 @@ class ActiveResponse:
                                 "message": (last.error if last is not None else None) or "the response failed"}
         usage = None
         if last is not None:
-            usage = {"input_tokens": last.num_prompt_tokens, "output_tokens": last.num_output_tokens,
-                     "total_tokens": last.num_prompt_tokens + last.num_output_tokens}
+            output = max(last.num_output_tokens, generated or 0)
+            usage = {"input_tokens": last.num_prompt_tokens, "output_tokens": output,
+                     "total_tokens": last.num_prompt_tokens + output}
         self._send("response.done", response=self._response(status, status_details=details, usage=usage))

@@ -4,9 +4,12 @@ The model comes from the `model` query parameter (default: the served one);
 an unknown model is refused before the upgrade (404). Then one reader (this
 handler) feeds client events to the `RealtimeSession` in order, and one
 writer task sends what the session queues, in order. A bad event gets an
-`error` event and the socket stays open; a message over the size limit gets
-one too, then the close aiohttp makes. Closing the socket cancels the
-session's response and frees everything it held.
+`error` event and the socket stays open. A message over the size limit
+closes the socket with 1009 and a reason; the client is still sending it
+then, so the connection stays half-open until it has stopped (or a grace
+period passed): closed at once, the client would get a reset and lose the
+close frame. Closing the socket cancels the session's response and frees
+everything it held.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from typing import Any
 
 import orjson
 import structlog
-from aiohttp import WSMsgType, web
+from aiohttp import WSCloseCode, WSMsgType, web
 
 from mstar.http.keys import ENGINE
 from mstar.http.realtime_protocol import ProtocolError, error_event, parse_event
@@ -27,13 +30,35 @@ log = structlog.get_logger("mstar.realtime")
 
 MAX_MESSAGE_BYTES = 16 * 2**20  # a client event (an audio append, say); larger ones close the socket (1009)
 HEARTBEAT_S = 30.0
+TOO_BIG_GRACE_S = 5.0  # how long a client sending a message over the limit may take to stop
+
+
+class _Socket(web.WebSocketResponse):
+    """aiohttp's websocket, but a message over the size limit closes with a
+    reason, and the transport only half-closes (the handler closes it once
+    the client stopped sending)."""
+
+    too_big = False
+
+    async def close(self, *, code: int = WSCloseCode.OK, message: bytes = b"", drain: bool = True) -> bool:
+        if code == WSCloseCode.MESSAGE_TOO_BIG and not self.closed:
+            self.too_big = True
+            message = message or f"a client event may be at most {MAX_MESSAGE_BYTES} bytes".encode()
+        return await super().close(code=code, message=message, drain=drain)
+
+    def _close_transport(self) -> None:
+        transport = self._req.transport if self._req is not None else None
+        if self.too_big and transport is not None and transport.can_write_eof():
+            transport.write_eof()  # the close frame goes out; what the client still sends is read and dropped
+            return
+        super()._close_transport()
 
 
 async def realtime(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     target = resolve_model(engine, request.query.get("model"))
     card = next(c for c in engine.model_cards() if c.name == target.name)
-    ws = web.WebSocketResponse(max_msg_size=MAX_MESSAGE_BYTES, heartbeat=HEARTBEAT_S)
+    ws = _Socket(max_msg_size=MAX_MESSAGE_BYTES, heartbeat=HEARTBEAT_S)
     await ws.prepare(request)
     outbox: asyncio.Queue[bytes | None] = asyncio.Queue()
 
@@ -50,8 +75,7 @@ async def realtime(request: web.Request) -> web.StreamResponse:
             if msg.type in (WSMsgType.TEXT, WSMsgType.BINARY):
                 await _handle(session, msg.data, send)
             elif msg.type == WSMsgType.ERROR:
-                error = ProtocolError(f"the websocket failed: {ws.exception()}", "websocket_error")
-                send(error_event(error))
+                log.info("realtime socket failed", session_id=session.config.session_id, error=str(ws.exception()))
                 break
     finally:
         await session.close()
@@ -61,8 +85,18 @@ async def realtime(request: web.Request) -> web.StreamResponse:
         except (TimeoutError, ConnectionError):
             writer.cancel()
         await ws.close()
+        if ws.too_big:
+            await _client_stopped(request)
         log.info("realtime session closed", session_id=session.config.session_id)
     return ws
+
+
+async def _client_stopped(request: web.Request) -> None:
+    """Wait until the client closed its end, at most `TOO_BIG_GRACE_S`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + TOO_BIG_GRACE_S
+    while request.transport is not None and not request.transport.is_closing() and loop.time() < deadline:
+        await asyncio.sleep(0.05)
 
 
 async def _handle(session: RealtimeSession, data: str | bytes, send) -> None:

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import structlog
 
 from mstar.errors import MstarError, RequestError
-from mstar.http.realtime_protocol import (ProtocolError, SessionConfig, decode_audio, event, field_of, item_text,
-                                          new_id, output_limit)
+from mstar.http.realtime_protocol import (ProtocolError, SessionConfig, check_format, decode_audio, event, field_of,
+                                          item_text, new_id, output_limit)
 from mstar.http.realtime_response import ActiveResponse, ResponsePlan
 from mstar.http.submission import SPEAK_WALK, Target, encode_chat, encode_prompt, model_defaults
 from mstar.types import GenerateRequest, ModelCard
@@ -35,6 +35,9 @@ if TYPE_CHECKING:
 log = structlog.get_logger("mstar.realtime")
 
 ROLES = ("user", "system", "assistant")
+# the engine's and the model's names (before any '.' or '[') for what the client gave a response
+ENGINE_FIELDS = {"input": "response.input", "prompt": "response.input", "messages": "response.input",
+                 "voice": "response.audio.output.voice", "seed": "session.mstar.seed"}
 
 
 class RealtimeSession:
@@ -45,7 +48,7 @@ class RealtimeSession:
         self.send = send
         self.speaks = SPEAK_WALK in target.walks
         self.config = SessionConfig(new_id("sess"), target.name, self.speaks, tuple(card.voices),
-                                    (card.voices[0] if card.voices else None))
+                                    (card.voices[0] if card.voices else None), target.max_model_len)
         self.items: list[dict[str, Any]] = []
         self.unanswered: list[str] = []  # user text since the last response (what a speech model says next)
         self.response: ActiveResponse | None = None
@@ -100,10 +103,13 @@ class RealtimeSession:
         if role not in ROLES:
             raise ProtocolError(f"'item.role' must be one of {', '.join(ROLES)}", "invalid_value", "item.role")
         text = item_text(item, "item")
-        previous = obj.get("previous_item_id")
+        previous = field_of(obj, "previous_item_id", str, "", required=False)
         index = len(self.items)
-        if previous is not None:
+        if previous == "root":
+            index = 0
+        elif previous is not None:
             index = self._index(previous, "previous_item_id") + 1
+        field_of(item, "id", str, "item", required=False)
         if any(i["id"] == item.get("id") for i in self.items):
             raise ProtocolError(f"an item with id '{item['id']}' exists already", "duplicate_item_id", "item.id")
         item.setdefault("id", new_id("item"))
@@ -175,12 +181,13 @@ class RealtimeSession:
             raise ProtocolError(f"response '{self.response.id}' is still in progress; cancel it or wait for "
                                 "response.done", "conversation_already_has_active_response")
         params = field_of(obj, "response", dict, "", required=False) or {}
-        plan = self._plan(params)
+        limit, limit_param = self._limit(params)
         try:
+            plan = self._plan(params, limit)
             await self.engine.admit()
             stream = self.engine.submit(plan.request)
         except RequestError as e:
-            raise ProtocolError(e.message, e.code or "invalid_request", e.field) from None
+            raise ProtocolError(e.message, e.code or "invalid_request", _param(e.field, limit_param)) from None
         except MstarError as e:
             raise ProtocolError(str(e), "server_error", kind="server_error") from None
         if plan.spoken is not None:
@@ -194,21 +201,34 @@ class RealtimeSession:
         if self.response is resp:
             self.response = None
 
-    def _plan(self, params: dict[str, Any]) -> ResponsePlan:
+    def _limit(self, params: dict[str, Any]) -> tuple[int | None, str | None]:
+        """The response's max_output_tokens and the param that set it; (None,
+        None): no limit, the model's default applies."""
+        raw = params.get("max_output_tokens")
+        if raw is None:
+            limit, param = self.config.max_output_tokens, "session.max_output_tokens"
+        else:
+            param = "response.max_output_tokens"
+            limit = output_limit(raw, param, self.target.max_model_len)
+        return limit, (param if limit is not None else None)
+
+    def _plan(self, params: dict[str, Any], limit: int | None) -> ResponsePlan:
         """The engine request a `response.create` starts."""
         self.config.check_modalities(params, "response")
-        limit = params.get("max_output_tokens", self.config.max_output_tokens)
-        limit = output_limit(limit, "response.max_output_tokens") if limit is not None else None
+        instructions = field_of(params, "instructions", str, "response", required=False)
+        audio = field_of(params, "audio", dict, "response", required=False) or {}
+        output = field_of(audio, "output", dict, "response.audio", required=False) or {}
+        check_format(output.get("format"), "response.audio.output.format")
+        asked_voice = field_of(output, "voice", str, "response.audio.output", required=False)
         given = field_of(params, "input", list, "response", required=False)
         texts = self._input_texts(given) if given is not None else None
         rid = new_id("resp")
         defaults = model_defaults(self.engine)
         sampling = dataclasses.replace(defaults, max_tokens=limit or defaults.max_tokens, seed=self.config.seed)
         if self.speaks:
-            audio = ((params.get("audio") or {}).get("output") or {}) if isinstance(params.get("audio"), dict) else {}
             voice = self.config.voice
-            if audio.get("voice") is not None:
-                voice = self.config.check_voice(str(audio["voice"]), "response.audio.output.voice")
+            if asked_voice is not None:
+                voice = self.config.check_voice(asked_voice, "response.audio.output.voice")
             spoken = " ".join(t["content"] for t in texts if t["role"] == "user") if texts is not None \
                 else " ".join(self.unanswered)
             if not spoken.strip():
@@ -217,7 +237,7 @@ class RealtimeSession:
             request = GenerateRequest(rid, self.target.name, {"text": spoken, "voice": voice}, sampling,
                                       walk=SPEAK_WALK, more_input=True)
             return ResponsePlan(rid, request, modality="audio", spoken=spoken, voice=voice)
-        instructions = params.get("instructions", self.config.instructions)
+        instructions = self.config.instructions if instructions is None else instructions
         messages = ([{"role": "system", "content": instructions}] if instructions else [])
         messages += texts if texts is not None else [
             {"role": i["role"], "content": item_text(i, "item")} for i in self.items if i.get("type") == "message"]
@@ -243,18 +263,34 @@ class RealtimeSession:
             where = f"response.input[{i}]"
             if not isinstance(item, dict):
                 raise ProtocolError(f"'{where}' must be an object", "invalid_value", where)
-            if item.get("type") == "item_reference":
-                item = self.items[self._index(item.get("id"), f"{where}.id")]
+            kind = item.get("type", "message")
+            if kind == "item_reference":
+                item = self.items[self._index(field_of(item, "id", str, where), f"{where}.id")]
+            elif kind != "message":
+                raise ProtocolError(f"item type {kind!r} is not supported (only 'message' and 'item_reference')",
+                                    "unsupported_item_type", f"{where}.type")
             role = field_of(item, "role", str, where)
+            if role not in ROLES:
+                raise ProtocolError(f"'{where}.role' must be one of {', '.join(ROLES)}", "invalid_value",
+                                    f"{where}.role")
             out.append({"role": role, "content": item_text(item, where)})
         return out
 
     async def _on_response_cancel(self, obj: dict[str, Any]) -> None:
         resp = self.response
-        wanted = obj.get("response_id")
+        wanted = field_of(obj, "response_id", str, "", required=False)
         if resp is None or (wanted is not None and wanted != resp.id):
             raise ProtocolError("there is no active response to cancel" if resp is None else
                                 f"response '{wanted}' is not the active one", "response_cancel_not_active",
                                 "response_id" if wanted is not None else None)
         resp.cancel()
         await resp.wait()
+
+
+def _param(field: str | None, limit_param: str | None) -> str | None:
+    """The realtime name of a field the engine or the model refused."""
+    if field is None:
+        return None
+    # a limit the client did not set is the model's default: then the text is what does not fit
+    renamed = {**ENGINE_FIELDS, "max_tokens": limit_param or "response.input"}
+    return renamed.get(field.split(".")[0].split("[")[0], field)

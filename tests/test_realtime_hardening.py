@@ -1,0 +1,228 @@
+"""`/v1/realtime` against malformed client events, on CPU: every field the
+session reads, given a wrong type or value, gets an `error` event naming its
+full path and the client's event_id, and the socket then runs a response;
+a message over the size limit closes with 1009 and a reason; a response cut
+by max_output_tokens ends `incomplete`; a cancelled one counts the tokens
+the engine sampled."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+from http_support import running_engine, serving
+
+from mstar.engine.engine import Engine
+from mstar.http.realtime_routes import MAX_MESSAGE_BYTES
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+SHORT = 35  # tokens a turn: five frames
+
+
+def _user(text: str) -> dict[str, Any]:
+    return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+
+
+def _with(content: Any) -> dict[str, Any]:
+    return {"type": "message", "role": "user", "content": content}
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def speech() -> AsyncIterator[tuple[Engine, str]]:
+    async with running_engine("orpheus-tiny") as engine, serving(engine) as url:
+        yield engine, url
+
+
+async def _socket(http: aiohttp.ClientSession, url: str) -> aiohttp.ClientWebSocketResponse:
+    """A session whose responses end as soon as the model has spoken."""
+    ws = await http.ws_connect(url.replace("http://", "ws://") + "/v1/realtime?model=orpheus-tiny")
+    assert (await ws.receive_json())["type"] == "session.created"
+    await ws.send_json({"type": "session.update", "session": {"mstar": {"input_linger_ms": 0, "seed": 7}}})
+    assert (await ws.receive_json())["type"] == "session.updated"
+    return ws
+
+
+async def _until(ws: aiohttp.ClientWebSocketResponse, kind: str, seen: list[dict[str, Any]] | None = None,
+                 ) -> dict[str, Any]:
+    while True:
+        ev = await ws.receive_json(timeout=30)
+        if seen is not None:
+            seen.append(ev)
+        if ev["type"] == kind:
+            return ev
+
+
+# (event, the param its error names); "known" is a user item each socket creates first
+MALFORMED: list[tuple[dict[str, Any], str]] = [
+    ({"type": "session.update", "session": 5}, "session"),
+    ({"type": "session.update", "session": {"type": 5}}, "session.type"),
+    ({"type": "session.update", "session": {"model": 5}}, "session.model"),
+    ({"type": "session.update", "session": {"instructions": 5}}, "session.instructions"),
+    ({"type": "session.update", "session": {"output_modalities": [1, "a"]}}, "session.output_modalities[0]"),
+    ({"type": "session.update", "session": {"output_modalities": ["audio", "a"]}}, "session.output_modalities[1]"),
+    ({"type": "session.update", "session": {"output_modalities": [["audio"]]}}, "session.output_modalities[0]"),
+    ({"type": "session.update", "session": {"output_modalities": "audio"}}, "session.output_modalities"),
+    ({"type": "session.update", "session": {"output_modalities": ["text"]}}, "session.output_modalities"),
+    ({"type": "session.update", "session": {"max_output_tokens": 2**63}}, "session.max_output_tokens"),
+    ({"type": "session.update", "session": {"max_output_tokens": "x"}}, "session.max_output_tokens"),
+    ({"type": "session.update", "session": {"max_output_tokens": [1]}}, "session.max_output_tokens"),
+    ({"type": "session.update", "session": {"audio": 5}}, "session.audio"),
+    ({"type": "session.update", "session": {"audio": {"output": "x"}}}, "session.audio.output"),
+    ({"type": "session.update", "session": {"audio": {"input": 5}}}, "session.audio.input"),
+    ({"type": "session.update", "session": {"audio": {"output": {"voice": 5}}}}, "session.audio.output.voice"),
+    ({"type": "session.update", "session": {"audio": {"output": {"format": "pcm16"}}}},
+     "session.audio.output.format"),
+    ({"type": "session.update", "session": {"audio": {"input": {"format": {"type": "audio/pcm", "rate": "x"}}}}},
+     "session.audio.input.format"),
+    ({"type": "session.update", "session": {"mstar": 5}}, "session.mstar"),
+    ({"type": "session.update", "session": {"mstar": {"seed": "x"}}}, "session.mstar.seed"),
+    ({"type": "session.update", "session": {"mstar": {"seed": 2**64}}}, "session.mstar.seed"),
+    ({"type": "session.update", "session": {"mstar": {"input_linger_ms": 1.5}}}, "session.mstar.input_linger_ms"),
+    ({"type": "response.create", "response": 5}, "response"),
+    ({"type": "response.create", "response": {"audio": 5}}, "response.audio"),
+    ({"type": "response.create", "response": {"audio": {"output": 5}}}, "response.audio.output"),
+    ({"type": "response.create", "response": {"audio": {"output": "x"}}}, "response.audio.output"),
+    ({"type": "response.create", "response": {"audio": {"output": {"voice": 5}}}}, "response.audio.output.voice"),
+    ({"type": "response.create", "response": {"audio": {"output": {"voice": "nobody"}}, "input": [_user("hi")]}},
+     "response.audio.output.voice"),
+    ({"type": "response.create", "response": {"audio": {"output": {"format": {"type": "audio/pcmu"}}}}},
+     "response.audio.output.format"),
+    ({"type": "response.create", "response": {"instructions": 5}}, "response.instructions"),
+    ({"type": "response.create", "response": {"max_output_tokens": 2**63}}, "response.max_output_tokens"),
+    ({"type": "response.create", "response": {"max_output_tokens": 0}}, "response.max_output_tokens"),
+    ({"type": "response.create", "response": {"max_output_tokens": True}}, "response.max_output_tokens"),
+    ({"type": "response.create", "response": {"max_output_tokens": "infinite"}}, "response.max_output_tokens"),
+    ({"type": "response.create", "response": {"output_modalities": [1, "a"]}}, "response.output_modalities[0]"),
+    ({"type": "response.create", "response": {"input": "hi"}}, "response.input"),
+    ({"type": "response.create", "response": {"input": [5]}}, "response.input[0]"),
+    ({"type": "response.create", "response": {"input": [{"type": "function_call"}]}}, "response.input[0].type"),
+    ({"type": "response.create", "response": {"input": [{**_user("hi"), "role": "robot"}]}},
+     "response.input[0].role"),
+    ({"type": "response.create", "response": {"input": [{**_user("hi"), "role": 5}]}}, "response.input[0].role"),
+    ({"type": "response.create", "response": {"input": [{"type": "item_reference", "id": 5}]}},
+     "response.input[0].id"),
+    ({"type": "response.create", "response": {"input": [{"type": "item_reference", "id": "nope"}]}},
+     "response.input[0].id"),
+    ({"type": "response.create", "response": {"input": [_with("hi")]}}, "response.input[0].content"),
+    ({"type": "response.create", "response": {"input": [_with([{"type": "input_text", "text": 5}])]}},
+     "response.input[0].content[0].text"),
+    ({"type": "response.create", "response": {"input": [_with([{"type": "input_audio", "transcript": 5}])]}},
+     "response.input[0].content[0].transcript"),
+    ({"type": "response.create", "response": {"input": [_with([5])]}}, "response.input[0].content[0]"),
+    # the text and the model's default cap (1200) do not fit the context (2048); with a cap of 1000, that cap
+    ({"type": "response.create", "response": {"input": [_user("hello " * 300)]}}, "response.input"),
+    ({"type": "response.create", "response": {"input": [_user("hello " * 300)], "max_output_tokens": 1000}},
+     "response.max_output_tokens"),
+    ({"type": "conversation.item.create", "item": 5}, "item"),
+    ({"type": "conversation.item.create", "item": {"type": "function_call"}}, "item.type"),
+    ({"type": "conversation.item.create", "item": {**_user("hi"), "role": 5}}, "item.role"),
+    ({"type": "conversation.item.create", "item": _with("hi")}, "item.content"),
+    ({"type": "conversation.item.create", "item": _with([{"type": "input_text", "text": 5}])},
+     "item.content[0].text"),
+    ({"type": "conversation.item.create", "item": _with([{"type": "output_audio", "transcript": [5]}])},
+     "item.content[0].transcript"),
+    ({"type": "conversation.item.create", "item": _with([{"type": "image", "url": "x"}])}, "item.content[0]"),
+    ({"type": "conversation.item.create", "item": {**_user("hi"), "id": 5}}, "item.id"),
+    ({"type": "conversation.item.create", "item": {**_user("hi"), "id": "known"}}, "item.id"),
+    ({"type": "conversation.item.create", "item": _user("hi"), "previous_item_id": 5}, "previous_item_id"),
+    ({"type": "conversation.item.create", "item": _user("hi"), "previous_item_id": "nope"}, "previous_item_id"),
+    ({"type": "conversation.item.truncate", "item_id": 5, "content_index": 0, "audio_end_ms": 0}, "item_id"),
+    ({"type": "conversation.item.truncate", "item_id": "known", "content_index": "0", "audio_end_ms": 0},
+     "content_index"),
+    ({"type": "conversation.item.truncate", "item_id": "known", "content_index": 0, "audio_end_ms": 1.5},
+     "audio_end_ms"),
+    ({"type": "conversation.item.truncate", "item_id": "known", "content_index": 0}, "audio_end_ms"),
+    ({"type": "conversation.item.truncate", "item_id": "known", "content_index": 0, "audio_end_ms": 0},
+     "item_id"),
+    ({"type": "conversation.item.delete", "item_id": [5]}, "item_id"),
+    ({"type": "conversation.item.delete"}, "item_id"),
+    ({"type": "conversation.item.retrieve", "item_id": {}}, "item_id"),
+    ({"type": "conversation.item.retrieve", "item_id": "nope"}, "item_id"),
+    ({"type": "input_audio_buffer.append", "audio": 5}, "audio"),
+    ({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"\0").decode()}, "audio"),
+    ({"type": "response.cancel", "response_id": 5}, "response_id"),
+]
+
+
+@pytest.mark.parametrize("bad,param", MALFORMED, ids=[f"{e['type']}->{p}" for e, p in MALFORMED])
+async def test_a_malformed_event_names_its_param_and_the_socket_goes_on(speech, bad, param) -> None:
+    engine, url = speech
+    async with aiohttp.ClientSession() as http:
+        ws = await _socket(http, url)
+        await ws.send_json({"type": "conversation.item.create", "item": {**_user("hello"), "id": "known"}})
+        await _until(ws, "conversation.item.done")
+        await ws.send_json({**bad, "event_id": "ev_bad"})
+        ev = await ws.receive_json(timeout=30)
+        assert ev["type"] == "error", ev
+        assert ev["error"]["type"] == "invalid_request_error", ev
+        assert ev["error"]["param"] == param and ev["error"]["event_id"] == "ev_bad", ev
+        # the refused event changed nothing, and the session answers the next response
+        await ws.send_json({"type": "response.create", "response": {"max_output_tokens": 14}})
+        seen: list[dict[str, Any]] = []
+        done = await _until(ws, "response.done", seen)
+        assert done["response"]["status"] == "incomplete", done
+        assert not [e for e in seen if e["type"] == "error"]
+        assert any(e["type"] == "response.output_audio.delta" for e in seen)
+        await ws.close()
+
+
+async def test_a_message_over_the_limit_closes_with_1009_and_a_reason(speech) -> None:
+    _, url = speech
+    async with aiohttp.ClientSession() as http:
+        ws = await _socket(http, url)
+        await ws.send_str("x" * (MAX_MESSAGE_BYTES + 2**20))
+        msg = await ws.receive(timeout=30)
+        assert msg.type == aiohttp.WSMsgType.CLOSE, msg
+        assert msg.data == aiohttp.WSCloseCode.MESSAGE_TOO_BIG and str(MAX_MESSAGE_BYTES) in msg.extra
+    async with aiohttp.ClientSession() as http:  # the server goes on
+        ws = await _socket(http, url)
+        await ws.close()
+
+
+async def _response(ws: aiohttp.ClientWebSocketResponse, session: dict[str, Any], response: dict[str, Any],
+                    ) -> dict[str, Any]:
+    if session:
+        await ws.send_json({"type": "session.update", "session": session})
+        await _until(ws, "session.updated")
+    await ws.send_json({"type": "response.create", "response": {"input": [_user("hello world")], **response}})
+    return await _until(ws, "response.done")
+
+
+@pytest.mark.parametrize("session,response", [({"max_output_tokens": SHORT}, {}),
+                                              ({}, {"max_output_tokens": SHORT})], ids=["session", "response"])
+async def test_a_response_cut_by_max_output_tokens_is_incomplete(speech, session, response) -> None:
+    engine, url = speech
+    async with aiohttp.ClientSession() as http:
+        ws = await _socket(http, url)
+        done = (await _response(ws, session, response))["response"]
+        assert done["usage"]["output_tokens"] == SHORT
+        assert done["status"] == "incomplete"
+        assert done["status_details"] == {"type": "incomplete", "reason": "max_output_tokens"}
+        assert done["output"][0]["status"] == "incomplete"
+        await ws.close()
+
+
+async def test_a_cancelled_response_counts_the_tokens_sampled(speech) -> None:
+    _, url = speech
+    async with aiohttp.ClientSession() as http:
+        ws = await _socket(http, url)
+        await ws.send_json({"type": "session.update", "session": {"type": "realtime", "max_output_tokens": 1000}})
+        await ws.send_json({"type": "response.create", "response": {"input": [_user("a long answer")]}})
+        seen: list[dict[str, Any]] = []
+        for _ in range(3):
+            await _until(ws, "response.output_audio.delta", seen)
+        await ws.send_json({"type": "response.cancel"})
+        done = (await _until(ws, "response.done", seen))["response"]
+        assert done["status"] == "cancelled"
+        frames = sum(len(base64.b64decode(e["delta"])) for e in seen if e["type"] == "response.output_audio.delta")
+        assert frames % 4096 == 0 and frames > 0
+        # each frame of 2048 samples is 7 tokens of the model; more were sampled than were heard
+        assert done["usage"]["output_tokens"] >= 7 * frames // 4096
+        assert done["usage"]["output_tokens"] < 1000
+        assert done["usage"]["total_tokens"] == done["usage"]["input_tokens"] + done["usage"]["output_tokens"]
+        await ws.close()
