@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field
 
 from mstar.errors import ConfigError
 from mstar.placement import PlacementSpec, parse_spec
 
 DEFAULT_MODEL = "tiny-llama"
+API_KEY_ENV = "MSTAR_API_KEY"
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,10 @@ class ServerConfig:
     port: int = 8000
     log_format: str = "console"           # console | json
     log_level: str = "info"
+    api_key: str | None = None            # bearer key every route but /health and the demo's files asks for
+    allowed_origins: tuple[str, ...] = ()  # browser origins CORS lets call ("*": any); none: no CORS headers
+    header_timeout: float = 10.0          # seconds for a request's header block to arrive (0: none)
+    body_timeout: float = 60.0            # seconds for a body to arrive in full (0: none); streamed-in: idle
 
 
 def parse_devices(spec: str) -> tuple[str, ...]:
@@ -139,11 +145,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-format", choices=("console", "json"), default="console")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on every route but /health and the demo page "
+                        f"(default: ${API_KEY_ENV})")
+    p.add_argument("--allowed-origins", default="",
+                   help="comma-separated browser origins allowed to call (CORS), e.g. https://app.example.com; "
+                        "* allows any; none: no CORS headers")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a request's header block may take to arrive; past it the connection closes "
+                        "(0: no limit)")
+    p.add_argument("--body-timeout", type=float, default=60.0,
+                   help="seconds a request body may take to arrive in full; past it, 408 and the connection "
+                        "closes (0: no limit). Text streamed into speech may instead pause this long")
     return p
 
 
 def parse_args(argv: list[str] | None = None) -> ServerConfig:
     a = build_parser().parse_args(argv)
+    if a.header_timeout < 0 or a.body_timeout < 0:
+        raise ConfigError("--header-timeout and --body-timeout must not be negative")
     if a.max_waiting_requests < 0 or a.queue_timeout < 0 or a.request_timeout < 0:
         raise ConfigError("--max-waiting-requests, --queue-timeout and --request-timeout must not be negative")
     for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
@@ -178,4 +198,6 @@ def parse_args(argv: list[str] | None = None) -> ServerConfig:
         scheduler=sched,
     )
     return ServerConfig(engine=engine, host=a.host, port=a.port, log_format=a.log_format,
-                        log_level=a.log_level)
+                        log_level=a.log_level, api_key=a.api_key or os.environ.get(API_KEY_ENV) or None,
+                        allowed_origins=tuple(o.strip() for o in a.allowed_origins.split(",") if o.strip()),
+                        header_timeout=a.header_timeout, body_timeout=a.body_timeout)

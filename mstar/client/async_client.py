@@ -32,6 +32,8 @@ T = TypeVar("T")
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 DEFAULT_TIMEOUT = 600.0  # the server's own --request-timeout default
 MAX_BACKOFF = 8.0        # seconds between retries when the server names no Retry-After
+# a refused websocket upgrade has no error body to read its code from
+HANDSHAKE_CODES = {401: "invalid_api_key", 404: "model_not_found"}
 
 # A completions prompt: text, token ids, or a batch of either.
 Prompt = str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]]
@@ -43,7 +45,8 @@ class AsyncClient:
 
     `timeout` bounds, in seconds, the connect and each wait for more of an
     answer (not a whole stream, which may rightly run for minutes); None waits
-    forever. `api_key` is sent as a bearer token, for a proxy that checks one.
+    forever. `api_key` (a server's `--api-key`) is sent as a bearer token on
+    every request, the realtime websocket's included.
     `max_retries` retries a 429 or 503 that many times, after the server's
     Retry-After (else a doubling backoff).
 
@@ -88,7 +91,7 @@ class AsyncClient:
             return await AsyncRealtimeSession.connect(await self.session(), url, **update)
         except aiohttp.WSServerHandshakeError as e:
             raise MstarError(f"the realtime session was refused: {e.message}", status=e.status,
-                             code="model_not_found" if e.status == 404 else "handshake_failed") from None
+                             code=HANDSHAKE_CODES.get(e.status, "handshake_failed")) from None
 
     async def aclose(self) -> None:
         if self._session is not None:

@@ -22,6 +22,7 @@ from aiohttp import web
 
 from mstar.config import ServerConfig, parse_args
 from mstar.errors import ConfigError
+from mstar.http.deadlines import ServingRunner
 from mstar.http.logs import configure_logging
 from mstar.http.server import build_app
 
@@ -35,10 +36,11 @@ async def serve(config: ServerConfig) -> None:
     from mstar.engine.engine import Engine  # torch comes in here, not at import of this module
 
     engine = Engine(config.engine)
-    app = build_app(engine, manage_engine=True)
+    app = build_app(engine, manage_engine=True, config=config)
     # handler_cancellation: a client that hangs up cancels its handler, whose
     # `finally` aborts the engine request at once instead of at the next write.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
+    runner = ServingRunner(app, header_timeout=config.header_timeout, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=SHUTDOWN_GRACE_S)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
 

@@ -58,7 +58,8 @@ async def realtime(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     target = resolve_model(engine, request.query.get("model"))
     card = next(c for c in engine.model_cards() if c.name == target.name)
-    ws = _Socket(max_msg_size=MAX_MESSAGE_BYTES, heartbeat=HEARTBEAT_S)
+    # "realtime": what a browser offers beside its key's subprotocol (access.py), and must hear back
+    ws = _Socket(max_msg_size=MAX_MESSAGE_BYTES, heartbeat=HEARTBEAT_S, protocols=("realtime",))
     await ws.prepare(request)
     outbox: asyncio.Queue[bytes | None] = asyncio.Queue()
 

@@ -6,6 +6,8 @@ OpenAI-shaped JSON error (`RequestError` -> its 4xx, unknown route -> 404,
 a client that hung up -> 499, anything unexpected -> a logged 500), and the
 admission middleware: a generation request waits for room in the engine's
 waiting line, then gets 429 with Retry-After (503 when the engine is down).
+Before admission: the API key and CORS (`access.py`); innermost, the body
+deadline (`deadlines.py`).
 """
 
 from __future__ import annotations
@@ -17,9 +19,12 @@ from typing import TYPE_CHECKING
 import structlog
 from aiohttp import web
 
+from mstar.config import ServerConfig
 from mstar.errors import RequestError
 from mstar.http import (demo_routes, metrics_routes, native_routes, openai_routes, openapi_routes, realtime_routes,
                         speech_routes)
+from mstar.http.access import Origins, access_middlewares
+from mstar.http.deadlines import body_deadline
 from mstar.http.keys import ENGINE, STARTED
 from mstar.http.logs import Handler, add_request_id_header, request_context
 from mstar.http.responses import error_response, json_response, request_error_body
@@ -83,7 +88,7 @@ async def health(request: web.Request) -> web.Response:
     return json_response(report, status=200 if report.get("status") == "ok" else 503)
 
 
-def build_app(engine: Engine, *, manage_engine: bool = True) -> web.Application:
+def build_app(engine: Engine, *, manage_engine: bool = True, config: ServerConfig | None = None) -> web.Application:
     """The aiohttp application serving `engine`.
 
     With `manage_engine` (the default) the app owns the engine's lifetime:
@@ -91,11 +96,21 @@ def build_app(engine: Engine, *, manage_engine: bool = True) -> web.Application:
     which aiohttp runs after in-flight requests finished or were cancelled.
     Pass `manage_engine=False` when the caller starts and stops the engine
     itself (tests sharing one engine across several apps).
+
+    `config` (default: `ServerConfig()`) gives the API key, the CORS origins
+    and the body deadline; the key check and a preflight's answer come before
+    admission, so a refused request never waits for room.
     """
-    app = web.Application(middlewares=[request_context, errors_as_json, admission], client_max_size=MAX_BODY_BYTES)
+    config = config or ServerConfig()
+    origins = Origins(config.allowed_origins)
+    app = web.Application(middlewares=[request_context, errors_as_json, *access_middlewares(config.api_key, origins),
+                                       admission, body_deadline(config.body_timeout)],
+                          client_max_size=MAX_BODY_BYTES)
     app[ENGINE] = engine
     app[STARTED] = int(time.time())
     app.on_response_prepare.append(add_request_id_header)
+    if origins:
+        app.on_response_prepare.append(origins.add_headers)
     if manage_engine:
         async def start_engine(_: web.Application) -> None:
             await engine.start()

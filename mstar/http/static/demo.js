@@ -1,6 +1,7 @@
 // mstar's browser demo: text in, speech (or text) out through the Realtime websocket at /v1/realtime.
 // Plays response.output_audio.delta (base64 PCM16 LE, 24 kHz mono) as it arrives, measures time to first audio,
 // and keeps what it measured on window.mstarDemo (and in the page) so a headless browser test can read it.
+// A key typed in the page goes with every call, for a server started with --api-key.
 "use strict";
 
 const RATE = 24000;  // the server speaks 24 kHz mono PCM16 both ways
@@ -54,8 +55,11 @@ function connect(model) {
     if (state.active) endResponse("disconnected");
     ws.close();
   }
+  // a browser cannot set headers on a websocket: the key goes as a subprotocol, as OpenAI's realtime API takes it
+  const key = apiKey();
   const sock = ws = new WebSocket(`${location.protocol === "https:" ? "wss" : "ws"}://${location.host}` +
-                                  `/v1/realtime?model=${encodeURIComponent(model)}`);
+                                  `/v1/realtime?model=${encodeURIComponent(model)}`,
+                                  key ? ["realtime", `openai-insecure-api-key.${key}`] : []);
   sock.model = model;
   let started = false;
   ready = new Promise((resolve, reject) => {
@@ -78,6 +82,10 @@ function connect(model) {
   });
   ready.catch(() => {});  // callers that care await it; the failure is shown by onclose
   return ready;
+}
+
+function apiKey() {
+  return $("apiKey").value.trim();
 }
 
 function send(obj) {
@@ -299,8 +307,25 @@ async function init() {
     state.model = $("model").value;
     connect(state.model).catch(() => {});
   };
+  $("apiKey").onchange = () => {
+    if (ws) ws.close();
+    ws = null;
+    state.connected = false;
+    loadModels();
+  };
+  await loadModels();
+}
+
+// the served models, then a session on the first; a server with --api-key wants the key first
+async function loadModels() {
+  const key = apiKey();
   try {
-    const r = await fetch("/v1/models");
+    const r = await fetch("/v1/models", {headers: key ? {Authorization: `Bearer ${key}`} : {}});
+    if (r.status === 401) {
+      addError("auth", key ? "the server refused this API key" : "the server wants an API key: enter it above");
+      render();
+      return;
+    }
     state.models = (await r.json()).data;
   } catch (e) {
     addError("models", e.message);

@@ -1,0 +1,139 @@
+"""Requests in, the ones a caller may make out: the bearer key and the
+browser origins allowed to call.
+
+With an API key every route but `/health` and the demo's files (`/`,
+`/static/*`) wants `Authorization: Bearer <key>`; the realtime websocket also
+takes the key the way browsers must send it, as the subprotocol
+`openai-insecure-api-key.<key>` (a browser cannot set headers on a websocket).
+A missing or wrong key gets a 401 in the OpenAI error shape with
+`WWW-Authenticate: Bearer`, before any upgrade or body is read.
+
+With allowed origins (CORS), a browser's preflight `OPTIONS` is answered here,
+before the key is asked for (browsers send no credentials on a preflight),
+and every answer to an allowed origin carries `Access-Control-Allow-Origin`.
+Without origins no CORS header is ever sent, so browsers keep other origins
+out.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterable
+
+from aiohttp import hdrs, web
+from aiohttp.typedefs import Middleware
+
+from mstar.http.logs import Handler
+from mstar.http.responses import error_response
+
+OPEN_PATHS = frozenset({"/health", "/"})
+OPEN_PREFIXES = ("/static/",)
+SUBPROTOCOL_KEY_PREFIX = "openai-insecure-api-key."
+ALLOWED_METHODS = "GET, POST, OPTIONS"
+ALLOWED_HEADERS = "Authorization, Content-Type, X-Request-Id"
+# headers a browser script may read besides the CORS-safelisted ones
+EXPOSED_HEADERS = "X-Request-Id, Retry-After, X-Sample-Rate"
+PREFLIGHT_MAX_AGE_S = 600
+
+
+def is_open(path: str) -> bool:
+    return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
+
+
+def presented_key(request: web.Request) -> str | None:
+    """The key the request carries: a bearer token, or on a websocket
+    upgrade the `openai-insecure-api-key.` subprotocol."""
+    scheme, _, token = request.headers.get(hdrs.AUTHORIZATION, "").partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    if request.headers.get(hdrs.UPGRADE, "").lower() == "websocket":
+        for protocol in request.headers.get(hdrs.SEC_WEBSOCKET_PROTOCOL, "").split(","):
+            protocol = protocol.strip()
+            if protocol.startswith(SUBPROTOCOL_KEY_PREFIX):
+                return protocol[len(SUBPROTOCOL_KEY_PREFIX):]
+    return None
+
+
+def key_matches(presented: str, key: str) -> bool:
+    # constant time: how much of a guess matched must not show in the answer's timing
+    return hmac.compare_digest(presented.encode(), key.encode())
+
+
+def unauthorized(message: str) -> web.Response:
+    response = error_response(message, status=401, code="invalid_api_key")
+    response.headers[hdrs.WWW_AUTHENTICATE] = "Bearer"
+    return response
+
+
+def bearer_auth(api_key: str) -> Middleware:
+    """The middleware that turns away a request without the key."""
+    @web.middleware
+    async def authorize(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if is_open(request.path):
+            return await handler(request)
+        presented = presented_key(request)
+        if presented is None:
+            return unauthorized("no API key: send 'Authorization: Bearer <key>' (on the realtime websocket, the "
+                                f"'{SUBPROTOCOL_KEY_PREFIX}<key>' subprotocol also works)")
+        if not key_matches(presented, api_key):
+            return unauthorized("the API key is not valid")
+        return await handler(request)
+    return authorize
+
+
+class Origins:
+    """The browser origins allowed to call (CORS); `*` allows any."""
+
+    def __init__(self, origins: Iterable[str]) -> None:
+        self.origins = frozenset(o.rstrip("/") for o in origins)
+        self.any = "*" in self.origins
+
+    def __bool__(self) -> bool:
+        return bool(self.origins)
+
+    def allow_origin(self, origin: str | None) -> str | None:
+        """The `Access-Control-Allow-Origin` value for `origin`, None when not allowed."""
+        if origin is None:
+            return None
+        if self.any:
+            return "*"
+        return origin if origin in self.origins else None
+
+    @web.middleware
+    async def preflight(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Answers a CORS preflight itself: it carries no key and reaches no route."""
+        origin = request.headers.get(hdrs.ORIGIN)
+        if (request.method != hdrs.METH_OPTIONS or origin is None
+                or hdrs.ACCESS_CONTROL_REQUEST_METHOD not in request.headers):
+            return await handler(request)
+        allowed = self.allow_origin(origin)
+        if allowed is None:
+            return error_response(f"origin '{origin}' is not allowed (--allowed-origins)", status=403,
+                                  param="Origin", code="origin_not_allowed")
+        return web.Response(status=204, headers={
+            hdrs.ACCESS_CONTROL_ALLOW_ORIGIN: allowed,
+            hdrs.ACCESS_CONTROL_ALLOW_METHODS: ALLOWED_METHODS,
+            hdrs.ACCESS_CONTROL_ALLOW_HEADERS: ALLOWED_HEADERS,
+            hdrs.ACCESS_CONTROL_MAX_AGE: str(PREFLIGHT_MAX_AGE_S),
+            hdrs.VARY: "Origin"})
+
+    async def add_headers(self, request: web.Request, response: web.StreamResponse) -> None:
+        """on_response_prepare: every answer, streamed ones included, before its headers go out."""
+        allowed = self.allow_origin(request.headers.get(hdrs.ORIGIN))
+        if allowed is None or hdrs.ACCESS_CONTROL_ALLOW_ORIGIN in response.headers:
+            return
+        response.headers[hdrs.ACCESS_CONTROL_ALLOW_ORIGIN] = allowed
+        response.headers[hdrs.ACCESS_CONTROL_EXPOSE_HEADERS] = EXPOSED_HEADERS
+        if allowed != "*":
+            response.headers.add(hdrs.VARY, "Origin")
+
+
+def access_middlewares(api_key: str | None, origins: Origins) -> list[Middleware]:
+    """The preflight answer, then the key check: what goes before any route's
+    own middlewares (admission, say), so a refused request costs nothing."""
+    out: list[Middleware] = []
+    if origins:
+        out.append(origins.preflight)
+    if api_key:
+        out.append(bearer_auth(api_key))
+    return out
