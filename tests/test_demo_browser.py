@@ -18,11 +18,15 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from http_support import running_engine, serving
+from http_support import running_engine, serving_app
+
+from mstar.config import ServerConfig
+from mstar.http.server import build_app
 
 CHROMIUM = "/usr/bin/chromium"
 DRIVER = "/usr/bin/chromedriver"
 MODEL = "orpheus-tiny"
+KEY = "sk-demo-key"
 
 try:
     from selenium import webdriver
@@ -47,8 +51,7 @@ FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "-
          "--autoplay-policy=no-user-gesture-required", "--disable-dev-shm-usage")
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[str]:
+def serve_in_thread(config: ServerConfig | None = None) -> Iterator[str]:
     """orpheus-tiny behind the app, on a loop of its own in a thread: the
     Selenium calls block, so the server cannot share the test's loop."""
     started = threading.Event()
@@ -56,7 +59,9 @@ def server() -> Iterator[str]:
 
     async def serve() -> None:
         try:
-            async with running_engine(MODEL) as engine, serving(engine) as url:
+            async with running_engine(MODEL) as engine, \
+                    serving_app(build_app(engine, manage_engine=False, config=config), handler_cancellation=True,
+                                access_log=None, shutdown_timeout=1.0) as url:
                 box["stop"] = asyncio.Event()
                 box["loop"] = asyncio.get_running_loop()
                 box["url"] = url
@@ -75,6 +80,16 @@ def server() -> Iterator[str]:
     yield box["url"]
     box["loop"].call_soon_threadsafe(box["stop"].set)
     thread.join(60)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    yield from serve_in_thread()
+
+
+@pytest.fixture(scope="module")
+def keyed_server() -> Iterator[str]:
+    yield from serve_in_thread(ServerConfig(api_key=KEY))
 
 
 @pytest.fixture(scope="module")
@@ -185,3 +200,20 @@ def test_stream_text_adds_to_the_running_response(server: str, browser: Any) -> 
     # one response: the second text joined it while it ran (the first part takes seconds to say)
     assert len(state["responses"]) == 1 and state["responses"][0] in ("completed", "incomplete"), state
     no_console_errors(browser)
+
+
+def test_the_page_takes_the_servers_api_key(keyed_server: str, browser: Any) -> None:
+    browser.get(keyed_server + "/")
+    state = wait_for(browser, lambda s: s["errors"], "the page to be refused", timeout=30)
+    assert state["errors"] == [{"code": "auth", "message": "the server wants an API key: enter it above"}]
+    assert not state["connected"]
+    browser.find_element(By.ID, "apiKey").send_keys(KEY + Keys.TAB)  # the field's change event: on leaving it
+    # the models come with the key as a bearer header, the websocket with it as the subprotocol
+    state = wait_for(browser, lambda s: s["connected"] and s["session"] is not None, "session.created", 30)
+    assert state["session"]["model"] == MODEL
+    browser.find_element(By.ID, "maxTokens").send_keys("30")
+    type_text(browser, "Hello with a key.")
+    browser.find_element(By.ID, "speak").click()
+    state = wait_for(browser, lambda s: len(s["responses"]) == 1, "response.done")
+    assert state["responses"][0] in ("completed", "incomplete") and state["audioBytes"] > 0, state
+    assert len(state["errors"]) == 1  # only the refusal before the key
