@@ -13,7 +13,8 @@ client likes. So:
   timer still governs an idle connection between requests. It reads two of
   aiohttp's protocol internals, as aiohttp's own keep-alive check does:
   `_waiter` (pending while the connection waits for a request) and
-  `_request_count` (requests whose heads were parsed).
+  `_request_count` (requests whose heads were parsed); the runner builds its
+  connection factory from aiohttp's own (its handler arguments, `_kwargs`).
 - `body_deadline` fails the body stream of a request whose body has not fully
   arrived `body_timeout` seconds after its handler began, so the handler's
   read raises `BodyTimedOut`; the answer is a 408 and the connection closes.
@@ -30,7 +31,7 @@ from typing import Any
 
 import orjson
 import structlog
-from aiohttp import hdrs, web
+from aiohttp import web
 from aiohttp.streams import StreamReader
 from aiohttp.typedefs import Middleware
 
