@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
+import textwrap
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from mstar.errors import ConfigError
@@ -101,29 +104,64 @@ def graph_buckets(max_batch: int) -> tuple[int, ...]:
     return tuple(out + [max_batch])
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m mstar.http", description="Serve a model over HTTP.")
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends a flag's default to its help, unless it has none to show (None,
+    off, empty) or its help already says what it is; wraps lines at spaces
+    only, so model names and flags stay whole."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return textwrap.fill(" ".join(text.split()), width, initial_indent=indent, subsequent_indent=indent,
+                             break_on_hyphens=False)
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or action.default is False or action.default == "" or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+def version() -> str:
+    """The installed package's version ("unknown" when run from a bare checkout)."""
+    try:
+        return importlib.metadata.version("mstar")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def build_parser(builtin_models: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The command line; `builtin_models`: the names `--model` takes without a folder, for `--help`."""
+    epilog = f"built-in models (served without a folder): {', '.join(builtin_models)}" if builtin_models else None
+    p = argparse.ArgumentParser(prog="python -m mstar.http", description="Serve a model over HTTP.",
+                                epilog=epilog, formatter_class=_DefaultsHelp)
+    p.add_argument("--version", action="version", version=f"mstar {version()}")
     p.add_argument("--model", default=DEFAULT_MODEL, help="built-in model name or a local Hugging Face folder")
     p.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
-    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto")
-    p.add_argument("--gpus", default="cpu", help="cpu | cpu:0,cpu:1 | 0 | 0,1")
+    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                   help="auto: the folder's weights; dummy: random weights of the same shapes (benchmarks)")
+    p.add_argument("--gpus", default="cpu", help="cpu | cpu:0,cpu:1 | 0 | 0,1: one worker thread per device")
     p.add_argument("--placement", default="replicas",
                    help="replicas (every device runs the whole model) | split (the model's own split, e.g. "
                         "Orpheus: llm, then codec on the last device) | component[.mode]=device[+device],... "
                         "with devices by --gpus index or name, e.g. llm=0,codec=1 or llm=0+1,codec=1")
     p.add_argument("--placement-file", default=None, help="the same as a JSON or YAML mapping")
-    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                   help="weights and activations; auto: float32 on CPU, bfloat16 on a GPU")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context window in tokens, at most the model's positions (default: from the model)")
+    p.add_argument("--max-num-seqs", type=int, default=256,
+                   help="requests running (holding KV pages) per device, and rows in one step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="packed tokens in one step")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--num-pages", type=int, default=None, help="KV pages per KV component (default: from memory)")
     p.add_argument("--kv-cache-memory", type=float, default=0.25, help="GiB of KV cache on CPU")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory to use")
     p.add_argument("--kv-reservation", choices=("request", "lazy"), default="request",
                    help="request: reserve prompt + max_tokens pages at the start; lazy: take pages as tokens "
                         "arrive, and preempt (swap out) the youngest rows when they run out")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="engine seed, for requests without their own")
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="requests waiting to start; a new one past this waits --queue-timeout, then gets 429")
     p.add_argument("--queue-timeout", type=float, default=10.0, help="seconds a new request waits for room")
@@ -141,10 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: 64 on a GPU, none on the CPU)")
     p.add_argument("--cuda-graph-max-batch", type=int, default=256,
                    help="capture decode graphs for batch sizes 1, 2, 4, ... up to this")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--log-format", choices=("console", "json"), default="console")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one)")
+    p.add_argument("--log-format", choices=("console", "json"), default="console", help="log line format")
+    p.add_argument("--log-level", default="info", help="debug, info, warning or error")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health and the demo page "
                         f"(default: ${API_KEY_ENV})")
@@ -160,8 +198,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: list[str] | None = None) -> ServerConfig:
-    a = build_parser().parse_args(argv)
+def parse_args(argv: list[str] | None = None, builtin_models: Sequence[str] = ()) -> ServerConfig:
+    a = build_parser(builtin_models).parse_args(argv)
+    if a.max_model_len is not None and a.max_model_len < 1:
+        raise ConfigError("--max-model-len must be positive")
+    if not 0 <= a.port <= 65535:
+        raise ConfigError("--port must be between 0 and 65535")
     if a.header_timeout < 0 or a.body_timeout < 0:
         raise ConfigError("--header-timeout and --body-timeout must not be negative")
     if a.max_waiting_requests < 0 or a.queue_timeout < 0 or a.request_timeout < 0:

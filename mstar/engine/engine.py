@@ -22,13 +22,15 @@ import structlog
 import torch
 
 from mstar.config import EngineConfig
+from mstar.engine.components import DTYPES
+from mstar.engine.devices import check_devices
 from mstar.engine.messages import Abort, Append, CloseInput, Finished, Profile, Shutdown, StepReport, Stop, Submit
 from mstar.engine.metrics import STATUSES, EngineMetrics, LagMonitor
 from mstar.engine.requests import RequestState, RequestStream
 from mstar.engine.tensor_store import TensorStore
 from mstar.engine.waiting_line import WaitingLine
 from mstar.engine.worker import DeviceWorker
-from mstar.errors import MstarError, ModelNotFound, RequestError
+from mstar.errors import ConfigError, MstarError, ModelNotFound, RequestError
 from mstar.graph import Emit, HostStop, Loop, WalkPlan, compile_walks
 from mstar.models.base import Model
 from mstar.models.registry import load_model
@@ -71,6 +73,7 @@ class Engine:
             # a worker waiting for the GIL waits up to this long for whoever holds it (Python's default 5 ms)
             self._switch_interval = sys.getswitchinterval()
             sys.setswitchinterval(cfg.gil_switch_interval_ms / 1000)
+        check_devices(cfg.devices)
         if self.model is None:
             self.model = await self._loop.run_in_executor(
                 None, lambda: load_model(cfg.model, cfg.load_format, cfg.max_model_len))
@@ -91,11 +94,16 @@ class Engine:
         failed = [w for w in self.workers if w.error is not None]
         if failed:
             await self.shutdown()
-            raise MstarError(f"worker on {failed[0].name} failed to start: {failed[0].error!r}") from failed[0].error
+            error = failed[0].error
+            if isinstance(error, ConfigError):  # a checkpoint that does not load: the message says it all
+                raise error
+            raise MstarError(f"worker on {failed[0].name} failed to start: {type(error).__name__}: {error}") from error
         self._lag = LagMonitor(self._metrics.loop_lag)
         self._lag.start()
-        log.info("engine started", model=self.model_name, devices=list(cfg.devices),
-                 placement=describe(self.placement))
+        dtype = DTYPES.get(cfg.dtype) or self.model.default_dtype(torch.device(devices[0]))
+        log.info("engine started", model=self.model_name, random_weights=self.model.random_weights,
+                 dtype=str(dtype).removeprefix("torch."), max_model_len=self.model.max_model_len,
+                 devices=list(cfg.devices), placement=describe(self.placement))
 
     async def shutdown(self) -> None:
         if self._lag is not None:

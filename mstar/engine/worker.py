@@ -143,9 +143,9 @@ class DeviceWorker:
     # --------------------------------------------------------------- loop
 
     def _main(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
         try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
             with torch.inference_mode():
                 self._setup()
         except BaseException as e:  # reported to the engine, which fails its start

@@ -21,7 +21,9 @@ import structlog
 from aiohttp import web
 
 from mstar.config import ServerConfig, parse_args
-from mstar.errors import ConfigError
+from mstar.engine import builtin_models
+from mstar.errors import ConfigError, MstarError
+from mstar.http import listener
 from mstar.http.deadlines import ServingRunner
 from mstar.http.logs import configure_logging
 from mstar.http.server import build_app
@@ -33,6 +35,10 @@ log = structlog.get_logger("mstar.http")
 
 async def serve(config: ServerConfig) -> None:
     """Serve until a stop signal; the engine lives and dies with the app."""
+    try:  # a taken port fails here, before torch and the model load
+        sock = listener.bind(config.host, config.port)
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {config.host}:{config.port}: {e.strerror or e}") from None
     from mstar.engine.engine import Engine  # torch comes in here, not at import of this module
 
     engine = Engine(config.engine)
@@ -56,14 +62,14 @@ async def serve(config: ServerConfig) -> None:
     try:
         log.info("starting engine", model=config.engine.model, devices=list(config.engine.devices))
         await runner.setup()  # runs on_startup, which starts the engine
-        site = web.TCPSite(runner, config.host, config.port)
-        await site.start()
-        for address in runner.addresses:
-            host, port = address[0], address[1]
-            log.info("listening", url=f"http://{host}:{port}", model=engine.model_name)
+        await web.SockSite(runner, sock).start()
+        host, port = sock.getsockname()[:2]
+        log.info("listening", url=listener.url(host, port), demo=listener.demo_url(host, port),
+                 model=engine.model_name)
         await stop.wait()
     finally:
         await runner.cleanup()  # stop intake, drain, cancel, then engine.shutdown()
+        sock.close()  # the site closed it if it started
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
         log.info("stopped")
@@ -81,7 +87,7 @@ def _run(coro: Coroutine[Any, Any, None]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        config = parse_args(argv)
+        config = parse_args(argv, builtin_models())
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -92,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         _run(serve(config))
-    except OSError as e:  # the port is taken, the host does not resolve
-        log.error("cannot serve", error=str(e))
+    except MstarError as e:  # a port taken, a model that does not load, a device or worker that did not start
+        print(f"error: {e}", file=sys.stderr)
         return 1
     except Exception:
         log.exception("server failed")

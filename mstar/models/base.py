@@ -65,6 +65,11 @@ class Model:
     def max_model_len(self) -> int:
         raise NotImplementedError
 
+    @property
+    def random_weights(self) -> bool:
+        """Whether the weights are random (no checkpoint): such a model talks nonsense."""
+        return False
+
     def default_sampling(self) -> SamplingParams:
         """What a request gets for the sampling fields it leaves out (a speech
         model's published defaults, say)."""

@@ -79,15 +79,18 @@ class LlamaModel(Model):
             raw = read_config_json(self.path)
             if raw.get("model_type") != "llama":
                 raise ConfigError(f"{self.path}: model_type is '{raw.get('model_type')}', not 'llama'")
-            self.config = LlamaConfig.from_dict(raw)
+            try:
+                self.config = LlamaConfig.from_dict(raw)
+            except ConfigError as e:
+                raise ConfigError(f"{self.path / 'config.json'}: {e}") from None
             self.load_format = load_format
             self._tokenizer = self._folder_tokenizer(self.path)
             gen = read_optional_json(self.path / "generation_config.json")
             eos = gen.get("eos_token_id")
             self._generation_eos = (eos,) if isinstance(eos, int) else tuple(eos or ())
         if max_model_len is not None and max_model_len > self.config.max_position_embeddings:
-            log.warning("max_model_len %d is beyond the model's max_position_embeddings %d",
-                        max_model_len, self.config.max_position_embeddings)
+            raise ConfigError(f"--max-model-len {max_model_len} is more than model '{name}' supports "
+                              f"({self.config.max_position_embeddings} positions)")
         self._max_model_len = max_model_len or default_max_model_len or self.config.max_position_embeddings
 
     @staticmethod
@@ -110,6 +113,10 @@ class LlamaModel(Model):
     @property
     def max_model_len(self) -> int:
         return self._max_model_len
+
+    @property
+    def random_weights(self) -> bool:
+        return self.load_format == "dummy"
 
     def kv_spec(self, component: str) -> KVSpec:
         if component != "llm":

@@ -1,0 +1,79 @@
+"""What stops a server at startup, checked in-process: CUDA devices this
+machine lacks, a worker whose device cannot be set (its error reaches the
+engine instead of hanging its start), and the URLs the server prints."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from mstar.config import EngineConfig
+from mstar.engine.devices import check_devices
+from mstar.engine.engine import Engine
+from mstar.engine.tensor_store import TensorStore
+from mstar.engine.worker import DeviceWorker
+from mstar.errors import ConfigError, MstarError
+from mstar.http import listener
+from mstar.models.registry import load_model
+
+
+def fake_cuda(monkeypatch: pytest.MonkeyPatch, available: bool, count: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+
+
+def test_cuda_device_without_cuda_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_cuda(monkeypatch, available=False, count=0)
+    check_devices(["cpu", "cpu:1"])
+    with pytest.raises(ConfigError, match="CUDA is not available here; use --gpus cpu"):
+        check_devices(["cuda:0"])
+
+
+def test_cuda_index_beyond_the_machine_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_cuda(monkeypatch, available=True, count=2)
+    check_devices(["cuda:0", "cuda:1"])
+    with pytest.raises(ConfigError, match=r"there is no cuda:2: this machine has 2 CUDA devices \(0\.\.1\)"):
+        check_devices(["cuda:0", "cuda:2"])
+
+
+def failing_set_device(device: object) -> None:
+    raise RuntimeError("cannot set the device")
+
+
+def test_worker_whose_device_cannot_be_set_reports_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "set_device", failing_set_device)
+    worker = DeviceWorker("cuda:0", load_model("tiny-llama"), EngineConfig(), TensorStore(), lambda report: None)
+    worker.start()
+    assert worker.ready.wait(10), "the worker died without telling the engine"
+    assert isinstance(worker.error, RuntimeError) and not worker.alive
+    worker.join(5)
+
+
+async def test_engine_start_fails_when_a_worker_cannot_set_its_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_cuda(monkeypatch, available=True, count=1)  # past the device check, into the worker
+    monkeypatch.setattr(torch.cuda, "set_device", failing_set_device)
+    engine = Engine(EngineConfig(devices=("cuda:0",)))
+    with pytest.raises(MstarError, match="^worker on cuda:0 failed to start: RuntimeError: cannot set the device$"):
+        await asyncio.wait_for(engine.start(), timeout=30)
+
+
+@pytest.mark.parametrize("host,url,demo", [
+    ("127.0.0.1", "http://127.0.0.1:8000", "http://127.0.0.1:8000/"),
+    ("0.0.0.0", "http://0.0.0.0:8000", "http://127.0.0.1:8000/"),
+    ("::", "http://[::]:8000", "http://[::1]:8000/"),
+    ("localhost", "http://localhost:8000", "http://localhost:8000/"),
+])
+def test_urls_a_client_can_open(host: str, url: str, demo: str) -> None:
+    assert (listener.url(host, 8000), listener.demo_url(host, 8000)) == (url, demo)
+
+
+def test_bind_holds_the_port() -> None:
+    sock = listener.bind("127.0.0.1", 0)
+    try:
+        port = sock.getsockname()[1]
+        with pytest.raises(OSError):
+            listener.bind("127.0.0.1", port)
+    finally:
+        sock.close()
