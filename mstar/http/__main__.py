@@ -3,9 +3,9 @@
 Parses the arguments (`mstar.config.parse_args`), configures logging, starts
 the engine and the aiohttp app on host:port (on uvloop when installed), and
 serves until SIGINT or SIGTERM. Then it stops accepting connections, lets
-in-flight requests finish for up to `SHUTDOWN_GRACE_S`, cancels the rest
-(which aborts their engine requests) and shuts the engine down. A second
-signal exits at once.
+running requests finish for up to `DRAIN_S`, aborts the rest (their streams
+end with an error event), cancels any handler still running at
+`SHUTDOWN_GRACE_S` and shuts the engine down. A second signal exits at once.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ from mstar.http.logs import configure_logging
 from mstar.http.server import build_app
 
 SHUTDOWN_GRACE_S = 10.0
+# of the grace: running requests may finish for this long, then they are aborted and their handlers get
+# the rest to send their last event (a handler still running after that is cancelled)
+DRAIN_S = 7.0
 
 log = structlog.get_logger("mstar.http")
 
@@ -42,11 +45,11 @@ async def serve(config: ServerConfig) -> None:
     from mstar.engine.engine import Engine  # torch comes in here, not at import of this module
 
     engine = Engine(config.engine)
-    app = build_app(engine, manage_engine=True, config=config)
+    app = build_app(engine, manage_engine=True, drain_s=DRAIN_S, config=config)
     # handler_cancellation: a client that hangs up cancels its handler, whose
     # `finally` aborts the engine request at once instead of at the next write.
     runner = ServingRunner(app, header_timeout=config.header_timeout, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=SHUTDOWN_GRACE_S)
+                           shutdown_timeout=SHUTDOWN_GRACE_S - DRAIN_S)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
 

@@ -1,9 +1,10 @@
 """Typed keys of what the aiohttp application and each request hold: the
 engine served, when the app was built (the `created` time `/v1/models`
-shows), and the request's id."""
+shows), the open realtime sockets, and the request's id."""
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -13,4 +14,6 @@ if TYPE_CHECKING:
 
 ENGINE: web.AppKey[Engine] = web.AppKey("mstar_engine")
 STARTED = web.AppKey("mstar_started", int)      # unix time the app was built
+# realtime connections open now: shutdown closes them with "going away" once their responses ended
+SOCKETS = web.AppKey("mstar_sockets", weakref.WeakSet)
 REQUEST_ID = web.RequestKey("mstar_request_id", str)

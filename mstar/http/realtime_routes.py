@@ -15,13 +15,15 @@ everything it held.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 import structlog
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from mstar.http.keys import ENGINE
+from mstar.http.keys import ENGINE, SOCKETS
 from mstar.http.realtime_protocol import ProtocolError, error_event, parse_event
 from mstar.http.realtime_session import RealtimeSession
 from mstar.http.submission import resolve_model
@@ -31,6 +33,7 @@ log = structlog.get_logger("mstar.realtime")
 MAX_MESSAGE_BYTES = 16 * 2**20  # a client event (an audio append, say); larger ones close the socket (1009)
 HEARTBEAT_S = 30.0
 TOO_BIG_GRACE_S = 5.0  # how long a client sending a message over the limit may take to stop
+GOING_AWAY_S = 1.0  # at shutdown, how long an aborted response may take to send its last events
 
 
 class _Socket(web.WebSocketResponse):
@@ -69,6 +72,8 @@ async def realtime(request: web.Request) -> web.StreamResponse:
 
     writer = asyncio.get_running_loop().create_task(_write(ws, outbox), name="realtime-writer")
     session = RealtimeSession(engine, target, card, send)
+    connection = _Connection(ws, session, outbox)
+    request.app[SOCKETS].add(connection)
     log.info("realtime session opened", session_id=session.config.session_id, model=target.name)
     session.start()
     try:
@@ -90,6 +95,33 @@ async def realtime(request: web.Request) -> web.StreamResponse:
             await _client_stopped(request)
         log.info("realtime session closed", session_id=session.config.session_id)
     return ws
+
+
+@dataclass(eq=False)
+class _Connection:
+    """An open socket and what still has to reach its client before it closes."""
+
+    ws: _Socket
+    session: RealtimeSession
+    outbox: asyncio.Queue[bytes | None]
+
+    async def going_away(self) -> None:
+        """Let the session's response end (the engine aborted it) and its
+        events go out, then close with 1001 and a reason."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + GOING_AWAY_S
+        if self.session.response is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.session.response.wait(), GOING_AWAY_S)
+        while not self.outbox.empty() and not self.ws.closed and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        await self.ws.close(code=WSCloseCode.GOING_AWAY, message=b"the server is shutting down")
+
+
+async def close_sockets(app: web.Application) -> None:
+    """At shutdown, once running requests were drained: each open socket gets
+    its response's last events, then a close with 1001 (going away)."""
+    await asyncio.gather(*(c.going_away() for c in list(app[SOCKETS])), return_exceptions=True)
 
 
 async def _client_stopped(request: web.Request) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from typing import TYPE_CHECKING
 
 import structlog
@@ -25,7 +26,7 @@ from mstar.http import (demo_routes, metrics_routes, native_routes, openai_route
                         speech_routes)
 from mstar.http.access import Origins, access_middlewares
 from mstar.http.deadlines import body_deadline
-from mstar.http.keys import ENGINE, STARTED
+from mstar.http.keys import ENGINE, SOCKETS, STARTED
 from mstar.http.logs import Handler, add_request_id_header, request_context
 from mstar.http.responses import error_response, json_response, request_error_body
 from mstar.http.submission import ClientGone, GenerationFailed
@@ -88,12 +89,15 @@ async def health(request: web.Request) -> web.Response:
     return json_response(report, status=200 if report.get("status") == "ok" else 503)
 
 
-def build_app(engine: Engine, *, manage_engine: bool = True, config: ServerConfig | None = None) -> web.Application:
+def build_app(engine: Engine, *, manage_engine: bool = True, drain_s: float = 8.0,
+              config: ServerConfig | None = None) -> web.Application:
     """The aiohttp application serving `engine`.
 
     With `manage_engine` (the default) the app owns the engine's lifetime:
-    `engine.start()` runs on app startup and `engine.shutdown()` on cleanup,
-    which aiohttp runs after in-flight requests finished or were cancelled.
+    `engine.start()` runs on app startup; on shutdown (the listening socket
+    is closed by then) running requests get `drain_s` seconds to finish and
+    the rest are aborted, so their streams end with an error event rather
+    than a cut; `engine.shutdown()` runs on cleanup, once the handlers ended.
     Pass `manage_engine=False` when the caller starts and stops the engine
     itself (tests sharing one engine across several apps).
 
@@ -107,6 +111,7 @@ def build_app(engine: Engine, *, manage_engine: bool = True, config: ServerConfi
                                        admission, body_deadline(config.body_timeout)],
                           client_max_size=MAX_BODY_BYTES)
     app[ENGINE] = engine
+    app[SOCKETS] = weakref.WeakSet()
     app[STARTED] = int(time.time())
     app.on_response_prepare.append(add_request_id_header)
     if origins:
@@ -115,11 +120,16 @@ def build_app(engine: Engine, *, manage_engine: bool = True, config: ServerConfi
         async def start_engine(_: web.Application) -> None:
             await engine.start()
 
+        async def drain_engine(_: web.Application) -> None:
+            await engine.drain(drain_s)
+
         async def stop_engine(_: web.Application) -> None:
             await engine.shutdown()
 
         app.on_startup.append(start_engine)
+        app.on_shutdown.append(drain_engine)
         app.on_cleanup.append(stop_engine)
+    app.on_shutdown.append(realtime_routes.close_sockets)  # after the drain: their responses ended by then
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics_routes.metrics)
     app.router.add_get("/v1/models", openai_routes.list_models)

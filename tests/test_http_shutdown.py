@@ -1,0 +1,82 @@
+"""SIGTERM while long speech streams run: the server stops listening, lets them
+run for the drain time, then ends each with an error event (not a cut) and
+exits 0 within its grace."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import aiohttp
+import orjson
+from test_http_main import start_server, wait_for_line
+
+from mstar.http.__main__ import SHUTDOWN_GRACE_S
+
+LONG_SPEECH = {"model": "orpheus-tiny", "input": "A long story. " * 10, "voice": "tara", "response_format": "pcm",
+               "stream_format": "sse", "max_tokens": 1500, "ignore_eos": True, "seed": 3}
+
+
+async def _events(response: aiohttp.ClientResponse, first: asyncio.Event) -> list[dict]:
+    events = []
+    async for line in response.content:
+        if line.startswith(b"data: "):
+            events.append(orjson.loads(line[len(b"data: "):]))
+            first.set()
+    return events
+
+
+async def test_sigterm_ends_long_speech_streams_with_an_error_event_within_the_grace() -> None:
+    proc = start_server("--model", "orpheus-tiny")
+    try:
+        url = await asyncio.to_thread(wait_for_line, proc, "listening")
+        url = url["url"]
+        async with aiohttp.ClientSession() as http:
+            responses = [await http.post(url + "/v1/audio/speech", json=LONG_SPEECH) for _ in range(2)]
+            assert all(r.status == 200 for r in responses)
+            started = [asyncio.Event() for _ in responses]
+            readers = [asyncio.ensure_future(_events(r, e)) for r, e in zip(responses, started)]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), timeout=60)
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            streams = await asyncio.wait_for(asyncio.gather(*readers), timeout=SHUTDOWN_GRACE_S + 20)
+            code = await asyncio.to_thread(proc.wait, SHUTDOWN_GRACE_S + 20)
+            took = time.monotonic() - t0
+        assert code == 0
+        assert took < SHUTDOWN_GRACE_S + 3, f"exited {took:.1f} s after SIGTERM"
+        for events in streams:
+            assert any(e.get("type") == "speech.audio.delta" for e in events)
+            last = events[-1]
+            assert last["type"] == "error" and last["error"]["code"] == "aborted", last
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+async def test_sigterm_ends_a_realtime_response_then_closes_the_socket_going_away() -> None:
+    proc = start_server("--model", "orpheus-tiny")
+    try:
+        url = (await asyncio.to_thread(wait_for_line, proc, "listening"))["url"]
+        async with aiohttp.ClientSession() as http, http.ws_connect(url + "/v1/realtime") as ws:
+            await ws.send_json({"type": "conversation.item.create", "item": {
+                "type": "message", "role": "user", "content": [{"type": "input_text", "text": "A long story. " * 10}]}})
+            await ws.send_json({"type": "response.create", "response": {"max_output_tokens": 1500}})
+            kinds = []
+            async for msg in ws:
+                event = orjson.loads(msg.data)
+                kinds.append(event["type"])
+                if event["type"] == "response.output_audio.delta" and kinds.count(event["type"]) == 1:
+                    proc.send_signal(signal.SIGTERM)
+                if event["type"] == "response.done":
+                    done = event
+            code = ws.close_code
+        assert await asyncio.to_thread(proc.wait, SHUTDOWN_GRACE_S + 20) == 0
+        assert kinds.count("response.done") == 1, (kinds[-5:], code)  # its last events, before the close
+        assert done["response"]["status"] in ("cancelled", "failed")
+        assert code == aiohttp.WSCloseCode.GOING_AWAY
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
