@@ -39,8 +39,8 @@ MALFORMED: tuple[tuple[str, bytes | Any, str], ...] = (
 )
 
 
-# One field past any bound, which once overflowed the sampler and failed every
-# row of its batch: sent in a burst of good requests, it must be the only 4xx.
+# One field past any bound (an int64 overflow, were it let through): sent in a
+# burst of good requests, it must be the only 4xx and its neighbours complete.
 POISONED: tuple[tuple[str, Any, str], ...] = (
     ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "top_k": 2**63}, "top_k"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,

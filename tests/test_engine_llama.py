@@ -248,3 +248,57 @@ async def test_stop_string_stops_a_decoding_row_and_frees_it() -> None:
         await _drained(eng)
     finally:
         await eng.shutdown()
+
+
+async def test_a_row_that_breaks_the_sampler_fails_alone_and_its_batch_goes_on(monkeypatch) -> None:
+    """A prefill of several rows whose sampling raises for one of them runs
+    again row by row: the others draw exactly what they draw alone (their KV
+    length and draw counter moved on once), only the bad row fails."""
+    from mstar.engine import runner
+
+    bad_seed = 4242
+    real = runner.sample
+
+    def faulty(logits, st, seen=None):
+        if bool((st.seeds == bad_seed).any()):
+            raise RuntimeError("injected sampler fault")
+        return real(logits, st, seen)
+
+    eng = Engine(EngineConfig(model="tiny-llama"))
+    await eng.start()
+    try:
+        tok = eng.tokenizer("tiny-llama")
+        prompts = [tok.encode(t) for t in ("Once upon a time", "Hello", "The quick brown fox", "1 2 3")]
+        params = [SamplingParams(max_tokens=12, temperature=0.8, repetition_penalty=1.2, seed=s) for s in range(4)]
+        alone = [await _run(eng, f"alone{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        monkeypatch.setattr(runner, "sample", faulty)
+        failed_before = eng.workers[0].stats.failed_steps
+        # submitted together: their prefills run as one batch, which the bad row breaks
+        crowd = await asyncio.gather(
+            *[_run(eng, f"c{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))],
+            _run(eng, "bad", prompts[0], SamplingParams(max_tokens=12, temperature=0.8, seed=bad_seed)))
+        assert crowd[:4] == alone
+        assert crowd[4] == ([], "error")
+        assert eng.workers[0].stats.failed_steps > failed_before
+        await _drained(eng)
+    finally:
+        await eng.shutdown()
+
+
+async def test_a_stop_string_counts_the_tokens_taken_in_not_the_speculative_ones() -> None:
+    eng = Engine(EngineConfig(model="tiny-llama"))
+    await eng.start()
+    try:
+        ids = eng.tokenizer("tiny-llama").encode("Hello")
+        greedy = SamplingParams(max_tokens=16, temperature=0.0)
+        free, _ = await _run(eng, "free", ids, greedy)
+        text = eng.tokenizer("tiny-llama").decode(free)
+        stop = text[1:3]  # found a couple of tokens in: later steps were already launched when it is seen
+        chunks = [c async for c in eng.submit(GenerateRequest("stopped", eng.model_name, {"prompt_ids": ids},
+                                                              SamplingParams(max_tokens=16, temperature=0.0,
+                                                                             stop=(stop,))))]
+        got = [t for c in chunks for t in c.token_ids]
+        assert chunks[-1].finish_reason == "stop" and len(got) < 16
+        assert chunks[-1].num_output_tokens == len(got)
+    finally:
+        await eng.shutdown()

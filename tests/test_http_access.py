@@ -112,6 +112,16 @@ async def test_keys_compare_whole_and_beyond_ascii() -> None:
     assert not key_matches("clé-1", "clé-2") and not key_matches("clé", "clé-1") and not key_matches("", "k")
 
 
+async def test_a_key_that_is_not_utf8_is_a_401_not_a_fault(url: str) -> None:
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\xed\r\n"
+                 b"Connection: close\r\n\r\n")
+    answer = await asyncio.wait_for(reader.read(), 10)
+    writer.close()
+    assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
+
+
 # ------------------------------------------------------------------------ SDK
 
 async def test_the_async_client_sends_its_key(url: str) -> None:
@@ -194,6 +204,33 @@ async def test_no_origins_no_cors_and_no_key_no_check(engine: Engine, http: aioh
         async with http.options(u + "/v1/models", headers={"Origin": ORIGIN,
                                                            "Access-Control-Request-Method": "GET"}) as r:
             assert r.status == 405 and "Access-Control-Allow-Origin" not in r.headers
+
+
+async def test_a_refused_origin_still_varies_by_origin(url: str, http: aiohttp.ClientSession) -> None:
+    async with http.get(url + "/v1/models", headers={**BEARER, "Origin": "https://evil.example"}) as r:
+        assert r.status == 200 and "Access-Control-Allow-Origin" not in r.headers
+        assert "Origin" in r.headers.getall("Vary")
+
+
+async def _socket_status(http: aiohttp.ClientSession, url: str, **kwargs: object) -> int:
+    try:
+        async with http.ws_connect(realtime_url(url), **kwargs) as ws:
+            await ws.close()
+            return 101
+    except aiohttp.WSServerHandshakeError as e:
+        return e.status
+
+
+async def test_a_websocket_from_a_page_of_another_origin_is_refused(engine: Engine, url: str,
+                                                                    http: aiohttp.ClientSession) -> None:
+    """Browsers apply no CORS to websockets: the server checks the Origin."""
+    assert await _socket_status(http, url, headers=BEARER, origin=ORIGIN) == 101
+    assert await _socket_status(http, url, headers=BEARER, origin="https://evil.example") == 403
+    async with serve(engine) as open_server:  # no key, no origins: a server on the user's own machine
+        host = open_server.removeprefix("http://")
+        assert await _socket_status(http, open_server) == 101  # no browser: no Origin
+        assert await _socket_status(http, open_server, origin=f"http://{host}") == 101  # its own demo page
+        assert await _socket_status(http, open_server, origin="https://evil.example") == 403
 
 
 # --------------------------------------------------------------------- flags

@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from http_support import MODEL, read_ndjson, read_sse
+from http_support import MODEL, read_ndjson, read_sse, running_engine, serving
 
 from mstar.engine.engine import Engine
 from mstar.types import MAX_LOGPROBS
@@ -150,3 +150,12 @@ async def test_the_openai_client_reads_them(server: str) -> None:
         assert [c.logprob for c in streamed] == pytest.approx([c.logprob for c in content], abs=1e-5)
     finally:
         await api.close()
+
+
+async def test_a_speech_walk_refuses_logprobs_naming_the_field() -> None:
+    async with running_engine("orpheus-tiny") as engine, serving(engine) as url, aiohttp.ClientSession() as http:
+        body = {"text": "hi", "voice": "tara", "sampling_params": {"max_tokens": 14, "logprobs": 2}}
+        async with http.post(url + "/generate", json=body) as r:
+            assert r.status == 400
+            assert (await r.json())["error"]["param"] == "sampling_params.logprobs"
+        assert engine.num_running() == 0

@@ -52,8 +52,11 @@ async def _idle(engine: Engine) -> None:
     (b'{"input": "   "}', "input", "empty"),
     (orjson.dumps({"input": "y" * 100_000}), "input", "at most 4096 characters"),
     (orjson.dumps({"input": OVERFLOW}), "input", "context of 2048 tokens"),
+    # past the body reader's line limit: the request ends, it does not wait on for input
+    (orjson.dumps({"input": "z" * (4 << 20)}), "body", "could not be read"),
 ], ids=["invalid-json", "not-an-object", "unknown-field", "unknown-field-beside-input", "no-input",
-        "input-not-a-string", "input-blank", "input-of-100000-characters", "input-past-the-context"])
+        "input-not-a-string", "input-blank", "input-of-100000-characters", "input-past-the-context",
+        "line-of-4-mib"])
 async def test_a_bad_line_before_any_audio_is_a_400_naming_the_field(speaker, line: bytes, field: str,
                                                                       says: str) -> None:
     engine, url = speaker

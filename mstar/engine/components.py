@@ -25,11 +25,16 @@ log = structlog.get_logger("mstar.worker")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def resolve_dtype(model: Model, config: EngineConfig, device: torch.device) -> torch.dtype:
+    """`--dtype`, or the model's own choice for `device` under `auto`."""
+    return DTYPES.get(config.dtype) or model.default_dtype(device)
+
+
 def build_runner(model: Model, name: str, spec: Component, device: torch.device, store: TensorStore,
                  config: EngineConfig) -> tuple[ComponentRunner, PagePool | None]:
     """Component `name` on `device`: its runner, and its page pool (None
     without a KV cache)."""
-    dtype = DTYPES.get(config.dtype) or model.default_dtype(device)
+    dtype = resolve_dtype(model, config, device)
     module = model.build_component(name, device, dtype)
     if not spec.kv_cache:
         graphs_by_mode = mode_graphs(model, name, spec.modes, module, device, config)

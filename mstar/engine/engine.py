@@ -22,7 +22,7 @@ import structlog
 import torch
 
 from mstar.config import EngineConfig
-from mstar.engine.components import DTYPES
+from mstar.engine.components import resolve_dtype
 from mstar.engine.devices import check_devices
 from mstar.engine.messages import Abort, Append, CloseInput, Finished, Profile, Shutdown, StepReport, Stop, Submit
 from mstar.engine.metrics import STATUSES, EngineMetrics, LagMonitor
@@ -69,10 +69,6 @@ class Engine:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         cfg = self.config
-        if cfg.gil_switch_interval_ms is not None:
-            # a worker waiting for the GIL waits up to this long for whoever holds it (Python's default 5 ms)
-            self._switch_interval = sys.getswitchinterval()
-            sys.setswitchinterval(cfg.gil_switch_interval_ms / 1000)
         check_devices(cfg.devices)
         if self.model is None:
             self.model = await self._loop.run_in_executor(
@@ -98,9 +94,13 @@ class Engine:
             if isinstance(error, ConfigError):  # a checkpoint that does not load: the message says it all
                 raise error
             raise MstarError(f"worker on {failed[0].name} failed to start: {type(error).__name__}: {error}") from error
+        if cfg.gil_switch_interval_ms is not None:  # set once started: a start that fails leaves it as it was
+            # a worker waiting for the GIL waits up to this long for whoever holds it (Python's default 5 ms)
+            self._switch_interval = sys.getswitchinterval()
+            sys.setswitchinterval(cfg.gil_switch_interval_ms / 1000)
         self._lag = LagMonitor(self._metrics.loop_lag)
         self._lag.start()
-        dtype = DTYPES.get(cfg.dtype) or self.model.default_dtype(torch.device(devices[0]))
+        dtype = resolve_dtype(self.model, cfg, torch.device(devices[0]))
         log.info("engine started", model=self.model_name, random_weights=self.model.random_weights,
                  dtype=str(dtype).removeprefix("torch."), max_model_len=self.model.max_model_len,
                  devices=list(cfg.devices), placement=describe(self.placement))

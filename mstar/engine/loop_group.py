@@ -114,8 +114,11 @@ class LoopGroup:
         """The requests of the rows that joined since the last step."""
         return [j.part.request_id for j in self._joins]
 
-    def take_out(self, request_id: str, partition: str | None) -> list[Leave]:
-        """Remove a request's rows (of one partition, or all) without a step."""
+    def take_out(self, request_id: str, partition: str | None, count_sampled: bool = False) -> list[Leave]:
+        """Remove a request's rows (of one partition, or all) without a step.
+        `count_sampled` (an abort): the rows count every token they sampled,
+        steps in flight included, as what the request cost; a stop counts
+        only what the event loop has taken in."""
         out = []
         for j in [j for j in self._joins if j.part.request_id == request_id
                   and (partition is None or j.part.name == partition)]:
@@ -124,46 +127,60 @@ class LoopGroup:
         idx = [i for i, (r, p) in enumerate(zip(self.request_ids, self.partitions))
                if r == request_id and (partition is None or p == partition)]
         for i in idx:
-            self.rows[i].generated = int(self.counters[i])  # what it sampled counts, though it ends early
+            if count_sampled:
+                self.rows[i].generated = int(self.counters[i])
             out.append(Leave(self.rows[i], self.tokens[i].clone(), None))
         self._drop(idx, self.seq)
         return out
 
     def _merge(self) -> None:
-        """Fold the rows that joined since the last step into the tensors."""
+        """Fold the rows that joined since the last step into the tensors. All
+        of it is built before any of it is kept: joins that cannot be built
+        leave the group as it was, still waiting in `_joins`."""
         if not self._joins:
             return
-        parts = [j.part for j in self._joins]
-        # built before anything changes: a row whose parameters cannot be built leaves the group as it was
+        joins = self._joins
+        parts = [j.part for j in joins]
+        dev = self.device
+
+        def longs(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long)
+
         new = SamplingTensors.build([p.request.sampling for p in parts], [p.request.seed for p in parts],
-                                    [p.generated for p in parts], self.device)
-        joins, self._joins = self._joins, []
+                                    [p.generated for p in parts], dev)
+        tokens = torch.cat([self.tokens, torch.stack([j.token.reshape(()) for j in joins]).to(dev)])
+        kv_lens = torch.cat([self.kv_lens, longs([p.kv_tokens for p in parts])])
+        counts = torch.cat([self.counts, longs([j.count for j in joins])])
+        caps = torch.cat([self.caps, longs([j.cap for j in joins])])
+        block_table = _cat_padded(self.block_table, [p.pages for p in parts], 0)
+        page_counts = torch.cat([self.page_counts, longs([len(p.pages) for p in parts])])
+        stop_table = _cat_padded(self.stop_table, [j.stop_ids for j in joins], -1)
+        counters = torch.cat([self.counters, longs([p.generated for p in parts])])
+        sampling = new if self.sampling is None else _cat_sampling(self.sampling, new)
+        seen = self._merged_seen(parts)
+        # nothing below raises
+        self.tokens, self.kv_lens, self.counts, self.caps = tokens, kv_lens, counts, caps
+        self.block_table, self.page_counts, self.stop_table = block_table, page_counts, stop_table
+        self.counters, self.sampling, self.seen = counters, sampling, seen
+        self._joins = []
         self.rows += parts
         self.request_ids += [p.request_id for p in parts]
         self.partitions += [p.name for p in parts]
-        dev = self.device
-        self.tokens = torch.cat([self.tokens, torch.stack([j.token.reshape(()) for j in joins]).to(dev)])
-        self.kv_lens = torch.cat([self.kv_lens, torch.tensor([p.kv_tokens for p in parts], dtype=torch.long)])
-        self.counts = torch.cat([self.counts, torch.tensor([j.count for j in joins], dtype=torch.long)])
-        self.caps = torch.cat([self.caps, torch.tensor([j.cap for j in joins], dtype=torch.long)])
-        self.block_table = _cat_padded(self.block_table, [p.pages for p in parts], 0)
-        self.page_counts = torch.cat([self.page_counts, torch.tensor([len(p.pages) for p in parts], dtype=torch.long)])
-        self.stop_table = _cat_padded(self.stop_table, [j.stop_ids for j in joins], -1)
-        self.counters = torch.cat([self.counters, torch.tensor([p.generated for p in parts], dtype=torch.long)])
         for p in parts:
             self._left.pop(id(p), None)
-        self.sampling = new if self.sampling is None else _cat_sampling(self.sampling, new)
-        # one `seen` row per group row once any row has a repetition penalty
+            p.seen = None  # the group's copy, if any, is the live one now
+
+    def _merged_seen(self, parts: list[PartitionRun]) -> torch.Tensor | None:
+        """One `seen` row per group row once any row has a repetition penalty."""
         vocab = next((p.seen.numel() for p in parts if p.seen is not None), None)
-        if self.seen is not None or vocab is not None:
-            vocab = vocab or self.seen.shape[1]
-            rows = [p.seen if p.seen is not None else torch.zeros(vocab, dtype=torch.bool, device=dev)
-                    for p in parts]
-            old = self.seen if self.seen is not None else torch.zeros(
-                len(self.rows) - len(parts), vocab, dtype=torch.bool, device=dev)
-            self.seen = torch.cat([old, torch.stack(rows)])
-            for p in parts:
-                p.seen = None  # the group's copy is the live one now
+        if self.seen is None and vocab is None:
+            return None
+        vocab = vocab or self.seen.shape[1]
+        rows = [p.seen if p.seen is not None else torch.zeros(vocab, dtype=torch.bool, device=self.device)
+                for p in parts]
+        old = self.seen if self.seen is not None else torch.zeros(
+            len(self.rows), vocab, dtype=torch.bool, device=self.device)
+        return torch.cat([old, torch.stack(rows)])
 
     # ----------------------------------------------------------------- step
 

@@ -56,10 +56,6 @@ class ComponentRunner:
         self._cuda = device.type == "cuda"
         self._takes_seeds: dict[str, bool] = {}  # by mode
 
-    @torch.inference_mode()
-    def run(self, batch: Batch) -> StepOutput:
-        return self.compute(batch, self.take_inputs(batch))
-
     def take_inputs(self, batch: Batch) -> list[dict[str, torch.Tensor]]:
         """Each row's inputs, read out of the store (its references dropped):
         a batch that fails in `compute` can run again row by row from these."""
@@ -129,8 +125,10 @@ class ComponentRunner:
             values = {step.outputs[0]: tokens}
         else:
             values, logprobs = self._name_outputs(step, out), None
-        for part, n in zip(parts, lens):
+        for part, n in zip(parts, lens):  # only now: a step that raised left its rows as they were
             part.kv_tokens += n
+            if self.spec.samples:
+                part.generated += 1
         return values, logprobs
 
     def _sample(self, logits: torch.Tensor, parts: list[PartitionRun],
@@ -153,8 +151,6 @@ class ComponentRunner:
             logits = logits.float()
             tokens = self._timed(sample)(logits, st, seen)
             logprobs = self._timed(token_logprobs)(logits, tokens, st)
-        for part in parts:
-            part.generated += 1
         self._wait()
         return tokens, None if logprobs is None else logprobs.cpu()
 

@@ -185,10 +185,10 @@ class Walker:
         host = {value: leave.host_token} if leave.host_token is not None else None
         self.completed(part, {value: ref}, leave.reason, host)
 
-    def _take_out_of_groups(self, request_id: str, partition: str | None) -> int:
+    def _take_out_of_groups(self, request_id: str, partition: str | None, count_sampled: bool = False) -> int:
         n = 0
         for group in self.groups.values():
-            for leave in group.take_out(request_id, partition):
+            for leave in group.take_out(request_id, partition, count_sampled):
                 leave.part.busy = False
                 n += 1
         return n
@@ -301,7 +301,7 @@ class Walker:
             return 0
         cancelled = self.scheduler.remove(request_id)
         self.cancel(cancelled)
-        grouped = self._take_out_of_groups(request_id, None)
+        grouped = self._take_out_of_groups(request_id, None, count_sampled=True)
         run.root_reason = reason
         parts = [p for p in run.partitions.values() if not p.done]
         for p in parts:

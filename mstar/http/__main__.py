@@ -26,12 +26,11 @@ from mstar.errors import ConfigError, MstarError
 from mstar.http import listener
 from mstar.http.deadlines import ServingRunner
 from mstar.http.logs import configure_logging
-from mstar.http.server import build_app
+from mstar.http.server import DRAIN_S, build_app
 
 SHUTDOWN_GRACE_S = 10.0
-# of the grace: running requests may finish for this long, then they are aborted and their handlers get
-# the rest to send their last event (a handler still running after that is cancelled)
-DRAIN_S = 7.0
+# of it, running requests may go on for `DRAIN_S`; then they are aborted and their handlers get the rest to
+# send their last event (a handler still running after that is cancelled)
 
 log = structlog.get_logger("mstar.http")
 
@@ -45,7 +44,7 @@ async def serve(config: ServerConfig) -> None:
     from mstar.engine.engine import Engine  # torch comes in here, not at import of this module
 
     engine = Engine(config.engine)
-    app = build_app(engine, manage_engine=True, drain_s=DRAIN_S, config=config)
+    app = build_app(engine, manage_engine=True, config=config)
     # handler_cancellation: a client that hangs up cancels its handler, whose
     # `finally` aborts the engine request at once instead of at the next write.
     runner = ServingRunner(app, header_timeout=config.header_timeout, handler_cancellation=True, access_log=None,

@@ -12,13 +12,17 @@ With allowed origins (CORS), a browser's preflight `OPTIONS` is answered here,
 before the key is asked for (browsers send no credentials on a preflight),
 and every answer to an allowed origin carries `Access-Control-Allow-Origin`.
 Without origins no CORS header is ever sent, so browsers keep other origins
-out.
+out. Browsers apply no CORS to websockets, so a websocket upgrade from a page
+of another origin (its `Origin` neither this server's host nor an allowed
+origin) is refused here with a 403: a page on the web cannot open a session
+on a server that listens on the user's machine.
 """
 
 from __future__ import annotations
 
 import hmac
 from collections.abc import Iterable
+from urllib.parse import urlsplit
 
 from aiohttp import hdrs, web
 from aiohttp.typedefs import Middleware
@@ -56,7 +60,8 @@ def presented_key(request: web.Request) -> str | None:
 
 def key_matches(presented: str, key: str) -> bool:
     # constant time: how much of a guess matched must not show in the answer's timing
-    return hmac.compare_digest(presented.encode(), key.encode())
+    # surrogatepass: a header that is not UTF-8 reaches us with lone surrogates, and is simply no match
+    return hmac.compare_digest(presented.encode("utf-8", "surrogatepass"), key.encode("utf-8", "surrogatepass"))
 
 
 def unauthorized(message: str) -> web.Response:
@@ -99,6 +104,22 @@ class Origins:
             return "*"
         return origin if origin in self.origins else None
 
+    def allows_socket(self, request: web.Request) -> bool:
+        """A websocket upgrade from no browser (no `Origin`), from a page of
+        this server, or from an allowed origin."""
+        origin = request.headers.get(hdrs.ORIGIN)
+        return (origin is None or urlsplit(origin).netloc == request.host
+                or self.allow_origin(origin.rstrip("/")) is not None)
+
+    @web.middleware
+    async def sockets(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Turns away a websocket upgrade from a page of another origin."""
+        if request.headers.get(hdrs.UPGRADE, "").lower() == "websocket" and not self.allows_socket(request):
+            origin = request.headers.get(hdrs.ORIGIN)
+            return error_response(f"origin '{origin}' may not open a websocket here (--allowed-origins)",
+                                  status=403, param="Origin", code="origin_not_allowed")
+        return await handler(request)
+
     @web.middleware
     async def preflight(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """Answers a CORS preflight itself: it carries no key and reaches no route."""
@@ -119,19 +140,21 @@ class Origins:
 
     async def add_headers(self, request: web.Request, response: web.StreamResponse) -> None:
         """on_response_prepare: every answer, streamed ones included, before its headers go out."""
-        allowed = self.allow_origin(request.headers.get(hdrs.ORIGIN))
-        if allowed is None or hdrs.ACCESS_CONTROL_ALLOW_ORIGIN in response.headers:
+        origin = request.headers.get(hdrs.ORIGIN)
+        if origin is None or hdrs.ACCESS_CONTROL_ALLOW_ORIGIN in response.headers:
             return
-        response.headers[hdrs.ACCESS_CONTROL_ALLOW_ORIGIN] = allowed
-        response.headers[hdrs.ACCESS_CONTROL_EXPOSE_HEADERS] = EXPOSED_HEADERS
-        if allowed != "*":
+        if not self.any:  # allowed or not, the answer depends on the origin: caches must tell them apart
             response.headers.add(hdrs.VARY, "Origin")
+        allowed = self.allow_origin(origin)
+        if allowed is not None:
+            response.headers[hdrs.ACCESS_CONTROL_ALLOW_ORIGIN] = allowed
+            response.headers[hdrs.ACCESS_CONTROL_EXPOSE_HEADERS] = EXPOSED_HEADERS
 
 
 def access_middlewares(api_key: str | None, origins: Origins) -> list[Middleware]:
     """The preflight answer, then the key check: what goes before any route's
     own middlewares (admission, say), so a refused request costs nothing."""
-    out: list[Middleware] = []
+    out: list[Middleware] = [origins.sockets]
     if origins:
         out.append(origins.preflight)
     if api_key:

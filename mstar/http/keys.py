@@ -4,7 +4,6 @@ shows), the open realtime sockets, and the request's id."""
 
 from __future__ import annotations
 
-import weakref
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -15,5 +14,5 @@ if TYPE_CHECKING:
 ENGINE: web.AppKey[Engine] = web.AppKey("mstar_engine")
 STARTED = web.AppKey("mstar_started", int)      # unix time the app was built
 # realtime connections open now: shutdown closes them with "going away" once their responses ended
-SOCKETS = web.AppKey("mstar_sockets", weakref.WeakSet)
+SOCKETS = web.AppKey("mstar_sockets", set)
 REQUEST_ID = web.RequestKey("mstar_request_id", str)

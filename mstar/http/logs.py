@@ -51,7 +51,9 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
         renderer = structlog.processors.JSONRenderer(serializer=_orjson_dumps)
         shared.append(structlog.processors.format_exc_info)
     else:
-        renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
+        # plain tracebacks: a rich one prints every frame's locals, an API key among them
+        renderer = structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty(),
+                                                 exception_formatter=structlog.dev.plain_traceback)
     structlog.configure(
         # Level first: a disabled debug line then costs no further processing.
         processors=[structlog.stdlib.filter_by_level, *shared,

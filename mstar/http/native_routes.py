@@ -71,6 +71,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
 def _submit_speech(engine: Engine, request_id: str, target: Target, body: GenerateBody) -> Submission:
     """Text and voice to the model as they are; the model's default sampling
     under what the client set."""
+    if body.sampling.logprobs is not None:
+        raise RequestError("a speech walk answers with audio, not tokens: it has no logprobs to give",
+                           field="sampling_params.logprobs")
     given = {k: getattr(body.sampling, k) for k in body.sampling_given}
     sampling = dataclasses.replace(model_defaults(engine), **given)
     try:

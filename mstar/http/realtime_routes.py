@@ -84,6 +84,7 @@ async def realtime(request: web.Request) -> web.StreamResponse:
                 log.info("realtime socket failed", session_id=session.config.session_id, error=str(ws.exception()))
                 break
     finally:
+        request.app[SOCKETS].discard(connection)
         await session.close()
         outbox.put_nowait(None)
         try:

@@ -26,7 +26,7 @@ from mstar.errors import MstarError, RequestError
 from mstar.http.realtime_protocol import (ProtocolError, SessionConfig, check_format, decode_audio, event, field_of,
                                           item_text, new_id, output_limit)
 from mstar.http.realtime_response import ActiveResponse, ResponsePlan
-from mstar.http.submission import SPEAK_WALK, Target, encode_chat, encode_prompt, model_defaults
+from mstar.http.submission import SPEAK_WALK, Target, encode_chat, encode_prompt, model_defaults, off_loop
 from mstar.types import GenerateRequest, ModelCard
 
 if TYPE_CHECKING:
@@ -183,7 +183,7 @@ class RealtimeSession:
         params = field_of(obj, "response", dict, "", required=False) or {}
         limit, limit_param = self._limit(params)
         try:
-            plan = self._plan(params, limit)
+            plan = await self._plan(params, limit)
             await self.engine.admit()
             stream = self.engine.submit(plan.request)
         except RequestError as e:
@@ -212,7 +212,7 @@ class RealtimeSession:
             limit = output_limit(raw, param, self.target.max_model_len)
         return limit, (param if limit is not None else None)
 
-    def _plan(self, params: dict[str, Any], limit: int | None) -> ResponsePlan:
+    async def _plan(self, params: dict[str, Any], limit: int | None) -> ResponsePlan:
         """The engine request a `response.create` starts."""
         self.config.check_modalities(params, "response")
         instructions = field_of(params, "instructions", str, "response", required=False)
@@ -243,10 +243,12 @@ class RealtimeSession:
             {"role": i["role"], "content": item_text(i, "item")} for i in self.items if i.get("type") == "message"]
         if not messages:
             raise ProtocolError("the conversation is empty: add a message first", "empty_input", "response.input")
+        size = sum(len(m["content"]) for m in messages)  # a long conversation is tokenised off the event loop
         if self.target.tokenizer is not None and getattr(self.target.tokenizer, "chat_template", None):
-            ids = encode_chat(self.target, messages, add_generation_prompt=True)
+            ids = await off_loop(size, encode_chat, self.target, messages, True)
         else:
-            ids = encode_prompt(self.target, "\n".join(m["content"] for m in messages), "response.input")
+            ids = await off_loop(size, encode_prompt, self.target, "\n".join(m["content"] for m in messages),
+                                 "response.input")
         room = self.target.max_model_len - len(ids)
         if room < 1:
             raise ProtocolError(f"the conversation is {len(ids)} tokens, beyond the model's context of "

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import time
-import weakref
 from typing import TYPE_CHECKING
 
 import structlog
@@ -36,6 +35,8 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("mstar.http")
 
+# At shutdown, how long running requests may go on before they are aborted (within the process's grace).
+DRAIN_S = 7.0
 # Token-id prompts are long in JSON; aiohttp's 1 MiB default is too small.
 MAX_BODY_BYTES = 32 * 2**20
 
@@ -89,7 +90,7 @@ async def health(request: web.Request) -> web.Response:
     return json_response(report, status=200 if report.get("status") == "ok" else 503)
 
 
-def build_app(engine: Engine, *, manage_engine: bool = True, drain_s: float = 8.0,
+def build_app(engine: Engine, *, manage_engine: bool = True, drain_s: float = DRAIN_S,
               config: ServerConfig | None = None) -> web.Application:
     """The aiohttp application serving `engine`.
 
@@ -111,7 +112,7 @@ def build_app(engine: Engine, *, manage_engine: bool = True, drain_s: float = 8.
                                        admission, body_deadline(config.body_timeout)],
                           client_max_size=MAX_BODY_BYTES)
     app[ENGINE] = engine
-    app[SOCKETS] = weakref.WeakSet()
+    app[SOCKETS] = set()
     app[STARTED] = int(time.time())
     app.on_response_prepare.append(add_request_id_header)
     if origins:

@@ -57,14 +57,22 @@ class StreamedInput:
                     return
         except (ConnectionError, TimeoutError):  # the client hung up, or paused past --body-timeout
             pass
-        self._engine.close_input(self._request_id)
+        except Exception as e:  # a line past the reader's limit, say: the request ends rather than waits on
+            self._refuse(RequestError(f"the body could not be read: {type(e).__name__}: {e}", field="body"),
+                         number + 1)
+        finally:
+            if self.error is None:
+                self._engine.close_input(self._request_id)
 
     def _append(self, line: bytes, number: int) -> None:
         try:
             self._engine.append(self._request_id, {"text": parse_more_input(line)})
         except RequestError as e:
-            self.error = RequestError(f"{e.message} (line {number} of the body)", field=e.field, status=e.status,
-                                      code=e.code)
-            log.warning("streamed speech input refused; the request ends", request_id=self._request_id,
-                        line=number, field=e.field, error=e.message)
-            self._engine.abort(self._request_id)
+            self._refuse(e, number)
+
+    def _refuse(self, e: RequestError, number: int) -> None:
+        self.error = RequestError(f"{e.message} (line {number} of the body)", field=e.field, status=e.status,
+                                  code=e.code)
+        log.warning("streamed speech input refused; the request ends", request_id=self._request_id,
+                    line=number, field=e.field, error=e.message)
+        self._engine.abort(self._request_id)

@@ -9,7 +9,6 @@ Importable without torch.
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -26,8 +25,9 @@ END_OF_TEXT = "<|end_of_text|>"
 START_HEADER = "<|start_header_id|>"
 END_HEADER = "<|end_header_id|>"
 EOT = "<|eot_id|>"
-# from this length on a text is encoded through the call that lets other threads run
-LONG_TEXT_CHARS = 16_384
+# from this length on a text is encoded through the call that lets other threads run: the HTTP routes
+# tokenise texts this long on a thread of their own (`http.submission.OFF_LOOP_SIZE`), where that pays
+LONG_TEXT_CHARS = 1 << 16
 BYTE_TOKENIZER_SPECIALS = (BEGIN_OF_TEXT, END_OF_TEXT, START_HEADER, END_HEADER, EOT)
 # byte b has id b; specials follow in the order above
 BYTE_TOKENIZER_VOCAB_SIZE = 256 + len(BYTE_TOKENIZER_SPECIALS)
@@ -75,6 +75,10 @@ class Tokenizer:
         if self.eos_token is None and self.eos_token_ids:
             self.eos_token = tokenizer.id_to_token(self.eos_token_ids[0])
         self._compiled: Any = None
+        # the longest token's text in UTF-8 bytes: a text of n characters has at least n / max_token_bytes
+        # tokens, known without tokenising it (worked out here, not on the event loop at the first request)
+        self.max_token_bytes = max((len(t.encode()) for t in tokenizer.get_vocab(with_added_tokens=True)),
+                                   default=1)
 
     # ------------------------------------------------------------ loading
     @classmethod
@@ -108,12 +112,6 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
-
-    @functools.cached_property
-    def max_token_bytes(self) -> int:
-        """The longest token's text in UTF-8 bytes: a text of n characters
-        has at least n / max_token_bytes tokens, known without tokenising it."""
-        return max((len(t.encode()) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
 
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
