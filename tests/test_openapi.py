@@ -15,6 +15,7 @@ import pytest
 from openapi_spec_validator import validate
 
 from mstar.errors import RequestError
+from mstar.http.access import is_open
 from mstar.http.openapi import document
 from mstar.http.server import build_app
 from mstar.http.speech_protocol import parse_speech
@@ -101,6 +102,16 @@ def test_every_served_route_is_documented_and_vice_versa() -> None:
     served = {(r.method.lower(), r.resource.canonical) for r in app.router.routes() if r.method != "HEAD"}
     documented = {(method, path) for path, item in document()["paths"].items() for method in item}
     assert served == documented
+
+
+def test_the_bearer_key_is_documented_and_the_open_routes_say_so() -> None:
+    doc = document()
+    assert doc["components"]["securitySchemes"]["bearer"] == {**doc["components"]["securitySchemes"]["bearer"],
+                                                              "type": "http", "scheme": "bearer"}
+    for path, item in doc["paths"].items():
+        for op in item.values():
+            # the operations --api-key leaves open are exactly those that waive the document's security
+            assert (op.get("security") == []) == is_open(path.replace("{name}", "demo.js")), path
 
 
 def test_every_operation_documents_its_errors() -> None:

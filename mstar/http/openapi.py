@@ -107,6 +107,8 @@ def document() -> Schema:
                        "what came before, in the same request; the body's end ends the input. A later line "
                        "refused (as `input` is, or past the context) ends the request: a 400 before any audio, "
                        "an `error` event on an SSE stream, an audio body cut short"}}
+    for path in ("/health", "/", "/static/{name}"):  # open with or without --api-key
+        paths[path]["get"]["security"] = []
     schemas = {
         "CompletionRequest": req.COMPLETION_REQUEST, "ChatRequest": req.CHAT_REQUEST,
         "GenerateRequest": req.GENERATE_REQUEST, "SpeechRequest": req.SPEECH_REQUEST,
@@ -122,5 +124,10 @@ def document() -> Schema:
                                 "may also be null, which means their default."},
         "jsonSchemaDialect": "https://spec.openapis.org/oas/3.1/dialect/base",
         "paths": paths,
-        "components": {"schemas": schemas},
+        # the key is asked for only when the server runs with --api-key: either entry satisfies the document
+        "security": [{"bearer": []}, {}],
+        "components": {"schemas": schemas, "securitySchemes": {"bearer": {
+            "type": "http", "scheme": "bearer",
+            "description": "`Authorization: Bearer <key>` when the server runs with --api-key; the realtime "
+                           "websocket also takes the subprotocol `openai-insecure-api-key.<key>`"}}},
     }
