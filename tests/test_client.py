@@ -105,6 +105,14 @@ def test_completions_whole_and_streamed(client: Client) -> None:
     assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
 
 
+def test_logprobs_reach_the_choices(client: Client) -> None:
+    whole = client.completions("Hello", logprobs=2, **TEXT)
+    assert len(whole.choices[0].logprobs["token_logprobs"]) == 6
+    chat = client.chat([{"role": "user", "content": "Hi"}], logprobs=True, top_logprobs=1, **TEXT)
+    entries = chat.choices[0].logprobs["content"]
+    assert len(entries) == 6 and all(len(e["top_logprobs"]) == 1 and e["logprob"] <= 0 for e in entries)
+
+
 def test_chat_whole_and_streamed(client: Client) -> None:
     messages = [{"role": "user", "content": "Hi"}]
     whole = client.chat(messages, **TEXT)

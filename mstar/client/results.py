@@ -36,14 +36,16 @@ class Choice:
     text: str
     finish_reason: str | None
     role: str | None = None  # chat only: "assistant"
+    logprobs: Any = None     # as the server sent them (OpenAI's shape for the route), if asked for
 
     @classmethod
     def of(cls, obj: Mapping[str, Any]) -> Choice:
         message = obj.get("message") or obj.get("delta")
         if isinstance(message, Mapping):  # chat
             return cls(int(obj.get("index", 0)), message.get("content") or "", obj.get("finish_reason"),
-                       message.get("role"))
-        return cls(int(obj.get("index", 0)), obj.get("text") or "", obj.get("finish_reason"))
+                       message.get("role"), obj.get("logprobs"))
+        return cls(int(obj.get("index", 0)), obj.get("text") or "", obj.get("finish_reason"),
+                   logprobs=obj.get("logprobs"))
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,11 @@ class Sampling(TypedDict, total=False):
 
 
 class TextSampling(Sampling, total=False):
-    """Text routes also stop on strings or token ids."""
+    """Text routes also stop on strings or token ids, and report log
+    probabilities: `completions(logprobs=k)`, `chat(logprobs=True,
+    top_logprobs=k)`; each choice then has them in OpenAI's shape."""
 
     stop: str | list[str]
     stop_token_ids: list[int]
+    logprobs: int | bool
+    top_logprobs: int
