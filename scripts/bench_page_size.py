@@ -25,9 +25,9 @@ import time
 
 import torch
 
-from mstar.engine.attention import TorchPagedAttention
-from mstar.engine.flashinfer_attention import FlashInferAttention, FlashInferContext, build_kernels
-from mstar.engine.kv_cache import KVCache
+from mstar.engine.memory.attention import TorchPagedAttention
+from mstar.engine.memory.flashinfer_attention import FlashInferAttention, FlashInferContext, build_kernels
+from mstar.engine.memory.kv_cache import KVCache
 from mstar.models.base import KVSpec
 
 HQ, HKV, D = 24, 8, 128

@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
 
-from mstar.engine.transport import Transport
+from mstar.engine.movement.transport import Transport
 
 DEFAULT_SIZES = ["4K", "64K", "1M", "16M", "256M", "1G"]
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}

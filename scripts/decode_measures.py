@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from mstar.engine.kv_cache import KVCache
+from mstar.engine.memory.kv_cache import KVCache
 from mstar.models.base import KVSpec
 from mstar.models.llama.config import LlamaConfig
 

@@ -38,7 +38,7 @@ python3 -m pip install -q --no-deps --no-index .wheels/*.whl 2>&1 | grep -v "roo
 
 # FlashInfer's prefill and decode kernels in one parallel build, before anything needs them
 t0=$SECONDS
-python3 -c 'import torch; from mstar.engine.flashinfer_attention import build_kernels; build_kernels(torch.bfloat16, 128)' \
+python3 -c 'import torch; from mstar.engine.memory.flashinfer_attention import build_kernels; build_kernels(torch.bfloat16, 128)' \
   2>&1 | tail -20 | tee "$OUT/jit.txt"
 echo "FlashInfer JIT build: $((SECONDS - t0)) s" | tee -a "$OUT/jit.txt"
 

@@ -18,10 +18,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from mstar.config import EngineConfig
-from mstar.engine.backends import attention_backend
-from mstar.engine.cuda_graphs import DecodeGraphs
-from mstar.engine.kv_cache import KVCache
-from mstar.engine.sampler import SamplingTensors, sample
+from mstar.engine.execution.backends import attention_backend
+from mstar.engine.execution.cuda_graphs import DecodeGraphs
+from mstar.engine.memory.kv_cache import KVCache
+from mstar.engine.execution.sampler import SamplingTensors, sample
 from mstar.models.registry import load_model
 from mstar.types import SamplingParams, TokenBatch
 

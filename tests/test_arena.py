@@ -1,4 +1,4 @@
-"""The host arena (mstar/engine/arena.py): size classes, reuse, exhaustion,
+"""The host arena (mstar/engine/movement/arena.py): size classes, reuse, exhaustion,
 alignment, concurrent alloc/release, another process seeing the region, and
 staging rows to the host."""
 
@@ -13,7 +13,7 @@ import arena_child
 import pytest
 import torch
 
-from mstar.engine.arena import (
+from mstar.engine.movement.arena import (
     ALIGNMENT,
     MAX_BLOCK,
     MIN_BLOCK,

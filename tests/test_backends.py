@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mstar.config import EngineConfig
-from mstar.engine.backends import TorchBackend, attention_backend
+from mstar.engine.execution.backends import TorchBackend, attention_backend
 from mstar.errors import ConfigError
 
 

@@ -254,7 +254,7 @@ async def test_a_row_that_breaks_the_sampler_fails_alone_and_its_batch_goes_on(m
     """A prefill of several rows whose sampling raises for one of them runs
     again row by row: the others draw exactly what they draw alone (their KV
     length and draw counter moved on once), only the bad row fails."""
-    from mstar.engine import runner
+    from mstar.engine.execution import runner
 
     bad_seed = 4242
     real = runner.sample

@@ -16,9 +16,9 @@ if not torch.cuda.is_available():
     pytest.skip("FlashInfer attention needs a CUDA device", allow_module_level=True)
 pytest.importorskip("flashinfer", reason="flashinfer is not installed")
 
-from mstar.engine.attention import TorchPagedAttention  # noqa: E402
-from mstar.engine.flashinfer_attention import FlashInferAttention  # noqa: E402
-from mstar.engine.kv_cache import KVCache  # noqa: E402
+from mstar.engine.memory.attention import TorchPagedAttention  # noqa: E402
+from mstar.engine.memory.flashinfer_attention import FlashInferAttention  # noqa: E402
+from mstar.engine.memory.kv_cache import KVCache  # noqa: E402
 from mstar.models.base import KVSpec  # noqa: E402
 from mstar.models.layers.rotary import RotaryEmbedding  # noqa: E402
 from mstar.types import Rotary  # noqa: E402

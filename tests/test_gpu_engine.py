@@ -129,8 +129,8 @@ async def test_greedy_tokens_match_transformers(which: str, request: pytest.Fixt
 
 @pytest.mark.parametrize("which", ["tiny", "shaped_3b"])
 async def test_prefill_logits_within_bf16_tolerance(which: str, request: pytest.FixtureRequest) -> None:
-    from mstar.engine.flashinfer_attention import FlashInferAttention
-    from mstar.engine.kv_cache import KVCache
+    from mstar.engine.memory.flashinfer_attention import FlashInferAttention
+    from mstar.engine.memory.kv_cache import KVCache
     from mstar.models.registry import load_model
     from mstar.types import TokenBatch
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import helper_fns
-from mstar.engine.arena import HostArena
-from mstar.engine.helper_process import HelperProcess
+from mstar.engine.movement.arena import HostArena
+from mstar.engine.movement.helper_process import HelperProcess
 
 
 @pytest.fixture(scope="module")

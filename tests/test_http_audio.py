@@ -1,4 +1,4 @@
-"""The streaming audio encoders of mstar/http/audio.py: WAV headers read back
+"""The streaming audio encoders of mstar/http/speech/audio.py: WAV headers read back
 with the stdlib `wave`, PCM passed through, FLAC decoded back to the same
 samples, MP3 and Ogg Opus decoded to the same sound; every format fed in
 uneven chunks (odd byte counts included) as the engine's chunks arrive."""
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from mstar.errors import RequestError
-from mstar.http.audio import (CONTENT_TYPES, StreamSink, UNKNOWN_SIZE, check_format, encoder_for, wav_header)
+from mstar.http.speech.audio import (CONTENT_TYPES, StreamSink, UNKNOWN_SIZE, check_format, encoder_for, wav_header)
 
 soundfile = pytest.importorskip("soundfile")
 

@@ -7,7 +7,7 @@ import orjson
 import pytest
 
 from mstar.errors import RequestError
-from mstar.http.protocol import (COMPLETIONS_MAX_TOKENS, MAX_N, parse_chat, parse_completion, parse_generate,
+from mstar.http.text.protocol import (COMPLETIONS_MAX_TOKENS, MAX_N, parse_chat, parse_completion, parse_generate,
                                  parse_json_object)
 from mstar.http.submission import fit_max_tokens
 from mstar.types import SamplingParams

@@ -19,7 +19,7 @@ import pytest_asyncio
 from http_support import read_ndjson, running_engine, serving, wait_until
 
 from mstar.engine.engine import Engine
-from mstar.http.audio import wav_header
+from mstar.http.speech.audio import wav_header
 from mstar.http.submission import model_defaults
 from mstar.models.registry import BUILTINS
 

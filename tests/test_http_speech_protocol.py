@@ -10,8 +10,8 @@ import orjson
 import pytest
 
 from mstar.errors import RequestError
-from mstar.http.speech_protocol import MAX_INPUT_CHARS, parse_speech
-from mstar.http.speech_routes import speech_sampling
+from mstar.http.speech.protocol import MAX_INPUT_CHARS, parse_speech
+from mstar.http.speech.routes import speech_sampling
 from mstar.types import SamplingParams
 
 

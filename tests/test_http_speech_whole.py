@@ -17,7 +17,7 @@ import soundfile
 from http_support import running_engine, serving
 
 from mstar.client.audio import Speech
-from mstar.http.audio import UNKNOWN_SIZE
+from mstar.http.speech.audio import UNKNOWN_SIZE
 
 ON_LOOP = pytest.mark.asyncio(loop_scope="module")  # the server tests share one engine; the SDK one needs none
 

@@ -19,9 +19,9 @@ import pytest_asyncio
 from http_support import running_engine, serving
 
 from mstar.errors import RequestError
-from mstar.http.openapi import document
-from mstar.http.protocol import CHAT_KEYS, COMPLETION_KEYS, GENERATE_KEYS
-from mstar.http.speech_protocol import SPEECH_KEYS, parse_speech
+from mstar.http.openapi.document import document
+from mstar.http.text.protocol import CHAT_KEYS, COMPLETION_KEYS, GENERATE_KEYS
+from mstar.http.speech.protocol import SPEECH_KEYS, parse_speech
 
 ON_LOOP = pytest.mark.asyncio(loop_scope="module")
 CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

@@ -25,8 +25,14 @@ LEAVES = frozenset({"mstar.types", "mstar.config", "mstar.errors", "mstar.graph"
 HTTP_ALLOWED = LEAVES | {"mstar", "mstar.engine", "mstar.engine.engine"}
 # Modules that promise to import without torch (the leaves, the client side of http, the SDK).
 # request parsing must stay usable by clients that have no torch
-TORCH_FREE = sorted(LEAVES) + ["mstar.http.protocol", "mstar.http.fields", "mstar.http.chat_messages",
-                              "mstar.http.audio", "mstar.http.speech_protocol", "mstar.client"]
+TORCH_FREE = sorted(LEAVES) + ["mstar.http.text.protocol", "mstar.http.fields", "mstar.http.text.chat_messages",
+                              "mstar.http.speech.audio", "mstar.http.speech.protocol", "mstar.client"]
+
+
+ENGINE_ROOMS = ("mstar.engine.engine", "mstar.engine.messages", "mstar.engine.eventloop", "mstar.engine.worker",
+                "mstar.engine.execution", "mstar.engine.memory", "mstar.engine.movement")
+# the row state a step runs over (the worker owns it; execution reads and advances it)
+EXECUTION_READS = frozenset({"mstar.engine.worker.rows", "mstar.engine.worker.loop_group"})
 
 
 def under(name: str, *prefixes: str) -> bool:
@@ -56,6 +62,21 @@ RULES = (
     Rule(lambda m: under(m, "mstar.http"),
          lambda n: under(n, "mstar") and not (n in HTTP_ALLOWED or under(n, "mstar.http")),
          "http/ talks only to the Engine's public API (mstar.engine, mstar.engine.engine)"),
+    # the engine's rooms follow its threads: what one room may know of the others
+    Rule(lambda m: under(m, "mstar.engine.memory", "mstar.engine.movement"),
+         lambda n: under(n, *(r for r in ENGINE_ROOMS if r not in ("mstar.engine.memory", "mstar.engine.movement"))),
+         "engine/memory/ and engine/movement/ hold pages, caches and tensors: they know no room that uses them"),
+    Rule(lambda m: under(m, "mstar.engine.execution"),
+         lambda n: under(n, "mstar.engine.eventloop", "mstar.engine.engine", "mstar.engine.messages")
+         or (under(n, "mstar.engine.worker") and n not in EXECUTION_READS),
+         "engine/execution/ runs steps on the worker thread: it reads the rows it runs, never the worker loop "
+         "or the event loop's side"),
+    Rule(lambda m: under(m, "mstar.engine.eventloop"),
+         lambda n: under(n, "mstar.engine.execution", "mstar.engine.memory", "mstar.engine.movement"),
+         "engine/eventloop/ never touches execution, device memory or transfers: it hears from workers"),
+    Rule(lambda m: under(m, "mstar.engine.worker"),
+         lambda n: under(n, "mstar.engine.eventloop", "mstar.engine.engine"),
+         "engine/worker/ talks to the event loop only through engine/messages.py"),
     # the SDK installs where torch may not: it knows the server only through HTTP
     Rule(lambda m: under(m, "mstar.client"),
          lambda n: under(n, "torch") or (under(n, "mstar") and not under(n, "mstar.client") and n != "mstar"),
@@ -150,6 +171,13 @@ KNOWN = {"mstar", "mstar.types", "mstar.errors", "mstar.graph", "mstar.engine", 
     ("mstar.scheduler.pages", False, "from mstar.kernels.norm import rms_norm", "mstar.kernels.norm"),
     ("mstar.client.results", False, "from mstar.types import SamplingParams", "mstar.types"),
     ("mstar.client.audio", False, "def f():\n    import torch", "torch"),
+    ("mstar.engine.memory.kv_cache", False, "from mstar.engine.worker.rows import PartitionRun",
+     "mstar.engine.worker.rows"),
+    ("mstar.engine.execution.runner", False, "from mstar.engine.worker.walker import Walker",
+     "mstar.engine.worker.walker"),
+    ("mstar.engine.eventloop.requests", False, "from mstar.engine.memory import kv_cache", "mstar.engine.memory"),
+    ("mstar.engine.worker.walker", False, "from mstar.engine.eventloop.requests import RequestState",
+     "mstar.engine.eventloop.requests"),
 ])
 def test_checker_flags_violations(module: str, is_package: bool, source: str, expected: str) -> None:
     found = violations(source, module, is_package, KNOWN)

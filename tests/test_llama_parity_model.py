@@ -11,8 +11,8 @@ import pytest
 import torch
 import transformers
 
-from mstar.engine.attention import TorchPagedAttention
-from mstar.engine.kv_cache import KVCache
+from mstar.engine.memory.attention import TorchPagedAttention
+from mstar.engine.memory.kv_cache import KVCache
 from mstar.models.registry import load_model
 from mstar.types import TokenBatch
 

@@ -15,7 +15,7 @@ import torch
 
 from mstar.config import EngineConfig, SchedulerConfig
 from mstar.engine.engine import Engine
-from mstar.engine.sampler import SamplingTensors, sample, token_logprobs
+from mstar.engine.execution.sampler import SamplingTensors, sample, token_logprobs
 from mstar.errors import RequestError
 from mstar.types import MAX_LOGPROBS, GenerateRequest, SamplingParams, TokenLogprob
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mstar.engine.kv_cache import KVCache
-from mstar.engine.memory import GiB, kv_cache_log_fields, kv_cache_pages
+from mstar.engine.memory.kv_cache import KVCache
+from mstar.engine.memory.sizing import GiB, kv_cache_log_fields, kv_cache_pages
 from mstar.errors import ConfigError
 from mstar.models.base import KVSpec
 from mstar.models.registry import load_model

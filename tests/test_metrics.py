@@ -12,7 +12,7 @@ import pytest
 from http_support import MODEL, wait_until
 
 from mstar.engine.engine import Engine
-from mstar.engine.prometheus import Histogram, family
+from mstar.engine.eventloop.prometheus import Histogram, family
 from mstar.types import GenerateRequest, SamplingParams
 
 Sample = tuple[str, dict[str, str], float]

@@ -16,10 +16,10 @@ from openapi_spec_validator import validate
 
 from mstar.errors import RequestError
 from mstar.http.access import is_open
-from mstar.http.openapi import document
+from mstar.http.openapi.document import document
 from mstar.http.server import build_app
-from mstar.http.speech_protocol import parse_speech
-from mstar.http.speech_routes import speech_sampling
+from mstar.http.speech.protocol import parse_speech
+from mstar.http.speech.routes import speech_sampling
 from mstar.types import SamplingParams
 
 Schema = dict[str, Any]

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from mstar.engine.backends import halfway_buckets
+from mstar.engine.execution.backends import halfway_buckets
 from mstar.engine.messages import EmitBatch, Finished, StepReport
-from mstar.engine.outbox import Outbox
-from mstar.engine.arena import stage_to_host
-from mstar.engine.transfer import to_device
+from mstar.engine.worker.outbox import Outbox
+from mstar.engine.movement.arena import stage_to_host
+from mstar.engine.movement.transfer import to_device
 
 
 class FakeEvent:

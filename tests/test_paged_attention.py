@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from mstar.engine.attention import TorchPagedAttention
-from mstar.engine.kv_cache import KVCache
+from mstar.engine.memory.attention import TorchPagedAttention
+from mstar.engine.memory.kv_cache import KVCache
 from mstar.models.base import KVSpec
 
 PAGE = 4

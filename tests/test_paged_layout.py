@@ -9,9 +9,9 @@ import pytest
 import torch
 from paged_tables import scattered_tables
 
-from mstar.engine.attention import TorchPagedAttention
-from mstar.engine.kv_cache import KVCache
-from mstar.engine.paged_layout import build_layout, decode_bucket
+from mstar.engine.memory.attention import TorchPagedAttention
+from mstar.engine.memory.kv_cache import KVCache
+from mstar.engine.memory.paged_layout import build_layout, decode_bucket
 from mstar.models.base import KVSpec
 
 PAGE = 4

@@ -13,7 +13,7 @@ import torch
 
 from mstar.config import EngineConfig, SchedulerConfig, parse_args
 from mstar.engine.engine import Engine
-from mstar.engine.kv_cache import KVCache
+from mstar.engine.memory.kv_cache import KVCache
 from mstar.models.base import KVSpec
 from mstar.types import GenerateRequest, SamplingParams
 

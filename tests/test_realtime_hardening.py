@@ -17,7 +17,7 @@ import pytest_asyncio
 from http_support import running_engine, serving
 
 from mstar.engine.engine import Engine
-from mstar.http.realtime_routes import MAX_MESSAGE_BYTES
+from mstar.http.realtime.routes import MAX_MESSAGE_BYTES
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

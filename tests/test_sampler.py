@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from mstar.engine.sampler import SamplingTensors, apply_repetition_penalty, sample
+from mstar.engine.execution.sampler import SamplingTensors, apply_repetition_penalty, sample
 from mstar.kernels.noise import random_bits
 from mstar.types import SamplingParams
 

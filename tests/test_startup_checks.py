@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from mstar.config import EngineConfig
-from mstar.engine.devices import check_devices
+from mstar.engine.eventloop.devices import check_devices
 from mstar.engine.engine import Engine
-from mstar.engine.tensor_store import TensorStore
-from mstar.engine.worker import DeviceWorker
+from mstar.engine.movement.tensor_store import TensorStore
+from mstar.engine.worker.device_worker import DeviceWorker
 from mstar.errors import ConfigError, MstarError
 from mstar.http import listener
 from mstar.models.registry import load_model

@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from mstar.engine.tensor_store import TensorRef, TensorStore
+from mstar.engine.movement.tensor_store import TensorRef, TensorStore
 
 
 def test_a_batch_tensor_lives_until_its_last_row_is_taken() -> None:

@@ -1,4 +1,4 @@
-"""mstar/engine/transport.py on the CPU: what needs no copy comes back as it
+"""mstar/engine/movement/transport.py on the CPU: what needs no copy comes back as it
 is, values untouched, and `is_done` (the CUDA paths: test_transport_gpu.py)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mstar.engine.transport import Received, Transport, is_done
+from mstar.engine.movement.transport import Received, Transport, is_done
 
 
 def test_cpu_transport_has_no_streams() -> None:

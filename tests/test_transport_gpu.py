@@ -1,4 +1,4 @@
-"""mstar/engine/transport.py between two CUDA devices: copies equal their
+"""mstar/engine/movement/transport.py between two CUDA devices: copies equal their
 source (dtypes, sizes, non-contiguous layouts), receive() never waits on the
 host, and the copy is ordered after the producer's event."""
 
@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from mstar.engine.transport import Transport, is_done
+from mstar.engine.movement.transport import Transport, is_done
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.device_count() < 2,

@@ -22,14 +22,14 @@ import structlog
 import torch
 
 from mstar.config import EngineConfig
-from mstar.engine.components import resolve_dtype
-from mstar.engine.devices import check_devices
+from mstar.engine.execution.components import resolve_dtype
+from mstar.engine.eventloop.devices import check_devices
 from mstar.engine.messages import Abort, Append, CloseInput, Finished, Profile, Shutdown, StepReport, Stop, Submit
-from mstar.engine.metrics import STATUSES, EngineMetrics, LagMonitor
-from mstar.engine.requests import RequestState, RequestStream
-from mstar.engine.tensor_store import TensorStore
-from mstar.engine.waiting_line import WaitingLine
-from mstar.engine.worker import DeviceWorker
+from mstar.engine.eventloop.metrics import STATUSES, EngineMetrics, LagMonitor
+from mstar.engine.eventloop.requests import RequestState, RequestStream
+from mstar.engine.movement.tensor_store import TensorStore
+from mstar.engine.eventloop.waiting_line import WaitingLine
+from mstar.engine.worker.device_worker import DeviceWorker
 from mstar.errors import ConfigError, MstarError, ModelNotFound, RequestError
 from mstar.graph import Emit, HostStop, Loop, WalkPlan, compile_walks
 from mstar.models.base import Model

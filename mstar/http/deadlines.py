@@ -37,7 +37,7 @@ from aiohttp.typedefs import Middleware
 
 from mstar.http.logs import Handler
 from mstar.http.responses import error_body, error_response
-from mstar.http.speech_routes import NDJSON
+from mstar.http.speech.routes import NDJSON
 
 log = structlog.get_logger("mstar.http")
 

@@ -21,8 +21,11 @@ from aiohttp import web
 
 from mstar.config import ServerConfig
 from mstar.errors import RequestError
-from mstar.http import (demo_routes, metrics_routes, native_routes, openai_routes, openapi_routes, realtime_routes,
-                        speech_routes)
+from mstar.http import demo_routes, metrics_routes
+from mstar.http.openapi import routes as openapi_routes
+from mstar.http.realtime import routes as realtime_routes
+from mstar.http.speech import routes as speech_routes
+from mstar.http.text import native_routes, openai_routes
 from mstar.http.access import Origins, access_middlewares
 from mstar.http.deadlines import body_deadline
 from mstar.http.keys import ENGINE, SOCKETS, STARTED

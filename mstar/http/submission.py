@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from mstar.errors import ModelNotFound, MstarError, RequestError
-from mstar.http.protocol import Prompt
+from mstar.http.text.protocol import Prompt
 from mstar.types import GenerateRequest, OutputChunk, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:

@@ -1,0 +1,167 @@
+"""The engine's Prometheus metrics: what the event loop sees (requests,
+first outputs, step reports) is recorded as it happens; what the workers own
+(queues, KV pages, speculation counters) is read from them at scrape time.
+
+Everything here runs on the event loop, so nothing is locked. The worker-side
+numbers are read across threads without a lock: each is one int that only its
+worker writes, so a scrape may be a step stale but never torn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from mstar.engine.eventloop.prometheus import BATCH_BUCKETS, LATENCY_BUCKETS, Histogram, Labels, family
+
+LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
+
+if TYPE_CHECKING:
+    from mstar.engine.messages import StepReport
+    from mstar.engine.worker.device_worker import DeviceWorker
+
+STATUSES = ("stop", "length", "abort", "error", "timeout")
+
+
+class LagMonitor:
+    """Samples the event loop's lag: a callback scheduled `interval` ahead
+    runs late by however long the loop was busy with other work (reports,
+    HTTP, detokenising). Runs until `stop`."""
+
+    def __init__(self, hist: Histogram, interval: float = 0.01) -> None:
+        self.hist = hist
+        self.interval = interval
+        self._handle: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._arm(loop, loop.time())
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, now: float) -> None:
+        due = now + self.interval
+        self._handle = loop.call_at(due, self._tick, loop, due)
+
+    def _tick(self, loop: asyncio.AbstractEventLoop, due: float) -> None:
+        now = loop.time()
+        self.hist.observe(max(0.0, now - due))
+        self._arm(loop, now)
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+
+class EngineMetrics:
+    def __init__(self) -> None:
+        self.requests: dict[str, int] = dict.fromkeys(STATUSES, 0)
+        self.ttft = Histogram(LATENCY_BUCKETS)
+        self.ttfa = Histogram(LATENCY_BUCKETS)
+        self.step_seconds = Histogram(LATENCY_BUCKETS, labelled=True)
+        self.batch_size = Histogram(BATCH_BUCKETS, labelled=True)
+        self.decode_steps = 0
+        self.loop_lag = Histogram(LAG_BUCKETS)  # event-loop lateness, sampled by `LagMonitor`
+        # submit times of requests still waiting for their first token / audio;
+        # an entry leaves at the first output or when the request ends, so the
+        # per-row check in `outputs` is one dict pop on a small dict
+        self._await_text: dict[str, float] = {}
+        self._await_audio: dict[str, float] = {}
+
+    # ----------------------------------------------------------- recording
+
+    def submitted(self, request_id: str) -> None:
+        now = time.perf_counter()
+        self._await_text[request_id] = now
+        self._await_audio[request_id] = now
+
+    def outputs(self, request_ids: Sequence[str], modality: str) -> None:
+        """Chunks were produced for these requests (one emit batch)."""
+        if modality == "text":
+            waiting, hist = self._await_text, self.ttft
+        elif modality == "audio":
+            waiting, hist = self._await_audio, self.ttfa
+        else:
+            return
+        if not waiting:  # the steady state: every running request has had its first output
+            return
+        now = time.perf_counter()
+        for rid in request_ids:
+            t0 = waiting.pop(rid, None)
+            if t0 is not None:
+                hist.observe(now - t0)
+
+    def forget(self, request_id: str) -> None:
+        """The request produces no more chunks (aborted): no first output to time."""
+        self._await_text.pop(request_id, None)
+        self._await_audio.pop(request_id, None)
+
+    def finished(self, request_id: str, status: str) -> None:
+        self.forget(request_id)
+        self.requests[status if status in self.requests else "error"] += 1
+
+    def on_report(self, report: StepReport) -> None:
+        """A report hook: one step's component, mode, rows and duration."""
+        if report.rows <= 0 or not report.component:
+            return  # an inbox pass or an empty group launch: no step ran
+        labels: Labels = (("component", report.component), ("mode", report.mode))
+        self.step_seconds.observe(report.step_s, labels)
+        self.batch_size.observe(report.rows, labels)
+        if report.mode == "decode":
+            self.decode_steps += 1
+
+    # ----------------------------------------------------------- rendering
+
+    def render(self, workers: Iterable[DeviceWorker], requests_running: int, tensors_held: int,
+               outputs_dropped: int) -> str:
+        workers = list(workers)
+        # a worker that failed in setup has no scheduler
+        waiting = sum(w.scheduler.num_waiting() for w in workers if hasattr(w, "scheduler"))
+        pools = [((("device", w.name), ("component", c)), p) for w in workers for c, p in list(w.pools.items())]
+        dropped = outputs_dropped + sum(w.stats.cancelled_steps + w.stats.dropped_rows for w in workers)
+        preempted = sum(w.preemption.preempted for w in workers if getattr(w, "preemption", None) is not None)
+        parts = [
+            family("mstar_requests_total", "counter", "Requests finished, by final status.",
+                   [((("status", s),), n) for s, n in self.requests.items()]),
+            family("mstar_requests_running", "gauge", "Requests submitted and not finished.",
+                   [((), requests_running)]),
+            family("mstar_queue_depth", "gauge", "Rows waiting in the workers' schedulers.", [((), waiting)]),
+            family("mstar_time_to_first_token_seconds", "histogram",
+                   "Seconds from submit to the first chunk with tokens or text.", self.ttft),
+            family("mstar_time_to_first_audio_seconds", "histogram",
+                   "Seconds from submit to the first chunk with audio.", self.ttfa),
+            family("mstar_step_seconds", "histogram", "Seconds per worker step.", self.step_seconds),
+            family("mstar_batch_size", "histogram", "Rows per worker step.", self.batch_size),
+            family("mstar_decode_steps_total", "counter", "Decode steps run.", [((), self.decode_steps)]),
+            family("mstar_speculative_steps_dropped_total", "counter",
+                   "Speculative work thrown away: cancelled queued steps, dead rows of launched steps, "
+                   "outputs the engine dropped.", [((), dropped)]),
+            family("mstar_kv_rows_running", "gauge",
+                   "Rows holding KV pages, per device and component (capped at --max-num-seqs).",
+                   [((("device", w.name), ("component", c)), n) for w in workers if hasattr(w, "scheduler")
+                    for c, n in w.scheduler.running.items()]),
+            family("mstar_preemptions_total", "counter",
+                   "Running rows swapped out for lack of KV pages (--kv-reservation lazy).", [((), preempted)]),
+            family("mstar_kv_pages_in_use", "gauge", "KV cache pages held by requests.",
+                   [(labels, p.num_used) for labels, p in pools]),
+            family("mstar_kv_pages_total", "gauge", "KV cache pages in the pool.",
+                   [(labels, p.num_pages) for labels, p in pools]),
+            family("mstar_tensors_held", "gauge", "Tensors held in the engine's tensor store.",
+                   [((), tensors_held)]),
+            family("mstar_host_arena_bytes_in_use", "gauge",
+                   "Bytes of the workers' host arenas holding outputs on their way to the event loop.",
+                   [((("device", w.name),), w.arena.in_use_bytes) for w in workers
+                    if getattr(w, "arena", None) is not None]),
+            family("mstar_worker_seconds_total", "counter",
+                   "A worker thread's time in decode group steps, by phase: launch (planning, graph replay, "
+                   "bookkeeping), finalize (stop rules, emits, routing), wait (blocked on the device).",
+                   [((("device", w.name), ("phase", ph)), getattr(w.stats, f"{ph}_s")) for w in workers
+                    for ph in ("launch", "finalize", "wait")]),
+            family("mstar_worker_steps_total", "counter", "Steps a worker ran.",
+                   [((("device", w.name),), w.stats.steps) for w in workers]),
+            family("mstar_event_loop_lag_seconds", "histogram",
+                   "How late the event loop runs a callback it scheduled (every 10 ms): the time it was busy.",
+                   self.loop_lag),
+        ]
+        return "".join(parts)

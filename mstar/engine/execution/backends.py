@@ -1,0 +1,116 @@
+"""Which attention backend and which CUDA graphs a component gets.
+
+The torch reference (`TorchPagedAttention`) runs everywhere and is the oracle;
+FlashInfer serves CUDA devices when it is installed. Decode steps replay CUDA
+graphs when the backend can plan into static buffers and graphs are not
+switched off; so do the plain modes whose row shapes the model declares.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol, Sequence
+
+import structlog
+import torch
+from torch import nn
+
+from mstar.config import EngineConfig
+from mstar.engine.memory.attention import TorchPagedAttention
+from mstar.engine.execution.cuda_graphs import DecodeGraphs
+from mstar.engine.memory.kv_cache import KVCache
+from mstar.engine.execution.mode_graphs import ModeGraphs
+from mstar.errors import ConfigError
+from mstar.models.base import Model
+from mstar.types import AttentionContext, TokenBatch
+
+log = structlog.get_logger("mstar.backends")
+
+FLASHINFER_HEAD_DIMS = (64, 128, 256)  # the head sizes its prefill and decode kernels are built for
+FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)  # the KV dtypes they are built for
+
+
+class AttentionBackend(Protocol):
+    def plan(self, query_start: torch.Tensor, context_lens: torch.Tensor,
+             block_tables: torch.Tensor | Sequence[Sequence[int]]) -> AttentionContext: ...
+
+
+class TorchBackend:
+    """The reference: plain torch over the pages, on any device."""
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+
+    def plan(self, query_start: torch.Tensor, context_lens: torch.Tensor,
+             block_tables: torch.Tensor | Sequence[Sequence[int]]) -> AttentionContext:
+        return TorchPagedAttention(self.cache, query_start, context_lens, block_tables)
+
+
+def attention_backend(cache: KVCache, num_q_heads: int, max_pages_per_row: int,
+                      config: EngineConfig) -> AttentionBackend:
+    choice = config.attention_backend
+    if choice == "torch" or (choice == "auto" and cache.device.type != "cuda"):
+        return TorchBackend(cache)
+    if cache.device.type != "cuda":
+        raise ConfigError("--attention-backend flashinfer needs a CUDA device")
+    if cache.dtype not in FLASHINFER_DTYPES:
+        if choice == "flashinfer":
+            raise ConfigError(f"FlashInfer's kernels take float16 or bfloat16 KV caches, not {cache.dtype}: "
+                              "use --attention-backend torch, or --dtype bfloat16")
+        log.info("KV cache dtype outside FlashInfer's kernels: using the torch reference attention",
+                 dtype=str(cache.dtype))
+        return TorchBackend(cache)
+    try:
+        from mstar.engine.memory.flashinfer_attention import FlashInferAttention
+    except ImportError as e:
+        if choice == "flashinfer":
+            raise ConfigError(f"FlashInfer is not importable: {e}") from e
+        log.warning("flashinfer is not installed: using the torch reference attention", error=str(e))
+        return TorchBackend(cache)
+    if num_q_heads < 1:
+        raise ConfigError("the model's KVSpec does not give its number of query heads")
+    if cache.spec.head_dim not in FLASHINFER_HEAD_DIMS:
+        if choice == "flashinfer":
+            raise ConfigError(f"FlashInfer's kernels take head_dim {FLASHINFER_HEAD_DIMS}, "
+                              f"not {cache.spec.head_dim}")
+        log.info("head_dim outside FlashInfer's kernels: using the torch reference attention",
+                 head_dim=cache.spec.head_dim)
+        return TorchBackend(cache)
+    buckets = () if config.enforce_eager else config.cuda_graph_batch_sizes
+    return FlashInferAttention(cache, num_q_heads, graph_batch_sizes=buckets, max_pages_per_row=max_pages_per_row)
+
+
+def decode_graphs(step: Callable[[TokenBatch], dict[str, torch.Tensor]], backend: AttentionBackend,
+                  device: torch.device, config: EngineConfig) -> DecodeGraphs | None:
+    """Captured decode graphs, or None where they cannot or should not run."""
+    if config.enforce_eager or device.type != "cuda" or not hasattr(backend, "plan_graph"):
+        return None
+    graphs = DecodeGraphs(step, backend, config.cuda_graph_batch_sizes, device)
+    graphs.capture()
+    return graphs
+
+
+def mode_graphs(model: Model, component: str, modes: Sequence[str], module: nn.Module, device: torch.device,
+                config: EngineConfig) -> dict[str, ModeGraphs]:
+    """Captured graphs of the plain modes the model declares row shapes for
+    (`Model.graph_rows`), by mode; empty where graphs cannot or should not run."""
+    if config.enforce_eager or device.type != "cuda":
+        return {}
+    graphs = {}
+    for mode in modes:
+        rows = model.graph_rows(component, mode)
+        if rows is None:
+            continue
+        graphs[mode] = ModeGraphs(f"{component}.{mode}", getattr(module, mode), rows,
+                                  halfway_buckets(config.cuda_graph_batch_sizes), device)
+        graphs[mode].capture()
+    return graphs
+
+
+def halfway_buckets(buckets: Sequence[int]) -> tuple[int, ...]:
+    """`buckets` plus a bucket halfway between each neighbouring pair (1, 2,
+    3, 4, 6, 8, 12, ...): a plain mode's cost grows with its padded rows (a
+    codec window is real work, not a launch), so padding stays under a
+    third instead of under a half."""
+    ordered = sorted(set(buckets))
+    halves = {(a + b) // 2 for a, b in zip(ordered, ordered[1:]) if b - a > 1}
+    return tuple(sorted(set(ordered) | halves))

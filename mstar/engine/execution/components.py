@@ -1,0 +1,64 @@
+"""A model's components built on one device: the component's spec in, its
+`ComponentRunner` out, with what the runner needs. For a KV component: the
+KV cache (sized from the memory left once the weights are in place), its
+page pool, its attention backend and its decode CUDA graphs. For any other:
+the CUDA graphs of the modes the model declares row shapes for.
+"""
+
+from __future__ import annotations
+
+import structlog
+import torch
+
+from mstar.config import EngineConfig
+from mstar.engine.execution.backends import attention_backend, decode_graphs, mode_graphs
+from mstar.engine.memory.kv_cache import KVCache
+from mstar.engine.memory.sizing import kv_cache_log_fields, kv_cache_pages
+from mstar.engine.execution.runner import ComponentRunner
+from mstar.engine.movement.tensor_store import TensorStore
+from mstar.graph import Component
+from mstar.models.base import Model
+from mstar.scheduler import PagePool
+
+log = structlog.get_logger("mstar.worker")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(model: Model, config: EngineConfig, device: torch.device) -> torch.dtype:
+    """`--dtype`, or the model's own choice for `device` under `auto`."""
+    return DTYPES.get(config.dtype) or model.default_dtype(device)
+
+
+def build_runner(model: Model, name: str, spec: Component, device: torch.device, store: TensorStore,
+                 config: EngineConfig) -> tuple[ComponentRunner, PagePool | None]:
+    """Component `name` on `device`: its runner, and its page pool (None
+    without a KV cache)."""
+    dtype = resolve_dtype(model, config, device)
+    module = model.build_component(name, device, dtype)
+    if not spec.kv_cache:
+        graphs_by_mode = mode_graphs(model, name, spec.modes, module, device, config)
+        if graphs_by_mode:
+            log.info("cuda graphs", device=str(device), component=name,
+                     modes={m: g.buckets for m, g in graphs_by_mode.items()})
+        return ComponentRunner(name, spec, module, device, store, None, mode_graphs=graphs_by_mode), None
+    cfg = config.scheduler
+    kvspec = model.kv_spec(name)
+    # sized after the weights are in place, from what memory is left
+    num_pages = cfg.num_pages or kv_cache_pages(
+        device, kvspec, cfg.page_size, dtype, gpu_memory_utilization=cfg.gpu_memory_utilization,
+        cpu_bytes=cfg.kv_cache_memory * 2**30, max_model_len=model.max_model_len)
+    need = -(-model.max_model_len // cfg.page_size)
+    if num_pages < need:
+        raise ValueError(f"{name}: {num_pages} KV pages cannot hold one request of "
+                         f"max_model_len {model.max_model_len} ({need} pages)")
+    kv = KVCache(kvspec, num_pages, cfg.page_size, device, dtype)
+    log.info("kv cache", device=str(device), component=name,
+             **kv_cache_log_fields(num_pages, cfg.page_size, kvspec, dtype))
+    attention = attention_backend(kv, kvspec.num_q_heads, need, config)
+    graphs = decode_graphs(module.decode, attention, device, config) \
+        if spec.samples and hasattr(module, "decode") else None
+    log.info("attention", device=str(device), component=name, backend=type(attention).__name__,
+             cuda_graphs=graphs.buckets if graphs is not None else None)
+    runner = ComponentRunner(name, spec, module, device, store, kv, attention, graphs)
+    return runner, PagePool(num_pages, cfg.page_size)

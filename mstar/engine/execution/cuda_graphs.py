@@ -1,0 +1,101 @@
+"""CUDA graphs of a KV component's decode step at batch-size buckets.
+
+A decode step of n rows replays the graph of the smallest bucket >= n: the
+rows' tokens and positions are copied into the bucket's static inputs, the
+attention backend re-plans the bucket's static metadata (padding rows point at
+the KV cache's scratch page), and the graph writes logits into its static
+output. Every host-to-device copy is from page-locked memory, so a step can be
+prepared and launched while the previous one still runs: the host waits only
+until the previous step's inputs have landed. Steps larger than the largest bucket run eagerly. Graphs are captured
+once at startup, largest bucket first, sharing one memory pool.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from mstar.engine.execution.graph_capture import capture_buckets
+
+from mstar.types import AttentionContext, TokenBatch
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class GraphAttention(Protocol):
+    def plan_graph(self, batch_size: int, context_lens: torch.Tensor,
+                   block_tables: torch.Tensor) -> AttentionContext: ...
+
+
+@dataclass(eq=False)
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor
+
+
+class DecodeGraphs:
+    def __init__(self, step: Callable[[TokenBatch], dict[str, torch.Tensor]], attention: GraphAttention,
+                 buckets: Sequence[int], device: torch.device) -> None:
+        self.step = step
+        self.attention = attention
+        self.buckets = sorted(set(buckets))
+        self.device = device
+        top = self.buckets[-1]
+        self._ids = torch.zeros(top, dtype=torch.long, device=device)
+        self._positions = torch.zeros(top, dtype=torch.long, device=device)
+        self._rows = torch.arange(top, dtype=torch.long, device=device)
+        self._pinned_positions = torch.empty(top, dtype=torch.long, pin_memory=True)
+        self._graphs: dict[int, _Graph] = {}
+        # recorded once a run's host-to-device copies are queued: the next run
+        # waits for it before rewriting the page-locked staging those copies read
+        self._copied: torch.cuda.Event | None = None
+        self.wait_s = 0.0  # time the last run waited for the previous run's copies
+
+    @property
+    def max_batch(self) -> int:
+        return self.buckets[-1]
+
+    def bucket(self, n: int) -> int | None:
+        i = bisect.bisect_left(self.buckets, n)
+        return self.buckets[i] if i < len(self.buckets) else None
+
+    def _batch(self, b: int, attn: AttentionContext) -> TokenBatch:
+        return TokenBatch(input_ids=self._ids[:b], positions=self._positions[:b],
+                          query_start=torch.arange(b + 1, dtype=torch.long), logits_index=self._rows[:b], attn=attn)
+
+    def capture(self, show_progress: bool = True) -> None:
+        empty_ctx = torch.zeros(0, dtype=torch.long)
+        empty_table = torch.zeros(0, 1, dtype=torch.long)
+        graphs = capture_buckets(
+            self.device, self.buckets, lambda b: self.attention.plan_graph(b, empty_ctx, empty_table),
+            lambda b, attn: self.step(self._batch(b, attn))["logits"], "capturing CUDA graphs", show_progress)
+        self._graphs = {b: _Graph(graph, logits) for b, (graph, logits) in graphs.items()}
+
+    def run(self, tokens: torch.Tensor, context_lens: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor | None:
+        """Logits [n, V] for n rows, or None when n is past the largest bucket."""
+        n = tokens.shape[0]
+        b = self.bucket(n)
+        if b is None or b not in self._graphs:
+            return None
+        self.wait_s = 0.0
+        if self._copied is not None:
+            t0 = time.perf_counter()
+            self._copied.synchronize()  # the previous step's inputs have landed: its staging is free
+            self.wait_s = time.perf_counter() - t0
+        else:
+            self._copied = torch.cuda.Event()
+        self._ids[:n].copy_(tokens, non_blocking=True)
+        self._pinned_positions[:n].copy_(context_lens)
+        self._positions[:n].copy_(self._pinned_positions[:n], non_blocking=True)
+        if b > n:
+            self._ids[n:b].zero_()
+            self._positions[n:b].zero_()
+        self.attention.plan_graph(b, context_lens, block_table)
+        self._copied.record()
+        g = self._graphs[b]
+        g.graph.replay()
+        return g.logits[:n]

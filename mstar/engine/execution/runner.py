@@ -1,0 +1,254 @@
+"""Runs one batch of one (component, mode) on a device: prepare inputs →
+forward → sample. Rows come in as scheduler items carrying tensor handles;
+what each row wrote goes out as one batch tensor per value.
+
+Two kinds of components: a KV component takes token ids, appends them to each
+row's paged KV cache and (when it samples) returns one token per row; any
+other component takes its inputs stacked over rows and returns named tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from mstar.engine.execution.backends import AttentionBackend
+from mstar.engine.execution.cuda_graphs import DecodeGraphs
+from mstar.engine.memory.kv_cache import KVCache
+from mstar.engine.worker.loop_group import LoopGroup
+from mstar.engine.execution.mode_graphs import ModeGraphs, takes_seeds
+from mstar.engine.worker.rows import PartitionRun
+from mstar.engine.execution.sampler import SamplingTensors, sample, token_logprobs
+from mstar.engine.movement.tensor_store import TensorRef, TensorStore
+from mstar.engine.movement.transfer import to_device
+from mstar.graph import Component, Step
+from mstar.scheduler import Batch, WorkItem
+from mstar.types import TokenBatch
+
+
+@dataclass(eq=False)
+class StepOutput:
+    """Per value written by the step: one tensor whose row i belongs to row i."""
+
+    parts: list[PartitionRun]
+    values: dict[str, torch.Tensor | list[torch.Tensor]]
+    logprobs: torch.Tensor | None = None  # of a sampling step's tokens, packed (`sampler.token_logprobs`), on the host
+
+
+class ComponentRunner:
+    def __init__(self, name: str, spec: Component, module: nn.Module, device: torch.device,
+                 store: TensorStore, kv: KVCache | None, attention: AttentionBackend | None = None,
+                 graphs: DecodeGraphs | None = None, mode_graphs: dict[str, ModeGraphs] | None = None) -> None:
+        self.name = name
+        self.spec = spec
+        self.module = module
+        self.device = device
+        self.store = store
+        self.kv = kv
+        self.attention = attention
+        self.graphs = graphs
+        self.mode_graphs = mode_graphs or {}
+        self.device_s = 0.0
+        self._cuda = device.type == "cuda"
+        self._takes_seeds: dict[str, bool] = {}  # by mode
+
+    def take_inputs(self, batch: Batch) -> list[dict[str, torch.Tensor]]:
+        """Each row's inputs, read out of the store (its references dropped):
+        a batch that fails in `compute` can run again row by row from these."""
+        step = batch.items[0].payload[0].current_step()
+        names = step.inputs[:1] if self.kv is not None else step.inputs
+        return [{n: self._take(item, n) for n in names} for item in batch.items]
+
+    @torch.inference_mode()
+    def compute(self, batch: Batch, inputs: list[dict[str, torch.Tensor]]) -> StepOutput:
+        """Forward (and sample) the rows on `inputs`. A row's state moves on
+        only once the whole step has succeeded, so a failed step can be run
+        again."""
+        parts = [item.payload[0] for item in batch.items]
+        step = parts[0].current_step()
+        self.device_s = 0.0
+        fn = self._timed(getattr(self.module, batch.mode))
+        logprobs = None
+        if self.kv is not None:
+            values, logprobs = self._run_tokens([row[step.inputs[0]] for row in inputs], parts, step, fn)
+        else:
+            seeds = self._row_seeds(parts, step) if self._seeded(batch.mode) else None
+            values = self._run_plain(inputs, step, fn, seeds)
+        return StepOutput(parts, values, logprobs)
+
+    def _seeded(self, mode: str) -> bool:
+        if mode not in self._takes_seeds:
+            self._takes_seeds[mode] = takes_seeds(getattr(self.module, mode))
+        return self._takes_seeds[mode]
+
+    def _row_seeds(self, parts: list[PartitionRun], step: Step) -> torch.Tensor:
+        """One seed per row from its request's seed and how many times the row
+        has run this step: a row's draws do not depend on its batch."""
+        value = step.outputs[0]
+        seeds = [(p.request.seed * 1_000_003 + p.writes.get(value, 0)) % 2**63 for p in parts]
+        return torch.tensor(seeds, dtype=torch.long)  # on the host: a graph stages it, an eager call moves it
+
+    # ------------------------------------------------------------ KV rows
+
+    def _run_tokens(self, rows: list[torch.Tensor], parts: list[PartitionRun], step: Step,
+                    fn) -> tuple[dict, torch.Tensor | None]:
+        assert self.kv is not None
+        ids, positions, lens, ctx, tables = [], [], [], [], []
+        for row, part in zip(rows, parts):
+            toks = row.reshape(-1)
+            n = toks.numel()
+            ids.append(toks)
+            positions.append(torch.arange(part.kv_tokens, part.kv_tokens + n))
+            lens.append(n)
+            ctx.append(part.kv_tokens)
+            tables.append(part.pages)
+        query_start = torch.zeros(len(rows) + 1, dtype=torch.long)
+        query_start[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.long), 0)
+        input_ids = torch.cat(ids).to(self.device, torch.long)
+        assert self.attention is not None
+        attn = self.attention.plan(query_start, torch.tensor(ctx, dtype=torch.long), tables)
+        batch = TokenBatch(
+            input_ids=input_ids,
+            positions=torch.cat(positions).to(self.device),
+            query_start=query_start,
+            logits_index=(query_start[1:] - 1).to(self.device),
+            attn=attn,
+        )
+        with torch.profiler.record_function("mstar.forward"):
+            out = fn(batch)
+        if self.spec.samples:
+            tokens, logprobs = self._sample(out["logits"], parts, ids)
+            values = {step.outputs[0]: tokens}
+        else:
+            values, logprobs = self._name_outputs(step, out), None
+        for part, n in zip(parts, lens):  # only now: a step that raised left its rows as they were
+            part.kv_tokens += n
+            if self.spec.samples:
+                part.generated += 1
+        return values, logprobs
+
+    def _sample(self, logits: torch.Tensor, parts: list[PartitionRun],
+                inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The rows' tokens, and the packed logprobs of those that asked (on the host)."""
+        params = [p.request.sampling for p in parts]
+        st = SamplingTensors.build(params, [p.request.seed for p in parts], [p.generated for p in parts],
+                                   logits.device)
+        seen = None
+        if st.any_penalty:
+            vocab = logits.shape[-1]
+            for part, toks in zip(parts, inputs):
+                if part.request.sampling.repetition_penalty != 1.0:
+                    if part.seen is None:
+                        part.seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+                    part.seen[toks.to(logits.device).clamp_(0, vocab - 1)] = True
+            empty = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+            seen = torch.stack([p.seen if p.seen is not None else empty for p in parts])
+        with torch.profiler.record_function("mstar.sample"):
+            logits = logits.float()
+            tokens = self._timed(sample)(logits, st, seen)
+            logprobs = self._timed(token_logprobs)(logits, tokens, st)
+        self._wait()
+        return tokens, None if logprobs is None else logprobs.cpu()
+
+    @torch.inference_mode()
+    def run_group(self, group: LoopGroup, sl: slice) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Launch one decode step of rows `sl` of a token loop group; returns
+        its [n] new tokens and the packed logprobs of the rows that asked, on
+        the device and possibly not computed yet."""
+        assert self.kv is not None and self.attention is not None
+        self.device_s = 0.0
+        n = sl.stop - sl.start
+        ctx = group.kv_lens[sl]
+        logits = None
+        if self.graphs is not None:
+            logits = self.graphs.run(group.tokens[sl], ctx, group.block_table[sl])
+            self.device_s += self.graphs.wait_s
+        if logits is None:
+            query_start = torch.arange(n + 1, dtype=torch.long)
+            batch = TokenBatch(
+                input_ids=group.tokens[sl],
+                positions=ctx.to(self.device),
+                query_start=query_start,
+                logits_index=torch.arange(n, device=self.device),
+                attn=self.attention.plan(query_start, ctx, group.block_table[sl]),
+            )
+            logits = self._timed(getattr(self.module, group.mode))(batch)["logits"]
+        seen = group.update_seen(sl)
+        st = group.sampling_for(sl)
+        # no wait: the worker reads these tokens after launching the next step. A graph's logits are
+        # its static output: read here, in stream order, before the next replay rewrites them
+        logits = logits.float()
+        tokens = self._timed(sample)(logits, st, seen)
+        return tokens, self._timed(token_logprobs)(logits, tokens, st)
+
+    # --------------------------------------------------------- plain rows
+
+    def _run_plain(self, inputs: list[dict[str, torch.Tensor]], step: Step, fn: Callable,
+                   seeds: torch.Tensor | None) -> dict:
+        """Rows stacked into one call (a captured graph where one fits), or
+        one call per row when their shapes differ (a stream's short last
+        chunk). `seeds` [B] on the host, for modes that take them."""
+        rows = {n: [row[n] for row in inputs] for n in step.inputs}
+        if all(len({tuple(t.shape) for t in ts}) == 1 for ts in rows.values()):
+            stacked = [torch.stack(ts if len({t.device for t in ts}) == 1 else [t.to(self.device) for t in ts])
+                       for ts in rows.values()]
+            graphs = self.mode_graphs.get(step.mode)
+            out = graphs.run(stacked, seeds) if graphs is not None else None
+            if out is None:
+                out = self._call(fn, stacked, seeds)
+            return self._name_outputs(step, out)
+        outs = [self._name_outputs(step, self._call(fn, [ts[i].unsqueeze(0) for ts in rows.values()],
+                                                    None if seeds is None else seeds[i:i + 1]))
+                for i in range(len(inputs))]
+        return {n: [o[n][0] for o in outs] for n in step.outputs}
+
+    def _call(self, fn: Callable, args: list[torch.Tensor], seeds: torch.Tensor | None):
+        args = [to_device(a, self.device) for a in args]
+        return fn(*args) if seeds is None else fn(*args, seeds=to_device(seeds, self.device))
+
+    def _timed(self, fn: Callable) -> Callable:
+        """`fn`, adding its run time to `device_s` on the CPU, where compute is
+        synchronous. On CUDA calls only launch work; `_wait` measures there."""
+        if self._cuda:
+            return fn
+
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.device_s += time.perf_counter() - t0
+            return out
+        return call
+
+    def _wait(self) -> None:
+        """On CUDA: wait for the step's kernels, counting the time as device
+        time (what is left of the step is host work)."""
+        if self._cuda:
+            t0 = time.perf_counter()
+            torch.cuda.current_stream(self.device).synchronize()
+            self.device_s += time.perf_counter() - t0
+
+    def _name_outputs(self, step: Step, out) -> dict[str, torch.Tensor]:
+        if isinstance(out, torch.Tensor):
+            out = {step.outputs[0]: out}
+        if len(step.outputs) == 1 and len(out) == 1:
+            return {step.outputs[0]: next(iter(out.values()))}
+        missing = [n for n in step.outputs if n not in out]
+        if missing:
+            raise RuntimeError(f"{step.label} returned {sorted(out)}, not {missing}")
+        return {n: out[n] for n in step.outputs}
+
+    def _take(self, item: WorkItem, name: str) -> torch.Tensor:
+        ref = item.payload[1][name]
+        if isinstance(ref, list):  # a stream chunk: items of the stream, in order
+            if all(isinstance(r, int) for r in ref):  # token ids held on the host: one tensor, no device reads
+                return torch.tensor(ref, dtype=torch.long)
+            if any(isinstance(r, int) for r in ref):  # token ids, some still stored: read those (a wait)
+                return torch.tensor([r if isinstance(r, int) else int(self.store.take(r, item.request_id))
+                                     for r in ref], dtype=torch.long)
+            return torch.stack([self.store.take(r, item.request_id) for r in ref])
+        assert isinstance(ref, TensorRef)
+        return self.store.take(ref, item.request_id)

@@ -1,0 +1,150 @@
+"""Token sampling for the rows of one step: logits [B, V] in, token ids [B]
+out, and for the rows that asked, the tokens' log probabilities.
+
+Every operation is vectorised over rows; no Python loop runs per row in the
+hot path. Randomness is a pure function of (seed, counter, vocab index), so a
+request draws the same tokens whichever rows share its batch, in whatever
+order, and the noise bits are the same on CPU and CUDA.
+
+Logprobs are of the model's raw distribution, log_softmax of the logits before
+the repetition penalty, temperature and filters (vLLM's default): what a row
+reports does not depend on how it samples. They come packed, one float64 row
+per step row, so that one copy per step brings them to the host: for a step
+whose largest count is K, [logprob, top K logprobs, top K ids]; a row asking
+for k < K uses the first k, a row that did not ask is NaN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from mstar.engine.movement.transfer import to_device
+from mstar.kernels.noise import exponential_noise
+from mstar.types import SamplingParams
+
+NOT_ASKED = -1  # a row's logprobs count when its request reports none
+
+
+@dataclass
+class SamplingTensors:
+    """The sampling parameters of a step's rows, on the logits' device (but
+    `logprobs`)."""
+
+    temperature: Tensor          # [B] float32; 0 = greedy
+    top_k: Tensor                # [B] int64; <= 0 = off
+    top_p: Tensor                # [B] float32
+    min_p: Tensor                # [B] float32
+    repetition_penalty: Tensor   # [B] float32
+    seeds: Tensor                # [B] int64
+    counters: Tensor             # [B] int64: index of each row's draw
+    logprobs: Tensor             # [B] int64 on the host: top logprobs each row reports, NOT_ASKED for none
+    all_greedy: bool
+    any_penalty: bool
+    any_filter: bool             # any sampled row with top-k, top-p or min-p active
+    any_logprobs: bool
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], counters: Sequence[int],
+              device: torch.device | str) -> SamplingTensors:
+        if not len(params) == len(seeds) == len(counters):
+            raise ValueError("params, seeds and counters must have one entry per row")
+        sampled = [p for p in params if p.temperature > 0]
+
+        def col(values: list, dtype: torch.dtype) -> Tensor:
+            return to_device(torch.tensor(values, dtype=dtype), device)
+
+        return cls(
+            temperature=col([p.temperature for p in params], torch.float32),
+            top_k=col([p.top_k for p in params], torch.int64),
+            top_p=col([p.top_p for p in params], torch.float32),
+            min_p=col([p.min_p for p in params], torch.float32),
+            repetition_penalty=col([p.repetition_penalty for p in params], torch.float32),
+            seeds=col(list(seeds), torch.int64),
+            counters=col(list(counters), torch.int64),
+            # on the host: it only picks the rows whose logprobs are computed
+            logprobs=torch.tensor([NOT_ASKED if p.logprobs is None else p.logprobs for p in params],
+                                  dtype=torch.int64),
+            all_greedy=not sampled,
+            any_penalty=any(p.repetition_penalty != 1.0 for p in params),
+            any_filter=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in sampled),
+            any_logprobs=any(p.logprobs is not None for p in params),
+        )
+
+
+def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: Tensor) -> Tensor:
+    """Penalise the `seen` [B, V] tokens of each row as Hugging Face does:
+    positive logits are divided by the row's penalty, negative ones multiplied."""
+    pen = penalty.to(logits.dtype)[:, None]
+    penalised = torch.where(logits > 0, logits / pen, logits * pen)
+    return torch.where(seen, penalised, logits)
+
+
+def _filter_and_race(scaled: Tensor, st: SamplingTensors, noise: Tensor) -> Tensor:
+    """Top-k, then top-p over the survivors, then min-p; race in sorted order."""
+    vocab = scaled.shape[-1]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab, device=scaled.device)[None, :]
+    k = torch.where(st.top_k > 0, st.top_k.clamp(max=vocab), vocab)
+    keep = rank < k[:, None]
+    probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
+    # Keep a token while the mass before it is short of p: the smallest set
+    # reaching p, and never empty since the first token has nothing before it.
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    keep &= (mass_before < st.top_p[:, None]) | (st.top_p[:, None] >= 1.0)
+    keep &= probs >= st.min_p[:, None] * probs[:, :1]
+    # The row's scale of the weights does not change the argmax: no renormalising.
+    weights = probs.masked_fill(~keep, 0.0)
+    winner = torch.argmax(weights / noise.gather(1, order), dim=-1, keepdim=True)
+    return order.gather(1, winner).squeeze(1)
+
+
+def sample(logits: Tensor, st: SamplingTensors, seen: Tensor | None = None) -> Tensor:
+    """Draw one token per row: [B, V] float logits -> [B] int64.
+
+    Greedy rows take the argmax of the (penalised) logits. Other rows draw by
+    an exponential race (argmax of probs / Exp noise), equivalent to sampling
+    from the filtered softmax at the row's temperature.
+    """
+    logits = logits.float()
+    if st.any_penalty:
+        if seen is None:
+            raise ValueError("a row has a repetition penalty but no `seen` mask was given")
+        logits = apply_repetition_penalty(logits, seen, st.repetition_penalty)
+    greedy = torch.argmax(logits, dim=-1)
+    if st.all_greedy:
+        return greedy
+    is_greedy = st.temperature <= 0
+    temp = torch.where(is_greedy, torch.ones_like(st.temperature), st.temperature)
+    scaled = logits / temp[:, None]
+    noise = exponential_noise(st.seeds, st.counters, logits.shape[-1])
+    if st.any_filter:
+        drawn = _filter_and_race(scaled, st, noise)
+    else:
+        drawn = torch.argmax(torch.softmax(scaled, dim=-1) / noise, dim=-1)
+    return torch.where(is_greedy, greedy, drawn)
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor, st: SamplingTensors) -> Tensor | None:
+    """The packed logprobs [B, 1 + 2K] float64 of the sampled `tokens`, on the
+    logits' device; None when no row asked. Only the rows that asked are
+    computed. `logits`: the raw ones the step sampled from."""
+    if not st.any_logprobs:
+        return None
+    asked = (st.logprobs != NOT_ASKED).nonzero().flatten()
+    if not asked.numel():  # a window of a group whose other rows asked
+        return None
+    k = int(st.logprobs[asked].max())
+    rows = to_device(asked, logits.device)
+    logp = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)
+    parts = [logp.gather(1, tokens.index_select(0, rows).reshape(-1, 1))]
+    if k:
+        top = torch.topk(logp, k, dim=-1)  # sorted, most likely first
+        parts += [top.values, top.indices]
+    # float64 holds the ids exactly (vocabularies are far below 2**53)
+    packed = torch.cat([p.to(torch.float64) for p in parts], dim=1)
+    out = torch.full((logits.shape[0], packed.shape[1]), float("nan"), dtype=torch.float64, device=logits.device)
+    return out.index_copy_(0, rows, packed)

@@ -1,0 +1,197 @@
+"""FlashInferAttention: FlashInfer paged attention behind `AttentionContext`.
+
+A step's rows (query_start, context_lens, block tables) go in once per step;
+`plan` turns them into FlashInfer's page lists (see `paged_layout`) and plans
+one wrapper: the decode wrapper when every row has one new token, the causal
+paged-prefill wrapper otherwise. The context it returns then takes, for every
+layer, q [T, Hq, D] and the new k, v [T, Hkv, D]: it applies RoPE and writes k, v
+into the layer's pages at the new tokens' slots (one fused kernel,
+`mstar.kernels.rope_kv`), then attends over
+(k_pages, v_pages) of `cache.layer(layer)` in NHD layout. Out: [T, Hq, D].
+
+`plan_graph` serves CUDA-graph decode: each batch-size bucket owns a wrapper
+built with `use_cuda_graph=True` over static device buffers (slot mapping,
+kv_indptr, kv_indices, kv_last_page_len), refilled and re-planned before
+every replay; its context touches only those buffers, so one context object
+serves the capture and every replay.
+
+All wrappers share one float workspace: they run one after another on one
+stream, and the workspace only holds a kernel's split-KV partials.
+A context from `plan` is valid until the next `plan`: the wrapper it uses is
+re-planned then.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import flashinfer  # an ImportError here tells the backend chooser to fall back to torch
+import torch
+
+from mstar.engine.memory.kv_cache import KVCache
+from mstar.engine.memory.paged_layout import PagedLayout, build_layout, decode_bucket
+from mstar.errors import ConfigError
+from mstar.kernels.rope_kv import rope_and_store, store_kv
+from mstar.types import Rotary
+
+# FlashAttention-2 kernels for prefill (and tensor-core decode): FlashInfer's
+# "auto" picks FA3 on Hopper, which needs sm_90a builds and another long JIT
+# compile; our prefills are short prompts, where FA2 is not the bottleneck.
+PREFILL_BACKEND = "fa2"
+# Decode through the prefill kernels on tensor cores rather than the decode
+# kernel on CUDA cores: ~15% faster at the Orpheus-3B shape (GQA group 3),
+# batch 64, context 512 (docs/benchmarks/page_size.md).
+DECODE_TENSOR_CORES = True
+
+
+def build_kernels(dtype: torch.dtype, head_dim: int) -> None:
+    """JIT-compile the prefill and decode modules in one parallel ninja run
+    (a fresh machine otherwise compiles them one after another on first use)."""
+    from flashinfer.jit import build_jit_specs, gen_batch_decode_module, gen_batch_prefill_module
+
+    idx = torch.int32
+    specs = [
+        gen_batch_prefill_module(PREFILL_BACKEND, dtype, dtype, dtype, idx, head_dim, head_dim, 0, False, False, False),
+        gen_batch_decode_module(dtype, dtype, dtype, idx, head_dim, head_dim, 0, False, False),
+    ]
+    build_jit_specs(specs, verbose=False)
+
+
+class FlashInferContext:
+    """`AttentionContext` over one planned FlashInfer wrapper."""
+
+    def __init__(self, cache: KVCache, wrapper: Any, slot_mapping: torch.Tensor, num_tokens: int) -> None:
+        self.cache = cache
+        self.wrapper = wrapper
+        self.slot_mapping = slot_mapping    # [T] int64 on the cache's device
+        self.num_tokens = num_tokens
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                scale: float, rotary: Rotary | None = None) -> torch.Tensor:
+        t = q.shape[0]
+        if t != self.num_tokens or k.shape[0] != t or v.shape[0] != t:
+            raise ValueError(f"attention planned for {self.num_tokens} tokens, got q/k/v of {t}/{k.shape[0]}/{v.shape[0]}")
+        k_pages, v_pages = self.cache.layer(layer)
+        if rotary is None:
+            store_kv(k, v, k_pages, v_pages, self.slot_mapping)
+        else:  # fused: k is rotated on its way into the pages
+            q = rope_and_store(q, k, v, rotary.cos, rotary.sin, rotary.positions, k_pages, v_pages,
+                               self.slot_mapping)
+        if t == 0:
+            return q.new_empty(0, q.shape[1], q.shape[2])
+        return self.attend(layer, q, scale)
+
+    def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attention alone, over keys already in the cache: [T, Hq, D] out."""
+        k_pages, v_pages = self.cache.layer(layer)
+        # FlashInfer fixes sm_scale at plan time, before the model says it; its
+        # per-call q_scale multiplies the default 1/sqrt(D), so this gives `scale`
+        q_scale = scale * math.sqrt(q.shape[-1])
+        out = self.wrapper.run(q.to(k_pages.dtype).contiguous(), (k_pages, v_pages), q_scale=q_scale)
+        return out.to(q.dtype)
+
+
+class _GraphBucket:
+    """Static buffers, a CUDA-graph wrapper and the one context of a batch size."""
+
+    def __init__(self, owner: FlashInferAttention, batch_size: int, max_pages_per_row: int) -> None:
+        dev = owner.cache.device
+        self.batch_size = batch_size
+        self.max_pages = batch_size * max_pages_per_row
+        # start from the all-padding layout, so a capture that runs before the
+        # first real plan reads valid pages
+        empty = decode_bucket(batch_size, torch.zeros(0), torch.zeros(0, 1), owner.cache.page_size,
+                              owner.cache.scratch_page)
+        self.slot_mapping = empty.slot_mapping.to(dev)
+        self.kv_indptr = empty.kv_indptr.to(dev)
+        self.kv_indices = torch.zeros(self.max_pages, dtype=torch.int32, device=dev)
+        self.kv_indices[:empty.kv_indices.numel()] = empty.kv_indices.to(dev)
+        self.kv_last_page_len = empty.kv_last_page_len.to(dev)
+        # host staging in page-locked memory, so that every copy a plan makes
+        # is asynchronous and the host need not wait for the step in flight;
+        # the caller waits for the previous plan's copies before reusing these
+        self.pinned_indptr = torch.empty(batch_size + 1, dtype=torch.int32, pin_memory=True)
+        self.pinned_last = torch.empty(batch_size, dtype=torch.int32, pin_memory=True)
+        self.pinned_indices = torch.empty(self.max_pages, dtype=torch.int32, pin_memory=True)
+        self.pinned_slots = torch.empty(batch_size, dtype=torch.int64, pin_memory=True)
+        # FlashInfer copies host page indices synchronously: hand it device ones
+        self.indices_stage = torch.zeros(self.max_pages, dtype=torch.int32, device=dev)
+        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            owner.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=owner.decode_tensor_cores,
+            paged_kv_indptr_buffer=self.kv_indptr, paged_kv_indices_buffer=self.kv_indices,
+            paged_kv_last_page_len_buffer=self.kv_last_page_len)
+        self.context = FlashInferContext(owner.cache, self.wrapper, self.slot_mapping, batch_size)
+
+
+class FlashInferAttention:
+    """Owns FlashInfer wrappers + workspace for one KVCache on one CUDA device."""
+
+    def __init__(self, cache: KVCache, num_qo_heads: int, *, graph_batch_sizes: Sequence[int] = (),
+                 max_pages_per_row: int, workspace_bytes: int = 256 << 20,
+                 decode_tensor_cores: bool = DECODE_TENSOR_CORES) -> None:
+        if cache.device.type != "cuda":
+            raise ConfigError(f"FlashInfer attention needs a CUDA device, the KV cache is on {cache.device}")
+        if num_qo_heads < 1 or num_qo_heads % cache.spec.num_kv_heads:
+            raise ConfigError(f"{num_qo_heads} query heads do not group over {cache.spec.num_kv_heads} KV heads")
+        if max_pages_per_row < 1:
+            raise ConfigError("max_pages_per_row must be positive")
+        self.cache = cache
+        self.num_qo_heads = num_qo_heads
+        self.max_pages_per_row = max_pages_per_row
+        self.decode_tensor_cores = decode_tensor_cores
+        # what every plan() of every wrapper is told: the pages' shape and dtype
+        self._dims = (num_qo_heads, cache.spec.num_kv_heads, cache.spec.head_dim, cache.page_size)
+        self._dtypes = dict(q_data_type=cache.dtype, kv_data_type=cache.dtype)
+        self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=cache.device)
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=PREFILL_BACKEND)
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
+                                                                     use_tensor_cores=decode_tensor_cores)
+        self._buckets = {b: _GraphBucket(self, b, max_pages_per_row) for b in sorted(set(graph_batch_sizes))}
+
+    def _plan_decode(self, wrapper: Any, layout: PagedLayout) -> None:
+        wrapper.plan(layout.kv_indptr, layout.kv_indices, layout.kv_last_page_len, *self._dims, **self._dtypes)
+
+    def plan(self, query_start: torch.Tensor, context_lens: torch.Tensor,
+             block_tables: torch.Tensor | list[list[int]]) -> FlashInferContext:
+        """The context of one eager step; `context_lens` counts the tokens of
+        each row already cached, `block_tables` its page ids in order."""
+        layout = build_layout(query_start, context_lens, block_tables, self.cache.page_size, self.cache.scratch_page)
+        slots = layout.slot_mapping.to(self.cache.device, non_blocking=True)
+        if layout.num_tokens == 0:  # nothing to attend; FlashInfer's planners divide by the batch size
+            return FlashInferContext(self.cache, None, slots, 0)
+        if layout.is_decode:
+            self._plan_decode(self._decode, layout)
+            return FlashInferContext(self.cache, self._decode, slots, layout.num_tokens)
+        self._prefill.plan(layout.qo_indptr, layout.kv_indptr, layout.kv_indices, layout.kv_last_page_len,
+                           *self._dims, causal=True, **self._dtypes)
+        return FlashInferContext(self.cache, self._prefill, slots, layout.num_tokens)
+
+    @property
+    def graph_batch_sizes(self) -> tuple[int, ...]:
+        return tuple(self._buckets)
+
+    def plan_graph(self, batch_size: int, context_lens: torch.Tensor, block_tables: torch.Tensor) -> FlashInferContext:
+        """Refill bucket `batch_size`'s static buffers for n <= batch_size decode
+        rows (`context_lens` [n], `block_tables` [n, P] on the host; rows n.. pad
+        onto the scratch page) and re-plan its wrapper; the bucket's one context."""
+        bucket = self._buckets.get(batch_size)
+        if bucket is None:
+            raise ValueError(f"no CUDA-graph bucket of batch size {batch_size} (have {self.graph_batch_sizes})")
+        layout = decode_bucket(batch_size, context_lens, block_tables, self.cache.page_size, self.cache.scratch_page)
+        widest = int((layout.kv_indptr[1:] - layout.kv_indptr[:-1]).max())
+        if widest > self.max_pages_per_row:
+            raise ValueError(f"a row needs {widest} pages, graph buckets hold {self.max_pages_per_row} a row")
+        # every copy below is from page-locked memory, so none of them blocks
+        # the host; all run in stream order before the replay
+        n = layout.kv_indices.numel()
+        bucket.pinned_indptr.copy_(layout.kv_indptr)
+        bucket.pinned_last.copy_(layout.kv_last_page_len)
+        bucket.pinned_indices[:n].copy_(layout.kv_indices)
+        bucket.pinned_slots.copy_(layout.slot_mapping)
+        bucket.slot_mapping.copy_(bucket.pinned_slots, non_blocking=True)
+        bucket.indices_stage[:n].copy_(bucket.pinned_indices[:n], non_blocking=True)
+        bucket.wrapper.plan(bucket.pinned_indptr, bucket.indices_stage[:n], bucket.pinned_last, *self._dims,
+                            non_blocking=True, **self._dtypes)
+        return bucket.context

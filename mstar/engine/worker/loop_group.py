@@ -1,0 +1,400 @@
+"""Token loops held as tensors.
+
+The rows of one decode loop (a KV component that samples a token and reads it
+back) stay together in a `LoopGroup` from the step after their prefill until
+their stop rule holds. The group keeps what every step needs as tensors over
+rows: the last tokens (on the device: loop-back never leaves it), positions,
+block tables, sampling parameters and draw counters, write counts and caps,
+stop ids. A step of the group touches no per-row Python: rows that joined are
+merged once at the start of the step, and only rows that stop are handled one
+by one when they leave.
+
+A step is launched (`launched`) before the previous one is finalised
+(`finalize`): the device computes step K while the host reads step K-1's
+tokens. A row that stops at step K-1 on a token (EOS) has therefore already
+been computed once more in step K; `finalize` drops that output. Rows that
+reach their write cap are known on the host and are never launched past it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from mstar.engine.worker.rows import PartitionRun
+from mstar.engine.execution.sampler import NOT_ASKED, SamplingTensors
+from mstar.engine.movement.transfer import to_device
+from mstar.graph import Loop
+
+_NO_CAP = 2**62
+
+
+@dataclass(eq=False)
+class _Join:
+    part: PartitionRun
+    token: torch.Tensor   # scalar, on the device
+    count: int            # writes of the loop value so far
+    cap: int              # writes at which the loop stops ("length")
+    stop_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Leave:
+    """A row whose stop rule held at this step (or that was taken out)."""
+
+    part: PartitionRun
+    token: torch.Tensor   # its last token, scalar on the device
+    reason: str | None
+    host_token: int | None = None  # the same token, where the host has read it already
+
+
+@dataclass(eq=False)
+class Pending:
+    """A launched step whose tokens the host has not read yet; per row, the
+    state after the step (what a row that leaves with it keeps)."""
+
+    seq: int
+    rows: list[PartitionRun]
+    request_ids: list[str]
+    partitions: list[str]
+    tokens: torch.Tensor        # [n] on the device
+    host: torch.Tensor          # [n] host copy, valid once `event` is done
+    event: torch.cuda.Event | None
+    stop_table: torch.Tensor    # [n, S]
+    kv_lens: torch.Tensor       # [n]
+    counts: torch.Tensor        # [n]
+    counters: torch.Tensor      # [n]
+    exhausted: torch.Tensor     # [n] bool: reached the write cap with this step
+    logprobs: torch.Tensor | None = None  # [n, 1 + 2K] packed (`sampler.token_logprobs`), host copy as `host`
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+
+class LoopGroup:
+    def __init__(self, component: str, mode: str, loop: Loop, device: torch.device) -> None:
+        self.component = component
+        self.mode = mode
+        self.loop = loop
+        self.device = device
+        self.ticket = -1
+        self.rows: list[PartitionRun] = []
+        self.request_ids: list[str] = []
+        self.partitions: list[str] = []
+        self._joins: list[_Join] = []
+        self._offset = 0
+        self.tokens = torch.empty(0, dtype=torch.long, device=device)
+        self.kv_lens = torch.empty(0, dtype=torch.long)
+        self.block_table = torch.empty(0, 1, dtype=torch.long)
+        self.page_counts = torch.empty(0, dtype=torch.long)  # pages each row owns (its block table's width)
+        self.counts = torch.empty(0, dtype=torch.long)
+        self.caps = torch.empty(0, dtype=torch.long)
+        self.stop_table = torch.full((0, 1), -1, dtype=torch.long)
+        self.sampling: SamplingTensors | None = None
+        self.counters = torch.empty(0, dtype=torch.long)  # host copy of the sampler's draw counters
+        self.seen: torch.Tensor | None = None
+        self.seq = 0                        # steps launched
+        self._pinned: list[torch.Tensor | None] = [None, None]
+        self._events = [torch.cuda.Event(), torch.cuda.Event()] if device.type == "cuda" else []
+        self._left: dict[int, int] = {}           # id(row) -> the launch after which it left
+        self._left_at: dict[int, list[int]] = {}  # launch seq -> ids of the rows that left after it
+
+    def __len__(self) -> int:
+        return len(self.rows) + len(self._joins)
+
+    # ----------------------------------------------------------- membership
+
+    def join(self, part: PartitionRun, token: torch.Tensor, count: int, cap: int | None,
+             stop_ids: tuple[int, ...]) -> None:
+        self._joins.append(_Join(part, token, count, _NO_CAP if cap is None else cap, stop_ids))
+
+    def joining(self) -> list[str]:
+        """The requests of the rows that joined since the last step."""
+        return [j.part.request_id for j in self._joins]
+
+    def take_out(self, request_id: str, partition: str | None, count_sampled: bool = False) -> list[Leave]:
+        """Remove a request's rows (of one partition, or all) without a step.
+        `count_sampled` (an abort): the rows count every token they sampled,
+        steps in flight included, as what the request cost; a stop counts
+        only what the event loop has taken in."""
+        out = []
+        for j in [j for j in self._joins if j.part.request_id == request_id
+                  and (partition is None or j.part.name == partition)]:
+            self._joins.remove(j)
+            out.append(Leave(j.part, j.token, None))
+        idx = [i for i, (r, p) in enumerate(zip(self.request_ids, self.partitions))
+               if r == request_id and (partition is None or p == partition)]
+        for i in idx:
+            if count_sampled:
+                self.rows[i].generated = int(self.counters[i])
+            out.append(Leave(self.rows[i], self.tokens[i].clone(), None))
+        self._drop(idx, self.seq)
+        return out
+
+    def _merge(self) -> None:
+        """Fold the rows that joined since the last step into the tensors. All
+        of it is built before any of it is kept: joins that cannot be built
+        leave the group as it was, still waiting in `_joins`."""
+        if not self._joins:
+            return
+        joins = self._joins
+        parts = [j.part for j in joins]
+        dev = self.device
+
+        def longs(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long)
+
+        new = SamplingTensors.build([p.request.sampling for p in parts], [p.request.seed for p in parts],
+                                    [p.generated for p in parts], dev)
+        tokens = torch.cat([self.tokens, torch.stack([j.token.reshape(()) for j in joins]).to(dev)])
+        kv_lens = torch.cat([self.kv_lens, longs([p.kv_tokens for p in parts])])
+        counts = torch.cat([self.counts, longs([j.count for j in joins])])
+        caps = torch.cat([self.caps, longs([j.cap for j in joins])])
+        block_table = _cat_padded(self.block_table, [p.pages for p in parts], 0)
+        page_counts = torch.cat([self.page_counts, longs([len(p.pages) for p in parts])])
+        stop_table = _cat_padded(self.stop_table, [j.stop_ids for j in joins], -1)
+        counters = torch.cat([self.counters, longs([p.generated for p in parts])])
+        sampling = new if self.sampling is None else _cat_sampling(self.sampling, new)
+        seen = self._merged_seen(parts)
+        # nothing below raises
+        self.tokens, self.kv_lens, self.counts, self.caps = tokens, kv_lens, counts, caps
+        self.block_table, self.page_counts, self.stop_table = block_table, page_counts, stop_table
+        self.counters, self.sampling, self.seen = counters, sampling, seen
+        self._joins = []
+        self.rows += parts
+        self.request_ids += [p.request_id for p in parts]
+        self.partitions += [p.name for p in parts]
+        for p in parts:
+            self._left.pop(id(p), None)
+            p.seen = None  # the group's copy, if any, is the live one now
+
+    def _merged_seen(self, parts: list[PartitionRun]) -> torch.Tensor | None:
+        """One `seen` row per group row once any row has a repetition penalty."""
+        vocab = next((p.seen.numel() for p in parts if p.seen is not None), None)
+        if self.seen is None and vocab is None:
+            return None
+        vocab = vocab or self.seen.shape[1]
+        rows = [p.seen if p.seen is not None else torch.zeros(vocab, dtype=torch.bool, device=self.device)
+                for p in parts]
+        old = self.seen if self.seen is not None else torch.zeros(
+            len(self.rows), vocab, dtype=torch.bool, device=self.device)
+        return torch.cat([old, torch.stack(rows)])
+
+    # ----------------------------------------------------------------- step
+
+    def window(self, max_rows: int) -> slice:
+        """The rows of the next step: all of them, or `max_rows` taken in turn."""
+        self._merge()
+        n = len(self.rows)
+        if n <= max_rows:
+            self._offset = 0
+            return slice(0, n)
+        start = self._offset % n
+        stop = min(n, start + max_rows)
+        self._offset = 0 if stop == n else stop
+        return slice(start, stop)
+
+    # ---------------------------------------------------------- KV pages
+
+    def short_of_pages(self, page_size: int) -> list[int]:
+        """Rows whose pages cannot hold the token the next step writes (at
+        position kv_lens, which counts the steps launched already)."""
+        self._merge()
+        return (self.kv_lens >= self.page_counts * page_size).nonzero().flatten().tolist()
+
+    def add_page(self, i: int, page: int) -> None:
+        """Row `i` owns one more page, at the end of its block table."""
+        part = self.rows[i]
+        part.pages.append(page)
+        n = int(self.page_counts[i])
+        if n >= self.block_table.shape[1]:
+            pad = torch.zeros(self.block_table.shape[0], n + 1 - self.block_table.shape[1], dtype=torch.long)
+            self.block_table = torch.cat([self.block_table, pad], 1)
+        self.block_table[i, n] = page
+        self.page_counts[i] = n + 1
+
+    def evict(self, i: int) -> Leave:
+        """Take row `i` out with its state exact, to be resumed later (the
+        caller has read every launched step: nothing of the row is in
+        flight). Its pages stay with the row; the caller frees them."""
+        part = self.rows[i]
+        part.kv_tokens = int(self.kv_lens[i])
+        part.generated = int(self.counters[i])
+        part.writes[self.loop.value] = int(self.counts[i])
+        token = self.tokens[i].clone()
+        self._drop([i], self.seq)
+        return Leave(part, token, "preempt")
+
+    def sampling_for(self, sl: slice) -> SamplingTensors:
+        assert self.sampling is not None
+        st = self.sampling
+        if sl == slice(0, len(self.rows)):
+            return st
+        return SamplingTensors(**{f.name: _slice(getattr(st, f.name), sl) for f in fields(st)})
+
+    def launched(self, sl: slice, new_tokens: torch.Tensor, logprobs: torch.Tensor | None = None) -> Pending:
+        """Rows `sl` have just been given a step that samples `new_tokens`
+        (still being computed on the device), with the packed `logprobs` of
+        the rows that asked. Advances their state, starts the copy of the
+        tokens (and logprobs) to the host, and takes out the rows that this
+        step brings to their write cap."""
+        assert self.sampling is not None
+        self.seq += 1
+        self.tokens[sl] = new_tokens
+        self.kv_lens[sl] += 1
+        self.counts[sl] += 1
+        self.counters[sl] += 1
+        self.sampling.counters[sl] += 1
+        event = None
+        if new_tokens.device.type == "cuda":
+            # two pinned buffers and events, used in turn: a step is read
+            # before the step after next is launched
+            slot = self.seq % 2
+            buf = self._pinned[slot]
+            if buf is None or buf.numel() < new_tokens.numel():
+                buf = self._pinned[slot] = torch.empty(max(new_tokens.numel(), 256), dtype=torch.long,
+                                                       pin_memory=True)
+            host = buf[: new_tokens.numel()]
+            host.copy_(new_tokens, non_blocking=True)
+            if logprobs is not None:
+                # not a reused buffer: the event loop reads these after later launches
+                pinned = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True)
+                logprobs = pinned.copy_(logprobs, non_blocking=True)
+            event = self._events[slot]
+            event.record()
+        else:
+            host = new_tokens
+        counts = self.counts[sl].clone()
+        exhausted = counts >= self.caps[sl]
+        pending = Pending(self.seq, self.rows[sl], self.request_ids[sl], self.partitions[sl], new_tokens, host,
+                          event, self.stop_table[sl], self.kv_lens[sl].clone(), counts, self.counters[sl].clone(),
+                          exhausted, logprobs)
+        if bool(exhausted.any()):
+            # valid in this step's output, gone from the next
+            self._drop((exhausted.nonzero().flatten() + sl.start).tolist(), self.seq + 1)
+        return pending
+
+    def valid_rows(self, p: Pending) -> list[int] | None:
+        """Rows of `p` whose output still counts (None: all of them). A row
+        taken out after launch `p.seq` (stopped, aborted, or already left on
+        an earlier token) has a dead output there."""
+        if not self._left_at.get(p.seq):
+            return None
+        return [i for i, part in enumerate(p.rows) if self._left.get(id(part), p.seq + 1) > p.seq]
+
+    def finalize(self, p: Pending) -> list[Leave]:
+        """The host has `p`'s tokens (the caller waited): the rows whose stop
+        rule held at that step leave the group."""
+        hit_stop = (p.stop_table == p.host.to("cpu")[:, None]).any(dim=1)
+        done = (hit_stop | p.exhausted).nonzero().flatten().tolist()
+        for seq in [q for q in self._left_at if q < p.seq]:
+            # rows that left before launch p.seq are in no step still to finalise
+            for key in self._left_at.pop(seq):
+                if self._left.get(key) == seq:
+                    del self._left[key]
+        out = []
+        for i in done:
+            part = p.rows[i]
+            if part.done or self._left.get(id(part), p.seq + 1) <= p.seq:
+                continue  # stopped or aborted meanwhile
+            # its outputs after this step are dead (this one still counts)
+            mark = max(self.seq, p.seq + 1)
+            if id(part) not in self._left:  # it stopped on a token: still in the group
+                idx = next(j for j, r in enumerate(self.rows) if r is part)
+                self._drop([idx], mark)
+            elif self._left[id(part)] > mark:
+                # taken out at a later launch for reaching its cap, but it
+                # stopped on a token before: that later output is dead too
+                self._left[id(part)] = mark
+                self._left_at.setdefault(mark, []).append(id(part))
+            part.kv_tokens = int(p.kv_lens[i])
+            part.generated = int(p.counters[i])
+            # the walker counts this step's write when it routes the row on
+            part.writes[self.loop.value] = int(p.counts[i]) - 1
+            out.append(Leave(part, p.tokens[i].clone(), "stop" if bool(hit_stop[i]) else "length", int(p.host[i])))
+        return out
+
+    def _drop(self, idx: list[int], seq: int) -> None:
+        """Remove rows from the tensors; they count as gone after launch `seq`."""
+        if not idx:
+            return
+        for i in idx:
+            part = self.rows[i]
+            self._left[id(part)] = seq
+            if self.seen is not None:
+                part.seen = self.seen[i].clone()
+        self._left_at.setdefault(seq, []).extend(id(self.rows[i]) for i in idx)
+        keep = torch.ones(len(self.rows), dtype=torch.bool)
+        keep[idx] = False
+        kept = keep.nonzero().flatten()
+        gone = set(idx)
+        self.rows = [r for i, r in enumerate(self.rows) if i not in gone]
+        self.request_ids = [r.request_id for r in self.rows]
+        self.partitions = [r.name for r in self.rows]
+        dev_kept = to_device(kept, self.device)
+        self.tokens = self.tokens[dev_kept]
+        self.kv_lens, self.counts, self.caps = self.kv_lens[kept], self.counts[kept], self.caps[kept]
+        self.counters = self.counters[kept]
+        self.block_table, self.stop_table = self.block_table[kept], self.stop_table[kept]
+        self.page_counts = self.page_counts[kept]
+        if not self.rows:  # start afresh: no flags or penalty rows linger
+            self.sampling, self.seen = None, None
+        if self.sampling is not None:
+            self.sampling = _select_sampling(self.sampling, dev_kept, kept)
+        if self.seen is not None:
+            self.seen = self.seen[dev_kept]
+
+    def update_seen(self, sl: slice) -> torch.Tensor | None:
+        """Mark the tokens about to be fed back as seen (repetition penalty)."""
+        if self.seen is None:
+            return None
+        rows = torch.arange(sl.start, sl.stop, device=self.device)
+        self.seen[rows, self.tokens[sl]] = True
+        return self.seen[sl]
+
+
+def _cat_padded(table: torch.Tensor, rows: list, fill: int) -> torch.Tensor:
+    width = max([table.shape[1]] + [len(r) for r in rows]) or 1
+    new = torch.full((len(rows), width), fill, dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            new[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
+    if table.shape[1] < width:
+        table = torch.cat([table, torch.full((table.shape[0], width - table.shape[1]), fill, dtype=torch.long)], 1)
+    return torch.cat([table, new])
+
+
+def _slice(value: object, sl: slice) -> object:
+    return value[sl] if isinstance(value, torch.Tensor) else value
+
+
+def _cat_sampling(a: SamplingTensors, b: SamplingTensors) -> SamplingTensors:
+    out = {}
+    for f in fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, torch.Tensor):
+            out[f.name] = torch.cat([x, y])
+        elif f.name == "all_greedy":
+            out[f.name] = x and y
+        else:
+            out[f.name] = x or y
+    return SamplingTensors(**out)
+
+
+def _select_sampling(st: SamplingTensors, idx: torch.Tensor, host_idx: torch.Tensor) -> SamplingTensors:
+    """Rows `idx` (on the device; `host_idx` the same on the host) of `st`."""
+    out = {f.name: getattr(st, f.name) for f in fields(st)}
+    for name, value in out.items():
+        if isinstance(value, torch.Tensor):
+            out[name] = value[host_idx if value.device.type == "cpu" else idx]
+    # flags stay conservative (a penalty or filter row may have left); they are
+    # recomputed from the tensors so that a group of greedy rows is fast again
+    t = out["temperature"]
+    sampled = t > 0
+    out["all_greedy"] = not bool(sampled.any())
+    out["any_penalty"] = bool((out["repetition_penalty"] != 1.0).any())
+    out["any_filter"] = bool(((out["top_k"] > 0) | (out["top_p"] < 1.0) | (out["min_p"] > 0.0))[sampled].any())
+    out["any_logprobs"] = bool((out["logprobs"] != NOT_ASKED).any())
+    return SamplingTensors(**out)

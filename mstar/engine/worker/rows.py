@@ -1,0 +1,91 @@
+"""Per-request execution state on a device worker.
+
+A `RequestRun` is one request's walk on a worker; each of its partitions is a
+`PartitionRun` with a cursor into the partition's nodes, the handles of the
+values it can read, its KV pages, and (for a stream consumer) the buffer of
+stream items. Only the owning worker thread touches these objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mstar.engine.memory.kv_cache import SwappedKV
+from mstar.engine.movement.tensor_store import TensorRef
+from mstar.graph import Loop, PartitionPlan, Step, WalkPlan
+from mstar.types import SamplingParams
+
+# An item of a stream: a tensor in the store, or a token id the host already
+# holds (a token loop's output is copied to the host for its stop rules; a
+# window of ints becomes the consumer's input in one copy, not one device
+# read per token).
+StreamItem = TensorRef | int
+
+
+@dataclass(eq=False)
+class RequestRun:
+    request_id: str
+    walk: WalkPlan
+    sampling: SamplingParams
+    seed: int
+    stop_ids: tuple[int, ...]
+    partitions: dict[str, PartitionRun] = field(default_factory=dict)
+    live: int = 0
+    root_reason: str | None = None
+    # input that keeps arriving (WalkPlan.more_input): the pieces not started yet, and whether more may come
+    input_open: bool = False
+    more: list[list[int]] = field(default_factory=list)
+    places: dict[str, int] = field(default_factory=dict)  # partition -> worker, where not all run here
+
+    @property
+    def shared(self) -> bool:
+        """Some of its partitions run on other workers."""
+        return len(set(self.places.values())) > 1
+
+
+@dataclass(eq=False, slots=True)
+class PartitionRun:
+    request: RequestRun
+    plan: PartitionPlan
+    cursor: int = 0
+    values: dict[str, TensorRef] = field(default_factory=dict)
+    writes: dict[str, int] = field(default_factory=dict)
+    busy: bool = False              # an item of this partition is queued or running
+    done: bool = False
+    # paged KV of the partition's KV component
+    pages: list[int] = field(default_factory=list)
+    kv_tokens: int = 0
+    kv_component: str | None = None
+    generated: int = 0              # tokens sampled so far (the sampler's draw counter)
+    seen: torch.Tensor | None = None  # [vocab] bool, for the repetition penalty
+    swapped: SwappedKV | None = None  # preempted: its KV pages, in host memory until it resumes
+    turn_cap: int | None = None     # a later turn's write cap: what is left of the context
+    awaiting_input: bool = False    # its turn is over and it waits for more input
+    turn_token: int | None = None   # the last token of its last turn (not in the cache yet)
+    # stream consumer state
+    items: list[StreamItem] = field(default_factory=list)
+    item_base: int = 0              # stream index of items[0]
+    produced: int = 0               # stream items received so far
+    chunks_cut: int = 0
+    closed: bool = False
+    pending: list[tuple[int, int, int]] = field(default_factory=list)  # chunks cut, not run: start, end, index
+    segment_start: int = 0          # stream index where the producer's current turn began
+    segment_cuts: int = 0           # chunks cut before it
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def name(self) -> str:
+        return self.plan.name
+
+    def node(self) -> Step | Loop | None:
+        return self.plan.nodes[self.cursor] if self.cursor < len(self.plan.nodes) else None
+
+    def current_step(self) -> Step:
+        node = self.node()
+        assert node is not None
+        return node.step if isinstance(node, Loop) else node

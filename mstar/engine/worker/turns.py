@@ -1,0 +1,116 @@
+"""Input that keeps arriving while a request runs: turns on one KV cache.
+
+A walk with `more_input` (Orpheus's `speak`: text to say) takes more of that
+input after it started. Each piece is a turn of the root partition: when the
+partition's loop ends (a stop token or its cap), the partition does not
+finish while the request's input is open. It waits for the next piece, then
+starts over at its first step with the piece, joined to what came before by
+the model (`join_turn`: the turn's last sampled token, which the cache has
+not seen yet, and the model's turn markers). The KV cache is kept, so only
+the new piece is prefilled. The partition's streams cut their tails as at the
+end of a stream and count a new segment, so each turn's audio is what a
+request of its own would have given.
+
+The worker calls `append` and `close` from its inbox; `on_awaiting` tells the
+event loop that a request has caught up with all its input.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from mstar.engine.worker.rows import PartitionRun
+from mstar.engine.movement.tensor_store import TensorRef
+from mstar.graph import Loop
+
+if TYPE_CHECKING:
+    from mstar.engine.worker.walker import Walker
+
+
+class Turns:
+    def __init__(self, walker: Walker, join_turn: Callable[[int, list[int]], list[int]] | None,
+                 on_awaiting: Callable[[str], None] | None) -> None:
+        self.walker = walker
+        self.join_turn = join_turn or (lambda last, ids: [last, *ids])
+        self.on_awaiting = on_awaiting or (lambda request_id: None)
+
+    def _root(self, request_id: str) -> PartitionRun | None:
+        run = self.walker.runs.get(request_id)
+        if run is None or run.walk.more_input is None:
+            return None
+        part = run.partitions.get(run.walk.root)
+        return None if part is None or part.done else part
+
+    # ---------------------------------------------------- from the inbox
+
+    def append(self, request_id: str, ids: list[int]) -> None:
+        """One more piece of input for a running request (ignored once it has
+        ended, or after `close`)."""
+        part = self._root(request_id)
+        if part is None or not part.request.input_open:
+            return
+        part.request.more.append(list(ids))
+        if part.awaiting_input:
+            self._next(part)
+
+    def close(self, request_id: str) -> None:
+        """No more input: the request ends after the pieces it has."""
+        part = self._root(request_id)
+        if part is None:
+            return
+        part.request.input_open = False
+        if part.awaiting_input and not part.request.more:
+            part.awaiting_input = False
+            part.cursor = len(part.plan.nodes)
+            self.walker.finish(part, part.request.root_reason or "stop")
+
+    # ------------------------------------------------- from the walker
+
+    def ends_turn(self, part: PartitionRun, reason: str) -> bool:
+        """Whether the loop that just ended ends a turn, not the partition."""
+        run = part.request
+        return (run.walk.more_input is not None and part.plan.parent is None and part.plan.stream is None
+                and reason in ("stop", "length") and (run.input_open or bool(run.more)))
+
+    def end(self, part: PartitionRun, loop: Loop, reason: str, last_token: int | None) -> None:
+        """`part`'s loop ended a turn (`reason`: "stop" or "length") on
+        `last_token` (None: read it from the store, a device read): cut its
+        streams, then go on or wait."""
+        part.request.root_reason = reason  # the input may close now: the request then ends as this turn did
+        if last_token is None:
+            last_token = int(self.walker.store.get(part.values[loop.value]).reshape(-1)[-1])
+        part.turn_token = last_token
+        part.busy = False
+        part.awaiting_input = True
+        self.walker.streams.end_segment(part)
+        if part.request.more:
+            self._next(part)
+        else:
+            self.on_awaiting(part.request_id)
+
+    def _next(self, part: PartitionRun) -> None:
+        """Start the next turn: the partition's first step again, reading the
+        joined piece, on the cache it has."""
+        walker = self.walker
+        run = part.request
+        rid = part.request_id
+        assert part.turn_token is not None and run.walk.more_input is not None
+        ids = self.join_turn(part.turn_token, run.more.pop(0))
+        room = walker.max_model_len - part.kv_tokens - len(ids)
+        part.awaiting_input = False
+        run.root_reason = None
+        if room < 1:  # the context is full: the request ends as if its cap was reached
+            run.root_reason = "length"
+            part.cursor = len(part.plan.nodes)
+            walker.finish(part, "length")
+            return
+        for name in [n for n in part.values if n == run.walk.more_input or n not in run.walk.inputs]:
+            walker.store.release(part.values.pop(name), rid)  # the turn's values; other inputs stay
+        part.values[run.walk.more_input] = TensorRef(walker.store.put(torch.tensor(ids, dtype=torch.long), (rid,)))
+        part.writes.clear()
+        part.seen = None  # the repetition penalty looks at this turn only, as a request of its own would
+        part.turn_cap = room
+        part.cursor = 0
+        walker.advance(part)

@@ -1,0 +1,312 @@
+"""Advances requests along their walks on one device worker.
+
+After each step the worker hands the walker what every row wrote; the walker
+moves each partition's cursor: a loop whose stop rule does not hold is queued
+again with its own output as input (loop-back, the value never leaves the
+device), a stream producer's writes are appended to its consumer's buffer and
+cut into chunks, fan-outs start their branches, and a partition with no nodes
+left finishes. Pages and tensor references are released as partitions finish.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from mstar.engine.memory.kv_cache import SwappedKV
+from mstar.engine.worker.loop_group import Leave, LoopGroup
+from mstar.engine.messages import Finished, Submit
+from mstar.engine.worker.rows import PartitionRun, RequestRun, StreamItem
+from mstar.engine.worker.stop_rules import checking_loop, stop_ids, write_cap
+from mstar.engine.worker.stream_edges import Send, Streams
+from mstar.engine.movement.tensor_store import TensorRef, TensorStore
+from mstar.engine.worker.turns import Turns
+from mstar.graph import Loop, Step
+from mstar.scheduler import PagePool, Scheduler, WorkItem
+
+
+class Walker:
+    def __init__(self, store: TensorStore, scheduler: Scheduler, pools: dict[str, PagePool],
+                 max_model_len: int, on_finish: Callable[[Finished], None],
+                 token_loops: set[str] = frozenset(), device: torch.device | None = None,
+                 lazy_pages: bool = False, join_turn: Callable[[int, list[int]], list[int]] | None = None,
+                 on_awaiting: Callable[[str], None] | None = None, index: int = 0, send: Send | None = None,
+                 ) -> None:
+        """`token_loops`: KV components that sample; their decode loops run
+        as `LoopGroup`s on `device`. `lazy_pages`: a request's first step
+        takes pages for its prompt only, and a group row gets more as it
+        grows (`Preemption.grow`), instead of all of them up front.
+        `join_turn`, `on_awaiting`: see `Turns`. `index`: this worker's
+        place among the engine's workers; `send`: to another worker (see
+        `Streams`)."""
+        self.store = store
+        self.scheduler = scheduler
+        self.pools = pools
+        self.max_model_len = max_model_len
+        self.on_finish = on_finish
+        self.token_loops = token_loops
+        self.device = device or torch.device("cpu")
+        self.lazy_pages = lazy_pages
+        self.runs: dict[str, RequestRun] = {}
+        self.groups: dict[tuple[str, str, int], LoopGroup] = {}
+        self.index = index
+        self.turns = Turns(self, join_turn, on_awaiting)
+        self.streams = Streams(self, send)
+
+    # --------------------------------------------------------------- start
+
+    def start(self, sub: Submit) -> None:
+        """Start the request's partitions that run here (all of them unless
+        `sub.places` puts some on other workers)."""
+        places = sub.places or {}
+        run = RequestRun(sub.request_id, sub.walk, sub.sampling, sub.seed, sub.stop_ids,
+                         input_open=sub.more_input and sub.walk.more_input is not None, places=places)
+        self.runs[run.request_id] = run
+        here = [name for name in sub.walk.partitions if places.get(name, self.index) == self.index]
+        for name in here:
+            if sub.walk.partitions[name].stream is not None:
+                self._add_partition(run, name)
+        if sub.walk.root not in here:
+            return  # its producers run elsewhere and feed these consumers through `Streams`
+        root = self._add_partition(run, sub.walk.root)
+        rid = run.request_id
+        for name, tensor in sub.values.items():
+            root.values[name] = TensorRef(self.store.put(tensor, (rid,)))
+        self._fork(root, -1)
+        self.advance(root)
+
+    def _add_partition(self, run: RequestRun, name: str) -> PartitionRun:
+        part = PartitionRun(run, run.walk.partitions[name])
+        run.partitions[name] = part
+        run.live += 1
+        return part
+
+    def _fork(self, part: PartitionRun, after: int) -> None:
+        for name in part.request.walk.forks.get((part.name, after), ()):
+            branch = self._add_partition(part.request, name)
+            for value, ref in part.values.items():
+                self.store.retain(ref, part.request_id)
+                branch.values[value] = ref
+            self.advance(branch)
+
+    # ------------------------------------------------------------ queueing
+
+    def advance(self, part: PartitionRun) -> None:
+        """Queue the node under the cursor, or finish the partition."""
+        if part.done:
+            return
+        if part.plan.stream is not None:
+            self.streams.pump(part)
+            return
+        if part.cursor >= len(part.plan.nodes):
+            self.finish(part, part.request.root_reason or "stop")
+            return
+        node = part.node()
+        if isinstance(node, Loop) and self._join_group(part, node):
+            return
+        self.enqueue(part, part.current_step(), {n: part.values[n] for n in part.current_step().inputs})
+
+    def enqueue(self, part: PartitionRun, step: Step, inputs: dict[str, TensorRef | list[StreamItem]]) -> None:
+        rid = part.request_id
+        for refs in inputs.values():
+            for ref in refs if isinstance(refs, list) else (refs,):
+                if isinstance(ref, TensorRef):
+                    self.store.retain(ref, rid)
+        pool = self.pools.get(step.component)
+        num_tokens, pages = 1, 0
+        if pool is not None:
+            first = inputs[step.inputs[0]]
+            assert isinstance(first, TensorRef)
+            num_tokens = self.store.numel(first)
+            total = part.kv_tokens + num_tokens
+            if not part.pages or part.cursor == 0:  # a request's first step, or a later turn's
+                total += self._reserve(part)
+            pages = max(0, pool.pages_for(min(total, self.max_model_len)) - len(part.pages))
+        part.busy = True
+        self.scheduler.add(WorkItem(rid, part.name, step.component, step.mode, num_tokens, pages,
+                                    payload=(part, inputs), starts_row=pool is not None and not part.pages))
+
+    def _reserve(self, part: PartitionRun) -> int:
+        """Tokens a KV partition will append after its first step: the cap of
+        the loop that follows, so admission reserves the whole request once."""
+        nxt = part.plan.nodes[part.cursor + 1] if part.cursor + 1 < len(part.plan.nodes) else None
+        if not isinstance(nxt, Loop) or self.lazy_pages:
+            return 0
+        return write_cap(part, nxt) or 0
+
+    def _join_group(self, part: PartitionRun, loop: Loop) -> bool:
+        """Hand a token loop to its `LoopGroup`; False when the loop does not
+        qualify (not a sampling KV component reading back its own token, no
+        write cap, or pages that do not cover the cap) and runs item by item."""
+        step = loop.step
+        if (step.component not in self.token_loops or step.inputs != (loop.value,)
+                or len(step.outputs) != 1):
+            return False
+        cap = write_cap(part, loop)
+        count = part.writes.get(loop.value, 0)
+        pool = self.pools[step.component]
+        if cap is None or (not self.lazy_pages and pool.pages_for(part.kv_tokens + cap - count) > len(part.pages)):
+            return False
+        key = (part.request.walk.name, part.name, part.cursor)
+        group = self.groups.get(key)
+        if group is None:
+            group = self.groups[key] = LoopGroup(step.component, step.mode, loop, self.device)
+            self.scheduler.add_group((step.component, step.mode), group)
+        if not len(group):
+            group.ticket = self.scheduler.ticket()
+        token = self.store.take(part.values.pop(loop.value), part.request_id)
+        group.join(part, token, count, cap, stop_ids(part, loop))
+        part.busy = True
+        return True
+
+    def preempted(self, leave: Leave, swapped: SwappedKV) -> None:
+        """A group row was preempted (its pages freed, its KV in `swapped`):
+        it waits in its loop's queue for as many pages, then resumes."""
+        part = leave.part
+        part.swapped = swapped
+        part.values[part.node().value] = TensorRef(self.store.put(leave.token, (part.request_id,)))
+        part.busy = True
+        step = part.current_step()
+        self.scheduler.add(WorkItem(part.request_id, part.name, step.component, step.mode, 1, swapped.num_pages,
+                                    payload=(part, {}), starts_row=True))
+
+    def resume(self, part: PartitionRun) -> None:
+        """A preempted row has its pages and KV back: into its group again."""
+        part.swapped = None
+        part.busy = False
+        self.advance(part)
+
+    def left_group(self, leave: Leave) -> None:
+        """A row's loop stopped inside its group: move it on like any row."""
+        part = leave.part
+        value = part.node().value
+        ref = TensorRef(self.store.put(leave.token, (part.request_id,)))
+        host = {value: leave.host_token} if leave.host_token is not None else None
+        self.completed(part, {value: ref}, leave.reason, host)
+
+    def _take_out_of_groups(self, request_id: str, partition: str | None, count_sampled: bool = False) -> int:
+        n = 0
+        for group in self.groups.values():
+            for leave in group.take_out(request_id, partition, count_sampled):
+                leave.part.busy = False
+                n += 1
+        return n
+
+    def cancel(self, items: list[WorkItem]) -> None:
+        """Release what queued items hold (they will never run)."""
+        for item in items:
+            part, inputs = item.payload
+            part.busy = False
+            for refs in inputs.values():
+                for ref in refs if isinstance(refs, list) else (refs,):
+                    self.streams.release(ref, item.request_id)
+
+    # --------------------------------------------------------- completion
+
+    def completed(self, part: PartitionRun, outputs: dict[str, TensorRef], reason: str | None,
+                  tokens: dict[str, int] | None = None) -> None:
+        """Row `part` of a finished step wrote `outputs` (one reference each,
+        owned by its request); move the partition on. `tokens`: the sampled
+        token ids among them, already on the host; streams take those as
+        ints, like the tokens of a loop group."""
+        part.busy = False
+        if part.done:
+            for ref in outputs.values():
+                self.store.release(ref, part.request_id)
+            return
+        loop = checking_loop(part)
+        for name, ref in outputs.items():
+            old = part.values.get(name)
+            if old is not None:
+                self.store.release(old, part.request_id)
+            part.values[name] = ref
+            part.writes[name] = part.writes.get(name, 0) + 1
+            self.streams.feed(part, name, tokens[name] if tokens and name in tokens else ref)
+        if part.plan.stream is not None:
+            self.streams.consumed(part)
+            return
+        node = part.node()
+        before = part.cursor
+        if reason is not None and loop is not None:
+            if self.turns.ends_turn(part, reason):
+                self.turns.end(part, loop, reason, tokens.get(loop.value) if tokens else None)
+                return
+            if part.plan.parent is None:
+                part.request.root_reason = reason
+            # leave the loop: past it, or past the step and the loop it skips
+            part.cursor += 1 if isinstance(node, Loop) else 2
+        elif isinstance(node, Loop):
+            self.advance(part)  # loop-back
+            return
+        else:
+            part.cursor += 1
+        for index in range(before, part.cursor):
+            self._fork(part, index)
+        self.advance(part)
+
+    # ---------------------------------------------------------- finishing
+
+    def finish(self, part: PartitionRun, reason: str, error: str | None = None) -> None:
+        if part.done:
+            return
+        part.done = True
+        run = part.request
+        rid = run.request_id
+        if part.plan.parent is None and part.plan.stream is None and run.root_reason is None:
+            run.root_reason = reason
+        for ref in part.values.values():
+            self.store.release(ref, rid)
+        part.values.clear()
+        for ref in part.items:
+            self.streams.release(ref, rid)
+        part.items.clear()
+        self.free_pages(part)
+        run.live -= 1
+        self.streams.close(part)
+        done = run.live == 0
+        if done:
+            self.runs.pop(rid, None)
+            if not run.shared:  # other workers' parts of the request still hold references (the engine drops them)
+                self.store.drop_owner(rid)
+        generated = sum(p.generated for p in run.partitions.values()) if done else 0
+        self.on_finish(Finished(rid, part.name, reason, done, error, generated))
+
+    def free_pages(self, part: PartitionRun) -> None:
+        """Give the partition's KV pages back; it is no longer a running row."""
+        if part.pages and part.kv_component is not None:
+            self.pools[part.kv_component].free(part.pages)
+            self.scheduler.row_ended(part.kv_component)
+        part.pages = []
+
+    def stop(self, request_id: str, partition: str) -> int:
+        """The event loop stopped a partition: cancel its queued work and
+        finish it. Returns how many queued steps were cancelled."""
+        run = self.runs.get(request_id)
+        part = run.partitions.get(partition) if run else None
+        if part is None or part.done:
+            return 0
+        cancelled = self.scheduler.remove(request_id, partition)
+        self.cancel(cancelled)
+        grouped = self._take_out_of_groups(request_id, partition)
+        if part.plan.parent is None:
+            run.root_reason = run.root_reason or "stop"
+        self.finish(part, "stop")
+        return len(cancelled) + grouped
+
+    def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> int:
+        """Tear a whole request down; returns how many queued steps it had."""
+        run = self.runs.get(request_id)
+        if run is None:
+            return 0
+        cancelled = self.scheduler.remove(request_id)
+        self.cancel(cancelled)
+        grouped = self._take_out_of_groups(request_id, None, count_sampled=True)
+        run.root_reason = reason
+        parts = [p for p in run.partitions.values() if not p.done]
+        for p in parts:
+            p.pending.clear()
+            p.closed = True
+        for p in parts:
+            self.finish(p, reason, error)
+        return len(cancelled) + grouped

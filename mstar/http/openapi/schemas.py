@@ -1,0 +1,238 @@
+"""JSON Schemas of the request and response bodies, for `openapi.py`.
+
+Bounds and enums come from the parsers' own constants (and `SamplingParams`'
+defaults and limits), so the document cannot drift from what the server
+accepts. Each schema describes what the parser checks itself; what needs the
+model (prompt length against the context window, voices, walks, vocabulary)
+is only described in prose. As the parsers do, an optional field that is
+`null` means its default; the schemas leave `null` out for readability.
+"""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from typing import Any
+
+from mstar.http.speech.audio import CONTENT_TYPES
+from mstar.http.text.chat_messages import CHAT_ROLES
+from mstar.http.fields import Fields
+from mstar.http.text.protocol import COMPLETIONS_MAX_TOKENS, MAX_CHOICES, MAX_N, SERVICE_TIERS
+from mstar.http.speech.protocol import DEFAULT_FORMAT, MAX_INPUT_CHARS, StreamFormat
+from mstar.http.speech.protocol import SAMPLING_KEYS as SPEECH_SAMPLING_KEYS
+from mstar.types import MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, SamplingParams
+
+Schema = dict[str, Any]
+
+# The list limits are `Fields` keyword defaults; read them rather than copy them.
+MAX_STOPS: int = inspect.signature(Fields.stops).parameters["max_count"].default
+MAX_STOP_TOKEN_IDS: int = inspect.signature(Fields.int_list).parameters["max_count"].default
+MAX_SEED = 2**63 - 1  # `SamplingParams.validate`: seed in [0, 2**63)
+DEFAULTS = SamplingParams()
+
+
+def ref(name: str) -> Schema:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def unsupported(what: str) -> Schema:
+    # The parsers refuse any truthy value; false (or leaving it out) is the only useful one.
+    return {"description": f"{what} is not supported; only false or null is accepted", "enum": [False, None]}
+
+
+def int_list(min_items: int = 0) -> Schema:
+    return {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": min_items}
+
+
+def sampling_properties() -> dict[str, Schema]:
+    """`SamplingParams` by name (all but `max_tokens`), as `read_sampling` reads them."""
+    return {
+        "temperature": {"type": "number", "minimum": 0, "maximum": MAX_TEMPERATURE, "default": DEFAULTS.temperature,
+                        "description": "0 is greedy"},
+        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": DEFAULTS.top_p},
+        "top_k": {"type": "integer", "minimum": -1, "default": DEFAULTS.top_k,
+                  "description": "0 or -1 disables top-k"},
+        "min_p": {"type": "number", "minimum": 0, "maximum": 1, "default": DEFAULTS.min_p},
+        "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_REPETITION_PENALTY,
+                               "default": DEFAULTS.repetition_penalty},
+        "seed": {"type": "integer", "minimum": 0, "maximum": MAX_SEED,
+                 "description": "makes the request's draws reproducible whatever it is batched with"},
+        "stop": {"oneOf": [{"type": "string", "minLength": 1},
+                           {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOPS}],
+                 "description": "a string, or an array of non-empty strings, that ends the generation"},
+        "stop_token_ids": {**int_list(), "maxItems": MAX_STOP_TOKEN_IDS},
+        "ignore_eos": {"type": "boolean", "default": DEFAULTS.ignore_eos},
+    }
+
+
+def logprobs_count(what: str) -> Schema:
+    return {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
+            "description": f"{what}: each sampled token's log probability and the given number of most likely "
+                           "tokens', of the model's raw distribution (before penalty, temperature and filters)"}
+
+
+def max_tokens(default: int | None = None) -> Schema:
+    schema: Schema = {"type": "integer", "minimum": 1,
+                      "description": "at most the context window less the prompt"}
+    return schema if default is None else {**schema, "default": default}
+
+
+def openai_common() -> dict[str, Schema]:
+    """What `/v1/completions` and `/v1/chat/completions` share."""
+    return {
+        "model": {"type": "string", "description": "a served model's id; the only one if left out"},
+        "n": {"type": "integer", "minimum": 1, "maximum": MAX_N, "default": 1},
+        "stream": {"type": "boolean", "default": False,
+                   "description": "server-sent events (`data: {...}`, ending with `data: [DONE]`)"},
+        "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean", "default": False}},
+                           "description": "only with `stream: true`"},
+        "presence_penalty": {"enum": [0], "description": "not supported; only 0 is accepted"},
+        "frequency_penalty": {"enum": [0], "description": "not supported; only 0 is accepted"},
+        "logit_bias": {"type": "object", "maxProperties": 0, "description": "not supported; only {} is accepted"},
+        "user": {"type": "string"},
+        "response_format": {"type": "object", "required": ["type"],
+                            "properties": {"type": {"enum": ["text"]}}},
+        **sampling_properties(),
+    }
+
+
+def chat_extras() -> dict[str, Schema]:
+    """Chat fields that ask for nothing this server lacks, and those refused."""
+    return {
+        "function_call": {"enum": ["none", "auto"], "description": "functions are not supported"},
+        "parallel_tool_calls": {"type": "boolean", "description": "tools are not supported; accepted for clients "
+                                                                  "that always send it"},
+        "metadata": {"type": "object", "additionalProperties": {"type": "string"},
+                     "description": "accepted; nothing is stored"},
+        "store": {"enum": [False, None], "description": "storing completions is not supported"},
+        "service_tier": {"enum": list(SERVICE_TIERS), "description": "one tier serves every request"},
+        "safety_identifier": {"type": "string"},
+        "prompt_cache_key": {"type": "string"},
+        "audio": unsupported("audio output"),
+        **{key: unsupported(key) for key in ("prediction", "reasoning_effort", "verbosity", "web_search_options")},
+    }
+
+
+# `stream_options` needs `stream: true`.
+STREAM_OPTIONS_NEED_STREAM: Schema = {
+    "stream_options": {"required": ["stream"], "properties": {"stream": {"const": True}}}}
+
+PROMPT: Schema = {
+    "oneOf": [
+        {"type": "string"},
+        {"type": "array", "items": {"type": "integer"}, "minItems": 1, "description": "token ids"},
+        {"type": "array", "minItems": 1, "items": {"oneOf": [
+            {"type": "string"}, {"type": "array", "items": {"type": "integer"}, "minItems": 1}]},
+         "description": "several prompts, each a string or token ids; one set of `n` choices each"},
+    ],
+    "examples": ["Once upon a time"],
+}
+
+COMPLETION_REQUEST: Schema = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["prompt"],
+    "properties": {
+        "prompt": PROMPT,
+        "max_tokens": max_tokens(COMPLETIONS_MAX_TOKENS),
+        "best_of": {"type": "integer", "minimum": 1, "description": "only equal to `n` is accepted"},
+        "echo": unsupported("echo"),
+        "logprobs": logprobs_count("logprobs"),
+        "suffix": unsupported("suffix"),
+        **openai_common(),
+    },
+    "dependentSchemas": STREAM_OPTIONS_NEED_STREAM,
+    "description": f"prompts x n must be at most {MAX_CHOICES}",
+}
+
+CONTENT_PART: Schema = {"type": "object", "required": ["type", "text"],
+                        "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}}}
+
+CHAT_MESSAGE: Schema = {
+    "type": "object",
+    "required": ["role"],
+    "properties": {
+        "role": {"enum": list(CHAT_ROLES), "description": "`developer` is read as `system`"},
+        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": CONTENT_PART}],
+                    "description": "required but for `assistant`; text parts are joined with newlines"},
+        "tool_calls": unsupported("tool_calls"),
+        "function_call": unsupported("function_call"),
+    },
+    # Only an assistant's message may leave out its content.
+    "if": {"properties": {"role": {"const": "assistant"}}},
+    "else": {"required": ["content"]},
+}
+
+CHAT_REQUEST: Schema = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["messages"],
+    "properties": {
+        "messages": {"type": "array", "items": CHAT_MESSAGE, "minItems": 1,
+                     "examples": [[{"role": "user", "content": "Hello!"}]]},
+        "max_tokens": max_tokens(),
+        "max_completion_tokens": {**max_tokens(), "description": "the newer name of `max_tokens`; wins over it"},
+        "add_generation_prompt": {"type": "boolean", "default": True},
+        "tool_choice": {"enum": ["none", "auto"], "description": "tools are not supported"},
+        "modalities": {"type": "array", "items": {"enum": ["text"]}},
+        "logprobs": {"type": "boolean", "default": False,
+                     "description": "each sampled token's log probability, of the model's raw distribution"},
+        "top_logprobs": {**logprobs_count("top_logprobs"),
+                         "description": "with `logprobs: true`: how many most likely tokens each position lists"},
+        "tools": unsupported("tools"),
+        "functions": unsupported("functions"),
+        **chat_extras(),
+        **openai_common(),
+    },
+    "dependentSchemas": {**STREAM_OPTIONS_NEED_STREAM, "top_logprobs": {
+        "required": ["logprobs"], "properties": {"logprobs": {"const": True}}}},
+}
+
+GENERATE_REQUEST: Schema = {
+    "type": "object",
+    "additionalProperties": False,
+    # Exactly one of text and input_ids.
+    "oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}],
+    "properties": {
+        "text": {"type": "string", "examples": ["Once upon a time"]},
+        "input_ids": {**int_list(1), "items": {"type": "integer"}, "examples": [[1, 2, 3]],
+                      "description": "token ids, skipping the tokenizer"},
+        "model": {"type": "string"},
+        "sampling_params": {
+            "type": "object",
+            "additionalProperties": False,
+            "properties": {"max_tokens": max_tokens(DEFAULTS.max_tokens), **sampling_properties(),
+                           "logprobs": logprobs_count("logprobs")},
+            "description": "`SamplingParams` by name; a speech walk takes the model's defaults for what is left out",
+        },
+        "stream": {"type": "boolean", "default": False, "description": "NDJSON, one object per chunk"},
+        "voice": {"type": "string", "description": "speech models: the voice; needs `text`"},
+        "walk": {"type": "string", "description": "one of the model's walks; its default if left out"},
+    },
+    "dependentRequired": {"voice": ["text"]},
+}
+
+SPEECH_REQUEST: Schema = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["input"],
+    "properties": {
+        "input": {"type": "string", "minLength": 1, "maxLength": MAX_INPUT_CHARS, "pattern": r"\S",
+                  "examples": ["Hello there."]},
+        "model": {"type": "string"},
+        "voice": {"oneOf": [{"type": "string", "pattern": r"\S"},
+                            {"type": "object", "required": ["id"], "properties": {"id": {"type": "string"}}}],
+                  "description": "a voice of the model (its default if left out)"},
+        "response_format": {"enum": sorted(CONTENT_TYPES), "default": DEFAULT_FORMAT,
+                            "description": "flac, mp3 and opus need a soundfile with those codecs"},
+        "stream_format": {"enum": list(typing.get_args(StreamFormat)), "default": "audio"},
+        "stream": {"type": "boolean", "default": True,
+                   "description": "mstar's: false gathers the whole audio first and answers with one file of "
+                                  "known length (its header has the true sizes); needs stream_format 'audio'"},
+        "speed": {"enum": [1.0], "description": "only 1.0 is supported"},
+        "instructions": {"type": "string", "maxLength": 0, "description": "not supported"},
+        "max_tokens": max_tokens(),
+        **{k: v for k, v in sampling_properties().items() if k in SPEECH_SAMPLING_KEYS},
+    },
+    "description": "sampling fields left out take the model's defaults",
+}

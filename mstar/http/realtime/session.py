@@ -1,0 +1,298 @@
+"""One `/v1/realtime` websocket session: client events in, server events out.
+
+The session holds the conversation (items as the client sees them), the
+session config and at most one active response. Every client event is
+handled in order by `handle`; what the session says goes through `send`
+(one queue, one writer, so events keep their order). A refused event gets an
+`error` event and changes nothing.
+
+A response of a speech model is one engine request on the `speak` walk that
+takes more input: user text that arrives while it runs is appended to the
+same request (`Engine.append`) and spoken after what is queued, on the same
+KV cache. When the model has spoken everything it was given, the request's
+input stays open for `input_linger_ms`, then closes and the response ends.
+A response of a text model is a chat completion over the conversation,
+streamed as `response.output_text.delta`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable
+
+import structlog
+
+from mstar.errors import MstarError, RequestError
+from mstar.http.realtime.protocol import (ProtocolError, SessionConfig, check_format, decode_audio, event, field_of,
+                                          item_text, new_id, output_limit)
+from mstar.http.realtime.response import ActiveResponse, ResponsePlan
+from mstar.http.submission import SPEAK_WALK, Target, encode_chat, encode_prompt, model_defaults, off_loop
+from mstar.types import GenerateRequest, ModelCard
+
+if TYPE_CHECKING:
+    from mstar.engine.engine import Engine
+
+log = structlog.get_logger("mstar.realtime")
+
+ROLES = ("user", "system", "assistant")
+# the engine's and the model's names (before any '.' or '[') for what the client gave a response
+ENGINE_FIELDS = {"input": "response.input", "prompt": "response.input", "messages": "response.input",
+                 "voice": "response.audio.output.voice", "seed": "session.mstar.seed"}
+
+
+class RealtimeSession:
+    def __init__(self, engine: Engine, target: Target, card: ModelCard, send: Callable[[dict[str, Any]], None],
+                 ) -> None:
+        self.engine = engine
+        self.target = target
+        self.send = send
+        self.speaks = SPEAK_WALK in target.walks
+        self.config = SessionConfig(new_id("sess"), target.name, self.speaks, tuple(card.voices),
+                                    (card.voices[0] if card.voices else None), target.max_model_len)
+        self.items: list[dict[str, Any]] = []
+        self.unanswered: list[str] = []  # user text since the last response (what a speech model says next)
+        self.response: ActiveResponse | None = None
+        self.audio_ms: dict[str, int] = {}  # item id -> ms of its audio sent (truncation stays within it)
+
+    def start(self) -> None:
+        self.send(event("session.created", session=self.config.to_json()))
+
+    # ------------------------------------------------------------ dispatch
+
+    async def handle(self, obj: dict[str, Any]) -> None:
+        """One client event; raises `ProtocolError` for one it refuses."""
+        kind = obj["type"]
+        handler = getattr(self, "_on_" + kind.replace(".", "_"))
+        await handler(obj)
+
+    async def close(self) -> None:
+        """The socket closed: end the active response and free what it holds."""
+        if self.response is not None:
+            self.response.cancel()
+            await self.response.wait()
+
+    # -------------------------------------------------------------- session
+
+    async def _on_session_update(self, obj: dict[str, Any]) -> None:
+        self.config.update(field_of(obj, "session", dict, ""))
+        self.send(event("session.updated", session=self.config.to_json()))
+
+    # ---------------------------------------------------------------- audio
+
+    async def _on_input_audio_buffer_append(self, obj: dict[str, Any]) -> None:
+        decode_audio(field_of(obj, "audio", str, ""), "audio")
+        raise ProtocolError(f"model '{self.target.name}' takes no audio input; send text with "
+                            "conversation.item.create", "audio_input_not_supported", "audio")
+
+    async def _on_input_audio_buffer_commit(self, obj: dict[str, Any]) -> None:
+        raise ProtocolError(f"model '{self.target.name}' takes no audio input, so the buffer is empty",
+                            "input_audio_buffer_commit_empty")
+
+    async def _on_input_audio_buffer_clear(self, obj: dict[str, Any]) -> None:
+        self.send(event("input_audio_buffer.cleared"))
+
+    # --------------------------------------------------------- conversation
+
+    async def _on_conversation_item_create(self, obj: dict[str, Any]) -> None:
+        item = dict(field_of(obj, "item", dict, ""))
+        kind = item.get("type", "message")
+        if kind != "message":
+            raise ProtocolError(f"item type {kind!r} is not supported (only 'message')", "unsupported_item_type",
+                                "item.type")
+        role = field_of(item, "role", str, "item")
+        if role not in ROLES:
+            raise ProtocolError(f"'item.role' must be one of {', '.join(ROLES)}", "invalid_value", "item.role")
+        text = item_text(item, "item")
+        previous = field_of(obj, "previous_item_id", str, "", required=False)
+        index = len(self.items)
+        if previous == "root":
+            index = 0
+        elif previous is not None:
+            index = self._index(previous, "previous_item_id") + 1
+        field_of(item, "id", str, "item", required=False)
+        if any(i["id"] == item.get("id") for i in self.items):
+            raise ProtocolError(f"an item with id '{item['id']}' exists already", "duplicate_item_id", "item.id")
+        item.setdefault("id", new_id("item"))
+        item.update(type="message", object="realtime.item", status="completed")
+        self.items.insert(index, item)
+        before = self.items[index - 1]["id"] if index > 0 else None
+        for kind in ("conversation.item.added", "conversation.item.created", "conversation.item.done"):
+            self.send(event(kind, previous_item_id=before, item=item))
+        if role == "user" and text.strip():
+            self._user_text(text)
+
+    def _user_text(self, text: str) -> None:
+        """User text: into the running speech response if there is one,
+        else kept for the next response."""
+        resp = self.response
+        if self.speaks and resp is not None and resp.more_input_open:
+            try:
+                resp.append(text)
+                return
+            except RequestError as e:
+                raise ProtocolError(e.message, e.code or "invalid_request", "item.content") from None
+        self.unanswered.append(text)
+
+    async def _on_conversation_item_truncate(self, obj: dict[str, Any]) -> None:
+        item_id = field_of(obj, "item_id", str, "")
+        index = self._index(item_id, "item_id")
+        content_index = field_of(obj, "content_index", int, "")
+        audio_end_ms = field_of(obj, "audio_end_ms", int, "")
+        item = self.items[index]
+        if item.get("role") != "assistant" or not self.speaks:
+            raise ProtocolError("only an assistant item with audio can be truncated", "invalid_value", "item_id")
+        if content_index != 0 or audio_end_ms < 0:
+            raise ProtocolError("'content_index' must be 0 and 'audio_end_ms' >= 0", "invalid_value",
+                                "audio_end_ms" if content_index == 0 else "content_index")
+        resp = self.response
+        heard = resp.audio_ms if resp is not None and resp.item["id"] == item_id else self.audio_ms.get(item_id, 0)
+        if audio_end_ms > heard:
+            raise ProtocolError(f"audio_end_ms {audio_end_ms} is past the {heard} ms of audio sent for this item",
+                                "invalid_value", "audio_end_ms")
+        if resp is not None and resp.item["id"] == item_id:
+            resp.cancel()  # the client stopped playing it: nothing more of it is wanted
+            await resp.wait()
+        self.audio_ms[item_id] = audio_end_ms
+        self.send(event("conversation.item.truncated", item_id=item_id, content_index=0,
+                              audio_end_ms=audio_end_ms))
+
+    async def _on_conversation_item_delete(self, obj: dict[str, Any]) -> None:
+        item_id = field_of(obj, "item_id", str, "")
+        index = self._index(item_id, "item_id")
+        if self.response is not None and self.response.item["id"] == item_id:
+            raise ProtocolError("the item of the active response cannot be deleted", "invalid_value", "item_id")
+        del self.items[index]
+        self.send(event("conversation.item.deleted", item_id=item_id))
+
+    async def _on_conversation_item_retrieve(self, obj: dict[str, Any]) -> None:
+        item_id = field_of(obj, "item_id", str, "")
+        self.send(event("conversation.item.retrieved", item=self.items[self._index(item_id, "item_id")]))
+
+    def _index(self, item_id: Any, param: str) -> int:
+        for i, item in enumerate(self.items):
+            if item["id"] == item_id:
+                return i
+        raise ProtocolError(f"no item with id '{item_id}' in the conversation", "item_not_found", param)
+
+    # ------------------------------------------------------------ responses
+
+    async def _on_response_create(self, obj: dict[str, Any]) -> None:
+        if self.response is not None:
+            raise ProtocolError(f"response '{self.response.id}' is still in progress; cancel it or wait for "
+                                "response.done", "conversation_already_has_active_response")
+        params = field_of(obj, "response", dict, "", required=False) or {}
+        limit, limit_param = self._limit(params)
+        try:
+            plan = await self._plan(params, limit)
+            await self.engine.admit()
+            stream = self.engine.submit(plan.request)
+        except RequestError as e:
+            raise ProtocolError(e.message, e.code or "invalid_request", _param(e.field, limit_param)) from None
+        except MstarError as e:
+            raise ProtocolError(str(e), "server_error", kind="server_error") from None
+        if plan.spoken is not None:
+            self.unanswered.clear()
+        self.response = ActiveResponse(self, plan, stream)
+        self.items.append(self.response.item)
+        self.response.start(on_done=self._response_done)
+
+    def _response_done(self, resp: ActiveResponse) -> None:
+        self.audio_ms[resp.item["id"]] = resp.audio_ms
+        if self.response is resp:
+            self.response = None
+
+    def _limit(self, params: dict[str, Any]) -> tuple[int | None, str | None]:
+        """The response's max_output_tokens and the param that set it; (None,
+        None): no limit, the model's default applies."""
+        raw = params.get("max_output_tokens")
+        if raw is None:
+            limit, param = self.config.max_output_tokens, "session.max_output_tokens"
+        else:
+            param = "response.max_output_tokens"
+            limit = output_limit(raw, param, self.target.max_model_len)
+        return limit, (param if limit is not None else None)
+
+    async def _plan(self, params: dict[str, Any], limit: int | None) -> ResponsePlan:
+        """The engine request a `response.create` starts."""
+        self.config.check_modalities(params, "response")
+        instructions = field_of(params, "instructions", str, "response", required=False)
+        audio = field_of(params, "audio", dict, "response", required=False) or {}
+        output = field_of(audio, "output", dict, "response.audio", required=False) or {}
+        check_format(output.get("format"), "response.audio.output.format")
+        asked_voice = field_of(output, "voice", str, "response.audio.output", required=False)
+        given = field_of(params, "input", list, "response", required=False)
+        texts = self._input_texts(given) if given is not None else None
+        rid = new_id("resp")
+        defaults = model_defaults(self.engine)
+        sampling = dataclasses.replace(defaults, max_tokens=limit or defaults.max_tokens, seed=self.config.seed)
+        if self.speaks:
+            voice = self.config.voice
+            if asked_voice is not None:
+                voice = self.config.check_voice(asked_voice, "response.audio.output.voice")
+            spoken = " ".join(t["content"] for t in texts if t["role"] == "user") if texts is not None \
+                else " ".join(self.unanswered)
+            if not spoken.strip():
+                raise ProtocolError("there is no text to speak: add a user message (input_text) first",
+                                    "empty_input", "response.input")
+            request = GenerateRequest(rid, self.target.name, {"text": spoken, "voice": voice}, sampling,
+                                      walk=SPEAK_WALK, more_input=True)
+            return ResponsePlan(rid, request, modality="audio", spoken=spoken, voice=voice)
+        instructions = self.config.instructions if instructions is None else instructions
+        messages = ([{"role": "system", "content": instructions}] if instructions else [])
+        messages += texts if texts is not None else [
+            {"role": i["role"], "content": item_text(i, "item")} for i in self.items if i.get("type") == "message"]
+        if not messages:
+            raise ProtocolError("the conversation is empty: add a message first", "empty_input", "response.input")
+        size = sum(len(m["content"]) for m in messages)  # a long conversation is tokenised off the event loop
+        if self.target.tokenizer is not None and getattr(self.target.tokenizer, "chat_template", None):
+            ids = await off_loop(size, encode_chat, self.target, messages, True)
+        else:
+            ids = await off_loop(size, encode_prompt, self.target, "\n".join(m["content"] for m in messages),
+                                 "response.input")
+        room = self.target.max_model_len - len(ids)
+        if room < 1:
+            raise ProtocolError(f"the conversation is {len(ids)} tokens, beyond the model's context of "
+                                f"{self.target.max_model_len}", "context_length_exceeded", "response.input")
+        sampling = dataclasses.replace(sampling, max_tokens=min(limit or room, room))
+        request = GenerateRequest(rid, self.target.name, {"prompt_ids": ids}, sampling)
+        return ResponsePlan(rid, request, modality="text")
+
+    def _input_texts(self, given: list[Any]) -> list[dict[str, str]]:
+        """`response.input`: message items (or references to conversation
+        items) as {role, content} pairs."""
+        out = []
+        for i, item in enumerate(given):
+            where = f"response.input[{i}]"
+            if not isinstance(item, dict):
+                raise ProtocolError(f"'{where}' must be an object", "invalid_value", where)
+            kind = item.get("type", "message")
+            if kind == "item_reference":
+                item = self.items[self._index(field_of(item, "id", str, where), f"{where}.id")]
+            elif kind != "message":
+                raise ProtocolError(f"item type {kind!r} is not supported (only 'message' and 'item_reference')",
+                                    "unsupported_item_type", f"{where}.type")
+            role = field_of(item, "role", str, where)
+            if role not in ROLES:
+                raise ProtocolError(f"'{where}.role' must be one of {', '.join(ROLES)}", "invalid_value",
+                                    f"{where}.role")
+            out.append({"role": role, "content": item_text(item, where)})
+        return out
+
+    async def _on_response_cancel(self, obj: dict[str, Any]) -> None:
+        resp = self.response
+        wanted = field_of(obj, "response_id", str, "", required=False)
+        if resp is None or (wanted is not None and wanted != resp.id):
+            raise ProtocolError("there is no active response to cancel" if resp is None else
+                                f"response '{wanted}' is not the active one", "response_cancel_not_active",
+                                "response_id" if wanted is not None else None)
+        resp.cancel()
+        await resp.wait()
+
+
+def _param(field: str | None, limit_param: str | None) -> str | None:
+    """The realtime name of a field the engine or the model refused."""
+    if field is None:
+        return None
+    # a limit the client did not set is the model's default: then the text is what does not fit
+    renamed = {**ENGINE_FIELDS, "max_tokens": limit_param or "response.input"}
+    return renamed.get(field.split(".")[0].split("[")[0], field)

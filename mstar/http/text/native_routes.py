@@ -1,0 +1,125 @@
+"""The native route, `POST /generate`: text or token ids plus `SamplingParams`
+by name come in; one JSON answer (`text`, `token_ids`, `finish_reason`,
+`usage`) or an NDJSON stream (one object per chunk, the last one `finished`)
+goes out. With `sampling_params.logprobs` k, the answer and each line carry
+`logprobs` of their tokens: ids with their logprobs and the k most likely.
+
+Speech models: a body with a `voice`, or whose walk (`walk`, else the
+model's default) is `speak`, sends its `text` and `voice` to the model as
+they are (the model builds its own prompt), with the model's default
+sampling for what `sampling_params` leaves out. Audio comes back as base64
+PCM16 (little-endian, mono) with its `sample_rate`: on each NDJSON line that
+carries some, and as the whole waveform in the JSON answer. A `voice` for
+a model that does not speak is refused naming it.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import uuid
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Any
+
+import structlog
+from aiohttp import web
+
+from mstar.errors import RequestError
+from mstar.http.keys import ENGINE
+from mstar.http.text.logprobs import native_logprobs
+from mstar.http.text.protocol import GenerateBody, parse_generate
+from mstar.http.responses import EventStream, client_gone, error_body, json_response
+from mstar.http.submission import (SPEAK_WALK, Choice, Submission, Target, encode_prompt, failure_of,
+                                   fit_max_tokens, model_defaults, off_loop, resolve_model, submit, submit_inputs)
+from mstar.types import OutputChunk
+
+if TYPE_CHECKING:
+    from mstar.engine.engine import Engine
+
+log = structlog.get_logger("mstar.http")
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    raw = await request.read()
+    body = await off_loop(len(raw), parse_generate, raw)
+    engine = request.app[ENGINE]
+    target = resolve_model(engine, body.model)
+    request_id = f"gen-{uuid.uuid4().hex}"
+    if body.voice is not None and SPEAK_WALK not in target.walks:
+        raise RequestError(f"model '{target.name}' has no voices: it does not speak (its walks: "
+                           f"{', '.join(target.walks)})", field="voice")
+    if isinstance(body.prompt, str) and (body.voice is not None or (body.walk or target.default_walk) == SPEAK_WALK):
+        sub = _submit_speech(engine, request_id, target, body)
+    else:
+        field = "text" if isinstance(body.prompt, str) else "input_ids"
+        ids = await off_loop(len(body.prompt), encode_prompt, target, body.prompt, field)
+        limit = fit_max_tokens(body.sampling.max_tokens, len(ids), target.max_model_len, field,
+                               "sampling_params.max_tokens")
+        sub = submit(engine, request_id, target, [ids], body.sampling, [limit], walk=body.walk)
+    try:
+        if body.stream:
+            return await _stream_ndjson(request, sub, request_id)
+        [choice] = await sub.run_to_end(client_gone(request))
+        logprobs = {"logprobs": native_logprobs(choice.logprobs)} if body.sampling.logprobs is not None else {}
+        return json_response({"request_id": request_id, "text": choice.text, "token_ids": choice.token_ids,
+                              **logprobs, **_audio_of(choice), "finish_reason": choice.finish_reason,
+                              "usage": sub.usage()})
+    finally:
+        await sub.aclose()
+
+
+def _submit_speech(engine: Engine, request_id: str, target: Target, body: GenerateBody) -> Submission:
+    """Text and voice to the model as they are; the model's default sampling
+    under what the client set."""
+    if body.sampling.logprobs is not None:
+        raise RequestError("a speech walk answers with audio, not tokens: it has no logprobs to give",
+                           field="sampling_params.logprobs")
+    given = {k: getattr(body.sampling, k) for k in body.sampling_given}
+    sampling = dataclasses.replace(model_defaults(engine), **given)
+    try:
+        sampling.validate()
+    except RequestError as e:
+        raise RequestError(e.message, field=f"sampling_params.{e.field}" if e.field else None) from None
+    tokens_field = "sampling_params.max_tokens" if "max_tokens" in given else None
+    return submit_inputs(engine, request_id, target, {"text": body.prompt, "voice": body.voice},
+                         body.walk or target.default_walk, sampling, prompt_field="text",
+                         tokens_field=tokens_field, keep_audio=not body.stream)
+
+
+def _audio_of(source: Choice | OutputChunk) -> dict[str, Any]:
+    """`audio` (base64 PCM16) and `sample_rate`, if there is audio."""
+    audio = source.audio
+    if not audio:
+        return {}
+    return {"audio": base64.b64encode(audio).decode("ascii"), "sample_rate": source.sample_rate}
+
+
+async def _stream_ndjson(request: web.Request, sub: Submission, request_id: str) -> web.StreamResponse:
+    """One line per engine chunk; a failure after the headers is a final line
+    with `error`; a client that left ends the loop and the caller aborts."""
+    events = await EventStream.open(request, "ndjson")
+    try:
+        async with aclosing(sub.chunks()) as chunks:
+            async for choice, chunk in chunks:
+                line: dict[str, Any] = {"request_id": request_id, "token_ids": list(chunk.token_ids),
+                                        "text": chunk.text, **_audio_of(chunk), "finished": chunk.finished}
+                if chunk.logprobs is not None:
+                    line["logprobs"] = native_logprobs(chunk.logprobs)
+                if chunk.finished:
+                    failure = failure_of(choice)
+                    if failure is not None:
+                        log.warning("generation failed mid-stream", error=failure.message)
+                        await events.fail({**line, **error_body(failure.message, status=failure.status,
+                                                                code=failure.code)})
+                        return events.response
+                    line["finish_reason"] = choice.finish_reason
+                    line["usage"] = sub.usage()
+                await events.send(line)
+        await events.close()
+    except ConnectionError:
+        log.info("client went away mid-stream; aborting its request")
+    except Exception:
+        log.exception("stream failed")
+        await events.fail({"request_id": request_id, "finished": True,
+                           **error_body("internal server error", status=500, code="internal_error")})
+    return events.response

@@ -1,0 +1,185 @@
+"""OpenAI-compatible routes: `/v1/models` (and `/v1/models/{model}`),
+`/v1/completions`, `/v1/chat/completions`.
+
+A JSON body comes in; the engine's chunks go out either as one JSON answer or
+as server-sent events (`data: {...}` frames ending with `data: [DONE]`), shaped
+as the OpenAI API shapes them so its clients work unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from mstar.errors import ModelNotFound
+from mstar.http.keys import ENGINE, STARTED
+from mstar.http.text.logprobs import LogprobShapes
+from mstar.http.text.protocol import CompletionBody, parse_chat, parse_completion
+from mstar.http.responses import EventStream, client_gone, error_body, json_response
+from mstar.http.submission import (Choice, Submission, Target, encode_chat, encode_prompt, failure_of,
+                                   fit_max_tokens, off_loop, resolve_model, submit)
+from mstar.types import ModelCard, OutputChunk
+
+log = structlog.get_logger("mstar.http")
+
+# a choice and its new chunk -> one entry of a streamed chunk's `choices`
+Piece = Callable[[Choice, OutputChunk], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The fields every answer (or chunk) of one request shares."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+
+    def body(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {"id": self.id, "object": self.object, "created": self.created, "model": self.model,
+                "system_fingerprint": None, "choices": choices, **extra}
+
+
+async def list_models(request: web.Request) -> web.Response:
+    data = [_model(request, card) for card in request.app[ENGINE].model_cards()]
+    return json_response({"object": "list", "data": data})
+
+
+async def retrieve_model(request: web.Request) -> web.Response:
+    """`GET /v1/models/{model}`: one entry of the list; 404 `model_not_found` if it is not served."""
+    name = request.match_info["model"]
+    card = next((c for c in request.app[ENGINE].model_cards() if c.name == name), None)
+    if card is None:
+        raise ModelNotFound(name)
+    return json_response(_model(request, card))
+
+
+def _model(request: web.Request, card: ModelCard) -> dict[str, Any]:
+    return {"id": card.name, "object": "model", "created": request.app[STARTED], "owned_by": "mstar",
+            "max_model_len": card.max_model_len, "voices": list(card.voices)}
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    raw = await request.read()
+    body = await off_loop(len(raw), parse_completion, raw)
+    engine = request.app[ENGINE]
+    target = resolve_model(engine, body.model)
+    prompts, limits = await off_loop(sum(len(p) for p in body.prompts), _encode_prompts, target, body)
+    reply = Reply(f"cmpl-{uuid.uuid4().hex}", "text_completion", int(time.time()), target.name)
+    sub = submit(engine, reply.id, target, prompts, body.sampling, limits, body.n)
+    shapes = LogprobShapes(target.tokenizer) if body.sampling.logprobs is not None else None
+    try:
+        if body.stream:
+            return await stream_sse(request, sub, reply, _completion_piece(shapes), [], body.include_usage)
+        choices = await sub.run_to_end(client_gone(request))
+        return json_response(reply.body([_completion_choice(c, shapes) for c in choices], usage=sub.usage()))
+    finally:
+        await sub.aclose()
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    raw = await request.read()
+    body = await off_loop(len(raw), parse_chat, raw)
+    engine = request.app[ENGINE]
+    target = resolve_model(engine, body.model)
+    ids = await off_loop(sum(len(m["content"]) for m in body.messages), encode_chat, target, body.messages,
+                         body.add_generation_prompt)
+    limit = fit_max_tokens(body.max_tokens, len(ids), target.max_model_len, "messages", body.max_tokens_field)
+    reply = Reply(f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", int(time.time()), target.name)
+    sub = submit(engine, reply.id, target, [ids], body.sampling, [limit], body.n)
+    shapes = LogprobShapes(target.tokenizer) if body.sampling.logprobs is not None else None
+    try:
+        if body.stream:
+            chunk_reply = Reply(reply.id, "chat.completion.chunk", reply.created, reply.model)
+            # OpenAI opens each choice's stream with the role, before any content.
+            intro = [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None} for c in sub.choices]
+            return await stream_sse(request, sub, chunk_reply, _chat_piece(shapes), intro, body.include_usage)
+        choices = await sub.run_to_end(client_gone(request))
+        return json_response(reply.body([_chat_message(c, shapes) for c in choices], usage=sub.usage()))
+    finally:
+        await sub.aclose()
+
+
+def _encode_prompts(target: Target, body: CompletionBody) -> tuple[list[list[int]], list[int]]:
+    """Each prompt's ids and how many tokens it may generate."""
+    many = len(body.prompts) > 1
+    prompts, limits = [], []
+    for i, prompt in enumerate(body.prompts):
+        name = f"prompt[{i}]" if many else "prompt"
+        ids = encode_prompt(target, prompt, name)
+        prompts.append(ids)
+        limits.append(fit_max_tokens(body.max_tokens, len(ids), target.max_model_len, name, "max_tokens"))
+    return prompts, limits
+
+
+async def stream_sse(request: web.Request, sub: Submission, reply: Reply, piece: Piece,
+                     intro: list[dict[str, Any]], include_usage: bool) -> web.StreamResponse:
+    """Send a submission's chunks as SSE until every choice finished.
+
+    A write that fails means the client left: we return, and the caller's
+    `sub.aclose()` aborts what is still running. A failure after the headers
+    went out is sent as an `{"error": ...}` event (which OpenAI's clients
+    raise), then the stream ends.
+    """
+    events = await EventStream.open(request, "sse")
+    # With include_usage every chunk carries `usage: null`; the last one the totals.
+    extra: dict[str, Any] = {"usage": None} if include_usage else {}
+    try:
+        for entry in intro:
+            await events.send(reply.body([entry], **extra))
+        async with aclosing(sub.chunks()) as chunks:
+            async for choice, chunk in chunks:
+                if chunk.finished:
+                    failure = failure_of(choice)
+                    if failure is not None:
+                        log.warning("generation failed mid-stream", error=failure.message)
+                        await events.fail(error_body(failure.message, status=failure.status, code=failure.code))
+                        return events.response
+                # tokens whose text is held back (a possible stop string) still send their logprobs
+                if chunk.text or chunk.finished or chunk.logprobs:
+                    await events.send(reply.body([piece(choice, chunk)], **extra))
+        if include_usage:
+            await events.send(reply.body([], usage=sub.usage()))
+        await events.close()
+    except ConnectionError:
+        log.info("client went away mid-stream; aborting its requests")
+    except Exception:
+        log.exception("stream failed")
+        await events.fail(error_body("internal server error", status=500, code="internal_error"))
+    return events.response
+
+
+def _completion_piece(shapes: LogprobShapes | None) -> Piece:
+    def piece(choice: Choice, chunk: OutputChunk) -> dict[str, Any]:
+        logprobs = shapes.completion(choice.index, chunk.logprobs) if shapes and chunk.logprobs else None
+        return {"index": choice.index, "text": chunk.text, "logprobs": logprobs,
+                "finish_reason": choice.finish_reason if chunk.finished else None}
+    return piece
+
+
+def _completion_choice(choice: Choice, shapes: LogprobShapes | None) -> dict[str, Any]:
+    return {"index": choice.index, "text": choice.text,
+            "logprobs": shapes.completion(choice.index, choice.logprobs) if shapes else None,
+            "finish_reason": choice.finish_reason}
+
+
+def _chat_piece(shapes: LogprobShapes | None) -> Piece:
+    def piece(choice: Choice, chunk: OutputChunk) -> dict[str, Any]:
+        return {"index": choice.index, "delta": {"content": chunk.text} if chunk.text else {},
+                "logprobs": shapes.chat(chunk.logprobs) if shapes and chunk.logprobs else None,
+                "finish_reason": choice.finish_reason if chunk.finished else None}
+    return piece
+
+
+def _chat_message(choice: Choice, shapes: LogprobShapes | None) -> dict[str, Any]:
+    return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
+            "logprobs": shapes.chat(choice.logprobs) if shapes else None, "finish_reason": choice.finish_reason}
+
