@@ -1,0 +1,78 @@
+"""Chunk policies: how a stream's growing sequence of items is cut into
+chunks for its consumer, what is cut at the end of the stream, and which
+items will never be read again."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class ChunkPolicy:
+    """Cuts a growing sequence of stream items into chunks for the consumer."""
+
+    def ready(self, total: int, cut: int) -> list[tuple[int, int]]:
+        """Chunks [start, end) that can be cut now. `total`: items produced so
+        far; `cut`: the number of chunks already cut."""
+        raise NotImplementedError
+
+    def flush(self, total: int, cut: int) -> list[tuple[int, int]]:
+        """Chunks to cut when the producer has finished."""
+        raise NotImplementedError
+
+    def keep_from(self, total: int, cut: int) -> int:
+        """Items before this index are never read again (they may be freed)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class SlidingWindow(ChunkPolicy):
+    """Windows of `size` items every `stride` items: window i is
+    [i*stride, i*stride + size). At the end, if items are left that no window
+    covered, the window that would have come next is cut short at the end of
+    the stream, [cut*stride, total): a consumer knows it is the last by its
+    length (the whole stream, when it is shorter than one window)."""
+
+    size: int
+    stride: int
+
+    def __post_init__(self) -> None:
+        if self.size <= 0 or self.stride <= 0 or self.stride > self.size:
+            raise ValueError("SlidingWindow needs 0 < stride <= size")
+
+    def ready(self, total: int, cut: int) -> list[tuple[int, int]]:
+        out = []
+        i = cut
+        while i * self.stride + self.size <= total:
+            out.append((i * self.stride, i * self.stride + self.size))
+            i += 1
+        return out
+
+    def flush(self, total: int, cut: int) -> list[tuple[int, int]]:
+        covered = 0 if cut == 0 else (cut - 1) * self.stride + self.size
+        if total <= covered:
+            return []
+        return [(cut * self.stride, total)]
+
+    def keep_from(self, total: int, cut: int) -> int:
+        return cut * self.stride
+
+
+@dataclass(frozen=True)
+class FixedChunks(ChunkPolicy):
+    """Consecutive chunks of `size` items; the last one may be shorter."""
+
+    size: int
+
+    def __post_init__(self) -> None:
+        if self.size <= 0:
+            raise ValueError("FixedChunks needs size > 0")
+
+    def ready(self, total: int, cut: int) -> list[tuple[int, int]]:
+        return [(i * self.size, (i + 1) * self.size) for i in range(cut, total // self.size)]
+
+    def flush(self, total: int, cut: int) -> list[tuple[int, int]]:
+        start = cut * self.size
+        return [(start, total)] if total > start else []
+
+    def keep_from(self, total: int, cut: int) -> int:
+        return cut * self.size

@@ -1,0 +1,140 @@
+"""The nodes a walk is built from: `Step` (one batched call of a component's
+mode), `Loop`, `Stream` (a producer's writes into a concurrent consumer),
+`Emit` (a value to the client), `FanOut`, and `Walk` itself. Plain
+declarations: `compile.py` checks them and turns them into a plan."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Union
+
+from mstar.graph.chunks import ChunkPolicy
+from mstar.graph.stops import StopRule
+
+
+# How a step binds walk values: by position (a name, or a tuple of names), or
+# by the mode's signature names, `{"ids": "prompt_ids"}` (kept as pairs, so a
+# step stays hashable).
+Binding = Union[str, tuple[str, ...], Mapping[str, str], tuple[tuple[str, str], ...]]
+
+
+def _pairs(binding: Binding) -> Binding:
+    return tuple(binding.items()) if isinstance(binding, Mapping) else binding
+
+
+def _values(binding: Binding) -> tuple[str, ...]:
+    if isinstance(binding, str):
+        return (binding,)
+    return tuple(b[1] if isinstance(b, tuple) else b for b in binding)
+
+
+def _names(binding: Binding) -> tuple[str, ...] | None:
+    if isinstance(binding, str) or not binding or not isinstance(binding[0], tuple):
+        return None
+    return tuple(b[0] for b in binding)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One batched call of `component.mode` reading and writing named values.
+
+    `reads` / `writes` bind walk values by position, or by the names of the
+    mode's signature (`graph/signatures.py`) as a mapping."""
+
+    component: str
+    mode: str
+    reads: Binding
+    writes: Binding
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "reads", _pairs(self.reads))
+        object.__setattr__(self, "writes", _pairs(self.writes))
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        """The walk values read, in binding order."""
+        return _values(self.reads)
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        """The walk values written, in binding order."""
+        return _values(self.writes)
+
+    @property
+    def input_names(self) -> tuple[str, ...] | None:
+        """The signature names the inputs bind to; None when bound by position."""
+        return _names(self.reads)
+
+    @property
+    def output_names(self) -> tuple[str, ...] | None:
+        return _names(self.writes)
+
+    @property
+    def label(self) -> str:
+        return f"{self.component}.{self.mode}"
+
+
+@dataclass(frozen=True)
+class Loop:
+    """Repeat `step` until `until` holds; its first output loops back as its
+    first input, on the device."""
+
+    step: Step
+    until: StopRule | None
+
+    @property
+    def value(self) -> str:
+        return self.step.outputs[0]
+
+
+@dataclass(frozen=True)
+class Stream:
+    """Items written by a producer loop flow, in chunks, into `into`, which
+    runs concurrently as its own partition (named `partition` or after the
+    consumer's component). With `accept`, only integer items in that id range
+    enter (a speech LM's audio tokens, not its control tokens)."""
+
+    source: str
+    into: Step | None
+    chunks: ChunkPolicy
+    partition: str | None = None
+    accept: tuple[int, int] | None = None  # only integer items in [lo, hi) enter the stream
+
+
+@dataclass(frozen=True)
+class Emit:
+    """A value that reaches the client each time it is written."""
+
+    value: str
+    modality: str = "text"
+    sample_rate: int | None = None
+
+
+Node = Union[Step, Loop, Stream, Emit, "FanOut"]
+
+
+@dataclass(frozen=True)
+class FanOut:
+    """Branches that start together, each as its own partition, reading the
+    values written before them; the parent partition goes on concurrently."""
+
+    branches: tuple[tuple[Node, ...], ...]
+    names: tuple[str, ...] = ()
+
+
+class Walk:
+    """A named plan for a request: `Walk(*nodes, inputs=(...))`.
+
+    `more_input`: an input that may keep arriving while the request runs (text
+    streamed into a speech request). Each new piece is one more turn of the
+    root partition: when its loop ends, the partition starts over at its first
+    step with the piece as that input, on the same KV cache, and its streams
+    start a new segment. The root's first node must be a step reading it."""
+
+    def __init__(self, *nodes: Node, inputs: tuple[str, ...], partition: str | None = None,
+                 more_input: str | None = None) -> None:
+        self.nodes = tuple(nodes)
+        self.inputs = tuple(inputs)
+        self.partition = partition
+        self.more_input = more_input
