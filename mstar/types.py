@@ -169,10 +169,21 @@ class TokenBatch:
 
     Rows are packed along T: row i owns tokens [query_start[i], query_start[i+1]).
     `logits_index` [B]: the token of each row whose logits the step returns.
+
+    A mode that declares a signature (`graph.Mode`) may get more: `positions`
+    [axes, T] when its component takes positions of several axes (M-RoPE);
+    `embeds[name]` = (rows [Te, ...], index [Te]): an EMBEDS input's rows and
+    the packed tokens they stand for (the model puts them in place of those
+    tokens' embeddings); `extra[name]`: a TENSOR input stacked over rows (a
+    list when ragged); `start_positions` [B]: each row's first position when
+    positions are not given (its cached tokens plus its rope delta).
     """
 
     input_ids: torch.Tensor        # [T] int64
-    positions: torch.Tensor        # [T] int64
+    positions: torch.Tensor        # [T] int64, or [axes, T]
     query_start: torch.Tensor      # [B + 1] int64 (CPU)
     logits_index: torch.Tensor     # [B] int64
     attn: AttentionContext
+    embeds: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    start_positions: torch.Tensor | None = None  # [B] int64

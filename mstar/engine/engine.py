@@ -30,6 +30,7 @@ from mstar.engine.eventloop.requests import RequestState, RequestStream
 from mstar.engine.movement.tensor_store import TensorStore
 from mstar.engine.eventloop.waiting_line import WaitingLine
 from mstar.engine.worker.device_worker import DeviceWorker
+from mstar.engine.worker.walker import check_runnable
 from mstar.errors import ConfigError, MstarError, ModelNotFound, RequestError
 from mstar.graph import Emit, HostStop, Loop, WalkPlan, compile_walks
 from mstar.models.base import Model
@@ -74,6 +75,7 @@ class Engine:
             self.model = await self._loop.run_in_executor(
                 None, lambda: load_model(cfg.model, cfg.load_format, cfg.max_model_len))
         self.plans = compile_walks(self.model.walks, self.model.components)
+        check_runnable(self.plans, self.model.components)
         self.placement = resolve(cfg.placement, cfg.devices, self.model.components, self.plans,
                                  self.model.split_placement(len(cfg.devices)))
         devices = [d for d in cfg.devices if self.placement.on(d)]

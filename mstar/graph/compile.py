@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from mstar.errors import WalkError
 from mstar.graph.chunks import ChunkPolicy
 from mstar.graph.nodes import Emit, FanOut, Loop, Node, Step, Stream, Walk
-from mstar.graph.signatures import ACCEPTS, BUILTINS, Component, Kind
+from mstar.graph.signatures import ACCEPTS, BUILTINS, Component, In, Kind, Mode, Out
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,32 @@ class WalkPlan:
     def components(self) -> set[str]:
         return {(n.step if isinstance(n, Loop) else n).component
                 for p in self.partitions.values() for n in p.nodes}
+
+
+class BindingError(ValueError):
+    """A step binds values its mode's signature does not have."""
+
+
+def step_bindings(step: Step, sig: Mode) -> tuple[dict[str, str], dict[str, str]]:
+    """The step's bindings against `sig`: (signature input name -> walk value
+    read, signature output name -> walk value written), whether the step binds
+    by name or by position. Raises `BindingError` for a name the mode does not
+    have, or more values than it takes."""
+    return (_bind("input", sig.inputs, step.inputs, step.input_names),
+            _bind("output", sig.outputs, step.outputs, step.output_names))
+
+
+def _bind(what: str, declared: tuple[In, ...] | tuple[Out, ...], values: tuple[str, ...],
+          names: tuple[str, ...] | None) -> dict[str, str]:
+    have = [d.name for d in declared]
+    if names is None:
+        if len(values) > len(have):
+            raise BindingError(f"binds {len(values)} {what}s by position; the mode has {have}")
+        return dict(zip(have, values))
+    unknown = [n for n in names if n not in have]
+    if unknown:
+        raise BindingError(f"binds {what}s {unknown} the mode does not have; it has {have}")
+    return dict(zip(names, values))
 
 
 def compile_walk(name: str, walk: Walk, components: dict[str, Component]) -> WalkPlan:
@@ -146,7 +172,10 @@ class _Builder:
             if not step.outputs:
                 raise self.fail(where, "writes nothing")
             return
-        reads = self._bind(where, "input", [i.name for i in sig.inputs], step.inputs, step.input_names)
+        try:
+            reads, writes = step_bindings(step, sig)
+        except BindingError as e:
+            raise self.fail(where, str(e)) from None
         missing = [i.name for i in sig.inputs if not i.optional and i.name not in reads]
         if missing:
             raise self.fail(where, f"leaves the inputs {missing} of mode '{step.mode}' unbound")
@@ -156,23 +185,10 @@ class _Builder:
             if got is not None and got not in ACCEPTS[want]:
                 raise self.fail(where, f"reads '{value}' ({got.value}) as '{name}', which takes "
                                        f"{want.value}")
-        writes = self._bind(where, "output", [o.name for o in sig.outputs], step.outputs, step.output_names)
         if not writes and sig.kv != "append":
             raise self.fail(where, "writes nothing")
         for name, value in writes.items():
             self.kinds[value] = sig.output(name).kind
-
-    def _bind(self, where: str, what: str, declared: list[str], values: tuple[str, ...],
-              names: tuple[str, ...] | None) -> dict[str, str]:
-        """Signature name -> walk value, for a binding by name or by position."""
-        if names is None:
-            if len(values) > len(declared):
-                raise self.fail(where, f"binds {len(values)} {what}s by position; the mode has {declared}")
-            return dict(zip(declared, values))
-        unknown = [n for n in names if n not in declared]
-        if unknown:
-            raise self.fail(where, f"binds {what}s {unknown} the mode does not have; it has {declared}")
-        return dict(zip(names, values))
 
     def _partition(self, pname: str, nodes: tuple[Node, ...], available: set[str],
                    parent: str | None, start_after: int) -> None:

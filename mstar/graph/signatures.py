@@ -136,6 +136,13 @@ class Component:
         object.__setattr__(self, "modes", names)
         object.__setattr__(self, "signatures", {**self.signatures, **declared})
 
+    @property
+    def position_axes(self) -> int:
+        """Axes of the positions its modes take (3 for M-RoPE): the most any
+        declared POSITIONS input has, 1 when none declares one."""
+        return max((i.axes for m in self.signatures.values() for i in m.inputs if i.kind is Kind.POSITIONS),
+                   default=1)
+
     def signature(self, mode: str) -> Mode | None:
         """`mode`'s signature: declared, or implied by a name-only mode of a
         sampling KV component (token ids in, a sampled token out). None: any

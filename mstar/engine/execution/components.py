@@ -15,6 +15,7 @@ from mstar.engine.execution.backends import attention_backend, decode_graphs, mo
 from mstar.engine.memory.kv_cache import KVCache
 from mstar.engine.memory.sizing import kv_cache_log_fields, kv_cache_pages
 from mstar.engine.execution.runner import ComponentRunner
+from mstar.engine.worker.loop_group import runs_in_group
 from mstar.engine.movement.tensor_store import TensorStore
 from mstar.graph import Component
 from mstar.models.base import Model
@@ -57,7 +58,7 @@ def build_runner(model: Model, name: str, spec: Component, device: torch.device,
              **kv_cache_log_fields(num_pages, cfg.page_size, kvspec, dtype))
     attention = attention_backend(kv, kvspec.num_q_heads, need, config)
     graphs = decode_graphs(module.decode, attention, device, config) \
-        if spec.samples and hasattr(module, "decode") else None
+        if spec.samples and hasattr(module, "decode") and runs_in_group(spec, "decode") else None
     log.info("attention", device=str(device), component=name, backend=type(attention).__name__,
              cuda_graphs=graphs.buckets if graphs is not None else None)
     runner = ComponentRunner(name, spec, module, device, store, kv, attention, graphs)

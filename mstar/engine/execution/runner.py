@@ -5,6 +5,8 @@ what each row wrote goes out as one batch tensor per value.
 Two kinds of components: a KV component takes token ids, appends them to each
 row's paged KV cache and (when it samples) returns one token per row; any
 other component takes its inputs stacked over rows and returns named tensors.
+A mode that declares a signature gets its inputs by signature name and names
+its outputs the same way (`pack.py`); a name-only mode takes them by position.
 """
 
 from __future__ import annotations
@@ -21,11 +23,12 @@ from mstar.engine.execution.cuda_graphs import DecodeGraphs
 from mstar.engine.memory.kv_cache import KVCache
 from mstar.engine.worker.loop_group import LoopGroup
 from mstar.engine.execution.mode_graphs import ModeGraphs, takes_seeds
+from mstar.engine.execution.pack import kv_outputs, named_outputs, pack_kv, stacked
 from mstar.engine.worker.rows import PartitionRun
 from mstar.engine.execution.sampler import SamplingTensors, sample, token_logprobs
 from mstar.engine.movement.tensor_store import TensorRef, TensorStore
 from mstar.engine.movement.transfer import to_device
-from mstar.graph import Component, Step
+from mstar.graph import Component, Kind, Mode, Step, step_bindings
 from mstar.scheduler import Batch, WorkItem
 from mstar.types import TokenBatch
 
@@ -37,6 +40,7 @@ class StepOutput:
     parts: list[PartitionRun]
     values: dict[str, torch.Tensor | list[torch.Tensor]]
     logprobs: torch.Tensor | None = None  # of a sampling step's tokens, packed (`sampler.token_logprobs`), on the host
+    sampled: tuple[str, ...] | None = None  # the values that are sampled tokens; None: all, if the component samples
 
 
 class ComponentRunner:
@@ -59,6 +63,8 @@ class ComponentRunner:
     def take_inputs(self, batch: Batch) -> list[dict[str, torch.Tensor]]:
         """Each row's inputs, read out of the store (its references dropped):
         a batch that fails in `compute` can run again row by row from these."""
+        if batch.mode in self.spec.signatures:  # every bound input, of each row's own step
+            return [{n: self._take(item, n) for n in item.payload[1]} for item in batch.items]
         step = batch.items[0].payload[0].current_step()
         names = step.inputs[:1] if self.kv is not None else step.inputs
         return [{n: self._take(item, n) for n in names} for item in batch.items]
@@ -73,11 +79,15 @@ class ComponentRunner:
         self.device_s = 0.0
         fn = self._timed(getattr(self.module, batch.mode))
         logprobs = None
+        sig = self.spec.signatures.get(batch.mode)
+        if self.kv is not None and sig is not None:
+            return self._run_signed(inputs, parts, sig, fn)
         if self.kv is not None:
             values, logprobs = self._run_tokens([row[step.inputs[0]] for row in inputs], parts, step, fn)
         else:
             seeds = self._row_seeds(parts, step) if self._seeded(batch.mode) else None
-            values = self._run_plain(inputs, step, fn, seeds)
+            values = (self._run_plain(inputs, step, fn, seeds) if sig is None
+                      else self._run_plain_signed(inputs, step, sig, fn, seeds))
         return StepOutput(parts, values, logprobs)
 
     def _seeded(self, mode: str) -> bool:
@@ -130,6 +140,38 @@ class ComponentRunner:
             if self.spec.samples:
                 part.generated += 1
         return values, logprobs
+
+    def _run_signed(self, inputs: list[dict[str, torch.Tensor]], parts: list[PartitionRun], sig: Mode,
+                    fn: Callable) -> StepOutput:
+        """A KV step of a mode with a signature: every bound input packed by
+        name (`pack_kv`), the TOKEN output sampled from the mode's "logits",
+        the others named by the binding."""
+        assert self.kv is not None and self.attention is not None
+        steps = [p.current_step() for p in parts]
+        bound = [step_bindings(s, sig) for s in steps]
+        reads = [r for r, _ in bound]
+        writes = bound[0][1]
+        if any(w != writes for _, w in bound[1:]):  # the rows then run alone, each named by its own step
+            raise RuntimeError(f"rows of one {steps[0].label} step write different values")
+        rows = [{name: row[value] for name, value in r.items()} for row, r in zip(inputs, reads)]
+        packed = pack_kv(rows, reads, parts, sig, self.spec.position_axes, self.attention.plan, self.device)
+        with torch.profiler.record_function("mstar.forward"):
+            out = fn(packed.batch)
+        token = next((o.name for o in sig.outputs if o.kind is Kind.TOKEN and o.name in writes), None)
+        tokens = logprobs = None
+        if token is not None:
+            if "logits" not in out:
+                raise RuntimeError(f"{steps[0].label} returned {sorted(out)}: no 'logits' to sample '{token}' from")
+            tokens, logprobs = self._sample(out["logits"], parts, packed.ids)
+        values = kv_outputs(out, sig, writes, packed.lens, tokens, steps[0].label)
+        for part, n, delta in zip(parts, packed.lens, packed.rope_deltas):  # only now, as in `_run_tokens`
+            if sig.kv == "append":
+                part.kv_tokens += n
+                if delta is not None:
+                    part.rope_delta = delta
+            if tokens is not None:
+                part.generated += 1
+        return StepOutput(parts, values, logprobs, sampled=(writes[token],) if token is not None else ())
 
     def _sample(self, logits: torch.Tensor, parts: list[PartitionRun],
                 inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -205,6 +247,32 @@ class ComponentRunner:
                                                     None if seeds is None else seeds[i:i + 1]))
                 for i in range(len(inputs))]
         return {n: [o[n][0] for o in outs] for n in step.outputs}
+
+    def _run_plain_signed(self, inputs: list[dict[str, torch.Tensor]], step: Step, sig: Mode, fn: Callable,
+                          seeds: torch.Tensor | None) -> dict:
+        """Rows of a plain mode with a signature, as keyword arguments by
+        signature name: stacked over rows, or lists for ragged inputs; one
+        call per row when other inputs differ in shape."""
+        reads, writes = step_bindings(step, sig)
+        specs = [i for i in sig.inputs if i.name in reads]
+        rows = {i.name: [row[reads[i.name]] for row in inputs] for i in specs}
+        if all(i.ragged or len({tuple(t.shape) for t in rows[i.name]}) == 1 for i in specs):
+            kwargs = {i.name: stacked(i, rows[i.name], self.device) for i in specs}
+            # a captured mode takes its inputs in signature order (`Model.graph_rows`), by position
+            graphs = None if any(i.ragged for i in specs) else self.mode_graphs.get(step.mode)
+            out = graphs.run(list(kwargs.values()), seeds) if graphs is not None else None
+            if out is None:
+                out = self._call_named(fn, kwargs, seeds)
+            return named_outputs(out, sig, writes, step.label)
+        outs = []
+        for r in range(len(inputs)):
+            alone = {i.name: stacked(i, [rows[i.name][r]], self.device) for i in specs}
+            out = self._call_named(fn, alone, None if seeds is None else seeds[r:r + 1])
+            outs.append(named_outputs(out, sig, writes, step.label))
+        return {v: [o[v][0] for o in outs] for v in writes.values()}
+
+    def _call_named(self, fn: Callable, kwargs: dict, seeds: torch.Tensor | None):
+        return fn(**kwargs) if seeds is None else fn(**kwargs, seeds=to_device(seeds, self.device))
 
     def _call(self, fn: Callable, args: list[torch.Tensor], seeds: torch.Tensor | None):
         args = [to_device(a, self.device) for a in args]

@@ -132,7 +132,7 @@ class DeviceWorker:
         self.walker = Walker(self.store, self.scheduler, self.pools, self.model.max_model_len, self._finished,
                              token_loops, self.device, lazy_pages=lazy, join_turn=self.model.join_turn,
                              on_awaiting=lambda rid: self.outbox.finished(self._report, Awaiting(rid)),
-                             index=self.index, send=self.link.send)
+                             index=self.index, send=self.link.send, components=self.model.components)
         arena_mb = self.config.host_arena_mb
         if arena_mb is None:  # pinned staging pays on CUDA; on the CPU rows are host memory already
             arena_mb = DEFAULT_ARENA_MB if self.device.type == "cuda" else 0
@@ -432,8 +432,11 @@ class DeviceWorker:
             else:
                 handle = self.store.put(data, rids)
                 refs[name] = [TensorRef(handle, i) for i in range(len(parts))]
-        tokens = {name: data.tolist() for name, data in out.values.items()
-                  if sampled and isinstance(data, torch.Tensor) and data.dim() == 1}
+        if out.sampled is not None:  # a mode with a signature says which of its outputs it sampled
+            tokens = {name: out.values[name].tolist() for name in out.sampled}
+        else:
+            tokens = {name: data.tolist() for name, data in out.values.items()
+                      if sampled and isinstance(data, torch.Tensor) and data.dim() == 1}
         for i, part in enumerate(parts):
             self.walker.completed(part, {name: rs[i] for name, rs in refs.items()}, reasons[i],
                                   {name: ids[i] for name, ids in tokens.items()})

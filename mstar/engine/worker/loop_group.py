@@ -25,9 +25,18 @@ import torch
 from mstar.engine.worker.rows import PartitionRun
 from mstar.engine.execution.sampler import NOT_ASKED, SamplingTensors
 from mstar.engine.movement.transfer import to_device
-from mstar.graph import Loop
+from mstar.graph import Component, Loop
 
 _NO_CAP = 2**62
+
+
+def runs_in_group(spec: Component, mode: str) -> bool:
+    """Whether steps of `mode` may run in a group: a name-only mode may; a
+    mode with a declared signature only with a single output and 1-axis
+    positions, since a group step keeps logits alone and places every row
+    at its cached length."""
+    sig = spec.signatures.get(mode)
+    return sig is None or (len(sig.outputs) == 1 and spec.position_axes == 1)
 
 
 @dataclass(eq=False)

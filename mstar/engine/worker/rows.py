@@ -57,6 +57,7 @@ class PartitionRun:
     # paged KV of the partition's KV component
     pages: list[int] = field(default_factory=list)
     kv_tokens: int = 0
+    rope_delta: int = 0             # its next position minus kv_tokens (set by a step given its positions)
     kv_component: str | None = None
     generated: int = 0              # tokens sampled so far (the sampler's draw counter)
     seen: torch.Tensor | None = None  # [vocab] bool, for the repetition penalty

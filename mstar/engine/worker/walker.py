@@ -15,15 +15,36 @@ from typing import Callable
 import torch
 
 from mstar.engine.memory.kv_cache import SwappedKV
-from mstar.engine.worker.loop_group import Leave, LoopGroup
+from mstar.engine.worker.loop_group import Leave, LoopGroup, runs_in_group
 from mstar.engine.messages import Finished, Submit
 from mstar.engine.worker.rows import PartitionRun, RequestRun, StreamItem
 from mstar.engine.worker.stop_rules import checking_loop, stop_ids, write_cap
 from mstar.engine.worker.stream_edges import Send, Streams
 from mstar.engine.movement.tensor_store import TensorRef, TensorStore
 from mstar.engine.worker.turns import Turns
-from mstar.graph import Loop, Step
+from mstar.errors import ConfigError
+from mstar.graph import Component, Kind, Loop, Step, WalkPlan, step_bindings
+from mstar.graph.signatures import BUILTINS
 from mstar.scheduler import PagePool, Scheduler, WorkItem
+
+
+def check_runnable(plans: dict[str, WalkPlan], components: dict[str, Component]) -> None:
+    """Refuse, at engine start, walks that compile but that the walker cannot
+    run yet: steps reading a built-in value (`@i`, `@chunk`), modes that
+    restart the cache or attend non-causally, and modes sampling two tokens."""
+    for walk in plans.values():
+        for part in walk.partitions.values():
+            for node in part.nodes:
+                step = node.step if isinstance(node, Loop) else node
+                sig = components[step.component].signatures.get(step.mode)
+                reason = next((f"reads '{v}': the runtime does not supply built-in values ({', '.join(BUILTINS)}) "
+                               f"yet" for v in step.inputs if v in BUILTINS), None)
+                if reason is None and sig is not None and (sig.reset or not sig.causal):
+                    reason = f"mode '{step.mode}' restarts the cache or attends non-causally: not run yet"
+                if reason is None and sig is not None and sum(o.kind is Kind.TOKEN for o in sig.outputs) > 1:
+                    reason = f"mode '{step.mode}' samples more than one token output: not run yet"
+                if reason is not None:
+                    raise ConfigError(f"walk '{walk.name}', step {step.label}: {reason}")
 
 
 class Walker:
@@ -32,14 +53,15 @@ class Walker:
                  token_loops: set[str] = frozenset(), device: torch.device | None = None,
                  lazy_pages: bool = False, join_turn: Callable[[int, list[int]], list[int]] | None = None,
                  on_awaiting: Callable[[str], None] | None = None, index: int = 0, send: Send | None = None,
-                 ) -> None:
+                 components: dict[str, Component] | None = None) -> None:
         """`token_loops`: KV components that sample; their decode loops run
         as `LoopGroup`s on `device`. `lazy_pages`: a request's first step
         takes pages for its prompt only, and a group row gets more as it
         grows (`Preemption.grow`), instead of all of them up front.
         `join_turn`, `on_awaiting`: see `Turns`. `index`: this worker's
         place among the engine's workers; `send`: to another worker (see
-        `Streams`)."""
+        `Streams`); `components`: the model's, for the signatures of their
+        modes."""
         self.store = store
         self.scheduler = scheduler
         self.pools = pools
@@ -48,6 +70,7 @@ class Walker:
         self.token_loops = token_loops
         self.device = device or torch.device("cpu")
         self.lazy_pages = lazy_pages
+        self.components = components or {}
         self.runs: dict[str, RequestRun] = {}
         self.groups: dict[tuple[str, str, int], LoopGroup] = {}
         self.index = index
@@ -116,9 +139,7 @@ class Walker:
         pool = self.pools.get(step.component)
         num_tokens, pages = 1, 0
         if pool is not None:
-            first = inputs[step.inputs[0]]
-            assert isinstance(first, TensorRef)
-            num_tokens = self.store.numel(first)
+            num_tokens = self._num_tokens(step, inputs)
             total = part.kv_tokens + num_tokens
             if not part.pages or part.cursor == 0:  # a request's first step, or a later turn's
                 total += self._reserve(part)
@@ -126,6 +147,23 @@ class Walker:
         part.busy = True
         self.scheduler.add(WorkItem(rid, part.name, step.component, step.mode, num_tokens, pages,
                                     payload=(part, inputs), starts_row=pool is not None and not part.pages))
+
+    def _num_tokens(self, step: Step, inputs: dict[str, TensorRef | list[StreamItem]]) -> int:
+        """The new tokens a KV step brings: its query input's ids, or its rows
+        of embeddings; a name-only mode's first input is its ids."""
+        comp = self.components.get(step.component)
+        sig = comp.signatures.get(step.mode) if comp is not None else None
+        if sig is None:
+            first = inputs[step.inputs[0]]
+            assert isinstance(first, TensorRef)
+            return self.store.numel(first)
+        assert sig.query is not None
+        query = inputs[step_bindings(step, sig)[0][sig.query]]
+        if isinstance(query, list):  # stream items, one token each
+            return len(query)
+        if sig.input(sig.query).kind is Kind.EMBEDS:
+            return self.store.get(query).shape[0]
+        return self.store.numel(query)
 
     def _reserve(self, part: PartitionRun) -> int:
         """Tokens a KV partition will append after its first step: the cap of
@@ -143,6 +181,9 @@ class Walker:
         if (step.component not in self.token_loops or step.inputs != (loop.value,)
                 or len(step.outputs) != 1):
             return False
+        comp = self.components.get(step.component)
+        if part.rope_delta or (comp is not None and not runs_in_group(comp, step.mode)):
+            return False  # positions beyond its cached length, or outputs a group does not keep
         cap = write_cap(part, loop)
         count = part.writes.get(loop.value, 0)
         pool = self.pools[step.component]

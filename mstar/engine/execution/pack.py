@@ -1,0 +1,181 @@
+"""Packing by signature, for modes that declare one (`graph.Mode`).
+
+KV modes: each row's inputs, by signature name, in; one `TokenBatch` out,
+with the rows' query ids packed along T, their positions (given by a
+POSITIONS input, else each row's next ones), every EMBEDS input with the
+packed tokens it stands for, and the other inputs stacked over rows in
+`extra`. Then the other way: what the mode returned, named by the step's
+binding, a rows="all" output cut into one tensor per row.
+
+Plain modes: each input stacked over rows (a list when ragged) under its
+signature name, and the outputs named by the binding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mstar.engine.movement.transfer import to_device
+from mstar.engine.worker.rows import PartitionRun
+from mstar.graph import In, Kind, Mode
+from mstar.types import AttentionContext, TokenBatch
+
+# the attention plan of a step: query_start [B + 1], context lens [B], page tables in
+Planner = Callable[[torch.Tensor, torch.Tensor, list[list[int]]], AttentionContext]
+
+
+@dataclass(eq=False)
+class PackedRows:
+    batch: TokenBatch
+    ids: list[torch.Tensor]         # each row's query ids (the repetition penalty marks them)
+    lens: list[int]                 # each row's new tokens
+    rope_deltas: list[int | None]   # each row's rope delta once the step has run; None: as it was
+
+
+def pack_kv(rows: list[dict[str, torch.Tensor]], reads: list[dict[str, str]], parts: list[PartitionRun],
+            sig: Mode, axes: int, plan: Planner, device: torch.device) -> PackedRows:
+    """`rows[i]`: row i's inputs by signature name; `reads[i]`: the walk value
+    each came from (errors name it); `axes`: of the component's positions.
+    Raises `ValueError` for a row whose inputs disagree with its tokens (the
+    worker then runs the rows alone, and that row fails by itself)."""
+    assert sig.query is not None
+    query = sig.input(sig.query)
+    ids: list[torch.Tensor] = []
+    for row in rows:
+        q = row[query.name]
+        # a query of embeddings stands for every token of the row: its ids are placeholders
+        ids.append(q.reshape(-1) if query.kind is Kind.IDS else torch.zeros(q.shape[0], dtype=torch.long))
+    lens = [t.numel() for t in ids]
+    query_start = torch.zeros(len(rows) + 1, dtype=torch.long)
+    query_start[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.long), 0)
+    starts = [p.kv_tokens + p.rope_delta for p in parts]
+    positions, deltas = _positions(rows, reads, parts, sig, axes, lens, starts)
+    host_ids = [t.cpu() for t in ids] if any(i.at is not None for i in sig.inputs) else ids
+    embeds: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    extra: dict[str, Any] = {}
+    pos_input = _positions_input(sig)
+    for inp in sig.inputs:
+        if inp.kind is Kind.EMBEDS:
+            spliced = _splice(inp, rows, reads, host_ids, lens, query_start, sig.query, device)
+            if spliced is not None:
+                embeds[inp.name] = spliced
+        elif inp.kind is Kind.INDEX:
+            if any(inp.name in row for row in rows):
+                raise RuntimeError(f"'{inp.name}' is a built-in value, which the runtime does not supply yet")
+        elif inp.name != sig.query and inp is not pos_input and any(inp.name in row for row in rows):
+            extra[inp.name] = stacked(inp, [row.get(inp.name) for row in rows], device)
+    ctx = torch.tensor([p.kv_tokens for p in parts], dtype=torch.long)
+    batch = TokenBatch(
+        input_ids=torch.cat(ids).to(device, torch.long),
+        positions=torch.cat(positions, dim=-1).to(device),
+        query_start=query_start,
+        logits_index=(query_start[1:] - 1).to(device),
+        attn=plan(query_start, ctx, [p.pages for p in parts]),
+        embeds=embeds,
+        extra=extra,
+        start_positions=torch.tensor(starts, dtype=torch.long).to(device),
+    )
+    return PackedRows(batch, ids, lens, deltas)
+
+
+def _positions_input(sig: Mode) -> In | None:
+    return next((i for i in sig.inputs if i.kind is Kind.POSITIONS), None)
+
+
+def _positions(rows: list[dict[str, torch.Tensor]], reads: list[dict[str, str]], parts: list[PartitionRun],
+               sig: Mode, axes: int, lens: list[int], starts: list[int],
+               ) -> tuple[list[torch.Tensor], list[int | None]]:
+    """Each row's positions ([n], or [axes, n] when the component takes
+    several axes), and the rope delta a row given its positions moves to."""
+    given_in = _positions_input(sig)
+    out: list[torch.Tensor] = []
+    deltas: list[int | None] = []
+    for row, read, part, n, start in zip(rows, reads, parts, lens, starts):
+        given = row.get(given_in.name) if given_in is not None else None
+        if given is None:
+            p = torch.arange(start, start + n)
+            out.append(p if axes == 1 else p.expand(axes, n))
+            deltas.append(None)
+            continue
+        assert given_in is not None
+        p = given.to("cpu", torch.long).reshape(given_in.axes, -1)
+        if p.shape[-1] != n:
+            raise ValueError(f"'{read[given_in.name]}' holds positions of {p.shape[-1]} tokens; the row brings "
+                             f"{n} ('{read[sig.query]}')")
+        out.append(p.reshape(-1) if axes == 1 else p.expand(axes, n))
+        # a row's next position, less what its cache will hold: decode steps go on from there
+        deltas.append(int(p.max()) + 1 - (part.kv_tokens + n) if n else None)
+    return out, deltas
+
+
+def _splice(inp: In, rows: list[dict[str, torch.Tensor]], reads: list[dict[str, str]], ids: list[torch.Tensor],
+            lens: list[int], query_start: torch.Tensor, query: str, device: torch.device,
+            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """An EMBEDS input's rows [Te, ...] and the packed tokens [Te] they go to:
+    the row's tokens equal to its placeholder `at`, else every token of it."""
+    taken, index = [], []
+    for i, row in enumerate(rows):
+        emb = row.get(inp.name)
+        if emb is None:
+            continue
+        if inp.at is not None:
+            at = (ids[i] == inp.at).nonzero().flatten()
+            if at.numel() != emb.shape[0]:
+                raise ValueError(f"'{reads[i][inp.name]}' has {emb.shape[0]} rows for {at.numel()} placeholder "
+                                 f"tokens ({inp.at}) in '{reads[i][query]}'")
+        else:
+            at = torch.arange(lens[i])
+            if emb.shape[0] != lens[i]:
+                raise ValueError(f"'{reads[i][inp.name]}' has {emb.shape[0]} rows for {lens[i]} tokens")
+        taken.append(to_device(emb, device))
+        index.append(at + int(query_start[i]))
+    if not taken:
+        return None
+    return torch.cat(taken), to_device(torch.cat(index), device)
+
+
+def stacked(inp: In, values: list[torch.Tensor | None], device: torch.device) -> torch.Tensor | list:
+    """One input over rows: stacked [B, ...], or a list when it is ragged, its
+    rows differ in shape, or some rows leave it out (None)."""
+    if not inp.ragged and all(v is not None for v in values) and len({tuple(v.shape) for v in values}) == 1:
+        if len({v.device for v in values}) == 1:
+            return to_device(torch.stack(values), device)
+        return torch.stack([to_device(v, device) for v in values])
+    return [None if v is None else to_device(v, device) for v in values]
+
+
+def kv_outputs(out: Mapping[str, Any], sig: Mode, writes: dict[str, str], lens: list[int],
+               tokens: torch.Tensor | None, label: str) -> dict[str, torch.Tensor | list[torch.Tensor]]:
+    """What a KV mode returned, by walk value: the TOKEN output is `tokens`
+    (sampled from its "logits"); a HIDDEN rows="all" output [T, ...] becomes
+    one tensor per row; anything else is kept as returned ([B, ...] or a list)."""
+    values: dict[str, torch.Tensor | list[torch.Tensor]] = {}
+    for name, value in writes.items():
+        spec = sig.output(name)
+        assert spec is not None
+        if spec.kind is Kind.TOKEN:
+            assert tokens is not None
+            values[value] = tokens
+            continue
+        if name not in out:
+            raise RuntimeError(f"{label} returned {sorted(out)}, not '{name}'")
+        data = out[name]
+        values[value] = list(torch.split(data, lens)) if spec.rows == "all" else data
+    return values
+
+
+def named_outputs(out: Any, sig: Mode, writes: dict[str, str], label: str) -> dict[str, Any]:
+    """What a plain mode returned (a tensor when it has one output, else a
+    dict by signature name), by walk value."""
+    if not isinstance(out, Mapping):
+        if len(sig.outputs) != 1:
+            raise RuntimeError(f"{label} returned one tensor; its signature has {[o.name for o in sig.outputs]}")
+        out = {sig.outputs[0].name: out}
+    missing = [n for n in writes if n not in out]
+    if missing:
+        raise RuntimeError(f"{label} returned {sorted(out)}, not {missing}")
+    return {value: out[name] for name, value in writes.items()}
