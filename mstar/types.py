@@ -51,30 +51,39 @@ class SamplingParams:
     logprobs: int | None = None
 
     def validate(self, max_model_tokens: int | None = None) -> None:
-        """Raise `RequestError` naming the first field out of range."""
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        """Raise `RequestError` naming the first field out of range (or of
+        the wrong type: per-key overrides arrive as plain dicts)."""
+        if not _integer(self.max_tokens) or self.max_tokens < 1:
             raise RequestError("must be a positive integer", field="max_tokens")
         if max_model_tokens is not None and self.max_tokens > max_model_tokens:
             raise RequestError(f"must be at most {max_model_tokens}", field="max_tokens")
-        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+        if not _number(self.temperature) or not 0.0 <= self.temperature <= MAX_TEMPERATURE:
             raise RequestError(f"must be in [0, {MAX_TEMPERATURE}]", field="temperature")
-        if (self.top_k < 0 and self.top_k != -1) or self.top_k > MAX_TOKEN_ID:
+        if not _integer(self.top_k) or (self.top_k < 0 and self.top_k != -1) or self.top_k > MAX_TOKEN_ID:
             raise RequestError(f"must be in [0, {MAX_TOKEN_ID}] (or -1 to disable)", field="top_k")
-        if not 0.0 < self.top_p <= 1.0:
+        if not _number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise RequestError("must be in (0, 1]", field="top_p")
-        if not 0.0 <= self.min_p <= 1.0:
+        if not _number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise RequestError("must be in [0, 1]", field="min_p")
-        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+        if not _number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise RequestError(f"must be in (0, {MAX_REPETITION_PENALTY}]", field="repetition_penalty")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
+        if self.seed is not None and (not _integer(self.seed) or not 0 <= self.seed < 2**63):
             raise RequestError("must be in [0, 2**63)", field="seed")
-        if any((not isinstance(t, int)) or not 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids):
+        if any(not _integer(t) or not 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids):
             raise RequestError(f"must be integers in [0, {MAX_TOKEN_ID}]", field="stop_token_ids")
         if any((not isinstance(s, str)) or not s for s in self.stop):
             raise RequestError("must be non-empty strings", field="stop")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise RequestError(f"must be an integer in [0, {MAX_LOGPROBS}]", field="logprobs")
+
+
+def _integer(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 @dataclass
@@ -88,6 +97,9 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     walk: str | None = None
     more_input: bool = False   # more input follows (`Engine.append`) until `Engine.close_input`
+    # sampling key (the name of a partition that samples) -> SamplingParams fields over that key's own;
+    # `sampling` is the root key's, so an entry for the root overrides fields of `sampling`
+    sampling_by: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

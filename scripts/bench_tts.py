@@ -378,7 +378,7 @@ def baseline(a: argparse.Namespace) -> list[dict[str, Any]]:
     sp = model.default_sampling()
     # the same prompt as the first benchmark request, through the model's own prompt format
     prompt = model.prepare(GenerateRequest("baseline", a.model, {"text": SENTENCES[0], "voice": a.voice}, sp))
-    prompt_ids = torch.as_tensor(prompt["prompt_ids"]).view(1, -1)
+    prompt_ids = torch.as_tensor(prompt.values["prompt_ids"]).view(1, -1)
     hf = build_hf(model.config, device, dtype)
     # float32: the snac package's own precision, as the server's codec runs
     codec = snac.SNAC(**SNAC_24KHZ.to_dict()).eval().to(device)

@@ -5,7 +5,7 @@ finish (to make "the stop arrives one step late" happen every time)."""
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from torch import nn
@@ -13,7 +13,8 @@ from torch import nn
 from mstar.graph import (Component, Emit, FanOut, FixedChunks, HostStop, Loop, MaxSteps, SlidingWindow, Step, Stream,
                          Walk)
 from mstar.models.base import Model
-from mstar.types import GenerateRequest
+from mstar.models.prepared import PreparedPiece
+from mstar.types import GenerateRequest, SamplingParams
 
 
 class Counter(nn.Module):
@@ -108,8 +109,8 @@ class FakeModel(Model):
     def build_component(self, component: str, device: torch.device, dtype: torch.dtype) -> nn.Module:
         return {"counter": self.counter, "summer": Summer(), "doubler": Doubler(), "tone": Tone()}[component]
 
-    def prepare(self, request: GenerateRequest) -> dict[str, Any]:
-        return {"x": torch.tensor(int(request.inputs.get("x", 0)))}
+    def prepare_inputs(self, request: GenerateRequest, sampling: SamplingParams) -> PreparedPiece:
+        return PreparedPiece({"x": torch.tensor(int(request.inputs.get("x", 0)))}, 1)
 
 
 class StepGate:

@@ -211,6 +211,7 @@ async def test_sampling_extensions_apply(api: aiohttp.ClientSession) -> None:
     ({"speed": "fast"}, 400, "speed"),
     ({"instructions": "whisper"}, 400, "instructions"),
     ({"temperature": -1}, 400, "temperature"),
+    ({"top_p": 0}, 400, "top_p"),
     ({"max_tokens": 0}, 400, "max_tokens"),
     ({"max_tokens": 4000}, 400, "max_tokens"),
     ({"voices": "tara"}, 400, "voices"),

@@ -23,6 +23,7 @@ from mstar.engine.engine import Engine
 from mstar.errors import RequestError
 from mstar.graph import Component, Emit, FixedChunks, Loop, MaxTokens, Step, Stream, Walk
 from mstar.models.base import Model
+from mstar.models.prepared import PreparedPiece
 from mstar.types import GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -58,10 +59,10 @@ class FakeSpeaker(Model):
     def build_component(self, component: str, device: torch.device, dtype: torch.dtype) -> nn.Module:
         return {"counter": self.counter, "tone": Tone()}[component]
 
-    def prepare(self, request: GenerateRequest) -> dict[str, Any]:
+    def prepare_inputs(self, request: GenerateRequest, sampling: SamplingParams) -> PreparedPiece:
         if request.inputs.get("voice") not in (None, "robot"):
             raise RequestError("unknown voice", field="voice")
-        return {"x": torch.tensor(int(request.inputs["text"]))}
+        return PreparedPiece({"x": torch.tensor(int(request.inputs["text"]))}, 1)
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")

@@ -63,8 +63,8 @@ async def test_lines_sent_while_it_speaks_join_the_request(speaker) -> None:
     assert done["type"] == "speech.audio.done"
     assert done["usage"]["output_tokens"] == 2 * 35
     first = GenerateRequest("p", "orpheus-tiny", {"text": FIRST["input"], "voice": "tara"})
-    p1 = len(engine.model.prepare(first)["prompt_ids"])
-    p2 = len(engine.model.prepare_more(first, {"text": "and a second one."}))
+    p1 = len(engine.model.prepare(first).values["prompt_ids"])
+    p2 = engine.model.prepare_more(first, {"text": "and a second one."}).num_tokens
     assert done["usage"]["input_tokens"] == p1 + p2  # the usage counts the text streamed in too
     assert engine.pages_in_use() == 0 and engine.num_running() == 0
 

@@ -48,7 +48,7 @@ def test_max_model_len_override():
 def test_prepare():
     model = load_model("tiny-llama", max_model_len=32)
     out = model.prepare(_request([256, 104, 105]))
-    assert out["prompt_ids"].dtype == torch.long and out["prompt_ids"].tolist() == [256, 104, 105]
+    assert out.values["prompt_ids"].dtype == torch.long and out.values["prompt_ids"].tolist() == [256, 104, 105]
     with pytest.raises(RequestError) as e:
         model.prepare(_request([]))
     assert e.value.field == "prompt"

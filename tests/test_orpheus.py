@@ -175,14 +175,14 @@ def test_walks_compile(tiny) -> None:
 
 
 def test_prompt_format(tiny) -> None:
-    ids = tiny.prepare(_speak("hi", "leo"))["prompt_ids"].tolist()
+    ids = tiny.prepare(_speak("hi", "leo")).values["prompt_ids"].tolist()
     # START_OF_HUMAN, the tokenized "leo: hi" with its BOS (the byte tokenizer's: 256), then
     # END_OF_TEXT, END_OF_HUMAN, START_OF_AI, START_OF_SPEECH
     assert ids == [128259, 256, *b"leo: hi", 128009, 128260, 128261, 128257]
-    assert tiny.prepare(_speak("hi", voice=None))["prompt_ids"].tolist()[2:6] == list(b"tara")
-    assert tiny.prepare(_speak("hi", " Zoe "))["prompt_ids"].tolist()[2:5] == list(b"zoe")
+    assert tiny.prepare(_speak("hi", voice=None)).values["prompt_ids"].tolist()[2:6] == list(b"tara")
+    assert tiny.prepare(_speak("hi", " Zoe ")).values["prompt_ids"].tolist()[2:5] == list(b"zoe")
     passthrough = GenerateRequest("r", "orpheus-tiny", {"prompt_ids": [1, 2, 3]}, SamplingParams())
-    assert tiny.prepare(passthrough)["prompt_ids"].tolist() == [1, 2, 3]
+    assert tiny.prepare(passthrough).values["prompt_ids"].tolist() == [1, 2, 3]
 
 
 @pytest.mark.parametrize("request_, field", [

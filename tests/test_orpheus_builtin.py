@@ -64,5 +64,5 @@ def test_byte_tokenizer_fits_the_vocab() -> None:
     spec = model.kv_spec("llm")
     assert (spec.num_layers, spec.num_kv_heads, spec.head_dim) == (28, 8, 128)
     ids = model.prepare(GenerateRequest("r", "orpheus-3b", {"prompt_ids": [256, 72, 105]},
-                                        SamplingParams(max_tokens=8)))["prompt_ids"]
+                                        SamplingParams(max_tokens=8))).values["prompt_ids"]
     assert ids.tolist() == [256, 72, 105]

@@ -33,7 +33,7 @@ async def eng() -> AsyncIterator[Engine]:
 
 def _prompt(eng: Engine, text: str) -> list[int]:
     request = GenerateRequest("p", "orpheus-tiny", {"text": text, "voice": "tara"})
-    return eng.model.prepare(request)["prompt_ids"].tolist()
+    return eng.model.prepare(request).values["prompt_ids"].tolist()
 
 
 async def _collect(stream) -> tuple[bytes, list[OutputChunk]]:

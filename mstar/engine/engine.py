@@ -1,10 +1,11 @@
 """The Engine: the asyncio side of the runtime and its public API.
 
-`submit` validates a request, prepares its walk's inputs and hands it to a
-device worker; it returns a `RequestStream` of output chunks. Workers report
-once per step through `loop.call_soon_threadsafe`; the engine turns each
-report into chunks for the requests in it, applies stop strings, and sends
-stops and aborts back. Every device runs a full replica of the model; a new
+`submit` looks up a request's walk, has the model prepare it (inputs,
+sampling per key, validated there once) and hands it to its device workers;
+it returns a `RequestStream` of output chunks. Workers report once per step
+through `loop.call_soon_threadsafe`; the engine turns each report into
+chunks for the requests in it, applies stop strings, and sends stops and
+aborts back. Every device runs a full replica of the model; a new
 request goes to the replica with the least outstanding requests.
 """
 
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import random
 import sys
 from collections import Counter
 from itertools import repeat
@@ -211,18 +211,12 @@ class Engine:
         if request.more_input and plan.more_input is None:
             raise RequestError(f"walk '{walk_name}' of model '{self.model_name}' takes no input while it runs",
                                field="input")
-        sp = request.sampling
-        sp.validate(model.max_model_len)
-        values = model.prepare(request)
-        prompt = values.get(plan.inputs[0]) if plan.inputs else None
-        num_prompt = int(prompt.numel()) if prompt is not None and hasattr(prompt, "numel") else 0
-        seed = sp.seed if sp.seed is not None else random.getrandbits(63)
-        stop_ids = (() if sp.ignore_eos else tuple(model.eos_token_ids)) + tuple(sp.stop_token_ids)
+        prepared = model.prepare(request, plan)
         places = self._route(plan)
         idx = places[plan.root]
         tok = model.tokenizer
-        state = RequestState(request.request_id, plan, sp, num_prompt, idx,
-                             IncrementalDetokenizer(tok) if tok is not None else None,
+        state = RequestState(request.request_id, plan, prepared.sampling[plan.root], prepared.num_prompt_tokens,
+                             idx, IncrementalDetokenizer(tok) if tok is not None else None,
                              host_predicates=_host_predicates(plan), request=request, places=places)
         self._states[request.request_id] = state
         self._waiting.add(request.request_id)
@@ -231,8 +225,8 @@ class Engine:
         shared = places if len(state.shards) > 1 else None
         for w in state.shards:  # the root's worker gets the inputs; the others start their partitions
             self._outstanding[w] += 1
-            self.workers[w].send(Submit(request.request_id, plan, values if w == idx else {}, sp, seed, stop_ids,
-                                        request.more_input, shared))
+            self.workers[w].send(Submit(request.request_id, plan, prepared.values if w == idx else {},
+                                        prepared.sampling, prepared.stop_ids, request.more_input, shared))
         if self.config.request_timeout > 0:
             state.timer = asyncio.get_running_loop().call_later(self.config.request_timeout, self._expire,
                                                                 request.request_id)
@@ -249,14 +243,16 @@ class Engine:
         if not state.input_open:
             raise RequestError(f"request '{request_id}' takes no more input", field="input")
         model = self._model(None)
-        ids = model.prepare_more(state.request, inputs)
+        piece = model.prepare_more(state.request, inputs)
+        n = piece.num_tokens
         held = state.num_prompt_tokens + state.num_output_tokens
-        if held + len(ids) >= model.max_model_len:  # refused here, while the client can still be told
-            raise RequestError(f"{len(ids)} more tokens on top of the {held} the request has would leave no room "
+        if held + n >= model.max_model_len:  # refused here, while the client can still be told
+            raise RequestError(f"{n} more tokens on top of the {held} the request has would leave no room "
                                f"in the model's context of {model.max_model_len} tokens", field="input")
-        state.num_prompt_tokens += len(ids)
+        state.num_prompt_tokens += n
+        ids = piece.values[state.walk.more_input].tolist()  # token ids travel to the worker as ints
         self.workers[state.worker].send(Append(request_id, tuple(ids)))
-        return len(ids)
+        return n
 
     def close_input(self, request_id: str) -> None:
         """No more input: the request ends once it has run what it was given.

@@ -25,9 +25,9 @@ class Submit:
     request_id: str
     walk: WalkPlan
     values: dict[str, torch.Tensor]
-    sampling: SamplingParams
-    seed: int
-    stop_ids: tuple[int, ...]   # ids that end token loops (EOS unless ignore_eos, plus stop_token_ids)
+    # by sampling key (the root partition's name, or another partition's that samples); each with its seed
+    sampling: dict[str, SamplingParams]
+    stop_ids: dict[str, tuple[int, ...]]  # by key: ids that end token loops (EOS unless ignore_eos, stop_token_ids)
     more_input: bool = False    # the walk's `more_input` keeps arriving (`Append`) until `CloseInput`
     # the worker (index) of each partition, when they are not all on the one that gets this Submit; each
     # worker of the request gets a Submit, and only the root's worker gets `values`

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from mstar.errors import ModelNotFound, MstarError, RequestError
-from mstar.http.text.protocol import Prompt
+from mstar.http.text.protocol import SAMPLING_KEYS, Prompt
 from mstar.types import GenerateRequest, OutputChunk, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
@@ -294,7 +294,6 @@ def submit(engine: Engine, base_id: str, target: Target, prompts: Sequence[list[
             for j in range(n):
                 seed = None if sampling.seed is None else (sampling.seed + j) % 2**63
                 params = dataclasses.replace(sampling, max_tokens=max_tokens[p], seed=seed)
-                params.validate(target.max_model_len)
                 index = len(streams)
                 request = GenerateRequest(request_id=f"{base_id}-{index}", model=target.name,
                                           inputs={"prompt_ids": list(ids)}, sampling=params, walk=walk)
@@ -321,16 +320,18 @@ def model_defaults(engine: Engine) -> SamplingParams:
 
 def submit_inputs(engine: Engine, request_id: str, target: Target, inputs: dict[str, Any], walk: str,
                   sampling: SamplingParams, *, prompt_field: str, tokens_field: str | None,
-                  keep_audio: bool = False, more_input: bool = False) -> Submission:
+                  sampling_prefix: str = "", keep_audio: bool = False, more_input: bool = False) -> Submission:
     """One engine request from a walk's raw inputs (the model builds its own
     prompt, e.g. text and a voice for speech). The prompt length is known only
     once the engine prepared it, so the context is checked after submitting:
     a request that does not fit is aborted and refused, naming `tokens_field`
-    (the client's max_tokens) or, when the client gave none, `prompt_field`."""
+    (the client's max_tokens) or, when the client gave none, `prompt_field`.
+    The engine checks `sampling`'s ranges; a field it refuses is named
+    `sampling_prefix` + its name, as the client spelled it."""
     # The model names fields as the speech route does; this route's names may differ.
-    renamed = {"max_tokens": tokens_field or prompt_field, "input": prompt_field}
+    renamed = {**{name: sampling_prefix + name for name in SAMPLING_KEYS},
+               "max_tokens": tokens_field or prompt_field, "input": prompt_field}
     try:
-        sampling.validate(target.max_model_len)
         stream = engine.submit(GenerateRequest(request_id=request_id, model=target.name, inputs=inputs,
                                                sampling=sampling, walk=walk, more_input=more_input))
     except RequestError as e:

@@ -1,7 +1,8 @@
 """The contract between a model file and the runtime.
 
 A `Model` declares its components and walks, builds each component's module
-on a device, and turns a request's raw inputs into the walk's initial values.
+on a device, and turns a request into what the walk starts from (`prepare`:
+a `Prepared` of values, sampling per key, stop ids and the prompt's size).
 It knows nothing of scheduling, batching, threads or HTTP.
 """
 
@@ -10,7 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from mstar.graph import Component, Walk
+from mstar.errors import RequestError
+from mstar.graph import Component, Walk, WalkPlan, compile_walk
+from mstar.models.prepared import Prepared, PreparedPiece, resolve_sampling, stop_ids
 
 if TYPE_CHECKING:
     import torch
@@ -42,7 +45,7 @@ class RowShape:
 
 class Model:
     """Base of every model file. Subclasses set the class attributes and
-    implement `build_component` and `prepare`."""
+    implement `build_component` and `prepare_inputs`."""
 
     components: dict[str, Component] = {}
     walks: dict[str, Walk] = {}
@@ -70,9 +73,11 @@ class Model:
         """Whether the weights are random (no checkpoint): such a model talks nonsense."""
         return False
 
-    def default_sampling(self) -> SamplingParams:
+    def default_sampling(self, key: str | None = None) -> SamplingParams:
         """What a request gets for the sampling fields it leaves out (a speech
-        model's published defaults, say)."""
+        model's published defaults, say): of the root partition (`key` None;
+        callers merge these under the request's own `sampling`), or of the
+        partition that samples under sampling key `key`."""
         from mstar.types import SamplingParams
 
         return SamplingParams()
@@ -102,20 +107,38 @@ class Model:
         the component is a method of the module named after the mode."""
         raise NotImplementedError
 
-    def prepare(self, request: GenerateRequest) -> dict[str, Any]:
-        """The walk's initial values (CPU tensors) from the request's inputs.
-        Raises `RequestError` for bad input."""
+    def prepare(self, request: GenerateRequest, plan: WalkPlan | None = None) -> Prepared:
+        """Everything the walk `plan` (default: the request's walk, compiled
+        here) starts from. Sampling is resolved and validated first, once per
+        sampling key (`prepared.resolve_sampling`), then the inputs are
+        prepared under the root key's params. Raises `RequestError` for bad
+        input."""
+        if plan is None:
+            plan = self._compile(request.walk or self.default_walk)
+        sampling = resolve_sampling(request, plan, self.components, self.default_sampling, self.max_model_len)
+        piece = self.prepare_inputs(request, sampling[plan.root])
+        return Prepared(piece.values, sampling, stop_ids(sampling, self.eos_token_ids), piece.num_tokens)
+
+    def prepare_inputs(self, request: GenerateRequest, sampling: SamplingParams) -> PreparedPiece:
+        """The walk's initial values (CPU tensors) from the request's inputs,
+        and the prompt tokens they hold; `sampling`: the root key's params,
+        resolved and valid (for a check of prompt + max_tokens against the
+        context). Raises `RequestError` for bad input."""
         raise NotImplementedError
 
-    def prepare_more(self, request: GenerateRequest, inputs: dict[str, Any]) -> list[int]:
+    def prepare_more(self, request: GenerateRequest, inputs: dict[str, Any]) -> PreparedPiece:
         """One more piece of a running request's `more_input` (a walk that
-        takes one), as token ids, from raw `inputs` (`request`: the request as
-        submitted, for what the piece inherits, a voice say)."""
-        from mstar.errors import RequestError
-
+        takes one), as values of that input, from raw `inputs` (`request`:
+        the request as submitted, for what the piece inherits, a voice say)."""
         raise RequestError(f"model '{self.name}' takes no input while a request runs", field="input")
 
     def join_turn(self, last_token: int, ids: list[int]) -> list[int]:
         """What the cache reads to start the next turn: the turn's last sampled
         token (never fed back yet), then the model's turn markers and `ids`."""
         return [last_token, *ids]
+
+    def _compile(self, walk: str) -> WalkPlan:
+        """A walk's plan, for callers of `prepare` without the engine's."""
+        if walk not in self.walks:
+            raise RequestError(f"unknown walk '{walk}'; this model has {sorted(self.walks)}", field="walk")
+        return compile_walk(walk, self.walks[walk], self.components)

@@ -19,7 +19,8 @@ from torch import nn
 
 from mstar.graph import Component, Emit, In, Kind, Loop, MaxTokens, Mode, Out, Step, Walk
 from mstar.models.base import KVSpec, Model
-from mstar.types import GenerateRequest, TokenBatch
+from mstar.models.prepared import PreparedPiece
+from mstar.types import GenerateRequest, SamplingParams, TokenBatch
 
 PLACEHOLDER = 3        # where the audio's rows go in a prompt
 VOCAB = 48
@@ -179,7 +180,7 @@ class ToyAudioModel(Model):
         module = {"enc": self.encoder, "dec": self.decoder}[component]
         return module.to(device, dtype)
 
-    def prepare(self, request: GenerateRequest) -> dict[str, Any]:
+    def prepare_inputs(self, request: GenerateRequest, sampling: SamplingParams) -> PreparedPiece:
         ids = list(request.inputs["prompt_ids"])
-        return {"prompt_ids": torch.tensor(ids, dtype=torch.long), "mel": request.inputs["mel"].float(),
-                "mrope": mrope_positions(ids)}
+        return PreparedPiece({"prompt_ids": torch.tensor(ids, dtype=torch.long), "mel": request.inputs["mel"].float(),
+                              "mrope": mrope_positions(ids)}, len(ids))

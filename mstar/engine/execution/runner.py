@@ -99,7 +99,7 @@ class ComponentRunner:
         """One seed per row from its request's seed and how many times the row
         has run this step: a row's draws do not depend on its batch."""
         value = step.outputs[0]
-        seeds = [(p.request.seed * 1_000_003 + p.writes.get(value, 0)) % 2**63 for p in parts]
+        seeds = [(p.seed * 1_000_003 + p.writes.get(value, 0)) % 2**63 for p in parts]
         return torch.tensor(seeds, dtype=torch.long)  # on the host: a graph stages it, an eager call moves it
 
     # ------------------------------------------------------------ KV rows
@@ -176,14 +176,14 @@ class ComponentRunner:
     def _sample(self, logits: torch.Tensor, parts: list[PartitionRun],
                 inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The rows' tokens, and the packed logprobs of those that asked (on the host)."""
-        params = [p.request.sampling for p in parts]
-        st = SamplingTensors.build(params, [p.request.seed for p in parts], [p.generated for p in parts],
+        params = [p.sampling for p in parts]
+        st = SamplingTensors.build(params, [p.seed for p in parts], [p.generated for p in parts],
                                    logits.device)
         seen = None
         if st.any_penalty:
             vocab = logits.shape[-1]
             for part, toks in zip(parts, inputs):
-                if part.request.sampling.repetition_penalty != 1.0:
+                if part.sampling.repetition_penalty != 1.0:
                     if part.seen is None:
                         part.seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
                     part.seen[toks.to(logits.device).clamp_(0, vocab - 1)] = True

@@ -155,7 +155,7 @@ class LoopGroup:
         def longs(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long)
 
-        new = SamplingTensors.build([p.request.sampling for p in parts], [p.request.seed for p in parts],
+        new = SamplingTensors.build([p.sampling for p in parts], [p.seed for p in parts],
                                     [p.generated for p in parts], dev)
         tokens = torch.cat([self.tokens, torch.stack([j.token.reshape(()) for j in joins]).to(dev)])
         kv_lens = torch.cat([self.kv_lens, longs([p.kv_tokens for p in parts])])

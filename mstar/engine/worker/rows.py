@@ -28,9 +28,8 @@ StreamItem = TensorRef | int
 class RequestRun:
     request_id: str
     walk: WalkPlan
-    sampling: SamplingParams
-    seed: int
-    stop_ids: tuple[int, ...]
+    sampling: dict[str, SamplingParams]   # by sampling key (see `PartitionRun.sampling`), each with its seed
+    stop_ids: dict[str, tuple[int, ...]]  # by sampling key
     partitions: dict[str, PartitionRun] = field(default_factory=dict)
     live: int = 0
     root_reason: str | None = None
@@ -43,6 +42,11 @@ class RequestRun:
     def shared(self) -> bool:
         """Some of its partitions run on other workers."""
         return len(set(self.places.values())) > 1
+
+    def key_of(self, partition: str) -> str:
+        """The sampling key a partition draws under: its own where it samples,
+        else the root's (a seeded codec's noise draws from the request's seed)."""
+        return partition if partition in self.sampling else self.walk.root
 
 
 @dataclass(eq=False, slots=True)
@@ -82,6 +86,20 @@ class PartitionRun:
     @property
     def name(self) -> str:
         return self.plan.name
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.request.sampling[self.request.key_of(self.plan.name)]
+
+    @property
+    def seed(self) -> int:
+        seed = self.sampling.seed
+        assert seed is not None  # `prepared.resolve_sampling` gives every key one
+        return seed
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        return self.request.stop_ids[self.request.key_of(self.plan.name)]
 
     def node(self) -> Step | Loop | None:
         return self.plan.nodes[self.cursor] if self.cursor < len(self.plan.nodes) else None

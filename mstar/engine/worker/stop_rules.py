@@ -17,7 +17,7 @@ def _rules(rule: StopRule | None) -> tuple[StopRule, ...]:
 
 def write_cap(part: PartitionRun, loop: Loop) -> int | None:
     """Writes of the loop's value at which it stops ("length"); None: no cap."""
-    caps = [part.request.sampling.max_tokens if isinstance(r, MaxTokens) else r.n
+    caps = [part.sampling.max_tokens if isinstance(r, MaxTokens) else r.n
             for r in _rules(loop.until) if isinstance(r, (MaxTokens, MaxSteps))]
     if part.turn_cap is not None:
         caps.append(part.turn_cap)
@@ -29,8 +29,8 @@ def stop_ids(part: PartitionRun, loop: Loop) -> tuple[int, ...]:
     ids: tuple[int, ...] = ()
     for rule in _rules(loop.until):
         if isinstance(rule, EosToken):
-            ids += part.request.stop_ids
-        elif isinstance(rule, TokenIn) and not part.request.sampling.ignore_eos:
+            ids += part.stop_ids
+        elif isinstance(rule, TokenIn) and not part.sampling.ignore_eos:
             ids += rule.ids
     return ids
 

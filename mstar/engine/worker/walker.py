@@ -83,7 +83,7 @@ class Walker:
         """Start the request's partitions that run here (all of them unless
         `sub.places` puts some on other workers)."""
         places = sub.places or {}
-        run = RequestRun(sub.request_id, sub.walk, sub.sampling, sub.seed, sub.stop_ids,
+        run = RequestRun(sub.request_id, sub.walk, sub.sampling, sub.stop_ids,
                          input_open=sub.more_input and sub.walk.more_input is not None, places=places)
         self.runs[run.request_id] = run
         here = [name for name in sub.walk.partitions if places.get(name, self.index) == self.index]

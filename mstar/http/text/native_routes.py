@@ -76,14 +76,10 @@ def _submit_speech(engine: Engine, request_id: str, target: Target, body: Genera
                            field="sampling_params.logprobs")
     given = {k: getattr(body.sampling, k) for k in body.sampling_given}
     sampling = dataclasses.replace(model_defaults(engine), **given)
-    try:
-        sampling.validate()
-    except RequestError as e:
-        raise RequestError(e.message, field=f"sampling_params.{e.field}" if e.field else None) from None
     tokens_field = "sampling_params.max_tokens" if "max_tokens" in given else None
     return submit_inputs(engine, request_id, target, {"text": body.prompt, "voice": body.voice},
                          body.walk or target.default_walk, sampling, prompt_field="text",
-                         tokens_field=tokens_field, keep_audio=not body.stream)
+                         tokens_field=tokens_field, sampling_prefix="sampling_params.", keep_audio=not body.stream)
 
 
 def _audio_of(source: Choice | OutputChunk) -> dict[str, Any]:

@@ -23,9 +23,10 @@ from mstar.models.base import KVSpec, Model
 from mstar.models.llama.config import TINY_LLAMA, LlamaConfig, read_config_json
 from mstar.models.llama.loader import checkpoint_has_lm_head, dummy_weights, load_weights
 from mstar.models.llama.model import LlamaDecoder
+from mstar.models.prepared import PreparedPiece
 from mstar.models.tokenizer import (BYTE_TOKENIZER_VOCAB_SIZE, Tokenizer, builtin_byte_tokenizer,
                                     read_optional_json)
-from mstar.types import GenerateRequest
+from mstar.types import GenerateRequest, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ class LlamaModel(Model):
             load_weights(decoder, self.path)
         return decoder.eval()
 
-    def prepare(self, request: GenerateRequest) -> dict[str, Any]:
+    def prepare_inputs(self, request: GenerateRequest, sampling: SamplingParams) -> PreparedPiece:
         ids = _prompt_ids(request.inputs.get("prompt_ids"))
         if not ids:
             raise RequestError("the prompt is empty", field="prompt")
@@ -152,13 +153,13 @@ class LlamaModel(Model):
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab})", field="prompt")
-        max_tokens = request.sampling.max_tokens
+        max_tokens = sampling.max_tokens
         if len(ids) + max_tokens > self._max_model_len:
             raise RequestError(
                 f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: together "
                 f"{len(ids) + max_tokens}, more than the model's context length {self._max_model_len}",
                 field="max_tokens")
-        return {"prompt_ids": torch.tensor(ids, dtype=torch.long)}
+        return PreparedPiece({"prompt_ids": torch.tensor(ids, dtype=torch.long)}, len(ids))
 
 
 def _prompt_ids(value: Any) -> list[int]:

@@ -48,6 +48,7 @@ from mstar.models.orpheus.tokens import (AUDIO_END_IDS, AUDIO_TOKEN_BASE, AUDIO_
                                          END_OF_TEXT, FRAME_TOKENS, ORPHEUS_VOCAB_SIZE, START_OF_SPEECH, VOICES,
                                          prompt_ids, turn_after, voice_text)
 from mstar.models.orpheus.windows import PlayedWindows
+from mstar.models.prepared import PreparedPiece
 from mstar.models.snac import SnacDecoder, load_snac_decoder
 from mstar.types import GenerateRequest, SamplingParams
 
@@ -121,7 +122,7 @@ class OrpheusModel(LlamaModel):
         # tokenizer's EOS ids are ordinary text ids in Orpheus's vocabulary
         return tuple(dict.fromkeys((*self._generation_eos, *self.config.eos_token_ids)))
 
-    def default_sampling(self) -> SamplingParams:
+    def default_sampling(self, key: str | None = None) -> SamplingParams:
         """Orpheus's own sampling for speech (engine_class.py defaults):
         temperature 0.6, top_p 0.8, repetition_penalty 1.3, max_tokens 1200
         (about 14 s of audio: 7 tokens per 2048 samples)."""
@@ -157,13 +158,13 @@ class OrpheusModel(LlamaModel):
                               f"this codec has {cfg.sampling_rate} Hz, vq_strides {list(cfg.vq_strides)}")
         return snac
 
-    def prepare(self, request: GenerateRequest) -> dict[str, Any]:
+    def prepare_inputs(self, request: GenerateRequest, sampling: SamplingParams) -> PreparedPiece:
         """Inputs `{"text": str, "voice": str | None}` -> `{"prompt_ids"}` in
         Orpheus's prompt format; `voice` None or absent is the default voice
         (tara). `{"prompt_ids": [...]}` passes through as for any Llama."""
         inputs = request.inputs
         if "prompt_ids" in inputs:
-            return super().prepare(request)
+            return super().prepare_inputs(request, sampling)
         text = inputs.get("text")
         if not isinstance(text, str) or not text.strip():
             raise RequestError("the text to speak is empty", field="input")
@@ -172,9 +173,9 @@ class OrpheusModel(LlamaModel):
             raise RequestError(f"model '{self.name}' has no tokenizer: send prompt_ids", field="input")
         ids = prompt_ids(self.tokenizer.encode(voice_text(text, voice)))
         # the Llama checks: ids inside the vocabulary, prompt + max_tokens inside the context
-        return super().prepare(dataclasses.replace(request, inputs={"prompt_ids": ids}))
+        return super().prepare_inputs(dataclasses.replace(request, inputs={"prompt_ids": ids}), sampling)
 
-    def prepare_more(self, request: GenerateRequest, inputs: dict[str, Any]) -> list[int]:
+    def prepare_more(self, request: GenerateRequest, inputs: dict[str, Any]) -> PreparedPiece:
         """More text for a running `speak` request: the next human turn, in
         the request's voice (`inputs["voice"]` to change it)."""
         text = inputs.get("text")
@@ -183,7 +184,8 @@ class OrpheusModel(LlamaModel):
         voice = self._voice(inputs.get("voice", request.inputs.get("voice")))
         if self.tokenizer is None:
             raise RequestError(f"model '{self.name}' has no tokenizer", field="input")
-        return prompt_ids(self.tokenizer.encode(voice_text(text, voice)))
+        ids = prompt_ids(self.tokenizer.encode(voice_text(text, voice)))
+        return PreparedPiece({"prompt_ids": torch.tensor(ids, dtype=torch.long)}, len(ids))
 
     def join_turn(self, last_token: int, ids: list[int]) -> list[int]:
         return [*turn_after(last_token), *ids]

@@ -1,0 +1,122 @@
+"""A request's intake, resolved once: a `GenerateRequest` and its compiled walk
+in, a `Prepared` out (the walk's initial values, the sampling and stop ids of
+each sampling key, the prompt's token count); a later piece of input comes
+out as a `PreparedPiece`.
+
+A sampling key is, for now, the name of a partition that samples (it has a
+step of a component with `samples`); the root partition's key is always
+there, because its params are also what the event loop reads (stop strings,
+logprobs). Each key's params are resolved in one order: the model's defaults
+for the key, then the request's `sampling` for the root key, then the
+request's `sampling_by[key]`. `SamplingParams.validate` runs here, once per
+key, and nowhere else on the engine's path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from mstar.errors import RequestError
+from mstar.graph import Component, Loop, WalkPlan
+from mstar.types import GenerateRequest, SamplingParams
+
+SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+_SEQUENCE_FIELDS = ("stop", "stop_token_ids")  # tuples in SamplingParams, arrays in an override
+
+
+@dataclass(frozen=True)
+class PreparedPiece:
+    """Input in the walk's terms: `values` by walk input name (CPU tensors),
+    and how many tokens of the model's context they take."""
+
+    values: dict[str, Any]
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """What the engine starts a request from. `sampling` and `stop_ids` are
+    keyed by sampling key; every key's params carry a seed."""
+
+    values: dict[str, Any]
+    sampling: dict[str, SamplingParams]
+    stop_ids: dict[str, tuple[int, ...]]
+    num_prompt_tokens: int
+
+
+def sampling_keys(plan: WalkPlan, components: dict[str, Component]) -> tuple[str, ...]:
+    """The walk's sampling keys, the root's first."""
+    sampling = [name for name, part in plan.partitions.items()
+                if any(components[(n.step if isinstance(n, Loop) else n).component].samples for n in part.nodes)]
+    return (plan.root, *(k for k in sampling if k != plan.root))
+
+
+def resolve_sampling(request: GenerateRequest, plan: WalkPlan, components: dict[str, Component],
+                     defaults: Callable[[str], SamplingParams], max_model_len: int) -> dict[str, SamplingParams]:
+    """Every sampling key's params, validated, each with a seed: the root
+    keeps the request's (a random one if it has none), another key without
+    its own seed draws from `key_seed(root seed, key)`."""
+    keys = sampling_keys(plan, components)
+    for key in request.sampling_by:
+        if key not in keys:
+            raise RequestError(f"walk '{plan.name}' has no sampling key '{key}'; its keys are {list(keys)}",
+                               field=f"sampling_by.{key}")
+    resolved: dict[str, SamplingParams] = {}
+    for key in keys:
+        base = request.sampling if key == plan.root else defaults(key)
+        resolved[key] = _override(base, request.sampling_by.get(key), key, key == plan.root, max_model_len)
+    root = resolved[plan.root]
+    seed = root.seed if root.seed is not None else random.getrandbits(63)
+    return {key: dataclasses.replace(params, seed=seed if key == plan.root else
+                                     params.seed if params.seed is not None else key_seed(seed, key))
+            for key, params in resolved.items()}
+
+
+def _override(base: SamplingParams, fields: dict[str, Any] | None, key: str, root: bool,
+              max_model_len: int) -> SamplingParams:
+    """`base` with `fields` on top, validated. A field out of range is named
+    `sampling_by.<key>.<field>`, unless it is the root's and the override
+    did not set it: then it is the request's own (`max_tokens`, say), under
+    the name the caller already knows."""
+    where = f"sampling_by.{key}"
+    if fields is None:
+        fields = {}
+    if not isinstance(fields, dict):
+        raise RequestError("must be an object of sampling fields", field=where)
+    changes: dict[str, Any] = {}
+    for name, value in fields.items():
+        if name not in SAMPLING_FIELDS:
+            raise RequestError(f"is not a sampling field (known: {', '.join(sorted(SAMPLING_FIELDS))})",
+                               field=f"{where}.{name}")
+        if name in _SEQUENCE_FIELDS:
+            if not isinstance(value, (list, tuple)):
+                raise RequestError("must be an array", field=f"{where}.{name}")
+            value = tuple(value)
+        changes[name] = value
+    params = dataclasses.replace(base, **changes)
+    try:
+        params.validate(max_model_len)
+    except RequestError as e:
+        if root and e.field not in changes:
+            raise
+        raise RequestError(e.message, field=f"{where}.{e.field}", status=e.status, code=e.code) from None
+    return params
+
+
+def key_seed(seed: int, key: str) -> int:
+    """A key's seed from the request's: stable across processes (Python's
+    `hash` of a str is salted per process), in [0, 2**63)."""
+    digest = hashlib.blake2b(f"{seed}:{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def stop_ids(sampling: dict[str, SamplingParams], eos_token_ids: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
+    """The ids that end each key's token loops: the model's EOS ids unless
+    `ignore_eos`, then the key's `stop_token_ids`."""
+    return {key: (() if p.ignore_eos else tuple(eos_token_ids)) + tuple(p.stop_token_ids)
+            for key, p in sampling.items()}
