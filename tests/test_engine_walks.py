@@ -11,6 +11,7 @@ import pytest
 from fake_model import FakeModel, StepGate
 from mstar.config import EngineConfig
 from mstar.engine.engine import Engine
+from mstar.graph import Emit, Loop, MaxSteps, Step, Walk
 from mstar.types import GenerateRequest, SamplingParams
 
 
@@ -151,6 +152,32 @@ async def test_a_row_that_breaks_its_step_fails_alone() -> None:
             assert [t for c in results[rid] for t in c.token_ids] == [start + 1, start + 2, start + 3, start + 4]
         assert results["bad"][-1].finish_reason == "error" and "injected fault" in (results["bad"][-1].error or "")
         assert eng.workers[0].stats.failed_steps == 1  # the batch once; the retries alone were single rows
+        await _drained(eng)
+    finally:
+        await eng.shutdown()
+
+
+async def test_rows_of_two_walks_binding_other_names_share_a_mode_and_both_finish() -> None:
+    """One (component, mode) queue batches rows of different walks; a call
+    names values after one step, so rows whose steps bind other names run on
+    their own instead of failing together or taking the worker down."""
+    first = threading.Event()
+    model = FakeModel(gate=lambda n: first.wait(timeout=30) if n == 0 else None, max_steps=3)
+    model.walks["count_y"] = Walk(Step("counter", "tick", "x", "y"), Loop(Step("counter", "tick", "y", "y"),
+                                                                         until=MaxSteps(3)),
+                                  Emit("y"), inputs=("x",))
+    eng = await _engine(model)
+    try:
+        streams = [eng.submit(GenerateRequest("hold", "fake", {"x": 0}, SamplingParams(), walk="count")),
+                   eng.submit(GenerateRequest("x", "fake", {"x": 10}, SamplingParams(), walk="count")),
+                   eng.submit(GenerateRequest("y", "fake", {"x": 20}, SamplingParams(), walk="count_y"))]
+        await asyncio.sleep(0.2)
+        first.set()
+        results = [[c async for c in s] for s in streams]
+        values = [[t for c in r for t in c.token_ids] or [c.data for c in r if c.data is not None] for r in results]
+        assert values == [[1, 2, 3], [11, 12, 13], [21, 22, 23]]
+        assert all(r[-1].finish_reason == "length" for r in results)
+        assert eng.health()["status"] == "ok"
         await _drained(eng)
     finally:
         await eng.shutdown()

@@ -65,9 +65,11 @@ class ComponentRunner:
         a batch that fails in `compute` can run again row by row from these."""
         if batch.mode in self.spec.signatures:  # every bound input, of each row's own step
             return [{n: self._take(item, n) for n in item.payload[1]} for item in batch.items]
-        step = batch.items[0].payload[0].current_step()
-        names = step.inputs[:1] if self.kv is not None else step.inputs
-        return [{n: self._take(item, n) for n in names} for item in batch.items]
+        out = []
+        for item in batch.items:  # each row's own step: rows of two walks may bind other names
+            names = item.payload[0].current_step().inputs
+            out.append({n: self._take(item, n) for n in (names[:1] if self.kv is not None else names)})
+        return out
 
     @torch.inference_mode()
     def compute(self, batch: Batch, inputs: list[dict[str, torch.Tensor]]) -> StepOutput:
@@ -82,6 +84,9 @@ class ComponentRunner:
         sig = self.spec.signatures.get(batch.mode)
         if self.kv is not None and sig is not None:
             return self._run_signed(inputs, parts, sig, fn)
+        if any(p.current_step() is not step and p.current_step() != step for p in parts[1:]):
+            # one call names its values after one step: the row-by-row retry runs each row's own
+            raise RuntimeError(f"rows of one {step.label} step read or write different values")
         if self.kv is not None:
             values, logprobs = self._run_tokens([row[step.inputs[0]] for row in inputs], parts, step, fn)
         else:
