@@ -6,19 +6,12 @@ models' shapes that compile."""
 from __future__ import annotations
 
 import pytest
+from toys.audio_decoder import DECODE, ENCODE, PREFILL  # the toy audio decoder's signatures, which run
 
 from mstar.errors import WalkError
 from mstar.graph import (Component, Emit, EosToken, In, Kind, Loop, MaxSteps, MaxTokens, Mode, Out, SlidingWindow,
                          Step, Stream, Walk, compile_walk)
 
-PLACEHOLDER = 7
-
-ENCODE = Mode("encode", (In("mel", Kind.TENSOR, ragged=True),), (Out("emb", Kind.EMBEDS),))
-PREFILL = Mode("prefill", (In("ids", Kind.IDS), In("audio", Kind.EMBEDS, at=PLACEHOLDER, optional=True),
-                           In("pos", Kind.POSITIONS, axes=3)),
-               (Out("token", Kind.TOKEN), Out("hidden", Kind.HIDDEN, rows="all")), kv="append", query="ids")
-DECODE = Mode("decode", (In("ids", Kind.IDS),), (Out("token", Kind.TOKEN), Out("hidden", Kind.HIDDEN)),
-              kv="append", query="ids", graph=True)
 TALK = Mode("talk", (In("ids", Kind.IDS), In("h", Kind.EMBEDS), In("j", Kind.INDEX, optional=True)),
             (Out("code", Kind.TOKEN),), kv="append", query="ids")
 WRITE_ONLY = Mode("context", (In("ids", Kind.IDS),), (), kv="append", query="ids")
