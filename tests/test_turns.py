@@ -164,3 +164,26 @@ async def test_input_is_refused_where_a_request_takes_none(eng: Engine) -> None:
     assert e.value.field == "input"
     eng.close_input("empty")
     await _collect(stream)
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_piece_is_refused_when_what_the_request_spoke_leaves_no_room(eng: Engine) -> None:
+    """The event loop never counts a speech walk's audio tokens; the worker's
+    count at each catch-up does, so a piece that fits beside the prompts alone
+    but not beside what was spoken is refused while the client can be told."""
+    stream = eng.submit(GenerateRequest("room", "orpheus-tiny", {"text": "hello there", "voice": "tara"}, GREEDY,
+                                        more_input=True))
+    chunks = aiter(stream)
+    _, seen = await _until_awaiting(chunks)
+    prompt = seen[-1].num_prompt_tokens
+    like = GenerateRequest("like", "orpheus-tiny", {"text": "hello there", "voice": "tara"}, GREEDY, more_input=True)
+    overhead = eng.model.prepare_more(like, {"text": "x"}).num_tokens - 1  # the turn's markers
+    # past the context beside the prompt and the 35 spoken tokens, within it beside the prompt alone
+    text = "y" * (256 - prompt - TOKENS // 2 - overhead)
+    with pytest.raises(RequestError) as e:
+        eng.append("room", {"text": text})
+    assert e.value.field == "input" and "context" in e.value.message
+    eng.append("room", {"text": "short"})  # a piece that fits still goes
+    eng.close_input("room")
+    _, tail = await _collect(chunks)
+    assert tail[-1].finished

@@ -245,11 +245,12 @@ class Engine:
         model = self._model(None)
         piece = model.prepare_more(state.request, inputs)
         n = piece.num_tokens
-        held = state.num_prompt_tokens + state.num_output_tokens
+        held = max(state.num_prompt_tokens + state.num_output_tokens, state.context_floor)
         if held + n >= model.max_model_len:  # refused here, while the client can still be told
             raise RequestError(f"{n} more tokens on top of the {held} the request has would leave no room "
                                f"in the model's context of {model.max_model_len} tokens", field="input")
         state.num_prompt_tokens += n
+        state.context_floor += n
         ids = piece.values[state.walk.more_input].tolist()  # token ids travel to the worker as ints
         self.workers[state.worker].send(Append(request_id, tuple(ids)))
         return n
@@ -354,7 +355,7 @@ class Engine:
         for waiting in report.awaiting:
             state = self._states.get(waiting.request_id)
             if state is not None and not state.finished:
-                state.awaiting()
+                state.awaiting(waiting.context_tokens)
         for hook in self._report_hooks:
             hook(report)
         for batch in report.emits:

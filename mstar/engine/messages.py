@@ -148,9 +148,12 @@ class Forward:
 
 @dataclass(frozen=True)
 class Awaiting:
-    """A request taking more input has run every piece it was given."""
+    """A request taking more input has run every piece it was given;
+    `context_tokens`: what its root partition's context holds now (what it
+    was given and what it wrote), which the next piece must fit beside."""
 
     request_id: str
+    context_tokens: int = 0
 
 
 @dataclass(eq=False)

@@ -88,14 +88,20 @@ class RequestState:
         self.shards: tuple[int, ...] = tuple(sorted(set(self.places.values()))) or (self.worker,)
         self.shards_left = len(self.shards)
         self.num_generated = 0
+        # tokens the context surely holds: the worker's count at the last catch-up, plus pieces appended since
+        # (a speech walk's sampled tokens are audio the event loop never counts)
+        self.context_floor = 0
         self.root_reason: str | None = None
         self.failed: str | None = None  # the error of a part that failed
 
     def worker_of(self, partition: str) -> int:
         return self.places.get(partition, self.worker)
 
-    def awaiting(self) -> None:
-        """The request has run all the input it was given; more may come."""
+    def awaiting(self, context_tokens: int) -> None:
+        """The request has run all the input it was given; more may come.
+        Its context holds `context_tokens` now: the floor of what it holds,
+        which pieces appended later add to."""
+        self.context_floor = max(self.context_floor, context_tokens)
         self.queue.put_nowait(OutputChunk(
             request_id=self.request_id, awaiting_input=True,
             num_prompt_tokens=self.num_prompt_tokens, num_output_tokens=self.num_output_tokens))

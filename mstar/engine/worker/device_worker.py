@@ -131,7 +131,7 @@ class DeviceWorker:
         lazy = cfg.kv_reservation == "lazy"
         self.walker = Walker(self.store, self.scheduler, self.pools, self.model.max_model_len, self._finished,
                              token_loops, self.device, lazy_pages=lazy, join_turn=self.model.join_turn,
-                             on_awaiting=lambda rid: self.outbox.finished(self._report, Awaiting(rid)),
+                             on_awaiting=lambda rid, n: self.outbox.finished(self._report, Awaiting(rid, n)),
                              index=self.index, send=self.link.send, components=self.model.components)
         arena_mb = self.config.host_arena_mb
         if arena_mb is None:  # pinned staging pays on CUDA; on the CPU rows are host memory already

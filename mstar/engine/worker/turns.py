@@ -31,10 +31,10 @@ if TYPE_CHECKING:
 
 class Turns:
     def __init__(self, walker: Walker, join_turn: Callable[[int, list[int]], list[int]] | None,
-                 on_awaiting: Callable[[str], None] | None) -> None:
+                 on_awaiting: Callable[[str, int], None] | None) -> None:
         self.walker = walker
         self.join_turn = join_turn or (lambda last, ids: [last, *ids])
-        self.on_awaiting = on_awaiting or (lambda request_id: None)
+        self.on_awaiting = on_awaiting or (lambda request_id, context_tokens: None)
 
     def _root(self, request_id: str) -> PartitionRun | None:
         run = self.walker.runs.get(request_id)
@@ -88,7 +88,7 @@ class Turns:
         if part.request.more:
             self._next(part)
         else:
-            self.on_awaiting(part.request_id)
+            self.on_awaiting(part.request_id, part.kv_tokens + 1)  # the turn's last token, not cached yet
 
     def _next(self, part: PartitionRun) -> None:
         """Start the next turn: the partition's first step again, reading the

@@ -52,7 +52,7 @@ class Walker:
                  max_model_len: int, on_finish: Callable[[Finished], None],
                  token_loops: set[str] = frozenset(), device: torch.device | None = None,
                  lazy_pages: bool = False, join_turn: Callable[[int, list[int]], list[int]] | None = None,
-                 on_awaiting: Callable[[str], None] | None = None, index: int = 0, send: Send | None = None,
+                 on_awaiting: Callable[[str, int], None] | None = None, index: int = 0, send: Send | None = None,
                  components: dict[str, Component] | None = None) -> None:
         """`token_loops`: KV components that sample; their decode loops run
         as `LoopGroup`s on `device`. `lazy_pages`: a request's first step
