@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager, suppress
+from typing import Any
 
 import orjson
 import pytest
@@ -60,6 +61,17 @@ async def read_until_closed(reader: asyncio.StreamReader, limit: float = 10.0) -
     return got, time.monotonic() - start
 
 
+async def read_while_sending(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                             sending: Coroutine[Any, Any, None]) -> tuple[bytes, float]:
+    """`read_until_closed` while `sending` keeps writing; both end with the connection."""
+    sender = asyncio.get_running_loop().create_task(sending)
+    try:
+        return await read_until_closed(reader)
+    finally:
+        sender.cancel()
+        writer.close()
+
+
 def status_of(answer: bytes) -> int:
     return int(answer.split(b" ", 2)[1])
 
@@ -96,12 +108,7 @@ async def test_a_trickled_header_block_is_closed_at_its_deadline(address) -> Non
             await asyncio.sleep(0.1)
             writer.write(b"X-Slow: 1\r\n")
 
-    sender = asyncio.get_running_loop().create_task(trickle())
-    try:
-        answer, took = await read_until_closed(reader)
-    finally:
-        sender.cancel()
-        writer.close()
+    answer, took = await read_while_sending(reader, writer, trickle())
     assert took < HEAD_S + SLACK_S
     assert status_of(answer) == 408
 
@@ -135,12 +142,7 @@ async def test_an_endless_trickled_body_is_cut_at_its_deadline(address) -> None:
             writer.write(b"1\r\n \r\n")
             await asyncio.sleep(0.05)
 
-    sender = asyncio.get_running_loop().create_task(endless())
-    try:
-        answer, took = await read_until_closed(reader)
-    finally:
-        sender.cancel()
-        writer.close()
+    answer, took = await read_while_sending(reader, writer, endless())
     assert took < BODY_S + SLACK_S
     # the client keeps sending into a closed connection, so a reset may beat the answer to it
     assert answer == b"" or status_of(answer) == 408
