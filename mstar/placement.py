@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from mstar.errors import ConfigError
-from mstar.graph import Component, Loop, WalkPlan
+from mstar.graph import Component, WalkPlan
 
 Unit = tuple[str, str]  # (component, mode)
 
@@ -133,11 +133,7 @@ class Placement:
 
 
 def _partition_units(walk: WalkPlan, partition: str) -> list[Unit]:
-    units = []
-    for node in walk.partitions[partition].nodes:
-        step = node.step if isinstance(node, Loop) else node
-        units.append((step.component, step.mode))
-    return units
+    return [(step.component, step.mode) for step in walk.partitions[partition].steps]
 
 
 def resolve(spec: PlacementSpec, devices: Sequence[str], components: Mapping[str, Component],

@@ -92,7 +92,7 @@ def test_fanout_branches_become_partitions_started_after_their_parent_step() -> 
                        names=("left", "right")),
                 Emit("a"), Emit("b"), inputs=("x",))
     plan = compile_walk("w", walk, COMPONENTS)
-    assert plan.forks[("llm", 0)] == ("left", "right")
+    assert plan.forks[("llm", 1)] == ("left", "right")  # they start when the cursor reaches 1
     assert plan.partitions["left"].parent == "llm"
 
 

@@ -3,8 +3,9 @@
 different lengths, placeholder counts and sampling, against the same modules
 run unbatched in a plain loop over a dense KV cache. Tokens are identical and
 hidden states within 1e-5; a request whose audio does not fit its
-placeholders fails alone. Also: `step_bindings`, and the walks the runtime
-refuses at start."""
+placeholders fails alone; a decode loop whose body has a second step (a
+probe reading each step's hidden state) computes the same. Also:
+`step_bindings` and packing by signature."""
 
 from __future__ import annotations
 
@@ -18,8 +19,7 @@ import torch.nn.functional as F
 from mstar.config import EngineConfig
 from mstar.engine.engine import Engine
 from mstar.engine.execution.sampler import SamplingTensors, sample
-from mstar.errors import ConfigError
-from mstar.graph import BindingError, Component, Emit, In, Kind, Loop, MaxSteps, Mode, Out, Step, Walk, step_bindings
+from mstar.graph import BindingError, Component, Emit, In, Kind, Loop, MaxTokens, Mode, Out, Step, Walk, step_bindings
 from mstar.types import GenerateRequest, SamplingParams, TokenBatch
 from toys.audio_decoder import (DECODE, HEADS, KV_HEADS, LAYERS, MEL, PLACEHOLDER, PREFILL, VOCAB, ToyAudioModel,
                                 mrope_positions)
@@ -173,6 +173,49 @@ async def test_a_decode_loop_with_a_rope_delta_stays_out_of_groups() -> None:
         await eng.shutdown()
 
 
+class _Probe(torch.nn.Module):
+    def scale(self, h: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"y": h * 2 + 1}
+
+
+class _ProbedModel(ToyAudioModel):
+    """`listen` with a loop body of two steps: decode, then a plain step over
+    the hidden state decode wrote in the same round."""
+
+    components = {**ToyAudioModel.components,
+                  "probe": Component(modes=(Mode("scale", (In("h", Kind.TENSOR),), (Out("y", Kind.TENSOR),)),))}
+    walks = {"probed": Walk(
+        Step("enc", "encode", {"mel": "mel"}, {"emb": "audio_emb"}),
+        Step("dec", "prefill", {"ids": "prompt_ids", "audio": "audio_emb", "pos": "mrope"}, {"token": "text"}),
+        Loop((Step("dec", "decode", {"ids": "text"}, {"token": "text", "hidden": "hidden"}),
+              Step("probe", "scale", {"h": "hidden"}, {"y": "scaled"})), until=MaxTokens()),
+        Emit("text"), Emit("scaled", modality="data"),
+        inputs=("prompt_ids", "mel", "mrope"))}
+    default_walk = "probed"
+
+    def build_component(self, component: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+        return _Probe() if component == "probe" else super().build_component(component, device, dtype)
+
+
+async def test_a_decode_loop_with_a_second_step_in_its_body_matches_the_reference() -> None:
+    model = _ProbedModel()
+    requests = _requests(torch.Generator().manual_seed(5))
+    expected = [reference(model, ids, mel, params) for ids, mel, params in requests]
+    eng = await _engine(model)
+    try:
+        results = await asyncio.gather(*[_run(eng, f"p{i}", ids, mel, params, "probed")
+                                         for i, (ids, mel, params) in enumerate(requests)])
+        for chunks, (tokens, _, hidden) in zip(results, expected):
+            assert chunks[-1].finish_reason == "length"
+            assert [t for c in chunks for t in c.token_ids] == tokens
+            # the round that reaches max_tokens stops at decode: its probe never runs
+            scaled = [c.data for c in chunks if c.data is not None]
+            torch.testing.assert_close(torch.tensor(scaled), torch.stack(hidden[:-1]) * 2 + 1, atol=2 * TOL, rtol=0)
+        assert eng.pages_in_use() == 0 and len(eng.store) == 0
+    finally:
+        await eng.shutdown()
+
+
 def test_step_bindings_name_the_values_by_signature() -> None:
     by_name = Step("dec", "prefill", {"pos": "mrope", "ids": "prompt_ids"}, {"hidden": "h"})
     assert step_bindings(by_name, PREFILL) == ({"pos": "mrope", "ids": "prompt_ids"}, {"hidden": "h"})
@@ -182,24 +225,6 @@ def test_step_bindings_name_the_values_by_signature() -> None:
         step_bindings(Step("dec", "decode", {"wav": "x"}, {"token": "t"}), DECODE)
     with pytest.raises(BindingError, match="binds 3 outputs by position; the mode has"):
         step_bindings(Step("dec", "decode", "t", ("a", "b", "c")), DECODE)
-
-
-class _Indexed(ToyAudioModel):
-    """A walk whose loop reads `@i`, which compiles but the runtime does not supply."""
-
-    components = {**ToyAudioModel.components,
-                  "plain": Component(modes=(Mode("tick", (In("x", Kind.TENSOR), In("i", Kind.INDEX)),
-                                                 (Out("y", Kind.TENSOR),)),))}
-    walks = {"count": Walk(Loop(Step("plain", "tick", {"x": "x", "i": "@i"}, {"y": "x"}), until=MaxSteps(3)),
-                           Emit("x", modality="data"), inputs=("x",))}
-    default_walk = "count"
-
-
-async def test_a_walk_reading_a_built_in_value_is_refused_at_start() -> None:
-    eng = Engine(EngineConfig(model="toy", devices=("cpu",)), model=_Indexed())
-    with pytest.raises(ConfigError, match=r"walk 'count', step plain.tick: reads '@i': the runtime does not supply"):
-        await eng.start()
-    assert not eng.workers
 
 
 def test_pack_kv_positions_extra_and_outputs_by_signature() -> None:

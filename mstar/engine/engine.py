@@ -32,7 +32,7 @@ from mstar.engine.eventloop.waiting_line import WaitingLine
 from mstar.engine.worker.device_worker import DeviceWorker
 from mstar.engine.worker.walker import check_runnable
 from mstar.errors import ConfigError, MstarError, ModelNotFound, RequestError
-from mstar.graph import Emit, HostStop, Loop, WalkPlan, compile_walks
+from mstar.graph import Emit, HostStop, WalkPlan, compile_walks
 from mstar.models.base import Model
 from mstar.models.registry import load_model
 from mstar.models.detokenizer import push_batch
@@ -433,9 +433,9 @@ def _pcm16(data: torch.Tensor | list[torch.Tensor]) -> list[bytes]:
 def _host_predicates(plan: WalkPlan) -> dict[tuple[str, str], Callable[[object], bool]]:
     out = {}
     for pname, part in plan.partitions.items():
-        for node in part.nodes:
-            if isinstance(node, Loop) and node.until is not None:
-                for rule in node.until.rules():
+        for spec in part.loops:
+            if spec.loop.until is not None:
+                for rule in spec.loop.until.rules():
                     if isinstance(rule, HostStop) and rule.predicate is not None:
-                        out[(pname, node.value)] = rule.predicate
+                        out[(pname, spec.loop.value)] = rule.predicate
     return out

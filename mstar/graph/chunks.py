@@ -76,3 +76,52 @@ class FixedChunks(ChunkPolicy):
 
     def keep_from(self, total: int, cut: int) -> int:
         return cut * self.size
+
+
+@dataclass(frozen=True)
+class Items(ChunkPolicy):
+    """One item per read, in order: a consumer that steps once per item the
+    producer writes (a talker taking one text token per frame). A read waits
+    while the stream is open and empty; after the stream closes and every
+    item was read, a read gets `fill` (a token id), or, with no fill, the
+    consumer's `StreamDone` loop ends."""
+
+    fill: int | None = None
+
+    def ready(self, total: int, cut: int) -> list[tuple[int, int]]:
+        return [(i, i + 1) for i in range(cut, total)]
+
+    def flush(self, total: int, cut: int) -> list[tuple[int, int]]:
+        return []
+
+    def keep_from(self, total: int, cut: int) -> int:
+        return cut
+
+
+@dataclass(frozen=True)
+class LeftContext(ChunkPolicy):
+    """Chunks of `chunk` new items, each read after up to `left` items of the
+    chunk before it as context (a codec that decodes with left context and
+    drops the audio of those items): chunk i is [max(0, i*chunk - left),
+    (i+1)*chunk). The last one may be shorter. The consumer works out how
+    many items of context it got from the chunk's index (`@chunk`)."""
+
+    chunk: int
+    left: int = 0
+
+    def __post_init__(self) -> None:
+        if self.chunk <= 0 or self.left < 0:
+            raise ValueError("LeftContext needs chunk > 0 and left >= 0")
+
+    def _span(self, i: int, end: int) -> tuple[int, int]:
+        return max(0, i * self.chunk - self.left), end
+
+    def ready(self, total: int, cut: int) -> list[tuple[int, int]]:
+        return [self._span(i, (i + 1) * self.chunk) for i in range(cut, total // self.chunk)]
+
+    def flush(self, total: int, cut: int) -> list[tuple[int, int]]:
+        start = cut * self.chunk
+        return [self._span(cut, total)] if total > start else []
+
+    def keep_from(self, total: int, cut: int) -> int:
+        return max(0, cut * self.chunk - self.left)

@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 from mstar.errors import WalkError
 from mstar.graph.chunks import ChunkPolicy
 from mstar.graph.nodes import Emit, FanOut, Loop, Node, Step, Stream, Walk
+from mstar.graph.program import Instr, LoopPlan, ProgramBuilder, Run
 from mstar.graph.signatures import ACCEPTS, BUILTINS, Component, In, Kind, Mode, Out
+from mstar.graph.stops import HostStop, MaxSteps
 
 
 @dataclass(frozen=True)
@@ -27,18 +29,27 @@ class StreamPlan:
 
 @dataclass(frozen=True)
 class PartitionPlan:
-    """A sequence of steps and loops that advances on its own.
+    """A sequence of steps and loops that advances on its own: `nodes` as
+    declared, `program` as the worker runs them (`program.py`), with `loops`
+    indexed by its instructions.
 
     A stream consumer has `stream` set: it runs its single step once per chunk.
-    A fan-out branch has `parent` set: it starts after node `start_after` of
-    the parent completes.
+    A fan-out branch has `parent` set: it starts when the parent's cursor
+    reaches `starts_at`.
     """
 
     name: str
     nodes: tuple[Step | Loop, ...]
     stream: StreamPlan | None = None
     parent: str | None = None
-    start_after: int = -1
+    starts_at: int = 0
+    program: tuple[Instr, ...] = ()
+    loops: tuple[LoopPlan, ...] = ()
+
+    @property
+    def steps(self) -> tuple[Step, ...]:
+        """Every step of the partition, nested ones included, in program order."""
+        return tuple(i.step for i in self.program if isinstance(i, Run))
 
 
 @dataclass(frozen=True)
@@ -53,8 +64,7 @@ class WalkPlan:
     more_input: str | None = None
 
     def components(self) -> set[str]:
-        return {(n.step if isinstance(n, Loop) else n).component
-                for p in self.partitions.values() for n in p.nodes}
+        return {s.component for p in self.partitions.values() for s in p.steps}
 
 
 class BindingError(ValueError):
@@ -104,6 +114,7 @@ class _Builder:
         self.forks: dict[tuple[str, int], tuple[str, ...]] = {}
         self.written: set[str] = set(walk.inputs)
         self.kinds: dict[str, Kind] = {}  # what the steps' signatures say each value is (walk inputs: unsaid)
+        self.collected: set[str] = set()  # values loops collect (the walker writes them, not a step)
 
     def fail(self, where: str, reason: str) -> WalkError:
         return WalkError(self.name, where, reason)
@@ -112,10 +123,13 @@ class _Builder:
         if not self.walk.nodes:
             raise self.fail("-", "the walk has no steps")
         root = self.walk.partition or self._first_component(self.walk.nodes) or "main"
-        self._partition(root, self.walk.nodes, available=set(self.walk.inputs), parent=None, start_after=-1)
+        self._partition(root, self.walk.nodes, available=set(self.walk.inputs), parent=None, starts_at=0)
         for value, emit in self.emits.items():
             if value not in self.written:
                 raise self.fail(f"emit {value}", f"emits '{value}', which no step writes")
+            if value in self.collected:
+                raise self.fail(f"emit {value}", f"emits '{value}', which a loop collects: emit what the loop's "
+                                                 f"steps write instead")
         self._check_more_input(root)
         return WalkPlan(
             name=self.name,
@@ -191,42 +205,29 @@ class _Builder:
             self.kinds[value] = sig.output(name).kind
 
     def _partition(self, pname: str, nodes: tuple[Node, ...], available: set[str],
-                   parent: str | None, start_after: int) -> None:
+                   parent: str | None, starts_at: int) -> None:
         if pname in self.partitions:
             raise self.fail(pname, f"partition '{pname}' is declared twice")
         seq: list[Step | Loop] = []
-        loop_values: dict[str, Loop] = {}
-        self.partitions[pname] = PartitionPlan(pname, (), parent=parent, start_after=start_after)
+        loop_values: set[str] = set()
+        program = ProgramBuilder()
+        prev: int | None = None  # the Run a loop right after it may be entered by
+        self.partitions[pname] = PartitionPlan(pname, (), parent=parent, starts_at=starts_at)
         for node in nodes:
             if isinstance(node, Step):
                 self._check_step(node, available, node.label)
                 seq.append(node)
                 available |= set(node.outputs)
+                prev = program.add(node, prev)
             elif isinstance(node, Loop):
-                where = f"loop {node.step.label}"
-                if node.until is None:
-                    raise self.fail(where, "the loop has no stop rule")
-                self._check_step(node.step, available, where, in_loop=True)
-                if node.value not in node.step.inputs and node.value not in available:
-                    raise self.fail(where, f"its output '{node.value}' is not an input it can loop back into")
+                entering = program.program[prev].step if prev is not None else None
+                self._check_loop(node, available, f"loop {node.step.label}", (), entering)
                 seq.append(node)
-                available |= set(node.step.outputs)
-                loop_values[node.value] = node
+                loop_values.add(node.value)
+                program.add(node, prev)
+                prev = None
             elif isinstance(node, Stream):
-                where = f"stream {node.source}"
-                if node.into is None:
-                    raise self.fail(where, "the stream has no consumer")
-                if node.source not in loop_values:
-                    raise self.fail(where, f"'{node.source}' is not written by a loop before the stream")
-                consumer = node.partition or node.into.component
-                self._check_step(node.into, available | {node.source}, f"{where} -> {node.into.label}",
-                                 stream_source=node.source)
-                plan = StreamPlan(node.source, pname, consumer, node.chunks, node.accept)
-                self.streams.setdefault(node.source, []).append(plan)
-                if consumer in self.partitions:
-                    raise self.fail(where, f"partition '{consumer}' is declared twice")
-                self.partitions[consumer] = PartitionPlan(consumer, (node.into,), stream=plan)
-                self.written |= set(node.into.outputs)
+                self._stream(node, pname, available, loop_values)
             elif isinstance(node, Emit):
                 self.emits[node.value] = node
             elif isinstance(node, FanOut):
@@ -235,11 +236,96 @@ class _Builder:
                 if len(names) != len(node.branches):
                     raise self.fail(f"fanout in {pname}", "names and branches differ in number")
                 for bname, branch in zip(names, node.branches):
-                    self._partition(bname, branch, set(available), parent=pname, start_after=len(seq) - 1)
-                self.forks[(pname, len(seq) - 1)] = tuple(names)
+                    self._partition(bname, branch, set(available), parent=pname, starts_at=len(program))
+                self.forks[(pname, len(program))] = tuple(names)
             else:
                 raise self.fail(repr(node), "is not a walk node")
         self.written |= available
-        self.partitions[pname] = PartitionPlan(pname, tuple(seq), parent=parent, start_after=start_after)
+        self.partitions[pname] = PartitionPlan(pname, tuple(seq), parent=parent, starts_at=starts_at,
+                                               program=tuple(program.program), loops=tuple(program.loops))
         if not seq:
             raise self.fail(pname, "the partition has no steps")
+
+    def _stream(self, node: Stream, pname: str, available: set[str], loop_values: set[str]) -> None:
+        where = f"stream {node.source}"
+        if node.into is None:
+            raise self.fail(where, "the stream has no consumer")
+        if node.source not in loop_values:
+            raise self.fail(where, f"'{node.source}' is not written by a loop before the stream")
+        consumer = node.partition or node.into.component
+        self._check_step(node.into, available | {node.source}, f"{where} -> {node.into.label}",
+                         stream_source=node.source)
+        plan = StreamPlan(node.source, pname, consumer, node.chunks, node.accept)
+        self.streams.setdefault(node.source, []).append(plan)
+        if consumer in self.partitions:
+            raise self.fail(where, f"partition '{consumer}' is declared twice")
+        self.partitions[consumer] = PartitionPlan(consumer, (node.into,), stream=plan, program=(Run(node.into),))
+        self.written |= set(node.into.outputs)
+
+    def _check_loop(self, loop: Loop, available: set[str], where: str, around: tuple[Loop, ...],
+                    entering: Step | None) -> None:
+        """Check `loop` (inside the loops `around`, outermost first), entered
+        after `entering` (the step just before it at its level, or None), and
+        add what it writes to `available`."""
+        if loop.until is None:
+            raise self.fail(where, "the loop has no stop rule")
+        if not loop.body:
+            raise self.fail(where, "the loop has no body")
+        rules = loop.until.rules()
+        if around and any(isinstance(r, HostStop) for r in rules):
+            raise self.fail(where, "HostStop ends a partition's top-level loop; a nested loop cannot use it")
+        for rule in rules:
+            if isinstance(rule, MaxSteps) and rule.value is not None and rule.value not in available:
+                raise self.fail(where, f"caps its steps at '{rule.value}', which nothing writes before the loop")
+        if entering is not None and loop.value in entering.outputs:
+            both = [o.value for o in around if o.value in entering.outputs]
+            if both:
+                raise self.fail(where, f"the step before it writes the values of two loops ('{both[0]}' and "
+                                       f"'{loop.value}')")
+        collect = loop.collect
+        if collect is not None:
+            for value in collect.first:
+                if value not in available or (entering is not None and value in entering.outputs
+                                              and loop.value in entering.outputs):
+                    raise self.fail(where, f"collects '{value}' first, which is not written before the loop "
+                                           f"starts")
+        inner = set(available)
+        direct: set[str] = set()
+        prev: Step | None = None
+        for child in loop.body:
+            if isinstance(child, Step):
+                label = f"{where}/{child.label}"
+                self._check_step(child, inner, label, in_loop=True)
+                ours = [o.value for o in (*around, loop) if o.value in child.outputs]
+                if len(ours) > 1:
+                    raise self.fail(label, f"writes the values of two loops it runs in ({ours})")
+                inner |= set(child.outputs)
+                direct |= set(child.outputs)
+                prev = child
+            elif isinstance(child, Loop):
+                self._check_loop(child, inner, f"{where}/loop {child.step.label}", (*around, loop), prev)
+                prev = None
+            elif isinstance(child, Emit):
+                self.emits[child.value] = child
+            else:
+                raise self.fail(where, f"a loop body holds steps, loops and emits, not {type(child).__name__}")
+        if loop.value not in direct:
+            raise self.fail(where, f"its value '{loop.value}' is not written by a step of its body")
+        if collect is not None:
+            if collect.each not in _writes(loop) and not (entering and collect.each in entering.outputs):
+                raise self.fail(where, f"collects '{collect.each}', which nothing in the loop writes")
+            inner.add(collect.into)
+            self.kinds[collect.into] = Kind.TENSOR
+            self.collected.add(collect.into)
+        available |= inner
+
+
+def _writes(loop: Loop) -> set[str]:
+    """Every value a step inside `loop` writes, nested loops included."""
+    out: set[str] = set()
+    for child in loop.body:
+        if isinstance(child, Step):
+            out |= set(child.outputs)
+        elif isinstance(child, Loop):
+            out |= _writes(child) | ({child.collect.into} if child.collect else set())
+    return out

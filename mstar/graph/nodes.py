@@ -1,5 +1,5 @@
 """The nodes a walk is built from: `Step` (one batched call of a component's
-mode), `Loop`, `Stream` (a producer's writes into a concurrent consumer),
+mode), `Loop` (and what it may `Collect`), `Stream` (a producer's writes into a concurrent consumer),
 `Emit` (a value to the client), `FanOut`, and `Walk` itself. Plain
 declarations: `compile.py` checks them and turns them into a plan."""
 
@@ -76,16 +76,58 @@ class Step:
 
 
 @dataclass(frozen=True)
-class Loop:
-    """Repeat `step` until `until` holds; its first output loops back as its
-    first input, on the device."""
+class Collect:
+    """What a loop gathers: each write of `each` while the loop runs (the
+    write that enters it included), after the values of `first`, stacked
+    into `into` when the loop ends."""
 
-    step: Step
+    into: str
+    each: str
+    first: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, init=False)
+class Loop:
+    """Repeat `body` (a step, or a sequence of steps and nested loops) until
+    `until` holds. The rule is checked each time `value` is written (by
+    default the first output of the body's first step), the write by the step
+    just before the loop included: that write enters the loop. `step=` is
+    the one-step form's other spelling."""
+
+    body: tuple[Step | Loop, ...]
     until: StopRule | None
+    value: str
+    collect: Collect | None
+
+    def __init__(self, body: Step | Loop | tuple[Step | Loop, ...] | None = None, until: StopRule | None = None,
+                 value: str | None = None, collect: Collect | None = None, *, step: Step | None = None) -> None:
+        if (body is None) == (step is None):
+            raise ValueError("a loop takes its body, or its one step as step=")
+        body = body if body is not None else step
+        body = tuple(body) if isinstance(body, tuple) else (body,)
+        first = _first_step(body)
+        if value is None and (first is None or not first.outputs):
+            raise ValueError("a loop whose first step writes nothing names its value")
+        object.__setattr__(self, "body", body)
+        object.__setattr__(self, "until", until)
+        object.__setattr__(self, "value", value if value is not None else first.outputs[0])
+        object.__setattr__(self, "collect", collect)
 
     @property
-    def value(self) -> str:
-        return self.step.outputs[0]
+    def step(self) -> Step:
+        """The body's first step (a one-step loop's only step)."""
+        first = _first_step(self.body)
+        assert first is not None
+        return first
+
+
+def _first_step(body: tuple) -> Step | None:
+    for node in body:
+        if isinstance(node, Step):
+            return node
+        if isinstance(node, Loop):
+            return _first_step(node.body)
+    return None
 
 
 @dataclass(frozen=True)

@@ -40,9 +40,16 @@ class MaxTokens(StopRule):
 
 @dataclass(frozen=True)
 class MaxSteps(StopRule):
-    """A fixed cap on the writes of the loop value."""
+    """A cap on the writes of the loop value: `n`, or the integer a walk value
+    holds when the loop starts (`value`, such as a request's number of
+    denoising steps)."""
 
-    n: int
+    n: int | None = None
+    value: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.n is None) == (self.value is None):
+            raise ValueError("MaxSteps takes a count n or a value holding one, not both")
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mstar.errors import RequestError
-from mstar.graph import Component, Loop, WalkPlan
+from mstar.graph import Component, WalkPlan
 from mstar.types import GenerateRequest, SamplingParams
 
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
@@ -52,7 +52,7 @@ class Prepared:
 def sampling_keys(plan: WalkPlan, components: dict[str, Component]) -> tuple[str, ...]:
     """The walk's sampling keys, the root's first."""
     sampling = [name for name, part in plan.partitions.items()
-                if any(components[(n.step if isinstance(n, Loop) else n).component].samples for n in part.nodes)]
+                if any(components[step.component].samples for step in part.steps)]
     return (plan.root, *(k for k in sampling if k != plan.root))
 
 

@@ -316,6 +316,8 @@ class ComponentRunner:
 
     def _take(self, item: WorkItem, name: str) -> torch.Tensor:
         ref = item.payload[1][name]
+        if isinstance(ref, int):  # a built-in value (`@i`, `@chunk`), held on the host
+            return torch.tensor(ref, dtype=torch.long)
         if isinstance(ref, list):  # a stream chunk: items of the stream, in order
             if all(isinstance(r, int) for r in ref):  # token ids held on the host: one tensor, no device reads
                 return torch.tensor(ref, dtype=torch.long)

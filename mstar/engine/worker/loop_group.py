@@ -231,7 +231,7 @@ class LoopGroup:
         part = self.rows[i]
         part.kv_tokens = int(self.kv_lens[i])
         part.generated = int(self.counters[i])
-        part.writes[self.loop.value] = int(self.counts[i])
+        part.set_loop_count(int(self.counts[i]))
         token = self.tokens[i].clone()
         self._drop([i], self.seq)
         return Leave(part, token, "preempt")
@@ -321,7 +321,7 @@ class LoopGroup:
             part.kv_tokens = int(p.kv_lens[i])
             part.generated = int(p.counters[i])
             # the walker counts this step's write when it routes the row on
-            part.writes[self.loop.value] = int(p.counts[i]) - 1
+            part.set_loop_count(int(p.counts[i]) - 1)
             out.append(Leave(part, p.tokens[i].clone(), "stop" if bool(hit_stop[i]) else "length", int(p.host[i])))
         return out
 

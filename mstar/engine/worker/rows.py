@@ -1,9 +1,10 @@
 """Per-request execution state on a device worker.
 
 A `RequestRun` is one request's walk on a worker; each of its partitions is a
-`PartitionRun` with a cursor into the partition's nodes, the handles of the
-values it can read, its KV pages, and (for a stream consumer) the buffer of
-stream items. Only the owning worker thread touches these objects.
+`PartitionRun` with a cursor into the partition's program (`pc`) and a
+`Frame` per loop it is in, the handles of the values it can read, its KV
+pages, and (for a stream consumer) the buffer of stream items. Only the
+owning worker thread touches these objects.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from mstar.engine.memory.kv_cache import SwappedKV
 from mstar.engine.movement.tensor_store import TensorRef
-from mstar.graph import Loop, PartitionPlan, Step, WalkPlan
+from mstar.graph import Loop, PartitionPlan, Run, Step, WalkPlan
 from mstar.types import SamplingParams
 
 # An item of a stream: a tensor in the store, or a token id the host already
@@ -50,10 +51,22 @@ class RequestRun:
 
 
 @dataclass(eq=False, slots=True)
+class Frame:
+    """A loop a partition is in."""
+
+    loop: int                 # its index in `PartitionPlan.loops`
+    cap: int | None           # writes of its value at which it stops ("length"); None: no cap
+    count: int = 0            # writes of its value since it started, the write that entered it included
+    iteration: int = 0        # rounds of its body finished (`@i`)
+    collected: list[TensorRef] = field(default_factory=list)  # what its `Collect` gathered so far
+
+
+@dataclass(eq=False, slots=True)
 class PartitionRun:
     request: RequestRun
     plan: PartitionPlan
-    cursor: int = 0
+    pc: int = 0                     # the instruction of `plan.program` under the cursor
+    loops: list[Frame] = field(default_factory=list)  # the loops it is in, outermost first
     values: dict[str, TensorRef] = field(default_factory=dict)
     writes: dict[str, int] = field(default_factory=dict)
     busy: bool = False              # an item of this partition is queued or running
@@ -101,10 +114,30 @@ class PartitionRun:
     def stop_ids(self) -> tuple[int, ...]:
         return self.request.stop_ids[self.request.key_of(self.plan.name)]
 
-    def node(self) -> Step | Loop | None:
-        return self.plan.nodes[self.cursor] if self.cursor < len(self.plan.nodes) else None
+    def instr(self) -> Run | None:
+        """The step under the cursor; None past the end (or at a loop mark,
+        which the walker never leaves it on)."""
+        program = self.plan.program
+        ins = program[self.pc] if self.pc < len(program) else None
+        return ins if isinstance(ins, Run) else None
 
     def current_step(self) -> Step:
-        node = self.node()
-        assert node is not None
-        return node.step if isinstance(node, Loop) else node
+        ins = self.instr()
+        assert ins is not None
+        return ins.step
+
+    def frame(self, loop: int) -> Frame | None:
+        """The frame of loop `loop`, if the partition is in it."""
+        return next((f for f in reversed(self.loops) if f.loop == loop), None)
+
+    def loop(self) -> Loop | None:
+        """The innermost loop it is in."""
+        return self.plan.loops[self.loops[-1].loop].loop if self.loops else None
+
+    def set_loop_count(self, count: int) -> None:
+        """The innermost loop's value was written `count` times in all (a
+        decode group counts its rows' writes itself and hands them back)."""
+        frame = self.loops[-1]
+        value = self.plan.loops[frame.loop].loop.value
+        self.writes[value] = self.writes.get(value, 0) + count - frame.count
+        frame.count = count

@@ -1,25 +1,30 @@
 """A loop's stop rules for the rows of a step: the rows' partitions and what
 the step wrote in, "stop" / "length" / None per row out; and the write cap
-and stop ids a row carries into a `LoopGroup`.
+(fixed when the loop starts, in its `Frame`) and stop ids a row carries into
+a `LoopGroup`.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-from mstar.engine.worker.rows import PartitionRun
-from mstar.graph import EosToken, Loop, MaxSteps, MaxTokens, Step, StopRule, TokenIn
+from mstar.engine.worker.rows import Frame, PartitionRun
+from mstar.graph import EosToken, Loop, MaxSteps, MaxTokens, StopRule, TokenIn
 
 
 def _rules(rule: StopRule | None) -> tuple[StopRule, ...]:
     return rule.rules() if rule is not None else ()
 
 
-def write_cap(part: PartitionRun, loop: Loop) -> int | None:
-    """Writes of the loop's value at which it stops ("length"); None: no cap."""
-    caps = [part.sampling.max_tokens if isinstance(r, MaxTokens) else r.n
+def write_cap(part: PartitionRun, loop: Loop, read: Callable[[str], int]) -> int | None:
+    """Writes of the loop's value at which it stops ("length"); None: no cap.
+    `read`: the integer a walk value holds (a `MaxSteps(value=...)` cap). A
+    later turn's cap (what is left of the context) binds top-level loops."""
+    caps = [part.sampling.max_tokens if isinstance(r, MaxTokens) else r.n if r.n is not None else read(r.value)
             for r in _rules(loop.until) if isinstance(r, (MaxTokens, MaxSteps))]
-    if part.turn_cap is not None:
+    if part.turn_cap is not None and not part.loops:
         caps.append(part.turn_cap)
     return min(caps) if caps else None
 
@@ -35,15 +40,15 @@ def stop_ids(part: PartitionRun, loop: Loop) -> tuple[int, ...]:
     return ids
 
 
-def checking_loop(part: PartitionRun) -> Loop | None:
-    """The loop whose stop rule judges what the current step writes."""
-    node = part.node()
-    if isinstance(node, Loop):
-        return node
-    nxt = part.plan.nodes[part.cursor + 1] if part.cursor + 1 < len(part.plan.nodes) else None
-    if isinstance(nxt, Loop) and isinstance(node, Step) and nxt.value in node.outputs:
-        return nxt
-    return None
+def checking_loop(part: PartitionRun) -> tuple[Loop, Frame] | None:
+    """The loop whose stop rule judges what the step under the cursor
+    writes, and its frame."""
+    ins = part.instr()
+    if ins is None or ins.checks is None:
+        return None
+    frame = part.frame(ins.checks)
+    assert frame is not None, "a step checked by a loop runs inside it"
+    return part.plan.loops[ins.checks].loop, frame
 
 
 def stop_reasons(parts: list[PartitionRun], values: dict[str, torch.Tensor]) -> list[str | None]:
@@ -55,12 +60,12 @@ def stop_reasons(parts: list[PartitionRun], values: dict[str, torch.Tensor]) -> 
     token_sets: list[tuple[int, ...]] = []
     loop_value = None
     for i, part in enumerate(parts):
-        loop = checking_loop(part)
-        if loop is None:
+        checked = checking_loop(part)
+        if checked is None:
             continue
+        loop, frame = checked
         loop_value = loop.value
-        cap = write_cap(part, loop)
-        if cap is not None and part.writes.get(loop.value, 0) + 1 >= cap:
+        if frame.cap is not None and frame.count + 1 >= frame.cap:
             reasons[i] = "length"
         ids = stop_ids(part, loop)
         if ids:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from mstar.engine.messages import StreamEnd, StreamItems, StreamSegment
 from mstar.engine.worker.rows import PartitionRun, RequestRun, StreamItem
 from mstar.engine.movement.tensor_store import TensorRef
-from mstar.graph import Step, StreamPlan
+from mstar.graph import StreamPlan
 
 if TYPE_CHECKING:
     from mstar.engine.worker.walker import Walker
@@ -158,12 +158,13 @@ class Streams:
         if cons.pending:
             start, end, index = cons.pending.pop(0)
             refs = cons.items[start - cons.item_base: end - cons.item_base]
-            step = cons.plan.nodes[0]
-            assert isinstance(step, Step) and cons.plan.stream is not None
+            step = cons.current_step()
+            assert cons.plan.stream is not None
             for name in step.outputs:  # a seeded consumer draws by its chunk's place in the segment
                 cons.writes[name] = index
-            inputs: dict[str, TensorRef | list[StreamItem]] = {
-                n: refs if n == cons.plan.stream.source else cons.values[n] for n in step.inputs}
+            inputs: dict[str, TensorRef | list[StreamItem] | int] = {
+                n: refs if n == cons.plan.stream.source else index if n == "@chunk" else cons.values[n]
+                for n in step.inputs}
             self.walker.enqueue(cons, step, inputs)
         elif cons.closed:
             self.walker.finish(cons, cons.request.root_reason or "stop")

@@ -63,7 +63,7 @@ class Turns:
         part.request.input_open = False
         if part.awaiting_input and not part.request.more:
             part.awaiting_input = False
-            part.cursor = len(part.plan.nodes)
+            self.walker.restart(part, len(part.plan.program))
             self.walker.finish(part, part.request.root_reason or "stop")
 
     # ------------------------------------------------- from the walker
@@ -103,7 +103,7 @@ class Turns:
         run.root_reason = None
         if room < 1:  # the context is full: the request ends as if its cap was reached
             run.root_reason = "length"
-            part.cursor = len(part.plan.nodes)
+            walker.restart(part, len(part.plan.program))
             walker.finish(part, "length")
             return
         for name in [n for n in part.values if n == run.walk.more_input or n not in run.walk.inputs]:
@@ -112,5 +112,5 @@ class Turns:
         part.writes.clear()
         part.seen = None  # the repetition penalty looks at this turn only, as a request of its own would
         part.turn_cap = room
-        part.cursor = 0
+        walker.restart(part, 0)
         walker.advance(part)

@@ -1,11 +1,13 @@
 """Advances requests along their walks on one device worker.
 
 After each step the worker hands the walker what every row wrote; the walker
-moves each partition's cursor: a loop whose stop rule does not hold is queued
-again with its own output as input (loop-back, the value never leaves the
-device), a stream producer's writes are appended to its consumer's buffer and
-cut into chunks, fan-outs start their branches, and a partition with no nodes
-left finishes. Pages and tensor references are released as partitions finish.
+moves each partition's cursor through its program (`graph/program.py`): a
+loop whose stop rule does not hold goes round again (its body's first step
+reads the loop's value where the last round left it, on the device), a loop
+whose rule holds is left, with what it collected; a stream producer's writes
+are appended to its consumer's buffer and cut into chunks, fan-outs start
+their branches, and a partition whose cursor passes its last step finishes.
+Pages and tensor references are released as partitions finish.
 """
 
 from __future__ import annotations
@@ -17,29 +19,26 @@ import torch
 from mstar.engine.memory.kv_cache import SwappedKV
 from mstar.engine.worker.loop_group import Leave, LoopGroup, runs_in_group
 from mstar.engine.messages import Finished, Submit
-from mstar.engine.worker.rows import PartitionRun, RequestRun, StreamItem
-from mstar.engine.worker.stop_rules import checking_loop, stop_ids, write_cap
+from mstar.engine.worker.rows import Frame, PartitionRun, RequestRun, StreamItem
+from mstar.engine.worker.stop_rules import stop_ids, write_cap
 from mstar.engine.worker.stream_edges import Send, Streams
 from mstar.engine.movement.tensor_store import TensorRef, TensorStore
 from mstar.engine.worker.turns import Turns
 from mstar.errors import ConfigError
-from mstar.graph import Component, Kind, Loop, Step, WalkPlan, step_bindings
-from mstar.graph.signatures import BUILTINS
+from mstar.graph import Back, Collect, Component, Enter, Kind, Run, Step, WalkPlan, step_bindings
 from mstar.scheduler import PagePool, Scheduler, WorkItem
 
 
 def check_runnable(plans: dict[str, WalkPlan], components: dict[str, Component]) -> None:
     """Refuse, at engine start, walks that compile but that the walker cannot
-    run yet: steps reading a built-in value (`@i`, `@chunk`), modes that
-    restart the cache or attend non-causally, and modes sampling two tokens."""
+    run yet: modes that restart the cache or attend non-causally, and modes
+    sampling two tokens."""
     for walk in plans.values():
         for part in walk.partitions.values():
-            for node in part.nodes:
-                step = node.step if isinstance(node, Loop) else node
+            for step in part.steps:
                 sig = components[step.component].signatures.get(step.mode)
-                reason = next((f"reads '{v}': the runtime does not supply built-in values ({', '.join(BUILTINS)}) "
-                               f"yet" for v in step.inputs if v in BUILTINS), None)
-                if reason is None and sig is not None and (sig.reset or not sig.causal):
+                reason = None
+                if sig is not None and (sig.reset or not sig.causal):
                     reason = f"mode '{step.mode}' restarts the cache or attends non-causally: not run yet"
                 if reason is None and sig is not None and sum(o.kind is Kind.TOKEN for o in sig.outputs) > 1:
                     reason = f"mode '{step.mode}' samples more than one token output: not run yet"
@@ -96,7 +95,7 @@ class Walker:
         rid = run.request_id
         for name, tensor in sub.values.items():
             root.values[name] = TensorRef(self.store.put(tensor, (rid,)))
-        self._fork(root, -1)
+        self._fork(root, 0)
         self.advance(root)
 
     def _add_partition(self, run: RequestRun, name: str) -> PartitionRun:
@@ -105,8 +104,9 @@ class Walker:
         run.live += 1
         return part
 
-    def _fork(self, part: PartitionRun, after: int) -> None:
-        for name in part.request.walk.forks.get((part.name, after), ()):
+    def _fork(self, part: PartitionRun, at: int) -> None:
+        """Start the fan-out branches that start when `part`'s cursor reaches `at`."""
+        for name in part.request.walk.forks.get((part.name, at), ()):
             branch = self._add_partition(part.request, name)
             for value, ref in part.values.items():
                 self.store.retain(ref, part.request_id)
@@ -116,21 +116,99 @@ class Walker:
     # ------------------------------------------------------------ queueing
 
     def advance(self, part: PartitionRun) -> None:
-        """Queue the node under the cursor, or finish the partition."""
+        """Queue the step under the cursor, or finish the partition."""
         if part.done:
             return
         if part.plan.stream is not None:
             self.streams.pump(part)
             return
-        if part.cursor >= len(part.plan.nodes):
+        self._settle(part)
+        ins = part.instr()
+        if ins is None:
             self.finish(part, part.request.root_reason or "stop")
             return
-        node = part.node()
-        if isinstance(node, Loop) and self._join_group(part, node):
+        if ins.enters and (not part.loops or part.loops[-1].loop != ins.checks):
+            assert ins.checks is not None
+            self._push(part, ins.checks)  # the loop starts with this step's write
+        if ins.checks is not None and self._join_group(part, ins):
             return
-        self.enqueue(part, part.current_step(), {n: part.values[n] for n in part.current_step().inputs})
+        inputs: dict[str, TensorRef | list[StreamItem] | int] = {
+            n: part.loops[ins.depth - 1].iteration if n == "@i" else part.values[n] for n in ins.step.inputs}
+        self.enqueue(part, ins.step, inputs)
 
-    def enqueue(self, part: PartitionRun, step: Step, inputs: dict[str, TensorRef | list[StreamItem]]) -> None:
+    # ---------------------------------------------------------- the cursor
+
+    def _settle(self, part: PartitionRun) -> None:
+        """Move the cursor over loop marks to the next step: `Enter` starts a
+        loop, `Back` goes round again."""
+        program = part.plan.program
+        while part.pc < len(program) and not isinstance(program[part.pc], Run):
+            ins = program[part.pc]
+            if isinstance(ins, Enter):
+                self._push(part, ins.loop)
+                self._move(part, part.pc + 1)
+            else:
+                assert isinstance(ins, Back) and part.loops[-1].loop == ins.loop
+                part.loops[-1].iteration += 1
+                part.pc = part.plan.loops[ins.loop].body
+
+    def _move(self, part: PartitionRun, pc: int) -> None:
+        """Move the cursor forward to `pc`, starting the fan-outs it passes."""
+        before, part.pc = part.pc, pc
+        for at in range(before + 1, pc + 1):
+            self._fork(part, at)
+
+    def _push(self, part: PartitionRun, loop: int) -> None:
+        """Start loop `loop`: its cap is fixed now, and its collection starts
+        with the values its `Collect` puts first."""
+        spec = part.plan.loops[loop].loop
+
+        def read(value: str) -> int:
+            return int(self.store.get(part.values[value]).reshape(-1)[0])
+
+        frame = Frame(loop, write_cap(part, spec, read))
+        if spec.collect is not None:
+            for value in spec.collect.first:
+                ref = part.values[value]
+                self.store.retain(ref, part.request_id)
+                frame.collected.append(ref)
+        part.loops.append(frame)
+
+    def _exit(self, part: PartitionRun, loop: int) -> None:
+        """Leave loop `loop` (and the loops inside it): what it collected is
+        written, and the cursor goes past it."""
+        while True:
+            frame = part.loops.pop()
+            if frame.loop == loop:
+                break
+            self._drop_frame(part, frame)
+        spec = part.plan.loops[loop]
+        if spec.loop.collect is not None:
+            self._collect(part, spec.loop.collect, frame)
+        self._move(part, spec.exit)
+
+    def _collect(self, part: PartitionRun, collect: Collect, frame: Frame) -> None:
+        rid = part.request_id
+        stacked = torch.stack([self.store.get(ref) for ref in frame.collected])
+        self._drop_frame(part, frame)
+        self._write(part, collect.into, TensorRef(self.store.put(stacked, (rid,))), None)
+
+    def _drop_frame(self, part: PartitionRun, frame: Frame) -> None:
+        for ref in frame.collected:
+            self.store.release(ref, part.request_id)
+        frame.collected.clear()
+
+    def restart(self, part: PartitionRun, pc: int) -> None:
+        """Put the cursor at `pc` outside every loop (a turn starts over at 0,
+        or a partition closes past its end)."""
+        while part.loops:
+            self._drop_frame(part, part.loops.pop())
+        part.pc = pc
+
+    # ------------------------------------------------------------ queueing
+
+    def enqueue(self, part: PartitionRun, step: Step,
+                inputs: dict[str, TensorRef | list[StreamItem] | int]) -> None:
         rid = part.request_id
         for refs in inputs.values():
             for ref in refs if isinstance(refs, list) else (refs,):
@@ -141,14 +219,14 @@ class Walker:
         if pool is not None:
             num_tokens = self._num_tokens(step, inputs)
             total = part.kv_tokens + num_tokens
-            if not part.pages or part.cursor == 0:  # a request's first step, or a later turn's
+            if not part.pages or part.pc == 0:  # a request's first step, or a later turn's
                 total += self._reserve(part)
             pages = max(0, pool.pages_for(min(total, self.max_model_len)) - len(part.pages))
         part.busy = True
         self.scheduler.add(WorkItem(rid, part.name, step.component, step.mode, num_tokens, pages,
                                     payload=(part, inputs), starts_row=pool is not None and not part.pages))
 
-    def _num_tokens(self, step: Step, inputs: dict[str, TensorRef | list[StreamItem]]) -> int:
+    def _num_tokens(self, step: Step, inputs: dict[str, TensorRef | list[StreamItem] | int]) -> int:
         """The new tokens a KV step brings: its query input's ids, or its rows
         of embeddings; a name-only mode's first input is its ids."""
         comp = self.components.get(step.component)
@@ -167,29 +245,32 @@ class Walker:
 
     def _reserve(self, part: PartitionRun) -> int:
         """Tokens a KV partition will append after its first step: the cap of
-        the loop that follows, so admission reserves the whole request once."""
-        nxt = part.plan.nodes[part.cursor + 1] if part.cursor + 1 < len(part.plan.nodes) else None
-        if not isinstance(nxt, Loop) or self.lazy_pages:
+        the loop that step enters, so admission reserves the whole request once."""
+        ins = part.instr()
+        if ins is None or not ins.enters or self.lazy_pages:
             return 0
-        return write_cap(part, nxt) or 0
+        return part.loops[-1].cap or 0
 
-    def _join_group(self, part: PartitionRun, loop: Loop) -> bool:
+    def _join_group(self, part: PartitionRun, ins: Run) -> bool:
         """Hand a token loop to its `LoopGroup`; False when the loop does not
-        qualify (not a sampling KV component reading back its own token, no
-        write cap, or pages that do not cover the cap) and runs item by item."""
-        step = loop.step
-        if (step.component not in self.token_loops or step.inputs != (loop.value,)
-                or len(step.outputs) != 1):
+        qualify (a body other than one step of a sampling KV component reading
+        back its own token, a collection, no write cap, or pages that do not
+        cover the cap) and runs item by item."""
+        assert ins.checks is not None
+        loop = part.plan.loops[ins.checks].loop
+        step = ins.step
+        if (ins.enters or loop.body != (step,) or loop.collect is not None or step.component not in self.token_loops
+                or step.inputs != (loop.value,) or len(step.outputs) != 1):
             return False
         comp = self.components.get(step.component)
         if part.rope_delta or (comp is not None and not runs_in_group(comp, step.mode)):
             return False  # positions beyond its cached length, or outputs a group does not keep
-        cap = write_cap(part, loop)
-        count = part.writes.get(loop.value, 0)
+        frame = part.loops[-1]
+        cap, count = frame.cap, frame.count
         pool = self.pools[step.component]
         if cap is None or (not self.lazy_pages and pool.pages_for(part.kv_tokens + cap - count) > len(part.pages)):
             return False
-        key = (part.request.walk.name, part.name, part.cursor)
+        key = (part.request.walk.name, part.name, part.pc)
         group = self.groups.get(key)
         if group is None:
             group = self.groups[key] = LoopGroup(step.component, step.mode, loop, self.device)
@@ -206,7 +287,9 @@ class Walker:
         it waits in its loop's queue for as many pages, then resumes."""
         part = leave.part
         part.swapped = swapped
-        part.values[part.node().value] = TensorRef(self.store.put(leave.token, (part.request_id,)))
+        loop = part.loop()
+        assert loop is not None
+        part.values[loop.value] = TensorRef(self.store.put(leave.token, (part.request_id,)))
         part.busy = True
         step = part.current_step()
         self.scheduler.add(WorkItem(part.request_id, part.name, step.component, step.mode, 1, swapped.num_pages,
@@ -221,7 +304,9 @@ class Walker:
     def left_group(self, leave: Leave) -> None:
         """A row's loop stopped inside its group: move it on like any row."""
         part = leave.part
-        value = part.node().value
+        loop = part.loop()
+        assert loop is not None
+        value = loop.value
         ref = TensorRef(self.store.put(leave.token, (part.request_id,)))
         host = {value: leave.host_token} if leave.host_token is not None else None
         self.completed(part, {value: ref}, leave.reason, host)
@@ -248,43 +333,50 @@ class Walker:
     def completed(self, part: PartitionRun, outputs: dict[str, TensorRef], reason: str | None,
                   tokens: dict[str, int] | None = None) -> None:
         """Row `part` of a finished step wrote `outputs` (one reference each,
-        owned by its request); move the partition on. `tokens`: the sampled
-        token ids among them, already on the host; streams take those as
-        ints, like the tokens of a loop group."""
+        owned by its request); move the partition on. `reason`: the stop
+        rule of the loop judging the step held ("stop", "length"). `tokens`:
+        the sampled token ids among the outputs, already on the host; streams
+        take those as ints, like the tokens of a loop group."""
         part.busy = False
         if part.done:
             for ref in outputs.values():
                 self.store.release(ref, part.request_id)
             return
-        loop = checking_loop(part)
         for name, ref in outputs.items():
-            old = part.values.get(name)
-            if old is not None:
-                self.store.release(old, part.request_id)
-            part.values[name] = ref
-            part.writes[name] = part.writes.get(name, 0) + 1
-            self.streams.feed(part, name, tokens[name] if tokens and name in tokens else ref)
+            self._write(part, name, ref, tokens.get(name) if tokens else None)
         if part.plan.stream is not None:
             self.streams.consumed(part)
             return
-        node = part.node()
-        before = part.cursor
-        if reason is not None and loop is not None:
-            if self.turns.ends_turn(part, reason):
+        ins = part.instr()
+        if reason is not None and ins is not None and ins.checks is not None:
+            top = part.loops[0].loop == ins.checks  # a top-level loop ends a turn, or the partition's work
+            loop = part.plan.loops[ins.checks].loop
+            if top and self.turns.ends_turn(part, reason):
                 self.turns.end(part, loop, reason, tokens.get(loop.value) if tokens else None)
                 return
-            if part.plan.parent is None:
+            if top and part.plan.parent is None:
                 part.request.root_reason = reason
-            # leave the loop: past it, or past the step and the loop it skips
-            part.cursor += 1 if isinstance(node, Loop) else 2
-        elif isinstance(node, Loop):
-            self.advance(part)  # loop-back
-            return
+            self._exit(part, ins.checks)
         else:
-            part.cursor += 1
-        for index in range(before, part.cursor):
-            self._fork(part, index)
+            self._move(part, part.pc + 1)
         self.advance(part)
+
+    def _write(self, part: PartitionRun, name: str, ref: TensorRef, token: int | None) -> None:
+        """`part` wrote `ref` as value `name`: counted by the loops it is in,
+        gathered by their collections, fed to the streams it sources."""
+        old = part.values.get(name)
+        if old is not None:
+            self.store.release(old, part.request_id)
+        part.values[name] = ref
+        part.writes[name] = part.writes.get(name, 0) + 1
+        for frame in part.loops:
+            loop = part.plan.loops[frame.loop].loop
+            if loop.value == name:
+                frame.count += 1
+            if loop.collect is not None and loop.collect.each == name:
+                self.store.retain(ref, part.request_id)
+                frame.collected.append(ref)
+        self.streams.feed(part, name, token if token is not None else ref)
 
     # ---------------------------------------------------------- finishing
 
@@ -296,6 +388,7 @@ class Walker:
         rid = run.request_id
         if part.plan.parent is None and part.plan.stream is None and run.root_reason is None:
             run.root_reason = reason
+        self.restart(part, part.pc)
         for ref in part.values.values():
             self.store.release(ref, rid)
         part.values.clear()
