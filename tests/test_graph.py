@@ -79,10 +79,10 @@ def test_unknown_components_modes_and_emits_are_refused() -> None:
         compile_walk("w", Walk(Step("llm", "prefill", "x", "y"), Emit("audio"), inputs=("x",)), COMPONENTS)
 
 
-def test_a_stream_must_come_from_a_loop() -> None:
-    walk = Walk(Step("llm", "prefill", "x", "token"),
-                Stream("token", Step("codec", "window", "token", "pcm"), FixedChunks(4)), inputs=("x",))
-    with pytest.raises(WalkError, match="not written by a loop"):
+def test_a_stream_must_come_after_a_step_writing_its_source() -> None:
+    walk = Walk(Stream("token", Step("codec", "window", "token", "pcm"), FixedChunks(4)),
+                Step("llm", "prefill", "x", "token"), inputs=("x",))
+    with pytest.raises(WalkError, match="not written by a step of"):
         compile_walk("w", walk, COMPONENTS)
 
 

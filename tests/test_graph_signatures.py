@@ -95,7 +95,7 @@ def test_optional_inputs_may_be_left_out_and_a_kv_append_may_write_nothing() -> 
     ((Step("talker", "talk", {"ids": "prompt_ids", "h": "mel", "j": "@i"}, {"code": "c"}),), "talker.talk",
      "outside a loop"),
     ((Step("codec", "chunk", {"codes": "mel", "index": "@chunk"}, {"pcm": "p"}),), "codec.chunk",
-     "outside a stream consumer"),
+     "in a step that reads no stream"),
     ((Step("codec", "chunk", {"codes": "mel", "index": "@step"}, {"pcm": "p"}),), "codec.chunk", "no built-in"),
     ((Step("plain", "tick", {"x": "mel"}, "y"),), "plain.tick", "declares no signature"),
     ((Step("enc", "encode", {"mel": "mel"}, ()),), "enc.encode", "writes nothing"),

@@ -110,6 +110,17 @@ class Finished:
 
 
 @dataclass(eq=False)
+class StreamStart:
+    """The producer wrote its first item into consumer `consumer`, which
+    starts with `values` (the producer's values it reads: tensor references
+    on `Forward.device`); its items follow in the same `Forward`."""
+
+    request_id: str
+    consumer: str
+    values: dict
+
+
+@dataclass(eq=False)
 class StreamItems:
     """Items a producer on another worker wrote into stream consumer
     `consumer`: token ids, or references to tensors on `Forward.device`."""

@@ -10,21 +10,25 @@ from dataclasses import dataclass, field
 
 from mstar.errors import WalkError
 from mstar.graph.chunks import ChunkPolicy
-from mstar.graph.nodes import Emit, FanOut, Loop, Node, Step, Stream, Walk
+from mstar.graph.nodes import Emit, FanOut, Loop, Node, Partition, Step, Stream, Walk
 from mstar.graph.program import Instr, LoopPlan, ProgramBuilder, Run
 from mstar.graph.signatures import ACCEPTS, BUILTINS, Component, In, Kind, Mode, Out
-from mstar.graph.stops import HostStop, MaxSteps
+from mstar.graph.stops import HostStop, MaxSteps, StreamDone
 
 
 @dataclass(frozen=True)
 class StreamPlan:
-    """A stream edge: `source` written by `producer`'s loop feeds `consumer`."""
+    """A stream edge: `source` written by `producer` feeds `consumer`, which
+    reads it as `as_`; `carries`: the producer's values the consumer reads,
+    handed over when the first item starts it."""
 
     source: str
     producer: str
     consumer: str
     chunks: ChunkPolicy
     accept: tuple[int, int] | None = None
+    as_: str = ""
+    carries: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -33,8 +37,8 @@ class PartitionPlan:
     declared, `program` as the worker runs them (`program.py`), with `loops`
     indexed by its instructions.
 
-    A stream consumer has `stream` set: it runs its single step once per chunk.
-    A fan-out branch has `parent` set: it starts when the parent's cursor
+    A stream consumer has `stream` set: its steps that read `stream.as_` take
+    the stream's next chunk each time they run. A fan-out branch has `parent` set: it starts when the parent's cursor
     reaches `starts_at`.
     """
 
@@ -115,6 +119,7 @@ class _Builder:
         self.written: set[str] = set(walk.inputs)
         self.kinds: dict[str, Kind] = {}  # what the steps' signatures say each value is (walk inputs: unsaid)
         self.collected: set[str] = set()  # values loops collect (the walker writes them, not a step)
+        self._reading: str | None = None  # the stream value of the consumer partition being compiled
 
     def fail(self, where: str, reason: str) -> WalkError:
         return WalkError(self.name, where, reason)
@@ -162,8 +167,7 @@ class _Builder:
                 return n.step.component
         return None
 
-    def _check_step(self, step: Step, available: set[str], where: str, *, in_loop: bool = False,
-                    stream_source: str | None = None) -> None:
+    def _check_step(self, step: Step, available: set[str], where: str, *, in_loop: bool = False) -> None:
         comp = self.components.get(step.component)
         if comp is None:
             raise self.fail(where, f"unknown component '{step.component}'")
@@ -173,8 +177,9 @@ class _Builder:
             if value in BUILTINS:
                 if value == "@i" and not in_loop:
                     raise self.fail(where, "reads '@i' (the loop's iteration) outside a loop")
-                if value == "@chunk" and stream_source is None:
-                    raise self.fail(where, "reads '@chunk' (the stream chunk's index) outside a stream consumer")
+                if value == "@chunk" and (self._reading is None or self._reading not in step.inputs):
+                    raise self.fail(where, "reads '@chunk' (the stream chunk's index) in a step that reads no "
+                                           "stream")
             elif value.startswith("@"):
                 raise self.fail(where, f"reads '{value}', which is no built-in value ({sorted(BUILTINS)})")
             elif value not in available:
@@ -195,7 +200,7 @@ class _Builder:
             raise self.fail(where, f"leaves the inputs {missing} of mode '{step.mode}' unbound")
         for name, value in reads.items():
             want = sig.input(name).kind
-            got = BUILTINS.get(value) or (None if value == stream_source else self.kinds.get(value))
+            got = BUILTINS.get(value) or (None if value == self._reading else self.kinds.get(value))
             if got is not None and got not in ACCEPTS[want]:
                 raise self.fail(where, f"reads '{value}' ({got.value}) as '{name}', which takes "
                                        f"{want.value}")
@@ -205,29 +210,29 @@ class _Builder:
             self.kinds[value] = sig.output(name).kind
 
     def _partition(self, pname: str, nodes: tuple[Node, ...], available: set[str],
-                   parent: str | None, starts_at: int) -> None:
+                   parent: str | None, starts_at: int, stream: StreamPlan | None = None) -> None:
         if pname in self.partitions:
             raise self.fail(pname, f"partition '{pname}' is declared twice")
         seq: list[Step | Loop] = []
-        loop_values: set[str] = set()
+        written: dict[str, set[str]] = {}  # value -> what is available once the partition first wrote it
         program = ProgramBuilder()
         prev: int | None = None  # the Run a loop right after it may be entered by
-        self.partitions[pname] = PartitionPlan(pname, (), parent=parent, starts_at=starts_at)
+        self.partitions[pname] = PartitionPlan(pname, (), stream=stream, parent=parent, starts_at=starts_at)
         for node in nodes:
             if isinstance(node, Step):
                 self._check_step(node, available, node.label)
                 seq.append(node)
                 available |= set(node.outputs)
+                _first_writes(written, node.outputs, available)
                 prev = program.add(node, prev)
             elif isinstance(node, Loop):
                 entering = program.program[prev].step if prev is not None else None
-                self._check_loop(node, available, f"loop {node.step.label}", (), entering)
+                self._check_loop(node, available, f"loop {node.step.label}", (), entering, written)
                 seq.append(node)
-                loop_values.add(node.value)
                 program.add(node, prev)
                 prev = None
             elif isinstance(node, Stream):
-                self._stream(node, pname, available, loop_values)
+                self._stream(node, pname, written)
             elif isinstance(node, Emit):
                 self.emits[node.value] = node
             elif isinstance(node, FanOut):
@@ -241,29 +246,42 @@ class _Builder:
             else:
                 raise self.fail(repr(node), "is not a walk node")
         self.written |= available
-        self.partitions[pname] = PartitionPlan(pname, tuple(seq), parent=parent, starts_at=starts_at,
+        self.partitions[pname] = PartitionPlan(pname, tuple(seq), stream=stream, parent=parent, starts_at=starts_at,
                                                program=tuple(program.program), loops=tuple(program.loops))
         if not seq:
             raise self.fail(pname, "the partition has no steps")
 
-    def _stream(self, node: Stream, pname: str, available: set[str], loop_values: set[str]) -> None:
+    def _stream(self, node: Stream, pname: str, written: dict[str, set[str]]) -> None:
         where = f"stream {node.source}"
         if node.into is None:
             raise self.fail(where, "the stream has no consumer")
-        if node.source not in loop_values:
-            raise self.fail(where, f"'{node.source}' is not written by a loop before the stream")
-        consumer = node.partition or node.into.component
-        self._check_step(node.into, available | {node.source}, f"{where} -> {node.into.label}",
-                         stream_source=node.source)
-        plan = StreamPlan(node.source, pname, consumer, node.chunks, node.accept)
-        self.streams.setdefault(node.source, []).append(plan)
+        if node.source not in written:
+            raise self.fail(where, f"'{node.source}' is not written by a step of '{pname}' before the stream")
+        as_ = node.as_ or node.source
+        if isinstance(node.into, Partition):
+            consumer, nodes = node.into.name, node.into.nodes
+        else:  # one step per chunk, for as long as the stream runs
+            consumer = node.partition or node.into.component
+            if not node.into.outputs:
+                raise self.fail(f"{where} -> {node.into.label}", "writes nothing")
+            nodes = (Loop(node.into, until=StreamDone()),)
         if consumer in self.partitions:
             raise self.fail(where, f"partition '{consumer}' is declared twice")
-        self.partitions[consumer] = PartitionPlan(consumer, (node.into,), stream=plan, program=(Run(node.into),))
-        self.written |= set(node.into.outputs)
+        reads = _reads(nodes)
+        if as_ not in reads:
+            raise self.fail(where, f"flows into '{consumer}' as '{as_}', which none of its steps reads")
+        offered = written[node.source] - {node.source}  # what the producer has written by its first item
+        plan = StreamPlan(node.source, pname, consumer, node.chunks, node.accept, as_,
+                          tuple(sorted((offered - {as_}) & reads)))
+        self.streams.setdefault(node.source, []).append(plan)
+        reading, self._reading = self._reading, as_
+        try:
+            self._partition(consumer, nodes, offered | {as_}, parent=None, starts_at=0, stream=plan)
+        finally:
+            self._reading = reading
 
     def _check_loop(self, loop: Loop, available: set[str], where: str, around: tuple[Loop, ...],
-                    entering: Step | None) -> None:
+                    entering: Step | None, written: dict[str, set[str]]) -> None:
         """Check `loop` (inside the loops `around`, outermost first), entered
         after `entering` (the step just before it at its level, or None), and
         add what it writes to `available`."""
@@ -274,6 +292,8 @@ class _Builder:
         rules = loop.until.rules()
         if around and any(isinstance(r, HostStop) for r in rules):
             raise self.fail(where, "HostStop ends a partition's top-level loop; a nested loop cannot use it")
+        if self._reading is None and any(isinstance(r, StreamDone) for r in rules):
+            raise self.fail(where, "StreamDone ends a loop of a stream's consumer; this partition reads no stream")
         for rule in rules:
             if isinstance(rule, MaxSteps) and rule.value is not None and rule.value not in available:
                 raise self.fail(where, f"caps its steps at '{rule.value}', which nothing writes before the loop")
@@ -301,9 +321,10 @@ class _Builder:
                     raise self.fail(label, f"writes the values of two loops it runs in ({ours})")
                 inner |= set(child.outputs)
                 direct |= set(child.outputs)
+                _first_writes(written, child.outputs, inner)
                 prev = child
             elif isinstance(child, Loop):
-                self._check_loop(child, inner, f"{where}/loop {child.step.label}", (*around, loop), prev)
+                self._check_loop(child, inner, f"{where}/loop {child.step.label}", (*around, loop), prev, written)
                 prev = None
             elif isinstance(child, Emit):
                 self.emits[child.value] = child
@@ -317,6 +338,7 @@ class _Builder:
             inner.add(collect.into)
             self.kinds[collect.into] = Kind.TENSOR
             self.collected.add(collect.into)
+            _first_writes(written, (collect.into,), inner)
         available |= inner
 
 
@@ -328,4 +350,30 @@ def _writes(loop: Loop) -> set[str]:
             out |= set(child.outputs)
         elif isinstance(child, Loop):
             out |= _writes(child) | ({child.collect.into} if child.collect else set())
+    return out
+
+
+def _first_writes(written: dict[str, set[str]], values: tuple[str, ...], available: set[str]) -> None:
+    for value in values:
+        written.setdefault(value, set(available))
+
+
+def _reads(nodes: tuple) -> set[str]:
+    """Every value the steps among `nodes` read (and their loops' caps and
+    collections), inside loops, fan-outs and the consumers of their streams
+    too."""
+    out: set[str] = set()
+    for node in nodes:
+        if isinstance(node, Step):
+            out |= set(node.inputs)
+        elif isinstance(node, Loop):
+            out |= _reads(node.body)
+            rules = node.until.rules() if node.until is not None else ()
+            out |= {r.value for r in rules if isinstance(r, MaxSteps) and r.value is not None}
+            out |= set(node.collect.first) if node.collect is not None else set()
+        elif isinstance(node, FanOut):
+            for branch in node.branches:
+                out |= _reads(branch)
+        elif isinstance(node, Stream) and node.into is not None:
+            out |= _reads(node.into.nodes if isinstance(node.into, Partition) else (node.into,))
     return out

@@ -1,5 +1,5 @@
 """The nodes a walk is built from: `Step` (one batched call of a component's
-mode), `Loop` (and what it may `Collect`), `Stream` (a producer's writes into a concurrent consumer),
+mode), `Loop` (and what it may `Collect`), `Stream` (into a `Partition`) (a producer's writes into a concurrent consumer),
 `Emit` (a value to the client), `FanOut`, and `Walk` itself. Plain
 declarations: `compile.py` checks them and turns them into a plan."""
 
@@ -130,18 +130,37 @@ def _first_step(body: tuple) -> Step | None:
     return None
 
 
+@dataclass(frozen=True, init=False)
+class Partition:
+    """A sub-walk of its own, `Partition(name, *nodes)`: the consumer of a
+    stream that prefills, loops with its own KV cache and streams on, beside
+    its producer."""
+
+    name: str
+    nodes: tuple[Node, ...]
+
+    def __init__(self, name: str, *nodes: Node) -> None:
+        object.__setattr__(self, "name", name)
+        object.__setattr__(self, "nodes", tuple(nodes))
+
+
 @dataclass(frozen=True)
 class Stream:
-    """Items written by a producer loop flow, in chunks, into `into`, which
-    runs concurrently as its own partition (named `partition` or after the
-    consumer's component). With `accept`, only integer items in that id range
-    enter (a speech LM's audio tokens, not its control tokens)."""
+    """Each write of `source` by its partition is an item that flows, in
+    chunks (`chunks`), into `into`, which runs concurrently as a partition of
+    its own: a `Partition`, or one `Step` run once per chunk (a partition
+    named `partition` or after the step's component). The consumer reads the
+    stream as the value `as_` (default: `source`) and starts at the first
+    item, with the values it reads that its producer had written by then.
+    With `accept`, only integer items in that id range enter (a speech LM's
+    audio tokens, not its control tokens)."""
 
     source: str
-    into: Step | None
+    into: Step | Partition | None
     chunks: ChunkPolicy
     partition: str | None = None
     accept: tuple[int, int] | None = None  # only integer items in [lo, hi) enter the stream
+    as_: str | None = None
 
 
 @dataclass(frozen=True)
@@ -153,7 +172,7 @@ class Emit:
     sample_rate: int | None = None
 
 
-Node = Union[Step, Loop, Stream, Emit, "FanOut"]
+Node = Union[Step, Loop, Stream, Emit, "FanOut"]  # and a Partition, as a stream's consumer
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,12 @@ class MaxSteps(StopRule):
 
 
 @dataclass(frozen=True)
+class StreamDone(StopRule):
+    """The loop's partition reads a stream that has closed, and every chunk of
+    it was read: the loop ends when its next read finds nothing."""
+
+
+@dataclass(frozen=True)
 class HostStop(StopRule):
     """The event loop decides (stop strings, or `predicate` over each emitted
     host value). It arrives late: the worker may have launched more steps."""

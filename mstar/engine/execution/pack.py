@@ -63,9 +63,6 @@ def pack_kv(rows: list[dict[str, torch.Tensor]], reads: list[dict[str, str]], pa
             spliced = _splice(inp, rows, reads, host_ids, lens, query_start, sig.query, device)
             if spliced is not None:
                 embeds[inp.name] = spliced
-        elif inp.kind is Kind.INDEX:
-            if any(inp.name in row for row in rows):
-                raise RuntimeError(f"'{inp.name}' is a built-in value, which the runtime does not supply yet")
         elif inp.name != sig.query and inp is not pos_input and any(inp.name in row for row in rows):
             extra[inp.name] = stacked(inp, [row.get(inp.name) for row in rows], device)
     ctx = torch.tensor([p.kv_tokens for p in parts], dtype=torch.long)

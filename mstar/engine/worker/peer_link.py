@@ -1,5 +1,5 @@
-"""One worker's link to the others: the stream items, turn ends and stream
-ends its steps send to partitions running on other devices go out here, and
+"""One worker's link to the others: the stream starts, items, turn ends and
+stream ends its steps send to partitions running on other devices go out here, and
 what other workers send it comes in here.
 
 Out: messages queue per destination during a step and leave together when
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mstar.engine.messages import Forward, StreamItems, StreamSegment
+from mstar.engine.messages import Forward, StreamItems, StreamSegment, StreamStart
 from mstar.engine.worker.rows import StreamItem
 from mstar.engine.movement.tensor_store import TensorRef, TensorStore
 from mstar.engine.movement.transport import Received, Transport, is_done
@@ -74,6 +74,9 @@ class PeerLink:
             if isinstance(item, StreamItems):
                 item.items = [self._bring(i, item.request_id, msg.ready) for i in item.items]
                 streams.receive_items(item)
+            elif isinstance(item, StreamStart):
+                item.values = {k: self._bring(v, item.request_id, msg.ready) for k, v in item.values.items()}
+                streams.receive_start(item)
             elif isinstance(item, StreamSegment):
                 streams.receive_segment(item)
             else:

@@ -3,7 +3,7 @@
 A `RequestRun` is one request's walk on a worker; each of its partitions is a
 `PartitionRun` with a cursor into the partition's program (`pc`) and a
 `Frame` per loop it is in, the handles of the values it can read, its KV
-pages, and (for a stream consumer) the buffer of stream items. Only the
+pages, and (for a stream consumer) the `StreamBuffer` it reads. Only the
 owning worker thread touches these objects.
 """
 
@@ -15,14 +15,11 @@ import torch
 
 from mstar.engine.memory.kv_cache import SwappedKV
 from mstar.engine.movement.tensor_store import TensorRef
+from mstar.engine.worker.stream_buffer import StreamBuffer, StreamItem
 from mstar.graph import Loop, PartitionPlan, Run, Step, WalkPlan
 from mstar.types import SamplingParams
 
-# An item of a stream: a tensor in the store, or a token id the host already
-# holds (a token loop's output is copied to the host for its stop rules; a
-# window of ints becomes the consumer's input in one copy, not one device
-# read per token).
-StreamItem = TensorRef | int
+__all__ = ["Frame", "PartitionRun", "RequestRun", "StreamItem"]
 
 
 @dataclass(eq=False)
@@ -38,6 +35,7 @@ class RequestRun:
     input_open: bool = False
     more: list[list[int]] = field(default_factory=list)
     places: dict[str, int] = field(default_factory=dict)  # partition -> worker, where not all run here
+    started: set[str] = field(default_factory=set)  # consumers on other workers that its streams started
 
     @property
     def shared(self) -> bool:
@@ -82,15 +80,8 @@ class PartitionRun:
     turn_cap: int | None = None     # a later turn's write cap: what is left of the context
     awaiting_input: bool = False    # its turn is over and it waits for more input
     turn_token: int | None = None   # the last token of its last turn (not in the cache yet)
-    # stream consumer state
-    items: list[StreamItem] = field(default_factory=list)
-    item_base: int = 0              # stream index of items[0]
-    produced: int = 0               # stream items received so far
-    chunks_cut: int = 0
-    closed: bool = False
-    pending: list[tuple[int, int, int]] = field(default_factory=list)  # chunks cut, not run: start, end, index
-    segment_start: int = 0          # stream index where the producer's current turn began
-    segment_cuts: int = 0           # chunks cut before it
+    inbox: StreamBuffer | None = None  # a stream consumer's: what it reads
+    parked: bool = False            # a consumer waiting for its stream (to start, or for the next chunk)
 
     @property
     def request_id(self) -> str:

@@ -1,18 +1,19 @@
 """Stream edges of running requests on one worker: what a producer writes in,
-chunks for the consumer out.
+into the `StreamBuffer` of the consumer partition that reads it.
 
 Each write of a stream's source by its producer appends an item (a token id
-held on the host, or a tensor reference) to the consumer's buffer; the
-chunk policy cuts chunks, counted from the producer's current turn (a
-segment), and the consumer runs one chunk at a time. When the producer ends
-a turn its streams cut their tails and count anew; when it finishes they
-close, and the consumer finishes after its last chunk.
+held on the host, or a tensor reference) to the consumer's buffer, which cuts
+chunks by the stream's policy, counted from the producer's current turn (a
+segment). The first item starts the consumer, with the producer's values it
+reads. A consumer waiting for a chunk (parked) is woken when one is cut or
+the stream closes. When the producer ends a turn its streams cut their tails
+and count anew; when it finishes they close.
 
 A consumer may run on another worker (its component is placed on another
-device). Then what the producer writes goes out as `StreamItems`,
-`StreamSegment` and `StreamEnd` (in order, batched per step by the worker),
-and the consumer's worker takes them in through `receive_*` exactly as if
-they had been written there.
+device). Then what the producer writes goes out as `StreamStart`,
+`StreamItems`, `StreamSegment` and `StreamEnd` (in order, batched per step by
+the worker), and the consumer's worker takes them in through `receive_*`
+exactly as if they had been written there.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from mstar.engine.messages import StreamEnd, StreamItems, StreamSegment
+from mstar.engine.messages import StreamEnd, StreamItems, StreamSegment, StreamStart
 from mstar.engine.worker.rows import PartitionRun, RequestRun, StreamItem
 from mstar.engine.movement.tensor_store import TensorRef
 from mstar.graph import StreamPlan
@@ -55,9 +56,26 @@ class Streams:
             if isinstance(item, TensorRef):
                 self.store.retain(item, part.request_id)  # the consumer's reference, wherever it runs
             if cons is None:
+                if sp.consumer not in run.started:
+                    run.started.add(sp.consumer)
+                    self._send(run, sp.consumer, StreamStart(run.request_id, sp.consumer, self._carried(part, sp)))
                 self._send(run, sp.consumer, StreamItems(run.request_id, sp.consumer, [item]))
             else:
-                self._take(cons, sp, item)
+                assert cons.inbox is not None
+                if not cons.inbox.started:
+                    self._start(cons, self._carried(part, sp))
+                cons.inbox.take(item)
+                self._wake(cons)
+
+    def _carried(self, part: PartitionRun, sp: StreamPlan) -> dict[str, TensorRef]:
+        """The producer's values the consumer reads, each with a reference of
+        the consumer's."""
+        out = {}
+        for name in sp.carries:
+            ref = part.values[name]
+            self.store.retain(ref, part.request_id)
+            out[name] = ref
+        return out
 
     def end_segment(self, part: PartitionRun) -> None:
         """`part` ended a turn and will start another: its streams cut their
@@ -66,7 +84,7 @@ class Streams:
             if cons is None:
                 self._send(part.request, sp.consumer, StreamSegment(part.request_id, sp.consumer))
             else:
-                self._segment(cons, sp)
+                self._segment(cons)
 
     def close(self, part: PartitionRun) -> None:
         """`part` finished: its streams close."""
@@ -75,7 +93,7 @@ class Streams:
             if cons is None:
                 self._send(run, sp.consumer, StreamEnd(run.request_id, sp.consumer, run.root_reason or "stop"))
             else:
-                self._close(cons, sp)
+                self._close(cons)
 
     def _consumers(self, part: PartitionRun) -> Iterator[tuple[PartitionRun | None, StreamPlan]]:
         """The open consumers of `part`'s streams (None: on another worker)."""
@@ -85,7 +103,7 @@ class Streams:
                 if sp.producer != part.name:
                     continue
                 cons = run.partitions.get(sp.consumer)
-                if cons is None or not (cons.done or cons.closed):
+                if cons is None or not (cons.done or (cons.inbox is not None and cons.inbox.closed)):
                     yield cons, sp
 
     def _send(self, run: RequestRun, consumer: str, msg: object) -> None:
@@ -94,95 +112,96 @@ class Streams:
 
     # ------------------------------------------------- from another worker
 
+    def receive_start(self, msg: StreamStart) -> None:
+        cons = self._local(msg.request_id, msg.consumer)
+        if cons is None:
+            for ref in msg.values.values():
+                self.store.release(ref, msg.request_id, missing_ok=True)
+            return
+        self._start(cons, msg.values)
+
     def receive_items(self, msg: StreamItems) -> None:
-        cons, sp = self._local(msg.request_id, msg.consumer)
+        cons = self._local(msg.request_id, msg.consumer)
         if cons is None:  # the request ended here already: drop the references it sent, if still held
             for item in msg.items:
                 if isinstance(item, TensorRef):
                     self.store.release(item, msg.request_id, missing_ok=True)
             return
+        assert cons.inbox is not None
         for item in msg.items:
-            self._take(cons, sp, item)
+            cons.inbox.take(item)
+        self._wake(cons)
 
     def receive_segment(self, msg: StreamSegment) -> None:
-        cons, sp = self._local(msg.request_id, msg.consumer)
+        cons = self._local(msg.request_id, msg.consumer)
         if cons is not None:
-            self._segment(cons, sp)
+            self._segment(cons)
 
     def receive_end(self, msg: StreamEnd) -> None:
-        cons, sp = self._local(msg.request_id, msg.consumer)
+        cons = self._local(msg.request_id, msg.consumer)
         if cons is not None:
             cons.request.root_reason = cons.request.root_reason or msg.reason
-            self._close(cons, sp)
+            self._close(cons)
 
-    def _local(self, request_id: str, consumer: str) -> tuple[PartitionRun | None, StreamPlan]:
+    def _local(self, request_id: str, consumer: str) -> PartitionRun | None:
         run = self.walker.runs.get(request_id)
         cons = run.partitions.get(consumer) if run is not None else None
-        if cons is None or cons.done or cons.closed:
-            return None, None  # type: ignore[return-value]
-        assert cons.plan.stream is not None
-        return cons, cons.plan.stream
+        if cons is None or cons.done or cons.inbox is None or cons.inbox.closed:
+            return None
+        return cons
 
     # ------------------------------------------------------ consumer side
 
-    def _take(self, cons: PartitionRun, sp: StreamPlan, item: StreamItem) -> None:
-        cons.items.append(item)
-        cons.produced += 1
-        self._cut(cons, sp.chunks.ready)
-        self.pump(cons)
+    def _start(self, cons: PartitionRun, values: dict[str, TensorRef]) -> None:
+        """The first item is on its way: the consumer starts with `values`."""
+        assert cons.inbox is not None
+        cons.values.update(values)
+        cons.inbox.started = True
+        self._wake(cons)
 
-    def _segment(self, cons: PartitionRun, sp: StreamPlan) -> None:
-        self._cut(cons, sp.chunks.flush)
-        cons.segment_start, cons.segment_cuts = cons.produced, cons.chunks_cut
-        self.pump(cons)
+    def _segment(self, cons: PartitionRun) -> None:
+        assert cons.inbox is not None
+        cons.inbox.segment()
+        self._wake(cons)
 
-    def _close(self, cons: PartitionRun, sp: StreamPlan) -> None:
-        cons.closed = True
-        self._cut(cons, sp.chunks.flush)
-        self.pump(cons)
-
-    @staticmethod
-    def _cut(cons: PartitionRun, policy: Callable[[int, int], list[tuple[int, int]]]) -> None:
-        """Cut the chunks `policy` (a chunk policy's `ready` or `flush`) finds in
-        the producer's current turn: a policy counts from the turn's start."""
-        s, first = cons.segment_start, cons.chunks_cut - cons.segment_cuts
-        chunks = policy(cons.produced - s, first)
-        cons.chunks_cut += len(chunks)
-        cons.pending.extend((s + a, s + b, first + k) for k, (a, b) in enumerate(chunks))
-
-    def pump(self, cons: PartitionRun) -> None:
-        """Queue the consumer's next chunk, or finish it once its stream has
-        closed and every chunk has run."""
-        if cons.busy or cons.done:
-            return
-        if cons.pending:
-            start, end, index = cons.pending.pop(0)
-            refs = cons.items[start - cons.item_base: end - cons.item_base]
-            step = cons.current_step()
-            assert cons.plan.stream is not None
-            for name in step.outputs:  # a seeded consumer draws by its chunk's place in the segment
-                cons.writes[name] = index
-            inputs: dict[str, TensorRef | list[StreamItem] | int] = {
-                n: refs if n == cons.plan.stream.source else index if n == "@chunk" else cons.values[n]
-                for n in step.inputs}
-            self.walker.enqueue(cons, step, inputs)
-        elif cons.closed:
+    def _close(self, cons: PartitionRun) -> None:
+        assert cons.inbox is not None
+        cons.inbox.close()
+        if not cons.inbox.started:  # nothing ever came: there is nothing to run
             self.walker.finish(cons, cons.request.root_reason or "stop")
+        else:
+            self._wake(cons)
+
+    def _wake(self, cons: PartitionRun) -> None:
+        """A parked consumer may go on: a chunk was cut, or the stream closed."""
+        if cons.parked and not cons.done and cons.inbox is not None and cons.inbox.started:
+            cons.parked = False
+            self.walker.advance(cons)
+
+    def read(self, cons: PartitionRun) -> tuple[list[StreamItem], int] | None:
+        """The next chunk for the consumer's step that reads the stream, and
+        its index in the segment; None: the consumer parked (nothing cut
+        yet), or the stream is over and the walker was told (`stream_done`).
+        After the stream closed, an `Items` stream with a fill gives that."""
+        buf = cons.inbox
+        assert buf is not None
+        got = buf.next_chunk()
+        if got is not None:
+            return got
+        fill = getattr(buf.plan.chunks, "fill", None)
+        if buf.drained and fill is not None:
+            return [fill], buf.chunks_cut - buf.segment_cuts
+        if buf.drained:
+            self.walker.stream_done(cons)
+        else:
+            cons.parked = True
+        return None
 
     def consumed(self, cons: PartitionRun) -> None:
-        """A chunk ran: release the items no later chunk reads."""
-        sp = cons.plan.stream
-        assert sp is not None
-        s = cons.segment_start
-        keep = s + sp.chunks.keep_from(cons.produced - s, cons.chunks_cut - cons.segment_cuts)
-        if cons.pending:
-            keep = min(keep, cons.pending[0][0])
-        drop = max(0, keep - cons.item_base)
-        for ref in cons.items[:drop]:
+        """A step that read a chunk ran: release the items no later chunk reads."""
+        assert cons.inbox is not None
+        for ref in cons.inbox.read():
             self.release(ref, cons.request_id)
-        del cons.items[:drop]
-        cons.item_base += drop
-        self.pump(cons)
 
     def release(self, item: StreamItem, owner: str) -> None:
         if isinstance(item, TensorRef):

@@ -20,12 +20,13 @@ from mstar.engine.memory.kv_cache import SwappedKV
 from mstar.engine.worker.loop_group import Leave, LoopGroup, runs_in_group
 from mstar.engine.messages import Finished, Submit
 from mstar.engine.worker.rows import Frame, PartitionRun, RequestRun, StreamItem
+from mstar.engine.worker.stream_buffer import StreamBuffer
 from mstar.engine.worker.stop_rules import stop_ids, write_cap
 from mstar.engine.worker.stream_edges import Send, Streams
 from mstar.engine.movement.tensor_store import TensorRef, TensorStore
 from mstar.engine.worker.turns import Turns
 from mstar.errors import ConfigError
-from mstar.graph import Back, Collect, Component, Enter, Kind, Run, Step, WalkPlan, step_bindings
+from mstar.graph import Back, Collect, Component, Enter, Kind, Run, Step, StreamDone, WalkPlan, step_bindings
 from mstar.scheduler import PagePool, Scheduler, WorkItem
 
 
@@ -100,6 +101,9 @@ class Walker:
 
     def _add_partition(self, run: RequestRun, name: str) -> PartitionRun:
         part = PartitionRun(run, run.walk.partitions[name])
+        if part.plan.stream is not None:  # a consumer waits for its stream's first item to start
+            part.inbox = StreamBuffer(part.plan.stream)
+            part.parked = True
         run.partitions[name] = part
         run.live += 1
         return part
@@ -119,9 +123,6 @@ class Walker:
         """Queue the step under the cursor, or finish the partition."""
         if part.done:
             return
-        if part.plan.stream is not None:
-            self.streams.pump(part)
-            return
         self._settle(part)
         ins = part.instr()
         if ins is None:
@@ -132,9 +133,33 @@ class Walker:
             self._push(part, ins.checks)  # the loop starts with this step's write
         if ins.checks is not None and self._join_group(part, ins):
             return
-        inputs: dict[str, TensorRef | list[StreamItem] | int] = {
-            n: part.loops[ins.depth - 1].iteration if n == "@i" else part.values[n] for n in ins.step.inputs}
+        inputs: dict[str, TensorRef | list[StreamItem] | int] = {}
+        stream = part.plan.stream
+        if stream is not None and stream.as_ in ins.step.inputs:
+            chunk = self.streams.read(part)
+            if chunk is None:
+                return  # parked until a chunk is cut, or the stream is over
+            inputs[stream.as_], index = chunk
+            if "@chunk" in ins.step.inputs:
+                inputs["@chunk"] = index
+            for name in ins.step.outputs:  # a seeded consumer draws by its chunk's place in the segment
+                part.writes[name] = index
+        for n in ins.step.inputs:
+            if n not in inputs:
+                inputs[n] = part.loops[ins.depth - 1].iteration if n == "@i" else part.values[n]
         self.enqueue(part, ins.step, inputs)
+
+    def stream_done(self, part: PartitionRun) -> None:
+        """`part` reads a stream that is over: its innermost `StreamDone` loop
+        ends, or, in none, the partition."""
+        for frame in reversed(part.loops):
+            loop = part.plan.loops[frame.loop].loop
+            if loop.until is not None and any(isinstance(r, StreamDone) for r in loop.until.rules()):
+                self._exit(part, frame.loop)
+                self.advance(part)
+                return
+        self.restart(part, len(part.plan.program))
+        self.finish(part, part.request.root_reason or "stop")
 
     # ---------------------------------------------------------- the cursor
 
@@ -344,10 +369,9 @@ class Walker:
             return
         for name, ref in outputs.items():
             self._write(part, name, ref, tokens.get(name) if tokens else None)
-        if part.plan.stream is not None:
-            self.streams.consumed(part)
-            return
         ins = part.instr()
+        if part.plan.stream is not None and ins is not None and part.plan.stream.as_ in ins.step.inputs:
+            self.streams.consumed(part)
         if reason is not None and ins is not None and ins.checks is not None:
             top = part.loops[0].loop == ins.checks  # a top-level loop ends a turn, or the partition's work
             loop = part.plan.loops[ins.checks].loop
@@ -392,9 +416,9 @@ class Walker:
         for ref in part.values.values():
             self.store.release(ref, rid)
         part.values.clear()
-        for ref in part.items:
-            self.streams.release(ref, rid)
-        part.items.clear()
+        if part.inbox is not None:
+            for ref in part.inbox.clear():
+                self.streams.release(ref, rid)
         self.free_pages(part)
         run.live -= 1
         self.streams.close(part)
@@ -439,8 +463,9 @@ class Walker:
         run.root_reason = reason
         parts = [p for p in run.partitions.values() if not p.done]
         for p in parts:
-            p.pending.clear()
-            p.closed = True
+            if p.inbox is not None:
+                p.inbox.pending.clear()
+                p.inbox.closed = True
         for p in parts:
             self.finish(p, reason, error)
         return len(cancelled) + grouped

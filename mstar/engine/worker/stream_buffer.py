@@ -1,0 +1,89 @@
+"""What a consumer partition holds of the stream it reads: the items its
+producer wrote (token ids on the host, or tensor references), cut into
+chunks by the stream's chunk policy, counted from the producer's current
+turn (a segment). The consumer's step takes the next chunk; items no later
+chunk reads are dropped. Only the consumer's worker touches it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from mstar.engine.movement.tensor_store import TensorRef
+from mstar.graph import StreamPlan
+
+# An item of a stream: a tensor in the store, or a token id the host already
+# holds (a token loop's output is copied to the host for its stop rules; a
+# window of ints becomes the consumer's input in one copy, not one device
+# read per token).
+StreamItem = TensorRef | int
+
+
+@dataclass(eq=False, slots=True)
+class StreamBuffer:
+    plan: StreamPlan
+    items: list[StreamItem] = field(default_factory=list)
+    item_base: int = 0              # stream index of items[0]
+    produced: int = 0               # items received so far
+    chunks_cut: int = 0
+    pending: list[tuple[int, int, int]] = field(default_factory=list)  # chunks cut, not read: start, end, index
+    segment_start: int = 0          # stream index where the producer's current turn began
+    segment_cuts: int = 0           # chunks cut before it
+    started: bool = False           # the producer's first write started the consumer
+    closed: bool = False            # the producer finished
+
+    def take(self, item: StreamItem) -> None:
+        self.items.append(item)
+        self.produced += 1
+        self._cut(self.plan.chunks.ready)
+
+    def segment(self) -> None:
+        """The producer ended a turn: cut its tail, and count anew."""
+        self._cut(self.plan.chunks.flush)
+        self.segment_start, self.segment_cuts = self.produced, self.chunks_cut
+
+    def close(self) -> None:
+        self.closed = True
+        self._cut(self.plan.chunks.flush)
+
+    @property
+    def drained(self) -> bool:
+        """Closed, and every chunk read."""
+        return self.closed and not self.pending
+
+    def next_chunk(self) -> tuple[list[StreamItem], int] | None:
+        """The next chunk's items (still owned by the buffer) and its index
+        in the segment; None when none is cut."""
+        if not self.pending:
+            return None
+        start, end, index = self.pending.pop(0)
+        return self.items[start - self.item_base: end - self.item_base], index
+
+    def read(self) -> list[StreamItem]:
+        """A chunk was read: the items no later chunk reads, taken out (the
+        caller releases them)."""
+        s = self.segment_start
+        keep = s + self.plan.chunks.keep_from(self.produced - s, self.chunks_cut - self.segment_cuts)
+        if self.pending:
+            keep = min(keep, self.pending[0][0])
+        drop = max(0, keep - self.item_base)
+        dropped = self.items[:drop]
+        del self.items[:drop]
+        self.item_base += drop
+        return dropped
+
+    def clear(self) -> list[StreamItem]:
+        """Everything still held, taken out (the consumer ended)."""
+        dropped, self.items = self.items, []
+        self.pending.clear()
+        self.closed = True
+        return dropped
+
+    def _cut(self, policy: Callable[[int, int], list[tuple[int, int]]]) -> None:
+        """Cut the chunks `policy` (a chunk policy's `ready` or `flush`) finds in
+        the producer's current turn: a policy counts from the turn's start."""
+        s, first = self.segment_start, self.chunks_cut - self.segment_cuts
+        chunks = policy(self.produced - s, first)
+        self.chunks_cut += len(chunks)
+        self.pending.extend((s + a, s + b, first + k) for k, (a, b) in enumerate(chunks))
