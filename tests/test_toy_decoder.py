@@ -14,43 +14,15 @@ import threading
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from mstar.config import EngineConfig
 from mstar.engine.engine import Engine
-from mstar.engine.execution.sampler import SamplingTensors, sample
 from mstar.graph import BindingError, Component, Emit, In, Kind, Loop, MaxTokens, Mode, Out, Step, Walk, step_bindings
 from mstar.types import GenerateRequest, SamplingParams, TokenBatch
-from toys.audio_decoder import (DECODE, HEADS, KV_HEADS, LAYERS, MEL, PLACEHOLDER, PREFILL, VOCAB, ToyAudioModel,
-                                mrope_positions)
+from toys.audio_decoder import DECODE, MEL, PLACEHOLDER, PREFILL, VOCAB, ToyAudioModel, mrope_positions
+from toys.dense import DenseAttention, draw
 
 TOL = 1e-5
-
-
-class DenseAttention:
-    """One request's attention over a dense per-layer K/V cache."""
-
-    def __init__(self) -> None:
-        self.k: list[list[torch.Tensor]] = [[] for _ in range(LAYERS)]
-        self.v: list[list[torch.Tensor]] = [[] for _ in range(LAYERS)]
-
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                rotary: object = None) -> torch.Tensor:
-        assert rotary is None  # the toy rotates q and k itself
-        self.k[layer].append(k)
-        self.v[layer].append(v)
-        keys = torch.cat(self.k[layer]).repeat_interleave(HEADS // KV_HEADS, dim=1)
-        values = torch.cat(self.v[layer]).repeat_interleave(HEADS // KV_HEADS, dim=1)
-        n, total = q.shape[0], keys.shape[0]
-        mask = torch.arange(total)[None, :] <= (total - n + torch.arange(n))[:, None]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-                                             attn_mask=mask, scale=scale)
-        return out.transpose(0, 1)
-
-
-def _draw(logits: torch.Tensor, params: SamplingParams, seed: int, counter: int) -> int:
-    st = SamplingTensors.build([params], [seed], [counter], logits.device)
-    return int(sample(logits.float().reshape(1, -1), st, None)[0])
 
 
 @torch.inference_mode()
@@ -68,7 +40,7 @@ def reference(model: ToyAudioModel, ids: list[int], mel: torch.Tensor, params: S
     out = model.decoder.prefill(TokenBatch(
         input_ids=torch.tensor(ids), positions=pos, query_start=torch.tensor([0, n]),
         logits_index=torch.tensor([n - 1]), attn=attn, embeds={"audio": (audio, torch.tensor(at, dtype=torch.long))}))
-    tokens = [_draw(out["logits"][0], params, params.seed, 0)]
+    tokens = [draw(out["logits"][0], params, params.seed, 0)]
     prompt_hidden = out["hidden"]
     following = int(pos.max()) + 1  # decode goes on from the prompt's last position, on all three axes
     hidden = []
@@ -77,7 +49,7 @@ def reference(model: ToyAudioModel, ids: list[int], mel: torch.Tensor, params: S
             input_ids=torch.tensor([tokens[-1]]), positions=torch.full((3, 1), following + k - 1),
             query_start=torch.tensor([0, 1]), logits_index=torch.tensor([0]), attn=attn))
         hidden.append(out["hidden"][0])
-        tokens.append(_draw(out["logits"][0], params, params.seed, k))
+        tokens.append(draw(out["logits"][0], params, params.seed, k))
     return tokens, prompt_hidden, hidden
 
 
