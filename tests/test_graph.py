@@ -108,3 +108,14 @@ def test_graph_imports_without_torch() -> None:
             "sys.meta_path.insert(0, Block())\n"
             "import mstar.graph\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_more_input_names_inputs_the_first_step_reads() -> None:
+    steps = (Step("llm", "prefill", "x", "token"), Loop(Step("llm", "decode", "token", "token"), until=MaxTokens()))
+    plan = compile_walk("w", Walk(*steps, inputs=("x", "y"), more_input=("x", "y")), COMPONENTS)
+    assert plan.more_input == ("x", "y")
+    assert compile_walk("w", Walk(*steps, inputs=("x",), more_input="x"), COMPONENTS).more_input == ("x",)
+    with pytest.raises(WalkError, match=r"\['z'\] are not inputs of the walk"):
+        compile_walk("w", Walk(*steps, inputs=("x",), more_input=("x", "z")), COMPONENTS)
+    with pytest.raises(WalkError, match="first node must be a step reading one of them"):
+        compile_walk("w", Walk(*steps, inputs=("x", "y"), more_input=("y",)), COMPONENTS)

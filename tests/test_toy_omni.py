@@ -5,7 +5,8 @@ sampling key and positions; its codes streamed with left context into a
 codec. Concurrent requests of different lengths, seeds and talker sampling,
 on one worker and with the talker and codec on a second, against the same
 modules run unbatched in plain loops over dense caches: tokens and codes
-identical, samples within 1e-5."""
+identical, samples within 1e-5. Also with audio appended while requests run:
+each piece a thinker turn on its cache, the talker restarted on its own."""
 
 from __future__ import annotations
 
@@ -35,46 +36,71 @@ class Expected:
     pcm: list[torch.Tensor]
 
 
-@torch.inference_mode()
+class Reference:
+    """One request at a time, turn after turn: the thinker to its cap, then
+    the talker over the turn's items (a pass of its own, on its cache), then
+    the codec over the pass's codes in chunks. Caches and draw counters go
+    on from turn to turn."""
+
+    def __init__(self, model: ToyOmniModel) -> None:
+        self.model = model
+        self.attn, self.tattn = DenseAttention(), DenseAttention()
+        self.drawn = self.talked = 0     # draws so far: the thinker's, the talker's
+        self.last: int | None = None     # the last turn's last token, not fed back yet
+        self.start = 0                   # its position
+        self.talker_len = 0              # tokens in the talker's cache
+
+    @torch.inference_mode()
+    def turn(self, ids: list[int], mel: torch.Tensor, think: SamplingParams, talk: SamplingParams) -> Expected:
+        m = self.model
+        assert think.seed is not None
+        if self.last is not None:
+            ids = [self.last, *ids]
+        audio = m.encoder.encode([mel])["emb"][0]
+        at = torch.tensor([i for i, t in enumerate(ids) if t == PLACEHOLDER], dtype=torch.long)
+        n, pos = len(ids), mrope_positions(ids) + self.start
+        out = m.thinker.prefill(TokenBatch(
+            input_ids=torch.tensor(ids), positions=pos, query_start=torch.tensor([0, n]),
+            logits_index=torch.tensor([n - 1]), attn=self.attn, embeds={"audio": (audio, at)}))
+        text = [draw(out["logits"][0], think, think.seed, self.drawn)]
+        prompt_hidden, items = out["hidden"], [out["last"][0]]
+        following = int(pos.max()) + 1
+        for k in range(1, think.max_tokens):
+            out = m.thinker.decode(TokenBatch(
+                input_ids=torch.tensor([text[-1]]), positions=torch.full((3, 1), following + k - 1),
+                query_start=torch.tensor([0, 1]), logits_index=torch.tensor([0]), attn=self.attn))
+            items.append(out["hidden"][0])
+            text.append(draw(out["logits"][0], think, think.seed, self.drawn + k))
+        self.drawn += len(text)
+        self.last, self.start = text[-1], following + len(text) - 1
+
+        seed, t, base = key_seed(think.seed, "talker"), prompt_hidden.shape[0], self.talker_len
+        out = m.talker.prefill(TokenBatch(
+            input_ids=torch.zeros(t, dtype=torch.long), positions=torch.arange(base, base + t),
+            query_start=torch.tensor([0, t]), logits_index=torch.tensor([t - 1]), attn=self.tattn,
+            embeds={"ctx": (prompt_hidden, torch.arange(t))}))
+        codes = [draw(out["logits"][0], talk, seed, self.talked)]
+        for k, item in enumerate(items):  # one talker step per thinker item, until its own cap
+            if len(codes) >= talk.max_tokens:
+                break
+            out = m.talker.decode(TokenBatch(
+                input_ids=torch.tensor([codes[-1]]), positions=torch.tensor([base + t + k]),
+                query_start=torch.tensor([0, 1]), logits_index=torch.tensor([0]), attn=self.tattn,
+                extra={"h": item.reshape(1, 1, HIDDEN)}))
+            codes.append(draw(out["logits"][0], talk, seed, self.talked + k + 1))
+        self.talked += len(codes)
+        self.talker_len = base + t + len(codes) - 1  # the pass's last code is never fed back
+
+        pcm = []
+        for i in range((len(codes) + CHUNK - 1) // CHUNK):
+            span = codes[max(0, i * CHUNK - LEFT):(i + 1) * CHUNK]
+            pcm.append(m.codec.chunk(torch.tensor([span]), torch.tensor([i]))["pcm"][0])
+        return Expected(text, codes, pcm)
+
+
 def reference(model: ToyOmniModel, ids: list[int], mel: torch.Tensor, think: SamplingParams,
               talk: SamplingParams) -> Expected:
-    """One request at a time: the thinker to its cap, then the talker over its
-    items, then the codec over its codes' chunks."""
-    assert think.seed is not None
-    audio = model.encoder.encode([mel])["emb"][0]
-    at = torch.tensor([i for i, t in enumerate(ids) if t == PLACEHOLDER], dtype=torch.long)
-    attn, n, pos = DenseAttention(), len(ids), mrope_positions(ids)
-    out = model.thinker.prefill(TokenBatch(
-        input_ids=torch.tensor(ids), positions=pos, query_start=torch.tensor([0, n]),
-        logits_index=torch.tensor([n - 1]), attn=attn, embeds={"audio": (audio, at)}))
-    text = [draw(out["logits"][0], think, think.seed, 0)]
-    prompt_hidden, items = out["hidden"], [out["last"][0]]
-    following = int(pos.max()) + 1
-    for k in range(1, think.max_tokens):
-        out = model.thinker.decode(TokenBatch(
-            input_ids=torch.tensor([text[-1]]), positions=torch.full((3, 1), following + k - 1),
-            query_start=torch.tensor([0, 1]), logits_index=torch.tensor([0]), attn=attn))
-        items.append(out["hidden"][0])
-        text.append(draw(out["logits"][0], think, think.seed, k))
-
-    seed, tattn, t = key_seed(think.seed, "talker"), DenseAttention(), prompt_hidden.shape[0]
-    out = model.talker.prefill(TokenBatch(
-        input_ids=torch.zeros(t, dtype=torch.long), positions=torch.arange(t), query_start=torch.tensor([0, t]),
-        logits_index=torch.tensor([t - 1]), attn=tattn, embeds={"ctx": (prompt_hidden, torch.arange(t))}))
-    codes = [draw(out["logits"][0], talk, seed, 0)]
-    for k, item in enumerate(items):  # one talker step per thinker item, until its own cap
-        if len(codes) >= talk.max_tokens:
-            break
-        out = model.talker.decode(TokenBatch(
-            input_ids=torch.tensor([codes[-1]]), positions=torch.tensor([t + k]), query_start=torch.tensor([0, 1]),
-            logits_index=torch.tensor([0]), attn=tattn, extra={"h": item.reshape(1, 1, HIDDEN)}))
-        codes.append(draw(out["logits"][0], talk, seed, k + 1))
-
-    pcm = []
-    for i in range((len(codes) + CHUNK - 1) // CHUNK):
-        span = codes[max(0, i * CHUNK - LEFT):(i + 1) * CHUNK]
-        pcm.append(model.codec.chunk(torch.tensor([span]), torch.tensor([i]))["pcm"][0])
-    return Expected(text, codes, pcm)
+    return Reference(model).turn(ids, mel, think, talk)
 
 
 # (text before, audio rows, text after, thinker max_tokens, temperature, talker max_tokens, talker temperature)
@@ -136,6 +162,66 @@ async def test_toy_omni_matches_its_unbatched_reference(devices: tuple[str, ...]
             for got, ref in zip(pcm, want.pcm):
                 torch.testing.assert_close(torch.tensor(got), ref, atol=TOL, rtol=0)
         assert any(w.stats.rows > w.stats.steps for w in eng.workers)  # rows did share steps
+        for _ in range(100):
+            if len(eng.store) == 0 and eng.pages_in_use() == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert eng.pages_in_use() == 0 and len(eng.store) == 0
+    finally:
+        await eng.shutdown()
+
+
+async def _serve_turns(eng: Engine, rid: str, turns: list[tuple[list[int], torch.Tensor]], think: SamplingParams,
+                       talk: SamplingParams) -> tuple[list[int], list[int], list[list[float]], str | None]:
+    """A request that takes more audio: each later turn is appended once the
+    request has caught up with the one before; then its input closes."""
+    by = {"talker": {"max_tokens": talk.max_tokens, "temperature": talk.temperature, "top_k": talk.top_k}}
+    ids, mel = turns[0]
+    request = GenerateRequest(rid, "toy-omni", {"prompt_ids": ids, "mel": mel}, think, sampling_by=by,
+                              more_input=True)
+    text, codes, pcm, reason, sent = [], [], [], None, 1
+    async for chunk in eng.submit(request):
+        text.extend(chunk.token_ids)
+        if chunk.data is not None:
+            data = chunk.data.tolist() if hasattr(chunk.data, "tolist") else chunk.data
+            (pcm if isinstance(data, list) else codes).append(data)
+        if chunk.awaiting_input:
+            if sent < len(turns):
+                more_ids, more_mel = turns[sent]
+                eng.append(rid, {"prompt_ids": more_ids, "mel": more_mel})
+                sent += 1
+            else:
+                eng.close_input(rid)
+        if chunk.finished:
+            reason = chunk.finish_reason
+    return text, codes, pcm, reason
+
+
+@pytest.mark.parametrize("devices, placement", SETUPS)
+async def test_audio_appended_runs_a_thinker_turn_and_restarts_the_talker(devices: tuple[str, ...],
+                                                                          placement: str) -> None:
+    model = ToyOmniModel()
+    requests = _requests(9)
+    conversations = []  # per request: its turns, sampling, and what the reference gives over them
+    for k, (ids, mel, think, talk) in enumerate(requests[:4]):
+        more = [(ids_, mel_) for ids_, mel_, _, _ in requests[k + 1:k + 1 + (1 + k % 2)]]
+        turns = [(ids, mel), *more]
+        ref = Reference(model)
+        expected = [ref.turn(i, m, think, talk) for i, m in turns]
+        conversations.append((turns, think, talk, expected))
+    eng = Engine(EngineConfig(model="toy-omni", devices=devices, placement=parse_spec(placement)), model=model)
+    await eng.start()
+    try:
+        results = await asyncio.gather(*(_serve_turns(eng, f"c{k}", turns, think, talk)
+                                         for k, (turns, think, talk, _) in enumerate(conversations)))
+        for (text, codes, pcm, reason), (turns, _, _, expected) in zip(results, conversations):
+            assert reason == "length"
+            assert text == [t for e in expected for t in e.text]
+            assert codes == [c for e in expected for c in e.codes]
+            want_pcm = [p for e in expected for p in e.pcm]
+            assert len(pcm) == len(want_pcm)
+            for got, ref_pcm in zip(pcm, want_pcm):
+                torch.testing.assert_close(torch.tensor(got), ref_pcm, atol=TOL, rtol=0)
         for _ in range(100):
             if len(eng.store) == 0 and eng.pages_in_use() == 0:
                 break

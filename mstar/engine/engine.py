@@ -251,8 +251,7 @@ class Engine:
                                f"in the model's context of {model.max_model_len} tokens", field="input")
         state.num_prompt_tokens += n
         state.context_floor += n
-        ids = piece.values[state.walk.more_input].tolist()  # token ids travel to the worker as ints
-        self.workers[state.worker].send(Append(request_id, tuple(ids)))
+        self.workers[state.worker].send(Append(request_id, dict(piece.values)))
         return n
 
     def close_input(self, request_id: str) -> None:

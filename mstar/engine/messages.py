@@ -36,10 +36,11 @@ class Submit:
 
 @dataclass(frozen=True)
 class Append:
-    """One more piece of a running request's `more_input` (token ids)."""
+    """One more piece of a running request's `more_input`: values by walk
+    input name (CPU tensors: token ids, audio, positions)."""
 
     request_id: str
-    ids: tuple[int, ...]
+    values: dict[str, torch.Tensor]
 
 
 @dataclass(frozen=True)

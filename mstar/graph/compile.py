@@ -29,6 +29,7 @@ class StreamPlan:
     accept: tuple[int, int] | None = None
     as_: str = ""
     carries: tuple[str, ...] = ()
+    on_turn: str = "segment"
 
 
 @dataclass(frozen=True)
@@ -65,7 +66,7 @@ class WalkPlan:
     emits: dict[str, Emit]
     streams: dict[str, tuple[StreamPlan, ...]] = field(default_factory=dict)
     forks: dict[tuple[str, int], tuple[str, ...]] = field(default_factory=dict)
-    more_input: str | None = None
+    more_input: tuple[str, ...] | None = None   # the inputs a later turn brings (`Walk.more_input`)
 
     def components(self) -> set[str]:
         return {s.component for p in self.partitions.values() for s in p.steps}
@@ -151,13 +152,17 @@ class _Builder:
         more = self.walk.more_input
         if more is None:
             return
+        where = f"more_input {', '.join(more)}"
+        if not more:
+            raise self.fail(where, "names no input")
         first = self.partitions[root].nodes[0]
-        if more not in self.walk.inputs:
-            raise self.fail(f"more_input {more}", f"'{more}' is not an input of the walk")
-        if not isinstance(first, Step) or more not in first.inputs:
-            raise self.fail(f"more_input {more}", "the root partition's first node must be a step reading it")
+        missing = [m for m in more if m not in self.walk.inputs]
+        if missing:
+            raise self.fail(where, f"{missing} are not inputs of the walk")
+        if not isinstance(first, Step) or not set(more) & set(first.inputs):
+            raise self.fail(where, "the root partition's first node must be a step reading one of them")
         if not any(isinstance(n, Loop) for n in self.partitions[root].nodes):
-            raise self.fail(f"more_input {more}", "the root partition has no loop to end a turn")
+            raise self.fail(where, "the root partition has no loop to end a turn")
 
     def _first_component(self, nodes: tuple[Node, ...]) -> str | None:
         for n in nodes:
@@ -271,8 +276,10 @@ class _Builder:
         if as_ not in reads:
             raise self.fail(where, f"flows into '{consumer}' as '{as_}', which none of its steps reads")
         offered = written[node.source] - {node.source}  # what the producer has written by its first item
+        if node.on_turn not in ("segment", "restart"):
+            raise self.fail(where, f"on_turn is 'segment' or 'restart', not {node.on_turn!r}")
         plan = StreamPlan(node.source, pname, consumer, node.chunks, node.accept, as_,
-                          tuple(sorted((offered - {as_}) & reads)))
+                          tuple(sorted((offered - {as_}) & reads)), node.on_turn)
         self.streams.setdefault(node.source, []).append(plan)
         reading, self._reading = self._reading, as_
         try:

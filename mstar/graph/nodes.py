@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Union
+from typing import Literal, Union
 
 from mstar.graph.chunks import ChunkPolicy
 from mstar.graph.stops import StopRule
@@ -153,7 +153,11 @@ class Stream:
     stream as the value `as_` (default: `source`) and starts at the first
     item, with the values it reads that its producer had written by then.
     With `accept`, only integer items in that id range enter (a speech LM's
-    audio tokens, not its control tokens)."""
+    audio tokens, not its control tokens). When the producer ends a turn (a
+    walk taking more input), `on_turn="segment"` cuts the stream's tail and
+    counts chunks anew; `"restart"` also ends the consumer's pass: it skips
+    what is left of the turn and starts over at its first node at the next
+    turn's first item, with that turn's values (its KV cache kept)."""
 
     source: str
     into: Step | Partition | None
@@ -161,6 +165,7 @@ class Stream:
     partition: str | None = None
     accept: tuple[int, int] | None = None  # only integer items in [lo, hi) enter the stream
     as_: str | None = None
+    on_turn: Literal["segment", "restart"] = "segment"
 
 
 @dataclass(frozen=True)
@@ -187,15 +192,17 @@ class FanOut:
 class Walk:
     """A named plan for a request: `Walk(*nodes, inputs=(...))`.
 
-    `more_input`: an input that may keep arriving while the request runs (text
-    streamed into a speech request). Each new piece is one more turn of the
-    root partition: when its loop ends, the partition starts over at its first
-    step with the piece as that input, on the same KV cache, and its streams
-    start a new segment. The root's first node must be a step reading it."""
+    `more_input`: inputs that may keep arriving while the request runs (text
+    streamed into a speech request; audio, with its ids and positions, into
+    an omni one). Each new piece is one more turn of the root partition: when
+    its top-level loop ends, the partition starts over at its first step with
+    the piece as those inputs (joined to the turn before by the model's
+    `join_turn`), on the same KV cache, and its streams start a new segment.
+    The root's first node must be a step reading one of them."""
 
     def __init__(self, *nodes: Node, inputs: tuple[str, ...], partition: str | None = None,
-                 more_input: str | None = None) -> None:
+                 more_input: str | tuple[str, ...] | None = None) -> None:
         self.nodes = tuple(nodes)
         self.inputs = tuple(inputs)
         self.partition = partition
-        self.more_input = more_input
+        self.more_input = (more_input,) if isinstance(more_input, str) else more_input

@@ -132,10 +132,18 @@ class Model:
         the request as submitted, for what the piece inherits, a voice say)."""
         raise RequestError(f"model '{self.name}' takes no input while a request runs", field="input")
 
-    def join_turn(self, last_token: int, ids: list[int]) -> list[int]:
-        """What the cache reads to start the next turn: the turn's last sampled
-        token (never fed back yet), then the model's turn markers and `ids`."""
-        return [last_token, *ids]
+    def join_turn(self, last_token: int, piece: dict[str, torch.Tensor], start: int) -> PreparedPiece:
+        """What the root partition starts its next turn from: the piece
+        (`prepare_more`'s values) joined to the turn before, and the tokens
+        the cache reads for it. Here: the turn's last sampled token (never fed
+        back yet) before the piece's one input of token ids. `start`: the
+        position the joined piece starts at (for a model that gives its own
+        positions)."""
+        import torch
+
+        (name, ids), = piece.items()
+        joined = torch.cat([torch.tensor([last_token], dtype=torch.long), ids.reshape(-1).long()])
+        return PreparedPiece({name: joined}, joined.numel())
 
     def _compile(self, walk: str) -> WalkPlan:
         """A walk's plan, for callers of `prepare` without the engine's."""

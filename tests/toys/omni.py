@@ -16,9 +16,16 @@ engine on the CPU, and run unbatched by a test as its reference.
 - the talker's codes stream with left context (`LeftContext`) into
   `codec.chunk`, a convolution that returns the samples of the chunk's new
   codes (the `@chunk` index says how many codes of context came first).
+
+More audio may come while a request runs (`more_input`): each piece is a
+thinker turn (encoder, prefill on the cache it has, positions going on from
+its last token), and the talker starts again at the turn's first item
+(`on_turn="restart"`), on its cache, with the turn's prompt hidden states.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -112,7 +119,7 @@ class ToyOmniModel(Model):
                  {"token": "text", "hidden": "prompt_hidden", "last": "h"}),
             Loop(Step("thinker", "decode", {"ids": "text"}, {"token": "text", "hidden": "h"}), until=MaxTokens()),
             Emit("text"),
-            Stream("h", chunks=Items(), as_="item", into=Partition(
+            Stream("h", chunks=Items(), as_="item", on_turn="restart", into=Partition(
                 "talker",
                 Step("talker", "prefill", {"ctx": "prompt_hidden"}, {"code": "code"}),
                 Loop(Step("talker", "decode", {"ids": "code", "h": "item"}, {"code": "code"}),
@@ -121,7 +128,7 @@ class ToyOmniModel(Model):
                 Stream("code", Step("codec", "chunk", {"codes": "code", "index": "@chunk"}, {"pcm": "pcm"}),
                        LeftContext(CHUNK, LEFT)),
                 Emit("pcm", modality="data"))),
-            inputs=("prompt_ids", "mel", "mrope")),
+            inputs=("prompt_ids", "mel", "mrope"), more_input=("prompt_ids", "mel", "mrope")),
     }
     default_walk = "chat"
 
@@ -148,3 +155,13 @@ class ToyOmniModel(Model):
         ids = list(request.inputs["prompt_ids"])
         return PreparedPiece({"prompt_ids": torch.tensor(ids, dtype=torch.long), "mel": request.inputs["mel"].float(),
                               "mrope": mrope_positions(ids)}, len(ids))
+
+    def prepare_more(self, request: GenerateRequest, inputs: dict[str, Any]) -> PreparedPiece:
+        ids = list(inputs["prompt_ids"])
+        return PreparedPiece({"prompt_ids": torch.tensor(ids, dtype=torch.long), "mel": inputs["mel"].float()},
+                             len(ids))
+
+    def join_turn(self, last_token: int, piece: dict[str, torch.Tensor], start: int) -> PreparedPiece:
+        ids = [last_token, *piece["prompt_ids"].tolist()]
+        return PreparedPiece({"prompt_ids": torch.tensor(ids, dtype=torch.long), "mel": piece["mel"],
+                              "mrope": mrope_positions(ids) + start}, len(ids))

@@ -246,7 +246,7 @@ class DeviceWorker:
         elif isinstance(msg, Stop):
             self.stats.cancelled_steps += self.walker.stop(msg.request_id, msg.partition)
         elif isinstance(msg, Append):
-            self.walker.turns.append(msg.request_id, list(msg.ids))
+            self.walker.turns.append(msg.request_id, msg.values)
         elif isinstance(msg, CloseInput):
             self.walker.turns.close(msg.request_id)
         elif isinstance(msg, Abort):

@@ -33,7 +33,7 @@ class RequestRun:
     root_reason: str | None = None
     # input that keeps arriving (WalkPlan.more_input): the pieces not started yet, and whether more may come
     input_open: bool = False
-    more: list[list[int]] = field(default_factory=list)
+    more: list[dict[str, torch.Tensor]] = field(default_factory=list)  # by walk input name
     places: dict[str, int] = field(default_factory=dict)  # partition -> worker, where not all run here
     started: set[str] = field(default_factory=set)  # consumers on other workers that its streams started
 

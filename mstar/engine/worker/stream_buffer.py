@@ -2,7 +2,9 @@
 producer wrote (token ids on the host, or tensor references), cut into
 chunks by the stream's chunk policy, counted from the producer's current
 turn (a segment). The consumer's step takes the next chunk; items no later
-chunk reads are dropped. Only the consumer's worker touches it.
+chunk reads are dropped. A stream that restarts its consumer at each turn
+marks where a turn ended (`TURN_OVER`) and holds the values each later turn
+starts the consumer with. Only the consumer's worker touches it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from mstar.graph import StreamPlan
 # read per token).
 StreamItem = TensorRef | int
 
+TURN_OVER = (-1, -1, -1)  # in `pending`: the producer's turn ended here (a stream that restarts its consumer)
+
 
 @dataclass(eq=False, slots=True)
 class StreamBuffer:
@@ -32,6 +36,9 @@ class StreamBuffer:
     segment_cuts: int = 0           # chunks cut before it
     started: bool = False           # the producer's first write started the consumer
     closed: bool = False            # the producer finished
+    restarts: list[dict[str, TensorRef]] = field(default_factory=list)  # values of the turns to start again
+    resting: bool = False           # the consumer's pass is over; it waits for the turn's end and the next
+    turn_over: bool = False         # ... and it has seen the turn end
 
     def take(self, item: StreamItem) -> None:
         self.items.append(item)
@@ -42,6 +49,8 @@ class StreamBuffer:
         """The producer ended a turn: cut its tail, and count anew."""
         self._cut(self.plan.chunks.flush)
         self.segment_start, self.segment_cuts = self.produced, self.chunks_cut
+        if self.plan.on_turn == "restart":
+            self.pending.append(TURN_OVER)
 
     def close(self) -> None:
         self.closed = True
@@ -52,11 +61,14 @@ class StreamBuffer:
         """Closed, and every chunk read."""
         return self.closed and not self.pending
 
-    def next_chunk(self) -> tuple[list[StreamItem], int] | None:
+    def next_chunk(self) -> tuple[list[StreamItem], int] | tuple[int, int, int] | None:
         """The next chunk's items (still owned by the buffer) and its index
-        in the segment; None when none is cut."""
+        in the segment; None when none is cut; `TURN_OVER` (left in place)
+        where the producer's turn ended."""
         if not self.pending:
             return None
+        if self.pending[0] == TURN_OVER:
+            return TURN_OVER
         start, end, index = self.pending.pop(0)
         return self.items[start - self.item_base: end - self.item_base], index
 
@@ -73,9 +85,18 @@ class StreamBuffer:
         self.item_base += drop
         return dropped
 
+    def drop_turn(self) -> bool:
+        """Drop the chunks of the current turn, unread (a consumer whose pass
+        is over); True once its end was reached."""
+        while self.pending:
+            if self.pending.pop(0) == TURN_OVER:
+                return True
+        return False
+
     def clear(self) -> list[StreamItem]:
         """Everything still held, taken out (the consumer ended)."""
-        dropped, self.items = self.items, []
+        dropped: list[StreamItem] = [*self.items, *(ref for values in self.restarts for ref in values.values())]
+        self.items, self.restarts = [], []
         self.pending.clear()
         self.closed = True
         return dropped

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from mstar.engine.messages import StreamEnd, StreamItems, StreamSegment, StreamStart
 from mstar.engine.worker.rows import PartitionRun, RequestRun, StreamItem
+from mstar.engine.worker.stream_buffer import TURN_OVER
 from mstar.engine.movement.tensor_store import TensorRef
 from mstar.graph import StreamPlan
 
@@ -55,14 +56,15 @@ class Streams:
                     continue
             if isinstance(item, TensorRef):
                 self.store.retain(item, part.request_id)  # the consumer's reference, wherever it runs
+            first = sp.consumer not in run.started  # of the stream, or of a turn that restarts its consumer
+            run.started.add(sp.consumer)
             if cons is None:
-                if sp.consumer not in run.started:
-                    run.started.add(sp.consumer)
+                if first:
                     self._send(run, sp.consumer, StreamStart(run.request_id, sp.consumer, self._carried(part, sp)))
                 self._send(run, sp.consumer, StreamItems(run.request_id, sp.consumer, [item]))
             else:
                 assert cons.inbox is not None
-                if not cons.inbox.started:
+                if first:
                     self._start(cons, self._carried(part, sp))
                 cons.inbox.take(item)
                 self._wake(cons)
@@ -81,6 +83,8 @@ class Streams:
         """`part` ended a turn and will start another: its streams cut their
         tails as at the end of a stream, and count anew."""
         for cons, sp in list(self._consumers(part)):
+            if sp.on_turn == "restart":  # the next turn's first item starts it again
+                part.request.started.discard(sp.consumer)
             if cons is None:
                 self._send(part.request, sp.consumer, StreamSegment(part.request_id, sp.consumer))
             else:
@@ -153,10 +157,16 @@ class Streams:
     # ------------------------------------------------------ consumer side
 
     def _start(self, cons: PartitionRun, values: dict[str, TensorRef]) -> None:
-        """The first item is on its way: the consumer starts with `values`."""
-        assert cons.inbox is not None
-        cons.values.update(values)
-        cons.inbox.started = True
+        """The first item (of the stream, or of a turn that restarts the
+        consumer) is on its way: the consumer starts with `values`, or keeps
+        them for when its next pass starts."""
+        buf = cons.inbox
+        assert buf is not None
+        if buf.started:
+            buf.restarts.append(values)
+        else:
+            cons.values.update(values)
+            buf.started = True
         self._wake(cons)
 
     def _segment(self, cons: PartitionRun) -> None:
@@ -186,8 +196,11 @@ class Streams:
         buf = cons.inbox
         assert buf is not None
         got = buf.next_chunk()
+        if got == TURN_OVER:  # the producer's turn ended: so does this pass
+            self.walker.stream_done(cons)
+            return None
         if got is not None:
-            return got
+            return got  # type: ignore[return-value]
         fill = getattr(buf.plan.chunks, "fill", None)
         if buf.drained and fill is not None:
             return [fill], buf.chunks_cut - buf.segment_cuts
@@ -196,6 +209,35 @@ class Streams:
         else:
             cons.parked = True
         return None
+
+    def next_pass(self, cons: PartitionRun) -> bool | None:
+        """The consumer's program ran to its end. For a stream that restarts
+        it at each turn: skip what is left of the turn (its own streams end
+        their turn), then start again at its first node with the next turn's
+        values (True), or park until they come (False). None: it is over."""
+        buf = cons.inbox
+        assert buf is not None
+        if buf.plan.on_turn != "restart":
+            return None
+        rid = cons.request_id
+        if not buf.resting:
+            buf.resting = True
+            self.end_segment(cons)
+        if not buf.turn_over:
+            buf.turn_over = buf.drop_turn()
+            for ref in buf.read():
+                self.release(ref, rid)
+        if buf.turn_over and buf.restarts:
+            for ref in cons.values.values():
+                self.store.release(ref, rid)
+            cons.values = dict(buf.restarts.pop(0))
+            buf.resting = buf.turn_over = False
+            self.walker.restart(cons, 0)
+            return True
+        if buf.closed:
+            return None
+        cons.parked = True
+        return False
 
     def consumed(self, cons: PartitionRun) -> None:
         """A step that read a chunk ran: release the items no later chunk reads."""

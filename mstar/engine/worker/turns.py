@@ -1,15 +1,17 @@
 """Input that keeps arriving while a request runs: turns on one KV cache.
 
-A walk with `more_input` (Orpheus's `speak`: text to say) takes more of that
-input after it started. Each piece is a turn of the root partition: when the
-partition's loop ends (a stop token or its cap), the partition does not
-finish while the request's input is open. It waits for the next piece, then
-starts over at its first step with the piece, joined to what came before by
-the model (`join_turn`: the turn's last sampled token, which the cache has
-not seen yet, and the model's turn markers). The KV cache is kept, so only
+A walk with `more_input` (Orpheus's `speak`: text to say; an omni model's
+audio) takes more of those inputs after it started. Each piece is a turn of
+the root partition: when the partition's top-level loop ends (a stop token
+or its cap), the partition does not finish while the request's input is
+open. It waits for the next piece, then starts over at its first step with
+the piece, joined to what came before by the model (`join_turn`: the turn's
+last sampled token, which the cache has not seen yet, the model's turn
+markers, positions going on from the cache's). The KV cache is kept, so only
 the new piece is prefilled. The partition's streams cut their tails as at the
 end of a stream and count a new segment, so each turn's audio is what a
-request of its own would have given.
+request of its own would have given; a consumer whose stream restarts at
+each turn runs again from its first node.
 
 The worker calls `append` and `close` from its inbox; `on_awaiting` tells the
 event loop that a request has caught up with all its input.
@@ -22,18 +24,22 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from mstar.engine.worker.rows import PartitionRun
+from mstar.models.prepared import PreparedPiece
 from mstar.engine.movement.tensor_store import TensorRef
 from mstar.graph import Loop
 
 if TYPE_CHECKING:
     from mstar.engine.worker.walker import Walker
 
+# (the turn's last token, the piece by input name, the position it starts at) -> the next turn's values
+JoinTurn = Callable[[int, dict[str, torch.Tensor], int], PreparedPiece]
+
 
 class Turns:
-    def __init__(self, walker: Walker, join_turn: Callable[[int, list[int]], list[int]] | None,
+    def __init__(self, walker: Walker, join_turn: JoinTurn | None,
                  on_awaiting: Callable[[str, int], None] | None) -> None:
         self.walker = walker
-        self.join_turn = join_turn or (lambda last, ids: [last, *ids])
+        self.join_turn = join_turn
         self.on_awaiting = on_awaiting or (lambda request_id, context_tokens: None)
 
     def _root(self, request_id: str) -> PartitionRun | None:
@@ -45,13 +51,13 @@ class Turns:
 
     # ---------------------------------------------------- from the inbox
 
-    def append(self, request_id: str, ids: list[int]) -> None:
-        """One more piece of input for a running request (ignored once it has
-        ended, or after `close`)."""
+    def append(self, request_id: str, values: dict[str, torch.Tensor]) -> None:
+        """One more piece of input for a running request, by walk input name
+        (ignored once it has ended, or after `close`)."""
         part = self._root(request_id)
         if part is None or not part.request.input_open:
             return
-        part.request.more.append(list(ids))
+        part.request.more.append(dict(values))
         if part.awaiting_input:
             self._next(part)
 
@@ -97,8 +103,9 @@ class Turns:
         run = part.request
         rid = part.request_id
         assert part.turn_token is not None and run.walk.more_input is not None
-        ids = self.join_turn(part.turn_token, run.more.pop(0))
-        room = walker.max_model_len - part.kv_tokens - len(ids)
+        assert self.join_turn is not None, "a walk taking more input on a worker given no join_turn"
+        joined = self.join_turn(part.turn_token, run.more.pop(0), part.kv_tokens + part.rope_delta)
+        room = walker.max_model_len - part.kv_tokens - joined.num_tokens
         part.awaiting_input = False
         run.root_reason = None
         if room < 1:  # the context is full: the request ends as if its cap was reached
@@ -106,9 +113,11 @@ class Turns:
             walker.restart(part, len(part.plan.program))
             walker.finish(part, "length")
             return
-        for name in [n for n in part.values if n == run.walk.more_input or n not in run.walk.inputs]:
+        more = run.walk.more_input
+        for name in [n for n in part.values if n in more or n not in run.walk.inputs]:
             walker.store.release(part.values.pop(name), rid)  # the turn's values; other inputs stay
-        part.values[run.walk.more_input] = TensorRef(walker.store.put(torch.tensor(ids, dtype=torch.long), (rid,)))
+        for name, tensor in joined.values.items():
+            part.values[name] = TensorRef(walker.store.put(tensor, (rid,)))
         part.writes.clear()
         part.seen = None  # the repetition penalty looks at this turn only, as a request of its own would
         part.turn_cap = room

@@ -126,7 +126,11 @@ class Walker:
         self._settle(part)
         ins = part.instr()
         if ins is None:
-            self.finish(part, part.request.root_reason or "stop")
+            again = self.streams.next_pass(part) if part.inbox is not None else None
+            if again:
+                self.advance(part)
+            elif again is None:
+                self.finish(part, part.request.root_reason or "stop")
             return
         if ins.enters and (not part.loops or part.loops[-1].loop != ins.checks):
             assert ins.checks is not None
@@ -150,8 +154,8 @@ class Walker:
         self.enqueue(part, ins.step, inputs)
 
     def stream_done(self, part: PartitionRun) -> None:
-        """`part` reads a stream that is over: its innermost `StreamDone` loop
-        ends, or, in none, the partition."""
+        """`part` reads a stream that is over (or whose turn is): its
+        innermost `StreamDone` loop ends, or, in none, its program."""
         for frame in reversed(part.loops):
             loop = part.plan.loops[frame.loop].loop
             if loop.until is not None and any(isinstance(r, StreamDone) for r in loop.until.rules()):
@@ -159,7 +163,7 @@ class Walker:
                 self.advance(part)
                 return
         self.restart(part, len(part.plan.program))
-        self.finish(part, part.request.root_reason or "stop")
+        self.advance(part)
 
     # ---------------------------------------------------------- the cursor
 

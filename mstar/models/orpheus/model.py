@@ -187,8 +187,9 @@ class OrpheusModel(LlamaModel):
         ids = prompt_ids(self.tokenizer.encode(voice_text(text, voice)))
         return PreparedPiece({"prompt_ids": torch.tensor(ids, dtype=torch.long)}, len(ids))
 
-    def join_turn(self, last_token: int, ids: list[int]) -> list[int]:
-        return [*turn_after(last_token), *ids]
+    def join_turn(self, last_token: int, piece: dict[str, torch.Tensor], start: int) -> PreparedPiece:
+        ids = [*turn_after(last_token), *piece["prompt_ids"].tolist()]
+        return PreparedPiece({"prompt_ids": torch.tensor(ids, dtype=torch.long)}, len(ids))
 
     def _voice(self, voice: Any) -> str:
         if voice is None:
