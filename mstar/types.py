@@ -166,8 +166,10 @@ class AttentionContext(Protocol):
 
     `q`: [T, Hq, D], `k`, `v`: [T, Hkv, D] for the T packed new tokens of the
     step. Applies `rotary` to q and k when given, writes `k`, `v` into layer
-    `layer`'s pages at the rows' new positions, then attends each query
-    causally to its row's cached and new keys. Returns [T, Hq, D]. Planned
+    `layer`'s pages at the rows' new positions, then attends each query to
+    its row's cached keys and to its row's new keys: those at or before it,
+    or all of them when the step was planned non-causal (a block attending
+    within itself, such as an image's latents). Returns [T, Hq, D]. Planned
     once per step, reused by every layer.
     """
 

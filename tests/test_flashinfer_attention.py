@@ -79,15 +79,15 @@ def reference(ref: TorchPagedAttention, layer: int, q, k, v, rotary: Rotary | No
 
 
 def check_step(ctx: list[int], new: list[int], seed: int, *, use_rotary: bool = False,
-               tensor_cores: bool = False) -> None:
+               tensor_cores: bool = False, causal: bool = True) -> None:
     gen = torch.Generator().manual_seed(seed)
     fi_cache, ref_cache = caches(seed)
     bt = tables(gen, ctx, new)
     qs = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()])
     context_lens = torch.tensor(ctx)
     attn = FlashInferAttention(fi_cache, HQ, max_pages_per_row=64, decode_tensor_cores=tensor_cores)
-    fi = attn.plan(qs, context_lens, bt)
-    ref = TorchPagedAttention(ref_cache, qs, context_lens, bt)
+    fi = attn.plan(qs, context_lens, bt, causal)
+    ref = TorchPagedAttention(ref_cache, qs, context_lens, bt, causal)
     rows = torch.repeat_interleave(torch.arange(len(ctx)), torch.tensor(new))
     positions = context_lens[rows] + torch.arange(int(qs[-1])) - qs[rows]
     rotary = rotary_for(positions) if use_rotary else None
@@ -112,6 +112,12 @@ def test_decode_batch(tensor_cores):
 
 def test_prefill_batch_with_and_without_context():
     check_step(ctx=[0, 0, 20, 33, 0, 16], new=[37, 5, 16, 50, 128, 1], seed=3)
+
+
+def test_non_causal_blocks_over_their_rows_context():
+    # a block of new tokens attending to all of itself and its row's cache (an image's latents)
+    check_step([40, 0, 17], [9, 16, 33], seed=9, causal=False)
+    check_step([40, 0, 17], [9, 16, 33], seed=9, causal=False, use_rotary=True)
 
 
 def test_mixed_batch():

@@ -14,15 +14,17 @@ from mstar.models.base import KVSpec
 PAGE = 4
 
 
-def naive(q, keys, values, ctx, scale):
-    """One row: q [n, Hq, D] at positions ctx..ctx+n-1, keys/values [ctx+n, Hkv, D]."""
+def naive(q, keys, values, ctx, scale, causal=True):
+    """One row: q [n, Hq, D] at positions ctx..ctx+n-1, keys/values [ctx+n, Hkv, D];
+    non-causal, every query sees every key."""
     hq, hkv = q.shape[1], keys.shape[1]
     keys = keys.repeat_interleave(hq // hkv, dim=1).double()
     values = values.repeat_interleave(hq // hkv, dim=1).double()
     scores = torch.einsum("qhd,khd->hqk", q.double(), keys) * scale
     n, total = q.shape[0], keys.shape[0]
     allowed = torch.arange(total)[None, :] <= (ctx + torch.arange(n))[:, None]
-    scores = scores.masked_fill(~allowed, float("-inf"))
+    if causal:
+        scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
 
 
@@ -39,8 +41,9 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("hq,hkv", [(4, 2), (4, 4), (8, 1)])
-def test_mixed_batch_matches_naive(hq, hkv, device):
+def test_mixed_batch_matches_naive(hq, hkv, causal, device):
     gen = torch.Generator().manual_seed(hq * 10 + hkv)
     d, layers = 8, 2
     cache = KVCache(KVSpec(layers, hkv, d), num_pages=64, page_size=PAGE, device=device, dtype=torch.float32)
@@ -58,7 +61,7 @@ def test_mixed_batch_matches_naive(hq, hkv, device):
                 cache.k[layer][page, off] = hist_k[row][layer, p]
                 cache.v[layer][page, off] = hist_v[row][layer, p]
     qs = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()])
-    attn = TorchPagedAttention(cache, qs, torch.tensor(ctx), tables)
+    attn = TorchPagedAttention(cache, qs, torch.tensor(ctx), tables, causal=causal)
     t = int(qs[-1])
     scale = d ** -0.5
     for layer in range(layers):
@@ -71,7 +74,7 @@ def test_mixed_batch_matches_naive(hq, hkv, device):
             sl = slice(int(qs[row]), int(qs[row + 1]))
             keys = torch.cat([hist_k[row][layer], k[sl]])
             values = torch.cat([hist_v[row][layer], v[sl]])
-            ref = naive(q[sl], keys, values, ctx[row], scale)
+            ref = naive(q[sl], keys, values, ctx[row], scale, causal)
             torch.testing.assert_close(out[sl].double(), ref, atol=1e-5, rtol=1e-5)
 
 

@@ -217,7 +217,7 @@ def test_pack_kv_positions_extra_and_outputs_by_signature() -> None:
              "cond": torch.zeros(2)}]
     reads = [{n: f"v_{n}" for n in row} for row in rows]
     planned = []
-    packed = pack_kv(rows, reads, parts, sig, 3, lambda qs, ctx, pages: planned.append((qs, ctx, pages)),
+    packed = pack_kv(rows, reads, parts, sig, 3, lambda qs, ctx, pages, causal: planned.append((qs, ctx, pages)),
                      torch.device("cpu"))
     batch = packed.batch
     assert batch.positions.tolist() == [[6, 0, 1, 1], [6, 0, 0, 1], [6, 0, 1, 0]]

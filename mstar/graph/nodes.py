@@ -1,6 +1,7 @@
 """The nodes a walk is built from: `Step` (one batched call of a component's
-mode), `Loop` (and what it may `Collect`), `Stream` (into a `Partition`) (a producer's writes into a concurrent consumer),
-`Emit` (a value to the client), `FanOut`, and `Walk` itself. Plain
+mode), `Loop` (and what it may `Collect`), `Stream` (a producer's writes into
+a concurrent consumer, a `Partition` of its own), `Emit` (a value to the
+client), `FanOut`, and `Walk` itself. Plain
 declarations: `compile.py` checks them and turns them into a plan."""
 
 from __future__ import annotations

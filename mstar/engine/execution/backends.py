@@ -31,7 +31,7 @@ FLASHINFER_DTYPES = (torch.float16, torch.bfloat16)  # the KV dtypes they are bu
 
 class AttentionBackend(Protocol):
     def plan(self, query_start: torch.Tensor, context_lens: torch.Tensor,
-             block_tables: torch.Tensor | Sequence[Sequence[int]]) -> AttentionContext: ...
+             block_tables: torch.Tensor | Sequence[Sequence[int]], causal: bool = True) -> AttentionContext: ...
 
 
 class TorchBackend:
@@ -41,8 +41,8 @@ class TorchBackend:
         self.cache = cache
 
     def plan(self, query_start: torch.Tensor, context_lens: torch.Tensor,
-             block_tables: torch.Tensor | Sequence[Sequence[int]]) -> AttentionContext:
-        return TorchPagedAttention(self.cache, query_start, context_lens, block_tables)
+             block_tables: torch.Tensor | Sequence[Sequence[int]], causal: bool = True) -> AttentionContext:
+        return TorchPagedAttention(self.cache, query_start, context_lens, block_tables, causal)
 
 
 def attention_backend(cache: KVCache, num_q_heads: int, max_pages_per_row: int,

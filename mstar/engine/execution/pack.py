@@ -24,8 +24,8 @@ from mstar.engine.worker.rows import PartitionRun
 from mstar.graph import In, Kind, Mode
 from mstar.types import AttentionContext, TokenBatch
 
-# the attention plan of a step: query_start [B + 1], context lens [B], page tables in
-Planner = Callable[[torch.Tensor, torch.Tensor, list[list[int]]], AttentionContext]
+# the attention plan of a step: query_start [B + 1], context lens [B], page tables, causal in
+Planner = Callable[[torch.Tensor, torch.Tensor, list[list[int]], bool], AttentionContext]
 
 
 @dataclass(eq=False)
@@ -71,7 +71,7 @@ def pack_kv(rows: list[dict[str, torch.Tensor]], reads: list[dict[str, str]], pa
         positions=torch.cat(positions, dim=-1).to(device),
         query_start=query_start,
         logits_index=(query_start[1:] - 1).to(device),
-        attn=plan(query_start, ctx, [p.pages for p in parts]),
+        attn=plan(query_start, ctx, [p.pages for p in parts], sig.causal),
         embeds=embeds,
         extra=extra,
         start_positions=torch.tensor(starts, dtype=torch.long).to(device),

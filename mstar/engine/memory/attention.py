@@ -8,7 +8,8 @@ and is what faster backends are tested against; the RoPE + KV write goes
 through `mstar.kernels.rope_kv` (its torch reference on CPU).
 
 The plan lays rows out padded: queries [B, Qmax], keys [B, L] gathered from
-each row's pages, and a [B, Qmax, L] causal mask. All rows run in one
+each row's pages, and a [B, Qmax, L] mask: causal, or, planned non-causal,
+every key of the row (its cache and all its new tokens). All rows run in one
 attention call, so prefill rows (many tokens, maybe no cached context) and
 decode rows (one token) mix freely in a step.
 """
@@ -61,7 +62,7 @@ class TorchPagedAttention:
     """
 
     def __init__(self, cache: KVCache, query_start: torch.Tensor, context_lens: torch.Tensor | Sequence[int],
-                 block_tables: torch.Tensor | Sequence[Sequence[int]]) -> None:
+                 block_tables: torch.Tensor | Sequence[Sequence[int]], causal: bool = True) -> None:
         self.cache = cache
         ps = cache.page_size
         qs = torch.as_tensor(query_start, dtype=torch.int64).cpu()
@@ -106,8 +107,11 @@ class TorchPagedAttention:
         gather = torch.where(key_pos[None, :] < seq_lens[:, None], gather, 0)
         # query j of a row sits at position ctx + j and sees keys at positions <= it;
         # padded queries (j >= q_len) see something harmless and are discarded
-        q_pos = ctx[:, None] + torch.arange(self.max_query_len)[None, :]
-        mask = key_pos[None, None, :] <= q_pos[:, :, None]
+        if causal:
+            q_pos = ctx[:, None] + torch.arange(self.max_query_len)[None, :]
+            mask = key_pos[None, None, :] <= q_pos[:, :, None]
+        else:
+            mask = (key_pos[None, :] < seq_lens[:, None])[:, None, :].expand(rows, self.max_query_len, -1)
 
         dev = cache.device
         self.slot_mapping = slot_mapping.to(dev, non_blocking=True)

@@ -2,8 +2,9 @@
 
 A step's rows (query_start, context_lens, block tables) go in once per step;
 `plan` turns them into FlashInfer's page lists (see `paged_layout`) and plans
-one wrapper: the decode wrapper when every row has one new token, the causal
-paged-prefill wrapper otherwise. The context it returns then takes, for every
+one wrapper: the decode wrapper when every row has one new token, the
+paged-prefill wrapper otherwise (causal, or not: a block of new tokens that
+attend to each other, all of them). The context it returns then takes, for every
 layer, q [T, Hq, D] and the new k, v [T, Hkv, D]: it applies RoPE and writes k, v
 into the layer's pages at the new tokens' slots (one fused kernel,
 `mstar.kernels.rope_kv`), then attends over
@@ -154,9 +155,10 @@ class FlashInferAttention:
         wrapper.plan(layout.kv_indptr, layout.kv_indices, layout.kv_last_page_len, *self._dims, **self._dtypes)
 
     def plan(self, query_start: torch.Tensor, context_lens: torch.Tensor,
-             block_tables: torch.Tensor | list[list[int]]) -> FlashInferContext:
+             block_tables: torch.Tensor | list[list[int]], causal: bool = True) -> FlashInferContext:
         """The context of one eager step; `context_lens` counts the tokens of
-        each row already cached, `block_tables` its page ids in order."""
+        each row already cached, `block_tables` its page ids in order. One new
+        token per row attends to every key either way."""
         layout = build_layout(query_start, context_lens, block_tables, self.cache.page_size, self.cache.scratch_page)
         slots = layout.slot_mapping.to(self.cache.device, non_blocking=True)
         if layout.num_tokens == 0:  # nothing to attend; FlashInfer's planners divide by the batch size
@@ -165,7 +167,7 @@ class FlashInferAttention:
             self._plan_decode(self._decode, layout)
             return FlashInferContext(self.cache, self._decode, slots, layout.num_tokens)
         self._prefill.plan(layout.qo_indptr, layout.kv_indptr, layout.kv_indices, layout.kv_last_page_len,
-                           *self._dims, causal=True, **self._dtypes)
+                           *self._dims, causal=causal, **self._dtypes)
         return FlashInferContext(self.cache, self._prefill, slots, layout.num_tokens)
 
     @property

@@ -1,0 +1,114 @@
+"""The toy image generator (`toys/image_gen.py`) served on the CPU: a prompt
+prefilled into the paged cache, then a fixed number of denoising steps
+(`MaxSteps` read from the request) whose velocity block reads the cache
+without growing it and attends within itself non-causally, a scheduler step
+each, a VAE at the end. Concurrent requests of different prompt lengths,
+latent sizes and step counts against the same modules run unbatched over a
+dense cache: images within 1e-5, the cache the prompt's size throughout."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mstar.config import EngineConfig
+from mstar.engine.engine import Engine
+from mstar.types import GenerateRequest, SamplingParams, TokenBatch
+from toys.audio_decoder import HEADS, HIDDEN, KV_HEADS, VOCAB
+from toys.dense import DenseAttention
+from toys.image_gen import ToyImageModel
+
+TOL = 1e-5
+
+
+class ReadOnly:
+    """Attention of a block over a prefilled dense cache and all of itself,
+    keeping nothing (the velocity step's `kv="read"`, non-causal)."""
+
+    def __init__(self, cache: DenseAttention) -> None:
+        self.cache = cache
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                rotary: object = None) -> torch.Tensor:
+        keys = torch.cat([*self.cache.k[layer], k]).repeat_interleave(HEADS // KV_HEADS, dim=1)
+        values = torch.cat([*self.cache.v[layer], v]).repeat_interleave(HEADS // KV_HEADS, dim=1)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+                                             scale=scale)
+        return out.transpose(0, 1)
+
+
+@torch.inference_mode()
+def reference(model: ToyImageModel, ids: list[int], latent: torch.Tensor, steps: int) -> torch.Tensor:
+    cache, n = DenseAttention(), len(ids)
+    model.denoiser.prefill(TokenBatch(
+        input_ids=torch.tensor(ids), positions=torch.arange(n), query_start=torch.tensor([0, n]),
+        logits_index=torch.tensor([n - 1]), attn=cache))
+    rows = latent.shape[0]
+    x = latent
+    for i in range(steps):
+        v = model.denoiser.velocity(TokenBatch(
+            input_ids=torch.zeros(rows, dtype=torch.long), positions=torch.arange(n, n + rows),
+            query_start=torch.tensor([0, rows]), logits_index=torch.tensor([rows - 1]), attn=ReadOnly(cache),
+            embeds={"x": (x, torch.arange(rows))}, extra={"t": torch.tensor([i])}))["v"]
+        x = model.scheduler.step(x[None], v[None], torch.tensor([steps]))[0]
+    return model.vae.decode(x)
+
+
+# (prompt length, latent rows, denoising steps)
+CASES = [(5, 4, 3), (12, 4, 1), (3, 9, 4), (20, 6, 2), (7, 4, 3)]
+
+
+async def test_denoising_steps_read_the_cache_and_match_the_reference() -> None:
+    model = ToyImageModel()
+    gen = torch.Generator().manual_seed(4)
+    requests = [(torch.randint(0, VOCAB, (n,), generator=gen).tolist(), torch.randn(rows, HIDDEN, generator=gen), s)
+                for n, rows, s in CASES]
+    expected = [reference(model, *r) for r in requests]
+    eng = Engine(EngineConfig(model="toy-image", devices=("cpu",)), model=model)
+    await eng.start()
+    try:
+        async def one(k: int, ids: list[int], latent: torch.Tensor, steps: int) -> tuple[list, str | None]:
+            request = GenerateRequest(f"i{k}", "toy-image", {"prompt_ids": ids, "latent": latent,
+                                                           "num_steps": steps}, SamplingParams())
+            chunks = [c async for c in eng.submit(request)]
+            return [c.data for c in chunks if c.data is not None], chunks[-1].finish_reason
+
+        results = await asyncio.gather(*(one(k, *r) for k, r in enumerate(requests)))
+        for (images, reason), want in zip(results, expected):
+            assert reason == "length" and len(images) == 1  # the loop ran its steps: a cap, as MaxSteps always is
+            torch.testing.assert_close(torch.tensor(images[0]), want, atol=TOL, rtol=0)
+        worker = eng.workers[0]
+        assert worker.stats.rows > worker.stats.steps  # requests shared steps
+        for _ in range(100):
+            if eng.pages_in_use() == 0 and len(eng.store) == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert eng.pages_in_use() == 0 and len(eng.store) == 0
+    finally:
+        await eng.shutdown()
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+async def test_a_read_step_leaves_the_rows_cache_as_the_prompt_left_it(steps: int) -> None:
+    model = ToyImageModel()
+    eng = Engine(EngineConfig(model="toy-image", devices=("cpu",)), model=model)
+    await eng.start()
+    seen: list[int] = []
+    velocity = model.denoiser.velocity
+
+    def spy(batch: TokenBatch) -> dict[str, torch.Tensor]:
+        seen.extend(batch.attn.context_lens.tolist())  # each row's cached tokens when the step runs
+        return velocity(batch)
+
+    model.denoiser.velocity = spy  # type: ignore[method-assign]
+    try:
+        inputs = {"prompt_ids": [1, 2, 3, 4, 5, 6, 7], "latent": torch.randn(5, HIDDEN), "num_steps": steps}
+        request = GenerateRequest("r", "toy-image", inputs, SamplingParams())
+        chunks = [c async for c in eng.submit(request)]
+        assert chunks[-1].finish_reason == "length"
+        assert seen == [7] * steps
+    finally:
+        await eng.shutdown()
