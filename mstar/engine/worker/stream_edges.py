@@ -197,7 +197,7 @@ class Streams:
         assert buf is not None
         got = buf.next_chunk()
         if got == TURN_OVER:  # the producer's turn ended: so does this pass
-            self.walker.stream_done(cons)
+            self.walker.cursor.stream_done(cons)
             return None
         if got is not None:
             return got  # type: ignore[return-value]
@@ -205,7 +205,7 @@ class Streams:
         if buf.drained and fill is not None:
             return [fill], buf.chunks_cut - buf.segment_cuts
         if buf.drained:
-            self.walker.stream_done(cons)
+            self.walker.cursor.stream_done(cons)
         else:
             cons.parked = True
         return None
@@ -232,7 +232,7 @@ class Streams:
                 self.store.release(ref, rid)
             cons.values = dict(buf.restarts.pop(0))
             buf.resting = buf.turn_over = False
-            self.walker.restart(cons, 0)
+            self.walker.cursor.restart(cons, 0)
             return True
         if buf.closed:
             return None

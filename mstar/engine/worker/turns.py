@@ -69,7 +69,7 @@ class Turns:
         part.request.input_open = False
         if part.awaiting_input and not part.request.more:
             part.awaiting_input = False
-            self.walker.restart(part, len(part.plan.program))
+            self.walker.cursor.restart(part, len(part.plan.program))
             self.walker.finish(part, part.request.root_reason or "stop")
 
     # ------------------------------------------------- from the walker
@@ -110,7 +110,7 @@ class Turns:
         run.root_reason = None
         if room < 1:  # the context is full: the request ends as if its cap was reached
             run.root_reason = "length"
-            walker.restart(part, len(part.plan.program))
+            walker.cursor.restart(part, len(part.plan.program))
             walker.finish(part, "length")
             return
         more = run.walk.more_input
@@ -121,5 +121,5 @@ class Turns:
         part.writes.clear()
         part.seen = None  # the repetition penalty looks at this turn only, as a request of its own would
         part.turn_cap = room
-        walker.restart(part, 0)
+        walker.cursor.restart(part, 0)
         walker.advance(part)

@@ -1,7 +1,7 @@
 """Advances requests along their walks on one device worker.
 
 After each step the worker hands the walker what every row wrote; the walker
-moves each partition's cursor through its program (`graph/program.py`): a
+moves each partition's cursor through its program (`cursor.py`): a
 loop whose stop rule does not hold goes round again (its body's first step
 reads the loop's value where the last round left it, on the device), a loop
 whose rule holds is left, with what it collected; a stream producer's writes
@@ -17,16 +17,17 @@ from typing import Callable
 import torch
 
 from mstar.engine.memory.kv_cache import SwappedKV
+from mstar.engine.worker.cursor import Cursor
 from mstar.engine.worker.loop_group import Leave, LoopGroup, runs_in_group
 from mstar.engine.messages import Finished, Submit
-from mstar.engine.worker.rows import Frame, PartitionRun, RequestRun, StreamItem
+from mstar.engine.worker.rows import PartitionRun, RequestRun, StreamItem
 from mstar.engine.worker.stream_buffer import StreamBuffer
-from mstar.engine.worker.stop_rules import stop_ids, write_cap
+from mstar.engine.worker.stop_rules import stop_ids
 from mstar.engine.worker.stream_edges import Send, Streams
 from mstar.engine.movement.tensor_store import TensorRef, TensorStore
 from mstar.engine.worker.turns import Turns
 from mstar.errors import ConfigError
-from mstar.graph import Back, Collect, Component, Enter, Kind, Run, Step, StreamDone, WalkPlan, step_bindings
+from mstar.graph import Component, Kind, Run, Step, WalkPlan, step_bindings
 from mstar.scheduler import PagePool, Scheduler, WorkItem
 
 
@@ -73,6 +74,7 @@ class Walker:
         self.runs: dict[str, RequestRun] = {}
         self.groups: dict[tuple[str, str, int], LoopGroup] = {}
         self.index = index
+        self.cursor = Cursor(self)
         self.turns = Turns(self, join_turn, on_awaiting)
         self.streams = Streams(self, send)
 
@@ -95,7 +97,7 @@ class Walker:
         rid = run.request_id
         for name, tensor in sub.values.items():
             root.values[name] = TensorRef(self.store.put(tensor, (rid,)))
-        self._fork(root, 0)
+        self.fork(root, 0)
         self.advance(root)
 
     def _add_partition(self, run: RequestRun, name: str) -> PartitionRun:
@@ -107,7 +109,7 @@ class Walker:
         run.live += 1
         return part
 
-    def _fork(self, part: PartitionRun, at: int) -> None:
+    def fork(self, part: PartitionRun, at: int) -> None:
         """Start the fan-out branches that start when `part`'s cursor reaches `at`."""
         for name in part.request.walk.forks.get((part.name, at), ()):
             branch = self._add_partition(part.request, name)
@@ -122,7 +124,7 @@ class Walker:
         """Queue the step under the cursor, or finish the partition."""
         if part.done:
             return
-        self._settle(part)
+        self.cursor.settle(part)
         ins = part.instr()
         if ins is None:
             again = self.streams.next_pass(part) if part.inbox is not None else None
@@ -133,7 +135,7 @@ class Walker:
             return
         if ins.enters and (not part.loops or part.loops[-1].loop != ins.checks):
             assert ins.checks is not None
-            self._push(part, ins.checks)  # the loop starts with this step's write
+            self.cursor.push(part, ins.checks)  # the loop starts with this step's write
         if ins.checks is not None and self._join_group(part, ins):
             return
         inputs: dict[str, TensorRef | list[StreamItem] | int] = {}
@@ -151,87 +153,6 @@ class Walker:
             if n not in inputs:
                 inputs[n] = part.loops[ins.depth - 1].iteration if n == "@i" else part.values[n]
         self.enqueue(part, ins.step, inputs)
-
-    def stream_done(self, part: PartitionRun) -> None:
-        """`part` reads a stream that is over (or whose turn is): its
-        innermost `StreamDone` loop ends, or, in none, its program."""
-        for frame in reversed(part.loops):
-            loop = part.plan.loops[frame.loop].loop
-            if loop.until is not None and any(isinstance(r, StreamDone) for r in loop.until.rules()):
-                self._exit(part, frame.loop)
-                self.advance(part)
-                return
-        self.restart(part, len(part.plan.program))
-        self.advance(part)
-
-    # ---------------------------------------------------------- the cursor
-
-    def _settle(self, part: PartitionRun) -> None:
-        """Move the cursor over loop marks to the next step: `Enter` starts a
-        loop, `Back` goes round again."""
-        program = part.plan.program
-        while part.pc < len(program) and not isinstance(program[part.pc], Run):
-            ins = program[part.pc]
-            if isinstance(ins, Enter):
-                self._push(part, ins.loop)
-                self._move(part, part.pc + 1)
-            else:
-                assert isinstance(ins, Back) and part.loops[-1].loop == ins.loop
-                part.loops[-1].iteration += 1
-                part.pc = part.plan.loops[ins.loop].body
-
-    def _move(self, part: PartitionRun, pc: int) -> None:
-        """Move the cursor forward to `pc`, starting the fan-outs it passes."""
-        before, part.pc = part.pc, pc
-        for at in range(before + 1, pc + 1):
-            self._fork(part, at)
-
-    def _push(self, part: PartitionRun, loop: int) -> None:
-        """Start loop `loop`: its cap is fixed now, and its collection starts
-        with the values its `Collect` puts first."""
-        spec = part.plan.loops[loop].loop
-
-        def read(value: str) -> int:
-            return int(self.store.get(part.values[value]).reshape(-1)[0])
-
-        frame = Frame(loop, write_cap(part, spec, read))
-        if spec.collect is not None:
-            for value in spec.collect.first:
-                ref = part.values[value]
-                self.store.retain(ref, part.request_id)
-                frame.collected.append(ref)
-        part.loops.append(frame)
-
-    def _exit(self, part: PartitionRun, loop: int) -> None:
-        """Leave loop `loop` (and the loops inside it): what it collected is
-        written, and the cursor goes past it."""
-        while True:
-            frame = part.loops.pop()
-            if frame.loop == loop:
-                break
-            self._drop_frame(part, frame)
-        spec = part.plan.loops[loop]
-        if spec.loop.collect is not None:
-            self._collect(part, spec.loop.collect, frame)
-        self._move(part, spec.exit)
-
-    def _collect(self, part: PartitionRun, collect: Collect, frame: Frame) -> None:
-        rid = part.request_id
-        stacked = torch.stack([self.store.get(ref) for ref in frame.collected])
-        self._drop_frame(part, frame)
-        self._write(part, collect.into, TensorRef(self.store.put(stacked, (rid,))), None)
-
-    def _drop_frame(self, part: PartitionRun, frame: Frame) -> None:
-        for ref in frame.collected:
-            self.store.release(ref, part.request_id)
-        frame.collected.clear()
-
-    def restart(self, part: PartitionRun, pc: int) -> None:
-        """Put the cursor at `pc` outside every loop (a turn starts over at 0,
-        or a partition closes past its end)."""
-        while part.loops:
-            self._drop_frame(part, part.loops.pop())
-        part.pc = pc
 
     # ------------------------------------------------------------ queueing
 
@@ -371,7 +292,7 @@ class Walker:
                 self.store.release(ref, part.request_id)
             return
         for name, ref in outputs.items():
-            self._write(part, name, ref, tokens.get(name) if tokens else None)
+            self.cursor.write(part, name, ref, tokens.get(name) if tokens else None)
         ins = part.instr()
         if part.plan.stream is not None and ins is not None and part.plan.stream.as_ in ins.step.inputs:
             self.streams.consumed(part)
@@ -383,27 +304,10 @@ class Walker:
                 return
             if top and part.plan.parent is None:
                 part.request.root_reason = reason
-            self._exit(part, ins.checks)
+            self.cursor.exit(part, ins.checks)
         else:
-            self._move(part, part.pc + 1)
+            self.cursor.move(part, part.pc + 1)
         self.advance(part)
-
-    def _write(self, part: PartitionRun, name: str, ref: TensorRef, token: int | None) -> None:
-        """`part` wrote `ref` as value `name`: counted by the loops it is in,
-        gathered by their collections, fed to the streams it sources."""
-        old = part.values.get(name)
-        if old is not None:
-            self.store.release(old, part.request_id)
-        part.values[name] = ref
-        part.writes[name] = part.writes.get(name, 0) + 1
-        for frame in part.loops:
-            loop = part.plan.loops[frame.loop].loop
-            if loop.value == name:
-                frame.count += 1
-            if loop.collect is not None and loop.collect.each == name:
-                self.store.retain(ref, part.request_id)
-                frame.collected.append(ref)
-        self.streams.feed(part, name, token if token is not None else ref)
 
     # ---------------------------------------------------------- finishing
 
@@ -415,7 +319,7 @@ class Walker:
         rid = run.request_id
         if part.plan.parent is None and part.plan.stream is None and run.root_reason is None:
             run.root_reason = reason
-        self.restart(part, part.pc)
+        self.cursor.restart(part, part.pc)
         for ref in part.values.values():
             self.store.release(ref, rid)
         part.values.clear()
