@@ -156,22 +156,22 @@ class Scheduler:
 
     def _group_step(self, standing: _Standing, in_flight: bool) -> StepPlan:
         key, group = standing.key, standing.group
-        grow: list[tuple[int, int]] = []
-        preempt: list[int] = []
+        max_rows = self.caps[key].max_rows
         pool = self.pools.get(key[0]) if self.grow_pages else None
-        if pool is not None:
-            short = group.short_of_pages(pool.page_size)
-            if len(short) > pool.num_free:
-                if in_flight:  # finished rows free pages, and the rest have exact lengths
-                    return StepPlan(key[0], key[1], [], settle=True)
-                preempt = self._victims(key[0], group, short, pool)
-            if short:
-                pages = pool.allocate(len(short))
-                assert pages is not None  # the victims made room
-                grow = list(zip(short, pages))
+        if pool is None:  # its rows hold every page they need
+            group.ticket = self.ticket()
+            return StepPlan(key[0], key[1], [], group=group, rows=self._window(standing, len(group), max_rows))
+        short = group.short_of_pages(pool.page_size)
+        preempt: list[int] = []
+        if len(short) > pool.num_free:
+            if in_flight:  # finished rows free pages, and the rest have exact lengths
+                return StepPlan(key[0], key[1], [], settle=True)
+            preempt = self._victims(key[0], group, short, pool)
+        pages = pool.allocate(len(short))
+        assert pages is not None  # the victims made room
         group.ticket = self.ticket()
-        rows = self._window(standing, len(group) - len(preempt), self.caps[key].max_rows)
-        return StepPlan(key[0], key[1], [], group=group, rows=rows, grow=grow, preempt=preempt)
+        rows = self._window(standing, len(group) - len(preempt), max_rows)
+        return StepPlan(key[0], key[1], [], group=group, rows=rows, grow=list(zip(short, pages)), preempt=preempt)
 
     def _victims(self, component: str, group: StandingGroup, short: list[int], pool: PagePool) -> list[int]:
         """Preempt the youngest rows until the short rows left fit in the free
