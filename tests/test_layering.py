@@ -28,10 +28,11 @@ HTTP_ALLOWED = LEAVES | {"mstar", "mstar.engine", "mstar.engine.engine"}
 
 def leaf(name: str) -> bool:
     return name in LEAVES or under(name, *LEAF_PACKAGES)
-# Modules that promise to import without torch (the leaves, the client side of http, the SDK).
+# Modules that promise to import without torch (the leaves, the scheduler, the client side of http, the SDK).
 # request parsing must stay usable by clients that have no torch
-TORCH_FREE = sorted(LEAVES) + ["mstar.http.text.protocol", "mstar.http.fields", "mstar.http.text.chat_messages",
-                              "mstar.http.speech.audio", "mstar.http.speech.protocol", "mstar.client"]
+TORCH_FREE = sorted(LEAVES) + ["mstar.scheduler", "mstar.http.text.protocol", "mstar.http.fields",
+                              "mstar.http.text.chat_messages", "mstar.http.speech.audio", "mstar.http.speech.protocol",
+                              "mstar.client"]
 
 
 ENGINE_ROOMS = ("mstar.engine.engine", "mstar.engine.messages", "mstar.engine.eventloop", "mstar.engine.worker",

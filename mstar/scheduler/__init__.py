@@ -1,7 +1,9 @@
-"""Pure-Python scheduling: ready queues, batch building, KV page accounting."""
+"""Pure-Python scheduling: ready queues, batch building, KV page accounting,
+and the plan of each step (`StepPlan`)."""
 
 from mstar.scheduler.pages import PagePool
+from mstar.scheduler.plan import StandingGroup, StepPlan
 from mstar.scheduler.scheduler import Scheduler
 from mstar.scheduler.work import Batch, ModeCaps, WorkItem
 
-__all__ = ["Batch", "ModeCaps", "PagePool", "Scheduler", "WorkItem"]
+__all__ = ["Batch", "ModeCaps", "PagePool", "Scheduler", "StandingGroup", "StepPlan", "WorkItem"]

@@ -14,34 +14,44 @@ requests queue instead of slowing every running stream down.
 A standing group (rows that step together until each stops, like a decode
 loop held as tensors) takes part in the same order as one queue: it holds a
 ticket, renewed each time it steps, and is scheduled when its ticket is the
-oldest.
+oldest. The scheduler decides its whole step (`StepPlan`): the window of at
+most `max_rows` rows it runs, taken in turn when it holds more, and, when
+its rows get pages as they grow (`grow_pages`), a page for each row that
+needs one, making room by preempting the youngest rows when the pool is dry.
+It decides that on exact row state only: with steps of the worker still
+unread, it first asks the worker to read them (`StepPlan.settle`).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import deque
-from typing import Protocol
+from dataclasses import dataclass
 
 from mstar.scheduler.pages import PagePool
-from mstar.scheduler.work import Batch, ModeCaps, QueueKey, WorkItem
+from mstar.scheduler.plan import StandingGroup, StepPlan
+from mstar.scheduler.work import ModeCaps, QueueKey, WorkItem
 
 
-class StandingGroup(Protocol):
-    ticket: int
-
-    def __len__(self) -> int: ...
+@dataclass(eq=False, slots=True)
+class _Standing:
+    key: QueueKey
+    group: StandingGroup
+    offset: int = 0  # where its next window starts, while it holds more rows than a step takes
 
 
 class Scheduler:
     def __init__(self, caps: dict[QueueKey, ModeCaps], pools: dict[str, PagePool] | None = None,
-                 max_running: dict[str, int] | None = None) -> None:
+                 max_running: dict[str, int] | None = None, grow_pages: bool = False) -> None:
+        """`grow_pages`: a standing group's rows get their pages one at a
+        time, as they need them, instead of holding them from admission."""
         self.caps = dict(caps)
         self.pools = dict(pools or {})
         self.max_running = dict(max_running or {})
+        self.grow_pages = grow_pages
         self.running: dict[str, int] = dict.fromkeys(self.pools, 0)  # rows holding pages, per KV component
         self._queues: dict[QueueKey, deque[WorkItem]] = {k: deque() for k in self.caps}
-        self._groups: list[tuple[QueueKey, StandingGroup]] = []
+        self._groups: list[_Standing] = []
         self._tickets = itertools.count()
 
     def ticket(self) -> int:
@@ -53,7 +63,7 @@ class Scheduler:
         (component, mode) whenever it is non-empty and its turn has come."""
         if key not in self.caps:
             raise KeyError(f"no queue for {key[0]}.{key[1]} on this device")
-        self._groups.append((key, group))
+        self._groups.append(_Standing(key, group))
 
     # ------------------------------------------------------------- intake
 
@@ -92,24 +102,27 @@ class Scheduler:
     # ------------------------------------------------------------ batching
 
     def has_work(self) -> bool:
-        return any(self._queues.values()) or any(len(g) for _, g in self._groups)
+        return any(self._queues.values()) or any(len(g.group) for g in self._groups)
 
     def num_waiting(self) -> int:
-        return sum(len(q) for q in self._queues.values()) + sum(len(g) for _, g in self._groups)
+        return sum(len(q) for q in self._queues.values()) + sum(len(g.group) for g in self._groups)
 
-    def schedule(self) -> Batch | None:
-        """The next batch, or None when no queue can make progress."""
-        order: list[tuple[int, int, QueueKey, StandingGroup | None]] = [
+    def schedule(self, in_flight: bool = False) -> StepPlan | None:
+        """The next step, or None when no queue can make progress.
+        `in_flight`: steps the worker launched are not read yet, so a
+        group's row state (lengths, who is still running) may change once
+        they are."""
+        order: list[tuple[int, int, QueueKey, _Standing | None]] = [
             (q[0].ticket, 0, key, None) for key, q in self._queues.items() if q]
-        order += [(g.ticket, 1, key, g) for key, g in self._groups if len(g)]
+        order += [(g.group.ticket, 1, g.key, g) for g in self._groups if len(g.group)]
         order.sort(key=lambda entry: (entry[0], entry[1]))
-        for _, _, key, group in order:
-            if group is not None:
-                group.ticket = self.ticket()
-                return Batch(key[0], key[1], [], group=group)
+        for _, _, key, standing in order:
+            if standing is not None:
+                return self._group_step(standing, in_flight)
             items = self._take(key)
             if items:
-                return Batch(key[0], key[1], items)
+                # a KV step changes pages and groups that launched steps read
+                return StepPlan(key[0], key[1], items, settle=key[0] in self.pools)
         return None
 
     def _take(self, key: QueueKey) -> list[WorkItem]:
@@ -138,3 +151,54 @@ class Scheduler:
             taken.append(item)
             tokens += item.num_tokens
         return taken
+
+    # ----------------------------------------------------- standing groups
+
+    def _group_step(self, standing: _Standing, in_flight: bool) -> StepPlan:
+        key, group = standing.key, standing.group
+        max_rows = self.caps[key].max_rows
+        pool = self.pools.get(key[0]) if self.grow_pages else None
+        if pool is None:  # its rows hold every page they need
+            group.ticket = self.ticket()
+            return StepPlan(key[0], key[1], [], group=group, rows=self._window(standing, len(group), max_rows))
+        short = group.short_of_pages(pool.page_size)
+        preempt: list[int] = []
+        if len(short) > pool.num_free:
+            if in_flight:  # finished rows free pages, and the rest have exact lengths
+                return StepPlan(key[0], key[1], [], settle=True)
+            preempt = self._victims(key[0], group, short, pool)
+        pages = pool.allocate(len(short))
+        assert pages is not None  # the victims made room
+        group.ticket = self.ticket()
+        rows = self._window(standing, len(group) - len(preempt), max_rows)
+        return StepPlan(key[0], key[1], [], group=group, rows=rows, grow=list(zip(short, pages)), preempt=preempt)
+
+    def _victims(self, component: str, group: StandingGroup, short: list[int], pool: PagePool) -> list[int]:
+        """Preempt the youngest rows until the short rows left fit in the free
+        pages; `short` loses the victims. Their pages go back to the pool
+        now (a page another holder shares frees nothing), and each stops
+        being a running row: it is admitted again to resume."""
+        victims: list[int] = []
+        free = pool.num_free
+        while len(short) > free:
+            row = len(group) - 1 - len(victims)
+            victims.append(row)
+            if short and short[-1] == row:
+                short.pop()
+            free += sum(pool.refcount(p) == 1 for p in group.pages(row))
+        for row in victims:
+            pool.free(list(group.pages(row)))
+            self.row_ended(component)
+        return victims
+
+    @staticmethod
+    def _window(standing: _Standing, n: int, max_rows: int) -> slice:
+        """The rows of the group's next step: all `n`, or `max_rows` taken in
+        turn, so that every row steps as often when there are more."""
+        if n <= max_rows:
+            standing.offset = 0
+            return slice(0, n)
+        start = standing.offset % n
+        stop = min(n, start + max_rows)
+        standing.offset = 0 if stop == n else stop
+        return slice(start, stop)

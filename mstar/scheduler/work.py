@@ -1,5 +1,5 @@
-"""What the scheduler moves around: work items (one row of a future step) and
-the batches it builds from them. The engine's row state rides along in
+"""What the scheduler moves around: work items (one row of a future step),
+and the batch of them a step runs. The engine's row state rides along in
 `payload`; the scheduler never looks inside it."""
 
 from __future__ import annotations
@@ -47,17 +47,15 @@ class WorkItem:
 
 @dataclass(eq=False)
 class Batch:
-    """The rows of one step, in FIFO order; or, with `group` set, a step of a
-    standing group (see `Scheduler.add_group`) and no items."""
+    """The rows one step of `component.mode` runs, in FIFO order."""
 
     component: str
     mode: str
     items: list[WorkItem]
-    group: Any = None
 
     @property
     def num_tokens(self) -> int:
         return sum(i.num_tokens for i in self.items)
 
     def __len__(self) -> int:
-        return len(self.group) if self.group is not None else len(self.items)
+        return len(self.items)

@@ -1,4 +1,5 @@
-"""The device worker: the one thread per device that schedules, runs and
-advances requests. Its loop, the walk cursor of each request, streams
-between partitions, turns, stops, decode groups, preemption, and the link
-to the other workers. Runs on that device's worker thread only."""
+"""The device worker: the one thread per device that runs the scheduler's
+step plans and advances requests. Its loop, the executor of the plans, the
+walk cursor of each request, streams between partitions, turns, stops,
+decode groups, swapping preempted rows, and the link to the other workers.
+Runs on that device's worker thread only."""

@@ -6,8 +6,10 @@ their stop rule holds. The group keeps what every step needs as tensors over
 rows: the last tokens (on the device: loop-back never leaves it), positions,
 block tables, sampling parameters and draw counters, write counts and caps,
 stop ids. A step of the group touches no per-row Python: rows that joined are
-merged once at the start of the step, and only rows that stop are handled one
-by one when they leave.
+merged once before the scheduler plans the step (`merge`), and only rows that
+stop are handled one by one when they leave. Which rows a step runs, and
+which rows get a page or are preempted first, the scheduler decides
+(`StepPlan`); the group is what it reads (`scheduler.StandingGroup`).
 
 A step is launched (`launched`) before the previous one is finalised
 (`finalize`): the device computes step K while the host reads step K-1's
@@ -93,7 +95,6 @@ class LoopGroup:
         self.request_ids: list[str] = []
         self.partitions: list[str] = []
         self._joins: list[_Join] = []
-        self._offset = 0
         self.tokens = torch.empty(0, dtype=torch.long, device=device)
         self.kv_lens = torch.empty(0, dtype=torch.long)
         self.block_table = torch.empty(0, 1, dtype=torch.long)
@@ -142,7 +143,7 @@ class LoopGroup:
         self._drop(idx, self.seq)
         return out
 
-    def _merge(self) -> None:
+    def merge(self) -> None:
         """Fold the rows that joined since the last step into the tensors. All
         of it is built before any of it is kept: joins that cannot be built
         leave the group as it was, still waiting in `_joins`."""
@@ -191,27 +192,16 @@ class LoopGroup:
             len(self.rows), vocab, dtype=torch.bool, device=self.device)
         return torch.cat([old, torch.stack(rows)])
 
-    # ----------------------------------------------------------------- step
-
-    def window(self, max_rows: int) -> slice:
-        """The rows of the next step: all of them, or `max_rows` taken in turn."""
-        self._merge()
-        n = len(self.rows)
-        if n <= max_rows:
-            self._offset = 0
-            return slice(0, n)
-        start = self._offset % n
-        stop = min(n, start + max_rows)
-        self._offset = 0 if stop == n else stop
-        return slice(start, stop)
-
     # ---------------------------------------------------------- KV pages
 
     def short_of_pages(self, page_size: int) -> list[int]:
         """Rows whose pages cannot hold the token the next step writes (at
         position kv_lens, which counts the steps launched already)."""
-        self._merge()
+        assert not self._joins, "rows that joined are merged before the group is planned"
         return (self.kv_lens >= self.page_counts * page_size).nonzero().flatten().tolist()
+
+    def pages(self, row: int) -> list[int]:
+        return self.rows[row].pages
 
     def add_page(self, i: int, page: int) -> None:
         """Row `i` owns one more page, at the end of its block table."""
@@ -227,7 +217,7 @@ class LoopGroup:
     def evict(self, i: int) -> Leave:
         """Take row `i` out with its state exact, to be resumed later (the
         caller has read every launched step: nothing of the row is in
-        flight). Its pages stay with the row; the caller frees them."""
+        flight). Its pages stay in its list, for the caller to swap out."""
         part = self.rows[i]
         part.kv_tokens = int(self.kv_lens[i])
         part.generated = int(self.counters[i])
@@ -235,6 +225,8 @@ class LoopGroup:
         token = self.tokens[i].clone()
         self._drop([i], self.seq)
         return Leave(part, token, "preempt")
+
+    # ----------------------------------------------------------------- step
 
     def sampling_for(self, sl: slice) -> SamplingTensors:
         assert self.sampling is not None

@@ -57,7 +57,7 @@ class Walker:
         """`token_loops`: KV components that sample; their decode loops run
         as `LoopGroup`s on `device`. `lazy_pages`: a request's first step
         takes pages for its prompt only, and a group row gets more as it
-        grows (`Preemption.grow`), instead of all of them up front.
+        grows (the scheduler's `StepPlan.grow`), instead of all of them up front.
         `join_turn`, `on_awaiting`: see `Turns`. `index`: this worker's
         place among the engine's workers; `send`: to another worker (see
         `Streams`); `components`: the model's, for the signatures of their

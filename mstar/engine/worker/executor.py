@@ -1,0 +1,316 @@
+"""Carries out the scheduler's step plans on the worker thread: a `StepPlan`
+in, a step on the device and its rows routed on out (into the step's
+`StepReport`).
+
+A plan runs in this order: settle (read every launched group step), preempt
+(swap group rows out), grow (hand group rows their new pages), admit (rows
+take the pages they were admitted with), resume (preempted rows swap back
+in and rejoin their group), run. It decides nothing the plan does not say.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import structlog
+import torch
+
+from mstar.engine.execution.runner import ComponentRunner, StepOutput
+from mstar.engine.messages import Awaiting, EmitBatch, Finished, StepReport
+from mstar.engine.movement.arena import HostArena, stage_to_host
+from mstar.engine.movement.tensor_store import TensorRef, TensorStore
+from mstar.engine.movement.transfer import select_rows
+from mstar.engine.worker.loop_group import LoopGroup, Pending
+from mstar.engine.worker.outbox import Outbox
+from mstar.engine.worker.peer_link import PeerLink
+from mstar.engine.worker.preemption import Preemption
+from mstar.engine.worker.stop_rules import stop_reasons
+from mstar.engine.worker.walker import Walker
+from mstar.scheduler import Batch, Scheduler, StepPlan
+
+log = structlog.get_logger("mstar.worker")
+
+
+@dataclass
+class WorkerStats:
+    steps: int = 0
+    rows: int = 0
+    cancelled_steps: int = 0  # queued steps a late stop cancelled
+    dropped_rows: int = 0     # rows of launched decode steps whose output was dead (stopped a step before)
+    # seconds spent per phase of a decode group step, summed (host profile)
+    wait_s: float = 0.0       # blocked on the device for the previous step
+    launch_s: float = 0.0     # planning, graph replay, sampling launch, group bookkeeping
+    finalize_s: float = 0.0   # reading the previous step: stop rules, emits, routing
+    failed_steps: int = 0
+
+
+class Executor:
+    def __init__(self, name: str, device: torch.device, runners: dict[str, ComponentRunner], walker: Walker,
+                 scheduler: Scheduler, store: TensorStore, link: PeerLink, post: Callable[[StepReport], None],
+                 arena: HostArena | None, preemption: Preemption | None, stats: WorkerStats) -> None:
+        """`post`: hands a step's report to the event loop; `preemption`:
+        swaps rows out and in (None unless pages are reserved lazily)."""
+        self.name = name
+        self.device = device
+        self.runners = runners
+        self.walker = walker
+        self.scheduler = scheduler
+        self.store = store
+        self.link = link
+        self.post = post
+        self.arena = arena
+        self.preemption = preemption
+        self.stats = stats
+        self.outbox = Outbox()
+        self.report = StepReport(device=name)   # of the step under way, posted by `flush`
+        self._inflight: dict[LoopGroup, Pending] = {}  # launched group steps not read yet
+        self._group_mark: dict[LoopGroup, float] = {}   # when each group's last step was done
+
+    @property
+    def in_flight(self) -> bool:
+        """Launched group steps not read yet."""
+        return bool(self._inflight)
+
+    # --------------------------------------------------------------- plans
+
+    def next_plan(self) -> StepPlan | None:
+        """The scheduler's next plan with work in it (None: no queue can move
+        on). A plan that only asks for a settle is carried out here, and the
+        scheduler asked again: it then sees nothing in flight."""
+        while True:
+            self._merge_joins()
+            plan = self.scheduler.schedule(in_flight=bool(self._inflight))
+            if plan is None or plan.has_work:
+                return plan
+            self.settle()
+
+    def run(self, plan: StepPlan) -> None:
+        if plan.settle:
+            self.settle()
+        if plan.group is not None:
+            self._run_group(plan)
+        else:
+            self._step(Batch(plan.component, plan.mode, plan.items))
+
+    def _merge_joins(self) -> None:
+        """Fold rows that joined a group into it, so that the scheduler plans
+        on every row; rows that cannot join fail."""
+        for group in tuple(self.walker.groups.values()):
+            try:
+                group.merge()
+            except Exception as e:  # their prefill built the same tensors: this is not expected
+                log.exception("rows could not join their decode group", device=self.name,
+                              component=group.component)
+                for rid in dict.fromkeys(group.joining()):
+                    self.walker.abort(rid, "error", f"{type(e).__name__}: {e}")
+
+    # ---------------------------------------------------------- item steps
+
+    def _step(self, batch: Batch) -> None:
+        t0 = time.perf_counter()
+        for item in batch.items:
+            if item.pages:  # pages the scheduler admitted the row with: the row owns them now
+                part = item.payload[0]
+                part.pages.extend(item.pages)
+                part.kv_component = item.component
+                item.pages = []
+        if self.preemption is not None:
+            batch.items = self.preemption.resume(batch.items)
+            if not batch.items:
+                return
+        runner = self.runners[batch.component]
+        inputs: list[dict[str, torch.Tensor]] | None = None
+        try:
+            inputs = runner.take_inputs(batch)
+            with torch.profiler.record_function(f"mstar.{batch.component}.{batch.mode}"):
+                out = runner.compute(batch, inputs)
+        except Exception as e:
+            self.stats.failed_steps += 1
+            log.exception("step failed", device=self.name, component=batch.component, mode=batch.mode,
+                          rows=len(batch))
+            if inputs is None or len(batch) == 1:
+                self._fail(batch, f"{type(e).__name__}: {e}")
+            else:
+                self._retry_alone(batch, inputs)
+            return
+        with torch.profiler.record_function("mstar.route"):
+            # a sampling step has waited for its tokens already: reading them costs no wait
+            self._route(out, sampled=runner.spec.samples)
+        self.stats.steps += 1
+        self.stats.rows += len(batch)
+        r = self.report
+        r.component, r.mode, r.rows = batch.component, batch.mode, len(batch)
+        r.step_s = time.perf_counter() - t0
+        r.device_s = self.runners[batch.component].device_s
+
+    def _fail(self, batch: Batch, error: str) -> None:
+        for item in batch.items:
+            item.payload[0].busy = False
+            self.walker.abort(item.request_id, "error", error)
+
+    def _retry_alone(self, batch: Batch, inputs: list[dict[str, torch.Tensor]]) -> None:
+        """A step of several rows failed: run each row on its own, so that a
+        row whose input breaks the step fails alone and its neighbours go on."""
+        runner = self.runners[batch.component]
+        for item, row in zip(batch.items, inputs):
+            alone = Batch(batch.component, batch.mode, [item])
+            try:
+                out = runner.compute(alone, [row])
+            except Exception as e:
+                log.warning("row failed on its own", device=self.name, request_id=item.request_id, error=repr(e))
+                self._fail(alone, f"{type(e).__name__}: {e}")
+            else:
+                self._route(out, sampled=runner.spec.samples)
+
+    def _route(self, out: StepOutput, sampled: bool = False) -> None:
+        """Fast postprocess of a step: emits, stop rules, then every row moves
+        on. `sampled`: the step's outputs are token ids [B] it sampled."""
+        parts = out.parts
+        reasons = stop_reasons(parts, {k: v for k, v in out.values.items()
+                                                   if isinstance(v, torch.Tensor)})
+        rids = [p.request_id for p in parts]
+        refs: dict[str, list[TensorRef]] = {}
+        for name, data in out.values.items():
+            emitting = [i for i, p in enumerate(parts) if name in p.request.walk.emits]
+            if emitting:
+                rows = [data[i] for i in emitting] if isinstance(data, list) else select_rows(data.detach(), emitting)
+                # no wait: the rows reach the report once copied (into the arena, freed once the engine read them)
+                host, ready, blocks = stage_to_host(rows, self.arena, stage_cpu=True)
+                self.outbox.emit(self.report, EmitBatch(
+                    name, [rids[i] for i in emitting], [parts[i].name for i in emitting], host, blocks,
+                    None if out.logprobs is None else out.logprobs[emitting]), ready)
+            if isinstance(data, list):
+                refs[name] = [TensorRef(self.store.put(t, (rid,))) for t, rid in zip(data, rids)]
+            else:
+                handle = self.store.put(data, rids)
+                refs[name] = [TensorRef(handle, i) for i in range(len(parts))]
+        if out.sampled is not None:  # a mode with a signature says which of its outputs it sampled
+            tokens = {name: out.values[name].tolist() for name in out.sampled}
+        else:
+            tokens = {name: data.tolist() for name, data in out.values.items()
+                      if sampled and isinstance(data, torch.Tensor) and data.dim() == 1}
+        for i, part in enumerate(parts):
+            self.walker.completed(part, {name: rs[i] for name, rs in refs.items()}, reasons[i],
+                                  {name: ids[i] for name, ids in tokens.items()})
+
+    # --------------------------------------------------------- group steps
+
+    def _run_group(self, plan: StepPlan) -> None:
+        """Launch the next decode step of a token loop group, then read the
+        previous one's tokens while the device computes: the host work of a
+        step (stop rules, emits, routing, the report) overlaps the next step,
+        and on CUDA the next step is prepared while the previous one runs.
+        No per-row work but for rows that stop (and rows feeding a stream)."""
+        group, sl = plan.group, plan.rows
+        assert isinstance(group, LoopGroup) and sl is not None
+        if plan.preempt:
+            assert self.preemption is not None
+            self.preemption.swap_out(group, plan.preempt)
+        for row, page in plan.grow:
+            group.add_page(row, page)
+        runner = self.runners[group.component]
+        prev = self._inflight.get(group)
+        t0 = time.perf_counter()
+        n = sl.stop - sl.start
+        launched: Pending | None = None
+        if n:
+            try:
+                with torch.profiler.record_function(f"mstar.{group.component}.{group.mode}"):
+                    tokens, logprobs = runner.run_group(group, sl)
+            except Exception as e:
+                self.stats.failed_steps += 1
+                log.exception("step failed", device=self.name, component=group.component, mode=group.mode, rows=n)
+                for rid in dict.fromkeys(group.request_ids[sl]):
+                    self.walker.abort(rid, "error", f"{type(e).__name__}: {e}")
+            else:
+                launched = group.launched(sl, tokens, logprobs)
+                self.stats.steps += 1
+                self.stats.rows += n
+        t1 = time.perf_counter()
+        # on CUDA the runner only waited for the previous step's inputs to land;
+        # on the CPU it computed (synchronously) for that long
+        device = runner.device_s if n else 0.0
+        with torch.profiler.record_function("mstar.finalize"):
+            waited = self._finalize_group(group, prev) if prev is not None else 0.0
+        blocked = waited + (device if self.device.type == "cuda" else 0.0)
+        self.stats.wait_s += blocked
+        self.stats.launch_s += t1 - t0 - (device if self.device.type == "cuda" else 0.0)
+        self.stats.finalize_s += time.perf_counter() - t1 - waited
+        if launched is not None:
+            self._inflight[group] = launched
+        else:
+            self._inflight.pop(group, None)
+        now = time.perf_counter()
+        r = self.report
+        r.component, r.mode, r.rows = group.component, group.mode, n
+        r.step_s = now - self._group_mark.get(group, t0)
+        r.device_s = waited + device
+        self._group_mark[group] = now
+
+    def _finalize_group(self, group: LoopGroup, p: Pending) -> float:
+        """Route what step `p` sampled; returns the time spent waiting for it."""
+        t0 = time.perf_counter()
+        p.wait()
+        waited = time.perf_counter() - t0
+        host = p.host.clone()  # its pinned buffer is reused two launches on; the event loop reads later
+        leaving = group.finalize(p)
+        valid = group.valid_rows(p)
+        value = group.loop.value
+        walk = p.rows[0].request.walk
+        keep = range(len(p.rows)) if valid is None else valid
+        self.stats.dropped_rows += len(p.rows) - len(keep)
+        if value in walk.emits:
+            if valid is None:
+                self.outbox.emit(self.report, EmitBatch(value, p.request_ids, p.partitions, host,
+                                                        logprobs=p.logprobs))
+            elif valid:
+                self.outbox.emit(self.report, EmitBatch(value, [p.request_ids[i] for i in valid],
+                                                        [p.partitions[i] for i in valid], host[valid],
+                                                        logprobs=None if p.logprobs is None else p.logprobs[valid]))
+        if walk.streams.get(value):
+            gone = {id(leave.part) for leave in leaving}
+            keep = set(keep)
+            items = host.tolist()  # token ids enter streams as host ints
+            for i in keep:
+                if id(p.rows[i]) not in gone and not p.rows[i].done:
+                    self.walker.streams.feed(p.rows[i], value, items[i])
+        for leave in leaving:
+            self.walker.left_group(leave)
+        return waited
+
+    def settle(self) -> None:
+        """Read every launched group step (before a step that changes pages
+        or groups, or when there is nothing left to launch)."""
+        while self._inflight:
+            group = next(iter(self._inflight))
+            self._finalize_group(group, self._inflight[group])
+            del self._inflight[group]  # only now: `busy` stays true until the step is read
+            self._group_mark.pop(group, None)
+
+    # ------------------------------------------------------------- reports
+
+    def finished(self, fin: Finished | Awaiting) -> None:
+        """A partition's end (or a request's wait for input), behind its emits."""
+        self.outbox.finished(self.report, fin)
+
+    def idle(self) -> None:
+        """Nothing to launch: read what is in flight and wait for its copies,
+        then report."""
+        self.settle()
+        self.outbox.release(self.report, wait=True)
+        self.flush()
+
+    def flush(self) -> None:
+        self.outbox.release(self.report)
+        # every step is reported, emits or not: metrics time the steps that only feed a stream too
+        if not self.report.empty() or self.report.component:
+            self.post(self.report)
+        self.report = StepReport(device=self.name)
+        self.link.flush()
+
+    def clear(self) -> None:
+        """Forget the launched steps (the worker is shutting down)."""
+        self._inflight.clear()
+        self._group_mark.clear()

@@ -1,0 +1,63 @@
+"""What the scheduler hands the worker for one step: a `StepPlan`, the whole
+decision (rows admitted with their pages, a group's row window, pages to
+grow, rows to preempt), so that the worker only carries it out. And what the
+scheduler reads of a standing group to decide it (`StandingGroup`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from mstar.scheduler.work import WorkItem
+
+
+class StandingGroup(Protocol):
+    """Rows that step together until each stops (the worker's decode
+    `LoopGroup`), as the scheduler sees them. Rows are numbered in the order
+    they joined, so the last row is the youngest."""
+
+    ticket: int  # its place in line, renewed each time it steps
+
+    def __len__(self) -> int: ...
+
+    def short_of_pages(self, page_size: int) -> list[int]:
+        """Rows, ascending, whose pages cannot hold the token their next step
+        writes (vectorised over the rows)."""
+        ...
+
+    def pages(self, row: int) -> Sequence[int]:
+        """The pages row `row` holds."""
+        ...
+
+
+@dataclass(eq=False, slots=True)
+class StepPlan:
+    """One step of `component.mode`, to be carried out in this order:
+    `settle` (read every launched step), `preempt` (swap those group rows
+    out), `grow` (hand those pages to those group rows), admit `items` (their
+    pages are filled in), resume the preempted among them, run.
+
+    A plan is either a step of `items` or of `group` over `rows`. A plan with
+    neither only asks for a settle: the worker reads what it launched, then
+    asks again (the scheduler decides on exact row state only).
+
+    `preempt` lists the group's youngest rows, highest index first; the rows
+    in `grow` and `rows` are numbered as after those rows left, which leaves
+    the older rows' numbers as they are. The preempted rows' pages went back
+    to the pool when the plan was made: the pages in `grow` may be among
+    them, as the device runs the swap copy before the step that writes them.
+    """
+
+    component: str
+    mode: str
+    items: list[WorkItem]
+    group: StandingGroup | None = None
+    rows: slice | None = None                  # the group's rows this step runs (its max_num_seqs window)
+    grow: Sequence[tuple[int, int]] = ()       # (group row, page) to append to the row's pages
+    preempt: Sequence[int] = ()                # group rows to swap out, youngest first
+    settle: bool = False
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.items) or self.group is not None
