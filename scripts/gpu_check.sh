@@ -18,6 +18,9 @@
 #   scripts/gpu_check.sh multi      two GPUs (nvidia-h200-x2): multi-GPU tests, transport benchmark, Orpheus
 #                                   speech on both as replicas and split, with /metrics (lag, host time) sampled
 #   scripts/gpu_check.sh pagesize   the attention page-size measurement
+#   scripts/gpu_check.sh compare    the decode step and host time per step of this tree against an older one,
+#                                   base then new, twice: $BASE is a copy of the older tree (carried; see
+#                                   scripts/base_tree.sh), $BASE_COMMIT its commit
 #   scripts/gpu_check.sh all        tests and bench (default)
 # FlashInfer compiles its kernels on first use into ~/.cache/flashinfer; a
 # second call on the same (still warm) machine reuses them.
@@ -65,6 +68,22 @@ if [[ $what == bench || $what == all ]]; then
   sleep 5  # let the driver take back the last process's memory before sizing a KV pool again
   timeout 240 python3 scripts/bench_host.py --model orpheus-3b --load-format dummy --devices cuda:0 \
       --batches 1 64 256 --tokens 64 2>&1 | grep -v "\[info" | tail -10 | tee "$OUT/bench_host.txt"
+fi
+if [[ $what == compare ]]; then
+  [[ -d ${BASE:-} ]] || { echo "compare needs BASE, a folder holding the older tree"; exit 2; }
+  for round in 1 2; do
+    for tree in "$BASE" "$PWD"; do
+      name=$([[ $tree == "$PWD" ]] && echo new || echo base)
+      commit=$([[ $tree == "$PWD" ]] && echo "${MSTAR_COMMIT:-}" || echo "${BASE_COMMIT:-}")
+      echo "== $name ($commit), round $round" | tee -a "$OUT/compare.txt"
+      (cd "$tree" && MSTAR_COMMIT=$commit PYTHONPATH=$tree timeout 150 python3 scripts/bench_decode.py \
+          --model orpheus-3b --load-format dummy --batches 1 64 --contexts 512 --skip-hf \
+          --out "$OUT/decode_${name}_$round.json" 2>&1 | grep -v "\[info\|capturing" | tail -12) | tee -a "$OUT/compare.txt"
+      (cd "$tree" && MSTAR_COMMIT=$commit PYTHONPATH=$tree timeout 100 python3 scripts/bench_host.py \
+          --model orpheus-3b --load-format dummy --devices cuda:0 --batches 1 64 256 --tokens 64 2>&1 \
+          | grep -v "\[info\|capturing" | tail -8) | tee -a "$OUT/compare.txt"
+    done
+  done
 fi
 if [[ $what == quick ]]; then
   timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider -o timeout=180 tests/test_flashinfer_attention.py \
