@@ -58,11 +58,11 @@ def test_a_row_without_pages_waits_whole_and_blocks_its_queue() -> None:
     s.add(WorkItem("b", "llm", "llm", "prefill", num_tokens=12, pages_needed=3))
     s.add(WorkItem("c", "llm", "llm", "prefill", num_tokens=4, pages_needed=1))
     first = s.schedule()
-    assert [i.request_id for i in first.items] == ["a"] and len(first.items[0].pages) == 3
+    assert [i.request_id for i in first.items] == ["a"] and len(first.items[0].granted) == 3
     # b needs 3 of the 2 free pages: it waits, and c behind it does not jump ahead
     assert s.schedule() is None
     assert s.pools["llm"].num_free == 2 and s.num_waiting() == 2
-    s.pools["llm"].free(first.items[0].pages)
+    s.pools["llm"].free(first.items[0].granted)
     nxt = s.schedule()
     assert [i.request_id for i in nxt.items] == ["b", "c"]
     assert s.pools["llm"].num_free == 1

@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from mstar.engine.worker.loop_group import LoopGroup
-from mstar.engine.worker.rows import PartitionRun, RequestRun
+from mstar.engine.memory.kv_cache import SwappedKV
+from mstar.engine.worker.rows import Frame, PartitionRun, RequestRun
 from mstar.graph import Loop, compile_walk
 from mstar.models.llama import LlamaModel
 from mstar.scheduler import ModeCaps, PagePool, Scheduler, StepPlan, WorkItem
@@ -42,7 +43,9 @@ def _group(s: Scheduler, prompts: list[int]) -> tuple[LoopGroup, list[PartitionR
     parts = []
     for i, (item, n) in enumerate(zip(plan.items, prompts)):
         run = RequestRun(item.request_id, WALK, {WALK.root: SamplingParams(seed=i)}, {WALK.root: ()})
-        part = PartitionRun(run, root, cursor=1, pages=list(item.pages), kv_tokens=n, kv_component="llm")
+        part = PartitionRun(run, root, pc=1, loops=[Frame(0, 100, count=1)])  # in the decode loop, after prefill
+        part.row("llm").admit(list(item.granted))
+        part.row("llm").advance(n, None, sampled=True)
         group.join(part, torch.tensor(7), 1, 100, ())
         parts.append(part)
     group.merge()
@@ -52,7 +55,7 @@ def _group(s: Scheduler, prompts: list[int]) -> tuple[LoopGroup, list[PartitionR
 def _carry_out(group: LoopGroup, plan: StepPlan) -> None:
     """The page side of what the worker's executor does with a plan."""
     for row in plan.preempt:
-        group.evict(row).part.pages = []
+        group.evict(row).part.row("llm").swap_out(SwappedKV([], 0))  # its pages went back with the plan
     for row, page in plan.grow:
         group.add_page(row, page)
 
@@ -64,7 +67,7 @@ def test_admitted_items_come_with_their_pages_and_settle_first() -> None:
     s.add(WorkItem("a", "codec", "codec", "window"))
     plan = s.schedule()
     assert plan is not None and plan.group is None and plan.has_work
-    assert [len(i.pages) for i in plan.items] == [3] and s.running["llm"] == 1
+    assert [len(i.granted) for i in plan.items] == [3] and s.running["llm"] == 1
     assert plan.settle  # a KV step changes pages that launched steps read
     plan = s.schedule()
     assert plan is not None and plan.component == "codec" and not plan.settle  # a plain step queues behind
@@ -81,7 +84,7 @@ def test_rows_short_of_a_page_get_one_each() -> None:
     assert s.pools["llm"].num_free == 8 - 4 - 2
     _carry_out(group, plan)
     assert group.short_of_pages(PAGE) == []
-    assert [len(p.pages) for p in parts] == [2, 1, 3]
+    assert [len(p.row("llm").pages) for p in parts] == [2, 1, 3]
     assert group.block_table[0, 1] == plan.grow[0][1] and group.block_table[2, 2] == plan.grow[1][1]
 
 
@@ -110,7 +113,7 @@ def test_the_youngest_rows_make_room() -> None:
     plan = s.schedule()
     assert plan is not None and list(plan.preempt) == [3, 2]  # youngest first, until both short rows fit
     assert [row for row, _ in plan.grow] == [0, 1] and plan.rows == slice(0, 2)
-    victim_pages = {p for part in parts[2:] for p in part.pages}
+    victim_pages = {p for part in parts[2:] for p in part.row("llm").pages}
     assert {page for _, page in plan.grow} == victim_pages  # handed on in the same plan
     assert s.running["llm"] == 2 and s.pools["llm"].num_free == 0
     _carry_out(group, plan)
@@ -122,7 +125,7 @@ def test_a_short_victim_needs_no_page() -> None:
     group, parts = _group(s, [3, 4, 4])  # rows 1 and 2 are short, the pool is dry
     plan = s.schedule()
     assert plan is not None and list(plan.preempt) == [2]  # its page lets row 1 grow
-    assert [row for row, _ in plan.grow] == [1] and plan.grow[0][1] == parts[2].pages[0]
+    assert [row for row, _ in plan.grow] == [1] and plan.grow[0][1] == parts[2].row("llm").pages[0]
     assert plan.rows == slice(0, 2)
 
 
@@ -130,11 +133,11 @@ def test_shared_pages_free_nothing_when_their_row_is_preempted() -> None:
     s = _scheduler(pages=3)
     group, parts = _group(s, [4, 3, 3])
     pool = s.pools["llm"]
-    pool.share(parts[2].pages)  # another holder keeps row 2's page
+    pool.share(parts[2].row("llm").pages)  # another holder keeps row 2's page
     plan = s.schedule()
     assert plan is not None and list(plan.preempt) == [2, 1]
-    assert plan.grow == [(0, parts[1].pages[0])]
-    assert pool.refcount(parts[2].pages[0]) == 1  # one holder less, not free
+    assert plan.grow == [(0, parts[1].row("llm").pages[0])]
+    assert pool.refcount(parts[2].row("llm").pages[0]) == 1  # one holder less, not free
     assert plan.rows == slice(0, 1)
 
 

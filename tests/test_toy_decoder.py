@@ -203,15 +203,13 @@ def test_pack_kv_positions_extra_and_outputs_by_signature() -> None:
     """Rows without positions go on from their cached tokens plus their rope
     delta on every axis; TENSOR inputs land in `extra` (stacked, or a list
     when ragged or left out); a rows="all" output is cut per row."""
-    from types import SimpleNamespace
-
     from mstar.engine.execution.pack import kv_outputs, pack_kv
+    from mstar.engine.worker.kv_rows import KVRow
 
     sig = Mode("step", (In("ids", Kind.IDS), In("pos", Kind.POSITIONS, axes=3, optional=True),
                         In("cond", Kind.TENSOR), In("notes", Kind.TENSOR, ragged=True, optional=True)),
                (Out("token", Kind.TOKEN), Out("h", Kind.HIDDEN, rows="all")), kv="append", query="ids")
-    parts = [SimpleNamespace(kv_tokens=10, rope_delta=-4, pages=[0]),
-             SimpleNamespace(kv_tokens=0, rope_delta=0, pages=[1])]
+    parts = [KVRow("dec", [0], kv_len=10, rope_delta=-4), KVRow("dec", [1])]
     rows = [{"ids": torch.tensor([5]), "cond": torch.ones(2), "notes": torch.zeros(3)},
             {"ids": torch.tensor([1, 2, 3]), "pos": torch.tensor([[0, 1, 1], [0, 0, 1], [0, 1, 0]]),
              "cond": torch.zeros(2)}]

@@ -143,7 +143,7 @@ class Scheduler:
                 pages = pool.allocate(item.pages_needed)
                 if pages is None:
                     break
-                item.pages = pages
+                item.granted = pages
                 item.pages_needed = 0
             q.popleft()
             if item.starts_row:

@@ -24,7 +24,7 @@ class WorkItem:
 
     `num_tokens`: tokens the row adds to the step (1 for non-token modes).
     `pages_needed`: KV pages the row must get before it may run; the scheduler
-    allocates them all or leaves the item waiting, and puts them in `pages`.
+    allocates them all or leaves the item waiting, and puts them in `granted`.
     `starts_row`: running it makes the row one of its component's running
     rows, which are capped (`Scheduler(max_running=...)`).
     """
@@ -38,7 +38,7 @@ class WorkItem:
     payload: Any = None
     starts_row: bool = False   # the row's first KV step (or its resume): it becomes a running row
     ticket: int = -1
-    pages: list[int] = field(default_factory=list)
+    granted: list[int] = field(default_factory=list)
 
     @property
     def key(self) -> QueueKey:

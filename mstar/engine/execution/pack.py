@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from mstar.engine.movement.transfer import to_device
-from mstar.engine.worker.rows import PartitionRun
+from mstar.engine.worker.kv_rows import KVRow
 from mstar.graph import In, Kind, Mode
 from mstar.types import AttentionContext, TokenBatch
 
@@ -36,10 +36,11 @@ class PackedRows:
     rope_deltas: list[int | None]   # each row's rope delta once the step has run; None: as it was
 
 
-def pack_kv(rows: list[dict[str, torch.Tensor]], reads: list[dict[str, str]], parts: list[PartitionRun],
+def pack_kv(rows: list[dict[str, torch.Tensor]], reads: list[dict[str, str]], kv: list[KVRow],
             sig: Mode, axes: int, plan: Planner, device: torch.device) -> PackedRows:
     """`rows[i]`: row i's inputs by signature name; `reads[i]`: the walk value
-    each came from (errors name it); `axes`: of the component's positions.
+    each came from (errors name it); `kv[i]`: its KV row (a `reset` mode
+    starts it over); `axes`: of the component's positions.
     Raises `ValueError` for a row whose inputs disagree with its tokens (the
     worker then runs the rows alone, and that row fails by itself)."""
     assert sig.query is not None
@@ -52,8 +53,9 @@ def pack_kv(rows: list[dict[str, torch.Tensor]], reads: list[dict[str, str]], pa
     lens = [t.numel() for t in ids]
     query_start = torch.zeros(len(rows) + 1, dtype=torch.long)
     query_start[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.long), 0)
-    starts = [p.kv_tokens + p.rope_delta for p in parts]
-    positions, deltas = _positions(rows, reads, parts, sig, axes, lens, starts)
+    cached = [0 if sig.reset else r.kv_len for r in kv]
+    starts = [0 if sig.reset else r.start for r in kv]
+    positions, deltas = _positions(rows, reads, cached, sig, axes, lens, starts)
     host_ids = [t.cpu() for t in ids] if any(i.at is not None for i in sig.inputs) else ids
     embeds: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     extra: dict[str, Any] = {}
@@ -65,13 +67,13 @@ def pack_kv(rows: list[dict[str, torch.Tensor]], reads: list[dict[str, str]], pa
                 embeds[inp.name] = spliced
         elif inp.name != sig.query and inp is not pos_input and any(inp.name in row for row in rows):
             extra[inp.name] = stacked(inp, [row.get(inp.name) for row in rows], device)
-    ctx = torch.tensor([p.kv_tokens for p in parts], dtype=torch.long)
+    ctx = torch.tensor(cached, dtype=torch.long)
     batch = TokenBatch(
         input_ids=torch.cat(ids).to(device, torch.long),
         positions=torch.cat(positions, dim=-1).to(device),
         query_start=query_start,
         logits_index=(query_start[1:] - 1).to(device),
-        attn=plan(query_start, ctx, [p.pages for p in parts], sig.causal),
+        attn=plan(query_start, ctx, [r.pages for r in kv], sig.causal),
         embeds=embeds,
         extra=extra,
         start_positions=torch.tensor(starts, dtype=torch.long).to(device),
@@ -83,7 +85,7 @@ def _positions_input(sig: Mode) -> In | None:
     return next((i for i in sig.inputs if i.kind is Kind.POSITIONS), None)
 
 
-def _positions(rows: list[dict[str, torch.Tensor]], reads: list[dict[str, str]], parts: list[PartitionRun],
+def _positions(rows: list[dict[str, torch.Tensor]], reads: list[dict[str, str]], cached: list[int],
                sig: Mode, axes: int, lens: list[int], starts: list[int],
                ) -> tuple[list[torch.Tensor], list[int | None]]:
     """Each row's positions ([n], or [axes, n] when the component takes
@@ -91,7 +93,7 @@ def _positions(rows: list[dict[str, torch.Tensor]], reads: list[dict[str, str]],
     given_in = _positions_input(sig)
     out: list[torch.Tensor] = []
     deltas: list[int | None] = []
-    for row, read, part, n, start in zip(rows, reads, parts, lens, starts):
+    for row, read, kv_len, n, start in zip(rows, reads, cached, lens, starts):
         given = row.get(given_in.name) if given_in is not None else None
         if given is None:
             p = torch.arange(start, start + n)
@@ -105,7 +107,7 @@ def _positions(rows: list[dict[str, torch.Tensor]], reads: list[dict[str, str]],
                              f"{n} ('{read[sig.query]}')")
         out.append(p.reshape(-1) if axes == 1 else p.expand(axes, n))
         # a row's next position, less what its cache will hold: decode steps go on from there
-        deltas.append(int(p.max()) + 1 - (part.kv_tokens + n) if n else None)
+        deltas.append(int(p.max()) + 1 - (kv_len + n) if n else None)
     return out, deltas
 
 

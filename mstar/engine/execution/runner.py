@@ -24,6 +24,7 @@ from mstar.engine.memory.kv_cache import KVCache
 from mstar.engine.worker.loop_group import LoopGroup
 from mstar.engine.execution.mode_graphs import ModeGraphs, takes_seeds
 from mstar.engine.execution.pack import kv_outputs, named_outputs, pack_kv, stacked
+from mstar.engine.worker.kv_rows import KVRow
 from mstar.engine.worker.rows import PartitionRun
 from mstar.engine.execution.sampler import SamplingTensors, sample, token_logprobs
 from mstar.engine.movement.tensor_store import TensorRef, TensorStore
@@ -112,15 +113,16 @@ class ComponentRunner:
     def _run_tokens(self, rows: list[torch.Tensor], parts: list[PartitionRun], step: Step,
                     fn) -> tuple[dict, torch.Tensor | None]:
         assert self.kv is not None
+        kv = [p.row(self.name) for p in parts]
         ids, positions, lens, ctx, tables = [], [], [], [], []
-        for row, part in zip(rows, parts):
+        for row, r in zip(rows, kv):
             toks = row.reshape(-1)
             n = toks.numel()
             ids.append(toks)
-            positions.append(torch.arange(part.kv_tokens, part.kv_tokens + n))
+            positions.append(torch.arange(r.kv_len, r.kv_len + n))
             lens.append(n)
-            ctx.append(part.kv_tokens)
-            tables.append(part.pages)
+            ctx.append(r.kv_len)
+            tables.append(r.pages)
         query_start = torch.zeros(len(rows) + 1, dtype=torch.long)
         query_start[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.long), 0)
         input_ids = torch.cat(ids).to(self.device, torch.long)
@@ -136,14 +138,12 @@ class ComponentRunner:
         with torch.profiler.record_function("mstar.forward"):
             out = fn(batch)
         if self.spec.samples:
-            tokens, logprobs = self._sample(out["logits"], parts, ids)
+            tokens, logprobs = self._sample(out["logits"], parts, kv, ids)
             values = {step.outputs[0]: tokens}
         else:
             values, logprobs = self._name_outputs(step, out), None
-        for part, n in zip(parts, lens):  # only now: a step that raised left its rows as they were
-            part.kv_tokens += n
-            if self.spec.samples:
-                part.generated += 1
+        for r, n in zip(kv, lens):  # only now: a step that raised left its rows as they were
+            r.advance(n, None, self.spec.samples)
         return values, logprobs
 
     def _run_signed(self, inputs: list[dict[str, torch.Tensor]], parts: list[PartitionRun], sig: Mode,
@@ -159,7 +159,8 @@ class ComponentRunner:
         if any(w != writes for _, w in bound[1:]):  # the rows then run alone, each named by its own step
             raise RuntimeError(f"rows of one {steps[0].label} step write different values")
         rows = [{name: row[value] for name, value in r.items()} for row, r in zip(inputs, reads)]
-        packed = pack_kv(rows, reads, parts, sig, self.spec.position_axes, self.attention.plan, self.device)
+        kv = [p.row(self.name) for p in parts]
+        packed = pack_kv(rows, reads, kv, sig, self.spec.position_axes, self.attention.plan, self.device)
         with torch.profiler.record_function("mstar.forward"):
             out = fn(packed.batch)
         token = next((o.name for o in sig.outputs if o.kind is Kind.TOKEN and o.name in writes), None)
@@ -167,33 +168,27 @@ class ComponentRunner:
         if token is not None:
             if "logits" not in out:
                 raise RuntimeError(f"{steps[0].label} returned {sorted(out)}: no 'logits' to sample '{token}' from")
-            tokens, logprobs = self._sample(out["logits"], parts, packed.ids)
+            tokens, logprobs = self._sample(out["logits"], parts, kv, packed.ids)
         values = kv_outputs(out, sig, writes, packed.lens, tokens, steps[0].label)
-        for part, n, delta in zip(parts, packed.lens, packed.rope_deltas):  # only now, as in `_run_tokens`
+        for r, n, delta in zip(kv, packed.lens, packed.rope_deltas):  # only now, as in `_run_tokens`
             if sig.kv == "append":
-                part.kv_tokens += n
-                if delta is not None:
-                    part.rope_delta = delta
-            if tokens is not None:
-                part.generated += 1
+                r.advance(n, delta, tokens is not None, reset=sig.reset)
+            elif tokens is not None:
+                r.advance(0, None, True)
         return StepOutput(parts, values, logprobs, sampled=(writes[token],) if token is not None else ())
 
-    def _sample(self, logits: torch.Tensor, parts: list[PartitionRun],
+    def _sample(self, logits: torch.Tensor, parts: list[PartitionRun], kv: list[KVRow],
                 inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The rows' tokens, and the packed logprobs of those that asked (on the host)."""
         params = [p.sampling for p in parts]
-        st = SamplingTensors.build(params, [p.seed for p in parts], [p.generated for p in parts],
-                                   logits.device)
+        st = SamplingTensors.build(params, [p.seed for p in parts], [r.generated for r in kv], logits.device)
         seen = None
         if st.any_penalty:
             vocab = logits.shape[-1]
-            for part, toks in zip(parts, inputs):
-                if part.sampling.repetition_penalty != 1.0:
-                    if part.seen is None:
-                        part.seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
-                    part.seen[toks.to(logits.device).clamp_(0, vocab - 1)] = True
             empty = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
-            seen = torch.stack([p.seen if p.seen is not None else empty for p in parts])
+            seen = torch.stack([r.saw(toks.to(logits.device), vocab) if p.sampling.repetition_penalty != 1.0
+                                else r.seen if r.seen is not None else empty
+                                for p, r, toks in zip(parts, kv, inputs)])
         with torch.profiler.record_function("mstar.sample"):
             logits = logits.float()
             tokens = self._timed(sample)(logits, st, seen)

@@ -111,11 +111,9 @@ class Executor:
     def _step(self, batch: Batch) -> None:
         t0 = time.perf_counter()
         for item in batch.items:
-            if item.pages:  # pages the scheduler admitted the row with: the row owns them now
-                part = item.payload[0]
-                part.pages.extend(item.pages)
-                part.kv_component = item.component
-                item.pages = []
+            if item.granted:  # pages the scheduler admitted the row with: the row owns them now
+                item.payload[0].row(item.component).admit(item.granted)
+                item.granted = []
         if self.preemption is not None:
             batch.items = self.preemption.resume(batch.items)
             if not batch.items:

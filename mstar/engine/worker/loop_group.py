@@ -138,7 +138,7 @@ class LoopGroup:
                if r == request_id and (partition is None or p == partition)]
         for i in idx:
             if count_sampled:
-                self.rows[i].generated = int(self.counters[i])
+                self.rows[i].row(self.component).back_from_group(int(self.kv_lens[i]), int(self.counters[i]))
             out.append(Leave(self.rows[i], self.tokens[i].clone(), None))
         self._drop(idx, self.seq)
         return out
@@ -151,23 +151,24 @@ class LoopGroup:
             return
         joins = self._joins
         parts = [j.part for j in joins]
+        kv = [p.row(self.component) for p in parts]
         dev = self.device
 
         def longs(values: list[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.long)
 
         new = SamplingTensors.build([p.sampling for p in parts], [p.seed for p in parts],
-                                    [p.generated for p in parts], dev)
+                                    [r.generated for r in kv], dev)
         tokens = torch.cat([self.tokens, torch.stack([j.token.reshape(()) for j in joins]).to(dev)])
-        kv_lens = torch.cat([self.kv_lens, longs([p.kv_tokens for p in parts])])
+        kv_lens = torch.cat([self.kv_lens, longs([r.kv_len for r in kv])])
         counts = torch.cat([self.counts, longs([j.count for j in joins])])
         caps = torch.cat([self.caps, longs([j.cap for j in joins])])
-        block_table = _cat_padded(self.block_table, [p.pages for p in parts], 0)
-        page_counts = torch.cat([self.page_counts, longs([len(p.pages) for p in parts])])
+        block_table = _cat_padded(self.block_table, [r.pages for r in kv], 0)
+        page_counts = torch.cat([self.page_counts, longs([len(r.pages) for r in kv])])
         stop_table = _cat_padded(self.stop_table, [j.stop_ids for j in joins], -1)
-        counters = torch.cat([self.counters, longs([p.generated for p in parts])])
+        counters = torch.cat([self.counters, longs([r.generated for r in kv])])
         sampling = new if self.sampling is None else _cat_sampling(self.sampling, new)
-        seen = self._merged_seen(parts)
+        seen = self._merged_seen([r.seen for r in kv])
         # nothing below raises
         self.tokens, self.kv_lens, self.counts, self.caps = tokens, kv_lens, counts, caps
         self.block_table, self.page_counts, self.stop_table = block_table, page_counts, stop_table
@@ -176,18 +177,17 @@ class LoopGroup:
         self.rows += parts
         self.request_ids += [p.request_id for p in parts]
         self.partitions += [p.name for p in parts]
-        for p in parts:
+        for p, r in zip(parts, kv):
             self._left.pop(id(p), None)
-            p.seen = None  # the group's copy, if any, is the live one now
+            r.into_group()  # the group's copy, if any, is the live one now
 
-    def _merged_seen(self, parts: list[PartitionRun]) -> torch.Tensor | None:
+    def _merged_seen(self, seens: list[torch.Tensor | None]) -> torch.Tensor | None:
         """One `seen` row per group row once any row has a repetition penalty."""
-        vocab = next((p.seen.numel() for p in parts if p.seen is not None), None)
+        vocab = next((s.numel() for s in seens if s is not None), None)
         if self.seen is None and vocab is None:
             return None
         vocab = vocab or self.seen.shape[1]
-        rows = [p.seen if p.seen is not None else torch.zeros(vocab, dtype=torch.bool, device=self.device)
-                for p in parts]
+        rows = [s if s is not None else torch.zeros(vocab, dtype=torch.bool, device=self.device) for s in seens]
         old = self.seen if self.seen is not None else torch.zeros(
             len(self.rows), vocab, dtype=torch.bool, device=self.device)
         return torch.cat([old, torch.stack(rows)])
@@ -201,12 +201,11 @@ class LoopGroup:
         return (self.kv_lens >= self.page_counts * page_size).nonzero().flatten().tolist()
 
     def pages(self, row: int) -> list[int]:
-        return self.rows[row].pages
+        return self.rows[row].row(self.component).pages
 
     def add_page(self, i: int, page: int) -> None:
         """Row `i` owns one more page, at the end of its block table."""
-        part = self.rows[i]
-        part.pages.append(page)
+        self.rows[i].row(self.component).add_page(page)
         n = int(self.page_counts[i])
         if n >= self.block_table.shape[1]:
             pad = torch.zeros(self.block_table.shape[0], n + 1 - self.block_table.shape[1], dtype=torch.long)
@@ -219,8 +218,7 @@ class LoopGroup:
         caller has read every launched step: nothing of the row is in
         flight). Its pages stay in its list, for the caller to swap out."""
         part = self.rows[i]
-        part.kv_tokens = int(self.kv_lens[i])
-        part.generated = int(self.counters[i])
+        part.row(self.component).back_from_group(int(self.kv_lens[i]), int(self.counters[i]))
         part.set_loop_count(int(self.counts[i]))
         token = self.tokens[i].clone()
         self._drop([i], self.seq)
@@ -310,8 +308,7 @@ class LoopGroup:
                 # stopped on a token before: that later output is dead too
                 self._left[id(part)] = mark
                 self._left_at.setdefault(mark, []).append(id(part))
-            part.kv_tokens = int(p.kv_lens[i])
-            part.generated = int(p.counters[i])
+            part.row(self.component).back_from_group(int(p.kv_lens[i]), int(p.counters[i]))
             # the walker counts this step's write when it routes the row on
             part.set_loop_count(int(p.counts[i]) - 1)
             out.append(Leave(part, p.tokens[i].clone(), "stop" if bool(hit_stop[i]) else "length", int(p.host[i])))
@@ -325,7 +322,7 @@ class LoopGroup:
             part = self.rows[i]
             self._left[id(part)] = seq
             if self.seen is not None:
-                part.seen = self.seen[i].clone()
+                part.row(self.component).keep_seen(self.seen[i].clone())
         self._left_at.setdefault(seq, []).extend(id(self.rows[i]) for i in idx)
         keep = torch.ones(len(self.rows), dtype=torch.bool)
         keep[idx] = False

@@ -33,9 +33,9 @@ class Preemption:
         """Take `rows` out of `group`, highest first, and swap their KV out."""
         for i in rows:
             leave = group.evict(i)
-            part = leave.part
-            swapped = self.caches[group.component].swap_out(part.pages)
-            part.pages = []  # back in the pool since the plan was made
+            row = leave.part.row(group.component)
+            swapped = self.caches[group.component].swap_out(row.pages)
+            row.swap_out(swapped)  # its pages are back in the pool since the plan was made
             self.preempted += 1
             self.walker.preempted(leave, swapped)
 
@@ -45,10 +45,11 @@ class Preemption:
         rest = []
         for item in items:
             part = item.payload[0]
-            if part.swapped is None:
+            row = part.rows.get(item.component)
+            if row is None or row.swapped is None:
                 rest.append(item)
                 continue
-            self.caches[item.component].swap_in(part.swapped, part.pages)
+            self.caches[item.component].swap_in(row.swapped_in(), row.pages)
             self.resumed += 1
             self.walker.resume(part)
         return rest

@@ -2,9 +2,10 @@
 
 A `RequestRun` is one request's walk on a worker; each of its partitions is a
 `PartitionRun` with a cursor into the partition's program (`pc`) and a
-`Frame` per loop it is in, the handles of the values it can read, its KV
-pages, and (for a stream consumer) the `StreamBuffer` it reads. Only the
-owning worker thread touches these objects.
+`Frame` per loop it is in, the handles of the values it can read, a `KVRow`
+per KV component it steps (`kv_rows.py`), and (for a stream consumer) the
+`StreamBuffer` it reads. Only the owning worker thread touches these
+objects.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mstar.engine.memory.kv_cache import SwappedKV
 from mstar.engine.movement.tensor_store import TensorRef
+from mstar.engine.worker.kv_rows import KVRow
 from mstar.engine.worker.stream_buffer import StreamBuffer, StreamItem
 from mstar.graph import Loop, PartitionPlan, Run, Step, WalkPlan
 from mstar.types import SamplingParams
@@ -69,14 +70,7 @@ class PartitionRun:
     writes: dict[str, int] = field(default_factory=dict)
     busy: bool = False              # an item of this partition is queued or running
     done: bool = False
-    # paged KV of the partition's KV component
-    pages: list[int] = field(default_factory=list)
-    kv_tokens: int = 0
-    rope_delta: int = 0             # its next position minus kv_tokens (set by a step given its positions)
-    kv_component: str | None = None
-    generated: int = 0              # tokens sampled so far (the sampler's draw counter)
-    seen: torch.Tensor | None = None  # [vocab] bool, for the repetition penalty
-    swapped: SwappedKV | None = None  # preempted: its KV pages, in host memory until it resumes
+    rows: dict[str, KVRow] = field(default_factory=dict)  # by KV component
     turn_cap: int | None = None     # a later turn's write cap: what is left of the context
     awaiting_input: bool = False    # its turn is over and it waits for more input
     turn_token: int | None = None   # the last token of its last turn (not in the cache yet)
@@ -104,6 +98,18 @@ class PartitionRun:
     @property
     def stop_ids(self) -> tuple[int, ...]:
         return self.request.stop_ids[self.request.key_of(self.plan.name)]
+
+    def row(self, component: str) -> KVRow:
+        """Its row of `component`'s KV cache (empty until a step is admitted)."""
+        row = self.rows.get(component)
+        if row is None:
+            row = self.rows[component] = KVRow(component)
+        return row
+
+    def kv_row(self) -> KVRow:
+        """Its one KV row (a root partition taking turns has one)."""
+        assert len(self.rows) == 1, f"partition '{self.name}' has {len(self.rows)} KV rows"
+        return next(iter(self.rows.values()))
 
     def instr(self) -> Run | None:
         """The step under the cursor; None past the end (or at a loop mark,

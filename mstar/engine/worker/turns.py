@@ -94,7 +94,7 @@ class Turns:
         if part.request.more:
             self._next(part)
         else:
-            self.on_awaiting(part.request_id, part.kv_tokens + 1)  # the turn's last token, not cached yet
+            self.on_awaiting(part.request_id, part.kv_row().kv_len + 1)  # the turn's last token, not cached yet
 
     def _next(self, part: PartitionRun) -> None:
         """Start the next turn: the partition's first step again, reading the
@@ -104,8 +104,9 @@ class Turns:
         rid = part.request_id
         assert part.turn_token is not None and run.walk.more_input is not None
         assert self.join_turn is not None, "a walk taking more input on a worker given no join_turn"
-        joined = self.join_turn(part.turn_token, run.more.pop(0), part.kv_tokens + part.rope_delta)
-        room = walker.max_model_len - part.kv_tokens - joined.num_tokens
+        row = part.kv_row()
+        joined = self.join_turn(part.turn_token, run.more.pop(0), row.start)
+        room = walker.max_model_len - row.kv_len - joined.num_tokens
         part.awaiting_input = False
         run.root_reason = None
         if room < 1:  # the context is full: the request ends as if its cap was reached
@@ -119,7 +120,7 @@ class Turns:
         for name, tensor in joined.values.items():
             part.values[name] = TensorRef(walker.store.put(tensor, (rid,)))
         part.writes.clear()
-        part.seen = None  # the repetition penalty looks at this turn only, as a request of its own would
+        row.new_turn()  # the repetition penalty looks at this turn only, as a request of its own would
         part.turn_cap = room
         walker.cursor.restart(part, 0)
         walker.advance(part)

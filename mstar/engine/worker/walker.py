@@ -164,16 +164,19 @@ class Walker:
                 if isinstance(ref, TensorRef):
                     self.store.retain(ref, rid)
         pool = self.pools.get(step.component)
-        num_tokens, pages = 1, 0
+        num_tokens, pages, starts_row = 1, 0, False
         if pool is not None:
+            row = part.row(step.component)
             num_tokens = self._num_tokens(step, inputs)
-            total = part.kv_tokens + num_tokens
-            if not part.pages or part.pc == 0:  # a request's first step, or a later turn's
+            sig = self.components[step.component].signatures.get(step.mode) if self.components else None
+            total = (0 if sig is not None and sig.reset else row.kv_len) + num_tokens
+            if not row.pages or part.pc == 0:  # the row's first step, or a later turn's
                 total += self._reserve(part)
-            pages = max(0, pool.pages_for(min(total, self.max_model_len)) - len(part.pages))
+            pages = max(0, pool.pages_for(min(total, self.max_model_len)) - len(row.pages))
+            starts_row = not row.pages
         part.busy = True
         self.scheduler.add(WorkItem(rid, part.name, step.component, step.mode, num_tokens, pages,
-                                    payload=(part, inputs), starts_row=pool is not None and not part.pages))
+                                    payload=(part, inputs), starts_row=starts_row))
 
     def _num_tokens(self, step: Step, inputs: dict[str, TensorRef | list[StreamItem] | int]) -> int:
         """The new tokens a KV step brings: its query input's ids, or its rows
@@ -212,12 +215,13 @@ class Walker:
                 or step.inputs != (loop.value,) or len(step.outputs) != 1):
             return False
         comp = self.components.get(step.component)
-        if part.rope_delta or (comp is not None and not runs_in_group(comp, step.mode)):
+        row = part.row(step.component)
+        if row.rope_delta or (comp is not None and not runs_in_group(comp, step.mode)):
             return False  # positions beyond its cached length, or outputs a group does not keep
         frame = part.loops[-1]
         cap, count = frame.cap, frame.count
         pool = self.pools[step.component]
-        if cap is None or (not self.lazy_pages and pool.pages_for(part.kv_tokens + cap - count) > len(part.pages)):
+        if cap is None or (not self.lazy_pages and pool.pages_for(row.kv_len + cap - count) > len(row.pages)):
             return False
         key = (part.request.walk.name, part.name, part.pc)
         group = self.groups.get(key)
@@ -235,7 +239,6 @@ class Walker:
         """A group row was preempted (its pages freed, its KV in `swapped`):
         it waits in its loop's queue for as many pages, then resumes."""
         part = leave.part
-        part.swapped = swapped
         loop = part.loop()
         assert loop is not None
         part.values[loop.value] = TensorRef(self.store.put(leave.token, (part.request_id,)))
@@ -246,7 +249,6 @@ class Walker:
 
     def resume(self, part: PartitionRun) -> None:
         """A preempted row has its pages and KV back: into its group again."""
-        part.swapped = None
         part.busy = False
         self.advance(part)
 
@@ -334,15 +336,14 @@ class Walker:
             self.runs.pop(rid, None)
             if not run.shared:  # other workers' parts of the request still hold references (the engine drops them)
                 self.store.drop_owner(rid)
-        generated = sum(p.generated for p in run.partitions.values()) if done else 0
+        generated = sum(r.generated for p in run.partitions.values() for r in p.rows.values()) if done else 0
         self.on_finish(Finished(rid, part.name, reason, done, error, generated))
 
     def free_pages(self, part: PartitionRun) -> None:
-        """Give the partition's KV pages back; it is no longer a running row."""
-        if part.pages and part.kv_component is not None:
-            self.pools[part.kv_component].free(part.pages)
-            self.scheduler.row_ended(part.kv_component)
-        part.pages = []
+        """Give the partition's KV pages back; its rows no longer run."""
+        for row in part.rows.values():
+            if row.release(self.pools[row.component]):
+                self.scheduler.row_ended(row.component)
 
     def stop(self, request_id: str, partition: str) -> int:
         """The event loop stopped a partition: cancel its queued work and

@@ -1,0 +1,99 @@
+"""A partition's rows of the paged KV cache: one `KVRow` per KV component a
+partition steps (a thinker's; a talker's and its code predictor's side by
+side), with its pages, how many tokens they hold, where its positions stand,
+its sampler's draw counter and what its repetition penalty has seen.
+
+The methods below are the only writers of a row (`tests/test_kv_rows.py`
+holds every other module to that), so a row's state moves in a few named
+ways: admitted with pages, advanced by a step that ran, restarted, handed to
+and back from a decode group, swapped out and in, released. While a decode
+group holds a row, the group's tensors are the live copy; it hands the row
+back (`back_from_group`) when the row leaves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from mstar.engine.memory.kv_cache import SwappedKV
+from mstar.scheduler import PagePool
+
+
+@dataclass(eq=False, slots=True)
+class KVRow:
+    component: str
+    pages: list[int] = field(default_factory=list)
+    kv_len: int = 0                   # tokens its pages hold
+    rope_delta: int = 0               # its next position minus kv_len (set by a step given its positions)
+    generated: int = 0                # tokens it sampled so far (the sampler's draw counter)
+    seen: torch.Tensor | None = None  # [vocab] bool, for the repetition penalty
+    swapped: SwappedKV | None = None  # preempted: its KV, in host memory until it resumes
+
+    @property
+    def start(self) -> int:
+        """The position its next token takes."""
+        return self.kv_len + self.rope_delta
+
+    def admit(self, pages: list[int]) -> None:
+        """The scheduler admitted a step of this row with `pages` more."""
+        self.pages.extend(pages)
+
+    def add_page(self, page: int) -> None:
+        """One more page for a growing decode row."""
+        self.pages.append(page)
+
+    def advance(self, n: int, rope_delta: int | None, sampled: bool, reset: bool = False) -> None:
+        """A step that ran appended `n` tokens (after a restart of the cache,
+        with `reset`), gave positions that move its rope delta, and sampled."""
+        self.kv_len = n if reset else self.kv_len + n
+        if reset:
+            self.rope_delta = 0
+        if rope_delta is not None:
+            self.rope_delta = rope_delta
+        if sampled:
+            self.generated += 1
+
+    def saw(self, ids: torch.Tensor, vocab: int) -> torch.Tensor:
+        """Mark `ids` seen (the repetition penalty); the row's mask."""
+        if self.seen is None:
+            self.seen = torch.zeros(vocab, dtype=torch.bool, device=ids.device)
+        self.seen[ids.clamp(0, vocab - 1)] = True
+        return self.seen
+
+    def new_turn(self) -> None:
+        """A later turn starts: the repetition penalty looks at it alone."""
+        self.seen = None
+
+    def into_group(self) -> torch.Tensor | None:
+        """A decode group takes the row over; its seen mask goes with it."""
+        seen, self.seen = self.seen, None
+        return seen
+
+    def back_from_group(self, kv_len: int, generated: int) -> None:
+        """A decode group hands the row back as its last step left it."""
+        self.kv_len, self.generated = kv_len, generated
+
+    def keep_seen(self, seen: torch.Tensor | None) -> None:
+        """The seen mask a decode group kept for the row, handed back."""
+        self.seen = seen
+
+    def swap_out(self, swapped: SwappedKV) -> None:
+        """Preempted: its KV went to host memory, its pages back to the pool."""
+        self.swapped, self.pages = swapped, []
+
+    def swapped_in(self) -> SwappedKV:
+        """Its KV is coming back into the pages it was admitted with."""
+        swapped = self.swapped
+        assert swapped is not None
+        self.swapped = None
+        return swapped
+
+    def release(self, pool: PagePool) -> bool:
+        """Give its pages back; whether it held any."""
+        held = bool(self.pages)
+        if held:
+            pool.free(self.pages)
+        self.pages = []
+        return held
