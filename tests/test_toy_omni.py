@@ -24,7 +24,7 @@ from mstar.placement import parse_spec
 from mstar.types import GenerateRequest, SamplingParams, TokenBatch
 from toys.audio_decoder import HIDDEN, MEL, PLACEHOLDER, VOCAB, mrope_positions
 from toys.dense import DenseAttention, draw
-from toys.omni import CHUNK, LEFT, ToyOmniModel
+from toys.omni import CHUNK, GROUPS, LEFT, ToyOmniModel
 
 TOL = 1e-5
 
@@ -73,6 +73,7 @@ class Reference:
             text.append(draw(out["logits"][0], think, think.seed, self.drawn + k))
         self.drawn += len(text)
         self.last, self.start = text[-1], following + len(text) - 1
+        self.items, self.prompt_hidden = items, prompt_hidden
 
         seed, t, base = key_seed(think.seed, "talker"), prompt_hidden.shape[0], self.talker_len
         out = m.talker.prefill(TokenBatch(
@@ -221,6 +222,94 @@ async def test_audio_appended_runs_a_thinker_turn_and_restarts_the_talker(device
             want_pcm = [p for e in expected for p in e.pcm]
             assert len(pcm) == len(want_pcm)
             for got, ref_pcm in zip(pcm, want_pcm):
+                torch.testing.assert_close(torch.tensor(got), ref_pcm, atol=TOL, rtol=0)
+        for _ in range(100):
+            if len(eng.store) == 0 and eng.pages_in_use() == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert eng.pages_in_use() == 0 and len(eng.store) == 0
+    finally:
+        await eng.shutdown()
+
+
+@torch.inference_mode()
+def frames_reference(model: ToyOmniModel, ids: list[int], mel: torch.Tensor, think: SamplingParams,
+                     talk: SamplingParams, cp: SamplingParams) -> Expected:
+    """`chat_frames` one request at a time: the thinker as in `chat`; then per
+    talker step a frame, its first code the talker's and the others the code
+    predictor's (a cache of its own, fresh every frame), the next talker step
+    reading the frame and one thinker item; frames through the codec."""
+    assert think.seed is not None
+    ref = Reference(model)
+    text = ref.turn(ids, mel, think, SamplingParams(max_tokens=1, temperature=0.0)).text  # the thinker's part
+    items, prompt_hidden = ref.items, ref.prompt_hidden
+    m, tattn, t = model, DenseAttention(), prompt_hidden.shape[0]
+    talk_seed, cp_seed = key_seed(think.seed, "talker"), key_seed(think.seed, "cp")
+    out = m.talker.prefill(TokenBatch(
+        input_ids=torch.zeros(t, dtype=torch.long), positions=torch.arange(t), query_start=torch.tensor([0, t]),
+        logits_index=torch.tensor([t - 1]), attn=tattn, embeds={"ctx": (prompt_hidden, torch.arange(t))}))
+    code0s, last, cp_drawn, frames = [draw(out["logits"][0], talk, talk_seed, 0)], out["last"][0], 0, []
+    while len(code0s) < talk.max_tokens:
+        cattn = DenseAttention()
+        out = m.cp.prefill(TokenBatch(
+            input_ids=torch.tensor([code0s[-1]]), positions=torch.tensor([0]), query_start=torch.tensor([0, 1]),
+            logits_index=torch.tensor([0]), attn=cattn, extra={"h": last.reshape(1, 1, HIDDEN)}))
+        frame = [code0s[-1], draw(out["logits"][0], cp, cp_seed, cp_drawn)]
+        for j in range(GROUPS - 2):
+            out = m.cp.decode(TokenBatch(
+                input_ids=torch.tensor([frame[-1]]), positions=torch.tensor([j + 1]),
+                query_start=torch.tensor([0, 1]), logits_index=torch.tensor([0]), attn=cattn,
+                extra={"j": torch.tensor([j])}))
+            frame.append(draw(out["logits"][0], cp, cp_seed, cp_drawn + j + 1))
+        cp_drawn += GROUPS - 1
+        frames.append(frame)
+        k = len(code0s) - 1
+        if k == len(items):  # the talker's next read finds the thinker done
+            break
+        out = m.talker.frame(TokenBatch(
+            input_ids=torch.tensor([code0s[-1]]), positions=torch.tensor([t + k]), query_start=torch.tensor([0, 1]),
+            logits_index=torch.tensor([0]), attn=tattn,
+            extra={"frame": torch.tensor([frame]), "h": items[k].reshape(1, 1, HIDDEN)}))
+        code0s.append(draw(out["logits"][0], talk, talk_seed, k + 1))
+        last = out["last"][0]
+    pcm = []
+    for i in range((len(frames) + CHUNK - 1) // CHUNK):
+        span = frames[max(0, i * CHUNK - LEFT):(i + 1) * CHUNK]
+        pcm.append(m.codec.chunk(torch.tensor([span]), torch.tensor([i]))["pcm"][0])
+    return Expected(text, code0s, pcm)
+
+
+@pytest.mark.parametrize("devices, placement", SETUPS)
+async def test_frames_from_a_code_predictor_nested_in_the_talker(devices: tuple[str, ...], placement: str) -> None:
+    model = ToyOmniModel()
+    requests = _requests(5)
+    cps = [SamplingParams(temperature=t, top_k=k) for t, k in ((0.9, 6), (0.0, 1), (1.3, 12), (0.7, 3), (1.0, 0),
+                                                               (0.5, 4))]
+    seeded = [(ids, mel, think, talk, dataclasses.replace(cp, seed=None)) for (ids, mel, think, talk), cp
+              in zip(requests, cps)]
+    expected = [frames_reference(model, ids, mel, think, talk, cp) for ids, mel, think, talk, cp in seeded]
+    eng = Engine(EngineConfig(model="toy-omni", devices=devices, placement=parse_spec(placement)), model=model)
+    await eng.start()
+    try:
+        async def one(k: int, ids, mel, think, talk, cp):
+            by = {"talker": {"max_tokens": talk.max_tokens, "temperature": talk.temperature, "top_k": talk.top_k},
+                  "cp": {"temperature": cp.temperature, "top_k": cp.top_k}}
+            request = GenerateRequest(f"f{k}", "toy-omni", {"prompt_ids": ids, "mel": mel}, think, sampling_by=by,
+                                      walk="chat_frames")
+            text, codes, pcm = [], [], []
+            async for chunk in eng.submit(request):
+                text.extend(chunk.token_ids)
+                if chunk.data is not None:
+                    data = chunk.data.tolist() if hasattr(chunk.data, "tolist") else chunk.data
+                    (pcm if isinstance(data, list) else codes).append(data)
+            return text, codes, pcm
+
+        results = await asyncio.gather(*(one(k, *r) for k, r in enumerate(seeded)))
+        for (text, codes, pcm), want in zip(results, expected):
+            assert text == want.text
+            assert codes == want.codes
+            assert len(pcm) == len(want.pcm)
+            for got, ref_pcm in zip(pcm, want.pcm):
                 torch.testing.assert_close(torch.tensor(got), ref_pcm, atol=TOL, rtol=0)
         for _ in range(100):
             if len(eng.store) == 0 and eng.pages_in_use() == 0:

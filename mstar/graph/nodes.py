@@ -41,12 +41,16 @@ class Step:
     """One batched call of `component.mode` reading and writing named values.
 
     `reads` / `writes` bind walk values by position, or by the names of the
-    mode's signature (`graph/signatures.py`) as a mapping."""
+    mode's signature (`graph/signatures.py`) as a mapping. `sampling`: the
+    sampling key its token draws under (its own params, seed and overrides,
+    such as a code predictor's inside a talker's partition); by default the
+    partition's."""
 
     component: str
     mode: str
     reads: Binding
     writes: Binding
+    sampling: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "reads", _pairs(self.reads))

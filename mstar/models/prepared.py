@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mstar.errors import RequestError
-from mstar.graph import Component, WalkPlan
+from mstar.graph import Component, Kind, WalkPlan
 from mstar.types import GenerateRequest, SamplingParams
 
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
@@ -50,10 +50,21 @@ class Prepared:
 
 
 def sampling_keys(plan: WalkPlan, components: dict[str, Component]) -> tuple[str, ...]:
-    """The walk's sampling keys, the root's first."""
+    """The walk's sampling keys, the root's first: each partition with a step
+    that samples under the partition's key, and each step's own key."""
     sampling = [name for name, part in plan.partitions.items()
-                if any(components[step.component].samples for step in part.steps)]
-    return (plan.root, *(k for k in sampling if k != plan.root))
+                if any(_samples(components[step.component], step.mode) and step.sampling is None
+                       for step in part.steps)]
+    sampling += [step.sampling for part in plan.partitions.values() for step in part.steps
+                 if step.sampling is not None]
+    return tuple(dict.fromkeys((plan.root, *sampling)))
+
+
+def _samples(component: Component, mode: str) -> bool:
+    """Whether steps of `mode` draw tokens: a declared TOKEN output, or a
+    name-only mode of a sampling component."""
+    sig = component.signature(mode)
+    return component.samples or (sig is not None and any(o.kind is Kind.TOKEN for o in sig.outputs))
 
 
 def resolve_sampling(request: GenerateRequest, plan: WalkPlan, components: dict[str, Component],

@@ -17,6 +17,14 @@ engine on the CPU, and run unbatched by a test as its reference.
   `codec.chunk`, a convolution that returns the samples of the chunk's new
   codes (the `@chunk` index says how many codes of context came first).
 
+Walk `chat_frames` speaks in frames of `GROUPS` codes, as Qwen3-Omni's
+talker does: each talker step samples a frame's first code and its last
+hidden state, then a code predictor (`cp`, a KV component of the talker's
+partition with its own sampling key) restarts its cache (`reset`) and
+samples the frame's other codes one by one in a nested loop (`@i` picks its
+embedding and head); the loop collects the frame, the talker's next step
+reads it, and frames stream with left context into the codec.
+
 More audio may come while a request runs (`more_input`): each piece is a
 thinker turn (encoder, prefill on the cache it has, positions going on from
 its last token), and the talker starts again at the turn's first item
@@ -30,8 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from mstar.graph import (Component, Emit, In, Items, Kind, LeftContext, Loop, MaxTokens, Mode, Out, Partition, Step,
-                         Stream, StreamDone, Walk)
+from mstar.graph import (Collect, Component, Emit, In, Items, Kind, LeftContext, Loop, MaxSteps, MaxTokens, Mode, Out,
+                         Partition, Step, Stream, StreamDone, Walk)
 from mstar.models.base import KVSpec, Model
 from mstar.models.prepared import PreparedPiece
 from mstar.types import GenerateRequest, SamplingParams, TokenBatch
@@ -41,6 +49,7 @@ from toys.audio_decoder import (ENCODE, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, LAYER
 CODES = 24         # the talker's vocabulary
 SAMPLES = 4        # samples per code
 CHUNK, LEFT = 4, 2  # the codec's chunks: 4 new codes after up to 2 of context
+GROUPS = 3         # codes per frame (`chat_frames`): the talker's, then the code predictor's
 
 THINK_PREFILL = Mode("prefill", (In("ids", Kind.IDS), In("audio", Kind.EMBEDS, at=PLACEHOLDER, optional=True),
                                  In("pos", Kind.POSITIONS, axes=3)),
@@ -48,9 +57,16 @@ THINK_PREFILL = Mode("prefill", (In("ids", Kind.IDS), In("audio", Kind.EMBEDS, a
                      kv="append", query="ids")
 THINK_DECODE = Mode("decode", (In("ids", Kind.IDS),), (Out("token", Kind.TOKEN), Out("hidden", Kind.HIDDEN)),
                     kv="append", query="ids", graph=True)
-TALK_PREFILL = Mode("prefill", (In("ctx", Kind.EMBEDS),), (Out("code", Kind.TOKEN),), kv="append", query="ctx")
+TALK_PREFILL = Mode("prefill", (In("ctx", Kind.EMBEDS),), (Out("code", Kind.TOKEN), Out("last", Kind.HIDDEN)),
+                    kv="append", query="ctx")
 TALK_DECODE = Mode("decode", (In("ids", Kind.IDS), In("h", Kind.TENSOR)), (Out("code", Kind.TOKEN),),
                    kv="append", query="ids")
+TALK_FRAME = Mode("frame", (In("ids", Kind.IDS), In("frame", Kind.TENSOR), In("h", Kind.TENSOR)),
+                  (Out("code", Kind.TOKEN), Out("last", Kind.HIDDEN)), kv="append", query="ids")
+CP_PREFILL = Mode("prefill", (In("ids", Kind.IDS), In("h", Kind.TENSOR)), (Out("code", Kind.TOKEN),),
+                  kv="append", query="ids", reset=True)
+CP_DECODE = Mode("decode", (In("ids", Kind.IDS), In("j", Kind.INDEX)), (Out("code", Kind.TOKEN),),
+                 kv="append", query="ids")
 CODEC_CHUNK = Mode("chunk", (In("codes", Kind.TENSOR), In("index", Kind.INDEX)), (Out("pcm", Kind.TENSOR),))
 
 
@@ -73,14 +89,11 @@ class Talker(nn.Module):
         self.head = nn.Linear(HIDDEN, CODES, bias=False)
         inv_freq = 1.0 / (10_000 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.groups = nn.ModuleList(nn.Embedding(CODES, HIDDEN) for _ in range(GROUPS))  # a frame's codes
 
     def _run(self, x: torch.Tensor, batch: TokenBatch) -> dict[str, torch.Tensor]:
-        angles = batch.positions.reshape(-1).float()[:, None] * self.inv_freq
-        angles = torch.cat([angles, angles], dim=-1)
-        cos, sin = angles.cos(), angles.sin()
-        for i, layer in enumerate(self.layers):
-            x = layer(x, i, batch.attn, cos, sin)
-        return {"logits": self.head(self.norm(x)[batch.logits_index])}
+        last = _layers(self.layers, self.inv_freq, x, batch)[batch.logits_index]
+        return {"logits": self.head(self.norm(last)), "last": last}
 
     def prefill(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
         rows, index = batch.embeds["ctx"]
@@ -91,6 +104,54 @@ class Talker(nn.Module):
         h = batch.extra["h"]  # [B, 1, HIDDEN]: one thinker item per row
         return self._run(self.embed(batch.input_ids) + h.reshape(-1, HIDDEN), batch)
 
+    def frame(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
+        """The last frame's codes [B, GROUPS] summed as embeddings, plus a thinker item."""
+        codes, h = batch.extra["frame"], batch.extra["h"]
+        x = sum(emb(codes[:, g]) for g, emb in enumerate(self.groups))
+        return self._run(x + h.reshape(-1, HIDDEN), batch)
+
+
+def _layers(layers: nn.ModuleList, inv_freq: torch.Tensor, x: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
+    """`layers` over the packed tokens, rotary on one position axis."""
+    angles = batch.positions.reshape(-1).float()[:, None] * inv_freq
+    angles = torch.cat([angles, angles], dim=-1)
+    cos, sin = angles.cos(), angles.sin()
+    for i, layer in enumerate(layers):
+        x = layer(x, i, batch.attn, cos, sin)
+    return x
+
+
+class CodePredictor(nn.Module):
+    """A frame's codes after its first: prefill reads the first code and the
+    talker's last hidden state (a cache of its own, restarted every frame);
+    decode step j reads code j + 1. Code g has its own embedding and head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.ModuleList(nn.Embedding(CODES, HIDDEN) for _ in range(GROUPS))
+        self.proj = nn.Linear(HIDDEN, HIDDEN)
+        self.layers = nn.ModuleList([Layer()])
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.heads = nn.ModuleList(nn.Linear(HIDDEN, CODES, bias=False) for _ in range(GROUPS - 1))
+        inv_freq = 1.0 / (10_000 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def _logits(self, x: torch.Tensor, batch: TokenBatch, group: torch.Tensor) -> dict[str, torch.Tensor]:
+        """`group` [B]: the code each row predicts next (1 .. GROUPS - 1)."""
+        h = self.norm(_layers(self.layers, self.inv_freq, x, batch)[batch.logits_index])
+        every = torch.stack([head(h) for head in self.heads])  # [GROUPS - 1, B, CODES]
+        return {"logits": every[group - 1, torch.arange(h.shape[0], device=h.device)]}
+
+    def prefill(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
+        x = self.embed[0](batch.input_ids) + self.proj(batch.extra["h"].reshape(-1, HIDDEN))
+        return self._logits(x, batch, torch.ones(x.shape[0], dtype=torch.long, device=x.device))
+
+    def decode(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
+        j = batch.extra["j"].to(batch.input_ids.device)  # [B]: the inner loop's round; the input is code j + 1
+        every = torch.stack([emb(batch.input_ids) for emb in self.embed])  # [GROUPS, B, HIDDEN]
+        x = every[j + 1, torch.arange(j.shape[0], device=j.device)]
+        return self._logits(x, batch, j + 2)
+
 
 class Codec(nn.Module):
     def __init__(self) -> None:
@@ -99,9 +160,13 @@ class Codec(nn.Module):
         self.conv = nn.Conv1d(8, SAMPLES, kernel_size=3, padding=1)
 
     def chunk(self, codes: torch.Tensor, index: torch.Tensor) -> dict[str, list[torch.Tensor]]:
-        """codes [B, L] -> per row, the samples of its new codes (after the
-        codes of left context chunk `index` starts with)."""
-        out = self.conv(self.embed(codes).transpose(1, 2)).transpose(1, 2)  # [B, L, SAMPLES]
+        """codes [B, L] (or frames [B, L, GROUPS]) -> per row, the samples of
+        its new codes (after the codes of left context chunk `index` starts
+        with)."""
+        emb = self.embed(codes)
+        if emb.dim() == 4:  # frames: their codes' embeddings summed
+            emb = emb.sum(2)
+        out = self.conv(emb.transpose(1, 2)).transpose(1, 2)  # [B, L, SAMPLES]
         return {"pcm": [torch.tanh(o[min(LEFT, int(i) * CHUNK):].reshape(-1)) for o, i in zip(out, index)]}
 
 
@@ -109,7 +174,8 @@ class ToyOmniModel(Model):
     components = {
         "enc": Component(modes=(ENCODE,)),
         "thinker": Component(modes=(THINK_PREFILL, THINK_DECODE), kv_cache=True, samples=True),
-        "talker": Component(modes=(TALK_PREFILL, TALK_DECODE), kv_cache=True, samples=True),
+        "talker": Component(modes=(TALK_PREFILL, TALK_DECODE, TALK_FRAME), kv_cache=True, samples=True),
+        "cp": Component(modes=(CP_PREFILL, CP_DECODE), kv_cache=True, samples=True),
         "codec": Component(modes=(CODEC_CHUNK,)),
     }
     walks = {
@@ -129,6 +195,26 @@ class ToyOmniModel(Model):
                        LeftContext(CHUNK, LEFT)),
                 Emit("pcm", modality="data"))),
             inputs=("prompt_ids", "mel", "mrope"), more_input=("prompt_ids", "mel", "mrope")),
+        "chat_frames": Walk(
+            Step("enc", "encode", {"mel": "mel"}, {"emb": "audio_emb"}),
+            Step("thinker", "prefill", {"ids": "prompt_ids", "audio": "audio_emb", "pos": "mrope"},
+                 {"token": "text", "hidden": "prompt_hidden", "last": "h"}),
+            Loop(Step("thinker", "decode", {"ids": "text"}, {"token": "text", "hidden": "h"}), until=MaxTokens()),
+            Emit("text"),
+            Stream("h", chunks=Items(), as_="item", into=Partition(
+                "talker",
+                Step("talker", "prefill", {"ctx": "prompt_hidden"}, {"code": "code0", "last": "last"}),
+                Loop((Step("cp", "prefill", {"ids": "code0", "h": "last"}, {"code": "code"}, sampling="cp"),
+                      Loop(Step("cp", "decode", {"ids": "code", "j": "@i"}, {"code": "code"}, sampling="cp"),
+                           until=MaxSteps(GROUPS - 1), collect=Collect("frame", each="code", first=("code0",))),
+                      Step("talker", "frame", {"ids": "code0", "frame": "frame", "h": "item"},
+                           {"code": "code0", "last": "last"})),
+                     until=StreamDone() | MaxTokens(), value="code0"),
+                Emit("code0", modality="data"),
+                Stream("frame", Step("codec", "chunk", {"codes": "frame", "index": "@chunk"}, {"pcm": "pcm"}),
+                       LeftContext(CHUNK, LEFT)),
+                Emit("pcm", modality="data"))),
+            inputs=("prompt_ids", "mel", "mrope")),
     }
     default_walk = "chat"
 
@@ -139,6 +225,7 @@ class ToyOmniModel(Model):
         self.thinker = Thinker().eval()
         self.talker = Talker().eval()
         self.codec = Codec().eval()
+        self.cp = CodePredictor().eval()
 
     @property
     def max_model_len(self) -> int:
@@ -148,7 +235,8 @@ class ToyOmniModel(Model):
         return KVSpec(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, num_q_heads=HEADS)
 
     def build_component(self, component: str, device: torch.device, dtype: torch.dtype) -> nn.Module:
-        module = {"enc": self.encoder, "thinker": self.thinker, "talker": self.talker, "codec": self.codec}[component]
+        module = {"enc": self.encoder, "thinker": self.thinker, "talker": self.talker, "cp": self.cp,
+                  "codec": self.codec}[component]
         return module.to(device, dtype)
 
     def prepare_inputs(self, request: GenerateRequest, sampling: SamplingParams) -> PreparedPiece:

@@ -87,7 +87,8 @@ class PartitionRun:
 
     @property
     def sampling(self) -> SamplingParams:
-        return self.request.sampling[self.request.key_of(self.plan.name)]
+        """The params of the step under the cursor (or of the partition)."""
+        return self.request.sampling[self.key()]
 
     @property
     def seed(self) -> int:
@@ -97,7 +98,15 @@ class PartitionRun:
 
     @property
     def stop_ids(self) -> tuple[int, ...]:
-        return self.request.stop_ids[self.request.key_of(self.plan.name)]
+        return self.request.stop_ids[self.key()]
+
+    def key(self, step: Step | None = None) -> str:
+        """The sampling key `step` (default: the step under the cursor) draws
+        under: its own, or the partition's."""
+        step = step or (ins.step if (ins := self.instr()) is not None else None)
+        if step is not None and step.sampling is not None:
+            return step.sampling
+        return self.request.key_of(self.plan.name)
 
     def row(self, component: str) -> KVRow:
         """Its row of `component`'s KV cache (empty until a step is admitted)."""

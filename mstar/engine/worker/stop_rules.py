@@ -11,18 +11,26 @@ from typing import Callable
 import torch
 
 from mstar.engine.worker.rows import Frame, PartitionRun
-from mstar.graph import EosToken, Loop, MaxSteps, MaxTokens, StopRule, TokenIn
+from mstar.graph import EosToken, Loop, MaxSteps, MaxTokens, Step, StopRule, TokenIn
 
 
 def _rules(rule: StopRule | None) -> tuple[StopRule, ...]:
     return rule.rules() if rule is not None else ()
 
 
+def loop_key(part: PartitionRun, loop: Loop) -> str:
+    """The sampling key a loop's stop rules read (`max_tokens`, stop ids): the
+    key of the step of its body that writes its value."""
+    writer = next((s for s in loop.body if isinstance(s, Step) and loop.value in s.outputs), None)
+    return part.key(writer)
+
+
 def write_cap(part: PartitionRun, loop: Loop, read: Callable[[str], int]) -> int | None:
     """Writes of the loop's value at which it stops ("length"); None: no cap.
     `read`: the integer a walk value holds (a `MaxSteps(value=...)` cap). A
     later turn's cap (what is left of the context) binds top-level loops."""
-    caps = [part.sampling.max_tokens if isinstance(r, MaxTokens) else r.n if r.n is not None else read(r.value)
+    max_tokens = part.request.sampling[loop_key(part, loop)].max_tokens
+    caps = [max_tokens if isinstance(r, MaxTokens) else r.n if r.n is not None else read(r.value)
             for r in _rules(loop.until) if isinstance(r, (MaxTokens, MaxSteps))]
     if part.turn_cap is not None and not part.loops:
         caps.append(part.turn_cap)
@@ -31,11 +39,12 @@ def write_cap(part: PartitionRun, loop: Loop, read: Callable[[str], int]) -> int
 
 def stop_ids(part: PartitionRun, loop: Loop) -> tuple[int, ...]:
     """Token ids that stop the loop for this request ("stop")."""
+    key = loop_key(part, loop)
     ids: tuple[int, ...] = ()
     for rule in _rules(loop.until):
         if isinstance(rule, EosToken):
-            ids += part.stop_ids
-        elif isinstance(rule, TokenIn) and not part.sampling.ignore_eos:
+            ids += part.request.stop_ids[key]
+        elif isinstance(rule, TokenIn) and not part.request.sampling[key].ignore_eos:
             ids += rule.ids
     return ids
 

@@ -33,15 +33,13 @@ from mstar.scheduler import PagePool, Scheduler, WorkItem
 
 def check_runnable(plans: dict[str, WalkPlan], components: dict[str, Component]) -> None:
     """Refuse, at engine start, walks that compile but that the walker cannot
-    run yet: modes that restart the cache, and modes sampling two tokens."""
+    run yet: modes sampling two tokens."""
     for walk in plans.values():
         for part in walk.partitions.values():
             for step in part.steps:
                 sig = components[step.component].signatures.get(step.mode)
                 reason = None
-                if sig is not None and sig.reset:
-                    reason = f"mode '{step.mode}' restarts the cache: not run yet"
-                if reason is None and sig is not None and sum(o.kind is Kind.TOKEN for o in sig.outputs) > 1:
+                if sig is not None and sum(o.kind is Kind.TOKEN for o in sig.outputs) > 1:
                     reason = f"mode '{step.mode}' samples more than one token output: not run yet"
                 if reason is not None:
                     raise ConfigError(f"walk '{walk.name}', step {step.label}: {reason}")
