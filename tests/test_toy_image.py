@@ -4,7 +4,11 @@ prefilled into the paged cache, then a fixed number of denoising steps
 without growing it and attends within itself non-causally, a scheduler step
 each, a VAE at the end. Concurrent requests of different prompt lengths,
 latent sizes and step counts against the same modules run unbatched over a
-dense cache: images within 1e-5, the cache the prompt's size throughout."""
+dense cache: images within 1e-5, the cache the prompt's size throughout.
+With classifier-free guidance: the cache forked into three branches (one
+sharing the image's pages, copying its partial last page; one fresh), their
+velocities in one batched step, joined every step; against three contexts
+prefilled on their own, on one worker and two."""
 
 from __future__ import annotations
 
@@ -110,5 +114,79 @@ async def test_a_read_step_leaves_the_rows_cache_as_the_prompt_left_it(steps: in
         chunks = [c async for c in eng.submit(request)]
         assert chunks[-1].finish_reason == "length"
         assert seen == [7] * steps
+    finally:
+        await eng.shutdown()
+
+
+def _prefill(model: ToyImageModel, cache: DenseAttention, ids: list[int], start: int) -> None:
+    n = len(ids)
+    model.denoiser.prefill(TokenBatch(
+        input_ids=torch.tensor(ids), positions=torch.arange(start, start + n), query_start=torch.tensor([0, n]),
+        logits_index=torch.tensor([n - 1]), attn=cache))
+
+
+@torch.inference_mode()
+def cfg_reference(model: ToyImageModel, image_ids: list[int], text_ids: list[int], latent: torch.Tensor,
+                  steps: int, scale: float) -> torch.Tensor:
+    """Three contexts prefilled on their own: image and text, image alone,
+    text alone; every step a velocity over each, guided, then a step."""
+    contexts = []
+    for parts in ((image_ids, text_ids), (image_ids,), (text_ids,)):
+        cache, at = DenseAttention(), 0
+        for ids in parts:
+            _prefill(model, cache, ids, at)
+            at += len(ids)
+        contexts.append((cache, at))
+    rows, x = latent.shape[0], latent
+    for i in range(steps):
+        v = torch.stack([model.denoiser.velocity(TokenBatch(
+            input_ids=torch.zeros(rows, dtype=torch.long), positions=torch.arange(at, at + rows),
+            query_start=torch.tensor([0, rows]), logits_index=torch.tensor([rows - 1]), attn=ReadOnly(cache),
+            embeds={"x": (x, torch.arange(rows))}, extra={"t": torch.tensor([i])}))["v"] for cache, at in contexts])
+        x = model.scheduler.cfg(x[None], v[None], torch.tensor([steps]), torch.tensor([scale]))[0]
+    return model.vae.decode(x)
+
+
+# (image tokens, text tokens, latent rows, steps, scale): image lengths on and off a page's end (16)
+CFG_CASES = [(5, 3, 4, 3, 1.5), (16, 4, 4, 2, 2.0), (19, 1, 6, 3, 0.5), (33, 7, 4, 1, 3.0), (2, 2, 5, 2, 1.0)]
+
+
+@pytest.mark.parametrize("devices", [("cpu",), ("cpu:0", "cpu:1")])
+async def test_classifier_free_guidance_over_a_forked_cache_matches_three_contexts(devices: tuple[str, ...]) -> None:
+    model = ToyImageModel()
+    gen = torch.Generator().manual_seed(8)
+    requests = [(torch.randint(0, VOCAB, (ni,), generator=gen).tolist(),
+                 torch.randint(0, VOCAB, (nt,), generator=gen).tolist(),
+                 torch.randn(rows, HIDDEN, generator=gen), steps, scale)
+                for ni, nt, rows, steps, scale in CFG_CASES]
+    expected = [cfg_reference(model, *r) for r in requests]
+    eng = Engine(EngineConfig(model="toy-image", devices=devices), model=model)  # a request keeps to one worker
+    await eng.start()
+    seen: list[int] = []
+    velocity = model.denoiser.velocity
+
+    def spy(batch: TokenBatch) -> dict[str, torch.Tensor]:
+        seen.append(int(batch.query_start.numel()) - 1)  # rows in the step
+        return velocity(batch)
+
+    model.denoiser.velocity = spy  # type: ignore[method-assign]
+    try:
+        async def one(k: int, image_ids, text_ids, latent, steps, scale):
+            inputs = {"image_ids": image_ids, "text_ids": text_ids, "latent": latent, "num_steps": steps,
+                      "scale": scale}
+            chunks = [c async for c in eng.submit(GenerateRequest(f"c{k}", "toy-image", inputs, SamplingParams(),
+                                                                  walk="generate_cfg"))]
+            return [c.data for c in chunks if c.data is not None], chunks[-1].finish_reason
+
+        results = await asyncio.gather(*(one(k, *r) for k, r in enumerate(requests)))
+        for (images, reason), want in zip(results, expected):
+            assert reason == "length" and len(images) == 1
+            torch.testing.assert_close(torch.tensor(images[0]), want, atol=TOL, rtol=0)
+        assert seen and all(n % 3 == 0 for n in seen)  # a request's three branch rows always step together
+        for _ in range(100):
+            if eng.pages_in_use() == 0 and len(eng.store) == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert eng.pages_in_use() == 0 and len(eng.store) == 0
     finally:
         await eng.shutdown()

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 from mstar.errors import WalkError
 from mstar.graph.chunks import ChunkPolicy
-from mstar.graph.nodes import Emit, FanOut, Loop, Node, Partition, Step, Stream, Walk
+from mstar.graph.branches import Branches
+from mstar.graph.nodes import Each, Emit, FanOut, Fork, Loop, Node, Partition, Step, Stream, Walk
 from mstar.graph.program import Instr, LoopPlan, ProgramBuilder, Run
 from mstar.graph.signatures import ACCEPTS, BUILTINS, Component, In, Kind, Mode, Out
 from mstar.graph.stops import HostStop, MaxSteps, StreamDone
@@ -121,6 +122,8 @@ class _Builder:
         self.kinds: dict[str, Kind] = {}  # what the steps' signatures say each value is (walk inputs: unsaid)
         self.collected: set[str] = set()  # values loops collect (the walker writes them, not a step)
         self._reading: str | None = None  # the stream value of the consumer partition being compiled
+        self._branches = Branches(self.fail)  # of the partition being compiled
+        self.branch_values: set[str] = set()  # values some Each writes per branch
 
     def fail(self, where: str, reason: str) -> WalkError:
         return WalkError(self.name, where, reason)
@@ -136,6 +139,9 @@ class _Builder:
             if value in self.collected:
                 raise self.fail(f"emit {value}", f"emits '{value}', which a loop collects: emit what the loop's "
                                                  f"steps write instead")
+            if value in self.branch_values:
+                raise self.fail(f"emit {value}", f"emits '{value}', which an Each writes per branch: emit what a "
+                                                 f"step joining them writes instead")
         self._check_more_input(root)
         return WalkPlan(
             name=self.name,
@@ -172,7 +178,8 @@ class _Builder:
                 return n.step.component
         return None
 
-    def _check_step(self, step: Step, available: set[str], where: str, *, in_loop: bool = False) -> None:
+    def _check_step(self, step: Step, available: set[str], where: str, *, in_loop: bool = False,
+                    branches: tuple[str, ...] | None = None) -> None:
         comp = self.components.get(step.component)
         if comp is None:
             raise self.fail(where, f"unknown component '{step.component}'")
@@ -213,6 +220,7 @@ class _Builder:
             raise self.fail(where, "writes nothing")
         for name, value in writes.items():
             self.kinds[value] = sig.output(name).kind
+        self._branches.step(step, where, branches)
 
     def _partition(self, pname: str, nodes: tuple[Node, ...], available: set[str],
                    parent: str | None, starts_at: int, stream: StreamPlan | None = None) -> None:
@@ -221,6 +229,7 @@ class _Builder:
         seq: list[Step | Loop] = []
         written: dict[str, set[str]] = {}  # value -> what is available once the partition first wrote it
         program = ProgramBuilder()
+        outer, self._branches = self._branches, Branches(self.fail)
         prev: int | None = None  # the Run a loop right after it may be entered by
         self.partitions[pname] = PartitionPlan(pname, (), stream=stream, parent=parent, starts_at=starts_at)
         for node in nodes:
@@ -248,13 +257,38 @@ class _Builder:
                 for bname, branch in zip(names, node.branches):
                     self._partition(bname, branch, set(available), parent=pname, starts_at=len(program))
                 self.forks[(pname, len(program))] = tuple(names)
+            elif isinstance(node, Fork):
+                where = f"fork in {pname}"
+                if self.walk.more_input and parent is None and stream is None:
+                    raise self.fail(where, "a partition taking turns of more input cannot fork")
+                steps = [i.step for i in program.program if isinstance(i, Run)]
+                kv = [c for c in dict.fromkeys(s.component for s in steps) if self.components[c].kv_cache]
+                program.fork(node, self._branches.fork(node, kv, where))
+                prev = None
+            elif isinstance(node, Each):
+                self._each(node, available, f"each in {pname}", (), in_loop=False)
+                program.add(node, prev)
+                prev = None
             else:
                 raise self.fail(repr(node), "is not a walk node")
         self.written |= available
+        self.branch_values |= self._branches.ever
+        self._branches = outer
         self.partitions[pname] = PartitionPlan(pname, tuple(seq), stream=stream, parent=parent, starts_at=starts_at,
-                                               program=tuple(program.program), loops=tuple(program.loops))
+                                               program=program.finish(), loops=tuple(program.loops))
         if not seq:
             raise self.fail(pname, "the partition has no steps")
+
+    def _each(self, each: Each, available: set[str], where: str, around: tuple[Loop, ...], in_loop: bool) -> None:
+        branches = self._branches.each(each, where)
+        for step in each.steps:
+            label = f"{where}/{step.label}"
+            self._check_step(step, available, label, in_loop=in_loop, branches=branches)
+            ours = [o.value for o in around if o.value in step.outputs]
+            if ours:
+                raise self.fail(label, f"writes '{ours[0]}', a loop's value, per branch; a step joining the "
+                                       f"branches writes it")
+            available |= set(step.outputs)
 
     def _stream(self, node: Stream, pname: str, written: dict[str, set[str]]) -> None:
         where = f"stream {node.source}"
@@ -332,6 +366,9 @@ class _Builder:
                 prev = child
             elif isinstance(child, Loop):
                 self._check_loop(child, inner, f"{where}/loop {child.step.label}", (*around, loop), prev, written)
+                prev = None
+            elif isinstance(child, Each):
+                self._each(child, inner, f"{where}/each", (*around, loop), in_loop=True)
                 prev = None
             elif isinstance(child, Emit):
                 self.emits[child.value] = child

@@ -99,12 +99,13 @@ class Loop:
     just before the loop included: that write enters the loop. `step=` is
     the one-step form's other spelling."""
 
-    body: tuple[Step | Loop, ...]
+    body: tuple[Step | Loop | Each, ...]
     until: StopRule | None
     value: str
     collect: Collect | None
 
-    def __init__(self, body: Step | Loop | tuple[Step | Loop, ...] | None = None, until: StopRule | None = None,
+    def __init__(self, body: Step | Loop | Each | tuple[Step | Loop | Each, ...] | None = None,
+                 until: StopRule | None = None,
                  value: str | None = None, collect: Collect | None = None, *, step: Step | None = None) -> None:
         if (body is None) == (step is None):
             raise ValueError("a loop takes its body, or its one step as step=")
@@ -132,6 +133,8 @@ def _first_step(body: tuple) -> Step | None:
             return node
         if isinstance(node, Loop):
             return _first_step(node.body)
+        if isinstance(node, Each) and node.steps:
+            return node.steps[0]
     return None
 
 
@@ -182,7 +185,44 @@ class Emit:
     sample_rate: int | None = None
 
 
-Node = Union[Step, Loop, Stream, Emit, "FanOut"]  # and a Partition, as a stream's consumer
+@dataclass(frozen=True, init=False)
+class Fork:
+    """The partition's KV row of `component` becomes several: the row it has
+    is branch "main", and each named branch starts with what main has cached
+    ("share": main's full pages shared, its last partial page copied) or with
+    an empty cache ("fresh"). `component` may be left out when the partition
+    has stepped one KV component. Classifier-free guidance forks a prompt's
+    cache into the contexts it compares."""
+
+    branches: tuple[tuple[str, str], ...]
+    component: str | None
+
+    def __init__(self, *branches: tuple[str, str], component: str | None = None) -> None:
+        object.__setattr__(self, "branches", tuple(branches))
+        object.__setattr__(self, "component", component)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every branch, "main" first."""
+        return ("main", *(name for name, _ in self.branches))
+
+
+@dataclass(frozen=True, init=False)
+class Each:
+    """Steps that run once per branch of the partition's `Fork` (or on the
+    `only` ones), the branches' rows batched in one step; what they write is
+    per branch. A step after it that reads such a value gets it stacked over
+    the branches that wrote it, "main" first (the join)."""
+
+    steps: tuple[Step, ...]
+    only: tuple[str, ...] | None
+
+    def __init__(self, *steps: Step, only: tuple[str, ...] | None = None) -> None:
+        object.__setattr__(self, "steps", tuple(steps))
+        object.__setattr__(self, "only", tuple(only) if only is not None else None)
+
+
+Node = Union[Step, Loop, Stream, Emit, "FanOut", Fork, Each]  # and a Partition, as a stream's consumer
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,11 @@ class Scheduler:
                 self._queues[key] = keep
         return removed
 
+    def rows_started(self, component: str, n: int) -> None:
+        """`n` rows of `component` began holding pages outside admission (the
+        branches a fork gave main's pages to)."""
+        self.running[component] = self.running.get(component, 0) + n
+
     def row_ended(self, component: str) -> None:
         """A running row of `component` gave its pages back (finished, or preempted)."""
         self.running[component] -= 1

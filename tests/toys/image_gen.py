@@ -4,14 +4,20 @@ a fixed number of denoising steps each predicts a velocity for a block of
 latent rows that attends to the whole prompt and to all of itself, read-only
 (`kv="read"`, non-causal: the block's keys are never kept), a scheduler step
 moves the latent, and a linear "VAE" decodes it to pixels. Served through the
-engine, and run unbatched by a test as its reference."""
+engine, and run unbatched by a test as its reference.
+
+`generate_cfg` guides the way BAGEL does: an image's tokens prefilled, the
+cache forked into "no_text" (sharing them) and "no_image" (empty), the text
+prefilled on "main" and "no_image", then every denoising step predicts a
+velocity on all three rows in one batched step and a combine step joins
+them (classifier-free guidance)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from mstar.graph import Component, Emit, In, Kind, Loop, MaxSteps, Mode, Out, Step, Walk
+from mstar.graph import Component, Each, Emit, Fork, In, Kind, Loop, MaxSteps, Mode, Out, Step, Walk
 from mstar.models.base import KVSpec, Model
 from mstar.models.prepared import PreparedPiece
 from mstar.types import GenerateRequest, SamplingParams, TokenBatch
@@ -23,6 +29,8 @@ PREFILL = Mode("prefill", (In("ids", Kind.IDS),), (), kv="append", query="ids")
 VELOCITY = Mode("velocity", (In("x", Kind.EMBEDS), In("t", Kind.INDEX)), (Out("v", Kind.HIDDEN, rows="all"),),
                 kv="read", query="x", causal=False)
 SCHED_STEP = Mode("step", (In("x", Kind.TENSOR), In("v", Kind.TENSOR), In("n", Kind.TENSOR)), (Out("x", Kind.TENSOR),))
+CFG_STEP = Mode("cfg", (In("x", Kind.TENSOR), In("v", Kind.TENSOR), In("n", Kind.TENSOR), In("scale", Kind.TENSOR)),
+                (Out("x", Kind.TENSOR),))
 VAE_DECODE = Mode("decode", (In("z", Kind.TENSOR),), (Out("image", Kind.TENSOR),))
 
 
@@ -67,6 +75,13 @@ class Scheduler(nn.Module):
     def step(self, x: torch.Tensor, v: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
         return x - v / n.to(x.dtype).reshape(-1, 1, 1)
 
+    def cfg(self, x: torch.Tensor, v: torch.Tensor, n: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """`v` [B, 3, N, H]: the velocities of "main", "no_text" and "no_image"."""
+        s = scale.to(x.dtype).reshape(-1, 1, 1)
+        full, no_text, no_image = v[:, 0], v[:, 1], v[:, 2]
+        guided = no_text + s * (full - no_text) + 0.5 * s * (full - no_image)
+        return self.step(x, guided, n)
+
 
 class Vae(nn.Module):
     def __init__(self) -> None:
@@ -80,7 +95,7 @@ class Vae(nn.Module):
 class ToyImageModel(Model):
     components = {
         "llm": Component(modes=(PREFILL, VELOCITY), kv_cache=True),
-        "sched": Component(modes=(SCHED_STEP,)),
+        "sched": Component(modes=(SCHED_STEP, CFG_STEP)),
         "vae": Component(modes=(VAE_DECODE,)),
     }
     walks = {
@@ -92,6 +107,17 @@ class ToyImageModel(Model):
             Step("vae", "decode", {"z": "latent"}, {"image": "image"}),
             Emit("image", modality="data"),
             inputs=("prompt_ids", "latent", "num_steps")),
+        "generate_cfg": Walk(
+            Step("llm", "prefill", {"ids": "image_ids"}, ()),
+            Fork(("no_text", "share"), ("no_image", "fresh")),
+            Each(Step("llm", "prefill", {"ids": "text_ids"}, ()), only=("main", "no_image")),
+            Loop((Each(Step("llm", "velocity", {"x": "latent", "t": "@i"}, {"v": "v"})),
+                  Step("sched", "cfg", {"x": "latent", "v": "v", "n": "num_steps", "scale": "scale"},
+                       {"x": "latent"})),
+                 until=MaxSteps(value="num_steps"), value="latent"),
+            Step("vae", "decode", {"z": "latent"}, {"image": "image"}),
+            Emit("image", modality="data"),
+            inputs=("image_ids", "text_ids", "latent", "num_steps", "scale")),
     }
     default_walk = "generate"
 
@@ -114,7 +140,12 @@ class ToyImageModel(Model):
         return module.to(device, dtype)
 
     def prepare_inputs(self, request: GenerateRequest, sampling: SamplingParams) -> PreparedPiece:
-        ids = list(request.inputs["prompt_ids"])
-        return PreparedPiece({"prompt_ids": torch.tensor(ids, dtype=torch.long),
-                              "latent": request.inputs["latent"].float(),
-                              "num_steps": torch.tensor(int(request.inputs["num_steps"]))}, len(ids))
+        inputs = request.inputs
+        values = {"latent": inputs["latent"].float(), "num_steps": torch.tensor(int(inputs["num_steps"]))}
+        if request.walk == "generate_cfg":
+            values |= {"image_ids": torch.tensor(list(inputs["image_ids"]), dtype=torch.long),
+                       "text_ids": torch.tensor(list(inputs["text_ids"]), dtype=torch.long),
+                       "scale": torch.tensor(float(inputs["scale"]))}
+            return PreparedPiece(values, len(inputs["image_ids"]) + 2 * len(inputs["text_ids"]))
+        ids = list(inputs["prompt_ids"])
+        return PreparedPiece({"prompt_ids": torch.tensor(ids, dtype=torch.long), **values}, len(ids))

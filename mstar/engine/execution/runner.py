@@ -42,6 +42,7 @@ class StepOutput:
     values: dict[str, torch.Tensor | list[torch.Tensor]]
     logprobs: torch.Tensor | None = None  # of a sampling step's tokens, packed (`sampler.token_logprobs`), on the host
     sampled: tuple[str, ...] | None = None  # the values that are sampled tokens; None: all, if the component samples
+    branches: list[str] | None = None       # the branch row each row stepped (after a fork); None: all "main"
 
 
 class ComponentRunner:
@@ -65,10 +66,10 @@ class ComponentRunner:
         """Each row's inputs, read out of the store (its references dropped):
         a batch that fails in `compute` can run again row by row from these."""
         if batch.mode in self.spec.signatures:  # every bound input, of each row's own step
-            return [{n: self._take(item, n) for n in item.payload[1]} for item in batch.items]
+            return [{n: self._take(item, n) for n in item.payload.inputs} for item in batch.items]
         out = []
         for item in batch.items:  # each row's own step: rows of two walks may bind other names
-            names = item.payload[0].current_step().inputs
+            names = item.payload.part.current_step().inputs
             out.append({n: self._take(item, n) for n in (names[:1] if self.kv is not None else names)})
         return out
 
@@ -77,24 +78,25 @@ class ComponentRunner:
         """Forward (and sample) the rows on `inputs`. A row's state moves on
         only once the whole step has succeeded, so a failed step can be run
         again."""
-        parts = [item.payload[0] for item in batch.items]
+        parts = [item.payload.part for item in batch.items]
+        branches = [item.payload.branch for item in batch.items]
         step = parts[0].current_step()
         self.device_s = 0.0
         fn = self._timed(getattr(self.module, batch.mode))
         logprobs = None
         sig = self.spec.signatures.get(batch.mode)
         if self.kv is not None and sig is not None:
-            return self._run_signed(inputs, parts, sig, fn)
+            return self._run_signed(inputs, parts, branches, sig, fn)
         if any(p.current_step() is not step and p.current_step() != step for p in parts[1:]):
             # one call names its values after one step: the row-by-row retry runs each row's own
             raise RuntimeError(f"rows of one {step.label} step read or write different values")
         if self.kv is not None:
-            values, logprobs = self._run_tokens([row[step.inputs[0]] for row in inputs], parts, step, fn)
+            values, logprobs = self._run_tokens([row[step.inputs[0]] for row in inputs], parts, branches, step, fn)
         else:
             seeds = self._row_seeds(parts, step) if self._seeded(batch.mode) else None
             values = (self._run_plain(inputs, step, fn, seeds) if sig is None
                       else self._run_plain_signed(inputs, step, sig, fn, seeds))
-        return StepOutput(parts, values, logprobs)
+        return StepOutput(parts, values, logprobs, branches=branches)
 
     def _seeded(self, mode: str) -> bool:
         if mode not in self._takes_seeds:
@@ -110,10 +112,10 @@ class ComponentRunner:
 
     # ------------------------------------------------------------ KV rows
 
-    def _run_tokens(self, rows: list[torch.Tensor], parts: list[PartitionRun], step: Step,
+    def _run_tokens(self, rows: list[torch.Tensor], parts: list[PartitionRun], branches: list[str], step: Step,
                     fn) -> tuple[dict, torch.Tensor | None]:
         assert self.kv is not None
-        kv = [p.row(self.name) for p in parts]
+        kv = [p.row(self.name, b) for p, b in zip(parts, branches)]
         ids, positions, lens, ctx, tables = [], [], [], [], []
         for row, r in zip(rows, kv):
             toks = row.reshape(-1)
@@ -146,8 +148,8 @@ class ComponentRunner:
             r.advance(n, None, self.spec.samples)
         return values, logprobs
 
-    def _run_signed(self, inputs: list[dict[str, torch.Tensor]], parts: list[PartitionRun], sig: Mode,
-                    fn: Callable) -> StepOutput:
+    def _run_signed(self, inputs: list[dict[str, torch.Tensor]], parts: list[PartitionRun], branches: list[str],
+                    sig: Mode, fn: Callable) -> StepOutput:
         """A KV step of a mode with a signature: every bound input packed by
         name (`pack_kv`), the TOKEN output sampled from the mode's "logits",
         the others named by the binding."""
@@ -159,7 +161,7 @@ class ComponentRunner:
         if any(w != writes for _, w in bound[1:]):  # the rows then run alone, each named by its own step
             raise RuntimeError(f"rows of one {steps[0].label} step write different values")
         rows = [{name: row[value] for name, value in r.items()} for row, r in zip(inputs, reads)]
-        kv = [p.row(self.name) for p in parts]
+        kv = [p.row(self.name, b) for p, b in zip(parts, branches)]
         packed = pack_kv(rows, reads, kv, sig, self.spec.position_axes, self.attention.plan, self.device)
         with torch.profiler.record_function("mstar.forward"):
             out = fn(packed.batch)
@@ -175,7 +177,8 @@ class ComponentRunner:
                 r.advance(n, delta, tokens is not None, reset=sig.reset)
             elif tokens is not None:
                 r.advance(0, None, True)
-        return StepOutput(parts, values, logprobs, sampled=(writes[token],) if token is not None else ())
+        return StepOutput(parts, values, logprobs, sampled=(writes[token],) if token is not None else (),
+                          branches=branches)
 
     def _sample(self, logits: torch.Tensor, parts: list[PartitionRun], kv: list[KVRow],
                 inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -310,7 +313,7 @@ class ComponentRunner:
         return {n: out[n] for n in step.outputs}
 
     def _take(self, item: WorkItem, name: str) -> torch.Tensor:
-        ref = item.payload[1][name]
+        ref = item.payload.inputs[name]
         if isinstance(ref, int):  # a built-in value (`@i`, `@chunk`), held on the host
             return torch.tensor(ref, dtype=torch.long)
         if isinstance(ref, list):  # a stream chunk: items of the stream, in order

@@ -69,6 +69,16 @@ class KVCache:
         return (f"KVCache(layers={s.num_layers}, pages={self.num_pages}, page_size={self.page_size}, "
                 f"kv_heads={s.num_kv_heads}, head_dim={s.head_dim}, {self.dtype}, {self.device})")
 
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """Copy pages `src` into pages `dst`, every layer's K and V (a forked
+        row's private copy of a page it shared)."""
+        if not src:
+            return
+        s = torch.tensor(src, dtype=torch.long, device=self.device)
+        d = torch.tensor(dst, dtype=torch.long, device=self.device)
+        for pages in (*self.k, *self.v):
+            pages.index_copy_(0, d, pages.index_select(0, s))
+
     def swap_out(self, pages: list[int]) -> "SwappedKV":
         """Copy `pages` (every layer, K and V) to host memory, queued on the
         current stream behind the steps that wrote them; the pages may be

@@ -18,7 +18,7 @@ import torch
 from mstar.engine.movement.tensor_store import TensorRef
 from mstar.engine.worker.rows import Frame, PartitionRun
 from mstar.engine.worker.stop_rules import write_cap
-from mstar.graph import Back, Collect, Enter, Run, StreamDone
+from mstar.graph import Back, Collect, Enter, StreamDone
 
 if TYPE_CHECKING:
     from mstar.engine.worker.walker import Walker
@@ -33,7 +33,7 @@ class Cursor:
         """Move the cursor over loop marks to the next step: `Enter` starts a
         loop, `Back` goes round again."""
         program = part.plan.program
-        while part.pc < len(program) and not isinstance(program[part.pc], Run):
+        while part.pc < len(program) and isinstance(program[part.pc], (Enter, Back)):
             ins = program[part.pc]
             if isinstance(ins, Enter):
                 self.push(part, ins.loop)

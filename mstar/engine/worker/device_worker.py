@@ -32,7 +32,7 @@ from mstar.engine.worker.executor import Executor, WorkerStats
 from mstar.engine.worker.peer_link import PeerLink
 from mstar.engine.worker.preemption import Preemption
 from mstar.engine.worker.profiling import WorkerProfiler
-from mstar.engine.worker.walker import Walker
+from mstar.engine.worker.walker import FORK_MODE, Walker
 from mstar.models.base import Model
 from mstar.scheduler import ModeCaps, PagePool, Scheduler
 
@@ -103,6 +103,7 @@ class DeviceWorker:
             self.runners[name] = runner
             if pool is not None:
                 self.pools[name] = pool
+                caps[(name, FORK_MODE)] = ModeCaps(cfg.max_num_seqs, cfg.max_num_batched_tokens)
             for mode in modes:
                 caps[(name, mode)] = ModeCaps(cfg.max_num_seqs, cfg.max_num_batched_tokens)
         lazy = cfg.kv_reservation == "lazy"

@@ -27,7 +27,8 @@ from mstar.engine.worker.outbox import Outbox
 from mstar.engine.worker.peer_link import PeerLink
 from mstar.engine.worker.preemption import Preemption
 from mstar.engine.worker.stop_rules import stop_reasons
-from mstar.engine.worker.walker import Walker
+from mstar.engine.worker.walker import FORK_MODE, Walker
+from mstar.graph import ForkRows
 from mstar.scheduler import Batch, Scheduler, StepPlan
 
 log = structlog.get_logger("mstar.worker")
@@ -110,9 +111,12 @@ class Executor:
 
     def _step(self, batch: Batch) -> None:
         t0 = time.perf_counter()
+        if batch.mode == FORK_MODE:
+            self._fork(batch)
+            return
         for item in batch.items:
             if item.granted:  # pages the scheduler admitted the row with: the row owns them now
-                item.payload[0].row(item.component).admit(item.granted)
+                item.payload.part.row(item.component, item.payload.branch).admit(item.granted)
                 item.granted = []
         if self.preemption is not None:
             batch.items = self.preemption.resume(batch.items)
@@ -143,9 +147,42 @@ class Executor:
         r.step_s = time.perf_counter() - t0
         r.device_s = self.runners[batch.component].device_s
 
+    def _fork(self, batch: Batch) -> None:
+        """Split each item's KV row into the branches its fork names: a
+        "share" branch holds main's full pages (one more holder each) and a
+        copy of its partial last page, in a page the scheduler granted; a
+        "fresh" one starts empty."""
+        pool = self.scheduler.pools[batch.component]
+        cache = self.runners[batch.component].kv
+        assert cache is not None
+        for item in batch.items:
+            part = item.payload.part
+            ins = part.plan.program[part.pc]
+            assert isinstance(ins, ForkRows)
+            main = part.row(batch.component)
+            full, partial = divmod(main.kv_len, pool.page_size)
+            granted = list(item.granted)
+            item.granted = []
+            started = 0
+            for name, how in ins.fork.branches:
+                if how != "share" or not main.pages:
+                    continue
+                pages = main.pages[:full]
+                pool.share(pages)
+                if partial:
+                    copy = granted.pop()
+                    cache.copy_pages([main.pages[full]], [copy])
+                    pages = [*pages, copy]
+                part.row(batch.component, name).fork_from(main, pages)
+                started += 1
+            self.scheduler.rows_started(batch.component, started)
+            self.walker.forked(part)
+        self.stats.steps += 1
+        self.stats.rows += len(batch)
+
     def _fail(self, batch: Batch, error: str) -> None:
         for item in batch.items:
-            item.payload[0].busy = False
+            item.payload.part.busy = False
             self.walker.abort(item.request_id, "error", error)
 
     def _retry_alone(self, batch: Batch, inputs: list[dict[str, torch.Tensor]]) -> None:
@@ -189,9 +226,10 @@ class Executor:
         else:
             tokens = {name: data.tolist() for name, data in out.values.items()
                       if sampled and isinstance(data, torch.Tensor) and data.dim() == 1}
+        branches = out.branches or ["main"] * len(parts)
         for i, part in enumerate(parts):
             self.walker.completed(part, {name: rs[i] for name, rs in refs.items()}, reasons[i],
-                                  {name: ids[i] for name, ids in tokens.items()})
+                                  {name: ids[i] for name, ids in tokens.items()}, branches[i])
 
     # --------------------------------------------------------- group steps
 

@@ -25,6 +25,7 @@ from mstar.scheduler import PagePool
 class KVRow:
     component: str
     pages: list[int] = field(default_factory=list)
+    branch: str = "main"              # after a fork: which of the partition's rows of the component
     kv_len: int = 0                   # tokens its pages hold
     rope_delta: int = 0               # its next position minus kv_len (set by a step given its positions)
     generated: int = 0                # tokens it sampled so far (the sampler's draw counter)
@@ -39,6 +40,11 @@ class KVRow:
     def admit(self, pages: list[int]) -> None:
         """The scheduler admitted a step of this row with `pages` more."""
         self.pages.extend(pages)
+
+    def fork_from(self, main: KVRow, pages: list[int]) -> None:
+        """A branch that starts with what `main` holds, in `pages` (its full
+        pages shared, a copy of its partial last one)."""
+        self.pages, self.kv_len, self.rope_delta = pages, main.kv_len, main.rope_delta
 
     def add_page(self, page: int) -> None:
         """One more page for a growing decode row."""

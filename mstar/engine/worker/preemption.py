@@ -44,8 +44,8 @@ class Preemption:
         are theirs already); the other items, to run as a step."""
         rest = []
         for item in items:
-            part = item.payload[0]
-            row = part.rows.get(item.component)
+            part = item.payload.part
+            row = part.rows.get((item.component, "main"))
             if row is None or row.swapped is None:
                 rest.append(item)
                 continue

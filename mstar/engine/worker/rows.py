@@ -20,7 +20,7 @@ from mstar.engine.worker.stream_buffer import StreamBuffer, StreamItem
 from mstar.graph import Loop, PartitionPlan, Run, Step, WalkPlan
 from mstar.types import SamplingParams
 
-__all__ = ["Frame", "PartitionRun", "RequestRun", "StreamItem"]
+__all__ = ["Frame", "PartitionRun", "RequestRun", "StreamItem", "Work"]
 
 
 @dataclass(eq=False)
@@ -50,6 +50,16 @@ class RequestRun:
 
 
 @dataclass(eq=False, slots=True)
+class Work:
+    """What a queued step of a partition carries to the runner: its inputs
+    by walk value, and the branch row it steps (after a fork)."""
+
+    part: PartitionRun
+    inputs: dict[str, TensorRef | list[StreamItem] | int]
+    branch: str = "main"
+
+
+@dataclass(eq=False, slots=True)
 class Frame:
     """A loop a partition is in."""
 
@@ -70,7 +80,8 @@ class PartitionRun:
     writes: dict[str, int] = field(default_factory=dict)
     busy: bool = False              # an item of this partition is queued or running
     done: bool = False
-    rows: dict[str, KVRow] = field(default_factory=dict)  # by KV component
+    rows: dict[tuple[str, str], KVRow] = field(default_factory=dict)  # by (KV component, branch)
+    outstanding: int = 0            # branch rows of its step still queued or running
     turn_cap: int | None = None     # a later turn's write cap: what is left of the context
     awaiting_input: bool = False    # its turn is over and it waits for more input
     turn_token: int | None = None   # the last token of its last turn (not in the cache yet)
@@ -108,11 +119,12 @@ class PartitionRun:
             return step.sampling
         return self.request.key_of(self.plan.name)
 
-    def row(self, component: str) -> KVRow:
-        """Its row of `component`'s KV cache (empty until a step is admitted)."""
-        row = self.rows.get(component)
+    def row(self, component: str, branch: str = "main") -> KVRow:
+        """Its row of `component`'s KV cache, of `branch` after a fork (empty
+        until a step is admitted)."""
+        row = self.rows.get((component, branch))
         if row is None:
-            row = self.rows[component] = KVRow(component)
+            row = self.rows[(component, branch)] = KVRow(component, branch=branch)
         return row
 
     def kv_row(self) -> KVRow:

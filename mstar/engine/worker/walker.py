@@ -20,15 +20,18 @@ from mstar.engine.memory.kv_cache import SwappedKV
 from mstar.engine.worker.cursor import Cursor
 from mstar.engine.worker.loop_group import Leave, LoopGroup, runs_in_group
 from mstar.engine.messages import Finished, Submit
-from mstar.engine.worker.rows import PartitionRun, RequestRun, StreamItem
+from mstar.engine.worker.rows import PartitionRun, RequestRun, StreamItem, Work
 from mstar.engine.worker.stream_buffer import StreamBuffer
 from mstar.engine.worker.stop_rules import stop_ids
 from mstar.engine.worker.stream_edges import Send, Streams
 from mstar.engine.movement.tensor_store import TensorRef, TensorStore
 from mstar.engine.worker.turns import Turns
 from mstar.errors import ConfigError
-from mstar.graph import Component, Kind, Run, Step, WalkPlan, step_bindings
+from mstar.graph import Component, ForkRows, Kind, Run, Step, WalkPlan, step_bindings
 from mstar.scheduler import PagePool, Scheduler, WorkItem
+
+
+FORK_MODE = "@fork"  # the queue of a KV component's fork items: they change pages, so they are scheduled
 
 
 def check_runnable(plans: dict[str, WalkPlan], components: dict[str, Component]) -> None:
@@ -123,6 +126,10 @@ class Walker:
         if part.done:
             return
         self.cursor.settle(part)
+        program = part.plan.program
+        if part.pc < len(program) and isinstance(program[part.pc], ForkRows):
+            self._fork_rows(part, program[part.pc])
+            return
         ins = part.instr()
         if ins is None:
             again = self.streams.next_pass(part) if part.inbox is not None else None
@@ -147,15 +154,40 @@ class Walker:
                 inputs["@chunk"] = index
             for name in ins.step.outputs:  # a seeded consumer draws by its chunk's place in the segment
                 part.writes[name] = index
+        joins = dict(ins.joins)
         for n in ins.step.inputs:
             if n not in inputs:
-                inputs[n] = part.loops[ins.depth - 1].iteration if n == "@i" else part.values[n]
-        self.enqueue(part, ins.step, inputs)
+                inputs[n] = (part.loops[ins.depth - 1].iteration if n == "@i" else
+                             [part.values[f"{n}@{b}"] for b in joins[n]] if n in joins else part.values[n])
+        if not ins.branches:
+            self.enqueue(part, ins.step, inputs)
+            return
+        part.outstanding = len(ins.branches)
+        for branch in ins.branches:  # one row each, queued together: they share the step
+            self.enqueue(part, ins.step, {n: part.values[f"{n}@{branch}"] if n in ins.own else ref
+                                          for n, ref in inputs.items()}, branch)
+
+    def _fork_rows(self, part: PartitionRun, fork: ForkRows) -> None:
+        """Queue the split of `part`'s KV row: a page for each shared branch's
+        copy of main's partial last page, granted by the scheduler."""
+        main = part.row(fork.component)
+        pool = self.pools[fork.component]
+        shares = sum(how == "share" for _, how in fork.fork.branches)
+        pages = shares if main.pages and main.kv_len % pool.page_size else 0
+        part.busy = True
+        self.scheduler.add(WorkItem(part.request_id, part.name, fork.component, FORK_MODE, 0, pages,
+                                    payload=Work(part, {})))
+
+    def forked(self, part: PartitionRun) -> None:
+        """`part`'s KV row is split into its branches: on past the fork."""
+        part.busy = False
+        self.cursor.move(part, part.pc + 1)
+        self.advance(part)
 
     # ------------------------------------------------------------ queueing
 
-    def enqueue(self, part: PartitionRun, step: Step,
-                inputs: dict[str, TensorRef | list[StreamItem] | int]) -> None:
+    def enqueue(self, part: PartitionRun, step: Step, inputs: dict[str, TensorRef | list[StreamItem] | int],
+                branch: str = "main") -> None:
         rid = part.request_id
         for refs in inputs.values():
             for ref in refs if isinstance(refs, list) else (refs,):
@@ -164,7 +196,7 @@ class Walker:
         pool = self.pools.get(step.component)
         num_tokens, pages, starts_row = 1, 0, False
         if pool is not None:
-            row = part.row(step.component)
+            row = part.row(step.component, branch)
             num_tokens = self._num_tokens(step, inputs)
             sig = self.components[step.component].signatures.get(step.mode) if self.components else None
             total = (0 if sig is not None and sig.reset else row.kv_len) + num_tokens
@@ -174,7 +206,7 @@ class Walker:
             starts_row = not row.pages
         part.busy = True
         self.scheduler.add(WorkItem(rid, part.name, step.component, step.mode, num_tokens, pages,
-                                    payload=(part, inputs), starts_row=starts_row))
+                                    payload=Work(part, inputs, branch), starts_row=starts_row))
 
     def _num_tokens(self, step: Step, inputs: dict[str, TensorRef | list[StreamItem] | int]) -> int:
         """The new tokens a KV step brings: its query input's ids, or its rows
@@ -243,7 +275,7 @@ class Walker:
         part.busy = True
         step = part.current_step()
         self.scheduler.add(WorkItem(part.request_id, part.name, step.component, step.mode, 1, swapped.num_pages,
-                                    payload=(part, {}), starts_row=True))
+                                    payload=Work(part, {}), starts_row=True))
 
     def resume(self, part: PartitionRun) -> None:
         """A preempted row has its pages and KV back: into its group again."""
@@ -271,7 +303,7 @@ class Walker:
     def cancel(self, items: list[WorkItem]) -> None:
         """Release what queued items hold (they will never run)."""
         for item in items:
-            part, inputs = item.payload
+            part, inputs = item.payload.part, item.payload.inputs
             part.busy = False
             for refs in inputs.values():
                 for ref in refs if isinstance(refs, list) else (refs,):
@@ -280,20 +312,29 @@ class Walker:
     # --------------------------------------------------------- completion
 
     def completed(self, part: PartitionRun, outputs: dict[str, TensorRef], reason: str | None,
-                  tokens: dict[str, int] | None = None) -> None:
-        """Row `part` of a finished step wrote `outputs` (one reference each,
-        owned by its request); move the partition on. `reason`: the stop
-        rule of the loop judging the step held ("stop", "length"). `tokens`:
-        the sampled token ids among the outputs, already on the host; streams
-        take those as ints, like the tokens of a loop group."""
-        part.busy = False
+                  tokens: dict[str, int] | None = None, branch: str = "main") -> None:
+        """Row `part` (its `branch` row, in an `Each`) of a finished step wrote
+        `outputs` (one reference each, owned by its request); move the
+        partition on once every branch row of the step has. `reason`: the
+        stop rule of the loop judging the step held ("stop", "length").
+        `tokens`: the sampled token ids among the outputs, already on the
+        host; streams take those as ints, like the tokens of a loop group."""
         if part.done:
+            part.busy = False
             for ref in outputs.values():
                 self.store.release(ref, part.request_id)
             return
-        for name, ref in outputs.items():
-            self.cursor.write(part, name, ref, tokens.get(name) if tokens else None)
         ins = part.instr()
+        if ins is not None and ins.branches:
+            for name, ref in outputs.items():
+                self.cursor.write(part, f"{name}@{branch}", ref, None)
+            part.outstanding -= 1
+            if part.outstanding:
+                return  # its other branch rows are still on their way
+        else:
+            for name, ref in outputs.items():
+                self.cursor.write(part, name, ref, tokens.get(name) if tokens else None)
+        part.busy = False
         if part.plan.stream is not None and ins is not None and part.plan.stream.as_ in ins.step.inputs:
             self.streams.consumed(part)
         if reason is not None and ins is not None and ins.checks is not None:
