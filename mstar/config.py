@@ -31,6 +31,7 @@ class SchedulerConfig:
     # request never runs short; "lazy": pages are taken as tokens arrive, and when the pool runs
     # dry the youngest running rows are preempted (their KV swapped to host memory) and resumed later
     kv_reservation: str = "request"
+    state_slots: int | None = None      # rows with per-row state at once (None: max_num_seqs)
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,8 @@ def build_parser(builtin_models: Sequence[str] = ()) -> argparse.ArgumentParser:
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--num-pages", type=int, default=None, help="KV pages per KV component (default: from memory)")
     p.add_argument("--kv-cache-memory", type=float, default=0.25, help="GiB of KV cache on CPU")
+    p.add_argument("--state-slots", type=int, default=None,
+                   help="rows of a recurrent component's per-row state held at once (default: --max-num-seqs)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory to use")
     p.add_argument("--kv-reservation", choices=("request", "lazy"), default="request",
                    help="request: reserve prompt + max_tokens pages at the start; lazy: take pages as tokens "
@@ -211,6 +214,8 @@ def parse_args(argv: list[str] | None = None, builtin_models: Sequence[str] = ()
     for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
         if getattr(a, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+    if a.state_slots is not None and a.state_slots < 1:
+        raise ConfigError("--state-slots must be positive")
     sched = SchedulerConfig(
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens,
@@ -219,6 +224,7 @@ def parse_args(argv: list[str] | None = None, builtin_models: Sequence[str] = ()
         kv_cache_memory=a.kv_cache_memory,
         gpu_memory_utilization=a.gpu_memory_utilization,
         kv_reservation=a.kv_reservation,
+        state_slots=a.state_slots,
     )
     engine = EngineConfig(
         model=a.model,

@@ -190,7 +190,9 @@ class TokenBatch:
     the packed tokens they stand for (the model puts them in place of those
     tokens' embeddings); `extra[name]`: a TENSOR input stacked over rows (a
     list when ragged); `start_positions` [B]: each row's first position when
-    positions are not given (its cached tokens plus its rope delta).
+    positions are not given (its cached tokens plus its rope delta). A
+    component with per-row state gets `state`: its tensors and each row's
+    slot in them, to read and update in place.
     """
 
     input_ids: torch.Tensor        # [T] int64
@@ -201,3 +203,14 @@ class TokenBatch:
     embeds: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
     start_positions: torch.Tensor | None = None  # [B] int64
+    state: StateRows | None = None
+
+
+@dataclass
+class StateRows:
+    """A step's rows of a component's state: `tensors[name]` [num_slots + 1,
+    ...] (the last slot is scratch), and `slots` [B] int64 on the device, row
+    i's slot."""
+
+    tensors: dict[str, torch.Tensor]
+    slots: torch.Tensor

@@ -43,6 +43,14 @@ class RowShape:
     dtype: torch.dtype
 
 
+@dataclass(frozen=True)
+class StateSpec:
+    """A component's state per row (`Component(state=True)`): named tensors,
+    each of `shape` and `dtype`, that its steps read and update in place."""
+
+    tensors: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
+
+
 class Model:
     """Base of every model file. Subclasses set the class attributes and
     implement `build_component` and `prepare_inputs`."""
@@ -81,6 +89,10 @@ class Model:
         from mstar.types import SamplingParams
 
         return SamplingParams()
+
+    def state_spec(self, component: str) -> StateSpec:
+        """The per-row state of a component declared with `state=True`."""
+        raise NotImplementedError(f"model '{self.name}' declares no state for '{component}'")
 
     def kv_spec(self, component: str) -> KVSpec:
         raise NotImplementedError(f"component '{component}' has no KV cache")

@@ -42,11 +42,15 @@ class _Standing:
 
 class Scheduler:
     def __init__(self, caps: dict[QueueKey, ModeCaps], pools: dict[str, PagePool] | None = None,
-                 max_running: dict[str, int] | None = None, grow_pages: bool = False) -> None:
+                 max_running: dict[str, int] | None = None, grow_pages: bool = False,
+                 slots: dict[str, PagePool] | None = None) -> None:
         """`grow_pages`: a standing group's rows get their pages one at a
-        time, as they need them, instead of holding them from admission."""
+        time, as they need them, instead of holding them from admission.
+        `slots`: per component with per-row state, its free slots (pages of
+        one slot)."""
         self.caps = dict(caps)
         self.pools = dict(pools or {})
+        self.slots = dict(slots or {})
         self.max_running = dict(max_running or {})
         self.grow_pages = grow_pages
         self.running: dict[str, int] = dict.fromkeys(self.pools, 0)  # rows holding pages, per KV component
@@ -143,13 +147,22 @@ class Scheduler:
             limit = self.max_running.get(key[0])
             if item.starts_row and limit is not None and self.running.get(key[0], 0) >= limit:
                 break
+            slot = None
+            if item.needs_slot:  # a slot and the pages, or neither
+                slot = self.slots[key[0]].allocate(1)
+                if slot is None:
+                    break
             if item.pages_needed:
                 assert pool is not None
                 pages = pool.allocate(item.pages_needed)
                 if pages is None:
+                    if slot is not None:
+                        self.slots[key[0]].free(slot)
                     break
                 item.granted = pages
                 item.pages_needed = 0
+            if slot is not None:
+                item.granted_slot, item.needs_slot = slot[0], False
             q.popleft()
             if item.starts_row:
                 self.running[key[0]] = self.running.get(key[0], 0) + 1

@@ -26,7 +26,9 @@ class WorkItem:
     `pages_needed`: KV pages the row must get before it may run; the scheduler
     allocates them all or leaves the item waiting, and puts them in `granted`.
     `starts_row`: running it makes the row one of its component's running
-    rows, which are capped (`Scheduler(max_running=...)`).
+    rows, which are capped (`Scheduler(max_running=...)`). `needs_slot`: the
+    row of a component with per-row state has no slot yet; it gets one with
+    its pages, or neither (`granted_slot`).
     """
 
     request_id: str
@@ -39,6 +41,8 @@ class WorkItem:
     starts_row: bool = False   # the row's first KV step (or its resume): it becomes a running row
     ticket: int = -1
     granted: list[int] = field(default_factory=list)
+    needs_slot: bool = False
+    granted_slot: int | None = None
 
     @property
     def key(self) -> QueueKey:

@@ -14,6 +14,7 @@ from mstar.config import EngineConfig
 from mstar.engine.execution.backends import attention_backend, decode_graphs, mode_graphs
 from mstar.engine.memory.kv_cache import KVCache
 from mstar.engine.memory.sizing import kv_cache_log_fields, kv_cache_pages
+from mstar.engine.memory.state_slots import StatePool
 from mstar.engine.execution.runner import ComponentRunner
 from mstar.engine.worker.loop_group import runs_in_group
 from mstar.engine.movement.tensor_store import TensorStore
@@ -45,6 +46,11 @@ def build_runner(model: Model, name: str, spec: Component, device: torch.device,
         return ComponentRunner(name, spec, module, device, store, None, mode_graphs=graphs_by_mode), None
     cfg = config.scheduler
     kvspec = model.kv_spec(name)
+    state = None
+    if spec.state:  # per-row state first: the KV cache takes what memory is left
+        state = StatePool(model.state_spec(name), cfg.state_slots or cfg.max_num_seqs, device)
+        log.info("state slots", device=str(device), component=name, slots=state.num_slots,
+                 mib=round(state.num_slots * StatePool.bytes_per_slot(state.spec) / 2**20, 1))
     # sized after the weights are in place, from what memory is left
     num_pages = cfg.num_pages or kv_cache_pages(
         device, kvspec, cfg.page_size, dtype, gpu_memory_utilization=cfg.gpu_memory_utilization,
@@ -57,9 +63,10 @@ def build_runner(model: Model, name: str, spec: Component, device: torch.device,
     log.info("kv cache", device=str(device), component=name,
              **kv_cache_log_fields(num_pages, cfg.page_size, kvspec, dtype))
     attention = attention_backend(kv, kvspec.num_q_heads, need, config)
+    # decode graphs take no per-row state yet: a component with state decodes eagerly
     graphs = decode_graphs(module.decode, attention, device, config) \
-        if spec.samples and hasattr(module, "decode") and runs_in_group(spec, "decode") else None
+        if spec.samples and not spec.state and hasattr(module, "decode") and runs_in_group(spec, "decode") else None
     log.info("attention", device=str(device), component=name, backend=type(attention).__name__,
              cuda_graphs=graphs.buckets if graphs is not None else None)
-    runner = ComponentRunner(name, spec, module, device, store, kv, attention, graphs)
+    runner = ComponentRunner(name, spec, module, device, store, kv, attention, graphs, state=state)
     return runner, PagePool(num_pages, cfg.page_size)

@@ -31,7 +31,8 @@ from mstar.engine.movement.tensor_store import TensorRef, TensorStore
 from mstar.engine.movement.transfer import to_device
 from mstar.graph import Component, Kind, Mode, Step, step_bindings
 from mstar.scheduler import Batch, WorkItem
-from mstar.types import TokenBatch
+from mstar.engine.memory.state_slots import StatePool
+from mstar.types import StateRows, TokenBatch
 
 
 @dataclass(eq=False)
@@ -48,13 +49,15 @@ class StepOutput:
 class ComponentRunner:
     def __init__(self, name: str, spec: Component, module: nn.Module, device: torch.device,
                  store: TensorStore, kv: KVCache | None, attention: AttentionBackend | None = None,
-                 graphs: DecodeGraphs | None = None, mode_graphs: dict[str, ModeGraphs] | None = None) -> None:
+                 graphs: DecodeGraphs | None = None, mode_graphs: dict[str, ModeGraphs] | None = None,
+                 state: StatePool | None = None) -> None:
         self.name = name
         self.spec = spec
         self.module = module
         self.device = device
         self.store = store
         self.kv = kv
+        self.state = state
         self.attention = attention
         self.graphs = graphs
         self.mode_graphs = mode_graphs or {}
@@ -136,6 +139,7 @@ class ComponentRunner:
             query_start=query_start,
             logits_index=(query_start[1:] - 1).to(self.device),
             attn=attn,
+            state=self._state_rows([r.slot for r in kv]),
         )
         with torch.profiler.record_function("mstar.forward"):
             out = fn(batch)
@@ -163,6 +167,7 @@ class ComponentRunner:
         rows = [{name: row[value] for name, value in r.items()} for row, r in zip(inputs, reads)]
         kv = [p.row(self.name, b) for p, b in zip(parts, branches)]
         packed = pack_kv(rows, reads, kv, sig, self.spec.position_axes, self.attention.plan, self.device)
+        packed.batch.state = self._state_rows([r.slot for r in kv])
         with torch.profiler.record_function("mstar.forward"):
             out = fn(packed.batch)
         token = next((o.name for o in sig.outputs if o.kind is Kind.TOKEN and o.name in writes), None)
@@ -179,6 +184,15 @@ class ComponentRunner:
                 r.advance(0, None, True)
         return StepOutput(parts, values, logprobs, sampled=(writes[token],) if token is not None else (),
                           branches=branches)
+
+    def _state_rows(self, slots: list[int | None] | torch.Tensor) -> StateRows | None:
+        """The rows' slots of the component's per-row state (None without one)."""
+        if self.state is None:
+            return None
+        if not isinstance(slots, torch.Tensor):
+            assert all(s is not None for s in slots), "a row of a component with state has no slot"
+            slots = torch.tensor(slots, dtype=torch.long)
+        return StateRows(self.state.tensors, to_device(slots, self.device))
 
     def _sample(self, logits: torch.Tensor, parts: list[PartitionRun], kv: list[KVRow],
                 inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -220,6 +234,7 @@ class ComponentRunner:
                 query_start=query_start,
                 logits_index=torch.arange(n, device=self.device),
                 attn=self.attention.plan(query_start, ctx, group.block_table[sl]),
+                state=self._state_rows(group.slots[sl]),
             )
             logits = self._timed(getattr(self.module, group.mode))(batch)["logits"]
         seen = group.update_seen(sl)

@@ -108,13 +108,16 @@ class DeviceWorker:
                 caps[(name, mode)] = ModeCaps(cfg.max_num_seqs, cfg.max_num_batched_tokens)
         lazy = cfg.kv_reservation == "lazy"
         # a request that starts decoding beyond max_num_seqs running rows waits its turn
+        # a component with per-row state: a row takes a slot with its first pages (slots are pages of one)
+        slots = {name: PagePool(r.state.num_slots, 1) for name, r in self.runners.items() if r.state is not None}
         self.scheduler = Scheduler(caps, self.pools, max_running=dict.fromkeys(self.pools, cfg.max_num_seqs),
-                                   grow_pages=lazy)
+                                   grow_pages=lazy, slots=slots)
         token_loops = {n for n in self.placed if self.model.components[n].kv_cache and self.model.components[n].samples}
         self.walker = Walker(self.store, self.scheduler, self.pools, self.model.max_model_len, self._finished,
                              token_loops, self.device, lazy_pages=lazy, join_turn=self.model.join_turn,
                              on_awaiting=lambda rid, n: self._finished(Awaiting(rid, n)),
-                             index=self.index, send=self.link.send, components=self.model.components)
+                             index=self.index, send=self.link.send, components=self.model.components,
+                             slots=slots)
         arena_mb = self.config.host_arena_mb
         if arena_mb is None:  # pinned staging pays on CUDA; on the CPU rows are host memory already
             arena_mb = DEFAULT_ARENA_MB if self.device.type == "cuda" else 0

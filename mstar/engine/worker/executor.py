@@ -114,10 +114,19 @@ class Executor:
         if batch.mode == FORK_MODE:
             self._fork(batch)
             return
+        state = self.runners[batch.component].state
         for item in batch.items:
+            if not item.granted and item.granted_slot is None:
+                continue
+            row = item.payload.part.row(item.component, item.payload.branch)
             if item.granted:  # pages the scheduler admitted the row with: the row owns them now
-                item.payload.part.row(item.component, item.payload.branch).admit(item.granted)
+                row.admit(item.granted)
                 item.granted = []
+            if item.granted_slot is not None:  # and its slot of per-row state, which starts empty
+                assert state is not None
+                row.take_slot(item.granted_slot)
+                state.zero(item.granted_slot)
+                item.granted_slot = None
         if self.preemption is not None:
             batch.items = self.preemption.resume(batch.items)
             if not batch.items:
@@ -132,7 +141,8 @@ class Executor:
             self.stats.failed_steps += 1
             log.exception("step failed", device=self.name, component=batch.component, mode=batch.mode,
                           rows=len(batch))
-            if inputs is None or len(batch) == 1:
+            if inputs is None or len(batch) == 1 or runner.state is not None:
+                # rows of per-row state may be half updated in place: none of them can run again
                 self._fail(batch, f"{type(e).__name__}: {e}")
             else:
                 self._retry_alone(batch, inputs)

@@ -31,6 +31,7 @@ class KVRow:
     generated: int = 0                # tokens it sampled so far (the sampler's draw counter)
     seen: torch.Tensor | None = None  # [vocab] bool, for the repetition penalty
     swapped: SwappedKV | None = None  # preempted: its KV, in host memory until it resumes
+    slot: int | None = None           # its slot of the component's per-row state (a recurrent layer's)
 
     @property
     def start(self) -> int:
@@ -45,6 +46,10 @@ class KVRow:
         """A branch that starts with what `main` holds, in `pages` (its full
         pages shared, a copy of its partial last one)."""
         self.pages, self.kv_len, self.rope_delta = pages, main.kv_len, main.rope_delta
+
+    def take_slot(self, slot: int) -> None:
+        """Admitted with a slot of per-row state (zeroed by the caller)."""
+        self.slot = slot
 
     def add_page(self, page: int) -> None:
         """One more page for a growing decode row."""
@@ -96,10 +101,13 @@ class KVRow:
         self.swapped = None
         return swapped
 
-    def release(self, pool: PagePool) -> bool:
-        """Give its pages back; whether it held any."""
+    def release(self, pool: PagePool, slots: PagePool | None = None) -> bool:
+        """Give its pages (and its state slot) back; whether it held pages."""
         held = bool(self.pages)
         if held:
             pool.free(self.pages)
         self.pages = []
+        if self.slot is not None and slots is not None:
+            slots.free([self.slot])
+        self.slot = None
         return held

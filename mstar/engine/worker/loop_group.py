@@ -104,6 +104,7 @@ class LoopGroup:
         self.stop_table = torch.full((0, 1), -1, dtype=torch.long)
         self.sampling: SamplingTensors | None = None
         self.counters = torch.empty(0, dtype=torch.long)  # host copy of the sampler's draw counters
+        self.slots = torch.empty(0, dtype=torch.long)     # each row's slot of per-row state (-1: none)
         self.seen: torch.Tensor | None = None
         self.seq = 0                        # steps launched
         self._pinned: list[torch.Tensor | None] = [None, None]
@@ -167,12 +168,13 @@ class LoopGroup:
         page_counts = torch.cat([self.page_counts, longs([len(r.pages) for r in kv])])
         stop_table = _cat_padded(self.stop_table, [j.stop_ids for j in joins], -1)
         counters = torch.cat([self.counters, longs([r.generated for r in kv])])
+        slots = torch.cat([self.slots, longs([-1 if r.slot is None else r.slot for r in kv])])
         sampling = new if self.sampling is None else _cat_sampling(self.sampling, new)
         seen = self._merged_seen([r.seen for r in kv])
         # nothing below raises
         self.tokens, self.kv_lens, self.counts, self.caps = tokens, kv_lens, counts, caps
         self.block_table, self.page_counts, self.stop_table = block_table, page_counts, stop_table
-        self.counters, self.sampling, self.seen = counters, sampling, seen
+        self.counters, self.sampling, self.seen, self.slots = counters, sampling, seen, slots
         self._joins = []
         self.rows += parts
         self.request_ids += [p.request_id for p in parts]
@@ -334,7 +336,7 @@ class LoopGroup:
         dev_kept = to_device(kept, self.device)
         self.tokens = self.tokens[dev_kept]
         self.kv_lens, self.counts, self.caps = self.kv_lens[kept], self.counts[kept], self.caps[kept]
-        self.counters = self.counters[kept]
+        self.counters, self.slots = self.counters[kept], self.slots[kept]
         self.block_table, self.stop_table = self.block_table[kept], self.stop_table[kept]
         self.page_counts = self.page_counts[kept]
         if not self.rows:  # start afresh: no flags or penalty rows linger

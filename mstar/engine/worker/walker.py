@@ -54,7 +54,7 @@ class Walker:
                  token_loops: set[str] = frozenset(), device: torch.device | None = None,
                  lazy_pages: bool = False, join_turn: Callable[[int, list[int]], list[int]] | None = None,
                  on_awaiting: Callable[[str, int], None] | None = None, index: int = 0, send: Send | None = None,
-                 components: dict[str, Component] | None = None) -> None:
+                 components: dict[str, Component] | None = None, slots: dict[str, PagePool] | None = None) -> None:
         """`token_loops`: KV components that sample; their decode loops run
         as `LoopGroup`s on `device`. `lazy_pages`: a request's first step
         takes pages for its prompt only, and a group row gets more as it
@@ -72,6 +72,7 @@ class Walker:
         self.device = device or torch.device("cpu")
         self.lazy_pages = lazy_pages
         self.components = components or {}
+        self.slots = slots or {}  # the free state slots of components with per-row state
         self.runs: dict[str, RequestRun] = {}
         self.groups: dict[tuple[str, str, int], LoopGroup] = {}
         self.index = index
@@ -204,9 +205,11 @@ class Walker:
                 total += self._reserve(part)
             pages = max(0, pool.pages_for(min(total, self.max_model_len)) - len(row.pages))
             starts_row = not row.pages
+        needs_slot = step.component in self.slots and pool is not None and row.slot is None
         part.busy = True
         self.scheduler.add(WorkItem(rid, part.name, step.component, step.mode, num_tokens, pages,
-                                    payload=Work(part, inputs, branch), starts_row=starts_row))
+                                    payload=Work(part, inputs, branch), starts_row=starts_row,
+                                    needs_slot=needs_slot))
 
     def _num_tokens(self, step: Step, inputs: dict[str, TensorRef | list[StreamItem] | int]) -> int:
         """The new tokens a KV step brings: its query input's ids, or its rows
@@ -248,6 +251,10 @@ class Walker:
         row = part.row(step.component)
         if row.rope_delta or (comp is not None and not runs_in_group(comp, step.mode)):
             return False  # positions beyond its cached length, or outputs a group does not keep
+        if comp is not None and comp.state and part.request.walk.more_input is not None:
+            # a group computes a step past a row's stop before it knows; a state updated in place by that
+            # dead step would be wrong for the next turn
+            return False
         frame = part.loops[-1]
         cap, count = frame.cap, frame.count
         pool = self.pools[step.component]
@@ -381,7 +388,7 @@ class Walker:
     def free_pages(self, part: PartitionRun) -> None:
         """Give the partition's KV pages back; its rows no longer run."""
         for row in part.rows.values():
-            if row.release(self.pools[row.component]):
+            if row.release(self.pools[row.component], self.slots.get(row.component)):
                 self.scheduler.row_ended(row.component)
 
     def stop(self, request_id: str, partition: str) -> int:

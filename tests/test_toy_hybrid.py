@@ -1,0 +1,114 @@
+"""The toy hybrid LLM (`toys/hybrid.py`) served on the CPU: attention over
+the paged KV cache beside a recurrence whose states live in per-row slots.
+Concurrent requests of different prompts and sampling decode in one group
+and match the module run unbatched with a state of its own; with fewer slots
+than requests, requests wait for a slot and still match; slots go back on
+finish and on abort."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from mstar.config import EngineConfig, SchedulerConfig
+from mstar.engine.engine import Engine
+from mstar.types import GenerateRequest, SamplingParams, StateRows, TokenBatch
+from toys.audio_decoder import VOCAB
+from toys.dense import DenseAttention, draw
+from toys.hybrid import ToyHybridModel
+
+
+@torch.inference_mode()
+def reference(model: ToyHybridModel, ids: list[int], params: SamplingParams) -> list[int]:
+    assert params.seed is not None
+    spec = model.state_spec("llm")
+    state = StateRows({name: torch.zeros(1, *shape, dtype=dtype) for name, shape, dtype in spec.tensors},
+                      torch.tensor([0]))
+    attn, n = DenseAttention(), len(ids)
+    out = model.module.prefill(TokenBatch(
+        input_ids=torch.tensor(ids), positions=torch.arange(n), query_start=torch.tensor([0, n]),
+        logits_index=torch.tensor([n - 1]), attn=attn, state=state))
+    tokens = [draw(out["logits"][0], params, params.seed, 0)]
+    for k in range(1, params.max_tokens):
+        out = model.module.decode(TokenBatch(
+            input_ids=torch.tensor([tokens[-1]]), positions=torch.tensor([n + k - 1]),
+            query_start=torch.tensor([0, 1]), logits_index=torch.tensor([0]), attn=attn, state=state))
+        tokens.append(draw(out["logits"][0], params, params.seed, k))
+    return tokens
+
+
+def _requests(seed: int, count: int) -> list[tuple[list[int], SamplingParams]]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(count):
+        n = int(torch.randint(2, 12, (1,), generator=gen))
+        params = SamplingParams(max_tokens=int(torch.randint(3, 9, (1,), generator=gen)),
+                                temperature=(0.0, 0.8, 1.2)[i % 3], seed=40 + i)
+        out.append((torch.randint(0, VOCAB, (n,), generator=gen).tolist(), params))
+    return out
+
+
+async def _run(eng: Engine, rid: str, ids: list[int], params: SamplingParams) -> list[int]:
+    chunks = [c async for c in eng.submit(GenerateRequest(rid, "toy-hybrid", {"prompt_ids": ids}, params))]
+    assert chunks[-1].finish_reason == "length"
+    return [t for c in chunks for t in c.token_ids]
+
+
+async def _slots_back(eng: Engine, slots: int) -> None:
+    pool = eng.workers[0].scheduler.slots["llm"]
+    for _ in range(100):
+        if pool.num_free == slots and eng.pages_in_use() == 0:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{slots - pool.num_free} state slots still held")
+
+
+@pytest.mark.parametrize("slots", [None, 2])
+async def test_rows_with_state_slots_match_the_unbatched_reference(slots: int | None) -> None:
+    model = ToyHybridModel()
+    requests = _requests(3, 6)
+    expected = [reference(model, ids, params) for ids, params in requests]
+    config = EngineConfig(model="toy-hybrid", devices=("cpu",), scheduler=SchedulerConfig(state_slots=slots))
+    eng = Engine(config, model=model)
+    await eng.start()
+    seen: list[int] = []
+    decode = model.module.decode
+
+    def spy(batch: TokenBatch) -> dict[str, torch.Tensor]:
+        assert batch.state is not None
+        seen.append(len(batch.state.slots))
+        return decode(batch)
+
+    model.module.decode = spy  # type: ignore[method-assign]
+    try:
+        results = await asyncio.gather(*(_run(eng, f"h{i}", ids, p) for i, (ids, p) in enumerate(requests)))
+        assert results == expected
+        assert max(seen) > 1  # rows decoded together, each in its own slot
+        if slots is not None:
+            assert max(seen) <= slots  # no more rows run than there are slots
+        await _slots_back(eng, slots or eng.config.scheduler.max_num_seqs)
+    finally:
+        await eng.shutdown()
+
+
+async def test_an_aborted_row_gives_its_slot_back() -> None:
+    model = ToyHybridModel()
+    eng = Engine(EngineConfig(model="toy-hybrid", devices=("cpu",), scheduler=SchedulerConfig(state_slots=1)),
+                 model=model)
+    await eng.start()
+    try:
+        params = SamplingParams(max_tokens=100, temperature=0.0, seed=1)
+        stream = eng.submit(GenerateRequest("long", "toy-hybrid", {"prompt_ids": [1, 2, 3]}, params))
+        async for chunk in stream:
+            if len(chunk.token_ids) and not chunk.finished:
+                eng.abort("long")
+            if chunk.finished:
+                assert chunk.finish_reason == "abort"
+        await _slots_back(eng, 1)
+        # the one slot serves the next request, from an empty state
+        ids, p = _requests(5, 1)[0]
+        assert await _run(eng, "next", ids, p) == reference(model, ids, p)
+    finally:
+        await eng.shutdown()
