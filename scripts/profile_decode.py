@@ -69,7 +69,7 @@ def profile_batch(model_name: str, batch: int, context: int, steps: int, top: in
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(steps):
-        sample(graphs.run(tokens, ctx, tables), st)
+        sample(graphs.run(tokens, ctx, tables)["logits"], st)
     torch.cuda.synchronize()
     print(f"CUDA graph step (with planning and sampling): {(time.perf_counter() - t0) / steps * 1e3:.3f} ms")
 

@@ -22,6 +22,7 @@ from mstar.graph import (Back, Collect, Component, Emit, Enter, EosToken, HostSt
 from mstar.models.base import Model
 from mstar.models.prepared import PreparedPiece
 from mstar.types import GenerateRequest, SamplingParams
+from toys.serving import drained
 
 MOD = 10_007
 INNER = 3  # writes of the inner loop's value per frame: the seed's and two more
@@ -144,15 +145,6 @@ async def _run(eng: Engine, rid: str, walk: str, x: int, n: int) -> tuple[list[i
     return values, reason
 
 
-async def _drained(eng: Engine) -> None:
-    for _ in range(300):
-        if len(eng.store) == 0 and eng.store.num_owners() == 0 and not any(
-                w.scheduler.has_work() or w.walker.runs for w in eng.workers):
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"engine did not drain: {len(eng.store)} tensors held")
-
-
 @pytest.mark.parametrize("devices", [("cpu",), ("cpu:0", "cpu:1")])
 async def test_nested_loops_match_plain_python_loops_served_concurrently(devices: tuple[str, ...]) -> None:
     model = ProgramModel()
@@ -166,7 +158,7 @@ async def test_nested_loops_match_plain_python_loops_served_concurrently(devices
             assert reason == "length"
         rounds = sum(n - 1 for _, n in cases)
         assert model.mix.calls["seed"] == rounds and model.mix.calls["next"] == rounds * (INNER - 1)
-        await _drained(eng)
+        await drained(eng)
     finally:
         await eng.shutdown()
 
@@ -183,7 +175,7 @@ async def test_a_loop_no_step_enters_and_a_round_cut_short() -> None:
             want_xs, want_ws = early_reference(x, n)
             assert sorted(got) == sorted(want_xs + want_ws), (x, n)
         assert model.mix.calls["bump"] == 1 + 3 + 5 and model.mix.calls["side"] == 0 + 2 + 4
-        await _drained(eng)
+        await drained(eng)
     finally:
         await eng.shutdown()
 
@@ -199,7 +191,7 @@ async def test_an_abort_inside_a_nested_loop_leaves_nothing_held() -> None:
                 eng.abort("long")
             if chunk.finished:
                 assert chunk.finish_reason == "abort"
-        await _drained(eng)
+        await drained(eng)
     finally:
         await eng.shutdown()
 

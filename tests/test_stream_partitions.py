@@ -24,6 +24,7 @@ from mstar.models.base import Model
 from mstar.models.prepared import PreparedPiece
 from mstar.placement import parse_spec
 from mstar.types import GenerateRequest, SamplingParams
+from toys.serving import drained
 
 MOD = 10_007
 CHUNK, LEFT = 2, 1
@@ -129,15 +130,6 @@ async def _run(eng: Engine, rid: str, walk: str, **inputs: int) -> tuple[list[in
     return cs, ss, reason
 
 
-async def _drained(eng: Engine) -> None:
-    for _ in range(300):
-        if len(eng.store) == 0 and eng.store.num_owners() == 0 and not any(
-                w.scheduler.has_work() or w.walker.runs for w in eng.workers):
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"engine did not drain: {len(eng.store)} tensors held")
-
-
 SETUPS = [(("cpu",), "replicas"), (("cpu:0", "cpu:1"), "prod=0,talk=1,codec=0")]
 
 
@@ -158,7 +150,7 @@ async def test_a_consumer_partition_matches_plain_python(devices: tuple[str, ...
             assert cs == want_c, (x, n)
             assert ss == want_s, (x, n)
             assert reason == "length"
-        await _drained(eng)
+        await drained(eng)
     finally:
         await eng.shutdown()
 
@@ -172,7 +164,7 @@ async def test_items_give_their_fill_once_the_stream_is_over(devices: tuple[str,
                                          for k, (x, n, m) in enumerate(cases)))
         for (x, n, m), (cs, ss, _) in zip(cases, results):
             assert (cs, ss) == reference(x, n, m), (x, n, m)
-        await _drained(eng)
+        await drained(eng)
     finally:
         await eng.shutdown()
 
@@ -192,7 +184,7 @@ async def test_aborts_mid_stream_leave_nothing_held(devices: tuple[str, ...], pl
             return reason
 
         assert await asyncio.gather(*(one(f"a{i}") for i in range(3))) == ["abort"] * 3
-        await _drained(eng)
+        await drained(eng)
     finally:
         await eng.shutdown()
 

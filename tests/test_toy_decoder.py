@@ -122,16 +122,16 @@ async def test_concurrent_requests_match_the_unbatched_reference_and_a_bad_row_f
         worker = eng.workers[0]
         assert worker.stats.failed_steps == 1  # the prefill batch once; its rows then ran alone
         assert worker.stats.rows > worker.stats.steps  # rows did share steps
-        assert not worker.walker.groups  # two outputs and a rope delta: decode ran on the item path
+        assert worker.walker.groups  # two outputs and a rope delta: decode ran in a group all the same
         assert eng.pages_in_use() == 0 and len(eng.store) == 0
     finally:
         await eng.shutdown()
 
 
-async def test_a_decode_loop_with_a_rope_delta_stays_out_of_groups() -> None:
-    """`transcribe` binds the token alone, so the bound outputs would let a
-    group take the loop; the signature's second output and the rows' rope
-    delta keep it on the item path, with the same tokens."""
+async def test_a_decode_loop_with_a_rope_delta_runs_in_a_group() -> None:
+    """`transcribe` binds the token alone: its rows join a decode group,
+    which places them at their cached length plus their rope delta, on all
+    three position axes."""
     model = ToyAudioModel()
     requests = _requests(torch.Generator().manual_seed(11))
     expected = [reference(model, ids, mel, params)[0] for ids, mel, params in requests]
@@ -140,7 +140,8 @@ async def test_a_decode_loop_with_a_rope_delta_stays_out_of_groups() -> None:
         results = await asyncio.gather(*[_run(eng, f"t{i}", ids, mel, params, "transcribe")
                                          for i, (ids, mel, params) in enumerate(requests)])
         assert [_split(chunks)[0] for chunks in results] == expected
-        assert not eng.workers[0].walker.groups
+        (group,) = eng.workers[0].walker.groups.values()
+        assert group.axes == 3 and not group.extras
     finally:
         await eng.shutdown()
 

@@ -22,6 +22,7 @@ from mstar.config import EngineConfig
 from mstar.engine.engine import Engine
 from mstar.types import GenerateRequest, SamplingParams, TokenBatch
 from toys.audio_decoder import HEADS, HIDDEN, KV_HEADS, VOCAB
+from toys.serving import drained
 from toys.dense import DenseAttention
 from toys.image_gen import ToyImageModel
 
@@ -86,11 +87,7 @@ async def test_denoising_steps_read_the_cache_and_match_the_reference() -> None:
             torch.testing.assert_close(torch.tensor(images[0]), want, atol=TOL, rtol=0)
         worker = eng.workers[0]
         assert worker.stats.rows > worker.stats.steps  # requests shared steps
-        for _ in range(100):
-            if eng.pages_in_use() == 0 and len(eng.store) == 0:
-                break
-            await asyncio.sleep(0.02)
-        assert eng.pages_in_use() == 0 and len(eng.store) == 0
+        await drained(eng)
     finally:
         await eng.shutdown()
 
@@ -183,10 +180,6 @@ async def test_classifier_free_guidance_over_a_forked_cache_matches_three_contex
             assert reason == "length" and len(images) == 1
             torch.testing.assert_close(torch.tensor(images[0]), want, atol=TOL, rtol=0)
         assert seen and all(n % 3 == 0 for n in seen)  # a request's three branch rows always step together
-        for _ in range(100):
-            if eng.pages_in_use() == 0 and len(eng.store) == 0:
-                break
-            await asyncio.sleep(0.02)
-        assert eng.pages_in_use() == 0 and len(eng.store) == 0
+        await drained(eng)
     finally:
         await eng.shutdown()

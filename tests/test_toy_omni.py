@@ -23,6 +23,7 @@ from mstar.models.prepared import key_seed
 from mstar.placement import parse_spec
 from mstar.types import GenerateRequest, SamplingParams, TokenBatch
 from toys.audio_decoder import HIDDEN, MEL, PLACEHOLDER, VOCAB, mrope_positions
+from toys.serving import drained
 from toys.dense import DenseAttention, draw
 from toys.omni import CHUNK, GROUPS, LEFT, ToyOmniModel
 
@@ -123,63 +124,20 @@ def _requests(seed: int) -> list[tuple[list[int], torch.Tensor, SamplingParams, 
     return out
 
 
-async def _serve(eng: Engine, rid: str, ids: list[int], mel: torch.Tensor, think: SamplingParams,
-                 talk: SamplingParams) -> tuple[list[int], list[int], list[list[float]], str | None]:
+Served = tuple[list[int], list[int], list[list[float]], str | None]  # text, codes, pcm chunks, finish reason
+
+
+async def _serve(eng: Engine, rid: str, turns: list[tuple[list[int], torch.Tensor]], think: SamplingParams,
+                 talk: SamplingParams, cp: SamplingParams | None = None, walk: str = "chat") -> Served:
+    """One request: its first turn's audio, then (with more turns) each later
+    one appended once the request has caught up with the one before, then
+    its input closed."""
     by = {"talker": {"max_tokens": talk.max_tokens, "temperature": talk.temperature, "top_k": talk.top_k}}
-    request = GenerateRequest(rid, "toy-omni", {"prompt_ids": ids, "mel": mel}, think, sampling_by=by)
-    text, codes, pcm, reason = [], [], [], None
-    async for chunk in eng.submit(request):
-        text.extend(chunk.token_ids)
-        if chunk.data is not None:
-            data = chunk.data.tolist() if hasattr(chunk.data, "tolist") else chunk.data
-            (pcm if isinstance(data, list) else codes).append(data)
-        if chunk.finished:
-            reason = chunk.finish_reason
-    return text, codes, pcm, reason
-
-
-SETUPS = [(("cpu",), "replicas"), (("cpu:0", "cpu:1"), "enc=0,thinker=0,talker=1,codec=1")]
-
-
-@pytest.mark.parametrize("devices, placement", SETUPS)
-async def test_toy_omni_matches_its_unbatched_reference(devices: tuple[str, ...], placement: str) -> None:
-    model = ToyOmniModel()
-    requests = _requests(3)
-    expected = [reference(model, ids, mel, think, talk) for ids, mel, think, talk in requests]
-    gate = threading.Event()
-    model.encoder.gate = gate  # the first encode holds its worker: the other requests queue, and share steps
-    eng = Engine(EngineConfig(model="toy-omni", devices=devices, placement=parse_spec(placement)), model=model)
-    await eng.start()
-    try:
-        runs = [asyncio.ensure_future(_serve(eng, f"o{i}", *r)) for i, r in enumerate(requests)]
-        await asyncio.sleep(0.2)
-        gate.set()
-        results = await asyncio.gather(*runs)
-        for (text, codes, pcm, reason), want in zip(results, expected):
-            assert reason == "length"
-            assert text == want.text
-            assert codes == want.codes
-            assert len(pcm) == len(want.pcm)
-            for got, ref in zip(pcm, want.pcm):
-                torch.testing.assert_close(torch.tensor(got), ref, atol=TOL, rtol=0)
-        assert any(w.stats.rows > w.stats.steps for w in eng.workers)  # rows did share steps
-        for _ in range(100):
-            if len(eng.store) == 0 and eng.pages_in_use() == 0:
-                break
-            await asyncio.sleep(0.02)
-        assert eng.pages_in_use() == 0 and len(eng.store) == 0
-    finally:
-        await eng.shutdown()
-
-
-async def _serve_turns(eng: Engine, rid: str, turns: list[tuple[list[int], torch.Tensor]], think: SamplingParams,
-                       talk: SamplingParams) -> tuple[list[int], list[int], list[list[float]], str | None]:
-    """A request that takes more audio: each later turn is appended once the
-    request has caught up with the one before; then its input closes."""
-    by = {"talker": {"max_tokens": talk.max_tokens, "temperature": talk.temperature, "top_k": talk.top_k}}
+    if cp is not None:
+        by["cp"] = {"temperature": cp.temperature, "top_k": cp.top_k}
     ids, mel = turns[0]
-    request = GenerateRequest(rid, "toy-omni", {"prompt_ids": ids, "mel": mel}, think, sampling_by=by,
-                              more_input=True)
+    request = GenerateRequest(rid, "toy-omni", {"prompt_ids": ids, "mel": mel}, think, sampling_by=by, walk=walk,
+                              more_input=len(turns) > 1)
     text, codes, pcm, reason, sent = [], [], [], None, 1
     async for chunk in eng.submit(request):
         text.extend(chunk.token_ids)
@@ -198,6 +156,45 @@ async def _serve_turns(eng: Engine, rid: str, turns: list[tuple[list[int], torch
     return text, codes, pcm, reason
 
 
+def _check(got: Served, want: list[Expected]) -> None:
+    """What a request got against what its turns give one at a time."""
+    text, codes, pcm, reason = got
+    assert reason == "length"
+    assert text == [t for e in want for t in e.text]
+    assert codes == [c for e in want for c in e.codes]
+    want_pcm = [p for e in want for p in e.pcm]
+    assert len(pcm) == len(want_pcm)
+    for chunk, ref in zip(pcm, want_pcm):
+        torch.testing.assert_close(torch.tensor(chunk), ref, atol=TOL, rtol=0)
+
+
+SETUPS = [(("cpu",), "replicas"), (("cpu:0", "cpu:1"), "enc=0,thinker=0,talker=1,codec=1")]
+
+
+@pytest.mark.parametrize("devices, placement", SETUPS)
+async def test_toy_omni_matches_its_unbatched_reference(devices: tuple[str, ...], placement: str) -> None:
+    model = ToyOmniModel()
+    requests = _requests(3)
+    expected = [reference(model, ids, mel, think, talk) for ids, mel, think, talk in requests]
+    gate = threading.Event()
+    model.encoder.gate = gate  # the first encode holds its worker: the other requests queue, and share steps
+    eng = Engine(EngineConfig(model="toy-omni", devices=devices, placement=parse_spec(placement)), model=model)
+    await eng.start()
+    try:
+        runs = [asyncio.ensure_future(_serve(eng, f"o{i}", [(ids, mel)], think, talk))
+                for i, (ids, mel, think, talk) in enumerate(requests)]
+        await asyncio.sleep(0.2)
+        gate.set()
+        for got, want in zip(await asyncio.gather(*runs), expected):
+            _check(got, [want])
+        assert any(w.stats.rows > w.stats.steps for w in eng.workers)  # rows did share steps
+        # the thinker decoded in a group that kept each step's hidden state for the talker's stream
+        assert any(g.extras == {"hidden": "h"} for w in eng.workers for g in w.walker.groups.values())
+        await drained(eng)
+    finally:
+        await eng.shutdown()
+
+
 @pytest.mark.parametrize("devices, placement", SETUPS)
 async def test_audio_appended_runs_a_thinker_turn_and_restarts_the_talker(devices: tuple[str, ...],
                                                                           placement: str) -> None:
@@ -213,21 +210,11 @@ async def test_audio_appended_runs_a_thinker_turn_and_restarts_the_talker(device
     eng = Engine(EngineConfig(model="toy-omni", devices=devices, placement=parse_spec(placement)), model=model)
     await eng.start()
     try:
-        results = await asyncio.gather(*(_serve_turns(eng, f"c{k}", turns, think, talk)
+        results = await asyncio.gather(*(_serve(eng, f"c{k}", turns, think, talk)
                                          for k, (turns, think, talk, _) in enumerate(conversations)))
-        for (text, codes, pcm, reason), (turns, _, _, expected) in zip(results, conversations):
-            assert reason == "length"
-            assert text == [t for e in expected for t in e.text]
-            assert codes == [c for e in expected for c in e.codes]
-            want_pcm = [p for e in expected for p in e.pcm]
-            assert len(pcm) == len(want_pcm)
-            for got, ref_pcm in zip(pcm, want_pcm):
-                torch.testing.assert_close(torch.tensor(got), ref_pcm, atol=TOL, rtol=0)
-        for _ in range(100):
-            if len(eng.store) == 0 and eng.pages_in_use() == 0:
-                break
-            await asyncio.sleep(0.02)
-        assert eng.pages_in_use() == 0 and len(eng.store) == 0
+        for got, (_, _, _, expected) in zip(results, conversations):
+            _check(got, expected)
+        await drained(eng)
     finally:
         await eng.shutdown()
 
@@ -291,30 +278,10 @@ async def test_frames_from_a_code_predictor_nested_in_the_talker(devices: tuple[
     eng = Engine(EngineConfig(model="toy-omni", devices=devices, placement=parse_spec(placement)), model=model)
     await eng.start()
     try:
-        async def one(k: int, ids, mel, think, talk, cp):
-            by = {"talker": {"max_tokens": talk.max_tokens, "temperature": talk.temperature, "top_k": talk.top_k},
-                  "cp": {"temperature": cp.temperature, "top_k": cp.top_k}}
-            request = GenerateRequest(f"f{k}", "toy-omni", {"prompt_ids": ids, "mel": mel}, think, sampling_by=by,
-                                      walk="chat_frames")
-            text, codes, pcm = [], [], []
-            async for chunk in eng.submit(request):
-                text.extend(chunk.token_ids)
-                if chunk.data is not None:
-                    data = chunk.data.tolist() if hasattr(chunk.data, "tolist") else chunk.data
-                    (pcm if isinstance(data, list) else codes).append(data)
-            return text, codes, pcm
-
-        results = await asyncio.gather(*(one(k, *r) for k, r in enumerate(seeded)))
-        for (text, codes, pcm), want in zip(results, expected):
-            assert text == want.text
-            assert codes == want.codes
-            assert len(pcm) == len(want.pcm)
-            for got, ref_pcm in zip(pcm, want.pcm):
-                torch.testing.assert_close(torch.tensor(got), ref_pcm, atol=TOL, rtol=0)
-        for _ in range(100):
-            if len(eng.store) == 0 and eng.pages_in_use() == 0:
-                break
-            await asyncio.sleep(0.02)
-        assert eng.pages_in_use() == 0 and len(eng.store) == 0
+        results = await asyncio.gather(*(_serve(eng, f"f{k}", [(ids, mel)], think, talk, cp, walk="chat_frames")
+                                         for k, (ids, mel, think, talk, cp) in enumerate(seeded)))
+        for got, want in zip(results, expected):
+            _check(got, [want])
+        await drained(eng)
     finally:
         await eng.shutdown()

@@ -139,7 +139,21 @@ class Decoder(nn.Module):
         return {"logits": self.head(h), "hidden": h}
 
 
-class ToyAudioModel(Model):
+class ToyModel(Model):
+    """What every toy's model file shares: its context, and the KV shape of
+    its decoders (`kv_layers` of them a row)."""
+
+    kv_layers = LAYERS
+
+    @property
+    def max_model_len(self) -> int:
+        return MAX_LEN
+
+    def kv_spec(self, component: str) -> KVSpec:
+        return KVSpec(num_layers=self.kv_layers, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, num_q_heads=HEADS)
+
+
+class ToyAudioModel(ToyModel):
     components = {
         "enc": Component(modes=(ENCODE,)),
         "dec": Component(modes=(PREFILL, DECODE), kv_cache=True, samples=True),
@@ -168,13 +182,6 @@ class ToyAudioModel(Model):
         torch.manual_seed(seed)
         self.encoder = Encoder().eval()
         self.decoder = Decoder().eval()
-
-    @property
-    def max_model_len(self) -> int:
-        return MAX_LEN
-
-    def kv_spec(self, component: str) -> KVSpec:
-        return KVSpec(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, num_q_heads=HEADS)
 
     def build_component(self, component: str, device: torch.device, dtype: torch.dtype) -> nn.Module:
         module = {"enc": self.encoder, "dec": self.decoder}[component]

@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.graph import Component, Emit, Loop, MaxTokens, Step, Walk
-from mstar.models.base import KVSpec, Model, StateSpec
+from mstar.models.base import StateSpec
 from mstar.models.prepared import PreparedPiece
 from mstar.types import GenerateRequest, SamplingParams, TokenBatch
-from toys.audio_decoder import HEAD_DIM, HEADS, HIDDEN, KV_HEADS, MAX_LEN, VOCAB, Layer
+from toys.audio_decoder import HEAD_DIM, HIDDEN, VOCAB, Layer, ToyModel
 
 CONV = 3           # the convolution's width: its state holds the last CONV - 1 inputs
 RH, RD = 4, 8      # recurrent heads, and the size of each
@@ -72,7 +72,8 @@ class Hybrid(nn.Module):
         return self._logits(batch)
 
 
-class ToyHybridModel(Model):
+class ToyHybridModel(ToyModel):
+    kv_layers = 1  # the attention layer; the recurrence keeps no KV
     components = {"llm": Component(modes=("prefill", "decode"), kv_cache=True, samples=True, state=True)}
     walks = {"generate": Walk(
         Step("llm", "prefill", "prompt_ids", "token"),
@@ -85,13 +86,6 @@ class ToyHybridModel(Model):
         super().__init__(name)
         torch.manual_seed(seed)
         self.module = Hybrid().eval()
-
-    @property
-    def max_model_len(self) -> int:
-        return MAX_LEN
-
-    def kv_spec(self, component: str) -> KVSpec:
-        return KVSpec(num_layers=1, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, num_q_heads=HEADS)
 
     def state_spec(self, component: str) -> StateSpec:
         return StateSpec((("conv", (HIDDEN, CONV - 1), torch.float32), ("rec", (RH, RD, RD), torch.float32)))

@@ -18,10 +18,9 @@ import torch
 from torch import nn
 
 from mstar.graph import Component, Each, Emit, Fork, In, Kind, Loop, MaxSteps, Mode, Out, Step, Walk
-from mstar.models.base import KVSpec, Model
 from mstar.models.prepared import PreparedPiece
 from mstar.types import GenerateRequest, SamplingParams, TokenBatch
-from toys.audio_decoder import HEAD_DIM, HEADS, HIDDEN, KV_HEADS, LAYERS, MAX_LEN, VOCAB, Layer
+from toys.audio_decoder import HEAD_DIM, HIDDEN, LAYERS, VOCAB, Layer, ToyModel
 
 PIXELS = 3  # channels per latent row
 
@@ -92,7 +91,7 @@ class Vae(nn.Module):
         return torch.tanh(self.proj(z))
 
 
-class ToyImageModel(Model):
+class ToyImageModel(ToyModel):
     components = {
         "llm": Component(modes=(PREFILL, VELOCITY), kv_cache=True),
         "sched": Component(modes=(SCHED_STEP, CFG_STEP)),
@@ -127,13 +126,6 @@ class ToyImageModel(Model):
         self.denoiser = Denoiser().eval()
         self.scheduler = Scheduler()
         self.vae = Vae().eval()
-
-    @property
-    def max_model_len(self) -> int:
-        return MAX_LEN
-
-    def kv_spec(self, component: str) -> KVSpec:
-        return KVSpec(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, num_q_heads=HEADS)
 
     def build_component(self, component: str, device: torch.device, dtype: torch.dtype) -> nn.Module:
         module = {"llm": self.denoiser, "sched": self.scheduler, "vae": self.vae}[component]

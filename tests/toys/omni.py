@@ -40,11 +40,10 @@ from torch import nn
 
 from mstar.graph import (Collect, Component, Emit, In, Items, Kind, LeftContext, Loop, MaxSteps, MaxTokens, Mode, Out,
                          Partition, Step, Stream, StreamDone, Walk)
-from mstar.models.base import KVSpec, Model
 from mstar.models.prepared import PreparedPiece
 from mstar.types import GenerateRequest, SamplingParams, TokenBatch
-from toys.audio_decoder import (ENCODE, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, LAYERS, MAX_LEN, PLACEHOLDER, Decoder,
-                                Encoder, Layer, mrope_positions)
+from toys.audio_decoder import (ENCODE, HEAD_DIM, HIDDEN, LAYERS, PLACEHOLDER, Decoder, Encoder, Layer, ToyModel,
+                                mrope_positions)
 
 CODES = 24         # the talker's vocabulary
 SAMPLES = 4        # samples per code
@@ -170,7 +169,7 @@ class Codec(nn.Module):
         return {"pcm": [torch.tanh(o[min(LEFT, int(i) * CHUNK):].reshape(-1)) for o, i in zip(out, index)]}
 
 
-class ToyOmniModel(Model):
+class ToyOmniModel(ToyModel):
     components = {
         "enc": Component(modes=(ENCODE,)),
         "thinker": Component(modes=(THINK_PREFILL, THINK_DECODE), kv_cache=True, samples=True),
@@ -226,13 +225,6 @@ class ToyOmniModel(Model):
         self.talker = Talker().eval()
         self.codec = Codec().eval()
         self.cp = CodePredictor().eval()
-
-    @property
-    def max_model_len(self) -> int:
-        return MAX_LEN
-
-    def kv_spec(self, component: str) -> KVSpec:
-        return KVSpec(num_layers=LAYERS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, num_q_heads=HEADS)
 
     def build_component(self, component: str, device: torch.device, dtype: torch.dtype) -> nn.Module:
         module = {"enc": self.encoder, "thinker": self.thinker, "talker": self.talker, "cp": self.cp,

@@ -80,11 +80,12 @@ def attention_backend(cache: KVCache, num_q_heads: int, max_pages_per_row: int,
 
 
 def decode_graphs(step: Callable[[TokenBatch], dict[str, torch.Tensor]], backend: AttentionBackend,
-                  device: torch.device, config: EngineConfig) -> DecodeGraphs | None:
+                  device: torch.device, config: EngineConfig, outputs: Sequence[str] = ("logits",),
+                  axes: int = 1) -> DecodeGraphs | None:
     """Captured decode graphs, or None where they cannot or should not run."""
     if config.enforce_eager or device.type != "cuda" or not hasattr(backend, "plan_graph"):
         return None
-    graphs = DecodeGraphs(step, backend, config.cuda_graph_batch_sizes, device)
+    graphs = DecodeGraphs(step, backend, config.cuda_graph_batch_sizes, device, outputs, axes)
     graphs.capture()
     return graphs
 

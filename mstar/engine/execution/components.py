@@ -16,7 +16,7 @@ from mstar.engine.memory.kv_cache import KVCache
 from mstar.engine.memory.sizing import kv_cache_log_fields, kv_cache_pages
 from mstar.engine.memory.state_slots import StatePool
 from mstar.engine.execution.runner import ComponentRunner
-from mstar.engine.worker.loop_group import runs_in_group
+from mstar.engine.worker.loop_group import graph_outputs
 from mstar.engine.movement.tensor_store import TensorStore
 from mstar.graph import Component
 from mstar.models.base import Model
@@ -64,8 +64,9 @@ def build_runner(model: Model, name: str, spec: Component, device: torch.device,
              **kv_cache_log_fields(num_pages, cfg.page_size, kvspec, dtype))
     attention = attention_backend(kv, kvspec.num_q_heads, need, config)
     # decode graphs take no per-row state yet: a component with state decodes eagerly
-    graphs = decode_graphs(module.decode, attention, device, config) \
-        if spec.samples and not spec.state and hasattr(module, "decode") and runs_in_group(spec, "decode") else None
+    outputs = graph_outputs(spec, "decode") if spec.samples and not spec.state and hasattr(module, "decode") else None
+    graphs = decode_graphs(module.decode, attention, device, config, outputs, spec.position_axes) \
+        if outputs is not None else None
     log.info("attention", device=str(device), component=name, backend=type(attention).__name__,
              cuda_graphs=graphs.buckets if graphs is not None else None)
     runner = ComponentRunner(name, spec, module, device, store, kv, attention, graphs, state=state)

@@ -1,10 +1,11 @@
 """CUDA graphs of a KV component's decode step at batch-size buckets.
 
 A decode step of n rows replays the graph of the smallest bucket >= n: the
-rows' tokens and positions are copied into the bucket's static inputs, the
-attention backend re-plans the bucket's static metadata (padding rows point at
-the KV cache's scratch page), and the graph writes logits into its static
-output. Every host-to-device copy is from page-locked memory, so a step can be
+rows' tokens and positions (their cached length plus any rope delta, on
+every axis of an M-RoPE component) are copied into the bucket's static
+inputs, the attention backend re-plans the bucket's static metadata (padding
+rows point at the KV cache's scratch page), and the graph writes logits, and
+the hidden states a decode mode declares, into its static outputs. Every host-to-device copy is from page-locked memory, so a step can be
 prepared and launched while the previous one still runs: the host waits only
 until the previous step's inputs have landed. Steps larger than the largest bucket run eagerly. Graphs are captured
 once at startup, largest bucket first, sharing one memory pool.
@@ -34,21 +35,27 @@ class GraphAttention(Protocol):
 @dataclass(eq=False)
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    logits: torch.Tensor
+    outputs: dict[str, torch.Tensor]
 
 
 class DecodeGraphs:
     def __init__(self, step: Callable[[TokenBatch], dict[str, torch.Tensor]], attention: GraphAttention,
-                 buckets: Sequence[int], device: torch.device) -> None:
+                 buckets: Sequence[int], device: torch.device, outputs: Sequence[str] = ("logits",),
+                 axes: int = 1) -> None:
+        """`outputs`: what the step returns that a replay keeps ("logits" and
+        a decode mode's hidden states); `axes`: of the positions it takes."""
         self.step = step
         self.attention = attention
         self.buckets = sorted(set(buckets))
         self.device = device
+        self.outputs = tuple(outputs)
+        self.axes = axes
         top = self.buckets[-1]
+        shape = (top,) if axes == 1 else (axes, top)
         self._ids = torch.zeros(top, dtype=torch.long, device=device)
-        self._positions = torch.zeros(top, dtype=torch.long, device=device)
+        self._positions = torch.zeros(shape, dtype=torch.long, device=device)
         self._rows = torch.arange(top, dtype=torch.long, device=device)
-        self._pinned_positions = torch.empty(top, dtype=torch.long, pin_memory=True)
+        self._pinned_positions = torch.empty(shape, dtype=torch.long, pin_memory=True)
         self._graphs: dict[int, _Graph] = {}
         # recorded once a run's host-to-device copies are queued: the next run
         # waits for it before rewriting the page-locked staging those copies read
@@ -64,7 +71,7 @@ class DecodeGraphs:
         return self.buckets[i] if i < len(self.buckets) else None
 
     def _batch(self, b: int, attn: AttentionContext) -> TokenBatch:
-        return TokenBatch(input_ids=self._ids[:b], positions=self._positions[:b],
+        return TokenBatch(input_ids=self._ids[:b], positions=self._positions[..., :b],
                           query_start=torch.arange(b + 1, dtype=torch.long), logits_index=self._rows[:b], attn=attn)
 
     def capture(self, show_progress: bool = True) -> None:
@@ -72,11 +79,21 @@ class DecodeGraphs:
         empty_table = torch.zeros(0, 1, dtype=torch.long)
         graphs = capture_buckets(
             self.device, self.buckets, lambda b: self.attention.plan_graph(b, empty_ctx, empty_table),
-            lambda b, attn: self.step(self._batch(b, attn))["logits"], "capturing CUDA graphs", show_progress)
-        self._graphs = {b: _Graph(graph, logits) for b, (graph, logits) in graphs.items()}
+            lambda b, attn: self._kept(self.step(self._batch(b, attn))), "capturing CUDA graphs", show_progress)
+        self._graphs = {b: _Graph(graph, outputs) for b, (graph, outputs) in graphs.items()}
 
-    def run(self, tokens: torch.Tensor, context_lens: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor | None:
-        """Logits [n, V] for n rows, or None when n is past the largest bucket."""
+    def _kept(self, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        missing = [name for name in self.outputs if name not in out]
+        if missing:
+            raise RuntimeError(f"the decode step returned {sorted(out)}, not {missing}")
+        return {name: out[name] for name in self.outputs}
+
+    def run(self, tokens: torch.Tensor, context_lens: torch.Tensor, block_table: torch.Tensor,
+            positions: torch.Tensor | None = None) -> dict[str, torch.Tensor] | None:
+        """The kept outputs of n rows (logits [n, V], ...: views of static
+        buffers the next replay rewrites), or None when n is past the largest
+        bucket. `positions` (host): [n], or [axes, n]; default the rows'
+        cached lengths."""
         n = tokens.shape[0]
         b = self.bucket(n)
         if b is None or b not in self._graphs:
@@ -89,13 +106,13 @@ class DecodeGraphs:
         else:
             self._copied = torch.cuda.Event()
         self._ids[:n].copy_(tokens, non_blocking=True)
-        self._pinned_positions[:n].copy_(context_lens)
-        self._positions[:n].copy_(self._pinned_positions[:n], non_blocking=True)
+        self._pinned_positions[..., :n].copy_(context_lens if positions is None else positions)
+        self._positions[..., :n].copy_(self._pinned_positions[..., :n], non_blocking=True)
         if b > n:
             self._ids[n:b].zero_()
-            self._positions[n:b].zero_()
+            self._positions[..., n:b].zero_()
         self.attention.plan_graph(b, context_lens, block_table)
         self._copied.record()
         g = self._graphs[b]
         g.graph.replay()
-        return g.logits[:n]
+        return {name: out[:n] for name, out in g.outputs.items()}

@@ -214,36 +214,46 @@ class ComponentRunner:
         return tokens, None if logprobs is None else logprobs.cpu()
 
     @torch.inference_mode()
-    def run_group(self, group: LoopGroup, sl: slice) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def run_group(self, group: LoopGroup, sl: slice
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
         """Launch one decode step of rows `sl` of a token loop group; returns
-        its [n] new tokens and the packed logprobs of the rows that asked, on
-        the device and possibly not computed yet."""
+        its [n] new tokens, the packed logprobs of the rows that asked, and
+        the hidden states the group keeps (by walk value), on the device and
+        possibly not computed yet."""
         assert self.kv is not None and self.attention is not None
         self.device_s = 0.0
         n = sl.stop - sl.start
         ctx = group.kv_lens[sl]
         logits = None
+        extras: dict[str, torch.Tensor] = {}
         if self.graphs is not None:
-            logits = self.graphs.run(group.tokens[sl], ctx, group.block_table[sl])
+            replayed = self.graphs.run(group.tokens[sl], ctx, group.block_table[sl],
+                                       group.positions(sl) if group.shifted or group.axes > 1 else None)
             self.device_s += self.graphs.wait_s
+            if replayed is not None:
+                logits = replayed["logits"]
+                # out of the static buffers, in stream order: the next replay rewrites them before they are read
+                extras = {value: replayed[name].clone() for name, value in group.extras.items()}
         if logits is None:
             query_start = torch.arange(n + 1, dtype=torch.long)
             batch = TokenBatch(
                 input_ids=group.tokens[sl],
-                positions=ctx.to(self.device),
+                positions=group.positions(sl).to(self.device),
                 query_start=query_start,
                 logits_index=torch.arange(n, device=self.device),
                 attn=self.attention.plan(query_start, ctx, group.block_table[sl]),
                 state=self._state_rows(group.slots[sl]),
             )
-            logits = self._timed(getattr(self.module, group.mode))(batch)["logits"]
+            out = self._timed(getattr(self.module, group.mode))(batch)
+            logits = out["logits"]
+            extras = {value: out[name] for name, value in group.extras.items()}
         seen = group.update_seen(sl)
         st = group.sampling_for(sl)
         # no wait: the worker reads these tokens after launching the next step. A graph's logits are
         # its static output: read here, in stream order, before the next replay rewrites them
         logits = logits.float()
         tokens = self._timed(sample)(logits, st, seen)
-        return tokens, self._timed(token_logprobs)(logits, tokens, st)
+        return tokens, self._timed(token_logprobs)(logits, tokens, st), extras
 
     # --------------------------------------------------------- plain rows
 

@@ -28,7 +28,7 @@ from mstar.engine.worker.peer_link import PeerLink
 from mstar.engine.worker.preemption import Preemption
 from mstar.engine.worker.stop_rules import stop_reasons
 from mstar.engine.worker.walker import FORK_MODE, Walker
-from mstar.graph import ForkRows
+from mstar.graph import ForkRows, WalkPlan
 from mstar.scheduler import Batch, Scheduler, StepPlan
 
 log = structlog.get_logger("mstar.worker")
@@ -220,12 +220,7 @@ class Executor:
         for name, data in out.values.items():
             emitting = [i for i, p in enumerate(parts) if name in p.request.walk.emits]
             if emitting:
-                rows = [data[i] for i in emitting] if isinstance(data, list) else select_rows(data.detach(), emitting)
-                # no wait: the rows reach the report once copied (into the arena, freed once the engine read them)
-                host, ready, blocks = stage_to_host(rows, self.arena, stage_cpu=True)
-                self.outbox.emit(self.report, EmitBatch(
-                    name, [rids[i] for i in emitting], [parts[i].name for i in emitting], host, blocks,
-                    None if out.logprobs is None else out.logprobs[emitting]), ready)
+                self._emit_rows(name, data, emitting, rids, [p.name for p in parts], out.logprobs)
             if isinstance(data, list):
                 refs[name] = [TensorRef(self.store.put(t, (rid,))) for t, rid in zip(data, rids)]
             else:
@@ -264,14 +259,14 @@ class Executor:
         if n:
             try:
                 with torch.profiler.record_function(f"mstar.{group.component}.{group.mode}"):
-                    tokens, logprobs = runner.run_group(group, sl)
+                    tokens, logprobs, extras = runner.run_group(group, sl)
             except Exception as e:
                 self.stats.failed_steps += 1
                 log.exception("step failed", device=self.name, component=group.component, mode=group.mode, rows=n)
                 for rid in dict.fromkeys(group.request_ids[sl]):
                     self.walker.abort(rid, "error", f"{type(e).__name__}: {e}")
             else:
-                launched = group.launched(sl, tokens, logprobs)
+                launched = group.launched(sl, tokens, logprobs, extras)
                 self.stats.steps += 1
                 self.stats.rows += n
         t1 = time.perf_counter()
@@ -315,16 +310,48 @@ class Executor:
                 self.outbox.emit(self.report, EmitBatch(value, [p.request_ids[i] for i in valid],
                                                         [p.partitions[i] for i in valid], host[valid],
                                                         logprobs=None if p.logprobs is None else p.logprobs[valid]))
+        gone = {id(leave.part) for leave in leaving}
+        going_on = [i for i in keep if id(p.rows[i]) not in gone and not p.rows[i].done]
         if walk.streams.get(value):
-            gone = {id(leave.part) for leave in leaving}
-            keep = set(keep)
             items = host.tolist()  # token ids enter streams as host ints
-            for i in keep:
-                if id(p.rows[i]) not in gone and not p.rows[i].done:
-                    self.walker.streams.feed(p.rows[i], value, items[i])
+            for i in going_on:
+                self.walker.streams.feed(p.rows[i], value, items[i])
+        extras = self._group_extras(p, walk, keep, going_on, {leave.row for leave in leaving})
         for leave in leaving:
-            self.walker.left_group(leave)
+            self.walker.left_group(leave, {name: refs[leave.row] for name, refs in extras.items()})
         return waited
+
+    def _emit_rows(self, name: str, data: torch.Tensor | list[torch.Tensor], idx: list[int], rids: list[str],
+                   partitions: list[str], logprobs: torch.Tensor | None = None) -> None:
+        """Rows `idx` of a step's output `name` to their clients."""
+        rows = [data[i] for i in idx] if isinstance(data, list) else select_rows(data.detach(), idx)
+        # no wait: the rows reach the report once copied (into the arena, freed once the engine read them)
+        host, ready, blocks = stage_to_host(rows, self.arena, stage_cpu=True)
+        self.outbox.emit(self.report, EmitBatch(name, [rids[i] for i in idx], [partitions[i] for i in idx], host,
+                                                blocks, None if logprobs is None else logprobs[idx]), ready)
+
+    def _group_extras(self, p: Pending, walk: WalkPlan, keep: range | list[int], going_on: list[int],
+                      left: set[int]) -> dict[str, list[TensorRef]]:
+        """The hidden states a group step kept: stored once, emitted for the
+        rows whose output counts, fed to the streams of rows that go on, and
+        one reference each for the rows that leave at it (`left`; the rest
+        let theirs go)."""
+        out: dict[str, list[TensorRef]] = {}
+        if not p.extras:
+            return out
+        rids = p.request_ids
+        for value, data in p.extras.items():
+            if value in walk.emits:
+                self._emit_rows(value, data, list(keep), rids, p.partitions)
+            handle = self.store.put(data, rids)
+            refs = out[value] = [TensorRef(handle, i) for i in range(len(rids))]
+            if walk.streams.get(value):
+                for i in going_on:
+                    self.walker.streams.feed(p.rows[i], value, refs[i])
+            for i in range(len(rids)):
+                if i not in left:
+                    self.store.release(refs[i], rids[i])
+        return out
 
     def settle(self) -> None:
         """Read every launched group step (before a step that changes pages

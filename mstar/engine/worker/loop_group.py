@@ -20,25 +20,48 @@ reach their write cap are known on the host and are never launched past it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from mstar.engine.worker.rows import PartitionRun
 from mstar.engine.execution.sampler import NOT_ASKED, SamplingTensors
 from mstar.engine.movement.transfer import to_device
-from mstar.graph import Component, Loop
+from mstar.graph import Component, Kind, Loop, Step, step_bindings
 
 _NO_CAP = 2**62
 
 
-def runs_in_group(spec: Component, mode: str) -> bool:
-    """Whether steps of `mode` may run in a group: a name-only mode may; a
-    mode with a declared signature only with a single output and 1-axis
-    positions, since a group step keeps logits alone and places every row
-    at its cached length."""
+def graph_outputs(spec: Component, mode: str) -> tuple[str, ...] | None:
+    """What a decode CUDA graph of `mode` keeps: "logits", and the hidden
+    states its signature declares besides its token; None when a graph
+    cannot serve it (a mode taking more than its token ids, or returning
+    more than a token and last-token hidden states)."""
     sig = spec.signatures.get(mode)
-    return sig is None or (len(sig.outputs) == 1 and spec.position_axes == 1)
+    if sig is None:
+        return ("logits",)
+    tokens = [o for o in sig.outputs if o.kind is Kind.TOKEN]
+    hidden = [o.name for o in sig.outputs if o.kind is Kind.HIDDEN and o.rows == "last"]
+    if len(tokens) != 1 or len(hidden) + 1 != len(sig.outputs) or [i.name for i in sig.inputs] != [sig.query]:
+        return None
+    return ("logits", *hidden)
+
+
+def group_extras(spec: Component, step: Step, value: str) -> dict[str, str] | None:
+    """Whether rows of `step` (its loop's `value` read back as its only input)
+    may run in a group, and what a group step keeps besides the token: its
+    other outputs, each the last token's hidden state (signature name -> walk
+    value). None: the step runs item by item."""
+    sig = spec.signatures.get(step.mode)
+    if sig is None:
+        return {} if step.outputs == (value,) else None
+    reads, writes = step_bindings(step, sig)
+    if list(reads) != [sig.query] or writes.get(next((o.name for o in sig.outputs if o.kind is Kind.TOKEN), "")) != value:
+        return None
+    extras = {name: v for name, v in writes.items() if v != value}
+    if any(sig.output(n).kind is not Kind.HIDDEN or sig.output(n).rows != "last" for n in extras):
+        return None
+    return extras
 
 
 @dataclass(eq=False)
@@ -58,6 +81,7 @@ class Leave:
     token: torch.Tensor   # its last token, scalar on the device
     reason: str | None
     host_token: int | None = None  # the same token, where the host has read it already
+    row: int = -1                  # its row in the step it left at (`Pending`), where it left at one
 
 
 @dataclass(eq=False)
@@ -78,6 +102,7 @@ class Pending:
     counters: torch.Tensor      # [n]
     exhausted: torch.Tensor     # [n] bool: reached the write cap with this step
     logprobs: torch.Tensor | None = None  # [n, 1 + 2K] packed (`sampler.token_logprobs`), host copy as `host`
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # walk value -> [n, ...] on the device
 
     def wait(self) -> None:
         if self.event is not None:
@@ -85,11 +110,17 @@ class Pending:
 
 
 class LoopGroup:
-    def __init__(self, component: str, mode: str, loop: Loop, device: torch.device) -> None:
+    def __init__(self, component: str, mode: str, loop: Loop, device: torch.device,
+                 extras: dict[str, str] | None = None, axes: int = 1) -> None:
+        """`extras`: what a step keeps besides the token (signature output
+        name -> walk value: the last token's hidden states); `axes`: of the
+        component's positions (every axis at a row's next position)."""
         self.component = component
         self.mode = mode
         self.loop = loop
         self.device = device
+        self.extras = dict(extras or {})
+        self.axes = axes
         self.ticket = -1
         self.rows: list[PartitionRun] = []
         self.request_ids: list[str] = []
@@ -105,6 +136,8 @@ class LoopGroup:
         self.sampling: SamplingTensors | None = None
         self.counters = torch.empty(0, dtype=torch.long)  # host copy of the sampler's draw counters
         self.slots = torch.empty(0, dtype=torch.long)     # each row's slot of per-row state (-1: none)
+        self.deltas = torch.empty(0, dtype=torch.long)    # each row's rope delta: its positions run ahead of kv_lens
+        self.shifted = False                              # some row's delta is not 0
         self.seen: torch.Tensor | None = None
         self.seq = 0                        # steps launched
         self._pinned: list[torch.Tensor | None] = [None, None]
@@ -169,12 +202,14 @@ class LoopGroup:
         stop_table = _cat_padded(self.stop_table, [j.stop_ids for j in joins], -1)
         counters = torch.cat([self.counters, longs([r.generated for r in kv])])
         slots = torch.cat([self.slots, longs([-1 if r.slot is None else r.slot for r in kv])])
+        deltas = torch.cat([self.deltas, longs([r.rope_delta for r in kv])])
         sampling = new if self.sampling is None else _cat_sampling(self.sampling, new)
         seen = self._merged_seen([r.seen for r in kv])
         # nothing below raises
         self.tokens, self.kv_lens, self.counts, self.caps = tokens, kv_lens, counts, caps
         self.block_table, self.page_counts, self.stop_table = block_table, page_counts, stop_table
         self.counters, self.sampling, self.seen, self.slots = counters, sampling, seen, slots
+        self.deltas, self.shifted = deltas, bool(deltas.any())
         self._joins = []
         self.rows += parts
         self.request_ids += [p.request_id for p in parts]
@@ -235,7 +270,13 @@ class LoopGroup:
             return st
         return SamplingTensors(**{f.name: _slice(getattr(st, f.name), sl) for f in fields(st)})
 
-    def launched(self, sl: slice, new_tokens: torch.Tensor, logprobs: torch.Tensor | None = None) -> Pending:
+    def positions(self, sl: slice) -> torch.Tensor:
+        """Rows `sl`'s next positions on the host: [n], or [axes, n]."""
+        pos = self.kv_lens[sl] + self.deltas[sl] if self.shifted else self.kv_lens[sl]
+        return pos if self.axes == 1 else pos.expand(self.axes, -1)
+
+    def launched(self, sl: slice, new_tokens: torch.Tensor, logprobs: torch.Tensor | None = None,
+                 extras: dict[str, torch.Tensor] | None = None) -> Pending:
         """Rows `sl` have just been given a step that samples `new_tokens`
         (still being computed on the device), with the packed `logprobs` of
         the rows that asked. Advances their state, starts the copy of the
@@ -271,7 +312,7 @@ class LoopGroup:
         exhausted = counts >= self.caps[sl]
         pending = Pending(self.seq, self.rows[sl], self.request_ids[sl], self.partitions[sl], new_tokens, host,
                           event, self.stop_table[sl], self.kv_lens[sl].clone(), counts, self.counters[sl].clone(),
-                          exhausted, logprobs)
+                          exhausted, logprobs, dict(extras or {}))
         if bool(exhausted.any()):
             # valid in this step's output, gone from the next
             self._drop((exhausted.nonzero().flatten() + sl.start).tolist(), self.seq + 1)
@@ -313,7 +354,8 @@ class LoopGroup:
             part.row(self.component).back_from_group(int(p.kv_lens[i]), int(p.counters[i]))
             # the walker counts this step's write when it routes the row on
             part.set_loop_count(int(p.counts[i]) - 1)
-            out.append(Leave(part, p.tokens[i].clone(), "stop" if bool(hit_stop[i]) else "length", int(p.host[i])))
+            out.append(Leave(part, p.tokens[i].clone(), "stop" if bool(hit_stop[i]) else "length", int(p.host[i]),
+                             row=i))
         return out
 
     def _drop(self, idx: list[int], seq: int) -> None:
@@ -336,7 +378,7 @@ class LoopGroup:
         dev_kept = to_device(kept, self.device)
         self.tokens = self.tokens[dev_kept]
         self.kv_lens, self.counts, self.caps = self.kv_lens[kept], self.counts[kept], self.caps[kept]
-        self.counters, self.slots = self.counters[kept], self.slots[kept]
+        self.counters, self.slots, self.deltas = self.counters[kept], self.slots[kept], self.deltas[kept]
         self.block_table, self.stop_table = self.block_table[kept], self.stop_table[kept]
         self.page_counts = self.page_counts[kept]
         if not self.rows:  # start afresh: no flags or penalty rows linger

@@ -18,7 +18,7 @@ import torch
 
 from mstar.engine.memory.kv_cache import SwappedKV
 from mstar.engine.worker.cursor import Cursor
-from mstar.engine.worker.loop_group import Leave, LoopGroup, runs_in_group
+from mstar.engine.worker.loop_group import Leave, LoopGroup, group_extras
 from mstar.engine.messages import Finished, Submit
 from mstar.engine.worker.rows import PartitionRun, RequestRun, StreamItem, Work
 from mstar.engine.worker.stream_buffer import StreamBuffer
@@ -245,12 +245,13 @@ class Walker:
         loop = part.plan.loops[ins.checks].loop
         step = ins.step
         if (ins.enters or loop.body != (step,) or loop.collect is not None or step.component not in self.token_loops
-                or step.inputs != (loop.value,) or len(step.outputs) != 1):
+                or step.inputs != (loop.value,)):
             return False
         comp = self.components.get(step.component)
         row = part.row(step.component)
-        if row.rope_delta or (comp is not None and not runs_in_group(comp, step.mode)):
-            return False  # positions beyond its cached length, or outputs a group does not keep
+        extras = group_extras(comp, step, loop.value) if comp is not None else {}
+        if extras is None:
+            return False  # outputs a group does not keep
         if comp is not None and comp.state and part.request.walk.more_input is not None:
             # a group computes a step past a row's stop before it knows; a state updated in place by that
             # dead step would be wrong for the next turn
@@ -263,7 +264,8 @@ class Walker:
         key = (part.request.walk.name, part.name, part.pc)
         group = self.groups.get(key)
         if group is None:
-            group = self.groups[key] = LoopGroup(step.component, step.mode, loop, self.device)
+            group = self.groups[key] = LoopGroup(step.component, step.mode, loop, self.device, extras,
+                                                 comp.position_axes if comp is not None else 1)
             self.scheduler.add_group((step.component, step.mode), group)
         if not len(group):
             group.ticket = self.scheduler.ticket()
@@ -289,15 +291,16 @@ class Walker:
         part.busy = False
         self.advance(part)
 
-    def left_group(self, leave: Leave) -> None:
-        """A row's loop stopped inside its group: move it on like any row."""
+    def left_group(self, leave: Leave, extras: dict[str, TensorRef] | None = None) -> None:
+        """A row's loop stopped inside its group: move it on like any row.
+        `extras`: the hidden states the group kept of its last step."""
         part = leave.part
         loop = part.loop()
         assert loop is not None
         value = loop.value
         ref = TensorRef(self.store.put(leave.token, (part.request_id,)))
         host = {value: leave.host_token} if leave.host_token is not None else None
-        self.completed(part, {value: ref}, leave.reason, host)
+        self.completed(part, {value: ref, **(extras or {})}, leave.reason, host)
 
     def _take_out_of_groups(self, request_id: str, partition: str | None, count_sampled: bool = False) -> int:
         n = 0

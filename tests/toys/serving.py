@@ -1,0 +1,19 @@
+"""What the toys' engine tests share: waiting until an engine has let go of
+everything its requests held."""
+
+from __future__ import annotations
+
+import asyncio
+
+from mstar.engine.engine import Engine
+
+
+async def drained(eng: Engine) -> None:
+    """Wait until no tensor, page, queued step or running request is left;
+    fails the test after 3 s."""
+    for _ in range(300):
+        if (len(eng.store) == 0 and eng.store.num_owners() == 0 and eng.pages_in_use() == 0
+                and not any(w.scheduler.has_work() or w.walker.runs for w in eng.workers)):
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"engine did not drain: {len(eng.store)} tensors, {eng.pages_in_use()} pages held")
