@@ -189,6 +189,32 @@ async def test_a_decode_loop_with_a_second_step_in_its_body_matches_the_referenc
         await eng.shutdown()
 
 
+async def test_preempted_rows_keep_their_hidden_states_and_positions() -> None:
+    """Lazy pages in a pool far smaller than the requests need: decode rows
+    with a rope delta and a hidden output are swapped out and back, and
+    every token and hidden state is still the reference's."""
+    from mstar.config import SchedulerConfig
+
+    model = ToyAudioModel()
+    model.context = 32
+    requests = _requests(torch.Generator().manual_seed(13))
+    expected = [reference(model, ids, mel, params) for ids, mel, params in requests]
+    eng = Engine(EngineConfig(model="toy", devices=("cpu",), scheduler=SchedulerConfig(
+        page_size=4, num_pages=12, kv_reservation="lazy")), model=model)
+    await eng.start()
+    try:
+        results = await asyncio.gather(*[_run(eng, f"z{i}", ids, mel, params, "listen")
+                                         for i, (ids, mel, params) in enumerate(requests)])
+        for chunks, (tokens, prompt_hidden, hidden) in zip(results, expected):
+            got_tokens, got_prompt, got_hidden = _split(chunks)
+            assert got_tokens == tokens
+            torch.testing.assert_close(torch.tensor(got_hidden), torch.stack(hidden), atol=TOL, rtol=0)
+        assert eng.workers[0].preemption.preempted > 0
+        assert eng.pages_in_use() == 0
+    finally:
+        await eng.shutdown()
+
+
 def test_step_bindings_name_the_values_by_signature() -> None:
     by_name = Step("dec", "prefill", {"pos": "mrope", "ids": "prompt_ids"}, {"hidden": "h"})
     assert step_bindings(by_name, PREFILL) == ({"pos": "mrope", "ids": "prompt_ids"}, {"hidden": "h"})

@@ -57,20 +57,22 @@ async def _run(eng: Engine, rid: str, ids: list[int], params: SamplingParams) ->
 
 
 async def _slots_back(eng: Engine, slots: int) -> None:
-    pool = eng.workers[0].scheduler.slots["llm"]
+    """Every worker's state slots free again (`slots` each)."""
+    pools = [w.scheduler.slots["llm"] for w in eng.workers]
     for _ in range(100):
-        if pool.num_free == slots and eng.pages_in_use() == 0:
+        if all(p.num_free == slots for p in pools) and eng.pages_in_use() == 0:
             return
         await asyncio.sleep(0.02)
-    raise AssertionError(f"{slots - pool.num_free} state slots still held")
+    raise AssertionError(f"{[slots - p.num_free for p in pools]} state slots still held")
 
 
-@pytest.mark.parametrize("slots", [None, 2])
-async def test_rows_with_state_slots_match_the_unbatched_reference(slots: int | None) -> None:
+@pytest.mark.parametrize("slots, devices", [(None, ("cpu",)), (2, ("cpu",)), (None, ("cpu:0", "cpu:1"))])
+async def test_rows_with_state_slots_match_the_unbatched_reference(slots: int | None,
+                                                                   devices: tuple[str, ...]) -> None:
     model = ToyHybridModel()
     requests = _requests(3, 6)
     expected = [reference(model, ids, params) for ids, params in requests]
-    config = EngineConfig(model="toy-hybrid", devices=("cpu",), scheduler=SchedulerConfig(state_slots=slots))
+    config = EngineConfig(model="toy-hybrid", devices=devices, scheduler=SchedulerConfig(state_slots=slots))
     eng = Engine(config, model=model)
     await eng.start()
     seen: list[int] = []
@@ -110,5 +112,26 @@ async def test_an_aborted_row_gives_its_slot_back() -> None:
         # the one slot serves the next request, from an empty state
         ids, p = _requests(5, 1)[0]
         assert await _run(eng, "next", ids, p) == reference(model, ids, p)
+    finally:
+        await eng.shutdown()
+
+
+async def test_preempted_rows_keep_their_slots_and_their_tokens() -> None:
+    """A KV pool far smaller than the requests need (`--kv-reservation lazy`):
+    decode rows are swapped out and back; a swapped-out row keeps its state
+    slot, so its recurrence goes on where it stopped."""
+    model = ToyHybridModel()
+    model.context = 40
+    requests = _requests(7, 6)
+    expected = [reference(model, ids, params) for ids, params in requests]
+    config = EngineConfig(model="toy-hybrid", devices=("cpu",), scheduler=SchedulerConfig(
+        page_size=4, num_pages=12, kv_reservation="lazy"))
+    eng = Engine(config, model=model)
+    await eng.start()
+    try:
+        results = await asyncio.gather(*(_run(eng, f"p{i}", ids, p) for i, (ids, p) in enumerate(requests)))
+        assert results == expected
+        assert eng.workers[0].preemption.preempted > 0
+        await _slots_back(eng, config.scheduler.max_num_seqs)
     finally:
         await eng.shutdown()

@@ -17,7 +17,7 @@ import threading
 import pytest
 import torch
 
-from mstar.config import EngineConfig
+from mstar.config import EngineConfig, SchedulerConfig
 from mstar.engine.engine import Engine
 from mstar.models.prepared import key_seed
 from mstar.placement import parse_spec
@@ -282,6 +282,29 @@ async def test_frames_from_a_code_predictor_nested_in_the_talker(devices: tuple[
                                          for k, (ids, mel, think, talk, cp) in enumerate(seeded)))
         for got, want in zip(results, expected):
             _check(got, [want])
+        await drained(eng)
+    finally:
+        await eng.shutdown()
+
+
+async def test_thinker_rows_swapped_out_and_back_speak_the_same() -> None:
+    """Lazy pages in a pool too small for every request at once: thinker
+    rows (a decode group keeping hidden states for the talkers) are swapped
+    out and resumed while talker rows wait for pages; every request still
+    gets the reference's text, codes and samples."""
+    model = ToyOmniModel()
+    model.context = 48
+    requests = _requests(3)
+    expected = [reference(model, ids, mel, think, talk) for ids, mel, think, talk in requests]
+    eng = Engine(EngineConfig(model="toy-omni", devices=("cpu",), scheduler=SchedulerConfig(
+        page_size=4, num_pages=14, kv_reservation="lazy")), model=model)
+    await eng.start()
+    try:
+        results = await asyncio.gather(*(_serve(eng, f"z{i}", [(ids, mel)], think, talk)
+                                         for i, (ids, mel, think, talk) in enumerate(requests)))
+        for got, want in zip(results, expected):
+            _check(got, [want])
+        assert eng.workers[0].preemption.preempted > 0
         await drained(eng)
     finally:
         await eng.shutdown()

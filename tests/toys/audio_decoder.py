@@ -144,10 +144,11 @@ class ToyModel(Model):
     its decoders (`kv_layers` of them a row)."""
 
     kv_layers = LAYERS
+    context = MAX_LEN  # a test may shorten it on an instance (a small page pool must hold one request)
 
     @property
     def max_model_len(self) -> int:
-        return MAX_LEN
+        return self.context
 
     def kv_spec(self, component: str) -> KVSpec:
         return KVSpec(num_layers=self.kv_layers, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM, num_q_heads=HEADS)
