@@ -18,7 +18,7 @@ from torch import nn
 from mstar.config import EngineConfig
 from mstar.engine.engine import Engine
 from mstar.errors import WalkError
-from mstar.graph import (Component, Emit, FixedChunks, In, Items, Kind, LeftContext, Loop, MaxSteps, Mode, Out,
+from mstar.graph import (Component, Emit, FixedChunks, In, Items, Kind, Last, LeftContext, Loop, MaxSteps, Mode, Out,
                          Partition, Step, Stream, StreamDone, Walk, compile_walk)
 from mstar.models.base import Model
 from mstar.models.prepared import PreparedPiece
@@ -223,3 +223,11 @@ def test_malformed_streams_are_refused_naming_walk_and_node(nodes, where: str, s
     error = _refused(*nodes)
     assert error.walk == "w" and error.step == where, str(error)
     assert says in str(error)
+
+
+def test_chunk_policies_cut_what_they_say() -> None:
+    items, left, last = Items(), LeftContext(4, 2), Last()
+    assert items.ready(3, 1) == [(1, 2), (2, 3)] and items.flush(3, 3) == [] and items.keep_from(3, 2) == 2
+    assert left.ready(9, 0) == [(0, 4), (2, 8)] and left.flush(9, 2) == [(6, 9)] and left.keep_from(9, 2) == 6
+    assert last.ready(5, 0) == [] and last.flush(5, 0) == [(4, 5)] and last.flush(0, 0) == []
+    assert last.keep_from(5, 0) == 4  # only the newest item is held while the stream runs

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from mstar.config import EngineConfig
 from mstar.engine.engine import Engine
+from mstar.placement import parse_spec
 from mstar.types import GenerateRequest, SamplingParams, TokenBatch
 from toys.audio_decoder import HEADS, HIDDEN, KV_HEADS, VOCAB
 from toys.serving import drained
@@ -148,8 +149,10 @@ def cfg_reference(model: ToyImageModel, image_ids: list[int], text_ids: list[int
 CFG_CASES = [(5, 3, 4, 3, 1.5), (16, 4, 4, 2, 2.0), (19, 1, 6, 3, 0.5), (33, 7, 4, 1, 3.0), (2, 2, 5, 2, 1.0)]
 
 
-@pytest.mark.parametrize("devices", [("cpu",), ("cpu:0", "cpu:1")])
-async def test_classifier_free_guidance_over_a_forked_cache_matches_three_contexts(devices: tuple[str, ...]) -> None:
+@pytest.mark.parametrize("devices, placement", [(("cpu",), "replicas"), (("cpu:0", "cpu:1"), "replicas"),
+                                               (("cpu:0", "cpu:1"), "llm=0,sched=0,vae=1")])
+async def test_classifier_free_guidance_over_a_forked_cache_matches_three_contexts(devices: tuple[str, ...],
+                                                                                   placement: str) -> None:
     model = ToyImageModel()
     gen = torch.Generator().manual_seed(8)
     requests = [(torch.randint(0, VOCAB, (ni,), generator=gen).tolist(),
@@ -157,7 +160,8 @@ async def test_classifier_free_guidance_over_a_forked_cache_matches_three_contex
                  torch.randn(rows, HIDDEN, generator=gen), steps, scale)
                 for ni, nt, rows, steps, scale in CFG_CASES]
     expected = [cfg_reference(model, *r) for r in requests]
-    eng = Engine(EngineConfig(model="toy-image", devices=devices), model=model)  # a request keeps to one worker
+    # replicas: a request keeps to one worker; split: the VAE decodes on the second
+    eng = Engine(EngineConfig(model="toy-image", devices=devices, placement=parse_spec(placement)), model=model)
     await eng.start()
     seen: list[int] = []
     velocity = model.denoiser.velocity

@@ -2,7 +2,7 @@
 a walk is built from, stop rules, chunk policies, and the plan a walk
 compiles to. A leaf: it imports neither torch nor the runtime."""
 
-from mstar.graph.chunks import ChunkPolicy, FixedChunks, Items, LeftContext, SlidingWindow
+from mstar.graph.chunks import ChunkPolicy, FixedChunks, Items, Last, LeftContext, SlidingWindow
 from mstar.graph.compile import (BindingError, PartitionPlan, StreamPlan, WalkPlan, compile_walk, compile_walks,
                                  step_bindings)
 from mstar.graph.nodes import Binding, Collect, Each, Emit, FanOut, Fork, Loop, Node, Partition, Step, Stream, Walk
@@ -12,7 +12,7 @@ from mstar.graph.stops import AnyOf, EosToken, HostStop, MaxSteps, MaxTokens, St
 
 __all__ = [
     "AnyOf", "Back", "Binding", "BindingError", "ChunkPolicy", "Collect", "Component", "Each", "Emit", "Enter",
-    "EosToken", "FanOut", "FixedChunks", "Fork", "ForkRows", "HostStop", "In", "Instr", "Items", "Kind",
+    "EosToken", "FanOut", "FixedChunks", "Fork", "ForkRows", "HostStop", "In", "Instr", "Items", "Kind", "Last",
     "LeftContext", "Loop", "LoopPlan", "MaxSteps", "MaxTokens", "Mode", "Node", "Out", "Partition", "PartitionPlan",
     "Run", "SlidingWindow", "Step", "StopRule", "Stream", "StreamDone", "StreamPlan", "TokenIn", "Walk", "WalkPlan",
     "compile_walk", "compile_walks", "step_bindings",

@@ -125,3 +125,19 @@ class LeftContext(ChunkPolicy):
 
     def keep_from(self, total: int, cut: int) -> int:
         return max(0, cut * self.chunk - self.left)
+
+
+@dataclass(frozen=True)
+class Last(ChunkPolicy):
+    """The last item alone, once the stream is over (or its turn): the result
+    of a loop, decoded elsewhere (a denoised latent into a VAE on another
+    device). Earlier items are dropped as later ones arrive."""
+
+    def ready(self, total: int, cut: int) -> list[tuple[int, int]]:
+        return []
+
+    def flush(self, total: int, cut: int) -> list[tuple[int, int]]:
+        return [(total - 1, total)] if total > 0 else []
+
+    def keep_from(self, total: int, cut: int) -> int:
+        return max(0, total - 1)

@@ -3,21 +3,24 @@ the paged KV cache reads a prompt (prefill, writing only its cache), then
 a fixed number of denoising steps each predicts a velocity for a block of
 latent rows that attends to the whole prompt and to all of itself, read-only
 (`kv="read"`, non-causal: the block's keys are never kept), a scheduler step
-moves the latent, and a linear "VAE" decodes it to pixels. Served through the
+moves the latent, and a linear "VAE" decodes the last one to pixels (a
+partition of its own, fed the final latent by a `Last` stream, so it may run
+on another device). Served through the
 engine, and run unbatched by a test as its reference.
 
 `generate_cfg` guides the way BAGEL does: an image's tokens prefilled, the
 cache forked into "no_text" (sharing them) and "no_image" (empty), the text
 prefilled on "main" and "no_image", then every denoising step predicts a
 velocity on all three rows in one batched step and a combine step joins
-them (classifier-free guidance)."""
+them (classifier-free guidance). The final latent streams (`Last`) into the
+VAE, a partition of its own that may run on another device."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from mstar.graph import Component, Each, Emit, Fork, In, Kind, Loop, MaxSteps, Mode, Out, Step, Walk
+from mstar.graph import Component, Each, Emit, Fork, In, Kind, Last, Loop, MaxSteps, Mode, Out, Step, Stream, Walk
 from mstar.models.prepared import PreparedPiece
 from mstar.types import GenerateRequest, SamplingParams, TokenBatch
 from toys.audio_decoder import HEAD_DIM, HIDDEN, LAYERS, VOCAB, Layer, ToyModel
@@ -88,7 +91,9 @@ class Vae(nn.Module):
         self.proj = nn.Linear(HIDDEN, PIXELS)
 
     def decode(self, z: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.proj(z))
+        """Latent rows [..., N, HIDDEN] -> pixels [..., N, PIXELS]; from a
+        stream, [B, 1, N, HIDDEN] (its one-item chunks) -> [B, N, PIXELS]."""
+        return torch.tanh(self.proj(z.squeeze(1) if z.dim() == 4 else z))
 
 
 class ToyImageModel(ToyModel):
@@ -103,7 +108,7 @@ class ToyImageModel(ToyModel):
             Loop((Step("llm", "velocity", {"x": "latent", "t": "@i"}, {"v": "v"}),
                   Step("sched", "step", {"x": "latent", "v": "v", "n": "num_steps"}, {"x": "latent"})),
                  until=MaxSteps(value="num_steps"), value="latent"),
-            Step("vae", "decode", {"z": "latent"}, {"image": "image"}),
+            Stream("latent", Step("vae", "decode", {"z": "latent"}, {"image": "image"}), Last()),
             Emit("image", modality="data"),
             inputs=("prompt_ids", "latent", "num_steps")),
         "generate_cfg": Walk(
@@ -114,7 +119,7 @@ class ToyImageModel(ToyModel):
                   Step("sched", "cfg", {"x": "latent", "v": "v", "n": "num_steps", "scale": "scale"},
                        {"x": "latent"})),
                  until=MaxSteps(value="num_steps"), value="latent"),
-            Step("vae", "decode", {"z": "latent"}, {"image": "image"}),
+            Stream("latent", Step("vae", "decode", {"z": "latent"}, {"image": "image"}), Last()),
             Emit("image", modality="data"),
             inputs=("image_ids", "text_ids", "latent", "num_steps", "scale")),
     }

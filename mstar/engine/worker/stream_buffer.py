@@ -40,10 +40,13 @@ class StreamBuffer:
     resting: bool = False           # the consumer's pass is over; it waits for the turn's end and the next
     turn_over: bool = False         # ... and it has seen the turn end
 
-    def take(self, item: StreamItem) -> None:
+    def take(self, item: StreamItem) -> list[StreamItem]:
+        """One more item; the items no chunk will read any more, taken out
+        (the caller releases them)."""
         self.items.append(item)
         self.produced += 1
         self._cut(self.plan.chunks.ready)
+        return self.read()
 
     def segment(self) -> None:
         """The producer ended a turn: cut its tail, and count anew."""
@@ -73,8 +76,8 @@ class StreamBuffer:
         return self.items[start - self.item_base: end - self.item_base], index
 
     def read(self) -> list[StreamItem]:
-        """A chunk was read: the items no later chunk reads, taken out (the
-        caller releases them)."""
+        """The items no chunk will read any more (after a chunk was read, or
+        an item came), taken out (the caller releases them)."""
         s = self.segment_start
         keep = s + self.plan.chunks.keep_from(self.produced - s, self.chunks_cut - self.segment_cuts)
         if self.pending:

@@ -66,7 +66,8 @@ class Streams:
                 assert cons.inbox is not None
                 if first:
                     self._start(cons, self._carried(part, sp))
-                cons.inbox.take(item)
+                for ref in cons.inbox.take(item):
+                    self.release(ref, run.request_id)
                 self._wake(cons)
 
     def _carried(self, part: PartitionRun, sp: StreamPlan) -> dict[str, TensorRef]:
@@ -133,7 +134,8 @@ class Streams:
             return
         assert cons.inbox is not None
         for item in msg.items:
-            cons.inbox.take(item)
+            for ref in cons.inbox.take(item):
+                self.release(ref, msg.request_id)
         self._wake(cons)
 
     def receive_segment(self, msg: StreamSegment) -> None:
