@@ -17,8 +17,8 @@ from torch import nn
 from mstar.config import EngineConfig
 from mstar.engine.engine import Engine
 from mstar.errors import WalkError
-from mstar.graph import (Back, Collect, Component, Emit, Enter, EosToken, HostStop, In, Kind, Loop, MaxSteps, Mode,
-                         Out, Run, Step, Walk, compile_walk)
+from mstar.graph import (Back, Collect, Component, Emit, Enter, EosToken, FanOut, HostStop, In, Kind, Loop, MaxSteps,
+                         Mode, Out, Run, Step, Walk, compile_walk)
 from mstar.models.base import Model
 from mstar.models.prepared import PreparedPiece
 from mstar.types import GenerateRequest, SamplingParams
@@ -34,7 +34,9 @@ def _mode(name: str, *inputs: In) -> Mode:
 
 A, I = In("a", Kind.TENSOR), In("i", Kind.INDEX)
 MIX = Component(modes=(_mode("start", In("x", Kind.TENSOR)), _mode("seed", A, I), _mode("next", A, I),
-                       _mode("fold", In("f", Kind.TENSOR), A), _mode("bump", A), _mode("side", A)))
+                       _mode("fold", In("f", Kind.TENSOR), A), _mode("bump", A), _mode("side", A),
+                       _mode("total", In("f", Kind.TENSOR))))
+BAD = 13  # `bump` refuses this value: the step fails for its row
 
 
 class Mix(nn.Module):
@@ -65,7 +67,12 @@ class Mix(nn.Module):
 
     def bump(self, a: torch.Tensor) -> torch.Tensor:
         self._count("bump", a)
+        if bool((a == BAD).any()):
+            raise ValueError("a value bump refuses")
         return a * 2 + 1
+
+    def total(self, f: torch.Tensor) -> torch.Tensor:
+        return f.reshape(f.shape[0], -1).sum(-1) + 1
 
     def side(self, a: torch.Tensor) -> torch.Tensor:
         self._count("side", a)
@@ -89,6 +96,20 @@ class ProgramModel(Model):
             Loop((Step("mix", "bump", {"a": "x"}, {"y": "x"}), Step("mix", "side", {"a": "x"}, {"y": "w"})),
                  until=MaxSteps(value="n")),
             Emit("x", modality="data"), Emit("w", modality="data"),
+            inputs=("x", "n")),
+        # a round cut short before `w` is written: with n=1 the loop collects nothing
+        "collect": Walk(
+            Loop((Step("mix", "bump", {"a": "x"}, {"y": "x"}), Step("mix", "side", {"a": "x"}, {"y": "w"})),
+                 until=MaxSteps(value="n"), collect=Collect("ws", each="w")),
+            Step("mix", "total", {"f": "ws"}, {"y": "s"}),
+            Emit("s", modality="data"),
+            inputs=("x", "n")),
+        # two branches of one request step `bump` in one batch, binding other values
+        "branches": Walk(
+            Step("mix", "start", {"x": "x"}, {"y": "acc"}),
+            FanOut(((Loop(Step("mix", "bump", {"a": "acc"}, {"y": "acc"}), until=MaxSteps(3)),),
+                    (Loop(Step("mix", "bump", {"a": "n"}, {"y": "n"}), until=MaxSteps(3)),)), names=("a", "b")),
+            Emit("acc", modality="data"), Emit("n", modality="data"),
             inputs=("x", "n")),
     }
     default_walk = "nested"
@@ -245,3 +266,34 @@ def test_malformed_loops_are_refused_naming_walk_and_node(nodes, where: str, say
     error = _refused(*nodes)
     assert error.walk == "w" and error.step == where, str(error)
     assert says in str(error)
+
+
+async def test_a_loop_that_collects_nothing_and_a_loop_of_no_rounds() -> None:
+    """A round cut short before the collected value is written (n=1) writes
+    an empty collection; a cap of 0 runs no round at all."""
+    eng = Engine(EngineConfig(model="programs", devices=("cpu",)), model=ProgramModel())
+    await eng.start()
+    try:
+        assert await _run(eng, "c3", "collect", 1, 3) == ([(3 * 100 + 7 * 100) + 1], "length")
+        assert await _run(eng, "c1", "collect", 1, 1) == ([1], "length")  # the total of nothing, plus one
+        assert await _run(eng, "e0", "early", 5, 0) == ([], "stop")
+        await drained(eng)
+    finally:
+        await eng.shutdown()
+
+
+async def test_a_row_failing_alone_leaves_its_requests_other_rows_and_the_worker_alone() -> None:
+    """A step whose rows bind other values runs them one by one; when one
+    fails, its request ends with an error, its other rows in the same step are
+    dropped, and the worker serves the next request."""
+    eng = Engine(EngineConfig(model="programs", devices=("cpu",)), model=ProgramModel())
+    await eng.start()
+    try:
+        _, reason = await _run(eng, "bad", "branches", BAD - 1, 100)  # start makes acc = BAD: branch "a" fails
+        assert reason == "error"
+        assert eng.workers[0].alive
+        values, reason = await _run(eng, "good", "branches", 1, 2)
+        assert reason == "stop" and sorted(values) == sorted([2, 5, 11, 23, 5, 11, 23])  # acc's first write too
+        await drained(eng)
+    finally:
+        await eng.shutdown()

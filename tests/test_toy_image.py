@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mstar.config import EngineConfig
+from mstar.config import EngineConfig, SchedulerConfig
 from mstar.engine.engine import Engine
 from mstar.placement import parse_spec
 from mstar.types import GenerateRequest, SamplingParams, TokenBatch
@@ -185,5 +185,33 @@ async def test_classifier_free_guidance_over_a_forked_cache_matches_three_contex
             torch.testing.assert_close(torch.tensor(images[0]), want, atol=TOL, rtol=0)
         assert seen and all(n % 3 == 0 for n in seen)  # a request's three branch rows always step together
         await drained(eng)
+    finally:
+        await eng.shutdown()
+
+
+async def test_forked_rows_do_not_wait_on_the_running_cap_they_exceed() -> None:
+    """A fork's branch rows start beyond `--max-num-seqs` running rows: the
+    cap holds new requests back, never a branch its main row waits for."""
+    model = ToyImageModel()
+    gen = torch.Generator().manual_seed(2)
+    requests = [(torch.randint(0, VOCAB, (7,), generator=gen).tolist(), torch.randint(0, VOCAB, (3,), generator=gen)
+                 .tolist(), torch.randn(4, HIDDEN, generator=gen), 2, 1.5) for _ in range(3)]
+    expected = [cfg_reference(model, *r) for r in requests]
+    eng = Engine(EngineConfig(model="toy-image", devices=("cpu",), scheduler=SchedulerConfig(max_num_seqs=2)),
+                 model=model)
+    await eng.start()
+    try:
+        async def one(k: int, image_ids, text_ids, latent, steps, scale):
+            inputs = {"image_ids": image_ids, "text_ids": text_ids, "latent": latent, "num_steps": steps,
+                      "scale": scale}
+            chunks = [c async for c in eng.submit(GenerateRequest(f"m{k}", "toy-image", inputs, SamplingParams(),
+                                                                  walk="generate_cfg"))]
+            return [c.data for c in chunks if c.data is not None]
+
+        results = await asyncio.wait_for(asyncio.gather(*(one(k, *r) for k, r in enumerate(requests))), 60)
+        for images, want in zip(results, expected):
+            torch.testing.assert_close(torch.tensor(images[0]), want, atol=TOL, rtol=0)
+        await drained(eng)
+        assert eng.workers[0].scheduler.running["llm"] == 0
     finally:
         await eng.shutdown()

@@ -139,14 +139,16 @@ class Scheduler:
         caps = self.caps[key]
         pool = self.pools.get(key[0])
         taken: list[WorkItem] = []
+        held: deque[WorkItem] = deque()  # rows waiting for the running cap; rows running already pass them
         tokens = 0
+        limit = self.max_running.get(key[0])
         while q and len(taken) < caps.max_rows:
             item = q[0]
             if taken and tokens + item.num_tokens > caps.max_tokens:
                 break
-            limit = self.max_running.get(key[0])
-            if item.starts_row and limit is not None and self.running.get(key[0], 0) >= limit:
-                break
+            if item.starts_row and item.capped and limit is not None and self.running.get(key[0], 0) >= limit:
+                held.append(q.popleft())
+                continue
             slot = None
             if item.needs_slot:  # a slot and the pages, or neither
                 slot = self.slots[key[0]].allocate(1)
@@ -168,6 +170,7 @@ class Scheduler:
                 self.running[key[0]] = self.running.get(key[0], 0) + 1
             taken.append(item)
             tokens += item.num_tokens
+        q.extendleft(reversed(held))  # they keep their places at the front
         return taken
 
     # ----------------------------------------------------- standing groups

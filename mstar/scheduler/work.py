@@ -43,6 +43,7 @@ class WorkItem:
     granted: list[int] = field(default_factory=list)
     needs_slot: bool = False
     granted_slot: int | None = None
+    capped: bool = True        # a row that starts counts against the running cap (not a forked branch's)
 
     @property
     def key(self) -> QueueKey:

@@ -55,6 +55,11 @@ class TensorStore:
                 self._by_owner.setdefault(owner, set()).add(handle)
         return handle
 
+    def holds(self, ref: TensorRef) -> bool:
+        """Whether `ref`'s tensor is still stored."""
+        with self._lock:
+            return ref.handle in self._entries
+
     def get(self, ref: TensorRef) -> torch.Tensor:
         """Read without consuming."""
         with self._lock:

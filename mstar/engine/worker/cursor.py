@@ -37,6 +37,10 @@ class Cursor:
             ins = program[part.pc]
             if isinstance(ins, Enter):
                 self.push(part, ins.loop)
+                cap = part.loops[-1].cap
+                if cap is not None and cap <= 0:  # no round to run (a request asking for 0 steps)
+                    self.exit(part, ins.loop)
+                    continue
                 self.move(part, part.pc + 1)
             else:
                 assert isinstance(ins, Back) and part.loops[-1].loop == ins.loop
@@ -80,7 +84,8 @@ class Cursor:
 
     def _collect(self, part: PartitionRun, collect: Collect, frame: Frame) -> None:
         rid = part.request_id
-        stacked = torch.stack([self.store.get(ref) for ref in frame.collected])
+        # a loop that stopped before `each` was written collects nothing
+        stacked = torch.stack([self.store.get(ref) for ref in frame.collected]) if frame.collected else torch.empty(0)
         self._drop(part, frame)
         self.write(part, collect.into, TensorRef(self.store.put(stacked, (rid,))), None)
 

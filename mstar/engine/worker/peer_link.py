@@ -72,15 +72,23 @@ class PeerLink:
     def receive(self, msg: Forward, streams: Streams) -> None:
         for item in msg.items:
             if isinstance(item, StreamItems):
+                if not self._held(item.items):
+                    continue  # the request ended and the engine dropped what it held: nothing to deliver
                 item.items = [self._bring(i, item.request_id, msg.ready) for i in item.items]
                 streams.receive_items(item)
             elif isinstance(item, StreamStart):
+                if not self._held(list(item.values.values())):
+                    continue
                 item.values = {k: self._bring(v, item.request_id, msg.ready) for k, v in item.values.items()}
                 streams.receive_start(item)
             elif isinstance(item, StreamSegment):
                 streams.receive_segment(item)
             else:
                 streams.receive_end(item)
+
+    def _held(self, items: list) -> bool:
+        """Whether the store still holds every tensor `items` refer to."""
+        return all(self.store.holds(i) for i in items if isinstance(i, TensorRef))
 
     def _bring(self, item: StreamItem, owner: str, ready: Any) -> StreamItem:
         """`item` usable on this device: a reference to a tensor on another

@@ -69,6 +69,8 @@ def stop_reasons(parts: list[PartitionRun], values: dict[str, torch.Tensor]) -> 
     token_sets: list[tuple[int, ...]] = []
     loop_value = None
     for i, part in enumerate(parts):
+        if part.done:  # its request failed earlier in this step (a row alone): its outputs are dropped
+            continue
         checked = checking_loop(part)
         if checked is None:
             continue

@@ -118,6 +118,9 @@ class Turns:
         for name in [n for n in part.values if n in more or n not in run.walk.inputs]:
             walker.store.release(part.values.pop(name), rid)  # the turn's values; other inputs stay
         for name, tensor in joined.values.items():
+            old = part.values.pop(name, None)
+            if old is not None:  # a walk input the model's join replaced, though not one of `more_input`
+                walker.store.release(old, rid)
             part.values[name] = TensorRef(walker.store.put(tensor, (rid,)))
         part.writes.clear()
         row.new_turn()  # the repetition penalty looks at this turn only, as a request of its own would

@@ -209,7 +209,7 @@ class Walker:
         part.busy = True
         self.scheduler.add(WorkItem(rid, part.name, step.component, step.mode, num_tokens, pages,
                                     payload=Work(part, inputs, branch), starts_row=starts_row,
-                                    needs_slot=needs_slot))
+                                    needs_slot=needs_slot, capped=branch == "main"))
 
     def _num_tokens(self, step: Step, inputs: dict[str, TensorRef | list[StreamItem] | int]) -> int:
         """The new tokens a KV step brings: its query input's ids, or its rows
