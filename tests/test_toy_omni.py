@@ -287,24 +287,26 @@ async def test_frames_from_a_code_predictor_nested_in_the_talker(devices: tuple[
         await eng.shutdown()
 
 
-async def test_thinker_rows_swapped_out_and_back_speak_the_same() -> None:
-    """Lazy pages in a pool too small for every request at once: thinker
+async def test_rows_swapped_out_and_back_speak_the_same() -> None:
+    """Lazy pages in a pool that holds one request at its longest: thinker
     rows (a decode group keeping hidden states for the talkers) are swapped
-    out and resumed while talker rows wait for pages; every request still
-    gets the reference's text, codes and samples."""
+    out and resumed, and so are talker rows (step by step) when every row
+    waits for pages and none can move on; every request still gets the
+    reference's text, codes and samples."""
     model = ToyOmniModel()
     model.context = 48
-    requests = _requests(3)
+    requests = _requests(3) + _requests(4)
     expected = [reference(model, ids, mel, think, talk) for ids, mel, think, talk in requests]
     eng = Engine(EngineConfig(model="toy-omni", devices=("cpu",), scheduler=SchedulerConfig(
-        page_size=4, num_pages=14, kv_reservation="lazy")), model=model)
+        page_size=4, num_pages=12, kv_reservation="lazy")), model=model)
     await eng.start()
     try:
-        results = await asyncio.gather(*(_serve(eng, f"z{i}", [(ids, mel)], think, talk)
-                                         for i, (ids, mel, think, talk) in enumerate(requests)))
+        results = await asyncio.wait_for(asyncio.gather(*(
+            _serve(eng, f"z{i}", [(ids, mel)], think, talk) for i, (ids, mel, think, talk) in enumerate(requests))),
+            120)
         for got, want in zip(results, expected):
             _check(got, [want])
-        assert eng.workers[0].preemption.preempted > 0
+        assert eng.workers[0].preemption.preempted > len(requests)
         await drained(eng)
     finally:
         await eng.shutdown()

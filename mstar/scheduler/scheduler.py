@@ -113,6 +113,21 @@ class Scheduler:
     def has_work(self) -> bool:
         return any(self._queues.values()) or any(len(g.group) for g in self._groups)
 
+    def holding(self, component: str) -> list[WorkItem]:
+        """Queued items of `component` whose rows hold pages already (they
+        started), youngest first: what may be swapped out when nothing can
+        move on."""
+        items = [i for (c, _), q in self._queues.items() if c == component for i in q
+                 if not i.starts_row and i.component in self.pools]
+        return sorted(items, key=lambda i: i.ticket, reverse=True)
+
+    def requeued(self, item: WorkItem, pages: int) -> None:
+        """`item`'s row gave its `pages` back (swapped out): it is admitted
+        again as a row that starts, with them and what it needed besides."""
+        item.pages_needed += pages
+        item.starts_row = True
+        self.running[item.component] -= 1
+
     def num_waiting(self) -> int:
         return sum(len(q) for q in self._queues.values()) + sum(len(g.group) for g in self._groups)
 

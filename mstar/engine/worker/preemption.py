@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from mstar.engine.memory.kv_cache import KVCache
 from mstar.engine.worker.loop_group import LoopGroup
 from mstar.engine.worker.walker import Walker
-from mstar.scheduler import WorkItem
+from mstar.scheduler import Scheduler, WorkItem
 
 
 class Preemption:
@@ -39,17 +39,40 @@ class Preemption:
             self.preempted += 1
             self.walker.preempted(leave, swapped)
 
+    def unstick(self, scheduler: Scheduler) -> bool:
+        """Nothing can move on and rows wait for pages: swap out the youngest
+        queued row that holds pages (a step-by-step row: a talker's, a fork's
+        branch), unless it is the only one, so the older ones can go on. Its
+        step runs once its pages and KV are back. False: no row to swap."""
+        for component, cache in self.caches.items():
+            pool = scheduler.pools[component]
+            waiting = scheduler.holding(component)
+            if len(waiting) < 2:
+                continue
+            item = waiting[0]
+            row = item.payload.part.row(component, item.payload.branch)
+            swapped = cache.swap_out(row.pages)
+            pool.free(row.pages)
+            row.swap_out(swapped)
+            scheduler.requeued(item, swapped.num_pages)
+            self.preempted += 1
+            return True
+        return False
+
     def resume(self, items: list[WorkItem]) -> list[WorkItem]:
         """Bring back the preempted rows among admitted `items` (their pages
-        are theirs already); the other items, to run as a step."""
+        are theirs already): a group's row rejoins its group, any other runs
+        its step with the rest of `items`, which are returned."""
         rest = []
         for item in items:
-            part = item.payload.part
-            row = part.rows.get((item.component, "main"))
-            if row is None or row.swapped is None:
-                rest.append(item)
-                continue
-            self.caches[item.component].swap_in(row.swapped_in(), row.pages)
-            self.resumed += 1
-            self.walker.resume(part)
+            work = item.payload
+            row = work.part.rows.get((item.component, work.branch))
+            if row is not None and row.swapped is not None:
+                swapped = row.swapped_in()  # into its first pages: any after them are for the step's new tokens
+                self.caches[item.component].swap_in(swapped, row.pages[:swapped.num_pages])
+                self.resumed += 1
+                if work.rejoin:
+                    self.walker.resume(work.part)
+                    continue
+            rest.append(item)
         return rest

@@ -57,6 +57,7 @@ class Work:
     part: PartitionRun
     inputs: dict[str, TensorRef | list[StreamItem] | int]
     branch: str = "main"
+    rejoin: bool = False  # a preempted decode-group row coming back: it rejoins its group, it runs no step
 
 
 @dataclass(eq=False, slots=True)

@@ -284,7 +284,7 @@ class Walker:
         part.busy = True
         step = part.current_step()
         self.scheduler.add(WorkItem(part.request_id, part.name, step.component, step.mode, 1, swapped.num_pages,
-                                    payload=Work(part, {}), starts_row=True))
+                                    payload=Work(part, {}, rejoin=True), starts_row=True))
 
     def resume(self, part: PartitionRun) -> None:
         """A preempted row has its pages and KV back: into its group again."""
