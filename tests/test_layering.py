@@ -38,7 +38,8 @@ TORCH_FREE = sorted(LEAVES) + ["mstar.scheduler", "mstar.http.text.protocol", "m
 ENGINE_ROOMS = ("mstar.engine.engine", "mstar.engine.messages", "mstar.engine.eventloop", "mstar.engine.worker",
                 "mstar.engine.execution", "mstar.engine.memory", "mstar.engine.movement")
 # the row state a step runs over (the worker owns it; execution reads and advances it)
-EXECUTION_READS = frozenset({"mstar.engine.worker.rows", "mstar.engine.worker.kv_rows", "mstar.engine.worker.loop_group"})
+EXECUTION_READS = frozenset({"mstar.engine.worker.rows", "mstar.engine.worker.kv_rows",
+                             "mstar.engine.worker.loop_group"})
 
 
 def under(name: str, *prefixes: str) -> bool:

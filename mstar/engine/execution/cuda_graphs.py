@@ -5,10 +5,12 @@ rows' tokens and positions (their cached length plus any rope delta, on
 every axis of an M-RoPE component) are copied into the bucket's static
 inputs, the attention backend re-plans the bucket's static metadata (padding
 rows point at the KV cache's scratch page), and the graph writes logits, and
-the hidden states a decode mode declares, into its static outputs. Every host-to-device copy is from page-locked memory, so a step can be
-prepared and launched while the previous one still runs: the host waits only
-until the previous step's inputs have landed. Steps larger than the largest bucket run eagerly. Graphs are captured
-once at startup, largest bucket first, sharing one memory pool.
+the hidden states a decode mode declares, into its static outputs. Every
+host-to-device copy is from page-locked memory, so a step can be prepared
+and launched while the previous one still runs: the host waits only until
+the previous step's inputs have landed. Steps larger than the largest bucket
+run eagerly. Graphs are captured once at startup, largest bucket first,
+sharing one memory pool.
 """
 
 from __future__ import annotations

@@ -56,7 +56,8 @@ def group_extras(spec: Component, step: Step, value: str) -> dict[str, str] | No
     if sig is None:
         return {} if step.outputs == (value,) else None
     reads, writes = step_bindings(step, sig)
-    if list(reads) != [sig.query] or writes.get(next((o.name for o in sig.outputs if o.kind is Kind.TOKEN), "")) != value:
+    token = next((o.name for o in sig.outputs if o.kind is Kind.TOKEN), "")
+    if list(reads) != [sig.query] or writes.get(token) != value:
         return None
     extras = {name: v for name, v in writes.items() if v != value}
     if any(sig.output(n).kind is not Kind.HIDDEN or sig.output(n).rows != "last" for n in extras):
