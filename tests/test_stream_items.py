@@ -8,7 +8,7 @@ import pytest
 
 from mstar.config import EngineConfig
 from mstar.engine.engine import Engine
-from mstar.engine.worker.stream_edges import Streams
+from mstar.engine.worker.streaming.edges import Streams
 from mstar.types import GenerateRequest, SamplingParams
 
 

@@ -29,7 +29,7 @@ from mstar.engine.messages import (Abort, Append, Awaiting, CloseInput, Finished
 from mstar.engine.movement.arena import HostArena
 from mstar.engine.movement.tensor_store import TensorStore
 from mstar.engine.worker.executor import Executor, WorkerStats
-from mstar.engine.worker.peer_link import PeerLink
+from mstar.engine.worker.streaming.peer_link import PeerLink
 from mstar.engine.worker.preemption import Preemption
 from mstar.engine.worker.profiling import WorkerProfiler
 from mstar.engine.worker.walker import FORK_MODE, Walker

@@ -24,7 +24,7 @@ from mstar.engine.movement.tensor_store import TensorRef, TensorStore
 from mstar.engine.movement.transfer import select_rows
 from mstar.engine.worker.loop_group import LoopGroup, Pending
 from mstar.engine.worker.outbox import Outbox
-from mstar.engine.worker.peer_link import PeerLink
+from mstar.engine.worker.streaming.peer_link import PeerLink
 from mstar.engine.worker.preemption import Preemption
 from mstar.engine.worker.stop_rules import stop_reasons
 from mstar.engine.worker.walker import FORK_MODE, Walker

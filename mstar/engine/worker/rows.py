@@ -16,7 +16,7 @@ import torch
 
 from mstar.engine.movement.tensor_store import TensorRef
 from mstar.engine.worker.kv_rows import KVRow
-from mstar.engine.worker.stream_buffer import StreamBuffer, StreamItem
+from mstar.engine.worker.streaming.buffer import StreamBuffer, StreamItem
 from mstar.graph import Loop, PartitionPlan, Run, Step, WalkPlan
 from mstar.types import SamplingParams
 

@@ -21,9 +21,9 @@ from mstar.engine.worker.cursor import Cursor
 from mstar.engine.worker.loop_group import Leave, LoopGroup, group_extras
 from mstar.engine.messages import Finished, Submit
 from mstar.engine.worker.rows import PartitionRun, RequestRun, StreamItem, Work
-from mstar.engine.worker.stream_buffer import StreamBuffer
+from mstar.engine.worker.streaming.buffer import StreamBuffer
 from mstar.engine.worker.stop_rules import stop_ids
-from mstar.engine.worker.stream_edges import Send, Streams
+from mstar.engine.worker.streaming.edges import Send, Streams
 from mstar.engine.movement.tensor_store import TensorRef, TensorStore
 from mstar.engine.worker.turns import Turns
 from mstar.errors import ConfigError

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from mstar.engine.messages import StreamEnd, StreamItems, StreamSegment, StreamStart
 from mstar.engine.worker.rows import PartitionRun, RequestRun, StreamItem
-from mstar.engine.worker.stream_buffer import TURN_OVER
+from mstar.engine.worker.streaming.buffer import TURN_OVER
 from mstar.engine.movement.tensor_store import TensorRef
 from mstar.graph import StreamPlan
 

@@ -24,7 +24,7 @@ from mstar.engine.movement.tensor_store import TensorRef, TensorStore
 from mstar.engine.movement.transport import Received, Transport, is_done
 
 if TYPE_CHECKING:
-    from mstar.engine.worker.stream_edges import Streams
+    from mstar.engine.worker.streaming.edges import Streams
     from mstar.engine.worker.device_worker import DeviceWorker
 
 
