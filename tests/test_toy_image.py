@@ -145,6 +145,15 @@ def cfg_reference(model: ToyImageModel, image_ids: list[int], text_ids: list[int
     return model.vae.decode(x)
 
 
+async def _guided(eng: Engine, rid: str, image_ids: list[int], text_ids: list[int], latent: torch.Tensor,
+                  steps: int, scale: float) -> tuple[list, str | None]:
+    """One `generate_cfg` request: the images it emitted, its finish reason."""
+    inputs = {"image_ids": image_ids, "text_ids": text_ids, "latent": latent, "num_steps": steps, "scale": scale}
+    chunks = [c async for c in eng.submit(GenerateRequest(rid, "toy-image", inputs, SamplingParams(),
+                                                          walk="generate_cfg"))]
+    return [c.data for c in chunks if c.data is not None], chunks[-1].finish_reason
+
+
 # (image tokens, text tokens, latent rows, steps, scale): image lengths on and off a page's end (16)
 CFG_CASES = [(5, 3, 4, 3, 1.5), (16, 4, 4, 2, 2.0), (19, 1, 6, 3, 0.5), (33, 7, 4, 1, 3.0), (2, 2, 5, 2, 1.0)]
 
@@ -172,14 +181,7 @@ async def test_classifier_free_guidance_over_a_forked_cache_matches_three_contex
 
     model.denoiser.velocity = spy  # type: ignore[method-assign]
     try:
-        async def one(k: int, image_ids, text_ids, latent, steps, scale):
-            inputs = {"image_ids": image_ids, "text_ids": text_ids, "latent": latent, "num_steps": steps,
-                      "scale": scale}
-            chunks = [c async for c in eng.submit(GenerateRequest(f"c{k}", "toy-image", inputs, SamplingParams(),
-                                                                  walk="generate_cfg"))]
-            return [c.data for c in chunks if c.data is not None], chunks[-1].finish_reason
-
-        results = await asyncio.gather(*(one(k, *r) for k, r in enumerate(requests)))
+        results = await asyncio.gather(*(_guided(eng, f"c{k}", *r) for k, r in enumerate(requests)))
         for (images, reason), want in zip(results, expected):
             assert reason == "length" and len(images) == 1
             torch.testing.assert_close(torch.tensor(images[0]), want, atol=TOL, rtol=0)
@@ -201,15 +203,9 @@ async def test_forked_rows_do_not_wait_on_the_running_cap_they_exceed() -> None:
                  model=model)
     await eng.start()
     try:
-        async def one(k: int, image_ids, text_ids, latent, steps, scale):
-            inputs = {"image_ids": image_ids, "text_ids": text_ids, "latent": latent, "num_steps": steps,
-                      "scale": scale}
-            chunks = [c async for c in eng.submit(GenerateRequest(f"m{k}", "toy-image", inputs, SamplingParams(),
-                                                                  walk="generate_cfg"))]
-            return [c.data for c in chunks if c.data is not None]
-
-        results = await asyncio.wait_for(asyncio.gather(*(one(k, *r) for k, r in enumerate(requests))), 60)
-        for images, want in zip(results, expected):
+        results = await asyncio.wait_for(asyncio.gather(*(_guided(eng, f"m{k}", *r) for k, r in enumerate(requests))),
+                                         60)
+        for (images, _), want in zip(results, expected):
             torch.testing.assert_close(torch.tensor(images[0]), want, atol=TOL, rtol=0)
         await drained(eng)
         assert eng.workers[0].scheduler.running["llm"] == 0

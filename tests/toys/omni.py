@@ -169,6 +169,16 @@ class Codec(nn.Module):
         return {"pcm": [torch.tanh(o[min(LEFT, int(i) * CHUNK):].reshape(-1)) for o, i in zip(out, index)]}
 
 
+# both walks' thinker: audio encoded into its prompt, then text, each step's hidden state written as "h"
+THINKER = (
+    Step("enc", "encode", {"mel": "mel"}, {"emb": "audio_emb"}),
+    Step("thinker", "prefill", {"ids": "prompt_ids", "audio": "audio_emb", "pos": "mrope"},
+         {"token": "text", "hidden": "prompt_hidden", "last": "h"}),
+    Loop(Step("thinker", "decode", {"ids": "text"}, {"token": "text", "hidden": "h"}), until=MaxTokens()),
+    Emit("text"),
+)
+
+
 class ToyOmniModel(ToyModel):
     components = {
         "enc": Component(modes=(ENCODE,)),
@@ -179,11 +189,7 @@ class ToyOmniModel(ToyModel):
     }
     walks = {
         "chat": Walk(
-            Step("enc", "encode", {"mel": "mel"}, {"emb": "audio_emb"}),
-            Step("thinker", "prefill", {"ids": "prompt_ids", "audio": "audio_emb", "pos": "mrope"},
-                 {"token": "text", "hidden": "prompt_hidden", "last": "h"}),
-            Loop(Step("thinker", "decode", {"ids": "text"}, {"token": "text", "hidden": "h"}), until=MaxTokens()),
-            Emit("text"),
+            *THINKER,
             Stream("h", chunks=Items(), as_="item", on_turn="restart", into=Partition(
                 "talker",
                 Step("talker", "prefill", {"ctx": "prompt_hidden"}, {"code": "code"}),
@@ -195,11 +201,7 @@ class ToyOmniModel(ToyModel):
                 Emit("pcm", modality="data"))),
             inputs=("prompt_ids", "mel", "mrope"), more_input=("prompt_ids", "mel", "mrope")),
         "chat_frames": Walk(
-            Step("enc", "encode", {"mel": "mel"}, {"emb": "audio_emb"}),
-            Step("thinker", "prefill", {"ids": "prompt_ids", "audio": "audio_emb", "pos": "mrope"},
-                 {"token": "text", "hidden": "prompt_hidden", "last": "h"}),
-            Loop(Step("thinker", "decode", {"ids": "text"}, {"token": "text", "hidden": "h"}), until=MaxTokens()),
-            Emit("text"),
+            *THINKER,
             Stream("h", chunks=Items(), as_="item", into=Partition(
                 "talker",
                 Step("talker", "prefill", {"ctx": "prompt_hidden"}, {"code": "code0", "last": "last"}),
