@@ -117,7 +117,7 @@ class Executor:
         if batch.mode == FORK_MODE:
             self._fork(batch)
             return
-        state = self.runners[batch.component].state
+        runner = self.runners[batch.component]
         for item in batch.items:
             if not item.granted and item.granted_slot is None:
                 continue
@@ -126,15 +126,14 @@ class Executor:
                 row.admit(item.granted)
                 item.granted = []
             if item.granted_slot is not None:  # and its slot of per-row state, which starts empty
-                assert state is not None
+                assert runner.state is not None
                 row.take_slot(item.granted_slot)
-                state.zero(item.granted_slot)
+                runner.state.zero(item.granted_slot)
                 item.granted_slot = None
         if self.preemption is not None:
             batch.items = self.preemption.resume(batch.items)
             if not batch.items:
                 return
-        runner = self.runners[batch.component]
         inputs: list[dict[str, torch.Tensor]] | None = None
         try:
             inputs = runner.take_inputs(batch)
