@@ -85,5 +85,14 @@ def test_a_row_moves_through_its_methods() -> None:
     row.swap_out(SwappedKV([], 2))
     assert row.pages == [] and row.swapped is not None
     row.admit(pool.allocate(2))
-    assert row.swapped_in().num_pages == 2 and row.swapped is None
+    swapped, state = row.swapped_in()
+    assert swapped.num_pages == 2 and state is None and row.swapped is None
+    row.take_slot(3)  # a row with per-row state: its slot goes with its KV
+    saved = {"rec": torch.ones(2)}
+    pool.free(row.pages)  # as the plan that preempts it does
+    row.swap_out(SwappedKV([], 2), saved)
+    assert (row.slot, row.swapped_state is saved, row.pages) == (None, True, [])
+    row.admit(pool.allocate(2))
+    row.take_slot(1)
+    assert row.swapped_in()[1] is saved and (row.swapped, row.swapped_state, row.slot) == (None, None, 1)
     assert row.release(pool) and pool.num_free == 6 and not row.release(pool)

@@ -3,7 +3,8 @@ the paged KV cache beside a recurrence whose states live in per-row slots.
 Concurrent requests of different prompts and sampling decode in one group
 and match the module run unbatched with a state of its own; with fewer slots
 than requests, requests wait for a slot and still match; slots go back on
-finish and on abort."""
+finish and on abort; under preemption a row's state is swapped out with its
+KV and its slot serves another row meanwhile."""
 
 from __future__ import annotations
 
@@ -116,22 +117,54 @@ async def test_an_aborted_row_gives_its_slot_back() -> None:
         await eng.shutdown()
 
 
-async def test_preempted_rows_keep_their_slots_and_their_tokens() -> None:
+def _long_requests(seed: int, count: int) -> list[tuple[list[int], SamplingParams]]:
+    """Short prompts, long answers: a row swapped out has many steps left
+    that read the state it swapped back in."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(count):
+        n = int(torch.randint(2, 7, (1,), generator=gen))
+        params = SamplingParams(max_tokens=int(torch.randint(14, 22, (1,), generator=gen)),
+                                temperature=(0.0, 0.8, 1.2)[i % 3], seed=40 + i)
+        out.append((torch.randint(0, VOCAB, (n,), generator=gen).tolist(), params))
+    return out
+
+
+@pytest.mark.parametrize("slots, pages", [(None, 10), (3, 8)])
+async def test_preempted_rows_swap_their_state_out_and_back(slots: int | None, pages: int) -> None:
     """A KV pool far smaller than the requests need (`--kv-reservation lazy`):
-    decode rows are swapped out and back; a swapped-out row keeps its state
-    slot, so its recurrence goes on where it stopped."""
+    decode rows are swapped out and back. A swapped-out row's state goes to
+    host memory and its slot back to the pool, like its pages; with fewer
+    slots than requests, a waiting request takes the slot, and the swapped
+    row comes back into whichever slot is free, its recurrence going on
+    where it stopped."""
     model = ToyHybridModel()
-    model.context = 40
-    requests = _requests(7, 6)
+    model.context = 4 * pages  # a request fits the pool alone
+    requests = _long_requests(1, 6)
     expected = [reference(model, ids, params) for ids, params in requests]
     config = EngineConfig(model="toy-hybrid", devices=("cpu",), scheduler=SchedulerConfig(
-        page_size=4, num_pages=12, kv_reservation="lazy"))
+        page_size=4, num_pages=pages, kv_reservation="lazy", state_slots=slots))
     eng = Engine(config, model=model)
     await eng.start()
+    pool = eng.workers[0].runners["llm"].state
+    swaps = {"out": 0, "in": 0}
+    swap_out, swap_in = pool.swap_out, pool.swap_in
+
+    def counted_out(slot: int) -> dict[str, torch.Tensor]:
+        swaps["out"] += 1
+        return swap_out(slot)
+
+    def counted_in(saved: dict[str, torch.Tensor], slot: int) -> None:
+        swaps["in"] += 1
+        swap_in(saved, slot)
+
+    pool.swap_out, pool.swap_in = counted_out, counted_in
     try:
         results = await asyncio.gather(*(_run(eng, f"p{i}", ids, p) for i, (ids, p) in enumerate(requests)))
         assert results == expected
         assert eng.workers[0].preemption.preempted > 0
-        await _slots_back(eng, config.scheduler.max_num_seqs)
+        assert swaps["out"] == eng.workers[0].preemption.preempted  # every preempted row had a slot
+        assert swaps["in"] == eng.workers[0].preemption.resumed > 0
+        await _slots_back(eng, slots or config.scheduler.max_num_seqs)
     finally:
         await eng.shutdown()

@@ -121,10 +121,12 @@ class Scheduler:
                  if not i.starts_row and i.component in self.pools]
         return sorted(items, key=lambda i: i.ticket, reverse=True)
 
-    def requeued(self, item: WorkItem, pages: int) -> None:
-        """`item`'s row gave its `pages` back (swapped out): it is admitted
-        again as a row that starts, with them and what it needed besides."""
+    def requeued(self, item: WorkItem, pages: int, slot: bool = False) -> None:
+        """`item`'s row gave its `pages` (and with `slot`, its state slot)
+        back (swapped out): it is admitted again as a row that starts, with
+        them and what it needed besides."""
         item.pages_needed += pages
+        item.needs_slot = item.needs_slot or slot
         item.starts_row = True
         self.running[item.component] -= 1
 

@@ -123,7 +123,8 @@ class DeviceWorker:
             arena_mb = DEFAULT_ARENA_MB if self.device.type == "cuda" else 0
         self.arena = HostArena(arena_mb << 20, pin=self.device.type == "cuda") if arena_mb else None
         caches = {name: r.kv for name, r in self.runners.items() if r.kv is not None}
-        self.preemption = Preemption(caches, self.walker) if lazy else None
+        states = {name: r.state for name, r in self.runners.items() if r.state is not None}
+        self.preemption = Preemption(caches, self.walker, states, slots) if lazy else None
         self.executor = Executor(self.name, self.device, self.runners, self.walker, self.scheduler, self.store,
                                  self.link, self.post, self.arena, self.preemption, self.stats)
 

@@ -32,6 +32,7 @@ class KVRow:
     seen: torch.Tensor | None = None  # [vocab] bool, for the repetition penalty
     swapped: SwappedKV | None = None  # preempted: its KV, in host memory until it resumes
     slot: int | None = None           # its slot of the component's per-row state (a recurrent layer's)
+    swapped_state: dict[str, torch.Tensor] | None = None  # preempted: its slot's state, in host memory
 
     @property
     def start(self) -> int:
@@ -90,16 +91,20 @@ class KVRow:
         """The seen mask a decode group kept for the row, handed back."""
         self.seen = seen
 
-    def swap_out(self, swapped: SwappedKV) -> None:
-        """Preempted: its KV went to host memory, its pages back to the pool."""
+    def swap_out(self, swapped: SwappedKV, state: dict[str, torch.Tensor] | None = None) -> None:
+        """Preempted: its KV went to host memory, its pages back to the pool;
+        with `state`, its slot's state went too and the slot is free."""
         self.swapped, self.pages = swapped, []
+        if state is not None:
+            self.swapped_state, self.slot = state, None
 
-    def swapped_in(self) -> SwappedKV:
-        """Its KV is coming back into the pages it was admitted with."""
-        swapped = self.swapped
+    def swapped_in(self) -> tuple[SwappedKV, dict[str, torch.Tensor] | None]:
+        """Its KV is coming back into the pages it was admitted with, and its
+        state (if it had one) into the slot it was admitted with."""
+        swapped, state = self.swapped, self.swapped_state
         assert swapped is not None
-        self.swapped = None
-        return swapped
+        self.swapped = self.swapped_state = None
+        return swapped, state
 
     def release(self, pool: PagePool, slots: PagePool | None = None) -> bool:
         """Give its pages (and its state slot) back; whether it held pages."""

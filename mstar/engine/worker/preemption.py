@@ -1,6 +1,7 @@
-"""Swapping group rows out and back in (`--kv-reservation lazy`): rows the
-scheduler's plan preempts in, their KV in host memory out; preempted rows it
-admits again in, their KV in their new pages out.
+"""Swapping rows out and back in (`--kv-reservation lazy`): rows the
+scheduler's plan preempts in, their KV (and per-row state) in host memory
+out; preempted rows it admits again in, their KV in their new pages and
+their state in their new slot out.
 
 The scheduler decides which rows and when (`StepPlan.preempt`, the youngest
 rows, once every launched step is read). A preempted row's KV pages are
@@ -9,7 +10,9 @@ pages back to the pool already), and it waits in its loop's queue for as
 many pages, with the ticket of its preemption. On admission its KV is copied
 into the new pages and it joins its group again, exactly where it left off
 (same tokens, same draw counters), so a preempted request's output is the
-same as if it had never been preempted.
+same as if it had never been preempted. A row of a component with per-row
+state gives its slot back too (state copied out behind the same steps), and
+is admitted again with a slot as well as pages.
 """
 
 from __future__ import annotations
@@ -17,27 +20,46 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from mstar.engine.memory.kv_cache import KVCache
+from mstar.engine.memory.state_slots import StatePool
+from mstar.engine.worker.kv_rows import KVRow
 from mstar.engine.worker.loop_group import LoopGroup
 from mstar.engine.worker.walker import Walker
-from mstar.scheduler import Scheduler, WorkItem
+from mstar.scheduler import PagePool, Scheduler, WorkItem
 
 
 class Preemption:
-    def __init__(self, caches: dict[str, KVCache], walker: Walker) -> None:
+    def __init__(self, caches: dict[str, KVCache], walker: Walker, states: dict[str, StatePool] | None = None,
+                 slots: dict[str, PagePool] | None = None) -> None:
+        """`states` and `slots`: per component with per-row state, its slots'
+        tensors and which of them are free."""
         self.caches = caches
         self.walker = walker
+        self.states = dict(states or {})
+        self.slots = dict(slots or {})
         self.preempted = 0   # rows swapped out so far
         self.resumed = 0
 
     def swap_out(self, group: LoopGroup, rows: Sequence[int]) -> None:
-        """Take `rows` out of `group`, highest first, and swap their KV out."""
+        """Take `rows` out of `group`, highest first, and swap their KV out
+        (their pages are back in the pool since the plan was made)."""
         for i in rows:
             leave = group.evict(i)
             row = leave.part.row(group.component)
-            swapped = self.caches[group.component].swap_out(row.pages)
-            row.swap_out(swapped)  # its pages are back in the pool since the plan was made
+            pages, had_slot = self._swap(row, group.component)
             self.preempted += 1
-            self.walker.preempted(leave, swapped)
+            self.walker.preempted(leave, pages, had_slot)
+
+    def _swap(self, row: KVRow, component: str) -> tuple[int, bool]:
+        """Copy `row`'s KV (and state) to host memory and free its slot: how
+        many pages it gave back, and whether it gave a slot back."""
+        swapped = self.caches[component].swap_out(row.pages)
+        slot = row.slot
+        if slot is None:
+            row.swap_out(swapped)
+            return swapped.num_pages, False
+        row.swap_out(swapped, self.states[component].swap_out(slot))
+        self.slots[component].free([slot])
+        return swapped.num_pages, True
 
     def unstick(self, scheduler: Scheduler) -> bool:
         """Nothing can move on and rows wait for pages: swap out the youngest
@@ -51,10 +73,8 @@ class Preemption:
                 continue
             item = waiting[0]
             row = item.payload.part.row(component, item.payload.branch)
-            swapped = cache.swap_out(row.pages)
             pool.free(row.pages)
-            row.swap_out(swapped)
-            scheduler.requeued(item, swapped.num_pages)
+            scheduler.requeued(item, *self._swap(row, component))
             self.preempted += 1
             return True
         return False
@@ -68,8 +88,11 @@ class Preemption:
             work = item.payload
             row = work.part.rows.get((item.component, work.branch))
             if row is not None and row.swapped is not None:
-                swapped = row.swapped_in()  # into its first pages: any after them are for the step's new tokens
+                swapped, state = row.swapped_in()  # into its first pages: any after them are for new tokens
                 self.caches[item.component].swap_in(swapped, row.pages[:swapped.num_pages])
+                if state is not None:  # into the slot it was admitted with, zeroed before: the state goes on
+                    assert row.slot is not None
+                    self.states[item.component].swap_in(state, row.slot)
                 self.resumed += 1
                 if work.rejoin:
                     self.walker.resume(work.part)

@@ -16,7 +16,6 @@ from typing import Callable
 
 import torch
 
-from mstar.engine.memory.kv_cache import SwappedKV
 from mstar.engine.worker.cursor import Cursor
 from mstar.engine.worker.loop_group import Leave, LoopGroup, group_extras
 from mstar.engine.messages import Finished, Submit
@@ -274,17 +273,18 @@ class Walker:
         part.busy = True
         return True
 
-    def preempted(self, leave: Leave, swapped: SwappedKV) -> None:
-        """A group row was preempted (its pages freed, its KV in `swapped`):
-        it waits in its loop's queue for as many pages, then resumes."""
+    def preempted(self, leave: Leave, pages: int, slot: bool) -> None:
+        """A group row was preempted (its `pages` freed, its KV in host
+        memory; with `slot`, its state slot too): it waits in its loop's
+        queue for as many pages (and a slot), then resumes."""
         part = leave.part
         loop = part.loop()
         assert loop is not None
         part.values[loop.value] = TensorRef(self.store.put(leave.token, (part.request_id,)))
         part.busy = True
         step = part.current_step()
-        self.scheduler.add(WorkItem(part.request_id, part.name, step.component, step.mode, 1, swapped.num_pages,
-                                    payload=Work(part, {}, rejoin=True), starts_row=True))
+        self.scheduler.add(WorkItem(part.request_id, part.name, step.component, step.mode, 1, pages,
+                                    payload=Work(part, {}, rejoin=True), starts_row=True, needs_slot=slot))
 
     def resume(self, part: PartitionRun) -> None:
         """A preempted row has its pages and KV back: into its group again."""
