@@ -121,6 +121,13 @@ class Scheduler:
                  if not i.starts_row and i.component in self.pools]
         return sorted(items, key=lambda i: i.ticket, reverse=True)
 
+    def waiting(self, component: str) -> list[WorkItem]:
+        """Queued items of `component` that wait for pages or a state slot,
+        oldest first."""
+        items = [i for (c, _), q in self._queues.items() if c == component for i in q
+                 if i.pages_needed or i.needs_slot]
+        return sorted(items, key=lambda i: i.ticket)
+
     def requeued(self, item: WorkItem, pages: int, slot: bool = False) -> None:
         """`item`'s row gave its `pages` (and with `slot`, its state slot)
         back (swapped out): it is admitted again as a row that starts, with

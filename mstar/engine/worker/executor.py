@@ -172,9 +172,15 @@ class Executor:
             ins = part.plan.program[part.pc]
             assert isinstance(ins, ForkRows)
             main = part.row(batch.component)
-            full, partial = divmod(main.kv_len, pool.page_size)
             granted = list(item.granted)
             item.granted = []
+            if main.swapped is not None:  # preempted while it waited to fork: its KV comes back first
+                assert self.preemption is not None
+                n = main.swapped.num_pages
+                main.admit(granted[:n])
+                granted = granted[n:]
+                self.preemption.swap_in(main, batch.component)
+            full, partial = divmod(main.kv_len, pool.page_size)
             started = 0
             for name, how in ins.fork.branches:
                 if how != "share" or not main.pages:

@@ -17,12 +17,13 @@ is admitted again with a slot as well as pages.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from mstar.engine.memory.kv_cache import KVCache
 from mstar.engine.memory.state_slots import StatePool
 from mstar.engine.worker.kv_rows import KVRow
 from mstar.engine.worker.loop_group import LoopGroup
+from mstar.engine.worker.rows import PartitionRun
 from mstar.engine.worker.walker import Walker
 from mstar.scheduler import PagePool, Scheduler, WorkItem
 
@@ -62,22 +63,53 @@ class Preemption:
         return swapped.num_pages, True
 
     def unstick(self, scheduler: Scheduler) -> bool:
-        """Nothing can move on and rows wait for pages: swap out the youngest
-        queued row that holds pages (a step-by-step row: a talker's, a fork's
-        branch), unless it is the only one, so the older ones can go on. Its
-        step runs once its pages and KV are back. False: no row to swap."""
-        for component, cache in self.caches.items():
-            pool = scheduler.pools[component]
-            waiting = scheduler.holding(component)
-            if len(waiting) < 2:
+        """Nothing can move on and rows wait for pages: swap out one row that
+        holds pages outside a decode group (a step-by-step row: a talker's, a
+        fork's branch, queued or waiting for its sibling branches), of the
+        youngest request other than the one the oldest waiting row belongs
+        to, so the older ones can go on; with no such row, the youngest
+        queued row holding pages, unless it is the only one. Its step runs
+        once its pages and KV are back. False: no row to swap."""
+        for component in self.caches:
+            waiting = scheduler.waiting(component)
+            if not waiting:
                 continue
-            item = waiting[0]
-            row = item.payload.part.row(component, item.payload.branch)
-            pool.free(row.pages)
-            scheduler.requeued(item, *self._swap(row, component))
-            self.preempted += 1
-            return True
+            queued = {(id(i.payload.part), i.payload.branch): i for i in scheduler.holding(component)}
+            for part, branch in self._holders(component, skip=waiting[0].request_id):
+                self._swap_waiting(scheduler, component, part.row(component, branch),
+                                   queued.get((id(part), branch)))
+                return True
+            if len(queued) > 1:
+                item = scheduler.holding(component)[0]
+                self._swap_waiting(scheduler, component, item.payload.part.row(component, item.payload.branch), item)
+                return True
         return False
+
+    def _holders(self, component: str, skip: str) -> Iterator[tuple[PartitionRun, str]]:
+        """(partition, branch) of the rows of `component` holding pages
+        outside decode groups, youngest request first, but `skip`'s."""
+        grouped = {id(part) for group in self.walker.groups.values() for part in group.rows}
+        for run in reversed(tuple(self.walker.runs.values())):
+            if run.request_id == skip:
+                continue
+            for part in run.partitions.values():
+                if id(part) in grouped:
+                    continue
+                for (c, branch), row in part.rows.items():
+                    if c == component and row.pages and row.swapped is None:
+                        yield part, branch
+
+    def _swap_waiting(self, scheduler: Scheduler, component: str, row: KVRow, item: WorkItem | None) -> None:
+        """Swap out `row`, a running row outside a group; `item`: its queued
+        step, which now waits for the pages (and slot) it gave back. A row
+        with no step queued asks for them with its next step."""
+        scheduler.pools[component].free(row.pages)
+        pages, slot = self._swap(row, component)
+        if item is not None:
+            scheduler.requeued(item, pages, slot)
+        else:
+            scheduler.row_ended(component)
+        self.preempted += 1
 
     def resume(self, items: list[WorkItem]) -> list[WorkItem]:
         """Bring back the preempted rows among admitted `items` (their pages
@@ -88,14 +120,19 @@ class Preemption:
             work = item.payload
             row = work.part.rows.get((item.component, work.branch))
             if row is not None and row.swapped is not None:
-                swapped, state = row.swapped_in()  # into its first pages: any after them are for new tokens
-                self.caches[item.component].swap_in(swapped, row.pages[:swapped.num_pages])
-                if state is not None:  # into the slot it was admitted with, zeroed before: the state goes on
-                    assert row.slot is not None
-                    self.states[item.component].swap_in(state, row.slot)
-                self.resumed += 1
+                self.swap_in(row, item.component)
                 if work.rejoin:
                     self.walker.resume(work.part)
                     continue
             rest.append(item)
         return rest
+
+    def swap_in(self, row: KVRow, component: str) -> None:
+        """`row`'s KV back into its first pages (any after them are for its
+        step's new tokens), its state into the slot it was admitted with."""
+        swapped, state = row.swapped_in()
+        self.caches[component].swap_in(swapped, row.pages[:swapped.num_pages])
+        if state is not None:  # the slot was zeroed when granted: the state goes on
+            assert row.slot is not None
+            self.states[component].swap_in(state, row.slot)
+        self.resumed += 1
