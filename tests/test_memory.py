@@ -63,6 +63,27 @@ def test_cuda_budget_arithmetic() -> None:
                                    cpu_bytes=1e15, reserve_bytes=2 * GiB, mem_get_info=info)
 
 
+def test_kv_components_on_one_device_share_its_budget() -> None:
+    """A thinker and a smaller talker on one GPU: one budget, the same number
+    of pages each, and all of them (scratch pages included) inside it; on
+    CPU each gets the whole `cpu_bytes`."""
+    talker = KVSpec(num_layers=SPEC.num_layers // 2, num_kv_heads=SPEC.num_kv_heads, head_dim=SPEC.head_dim,
+                    num_q_heads=SPEC.num_q_heads)
+    sizes = [KVCache.bytes_per_page(s, PAGE, torch.bfloat16) for s in (SPEC, talker)]
+    total, free = 100 * GiB, 90 * GiB
+    pages = kv_cache_pages(CUDA, [SPEC, talker], PAGE, torch.bfloat16, gpu_memory_utilization=0.9, cpu_bytes=0,
+                           reserve_bytes=2 * GiB, mem_get_info=fake_info(free, total))
+    budget = 0.9 * total - (total - free) - 2 * GiB
+    assert (pages + 1) * sum(sizes) <= budget < (pages + 2) * sum(sizes)
+    alone = kv_cache_pages(CUDA, SPEC, PAGE, torch.bfloat16, gpu_memory_utilization=0.9, cpu_bytes=0,
+                           reserve_bytes=2 * GiB, mem_get_info=fake_info(free, total))
+    assert pages < alone
+    cpu_bytes = 64 * sizes[0]
+    assert kv_cache_pages(torch.device("cpu"), [SPEC, talker], PAGE, torch.float32, gpu_memory_utilization=0.9,
+                          cpu_bytes=cpu_bytes) == kv_cache_pages(torch.device("cpu"), SPEC, PAGE, torch.float32,
+                                                                 gpu_memory_utilization=0.9, cpu_bytes=cpu_bytes)
+
+
 def test_cuda_orpheus_on_h200() -> None:
     """The real shape: 28 layers x 8 KV heads x 128, bf16, 16-token pages on a
     141 GiB device with 6.6 GB of weights loaded."""

@@ -1,14 +1,18 @@
-"""A model's components built on one device: the component's spec in, its
-`ComponentRunner` out, with what the runner needs. For a KV component: the
-KV cache (sized from the memory left once the weights are in place), its
-page pool, its attention backend and its decode CUDA graphs. For any other:
-the CUDA graphs of the modes the model declares row shapes for.
+"""A model's components built on one device: the components placed there
+in, a `ComponentRunner` each out, with what the runner needs. For a KV
+component: the KV cache (sized from the memory left once every component's
+weights are in place), its page pool, its attention backend and its decode
+CUDA graphs. For any other: the CUDA graphs of the modes the model declares
+row shapes for.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import structlog
 import torch
+from torch import nn
 
 from mstar.config import EngineConfig
 from mstar.engine.execution.backends import attention_backend, decode_graphs, mode_graphs
@@ -18,7 +22,6 @@ from mstar.engine.memory.state_slots import StatePool
 from mstar.engine.execution.runner import ComponentRunner
 from mstar.engine.worker.loop_group import graph_outputs
 from mstar.engine.movement.tensor_store import TensorStore
-from mstar.graph import Component
 from mstar.models.base import Model
 from mstar.scheduler import PagePool
 
@@ -32,12 +35,41 @@ def resolve_dtype(model: Model, config: EngineConfig, device: torch.device) -> t
     return DTYPES.get(config.dtype) or model.default_dtype(device)
 
 
-def build_runner(model: Model, name: str, spec: Component, device: torch.device, store: TensorStore,
-                 config: EngineConfig) -> tuple[ComponentRunner, PagePool | None]:
-    """Component `name` on `device`: its runner, and its page pool (None
-    without a KV cache)."""
+def build_runners(model: Model, names: Sequence[str], device: torch.device, store: TensorStore,
+                  config: EngineConfig) -> dict[str, tuple[ComponentRunner, PagePool | None]]:
+    """Components `names` on `device`: each one's runner, and its page pool
+    (None without a KV cache). Every component's weights go on the device
+    first, then the per-row state, then the KV caches, sized together from
+    what memory is left: each KV component gets the same number of pages
+    (a request's thinker and talker hold about as many tokens each)."""
     dtype = resolve_dtype(model, config, device)
-    module = model.build_component(name, device, dtype)
+    modules = {name: model.build_component(name, device, dtype) for name in names}
+    cfg = config.scheduler
+    kv_names = [name for name in names if model.components[name].kv_cache]
+    states = {name: _state_pool(model, name, device, config) for name in kv_names if model.components[name].state}
+    num_pages = 0
+    if kv_names:
+        num_pages = cfg.num_pages or kv_cache_pages(
+            device, [model.kv_spec(name) for name in kv_names], cfg.page_size, dtype,
+            gpu_memory_utilization=cfg.gpu_memory_utilization, cpu_bytes=cfg.kv_cache_memory * 2**30,
+            max_model_len=model.max_model_len)
+    return {name: _runner(model, name, modules[name], device, dtype, store, config, num_pages, states.get(name))
+            for name in names}
+
+
+def _state_pool(model: Model, name: str, device: torch.device, config: EngineConfig) -> StatePool:
+    """Per-row state before the KV cache: the cache takes what memory is left."""
+    cfg = config.scheduler
+    state = StatePool(model.state_spec(name), cfg.state_slots or cfg.max_num_seqs, device)
+    log.info("state slots", device=str(device), component=name, slots=state.num_slots,
+             mib=round(state.num_slots * StatePool.bytes_per_slot(state.spec) / 2**20, 1))
+    return state
+
+
+def _runner(model: Model, name: str, module: nn.Module, device: torch.device, dtype: torch.dtype,
+            store: TensorStore, config: EngineConfig, num_pages: int,
+            state: StatePool | None) -> tuple[ComponentRunner, PagePool | None]:
+    spec = model.components[name]
     if not spec.kv_cache:
         graphs_by_mode = mode_graphs(model, name, spec.modes, module, device, config)
         if graphs_by_mode:
@@ -46,15 +78,6 @@ def build_runner(model: Model, name: str, spec: Component, device: torch.device,
         return ComponentRunner(name, spec, module, device, store, None, mode_graphs=graphs_by_mode), None
     cfg = config.scheduler
     kvspec = model.kv_spec(name)
-    state = None
-    if spec.state:  # per-row state first: the KV cache takes what memory is left
-        state = StatePool(model.state_spec(name), cfg.state_slots or cfg.max_num_seqs, device)
-        log.info("state slots", device=str(device), component=name, slots=state.num_slots,
-                 mib=round(state.num_slots * StatePool.bytes_per_slot(state.spec) / 2**20, 1))
-    # sized after the weights are in place, from what memory is left
-    num_pages = cfg.num_pages or kv_cache_pages(
-        device, kvspec, cfg.page_size, dtype, gpu_memory_utilization=cfg.gpu_memory_utilization,
-        cpu_bytes=cfg.kv_cache_memory * 2**30, max_model_len=model.max_model_len)
     need = -(-model.max_model_len // cfg.page_size)
     if num_pages < need:
         raise ValueError(f"{name}: {num_pages} KV pages cannot hold one request of "

@@ -1,19 +1,20 @@
-"""KV cache sizing: a device, the KV component's page shape and the memory
-settings in, the number of KV pages to allocate out.
+"""KV cache sizing: a device, the page shapes of the KV components placed
+there and the memory settings in, the number of KV pages each allocates out.
 
 On CUDA the budget is what `--gpu-memory-utilization` allows of the whole
 device, less what is already in use (this process's weights, other processes)
 and less a reserve for what is allocated after the cache (activations, CUDA
-graph pools, attention and sampler workspaces). Call it after the weights are
-on the device and before anything else big is allocated. On CPU the budget is
-`--kv-cache-memory` GiB, as the worker always had it.
+graph pools, attention and sampler workspaces); the KV components on the
+device share it, the same number of pages each. Call it once per device,
+after every component's weights are on it and before anything else big is
+allocated. On CPU the budget is `--kv-cache-memory` GiB per component.
 
 `mem_get_info` is injectable so the CUDA arithmetic is testable on CPU.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -33,15 +34,19 @@ DEFAULT_RESERVE_BYTES = 2 * GiB
 MemGetInfo = Callable[[torch.device], tuple[int, int]]  # device -> (free, total) bytes
 
 
-def kv_cache_pages(device: torch.device, spec: KVSpec, page_size: int, dtype: torch.dtype, *,
+def kv_cache_pages(device: torch.device, spec: KVSpec | Sequence[KVSpec], page_size: int, dtype: torch.dtype, *,
                    gpu_memory_utilization: float, cpu_bytes: float,
                    reserve_bytes: int = DEFAULT_RESERVE_BYTES, max_model_len: int | None = None,
                    mem_get_info: MemGetInfo | None = None) -> int:
-    """Pages for one KV component on `device`; a `ConfigError` with the numbers
-    when they cannot hold one request of `max_model_len` tokens (one page when
-    None)."""
+    """Pages for each KV component on `device` (`spec`: one, or every one
+    placed there: on CUDA they share the budget, the same number of pages
+    each; on CPU each gets `cpu_bytes`); a `ConfigError` with the numbers
+    when they cannot hold one request of `max_model_len` tokens (one page
+    when None)."""
     device = torch.device(device)
-    per_page = KVCache.bytes_per_page(spec, page_size, dtype)
+    specs = [spec] if isinstance(spec, KVSpec) else list(spec)
+    sizes = [KVCache.bytes_per_page(s, page_size, dtype) for s in specs]
+    per_page = sum(sizes) if device.type == "cuda" else max(sizes)
     need = -(-max_model_len // page_size) if max_model_len else 1
     if device.type == "cuda":
         if not 0.0 < gpu_memory_utilization <= 1.0:

@@ -22,7 +22,7 @@ import structlog
 import torch
 
 from mstar.config import EngineConfig
-from mstar.engine.execution.components import build_runner
+from mstar.engine.execution.components import build_runners
 from mstar.engine.execution.runner import ComponentRunner
 from mstar.engine.messages import (Abort, Append, Awaiting, CloseInput, Finished, Forward, Profile, Shutdown, Stop,
                                    StepReport, Submit)
@@ -97,9 +97,9 @@ class DeviceWorker:
     def _setup(self) -> None:
         cfg = self.config.scheduler
         caps = {}
+        built = build_runners(self.model, tuple(self.placed), self.device, self.store, self.config)
         for name, modes in self.placed.items():
-            spec = self.model.components[name]
-            runner, pool = build_runner(self.model, name, spec, self.device, self.store, self.config)
+            runner, pool = built[name]
             self.runners[name] = runner
             if pool is not None:
                 self.pools[name] = pool
