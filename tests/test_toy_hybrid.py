@@ -19,6 +19,7 @@ from mstar.types import GenerateRequest, SamplingParams, StateRows, TokenBatch
 from toys.audio_decoder import VOCAB
 from toys.dense import DenseAttention, draw
 from toys.hybrid import ToyHybridModel
+from toys.serving import DEVICES
 
 
 @torch.inference_mode()
@@ -130,8 +131,9 @@ def _long_requests(seed: int, count: int) -> list[tuple[list[int], SamplingParam
     return out
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("slots, pages", [(None, 10), (3, 8)])
-async def test_preempted_rows_swap_their_state_out_and_back(slots: int | None, pages: int) -> None:
+async def test_preempted_rows_swap_their_state_out_and_back(slots: int | None, pages: int, device: str) -> None:
     """A KV pool far smaller than the requests need (`--kv-reservation lazy`):
     decode rows are swapped out and back. A swapped-out row's state goes to
     host memory and its slot back to the pool, like its pages; with fewer
@@ -142,7 +144,7 @@ async def test_preempted_rows_swap_their_state_out_and_back(slots: int | None, p
     model.context = 4 * pages  # a request fits the pool alone
     requests = _long_requests(1, 6)
     expected = [reference(model, ids, params) for ids, params in requests]
-    config = EngineConfig(model="toy-hybrid", devices=("cpu",), scheduler=SchedulerConfig(
+    config = EngineConfig(model="toy-hybrid", devices=(device,), dtype="float32", scheduler=SchedulerConfig(
         page_size=4, num_pages=pages, kv_reservation="lazy", state_slots=slots))
     eng = Engine(config, model=model)
     await eng.start()

@@ -23,7 +23,7 @@ from mstar.models.prepared import key_seed
 from mstar.placement import parse_spec
 from mstar.types import GenerateRequest, SamplingParams, TokenBatch
 from toys.audio_decoder import HIDDEN, MEL, PLACEHOLDER, VOCAB, mrope_positions
-from toys.serving import drained
+from toys.serving import DEVICES, drained
 from toys.dense import DenseAttention, draw
 from toys.omni import CHUNK, GROUPS, LEFT, ToyOmniModel
 
@@ -169,6 +169,7 @@ def _check(got: Served, want: list[Expected]) -> None:
 
 
 SETUPS = [(("cpu",), "replicas"), (("cpu:0", "cpu:1"), "enc=0,thinker=0,talker=1,codec=1")]
+ON_CUDA = pytest.param(("cuda:0",), "replicas", marks=DEVICES[1].marks, id="cuda")
 
 
 @pytest.mark.parametrize("devices, placement", SETUPS)
@@ -266,7 +267,7 @@ def frames_reference(model: ToyOmniModel, ids: list[int], mel: torch.Tensor, thi
     return Expected(text, code0s, pcm)
 
 
-@pytest.mark.parametrize("devices, placement", SETUPS)
+@pytest.mark.parametrize("devices, placement", [*SETUPS, ON_CUDA])
 async def test_frames_from_a_code_predictor_nested_in_the_talker(devices: tuple[str, ...], placement: str) -> None:
     model = ToyOmniModel()
     requests = _requests(5)
@@ -275,7 +276,8 @@ async def test_frames_from_a_code_predictor_nested_in_the_talker(devices: tuple[
     seeded = [(ids, mel, think, talk, dataclasses.replace(cp, seed=None)) for (ids, mel, think, talk), cp
               in zip(requests, cps)]
     expected = [frames_reference(model, ids, mel, think, talk, cp) for ids, mel, think, talk, cp in seeded]
-    eng = Engine(EngineConfig(model="toy-omni", devices=devices, placement=parse_spec(placement)), model=model)
+    eng = Engine(EngineConfig(model="toy-omni", devices=devices, placement=parse_spec(placement), dtype="float32"),
+                 model=model)
     await eng.start()
     try:
         results = await asyncio.gather(*(_serve(eng, f"f{k}", [(ids, mel)], think, talk, cp, walk="chat_frames")

@@ -1,11 +1,19 @@
 """What the toys' engine tests share: waiting until an engine has let go of
-everything its requests held."""
+everything its requests held, and the devices a test runs on (a CUDA device
+too where there is one, in float32 against the same CPU reference: the
+sampler's noise is the same on both, so tokens must be equal)."""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
+import torch
+
 from mstar.engine.engine import Engine
+
+DEVICES = ["cpu", pytest.param("cuda:0", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                  reason="needs CUDA (runs on the GPU machine)"))]
 
 
 async def drained(eng: Engine) -> None:
