@@ -28,8 +28,9 @@ MAX_TOKEN_ID = 2**31 - 1  # top_k and token ids beyond any vocabulary; they beco
 class SamplingParams:
     """How a request's tokens are drawn and when its generation stops.
 
-    `temperature == 0` is greedy. `top_k <= 0` and `top_p == 1` disable those
-    filters. `seed` makes a request's draws reproducible whatever it is batched
+    `max_tokens` None is all the room the prompt leaves in the model's
+    context (the model's prepare makes it a number). `temperature == 0` is
+    greedy. `top_k <= 0` and `top_p == 1` disable those filters. `seed` makes a request's draws reproducible whatever it is batched
     with. `stop` strings are checked on the event loop, after detokenising.
     `logprobs` k (0..MAX_LOGPROBS) reports each sampled token's log
     probability and the k most likely tokens' (`OutputChunk.logprobs`), from
@@ -38,7 +39,7 @@ class SamplingParams:
     so the numbers do not depend on how the token was drawn.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
@@ -53,9 +54,9 @@ class SamplingParams:
     def validate(self, max_model_tokens: int | None = None) -> None:
         """Raise `RequestError` naming the first field out of range (or of
         the wrong type: per-key overrides arrive as plain dicts)."""
-        if not _integer(self.max_tokens) or self.max_tokens < 1:
+        if self.max_tokens is not None and (not _integer(self.max_tokens) or self.max_tokens < 1):
             raise RequestError("must be a positive integer", field="max_tokens")
-        if max_model_tokens is not None and self.max_tokens > max_model_tokens:
+        if max_model_tokens is not None and self.max_tokens is not None and self.max_tokens > max_model_tokens:
             raise RequestError(f"must be at most {max_model_tokens}", field="max_tokens")
         if not _number(self.temperature) or not 0.0 <= self.temperature <= MAX_TEMPERATURE:
             raise RequestError(f"must be in [0, {MAX_TEMPERATURE}]", field="temperature")
@@ -73,6 +74,8 @@ class SamplingParams:
             raise RequestError(f"must be integers in [0, {MAX_TOKEN_ID}]", field="stop_token_ids")
         if any((not isinstance(s, str)) or not s for s in self.stop):
             raise RequestError("must be non-empty strings", field="stop")
+        if not isinstance(self.ignore_eos, bool):
+            raise RequestError("must be a boolean", field="ignore_eos")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise RequestError(f"must be an integer in [0, {MAX_LOGPROBS}]", field="logprobs")

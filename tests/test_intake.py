@@ -22,7 +22,7 @@ from mstar.config import EngineConfig
 from mstar.engine.engine import Engine
 from mstar.engine.messages import StepReport
 from mstar.errors import RequestError
-from mstar.graph import Component, Emit, EosToken, FanOut, HostStop, Loop, MaxTokens, Step, Walk
+from mstar.graph import Component, Emit, EosToken, FanOut, HostStop, Loop, MaxTokens, Step, Walk, compile_walk
 from mstar.models.base import Model
 from mstar.models.llama import LlamaModel
 from mstar.models.prepared import PreparedPiece, key_seed
@@ -94,6 +94,21 @@ def test_the_root_keeps_the_requests_seed_and_another_key_derives_a_stable_one()
     unseeded = model.prepare(_request(sampling=SamplingParams()))
     root_seed = unseeded.sampling["llm"].seed
     assert root_seed is not None and unseeded.sampling["echo"].seed == key_seed(root_seed, "echo")
+
+
+def test_a_resample_resolves_every_key_as_a_fresh_prepare_would() -> None:
+    """A second sample of one prompt: its own seed, and the other keys'
+    seeds derived from it, without preparing the inputs again."""
+    model = PairModel()
+    plan = compile_walk("pair", model.walks["pair"], model.components)
+    first = model.prepare(_request(sampling=SamplingParams(seed=7), echo={"max_tokens": 3}))
+    second = _request(sampling=SamplingParams(seed=8), rid="r-1", echo={"max_tokens": 3})
+    resampled = model.resample(second, plan, first)
+    fresh = model.prepare(second)
+    assert resampled.sampling == fresh.sampling and resampled.stop_ids == fresh.stop_ids
+    assert resampled.sampling["echo"].seed == key_seed(8, "echo") != first.sampling["echo"].seed
+    assert resampled.values is first.values and resampled.num_prompt_tokens == first.num_prompt_tokens
+    assert resampled.is_sampling_of(second) and not first.is_sampling_of(second)
 
 
 @pytest.mark.parametrize("sampling, overrides, field", [

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from mstar.errors import RequestError
 from mstar.graph import Component, Walk, WalkPlan, compile_walk
-from mstar.models.prepared import Prepared, PreparedPiece, resolve_sampling, stop_ids
+from mstar.models.prepared import Prepared, PreparedPiece, fit_context, resolve_sampling, stop_ids
 
 if TYPE_CHECKING:
     import torch
@@ -123,19 +123,36 @@ class Model:
         """Everything the walk `plan` (default: the request's walk, compiled
         here) starts from. Sampling is resolved and validated first, once per
         sampling key (`prepared.resolve_sampling`), then the inputs are
-        prepared under the root key's params. Raises `RequestError` for bad
-        input."""
+        prepared under the root key's params (a language model tokenises its
+        prompt and applies its chat template here), then the root's
+        `max_tokens` is fitted to the context the prompt leaves
+        (`prepared.fit_context`). Raises `RequestError` for bad input."""
         if plan is None:
             plan = self._compile(request.walk or self.default_walk)
         sampling = resolve_sampling(request, plan, self.components, self.default_sampling, self.max_model_len)
-        piece = self.prepare_inputs(request, sampling[plan.root])
-        return Prepared(piece.values, sampling, stop_ids(sampling, self.eos_token_ids), piece.num_tokens)
+        return self._prepared(request, plan, self.prepare_inputs(request, sampling[plan.root]), sampling)
+
+    def resample(self, request: GenerateRequest, plan: WalkPlan, prepared: Prepared) -> Prepared:
+        """`prepared` (of a request with the same inputs on walk `plan`) with
+        `request`'s own sampling, resolved, seeded and fitted as `prepare`
+        would: another sample of one prompt, without preparing its inputs
+        again."""
+        sampling = resolve_sampling(request, plan, self.components, self.default_sampling, self.max_model_len)
+        piece = PreparedPiece(prepared.values, prepared.num_prompt_tokens, prepared.prompt_field)
+        return self._prepared(request, plan, piece, sampling)
+
+    def _prepared(self, request: GenerateRequest, plan: WalkPlan, piece: PreparedPiece,
+                  sampling: dict[str, SamplingParams]) -> Prepared:
+        sampling = fit_context(sampling, plan.root, piece, self.max_model_len)
+        return Prepared(piece.values, sampling, stop_ids(sampling, self.eos_token_ids), piece.num_tokens, plan.name,
+                        piece.field, (request.request_id, request.sampling, dict(request.sampling_by)))
 
     def prepare_inputs(self, request: GenerateRequest, sampling: SamplingParams) -> PreparedPiece:
         """The walk's initial values (CPU tensors) from the request's inputs,
-        and the prompt tokens they hold; `sampling`: the root key's params,
-        resolved and valid (for a check of prompt + max_tokens against the
-        context). Raises `RequestError` for bad input."""
+        the prompt tokens they hold and the input they came from (named if
+        they leave no room in the context); `sampling`: the root key's
+        params, resolved and valid (`max_tokens` None until the prompt's
+        size is known). Raises `RequestError` for bad input."""
         raise NotImplementedError
 
     def prepare_more(self, request: GenerateRequest, inputs: dict[str, Any]) -> PreparedPiece:

@@ -9,7 +9,9 @@ there, because its params are also what the event loop reads (stop strings,
 logprobs). Each key's params are resolved in one order: the model's defaults
 for the key, then the request's `sampling` for the root key, then the
 request's `sampling_by[key]`. `SamplingParams.validate` runs here, once per
-key, and nowhere else on the engine's path.
+key, and nowhere else on the engine's path. Once the prompt's size is known,
+the root key's `max_tokens` is fitted to the room it leaves in the context
+(`fit_context`: None becomes all of that room).
 """
 
 from __future__ import annotations
@@ -27,26 +29,40 @@ from mstar.types import GenerateRequest, SamplingParams
 
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 _SEQUENCE_FIELDS = ("stop", "stop_token_ids")  # tuples in SamplingParams, arrays in an override
+CONTEXT_EXCEEDED = "context_length_exceeded"  # the error code of input that does not fit the context (OpenAI's)
 
 
 @dataclass(frozen=True)
 class PreparedPiece:
     """Input in the walk's terms: `values` by walk input name (CPU tensors),
-    and how many tokens of the model's context they take."""
+    how many tokens of the model's context they take, and the request's
+    input they came from (the field named when they do not fit)."""
 
     values: dict[str, Any]
     num_tokens: int
+    field: str = "input"
 
 
 @dataclass(frozen=True)
 class Prepared:
     """What the engine starts a request from. `sampling` and `stop_ids` are
-    keyed by sampling key; every key's params carry a seed."""
+    keyed by sampling key; every key's params carry a seed and a number of
+    tokens. `walk`, `prompt_field` and `sampling_of` (the request id,
+    `sampling` and `sampling_by` that `sampling` was resolved from) let another request
+    of the same inputs start from it with its own sampling (`Model.resample`)."""
 
     values: dict[str, Any]
     sampling: dict[str, SamplingParams]
     stop_ids: dict[str, tuple[int, ...]]
     num_prompt_tokens: int
+    walk: str = ""
+    prompt_field: str = "input"
+    sampling_of: tuple[str, SamplingParams, dict[str, Any]] | None = None
+
+    def is_sampling_of(self, request: GenerateRequest) -> bool:
+        """Whether `sampling` is `request`'s own; another request (a second
+        sample of the same prompt, say) resolves its own, seed included."""
+        return self.sampling_of == (request.request_id, request.sampling, request.sampling_by)
 
 
 def sampling_keys(plan: WalkPlan, components: dict[str, Component]) -> tuple[str, ...]:
@@ -117,6 +133,41 @@ def _override(base: SamplingParams, fields: dict[str, Any] | None, key: str, roo
             raise
         raise RequestError(e.message, field=f"{where}.{e.field}", status=e.status, code=e.code) from None
     return params
+
+
+def fit_context(sampling: dict[str, SamplingParams], root: str, piece: PreparedPiece,
+                max_model_len: int) -> dict[str, SamplingParams]:
+    """Each key's params with a number of tokens: the prompt must leave room
+    in the context (else the error names `piece.field`), the root's
+    `max_tokens` must fit that room (its loops write into the prompt's
+    context), and a `max_tokens` of None, any key's, is all of it."""
+    room = max_model_len - piece.num_tokens
+    if room < 1:
+        raise RequestError(f"the prompt is {piece.num_tokens} tokens but the model's context is {max_model_len} "
+                           "tokens, leaving no room to generate", field=piece.field, code=CONTEXT_EXCEEDED)
+    asked = sampling[root].max_tokens
+    if asked is not None and asked > room:
+        raise RequestError(f"{asked} tokens plus the {piece.num_tokens}-token prompt exceed the model's context of "
+                           f"{max_model_len} tokens; at most {room} can be generated here", field="max_tokens",
+                           code=CONTEXT_EXCEEDED)
+    return {key: params if params.max_tokens is not None else dataclasses.replace(params, max_tokens=room)
+            for key, params in sampling.items()}
+
+
+def input_size(value: Any) -> int:
+    """How large a request's raw inputs are, to tell a long prompt from a
+    short one without reading it: characters of a text, ids of a list
+    (lists of texts or messages are summed), elements of a tensor."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(input_size(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        # ids are counted, not walked: a million of them would take as long as the prepare spared
+        nested = bool(value) and isinstance(value[0], (str, dict, list, tuple))
+        return sum(input_size(v) for v in value) if nested else len(value)
+    numel = getattr(value, "numel", None)
+    return numel() if callable(numel) else 0
 
 
 def key_seed(seed: int, key: str) -> int:

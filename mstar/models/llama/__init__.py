@@ -1,5 +1,6 @@
-"""The Llama family as a served model: request prompt ids in, a walk that
-prefills them and decodes token by token until EOS or the token budget.
+"""The Llama family as a served model: a request's prompt (token ids, text or
+chat messages, tokenised here) in, a walk that prefills it and decodes token
+by token until EOS or the token budget.
 
 `LlamaModel(name, path, ...)` reads a Hugging Face folder (config.json,
 safetensors, tokenizer files); `path=None` is the builtin tiny config with the
@@ -13,17 +14,16 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
-
 import torch
 
-from mstar.errors import ConfigError, RequestError
+from mstar.errors import ConfigError
 from mstar.graph import Component, Emit, EosToken, HostStop, Loop, MaxTokens, Step, Walk
 from mstar.models.base import KVSpec, Model
 from mstar.models.llama.config import TINY_LLAMA, LlamaConfig, read_config_json
 from mstar.models.llama.loader import checkpoint_has_lm_head, dummy_weights, load_weights
 from mstar.models.llama.model import LlamaDecoder
 from mstar.models.prepared import PreparedPiece
+from mstar.models.prompt import prompt_tokens
 from mstar.models.tokenizer import (BYTE_TOKENIZER_VOCAB_SIZE, Tokenizer, builtin_byte_tokenizer,
                                     read_optional_json)
 from mstar.types import GenerateRequest, SamplingParams
@@ -146,29 +146,8 @@ class LlamaModel(Model):
         return decoder.eval()
 
     def prepare_inputs(self, request: GenerateRequest, sampling: SamplingParams) -> PreparedPiece:
-        ids = _prompt_ids(request.inputs.get("prompt_ids"))
-        if not ids:
-            raise RequestError("the prompt is empty", field="prompt")
-        vocab = self.config.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab})", field="prompt")
-        max_tokens = sampling.max_tokens
-        if len(ids) + max_tokens > self._max_model_len:
-            raise RequestError(
-                f"the prompt has {len(ids)} tokens and max_tokens is {max_tokens}: together "
-                f"{len(ids) + max_tokens}, more than the model's context length {self._max_model_len}",
-                field="max_tokens")
-        return PreparedPiece({"prompt_ids": torch.tensor(ids, dtype=torch.long)}, len(ids))
-
-
-def _prompt_ids(value: Any) -> list[int]:
-    if isinstance(value, torch.Tensor):
-        if value.dim() != 1 or value.dtype.is_floating_point or value.dtype == torch.bool:
-            raise RequestError("must be a 1-D integer tensor", field="prompt")
-        return value.tolist()
-    if value is None:
-        return []
-    if not isinstance(value, (list, tuple)) or any(isinstance(t, bool) or not isinstance(t, int) for t in value):
-        raise RequestError("must be a list of integer token ids", field="prompt")
-    return list(value)
+        """`prompt_ids`, a text `prompt` or chat `messages` (`prompt.py`) ->
+        `{"prompt_ids"}`; the context fit is `Model.prepare`'s."""
+        ids, field = prompt_tokens(request.inputs, self.tokenizer, self.config.vocab_size, self._max_model_len,
+                                   self.name)
+        return PreparedPiece({"prompt_ids": torch.tensor(ids, dtype=torch.long)}, len(ids), field)

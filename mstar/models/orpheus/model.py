@@ -49,6 +49,7 @@ from mstar.models.orpheus.tokens import (AUDIO_END_IDS, AUDIO_TOKEN_BASE, AUDIO_
                                          prompt_ids, turn_after, voice_text)
 from mstar.models.orpheus.windows import PlayedWindows
 from mstar.models.prepared import PreparedPiece
+from mstar.models.prompt import PROMPT_INPUTS
 from mstar.models.snac import SnacDecoder, load_snac_decoder
 from mstar.types import GenerateRequest, SamplingParams
 
@@ -161,9 +162,10 @@ class OrpheusModel(LlamaModel):
     def prepare_inputs(self, request: GenerateRequest, sampling: SamplingParams) -> PreparedPiece:
         """Inputs `{"text": str, "voice": str | None}` -> `{"prompt_ids"}` in
         Orpheus's prompt format; `voice` None or absent is the default voice
-        (tara). `{"prompt_ids": [...]}` passes through as for any Llama."""
+        (tara). A prompt of a Llama (`prompt_ids`, `prompt`, `messages`) is
+        prepared as any Llama's."""
         inputs = request.inputs
-        if "prompt_ids" in inputs:
+        if "text" not in inputs and any(name in inputs for name in PROMPT_INPUTS):
             return super().prepare_inputs(request, sampling)
         text = inputs.get("text")
         if not isinstance(text, str) or not text.strip():
@@ -172,8 +174,9 @@ class OrpheusModel(LlamaModel):
         if self.tokenizer is None:
             raise RequestError(f"model '{self.name}' has no tokenizer: send prompt_ids", field="input")
         ids = prompt_ids(self.tokenizer.encode(voice_text(text, voice)))
-        # the Llama checks: ids inside the vocabulary, prompt + max_tokens inside the context
-        return super().prepare_inputs(dataclasses.replace(request, inputs={"prompt_ids": ids}), sampling)
+        # the Llama's check of the ids against the vocabulary; a prompt that does not fit names the text
+        piece = super().prepare_inputs(dataclasses.replace(request, inputs={"prompt_ids": ids}), sampling)
+        return dataclasses.replace(piece, field="input")
 
     def prepare_more(self, request: GenerateRequest, inputs: dict[str, Any]) -> PreparedPiece:
         """More text for a running `speak` request: the next human turn, in

@@ -1,0 +1,174 @@
+"""A language model's prompt, prepared by the model: a text and chat messages
+become the ids the tokenizer gives (special tokens, chat template), every
+refusal names the field the client gave, and the prompt and `max_tokens` are
+fitted to the context (None: all the room left)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from mstar.errors import RequestError
+from mstar.models.llama import LlamaModel
+from mstar.models.prepared import PreparedPiece, fit_context
+from mstar.models.registry import load_model
+from mstar.models.tokenizer import Tokenizer
+from mstar.types import GenerateRequest, SamplingParams
+
+CONTEXT = 32
+CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+
+
+def _request(inputs: dict[str, Any], max_tokens: int | None = 4, rid: str = "r", seed: int | None = 1,
+             walk: str | None = None) -> GenerateRequest:
+    return GenerateRequest(rid, "tiny-llama", inputs, SamplingParams(max_tokens=max_tokens, seed=seed), walk=walk)
+
+
+def _ids(model: LlamaModel, inputs: dict[str, Any], max_tokens: int | None = 4) -> list[int]:
+    return model.prepare(_request(inputs, max_tokens)).values["prompt_ids"].tolist()
+
+
+def _refused(model: LlamaModel, inputs: dict[str, Any], max_tokens: int | None = 4) -> RequestError:
+    with pytest.raises(RequestError) as e:
+        model.prepare(_request(inputs, max_tokens))
+    assert e.value.status == 400
+    return e.value
+
+
+def _counting_encode(tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The texts `tokenizer.encode` is called with, from now on."""
+    calls: list[str] = []
+    real = tokenizer.encode
+
+    def counted(text: str, *args: Any, **kwargs: Any) -> list[int]:
+        calls.append(text)
+        return real(text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", counted)
+    return calls
+
+
+class Tokenless(LlamaModel):
+    """The tiny Llama as a folder without tokenizer.json serves it: ids only."""
+
+    def __init__(self) -> None:
+        super().__init__("tiny-llama", None, max_model_len=CONTEXT)
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return None
+
+
+# ------------------------------------------------------------------ model
+
+
+def test_a_text_is_tokenised_with_its_special_tokens() -> None:
+    model = load_model("tiny-llama")
+    prepared = model.prepare(_request({"prompt": "Once upon"}))
+    ids = model.tokenizer.encode("Once upon", add_special_tokens=True)
+    assert prepared.values["prompt_ids"].tolist() == ids and ids[0] == model.tokenizer.bos_token_id
+    assert prepared.num_prompt_tokens == len(ids) and prepared.prompt_field == "prompt"
+
+
+def test_messages_go_through_the_chat_template_then_the_tokenizer() -> None:
+    model = load_model("tiny-llama")
+    tok = model.tokenizer
+    for opening in (True, False):
+        text = tok.apply_chat_template(CHAT, add_generation_prompt=opening)
+        assert (text.endswith("assistant<|end_header_id|>\n\n")) == opening
+        # the template placed the BOS: encoding adds none
+        expected = tok.encode(text, add_special_tokens=False)
+        inputs = {"messages": CHAT} if opening else {"messages": CHAT, "add_generation_prompt": False}
+        prepared = model.prepare(_request(inputs))
+        assert prepared.values["prompt_ids"].tolist() == expected and prepared.prompt_field == "messages"
+        assert expected.count(tok.bos_token_id) == 1
+
+
+def test_token_ids_pass_as_given() -> None:
+    assert _ids(load_model("tiny-llama"), {"prompt_ids": [256, 104, 105]}) == [256, 104, 105]
+
+
+@pytest.mark.parametrize("inputs, field", [
+    ({"prompt_ids": [1, 261]}, "prompt"),  # the byte vocabulary is 261 ids
+    ({"prompt_ids": [1, -1]}, "prompt"),
+    ({"prompt_ids": [1, True]}, "prompt"),
+    ({"prompt_ids": []}, "prompt"),
+    ({}, "prompt"),
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": "x", "prompt_ids": [1]}, "prompt"),
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"content": "no role"}]}, "messages[0]"),
+    ({"messages": CHAT, "add_generation_prompt": "yes"}, "add_generation_prompt"),
+])
+def test_a_bad_prompt_names_its_field(inputs: dict[str, Any], field: str) -> None:
+    assert _refused(load_model("tiny-llama", max_model_len=CONTEXT), inputs).field == field
+
+
+@pytest.mark.parametrize("inputs, field", [
+    (lambda text: {"prompt": text}, "prompt"),
+    (lambda text: {"messages": [{"role": "user", "content": text}]}, "messages"),
+])
+def test_a_text_past_any_context_is_refused_before_it_is_tokenised(inputs: Callable[[str], dict[str, Any]],
+                                                                   field: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    model = load_model("tiny-llama", max_model_len=CONTEXT)
+    calls = _counting_encode(model.tokenizer, monkeypatch)
+    # one character more than the context's tokens could hold, were each the longest token
+    error = _refused(model, inputs("a" * (CONTEXT * model.tokenizer.max_token_bytes + 1)))
+    assert error.field == field and "characters" in error.message and error.code == "context_length_exceeded"
+    assert calls == []
+
+
+def test_a_template_that_refuses_the_messages_names_them() -> None:
+    model = load_model("tiny-llama")
+    model.tokenizer.chat_template = "{{ raise_exception('only users speak here') }}"
+    error = _refused(model, {"messages": CHAT})
+    assert error.field == "messages" and "only users speak here" in error.message
+
+
+def test_a_model_without_a_tokenizer_takes_ids_only() -> None:
+    model = Tokenless()
+    for inputs in ({"prompt": "hi"}, {"messages": CHAT}):
+        error = _refused(model, inputs)
+        assert error.field == "model" and "no tokenizer" in error.message
+    assert _ids(model, {"prompt_ids": [1, 2]}) == [1, 2]
+
+
+@pytest.mark.parametrize("inputs, max_tokens, field", [
+    ({"prompt_ids": [1] * CONTEXT}, None, "prompt"),
+    ({"prompt_ids": [1] * CONTEXT}, 1, "prompt"),
+    ({"prompt": "a" * CONTEXT}, None, "prompt"),  # the BOS makes it one more than the context
+    ({"messages": [{"role": "user", "content": "a" * CONTEXT}]}, None, "messages"),
+    ({"prompt_ids": [1] * 20}, 13, "max_tokens"),
+])
+def test_a_prompt_that_does_not_fit_the_context_names_its_field(inputs: dict[str, Any], max_tokens: int | None,
+                                                               field: str) -> None:
+    error = _refused(load_model("tiny-llama", max_model_len=CONTEXT), inputs, max_tokens)
+    assert error.field == field and str(CONTEXT) in error.message and error.code == "context_length_exceeded"
+
+
+def test_max_tokens_left_out_is_all_the_room_the_prompt_leaves() -> None:
+    model = load_model("tiny-llama", max_model_len=CONTEXT)
+    assert model.prepare(_request({"prompt_ids": [1] * 20}, None)).sampling["llm"].max_tokens == 12
+    assert model.prepare(_request({"prompt_ids": [1] * 20}, 12)).sampling["llm"].max_tokens == 12
+    assert model.prepare(_request({"prompt_ids": [1] * 20}, 5)).sampling["llm"].max_tokens == 5
+
+
+def test_fit_context() -> None:
+    def fit(max_tokens: int | None, prompt: int, field: str = "prompt") -> int | None:
+        sampling = {"llm": SamplingParams(max_tokens=max_tokens), "other": SamplingParams(max_tokens=None)}
+        fitted = fit_context(sampling, "llm", PreparedPiece({}, prompt, field), 64)
+        assert fitted["other"].max_tokens == 64 - prompt  # any key's None is the room
+        return fitted["llm"].max_tokens
+
+    assert fit(None, 10) == 54
+    assert fit(54, 10) == 54
+    with pytest.raises(RequestError) as info:
+        fit(55, 10)
+    assert info.value.field == "max_tokens" and "64" in info.value.message
+    with pytest.raises(RequestError) as info:
+        fit(None, 64, "messages")
+    assert info.value.field == "messages"
