@@ -1,15 +1,24 @@
 """A language model's prompt, prepared by the model: a text and chat messages
 become the ids the tokenizer gives (special tokens, chat template), every
-refusal names the field the client gave, and the prompt and `max_tokens` are
-fitted to the context (None: all the room left)."""
+refusal names the field the client gave, the prompt and `max_tokens` are
+fitted to the context (None: all the room left), a long prompt is prepared
+on a thread by `Engine.prepare` while the event loop goes on, and a second
+sample of one prompt starts from the first's preparation."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+import dataclasses
+import threading
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
+import pytest_asyncio
 
+from mstar.config import EngineConfig
+from mstar.engine import engine as engine_module
+from mstar.engine.engine import Engine
 from mstar.errors import RequestError
 from mstar.models.llama import LlamaModel
 from mstar.models.prepared import PreparedPiece, fit_context
@@ -172,3 +181,118 @@ def test_fit_context() -> None:
     with pytest.raises(RequestError) as info:
         fit(None, 64, "messages")
     assert info.value.field == "messages"
+
+
+# ----------------------------------------------------------------- engine
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def llama() -> AsyncIterator[Engine]:
+    engine = Engine(EngineConfig(model="tiny-llama"))
+    await engine.start()
+    try:
+        yield engine
+    finally:
+        await engine.shutdown()
+
+
+async def _finish(stream: Any) -> list[int]:
+    tokens: list[int] = []
+    async for chunk in stream:
+        assert chunk.error is None, chunk.error
+        tokens += chunk.token_ids
+    return tokens
+
+
+def _recording_prepare(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The thread of each call of the model's `prepare`, from now on."""
+    assert engine.model is not None
+    threads: list[int] = []
+    real = engine.model.prepare
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.get_ident())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "prepare", recorded)
+    return threads
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_submit_takes_a_text_and_messages(llama: Engine) -> None:
+    tok = llama.tokenizer("tiny-llama")
+    stream = llama.submit(_request({"prompt": "Once upon"}, rid="text"))
+    assert stream.num_prompt_tokens == len(tok.encode("Once upon"))
+    as_ids = llama.submit(_request({"prompt_ids": tok.encode("Once upon")}, rid="ids"))
+    assert await _finish(stream) == await _finish(as_ids)
+    chat = llama.submit(_request({"messages": CHAT}, rid="chat"))
+    assert chat.num_prompt_tokens == len(tok.encode(tok.apply_chat_template(CHAT), add_special_tokens=False))
+    assert len(await _finish(chat)) == 4
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_long_prompt_is_prepared_off_the_event_loop(llama: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    loop_thread = threading.get_ident()
+    threads = _recording_prepare(llama, monkeypatch)
+    monkeypatch.setattr(engine_module, "OFF_LOOP_SIZE", 100)
+    short = await llama.prepare(_request({"prompt": "a" * 99}, rid="short"))
+    long = await llama.prepare(_request({"prompt": "a" * 100}, rid="long"))
+    assert threads[0] == loop_thread and threads[1] != loop_thread
+    assert (short.num_prompt_tokens, long.num_prompt_tokens) == (100, 101)
+    assert len(await _finish(llama.submit(_request({"prompt": "a" * 100}, rid="long"), long))) == 4
+    assert len(threads) == 2  # submit started from what prepare gave
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_the_event_loop_runs_while_a_long_prompt_is_prepared(llama: Engine,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """At the real threshold, with the model's prepare held until the loop
+    has run a callback: were it on the event loop, it would wait in vain."""
+    assert llama.model is not None
+    ran = threading.Event()
+    real = llama.model.prepare
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        assert ran.wait(timeout=20), "preparing blocked the event loop"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llama.model, "prepare", held)
+    asyncio.get_running_loop().call_later(0.05, ran.set)
+    ids = [1] * engine_module.OFF_LOOP_SIZE  # past the 2,048 context
+    with pytest.raises(RequestError) as e:
+        await asyncio.wait_for(llama.prepare(_request({"prompt_ids": ids}, rid="huge")), timeout=30)
+    assert e.value.field == "prompt" and "no room" in e.value.message
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_another_sample_starts_from_the_first_ones_preparation(llama: Engine,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    tok = llama.tokenizer("tiny-llama")
+    calls = _counting_encode(tok, monkeypatch)
+    hot = SamplingParams(max_tokens=6, temperature=1.0, seed=3, ignore_eos=True)
+    first = GenerateRequest("s-0", "tiny-llama", {"prompt": "Once upon"}, hot)
+    prepared = await llama.prepare(first)
+    samples = [first, *(GenerateRequest(f"s-{j}", "tiny-llama", {"prompt": "Once upon"},
+                                        SamplingParams(max_tokens=6, temperature=1.0, seed=3 + j, ignore_eos=True))
+                        for j in (1, 2))]
+    drawn = [await _finish(llama.submit(r, prepared)) for r in samples]
+    assert calls == ["Once upon"]  # tokenised once for the three samples
+    # each sample draws as a request of its own seed would
+    alone = [await _finish(llama.submit(GenerateRequest(f"a-{j}", "tiny-llama", {"prompt_ids": prepared.values[
+        "prompt_ids"].tolist()}, r.sampling))) for j, r in enumerate(samples)]
+    assert drawn == alone and drawn[0] != drawn[1]
+    unseeded = GenerateRequest("u", "tiny-llama", {"prompt": "Once upon"}, SamplingParams(max_tokens=2))
+    twin = GenerateRequest("u-1", "tiny-llama", {"prompt": "Once upon"}, SamplingParams(max_tokens=2))
+    ready = await llama.prepare(unseeded)
+    assert llama.model is not None and llama.model.resample(twin, llama.plans["generate"], ready).sampling[
+        "llm"].seed != ready.sampling["llm"].seed  # an unseeded sample draws its own seed
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_preparation_for_another_walk_is_not_started(llama: Engine) -> None:
+    prepared = await llama.prepare(_request({"prompt_ids": [1, 2]}, rid="w"))
+    wrong = dataclasses.replace(prepared, walk="speak")
+    with pytest.raises(ValueError, match="walk"):
+        llama.submit(_request({"prompt_ids": [1, 2]}, rid="w"), wrong)
+    assert llama.num_running() == 0
+

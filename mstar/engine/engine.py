@@ -1,8 +1,10 @@
 """The Engine: the asyncio side of the runtime and its public API.
 
 `submit` looks up a request's walk, has the model prepare it (inputs,
-sampling per key, validated there once) and hands it to its device workers;
-it returns a `RequestStream` of output chunks. Workers report once per step
+tokenised and templated there, sampling per key, validated there once) and
+hands it to its device workers; it returns a `RequestStream` of output
+chunks. `prepare` does the same preparing ahead, off the event loop for a
+long prompt, for a `submit` that starts from it. Workers report once per step
 through `loop.call_soon_threadsafe`; the engine turns each report into
 chunks for the requests in it, applies stop strings, and sends stops and
 aborts back. Every device runs a full replica of the model; a new
@@ -34,6 +36,7 @@ from mstar.engine.worker.walker import check_runnable
 from mstar.errors import ConfigError, MstarError, ModelNotFound, RequestError
 from mstar.graph import Emit, HostStop, WalkPlan, compile_walks
 from mstar.models.base import Model
+from mstar.models.prepared import Prepared, input_size
 from mstar.models.registry import load_model
 from mstar.models.detokenizer import push_batch
 from mstar.models.tokenizer import IncrementalDetokenizer
@@ -41,6 +44,8 @@ from mstar.placement import describe, resolve
 from mstar.types import GenerateRequest, ModelCard
 
 log = structlog.get_logger("mstar.engine")
+
+OFF_LOOP_SIZE = 1 << 16  # inputs from this size on (characters, ids) are prepared on a thread
 
 
 class Engine:
@@ -196,22 +201,31 @@ class Engine:
 
     # --------------------------------------------------------------- submit
 
-    def submit(self, request: GenerateRequest) -> RequestStream:
-        """Start a request. Bad input raises `RequestError` here, before
-        anything is queued."""
-        model = self._model(request.model)
-        if not self.workers or not any(w.alive for w in self.workers):
-            raise RequestError("the engine is not running", status=503, code="unavailable")
-        if request.request_id in self._states:
-            raise RequestError(f"request id '{request.request_id}' is already running", field="request_id")
-        walk_name = request.walk or model.default_walk
-        plan = self.plans.get(walk_name)
-        if plan is None:
-            raise RequestError(f"unknown walk '{walk_name}'; this model has {sorted(self.plans)}", field="walk")
-        if request.more_input and plan.more_input is None:
-            raise RequestError(f"walk '{walk_name}' of model '{self.model_name}' takes no input while it runs",
-                               field="input")
-        prepared = model.prepare(request, plan)
+    async def prepare(self, request: GenerateRequest) -> Prepared:
+        """What `submit` starts `request` from: the engine's checks, then the
+        model's `prepare` (a language model tokenises and templates its
+        prompt there), on a thread when the inputs are large: tokenising a
+        long prompt on the event loop would stall every other client
+        meanwhile. Bad input raises `RequestError`."""
+        model, plan = self._intake(request)
+        if input_size(request.inputs) < OFF_LOOP_SIZE:
+            return model.prepare(request, plan)
+        return await asyncio.to_thread(model.prepare, request, plan)
+
+    def submit(self, request: GenerateRequest, prepared: Prepared | None = None) -> RequestStream:
+        """Start a request from `prepared`: what `prepare` gave for it, or for
+        another request of the same inputs and walk (a second sample of one
+        prompt: its own sampling is resolved again, its inputs are not), or
+        by default what the model prepares here, on the event loop. Bad input
+        raises `RequestError` here, before anything is queued."""
+        model, plan = self._intake(request)
+        if prepared is None:
+            prepared = model.prepare(request, plan)
+        elif prepared.walk != plan.name:
+            raise ValueError(f"request '{request.request_id}' is for walk '{plan.name}', but what it was given was "
+                             f"prepared for walk '{prepared.walk}'")
+        elif not prepared.is_sampling_of(request):
+            prepared = model.resample(request, plan, prepared)
         places = self._route(plan)
         idx = places[plan.root]
         tok = model.tokenizer
@@ -231,6 +245,22 @@ class Engine:
             state.timer = asyncio.get_running_loop().call_later(self.config.request_timeout, self._expire,
                                                                 request.request_id)
         return RequestStream(state, self.abort)
+
+    def _intake(self, request: GenerateRequest) -> tuple[Model, WalkPlan]:
+        """The model and walk plan of a request the engine can take now."""
+        model = self._model(request.model)
+        if not self.workers or not any(w.alive for w in self.workers):
+            raise RequestError("the engine is not running", status=503, code="unavailable")
+        if request.request_id in self._states:
+            raise RequestError(f"request id '{request.request_id}' is already running", field="request_id")
+        walk_name = request.walk or model.default_walk
+        plan = self.plans.get(walk_name)
+        if plan is None:
+            raise RequestError(f"unknown walk '{walk_name}'; this model has {sorted(self.plans)}", field="walk")
+        if request.more_input and plan.more_input is None:
+            raise RequestError(f"walk '{walk_name}' of model '{self.model_name}' takes no input while it runs",
+                               field="input")
+        return model, plan
 
     def append(self, request_id: str, inputs: dict) -> int:
         """More input for a running request submitted with `more_input` (for
