@@ -14,7 +14,7 @@ import pytest
 import pytest_asyncio
 from http_support import running_engine, serving
 
-from mstar.http import submission
+from mstar.engine import engine as engine_module
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -102,7 +102,7 @@ async def test_a_long_prompt_is_tokenised_off_the_event_loop(llama, monkeypatch,
     """The tokenizer holds until /health has answered: were it called on the
     event loop, /health could not answer and the request would never end."""
     engine, url = llama
-    monkeypatch.setattr(submission, "OFF_LOOP_SIZE", 1000)
+    monkeypatch.setattr(engine_module, "OFF_LOOP_SIZE", 1000)
     tokenizer = engine.tokenizer("tiny-llama")
     health_answered = threading.Event()
     real = tokenizer.encode

@@ -9,7 +9,6 @@ import pytest
 from mstar.errors import RequestError
 from mstar.http.text.protocol import (COMPLETIONS_MAX_TOKENS, MAX_N, parse_chat, parse_completion, parse_generate,
                                  parse_json_object)
-from mstar.http.submission import fit_max_tokens
 from mstar.types import SamplingParams
 
 
@@ -225,17 +224,3 @@ def test_generate_reads_sampling_params_by_name() -> None:
 ])
 def test_generate_refusals_name_the_field(fields: dict, field: str) -> None:
     assert refused(parse_generate, orjson.dumps(fields)).field == field
-
-
-# -------------------------------------------------------- context window
-
-
-def test_fit_max_tokens() -> None:
-    assert fit_max_tokens(None, 10, 64, "prompt", "max_tokens") == 54
-    assert fit_max_tokens(54, 10, 64, "prompt", "max_tokens") == 54
-    with pytest.raises(RequestError) as info:
-        fit_max_tokens(55, 10, 64, "prompt", "max_tokens")
-    assert info.value.field == "max_tokens" and "64" in info.value.message
-    with pytest.raises(RequestError) as info:
-        fit_max_tokens(None, 64, 64, "messages", "max_tokens")
-    assert info.value.field == "messages"

@@ -100,6 +100,29 @@ async def test_completions_seed_is_reproducible(http: aiohttp.ClientSession) -> 
     assert answers[0] == answers[1]
 
 
+async def test_a_prompt_is_tokenised_once_for_all_its_samples(http: aiohttp.ClientSession, engine: Engine,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    tok = engine.tokenizer(MODEL)
+    calls: list[str] = []
+    real = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda text, *a, **k: calls.append(text) or real(text, *a, **k))
+    sampled = {"n": 3, "seed": 11, "max_tokens": 6, "temperature": 1.0, "ignore_eos": True}
+    async with http.post("/v1/completions", json={"prompt": ["one", "two three"], **sampled}) as r:
+        assert r.status == 200
+        texts = [c["text"] for c in sorted((await r.json())["choices"], key=lambda c: c["index"])]
+    assert sorted(calls) == ["one", "two three"]
+    async with http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                       **sampled}) as r:
+        assert r.status == 200 and len((await r.json())["choices"]) == 3
+    assert len(calls) == 3  # the chat's template, rendered and tokenised once
+    # sample j of a prompt draws as that prompt alone with seed + j
+    for j in range(3):
+        async with http.post("/v1/completions", json={"prompt": "two three", **sampled, "n": 1,
+                                                      "seed": 11 + j}) as r:
+            assert (await r.json())["choices"][0]["text"] == texts[3 + j]
+    assert len(set(texts[3:])) == 3
+
+
 async def test_completions_stream(http: aiohttp.ClientSession) -> None:
     request = {"prompt": "abc", **greedy(5)}
     async with http.post("/v1/completions", json=request) as r:

@@ -7,14 +7,18 @@ sample of one prompt starts from the first's preparation."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import dataclasses
 import threading
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import pytest_asyncio
+
+import mstar.http
 
 from mstar.config import EngineConfig
 from mstar.engine import engine as engine_module
@@ -181,6 +185,19 @@ def test_fit_context() -> None:
     with pytest.raises(RequestError) as info:
         fit(None, 64, "messages")
     assert info.value.field == "messages"
+
+
+def test_no_http_module_tokenises() -> None:
+    """One intake: a prompt becomes tokens in the model's prepare. The HTTP
+    side only decodes (answers, logprob token strings); a string's own
+    `encode("utf-8")` is no tokenising."""
+    for path in sorted(Path(mstar.http.__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                name, args = node.func.attr, node.args
+                tokenises = name == "apply_chat_template" or (
+                    name == "encode" and bool(args) and not isinstance(args[0], ast.Constant))
+                assert not tokenises, f"{path}:{node.lineno} calls {name}"
 
 
 # ----------------------------------------------------------------- engine

@@ -1,17 +1,20 @@
 """Checked request bodies in, running engine requests out.
 
-A prompt is tokenised with the served model's tokenizer, checked against its
-context window, and turned into one `GenerateRequest` per choice; the engine's
-streams come back as a `Submission` that merges their chunks in arrival order
-and keeps each choice's text, tokens and finish reason for the answer.
-Talks to the engine only through its public API; importable without torch.
+Each prompt of a request becomes a `GenerateRequest` of raw inputs (text,
+token ids or chat messages), prepared once by the engine's model (which
+tokenises and checks it against the context, off the event loop when long),
+then started once per choice; the model's field names in its errors become
+the route's. The engine's streams come back as a `Submission` that merges
+their chunks in arrival order and keeps each choice's text, tokens and
+finish reason for the answer. Talks to the engine only through its public
+API; importable without torch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -20,13 +23,13 @@ from mstar.http.text.protocol import SAMPLING_KEYS, Prompt
 from mstar.types import GenerateRequest, OutputChunk, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
-    from mstar.engine.engine import Engine, RequestStream
+    from mstar.engine.engine import Engine, Prepared, RequestStream
 
 
 R = TypeVar("R")
 
 SPEAK_WALK = "speak"  # the walk of speech models: text and a voice in, audio out
-OFF_LOOP_SIZE = 1 << 16  # request bodies and prompts from this size on are parsed and tokenised on a thread
+OFF_LOOP_SIZE = 1 << 16  # request bodies from this size on are parsed on a thread
 
 
 class GenerationFailed(MstarError):
@@ -58,8 +61,8 @@ class Target:
 
 def resolve_model(engine: Engine, requested: str | None) -> Target:
     """The model a request names (default: the engine's); 404 if not served.
-    A model without a tokenizer resolves with `tokenizer` None: routes that
-    need one refuse it (`encode_prompt`), the speech route does not."""
+    `tokenizer` (None for a model without one) is for the answer's side:
+    token strings of logprobs, whether a chat template is there."""
     name = requested or engine.model_name
     card = next((c for c in engine.model_cards() if c.name == name), None)
     if card is None:
@@ -76,80 +79,49 @@ def resolve_model(engine: Engine, requested: str | None) -> Target:
 
 async def off_loop(size: int, fn: Callable[..., R], *args: Any) -> R:
     """`fn(*args)`, run on a thread when its input is `size` >= `OFF_LOOP_SIZE`
-    (characters, bytes or ids): parsing and tokenising a long prompt would
-    stall every other client of the event loop meanwhile."""
+    bytes: parsing a long body would stall every other client of the event
+    loop meanwhile (its prompt is tokenised off the loop by `Engine.prepare`)."""
     if size < OFF_LOOP_SIZE:
         return fn(*args)
     return await asyncio.to_thread(fn, *args)
 
 
-def check_length(target: Target, chars: int, field_name: str) -> None:
-    """Refuse a text that cannot fit the context before tokenising it: it has
-    at least `chars / max_token_bytes` tokens, whatever they turn out to be."""
-    per_token = getattr(target.tokenizer, "max_token_bytes", None)
-    if per_token and chars > target.max_model_len * per_token:
-        raise RequestError(
-            f"the prompt is {chars} characters, so at least {chars // per_token} tokens, more than the model's "
-            f"context of {target.max_model_len} tokens", field=field_name)
+@dataclass(frozen=True)
+class Inputs:
+    """One prompt's raw inputs for the model (`{"prompt": text}`,
+    `{"prompt_ids": ids}`, `{"messages": [...]}`, `{"text", "voice"}`), and
+    the route's names for the fields the model and engine name in their
+    errors (`prompt` -> `prompt[1]`, `max_tokens` -> `sampling_params.max_tokens`)."""
+
+    values: dict[str, Any]
+    names: Mapping[str, str] = field(default_factory=dict)
 
 
-def encode_prompt(target: Target, prompt: Prompt, field_name: str) -> list[int]:
-    """Text through the tokenizer (with its special tokens), or ids as given
-    once checked against the vocabulary."""
-    _need_tokenizer(target)
-    if isinstance(prompt, str):
-        check_length(target, len(prompt), field_name)
-        ids = list(target.tokenizer.encode(prompt, add_special_tokens=True))
-    else:
-        ids = list(prompt)
-        vocab = target.tokenizer.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab})", field=field_name)
-    if not ids:
-        raise RequestError("the prompt has no tokens", field=field_name)
-    return ids
+def prompt_inputs(prompt: Prompt) -> dict[str, Any]:
+    """A text or token-id prompt as a language model's inputs."""
+    return {"prompt": prompt} if isinstance(prompt, str) else {"prompt_ids": list(prompt)}
 
 
-def encode_chat(target: Target, messages: Sequence[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-    """Messages through the model's chat template, then the tokenizer; the
-    template already placed the special tokens, so encoding adds none."""
-    _need_tokenizer(target)
-    check_length(target, sum(len(m.get("content") or "") for m in messages), "messages")
-    try:
-        text = target.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt)
-    except (ValueError, TypeError, KeyError) as e:
-        raise RequestError(f"the chat template refused these messages: {e}", field="messages") from None
-    except Exception as e:  # jinja's TemplateError is raised by a template's raise_exception()
-        if type(e).__module__.startswith("jinja2"):
-            raise RequestError(f"the chat template refused these messages: {e}", field="messages") from None
-        raise
-    ids = list(target.tokenizer.encode(text, add_special_tokens=False))
-    if not ids:
-        raise RequestError("the messages have no tokens", field="messages")
-    return ids
+def sampling_names(prefix: str) -> dict[str, str]:
+    """Each sampling field under the route's `prefix` (`sampling_params.`)."""
+    return {name: prefix + name for name in SAMPLING_KEYS}
 
 
-def _need_tokenizer(target: Target) -> None:
-    if target.tokenizer is None:
-        raise RequestError(f"model '{target.name}' has no tokenizer", field="model")
+def spoken_names(prompt_field: str, tokens_field: str | None, sampling_prefix: str = "") -> dict[str, str]:
+    """The route's names for a model that builds its own prompt (text and a
+    voice): its sampling fields under `sampling_prefix`, its `input` as
+    `prompt_field`, and `max_tokens` as `tokens_field`, or, when the client
+    gave none (the model's default did not fit), as `prompt_field`."""
+    return {**sampling_names(sampling_prefix), "max_tokens": tokens_field or prompt_field, "input": prompt_field}
 
 
-def fit_max_tokens(requested: int | None, prompt_len: int, max_model_len: int,
-                   prompt_field: str, tokens_field: str) -> int:
-    """`requested` if the prompt plus it fit the context; None means all the room left."""
-    room = max_model_len - prompt_len
-    if room < 1:
-        raise RequestError(
-            f"the prompt is {prompt_len} tokens but the model's context is {max_model_len} tokens, "
-            "leaving no room to generate", field=prompt_field)
-    if requested is None:
-        return room
-    if requested > room:
-        raise RequestError(
-            f"{requested} tokens plus the {prompt_len}-token prompt exceed the model's context of "
-            f"{max_model_len} tokens; at most {room} can be generated here", field=tokens_field)
-    return requested
+def renamed(error: RequestError, names: Mapping[str, str]) -> RequestError:
+    """`error` naming its field as the route's client knows it."""
+    name = names.get(error.field) if error.field is not None else None
+    if name is None or name == error.field:
+        return error
+    return RequestError(error.message, field=name, status=error.status, code=error.code,
+                        retry_after=error.retry_after)
 
 
 @dataclass
@@ -282,68 +254,49 @@ class Submission:
             await stream.aclose()
 
 
-def submit(engine: Engine, base_id: str, target: Target, prompts: Sequence[list[int]],
-           sampling: SamplingParams, max_tokens: Sequence[int], n: int = 1, walk: str | None = None) -> Submission:
-    """One engine request per (prompt, sample), choice index prompt * n + sample.
-    Samples of one prompt get distinct seeds (seed, seed + 1, ...) so they differ
-    yet stay reproducible. If any submit is refused, the ones before are aborted."""
+async def submit(engine: Engine, base_id: str, model: str, prompts: Sequence[Inputs], sampling: SamplingParams,
+                 *, n: int = 1, walk: str | None = None, sampling_by: Mapping[str, dict[str, Any]] | None = None,
+                 more_input: bool = False, keep_audio: bool = False) -> Submission:
+    """One engine request per (prompt, sample), choice index prompt * n + sample,
+    request id `base_id-index`. Every prompt is prepared first, once
+    (`Engine.prepare`: tokenised by the model, off the event loop when
+    long), so a bad one refuses the request before any choice starts. Samples
+    of one prompt get distinct seeds (seed, seed + 1, ...) so they differ yet
+    stay reproducible; the engine resolves each sample's sampling again from
+    the prompt's preparation. If any start is refused, those before are aborted."""
+    requests: list[GenerateRequest] = []
+    prepared: list[Prepared] = []
+    for p, prompt in enumerate(prompts):
+        request = GenerateRequest(request_id=f"{base_id}-{p * n}", model=model, inputs=prompt.values,
+                                  sampling=sampling, walk=walk, more_input=more_input,
+                                  sampling_by=dict(sampling_by or {}))
+        try:
+            prepared.append(await engine.prepare(request))
+        except RequestError as e:
+            raise renamed(e, prompt.names) from None
+        requests.append(request)
     streams: list[RequestStream] = []
-    choices: list[Choice] = []
     try:
-        for p, ids in enumerate(prompts):
+        for p, (first, ready) in enumerate(zip(requests, prepared)):
             for j in range(n):
-                seed = None if sampling.seed is None else (sampling.seed + j) % 2**63
-                params = dataclasses.replace(sampling, max_tokens=max_tokens[p], seed=seed)
-                index = len(streams)
-                request = GenerateRequest(request_id=f"{base_id}-{index}", model=target.name,
-                                          inputs={"prompt_ids": list(ids)}, sampling=params, walk=walk)
-                streams.append(engine.submit(request))
-                choices.append(Choice(index=index, prompt_index=p))
+                request = first if j == 0 else dataclasses.replace(
+                    first, request_id=f"{base_id}-{p * n + j}", sampling=dataclasses.replace(
+                        sampling, seed=None if sampling.seed is None else (sampling.seed + j) % 2**63))
+                try:
+                    streams.append(engine.submit(request, ready))
+                except RequestError as e:
+                    raise renamed(e, prompts[p].names) from None
     except BaseException:
         for s in streams:
             engine.abort(s.request_id)
         raise
-    lengths = [len(ids) for ids in prompts]
-    for p in range(len(prompts)):
-        # The engine's own count is the truth if it differs from ours.
-        counted = getattr(streams[p * n], "num_prompt_tokens", 0)
-        if counted:
-            lengths[p] = counted
-    return Submission(streams=streams, choices=choices, prompt_lengths=lengths)
+    choices = [Choice(index=i, prompt_index=i // n, keep_audio=keep_audio) for i in range(len(streams))]
+    # the engine counts each prompt's tokens once it is prepared
+    return Submission(streams=streams, choices=choices,
+                      prompt_lengths=[streams[p * n].num_prompt_tokens for p in range(len(prompts))])
 
 
 def model_defaults(engine: Engine) -> SamplingParams:
     """The served model's default sampling (speech models declare theirs)."""
     cards = engine.model_cards()
     return cards[0].default_sampling if cards else SamplingParams()
-
-
-def submit_inputs(engine: Engine, request_id: str, target: Target, inputs: dict[str, Any], walk: str,
-                  sampling: SamplingParams, *, prompt_field: str, tokens_field: str | None,
-                  sampling_prefix: str = "", keep_audio: bool = False, more_input: bool = False) -> Submission:
-    """One engine request from a walk's raw inputs (the model builds its own
-    prompt, e.g. text and a voice for speech). The prompt length is known only
-    once the engine prepared it, so the context is checked after submitting:
-    a request that does not fit is aborted and refused, naming `tokens_field`
-    (the client's max_tokens) or, when the client gave none, `prompt_field`.
-    The engine checks `sampling`'s ranges; a field it refuses is named
-    `sampling_prefix` + its name, as the client spelled it."""
-    # The model names fields as the speech route does; this route's names may differ.
-    renamed = {**{name: sampling_prefix + name for name in SAMPLING_KEYS},
-               "max_tokens": tokens_field or prompt_field, "input": prompt_field}
-    try:
-        stream = engine.submit(GenerateRequest(request_id=request_id, model=target.name, inputs=inputs,
-                                               sampling=sampling, walk=walk, more_input=more_input))
-    except RequestError as e:
-        if e.field not in renamed or renamed[e.field] == e.field:
-            raise
-        raise RequestError(e.message, field=renamed[e.field], status=e.status, code=e.code) from None
-    prompt_len = getattr(stream, "num_prompt_tokens", 0)
-    try:
-        fit_max_tokens(sampling.max_tokens, prompt_len, target.max_model_len, prompt_field,
-                       tokens_field or prompt_field)
-    except RequestError:
-        engine.abort(stream.request_id)
-        raise
-    return Submission(streams=[stream], choices=[Choice(index=0, prompt_index=0, keep_audio=keep_audio)],
-                      prompt_lengths=[prompt_len])

@@ -25,8 +25,8 @@ END_OF_TEXT = "<|end_of_text|>"
 START_HEADER = "<|start_header_id|>"
 END_HEADER = "<|end_header_id|>"
 EOT = "<|eot_id|>"
-# from this length on a text is encoded through the call that lets other threads run: the HTTP routes
-# tokenise texts this long on a thread of their own (`http.submission.OFF_LOOP_SIZE`), where that pays
+# from this length on a text is encoded through the call that lets other threads run: the engine prepares
+# inputs this long on a thread of their own (`engine.engine.OFF_LOOP_SIZE`), where that pays
 LONG_TEXT_CHARS = 1 << 16
 BYTE_TOKENIZER_SPECIALS = (BEGIN_OF_TEXT, END_OF_TEXT, START_HEADER, END_HEADER, EOT)
 # byte b has id b; specials follow in the order above

@@ -22,7 +22,7 @@ from mstar.http.realtime.protocol import event, new_id
 from mstar.types import GenerateRequest, OutputChunk
 
 if TYPE_CHECKING:
-    from mstar.engine.engine import RequestStream
+    from mstar.engine.engine import Prepared, RequestStream
     from mstar.http.realtime.session import RealtimeSession
 
 log = structlog.get_logger("mstar.realtime")
@@ -33,11 +33,13 @@ SETTLE_S = 1.0  # how long a cancelled response waits for the workers' count of 
 
 @dataclass(frozen=True)
 class ResponsePlan:
-    """What `response.create` starts: the engine request, the output
-    modality, and for speech the text it says first and the voice."""
+    """What `response.create` starts: the engine request and what the
+    engine prepared it from, the output modality, and for speech the text it
+    says first and the voice."""
 
     id: str
     request: GenerateRequest
+    prepared: Prepared
     modality: str             # "audio" | "text"
     spoken: str | None = None
     voice: str | None = None

@@ -26,7 +26,7 @@ from mstar.errors import MstarError, RequestError
 from mstar.http.realtime.protocol import (ProtocolError, SessionConfig, check_format, decode_audio, event, field_of,
                                           item_text, new_id, output_limit)
 from mstar.http.realtime.response import ActiveResponse, ResponsePlan
-from mstar.http.submission import SPEAK_WALK, Target, encode_chat, encode_prompt, model_defaults, off_loop
+from mstar.http.submission import SPEAK_WALK, Target, model_defaults
 from mstar.types import GenerateRequest, ModelCard
 
 if TYPE_CHECKING:
@@ -185,7 +185,7 @@ class RealtimeSession:
         try:
             plan = await self._plan(params, limit)
             await self.engine.admit()
-            stream = self.engine.submit(plan.request)
+            stream = self.engine.submit(plan.request, plan.prepared)
         except RequestError as e:
             raise ProtocolError(e.message, e.code or "invalid_request", _param(e.field, limit_param)) from None
         except MstarError as e:
@@ -236,26 +236,23 @@ class RealtimeSession:
                                     "empty_input", "response.input")
             request = GenerateRequest(rid, self.target.name, {"text": spoken, "voice": voice}, sampling,
                                       walk=SPEAK_WALK, more_input=True)
-            return ResponsePlan(rid, request, modality="audio", spoken=spoken, voice=voice)
+            return ResponsePlan(rid, request, await self.engine.prepare(request), modality="audio", spoken=spoken,
+                                voice=voice)
         instructions = self.config.instructions if instructions is None else instructions
         messages = ([{"role": "system", "content": instructions}] if instructions else [])
         messages += texts if texts is not None else [
             {"role": i["role"], "content": item_text(i, "item")} for i in self.items if i.get("type") == "message"]
         if not messages:
             raise ProtocolError("the conversation is empty: add a message first", "empty_input", "response.input")
-        size = sum(len(m["content"]) for m in messages)  # a long conversation is tokenised off the event loop
-        if self.target.tokenizer is not None and getattr(self.target.tokenizer, "chat_template", None):
-            ids = await off_loop(size, encode_chat, self.target, messages, True)
-        else:
-            ids = await off_loop(size, encode_prompt, self.target, "\n".join(m["content"] for m in messages),
-                                 "response.input")
-        room = self.target.max_model_len - len(ids)
-        if room < 1:
-            raise ProtocolError(f"the conversation is {len(ids)} tokens, beyond the model's context of "
-                                f"{self.target.max_model_len}", "context_length_exceeded", "response.input")
-        sampling = dataclasses.replace(sampling, max_tokens=min(limit or room, room))
-        request = GenerateRequest(rid, self.target.name, {"prompt_ids": ids}, sampling)
-        return ResponsePlan(rid, request, modality="text")
+        # the model tokenises (off the event loop when long); a plain text if there is no chat template
+        chat = self.target.tokenizer is not None and getattr(self.target.tokenizer, "chat_template", None)
+        inputs = {"messages": messages} if chat else {"prompt": "\n".join(m["content"] for m in messages)}
+        # a response's limit is a ceiling: it takes what the context has room for, up to the limit
+        request = GenerateRequest(rid, self.target.name, inputs, dataclasses.replace(sampling, max_tokens=None))
+        prepared = await self.engine.prepare(request)
+        if limit is not None and limit < self.target.max_model_len - prepared.num_prompt_tokens:
+            request = dataclasses.replace(request, sampling=dataclasses.replace(sampling, max_tokens=limit))
+        return ResponsePlan(rid, request, prepared, modality="text")
 
     def _input_texts(self, given: list[Any]) -> list[dict[str, str]]:
         """`response.input`: message items (or references to conversation

@@ -45,8 +45,8 @@ from mstar.http.keys import ENGINE
 from mstar.http.responses import client_gone, error_body, request_error_body
 from mstar.http.speech.streamed_input import StreamedInput
 from mstar.http.speech.protocol import SpeechBody, parse_speech
-from mstar.http.submission import (SPEAK_WALK, Choice, ClientGone, GenerationFailed, Submission, failure_of,
-                                   model_defaults, resolve_model, submit_inputs)
+from mstar.http.submission import (SPEAK_WALK, Choice, ClientGone, GenerationFailed, Inputs, Submission, failure_of,
+                                   model_defaults, resolve_model, spoken_names, submit)
 from mstar.types import OutputChunk, SamplingParams
 
 log = structlog.get_logger("mstar.http")
@@ -70,10 +70,10 @@ async def speech(request: web.Request) -> web.StreamResponse:
         raise RequestError(f"model '{target.name}' does not speak (its walks: {', '.join(target.walks)})",
                            field="model")
     sampling = speech_sampling(model_defaults(engine), body)
-    sub = submit_inputs(engine, f"speech-{uuid.uuid4().hex}", target, {"text": body.input, "voice": body.voice},
-                        SPEAK_WALK, sampling, prompt_field="input",
-                        tokens_field="max_tokens" if "max_tokens" in body.sampling else None,
-                        keep_audio=not body.stream, more_input=streamed)
+    spoken = Inputs({"text": body.input, "voice": body.voice},
+                    spoken_names("input", "max_tokens" if "max_tokens" in body.sampling else None))
+    sub = await submit(engine, f"speech-{uuid.uuid4().hex}", target.name, [spoken], sampling, walk=SPEAK_WALK,
+                       more_input=streamed, keep_audio=not body.stream)
     more = StreamedInput(request, engine, sub.streams[0].request_id) if streamed else None
 
     def failed(choice: Choice) -> MstarError | None:
@@ -98,7 +98,7 @@ async def speech(request: web.Request) -> web.StreamResponse:
 def speech_sampling(defaults: SamplingParams, body: SpeechBody) -> SamplingParams:
     """The model's defaults with what the client gave on top. The engine
     range-checks them when it prepares the request; the fields keep their
-    body names in its errors (`submit_inputs`)."""
+    body names in its errors (`spoken_names`)."""
     return dataclasses.replace(defaults, **body.sampling)
 
 

@@ -29,14 +29,16 @@ from mstar.http.keys import ENGINE
 from mstar.http.text.logprobs import native_logprobs
 from mstar.http.text.protocol import GenerateBody, parse_generate
 from mstar.http.responses import EventStream, client_gone, error_body, json_response
-from mstar.http.submission import (SPEAK_WALK, Choice, Submission, Target, encode_prompt, failure_of,
-                                   fit_max_tokens, model_defaults, off_loop, resolve_model, submit, submit_inputs)
+from mstar.http.submission import (SPEAK_WALK, Choice, Inputs, Submission, Target, failure_of, model_defaults,
+                                   off_loop, prompt_inputs, resolve_model, sampling_names, spoken_names, submit)
 from mstar.types import OutputChunk
 
 if TYPE_CHECKING:
     from mstar.engine.engine import Engine
 
 log = structlog.get_logger("mstar.http")
+
+SAMPLING_PREFIX = "sampling_params."  # the body's object of SamplingParams fields
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -49,13 +51,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise RequestError(f"model '{target.name}' has no voices: it does not speak (its walks: "
                            f"{', '.join(target.walks)})", field="voice")
     if isinstance(body.prompt, str) and (body.voice is not None or (body.walk or target.default_walk) == SPEAK_WALK):
-        sub = _submit_speech(engine, request_id, target, body)
+        sub = await _submit_speech(engine, request_id, target, body)
     else:
         field = "text" if isinstance(body.prompt, str) else "input_ids"
-        ids = await off_loop(len(body.prompt), encode_prompt, target, body.prompt, field)
-        limit = fit_max_tokens(body.sampling.max_tokens, len(ids), target.max_model_len, field,
-                               "sampling_params.max_tokens")
-        sub = submit(engine, request_id, target, [ids], body.sampling, [limit], walk=body.walk)
+        names = {**sampling_names(SAMPLING_PREFIX), "prompt": field}  # max_tokens among the sampling fields
+        sub = await submit(engine, request_id, target.name, [Inputs(prompt_inputs(body.prompt), names)],
+                           body.sampling, walk=body.walk)
     try:
         if body.stream:
             return await _stream_ndjson(request, sub, request_id)
@@ -68,7 +69,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         await sub.aclose()
 
 
-def _submit_speech(engine: Engine, request_id: str, target: Target, body: GenerateBody) -> Submission:
+async def _submit_speech(engine: Engine, request_id: str, target: Target, body: GenerateBody) -> Submission:
     """Text and voice to the model as they are; the model's default sampling
     under what the client set."""
     if body.sampling.logprobs is not None:
@@ -77,9 +78,9 @@ def _submit_speech(engine: Engine, request_id: str, target: Target, body: Genera
     given = {k: getattr(body.sampling, k) for k in body.sampling_given}
     sampling = dataclasses.replace(model_defaults(engine), **given)
     tokens_field = "sampling_params.max_tokens" if "max_tokens" in given else None
-    return submit_inputs(engine, request_id, target, {"text": body.prompt, "voice": body.voice},
-                         body.walk or target.default_walk, sampling, prompt_field="text",
-                         tokens_field=tokens_field, sampling_prefix="sampling_params.", keep_audio=not body.stream)
+    spoken = Inputs({"text": body.prompt, "voice": body.voice}, spoken_names("text", tokens_field, SAMPLING_PREFIX))
+    return await submit(engine, request_id, target.name, [spoken], sampling, walk=body.walk or target.default_walk,
+                        keep_audio=not body.stream)
 
 
 def _audio_of(source: Choice | OutputChunk) -> dict[str, Any]:

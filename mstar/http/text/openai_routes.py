@@ -8,6 +8,7 @@ as the OpenAI API shapes them so its clients work unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable
@@ -21,10 +22,10 @@ from aiohttp import web
 from mstar.errors import ModelNotFound
 from mstar.http.keys import ENGINE, STARTED
 from mstar.http.text.logprobs import LogprobShapes
-from mstar.http.text.protocol import CompletionBody, parse_chat, parse_completion
+from mstar.http.text.protocol import parse_chat, parse_completion
 from mstar.http.responses import EventStream, client_gone, error_body, json_response
-from mstar.http.submission import (Choice, Submission, Target, encode_chat, encode_prompt, failure_of,
-                                   fit_max_tokens, off_loop, resolve_model, submit)
+from mstar.http.submission import (Choice, Inputs, Submission, failure_of, off_loop, prompt_inputs, resolve_model,
+                                   submit)
 from mstar.types import ModelCard, OutputChunk
 
 log = structlog.get_logger("mstar.http")
@@ -71,9 +72,12 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await off_loop(len(raw), parse_completion, raw)
     engine = request.app[ENGINE]
     target = resolve_model(engine, body.model)
-    prompts, limits = await off_loop(sum(len(p) for p in body.prompts), _encode_prompts, target, body)
+    many = len(body.prompts) > 1
+    prompts = [Inputs(prompt_inputs(p), {"prompt": f"prompt[{i}]"} if many else {})
+               for i, p in enumerate(body.prompts)]
     reply = Reply(f"cmpl-{uuid.uuid4().hex}", "text_completion", int(time.time()), target.name)
-    sub = submit(engine, reply.id, target, prompts, body.sampling, limits, body.n)
+    sampling = dataclasses.replace(body.sampling, max_tokens=body.max_tokens)
+    sub = await submit(engine, reply.id, target.name, prompts, sampling, n=body.n)
     shapes = LogprobShapes(target.tokenizer) if body.sampling.logprobs is not None else None
     try:
         if body.stream:
@@ -89,11 +93,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await off_loop(len(raw), parse_chat, raw)
     engine = request.app[ENGINE]
     target = resolve_model(engine, body.model)
-    ids = await off_loop(sum(len(m["content"]) for m in body.messages), encode_chat, target, body.messages,
-                         body.add_generation_prompt)
-    limit = fit_max_tokens(body.max_tokens, len(ids), target.max_model_len, "messages", body.max_tokens_field)
+    chat = Inputs({"messages": [dict(m) for m in body.messages], "add_generation_prompt": body.add_generation_prompt},
+                  {"max_tokens": body.max_tokens_field})
     reply = Reply(f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", int(time.time()), target.name)
-    sub = submit(engine, reply.id, target, [ids], body.sampling, [limit], body.n)
+    # max_tokens None: all the room the messages leave in the context
+    sampling = dataclasses.replace(body.sampling, max_tokens=body.max_tokens)
+    sub = await submit(engine, reply.id, target.name, [chat], sampling, n=body.n)
     shapes = LogprobShapes(target.tokenizer) if body.sampling.logprobs is not None else None
     try:
         if body.stream:
@@ -106,18 +111,6 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return json_response(reply.body([_chat_message(c, shapes) for c in choices], usage=sub.usage()))
     finally:
         await sub.aclose()
-
-
-def _encode_prompts(target: Target, body: CompletionBody) -> tuple[list[list[int]], list[int]]:
-    """Each prompt's ids and how many tokens it may generate."""
-    many = len(body.prompts) > 1
-    prompts, limits = [], []
-    for i, prompt in enumerate(body.prompts):
-        name = f"prompt[{i}]" if many else "prompt"
-        ids = encode_prompt(target, prompt, name)
-        prompts.append(ids)
-        limits.append(fit_max_tokens(body.max_tokens, len(ids), target.max_model_len, name, "max_tokens"))
-    return prompts, limits
 
 
 async def stream_sse(request: web.Request, sub: Submission, reply: Reply, piece: Piece,
