@@ -147,6 +147,18 @@ class Fields:
             raise self.error(key, f"items must be at least {lo}")
         return tuple(value)
 
+    def objects(self, key: str) -> dict[str, dict[str, Any]]:
+        """An object whose every value is an object (mstar's `sampling_by`:
+        sampling key -> fields); what the inner objects hold is checked by
+        whoever reads them, naming `key.<name>.<field>`."""
+        value = self._get(key, {})
+        if not isinstance(value, dict):
+            raise self.error(key, f"must be an object, not {type_name(value)}")
+        for name, inner in value.items():
+            if not isinstance(inner, dict):
+                raise RequestError(f"must be an object, not {type_name(inner)}", field=f"{self.name(key)}.{name}")
+        return value
+
     def refuse_unknown(self, known: AbstractSet[str]) -> None:
         """A 400 naming the first key not in `known`: a typo such as
         `max_toknes` would otherwise be ignored without a word."""

@@ -3,9 +3,11 @@
 Bounds and enums come from the parsers' own constants (and `SamplingParams`'
 defaults and limits), so the document cannot drift from what the server
 accepts. Each schema describes what the parser checks itself; what needs the
-model (prompt length against the context window, voices, walks, vocabulary)
-is only described in prose. As the parsers do, an optional field that is
-`null` means its default; the schemas leave `null` out for readability.
+model (prompt length against the context window, voices, walks, vocabulary,
+the keys of `sampling_by`) is only described in prose, and `sampling_by`'s
+fields, which the model checks, are described as they are checked. As the
+parsers do, an optional field that is `null` means its default; the schemas
+leave `null` out for readability.
 """
 
 from __future__ import annotations
@@ -77,6 +79,21 @@ def max_tokens(default: int | None = None) -> Schema:
     return schema if default is None else {**schema, "default": default}
 
 
+def sampling_by() -> Schema:
+    """mstar's `sampling_by`: the route checks its shape, the model the rest."""
+    return {"type": "object",
+            "additionalProperties": {"type": "object",
+                                     "properties": {"max_tokens": max_tokens(), **sampling_properties(),
+                                                    "logprobs": logprobs_count("logprobs")},
+                                     "additionalProperties": False},
+            "examples": [{"llm": {"temperature": 0}}],
+            "description": "mstar's: sampling per sampling key of the walk (a partition that samples; the root "
+                           "partition's key applies on top of the request's own fields), `SamplingParams` fields "
+                           "by name. The model checks it: a key its walk lacks is a 400 naming "
+                           "`sampling_by.<key>`, a field unknown or out of range one naming "
+                           "`sampling_by.<key>.<field>`"}
+
+
 def openai_common() -> dict[str, Schema]:
     """What `/v1/completions` and `/v1/chat/completions` share."""
     return {
@@ -93,6 +110,7 @@ def openai_common() -> dict[str, Schema]:
         "response_format": {"type": "object", "required": ["type"],
                             "properties": {"type": {"enum": ["text"]}}},
         **sampling_properties(),
+        "sampling_by": sampling_by(),
     }
 
 
@@ -208,6 +226,7 @@ GENERATE_REQUEST: Schema = {
         "stream": {"type": "boolean", "default": False, "description": "NDJSON, one object per chunk"},
         "voice": {"type": "string", "description": "speech models: the voice; needs `text`"},
         "walk": {"type": "string", "description": "one of the model's walks; its default if left out"},
+        "sampling_by": sampling_by(),
     },
     "dependentRequired": {"voice": ["text"]},
 }
@@ -233,6 +252,7 @@ SPEECH_REQUEST: Schema = {
         "instructions": {"type": "string", "maxLength": 0, "description": "not supported"},
         "max_tokens": max_tokens(),
         **{k: v for k, v in sampling_properties().items() if k in SPEECH_SAMPLING_KEYS},
+        "sampling_by": sampling_by(),
     },
     "description": "sampling fields left out take the model's defaults",
 }

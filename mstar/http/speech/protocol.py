@@ -4,7 +4,8 @@ OpenAI's fields (`model`, `input`, `voice`, `response_format`,
 `stream_format`, `speed`, `instructions`) plus mstar's extensions: `stream`
 (false: the whole audio in one answer of known length) and the sampling
 fields (`max_tokens`, `temperature`, `top_p`, `top_k`, `min_p`,
-`repetition_penalty`, `seed`, `ignore_eos`). Sampling fields a client leaves
+`repetition_penalty`, `seed`, `ignore_eos`) and `sampling_by` (sampling
+key -> fields, checked by the model). Sampling fields a client leaves
 out take the model's defaults, so they are kept as overrides here and merged
 once the model is known. The later lines of a streamed (NDJSON) body,
 `{"input": "more text"}`, are checked as the first line's `input` is.
@@ -19,7 +20,7 @@ from typing import Any, Literal
 
 from mstar.http.speech.audio import check_format
 from mstar.http.fields import Fields, type_name
-from mstar.http.text.protocol import parse_json_object
+from mstar.http.text.protocol import SAMPLING_BY, parse_json_object
 
 MAX_INPUT_CHARS = 4096  # OpenAI's limit on `input`
 DEFAULT_FORMAT = "mp3"  # OpenAI's default
@@ -31,14 +32,15 @@ MORE_INPUT_KEYS = frozenset({"input"})
 SAMPLING_INTS = ("max_tokens", "top_k", "seed")
 SAMPLING_NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty")
 SAMPLING_KEYS = frozenset(SAMPLING_INTS + SAMPLING_NUMBERS + ("ignore_eos",))
-SPEECH_KEYS = OPENAI_KEYS | SAMPLING_KEYS | {"stream"}
+SPEECH_KEYS = OPENAI_KEYS | SAMPLING_KEYS | {"stream", SAMPLING_BY}
 
 
 @dataclass(frozen=True)
 class SpeechBody:
     """A speech request; `voice` None is the model's default voice,
-    `sampling` holds only the sampling fields the client gave, and `stream`
-    False asks for the whole audio in one answer."""
+    `sampling` holds only the sampling fields the client gave (and
+    `sampling_by` its sampling per key), and `stream` False asks for the
+    whole audio in one answer."""
 
     model: str | None
     input: str
@@ -47,6 +49,7 @@ class SpeechBody:
     stream_format: StreamFormat
     sampling: dict[str, Any] = field(default_factory=dict)
     stream: bool = True
+    sampling_by: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def parse_speech(body: bytes) -> SpeechBody:
@@ -75,6 +78,7 @@ def parse_speech(body: bytes) -> SpeechBody:
         stream_format=stream_format,  # type: ignore[arg-type]  # checked just above
         sampling=_read_sampling(f),
         stream=stream,
+        sampling_by=f.objects(SAMPLING_BY),
     )
 
 

@@ -73,7 +73,7 @@ async def speech(request: web.Request) -> web.StreamResponse:
     spoken = Inputs({"text": body.input, "voice": body.voice},
                     spoken_names("input", "max_tokens" if "max_tokens" in body.sampling else None))
     sub = await submit(engine, f"speech-{uuid.uuid4().hex}", target.name, [spoken], sampling, walk=SPEAK_WALK,
-                       more_input=streamed, keep_audio=not body.stream)
+                       sampling_by=body.sampling_by, more_input=streamed, keep_audio=not body.stream)
     more = StreamedInput(request, engine, sub.streams[0].request_id) if streamed else None
 
     def failed(choice: Choice) -> MstarError | None:

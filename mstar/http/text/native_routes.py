@@ -11,6 +11,9 @@ sampling for what `sampling_params` leaves out. Audio comes back as base64
 PCM16 (little-endian, mono) with its `sample_rate`: on each NDJSON line that
 carries some, and as the whole waveform in the JSON answer. A `voice` for
 a model that does not speak is refused naming it.
+
+`sampling_by` (sampling key -> `SamplingParams` fields, mstar's, as on every
+generation route) goes to the model as it is; the model checks it.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         field = "text" if isinstance(body.prompt, str) else "input_ids"
         names = {**sampling_names(SAMPLING_PREFIX), "prompt": field}  # max_tokens among the sampling fields
         sub = await submit(engine, request_id, target.name, [Inputs(prompt_inputs(body.prompt), names)],
-                           body.sampling, walk=body.walk)
+                           body.sampling, walk=body.walk, sampling_by=body.sampling_by)
     try:
         if body.stream:
             return await _stream_ndjson(request, sub, request_id)
@@ -80,7 +83,7 @@ async def _submit_speech(engine: Engine, request_id: str, target: Target, body: 
     tokens_field = "sampling_params.max_tokens" if "max_tokens" in given else None
     spoken = Inputs({"text": body.prompt, "voice": body.voice}, spoken_names("text", tokens_field, SAMPLING_PREFIX))
     return await submit(engine, request_id, target.name, [spoken], sampling, walk=body.walk or target.default_walk,
-                        keep_audio=not body.stream)
+                        sampling_by=body.sampling_by, keep_audio=not body.stream)
 
 
 def _audio_of(source: Choice | OutputChunk) -> dict[str, Any]:

@@ -77,7 +77,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
                for i, p in enumerate(body.prompts)]
     reply = Reply(f"cmpl-{uuid.uuid4().hex}", "text_completion", int(time.time()), target.name)
     sampling = dataclasses.replace(body.sampling, max_tokens=body.max_tokens)
-    sub = await submit(engine, reply.id, target.name, prompts, sampling, n=body.n)
+    sub = await submit(engine, reply.id, target.name, prompts, sampling, n=body.n, sampling_by=body.sampling_by)
     shapes = LogprobShapes(target.tokenizer) if body.sampling.logprobs is not None else None
     try:
         if body.stream:
@@ -98,7 +98,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     reply = Reply(f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", int(time.time()), target.name)
     # max_tokens None: all the room the messages leave in the context
     sampling = dataclasses.replace(body.sampling, max_tokens=body.max_tokens)
-    sub = await submit(engine, reply.id, target.name, [chat], sampling, n=body.n)
+    sub = await submit(engine, reply.id, target.name, [chat], sampling, n=body.n, sampling_by=body.sampling_by)
     shapes = LogprobShapes(target.tokenizer) if body.sampling.logprobs is not None else None
     try:
         if body.stream:

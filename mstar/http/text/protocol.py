@@ -3,8 +3,9 @@
 Raw JSON bytes of `/v1/completions`, `/v1/chat/completions` and `/generate`
 become `CompletionBody`, `ChatBody` and `GenerateBody`; anything malformed,
 mistyped, out of range or unsupported raises `RequestError` naming the field.
-Nothing here knows the model: prompt lengths and the context window are
-checked later, when the prompt is tokenised (see `submission.py`).
+Nothing here knows the model: prompt lengths, the context window and what
+`sampling_by` holds are checked later, by the model as it prepares the
+request (see `submission.py`).
 Importable without torch.
 """
 
@@ -29,10 +30,12 @@ COMPLETIONS_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 Prompt = Union[str, tuple[int, ...]]
 
 SAMPLING_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
-GENERATE_KEYS = frozenset({"text", "input_ids", "model", "sampling_params", "stream", "voice", "walk"})
+# mstar's: sampling per sampling key of the walk, checked by the model
+SAMPLING_BY = "sampling_by"
+GENERATE_KEYS = frozenset({"text", "input_ids", "model", "sampling_params", "stream", "voice", "walk", SAMPLING_BY})
 # Every route answers a field it does not know with a 400 naming it, as OpenAI does. The OpenAI routes know
 # each field of OpenAI's own request, whether served or refused with a reason, and mstar's sampling extensions.
-SAMPLING_EXTENSIONS = frozenset({"top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos"})
+SAMPLING_EXTENSIONS = frozenset({"top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", SAMPLING_BY})
 OPENAI_KEYS = SAMPLING_EXTENSIONS | {
     "model", "max_tokens", "n", "stream", "stream_options", "temperature", "top_p", "seed", "stop", "user",
     "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "response_format"}
@@ -47,7 +50,8 @@ SERVICE_TIERS = ("auto", "default")  # the tiers that ask for nothing special; o
 
 @dataclass(frozen=True)
 class CompletionBody:
-    """`/v1/completions`: one choice per (prompt, sample); index = prompt * n + sample."""
+    """`/v1/completions`: one choice per (prompt, sample); index = prompt * n + sample.
+    `sampling_by`: sampling key -> `SamplingParams` fields (every route's)."""
 
     model: str | None
     prompts: tuple[Prompt, ...]
@@ -56,6 +60,7 @@ class CompletionBody:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    sampling_by: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,7 @@ class ChatBody:
     include_usage: bool = False
     add_generation_prompt: bool = True
     max_tokens_field: str = "max_tokens"  # the name the client used, for errors
+    sampling_by: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,7 @@ class GenerateBody:
     voice: str | None = None
     walk: str | None = None
     sampling_given: frozenset[str] = frozenset()  # the sampling_params keys the client set
+    sampling_by: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:
@@ -121,6 +128,7 @@ def parse_completion(body: bytes) -> CompletionBody:
         n=n,
         stream=stream,
         include_usage=include_usage,
+        sampling_by=f.objects(SAMPLING_BY),
     )
 
 
@@ -151,6 +159,7 @@ def parse_chat(body: bytes) -> ChatBody:
         include_usage=include_usage,
         add_generation_prompt=f.boolean("add_generation_prompt", True),
         max_tokens_field=key,
+        sampling_by=f.objects(SAMPLING_BY),
     )
 
 
@@ -182,6 +191,7 @@ def parse_generate(body: bytes) -> GenerateBody:
         voice=voice,
         walk=f.string("walk"),
         sampling_given=frozenset(k for k, v in sp.obj.items() if v is not None),
+        sampling_by=f.objects(SAMPLING_BY),
     )
 
 
