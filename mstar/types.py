@@ -7,6 +7,7 @@ HTTP layer and the Python client can use these dataclasses too.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -195,7 +196,11 @@ class TokenBatch:
     list when ragged); `start_positions` [B]: each row's first position when
     positions are not given (its cached tokens plus its rope delta). A
     component with per-row state gets `state`: its tensors and each row's
-    slot in them, to read and update in place.
+    slot in them, to read and update in place. A mode declared with `draws`
+    gets `draw(logits [B, V], j) -> [B] int64`: its j-th token of the step,
+    drawn as the runtime's sampler draws (each row's params, seed and
+    counter under the step's `draws` key), so a fused mode draws what the
+    unfused steps would.
     """
 
     input_ids: torch.Tensor        # [T] int64
@@ -207,6 +212,7 @@ class TokenBatch:
     extra: dict[str, Any] = field(default_factory=dict)
     start_positions: torch.Tensor | None = None  # [B] int64
     state: StateRows | None = None
+    draw: Callable[[torch.Tensor, int], torch.Tensor] | None = None
 
 
 @dataclass

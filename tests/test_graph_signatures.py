@@ -14,13 +14,15 @@ from mstar.graph import (Component, Emit, EosToken, In, Kind, Loop, MaxSteps, Ma
 
 TALK = Mode("talk", (In("ids", Kind.IDS), In("h", Kind.EMBEDS), In("j", Kind.INDEX, optional=True)),
             (Out("code", Kind.TOKEN),), kv="append", query="ids")
+FUSED = Mode("fused", (In("ids", Kind.IDS),), (Out("code", Kind.TOKEN), Out("frame", Kind.TENSOR)), kv="append",
+              query="ids", draws=3)
 WRITE_ONLY = Mode("context", (In("ids", Kind.IDS),), (), kv="append", query="ids")
 CHUNK = Mode("chunk", (In("codes", Kind.TENSOR), In("index", Kind.INDEX)), (Out("pcm", Kind.TENSOR),))
 
 COMPONENTS = {
     "enc": Component(modes=(ENCODE,)),
     "thinker": Component(modes=(PREFILL, DECODE, WRITE_ONLY), kv_cache=True),
-    "talker": Component(modes=(TALK,), kv_cache=True),
+    "talker": Component(modes=(TALK, FUSED), kv_cache=True),
     "codec": Component(modes=(CHUNK,)),
     "llm": Component(modes=("prefill", "decode"), kv_cache=True, samples=True),
     "plain": Component(modes=("tick",)),
@@ -48,6 +50,8 @@ def test_a_component_keeps_mode_names_and_their_signatures() -> None:
     (lambda: Mode("m", (In("x", Kind.IDS), In("x", Kind.TENSOR)), ()), "twice"),
     (lambda: Mode("m", (In("x", Kind.TOKEN),), ()), "kinds"),
     (lambda: Mode("m", (In("x", Kind.IDS),), (), query="x"), "KV modes"),
+    (lambda: Mode("m", (In("x", Kind.TENSOR),), (Out("y", Kind.TENSOR),), draws=2), "KV modes"),
+    (lambda: Mode("m", (In("x", Kind.IDS),), (), kv="append", query="x", draws=-1), "0 or more"),
     (lambda: Component(modes=(DECODE,)), "KV cache"),
     (lambda: Component(modes=("a", Mode("a", (), ()))), "twice"),
 ])
@@ -98,6 +102,11 @@ def test_optional_inputs_may_be_left_out_and_a_kv_append_may_write_nothing() -> 
      "in a step that reads no stream"),
     ((Step("codec", "chunk", {"codes": "mel", "index": "@step"}, {"pcm": "p"}),), "codec.chunk", "no built-in"),
     ((Step("plain", "tick", {"x": "mel"}, "y"),), "plain.tick", "declares no signature"),
+    # a mode that draws tokens itself, with no key for them; a key for a mode that draws none
+    ((Step("talker", "fused", {"ids": "prompt_ids"}, {"code": "c", "frame": "f"}),), "talker.fused",
+     "name their key (draws=)"),
+    ((Step("talker", "talk", {"ids": "prompt_ids", "h": "mel"}, {"code": "c"}, draws="cp"),), "talker.talk",
+     "declares none"),
     ((Step("enc", "encode", {"mel": "mel"}, ()),), "enc.encode", "writes nothing"),
     ((Step("enc", "encode", {"mel": "audio"}, {"emb": "e"}),), "enc.encode", "nothing writes before it"),
 ])

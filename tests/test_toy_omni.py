@@ -6,7 +6,9 @@ codec. Concurrent requests of different lengths, seeds and talker sampling,
 on one worker and with the talker and codec on a second, against the same
 modules run unbatched in plain loops over dense caches: tokens and codes
 identical, samples within 1e-5. Also with audio appended while requests run:
-each piece a thinker turn on its cache, the talker restarted on its own."""
+each piece a thinker turn on its cache, the talker restarted on its own; and
+frames of a code predictor, nested in the talker's loop (`chat_frames`) or
+fused into its step and drawing through `TokenBatch.draw` (`chat_fused`)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import torch
 
 from mstar.config import EngineConfig, SchedulerConfig
 from mstar.engine.engine import Engine
+from mstar.errors import RequestError
 from mstar.models.prepared import key_seed
 from mstar.placement import parse_spec
 from mstar.types import GenerateRequest, SamplingParams, TokenBatch
@@ -222,11 +225,13 @@ async def test_audio_appended_runs_a_thinker_turn_and_restarts_the_talker(device
 
 @torch.inference_mode()
 def frames_reference(model: ToyOmniModel, ids: list[int], mel: torch.Tensor, think: SamplingParams,
-                     talk: SamplingParams, cp: SamplingParams) -> Expected:
+                     talk: SamplingParams, cp: SamplingParams, fused: bool = False) -> Expected:
     """`chat_frames` one request at a time: the thinker as in `chat`; then per
     talker step a frame, its first code the talker's and the others the code
     predictor's (a cache of its own, fresh every frame), the next talker step
-    reading the frame and one thinker item; frames through the codec."""
+    reading the frame and one thinker item; frames through the codec. With
+    `fused`, `chat_fused`: the same, but for the frame begun when the thinker
+    is done, which its step never completes."""
     assert think.seed is not None
     ref = Reference(model)
     text = ref.turn(ids, mel, think, SamplingParams(max_tokens=1, temperature=0.0)).text  # the thinker's part
@@ -250,10 +255,12 @@ def frames_reference(model: ToyOmniModel, ids: list[int], mel: torch.Tensor, thi
                 extra={"j": torch.tensor([j])}))
             frame.append(draw(out["logits"][0], cp, cp_seed, cp_drawn + j + 1))
         cp_drawn += GROUPS - 1
-        frames.append(frame)
         k = len(code0s) - 1
         if k == len(items):  # the talker's next read finds the thinker done
+            if not fused:  # a fused step reads the item before it completes the frame
+                frames.append(frame)
             break
+        frames.append(frame)
         out = m.talker.frame(TokenBatch(
             input_ids=torch.tensor([code0s[-1]]), positions=torch.tensor([t + k]), query_start=torch.tensor([0, 1]),
             logits_index=torch.tensor([0]), attn=tattn,
@@ -287,6 +294,52 @@ async def test_frames_from_a_code_predictor_nested_in_the_talker(devices: tuple[
         await drained(eng)
     finally:
         await eng.shutdown()
+
+
+@pytest.mark.parametrize("devices, placement", [*SETUPS, ON_CUDA])
+async def test_a_code_predictor_fused_into_the_talkers_step_draws_the_same_frames(devices: tuple[str, ...],
+                                                                                    placement: str) -> None:
+    """`chat_fused` runs one talker step a frame, its code predictor inside
+    drawing through `TokenBatch.draw` under the "cp" key: each frame is what
+    the nested loop of `chat_frames` draws, with the same seeds and
+    overrides."""
+    model = ToyOmniModel()
+    requests = _requests(5)
+    cps = [SamplingParams(temperature=t, top_k=k) for t, k in ((0.9, 6), (0.0, 1), (1.3, 12), (0.7, 3), (1.0, 0),
+                                                               (0.5, 4))]
+    seeded = [(ids, mel, think, talk, dataclasses.replace(cp, seed=None)) for (ids, mel, think, talk), cp
+              in zip(requests, cps)]
+    expected = [frames_reference(model, *r, fused=True) for r in seeded]
+    eng = Engine(EngineConfig(model="toy-omni", devices=devices, placement=parse_spec(placement), dtype="float32"),
+                 model=model)
+    await eng.start()
+    cp_steps = []
+    for w in eng.workers:
+        if "cp" in w.runners:
+            w.runners["cp"].compute = lambda batch, inputs: cp_steps.append(batch)  # type: ignore[method-assign]
+    try:
+        results = await asyncio.gather(*(_serve(eng, f"u{k}", [(ids, mel)], think, talk, cp, walk="chat_fused")
+                                         for k, (ids, mel, think, talk, cp) in enumerate(seeded)))
+        for got, want in zip(results, expected):
+            _check(got, [want])
+        assert not cp_steps  # the code predictor ran inside the talker's steps only
+        await drained(eng)
+    finally:
+        await eng.shutdown()
+
+
+def test_in_mode_draws_have_a_sampling_key_without_repetition_penalty() -> None:
+    """The "cp" key of `chat_fused` exists only through its step's `draws`:
+    a request may override it, but not with a repetition penalty, which
+    draws inside a step do not keep."""
+    model = ToyOmniModel()
+    (ids, mel, think, _), = _requests(5)[:1]
+    request = GenerateRequest("r", "toy-omni", {"prompt_ids": ids, "mel": mel}, think, walk="chat_fused",
+                              sampling_by={"cp": {"temperature": 0.3}})
+    assert model.prepare(request).sampling["cp"].temperature == 0.3
+    with pytest.raises(RequestError) as refused:
+        model.prepare(dataclasses.replace(request, sampling_by={"cp": {"repetition_penalty": 1.3}}))
+    assert refused.value.field == "sampling_by.cp.repetition_penalty"
 
 
 async def test_rows_swapped_out_and_back_speak_the_same() -> None:

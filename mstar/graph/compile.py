@@ -197,6 +197,10 @@ class _Builder:
             elif value not in available:
                 raise self.fail(where, f"reads '{value}', which nothing writes before it")
         sig = comp.signature(step.mode)
+        if (step.draws is not None) != bool(sig is not None and sig.draws):
+            raise self.fail(where, f"names a key for in-mode draws, but mode '{step.mode}' declares none"
+                            if step.draws is not None else
+                            f"mode '{step.mode}' samples {sig.draws} tokens itself: name their key (draws=)")
         if sig is None:
             if step.input_names is not None or step.output_names is not None:
                 raise self.fail(where, f"binds values by name, but mode '{step.mode}' declares no signature")

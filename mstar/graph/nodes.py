@@ -44,13 +44,16 @@ class Step:
     mode's signature (`graph/signatures.py`) as a mapping. `sampling`: the
     sampling key its token draws under (its own params, seed and overrides,
     such as a code predictor's inside a talker's partition); by default the
-    partition's."""
+    partition's. `draws`: the sampling key of the tokens a mode declared with
+    `draws` samples itself (a code predictor's, run inside a talker's frame
+    mode)."""
 
     component: str
     mode: str
     reads: Binding
     writes: Binding
     sampling: str | None = None
+    draws: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "reads", _pairs(self.reads))

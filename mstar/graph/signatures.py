@@ -74,7 +74,10 @@ class Mode:
     over the cache without keeping them, "none" has no cache. `query`: for a
     KV mode, the IDS or EMBEDS input that holds a row's new tokens. `causal`:
     among the step's own tokens. `reset`: the row's cache starts over at this
-    step. `graph`: a decode-like mode, worth CUDA graphs at batch buckets."""
+    step. `graph`: a decode-like mode, worth CUDA graphs at batch buckets.
+    `draws`: tokens the mode samples itself per row and step (a talker frame
+    mode running its code predictor inside), through `TokenBatch.draw`, under
+    the sampling key its step names (`Step(draws=)`)."""
 
     name: str
     inputs: tuple[In, ...]
@@ -84,6 +87,7 @@ class Mode:
     causal: bool = True
     reset: bool = False
     graph: bool = False
+    draws: int = 0
 
     def __post_init__(self) -> None:
         names = [i.name for i in self.inputs]
@@ -95,9 +99,11 @@ class Mode:
             raise ValueError(f"mode '{self.name}': {bad} have kinds that cannot go that way")
         if self.kv not in ("none", "append", "read"):
             raise ValueError(f"mode '{self.name}': kv must be none, append or read, not {self.kv!r}")
+        if self.draws < 0:
+            raise ValueError(f"mode '{self.name}': draws must be 0 or more, not {self.draws}")
         if self.kv == "none":
-            if self.query is not None or self.reset:
-                raise ValueError(f"mode '{self.name}': query and reset are for KV modes")
+            if self.query is not None or self.reset or self.draws:
+                raise ValueError(f"mode '{self.name}': query, reset and draws are for KV modes")
             return
         query = next((i for i in self.inputs if i.name == self.query), None)
         if query is None or query.kind not in (Kind.IDS, Kind.EMBEDS) or query.optional:

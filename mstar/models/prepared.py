@@ -67,13 +67,19 @@ class Prepared:
 
 def sampling_keys(plan: WalkPlan, components: dict[str, Component]) -> tuple[str, ...]:
     """The walk's sampling keys, the root's first: each partition with a step
-    that samples under the partition's key, and each step's own key."""
+    that samples under the partition's key, each step's own key, and the keys
+    of in-mode draws."""
     sampling = [name for name, part in plan.partitions.items()
                 if any(_samples(components[step.component], step.mode) and step.sampling is None
                        for step in part.steps)]
     sampling += [step.sampling for part in plan.partitions.values() for step in part.steps
                  if step.sampling is not None]
-    return tuple(dict.fromkeys((plan.root, *sampling)))
+    return tuple(dict.fromkeys((plan.root, *sampling, *_draw_keys(plan))))
+
+
+def _draw_keys(plan: WalkPlan) -> tuple[str, ...]:
+    """The keys of tokens modes sample themselves (`Step(draws=)`)."""
+    return tuple(step.draws for part in plan.partitions.values() for step in part.steps if step.draws is not None)
 
 
 def _samples(component: Component, mode: str) -> bool:
@@ -97,6 +103,10 @@ def resolve_sampling(request: GenerateRequest, plan: WalkPlan, components: dict[
     for key in keys:
         base = request.sampling if key == plan.root else defaults(key)
         resolved[key] = _override(base, request.sampling_by.get(key), key, key == plan.root, max_model_len)
+    for key in _draw_keys(plan):  # a mode's own draws see no history of the tokens it drew
+        if resolved[key].repetition_penalty != 1.0:
+            raise RequestError(f"tokens of key '{key}' are drawn inside a step, which keeps no repetition "
+                               "penalty", field=f"sampling_by.{key}.repetition_penalty")
     root = resolved[plan.root]
     seed = root.seed if root.seed is not None else random.getrandbits(63)
     return {key: dataclasses.replace(params, seed=seed if key == plan.root else

@@ -25,6 +25,11 @@ samples the frame's other codes one by one in a nested loop (`@i` picks its
 embedding and head); the loop collects the frame, the talker's next step
 reads it, and frames stream with left context into the codec.
 
+Walk `chat_fused` is `chat_frames` with the code predictor run inside the
+talker's step (`speak`, a mode with `draws`): one talker step a frame, the
+predictor's codes drawn by `TokenBatch.draw` under the "cp" key, so that its
+frames are the nested loop's, as Qwen3-Omni's talker would run at speed.
+
 More audio may come while a request runs (`more_input`): each piece is a
 thinker turn (encoder, prefill on the cache it has, positions going on from
 its last token), and the talker starts again at the turn's first item
@@ -33,17 +38,19 @@ its last token), and the talker starts again at the turn's first item
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from mstar.graph import (Collect, Component, Emit, In, Items, Kind, LeftContext, Loop, MaxSteps, MaxTokens, Mode, Out,
                          Partition, Step, Stream, StreamDone, Walk)
 from mstar.models.prepared import PreparedPiece
 from mstar.types import GenerateRequest, SamplingParams, TokenBatch
-from toys.audio_decoder import (ENCODE, HEAD_DIM, HIDDEN, LAYERS, PLACEHOLDER, Decoder, Encoder, Layer, ToyModel,
-                                mrope_positions)
+from toys.audio_decoder import (ENCODE, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, LAYERS, PLACEHOLDER, Decoder, Encoder,
+                                Layer, ToyModel, mrope_positions)
 
 CODES = 24         # the talker's vocabulary
 SAMPLES = 4        # samples per code
@@ -62,6 +69,10 @@ TALK_DECODE = Mode("decode", (In("ids", Kind.IDS), In("h", Kind.TENSOR)), (Out("
                    kv="append", query="ids")
 TALK_FRAME = Mode("frame", (In("ids", Kind.IDS), In("frame", Kind.TENSOR), In("h", Kind.TENSOR)),
                   (Out("code", Kind.TOKEN), Out("last", Kind.HIDDEN)), kv="append", query="ids")
+# chat_fused: the code predictor's frame inside one talker step (its draws under the step's `draws` key)
+TALK_SPEAK = Mode("speak", (In("ids", Kind.IDS), In("last", Kind.TENSOR), In("h", Kind.TENSOR)),
+                  (Out("code", Kind.TOKEN), Out("last", Kind.HIDDEN), Out("frame", Kind.TENSOR)),
+                  kv="append", query="ids", draws=GROUPS - 1)
 CP_PREFILL = Mode("prefill", (In("ids", Kind.IDS), In("h", Kind.TENSOR)), (Out("code", Kind.TOKEN),),
                   kv="append", query="ids", reset=True)
 CP_DECODE = Mode("decode", (In("ids", Kind.IDS), In("j", Kind.INDEX)), (Out("code", Kind.TOKEN),),
@@ -108,6 +119,41 @@ class Talker(nn.Module):
         codes, h = batch.extra["frame"], batch.extra["h"]
         x = sum(emb(codes[:, g]) for g, emb in enumerate(self.groups))
         return self._run(x + h.reshape(-1, HIDDEN), batch)
+
+    def speak(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
+        """`chat_frames`'s loop body in one step: the code predictor completes
+        the frame of each row's first code (`ids`) over a dense cache of the
+        frame's own, drawing its codes with `batch.draw`; then the talker
+        reads the frame and a thinker item, as `frame` does."""
+        assert batch.draw is not None
+        code, rows = batch.input_ids, batch.input_ids.shape[0]
+        every = torch.arange(rows + 1, device=code.device)
+        attn, codes = FrameAttention(), [code]
+        for j in range(GROUPS - 1):
+            step = TokenBatch(input_ids=code, positions=torch.full_like(code, j), query_start=every.cpu(),
+                              logits_index=every[:-1], attn=attn,
+                              extra={"h": batch.extra["last"]} if j == 0 else {"j": torch.full_like(code, j - 1)})
+            code = batch.draw((self.cp.prefill if j == 0 else self.cp.decode)(step)["logits"], j)
+            codes.append(code)
+        frame = torch.stack(codes, dim=1)
+        return {**self.frame(dataclasses.replace(batch, extra={**batch.extra, "frame": frame})), "frame": frame}
+
+
+class FrameAttention:
+    """The rows' attention over a dense cache of one frame's tokens, one token
+    per row a call (a code predictor's cache lives only as long as its frame)."""
+
+    def __init__(self) -> None:
+        self.k: dict[int, list[torch.Tensor]] = {}
+        self.v: dict[int, list[torch.Tensor]] = {}
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        self.k.setdefault(layer, []).append(k)
+        self.v.setdefault(layer, []).append(v)
+        keys = torch.stack(self.k[layer], dim=1).repeat_interleave(HEADS // KV_HEADS, dim=2)  # [B, t, H, D]
+        values = torch.stack(self.v[layer], dim=1).repeat_interleave(HEADS // KV_HEADS, dim=2)
+        out = F.scaled_dot_product_attention(q[:, :, None], keys.transpose(1, 2), values.transpose(1, 2), scale=scale)
+        return out[:, :, 0]
 
 
 def _layers(layers: nn.ModuleList, inv_freq: torch.Tensor, x: torch.Tensor, batch: TokenBatch) -> torch.Tensor:
@@ -183,7 +229,7 @@ class ToyOmniModel(ToyModel):
     components = {
         "enc": Component(modes=(ENCODE,)),
         "thinker": Component(modes=(THINK_PREFILL, THINK_DECODE), kv_cache=True, samples=True),
-        "talker": Component(modes=(TALK_PREFILL, TALK_DECODE, TALK_FRAME), kv_cache=True, samples=True),
+        "talker": Component(modes=(TALK_PREFILL, TALK_DECODE, TALK_FRAME, TALK_SPEAK), kv_cache=True, samples=True),
         "cp": Component(modes=(CP_PREFILL, CP_DECODE), kv_cache=True, samples=True),
         "codec": Component(modes=(CODEC_CHUNK,)),
     }
@@ -216,6 +262,20 @@ class ToyOmniModel(ToyModel):
                        LeftContext(CHUNK, LEFT)),
                 Emit("pcm", modality="data"))),
             inputs=("prompt_ids", "mel", "mrope")),
+        # chat_frames with the code predictor fused into the talker's step: one talker step a frame
+        "chat_fused": Walk(
+            *THINKER,
+            Stream("h", chunks=Items(), as_="item", into=Partition(
+                "talker",
+                Step("talker", "prefill", {"ctx": "prompt_hidden"}, {"code": "code0", "last": "last"}),
+                Loop(Step("talker", "speak", {"ids": "code0", "last": "last", "h": "item"},
+                          {"code": "code0", "last": "last", "frame": "frame"}, draws="cp"),
+                     until=StreamDone() | MaxTokens(), value="code0"),
+                Emit("code0", modality="data"),
+                Stream("frame", Step("codec", "chunk", {"codes": "frame", "index": "@chunk"}, {"pcm": "pcm"}),
+                       LeftContext(CHUNK, LEFT)),
+                Emit("pcm", modality="data"))),
+            inputs=("prompt_ids", "mel", "mrope")),
     }
     default_walk = "chat"
 
@@ -227,6 +287,7 @@ class ToyOmniModel(ToyModel):
         self.talker = Talker().eval()
         self.codec = Codec().eval()
         self.cp = CodePredictor().eval()
+        self.talker.cp = self.cp  # run inside the talker's `speak`
 
     def build_component(self, component: str, device: torch.device, dtype: torch.dtype) -> nn.Module:
         module = {"enc": self.encoder, "thinker": self.thinker, "talker": self.talker, "cp": self.cp,

@@ -12,7 +12,7 @@ its outputs the same way (`pack.py`); a name-only mode takes them by position.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -168,6 +168,9 @@ class ComponentRunner:
         kv = [p.row(self.name, b) for p, b in zip(parts, branches)]
         packed = pack_kv(rows, reads, kv, sig, self.spec.position_axes, self.attention.plan, self.device)
         packed.batch.state = self._state_rows([r.slot for r in kv])
+        draws = steps[0].draws
+        if draws is not None:
+            packed.batch.draw = self._drawer(parts, kv, draws, sig.draws)
         with torch.profiler.record_function("mstar.forward"):
             out = fn(packed.batch)
         token = next((o.name for o in sig.outputs if o.kind is Kind.TOKEN and o.name in writes), None)
@@ -182,8 +185,24 @@ class ComponentRunner:
                 r.advance(n, delta, tokens is not None, reset=sig.reset)
             elif tokens is not None:
                 r.advance(0, None, True)
+            if draws is not None:
+                r.drew(draws, sig.draws)
         return StepOutput(parts, values, logprobs, sampled=(writes[token],) if token is not None else (),
                           branches=branches)
+
+    def _drawer(self, parts: list[PartitionRun], kv: list[KVRow], key: str,
+                count: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
+        """`TokenBatch.draw` for a mode's `count` own draws under sampling key
+        `key`: draw j of a row is its counter for the key plus j, so that a
+        fused mode draws what the steps it fuses would have."""
+        params = [p.request.sampling[key] for p in parts]
+        st = SamplingTensors.build(params, [p.seed for p in params], [r.drawn.get(key, 0) for r in kv], self.device)
+
+        def draw(logits: torch.Tensor, j: int) -> torch.Tensor:
+            if not 0 <= j < count:
+                raise IndexError(f"draw {j} of a mode that declares {count} per step")
+            return sample(logits, replace(st, counters=st.counters + j))
+        return draw
 
     def _state_rows(self, slots: list[int | None] | torch.Tensor) -> StateRows | None:
         """The rows' slots of the component's per-row state (None without one)."""

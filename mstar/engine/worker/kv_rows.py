@@ -29,6 +29,7 @@ class KVRow:
     kv_len: int = 0                   # tokens its pages hold
     rope_delta: int = 0               # its next position minus kv_len (set by a step given its positions)
     generated: int = 0                # tokens it sampled so far (the sampler's draw counter)
+    drawn: dict[str, int] = field(default_factory=dict)  # tokens its modes drew themselves, by sampling key
     seen: torch.Tensor | None = None  # [vocab] bool, for the repetition penalty
     swapped: SwappedKV | None = None  # preempted: its KV, in host memory until it resumes
     slot: int | None = None           # its slot of the component's per-row state (a recurrent layer's)
@@ -66,6 +67,10 @@ class KVRow:
             self.rope_delta = rope_delta
         if sampled:
             self.generated += 1
+
+    def drew(self, key: str, n: int) -> None:
+        """A step's mode drew `n` tokens itself under sampling key `key`."""
+        self.drawn[key] = self.drawn.get(key, 0) + n
 
     def saw(self, ids: torch.Tensor, vocab: int) -> torch.Tensor:
         """Mark `ids` seen (the repetition penalty); the row's mask."""
