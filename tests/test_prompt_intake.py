@@ -29,6 +29,7 @@ from mstar.models.prepared import PreparedPiece, fit_context
 from mstar.models.registry import load_model
 from mstar.models.tokenizer import Tokenizer
 from mstar.types import GenerateRequest, SamplingParams
+from toys.image_gen import ToyImageModel
 
 CONTEXT = 32
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
@@ -171,9 +172,12 @@ def test_max_tokens_left_out_is_all_the_room_the_prompt_leaves() -> None:
 
 
 def test_fit_context() -> None:
+    model = load_model("tiny-llama")
+    plan = model._compile(model.default_walk)
+
     def fit(max_tokens: int | None, prompt: int, field: str = "prompt") -> int | None:
         sampling = {"llm": SamplingParams(max_tokens=max_tokens), "other": SamplingParams(max_tokens=None)}
-        fitted = fit_context(sampling, "llm", PreparedPiece({}, prompt, field), 64)
+        fitted = fit_context(sampling, plan, model.components, PreparedPiece({}, prompt, field), 64)
         assert fitted["other"].max_tokens == 64 - prompt  # any key's None is the room
         return fitted["llm"].max_tokens
 
@@ -185,6 +189,16 @@ def test_fit_context() -> None:
     with pytest.raises(RequestError) as info:
         fit(None, 64, "messages")
     assert info.value.field == "messages"
+
+
+def test_a_root_that_samples_no_tokens_is_not_held_to_max_tokens() -> None:
+    """A denoising walk's root writes no tokens into the context: its
+    `max_tokens` (a default it never uses) needs no room."""
+    image = ToyImageModel()
+    plan = image._compile("generate_cfg")
+    fitted = fit_context({plan.root: SamplingParams(max_tokens=16)}, plan, image.components,
+                         PreparedPiece({}, 60, "prompt"), 64)
+    assert fitted[plan.root].max_tokens == 16
 
 
 def test_no_http_module_tokenises() -> None:

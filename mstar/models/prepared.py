@@ -145,18 +145,21 @@ def _override(base: SamplingParams, fields: dict[str, Any] | None, key: str, roo
     return params
 
 
-def fit_context(sampling: dict[str, SamplingParams], root: str, piece: PreparedPiece,
-                max_model_len: int) -> dict[str, SamplingParams]:
+def fit_context(sampling: dict[str, SamplingParams], plan: WalkPlan, components: dict[str, Component],
+                piece: PreparedPiece, max_model_len: int) -> dict[str, SamplingParams]:
     """Each key's params with a number of tokens: the prompt must leave room
     in the context (else the error names `piece.field`), the root's
-    `max_tokens` must fit that room (its loops write into the prompt's
-    context), and a `max_tokens` of None, any key's, is all of it."""
+    `max_tokens` must fit that room where the root samples tokens (its loops
+    write them into the prompt's context; a denoising walk's root writes
+    none), and a `max_tokens` of None, any key's, is all of it."""
+    root = plan.root
     room = max_model_len - piece.num_tokens
     if room < 1:
         raise RequestError(f"the prompt is {piece.num_tokens} tokens but the model's context is {max_model_len} "
                            "tokens, leaving no room to generate", field=piece.field, code=CONTEXT_EXCEEDED)
     asked = sampling[root].max_tokens
-    if asked is not None and asked > room:
+    generates = any(_samples(components[step.component], step.mode) for step in plan.partitions[root].steps)
+    if generates and asked is not None and asked > room:
         raise RequestError(f"{asked} tokens plus the {piece.num_tokens}-token prompt exceed the model's context of "
                            f"{max_model_len} tokens; at most {room} can be generated here", field="max_tokens",
                            code=CONTEXT_EXCEEDED)
