@@ -11,9 +11,13 @@ from mstar.errors import WalkError
 from mstar.graph import (Component, Each, Emit, Fork, ForkRows, In, Kind, Loop, MaxSteps, MaxTokens, Mode, Out, Run,
                          Step, Walk, compile_walk)
 
+REDO = Mode("redo", (In("ids", Kind.IDS),), (), kv="append", query="ids", reset=True)
 COMPONENTS = {**ToyImageModel.components,
+              "llm": Component(modes=(*ToyImageModel.components["llm"].signatures.values(), REDO), kv_cache=True),
               "lm": Component(modes=(Mode("prefill", (In("ids", Kind.IDS),), (Out("token", Kind.TOKEN),),
-                                          kv="append", query="ids"),), kv_cache=True, samples=True)}
+                                          kv="append", query="ids"),), kv_cache=True, samples=True),
+              "rnn": Component(modes=(Mode("prefill", (In("ids", Kind.IDS),), (), kv="append", query="ids"),),
+                               kv_cache=True, state=True)}
 INPUTS = ("ids", "text", "latent", "n", "scale")
 IMAGE = Step("llm", "prefill", {"ids": "ids"}, ())
 VELOCITY = Step("llm", "velocity", {"x": "latent", "t": "@i"}, {"v": "v"})
@@ -49,6 +53,10 @@ def test_a_fork_its_branches_and_a_join_lay_out_a_program() -> None:
     ((IMAGE, Step("lm", "prefill", {"ids": "ids"}, {"token": "t"}), Fork(("a", "share"))), "fork in llm",
      "name the one to fork"),
     ((IMAGE, Fork(("a", "share")), Each(PER_BRANCH), Emit("v")), "emit v", "per branch"),
+    # a branch's full pages are main's: a cache starting over would write into them
+    ((IMAGE, Fork(("a", "share")), Each(Step("llm", "redo", {"ids": "ids"}, ()))), "each in llm/llm.redo",
+     "restarts the cache of 'llm'"),
+    ((Step("rnn", "prefill", {"ids": "ids"}, ()), Fork(("a", "share"))), "fork in rnn", "per-row state"),
     ((IMAGE, Fork(("a", "share")), Loop((Each(Step("sched", "cfg", {"x": "latent", "v": "latent", "n": "n",
                                                                    "scale": "scale"}, {"x": "latent"})),),
                                         until=MaxSteps(2), value="latent")),

@@ -125,11 +125,13 @@ def _prefill(model: ToyImageModel, cache: DenseAttention, ids: list[int], start:
 
 @torch.inference_mode()
 def cfg_reference(model: ToyImageModel, image_ids: list[int], text_ids: list[int], latent: torch.Tensor,
-                  steps: int, scale: float) -> torch.Tensor:
-    """Three contexts prefilled on their own: image and text, image alone,
-    text alone; every step a velocity over each, guided, then a step."""
+                  steps: int, scale: float, texts: tuple[str, ...] = ("image+text", "image", "text")) -> torch.Tensor:
+    """Three contexts prefilled on their own (by default image and text,
+    image alone, text alone); every step a velocity over each, guided, then
+    a step."""
     contexts = []
-    for parts in ((image_ids, text_ids), (image_ids,), (text_ids,)):
+    named = {"image": image_ids, "text": text_ids}
+    for parts in ([named[n] for n in text.split("+")] for text in texts):
         cache, at = DenseAttention(), 0
         for ids in parts:
             _prefill(model, cache, ids, at)

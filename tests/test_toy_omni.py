@@ -328,6 +328,43 @@ async def test_a_code_predictor_fused_into_the_talkers_step_draws_the_same_frame
         await eng.shutdown()
 
 
+async def test_frames_under_preemption_speak_the_same() -> None:
+    """`chat_frames` in a pool far too small, and every code predictor's row
+    swapped out while idle before its next frame, as `Preemption.unstick`
+    may choose (pages of one token: it swapped out two, while the step that
+    restarts its cache asks for one): it comes back whole and the frames are
+    the reference's."""
+    model = ToyOmniModel()
+    model.context = 48
+    cps = [SamplingParams(temperature=0.9, top_k=6), SamplingParams(temperature=0.0)] * 3
+    seeded = [(ids, mel, think, talk, cp) for (ids, mel, think, talk), cp in zip(_requests(5) + _requests(6), cps)]
+    expected = [frames_reference(model, *r) for r in seeded]
+    eng = Engine(EngineConfig(model="toy-omni", devices=("cpu",), scheduler=SchedulerConfig(
+        page_size=1, num_pages=48, kv_reservation="lazy")), model=model)
+    await eng.start()
+    worker = eng.workers[0]
+    enqueue, idle_swaps = worker.walker.enqueue, []
+
+    def swap_idle_cp_rows(part, step, inputs, branch="main"):  # on the worker thread, as its walker runs
+        row = part.rows.get(("cp", branch))
+        if step.component == "cp" and step.mode == "prefill" and row is not None and row.pages:
+            worker.preemption._swap_waiting(worker.scheduler, "cp", row, None)
+            idle_swaps.append(part.request_id)
+        enqueue(part, step, inputs, branch)
+
+    worker.walker.enqueue = swap_idle_cp_rows
+    try:
+        results = await asyncio.wait_for(asyncio.gather(*(
+            _serve(eng, f"q{k}", [(ids, mel)], think, talk, cp, walk="chat_frames")
+            for k, (ids, mel, think, talk, cp) in enumerate(seeded))), 120)
+        for got, want in zip(results, expected):
+            _check(got, [want])
+        assert idle_swaps and worker.preemption.resumed >= len(idle_swaps)
+        await drained(eng)
+    finally:
+        await eng.shutdown()
+
+
 def test_in_mode_draws_have_a_sampling_key_without_repetition_penalty() -> None:
     """The "cp" key of `chat_fused` exists only through its step's `draws`:
     a request may override it, but not with a repetition penalty, which

@@ -18,6 +18,7 @@ class Branches:
     def __init__(self, fail: Callable[[str, str], WalkError]) -> None:
         self.fail = fail
         self.names: tuple[str, ...] | None = None  # after the partition's fork: its branches, "main" first
+        self.forked: str | None = None  # the KV component the fork split
         self.written: dict[str, tuple[str, ...]] = {}  # per-branch values, by the branches that wrote them
         self.ever: set[str] = set()
 
@@ -41,7 +42,7 @@ class Branches:
             component = kv_components[0]
         elif component not in kv_components:
             raise self.fail(where, f"forks '{component}', whose cache the partition has not written")
-        self.names = fork.names
+        self.names, self.forked = fork.names, component
         return component
 
     def each(self, each: Each, where: str) -> tuple[str, ...]:

@@ -222,6 +222,10 @@ class _Builder:
                                        f"{want.value}")
         if not writes and sig.kv != "append":
             raise self.fail(where, "writes nothing")
+        if sig.reset and step.component == self._branches.forked:
+            # its full pages are shared with the other branches: starting over would write into theirs
+            raise self.fail(where, f"mode '{step.mode}' restarts the cache of '{step.component}', which the "
+                                   "partition forked")
         for name, value in writes.items():
             self.kinds[value] = sig.output(name).kind
         self._branches.step(step, where, branches)
@@ -267,6 +271,9 @@ class _Builder:
                     raise self.fail(where, "a partition taking turns of more input cannot fork")
                 steps = [i.step for i in program.program if isinstance(i, Run)]
                 kv = [c for c in dict.fromkeys(s.component for s in steps) if self.components[c].kv_cache]
+                if any(self.components[c].state for c in kv):
+                    # a branch would need a copy of the row's state slot, which nothing makes
+                    raise self.fail(where, "cannot fork a partition that steps a component with per-row state")
                 program.fork(node, self._branches.fork(node, kv, where))
                 prev = None
             elif isinstance(node, Each):

@@ -135,6 +135,7 @@ class Scheduler:
         item.pages_needed += pages
         item.needs_slot = item.needs_slot or slot
         item.starts_row = True
+        item.capped = False  # it ran already: the running cap holds back new rows, not returning ones
         self.running[item.component] -= 1
 
     def num_waiting(self) -> int:

@@ -17,11 +17,12 @@ DEVICES = ["cpu", pytest.param("cuda:0", marks=pytest.mark.skipif(not torch.cuda
 
 
 async def drained(eng: Engine) -> None:
-    """Wait until no tensor, page, queued step or running request is left;
+    """Wait until no tensor, page, queued step, running row or request is left;
     fails the test after 3 s."""
     for _ in range(300):
         if (len(eng.store) == 0 and eng.store.num_owners() == 0 and eng.pages_in_use() == 0
-                and not any(w.scheduler.has_work() or w.walker.runs for w in eng.workers)):
+                and not any(w.scheduler.has_work() or w.walker.runs or any(w.scheduler.running.values())
+                            for w in eng.workers)):
             return
         await asyncio.sleep(0.01)
     raise AssertionError(f"engine did not drain: {len(eng.store)} tensors, {eng.pages_in_use()} pages held")

@@ -65,17 +65,18 @@ class Preemption:
     def unstick(self, scheduler: Scheduler) -> bool:
         """Nothing can move on and rows wait for pages: swap out one row that
         holds pages outside a decode group (a step-by-step row: a talker's, a
-        fork's branch, queued or waiting for its sibling branches), of the
+        fork's branch, queued or waiting for its sibling branches): of the
         youngest request other than the one the oldest waiting row belongs
-        to, so the older ones can go on; with no such row, the youngest
-        queued row holding pages, unless it is the only one. Its step runs
-        once its pages and KV are back. False: no row to swap."""
+        to, so the older ones can go on; else an idle row (no step queued) of
+        that oldest request itself, which then goes on a row at a time; else
+        the youngest queued row holding pages, unless it is the only one. Its
+        step runs once its pages and KV are back. False: no row to swap."""
         for component in self.caches:
             waiting = scheduler.waiting(component)
             if not waiting:
                 continue
             queued = {(id(i.payload.part), i.payload.branch): i for i in scheduler.holding(component)}
-            for part, branch in self._holders(component, skip=waiting[0].request_id):
+            for part, branch in self._holders(component, waiting[0].request_id, queued):
                 self._swap_waiting(scheduler, component, part.row(component, branch),
                                    queued.get((id(part), branch)))
                 return True
@@ -85,18 +86,23 @@ class Preemption:
                 return True
         return False
 
-    def _holders(self, component: str, skip: str) -> Iterator[tuple[PartitionRun, str]]:
+    def _holders(self, component: str, oldest: str,
+                 queued: dict[tuple[int, str], WorkItem]) -> Iterator[tuple[PartitionRun, str]]:
         """(partition, branch) of the rows of `component` holding pages
-        outside decode groups, youngest request first, but `skip`'s."""
+        outside decode groups: every one of the other requests, youngest
+        first, then the idle ones of request `oldest`."""
         grouped = {id(part) for group in self.walker.groups.values() for part in group.rows}
-        for run in reversed(tuple(self.walker.runs.values())):
-            if run.request_id == skip:
-                continue
+        runs = [run for run in reversed(tuple(self.walker.runs.values())) if run.request_id != oldest]
+        if oldest in self.walker.runs:
+            runs.append(self.walker.runs[oldest])
+        for run in runs:
             for part in run.partitions.values():
                 if id(part) in grouped:
                     continue
                 for (c, branch), row in part.rows.items():
-                    if c == component and row.pages and row.swapped is None:
+                    if c != component or not row.pages or row.swapped is not None:
+                        continue
+                    if run.request_id != oldest or (id(part), branch) not in queued:
                         yield part, branch
 
     def _swap_waiting(self, scheduler: Scheduler, component: str, row: KVRow, item: WorkItem | None) -> None:

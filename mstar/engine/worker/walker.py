@@ -169,14 +169,16 @@ class Walker:
 
     def _fork_rows(self, part: PartitionRun, fork: ForkRows) -> None:
         """Queue the split of `part`'s KV row: a page for each shared branch's
-        copy of main's partial last page, granted by the scheduler."""
+        copy of main's partial last page, granted by the scheduler (and, for
+        a main row preempted meanwhile, the pages its KV comes back into)."""
         main = part.row(fork.component)
         pool = self.pools[fork.component]
         shares = sum(how == "share" for _, how in fork.fork.branches)
-        pages = shares if main.pages and main.kv_len % pool.page_size else 0
+        swapped = main.swapped.num_pages if main.swapped is not None else 0  # preempted: its KV comes back first
+        pages = (shares if (main.pages or swapped) and main.kv_len % pool.page_size else 0) + swapped
         part.busy = True
         self.scheduler.add(WorkItem(part.request_id, part.name, fork.component, FORK_MODE, 0, pages,
-                                    payload=Work(part, {})))
+                                    payload=Work(part, {}), starts_row=bool(swapped), capped=False))
 
     def forked(self, part: PartitionRun) -> None:
         """`part`'s KV row is split into its branches: on past the fork."""
@@ -194,21 +196,23 @@ class Walker:
                 if isinstance(ref, TensorRef):
                     self.store.retain(ref, rid)
         pool = self.pools.get(step.component)
-        num_tokens, pages, starts_row = 1, 0, False
+        num_tokens, pages, starts_row, capped = 1, 0, False, branch == "main"
         if pool is not None:
             row = part.row(step.component, branch)
             num_tokens = self._num_tokens(step, inputs)
             sig = self.components[step.component].signatures.get(step.mode) if self.components else None
             total = (0 if sig is not None and sig.reset else row.kv_len) + num_tokens
-            if not row.pages or part.pc == 0:  # the row's first step, or a later turn's
+            if (not row.pages and row.swapped is None) or part.pc == 0:  # the row's first step, or a later turn's
                 total += self._reserve(part)
             pages = max(0, pool.pages_for(min(total, self.max_model_len)) - len(row.pages))
+            if row.swapped is not None:  # preempted while it waited: its KV comes back into pages first
+                pages, capped = max(pages, row.swapped.num_pages), False  # it ran already: the cap is for new rows
             starts_row = not row.pages
         needs_slot = step.component in self.slots and pool is not None and row.slot is None
         part.busy = True
         self.scheduler.add(WorkItem(rid, part.name, step.component, step.mode, num_tokens, pages,
                                     payload=Work(part, inputs, branch), starts_row=starts_row,
-                                    needs_slot=needs_slot, capped=branch == "main"))
+                                    needs_slot=needs_slot, capped=capped))
 
     def _num_tokens(self, step: Step, inputs: dict[str, TensorRef | list[StreamItem] | int]) -> int:
         """The new tokens a KV step brings: its query input's ids, or its rows
