@@ -60,7 +60,7 @@ if [[ $what == tests || $what == all ]]; then
   timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider -o timeout=250 $tests > "$OUT/gpu_tests.txt" 2>&1
   rc=$?
   # the toys' runtime paths on CUDA (their CPU cases run in CI)
-  timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider -k cuda tests/test_toy_omni.py tests/test_toy_image.py \
+  timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider -k cuda tests/test_toy_omni.py tests/test_cfg_preemption.py \
       tests/test_toy_hybrid.py >> "$OUT/gpu_tests.txt" 2>&1 || rc=1
   tail -25 "$OUT/gpu_tests.txt"
 fi

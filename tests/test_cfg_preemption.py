@@ -12,15 +12,16 @@ from __future__ import annotations
 import asyncio
 import copy
 
+import pytest
 import torch
 
 from mstar.config import EngineConfig, SchedulerConfig
 from mstar.engine.engine import Engine
 from mstar.graph import Fork, Step, Walk
-from test_toy_image import TOL, _guided, cfg_reference
+from test_toy_image import CFG_CASES, TOL, _guided, cfg_reference
 from toys.audio_decoder import HIDDEN, VOCAB
 from toys.image_gen import ToyImageModel
-from toys.serving import drained
+from toys.serving import DEVICES, drained
 
 Case = tuple[int, int, int, int, float]  # image tokens, text tokens, latent rows, steps, scale
 
@@ -32,11 +33,11 @@ def _requests(seed: int, cases: list[Case]) -> list[tuple]:
             for ni, nt, rows, steps, scale in cases]
 
 
-async def _serve(model: ToyImageModel, requests: list[tuple], expected: list[torch.Tensor],
+async def _serve(model: ToyImageModel, requests: list[tuple], expected: list[torch.Tensor], device: str = "cpu",
                  **scheduler: int) -> int:
-    """Serve `requests` on one CPU worker with lazy pages of 4 tokens; how
-    many rows were preempted."""
-    eng = Engine(EngineConfig(model="toy-image", devices=("cpu",), scheduler=SchedulerConfig(
+    """Serve `requests` on one worker with lazy pages of 4 tokens; how many
+    rows were preempted."""
+    eng = Engine(EngineConfig(model="toy-image", devices=(device,), dtype="float32", scheduler=SchedulerConfig(
         page_size=4, kv_reservation="lazy", **scheduler)), model=model)
     await eng.start()
     try:
@@ -49,6 +50,18 @@ async def _serve(model: ToyImageModel, requests: list[tuple], expected: list[tor
         return eng.workers[0].preemption.preempted
     finally:
         await eng.shutdown()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+async def test_guidance_under_preemption_matches_three_contexts(device: str) -> None:
+    """Branch rows that wait for pages, or for their siblings, are swapped
+    out (losing their share of the prompt's pages) and back."""
+    model = ToyImageModel()
+    model.context = 48
+    requests = _requests(8, CFG_CASES * 2)
+    expected = [cfg_reference(model, *r) for r in requests]
+    # pages of 4: one request fits with its branches unshared (33), two do not
+    assert await _serve(model, requests, expected, device, num_pages=36) > 0
 
 
 LOAD = [(17, 2, 4, 2, 1.5), (30, 1, 8, 2, 2.0), (22, 3, 2, 2, 0.5), (25, 2, 6, 2, 1.0), (19, 3, 3, 2, 3.0)] * 2

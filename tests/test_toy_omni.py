@@ -274,14 +274,18 @@ def frames_reference(model: ToyOmniModel, ids: list[int], mel: torch.Tensor, thi
     return Expected(text, code0s, pcm)
 
 
+def _frame_requests() -> list[tuple[list[int], torch.Tensor, SamplingParams, SamplingParams, SamplingParams]]:
+    """`_requests(5)`, each with the code predictor's sampling (its seed the
+    request's, derived for the "cp" key)."""
+    cps = [SamplingParams(temperature=t, top_k=k) for t, k in ((0.9, 6), (0.0, 1), (1.3, 12), (0.7, 3), (1.0, 0),
+                                                               (0.5, 4))]
+    return [(ids, mel, think, talk, cp) for (ids, mel, think, talk), cp in zip(_requests(5), cps)]
+
+
 @pytest.mark.parametrize("devices, placement", [*SETUPS, ON_CUDA])
 async def test_frames_from_a_code_predictor_nested_in_the_talker(devices: tuple[str, ...], placement: str) -> None:
     model = ToyOmniModel()
-    requests = _requests(5)
-    cps = [SamplingParams(temperature=t, top_k=k) for t, k in ((0.9, 6), (0.0, 1), (1.3, 12), (0.7, 3), (1.0, 0),
-                                                               (0.5, 4))]
-    seeded = [(ids, mel, think, talk, dataclasses.replace(cp, seed=None)) for (ids, mel, think, talk), cp
-              in zip(requests, cps)]
+    seeded = _frame_requests()
     expected = [frames_reference(model, ids, mel, think, talk, cp) for ids, mel, think, talk, cp in seeded]
     eng = Engine(EngineConfig(model="toy-omni", devices=devices, placement=parse_spec(placement), dtype="float32"),
                  model=model)
@@ -304,11 +308,7 @@ async def test_a_code_predictor_fused_into_the_talkers_step_draws_the_same_frame
     the nested loop of `chat_frames` draws, with the same seeds and
     overrides."""
     model = ToyOmniModel()
-    requests = _requests(5)
-    cps = [SamplingParams(temperature=t, top_k=k) for t, k in ((0.9, 6), (0.0, 1), (1.3, 12), (0.7, 3), (1.0, 0),
-                                                               (0.5, 4))]
-    seeded = [(ids, mel, think, talk, dataclasses.replace(cp, seed=None)) for (ids, mel, think, talk), cp
-              in zip(requests, cps)]
+    seeded = _frame_requests()
     expected = [frames_reference(model, *r, fused=True) for r in seeded]
     eng = Engine(EngineConfig(model="toy-omni", devices=devices, placement=parse_spec(placement), dtype="float32"),
                  model=model)

@@ -224,6 +224,16 @@ THINKER = (
     Emit("text"),
 )
 
+# both frame walks' talker: it starts from the thinker's prompt; its frames' first codes are emitted, and the
+# frames stream into the codec
+TALKER_START = Step("talker", "prefill", {"ctx": "prompt_hidden"}, {"code": "code0", "last": "last"})
+FRAMES_OUT = (
+    Emit("code0", modality="data"),
+    Stream("frame", Step("codec", "chunk", {"codes": "frame", "index": "@chunk"}, {"pcm": "pcm"}),
+           LeftContext(CHUNK, LEFT)),
+    Emit("pcm", modality="data"),
+)
+
 
 class ToyOmniModel(ToyModel):
     components = {
@@ -250,31 +260,25 @@ class ToyOmniModel(ToyModel):
             *THINKER,
             Stream("h", chunks=Items(), as_="item", into=Partition(
                 "talker",
-                Step("talker", "prefill", {"ctx": "prompt_hidden"}, {"code": "code0", "last": "last"}),
+                TALKER_START,
                 Loop((Step("cp", "prefill", {"ids": "code0", "h": "last"}, {"code": "code"}, sampling="cp"),
                       Loop(Step("cp", "decode", {"ids": "code", "j": "@i"}, {"code": "code"}, sampling="cp"),
                            until=MaxSteps(GROUPS - 1), collect=Collect("frame", each="code", first=("code0",))),
                       Step("talker", "frame", {"ids": "code0", "frame": "frame", "h": "item"},
                            {"code": "code0", "last": "last"})),
                      until=StreamDone() | MaxTokens(), value="code0"),
-                Emit("code0", modality="data"),
-                Stream("frame", Step("codec", "chunk", {"codes": "frame", "index": "@chunk"}, {"pcm": "pcm"}),
-                       LeftContext(CHUNK, LEFT)),
-                Emit("pcm", modality="data"))),
+                *FRAMES_OUT)),
             inputs=("prompt_ids", "mel", "mrope")),
         # chat_frames with the code predictor fused into the talker's step: one talker step a frame
         "chat_fused": Walk(
             *THINKER,
             Stream("h", chunks=Items(), as_="item", into=Partition(
                 "talker",
-                Step("talker", "prefill", {"ctx": "prompt_hidden"}, {"code": "code0", "last": "last"}),
+                TALKER_START,
                 Loop(Step("talker", "speak", {"ids": "code0", "last": "last", "h": "item"},
                           {"code": "code0", "last": "last", "frame": "frame"}, draws="cp"),
                      until=StreamDone() | MaxTokens(), value="code0"),
-                Emit("code0", modality="data"),
-                Stream("frame", Step("codec", "chunk", {"codes": "frame", "index": "@chunk"}, {"pcm": "pcm"}),
-                       LeftContext(CHUNK, LEFT)),
-                Emit("pcm", modality="data"))),
+                *FRAMES_OUT)),
             inputs=("prompt_ids", "mel", "mrope")),
     }
     default_walk = "chat"
