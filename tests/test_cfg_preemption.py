@@ -107,7 +107,8 @@ async def test_a_swapped_main_row_is_not_held_by_the_running_cap_its_branches_fi
              (19, 2, 8, 1, 1.5)]
     requests = _requests(1, cases)
     expected = [cfg_reference(model, *r) for r in requests]
-    assert await _serve(model, requests, expected, num_pages=30, max_num_seqs=2) > 0
+    # every request fits 24 pages with its branches unshared (the largest takes 22)
+    assert await _serve(model, requests, expected, num_pages=24, max_num_seqs=2) > 0
 
 
 async def test_a_request_that_fits_only_with_shared_pages_goes_on_a_row_at_a_time() -> None:
