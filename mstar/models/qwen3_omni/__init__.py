@@ -1,0 +1,3 @@
+"""Qwen3-Omni (`Qwen3OmniMoeForConditionalGeneration`): thinker, talker, code
+predictor and code2wav as one composite model. So far its config
+(`config.py`); the plan is `docs/design/omni.md`."""
