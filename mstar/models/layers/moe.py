@@ -1,0 +1,54 @@
+"""A sparse mixture-of-experts feed-forward (Qwen3-MoE's): hidden states
+[T, H] in, [T, H] out. A router scores every expert per token (softmax in
+float32), each token goes to its top-k experts (their weights renormalised
+to sum to 1 when the model says so), and each expert is a SwiGLU; the
+talker's variant adds a shared expert scaled by a sigmoid gate.
+
+This is the reference: one matmul pair per expert that any token chose, in
+expert order. Expert weights are stacked ([E, 2I, H] gate then up, [E, H, I]
+down), the layout a grouped-GEMM kernel reads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar.kernels.activation import silu_and_mul
+from mstar.models.layers.linear import Linear
+from mstar.models.layers.mlp import SwiGLU
+
+
+class SparseMoe(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, norm_topk_prob: bool,
+                 shared_intermediate: int = 0, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        kw = {"device": device, "dtype": dtype}
+        self.router = nn.Parameter(torch.empty(num_experts, hidden, **kw))
+        self.gate_up = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, **kw))
+        self.down = nn.Parameter(torch.empty(num_experts, hidden, intermediate, **kw))
+        self.shared = SwiGLU(hidden, shared_intermediate, **kw) if shared_intermediate else None
+        self.shared_gate = Linear(hidden, 1, **kw) if shared_intermediate else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's top-k experts [T, k] and their weights [T, k] (x's dtype)."""
+        probs = torch.softmax(F.linear(x, self.router).float(), dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights.to(x.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        experts, weights = self.route(x)
+        out = torch.zeros_like(x)
+        for e in experts.unique().tolist():
+            token, slot = (experts == e).nonzero(as_tuple=True)
+            y = F.linear(silu_and_mul(F.linear(x[token], self.gate_up[e])), self.down[e])
+            out.index_add_(0, token, y * weights[token, slot, None])
+        if self.shared is not None:
+            assert self.shared_gate is not None
+            out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
+        return out
