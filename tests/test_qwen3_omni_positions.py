@@ -11,6 +11,7 @@ import torch
 from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf
 
 from mstar.errors import RequestError
+from mstar.models.layers.mrope import mrope_cos_sin
 from mstar.models.qwen3_omni.positions import audio_tokens, mrope_positions
 from test_qwen3_omni_config import tiny
 
@@ -75,3 +76,19 @@ def test_placeholder_runs_must_match_their_clips(frames: list[int], grids: list,
     with pytest.raises(RequestError, match=says) as caught:
         mrope_positions(ids, audio_id=AUDIO, image_id=IMAGE, audio_frames=frames, image_grids=grids)
     assert caught.value.field == "input"
+
+
+def test_interleaved_mrope_matches_transformers_rotary(thinker) -> None:
+    """cos and sin of an audio + image prompt's positions, as the thinker's
+    own rotary embedding gives them (section (4, 2, 2) of 8 frequencies)."""
+    parts = CASES["both"]
+    ids = _prompt(parts)
+    positions, _ = mrope_positions(ids, audio_id=AUDIO, image_id=IMAGE,
+                                   audio_frames=[p[1] for p in parts if p[0] == "audio"],
+                                   image_grids=[p[1] for p in parts if p[0] == "image"])
+    rotary = thinker.model.language_model.rotary_emb
+    cos, sin = mrope_cos_sin(positions, rotary.inv_freq, rotary.mrope_section)
+    want_cos, want_sin = rotary(torch.zeros(1, dtype=torch.float32), positions[:, None, :])
+    assert not torch.equal(positions[0], positions[1])  # the image rows make the axes differ
+    torch.testing.assert_close(cos, want_cos[0])
+    torch.testing.assert_close(sin, want_sin[0])

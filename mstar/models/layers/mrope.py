@@ -1,0 +1,36 @@
+"""Interleaved multimodal rotary (Qwen3-Omni's M-RoPE): 3-axis positions
+[3, T] (temporal, height, width) in, the cos and sin [T, head_dim] that the
+"rotate half" layout applies to q and k out.
+
+Each rotary frequency is driven by one axis. With `section` (t, h, w) pairs,
+the first 3·h frequencies cycle T, H, W (frequency j takes H when j mod 3 is
+1 and j < 3·h, W when j mod 3 is 2 and j < 3·w), and every other frequency
+takes T; text, whose three axes are equal, rotates as with plain rotary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def mrope_axes(section: Sequence[int]) -> torch.Tensor:
+    """[sum(section)] int64: the axis that drives each frequency."""
+    t, h, w = section
+    j = torch.arange(t + h + w)
+    axis = torch.zeros_like(j)
+    axis[(j % 3 == 1) & (j < 3 * h)] = 1
+    axis[(j % 3 == 2) & (j < 3 * w)] = 2
+    return axis
+
+
+def mrope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
+                  section: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, 2·len(inv_freq)] in float32 for positions [3, T]."""
+    if sum(section) != inv_freq.numel():
+        raise ValueError(f"mrope section {list(section)} does not cover {inv_freq.numel()} frequencies")
+    axes = mrope_axes(section).to(positions.device)
+    angles = positions.float()[axes, :].T * inv_freq.float()  # [T, D/2]: frequency j by its axis's position
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
