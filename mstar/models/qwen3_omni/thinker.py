@@ -1,0 +1,103 @@
+"""The Qwen3-Omni thinker's text decoder over a `TokenBatch`: token ids and
+3-axis positions in, logits of each row's last token out, with the hidden
+states the talker reads (the token embeddings and the output of layer
+`accept_hidden_layer`).
+
+A layer is pre-norm attention (q and k each RMS-normed per head before the
+interleaved M-RoPE, grouped KV heads) then a sparse MoE feed-forward. The
+rotation happens here, so the attention context only stores and attends.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mstar.models.layers.linear import Linear
+from mstar.models.layers.moe import SparseMoe
+from mstar.models.layers.mrope import mrope_cos_sin
+from mstar.models.layers.norm import RMSNorm
+from mstar.models.qwen3_omni.config import MoeDecoderConfig
+from mstar.types import AttentionContext, TokenBatch
+
+Device = torch.device | str | None
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] rotated in the "rotate half" layout by cos/sin [T, D]."""
+    half = x.shape[-1] // 2
+    turned = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x.float() * cos[:, None] + turned.float() * sin[:, None]).to(x.dtype)
+
+
+class ThinkerAttention(nn.Module):
+    def __init__(self, cfg: MoeDecoderConfig, layer: int, *, device: Device = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        self.layer, self.heads, self.kv_heads, self.head_dim = (layer, cfg.num_attention_heads,
+                                                                cfg.num_key_value_heads, cfg.head_dim)
+        self.q_proj = Linear(cfg.hidden_size, self.heads * self.head_dim, **kw)
+        self.k_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim, **kw)
+        self.v_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim, **kw)
+        self.o_proj = Linear(self.heads * self.head_dim, cfg.hidden_size, **kw)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, **kw)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, **kw)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(t, self.heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(t, self.kv_heads, self.head_dim))
+        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        out = attn.forward(self.layer, rotate(q, cos, sin), rotate(k, cos, sin), v, self.head_dim ** -0.5)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class ThinkerLayer(nn.Module):
+    def __init__(self, cfg: MoeDecoderConfig, layer: int, *, device: Device = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.self_attn = ThinkerAttention(cfg, layer, **kw)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.mlp = SparseMoe(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
+                             cfg.norm_topk_prob, cfg.shared_expert_intermediate_size, **kw)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class ThinkerDecoder(nn.Module):
+    """`prefill` and `decode` of a batch of rows; `accept_layer`: the layer
+    whose output the talker reads (its `hidden` output)."""
+
+    def __init__(self, cfg: MoeDecoderConfig, accept_layer: int, *, device: Device = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        self.cfg, self.accept_layer = cfg, accept_layer
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, **kw)
+        self.layers = nn.ModuleList(ThinkerLayer(cfg, i, **kw) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, **kw)
+        inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+
+    def forward(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
+        """Every token's embedding and `accept_layer` output ("embeds",
+        "hidden", [T, H]) and the logits of each row's last token."""
+        embeds = self.embed_tokens(batch.input_ids)
+        positions = batch.positions if batch.positions.dim() == 2 else batch.positions.expand(3, -1)
+        cos, sin = mrope_cos_sin(positions, self.inv_freq, self.cfg.mrope_section)
+        h, hidden = embeds, embeds
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, batch.attn)
+            if i + 1 == self.accept_layer:
+                hidden = h
+        last = self.norm(h[batch.logits_index])
+        return {"logits": self.lm_head(last), "embeds": embeds, "hidden": hidden}
+
+    prefill = forward
+    decode = forward
