@@ -6,6 +6,7 @@ a dense cache, in float32."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -13,11 +14,14 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen3OmniMoeForConditionalGeneration
 
+from mstar.config import EngineConfig, SchedulerConfig
+from mstar.engine.engine import Engine
 from mstar.errors import ConfigError
 from mstar.models.qwen3_omni.config import Qwen3OmniConfig
 from mstar.models.qwen3_omni.loader import load_thinker
+from mstar.models.qwen3_omni.model import Qwen3OmniModel
 from mstar.models.qwen3_omni.thinker import ThinkerDecoder
-from mstar.types import TokenBatch
+from mstar.types import GenerateRequest, SamplingParams, TokenBatch
 from test_qwen3_omni_config import tiny
 
 PROMPT = [151644, 872, 198, 100, 2001, 37, 4242, 151645, 198, 151644, 77091, 198]
@@ -98,3 +102,30 @@ def test_a_checkpoint_without_an_expert_is_refused(saved, tmp_path: Path) -> Non
     (tmp_path / "config.json").write_text((folder / "config.json").read_text())
     with pytest.raises(ConfigError, match=r"missing 1 tensor\(s\): layers\.1\.mlp\.gate_up"):
         _ours(tmp_path)
+
+
+async def test_the_served_thinker_decodes_as_transformers_generates(saved) -> None:
+    """Concurrent greedy requests of different prompts through the engine's
+    paged cache (pages of 4 tokens) give transformers' greedy tokens."""
+    folder, model = saved
+    prompts = [PROMPT, PROMPT[:5] + [9, 99, 999], [151644, 872, 198, 42], PROMPT + [7] * 9]
+    want = []
+    with torch.inference_mode():
+        for p in prompts:
+            ids = torch.tensor([p])
+            want.append(model.thinker.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                                               do_sample=False, eos_token_id=None)[0, len(p):].tolist())
+    eng = Engine(EngineConfig(model="qwen3-omni", devices=("cpu",), dtype="float32",
+                              scheduler=SchedulerConfig(page_size=4)),
+                 model=Qwen3OmniModel("qwen3-omni", folder, max_model_len=64))
+    await eng.start()
+    try:
+        async def run(k: int, p: list[int]) -> list[int]:
+            request = GenerateRequest(f"t{k}", "qwen3-omni", {"prompt_ids": p},
+                                      SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+            return [t for c in [c async for c in eng.submit(request)] for t in c.token_ids]
+
+        got = await asyncio.gather(*(run(k, p) for k, p in enumerate(prompts)))
+        assert got == want
+    finally:
+        await eng.shutdown()

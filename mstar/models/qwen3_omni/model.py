@@ -1,0 +1,96 @@
+"""Qwen3-Omni as a served model, so far its thinker over text: a request's
+prompt (token ids, text or chat messages, tokenised here when the folder
+has a tokenizer) in, a walk that prefills it and decodes until EOS or the
+token budget. The encoders, talker and code2wav join per
+`docs/design/omni.md`.
+
+Text positions are equal on the three M-RoPE axes, so the thinker's steps
+take the runtime's one-axis positions until images come in.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from mstar.errors import ConfigError
+from mstar.graph import Component, Emit, EosToken, HostStop, Loop, MaxTokens, Step, Walk
+from mstar.models.base import KVSpec, Model
+from mstar.models.prepared import PreparedPiece
+from mstar.models.prompt import prompt_tokens
+from mstar.models.qwen3_omni.config import MoeDecoderConfig, Qwen3OmniConfig
+from mstar.models.qwen3_omni.loader import load_thinker
+from mstar.models.qwen3_omni.thinker import ThinkerDecoder
+from mstar.models.tokenizer import Tokenizer, read_optional_json
+from mstar.types import GenerateRequest, SamplingParams
+
+LOAD_FORMATS = ("auto", "dummy")
+DUMMY_SEED = 0
+
+
+class Qwen3OmniModel(Model):
+    components = {"thinker": Component(modes=("prefill", "decode"), kv_cache=True, samples=True)}
+    walks = {
+        "generate": Walk(
+            Step("thinker", "prefill", "prompt_ids", "token"),
+            Loop(Step("thinker", "decode", "token", "token"), until=EosToken() | MaxTokens() | HostStop()),
+            Emit("token", modality="text"),
+            inputs=("prompt_ids",),
+        ),
+    }
+    default_walk = "generate"
+
+    def __init__(self, name: str, path: str | Path, load_format: str = "auto",
+                 max_model_len: int | None = None) -> None:
+        super().__init__(name)
+        if load_format not in LOAD_FORMATS:
+            raise ConfigError(f"load format '{load_format}' is not one of {', '.join(LOAD_FORMATS)}")
+        self.path, self.load_format = Path(path), load_format
+        self.config = Qwen3OmniConfig.from_folder(self.path)
+        positions = self.config.thinker.max_position_embeddings
+        if max_model_len is not None and not 0 < max_model_len <= positions:
+            raise ConfigError(f"--max-model-len {max_model_len} is outside 1..{positions} for model '{name}'")
+        self._max_model_len = max_model_len or positions
+        self._tokenizer = Tokenizer.from_folder(self.path) if (self.path / "tokenizer.json").is_file() else None
+        eos = read_optional_json(self.path / "generation_config.json").get("eos_token_id")
+        self._eos = (eos,) if isinstance(eos, int) else tuple(eos or (self.config.ids.im_end,))
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self._tokenizer
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    def kv_spec(self, component: str) -> KVSpec:
+        cfg = self._thinker_only(component)
+        return KVSpec(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                      num_q_heads=cfg.num_attention_heads)
+
+    def build_component(self, component: str, device: torch.device, dtype: torch.dtype) -> ThinkerDecoder:
+        cfg = self._thinker_only(component)
+        decoder = ThinkerDecoder(cfg, self.config.talker.accept_hidden_layer, device=device, dtype=dtype)
+        if self.load_format == "dummy":
+            gen = torch.Generator().manual_seed(DUMMY_SEED)
+            with torch.no_grad():
+                for p in decoder.parameters():
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+        else:
+            load_thinker(decoder, self.path)
+        return decoder.eval()
+
+    def prepare_inputs(self, request: GenerateRequest, sampling: SamplingParams) -> PreparedPiece:
+        ids, field = prompt_tokens(request.inputs, self.tokenizer, self.config.thinker.vocab_size,
+                                   self._max_model_len, self.name)
+        return PreparedPiece({"prompt_ids": torch.tensor(ids, dtype=torch.long)}, len(ids), field)
+
+    def _thinker_only(self, component: str) -> MoeDecoderConfig:
+        if component != "thinker":
+            raise ConfigError(f"model '{self.name}' has no component '{component}' yet")
+        return self.config.thinker
