@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mstar.errors import RequestError
-from mstar.graph import Component, Walk, WalkPlan, compile_walk
+from mstar.graph import Component, Emit, EosToken, HostStop, Loop, MaxTokens, Step, Walk, WalkPlan, compile_walk
 from mstar.models.prepared import Prepared, PreparedPiece, fit_context, resolve_sampling, stop_ids
 
 if TYPE_CHECKING:
@@ -49,6 +49,17 @@ class StateSpec:
     each of `shape` and `dtype`, that its steps read and update in place."""
 
     tensors: tuple[tuple[str, tuple[int, ...], torch.dtype], ...]
+
+
+def text_walk(component: str) -> Walk:
+    """A language model's walk: prefill the prompt, then decode token by
+    token until EOS, the token budget or a stop string, streaming text."""
+    return Walk(
+        Step(component, "prefill", "prompt_ids", "token"),
+        Loop(Step(component, "decode", "token", "token"), until=EosToken() | MaxTokens() | HostStop()),
+        Emit("token", modality="text"),
+        inputs=("prompt_ids",),
+    )
 
 
 class Model:

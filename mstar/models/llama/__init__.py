@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from mstar.errors import ConfigError
-from mstar.graph import Component, Emit, EosToken, HostStop, Loop, MaxTokens, Step, Walk
-from mstar.models.base import KVSpec, Model
+from mstar.graph import Component
+from mstar.models.base import KVSpec, Model, text_walk
 from mstar.models.llama.config import TINY_LLAMA, LlamaConfig, read_config_json
 from mstar.models.llama.loader import checkpoint_has_lm_head, dummy_weights, load_weights
 from mstar.models.llama.model import LlamaDecoder
@@ -39,12 +39,7 @@ __all__ = ["LlamaConfig", "LlamaDecoder", "LlamaModel"]
 class LlamaModel(Model):
     components = {"llm": Component(modes=("prefill", "decode"), kv_cache=True, samples=True)}
     walks = {
-        "generate": Walk(
-            Step("llm", "prefill", "prompt_ids", "token"),
-            Loop(Step("llm", "decode", "token", "token"), until=EosToken() | MaxTokens() | HostStop()),
-            Emit("token", modality="text"),
-            inputs=("prompt_ids",),
-        ),
+        "generate": text_walk("llm"),
     }
     default_walk = "generate"
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from mstar.errors import ConfigError
-from mstar.graph import Component, Emit, EosToken, HostStop, Loop, MaxTokens, Step, Walk
-from mstar.models.base import KVSpec, Model
+from mstar.graph import Component
+from mstar.models.base import KVSpec, Model, text_walk
 from mstar.models.prepared import PreparedPiece
 from mstar.models.prompt import prompt_tokens
 from mstar.models.qwen3_omni.config import MoeDecoderConfig, Qwen3OmniConfig
@@ -32,12 +32,7 @@ DUMMY_SEED = 0
 class Qwen3OmniModel(Model):
     components = {"thinker": Component(modes=("prefill", "decode"), kv_cache=True, samples=True)}
     walks = {
-        "generate": Walk(
-            Step("thinker", "prefill", "prompt_ids", "token"),
-            Loop(Step("thinker", "decode", "token", "token"), until=EosToken() | MaxTokens() | HostStop()),
-            Emit("token", modality="text"),
-            inputs=("prompt_ids",),
-        ),
+        "generate": text_walk("thinker"),
     }
     default_walk = "generate"
 
