@@ -115,17 +115,17 @@ async def test_the_served_thinker_decodes_as_transformers_generates(saved) -> No
             ids = torch.tensor([p])
             want.append(model.thinker.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
                                                do_sample=False, eos_token_id=None)[0, len(p):].tolist())
-    eng = Engine(EngineConfig(model="qwen3-omni", devices=("cpu",), dtype="float32",
-                              scheduler=SchedulerConfig(page_size=4)),
-                 model=Qwen3OmniModel("qwen3-omni", folder, max_model_len=64))
+    eng = Engine(EngineConfig(model=str(folder), devices=("cpu",), dtype="float32", max_model_len=64,
+                              scheduler=SchedulerConfig(page_size=4)))  # the folder's model_type picks the model
     await eng.start()
     try:
         async def run(k: int, p: list[int]) -> list[int]:
-            request = GenerateRequest(f"t{k}", "qwen3-omni", {"prompt_ids": p},
+            request = GenerateRequest(f"t{k}", str(folder), {"prompt_ids": p},
                                       SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
             return [t for c in [c async for c in eng.submit(request)] for t in c.token_ids]
 
         got = await asyncio.gather(*(run(k, p) for k, p in enumerate(prompts)))
         assert got == want
+        assert isinstance(eng.model, Qwen3OmniModel)
     finally:
         await eng.shutdown()

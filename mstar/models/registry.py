@@ -3,8 +3,8 @@
 A name is either a builtin (`tiny-llama`; `orpheus-tiny`; `orpheus-3b`, a shape without
 a checkpoint, served with `load_format="dummy"`) or a local Hugging Face folder whose
 config.json `model_type` picks the model class (a llama folder with a `snac/`
-subfolder is Orpheus). Model files register themselves here by name; the
-runtime only calls `load_model`.
+subfolder is Orpheus; `qwen3_omni_moe` is Qwen3-Omni). Model files register
+themselves here by name; the runtime only calls `load_model`.
 """
 
 from __future__ import annotations
@@ -66,10 +66,17 @@ def _llama_folder(path: str, load_format: str, max_model_len: int | None) -> Mod
     return LlamaModel(path, path, load_format, max_model_len)
 
 
+def _qwen3_omni_folder(path: str, load_format: str, max_model_len: int | None) -> Model:
+    from mstar.models.qwen3_omni.model import Qwen3OmniModel
+
+    return Qwen3OmniModel(path, path, load_format, max_model_len)
+
+
 register_builtin("tiny-llama", _tiny_llama)
 register_builtin("orpheus-tiny", _orpheus_tiny)
 register_builtin("orpheus-3b", _orpheus_3b)
 register_model_type("llama", _llama_folder)
+register_model_type("qwen3_omni_moe", _qwen3_omni_folder)
 
 
 def _model_type(folder: Path) -> object:
