@@ -125,3 +125,13 @@ def test_parts_that_cannot_fit_together_are_refused(written: tuple[Path, dict], 
                                                     says: str) -> None:
     with pytest.raises(ConfigError, match=says):
         Qwen3OmniConfig.from_dict(_with(written[1], path, value))
+
+
+def test_the_builtin_tiny_shape_reads_as_transformers_would_write_it(tmp_path: Path) -> None:
+    """`qwen3-omni-tiny`'s dict gives the same numbers read directly as after
+    transformers' config class took it in and wrote it out."""
+    from mstar.models.qwen3_omni.builtins import QWEN3_OMNI_TINY
+
+    fields = {k: v for k, v in QWEN3_OMNI_TINY.items() if k != "model_type"}
+    Qwen3OmniMoeConfig(**copy.deepcopy(fields)).save_pretrained(tmp_path)
+    assert Qwen3OmniConfig.from_dict(QWEN3_OMNI_TINY) == Qwen3OmniConfig.from_folder(tmp_path)

@@ -129,3 +129,25 @@ async def test_the_served_thinker_decodes_as_transformers_generates(saved) -> No
         assert isinstance(eng.model, Qwen3OmniModel)
     finally:
         await eng.shutdown()
+
+
+async def test_the_builtin_tiny_model_serves_text_prompts() -> None:
+    """`qwen3-omni-tiny` by name: random weights, the byte tokenizer, a text
+    prompt decoded to its token budget on the CPU, the same on a second run."""
+    from mstar.models.registry import load_model
+
+    assert load_model("qwen3-omni-tiny").random_weights
+    eng = Engine(EngineConfig(model="qwen3-omni-tiny", devices=("cpu",), max_model_len=128))
+    await eng.start()
+    try:
+        async def run(rid: str) -> list[int]:
+            request = GenerateRequest(rid, "qwen3-omni-tiny", {"prompt": "hello there"},
+                                      SamplingParams(max_tokens=5, temperature=0.8, seed=3, ignore_eos=True))
+            chunks = [c async for c in eng.submit(request)]
+            assert chunks[-1].finish_reason == "length"
+            return [t for c in chunks for t in c.token_ids]
+
+        first, second = await run("a"), await run("b")
+        assert len(first) == 5 and first == second
+    finally:
+        await eng.shutdown()

@@ -1,7 +1,7 @@
 """Model names in, `Model` objects out.
 
 A name is either a builtin (`tiny-llama`; `orpheus-tiny`; `orpheus-3b`, a shape without
-a checkpoint, served with `load_format="dummy"`) or a local Hugging Face folder whose
+a checkpoint, served with `load_format="dummy"`; `qwen3-omni-tiny`, so far its thinker) or a local Hugging Face folder whose
 config.json `model_type` picks the model class (a llama folder with a `snac/`
 subfolder is Orpheus; `qwen3_omni_moe` is Qwen3-Omni). Model files register
 themselves here by name; the runtime only calls `load_model`.
@@ -72,9 +72,18 @@ def _qwen3_omni_folder(path: str, load_format: str, max_model_len: int | None) -
     return Qwen3OmniModel(path, path, load_format, max_model_len)
 
 
+def _qwen3_omni_tiny(name: str, load_format: str, max_model_len: int | None) -> Model:
+    from mstar.models.qwen3_omni.builtins import QWEN3_OMNI_TINY
+    from mstar.models.qwen3_omni.model import Qwen3OmniModel
+
+    # no checkpoint: always seeded random weights, like tiny-llama
+    return Qwen3OmniModel(name, None, "dummy", max_model_len, builtin=QWEN3_OMNI_TINY)
+
+
 register_builtin("tiny-llama", _tiny_llama)
 register_builtin("orpheus-tiny", _orpheus_tiny)
 register_builtin("orpheus-3b", _orpheus_3b)
+register_builtin("qwen3-omni-tiny", _qwen3_omni_tiny)
 register_model_type("llama", _llama_folder)
 register_model_type("qwen3_omni_moe", _qwen3_omni_folder)
 

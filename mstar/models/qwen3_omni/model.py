@@ -1,6 +1,6 @@
 """Qwen3-Omni as a served model, so far its thinker over text: a request's
 prompt (token ids, text or chat messages, tokenised here when the folder
-has a tokenizer) in, a walk that prefills it and decodes until EOS or the
+has a tokenizer; a builtin shape uses the byte tokenizer) in, a walk that prefills it and decodes until EOS or the
 token budget. The encoders, talker and code2wav join per
 `docs/design/omni.md`.
 
@@ -10,7 +10,9 @@ take the runtime's one-axis positions until images come in.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -22,7 +24,7 @@ from mstar.models.prompt import prompt_tokens
 from mstar.models.qwen3_omni.config import MoeDecoderConfig, Qwen3OmniConfig
 from mstar.models.qwen3_omni.loader import load_thinker
 from mstar.models.qwen3_omni.thinker import ThinkerDecoder
-from mstar.models.tokenizer import Tokenizer, read_optional_json
+from mstar.models.tokenizer import Tokenizer, builtin_byte_tokenizer, read_optional_json
 from mstar.types import GenerateRequest, SamplingParams
 
 LOAD_FORMATS = ("auto", "dummy")
@@ -36,20 +38,33 @@ class Qwen3OmniModel(Model):
     }
     default_walk = "generate"
 
-    def __init__(self, name: str, path: str | Path, load_format: str = "auto",
-                 max_model_len: int | None = None) -> None:
+    def __init__(self, name: str, path: str | Path | None, load_format: str = "auto",
+                 max_model_len: int | None = None, *, builtin: Mapping[str, Any] | None = None) -> None:
+        """From the folder `path`, or (`path` None) from the config.json-style
+        dict `builtin`, with seeded random weights and the byte tokenizer."""
         super().__init__(name)
         if load_format not in LOAD_FORMATS:
             raise ConfigError(f"load format '{load_format}' is not one of {', '.join(LOAD_FORMATS)}")
-        self.path, self.load_format = Path(path), load_format
-        self.config = Qwen3OmniConfig.from_folder(self.path)
+        self.path = Path(path) if path is not None else None
+        if self.path is None:
+            if builtin is None:
+                raise ConfigError(f"model '{name}' needs a folder or a builtin config")
+            self.config, self.load_format = Qwen3OmniConfig.from_dict(builtin), "dummy"
+            self._tokenizer: Tokenizer | None = builtin_byte_tokenizer()
+            self._eos: tuple[int, ...] = (self.config.ids.im_end,)
+        else:
+            self.config, self.load_format = Qwen3OmniConfig.from_folder(self.path), load_format
+            self._tokenizer = Tokenizer.from_folder(self.path) if (self.path / "tokenizer.json").is_file() else None
+            eos = read_optional_json(self.path / "generation_config.json").get("eos_token_id")
+            self._eos = (eos,) if isinstance(eos, int) else tuple(eos or (self.config.ids.im_end,))
         positions = self.config.thinker.max_position_embeddings
         if max_model_len is not None and not 0 < max_model_len <= positions:
             raise ConfigError(f"--max-model-len {max_model_len} is outside 1..{positions} for model '{name}'")
         self._max_model_len = max_model_len or positions
-        self._tokenizer = Tokenizer.from_folder(self.path) if (self.path / "tokenizer.json").is_file() else None
-        eos = read_optional_json(self.path / "generation_config.json").get("eos_token_id")
-        self._eos = (eos,) if isinstance(eos, int) else tuple(eos or (self.config.ids.im_end,))
+
+    @property
+    def random_weights(self) -> bool:
+        return self.load_format == "dummy"
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -77,6 +92,7 @@ class Qwen3OmniModel(Model):
                 for p in decoder.parameters():
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
         else:
+            assert self.path is not None
             load_thinker(decoder, self.path)
         return decoder.eval()
 
