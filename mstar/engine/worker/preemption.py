@@ -75,13 +75,14 @@ class Preemption:
             waiting = scheduler.waiting(component)
             if not waiting:
                 continue
-            queued = {(id(i.payload.part), i.payload.branch): i for i in scheduler.holding(component)}
+            holding = scheduler.holding(component)
+            queued = {(id(i.payload.part), i.payload.branch): i for i in holding}
             for part, branch in self._holders(component, waiting[0].request_id, queued):
                 self._swap_waiting(scheduler, component, part.row(component, branch),
                                    queued.get((id(part), branch)))
                 return True
-            if len(queued) > 1:
-                item = scheduler.holding(component)[0]
+            if len(holding) > 1:
+                item = holding[0]
                 self._swap_waiting(scheduler, component, item.payload.part.row(component, item.payload.branch), item)
                 return True
         return False
