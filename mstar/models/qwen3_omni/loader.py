@@ -66,10 +66,19 @@ def load_thinker(decoder: ThinkerDecoder, folder: str | Path) -> None:
             rows = {"gate": slice(0, inter), "up": slice(inter, 2 * inter), "down": slice(None)}[which]
             param[e, rows].copy_(tensor)
             filled.add((param_name, e, which))
-    missing = [name for name, p in params.items() if name.endswith((".gate_up", ".down")) and p.dim() == 3
-               and not all((name, e, w) in filled for e in range(p.shape[0])
-                           for w in (("gate", "up") if name.endswith("gate_up") else ("down",)))]
-    missing += [name for name, p in params.items() if not (name.endswith((".gate_up", ".down")) and p.dim() == 3)
-                and (name, None, None) not in filled]
+    missing = sorted({name for name, _, _ in _expected(params) - filled})
     if missing or unknown:
         raise mismatch_error(folder, "qwen3-omni thinker", missing, unknown)
+
+
+def _expected(params: dict[str, torch.Tensor]) -> set[tuple[str, int | None, str | None]]:
+    """What a complete checkpoint fills: each plain parameter whole, and each
+    stacked expert parameter per expert and projection."""
+    out: set[tuple[str, int | None, str | None]] = set()
+    for name, p in params.items():
+        stacked = ("gate", "up") if name.endswith(".gate_up") else ("down",) if name.endswith(".down") else ()
+        if stacked and p.dim() == 3:
+            out |= {(name, e, which) for e in range(p.shape[0]) for which in stacked}
+        else:
+            out.add((name, None, None))
+    return out

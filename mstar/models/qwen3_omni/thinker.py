@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mstar.kernels.rope_kv import rotate_half
 from mstar.models.layers.linear import Linear
 from mstar.models.layers.moe import SparseMoe
 from mstar.models.layers.mrope import mrope_cos_sin
@@ -24,10 +25,10 @@ Device = torch.device | str | None
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D] rotated in the "rotate half" layout by cos/sin [T, D]."""
-    half = x.shape[-1] // 2
-    turned = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return (x.float() * cos[:, None] + turned.float() * sin[:, None]).to(x.dtype)
+    """x [T, heads, D] rotated in the "rotate half" layout by cos/sin [T, D]
+    (one angle per token, from its own positions)."""
+    h = x.float()
+    return (h * cos[:, None] + rotate_half(h) * sin[:, None]).to(x.dtype)
 
 
 class ThinkerAttention(nn.Module):
