@@ -41,6 +41,11 @@ class _Fields:
     def get(self, name: str, default: Any, kind: type = int) -> Any:
         return self._cast(name, self.data[name], kind) if name in self.data else default
 
+    def fill(self, cls: type, **given: Any) -> Any:
+        """A `cls` dataclass with `given` fields, and every other one an int
+        this object must hold."""
+        return cls(**given, **{name: self.need(name) for name in cls.__dataclass_fields__ if name not in given})
+
     def sub(self, name: str) -> _Fields:
         return _Fields(self.need(name, dict), f"{self.where}.{name}")
 
@@ -129,7 +134,7 @@ class AudioEncoderConfig:
 
     @classmethod
     def read(cls, f: _Fields) -> AudioEncoderConfig:
-        return cls(**{name: f.need(name) for name in cls.__dataclass_fields__})
+        return f.fill(cls)
 
 
 @dataclass(frozen=True)
@@ -148,8 +153,7 @@ class VisionEncoderConfig:
 
     @classmethod
     def read(cls, f: _Fields) -> VisionEncoderConfig:
-        values = {name: f.need(name) for name in cls.__dataclass_fields__ if name != "deepstack_visual_indexes"}
-        return cls(**values, deepstack_visual_indexes=f.need("deepstack_visual_indexes", tuple))
+        return f.fill(cls, deepstack_visual_indexes=f.need("deepstack_visual_indexes", tuple))
 
 
 @dataclass(frozen=True)
@@ -167,10 +171,7 @@ class CodePredictorConfig:
 
     @classmethod
     def read(cls, f: _Fields) -> CodePredictorConfig:
-        ints = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "intermediate_size", "vocab_size", "num_code_groups")
-        return cls(**{name: f.need(name) for name in ints}, rope_theta=f.rope()[0],
-                   rms_norm_eps=f.get("rms_norm_eps", 1e-6, float))
+        return f.fill(cls, rope_theta=f.rope()[0], rms_norm_eps=f.get("rms_norm_eps", 1e-6, float))
 
 
 @dataclass(frozen=True)
@@ -235,11 +236,9 @@ class Code2WavConfig:
 
     @classmethod
     def read(cls, f: _Fields) -> Code2WavConfig:
-        ints = ("codebook_size", "num_quantizers", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "intermediate_size", "sliding_window", "decoder_dim")
-        return cls(**{name: f.need(name) for name in ints}, upsample_rates=f.need("upsample_rates", tuple),
-                   upsampling_ratios=f.need("upsampling_ratios", tuple), rope_theta=f.rope()[0],
-                   rms_norm_eps=f.get("rms_norm_eps", 1e-5, float))
+        return f.fill(cls, upsample_rates=f.need("upsample_rates", tuple),
+                      upsampling_ratios=f.need("upsampling_ratios", tuple), rope_theta=f.rope()[0],
+                      rms_norm_eps=f.get("rms_norm_eps", 1e-5, float))
 
 
 @dataclass(frozen=True)
