@@ -33,10 +33,13 @@ def _requests(seed: int, cases: list[Case]) -> list[tuple]:
             for ni, nt, rows, steps, scale in cases]
 
 
-async def _serve(model: ToyImageModel, requests: list[tuple], expected: list[torch.Tensor], device: str = "cpu",
-                 **scheduler: int) -> int:
-    """Serve `requests` on one worker with lazy pages of 4 tokens; how many
-    rows were preempted."""
+async def _serve(model: ToyImageModel, seed: int, cases: list[Case], device: str = "cpu", **scheduler: int) -> int:
+    """Serve the requests of `cases` on one worker of `model` (a context of
+    48 tokens) with lazy pages of 4 tokens, each against its three-context
+    reference; how many rows were preempted."""
+    model.context = 48
+    requests = _requests(seed, cases)
+    expected = [cfg_reference(model, *r) for r in requests]
     eng = Engine(EngineConfig(model="toy-image", devices=(device,), dtype="float32", scheduler=SchedulerConfig(
         page_size=4, kv_reservation="lazy", **scheduler)), model=model)
     await eng.start()
@@ -56,12 +59,8 @@ async def _serve(model: ToyImageModel, requests: list[tuple], expected: list[tor
 async def test_guidance_under_preemption_matches_three_contexts(device: str) -> None:
     """Branch rows that wait for pages, or for their siblings, are swapped
     out (losing their share of the prompt's pages) and back."""
-    model = ToyImageModel()
-    model.context = 48
-    requests = _requests(8, CFG_CASES * 2)
-    expected = [cfg_reference(model, *r) for r in requests]
     # pages of 4: one request fits with its branches unshared (33), two do not
-    assert await _serve(model, requests, expected, device, num_pages=36) > 0
+    assert await _serve(ToyImageModel(), 8, CFG_CASES * 2, device, num_pages=36) > 0
 
 
 LOAD = [(17, 2, 4, 2, 1.5), (30, 1, 8, 2, 2.0), (22, 3, 2, 2, 0.5), (25, 2, 6, 2, 1.0), (19, 3, 3, 2, 3.0)] * 2
@@ -91,33 +90,21 @@ class SecondCacheModel(ToyImageModel):
 
 
 async def test_a_main_row_swapped_before_its_fork_comes_back_to_be_split() -> None:
-    model = SecondCacheModel()
-    model.context = 48
-    requests = _requests(3, LOAD)
-    expected = [cfg_reference(model, *r) for r in requests]
-    assert await _serve(model, requests, expected, num_pages=36) > 0
+    assert await _serve(SecondCacheModel(), 3, LOAD, num_pages=36) > 0
 
 
 async def test_a_swapped_main_row_is_not_held_by_the_running_cap_its_branches_fill() -> None:
     """`--max-num-seqs 2`: a request's branches start beyond the cap and
     wait for main; main, swapped out, comes back past the cap too."""
-    model = ToyImageModel()
-    model.context = 48
     cases = [(5, 2, 8, 1, 1.5), (16, 8, 8, 4, 1.5), (26, 4, 4, 4, 1.5), (1, 7, 8, 1, 1.5), (23, 8, 8, 2, 1.5),
              (19, 2, 8, 1, 1.5)]
-    requests = _requests(1, cases)
-    expected = [cfg_reference(model, *r) for r in requests]
     # every request fits 24 pages with its branches unshared (the largest takes 22)
-    assert await _serve(model, requests, expected, num_pages=24, max_num_seqs=2) > 0
+    assert await _serve(ToyImageModel(), 1, cases, num_pages=24, max_num_seqs=2) > 0
 
 
 async def test_a_request_that_fits_only_with_shared_pages_goes_on_a_row_at_a_time() -> None:
     """A swapped branch comes back into pages of its own; request 3 then
     needs 21 pages of a pool of 20: its idle rows are swapped in turn."""
-    model = ToyImageModel()
-    model.context = 48
     cases = [(8, 5, 7, 4, 1.5), (16, 3, 3, 1, 1.5), (1, 7, 8, 3, 1.5), (26, 1, 8, 3, 1.5), (9, 3, 7, 3, 1.5),
              (7, 1, 8, 3, 1.5)]
-    requests = _requests(4, cases)
-    expected = [cfg_reference(model, *r) for r in requests]
-    assert await _serve(model, requests, expected, num_pages=20, max_num_seqs=3) > 0
+    assert await _serve(ToyImageModel(), 4, cases, num_pages=20, max_num_seqs=3) > 0

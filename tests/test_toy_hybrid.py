@@ -41,12 +41,15 @@ def reference(model: ToyHybridModel, ids: list[int], params: SamplingParams) -> 
     return tokens
 
 
-def _requests(seed: int, count: int) -> list[tuple[list[int], SamplingParams]]:
+def _requests(seed: int, count: int, prompt: tuple[int, int] = (2, 12),
+              answer: tuple[int, int] = (3, 9)) -> list[tuple[list[int], SamplingParams]]:
+    """`count` prompts of lengths in `prompt`, each with its sampling and a
+    token budget in `answer` (ranges end-exclusive)."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for i in range(count):
-        n = int(torch.randint(2, 12, (1,), generator=gen))
-        params = SamplingParams(max_tokens=int(torch.randint(3, 9, (1,), generator=gen)),
+        n = int(torch.randint(*prompt, (1,), generator=gen))
+        params = SamplingParams(max_tokens=int(torch.randint(*answer, (1,), generator=gen)),
                                 temperature=(0.0, 0.8, 1.2)[i % 3], seed=40 + i)
         out.append((torch.randint(0, VOCAB, (n,), generator=gen).tolist(), params))
     return out
@@ -118,19 +121,6 @@ async def test_an_aborted_row_gives_its_slot_back() -> None:
         await eng.shutdown()
 
 
-def _long_requests(seed: int, count: int) -> list[tuple[list[int], SamplingParams]]:
-    """Short prompts, long answers: a row swapped out has many steps left
-    that read the state it swapped back in."""
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(count):
-        n = int(torch.randint(2, 7, (1,), generator=gen))
-        params = SamplingParams(max_tokens=int(torch.randint(14, 22, (1,), generator=gen)),
-                                temperature=(0.0, 0.8, 1.2)[i % 3], seed=40 + i)
-        out.append((torch.randint(0, VOCAB, (n,), generator=gen).tolist(), params))
-    return out
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("slots, pages", [(None, 10), (3, 8)])
 async def test_preempted_rows_swap_their_state_out_and_back(slots: int | None, pages: int, device: str) -> None:
@@ -142,7 +132,8 @@ async def test_preempted_rows_swap_their_state_out_and_back(slots: int | None, p
     where it stopped."""
     model = ToyHybridModel()
     model.context = 4 * pages  # a request fits the pool alone
-    requests = _long_requests(1, 6)
+    # short prompts, long answers: a row swapped out has many steps left that read the state it swapped back in
+    requests = _requests(1, 6, prompt=(2, 7), answer=(14, 22))
     expected = [reference(model, ids, params) for ids, params in requests]
     config = EngineConfig(model="toy-hybrid", devices=(device,), dtype="float32", scheduler=SchedulerConfig(
         page_size=4, num_pages=pages, kv_reservation="lazy", state_slots=slots))
