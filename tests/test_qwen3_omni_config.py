@@ -135,3 +135,30 @@ def test_the_builtin_tiny_shape_reads_as_transformers_would_write_it(tmp_path: P
     fields = {k: v for k, v in QWEN3_OMNI_TINY.items() if k != "model_type"}
     Qwen3OmniMoeConfig(**copy.deepcopy(fields)).save_pretrained(tmp_path)
     assert Qwen3OmniConfig.from_dict(QWEN3_OMNI_TINY) == Qwen3OmniConfig.from_folder(tmp_path)
+
+
+def test_the_30b_shape_builds_the_thinker_transformers_builds(tmp_path: Path) -> None:
+    """`qwen3-omni-30b-a3b` reads as transformers would write it, and mstar's
+    thinker of that shape (on the meta device) has transformers' parameter
+    shapes, tensor for tensor in count and size; served only with dummy
+    weights, since it names no checkpoint."""
+    import torch
+    from transformers import Qwen3OmniMoeThinkerTextModel
+
+    from mstar.models.qwen3_omni.builtins import QWEN3_OMNI_30B_A3B
+    from mstar.models.qwen3_omni.thinker import ThinkerDecoder
+    from mstar.models.registry import load_model
+
+    fields = {k: v for k, v in QWEN3_OMNI_30B_A3B.items() if k != "model_type"}
+    Qwen3OmniMoeConfig(**copy.deepcopy(fields)).save_pretrained(tmp_path)
+    ours = Qwen3OmniConfig.from_dict(QWEN3_OMNI_30B_A3B)
+    assert ours == Qwen3OmniConfig.from_folder(tmp_path)
+    hf_config = Qwen3OmniMoeConfig(**copy.deepcopy(fields)).thinker_config.text_config
+    with torch.device("meta"):
+        theirs = Qwen3OmniMoeThinkerTextModel(hf_config)
+        mine = ThinkerDecoder(ours.thinker, ours.talker.accept_hidden_layer)
+    lm_head = ours.thinker.vocab_size * ours.thinker.hidden_size
+    assert sum(p.numel() for p in mine.parameters()) == sum(p.numel() for p in theirs.parameters()) + lm_head
+    assert 30e9 < sum(p.numel() for p in mine.parameters()) < 32e9
+    with pytest.raises(ConfigError, match="load-format dummy"):
+        load_model("qwen3-omni-30b-a3b", load_format="auto")

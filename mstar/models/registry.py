@@ -1,7 +1,7 @@
 """Model names in, `Model` objects out.
 
 A name is either a builtin (`tiny-llama`; `orpheus-tiny`; `orpheus-3b`, a shape without
-a checkpoint, served with `load_format="dummy"`; `qwen3-omni-tiny`, so far its thinker) or a local Hugging Face folder whose
+a checkpoint, served with `load_format="dummy"`; `qwen3-omni-tiny`; `qwen3-omni-30b-a3b`, a shape served with `load_format="dummy"`) or a local Hugging Face folder whose
 config.json `model_type` picks the model class (a llama folder with a `snac/`
 subfolder is Orpheus; `qwen3_omni_moe` is Qwen3-Omni). Model files register
 themselves here by name; the runtime only calls `load_model`.
@@ -72,6 +72,13 @@ def _qwen3_omni_folder(path: str, load_format: str, max_model_len: int | None) -
     return Qwen3OmniModel(path, path, load_format, max_model_len)
 
 
+def _qwen3_omni_30b_a3b(name: str, load_format: str, max_model_len: int | None) -> Model:
+    from mstar.models.qwen3_omni.builtins import QWEN3_OMNI_30B_A3B
+    from mstar.models.qwen3_omni.model import Qwen3OmniModel
+
+    return Qwen3OmniModel(name, None, load_format, max_model_len, builtin=QWEN3_OMNI_30B_A3B)
+
+
 def _qwen3_omni_tiny(name: str, load_format: str, max_model_len: int | None) -> Model:
     from mstar.models.qwen3_omni.builtins import QWEN3_OMNI_TINY
     from mstar.models.qwen3_omni.model import Qwen3OmniModel
@@ -84,6 +91,7 @@ register_builtin("tiny-llama", _tiny_llama)
 register_builtin("orpheus-tiny", _orpheus_tiny)
 register_builtin("orpheus-3b", _orpheus_3b)
 register_builtin("qwen3-omni-tiny", _qwen3_omni_tiny)
+register_builtin("qwen3-omni-30b-a3b", _qwen3_omni_30b_a3b)
 register_model_type("llama", _llama_folder)
 register_model_type("qwen3_omni_moe", _qwen3_omni_folder)
 

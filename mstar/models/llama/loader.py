@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from mstar.errors import ConfigError
@@ -141,10 +142,10 @@ def load_weights(decoder: LlamaDecoder, folder: str | Path, progress: bool = Tru
         raise mismatch_error(folder, "llama", missing, list(unexpected))
 
 
-def dummy_weights(decoder: LlamaDecoder, seed: int = 0) -> None:
+def dummy_weights(decoder: nn.Module, seed: int = 0) -> None:
     """Seeded random weights: normal(0, 0.02) matrices, zero biases, unit norms."""
     for i, (name, param) in enumerate(decoder.named_parameters()):
-        if name.endswith("layernorm.weight") or name == "norm.weight":
+        if name.endswith("norm.weight"):
             param.data.fill_(1.0)
             continue
         if name.endswith(".bias"):

@@ -1,11 +1,8 @@
-"""Qwen3-Omni as a served model, so far its thinker over text: a request's
-prompt (token ids, text or chat messages, tokenised here when the folder
-has a tokenizer; a builtin shape uses the byte tokenizer) in, a walk that prefills it and decodes until EOS or the
-token budget. The encoders, talker and code2wav join per
-`docs/design/omni.md`.
-
-Text positions are equal on the three M-RoPE axes, so the thinker's steps
-take the runtime's one-axis positions until images come in.
+"""Qwen3-Omni as a served model, so far its thinker: a request's prompt
+(token ids, text or chat messages, read by `intake.py`; a builtin shape uses
+the byte tokenizer) in, with its 3-axis positions, a walk (`walks.py`) that
+prefills it and decodes until EOS or the token budget. The encoders, talker
+and code2wav join per `docs/design/omni.md`.
 """
 
 from __future__ import annotations
@@ -16,13 +13,16 @@ from typing import Any
 
 import torch
 
-from mstar.errors import ConfigError
+from mstar.errors import ConfigError, RequestError
 from mstar.graph import Component
-from mstar.models.base import KVSpec, Model, text_walk
+from mstar.models.base import KVSpec, Model
+from mstar.models.llama.loader import dummy_weights
 from mstar.models.prepared import PreparedPiece
-from mstar.models.prompt import prompt_tokens
+from mstar.models.qwen3_omni import walks
 from mstar.models.qwen3_omni.config import MoeDecoderConfig, Qwen3OmniConfig
+from mstar.models.qwen3_omni.intake import Intake
 from mstar.models.qwen3_omni.loader import load_thinker
+from mstar.models.qwen3_omni.positions import mrope_positions
 from mstar.models.qwen3_omni.thinker import ThinkerDecoder
 from mstar.models.tokenizer import Tokenizer, builtin_byte_tokenizer, read_optional_json
 from mstar.types import GenerateRequest, SamplingParams
@@ -32,11 +32,7 @@ DUMMY_SEED = 0
 
 
 class Qwen3OmniModel(Model):
-    components = {"thinker": Component(modes=("prefill", "decode"), kv_cache=True, samples=True)}
-    walks = {
-        "generate": text_walk("thinker"),
-    }
-    default_walk = "generate"
+    default_walk = walks.TEXT_OUT
 
     def __init__(self, name: str, path: str | Path | None, load_format: str = "auto",
                  max_model_len: int | None = None, *, builtin: Mapping[str, Any] | None = None) -> None:
@@ -49,6 +45,9 @@ class Qwen3OmniModel(Model):
         if self.path is None:
             if builtin is None:
                 raise ConfigError(f"model '{name}' needs a folder or a builtin config")
+            if load_format != "dummy":
+                raise ConfigError(f"model '{name}' is a shape without a checkpoint: serve a folder of its "
+                                  f"weights, or --load-format dummy for random weights of its shape")
             self.config, self.load_format = Qwen3OmniConfig.from_dict(builtin), "dummy"
             self._tokenizer: Tokenizer | None = builtin_byte_tokenizer()
             self._eos: tuple[int, ...] = (self.config.ids.im_end,)
@@ -61,6 +60,9 @@ class Qwen3OmniModel(Model):
         if max_model_len is not None and not 0 < max_model_len <= positions:
             raise ConfigError(f"--max-model-len {max_model_len} is outside 1..{positions} for model '{name}'")
         self._max_model_len = max_model_len or positions
+        self.components: dict[str, Component] = {"thinker": walks.thinker_component(self.config.ids)}
+        self.walks = walks.walks(audio_input=False, image_input=False)
+        self.intake = Intake(self.config.ids, self._tokenizer)
 
     @property
     def random_weights(self) -> bool:
@@ -87,19 +89,24 @@ class Qwen3OmniModel(Model):
         cfg = self._thinker_only(component)
         decoder = ThinkerDecoder(cfg, self.config.talker.accept_hidden_layer, device=device, dtype=dtype)
         if self.load_format == "dummy":
-            gen = torch.Generator().manual_seed(DUMMY_SEED)
-            with torch.no_grad():
-                for p in decoder.parameters():
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+            dummy_weights(decoder, seed=DUMMY_SEED)
         else:
             assert self.path is not None
             load_thinker(decoder, self.path)
         return decoder.eval()
 
     def prepare_inputs(self, request: GenerateRequest, sampling: SamplingParams) -> PreparedPiece:
-        ids, field = prompt_tokens(request.inputs, self.tokenizer, self.config.thinker.vocab_size,
-                                   self._max_model_len, self.name)
-        return PreparedPiece({"prompt_ids": torch.tensor(ids, dtype=torch.long)}, len(ids), field)
+        ids, media, field = self.intake.prompt(request.inputs, self._max_model_len, self.name)
+        vocab = self.config.thinker.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab})", field=field)
+        cfg = self.config
+        positions, _ = mrope_positions(ids, audio_id=cfg.ids.audio, image_id=cfg.ids.image,
+                                       spatial_merge=cfg.vision.spatial_merge_size,
+                                       per_second=cfg.position_id_per_seconds)
+        values = {"prompt_ids": torch.tensor(ids, dtype=torch.long), "positions": positions}
+        return PreparedPiece(values, len(ids), field)
 
     def _thinker_only(self, component: str) -> MoeDecoderConfig:
         if component != "thinker":

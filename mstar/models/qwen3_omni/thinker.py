@@ -1,7 +1,10 @@
 """The Qwen3-Omni thinker's text decoder over a `TokenBatch`: token ids and
-3-axis positions in, logits of each row's last token out, with the hidden
-states the talker reads (the token embeddings and the output of layer
-`accept_hidden_layer`).
+3-axis positions in, with the encoders' rows spliced in at their placeholder
+tokens (`embeds["audio"]`, `embeds["image"]`) and an image's deepstack
+features (`embeds["deepstack"]`, [tokens, levels, H]) added to the residual
+stream after the first decoder layers; logits of each row's last token out,
+with the hidden states the talker reads (the embeddings after the splice and
+the output of layer `accept_hidden_layer`).
 
 A layer is pre-norm attention (q and k each RMS-normed per head before the
 interleaved M-RoPE, grouped KV heads) then a sparse MoE feed-forward. The
@@ -90,13 +93,20 @@ class ThinkerDecoder(nn.Module):
         """Every token's embedding and `accept_layer` output ("embeds",
         "hidden", [T, H]) and the logits of each row's last token."""
         embeds = self.embed_tokens(batch.input_ids)
+        for name in ("audio", "image"):
+            if name in batch.embeds:
+                rows, index = batch.embeds[name]
+                embeds = embeds.index_copy(0, index, rows.to(embeds.dtype))
+        deep, deep_index = batch.embeds.get("deepstack", (None, None))
         positions = batch.positions if batch.positions.dim() == 2 else batch.positions.expand(3, -1)
         cos, sin = mrope_cos_sin(positions, self.inv_freq, self.cfg.mrope_section)
         h, hidden = embeds, embeds
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, batch.attn)
-            if i + 1 == self.accept_layer:
+            if i + 1 == self.accept_layer:  # the talker reads a layer's output before its deepstack add
                 hidden = h
+            if deep is not None and i < deep.shape[1]:
+                h = h.index_add(0, deep_index, deep[:, i].to(h.dtype))
         last = self.norm(h[batch.logits_index])
         return {"logits": self.lm_head(last), "embeds": embeds, "hidden": hidden}
 
