@@ -83,10 +83,17 @@ class Items(ChunkPolicy):
     """One item per read, in order: a consumer that steps once per item the
     producer writes (a talker taking one text token per frame). A read waits
     while the stream is open and empty; after the stream closes and every
-    item was read, a read gets `fill` (a token id), or, with no fill, the
-    consumer's `StreamDone` loop ends."""
+    item was read, a read gets `fill` (a token id; of a sequence, its entries
+    in order, then its last again: a talker's end-of-text marker once, then
+    padding), or, with no fill, the consumer's `StreamDone` loop ends."""
 
-    fill: int | None = None
+    fill: int | tuple[int, ...] | None = None
+
+    def filler(self, reads: int) -> int | None:
+        """What the read after `reads` earlier fills gets."""
+        if self.fill is None or isinstance(self.fill, int):
+            return self.fill
+        return self.fill[min(reads, len(self.fill) - 1)]
 
     def ready(self, total: int, cut: int) -> list[tuple[int, int]]:
         return [(i, i + 1) for i in range(cut, total)]

@@ -124,9 +124,11 @@ class Component:
     `modes`: names, or `Mode`s with signatures (kept as `signatures`; `modes`
     always holds the names). `kv_cache`: the component keeps a paged KV cache
     per row. `samples`: its name-only modes return logits that the runtime
-    samples into one token per row. `state`: it also keeps a fixed-size state
-    per row (a recurrent layer's), in a slot the runtime hands each row
-    (`Model.state_spec` gives its tensors).
+    samples into one token per row. `state`: it keeps a fixed-size state per
+    row (a recurrent layer's, or a streaming decoder's caches and buffers), in
+    a slot the runtime hands each row at its first step and takes back when
+    its partition ends (`Model.state_spec` gives its tensors); a plain
+    component's modes get it as the keyword argument `state`.
     """
 
     modes: tuple[str | Mode, ...]
@@ -142,8 +144,6 @@ class Component:
             raise ValueError(f"a mode is declared twice in {names}")
         if not self.kv_cache and any(m.kv != "none" for m in declared.values()):
             raise ValueError("a mode touches the KV cache of a component without one")
-        if self.state and not self.kv_cache:
-            raise ValueError("a component with per-row state has a KV cache too (its rows hold the slots)")
         object.__setattr__(self, "modes", names)
         object.__setattr__(self, "signatures", {**self.signatures, **declared})
 

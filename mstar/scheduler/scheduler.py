@@ -164,7 +164,7 @@ class Scheduler:
         caps = self.caps[key]
         pool = self.pools.get(key[0])
         taken: list[WorkItem] = []
-        held: deque[WorkItem] = deque()  # rows waiting for the running cap; rows running already pass them
+        held: deque[WorkItem] = deque()  # rows waiting for the running cap or a slot; rows running already pass them
         tokens = 0
         limit = self.max_running.get(key[0])
         while q and len(taken) < caps.max_rows:
@@ -177,8 +177,9 @@ class Scheduler:
             slot = None
             if item.needs_slot:  # a slot and the pages, or neither
                 slot = self.slots[key[0]].allocate(1)
-                if slot is None:
-                    break
+                if slot is None:  # rows that hold slots pass it: only they can give one back
+                    held.append(q.popleft())
+                    continue
             if item.pages_needed:
                 assert pool is not None
                 pages = pool.allocate(item.pages_needed)

@@ -46,7 +46,7 @@ def build_runners(model: Model, names: Sequence[str], device: torch.device, stor
     modules = {name: model.build_component(name, device, dtype) for name in names}
     cfg = config.scheduler
     kv_names = [name for name in names if model.components[name].kv_cache]
-    states = {name: _state_pool(model, name, device, config) for name in kv_names if model.components[name].state}
+    states = {name: _state_pool(model, name, device, config) for name in names if model.components[name].state}
     num_pages = 0
     if kv_names:
         num_pages = cfg.num_pages or kv_cache_pages(
@@ -75,7 +75,8 @@ def _runner(model: Model, name: str, module: nn.Module, device: torch.device, dt
         if graphs_by_mode:
             log.info("cuda graphs", device=str(device), component=name,
                      modes={m: g.buckets for m, g in graphs_by_mode.items()})
-        return ComponentRunner(name, spec, module, device, store, None, mode_graphs=graphs_by_mode), None
+        return ComponentRunner(name, spec, module, device, store, None, mode_graphs=graphs_by_mode,
+                               state=state), None
     cfg = config.scheduler
     kvspec = model.kv_spec(name)
     need = -(-model.max_model_len // cfg.page_size)

@@ -11,6 +11,7 @@ its outputs the same way (`pack.py`); a name-only mode takes them by position.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -97,6 +98,9 @@ class ComponentRunner:
             values, logprobs = self._run_tokens([row[step.inputs[0]] for row in inputs], parts, branches, step, fn)
         else:
             seeds = self._row_seeds(parts, step) if self._seeded(batch.mode) else None
+            if self.state is not None:  # the rows' slots, as the keyword `state`
+                slots = [p.row(self.name, b).slot for p, b in zip(parts, branches)]
+                fn = functools.partial(fn, state=self._state_rows(slots))
             values = (self._run_plain(inputs, step, fn, seeds) if sig is None
                       else self._run_plain_signed(inputs, step, sig, fn, seeds))
         return StepOutput(parts, values, logprobs, branches=branches)
@@ -306,7 +310,7 @@ class ComponentRunner:
         if all(i.ragged or len({tuple(t.shape) for t in rows[i.name]}) == 1 for i in specs):
             kwargs = {i.name: stacked(i, rows[i.name], self.device) for i in specs}
             # a captured mode takes its inputs in signature order (`Model.graph_rows`), by position
-            graphs = None if any(i.ragged for i in specs) else self.mode_graphs.get(step.mode)
+            graphs = None if any(i.ragged for i in specs) or self.state is not None else self.mode_graphs.get(step.mode)
             out = graphs.run(list(kwargs.values()), seeds) if graphs is not None else None
             if out is None:
                 out = self._call_named(fn, kwargs, seeds)
@@ -314,7 +318,11 @@ class ComponentRunner:
         outs = []
         for r in range(len(inputs)):
             alone = {i.name: stacked(i, [rows[i.name][r]], self.device) for i in specs}
-            out = self._call_named(fn, alone, None if seeds is None else seeds[r:r + 1])
+            call = fn
+            if self.state is not None:  # row r's own slot
+                state = fn.keywords["state"]
+                call = functools.partial(fn.func, state=StateRows(state.tensors, state.slots[r:r + 1]))
+            out = self._call_named(call, alone, None if seeds is None else seeds[r:r + 1])
             outs.append(named_outputs(out, sig, writes, step.label))
         return {v: [o[v][0] for o in outs] for v in writes.values()}
 

@@ -111,10 +111,12 @@ class KVRow:
         self.swapped = self.swapped_state = None
         return swapped, state
 
-    def release(self, pool: PagePool, slots: PagePool | None = None) -> bool:
-        """Give its pages (and its state slot) back; whether it held pages."""
+    def release(self, pool: PagePool | None, slots: PagePool | None = None) -> bool:
+        """Give its pages (and its state slot) back; whether it held pages
+        (a row of a plain component with state has none, and no pool)."""
         held = bool(self.pages)
         if held:
+            assert pool is not None
             pool.free(self.pages)
         self.pages = []
         if self.slot is not None and slots is not None:

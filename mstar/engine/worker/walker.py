@@ -208,7 +208,8 @@ class Walker:
             if row.swapped is not None:  # preempted while it waited: its KV comes back into pages first
                 pages, capped = max(pages, row.swapped.num_pages), False  # it ran already: the cap is for new rows
             starts_row = not row.pages
-        needs_slot = step.component in self.slots and pool is not None and row.slot is None
+        # a row of a component with per-row state takes a slot at its first step (a plain one too: no pages)
+        needs_slot = step.component in self.slots and part.row(step.component, branch).slot is None
         part.busy = True
         self.scheduler.add(WorkItem(rid, part.name, step.component, step.mode, num_tokens, pages,
                                     payload=Work(part, inputs, branch), starts_row=starts_row,
@@ -395,7 +396,7 @@ class Walker:
     def free_pages(self, part: PartitionRun) -> None:
         """Give the partition's KV pages back; its rows no longer run."""
         for row in part.rows.values():
-            if row.release(self.pools[row.component], self.slots.get(row.component)):
+            if row.release(self.pools.get(row.component), self.slots.get(row.component)):
                 self.scheduler.row_ended(row.component)
 
     def stop(self, request_id: str, partition: str) -> int:

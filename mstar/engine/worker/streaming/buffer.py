@@ -39,6 +39,7 @@ class StreamBuffer:
     restarts: list[dict[str, TensorRef]] = field(default_factory=list)  # values of the turns to start again
     resting: bool = False           # the consumer's pass is over; it waits for the turn's end and the next
     turn_over: bool = False         # ... and it has seen the turn end
+    fills: int = 0                  # reads an `Items` fill answered after the stream closed
 
     def take(self, item: StreamItem) -> list[StreamItem]:
         """One more item; the items no chunk will read any more, taken out

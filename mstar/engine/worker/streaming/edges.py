@@ -25,7 +25,7 @@ from mstar.engine.messages import StreamEnd, StreamItems, StreamSegment, StreamS
 from mstar.engine.worker.rows import PartitionRun, RequestRun, StreamItem
 from mstar.engine.worker.streaming.buffer import TURN_OVER
 from mstar.engine.movement.tensor_store import TensorRef
-from mstar.graph import StreamPlan
+from mstar.graph import Items, StreamPlan
 
 if TYPE_CHECKING:
     from mstar.engine.worker.walker import Walker
@@ -203,8 +203,9 @@ class Streams:
             return None
         if got is not None:
             return got  # type: ignore[return-value]
-        fill = getattr(buf.plan.chunks, "fill", None)
+        fill = buf.plan.chunks.filler(buf.fills) if isinstance(buf.plan.chunks, Items) else None
         if buf.drained and fill is not None:
+            buf.fills += 1
             return [fill], buf.chunks_cut - buf.segment_cuts
         if buf.drained:
             self.walker.cursor.stream_done(cons)
