@@ -18,14 +18,13 @@ from transformers import Qwen3OmniMoeForConditionalGeneration, WhisperFeatureExt
 
 from mstar.errors import ConfigError, RequestError
 from mstar.models.qwen3_omni.config import Qwen3OmniConfig
-from mstar.models.qwen3_omni.encoders.audio import AudioEncoder, load_audio_encoder
+from mstar.models.qwen3_omni.encoders.audio import AudioEncoder, AudioLayout, load_audio_encoder
 from mstar.models.qwen3_omni.encoders.mel import LogMel, mel_frames
 from mstar.models.qwen3_omni.positions import audio_tokens, mrope_positions
 from test_qwen3_omni_config import tiny
 
 WINDOW_FRAMES = 400   # the tiny model's attention window: 4 s, 52 tokens
-# 0.7 s (one part chunk), 2.3 s (its length not a multiple of the hop), 5.55 s (two windows), 1.45 s
-SECONDS = (0.7, 2.3, 5.55, 1.45)
+# 0.7 s (less than a chunk), 2.3 s (not a whole number of hops), 5.55 s (two windows), 1.45 s
 SAMPLES = (11_200, 36_805, 88_800, 23_230)
 
 
@@ -101,6 +100,17 @@ def test_bad_audio_is_refused_naming_its_field(clip: torch.Tensor, says: str) ->
     with pytest.raises(RequestError, match=says) as err:
         LogMel()([CLIPS[0], clip], fields=["messages[0].content[0]", "messages[0].content[2]"])
     assert err.value.field == "messages[0].content[2]"
+
+
+def test_the_layout_counts_the_tokens_the_prompt_holds() -> None:
+    """Every length from one frame to 10 s: the encoder's chunks leave
+    `positions.audio_tokens` tokens a clip, the count transformers prompts
+    with, and 52-token windows tile each clip from its start."""
+    frames = list(range(1, 1001))
+    layout = AudioLayout.of(frames, 52)
+    assert layout.tokens == tuple(audio_tokens(n) for n in frames)
+    assert layout.window_slots.numel() == sum(layout.tokens) == int(layout.key_mask.sum())
+    assert layout.key_mask.shape == (sum(-(-n // 52) for n in layout.tokens), 52)
 
 
 def _tower(model: Qwen3OmniMoeForConditionalGeneration, features: list[torch.Tensor]) -> torch.Tensor:

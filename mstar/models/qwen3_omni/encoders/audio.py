@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -33,14 +34,15 @@ from mstar.models.checkpoint import mismatch_error
 from mstar.models.layers.linear import Linear
 from mstar.models.llama.loader import CheckpointFiles
 from mstar.models.qwen3_omni.config import AudioEncoderConfig
-from mstar.models.qwen3_omni.positions import MEL_CHUNK, TOKENS_PER_CHUNK, audio_tokens
+from mstar.models.qwen3_omni.positions import MEL_CHUNK, TOKENS_PER_CHUNK
 
 Device = torch.device | str | None
+IntOrTensor = TypeVar("IntOrTensor", int, torch.Tensor)
 
 CHECKPOINT_PREFIX = "thinker.audio_tower."
 
 
-def _stride2(n: int) -> int:
+def _stride2(n: IntOrTensor) -> IntOrTensor:
     """Length after a 3-wide, stride-2 convolution padded by 1."""
     return (n - 1) // 2 + 1
 
@@ -88,13 +90,13 @@ class AudioLayout:
         # alone, transformers pads a clip's chunks to its longest: 100 frames
         # if it has two or more, its own length if it has one
         reach0 = torch.where(chunk_counts[clip_of_chunk] > 1, MEL_CHUNK, chunk_frames)
-        r1 = (reach0 - 1) // 2 + 1
-        r2 = (r1 - 1) // 2 + 1
-        reach = torch.stack([r1, r2, (r2 - 1) // 2 + 1], dim=1)
+        r1 = _stride2(reach0)
+        r2 = _stride2(r1)
+        reach = torch.stack([r1, r2, _stride2(r2)], dim=1)
         frame_slots = _ranges(first_chunk * MEL_CHUNK, f)
-        chunk_tokens = torch.tensor([audio_tokens(int(n)) for n in chunk_frames.tolist()], dtype=torch.long)
+        chunk_tokens = _stride2(_stride2(_stride2(chunk_frames)))
         token_slots = _ranges(torch.arange(len(chunk_frames)) * TOKENS_PER_CHUNK, chunk_tokens)
-        tokens = torch.tensor([audio_tokens(n) for n in frames], dtype=torch.long)
+        tokens = torch.zeros(len(frames), dtype=torch.long).index_add_(0, clip_of_chunk, chunk_tokens)
         window_counts = (tokens + window - 1) // window
         first_window = torch.cumsum(window_counts, 0) - window_counts
         window_slots = _ranges(first_window * window, tokens)
