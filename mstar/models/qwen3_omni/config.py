@@ -134,7 +134,21 @@ class AudioEncoderConfig:
 
     @classmethod
     def read(cls, f: _Fields) -> AudioEncoderConfig:
-        return f.fill(cls)
+        cfg = f.fill(cls)
+        # transformers counts 13 tokens per 2 * n_window frames, which only a
+        # 100-frame chunk makes; other values encode more rows than the prompt holds
+        if cfg.n_window != 50:
+            raise ConfigError(f"qwen3-omni config: {f.where}.n_window is {cfg.n_window}; only 50 (1 s chunks) "
+                              "gives the token counts transformers prompts with")
+        if cfg.n_window_infer < 2 * cfg.n_window:
+            raise ConfigError(f"qwen3-omni config: {f.where}.n_window_infer {cfg.n_window_infer} is shorter than "
+                              f"one chunk ({2 * cfg.n_window} frames)")
+        if cfg.d_model % cfg.encoder_attention_heads:
+            raise ConfigError(f"qwen3-omni config: {f.where}: d_model {cfg.d_model} is not a multiple of "
+                              f"{cfg.encoder_attention_heads} heads")
+        if f.get("activation_function", "gelu", str) != "gelu":
+            raise ConfigError(f"qwen3-omni config: {f.where}.activation_function must be gelu")
+        return cfg
 
 
 @dataclass(frozen=True)
