@@ -253,7 +253,7 @@ class Engine:
             raise RequestError("the engine is not running", status=503, code="unavailable")
         if request.request_id in self._states:
             raise RequestError(f"request id '{request.request_id}' is already running", field="request_id")
-        walk_name = request.walk or model.default_walk
+        walk_name = model.walk_for(request)
         plan = self.plans.get(walk_name)
         if plan is None:
             raise RequestError(f"unknown walk '{walk_name}'; this model has {sorted(self.plans)}", field="walk")

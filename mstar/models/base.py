@@ -92,6 +92,12 @@ class Model:
         """Whether the weights are random (no checkpoint): such a model talks nonsense."""
         return False
 
+    def walk_for(self, request: GenerateRequest) -> str:
+        """The walk `request` runs: the one it names, else the default (a
+        model may refine the name by what the inputs hold: the encoders a
+        prompt's media need, say)."""
+        return request.walk or self.default_walk
+
     def default_sampling(self, key: str | None = None) -> SamplingParams:
         """What a request gets for the sampling fields it leaves out (a speech
         model's published defaults, say): of the root partition (`key` None;
@@ -139,7 +145,7 @@ class Model:
         `max_tokens` is fitted to the context the prompt leaves
         (`prepared.fit_context`). Raises `RequestError` for bad input."""
         if plan is None:
-            plan = self._compile(request.walk or self.default_walk)
+            plan = self._compile(self.walk_for(request))
         sampling = resolve_sampling(request, plan, self.components, self.default_sampling, self.max_model_len)
         return self._prepared(request, plan, self.prepare_inputs(request, sampling[plan.root]), sampling)
 

@@ -180,7 +180,10 @@ def input_size(value: Any) -> int:
         nested = bool(value) and isinstance(value[0], (str, dict, list, tuple))
         return sum(input_size(v) for v in value) if nested else len(value)
     numel = getattr(value, "numel", None)
-    return numel() if callable(numel) else 0
+    if callable(numel):
+        return numel()
+    size = getattr(value, "size", None)  # a numpy array (decoded media)
+    return size if isinstance(size, int) else 0
 
 
 def key_seed(seed: int, key: str) -> int:

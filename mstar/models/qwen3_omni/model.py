@@ -19,10 +19,13 @@ from mstar.models.base import KVSpec, Model
 from mstar.models.llama.loader import dummy_weights
 from mstar.models.prepared import PreparedPiece
 from mstar.models.qwen3_omni import walks
-from mstar.models.qwen3_omni.config import MoeDecoderConfig, Qwen3OmniConfig
+from mstar.models.qwen3_omni.config import Qwen3OmniConfig
+from mstar.models.qwen3_omni.encoders.audio import AudioEncoder, load_audio_encoder
+from mstar.models.qwen3_omni.encoders.mel import LogMel
+from mstar.models.qwen3_omni.encoding import AudioEncoding, pack_clips
 from mstar.models.qwen3_omni.intake import Intake
 from mstar.models.qwen3_omni.loader import load_thinker
-from mstar.models.qwen3_omni.positions import mrope_positions
+from mstar.models.qwen3_omni.positions import audio_tokens, mrope_positions
 from mstar.models.qwen3_omni.thinker import ThinkerDecoder
 from mstar.models.tokenizer import Tokenizer, builtin_byte_tokenizer, read_optional_json
 from mstar.types import GenerateRequest, SamplingParams
@@ -60,9 +63,11 @@ class Qwen3OmniModel(Model):
         if max_model_len is not None and not 0 < max_model_len <= positions:
             raise ConfigError(f"--max-model-len {max_model_len} is outside 1..{positions} for model '{name}'")
         self._max_model_len = max_model_len or positions
-        self.components: dict[str, Component] = {"thinker": walks.thinker_component(self.config.ids)}
-        self.walks = walks.walks(audio_input=False, image_input=False)
-        self.intake = Intake(self.config.ids, self._tokenizer)
+        self.components: dict[str, Component] = {"thinker": walks.thinker_component(self.config.ids),
+                                                 "audio": walks.AUDIO_COMPONENT}
+        self.walks = walks.walks(audio_input=True, image_input=False)
+        self._mel = LogMel(self.config.audio.num_mel_bins)
+        self.intake = Intake(self.config.ids, self._tokenizer, audio=self._audio_part)
 
     @property
     def random_weights(self) -> bool:
@@ -80,20 +85,40 @@ class Qwen3OmniModel(Model):
     def max_model_len(self) -> int:
         return self._max_model_len
 
+    def walk_for(self, request: GenerateRequest) -> str:
+        """`chat` or `speak` as asked, with the encoders the prompt's media need."""
+        asked = request.walk or self.default_walk
+        if asked not in (walks.TEXT_OUT, walks.SPEECH_OUT):
+            return asked
+        kinds = {part.get("type") for message in request.inputs.get("messages") or ()
+                 if isinstance(message, Mapping) and isinstance(message.get("content"), list)
+                 for part in message["content"] if isinstance(part, Mapping)}
+        return walks.walk_name(asked == walks.SPEECH_OUT, "audio" in kinds, "image" in kinds)
+
     def kv_spec(self, component: str) -> KVSpec:
-        cfg = self._thinker_only(component)
+        if component != "thinker":
+            raise ConfigError(f"model '{self.name}' has no KV cache for '{component}'")
+        cfg = self.config.thinker
         return KVSpec(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
                       num_q_heads=cfg.num_attention_heads)
 
-    def build_component(self, component: str, device: torch.device, dtype: torch.dtype) -> ThinkerDecoder:
-        cfg = self._thinker_only(component)
-        decoder = ThinkerDecoder(cfg, self.config.talker.accept_hidden_layer, device=device, dtype=dtype)
+    def build_component(self, component: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+        if component == "thinker":
+            module = ThinkerDecoder(self.config.thinker, self.config.talker.accept_hidden_layer, device=device,
+                                    dtype=dtype)
+            load = load_thinker
+        elif component == "audio":
+            module = AudioEncoder(self.config.audio, device=device, dtype=dtype)
+            load = load_audio_encoder
+        else:
+            raise ConfigError(f"model '{self.name}' has no component '{component}'")
         if self.load_format == "dummy":
-            dummy_weights(decoder, seed=DUMMY_SEED)
+            dummy_weights(module, seed=DUMMY_SEED)
         else:
             assert self.path is not None
-            load_thinker(decoder, self.path)
-        return decoder.eval()
+            load(module, self.path)
+        module.eval()
+        return AudioEncoding(module) if component == "audio" else module
 
     def prepare_inputs(self, request: GenerateRequest, sampling: SamplingParams) -> PreparedPiece:
         ids, media, field = self.intake.prompt(request.inputs, self._max_model_len, self.name)
@@ -102,13 +127,18 @@ class Qwen3OmniModel(Model):
         if bad is not None:
             raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab})", field=field)
         cfg = self.config
+        mels = [mel for _, mel in media.audio]
         positions, _ = mrope_positions(ids, audio_id=cfg.ids.audio, image_id=cfg.ids.image,
+                                       audio_frames=[m.shape[1] for m in mels],
                                        spatial_merge=cfg.vision.spatial_merge_size,
                                        per_second=cfg.position_id_per_seconds)
         values = {"prompt_ids": torch.tensor(ids, dtype=torch.long), "positions": positions}
+        if mels:
+            values["audio_mel"], values["audio_frames"] = pack_clips(mels)
         return PreparedPiece(values, len(ids), field)
 
-    def _thinker_only(self, component: str) -> MoeDecoderConfig:
-        if component != "thinker":
-            raise ConfigError(f"model '{self.name}' has no component '{component}' yet")
-        return self.config.thinker
+    def _audio_part(self, audio: Any, field: str) -> tuple[torch.Tensor, int]:
+        """A decoded clip (16 kHz mono float) as log-mel, and the tokens it makes."""
+        wav = torch.as_tensor(audio)
+        mel, = self._mel([wav], [field])
+        return mel, audio_tokens(mel.shape[1])

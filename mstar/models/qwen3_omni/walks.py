@@ -37,12 +37,30 @@ def walk_name(speech: bool, audio: bool, image: bool) -> str:
     return (SPEECH_OUT if speech else TEXT_OUT) + ("+audio" if audio else "") + ("+image" if image else "")
 
 
+AUDIO_COMPONENT = Component(modes=(Mode("encode", (In("mel", Kind.TENSOR, ragged=True),
+                                                  In("frames", Kind.TENSOR, ragged=True)),
+                                              (Out("rows", Kind.TENSOR),)),))
+
+
+def _encoders(audio: bool, image: bool) -> tuple[list[Step], dict[str, str], list[str]]:
+    """The encoder steps a prompt needs, what the thinker's prefill reads of
+    them, and the walk inputs they take."""
+    steps, reads, inputs = [], {}, []
+    if audio:
+        steps.append(Step("audio", "encode", {"mel": "audio_mel", "frames": "audio_frames"}, {"rows": "audio_rows"}))
+        reads["audio"] = "audio_rows"
+        inputs += ["audio_mel", "audio_frames"]
+    return steps, reads, inputs
+
+
 def chat_walk(audio: bool, image: bool) -> Walk:
     """Text out: the encoders the prompt needs, the thinker's prefill, then
     its decode until EOS, the token budget or a stop string."""
-    prefill_in = {"ids": "prompt_ids", "pos": "positions"}
-    inputs = ["prompt_ids", "positions"]
+    encode, reads, media = _encoders(audio, image)
+    prefill_in = {"ids": "prompt_ids", "pos": "positions", **reads}
+    inputs = ["prompt_ids", "positions", *media]
     return Walk(
+        *encode,
         Step("thinker", "prefill", prefill_in, {"token": "text"}),
         Loop(Step("thinker", "decode", {"ids": "text"}, {"token": "text"}),
              until=EosToken() | MaxTokens() | HostStop()),
@@ -57,7 +75,7 @@ def walks(audio_input: bool, image_input: bool) -> dict[str, Walk]:
     out = {}
     for audio in (False, True) if audio_input else (False,):
         for image in (False, True) if image_input else (False,):
-            if audio or image:
-                continue  # the encoders join these walks as they land
+            if image:
+                continue  # the vision encoder joins these walks as it lands
             out[walk_name(False, audio, image)] = chat_walk(audio, image)
     return out

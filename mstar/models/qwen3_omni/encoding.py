@@ -1,0 +1,49 @@
+"""The encoders as the runtime steps them: a batch of requests' media in (each
+request's clips or images packed in one tensor, ragged over requests), each
+request's thinker-width rows out, in its placeholders' order.
+
+A request's clips travel as `mel` [clips, mel bins, longest clip's frames]
+with `frames` [clips]; each clip is cut back to its own frames here, and all
+clips of all requests go through the encoder in one call.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mstar.models.qwen3_omni.encoders.audio import AudioEncoder
+from mstar.models.qwen3_omni.positions import audio_tokens
+
+
+def pack_clips(mels: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A request's clips [mel bins, frames_i] as one padded tensor and their frame counts."""
+    longest = max(m.shape[1] for m in mels)
+    packed = torch.zeros(len(mels), mels[0].shape[0], longest, dtype=mels[0].dtype)
+    for i, m in enumerate(mels):
+        packed[i, :, :m.shape[1]] = m
+    return packed, torch.tensor([m.shape[1] for m in mels], dtype=torch.long)
+
+
+class AudioEncoding(nn.Module):
+    """Component `audio`, mode `encode`."""
+
+    def __init__(self, encoder: AudioEncoder) -> None:
+        super().__init__()
+        self.encoder = encoder
+
+    def encode(self, mel: list[torch.Tensor], frames: list[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
+        clips, per_request = [], []
+        for m, f in zip(mel, frames):
+            counts = f.reshape(-1).tolist()
+            clips += [m[i, :, :n] for i, n in enumerate(counts)]
+            per_request.append(len(counts))
+        dtype = next(self.encoder.parameters()).dtype
+        rows = self.encoder([c.to(dtype) for c in clips])
+        tokens = [audio_tokens(c.shape[1]) for c in clips]
+        by_clip = list(rows.split(tokens))
+        out, at = [], 0
+        for n in per_request:
+            out.append(torch.cat(by_clip[at:at + n]) if n else rows[:0])
+            at += n
+        return {"rows": out}

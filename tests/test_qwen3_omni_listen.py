@@ -1,0 +1,121 @@
+"""Qwen3-Omni hears: chat messages whose user turn holds audio, served by the
+engine from a folder transformers saved (a tiny random model, float32), give
+transformers' thinker's greedy tokens for the same prompt and audio; several
+requests at once (two clips in one prompt, another clip, text alone) each get
+what they get alone. The walk runs the audio encoder only for prompts with
+audio."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import Qwen3OmniMoeForConditionalGeneration, WhisperFeatureExtractor
+
+from mstar.config import EngineConfig
+from mstar.engine.engine import Engine
+from mstar.errors import RequestError
+from mstar.models.qwen3_omni.model import Qwen3OmniModel
+from mstar.models.tokenizer import builtin_byte_tokenizer
+from mstar.types import GenerateRequest, SamplingParams
+from test_qwen3_omni_thinker import saved  # noqa: F401  (the fixture)
+
+TOKENS = 6
+
+
+def _clip(seconds: float, seed: int) -> np.ndarray:
+    gen = np.random.default_rng(seed)
+    t = np.arange(int(16000 * seconds)) / 16000
+    return (0.3 * np.sin(2 * np.pi * (220 + 40 * seed) * t) + 0.05 * gen.standard_normal(t.size)).astype(np.float32)
+
+
+def _messages(*parts: object) -> list[dict]:
+    return [{"role": "system", "content": "be brief"},
+            {"role": "user", "content": [p if isinstance(p, dict) else {"type": "text", "text": p} for p in parts]}]
+
+
+def _audio(wav: np.ndarray) -> dict:
+    return {"type": "audio", "audio": wav}
+
+
+@pytest.fixture(scope="module")
+def folder(saved: tuple[Path, Qwen3OmniMoeForConditionalGeneration]) -> Path:  # noqa: F811
+    """The saved model with the byte tokenizer beside it (chat text needs one)."""
+    path, _ = saved
+    builtin_byte_tokenizer()._tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+def _reference(model: Qwen3OmniMoeForConditionalGeneration, ids: list[int], clips: list[np.ndarray]
+               ) -> tuple[list[int], list[torch.Tensor]]:
+    """transformers' thinker, greedy, with the processor's features for each
+    clip alone: its tokens, and each step's log-probabilities."""
+    kwargs = {}
+    if clips:
+        extractor = WhisperFeatureExtractor(feature_size=128)
+        feats = [extractor(c, sampling_rate=16000, return_attention_mask=True, return_tensors="pt") for c in clips]
+        longest = max(f["input_features"].shape[-1] for f in feats)
+        kwargs["input_features"] = torch.cat([torch.nn.functional.pad(f["input_features"],
+                                                                      (0, longest - f["input_features"].shape[-1]))
+                                              for f in feats])
+        kwargs["feature_attention_mask"] = torch.cat([torch.nn.functional.pad(f["attention_mask"],
+                                                                              (0, longest - f["attention_mask"].shape[-1]))
+                                                      for f in feats])
+    with torch.no_grad():
+        out = model.thinker.generate(input_ids=torch.tensor([ids]), max_new_tokens=TOKENS, do_sample=False,
+                                     output_scores=True, return_dict_in_generate=True, **kwargs)
+    return out.sequences[0, len(ids):].tolist(), [s[0].log_softmax(-1) for s in out.scores]
+
+
+async def test_audio_prompts_give_transformers_tokens_alone_and_together(
+        folder: Path, saved: tuple[Path, Qwen3OmniMoeForConditionalGeneration]) -> None:  # noqa: F811
+    _, hf = saved
+    mine = Qwen3OmniModel(str(folder), str(folder))
+    prompts = [(_messages("what is this?", _audio(_clip(2.3, 1)), "and this?", _audio(_clip(1.4, 2))), 2),
+               (_messages(_audio(_clip(3.1, 3)), "describe it"), 1),
+               (_messages("no audio here"), 0)]
+    expected = []
+    for messages, n in prompts:
+        request = GenerateRequest("p", str(folder), {"messages": messages})
+        ids = mine.prepare(request).values["prompt_ids"].tolist()
+        assert ids.count(mine.config.ids.audio) > 0 if n else mine.config.ids.audio not in ids
+        clips = [p["audio"] for m in messages if isinstance(m["content"], list) for p in m["content"]
+                 if p["type"] == "audio"]
+        assert len(clips) == n
+        expected.append(_reference(hf, ids, clips))
+    assert [mine.walk_for(GenerateRequest("p", "m", {"messages": m})) for m, _ in prompts] == \
+        ["chat+audio", "chat+audio", "chat"]
+
+    eng = Engine(EngineConfig(model=str(folder), devices=("cpu",), max_model_len=512))
+    await eng.start()
+    try:
+        async def run(i: int) -> list[int]:
+            params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True, logprobs=3)
+            request = GenerateRequest(f"r{i}", str(folder), {"messages": prompts[i][0]}, params)
+            chunks = [c async for c in eng.submit(request)]
+            # each step's top log-probabilities, as transformers scores those tokens (the audio moves them)
+            steps = [lp for c in chunks for lp in c.logprobs or ()]
+            assert len(steps) == TOKENS
+            for k, step in enumerate(steps):
+                want = expected[i][1][k]
+                for token, logprob in step.top:
+                    assert logprob == pytest.approx(float(want[token]), abs=1e-4)
+            return [t for c in chunks for t in c.token_ids]
+
+        alone = [await run(i) for i in range(len(prompts))]
+        together = await asyncio.gather(*(run(i) for i in range(len(prompts))))
+        assert alone == [tokens for tokens, _ in expected]
+        assert list(together) == alone
+    finally:
+        await eng.shutdown()
+
+
+def test_bad_audio_is_refused_naming_its_part(folder: Path) -> None:
+    mine = Qwen3OmniModel(str(folder), str(folder))
+    bad = _messages("hi", _audio(np.array([np.nan] * 4000, dtype=np.float32)))
+    with pytest.raises(RequestError) as e:
+        mine.prepare(GenerateRequest("p", "m", {"messages": bad}))
+    assert e.value.field == "messages[1].content[1]"
