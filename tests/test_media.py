@@ -251,6 +251,15 @@ def test_webp_and_gif_decode() -> None:
         assert out.shape == (16, 16, 3) and (abs(out.astype(int) - rgb) <= 8).all(), fmt
 
 
+def test_multi_frame_images_give_their_first_frame() -> None:
+    red, blue = Image.new("RGB", (8, 8), (255, 0, 0)), Image.new("RGB", (8, 8), (0, 0, 255))
+    for fmt in ("GIF", "MPO"):  # MPO: the JPEG a phone writes with a second picture in it
+        buf = io.BytesIO()
+        red.save(buf, format=fmt, save_all=True, append_images=[blue])
+        out = media.decode_image(buf.getvalue(), IMAGE, max_pixels=1000)
+        assert out.shape == (8, 8, 3) and out[4, 4, 0] > 240 and out[4, 4, 2] < 20, fmt
+
+
 def claiming(width: int, height: int) -> bytes:
     """A small PNG whose header claims `width` x `height` (its pixel data is
     8 x 8): decoding it would fail, so a refusal naming the size came first."""

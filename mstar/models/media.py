@@ -34,7 +34,8 @@ MAX_AUDIO_RATE = 384_000          # the highest rate audio interfaces record; al
 _NOT_RECOGNISED = 1               # libsndfile's SF_ERR_UNRECOGNISED_FORMAT; its other codes say more
 _BLOCK_SAMPLES = 1 << 20          # samples (frames x channels) read at a time: bounds memory for any channel count
 
-IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")  # Pillow's names; an animated GIF or WebP gives its first frame
+# Pillow's names (JPEG covers a phone's MPO); an animated GIF or WebP, or an MPO, gives its first frame
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
 MIN_IMAGE_SIDE = 4                # narrower than this holds nothing a vision encoder can read
 MAX_IMAGE_ASPECT = 200            # longer sides beyond 200x the shorter are refused by Qwen's image processors too
 _WHITE = (255, 255, 255, 255)
