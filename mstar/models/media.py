@@ -14,7 +14,6 @@ file whose header lies is cut off at the limit.
 from __future__ import annotations
 
 import base64
-import binascii
 import io
 import struct
 
