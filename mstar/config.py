@@ -57,6 +57,15 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
 
+def default_media_workers() -> int:
+    """Helper processes decoding requests' audio and images: one per 8 CPUs
+    this process may run on, 1 to 16. A 2-core box decodes one at a time
+    beside the event loop and the device worker; a 128-core one decodes 16 at
+    a time (each process is spawned only when decodes overlap that much)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(16, cpus // 8))
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """The HTTP server's settings plus the engine's."""
@@ -70,6 +79,7 @@ class ServerConfig:
     allowed_origins: tuple[str, ...] = ()  # browser origins CORS lets call ("*": any); none: no CORS headers
     header_timeout: float = 10.0          # seconds for a request's header block to arrive (0: none)
     body_timeout: float = 60.0            # seconds for a body to arrive in full (0: none); streamed-in: idle
+    media_workers: int = field(default_factory=default_media_workers)  # processes decoding audio and images
 
 
 def parse_devices(spec: str) -> tuple[str, ...]:
@@ -198,6 +208,9 @@ def build_parser(builtin_models: Sequence[str] = ()) -> argparse.ArgumentParser:
     p.add_argument("--body-timeout", type=float, default=60.0,
                    help="seconds a request body may take to arrive in full; past it, 408 and the connection "
                         "closes (0: no limit). Text streamed into speech may instead pause this long")
+    p.add_argument("--media-workers", type=int, default=None,
+                   help="helper processes decoding requests' audio and images, started as needed (default: one "
+                        "per 8 CPUs, 1 to 16)")
     return p
 
 
@@ -216,6 +229,8 @@ def parse_args(argv: list[str] | None = None, builtin_models: Sequence[str] = ()
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")
     if a.state_slots is not None and a.state_slots < 1:
         raise ConfigError("--state-slots must be positive")
+    if a.media_workers is not None and a.media_workers < 1:
+        raise ConfigError("--media-workers must be positive")
     sched = SchedulerConfig(
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens,
@@ -248,4 +263,5 @@ def parse_args(argv: list[str] | None = None, builtin_models: Sequence[str] = ()
     return ServerConfig(engine=engine, host=a.host, port=a.port, log_format=a.log_format,
                         log_level=a.log_level, api_key=a.api_key or os.environ.get(API_KEY_ENV) or None,
                         allowed_origins=tuple(o.strip() for o in a.allowed_origins.split(",") if o.strip()),
-                        header_timeout=a.header_timeout, body_timeout=a.body_timeout)
+                        header_timeout=a.header_timeout, body_timeout=a.body_timeout,
+                        media_workers=a.media_workers or default_media_workers())

@@ -1,6 +1,6 @@
 """Typed keys of what the aiohttp application and each request hold: the
 engine served, when the app was built (the `created` time `/v1/models`
-shows), the open realtime sockets, and the request's id."""
+shows), the open realtime sockets, the media decoder, and the request's id."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ from aiohttp import web
 
 if TYPE_CHECKING:
     from mstar.engine.engine import Engine
+    from mstar.http.media import MediaDecoder
 
 ENGINE: web.AppKey[Engine] = web.AppKey("mstar_engine")
 STARTED = web.AppKey("mstar_started", int)      # unix time the app was built
 # realtime connections open now: shutdown closes them with "going away" once their responses ended
 SOCKETS = web.AppKey("mstar_sockets", set)
+MEDIA: web.AppKey[MediaDecoder] = web.AppKey("mstar_media")  # decodes requests' audio and images off the loop
 REQUEST_ID = web.RequestKey("mstar_request_id", str)
