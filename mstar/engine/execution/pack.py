@@ -31,7 +31,7 @@ Planner = Callable[[torch.Tensor, torch.Tensor, list[list[int]], bool], Attentio
 @dataclass(eq=False)
 class PackedRows:
     batch: TokenBatch
-    ids: list[torch.Tensor]         # each row's query ids (the repetition penalty marks them)
+    ids: list[torch.Tensor]         # each row's query ids (the repetition penalty marks them; none for embeddings)
     lens: list[int]                 # each row's new tokens
     rope_deltas: list[int | None]   # each row's rope delta once the step has run; None: as it was
 
@@ -78,7 +78,9 @@ def pack_kv(rows: list[dict[str, torch.Tensor]], reads: list[dict[str, str]], kv
         extra=extra,
         start_positions=torch.tensor(starts, dtype=torch.long).to(device),
     )
-    return PackedRows(batch, ids, lens, deltas)
+    # embeddings' placeholder ids are no tokens the row saw (a talker's repetition penalty is over its own codes)
+    seen = ids if query.kind is Kind.IDS else [t[:0] for t in ids]
+    return PackedRows(batch, seen, lens, deltas)
 
 
 def _positions_input(sig: Mode) -> In | None:
