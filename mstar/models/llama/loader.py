@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -64,13 +64,15 @@ class CheckpointFiles:
     def names(self) -> set[str]:
         return set(self.where)
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every tensor, file by file, loaded lazily one at a time on the host."""
+    def tensors(self, only: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor (or those whose names `only` accepts), file by file,
+        loaded lazily one at a time on the host."""
         from safetensors import safe_open
 
         by_file: dict[Path, list[str]] = {}
         for name, file in self.where.items():
-            by_file.setdefault(file, []).append(name)
+            if only is None or only(name):
+                by_file.setdefault(file, []).append(name)
         for file in sorted(by_file):
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in by_file[file]:

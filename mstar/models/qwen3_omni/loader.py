@@ -1,84 +1,132 @@
 """Qwen3-Omni weights from a Hugging Face folder (safetensors, as
 transformers saves `Qwen3OmniMoeForConditionalGeneration`): checkpoint names
-in, the parameters of mstar's modules filled. Experts are stored one by one
-(`mlp.experts.E.{gate,up,down}_proj`) and stacked here into the layout the
-MoE layer runs ([E, 2I, H] gate then up, [E, H, I] down).
+in, the parameters of mstar's modules filled, for the thinker's text decoder
+and for the talker with its code predictor.
+
+A name finds its parameter in two steps: a prefix picks the part and where
+in the module it lands (`talker.code_predictor.model.` -> `code_predictor.`),
+then the feed-forward's pieces find their place. Experts stored one by one
+(`mlp.experts.E.{gate,up,down}_proj`) are stacked into the layout the MoE
+layer runs ([E, 2I, H] gate then up, [E, H, I] down); the gate and up
+projections of a shared expert or a dense MLP fill the two halves of one
+merged weight.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from mstar.models.checkpoint import mismatch_error
 from mstar.models.llama.loader import CheckpointFiles
+from mstar.models.qwen3_omni.speech.talker import TalkerDecoder
 from mstar.models.qwen3_omni.thinker import ThinkerDecoder
 
-_EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
-_THINKER = "thinker.model."
+# (expert, shard): which slice of a parameter a checkpoint tensor fills; (None, None) is all of it
+Piece = tuple[int | None, str | None]
+
+# checkpoint MLP names (after the part's prefix) -> mstar's parameter; `expert` and `shard` name the piece
+_MLP = (
+    (re.compile(r"(.+\.mlp)\.experts\.(?P<expert>\d+)\.(?P<shard>gate|up)_proj\.weight"), r"\1.gate_up"),
+    (re.compile(r"(.+\.mlp)\.experts\.(?P<expert>\d+)\.(?P<shard>down)_proj\.weight"), r"\1.down"),
+    (re.compile(r"(.+\.mlp)\.shared_expert\.(?P<shard>gate|up)_proj\.weight"), r"\1.shared.gate_up.weight"),
+    (re.compile(r"(.+\.mlp)\.shared_expert\.down_proj\.weight"), r"\1.shared.down.weight"),
+    (re.compile(r"(.+\.mlp)\.shared_expert_gate\.weight"), r"\1.shared_gate.weight"),
+    (re.compile(r"(.+\.mlp)\.gate\.weight"), r"\1.router"),
+    (re.compile(r"(.+\.mlp)\.(?P<shard>gate|up)_proj\.weight"), r"\1.gate_up.weight"),
+    (re.compile(r"(.+\.mlp)\.down_proj\.weight"), r"\1.down.weight"),
+)
 
 
-def _thinker_target(name: str) -> tuple[str, tuple[int, str] | None] | None:
-    """The decoder parameter a checkpoint tensor fills, and for an expert's
-    projection (expert, which); None: not the thinker's text decoder."""
-    if name == "thinker.lm_head.weight":
-        return "lm_head.weight", None
-    if not name.startswith(_THINKER):
+@dataclass(frozen=True)
+class _Part:
+    what: str                              # as errors name it
+    prefixes: tuple[tuple[str, str], ...]  # checkpoint prefix -> module prefix; the first that matches
+    owned: tuple[str, ...]                 # checkpoint names under these must each fill a parameter
+
+
+_THINKER = _Part("qwen3-omni thinker", (("thinker.lm_head.", "lm_head."), ("thinker.model.", "")),
+                 ("thinker.model.", "thinker.lm_head."))
+_TALKER = _Part("qwen3-omni talker",
+                (("talker.model.", ""), ("talker.code_predictor.model.", "code_predictor."),
+                 ("talker.code_predictor.lm_head.", "code_predictor.lm_head."), ("talker.", ""),
+                 ("thinker.model.embed_tokens.", "thinker_embed.")),  # the talker's copy of the thinker's table
+                ("talker.", "thinker.model.embed_tokens."))
+
+
+def _target(part: _Part, name: str) -> tuple[str, Piece] | None:
+    """The parameter a checkpoint tensor fills and which piece of it; None:
+    not one of the part's names."""
+    for prefix, local in part.prefixes:
+        if name.startswith(prefix):
+            break
+    else:
         return None
-    local = name[len(_THINKER):]
-    expert = _EXPERT.fullmatch(local)
-    if expert is not None:
-        layer, e, which = expert.groups()
-        return f"layers.{layer}.mlp.{'down' if which == 'down' else 'gate_up'}", (int(e), which)
-    if local.endswith(".mlp.gate.weight"):
-        return local.replace(".mlp.gate.weight", ".mlp.router"), None
-    if local.startswith(("embed_tokens.", "norm.", "layers.")):
-        return local, None
-    return None
+    name = local + name[len(prefix):]
+    for pattern, replacement in _MLP:
+        match = pattern.fullmatch(name)
+        if match is not None:
+            groups = match.groupdict()
+            expert = groups.get("expert")
+            return match.expand(replacement), (None if expert is None else int(expert), groups.get("shard"))
+    return name, (None, None)
 
 
-def load_thinker(decoder: ThinkerDecoder, folder: str | Path) -> None:
-    """Fill `decoder` from `folder`; a `ConfigError` names what is missing
-    or left over."""
-    params = dict(decoder.named_parameters())
-    filled: set[tuple[str, int | None, str | None]] = set()
-    unknown: list[str] = []
-    inter = decoder.cfg.moe_intermediate_size
-    with torch.no_grad():
-        for name, tensor in CheckpointFiles(folder).tensors():
-            target = _thinker_target(name)
-            if target is None:
-                if name.startswith(_THINKER):
-                    unknown.append(name)
-                continue
-            param_name, expert = target
-            param = params.get(param_name)
-            if param is None:
-                unknown.append(name)
-                continue
-            if expert is None:
-                param.copy_(tensor)
-                filled.add((param_name, None, None))
-                continue
-            e, which = expert
-            rows = {"gate": slice(0, inter), "up": slice(inter, 2 * inter), "down": slice(None)}[which]
-            param[e, rows].copy_(tensor)
-            filled.add((param_name, e, which))
-    missing = sorted({name for name, _, _ in _expected(params) - filled})
-    if missing or unknown:
-        raise mismatch_error(folder, "qwen3-omni thinker", missing, unknown)
+def _fill(param: torch.Tensor, piece: Piece, tensor: torch.Tensor) -> None:
+    expert, shard = piece
+    view = param if expert is None else param[expert]
+    if shard in ("gate", "up"):  # both merged layouts hold gate then up, half and half
+        half = view.shape[0] // 2
+        view = view[:half] if shard == "gate" else view[half:]
+    view.copy_(tensor)
 
 
 def _expected(params: dict[str, torch.Tensor]) -> set[tuple[str, int | None, str | None]]:
-    """What a complete checkpoint fills: each plain parameter whole, and each
-    stacked expert parameter per expert and projection."""
+    """What a complete checkpoint fills: each plain parameter whole, each
+    merged gate/up weight by halves, each stacked expert parameter per
+    expert and projection."""
     out: set[tuple[str, int | None, str | None]] = set()
     for name, p in params.items():
         stacked = ("gate", "up") if name.endswith(".gate_up") else ("down",) if name.endswith(".down") else ()
         if stacked and p.dim() == 3:
             out |= {(name, e, which) for e in range(p.shape[0]) for which in stacked}
+        elif name.endswith(".gate_up.weight"):
+            out |= {(name, None, "gate"), (name, None, "up")}
         else:
             out.add((name, None, None))
     return out
+
+
+def _load(module: nn.Module, folder: str | Path, part: _Part) -> None:
+    params = dict(module.named_parameters())
+    filled: set[tuple[str, int | None, str | None]] = set()
+    unknown: list[str] = []
+    with torch.no_grad():
+        for name, tensor in CheckpointFiles(folder).tensors(lambda n: n.startswith(part.owned)):
+            target = _target(part, name)
+            param = None if target is None else params.get(target[0])
+            if target is None or param is None:
+                unknown.append(name)
+                continue
+            _fill(param, target[1], tensor)
+            filled.add((target[0], *target[1]))
+    missing = sorted({name for name, _, _ in _expected(params) - filled})
+    if missing or unknown:
+        raise mismatch_error(folder, part.what, missing, unknown)
+
+
+def load_thinker(decoder: ThinkerDecoder, folder: str | Path) -> None:
+    """Fill `decoder` from `folder`; a `ConfigError` names what is missing
+    or left over."""
+    _load(decoder, folder, _THINKER)
+
+
+def load_talker(talker: TalkerDecoder, folder: str | Path) -> None:
+    """Fill `talker` (its code predictor and its copy of the thinker's
+    embedding table with it) from `folder`; a `ConfigError` names what is
+    missing or left over."""
+    _load(talker, folder, _TALKER)

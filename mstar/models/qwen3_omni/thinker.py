@@ -21,7 +21,7 @@ from mstar.models.layers.linear import Linear
 from mstar.models.layers.moe import SparseMoe
 from mstar.models.layers.mrope import mrope_cos_sin
 from mstar.models.layers.norm import RMSNorm
-from mstar.models.qwen3_omni.config import MoeDecoderConfig
+from mstar.models.qwen3_omni.config import CodePredictorConfig, MoeDecoderConfig
 from mstar.types import AttentionContext, TokenBatch
 
 Device = torch.device | str | None
@@ -35,7 +35,10 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 class ThinkerAttention(nn.Module):
-    def __init__(self, cfg: MoeDecoderConfig, layer: int, *, device: Device = None,
+    """Also the talker's and the code predictor's attention: the same maths
+    at their own sizes."""
+
+    def __init__(self, cfg: MoeDecoderConfig | CodePredictorConfig, layer: int, *, device: Device = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
         kw = {"device": device, "dtype": dtype}
@@ -58,6 +61,8 @@ class ThinkerAttention(nn.Module):
 
 
 class ThinkerLayer(nn.Module):
+    """Also the talker's layer (its config adds the shared expert)."""
+
     def __init__(self, cfg: MoeDecoderConfig, layer: int, *, device: Device = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()

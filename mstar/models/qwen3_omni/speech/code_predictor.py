@@ -1,0 +1,115 @@
+"""The Qwen3-Omni code predictor: the talker's last hidden state [B, H] and
+the embedding of a frame's first code [B, H] in, the frame's other codes
+[B, G - 1] out, drawn one by one, with their embeddings [B, G - 1, H],
+which the talker's next step sums.
+
+A dense Qwen3 decoder (q/k-normed grouped attention, SwiGLU) with a plain
+one-axis rotary. Its cache lives for one frame: the two input rows sit at
+positions 0 and 1 and predict code 1; code j (j >= 1), embedded by its own
+table, sits at position j + 1 and predicts code j + 1 with head j. Every
+row of a batch is at the same step, so the cache is one dense tensor per
+layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mstar.models.layers.linear import Linear
+from mstar.models.layers.mlp import SwiGLU
+from mstar.models.layers.norm import RMSNorm
+from mstar.models.layers.rotary import RotaryEmbedding
+from mstar.models.qwen3_omni.config import CodePredictorConfig
+from mstar.models.qwen3_omni.thinker import ThinkerAttention
+from mstar.types import AttentionContext
+
+Device = torch.device | str | None
+Draw = Callable[[torch.Tensor, int], torch.Tensor]  # (logits [B, V], j) -> code j + 1 [B] int64
+
+
+class FrameCache:
+    """The attention of B rows over a dense cache that starts empty: every
+    call brings the same number n of new tokens per row, packed row after
+    row ([B * n, heads, D]); they attend causally to the row's earlier ones."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+        self.k: dict[int, torch.Tensor] = {}
+        self.v: dict[int, torch.Tensor] = {}
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        b = self.rows
+        q, k, v = (x.reshape(b, -1, *x.shape[1:]) for x in (q, k, v))  # [B, n, heads, D]
+        self.k[layer] = torch.cat([self.k[layer], k], dim=1) if layer in self.k else k
+        self.v[layer] = torch.cat([self.v[layer], v], dim=1) if layer in self.v else v
+        group = q.shape[2] // k.shape[2]
+        keys = self.k[layer].repeat_interleave(group, dim=2).transpose(1, 2)  # [B, heads, t, D]
+        values = self.v[layer].repeat_interleave(group, dim=2).transpose(1, 2)
+        n, total = q.shape[1], keys.shape[2]
+        mask = torch.arange(total, device=q.device)[None, :] <= (total - n + torch.arange(n, device=q.device))[:, None]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, scale=scale)
+        return out.transpose(1, 2).reshape(b * n, *q.shape[2:])
+
+
+class CodePredictorLayer(nn.Module):
+    def __init__(self, cfg: CodePredictorConfig, layer: int, *, device: Device = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.self_attn = ThinkerAttention(cfg, layer, **kw)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, **kw)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class CodePredictor(nn.Module):
+    """`complete` fills in a frame; `codec_embedding[g - 1]` and
+    `lm_head[g - 1]` are code g's table and head (g = 1 .. G - 1)."""
+
+    def __init__(self, cfg: CodePredictorConfig, *, device: Device = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        self.cfg = cfg
+        groups = cfg.num_code_groups - 1
+        self.layers = nn.ModuleList(CodePredictorLayer(cfg, i, **kw) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
+        self.codec_embedding = nn.ModuleList(nn.Embedding(cfg.vocab_size, cfg.hidden_size, **kw)
+                                             for _ in range(groups))
+        self.lm_head = nn.ModuleList(Linear(cfg.hidden_size, cfg.vocab_size, **kw) for _ in range(groups))
+        # positions never pass G: the frame's two input rows, then one a code
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.num_code_groups, cfg.rope_theta, device=device)
+
+    def _last(self, x: torch.Tensor, start: int, cache: FrameCache) -> torch.Tensor:
+        """x [B, n, H] at positions start .. start + n - 1 -> each row's last
+        token, normed [B, H]."""
+        b, n, _ = x.shape
+        positions = torch.arange(start, start + n, device=x.device).repeat(b)
+        cos, sin = self.rotary.cos[positions], self.rotary.sin[positions]
+        h = x.reshape(b * n, -1)
+        for layer in self.layers:
+            h = layer(h, cos, sin, cache)
+        return self.norm(h.view(b, n, -1)[:, -1])
+
+    def complete(self, last: torch.Tensor, first: torch.Tensor, draw: Draw) -> tuple[torch.Tensor, torch.Tensor]:
+        """`last` [B, H]: the talker's normed hidden state that sampled the
+        frame's first code; `first` [B, H]: that code's talker embedding.
+        Returns the codes 1 .. G - 1 [B, G - 1] int64 (code j + 1 is
+        `draw(logits, j)`) and their embeddings [B, G - 1, H]."""
+        cache = FrameCache(last.shape[0])
+        h = self._last(torch.stack([last, first], dim=1), 0, cache)
+        codes: list[torch.Tensor] = []
+        embeds: list[torch.Tensor] = []
+        for j, (table, head) in enumerate(zip(self.codec_embedding, self.lm_head)):
+            codes.append(draw(head(h), j))
+            embeds.append(table(codes[-1]))
+            if j + 2 < self.cfg.num_code_groups:  # the last code is only embedded, never read back
+                h = self._last(embeds[-1][:, None], j + 2, cache)
+        return torch.stack(codes, dim=1), torch.stack(embeds, dim=1)

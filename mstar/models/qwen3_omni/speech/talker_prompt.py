@@ -1,0 +1,136 @@
+"""The talker's prefill input for one request: the thinker's prompt ids, the
+thinker's `accept_hidden_layer` rows where the talker reads them, the first
+generated text token and the voice in; the talker prompt's input rows (text
+side plus codec side), its 3-axis positions and rope delta out. Then, step
+by step, which thinker token is the text side of each `speak` step.
+
+The prompt is the user turns (a token belongs to the turn of the latest
+`<|im_start|>` at or before it, so system turns and earlier assistant turns
+drop out), then 9 assistant rows:
+
+    row        0-2                      3-6             7              8
+    text side  <|im_start|>assistant\\n  tts_pad         tts_bos        first text token
+    codec side -                        nothink, think_bos, think_eos, voice   codec_pad  codec_bos
+
+A user token's row is `text_projection` of its embedding, or, at an audio,
+image or video placeholder, `hidden_projection` of the thinker's
+accept-layer row there. The thinker's layer-0 row at a text token is that
+token's embedding, so the talker computes text rows from ids with its copy
+of the table; only the placeholders' accept-layer rows cross over.
+Positions are M-RoPE positions of the talker's own sequence (the user
+tokens, then 9 tts_pad): images on their grids, audio one a token as text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mstar.errors import RequestError
+from mstar.models.qwen3_omni.config import Qwen3OmniConfig, TokenIds
+from mstar.models.qwen3_omni.positions import mrope_positions
+from mstar.models.qwen3_omni.speech.talker import TalkerDecoder
+
+ASSISTANT_ROWS = 9
+NOT_A_TOKEN = -1  # an id no prompt holds: audio placeholders get text positions
+
+
+@dataclass(frozen=True)
+class TalkerPrompt:
+    """`embeds` [L, H] in the talker's dtype and device; `positions` [3, L]
+    int64; `speak` step k (k = 0, 1, ...) sits at position L + k +
+    `rope_delta` on all three axes."""
+
+    embeds: torch.Tensor
+    positions: torch.Tensor
+    rope_delta: int
+
+
+def user_turns(prompt_ids: Sequence[int], ids: TokenIds) -> list[bool]:
+    """Per prompt token: whether it belongs to a user turn (the turn's
+    `<|im_start|>`, role, content, `<|im_end|>` and what follows up to the
+    next `<|im_start|>`)."""
+    out, role = [], None
+    for i, token in enumerate(prompt_ids):
+        if token == ids.im_start:
+            role = prompt_ids[i + 1] if i + 1 < len(prompt_ids) else None
+        out.append(role == ids.user)
+    return out
+
+
+def talker_rows(prompt_ids: Sequence[int], ids: TokenIds) -> torch.Tensor:
+    """[P] bool: the prompt positions whose accept-layer rows the talker
+    reads (audio, image and video placeholders in user turns)."""
+    placeholders = (ids.audio, ids.image, ids.video)
+    return torch.tensor([user and token in placeholders
+                         for token, user in zip(prompt_ids, user_turns(prompt_ids, ids))], dtype=torch.bool)
+
+
+def voice_id(cfg: Qwen3OmniConfig, voice: str, field: str = "voice") -> int:
+    """The codec id of `voice` (any case); `RequestError` naming `field`
+    when the model has no such voice."""
+    found = cfg.talker.voices.get(voice.lower())
+    if found is None:
+        raise RequestError(f"unknown voice {voice!r}; this model speaks {', '.join(sorted(cfg.talker.voices))}",
+                           field=field)
+    return found
+
+
+def talker_prompt(talker: TalkerDecoder, cfg: Qwen3OmniConfig, prompt_ids: Sequence[int], hidden: torch.Tensor,
+                  first_token: int, voice: str, *, image_grids: Sequence[tuple[int, int, int]] = (),
+                  voice_field: str = "voice") -> TalkerPrompt:
+    """`hidden` [M, Ht]: the thinker's accept-layer rows at the positions
+    `talker_rows` marks, in order; `image_grids`: (t, h, w) of every image
+    of the prompt, in order. The prompt must end with the assistant's
+    header (`<|im_start|>assistant\\n`), else `RequestError` ("input")."""
+    ids = cfg.ids
+    prompt = [int(t) for t in prompt_ids]
+    voice_code = voice_id(cfg, voice, voice_field)
+    header = len(prompt) - 3
+    if header < 0 or prompt[header] != ids.im_start or prompt[header + 1] != ids.assistant:
+        raise RequestError("speech needs the prompt to end with the assistant's header <|im_start|>assistant\\n",
+                           field="input")
+    user = user_turns(prompt, ids)
+    user_ids = torch.tensor([t for t, u in zip(prompt, user) if u], dtype=torch.long)
+    placeholders = talker_rows(prompt, ids)[torch.tensor(user, dtype=torch.bool)]
+    if int(placeholders.sum()) != hidden.shape[0]:
+        raise ValueError(f"the talker reads {int(placeholders.sum())} accept-layer rows, got {hidden.shape[0]}")
+    weight = talker.codec_embedding.weight
+    rows = torch.empty(len(user_ids), weight.shape[1], dtype=weight.dtype, device=weight.device)
+    on = placeholders.to(weight.device)
+    rows[~on] = talker.text_rows(user_ids[~placeholders]).to(rows)
+    if hidden.shape[0]:
+        rows[on] = talker.hidden_projection(hidden.to(weight)).to(rows)
+
+    t = cfg.talker
+    text = talker.text_rows(torch.tensor(prompt[header:] + [ids.tts_pad] * 4 + [ids.tts_bos, first_token]))
+    codec = talker.codec_embedding(torch.tensor([t.codec_nothink_id, t.codec_think_bos_id, t.codec_think_eos_id,
+                                                 voice_code, t.codec_pad_id, t.codec_bos_id], device=weight.device))
+    assistant = text + torch.cat([torch.zeros(3, codec.shape[1], dtype=codec.dtype, device=codec.device), codec])
+
+    starts = [i for i, token in enumerate(prompt) if token == ids.image and (i == 0 or prompt[i - 1] != ids.image)]
+    grids = [grid for grid, start in zip(image_grids, starts) if user[start]]
+    positions, delta = mrope_positions(user_ids.tolist() + [ids.tts_pad] * ASSISTANT_ROWS, audio_id=NOT_A_TOKEN,
+                                       image_id=ids.image, image_grids=grids,
+                                       spatial_merge=cfg.vision.spatial_merge_size,
+                                       per_second=cfg.position_id_per_seconds)
+    return TalkerPrompt(torch.cat([rows, assistant]), positions, delta)
+
+
+def text_side_id(generated: Sequence[int], step: int, ids: TokenIds, eos: Collection[int],
+                 finished: bool) -> int | None:
+    """The thinker id whose `text_rows` is the text side of `speak` step
+    `step`, given the thinker's `generated` tokens so far (`finished`: it
+    has stopped): text token `step + 1` while the text lasts, then tts_eos
+    once in place of the thinker's EOS (or after its last token), then
+    tts_pad. None: not known yet, the thinker has not written that token."""
+    wanted = step + 1
+    end = next((i for i, token in enumerate(generated) if token in eos), None)
+    if end is None and wanted < len(generated):
+        return generated[wanted]
+    if end is None and not finished:
+        return None
+    end = len(generated) if end is None else end
+    return generated[wanted] if wanted < end else ids.tts_eos if wanted == end else ids.tts_pad
