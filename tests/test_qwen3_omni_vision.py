@@ -1,19 +1,28 @@
 """Qwen3-Omni's image input side against transformers: pictures into patches
 equal to its image processor (loaded as a real preprocessor_config.json
-configures it)."""
+configures it), the vision encoder's rows and deepstack features equal to
+its `Qwen3OmniMoeVisionEncoder` for several images in one call. All
+float32 on tiny random models saved to folders."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
-from transformers import AutoImageProcessor
+from safetensors.torch import load_file, save_file
+from transformers import AutoImageProcessor, Qwen3OmniMoeForConditionalGeneration
+from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen3OmniMoeVisionEncoderConfig
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeVisionEncoder
 
-from mstar.errors import RequestError
-from mstar.models.qwen3_omni.encoders.image import image_patches
+from mstar.errors import ConfigError, RequestError
+from mstar.models.qwen3_omni.config import Qwen3OmniConfig, VisionEncoderConfig
+from mstar.models.qwen3_omni.encoders.image import ImagePatches, image_patches
+from mstar.models.qwen3_omni.encoders.vision import VisionEncoder, load_vision_encoder
+from test_qwen3_omni_config import tiny
 
 # The shape of the Qwen3-Omni checkpoints' preprocessor_config.json (its image part)
 PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen3OmniMoeProcessor",
@@ -71,3 +80,134 @@ def test_pictures_transformers_refuses_are_refused_naming_the_field(processor) -
     assert caught.value.field == FIELD
     edge = _picture(1, 200, 4)  # the most elongated picture transformers takes
     assert image_patches(edge).grid_thw == tuple(processor(images=[Image.fromarray(edge)])["image_grid_thw"][0])
+
+
+def _lively(module: torch.nn.Module, seed: int) -> None:
+    """Weights at the scale of a trained encoder (norms near 1, linear maps
+    of unit gain): at N(0, 0.08) throughout, the signal shrinks at every norm
+    until attention is near uniform and the rotary, the merger's GELU, even
+    swapped rows and columns change the output by less than the tolerance."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            noise = torch.randn(p.shape, generator=generator)
+            if "norm" in name or "ln_q" in name:
+                p.copy_(1 + 0.1 * noise if name.endswith("weight") else 0.1 * noise)
+            elif name.endswith("bias"):
+                p.copy_(0.1 * noise)
+            elif name.startswith("pos_embed"):
+                p.copy_(noise)
+            else:
+                p.copy_(noise / p[0].numel() ** 0.5)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Qwen3OmniMoeForConditionalGeneration]:
+    torch.manual_seed(0)
+    model = Qwen3OmniMoeForConditionalGeneration(tiny()).eval()
+    with torch.no_grad():  # transformers leaves stacked experts uninitialised
+        for p in model.parameters():
+            p.normal_(0.0, 0.08)
+    _lively(model.thinker.model.visual, seed=0)
+    folder = tmp_path_factory.mktemp("omni-weights")
+    model.save_pretrained(folder)
+    return folder, model
+
+
+@pytest.fixture(scope="module")
+def odd_encoder(tmp_path_factory: pytest.TempPathFactory) -> tuple[VisionEncoderConfig, Path,
+                                                                   Qwen3OmniMoeVisionEncoder]:
+    """A vision encoder of another shape: a 4x4 position table (stretched,
+    not shrunk, to the grids below), 16-wide heads, and deepstack after
+    layers 2 and 0 only, listed out of order."""
+    torch.manual_seed(1)
+    config = Qwen3OmniMoeVisionEncoderConfig(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=4,
+                                             out_hidden_size=24, num_position_embeddings=16,
+                                             deepstack_visual_indexes=[2, 0])
+    encoder = Qwen3OmniMoeVisionEncoder(config).eval()
+    _lively(encoder, seed=1)
+    folder = tmp_path_factory.mktemp("omni-vision")
+    save_file({f"thinker.visual.{k}": v.contiguous() for k, v in encoder.state_dict().items()},
+              str(folder / "model.safetensors"))
+    cfg = VisionEncoderConfig(depth=3, hidden_size=32, num_heads=2, intermediate_size=48, patch_size=4,
+                              temporal_patch_size=2, spatial_merge_size=2, in_channels=3, out_hidden_size=24,
+                              num_position_embeddings=16, deepstack_visual_indexes=(2, 0))
+    return cfg, folder, encoder
+
+
+def _ours(cfg: VisionEncoderConfig, folder: Path) -> VisionEncoder:
+    encoder = VisionEncoder(cfg).eval()
+    load_vision_encoder(encoder, folder)
+    return encoder
+
+
+def _images() -> list[ImagePatches]:
+    return [image_patches(_picture(h, w, seed)) for seed, (h, w) in enumerate([(100, 150), (37, 53), (64, 200)])]
+
+
+@pytest.fixture(scope="module")
+def cases(saved, odd_encoder) -> dict[str, tuple[VisionEncoder, Qwen3OmniMoeVisionEncoder, torch.Tensor, torch.Tensor]]:
+    """Per encoder shape: ours, transformers', and a batch of images of
+    different sizes (pixels, grids)."""
+    folder, model = saved
+    images = _images()
+    tiny_case = (_ours(Qwen3OmniConfig.from_folder(folder).vision, folder), model.thinker.model.visual,
+                 torch.cat([i.pixel_values for i in images]), torch.tensor([i.grid_thw for i in images]))
+    cfg, odd_folder, odd = odd_encoder
+    grids = torch.tensor([[1, 6, 10], [2, 4, 6], [1, 2, 8]])  # the second has two frames, which do not attend across
+    pixels = torch.randn(int(grids.prod(1).sum()), 3 * 2 * 4 * 4, generator=torch.Generator().manual_seed(2))
+    return {"tiny": tiny_case, "odd": (_ours(cfg, odd_folder), odd, pixels, grids)}
+
+
+@pytest.mark.parametrize("case", ["tiny", "odd"])
+@torch.inference_mode()
+def test_encoder_rows_and_deepstack_equal_transformers(cases, case: str) -> None:
+    """Several images in one call. Tolerance: assert_close's float32
+    defaults (atol 1e-5, rtol 1.3e-6) on outputs of size ~1, for the same
+    maths summed in another order (a linear map for the Conv3d, one padded
+    attention call for the per-frame ones); the gaps seen are ~1e-6."""
+    ours, theirs, pixels, grids = cases[case]
+    want = theirs(pixels, grid_thw=grids)
+    got = ours(pixels, grids)
+    tokens = int(grids.prod(1).sum()) // 4
+    assert got.embeds.shape == (tokens, ours.cfg.out_hidden_size)
+    assert got.deepstack.shape == (len(ours.cfg.deepstack_visual_indexes), tokens, ours.cfg.out_hidden_size)
+    torch.testing.assert_close(got.embeds, want.pooler_output)
+    torch.testing.assert_close(got.deepstack, torch.stack(list(want.deepstack_features)))
+
+
+@pytest.mark.parametrize("case", ["tiny", "odd"])
+@torch.inference_mode()
+def test_a_batch_equals_each_image_alone(cases, case: str) -> None:
+    """Padding a small frame to a large one's length, masked, changes
+    nothing beyond float rounding (same tolerance)."""
+    ours, _, pixels, grids = cases[case]
+    batch = ours(pixels, grids)
+    alone = [ours(p, g[None]) for p, g in zip(pixels.split(grids.prod(1).tolist()), grids)]
+    torch.testing.assert_close(batch.embeds, torch.cat([a.embeds for a in alone]))
+    torch.testing.assert_close(batch.deepstack, torch.cat([a.deepstack for a in alone], dim=1))
+
+
+def test_a_checkpoint_without_a_vision_tensor_is_refused(saved, tmp_path: Path) -> None:
+    folder, _ = saved
+    tensors = load_file(str(folder / "model.safetensors"))
+    del tensors["thinker.visual.merger_list.1.mlp.0.bias"]
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"missing 1 tensor\(s\): deepstack_mergers\.1\.fc1\.bias"):
+        _ours(Qwen3OmniConfig.from_folder(folder).vision, tmp_path)
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("deepstack_visual_indexes", [0, 3], r"distinct layers in 0\.\.2"),   # transformers would skip layer 3 silently
+    ("deepstack_visual_indexes", [1, 1], r"distinct layers in 0\.\.2"),
+    ("num_position_embeddings", 50, "is not a square"),
+    ("num_heads", 3, "divisible by 4"),
+    ("hidden_act", "relu", "is not one of"),
+])
+def test_vision_configs_the_encoder_cannot_run_are_refused(saved, field: str, value, says: str) -> None:
+    folder, _ = saved
+    data = json.loads((folder / "config.json").read_text())
+    assert Qwen3OmniConfig.from_dict(data).vision.rope_theta == 10000.0
+    data["thinker_config"]["vision_config"][field] = value
+    with pytest.raises(ConfigError, match=says):
+        Qwen3OmniConfig.from_dict(data)
