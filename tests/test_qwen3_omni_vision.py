@@ -1,8 +1,10 @@
 """Qwen3-Omni's image input side against transformers: pictures into patches
 equal to its image processor (loaded as a real preprocessor_config.json
 configures it), the vision encoder's rows and deepstack features equal to
-its `Qwen3OmniMoeVisionEncoder` for several images in one call. All
-float32 on tiny random models saved to folders."""
+its `Qwen3OmniMoeVisionEncoder` for several images in one call, and a text +
+image prompt whose thinker logits, fed mstar's rows and deepstack features
+through `inputs_embeds`, equal the thinker fed the pixels. All float32 on
+tiny random models saved to folders."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from mstar.errors import ConfigError, RequestError
 from mstar.models.qwen3_omni.config import Qwen3OmniConfig, VisionEncoderConfig
 from mstar.models.qwen3_omni.encoders.image import ImagePatches, image_patches
 from mstar.models.qwen3_omni.encoders.vision import VisionEncoder, load_vision_encoder
+from mstar.models.qwen3_omni.positions import mrope_positions
 from test_qwen3_omni_config import tiny
 
 # The shape of the Qwen3-Omni checkpoints' preprocessor_config.json (its image part)
@@ -29,6 +32,7 @@ PREPROCESSOR = {"image_processor_type": "Qwen2VLImageProcessor", "processor_clas
                 "patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "min_pixels": 3136,
                 "max_pixels": 12845056, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}
 FIELD = "messages[0].content[1].image_url"
+VISION_END = 151653  # not in the config: transformers never reads it
 
 
 def _picture(height: int, width: int, seed: int) -> np.ndarray:
@@ -195,6 +199,46 @@ def test_a_checkpoint_without_a_vision_tensor_is_refused(saved, tmp_path: Path) 
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ConfigError, match=r"missing 1 tensor\(s\): deepstack_mergers\.1\.fc1\.bias"):
         _ours(Qwen3OmniConfig.from_folder(folder).vision, tmp_path)
+
+
+@torch.inference_mode()
+def test_an_image_prompt_spliced_from_our_encoder_gives_transformers_logits(saved) -> None:
+    """transformers' thinker fed the pixels, against the same thinker fed
+    `inputs_embeds` with our rows at the image placeholders, our deepstack
+    features added after its first layers at those positions, and positions
+    from `mrope_positions`: every prefill logit within 1e-4 (three float32
+    MoE layers at this size stay far inside it); without the deepstack
+    features they differ far beyond it."""
+    folder, model = saved
+    cfg = Qwen3OmniConfig.from_folder(folder)
+    images = _images()[:2]
+    ids: list[int] = [cfg.ids.im_start, cfg.ids.user, 198]
+    for text, image in zip(([100, 2001], [37, 4242, 9]), images):
+        ids += [*text, cfg.ids.vision_start, *[cfg.ids.image] * image.tokens, VISION_END]
+    ids += [77, cfg.ids.im_end, 198, cfg.ids.im_start, cfg.ids.assistant, 198]
+    pixels, grids = torch.cat([i.pixel_values for i in images]), torch.tensor([i.grid_thw for i in images])
+    input_ids = torch.tensor([ids])
+    want = model.thinker(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), pixel_values=pixels,
+                         image_grid_thw=grids).logits[0]
+
+    vision = _ours(cfg.vision, folder)(pixels, grids)
+    placeholders = input_ids[0] == cfg.ids.image
+    embeds = model.thinker.get_input_embeddings()(input_ids)[0]
+    embeds[placeholders] = vision.embeds
+    positions, _ = mrope_positions(ids, audio_id=cfg.ids.audio, image_id=cfg.ids.image,
+                                   image_grids=[i.grid_thw for i in images],
+                                   spatial_merge=cfg.vision.spatial_merge_size,
+                                   per_second=cfg.position_id_per_seconds)
+
+    def logits(deepstack: list[torch.Tensor] | None) -> torch.Tensor:
+        hidden = model.thinker.model.language_model(inputs_embeds=embeds[None], position_ids=positions[:, None],
+                                                    visual_pos_masks=placeholders[None] if deepstack else None,
+                                                    deepstack_visual_embeds=deepstack).last_hidden_state
+        return model.thinker.lm_head(hidden)[0]
+
+    got = logits(list(vision.deepstack))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert (logits(None) - want).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("field, value, says", [
