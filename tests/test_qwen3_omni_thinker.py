@@ -7,6 +7,7 @@ a dense cache, in float32."""
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 import pytest
@@ -50,9 +51,11 @@ class DenseCache:
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Qwen3OmniMoeForConditionalGeneration]:
     torch.manual_seed(0)
     model = Qwen3OmniMoeForConditionalGeneration(tiny()).eval()
-    with torch.no_grad():  # transformers leaves stacked experts uninitialised
-        for p in model.parameters():
-            p.normal_(0.0, 0.08)
+    # transformers leaves stacked experts uninitialised; norm weights near 1, as trained ones are (near 0 they
+    # flatten attention until positions stop mattering)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0 if re.search(r"norm\d*\.weight$", name) else 0.0, 0.08)
     folder = tmp_path_factory.mktemp("omni-weights")
     model.save_pretrained(folder)
     return folder, model

@@ -22,7 +22,9 @@ from mstar.models.qwen3_omni import walks
 from mstar.models.qwen3_omni.config import Qwen3OmniConfig
 from mstar.models.qwen3_omni.encoders.audio import AudioEncoder, load_audio_encoder
 from mstar.models.qwen3_omni.encoders.mel import LogMel
-from mstar.models.qwen3_omni.encoding import AudioEncoding, pack_clips
+from mstar.models.qwen3_omni.encoders.image import ImagePatches, image_patches
+from mstar.models.qwen3_omni.encoders.vision import VisionEncoder, load_vision_encoder
+from mstar.models.qwen3_omni.encoding import AudioEncoding, VisionEncoding, pack_clips
 from mstar.models.qwen3_omni.intake import Intake
 from mstar.models.qwen3_omni.loader import load_thinker
 from mstar.models.qwen3_omni.positions import audio_tokens, mrope_positions
@@ -64,10 +66,10 @@ class Qwen3OmniModel(Model):
             raise ConfigError(f"--max-model-len {max_model_len} is outside 1..{positions} for model '{name}'")
         self._max_model_len = max_model_len or positions
         self.components: dict[str, Component] = {"thinker": walks.thinker_component(self.config.ids),
-                                                 "audio": walks.AUDIO_COMPONENT}
-        self.walks = walks.walks(audio_input=True, image_input=False)
+                                                 "audio": walks.AUDIO_COMPONENT, "vision": walks.VISION_COMPONENT}
+        self.walks = walks.walks(audio_input=True, image_input=True)
         self._mel = LogMel(self.config.audio.num_mel_bins)
-        self.intake = Intake(self.config.ids, self._tokenizer, audio=self._audio_part)
+        self.intake = Intake(self.config.ids, self._tokenizer, audio=self._audio_part, image=self._image_part)
 
     @property
     def random_weights(self) -> bool:
@@ -110,6 +112,9 @@ class Qwen3OmniModel(Model):
         elif component == "audio":
             module = AudioEncoder(self.config.audio, device=device, dtype=dtype)
             load = load_audio_encoder
+        elif component == "vision":
+            module = VisionEncoder(self.config.vision, device=device, dtype=dtype)
+            load = load_vision_encoder
         else:
             raise ConfigError(f"model '{self.name}' has no component '{component}'")
         if self.load_format == "dummy":
@@ -118,7 +123,8 @@ class Qwen3OmniModel(Model):
             assert self.path is not None
             load(module, self.path)
         module.eval()
-        return AudioEncoding(module) if component == "audio" else module
+        wrap = {"audio": AudioEncoding, "vision": VisionEncoding}.get(component)
+        return wrap(module) if wrap is not None else module
 
     def prepare_inputs(self, request: GenerateRequest, sampling: SamplingParams) -> PreparedPiece:
         ids, media, field = self.intake.prompt(request.inputs, self._max_model_len, self.name)
@@ -128,14 +134,26 @@ class Qwen3OmniModel(Model):
             raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab})", field=field)
         cfg = self.config
         mels = [mel for _, mel in media.audio]
+        images: list[ImagePatches] = [patches for _, patches in media.images]
         positions, _ = mrope_positions(ids, audio_id=cfg.ids.audio, image_id=cfg.ids.image,
                                        audio_frames=[m.shape[1] for m in mels],
+                                       image_grids=[p.grid_thw for p in images],
                                        spatial_merge=cfg.vision.spatial_merge_size,
                                        per_second=cfg.position_id_per_seconds)
         values = {"prompt_ids": torch.tensor(ids, dtype=torch.long), "positions": positions}
         if mels:
             values["audio_mel"], values["audio_frames"] = pack_clips(mels)
+        if images:
+            values["image_pixels"] = torch.cat([p.pixel_values for p in images])
+            values["image_grids"] = torch.tensor([p.grid_thw for p in images], dtype=torch.long)
         return PreparedPiece(values, len(ids), field)
+
+    def _image_part(self, image: Any, field: str) -> tuple[ImagePatches, int]:
+        """A decoded picture (RGB uint8 [H, W, 3]) as the vision encoder's patches, and the tokens it makes."""
+        v = self.config.vision
+        patches = image_patches(image, patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
+                                merge_size=v.spatial_merge_size, field=field)
+        return patches, patches.tokens
 
     def _audio_part(self, audio: Any, field: str) -> tuple[torch.Tensor, int]:
         """A decoded clip (16 kHz mono float) as log-mel, and the tokens it makes."""

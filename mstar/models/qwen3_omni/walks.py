@@ -40,6 +40,9 @@ def walk_name(speech: bool, audio: bool, image: bool) -> str:
 AUDIO_COMPONENT = Component(modes=(Mode("encode", (In("mel", Kind.TENSOR, ragged=True),
                                                   In("frames", Kind.TENSOR, ragged=True)),
                                               (Out("rows", Kind.TENSOR),)),))
+VISION_COMPONENT = Component(modes=(Mode("encode", (In("pixels", Kind.TENSOR, ragged=True),
+                                                   In("grids", Kind.TENSOR, ragged=True)),
+                                               (Out("rows", Kind.TENSOR), Out("deepstack", Kind.TENSOR))),))
 
 
 def _encoders(audio: bool, image: bool) -> tuple[list[Step], dict[str, str], list[str]]:
@@ -50,6 +53,11 @@ def _encoders(audio: bool, image: bool) -> tuple[list[Step], dict[str, str], lis
         steps.append(Step("audio", "encode", {"mel": "audio_mel", "frames": "audio_frames"}, {"rows": "audio_rows"}))
         reads["audio"] = "audio_rows"
         inputs += ["audio_mel", "audio_frames"]
+    if image:
+        steps.append(Step("vision", "encode", {"pixels": "image_pixels", "grids": "image_grids"},
+                          {"rows": "image_rows", "deepstack": "image_deepstack"}))
+        reads.update(image="image_rows", deepstack="image_deepstack")
+        inputs += ["image_pixels", "image_grids"]
     return steps, reads, inputs
 
 
@@ -75,7 +83,5 @@ def walks(audio_input: bool, image_input: bool) -> dict[str, Walk]:
     out = {}
     for audio in (False, True) if audio_input else (False,):
         for image in (False, True) if image_input else (False,):
-            if image:
-                continue  # the vision encoder joins these walks as it lands
             out[walk_name(False, audio, image)] = chat_walk(audio, image)
     return out

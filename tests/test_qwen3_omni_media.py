@@ -1,9 +1,9 @@
-"""Qwen3-Omni hears: chat messages whose user turn holds audio, served by the
-engine from a folder transformers saved (a tiny random model, float32), give
-transformers' thinker's greedy tokens for the same prompt and audio; several
-requests at once (two clips in one prompt, another clip, text alone) each get
-what they get alone. The walk runs the audio encoder only for prompts with
-audio."""
+"""Qwen3-Omni hears and sees: chat messages whose user turn holds audio and
+images, served by the engine from a folder transformers saved (a tiny random
+model, float32), give transformers' thinker's greedy tokens and
+log-probabilities for the same prompt and media; several requests at once
+(two clips, a clip, two images, audio and an image, text alone) each get what
+they get alone. The walk runs only the encoders a prompt's media need."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from transformers import Qwen3OmniMoeForConditionalGeneration, WhisperFeatureExt
 from mstar.config import EngineConfig
 from mstar.engine.engine import Engine
 from mstar.errors import RequestError
+from mstar.models.qwen3_omni.encoders.image import image_patches
 from mstar.models.qwen3_omni.model import Qwen3OmniModel
 from mstar.models.tokenizer import builtin_byte_tokenizer
 from mstar.types import GenerateRequest, SamplingParams
@@ -41,6 +42,13 @@ def _audio(wav: np.ndarray) -> dict:
     return {"type": "audio", "audio": wav}
 
 
+def _picture(height: int, width: int, seed: int) -> dict:
+    gen = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    rgb = np.stack([(x * 255 // width), (y * 255 // height), gen.integers(0, 256, (height, width))], axis=-1)
+    return {"type": "image", "image": rgb.astype(np.uint8)}
+
+
 @pytest.fixture(scope="module")
 def folder(saved: tuple[Path, Qwen3OmniMoeForConditionalGeneration]) -> Path:  # noqa: F811
     """The saved model with the byte tokenizer beside it (chat text needs one)."""
@@ -49,11 +57,16 @@ def folder(saved: tuple[Path, Qwen3OmniMoeForConditionalGeneration]) -> Path:  #
     return path
 
 
-def _reference(model: Qwen3OmniMoeForConditionalGeneration, ids: list[int], clips: list[np.ndarray]
-               ) -> tuple[list[int], list[torch.Tensor]]:
+def _reference(model: Qwen3OmniMoeForConditionalGeneration, ids: list[int], clips: list[np.ndarray],
+               pictures: list[np.ndarray]) -> tuple[list[int], list[torch.Tensor]]:
     """transformers' thinker, greedy, with the processor's features for each
-    clip alone: its tokens, and each step's log-probabilities."""
+    clip alone and the image processor's patches (`image_patches` equals it
+    bit for bit): its tokens, and each step's log-probabilities."""
     kwargs = {}
+    if pictures:
+        patches = [image_patches(p) for p in pictures]
+        kwargs["pixel_values"] = torch.cat([p.pixel_values for p in patches])
+        kwargs["image_grid_thw"] = torch.tensor([p.grid_thw for p in patches])
     if clips:
         extractor = WhisperFeatureExtractor(feature_size=128)
         feats = [extractor(c, sampling_rate=16000, return_attention_mask=True, return_tensors="pt") for c in clips]
@@ -74,27 +87,29 @@ async def test_audio_prompts_give_transformers_tokens_alone_and_together(
         folder: Path, saved: tuple[Path, Qwen3OmniMoeForConditionalGeneration]) -> None:  # noqa: F811
     _, hf = saved
     mine = Qwen3OmniModel(str(folder), str(folder))
-    prompts = [(_messages("what is this?", _audio(_clip(2.3, 1)), "and this?", _audio(_clip(1.4, 2))), 2),
-               (_messages(_audio(_clip(3.1, 3)), "describe it"), 1),
-               (_messages("no audio here"), 0)]
+    prompts = [_messages("what is this?", _audio(_clip(2.3, 1)), "and this?", _audio(_clip(1.4, 2))),
+               _messages(_audio(_clip(3.1, 3)), "describe it"),
+               _messages("two pictures", _picture(70, 90, 1), _picture(40, 33, 2)),
+               _messages(_picture(64, 48, 3), "and a sound", _audio(_clip(1.2, 4))),
+               _messages("no media here")]
     expected = []
-    for messages, n in prompts:
+    for messages in prompts:
         request = GenerateRequest("p", str(folder), {"messages": messages})
         ids = mine.prepare(request).values["prompt_ids"].tolist()
-        assert ids.count(mine.config.ids.audio) > 0 if n else mine.config.ids.audio not in ids
-        clips = [p["audio"] for m in messages if isinstance(m["content"], list) for p in m["content"]
-                 if p["type"] == "audio"]
-        assert len(clips) == n
-        expected.append(_reference(hf, ids, clips))
-    assert [mine.walk_for(GenerateRequest("p", "m", {"messages": m})) for m, _ in prompts] == \
-        ["chat+audio", "chat+audio", "chat"]
+        parts = [p for m in messages if isinstance(m["content"], list) for p in m["content"]]
+        clips = [p["audio"] for p in parts if p["type"] == "audio"]
+        pictures = [p["image"] for p in parts if p["type"] == "image"]
+        assert (mine.config.ids.audio in ids) == bool(clips) and (mine.config.ids.image in ids) == bool(pictures)
+        expected.append(_reference(hf, ids, clips, pictures))
+    assert [mine.walk_for(GenerateRequest("p", "m", {"messages": m})) for m in prompts] == \
+        ["chat+audio", "chat+audio", "chat+image", "chat+audio+image", "chat"]
 
     eng = Engine(EngineConfig(model=str(folder), devices=("cpu",), max_model_len=512))
     await eng.start()
     try:
         async def run(i: int) -> list[int]:
             params = SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True, logprobs=3)
-            request = GenerateRequest(f"r{i}", str(folder), {"messages": prompts[i][0]}, params)
+            request = GenerateRequest(f"r{i}", str(folder), {"messages": prompts[i]}, params)
             chunks = [c async for c in eng.submit(request)]
             # each step's top log-probabilities, as transformers scores those tokens (the audio moves them)
             steps = [lp for c in chunks for lp in c.logprobs or ()]
