@@ -132,27 +132,32 @@ def check_rope_and_store(t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, 
 
 
 def moe_routing(gen: torch.Generator, t: int, e: int, k: int, skewed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each token's k distinct experts [t, k] and weights [t, k] summing to 1.
-    Skewed: every token picks expert 0 (its run spans several blocks once t
-    passes a block) and none picks the last; else uniform, as random
-    weights route."""
-    scores = torch.rand(t, e, generator=gen)
+    """Each token's k distinct experts [t, k] and weights [t, k] summing to 1,
+    on the generator's device. Skewed: every token picks expert 0 (its run
+    spans several blocks once t passes a block) and none picks the last;
+    else uniform, as random weights route."""
+    scores = torch.rand(t, e, generator=gen, device=gen.device)
     if skewed:
         scores[:, 0], scores[:, -1] = 2.0, -1.0
     top, experts = scores.topk(k, dim=-1)
     return experts, torch.softmax(top * 4, dim=-1)
 
 
+# the real routed-expert shapes (hidden, intermediate, experts, top k)
+MOE_SHAPES = {"thinker": (2048, 768, 128, 8), "talker": (1024, 384, 128, 6)}
+
+
 def moe_inputs(t: int, h: int, inter: int, e: int, k: int, dtype: torch.dtype, device: str, skewed: bool,
                seed: int = 0) -> tuple[torch.Tensor, ...]:
-    """x [t, h] (a row view), gate_up [e, 2I, h], down [e, h, I] scaled so
-    every stage's values are O(1), and a routing."""
-    gen = torch.Generator().manual_seed(seed + t * 1000 + h + inter + e * 7 + k)
-    x = _rows(gen, t, h, dtype, device)
-    gate_up = (torch.randn(e, 2 * inter, h, generator=gen) * h ** -0.5).to(device=device, dtype=dtype)
-    down = (torch.randn(e, h, inter, generator=gen) * inter ** -0.5).to(device=device, dtype=dtype)
+    """x [t, h] (a row view of a wider tensor), gate_up [e, 2I, h] and down
+    [e, h, I] scaled so every stage's values are O(1), and a routing; drawn
+    on `device` (real shapes hold a billion weights)."""
+    gen = torch.Generator(device).manual_seed(seed + t * 1000 + h + inter + e * 7 + k)
+    x = torch.randn(t, h + 8, generator=gen, device=device).to(dtype)[:, 4:4 + h]
+    gate_up = (torch.randn(e, 2 * inter, h, generator=gen, device=device) * h ** -0.5).to(dtype)
+    down = (torch.randn(e, h, inter, generator=gen, device=device) * inter ** -0.5).to(dtype)
     experts, weights = moe_routing(gen, t, e, k, skewed)
-    return x, gate_up, down, experts.to(device), weights.to(device=device, dtype=dtype)
+    return x, gate_up, down, experts, weights.to(dtype)
 
 
 def check_fused_moe(t: int, h: int, inter: int, e: int, k: int, dtype: torch.dtype, device: str, interpreted: bool,
@@ -169,10 +174,10 @@ def check_moe_align(t: int, e: int, k: int, block_m: int, device: str, skewed: b
     """The align step's layout against a stable sort: each expert's rows in
     token order from a block boundary, padded to a whole block with the
     n_slots sentinel, and the expert of every block in use."""
-    gen = torch.Generator().manual_seed(t * 100 + e + block_m)
+    gen = torch.Generator(device).manual_seed(t * 100 + e + block_m)
     experts, _ = moe_routing(gen, t, e, k, skewed)
-    slots, block_expert, used = moe.align_blocks(experts.reshape(-1).to(device), t * k, e, block_m)
-    slots, block_expert, used = slots.cpu(), block_expert.cpu(), int(used.item())
+    slots, block_expert, used = moe.align_blocks(experts.reshape(-1), t * k, e, block_m)
+    experts, slots, block_expert, used = experts.cpu(), slots.cpu(), block_expert.cpu(), int(used.item())
     counts = torch.bincount(experts.reshape(-1), minlength=e)
     runs = (counts + block_m - 1) // block_m * block_m
     assert used == int(runs.sum())

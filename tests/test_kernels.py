@@ -84,10 +84,12 @@ def test_fused_moe_uniform_routing():
 
 
 @interpreted
-@pytest.mark.parametrize("t,e,k,block_m", [(1, 4, 2, 16), (33, 8, 2, 16), (33, 6, 3, 32), (700, 5, 2, 16)])
+@pytest.mark.parametrize("t,e,k,block_m", [(1, 4, 2, 16), (33, 8, 2, 16), (33, 6, 3, 32), (700, 5, 2, 16),
+                                           (4200, 5, 2, 64)])
 @pytest.mark.parametrize("skewed", [True, False], ids=["skewed", "uniform"])
 def test_moe_align(t, e, k, block_m, skewed):
-    """700 x 2 routed rows take two passes of the align step's chunk."""
+    """700 x 2 routed rows take two steps of the align step's decode chunk,
+    4200 x 2 three of its prefill chunk."""
     check_moe_align(t, e, k, block_m, "cpu", skewed)
 
 

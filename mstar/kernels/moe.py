@@ -66,8 +66,10 @@ TABLE: tuple[tuple[float, MoeTiles], ...] = (
     (float("inf"), MoeTiles(64, Gemm(64, 64, 4, 4), Gemm(128, 64, 4, 4))),
 )
 
-# routed rows the align step scans per loop iteration
-ALIGN_CHUNK = 1024
+# routed rows the align step scans per loop iteration, and its warps: each
+# of its programs walks every routed row twice, so a prefill's tens of
+# thousands take wider steps to keep that walk short
+ALIGN_CHUNKS = ((8192, 1024, 4), (float("inf"), 4096, 16))
 
 
 def tiles_for(tokens: int, top_k: int, num_experts: int) -> MoeTiles:
@@ -157,9 +159,10 @@ def align_blocks(flat_experts: torch.Tensor, n_slots: int, num_experts: int,
     block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
     used = torch.empty(1, dtype=torch.int32, device=device)
     ids = flat_experts if flat_experts.is_contiguous() else flat_experts.contiguous()
+    chunk, warps = next((c, w) for most, c, w in ALIGN_CHUNKS if n_slots <= most)
     _align_kernel[(num_experts,)](ids, slots, block_expert, used, n_slots,
                                   BLOCK_M=block_m, BINS=max(block_size(num_experts), 32),
-                                  CHUNK=ALIGN_CHUNK, num_warps=4)
+                                  CHUNK=chunk, num_warps=warps)
     return slots, block_expert, used
 
 
