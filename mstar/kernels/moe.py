@@ -56,12 +56,14 @@ class MoeTiles:
 
 
 # (most routed rows per expert on average, tiles), first match wins. A decode
-# step gives most experts a row or two: 16-row blocks waste the least on
-# padding, and narrow tiles spread each expert's weights over many programs
-# so the weight stream, the whole cost there, keeps every SM busy. Prefill
-# blocks are taller so each weight tile loaded serves more rows.
+# step gives most experts a row or two: 16-row blocks (the least tl.dot
+# takes) waste the least on padding, and narrow tiles spread each expert's
+# weights over many programs so the weight stream, the whole cost there,
+# keeps the SMs busy: at one token the thinker's gate_up is 8 experts x 24
+# column tiles (each covering 32 gate and 32 up columns), its down 8 x 32.
+# Prefill blocks are taller so each weight tile loaded serves more rows.
 TABLE: tuple[tuple[float, MoeTiles], ...] = (
-    (16, MoeTiles(16, Gemm(64, 128, 4, 3), Gemm(64, 128, 4, 3))),
+    (16, MoeTiles(16, Gemm(32, 128, 4, 4), Gemm(64, 128, 4, 3))),
     (48, MoeTiles(32, Gemm(64, 128, 4, 3), Gemm(128, 128, 4, 3))),
     (float("inf"), MoeTiles(64, Gemm(64, 64, 4, 4), Gemm(128, 64, 4, 4))),
 )
