@@ -18,6 +18,8 @@
 #   scripts/gpu_check.sh multi      two GPUs (nvidia-h200-x2): multi-GPU tests, transport benchmark, Orpheus
 #                                   speech on both as replicas and split, with /metrics (lag, host time) sampled
 #   scripts/gpu_check.sh pagesize   the attention page-size measurement
+#   scripts/gpu_check.sh moe        the fused MoE kernel's GPU tests, then its benchmark against the torch loop
+#                                   (scripts/bench_moe.py; $MOE_ARGS adds flags); no FlashInfer build
 #   scripts/gpu_check.sh compare    the decode step and host time per step of this tree against an older one,
 #                                   base then new, twice: $BASE is a copy of the older tree (carried; see
 #                                   scripts/base_tree.sh), $BASE_COMMIT its commit
@@ -40,10 +42,12 @@ python3 -m pip install -q --no-deps --no-index .wheels/*.whl 2>&1 | grep -v "roo
 } 2>&1 | tee "$OUT/env.txt"
 
 # FlashInfer's prefill and decode kernels in one parallel build, before anything needs them
-t0=$SECONDS
-python3 -c 'import torch; from mstar.engine.memory.flashinfer_attention import build_kernels; build_kernels(torch.bfloat16, 128)' \
-  2>&1 | tail -20 | tee "$OUT/jit.txt"
-echo "FlashInfer JIT build: $((SECONDS - t0)) s" | tee -a "$OUT/jit.txt"
+if [[ $what != moe ]]; then
+  t0=$SECONDS
+  python3 -c 'import torch; from mstar.engine.memory.flashinfer_attention import build_kernels; build_kernels(torch.bfloat16, 128)' \
+    2>&1 | tail -20 | tee "$OUT/jit.txt"
+  echo "FlashInfer JIT build: $((SECONDS - t0)) s" | tee -a "$OUT/jit.txt"
+fi
 
 if [[ $what == speech ]]; then  # the measured configuration of docs/benchmarks/tts.md, unless told otherwise
   : "${PROFILE_ARGS:=--concurrency 1 256 --tokens 256}"
@@ -162,6 +166,13 @@ if [[ $what == multi ]]; then
         | tee -a "$OUT/multi_tts.txt"
     kill $poll 2>/dev/null; rm -f "$OUT/metrics_$placement.tmp"
   done
+fi
+if [[ $what == moe ]]; then
+  timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider -o timeout=250 -k "moe or cuda_tensors_take_triton" \
+      tests/test_kernels_gpu.py > "$OUT/moe_tests.txt" 2>&1
+  rc=$?
+  tail -8 "$OUT/moe_tests.txt"
+  timeout 240 python3 scripts/bench_moe.py ${MOE_ARGS:-} --out "$OUT/moe.json" 2>&1 | tee "$OUT/bench_moe.txt" | tail -16
 fi
 if [[ $what == pagesize ]]; then
   timeout 240 python3 scripts/bench_page_size.py --out "$OUT/page_size.json" 2>&1 | tail -30 | tee "$OUT/page_size.txt"

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from mstar.kernels import activation, noise, norm, rope_kv, snake
+from mstar.kernels import activation, moe, noise, norm, rope_kv, snake
 
 EPS = 1e-5
 
@@ -129,6 +129,66 @@ def check_rope_and_store(t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, 
     # v is a plain cast: exact but for the interpreter's rounding toward zero
     v_tol = tolerance(narrowest, interpreted) if interpreted else {"atol": 0, "rtol": 0}
     torch.testing.assert_close(v_cache, ref_v, **v_tol)
+
+
+def moe_routing(gen: torch.Generator, t: int, e: int, k: int, skewed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's k distinct experts [t, k] and weights [t, k] summing to 1,
+    on the generator's device. Skewed: every token picks expert 0 (its run
+    spans several blocks once t passes a block) and none picks the last;
+    else uniform, as random weights route."""
+    scores = torch.rand(t, e, generator=gen, device=gen.device)
+    if skewed:
+        scores[:, 0], scores[:, -1] = 2.0, -1.0
+    top, experts = scores.topk(k, dim=-1)
+    return experts, torch.softmax(top * 4, dim=-1)
+
+
+# the real routed-expert shapes (hidden, intermediate, experts, top k)
+MOE_SHAPES = {"thinker": (2048, 768, 128, 8), "talker": (1024, 384, 128, 6)}
+
+
+def moe_inputs(t: int, h: int, inter: int, e: int, k: int, dtype: torch.dtype, device: str, skewed: bool,
+               seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """x [t, h] (a row view of a wider tensor), gate_up [e, 2I, h] and down
+    [e, h, I] scaled so every stage's values are O(1), and a routing; drawn
+    on `device` (real shapes hold a billion weights)."""
+    gen = torch.Generator(device).manual_seed(seed + t * 1000 + h + inter + e * 7 + k)
+    x = torch.randn(t, h + 8, generator=gen, device=device).to(dtype)[:, 4:4 + h]
+    gate_up = (torch.randn(e, 2 * inter, h, generator=gen, device=device) * h ** -0.5).to(dtype)
+    down = (torch.randn(e, h, inter, generator=gen, device=device) * inter ** -0.5).to(dtype)
+    experts, weights = moe_routing(gen, t, e, k, skewed)
+    return x, gate_up, down, experts, weights.to(dtype)
+
+
+def check_fused_moe(t: int, h: int, inter: int, e: int, k: int, dtype: torch.dtype, device: str, interpreted: bool,
+                    skewed: bool = True, tiles: moe.MoeTiles | None = None) -> None:
+    x, gate_up, down, experts, weights = moe_inputs(t, h, inter, e, k, dtype, device, skewed)
+    got = moe.fused_moe_triton(x, gate_up, down, experts, weights, tiles)
+    assert got.shape == (t, h) and got.dtype == dtype
+    want = moe.fused_moe_reference(x, gate_up, down, experts, weights)
+    assert want.abs().mean() > 0.1  # a kernel that drops experts cannot pass as small numbers
+    torch.testing.assert_close(got, want, **tolerance(dtype, interpreted))
+
+
+def check_moe_align(t: int, e: int, k: int, block_m: int, device: str, skewed: bool) -> None:
+    """The align step's layout against a stable sort: each expert's rows in
+    token order from a block boundary, padded to a whole block with the
+    n_slots sentinel, and the expert of every block in use."""
+    gen = torch.Generator(device).manual_seed(t * 100 + e + block_m)
+    experts, _ = moe_routing(gen, t, e, k, skewed)
+    slots, block_expert, used = moe.align_blocks(experts.reshape(-1), t * k, e, block_m)
+    experts, slots, block_expert, used = experts.cpu(), slots.cpu(), block_expert.cpu(), int(used.item())
+    counts = torch.bincount(experts.reshape(-1), minlength=e)
+    runs = (counts + block_m - 1) // block_m * block_m
+    assert used == int(runs.sum())
+    start = 0
+    for expert in range(e):
+        n, run = int(counts[expert]), int(runs[expert])
+        want = (experts.reshape(-1) == expert).nonzero().flatten()  # flat indices in token order
+        assert torch.equal(slots[start:start + n].long(), want), f"expert {expert}'s rows"
+        assert (slots[start + n:start + run] == t * k).all(), f"expert {expert}'s padding"
+        assert (block_expert[start // block_m:(start + run) // block_m] == expert).all()
+        start += run
 
 
 def same_on_replay(make_inputs: Callable[[], list[torch.Tensor]],

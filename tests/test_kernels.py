@@ -8,10 +8,11 @@ import os
 
 import pytest
 import torch
-from kernel_cases import (check_fused_add_rms_norm, check_rms_norm, check_rope_and_store, check_silu_and_mul,
-                          check_exponential_noise, check_snake, check_snake_dwconv)
+from kernel_cases import (check_fused_add_rms_norm, check_fused_moe, check_moe_align, check_rms_norm,
+                          check_rope_and_store, check_silu_and_mul, check_exponential_noise, check_snake,
+                          check_snake_dwconv, moe_inputs)
 
-from mstar.kernels import activation, fused_add_rms_norm, norm, rms_norm, rope_and_store, rope_kv, silu_and_mul
+from mstar.kernels import activation, fused_add_rms_norm, moe, norm, rms_norm, rope_and_store, rope_kv, silu_and_mul
 from mstar.kernels.backend import HAVE_TRITON, block_size, num_warps
 
 interpreted = pytest.mark.skipif(
@@ -62,6 +63,54 @@ def test_exponential_noise(rows, vocab):
     check_exponential_noise(rows, vocab, "cpu")
 
 
+# the table's decode row, and tiles that split H and I over several column
+# tiles and reduction steps, with ragged last ones
+MOE_TILES = [None, moe.MoeTiles(32, moe.Gemm(32, 16, 2, 1), moe.Gemm(32, 32, 2, 1))]
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,h,inter,e", [(1, 64, 16, 4), (5, 48, 48, 6), (33, 32, 40, 8), (33, 64, 16, 5)])
+@pytest.mark.parametrize("tiles", MOE_TILES, ids=["table", "split"])
+def test_fused_moe(t, h, inter, e, tiles, dtype):
+    """Top 2 where every token picks expert 0 (33 rows: three 16-row blocks)
+    and none the last expert; at T 1 and 5 most experts get no row."""
+    check_fused_moe(t, h, inter, e, 2, dtype, "cpu", interpreted=True, tiles=tiles)
+
+
+@interpreted
+def test_fused_moe_uniform_routing():
+    check_fused_moe(40, 64, 32, 8, 3, torch.float32, "cpu", interpreted=True, skewed=False)
+
+
+@interpreted
+@pytest.mark.parametrize("t,e,k,block_m", [(1, 4, 2, 16), (33, 8, 2, 16), (33, 6, 3, 32), (700, 5, 2, 16),
+                                           (4200, 5, 2, 64)])
+@pytest.mark.parametrize("skewed", [True, False], ids=["skewed", "uniform"])
+def test_moe_align(t, e, k, block_m, skewed):
+    """700 x 2 routed rows take two steps of the align step's decode chunk,
+    4200 x 2 three of its prefill chunk."""
+    check_moe_align(t, e, k, block_m, "cpu", skewed)
+
+
+@pytest.mark.parametrize("tokens,expected", [(1, 16), (64, 16), (256, 16), (512, 32), (4096, 64)])
+def test_moe_tiles_by_rows_per_expert(tokens, expected):
+    """The thinker's routing (top 8 of 128): decode steps take 16-row blocks."""
+    assert moe.tiles_for(tokens, 8, 128).block_m == expected
+
+
+def test_moe_reference_matches_a_dense_loop():
+    """Every (token, slot) pair one at a time in float64 against the per-expert loop."""
+    x, gate_up, down, experts, weights = moe_inputs(6, 32, 24, 5, 2, torch.float64, "cpu", skewed=True)
+    want = torch.zeros_like(x)
+    for t in range(6):
+        for j in range(2):
+            e = experts[t, j]
+            gate, up = (gate_up[e] @ x[t]).chunk(2)
+            want[t] += weights[t, j] * (down[e] @ (torch.nn.functional.silu(gate) * up))
+    torch.testing.assert_close(moe.fused_moe_reference(x, gate_up, down, experts, weights), want)
+
+
 def test_snake_reference_is_the_package_formula():
     from mstar.kernels.snake import ALPHA_EPS, snake, snake_reference
 
@@ -95,6 +144,9 @@ def test_empty_batches_launch_nothing():
                                         torch.zeros(0, dtype=torch.long), cache, cache.clone(),
                                         torch.zeros(0, dtype=torch.long))
     assert out.shape == (0, 4, 64)
+    gate_up, down = torch.zeros(4, 32, 64), torch.zeros(4, 64, 16)
+    idle = torch.zeros(0, 2, dtype=torch.long)
+    assert moe.fused_moe_triton(torch.zeros(0, 64), gate_up, down, idle, idle.float()).shape == (0, 64)
 
 
 @interpreted
@@ -110,6 +162,13 @@ def test_shape_errors_are_clear():
                                       torch.ones(4, 16), torch.ones(4, 16), torch.zeros(1, dtype=torch.long),
                                       torch.zeros(1, 4, 1, 8), torch.zeros(1, 4, 1, 8),
                                       torch.zeros(1, dtype=torch.long))
+    x, gate_up, down, experts, weights = moe_inputs(3, 32, 16, 4, 2, torch.float32, "cpu", skewed=False)
+    with pytest.raises(ValueError, match="x"):
+        moe.fused_moe_triton(x[:, :16], gate_up, down, experts, weights)
+    with pytest.raises(ValueError, match="down"):
+        moe.fused_moe_triton(x, gate_up, down[:, :, :8], experts, weights)
+    with pytest.raises(ValueError, match="weights"):
+        moe.fused_moe_triton(x, gate_up, down, experts, weights[:, :1])
 
 
 def test_cpu_tensors_take_the_references():
@@ -126,6 +185,8 @@ def test_cpu_tensors_take_the_references():
     got = rope_and_store(q, k, k + 1, cos, sin, pos, caches[0], caches[1], slots)
     ref = rope_kv.rope_and_store_reference(q, k, k + 1, cos, sin, pos, caches[2], caches[3], slots)
     assert torch.equal(got, ref) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    routed = moe_inputs(3, 32, 16, 4, 2, torch.float32, "cpu", skewed=False)
+    assert torch.equal(moe.fused_moe(*routed), moe.fused_moe_reference(*routed))
 
 
 def test_reference_rope_matches_the_unfused_formula():

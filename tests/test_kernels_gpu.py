@@ -7,17 +7,22 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_cases import (
+    MOE_SHAPES,
     check_fused_add_rms_norm,
+    check_fused_moe,
+    check_moe_align,
     check_rms_norm,
     check_rope_and_store,
     check_silu_and_mul,
     check_snake,
     check_exponential_noise,
     check_snake_dwconv,
+    moe_inputs,
+    moe_routing,
     same_on_replay,
 )
 
-from mstar.kernels import activation, fused_add_rms_norm, norm, rms_norm, rope_and_store, rope_kv, silu_and_mul
+from mstar.kernels import activation, fused_add_rms_norm, moe, norm, rms_norm, rope_and_store, rope_kv, silu_and_mul
 from mstar.kernels.backend import HAVE_TRITON
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and HAVE_TRITON),
@@ -63,6 +68,54 @@ def test_exponential_noise(rows, vocab):
     check_exponential_noise(rows, vocab, "cuda")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", [1, 16, 64, 512, 4096])
+@pytest.mark.parametrize("part", sorted(MOE_SHAPES))
+def test_fused_moe(part, t, dtype):
+    """Random (uniform) routing at the real shapes: decode steps leave most
+    experts without a row, 4096 tokens give each about 256."""
+    check_fused_moe(t, *MOE_SHAPES[part], dtype, "cuda", interpreted=False, skewed=False)
+
+
+@pytest.mark.parametrize("t", [33, 700])
+def test_fused_moe_skewed(t):
+    """Every token on expert 0 (44 blocks at 700 tokens) and none on the last."""
+    check_fused_moe(t, *MOE_SHAPES["thinker"], torch.bfloat16, "cuda", interpreted=False, skewed=True)
+
+
+@pytest.mark.parametrize("t,k,block_m", [(1, 8, 16), (64, 8, 16), (512, 6, 32), (4096, 8, 64)])
+@pytest.mark.parametrize("skewed", [True, False], ids=["skewed", "uniform"])
+def test_moe_align(t, k, block_m, skewed):
+    check_moe_align(t, 128, k, block_m, "cuda", skewed)
+
+
+def test_fused_moe_waits_on_nothing():
+    """No host sync (no .item(), .tolist(), nonzero): what CUDA graphs need."""
+    routed = moe_inputs(64, *MOE_SHAPES["talker"], torch.bfloat16, "cuda", skewed=False)
+    moe.fused_moe_triton(*routed)  # compile first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moe.fused_moe_triton(*routed)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_fused_moe_replays_under_cuda_graphs():
+    """Captured with one routing, replayed with another: the grid and every
+    buffer are sized from shapes alone."""
+    h, inter, e, k = MOE_SHAPES["talker"]
+    _, gate_up, down, _, _ = moe_inputs(1, h, inter, e, k, torch.bfloat16, "cuda", skewed=False)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+
+    def make():
+        experts, weights = moe_routing(gen, 8, e, k, skewed=False)
+        return [torch.randn(8, h, generator=gen, device="cuda", dtype=torch.bfloat16), experts,
+                weights.to(torch.bfloat16)]
+
+    same_on_replay(make, lambda x, experts, weights: moe.fused_moe(x, gate_up, down, experts, weights))
+
+
 def test_cuda_tensors_take_triton():
     gen = torch.Generator().manual_seed(0)
     x, r = (torch.randn(5, 256, generator=gen).cuda().bfloat16() for _ in range(2))
@@ -78,6 +131,8 @@ def test_cuda_tensors_take_triton():
     got = rope_and_store(q, k, k, cos, sin, pos, caches[0], caches[1], slots)
     ref = rope_kv.rope_and_store_triton(q, k, k, cos, sin, pos, caches[2], caches[3], slots)
     assert torch.equal(got, ref) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    routed = moe_inputs(5, 256, 64, 8, 2, torch.bfloat16, "cuda", skewed=False)
+    assert torch.equal(moe.fused_moe(*routed), moe.fused_moe_triton(*routed))
 
 
 def _maker(*shapes: tuple[int, ...], dtype: torch.dtype = torch.bfloat16):

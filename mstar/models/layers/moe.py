@@ -4,9 +4,10 @@ float32), each token goes to its top-k experts (their weights renormalised
 to sum to 1 when the model says so), and each expert is a SwiGLU; the
 talker's variant adds a shared expert scaled by a sigmoid gate.
 
-This is the reference: one matmul pair per expert that any token chose, in
-expert order. Expert weights are stacked ([E, 2I, H] gate then up, [E, H, I]
-down), the layout a grouped-GEMM kernel reads.
+Routing runs here in torch; the routed experts run in `mstar.kernels.moe`
+(a grouped-GEMM Triton kernel on CUDA, the per-expert torch loop elsewhere),
+which reads the expert weights stacked as they are kept: [E, 2I, H] gate
+then up, [E, H, I] down.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.kernels.activation import silu_and_mul
+from mstar.kernels.moe import fused_moe
 from mstar.models.layers.linear import Linear
 from mstar.models.layers.mlp import SwiGLU
 
@@ -43,11 +44,7 @@ class SparseMoe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
-        out = torch.zeros_like(x)
-        for e in experts.unique().tolist():
-            token, slot = (experts == e).nonzero(as_tuple=True)
-            y = F.linear(silu_and_mul(F.linear(x[token], self.gate_up[e])), self.down[e])
-            out.index_add_(0, token, y * weights[token, slot, None])
+        out = fused_moe(x, self.gate_up, self.down, experts, weights)
         if self.shared is not None:
             assert self.shared_gate is not None
             out = out + torch.sigmoid(self.shared_gate(x)) * self.shared(x)
