@@ -63,13 +63,15 @@ class CheckpointFiles:
     def names(self) -> set[str]:
         return set(self.where)
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every tensor, file by file, loaded lazily one at a time on the host."""
+    def tensors(self, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor whose name starts with `prefix`, file by file, loaded
+        lazily one at a time on the host (the others are never read)."""
         from safetensors import safe_open
 
         by_file: dict[Path, list[str]] = {}
         for name, file in self.where.items():
-            by_file.setdefault(file, []).append(name)
+            if name.startswith(prefix):
+                by_file.setdefault(file, []).append(name)
         for file in sorted(by_file):
             with safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in by_file[file]:
