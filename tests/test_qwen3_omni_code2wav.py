@@ -132,11 +132,15 @@ def test_the_whole_decode_is_transformers_forward(saved, dtype: torch.dtype, ato
     folder, model = saved
     ours = _ours(folder, dtype)
     codes = _codes(2, 30, seed=1)
-    want = copy.deepcopy(model.code2wav).to(dtype)(codes)
+    reference = copy.deepcopy(model.code2wav).to(dtype)
+    want = reference(codes)
     got = ours.decode(codes)
     assert ours.held == 555 and got.shape == (2, FRAME * 30 - 555) and want.shape == (2, 1, FRAME * 30 - 555)
     assert got.std() > 0.05 and got.abs().max() < 1   # a waveform, not a constant nor the clamp's ±1
     torch.testing.assert_close(got, want[:, 0], atol=atol, rtol=0)
+    one = ours.decode(codes[:, :, :1])   # a single frame: 1920 - 555 samples, all from its own code
+    assert one.shape == (2, FRAME - 555)
+    torch.testing.assert_close(one, reference(codes[:, :, :1])[:, 0], atol=atol, rtol=0)
 
 
 @torch.inference_mode()
