@@ -66,7 +66,7 @@ class CheckpointFiles:
 
     def tensors(self, only: Callable[[str], bool] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Every tensor (or those whose names `only` accepts), file by file,
-        loaded lazily one at a time on the host."""
+        loaded lazily one at a time on the host (the others are never read)."""
         from safetensors import safe_open
 
         by_file: dict[Path, list[str]] = {}

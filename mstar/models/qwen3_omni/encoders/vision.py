@@ -246,9 +246,7 @@ def load_vision_encoder(encoder: VisionEncoder, folder: str | Path) -> None:
     filled: set[str] = set()
     unknown: list[str] = []
     with torch.no_grad():
-        for name, tensor in CheckpointFiles(folder).tensors():
-            if not name.startswith(_VISUAL):
-                continue
+        for name, tensor in CheckpointFiles(folder).tensors(lambda n: n.startswith(_VISUAL)):
             target = _vision_target(name[len(_VISUAL):])
             param = params.get(target)
             # the patch Conv3d's [out, C, T, P, P] kernel is the [out, C*T*P*P] linear map
