@@ -116,6 +116,12 @@ class Cursor:
     def write(self, part: PartitionRun, name: str, ref: TensorRef, token: int | None) -> None:
         """`part` wrote `ref` as value `name`: counted by the loops it is in,
         gathered by their collections, fed to the streams it sources."""
+        self.record(part, name, ref)
+        self.walker.streams.feed(part, name, token if token is not None else ref)
+
+    def record(self, part: PartitionRun, name: str, ref: TensorRef) -> None:
+        """`write` without feeding streams: a step's outputs are all recorded
+        before any of them starts a consumer, which may read the others."""
         old = part.values.get(name)
         if old is not None:
             self.store.release(old, part.request_id)
@@ -128,4 +134,3 @@ class Cursor:
             if loop.collect is not None and loop.collect.each == name:
                 self.store.retain(ref, part.request_id)
                 frame.collected.append(ref)
-        self.walker.streams.feed(part, name, token if token is not None else ref)

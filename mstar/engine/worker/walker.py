@@ -348,7 +348,10 @@ class Walker:
                 return  # its other branch rows are still on their way
         else:
             for name, ref in outputs.items():
-                self.cursor.write(part, name, ref, tokens.get(name) if tokens else None)
+                self.cursor.record(part, name, ref)
+            for name, ref in outputs.items():
+                token = tokens.get(name) if tokens else None
+                self.streams.feed(part, name, token if token is not None else ref)
         part.busy = False
         if part.plan.stream is not None and ins is not None and part.plan.stream.as_ in ins.step.inputs:
             self.streams.consumed(part)

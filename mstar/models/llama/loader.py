@@ -147,20 +147,28 @@ def load_weights(decoder: LlamaDecoder, folder: str | Path, progress: bool = Tru
 def dummy_weights(decoder: nn.Module, seed: int = 0) -> None:
     """Seeded random weights: normal(0, 0.02) matrices, zero biases, unit norms."""
     for i, (name, param) in enumerate(decoder.named_parameters()):
-        if name.endswith("norm.weight"):
-            param.data.fill_(1.0)
-            continue
-        if name.endswith(".bias"):
-            param.data.zero_()
-            continue
-        gen_seed = seed * 1_000_003 + i
-        if param.numel() > DUMMY_ON_HOST_MAX:
-            # large ones are drawn in place, on the device and in the weight's
-            # dtype: no float32 temporary (2 GB for a 3B model's embedding) and
-            # one pass over memory instead of three
-            gen = torch.Generator(device=param.device).manual_seed(gen_seed)
-            param.data.normal_(0.0, DUMMY_STD, generator=gen)
-            continue
+        dummy_param(param, name, dummy_seed(seed, i))
+
+
+def dummy_seed(seed: int, index: int) -> int:
+    """The seed `dummy_weights` draws a module's `index`-th parameter with
+    (another module holding a copy of it draws the same values)."""
+    return seed * 1_000_003 + index
+
+
+def dummy_param(param: torch.Tensor, name: str, gen_seed: int) -> None:
+    """One parameter as `dummy_weights` fills it."""
+    if name.endswith("norm.weight"):
+        param.data.fill_(1.0)
+    elif name.endswith(".bias"):
+        param.data.zero_()
+    elif param.numel() > DUMMY_ON_HOST_MAX:
+        # large ones are drawn in place, on the device and in the weight's
+        # dtype: no float32 temporary (2 GB for a 3B model's embedding) and
+        # one pass over memory instead of three
+        gen = torch.Generator(device=param.device).manual_seed(gen_seed)
+        param.data.normal_(0.0, DUMMY_STD, generator=gen)
+    else:
         # small tensors are drawn in float32 on the host so a small model gets
         # the same weights on every device and in every dtype
         gen = torch.Generator().manual_seed(gen_seed)

@@ -4,8 +4,8 @@ ids with every placeholder run expanded to its clip's or image's token count,
 and the media in the order the placeholders take them, out.
 
 Chat renders as the checkpoint's template does (ChatML: `<|im_start|>role\\n
-... <|im_end|>\\n` per message, then the assistant's opening), at the level of
-ids, so that media placeholders are placed and counted here rather than
+... <|im_end|>\\n` per message, then the assistant's opening; each role is
+its one token, as the config names it), at the level of ids, so that media placeholders are placed and counted here rather than
 found again in rendered text: text through the tokenizer without special
 tokens, an audio part as `<|audio_start|>` + n x `<|audio_pad|>` +
 `<|audio_end|>`, an image part as `<|vision_start|>` + n x `<|image_pad|>` +
@@ -79,13 +79,17 @@ class Intake:
             where = f"messages[{m}]"
             if not isinstance(message, Mapping) or message.get("role") not in ROLES:
                 raise RequestError(f"a message is an object whose role is one of {', '.join(ROLES)}", field=where)
-            ids += [self.ids.im_start, *self._text(f"{message['role']}\n", model)]
+            ids += [self.ids.im_start, self._role(message["role"]), *self._text("\n", model)]
             ids += self._content(message.get("content"), f"{where}.content", media, model)
             ids += [self.ids.im_end, *self._text("\n", model)]
             if len(ids) > max_model_len:
                 raise RequestError(f"the messages take more than the model's {max_model_len} tokens",
                                    field="messages", code="context_length_exceeded")
-        return ids + [self.ids.im_start, *self._text("assistant\n", model)]
+        return ids + [self.ids.im_start, self.ids.assistant, *self._text("\n", model)]
+
+    def _role(self, role: str) -> int:
+        """A role's one token (Qwen's tokenizer has each as a single id; the checkpoint's config names them)."""
+        return {"system": self.ids.system, "user": self.ids.user, "assistant": self.ids.assistant}[role]
 
     def _content(self, content: Any, where: str, media: PromptMedia, model: str) -> list[int]:
         if isinstance(content, str):

@@ -15,8 +15,8 @@ import torch
 
 from mstar.errors import ConfigError, RequestError
 from mstar.graph import Component
-from mstar.models.base import KVSpec, Model
-from mstar.models.llama.loader import dummy_weights
+from mstar.models.base import KVSpec, Model, StateSpec
+from mstar.models.llama.loader import dummy_param, dummy_seed, dummy_weights
 from mstar.models.prepared import PreparedPiece
 from mstar.models.qwen3_omni import walks
 from mstar.models.qwen3_omni.config import Qwen3OmniConfig
@@ -26,7 +26,11 @@ from mstar.models.qwen3_omni.encoders.image import ImagePatches, image_patches
 from mstar.models.qwen3_omni.encoders.vision import VisionEncoder, load_vision_encoder
 from mstar.models.qwen3_omni.encoding import AudioEncoding, VisionEncoding, pack_clips
 from mstar.models.qwen3_omni.intake import Intake
-from mstar.models.qwen3_omni.loader import load_thinker
+from mstar.models.qwen3_omni.loader import load_talker, load_thinker
+from mstar.models.qwen3_omni.speaking import Code2WavSteps, TalkerSteps
+from mstar.models.qwen3_omni.speech.code2wav import Code2Wav, load_code2wav
+from mstar.models.qwen3_omni.speech.talker import TalkerDecoder
+from mstar.models.qwen3_omni.speech.talker_prompt import check_speakable, talker_positions, voice_id
 from mstar.models.qwen3_omni.positions import audio_tokens, mrope_positions
 from mstar.models.qwen3_omni.thinker import ThinkerDecoder
 from mstar.models.tokenizer import Tokenizer, builtin_byte_tokenizer, read_optional_json
@@ -34,6 +38,8 @@ from mstar.types import GenerateRequest, SamplingParams
 
 LOAD_FORMATS = ("auto", "dummy")
 DUMMY_SEED = 0
+DEFAULT_VOICE = "ethan"       # transformers' generate() speaks as Ethan unless told
+TALKER_MAX_FRAMES = 4096      # the released talker's token budget: about 327 s of speech
 
 
 class Qwen3OmniModel(Model):
@@ -65,9 +71,13 @@ class Qwen3OmniModel(Model):
         if max_model_len is not None and not 0 < max_model_len <= positions:
             raise ConfigError(f"--max-model-len {max_model_len} is outside 1..{positions} for model '{name}'")
         self._max_model_len = max_model_len or positions
-        self.components: dict[str, Component] = {"thinker": walks.thinker_component(self.config.ids),
-                                                 "audio": walks.AUDIO_COMPONENT, "vision": walks.VISION_COMPONENT}
-        self.walks = walks.walks(audio_input=True, image_input=True)
+        self.components: dict[str, Component] = {
+            "thinker": walks.thinker_component(self.config.ids), "audio": walks.AUDIO_COMPONENT,
+            "vision": walks.VISION_COMPONENT, "talker": walks.talker_component(self.config),
+            "code2wav": walks.CODE2WAV_COMPONENT}
+        self.walks = walks.walks(self.config)
+        self.voices = tuple(self.config.talker.voices)
+        self._state_dtype = torch.float32  # code2wav's state: its compute dtype, known once it is built
         self._mel = LogMel(self.config.audio.num_mel_bins)
         self.intake = Intake(self.config.ids, self._tokenizer, audio=self._audio_part, image=self._image_part)
 
@@ -97,10 +107,26 @@ class Qwen3OmniModel(Model):
                  for part in message["content"] if isinstance(part, Mapping)}
         return walks.walk_name(asked == walks.SPEECH_OUT, "audio" in kinds, "image" in kinds)
 
+    def default_sampling(self, key: str | None = None) -> SamplingParams:
+        """The released generation defaults: the talker's first codes and the
+        code predictor's draws (`cp`) sample; the thinker's text follows the
+        request (greedy unless asked)."""
+        if key == "talker":
+            return SamplingParams(temperature=0.9, top_k=50, repetition_penalty=1.05, max_tokens=TALKER_MAX_FRAMES,
+                                  stop_token_ids=(self.config.talker.codec_eos_id,))
+        if key == "cp":
+            return SamplingParams(temperature=1.0, top_k=50, top_p=0.8)
+        return SamplingParams()
+
+    def state_spec(self, component: str) -> StateSpec:
+        if component != "code2wav":
+            raise ConfigError(f"model '{self.name}' keeps no per-row state for '{component}'")
+        return Code2Wav(self.config.code2wav, device="meta").state_spec(self._state_dtype)
+
     def kv_spec(self, component: str) -> KVSpec:
-        if component != "thinker":
+        if component not in ("thinker", "talker"):
             raise ConfigError(f"model '{self.name}' has no KV cache for '{component}'")
-        cfg = self.config.thinker
+        cfg = self.config.thinker if component == "thinker" else self.config.talker.decoder
         return KVSpec(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
                       num_q_heads=cfg.num_attention_heads)
 
@@ -115,15 +141,26 @@ class Qwen3OmniModel(Model):
         elif component == "vision":
             module = VisionEncoder(self.config.vision, device=device, dtype=dtype)
             load = load_vision_encoder
+        elif component == "talker":
+            module = TalkerDecoder(self.config.talker, self.config.thinker.vocab_size, device=device, dtype=dtype)
+            load = load_talker
+        elif component == "code2wav":
+            module = Code2Wav(self.config.code2wav, device=device, dtype=dtype)
+            load = load_code2wav
+            self._state_dtype = dtype
         else:
             raise ConfigError(f"model '{self.name}' has no component '{component}'")
         if self.load_format == "dummy":
             dummy_weights(module, seed=DUMMY_SEED)
+            if component == "talker":  # its copy of the thinker's table: the thinker's own random values
+                dummy_param(module.thinker_embed.weight, "embed_tokens.weight", dummy_seed(DUMMY_SEED, 0))
         else:
             assert self.path is not None
             load(module, self.path)
         module.eval()
-        wrap = {"audio": AudioEncoding, "vision": VisionEncoding}.get(component)
+        if component == "talker":
+            return TalkerSteps(module, self.config)
+        wrap = {"audio": AudioEncoding, "vision": VisionEncoding, "code2wav": Code2WavSteps}.get(component)
         return wrap(module) if wrap is not None else module
 
     def prepare_inputs(self, request: GenerateRequest, sampling: SamplingParams) -> PreparedPiece:
@@ -146,6 +183,14 @@ class Qwen3OmniModel(Model):
         if images:
             values["image_pixels"] = torch.cat([p.pixel_values for p in images])
             values["image_grids"] = torch.tensor([p.grid_thw for p in images], dtype=torch.long)
+        if self.walk_for(request).startswith(walks.SPEECH_OUT):
+            check_speakable(ids, cfg.ids)
+            voice = request.inputs.get("voice", DEFAULT_VOICE)
+            if not isinstance(voice, str):
+                raise RequestError("must be a voice's name", field="voice")
+            talker_pos, _ = talker_positions(cfg, ids, [p.grid_thw for p in images])
+            values.update(voice=torch.tensor(voice_id(cfg, voice)), talker_positions=talker_pos,
+                          talker_ids=torch.full((talker_pos.shape[1],), cfg.ids.tts_pad, dtype=torch.long))
         return PreparedPiece(values, len(ids), field)
 
     def _image_part(self, image: Any, field: str) -> tuple[ImagePatches, int]:

@@ -1,22 +1,31 @@
 """Qwen3-Omni's components and walks in the runtime's vocabulary: the mode
-signatures of each part (built from the checkpoint's placeholder ids) and one
-walk per shape of request, named `chat` (text out) or `speak` (text and
-speech out), with `+audio` / `+image` when the prompt carries them, so a
-request runs only the encoders its prompt needs.
+signatures of each part (built from the checkpoint's ids) and one walk per
+shape of request, named `chat` (text out) or `speak` (text and speech out),
+with `+audio` / `+image` when the prompt carries them, so a request runs only
+the encoders its prompt needs.
 
 The thinker's prefill takes the encoders' rows at their placeholder tokens,
 an image's deepstack features, and 3-axis positions; it writes the first text
-token and, for the talker, its prompt's embeddings and the rows of the layer
-the talker reads.
+token and, for the talker, the rows of the layer the talker reads.
+
+Speaking, the thinker's text streams token by token into the talker's
+partition (lockstep: talker step k needs text token k + 1 only): its prefill
+reads the first token, each `speak` step the next one, then tts_eos once the
+text is over, then tts_pad. A `speak` step completes a frame (the code
+predictor runs inside it) and draws the next frame's first code; frames
+stream one by one into code2wav, whose per-row state makes the streamed
+waveform the whole decode's, sample for sample.
 """
 
 from __future__ import annotations
 
-from mstar.graph import Component, Emit, EosToken, HostStop, In, Kind, Loop, MaxTokens, Mode, Out, Step, Walk
-from mstar.models.qwen3_omni.config import TokenIds
+from mstar.graph import (Component, Emit, EosToken, HostStop, In, Items, Kind, Loop, MaxTokens, Mode, Out, Partition,
+                         Step, Stream, Walk)
+from mstar.models.qwen3_omni.config import Qwen3OmniConfig, TokenIds
 
 TEXT_OUT = "chat"
 SPEECH_OUT = "speak"
+SAMPLE_RATE = 24000  # code2wav's output: 1920 samples a frame, 80 ms
 
 
 def thinker_component(ids: TokenIds) -> Component:
@@ -31,6 +40,21 @@ def thinker_component(ids: TokenIds) -> Component:
     decode = Mode("decode", (In("ids", Kind.IDS),), (Out("token", Kind.TOKEN),), kv="append", query="ids",
                   graph=True)
     return Component(modes=(prefill, decode), kv_cache=True, samples=True)
+
+
+def talker_component(cfg: Qwen3OmniConfig) -> Component:
+    prefill = Mode("prefill", (In("ids", Kind.IDS),
+                               In("prompt", Kind.TENSOR, ragged=True), In("hidden", Kind.TENSOR, ragged=True),
+                               In("first", Kind.TENSOR), In("voice", Kind.TENSOR), In("pos", Kind.POSITIONS, axes=3)),
+                   (Out("code", Kind.TOKEN), Out("last", Kind.HIDDEN)), kv="append", query="ids")
+    speak = Mode("speak", (In("ids", Kind.IDS), In("last", Kind.TENSOR), In("text", Kind.TENSOR)),
+                 (Out("code", Kind.TOKEN), Out("last", Kind.HIDDEN), Out("frame", Kind.TENSOR)),
+                 kv="append", query="ids", draws=cfg.talker.num_code_groups - 1)
+    return Component(modes=(prefill, speak), kv_cache=True, samples=True)
+
+
+CODE2WAV_COMPONENT = Component(modes=(Mode("frame", (In("codes", Kind.TENSOR),), (Out("pcm", Kind.TENSOR),)),),
+                               state=True)
 
 
 def walk_name(speech: bool, audio: bool, image: bool) -> str:
@@ -77,11 +101,39 @@ def chat_walk(audio: bool, image: bool) -> Walk:
     )
 
 
-def walks(audio_input: bool, image_input: bool) -> dict[str, Walk]:
-    """Every walk the model serves, by name; `audio_input` / `image_input`:
-    whether it has the encoder for that input."""
+def speak_walk(audio: bool, image: bool, ids: TokenIds) -> Walk:
+    """Text and speech out: `chat_walk`'s thinker, its text streamed into the
+    talker (special tokens stay out: the text ends where they begin) and the
+    talker's frames into code2wav."""
+    encode, reads, media = _encoders(audio, image)
+    prefill_in = {"ids": "prompt_ids", "pos": "positions", **reads}
+    talker = Partition(
+        "talker",
+        Step("talker", "prefill", {"ids": "talker_ids", "prompt": "prompt_ids", "hidden": "prompt_hidden",
+                                   "first": "next_text", "voice": "voice", "pos": "talker_positions"},
+             {"code": "code0", "last": "last"}),
+        Loop(Step("talker", "speak", {"ids": "code0", "last": "last", "text": "next_text"},
+                  {"code": "code0", "last": "last", "frame": "frame"}, draws="cp"),
+             until=EosToken() | MaxTokens(), value="code0"),
+        Stream("frame", Step("code2wav", "frame", {"codes": "frame"}, {"pcm": "pcm"}), Items()),
+        Emit("pcm", modality="audio", sample_rate=SAMPLE_RATE))
+    return Walk(
+        *encode,
+        Step("thinker", "prefill", prefill_in, {"token": "text", "hidden": "prompt_hidden"}),
+        Loop(Step("thinker", "decode", {"ids": "text"}, {"token": "text"}),
+             until=EosToken() | MaxTokens() | HostStop()),
+        Emit("text", modality="text"),
+        Stream("text", chunks=Items(fill=(ids.tts_eos, ids.tts_pad)), accept=(0, ids.im_start - 1),
+               as_="next_text", into=talker),
+        inputs=("prompt_ids", "positions", "talker_ids", "talker_positions", "voice", *media),
+    )
+
+
+def walks(cfg: Qwen3OmniConfig) -> dict[str, Walk]:
+    """Every walk the model serves, by name."""
     out = {}
-    for audio in (False, True) if audio_input else (False,):
-        for image in (False, True) if image_input else (False,):
+    for audio in (False, True):
+        for image in (False, True):
             out[walk_name(False, audio, image)] = chat_walk(audio, image)
+            out[walk_name(True, audio, image)] = speak_walk(audio, image, cfg.ids)
     return out

@@ -78,20 +78,51 @@ def voice_id(cfg: Qwen3OmniConfig, voice: str, field: str = "voice") -> int:
     return found
 
 
+def check_speakable(prompt_ids: Sequence[int], ids: TokenIds) -> None:
+    """A prompt the talker can speak the answer to ends with the assistant's
+    header (`<|im_start|>assistant\\n`), else `RequestError` ("input")."""
+    header = len(prompt_ids) - 3
+    if header < 0 or prompt_ids[header] != ids.im_start or prompt_ids[header + 1] != ids.assistant:
+        raise RequestError("speech needs the prompt to end with the assistant's header <|im_start|>assistant\\n",
+                           field="input")
+
+
+def talker_positions(cfg: Qwen3OmniConfig, prompt_ids: Sequence[int],
+                     image_grids: Sequence[tuple[int, int, int]] = ()) -> tuple[torch.Tensor, int]:
+    """The talker prompt's [3, L] positions and rope delta (its user tokens,
+    then the assistant rows), from the thinker's prompt alone."""
+    ids = cfg.ids
+    prompt = [int(t) for t in prompt_ids]
+    user = user_turns(prompt, ids)
+    user_ids = [t for t, u in zip(prompt, user) if u]
+    starts = [i for i, token in enumerate(prompt) if token == ids.image and (i == 0 or prompt[i - 1] != ids.image)]
+    grids = [grid for grid, start in zip(image_grids, starts) if user[start]]
+    return mrope_positions(user_ids + [ids.tts_pad] * ASSISTANT_ROWS, audio_id=NOT_A_TOKEN, image_id=ids.image,
+                           image_grids=grids, spatial_merge=cfg.vision.spatial_merge_size,
+                           per_second=cfg.position_id_per_seconds)
+
+
 def talker_prompt(talker: TalkerDecoder, cfg: Qwen3OmniConfig, prompt_ids: Sequence[int], hidden: torch.Tensor,
                   first_token: int, voice: str, *, image_grids: Sequence[tuple[int, int, int]] = (),
                   voice_field: str = "voice") -> TalkerPrompt:
     """`hidden` [M, Ht]: the thinker's accept-layer rows at the positions
     `talker_rows` marks, in order; `image_grids`: (t, h, w) of every image
     of the prompt, in order. The prompt must end with the assistant's
-    header (`<|im_start|>assistant\\n`), else `RequestError` ("input")."""
+    header (`check_speakable`)."""
     ids = cfg.ids
     prompt = [int(t) for t in prompt_ids]
-    voice_code = voice_id(cfg, voice, voice_field)
+    check_speakable(prompt, ids)
+    positions, delta = talker_positions(cfg, prompt, image_grids)
+    embeds = talker_embeds(talker, cfg, prompt, hidden, first_token, voice_id(cfg, voice, voice_field))
+    return TalkerPrompt(embeds, positions, delta)
+
+
+def talker_embeds(talker: TalkerDecoder, cfg: Qwen3OmniConfig, prompt: Sequence[int], hidden: torch.Tensor,
+                  first_token: int, voice_code: int) -> torch.Tensor:
+    """The talker prompt's input rows [L, H] (`talker_prompt`'s `embeds`),
+    for a prompt already checked speakable and a voice's codec id."""
+    ids = cfg.ids
     header = len(prompt) - 3
-    if header < 0 or prompt[header] != ids.im_start or prompt[header + 1] != ids.assistant:
-        raise RequestError("speech needs the prompt to end with the assistant's header <|im_start|>assistant\\n",
-                           field="input")
     user = user_turns(prompt, ids)
     user_ids = torch.tensor([t for t, u in zip(prompt, user) if u], dtype=torch.long)
     placeholders = talker_rows(prompt, ids)[torch.tensor(user, dtype=torch.bool)]
@@ -109,14 +140,7 @@ def talker_prompt(talker: TalkerDecoder, cfg: Qwen3OmniConfig, prompt_ids: Seque
     codec = talker.codec_embedding(torch.tensor([t.codec_nothink_id, t.codec_think_bos_id, t.codec_think_eos_id,
                                                  voice_code, t.codec_pad_id, t.codec_bos_id], device=weight.device))
     assistant = text + torch.cat([torch.zeros(3, codec.shape[1], dtype=codec.dtype, device=codec.device), codec])
-
-    starts = [i for i, token in enumerate(prompt) if token == ids.image and (i == 0 or prompt[i - 1] != ids.image)]
-    grids = [grid for grid, start in zip(image_grids, starts) if user[start]]
-    positions, delta = mrope_positions(user_ids.tolist() + [ids.tts_pad] * ASSISTANT_ROWS, audio_id=NOT_A_TOKEN,
-                                       image_id=ids.image, image_grids=grids,
-                                       spatial_merge=cfg.vision.spatial_merge_size,
-                                       per_second=cfg.position_id_per_seconds)
-    return TalkerPrompt(torch.cat([rows, assistant]), positions, delta)
+    return torch.cat([rows, assistant])
 
 
 def text_side_id(generated: Sequence[int], step: int, ids: TokenIds, eos: Collection[int],

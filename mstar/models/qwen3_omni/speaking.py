@@ -1,0 +1,83 @@
+"""The talker and code2wav as the runtime steps them.
+
+`talker.prefill`: per row, the thinker's prompt ids, its accept-layer rows
+(all of the prompt's; the placeholders in user turns are taken here), the
+first text token (the first item of the thinker's text stream) and the
+voice's codec id in; the talker prompt's rows are built here and run over
+the row's KV cache at the positions the step was given. `talker.speak`: the
+frame's first code, the last hidden state and the step's text side (a thinker
+token id: the next text token, tts_eos or tts_pad) in; the frame completed
+by the code predictor and the next frame's first code out. Both mask the
+codes the first code may never take (the talker's special ids but
+codec_eos) before the runtime samples.
+
+`code2wav.frame`: each row's next frames in, the samples they finish out,
+from the row's state slot (a slot starts zeroed: its frame counter tells a
+new utterance, whose first `held` samples are not audio and are dropped).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from mstar.models.qwen3_omni.config import Qwen3OmniConfig
+from mstar.models.qwen3_omni.speech.code2wav import Code2Wav
+from mstar.models.qwen3_omni.speech.talker import TalkerDecoder, suppressed_codes
+from mstar.models.qwen3_omni.speech.talker_prompt import talker_embeds, talker_rows
+from mstar.types import StateRows, TokenBatch
+
+
+def _rows(value: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
+    return list(value) if isinstance(value, (list, tuple)) else list(value.unbind(0))
+
+
+class TalkerSteps(nn.Module):
+    """Component `talker`: modes `prefill` and `speak`."""
+
+    def __init__(self, talker: TalkerDecoder, cfg: Qwen3OmniConfig) -> None:
+        super().__init__()
+        self.talker, self.cfg = talker, cfg
+        device = talker.codec_head.weight.device
+        self.register_buffer("suppressed", suppressed_codes(cfg.talker).to(device), persistent=False)
+
+    def prefill(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
+        extra = batch.extra
+        firsts = torch.as_tensor(extra["first"]).reshape(-1).tolist()
+        voices = torch.as_tensor(extra["voice"]).reshape(-1).tolist()
+        rows = []
+        for prompt, hidden, first, voice in zip(_rows(extra["prompt"]), _rows(extra["hidden"]), firsts, voices):
+            ids = prompt.reshape(-1).tolist()
+            placeholders = talker_rows(ids, self.cfg.ids).to(hidden.device)
+            rows.append(talker_embeds(self.talker, self.cfg, ids, hidden[placeholders], int(first), int(voice)))
+        ctx = torch.cat(rows)
+        index = torch.arange(ctx.shape[0], device=ctx.device)
+        out = self.talker.prefill(dataclasses.replace(batch, embeds={"ctx": (ctx, index)}))
+        return self._masked(out)
+
+    def speak(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
+        text = torch.as_tensor(batch.extra["text"]).reshape(-1)
+        extra = {**batch.extra, "text": self.talker.text_rows(text)}
+        return self._masked(self.talker.speak(dataclasses.replace(batch, extra=extra)))
+
+    def _masked(self, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out["logits"] = out["logits"].index_fill(-1, self.suppressed, float("-inf"))
+        return out
+
+
+class Code2WavSteps(nn.Module):
+    """Component `code2wav`: mode `frame`, with per-row state."""
+
+    def __init__(self, code2wav: Code2Wav) -> None:
+        super().__init__()
+        self.code2wav = code2wav
+
+    def frame(self, codes: torch.Tensor, state: StateRows) -> dict[str, list[torch.Tensor]]:
+        """codes [B, k, G]: k frames a row (the stream's items) -> per row its samples."""
+        frames = codes.reshape(codes.shape[0], -1, codes.shape[-1]).transpose(1, 2)  # [B, Q, k]
+        fresh = state.tensors["frames"][state.slots] == 0
+        pcm = self.code2wav.stream(frames.long(), state, fresh)
+        held = self.code2wav.held
+        return {"pcm": [p[held:] if new else p for p, new in zip(pcm, fresh.tolist())]}

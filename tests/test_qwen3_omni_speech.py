@@ -1,0 +1,102 @@
+"""Qwen3-Omni speaks: the `speak` walks served by the engine from a folder
+transformers saved (a tiny random model, float32) give what transformers'
+`generate(return_audio=True)` gives with sampling off: the thinker's text,
+then the talker's frames (the code predictor inside each step, the talker
+taking the text token by token as it is written) and code2wav's waveform,
+streamed frame by frame, equal to transformers' one whole decode (to one
+PCM16 step). With the talker's repetition penalty on, as released. Requests
+running together (one with audio in) each get what they get alone."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import Qwen3OmniMoeForConditionalGeneration, WhisperFeatureExtractor
+
+from mstar.config import EngineConfig
+from mstar.engine.engine import Engine
+from mstar.errors import RequestError
+from mstar.models.qwen3_omni.model import Qwen3OmniModel
+from mstar.types import GenerateRequest, SamplingParams
+from test_qwen3_omni_media import _audio, _clip, _messages, folder  # noqa: F401  (a fixture)
+from test_qwen3_omni_thinker import saved  # noqa: F401  (a fixture)
+
+TEXT, FRAMES = 5, 9  # thinker tokens; talker tokens (one frame fewer: the last first code has no frame)
+PENALTY = 1.05
+
+
+def _reference(model: Qwen3OmniMoeForConditionalGeneration, ids: list[int], clips: list[np.ndarray],
+               voice: str) -> tuple[list[int], np.ndarray]:
+    """transformers' text and PCM16 waveform. Stopped at its budget, its
+    thinker's last token never reaches the talker; mstar's thinker is given
+    one token less, so both talkers read the same text."""
+    kwargs = {}
+    if clips:
+        feats = WhisperFeatureExtractor(feature_size=128)(clips[0], sampling_rate=16000, return_attention_mask=True,
+                                                          return_tensors="pt")
+        kwargs = {"input_features": feats["input_features"], "feature_attention_mask": feats["attention_mask"]}
+    with torch.no_grad():
+        seqs, wav = model.generate(input_ids=torch.tensor([ids]), return_audio=True, speaker=voice,
+                                   thinker_max_new_tokens=TEXT + 1, thinker_do_sample=False,
+                                   talker_max_new_tokens=FRAMES, talker_do_sample=False,
+                                   talker_repetition_penalty=PENALTY, **kwargs)
+    pcm = (wav.reshape(-1).float().clamp(-1, 1) * 32767).round().to(torch.int16).numpy()
+    return seqs[0, len(ids):len(ids) + TEXT].tolist(), pcm
+
+
+async def _speak(eng: Engine, rid: str, model: str, messages: list[dict], voice: str) -> tuple[list[int], np.ndarray]:
+    params = SamplingParams(max_tokens=TEXT, temperature=0.0, ignore_eos=True)
+    request = GenerateRequest(rid, model, {"messages": messages, "voice": voice}, params, walk="speak",
+                              sampling_by={"talker": {"temperature": 0.0, "max_tokens": FRAMES,
+                                                      "repetition_penalty": PENALTY},
+                                           "cp": {"temperature": 0.0}})
+    text, audio = [], bytearray()
+    async for chunk in eng.submit(request):
+        text += chunk.token_ids
+        if chunk.audio:
+            audio += chunk.audio
+        if chunk.finished:
+            assert chunk.error is None, chunk.error
+    return text, np.frombuffer(bytes(audio), dtype=np.int16)
+
+
+async def test_speech_equals_transformers_generate_alone_and_together(
+        folder: Path, saved: tuple[Path, Qwen3OmniMoeForConditionalGeneration]) -> None:  # noqa: F811
+    _, hf = saved
+    mine = Qwen3OmniModel(str(folder), str(folder))
+    cases = [(_messages("say something"), "ethan"),
+             (_messages("what do you hear?", _audio(_clip(1.7, 5))), "ethan")]
+    expected = []
+    for messages, voice in cases:
+        ids = mine.prepare(GenerateRequest("p", "m", {"messages": messages, "voice": voice}, walk="speak")
+                           ).values["prompt_ids"].tolist()
+        clips = [p["audio"] for m in messages if isinstance(m["content"], list) for p in m["content"]
+                 if p["type"] == "audio"]
+        expected.append(_reference(hf, ids, clips, voice))
+    for _, pcm in expected:
+        assert len(pcm) == 1920 * (FRAMES - 1) - 555 and np.abs(pcm).max() > 0
+
+    eng = Engine(EngineConfig(model=str(folder), devices=("cpu",), max_model_len=512))
+    await eng.start()
+    try:
+        alone = [await _speak(eng, f"a{i}", str(folder), m, v) for i, (m, v) in enumerate(cases)]
+        together = await asyncio.gather(*(_speak(eng, f"t{i}", str(folder), m, v) for i, (m, v) in enumerate(cases)))
+        for (text, pcm), (want_text, want_pcm) in zip(alone, expected):
+            assert text == want_text
+            assert len(pcm) == len(want_pcm)
+            assert np.abs(pcm.astype(np.int32) - want_pcm).max() <= 1  # float rounding, then one PCM16 step
+        for (text, pcm), (again_text, again_pcm) in zip(alone, together):  # batched GEMMs round differently
+            assert text == again_text and np.abs(pcm.astype(np.int32) - again_pcm).max() <= 1
+    finally:
+        await eng.shutdown()
+
+
+def test_an_unknown_voice_is_refused_naming_the_field(folder: Path) -> None:  # noqa: F811
+    mine = Qwen3OmniModel(str(folder), str(folder))
+    with pytest.raises(RequestError) as e:
+        mine.prepare(GenerateRequest("p", "m", {"messages": _messages("hi"), "voice": "nobody"}, walk="speak"))
+    assert e.value.field == "voice" and "ethan" in e.value.message
