@@ -64,7 +64,8 @@ async def retrieve_model(request: web.Request) -> web.Response:
 
 def _model(request: web.Request, card: ModelCard) -> dict[str, Any]:
     return {"id": card.name, "object": "model", "created": request.app[STARTED], "owned_by": "mstar",
-            "max_model_len": card.max_model_len, "voices": list(card.voices)}
+            "max_model_len": card.max_model_len, "voices": list(card.voices),
+            "input_modalities": list(card.input_modalities)}
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
