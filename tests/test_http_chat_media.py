@@ -2,7 +2,8 @@
 client against qwen3-omni-tiny. An `input_audio` part is decoded off the
 event loop and the model answers what it answers for the decoded samples
 in-process (streamed or not, n samples from one decode); FLAC and WAV of the
-same samples give the same tokens, MP3 is served; each bad part is a 400
+same samples give the same tokens, MP3 is served; a PNG `image_url` data URL
+is seen (expected to fail until the vision encoder lands); each bad part is a 400
 naming its field, a text-only model refuses media by the part's `type`, a
 clip the context cannot hold is refused naming `messages`; the server's
 limits are its flags'. Two requests' audio decode at once while a third
@@ -52,7 +53,8 @@ TOKENS = 4
 GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": TOKENS, "logprobs": True,
                           "extra_body": {"ignore_eos": True}}
 AUDIO_FIELD = "messages[0].content[1].input_audio"
-NO_IMAGES = "Qwen3-Omni serves no image input until its vision encoder is wired (the model says 'no image input')"
+# today a 400 naming `walk`: the model picks a 'chat+image' walk it does not have yet
+NO_IMAGES = "Qwen3-Omni serves no image input until its vision encoder is wired"
 
 
 # ------------------------------------------------------------------ inputs
@@ -362,18 +364,20 @@ async def test_the_servers_limits_apply(omni: Engine) -> None:
 
 @on_module_loop
 async def test_audio_decodes_at_once_while_another_request_streams(omni_app: tuple[str, Spy], spy: Spy) -> None:
-    """Two requests, each with a minute of 48 kHz stereo (too long for the
+    """Two requests, each with a minute of 48 kHz stereo MP3 (too long for the
     context, so the model refuses it once decoded: no step runs for it),
     while a third streams tokens: both decodes are under way together, the
     stream's tokens keep coming meanwhile, and the loop's worst lag is a
     small fraction of what one decode on it takes."""
     url, _ = omni_app
-    data = encoded(clip(60.0, rate=48000, channels=2), "wav", rate=48000)
+    # MP3: a decode costs the most per byte of body, so what the loop does with the body (reading it, and
+    # parsing it on a thread that holds the GIL throughout) weighs little beside it
+    data = encoded(clip(60.0, rate=48000, channels=2), "mp3", rate=48000)
     start = time.perf_counter()
     media.audio_from_base64(data, "x", max_seconds=60)
     inline_s = time.perf_counter() - start
     # bodies serialised before timing: the client shares this loop with the server
-    body = orjson.dumps({"model": OMNI, "messages": asking(audio_part(data)), "max_tokens": 2})
+    body = orjson.dumps({"model": OMNI, "messages": asking(audio_part(data, "mp3")), "max_tokens": 2})
     arrivals: list[float] = []
     async with aiohttp.ClientSession(base_url=url) as http:
         async def post() -> tuple[int, dict[str, Any]]:
@@ -412,5 +416,5 @@ async def test_audio_decodes_at_once_while_another_request_streams(omni_app: tup
               f"{end_b - start_b:.3f} s; worst lag {lag.worst:.4f} s; {len(during)} stream events meanwhile")
     print(report)
     assert during, report
-    assert lag.samples > 0 and lag.worst < inline_s / 3, report
+    assert lag.samples > 0 and lag.worst < inline_s / 5, report
 
