@@ -326,8 +326,9 @@ async def test_bad_parts_are_400s_naming_their_field(client: openai.AsyncOpenAI,
 async def test_a_text_model_refuses_media_by_the_parts_type(engine: Engine) -> None:
     async with serving(engine) as url:
         api = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
-        for part, kind in ((audio_part(encoded(clip(0.5), "wav")), "input_audio"),
-                           ({"type": "image_url", "image_url": {"url": png_url()}}, "image_url")):
+        # undecodable payloads: the type is refused before anything is decoded
+        for part, kind in ((audio_part("AAAA"), "input_audio"),
+                           ({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, "image_url")):
             error = await refused(api.chat.completions.create(model=TEXT_MODEL, messages=asking(part), max_tokens=2))
             assert error["param"] == "messages[0].content[1].type", error
             assert "takes only text" in error["message"] and kind in error["message"], error
