@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import math
 import os
 import textwrap
 from collections.abc import Sequence
@@ -67,6 +68,16 @@ def default_media_workers() -> int:
 
 
 @dataclass(frozen=True)
+class MediaLimits:
+    """How much of a request's media the server decodes: a clip's seconds, an
+    image's pixels (refused from its header, before a pixel is decoded). What
+    fits a model's context is the model's to say, once the media are decoded."""
+
+    max_audio_seconds: float = 600.0      # per clip
+    max_image_pixels: int = 4096 * 4096   # per image
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """The HTTP server's settings plus the engine's."""
 
@@ -80,6 +91,7 @@ class ServerConfig:
     header_timeout: float = 10.0          # seconds for a request's header block to arrive (0: none)
     body_timeout: float = 60.0            # seconds for a body to arrive in full (0: none); streamed-in: idle
     media_workers: int = field(default_factory=default_media_workers)  # processes decoding audio and images
+    media_limits: MediaLimits = field(default_factory=MediaLimits)
 
 
 def parse_devices(spec: str) -> tuple[str, ...]:
@@ -211,6 +223,12 @@ def build_parser(builtin_models: Sequence[str] = ()) -> argparse.ArgumentParser:
     p.add_argument("--media-workers", type=int, default=None,
                    help="helper processes decoding requests' audio and images, started as needed (default: one "
                         "per 8 CPUs, 1 to 16)")
+    p.add_argument("--max-audio-seconds", type=float, default=MediaLimits.max_audio_seconds,
+                   help="longest audio clip a chat message may hold, in seconds; a longer one is a 400 (a clip "
+                        "must also fit the model's context: Qwen3-Omni makes about 13 tokens a second)")
+    p.add_argument("--max-image-pixels", type=int, default=MediaLimits.max_image_pixels,
+                   help="largest image (width x height) a chat message may hold; a larger one is a 400, read "
+                        "from its header before it is decoded")
     return p
 
 
@@ -231,6 +249,8 @@ def parse_args(argv: list[str] | None = None, builtin_models: Sequence[str] = ()
         raise ConfigError("--state-slots must be positive")
     if a.media_workers is not None and a.media_workers < 1:
         raise ConfigError("--media-workers must be positive")
+    if not (a.max_audio_seconds > 0 and math.isfinite(a.max_audio_seconds)) or a.max_image_pixels < 1:
+        raise ConfigError("--max-audio-seconds and --max-image-pixels must be positive")
     sched = SchedulerConfig(
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens,
@@ -264,4 +284,5 @@ def parse_args(argv: list[str] | None = None, builtin_models: Sequence[str] = ()
                         log_level=a.log_level, api_key=a.api_key or os.environ.get(API_KEY_ENV) or None,
                         allowed_origins=tuple(o.strip() for o in a.allowed_origins.split(",") if o.strip()),
                         header_timeout=a.header_timeout, body_timeout=a.body_timeout,
-                        media_workers=a.media_workers or default_media_workers())
+                        media_workers=a.media_workers or default_media_workers(),
+                        media_limits=MediaLimits(a.max_audio_seconds, a.max_image_pixels))

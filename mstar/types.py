@@ -149,6 +149,7 @@ class ModelCard:
     devices: dict[str, tuple[str, ...]] = field(default_factory=dict)  # component -> devices
     voices: tuple[str, ...] = ()
     default_sampling: SamplingParams = field(default_factory=SamplingParams)
+    input_modalities: tuple[str, ...] = ("text",)  # what its chat messages may hold
 
 
 @dataclass(frozen=True)

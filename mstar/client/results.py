@@ -104,7 +104,8 @@ class Generation:
 @dataclass(frozen=True)
 class ModelCard:
     """One entry of `/v1/models` (or `/v1/models/{id}`); `voices` are a
-    speech model's, empty for others."""
+    speech model's, empty for others; `input_modalities` what its chat
+    messages may hold (`text`, `audio`, `image`)."""
 
     id: str
     owned_by: str
@@ -112,12 +113,16 @@ class ModelCard:
     max_model_len: int | None
     voices: tuple[str, ...]
     raw: dict[str, Any] = field(repr=False, compare=False)
+    # a server that does not list them takes text only
+    input_modalities: tuple[str, ...] = ("text",)
 
     @classmethod
     def of(cls, obj: dict[str, Any]) -> ModelCard:
         limit = obj.get("max_model_len")
+        inputs = obj.get("input_modalities")
         return cls(str(obj.get("id", "")), str(obj.get("owned_by", "")), int(obj.get("created", 0)),
-                   int(limit) if limit is not None else None, tuple(str(v) for v in obj.get("voices") or ()), obj)
+                   int(limit) if limit is not None else None, tuple(str(v) for v in obj.get("voices") or ()), obj,
+                   tuple(str(v) for v in inputs) if isinstance(inputs, list) else ("text",))
 
 
 @dataclass(frozen=True)

@@ -167,7 +167,7 @@ class Engine:
         m = self._model(None)
         placed = self.placement.components()
         return [ModelCard(self.model_name, m.max_model_len, tuple(self.plans), m.default_walk, placed,
-                          tuple(m.voices), m.default_sampling())]
+                          tuple(m.voices), m.default_sampling(), tuple(m.input_modalities))]
 
     async def profile(self, seconds: float, worker: int = 0) -> torch.profiler.profile:
         """torch's profiler over `seconds` of worker `worker`'s thread (its

@@ -1,6 +1,7 @@
 """Typed keys of what the aiohttp application and each request hold: the
 engine served, when the app was built (the `created` time `/v1/models`
-shows), the open realtime sockets, the media decoder, and the request's id."""
+shows), the open realtime sockets, the media decoder and its limits, and the
+request's id."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from aiohttp import web
 
 if TYPE_CHECKING:
     from mstar.engine.engine import Engine
+    from mstar.config import MediaLimits
     from mstar.http.media import MediaDecoder
 
 ENGINE: web.AppKey[Engine] = web.AppKey("mstar_engine")
@@ -17,4 +19,5 @@ STARTED = web.AppKey("mstar_started", int)      # unix time the app was built
 # realtime connections open now: shutdown closes them with "going away" once their responses ended
 SOCKETS = web.AppKey("mstar_sockets", set)
 MEDIA: web.AppKey[MediaDecoder] = web.AppKey("mstar_media")  # decodes requests' audio and images off the loop
+MEDIA_LIMITS: web.AppKey[MediaLimits] = web.AppKey("mstar_media_limits")  # what the decoder may be asked to decode
 REQUEST_ID = web.RequestKey("mstar_request_id", str)

@@ -28,7 +28,7 @@ from mstar.http.speech import routes as speech_routes
 from mstar.http.text import native_routes, openai_routes
 from mstar.http.access import Origins, access_middlewares
 from mstar.http.deadlines import body_deadline
-from mstar.http.keys import ENGINE, MEDIA, SOCKETS, STARTED
+from mstar.http.keys import ENGINE, MEDIA, MEDIA_LIMITS, SOCKETS, STARTED
 from mstar.http.media import MediaDecoder
 from mstar.http.logs import Handler, add_request_id_header, request_context
 from mstar.http.responses import error_response, json_response, request_error_body
@@ -107,9 +107,10 @@ def build_app(engine: Engine, *, manage_engine: bool = True, drain_s: float = DR
     itself (tests sharing one engine across several apps).
 
     `config` (default: `ServerConfig()`) gives the API key, the CORS origins,
-    the body deadline and the media decoder's processes; the key check and a
-    preflight's answer come before admission, so a refused request never
-    waits for room. The media decoder's processes stop at cleanup.
+    the body deadline, the media decoder's processes and its limits; the key
+    check and a preflight's answer come before admission, so a refused
+    request never waits for room. The media decoder's processes stop at
+    cleanup.
     """
     config = config or ServerConfig()
     origins = Origins(config.allowed_origins)
@@ -120,6 +121,7 @@ def build_app(engine: Engine, *, manage_engine: bool = True, drain_s: float = DR
     app[SOCKETS] = set()
     app[STARTED] = int(time.time())
     media = app[MEDIA] = MediaDecoder(config.media_workers)  # its processes start with the first decode
+    app[MEDIA_LIMITS] = config.media_limits
 
     async def stop_media(_: web.Application) -> None:
         await media.close()

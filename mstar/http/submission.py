@@ -57,6 +57,7 @@ class Target:
     max_model_len: int
     walks: tuple[str, ...] = ()
     default_walk: str = ""
+    input_modalities: tuple[str, ...] = ("text",)  # what its chat messages may hold
 
 
 def resolve_model(engine: Engine, requested: str | None) -> Target:
@@ -74,7 +75,7 @@ def resolve_model(engine: Engine, requested: str | None) -> Target:
     except RequestError:
         tokenizer = None
     return Target(name=name, tokenizer=tokenizer, max_model_len=card.max_model_len, walks=tuple(card.walks),
-                  default_walk=card.default_walk)
+                  default_walk=card.default_walk, input_modalities=tuple(card.input_modalities))
 
 
 async def off_loop(size: int, fn: Callable[..., R], *args: Any) -> R:

@@ -70,6 +70,8 @@ class Model:
     walks: dict[str, Walk] = {}
     default_walk: str = ""
     voices: tuple[str, ...] = ()  # speaker names, for models that speak
+    # what a request's chat messages may hold ("text", "audio", "image"); the HTTP layer refuses the rest
+    input_modalities: tuple[str, ...] = ("text",)
 
     def __init__(self, name: str) -> None:
         self.name = name

@@ -50,7 +50,10 @@ MODEL: Schema = {
     "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
                    "owned_by": {"type": "string"}, "max_model_len": {"type": "integer"},
                    "voices": {"type": "array", "items": {"type": "string"},
-                              "description": "a speech model's voices (empty for others)"}},
+                              "description": "a speech model's voices (empty for others)"},
+                   "input_modalities": {"type": "array", "items": {"enum": ["text", "audio", "image"]},
+                                        "description": "what its chat messages may hold: `text` always; `audio` "
+                                                       "takes `input_audio` parts, `image` takes `image_url` parts"}},
 }
 
 MODEL_LIST: Schema = {

@@ -17,7 +17,8 @@ import typing
 from typing import Any
 
 from mstar.http.speech.audio import CONTENT_TYPES
-from mstar.http.text.chat_messages import CHAT_ROLES
+from mstar.http.media import AUDIO_FORMATS
+from mstar.http.text.chat_messages import CHAT_ROLES, IMAGE_DETAILS
 from mstar.http.fields import Fields
 from mstar.http.text.protocol import COMPLETIONS_MAX_TOKENS, MAX_CHOICES, MAX_N, SERVICE_TIERS
 from mstar.http.speech.protocol import DEFAULT_FORMAT, MAX_INPUT_CHARS, StreamFormat
@@ -163,8 +164,47 @@ COMPLETION_REQUEST: Schema = {
     "description": f"prompts x n must be at most {MAX_CHOICES}",
 }
 
-CONTENT_PART: Schema = {"type": "object", "required": ["type", "text"],
-                        "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}}}
+TEXT_PART: Schema = {"type": "object", "required": ["type", "text"],
+                     "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+AUDIO_PART: Schema = {
+    "type": "object",
+    "required": ["type", "input_audio"],
+    "properties": {
+        "type": {"const": "input_audio"},
+        "input_audio": {
+            "type": "object",
+            "required": ["data"],
+            "properties": {
+                "data": {"type": "string", "minLength": 1, "contentEncoding": "base64",
+                         "description": "the audio file, base64; longer than the server's --max-audio-seconds "
+                                        "(default 600) is refused"},
+                "format": {"enum": list(AUDIO_FORMATS),
+                           "description": "the file's format; the server reads it from the bytes either way"},
+            },
+        },
+    },
+    "description": "for a model whose `input_modalities` include `audio`",
+}
+IMAGE_URL: Schema = {"type": "string", "minLength": 1, "pattern": "^[Dd][Aa][Tt][Aa]:",
+                     "description": "a data URL (data:image/png;base64,...) of a PNG, JPEG, WebP or GIF image; "
+                                    "the server fetches no URLs; more pixels than its --max-image-pixels (default "
+                                    "4096 x 4096) are refused"}
+IMAGE_PART: Schema = {
+    "type": "object",
+    "required": ["type", "image_url"],
+    "properties": {
+        "type": {"const": "image_url"},
+        "image_url": {"oneOf": [
+            {"type": "object", "required": ["url"],
+             "properties": {"url": IMAGE_URL,
+                            "detail": {"enum": list(IMAGE_DETAILS), "description": "accepted; every image is "
+                                                                                    "seen whole"}}},
+            {**IMAGE_URL, "description": "the URL itself, as some clients send it"},
+        ]},
+    },
+    "description": "for a model whose `input_modalities` include `image`",
+}
+CONTENT_PART: Schema = {"oneOf": [TEXT_PART, AUDIO_PART, IMAGE_PART]}
 
 CHAT_MESSAGE: Schema = {
     "type": "object",
@@ -172,7 +212,8 @@ CHAT_MESSAGE: Schema = {
     "properties": {
         "role": {"enum": list(CHAT_ROLES), "description": "`developer` is read as `system`"},
         "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": CONTENT_PART}],
-                    "description": "required but for `assistant`; text parts are joined with newlines"},
+                    "description": "required but for `assistant`; a message of text parts only has them joined "
+                                   "with newlines; audio and image parts are decoded before the model reads them"},
         "tool_calls": unsupported("tool_calls"),
         "function_call": unsupported("function_call"),
     },

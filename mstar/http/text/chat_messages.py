@@ -1,17 +1,53 @@
-"""Chat messages in OpenAI's shape in, `{"role", "content": str}` dicts out,
-ready for a Hugging Face chat template. Text parts are joined; other parts
-(images, audio), tool calls and unknown roles are refused naming the field.
-Importable without torch.
+"""Chat messages in OpenAI's shape in, `{"role", "content"}` dicts out.
+
+A message whose content is a string, or whose parts are all text, gets its
+text joined into one string, as the Hugging Face chat templates of text
+models want it. A message with audio (`input_audio`) or image (`image_url`)
+parts keeps its parts in order, so that a part's index is the one the
+client sent (the model names `messages[i].content[j]` in its errors): text
+parts as `{"type": "text", "text"}`, media parts as `MediaPart`s whose
+payload is not decoded here; `chat_media.py` decodes them off the event
+loop and puts the arrays in their place. Tool calls and unknown roles or
+part types are refused naming the field. Importable without torch.
 """
 
 from __future__ import annotations
 
-from mstar.http.fields import Fields
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mstar.http.fields import Fields, type_name
+from mstar.http.media import audio_format
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+PART_TYPES = ("text", "input_audio", "image_url")
+IMAGE_DETAILS = ("auto", "low", "high")  # OpenAI's; accepted and ignored: a model sees every image whole
+
+# a message's content once read: a string, or its parts (text dicts and MediaParts)
+ChatMessage = dict[str, Any]
 
 
-def read_messages(f: Fields) -> tuple[dict[str, str], ...]:
+@dataclass(frozen=True)
+class MediaPart:
+    """One audio or image content part of a chat body, as the client sent it.
+
+    `kind`: the modality a model must take for it ("audio" or "image");
+    `payload`: base64 audio, or an image's URL (a data URL is the only kind
+    served); `format`: the declared audio format, None for an image or an
+    audio part that declares none (the decoder reads the container from the
+    bytes either way); `field`: the payload's field in errors
+    (`messages[1].content[2].input_audio.data`); `at`: the part's own
+    (`messages[1].content[2]`)."""
+
+    kind: str
+    payload: str
+    format: str | None
+    field: str
+    at: str
+
+
+def read_messages(f: Fields) -> tuple[ChatMessage, ...]:
     """The body's `messages`, checked; `developer` becomes `system`."""
     value = f.raw("messages")
     if not isinstance(value, list) or not value:
@@ -30,7 +66,13 @@ def read_messages(f: Fields) -> tuple[dict[str, str], ...]:
     return tuple(out)
 
 
-def _read_content(m: Fields, role: str) -> str:
+def media_parts(messages: Sequence[ChatMessage]) -> list[MediaPart]:
+    """Every media part of `messages`, in the order they were sent."""
+    return [part for m in messages if isinstance(m["content"], list)
+            for part in m["content"] if isinstance(part, MediaPart)]
+
+
+def _read_content(m: Fields, role: str) -> str | list[dict[str, str] | MediaPart]:
     value = m.obj.get("content")
     if value is None:
         if role == "assistant":
@@ -40,14 +82,50 @@ def _read_content(m: Fields, role: str) -> str:
         return value
     if not isinstance(value, list):
         raise m.error("content", "must be a string or an array of content parts")
-    texts = []
-    for j, raw in enumerate(value):
-        part = Fields(raw, f"{m.name('content')}[{j}].")
-        kind = part.string("type")
-        if kind != "text":
-            raise part.error("type", f"content part type {kind!r} is not supported; only 'text' is")
+    parts = [_read_part(Fields(raw, f"{m.name('content')}[{j}].")) for j, raw in enumerate(value)]
+    if any(isinstance(p, MediaPart) for p in parts):
+        return parts
+    return "\n".join(p["text"] for p in parts if isinstance(p, dict))
+
+
+def _read_part(part: Fields) -> dict[str, str] | MediaPart:
+    kind = part.string("type")
+    at = part.prefix.rstrip(".")
+    if kind == "text":
         text = part.string("text")
         if text is None:
             raise part.error("text", "is required")
-        texts.append(text)
-    return "\n".join(texts)
+        return {"type": "text", "text": text}
+    if kind not in PART_TYPES:
+        raise part.error("type", f"content part type {kind!r} is not supported; one of {list(PART_TYPES)} is")
+    if kind == "input_audio":
+        audio = _inner(part, "input_audio")
+        declared = audio.raw("format")
+        return MediaPart("audio", _payload(audio, "data"),
+                         None if declared is None else audio_format(declared, audio.name("format")),
+                         audio.name("data"), at)
+    url = part.raw("image_url")
+    if isinstance(url, str):  # some clients send the URL itself
+        return MediaPart("image", _payload(part, "image_url"), None, part.name("image_url"), at)
+    image = _inner(part, "image_url")
+    detail = image.string("detail")
+    if detail is not None and detail not in IMAGE_DETAILS:
+        raise image.error("detail", f"must be one of {list(IMAGE_DETAILS)}, got {detail!r}")
+    return MediaPart("image", _payload(image, "url"), None, image.name("url"), at)
+
+
+def _inner(part: Fields, key: str) -> Fields:
+    """The part's object under `key` (`input_audio`, `image_url`)."""
+    if not part.has(key):
+        raise part.error(key, "is required")
+    return Fields(part.raw(key), part.name(key) + ".")
+
+
+def _payload(f: Fields, key: str) -> str:
+    """A non-empty string; what it holds is the decoder's to check, off the loop."""
+    value = f.raw(key)
+    if not isinstance(value, str):
+        raise f.error(key, f"must be a string, not {type_name(value)}" if value is not None else "is required")
+    if not value:
+        raise f.error(key, "is empty")
+    return value

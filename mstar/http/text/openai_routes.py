@@ -1,9 +1,11 @@
 """OpenAI-compatible routes: `/v1/models` (and `/v1/models/{model}`),
 `/v1/completions`, `/v1/chat/completions`.
 
-A JSON body comes in; the engine's chunks go out either as one JSON answer or
-as server-sent events (`data: {...}` frames ending with `data: [DONE]`), shaped
-as the OpenAI API shapes them so its clients work unchanged.
+A JSON body comes in (a chat's audio and image parts decoded off the event
+loop first, by `chat_media.py`); the engine's chunks go out either as one JSON
+answer or as server-sent events (`data: {...}` frames ending with
+`data: [DONE]`), shaped as the OpenAI API shapes them so its clients work
+unchanged.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ import structlog
 from aiohttp import web
 
 from mstar.errors import ModelNotFound
-from mstar.http.keys import ENGINE, STARTED
+from mstar.http.keys import ENGINE, MEDIA, MEDIA_LIMITS, STARTED
+from mstar.http.text.chat_media import decode_parts, refuse_untaken, with_media
+from mstar.http.text.chat_messages import media_parts
 from mstar.http.text.logprobs import LogprobShapes
 from mstar.http.text.protocol import parse_chat, parse_completion
 from mstar.http.responses import EventStream, client_gone, error_body, json_response
@@ -64,7 +68,8 @@ async def retrieve_model(request: web.Request) -> web.Response:
 
 def _model(request: web.Request, card: ModelCard) -> dict[str, Any]:
     return {"id": card.name, "object": "model", "created": request.app[STARTED], "owned_by": "mstar",
-            "max_model_len": card.max_model_len, "voices": list(card.voices)}
+            "max_model_len": card.max_model_len, "voices": list(card.voices),
+            "input_modalities": list(card.input_modalities)}
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -93,7 +98,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await off_loop(len(raw), parse_chat, raw)
     engine = request.app[ENGINE]
     target = resolve_model(engine, body.model)
-    chat = Inputs({"messages": [dict(m) for m in body.messages], "add_generation_prompt": body.add_generation_prompt},
+    parts = media_parts(body.messages)
+    refuse_untaken(parts, target.name, target.input_modalities)
+    # decoded once for all n samples, before anything starts: a bad part refuses the whole request
+    decoded = await decode_parts(request.app[MEDIA], parts, request.app[MEDIA_LIMITS])
+    messages = with_media(body.messages, decoded)
+    chat = Inputs({"messages": messages, "add_generation_prompt": body.add_generation_prompt},
                   {"max_tokens": body.max_tokens_field})
     reply = Reply(f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", int(time.time()), target.name)
     # max_tokens None: all the room the messages leave in the context

@@ -18,7 +18,7 @@ from typing import Any, Union
 import orjson
 
 from mstar.errors import RequestError
-from mstar.http.text.chat_messages import read_messages
+from mstar.http.text.chat_messages import ChatMessage, read_messages
 from mstar.http.fields import Fields, is_int_list, type_name
 from mstar.types import MAX_LOGPROBS, SamplingParams
 
@@ -68,7 +68,7 @@ class ChatBody:
     """`/v1/chat/completions`. `max_tokens` None: whatever the context leaves."""
 
     model: str | None
-    messages: tuple[dict[str, str], ...]
+    messages: tuple[ChatMessage, ...]  # media parts not yet decoded (`chat_messages.MediaPart`)
     max_tokens: int | None
     sampling: SamplingParams
     n: int = 1

@@ -44,6 +44,7 @@ TALKER_MAX_FRAMES = 4096      # the released talker's token budget: about 327 s 
 
 class Qwen3OmniModel(Model):
     default_walk = walks.TEXT_OUT
+    input_modalities = ("text", "audio", "image")
 
     def __init__(self, name: str, path: str | Path | None, load_format: str = "auto",
                  max_model_len: int | None = None, *, builtin: Mapping[str, Any] | None = None) -> None:
