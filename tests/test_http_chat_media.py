@@ -54,7 +54,6 @@ GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": TOKENS, "logprobs": Tr
                           "extra_body": {"ignore_eos": True}}
 AUDIO_FIELD = "messages[0].content[1].input_audio"
 # today a 400 naming `walk`: the model picks a 'chat+image' walk it does not have yet
-NO_IMAGES = "Qwen3-Omni serves no image input until its vision encoder is wired"
 
 
 # ------------------------------------------------------------------ inputs
@@ -294,7 +293,6 @@ async def test_formats_of_the_same_samples_give_the_same_tokens(client: openai.A
 
 
 @on_module_loop
-@pytest.mark.xfail(strict=True, raises=openai.BadRequestError, reason=NO_IMAGES)
 async def test_an_image_is_seen(client: openai.AsyncOpenAI) -> None:
     for image_url in ({"url": png_url(), "detail": "auto"}, png_url(40, 40)):
         answer = await client.chat.completions.create(
