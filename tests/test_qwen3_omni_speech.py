@@ -100,3 +100,55 @@ def test_an_unknown_voice_is_refused_naming_the_field(folder: Path) -> None:  # 
     with pytest.raises(RequestError) as e:
         mine.prepare(GenerateRequest("p", "m", {"messages": _messages("hi"), "voice": "nobody"}, walk="speak"))
     assert e.value.field == "voice" and "ethan" in e.value.message
+
+
+async def test_text_to_speech_reads_the_text_as_the_talker_would_speak_it_after_the_thinker(
+        folder: Path) -> None:  # noqa: F811
+    """The `tts` walk (no thinker: the talker reads the given text) speaks as
+    the `speak` walk does when the thinker's answer is that text, to a user
+    turn of the same text: here a thinker held to answer with it (then EOS)."""
+    text = "read me"
+    model = Qwen3OmniModel(str(folder), str(folder))
+    script = model.tokenizer.encode(text, add_special_tokens=False)
+    answer = [*script, model.config.ids.im_end]
+    build = model.build_component
+
+    def held_to_the_script(component: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+        module = build(component, device, dtype)
+        if component == "thinker":
+            forward, step = module.forward, iter(range(len(answer)))
+
+            def answering(batch):  # the real thinker's rows for the talker; its tokens are the script's
+                out = forward(batch)
+                out["logits"] = torch.full_like(out["logits"], -1e4).index_fill(-1, torch.tensor([answer[next(step)]]),
+                                                                                0.0)
+                return out
+
+            module.prefill = module.decode = answering
+        return module
+
+    model.build_component = held_to_the_script
+    eng = Engine(EngineConfig(model=str(folder), devices=("cpu",), max_model_len=512), model=model)
+    await eng.start()
+    greedy = {"talker": {"temperature": 0.0, "max_tokens": FRAMES}, "cp": {"temperature": 0.0}}
+    try:
+        spoken, said = bytearray(), []
+        request = GenerateRequest("s", str(folder), {"messages": [{"role": "user", "content": text}], "voice": "ethan"},
+                                  SamplingParams(max_tokens=len(answer) + 2, temperature=0.0), walk="speak",
+                                  sampling_by=greedy)
+        async for chunk in eng.submit(request):
+            spoken += chunk.audio or b""
+            said += chunk.token_ids
+        assert said[:len(script)] == script and len(said) <= len(answer)  # the thinker stopped at its EOS
+        read = bytearray()
+        request = GenerateRequest("t", str(folder), {"text": text, "voice": "ethan"},
+                                  SamplingParams(temperature=0.0, max_tokens=FRAMES), walk="tts",
+                                  sampling_by={"cp": {"temperature": 0.0}})
+        async for chunk in eng.submit(request):
+            read += chunk.audio or b""
+            if chunk.finished:
+                assert chunk.error is None, chunk.error
+        assert len(read) == 2 * (1920 * (FRAMES - 1) - 555)
+        assert read == spoken
+    finally:
+        await eng.shutdown()

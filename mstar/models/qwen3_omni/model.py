@@ -102,7 +102,7 @@ class Qwen3OmniModel(Model):
         """`chat` or `speak` as asked, with the encoders the prompt's media need."""
         asked = request.walk or self.default_walk
         if asked not in (walks.TEXT_OUT, walks.SPEECH_OUT):
-            return asked
+            return asked  # `tts`, or a walk named in full
         kinds = {part.get("type") for message in request.inputs.get("messages") or ()
                  if isinstance(message, Mapping) and isinstance(message.get("content"), list)
                  for part in message["content"] if isinstance(part, Mapping)}
@@ -165,6 +165,8 @@ class Qwen3OmniModel(Model):
         return wrap(module) if wrap is not None else module
 
     def prepare_inputs(self, request: GenerateRequest, sampling: SamplingParams) -> PreparedPiece:
+        if self.walk_for(request) == walks.TTS:
+            return self._prepare_tts(request)
         ids, media, field = self.intake.prompt(request.inputs, self._max_model_len, self.name)
         vocab = self.config.thinker.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
@@ -186,13 +188,39 @@ class Qwen3OmniModel(Model):
             values["image_grids"] = torch.tensor([p.grid_thw for p in images], dtype=torch.long)
         if self.walk_for(request).startswith(walks.SPEECH_OUT):
             check_speakable(ids, cfg.ids)
-            voice = request.inputs.get("voice", DEFAULT_VOICE)
-            if not isinstance(voice, str):
-                raise RequestError("must be a voice's name", field="voice")
-            talker_pos, _ = talker_positions(cfg, ids, [p.grid_thw for p in images])
-            values.update(voice=torch.tensor(voice_id(cfg, voice)), talker_positions=talker_pos,
-                          talker_ids=torch.full((talker_pos.shape[1],), cfg.ids.tts_pad, dtype=torch.long))
+            values.update(self._talker_inputs(request, ids, [p.grid_thw for p in images]))
         return PreparedPiece(values, len(ids), field)
+
+    def _talker_inputs(self, request: GenerateRequest, ids: list[int],
+                       grids: list[tuple[int, int, int]]) -> dict[str, torch.Tensor]:
+        """The talker's prompt shape (placeholder ids, 3-axis positions) and the voice's codec id."""
+        cfg = self.config
+        voice = request.inputs.get("voice", DEFAULT_VOICE)
+        if not isinstance(voice, str):
+            raise RequestError("must be a voice's name", field="voice")
+        positions, _ = talker_positions(cfg, ids, grids)
+        return {"voice": torch.tensor(voice_id(cfg, voice)), "talker_positions": positions,
+                "talker_ids": torch.full((positions.shape[1],), cfg.ids.tts_pad, dtype=torch.long)}
+
+    def _prepare_tts(self, request: GenerateRequest) -> PreparedPiece:
+        """`text` to speech: the talker's prompt is a user turn of the text,
+        then the assistant's header; the text is what the talker reads."""
+        text = request.inputs.get("text")
+        if not isinstance(text, str) or not text.strip():
+            raise RequestError("must be a non-empty string", field="input")
+        if self._tokenizer is None:
+            raise RequestError(f"model '{self.name}' has no tokenizer to read text with", field="model")
+        script = list(self._tokenizer.encode(text, add_special_tokens=False))
+        ids = self.config.ids
+        newline = list(self._tokenizer.encode("\n", add_special_tokens=False))
+        prompt = [ids.im_start, ids.user, *newline, *script, ids.im_end, *newline, ids.im_start, ids.assistant,
+                  *newline]
+        if len(prompt) > self._max_model_len:
+            raise RequestError(f"the text takes more than the model's {self._max_model_len} tokens", field="input",
+                               code="context_length_exceeded")
+        values = {"prompt_ids": torch.tensor(prompt, dtype=torch.long), "script": torch.tensor(script),
+                  "script_first": torch.tensor(script[0]), **self._talker_inputs(request, prompt, [])}
+        return PreparedPiece(values, values["talker_ids"].numel(), "input")
 
     def _image_part(self, image: Any, field: str) -> tuple[ImagePatches, int]:
         """A decoded picture (RGB uint8 [H, W, 3]) as the vision encoder's patches, and the tokens it makes."""

@@ -48,8 +48,11 @@ class TalkerSteps(nn.Module):
         firsts = torch.as_tensor(extra["first"]).reshape(-1).tolist()
         voices = torch.as_tensor(extra["voice"]).reshape(-1).tolist()
         rows = []
-        for prompt, hidden, first, voice in zip(_rows(extra["prompt"]), _rows(extra["hidden"]), firsts, voices):
+        hiddens = _rows(extra["hidden"]) if "hidden" in extra else [None] * len(firsts)
+        for prompt, hidden, first, voice in zip(_rows(extra["prompt"]), hiddens, firsts, voices):
             ids = prompt.reshape(-1).tolist()
+            if hidden is None:  # a prompt without media: the talker reads no thinker rows
+                hidden = torch.zeros(len(ids), self.cfg.talker.thinker_hidden_size)
             placeholders = talker_rows(ids, self.cfg.ids).to(hidden.device)
             rows.append(talker_embeds(self.talker, self.cfg, ids, hidden[placeholders], int(first), int(voice)))
         ctx = torch.cat(rows)
@@ -61,6 +64,17 @@ class TalkerSteps(nn.Module):
         text = torch.as_tensor(batch.extra["text"]).reshape(-1)
         extra = {**batch.extra, "text": self.talker.text_rows(text)}
         return self._masked(self.talker.speak(dataclasses.replace(batch, extra=extra)))
+
+    def read(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
+        """`speak`, its text token the script's next (`at`: the step's round):
+        then tts_eos once, then tts_pad, as after a thinker's last token."""
+        ids = self.cfg.ids
+        text = []
+        for script, at in zip(_rows(batch.extra["script"]), torch.as_tensor(batch.extra["at"]).reshape(-1).tolist()):
+            n, k = script.numel(), int(at) + 1
+            text.append(int(script.reshape(-1)[k]) if k < n else ids.tts_eos if k == n else ids.tts_pad)
+        extra = {**batch.extra, "text": torch.tensor(text)}
+        return self.speak(dataclasses.replace(batch, extra=extra))
 
     def _masked(self, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out["logits"] = out["logits"].index_fill(-1, self.suppressed, float("-inf"))

@@ -25,6 +25,7 @@ from mstar.models.qwen3_omni.config import Qwen3OmniConfig, TokenIds
 
 TEXT_OUT = "chat"
 SPEECH_OUT = "speak"
+TTS = "tts"
 SAMPLE_RATE = 24000  # code2wav's output: 1920 samples a frame, 80 ms
 
 
@@ -43,14 +44,21 @@ def thinker_component(ids: TokenIds) -> Component:
 
 
 def talker_component(cfg: Qwen3OmniConfig) -> Component:
+    """`prefill` (a prompt without media needs no thinker rows: `hidden` is
+    optional), `speak` (the step's text token streamed in), `read` (the same,
+    the text token taken from a script the request gave: text to speech)."""
     prefill = Mode("prefill", (In("ids", Kind.IDS),
-                               In("prompt", Kind.TENSOR, ragged=True), In("hidden", Kind.TENSOR, ragged=True),
+                               In("prompt", Kind.TENSOR, ragged=True),
+                               In("hidden", Kind.TENSOR, ragged=True, optional=True),
                                In("first", Kind.TENSOR), In("voice", Kind.TENSOR), In("pos", Kind.POSITIONS, axes=3)),
                    (Out("code", Kind.TOKEN), Out("last", Kind.HIDDEN)), kv="append", query="ids")
-    speak = Mode("speak", (In("ids", Kind.IDS), In("last", Kind.TENSOR), In("text", Kind.TENSOR)),
-                 (Out("code", Kind.TOKEN), Out("last", Kind.HIDDEN), Out("frame", Kind.TENSOR)),
-                 kv="append", query="ids", draws=cfg.talker.num_code_groups - 1)
-    return Component(modes=(prefill, speak), kv_cache=True, samples=True)
+    frame_out = (Out("code", Kind.TOKEN), Out("last", Kind.HIDDEN), Out("frame", Kind.TENSOR))
+    draws = cfg.talker.num_code_groups - 1
+    speak = Mode("speak", (In("ids", Kind.IDS), In("last", Kind.TENSOR), In("text", Kind.TENSOR)), frame_out,
+                 kv="append", query="ids", draws=draws)
+    read = Mode("read", (In("ids", Kind.IDS), In("last", Kind.TENSOR), In("script", Kind.TENSOR, ragged=True),
+                         In("at", Kind.INDEX)), frame_out, kv="append", query="ids", draws=draws)
+    return Component(modes=(prefill, speak, read), kv_cache=True, samples=True)
 
 
 CODE2WAV_COMPONENT = Component(modes=(Mode("frame", (In("codes", Kind.TENSOR),), (Out("pcm", Kind.TENSOR),)),),
@@ -129,9 +137,27 @@ def speak_walk(audio: bool, image: bool, ids: TokenIds) -> Walk:
     )
 
 
+def tts_walk() -> Walk:
+    """Text to speech without the thinker: the text is the assistant's answer
+    to a user turn of the same text (a talker's prompt needs a user turn), read
+    by the talker token by token (`script`, one token a frame as the thinker
+    would have written it), its frames into code2wav."""
+    return Walk(
+        Step("talker", "prefill", {"ids": "talker_ids", "prompt": "prompt_ids", "first": "script_first",
+                                   "voice": "voice", "pos": "talker_positions"},
+             {"code": "code0", "last": "last"}),
+        Loop(Step("talker", "read", {"ids": "code0", "last": "last", "script": "script", "at": "@i"},
+                  {"code": "code0", "last": "last", "frame": "frame"}, draws="cp"),
+             until=EosToken() | MaxTokens() | HostStop(), value="code0"),
+        Stream("frame", Step("code2wav", "frame", {"codes": "frame"}, {"pcm": "pcm"}), Items()),
+        Emit("pcm", modality="audio", sample_rate=SAMPLE_RATE),
+        inputs=("prompt_ids", "talker_ids", "talker_positions", "voice", "script", "script_first"),
+    )
+
+
 def walks(cfg: Qwen3OmniConfig) -> dict[str, Walk]:
     """Every walk the model serves, by name."""
-    out = {}
+    out = {TTS: tts_walk()}
     for audio in (False, True):
         for image in (False, True):
             out[walk_name(False, audio, image)] = chat_walk(audio, image)
