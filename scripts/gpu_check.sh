@@ -20,6 +20,8 @@
 #   scripts/gpu_check.sh pagesize   the attention page-size measurement
 #   scripts/gpu_check.sh moe        the fused MoE kernel's GPU tests, then its benchmark against the torch loop
 #                                   (scripts/bench_moe.py; $MOE_ARGS adds flags); no FlashInfer build
+#   scripts/gpu_check.sh omni       the fused MoE and code2wav GPU tests, then Qwen3-Omni's spoken-answer
+#                                   benchmark (scripts/bench_omni.py; $OMNI_ARGS adds flags)
 #   scripts/gpu_check.sh compare    the decode step and host time per step of this tree against an older one,
 #                                   base then new, twice: $BASE is a copy of the older tree (carried; see
 #                                   scripts/base_tree.sh), $BASE_COMMIT its commit
@@ -173,6 +175,14 @@ if [[ $what == moe ]]; then
   rc=$?
   tail -8 "$OUT/moe_tests.txt"
   timeout 240 python3 scripts/bench_moe.py ${MOE_ARGS:-} --out "$OUT/moe.json" 2>&1 | tee "$OUT/bench_moe.txt" | tail -16
+fi
+if [[ $what == omni ]]; then
+  timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider -o timeout=250 -k "moe or cuda_tensors_take_triton" \
+      tests/test_kernels_gpu.py tests/test_qwen3_omni_code2wav_gpu.py > "$OUT/omni_tests.txt" 2>&1
+  rc=$?
+  tail -8 "$OUT/omni_tests.txt"
+  timeout ${OMNI_TIMEOUT:-420} python3 scripts/bench_omni.py ${OMNI_ARGS:-} --out "$OUT/omni.json" 2>&1 \
+      | grep -v "\[info" | tee "$OUT/bench_omni.txt" | tail -20
 fi
 if [[ $what == pagesize ]]; then
   timeout 240 python3 scripts/bench_page_size.py --out "$OUT/page_size.json" 2>&1 | tail -30 | tee "$OUT/page_size.txt"
