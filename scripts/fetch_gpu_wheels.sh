@@ -9,5 +9,5 @@ mkdir -p .wheels
 pip download --no-deps --only-binary=:all: -d .wheels \
   --python-version 3.12 --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
   --platform manylinux_2_17_x86_64 \
-  flashinfer-python==0.6.4 apache-tvm-ffi nvidia-ml-py ninja structlog orjson pytest-asyncio snac einops
+  flashinfer-python==0.6.4 apache-tvm-ffi nvidia-ml-py ninja structlog orjson pytest-asyncio snac einops pillow
 du -sh .wheels
