@@ -11,7 +11,7 @@ import torch
 from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf
 
 from mstar.errors import RequestError
-from mstar.models.layers.mrope import mrope_cos_sin
+from mstar.models.layers.mrope import mrope_axes, mrope_cos_sin
 from mstar.models.qwen3_omni.positions import audio_tokens, mrope_positions
 from test_qwen3_omni_config import tiny
 
@@ -87,7 +87,7 @@ def test_interleaved_mrope_matches_transformers_rotary(thinker) -> None:
                                    audio_frames=[p[1] for p in parts if p[0] == "audio"],
                                    image_grids=[p[1] for p in parts if p[0] == "image"])
     rotary = thinker.model.language_model.rotary_emb
-    cos, sin = mrope_cos_sin(positions, rotary.inv_freq, rotary.mrope_section)
+    cos, sin = mrope_cos_sin(positions, rotary.inv_freq, mrope_axes(rotary.mrope_section))
     want_cos, want_sin = rotary(torch.zeros(1, dtype=torch.float32), positions[:, None, :])
     assert not torch.equal(positions[0], positions[1])  # the image rows make the axes differ
     torch.testing.assert_close(cos, want_cos[0])

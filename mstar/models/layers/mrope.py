@@ -26,11 +26,13 @@ def mrope_axes(section: Sequence[int]) -> torch.Tensor:
 
 
 def mrope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
-                  section: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [T, 2·len(inv_freq)] in float32 for positions [3, T]."""
-    if sum(section) != inv_freq.numel():
-        raise ValueError(f"mrope section {list(section)} does not cover {inv_freq.numel()} frequencies")
-    axes = mrope_axes(section).to(positions.device)
+                  axes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, 2·len(inv_freq)] in float32 for positions [3, T];
+    `axes`: `mrope_axes` of the section, on the positions' device (a model
+    keeps it as a buffer: a step captured in a CUDA graph copies nothing from
+    the host)."""
+    if axes.numel() != inv_freq.numel():
+        raise ValueError(f"mrope axes for {axes.numel()} frequencies do not cover {inv_freq.numel()}")
     angles = positions.float()[axes, :].T * inv_freq.float()  # [T, D/2]: frequency j by its axis's position
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()

@@ -19,7 +19,7 @@ from torch import nn
 from mstar.kernels.rope_kv import rotate_half
 from mstar.models.layers.linear import Linear
 from mstar.models.layers.moe import SparseMoe
-from mstar.models.layers.mrope import mrope_cos_sin
+from mstar.models.layers.mrope import mrope_axes, mrope_cos_sin
 from mstar.models.layers.norm import RMSNorm
 from mstar.models.qwen3_omni.config import CodePredictorConfig, MoeDecoderConfig
 from mstar.types import AttentionContext, TokenBatch
@@ -93,6 +93,7 @@ class ThinkerDecoder(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, **kw)
         inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        self.register_buffer("mrope_axes", mrope_axes(cfg.mrope_section).to(device), persistent=False)
 
     def forward(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
         """Every token's embedding and `accept_layer` output ("embeds",
@@ -104,7 +105,7 @@ class ThinkerDecoder(nn.Module):
                 embeds = embeds.index_copy(0, index, rows.to(embeds.dtype))
         deep, deep_index = batch.embeds.get("deepstack", (None, None))
         positions = batch.positions if batch.positions.dim() == 2 else batch.positions.expand(3, -1)
-        cos, sin = mrope_cos_sin(positions, self.inv_freq, self.cfg.mrope_section)
+        cos, sin = mrope_cos_sin(positions, self.inv_freq, self.mrope_axes)
         h, hidden = embeds, embeds
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, batch.attn)

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.models.layers.linear import Linear
-from mstar.models.layers.mrope import mrope_cos_sin
+from mstar.models.layers.mrope import mrope_axes, mrope_cos_sin
 from mstar.models.layers.norm import RMSNorm
 from mstar.models.qwen3_omni.config import TalkerConfig
 from mstar.models.qwen3_omni.speech.code_predictor import CodePredictor
@@ -77,6 +77,7 @@ class TalkerDecoder(nn.Module):
         self.code_predictor = CodePredictor(cfg.code_predictor, **kw)
         inv_freq = 1.0 / d.rope_theta ** (torch.arange(0, d.head_dim, 2, dtype=torch.float32) / d.head_dim)
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        self.register_buffer("mrope_axes", mrope_axes(cfg.decoder.mrope_section).to(device), persistent=False)
 
     def text_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Thinker token ids [N] -> the talker's text side of each [N, H]:
@@ -105,7 +106,7 @@ class TalkerDecoder(nn.Module):
 
     def _run(self, x: torch.Tensor, batch: TokenBatch) -> dict[str, torch.Tensor]:
         positions = batch.positions if batch.positions.dim() == 2 else batch.positions.expand(3, -1)
-        cos, sin = mrope_cos_sin(positions, self.inv_freq, self.cfg.decoder.mrope_section)
+        cos, sin = mrope_cos_sin(positions, self.inv_freq, self.mrope_axes)
         for layer in self.layers:
             x = layer(x, cos, sin, batch.attn)
         last = self.norm(x[batch.logits_index])
