@@ -398,7 +398,9 @@ async def test_rows_swapped_out_and_back_speak_the_same() -> None:
             120)
         for got, want in zip(results, expected):
             _check(got, [want])
-        assert eng.workers[0].preemption.preempted > len(requests)
+        # both kinds were swapped out and back: group rows and step-by-step ones (how often is up to timing)
+        swapped = eng.workers[0].preemption.preempted_by
+        assert swapped["thinker"] >= 1 and swapped["talker"] >= 1
         await drained(eng)
     finally:
         await eng.shutdown()

@@ -17,6 +17,8 @@ is admitted again with a slot as well as pages.
 
 from __future__ import annotations
 
+from collections import Counter
+
 from collections.abc import Iterator, Sequence
 
 from mstar.engine.memory.kv_cache import KVCache
@@ -38,6 +40,7 @@ class Preemption:
         self.states = dict(states or {})
         self.slots = dict(slots or {})
         self.preempted = 0   # rows swapped out so far
+        self.preempted_by: Counter[str] = Counter()  # ... by component
         self.resumed = 0
 
     def swap_out(self, group: LoopGroup, rows: Sequence[int]) -> None:
@@ -48,6 +51,7 @@ class Preemption:
             row = leave.part.row(group.component)
             pages, had_slot = self._swap(row, group.component)
             self.preempted += 1
+            self.preempted_by[group.component] += 1
             self.walker.preempted(leave, pages, had_slot)
 
     def _swap(self, row: KVRow, component: str) -> tuple[int, bool]:
@@ -117,6 +121,7 @@ class Preemption:
         else:
             scheduler.row_ended(component)
         self.preempted += 1
+        self.preempted_by[component] += 1
 
     def resume(self, items: list[WorkItem]) -> list[WorkItem]:
         """Bring back the preempted rows among admitted `items` (their pages
