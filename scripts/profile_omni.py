@@ -1,0 +1,91 @@
+"""Where a Qwen3-Omni spoken answer's time goes: one or more `speak`
+requests on the engine in this process, each component's steps timed on the
+worker (synchronised, so the numbers are per step, not overlapped), by
+component and mode: steps, rows, total and mean milliseconds.
+
+On the H200 (from the repo root, PYTHONPATH=.):
+    python scripts/profile_omni.py --concurrency 1 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mstar.config import EngineConfig, SchedulerConfig, graph_buckets  # noqa: E402
+from mstar.engine.engine import Engine  # noqa: E402
+from mstar.engine.execution.runner import ComponentRunner  # noqa: E402
+from mstar.types import GenerateRequest, SamplingParams  # noqa: E402
+
+TIMES: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0])  # steps, rows, seconds
+
+
+def _timed(name: str, fn):
+    def call(self, *args, **kwargs):
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        out = fn(self, *args, **kwargs)
+        sync()
+        batch = args[0]
+        if name == "group":
+            key, rows = (batch.component, batch.mode), args[1].stop - args[1].start
+        else:
+            key, rows = (batch.component, batch.mode), len(batch.items)
+        entry = TIMES[key]
+        entry[0] += 1
+        entry[1] += rows
+        entry[2] += time.perf_counter() - t0
+        return out
+    return call
+
+
+async def _speak(eng: Engine, rid: str, model: str, text_tokens: int, frames: int) -> None:
+    request = GenerateRequest(rid, model, {"messages": [{"role": "user", "content": "Tell me about coffee."}]},
+                              SamplingParams(max_tokens=text_tokens, ignore_eos=True), walk="speak",
+                              sampling_by={"talker": {"max_tokens": frames + 1, "ignore_eos": True,
+                                                      "stop_token_ids": []}})
+    async for chunk in eng.submit(request):
+        if chunk.finished and chunk.error:
+            raise RuntimeError(chunk.error)
+
+
+async def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="qwen3-omni-30b-a3b")
+    p.add_argument("--device", default="cuda:0")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--text-tokens", type=int, default=40)
+    p.add_argument("--frames", type=int, default=50)
+    args = p.parse_args()
+    ComponentRunner.compute = _timed("items", ComponentRunner.compute)
+    ComponentRunner.run_group = _timed("group", ComponentRunner.run_group)
+    eng = Engine(EngineConfig(model=args.model, load_format="dummy", devices=(args.device,), max_model_len=4096,
+                              scheduler=SchedulerConfig(max_num_seqs=64), cuda_graph_batch_sizes=graph_buckets(64)))
+    await eng.start()
+    try:
+        await _speak(eng, "warm", args.model, 4, 4)
+        for c in args.concurrency:
+            TIMES.clear()
+            t0 = time.perf_counter()
+            await asyncio.gather(*(_speak(eng, f"p{c}-{i}", args.model, args.text_tokens, args.frames)
+                                   for i in range(c)))
+            wall = time.perf_counter() - t0
+            print(f"\nconcurrency {c}: {wall:.2f} s wall for {c} x {args.frames} frames")
+            print(f"{'component.mode':24} {'steps':>6} {'rows':>6} {'total ms':>10} {'ms/step':>8}")
+            for (comp, mode), (steps, rows, secs) in sorted(TIMES.items(), key=lambda kv: -kv[1][2]):
+                print(f"{comp + '.' + mode:24} {steps:6d} {rows:6d} {1e3 * secs:10.1f} {1e3 * secs / steps:8.2f}")
+    finally:
+        await eng.shutdown()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
