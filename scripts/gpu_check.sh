@@ -177,9 +177,12 @@ if [[ $what == moe ]]; then
   timeout 240 python3 scripts/bench_moe.py ${MOE_ARGS:-} --out "$OUT/moe.json" 2>&1 | tee "$OUT/bench_moe.txt" | tail -16
 fi
 if [[ $what == omni ]]; then
-  timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider -o timeout=250 -k "moe or cuda_tensors_take_triton" \
-      tests/test_kernels_gpu.py tests/test_qwen3_omni_code2wav_gpu.py > "$OUT/omni_tests.txt" 2>&1
+  timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider -o timeout=150 -k "moe or cuda_tensors_take_triton" \
+      tests/test_kernels_gpu.py > "$OUT/omni_tests.txt" 2>&1
   rc=$?
+  timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider -o timeout=250 -k "cuda or gpu or graph" \
+      tests/test_qwen3_omni_code2wav_gpu.py tests/test_qwen3_omni_gpu.py tests/test_qwen3_omni_speech.py \
+      >> "$OUT/omni_tests.txt" 2>&1 || rc=1
   tail -8 "$OUT/omni_tests.txt"
   timeout ${OMNI_TIMEOUT:-420} python3 scripts/bench_omni.py ${OMNI_ARGS:-} --out "$OUT/omni.json" 2>&1 \
       | grep -v "\[info" | tee "$OUT/bench_omni.txt" | tail -20

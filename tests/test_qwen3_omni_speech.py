@@ -24,6 +24,7 @@ from mstar.models.qwen3_omni.model import Qwen3OmniModel
 from mstar.types import GenerateRequest, SamplingParams
 from test_qwen3_omni_media import _audio, _clip, _messages, folder  # noqa: F401  (a fixture)
 from test_qwen3_omni_thinker import saved  # noqa: F401  (a fixture)
+from toys.serving import DEVICES
 
 TEXT, FRAMES = 5, 9  # thinker tokens; talker tokens (one frame fewer: the last first code has no frame)
 PENALTY = 1.05
@@ -64,8 +65,11 @@ async def _speak(eng: Engine, rid: str, model: str, messages: list[dict], voice:
     return text, np.frombuffer(bytes(audio), dtype=np.int16)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 async def test_speech_equals_transformers_generate_alone_and_together(
-        folder: Path, saved: tuple[Path, Qwen3OmniMoeForConditionalGeneration]) -> None:  # noqa: F811
+        folder: Path, saved: tuple[Path, Qwen3OmniMoeForConditionalGeneration], device: str) -> None:  # noqa: F811
+    """On CUDA too (float32, TF32 off): the code predictor's frames there run
+    as CUDA graphs, the thinker's decode too."""
     _, hf = saved
     mine = Qwen3OmniModel(str(folder), str(folder))
     cases = [(_messages("say something"), "ethan"),
@@ -80,7 +84,9 @@ async def test_speech_equals_transformers_generate_alone_and_together(
     for _, pcm in expected:
         assert len(pcm) == 1920 * (FRAMES - 1) - 555 and np.abs(pcm).max() > 0
 
-    eng = Engine(EngineConfig(model=str(folder), devices=("cpu",), max_model_len=512))
+    if device.startswith("cuda"):
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    eng = Engine(EngineConfig(model=str(folder), devices=(device,), dtype="float32", max_model_len=512))
     await eng.start()
     try:
         alone = [await _speak(eng, f"a{i}", str(folder), m, v) for i, (m, v) in enumerate(cases)]

@@ -29,6 +29,8 @@ from mstar.models.qwen3_omni.speech.talker import TalkerDecoder, suppressed_code
 from mstar.models.qwen3_omni.speech.talker_prompt import talker_embeds, talker_rows
 from mstar.types import StateRows, TokenBatch
 
+FRAME_GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
 
 def _rows(value: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
     return list(value) if isinstance(value, (list, tuple)) else list(value.unbind(0))
@@ -42,6 +44,8 @@ class TalkerSteps(nn.Module):
         self.talker, self.cfg = talker, cfg
         device = talker.codec_head.weight.device
         self.register_buffer("suppressed", suppressed_codes(cfg.talker).to(device), persistent=False)
+        if device.type == "cuda":  # a frame's code predictor is launch-bound eagerly
+            talker.code_predictor.capture(FRAME_GRAPH_BUCKETS)
 
     def prefill(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
         extra = batch.extra
