@@ -86,16 +86,63 @@ class TalkerSteps(nn.Module):
 
 
 class Code2WavSteps(nn.Module):
-    """Component `code2wav`: mode `frame`, with per-row state."""
+    """Component `code2wav`: mode `frame`, with per-row state. On CUDA a step
+    of one frame a row replays a graph of its batch bucket (captured at the
+    first step, when the state's tensors exist); the bucket's spare rows
+    work in the state pool's scratch slot."""
 
     def __init__(self, code2wav: Code2Wav) -> None:
         super().__init__()
         self.code2wav = code2wav
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._static: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # codes, slots, fresh
 
     def frame(self, codes: torch.Tensor, state: StateRows) -> dict[str, list[torch.Tensor]]:
         """codes [B, k, G]: k frames a row (the stream's items) -> per row its samples."""
-        frames = codes.reshape(codes.shape[0], -1, codes.shape[-1]).transpose(1, 2)  # [B, Q, k]
+        frames = codes.reshape(codes.shape[0], -1, codes.shape[-1]).transpose(1, 2).long()  # [B, Q, k]
         fresh = state.tensors["frames"][state.slots] == 0
-        pcm = self.code2wav.stream(frames.long(), state, fresh)
+        rows = frames.shape[0]
+        if frames.is_cuda and frames.shape[-1] == 1 and rows <= FRAME_GRAPH_BUCKETS[-1]:
+            pcm = self._replay(frames, state, fresh)
+        else:
+            pcm = self.code2wav.stream(frames, state, fresh)
         held = self.code2wav.held
         return {"pcm": [p[held:] if new else p for p, new in zip(pcm, fresh.tolist())]}
+
+    def _replay(self, frames: torch.Tensor, state: StateRows, fresh: torch.Tensor) -> torch.Tensor:
+        if self._static is None:
+            self._capture(frames.shape[1], state)
+        assert self._static is not None
+        codes, slots, new = self._static
+        rows = frames.shape[0]
+        bucket = next(b for b in FRAME_GRAPH_BUCKETS if b >= rows)
+        scratch = next(iter(state.tensors.values())).shape[0] - 1
+        slots.fill_(scratch)
+        new.fill_(True)
+        codes[:rows] = frames
+        slots[:rows] = state.slots
+        new[:rows] = fresh
+        graph, out = self._graphs[bucket]
+        graph.replay()
+        return out[:rows]
+
+    def _capture(self, quantizers: int, state: StateRows) -> None:
+        """Every bucket's graph of one frame a row, over the pool's tensors."""
+        top, device = FRAME_GRAPH_BUCKETS[-1], state.slots.device
+        scratch = next(iter(state.tensors.values())).shape[0] - 1
+        codes = torch.zeros(top, quantizers, 1, dtype=torch.long, device=device)
+        slots = torch.full((top,), scratch, dtype=torch.long, device=device)
+        fresh = torch.ones(top, dtype=torch.bool, device=device)
+        self._static = (codes, slots, fresh)
+        pool = torch.cuda.graph_pool_handle()
+        for b in FRAME_GRAPH_BUCKETS:
+            rows = StateRows(state.tensors, slots[:b])
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up: cuDNN's choices and lazy inits outside the capture
+                self.code2wav.stream(codes[:b], rows, fresh[:b])
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self.code2wav.stream(codes[:b], rows, fresh[:b])
+            self._graphs[b] = (graph, out)
