@@ -45,6 +45,8 @@ TALKER_MAX_FRAMES = 4096      # the released talker's token budget: about 327 s 
 class Qwen3OmniModel(Model):
     default_walk = walks.TEXT_OUT
     input_modalities = ("text", "audio", "image")
+    tts_walk = walks.TTS
+    spoken_chat_walk = walks.SPEECH_OUT  # `walk_for` adds the encoders a prompt's media need
 
     def __init__(self, name: str, path: str | Path | None, load_format: str = "auto",
                  max_model_len: int | None = None, *, builtin: Mapping[str, Any] | None = None) -> None:
