@@ -114,8 +114,9 @@ class Qwen3OmniModel(Model):
         """The released generation defaults: the talker's first codes and the
         code predictor's draws (`cp`) sample; the thinker's text follows the
         request (greedy unless asked)."""
-        if key == "talker":
-            return SamplingParams(temperature=0.9, top_k=50, repetition_penalty=1.05, max_tokens=TALKER_MAX_FRAMES,
+        if key == "talker":  # its budget within what a context of this server holds, so that it is valid here
+            return SamplingParams(temperature=0.9, top_k=50, repetition_penalty=1.05,
+                                  max_tokens=min(TALKER_MAX_FRAMES, self._max_model_len),
                                   stop_token_ids=(self.config.talker.codec_eos_id,))
         if key == "cp":
             return SamplingParams(temperature=1.0, top_k=50, top_p=0.8)
