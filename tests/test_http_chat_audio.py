@@ -252,8 +252,8 @@ async def test_misuse_is_a_400_naming_the_field(client: openai.AsyncOpenAI, omni
 async def test_a_text_model_refuses_a_spoken_answer(engine: Engine) -> None:
     async with serving(engine) as url:
         api = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
-        error = await refused(api.chat.completions.create(model=TEXT_MODEL, messages=HELLO, max_tokens=2,
-                                                          modalities=["text", "audio"], audio=WAV))  # type: ignore[arg-type]
+        spoken: dict[str, Any] = {"modalities": ["text", "audio"], "audio": WAV}
+        error = await refused(api.chat.completions.create(model=TEXT_MODEL, messages=HELLO, max_tokens=2, **spoken))
         assert error["param"] == "modalities" and "text only" in error["message"], error
         text = await api.chat.completions.create(model=TEXT_MODEL, messages=HELLO, max_tokens=2, modalities=["text"])
         assert text.choices[0].message.content is not None and text.choices[0].message.audio is None
