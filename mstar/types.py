@@ -150,6 +150,10 @@ class ModelCard:
     voices: tuple[str, ...] = ()
     default_sampling: SamplingParams = field(default_factory=SamplingParams)
     input_modalities: tuple[str, ...] = ("text",)  # what its chat messages may hold
+    tts_walk: str | None = None          # its walk for text to speech, if it has one
+    spoken_chat_walk: str | None = None  # its walk for chat answers spoken as well as written, if it has one
+    # what a request on `tts_walk` gets for the sampling fields it leaves out (the walk's root key's defaults)
+    tts_sampling: SamplingParams = field(default_factory=SamplingParams)
 
 
 @dataclass(frozen=True)

@@ -185,7 +185,9 @@ def test_chat_messages_and_limits() -> None:
     ({"logprobs": 1}, "logprobs"),
     ({"top_logprobs": 3}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"modalities": ["text", "audio"]}, "modalities"),
+    ({"modalities": ["text", "audio"]}, "audio"),  # spoken, but in no voice or format
+    ({"modalities": ["text", "video"]}, "modalities"),
+    ({"audio": {"voice": "ethan", "format": "wav"}}, "modalities"),  # audio not asked for
     ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
     ({"temperature": None, "top_p": 3}, "top_p"),
 ])

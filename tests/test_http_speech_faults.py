@@ -42,9 +42,10 @@ class FakeSpeaker(Model):
         Emit("pcm", modality="audio", sample_rate=24_000),
         inputs=("x",))}
     default_walk = "speak"
+    tts_walk = "speak"
     voices = ("robot",)
 
-    def default_sampling(self) -> SamplingParams:
+    def default_sampling(self, key: str | None = None) -> SamplingParams:
         return SamplingParams(max_tokens=6)
 
     def __init__(self) -> None:

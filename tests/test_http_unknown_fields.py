@@ -99,7 +99,7 @@ async def test_every_openai_field_at_a_neutral_value_is_accepted(url: str) -> No
 
 @ON_LOOP
 @pytest.mark.parametrize("field, value", [
-    ("store", True), ("service_tier", "flex"), ("audio", {"voice": "alloy", "format": "wav"}),
+    ("store", True), ("service_tier", "flex"),
     ("prediction", {"type": "content", "content": "x"}), ("reasoning_effort", "low"), ("verbosity", "high"),
     ("web_search_options", {"search_context_size": "low"}), ("function_call", {"name": "f"}),
     ("metadata", {"n": 5}), ("metadata", "tags"), ("parallel_tool_calls", "yes"), ("safety_identifier", 7),

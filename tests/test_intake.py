@@ -231,6 +231,7 @@ class Speaker(Model):
         Emit("pcm", modality="audio", sample_rate=24_000),
         inputs=("x",))}
     default_walk = "speak"
+    tts_walk = "speak"
 
     def __init__(self) -> None:
         super().__init__("speaker")

@@ -1,6 +1,7 @@
 """What stops a server at startup, checked in-process: CUDA devices this
 machine lacks, a worker whose device cannot be set (its error reaches the
-engine instead of hanging its start), and the URLs the server prints."""
+engine instead of hanging its start), a model naming a walk it lacks to
+serve an API, and the URLs the server prints."""
 
 from __future__ import annotations
 
@@ -57,6 +58,14 @@ async def test_engine_start_fails_when_a_worker_cannot_set_its_device(monkeypatc
     engine = Engine(EngineConfig(devices=("cuda:0",)))
     with pytest.raises(MstarError, match="^worker on cuda:0 failed to start: RuntimeError: cannot set the device$"):
         await asyncio.wait_for(engine.start(), timeout=30)
+
+
+@pytest.mark.parametrize("role", ["tts_walk", "spoken_chat_walk"])
+async def test_a_model_naming_a_walk_it_lacks_does_not_start(role: str) -> None:
+    model = load_model("tiny-llama")
+    setattr(model, role, "whisper")
+    with pytest.raises(ConfigError, match=f"model 'tiny-llama': its {role} 'whisper' is not one of its walks"):
+        await Engine(EngineConfig(), model=model).start()
 
 
 @pytest.mark.parametrize("host,url,demo", [

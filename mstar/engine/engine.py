@@ -81,6 +81,10 @@ class Engine:
                 None, lambda: load_model(cfg.model, cfg.load_format, cfg.max_model_len))
         self.plans = compile_walks(self.model.walks, self.model.components)
         check_runnable(self.plans, self.model.components)
+        for role, walk in (("tts_walk", self.model.tts_walk), ("spoken_chat_walk", self.model.spoken_chat_walk)):
+            if walk is not None and walk not in self.plans:
+                raise ConfigError(f"model '{self.model.name}': its {role} '{walk}' is not one of its walks "
+                                  f"({', '.join(self.plans)})")
         self.placement = resolve(cfg.placement, cfg.devices, self.model.components, self.plans,
                                  self.model.split_placement(len(cfg.devices)))
         devices = [d for d in cfg.devices if self.placement.on(d)]
@@ -166,8 +170,11 @@ class Engine:
     def model_cards(self) -> list[ModelCard]:
         m = self._model(None)
         placed = self.placement.components()
+        # a tts walk's root samples under its own key, whose defaults are not the model's root defaults
+        tts = m.default_sampling(self.plans[m.tts_walk].root) if m.tts_walk is not None else m.default_sampling()
         return [ModelCard(self.model_name, m.max_model_len, tuple(self.plans), m.default_walk, placed,
-                          tuple(m.voices), m.default_sampling(), tuple(m.input_modalities))]
+                          tuple(m.voices), m.default_sampling(), tuple(m.input_modalities), m.tts_walk,
+                          m.spoken_chat_walk, tts)]
 
     async def profile(self, seconds: float, worker: int = 0) -> torch.profiler.profile:
         """torch's profiler over `seconds` of worker `worker`'s thread (its

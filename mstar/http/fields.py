@@ -176,3 +176,18 @@ class Fields:
         value = self.obj.get(key)
         if value:
             raise self.error(key, f"{what or key} is not supported")
+
+
+def read_voice(f: Fields) -> str | None:
+    """The `voice` of a speech body or of a chat body's `audio`: a voice's
+    name, or OpenAI's custom-voice object `{"id": name}`."""
+    value = f.raw("voice")
+    if isinstance(value, dict):
+        value = Fields(value, f.name("voice") + ".").string("id")
+        if value is None:
+            raise f.error("voice", "an object voice needs an 'id'")
+    if value is not None and not isinstance(value, str):
+        raise f.error("voice", f"must be a string or an object with an 'id', not {type_name(value)}")
+    if value is not None and not value.strip():
+        raise f.error("voice", "must not be empty")
+    return value

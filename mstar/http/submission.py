@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 R = TypeVar("R")
 
-SPEAK_WALK = "speak"  # the walk of speech models: text and a voice in, audio out
+SPEAK_WALK = "speak"  # the realtime session's speech walk (Orpheus's); the other routes read `Target.tts_walk`
 OFF_LOOP_SIZE = 1 << 16  # request bodies from this size on are parsed on a thread
 
 
@@ -50,7 +50,10 @@ class ClientGone(MstarError):
 
 @dataclass(frozen=True)
 class Target:
-    """The served model a request resolved to."""
+    """The served model a request resolved to. `tts_walk` and
+    `spoken_chat_walk` (None where the model has none) serve
+    `/v1/audio/speech` and chat with audio out; `tts_sampling` is what a
+    request on `tts_walk` gets for the sampling fields it leaves out."""
 
     name: str
     tokenizer: Any
@@ -58,6 +61,9 @@ class Target:
     walks: tuple[str, ...] = ()
     default_walk: str = ""
     input_modalities: tuple[str, ...] = ("text",)  # what its chat messages may hold
+    tts_walk: str | None = None
+    spoken_chat_walk: str | None = None
+    tts_sampling: SamplingParams = field(default_factory=SamplingParams)
 
 
 def resolve_model(engine: Engine, requested: str | None) -> Target:
@@ -74,8 +80,13 @@ def resolve_model(engine: Engine, requested: str | None) -> Target:
         raise
     except RequestError:
         tokenizer = None
+    tts = card.tts_sampling
+    if tts.max_tokens is not None and tts.max_tokens >= card.max_model_len:
+        # a default budget no prompt leaves room for: all the room the prompt leaves instead
+        tts = dataclasses.replace(tts, max_tokens=None)
     return Target(name=name, tokenizer=tokenizer, max_model_len=card.max_model_len, walks=tuple(card.walks),
-                  default_walk=card.default_walk, input_modalities=tuple(card.input_modalities))
+                  default_walk=card.default_walk, input_modalities=tuple(card.input_modalities),
+                  tts_walk=card.tts_walk, spoken_chat_walk=card.spoken_chat_walk, tts_sampling=tts)
 
 
 async def off_loop(size: int, fn: Callable[..., R], *args: Any) -> R:

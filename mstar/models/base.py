@@ -72,6 +72,9 @@ class Model:
     voices: tuple[str, ...] = ()  # speaker names, for models that speak
     # what a request's chat messages may hold ("text", "audio", "image"); the HTTP layer refuses the rest
     input_modalities: tuple[str, ...] = ("text",)
+    # the walks that serve the APIs with audio out (None: the model serves none):
+    tts_walk: str | None = None          # `{"text", "voice"}` in, audio out (`/v1/audio/speech`)
+    spoken_chat_walk: str | None = None  # chat `messages` and a `voice` in, text and audio out
 
     def __init__(self, name: str) -> None:
         self.name = name

@@ -29,7 +29,14 @@ ERROR: Schema = {
 USAGE: Schema = {
     "type": "object",
     "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-    "properties": {k: {"type": "integer"} for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+    "properties": {
+        **{k: {"type": "integer"} for k in ("prompt_tokens", "completion_tokens", "total_tokens")},
+        "completion_tokens_details": {
+            "type": "object", "properties": {k: {"type": "integer"} for k in ("text_tokens", "audio_tokens")},
+            "description": "a spoken chat answer's: `completion_tokens` told apart, `audio_tokens` those the "
+                           "model's speech side sampled (Qwen3-Omni's talker: a frame of 80 ms each, and the one "
+                           "that ended it)"},
+    },
 }
 
 HEALTH: Schema = {
@@ -120,10 +127,38 @@ NATIVE_LOGPROBS: Schema = {
     "description": "with sampling_params.logprobs: one entry per token of `token_ids`",
 }
 
-MESSAGE: Schema = {"type": "object", "properties": {"role": {"const": "assistant"}, "content": {"type": "string"}}}
+SPOKEN: Schema = {
+    "type": "object",
+    "required": ["id", "data", "expires_at", "transcript"],
+    "properties": {
+        "id": {"type": "string"},
+        "data": {"type": "string", "contentEncoding": "base64",
+                 "description": "the whole answer's audio, in the request's `audio.format`"},
+        "expires_at": {"type": "integer",
+                       "description": "the answer's `created`: no audio is kept for a later turn"},
+        "transcript": {"type": "string", "description": "the answer's text"},
+    },
+}
+SPOKEN_PIECE: Schema = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "string", "description": "the choice's audio, the same in each of its pieces"},
+        "data": {"type": "string", "contentEncoding": "base64",
+                 "description": "the next piece of the audio: 16-bit PCM, 24 kHz mono"},
+        "transcript": {"type": "string", "description": "the next piece of the answer's text"},
+        "expires_at": {"type": "integer", "description": "only in the choice's last piece, which has nothing else"},
+    },
+}
+MESSAGE: Schema = {"type": "object", "properties": {
+    "role": {"const": "assistant"},
+    "content": {"type": ["string", "null"], "description": "null in a spoken answer: its text is the transcript"},
+    "audio": {**SPOKEN, "description": "a spoken answer's"}}}
+DELTA: Schema = {"type": "object", "properties": {
+    "role": {"const": "assistant"}, "content": {"type": ["string", "null"]},
+    "audio": {**SPOKEN_PIECE, "description": "a spoken answer's"}}}
 COMPLETION = reply("text_completion", choice(COMPLETION_LOGPROBS, text={"type": "string"}))
 CHAT_COMPLETION = reply("chat.completion", choice(CHAT_LOGPROBS, message=MESSAGE))
-CHAT_CHUNK = reply("chat.completion.chunk", choice(CHAT_LOGPROBS, delta=MESSAGE))
+CHAT_CHUNK = reply("chat.completion.chunk", choice(CHAT_LOGPROBS, delta=DELTA))
 
 SSE_DESCRIPTION = ("server-sent events: each `data: {json}` frame a chunk, the stream ending with "
                    "`data: [DONE]`; a failure after the headers is an `{\"error\": ...}` frame")

@@ -18,6 +18,8 @@ from typing import Any
 
 from mstar.http.speech.audio import CONTENT_TYPES
 from mstar.http.media import AUDIO_FORMATS
+from mstar.http.text.chat_audio import FORMATS as CHAT_AUDIO_FORMATS
+from mstar.http.text.chat_audio import MODALITIES, STREAMED_FORMAT
 from mstar.http.text.chat_messages import CHAT_ROLES, IMAGE_DETAILS
 from mstar.http.fields import Fields
 from mstar.http.text.protocol import COMPLETIONS_MAX_TOKENS, MAX_CHOICES, MAX_N, SERVICE_TIERS
@@ -127,10 +129,28 @@ def chat_extras() -> dict[str, Schema]:
         "service_tier": {"enum": list(SERVICE_TIERS), "description": "one tier serves every request"},
         "safety_identifier": {"type": "string"},
         "prompt_cache_key": {"type": "string"},
-        "audio": unsupported("audio output"),
         **{key: unsupported(key) for key in ("prediction", "reasoning_effort", "verbosity", "web_search_options")},
     }
 
+
+VOICE: Schema = {"oneOf": [{"type": "string", "pattern": r"\S"},
+                           {"type": "object", "required": ["id"], "properties": {"id": {"type": "string"}}}],
+                 "description": "a voice of the model (`/v1/models` lists them), by name or as `{\"id\": name}`"}
+
+CHAT_AUDIO: Schema = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["voice", "format"],
+    "properties": {
+        "voice": VOICE,
+        "format": {"enum": list(CHAT_AUDIO_FORMATS),
+                   "description": f"of `message.audio.data`; a stream's pieces are `{STREAMED_FORMAT}` only "
+                                  "(16-bit PCM, 24 kHz mono); flac, mp3 and opus need a soundfile with those "
+                                  "codecs"},
+    },
+    "description": "a spoken answer (needs `modalities` with `audio`, and a model that speaks): the whole audio "
+                   "in `message.audio`, or streamed in `delta.audio` pieces; no `logprobs` with it",
+}
 
 # `stream_options` needs `stream: true`.
 STREAM_OPTIONS_NEED_STREAM: Schema = {
@@ -233,7 +253,11 @@ CHAT_REQUEST: Schema = {
         "max_completion_tokens": {**max_tokens(), "description": "the newer name of `max_tokens`; wins over it"},
         "add_generation_prompt": {"type": "boolean", "default": True},
         "tool_choice": {"enum": ["none", "auto"], "description": "tools are not supported"},
-        "modalities": {"type": "array", "items": {"enum": ["text"]}},
+        "modalities": {"type": "array", "items": {"enum": list(MODALITIES)}, "minItems": 1, "uniqueItems": True,
+                       "default": ["text"],
+                       "description": "`[\"text\", \"audio\"]` (with `audio`) asks for a spoken answer, its "
+                                      "text as the audio's transcript"},
+        "audio": CHAT_AUDIO,
         "logprobs": {"type": "boolean", "default": False,
                      "description": "each sampled token's log probability, of the model's raw distribution"},
         "top_logprobs": {**logprobs_count("top_logprobs"),
@@ -280,9 +304,7 @@ SPEECH_REQUEST: Schema = {
         "input": {"type": "string", "minLength": 1, "maxLength": MAX_INPUT_CHARS, "pattern": r"\S",
                   "examples": ["Hello there."]},
         "model": {"type": "string"},
-        "voice": {"oneOf": [{"type": "string", "pattern": r"\S"},
-                            {"type": "object", "required": ["id"], "properties": {"id": {"type": "string"}}}],
-                  "description": "a voice of the model (its default if left out)"},
+        "voice": {**VOICE, "description": "a voice of the model (its default if left out)"},
         "response_format": {"enum": sorted(CONTENT_TYPES), "default": DEFAULT_FORMAT,
                             "description": "flac, mp3 and opus need a soundfile with those codecs"},
         "stream_format": {"enum": list(typing.get_args(StreamFormat)), "default": "audio"},

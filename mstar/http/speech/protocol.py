@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from mstar.http.speech.audio import check_format
-from mstar.http.fields import Fields, type_name
+from mstar.http.fields import Fields, read_voice
 from mstar.http.text.protocol import SAMPLING_BY, parse_json_object
 
 MAX_INPUT_CHARS = 4096  # OpenAI's limit on `input`
@@ -73,7 +73,7 @@ def parse_speech(body: bytes) -> SpeechBody:
     return SpeechBody(
         model=f.string("model"),
         input=_read_input(f),
-        voice=_read_voice(f),
+        voice=read_voice(f),
         response_format=fmt,
         stream_format=stream_format,  # type: ignore[arg-type]  # checked just above
         sampling=_read_sampling(f),
@@ -98,20 +98,6 @@ def _read_input(f: Fields) -> str:
     if len(text) > MAX_INPUT_CHARS:
         raise f.error("input", f"must be at most {MAX_INPUT_CHARS} characters, got {len(text)}")
     return text
-
-
-def _read_voice(f: Fields) -> str | None:
-    """A voice name, or OpenAI's custom-voice object `{"id": name}`."""
-    value = f.raw("voice")
-    if isinstance(value, dict):
-        value = Fields(value, "voice.").string("id")
-        if value is None:
-            raise f.error("voice", "an object voice needs an 'id'")
-    if value is not None and not isinstance(value, str):
-        raise f.error("voice", f"must be a string or an object with an 'id', not {type_name(value)}")
-    if value is not None and not value.strip():
-        raise f.error("voice", "must not be empty")
-    return value
 
 
 def _read_sampling(f: Fields) -> dict[str, Any]:

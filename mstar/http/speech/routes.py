@@ -1,8 +1,10 @@
 """`POST /v1/audio/speech`, OpenAI-compatible text to speech, streamed.
 
-The text and voice go to the model's `speak` walk; its PCM16 chunks go out as
-they are produced, encoded in the requested `response_format` (see
-`audio.py`): either as the audio body itself (chunked transfer) or, with
+The text and voice go to the model's text-to-speech walk (`Model.tts_walk`:
+Orpheus's `speak`, Qwen3-Omni's `tts`), with the model's defaults for that
+walk under the sampling fields the client gave; its PCM16 chunks, at the
+rate they carry, go out as they are produced, encoded in the requested
+`response_format` (see `audio.py`): either as the audio body itself (chunked transfer) or, with
 `stream_format: "sse"`, as `speech.audio.delta` events carrying base64 pieces
 of that same encoded stream, closed by `speech.audio.done` with the usage.
 With `stream: false` the whole audio is gathered first and sent as one file
@@ -15,7 +17,9 @@ body is cut off (the connection closes before the chunked body's end, which
 HTTP clients report as an incomplete read). A client that hangs up aborts its
 engine request.
 
-Text can also stream in while the audio streams out: a body of content type
+Text can also stream in while the audio streams out, for a model whose
+text-to-speech walk takes input while it runs (Orpheus's; another model's
+refuses such a body with a 400 naming `input`): a body of content type
 `application/x-ndjson` is read line by line. Its first line is the JSON body
 above; each later line, `{"input": "more text"}`, is spoken after what came
 before, in the same engine request (one more turn on the same KV cache, no
@@ -45,8 +49,8 @@ from mstar.http.keys import ENGINE
 from mstar.http.responses import client_gone, error_body, request_error_body
 from mstar.http.speech.streamed_input import StreamedInput
 from mstar.http.speech.protocol import SpeechBody, parse_speech
-from mstar.http.submission import (SPEAK_WALK, Choice, ClientGone, GenerationFailed, Inputs, Submission, failure_of,
-                                   model_defaults, resolve_model, spoken_names, submit)
+from mstar.http.submission import (Choice, ClientGone, GenerationFailed, Inputs, Submission, failure_of,
+                                   resolve_model, spoken_names, submit)
 from mstar.types import OutputChunk, SamplingParams
 
 log = structlog.get_logger("mstar.http")
@@ -66,13 +70,14 @@ async def speech(request: web.Request) -> web.StreamResponse:
     body = parse_speech(await request.content.readline() if streamed else await request.read())
     engine = request.app[ENGINE]
     target = resolve_model(engine, body.model)
-    if SPEAK_WALK not in target.walks:
-        raise RequestError(f"model '{target.name}' does not speak (its walks: {', '.join(target.walks)})",
-                           field="model")
-    sampling = speech_sampling(model_defaults(engine), body)
-    spoken = Inputs({"text": body.input, "voice": body.voice},
-                    spoken_names("input", "max_tokens" if "max_tokens" in body.sampling else None))
-    sub = await submit(engine, f"speech-{uuid.uuid4().hex}", target.name, [spoken], sampling, walk=SPEAK_WALK,
+    if target.tts_walk is None:
+        raise RequestError(f"model '{target.name}' does not speak: it has no text-to-speech walk (its walks: "
+                           f"{', '.join(target.walks)})", field="model")
+    sampling = speech_sampling(target.tts_sampling, body)
+    # no voice: the model's default one
+    values = {"text": body.input, **({"voice": body.voice} if body.voice is not None else {})}
+    spoken = Inputs(values, spoken_names("input", "max_tokens" if "max_tokens" in body.sampling else None))
+    sub = await submit(engine, f"speech-{uuid.uuid4().hex}", target.name, [spoken], sampling, walk=target.tts_walk,
                        sampling_by=body.sampling_by, more_input=streamed, keep_audio=not body.stream)
     more = StreamedInput(request, engine, sub.streams[0].request_id) if streamed else None
 

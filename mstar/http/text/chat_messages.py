@@ -8,7 +8,9 @@ client sent (the model names `messages[i].content[j]` in its errors): text
 parts as `{"type": "text", "text"}`, media parts as `MediaPart`s whose
 payload is not decoded here; `chat_media.py` decodes them off the event
 loop and puts the arrays in their place. Tool calls and unknown roles or
-part types are refused naming the field. Importable without torch.
+part types are refused naming the field, and so is an assistant message's
+`audio` (an earlier spoken answer by id: none is kept). Importable without
+torch.
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ def read_messages(f: Fields) -> tuple[ChatMessage, ...]:
             raise m.error("role", f"must be one of {list(CHAT_ROLES)}, got {role!r}")
         m.unsupported_if_truthy("tool_calls")
         m.unsupported_if_truthy("function_call")
+        if m.has("audio"):  # OpenAI's reference to an earlier spoken answer, by its id
+            raise m.error("audio", "earlier answers' audio is not kept here: send the answer's transcript as "
+                                   "its content")
         content = _read_content(m, role)
         # Hugging Face chat templates know "system", not OpenAI's newer "developer".
         out.append({"role": "system" if role == "developer" else role, "content": content})

@@ -5,9 +5,10 @@ goes out. With `sampling_params.logprobs` k, the answer and each line carry
 `logprobs` of their tokens: ids with their logprobs and the k most likely.
 
 Speech models: a body with a `voice`, or whose walk (`walk`, else the
-model's default) is `speak`, sends its `text` and `voice` to the model as
-they are (the model builds its own prompt), with the model's default
-sampling for what `sampling_params` leaves out. Audio comes back as base64
+model's default) is the model's text-to-speech walk (`Model.tts_walk`),
+sends its `text` and `voice` to the model as they are (the model builds its
+own prompt) on `walk`, else on that walk, with the model's defaults for it
+under what `sampling_params` sets. Audio comes back as base64
 PCM16 (little-endian, mono) with its `sample_rate`: on each NDJSON line that
 carries some, and as the whole waveform in the JSON answer. A `voice` for
 a model that does not speak is refused naming it.
@@ -32,8 +33,8 @@ from mstar.http.keys import ENGINE
 from mstar.http.text.logprobs import native_logprobs
 from mstar.http.text.protocol import GenerateBody, parse_generate
 from mstar.http.responses import EventStream, client_gone, error_body, json_response
-from mstar.http.submission import (SPEAK_WALK, Choice, Inputs, Submission, Target, failure_of, model_defaults,
-                                   off_loop, prompt_inputs, resolve_model, sampling_names, spoken_names, submit)
+from mstar.http.submission import (Choice, Inputs, Submission, Target, failure_of, off_loop, prompt_inputs,
+                                   resolve_model, sampling_names, spoken_names, submit)
 from mstar.types import OutputChunk
 
 if TYPE_CHECKING:
@@ -50,10 +51,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     target = resolve_model(engine, body.model)
     request_id = f"gen-{uuid.uuid4().hex}"
-    if body.voice is not None and SPEAK_WALK not in target.walks:
+    if body.voice is not None and target.tts_walk is None:
         raise RequestError(f"model '{target.name}' has no voices: it does not speak (its walks: "
                            f"{', '.join(target.walks)})", field="voice")
-    if isinstance(body.prompt, str) and (body.voice is not None or (body.walk or target.default_walk) == SPEAK_WALK):
+    speech = body.voice is not None or (body.walk or target.default_walk) == target.tts_walk
+    if isinstance(body.prompt, str) and speech:
         sub = await _submit_speech(engine, request_id, target, body)
     else:
         field = "text" if isinstance(body.prompt, str) else "input_ids"
@@ -73,16 +75,17 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 
 async def _submit_speech(engine: Engine, request_id: str, target: Target, body: GenerateBody) -> Submission:
-    """Text and voice to the model as they are; the model's default sampling
-    under what the client set."""
+    """Text and voice to the model as they are; the model's defaults for its
+    text-to-speech walk under what the client set."""
     if body.sampling.logprobs is not None:
         raise RequestError("a speech walk answers with audio, not tokens: it has no logprobs to give",
                            field="sampling_params.logprobs")
     given = {k: getattr(body.sampling, k) for k in body.sampling_given}
-    sampling = dataclasses.replace(model_defaults(engine), **given)
+    sampling = dataclasses.replace(target.tts_sampling, **given)
     tokens_field = "sampling_params.max_tokens" if "max_tokens" in given else None
-    spoken = Inputs({"text": body.prompt, "voice": body.voice}, spoken_names("text", tokens_field, SAMPLING_PREFIX))
-    return await submit(engine, request_id, target.name, [spoken], sampling, walk=body.walk or target.default_walk,
+    values = {"text": body.prompt, **({"voice": body.voice} if body.voice is not None else {})}
+    spoken = Inputs(values, spoken_names("text", tokens_field, SAMPLING_PREFIX))
+    return await submit(engine, request_id, target.name, [spoken], sampling, walk=body.walk or target.tts_walk,
                         sampling_by=body.sampling_by, keep_audio=not body.stream)
 
 

@@ -5,7 +5,9 @@ A JSON body comes in (a chat's audio and image parts decoded off the event
 loop first, by `chat_media.py`); the engine's chunks go out either as one JSON
 answer or as server-sent events (`data: {...}` frames ending with
 `data: [DONE]`), shaped as the OpenAI API shapes them so its clients work
-unchanged.
+unchanged. A chat that asks for audio (`modalities`, `audio`) runs on the
+model's spoken-chat walk (`Model.spoken_chat_walk`) and is answered in
+`chat_audio.py`'s shapes.
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from mstar.errors import ModelNotFound
+from mstar.errors import ModelNotFound, RequestError
 from mstar.http.keys import ENGINE, MEDIA, MEDIA_LIMITS, STARTED
+from mstar.http.text.chat_audio import SpokenAnswers, spoken_usage
 from mstar.http.text.chat_media import decode_parts, refuse_untaken, with_media
 from mstar.http.text.chat_messages import media_parts
 from mstar.http.text.logprobs import LogprobShapes
@@ -34,8 +37,8 @@ from mstar.types import ModelCard, OutputChunk
 
 log = structlog.get_logger("mstar.http")
 
-# a choice and its new chunk -> one entry of a streamed chunk's `choices`
-Piece = Callable[[Choice, OutputChunk], dict[str, Any]]
+# a choice and its new chunk -> the entries to stream, each a streamed chunk's `choices`
+Piece = Callable[[Choice, OutputChunk], list[dict[str, Any]]]
 
 
 @dataclass(frozen=True)
@@ -98,34 +101,53 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await off_loop(len(raw), parse_chat, raw)
     engine = request.app[ENGINE]
     target = resolve_model(engine, body.model)
+    if body.audio is not None and target.spoken_chat_walk is None:
+        raise RequestError(f"model '{target.name}' answers in text only: 'audio' needs a model that speaks",
+                           field="modalities")
     parts = media_parts(body.messages)
     refuse_untaken(parts, target.name, target.input_modalities)
     # decoded once for all n samples, before anything starts: a bad part refuses the whole request
     decoded = await decode_parts(request.app[MEDIA], parts, request.app[MEDIA_LIMITS])
     messages = with_media(body.messages, decoded)
-    chat = Inputs({"messages": messages, "add_generation_prompt": body.add_generation_prompt},
-                  {"max_tokens": body.max_tokens_field})
+    values: dict[str, Any] = {"messages": messages, "add_generation_prompt": body.add_generation_prompt}
+    names = {"max_tokens": body.max_tokens_field}
+    if body.audio is not None:
+        values["voice"] = body.audio.voice
+        # a prompt the talker cannot answer lacks the assistant's header
+        names.update(voice="audio.voice", input="add_generation_prompt")
     reply = Reply(f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", int(time.time()), target.name)
     # max_tokens None: all the room the messages leave in the context
     sampling = dataclasses.replace(body.sampling, max_tokens=body.max_tokens)
-    sub = await submit(engine, reply.id, target.name, [chat], sampling, n=body.n, sampling_by=body.sampling_by)
+    sub = await submit(engine, reply.id, target.name, [Inputs(values, names)], sampling, n=body.n,
+                       sampling_by=body.sampling_by, walk=target.spoken_chat_walk if body.audio else None,
+                       keep_audio=body.audio is not None and not body.stream)
     shapes = LogprobShapes(target.tokenizer) if body.sampling.logprobs is not None else None
+    spoken = SpokenAnswers(body.audio, len(sub.choices), reply.created) if body.audio is not None else None
     try:
         if body.stream:
             chunk_reply = Reply(reply.id, "chat.completion.chunk", reply.created, reply.model)
-            # OpenAI opens each choice's stream with the role, before any content.
-            intro = [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                      "finish_reason": None} for c in sub.choices]
-            return await stream_sse(request, sub, chunk_reply, _chat_piece(shapes), intro, body.include_usage)
+            # OpenAI opens each choice's stream with the role, before any content (a spoken answer has none).
+            intro = [{"index": c.index, "delta": {"role": "assistant", "content": "" if spoken is None else None},
+                      "logprobs": None, "finish_reason": None} for c in sub.choices]
+            if spoken is None:
+                return await stream_sse(request, sub, chunk_reply, _chat_piece(shapes), intro, body.include_usage)
+            return await stream_sse(request, sub, chunk_reply, spoken.deltas, intro, body.include_usage,
+                                    lambda: spoken_usage(sub.usage(), sub.choices))
         choices = await sub.run_to_end(client_gone(request))
-        return json_response(reply.body([_chat_message(c, shapes) for c in choices], usage=sub.usage()))
+        if spoken is None:
+            return json_response(reply.body([_chat_message(c, shapes) for c in choices], usage=sub.usage()))
+        answers = [{"index": c.index, "message": await spoken.message(c), "logprobs": None,
+                    "finish_reason": c.finish_reason} for c in choices]
+        return json_response(reply.body(answers, usage=spoken_usage(sub.usage(), choices)))
     finally:
         await sub.aclose()
 
 
 async def stream_sse(request: web.Request, sub: Submission, reply: Reply, piece: Piece,
-                     intro: list[dict[str, Any]], include_usage: bool) -> web.StreamResponse:
-    """Send a submission's chunks as SSE until every choice finished.
+                     intro: list[dict[str, Any]], include_usage: bool,
+                     usage: Callable[[], dict[str, Any]] | None = None) -> web.StreamResponse:
+    """Send a submission's chunks as SSE until every choice finished; with
+    `include_usage`, then `usage()` (default: the submission's).
 
     A write that fails means the client left: we return, and the caller's
     `sub.aclose()` aborts what is still running. A failure after the headers
@@ -146,11 +168,10 @@ async def stream_sse(request: web.Request, sub: Submission, reply: Reply, piece:
                         log.warning("generation failed mid-stream", error=failure.message)
                         await events.fail(error_body(failure.message, status=failure.status, code=failure.code))
                         return events.response
-                # tokens whose text is held back (a possible stop string) still send their logprobs
-                if chunk.text or chunk.finished or chunk.logprobs:
-                    await events.send(reply.body([piece(choice, chunk)], **extra))
+                for entry in piece(choice, chunk):
+                    await events.send(reply.body([entry], **extra))
         if include_usage:
-            await events.send(reply.body([], usage=sub.usage()))
+            await events.send(reply.body([], usage=(usage or sub.usage)()))
         await events.close()
     except ConnectionError:
         log.info("client went away mid-stream; aborting its requests")
@@ -161,11 +182,18 @@ async def stream_sse(request: web.Request, sub: Submission, reply: Reply, piece:
 
 
 def _completion_piece(shapes: LogprobShapes | None) -> Piece:
-    def piece(choice: Choice, chunk: OutputChunk) -> dict[str, Any]:
+    def piece(choice: Choice, chunk: OutputChunk) -> list[dict[str, Any]]:
+        if not _worth_sending(chunk):
+            return []
         logprobs = shapes.completion(choice.index, chunk.logprobs) if shapes and chunk.logprobs else None
-        return {"index": choice.index, "text": chunk.text, "logprobs": logprobs,
-                "finish_reason": choice.finish_reason if chunk.finished else None}
+        return [{"index": choice.index, "text": chunk.text, "logprobs": logprobs,
+                 "finish_reason": choice.finish_reason if chunk.finished else None}]
     return piece
+
+
+def _worth_sending(chunk: OutputChunk) -> bool:
+    # tokens whose text is held back (a possible stop string) still send their logprobs
+    return bool(chunk.text or chunk.finished or chunk.logprobs)
 
 
 def _completion_choice(choice: Choice, shapes: LogprobShapes | None) -> dict[str, Any]:
@@ -175,10 +203,12 @@ def _completion_choice(choice: Choice, shapes: LogprobShapes | None) -> dict[str
 
 
 def _chat_piece(shapes: LogprobShapes | None) -> Piece:
-    def piece(choice: Choice, chunk: OutputChunk) -> dict[str, Any]:
-        return {"index": choice.index, "delta": {"content": chunk.text} if chunk.text else {},
-                "logprobs": shapes.chat(chunk.logprobs) if shapes and chunk.logprobs else None,
-                "finish_reason": choice.finish_reason if chunk.finished else None}
+    def piece(choice: Choice, chunk: OutputChunk) -> list[dict[str, Any]]:
+        if not _worth_sending(chunk):
+            return []
+        return [{"index": choice.index, "delta": {"content": chunk.text} if chunk.text else {},
+                 "logprobs": shapes.chat(chunk.logprobs) if shapes and chunk.logprobs else None,
+                 "finish_reason": choice.finish_reason if chunk.finished else None}]
     return piece
 
 

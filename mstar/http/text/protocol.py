@@ -18,6 +18,7 @@ from typing import Any, Union
 import orjson
 
 from mstar.errors import RequestError
+from mstar.http.text.chat_audio import AudioOutput, read_audio_output
 from mstar.http.text.chat_messages import ChatMessage, read_messages
 from mstar.http.fields import Fields, is_int_list, type_name
 from mstar.types import MAX_LOGPROBS, SamplingParams
@@ -65,7 +66,8 @@ class CompletionBody:
 
 @dataclass(frozen=True)
 class ChatBody:
-    """`/v1/chat/completions`. `max_tokens` None: whatever the context leaves."""
+    """`/v1/chat/completions`. `max_tokens` None: whatever the context leaves;
+    `audio` None: a text answer, else a spoken one in that voice and format."""
 
     model: str | None
     messages: tuple[ChatMessage, ...]  # media parts not yet decoded (`chat_messages.MediaPart`)
@@ -77,6 +79,7 @@ class ChatBody:
     add_generation_prompt: bool = True
     max_tokens_field: str = "max_tokens"  # the name the client used, for errors
     sampling_by: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    audio: AudioOutput | None = None
 
 
 @dataclass(frozen=True)
@@ -142,24 +145,24 @@ def parse_chat(body: bytes) -> ChatBody:
     tool_choice = f.raw("tool_choice")
     if tool_choice not in (None, "none", "auto"):
         raise f.error("tool_choice", "tools are not supported")
-    modalities = f.raw("modalities", ["text"])
-    if not isinstance(modalities, list) or any(m != "text" for m in modalities):
-        raise f.error("modalities", "only [\"text\"] is supported")
     # max_completion_tokens replaced max_tokens in the chat API; either works.
     key = "max_completion_tokens" if f.has("max_completion_tokens") else "max_tokens"
     n = _read_n(f)
     stream, include_usage = _read_stream(f)
+    logprobs = _chat_logprobs(f)
+    audio = read_audio_output(f, stream=stream, logprobs=logprobs is not None)
     return ChatBody(
         model=f.string("model"),
         messages=read_messages(f),
         max_tokens=f.integer(key, None, lo=1),
-        sampling=read_sampling(f, _chat_logprobs(f)),
+        sampling=read_sampling(f, logprobs),
         n=n,
         stream=stream,
         include_usage=include_usage,
         add_generation_prompt=f.boolean("add_generation_prompt", True),
         max_tokens_field=key,
         sampling_by=f.objects(SAMPLING_BY),
+        audio=audio,
     )
 
 
@@ -253,7 +256,6 @@ def _refuse_chat_extras(f: Fields) -> None:
         raise f.error("service_tier", f"only {list(SERVICE_TIERS)} are supported, got '{tier}'")
     if f.raw("function_call") not in (None, "none", "auto"):
         raise f.error("function_call", "functions are not supported")
-    f.unsupported_if_truthy("audio", "audio output")
     for key in ("prediction", "reasoning_effort", "verbosity", "web_search_options"):
         f.unsupported_if_truthy(key)
 

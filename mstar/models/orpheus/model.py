@@ -98,6 +98,7 @@ class OrpheusModel(LlamaModel):
         "generate": LlamaModel.walks["generate"],
     }
     default_walk = "speak"
+    tts_walk = "speak"
 
     def __init__(self, name: str, path: str | None, load_format: str = "auto", max_model_len: int | None = None,
                  *, builtin: LlamaConfig | None = None, default_max_model_len: int | None = None,

@@ -45,6 +45,8 @@ TALKER_MAX_FRAMES = 4096      # the released talker's token budget: about 327 s 
 class Qwen3OmniModel(Model):
     default_walk = walks.TEXT_OUT
     input_modalities = ("text", "audio", "image")
+    tts_walk = walks.TTS
+    spoken_chat_walk = walks.SPEECH_OUT  # `walk_for` adds the encoders a prompt's media need
 
     def __init__(self, name: str, path: str | Path | None, load_format: str = "auto",
                  max_model_len: int | None = None, *, builtin: Mapping[str, Any] | None = None) -> None:
@@ -112,8 +114,9 @@ class Qwen3OmniModel(Model):
         """The released generation defaults: the talker's first codes and the
         code predictor's draws (`cp`) sample; the thinker's text follows the
         request (greedy unless asked)."""
-        if key == "talker":
-            return SamplingParams(temperature=0.9, top_k=50, repetition_penalty=1.05, max_tokens=TALKER_MAX_FRAMES,
+        if key == "talker":  # its budget within what a context of this server holds, so that it is valid here
+            return SamplingParams(temperature=0.9, top_k=50, repetition_penalty=1.05,
+                                  max_tokens=min(TALKER_MAX_FRAMES, self._max_model_len),
                                   stop_token_ids=(self.config.talker.codec_eos_id,))
         if key == "cp":
             return SamplingParams(temperature=1.0, top_k=50, top_p=0.8)
