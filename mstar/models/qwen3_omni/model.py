@@ -158,6 +158,8 @@ class Qwen3OmniModel(Model):
             dummy_weights(module, seed=DUMMY_SEED)
             if component == "talker":  # its copy of the thinker's table: the thinker's own random values
                 dummy_param(module.thinker_embed.weight, "embed_tokens.weight", dummy_seed(DUMMY_SEED, 0))
+            if component == "code2wav":
+                _audible(module)
         else:
             assert self.path is not None
             load(module, self.path)
@@ -237,3 +239,16 @@ class Qwen3OmniModel(Model):
         wav = torch.as_tensor(audio)
         mel, = self._mel([wav], [field])
         return mel, audio_tokens(mel.shape[1])
+
+
+def _audible(code2wav: Code2Wav) -> None:
+    """Random convolutions of unit gain (the last at a tenth), so that random
+    weights make a waveform one can hear (at 0.02 everywhere it rounds to
+    silence in PCM16), as a real checkpoint's would be."""
+    gen = torch.Generator().manual_seed(DUMMY_SEED)
+    with torch.no_grad():
+        for name, p in code2wav.named_parameters():
+            if p.dim() > 1 and not name.startswith(("code_embedding", "transformer")):
+                fan_in = p[0].numel()
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.9 / fan_in ** 0.5))
+        code2wav.conv_out.weight.mul_(0.1)
