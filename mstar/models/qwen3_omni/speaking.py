@@ -124,7 +124,7 @@ class Code2WavSteps(nn.Module):
         new[:rows] = fresh
         graph, out = self._graphs[bucket]
         graph.replay()
-        return out[:rows]
+        return out[:rows].clone()  # out of the static buffer, in stream order: the next replay rewrites it
 
     def _capture(self, quantizers: int, state: StateRows) -> None:
         """Every bucket's graph of one frame a row, over the pool's tensors."""
