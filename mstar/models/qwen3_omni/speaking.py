@@ -44,8 +44,7 @@ class TalkerSteps(nn.Module):
         self.talker, self.cfg = talker, cfg
         device = talker.codec_head.weight.device
         self.register_buffer("suppressed", suppressed_codes(cfg.talker).to(device), persistent=False)
-        if device.type == "cuda":  # a frame's code predictor is launch-bound eagerly
-            talker.code_predictor.capture(FRAME_GRAPH_BUCKETS)
+
 
     def prefill(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
         extra = batch.extra
