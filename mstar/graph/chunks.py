@@ -85,7 +85,9 @@ class Items(ChunkPolicy):
     while the stream is open and empty; after the stream closes and every
     item was read, a read gets `fill` (a token id; of a sequence, its entries
     in order, then its last again: a talker's end-of-text marker once, then
-    padding), or, with no fill, the consumer's `StreamDone` loop ends."""
+    padding), or, with no fill, the consumer's `StreamDone` loop ends. A
+    consumer that restarts at each turn (`on_turn="restart"`) reads the fill
+    past its turn's items too, until its own stop rule ends the pass."""
 
     fill: int | tuple[int, ...] | None = None
 

@@ -21,10 +21,11 @@ from mstar.models.qwen3_omni.encoders.vision import VisionEncoder
 from mstar.models.qwen3_omni.positions import audio_tokens
 
 
-def pack_clips(mels: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """A request's clips [mel bins, frames_i] as one padded tensor and their frame counts."""
-    longest = max(m.shape[1] for m in mels)
-    packed = torch.zeros(len(mels), mels[0].shape[0], longest, dtype=mels[0].dtype)
+def pack_clips(mels: list[torch.Tensor], mel_bins: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A request's clips [mel bins, frames_i] as one padded tensor and their
+    frame counts (none: a turn of text where the walk takes audio)."""
+    longest = max((m.shape[1] for m in mels), default=1)
+    packed = torch.zeros(len(mels), mel_bins, longest, dtype=mels[0].dtype if mels else torch.float32)
     for i, m in enumerate(mels):
         packed[i, :, :m.shape[1]] = m
     return packed, torch.tensor([m.shape[1] for m in mels], dtype=torch.long)
@@ -43,8 +44,11 @@ class AudioEncoding(nn.Module):
             counts = f.reshape(-1).tolist()
             clips += [m[i, :, :n] for i, n in enumerate(counts)]
             per_request.append(len(counts))
-        dtype = next(self.encoder.parameters()).dtype
-        rows = self.encoder([c.to(dtype) for c in clips])
+        weight = next(self.encoder.parameters())
+        if not clips:  # turns of text only
+            empty = torch.zeros(0, self.encoder.cfg.output_dim, dtype=weight.dtype, device=weight.device)
+            return {"rows": [empty for _ in per_request]}
+        rows = self.encoder([c.to(weight.dtype) for c in clips])
         tokens = [audio_tokens(c.shape[1]) for c in clips]
         by_clip = list(rows.split(tokens))
         out, at = [], 0

@@ -91,6 +91,13 @@ class Intake:
         """A role's one token (Qwen's tokenizer has each as a single id; the checkpoint's config names them)."""
         return {"system": self.ids.system, "user": self.ids.user, "assistant": self.ids.assistant}[role]
 
+    def content(self, content: Any, where: str, media: PromptMedia, model: str) -> list[int]:
+        """A message's content (a string or parts) as ids, its media added to `media`."""
+        return self._content(content, where, media, model)
+
+    def text(self, text: str, model: str) -> list[int]:
+        return self._text(text, model)
+
     def _content(self, content: Any, where: str, media: PromptMedia, model: str) -> list[int]:
         if isinstance(content, str):
             return self._text(content, model)

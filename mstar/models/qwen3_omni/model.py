@@ -25,7 +25,7 @@ from mstar.models.qwen3_omni.encoders.mel import LogMel
 from mstar.models.qwen3_omni.encoders.image import ImagePatches, image_patches
 from mstar.models.qwen3_omni.encoders.vision import VisionEncoder, load_vision_encoder
 from mstar.models.qwen3_omni.encoding import AudioEncoding, VisionEncoding, pack_clips
-from mstar.models.qwen3_omni.intake import Intake
+from mstar.models.qwen3_omni.intake import Intake, PromptMedia
 from mstar.models.qwen3_omni.loader import load_talker, load_thinker
 from mstar.models.qwen3_omni.speaking import Code2WavSteps, TalkerSteps
 from mstar.models.qwen3_omni.speech.code2wav import Code2Wav, load_code2wav
@@ -186,15 +186,54 @@ class Qwen3OmniModel(Model):
                                        spatial_merge=cfg.vision.spatial_merge_size,
                                        per_second=cfg.position_id_per_seconds)
         values = {"prompt_ids": torch.tensor(ids, dtype=torch.long), "positions": positions}
-        if mels:
-            values["audio_mel"], values["audio_frames"] = pack_clips(mels)
+        walk = self.walk_for(request)
+        if mels or walk == walks.CONVERSE:
+            values["audio_mel"], values["audio_frames"] = pack_clips(mels, cfg.audio.num_mel_bins)
         if images:
             values["image_pixels"] = torch.cat([p.pixel_values for p in images])
             values["image_grids"] = torch.tensor([p.grid_thw for p in images], dtype=torch.long)
-        if self.walk_for(request).startswith(walks.SPEECH_OUT):
+        if walk.startswith(walks.SPEECH_OUT) or walk == walks.CONVERSE:
             check_speakable(ids, cfg.ids)
             values.update(self._talker_inputs(request, ids, [p.grid_thw for p in images]))
+            if walk == walks.CONVERSE:  # its talker's positions go on from its cache, turn after turn
+                del values["talker_positions"]
         return PreparedPiece(values, len(ids), field)
+
+    def prepare_more(self, request: GenerateRequest, inputs: dict[str, Any]) -> PreparedPiece:
+        """A user turn of a `converse` request: `{"audio": clip}` and/or
+        `{"text": str}` (or `{"content": [parts]}`), as the ids after the
+        previous answer: the turn, then the assistant's header."""
+        if "content" in inputs:
+            content = inputs["content"]
+        else:
+            content = ([{"type": "audio", "audio": inputs["audio"]}] if "audio" in inputs else []) + \
+                      ([{"type": "text", "text": inputs["text"]}] if "text" in inputs else [])
+        if not content:
+            raise RequestError("a turn brings audio, text or content parts", field="input")
+        media = PromptMedia()
+        newline = self.intake.text("\n", self.name)
+        ids = [*newline, self.config.ids.im_start, self.config.ids.user, *newline,
+               *self.intake.content(content, "input", media, self.name), self.config.ids.im_end, *newline,
+               self.config.ids.im_start, self.config.ids.assistant, *newline]
+        mel, frames = pack_clips([m for _, m in media.audio], self.config.audio.num_mel_bins)
+        return PreparedPiece({"prompt_ids": torch.tensor(ids, dtype=torch.long), "audio_mel": mel,
+                              "audio_frames": frames}, len(ids) + 1)
+
+    def join_turn(self, last_token: int, piece: dict[str, torch.Tensor], start: int) -> PreparedPiece:
+        """The turn after an answer: its last token (never fed back yet), the
+        end of the answer's turn when the answer stopped short of it, then the
+        piece; thinker positions from `start`, the talker's prompt shape."""
+        cfg = self.config
+        head = [last_token] if last_token == cfg.ids.im_end else [last_token, cfg.ids.im_end]
+        ids = head + piece["prompt_ids"].tolist()
+        frames = piece["audio_frames"].tolist()
+        positions, _ = mrope_positions(ids, audio_id=cfg.ids.audio, image_id=cfg.ids.image, audio_frames=frames,
+                                       per_second=cfg.position_id_per_seconds)
+        talker, _ = talker_positions(cfg, ids)
+        values = {"prompt_ids": torch.tensor(ids, dtype=torch.long), "positions": positions + start,
+                  "talker_ids": torch.full((talker.shape[1],), cfg.ids.tts_pad, dtype=torch.long),
+                  "audio_mel": piece["audio_mel"], "audio_frames": piece["audio_frames"]}
+        return PreparedPiece(values, len(ids))
 
     def _talker_inputs(self, request: GenerateRequest, ids: list[int],
                        grids: list[tuple[int, int, int]]) -> dict[str, torch.Tensor]:

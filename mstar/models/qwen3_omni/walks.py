@@ -26,6 +26,7 @@ from mstar.models.qwen3_omni.config import Qwen3OmniConfig, TokenIds
 TEXT_OUT = "chat"
 SPEECH_OUT = "speak"
 TTS = "tts"
+CONVERSE = "converse"
 SAMPLE_RATE = 24000  # code2wav's output: 1920 samples a frame, 80 ms
 
 
@@ -50,7 +51,8 @@ def talker_component(cfg: Qwen3OmniConfig) -> Component:
     prefill = Mode("prefill", (In("ids", Kind.IDS),
                                In("prompt", Kind.TENSOR, ragged=True),
                                In("hidden", Kind.TENSOR, ragged=True, optional=True),
-                               In("first", Kind.TENSOR), In("voice", Kind.TENSOR), In("pos", Kind.POSITIONS, axes=3)),
+                               In("first", Kind.TENSOR), In("voice", Kind.TENSOR),
+                               In("pos", Kind.POSITIONS, axes=3, optional=True)),
                    (Out("code", Kind.TOKEN), Out("last", Kind.HIDDEN)), kv="append", query="ids")
     frame_out = (Out("code", Kind.TOKEN), Out("last", Kind.HIDDEN), Out("frame", Kind.TENSOR))
     draws = cfg.talker.num_code_groups - 1
@@ -109,17 +111,24 @@ def chat_walk(audio: bool, image: bool) -> Walk:
     )
 
 
-def speak_walk(audio: bool, image: bool, ids: TokenIds) -> Walk:
+def speak_walk(audio: bool, image: bool, ids: TokenIds, turns: bool = False) -> Walk:
     """Text and speech out: `chat_walk`'s thinker, its text streamed into the
     talker (special tokens stay out: the text ends where they begin) and the
-    talker's frames into code2wav."""
+    talker's frames into code2wav. With `turns` (the `converse` walk: audio
+    in, full duplex) the request takes more user turns while it runs (audio
+    and text pieces, `Model.prepare_more`): each is a thinker turn on its KV
+    cache, and the talker starts over at each turn's first text token on its
+    own cache, its prompt the turn's user rows and assistant rows, positions
+    going on from its cache."""
     encode, reads, media = _encoders(audio, image)
     prefill_in = {"ids": "prompt_ids", "pos": "positions", **reads}
+    talker_in = {"ids": "talker_ids", "prompt": "prompt_ids", "hidden": "prompt_hidden", "first": "next_text",
+                 "voice": "voice"}
+    if not turns:
+        talker_in["pos"] = "talker_positions"
     talker = Partition(
         "talker",
-        Step("talker", "prefill", {"ids": "talker_ids", "prompt": "prompt_ids", "hidden": "prompt_hidden",
-                                   "first": "next_text", "voice": "voice", "pos": "talker_positions"},
-             {"code": "code0", "last": "last"}),
+        Step("talker", "prefill", talker_in, {"code": "code0", "last": "last"}),
         Loop(Step("talker", "speak", {"ids": "code0", "last": "last", "text": "next_text"},
                   {"code": "code0", "last": "last", "frame": "frame"}, draws="cp"),
              until=EosToken() | MaxTokens(), value="code0"),
@@ -132,8 +141,10 @@ def speak_walk(audio: bool, image: bool, ids: TokenIds) -> Walk:
              until=EosToken() | MaxTokens() | HostStop()),
         Emit("text", modality="text"),
         Stream("text", chunks=Items(fill=(ids.tts_eos, ids.tts_pad)), accept=(0, ids.im_start - 1),
-               as_="next_text", into=talker),
-        inputs=("prompt_ids", "positions", "talker_ids", "talker_positions", "voice", *media),
+               as_="next_text", into=talker, on_turn="restart" if turns else "segment"),
+        inputs=("prompt_ids", "positions", "talker_ids", *(() if turns else ("talker_positions",)), "voice",
+                *media),
+        more_input=("prompt_ids", "positions", "talker_ids", *media) if turns else None,
     )
 
 
@@ -157,7 +168,7 @@ def tts_walk() -> Walk:
 
 def walks(cfg: Qwen3OmniConfig) -> dict[str, Walk]:
     """Every walk the model serves, by name."""
-    out = {TTS: tts_walk()}
+    out = {TTS: tts_walk(), CONVERSE: speak_walk(audio=True, image=False, ids=cfg.ids, turns=True)}
     for audio in (False, True):
         for image in (False, True):
             out[walk_name(False, audio, image)] = chat_walk(audio, image)

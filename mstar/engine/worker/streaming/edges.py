@@ -194,16 +194,20 @@ class Streams:
         """The next chunk for the consumer's step that reads the stream, and
         its index in the segment; None: the consumer parked (nothing cut
         yet), or the stream is over and the walker was told (`stream_done`).
-        After the stream closed, an `Items` stream with a fill gives that."""
+        After the stream closed, and past the end of a turn of a stream whose
+        consumer restarts each turn, an `Items` stream with a fill gives that."""
         buf = cons.inbox
         assert buf is not None
         got = buf.next_chunk()
-        if got == TURN_OVER:  # the producer's turn ended: so does this pass
+        fill = buf.plan.chunks.filler(buf.fills) if isinstance(buf.plan.chunks, Items) else None
+        if got == TURN_OVER:  # the producer's turn ended: so does this pass, or it reads on the fill to its own stop
+            if fill is not None:
+                buf.fills += 1
+                return [fill], buf.chunks_cut - buf.segment_cuts
             self.walker.cursor.stream_done(cons)
             return None
         if got is not None:
             return got  # type: ignore[return-value]
-        fill = buf.plan.chunks.filler(buf.fills) if isinstance(buf.plan.chunks, Items) else None
         if buf.drained and fill is not None:
             buf.fills += 1
             return [fill], buf.chunks_cut - buf.segment_cuts
@@ -235,6 +239,7 @@ class Streams:
                 self.store.release(ref, rid)
             cons.values = dict(buf.restarts.pop(0))
             buf.resting = buf.turn_over = False
+            buf.fills = 0  # the next turn's pass reads its own fill sequence after its items
             self.walker.cursor.restart(cons, 0)
             return True
         if buf.closed:
