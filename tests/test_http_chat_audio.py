@@ -22,7 +22,6 @@ import openai
 import pytest
 import pytest_asyncio
 import soundfile as sf
-import torch
 from http_support import MODEL as TEXT_MODEL
 from http_support import serving
 from test_http_chat_media import asking, audio_part, clip, encoded
@@ -30,8 +29,6 @@ from test_http_chat_media import asking, audio_part, clip, encoded
 from mstar.config import EngineConfig
 from mstar.engine.engine import Engine
 from mstar.models import media
-from mstar.models.base import Model
-from mstar.models.registry import load_model
 from mstar.types import GenerateRequest, SamplingParams
 
 on_module_loop = pytest.mark.asyncio(loop_scope="module")
@@ -49,28 +46,9 @@ GREEDY_TALK = {"talker": TALKER, "cp": {"temperature": 0}}
 SPOKEN: dict[str, Any] = {"modalities": ["text", "audio"], "max_tokens": TOKENS, "temperature": 0, "seed": SEED,
                           "extra_body": {"ignore_eos": True, "sampling_by": GREEDY_TALK}}
 HELLO = [{"role": "user", "content": "Say hello."}]
-LOUD = 1e4  # the random code2wav's output is a few 1e-6: zero in PCM16
-
-
-def audible_omni(max_model_len: int = 512) -> Model:
-    """qwen3-omni-tiny whose code2wav's last layer is LOUD times its random self."""
-    model = load_model(OMNI, "auto", max_model_len)
-    build = model.build_component
-
-    def louder(component: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-        module = build(component, device, dtype)
-        if component == "code2wav":
-            with torch.no_grad():
-                module.code2wav.conv_out.weight.mul_(LOUD)
-        return module
-
-    model.build_component = louder  # type: ignore[method-assign]
-    return model
-
-
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def omni() -> AsyncIterator[Engine]:
-    engine = Engine(EngineConfig(model=OMNI, max_model_len=512), model=audible_omni())
+    engine = Engine(EngineConfig(model=OMNI, max_model_len=512))
     await engine.start()
     try:
         yield engine

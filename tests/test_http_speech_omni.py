@@ -23,7 +23,7 @@ import pytest
 import pytest_asyncio
 import soundfile as sf
 from http_support import serving
-from test_http_chat_audio import OMNI, RATE, audible_omni
+from test_http_chat_audio import OMNI, RATE
 
 from mstar.config import EngineConfig
 from mstar.engine.engine import Engine
@@ -45,7 +45,7 @@ TALK: dict[str, Any] = {"max_tokens": FRAMES, "temperature": 0,
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def omni() -> AsyncIterator[Engine]:
-    engine = Engine(EngineConfig(model=OMNI, max_model_len=CONTEXT), model=audible_omni(CONTEXT))
+    engine = Engine(EngineConfig(model=OMNI, max_model_len=CONTEXT))
     await engine.start()
     try:
         yield engine

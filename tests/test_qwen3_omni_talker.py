@@ -19,14 +19,12 @@ or weight moves them by more than 1e-2).
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from transformers import Qwen3OmniMoeForConditionalGeneration
 
 from mstar.errors import ConfigError, RequestError
 from mstar.models.qwen3_omni.builtins import QWEN3_OMNI_TINY
@@ -37,8 +35,7 @@ from mstar.models.qwen3_omni.speech.talker import TalkerDecoder, suppressed_code
 from mstar.models.qwen3_omni.speech.talker_prompt import (TalkerPrompt, talker_prompt, talker_rows, text_side_id,
                                                           user_turns)
 from mstar.types import TokenBatch
-from test_qwen3_omni_config import tiny
-from test_qwen3_omni_thinker import DenseCache
+from test_qwen3_omni_thinker import DenseCache, saved  # noqa: F401  (`saved`: the fixture, a random tiny model)
 
 IM_START, IM_END, SYSTEM, USER, ASSISTANT, NL = 151644, 151645, 8948, 872, 77091, 198
 AUDIO, AUDIO_START, AUDIO_END, IMAGE, VISION_START, VISION_END = 151675, 151669, 151670, 151655, 151652, 151653
@@ -121,22 +118,6 @@ def _reference(model: Any, cfg: Qwen3OmniConfig, name: str) -> Reference:
                      prefill["embeds"], prefill["positions"], [s["embeds"][0] for s in steps],
                      [int(s["positions"][0, 0]) for s in steps], [c["logits"] for c in ref_calls], predictor,
                      codes[0].tolist())
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Qwen3OmniMoeForConditionalGeneration]:
-    """The tiny model with random weights (transformers leaves stacked
-    experts uninitialised), saved. Norm weights sit near 1, as trained ones
-    do: near 0, q/k norms would flatten attention until positions no
-    longer showed in the logits."""
-    torch.manual_seed(0)
-    model = Qwen3OmniMoeForConditionalGeneration(tiny()).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(1.0 if re.search(r"norm\d*\.weight$", name) else 0.0, 0.08)
-    folder = tmp_path_factory.mktemp("omni-talker-weights")
-    model.save_pretrained(folder)
-    return folder, model
 
 
 @pytest.fixture(scope="module")
