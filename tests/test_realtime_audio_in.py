@@ -10,15 +10,20 @@ an over-long buffer are errors naming their field."""
 from __future__ import annotations
 
 import base64
+import wave
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import pytest_asyncio
-from http_support import running_engine, serving
+from http_support import running_engine, serving, serving_app
 from openai import AsyncOpenAI
 
+from mstar.client import AsyncClient, MstarError
+from mstar.config import MediaLimits, ServerConfig
+from mstar.http.server import build_app
 from mstar.engine.engine import Engine
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -189,3 +194,52 @@ async def test_bad_events_name_their_field(omni, event: dict[str, Any], param: s
         await conn.session.update(session={"type": "realtime"})
         updated = await _until(conn, "session.updated", seen)
         assert updated.session.audio.input.turn_detection.type == "server_vad"
+
+
+async def test_sdk_streams_a_wav_file_and_hears_the_answer(omni, tmp_path: Path) -> None:
+    _, url = omni
+    clip = np.concatenate([silence(400), burst(400), silence(700)])
+    # 16 kHz stereo: the SDK mixes and resamples to what the session takes
+    at16k = np.interp(np.arange(clip.size * 2 // 3) * 1.5, np.arange(clip.size), clip)
+    path = tmp_path / "turn.wav"
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(2)
+        w.setsampwidth(2)
+        w.setframerate(16_000)
+        w.writeframes(pcm16(np.repeat(at16k[:, None], 2, axis=1).reshape(-1)))
+    async with AsyncClient(url) as client, await client.realtime(OMNI, max_output_tokens=4, seed=7) as rt:
+        assert rt.session["mstar"]["audio_input"] is True
+        sent = await rt.stream_audio(path, speed=0)
+        assert abs(sent - 1500) <= 10
+        started = await rt.until("input_audio_buffer.speech_started")
+        stopped = await rt.until("input_audio_buffer.speech_stopped")
+        assert 60 <= started["audio_start_ms"] <= 140 and 780 <= stopped["audio_end_ms"] <= 840
+        reply = await rt.reply()
+        assert reply.status in ("completed", "incomplete") and len(reply.audio) > 0
+        # VAD off: the SDK commits itself; an empty buffer's commit is refused
+        await rt.update(turn_detection=None)
+        await rt.append_audio(pcm16(burst(200)))
+        await rt.clear_audio()
+        await rt.commit_audio()
+        with pytest.raises(MstarError) as e:
+            await rt.until("input_audio_buffer.committed")
+        assert e.value.code == "input_audio_buffer_commit_empty"
+        await rt.append_audio(pcm16(burst(200)))
+        await rt.commit_audio()
+        assert (await rt.until("input_audio_buffer.committed"))["item_id"]
+
+
+async def test_the_buffer_limit_is_the_servers_max_audio_seconds(omni) -> None:
+    engine, _ = omni
+    config = ServerConfig(media_limits=MediaLimits(max_audio_seconds=1.0))
+    async with serving_app(build_app(engine, manage_engine=False, config=config), shutdown_timeout=1.0) as url:
+        async with _client(url).realtime.connect(model=OMNI) as conn:
+            await conn.session.update(session=NO_VAD)
+            seen: list[Any] = []
+            await _until(conn, "session.updated", seen)
+            await _send(conn, burst(1100))  # the eleventh 100 ms chunk is one too many
+            err = await _until(conn, "error", seen)
+            assert (err.error.param, err.error.code) == ("audio", "input_audio_buffer_full")
+            await conn.input_audio_buffer.commit()  # what fitted is still there
+            committed = await _until(conn, "input_audio_buffer.committed", seen)
+            assert committed.item_id
