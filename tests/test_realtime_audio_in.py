@@ -154,7 +154,8 @@ async def test_speech_during_a_response_cancels_it(omni) -> None:
     kinds = [e.type for e in seen]
     assert kinds.count("input_audio_buffer.speech_started") == 2
     # the barge-in's speech_started came before the cancelled response ended
-    assert [i for i, k in enumerate(kinds) if k == "input_audio_buffer.speech_started"][1] < kinds.index("response.done")
+    barge_in = [i for i, k in enumerate(kinds) if k == "input_audio_buffer.speech_started"][1]
+    assert barge_in < kinds.index("response.done")
 
 
 async def test_clear_empties_the_buffer(omni) -> None:
@@ -243,3 +244,26 @@ async def test_the_buffer_limit_is_the_servers_max_audio_seconds(omni) -> None:
             await conn.input_audio_buffer.commit()  # what fitted is still there
             committed = await _until(conn, "input_audio_buffer.committed", seen)
             assert committed.item_id
+
+
+async def test_an_audio_item_is_heard_and_the_conversation_carries_on(omni) -> None:
+    _, url = omni
+    async with _client(url).realtime.connect(model=OMNI) as conn:
+        await conn.session.update(session={**NO_VAD, "instructions": "Be brief."})
+        seen: list[Any] = []
+        await _until(conn, "session.updated", seen)
+        clip = base64.b64encode(pcm16(burst(300))).decode()
+        await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+            {"type": "input_audio", "audio": clip}, {"type": "input_text", "text": "What is this?"}]})
+        added = await _until(conn, "conversation.item.added", seen)
+        assert "audio" not in added.item.content[0].model_dump(exclude_none=True)  # kept, not echoed
+        await conn.response.create()
+        first = await _until(conn, "response.done", seen)
+        await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "And again?"}]})
+        await conn.response.create()
+        second = await _until(conn, "response.done", seen)
+    # the second request's prompt holds the first turn, its answer and the new text
+    assert second.response.usage.input_tokens > first.response.usage.input_tokens
+    assert len(_audio(seen)) > 0
+

@@ -2,13 +2,15 @@
 PCM16: speech is dated at its edges (less the prefix padding), a click or a
 quiet room starts nothing, the threshold moves with its setting, an idle
 open microphone keeps only what a start could reach back to, and the limit
-refuses appends with VAD off and ends a turn with VAD on."""
+refuses appends with VAD off and ends a turn with VAD on; a hearing
+model's conversation becomes chat messages."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
+from mstar.http.realtime.conversation import chat_messages
 from mstar.http.realtime.input_audio import INPUT_RATE, InputAudioBuffer
 from mstar.http.realtime.protocol import ProtocolError
 from mstar.http.realtime.vad import EnergyVad, TurnDetection
@@ -80,3 +82,14 @@ def test_the_limit_ends_a_turn_with_vad() -> None:
     assert [(e.kind, e.ms) for e in events][:2] == [("started", 0), ("stopped", 1000)]
     turn = buf.commit(1000)
     assert (turn.start_ms, turn.end_ms, len(turn.pcm)) == (0, 1000, 2 * INPUT_RATE)
+
+
+def test_chat_messages_of_a_conversation() -> None:
+    clip = np.zeros(1600, dtype=np.float32)
+    items = [{"id": "a", "type": "message", "role": "user", "content": [{"type": "input_audio", "transcript": None}]},
+             {"id": "b", "type": "message", "role": "assistant", "content": [{"type": "audio", "transcript": "Hi."}]},
+             {"id": "c", "type": "message", "role": "user", "content": [{"type": "input_text", "text": "More."}]}]
+    messages = chat_messages(items, {"a": [clip]}, "Be brief.")
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    assert messages[1]["content"][0]["audio"] is clip and messages[2]["content"] == "Hi."
+    assert messages[3]["content"] == [{"type": "text", "text": "More."}]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import binascii
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 import orjson

@@ -342,7 +342,8 @@ class RealtimeSession:
             request = dataclasses.replace(request, sampling=dataclasses.replace(sampling, max_tokens=limit))
         return ResponsePlan(rid, request, prepared, modality="text")
 
-    async def _conversation_plan(self, rid: str, given: list[Any] | None, instructions: str | None, asked_voice: str | None, sampling: SamplingParams,
+    async def _conversation_plan(self, rid: str, given: list[Any] | None, instructions: str | None,
+                                 asked_voice: str | None, sampling: SamplingParams,
                                  limit: int | None) -> ResponsePlan:
         """One spoken-chat request over the conversation (or `response.input`'s
         items); `limit` caps the text and the talker's frames alike, as
