@@ -9,26 +9,41 @@ server events (plain dicts, the OpenAI Realtime GA shapes) in.
 `speak` is the common case; for more control, `say` adds a user message (while
 a speech response runs, the server appends it to that response), `respond`
 starts a response, `cancel` stops it (barge-in), and `events()` yields every
-server event. `RealtimeSession` is the blocking twin, on the `Client`'s loop
-thread.
+server event. A model that hears (Qwen3-Omni) takes audio: `append_audio`,
+`commit_audio` and `clear_audio` drive the input buffer; `stream_audio`
+sends a WAV file or an array in 100 ms chunks at real time (or faster), and
+with the server's VAD on (its default) the turn is committed and answered
+when the speaker stops; `until("input_audio_buffer.speech_stopped")` waits
+for such an event:
+
+    async with await client.realtime(model="qwen3-omni-tiny") as rt:
+        await rt.stream_audio("question.wav")
+        reply = await rt.reply()                         # the answer the VAD's turn started
+
+`RealtimeSession` is the blocking twin, on the `Client`'s loop thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import os
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any, BinaryIO, Self
 
 import aiohttp
 
-from mstar.client.audio import DEFAULT_SAMPLE_RATE, Speech
+from mstar.client.audio import DEFAULT_SAMPLE_RATE, SAMPLE_WIDTH, Speech
+from mstar.client.audio_in import CHUNK_MS, chunks, pcm16_input
 from mstar.client.errors import MstarError
 
 if TYPE_CHECKING:
     from mstar.client.loop_thread import LoopThread
+
+UNSET: Any = object()  # a session field `update` leaves as it is
 
 
 @dataclass
@@ -91,13 +106,16 @@ class AsyncRealtimeSession:
 
     async def update(self, *, voice: str | None = None, instructions: str | None = None,
                      max_output_tokens: int | str | None = None, input_linger_ms: int | None = None,
-                     seed: int | None = None) -> dict[str, Any]:
+                     seed: int | None = None, turn_detection: dict[str, Any] | None = UNSET) -> dict[str, Any]:
         """`session.update`; returns the session as the server now has it.
-        `input_linger_ms` and `seed` are mstar's own fields (how long a speech
-        response waits for more text; reproducible draws)."""
+        `turn_detection`: `{"type": "server_vad", ...}` or None (off: commit
+        yourself). `input_linger_ms` and `seed` are mstar's own fields (how
+        long a speech response waits for more text; reproducible draws)."""
         session: dict[str, Any] = {"type": "realtime"}
         if voice is not None:
-            session["audio"] = {"output": {"voice": voice}}
+            session.setdefault("audio", {})["output"] = {"voice": voice}
+        if turn_detection is not UNSET:
+            session.setdefault("audio", {})["input"] = {"turn_detection": turn_detection}
         if instructions is not None:
             session["instructions"] = instructions
         if max_output_tokens is not None:
@@ -126,6 +144,42 @@ class AsyncRealtimeSession:
     async def truncate(self, item_id: str, audio_end_ms: int) -> None:
         await self.send({"type": "conversation.item.truncate", "item_id": item_id, "content_index": 0,
                          "audio_end_ms": audio_end_ms})
+
+    async def append_audio(self, pcm16: bytes) -> None:
+        """24 kHz mono PCM16 into the input buffer."""
+        await self.send({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm16).decode("ascii")})
+
+    async def commit_audio(self) -> None:
+        """The buffer as a user turn (needed only with turn detection off)."""
+        await self.send({"type": "input_audio_buffer.commit"})
+
+    async def clear_audio(self) -> None:
+        await self.send({"type": "input_audio_buffer.clear"})
+
+    async def stream_audio(self, source: str | os.PathLike[str] | BinaryIO | Any, rate: int | None = None,
+                           speed: float = 1.0, chunk_ms: int = CHUNK_MS) -> int:
+        """Send a WAV file or an array of samples at `rate` Hz (see
+        `pcm16_input`) in `chunk_ms` pieces, `speed` times real time (0: as
+        fast as the socket takes them), as a microphone would; the
+        milliseconds sent."""
+        pcm = await asyncio.to_thread(pcm16_input, source, rate)
+        started = time.perf_counter()
+        sent = 0
+        for piece in chunks(pcm, chunk_ms):
+            await self.append_audio(piece)
+            sent += len(piece)
+            if speed > 0:
+                due = started + sent / (SAMPLE_WIDTH * DEFAULT_SAMPLE_RATE) / speed
+                await asyncio.sleep(max(0.0, due - time.perf_counter()))
+        return sent * 1000 // (SAMPLE_WIDTH * DEFAULT_SAMPLE_RATE)
+
+    async def until(self, *kinds: str) -> dict[str, Any]:
+        """The next server event of one of `kinds` (those before it are
+        dropped): `input_audio_buffer.speech_started`, `...committed`, say."""
+        async for ev in self.events():
+            if ev["type"] in kinds:
+                return ev
+        raise MstarError(f"the websocket closed before {' or '.join(kinds)}", code="connection_error")
 
     # ----------------------------------------------------------- events in
 
@@ -210,6 +264,22 @@ class RealtimeSession:
 
     def truncate(self, item_id: str, audio_end_ms: int) -> None:
         self._runner.run(self.aio.truncate(item_id, audio_end_ms))
+
+    def append_audio(self, pcm16: bytes) -> None:
+        self._runner.run(self.aio.append_audio(pcm16))
+
+    def commit_audio(self) -> None:
+        self._runner.run(self.aio.commit_audio())
+
+    def clear_audio(self) -> None:
+        self._runner.run(self.aio.clear_audio())
+
+    def stream_audio(self, source: str | os.PathLike[str] | BinaryIO | Any, rate: int | None = None,
+                     speed: float = 1.0, chunk_ms: int = CHUNK_MS) -> int:
+        return self._runner.run(self.aio.stream_audio(source, rate, speed, chunk_ms))
+
+    def until(self, *kinds: str) -> dict[str, Any]:
+        return self._runner.run(self.aio.until(*kinds))
 
     def events(self) -> Iterator[dict[str, Any]]:
         return self._runner.iterate(self.aio.events())

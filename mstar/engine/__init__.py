@@ -23,3 +23,12 @@ def media_decoders() -> tuple[Callable[..., Any], Callable[..., Any]]:
     from mstar.models import media
 
     return media.audio_from_base64, media.image_from_data_url
+
+
+def audio_resampler() -> Callable[[Any, int, int], Any]:
+    """`resample(x, src, dst)`: mono float32 audio from one rate to another
+    (`mstar.models.resample`, numpy only), for audio the HTTP layer gets as
+    raw PCM (a realtime session's input buffer)."""
+    from mstar.models.resample import resample
+
+    return resample

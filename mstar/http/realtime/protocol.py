@@ -4,8 +4,7 @@ Client events come in as JSON objects; `parse_event` checks the envelope and
 `field_of` each field, raising `ProtocolError` (code, message, param), which
 the session sends back as an `error` event: a bad event never drops the
 socket. Server events go out as plain dicts built here, so their shapes live
-in one place. `SessionConfig` is the session object of `session.created` /
-`session.updated`, with what `session.update` may change.
+in one place.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from __future__ import annotations
 import base64
 import binascii
 import uuid
-from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -143,122 +141,3 @@ def check_format(fmt: Any, param: str) -> None:
                             or fmt.get("rate", AUDIO_FORMAT["rate"]) != AUDIO_FORMAT["rate"]):
         raise ProtocolError("only 24 kHz PCM16 audio ('audio/pcm', rate 24000) is supported",
                             "unsupported_audio_format", param)
-
-
-# -------------------------------------------------------------- session
-
-
-@dataclass
-class SessionConfig:
-    """The session object; `speaks`: the model has audio out (then audio is
-    the only output modality), else text."""
-
-    session_id: str
-    model: str
-    speaks: bool
-    voices: tuple[str, ...]
-    voice: str | None
-    max_model_len: int
-    instructions: str = ""
-    max_output_tokens: int | None = None
-    input_linger_ms: int = DEFAULT_INPUT_LINGER_MS
-    seed: int | None = None  # responses draw reproducibly (each response from this seed)
-
-    @property
-    def modalities(self) -> list[str]:
-        return ["audio"] if self.speaks else ["text"]
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "type": "realtime", "object": "realtime.session", "id": self.session_id, "model": self.model,
-            "output_modalities": self.modalities, "instructions": self.instructions,
-            "max_output_tokens": self.max_output_tokens if self.max_output_tokens is not None else "inf",
-            "tools": [], "tool_choice": "none",
-            "audio": {
-                "input": {"format": AUDIO_FORMAT, "turn_detection": None, "transcription": None},
-                "output": {"format": AUDIO_FORMAT, "voice": self.voice, "speed": 1.0},
-            },
-            # no served model takes audio input yet; the demo's microphone follows this flag
-            "mstar": {"input_linger_ms": self.input_linger_ms, "seed": self.seed, "voices": list(self.voices),
-                      "audio_input": False},
-        }
-        return out
-
-    def update(self, session: dict[str, Any]) -> None:
-        """Apply `session.update`'s session object; refuses what mstar cannot
-        honour (server VAD, other audio formats, a text-only speech model)
-        instead of ignoring it."""
-        kind = session.get("type", "realtime")
-        if kind != "realtime":
-            raise ProtocolError(f"session type {kind!r} is not supported (only 'realtime')", "invalid_value",
-                                "session.type")
-        model = field_of(session, "model", str, "session", required=False)
-        if model is not None and model != self.model:
-            raise ProtocolError(f"this session serves '{self.model}'; connect with ?model= to use another",
-                                "invalid_value", "session.model")
-        instructions = field_of(session, "instructions", str, "session", required=False)
-        self.check_modalities(session, "session")
-        raw_limit = session.get("max_output_tokens")
-        limit = (output_limit(raw_limit, "session.max_output_tokens", self.max_model_len)
-                 if raw_limit is not None else None)
-        audio = field_of(session, "audio", dict, "session", required=False) or {}
-        voice = self._audio(audio)
-        linger, seed = self._extension(session)
-        # all checked: apply together, so a refused update changes nothing
-        if instructions is not None:
-            self.instructions = instructions
-        if raw_limit is not None:
-            self.max_output_tokens = limit
-        if voice is not None:
-            self.voice = voice
-        if linger is not None:
-            self.input_linger_ms = linger
-        if seed is not None:
-            self.seed = seed
-
-    def _audio(self, audio: dict[str, Any]) -> str | None:
-        inp = field_of(audio, "input", dict, "session.audio", required=False) or {}
-        out = field_of(audio, "output", dict, "session.audio", required=False) or {}
-        for where, part in (("input", inp), ("output", out)):
-            check_format(part.get("format"), f"session.audio.{where}.format")
-        if inp.get("turn_detection") is not None:
-            raise ProtocolError("server-side turn detection is not supported; set it to null and commit the "
-                                "input audio buffer yourself", "unsupported_turn_detection",
-                                "session.audio.input.turn_detection")
-        voice = field_of(out, "voice", str, "session.audio.output", required=False)
-        if voice is not None:
-            voice = self.check_voice(voice, "session.audio.output.voice")
-        return voice
-
-    def check_voice(self, voice: str, param: str) -> str:
-        name = voice.strip().lower()
-        if name not in self.voices:
-            have = ", ".join(self.voices) or "none"
-            raise ProtocolError(f"unknown voice {voice!r}; this model has {have}", "invalid_value", param)
-        return name
-
-    def check_modalities(self, obj: dict[str, Any], where: str) -> None:
-        """`output_modalities`, if given, must be what the model answers in."""
-        modalities = field_of(obj, "output_modalities", list, where, required=False)
-        if modalities is None:
-            return
-        for i, modality in enumerate(modalities):
-            if not isinstance(modality, str) or modality not in MODALITIES:
-                param = f"{where}.output_modalities[{i}]"
-                raise ProtocolError(f"'{param}' must be one of {', '.join(MODALITIES)}", "invalid_value", param)
-        if sorted(set(modalities)) != self.modalities:
-            raise ProtocolError(f"model '{self.model}' answers in {self.modalities}, not {modalities}",
-                                "invalid_value", f"{where}.output_modalities")
-
-    @staticmethod
-    def _extension(session: dict[str, Any]) -> tuple[int | None, int | None]:
-        """mstar's own fields under `session.mstar`: (input_linger_ms, seed)."""
-        ext = field_of(session, "mstar", dict, "session", required=False) or {}
-        linger = field_of(ext, "input_linger_ms", int, "session.mstar", required=False)
-        if linger is not None and not 0 <= linger <= MAX_INPUT_LINGER_MS:
-            raise ProtocolError(f"must be in [0, {MAX_INPUT_LINGER_MS}]", "invalid_value",
-                                "session.mstar.input_linger_ms")
-        seed = field_of(ext, "seed", int, "session.mstar", required=False)
-        if seed is not None and not 0 <= seed < 2**63:
-            raise ProtocolError("must be in [0, 2**63)", "invalid_value", "session.mstar.seed")
-        return linger, seed

@@ -3,7 +3,8 @@ GA server events (`response.created` ... deltas ... `response.done`).
 
 Audio goes out as `response.output_audio.delta` (base64 PCM16, 24 kHz mono),
 the text being spoken as `response.output_audio_transcript.delta` (sent when
-it is handed to the model), a text model's answer as
+it is handed to a model that reads it aloud, or as a model that writes its
+own answer writes it), a text model's answer as
 `response.output_text.delta`. `cancel` aborts the engine request (the worker
 drops it at its next step) and drops audio not sent yet; the response then
 ends with status "cancelled".
@@ -43,6 +44,7 @@ class ResponsePlan:
     modality: str             # "audio" | "text"
     spoken: str | None = None
     voice: str | None = None
+    writes_transcript: bool = False  # the model's own text is the transcript of its audio
 
 
 # finish reason -> (status, reason) of response.done
@@ -67,7 +69,8 @@ class ActiveResponse:
             "status": "in_progress", "content": []}
         self.transcript: list[str] = []
         self.audio_bytes = 0
-        self.more_input_open = self.audio  # a speech response takes text until it closes its input
+        # a response reading text aloud takes more text until it closes its input
+        self.more_input_open = self.audio and not plan.writes_transcript
         self.cancelled = False
         self._linger: asyncio.TimerHandle | None = None
         self._task: asyncio.Task | None = None
@@ -177,6 +180,9 @@ class ActiveResponse:
         if chunk.text and not self.audio:
             self.transcript.append(chunk.text)
             self._send("response.output_text.delta", delta=chunk.text, **self._where())
+        elif chunk.text and self.plan.writes_transcript:
+            self.transcript.append(chunk.text)
+            self._send("response.output_audio_transcript.delta", delta=chunk.text, **self._where())
         if chunk.awaiting_input and self.more_input_open and self._linger is None:
             linger = self.session.config.input_linger_ms / 1000
             self._linger = asyncio.get_running_loop().call_later(linger, self._close_input)

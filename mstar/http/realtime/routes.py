@@ -23,7 +23,7 @@ import orjson
 import structlog
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from mstar.http.keys import ENGINE, SOCKETS
+from mstar.http.keys import ENGINE, MEDIA_LIMITS, SOCKETS
 from mstar.http.realtime.protocol import ProtocolError, error_event, parse_event
 from mstar.http.realtime.session import RealtimeSession
 from mstar.http.submission import resolve_model
@@ -71,7 +71,7 @@ async def realtime(request: web.Request) -> web.StreamResponse:
         outbox.put_nowait(orjson.dumps(obj))
 
     writer = asyncio.get_running_loop().create_task(_write(ws, outbox), name="realtime-writer")
-    session = RealtimeSession(engine, target, card, send)
+    session = RealtimeSession(engine, target, card, send, request.app.get(MEDIA_LIMITS))
     connection = _Connection(ws, session, outbox)
     request.app[SOCKETS].add(connection)
     log.info("realtime session opened", session_id=session.config.session_id, model=target.name)

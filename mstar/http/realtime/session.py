@@ -11,6 +11,12 @@ takes more input: user text that arrives while it runs is appended to the
 same request (`Engine.append`) and spoken after what is queued, on the same
 KV cache. When the model has spoken everything it was given, the request's
 input stays open for `input_linger_ms`, then closes and the response ends.
+A response of a model that hears and speaks (Qwen3-Omni) is one request on
+its spoken-chat walk over the whole conversation (`conversation.py`): the
+user's committed audio turns and text, the assistant's transcripts; it ends
+when the model does. Its input audio buffer (`input_audio.py`) takes PCM16
+appends; with server VAD on (the default) speech that stops commits a turn
+and starts a response, and speech that starts cancels the running one.
 A response of a text model is a chat completion over the conversation,
 streamed as `response.output_text.delta`.
 """
@@ -20,14 +26,21 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any, Callable
 
+import numpy as np
 import structlog
 
+from mstar.config import MediaLimits
+from mstar.engine import audio_resampler
 from mstar.errors import MstarError, RequestError
-from mstar.http.realtime.protocol import (ProtocolError, SessionConfig, check_format, decode_audio, event, field_of,
-                                          item_text, new_id, output_limit)
+from mstar.http.realtime.conversation import chat_messages, heard_parts
+from mstar.http.realtime.input_audio import InputAudioBuffer, Turn
+from mstar.http.realtime.protocol import (ProtocolError, check_format, decode_audio, event, field_of, item_text,
+                                          new_id, output_limit)
 from mstar.http.realtime.response import ActiveResponse, ResponsePlan
+from mstar.http.realtime.settings import SessionConfig
+from mstar.http.realtime.vad import VadEvent
 from mstar.http.submission import SPEAK_WALK, Target, model_defaults
-from mstar.types import GenerateRequest, ModelCard
+from mstar.types import GenerateRequest, ModelCard, SamplingParams
 
 if TYPE_CHECKING:
     from mstar.engine.engine import Engine
@@ -42,13 +55,20 @@ ENGINE_FIELDS = {"input": "response.input", "prompt": "response.input", "message
 
 class RealtimeSession:
     def __init__(self, engine: Engine, target: Target, card: ModelCard, send: Callable[[dict[str, Any]], None],
-                 ) -> None:
+                 limits: MediaLimits | None = None) -> None:
         self.engine = engine
         self.target = target
         self.send = send
-        self.speaks = SPEAK_WALK in target.walks
+        # a model that hears and speaks converses; one that only reads text aloud speaks what it is given
+        self.hears = target.spoken_chat_walk is not None and "audio" in target.input_modalities
+        self.speaks = self.hears or SPEAK_WALK in target.walks
         self.config = SessionConfig(new_id("sess"), target.name, self.speaks, tuple(card.voices),
-                                    (card.voices[0] if card.voices else None), target.max_model_len)
+                                    (card.voices[0] if card.voices else None), target.max_model_len,
+                                    hears=self.hears)
+        self.buffer = InputAudioBuffer((limits or MediaLimits()).max_audio_seconds, self.config.turn_detection)
+        self.heard: dict[str, list[np.ndarray]] = {}  # user item id -> its audio at the model's rate
+        self._resample = audio_resampler() if self.hears else None
+        self._vad_item: str | None = None  # the item id speech_started announced
         self.items: list[dict[str, Any]] = []
         self.unanswered: list[str] = []  # user text since the last response (what a speech model says next)
         self.response: ActiveResponse | None = None
@@ -74,21 +94,73 @@ class RealtimeSession:
     # -------------------------------------------------------------- session
 
     async def _on_session_update(self, obj: dict[str, Any]) -> None:
-        self.config.update(field_of(obj, "session", dict, ""))
+        session = field_of(obj, "session", dict, "")
+        if session.get("input_audio_transcription") is not None:
+            raise ProtocolError(f"model '{self.target.name}' provides no input transcription; leave it null",
+                                "unsupported_transcription", "session.input_audio_transcription")
+        before = self.config.turn_detection
+        self.config.update(session)
+        if self.config.turn_detection is not before:
+            self.buffer.detect(self.config.turn_detection)
         self.send(event("session.updated", session=self.config.to_json()))
 
     # ---------------------------------------------------------------- audio
 
     async def _on_input_audio_buffer_append(self, obj: dict[str, Any]) -> None:
-        decode_audio(field_of(obj, "audio", str, ""), "audio")
-        raise ProtocolError(f"model '{self.target.name}' takes no audio input; send text with "
-                            "conversation.item.create", "audio_input_not_supported", "audio")
+        pcm = decode_audio(field_of(obj, "audio", str, ""), "audio")
+        if not self.hears:
+            raise ProtocolError(f"model '{self.target.name}' takes no audio input; send text with "
+                                "conversation.item.create", "audio_input_not_supported", "audio")
+        for ev in self.buffer.append(pcm):
+            await self._on_vad(ev)
+
+    async def _on_vad(self, ev: VadEvent) -> None:
+        """Speech started: the buffer keeps audio from there on, and a running
+        response is cut (barge-in); stopped: the turn is committed and
+        answered."""
+        turns = self.config.turn_detection
+        item_id = new_id("item")
+        if ev.kind == "started":
+            self.buffer.drop_before(ev.ms)
+            self._vad_item = item_id
+            self.send(event("input_audio_buffer.speech_started", audio_start_ms=ev.ms, item_id=item_id))
+            if turns is not None and turns.interrupt_response and self.response is not None:
+                resp = self.response
+                resp.cancel()
+                await resp.wait()
+            return
+        item_id, self._vad_item = self._vad_item or item_id, None
+        self.send(event("input_audio_buffer.speech_stopped", audio_end_ms=ev.ms, item_id=item_id))
+        try:
+            turn = self.buffer.commit(ev.ms)
+        except ProtocolError:
+            return  # too short to be a turn: nothing to answer
+        await self._commit(turn, item_id)
+        if turns is not None and turns.create_response and self.response is None:
+            await self._on_response_create({"type": "response.create"})
 
     async def _on_input_audio_buffer_commit(self, obj: dict[str, Any]) -> None:
-        raise ProtocolError(f"model '{self.target.name}' takes no audio input, so the buffer is empty",
-                            "input_audio_buffer_commit_empty")
+        if not self.hears:
+            raise ProtocolError(f"model '{self.target.name}' takes no audio input, so the buffer is empty",
+                                "input_audio_buffer_commit_empty")
+        await self._commit(self.buffer.commit(), new_id("item"))
+
+    async def _commit(self, turn: Turn, item_id: str) -> None:
+        """A committed turn becomes a user item: `committed`, then the item's
+        `added` and `done`."""
+        assert self._resample is not None
+        clip = await turn.for_model(self._resample)
+        previous = self.items[-1]["id"] if self.items else None
+        item = {"id": item_id, "type": "message", "object": "realtime.item", "role": "user",
+                "status": "completed", "content": [{"type": "input_audio", "transcript": None}]}
+        self.items.append(item)
+        self.heard[item_id] = [clip]
+        self.send(event("input_audio_buffer.committed", previous_item_id=previous, item_id=item_id))
+        self.send(event("conversation.item.added", previous_item_id=previous, item=item))
+        self.send(event("conversation.item.done", previous_item_id=previous, item=item))
 
     async def _on_input_audio_buffer_clear(self, obj: dict[str, Any]) -> None:
+        self.buffer.clear()
         self.send(event("input_audio_buffer.cleared"))
 
     # --------------------------------------------------------- conversation
@@ -102,7 +174,17 @@ class RealtimeSession:
         role = field_of(item, "role", str, "item")
         if role not in ROLES:
             raise ProtocolError(f"'item.role' must be one of {', '.join(ROLES)}", "invalid_value", "item.role")
-        text = item_text(item, "item")
+        clips: list[np.ndarray] = []
+        if self.hears:
+            parts = heard_parts(item, "item")
+            text = "".join(p for p in parts if isinstance(p, str))
+            for pcm in (p for p in parts if isinstance(p, bytes)):
+                assert self._resample is not None
+                clips.append(await Turn(pcm, 0, 0).for_model(self._resample))
+            # the item as echoed and kept: its audio is held apart, not sent back
+            item["content"] = [{k: v for k, v in part.items() if k != "audio"} for part in item["content"]]
+        else:
+            text = item_text(item, "item")
         previous = field_of(obj, "previous_item_id", str, "", required=False)
         index = len(self.items)
         if previous == "root":
@@ -115,6 +197,8 @@ class RealtimeSession:
         item.setdefault("id", new_id("item"))
         item.update(type="message", object="realtime.item", status="completed")
         self.items.insert(index, item)
+        if clips:
+            self.heard[item["id"]] = clips
         before = self.items[index - 1]["id"] if index > 0 else None
         for kind in ("conversation.item.added", "conversation.item.created", "conversation.item.done"):
             self.send(event(kind, previous_item_id=before, item=item))
@@ -125,6 +209,8 @@ class RealtimeSession:
         """User text: into the running speech response if there is one,
         else kept for the next response."""
         resp = self.response
+        if self.hears:
+            return  # the conversation's next response reads it
         if self.speaks and resp is not None and resp.more_input_open:
             try:
                 resp.append(text)
@@ -221,10 +307,12 @@ class RealtimeSession:
         check_format(output.get("format"), "response.audio.output.format")
         asked_voice = field_of(output, "voice", str, "response.audio.output", required=False)
         given = field_of(params, "input", list, "response", required=False)
-        texts = self._input_texts(given) if given is not None else None
         rid = new_id("resp")
         defaults = model_defaults(self.engine)
         sampling = dataclasses.replace(defaults, max_tokens=limit or defaults.max_tokens, seed=self.config.seed)
+        if self.hears:
+            return await self._conversation_plan(rid, given, instructions, asked_voice, sampling, limit)
+        texts = self._input_texts(given) if given is not None else None
         if self.speaks:
             voice = self.config.voice
             if asked_voice is not None:
@@ -253,6 +341,61 @@ class RealtimeSession:
         if limit is not None and limit < self.target.max_model_len - prepared.num_prompt_tokens:
             request = dataclasses.replace(request, sampling=dataclasses.replace(sampling, max_tokens=limit))
         return ResponsePlan(rid, request, prepared, modality="text")
+
+    async def _conversation_plan(self, rid: str, given: list[Any] | None, instructions: str | None,
+                                 asked_voice: str | None, sampling: SamplingParams,
+                                 limit: int | None) -> ResponsePlan:
+        """One spoken-chat request over the conversation (or `response.input`'s
+        items); `limit` caps the text and the talker's frames alike, as
+        OpenAI's counts audio tokens with text ones."""
+        voice = self.config.voice
+        if asked_voice is not None:
+            voice = self.config.check_voice(asked_voice, "response.audio.output.voice")
+        items, heard = (self.items, self.heard) if given is None else await self._given_items(given)
+        instructions = self.config.instructions if instructions is None else instructions
+        messages = chat_messages(items, heard, instructions)
+        if not any(m["role"] == "user" for m in messages):
+            raise ProtocolError("the conversation has nothing from the user: commit audio or add a message first",
+                                "empty_input", "response.input")
+        by: dict[str, dict[str, Any]] = {"talker": {"max_tokens": limit}} if limit is not None else {}
+        request = GenerateRequest(rid, self.target.name, {"messages": messages, "voice": voice},
+                                  dataclasses.replace(sampling, max_tokens=None), sampling_by=by,
+                                  walk=self.target.spoken_chat_walk)
+        prepared = await self.engine.prepare(request)
+        if limit is not None and limit < self.target.max_model_len - prepared.num_prompt_tokens:
+            request = dataclasses.replace(request, sampling=dataclasses.replace(sampling, max_tokens=limit))
+            prepared = await self.engine.prepare(request)
+        return ResponsePlan(rid, request, prepared, modality="audio", voice=voice, writes_transcript=True)
+
+    async def _given_items(self, given: list[Any]) -> tuple[list[dict[str, Any]], dict[str, list[np.ndarray]]]:
+        """`response.input` for a hearing model: its items (references
+        resolved) and their audio by item id."""
+        items: list[dict[str, Any]] = []
+        heard: dict[str, list[np.ndarray]] = {}
+        for i, item in enumerate(given):
+            where = f"response.input[{i}]"
+            if not isinstance(item, dict):
+                raise ProtocolError(f"'{where}' must be an object", "invalid_value", where)
+            kind = item.get("type", "message")
+            if kind == "item_reference":
+                ref = self.items[self._index(field_of(item, "id", str, where), f"{where}.id")]
+                items.append(ref)
+                heard[ref["id"]] = self.heard.get(ref["id"], [])
+                continue
+            if kind != "message":
+                raise ProtocolError(f"item type {kind!r} is not supported (only 'message' and 'item_reference')",
+                                    "unsupported_item_type", f"{where}.type")
+            role = field_of(item, "role", str, where)
+            if role not in ROLES:
+                raise ProtocolError(f"'{where}.role' must be one of {', '.join(ROLES)}", "invalid_value",
+                                    f"{where}.role")
+            parts = heard_parts(item, where)
+            key = new_id("item")
+            assert self._resample is not None
+            heard[key] = [await Turn(p, 0, 0).for_model(self._resample) for p in parts if isinstance(p, bytes)]
+            items.append({"id": key, "type": "message", "role": role,
+                          "content": [{"type": "input_text", "text": p} for p in parts if isinstance(p, str)]})
+        return items, heard
 
     def _input_texts(self, given: list[Any]) -> list[dict[str, str]]:
         """`response.input`: message items (or references to conversation

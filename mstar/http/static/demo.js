@@ -2,6 +2,8 @@
 // Plays response.output_audio.delta (base64 PCM16 LE, 24 kHz mono) as it arrives, measures time to first audio,
 // and keeps what it measured on window.mstarDemo (and in the page) so a headless browser test can read it.
 // A key typed in the page goes with every call, for a server started with --api-key.
+// For a model that hears, the microphone streams 24 kHz PCM16 in ~100 ms appends; the server's VAD (on by
+// default) commits each turn and answers it, and speech during an answer cuts it (barge-in).
 "use strict";
 
 const RATE = 24000;  // the server speaks 24 kHz mono PCM16 both ways
@@ -11,7 +13,9 @@ const state = window.mstarDemo = {
   active: false, responseId: null, status: "idle", responses: [],  // statuses of response.done, in order
   audioBytes: 0, audioSeconds: 0, ttfaMs: null, ttftMs: null, transcript: "", text: "", errors: [],
   audioState: "none", scheduled: 0,  // AudioContext state and sources still playing
+  vad: "off", turns: [],  // "off" | "listening" | "speech"; each turn's [audio_start_ms, audio_end_ms]
 };
+const APPEND_SAMPLES = RATE / 10;  // the microphone's audio goes out every 100 ms
 
 const $ = (id) => document.getElementById(id);
 let ws = null;
@@ -34,6 +38,7 @@ function render() {
   $("audioBytes").textContent = String(state.audioBytes);
   $("audioSeconds").textContent = state.audioSeconds.toFixed(2);
   $("responses").textContent = state.responses.join(", ");
+  $("vad").textContent = state.vad;
   $("transcript").textContent = state.transcript;
   $("textOut").textContent = state.text;
   $("stop").disabled = !state.active && state.scheduled === 0;
@@ -101,7 +106,18 @@ function onEvent(ev) {
       if (ev.type === "session.created") sessionStarted(ev.session);
       break;
     case "response.created":
+      if (!state.active) serverResponse();  // the VAD answered a turn
       state.responseId = ev.response.id;
+      break;
+    case "input_audio_buffer.speech_started":
+      state.vad = "speech";
+      state.turns.push([ev.audio_start_ms, null]);
+      silence();  // barge-in: the server cancels the answer; what is already here stops too
+      break;
+    case "input_audio_buffer.speech_stopped":
+      state.vad = mic ? "listening" : "off";
+      if (state.turns.length) state.turns[state.turns.length - 1][1] = ev.audio_end_ms;
+      t0 = performance.now();  // time to first audio counts from the end of the turn
       break;
     case "response.output_audio.delta":
       if (state.ttfaMs === null) state.ttfaMs = performance.now() - t0;
@@ -144,7 +160,7 @@ function sessionStarted(session) {
   const current = session.audio && session.audio.output && session.audio.output.voice;
   if (current) select.value = current;
   select.disabled = voices.length === 0;
-  // the session announces audio input only where the model takes it; none of mstar's do yet
+  // the session announces audio input only where the model takes it
   const hearing = Boolean(session.mstar && session.mstar.audio_input);
   $("mic").disabled = !hearing;
   $("micNote").textContent = hearing ? "" : "this model takes no audio input";
@@ -185,6 +201,15 @@ function startResponse() {
   render();
 }
 
+// a response the server started (its VAD committed a turn)
+function serverResponse() {
+  Object.assign(state, {active: true, status: "in_progress", audioBytes: 0, audioSeconds: 0, ttfaMs: null,
+                        ttftMs: null, transcript: "", text: ""});
+  sentMore = spokenMore = said = 0;
+  muted = false;
+  if (!t0) t0 = performance.now();
+}
+
 function sendText(text) {
   send({type: "conversation.item.create",
         item: {type: "message", role: "user", content: [{type: "input_text", text}]}});
@@ -202,6 +227,10 @@ function sendMore() {
 // barge-in: the server drops the rest, and what is already here stops playing now
 function stop() {
   if (state.active) send({type: "response.cancel"});
+  silence();
+}
+
+function silence() {
   for (const s of sources) {
     s.onended = null;
     s.stop();
@@ -258,36 +287,62 @@ function play(b64) {
 
 // ------------------------------------------------------------- microphone
 
-// Records 24 kHz PCM16 into input_audio_buffer.append; on the second click commits and asks for a response.
+// Records 24 kHz PCM16 into input_audio_buffer.append, 100 ms at a time. With the server's VAD on, turns are
+// committed and answered there; with it off, the second click commits and asks for a response.
 // Enabled only when the session says the model takes audio input.
 async function toggleMic() {
   if (mic) {
     mic.node.disconnect();
     mic.stream.getTracks().forEach((t) => t.stop());
     await mic.ctx.close();
+    flush(mic);
     mic = null;
     $("mic").textContent = "Microphone";
-    send({type: "input_audio_buffer.commit"});
-    startResponse();
+    state.vad = "off";
+    const detecting = state.session && state.session.audio && state.session.audio.input.turn_detection;
+    if (!detecting) {
+      send({type: "input_audio_buffer.commit"});
+      startResponse();
+    }
+    render();
     return;
   }
+  ensureAudio();
   await connect($("model").value);
-  const stream = await navigator.mediaDevices.getUserMedia({audio: {channelCount: 1}});
+  // the browser's echo cancelling keeps the answer playing from starting a turn of its own
+  const stream = await navigator.mediaDevices.getUserMedia(
+    {audio: {channelCount: 1, echoCancellation: true, noiseSuppression: true}});
   const ctx = new AudioContext({sampleRate: RATE});  // the browser resamples the microphone to 24 kHz
   const worklet = "registerProcessor('pcm-tap', class extends AudioWorkletProcessor {" +
     "process(inputs) { if (inputs[0][0]) this.port.postMessage(inputs[0][0].slice()); return true; } });";
   await ctx.audioWorklet.addModule(URL.createObjectURL(new Blob([worklet], {type: "text/javascript"})));
   const node = new AudioWorkletNode(ctx, "pcm-tap");
+  const rec = {stream, node, ctx, pending: [], count: 0};
   node.port.onmessage = (msg) => {
-    const pcm = new DataView(new ArrayBuffer(msg.data.length * 2));
-    msg.data.forEach((x, i) => pcm.setInt16(2 * i, Math.max(-1, Math.min(1, x)) * 32767, true));
-    let bin = "";
-    new Uint8Array(pcm.buffer).forEach((b) => { bin += String.fromCharCode(b); });
-    send({type: "input_audio_buffer.append", audio: btoa(bin)});
+    rec.pending.push(msg.data);
+    rec.count += msg.data.length;
+    if (rec.count >= APPEND_SAMPLES) flush(rec);
   };
   ctx.createMediaStreamSource(stream).connect(node);
-  mic = {stream, node, ctx};
+  mic = rec;
+  state.vad = "listening";
   $("mic").textContent = "Stop recording";
+  render();
+}
+
+// what the microphone gathered since the last append, as one input_audio_buffer.append
+function flush(rec) {
+  if (!rec.count || !ws || ws.readyState !== WebSocket.OPEN) return;
+  const pcm = new DataView(new ArrayBuffer(rec.count * 2));
+  let at = 0;
+  for (const block of rec.pending) {
+    block.forEach((x) => { pcm.setInt16(at, Math.max(-1, Math.min(1, x)) * 32767, true); at += 2; });
+  }
+  rec.pending = [];
+  rec.count = 0;
+  let bin = "";
+  new Uint8Array(pcm.buffer).forEach((b) => { bin += String.fromCharCode(b); });
+  send({type: "input_audio_buffer.append", audio: btoa(bin)});
 }
 
 // ------------------------------------------------------------------ start

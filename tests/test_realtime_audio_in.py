@@ -1,0 +1,269 @@
+"""`/v1/realtime` with audio in, against qwen3-omni-tiny, with the official
+`openai` client: a clip of tone bursts between silences appended in 100 ms
+chunks with server VAD on gives speech_started / speech_stopped at the
+bursts' edges, a committed user item and a response of transcript and
+audio deltas; with VAD off an explicit commit and response.create; new
+speech during a response cancels it and a new one follows; clear empties
+the buffer; bad base64, an unknown turn detection type, transcription and
+an over-long buffer are errors naming their field."""
+
+from __future__ import annotations
+
+import base64
+import wave
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import pytest_asyncio
+from http_support import running_engine, serving, serving_app
+from openai import AsyncOpenAI
+
+from mstar.client import AsyncClient, MstarError
+from mstar.config import MediaLimits, ServerConfig
+from mstar.http.server import build_app
+from mstar.engine.engine import Engine
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+OMNI = "qwen3-omni-tiny"
+RATE = 24_000
+CHUNK_MS = 100
+SHORT = {"type": "realtime", "max_output_tokens": 4, "mstar": {"seed": 7}}
+NO_VAD = {**SHORT, "audio": {"input": {"turn_detection": None}}}
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def omni() -> AsyncIterator[tuple[Engine, str]]:
+    async with running_engine(OMNI) as engine, serving(engine) as url:
+        yield engine, url
+
+
+def _client(url: str) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
+
+
+def silence(ms: int) -> np.ndarray:
+    return np.zeros(RATE * ms // 1000, dtype=np.float32)
+
+
+def burst(ms: int, level: float = 0.3) -> np.ndarray:
+    """A voiced-like tone (150 Hz and its harmonics) at about -13 dBFS."""
+    t = np.arange(RATE * ms // 1000) / RATE
+    wave = sum(np.sin(2 * np.pi * 150 * k * t) / k for k in (1, 2, 3))
+    return (level * wave / np.abs(wave).max()).astype(np.float32)
+
+
+def pcm16(x: np.ndarray) -> bytes:
+    return (np.clip(x, -1, 1) * 32767).astype(np.int16).tobytes()
+
+
+def chunks(x: np.ndarray) -> list[str]:
+    data = pcm16(x)
+    step = 2 * RATE * CHUNK_MS // 1000
+    return [base64.b64encode(data[i:i + step]).decode() for i in range(0, len(data), step)]
+
+
+async def _send(conn, x: np.ndarray) -> None:
+    for piece in chunks(x):
+        await conn.input_audio_buffer.append(audio=piece)
+
+
+async def _until(conn, kind: str, seen: list[Any]) -> Any:
+    async for ev in conn:
+        seen.append(ev)
+        if ev.type == "error" and kind != "error":
+            raise AssertionError(f"error before {kind}: {ev.error}")
+        if ev.type == kind:
+            return ev
+    raise AssertionError(f"the socket closed before {kind}")
+
+
+def _audio(events: list[Any]) -> bytes:
+    return b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta")
+
+
+async def test_server_vad_commits_a_turn_and_answers_it(omni) -> None:
+    _, url = omni
+    async with _client(url).realtime.connect(model=OMNI) as conn:
+        created = await conn.recv()
+        assert created.session.audio.input.turn_detection.type == "server_vad"  # on by default
+        await conn.session.update(session=SHORT)
+        seen: list[Any] = []
+        await _until(conn, "session.updated", seen)
+        await _send(conn, np.concatenate([silence(500), burst(500), silence(800)]))
+        started = await _until(conn, "input_audio_buffer.speech_started", seen)
+        stopped = await _until(conn, "input_audio_buffer.speech_stopped", seen)
+        committed = await _until(conn, "input_audio_buffer.committed", seen)
+        done = await _until(conn, "response.done", seen)
+    assert 150 <= started.audio_start_ms <= 250  # the burst at 500 ms less 300 ms of padding
+    assert 980 <= stopped.audio_end_ms <= 1040  # the burst's end
+    assert committed.item_id == started.item_id == stopped.item_id
+    kinds = [e.type for e in seen]
+    added = next(e for e in seen if e.type == "conversation.item.added" and e.item.id == committed.item_id)
+    assert added.item.role == "user" and added.item.content[0].type == "input_audio"
+    assert kinds.index("input_audio_buffer.committed") < kinds.index("conversation.item.done") \
+        < kinds.index("response.created")
+    assert done.response.status in ("completed", "incomplete")
+    audio = _audio(seen)
+    assert len(audio) > 0 and len(audio) % 2 == 0
+    assert np.frombuffer(audio, dtype=np.int16).size == len(audio) // 2
+    # the tiny model's random tokens mostly lie past its tokenizer's vocabulary: their text may be empty
+    transcript = "".join(e.delta for e in seen if e.type == "response.output_audio_transcript.delta")
+    assert done.response.output[0].content[0].transcript == transcript
+    assert done.response.usage.input_tokens > 0 and done.response.usage.output_tokens > 0
+
+
+async def test_explicit_commit_without_vad(omni) -> None:
+    _, url = omni
+    async with _client(url).realtime.connect(model=OMNI) as conn:
+        await conn.session.update(session=NO_VAD)
+        seen: list[Any] = []
+        updated = await _until(conn, "session.updated", seen)
+        assert updated.session.audio.input.turn_detection is None
+        await _send(conn, np.concatenate([burst(300), silence(900)]))
+        await conn.input_audio_buffer.commit()
+        committed = await _until(conn, "input_audio_buffer.committed", seen)
+        await conn.response.create()
+        done = await _until(conn, "response.done", seen)
+    assert not any(e.type.startswith("input_audio_buffer.speech") for e in seen)  # no VAD: the silence ends nothing
+    assert committed.item_id and done.response.status in ("completed", "incomplete")
+    assert len(_audio(seen)) > 0
+
+
+async def test_speech_during_a_response_cancels_it(omni) -> None:
+    engine, url = omni
+    async with _client(url).realtime.connect(model=OMNI) as conn:
+        await conn.session.update(session={**SHORT, "max_output_tokens": 400})
+        seen: list[Any] = []
+        await _until(conn, "session.updated", seen)
+        await _send(conn, np.concatenate([burst(300), silence(600)]))
+        first = await _until(conn, "response.created", seen)
+        await _until(conn, "response.output_audio.delta", seen)
+        await conn.session.update(session=SHORT)  # what follows is short
+        await _send(conn, burst(300))
+        cut = await _until(conn, "response.done", seen)
+        assert cut.response.id == first.response.id and cut.response.status == "cancelled"
+        await _send(conn, silence(600))
+        second = await _until(conn, "response.created", seen)
+        done = await _until(conn, "response.done", seen)
+    assert second.response.id != first.response.id and done.response.id == second.response.id
+    assert done.response.status in ("completed", "incomplete")
+    kinds = [e.type for e in seen]
+    assert kinds.count("input_audio_buffer.speech_started") == 2
+    # the barge-in's speech_started came before the cancelled response ended
+    barge_in = [i for i, k in enumerate(kinds) if k == "input_audio_buffer.speech_started"][1]
+    assert barge_in < kinds.index("response.done")
+
+
+async def test_clear_empties_the_buffer(omni) -> None:
+    _, url = omni
+    async with _client(url).realtime.connect(model=OMNI) as conn:
+        await conn.session.update(session=NO_VAD)
+        seen: list[Any] = []
+        await _until(conn, "session.updated", seen)
+        await _send(conn, burst(300))
+        await conn.input_audio_buffer.clear()
+        await _until(conn, "input_audio_buffer.cleared", seen)
+        await conn.input_audio_buffer.commit()
+        err = await _until(conn, "error", seen)
+    assert err.error.code == "input_audio_buffer_commit_empty"
+
+
+@pytest.mark.parametrize(("event", "param", "code"), [
+    ({"type": "input_audio_buffer.append", "audio": "not base64!"}, "audio", "invalid_base64"),
+    ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
+        "turn_detection": {"type": "semantic_vad"}}}}}, "session.audio.input.turn_detection.type",
+     "unsupported_turn_detection"),
+    ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
+        "turn_detection": {"type": "server_vad", "threshold": 2}}}}}, "session.audio.input.turn_detection.threshold",
+     "invalid_value"),
+    ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
+        "transcription": {"model": "whisper-1"}}}}}, "session.audio.input.transcription", "unsupported_transcription"),
+])
+async def test_bad_events_name_their_field(omni, event: dict[str, Any], param: str, code: str) -> None:
+    _, url = omni
+    async with _client(url).realtime.connect(model=OMNI) as conn:
+        await conn.recv()
+        await conn.send(event)
+        seen: list[Any] = []
+        err = await _until(conn, "error", seen)
+        assert (err.error.param, err.error.code) == (param, code)
+        # the session goes on, its turn detection as it was
+        await conn.session.update(session={"type": "realtime"})
+        updated = await _until(conn, "session.updated", seen)
+        assert updated.session.audio.input.turn_detection.type == "server_vad"
+
+
+async def test_sdk_streams_a_wav_file_and_hears_the_answer(omni, tmp_path: Path) -> None:
+    _, url = omni
+    clip = np.concatenate([silence(400), burst(400), silence(700)])
+    # 16 kHz stereo: the SDK mixes and resamples to what the session takes
+    at16k = np.interp(np.arange(clip.size * 2 // 3) * 1.5, np.arange(clip.size), clip)
+    path = tmp_path / "turn.wav"
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(2)
+        w.setsampwidth(2)
+        w.setframerate(16_000)
+        w.writeframes(pcm16(np.repeat(at16k[:, None], 2, axis=1).reshape(-1)))
+    async with AsyncClient(url) as client, await client.realtime(OMNI, max_output_tokens=4, seed=7) as rt:
+        assert rt.session["mstar"]["audio_input"] is True
+        sent = await rt.stream_audio(path, speed=0)
+        assert abs(sent - 1500) <= 10
+        started = await rt.until("input_audio_buffer.speech_started")
+        stopped = await rt.until("input_audio_buffer.speech_stopped")
+        assert 60 <= started["audio_start_ms"] <= 140 and 780 <= stopped["audio_end_ms"] <= 840
+        reply = await rt.reply()
+        assert reply.status in ("completed", "incomplete") and len(reply.audio) > 0
+        # VAD off: the SDK commits itself; an empty buffer's commit is refused
+        await rt.update(turn_detection=None)
+        await rt.append_audio(pcm16(burst(200)))
+        await rt.clear_audio()
+        await rt.commit_audio()
+        with pytest.raises(MstarError) as e:
+            await rt.until("input_audio_buffer.committed")
+        assert e.value.code == "input_audio_buffer_commit_empty"
+        await rt.append_audio(pcm16(burst(200)))
+        await rt.commit_audio()
+        assert (await rt.until("input_audio_buffer.committed"))["item_id"]
+
+
+async def test_the_buffer_limit_is_the_servers_max_audio_seconds(omni) -> None:
+    engine, _ = omni
+    config = ServerConfig(media_limits=MediaLimits(max_audio_seconds=1.0))
+    async with serving_app(build_app(engine, manage_engine=False, config=config), shutdown_timeout=1.0) as url:
+        async with _client(url).realtime.connect(model=OMNI) as conn:
+            await conn.session.update(session=NO_VAD)
+            seen: list[Any] = []
+            await _until(conn, "session.updated", seen)
+            await _send(conn, burst(1100))  # the eleventh 100 ms chunk is one too many
+            err = await _until(conn, "error", seen)
+            assert (err.error.param, err.error.code) == ("audio", "input_audio_buffer_full")
+            await conn.input_audio_buffer.commit()  # what fitted is still there
+            committed = await _until(conn, "input_audio_buffer.committed", seen)
+            assert committed.item_id
+
+
+async def test_an_audio_item_is_heard_and_the_conversation_carries_on(omni) -> None:
+    _, url = omni
+    async with _client(url).realtime.connect(model=OMNI) as conn:
+        await conn.session.update(session={**NO_VAD, "instructions": "Be brief."})
+        seen: list[Any] = []
+        await _until(conn, "session.updated", seen)
+        clip = base64.b64encode(pcm16(burst(300))).decode()
+        await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+            {"type": "input_audio", "audio": clip}, {"type": "input_text", "text": "What is this?"}]})
+        added = await _until(conn, "conversation.item.added", seen)
+        assert "audio" not in added.item.content[0].model_dump(exclude_none=True)  # kept, not echoed
+        await conn.response.create()
+        first = await _until(conn, "response.done", seen)
+        await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "And again?"}]})
+        await conn.response.create()
+        second = await _until(conn, "response.done", seen)
+    # the second request's prompt holds the first turn, its answer and the new text
+    assert second.response.usage.input_tokens > first.response.usage.input_tokens
+    assert len(_audio(seen)) > 0
+
