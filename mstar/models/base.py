@@ -138,7 +138,9 @@ class Model:
     # -- what the runtime calls
     def build_component(self, component: str, device: torch.device, dtype: torch.dtype) -> nn.Module:
         """The component's module, weights loaded, on `device`. Each mode of
-        the component is a method of the module named after the mode."""
+        the component is a method of the module named after the mode. A module
+        that captures CUDA graphs of its own has an `enforce_eager` attribute,
+        which the runtime sets from `--enforce-eager`."""
         raise NotImplementedError
 
     def prepare(self, request: GenerateRequest, plan: WalkPlan | None = None) -> Prepared:

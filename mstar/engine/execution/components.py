@@ -44,6 +44,9 @@ def build_runners(model: Model, names: Sequence[str], device: torch.device, stor
     (a request's thinker and talker hold about as many tokens each)."""
     dtype = resolve_dtype(model, config, device)
     modules = {name: model.build_component(name, device, dtype) for name in names}
+    for module in modules.values():  # a module that captures graphs of its own runs eagerly when told to
+        if hasattr(module, "enforce_eager"):
+            module.enforce_eager = config.enforce_eager
     cfg = config.scheduler
     kv_names = [name for name in names if model.components[name].kv_cache]
     states = {name: _state_pool(model, name, device, config) for name in names if model.components[name].state}

@@ -22,7 +22,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
-from mstar.engine.execution.graph_capture import capture_buckets
+from mstar.kernels.graph_capture import capture_buckets
 
 from mstar.types import AttentionContext, TokenBatch
 

@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from mstar.engine.execution.graph_capture import capture_buckets
+from mstar.kernels.graph_capture import capture_buckets
 
 from mstar.engine.movement.transfer import to_device
 from mstar.models.base import RowShape

@@ -105,7 +105,11 @@ class Turns:
         assert part.turn_token is not None and run.walk.more_input is not None
         assert self.join_turn is not None, "a walk taking more input on a worker given no join_turn"
         row = part.kv_row()
-        joined = self.join_turn(part.turn_token, run.more.pop(0), row.start)
+        try:
+            joined = self.join_turn(part.turn_token, run.more.pop(0), row.start)
+        except Exception as e:  # a model's refusal of the piece: this request fails, not the worker
+            walker.abort(rid, "error", f"{type(e).__name__}: {e}")
+            return
         room = walker.max_model_len - row.kv_len - joined.num_tokens
         part.awaiting_input = False
         run.root_reason = None

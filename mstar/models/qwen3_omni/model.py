@@ -215,6 +215,12 @@ class Qwen3OmniModel(Model):
         ids = [*newline, self.config.ids.im_start, self.config.ids.user, *newline,
                *self.intake.content(content, "input", media, self.name), self.config.ids.im_end, *newline,
                self.config.ids.im_start, self.config.ids.assistant, *newline]
+        if media.images:
+            raise RequestError("a turn of a running conversation takes audio and text, not images",
+                               field=media.images[0][0])
+        # the placeholders must match the clips here, where a refusal fails this input alone
+        mrope_positions(ids, audio_id=self.config.ids.audio, image_id=self.config.ids.image,
+                        audio_frames=[m.shape[1] for _, m in media.audio])
         mel, frames = pack_clips([m for _, m in media.audio], self.config.audio.num_mel_bins)
         return PreparedPiece({"prompt_ids": torch.tensor(ids, dtype=torch.long), "audio_mel": mel,
                               "audio_frames": frames}, len(ids) + 1)

@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import structlog
 import torch
 from torch import nn
 
+from mstar.kernels.graph_capture import capture_buckets
 from mstar.models.qwen3_omni.config import Qwen3OmniConfig
 from mstar.models.qwen3_omni.speech.code2wav import Code2Wav
 from mstar.models.qwen3_omni.speech.talker import TalkerDecoder, suppressed_codes
@@ -30,6 +32,7 @@ from mstar.models.qwen3_omni.speech.talker_prompt import talker_embeds, talker_r
 from mstar.types import StateRows, TokenBatch
 
 FRAME_GRAPH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+log = structlog.get_logger(__name__)
 
 
 def _rows(value: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
@@ -86,13 +89,16 @@ class TalkerSteps(nn.Module):
 
 class Code2WavSteps(nn.Module):
     """Component `code2wav`: mode `frame`, with per-row state. On CUDA a step
-    of one frame a row replays a graph of its batch bucket (captured at the
-    first step, when the state's tensors exist); the bucket's spare rows
-    work in the state pool's scratch slot."""
+    of one frame a row replays a graph of its batch bucket, captured at the
+    first step (when the state's tensors exist) through the runtime's capture
+    (one worker at a time, thread-local); the bucket's spare rows work in the
+    state pool's scratch slot. `enforce_eager` (set by the runtime from
+    `--enforce-eager`) keeps it eager, as does a capture that failed."""
 
     def __init__(self, code2wav: Code2Wav) -> None:
         super().__init__()
         self.code2wav = code2wav
+        self.enforce_eager = False
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._static: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # codes, slots, fresh
 
@@ -101,16 +107,27 @@ class Code2WavSteps(nn.Module):
         frames = codes.reshape(codes.shape[0], -1, codes.shape[-1]).transpose(1, 2).long()  # [B, Q, k]
         fresh = state.tensors["frames"][state.slots] == 0
         rows = frames.shape[0]
-        if frames.is_cuda and frames.shape[-1] == 1 and rows <= FRAME_GRAPH_BUCKETS[-1]:
+        if frames.is_cuda and frames.shape[-1] == 1 and rows <= FRAME_GRAPH_BUCKETS[-1] and self._graphed(frames,
+                                                                                                        state):
             pcm = self._replay(frames, state, fresh)
         else:
             pcm = self.code2wav.stream(frames, state, fresh)
         held = self.code2wav.held
         return {"pcm": [p[held:] if new else p for p, new in zip(pcm, fresh.tolist())]}
 
-    def _replay(self, frames: torch.Tensor, state: StateRows, fresh: torch.Tensor) -> torch.Tensor:
+    def _graphed(self, frames: torch.Tensor, state: StateRows) -> bool:
+        if self.enforce_eager:
+            return False
         if self._static is None:
-            self._capture(frames.shape[1], state)
+            try:
+                self._capture(frames.shape[1], state)
+            except Exception:  # noqa: BLE001 - a capture that fails leaves code2wav eager, not broken
+                log.exception("code2wav CUDA graphs not captured; running eagerly")
+                self.enforce_eager = True
+                return False
+        return True
+
+    def _replay(self, frames: torch.Tensor, state: StateRows, fresh: torch.Tensor) -> torch.Tensor:
         assert self._static is not None
         codes, slots, new = self._static
         rows = frames.shape[0]
@@ -132,16 +149,9 @@ class Code2WavSteps(nn.Module):
         codes = torch.zeros(top, quantizers, 1, dtype=torch.long, device=device)
         slots = torch.full((top,), scratch, dtype=torch.long, device=device)
         fresh = torch.ones(top, dtype=torch.bool, device=device)
+        graphs = capture_buckets(
+            device, FRAME_GRAPH_BUCKETS, lambda b: StateRows(state.tensors, slots[:b]),
+            lambda b, rows: self.code2wav.stream(codes[:b], rows, fresh[:b]), "capturing code2wav graphs",
+            show_progress=False)
+        self._graphs = graphs
         self._static = (codes, slots, fresh)
-        pool = torch.cuda.graph_pool_handle()
-        for b in FRAME_GRAPH_BUCKETS:
-            rows = StateRows(state.tensors, slots[:b])
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm-up: cuDNN's choices and lazy inits outside the capture
-                self.code2wav.stream(codes[:b], rows, fresh[:b])
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self.code2wav.stream(codes[:b], rows, fresh[:b])
-            self._graphs[b] = (graph, out)
