@@ -11,11 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from transformers import Qwen3OmniMoeForConditionalGeneration, WhisperFeatureExtractor
 
 from mstar.config import EngineConfig
 from mstar.engine.engine import Engine
+from mstar.errors import RequestError
 from mstar.models.qwen3_omni.model import Qwen3OmniModel
 from mstar.types import GenerateRequest, SamplingParams
 from test_qwen3_omni_media import _clip, folder  # noqa: F401  (a fixture)
@@ -81,3 +83,28 @@ async def test_each_turn_is_the_thinkers_answer_to_the_conversation_and_is_spoke
     # each turn's talker ran to its budget, FRAMES - 1 frames a turn; code2wav goes on from one answer into the
     # next (one waveform: the samples held back at an answer's end come at the next one's start)
     assert audio == 2 * 1920 * (FRAMES - 1) - 555
+
+
+async def test_a_turn_the_model_refuses_fails_at_append_and_the_conversation_goes_on(folder: Path) -> None:  # noqa: F811
+    eng = Engine(EngineConfig(model=str(folder), devices=("cpu",), max_model_len=512))
+    await eng.start()
+    try:
+        request = GenerateRequest("c", str(folder), {"messages": [{"role": "user", "content": "hi"}]},
+                                  SamplingParams(max_tokens=2, ignore_eos=True), walk="converse", more_input=True,
+                                  sampling_by={"talker": {"max_tokens": 3}})
+        turns, reasons = 0, []
+        async for chunk in eng.submit(request):
+            if chunk.awaiting_input:
+                turns += 1
+                if turns == 1:
+                    with pytest.raises(RequestError) as refused:
+                        eng.append("c", {"content": [{"type": "image", "image": np.zeros((64, 64, 3), np.uint8)}]})
+                    assert refused.value.field == "input[0]"
+                    eng.append("c", {"text": "go on"})
+                else:
+                    eng.close_input("c")
+            if chunk.finished:
+                reasons.append((chunk.finish_reason, chunk.error))
+        assert turns == 2 and reasons == [("length", None)]
+    finally:
+        await eng.shutdown()
