@@ -158,3 +158,22 @@ async def test_text_to_speech_reads_the_text_as_the_talker_would_speak_it_after_
         assert read == spoken
     finally:
         await eng.shutdown()
+
+
+async def test_a_talker_without_a_stop_ends_at_the_edge_of_the_context() -> None:
+    """The talker's budget is its own key's, not fitted to the context as the
+    root's is: past the context its loop ends ("length") instead of failing."""
+    eng = Engine(EngineConfig(model="qwen3-omni-tiny", devices=("cpu",), max_model_len=96))
+    await eng.start()
+    try:
+        request = GenerateRequest("edge", "qwen3-omni-tiny", {"messages": [{"role": "user", "content": "hello"}]},
+                                  SamplingParams(max_tokens=4, ignore_eos=True), walk="speak",
+                                  sampling_by={"talker": {"stop_token_ids": [], "ignore_eos": True}})
+        samples, last = 0, None
+        async for chunk in eng.submit(request):
+            samples += len(chunk.audio or b"") // 2
+            last = chunk
+        assert last is not None and last.error is None and last.finish_reason == "length"
+        assert samples > 1920 * 40  # it spoke until the context was full (96 tokens, its prompt's about 20)
+    finally:
+        await eng.shutdown()

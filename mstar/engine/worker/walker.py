@@ -191,11 +191,19 @@ class Walker:
     def enqueue(self, part: PartitionRun, step: Step, inputs: dict[str, TensorRef | list[StreamItem] | int],
                 branch: str = "main") -> None:
         rid = part.request_id
+        pool = self.pools.get(step.component)
+        if pool is not None and not part.done:
+            row = part.row(step.component, branch)
+            sig = self.components[step.component].signatures.get(step.mode) if self.components else None
+            cached = 0 if sig is not None and sig.reset else row.kv_len
+            if cached + self._num_tokens(step, inputs) > self.max_model_len:
+                # a loop whose budget was not fitted to the context (a talker's, not the root's) ends at its edge
+                self.finish(part, "length")
+                return
         for refs in inputs.values():
             for ref in refs if isinstance(refs, list) else (refs,):
                 if isinstance(ref, TensorRef):
                     self.store.retain(ref, rid)
-        pool = self.pools.get(step.component)
         num_tokens, pages, starts_row, capped = 1, 0, False, branch == "main"
         if pool is not None:
             row = part.row(step.component, branch)
