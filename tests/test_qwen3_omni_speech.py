@@ -177,3 +177,29 @@ async def test_a_talker_without_a_stop_ends_at_the_edge_of_the_context() -> None
         assert samples > 1920 * 40  # it spoke until the context was full (96 tokens, its prompt's about 20)
     finally:
         await eng.shutdown()
+
+
+async def test_chat_and_spoken_chat_prefill_together_without_a_failed_step() -> None:
+    """A chat's thinker prefill writes its token; a spoken chat's also the
+    rows the talker reads: admitted together they run as two calls of one
+    step, not a failed batch retried row by row."""
+    eng = Engine(EngineConfig(model="qwen3-omni-tiny", devices=("cpu",), max_model_len=256))
+    await eng.start()
+    try:
+        async def run(rid: str, walk: str) -> tuple[list[int], int]:
+            request = GenerateRequest(rid, "qwen3-omni-tiny", {"messages": [{"role": "user", "content": "hi"}]},
+                                      SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), walk=walk,
+                                      sampling_by={"talker": {"max_tokens": 3}} if walk == "speak" else {})
+            text, audio = [], 0
+            async for chunk in eng.submit(request):
+                text += chunk.token_ids
+                audio += len(chunk.audio or b"")
+            return text, audio
+
+        alone = [await run("c0", "chat"), await run("s0", "speak")]
+        together = await asyncio.gather(*(run(f"{w}{i}", w) for i in range(1, 3) for w in ("chat", "speak")))
+        assert [t for t, _ in together] == [alone[0][0], alone[1][0]] * 2
+        assert [a > 0 for _, a in together] == [False, True] * 2
+        assert eng.workers[0].stats.failed_steps == 0
+    finally:
+        await eng.shutdown()

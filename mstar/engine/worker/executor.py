@@ -28,8 +28,8 @@ from mstar.engine.worker.streaming.peer_link import PeerLink
 from mstar.engine.worker.preemption import Preemption
 from mstar.engine.worker.stop_rules import stop_reasons
 from mstar.engine.worker.walker import FORK_MODE, Walker
-from mstar.graph import ForkRows, WalkPlan
-from mstar.scheduler import Batch, Scheduler, StepPlan
+from mstar.graph import ForkRows, WalkPlan, step_bindings
+from mstar.scheduler import Batch, Scheduler, StepPlan, WorkItem
 
 log = structlog.get_logger("mstar.worker")
 
@@ -134,6 +134,27 @@ class Executor:
             batch.items = self.preemption.resume(batch.items)
             if not batch.items:
                 return
+        groups = self._by_writes(runner, batch)
+        if len(groups) > 1:  # rows whose walks name the mode's outputs differently: one call each way
+            for items in groups:
+                self._run(Batch(batch.component, batch.mode, items), runner, time.perf_counter())
+            return
+        self._run(batch, runner, t0)
+
+    @staticmethod
+    def _by_writes(runner: ComponentRunner, batch: Batch) -> list[list[WorkItem]]:
+        """The batch's rows by the walk values their step writes (a chat's
+        prefill keeps only its token, a spoken chat's also the talker's rows)."""
+        sig = runner.spec.signatures.get(batch.mode)
+        if sig is None or len(batch.items) == 1:
+            return [batch.items]
+        groups: dict[tuple, list[WorkItem]] = {}
+        for item in batch.items:
+            writes = step_bindings(item.payload.part.current_step(), sig)[1]
+            groups.setdefault(tuple(sorted(writes.items())), []).append(item)
+        return list(groups.values())
+
+    def _run(self, batch: Batch, runner: ComponentRunner, t0: float) -> None:
         inputs: list[dict[str, torch.Tensor]] | None = None
         try:
             inputs = runner.take_inputs(batch)
