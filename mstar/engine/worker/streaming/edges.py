@@ -240,6 +240,8 @@ class Streams:
             cons.values = dict(buf.restarts.pop(0))
             buf.resting = buf.turn_over = False
             buf.fills = 0  # the next turn's pass reads its own fill sequence after its items
+            for row in cons.rows.values():
+                row.new_turn()  # its repetition penalty looks at this turn's tokens, as its root's does
             self.walker.cursor.restart(cons, 0)
             return True
         if buf.closed:
