@@ -30,6 +30,7 @@ from mstar.graph import Component, ForkRows, Kind, Run, Step, WalkPlan, step_bin
 from mstar.scheduler import PagePool, Scheduler, WorkItem
 
 
+ENDED = ("stop", "length")  # the reasons a partition runs its course with
 FORK_MODE = "@fork"  # the queue of a KV component's fork items: they change pages, so they are scheduled
 
 
@@ -369,7 +370,7 @@ class Walker:
             if top and self.turns.ends_turn(part, reason):
                 self.turns.end(part, loop, reason, tokens.get(loop.value) if tokens else None)
                 return
-            if top and part.plan.parent is None:
+            if top and part.plan.parent is None and part.plan.stream is None:  # the root's, not a consumer's
                 part.request.root_reason = reason
             self.cursor.exit(part, ins.checks)
         else:
@@ -402,6 +403,8 @@ class Walker:
             if not run.shared:  # other workers' parts of the request still hold references (the engine drops them)
                 self.store.drop_owner(rid)
         generated = sum(r.generated for p in run.partitions.values() for r in p.rows.values()) if done else 0
+        if done and reason in ENDED and run.root_reason in ENDED:
+            reason = run.root_reason  # a request that ran its course ended as its root did (a spoken answer's text)
         self.on_finish(Finished(rid, part.name, reason, done, error, generated))
 
     def free_pages(self, part: PartitionRun) -> None:
