@@ -151,3 +151,21 @@ async def test_an_items_fill_sequence_is_read_in_order_then_repeats_its_last() -
         await drained(eng)
     finally:
         await eng.shutdown()
+
+
+def test_a_turn_that_fed_a_restarting_stream_nothing_leaves_no_turn_mark() -> None:
+    """A producer's turn without items (a thinker whose answer was all special
+    tokens) started no pass of a consumer that restarts each turn: the next
+    turn's pass must read that turn's items, not end at a stale mark."""
+    from mstar.engine.worker.streaming.buffer import TURN_OVER, StreamBuffer
+    from mstar.graph.compile import StreamPlan
+
+    buf = StreamBuffer(StreamPlan("h", "prod", "acc", Items(fill=FILL), on_turn="restart"))
+    buf.take(1)
+    buf.segment()  # a turn with an item: its end is marked
+    assert buf.pending[-1] == TURN_OVER
+    marks = len(buf.pending)
+    buf.segment()  # a turn with none
+    assert len(buf.pending) == marks
+    buf.take(2)
+    assert buf.pending[-1] != TURN_OVER

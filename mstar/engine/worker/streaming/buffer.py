@@ -50,10 +50,13 @@ class StreamBuffer:
         return self.read()
 
     def segment(self) -> None:
-        """The producer ended a turn: cut its tail, and count anew."""
+        """The producer ended a turn: cut its tail, and count anew. A turn
+        that fed the stream nothing started no pass of a restarting consumer,
+        so it leaves no mark: the next turn's pass must not end at it."""
         self._cut(self.plan.chunks.flush)
+        fed = self.produced > self.segment_start
         self.segment_start, self.segment_cuts = self.produced, self.chunks_cut
-        if self.plan.on_turn == "restart":
+        if self.plan.on_turn == "restart" and fed:
             self.pending.append(TURN_OVER)
 
     def close(self) -> None:
