@@ -228,3 +228,4 @@ class StateRows:
 
     tensors: dict[str, torch.Tensor]
     slots: torch.Tensor
+    new: list[bool] | None = None  # a plain component's rows whose slots start empty at this step (host-known)

@@ -99,10 +99,16 @@ class ComponentRunner:
         else:
             seeds = self._row_seeds(parts, step) if self._seeded(batch.mode) else None
             if self.state is not None:  # the rows' slots, as the keyword `state`
-                slots = [p.row(self.name, b).slot for p, b in zip(parts, branches)]
-                fn = functools.partial(fn, state=self._state_rows(slots))
+                rows = [p.row(self.name, b) for p, b in zip(parts, branches)]
+                state = self._state_rows([r.slot for r in rows])
+                assert state is not None
+                state.new = [r.slot_new for r in rows]
+                fn = functools.partial(fn, state=state)
             values = (self._run_plain(inputs, step, fn, seeds) if sig is None
                       else self._run_plain_signed(inputs, step, sig, fn, seeds))
+            if self.state is not None:
+                for p, b in zip(parts, branches):
+                    p.row(self.name, b).stepped_on_slot()
         return StepOutput(parts, values, logprobs, branches=branches)
 
     def _seeded(self, mode: str) -> bool:
@@ -321,7 +327,8 @@ class ComponentRunner:
             call = fn
             if self.state is not None:  # row r's own slot
                 state = fn.keywords["state"]
-                call = functools.partial(fn.func, state=StateRows(state.tensors, state.slots[r:r + 1]))
+                call = functools.partial(fn.func, state=StateRows(state.tensors, state.slots[r:r + 1],
+                                                                  None if state.new is None else state.new[r:r + 1]))
             out = self._call_named(call, alone, None if seeds is None else seeds[r:r + 1])
             outs.append(named_outputs(out, sig, writes, step.label))
         return {v: [o[v][0] for o in outs] for v in writes.values()}

@@ -33,6 +33,7 @@ class KVRow:
     seen: torch.Tensor | None = None  # [vocab] bool, for the repetition penalty
     swapped: SwappedKV | None = None  # preempted: its KV, in host memory until it resumes
     slot: int | None = None           # its slot of the component's per-row state (a recurrent layer's)
+    slot_new: bool = False            # its slot was zeroed for it and no step has run on it yet
     swapped_state: dict[str, torch.Tensor] | None = None  # preempted: its slot's state, in host memory
 
     @property
@@ -51,7 +52,11 @@ class KVRow:
 
     def take_slot(self, slot: int) -> None:
         """Admitted with a slot of per-row state (zeroed by the caller)."""
-        self.slot = slot
+        self.slot, self.slot_new = slot, True
+
+    def stepped_on_slot(self) -> None:
+        """A step ran on its slot: the state in it is no longer empty."""
+        self.slot_new = False
 
     def add_page(self, page: int) -> None:
         """One more page for a growing decode row."""

@@ -105,7 +105,9 @@ class Code2WavSteps(nn.Module):
     def frame(self, codes: torch.Tensor, state: StateRows) -> dict[str, list[torch.Tensor]]:
         """codes [B, k, G]: k frames a row (the stream's items) -> per row its samples."""
         frames = codes.reshape(codes.shape[0], -1, codes.shape[-1]).transpose(1, 2).long()  # [B, Q, k]
-        fresh = state.tensors["frames"][state.slots] == 0
+        # a row's first frame: known on the host when the runtime says so (no read back, which would sync)
+        new = state.new if state.new is not None else (state.tensors["frames"][state.slots] == 0).tolist()
+        fresh = torch.tensor(new, dtype=torch.bool).to(frames.device, non_blocking=True)
         rows = frames.shape[0]
         if frames.is_cuda and frames.shape[-1] == 1 and rows <= FRAME_GRAPH_BUCKETS[-1] and self._graphed(frames,
                                                                                                         state):
@@ -113,7 +115,7 @@ class Code2WavSteps(nn.Module):
         else:
             pcm = self.code2wav.stream(frames, state, fresh)
         held = self.code2wav.held
-        return {"pcm": [p[held:] if new else p for p, new in zip(pcm, fresh.tolist())]}
+        return {"pcm": [p[held:] if first else p for p, first in zip(pcm, new)]}
 
     def _graphed(self, frames: torch.Tensor, state: StateRows) -> bool:
         if self.enforce_eager:
