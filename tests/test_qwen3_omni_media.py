@@ -134,3 +134,19 @@ def test_bad_audio_is_refused_naming_its_part(folder: Path) -> None:
     with pytest.raises(RequestError) as e:
         mine.prepare(GenerateRequest("p", "m", {"messages": bad}))
     assert e.value.field == "messages[1].content[1]"
+
+
+def test_chat_without_the_assistants_opening_when_asked(folder: Path) -> None:  # noqa: F811
+    """`add_generation_prompt: false` leaves the assistant's opening out (the
+    last message is continued); speaking needs it, and says so."""
+    mine = Qwen3OmniModel(str(folder), str(folder))
+    messages = _messages("hello")
+    opened = mine.prepare(GenerateRequest("a", "m", {"messages": messages})).values["prompt_ids"].tolist()
+    plain = mine.prepare(GenerateRequest("b", "m", {"messages": messages, "add_generation_prompt": False})
+                         ).values["prompt_ids"].tolist()
+    ids = mine.config.ids
+    assert opened[:len(plain)] == plain and opened[len(plain):len(plain) + 2] == [ids.im_start, ids.assistant]
+    with pytest.raises(RequestError) as refused:
+        mine.prepare(GenerateRequest("c", "m", {"messages": messages, "add_generation_prompt": False, "voice": "ethan"},
+                                     walk="speak"))
+    assert refused.value.field == "input"

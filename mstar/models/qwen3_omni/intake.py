@@ -5,7 +5,8 @@ and the media in the order the placeholders take them, out.
 
 Chat renders as the checkpoint's template does (ChatML: `<|im_start|>role\\n
 ... <|im_end|>\\n` per message, then the assistant's opening; each role is
-its one token, as the config names it), at the level of ids, so that media placeholders are placed and counted here rather than
+its one token, as the config names it), at the level of ids (without the assistant's opening when `add_generation_prompt` is false),
+so that media placeholders are placed and counted here rather than
 found again in rendered text: text through the tokenizer without special
 tokens, an audio part as `<|audio_start|>` + n x `<|audio_pad|>` +
 `<|audio_end|>`, an image part as `<|vision_start|>` + n x `<|image_pad|>` +
@@ -63,7 +64,10 @@ class Intake:
                                field="prompt")
         media = PromptMedia()
         if "messages" in inputs:
-            return self._chat(inputs["messages"], media, max_model_len, model), media, "messages"
+            opening = inputs.get("add_generation_prompt", True)
+            if not isinstance(opening, bool):
+                raise RequestError("must be true or false", field="add_generation_prompt")
+            return self._chat(inputs["messages"], media, max_model_len, model, opening), media, "messages"
         if "prompt" in inputs:
             return text_ids(inputs["prompt"], self._need_tokenizer(model), max_model_len), media, "prompt"
         ids = given_ids(inputs["prompt_ids"])
@@ -71,7 +75,8 @@ class Intake:
             raise RequestError("the prompt is empty", field="prompt")
         return ids, media, "prompt"
 
-    def _chat(self, messages: Any, media: PromptMedia, max_model_len: int, model: str) -> list[int]:
+    def _chat(self, messages: Any, media: PromptMedia, max_model_len: int, model: str,
+              opening: bool = True) -> list[int]:
         if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
             raise RequestError("must be a non-empty list of messages", field="messages")
         ids: list[int] = []
@@ -85,6 +90,8 @@ class Intake:
             if len(ids) > max_model_len:
                 raise RequestError(f"the messages take more than the model's {max_model_len} tokens",
                                    field="messages", code="context_length_exceeded")
+        if not opening:  # the last message is continued as it stands
+            return ids
         return ids + [self.ids.im_start, self.ids.assistant, *self._text("\n", model)]
 
     def _role(self, role: str) -> int:
