@@ -1,8 +1,11 @@
-"""Qwen3-Omni as a served model, so far its thinker: a request's prompt
-(token ids, text or chat messages, read by `intake.py`; a builtin shape uses
-the byte tokenizer) in, with its 3-axis positions, a walk (`walks.py`) that
-prefills it and decodes until EOS or the token budget. The encoders, talker
-and code2wav join per `docs/design/omni.md`.
+"""Qwen3-Omni as a served model: a request in (a prompt of token ids, text
+or chat messages whose parts may hold decoded audio and images, read by
+`intake.py`; a voice; for `tts`, text), what its walk (`walks.py`, picked by
+`walk_for`) starts from out: the thinker's ids and 3-axis positions, the
+encoders' inputs (log-mel, image patches), the talker's prompt shape and
+voice. Each component's module is built here, from a folder's weights or
+seeded random ones (a builtin shape uses the byte tokenizer); later turns of
+a `converse` request come through `prepare_more` and `join_turn`.
 """
 
 from __future__ import annotations

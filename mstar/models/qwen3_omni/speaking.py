@@ -7,13 +7,15 @@ voice's codec id in; the talker prompt's rows are built here and run over
 the row's KV cache at the positions the step was given. `talker.speak`: the
 frame's first code, the last hidden state and the step's text side (a thinker
 token id: the next text token, tts_eos or tts_pad) in; the frame completed
-by the code predictor and the next frame's first code out. Both mask the
-codes the first code may never take (the talker's special ids but
-codec_eos) before the runtime samples.
+by the code predictor and the next frame's first code out; `talker.read` is
+`speak` with its text token taken from a script the request gave (text to
+speech). They mask the codes the first code may never take (the talker's
+special ids but codec_eos) before the runtime samples.
 
 `code2wav.frame`: each row's next frames in, the samples they finish out,
-from the row's state slot (a slot starts zeroed: its frame counter tells a
-new utterance, whose first `held` samples are not audio and are dropped).
+from the row's state slot (a slot starts zeroed, and the runtime says which
+rows' slots are new: a new utterance's first `held` samples are not audio
+and are dropped).
 """
 
 from __future__ import annotations
@@ -40,14 +42,13 @@ def _rows(value: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 class TalkerSteps(nn.Module):
-    """Component `talker`: modes `prefill` and `speak`."""
+    """Component `talker`: modes `prefill`, `speak` and `read`."""
 
     def __init__(self, talker: TalkerDecoder, cfg: Qwen3OmniConfig) -> None:
         super().__init__()
         self.talker, self.cfg = talker, cfg
         device = talker.codec_head.weight.device
         self.register_buffer("suppressed", suppressed_codes(cfg.talker).to(device), persistent=False)
-
 
     def prefill(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
         extra = batch.extra
