@@ -159,8 +159,10 @@ class Qwen3OmniModel(Model):
             raise ConfigError(f"model '{self.name}' has no component '{component}'")
         if self.load_format == "dummy":
             dummy_weights(module, seed=DUMMY_SEED)
-            if component == "talker":  # its copy of the thinker's table: the thinker's own random values
+            if component == "talker":  # its copy of the thinker's table: the thinker's random values (before any lean)
                 dummy_param(module.thinker_embed.weight, "embed_tokens.weight", dummy_seed(DUMMY_SEED, 0))
+            if self.path is None and component == "thinker":  # a builtin, shown with the byte tokenizer
+                _lean_toward_text(module.embed_tokens.weight, module.lm_head.weight)
             if component == "code2wav":
                 _audible(module)
         else:
@@ -300,3 +302,21 @@ def _audible(code2wav: Code2Wav) -> None:
                 fan_in = p[0].numel()
                 p.copy_(torch.randn(p.shape, generator=gen) * (0.9 / fan_in ** 0.5))
         code2wav.conv_out.weight.mul_(0.1)
+
+
+PRINTABLE = range(32, 127)  # the byte tokenizer's printable ASCII ids
+TEXT_LEAN = 8.0
+
+
+def _lean_toward_text(embed: torch.Tensor, head: torch.Tensor) -> None:
+    """Make a builtin's random thinker write printable bytes, which its byte
+    tokenizer shows as text (its vocabulary is the real model's, so random
+    weights would write ids the tokenizer cannot show): every embedding gets
+    `TEXT_LEAN` on hidden unit 0, so that unit dominates the residual stream,
+    and the head reads unit 0 only for printable ids. The talker's copy of
+    the table keeps the plain random values: unit 0 would drown its text
+    rows, and with them what its voices change."""
+    with torch.no_grad():
+        embed[:, 0] = TEXT_LEAN
+        head[:, 0] = 0.0
+        head[PRINTABLE.start:PRINTABLE.stop, 0] = 1.0
