@@ -372,23 +372,13 @@ class RealtimeSession:
         resolved) and their audio by item id."""
         items: list[dict[str, Any]] = []
         heard: dict[str, list[np.ndarray]] = {}
-        for i, item in enumerate(given):
+        for i, raw in enumerate(given):
             where = f"response.input[{i}]"
-            if not isinstance(item, dict):
-                raise ProtocolError(f"'{where}' must be an object", "invalid_value", where)
-            kind = item.get("type", "message")
-            if kind == "item_reference":
-                ref = self.items[self._index(field_of(item, "id", str, where), f"{where}.id")]
-                items.append(ref)
-                heard[ref["id"]] = self.heard.get(ref["id"], [])
+            item, role = self._given_item(raw, where)
+            if role is None:  # a reference to a conversation item
+                items.append(item)
+                heard[item["id"]] = self.heard.get(item["id"], [])
                 continue
-            if kind != "message":
-                raise ProtocolError(f"item type {kind!r} is not supported (only 'message' and 'item_reference')",
-                                    "unsupported_item_type", f"{where}.type")
-            role = field_of(item, "role", str, where)
-            if role not in ROLES:
-                raise ProtocolError(f"'{where}.role' must be one of {', '.join(ROLES)}", "invalid_value",
-                                    f"{where}.role")
             parts = heard_parts(item, where)
             key = new_id("item")
             assert self._resample is not None
@@ -401,22 +391,27 @@ class RealtimeSession:
         """`response.input`: message items (or references to conversation
         items) as {role, content} pairs."""
         out = []
-        for i, item in enumerate(given):
+        for i, raw in enumerate(given):
             where = f"response.input[{i}]"
-            if not isinstance(item, dict):
-                raise ProtocolError(f"'{where}' must be an object", "invalid_value", where)
-            kind = item.get("type", "message")
-            if kind == "item_reference":
-                item = self.items[self._index(field_of(item, "id", str, where), f"{where}.id")]
-            elif kind != "message":
-                raise ProtocolError(f"item type {kind!r} is not supported (only 'message' and 'item_reference')",
-                                    "unsupported_item_type", f"{where}.type")
-            role = field_of(item, "role", str, where)
-            if role not in ROLES:
-                raise ProtocolError(f"'{where}.role' must be one of {', '.join(ROLES)}", "invalid_value",
-                                    f"{where}.role")
-            out.append({"role": role, "content": item_text(item, where)})
+            item, role = self._given_item(raw, where)
+            out.append({"role": role or field_of(item, "role", str, where), "content": item_text(item, where)})
         return out
+
+    def _given_item(self, item: Any, where: str) -> tuple[dict[str, Any], str | None]:
+        """One `response.input` entry checked: a message and its role, or the
+        conversation item a reference names (role None)."""
+        if not isinstance(item, dict):
+            raise ProtocolError(f"'{where}' must be an object", "invalid_value", where)
+        kind = item.get("type", "message")
+        if kind == "item_reference":
+            return self.items[self._index(field_of(item, "id", str, where), f"{where}.id")], None
+        if kind != "message":
+            raise ProtocolError(f"item type {kind!r} is not supported (only 'message' and 'item_reference')",
+                                "unsupported_item_type", f"{where}.type")
+        role = field_of(item, "role", str, where)
+        if role not in ROLES:
+            raise ProtocolError(f"'{where}.role' must be one of {', '.join(ROLES)}", "invalid_value", f"{where}.role")
+        return item, role
 
     async def _on_response_cancel(self, obj: dict[str, Any]) -> None:
         resp = self.response
