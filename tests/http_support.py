@@ -21,8 +21,8 @@ MODEL = "tiny-llama"
 
 
 @asynccontextmanager
-async def running_engine(model: str = MODEL) -> AsyncIterator[Engine]:
-    engine = Engine(EngineConfig(model=model))
+async def running_engine(model: str = MODEL, max_model_len: int | None = None) -> AsyncIterator[Engine]:
+    engine = Engine(EngineConfig(model=model, max_model_len=max_model_len))
     await engine.start()
     try:
         yield engine

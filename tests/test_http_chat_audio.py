@@ -23,10 +23,9 @@ import pytest
 import pytest_asyncio
 import soundfile as sf
 from http_support import MODEL as TEXT_MODEL
-from http_support import serving
+from http_support import running_engine, serving
 from test_http_chat_media import asking, audio_part, clip, encoded
 
-from mstar.config import EngineConfig
 from mstar.engine.engine import Engine
 from mstar.models import media
 from mstar.types import GenerateRequest, SamplingParams
@@ -48,12 +47,8 @@ SPOKEN: dict[str, Any] = {"modalities": ["text", "audio"], "max_tokens": TOKENS,
 HELLO = [{"role": "user", "content": "Say hello."}]
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def omni() -> AsyncIterator[Engine]:
-    engine = Engine(EngineConfig(model=OMNI, max_model_len=512))
-    await engine.start()
-    try:
+    async with running_engine(OMNI, 512) as engine:
         yield engine
-    finally:
-        await engine.shutdown()
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")

@@ -28,12 +28,12 @@ import pytest_asyncio
 import soundfile as sf
 from aiohttp import web
 from http_support import MODEL as TEXT_MODEL
-from http_support import serving, serving_app, wait_until
+from http_support import running_engine, serving, serving_app, wait_until
 from PIL import Image
 from test_http_media import WorstLag
 
 from mstar.client import AsyncClient
-from mstar.config import EngineConfig, MediaLimits, ServerConfig, parse_args
+from mstar.config import MediaLimits, ServerConfig, parse_args
 from mstar.engine.engine import Engine
 from mstar.engine.eventloop.metrics import LagMonitor
 from mstar.errors import ConfigError, RequestError
@@ -110,12 +110,8 @@ class Spy:
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def omni() -> AsyncIterator[Engine]:
-    engine = Engine(EngineConfig(model=OMNI, max_model_len=CONTEXT))
-    await engine.start()
-    try:
+    async with running_engine(OMNI, CONTEXT) as engine:
         yield engine
-    finally:
-        await engine.shutdown()
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")

@@ -22,10 +22,9 @@ import orjson
 import pytest
 import pytest_asyncio
 import soundfile as sf
-from http_support import serving
+from http_support import running_engine, serving
 from test_http_chat_audio import OMNI, RATE
 
-from mstar.config import EngineConfig
 from mstar.engine.engine import Engine
 from mstar.http.speech.audio import wav_header
 from mstar.http.submission import resolve_model
@@ -45,12 +44,8 @@ TALK: dict[str, Any] = {"max_tokens": FRAMES, "temperature": 0,
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def omni() -> AsyncIterator[Engine]:
-    engine = Engine(EngineConfig(model=OMNI, max_model_len=CONTEXT))
-    await engine.start()
-    try:
+    async with running_engine(OMNI, CONTEXT) as engine:
         yield engine
-    finally:
-        await engine.shutdown()
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")

@@ -61,17 +61,22 @@ class ThinkerAttention(nn.Module):
 
 
 class ThinkerLayer(nn.Module):
-    """Also the talker's layer (its config adds the shared expert)."""
+    """Also the talker's layer (its config adds the shared expert), and the
+    code predictor's with a dense feed-forward (`feed_forward`)."""
 
-    def __init__(self, cfg: MoeDecoderConfig, layer: int, *, device: Device = None,
+    def __init__(self, cfg: MoeDecoderConfig | CodePredictorConfig, layer: int, *, device: Device = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
         kw = {"device": device, "dtype": dtype}
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
         self.self_attn = ThinkerAttention(cfg, layer, **kw)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
-        self.mlp = SparseMoe(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
-                             cfg.norm_topk_prob, cfg.shared_expert_intermediate_size, **kw)
+        self.mlp = self.feed_forward(cfg, kw)
+
+    def feed_forward(self, cfg: MoeDecoderConfig | CodePredictorConfig, kw: dict) -> nn.Module:
+        assert isinstance(cfg, MoeDecoderConfig)
+        return SparseMoe(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
+                         cfg.norm_topk_prob, cfg.shared_expert_intermediate_size, **kw)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn)

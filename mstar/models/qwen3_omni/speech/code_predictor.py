@@ -23,9 +23,8 @@ from mstar.models.layers.linear import Linear
 from mstar.models.layers.mlp import SwiGLU
 from mstar.models.layers.norm import RMSNorm
 from mstar.models.layers.rotary import RotaryEmbedding
-from mstar.models.qwen3_omni.config import CodePredictorConfig
-from mstar.models.qwen3_omni.thinker import ThinkerAttention
-from mstar.types import AttentionContext
+from mstar.models.qwen3_omni.config import CodePredictorConfig, MoeDecoderConfig
+from mstar.models.qwen3_omni.thinker import ThinkerLayer
 
 Device = torch.device | str | None
 Draw = Callable[[torch.Tensor, int], torch.Tensor]  # (logits [B, V], j) -> code j + 1 [B] int64
@@ -55,19 +54,11 @@ class FrameCache:
         return out.transpose(1, 2).reshape(b * n, *q.shape[2:])
 
 
-class CodePredictorLayer(nn.Module):
-    def __init__(self, cfg: CodePredictorConfig, layer: int, *, device: Device = None,
-                 dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        kw = {"device": device, "dtype": dtype}
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
-        self.self_attn = ThinkerAttention(cfg, layer, **kw)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, **kw)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, **kw)
+class CodePredictorLayer(ThinkerLayer):
+    """The thinker's layer with a dense SwiGLU feed-forward."""
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def feed_forward(self, cfg: MoeDecoderConfig | CodePredictorConfig, kw: dict) -> nn.Module:
+        return SwiGLU(cfg.hidden_size, cfg.intermediate_size, **kw)
 
 
 class CodePredictor(nn.Module):
