@@ -15,6 +15,7 @@ merged weight.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,3 +131,31 @@ def load_talker(talker: TalkerDecoder, folder: str | Path) -> None:
     embedding table with it) from `folder`; a `ConfigError` names what is
     missing or left over."""
     _load(talker, folder, _TALKER)
+
+
+def fill_params(module: nn.Module, folder: str | Path, prefix: str, what: str,
+                target: Callable[[str], str | None] = lambda local: local,
+                adapt: Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
+    """Fill a part whose parameters map one to one onto checkpoint tensors
+    (the encoders, code2wav) from the tensors under `prefix`, reading only
+    those: `target` names the parameter a tensor fills (its name past the
+    prefix in; None: no parameter), `adapt(name, tensor, param)` may reshape
+    it first. A `ConfigError` (`what` names the part) lists the parameters
+    nothing filled and the tensors that fill nothing, or fit nothing."""
+    params = dict(module.named_parameters())
+    filled: set[str] = set()
+    unknown: list[str] = []
+    with torch.no_grad():
+        for name, tensor in CheckpointFiles(folder).tensors(lambda n: n.startswith(prefix)):
+            local = target(name[len(prefix):])
+            param = params.get(local) if local is not None else None
+            if param is not None and adapt is not None:
+                tensor = adapt(name, tensor, param)
+            if param is None or param.shape != tensor.shape:
+                unknown.append(name if param is None else f"{name} {list(tensor.shape)}")
+                continue
+            param.copy_(tensor)
+            filled.add(local)
+    missing = sorted(set(params) - filled)
+    if missing or unknown:
+        raise mismatch_error(folder, what, missing, unknown)

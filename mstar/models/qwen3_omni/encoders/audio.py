@@ -30,10 +30,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.models.checkpoint import mismatch_error
 from mstar.models.layers.linear import Linear
-from mstar.models.llama.loader import CheckpointFiles
 from mstar.models.qwen3_omni.config import AudioEncoderConfig
+from mstar.models.qwen3_omni.loader import fill_params
 from mstar.models.qwen3_omni.positions import MEL_CHUNK, TOKENS_PER_CHUNK
 
 Device = torch.device | str | None
@@ -218,28 +217,4 @@ def load_audio_encoder(encoder: AudioEncoder, folder: str | Path) -> None:
     """Fill `encoder` from the `thinker.audio_tower.*` tensors of a folder
     transformers saved, reading only those; a `ConfigError` names tensors
     missing from the folder or left over in it."""
-    from safetensors import safe_open
-
-    files = CheckpointFiles(folder)
-    params = dict(encoder.named_parameters())
-    by_file: dict[Path, list[str]] = {}
-    for name in sorted(files.names()):
-        if name.startswith(CHECKPOINT_PREFIX):
-            by_file.setdefault(files.where[name], []).append(name)
-    filled: set[str] = set()
-    unknown: list[str] = []
-    with torch.no_grad():
-        for file, names in sorted(by_file.items()):
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in names:
-                    local = name[len(CHECKPOINT_PREFIX):]
-                    param = params.get(local)
-                    tensor = f.get_tensor(name)
-                    if param is None or param.shape != tensor.shape:
-                        unknown.append(name if param is None else f"{name} {list(tensor.shape)}")
-                        continue
-                    param.copy_(tensor)
-                    filled.add(local)
-    missing = sorted(set(params) - filled)
-    if missing or unknown:
-        raise mismatch_error(folder, "qwen3-omni audio encoder", missing, unknown)
+    fill_params(encoder, folder, CHECKPOINT_PREFIX, "qwen3-omni audio encoder")

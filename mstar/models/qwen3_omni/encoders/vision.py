@@ -31,10 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.models.checkpoint import mismatch_error
 from mstar.models.layers.linear import Linear
-from mstar.models.llama.loader import CheckpointFiles
 from mstar.models.qwen3_omni.config import VisionEncoderConfig
+from mstar.models.qwen3_omni.loader import fill_params
 from mstar.models.qwen3_omni.thinker import rotate
 
 Device = torch.device | str | None
@@ -242,21 +241,10 @@ def _vision_target(local: str) -> str:
 def load_vision_encoder(encoder: VisionEncoder, folder: str | Path) -> None:
     """Fill `encoder` from the `thinker.visual.*` tensors of a folder
     transformers saved; a `ConfigError` names what is missing or left over."""
-    params = dict(encoder.named_parameters())
-    filled: set[str] = set()
-    unknown: list[str] = []
-    with torch.no_grad():
-        for name, tensor in CheckpointFiles(folder).tensors(lambda n: n.startswith(_VISUAL)):
-            target = _vision_target(name[len(_VISUAL):])
-            param = params.get(target)
-            # the patch Conv3d's [out, C, T, P, P] kernel is the [out, C*T*P*P] linear map
-            if target == "patch_embed.weight" and param is not None and param.numel() == tensor.numel():
-                tensor = tensor.reshape(param.shape)
-            if param is None or param.shape != tensor.shape:
-                unknown.append(name)
-                continue
-            param.copy_(tensor)
-            filled.add(target)
-    missing = sorted(set(params) - filled)
-    if missing or unknown:
-        raise mismatch_error(folder, "qwen3-omni vision encoder", missing, unknown)
+    def as_linear(name: str, tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        # the patch Conv3d's [out, C, T, P, P] kernel is the [out, C*T*P*P] linear map
+        if name.endswith("patch_embed.proj.weight") and param.numel() == tensor.numel():
+            return tensor.reshape(param.shape)
+        return tensor
+
+    fill_params(encoder, folder, _VISUAL, "qwen3-omni vision encoder", _vision_target, as_linear)

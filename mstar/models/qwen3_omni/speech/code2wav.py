@@ -28,9 +28,8 @@ from torch import nn
 
 from mstar.errors import ConfigError
 from mstar.models.base import StateSpec
-from mstar.models.checkpoint import mismatch_error
-from mstar.models.llama.loader import CheckpointFiles
 from mstar.models.qwen3_omni.config import Code2WavConfig
+from mstar.models.qwen3_omni.loader import fill_params
 from mstar.models.qwen3_omni.speech.code2wav_blocks import (
     KERNEL,
     CausalConv,
@@ -191,21 +190,13 @@ def checkpoint_target(name: str, blocks: int) -> str | None:
 def load_code2wav(module: Code2Wav, folder: str | Path) -> None:
     """Fill `module` from the `code2wav.*` tensors of a folder transformers
     saved; a `ConfigError` names what is missing, left over or misshapen."""
-    params = dict(module.named_parameters())
-    filled: set[str] = set()
-    unknown: list[str] = []
-    with torch.no_grad():
-        for name, tensor in CheckpointFiles(folder).tensors(lambda n: n.startswith(_PREFIX)):
-            target = checkpoint_target(name[len(_PREFIX):], len(module.blocks))
-            param = params.get(target) if target is not None else None
-            if param is None:
-                unknown.append(name)
-                continue
-            if param.shape != tensor.shape:
-                raise ConfigError(f"{folder}: {name} is {list(tensor.shape)}, the code2wav config makes "
-                                  f"{target} {list(param.shape)}")
-            param.copy_(tensor)
-            filled.add(target)
-    missing = sorted(set(params) - filled)
-    if missing or unknown:
-        raise mismatch_error(folder, "qwen3-omni code2wav", missing, unknown)
+    def target(local: str) -> str | None:
+        return checkpoint_target(local, len(module.blocks))
+
+    def same_shape(name: str, tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        if param.shape != tensor.shape:
+            raise ConfigError(f"{folder}: {name} is {list(tensor.shape)}, the code2wav config makes "
+                              f"{target(name[len(_PREFIX):])} {list(param.shape)}")
+        return tensor
+
+    fill_params(module, folder, _PREFIX, "qwen3-omni code2wav", target, same_shape)
