@@ -193,30 +193,26 @@ class Walker:
                 branch: str = "main") -> None:
         rid = part.request_id
         pool = self.pools.get(step.component)
-        if pool is not None and not part.done:
-            row = part.row(step.component, branch)
-            sig = self.components[step.component].signatures.get(step.mode) if self.components else None
-            cached = 0 if sig is not None and sig.reset else row.kv_len
-            if cached + self._num_tokens(step, inputs) > self.max_model_len:
-                # a loop whose budget was not fitted to the context (a talker's, not the root's) ends at its edge
-                self.finish(part, "length")
-                return
-        for refs in inputs.values():
-            for ref in refs if isinstance(refs, list) else (refs,):
-                if isinstance(ref, TensorRef):
-                    self.store.retain(ref, rid)
         num_tokens, pages, starts_row, capped = 1, 0, False, branch == "main"
         if pool is not None:
             row = part.row(step.component, branch)
             num_tokens = self._num_tokens(step, inputs)
             sig = self.components[step.component].signatures.get(step.mode) if self.components else None
             total = (0 if sig is not None and sig.reset else row.kv_len) + num_tokens
+            if total > self.max_model_len and not part.done:
+                # a loop whose budget was not fitted to the context (a talker's, not the root's) ends at its edge
+                self.finish(part, "length")
+                return
             if (not row.pages and row.swapped is None) or part.pc == 0:  # the row's first step, or a later turn's
                 total += self._reserve(part)
             pages = max(0, pool.pages_for(min(total, self.max_model_len)) - len(row.pages))
             if row.swapped is not None:  # preempted while it waited: its KV comes back into pages first
                 pages, capped = max(pages, row.swapped.num_pages), False  # it ran already: the cap is for new rows
             starts_row = not row.pages
+        for refs in inputs.values():
+            for ref in refs if isinstance(refs, list) else (refs,):
+                if isinstance(ref, TensorRef):
+                    self.store.retain(ref, rid)
         # a row of a component with per-row state takes a slot at its first step (a plain one too: no pages)
         needs_slot = step.component in self.slots and part.row(step.component, branch).slot is None
         part.busy = True
