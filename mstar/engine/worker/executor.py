@@ -146,7 +146,8 @@ class Executor:
         """The batch's rows by the walk values their step writes (a chat's
         prefill keeps only its token, a spoken chat's also the talker's rows)."""
         sig = runner.spec.signatures.get(batch.mode)
-        if sig is None or len(batch.items) == 1:
+        steps = {id(item.payload.part.current_step()) for item in batch.items}
+        if sig is None or len(steps) == 1:  # rows of one walk's step (the usual case): one way
             return [batch.items]
         groups: dict[tuple, list[WorkItem]] = {}
         for item in batch.items:
