@@ -49,6 +49,7 @@ class TalkerSteps(nn.Module):
         self.talker, self.cfg = talker, cfg
         device = talker.codec_head.weight.device
         self.register_buffer("suppressed", suppressed_codes(cfg.talker).to(device), persistent=False)
+        self.enforce_eager = False  # set by the runtime from --enforce-eager
 
     def prefill(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
         extra = batch.extra
@@ -68,6 +69,9 @@ class TalkerSteps(nn.Module):
         return self._masked(out)
 
     def speak(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
+        cp = self.talker.code_predictor
+        if cp.graphs is None and batch.input_ids.is_cuda and not self.enforce_eager:
+            cp.capture(FRAME_GRAPH_BUCKETS)  # a frame's code predictor is launch-bound eagerly
         text = torch.as_tensor(batch.extra["text"]).reshape(-1)
         extra = {**batch.extra, "text": self.talker.text_rows(text)}
         return self._masked(self.talker.speak(dataclasses.replace(batch, extra=extra)))
