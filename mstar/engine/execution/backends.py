@@ -3,7 +3,8 @@
 The torch reference (`TorchPagedAttention`) runs everywhere and is the oracle;
 FlashInfer serves CUDA devices when it is installed. Decode steps replay CUDA
 graphs when the backend can plan into static buffers and graphs are not
-switched off; so do the plain modes whose row shapes the model declares.
+switched off; so do the plain modes whose row shapes the model declares, and
+the KV modes declared `graph=True` that it gives row shapes for.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ from mstar.config import EngineConfig
 from mstar.engine.memory.attention import TorchPagedAttention
 from mstar.engine.execution.cuda_graphs import DecodeGraphs
 from mstar.engine.memory.kv_cache import KVCache
+from mstar.engine.execution.kv_mode_graphs import KVModeGraphs
 from mstar.engine.execution.mode_graphs import ModeGraphs
 from mstar.errors import ConfigError
+from mstar.graph import Component
 from mstar.models.base import Model
 from mstar.types import AttentionContext, TokenBatch
 
@@ -103,6 +106,28 @@ def mode_graphs(model: Model, component: str, modes: Sequence[str], module: nn.M
             continue
         graphs[mode] = ModeGraphs(f"{component}.{mode}", getattr(module, mode), rows,
                                   halfway_buckets(config.cuda_graph_batch_sizes), device)
+        graphs[mode].capture()
+    return graphs
+
+
+def kv_mode_graphs(model: Model, component: str, spec: Component, module: nn.Module, backend: AttentionBackend,
+                   device: torch.device, config: EngineConfig) -> dict[str, KVModeGraphs]:
+    """Captured graphs of a KV component's modes declared `graph=True` with
+    a signature that the model gives row shapes for (`Model.graph_rows`:
+    the inputs besides the query, in signature order), by mode."""
+    if config.enforce_eager or device.type != "cuda" or not hasattr(backend, "plan_graph"):
+        return {}
+    graphs = {}
+    for mode, sig in spec.signatures.items():
+        shapes = model.graph_rows(component, mode) if sig.graph else None
+        if shapes is None:
+            continue
+        names = [i.name for i in sig.inputs if i.name != sig.query]
+        if len(names) != len(shapes):
+            raise ValueError(f"{component}.{mode}: graph_rows gives {len(shapes)} row shapes for {names}")
+        graphs[mode] = KVModeGraphs(f"{component}.{mode}", getattr(module, mode), backend,
+                                    config.cuda_graph_batch_sizes, device, dict(zip(names, shapes)),
+                                    spec.position_axes, sig.draws)
         graphs[mode].capture()
     return graphs
 

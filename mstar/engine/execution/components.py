@@ -2,8 +2,8 @@
 in, a `ComponentRunner` each out, with what the runner needs. For a KV
 component: the KV cache (sized from the memory left once every component's
 weights are in place), its page pool, its attention backend and its decode
-CUDA graphs. For any other: the CUDA graphs of the modes the model declares
-row shapes for.
+CUDA graphs, and the graphs of its other modes worth them. For any other:
+the CUDA graphs of the modes the model declares row shapes for.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from mstar.config import EngineConfig
-from mstar.engine.execution.backends import attention_backend, decode_graphs, mode_graphs
+from mstar.engine.execution.backends import attention_backend, decode_graphs, kv_mode_graphs, mode_graphs
 from mstar.engine.memory.kv_cache import KVCache
 from mstar.engine.memory.sizing import kv_cache_log_fields, kv_cache_pages
 from mstar.engine.memory.state_slots import StatePool
@@ -94,7 +94,10 @@ def _runner(model: Model, name: str, module: nn.Module, device: torch.device, dt
     outputs = graph_outputs(spec, "decode") if spec.samples and not spec.state and hasattr(module, "decode") else None
     graphs = decode_graphs(module.decode, attention, device, config, outputs, spec.position_axes) \
         if outputs is not None else None
+    by_mode = kv_mode_graphs(model, name, spec, module, attention, device, config)
     log.info("attention", device=str(device), component=name, backend=type(attention).__name__,
-             cuda_graphs=graphs.buckets if graphs is not None else None)
-    runner = ComponentRunner(name, spec, module, device, store, kv, attention, graphs, state=state)
+             cuda_graphs=graphs.buckets if graphs is not None else None,
+             mode_graphs={m: g.buckets for m, g in by_mode.items()} or None)
+    runner = ComponentRunner(name, spec, module, device, store, kv, attention, graphs, state=state,
+                             kv_graphs=by_mode)
     return runner, PagePool(num_pages, cfg.page_size)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -21,6 +21,8 @@ from torch import nn
 
 from mstar.engine.execution.backends import AttentionBackend
 from mstar.engine.execution.cuda_graphs import DecodeGraphs
+from mstar.engine.execution.draws import Draws
+from mstar.engine.execution.kv_mode_graphs import KVModeGraphs
 from mstar.engine.memory.kv_cache import KVCache
 from mstar.engine.worker.loop_group import LoopGroup
 from mstar.engine.execution.mode_graphs import ModeGraphs, takes_seeds
@@ -33,7 +35,7 @@ from mstar.engine.movement.transfer import to_device
 from mstar.graph import Component, Kind, Mode, Step, step_bindings
 from mstar.scheduler import Batch, WorkItem
 from mstar.engine.memory.state_slots import StatePool
-from mstar.types import StateRows, TokenBatch
+from mstar.types import AttentionContext, StateRows, TokenBatch
 
 
 @dataclass(eq=False)
@@ -51,7 +53,9 @@ class ComponentRunner:
     def __init__(self, name: str, spec: Component, module: nn.Module, device: torch.device,
                  store: TensorStore, kv: KVCache | None, attention: AttentionBackend | None = None,
                  graphs: DecodeGraphs | None = None, mode_graphs: dict[str, ModeGraphs] | None = None,
-                 state: StatePool | None = None) -> None:
+                 state: StatePool | None = None, kv_graphs: dict[str, KVModeGraphs] | None = None) -> None:
+        """`graphs`: the decode graphs of token loop groups; `mode_graphs`:
+        plain modes' graphs; `kv_graphs`: graphs of KV modes with a signature."""
         self.name = name
         self.spec = spec
         self.module = module
@@ -62,6 +66,7 @@ class ComponentRunner:
         self.attention = attention
         self.graphs = graphs
         self.mode_graphs = mode_graphs or {}
+        self.kv_graphs = kv_graphs or {}
         self.device_s = 0.0
         self._cuda = device.type == "cuda"
         self._takes_seeds: dict[str, bool] = {}  # by mode
@@ -176,13 +181,29 @@ class ComponentRunner:
             raise RuntimeError(f"rows of one {steps[0].label} step write different values")
         rows = [{name: row[value] for name, value in r.items()} for row, r in zip(inputs, reads)]
         kv = [p.row(self.name, b) for p, b in zip(parts, branches)]
-        packed = pack_kv(rows, reads, kv, sig, self.spec.position_axes, self.attention.plan, self.device)
+        graphs = self.kv_graphs.get(sig.name)
+        if graphs is not None and (self.state is not None or not graphs.fits(len(rows))
+                                   or any(row[sig.query].numel() != 1 for row in rows)):
+            graphs = None
+        plans: list[tuple] = []
+
+        def plan(*args) -> AttentionContext | None:  # a replay plans its bucket's metadata itself
+            plans.append(args)
+            return None if graphs is not None else self.attention.plan(*args)
+        packed = pack_kv(rows, reads, kv, sig, self.spec.position_axes, plan, self.device)
         packed.batch.state = self._state_rows([r.slot for r in kv])
         draws = steps[0].draws
         if draws is not None:
             packed.batch.draw = self._drawer(parts, kv, draws, sig.draws)
-        with torch.profiler.record_function("mstar.forward"):
-            out = fn(packed.batch)
+        out = None
+        if graphs is not None:
+            with torch.profiler.record_function("mstar.replay"):
+                out = graphs.run(packed.batch, plans[0][1], [r.pages for r in kv], packed.batch.draw)
+            if out is None:
+                packed.batch.attn = self.attention.plan(*plans[0])
+        if out is None:
+            with torch.profiler.record_function("mstar.forward"):
+                out = fn(packed.batch)
         token = next((o.name for o in sig.outputs if o.kind is Kind.TOKEN and o.name in writes), None)
         tokens = logprobs = None
         if token is not None:
@@ -200,19 +221,12 @@ class ComponentRunner:
         return StepOutput(parts, values, logprobs, sampled=(writes[token],) if token is not None else (),
                           branches=branches)
 
-    def _drawer(self, parts: list[PartitionRun], kv: list[KVRow], key: str,
-                count: int) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    def _drawer(self, parts: list[PartitionRun], kv: list[KVRow], key: str, count: int) -> Draws:
         """`TokenBatch.draw` for a mode's `count` own draws under sampling key
-        `key`: draw j of a row is its counter for the key plus j, so that a
-        fused mode draws what the steps it fuses would have."""
+        `key`, from each row's counter for the key."""
         params = [p.request.sampling[key] for p in parts]
         st = SamplingTensors.build(params, [p.seed for p in params], [r.drawn.get(key, 0) for r in kv], self.device)
-
-        def draw(logits: torch.Tensor, j: int) -> torch.Tensor:
-            if not 0 <= j < count:
-                raise IndexError(f"draw {j} of a mode that declares {count} per step")
-            return sample(logits, replace(st, counters=st.counters + j))
-        return draw
+        return Draws(st, count)
 
     def _state_rows(self, slots: list[int | None] | torch.Tensor) -> StateRows | None:
         """The rows' slots of the component's per-row state (None without one)."""

@@ -18,7 +18,7 @@ import torch
 
 from mstar.errors import ConfigError, RequestError
 from mstar.graph import Component
-from mstar.models.base import KVSpec, Model, StateSpec
+from mstar.models.base import KVSpec, Model, RowShape, StateSpec
 from mstar.models.llama.loader import dummy_param, dummy_seed, dummy_weights
 from mstar.models.prepared import PreparedPiece
 from mstar.models.qwen3_omni import walks
@@ -124,6 +124,14 @@ class Qwen3OmniModel(Model):
         if key == "cp":
             return SamplingParams(temperature=1.0, top_k=50, top_p=0.8)
         return SamplingParams()
+
+    def graph_rows(self, component: str, mode: str) -> tuple[RowShape, ...] | None:
+        """The talker's frame step under CUDA graphs: besides its first code,
+        the last hidden state (float32 holds any serving dtype exactly) and
+        the text token."""
+        if (component, mode) != ("talker", "speak"):
+            return None
+        return RowShape((self.config.talker.decoder.hidden_size,), torch.float32), RowShape((), torch.long)
 
     def state_spec(self, component: str) -> StateSpec:
         if component != "code2wav":

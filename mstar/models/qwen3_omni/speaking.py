@@ -69,9 +69,6 @@ class TalkerSteps(nn.Module):
         return self._masked(out)
 
     def speak(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
-        cp = self.talker.code_predictor
-        if cp.graphs is None and batch.input_ids.is_cuda and not self.enforce_eager:
-            cp.capture(FRAME_GRAPH_BUCKETS)  # a frame's code predictor is launch-bound eagerly
         text = torch.as_tensor(batch.extra["text"]).reshape(-1)
         extra = {**batch.extra, "text": self.talker.text_rows(text)}
         return self._masked(self.talker.speak(dataclasses.replace(batch, extra=extra)))
@@ -84,6 +81,9 @@ class TalkerSteps(nn.Module):
         for script, at in zip(_rows(batch.extra["script"]), torch.as_tensor(batch.extra["at"]).reshape(-1).tolist()):
             n, k = script.numel(), int(at) + 1
             text.append(int(script.reshape(-1)[k]) if k < n else ids.tts_eos if k == n else ids.tts_pad)
+        cp = self.talker.code_predictor
+        if cp.graphs is None and batch.input_ids.is_cuda and not self.enforce_eager:
+            cp.capture(FRAME_GRAPH_BUCKETS)  # its script on the host, no graph takes the whole step
         extra = {**batch.extra, "text": torch.tensor(text)}
         return self.speak(dataclasses.replace(batch, extra=extra))
 

@@ -57,7 +57,7 @@ def talker_component(cfg: Qwen3OmniConfig) -> Component:
     frame_out = (Out("code", Kind.TOKEN), Out("last", Kind.HIDDEN), Out("frame", Kind.TENSOR))
     draws = cfg.talker.num_code_groups - 1
     speak = Mode("speak", (In("ids", Kind.IDS), In("last", Kind.TENSOR), In("text", Kind.TENSOR)), frame_out,
-                 kv="append", query="ids", draws=draws)
+                 kv="append", query="ids", draws=draws, graph=True)
     read = Mode("read", (In("ids", Kind.IDS), In("last", Kind.TENSOR), In("script", Kind.TENSOR, ragged=True),
                          In("at", Kind.INDEX)), frame_out, kv="append", query="ids", draws=draws)
     return Component(modes=(prefill, speak, read), kv_cache=True, samples=True)

@@ -101,7 +101,8 @@ class CodePredictor(nn.Module):
         frame's first code; `first` [B, H]: that code's talker embedding.
         Returns the codes 1 .. G - 1 [B, G - 1] int64 (code j + 1 is
         `draw(logits, j)`) and their embeddings [B, G - 1, H]."""
-        if self.graphs is not None and self.graphs.fits(last.shape[0]):
+        # inside a capture of the whole step (the runtime's) the forwards are captured with it
+        if self.graphs is not None and self.graphs.fits(last.shape[0]) and not torch.cuda.is_current_stream_capturing():
             return self.graphs.complete(last, first, draw)
         cache = FrameCache(last.shape[0])
         h = self._last(torch.stack([last, first], dim=1), 0, cache)
