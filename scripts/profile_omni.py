@@ -26,6 +26,8 @@ from mstar.engine.execution.runner import ComponentRunner  # noqa: E402
 from mstar.types import GenerateRequest, SamplingParams  # noqa: E402
 
 TIMES: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0])  # steps, rows, seconds
+TIMELINE: list[tuple[float, str, int, float]] = []  # start (s), component.mode, rows, ms
+FIRSTS: dict[str, list[float]] = defaultdict(list)  # "text" / "audio" -> each request's first, s after start
 
 
 def _timed(name: str, fn):
@@ -44,6 +46,7 @@ def _timed(name: str, fn):
         entry[0] += 1
         entry[1] += rows
         entry[2] += time.perf_counter() - t0
+        TIMELINE.append((t0, f"{key[0]}.{key[1]}", rows, 1e3 * (time.perf_counter() - t0)))
         return out
     return call
 
@@ -53,7 +56,12 @@ async def _speak(eng: Engine, rid: str, model: str, text_tokens: int, frames: in
                               SamplingParams(max_tokens=text_tokens, ignore_eos=True), walk="speak",
                               sampling_by={"talker": {"max_tokens": frames + 1, "ignore_eos": True,
                                                       "stop_token_ids": []}})
+    t0, seen = time.perf_counter(), set()
     async for chunk in eng.submit(request):
+        for kind, got in (("text", chunk.token_ids), ("audio", chunk.audio)):
+            if got and kind not in seen:
+                seen.add(kind)
+                FIRSTS[kind].append(time.perf_counter() - t0)
         if chunk.finished and chunk.error:
             raise RuntimeError(chunk.error)
 
@@ -65,6 +73,7 @@ async def main() -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     p.add_argument("--text-tokens", type=int, default=40)
     p.add_argument("--frames", type=int, default=50)
+    p.add_argument("--timeline", action="store_true", help="print every step until each request has audio")
     args = p.parse_args()
     ComponentRunner.compute = _timed("items", ComponentRunner.compute)
     ComponentRunner.run_group = _timed("group", ComponentRunner.run_group)
@@ -75,6 +84,8 @@ async def main() -> None:
         await _speak(eng, "warm", args.model, 4, 4)
         for c in args.concurrency:
             TIMES.clear()
+            TIMELINE.clear()
+            FIRSTS.clear()
             t0 = time.perf_counter()
             await asyncio.gather(*(_speak(eng, f"p{c}-{i}", args.model, args.text_tokens, args.frames)
                                    for i in range(c)))
@@ -83,6 +94,14 @@ async def main() -> None:
             print(f"{'component.mode':24} {'steps':>6} {'rows':>6} {'total ms':>10} {'ms/step':>8}")
             for (comp, mode), (steps, rows, secs) in sorted(TIMES.items(), key=lambda kv: -kv[1][2]):
                 print(f"{comp + '.' + mode:24} {steps:6d} {rows:6d} {1e3 * secs:10.1f} {1e3 * secs / steps:8.2f}")
+            for kind, times in FIRSTS.items():
+                print(f"first {kind} (ms): " + " ".join(f"{1e3 * t:.0f}" for t in sorted(times)))
+            if args.timeline:
+                until = max(FIRSTS["audio"], default=0.0)
+                print("steps until the last first audio (start ms, step, rows, ms):")
+                for start, name, rows, ms in TIMELINE:
+                    if start - t0 <= until:
+                        print(f"  {1e3 * (start - t0):8.1f} {name:18} {rows:4d} {ms:7.2f}")
     finally:
         await eng.shutdown()
 

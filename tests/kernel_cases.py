@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from mstar.kernels import activation, moe, noise, norm, rope_kv, snake
+from mstar.kernels import activation, head_norm_rope, moe, noise, norm, rope_kv, snake
 
 EPS = 1e-5
 
@@ -38,6 +38,20 @@ def check_rms_norm(t: int, h: int, dtype: torch.dtype, device: str, interpreted:
     got = norm.rms_norm_triton(x, weight, EPS)
     assert got.dtype == dtype and got.shape == x.shape
     torch.testing.assert_close(got, norm.rms_norm_reference(x, weight, EPS), **tolerance(dtype, interpreted))
+
+
+def check_head_norm_rope(t: int, heads: int, d: int, dtype: torch.dtype, device: str, interpreted: bool) -> None:
+    """Per-head RMSNorm then rotate-half rotary at each token's own angles,
+    as the unfused ops compute it."""
+    gen = torch.Generator().manual_seed(t * 100 + heads * 10 + d)
+    x = (torch.randn(t, heads, d, generator=gen) * 3).to(device=device, dtype=dtype)
+    weight = (1 + 0.5 * torch.randn(d, generator=gen)).to(device=device, dtype=dtype)
+    angles = torch.rand(t, d // 2, generator=gen) * 100
+    cos, sin = (f(torch.cat([angles, angles], -1)).to(device) for f in (torch.cos, torch.sin))
+    got = head_norm_rope.head_norm_rope_triton(x, weight, cos, sin, EPS)
+    assert got.dtype == dtype and got.shape == x.shape
+    want = head_norm_rope.head_norm_rope_reference(x, weight, cos, sin, EPS)
+    torch.testing.assert_close(got, want, **tolerance(dtype, interpreted))
 
 
 def check_fused_add_rms_norm(t: int, h: int, dtype: torch.dtype, device: str, interpreted: bool) -> None:

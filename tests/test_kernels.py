@@ -8,8 +8,8 @@ import os
 
 import pytest
 import torch
-from kernel_cases import (check_fused_add_rms_norm, check_fused_moe, check_moe_align, check_rms_norm,
-                          check_rope_and_store, check_silu_and_mul, check_exponential_noise, check_snake,
+from kernel_cases import (check_exponential_noise, check_fused_add_rms_norm, check_fused_moe, check_head_norm_rope,
+                          check_moe_align, check_rms_norm, check_rope_and_store, check_silu_and_mul, check_snake,
                           check_snake_dwconv, moe_inputs)
 
 from mstar.kernels import activation, fused_add_rms_norm, moe, norm, rms_norm, rope_and_store, rope_kv, silu_and_mul
@@ -237,3 +237,10 @@ def test_snac_decoder_through_the_fused_kernels_matches_the_reference(monkeypatc
     assert len(calls) == 3 * len(cfg.decoder_rates)  # every residual unit took the fused kernel
     assert got.shape == want.shape and want.abs().max() > 0
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,heads,d", [(1, 4, 16), (5, 3, 64), (2, 2, 128)])
+def test_head_norm_rope(t, heads, d, dtype):
+    check_head_norm_rope(t, heads, d, dtype, "cpu", interpreted=True)

@@ -9,6 +9,7 @@ import torch
 from kernel_cases import (
     MOE_SHAPES,
     check_fused_add_rms_norm,
+    check_head_norm_rope,
     check_fused_moe,
     check_moe_align,
     check_rms_norm,
@@ -165,3 +166,9 @@ def test_rope_and_store_replays_under_cuda_graphs():
         return rope_and_store(q, k, v, cos, sin, positions, k_cache, v_cache, slots), k_cache, v_cache
 
     same_on_replay(make, op)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,heads,d", [(1, 16, 128), (7, 4, 64), (300, 32, 128)])
+def test_head_norm_rope(t, heads, d, dtype):
+    check_head_norm_rope(t, heads, d, dtype, "cuda", interpreted=False)

@@ -61,6 +61,7 @@ def _tiny_with_flashinfer_heads() -> dict:
     cfg = copy.deepcopy(QWEN3_OMNI_TINY)
     for text in (cfg["thinker_config"]["text_config"], cfg["talker_config"]["text_config"]):
         text["head_dim"] = 64
+        text["rope_parameters"] = {**text["rope_parameters"], "mrope_section": [16, 8, 8]}
     return cfg
 
 

@@ -70,11 +70,11 @@ BLOCK = 1024
 
 
 def exponential_noise_triton(seeds: Tensor, counters: Tensor, vocab_size: int) -> Tensor:
-    keys = row_keys(seeds.to(torch.int64), counters.to(torch.int64)).contiguous()
-    out = torch.empty(keys.shape[0], vocab_size, dtype=torch.float32, device=seeds.device)
+    seeds, counters = seeds.to(torch.int64).contiguous(), counters.to(torch.int64).contiguous()
+    out = torch.empty(seeds.shape[0], vocab_size, dtype=torch.float32, device=seeds.device)
     if out.numel():
-        grid = (keys.shape[0], (vocab_size + BLOCK - 1) // BLOCK)
-        _noise_kernel[grid](keys, out, vocab_size, _MUL_A, _MUL_B, _INV_2_24, BLOCK=BLOCK,
+        grid = (seeds.shape[0], (vocab_size + BLOCK - 1) // BLOCK)
+        _noise_kernel[grid](seeds, counters, out, vocab_size, _MUL_A, _MUL_B, _ROW_SALT, _INV_2_24, BLOCK=BLOCK,
                             num_warps=num_warps(BLOCK))
     return out
 
@@ -89,13 +89,28 @@ def _mix32(x, mul_a, mul_b):
 
 
 @jit
-def _noise_kernel(keys_ptr, out_ptr, vocab, mul_a, mul_b, inv_2_24, BLOCK: tl.constexpr):
+def _word(x, high: tl.constexpr):
+    """One 32-bit half of an int64, as uint32 (the high half's bit pattern
+    for negative values too)."""
+    if high:
+        x = x >> 32
+    return (x & 0xFFFFFFFF).to(tl.uint32)
+
+
+@jit
+def _noise_kernel(seeds_ptr, counters_ptr, out_ptr, vocab, mul_a, mul_b, salt, inv_2_24, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < vocab
     a = tl.full((), mul_a, tl.uint32)
     b = tl.full((), mul_b, tl.uint32)
-    key = tl.load(keys_ptr + row).to(tl.uint32)
+    # the row's key (`row_keys`), mixed here rather than by ~30 launches of tiny torch ops per step
+    seed = tl.load(seeds_ptr + row)
+    counter = tl.load(counters_ptr + row)
+    key = _mix32(_word(seed, False) ^ tl.full((), salt, tl.uint32), a, b)
+    key = _mix32(key ^ _word(seed, True), a, b)
+    key = _mix32(key ^ _word(counter, False), a, b)
+    key = _mix32(key ^ _word(counter, True), a, b)
     idx = _mix32(cols.to(tl.uint32), a, b)
     bits = _mix32(key ^ idx, a, b)
     u = ((bits >> 8).to(tl.float32) + 0.5) * inv_2_24

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mstar.kernels.head_norm_rope import head_norm_rope
 from mstar.kernels.rope_kv import rotate_half
 from mstar.models.layers.linear import Linear
 from mstar.models.layers.moe import SparseMoe
@@ -53,10 +54,12 @@ class ThinkerAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(t, self.heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(t, self.kv_heads, self.head_dim))
+        q = head_norm_rope(self.q_proj(x).view(t, self.heads, self.head_dim), self.q_norm.weight, cos, sin,
+                           self.q_norm.eps)
+        k = head_norm_rope(self.k_proj(x).view(t, self.kv_heads, self.head_dim), self.k_norm.weight, cos, sin,
+                           self.k_norm.eps)
         v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
-        out = attn.forward(self.layer, rotate(q, cos, sin), rotate(k, cos, sin), v, self.head_dim ** -0.5)
+        out = attn.forward(self.layer, q, k, v, self.head_dim ** -0.5)
         return self.o_proj(out.reshape(t, -1))
 
 
