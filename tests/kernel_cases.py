@@ -52,6 +52,11 @@ def check_head_norm_rope(t: int, heads: int, d: int, dtype: torch.dtype, device:
     assert got.dtype == dtype and got.shape == x.shape
     want = head_norm_rope.head_norm_rope_reference(x, weight, cos, sin, EPS)
     torch.testing.assert_close(got, want, **tolerance(dtype, interpreted))
+    # every token at one angle, the table's row expanded (token stride 0), as a frame's step gives it
+    one_cos, one_sin = cos[:1].expand(t, -1), sin[:1].expand(t, -1)
+    got = head_norm_rope.head_norm_rope_triton(x, weight, one_cos, one_sin, EPS)
+    want = head_norm_rope.head_norm_rope_reference(x, weight, one_cos.contiguous(), one_sin.contiguous(), EPS)
+    torch.testing.assert_close(got, want, **tolerance(dtype, interpreted))
 
 
 def check_fused_add_rms_norm(t: int, h: int, dtype: torch.dtype, device: str, interpreted: bool) -> None:

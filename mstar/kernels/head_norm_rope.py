@@ -39,17 +39,18 @@ def head_norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tens
         raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}, cos {tuple(cos.shape)} and "
                          f"sin {tuple(sin.shape)} do not fit: need [T, H, D], [D], [T, D] with D even")
     x = x.contiguous()
-    cos, sin = cos.contiguous(), sin.contiguous()
+    # a token stride of 0 (every token at one position, an expanded view) is read as it is
+    cos, sin = (c if c.stride(-1) == 1 and c.stride(0) in (0, d) else c.contiguous() for c in (cos, sin))
     out = torch.empty_like(x)
     if x.numel():
         block = block_size(d)
-        _kernel[(t * heads,)](x, weight.contiguous(), cos, sin, out, heads, d, eps, BLOCK=block,
-                              num_warps=num_warps(block))
+        _kernel[(t * heads,)](x, weight.contiguous(), cos, sin, out, heads, d, cos.stride(0), sin.stride(0), eps,
+                              BLOCK=block, num_warps=num_warps(block))
     return out
 
 
 @jit
-def _kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, d, eps, BLOCK: tl.constexpr):
+def _kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, d, stride_cos, stride_sin, eps, BLOCK: tl.constexpr):
     # one program per (token, head); its row and the row's other half (rotate_half's partner) in registers
     row = tl.program_id(0).to(tl.int64)
     token = row // heads
@@ -65,7 +66,7 @@ def _kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, d, eps, BLOCK: tl.co
     wp = tl.load(w_ptr + partner, mask=mask, other=0.0).to(tl.float32)
     n = ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
     np_ = ((xp * rstd).to(dtype).to(tl.float32) * wp).to(dtype).to(tl.float32)
-    c = tl.load(cos_ptr + token * d + cols, mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + token * d + cols, mask=mask, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + token * stride_cos + cols, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + token * stride_sin + cols, mask=mask, other=0.0).to(tl.float32)
     rotated = tl.where(cols < half, -np_, np_)
     tl.store(out_ptr + row * d + cols, (n * c + rotated * s).to(dtype), mask=mask)

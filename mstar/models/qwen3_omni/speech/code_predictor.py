@@ -46,12 +46,15 @@ class FrameCache:
         q, k, v = (x.reshape(b, -1, *x.shape[1:]) for x in (q, k, v))  # [B, n, heads, D]
         self.k[layer] = torch.cat([self.k[layer], k], dim=1) if layer in self.k else k
         self.v[layer] = torch.cat([self.v[layer], v], dim=1) if layer in self.v else v
-        group = q.shape[2] // k.shape[2]
-        keys = self.k[layer].repeat_interleave(group, dim=2).transpose(1, 2)  # [B, heads, t, D]
-        values = self.v[layer].repeat_interleave(group, dim=2).transpose(1, 2)
+        keys, values = self.k[layer].transpose(1, 2), self.v[layer].transpose(1, 2)  # [B, kv heads, t, D]
         n, total = q.shape[1], keys.shape[2]
-        mask = torch.arange(total, device=q.device)[None, :] <= (total - n + torch.arange(n, device=q.device))[:, None]
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, scale=scale)
+        # a frame's steps bring its first tokens (causal among themselves) or one token (sees every key):
+        # no mask to build, and grouped heads read their KV head in place
+        mask = None
+        if 1 < n < total:
+            mask = torch.arange(total, device=q.device)[None, :] <= (total - n + torch.arange(n, device=q.device))[:, None]
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
+                                             is_causal=mask is None and n > 1, scale=scale, enable_gqa=True)
         return out.transpose(1, 2).reshape(b * n, *q.shape[2:])
 
 
@@ -89,8 +92,11 @@ class CodePredictor(nn.Module):
         """x [B, n, H] at positions start .. start + n - 1 -> each row's last
         token, normed [B, H]."""
         b, n, _ = x.shape
-        positions = torch.arange(start, start + n, device=x.device).repeat(b)
-        cos, sin = self.rotary.cos[positions], self.rotary.sin[positions]
+        if n == 1:  # every row at one position: the table's row for all of them, a view
+            cos, sin = (t[start:start + 1].expand(b, -1) for t in (self.rotary.cos, self.rotary.sin))
+        else:
+            positions = torch.arange(start, start + n, device=x.device).repeat(b)
+            cos, sin = self.rotary.cos[positions], self.rotary.sin[positions]
         h = x.reshape(b * n, -1)
         for layer in self.layers:
             h = layer(h, cos, sin, cache)

@@ -40,12 +40,11 @@ class StaticFrameCache:
         n = q.shape[1]
         self.k[layer, :b, s:s + n] = k
         self.v[layer, :b, s:s + n] = v
-        group = q.shape[2] // k.shape[2]
-        keys = self.k[layer, :b, :s + n].repeat_interleave(group, dim=2).transpose(1, 2)
-        values = self.v[layer, :b, :s + n].repeat_interleave(group, dim=2).transpose(1, 2)
+        keys = self.k[layer, :b, :s + n].transpose(1, 2)
+        values = self.v[layer, :b, :s + n].transpose(1, 2)
         # the step's own tokens attend causally; with one token that is all of the cache
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, is_causal=n > 1 and s == 0,
-                                             scale=scale)
+                                             scale=scale, enable_gqa=True)
         return out.transpose(1, 2).reshape(b * n, *q.shape[2:])
 
 
