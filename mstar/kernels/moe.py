@@ -79,6 +79,37 @@ def tiles_for(tokens: int, top_k: int, num_experts: int) -> MoeTiles:
     return next(t for most, t in TABLE if rows_per_expert <= most)
 
 
+_COMPILED: set[tuple] = set()
+
+
+def compile_variants(gate_up: torch.Tensor, down: torch.Tensor, top_k: int) -> None:
+    """Run the kernels once at every variant a step may need (each table row;
+    routed-slot counts that are and are not multiples of 16, which Triton
+    compiles apart; both align configs), so that no request waits for a
+    compile. Once per shape class and dtype; nothing off CUDA."""
+    if not use_triton(gate_up):
+        return
+    num_experts, width, hidden = gate_up.shape
+    key = (gate_up.device, gate_up.dtype, num_experts, width, hidden, top_k)
+    if key in _COMPILED:
+        return
+    tokens = {1, 2}  # slots 8 and 16 at top 8: both specialisations of the decode row
+    for most, _ in TABLE[:-1]:
+        first = int(most * num_experts / top_k) + 1  # the next row's first token count
+        tokens |= {first, first + 1}
+    for limit, _, _ in ALIGN_CHUNKS[:-1]:
+        first = limit // top_k + 1
+        tokens |= {first, first + 1}
+    gen = torch.Generator(device=gate_up.device).manual_seed(0)
+    for t in sorted(tokens):
+        x = torch.randn(t, hidden, generator=gen, device=gate_up.device).to(gate_up.dtype)
+        experts = torch.randint(0, num_experts, (t, top_k), generator=gen, device=gate_up.device)
+        weights = torch.full((t, top_k), 1.0 / top_k, dtype=gate_up.dtype, device=gate_up.device)
+        fused_moe_triton(x, gate_up, down, experts, weights)
+    torch.cuda.synchronize(gate_up.device)
+    _COMPILED.add(key)
+
+
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, experts: torch.Tensor,
               weights: torch.Tensor) -> torch.Tensor:
     if use_triton(x):

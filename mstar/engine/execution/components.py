@@ -47,6 +47,9 @@ def build_runners(model: Model, names: Sequence[str], device: torch.device, stor
     for module in modules.values():  # a module that captures graphs of its own runs eagerly when told to
         if hasattr(module, "enforce_eager"):
             module.enforce_eager = config.enforce_eager
+        for part in module.modules():  # kernels compiled on first use compile now, not in a request's step
+            if hasattr(part, "compile_kernels"):
+                part.compile_kernels()
     cfg = config.scheduler
     kv_names = [name for name in names if model.components[name].kv_cache]
     states = {name: _state_pool(model, name, device, config) for name in names if model.components[name].state}

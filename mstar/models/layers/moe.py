@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.kernels.moe import fused_moe
+from mstar.kernels.moe import compile_variants, fused_moe
 from mstar.models.layers.linear import Linear
 from mstar.models.layers.mlp import SwiGLU
 
@@ -41,6 +41,10 @@ class SparseMoe(nn.Module):
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return experts, weights.to(x.dtype)
+
+    def compile_kernels(self) -> None:
+        """Compile the expert kernels for every step size before serving."""
+        compile_variants(self.gate_up, self.down, self.top_k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
