@@ -25,6 +25,7 @@
 #   scripts/gpu_check.sh compare    the decode step and host time per step of this tree against an older one,
 #                                   base then new, twice: $BASE is a copy of the older tree (carried; see
 #                                   scripts/base_tree.sh), $BASE_COMMIT its commit
+#   scripts/gpu_check.sh omni-bench only that benchmark
 #   scripts/gpu_check.sh all        tests and bench (default)
 # FlashInfer compiles its kernels on first use into ~/.cache/flashinfer; a
 # second call on the same (still warm) machine reuses them.
@@ -185,6 +186,10 @@ if [[ $what == omni ]]; then
       tests/test_kv_mode_graphs_gpu.py \
       >> "$OUT/omni_tests.txt" 2>&1 || rc=1
   tail -8 "$OUT/omni_tests.txt"
+  timeout ${OMNI_TIMEOUT:-420} python3 scripts/bench_omni.py ${OMNI_ARGS:-} --out "$OUT/omni.json" 2>&1 \
+      | grep -v "\[info" | tee "$OUT/bench_omni.txt" | tail -20
+fi
+if [[ $what == omni-bench ]]; then
   timeout ${OMNI_TIMEOUT:-420} python3 scripts/bench_omni.py ${OMNI_ARGS:-} --out "$OUT/omni.json" 2>&1 \
       | grep -v "\[info" | tee "$OUT/bench_omni.txt" | tail -20
 fi
