@@ -216,7 +216,8 @@ def _markdown(result: dict) -> str:
 
 
 async def _run(args: argparse.Namespace, one, result: dict) -> None:
-    await one("warmup", "text")  # compile and warm every path once
+    for question in args.question:  # compile and warm every path once (the audio encoder's too)
+        await one(f"warmup-{question}", question)
     for question in args.question:
         for c in args.concurrency:
             level = await _level(one, args, c, question)
