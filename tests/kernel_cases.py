@@ -52,6 +52,11 @@ def check_head_norm_rope(t: int, heads: int, d: int, dtype: torch.dtype, device:
     assert got.dtype == dtype and got.shape == x.shape
     want = head_norm_rope.head_norm_rope_reference(x, weight, cos, sin, EPS)
     torch.testing.assert_close(got, want, **tolerance(dtype, interpreted))
+    # heads sliced out of a wider row (a qkv projection's q block): read in place
+    wide = torch.cat([x.reshape(t, -1), torch.randn(t, 2 * d, generator=gen).to(device=device, dtype=dtype)], -1)
+    sliced = wide[:, :heads * d].view(t, heads, d)
+    assert t == 1 or not sliced.is_contiguous()
+    torch.testing.assert_close(head_norm_rope.head_norm_rope_triton(sliced, weight, cos, sin, EPS), got, atol=0, rtol=0)
     # every token at one angle, the table's row expanded (token stride 0), as a frame's step gives it
     one_cos, one_sin = cos[:1].expand(t, -1), sin[:1].expand(t, -1)
     got = head_norm_rope.head_norm_rope_triton(x, weight, one_cos, one_sin, EPS)

@@ -38,19 +38,21 @@ def head_norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tens
     if weight.shape != (d,) or cos.shape != (t, d) or sin.shape != (t, d) or d % 2:
         raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}, cos {tuple(cos.shape)} and "
                          f"sin {tuple(sin.shape)} do not fit: need [T, H, D], [D], [T, D] with D even")
-    x = x.contiguous()
+    if x.stride(2) != 1 or x.stride(1) != d:  # heads packed, tokens at any stride (a slice of a qkv output)
+        x = x.contiguous()
     # a token stride of 0 (every token at one position, an expanded view) is read as it is
     cos, sin = (c if c.stride(-1) == 1 and c.stride(0) in (0, d) else c.contiguous() for c in (cos, sin))
     out = torch.empty_like(x)
     if x.numel():
         block = block_size(d)
-        _kernel[(t * heads,)](x, weight.contiguous(), cos, sin, out, heads, d, cos.stride(0), sin.stride(0), eps,
-                              BLOCK=block, num_warps=num_warps(block))
+        _kernel[(t * heads,)](x, weight.contiguous(), cos, sin, out, heads, d, x.stride(0), cos.stride(0),
+                              sin.stride(0), eps, BLOCK=block, num_warps=num_warps(block))
     return out
 
 
 @jit
-def _kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, d, stride_cos, stride_sin, eps, BLOCK: tl.constexpr):
+def _kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, d, stride_x, stride_cos, stride_sin, eps,
+            BLOCK: tl.constexpr):
     # one program per (token, head); its row and the row's other half (rotate_half's partner) in registers
     row = tl.program_id(0).to(tl.int64)
     token = row // heads
@@ -59,8 +61,9 @@ def _kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, d, stride_cos, strid
     half = d // 2
     partner = tl.where(cols < half, cols + half, cols - half)
     dtype = out_ptr.dtype.element_ty
-    x = tl.load(x_ptr + row * d + cols, mask=mask, other=0.0).to(tl.float32)
-    xp = tl.load(x_ptr + row * d + partner, mask=mask, other=0.0).to(tl.float32)
+    at = token * stride_x + (row - token * heads) * d
+    x = tl.load(x_ptr + at + cols, mask=mask, other=0.0).to(tl.float32)
+    xp = tl.load(x_ptr + at + partner, mask=mask, other=0.0).to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / d + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     wp = tl.load(w_ptr + partner, mask=mask, other=0.0).to(tl.float32)

@@ -9,7 +9,8 @@ then the feed-forward's pieces find their place. Experts stored one by one
 (`mlp.experts.E.{gate,up,down}_proj`) are stacked into the layout the MoE
 layer runs ([E, 2I, H] gate then up, [E, H, I] down); the gate and up
 projections of a shared expert or a dense MLP fill the two halves of one
-merged weight.
+merged weight, and an attention's q, k and v projections the three row
+blocks of its `qkv`.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ _MLP = (
     (re.compile(r"(.+\.mlp)\.gate\.weight"), r"\1.router"),
     (re.compile(r"(.+\.mlp)\.(?P<shard>gate|up)_proj\.weight"), r"\1.gate_up.weight"),
     (re.compile(r"(.+\.mlp)\.down_proj\.weight"), r"\1.down.weight"),
+    (re.compile(r"(.+\.self_attn)\.(?P<shard>q|k|v)_proj\.weight"), r"\1.qkv.weight"),
 )
 
 
@@ -83,6 +85,11 @@ def _fill(param: torch.Tensor, piece: Piece, tensor: torch.Tensor) -> None:
     if shard in ("gate", "up"):  # both merged layouts hold gate then up, half and half
         half = view.shape[0] // 2
         view = view[:half] if shard == "gate" else view[half:]
+    elif shard in ("q", "k", "v"):  # q's rows, then k's and v's, which are the same size: the last two blocks
+        rows, total = tensor.shape[0], view.shape[0]
+        view = view[:rows] if shard == "q" else view[total - 2 * rows:total - rows] if shard == "k" else view[-rows:]
+    if view.shape != tensor.shape:
+        raise ValueError(f"a checkpoint tensor of shape {tuple(tensor.shape)} cannot fill {tuple(view.shape)}")
     view.copy_(tensor)
 
 
@@ -97,6 +104,8 @@ def _expected(params: dict[str, torch.Tensor]) -> set[tuple[str, int | None, str
             out |= {(name, e, which) for e in range(p.shape[0]) for which in stacked}
         elif name.endswith(".gate_up.weight"):
             out |= {(name, None, "gate"), (name, None, "up")}
+        elif name.endswith(".qkv.weight"):
+            out |= {(name, None, "q"), (name, None, "k"), (name, None, "v")}
         else:
             out.add((name, None, None))
     return out

@@ -45,20 +45,19 @@ class ThinkerAttention(nn.Module):
         kw = {"device": device, "dtype": dtype}
         self.layer, self.heads, self.kv_heads, self.head_dim = (layer, cfg.num_attention_heads,
                                                                 cfg.num_key_value_heads, cfg.head_dim)
-        self.q_proj = Linear(cfg.hidden_size, self.heads * self.head_dim, **kw)
-        self.k_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim, **kw)
-        self.v_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim, **kw)
+        # q, k and v in one projection (the loader fills its three row blocks): one GEMM launch, not three
+        self.qkv = Linear(cfg.hidden_size, (self.heads + 2 * self.kv_heads) * self.head_dim, **kw)
         self.o_proj = Linear(self.heads * self.head_dim, cfg.hidden_size, **kw)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, **kw)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, **kw)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         t = x.shape[0]
-        q = head_norm_rope(self.q_proj(x).view(t, self.heads, self.head_dim), self.q_norm.weight, cos, sin,
-                           self.q_norm.eps)
-        k = head_norm_rope(self.k_proj(x).view(t, self.kv_heads, self.head_dim), self.k_norm.weight, cos, sin,
-                           self.k_norm.eps)
-        v = self.v_proj(x).view(t, self.kv_heads, self.head_dim)
+        q, k, v = self.qkv(x).split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
+                                     self.kv_heads * self.head_dim], dim=-1)
+        q = head_norm_rope(q.view(t, self.heads, self.head_dim), self.q_norm.weight, cos, sin, self.q_norm.eps)
+        k = head_norm_rope(k.view(t, self.kv_heads, self.head_dim), self.k_norm.weight, cos, sin, self.k_norm.eps)
+        v = v.view(t, self.kv_heads, self.head_dim)
         out = attn.forward(self.layer, q, k, v, self.head_dim ** -0.5)
         return self.o_proj(out.reshape(t, -1))
 
@@ -81,9 +80,17 @@ class ThinkerLayer(nn.Module):
         return SparseMoe(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok,
                          cfg.norm_topk_prob, cfg.shared_expert_intermediate_size, **kw)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attn)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stream as (h, residual), its value h + residual (residual None:
+        h alone): each norm forms the sum in its own pass, rounded as the
+        unfused add rounds it. Returns the layer's output the same way."""
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, cos, sin, attn), residual)
+        return self.mlp(x), residual
 
 
 class ThinkerDecoder(nn.Module):
@@ -114,14 +121,18 @@ class ThinkerDecoder(nn.Module):
         deep, deep_index = batch.embeds.get("deepstack", (None, None))
         positions = batch.positions if batch.positions.dim() == 2 else batch.positions.expand(3, -1)
         cos, sin = mrope_cos_sin(positions, self.inv_freq, self.mrope_axes)
-        h, hidden = embeds, embeds
+        h, residual, hidden = embeds, None, embeds
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, batch.attn)
+            h, residual = layer(h, cos, sin, batch.attn, residual)
+            stacked = deep is not None and i < deep.shape[1]
+            if i + 1 == self.accept_layer or stacked:
+                h, residual = h + residual, None
             if i + 1 == self.accept_layer:  # the talker reads a layer's output before its deepstack add
                 hidden = h
-            if deep is not None and i < deep.shape[1]:
+            if stacked:
                 h = h.index_add(0, deep_index, deep[:, i].to(h.dtype))
-        last = self.norm(h[batch.logits_index])
+        rows = batch.logits_index
+        last = self.norm(h[rows]) if residual is None else self.norm(h[rows], residual[rows])[0]
         return {"logits": self.lm_head(last), "embeds": embeds, "hidden": hidden}
 
     prefill = forward

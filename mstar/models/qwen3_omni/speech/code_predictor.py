@@ -97,10 +97,12 @@ class CodePredictor(nn.Module):
         else:
             positions = torch.arange(start, start + n, device=x.device).repeat(b)
             cos, sin = self.rotary.cos[positions], self.rotary.sin[positions]
-        h = x.reshape(b * n, -1)
+        h, residual = x.reshape(b * n, -1), None
         for layer in self.layers:
-            h = layer(h, cos, sin, cache)
-        return self.norm(h.view(b, n, -1)[:, -1])
+            h, residual = layer(h, cos, sin, cache, residual)
+        if residual is None:
+            return self.norm(h.view(b, n, -1)[:, -1])
+        return self.norm(h.view(b, n, -1)[:, -1], residual.view(b, n, -1)[:, -1])[0]
 
     def complete(self, last: torch.Tensor, first: torch.Tensor, draw: Draw) -> tuple[torch.Tensor, torch.Tensor]:
         """`last` [B, H]: the talker's normed hidden state that sampled the

@@ -107,7 +107,9 @@ class TalkerDecoder(nn.Module):
     def _run(self, x: torch.Tensor, batch: TokenBatch) -> dict[str, torch.Tensor]:
         positions = batch.positions if batch.positions.dim() == 2 else batch.positions.expand(3, -1)
         cos, sin = mrope_cos_sin(positions, self.inv_freq, self.mrope_axes)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, batch.attn)
-        last = self.norm(x[batch.logits_index])
+            x, residual = layer(x, cos, sin, batch.attn, residual)
+        rows = batch.logits_index
+        last = self.norm(x[rows], residual[rows])[0] if residual is not None else self.norm(x[rows])
         return {"logits": self.codec_head(last), "last": last}
