@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from mstar.kernels import activation, head_norm_rope, moe, noise, norm, rope_kv, snake
+from mstar.kernels import activation, head_norm_rope, moe, noise, norm, race, rope_kv, snake
 
 EPS = 1e-5
 
@@ -238,3 +238,23 @@ def same_on_replay(make_inputs: Callable[[], list[torch.Tensor]],
     expects = expect if isinstance(expect, tuple) else (expect,)
     for o, e in zip(outs, expects):
         torch.testing.assert_close(o, e, atol=0, rtol=0)
+
+
+def check_filtered_race(rows: int, vocab: int, device: str) -> None:
+    """The kernel's race picks the reference's token, row by row: top-k,
+    top-p and min-p alone and together, none, and logits with ties and
+    -inf entries (suppressed tokens)."""
+    gen = torch.Generator().manual_seed(rows * 10 + vocab)
+    scaled = torch.randn(rows, vocab, generator=gen) * 3
+    scaled[:, ::7] = float("-inf")
+    scaled[0, 1:5] = scaled[0, 1]  # ties
+    top_k = torch.tensor([[0, 5, 50, 0, 1, vocab + 3][r % 6] for r in range(rows)])
+    top_p = torch.tensor([[1.0, 0.8, 1.0, 0.5, 0.9, 0.95][r % 6] for r in range(rows)])
+    min_p = torch.tensor([[0.0, 0.0, 0.05, 0.0, 0.0, 0.1][r % 6] for r in range(rows)])
+    for draw in range(4):
+        noise_ = noise.exponential_noise_reference(torch.arange(rows) * 3 + 1, torch.full((rows,), draw), vocab)
+        args = [t.to(device) for t in (scaled, top_k, top_p, min_p, noise_)]
+        got = race.filtered_race_triton(*args)
+        assert got.dtype == torch.int64 and got.shape == (rows,)
+        assert got.cpu().tolist() == race.filtered_race_reference(*args).cpu().tolist(), draw
+

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from mstar.engine.movement.transfer import to_device
 from mstar.kernels.noise import exponential_noise
+from mstar.kernels.race import filtered_race
 from mstar.types import SamplingParams
 
 NOT_ASKED = -1  # a row's logprobs count when its request reports none
@@ -83,25 +84,6 @@ def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: Tensor) -> T
     return torch.where(seen, penalised, logits)
 
 
-def _filter_and_race(scaled: Tensor, st: SamplingTensors, noise: Tensor) -> Tensor:
-    """Top-k, then top-p over the survivors, then min-p; race in sorted order."""
-    vocab = scaled.shape[-1]
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)
-    rank = torch.arange(vocab, device=scaled.device)[None, :]
-    k = torch.where(st.top_k > 0, st.top_k.clamp(max=vocab), vocab)
-    keep = rank < k[:, None]
-    probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
-    # Keep a token while the mass before it is short of p: the smallest set
-    # reaching p, and never empty since the first token has nothing before it.
-    mass_before = torch.cumsum(probs, dim=-1) - probs
-    keep &= (mass_before < st.top_p[:, None]) | (st.top_p[:, None] >= 1.0)
-    keep &= probs >= st.min_p[:, None] * probs[:, :1]
-    # The row's scale of the weights does not change the argmax: no renormalising.
-    weights = probs.masked_fill(~keep, 0.0)
-    winner = torch.argmax(weights / noise.gather(1, order), dim=-1, keepdim=True)
-    return order.gather(1, winner).squeeze(1)
-
-
 def sample(logits: Tensor, st: SamplingTensors, seen: Tensor | None = None) -> Tensor:
     """Draw one token per row: [B, V] float logits -> [B] int64.
 
@@ -122,7 +104,7 @@ def sample(logits: Tensor, st: SamplingTensors, seen: Tensor | None = None) -> T
     scaled = logits / temp[:, None]
     noise = exponential_noise(st.seeds, st.counters, logits.shape[-1])
     if st.any_filter:
-        drawn = _filter_and_race(scaled, st, noise)
+        drawn = filtered_race(scaled, st.top_k, st.top_p, st.min_p, noise)
     else:
         drawn = torch.argmax(torch.softmax(scaled, dim=-1) / noise, dim=-1)
     return torch.where(is_greedy, greedy, drawn)
