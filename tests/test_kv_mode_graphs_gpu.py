@@ -22,21 +22,19 @@ from mstar.engine.memory.kv_cache import KVCache  # noqa: E402
 from mstar.models.base import KVSpec, RowShape  # noqa: E402
 from mstar.types import SamplingParams, TokenBatch  # noqa: E402
 
-HQ, HKV, D, PAGE, PAGES, VOCAB, DRAWS = 4, 2, 64, 16, 64, 50, 3
+from test_decode_graphs_gpu import D, HKV, HQ, PAGE, PAGES, VOCAB, Step  # noqa: E402
+
+DRAWS = 3
 
 
-class Frame(torch.nn.Module):
-    """ids, `last` [H] and `text` in; logits, `last` and the frame's drawn
-    codes out. The draws' logits are lookups (exact in any batch), so the
-    codes must match exactly; the attention's outputs to bf16 rounding."""
+class Frame(Step):
+    """The decode graphs' toy step, taking ids, `last` [H] and `text` in and
+    giving logits, `last` and the frame's drawn codes out. The draws' logits
+    are lookups (exact in any batch), so the codes must match exactly; the
+    attention's outputs to bf16 rounding."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.embed = torch.nn.Embedding(VOCAB, HQ * D)
-        self.where = torch.nn.Embedding(3 * 256, HQ * D)
-        self.q, self.o = torch.nn.Linear(HQ * D, HQ * D), torch.nn.Linear(HQ * D, HQ * D)
-        self.kv = torch.nn.Linear(HQ * D, 2 * HKV * D)
-        self.head = torch.nn.Linear(HQ * D, VOCAB)
         self.codes = torch.nn.Embedding(VOCAB * DRAWS, VOCAB)
 
     def forward(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
