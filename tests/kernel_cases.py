@@ -247,7 +247,12 @@ def check_filtered_race(rows: int, vocab: int, device: str) -> None:
     gen = torch.Generator().manual_seed(rows * 10 + vocab)
     scaled = torch.randn(rows, vocab, generator=gen) * 3
     scaled[:, ::7] = float("-inf")
-    scaled[0, 1:5] = scaled[0, 1]  # ties
+    if rows > 1 and vocab > 12:  # ties across row 1's top-5 cut: a stable sort keeps index order
+        top = scaled[1].argsort(descending=True)
+        scaled[1, top[3:8]] = scaled[1, top[3]].item()
+    if rows > 4 and vocab > 12:  # -0.0 and 0.0 are equal: row 4 keeps its top 1, the first in index order
+        scaled[4] = -torch.rand(vocab, generator=gen) - 1
+        scaled[4, 10], scaled[4, 11] = -0.0, 0.0
     top_k = torch.tensor([[0, 5, 50, 0, 1, vocab + 3][r % 6] for r in range(rows)])
     top_p = torch.tensor([[1.0, 0.8, 1.0, 0.5, 0.9, 0.95][r % 6] for r in range(rows)])
     min_p = torch.tensor([[0.0, 0.0, 0.05, 0.0, 0.0, 0.1][r % 6] for r in range(rows)])

@@ -107,6 +107,21 @@ def test_a_checkpoint_without_an_expert_is_refused(saved, tmp_path: Path) -> Non
         _ours(tmp_path)
 
 
+def test_a_key_projection_of_the_wrong_size_is_refused_not_written_over_the_queries(saved, tmp_path: Path) -> None:
+    """q, k and v fill the row blocks of one merged weight: a k of another
+    size (here the size of q) names the tensor instead of landing elsewhere."""
+    from safetensors.torch import load_file, save_file
+
+    folder, _ = saved
+    tensors = load_file(str(folder / "model.safetensors"))
+    name = "thinker.model.layers.0.self_attn.k_proj.weight"
+    tensors[name] = tensors["thinker.model.layers.0.self_attn.q_proj.weight"].clone()
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    with pytest.raises(ConfigError, match=re.escape(name)):
+        _ours(tmp_path)
+
+
 async def test_the_served_thinker_decodes_as_transformers_generates(saved) -> None:
     """Concurrent greedy requests of different prompts through the engine's
     paged cache (pages of 4 tokens) give transformers' greedy tokens."""

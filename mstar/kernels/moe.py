@@ -93,13 +93,14 @@ def compile_variants(gate_up: torch.Tensor, down: torch.Tensor, top_k: int) -> N
     key = (gate_up.device, gate_up.dtype, num_experts, width, hidden, top_k)
     if key in _COMPILED:
         return
-    tokens = {1, 2}  # slots 8 and 16 at top 8: both specialisations of the decode row
-    for most, _ in TABLE[:-1]:
-        first = int(most * num_experts / top_k) + 1  # the next row's first token count
-        tokens |= {first, first + 1}
-    for limit, _, _ in ALIGN_CHUNKS[:-1]:
-        first = limit // top_k + 1
-        tokens |= {first, first + 1}
+    # Triton compiles a slot count that is a multiple of 16 apart from one that is not: per table row
+    # and align config, from its first token count on, one of each
+    firsts = [1] + [int(most * num_experts / top_k) + 1 for most, _ in TABLE[:-1]]
+    firsts += [int(limit) // top_k + 1 for limit, _, _ in ALIGN_CHUNKS[:-1]]
+    tokens = set()
+    for first in firsts:
+        tokens.add(first)
+        tokens.add(next(t for t in range(first, first + 17) if (t * top_k % 16 == 0) != (first * top_k % 16 == 0)))
     gen = torch.Generator(device=gate_up.device).manual_seed(0)
     for t in sorted(tokens):
         x = torch.randn(t, hidden, generator=gen, device=gate_up.device).to(gate_up.dtype)

@@ -58,8 +58,9 @@ def filtered_race_triton(scaled: Tensor, top_k: Tensor, top_p: Tensor, min_p: Te
     out = torch.empty(rows, dtype=torch.int64, device=scaled.device)
     if rows:
         block = block_size(vocab)
-        _race_kernel[(rows,)](scaled.float().contiguous(), noise.float().contiguous(), top_k.to(torch.int64),
-                              top_p.float(), min_p.float(), out, vocab, BLOCK=block, num_warps=num_warps(block))
+        _race_kernel[(rows,)](scaled.float().contiguous(), noise.float().contiguous(),
+                              top_k.to(torch.int64).contiguous(), top_p.float().contiguous(),
+                              min_p.float().contiguous(), out, vocab, BLOCK=block, num_warps=num_warps(block))
     return out
 
 
@@ -69,6 +70,7 @@ def _race_kernel(logits_ptr, noise_ptr, top_k_ptr, top_p_ptr, min_p_ptr, out_ptr
     rank = tl.arange(0, BLOCK)
     valid = rank < vocab
     x = tl.load(logits_ptr + row * vocab + rank, mask=valid, other=float("-inf"))
+    x = tl.where(x == 0.0, 0.0, x)  # -0.0 equals 0.0 (a sort keeps their index order); their bits do not
     # a float's bits as an int32 that orders as the floats do, the index below them (reversed, so that a
     # descending sort puts the lower index first among equal logits)
     bits = x.to(tl.int32, bitcast=True)

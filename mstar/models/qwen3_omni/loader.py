@@ -23,10 +23,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mstar.errors import ConfigError
 from mstar.models.checkpoint import mismatch_error
 from mstar.models.llama.loader import CheckpointFiles
 from mstar.models.qwen3_omni.speech.talker import TalkerDecoder
-from mstar.models.qwen3_omni.thinker import ThinkerDecoder
+from mstar.models.qwen3_omni.thinker import ThinkerAttention, ThinkerDecoder
 
 # (expert, shard): which slice of a parameter a checkpoint tensor fills; (None, None) is all of it
 Piece = tuple[int | None, str | None]
@@ -79,15 +80,18 @@ def _target(part: _Part, name: str) -> tuple[str, Piece] | None:
     return name, (None, None)
 
 
-def _fill(param: torch.Tensor, piece: Piece, tensor: torch.Tensor) -> None:
+def _fill(param: torch.Tensor, piece: Piece, tensor: torch.Tensor, blocks: tuple[int, int, int] | None) -> None:
+    """`blocks`: the rows of q, k and v in a merged qkv parameter."""
     expert, shard = piece
     view = param if expert is None else param[expert]
     if shard in ("gate", "up"):  # both merged layouts hold gate then up, half and half
         half = view.shape[0] // 2
         view = view[:half] if shard == "gate" else view[half:]
-    elif shard in ("q", "k", "v"):  # q's rows, then k's and v's, which are the same size: the last two blocks
-        rows, total = tensor.shape[0], view.shape[0]
-        view = view[:rows] if shard == "q" else view[total - 2 * rows:total - rows] if shard == "k" else view[-rows:]
+    elif shard in ("q", "k", "v"):
+        assert blocks is not None
+        q, k, _ = blocks
+        start, rows = {"q": (0, q), "k": (q, k), "v": (q + k, blocks[2])}[shard]
+        view = view[start:start + rows]
     if view.shape != tensor.shape:
         raise ValueError(f"a checkpoint tensor of shape {tuple(tensor.shape)} cannot fill {tuple(view.shape)}")
     view.copy_(tensor)
@@ -111,8 +115,15 @@ def _expected(params: dict[str, torch.Tensor]) -> set[tuple[str, int | None, str
     return out
 
 
+def _qkv_blocks(module: nn.Module) -> dict[str, tuple[int, int, int]]:
+    """Each merged qkv weight's rows of q, k and v, by parameter name."""
+    return {f"{name}.qkv.weight": (m.heads * m.head_dim, m.kv_heads * m.head_dim, m.kv_heads * m.head_dim)
+            for name, m in module.named_modules() if isinstance(m, ThinkerAttention)}
+
+
 def _load(module: nn.Module, folder: str | Path, part: _Part) -> None:
     params = dict(module.named_parameters())
+    blocks = _qkv_blocks(module)
     filled: set[tuple[str, int | None, str | None]] = set()
     unknown: list[str] = []
     with torch.no_grad():
@@ -122,7 +133,10 @@ def _load(module: nn.Module, folder: str | Path, part: _Part) -> None:
             if target is None or param is None:
                 unknown.append(name)
                 continue
-            _fill(param, target[1], tensor)
+            try:
+                _fill(param, target[1], tensor, blocks.get(target[0]))
+            except ValueError as e:
+                raise ConfigError(f"{part.what} checkpoint {folder}: '{name}': {e}") from e
             filled.add((target[0], *target[1]))
     missing = sorted({name for name, _, _ in _expected(params) - filled})
     if missing or unknown:
