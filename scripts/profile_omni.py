@@ -5,6 +5,7 @@ component and mode: steps, rows, total and mean milliseconds.
 
 On the H200 (from the repo root, PYTHONPATH=.):
     python scripts/profile_omni.py --concurrency 1 8
+    python scripts/profile_omni.py --concurrency 32 --frames 125 --kernels 2
 """
 
 from __future__ import annotations
@@ -66,6 +67,17 @@ async def _speak(eng: Engine, rid: str, model: str, text_tokens: int, frames: in
             raise RuntimeError(chunk.error)
 
 
+async def _kernels(eng: Engine, c: int, seconds: float, trace_dir: Path | None) -> None:
+    """The worker's kernels over `seconds` from 1 s into the level."""
+    await asyncio.sleep(1.0)
+    prof = await eng.profile(seconds)
+    print(f"\nconcurrency {c}: kernels over {seconds} s of steady state, by device time")
+    print(prof.key_averages().table(sort_by="device_time_total", row_limit=30, max_name_column_width=70))
+    if trace_dir is not None:
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace_dir / f"omni_c{c}.json"))
+
+
 async def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen3-omni-30b-a3b")
@@ -74,9 +86,14 @@ async def main() -> None:
     p.add_argument("--text-tokens", type=int, default=40)
     p.add_argument("--frames", type=int, default=50)
     p.add_argument("--timeline", action="store_true", help="print every step until each request has audio")
+    p.add_argument("--kernels", type=float, default=0.0, metavar="SECONDS",
+                   help="instead of timing steps: torch's profiler over SECONDS of each level's steady state (from "
+                        "1 s in) and its kernels by device time")
+    p.add_argument("--trace-dir", type=Path, default=None, help="also write a Chrome trace per level here")
     args = p.parse_args()
-    ComponentRunner.compute = _timed("items", ComponentRunner.compute)
-    ComponentRunner.run_group = _timed("group", ComponentRunner.run_group)
+    if not args.kernels:  # the timers synchronise every step, which the profiler would then show
+        ComponentRunner.compute = _timed("items", ComponentRunner.compute)
+        ComponentRunner.run_group = _timed("group", ComponentRunner.run_group)
     eng = Engine(EngineConfig(model=args.model, load_format="dummy", devices=(args.device,), max_model_len=4096,
                               scheduler=SchedulerConfig(max_num_seqs=64), cuda_graph_batch_sizes=graph_buckets(64)))
     await eng.start()
@@ -87,8 +104,10 @@ async def main() -> None:
             TIMELINE.clear()
             FIRSTS.clear()
             t0 = time.perf_counter()
-            await asyncio.gather(*(_speak(eng, f"p{c}-{i}", args.model, args.text_tokens, args.frames)
-                                   for i in range(c)))
+            runs = [_speak(eng, f"p{c}-{i}", args.model, args.text_tokens, args.frames) for i in range(c)]
+            if args.kernels:
+                runs.append(_kernels(eng, c, args.kernels, args.trace_dir))
+            await asyncio.gather(*runs)
             wall = time.perf_counter() - t0
             print(f"\nconcurrency {c}: {wall:.2f} s wall for {c} x {args.frames} frames")
             print(f"{'component.mode':24} {'steps':>6} {'rows':>6} {'total ms':>10} {'ms/step':>8}")
