@@ -100,6 +100,20 @@ def check_snake(b: int, c: int, t: int, dtype: torch.dtype, device: str) -> None
     torch.testing.assert_close(got.float(), want, **tol)
 
 
+def check_snake_beta(b: int, c: int, t: int, dtype: torch.dtype, device: str) -> None:
+    """SnakeBeta (frequency and magnitude apart) against the float32
+    reference on the same rounded inputs."""
+    gen = torch.Generator().manual_seed(b * 10_000 + c * 100 + t + 7)
+    x = (torch.randn(b, c, t, generator=gen) * 2).to(device=device, dtype=dtype)
+    freq, magnitude = ((0.2 + torch.rand(1, c, 1, generator=gen) * 3).to(device=device, dtype=dtype) for _ in "fm")
+    got = snake.snake_beta(x, freq, magnitude, 1e-9) if device != "cpu" else snake._launch(x, freq, magnitude, 1e-9,
+                                                                                             "snake_beta")
+    assert got.shape == x.shape and got.dtype == dtype
+    want = snake.snake_beta_reference(x.float(), freq.float(), magnitude.float(), 1e-9)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 8e-3}
+    torch.testing.assert_close(got.float(), want, **tol)
+
+
 def check_snake_dwconv(b: int, c: int, t: int, dilation: int, dtype: torch.dtype, device: str) -> None:
     """Snake then SNAC's depthwise conv (kernel 7, `dilation`, length kept),
     against the float32 reference on the same rounded inputs; edges included."""

@@ -8,9 +8,9 @@ import os
 
 import pytest
 import torch
-from kernel_cases import (check_exponential_noise, check_filtered_race, check_fused_add_rms_norm, check_fused_moe, check_head_norm_rope,
-                          check_moe_align, check_rms_norm, check_rope_and_store, check_silu_and_mul, check_snake,
-                          check_snake_dwconv, moe_inputs)
+from kernel_cases import (check_exponential_noise, check_filtered_race, check_fused_add_rms_norm, check_fused_moe,
+                          check_head_norm_rope, check_moe_align, check_rms_norm, check_rope_and_store,
+                          check_silu_and_mul, check_snake, check_snake_beta, check_snake_dwconv, moe_inputs)
 
 from mstar.kernels import activation, fused_add_rms_norm, moe, norm, rms_norm, rope_and_store, rope_kv, silu_and_mul
 from mstar.kernels.backend import HAVE_TRITON, block_size, num_warps
@@ -250,3 +250,10 @@ def test_head_norm_rope(t, heads, d, dtype):
 @pytest.mark.parametrize("rows,vocab", [(6, 40), (3, 300)])
 def test_filtered_race(rows, vocab):
     check_filtered_race(rows, vocab, "cpu")
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # the interpreter truncates to bf16
+@pytest.mark.parametrize("b,c,t", [(1, 3, 5), (2, 16, 1500)])
+def test_snake_beta(b, c, t, dtype):
+    check_snake_beta(b, c, t, dtype, "cpu")

@@ -17,6 +17,7 @@ from kernel_cases import (
     check_rope_and_store,
     check_silu_and_mul,
     check_snake,
+    check_snake_beta,
     check_exponential_noise,
     check_snake_dwconv,
     moe_inputs,
@@ -178,3 +179,9 @@ def test_head_norm_rope(t, heads, d, dtype):
 @pytest.mark.parametrize("rows,vocab", [(6, 40), (64, 2048), (32, 3072), (5, 4096)])
 def test_filtered_race(rows, vocab):
     check_filtered_race(rows, vocab, "cuda")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b,c,t", [(1, 3, 5), (2, 16, 1500)])
+def test_snake_beta(b, c, t, dtype):
+    check_snake_beta(b, c, t, dtype, "cuda")

@@ -1,7 +1,8 @@
 """Snake, the periodic activation of SNAC's decoder: x [B, C, T] and a
 per-channel alpha [1, C, 1] in, x + sin(alpha x)^2 / (alpha + eps) out, in
 x's dtype. Also snake followed by the depthwise dilated convolution (kernel
-7) that opens each of SNAC's residual units, in one pass.
+7) that opens each of SNAC's residual units, in one pass; and SnakeBeta
+(frequency and magnitude apart), Qwen3-Omni code2wav's activation.
 
 The torch expression is five passes over the activations (multiply, sine,
 square, scale, add); at hundreds of codec windows per step those passes are
@@ -41,28 +42,46 @@ def snake_reference(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
 
 
 def snake_triton(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
-    if x.dim() != 3 or alpha.numel() != x.shape[1]:
-        raise ValueError(f"snake takes x [B, C, T] and alpha [1, C, 1], got {tuple(x.shape)} and "
-                         f"{tuple(alpha.shape)}")
+    return _launch(x, alpha, alpha, ALPHA_EPS, "snake")
+
+
+def snake_beta(x: torch.Tensor, freq: torch.Tensor, magnitude: torch.Tensor, eps: float) -> torch.Tensor:
+    """x + sin(freq x)^2 / (magnitude + eps), frequency and magnitude per
+    channel ([1, C, 1]): the SnakeBeta of BigVGAN-style vocoders (Qwen3-Omni's
+    code2wav), whose module keeps both as logs."""
+    if use_triton(x) and not torch.is_grad_enabled():
+        return _launch(x, freq, magnitude, eps, "snake_beta")
+    return snake_beta_reference(x, freq, magnitude, eps)
+
+
+def snake_beta_reference(x: torch.Tensor, freq: torch.Tensor, magnitude: torch.Tensor, eps: float) -> torch.Tensor:
+    return x + 1.0 / (magnitude + eps) * torch.sin(x * freq).pow(2)
+
+
+def _launch(x: torch.Tensor, freq: torch.Tensor, magnitude: torch.Tensor, eps: float, name: str) -> torch.Tensor:
+    if x.dim() != 3 or freq.numel() != x.shape[1] or magnitude.numel() != x.shape[1]:
+        raise ValueError(f"{name} takes x [B, C, T] and per-channel parameters [1, C, 1], got {tuple(x.shape)}, "
+                         f"{tuple(freq.shape)} and {tuple(magnitude.shape)}")
     x = x.contiguous()
     batch, channels, length = x.shape
     out = torch.empty_like(x)
     if out.numel():
         grid = (batch * channels, (length + BLOCK - 1) // BLOCK)
-        _snake_kernel[grid](x, alpha.reshape(-1).contiguous(), out, channels, length, ALPHA_EPS,
-                            BLOCK=BLOCK, num_warps=num_warps(BLOCK))
+        _snake_kernel[grid](x, freq.reshape(-1).contiguous(), magnitude.reshape(-1).contiguous(), out, channels,
+                            length, eps, BLOCK=BLOCK, num_warps=num_warps(BLOCK))
     return out
 
 
 @jit
-def _snake_kernel(x_ptr, alpha_ptr, out_ptr, channels, length, eps, BLOCK: tl.constexpr):
+def _snake_kernel(x_ptr, freq_ptr, mag_ptr, out_ptr, channels, length, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)   # one (batch, channel) row of T samples
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < length
-    a = tl.load(alpha_ptr + row % channels).to(tl.float32)
+    a = tl.load(freq_ptr + row % channels).to(tl.float32)
+    m = tl.load(mag_ptr + row % channels).to(tl.float32)
     x = tl.load(x_ptr + row * length + cols, mask=mask, other=0.0).to(tl.float32)
     s = tl.sin(a * x)
-    y = x + s * s / (a + eps)
+    y = x + s * s / (m + eps)
     tl.store(out_ptr + row * length + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.kernels.snake import snake_beta
 from mstar.models.layers.linear import Linear
 
 Device = torch.device | str | None
@@ -118,9 +119,7 @@ class SnakeBeta(nn.Module):
         self.beta = _param(channels, device=device, dtype=dtype, fill=0.0)    # log magnitude
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        freq = self.alpha.exp()[None, :, None]
-        inv = 1.0 / (self.beta.exp()[None, :, None] + SNAKE_EPS)
-        return x + inv * torch.sin(x * freq).pow(2)
+        return snake_beta(x, self.alpha.exp()[None, :, None], self.beta.exp()[None, :, None], SNAKE_EPS)
 
 
 class ConvNeXt(nn.Module):
