@@ -241,3 +241,23 @@ def test_a_checkpoint_without_a_tensor_is_refused(saved, tmp_path: Path) -> None
     with pytest.raises(ConfigError, match=r"missing 1 tensor\(s\): blocks\.1\.units\.1\.conv1\.bias; "
                                           r"unexpected 1 tensor\(s\): code2wav\.decoder\.9\.conv\.weight"):
         _ours(tmp_path)
+
+
+def test_snake_beta_follows_its_parameters_when_they_change_in_place() -> None:
+    """Its exp(alpha) and exp(beta) are kept between steps, and worked out
+    again once a load (or anything) writes the parameters."""
+    from mstar.models.qwen3_omni.speech.code2wav_blocks import SNAKE_EPS, SnakeBeta
+
+    snake = SnakeBeta(3)
+    x = torch.randn(2, 3, 5)
+
+    def expected() -> torch.Tensor:
+        freq, magnitude = snake.alpha.exp()[None, :, None], snake.beta.exp()[None, :, None]
+        return x + 1.0 / (magnitude + SNAKE_EPS) * torch.sin(x * freq).pow(2)
+
+    with torch.no_grad():
+        first = snake(x)
+        assert torch.equal(first, expected())
+        snake.alpha.add_(0.5)
+        snake.beta.sub_(0.25)
+        assert torch.equal(snake(x), expected()) and not torch.equal(snake(x), first)

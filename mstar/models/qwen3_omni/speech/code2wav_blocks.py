@@ -112,14 +112,34 @@ class CausalTransConv(nn.Module):
         return self.forward(full), full[..., full.shape[-1] - self.reach:]
 
 
+def _stamp(t: torch.Tensor) -> tuple[int, int]:
+    try:
+        return t.data_ptr(), t._version
+    except RuntimeError:  # an inference tensor keeps no version counter
+        return t.data_ptr(), -1
+
+
 class SnakeBeta(nn.Module):
     def __init__(self, channels: int, *, device: Device = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.alpha = _param(channels, device=device, dtype=dtype, fill=0.0)   # log frequency
         self.beta = _param(channels, device=device, dtype=dtype, fill=0.0)    # log magnitude
+        self._cached: tuple[tuple[tuple[int, int], ...], torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return snake_beta(x, self.alpha.exp()[None, :, None], self.beta.exp()[None, :, None], SNAKE_EPS)
+        freq, magnitude = self._scales()
+        return snake_beta(x, freq, magnitude, SNAKE_EPS)
+
+    def _scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """exp(alpha) and exp(beta) as [1, C, 1], worked out again only when
+        the parameters change (written in place, where torch counts that;
+        inference tensors, which it does not, are loaded before a module's
+        first step): a step, and a captured graph of it, needs no launches
+        for them."""
+        versions = (_stamp(self.alpha), _stamp(self.beta))
+        if self._cached is None or self._cached[0] != versions or torch.is_grad_enabled():
+            self._cached = (versions, self.alpha.exp()[None, :, None], self.beta.exp()[None, :, None])
+        return self._cached[1], self._cached[2]
 
 
 class ConvNeXt(nn.Module):
