@@ -52,6 +52,9 @@ def check_head_norm_rope(t: int, heads: int, d: int, dtype: torch.dtype, device:
     assert got.dtype == dtype and got.shape == x.shape
     want = head_norm_rope.head_norm_rope_reference(x, weight, cos, sin, EPS)
     torch.testing.assert_close(got, want, **tolerance(dtype, interpreted))
+    # the rotation alone (`rope`: code2wav's transformer)
+    torch.testing.assert_close(head_norm_rope.head_norm_rope_triton(x, None, cos, sin, 0.0),
+                               head_norm_rope.rope_reference(x, cos, sin), **tolerance(dtype, interpreted))
     # heads sliced out of a wider row (a qkv projection's q block): read in place
     wide = torch.cat([x.reshape(t, -1), torch.randn(t, 2 * d, generator=gen).to(device=device, dtype=dtype)], -1)
     sliced = wide[:, :heads * d].view(t, heads, d)

@@ -1,6 +1,7 @@
 """Per-head RMSNorm, then rotary: queries or keys x [T, heads, D], the norm's
 weight [D] and each token's rotary angles cos/sin [T, D] in; the normed,
 rotated heads out in x's dtype (Qwen3's q_norm / k_norm before M-RoPE).
+`rope` is the rotation alone (code2wav's transformer).
 
 Unfused that is about nine launches per tensor per layer (the norm, then
 the rotation's casts, negation, concatenation, products and sum), and at
@@ -26,16 +27,30 @@ def head_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin
     return head_norm_rope_reference(x, weight, cos, sin, eps)
 
 
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The rotation alone (no norm): x [T, heads, D] at each token's angles
+    cos/sin [T, D], computed in float32 (or x's dtype where finer)."""
+    if use_triton(x) and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        return head_norm_rope_triton(x, None, cos, sin, 0.0)
+    return rope_reference(x, cos, sin)
+
+
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    h = x.to(torch.promote_types(x.dtype, torch.float32))
+    return (h * cos[:, None] + rotate_half(h) * sin[:, None]).to(x.dtype)
+
+
 def head_norm_rope_reference(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                              eps: float) -> torch.Tensor:
     h = rms_norm_reference(x, weight, eps).float()
     return (h * cos[:, None] + rotate_half(h) * sin[:, None]).to(x.dtype)
 
 
-def head_norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def head_norm_rope_triton(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                           eps: float) -> torch.Tensor:
+    """`weight` None: the rotation alone (`rope`)."""
     t, heads, d = x.shape
-    if weight.shape != (d,) or cos.shape != (t, d) or sin.shape != (t, d) or d % 2:
+    if (weight is not None and weight.shape != (d,)) or cos.shape != (t, d) or sin.shape != (t, d) or d % 2:
         raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}, cos {tuple(cos.shape)} and "
                          f"sin {tuple(sin.shape)} do not fit: need [T, H, D], [D], [T, D] with D even")
     if x.stride(2) != 1 or x.stride(1) != d:  # heads packed, tokens at any stride (a slice of a qkv output)
@@ -45,14 +60,15 @@ def head_norm_rope_triton(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tens
     out = torch.empty_like(x)
     if x.numel():
         block = block_size(d)
-        _kernel[(t * heads,)](x, weight.contiguous(), cos, sin, out, heads, d, x.stride(0), cos.stride(0),
-                              sin.stride(0), eps, BLOCK=block, num_warps=num_warps(block))
+        w = weight.contiguous() if weight is not None else x  # not read without the norm
+        _kernel[(t * heads,)](x, w, cos, sin, out, heads, d, x.stride(0), cos.stride(0), sin.stride(0), eps,
+                              NORM=weight is not None, BLOCK=block, num_warps=num_warps(block))
     return out
 
 
 @jit
 def _kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, d, stride_x, stride_cos, stride_sin, eps,
-            BLOCK: tl.constexpr):
+            NORM: tl.constexpr, BLOCK: tl.constexpr):
     # one program per (token, head); its row and the row's other half (rotate_half's partner) in registers
     row = tl.program_id(0).to(tl.int64)
     token = row // heads
@@ -64,11 +80,14 @@ def _kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, d, stride_x, stride_
     at = token * stride_x + (row - token * heads) * d
     x = tl.load(x_ptr + at + cols, mask=mask, other=0.0).to(tl.float32)
     xp = tl.load(x_ptr + at + partner, mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / d + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    wp = tl.load(w_ptr + partner, mask=mask, other=0.0).to(tl.float32)
-    n = ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
-    np_ = ((xp * rstd).to(dtype).to(tl.float32) * wp).to(dtype).to(tl.float32)
+    if NORM:
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / d + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        wp = tl.load(w_ptr + partner, mask=mask, other=0.0).to(tl.float32)
+        n = ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
+        np_ = ((xp * rstd).to(dtype).to(tl.float32) * wp).to(dtype).to(tl.float32)
+    else:
+        n, np_ = x, xp
     c = tl.load(cos_ptr + token * stride_cos + cols, mask=mask, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + token * stride_sin + cols, mask=mask, other=0.0).to(tl.float32)
     rotated = tl.where(cols < half, -np_, np_)

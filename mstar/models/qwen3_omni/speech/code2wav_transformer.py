@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.kernels.rope_kv import rotate_half
+from mstar.kernels.head_norm_rope import rope
 from mstar.models.layers.linear import Linear
 from mstar.models.layers.norm import RMSNorm
 from mstar.models.qwen3_omni.config import Code2WavConfig
@@ -28,8 +28,8 @@ Device = torch.device | str | None
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [B, T, heads, D] by cos/sin [B, T, D], in float32 or finer."""
-    h = x.to(torch.promote_types(x.dtype, torch.float32))
-    return (h * cos[:, :, None] + rotate_half(h) * sin[:, :, None]).to(x.dtype)
+    b, t, heads, d = x.shape
+    return rope(x.reshape(b * t, heads, d), cos.reshape(b * t, d), sin.reshape(b * t, d)).view(b, t, heads, d)
 
 
 def window_mask(frames: torch.Tensor, held: int, new: int, window: int) -> torch.Tensor:
@@ -64,11 +64,8 @@ class Code2WavAttention(nn.Module):
         k = _rotate(self.k_proj(x).view(b, t, self.kv_heads, self.head_dim), cos, sin)
         keys = torch.cat([past_k, k], dim=1)
         values = torch.cat([past_v, self.v_proj(x).view(b, t, self.kv_heads, self.head_dim)], dim=1)
-        group = self.heads // self.kv_heads
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys.repeat_interleave(group, dim=2).transpose(1, 2),
-            values.repeat_interleave(group, dim=2).transpose(1, 2), attn_mask=mask[:, None],
-            scale=self.head_dim ** -0.5)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                             attn_mask=mask[:, None], scale=self.head_dim ** -0.5, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), keys, values
 
 
