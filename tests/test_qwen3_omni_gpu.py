@@ -92,14 +92,26 @@ async def _spoken(eager: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list[li
             assert not (chunk.finished and chunk.error), chunk.error
         return text, np.frombuffer(bytes(audio), dtype=np.int16)
 
+    async def read(i: int) -> np.ndarray:  # text to speech: `read` steps replay the graphs of `speak`
+        request = GenerateRequest(f"t{i}", "omni-d64", {"text": f"read me {i}", "voice": "ethan"},
+                                  SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop_token_ids=()),
+                                  walk="tts", sampling_by={"cp": {"temperature": 0.0}})
+        audio = bytearray()
+        async for chunk in eng.submit(request):
+            audio += chunk.audio or b""
+            assert not (chunk.finished and chunk.error), chunk.error
+        return np.frombuffer(bytes(audio), dtype=np.int16)
+
     try:
         out = await asyncio.gather(*(one(i) for i in range(3)))  # 3 rows: a bucket of 4 with a padding row
+        out += [([], audio) for audio in await asyncio.gather(*(read(i) for i in range(2)))]
     finally:
         await eng.shutdown()
     return [t for t, _ in out], [a for _, a in out], graphed
 
 
 async def test_the_talker_frame_step_under_graphs_speaks_as_it_does_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three spoken chats, then two texts read aloud (`tts`), each way."""
     texts, audio, graphed = await _spoken(False, monkeypatch)
     eager_texts, eager_audio, eager_graphed = await _spoken(True, monkeypatch)
     assert graphed and not eager_graphed  # the path under test

@@ -181,7 +181,9 @@ class ComponentRunner:
             raise RuntimeError(f"rows of one {steps[0].label} step write different values")
         rows = [{name: row[value] for name, value in r.items()} for row, r in zip(inputs, reads)]
         kv = [p.row(self.name, b) for p, b in zip(parts, branches)]
-        graphs = self.kv_graphs.get(sig.name)
+        # a mode may be another's step once the module reduced its inputs on the host (a talker reading a script)
+        alias = getattr(self.module, "graph_aliases", {}).get(sig.name)
+        graphs = self.kv_graphs.get(alias or sig.name)
         if graphs is not None and (self.state is not None or not graphs.fits(len(rows))
                                    or any(row[sig.query].numel() != 1 for row in rows)):
             graphs = None
@@ -198,7 +200,8 @@ class ComponentRunner:
         out = None
         if graphs is not None:
             with torch.profiler.record_function("mstar.replay"):
-                out = graphs.run(packed.batch, plans[0][1], [r.pages for r in kv], packed.batch.draw)
+                batch = self.module.as_graph_step(sig.name, packed.batch) if alias else packed.batch
+                out = graphs.run(batch, plans[0][1], [r.pages for r in kv], packed.batch.draw)
             if out is None:
                 packed.batch.attn = self.attention.plan(*plans[0])
         if out is None:

@@ -76,16 +76,25 @@ class TalkerSteps(nn.Module):
     def read(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
         """`speak`, its text token the script's next (`at`: the step's round):
         then tts_eos once, then tts_pad, as after a thinker's last token."""
+        cp = self.talker.code_predictor
+        if cp.graphs is None and batch.input_ids.is_cuda and not self.enforce_eager:
+            cp.capture(FRAME_GRAPH_BUCKETS)  # for the steps no graph of `speak` takes (more rows than its buckets)
+        return self.speak(self.as_graph_step("read", batch))
+
+    # a mode whose steps another mode's CUDA graphs replay, once `as_graph_step` has reduced its inputs
+    graph_aliases = {"read": "speak"}
+
+    def as_graph_step(self, mode: str, batch: TokenBatch) -> TokenBatch:
+        """A `read` batch as `speak` takes it: the script's next token (on
+        the host) as the text input."""
+        if mode != "read":
+            raise ValueError(f"talker mode '{mode}' is no other mode's step")
         ids = self.cfg.ids
         text = []
         for script, at in zip(_rows(batch.extra["script"]), torch.as_tensor(batch.extra["at"]).reshape(-1).tolist()):
             n, k = script.numel(), int(at) + 1
             text.append(int(script.reshape(-1)[k]) if k < n else ids.tts_eos if k == n else ids.tts_pad)
-        cp = self.talker.code_predictor
-        if cp.graphs is None and batch.input_ids.is_cuda and not self.enforce_eager:
-            cp.capture(FRAME_GRAPH_BUCKETS)  # its script on the host, no graph takes the whole step
-        extra = {**batch.extra, "text": torch.tensor(text)}
-        return self.speak(dataclasses.replace(batch, extra=extra))
+        return dataclasses.replace(batch, extra={"last": batch.extra["last"], "text": torch.tensor(text)})
 
     def _masked(self, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out["logits"] = out["logits"].index_fill(-1, self.suppressed, float("-inf"))
