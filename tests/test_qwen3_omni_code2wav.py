@@ -261,3 +261,9 @@ def test_snake_beta_follows_its_parameters_when_they_change_in_place() -> None:
         snake.alpha.add_(0.5)
         snake.beta.sub_(0.25)
         assert torch.equal(snake(x), expected()) and not torch.equal(snake(x), first)
+        kept = snake._scales()[0]
+        snake.alpha.mul_(0.5)  # written in place again: refilled into the same tensors a graph would read
+        assert snake._scales()[0] is kept and torch.equal(snake(x), expected())
+        snake.double()  # new storage: new tensors
+        x = x.double()
+        assert torch.equal(snake(x), expected())

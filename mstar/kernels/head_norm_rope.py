@@ -51,7 +51,8 @@ def head_norm_rope_triton(x: torch.Tensor, weight: torch.Tensor | None, cos: tor
     """`weight` None: the rotation alone (`rope`)."""
     t, heads, d = x.shape
     if (weight is not None and weight.shape != (d,)) or cos.shape != (t, d) or sin.shape != (t, d) or d % 2:
-        raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}, cos {tuple(cos.shape)} and "
+        raise ValueError(f"x {tuple(x.shape)}, weight {None if weight is None else tuple(weight.shape)}, "
+                         f"cos {tuple(cos.shape)} and "
                          f"sin {tuple(sin.shape)} do not fit: need [T, H, D], [D], [T, D] with D even")
     if x.stride(2) != 1 or x.stride(1) != d:  # heads packed, tokens at any stride (a slice of a qkv output)
         x = x.contiguous()

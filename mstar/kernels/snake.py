@@ -49,7 +49,8 @@ def snake_beta(x: torch.Tensor, freq: torch.Tensor, magnitude: torch.Tensor, eps
     """x + sin(freq x)^2 / (magnitude + eps), frequency and magnitude per
     channel ([1, C, 1]): the SnakeBeta of BigVGAN-style vocoders (Qwen3-Omni's
     code2wav), whose module keeps both as logs."""
-    if use_triton(x) and not torch.is_grad_enabled():
+    if (use_triton(x) and not torch.is_grad_enabled() and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and freq.dtype == magnitude.dtype == x.dtype):  # else torch's promotion and precision
         return _launch(x, freq, magnitude, eps, "snake_beta")
     return snake_beta_reference(x, freq, magnitude, eps)
 

@@ -85,16 +85,19 @@ class TalkerSteps(nn.Module):
     graph_aliases = {"read": "speak"}
 
     def as_graph_step(self, mode: str, batch: TokenBatch) -> TokenBatch:
-        """A `read` batch as `speak` takes it: the script's next token (on
-        the host) as the text input."""
+        """A `read` batch as `speak` takes it: the script's next token as
+        the text input (then tts_eos once, then tts_pad)."""
         if mode != "read":
             raise ValueError(f"talker mode '{mode}' is no other mode's step")
         ids = self.cfg.ids
-        text = []
-        for script, at in zip(_rows(batch.extra["script"]), torch.as_tensor(batch.extra["at"]).reshape(-1).tolist()):
-            n, k = script.numel(), int(at) + 1
-            text.append(int(script.reshape(-1)[k]) if k < n else ids.tts_eos if k == n else ids.tts_pad)
-        return dataclasses.replace(batch, extra={"last": batch.extra["last"], "text": torch.tensor(text)})
+        scripts = [t.reshape(-1) for t in _rows(batch.extra["script"])]
+        flat = torch.cat(scripts)
+        # on the scripts' device, nothing read back: lengths are shapes, the rounds stay where they are
+        n = torch.tensor([t.numel() for t in scripts]).to(flat.device)
+        k = torch.as_tensor(batch.extra["at"]).reshape(-1).to(flat.device) + 1
+        token = flat[n.cumsum(0) - n + torch.minimum(k, n - 1)]
+        text = torch.where(k < n, token, torch.where(k == n, ids.tts_eos, ids.tts_pad))
+        return dataclasses.replace(batch, extra={"last": batch.extra["last"], "text": text})
 
     def _masked(self, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out["logits"] = out["logits"].index_fill(-1, self.suppressed, float("-inf"))

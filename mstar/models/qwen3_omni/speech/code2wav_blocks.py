@@ -134,11 +134,18 @@ class SnakeBeta(nn.Module):
         """exp(alpha) and exp(beta) as [1, C, 1], worked out again only when
         the parameters change (written in place, where torch counts that;
         inference tensors, which it does not, are loaded before a module's
-        first step): a step, and a captured graph of it, needs no launches
-        for them."""
+        first step), into the same tensors: a step, and a captured graph of
+        it, needs no launches for them."""
+        if torch.is_grad_enabled():  # autograd's own tensors, never kept
+            return self.alpha.exp()[None, :, None], self.beta.exp()[None, :, None]
         versions = (_stamp(self.alpha), _stamp(self.beta))
-        if self._cached is None or self._cached[0] != versions or torch.is_grad_enabled():
+        if self._cached is None or [v[0] for v in self._cached[0]] != [v[0] for v in versions]:
+            # first use, or parameters in new storage (a cast or a move)
             self._cached = (versions, self.alpha.exp()[None, :, None], self.beta.exp()[None, :, None])
+        elif self._cached[0] != versions:  # written in place: refilled in place, a captured graph reads these
+            torch.exp(self.alpha, out=self._cached[1].view(-1))
+            torch.exp(self.beta, out=self._cached[2].view(-1))
+            self._cached = (versions, self._cached[1], self._cached[2])
         return self._cached[1], self._cached[2]
 
 
