@@ -267,3 +267,21 @@ def test_snake_beta_follows_its_parameters_when_they_change_in_place() -> None:
         snake.double()  # new storage: new tensors
         x = x.double()
         assert torch.equal(snake(x), expected())
+
+
+@torch.inference_mode()
+def test_zeroed_slots_are_read_as_they_are_and_others_are_masked(saved) -> None:
+    """`zeroed` (the runtime zeroes a slot when it hands it out): a fresh
+    row's slot is read without masking, which gives what masking gives on a
+    zeroed slot. Without it, whatever a fresh row's slot holds is ignored."""
+    module = _ours(saved[0])
+    codes = _codes(2, 6, seed=5)
+    pool = StatePool(module.state_spec(torch.float32), 4, "cpu")
+    slots, fresh = torch.tensor([0, 1]), torch.tensor([True, True])
+    masked = module.stream(codes, StateRows(pool.tensors, slots), fresh)
+    for t in pool.tensors.values():
+        t.zero_()
+    assert torch.equal(module.stream(codes, StateRows(pool.tensors, slots), fresh, zeroed=True), masked)
+    for t in pool.tensors.values():  # slots left dirty by the steps above: masking ignores that
+        t[:2] = t[:2] + 1
+    assert torch.equal(module.stream(codes, StateRows(pool.tensors, slots), fresh), masked)

@@ -126,11 +126,12 @@ class Code2WavSteps(nn.Module):
         new = state.new if state.new is not None else (state.tensors["frames"][state.slots] == 0).tolist()
         fresh = torch.tensor(new, dtype=torch.bool).to(frames.device, non_blocking=True)
         rows = frames.shape[0]
-        if frames.is_cuda and frames.shape[-1] == 1 and rows <= FRAME_GRAPH_BUCKETS[-1] and self._graphed(frames,
-                                                                                                        state):
+        zeroed = state.new is not None  # the runtime zeroes a slot when it hands it out: new rows need no masking
+        if (zeroed and frames.is_cuda and frames.shape[-1] == 1 and rows <= FRAME_GRAPH_BUCKETS[-1]
+                and self._graphed(frames, state)):
             pcm = self._replay(frames, state, fresh)
         else:
-            pcm = self.code2wav.stream(frames, state, fresh)
+            pcm = self.code2wav.stream(frames, state, fresh, zeroed)
         held = self.code2wav.held
         return {"pcm": [p[held:] if first else p for p, first in zip(pcm, new)]}
 
@@ -170,7 +171,7 @@ class Code2WavSteps(nn.Module):
         fresh = torch.ones(top, dtype=torch.bool, device=device)
         graphs = capture_buckets(
             device, FRAME_GRAPH_BUCKETS, lambda b: StateRows(state.tensors, slots[:b]),
-            lambda b, rows: self.code2wav.stream(codes[:b], rows, fresh[:b]), "capturing code2wav graphs",
+            lambda b, rows: self.code2wav.stream(codes[:b], rows, fresh[:b], zeroed=True), "capturing code2wav graphs",
             show_progress=False)
         self._graphs = graphs
         self._static = (codes, slots, fresh)

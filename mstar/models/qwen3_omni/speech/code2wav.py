@@ -115,11 +115,13 @@ class Code2Wav(nn.Module):
         return StateSpec((("frames", (), torch.long), ("kv", self.transformer.kv_shape, dtype),
                           *((name, conv.state_shape, dtype) for name, conv in self._held_convs())))
 
-    def stream(self, codes: torch.Tensor, state: StateRows, fresh: torch.Tensor) -> torch.Tensor:
+    def stream(self, codes: torch.Tensor, state: StateRows, fresh: torch.Tensor, zeroed: bool = False) -> torch.Tensor:
         """codes [B, Q, k]: each row's next k frames -> [B, samples_per_frame
         * k], the samples they finish (after a fresh row's `held` zeros).
         Rows continue from their slots (`fresh` [B] bool: from an empty
-        state, whatever the slot holds) and their slots are updated."""
+        state, whatever the slot holds; with `zeroed`, a fresh row's slot is
+        known to hold zeros, as the runtime hands slots out, and is read as
+        it is) and their slots are updated."""
         slots, k = state.slots, codes.shape[-1]
         if slots.shape != (codes.shape[0],) or fresh.shape != slots.shape:
             raise ValueError(f"code2wav stream: codes for {codes.shape[0]} rows, {tuple(slots.shape)} slots and "
@@ -128,7 +130,7 @@ class Code2Wav(nn.Module):
 
         def read(name: str) -> torch.Tensor:
             rows = state.tensors[name][slots]
-            return rows.masked_fill(restart.view(-1, *(1,) * (rows.dim() - 1)), 0)
+            return rows if zeroed else rows.masked_fill(restart.view(-1, *(1,) * (rows.dim() - 1)), 0)
 
         frames = read("frames")
         x, kv = self.transformer.step(self._embed(codes), read("kv"), frames)
