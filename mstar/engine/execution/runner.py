@@ -201,7 +201,7 @@ class ComponentRunner:
         if graphs is not None:
             with torch.profiler.record_function("mstar.replay"):
                 batch = self.module.as_graph_step(sig.name, packed.batch) if alias else packed.batch
-                out = graphs.run(batch, plans[0][1], [r.pages for r in kv], packed.batch.draw)
+                out = graphs.run(batch, plans[0][1], plans[0][2], packed.batch.draw)  # its lengths and pages
             if out is None:
                 packed.batch.attn = self.attention.plan(*plans[0])
         if out is None:

@@ -49,7 +49,6 @@ class TalkerSteps(nn.Module):
         self.talker, self.cfg = talker, cfg
         device = talker.codec_head.weight.device
         self.register_buffer("suppressed", suppressed_codes(cfg.talker).to(device), persistent=False)
-        self.enforce_eager = False  # set by the runtime from --enforce-eager
 
     def prefill(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
         extra = batch.extra
@@ -76,9 +75,6 @@ class TalkerSteps(nn.Module):
     def read(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
         """`speak`, its text token the script's next (`at`: the step's round):
         then tts_eos once, then tts_pad, as after a thinker's last token."""
-        cp = self.talker.code_predictor
-        if cp.graphs is None and batch.input_ids.is_cuda and not self.enforce_eager:
-            cp.capture(FRAME_GRAPH_BUCKETS)  # for the steps no graph of `speak` takes (more rows than its buckets)
         return self.speak(self.as_graph_step("read", batch))
 
     # a mode whose steps another mode's CUDA graphs replay, once `as_graph_step` has reduced its inputs

@@ -13,7 +13,7 @@ layer.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +24,6 @@ from mstar.models.layers.mlp import SwiGLU
 from mstar.models.layers.norm import RMSNorm
 from mstar.models.layers.rotary import RotaryEmbedding
 from mstar.models.qwen3_omni.config import CodePredictorConfig, MoeDecoderConfig
-from mstar.models.qwen3_omni.speech.frame_graphs import FrameGraphs
 from mstar.models.qwen3_omni.thinker import ThinkerLayer
 
 Device = torch.device | str | None
@@ -81,12 +80,6 @@ class CodePredictor(nn.Module):
         self.lm_head = nn.ModuleList(Linear(cfg.hidden_size, cfg.vocab_size, **kw) for _ in range(groups))
         # positions never pass G: the frame's two input rows, then one a code
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.num_code_groups, cfg.rope_theta, device=device)
-        self.graphs: FrameGraphs | None = None  # on CUDA, once `capture` ran
-
-    def capture(self, buckets: Sequence[int]) -> None:
-        """Capture the frame's forwards as CUDA graphs at these batch sizes;
-        a frame of more rows than the largest runs eagerly."""
-        self.graphs = FrameGraphs(self, buckets)
 
     def _last(self, x: torch.Tensor, start: int, cache: FrameCache) -> torch.Tensor:
         """x [B, n, H] at positions start .. start + n - 1 -> each row's last
@@ -109,9 +102,6 @@ class CodePredictor(nn.Module):
         frame's first code; `first` [B, H]: that code's talker embedding.
         Returns the codes 1 .. G - 1 [B, G - 1] int64 (code j + 1 is
         `draw(logits, j)`) and their embeddings [B, G - 1, H]."""
-        # inside a capture of the whole step (the runtime's) the forwards are captured with it
-        if self.graphs is not None and self.graphs.fits(last.shape[0]) and not torch.cuda.is_current_stream_capturing():
-            return self.graphs.complete(last, first, draw)
         cache = FrameCache(last.shape[0])
         h = self._last(torch.stack([last, first], dim=1), 0, cache)
         codes: list[torch.Tensor] = []
