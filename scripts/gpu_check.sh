@@ -26,6 +26,8 @@
 #                                   base then new, twice: $BASE is a copy of the older tree (carried; see
 #                                   scripts/base_tree.sh), $BASE_COMMIT its commit
 #   scripts/gpu_check.sh omni-bench only that benchmark
+#   scripts/gpu_check.sh omni-profile  where a spoken answer's step time goes, by component and by kernel
+#                                   (scripts/profile_omni.py; $OMNI_PROFILE_ARGS replaces its flags)
 #   scripts/gpu_check.sh all        tests and bench (default)
 # FlashInfer compiles its kernels on first use into ~/.cache/flashinfer; a
 # second call on the same (still warm) machine reuses them.
@@ -192,6 +194,11 @@ fi
 if [[ $what == omni-bench ]]; then
   timeout ${OMNI_TIMEOUT:-420} python3 scripts/bench_omni.py ${OMNI_ARGS:-} --out "$OUT/omni.json" 2>&1 \
       | grep -v "\[info" | tee "$OUT/bench_omni.txt" | tail -20
+fi
+if [[ $what == omni-profile ]]; then
+  : "${OMNI_PROFILE_ARGS:=--concurrency 8 32 --frames 125 --kernels 2}"
+  timeout ${OMNI_TIMEOUT:-420} python3 scripts/profile_omni.py $OMNI_PROFILE_ARGS 2>&1 \
+      | grep -v "\[info\|capturing" | tee "$OUT/profile_omni.txt" | tail -150
 fi
 if [[ $what == pagesize ]]; then
   timeout 240 python3 scripts/bench_page_size.py --out "$OUT/page_size.json" 2>&1 | tail -30 | tee "$OUT/page_size.txt"
