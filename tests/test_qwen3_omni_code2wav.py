@@ -152,10 +152,16 @@ def test_grouped_kv_heads_decode_as_transformers(tmp_path: Path) -> None:
 
 @torch.inference_mode()
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, ATOL32), (torch.float64, ATOL64)])
-def test_three_rows_at_different_offsets_stream_the_whole_decode(saved, dtype: torch.dtype, atol: float) -> None:
+@pytest.mark.parametrize("convs", ["torch", "gemm"])
+def test_three_rows_at_different_offsets_stream_the_whole_decode(saved, dtype: torch.dtype, atol: float, convs: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Frame by frame and in uneven chunks, rows joining late and in shuffled
     order in one state tensor, 40 frames each: past the window (8) and the
-    convolutions' reach (about 10 frames) many times over."""
+    convolutions' reach (about 10 frames) many times over. `gemm`: the
+    step's convolutions as CUDA runs them (`mstar.kernels.conv`)."""
+    from mstar.models.qwen3_omni.speech import code2wav_blocks
+
+    monkeypatch.setattr(code2wav_blocks, "_as_gemm", lambda x: convs == "gemm")
     module = _ours(saved[0], dtype)
     n = 40
     codes = {name: _codes(1, n, seed)[0] for seed, name in enumerate("abc")}
@@ -261,9 +267,9 @@ def test_snake_beta_follows_its_parameters_when_they_change_in_place() -> None:
         snake.alpha.add_(0.5)
         snake.beta.sub_(0.25)
         assert torch.equal(snake(x), expected()) and not torch.equal(snake(x), first)
-        kept = snake._scales()[0]
+        kept = snake._scales(snake.alpha, snake.beta)[0]
         snake.alpha.mul_(0.5)  # written in place again: refilled into the same tensors a graph would read
-        assert snake._scales()[0] is kept and torch.equal(snake(x), expected())
+        assert snake._scales(snake.alpha, snake.beta)[0] is kept and torch.equal(snake(x), expected())
         snake.double()  # new storage: new tensors
         x = x.double()
         assert torch.equal(snake(x), expected())

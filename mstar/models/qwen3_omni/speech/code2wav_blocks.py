@@ -27,10 +27,13 @@ is zero.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.kernels.conv import blocks_weight, conv1d_gemm, conv_transpose1d_blocks
 from mstar.kernels.snake import snake_beta
 from mstar.models.layers.linear import Linear
 
@@ -74,7 +77,11 @@ class CausalConv(nn.Module):
     def step(self, x: torch.Tensor, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, in, n] after the inputs `buf` [B, in, reach] holds."""
         full = torch.cat([buf, x], dim=-1)
-        return self._conv(full), full[..., full.shape[-1] - self.reach:]
+        if _as_gemm(full) and self.groups == 1:
+            y = conv1d_gemm(full, self.weight, self.bias, self.dilation)
+        else:
+            y = self._conv(full)
+        return y, full[..., full.shape[-1] - self.reach:]
 
 
 class CausalTransConv(nn.Module):
@@ -91,6 +98,7 @@ class CausalTransConv(nn.Module):
         self.in_channels = in_channels
         self.weight = _param(in_channels, out_channels, kernel, device=device, dtype=dtype)
         self.bias = _param(out_channels, device=device, dtype=dtype)
+        self._blocks = Kept(lambda w: (blocks_weight(w, stride),))
 
     @property
     def state_shape(self) -> tuple[int, ...]:
@@ -109,7 +117,17 @@ class CausalTransConv(nn.Module):
         # the whole-sequence cut applied to [held inputs, new inputs] leaves
         # exactly the blocks the new inputs complete
         full = torch.cat([buf, x], dim=-1)
-        return self.forward(full), full[..., full.shape[-1] - self.reach:]
+        if _as_gemm(full):
+            y = conv_transpose1d_blocks(full, *self._blocks(self.weight), self.bias, self.stride)
+        else:
+            y = self.forward(full)
+        return y, full[..., full.shape[-1] - self.reach:]
+
+
+def _as_gemm(x: torch.Tensor) -> bool:
+    """A step's dense convolutions run as GEMMs on CUDA (`mstar.kernels.conv`),
+    where cuDNN's choices at a step's shapes are slow; elsewhere torch's."""
+    return x.is_cuda and not torch.is_grad_enabled()
 
 
 def _stamp(t: torch.Tensor) -> tuple[int, int]:
@@ -119,34 +137,42 @@ def _stamp(t: torch.Tensor) -> tuple[int, int]:
         return t.data_ptr(), -1
 
 
+class Kept:
+    """Tensors worked out from parameters, kept between steps: worked out
+    again only when the parameters change (written in place, where torch
+    counts that; inference tensors, which it does not, are loaded before a
+    module's first step), into the same tensors, as a captured graph reads
+    them. A step then needs no launches for them. Under autograd they are
+    worked out each time and never kept."""
+
+    def __init__(self, make: Callable[..., tuple[torch.Tensor, ...]]) -> None:
+        self.make = make
+        self._stamps: tuple[tuple[int, int], ...] | None = None
+        self._kept: tuple[torch.Tensor, ...] = ()
+
+    def __call__(self, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if torch.is_grad_enabled():
+            return self.make(*params)
+        stamps = tuple(_stamp(p) for p in params)
+        if self._stamps is None or [s[0] for s in self._stamps] != [s[0] for s in stamps]:
+            self._kept = tuple(t.contiguous() for t in self.make(*params))  # first use, or new storage
+        elif self._stamps != stamps:
+            for kept, fresh in zip(self._kept, self.make(*params), strict=True):
+                kept.copy_(fresh)
+        self._stamps = stamps
+        return self._kept
+
+
 class SnakeBeta(nn.Module):
     def __init__(self, channels: int, *, device: Device = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.alpha = _param(channels, device=device, dtype=dtype, fill=0.0)   # log frequency
         self.beta = _param(channels, device=device, dtype=dtype, fill=0.0)    # log magnitude
-        self._cached: tuple[tuple[tuple[int, int], ...], torch.Tensor, torch.Tensor] | None = None
+        self._scales = Kept(lambda a, b: (a.exp()[None, :, None], b.exp()[None, :, None]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        freq, magnitude = self._scales()
+        freq, magnitude = self._scales(self.alpha, self.beta)
         return snake_beta(x, freq, magnitude, SNAKE_EPS)
-
-    def _scales(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """exp(alpha) and exp(beta) as [1, C, 1], worked out again only when
-        the parameters change (written in place, where torch counts that;
-        inference tensors, which it does not, are loaded before a module's
-        first step), into the same tensors: a step, and a captured graph of
-        it, needs no launches for them."""
-        if torch.is_grad_enabled():  # autograd's own tensors, never kept
-            return self.alpha.exp()[None, :, None], self.beta.exp()[None, :, None]
-        versions = (_stamp(self.alpha), _stamp(self.beta))
-        if self._cached is None or [v[0] for v in self._cached[0]] != [v[0] for v in versions]:
-            # first use, or parameters in new storage (a cast or a move)
-            self._cached = (versions, self.alpha.exp()[None, :, None], self.beta.exp()[None, :, None])
-        elif self._cached[0] != versions:  # written in place: refilled in place, a captured graph reads these
-            torch.exp(self.alpha, out=self._cached[1].view(-1))
-            torch.exp(self.beta, out=self._cached[2].view(-1))
-            self._cached = (versions, self._cached[1], self._cached[2])
-        return self._cached[1], self._cached[2]
 
 
 class ConvNeXt(nn.Module):
