@@ -125,3 +125,20 @@ def test_name_only_models_compile_as_before() -> None:
         Emit("token"), inputs=("prompt_ids",)), COMPONENTS)
     loop = plan.partitions["llm"].nodes[1]
     assert loop.step.inputs == ("token",) and loop.step.input_names is None and loop.value == "token"
+
+
+def test_what_a_component_on_its_own_stream_writes_reaches_only_the_client() -> None:
+    """Nothing orders another component's reads after an `own_stream`
+    component's steps: a walk that feeds its output on is refused, one that
+    emits it compiles."""
+    side = {**COMPONENTS, "codec": Component(modes=(CHUNK,), own_stream=True),
+            "post": Component(modes=(Mode("polish", (In("pcm", Kind.TENSOR),), (Out("wav", Kind.TENSOR),)),))}
+    emits = Walk(Step("codec", "chunk", ("codes", "index"), "pcm"), Emit("pcm", modality="audio"),
+                 inputs=("codes", "index"))
+    assert compile_walk("w", emits, side).emits.keys() == {"pcm"}
+    feeds = Walk(Step("codec", "chunk", ("codes", "index"), "pcm"), Step("post", "polish", "pcm", "wav"),
+                 Emit("wav", modality="audio"), inputs=("codes", "index"))
+    with pytest.raises(WalkError, match="own_stream"):
+        compile_walk("w", feeds, side)
+    # the same walk with the codec on the worker's stream is fine
+    assert compile_walk("w", feeds, {**side, "codec": COMPONENTS["codec"]}).emits.keys() == {"wav"}

@@ -124,6 +124,7 @@ class _Builder:
         self._reading: str | None = None  # the stream value of the consumer partition being compiled
         self._branches = Branches(self.fail)  # of the partition being compiled
         self.branch_values: set[str] = set()  # values some Each writes per branch
+        self.own_stream: dict[str, str] = {}  # values written by a component on a stream of its own -> it
 
     def fail(self, where: str, reason: str) -> WalkError:
         return WalkError(self.name, where, reason)
@@ -196,6 +197,11 @@ class _Builder:
                 raise self.fail(where, f"reads '{value}', which is no built-in value ({sorted(BUILTINS)})")
             elif value not in available:
                 raise self.fail(where, f"reads '{value}', which nothing writes before it")
+            elif self.own_stream.get(value, step.component) != step.component:
+                raise self.fail(where, f"reads '{value}', which '{self.own_stream[value]}' writes on a CUDA "
+                                       f"stream of its own (own_stream): only the client may read it")
+        if comp.own_stream:
+            self.own_stream.update(dict.fromkeys(step.outputs, step.component))
         sig = comp.signature(step.mode)
         if (step.draws is not None) != bool(sig is not None and sig.draws):
             raise self.fail(where, f"names a key for in-mode draws, but mode '{step.mode}' declares none"
@@ -323,6 +329,9 @@ class _Builder:
         offered = written[node.source] - {node.source}  # what the producer has written by its first item
         if node.on_turn not in ("segment", "restart"):
             raise self.fail(where, f"on_turn is 'segment' or 'restart', not {node.on_turn!r}")
+        if node.source in self.own_stream:
+            raise self.fail(where, f"streams '{node.source}', which '{self.own_stream[node.source]}' writes on a "
+                                   f"CUDA stream of its own (own_stream): only the client may read it")
         plan = StreamPlan(node.source, pname, consumer, node.chunks, node.accept, as_,
                           tuple(sorted((offered - {as_}) & reads)), node.on_turn)
         self.streams.setdefault(node.source, []).append(plan)

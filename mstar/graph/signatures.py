@@ -128,13 +128,18 @@ class Component:
     row (a recurrent layer's, or a streaming decoder's caches and buffers), in
     a slot the runtime hands each row at its first step and takes back when
     its partition ends (`Model.state_spec` gives its tensors); a plain
-    component's modes get it as the keyword argument `state`.
+    component's modes get it as the keyword argument `state`. `own_stream`:
+    on CUDA its steps run on a stream of their own, overlapping the other
+    components' steps (a vocoder beside the decoder feeding it); what it
+    writes may only reach the client, as nothing orders another component's
+    reads after its steps (the walks are checked).
     """
 
     modes: tuple[str | Mode, ...]
     kv_cache: bool = False
     samples: bool = False
     state: bool = False
+    own_stream: bool = False
     signatures: dict[str, Mode] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -118,6 +118,16 @@ class Executor:
             self._fork(batch)
             return
         runner = self.runners[batch.component]
+        if runner.stream is None:
+            self._take_and_run(batch, runner, t0)
+            return
+        # its own stream: after what the worker's stream has queued (the inputs' producers), and
+        # beside what it queues next; the outputs only reach clients, through events of this stream
+        runner.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(runner.stream):
+            self._take_and_run(batch, runner, t0)
+
+    def _take_and_run(self, batch: Batch, runner: ComponentRunner, t0: float) -> None:
         for item in batch.items:
             if not item.granted and item.granted_slot is None:
                 continue
@@ -159,6 +169,11 @@ class Executor:
         inputs: list[dict[str, torch.Tensor]] | None = None
         try:
             inputs = runner.take_inputs(batch)
+            if runner.stream is not None:  # made on the worker's stream: not reused until this one read them
+                for row in inputs:
+                    for t in row.values():
+                        if t.is_cuda:
+                            t.record_stream(runner.stream)
             with torch.profiler.record_function(f"mstar.{batch.component}.{batch.mode}"):
                 out = runner.compute(batch, inputs)
         except Exception as e:

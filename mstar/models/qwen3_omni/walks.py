@@ -63,8 +63,9 @@ def talker_component(cfg: Qwen3OmniConfig) -> Component:
     return Component(modes=(prefill, speak, read), kv_cache=True, samples=True)
 
 
+# on a CUDA stream of its own: a frame's waveform overlaps the talker's next frame
 CODE2WAV_COMPONENT = Component(modes=(Mode("frame", (In("codes", Kind.TENSOR),), (Out("pcm", Kind.TENSOR),)),),
-                               state=True)
+                               state=True, own_stream=True)
 
 
 def walk_name(speech: bool, audio: bool, image: bool) -> str:
