@@ -14,16 +14,21 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
-from mstar.models.qwen3_omni.builtins import QWEN3_OMNI_30B_A3B
-from mstar.models.qwen3_omni.config import Qwen3OmniConfig
-from mstar.models.qwen3_omni.speech.code2wav import Code2Wav
-from mstar.types import StateRows
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_env import REPO, commit  # noqa: E402
+
+from mstar.models.qwen3_omni.builtins import QWEN3_OMNI_30B_A3B  # noqa: E402
+from mstar.models.qwen3_omni.config import Qwen3OmniConfig  # noqa: E402
+from mstar.models.qwen3_omni.speech.code2wav import Code2Wav  # noqa: E402
+from mstar.types import StateRows  # noqa: E402
 
 
 def timed(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 3) -> float:
@@ -71,9 +76,9 @@ def main() -> None:
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
     module = build(device, dtype)
     cfg = module.cfg
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit_id = commit(REPO)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"code2wav step, one frame a row: {name}, torch {torch.__version__}, {args.dtype}, commit {commit}"
+    print(f"code2wav step, one frame a row: {name}, torch {torch.__version__}, {args.dtype}, commit {commit_id}"
           f"{', cudnn.benchmark' if args.cudnn_benchmark else ''}")
     frame_s = cfg.samples_per_frame / 24000
     top = max(args.batches)
