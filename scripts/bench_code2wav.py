@@ -13,9 +13,7 @@ and the convolutions of an eager step by input shape.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,28 +21,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_env import REPO, commit  # noqa: E402
+from bench_env import REPO, commit, timed  # noqa: E402
 
 from mstar.models.qwen3_omni.builtins import QWEN3_OMNI_30B_A3B  # noqa: E402
 from mstar.models.qwen3_omni.config import Qwen3OmniConfig  # noqa: E402
 from mstar.models.qwen3_omni.speech.code2wav import Code2Wav  # noqa: E402
 from mstar.types import StateRows  # noqa: E402
-
-
-def timed(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 3) -> float:
-    """Median milliseconds of `fn()`, synchronised on CUDA."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def build(device: torch.device, dtype: torch.dtype) -> Code2Wav:
@@ -90,7 +72,7 @@ def main() -> None:
             rows = StateRows(pool, torch.arange(b, device=device))
             fresh = torch.zeros(b, dtype=torch.bool, device=device)
             step = lambda: module.stream(codes, rows, fresh, zeroed=True)  # noqa: E731
-            eager = timed(step, device, args.iters)
+            eager = timed(step, device, args.iters, warmup=3)
             line = f"batch {b:4d}: eager {eager:7.2f} ms"
             graph_ms = None
             if device.type == "cuda":

@@ -1,10 +1,14 @@
 """What a benchmark records about where it ran: package versions and the
-commit (shared by the decode and speech benchmarks' reports)."""
+commit (shared by the decode and speech benchmarks' reports); and the median
+time of a call, synchronised on CUDA."""
 
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
+import time
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
@@ -34,3 +38,21 @@ def commit(repo: Path) -> str:
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+def timed(fn: Callable[[], object], device, iters: int, warmup: int = 2) -> float:
+    """Median milliseconds of `fn()` on `device` (a torch.device), synchronised on CUDA."""
+    import torch  # only the timing benchmarks need it
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)

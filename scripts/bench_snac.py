@@ -14,29 +14,11 @@ call and audio seconds decoded per wall second.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
+from bench_env import timed
 
 from mstar.models.snac import SNAC_24KHZ, load_snac_decoder
-
-
-def timed(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 2) -> float:
-    """Median milliseconds of `fn()`, synchronised on CUDA."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:
