@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mstar.engine.execution.sampler import SamplingTensors, apply_repetition_penalty, sample
-from mstar.kernels.noise import random_bits
+from mstar.kernels.noise import exponential_noise_reference, random_bits
 from mstar.types import SamplingParams
 
 M32 = 0xFFFFFFFF
@@ -199,3 +199,25 @@ def test_build_flags() -> None:
     assert st.top_k.dtype == torch.int64 and st.temperature.dtype == torch.float32
     with pytest.raises(ValueError):
         SamplingTensors.build([SamplingParams()], [0, 1], [0], "cpu")
+
+
+# seed 0, draw 18735: the noise's 32-bit value at index 622 has its top 24 bits all ones, where
+# (2**24 - 1 + 0.5) / 2**24 rounds to 1.0 in float32 and the draw was -log(1) = -0.0
+_TOP_SEED, _TOP_DRAW, _TOP_INDEX = 0, 18735, 622
+
+
+def test_the_top_random_value_still_draws_a_positive_noise() -> None:
+    seeds, draws = torch.tensor([_TOP_SEED]), torch.tensor([_TOP_DRAW])
+    assert int(random_bits(seeds, draws, 1088)[0, _TOP_INDEX]) >> 8 == 2**24 - 1
+    assert (exponential_noise_reference(seeds, draws, 1088) > 0).all()
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.9, top_k=50),
+                                    SamplingParams(temperature=1.0, top_k=0, top_p=1.0)], ids=["filtered", "plain"])
+def test_a_masked_token_is_never_drawn_even_at_the_top_random_value(params: SamplingParams) -> None:
+    """The talker's logits mask most of its vocabulary with -inf: with the
+    top random value on a masked index, the race drew it (a NaN wins argmax)."""
+    logits = torch.full((1, 1088), float("-inf"))
+    logits[0, :64] = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    st = SamplingTensors.build([params], [_TOP_SEED], [_TOP_DRAW], "cpu")
+    assert int(sample(logits, st)) < 64

@@ -24,6 +24,10 @@ _MUL_A = 0x7FEB352D
 _MUL_B = 0x5BD1E995
 _ROW_SALT = 0x3C6EF372
 _INV_2_24 = 1.0 / (1 << 24)
+# float32's largest value below 1. The top 24-bit value plus the half step (2**24 - 0.5) rounds up to 2**24,
+# so u would be 1.0 and the draw -log(1) = -0.0: a race's 0 / -0.0 is NaN, which argmax takes, so a masked
+# or filtered-out token would win. Only that one value (a chance of 2**-24 a draw) is moved down.
+_U_MAX = 1.0 - _INV_2_24
 
 
 def mix32(x: Tensor) -> Tensor:
@@ -60,8 +64,8 @@ def exponential_noise(seeds: Tensor, counters: Tensor, vocab_size: int) -> Tenso
 
 
 def exponential_noise_reference(seeds: Tensor, counters: Tensor, vocab_size: int) -> Tensor:
-    # 24 bits fit a float32 mantissa exactly; the half-step keeps u inside (0, 1).
-    u = ((random_bits(seeds, counters, vocab_size) >> 8).to(torch.float32) + 0.5) * _INV_2_24
+    # 24 bits fit a float32 mantissa exactly; the half-step keeps u above 0, the clamp below 1
+    u = (((random_bits(seeds, counters, vocab_size) >> 8).to(torch.float32) + 0.5) * _INV_2_24).clamp(max=_U_MAX)
     return -torch.log(u)
 
 
@@ -113,5 +117,5 @@ def _noise_kernel(seeds_ptr, counters_ptr, out_ptr, vocab, mul_a, mul_b, salt, i
     key = _mix32(key ^ _word(counter, True), a, b)
     idx = _mix32(cols.to(tl.uint32), a, b)
     bits = _mix32(key ^ idx, a, b)
-    u = ((bits >> 8).to(tl.float32) + 0.5) * inv_2_24
+    u = tl.minimum(((bits >> 8).to(tl.float32) + 0.5) * inv_2_24, 1.0 - inv_2_24)  # as the reference: below 1
     tl.store(out_ptr + row * vocab + cols, -tl.log(u), mask=mask)
