@@ -20,6 +20,7 @@ from collections import Counter
 from itertools import repeat
 from typing import Callable
 
+import numpy as np
 import structlog
 import torch
 
@@ -463,7 +464,13 @@ def _pcm16(data: torch.Tensor | list[torch.Tensor]) -> list[bytes]:
     if isinstance(data, torch.Tensor):  # one conversion for the batch, then a slice per row
         batch = pcm(data.reshape(data.shape[0], -1)).numpy()
         return [row.tobytes() for row in batch]
-    return [pcm(r.reshape(-1)).numpy().tobytes() for r in data]
+    if not data:
+        return []
+    # rows of any lengths: one conversion of them all, then a slice per row
+    rows = [r.reshape(-1) for r in data]
+    flat = pcm(torch.cat(rows)).numpy()
+    ends = np.cumsum([r.numel() for r in rows])
+    return [flat[end - r.numel():end].tobytes() for r, end in zip(rows, ends)]
 
 
 def _host_predicates(plan: WalkPlan) -> dict[tuple[str, str], Callable[[object], bool]]:

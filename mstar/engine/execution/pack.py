@@ -90,9 +90,16 @@ def _positions_input(sig: Mode) -> In | None:
 def _positions(rows: list[dict[str, torch.Tensor]], reads: list[dict[str, str]], cached: list[int],
                sig: Mode, axes: int, lens: list[int], starts: list[int],
                ) -> tuple[list[torch.Tensor], list[int | None]]:
-    """Each row's positions ([n], or [axes, n] when the component takes
-    several axes), and the rope delta a row given its positions moves to."""
+    """The rows' positions ([n], or [axes, n] when the component takes
+    several axes), to be joined along their last axis, and the rope delta a
+    row given its positions moves to."""
     given_in = _positions_input(sig)
+    if given_in is None or not any(given_in.name in row for row in rows):
+        # every row goes on from its start: one pass for the batch (a decode step's rows, one token each)
+        n = torch.tensor(lens, dtype=torch.long)
+        flat = torch.arange(int(n.sum())) + torch.repeat_interleave(
+            torch.tensor(starts, dtype=torch.long) - (torch.cumsum(n, 0) - n), n)
+        return [flat if axes == 1 else flat.expand(axes, -1)], [None] * len(rows)
     out: list[torch.Tensor] = []
     deltas: list[int | None] = []
     for row, read, kv_len, n, start in zip(rows, reads, cached, lens, starts):

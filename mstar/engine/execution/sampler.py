@@ -54,18 +54,20 @@ class SamplingTensors:
         if not len(params) == len(seeds) == len(counters):
             raise ValueError("params, seeds and counters must have one entry per row")
         sampled = [p for p in params if p.temperature > 0]
-
-        def col(values: list, dtype: torch.dtype) -> Tensor:
-            return to_device(torch.tensor(values, dtype=dtype), device)
-
+        # one copy to the device per dtype, not one per column: the columns are rows of two tensors
+        floats = to_device(torch.tensor([[p.temperature for p in params], [p.top_p for p in params],
+                                         [p.min_p for p in params], [p.repetition_penalty for p in params]],
+                                        dtype=torch.float32), device)
+        ints = to_device(torch.tensor([[p.top_k for p in params], list(seeds), list(counters)], dtype=torch.int64),
+                         device)
         return cls(
-            temperature=col([p.temperature for p in params], torch.float32),
-            top_k=col([p.top_k for p in params], torch.int64),
-            top_p=col([p.top_p for p in params], torch.float32),
-            min_p=col([p.min_p for p in params], torch.float32),
-            repetition_penalty=col([p.repetition_penalty for p in params], torch.float32),
-            seeds=col(list(seeds), torch.int64),
-            counters=col(list(counters), torch.int64),
+            temperature=floats[0],
+            top_k=ints[0],
+            top_p=floats[1],
+            min_p=floats[2],
+            repetition_penalty=floats[3],
+            seeds=ints[1],
+            counters=ints[2],
             # on the host: it only picks the rows whose logprobs are computed
             logprobs=torch.tensor([NOT_ASKED if p.logprobs is None else p.logprobs for p in params],
                                   dtype=torch.int64),

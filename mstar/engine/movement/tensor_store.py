@@ -1,4 +1,4 @@
-"""The tensor store: tensors flowing along walk edges, keyed by uuid handles.
+"""The tensor store: tensors flowing along walk edges, keyed by handles.
 
 A step's output for a whole batch is stored once; each row that will read it
 holds a reference `TensorRef(handle, row)` counted against its request. A
@@ -10,8 +10,8 @@ Thread-safe: worker threads put and take; the engine tears requests down.
 
 from __future__ import annotations
 
+import itertools
 import threading
-import uuid
 from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable
@@ -37,6 +37,7 @@ class _Entry:
 
 class TensorStore:
     def __init__(self) -> None:
+        self._handles = itertools.count()  # next() on it is atomic under the GIL: unique across worker threads
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
         self._by_owner: dict[str, set[str]] = {}
@@ -44,7 +45,7 @@ class TensorStore:
     def put(self, tensor: torch.Tensor, owners: Iterable[str]) -> str:
         """Store `tensor` with one reference per entry of `owners` (a request
         may appear several times); returns its handle."""
-        handle = uuid.uuid4().hex
+        handle = f"t{next(self._handles):x}"
         entry = _Entry(tensor)
         entry.refs.update(owners)
         if not entry.refs:
