@@ -116,7 +116,9 @@ class Code2WavSteps(nn.Module):
         self._static: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # codes, slots, fresh
 
     def frame(self, codes: torch.Tensor, state: StateRows) -> dict[str, list[torch.Tensor]]:
-        """codes [B, k, G]: k frames a row (the stream's items) -> per row its samples."""
+        """codes [B, k, G]: k frames a row (the stream's items) -> the rows'
+        samples: [B, S], or a list of rows when a row's first frame is among
+        them (its first samples, from before its start, are cut)."""
         frames = codes.reshape(codes.shape[0], -1, codes.shape[-1]).transpose(1, 2).long()  # [B, Q, k]
         # a row's first frame: known on the host when the runtime says so (no read back, which would sync)
         new = state.new if state.new is not None else (state.tensors["frames"][state.slots] == 0).tolist()
@@ -128,6 +130,8 @@ class Code2WavSteps(nn.Module):
             pcm = self._replay(frames, state, fresh)
         else:
             pcm = self.code2wav.stream(frames, state, fresh, zeroed)
+        if not any(new):  # one [B, S] tensor: its emit is one copy to the host and one PCM conversion
+            return {"pcm": pcm}
         held = self.code2wav.held
         return {"pcm": [p[held:] if first else p for p, first in zip(pcm, new)]}
 
