@@ -6,7 +6,10 @@ feed streams and which reach the client."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 from mstar.errors import WalkError
 from mstar.graph.chunks import ChunkPolicy
@@ -77,13 +80,15 @@ class BindingError(ValueError):
     """A step binds values its mode's signature does not have."""
 
 
-def step_bindings(step: Step, sig: Mode) -> tuple[dict[str, str], dict[str, str]]:
+@functools.lru_cache(maxsize=4096)
+def step_bindings(step: Step, sig: Mode) -> tuple[Mapping[str, str], Mapping[str, str]]:
     """The step's bindings against `sig`: (signature input name -> walk value
     read, signature output name -> walk value written), whether the step binds
     by name or by position. Raises `BindingError` for a name the mode does not
-    have, or more values than it takes."""
-    return (_bind("input", sig.inputs, step.inputs, step.input_names),
-            _bind("output", sig.outputs, step.outputs, step.output_names))
+    have, or more values than it takes. Worked out once per (step, mode): the
+    runtime asks for every row of every step, so the mappings are read-only."""
+    return (MappingProxyType(_bind("input", sig.inputs, step.inputs, step.input_names)),
+            MappingProxyType(_bind("output", sig.outputs, step.outputs, step.output_names)))
 
 
 def _bind(what: str, declared: tuple[In, ...] | tuple[Out, ...], values: tuple[str, ...],

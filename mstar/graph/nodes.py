@@ -6,6 +6,8 @@ declarations: `compile.py` checks them and turns them into a plan."""
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, Union
@@ -59,22 +61,22 @@ class Step:
         object.__setattr__(self, "reads", _pairs(self.reads))
         object.__setattr__(self, "writes", _pairs(self.writes))
 
-    @property
+    @functools.cached_property  # a step is immutable; the runtime asks per row and step
     def inputs(self) -> tuple[str, ...]:
         """The walk values read, in binding order."""
         return _values(self.reads)
 
-    @property
+    @functools.cached_property  # a step is immutable; the runtime asks per row and step
     def outputs(self) -> tuple[str, ...]:
         """The walk values written, in binding order."""
         return _values(self.writes)
 
-    @property
+    @functools.cached_property  # a step is immutable; the runtime asks per row and step
     def input_names(self) -> tuple[str, ...] | None:
         """The signature names the inputs bind to; None when bound by position."""
         return _names(self.reads)
 
-    @property
+    @functools.cached_property  # a step is immutable; the runtime asks per row and step
     def output_names(self) -> tuple[str, ...] | None:
         return _names(self.writes)
 
