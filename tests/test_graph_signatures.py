@@ -9,7 +9,7 @@ import pytest
 from toys.audio_decoder import DECODE, ENCODE, PREFILL  # the toy audio decoder's signatures, which run
 
 from mstar.errors import WalkError
-from mstar.graph import (Component, Emit, EosToken, In, Kind, Loop, MaxSteps, MaxTokens, Mode, Out, SlidingWindow,
+from mstar.graph import (Collect, Component, Emit, EosToken, In, Kind, Loop, MaxSteps, MaxTokens, Mode, Out, SlidingWindow,
                          Step, Stream, Walk, compile_walk)
 
 TALK = Mode("talk", (In("ids", Kind.IDS), In("h", Kind.EMBEDS), In("j", Kind.INDEX, optional=True)),
@@ -142,3 +142,33 @@ def test_what_a_component_on_its_own_stream_writes_reaches_only_the_client() -> 
         compile_walk("w", feeds, side)
     # the same walk with the codec on the worker's stream is fine
     assert compile_walk("w", feeds, {**side, "codec": COMPONENTS["codec"]}).emits.keys() == {"wav"}
+
+
+GEN = Mode("gen", (In("x", Kind.TENSOR),), (Out("codes", Kind.TENSOR),))
+TO_X = Mode("back", (In("codes", Kind.TENSOR),), (Out("x", Kind.TENSOR),))
+WAVE = Mode("wave", (In("codes", Kind.TENSOR),), (Out("pcm", Kind.TENSOR),))
+OWN = {"codec": Component(modes=(WAVE, TO_X), own_stream=True), "gen": Component(modes=(GEN,)),
+       "post": Component(modes=(Mode("polish", (In("pcm", Kind.TENSOR),), (Out("wav", Kind.TENSOR),)),))}
+
+
+@pytest.mark.parametrize("nodes", [
+    # a loop's collection of its writes, read by another component
+    (Step("gen", "gen", "x", "codes"),
+     Loop(Step("codec", "wave", "codes", "pcm"), until=MaxSteps(3), collect=Collect("all", "pcm")),
+     Step("post", "polish", "all", "wav"), Emit("wav")),
+    # what its step wrote in a loop's last round, read by another component's step in the next
+    (Step("gen", "gen", "x", "codes"),
+     Loop((Step("gen", "gen", "x", "codes"), Step("codec", "back", "codes", "x")), until=MaxSteps(3)),
+     Emit("codes")),
+    # a loop counting its rounds by its output
+    (Step("gen", "gen", "x", "codes"), Step("codec", "back", "codes", "x"),
+     Loop(Step("gen", "gen", "x", "codes"), until=MaxSteps(value="x")), Emit("codes")),
+], ids=["collected", "next-round", "loop-cap"])
+def test_no_path_lets_another_component_read_an_own_stream_value(nodes) -> None:
+    with pytest.raises(WalkError, match="own_stream"):
+        compile_walk("w", Walk(*nodes, inputs=("x",)), OWN)
+
+
+def test_own_stream_is_for_components_without_a_kv_cache() -> None:
+    with pytest.raises(ValueError, match="own_stream"):
+        Component(modes=("decode",), kv_cache=True, own_stream=True)

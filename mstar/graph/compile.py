@@ -14,6 +14,7 @@ from types import MappingProxyType
 from mstar.errors import WalkError
 from mstar.graph.chunks import ChunkPolicy
 from mstar.graph.branches import Branches
+from mstar.graph.own_stream import own_stream_values
 from mstar.graph.nodes import Each, Emit, FanOut, Fork, Loop, Node, Partition, Step, Stream, Walk
 from mstar.graph.program import Instr, LoopPlan, ProgramBuilder, Run
 from mstar.graph.signatures import ACCEPTS, BUILTINS, Component, In, Kind, Mode, Out
@@ -138,6 +139,7 @@ class _Builder:
         if not self.walk.nodes:
             raise self.fail("-", "the walk has no steps")
         root = self.walk.partition or self._first_component(self.walk.nodes) or "main"
+        self.own_stream = own_stream_values(self.walk.nodes, self.components, self.fail)
         self._partition(root, self.walk.nodes, available=set(self.walk.inputs), parent=None, starts_at=0)
         for value, emit in self.emits.items():
             if value not in self.written:
@@ -205,8 +207,6 @@ class _Builder:
             elif self.own_stream.get(value, step.component) != step.component:
                 raise self.fail(where, f"reads '{value}', which '{self.own_stream[value]}' writes on a CUDA "
                                        f"stream of its own (own_stream): only the client may read it")
-        if comp.own_stream:
-            self.own_stream.update(dict.fromkeys(step.outputs, step.component))
         sig = comp.signature(step.mode)
         if (step.draws is not None) != bool(sig is not None and sig.draws):
             raise self.fail(where, f"names a key for in-mode draws, but mode '{step.mode}' declares none"

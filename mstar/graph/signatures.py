@@ -149,6 +149,8 @@ class Component:
             raise ValueError(f"a mode is declared twice in {names}")
         if not self.kv_cache and any(m.kv != "none" for m in declared.values()):
             raise ValueError("a mode touches the KV cache of a component without one")
+        if self.own_stream and self.kv_cache:  # group steps, forks and swaps of KV rows run on the worker's stream
+            raise ValueError("a component with a KV cache runs on the worker's stream (own_stream is for plain ones)")
         object.__setattr__(self, "modes", names)
         object.__setattr__(self, "signatures", {**self.signatures, **declared})
 

@@ -400,6 +400,16 @@ class ComponentRunner:
             if any(isinstance(r, int) for r in ref):  # token ids, some still stored: read those (a wait)
                 return torch.tensor([r if isinstance(r, int) else int(self.store.take(r, item.request_id))
                                      for r in ref], dtype=torch.long)
-            return torch.stack([self.store.take(r, item.request_id) for r in ref])
+            return torch.stack([self._stored(r, item.request_id) for r in ref])
         assert isinstance(ref, TensorRef)
-        return self.store.take(ref, item.request_id)
+        return self._stored(ref, item.request_id)
+
+    def _stored(self, ref: TensorRef, owner: str) -> torch.Tensor:
+        """`ref`'s tensor, its reference dropped. On a stream of the
+        component's own, the memory (the worker's stream made it) is kept
+        from reuse until this stream has read it: the store may have held
+        the last reference."""
+        t = self.store.take(ref, owner)
+        if self.stream is not None and t.is_cuda:
+            t.record_stream(self.stream)
+        return t

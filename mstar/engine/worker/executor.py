@@ -169,11 +169,6 @@ class Executor:
         inputs: list[dict[str, torch.Tensor]] | None = None
         try:
             inputs = runner.take_inputs(batch)
-            if runner.stream is not None:  # made on the worker's stream: not reused until this one read them
-                for row in inputs:
-                    for t in row.values():
-                        if t.is_cuda:
-                            t.record_stream(runner.stream)
             with torch.profiler.record_function(f"mstar.{batch.component}.{batch.mode}"):
                 out = runner.compute(batch, inputs)
         except Exception as e:

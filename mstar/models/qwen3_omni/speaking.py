@@ -122,7 +122,10 @@ class Code2WavSteps(nn.Module):
         frames = codes.reshape(codes.shape[0], -1, codes.shape[-1]).transpose(1, 2).long()  # [B, Q, k]
         # a row's first frame: known on the host when the runtime says so (no read back, which would sync)
         new = state.new if state.new is not None else (state.tensors["frames"][state.slots] == 0).tolist()
-        fresh = torch.tensor(new, dtype=torch.bool).to(frames.device, non_blocking=True)
+        fresh = torch.tensor(new, dtype=torch.bool)
+        if frames.is_cuda:  # pinned: a copy from pageable memory waits for the stream, the last frame's step included
+            fresh = fresh.pin_memory()
+        fresh = fresh.to(frames.device, non_blocking=True)
         rows = frames.shape[0]
         zeroed = state.new is not None  # the runtime zeroes a slot when it hands it out: new rows need no masking
         if (zeroed and frames.is_cuda and frames.shape[-1] == 1 and rows <= FRAME_GRAPH_BUCKETS[-1]
