@@ -9,7 +9,7 @@ on the H200 sits between the device's steps. The event loop's thread is
 timed the same way (it competes for the GIL). CPU attention planning stays
 in (a GPU replays graphs instead), so the number is an upper bound.
 
-    PYTHONPATH=. python scripts/bench_omni_host.py --concurrency 8 32
+    PYTHONPATH=. python scripts/bench_omni_host.py --concurrency 8 32 --repeat 3
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
+import statistics
 import sys
 import threading
 import time
@@ -80,6 +81,7 @@ async def main() -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[8, 32])
     p.add_argument("--text-tokens", type=int, default=30)
     p.add_argument("--frames", type=int, default=40)
+    p.add_argument("--repeat", type=int, default=3, help="runs a level; the median is printed (the CPU is noisy)")
     args = p.parse_args()
     device = DeviceWork()
     for owner, names in ((ThinkerDecoder, ("forward", "prefill", "decode")), (TalkerSteps, ("prefill", "speak", "read")),
@@ -104,14 +106,21 @@ async def main() -> None:
         worker = eng.workers[0]._thread.ident
         loop_thread = threading.get_ident()
         for c in args.concurrency:
-            rounds[0], device.seconds = 0, 0.0
-            w0, l0, t0 = thread_cpu(worker), thread_cpu(loop_thread), time.perf_counter()
-            await asyncio.gather(*(speak(eng, f"c{c}-{i}", args.text_tokens, args.frames) for i in range(c)))
-            worker_s, loop_s = thread_cpu(worker) - w0, thread_cpu(loop_thread) - l0
-            wall, n = time.perf_counter() - t0, max(rounds[0], 1)
-            print(f"concurrency {c:3d}: {n} rounds in {wall:.1f} s; worker CPU {1e3 * worker_s / n:.2f} ms a round, "
-                  f"of which model and sampler {1e3 * device.seconds / n:.2f}, host "
-                  f"{1e3 * (worker_s - device.seconds) / n:.2f}; event loop CPU {1e3 * loop_s / n:.2f} ms a round")
+            host, loop = [], []
+            for r in range(args.repeat):
+                rounds[0], device.seconds = 0, 0.0
+                w0, l0, t0 = thread_cpu(worker), thread_cpu(loop_thread), time.perf_counter()
+                await asyncio.gather(*(speak(eng, f"c{c}-{r}-{i}", args.text_tokens, args.frames) for i in range(c)))
+                worker_s, loop_s = thread_cpu(worker) - w0, thread_cpu(loop_thread) - l0
+                wall, n = time.perf_counter() - t0, max(rounds[0], 1)
+                host.append(1e3 * (worker_s - device.seconds) / n)
+                loop.append(1e3 * loop_s / n)
+                print(f"concurrency {c:3d}: {n} rounds in {wall:.1f} s; worker CPU {1e3 * worker_s / n:.2f} ms a "
+                      f"round, of which model and sampler {1e3 * device.seconds / n:.2f}, host {host[-1]:.2f}; "
+                      f"event loop CPU {loop[-1]:.2f} ms a round")
+            if args.repeat > 1:
+                print(f"concurrency {c:3d}: median of {args.repeat}: host {statistics.median(host):.2f} ms a round, "
+                      f"event loop {statistics.median(loop):.2f} (host range {min(host):.2f}-{max(host):.2f})")
     finally:
         await eng.shutdown()
 
