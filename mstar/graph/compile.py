@@ -130,7 +130,8 @@ class _Builder:
         self._reading: str | None = None  # the stream value of the consumer partition being compiled
         self._branches = Branches(self.fail)  # of the partition being compiled
         self.branch_values: set[str] = set()  # values some Each writes per branch
-        self.own_stream: dict[str, str] = {}  # values written by a component on a stream of its own -> it
+        # values written by a component on a CUDA stream of its own -> it (no other component reads them)
+        self.own_stream = own_stream_values(walk.nodes, components, self.fail)
 
     def fail(self, where: str, reason: str) -> WalkError:
         return WalkError(self.name, where, reason)
@@ -139,7 +140,6 @@ class _Builder:
         if not self.walk.nodes:
             raise self.fail("-", "the walk has no steps")
         root = self.walk.partition or self._first_component(self.walk.nodes) or "main"
-        self.own_stream = own_stream_values(self.walk.nodes, self.components, self.fail)
         self._partition(root, self.walk.nodes, available=set(self.walk.inputs), parent=None, starts_at=0)
         for value, emit in self.emits.items():
             if value not in self.written:

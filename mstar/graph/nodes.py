@@ -7,7 +7,6 @@ declarations: `compile.py` checks them and turns them into a plan."""
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, Union

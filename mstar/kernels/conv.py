@@ -35,13 +35,13 @@ def conv1d_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def blocks_weight(weight: torch.Tensor, stride: int) -> torch.Tensor:
-    """A transposed conv's weight [C, O, m * stride] as the plain conv that
-    emits its output blocks: [O * stride, C * m], row (o, r), column (c, i)
-    holding weight[c, o, (m - 1 - i) * stride + r]."""
+    """A transposed conv's weight [C, O, m * stride] as the weight of the
+    plain conv1d that emits its output blocks: [O * stride, C, m], output
+    channel (o, r) and tap i holding weight[c, o, (m - 1 - i) * stride + r]."""
     channels, out_channels, kernel = weight.shape
     m = kernel // stride
     w = weight.reshape(channels, out_channels, m, stride).flip(2)
-    return w.permute(1, 3, 0, 2).reshape(out_channels * stride, channels * m)
+    return w.permute(1, 3, 0, 2).reshape(out_channels * stride, channels, m)
 
 
 def conv_transpose1d_blocks(x: torch.Tensor, blocks: torch.Tensor, bias: torch.Tensor | None,
@@ -49,18 +49,15 @@ def conv_transpose1d_blocks(x: torch.Tensor, blocks: torch.Tensor, bias: torch.T
     """conv_transpose1d(x, weight [C, O, m * stride], bias, stride) with the
     first and last (m - 1) * stride outputs cut, from `blocks_weight(weight,
     stride)`: [B, C, L] -> [B, O, (L - m + 1) * stride]. Output block t
-    (stride samples) reads inputs t .. t + m - 1."""
+    (stride samples) reads inputs t .. t + m - 1: the blocks' conv1d, its
+    channels (o, r) laid out as samples."""
     batch, channels, length = x.shape
-    rows, cols_per_row = blocks.shape
-    m, out_channels = cols_per_row // channels, rows // stride
-    n = length - m + 1
-    if cols_per_row != channels * m or rows != out_channels * stride or n < 1:
+    rows, _, m = blocks.shape
+    out_channels, n = rows // stride, length - m + 1
+    if blocks.shape[1] != channels or rows % stride or n < 1:
         raise ValueError(f"conv_transpose1d_blocks: input {tuple(x.shape)} for block weight {tuple(blocks.shape)} "
                          f"at stride {stride}")
-    x = x.contiguous()
-    cols = x if m == 1 else x.as_strided((batch, channels, m, n), (channels * length, length, 1, 1)).reshape(
-        batch, channels * m, n)
-    y = torch.matmul(blocks, cols).view(batch, out_channels, stride, n).transpose(2, 3)
+    y = conv1d_gemm(x, blocks, None).view(batch, out_channels, stride, n).transpose(2, 3)
     out = torch.empty(batch, out_channels, n, stride, dtype=y.dtype, device=y.device)
     if bias is None:
         out.copy_(y)

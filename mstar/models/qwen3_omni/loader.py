@@ -89,8 +89,8 @@ def _fill(param: torch.Tensor, piece: Piece, tensor: torch.Tensor, blocks: tuple
         view = view[:half] if shard == "gate" else view[half:]
     elif shard in ("q", "k", "v"):
         assert blocks is not None
-        q, k, _ = blocks
-        start, rows = {"q": (0, q), "k": (q, k), "v": (q + k, blocks[2])}[shard]
+        q, k, v = blocks
+        start, rows = {"q": (0, q), "k": (q, k), "v": (q + k, v)}[shard]
         view = view[start:start + rows]
     if view.shape != tensor.shape:
         raise ValueError(f"a checkpoint tensor of shape {tuple(tensor.shape)} cannot fill {tuple(view.shape)}")
