@@ -38,5 +38,13 @@ class RMSNorm(nn.Module):
             return rms_norm(x, self.weight, self.eps)
         return fused_add_rms_norm(x, residual, self.weight, self.eps)
 
+    def stream(self, h: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's first norm over the residual stream carried as (h,
+        residual), its value h + residual: (the normed stream, the stream).
+        residual None (the first layer): the stream is h itself."""
+        if residual is None:
+            return self(h), h
+        return self(h, residual)
+
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

@@ -59,10 +59,7 @@ class LlamaLayer(nn.Module):
         """(h, residual) in, (this layer's MLP output, the stream before it) out;
         the stream after the layer is their sum, which the next norm forms.
         The first layer gets residual None: its input is the stream itself."""
-        if residual is None:
-            h, residual = self.input_layernorm(h), h
-        else:
-            h, residual = self.input_layernorm(h, residual)
+        h, residual = self.input_layernorm.stream(h, residual)
         h = self.self_attn(h, rotary, attn)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual

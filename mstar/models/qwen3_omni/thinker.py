@@ -85,10 +85,7 @@ class ThinkerLayer(nn.Module):
         """The stream as (h, residual), its value h + residual (residual None:
         h alone): each norm forms the sum in its own pass, rounded as the
         unfused add rounds it. Returns the layer's output the same way."""
-        if residual is None:
-            x, residual = self.input_layernorm(h), h
-        else:
-            x, residual = self.input_layernorm(h, residual)
+        x, residual = self.input_layernorm.stream(h, residual)
         x, residual = self.post_attention_layernorm(self.self_attn(x, cos, sin, attn), residual)
         return self.mlp(x), residual
 
