@@ -30,7 +30,6 @@ from bench_env import REPO, commit  # noqa: E402
 from mstar.config import EngineConfig, SchedulerConfig  # noqa: E402
 from mstar.engine.engine import Engine  # noqa: E402
 from mstar.engine.execution import runner as runner_module  # noqa: E402
-from mstar.engine.worker.executor import Executor  # noqa: E402
 from mstar.models.qwen3_omni.speaking import TalkerSteps  # noqa: E402
 from mstar.models.qwen3_omni.speech.code2wav import Code2Wav  # noqa: E402
 from mstar.models.qwen3_omni.thinker import ThinkerDecoder  # noqa: E402
@@ -90,12 +89,12 @@ async def main() -> None:
             if hasattr(owner, name):
                 device.wrap(owner, name)
     rounds = [0]
-    run = Executor._run
+    speak_step = TalkerSteps.speak  # one call a round, item step or group step
 
-    def counted(self, batch, runner, t0):
-        rounds[0] += batch.mode == "speak"
-        return run(self, batch, runner, t0)
-    Executor._run = counted
+    def counted(self, batch):
+        rounds[0] += 1
+        return speak_step(self, batch)
+    TalkerSteps.speak = counted
     eng = Engine(EngineConfig(model="qwen3-omni-tiny", devices=("cpu",), max_model_len=2048,
                               scheduler=SchedulerConfig(max_num_seqs=64)))
     await eng.start()

@@ -82,11 +82,12 @@ class KVModeGraphs:
     def fits(self, rows: int) -> bool:
         return rows <= self.buckets[-1]
 
-    def run(self, batch: TokenBatch, context_lens: torch.Tensor, pages: list[list[int]],
+    def run(self, batch: TokenBatch, context_lens: torch.Tensor, pages: list[list[int]] | torch.Tensor,
             draws: Draws | None) -> dict[str, torch.Tensor] | None:
         """The mode's outputs for a packed `batch` of n one-token rows
         (`context_lens` [n] and `pages`: each row's cached tokens and pages,
-        on the host), or None where no graph serves it."""
+        on the host; a block table [n, W] whose rows may run past their
+        pages), or None where no graph serves it."""
         n = batch.input_ids.shape[0]
         if not self.fits(n) or batch.embeds or (draws is None) != (self._draws is None):
             return None
@@ -110,8 +111,11 @@ class KVModeGraphs:
         if draws is not None:
             assert self._draws is not None
             self._draws.load(draws, b)
-        width = max(len(p) for p in pages)
-        table = torch.tensor([p + [0] * (width - len(p)) for p in pages], dtype=torch.long)
+        if isinstance(pages, torch.Tensor):
+            table = pages
+        else:
+            width = max(len(p) for p in pages)
+            table = torch.tensor([p + [0] * (width - len(p)) for p in pages], dtype=torch.long)
         self.attention.plan_graph(b, context_lens, table)
         g.graph.replay()
         return {name: out[:n].clone() for name, out in g.outputs.items()}

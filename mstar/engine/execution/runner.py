@@ -262,19 +262,24 @@ class ComponentRunner:
         return tokens, None if logprobs is None else logprobs.cpu()
 
     @torch.inference_mode()
-    def run_group(self, group: LoopGroup, sl: slice
+    def run_group(self, group: LoopGroup, sl: slice, fed: list[int] | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
         """Launch one decode step of rows `sl` of a token loop group; returns
         its [n] new tokens, the packed logprobs of the rows that asked, and
-        the hidden states the group keeps (by walk value), on the device and
-        possibly not computed yet."""
+        the outputs the group keeps (by walk value), on the device and
+        possibly not computed yet. `fed`: each row's stream item, where the
+        step reads one."""
         assert self.kv is not None and self.attention is not None
         self.device_s = 0.0
         n = sl.stop - sl.start
         ctx = group.kv_lens[sl]
         logits = None
         extras: dict[str, torch.Tensor] = {}
-        if self.graphs is not None:
+        if group.shape.reads_more:
+            out = self._group_mode_step(group, sl, fed)
+            logits = out["logits"]
+            extras = {value: out[name] for name, value in group.extras.items()}
+        elif self.graphs is not None:
             replayed = self.graphs.run(group.tokens[sl], ctx, group.block_table[sl],
                                        group.positions(sl) if group.shifted or group.axes > 1 else None)
             self.device_s += self.graphs.wait_s
@@ -297,6 +302,46 @@ class ComponentRunner:
             extras = {value: out[name] for name, value in group.extras.items()}
         seen = group.update_seen(sl)
         st = group.sampling_for(sl)
+        return self._group_tokens(logits, st, seen, extras)
+
+    def _group_mode_step(self, group: LoopGroup, sl: slice, fed: list[int] | None) -> dict[str, torch.Tensor]:
+        """The outputs of a group step whose mode reads more than its token
+        (`GroupShape`): what the rows carried from their last step, their
+        stream items and their own draws go in as an item step packs them;
+        the mode's captured graphs serve it where they fit."""
+        assert self.attention is not None
+        shape, n = group.shape, sl.stop - sl.start
+        extra: dict[str, torch.Tensor] = dict(group.read_back(sl))
+        if shape.fed is not None:
+            assert fed is not None and len(fed) == n
+            extra[shape.fed] = to_device(torch.tensor(fed, dtype=torch.long), self.device)
+        draw = None
+        if shape.draws is not None:
+            st = group.draws_for(sl)
+            assert st is not None
+            draw = Draws(st, shape.draws[1])
+        ctx = group.kv_lens[sl]
+        query_start = torch.arange(n + 1, dtype=torch.long)
+        starts = group.kv_lens[sl] + group.deltas[sl]
+        # copies that queue behind the step in flight: this one is launched before that one is read
+        batch = TokenBatch(input_ids=group.tokens[sl], positions=to_device(group.positions(sl).contiguous(), self.device),
+                           query_start=query_start, logits_index=torch.arange(n, device=self.device), attn=None,
+                           extra=extra, start_positions=to_device(starts, self.device),
+                           state=self._state_rows(group.slots[sl]), draw=draw)
+        graphs = self.kv_graphs.get(group.mode)
+        out = None
+        if graphs is not None and self.state is None and graphs.fits(n):
+            with torch.profiler.record_function("mstar.replay"):
+                out = graphs.run(batch, ctx, group.block_table[sl], draw)
+        if out is None:
+            batch.attn = self.attention.plan(query_start, ctx, group.block_table[sl])
+            out = self._timed(getattr(self.module, group.mode))(batch)
+        return out
+
+    def _group_tokens(self, logits: torch.Tensor, st: SamplingTensors, seen: torch.Tensor | None,
+                      extras: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                dict[str, torch.Tensor]]:
+        """A group step's tokens sampled from its logits, and their logprobs."""
         # no wait: the worker reads these tokens after launching the next step. A graph's logits are
         # its static output: read here, in stream order, before the next replay rewrites them
         logits = logits.float()

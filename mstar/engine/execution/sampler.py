@@ -16,7 +16,7 @@ for k < K uses the first k, a row that did not ask is NaN.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Sequence
 
 import torch
@@ -76,6 +76,39 @@ class SamplingTensors:
             any_filter=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in sampled),
             any_logprobs=any(p.logprobs is not None for p in params),
         )
+
+    def rows(self, sl: slice) -> SamplingTensors:
+        """Rows `sl` (the flags stay those of every row: conservative)."""
+        return SamplingTensors(**{f.name: _sliced(getattr(self, f.name), sl) for f in fields(self)})
+
+    def cat(self, other: SamplingTensors) -> SamplingTensors:
+        """These rows, then `other`'s."""
+        out = {}
+        for f in fields(self):
+            x, y = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(x, Tensor):
+                out[f.name] = torch.cat([x, y])
+            else:
+                out[f.name] = x and y if f.name == "all_greedy" else x or y
+        return SamplingTensors(**out)
+
+    def select(self, idx: Tensor, host_idx: Tensor) -> SamplingTensors:
+        """Rows `idx` (on the device; `host_idx` the same on the host), their
+        flags recomputed, so that a group left with greedy rows is fast again."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in out.items():
+            if isinstance(value, Tensor):
+                out[name] = value[host_idx if value.device.type == "cpu" else idx]
+        sampled = out["temperature"] > 0
+        out["all_greedy"] = not bool(sampled.any())
+        out["any_penalty"] = bool((out["repetition_penalty"] != 1.0).any())
+        out["any_filter"] = bool(((out["top_k"] > 0) | (out["top_p"] < 1.0) | (out["min_p"] > 0.0))[sampled].any())
+        out["any_logprobs"] = bool((out["logprobs"] != NOT_ASKED).any())
+        return SamplingTensors(**out)
+
+
+def _sliced(value: object, sl: slice) -> object:
+    return value[sl] if isinstance(value, Tensor) else value
 
 
 def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: Tensor) -> Tensor:

@@ -291,6 +291,8 @@ class Executor:
             self.preemption.swap_out(group, plan.preempt)
         for row, page in plan.grow:
             group.add_page(row, page)
+        if group.shape.fed is not None:
+            sl = self._fed_window(group, sl)
         runner = self.runners[group.component]
         prev = self._inflight.get(group)
         t0 = time.perf_counter()
@@ -298,8 +300,9 @@ class Executor:
         launched: Pending | None = None
         if n:
             try:
+                fed = self.walker.streams.take_items(group.rows[sl]) if group.shape.fed is not None else None
                 with torch.profiler.record_function(f"mstar.{group.component}.{group.mode}"):
-                    tokens, logprobs, extras = runner.run_group(group, sl)
+                    tokens, logprobs, extras = runner.run_group(group, sl, fed)
             except Exception as e:
                 self.stats.failed_steps += 1
                 log.exception("step failed", device=self.name, component=group.component, mode=group.mode, rows=n)
@@ -329,6 +332,22 @@ class Executor:
         r.step_s = now - self._group_mark.get(group, t0)
         r.device_s = waited + device
         self._group_mark[group] = now
+
+    def _fed_window(self, group: LoopGroup, sl: slice) -> slice:
+        """Window `sl` less its rows whose stream has no item for the step
+        yet: they leave the group with their state exact, once every launched
+        step is read (reading may feed them, or finish them), and park until
+        one comes. Rare: a row joins with its item there, and the loop that
+        feeds it steps as often as the group."""
+        ready = self.walker.streams.ready
+        if all(ready(part) for part in group.rows[sl]):
+            return sl
+        window = {id(part) for part in group.rows[sl]}
+        self.settle()  # rows that stop leave now; the window's others stay in order
+        for i in reversed([i for i, part in enumerate(group.rows) if id(part) in window and not ready(part)]):
+            self.walker.awaits_stream(group.evict(i, "await"))
+        kept = [i for i, part in enumerate(group.rows) if id(part) in window]
+        return slice(kept[0], kept[-1] + 1) if kept else slice(0, 0)
 
     def _finalize_group(self, group: LoopGroup, p: Pending) -> float:
         """Route what step `p` sampled; returns the time spent waiting for it."""

@@ -93,9 +93,12 @@ class KVRow:
         seen, self.seen = self.seen, None
         return seen
 
-    def back_from_group(self, kv_len: int, generated: int) -> None:
-        """A decode group hands the row back as its last step left it."""
+    def back_from_group(self, kv_len: int, generated: int, drawn: tuple[str, int] | None = None) -> None:
+        """A decode group hands the row back as its last step left it
+        (`drawn`: its mode's own draws so far, under their sampling key)."""
         self.kv_len, self.generated = kv_len, generated
+        if drawn is not None:
+            self.drawn[drawn[0]] = drawn[1]
 
     def keep_seen(self, seen: torch.Tensor | None) -> None:
         """The seen mask a decode group kept for the row, handed back."""

@@ -20,49 +20,17 @@ reach their write cap are known on the host and are never launched past it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 
-from mstar.engine.worker.rows import PartitionRun
-from mstar.engine.execution.sampler import NOT_ASKED, SamplingTensors
+from mstar.engine.execution.sampler import SamplingTensors
 from mstar.engine.movement.transfer import to_device
-from mstar.graph import Component, Kind, Loop, Step, step_bindings
+from mstar.engine.worker.group_shape import GroupShape
+from mstar.engine.worker.rows import PartitionRun
+from mstar.graph import Loop
 
 _NO_CAP = 2**62
-
-
-def graph_outputs(spec: Component, mode: str) -> tuple[str, ...] | None:
-    """What a decode CUDA graph of `mode` keeps: "logits", and the hidden
-    states its signature declares besides its token; None when a graph
-    cannot serve it (a mode taking more than its token ids, or returning
-    more than a token and last-token hidden states)."""
-    sig = spec.signatures.get(mode)
-    if sig is None:
-        return ("logits",)
-    tokens = [o for o in sig.outputs if o.kind is Kind.TOKEN]
-    hidden = [o.name for o in sig.outputs if o.kind is Kind.HIDDEN and o.rows == "last"]
-    if len(tokens) != 1 or len(hidden) + 1 != len(sig.outputs) or [i.name for i in sig.inputs] != [sig.query]:
-        return None
-    return ("logits", *hidden)
-
-
-def group_extras(spec: Component, step: Step, value: str) -> dict[str, str] | None:
-    """Whether rows of `step` (its loop's `value` read back as its only input)
-    may run in a group, and what a group step keeps besides the token: its
-    other outputs, each the last token's hidden state (signature name -> walk
-    value). None: the step runs item by item."""
-    sig = spec.signatures.get(step.mode)
-    if sig is None:
-        return {} if step.outputs == (value,) else None
-    reads, writes = step_bindings(step, sig)
-    token = next((o.name for o in sig.outputs if o.kind is Kind.TOKEN), "")
-    if list(reads) != [sig.query] or writes.get(token) != value:
-        return None
-    extras = {name: v for name, v in writes.items() if v != value}
-    if any(sig.output(n).kind is not Kind.HIDDEN or sig.output(n).rows != "last" for n in extras):
-        return None
-    return extras
 
 
 @dataclass(eq=False)
@@ -72,6 +40,7 @@ class _Join:
     count: int            # writes of the loop value so far
     cap: int              # writes at which the loop stops ("length")
     stop_ids: tuple[int, ...]
+    carried: dict[str, torch.Tensor]  # by signature input name: what its first step reads back
 
 
 @dataclass(frozen=True)
@@ -83,6 +52,7 @@ class Leave:
     reason: str | None
     host_token: int | None = None  # the same token, where the host has read it already
     row: int = -1                  # its row in the step it left at (`Pending`), where it left at one
+    carried: dict[str, torch.Tensor] = field(default_factory=dict)  # by walk value: what its next step reads back
 
 
 @dataclass(eq=False)
@@ -101,6 +71,7 @@ class Pending:
     kv_lens: torch.Tensor       # [n]
     counts: torch.Tensor        # [n]
     counters: torch.Tensor      # [n]
+    drawn: torch.Tensor         # [n] the mode's own draws under the group's draw key, after the step
     exhausted: torch.Tensor     # [n] bool: reached the write cap with this step
     logprobs: torch.Tensor | None = None  # [n, 1 + 2K] packed (`sampler.token_logprobs`), host copy as `host`
     extras: dict[str, torch.Tensor] = field(default_factory=dict)  # walk value -> [n, ...] on the device
@@ -112,15 +83,15 @@ class Pending:
 
 class LoopGroup:
     def __init__(self, component: str, mode: str, loop: Loop, device: torch.device,
-                 extras: dict[str, str] | None = None, axes: int = 1) -> None:
-        """`extras`: what a step keeps besides the token (signature output
-        name -> walk value: the last token's hidden states); `axes`: of the
-        component's positions (every axis at a row's next position)."""
+                 shape: GroupShape | None = None, axes: int = 1) -> None:
+        """`shape`: what a step reads and keeps besides the token; `axes`: of
+        the component's positions (every axis at a row's next position)."""
         self.component = component
         self.mode = mode
         self.loop = loop
         self.device = device
-        self.extras = dict(extras or {})
+        self.shape = shape or GroupShape()
+        self.extras = dict(self.shape.extras)  # signature output name -> walk value
         self.axes = axes
         self.ticket = -1
         self.rows: list[PartitionRun] = []
@@ -140,6 +111,10 @@ class LoopGroup:
         self.deltas = torch.empty(0, dtype=torch.long)    # each row's rope delta: its positions run ahead of kv_lens
         self.shifted = False                              # some row's delta is not 0
         self.seen: torch.Tensor | None = None
+        # what a step reads back of the step before, by signature input name: [n, ...] on the device
+        self.carried: dict[str, torch.Tensor] = {}
+        self.draw_sampling: SamplingTensors | None = None  # the mode's own draws' parameters and counters
+        self.drawn = torch.empty(0, dtype=torch.long)      # host copy of those counters
         self.seq = 0                        # steps launched
         self._pinned: list[torch.Tensor | None] = [None, None]
         self._events = [torch.cuda.Event(), torch.cuda.Event()] if device.type == "cuda" else []
@@ -152,8 +127,10 @@ class LoopGroup:
     # ----------------------------------------------------------- membership
 
     def join(self, part: PartitionRun, token: torch.Tensor, count: int, cap: int | None,
-             stop_ids: tuple[int, ...]) -> None:
-        self._joins.append(_Join(part, token, count, _NO_CAP if cap is None else cap, stop_ids))
+             stop_ids: tuple[int, ...], carried: dict[str, torch.Tensor] | None = None) -> None:
+        """`carried`: by signature input name, what the row's first step in
+        the group reads back (its last step's output, outside the group)."""
+        self._joins.append(_Join(part, token, count, _NO_CAP if cap is None else cap, stop_ids, dict(carried or {})))
 
     def joining(self) -> list[str]:
         """The requests of the rows that joined since the last step."""
@@ -173,7 +150,7 @@ class LoopGroup:
                if r == request_id and (partition is None or p == partition)]
         for i in idx:
             if count_sampled:
-                self.rows[i].row(self.component).back_from_group(int(self.kv_lens[i]), int(self.counters[i]))
+                self._hand_back(self.rows[i], int(self.kv_lens[i]), int(self.counters[i]), int(self.drawn[i]))
             out.append(Leave(self.rows[i], self.tokens[i].clone(), None))
         self._drop(idx, self.seq)
         return out
@@ -204,13 +181,26 @@ class LoopGroup:
         counters = torch.cat([self.counters, longs([r.generated for r in kv])])
         slots = torch.cat([self.slots, longs([-1 if r.slot is None else r.slot for r in kv])])
         deltas = torch.cat([self.deltas, longs([r.rope_delta for r in kv])])
-        sampling = new if self.sampling is None else _cat_sampling(self.sampling, new)
+        sampling = new if self.sampling is None else self.sampling.cat(new)
         seen = self._merged_seen([r.seen for r in kv])
+        carried = {}
+        for name in self.shape.carried:
+            joined = torch.stack([j.carried[name] for j in joins]).to(dev)
+            carried[name] = torch.cat([self.carried[name], joined]) if name in self.carried else joined
+        draw_sampling = self.draw_sampling
+        key = self.shape.draws[0] if self.shape.draws is not None else None
+        draw_counts = [r.drawn.get(key, 0) if key is not None else 0 for r in kv]
+        if key is not None:
+            params = [p.request.sampling[key] for p in parts]
+            more = SamplingTensors.build(params, [q.seed for q in params], draw_counts, dev)
+            draw_sampling = more if draw_sampling is None else draw_sampling.cat(more)
+        drawn = torch.cat([self.drawn, longs(draw_counts)])
         # nothing below raises
         self.tokens, self.kv_lens, self.counts, self.caps = tokens, kv_lens, counts, caps
         self.block_table, self.page_counts, self.stop_table = block_table, page_counts, stop_table
         self.counters, self.sampling, self.seen, self.slots = counters, sampling, seen, slots
         self.deltas, self.shifted = deltas, bool(deltas.any())
+        self.carried, self.draw_sampling, self.drawn = carried, draw_sampling, drawn
         self._joins = []
         self.rows += parts
         self.request_ids += [p.request_id for p in parts]
@@ -251,25 +241,37 @@ class LoopGroup:
         self.block_table[i, n] = page
         self.page_counts[i] = n + 1
 
-    def evict(self, i: int) -> Leave:
+    def evict(self, i: int, reason: str = "preempt") -> Leave:
         """Take row `i` out with its state exact, to be resumed later (the
         caller has read every launched step: nothing of the row is in
-        flight). Its pages stay in its list, for the caller to swap out."""
+        flight). Its pages stay in its list, for the caller to swap out
+        (preempted), or keep (a row waiting for its stream's next item)."""
         part = self.rows[i]
-        part.row(self.component).back_from_group(int(self.kv_lens[i]), int(self.counters[i]))
+        self._hand_back(part, int(self.kv_lens[i]), int(self.counters[i]), int(self.drawn[i]))
         part.set_loop_count(int(self.counts[i]))
         token = self.tokens[i].clone()
+        carried = {self.extras[out]: self.carried[name][i].clone() for name, out in self.shape.carried.items()}
         self._drop([i], self.seq)
-        return Leave(part, token, "preempt")
+        return Leave(part, token, reason, carried=carried)
+
+    def _hand_back(self, part: PartitionRun, kv_len: int, generated: int, drawn: int) -> None:
+        key = self.shape.draws[0] if self.shape.draws is not None else None
+        part.row(self.component).back_from_group(kv_len, generated, None if key is None else (key, drawn))
 
     # ----------------------------------------------------------------- step
 
     def sampling_for(self, sl: slice) -> SamplingTensors:
         assert self.sampling is not None
-        st = self.sampling
-        if sl == slice(0, len(self.rows)):
-            return st
-        return SamplingTensors(**{f.name: _slice(getattr(st, f.name), sl) for f in fields(st)})
+        return self.sampling if sl == slice(0, len(self.rows)) else self.sampling.rows(sl)
+
+    def draws_for(self, sl: slice) -> SamplingTensors | None:
+        """Rows `sl`'s parameters for the mode's own draws (None: it draws none)."""
+        st = self.draw_sampling
+        return st if st is None or sl == slice(0, len(self.rows)) else st.rows(sl)
+
+    def read_back(self, sl: slice) -> dict[str, torch.Tensor]:
+        """What rows `sl`'s next step reads of their last one, by signature input name."""
+        return {name: t[sl] for name, t in self.carried.items()}
 
     def positions(self, sl: slice) -> torch.Tensor:
         """Rows `sl`'s next positions on the host: [n], or [axes, n]."""
@@ -290,6 +292,19 @@ class LoopGroup:
         self.counts[sl] += 1
         self.counters[sl] += 1
         self.sampling.counters[sl] += 1
+        if self.shape.draws is not None:
+            assert self.draw_sampling is not None
+            self.drawn[sl] += self.shape.draws[1]
+            self.draw_sampling.counters[sl] += self.shape.draws[1]
+        full = sl == slice(0, len(self.rows))
+        for name, out in self.shape.carried.items():
+            new = (extras or {})[self.extras[out]]
+            if full:  # the step's output itself: the store holds it too, so it is never written in place
+                self.carried[name] = new
+            else:
+                kept = self.carried[name].clone()
+                kept[sl] = new
+                self.carried[name] = kept
         event = None
         if new_tokens.device.type == "cuda":
             # two pinned buffers and events, used in turn: a step is read
@@ -313,7 +328,7 @@ class LoopGroup:
         exhausted = counts >= self.caps[sl]
         pending = Pending(self.seq, self.rows[sl], self.request_ids[sl], self.partitions[sl], new_tokens, host,
                           event, self.stop_table[sl], self.kv_lens[sl].clone(), counts, self.counters[sl].clone(),
-                          exhausted, logprobs, dict(extras or {}))
+                          self.drawn[sl].clone(), exhausted, logprobs, dict(extras or {}))
         if bool(exhausted.any()):
             # valid in this step's output, gone from the next
             self._drop((exhausted.nonzero().flatten() + sl.start).tolist(), self.seq + 1)
@@ -352,7 +367,7 @@ class LoopGroup:
                 # stopped on a token before: that later output is dead too
                 self._left[id(part)] = mark
                 self._left_at.setdefault(mark, []).append(id(part))
-            part.row(self.component).back_from_group(int(p.kv_lens[i]), int(p.counters[i]))
+            self._hand_back(part, int(p.kv_lens[i]), int(p.counters[i]), int(p.drawn[i]))
             # the walker counts this step's write when it routes the row on
             part.set_loop_count(int(p.counts[i]) - 1)
             out.append(Leave(part, p.tokens[i].clone(), "stop" if bool(hit_stop[i]) else "length", int(p.host[i]),
@@ -382,10 +397,14 @@ class LoopGroup:
         self.counters, self.slots, self.deltas = self.counters[kept], self.slots[kept], self.deltas[kept]
         self.block_table, self.stop_table = self.block_table[kept], self.stop_table[kept]
         self.page_counts = self.page_counts[kept]
+        self.drawn = self.drawn[kept]
+        self.carried = {name: t[dev_kept] for name, t in self.carried.items()}
         if not self.rows:  # start afresh: no flags or penalty rows linger
-            self.sampling, self.seen = None, None
+            self.sampling, self.seen, self.draw_sampling = None, None, None
         if self.sampling is not None:
-            self.sampling = _select_sampling(self.sampling, dev_kept, kept)
+            self.sampling = self.sampling.select(dev_kept, kept)
+        if self.draw_sampling is not None:
+            self.draw_sampling = self.draw_sampling.select(dev_kept, kept)
         if self.seen is not None:
             self.seen = self.seen[dev_kept]
 
@@ -408,36 +427,3 @@ def _cat_padded(table: torch.Tensor, rows: list, fill: int) -> torch.Tensor:
         table = torch.cat([table, torch.full((table.shape[0], width - table.shape[1]), fill, dtype=torch.long)], 1)
     return torch.cat([table, new])
 
-
-def _slice(value: object, sl: slice) -> object:
-    return value[sl] if isinstance(value, torch.Tensor) else value
-
-
-def _cat_sampling(a: SamplingTensors, b: SamplingTensors) -> SamplingTensors:
-    out = {}
-    for f in fields(a):
-        x, y = getattr(a, f.name), getattr(b, f.name)
-        if isinstance(x, torch.Tensor):
-            out[f.name] = torch.cat([x, y])
-        elif f.name == "all_greedy":
-            out[f.name] = x and y
-        else:
-            out[f.name] = x or y
-    return SamplingTensors(**out)
-
-
-def _select_sampling(st: SamplingTensors, idx: torch.Tensor, host_idx: torch.Tensor) -> SamplingTensors:
-    """Rows `idx` (on the device; `host_idx` the same on the host) of `st`."""
-    out = {f.name: getattr(st, f.name) for f in fields(st)}
-    for name, value in out.items():
-        if isinstance(value, torch.Tensor):
-            out[name] = value[host_idx if value.device.type == "cpu" else idx]
-    # flags stay conservative (a penalty or filter row may have left); they are
-    # recomputed from the tensors so that a group of greedy rows is fast again
-    t = out["temperature"]
-    sampled = t > 0
-    out["all_greedy"] = not bool(sampled.any())
-    out["any_penalty"] = bool((out["repetition_penalty"] != 1.0).any())
-    out["any_filter"] = bool(((out["top_k"] > 0) | (out["top_p"] < 1.0) | (out["min_p"] > 0.0))[sampled].any())
-    out["any_logprobs"] = bool((out["logprobs"] != NOT_ASKED).any())
-    return SamplingTensors(**out)

@@ -17,7 +17,8 @@ from typing import Callable
 import torch
 
 from mstar.engine.worker.cursor import Cursor
-from mstar.engine.worker.loop_group import Leave, LoopGroup, group_extras
+from mstar.engine.worker.group_shape import group_shape
+from mstar.engine.worker.loop_group import Leave, LoopGroup
 from mstar.engine.messages import Finished, Submit
 from mstar.engine.worker.rows import PartitionRun, RequestRun, StreamItem, Work
 from mstar.engine.worker.streaming.buffer import StreamBuffer
@@ -248,22 +249,27 @@ class Walker:
     def _join_group(self, part: PartitionRun, ins: Run) -> bool:
         """Hand a token loop to its `LoopGroup`; False when the loop does not
         qualify (a body other than one step of a sampling KV component reading
-        back its own token, a collection, no write cap, or pages that do not
-        cover the cap) and runs item by item."""
+        back its own token, and what `group_shape` allows besides; a
+        collection, no write cap, or pages that do not cover the cap) and runs
+        item by item. A row whose step reads its stream joins once the next
+        item is there (until then it parks as any consumer does)."""
         assert ins.checks is not None
         loop = part.plan.loops[ins.checks].loop
         step = ins.step
-        if (ins.enters or loop.body != (step,) or loop.collect is not None or step.component not in self.token_loops
-                or step.inputs != (loop.value,)):
+        if (ins.enters or loop.body != (step,) or loop.collect is not None
+                or step.component not in self.token_loops):
             return False
         comp = self.components.get(step.component)
         row = part.row(step.component)
-        extras = group_extras(comp, step, loop.value) if comp is not None else {}
-        if extras is None:
-            return False  # outputs a group does not keep
-        if comp is not None and comp.state and part.request.walk.more_input is not None:
-            # a group computes a step past a row's stop before it knows; a state updated in place by that
-            # dead step would be wrong for the next turn
+        shape = group_shape(comp, step, loop.value, part.plan.stream)
+        if shape is None:
+            return False  # reads or writes what a group does not carry
+        more_input = part.request.walk.more_input is not None
+        if more_input and (shape.reads_more or (comp is not None and comp.state)):
+            # a group computes a step past a row's stop before it knows; a state updated in place (or a stream
+            # item taken) by that dead step would be wrong for the next turn
+            return False
+        if shape.fed is not None and not self.streams.ready(part):
             return False
         frame = part.loops[-1]
         cap, count = frame.cap, frame.count
@@ -273,13 +279,15 @@ class Walker:
         key = (part.request.walk.name, part.name, part.pc)
         group = self.groups.get(key)
         if group is None:
-            group = self.groups[key] = LoopGroup(step.component, step.mode, loop, self.device, extras,
+            group = self.groups[key] = LoopGroup(step.component, step.mode, loop, self.device, shape,
                                                  comp.position_axes if comp is not None else 1)
             self.scheduler.add_group((step.component, step.mode), group)
         if not len(group):
             group.ticket = self.scheduler.ticket()
         token = self.store.take(part.values.pop(loop.value), part.request_id)
-        group.join(part, token, count, cap, stop_ids(part, loop))
+        reads = step_bindings(step, comp.signatures[step.mode])[0] if shape.carried else {}
+        carried = {name: self.store.take(part.values.pop(reads[name]), part.request_id) for name in shape.carried}
+        group.join(part, token, count, cap, stop_ids(part, loop), carried)
         part.busy = True
         return True
 
@@ -288,13 +296,27 @@ class Walker:
         memory; with `slot`, its state slot too): it waits in its loop's
         queue for as many pages (and a slot), then resumes."""
         part = leave.part
-        loop = part.loop()
-        assert loop is not None
-        part.values[loop.value] = TensorRef(self.store.put(leave.token, (part.request_id,)))
+        self._keep_group_values(leave)
         part.busy = True
         step = part.current_step()
         self.scheduler.add(WorkItem(part.request_id, part.name, step.component, step.mode, 1, pages,
                                     payload=Work(part, {}, rejoin=True), starts_row=True, needs_slot=slot))
+
+    def _keep_group_values(self, leave: Leave) -> None:
+        """What a row taken out of its group with its state exact reads when
+        it comes back: its last token and the values its step reads back."""
+        part = leave.part
+        loop = part.loop()
+        assert loop is not None
+        for value, tensor in {loop.value: leave.token, **leave.carried}.items():
+            part.values[value] = TensorRef(self.store.put(tensor, (part.request_id,)))
+
+    def awaits_stream(self, leave: Leave) -> None:
+        """A group row whose stream had no item for its next step left its
+        group, pages kept: it parks, and joins again once one is there."""
+        self._keep_group_values(leave)
+        leave.part.busy = False
+        self.advance(leave.part)
 
     def resume(self, part: PartitionRun) -> None:
         """A preempted row has its pages and KV back: into its group again."""

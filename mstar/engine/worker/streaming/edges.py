@@ -249,6 +249,28 @@ class Streams:
         cons.parked = True
         return False
 
+    def ready(self, cons: PartitionRun) -> bool:
+        """A read now would give the consumer a chunk (an item, or the fill
+        after the stream's end) without parking it."""
+        buf = cons.inbox
+        if buf is None or cons.done:
+            return False
+        if buf.pending:
+            return buf.pending[0] != TURN_OVER
+        return buf.drained and isinstance(buf.plan.chunks, Items) and buf.plan.chunks.fill is not None
+
+    def take_items(self, parts: list[PartitionRun]) -> list[int]:
+        """Each consumer's next item, read and consumed (a decode group step
+        takes one per row; every row is `ready`): token ids, on the host."""
+        out = []
+        for cons in parts:
+            chunk = self.read(cons)
+            assert chunk is not None and len(chunk[0]) == 1, "a group row's stream had no item for its step"
+            item = chunk[0][0]
+            out.append(item if isinstance(item, int) else int(self.store.get(item)))
+            self.consumed(cons)
+        return out
+
     def consumed(self, cons: PartitionRun) -> None:
         """A step that read a chunk ran: release the items no later chunk reads."""
         assert cons.inbox is not None

@@ -1,0 +1,151 @@
+"""The talker's `speak` loop as a decode group (`GroupShape`: its last hidden
+state carried from step to step, the thinker's text fed one token a step,
+the code predictor's draws counted per row): the text and audio item-by-item
+steps give, sampled, for a row that waits for its text in between, and for
+rows preempted for lack of pages."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+
+import numpy as np
+import pytest
+
+from mstar.config import EngineConfig, SchedulerConfig
+from mstar.engine.engine import Engine
+from mstar.engine.execution.runner import ComponentRunner
+from mstar.engine.worker import walker as walker_module
+from mstar.engine.worker.executor import Executor
+from mstar.engine.worker.loop_group import LoopGroup
+from mstar.engine.worker.streaming.edges import Streams
+from mstar.types import GenerateRequest, SamplingParams
+
+MODEL = "qwen3-omni-tiny"
+FRAMES = 14
+
+
+def _sampled(i: int) -> GenerateRequest:
+    return GenerateRequest(
+        f"r{i}", MODEL, {"messages": [{"role": "user", "content": f"Tell me story {i}."}]},
+        SamplingParams(max_tokens=8, temperature=0.8, ignore_eos=True, seed=100 + i), walk="speak",
+        sampling_by={"talker": {"max_tokens": FRAMES, "temperature": 0.9, "top_p": 0.9, "repetition_penalty": 1.1,
+                                "ignore_eos": True, "stop_token_ids": []},
+                     "cp": {"temperature": 0.9, "top_k": 20}})
+
+
+async def _speak(requests: list[GenerateRequest], max_model_len: int = 256,
+                 **scheduler) -> tuple[list[tuple[list[int], bytes]], Engine]:
+    """Each request's (text ids, PCM bytes), and the stopped engine."""
+    eng = Engine(EngineConfig(model=MODEL, devices=("cpu",), max_model_len=max_model_len,
+                              scheduler=SchedulerConfig(**scheduler)))
+    await eng.start()
+
+    async def one(req: GenerateRequest) -> tuple[list[int], bytes]:
+        ids, audio = [], b""
+        async for c in eng.submit(req):
+            assert not c.error, c.error
+            ids += c.token_ids
+            audio += c.audio or b""
+        return ids, audio
+
+    try:
+        out = list(await asyncio.gather(*(one(r) for r in requests)))
+        assert len(eng.store) == 0 and all(n == 0 for n in eng.workers[0].pages_in_use().values())
+        return out, eng
+    finally:
+        await eng.shutdown()
+
+
+@pytest.fixture
+def counts(monkeypatch: pytest.MonkeyPatch) -> collections.Counter:
+    """Talker steps by how they ran: group steps and item steps."""
+    seen: collections.Counter = collections.Counter()
+    group_step, item_step = ComponentRunner._group_mode_step, Executor._run
+
+    def grouped(self, group, sl, fed):
+        seen["group", group.mode] += 1
+        return group_step(self, group, sl, fed)
+
+    def item(self, batch, runner, t0):
+        seen["item", batch.mode] += 1
+        return item_step(self, batch, runner, t0)
+    monkeypatch.setattr(ComponentRunner, "_group_mode_step", grouped)
+    monkeypatch.setattr(Executor, "_run", item)
+    return seen
+
+
+@pytest.fixture
+def item_by_item(monkeypatch: pytest.MonkeyPatch):
+    """Turns the talker's group off: its loop runs item by item, as before groups took it."""
+    shape = walker_module.group_shape
+
+    def off() -> None:
+        monkeypatch.setattr(walker_module, "group_shape",
+                            lambda spec, step, value, stream=None:
+                            None if step.component == "talker" else shape(spec, step, value, stream))
+    return off
+
+
+def _close(a: bytes, b: bytes) -> bool:
+    x, y = np.frombuffer(a, "<i2").astype(np.int32), np.frombuffer(b, "<i2").astype(np.int32)
+    return x.size > 0 and x.size == y.size and int(np.abs(x - y).max()) <= 1
+
+
+async def test_a_sampled_speak_loop_in_a_group_draws_what_item_steps_draw(counts, item_by_item) -> None:
+    grouped, _ = await _speak([_sampled(0)])
+    assert counts["group", "speak"] >= FRAMES - 2 and counts["item", "speak"] == 0
+    counts.clear()
+    item_by_item()
+    stepped, _ = await _speak([_sampled(0)])
+    assert counts["item", "speak"] >= FRAMES - 1 and counts["group", "speak"] == 0
+    # one row each way: the same batches, so the same floats: every code and every sample equal
+    assert grouped == stepped
+
+
+async def test_rows_of_one_group_step_together(counts, item_by_item) -> None:
+    requests = [_sampled(i) for i in range(3)]
+    grouped, _ = await _speak(requests)
+    assert counts["group", "speak"] and counts["item", "speak"] == 0
+    item_by_item()
+    stepped, _ = await _speak(requests)
+    for (text, pcm), (again_text, again_pcm) in zip(grouped, stepped):
+        assert text == again_text and _close(pcm, again_pcm)  # batched GEMMs may round differently
+
+
+async def test_a_row_whose_text_is_late_leaves_its_group_and_comes_back(counts, monkeypatch) -> None:
+    """Its stream says "nothing yet" for a few reads: the row leaves the group
+    with its state exact (after the launched steps are read), takes a step
+    item by item when the item is there, and joins again; what it says and
+    plays is what it would have."""
+    want, _ = await _speak([_sampled(0)])
+    ready, evict = Streams.ready, LoopGroup.evict
+    asked = collections.Counter()
+
+    def late(self, cons) -> bool:
+        asked[cons.request_id] += 1
+        return False if 6 <= asked[cons.request_id] < 9 else ready(self, cons)
+
+    def evicted(self, i, reason="preempt"):
+        counts["evict", reason] += 1
+        return evict(self, i, reason)
+    monkeypatch.setattr(Streams, "ready", late)
+    monkeypatch.setattr(LoopGroup, "evict", evicted)
+    got, _ = await _speak([_sampled(0)])
+    assert counts["evict", "await"] == 1 and counts["item", "speak"] >= 1 and counts["group", "speak"]
+    assert got == want
+
+
+async def test_preempted_talker_rows_speak_the_same(counts) -> None:
+    greedy = [GenerateRequest(f"g{i}", MODEL, {"messages": [{"role": "user", "content": f"Say {i}."}]},
+                              SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), walk="speak",
+                              sampling_by={"talker": {"max_tokens": 40, "temperature": 0.0, "ignore_eos": True,
+                                                      "stop_token_ids": []}, "cp": {"temperature": 0.0}})
+              for i in range(4)]
+    reserved, _ = await _speak(greedy, 128, page_size=4, num_pages=512)
+    # 40 pages of 4 tokens: four talker rows of about 60 tokens each must take turns
+    lazy, eng = await _speak(greedy, 128, page_size=4, num_pages=40, kv_reservation="lazy")
+    assert eng.workers[0].preemption.preempted_by["talker"] > 0
+    assert counts["group", "speak"]
+    for (text, pcm), (again_text, again_pcm) in zip(reserved, lazy):
+        assert text == again_text and _close(pcm, again_pcm)
