@@ -185,7 +185,7 @@ if [[ $what == omni ]]; then
   rc=$?
   timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider -o timeout=250 -k "cuda or gpu or graph" \
       tests/test_qwen3_omni_code2wav_gpu.py tests/test_qwen3_omni_gpu.py tests/test_qwen3_omni_speech.py \
-      tests/test_kv_mode_graphs_gpu.py \
+      tests/test_kv_mode_graphs_gpu.py tests/test_qwen3_omni_speak_group.py \
       >> "$OUT/omni_tests.txt" 2>&1 || rc=1
   tail -8 "$OUT/omni_tests.txt"
   timeout ${OMNI_TIMEOUT:-420} python3 scripts/bench_omni.py ${OMNI_ARGS:-} --out "$OUT/omni.json" 2>&1 \

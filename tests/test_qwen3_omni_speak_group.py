@@ -11,6 +11,7 @@ import collections
 
 import numpy as np
 import pytest
+import torch
 
 from mstar.config import EngineConfig, SchedulerConfig
 from mstar.engine.engine import Engine
@@ -20,6 +21,7 @@ from mstar.engine.worker.executor import Executor
 from mstar.engine.worker.loop_group import LoopGroup
 from mstar.engine.worker.streaming.edges import Streams
 from mstar.types import GenerateRequest, SamplingParams
+from toys.serving import DEVICES
 
 MODEL = "qwen3-omni-tiny"
 FRAMES = 14
@@ -34,10 +36,13 @@ def _sampled(i: int) -> GenerateRequest:
                      "cp": {"temperature": 0.9, "top_k": 20}})
 
 
-async def _speak(requests: list[GenerateRequest], max_model_len: int = 256,
+async def _speak(requests: list[GenerateRequest], max_model_len: int = 256, device: str = "cpu",
                  **scheduler) -> tuple[list[tuple[list[int], bytes]], Engine]:
-    """Each request's (text ids, PCM bytes), and the stopped engine."""
-    eng = Engine(EngineConfig(model=MODEL, devices=("cpu",), max_model_len=max_model_len,
+    """Each request's (text ids, PCM bytes), and the stopped engine. On CUDA
+    the talker's frames replay its captured graphs, item step or group step."""
+    if device.startswith("cuda"):
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    eng = Engine(EngineConfig(model=MODEL, devices=(device,), dtype="float32", max_model_len=max_model_len,
                               scheduler=SchedulerConfig(**scheduler)))
     await eng.start()
 
@@ -92,12 +97,13 @@ def _close(a: bytes, b: bytes) -> bool:
     return x.size > 0 and x.size == y.size and int(np.abs(x - y).max()) <= 1
 
 
-async def test_a_sampled_speak_loop_in_a_group_draws_what_item_steps_draw(counts, item_by_item) -> None:
-    grouped, _ = await _speak([_sampled(0)])
+@pytest.mark.parametrize("device", DEVICES)
+async def test_a_sampled_speak_loop_in_a_group_draws_what_item_steps_draw(counts, item_by_item, device) -> None:
+    grouped, _ = await _speak([_sampled(0)], device=device)
     assert counts["group", "speak"] >= FRAMES - 2 and counts["item", "speak"] == 0
     counts.clear()
     item_by_item()
-    stepped, _ = await _speak([_sampled(0)])
+    stepped, _ = await _speak([_sampled(0)], device=device)
     assert counts["item", "speak"] >= FRAMES - 1 and counts["group", "speak"] == 0
     # one row each way: the same batches, so the same floats: every code and every sample equal
     assert grouped == stepped
@@ -113,12 +119,13 @@ async def test_rows_of_one_group_step_together(counts, item_by_item) -> None:
         assert text == again_text and _close(pcm, again_pcm)  # batched GEMMs may round differently
 
 
-async def test_a_row_whose_text_is_late_leaves_its_group_and_comes_back(counts, monkeypatch) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+async def test_a_row_whose_text_is_late_leaves_its_group_and_comes_back(counts, monkeypatch, device) -> None:
     """Its stream says "nothing yet" for a few reads: the row leaves the group
     with its state exact (after the launched steps are read), takes a step
     item by item when the item is there, and joins again; what it says and
     plays is what it would have."""
-    want, _ = await _speak([_sampled(0)])
+    want, _ = await _speak([_sampled(0)], device=device)
     ready, evict = Streams.ready, LoopGroup.evict
     asked = collections.Counter()
 
@@ -131,7 +138,7 @@ async def test_a_row_whose_text_is_late_leaves_its_group_and_comes_back(counts, 
         return evict(self, i, reason)
     monkeypatch.setattr(Streams, "ready", late)
     monkeypatch.setattr(LoopGroup, "evict", evicted)
-    got, _ = await _speak([_sampled(0)])
+    got, _ = await _speak([_sampled(0)], device=device)
     assert counts["evict", "await"] == 1 and counts["item", "speak"] >= 1 and counts["group", "speak"]
     assert got == want
 
