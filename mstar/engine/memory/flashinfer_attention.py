@@ -16,8 +16,10 @@ kv_indptr, kv_indices, kv_last_page_len), refilled and re-planned before
 every replay; its context touches only those buffers, so one context object
 serves the capture and every replay.
 
-All wrappers share one float workspace: they run one after another on one
-stream, and the workspace only holds a kernel's split-KV partials.
+All wrappers share one float workspace: they run one after another in stream
+order (a component's decode groups run on a stream of their own, which waits
+for its item steps and is waited for by them), and the workspace only holds
+a kernel's split-KV partials.
 A context from `plan` is valid until the next `plan`: the wrapper it uses is
 re-planned then.
 """

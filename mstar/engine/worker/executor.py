@@ -93,6 +93,9 @@ class Executor:
     def run(self, plan: StepPlan) -> None:
         if plan.settle:
             self.settle()
+            # a KV step reads rows (pages, seen tokens) and graph buffers the groups' streams last wrote
+            for group in self.walker.groups.values():
+                group.stream.worker_waits()
         if plan.group is not None:
             self._run_group(plan)
         else:
@@ -301,15 +304,16 @@ class Executor:
         if n:
             try:
                 fed = self.walker.streams.take_items(group.rows[sl]) if group.shape.fed is not None else None
-                with torch.profiler.record_function(f"mstar.{group.component}.{group.mode}"):
+                with torch.profiler.record_function(f"mstar.{group.component}.{group.mode}"), group.stream.on():
+                    group.stream.after_worker()
                     tokens, logprobs, extras = runner.run_group(group, sl, fed)
+                    launched = group.launched(sl, tokens, logprobs, extras)
             except Exception as e:
                 self.stats.failed_steps += 1
                 log.exception("step failed", device=self.name, component=group.component, mode=group.mode, rows=n)
                 for rid in dict.fromkeys(group.request_ids[sl]):
                     self.walker.abort(rid, "error", f"{type(e).__name__}: {e}")
             else:
-                launched = group.launched(sl, tokens, logprobs, extras)
                 self.stats.steps += 1
                 self.stats.rows += n
         t1 = time.perf_counter()
@@ -375,7 +379,7 @@ class Executor:
             items = host.tolist()  # token ids enter streams as host ints
             for i in going_on:
                 self.walker.streams.feed(p.rows[i], value, items[i])
-        extras = self._group_extras(p, walk, keep, going_on, {leave.row for leave in leaving})
+        extras = self._group_extras(group, p, walk, keep, going_on, {leave.row for leave in leaving})
         for leave in leaving:
             self.walker.left_group(leave, {name: refs[leave.row] for name, refs in extras.items()})
         return waited
@@ -389,8 +393,8 @@ class Executor:
         self.outbox.emit(self.report, EmitBatch(name, [rids[i] for i in idx], [partitions[i] for i in idx], host,
                                                 blocks, None if logprobs is None else logprobs[idx]), ready)
 
-    def _group_extras(self, p: Pending, walk: WalkPlan, keep: range | list[int], going_on: list[int],
-                      left: set[int]) -> dict[str, list[TensorRef]]:
+    def _group_extras(self, group: LoopGroup, p: Pending, walk: WalkPlan, keep: range | list[int],
+                      going_on: list[int], left: set[int]) -> dict[str, list[TensorRef]]:
         """The hidden states a group step kept: stored once, emitted for the
         rows whose output counts, fed to the streams of rows that go on, and
         one reference each for the rows that leave at it (`left`; the rest
@@ -400,6 +404,7 @@ class Executor:
             return out
         rids = p.request_ids
         for value, data in p.extras.items():
+            group.stream.handed_out(data)
             if value in walk.emits:
                 self._emit_rows(value, data, list(keep), rids, p.partitions)
             handle = self.store.put(data, rids)

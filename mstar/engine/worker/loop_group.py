@@ -16,6 +16,8 @@ A step is launched (`launched`) before the previous one is finalised
 tokens. A row that stops at step K-1 on a token (EOS) has therefore already
 been computed once more in step K; `finalize` drops that output. Rows that
 reach their write cap are known on the host and are never launched past it.
+On CUDA a group's steps and the updates of its tensors go on its component's
+stream (`group_stream.py`), so that two components' decode overlap.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from mstar.engine.execution.sampler import SamplingTensors
 from mstar.engine.movement.transfer import to_device
 from mstar.engine.worker.group_shape import GroupShape
+from mstar.engine.worker.group_stream import GroupStream
 from mstar.engine.worker.rows import PartitionRun
 from mstar.graph import Loop
 
@@ -83,9 +86,12 @@ class Pending:
 
 class LoopGroup:
     def __init__(self, component: str, mode: str, loop: Loop, device: torch.device,
-                 shape: GroupShape | None = None, axes: int = 1) -> None:
+                 shape: GroupShape | None = None, axes: int = 1, stream: torch.cuda.Stream | None = None) -> None:
         """`shape`: what a step reads and keeps besides the token; `axes`: of
-        the component's positions (every axis at a row's next position)."""
+        the component's positions (every axis at a row's next position);
+        `stream`: on CUDA, the one its steps and its tensors' updates go on
+        (the component's groups share it), beside the worker's stream."""
+        self.stream = GroupStream(stream, device)
         self.component = component
         self.mode = mode
         self.loop = loop
@@ -141,6 +147,10 @@ class LoopGroup:
         `count_sampled` (an abort): the rows count every token they sampled,
         steps in flight included, as what the request cost; a stop counts
         only what the event loop has taken in."""
+        with self.stream.on():
+            return self._take_out(request_id, partition, count_sampled)
+
+    def _take_out(self, request_id: str, partition: str | None, count_sampled: bool) -> list[Leave]:
         out = []
         for j in [j for j in self._joins if j.part.request_id == request_id
                   and (partition is None or j.part.name == partition)]:
@@ -161,7 +171,16 @@ class LoopGroup:
         leave the group as it was, still waiting in `_joins`."""
         if not self._joins:
             return
+        with self.stream.on():
+            self.stream.after_worker()  # the joining rows' tokens and values come from its steps
+            self._merge()
+
+    def _merge(self) -> None:
         joins = self._joins
+        for j in joins:
+            self.stream.taken_in(j.token)
+            for t in j.carried.values():
+                self.stream.taken_in(t)
         parts = [j.part for j in joins]
         kv = [p.row(self.component) for p in parts]
         dev = self.device
@@ -249,9 +268,11 @@ class LoopGroup:
         part = self.rows[i]
         self._hand_back(part, int(self.kv_lens[i]), int(self.counters[i]), int(self.drawn[i]))
         part.set_loop_count(int(self.counts[i]))
-        token = self.tokens[i].clone()
-        carried = {self.extras[out]: self.carried[name][i].clone() for name, out in self.shape.carried.items()}
-        self._drop([i], self.seq)
+        with self.stream.on():
+            token = self.tokens[i].clone()
+            carried = {self.extras[out]: self.carried[name][i].clone() for name, out in self.shape.carried.items()}
+            self._drop([i], self.seq)
+        self.stream.worker_waits()  # what it hands back is read there next
         return Leave(part, token, reason, carried=carried)
 
     def _hand_back(self, part: PartitionRun, kv_len: int, generated: int, drawn: int) -> None:
@@ -345,6 +366,10 @@ class LoopGroup:
     def finalize(self, p: Pending) -> list[Leave]:
         """The host has `p`'s tokens (the caller waited): the rows whose stop
         rule held at that step leave the group."""
+        with self.stream.on():
+            return self._finalize(p)
+
+    def _finalize(self, p: Pending) -> list[Leave]:
         hit_stop = (p.stop_table == p.host.to("cpu")[:, None]).any(dim=1)
         done = (hit_stop | p.exhausted).nonzero().flatten().tolist()
         for seq in [q for q in self._left_at if q < p.seq]:
@@ -370,8 +395,9 @@ class LoopGroup:
             self._hand_back(part, int(p.kv_lens[i]), int(p.counters[i]), int(p.drawn[i]))
             # the walker counts this step's write when it routes the row on
             part.set_loop_count(int(p.counts[i]) - 1)
-            out.append(Leave(part, p.tokens[i].clone(), "stop" if bool(hit_stop[i]) else "length", int(p.host[i]),
-                             row=i))
+            # its token from the host's copy: whatever reads it next needs no wait for this stream
+            host = int(p.host[i])
+            out.append(Leave(part, torch.tensor(host), "stop" if bool(hit_stop[i]) else "length", host, row=i))
         return out
 
     def _drop(self, idx: list[int], seq: int) -> None:

@@ -76,6 +76,7 @@ class Walker:
         self.slots = slots or {}  # the free state slots of components with per-row state
         self.runs: dict[str, RequestRun] = {}
         self.groups: dict[tuple[str, str, int], LoopGroup] = {}
+        self.group_streams: dict[str, torch.cuda.Stream] = {}  # on CUDA, per component: its groups' steps
         self.index = index
         self.cursor = Cursor(self)
         self.turns = Turns(self, join_turn, on_awaiting)
@@ -279,8 +280,11 @@ class Walker:
         key = (part.request.walk.name, part.name, part.pc)
         group = self.groups.get(key)
         if group is None:
+            stream = None
+            if self.device.type == "cuda":
+                stream = self.group_streams.setdefault(step.component, torch.cuda.Stream(self.device))
             group = self.groups[key] = LoopGroup(step.component, step.mode, loop, self.device, shape,
-                                                 comp.position_axes if comp is not None else 1)
+                                                 comp.position_axes if comp is not None else 1, stream)
             self.scheduler.add_group((step.component, step.mode), group)
         if not len(group):
             group.ticket = self.scheduler.ticket()
