@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
+import io
+import pstats
 import sys
 import time
 from collections import defaultdict
@@ -24,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mstar.config import EngineConfig, SchedulerConfig, graph_buckets  # noqa: E402
 from mstar.engine.engine import Engine  # noqa: E402
 from mstar.engine.execution.runner import ComponentRunner  # noqa: E402
+from mstar.engine.worker.executor import Executor  # noqa: E402
 from mstar.types import GenerateRequest, SamplingParams  # noqa: E402
 
 TIMES: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0])  # steps, rows, seconds
@@ -78,6 +82,24 @@ async def _kernels(eng: Engine, c: int, seconds: float, trace_dir: Path | None) 
         prof.export_chrome_trace(str(trace_dir / f"omni_c{c}.json"))
 
 
+def _host_profile(skip: int, plans: int) -> cProfile.Profile:
+    """cProfile of the worker thread over its plans skip .. skip + plans of
+    each level (no synchronising timers: the host's own time, and its waits)."""
+    prof, count, run = cProfile.Profile(), [0], Executor.run
+
+    def profiled(self, plan):
+        count[0] += 1
+        if count[0] == skip:
+            prof.enable()
+        try:
+            return run(self, plan)
+        finally:
+            if count[0] == skip + plans:
+                prof.disable()
+    Executor.run = profiled
+    return prof
+
+
 async def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen3-omni-30b-a3b")
@@ -90,8 +112,11 @@ async def main() -> None:
                    help="instead of timing steps: torch's profiler over SECONDS of each level's steady state (from "
                         "1 s in) and its kernels by device time")
     p.add_argument("--trace-dir", type=Path, default=None, help="also write a Chrome trace per level here")
+    p.add_argument("--host-profile", type=int, nargs=2, default=None, metavar=("SKIP", "PLANS"),
+                   help="cProfile the worker thread over these plans of the last level instead of timing steps")
     args = p.parse_args()
-    if not args.kernels:  # the timers synchronise every step, which the profiler would then show
+    prof = _host_profile(*args.host_profile) if args.host_profile else None
+    if not args.kernels and prof is None:  # the timers synchronise every step, which the profiler would then show
         ComponentRunner.compute = _timed("items", ComponentRunner.compute)
         ComponentRunner.run_group = _timed("group", ComponentRunner.run_group)
     eng = Engine(EngineConfig(model=args.model, load_format="dummy", devices=(args.device,), max_model_len=4096,
@@ -107,8 +132,13 @@ async def main() -> None:
             runs = [_speak(eng, f"p{c}-{i}", args.model, args.text_tokens, args.frames) for i in range(c)]
             if args.kernels:
                 runs.append(_kernels(eng, c, args.kernels, args.trace_dir))
+            stats0 = dict(vars(eng.workers[0].stats))
             await asyncio.gather(*runs)
             wall = time.perf_counter() - t0
+            stats = {k: v - stats0[k] for k, v in vars(eng.workers[0].stats).items()}
+            print(f"worker: {stats['steps']} steps; decode groups' host time: waiting for the device "
+                  f"{1e3 * stats['wait_s']:.0f} ms, launching {1e3 * stats['launch_s']:.0f} ms, reading "
+                  f"{1e3 * stats['finalize_s']:.0f} ms")
             print(f"\nconcurrency {c}: {wall:.2f} s wall for {c} x {args.frames} frames")
             print(f"{'component.mode':24} {'steps':>6} {'rows':>6} {'total ms':>10} {'ms/step':>8}")
             for (comp, mode), (steps, rows, secs) in sorted(TIMES.items(), key=lambda kv: -kv[1][2]):
@@ -123,6 +153,11 @@ async def main() -> None:
                         print(f"  {1e3 * (start - t0):8.1f} {name:18} {rows:4d} {ms:7.2f}")
     finally:
         await eng.shutdown()
+    if prof is not None:
+        for order in ("tottime", "cumulative"):
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats(order).print_stats(40)
+            print(out.getvalue())
 
 
 if __name__ == "__main__":
