@@ -132,7 +132,12 @@ class Component:
     on CUDA its steps run on a stream of their own, overlapping the other
     components' steps (a vocoder beside the decoder feeding it); what it
     writes may only reach the client, as nothing orders another component's
-    reads after its steps (the walks are checked).
+    reads after its steps (the walks are checked). A KV component's decode
+    groups run on a stream of their own anyway. `urgent`: on CUDA those
+    streams run at high priority: a long chain of small kernels (a talker
+    frame's code predictor) that other components' bulk work (an MoE decode
+    filling every SM) would otherwise hold up, as the hardware interleaves
+    their blocks.
     """
 
     modes: tuple[str | Mode, ...]
@@ -140,6 +145,7 @@ class Component:
     samples: bool = False
     state: bool = False
     own_stream: bool = False
+    urgent: bool = False
     signatures: dict[str, Mode] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -149,7 +155,7 @@ class Component:
             raise ValueError(f"a mode is declared twice in {names}")
         if not self.kv_cache and any(m.kv != "none" for m in declared.values()):
             raise ValueError("a mode touches the KV cache of a component without one")
-        if self.own_stream and self.kv_cache:  # group steps, forks and swaps of KV rows run on the worker's stream
+        if self.own_stream and self.kv_cache:  # its item steps, forks and swaps of KV rows run on the worker's stream
             raise ValueError("a component with a KV cache runs on the worker's stream (own_stream is for plain ones)")
         object.__setattr__(self, "modes", names)
         object.__setattr__(self, "signatures", {**self.signatures, **declared})

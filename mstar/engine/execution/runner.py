@@ -71,7 +71,8 @@ class ComponentRunner:
         self._cuda = device.type == "cuda"
         self._takes_seeds: dict[str, bool] = {}  # by mode
         # `Component.own_stream`: the steps' work is queued here, beside the worker's stream
-        self.stream = torch.cuda.Stream(device) if self._cuda and spec.own_stream else None
+        self.stream = (torch.cuda.Stream(device, priority=-1 if spec.urgent else 0)
+                       if self._cuda and spec.own_stream else None)
 
     def take_inputs(self, batch: Batch) -> list[dict[str, torch.Tensor]]:
         """Each row's inputs, read out of the store (its references dropped):

@@ -282,7 +282,11 @@ class Walker:
         if group is None:
             stream = None
             if self.device.type == "cuda":
-                stream = self.group_streams.setdefault(step.component, torch.cuda.Stream(self.device))
+                stream = self.group_streams.get(step.component)
+                if stream is None:
+                    urgent = comp is not None and comp.urgent
+                    stream = self.group_streams[step.component] = torch.cuda.Stream(self.device,
+                                                                                     priority=-1 if urgent else 0)
             group = self.groups[key] = LoopGroup(step.component, step.mode, loop, self.device, shape,
                                                  comp.position_axes if comp is not None else 1, stream)
             self.scheduler.add_group((step.component, step.mode), group)

@@ -60,7 +60,9 @@ def talker_component(cfg: Qwen3OmniConfig) -> Component:
                  kv="append", query="ids", draws=draws, graph=True)
     read = Mode("read", (In("ids", Kind.IDS), In("last", Kind.TENSOR), In("script", Kind.TENSOR, ragged=True),
                          In("at", Kind.INDEX)), frame_out, kv="append", query="ids", draws=draws)
-    return Component(modes=(prefill, speak, read), kv_cache=True, samples=True)
+    # urgent: a frame is a chain of small kernels (15 code-predictor forwards); beside the thinker's MoE decode
+    # they would wait for SMs
+    return Component(modes=(prefill, speak, read), kv_cache=True, samples=True, urgent=True)
 
 
 # on a CUDA stream of its own: a frame's waveform overlaps the talker's next frame
