@@ -438,9 +438,10 @@ class LoopGroup:
         """Mark the tokens about to be fed back as seen (repetition penalty)."""
         if self.seen is None:
             return None
-        rows = torch.arange(sl.start, sl.stop, device=self.device)
-        self.seen[rows, self.tokens[sl]] = True
-        return self.seen[sl]
+        # a scatter of a scalar: indexed assignment of a Python value waits for the device on CUDA
+        window = self.seen[sl]
+        window.scatter_(1, self.tokens[sl].unsqueeze(1), True)
+        return window
 
 
 def _cat_padded(table: torch.Tensor, rows: list, fill: int) -> torch.Tensor:
