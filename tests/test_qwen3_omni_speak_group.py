@@ -156,3 +156,35 @@ async def test_preempted_talker_rows_speak_the_same(counts) -> None:
     assert counts["group", "speak"]
     for (text, pcm), (again_text, again_pcm) in zip(reserved, lazy):
         assert text == again_text and _close(pcm, again_pcm)
+
+
+async def test_a_waiting_row_swapped_out_comes_back_with_its_kv(counts, monkeypatch) -> None:
+    """A row waiting for its text outside the group still holds its pages;
+    when the pool runs dry it may be swapped out like any idle row
+    (`Preemption.unstick`). Its text then comes: it takes an item step that
+    swaps its KV back in before it joins again, and says what it would have."""
+    want, _ = await _speak([_sampled(0)], kv_reservation="lazy")
+    ready, awaits, start = Streams.ready, walker_module.Walker.awaits_stream, Engine.start
+    asked, engines, swapped = collections.Counter(), [], []
+
+    def late(self, cons) -> bool:
+        asked[cons.request_id] += 1
+        return False if not swapped and 6 <= asked[cons.request_id] < 9 else ready(self, cons)
+
+    def swapped_while_waiting(self, leave) -> None:
+        worker = engines[-1].workers[0]
+        row = leave.part.row("talker")
+        worker.preemption._swap_waiting(worker.scheduler, "talker", row, None)  # as `unstick` does
+        swapped.append(row)
+        awaits(self, leave)
+
+    async def started(self):
+        engines.append(self)
+        return await start(self)
+    monkeypatch.setattr(Engine, "start", started)
+    monkeypatch.setattr(Streams, "ready", late)
+    monkeypatch.setattr(walker_module.Walker, "awaits_stream", swapped_while_waiting)
+    got, eng = await _speak([_sampled(0)], kv_reservation="lazy")
+    assert swapped and swapped[0].swapped is None and counts["item", "speak"] >= 1
+    assert eng.workers[0].scheduler.running["talker"] == 0
+    assert got == want

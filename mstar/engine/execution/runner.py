@@ -334,6 +334,7 @@ class ComponentRunner:
         if graphs is not None and self.state is None and graphs.fits(n):
             with torch.profiler.record_function("mstar.replay"):
                 out = graphs.run(batch, ctx, group.block_table[sl], draw)
+            self.device_s += graphs.wait_s
         if out is None:
             batch.attn = self.attention.plan(query_start, ctx, group.block_table[sl])
             out = self._timed(getattr(self.module, group.mode))(batch)

@@ -190,7 +190,8 @@ class LoopGroup:
 
         new = SamplingTensors.build([p.sampling for p in parts], [p.seed for p in parts],
                                     [r.generated for r in kv], dev)
-        tokens = torch.cat([self.tokens, torch.stack([j.token.reshape(()) for j in joins]).to(dev)])
+        # a token may be on the host (a row that left at an earlier loop's stop, from its host copy)
+        tokens = torch.cat([self.tokens, torch.stack([to_device(j.token.reshape(()), dev) for j in joins])])
         kv_lens = torch.cat([self.kv_lens, longs([r.kv_len for r in kv])])
         counts = torch.cat([self.counts, longs([j.count for j in joins])])
         caps = torch.cat([self.caps, longs([j.cap for j in joins])])
@@ -201,6 +202,9 @@ class LoopGroup:
         slots = torch.cat([self.slots, longs([-1 if r.slot is None else r.slot for r in kv])])
         deltas = torch.cat([self.deltas, longs([r.rope_delta for r in kv])])
         sampling = new if self.sampling is None else self.sampling.cat(new)
+        for r in kv:
+            if r.seen is not None:  # made by the row's prefill on the worker's stream
+                self.stream.taken_in(r.seen)
         seen = self._merged_seen([r.seen for r in kv])
         carried = {}
         for name in self.shape.carried:
@@ -269,8 +273,9 @@ class LoopGroup:
         self._hand_back(part, int(self.kv_lens[i]), int(self.counters[i]), int(self.drawn[i]))
         part.set_loop_count(int(self.counts[i]))
         with self.stream.on():
-            token = self.tokens[i].clone()
-            carried = {self.extras[out]: self.carried[name][i].clone() for name, out in self.shape.carried.items()}
+            token = self.stream.handed_out(self.tokens[i].clone())
+            carried = {self.extras[out]: self.stream.handed_out(self.carried[name][i].clone())
+                       for name, out in self.shape.carried.items()}
             self._drop([i], self.seq)
         self.stream.worker_waits()  # what it hands back is read there next
         return Leave(part, token, reason, carried=carried)
@@ -408,7 +413,7 @@ class LoopGroup:
             part = self.rows[i]
             self._left[id(part)] = seq
             if self.seen is not None:
-                part.row(self.component).keep_seen(self.seen[i].clone())
+                part.row(self.component).keep_seen(self.stream.handed_out(self.seen[i].clone()))
         self._left_at.setdefault(seq, []).extend(id(self.rows[i]) for i in idx)
         keep = torch.ones(len(self.rows), dtype=torch.bool)
         keep[idx] = False

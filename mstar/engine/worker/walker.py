@@ -270,7 +270,10 @@ class Walker:
             # a group computes a step past a row's stop before it knows; a state updated in place (or a stream
             # item taken) by that dead step would be wrong for the next turn
             return False
-        if shape.fed is not None and not self.streams.ready(part):
+        if shape.fed is not None:
+            if not self.streams.ready(part) or self._reads_stream_later(part, ins):
+                return False
+        if row.swapped is not None:  # preempted while it waited outside: an item step swaps its KV back first
             return False
         frame = part.loops[-1]
         cap, count = frame.cap, frame.count
@@ -298,6 +301,17 @@ class Walker:
         group.join(part, token, count, cap, stop_ids(part, loop), carried)
         part.busy = True
         return True
+
+    @staticmethod
+    def _reads_stream_later(part: PartitionRun, ins: Run) -> bool:
+        """A step after `ins`'s top-level loop (or around it) reads the stream
+        too: a group's speculative step past a row's stop takes an item, which
+        such a step would then miss."""
+        assert part.plan.stream is not None
+        if len(part.loops) != 1:
+            return True
+        program = part.plan.program
+        return any(isinstance(i, Run) and part.plan.stream.as_ in i.step.inputs for i in program[part.pc + 1:])
 
     def preempted(self, leave: Leave, pages: int, slot: bool) -> None:
         """A group row was preempted (its `pages` freed, its KV in host
