@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 
 import numpy as np
 import pytest
@@ -19,7 +20,10 @@ from mstar.engine.execution.runner import ComponentRunner
 from mstar.engine.worker import walker as walker_module
 from mstar.engine.worker.executor import Executor
 from mstar.engine.worker.loop_group import LoopGroup
+from mstar.engine.worker.rows import Frame, PartitionRun, RequestRun
 from mstar.engine.worker.streaming.edges import Streams
+from mstar.graph import Partition, Step, Walk, compile_walk
+from mstar.models.registry import load_model
 from mstar.types import GenerateRequest, SamplingParams
 from toys.serving import DEVICES
 
@@ -188,3 +192,23 @@ async def test_a_waiting_row_swapped_out_comes_back_with_its_kv(counts, monkeypa
     assert swapped and swapped[0].swapped is None and counts["item", "speak"] >= 1
     assert eng.workers[0].scheduler.running["talker"] == 0
     assert got == want
+
+
+def test_a_group_takes_its_stream_only_when_no_later_step_reads_it() -> None:
+    """A group's step past a row's stop takes a stream item; a step after the
+    loop that reads the same stream would miss it, so such a loop runs item
+    by item."""
+    model = load_model(MODEL, load_format="dummy")
+    talker = model.walks["speak"].nodes[-1]  # the thinker's text stream: its consumer, the talker's partition
+    plans = {"speak": model.walks["speak"]}
+    again = Step("talker", "speak", {"ids": "code0", "last": "last", "text": "next_text"},
+                 {"code": "code0", "last": "last", "frame": "frame"}, draws="cp")
+    reading = dataclasses.replace(talker, into=Partition(talker.into.name, *talker.into.nodes[:2], again,
+                                                         *talker.into.nodes[2:]))
+    plans["reading"] = Walk(*model.walks["speak"].nodes[:-1], reading, inputs=model.walks["speak"].inputs)
+    later = {}
+    for name, walk in plans.items():
+        plan = compile_walk(name, walk, model.components)
+        part = PartitionRun(RequestRun("r", plan, {}, {}), plan.partitions["talker"], pc=1, loops=[Frame(0, 10)])
+        later[name] = walker_module.Walker._reads_stream_later(part, part.instr())
+    assert later == {"speak": False, "reading": True}
