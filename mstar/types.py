@@ -33,6 +33,9 @@ class SamplingParams:
     context (the model's prepare makes it a number). `temperature == 0` is
     greedy. `top_k <= 0` and `top_p == 1` disable those filters. `seed` makes a request's draws reproducible whatever it is batched
     with. `stop` strings are checked on the event loop, after detokenising.
+    `min_tokens`: a loop's stop ids (EOS, `stop_token_ids`) are not drawn
+    before it has written that many tokens (vLLM's; a talker's EOS code is no
+    audio, so a fixed-length spoken answer asks for this, not `ignore_eos`).
     `logprobs` k (0..MAX_LOGPROBS) reports each sampled token's log
     probability and the k most likely tokens' (`OutputChunk.logprobs`), from
     the model's raw distribution: log_softmax of the logits before the
@@ -50,6 +53,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0
     logprobs: int | None = None
 
     def validate(self, max_model_tokens: int | None = None) -> None:
@@ -77,6 +81,10 @@ class SamplingParams:
             raise RequestError("must be non-empty strings", field="stop")
         if not isinstance(self.ignore_eos, bool):
             raise RequestError("must be a boolean", field="ignore_eos")
+        if not _integer(self.min_tokens) or self.min_tokens < 0:
+            raise RequestError("must be a non-negative integer", field="min_tokens")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise RequestError(f"must be at most max_tokens ({self.max_tokens})", field="min_tokens")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise RequestError(f"must be an integer in [0, {MAX_LOGPROBS}]", field="logprobs")

@@ -36,15 +36,17 @@ def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def _hf_greedy(folder: Path, prompts: list[list[int]], new: int) -> list[list[int]]:
+def _hf_greedy(folder: Path, prompts: list[list[int]], new: int, stop: int | None = None,
+               min_new: int = 0) -> list[list[int]]:
+    """transformers' greedy tokens; `stop` ends them, not before `min_new` (its `min_new_tokens`)."""
     model = transformers.LlamaForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
+    model.generation_config.eos_token_id = stop
     outs = []
     for p in prompts:
         ids = torch.tensor([p])
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-                                 pad_token_id=0)
+                                 pad_token_id=0, min_new_tokens=min_new)
         outs.append(out[0, len(p):].tolist())
     return outs
 
@@ -120,6 +122,15 @@ async def test_eos_and_stop_token_ids_end_with_stop(hf_folder: Path) -> None:
         sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=(expected[0][3],))
         toks, reason = await _run(eng, "x", prompts[0], sp)
         assert reason == "stop" and toks[-1] == expected[0][3]
+        # min_tokens: the stop ids are not drawn before that many tokens, on the prefill's token (an item step)
+        # and on a decode group's: transformers' min_new_tokens, token for token
+        for rid, stop, least in (("m0", expected[0][0], 3), ("m5", expected[0][5], 8)):
+            want = _hf_greedy(hf_folder, prompts[:1], 12, stop, least)[0]
+            sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=(stop,),
+                                min_tokens=least)
+            toks, reason = await _run(eng, rid, prompts[0], sp)
+            assert toks == want and stop not in toks[:least] and len(toks) >= least
+            assert reason == ("stop" if toks[-1] == stop else "length")
         # max_tokens=1: the prefill's token is the whole answer
         assert await _run(eng, "one", prompts[0], SamplingParams(max_tokens=1, temperature=0.0)) == (
             expected[0][:1], "length")
@@ -259,10 +270,10 @@ async def test_a_row_that_breaks_the_sampler_fails_alone_and_its_batch_goes_on(m
     bad_seed = 4242
     real = runner.sample
 
-    def faulty(logits, st, seen=None):
+    def faulty(logits, st, seen=None, banned=None):
         if bool((st.seeds == bad_seed).any()):
             raise RuntimeError("injected sampler fault")
-        return real(logits, st, seen)
+        return real(logits, st, seen, banned)
 
     eng = Engine(EngineConfig(model="tiny-llama"))
     await eng.start()

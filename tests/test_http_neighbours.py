@@ -44,6 +44,8 @@ async def _post(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> 
     ("/v1/completions", {"prompt": "x", "max_tokens": 8}, {"top_k": 2**40}, "top_k"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 8}, {"stop_token_ids": [2**40]}, "stop_token_ids"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 8}, {"seed": HUGE * 2}, "seed"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 8}, {"min_tokens": 9}, "min_tokens"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 8}, {"min_tokens": -1}, "min_tokens"),
     ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 8}, {"top_k": HUGE}, "top_k"),
     ("/generate", {"text": "x", "sampling_params": {"max_tokens": 8}},
      {"sampling_params": {"max_tokens": 8, "top_k": HUGE}}, "sampling_params.top_k"),

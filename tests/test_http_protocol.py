@@ -46,14 +46,15 @@ def test_completion_defaults() -> None:
 def test_completion_reads_every_sampling_field() -> None:
     req = parse_completion(body(
         prompt=[1, 2, 3], max_tokens=7, temperature=0, top_p=0.5, top_k=4, min_p=0.1,
-        repetition_penalty=1.2, seed=9, stop=["a", "bc"], stop_token_ids=[5], ignore_eos=True,
+        repetition_penalty=1.2, seed=9, stop=["a", "bc"], stop_token_ids=[5], ignore_eos=True, min_tokens=3,
         n=2, best_of=2, stream=True, stream_options={"include_usage": True},
         presence_penalty=0, frequency_penalty=0.0, logprobs=None, echo=False, user="u",
         response_format={"type": "text"}))
     assert req.prompts == ((1, 2, 3),) and req.max_tokens == 7 and req.n == 2
     assert req.stream and req.include_usage
     assert req.sampling == SamplingParams(temperature=0.0, top_p=0.5, top_k=4, min_p=0.1, repetition_penalty=1.2,
-                                          seed=9, stop=("a", "bc"), stop_token_ids=(5,), ignore_eos=True)
+                                          seed=9, stop=("a", "bc"), stop_token_ids=(5,), ignore_eos=True,
+                                          min_tokens=3)
 
 
 def test_completion_prompt_forms() -> None:

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from mstar.engine.execution.sampler import SamplingTensors, apply_repetition_penalty, sample
+from mstar.engine.execution.sampler import SamplingTensors, apply_repetition_penalty, banned_table, sample
 from mstar.kernels.noise import exponential_noise_reference, random_bits
 from mstar.types import SamplingParams
 
@@ -221,3 +221,17 @@ def test_a_masked_token_is_never_drawn_even_at_the_top_random_value(params: Samp
     logits[0, :64] = torch.randn(64, generator=torch.Generator().manual_seed(0))
     st = SamplingTensors.build([params], [_TOP_SEED], [_TOP_DRAW], "cpu")
     assert int(sample(logits, st)) < 64
+
+
+def test_banned_ids_are_never_drawn_and_pads_ban_nothing() -> None:
+    logits = torch.tensor([[5.0, 4.0, 3.0, 0.0], [0.0, 1.0, 9.0, 2.0], [7.0, 1.0, 0.0, 0.0]])
+    banned = torch.tensor([[0, -1], [2, 1], [-1, -1]])  # row 0: its argmax; row 1: its best two; row 2: nothing
+    greedy = SamplingTensors.build([SamplingParams(temperature=0.0)] * 3, [0] * 3, [0] * 3, "cpu")
+    assert sample(logits, greedy, banned=banned).tolist() == [1, 3, 0]
+    hot = SamplingTensors.build([SamplingParams(temperature=5.0)] * 3, [1, 2, 3], [0] * 3, "cpu")
+    for counter in range(200):
+        hot.counters.fill_(counter)
+        drawn = sample(logits, hot, banned=banned).tolist()
+        assert drawn[0] != 0 and drawn[1] not in (1, 2)
+    assert banned_table([(), ()], "cpu") is None
+    assert banned_table([(3,), (), (4, 5)], "cpu").tolist() == [[3, -1], [-1, -1], [4, 5]]

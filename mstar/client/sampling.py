@@ -18,6 +18,7 @@ class Sampling(TypedDict, total=False):
     repetition_penalty: float
     seed: int
     ignore_eos: bool
+    min_tokens: int
 
 
 class TextSampling(Sampling, total=False):

@@ -29,7 +29,7 @@ from mstar.engine.execution.mode_graphs import ModeGraphs, takes_seeds
 from mstar.engine.execution.pack import kv_outputs, named_outputs, pack_kv, stacked
 from mstar.engine.worker.kv_rows import KVRow
 from mstar.engine.worker.rows import PartitionRun
-from mstar.engine.execution.sampler import SamplingTensors, sample, token_logprobs
+from mstar.engine.execution.sampler import SamplingTensors, banned_table, sample, token_logprobs
 from mstar.engine.movement.tensor_store import TensorRef, TensorStore
 from mstar.engine.movement.transfer import to_device
 from mstar.graph import Component, Kind, Mode, Step, step_bindings
@@ -97,13 +97,15 @@ class ComponentRunner:
         fn = self._timed(getattr(self.module, batch.mode))
         logprobs = None
         sig = self.spec.signatures.get(batch.mode)
+        banned = [item.payload.banned for item in batch.items]
         if self.kv is not None and sig is not None:
-            return self._run_signed(inputs, parts, branches, sig, fn)
+            return self._run_signed(inputs, parts, branches, sig, fn, banned)
         if any(p.current_step() is not step and p.current_step() != step for p in parts[1:]):
             # one call names its values after one step: the row-by-row retry runs each row's own
             raise RuntimeError(f"rows of one {step.label} step read or write different values")
         if self.kv is not None:
-            values, logprobs = self._run_tokens([row[step.inputs[0]] for row in inputs], parts, branches, step, fn)
+            values, logprobs = self._run_tokens([row[step.inputs[0]] for row in inputs], parts, branches, step, fn,
+                                                banned)
         else:
             seeds = self._row_seeds(parts, step) if self._seeded(batch.mode) else None
             if self.state is not None:  # the rows' slots, as the keyword `state`
@@ -134,7 +136,7 @@ class ComponentRunner:
     # ------------------------------------------------------------ KV rows
 
     def _run_tokens(self, rows: list[torch.Tensor], parts: list[PartitionRun], branches: list[str], step: Step,
-                    fn) -> tuple[dict, torch.Tensor | None]:
+                    fn, banned: list[tuple[int, ...]]) -> tuple[dict, torch.Tensor | None]:
         assert self.kv is not None
         kv = [p.row(self.name, b) for p, b in zip(parts, branches)]
         ids, positions, lens, ctx, tables = [], [], [], [], []
@@ -162,7 +164,7 @@ class ComponentRunner:
         with torch.profiler.record_function("mstar.forward"):
             out = fn(batch)
         if self.spec.samples:
-            tokens, logprobs = self._sample(out["logits"], parts, kv, ids)
+            tokens, logprobs = self._sample(out["logits"], parts, kv, ids, banned)
             values = {step.outputs[0]: tokens}
         else:
             values, logprobs = self._name_outputs(step, out), None
@@ -171,7 +173,7 @@ class ComponentRunner:
         return values, logprobs
 
     def _run_signed(self, inputs: list[dict[str, torch.Tensor]], parts: list[PartitionRun], branches: list[str],
-                    sig: Mode, fn: Callable) -> StepOutput:
+                    sig: Mode, fn: Callable, banned: list[tuple[int, ...]]) -> StepOutput:
         """A KV step of a mode with a signature: every bound input packed by
         name (`pack_kv`), the TOKEN output sampled from the mode's "logits",
         the others named by the binding."""
@@ -215,7 +217,7 @@ class ComponentRunner:
         if token is not None:
             if "logits" not in out:
                 raise RuntimeError(f"{steps[0].label} returned {sorted(out)}: no 'logits' to sample '{token}' from")
-            tokens, logprobs = self._sample(out["logits"], parts, kv, packed.ids)
+            tokens, logprobs = self._sample(out["logits"], parts, kv, packed.ids, banned)
         values = kv_outputs(out, sig, writes, packed.lens, tokens, steps[0].label)
         for r, n, delta in zip(kv, packed.lens, packed.rope_deltas):  # only now, as in `_run_tokens`
             if sig.kv == "append":
@@ -244,8 +246,9 @@ class ComponentRunner:
         return StateRows(self.state.tensors, to_device(slots, self.device))
 
     def _sample(self, logits: torch.Tensor, parts: list[PartitionRun], kv: list[KVRow],
-                inputs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The rows' tokens, and the packed logprobs of those that asked (on the host)."""
+                inputs: list[torch.Tensor], banned: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The rows' tokens, and the packed logprobs of those that asked (on the host);
+        `banned`: each row's ids it may not draw."""
         params = [p.sampling for p in parts]
         st = SamplingTensors.build(params, [p.seed for p in parts], [r.generated for r in kv], logits.device)
         seen = None
@@ -257,7 +260,7 @@ class ComponentRunner:
                                 for p, r, toks in zip(parts, kv, inputs)])
         with torch.profiler.record_function("mstar.sample"):
             logits = logits.float()
-            tokens = self._timed(sample)(logits, st, seen)
+            tokens = self._timed(sample)(logits, st, seen, banned_table(banned, logits.device))
             logprobs = self._timed(token_logprobs)(logits, tokens, st)
         self._wait()
         return tokens, None if logprobs is None else logprobs.cpu()
@@ -303,7 +306,9 @@ class ComponentRunner:
             extras = {value: out[name] for name, value in group.extras.items()}
         seen = group.update_seen(sl)
         st = group.sampling_for(sl)
-        return self._group_tokens(logits, st, seen, extras)
+        banned = group.banned(sl)
+        return self._group_tokens(logits, st, seen, None if banned is None else to_device(banned, self.device),
+                                  extras)
 
     def _group_mode_step(self, group: LoopGroup, sl: slice, fed: list[int] | None) -> dict[str, torch.Tensor]:
         """The outputs of a group step whose mode reads more than its token
@@ -341,13 +346,13 @@ class ComponentRunner:
         return out
 
     def _group_tokens(self, logits: torch.Tensor, st: SamplingTensors, seen: torch.Tensor | None,
-                      extras: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None,
+                      banned: torch.Tensor | None, extras: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None,
                                                                 dict[str, torch.Tensor]]:
         """A group step's tokens sampled from its logits, and their logprobs."""
         # no wait: the worker reads these tokens after launching the next step. A graph's logits are
         # its static output: read here, in stream order, before the next replay rewrites them
         logits = logits.float()
-        tokens = self._timed(sample)(logits, st, seen)
+        tokens = self._timed(sample)(logits, st, seen, banned)
         return tokens, self._timed(token_logprobs)(logits, tokens, st), extras
 
     # --------------------------------------------------------- plain rows

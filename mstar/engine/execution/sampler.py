@@ -119,8 +119,27 @@ def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: Tensor) -> T
     return torch.where(seen, penalised, logits)
 
 
-def sample(logits: Tensor, st: SamplingTensors, seen: Tensor | None = None) -> Tensor:
-    """Draw one token per row: [B, V] float logits -> [B] int64.
+def banned_mask(banned: Tensor, vocab: int) -> Tensor:
+    """[B, V] bool: the ids of each row of `banned` [B, S] (-1: none)."""
+    index = torch.where(banned >= 0, banned, vocab)  # the pads land in a column cut off below
+    mask = torch.zeros(banned.shape[0], vocab + 1, dtype=torch.bool, device=banned.device)
+    return mask.scatter_(1, index, True)[:, :vocab]
+
+
+def banned_table(rows: list[tuple[int, ...]], device: torch.device | str) -> Tensor | None:
+    """Each row's banned ids as one [B, S] table (-1 pads) on `device`; None when no row bans any."""
+    if not any(rows):
+        return None
+    table = torch.full((len(rows), max(len(r) for r in rows)), -1, dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            table[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+    return to_device(table, device)
+
+
+def sample(logits: Tensor, st: SamplingTensors, seen: Tensor | None = None, banned: Tensor | None = None) -> Tensor:
+    """Draw one token per row: [B, V] float logits -> [B] int64. `banned`
+    [B, S]: ids a row may not draw yet (-1 pads; a `min_tokens` not reached).
 
     Greedy rows take the argmax of the (penalised) logits. Other rows draw by
     an exponential race (argmax of probs / Exp noise), equivalent to sampling
@@ -131,6 +150,8 @@ def sample(logits: Tensor, st: SamplingTensors, seen: Tensor | None = None) -> T
         if seen is None:
             raise ValueError("a row has a repetition penalty but no `seen` mask was given")
         logits = apply_repetition_penalty(logits, seen, st.repetition_penalty)
+    if banned is not None:
+        logits = logits.masked_fill(banned_mask(banned, logits.shape[-1]), float("-inf"))
     greedy = torch.argmax(logits, dim=-1)
     if st.all_greedy:
         return greedy

@@ -44,6 +44,7 @@ class _Join:
     cap: int              # writes at which the loop stops ("length")
     stop_ids: tuple[int, ...]
     carried: dict[str, torch.Tensor]  # by signature input name: what its first step reads back
+    min_tokens: int       # writes before which its stop ids may not be drawn
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,7 @@ class LoopGroup:
         self.page_counts = torch.empty(0, dtype=torch.long)  # pages each row owns (its block table's width)
         self.counts = torch.empty(0, dtype=torch.long)
         self.caps = torch.empty(0, dtype=torch.long)
+        self.mins = torch.empty(0, dtype=torch.long)  # each row's min_tokens
         self.stop_table = torch.full((0, 1), -1, dtype=torch.long)
         self.sampling: SamplingTensors | None = None
         self.counters = torch.empty(0, dtype=torch.long)  # host copy of the sampler's draw counters
@@ -133,10 +135,12 @@ class LoopGroup:
     # ----------------------------------------------------------- membership
 
     def join(self, part: PartitionRun, token: torch.Tensor, count: int, cap: int | None,
-             stop_ids: tuple[int, ...], carried: dict[str, torch.Tensor] | None = None) -> None:
+             stop_ids: tuple[int, ...], carried: dict[str, torch.Tensor] | None = None, min_tokens: int = 0) -> None:
         """`carried`: by signature input name, what the row's first step in
-        the group reads back (its last step's output, outside the group)."""
-        self._joins.append(_Join(part, token, count, _NO_CAP if cap is None else cap, stop_ids, dict(carried or {})))
+        the group reads back (its last step's output, outside the group);
+        `min_tokens`: writes before which `stop_ids` may not be drawn."""
+        self._joins.append(_Join(part, token, count, _NO_CAP if cap is None else cap, stop_ids, dict(carried or {}),
+                                 min_tokens))
 
     def joining(self) -> list[str]:
         """The requests of the rows that joined since the last step."""
@@ -195,6 +199,7 @@ class LoopGroup:
         kv_lens = torch.cat([self.kv_lens, longs([r.kv_len for r in kv])])
         counts = torch.cat([self.counts, longs([j.count for j in joins])])
         caps = torch.cat([self.caps, longs([j.cap for j in joins])])
+        mins = torch.cat([self.mins, longs([j.min_tokens for j in joins])])
         block_table = _cat_padded(self.block_table, [r.pages for r in kv], 0)
         page_counts = torch.cat([self.page_counts, longs([len(r.pages) for r in kv])])
         stop_table = _cat_padded(self.stop_table, [j.stop_ids for j in joins], -1)
@@ -224,6 +229,7 @@ class LoopGroup:
         self.counters, self.sampling, self.seen, self.slots = counters, sampling, seen, slots
         self.deltas, self.shifted = deltas, bool(deltas.any())
         self.carried, self.draw_sampling, self.drawn = carried, draw_sampling, drawn
+        self.mins = mins
         self._joins = []
         self.rows += parts
         self.request_ids += [p.request_id for p in parts]
@@ -294,6 +300,15 @@ class LoopGroup:
         """Rows `sl`'s parameters for the mode's own draws (None: it draws none)."""
         st = self.draw_sampling
         return st if st is None or sl == slice(0, len(self.rows)) else st.rows(sl)
+
+    def banned(self, sl: slice) -> torch.Tensor | None:
+        """Rows `sl`'s stop ids that their next step may not draw (its loop
+        has not written `min_tokens` yet), [n, S] on the host, -1 pads;
+        None when no row bans any."""
+        short = self.counts[sl] < self.mins[sl]
+        if not bool(short.any()):
+            return None
+        return torch.where(short[:, None], self.stop_table[sl], -1)
 
     def read_back(self, sl: slice) -> dict[str, torch.Tensor]:
         """What rows `sl`'s next step reads of their last one, by signature input name."""
@@ -428,7 +443,7 @@ class LoopGroup:
         self.counters, self.slots, self.deltas = self.counters[kept], self.slots[kept], self.deltas[kept]
         self.block_table, self.stop_table = self.block_table[kept], self.stop_table[kept]
         self.page_counts = self.page_counts[kept]
-        self.drawn = self.drawn[kept]
+        self.drawn, self.mins = self.drawn[kept], self.mins[kept]
         self.carried = {name: t[dev_kept] for name, t in self.carried.items()}
         if not self.rows:  # start afresh: no flags or penalty rows linger
             self.sampling, self.seen, self.draw_sampling = None, None, None

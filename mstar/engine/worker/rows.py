@@ -58,6 +58,7 @@ class Work:
     inputs: dict[str, TensorRef | list[StreamItem] | int]
     branch: str = "main"
     rejoin: bool = False  # a preempted decode-group row coming back: it rejoins its group, it runs no step
+    banned: tuple[int, ...] = ()  # ids the step may not sample (its loop's stop ids, before `min_tokens`)
 
 
 @dataclass(eq=False, slots=True)

@@ -49,6 +49,18 @@ def stop_ids(part: PartitionRun, loop: Loop) -> tuple[int, ...]:
     return ids
 
 
+def banned_ids(part: PartitionRun) -> tuple[int, ...]:
+    """The stop ids the step under the cursor may not draw: its loop's, while
+    the loop has written fewer than its key's `min_tokens`."""
+    checked = checking_loop(part)
+    if checked is None:
+        return ()
+    loop, frame = checked
+    if frame.count >= part.request.sampling[loop_key(part, loop)].min_tokens:
+        return ()
+    return stop_ids(part, loop)
+
+
 def checking_loop(part: PartitionRun) -> tuple[Loop, Frame] | None:
     """The loop whose stop rule judges what the step under the cursor
     writes, and its frame."""

@@ -22,7 +22,7 @@ from mstar.engine.worker.loop_group import Leave, LoopGroup
 from mstar.engine.messages import Finished, Submit
 from mstar.engine.worker.rows import PartitionRun, RequestRun, StreamItem, Work
 from mstar.engine.worker.streaming.buffer import StreamBuffer
-from mstar.engine.worker.stop_rules import stop_ids
+from mstar.engine.worker.stop_rules import banned_ids, loop_key, stop_ids
 from mstar.engine.worker.streaming.edges import Send, Streams
 from mstar.engine.movement.tensor_store import TensorRef, TensorStore
 from mstar.engine.worker.turns import Turns
@@ -218,8 +218,9 @@ class Walker:
         # a row of a component with per-row state takes a slot at its first step (a plain one too: no pages)
         needs_slot = step.component in self.slots and part.row(step.component, branch).slot is None
         part.busy = True
+        banned = banned_ids(part) if step.component in self.token_loops else ()
         self.scheduler.add(WorkItem(rid, part.name, step.component, step.mode, num_tokens, pages,
-                                    payload=Work(part, inputs, branch), starts_row=starts_row,
+                                    payload=Work(part, inputs, branch, banned=banned), starts_row=starts_row,
                                     needs_slot=needs_slot, capped=capped))
 
     def _num_tokens(self, step: Step, inputs: dict[str, TensorRef | list[StreamItem] | int]) -> int:
@@ -298,7 +299,8 @@ class Walker:
         token = self.store.take(part.values.pop(loop.value), part.request_id)
         reads = step_bindings(step, comp.signatures[step.mode])[0] if shape.carried else {}
         carried = {name: self.store.take(part.values.pop(reads[name]), part.request_id) for name in shape.carried}
-        group.join(part, token, count, cap, stop_ids(part, loop), carried)
+        group.join(part, token, count, cap, stop_ids(part, loop), carried,
+                   part.request.sampling[loop_key(part, loop)].min_tokens)
         part.busy = True
         return True
 

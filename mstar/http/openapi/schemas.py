@@ -67,6 +67,8 @@ def sampling_properties() -> dict[str, Schema]:
                  "description": "a string, or an array of non-empty strings, that ends the generation"},
         "stop_token_ids": {**int_list(), "maxItems": MAX_STOP_TOKEN_IDS},
         "ignore_eos": {"type": "boolean", "default": DEFAULTS.ignore_eos},
+        "min_tokens": {"type": "integer", "minimum": 0, "default": DEFAULTS.min_tokens,
+                       "description": "EOS and stop_token_ids are not drawn before this many tokens"},
     }
 
 

@@ -36,7 +36,8 @@ SAMPLING_BY = "sampling_by"
 GENERATE_KEYS = frozenset({"text", "input_ids", "model", "sampling_params", "stream", "voice", "walk", SAMPLING_BY})
 # Every route answers a field it does not know with a 400 naming it, as OpenAI does. The OpenAI routes know
 # each field of OpenAI's own request, whether served or refused with a reason, and mstar's sampling extensions.
-SAMPLING_EXTENSIONS = frozenset({"top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", SAMPLING_BY})
+SAMPLING_EXTENSIONS = frozenset({"top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens",
+                                 SAMPLING_BY})
 OPENAI_KEYS = SAMPLING_EXTENSIONS | {
     "model", "max_tokens", "n", "stream", "stream_options", "temperature", "top_p", "seed", "stop", "user",
     "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "response_format"}
@@ -212,10 +213,11 @@ def read_sampling(f: Fields, logprobs: int | None = None) -> SamplingParams:
         stop=f.stops("stop"),
         stop_token_ids=f.int_list("stop_token_ids"),
         ignore_eos=f.boolean("ignore_eos"),
+        min_tokens=f.integer("min_tokens", 0),
         logprobs=logprobs,
     )
-    try:
-        params.validate()
+    try:  # max_tokens is the route's, once the prompt is known: a min_tokens is checked against it then
+        dataclasses.replace(params, max_tokens=None).validate()
     except RequestError as e:
         raise RequestError(e.message, field=f.name(e.field) if e.field else None,
                            status=e.status, code=e.code) from None
