@@ -330,7 +330,8 @@ class ComponentRunner:
         query_start = torch.arange(n + 1, dtype=torch.long)
         starts = group.kv_lens[sl] + group.deltas[sl]
         # copies that queue behind the step in flight: this one is launched before that one is read
-        batch = TokenBatch(input_ids=group.tokens[sl], positions=to_device(group.positions(sl).contiguous(), self.device),
+        positions = to_device(group.positions(sl).contiguous(), self.device)
+        batch = TokenBatch(input_ids=group.tokens[sl], positions=positions,
                            query_start=query_start, logits_index=torch.arange(n, device=self.device), attn=None,
                            extra=extra, start_positions=to_device(starts, self.device),
                            state=self._state_rows(group.slots[sl]), draw=draw)
@@ -346,8 +347,8 @@ class ComponentRunner:
         return out
 
     def _group_tokens(self, logits: torch.Tensor, st: SamplingTensors, seen: torch.Tensor | None,
-                      banned: torch.Tensor | None, extras: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None,
-                                                                dict[str, torch.Tensor]]:
+                      banned: torch.Tensor | None, extras: dict[str, torch.Tensor]
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
         """A group step's tokens sampled from its logits, and their logprobs."""
         # no wait: the worker reads these tokens after launching the next step. A graph's logits are
         # its static output: read here, in stream order, before the next replay rewrites them
