@@ -216,8 +216,16 @@ def _markdown(result: dict) -> str:
 
 
 async def _run(args: argparse.Namespace, one, result: dict) -> None:
-    for question in args.question:  # compile and warm every path once (the audio encoder's too)
-        await one(f"warmup-{question}", question)
+    # compile and warm every path (the audio encoder's too); with --warm-rows N at N rows at once, so what is
+    # built on first use at a batch size lands here, and the warm-up's first audio shows what that cost
+    result["warmup"] = []
+    for question in args.question:
+        t0 = time.perf_counter()
+        got = await asyncio.gather(*(one(f"warmup-{question}-{k}", question) for k in range(args.warm_rows)))
+        result["warmup"].append({"question": question, "rows": args.warm_rows,
+                                 "ttfa_max_ms": 1e3 * max(x.ttfa_s for x in got),
+                                 "wall_s": time.perf_counter() - t0})
+        print(json.dumps(result["warmup"][-1]), flush=True)
     for question in args.question:
         for c in args.concurrency:
             level = await _level(one, args, c, question)
@@ -239,6 +247,8 @@ async def main() -> None:
     p.add_argument("--text-tokens", type=int, default=60)
     p.add_argument("--frames", type=int, default=125)  # 10 s of speech
     p.add_argument("--requests-per-client", type=int, default=2)
+    p.add_argument("--warm-rows", type=int, default=1,
+                   help="concurrent warm-up requests per question (first-use costs at that batch size land there)")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--cuda-graph-max-batch", type=int, default=64)
     p.add_argument("--out", type=Path, required=True)
