@@ -25,6 +25,7 @@ from mstar.engine.worker.streaming.buffer import StreamBuffer
 from mstar.engine.worker.stop_rules import banned_ids, loop_key, stop_ids
 from mstar.engine.worker.streaming.edges import Send, Streams
 from mstar.engine.movement.tensor_store import TensorRef, TensorStore
+from mstar.engine.movement.transfer import to_device
 from mstar.engine.worker.turns import Turns
 from mstar.errors import ConfigError
 from mstar.graph import Component, ForkRows, Kind, Run, Step, WalkPlan, step_bindings
@@ -354,7 +355,9 @@ class Walker:
         loop = part.loop()
         assert loop is not None
         value = loop.value
-        ref = TensorRef(self.store.put(leave.token, (part.request_id,)))
+        # on the device, like the loop's other writes (a leave made from the host's copy is queued on the
+        # worker's stream from page-locked memory: nothing waits)
+        ref = TensorRef(self.store.put(to_device(leave.token, self.device), (part.request_id,)))
         host = {value: leave.host_token} if leave.host_token is not None else None
         self.completed(part, {value: ref, **(extras or {})}, leave.reason, host)
 
