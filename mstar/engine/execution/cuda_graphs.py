@@ -29,6 +29,30 @@ from mstar.types import AttentionContext, TokenBatch
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
+class StagingFence:
+    """When a replay's host-to-device copies have landed: recorded once they
+    are queued, waited for by the next replay before it rewrites the
+    page-locked staging they read (a step is launched before the one before
+    it is read). `wait_s`: how long the last wait took."""
+
+    def __init__(self) -> None:
+        self._copied: torch.cuda.Event | None = None
+        self.wait_s = 0.0
+
+    def wait(self) -> None:
+        self.wait_s = 0.0
+        if self._copied is None:
+            self._copied = torch.cuda.Event()
+            return
+        t0 = time.perf_counter()
+        self._copied.synchronize()
+        self.wait_s = time.perf_counter() - t0
+
+    def record(self) -> None:
+        assert self._copied is not None, "record() follows wait()"
+        self.fence.record()
+
+
 class GraphAttention(Protocol):
     def plan_graph(self, batch_size: int, context_lens: torch.Tensor,
                    block_tables: torch.Tensor) -> AttentionContext: ...
@@ -59,10 +83,7 @@ class DecodeGraphs:
         self._rows = torch.arange(top, dtype=torch.long, device=device)
         self._pinned_positions = torch.empty(shape, dtype=torch.long, pin_memory=True)
         self._graphs: dict[int, _Graph] = {}
-        # recorded once a run's host-to-device copies are queued: the next run
-        # waits for it before rewriting the page-locked staging those copies read
-        self._copied: torch.cuda.Event | None = None
-        self.wait_s = 0.0  # time the last run waited for the previous run's copies
+        self.fence = StagingFence()
 
     @property
     def max_batch(self) -> int:
@@ -100,13 +121,7 @@ class DecodeGraphs:
         b = self.bucket(n)
         if b is None or b not in self._graphs:
             return None
-        self.wait_s = 0.0
-        if self._copied is not None:
-            t0 = time.perf_counter()
-            self._copied.synchronize()  # the previous step's inputs have landed: its staging is free
-            self.wait_s = time.perf_counter() - t0
-        else:
-            self._copied = torch.cuda.Event()
+        self.fence.wait()  # the previous step's inputs have landed: its staging is free
         self._ids[:n].copy_(tokens, non_blocking=True)
         self._pinned_positions[..., :n].copy_(context_lens if positions is None else positions)
         self._positions[..., :n].copy_(self._pinned_positions[..., :n], non_blocking=True)
@@ -114,7 +129,7 @@ class DecodeGraphs:
             self._ids[n:b].zero_()
             self._positions[..., n:b].zero_()
         self.attention.plan_graph(b, context_lens, block_table)
-        self._copied.record()
+        self.fence.record()
         g = self._graphs[b]
         g.graph.replay()
         return {name: out[:n] for name, out in g.outputs.items()}

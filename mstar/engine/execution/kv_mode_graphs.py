@@ -18,13 +18,12 @@ startup, largest bucket first, one memory pool per sampler path.
 from __future__ import annotations
 
 import bisect
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from mstar.engine.execution.cuda_graphs import GraphAttention
+from mstar.engine.execution.cuda_graphs import GraphAttention, StagingFence
 from mstar.engine.execution.draws import DRAW_KINDS, Draws, StaticDraws
 from mstar.kernels.graph_capture import capture_buckets
 from mstar.models.base import RowShape
@@ -59,11 +58,7 @@ class KVModeGraphs:
         self._extra = {n: torch.zeros((top, *r.shape), dtype=r.dtype, device=device) for n, r in rows.items()}
         self._draws = StaticDraws(top, draws, device) if draws else None
         self._graphs: dict[tuple[int, str | None], _Graph] = {}
-        # recorded once a run's host-to-device copies are queued: the next run waits for it before the
-        # attention plan rewrites the page-locked staging they read (a group launches a step before the
-        # one before it is read)
-        self._copied: torch.cuda.Event | None = None
-        self.wait_s = 0.0  # time the last run waited for the previous run's copies
+        self.fence = StagingFence()
 
     def _batch(self, b: int, attn: AttentionContext, kind: str | None) -> TokenBatch:
         return TokenBatch(input_ids=self._ids[:b], positions=self._positions[..., :b],
@@ -117,19 +112,13 @@ class KVModeGraphs:
         if draws is not None:
             assert self._draws is not None
             self._draws.load(draws, b)
-        self.wait_s = 0.0
-        if self._copied is not None:
-            t0 = time.perf_counter()
-            self._copied.synchronize()
-            self.wait_s = time.perf_counter() - t0
-        else:
-            self._copied = torch.cuda.Event()
+        self.fence.wait()
         if isinstance(pages, torch.Tensor):
             table = pages
         else:
             width = max(len(p) for p in pages)
             table = torch.tensor([p + [0] * (width - len(p)) for p in pages], dtype=torch.long)
         self.attention.plan_graph(b, context_lens, table)
-        self._copied.record()
+        self.fence.record()
         g.graph.replay()
         return {name: out[:n].clone() for name, out in g.outputs.items()}

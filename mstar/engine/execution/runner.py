@@ -286,7 +286,7 @@ class ComponentRunner:
         elif self.graphs is not None:
             replayed = self.graphs.run(group.tokens[sl], ctx, group.block_table[sl],
                                        group.positions(sl) if group.shifted or group.axes > 1 else None)
-            self.device_s += self.graphs.wait_s
+            self.device_s += self.graphs.fence.wait_s
             if replayed is not None:
                 logits = replayed["logits"]
                 # out of the static buffers, in stream order: the next replay rewrites them before they are read
@@ -328,19 +328,19 @@ class ComponentRunner:
             draw = Draws(st, shape.draws[1])
         ctx = group.kv_lens[sl]
         query_start = torch.arange(n + 1, dtype=torch.long)
-        starts = group.kv_lens[sl] + group.deltas[sl]
-        # copies that queue behind the step in flight: this one is launched before that one is read
+        # a copy that queues behind the step in flight: this one is launched before that one is read
         positions = to_device(group.positions(sl).contiguous(), self.device)
+        # one token a row: each row starts at its position (every axis holds the same one)
+        starts = positions if positions.dim() == 1 else positions[0]
         batch = TokenBatch(input_ids=group.tokens[sl], positions=positions,
                            query_start=query_start, logits_index=torch.arange(n, device=self.device), attn=None,
-                           extra=extra, start_positions=to_device(starts, self.device),
-                           state=self._state_rows(group.slots[sl]), draw=draw)
+                           extra=extra, start_positions=starts, state=self._state_rows(group.slots[sl]), draw=draw)
         graphs = self.kv_graphs.get(group.mode)
         out = None
         if graphs is not None and self.state is None and graphs.fits(n):
             with torch.profiler.record_function("mstar.replay"):
                 out = graphs.run(batch, ctx, group.block_table[sl], draw)
-            self.device_s += graphs.wait_s
+            self.device_s += graphs.fence.wait_s
         if out is None:
             batch.attn = self.attention.plan(query_start, ctx, group.block_table[sl])
             out = self._timed(getattr(self.module, group.mode))(batch)

@@ -98,7 +98,6 @@ class LoopGroup:
         self.loop = loop
         self.device = device
         self.shape = shape or GroupShape()
-        self.extras = dict(self.shape.extras)  # signature output name -> walk value
         self.axes = axes
         self.ticket = -1
         self.rows: list[PartitionRun] = []
@@ -128,6 +127,11 @@ class LoopGroup:
         self._events = [torch.cuda.Event(), torch.cuda.Event()] if device.type == "cuda" else []
         self._left: dict[int, int] = {}           # id(row) -> the launch after which it left
         self._left_at: dict[int, list[int]] = {}  # launch seq -> ids of the rows that left after it
+
+    @property
+    def extras(self) -> dict[str, str]:
+        """What a step keeps besides its token: signature output name -> walk value."""
+        return self.shape.extras
 
     def __len__(self) -> int:
         return len(self.rows) + len(self._joins)
@@ -194,8 +198,7 @@ class LoopGroup:
 
         new = SamplingTensors.build([p.sampling for p in parts], [p.seed for p in parts],
                                     [r.generated for r in kv], dev)
-        # a token may be on the host (a row that left at an earlier loop's stop, from its host copy)
-        tokens = torch.cat([self.tokens, torch.stack([to_device(j.token.reshape(()), dev) for j in joins])])
+        tokens = torch.cat([self.tokens, torch.stack([j.token.reshape(()) for j in joins]).to(dev)])
         kv_lens = torch.cat([self.kv_lens, longs([r.kv_len for r in kv])])
         counts = torch.cat([self.counts, longs([j.count for j in joins])])
         caps = torch.cat([self.caps, longs([j.cap for j in joins])])
