@@ -82,6 +82,26 @@ async def _kernels(eng: Engine, c: int, seconds: float, trace_dir: Path | None) 
         prof.export_chrome_trace(str(trace_dir / f"omni_c{c}.json"))
 
 
+def _log_compiles() -> None:
+    """Print every Triton compile (a kernel's first use at a new specialisation)
+    with its time and duration: what a request would wait for after startup."""
+    try:
+        from triton import knobs
+    except ImportError:
+        return
+    started: dict[str, float] = {}
+
+    def before(*, key, repr, **_):
+        started[str(key)] = time.perf_counter()
+        return False
+
+    def after(*, key, repr, **_):
+        t0 = started.pop(str(key), time.perf_counter())
+        print(f"triton compile {1e3 * (time.perf_counter() - t0):7.0f} ms at {time.perf_counter():.3f}: {repr[:160]}",
+              flush=True)
+    knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = before, after
+
+
 def _host_profile(skip: int, plans: int) -> cProfile.Profile:
     """cProfile of the worker thread over its plans skip .. skip + plans of
     each level (no synchronising timers: the host's own time, and its waits)."""
@@ -115,6 +135,7 @@ async def main() -> None:
     p.add_argument("--host-profile", type=int, nargs=2, default=None, metavar=("SKIP", "PLANS"),
                    help="cProfile the worker thread over these plans of the last level instead of timing steps")
     args = p.parse_args()
+    _log_compiles()
     prof = _host_profile(*args.host_profile) if args.host_profile else None
     if not args.kernels and prof is None:  # the timers synchronise every step, which the profiler would then show
         ComponentRunner.compute = _timed("items", ComponentRunner.compute)
@@ -129,6 +150,7 @@ async def main() -> None:
             TIMELINE.clear()
             FIRSTS.clear()
             t0 = time.perf_counter()
+            print(f"level {c} starts at {t0:.3f}", flush=True)
             runs = [_speak(eng, f"p{c}-{i}", args.model, args.text_tokens, args.frames) for i in range(c)]
             if args.kernels:
                 runs.append(_kernels(eng, c, args.kernels, args.trace_dir))
