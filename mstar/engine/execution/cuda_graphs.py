@@ -50,7 +50,7 @@ class StagingFence:
 
     def record(self) -> None:
         assert self._copied is not None, "record() follows wait()"
-        self.fence.record()
+        self._copied.record()
 
 
 class GraphAttention(Protocol):
@@ -129,7 +129,7 @@ class DecodeGraphs:
             self._ids[n:b].zero_()
             self._positions[..., n:b].zero_()
         self.attention.plan_graph(b, context_lens, block_table)
-        self.fence.record()
+        self._copied.record()
         g = self._graphs[b]
         g.graph.replay()
         return {name: out[:n] for name, out in g.outputs.items()}
