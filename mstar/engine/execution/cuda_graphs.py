@@ -129,7 +129,7 @@ class DecodeGraphs:
             self._ids[n:b].zero_()
             self._positions[..., n:b].zero_()
         self.attention.plan_graph(b, context_lens, block_table)
-        self._copied.record()
+        self.fence.record()
         g = self._graphs[b]
         g.graph.replay()
         return {name: out[:n] for name, out in g.outputs.items()}
