@@ -185,3 +185,35 @@ def test_filtered_race(rows, vocab):
 @pytest.mark.parametrize("b,c,t", [(1, 3, 5), (2, 16, 1500)])
 def test_snake_beta(b, c, t, dtype):
     check_snake_beta(b, c, t, dtype, "cuda")
+
+
+def test_a_burst_of_a_new_row_count_compiles_no_sampling_kernel():
+    """The sampler's per-row columns (top-p, min-p, seeds, counters) are rows
+    of one stacked tensor, so their addresses' alignment follows the row
+    count; a kernel compiled per alignment stalled the first burst of a new
+    size for seconds (the filtered race takes about 4 s to compile)."""
+    from triton import knobs
+
+    from mstar.engine.execution.sampler import SamplingTensors, sample
+    from mstar.types import SamplingParams
+
+    def step(rows: int) -> None:
+        params = [SamplingParams(temperature=0.7, top_p=0.8, top_k=50, min_p=0.01)] * rows
+        st = SamplingTensors.build(params, list(range(rows)), [0] * rows, "cuda")
+        sample(torch.randn(rows, 2048, device="cuda"), st)
+
+    step(1)  # compiles what a first request would
+    compiled: list[str] = []
+    previous = knobs.runtime.jit_cache_hook
+
+    def seen(*, repr: str, **_) -> bool:
+        compiled.append(repr.split("[")[0])
+        return False
+    knobs.runtime.jit_cache_hook = seen
+    try:
+        for rows in (2, 3, 4, 5, 6, 8, 32):
+            step(rows)
+        torch.cuda.synchronize()
+    finally:
+        knobs.runtime.jit_cache_hook = previous
+    assert compiled == [], f"compiled again for a new row count: {compiled}"

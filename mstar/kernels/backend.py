@@ -24,10 +24,20 @@ except ImportError:  # a CPU-only install: every op falls back to torch
 HAVE_TRITON = triton is not None
 
 
-def jit(fn: Callable[..., Any]) -> Any:
+def jit(fn: Callable[..., Any] | None = None, *, per_row: tuple[str, ...] = ()) -> Any:
     """`triton.jit` where triton imports; otherwise the bare function, which
-    is never launched because `use_triton` is then always False."""
-    return triton.jit(fn) if HAVE_TRITON else fn
+    is never launched because `use_triton` is then always False.
+
+    `per_row`: pointer parameters a program reads one value from (a row's
+    seed, top-p, ...). Triton compiles a kernel apart for each 16-byte
+    alignment of each pointer; these often point into a stack of per-row
+    columns, where the alignment follows the row count, so a burst of a new
+    size would wait seconds for a compile that buys a scalar load nothing."""
+    def wrap(f: Callable[..., Any]) -> Any:
+        if not HAVE_TRITON:
+            return f
+        return triton.jit(f, do_not_specialize_on_alignment=list(per_row)) if per_row else triton.jit(f)
+    return wrap(fn) if fn is not None else wrap
 
 
 def use_triton(x: torch.Tensor) -> bool:

@@ -101,7 +101,7 @@ def _word(x, high: tl.constexpr):
     return (x & 0xFFFFFFFF).to(tl.uint32)
 
 
-@jit
+@jit(per_row=("seeds_ptr", "counters_ptr"))
 def _noise_kernel(seeds_ptr, counters_ptr, out_ptr, vocab, mul_a, mul_b, salt, inv_2_24, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

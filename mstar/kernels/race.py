@@ -64,7 +64,7 @@ def filtered_race_triton(scaled: Tensor, top_k: Tensor, top_p: Tensor, min_p: Te
     return out
 
 
-@jit
+@jit(per_row=("top_k_ptr", "top_p_ptr", "min_p_ptr"))
 def _race_kernel(logits_ptr, noise_ptr, top_k_ptr, top_p_ptr, min_p_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     rank = tl.arange(0, BLOCK)
