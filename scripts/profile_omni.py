@@ -145,6 +145,8 @@ async def main() -> None:
     await eng.start()
     try:
         await _speak(eng, "warm", args.model, 4, 4)
+        if args.kernels:  # the profiler's first start stalls the worker for seconds (CUPTI's setup): not in a level
+            await eng.profile(0.2)
         for c in args.concurrency:
             TIMES.clear()
             TIMELINE.clear()
