@@ -118,6 +118,28 @@ def check_snake_beta(b: int, c: int, t: int, dtype: torch.dtype, device: str) ->
     torch.testing.assert_close(got.float(), want, **tol)
 
 
+def check_snake_beta_held(b: int, c: int, t: int, reach: int, masked: bool, dtype: torch.dtype, device: str) -> None:
+    """The held samples, then SnakeBeta of the new ones zeroed outside `keep`:
+    the held part and the zeros exact, the activation against the float32
+    reference on the same rounded inputs."""
+    gen = torch.Generator().manual_seed(b * 10_000 + c * 100 + t + reach)
+    x = (torch.randn(b, c, t, generator=gen) * 2).to(device=device, dtype=dtype)
+    held = torch.randn(b, c, reach, generator=gen).to(device=device, dtype=dtype)
+    freq, magnitude = ((0.2 + torch.rand(1, c, 1, generator=gen) * 3).to(device=device, dtype=dtype) for _ in "fm")
+    keep = (torch.rand(b, t, generator=gen) > 0.3).to(device) if masked else None
+    with torch.no_grad():
+        got = snake.snake_beta_held(x, freq, magnitude, 1e-9, held, keep) if device != "cpu" else snake._launch_held(
+            x, freq, magnitude, 1e-9, held, keep)
+    assert got.shape == (b, c, reach + t) and got.dtype == dtype
+    assert torch.equal(got[..., :reach], held)
+    want = snake.snake_beta_reference(x.float(), freq.float(), magnitude.float(), 1e-9)
+    if keep is not None:
+        assert bool((got[..., reach:].masked_select(~keep[:, None, :]) == 0).all())
+        want = want.masked_fill(~keep[:, None, :], 0.0)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 8e-3}
+    torch.testing.assert_close(got[..., reach:].float(), want, **tol)
+
+
 def check_snake_dwconv(b: int, c: int, t: int, dilation: int, dtype: torch.dtype, device: str) -> None:
     """Snake then SNAC's depthwise conv (kernel 7, `dilation`, length kept),
     against the float32 reference on the same rounded inputs; edges included."""

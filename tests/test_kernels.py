@@ -10,7 +10,8 @@ import pytest
 import torch
 from kernel_cases import (check_exponential_noise, check_filtered_race, check_fused_add_rms_norm, check_fused_moe,
                           check_head_norm_rope, check_moe_align, check_rms_norm, check_rope_and_store,
-                          check_silu_and_mul, check_snake, check_snake_beta, check_snake_dwconv, moe_inputs)
+                          check_silu_and_mul, check_snake, check_snake_beta, check_snake_beta_held,
+                          check_snake_dwconv, moe_inputs)
 
 from mstar.kernels import activation, fused_add_rms_norm, moe, norm, rms_norm, rope_and_store, rope_kv, silu_and_mul
 from mstar.kernels.backend import HAVE_TRITON, block_size, num_warps
@@ -257,3 +258,11 @@ def test_filtered_race(rows, vocab):
 @pytest.mark.parametrize("b,c,t", [(1, 3, 5), (2, 16, 1500)])
 def test_snake_beta(b, c, t, dtype):
     check_snake_beta(b, c, t, dtype, "cpu")
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("b,c,t,reach,masked", [(1, 3, 5, 6, True), (2, 8, 40, 18, False), (3, 4, 1100, 0, True),
+                                                 (2, 5, 7, 1030, True)])
+def test_snake_beta_held(b, c, t, reach, masked, dtype):
+    check_snake_beta_held(b, c, t, reach, masked, dtype, "cpu")

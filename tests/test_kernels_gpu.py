@@ -18,6 +18,7 @@ from kernel_cases import (
     check_silu_and_mul,
     check_snake,
     check_snake_beta,
+    check_snake_beta_held,
     check_exponential_noise,
     check_snake_dwconv,
     moe_inputs,
@@ -185,6 +186,13 @@ def test_filtered_race(rows, vocab):
 @pytest.mark.parametrize("b,c,t", [(1, 3, 5), (2, 16, 1500)])
 def test_snake_beta(b, c, t, dtype):
     check_snake_beta(b, c, t, dtype, "cuda")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("b,c,t,reach,masked", [(1, 3, 5, 6, True), (32, 96, 1920, 54, True), (32, 768, 32, 2, False),
+                                                 (4, 16, 3, 0, True)])
+def test_snake_beta_held(b, c, t, reach, masked, dtype):
+    check_snake_beta_held(b, c, t, reach, masked, dtype, "cuda")
 
 
 def test_a_burst_of_a_new_row_count_compiles_no_sampling_kernel():

@@ -2,7 +2,9 @@
 per-channel alpha [1, C, 1] in, x + sin(alpha x)^2 / (alpha + eps) out, in
 x's dtype. Also snake followed by the depthwise dilated convolution (kernel
 7) that opens each of SNAC's residual units, in one pass; and SnakeBeta
-(frequency and magnitude apart), Qwen3-Omni code2wav's activation.
+(frequency and magnitude apart), Qwen3-Omni code2wav's activation, alone
+or fused with what its causal convolutions read in a streaming step (the
+held samples before it, the samples outside the sequence zeroed).
 
 The torch expression is five passes over the activations (multiply, sine,
 square, scale, add); at hundreds of codec windows per step those passes are
@@ -57,6 +59,69 @@ def snake_beta(x: torch.Tensor, freq: torch.Tensor, magnitude: torch.Tensor, eps
 
 def snake_beta_reference(x: torch.Tensor, freq: torch.Tensor, magnitude: torch.Tensor, eps: float) -> torch.Tensor:
     return x + 1.0 / (magnitude + eps) * torch.sin(x * freq).pow(2)
+
+
+def snake_beta_held(x: torch.Tensor, freq: torch.Tensor, magnitude: torch.Tensor, eps: float, held: torch.Tensor,
+                    keep: torch.Tensor | None = None) -> torch.Tensor:
+    """What a causal convolution's streaming step reads: the samples it
+    `held` [B, C, R] from the step before, then SnakeBeta of the new `x`
+    [B, C, T], zeroed where `keep` [B, T] (bool) is False -> [B, C, R + T].
+    One pass where the unfused form is four (activation, mask, its
+    negation, concatenation)."""
+    if (use_triton(x) and not torch.is_grad_enabled() and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and freq.dtype == magnitude.dtype == held.dtype == x.dtype):
+        return _launch_held(x, freq, magnitude, eps, held, keep)
+    return snake_beta_held_reference(x, freq, magnitude, eps, held, keep)
+
+
+def snake_beta_held_reference(x: torch.Tensor, freq: torch.Tensor, magnitude: torch.Tensor, eps: float,
+                              held: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    y = snake_beta(x, freq, magnitude, eps)
+    if keep is not None:
+        y = y.masked_fill(~keep[:, None, :], 0.0)
+    return torch.cat([held, y], dim=-1)
+
+
+def _launch_held(x: torch.Tensor, freq: torch.Tensor, magnitude: torch.Tensor, eps: float, held: torch.Tensor,
+                 keep: torch.Tensor | None) -> torch.Tensor:
+    batch, channels, length = x.shape
+    reach = held.shape[-1]
+    if (x.dim() != 3 or held.shape[:2] != (batch, channels) or freq.numel() != channels
+            or magnitude.numel() != channels or (keep is not None and keep.shape != (batch, length))):
+        raise ValueError(f"snake_beta_held takes x [B, C, T], held [B, C, R], per-channel parameters and keep "
+                         f"[B, T], got {tuple(x.shape)}, {tuple(held.shape)}, {tuple(freq.shape)} and "
+                         f"{None if keep is None else tuple(keep.shape)}")
+    x, held = x.contiguous(), held.contiguous()
+    out = torch.empty(batch, channels, reach + length, dtype=x.dtype, device=x.device)
+    if out.numel():
+        # a bool tensor's bytes as uint8 (the same storage): what the kernel loads
+        flags = keep.contiguous().view(torch.uint8) if keep is not None else x
+        grid = (batch * channels, (reach + length + BLOCK - 1) // BLOCK)
+        _snake_held_kernel[grid](x, held, flags, freq.reshape(-1).contiguous(), magnitude.reshape(-1).contiguous(),
+                                 out, channels, length, reach, eps, HAS_KEEP=keep is not None, BLOCK=BLOCK,
+                                 num_warps=num_warps(BLOCK))
+    return out
+
+
+@jit
+def _snake_held_kernel(x_ptr, held_ptr, keep_ptr, freq_ptr, mag_ptr, out_ptr, channels, length, reach, eps,
+                       HAS_KEEP: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)   # one (batch, channel) row: R held samples, then T new ones
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    total = reach + length
+    is_held = cols < reach
+    is_new = (cols >= reach) & (cols < total)
+    t = tl.where(is_new, cols - reach, 0)
+    a = tl.load(freq_ptr + row % channels).to(tl.float32)
+    m = tl.load(mag_ptr + row % channels).to(tl.float32)
+    x = tl.load(x_ptr + row * length + t, mask=is_new, other=0.0).to(tl.float32)
+    s = tl.sin(a * x)
+    y = (x + s * s / (m + eps)).to(out_ptr.dtype.element_ty)   # rounded once, as snake_beta's kernel does
+    if HAS_KEEP:
+        kept = tl.load(keep_ptr + (row // channels) * length + t, mask=is_new, other=0)
+        y = tl.where(kept != 0, y, 0.0).to(out_ptr.dtype.element_ty)
+    h = tl.load(held_ptr + row * reach + tl.where(is_held, cols, 0), mask=is_held, other=0.0)
+    tl.store(out_ptr + row * total + cols, tl.where(is_held, h, y), mask=cols < total)
 
 
 def _launch(x: torch.Tensor, freq: torch.Tensor, magnitude: torch.Tensor, eps: float, name: str) -> torch.Tensor:
