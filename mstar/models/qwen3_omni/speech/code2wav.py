@@ -145,7 +145,7 @@ class Code2Wav(nn.Module):
             x, bufs = block.step(x, [read(n) for n in names], keep)
             new.update(zip(names, bufs, strict=True))
         keep = self._keep(frames, self._rates[-1], k, self._lags[-1])
-        y, new["conv_out"] = self.conv_out.step(self.snake_out(x).masked_fill(~keep[:, None], 0), read("conv_out"))
+        y, new["conv_out"] = self.conv_out.advance(self.snake_out.before(x, read("conv_out"), keep))
         for name, value in new.items():   # after every read: a fault above leaves the slots as they were
             state.tensors[name][slots] = value.to(state.tensors[name].dtype)
         return y.clamp(-1.0, 1.0)[:, 0].masked_fill(~keep, 0)

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.kernels.conv import blocks_weight, conv1d_gemm, conv_transpose1d_blocks
-from mstar.kernels.snake import snake_beta
+from mstar.kernels.snake import snake_beta, snake_beta_held
 from mstar.models.layers.linear import Linear
 
 Device = torch.device | str | None
@@ -76,7 +76,10 @@ class CausalConv(nn.Module):
 
     def step(self, x: torch.Tensor, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, in, n] after the inputs `buf` [B, in, reach] holds."""
-        full = torch.cat([buf, x], dim=-1)
+        return self.advance(torch.cat([buf, x], dim=-1) if self.reach else x)
+
+    def advance(self, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`step` from its inputs already after the held ones: [B, in, reach + n]."""
         if _as_gemm(full) and self.groups == 1:
             y = conv1d_gemm(full, self.weight, self.bias, self.dilation)
         else:
@@ -114,9 +117,11 @@ class CausalTransConv(nn.Module):
         return y[..., self.trim:y.shape[-1] - self.trim]
 
     def step(self, x: torch.Tensor, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # the whole-sequence cut applied to [held inputs, new inputs] leaves
-        # exactly the blocks the new inputs complete
-        full = torch.cat([buf, x], dim=-1)
+        return self.advance(torch.cat([buf, x], dim=-1))
+
+    def advance(self, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`step` from [held inputs, new inputs]: the whole-sequence cut
+        applied to them leaves exactly the blocks the new inputs complete."""
         if _as_gemm(full):
             y = conv_transpose1d_blocks(full, *self._blocks(self.weight), self.bias, self.stride)
         else:
@@ -174,6 +179,13 @@ class SnakeBeta(nn.Module):
         freq, magnitude = self._scales(self.alpha, self.beta)
         return snake_beta(x, freq, magnitude, SNAKE_EPS)
 
+    def before(self, x: torch.Tensor, held: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """What the causal convolution after this activation steps on: its
+        `held` inputs, then this activation of `x` zeroed where `keep` [B, T]
+        is False (samples from before the sequence's start)."""
+        freq, magnitude = self._scales(self.alpha, self.beta)
+        return snake_beta_held(x, freq, magnitude, SNAKE_EPS, held, keep)
+
 
 class ConvNeXt(nn.Module):
     def __init__(self, dim: int, *, device: Device = None, dtype: torch.dtype | None = None) -> None:
@@ -213,10 +225,6 @@ class Upsample(nn.Module):
         return self.convnext.step(self.up(x), buf)
 
 
-def _zero_outside(x: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
-    return x if keep is None else x.masked_fill(~keep[:, None, :], 0.0)
-
-
 class ResidualUnit(nn.Module):
     def __init__(self, dim: int, dilation: int, *, device: Device = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -230,8 +238,9 @@ class ResidualUnit(nn.Module):
         return x + self.conv2(self.act2(self.conv1(self.act1(x))))
 
     def step(self, x: torch.Tensor, buf: torch.Tensor, keep: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        h, buf = self.conv1.step(_zero_outside(self.act1(x), keep), buf)
-        return x + self.conv2(self.act2(h)), buf
+        h, buf = self.conv1.advance(self.act1.before(x, buf, keep))
+        y, _ = self.conv2.advance(self.act2(h))   # kernel 1: nothing held
+        return x + y, buf
 
 
 class DecoderBlock(nn.Module):
@@ -253,7 +262,7 @@ class DecoderBlock(nn.Module):
              keep: torch.Tensor | None) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """bufs: the transposed conv's, then each unit's; `keep` at the output
         rate."""
-        x, up = self.up.step(self.snake(x), bufs[0])
+        x, up = self.up.advance(self.snake.before(x, bufs[0]))
         out = [up]
         for unit, buf in zip(self.units, bufs[1:], strict=True):
             x, buf = unit.step(x, buf, keep)
