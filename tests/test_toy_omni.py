@@ -389,18 +389,24 @@ async def test_rows_swapped_out_and_back_speak_the_same() -> None:
     model.context = 48
     requests = _requests(3) + _requests(4)
     expected = [reference(model, ids, mel, think, talk) for ids, mel, think, talk in requests]
-    eng = Engine(EngineConfig(model="toy-omni", devices=("cpu",), scheduler=SchedulerConfig(
-        page_size=4, num_pages=12, kv_reservation="lazy")), model=model)
-    await eng.start()
-    try:
-        results = await asyncio.wait_for(asyncio.gather(*(
-            _serve(eng, f"z{i}", [(ids, mel)], think, talk) for i, (ids, mel, think, talk) in enumerate(requests))),
-            120)
-        for got, want in zip(results, expected):
-            _check(got, [want])
-        # both kinds were swapped out and back: group rows and step-by-step ones (how often is up to timing)
-        swapped = eng.workers[0].preemption.preempted_by
-        assert swapped["thinker"] >= 1 and swapped["talker"] >= 1
-        await drained(eng)
-    finally:
-        await eng.shutdown()
+    swapped: dict[str, int] = {"thinker": 0, "talker": 0}
+    # which rows wait for pages first is up to the worker's pace against the submissions: a loaded machine may
+    # need another run before both kinds have been swapped; every run must give the reference's outputs
+    for _ in range(4):
+        eng = Engine(EngineConfig(model="toy-omni", devices=("cpu",), scheduler=SchedulerConfig(
+            page_size=4, num_pages=12, kv_reservation="lazy")), model=model)
+        await eng.start()
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*(
+                _serve(eng, f"z{i}", [(ids, mel)], think, talk)
+                for i, (ids, mel, think, talk) in enumerate(requests))), 120)
+            for got, want in zip(results, expected):
+                _check(got, [want])
+            for kind in swapped:
+                swapped[kind] += eng.workers[0].preemption.preempted_by[kind]
+            await drained(eng)
+        finally:
+            await eng.shutdown()
+        if swapped["thinker"] and swapped["talker"]:
+            break
+    assert swapped["thinker"] >= 1 and swapped["talker"] >= 1, swapped

@@ -33,20 +33,32 @@ Draw = Callable[[torch.Tensor, int], torch.Tensor]  # (logits [B, V], j) -> code
 class FrameCache:
     """The attention of B rows over a dense cache that starts empty: every
     call brings the same number n of new tokens per row, packed row after
-    row ([B * n, heads, D]); they attend causally to the row's earlier ones."""
+    row ([B * n, heads, D]); they attend causally to the row's earlier ones.
+    A layer's keys and values go into a buffer of the frame's `capacity`
+    tokens, written where they land: a frame is fifteen short passes, and
+    concatenating the cache at each would copy it all fifteen times."""
 
-    def __init__(self, rows: int) -> None:
-        self.rows = rows
+    def __init__(self, rows: int, capacity: int) -> None:
+        self.rows, self.capacity = rows, capacity
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
+        self.filled: dict[int, int] = {}
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         b = self.rows
         q, k, v = (x.reshape(b, -1, *x.shape[1:]) for x in (q, k, v))  # [B, n, heads, D]
-        self.k[layer] = torch.cat([self.k[layer], k], dim=1) if layer in self.k else k
-        self.v[layer] = torch.cat([self.v[layer], v], dim=1) if layer in self.v else v
-        keys, values = self.k[layer].transpose(1, 2), self.v[layer].transpose(1, 2)  # [B, kv heads, t, D]
-        n, total = q.shape[1], keys.shape[2]
+        if layer not in self.k:
+            self.k[layer] = k.new_empty(b, self.capacity, *k.shape[2:])
+            self.v[layer] = v.new_empty(b, self.capacity, *v.shape[2:])
+            self.filled[layer] = 0
+        start, n = self.filled[layer], q.shape[1]
+        total = start + n
+        if total > self.capacity:
+            raise ValueError(f"a frame's cache holds {self.capacity} tokens; {total} were written")
+        self.k[layer][:, start:total].copy_(k)
+        self.v[layer][:, start:total].copy_(v)
+        self.filled[layer] = total
+        keys, values = (c[layer][:, :total].transpose(1, 2) for c in (self.k, self.v))  # [B, kv heads, t, D]
         # a frame's steps bring its first tokens (causal among themselves) or one token (sees every key):
         # no mask to build, and grouped heads read their KV head in place
         mask = None
@@ -102,7 +114,8 @@ class CodePredictor(nn.Module):
         frame's first code; `first` [B, H]: that code's talker embedding.
         Returns the codes 1 .. G - 1 [B, G - 1] int64 (code j + 1 is
         `draw(logits, j)`) and their embeddings [B, G - 1, H]."""
-        cache = FrameCache(last.shape[0])
+        # the frame's tokens: its two input rows, then one a code but the last (only embedded)
+        cache = FrameCache(last.shape[0], self.cfg.num_code_groups)
         h = self._last(torch.stack([last, first], dim=1), 0, cache)
         codes: list[torch.Tensor] = []
         embeds: list[torch.Tensor] = []
