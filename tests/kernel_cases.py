@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from mstar.kernels import activation, head_norm_rope, moe, noise, norm, race, rope_kv, snake
+from mstar.kernels import activation, draw, head_norm_rope, moe, noise, norm, race, rope_kv, snake
 
 EPS = 1e-5
 
@@ -306,3 +306,28 @@ def check_filtered_race(rows: int, vocab: int, device: str) -> None:
         assert got.dtype == torch.int64 and got.shape == (rows,)
         assert got.cpu().tolist() == race.filtered_race_reference(*args).cpu().tolist(), draw
 
+
+
+def check_draw_tokens(rows: int, vocab: int, filtered: bool, dtype: torch.dtype, device: str) -> None:
+    """One launch draws the token the sampler's torch form draws, row by row:
+    greedy rows (temperature 0) beside sampled ones, filters alone and
+    together, ties and -inf entries, logits in `dtype` read as they are,
+    draws at counter + offset."""
+    gen = torch.Generator().manual_seed(rows * 10 + vocab + filtered)
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    logits[:, ::7] = float("-inf")
+    if rows > 1 and vocab > 12:  # ties across row 1's top-5 cut
+        top = logits[1].argsort(descending=True)
+        logits[1, top[3:8]] = logits[1, top[3]].item()
+    logits = logits.to(dtype)
+    temperature = torch.tensor([[0.7, 1.0, 0.0, 1.3, 0.5, 0.9][r % 6] for r in range(rows)])
+    top_k = torch.tensor([[0, 5, 50, 0, 1, vocab + 3][r % 6] if filtered else 0 for r in range(rows)])
+    top_p = torch.tensor([[1.0, 0.8, 1.0, 0.5, 0.9, 0.95][r % 6] if filtered else 1.0 for r in range(rows)])
+    min_p = torch.tensor([[0.0, 0.0, 0.05, 0.0, 0.0, 0.1][r % 6] if filtered else 0.0 for r in range(rows)])
+    seeds, counters = torch.arange(rows) * 3 + 1, torch.arange(rows) * 5
+    for offset in (0, 1, 14):
+        args = [t.to(device) for t in (logits, temperature, top_k, top_p, min_p, seeds, counters)]
+        got = draw.draw_tokens_triton(*args, offset, filtered)
+        assert got.dtype == torch.int64 and got.shape == (rows,)
+        want = draw.draw_tokens_reference(*args, offset, filtered)
+        assert got.cpu().tolist() == want.cpu().tolist(), offset

@@ -11,6 +11,7 @@ import torch
 from kernel_cases import (check_exponential_noise, check_filtered_race, check_fused_add_rms_norm, check_fused_moe,
                           check_head_norm_rope, check_moe_align, check_rms_norm, check_rope_and_store,
                           check_silu_and_mul, check_snake, check_snake_beta, check_snake_beta_held,
+                          check_draw_tokens,
                           check_snake_dwconv, moe_inputs)
 
 from mstar.kernels import activation, fused_add_rms_norm, moe, norm, rms_norm, rope_and_store, rope_kv, silu_and_mul
@@ -251,6 +252,13 @@ def test_head_norm_rope(t, heads, d, dtype):
 @pytest.mark.parametrize("rows,vocab", [(6, 40), (3, 300)])
 def test_filtered_race(rows, vocab):
     check_filtered_race(rows, vocab, "cpu")
+
+
+@interpreted
+@pytest.mark.parametrize("filtered", [True, False])
+@pytest.mark.parametrize("rows,vocab,dtype", [(6, 40, torch.float32), (7, 300, torch.float16)])
+def test_draw_tokens(rows, vocab, dtype, filtered):
+    check_draw_tokens(rows, vocab, filtered, dtype, "cpu")
 
 
 @interpreted

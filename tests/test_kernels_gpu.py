@@ -10,6 +10,7 @@ from kernel_cases import (
     MOE_SHAPES,
     check_fused_add_rms_norm,
     check_filtered_race,
+    check_draw_tokens,
     check_head_norm_rope,
     check_fused_moe,
     check_moe_align,
@@ -180,6 +181,13 @@ def test_head_norm_rope(t, heads, d, dtype):
 @pytest.mark.parametrize("rows,vocab", [(6, 40), (64, 2048), (32, 3072), (5, 4096)])
 def test_filtered_race(rows, vocab):
     check_filtered_race(rows, vocab, "cuda")
+
+
+@pytest.mark.parametrize("filtered", [True, False])
+@pytest.mark.parametrize("rows,vocab,dtype", [(6, 40, torch.float32), (64, 2048, torch.bfloat16),
+                                              (32, 3072, torch.bfloat16), (5, 4096, torch.float32)])
+def test_draw_tokens(rows, vocab, dtype, filtered):
+    check_draw_tokens(rows, vocab, filtered, dtype, "cuda")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

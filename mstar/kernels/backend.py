@@ -24,7 +24,8 @@ except ImportError:  # a CPU-only install: every op falls back to torch
 HAVE_TRITON = triton is not None
 
 
-def jit(fn: Callable[..., Any] | None = None, *, per_row: tuple[str, ...] = ()) -> Any:
+def jit(fn: Callable[..., Any] | None = None, *, per_row: tuple[str, ...] = (),
+        any_value: tuple[str, ...] = ()) -> Any:
     """`triton.jit` where triton imports; otherwise the bare function, which
     is never launched because `use_triton` is then always False.
 
@@ -32,11 +33,18 @@ def jit(fn: Callable[..., Any] | None = None, *, per_row: tuple[str, ...] = ()) 
     seed, top-p, ...). Triton compiles a kernel apart for each 16-byte
     alignment of each pointer; these often point into a stack of per-row
     columns, where the alignment follows the row count, so a burst of a new
-    size would wait seconds for a compile that buys a scalar load nothing."""
+    size would wait seconds for a compile that buys a scalar load nothing.
+    `any_value`: integer parameters likewise not specialised (Triton
+    compiles 1 and multiples of 16 apart) where their value varies by call."""
     def wrap(f: Callable[..., Any]) -> Any:
         if not HAVE_TRITON:
             return f
-        return triton.jit(f, do_not_specialize_on_alignment=list(per_row)) if per_row else triton.jit(f)
+        options: dict[str, list[str]] = {}
+        if per_row:
+            options["do_not_specialize_on_alignment"] = list(per_row)
+        if any_value:
+            options["do_not_specialize"] = list(any_value)
+        return triton.jit(f, **options)
     return wrap(fn) if fn is not None else wrap
 
 

@@ -101,21 +101,31 @@ def _word(x, high: tl.constexpr):
     return (x & 0xFFFFFFFF).to(tl.uint32)
 
 
+@jit
+def _row_key(seed, counter, mul_a, mul_b, salt):
+    """A row's 32-bit key (`row_keys`), mixed here rather than by ~30 launches of tiny torch ops per step."""
+    a = tl.full((), mul_a, tl.uint32)
+    b = tl.full((), mul_b, tl.uint32)
+    key = _mix32(_word(seed, False) ^ tl.full((), salt, tl.uint32), a, b)
+    key = _mix32(key ^ _word(seed, True), a, b)
+    key = _mix32(key ^ _word(counter, False), a, b)
+    return _mix32(key ^ _word(counter, True), a, b)
+
+
+@jit
+def _exp_noise(key, cols, mul_a, mul_b, inv_2_24):
+    """The Exp(1) draws of a row with `key` at vocabulary indices `cols`."""
+    a = tl.full((), mul_a, tl.uint32)
+    b = tl.full((), mul_b, tl.uint32)
+    idx = _mix32(cols.to(tl.uint32), a, b)
+    bits = _mix32(key ^ idx, a, b)
+    u = tl.minimum(((bits >> 8).to(tl.float32) + 0.5) * inv_2_24, 1.0 - inv_2_24)  # as the reference: below 1
+    return -tl.log(u)
+
+
 @jit(per_row=("seeds_ptr", "counters_ptr"))
 def _noise_kernel(seeds_ptr, counters_ptr, out_ptr, vocab, mul_a, mul_b, salt, inv_2_24, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < vocab
-    a = tl.full((), mul_a, tl.uint32)
-    b = tl.full((), mul_b, tl.uint32)
-    # the row's key (`row_keys`), mixed here rather than by ~30 launches of tiny torch ops per step
-    seed = tl.load(seeds_ptr + row)
-    counter = tl.load(counters_ptr + row)
-    key = _mix32(_word(seed, False) ^ tl.full((), salt, tl.uint32), a, b)
-    key = _mix32(key ^ _word(seed, True), a, b)
-    key = _mix32(key ^ _word(counter, False), a, b)
-    key = _mix32(key ^ _word(counter, True), a, b)
-    idx = _mix32(cols.to(tl.uint32), a, b)
-    bits = _mix32(key ^ idx, a, b)
-    u = tl.minimum(((bits >> 8).to(tl.float32) + 0.5) * inv_2_24, 1.0 - inv_2_24)  # as the reference: below 1
-    tl.store(out_ptr + row * vocab + cols, -tl.log(u), mask=mask)
+    key = _row_key(tl.load(seeds_ptr + row), tl.load(counters_ptr + row), mul_a, mul_b, salt)
+    tl.store(out_ptr + row * vocab + cols, _exp_noise(key, cols, mul_a, mul_b, inv_2_24), mask=cols < vocab)

@@ -70,6 +70,19 @@ def _race_kernel(logits_ptr, noise_ptr, top_k_ptr, top_p_ptr, min_p_ptr, out_ptr
     rank = tl.arange(0, BLOCK)
     valid = rank < vocab
     x = tl.load(logits_ptr + row * vocab + rank, mask=valid, other=float("-inf"))
+    weights, index = _sorted_weights(x, tl.load(top_k_ptr + row), tl.load(top_p_ptr + row),
+                                     tl.load(min_p_ptr + row), vocab, BLOCK)
+    noise = tl.load(noise_ptr + row * vocab + index, mask=valid, other=1.0)
+    winner = tl.argmax(weights / noise, axis=0)
+    tl.store(out_ptr + row, tl.sum(tl.where(rank == winner, index, 0), axis=0))
+
+
+@jit
+def _sorted_weights(x, k, p, min_p, vocab, BLOCK: tl.constexpr):
+    """A row's float32 logits x [BLOCK] (-inf past the vocabulary) and its
+    filters -> (the kept tokens' probabilities in descending logit order, 0
+    where filtered out; the token at each rank)."""
+    rank = tl.arange(0, BLOCK)
     x = tl.where(x == 0.0, 0.0, x)  # -0.0 equals 0.0 (a sort keeps their index order); their bits do not
     # a float's bits as an int32 that orders as the floats do, the index below them (reversed, so that a
     # descending sort puts the lower index first among equal logits)
@@ -81,17 +94,12 @@ def _race_kernel(logits_ptr, noise_ptr, top_k_ptr, top_p_ptr, min_p_ptr, out_ptr
     index = BLOCK - 1 - (key - (high << 32))
     back = high.to(tl.int32)
     v = tl.where(back >= 0, back, back ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
-    k = tl.load(top_k_ptr + row)
     k = tl.where(k > 0, tl.minimum(k, vocab), vocab)
     keep = rank < k
     masked = tl.where(keep, v, float("-inf"))
     e = tl.exp(masked - tl.max(masked, axis=0))
     probs = e / tl.sum(e, axis=0)
     mass_before = tl.cumsum(probs, axis=0) - probs
-    p = tl.load(top_p_ptr + row)
     keep = keep & (mass_before < tl.where(p >= 1.0, float("inf"), p))  # p >= 1: off
-    keep = keep & (probs >= tl.load(min_p_ptr + row) * tl.max(probs, axis=0))
-    weights = tl.where(keep, probs, 0.0)
-    noise = tl.load(noise_ptr + row * vocab + index, mask=valid, other=1.0)
-    winner = tl.argmax(weights / noise, axis=0)
-    tl.store(out_ptr + row, tl.sum(tl.where(rank == winner, index, 0), axis=0))
+    keep = keep & (probs >= min_p * tl.max(probs, axis=0))
+    return tl.where(keep, probs, 0.0), index

@@ -1,0 +1,91 @@
+"""One draw per row in one program: a row's logits [B, V] (any float
+dtype), temperature, top-k, top-p, min-p, seed and draw counter in, its
+token ([B] int64) out. What the sampler does after penalties and bans:
+temperature 0 takes the argmax; otherwise the logits are scaled by the
+temperature, filtered (`race.py`: top-k, top-p, min-p) or not, and the
+token whose probability over its Exp(1) noise (`noise.py`, drawn at the
+row's counter + `offset`) is largest wins.
+
+The torch form is about ten launches a draw (a float copy, the greedy
+argmax, the scaling, the noise, the race, the selects), and a talker frame
+draws sixteen times, one after another; here a draw is one launch, for
+vocabularies up to `MAX_VOCAB` (a row in registers).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mstar.kernels.backend import block_size, jit, num_warps, tl, use_triton
+from mstar.kernels.noise import _INV_2_24, _MUL_A, _MUL_B, _ROW_SALT, _exp_noise, _row_key, exponential_noise
+from mstar.kernels.race import MAX_VOCAB, _sorted_weights, filtered_race
+
+
+def draw_tokens(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, seeds: Tensor,
+                counters: Tensor, offset: int = 0, filtered: bool = True) -> Tensor:
+    """`filtered`: whether any row filters (top-k, top-p or min-p); when
+    none does the race runs over the whole softmax, as the sampler's plain
+    path does."""
+    if use_triton(logits) and logits.shape[-1] <= MAX_VOCAB:
+        return draw_tokens_triton(logits, temperature, top_k, top_p, min_p, seeds, counters, offset, filtered)
+    return draw_tokens_reference(logits, temperature, top_k, top_p, min_p, seeds, counters, offset, filtered)
+
+
+def draw_tokens_reference(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
+                          seeds: Tensor, counters: Tensor, offset: int = 0, filtered: bool = True) -> Tensor:
+    logits = logits.float()
+    greedy = torch.argmax(logits, dim=-1)
+    is_greedy = temperature <= 0
+    scaled = logits / torch.where(is_greedy, torch.ones_like(temperature), temperature)[:, None]
+    noise = exponential_noise(seeds, counters + offset if offset else counters, logits.shape[-1])
+    if filtered:
+        drawn = filtered_race(scaled, top_k, top_p, min_p, noise)
+    else:
+        drawn = torch.argmax(torch.softmax(scaled, dim=-1) / noise, dim=-1)
+    return torch.where(is_greedy, greedy, drawn)
+
+
+def draw_tokens_triton(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
+                       seeds: Tensor, counters: Tensor, offset: int = 0, filtered: bool = True) -> Tensor:
+    rows, vocab = logits.shape
+    params = (temperature, top_k, top_p, min_p, seeds, counters)
+    if vocab > MAX_VOCAB or any(p.shape != (rows,) for p in params):
+        raise ValueError(f"logits {tuple(logits.shape)} with per-row parameters of {rows} rows, at most "
+                         f"{MAX_VOCAB} columns")
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows:
+        if logits.stride(-1) != 1:
+            logits = logits.contiguous()
+        block = block_size(vocab)
+        _draw_kernel[(rows,)](logits, logits.stride(0), temperature.float().contiguous(),
+                              top_k.to(torch.int64).contiguous(), top_p.float().contiguous(),
+                              min_p.float().contiguous(), seeds.to(torch.int64).contiguous(),
+                              counters.to(torch.int64).contiguous(), out, vocab, offset, _MUL_A, _MUL_B, _ROW_SALT,
+                              _INV_2_24, FILTER=filtered, BLOCK=block, num_warps=num_warps(block))
+    return out
+
+
+@jit(per_row=("temp_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr", "seeds_ptr", "counters_ptr"),
+     any_value=("offset",))
+def _draw_kernel(logits_ptr, stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr, counters_ptr, out_ptr,
+                 vocab, offset, mul_a, mul_b, salt, inv_2_24, FILTER: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    rank = tl.arange(0, BLOCK)
+    valid = rank < vocab
+    x = tl.load(logits_ptr + row * stride + rank, mask=valid, other=float("-inf")).to(tl.float32)
+    t = tl.load(temp_ptr + row)
+    greedy = tl.argmax(x, axis=0)
+    scaled = x / tl.where(t <= 0.0, 1.0, t)
+    key = _row_key(tl.load(seeds_ptr + row), tl.load(counters_ptr + row) + offset, mul_a, mul_b, salt)
+    if FILTER:
+        weights, index = _sorted_weights(scaled, tl.load(top_k_ptr + row), tl.load(top_p_ptr + row),
+                                         tl.load(min_p_ptr + row), vocab, BLOCK)
+        noise = _exp_noise(key, index, mul_a, mul_b, inv_2_24)
+        winner = tl.argmax(weights / noise, axis=0)
+        drawn = tl.sum(tl.where(rank == winner, index, 0), axis=0)
+    else:
+        e = tl.exp(scaled - tl.max(scaled, axis=0))
+        probs = e / tl.sum(e, axis=0)
+        drawn = tl.argmax(probs / _exp_noise(key, rank, mul_a, mul_b, inv_2_24), axis=0)
+    tl.store(out_ptr + row, tl.where(t <= 0.0, greedy, drawn).to(tl.int64))
