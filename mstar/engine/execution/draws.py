@@ -8,8 +8,6 @@ a captured step replay inside its CUDA graph, as the eager ones would draw.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from mstar.engine.execution.sampler import NOT_ASKED, SamplingTensors, sample
@@ -38,8 +36,7 @@ class Draws:
     def __call__(self, logits: torch.Tensor, j: int) -> torch.Tensor:
         if not 0 <= j < self.count:
             raise IndexError(f"draw {j} of a mode that declares {self.count} per step")
-        st = self.tensors
-        return sample(logits, replace(st, counters=st.counters + j))
+        return sample(logits, self.tensors, offset=j)
 
 
 class StaticDraws:

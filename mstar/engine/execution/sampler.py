@@ -23,8 +23,7 @@ import torch
 from torch import Tensor
 
 from mstar.engine.movement.transfer import to_device
-from mstar.kernels.noise import exponential_noise
-from mstar.kernels.race import filtered_race
+from mstar.kernels.draw import draw_tokens
 from mstar.types import SamplingParams
 
 NOT_ASKED = -1  # a row's logprobs count when its request reports none
@@ -137,33 +136,28 @@ def banned_table(rows: list[tuple[int, ...]], device: torch.device | str) -> Ten
     return to_device(table, device)
 
 
-def sample(logits: Tensor, st: SamplingTensors, seen: Tensor | None = None, banned: Tensor | None = None) -> Tensor:
+def sample(logits: Tensor, st: SamplingTensors, seen: Tensor | None = None, banned: Tensor | None = None,
+           offset: int = 0) -> Tensor:
     """Draw one token per row: [B, V] float logits -> [B] int64. `banned`
     [B, S]: ids a row may not draw yet (-1 pads; a `min_tokens` not reached).
+    `offset`: draws at the rows' counters plus this (a mode's j-th draw).
 
     Greedy rows take the argmax of the (penalised) logits. Other rows draw by
     an exponential race (argmax of probs / Exp noise), equivalent to sampling
-    from the filtered softmax at the row's temperature.
+    from the filtered softmax at the row's temperature (`kernels/draw.py`).
     """
-    logits = logits.float()
+    if st.any_penalty or banned is not None:
+        logits = logits.float()
     if st.any_penalty:
         if seen is None:
             raise ValueError("a row has a repetition penalty but no `seen` mask was given")
         logits = apply_repetition_penalty(logits, seen, st.repetition_penalty)
     if banned is not None:
         logits = logits.masked_fill(banned_mask(banned, logits.shape[-1]), float("-inf"))
-    greedy = torch.argmax(logits, dim=-1)
     if st.all_greedy:
-        return greedy
-    is_greedy = st.temperature <= 0
-    temp = torch.where(is_greedy, torch.ones_like(st.temperature), st.temperature)
-    scaled = logits / temp[:, None]
-    noise = exponential_noise(st.seeds, st.counters, logits.shape[-1])
-    if st.any_filter:
-        drawn = filtered_race(scaled, st.top_k, st.top_p, st.min_p, noise)
-    else:
-        drawn = torch.argmax(torch.softmax(scaled, dim=-1) / noise, dim=-1)
-    return torch.where(is_greedy, greedy, drawn)
+        return torch.argmax(logits, dim=-1)   # a float copy would not move the argmax: the values are exact
+    return draw_tokens(logits, st.temperature, st.top_k, st.top_p, st.min_p, st.seeds, st.counters, offset,
+                       st.any_filter)
 
 
 def token_logprobs(logits: Tensor, tokens: Tensor, st: SamplingTensors) -> Tensor | None:
