@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from kernel_cases import (check_exponential_noise, check_filtered_race, check_fused_add_rms_norm, check_fused_moe,
+from kernel_cases import (check_exponential_noise, check_fused_add_rms_norm, check_fused_moe,
                           check_head_norm_rope, check_moe_align, check_rms_norm, check_rope_and_store,
                           check_silu_and_mul, check_snake, check_snake_beta, check_snake_beta_held,
                           check_draw_tokens,
@@ -246,12 +246,6 @@ def test_snac_decoder_through_the_fused_kernels_matches_the_reference(monkeypatc
 @pytest.mark.parametrize("t,heads,d", [(1, 4, 16), (5, 3, 64), (2, 2, 128)])
 def test_head_norm_rope(t, heads, d, dtype):
     check_head_norm_rope(t, heads, d, dtype, "cpu", interpreted=True)
-
-
-@interpreted
-@pytest.mark.parametrize("rows,vocab", [(6, 40), (3, 300)])
-def test_filtered_race(rows, vocab):
-    check_filtered_race(rows, vocab, "cpu")
 
 
 @interpreted

@@ -9,7 +9,6 @@ import torch
 from kernel_cases import (
     MOE_SHAPES,
     check_fused_add_rms_norm,
-    check_filtered_race,
     check_draw_tokens,
     check_head_norm_rope,
     check_fused_moe,
@@ -176,11 +175,6 @@ def test_rope_and_store_replays_under_cuda_graphs():
 @pytest.mark.parametrize("t,heads,d", [(1, 16, 128), (7, 4, 64), (300, 32, 128)])
 def test_head_norm_rope(t, heads, d, dtype):
     check_head_norm_rope(t, heads, d, dtype, "cuda", interpreted=False)
-
-
-@pytest.mark.parametrize("rows,vocab", [(6, 40), (64, 2048), (32, 3072), (5, 4096)])
-def test_filtered_race(rows, vocab):
-    check_filtered_race(rows, vocab, "cuda")
 
 
 @pytest.mark.parametrize("filtered", [True, False])

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from mstar.kernels.backend import block_size, jit, num_warps, tl, use_triton
 from mstar.kernels.noise import _INV_2_24, _MUL_A, _MUL_B, _ROW_SALT, _exp_noise, _row_key, exponential_noise
-from mstar.kernels.race import MAX_VOCAB, _sorted_weights, filtered_race
+from mstar.kernels.race import MAX_VOCAB, _sorted_weights, filtered_race_reference
 
 
 def draw_tokens(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, seeds: Tensor,
@@ -40,7 +40,7 @@ def draw_tokens_reference(logits: Tensor, temperature: Tensor, top_k: Tensor, to
     scaled = logits / torch.where(is_greedy, torch.ones_like(temperature), temperature)[:, None]
     noise = exponential_noise(seeds, counters + offset if offset else counters, logits.shape[-1])
     if filtered:
-        drawn = filtered_race(scaled, top_k, top_p, min_p, noise)
+        drawn = filtered_race_reference(scaled, top_k, top_p, min_p, noise)
     else:
         drawn = torch.argmax(torch.softmax(scaled, dim=-1) / noise, dim=-1)
     return torch.where(is_greedy, greedy, drawn)

@@ -6,10 +6,11 @@ min-p the tokens at least min_p times as likely as the first, and the kept
 token whose probability over its noise is largest wins (equivalent to
 sampling from the filtered softmax).
 
-The torch form is about thirty launches (sort, softmax, cumsum, masks,
-gathers); a code predictor draws fifteen times a frame, one after another.
-For vocabularies up to `MAX_VOCAB` the kernel does a row in one program:
-its logits sorted in registers (each float's bits made order-preserving,
+The torch form (`filtered_race_reference`) is about thirty launches (sort,
+softmax, cumsum, masks, gathers); a code predictor draws fifteen times a
+frame, one after another. For vocabularies up to `MAX_VOCAB` the draw
+kernel (`draw.py`) filters a row in one program (`_sorted_weights`): its
+logits sorted in registers (each float's bits made order-preserving,
 with the index below them, so equal logits keep index order as a stable
 sort does), then the filters and the race. Its softmax and cumsum round
 within a few ulps of torch's.
@@ -20,15 +21,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mstar.kernels.backend import block_size, jit, num_warps, tl, use_triton
+from mstar.kernels.backend import jit, tl
 
 MAX_VOCAB = 4096  # a row's sort stays in registers
-
-
-def filtered_race(scaled: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, noise: Tensor) -> Tensor:
-    if use_triton(scaled) and scaled.shape[-1] <= MAX_VOCAB:
-        return filtered_race_triton(scaled, top_k, top_p, min_p, noise)
-    return filtered_race_reference(scaled, top_k, top_p, min_p, noise)
 
 
 def filtered_race_reference(scaled: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, noise: Tensor) -> Tensor:
@@ -48,33 +43,6 @@ def filtered_race_reference(scaled: Tensor, top_k: Tensor, top_p: Tensor, min_p:
     weights = probs.masked_fill(~keep, 0.0)
     winner = torch.argmax(weights / noise.gather(1, order), dim=-1, keepdim=True)
     return order.gather(1, winner).squeeze(1)
-
-
-def filtered_race_triton(scaled: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, noise: Tensor) -> Tensor:
-    rows, vocab = scaled.shape
-    if vocab > MAX_VOCAB or noise.shape != scaled.shape or not (top_k.shape == top_p.shape == min_p.shape == (rows,)):
-        raise ValueError(f"scaled {tuple(scaled.shape)} and noise {tuple(noise.shape)} with per-row params of "
-                         f"{rows} rows, at most {MAX_VOCAB} columns")
-    out = torch.empty(rows, dtype=torch.int64, device=scaled.device)
-    if rows:
-        block = block_size(vocab)
-        _race_kernel[(rows,)](scaled.float().contiguous(), noise.float().contiguous(),
-                              top_k.to(torch.int64).contiguous(), top_p.float().contiguous(),
-                              min_p.float().contiguous(), out, vocab, BLOCK=block, num_warps=num_warps(block))
-    return out
-
-
-@jit(per_row=("top_k_ptr", "top_p_ptr", "min_p_ptr"))
-def _race_kernel(logits_ptr, noise_ptr, top_k_ptr, top_p_ptr, min_p_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    rank = tl.arange(0, BLOCK)
-    valid = rank < vocab
-    x = tl.load(logits_ptr + row * vocab + rank, mask=valid, other=float("-inf"))
-    weights, index = _sorted_weights(x, tl.load(top_k_ptr + row), tl.load(top_p_ptr + row),
-                                     tl.load(min_p_ptr + row), vocab, BLOCK)
-    noise = tl.load(noise_ptr + row * vocab + index, mask=valid, other=1.0)
-    winner = tl.argmax(weights / noise, axis=0)
-    tl.store(out_ptr + row, tl.sum(tl.where(rank == winner, index, 0), axis=0))
 
 
 @jit
