@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from mstar.kernels import activation, draw, head_norm_rope, moe, noise, norm, rope_kv, snake
+from mstar.kernels import activation, draw, head_norm_rope, moe, noise, norm, rope_kv, router, snake
 
 EPS = 1e-5
 
@@ -309,3 +309,20 @@ def check_draw_tokens(rows: int, vocab: int, filtered: bool, dtype: torch.dtype,
         assert got.dtype == torch.int64 and got.shape == (rows,)
         want = draw.draw_tokens_reference(*args, offset, filtered)
         assert got.cpu().tolist() == want.cpu().tolist(), offset
+
+
+def check_route_top_k(tokens: int, experts: int, k: int, renormalize: bool, dtype: torch.dtype, device: str) -> None:
+    """The kernel picks the reference's experts, in its order (most likely
+    first), and weights within a float32 rounding of its (at most one step
+    of `dtype` apart, where a rounding boundary falls between them)."""
+    gen = torch.Generator().manual_seed(tokens * 1000 + experts + k)
+    logits = (torch.randn(tokens, experts, generator=gen) * 2).to(device=device, dtype=dtype)
+    got_experts, got_weights = router.route_top_k_triton(logits, k, renormalize, dtype)
+    want_experts, want_weights = router.route_top_k_reference(logits, k, renormalize, dtype)
+    assert got_experts.dtype == torch.int64 and got_weights.dtype == dtype
+    assert got_experts.cpu().tolist() == want_experts.cpu().tolist()
+    tol = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-3, "rtol": 8e-3}
+    torch.testing.assert_close(got_weights.float(), want_weights.float(), **tol)
+    if renormalize:
+        torch.testing.assert_close(got_weights.float().sum(-1), torch.ones(tokens, device=device),
+                                   **({"atol": 1e-5, "rtol": 0} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 0}))

@@ -11,7 +11,7 @@ import torch
 from kernel_cases import (check_exponential_noise, check_fused_add_rms_norm, check_fused_moe,
                           check_head_norm_rope, check_moe_align, check_rms_norm, check_rope_and_store,
                           check_silu_and_mul, check_snake, check_snake_beta, check_snake_beta_held,
-                          check_draw_tokens,
+                          check_draw_tokens, check_route_top_k,
                           check_snake_dwconv, moe_inputs)
 
 from mstar.kernels import activation, fused_add_rms_norm, moe, norm, rms_norm, rope_and_store, rope_kv, silu_and_mul
@@ -253,6 +253,12 @@ def test_head_norm_rope(t, heads, d, dtype):
 @pytest.mark.parametrize("rows,vocab,dtype", [(6, 40, torch.float32), (7, 300, torch.float16)])
 def test_draw_tokens(rows, vocab, dtype, filtered):
     check_draw_tokens(rows, vocab, filtered, dtype, "cpu")
+
+
+@interpreted
+@pytest.mark.parametrize("tokens,experts,k,renormalize", [(5, 8, 2, True), (9, 128, 8, True), (3, 60, 4, False)])
+def test_route_top_k(tokens, experts, k, renormalize):
+    check_route_top_k(tokens, experts, k, renormalize, torch.float32, "cpu")
 
 
 @interpreted

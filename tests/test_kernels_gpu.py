@@ -10,6 +10,7 @@ from kernel_cases import (
     MOE_SHAPES,
     check_fused_add_rms_norm,
     check_draw_tokens,
+    check_route_top_k,
     check_head_norm_rope,
     check_fused_moe,
     check_moe_align,
@@ -182,6 +183,12 @@ def test_head_norm_rope(t, heads, d, dtype):
                                               (32, 3072, torch.bfloat16), (5, 4096, torch.float32)])
 def test_draw_tokens(rows, vocab, dtype, filtered):
     check_draw_tokens(rows, vocab, filtered, dtype, "cuda")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,experts,k,renormalize", [(1, 128, 8, True), (300, 128, 8, True), (7, 60, 4, False)])
+def test_route_top_k(tokens, experts, k, renormalize, dtype):
+    check_route_top_k(tokens, experts, k, renormalize, dtype, "cuda")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
