@@ -4,10 +4,10 @@ float32), each token goes to its top-k experts (their weights renormalised
 to sum to 1 when the model says so), and each expert is a SwiGLU; the
 talker's variant adds a shared expert scaled by a sigmoid gate.
 
-Routing runs here in torch; the routed experts run in `mstar.kernels.moe`
-(a grouped-GEMM Triton kernel on CUDA, the per-expert torch loop elsewhere),
-which reads the expert weights stacked as they are kept: [E, 2I, H] gate
-then up, [E, H, I] down.
+Routing runs in `mstar.kernels.router` (one launch on CUDA), the routed
+experts in `mstar.kernels.moe` (a grouped-GEMM Triton kernel on CUDA, the
+per-expert torch loop elsewhere), which reads the expert weights stacked as
+they are kept: [E, 2I, H] gate then up, [E, H, I] down.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mstar.kernels.moe import compile_variants, fused_moe
+from mstar.kernels.router import route_top_k
 from mstar.models.layers.linear import Linear
 from mstar.models.layers.mlp import SwiGLU
 
@@ -36,11 +37,7 @@ class SparseMoe(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k experts [T, k] and their weights [T, k] (x's dtype)."""
-        probs = torch.softmax(F.linear(x, self.router).float(), dim=-1)
-        weights, experts = probs.topk(self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return experts, weights.to(x.dtype)
+        return route_top_k(F.linear(x, self.router), self.top_k, self.norm_topk_prob, x.dtype)
 
     def compile_kernels(self) -> None:
         """Compile the expert kernels for every step size before serving."""
