@@ -179,7 +179,7 @@ def test_head_norm_rope(t, heads, d, dtype):
 
 
 @pytest.mark.parametrize("filtered", [True, False])
-@pytest.mark.parametrize("rows,vocab,dtype", [(6, 40, torch.float32), (64, 2048, torch.bfloat16),
+@pytest.mark.parametrize("rows,vocab,dtype", [(13, 40, torch.float32), (64, 2048, torch.bfloat16),
                                               (32, 3072, torch.bfloat16), (5, 4096, torch.float32)])
 def test_draw_tokens(rows, vocab, dtype, filtered):
     check_draw_tokens(rows, vocab, filtered, dtype, "cuda")

@@ -9,6 +9,7 @@ the kernels are decorated).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +38,10 @@ def jit(fn: Callable[..., Any] | None = None, *, per_row: tuple[str, ...] = (),
     `any_value`: integer parameters likewise not specialised (Triton
     compiles 1 and multiples of 16 apart) where their value varies by call."""
     def wrap(f: Callable[..., Any]) -> Any:
+        unknown = set(per_row) | set(any_value)
+        unknown -= set(inspect.signature(f).parameters)
+        if unknown:  # triton would ignore them, and compile per alignment or value again
+            raise TypeError(f"{f.__name__} has no parameters {sorted(unknown)}")
         if not HAVE_TRITON:
             return f
         options: dict[str, list[str]] = {}

@@ -76,7 +76,7 @@ def _draw_kernel(logits_ptr, stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, 
     x = tl.load(logits_ptr + row * stride + rank, mask=valid, other=float("-inf")).to(tl.float32)
     t = tl.load(temp_ptr + row)
     greedy = tl.argmax(x, axis=0)
-    scaled = x / tl.where(t <= 0.0, 1.0, t)
+    scaled = tl.math.div_rn(x, tl.where(t <= 0.0, 1.0, t))   # rounded as torch's division: the same order
     key = _row_key(tl.load(seeds_ptr + row), tl.load(counters_ptr + row) + offset, mul_a, mul_b, salt)
     if FILTER:
         weights, index = _sorted_weights(scaled, tl.load(top_k_ptr + row), tl.load(top_p_ptr + row),

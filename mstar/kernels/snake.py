@@ -84,13 +84,14 @@ def snake_beta_held_reference(x: torch.Tensor, freq: torch.Tensor, magnitude: to
 
 def _launch_held(x: torch.Tensor, freq: torch.Tensor, magnitude: torch.Tensor, eps: float, held: torch.Tensor,
                  keep: torch.Tensor | None) -> torch.Tensor:
-    batch, channels, length = x.shape
+    batch, channels, length = x.shape if x.dim() == 3 else (0, 0, 0)
     reach = held.shape[-1]
-    if (x.dim() != 3 or held.shape[:2] != (batch, channels) or freq.numel() != channels
-            or magnitude.numel() != channels or (keep is not None and keep.shape != (batch, length))):
+    if (x.dim() != 3 or held.dim() != 3 or held.shape[:2] != (batch, channels) or freq.numel() != channels
+            or magnitude.numel() != channels
+            or (keep is not None and (keep.shape != (batch, length) or keep.dtype != torch.bool))):
         raise ValueError(f"snake_beta_held takes x [B, C, T], held [B, C, R], per-channel parameters and keep "
-                         f"[B, T], got {tuple(x.shape)}, {tuple(held.shape)}, {tuple(freq.shape)} and "
-                         f"{None if keep is None else tuple(keep.shape)}")
+                         f"[B, T] bool, got {tuple(x.shape)}, {tuple(held.shape)}, {tuple(freq.shape)} and "
+                         f"{None if keep is None else (tuple(keep.shape), keep.dtype)}")
     x, held = x.contiguous(), held.contiguous()
     out = torch.empty(batch, channels, reach + length, dtype=x.dtype, device=x.device)
     if out.numel():

@@ -115,7 +115,7 @@ class CodePredictor(nn.Module):
         Returns the codes 1 .. G - 1 [B, G - 1] int64 (code j + 1 is
         `draw(logits, j)`) and their embeddings [B, G - 1, H]."""
         # the frame's tokens: its two input rows, then one a code but the last (only embedded)
-        cache = FrameCache(last.shape[0], self.cfg.num_code_groups)
+        cache = FrameCache(last.shape[0], max(2, self.cfg.num_code_groups))
         h = self._last(torch.stack([last, first], dim=1), 0, cache)
         codes: list[torch.Tensor] = []
         embeds: list[torch.Tensor] = []
