@@ -259,7 +259,6 @@ class ComponentRunner:
                                 else r.seen if r.seen is not None else empty
                                 for p, r, toks in zip(parts, kv, inputs)])
         with torch.profiler.record_function("mstar.sample"):
-            logits = logits.float()
             tokens = self._timed(sample)(logits, st, seen, banned_table(banned, logits.device))
             logprobs = self._timed(token_logprobs)(logits, tokens, st)
         self._wait()
@@ -352,7 +351,6 @@ class ComponentRunner:
         """A group step's tokens sampled from its logits, and their logprobs."""
         # no wait: the worker reads these tokens after launching the next step. A graph's logits are
         # its static output: read here, in stream order, before the next replay rewrites them
-        logits = logits.float()
         tokens = self._timed(sample)(logits, st, seen, banned)
         return tokens, self._timed(token_logprobs)(logits, tokens, st), extras
 

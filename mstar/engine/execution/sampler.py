@@ -138,9 +138,11 @@ def banned_table(rows: list[tuple[int, ...]], device: torch.device | str) -> Ten
 
 def sample(logits: Tensor, st: SamplingTensors, seen: Tensor | None = None, banned: Tensor | None = None,
            offset: int = 0) -> Tensor:
-    """Draw one token per row: [B, V] float logits -> [B] int64. `banned`
-    [B, S]: ids a row may not draw yet (-1 pads; a `min_tokens` not reached).
-    `offset`: draws at the rows' counters plus this (a mode's j-th draw).
+    """Draw one token per row: [B, V] logits (any float dtype, read as they
+    are; copied to float32 only where a penalty or a ban rewrites them) ->
+    [B] int64. `banned` [B, S]: ids a row may not draw yet (-1 pads; a
+    `min_tokens` not reached). `offset`: draws at the rows' counters plus
+    this (a mode's j-th draw).
 
     Greedy rows take the argmax of the (penalised) logits. Other rows draw by
     an exponential race (argmax of probs / Exp noise), equivalent to sampling
