@@ -85,7 +85,8 @@ def _clip(seconds: float) -> np.ndarray:
     return (0.2 * np.sin(2 * np.pi * 330 * t) * (1 + 0.5 * np.sin(2 * np.pi * 3 * t))).astype(np.float32)
 
 
-def _messages(question: str) -> list[dict]:
+def question_messages(question: str) -> list[dict]:
+    """The chat messages of a `text` or `audio` question, as the engine takes them."""
     if question == "audio":
         return [{"role": "user", "content": [{"type": "audio", "audio": _clip(5.0)},
                                              {"type": "text", "text": "Answer the question in the clip."}]}]
@@ -148,7 +149,7 @@ def _sample(ttft: float, ttfa: float, last: float, samples: int, wall: float) ->
 
 async def _one(eng: Engine, rid: str, model: str, args: argparse.Namespace, question: str) -> Sample:
     request = GenerateRequest(
-        rid, model, {"messages": _messages(question), "voice": "ethan"},
+        rid, model, {"messages": question_messages(question), "voice": "ethan"},
         SamplingParams(max_tokens=args.text_tokens, temperature=0.7, top_p=0.8, ignore_eos=True), walk="speak",
         sampling_by={"talker": {"max_tokens": args.frames + 1, "ignore_eos": True, "stop_token_ids": []}})
     t0 = time.perf_counter()

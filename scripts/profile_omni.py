@@ -29,6 +29,7 @@ from mstar.engine.engine import Engine  # noqa: E402
 from mstar.engine.execution.runner import ComponentRunner  # noqa: E402
 from mstar.engine.worker.executor import Executor  # noqa: E402
 from mstar.types import GenerateRequest, SamplingParams  # noqa: E402
+from scripts.bench_omni import question_messages  # noqa: E402
 
 TIMES: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0, 0, 0.0])  # steps, rows, seconds
 TIMELINE: list[tuple[float, str, int, float]] = []  # start (s), component.mode, rows, ms
@@ -56,8 +57,8 @@ def _timed(name: str, fn):
     return call
 
 
-async def _speak(eng: Engine, rid: str, model: str, text_tokens: int, frames: int) -> None:
-    request = GenerateRequest(rid, model, {"messages": [{"role": "user", "content": "Tell me about coffee."}]},
+async def _speak(eng: Engine, rid: str, model: str, text_tokens: int, frames: int, question: str = "text") -> None:
+    request = GenerateRequest(rid, model, {"messages": question_messages(question)},
                               SamplingParams(max_tokens=text_tokens, ignore_eos=True), walk="speak",
                               sampling_by={"talker": {"max_tokens": frames + 1, "ignore_eos": True,
                                                       "stop_token_ids": []}})
@@ -71,12 +72,14 @@ async def _speak(eng: Engine, rid: str, model: str, text_tokens: int, frames: in
             raise RuntimeError(chunk.error)
 
 
-async def _kernels(eng: Engine, c: int, seconds: float, trace_dir: Path | None) -> None:
-    """The worker's kernels over `seconds` from 1 s into the level."""
-    await asyncio.sleep(1.0)
+async def _kernels(eng: Engine, c: int, seconds: float, start: float, trace_dir: Path | None) -> None:
+    """The worker's kernels over `seconds` from `start` seconds into the level."""
+    await asyncio.sleep(start)
     prof = await eng.profile(seconds)
-    print(f"\nconcurrency {c}: kernels over {seconds} s of steady state, by device time")
+    print(f"\nconcurrency {c}: kernels over {seconds} s from {start} s into the level, by device time")
     print(prof.key_averages().table(sort_by="device_time_total", row_limit=30, max_name_column_width=70))
+    print("by host time")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
     if trace_dir is not None:
         trace_dir.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(trace_dir / f"omni_c{c}.json"))
@@ -127,10 +130,15 @@ async def main() -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     p.add_argument("--text-tokens", type=int, default=40)
     p.add_argument("--frames", type=int, default=50)
+    p.add_argument("--question", choices=("text", "audio"), default="text",
+                   help="a typed question, or a 5 s clip through the audio encoder (as scripts/bench_omni.py asks)")
     p.add_argument("--timeline", action="store_true", help="print every step until each request has audio")
     p.add_argument("--kernels", type=float, default=0.0, metavar="SECONDS",
-                   help="instead of timing steps: torch's profiler over SECONDS of each level's steady state (from "
-                        "1 s in) and its kernels by device time")
+                   help="instead of timing steps: torch's profiler over SECONDS of each level (from --kernels-from) "
+                        "and its kernels by device time and host time")
+    p.add_argument("--kernels-from", type=float, default=1.0, metavar="SECONDS",
+                   help="where --kernels starts: 1 s in (the default) is the steady state, 0 the level's first "
+                        "prefills")
     p.add_argument("--trace-dir", type=Path, default=None, help="also write a Chrome trace per level here")
     p.add_argument("--host-profile", type=int, nargs=2, default=None, metavar=("SKIP", "PLANS"),
                    help="cProfile the worker thread over these plans of the last level instead of timing steps")
@@ -144,7 +152,7 @@ async def main() -> None:
                               scheduler=SchedulerConfig(max_num_seqs=64), cuda_graph_batch_sizes=graph_buckets(64)))
     await eng.start()
     try:
-        await _speak(eng, "warm", args.model, 4, 4)
+        await _speak(eng, "warm", args.model, 4, 4, args.question)
         if args.kernels:  # the profiler's first start stalls the worker for seconds (CUPTI's setup): not in a level
             await eng.profile(0.2)
         for c in args.concurrency:
@@ -153,9 +161,10 @@ async def main() -> None:
             FIRSTS.clear()
             t0 = time.perf_counter()
             print(f"level {c} starts at {t0:.3f}", flush=True)
-            runs = [_speak(eng, f"p{c}-{i}", args.model, args.text_tokens, args.frames) for i in range(c)]
+            runs = [_speak(eng, f"p{c}-{i}", args.model, args.text_tokens, args.frames, args.question)
+                    for i in range(c)]
             if args.kernels:
-                runs.append(_kernels(eng, c, args.kernels, args.trace_dir))
+                runs.append(_kernels(eng, c, args.kernels, args.kernels_from, args.trace_dir))
             stats0 = dict(vars(eng.workers[0].stats))
             await asyncio.gather(*runs)
             wall = time.perf_counter() - t0
