@@ -18,6 +18,7 @@ from transformers import Qwen3OmniMoeForConditionalGeneration, WhisperFeatureExt
 
 from mstar.errors import ConfigError, RequestError
 from mstar.models.qwen3_omni.config import Qwen3OmniConfig
+from mstar.models.layers.linear import padded_rows
 from mstar.models.qwen3_omni.encoders.audio import AudioEncoder, AudioLayout, load_audio_encoder
 from mstar.models.qwen3_omni.encoders.mel import LogMel, mel_frames
 from mstar.models.qwen3_omni.positions import audio_tokens, mrope_positions
@@ -150,6 +151,28 @@ def test_a_batch_equals_each_clip_alone(saved, encoder: AudioEncoder) -> None:
         else:
             assert (theirs - _tower(model, [f])).abs().max() > 1e-6  # transformers' own batch changes the clip
             torch.testing.assert_close(ours, _tower(model, [f]), atol=1e-5, rtol=1e-5)
+
+
+@torch.inference_mode()
+def test_padded_grids_leave_every_clip_as_it_was(saved, encoder: AudioEncoder) -> None:
+    """On padded grids (as on CUDA: chunks and token rows at `padded_rows`)
+    the clips' rows are the unpadded ones (1e-6: only GEMM shapes differ),
+    and no more rows come out."""
+    features = LogMel()(CLIPS) + [torch.randn(128, 37), torch.randn(128, 100), torch.randn(128, 900)]
+    frames = [f.shape[1] for f in features]
+    layout = AudioLayout.of(frames, encoder.window, padded=True)
+    plain = AudioLayout.of(frames, encoder.window)
+    assert layout.chunks == padded_rows(plain.chunks) > plain.chunks
+    assert layout.token_slots.numel() == padded_rows(sum(plain.tokens)) > sum(plain.tokens)
+    assert layout.tokens == plain.tokens and int(layout.key_mask.sum()) == layout.token_slots.numel()
+    want = encoder(features)
+    encoder.padded = True
+    try:
+        got = encoder(features)
+    finally:
+        encoder.padded = None
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 
 def test_the_loader_names_missing_and_unexpected_tensors(saved, tmp_path: Path) -> None:

@@ -5,6 +5,11 @@ allocated uninitialised (the loader fills them). `MergedLinear` stores several
 checkpoint projections stacked along the output dimension as one weight (q/k/v,
 gate/up), so a step runs one matmul instead of several; `shard_rows` tells the
 loader where each checkpoint tensor goes.
+
+Outside CUDA graphs, a projection of more than `SMALL_ROWS` rows on CUDA runs
+at `padded_rows` rows (the extra ones computed and dropped): cuBLAS spends
+milliseconds of host time choosing a kernel the first time it sees a shape,
+and an eager prefill's token count is new at almost every step.
 """
 
 from __future__ import annotations
@@ -14,6 +19,31 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+SMALL_ROWS = 16  # up to here every count is its own shape: few, and seen at once
+
+
+def padded_rows(n: int) -> int:
+    """`n` rounded up to one of few sizes: to 32 rows up to 512, 128 up to
+    2048, 512 beyond (at most 32 rows or 1/4 more work)."""
+    if n <= SMALL_ROWS:
+        return n
+    step = 32 if n <= 512 else 128 if n <= 2048 else 512
+    return -(-n // step) * step
+
+
+def linear_padded(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, its rows padded to `padded_rows` when x is
+    a 2-D CUDA tensor outside a graph capture (whose shapes are few already)."""
+    m = x.shape[0]
+    if x.dim() != 2 or m <= SMALL_ROWS or not x.is_cuda or torch.cuda.is_current_stream_capturing():
+        return F.linear(x, weight, bias)
+    padded = padded_rows(m)
+    if padded == m:
+        return F.linear(x, weight, bias)
+    wide = x.new_empty(padded, x.shape[1])  # rows past m are left as they are: each output row reads its own row
+    wide[:m].copy_(x)
+    return F.linear(wide, weight, bias)[:m]
 
 
 class Linear(nn.Module):
@@ -32,7 +62,7 @@ class Linear(nn.Module):
                      if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear_padded(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, bias={self.bias is not None}"

@@ -13,12 +13,11 @@ they are kept: [E, 2I, H] gate then up, [E, H, I] down.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from mstar.kernels.moe import compile_variants, fused_moe
 from mstar.kernels.router import route_top_k
-from mstar.models.layers.linear import Linear
+from mstar.models.layers.linear import Linear, linear_padded
 from mstar.models.layers.mlp import SwiGLU
 
 
@@ -37,7 +36,7 @@ class SparseMoe(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k experts [T, k] and their weights [T, k] (x's dtype)."""
-        return route_top_k(F.linear(x, self.router), self.top_k, self.norm_topk_prob, x.dtype)
+        return route_top_k(linear_padded(x, self.router, None), self.top_k, self.norm_topk_prob, x.dtype)
 
     def compile_kernels(self) -> None:
         """Compile the expert kernels for every step size before serving."""

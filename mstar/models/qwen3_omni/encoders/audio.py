@@ -29,8 +29,9 @@ from typing import TypeVar
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from mstar.models.layers.linear import Linear
+from mstar.models.layers.linear import Linear, padded_rows
 from mstar.models.qwen3_omni.config import AudioEncoderConfig
 from mstar.models.qwen3_omni.loader import fill_params
 from mstar.models.qwen3_omni.positions import MEL_CHUNK, TOKENS_PER_CHUNK
@@ -39,6 +40,7 @@ Device = torch.device | str | None
 IntOrTensor = TypeVar("IntOrTensor", int, torch.Tensor)
 
 CHECKPOINT_PREFIX = "thinker.audio_tower."
+WINDOWED_BACKENDS = (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 
 def _stride2(n: IntOrTensor) -> IntOrTensor:
@@ -65,7 +67,13 @@ class AudioLayout:
     [chunks * 13] conv output grid; window: tokens per attention window;
     window_slots [T]: each token's row in the [windows * window] attention
     grid; key_mask [windows, window]: which grid rows hold a token; tokens:
-    each clip's token count."""
+    each clip's token count.
+
+    `padded`: the grids hold `padded_rows` chunks and token rows, so that
+    the convolutions' and projections' shapes repeat from step to step
+    (cuDNN and cuBLAS pay milliseconds for each new one). Padding chunks are
+    zeros; padding tokens copy the first token's row and attend among
+    themselves, in windows after the clips'; no clip's token sees them."""
 
     chunks: int
     reach: torch.Tensor
@@ -77,7 +85,7 @@ class AudioLayout:
     tokens: tuple[int, ...]
 
     @classmethod
-    def of(cls, frames: list[int], window: int, device: Device = None) -> AudioLayout:
+    def of(cls, frames: list[int], window: int, device: Device = None, padded: bool = False) -> AudioLayout:
         """The layout of clips of `frames` mel frames each, attention
         windows of `window` tokens."""
         f = torch.tensor(frames, dtype=torch.long)
@@ -96,14 +104,26 @@ class AudioLayout:
         chunk_tokens = _stride2(_stride2(_stride2(chunk_frames)))
         token_slots = _ranges(torch.arange(len(chunk_frames)) * TOKENS_PER_CHUNK, chunk_tokens)
         tokens = torch.zeros(len(frames), dtype=torch.long).index_add_(0, clip_of_chunk, chunk_tokens)
-        window_counts = (tokens + window - 1) // window
+        chunks, spare = len(chunk_frames), 0
+        if padded:
+            chunks = padded_rows(chunks)
+            reach = torch.cat([reach, reach.new_zeros(chunks - len(chunk_frames), 3)])
+            spare = padded_rows(len(token_slots)) - len(token_slots)
+            token_slots = torch.cat([token_slots, token_slots.new_zeros(spare)])
+        # the spare tokens are one more clip's, attending only among themselves
+        window_counts = (torch.cat([tokens, torch.tensor([spare])]) + window - 1) // window
         first_window = torch.cumsum(window_counts, 0) - window_counts
-        window_slots = _ranges(first_window * window, tokens)
+        window_slots = _ranges(first_window * window, torch.cat([tokens, torch.tensor([spare])]))
         key_mask = torch.zeros(int(window_counts.sum()) * window, dtype=torch.bool)
         key_mask[window_slots] = True
-        return cls(chunks=len(chunk_frames), reach=reach.to(device), frame_slots=frame_slots.to(device),
-                   token_slots=token_slots.to(device), window=window, window_slots=window_slots.to(device),
-                   key_mask=key_mask.view(-1, window).to(device), tokens=tuple(tokens.tolist()))
+        host = torch.cat([reach.reshape(-1), frame_slots, token_slots, window_slots, key_mask.long()])
+        if torch.device(device or "cpu").type == "cuda":  # page-locked: the copy queues instead of waiting
+            host = host.pin_memory()
+        parts = host.to(device, non_blocking=True).split([reach.numel(), len(frame_slots), len(token_slots),
+                                                          len(window_slots), key_mask.numel()])
+        return cls(chunks=chunks, reach=parts[0].view(-1, 3), frame_slots=parts[1], token_slots=parts[2],
+                   window=window, window_slots=parts[3], key_mask=parts[4].bool().view(-1, window),
+                   tokens=tuple(tokens.tolist()))
 
 
 def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -133,7 +153,12 @@ class AudioAttention(nn.Module):
             return grid.view(-1, layout.window, self.heads, self.head_dim).transpose(1, 2)
 
         q, k, v = windowed(self.q_proj(x)), windowed(self.k_proj(x)), windowed(self.v_proj(x))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.key_mask[:, None, None, :])
+        mask = layout.key_mask[:, None, None, :]
+        if q.is_cuda:  # cuDNN's attention, torch's pick for a mask on Hopper, plans each new window count for ms
+            with sdpa_kernel(WINDOWED_BACKENDS):
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         out = out.transpose(1, 2).reshape(slots, d)[layout.window_slots]
         return self.out_proj(out)
 
@@ -157,13 +182,15 @@ class AudioEncoderLayer(nn.Module):
 class AudioEncoder(nn.Module):
     """The audio tower; parameters named as transformers names them under
     `thinker.audio_tower.`. `conv_batch`: chunks convolved at a time (the
-    first convolution's output is downsample_hidden_size x 64 x 50 a chunk)."""
+    first convolution's output is downsample_hidden_size x 64 x 50 a chunk).
+    `padded`: lay the clips out on padded grids (`AudioLayout`); None, the
+    default, pads on CUDA, where a new shape costs host time."""
 
     def __init__(self, cfg: AudioEncoderConfig, *, device: Device = None, dtype: torch.dtype | None = None,
-                 conv_batch: int = 500) -> None:
+                 conv_batch: int = 500, padded: bool | None = None) -> None:
         super().__init__()
         kw = {"device": device, "dtype": dtype}
-        self.cfg, self.conv_batch = cfg, conv_batch
+        self.cfg, self.conv_batch, self.padded = cfg, conv_batch, padded
         ch = cfg.downsample_hidden_size
         self.conv2d1 = nn.Conv2d(1, ch, 3, 2, padding=1, **kw)
         self.conv2d2 = nn.Conv2d(ch, ch, 3, 2, padding=1, **kw)
@@ -189,7 +216,8 @@ class AudioEncoder(nn.Module):
                                                   for x in features):
             raise ValueError(f"the audio encoder takes one or more [{self.cfg.num_mel_bins}, frames >= 1] "
                              f"features, got {[list(x.shape) for x in features]}")
-        layout = AudioLayout.of(frames, self.window, weight.device)
+        padded = weight.is_cuda if self.padded is None else self.padded
+        layout = AudioLayout.of(frames, self.window, weight.device, padded)
         mels = torch.cat([x.to(weight.device, weight.dtype) for x in features], dim=1)
         grid = mels.new_zeros(self.cfg.num_mel_bins, layout.chunks * MEL_CHUNK)
         grid[:, layout.frame_slots] = mels
@@ -201,7 +229,7 @@ class AudioEncoder(nn.Module):
         h = h.reshape(c * width, -1)[layout.token_slots]
         for layer in self.layers:
             h = layer(h, layout)
-        return self.proj2(F.gelu(self.proj1(self.ln_post(h))))
+        return self.proj2(F.gelu(self.proj1(self.ln_post(h))))[:sum(layout.tokens)]
 
     def _convolve(self, x: torch.Tensor, reach: torch.Tensor) -> torch.Tensor:
         """[C, 1, mels, 100] -> [C, channels, mels / 8, 13]; after each stage
