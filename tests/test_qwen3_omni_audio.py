@@ -185,9 +185,14 @@ def test_the_encoder_on_cuda_gives_the_cpu_rows(saved, encoder: AudioEncoder) ->
 
     features = LogMel()(CLIPS) + [torch.randn(128, 37), torch.randn(128, 900)]
     gpu = copy.deepcopy(encoder).to("cuda")
-    for batch in (features, features[:3]):
-        got = gpu([f.cuda() for f in batch])
-        torch.testing.assert_close(got.cpu(), encoder(batch), atol=1e-4, rtol=1e-4)
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # cuDNN's default is TF32
+    try:
+        for batch in (features, features[:3]):
+            got = gpu([f.cuda() for f in batch])
+            torch.testing.assert_close(got.cpu(), encoder(batch), atol=1e-4, rtol=1e-4)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def test_the_loader_names_missing_and_unexpected_tensors(saved, tmp_path: Path) -> None:
