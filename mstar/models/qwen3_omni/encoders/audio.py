@@ -40,7 +40,7 @@ Device = torch.device | str | None
 IntOrTensor = TypeVar("IntOrTensor", int, torch.Tensor)
 
 CHECKPOINT_PREFIX = "thinker.audio_tower."
-WINDOWED_BACKENDS = (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+WINDOWED_BACKENDS = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]  # the first that takes the call
 
 
 def _stride2(n: IntOrTensor) -> IntOrTensor:
@@ -153,12 +153,9 @@ class AudioAttention(nn.Module):
             return grid.view(-1, layout.window, self.heads, self.head_dim).transpose(1, 2)
 
         q, k, v = windowed(self.q_proj(x)), windowed(self.k_proj(x)), windowed(self.v_proj(x))
-        mask = layout.key_mask[:, None, None, :]
-        if q.is_cuda:  # cuDNN's attention, torch's pick for a mask on Hopper, plans each new window count for ms
-            with sdpa_kernel(WINDOWED_BACKENDS):
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        # cuDNN's attention, torch's pick for a mask on Hopper, plans each new window count for ms
+        with sdpa_kernel(WINDOWED_BACKENDS):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.key_mask[:, None, None, :])
         out = out.transpose(1, 2).reshape(slots, d)[layout.window_slots]
         return self.out_proj(out)
 
