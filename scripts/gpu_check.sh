@@ -184,7 +184,8 @@ if [[ $what == omni ]]; then
       tests/test_kernels_gpu.py > "$OUT/omni_tests.txt" 2>&1
   rc=$?
   timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider -o timeout=250 -k "cuda or gpu or graph or padded" \
-      tests/test_qwen3_omni_code2wav_gpu.py tests/test_qwen3_omni_gpu.py tests/test_qwen3_omni_speech.py tests/test_linear.py tests/test_qwen3_omni_audio.py \
+      tests/test_qwen3_omni_code2wav_gpu.py tests/test_qwen3_omni_gpu.py tests/test_qwen3_omni_speech.py tests/test_linear.py \
+      tests/test_qwen3_omni_audio.py tests/test_qwen3_omni_talker.py \
       tests/test_kv_mode_graphs_gpu.py tests/test_qwen3_omni_speak_group.py \
       >> "$OUT/omni_tests.txt" 2>&1 || rc=1
   tail -8 "$OUT/omni_tests.txt"

@@ -32,8 +32,8 @@ from mstar.models.qwen3_omni.config import Qwen3OmniConfig
 from mstar.models.qwen3_omni.loader import load_talker
 from mstar.models.qwen3_omni.positions import audio_tokens
 from mstar.models.qwen3_omni.speech.talker import TalkerDecoder, suppressed_codes
-from mstar.models.qwen3_omni.speech.talker_prompt import (TalkerPrompt, talker_prompt, talker_rows, text_side_id,
-                                                          user_turns)
+from mstar.models.qwen3_omni.speech.talker_prompt import (TalkerPrompt, talker_embeds, talker_prompt, talker_rows,
+                                                          text_side_id, user_turns, voice_id)
 from mstar.types import TokenBatch
 from test_qwen3_omni_thinker import DenseCache, saved  # noqa: F401  (`saved`: the fixture, a random tiny model)
 
@@ -216,6 +216,33 @@ def test_the_talker_prompt_is_transformers(parts, name: str) -> None:
         assert prompt.rope_delta == -2 and ref.step_positions[0] == ref.embeds.shape[0] - 2
     if name == "audio":
         assert ref.hidden.shape[0] == AUDIO_TOKENS
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA (runs on the GPU machine)"))])
+@torch.inference_mode()
+def test_prompts_laid_out_together_are_each_alone_and_wait_for_nothing(parts, device: str) -> None:
+    """The talker prefill lays every row's prompt out at once: the rows of
+    text, audio and image prompts together equal each prompt's alone (1e-6),
+    and on CUDA nothing in it waits for the device (sync debug mode raises)."""
+    import copy
+
+    talker, cfg, refs = parts
+    order = [refs[name] for name in ("audio", "text", "image", "audio")]
+    alone = torch.cat([talker_prompt(talker, cfg, r.prompt, r.hidden, r.generated[0], "ethan",
+                                     image_grids=r.grids).embeds for r in order])
+    here = copy.deepcopy(talker).to(device)
+    hidden = torch.cat([r.hidden for r in order]).to(device)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        together = talker_embeds(here, cfg, [r.prompt for r in order], hidden, [r.generated[0] for r in order],
+                                 [voice_id(cfg, "ethan")] * len(order))
+    finally:
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(together.cpu(), alone, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["text", "audio", "image"])

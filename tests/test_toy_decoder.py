@@ -226,6 +226,19 @@ def test_step_bindings_name_the_values_by_signature() -> None:
         step_bindings(Step("dec", "decode", "t", ("a", "b", "c")), DECODE)
 
 
+def test_a_host_input_stays_on_the_host_where_the_others_move() -> None:
+    """`In(host=True)`: a mode reads it in Python, so it is handed over on
+    the host (stacked, or a list when ragged) while the step's device takes
+    the rest (here the meta device, standing for one)."""
+    from mstar.engine.execution.pack import stacked
+
+    rows = [torch.tensor([1, 2]), torch.tensor([3, 4])]
+    assert stacked(In("p", Kind.TENSOR, host=True), rows, torch.device("meta")).device.type == "cpu"
+    assert stacked(In("p", Kind.TENSOR), rows, torch.device("meta")).device.type == "meta"
+    ragged = stacked(In("p", Kind.TENSOR, ragged=True, host=True), rows, torch.device("meta"))
+    assert [t.device.type for t in ragged] == ["cpu", "cpu"] and ragged[1].tolist() == [3, 4]
+
+
 def test_pack_kv_positions_extra_and_outputs_by_signature() -> None:
     """Rows without positions go on from their cached tokens plus their rope
     delta on every axis; TENSOR inputs land in `extra` (stacked, or a list

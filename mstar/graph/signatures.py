@@ -46,7 +46,11 @@ BUILTINS = {"@i": Kind.INDEX, "@chunk": Kind.INDEX}  # values no step writes: th
 class In:
     """A named input. `at`: embeddings go where the query's ids equal this
     placeholder id; `axes`: rows of a POSITIONS input; `ragged`: rows of
-    different shapes come as a list; `optional`: a step may leave it unbound."""
+    different shapes come as a list; `optional`: a step may leave it unbound;
+    `host`: the mode gets it on the host, for values it reads in Python (a
+    prompt's ids), which reading back from the device would wait for every
+    step in flight. Meant for values a request brings, which are on the
+    host already."""
 
     name: str
     kind: Kind
@@ -54,6 +58,7 @@ class In:
     axes: int = 1
     ragged: bool = False
     optional: bool = False
+    host: bool = False
 
 
 @dataclass(frozen=True)

@@ -148,7 +148,10 @@ def _splice(inp: In, rows: list[dict[str, torch.Tensor]], reads: list[dict[str, 
 
 def stacked(inp: In, values: list[torch.Tensor | None], device: torch.device) -> torch.Tensor | list:
     """One input over rows: stacked [B, ...], or a list when it is ragged, its
-    rows differ in shape, or some rows leave it out (None)."""
+    rows differ in shape, or some rows leave it out (None); on the host when
+    the input asks for it."""
+    if inp.host:
+        device = torch.device("cpu")
     if not inp.ragged and all(v is not None for v in values) and len({tuple(v.shape) for v in values}) == 1:
         if len({v.device for v in values}) == 1:
             return to_device(torch.stack(values), device)

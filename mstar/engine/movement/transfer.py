@@ -1,21 +1,15 @@
-"""Copies from the host to a CUDA device that never wait for the stream:
-host tensors go through page-locked memory, so a copy queues behind the
-steps in flight instead of blocking the host until they finish (a copy from
-pageable memory does). The way back is `arena.stage_to_host`.
+"""Copies onto a device that never wait for the stream (`to_device`, from
+`kernels/host_copy.py`, which models use too) and row selections built on
+the host. The way back is `arena.stage_to_host`.
 """
 
 from __future__ import annotations
 
 import torch
 
+from mstar.kernels.host_copy import to_device
 
-def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
-    """`t` on `device`; from the host to CUDA without waiting (torch's pinned
-    allocator keeps the staging block until the copy has run)."""
-    device = torch.device(device)
-    if device.type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+__all__ = ["select_rows", "to_device"]
 
 
 def select_rows(data: torch.Tensor, index: list[int]) -> torch.Tensor:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from mstar.kernels.graph_capture import capture_buckets
+from mstar.kernels.host_copy import index_on
 from mstar.models.qwen3_omni.config import Qwen3OmniConfig
 from mstar.models.qwen3_omni.speech.code2wav import Code2Wav
 from mstar.models.qwen3_omni.speech.talker import TalkerDecoder, suppressed_codes
@@ -51,21 +52,32 @@ class TalkerSteps(nn.Module):
         self.register_buffer("suppressed", suppressed_codes(cfg.talker).to(device), persistent=False)
 
     def prefill(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
+        """Every row's talker prompt at once; the prompts, first tokens and
+        voices come on the host (the mode's `host` inputs), so nothing here
+        waits for the device."""
         extra = batch.extra
-        firsts = torch.as_tensor(extra["first"]).reshape(-1).tolist()
-        voices = torch.as_tensor(extra["voice"]).reshape(-1).tolist()
-        rows = []
-        hiddens = _rows(extra["hidden"]) if "hidden" in extra else [None] * len(firsts)
-        for prompt, hidden, first, voice in zip(_rows(extra["prompt"]), hiddens, firsts, voices):
-            ids = prompt.reshape(-1).tolist()
-            if hidden is None:  # a prompt without media: the talker reads no thinker rows
-                hidden = torch.zeros(len(ids), self.cfg.talker.thinker_hidden_size)
-            placeholders = talker_rows(ids, self.cfg.ids).to(hidden.device)
-            rows.append(talker_embeds(self.talker, self.cfg, ids, hidden[placeholders], int(first), int(voice)))
-        ctx = torch.cat(rows)
+        prompts = [p.reshape(-1).tolist() for p in _rows(extra["prompt"])]
+        hiddens = _rows(extra["hidden"]) if "hidden" in extra else [None] * len(prompts)
+        ctx = talker_embeds(self.talker, self.cfg, prompts, self._read_rows(prompts, hiddens),
+                            torch.as_tensor(extra["first"]).reshape(-1),
+                            torch.as_tensor(extra["voice"]).reshape(-1).tolist())
         index = torch.arange(ctx.shape[0], device=ctx.device)
         out = self.talker.prefill(dataclasses.replace(batch, embeds={"ctx": (ctx, index)}))
         return self._masked(out)
+
+    def _read_rows(self, prompts: list[list[int]], hiddens: list[torch.Tensor | None]) -> torch.Tensor:
+        """The accept-layer rows the talker reads ([M, Ht], prompt after
+        prompt) from each row's rows of its whole prompt, in one gather; a row
+        without them (a prompt without media) reads zeros."""
+        device = self.talker.codec_head.weight.device
+        width = self.cfg.talker.thinker_hidden_size
+        picked = [talker_rows(ids, self.cfg.ids).nonzero().reshape(-1) for ids in prompts]
+        parts = [torch.zeros(len(ids), width, device=device) if h is None else h for ids, h in zip(prompts, hiddens)]
+        starts = torch.tensor([0] + [p.shape[0] for p in parts[:-1]]).cumsum(0)
+        index = torch.cat([start + p for start, p in zip(starts.tolist(), picked)])
+        if index.numel() == 0:
+            return torch.zeros(0, width, device=device)
+        return torch.cat([p.to(device) for p in parts]).index_select(0, index_on(index.tolist(), device))
 
     def speak(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
         text = torch.as_tensor(batch.extra["text"]).reshape(-1)

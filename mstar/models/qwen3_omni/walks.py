@@ -48,10 +48,11 @@ def talker_component(cfg: Qwen3OmniConfig) -> Component:
     """`prefill` (a prompt without media needs no thinker rows: `hidden` is
     optional), `speak` (the step's text token streamed in), `read` (the same,
     the text token taken from a script the request gave: text to speech)."""
+    # the prompt, first token and voice are read in Python to lay the talker's prompt out: on the host
     prefill = Mode("prefill", (In("ids", Kind.IDS),
-                               In("prompt", Kind.TENSOR, ragged=True),
+                               In("prompt", Kind.TENSOR, ragged=True, host=True),
                                In("hidden", Kind.TENSOR, ragged=True, optional=True),
-                               In("first", Kind.TENSOR), In("voice", Kind.TENSOR),
+                               In("first", Kind.TENSOR, host=True), In("voice", Kind.TENSOR, host=True),
                                In("pos", Kind.POSITIONS, axes=3, optional=True)),
                    (Out("code", Kind.TOKEN), Out("last", Kind.HIDDEN)), kv="append", query="ids")
     frame_out = (Out("code", Kind.TOKEN), Out("last", Kind.HIDDEN), Out("frame", Kind.TENSOR))

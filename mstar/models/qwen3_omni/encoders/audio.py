@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from mstar.kernels.host_copy import to_device
 from mstar.models.layers.linear import Linear, padded_rows
 from mstar.models.qwen3_omni.config import AudioEncoderConfig
 from mstar.models.qwen3_omni.loader import fill_params
@@ -117,9 +118,7 @@ class AudioLayout:
         key_mask = torch.zeros(int(window_counts.sum()) * window, dtype=torch.bool)
         key_mask[window_slots] = True
         host = torch.cat([reach.reshape(-1), frame_slots, token_slots, window_slots, key_mask.long()])
-        if torch.device(device or "cpu").type == "cuda":  # page-locked: the copy queues instead of waiting
-            host = host.pin_memory()
-        parts = host.to(device, non_blocking=True).split([reach.numel(), len(frame_slots), len(token_slots),
+        parts = to_device(host, device or "cpu").split([reach.numel(), len(frame_slots), len(token_slots),
                                                           len(window_slots), key_mask.numel()])
         return cls(chunks=chunks, reach=parts[0].view(-1, 3), frame_slots=parts[1], token_slots=parts[2],
                    window=window, window_slots=parts[3], key_mask=parts[4].bool().view(-1, window),

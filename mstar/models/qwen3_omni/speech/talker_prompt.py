@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from mstar.errors import RequestError
+from mstar.kernels.host_copy import index_on
 from mstar.models.qwen3_omni.config import Qwen3OmniConfig, TokenIds
 from mstar.models.qwen3_omni.positions import mrope_positions
 from mstar.models.qwen3_omni.speech.talker import TalkerDecoder
@@ -63,9 +64,7 @@ def user_turns(prompt_ids: Sequence[int], ids: TokenIds) -> list[bool]:
 def talker_rows(prompt_ids: Sequence[int], ids: TokenIds) -> torch.Tensor:
     """[P] bool: the prompt positions whose accept-layer rows the talker
     reads (audio, image and video placeholders in user turns)."""
-    placeholders = (ids.audio, ids.image, ids.video)
-    return torch.tensor([user and token in placeholders
-                         for token, user in zip(prompt_ids, user_turns(prompt_ids, ids))], dtype=torch.bool)
+    return torch.tensor([bool(read) for read in _user_reads(prompt_ids, ids)], dtype=torch.bool)
 
 
 def voice_id(cfg: Qwen3OmniConfig, voice: str, field: str = "voice") -> int:
@@ -113,34 +112,71 @@ def talker_prompt(talker: TalkerDecoder, cfg: Qwen3OmniConfig, prompt_ids: Seque
     prompt = [int(t) for t in prompt_ids]
     check_speakable(prompt, ids)
     positions, delta = talker_positions(cfg, prompt, image_grids)
-    embeds = talker_embeds(talker, cfg, prompt, hidden, first_token, voice_id(cfg, voice, voice_field))
+    embeds = talker_embeds(talker, cfg, [prompt], hidden, [first_token], [voice_id(cfg, voice, voice_field)])
     return TalkerPrompt(embeds, positions, delta)
 
 
-def talker_embeds(talker: TalkerDecoder, cfg: Qwen3OmniConfig, prompt: Sequence[int], hidden: torch.Tensor,
-                  first_token: int, voice_code: int) -> torch.Tensor:
-    """The talker prompt's input rows [L, H] (`talker_prompt`'s `embeds`),
-    for a prompt already checked speakable and a voice's codec id."""
-    ids = cfg.ids
-    header = len(prompt) - 3
-    user = user_turns(prompt, ids)
-    user_ids = torch.tensor([t for t, u in zip(prompt, user) if u], dtype=torch.long)
-    placeholders = talker_rows(prompt, ids)[torch.tensor(user, dtype=torch.bool)]
-    if int(placeholders.sum()) != hidden.shape[0]:
-        raise ValueError(f"the talker reads {int(placeholders.sum())} accept-layer rows, got {hidden.shape[0]}")
-    weight = talker.codec_embedding.weight
-    rows = torch.empty(len(user_ids), weight.shape[1], dtype=weight.dtype, device=weight.device)
-    on = placeholders.to(weight.device)
-    rows[~on] = talker.text_rows(user_ids[~placeholders]).to(rows)
-    if hidden.shape[0]:
-        rows[on] = talker.hidden_projection(hidden.to(weight)).to(rows)
+def talker_embeds(talker: TalkerDecoder, cfg: Qwen3OmniConfig, prompts: Sequence[Sequence[int]],
+                  hidden: torch.Tensor, firsts: Sequence[int] | torch.Tensor,
+                  voice_codes: Sequence[int]) -> torch.Tensor:
+    """Talker prompts' input rows (each `talker_prompt`'s `embeds`), prompt
+    after prompt [sum of L, H], for prompts already checked speakable:
+    `hidden` [M, Ht] the accept-layer rows they read (`talker_rows`), prompt
+    after prompt; each prompt's first text token and voice codec id.
 
-    t = cfg.talker
-    text = talker.text_rows(torch.tensor(prompt[header:] + [ids.tts_pad] * 4 + [ids.tts_bos, first_token]))
-    codec = talker.codec_embedding(torch.tensor([t.codec_nothink_id, t.codec_think_bos_id, t.codec_think_eos_id,
-                                                 voice_code, t.codec_pad_id, t.codec_bos_id], device=weight.device))
-    assistant = text + torch.cat([torch.zeros(3, codec.shape[1], dtype=codec.dtype, device=codec.device), codec])
-    return torch.cat([rows, assistant])
+    One text projection, one hidden projection and one codec lookup for all
+    prompts, their row indices built on the host and copied at once: nothing
+    here waits for the device (the first tokens, if on the device, are never
+    read back)."""
+    ids, t = cfg.ids, cfg.talker
+    weight = talker.codec_embedding.weight
+    text_ids: list[int] = []  # user text tokens and each prompt's first 8 assistant rows' text side
+    text_at: list[int] = []
+    first_at: list[int] = []
+    hidden_at: list[int] = []
+    codec_ids: list[int] = []
+    codec_at: list[int] = []
+    row = 0
+    for prompt, voice in zip(prompts, voice_codes):
+        prompt = [int(token) for token in prompt]
+        for token, read in zip(prompt, _user_reads(prompt, ids)):
+            if read is None:
+                continue
+            if read:
+                hidden_at.append(row)
+            else:
+                text_ids.append(token)
+                text_at.append(row)
+            row += 1
+        header = len(prompt) - 3
+        text_ids += prompt[header:] + [ids.tts_pad] * 4 + [ids.tts_bos]
+        text_at += range(row, row + ASSISTANT_ROWS - 1)
+        first_at.append(row + ASSISTANT_ROWS - 1)
+        codec_ids += [t.codec_nothink_id, t.codec_think_bos_id, t.codec_think_eos_id, voice, t.codec_pad_id,
+                      t.codec_bos_id]
+        codec_at += range(row + 3, row + ASSISTANT_ROWS)
+        row += ASSISTANT_ROWS
+    if len(hidden_at) != hidden.shape[0]:
+        raise ValueError(f"the talker reads {len(hidden_at)} accept-layer rows, got {hidden.shape[0]}")
+    firsts = torch.as_tensor(firsts, dtype=torch.long).reshape(-1)
+    on_host = firsts.device.type == "cpu"
+    lists = [text_ids + (firsts.tolist() if on_host else []), text_at + first_at, hidden_at, codec_at, codec_ids]
+    text, text_at_d, hidden_at_d, codec_at_d, codec_d = index_on(sum(lists, []), weight.device).split(
+        [len(v) for v in lists])
+    if not on_host:
+        text = torch.cat([text, firsts.to(weight.device)])
+    out = torch.zeros(row, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    out.index_copy_(0, text_at_d, talker.text_rows(text).to(out.dtype))
+    if hidden_at:
+        out.index_copy_(0, hidden_at_d, talker.hidden_projection(hidden.to(weight)).to(out.dtype))
+    return out.index_add_(0, codec_at_d, talker.codec_embedding(codec_d))
+
+
+def _user_reads(prompt: Sequence[int], ids: TokenIds) -> list[bool | None]:
+    """Per prompt token: None outside user turns, else whether the talker
+    reads its accept-layer row (`talker_rows`) rather than its text."""
+    placeholders = (ids.audio, ids.image, ids.video)
+    return [(token in placeholders) if user else None for token, user in zip(prompt, user_turns(prompt, ids))]
 
 
 def text_side_id(generated: Sequence[int], step: int, ids: TokenIds, eos: Collection[int],

@@ -1,0 +1,24 @@
+"""Copies from the host to a CUDA device that never wait for the stream:
+host tensors go through page-locked memory, so a copy queues behind the
+steps in flight instead of blocking the host until they finish (a copy from
+pageable memory does). Models building a step's index tensors and the
+engine's transfers both copy this way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """`t` on `device`; from the host to CUDA without waiting (torch's pinned
+    allocator keeps the staging block until the copy has run)."""
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def index_on(values: list[int], device: torch.device | str) -> torch.Tensor:
+    """An int64 index built on the host, on `device` without waiting."""
+    return to_device(torch.tensor(values, dtype=torch.long), device)
