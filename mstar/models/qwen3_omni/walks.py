@@ -75,11 +75,12 @@ def walk_name(speech: bool, audio: bool, image: bool) -> str:
     return (SPEECH_OUT if speech else TEXT_OUT) + ("+audio" if audio else "") + ("+image" if image else "")
 
 
+# the clips' frame counts and the images' grids lay the encoders' batches out in Python: on the host
 AUDIO_COMPONENT = Component(modes=(Mode("encode", (In("mel", Kind.TENSOR, ragged=True),
-                                                  In("frames", Kind.TENSOR, ragged=True)),
+                                                  In("frames", Kind.TENSOR, ragged=True, host=True)),
                                               (Out("rows", Kind.TENSOR),)),))
 VISION_COMPONENT = Component(modes=(Mode("encode", (In("pixels", Kind.TENSOR, ragged=True),
-                                                   In("grids", Kind.TENSOR, ragged=True)),
+                                                   In("grids", Kind.TENSOR, ragged=True, host=True)),
                                                (Out("rows", Kind.TENSOR), Out("deepstack", Kind.TENSOR))),))
 
 
