@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from mstar.engine.movement.transfer import to_device
+from mstar.kernels.host_copy import together_on
 from mstar.engine.worker.kv_rows import KVRow
 from mstar.graph import In, Kind, Mode
 from mstar.types import AttentionContext, TokenBatch
@@ -68,15 +69,20 @@ def pack_kv(rows: list[dict[str, torch.Tensor]], reads: list[dict[str, str]], kv
         elif inp.name != sig.query and inp is not pos_input and any(inp.name in row for row in rows):
             extra[inp.name] = stacked(inp, [row.get(inp.name) for row in rows], device)
     ctx = torch.tensor(cached, dtype=torch.long)
+    flat_ids = torch.cat(ids).long()
+    host = [torch.cat(positions, dim=-1), query_start[1:] - 1, torch.tensor(starts, dtype=torch.long)]
+    if flat_ids.device.type == "cpu":
+        host.append(flat_ids)
+    on_device = together_on(host, device)  # one copy, which never waits for the stream
     batch = TokenBatch(
-        input_ids=torch.cat(ids).to(device, torch.long),
-        positions=torch.cat(positions, dim=-1).to(device),
+        input_ids=on_device[3] if len(on_device) == 4 else flat_ids.to(device),
+        positions=on_device[0],
         query_start=query_start,
-        logits_index=(query_start[1:] - 1).to(device),
+        logits_index=on_device[1],
         attn=plan(query_start, ctx, [r.pages for r in kv], sig.causal),
         embeds=embeds,
         extra=extra,
-        start_positions=torch.tensor(starts, dtype=torch.long).to(device),
+        start_positions=on_device[2],
     )
     # embeddings' placeholder ids are no tokens the row saw (a talker's repetition penalty is over its own codes)
     seen = ids if query.kind is Kind.IDS else [t[:0] for t in ids]

@@ -32,6 +32,7 @@ from mstar.engine.worker.rows import PartitionRun
 from mstar.engine.execution.sampler import SamplingTensors, banned_table, sample, token_logprobs
 from mstar.engine.movement.tensor_store import TensorRef, TensorStore
 from mstar.engine.movement.transfer import to_device
+from mstar.kernels.host_copy import together_on
 from mstar.graph import Component, Kind, Mode, Step, step_bindings
 from mstar.scheduler import Batch, WorkItem
 from mstar.engine.memory.state_slots import StatePool
@@ -150,14 +151,16 @@ class ComponentRunner:
             tables.append(r.pages)
         query_start = torch.zeros(len(rows) + 1, dtype=torch.long)
         query_start[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.long), 0)
-        input_ids = torch.cat(ids).to(self.device, torch.long)
+        flat_ids = torch.cat(ids).long()
+        host = [torch.cat(positions), query_start[1:] - 1] + ([flat_ids] if flat_ids.device.type == "cpu" else [])
+        on_device = together_on(host, self.device)  # one copy, which never waits for the stream
         assert self.attention is not None
         attn = self.attention.plan(query_start, torch.tensor(ctx, dtype=torch.long), tables)
         batch = TokenBatch(
-            input_ids=input_ids,
-            positions=torch.cat(positions).to(self.device),
+            input_ids=on_device[2] if len(on_device) == 3 else flat_ids.to(self.device),
+            positions=on_device[0],
             query_start=query_start,
-            logits_index=(query_start[1:] - 1).to(self.device),
+            logits_index=on_device[1],
             attn=attn,
             state=self._state_rows([r.slot for r in kv]),
         )
@@ -294,7 +297,7 @@ class ComponentRunner:
             query_start = torch.arange(n + 1, dtype=torch.long)
             batch = TokenBatch(
                 input_ids=group.tokens[sl],
-                positions=group.positions(sl).to(self.device),
+                positions=to_device(group.positions(sl), self.device),
                 query_start=query_start,
                 logits_index=torch.arange(n, device=self.device),
                 attn=self.attention.plan(query_start, ctx, group.block_table[sl]),

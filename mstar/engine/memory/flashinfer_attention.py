@@ -36,6 +36,7 @@ import torch
 from mstar.engine.memory.kv_cache import KVCache
 from mstar.engine.memory.paged_layout import PagedLayout, build_layout, decode_bucket
 from mstar.errors import ConfigError
+from mstar.kernels.host_copy import to_device
 from mstar.kernels.rope_kv import rope_and_store, store_kv
 from mstar.types import Rotary
 
@@ -162,7 +163,7 @@ class FlashInferAttention:
         each row already cached, `block_tables` its page ids in order. One new
         token per row attends to every key either way."""
         layout = build_layout(query_start, context_lens, block_tables, self.cache.page_size, self.cache.scratch_page)
-        slots = layout.slot_mapping.to(self.cache.device, non_blocking=True)
+        slots = to_device(layout.slot_mapping, self.cache.device)  # page-locked: queues behind the steps in flight
         if layout.num_tokens == 0:  # nothing to attend; FlashInfer's planners divide by the batch size
             return FlashInferContext(self.cache, None, slots, 0)
         if layout.is_decode:

@@ -172,7 +172,11 @@ class Qwen3OmniModel(Model):
             if self.path is None and component == "thinker":  # a builtin, shown with the byte tokenizer
                 _lean_toward_text(module.embed_tokens.weight, module.lm_head.weight)
             if component == "code2wav":
-                _audible(module)
+                _unit_gain(module, skip=("code_embedding", "transformer"))
+                with torch.no_grad():
+                    module.conv_out.weight.mul_(0.1)  # the last at a tenth: a waveform within PCM16's range
+            if component == "audio":
+                _unit_gain(module)
         else:
             assert self.path is not None
             load(module, self.path)
@@ -299,17 +303,18 @@ class Qwen3OmniModel(Model):
         return mel, audio_tokens(mel.shape[1])
 
 
-def _audible(code2wav: Code2Wav) -> None:
-    """Random convolutions of unit gain (the last at a tenth), so that random
-    weights make a waveform one can hear (at 0.02 everywhere it rounds to
-    silence in PCM16), as a real checkpoint's would be."""
+def _unit_gain(module: torch.nn.Module, skip: tuple[str, ...] = ()) -> None:
+    """Random matrices and kernels of unit gain, seeded, for the parameters
+    not under `skip`. At the dummy 0.02 everywhere code2wav's waveform rounds
+    to silence in PCM16 and the audio encoder's rows come out near 1e-5, so a
+    random model would neither make a sound one can hear nor tell one clip
+    from another, as a real checkpoint does."""
     gen = torch.Generator().manual_seed(DUMMY_SEED)
     with torch.no_grad():
-        for name, p in code2wav.named_parameters():
-            if p.dim() > 1 and not name.startswith(("code_embedding", "transformer")):
+        for name, p in module.named_parameters():
+            if p.dim() > 1 and not name.startswith(skip):
                 fan_in = p[0].numel()
                 p.copy_(torch.randn(p.shape, generator=gen) * (0.9 / fan_in ** 0.5))
-        code2wav.conv_out.weight.mul_(0.1)
 
 
 PRINTABLE = range(32, 127)  # the byte tokenizer's printable ASCII ids
