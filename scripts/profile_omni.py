@@ -72,6 +72,12 @@ async def _speak(eng: Engine, rid: str, model: str, text_tokens: int, frames: in
             raise RuntimeError(chunk.error)
 
 
+async def _client(eng: Engine, name: str, args: argparse.Namespace) -> None:
+    """One client's questions, each asked when the last is answered."""
+    for k in range(args.requests_per_client):
+        await _speak(eng, f"{name}-{k}", args.model, args.text_tokens, args.frames, args.question)
+
+
 async def _kernels(eng: Engine, c: int, seconds: float, start: float, trace_dir: Path | None) -> None:
     """The worker's kernels over `seconds` from `start` seconds into the level."""
     await asyncio.sleep(start)
@@ -130,6 +136,9 @@ async def main() -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
     p.add_argument("--text-tokens", type=int, default=40)
     p.add_argument("--frames", type=int, default=50)
+    p.add_argument("--requests-per-client", type=int, default=1,
+                   help="each client asks again when answered (closed loop, as bench_omni.py): above 1, the steps "
+                        "of a steady state, where requests start while others speak")
     p.add_argument("--question", choices=("text", "audio"), default="text",
                    help="a typed question, or a 5 s clip through the audio encoder (as scripts/bench_omni.py asks)")
     p.add_argument("--timeline", action="store_true", help="print every step until each request has audio")
@@ -161,8 +170,7 @@ async def main() -> None:
             FIRSTS.clear()
             t0 = time.perf_counter()
             print(f"level {c} starts at {t0:.3f}", flush=True)
-            runs = [_speak(eng, f"p{c}-{i}", args.model, args.text_tokens, args.frames, args.question)
-                    for i in range(c)]
+            runs = [_client(eng, f"p{c}-{i}", args) for i in range(c)]
             if args.kernels:
                 runs.append(_kernels(eng, c, args.kernels, args.kernels_from, args.trace_dir))
             stats0 = dict(vars(eng.workers[0].stats))
@@ -172,7 +180,7 @@ async def main() -> None:
             print(f"worker: {stats['steps']} steps; decode groups' host time: waiting for the device "
                   f"{1e3 * stats['wait_s']:.0f} ms, launching {1e3 * stats['launch_s']:.0f} ms, reading "
                   f"{1e3 * stats['finalize_s']:.0f} ms")
-            print(f"\nconcurrency {c}: {wall:.2f} s wall for {c} x {args.frames} frames")
+            print(f"\nconcurrency {c}: {wall:.2f} s wall for {c} x {args.requests_per_client} x {args.frames} frames")
             print(f"{'component.mode':24} {'steps':>6} {'rows':>6} {'total ms':>10} {'ms/step':>8}")
             for (comp, mode), (steps, rows, secs) in sorted(TIMES.items(), key=lambda kv: -kv[1][2]):
                 print(f"{comp + '.' + mode:24} {steps:6d} {rows:6d} {1e3 * secs:10.1f} {1e3 * secs / steps:8.2f}")
