@@ -27,7 +27,7 @@ from mstar.errors import ConfigError
 from mstar.models.checkpoint import mismatch_error
 from mstar.models.llama.loader import CheckpointFiles
 from mstar.models.qwen3_omni.speech.talker import TalkerDecoder
-from mstar.models.qwen3_omni.thinker import ThinkerAttention, ThinkerDecoder
+from mstar.models.qwen3_omni.thinker import ThinkerDecoder
 
 # (expert, shard): which slice of a parameter a checkpoint tensor fills; (None, None) is all of it
 Piece = tuple[int | None, str | None]
@@ -42,7 +42,7 @@ _MLP = (
     (re.compile(r"(.+\.mlp)\.gate\.weight"), r"\1.router"),
     (re.compile(r"(.+\.mlp)\.(?P<shard>gate|up)_proj\.weight"), r"\1.gate_up.weight"),
     (re.compile(r"(.+\.mlp)\.down_proj\.weight"), r"\1.down.weight"),
-    (re.compile(r"(.+\.self_attn)\.(?P<shard>q|k|v)_proj\.weight"), r"\1.qkv.weight"),
+    (re.compile(r"(.+\.self_attn)\.(?P<shard>q|k|v)_proj\.(?P<kind>weight|bias)"), r"\1.qkv.\g<kind>"),
 )
 
 
@@ -108,7 +108,7 @@ def _expected(params: dict[str, torch.Tensor]) -> set[tuple[str, int | None, str
             out |= {(name, e, which) for e in range(p.shape[0]) for which in stacked}
         elif name.endswith(".gate_up.weight"):
             out |= {(name, None, "gate"), (name, None, "up")}
-        elif name.endswith(".qkv.weight"):
+        elif name.endswith((".qkv.weight", ".qkv.bias")):
             out |= {(name, None, "q"), (name, None, "k"), (name, None, "v")}
         else:
             out.add((name, None, None))
@@ -116,9 +116,12 @@ def _expected(params: dict[str, torch.Tensor]) -> set[tuple[str, int | None, str
 
 
 def _qkv_blocks(module: nn.Module) -> dict[str, tuple[int, int, int]]:
-    """Each merged qkv weight's rows of q, k and v, by parameter name."""
-    return {f"{name}.qkv.weight": (m.heads * m.head_dim, m.kv_heads * m.head_dim, m.kv_heads * m.head_dim)
-            for name, m in module.named_modules() if isinstance(m, ThinkerAttention)}
+    """Each merged qkv weight's and bias's rows of q, k and v, by parameter
+    name: of every attention with a `qkv` projection and `heads`,
+    `kv_heads` and `head_dim`."""
+    return {f"{name}.qkv.{kind}": (m.heads * m.head_dim, m.kv_heads * m.head_dim, m.kv_heads * m.head_dim)
+            for name, m in module.named_modules()
+            if isinstance(getattr(m, "qkv", None), nn.Module) and hasattr(m, "kv_heads") for kind in ("weight", "bias")}
 
 
 def _load(module: nn.Module, folder: str | Path, part: _Part) -> None:
@@ -154,6 +157,14 @@ def load_talker(talker: TalkerDecoder, folder: str | Path) -> None:
     embedding table with it) from `folder`; a `ConfigError` names what is
     missing or left over."""
     _load(talker, folder, _TALKER)
+
+
+def load_part(module: nn.Module, folder: str | Path, prefix: str, what: str) -> None:
+    """Fill a part whose parameters are the checkpoint's tensors under
+    `prefix`, one to one, but for each attention's q, k and v projections
+    (weights and biases), which fill the row blocks of its merged `qkv`; a
+    `ConfigError` (`what` names the part) lists what is missing or left over."""
+    _load(module, folder, _Part(what, ((prefix, ""),), (prefix,)))
 
 
 def fill_params(module: nn.Module, folder: str | Path, prefix: str, what: str,

@@ -34,7 +34,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from mstar.kernels.host_copy import to_device
 from mstar.models.layers.linear import Linear, padded_rows
 from mstar.models.qwen3_omni.config import AudioEncoderConfig
-from mstar.models.qwen3_omni.loader import fill_params
+from mstar.models.qwen3_omni.loader import load_part
 from mstar.models.qwen3_omni.positions import MEL_CHUNK, TOKENS_PER_CHUNK
 
 Device = torch.device | str | None
@@ -132,26 +132,22 @@ def _ranges(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
 
 class AudioAttention(nn.Module):
-    """Bidirectional multi-head attention within each window."""
+    """Bidirectional multi-head attention within each window; q, k and v
+    from one merged projection (the checkpoint's three fill its row blocks)."""
 
     def __init__(self, d_model: int, heads: int, *, device: Device = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         kw = {"device": device, "dtype": dtype}
-        self.heads, self.head_dim = heads, d_model // heads
-        self.q_proj = Linear(d_model, d_model, bias=True, **kw)
-        self.k_proj = Linear(d_model, d_model, bias=True, **kw)
-        self.v_proj = Linear(d_model, d_model, bias=True, **kw)
+        self.heads, self.kv_heads, self.head_dim = heads, heads, d_model // heads
+        self.qkv = Linear(d_model, 3 * d_model, bias=True, **kw)
         self.out_proj = Linear(d_model, d_model, bias=True, **kw)
 
     def forward(self, x: torch.Tensor, layout: AudioLayout) -> torch.Tensor:
         t, d = x.shape
         slots = layout.key_mask.numel()
-
-        def windowed(y: torch.Tensor) -> torch.Tensor:  # [T, d] -> [windows, heads, window, head_dim]
-            grid = y.new_zeros(slots, d).index_copy_(0, layout.window_slots, y)
-            return grid.view(-1, layout.window, self.heads, self.head_dim).transpose(1, 2)
-
-        q, k, v = windowed(self.q_proj(x)), windowed(self.k_proj(x)), windowed(self.v_proj(x))
+        # [T, 3d] -> 3 x [windows, heads, window, head_dim], one scatter for all three
+        grid = x.new_zeros(slots, 3 * d).index_copy_(0, layout.window_slots, self.qkv(x))
+        q, k, v = grid.view(-1, layout.window, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
         # cuDNN's attention, torch's pick for a mask on Hopper, plans each new window count for ms
         with sdpa_kernel(WINDOWED_BACKENDS):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.key_mask[:, None, None, :])
@@ -241,4 +237,4 @@ def load_audio_encoder(encoder: AudioEncoder, folder: str | Path) -> None:
     """Fill `encoder` from the `thinker.audio_tower.*` tensors of a folder
     transformers saved, reading only those; a `ConfigError` names tensors
     missing from the folder or left over in it."""
-    fill_params(encoder, folder, CHECKPOINT_PREFIX, "qwen3-omni audio encoder")
+    load_part(encoder, folder, CHECKPOINT_PREFIX, "qwen3-omni audio encoder")
