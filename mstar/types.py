@@ -188,6 +188,12 @@ class AttentionContext(Protocol):
     or all of them when the step was planned non-causal (a block attending
     within itself, such as an image's latents). Returns [T, Hq, D]. Planned
     once per step, reused by every layer.
+
+    A context may also split that in two, for a model that writes k and v
+    itself in a fused pass (`kernels/qkv_store.py`): `kv_dest(layer, tokens,
+    kv_heads, head_dim, dtype, device)` says where the step's keys and
+    values go (a `KVDest`), and `attend(layer, q, scale)` attends once they
+    are there. The paged contexts and the code predictor's frame cache do.
     """
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -180,7 +180,7 @@ if [[ $what == moe ]]; then
   timeout 240 python3 scripts/bench_moe.py ${MOE_ARGS:-} --out "$OUT/moe.json" 2>&1 | tee "$OUT/bench_moe.txt" | tail -16
 fi
 if [[ $what == omni ]]; then
-  timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider -o timeout=150 -k "moe or route or cuda_tensors_take_triton or head_norm or noise or draw_tokens or burst or snake_beta" \
+  timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider -o timeout=150 -k "moe or route or cuda_tensors_take_triton or head_norm or qkv_norm or noise or draw_tokens or burst or snake_beta" \
       tests/test_kernels_gpu.py > "$OUT/omni_tests.txt" 2>&1
   rc=$?
   timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider -o timeout=250 -k "cuda or gpu or graph or padded" \

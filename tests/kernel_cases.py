@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from mstar.kernels import activation, draw, head_norm_rope, moe, noise, norm, rope_kv, router, snake
+from mstar.kernels import activation, draw, head_norm_rope, moe, noise, norm, qkv_store, rope_kv, router, snake
 
 EPS = 1e-5
 
@@ -38,6 +38,42 @@ def check_rms_norm(t: int, h: int, dtype: torch.dtype, device: str, interpreted:
     got = norm.rms_norm_triton(x, weight, EPS)
     assert got.dtype == dtype and got.shape == x.shape
     torch.testing.assert_close(got, norm.rms_norm_reference(x, weight, EPS), **tolerance(dtype, interpreted))
+
+
+def check_qkv_norm_rope_store(t: int, heads: int, kv_heads: int, d: int, dtype: torch.dtype, cache_dtype: torch.dtype,
+                              device: str, interpreted: bool) -> None:
+    """q out and k, v into the cache, as the reference computes them: into a
+    paged cache at given slots, and into dense per-row buffers at `start`
+    (rows of 1 and of 2 new tokens); nothing else in the caches moves."""
+    gen = torch.Generator().manual_seed(t * 1000 + heads * 100 + kv_heads * 10 + d)
+    width = (heads + 2 * kv_heads) * d
+    qkv = (torch.randn(t, width + 8, generator=gen) * 3).to(device=device, dtype=dtype)[:, 8:]  # a row view
+    qw, kw = ((1 + 0.5 * torch.randn(d, generator=gen)).to(device=device, dtype=dtype) for _ in range(2))
+    angles = torch.rand(t, d // 2, generator=gen) * 100
+    cos, sin = (f(torch.cat([angles, angles], -1)).to(device) for f in (torch.cos, torch.sin))
+    tol = tolerance(dtype, interpreted) if cache_dtype == dtype else {"atol": 3e-2, "rtol": 3e-2}
+
+    def caches(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(torch.randn(n, kv_heads, d, generator=gen).to(device=device, dtype=cache_dtype) for _ in "kv")
+
+    slots = torch.randperm(4 * t + 8, generator=gen)[:t].to(device)
+    dests = [lambda k, v: qkv_store.KVDest(k, v, slots=slots)]
+    for new in (1, 2):
+        if t % new == 0:
+            dests.append(lambda k, v, new=new: qkv_store.KVDest(k, v, new=new, start=1, capacity=new + 3))
+    for make in dests:
+        k_got, v_got = caches(4 * t + 8)
+        k_want, v_want = k_got.clone(), v_got.clone()
+        noise = k_got.clone()
+        got = qkv_store.qkv_norm_rope_store_triton(qkv, heads, kv_heads, qw, kw, cos, sin, EPS, make(k_got, v_got))
+        want = qkv_store.qkv_norm_rope_store_reference(qkv, heads, kv_heads, qw, kw, cos, sin, EPS,
+                                                       make(k_want, v_want))
+        assert got.dtype == dtype and got.shape == (t, heads, d)
+        torch.testing.assert_close(got, want, **tolerance(dtype, interpreted))
+        torch.testing.assert_close(k_got, k_want, **tol)
+        torch.testing.assert_close(v_got, v_want, atol=0, rtol=0)
+        written = make(k_got, v_got).rows(t, torch.device(device))
+        assert written.unique().numel() == t and not torch.equal(k_got[written], noise[written])
 
 
 def check_head_norm_rope(t: int, heads: int, d: int, dtype: torch.dtype, device: str, interpreted: bool) -> None:

@@ -9,7 +9,8 @@ import os
 import pytest
 import torch
 from kernel_cases import (check_exponential_noise, check_fused_add_rms_norm, check_fused_moe,
-                          check_head_norm_rope, check_moe_align, check_rms_norm, check_rope_and_store,
+                          check_head_norm_rope, check_moe_align, check_qkv_norm_rope_store, check_rms_norm,
+                          check_rope_and_store,
                           check_silu_and_mul, check_snake, check_snake_beta, check_snake_beta_held,
                           check_draw_tokens, check_route_top_k,
                           check_snake_dwconv, moe_inputs)
@@ -239,6 +240,13 @@ def test_snac_decoder_through_the_fused_kernels_matches_the_reference(monkeypatc
     assert len(calls) == 3 * len(cfg.decoder_rates)  # every residual unit took the fused kernel
     assert got.shape == want.shape and want.abs().max() > 0
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,heads,kv_heads,d", [(1, 4, 2, 16), (6, 3, 1, 64), (2, 2, 2, 128)])
+def test_qkv_norm_rope_store(t, heads, kv_heads, d, dtype):
+    check_qkv_norm_rope_store(t, heads, kv_heads, d, dtype, dtype, "cpu", interpreted=True)
 
 
 @interpreted

@@ -12,6 +12,7 @@ from kernel_cases import (
     check_draw_tokens,
     check_route_top_k,
     check_head_norm_rope,
+    check_qkv_norm_rope_store,
     check_fused_moe,
     check_moe_align,
     check_rms_norm,
@@ -170,6 +171,16 @@ def test_rope_and_store_replays_under_cuda_graphs():
         return rope_and_store(q, k, v, cos, sin, positions, k_cache, v_cache, slots), k_cache, v_cache
 
     same_on_replay(make, op)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,heads,kv_heads,d", [(1, 16, 2, 128), (8, 32, 4, 128), (300, 16, 16, 64)])
+def test_qkv_norm_rope_store(t, heads, kv_heads, d, dtype):
+    check_qkv_norm_rope_store(t, heads, kv_heads, d, dtype, dtype, "cuda", interpreted=False)
+
+
+def test_qkv_norm_rope_store_into_a_cache_of_another_dtype():
+    check_qkv_norm_rope_store(7, 8, 2, 128, torch.bfloat16, torch.float16, "cuda", interpreted=False)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from mstar.engine.memory.kv_cache import KVCache
+from mstar.kernels.qkv_store import KVDest
 from mstar.kernels.rope_kv import rope_and_store, store_kv
 from mstar.types import Rotary
 
@@ -138,6 +139,23 @@ class TorchPagedAttention:
         else:
             q = rope_and_store(q, k, v, rotary.cos, rotary.sin, rotary.positions, k_pages, v_pages,
                                self.slot_mapping)
+        return self.attend(layer, q, scale)
+
+    def kv_dest(self, layer: int, tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                device: torch.device) -> KVDest:
+        """Where the step's new keys and values go: the layer's pages at the
+        tokens' slots (`AttentionContext.kv_dest`)."""
+        if tokens != self.num_tokens:
+            raise ValueError(f"attention planned for {self.num_tokens} tokens, got {tokens}")
+        k_pages, v_pages = self.cache.layer(layer)
+        return KVDest(k_pages.view(-1, kv_heads, head_dim), v_pages.view(-1, kv_heads, head_dim),
+                      slots=self.slot_mapping)
+
+    def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attention alone, over keys already in the cache: [T, Hq, D] out."""
+        t, hq, d = q.shape
+        k_pages, v_pages = self.cache.layer(layer)
+        hkv = k_pages.shape[2]
         k_flat = k_pages.view(-1, hkv, d)
         v_flat = v_pages.view(-1, hkv, d)
         if t == 0:

@@ -37,6 +37,7 @@ from mstar.engine.memory.kv_cache import KVCache
 from mstar.engine.memory.paged_layout import PagedLayout, build_layout, decode_bucket
 from mstar.errors import ConfigError
 from mstar.kernels.host_copy import to_device
+from mstar.kernels.qkv_store import KVDest
 from mstar.kernels.rope_kv import rope_and_store, store_kv
 from mstar.types import Rotary
 
@@ -87,8 +88,20 @@ class FlashInferContext:
             return q.new_empty(0, q.shape[1], q.shape[2])
         return self.attend(layer, q, scale)
 
+    def kv_dest(self, layer: int, tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                device: torch.device) -> KVDest:
+        """Where the step's new keys and values go: the layer's pages at the
+        tokens' slots (`AttentionContext.kv_dest`)."""
+        if tokens != self.num_tokens:
+            raise ValueError(f"attention planned for {self.num_tokens} tokens, got {tokens}")
+        k_pages, v_pages = self.cache.layer(layer)
+        return KVDest(k_pages.view(-1, kv_heads, head_dim), v_pages.view(-1, kv_heads, head_dim),
+                      slots=self.slot_mapping)
+
     def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         """Attention alone, over keys already in the cache: [T, Hq, D] out."""
+        if q.shape[0] == 0:
+            return q.new_empty(0, q.shape[1], q.shape[2])
         k_pages, v_pages = self.cache.layer(layer)
         # FlashInfer fixes sm_scale at plan time, before the model says it; its
         # per-call q_scale multiplies the default 1/sqrt(D), so this gives `scale`

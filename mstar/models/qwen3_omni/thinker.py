@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from mstar.kernels.head_norm_rope import head_norm_rope
+from mstar.kernels.qkv_store import qkv_norm_rope_store
 from mstar.kernels.rope_kv import rotate_half
 from mstar.models.layers.linear import Linear
 from mstar.models.layers.moe import SparseMoe
@@ -53,8 +54,15 @@ class ThinkerAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv(x).split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
-                                     self.kv_heads * self.head_dim], dim=-1)
+        qkv = self.qkv(x)
+        kv_dest = getattr(attn, "kv_dest", None)
+        if kv_dest is not None:  # a context that says where k and v go: norms, rotary and the store in one pass
+            dest = kv_dest(self.layer, t, self.kv_heads, self.head_dim, qkv.dtype, qkv.device)
+            q = qkv_norm_rope_store(qkv, self.heads, self.kv_heads, self.q_norm.weight, self.k_norm.weight, cos,
+                                    sin, self.q_norm.eps, dest)
+            return self.o_proj(attn.attend(self.layer, q, self.head_dim ** -0.5).reshape(t, -1))
+        q, k, v = qkv.split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
+                             self.kv_heads * self.head_dim], dim=-1)
         q = head_norm_rope(q.view(t, self.heads, self.head_dim), self.q_norm.weight, cos, sin, self.q_norm.eps)
         k = head_norm_rope(k.view(t, self.kv_heads, self.head_dim), self.k_norm.weight, cos, sin, self.k_norm.eps)
         v = v.view(t, self.kv_heads, self.head_dim)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.kernels.qkv_store import KVDest
 from mstar.models.layers.linear import Linear
 from mstar.models.layers.mlp import SwiGLU
 from mstar.models.layers.norm import RMSNorm
@@ -46,18 +47,39 @@ class FrameCache:
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         b = self.rows
-        q, k, v = (x.reshape(b, -1, *x.shape[1:]) for x in (q, k, v))  # [B, n, heads, D]
+        start = self._reserve(layer, q.shape[0], k.shape[1], k.shape[2], k.dtype, k.device)
+        total = self.filled[layer]
+        self.k[layer][:, start:total].copy_(k.reshape(b, -1, *k.shape[1:]))
+        self.v[layer][:, start:total].copy_(v.reshape(b, -1, *v.shape[1:]))
+        return self.attend(layer, q, scale)
+
+    def kv_dest(self, layer: int, tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                device: torch.device) -> KVDest:
+        """Where the step's `tokens` new keys and values go (`AttentionContext.kv_dest`)."""
+        start = self._reserve(layer, tokens, kv_heads, head_dim, dtype, device)
+        k, v = (c[layer].view(-1, kv_heads, head_dim) for c in (self.k, self.v))
+        return KVDest(k, v, new=tokens // self.rows, start=start, capacity=self.capacity)
+
+    def _reserve(self, layer: int, tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> int:
+        """Room for `tokens` more keys and values (the rows' next tokens, packed
+        row after row) in layer `layer`'s buffers; where they start."""
         if layer not in self.k:
-            self.k[layer] = k.new_empty(b, self.capacity, *k.shape[2:])
-            self.v[layer] = v.new_empty(b, self.capacity, *v.shape[2:])
+            self.k[layer] = torch.empty(self.rows, self.capacity, kv_heads, head_dim, dtype=dtype, device=device)
+            self.v[layer] = torch.empty_like(self.k[layer])
             self.filled[layer] = 0
-        start, n = self.filled[layer], q.shape[1]
-        total = start + n
-        if total > self.capacity:
-            raise ValueError(f"a frame's cache holds {self.capacity} tokens; {total} were written")
-        self.k[layer][:, start:total].copy_(k)
-        self.v[layer][:, start:total].copy_(v)
-        self.filled[layer] = total
+        start, n = self.filled[layer], tokens // self.rows
+        if start + n > self.capacity:
+            raise ValueError(f"a frame's cache holds {self.capacity} tokens; {start + n} were written")
+        self.filled[layer] = start + n
+        return start
+
+    def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        """The step's queries [B * n, heads, D] over their rows' keys so far
+        (the step's own written already)."""
+        b = self.rows
+        q = q.reshape(b, -1, *q.shape[1:])  # [B, n, heads, D]
+        total, n = self.filled[layer], q.shape[1]
         keys, values = (c[layer][:, :total].transpose(1, 2) for c in (self.k, self.v))  # [B, kv heads, t, D]
         # a frame's steps bring its first tokens (causal among themselves) or one token (sees every key):
         # no mask to build, and grouped heads read their KV head in place
