@@ -39,6 +39,16 @@ def main() -> None:
               f"{_host_us(lambda: F.linear(x[:m], w2)):8.0f} us")
     bucket_first = [_host_us(lambda: F.linear(x[:m, :2048], w)) for m in range(1024, 1056)]
     print("linear M=1024..1055 first calls (us):", " ".join(f"{u:.0f}" for u in bucket_first))
+    # a known shape's host time, median of 50 calls, under each BLAS library torch can call
+    for library in ("cublaslt", "cublas"):
+        torch.backends.cuda.preferred_blas_library(library)
+        a = x[:320, :2048]
+        F.linear(a, w)
+        times = sorted(_host_us(lambda: F.linear(a, w)) for _ in range(50))
+        new_m = [_host_us(lambda m=m: F.linear(x[:m, :2048], w)) for m in range(2000, 2010)]
+        print(f"{library:9}: known shape {times[25]:6.0f} us median; new row counts (us): "
+              + " ".join(f"{u:.0f}" for u in new_m))
+    torch.backends.cuda.preferred_blas_library("cublaslt")
     conv = torch.nn.Conv2d(1, 480, 3, 2, padding=1, device=dev, dtype=dt)
     conv2 = torch.nn.Conv2d(480, 480, 3, 2, padding=1, device=dev, dtype=dt)
     for c in (40, 41, 48, 40):
