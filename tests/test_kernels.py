@@ -249,6 +249,26 @@ def test_qkv_norm_rope_store(t, heads, kv_heads, d, dtype):
     check_qkv_norm_rope_store(t, heads, kv_heads, d, dtype, dtype, "cpu", interpreted=True)
 
 
+@pytest.mark.parametrize("t,new,start,capacity,rows", [(4, 1, 1, 1, 16), (5, 2, 0, 4, 16), (4, 1, 0, 4, 15)])
+def test_qkv_store_refuses_a_dense_layout_past_its_caches(t, new, start, capacity, rows):
+    """On the device a store past the caches writes over other memory, so
+    the layout is checked on the host first."""
+    from mstar.kernels.qkv_store import KVDest, qkv_norm_rope_store_triton
+
+    k, v = torch.zeros(rows, 1, 8), torch.zeros(rows, 1, 8)
+    cos = sin = torch.ones(t, 8)
+    with pytest.raises(ValueError, match="do not fit"):
+        qkv_norm_rope_store_triton(torch.zeros(t, 24), 1, 1, torch.ones(8), torch.ones(8), cos, sin, 1e-6,
+                                   KVDest(k, v, new=new, start=start, capacity=capacity))
+
+
+def test_a_frame_cache_refuses_tokens_that_do_not_split_over_its_rows():
+    from mstar.models.qwen3_omni.speech.code_predictor import FrameCache
+
+    with pytest.raises(ValueError, match="do not split"):
+        FrameCache(2, 4).kv_dest(0, 5, 1, 8, torch.float32, torch.device("cpu"))
+
+
 @interpreted
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t,heads,d", [(1, 4, 16), (5, 3, 64), (2, 2, 128)])

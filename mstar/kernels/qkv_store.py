@@ -82,6 +82,11 @@ def qkv_norm_rope_store_triton(qkv: torch.Tensor, heads: int, kv_heads: int, q_w
         if cache.dim() != 3 or cache.shape[1:] != (kv_heads, d) or cache.stride(2) != 1 or cache.stride(1) != d:
             raise ValueError(f"a cache's flat view must be [N, {kv_heads}, {d}] with heads packed, "
                              f"got {tuple(cache.shape)} strides {cache.stride()}")
+    if dest.slots is None and t and (t % dest.new or dest.start + dest.new > dest.capacity
+                                     or (t // dest.new) * dest.capacity > min(dest.k.shape[0], dest.v.shape[0])):
+        # a store past the caches would not fail on the device: it would write over other memory
+        raise ValueError(f"{t} tokens as rows of {dest.new} at {dest.start} of {dest.capacity} do not fit "
+                         f"caches of {dest.k.shape[0]} rows")
     if qkv.stride(1) != 1:
         qkv = qkv.contiguous()
     # a token stride of 0 (every token at one position, an expanded view) is read as it is

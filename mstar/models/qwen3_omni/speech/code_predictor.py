@@ -64,6 +64,8 @@ class FrameCache:
                  device: torch.device) -> int:
         """Room for `tokens` more keys and values (the rows' next tokens, packed
         row after row) in layer `layer`'s buffers; where they start."""
+        if tokens % self.rows:
+            raise ValueError(f"{tokens} new tokens do not split over the frame's {self.rows} rows")
         if layer not in self.k:
             self.k[layer] = torch.empty(self.rows, self.capacity, kv_heads, head_dim, dtype=dtype, device=device)
             self.v[layer] = torch.empty_like(self.k[layer])
