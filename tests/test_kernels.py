@@ -244,9 +244,15 @@ def test_snac_decoder_through_the_fused_kernels_matches_the_reference(monkeypatc
 
 @interpreted
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t,heads,kv_heads,d", [(1, 4, 2, 16), (6, 3, 1, 64), (2, 2, 2, 128)])
+@pytest.mark.parametrize("t,heads,kv_heads,d", [(1, 4, 2, 16), (6, 3, 1, 64), (2, 2, 2, 128), (4, 8, 2, 256)])
 def test_qkv_norm_rope_store(t, heads, kv_heads, d, dtype):
     check_qkv_norm_rope_store(t, heads, kv_heads, d, dtype, dtype, "cpu", interpreted=True)
+
+
+@interpreted
+def test_qkv_norm_rope_store_in_half_precision_into_a_cache_of_another_dtype():
+    check_qkv_norm_rope_store(4, 4, 2, 64, torch.float16, torch.float16, "cpu", interpreted=True)
+    check_qkv_norm_rope_store(4, 4, 2, 64, torch.bfloat16, torch.float32, "cpu", interpreted=True)
 
 
 @pytest.mark.parametrize("t,new,start,capacity,rows", [(4, 1, 1, 1, 16), (5, 2, 0, 4, 16), (4, 1, 0, 4, 15)])

@@ -173,6 +173,23 @@ def test_rope_and_store_replays_under_cuda_graphs():
     same_on_replay(make, op)
 
 
+def test_qkv_norm_rope_store_replays_under_cuda_graphs():
+    from mstar.kernels.qkv_store import KVDest, qkv_norm_rope_store
+
+    t, hq, hkv, d, slots_n = 8, 8, 2, 128, 96
+    floats = _maker((t, (hq + 2 * hkv) * d), (d,), (d,), (t, d), (t, d), (slots_n, hkv, d), (slots_n, hkv, d))
+    gen = torch.Generator(device="cuda").manual_seed(5)
+
+    def make():
+        return [*floats(), torch.randperm(slots_n, generator=gen, device="cuda")[:t]]
+
+    def op(qkv, qw, kw, cos, sin, k_cache, v_cache, slots):
+        q = qkv_norm_rope_store(qkv, hq, hkv, qw, kw, cos, sin, 1e-6, KVDest(k_cache, v_cache, slots=slots))
+        return q, k_cache, v_cache
+
+    same_on_replay(make, op)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t,heads,kv_heads,d", [(1, 16, 2, 128), (8, 32, 4, 128), (300, 16, 16, 64)])
 def test_qkv_norm_rope_store(t, heads, kv_heads, d, dtype):

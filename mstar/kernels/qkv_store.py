@@ -103,7 +103,7 @@ def qkv_norm_rope_store_triton(qkv: torch.Tensor, heads: int, kv_heads: int, q_w
     return q
 
 
-@jit
+@jit(any_value=("new", "start", "capacity"))  # the code predictor's passes differ in start: one compile
 def _kernel(qkv_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, slot_ptr,
             heads, kv_heads, d, stride_x, stride_cos, stride_sin, stride_k, stride_v, new, start, capacity, eps,
             SLOTS: tl.constexpr, BLOCK: tl.constexpr):

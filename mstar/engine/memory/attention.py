@@ -145,8 +145,10 @@ class TorchPagedAttention:
                 device: torch.device) -> KVDest:
         """Where the step's new keys and values go: the layer's pages at the
         tokens' slots (`AttentionContext.kv_dest`)."""
-        if tokens != self.num_tokens:
-            raise ValueError(f"attention planned for {self.num_tokens} tokens, got {tokens}")
+        spec = self.cache.spec
+        if tokens != self.num_tokens or (kv_heads, head_dim) != (spec.num_kv_heads, spec.head_dim):
+            raise ValueError(f"attention planned for {self.num_tokens} tokens of {spec.num_kv_heads} KV heads of "
+                             f"{spec.head_dim}, got {tokens} of {kv_heads} of {head_dim}")
         k_pages, v_pages = self.cache.layer(layer)
         return KVDest(k_pages.view(-1, kv_heads, head_dim), v_pages.view(-1, kv_heads, head_dim),
                       slots=self.slot_mapping)
@@ -156,6 +158,8 @@ class TorchPagedAttention:
         t, hq, d = q.shape
         k_pages, v_pages = self.cache.layer(layer)
         hkv = k_pages.shape[2]
+        if hq % hkv:
+            raise ValueError(f"{hq} query heads do not group over {hkv} KV heads")
         k_flat = k_pages.view(-1, hkv, d)
         v_flat = v_pages.view(-1, hkv, d)
         if t == 0:

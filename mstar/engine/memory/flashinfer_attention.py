@@ -92,8 +92,10 @@ class FlashInferContext:
                 device: torch.device) -> KVDest:
         """Where the step's new keys and values go: the layer's pages at the
         tokens' slots (`AttentionContext.kv_dest`)."""
-        if tokens != self.num_tokens:
-            raise ValueError(f"attention planned for {self.num_tokens} tokens, got {tokens}")
+        spec = self.cache.spec
+        if tokens != self.num_tokens or (kv_heads, head_dim) != (spec.num_kv_heads, spec.head_dim):
+            raise ValueError(f"attention planned for {self.num_tokens} tokens of {spec.num_kv_heads} KV heads of "
+                             f"{spec.head_dim}, got {tokens} of {kv_heads} of {head_dim}")
         k_pages, v_pages = self.cache.layer(layer)
         return KVDest(k_pages.view(-1, kv_heads, head_dim), v_pages.view(-1, kv_heads, head_dim),
                       slots=self.slot_mapping)

@@ -56,7 +56,8 @@ class ThinkerAttention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv(x)
         kv_dest = getattr(attn, "kv_dest", None)
-        if kv_dest is not None:  # a context that says where k and v go: norms, rotary and the store in one pass
+        # a context that says where k and v go: norms, rotary and the store in one pass (one eps for both norms)
+        if kv_dest is not None and self.q_norm.eps == self.k_norm.eps:
             dest = kv_dest(self.layer, t, self.kv_heads, self.head_dim, qkv.dtype, qkv.device)
             q = qkv_norm_rope_store(qkv, self.heads, self.kv_heads, self.q_norm.weight, self.k_norm.weight, cos,
                                     sin, self.q_norm.eps, dest)
