@@ -21,8 +21,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from mstar.engine.memory.kv_cache import KVCache
-from mstar.kernels.qkv_store import KVDest
+from mstar.engine.memory.kv_cache import KVCache, PagedDest
 from mstar.kernels.rope_kv import rope_and_store, store_kv
 from mstar.types import Rotary
 
@@ -50,8 +49,8 @@ def _padded_block_tables(block_tables: torch.Tensor | Sequence[Sequence[int]],
     return bt, lengths
 
 
-class TorchPagedAttention:
-    """`AttentionContext` over a `KVCache`, planned for one step.
+class TorchPagedAttention(PagedDest):
+    """`AttentionContext` over a `KVCache`, planned for one step (`kv_dest`: `PagedDest`).
 
     `query_start` [B + 1] (CPU int64): row i owns packed tokens
     [query_start[i], query_start[i + 1]). `context_lens` [B]: tokens of each
@@ -140,18 +139,6 @@ class TorchPagedAttention:
             q = rope_and_store(q, k, v, rotary.cos, rotary.sin, rotary.positions, k_pages, v_pages,
                                self.slot_mapping)
         return self.attend(layer, q, scale)
-
-    def kv_dest(self, layer: int, tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                device: torch.device) -> KVDest:
-        """Where the step's new keys and values go: the layer's pages at the
-        tokens' slots (`AttentionContext.kv_dest`)."""
-        spec = self.cache.spec
-        if tokens != self.num_tokens or (kv_heads, head_dim) != (spec.num_kv_heads, spec.head_dim):
-            raise ValueError(f"attention planned for {self.num_tokens} tokens of {spec.num_kv_heads} KV heads of "
-                             f"{spec.head_dim}, got {tokens} of {kv_heads} of {head_dim}")
-        k_pages, v_pages = self.cache.layer(layer)
-        return KVDest(k_pages.view(-1, kv_heads, head_dim), v_pages.view(-1, kv_heads, head_dim),
-                      slots=self.slot_mapping)
 
     def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         """Attention alone, over keys already in the cache: [T, Hq, D] out."""

@@ -33,11 +33,10 @@ from typing import Any
 import flashinfer  # an ImportError here tells the backend chooser to fall back to torch
 import torch
 
-from mstar.engine.memory.kv_cache import KVCache
+from mstar.engine.memory.kv_cache import KVCache, PagedDest
 from mstar.engine.memory.paged_layout import PagedLayout, build_layout, decode_bucket
 from mstar.errors import ConfigError
 from mstar.kernels.host_copy import to_device
-from mstar.kernels.qkv_store import KVDest
 from mstar.kernels.rope_kv import rope_and_store, store_kv
 from mstar.types import Rotary
 
@@ -64,8 +63,8 @@ def build_kernels(dtype: torch.dtype, head_dim: int) -> None:
     build_jit_specs(specs, verbose=False)
 
 
-class FlashInferContext:
-    """`AttentionContext` over one planned FlashInfer wrapper."""
+class FlashInferContext(PagedDest):
+    """`AttentionContext` over one planned FlashInfer wrapper (`kv_dest`: `PagedDest`)."""
 
     def __init__(self, cache: KVCache, wrapper: Any, slot_mapping: torch.Tensor, num_tokens: int) -> None:
         self.cache = cache
@@ -87,18 +86,6 @@ class FlashInferContext:
         if t == 0:
             return q.new_empty(0, q.shape[1], q.shape[2])
         return self.attend(layer, q, scale)
-
-    def kv_dest(self, layer: int, tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                device: torch.device) -> KVDest:
-        """Where the step's new keys and values go: the layer's pages at the
-        tokens' slots (`AttentionContext.kv_dest`)."""
-        spec = self.cache.spec
-        if tokens != self.num_tokens or (kv_heads, head_dim) != (spec.num_kv_heads, spec.head_dim):
-            raise ValueError(f"attention planned for {self.num_tokens} tokens of {spec.num_kv_heads} KV heads of "
-                             f"{spec.head_dim}, got {tokens} of {kv_heads} of {head_dim}")
-        k_pages, v_pages = self.cache.layer(layer)
-        return KVDest(k_pages.view(-1, kv_heads, head_dim), v_pages.view(-1, kv_heads, head_dim),
-                      slots=self.slot_mapping)
 
     def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         """Attention alone, over keys already in the cache: [T, Hq, D] out."""

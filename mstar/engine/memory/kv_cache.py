@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from mstar.errors import ConfigError
+from mstar.kernels.qkv_store import KVDest
 from mstar.models.base import KVSpec
 
 
@@ -45,6 +46,17 @@ class KVCache:
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V pages of `layer`."""
         return self.k[layer], self.v[layer]
+
+    def dest(self, layer: int, tokens: int, planned: int, kv_heads: int, head_dim: int,
+             slots: torch.Tensor) -> KVDest:
+        """Where a step's `tokens` new keys and values go in `layer`: its
+        pages' flat views at `slots`, for a step planned for `planned` tokens
+        (`AttentionContext.kv_dest` of the paged contexts)."""
+        if tokens != planned or (kv_heads, head_dim) != (self.spec.num_kv_heads, self.spec.head_dim):
+            raise ValueError(f"attention planned for {planned} tokens of {self.spec.num_kv_heads} KV heads of "
+                             f"{self.spec.head_dim}, got {tokens} of {kv_heads} of {head_dim}")
+        return KVDest(self.k[layer].view(-1, kv_heads, head_dim), self.v[layer].view(-1, kv_heads, head_dim),
+                      slots=slots)
 
     @staticmethod
     def bytes_per_page(spec: KVSpec, page_size: int, dtype: torch.dtype) -> int:
@@ -109,3 +121,18 @@ class SwappedKV:
     def __init__(self, host: list[torch.Tensor], num_pages: int) -> None:
         self.host = host
         self.num_pages = num_pages
+
+
+class PagedDest:
+    """`AttentionContext.kv_dest` for a context over a `KVCache` planned for
+    `num_tokens` tokens at `slot_mapping`."""
+
+    cache: KVCache
+    num_tokens: int
+    slot_mapping: torch.Tensor
+
+    def kv_dest(self, layer: int, tokens: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                device: torch.device) -> KVDest:
+        """Where the step's new keys and values go: the layer's pages at the
+        tokens' slots."""
+        return self.cache.dest(layer, tokens, self.num_tokens, kv_heads, head_dim, self.slot_mapping)
