@@ -69,24 +69,35 @@ def pack_kv(rows: list[dict[str, torch.Tensor]], reads: list[dict[str, str]], kv
         elif inp.name != sig.query and inp is not pos_input and any(inp.name in row for row in rows):
             extra[inp.name] = stacked(inp, [row.get(inp.name) for row in rows], device)
     ctx = torch.tensor(cached, dtype=torch.long)
-    flat_ids = torch.cat(ids).long()
-    host = [torch.cat(positions, dim=-1), query_start[1:] - 1, torch.tensor(starts, dtype=torch.long)]
-    if flat_ids.device.type == "cpu":
-        host.append(flat_ids)
-    on_device = together_on(host, device)  # one copy, which never waits for the stream
+    input_ids, flat_positions, logits_index, start_positions = step_indices(
+        ids, torch.cat(positions, dim=-1), query_start, device, torch.tensor(starts, dtype=torch.long))
     batch = TokenBatch(
-        input_ids=on_device[3] if len(on_device) == 4 else flat_ids.to(device),
-        positions=on_device[0],
+        input_ids=input_ids,
+        positions=flat_positions,
         query_start=query_start,
-        logits_index=on_device[1],
+        logits_index=logits_index,
         attn=plan(query_start, ctx, [r.pages for r in kv], sig.causal),
         embeds=embeds,
         extra=extra,
-        start_positions=on_device[2],
+        start_positions=start_positions,
     )
     # embeddings' placeholder ids are no tokens the row saw (a talker's repetition penalty is over its own codes)
     seen = ids if query.kind is Kind.IDS else [t[:0] for t in ids]
     return PackedRows(batch, seen, lens, deltas)
+
+
+def step_indices(ids: list[torch.Tensor], positions: torch.Tensor, query_start: torch.Tensor,
+                 device: torch.device, starts: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A step's packed token ids, positions, logits rows (each row's last
+    token) and, when given, its rows' start positions, on `device`: those on
+    the host in one copy, which never waits for the stream."""
+    flat_ids = torch.cat(ids).long()
+    host = [positions, query_start[1:] - 1] + ([starts] if starts is not None else [])
+    ids_on_host = flat_ids.device.type == "cpu"
+    on_device = together_on(host + [flat_ids] if ids_on_host else host, device)
+    input_ids = on_device.pop() if ids_on_host else flat_ids.to(device)
+    return input_ids, on_device[0], on_device[1], on_device[2] if starts is not None else None
 
 
 def _positions_input(sig: Mode) -> In | None:

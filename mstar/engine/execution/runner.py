@@ -26,13 +26,12 @@ from mstar.engine.execution.kv_mode_graphs import KVModeGraphs
 from mstar.engine.memory.kv_cache import KVCache
 from mstar.engine.worker.loop_group import LoopGroup
 from mstar.engine.execution.mode_graphs import ModeGraphs, takes_seeds
-from mstar.engine.execution.pack import kv_outputs, named_outputs, pack_kv, stacked
+from mstar.engine.execution.pack import kv_outputs, named_outputs, pack_kv, stacked, step_indices
 from mstar.engine.worker.kv_rows import KVRow
 from mstar.engine.worker.rows import PartitionRun
 from mstar.engine.execution.sampler import SamplingTensors, banned_table, sample, token_logprobs
 from mstar.engine.movement.tensor_store import TensorRef, TensorStore
 from mstar.engine.movement.transfer import to_device
-from mstar.kernels.host_copy import together_on
 from mstar.graph import Component, Kind, Mode, Step, step_bindings
 from mstar.scheduler import Batch, WorkItem
 from mstar.engine.memory.state_slots import StatePool
@@ -151,16 +150,14 @@ class ComponentRunner:
             tables.append(r.pages)
         query_start = torch.zeros(len(rows) + 1, dtype=torch.long)
         query_start[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.long), 0)
-        flat_ids = torch.cat(ids).long()
-        host = [torch.cat(positions), query_start[1:] - 1] + ([flat_ids] if flat_ids.device.type == "cpu" else [])
-        on_device = together_on(host, self.device)  # one copy, which never waits for the stream
+        input_ids, flat_positions, logits_index, _ = step_indices(ids, torch.cat(positions), query_start, self.device)
         assert self.attention is not None
         attn = self.attention.plan(query_start, torch.tensor(ctx, dtype=torch.long), tables)
         batch = TokenBatch(
-            input_ids=on_device[2] if len(on_device) == 3 else flat_ids.to(self.device),
-            positions=on_device[0],
+            input_ids=input_ids,
+            positions=flat_positions,
             query_start=query_start,
-            logits_index=on_device[1],
+            logits_index=logits_index,
             attn=attn,
             state=self._state_rows([r.slot for r in kv]),
         )

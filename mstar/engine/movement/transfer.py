@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from mstar.kernels.host_copy import to_device
+from mstar.kernels.host_copy import index_on, to_device
 
 __all__ = ["select_rows", "to_device"]
 
@@ -17,4 +17,4 @@ def select_rows(data: torch.Tensor, index: list[int]) -> torch.Tensor:
     pageable host tensor, and copying that to the device waits for the stream."""
     if len(index) == data.shape[0]:
         return data
-    return data.index_select(0, to_device(torch.tensor(index, dtype=torch.long), data.device))
+    return data.index_select(0, index_on(index, data.device))

@@ -71,13 +71,14 @@ class TalkerSteps(nn.Module):
         without them (a prompt without media) reads zeros."""
         device = self.talker.codec_head.weight.device
         width = self.cfg.talker.thinker_hidden_size
-        picked = [talker_rows(ids, self.cfg.ids).nonzero().reshape(-1) for ids in prompts]
         parts = [torch.zeros(len(ids), width, device=device) if h is None else h for ids, h in zip(prompts, hiddens)]
-        starts = torch.tensor([0] + [p.shape[0] for p in parts[:-1]]).cumsum(0)
-        index = torch.cat([start + p for start, p in zip(starts.tolist(), picked)])
-        if index.numel() == 0:
+        index, start = [], 0
+        for ids, part in zip(prompts, parts):
+            index += [start + i for i in talker_rows(ids, self.cfg.ids).nonzero().reshape(-1).tolist()]
+            start += part.shape[0]
+        if not index:
             return torch.zeros(0, width, device=device)
-        return torch.cat([p.to(device) for p in parts]).index_select(0, index_on(index.tolist(), device))
+        return torch.cat([p.to(device) for p in parts]).index_select(0, index_on(index, device))
 
     def speak(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
         text = torch.as_tensor(batch.extra["text"]).reshape(-1)

@@ -112,9 +112,10 @@ class AudioLayout:
             spare = padded_rows(len(token_slots)) - len(token_slots)
             token_slots = torch.cat([token_slots, token_slots.new_zeros(spare)])
         # the spare tokens are one more clip's, attending only among themselves
-        window_counts = (torch.cat([tokens, torch.tensor([spare])]) + window - 1) // window
+        clip_tokens = torch.cat([tokens, torch.tensor([spare])])
+        window_counts = (clip_tokens + window - 1) // window
         first_window = torch.cumsum(window_counts, 0) - window_counts
-        window_slots = _ranges(first_window * window, torch.cat([tokens, torch.tensor([spare])]))
+        window_slots = _ranges(first_window * window, clip_tokens)
         key_mask = torch.zeros(int(window_counts.sum()) * window, dtype=torch.bool)
         key_mask[window_slots] = True
         host = torch.cat([reach.reshape(-1), frame_slots, token_slots, window_slots, key_mask.long()])
