@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 import torch
 
-from mstar.kernels import activation, draw, head_norm_rope, moe, noise, norm, qkv_store, rope_kv, router, snake
+from mstar.kernels import activation, head_norm_rope, moe, norm, qkv_store, rope_kv, router, snake
+from mstar.kernels.sampling import draw, noise
 
 EPS = 1e-5
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mstar.engine.execution.sampler import SamplingTensors, apply_repetition_penalty, banned_table, sample
-from mstar.kernels.noise import exponential_noise_reference, random_bits
+from mstar.kernels.sampling.noise import exponential_noise_reference, random_bits
 from mstar.types import SamplingParams
 
 M32 = 0xFFFFFFFF

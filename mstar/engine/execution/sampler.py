@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from mstar.engine.movement.transfer import to_device
-from mstar.kernels.draw import draw_tokens
+from mstar.kernels.sampling.draw import draw_tokens
 from mstar.types import SamplingParams
 
 NOT_ASKED = -1  # a row's logprobs count when its request reports none
@@ -146,7 +146,7 @@ def sample(logits: Tensor, st: SamplingTensors, seen: Tensor | None = None, bann
 
     Greedy rows take the argmax of the (penalised) logits. Other rows draw by
     an exponential race (argmax of probs / Exp noise), equivalent to sampling
-    from the filtered softmax at the row's temperature (`kernels/draw.py`).
+    from the filtered softmax at the row's temperature (`kernels/sampling/draw.py`).
     """
     if st.any_penalty or banned is not None:
         logits = logits.float()

@@ -18,8 +18,8 @@ import torch
 from torch import Tensor
 
 from mstar.kernels.backend import block_size, jit, num_warps, tl, use_triton
-from mstar.kernels.noise import _INV_2_24, _MUL_A, _MUL_B, _ROW_SALT, _exp_noise, _row_key, exponential_noise
-from mstar.kernels.race import MAX_VOCAB, _sorted_weights, filtered_race_reference
+from mstar.kernels.sampling.noise import _INV_2_24, _MUL_A, _MUL_B, _ROW_SALT, _exp_noise, _row_key, exponential_noise
+from mstar.kernels.sampling.race import MAX_VOCAB, _sorted_weights, filtered_race_reference
 
 
 def draw_tokens(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, seeds: Tensor,
