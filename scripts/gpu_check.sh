@@ -41,6 +41,10 @@ export MAX_JOBS=${MAX_JOBS:-16} FLASHINFER_NVCC_THREADS=${FLASHINFER_NVCC_THREAD
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
 python3 -m pip install -q --no-deps --no-index .wheels/*.whl 2>&1 | grep -v "root user" | tail -3
+if [[ -d .wheels/hf ]]; then  # the transformers CI tests against (scripts/fetch_gpu_wheels.sh)
+  python3 -m pip install -q --no-index --find-links .wheels/hf "$(ls .wheels/hf/transformers-*.whl)" 2>&1 \
+      | grep -v "root user" | tail -3
+fi
 {
   nvidia-smi -L
   python3 -c 'import torch, triton, flashinfer, transformers; print("torch", torch.__version__, "triton", triton.__version__, "flashinfer", flashinfer.__version__, "transformers", transformers.__version__)'
@@ -185,7 +189,7 @@ if [[ $what == omni ]]; then
   rc=$?
   timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider -o timeout=250 -k "cuda or gpu or graph or padded" \
       tests/test_qwen3_omni_code2wav_gpu.py tests/test_qwen3_omni_gpu.py tests/test_qwen3_omni_speech.py tests/test_linear.py \
-      tests/test_qwen3_omni_audio.py tests/test_qwen3_omni_talker.py \
+      tests/test_qwen3_omni_audio.py tests/test_qwen3_omni_talker.py tests/test_host_copy.py \
       tests/test_kv_mode_graphs_gpu.py tests/test_qwen3_omni_speak_group.py \
       >> "$OUT/omni_tests.txt" 2>&1 || rc=1
   tail -8 "$OUT/omni_tests.txt"

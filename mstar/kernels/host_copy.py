@@ -12,10 +12,13 @@ import torch
 
 def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """`t` on `device`; from the host to CUDA without waiting (torch's pinned
-    allocator keeps the staging block until the copy has run)."""
+    allocator keeps the staging block until the copy has run). The staging
+    block is dense: `pin_memory` would keep an expanded tensor's strides and
+    refuse to write its shared elements."""
     device = torch.device(device)
     if device.type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
+        staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+        return staged.to(device, non_blocking=True)
     return t.to(device)
 
 
