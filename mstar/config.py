@@ -33,6 +33,7 @@ class SchedulerConfig:
     # dry the youngest running rows are preempted (their KV swapped to host memory) and resumed later
     kv_reservation: str = "request"
     state_slots: int | None = None      # rows with per-row state at once (None: max_num_seqs)
+    prefix_caching: bool = True         # rows share the KV pages of prompt prefixes seen before
 
 
 @dataclass(frozen=True)
@@ -186,6 +187,8 @@ def build_parser(builtin_models: Sequence[str] = ()) -> argparse.ArgumentParser:
     p.add_argument("--kv-reservation", choices=("request", "lazy"), default="request",
                    help="request: reserve prompt + max_tokens pages at the start; lazy: take pages as tokens "
                         "arrive, and preempt (swap out) the youngest rows when they run out")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="compute every prompt's KV, even where a full page of its prefix was computed before")
     p.add_argument("--seed", type=int, default=0, help="engine seed, for requests without their own")
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="requests waiting to start; a new one past this waits --queue-timeout, then gets 429")
@@ -260,6 +263,7 @@ def parse_args(argv: list[str] | None = None, builtin_models: Sequence[str] = ()
         gpu_memory_utilization=a.gpu_memory_utilization,
         kv_reservation=a.kv_reservation,
         state_slots=a.state_slots,
+        prefix_caching=a.prefix_caching,
     )
     engine = EngineConfig(
         model=a.model,

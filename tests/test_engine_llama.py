@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from llama_folder import save_tiny_llama
 from mstar.config import EngineConfig, SchedulerConfig
 from mstar.engine.engine import Engine
 from mstar.types import GenerateRequest, SamplingParams
@@ -22,18 +23,7 @@ VOCAB = 384
 
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-    model = transformers.LlamaForCausalLM(cfg)
-    # random init is close to uniform: widen the logits so greedy choices are not near-ties
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8)
-    folder = tmp_path_factory.mktemp("llama")
-    model.save_pretrained(folder, safe_serialization=True)
-    return folder
+    return save_tiny_llama(tmp_path_factory.mktemp("llama"), VOCAB)
 
 
 def _hf_greedy(folder: Path, prompts: list[list[int]], new: int, stop: int | None = None,

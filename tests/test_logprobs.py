@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from llama_folder import save_tiny_llama
 from mstar.config import EngineConfig, SchedulerConfig
 from mstar.engine.engine import Engine
 from mstar.engine.execution.sampler import SamplingTensors, sample, token_logprobs
@@ -57,17 +58,7 @@ def test_logprobs_bounds(bad: object) -> None:
 
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
-    model = transformers.LlamaForCausalLM(cfg)
-    with torch.no_grad():  # wider logits: greedy choices and top-k orders are not near-ties
-        model.lm_head.weight.mul_(8)
-    folder = tmp_path_factory.mktemp("llama_logprobs")
-    model.save_pretrained(folder, safe_serialization=True)
-    return folder
+    return save_tiny_llama(tmp_path_factory.mktemp("llama_logprobs"), VOCAB, layers=2, max_positions=256)
 
 
 def _reference(folder: Path, prompt: list[int], generated: list[int]) -> torch.Tensor:

@@ -190,7 +190,8 @@ class Engine:
             "status": "ok" if ok else "unhealthy",
             "model": self.model_name,
             "devices": [{"device": w.name, "alive": w.alive, "components": w.components,
-                         "kv_pages_in_use": w.pages_in_use()} for w in self.workers],
+                         "kv_pages_in_use": w.pages_in_use(), "prefix_cache": w.prefix_caches()}
+                        for w in self.workers],
             "placement": describe(self.placement) if self.workers else {},
             "requests_running": len(self._states),
             "tensors_held": len(self.store),

@@ -9,7 +9,9 @@ pages; an item that cannot get pages waits at the head of its queue (nothing
 behind it in that queue jumps ahead, so large requests are not starved). A KV
 component has at most `max_running` running rows (rows holding pages): an
 item that would start one more waits the same way, so under overload new
-requests queue instead of slowing every running stream down.
+requests queue instead of slowing every running stream down. A row that
+starts with a prompt whose first pages are in its component's prefix cache
+gets them shared (`prefix_cache.py`) and only the pages after them fresh.
 
 A standing group (rows that step together until each stops, like a decode
 loop held as tensors) takes part in the same order as one queue: it holds a
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 
 from mstar.scheduler.pages import PagePool
 from mstar.scheduler.plan import StandingGroup, StepPlan
+from mstar.scheduler.prefix_cache import PrefixCache
 from mstar.scheduler.work import ModeCaps, QueueKey, WorkItem
 
 
@@ -43,13 +46,14 @@ class _Standing:
 class Scheduler:
     def __init__(self, caps: dict[QueueKey, ModeCaps], pools: dict[str, PagePool] | None = None,
                  max_running: dict[str, int] | None = None, grow_pages: bool = False,
-                 slots: dict[str, PagePool] | None = None) -> None:
+                 slots: dict[str, PagePool] | None = None, prefix_caching: bool = False) -> None:
         """`grow_pages`: a standing group's rows get their pages one at a
         time, as they need them, instead of holding them from admission.
         `slots`: per component with per-row state, its free slots (pages of
-        one slot)."""
+        one slot). `prefix_caching`: a prefix cache over each page pool."""
         self.caps = dict(caps)
         self.pools = dict(pools or {})
+        self.caches = {name: PrefixCache(pool) for name, pool in self.pools.items()} if prefix_caching else {}
         self.slots = dict(slots or {})
         self.max_running = dict(max_running or {})
         self.grow_pages = grow_pages
@@ -182,7 +186,7 @@ class Scheduler:
                     continue
             if item.pages_needed:
                 assert pool is not None
-                pages = pool.allocate(item.pages_needed)
+                pages = self._admit_pages(item, pool)
                 if pages is None:
                     if slot is not None:
                         self.slots[key[0]].free(slot)
@@ -198,6 +202,31 @@ class Scheduler:
             tokens += item.num_tokens
         q.extendleft(reversed(held))  # they keep their places at the front
         return taken
+
+    def _admit_pages(self, item: WorkItem, pool: PagePool) -> list[int] | None:
+        """The pages `item` needs, a cached prefix's first (shared; at least
+        one token is left to compute, for the step's logits), or None."""
+        cache = self.caches.get(item.component)
+        hit: list[int] = []
+        if cache is not None and item.prefix and item.starts_row:
+            usable = min(len(item.prefix), (item.num_tokens - 1) // pool.page_size, item.pages_needed)
+            hit = cache.match(item.prefix[:usable])
+            pool.share(hit)  # held before the allocation below may take unheld cached pages
+        fresh = pool.allocate(item.pages_needed - len(hit))
+        if fresh is None:
+            pool.free(hit)
+            return None
+        item.cached_tokens = len(hit) * pool.page_size
+        if cache is not None and item.prefix and item.starts_row:
+            cache.admitted(item.num_tokens, item.cached_tokens)
+        return hit + fresh
+
+    def cache_prefix(self, item: WorkItem, pages: list[int]) -> None:
+        """`item`'s step has run: its row's first `pages` hold its prompt's
+        full pages, for rows that start the same way."""
+        cache = self.caches.get(item.component)
+        if cache is not None and item.prefix:
+            cache.insert(item.prefix, pages[:len(item.prefix)])
 
     # ----------------------------------------------------- standing groups
 

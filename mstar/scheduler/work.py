@@ -28,7 +28,9 @@ class WorkItem:
     `starts_row`: running it makes the row one of its component's running
     rows, which are capped (`Scheduler(max_running=...)`). `needs_slot`: the
     row of a component with per-row state has no slot yet; it gets one with
-    its pages, or neither (`granted_slot`).
+    its pages, or neither (`granted_slot`). `prefix`: where the component
+    has a prefix cache, the pages of a cached prefix are granted first
+    (shared), as many as leave the step at least one token to compute.
     """
 
     request_id: str
@@ -44,6 +46,8 @@ class WorkItem:
     needs_slot: bool = False
     granted_slot: int | None = None
     capped: bool = True        # a row that starts counts against the running cap (not a forked branch's)
+    prefix: tuple[bytes, ...] = ()  # a starting row's prompt: the keys of its full pages (`prefix_cache.page_keys`)
+    cached_tokens: int = 0     # admitted with the first tokens' KV from the prefix cache: its step skips them
 
     @property
     def key(self) -> QueueKey:

@@ -119,6 +119,8 @@ class EngineMetrics:
         # a worker that failed in setup has no scheduler
         waiting = sum(w.scheduler.num_waiting() for w in workers if hasattr(w, "scheduler"))
         pools = [((("device", w.name), ("component", c)), p) for w in workers for c, p in list(w.pools.items())]
+        caches = [((("device", w.name), ("component", c)), stats) for w in workers
+                  for c, stats in w.prefix_caches().items()]
         dropped = outputs_dropped + sum(w.stats.cancelled_steps + w.stats.dropped_rows for w in workers)
         preempted = sum(w.preemption.preempted for w in workers if getattr(w, "preemption", None) is not None)
         parts = [
@@ -147,6 +149,14 @@ class EngineMetrics:
                    [(labels, p.num_used) for labels, p in pools]),
             family("mstar_kv_pages_total", "gauge", "KV cache pages in the pool.",
                    [(labels, p.num_pages) for labels, p in pools]),
+            family("mstar_prefix_cache_queries_total", "counter",
+                   "Prompt tokens of new rows looked up in the prefix cache.",
+                   [(labels, c["queries"]) for labels, c in caches]),
+            family("mstar_prefix_cache_hits_total", "counter",
+                   "Prompt tokens whose KV came from the prefix cache.", [(labels, c["hits"]) for labels, c in caches]),
+            family("mstar_prefix_cache_pages", "gauge",
+                   "KV pages holding a cached prefix, held by rows or kept for reuse.",
+                   [(labels, c["pages"]) for labels, c in caches]),
             family("mstar_tensors_held", "gauge", "Tensors held in the engine's tensor store.",
                    [((), tensors_held)]),
             family("mstar_host_arena_bytes_in_use", "gauge",

@@ -105,7 +105,7 @@ class ComponentRunner:
             raise RuntimeError(f"rows of one {step.label} step read or write different values")
         if self.kv is not None:
             values, logprobs = self._run_tokens([row[step.inputs[0]] for row in inputs], parts, branches, step, fn,
-                                                banned)
+                                                banned, [item.cached_tokens for item in batch.items])
         else:
             seeds = self._row_seeds(parts, step) if self._seeded(batch.mode) else None
             if self.state is not None:  # the rows' slots, as the keyword `state`
@@ -136,12 +136,14 @@ class ComponentRunner:
     # ------------------------------------------------------------ KV rows
 
     def _run_tokens(self, rows: list[torch.Tensor], parts: list[PartitionRun], branches: list[str], step: Step,
-                    fn, banned: list[tuple[int, ...]]) -> tuple[dict, torch.Tensor | None]:
+                    fn, banned: list[tuple[int, ...]], cached: list[int]) -> tuple[dict, torch.Tensor | None]:
+        """`cached`: each row's first tokens whose KV its pages hold already
+        (a prefix cache hit): they are not computed again."""
         assert self.kv is not None
         kv = [p.row(self.name, b) for p, b in zip(parts, branches)]
         ids, positions, lens, ctx, tables = [], [], [], [], []
-        for row, r in zip(rows, kv):
-            toks = row.reshape(-1)
+        for row, r, skip in zip(rows, kv, cached):
+            toks = row.reshape(-1)[skip:]
             n = toks.numel()
             ids.append(toks)
             positions.append(torch.arange(r.kv_len, r.kv_len + n))
@@ -163,8 +165,8 @@ class ComponentRunner:
         )
         with torch.profiler.record_function("mstar.forward"):
             out = fn(batch)
-        if self.spec.samples:
-            tokens, logprobs = self._sample(out["logits"], parts, kv, ids, banned)
+        if self.spec.samples:  # a repetition penalty sees the whole prompt, cached or not
+            tokens, logprobs = self._sample(out["logits"], parts, kv, [row.reshape(-1) for row in rows], banned)
             values = {step.outputs[0]: tokens}
         else:
             values, logprobs = self._name_outputs(step, out), None

@@ -92,6 +92,15 @@ class DeviceWorker:
     def pages_in_use(self) -> dict[str, int]:
         return {name: pool.num_used for name, pool in self.pools.items()}
 
+    def prefix_caches(self) -> dict[str, dict[str, int]]:
+        """Per KV component with a prefix cache: pages holding a cached prefix
+        (`pages`; `unheld`: of those, held by no row), and prompt tokens looked
+        up and found since start."""
+        if not hasattr(self, "scheduler"):  # its setup failed
+            return {}
+        return {name: {"pages": len(cache), "unheld": cache.pool.num_cached, "queries": cache.stats.queries,
+                       "hits": cache.stats.hits} for name, cache in self.scheduler.caches.items()}
+
     # -------------------------------------------------------------- setup
 
     def _setup(self) -> None:
@@ -111,7 +120,7 @@ class DeviceWorker:
         # a component with per-row state: a row takes a slot with its first pages (slots are pages of one)
         slots = {name: PagePool(r.state.num_slots, 1) for name, r in self.runners.items() if r.state is not None}
         self.scheduler = Scheduler(caps, self.pools, max_running=dict.fromkeys(self.pools, cfg.max_num_seqs),
-                                   grow_pages=lazy, slots=slots)
+                                   grow_pages=lazy, slots=slots, prefix_caching=cfg.prefix_caching)
         token_loops = {n for n in self.placed if self.model.components[n].kv_cache and self.model.components[n].samples}
         self.walker = Walker(self.store, self.scheduler, self.pools, self.model.max_model_len, self._finished,
                              token_loops, self.device, lazy_pages=lazy, join_turn=self.model.join_turn,

@@ -136,7 +136,7 @@ class Executor:
                 continue
             row = item.payload.part.row(item.component, item.payload.branch)
             if item.granted:  # pages the scheduler admitted the row with: the row owns them now
-                row.admit(item.granted)
+                row.admit(item.granted, item.cached_tokens)
                 item.granted = []
             if item.granted_slot is not None:  # and its slot of per-row state, which starts empty
                 assert runner.state is not None
@@ -184,6 +184,7 @@ class Executor:
             else:
                 self._retry_alone(batch, inputs)
             return
+        self._cache_prefixes(batch.items)
         with torch.profiler.record_function("mstar.route"):
             # a sampling step has waited for its tokens already: reading them costs no wait
             self._route(out, sampled=runner.spec.samples)
@@ -250,7 +251,15 @@ class Executor:
                 log.warning("row failed on its own", device=self.name, request_id=item.request_id, error=repr(e))
                 self._fail(alone, f"{type(e).__name__}: {e}")
             else:
+                self._cache_prefixes([item])
                 self._route(out, sampled=runner.spec.samples)
+
+    def _cache_prefixes(self, items: list[WorkItem]) -> None:
+        """The rows' prompts are in their pages now (in stream order): the
+        full ones enter the prefix cache."""
+        for item in items:
+            if item.prefix:
+                self.scheduler.cache_prefix(item, item.payload.part.row(item.component, item.payload.branch).pages)
 
     def _route(self, out: StepOutput, sampled: bool = False) -> None:
         """Fast postprocess of a step: emits, stop rules, then every row moves

@@ -41,8 +41,13 @@ class KVRow:
         """The position its next token takes."""
         return self.kv_len + self.rope_delta
 
-    def admit(self, pages: list[int]) -> None:
-        """The scheduler admitted a step of this row with `pages` more."""
+    def admit(self, pages: list[int], cached_tokens: int = 0) -> None:
+        """The scheduler admitted a step of this row with `pages` more; with
+        `cached_tokens`, a new row whose first pages hold that much of its
+        prompt already (a prefix cache hit)."""
+        if cached_tokens:
+            assert not self.pages and self.kv_len == 0, "a cached prefix starts a row"
+            self.kv_len = cached_tokens
         self.pages.extend(pages)
 
     def fork_from(self, main: KVRow, pages: list[int]) -> None:

@@ -1,0 +1,91 @@
+"""The prefix cache of one paged KV pool: full pages of KV keyed by a hash
+chain of the tokens that wrote them, so a row whose prompt starts with the
+same tokens shares those pages instead of computing them again.
+
+A page's key is a digest of its parent page's key, its own tokens and a salt
+(what else decides the KV: the component, and for multimodal prompts a
+digest of the media): equal keys mean an equal prefix at equal positions.
+Pages enter once the step that wrote them has run (`insert`); a row admitted
+with a hit holds them like any shared page (`PagePool.share`). The pool keeps
+unheld cached pages until an allocation needs them and then tells the cache
+(`evicted`), least recently used first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from mstar.scheduler.pages import PagePool
+
+
+def page_keys(ids: torch.Tensor, page_size: int, salt: bytes = b"") -> tuple[bytes, ...]:
+    """The hash chain of the full pages of `ids` (a prompt's token ids from
+    position 0): one key per full page."""
+    flat = ids.reshape(-1).to(torch.int64).cpu().numpy()
+    keys: list[bytes] = []
+    parent = salt
+    for start in range(0, len(flat) - page_size + 1, page_size):
+        h = hashlib.blake2b(parent, digest_size=16)
+        h.update(flat[start:start + page_size].tobytes())
+        parent = h.digest()
+        keys.append(parent)
+    return tuple(keys)
+
+
+@dataclass(slots=True)
+class CacheStats:
+    queries: int = 0        # prompt tokens of the rows admitted with a lookup
+    hits: int = 0           # of those, tokens whose KV came from the cache
+    inserted: int = 0       # pages that entered the cache
+    evicted: int = 0        # pages the pool took back for other rows
+
+
+class PrefixCache:
+    def __init__(self, pool: PagePool) -> None:
+        self.pool = pool
+        self._pages: dict[bytes, int] = {}
+        self._keys: dict[int, bytes] = {}
+        self.stats = CacheStats()
+        pool.on_evict = self.evicted
+
+    def __len__(self) -> int:
+        """Pages holding a cached prefix, held by rows or not."""
+        return len(self._pages)
+
+    def match(self, keys: tuple[bytes, ...] | list[bytes]) -> list[int]:
+        """The pages of the longest cached prefix of `keys`, not yet shared."""
+        pages: list[int] = []
+        for key in keys:
+            page = self._pages.get(key)
+            if page is None:
+                break
+            pages.append(page)
+        return pages
+
+    def admitted(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """A row was admitted after a lookup: its prompt's length, and how
+        much of it the cache held."""
+        self.stats.queries += prompt_tokens
+        self.stats.hits += cached_tokens
+
+    def insert(self, keys: tuple[bytes, ...] | list[bytes], pages: list[int]) -> None:
+        """The step that wrote `pages` (the row's first pages, full) has run:
+        they hold the prefix `keys` names. A prefix cached already keeps its
+        page (the row's copy is freed with the row)."""
+        for key, page in zip(keys, pages):
+            if key in self._pages or page in self._keys:
+                continue
+            self._pages[key] = page
+            self._keys[page] = key
+            self.pool.keep(page)
+            self.stats.inserted += 1
+
+    def evicted(self, page: int) -> None:
+        """The pool took `page` for another row: its prefix is gone."""
+        key = self._keys.pop(page, None)
+        if key is not None:
+            del self._pages[key]
+            self.stats.evicted += 1
