@@ -12,6 +12,9 @@ item that would start one more waits the same way, so under overload new
 requests queue instead of slowing every running stream down. A row that
 starts with a prompt whose first pages are in its component's prefix cache
 gets them shared (`prefix_cache.py`) and only the pages after them fresh.
+A prompt longer than a step's token cap (or than the room other rows leave)
+runs in chunks: each step computes what fits, and the rest goes to the back
+of the line (`next_chunk`), so running rows step between its chunks.
 
 A standing group (rows that step together until each stops, like a decode
 loop held as tensors) takes part in the same order as one queue: it holds a
@@ -173,7 +176,8 @@ class Scheduler:
         limit = self.max_running.get(key[0])
         while q and len(taken) < caps.max_rows:
             item = q[0]
-            if taken and tokens + item.num_tokens > caps.max_tokens:
+            full = tokens + item.remaining > caps.max_tokens
+            if taken and full and not (item.chunkable and tokens < caps.max_tokens):
                 break
             if item.starts_row and item.capped and limit is not None and self.running.get(key[0], 0) >= limit:
                 held.append(q.popleft())
@@ -199,7 +203,9 @@ class Scheduler:
             if item.starts_row:
                 self.running[key[0]] = self.running.get(key[0], 0) + 1
             taken.append(item)
-            tokens += item.num_tokens
+            if item.chunkable:  # as much as the cap leaves room for (a cached prefix counts for nothing)
+                item.chunk = min(item.remaining, max(caps.max_tokens - tokens, 1))
+            tokens += item.chunk if item.chunkable else item.num_tokens
         q.extendleft(reversed(held))  # they keep their places at the front
         return taken
 
@@ -208,7 +214,8 @@ class Scheduler:
         one token is left to compute, for the step's logits), or None."""
         cache = self.caches.get(item.component)
         hit: list[int] = []
-        if cache is not None and item.prefix and item.starts_row:
+        looks_up = cache is not None and item.prefix and item.starts_row and item.done == 0
+        if looks_up:
             usable = min(len(item.prefix), (item.num_tokens - 1) // pool.page_size, item.pages_needed)
             hit = cache.match(item.prefix[:usable])
             pool.share(hit)  # held before the allocation below may take unheld cached pages
@@ -216,10 +223,19 @@ class Scheduler:
         if fresh is None:
             pool.free(hit)
             return None
-        item.cached_tokens = len(hit) * pool.page_size
-        if cache is not None and item.prefix and item.starts_row:
+        if looks_up:
+            item.cached_tokens = item.done = len(hit) * pool.page_size
             cache.admitted(item.num_tokens, item.cached_tokens)
         return hit + fresh
+
+    def next_chunk(self, item: WorkItem) -> None:
+        """`item`'s step computed a chunk of its tokens: the rest wait at the
+        back of the line, behind the steps of running rows."""
+        item.done += item.chunk
+        item.chunk = 0
+        item.starts_row = False
+        item.ticket = next(self._tickets)
+        self._queues[item.key].append(item)
 
     def cache_prefix(self, item: WorkItem, pages: list[int]) -> None:
         """`item`'s step has run: its row's first `pages` hold its prompt's

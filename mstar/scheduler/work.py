@@ -31,7 +31,19 @@ class WorkItem:
     its pages, or neither (`granted_slot`). `prefix`: where the component
     has a prefix cache, the pages of a cached prefix are granted first
     (shared), as many as leave the step at least one token to compute.
+    `chunkable`: a step computes as many of its tokens as the step's token
+    cap leaves room for (`chunk`); the rest wait in line for later steps.
     """
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to compute."""
+        return self.num_tokens - self.done
+
+    @property
+    def partial(self) -> bool:
+        """Its next step leaves tokens for later ones."""
+        return self.chunkable and 0 < self.chunk < self.remaining
 
     request_id: str
     partition: str
@@ -47,7 +59,10 @@ class WorkItem:
     granted_slot: int | None = None
     capped: bool = True        # a row that starts counts against the running cap (not a forked branch's)
     prefix: tuple[bytes, ...] = ()  # a starting row's prompt: the keys of its full pages (`prefix_cache.page_keys`)
-    cached_tokens: int = 0     # admitted with the first tokens' KV from the prefix cache: its step skips them
+    cached_tokens: int = 0     # admitted with its first tokens' KV from the prefix cache (until the row takes it)
+    chunkable: bool = False    # its tokens may be computed over several steps
+    done: int = 0              # of its tokens, those already in its row's KV (cached, or earlier chunks)
+    chunk: int = 0             # tokens its next step computes (a chunkable item's, set as it is taken)
 
     @property
     def key(self) -> QueueKey:

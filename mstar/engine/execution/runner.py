@@ -76,13 +76,16 @@ class ComponentRunner:
 
     def take_inputs(self, batch: Batch) -> list[dict[str, torch.Tensor]]:
         """Each row's inputs, read out of the store (its references dropped):
-        a batch that fails in `compute` can run again row by row from these."""
+        a batch that fails in `compute` can run again row by row from these.
+        A row whose earlier chunk took them has them in its payload."""
         if batch.mode in self.spec.signatures:  # every bound input, of each row's own step
-            return [{n: self._take(item, n) for n in item.payload.inputs} for item in batch.items]
+            return [item.payload.held or {n: self._take(item, n) for n in item.payload.inputs}
+                    for item in batch.items]
         out = []
         for item in batch.items:  # each row's own step: rows of two walks may bind other names
             names = item.payload.part.current_step().inputs
-            out.append({n: self._take(item, n) for n in (names[:1] if self.kv is not None else names)})
+            out.append(item.payload.held or {n: self._take(item, n)
+                                             for n in (names[:1] if self.kv is not None else names)})
         return out
 
     @torch.inference_mode()
@@ -104,8 +107,12 @@ class ComponentRunner:
             # one call names its values after one step: the row-by-row retry runs each row's own
             raise RuntimeError(f"rows of one {step.label} step read or write different values")
         if self.kv is not None:
+            spans = [(item.done, item.done + item.chunk if item.chunkable else None) for item in batch.items]
             values, logprobs = self._run_tokens([row[step.inputs[0]] for row in inputs], parts, branches, step, fn,
-                                                banned, [item.cached_tokens for item in batch.items])
+                                                banned, spans)
+            if any(item.partial for item in batch.items):  # rows with chunks to come write nothing yet
+                ends = [i for i, item in enumerate(batch.items) if not item.partial]
+                parts, branches = [parts[i] for i in ends], [branches[i] for i in ends]
         else:
             seeds = self._row_seeds(parts, step) if self._seeded(batch.mode) else None
             if self.state is not None:  # the rows' slots, as the keyword `state`
@@ -136,14 +143,17 @@ class ComponentRunner:
     # ------------------------------------------------------------ KV rows
 
     def _run_tokens(self, rows: list[torch.Tensor], parts: list[PartitionRun], branches: list[str], step: Step,
-                    fn, banned: list[tuple[int, ...]], cached: list[int]) -> tuple[dict, torch.Tensor | None]:
-        """`cached`: each row's first tokens whose KV its pages hold already
-        (a prefix cache hit): they are not computed again."""
+                    fn, banned: list[tuple[int, ...]], spans: list[tuple[int, int | None]]
+                    ) -> tuple[dict, torch.Tensor | None]:
+        """`spans`: the tokens of each row this step computes, [start, end)
+        (end None: to the last). Those before `start` are in its pages already
+        (a prefix cache hit, or earlier chunks); a row that ends before its
+        last token (a chunk) samples nothing, and the values hold the others'."""
         assert self.kv is not None
         kv = [p.row(self.name, b) for p, b in zip(parts, branches)]
         ids, positions, lens, ctx, tables = [], [], [], [], []
-        for row, r, skip in zip(rows, kv, cached):
-            toks = row.reshape(-1)[skip:]
+        for row, r, (start, end) in zip(rows, kv, spans):
+            toks = row.reshape(-1)[start:end]
             n = toks.numel()
             ids.append(toks)
             positions.append(torch.arange(r.kv_len, r.kv_len + n))
@@ -165,13 +175,16 @@ class ComponentRunner:
         )
         with torch.profiler.record_function("mstar.forward"):
             out = fn(batch)
-        if self.spec.samples:  # a repetition penalty sees the whole prompt, cached or not
-            tokens, logprobs = self._sample(out["logits"], parts, kv, [row.reshape(-1) for row in rows], banned)
+        ends = [i for i, (row, (_, end)) in enumerate(zip(rows, spans)) if end is None or end >= row.numel()]
+        if self.spec.samples:  # a repetition penalty sees the whole prompt, however it was computed
+            logits = out["logits"] if len(ends) == len(rows) else out["logits"][ends]
+            tokens, logprobs = self._sample(logits, [parts[i] for i in ends], [kv[i] for i in ends],
+                                            [rows[i].reshape(-1) for i in ends], [banned[i] for i in ends])
             values = {step.outputs[0]: tokens}
         else:
             values, logprobs = self._name_outputs(step, out), None
-        for r, n in zip(kv, lens):  # only now: a step that raised left its rows as they were
-            r.advance(n, None, self.spec.samples)
+        for i, (r, n) in enumerate(zip(kv, lens)):  # only now: a step that raised left its rows as they were
+            r.advance(n, None, self.spec.samples and i in ends)
         return values, logprobs
 
     def _run_signed(self, inputs: list[dict[str, torch.Tensor]], parts: list[PartitionRun], branches: list[str],

@@ -137,7 +137,7 @@ class Executor:
             row = item.payload.part.row(item.component, item.payload.branch)
             if item.granted:  # pages the scheduler admitted the row with: the row owns them now
                 row.admit(item.granted, item.cached_tokens)
-                item.granted = []
+                item.granted, item.cached_tokens = [], 0
             if item.granted_slot is not None:  # and its slot of per-row state, which starts empty
                 assert runner.state is not None
                 row.take_slot(item.granted_slot)
@@ -184,10 +184,11 @@ class Executor:
             else:
                 self._retry_alone(batch, inputs)
             return
-        self._cache_prefixes(batch.items)
-        with torch.profiler.record_function("mstar.route"):
-            # a sampling step has waited for its tokens already: reading them costs no wait
-            self._route(out, sampled=runner.spec.samples)
+        self._chunked(batch.items, inputs)
+        if out.parts:
+            with torch.profiler.record_function("mstar.route"):
+                # a sampling step has waited for its tokens already: reading them costs no wait
+                self._route(out, sampled=runner.spec.samples)
         self.stats.steps += 1
         self.stats.rows += len(batch)
         r = self.report
@@ -251,14 +252,19 @@ class Executor:
                 log.warning("row failed on its own", device=self.name, request_id=item.request_id, error=repr(e))
                 self._fail(alone, f"{type(e).__name__}: {e}")
             else:
-                self._cache_prefixes([item])
-                self._route(out, sampled=runner.spec.samples)
+                self._chunked([item], [row])
+                if out.parts:
+                    self._route(out, sampled=runner.spec.samples)
 
-    def _cache_prefixes(self, items: list[WorkItem]) -> None:
-        """The rows' prompts are in their pages now (in stream order): the
-        full ones enter the prefix cache."""
-        for item in items:
-            if item.prefix:
+    def _chunked(self, items: list[WorkItem], inputs: list[dict[str, torch.Tensor]]) -> None:
+        """After a step ran: a row with chunks to come goes back in line with
+        its inputs; a row whose prompt is whole in its pages now (in stream
+        order) puts its full pages in the prefix cache."""
+        for item, row in zip(items, inputs):
+            if item.partial:
+                item.payload.held = row
+                self.scheduler.next_chunk(item)
+            elif item.prefix:
                 self.scheduler.cache_prefix(item, item.payload.part.row(item.component, item.payload.branch).pages)
 
     def _route(self, out: StepOutput, sampled: bool = False) -> None:

@@ -59,6 +59,7 @@ class Work:
     branch: str = "main"
     rejoin: bool = False  # a preempted decode-group row coming back: it rejoins its group, it runs no step
     banned: tuple[int, ...] = ()  # ids the step may not sample (its loop's stop ids, before `min_tokens`)
+    held: dict[str, torch.Tensor] | None = None  # its inputs, taken from the store by its first chunk's step
 
 
 @dataclass(eq=False, slots=True)

@@ -19,7 +19,7 @@ import torch
 from mstar.engine.worker.cursor import Cursor
 from mstar.engine.worker.group_shape import group_shape
 from mstar.engine.worker.loop_group import Leave, LoopGroup
-from mstar.engine.worker.prefix_keys import prefix_keys
+from mstar.engine.worker.prompt_rows import PromptRow, prompt_row
 from mstar.engine.messages import Finished, Submit
 from mstar.engine.worker.rows import PartitionRun, RequestRun, StreamItem, Work
 from mstar.engine.worker.streaming.buffer import StreamBuffer
@@ -197,7 +197,7 @@ class Walker:
                 branch: str = "main") -> None:
         rid = part.request_id
         pool = self.pools.get(step.component)
-        num_tokens, pages, starts_row, capped, prefix = 1, 0, False, branch == "main", ()
+        num_tokens, pages, starts_row, capped, prompt = 1, 0, False, branch == "main", PromptRow()
         if pool is not None:
             row = part.row(step.component, branch)
             num_tokens = self._num_tokens(step, inputs)
@@ -213,8 +213,8 @@ class Walker:
             if row.swapped is not None:  # preempted while it waited: its KV comes back into pages first
                 pages, capped = max(pages, row.swapped.num_pages), False  # it ran already: the cap is for new rows
             starts_row = not row.pages
-            if step.component in self.scheduler.caches:
-                prefix = prefix_keys(self.store, self.components.get(step.component), step, inputs, row, pool.page_size)
+            prompt = prompt_row(self.store, self.components.get(step.component), step, inputs, row, pool.page_size,
+                                step.component in self.scheduler.caches)
         for refs in inputs.values():
             for ref in refs if isinstance(refs, list) else (refs,):
                 if isinstance(ref, TensorRef):
@@ -225,7 +225,8 @@ class Walker:
         banned = banned_ids(part) if step.component in self.token_loops else ()
         self.scheduler.add(WorkItem(rid, part.name, step.component, step.mode, num_tokens, pages,
                                     payload=Work(part, inputs, branch, banned=banned), starts_row=starts_row,
-                                    needs_slot=needs_slot, capped=capped, prefix=prefix))
+                                    needs_slot=needs_slot, capped=capped, prefix=prompt.prefix,
+                                    chunkable=prompt.chunkable))
 
     def _num_tokens(self, step: Step, inputs: dict[str, TensorRef | list[StreamItem] | int]) -> int:
         """The new tokens a KV step brings: its query input's ids, or its rows

@@ -1,0 +1,136 @@
+"""Chunked prefill: a prompt longer than a step's token cap (or than the room
+other rows leave) runs over several steps, each behind the running rows'
+steps, with the same outputs as in one step, its prefix cached or not."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from llama_folder import save_tiny_llama
+from mstar.config import EngineConfig, SchedulerConfig
+from mstar.engine.engine import Engine
+from mstar.scheduler import ModeCaps, PagePool, Scheduler, WorkItem
+from mstar.types import GenerateRequest, SamplingParams
+
+pytest.importorskip("transformers")
+
+VOCAB = 384
+
+
+def _sched(max_tokens: int) -> tuple[Scheduler, PagePool]:
+    pool = PagePool(64, 4)
+    caps = {("llm", "prefill"): ModeCaps(8, max_tokens), ("llm", "decode"): ModeCaps(8, max_tokens)}
+    return Scheduler(caps, {"llm": pool}), pool
+
+
+def _prompt(rid: str, n: int, pool: PagePool, chunkable: bool = True) -> WorkItem:
+    return WorkItem(rid, "main", "llm", "prefill", num_tokens=n, pages_needed=pool.pages_for(n), starts_row=True,
+                    chunkable=chunkable)
+
+
+def test_a_long_prompt_takes_the_cap_a_step_and_waits_behind_running_rows_between_chunks() -> None:
+    sched, pool = _sched(32)
+    long = _prompt("long", 100, pool)
+    sched.add(long)
+    plan = sched.schedule()
+    assert plan.items == [long] and long.chunk == 32 and long.partial and len(long.granted) == 25
+    long.granted = []
+    decode = WorkItem("run", "main", "llm", "decode")  # a running row's next step, queued meanwhile
+    sched.add(decode)
+    chunks = [long.chunk]
+    sched.next_chunk(long)
+    assert sched.schedule().items == [decode]  # it queued before the rest of the prompt
+    while True:
+        plan = sched.schedule()
+        assert plan.items == [long]
+        chunks.append(long.chunk)
+        if not long.partial:
+            break
+        sched.next_chunk(long)
+    assert chunks == [32, 32, 32, 4] and long.done == 96 and sched.running["llm"] == 1
+
+
+def test_a_chunkable_prompt_fills_the_room_other_prompts_leave() -> None:
+    sched, pool = _sched(32)
+    short, rigid, long = _prompt("a", 20, pool), _prompt("b", 20, pool, chunkable=False), _prompt("c", 50, pool)
+    for item in (short, long):
+        sched.add(item)
+    assert sched.schedule().items == [short, long] and (short.chunk, long.chunk) == (20, 12)
+    sched2, pool2 = _sched(32)
+    sched2.add(_prompt("a", 20, pool2))
+    sched2.add(rigid)  # a prompt that cannot be split waits for a step of its own
+    assert len(sched2.schedule().items) == 1 and sched2.schedule().items == [rigid]
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("llama_chunks"), VOCAB)
+
+
+async def _run(eng: Engine, rid: str, prompt: list[int], sp: SamplingParams) -> list[int]:
+    toks: list[int] = []
+    async for chunk in eng.submit(GenerateRequest(rid, eng.model_name, {"prompt_ids": prompt}, sp)):
+        assert chunk.error is None, chunk.error
+        toks.extend(chunk.token_ids)
+    return toks
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(7)
+    shared = [1] + [rng.randrange(3, VOCAB) for _ in range(50)]
+    return [shared, shared + [rng.randrange(3, VOCAB) for _ in range(9)],
+            [1] + [rng.randrange(3, VOCAB) for _ in range(77)], [1, 5, 9]]
+
+
+async def _outputs(folder: Path, budget: int, caching: bool, device: str) -> list[list[int]]:
+    eng = Engine(EngineConfig(model=str(folder), devices=(device,), dtype="float32", scheduler=SchedulerConfig(
+        page_size=4, num_pages=256, max_num_batched_tokens=budget, prefix_caching=caching)))
+    await eng.start()
+    try:
+        params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+                  SamplingParams(max_tokens=10, temperature=0.9, seed=3, repetition_penalty=1.2, ignore_eos=True)]
+        first = await _run(eng, "first", _prompts()[0], params[0])
+        rest = await asyncio.gather(*[_run(eng, f"r{i}{j}", p, sp) for i, p in enumerate(_prompts())
+                                      for j, sp in enumerate(params)])
+        return [first, *rest]
+    finally:
+        await eng.shutdown()
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda:0"] if torch.cuda.is_available() else []))
+async def test_outputs_are_the_same_in_chunks_or_whole_cached_or_not(hf_folder: Path, device: str) -> None:
+    whole = await _outputs(hf_folder, 8192, False, device)
+    assert await _outputs(hf_folder, 16, False, device) == whole
+    assert await _outputs(hf_folder, 16, True, device) == whole
+    assert await _outputs(hf_folder, 7, True, device) == whole
+
+
+async def test_running_rows_step_between_a_long_prompts_chunks(hf_folder: Path) -> None:
+    eng = Engine(EngineConfig(model=str(hf_folder), scheduler=SchedulerConfig(
+        page_size=4, num_pages=256, max_num_batched_tokens=24)))
+    await eng.start()
+    steps: list[str] = []
+    eng.add_report_hook(lambda r: steps.append(r.mode) if r.rows > 0 and r.component else None)
+    try:
+        running = asyncio.ensure_future(_run(eng, "running", [1, 5, 9], SamplingParams(max_tokens=400,
+                                                                                     ignore_eos=True)))
+        while len(steps) < 3:
+            await asyncio.sleep(0.001)
+        start = len(steps)
+        long = [1] + [random.Random(2).randrange(3, VOCAB) for _ in range(200)]
+        await _run(eng, "long", long, SamplingParams(max_tokens=2, ignore_eos=True))
+        seen = steps[start:]
+        prefills = [i for i, mode in enumerate(seen) if mode == "prefill"]
+        assert len(prefills) >= 201 // 24  # one step per chunk at least
+        between = seen[prefills[0]:prefills[-1]]
+        assert between.count("decode") >= len(prefills) - 1  # the running row stepped between the chunks
+        assert not running.done()
+        eng.abort("running")
+        await running
+    finally:
+        await eng.shutdown()
