@@ -112,6 +112,12 @@ class GenerateRequest:
     # sampling key (the name of a partition that samples) -> SamplingParams fields over that key's own;
     # `sampling` is the root key's, so an entry for the root overrides fields of `sampling`
     sampling_by: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # lower runs first among requests waiting for a step (as vLLM's `priority`); realtime sessions ask for
+    # REALTIME_PRIORITY, ahead of the default
+    priority: int = 0
+
+
+REALTIME_PRIORITY = -1
 
 
 @dataclass(frozen=True)

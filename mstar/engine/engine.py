@@ -249,7 +249,8 @@ class Engine:
         for w in state.shards:  # the root's worker gets the inputs; the others start their partitions
             self._outstanding[w] += 1
             self.workers[w].send(Submit(request.request_id, plan, prepared.values if w == idx else {},
-                                        prepared.sampling, prepared.stop_ids, request.more_input, shared))
+                                        prepared.sampling, prepared.stop_ids, request.more_input, shared,
+                                        request.priority))
         if self.config.request_timeout > 0:
             state.timer = asyncio.get_running_loop().call_later(self.config.request_timeout, self._expire,
                                                                 request.request_id)

@@ -32,6 +32,7 @@ class Submit:
     # the worker (index) of each partition, when they are not all on the one that gets this Submit; each
     # worker of the request gets a Submit, and only the root's worker gets `values`
     places: dict[str, int] | None = None
+    priority: int = 0           # the request's: lower is served first among waiting rows
 
 
 @dataclass(frozen=True)

@@ -268,7 +268,7 @@ class Submission:
 
 async def submit(engine: Engine, base_id: str, model: str, prompts: Sequence[Inputs], sampling: SamplingParams,
                  *, n: int = 1, walk: str | None = None, sampling_by: Mapping[str, dict[str, Any]] | None = None,
-                 more_input: bool = False, keep_audio: bool = False) -> Submission:
+                 more_input: bool = False, keep_audio: bool = False, priority: int = 0) -> Submission:
     """One engine request per (prompt, sample), choice index prompt * n + sample,
     request id `base_id-index`. Every prompt is prepared first, once
     (`Engine.prepare`: tokenised by the model, off the event loop when
@@ -281,7 +281,7 @@ async def submit(engine: Engine, base_id: str, model: str, prompts: Sequence[Inp
     for p, prompt in enumerate(prompts):
         request = GenerateRequest(request_id=f"{base_id}-{p * n}", model=model, inputs=prompt.values,
                                   sampling=sampling, walk=walk, more_input=more_input,
-                                  sampling_by=dict(sampling_by or {}))
+                                  sampling_by=dict(sampling_by or {}), priority=priority)
         try:
             prepared.append(await engine.prepare(request))
         except RequestError as e:

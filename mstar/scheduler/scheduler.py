@@ -4,6 +4,8 @@ building under per-mode caps, FIFO fairness, and KV page admission.
 Work items come in (`add`), batches go out (`schedule`). The queue served next
 is the one whose oldest item has waited longest, so prefills of new requests
 and decode steps of running ones take turns in arrival order. Within a queue,
+an item of a better (lower) priority goes ahead of the others, taking the
+place in line of the first it passes. Within a queue,
 items are taken in FIFO order until a cap is reached or an item cannot get its
 pages; an item that cannot get pages waits at the head of its queue (nothing
 behind it in that queue jumps ahead, so large requests are not starved). A KV
@@ -90,7 +92,21 @@ class Scheduler:
             if item.pages_needed > pool.num_pages:
                 raise ValueError(f"a row needs {item.pages_needed} pages; the pool has {pool.num_pages}")
         item.ticket = next(self._tickets)
-        q.append(item)
+        self._insert(q, item)
+
+    @staticmethod
+    def _insert(q: deque[WorkItem], item: WorkItem) -> None:
+        """Put `item` behind the items of its priority or better. One that
+        passes others takes the ticket of the first it passes: the queue keeps
+        its place in line, and the item goes where that one would have."""
+        if not q or q[-1].priority <= item.priority:
+            q.append(item)
+            return
+        at = len(q)
+        while at > 0 and q[at - 1].priority > item.priority:
+            at -= 1
+        item.ticket = min(item.ticket, q[at].ticket)
+        q.insert(at, item)
 
     def remove(self, request_id: str, partition: str | None = None) -> list[WorkItem]:
         """Take out the queued items of a request (of one partition, or all)."""
@@ -235,7 +251,7 @@ class Scheduler:
         item.chunk = 0
         item.starts_row = False
         item.ticket = next(self._tickets)
-        self._queues[item.key].append(item)
+        self._insert(self._queues[item.key], item)
 
     def cache_prefix(self, item: WorkItem, pages: list[int]) -> None:
         """`item`'s step has run: its row's first `pages` hold its prompt's

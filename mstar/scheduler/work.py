@@ -63,6 +63,7 @@ class WorkItem:
     chunkable: bool = False    # its tokens may be computed over several steps
     done: int = 0              # of its tokens, those already in its row's KV (cached, or earlier chunks)
     chunk: int = 0             # tokens its next step computes (a chunkable item's, set as it is taken)
+    priority: int = 0          # lower goes first in its queue (its request's priority)
 
     @property
     def key(self) -> QueueKey:

@@ -37,6 +37,7 @@ class RequestRun:
     more: list[dict[str, torch.Tensor]] = field(default_factory=list)  # by walk input name
     places: dict[str, int] = field(default_factory=dict)  # partition -> worker, where not all run here
     started: set[str] = field(default_factory=set)  # consumers on other workers that its streams started
+    priority: int = 0  # lower: its waiting steps go first (`WorkItem.priority`)
 
     @property
     def shared(self) -> bool:

@@ -91,7 +91,8 @@ class Walker:
         `sub.places` puts some on other workers)."""
         places = sub.places or {}
         run = RequestRun(sub.request_id, sub.walk, sub.sampling, sub.stop_ids,
-                         input_open=sub.more_input and sub.walk.more_input is not None, places=places)
+                         input_open=sub.more_input and sub.walk.more_input is not None, places=places,
+                         priority=sub.priority)
         self.runs[run.request_id] = run
         here = [name for name in sub.walk.partitions if places.get(name, self.index) == self.index]
         for name in here:
@@ -226,7 +227,7 @@ class Walker:
         self.scheduler.add(WorkItem(rid, part.name, step.component, step.mode, num_tokens, pages,
                                     payload=Work(part, inputs, branch, banned=banned), starts_row=starts_row,
                                     needs_slot=needs_slot, capped=capped, prefix=prompt.prefix,
-                                    chunkable=prompt.chunkable))
+                                    chunkable=prompt.chunkable, priority=part.request.priority))
 
     def _num_tokens(self, step: Step, inputs: dict[str, TensorRef | list[StreamItem] | int]) -> int:
         """The new tokens a KV step brings: its query input's ids, or its rows

@@ -99,6 +99,11 @@ def sampling_by() -> Schema:
                            "`sampling_by.<key>.<field>`"}
 
 
+PRIORITY: Schema = {"type": "integer", "minimum": -(2**31), "maximum": 2**31 - 1, "default": 0,
+                    "description": "mstar's (as vLLM's): lower is served first among requests waiting for a step; "
+                                   "realtime sessions' responses ask for -1"}
+
+
 def openai_common() -> dict[str, Schema]:
     """What `/v1/completions` and `/v1/chat/completions` share."""
     return {
@@ -116,6 +121,7 @@ def openai_common() -> dict[str, Schema]:
                             "properties": {"type": {"enum": ["text"]}}},
         **sampling_properties(),
         "sampling_by": sampling_by(),
+        "priority": PRIORITY,
     }
 
 
@@ -294,6 +300,7 @@ GENERATE_REQUEST: Schema = {
         "voice": {"type": "string", "description": "speech models: the voice; needs `text`"},
         "walk": {"type": "string", "description": "one of the model's walks; its default if left out"},
         "sampling_by": sampling_by(),
+        "priority": PRIORITY,
     },
     "dependentRequired": {"voice": ["text"]},
 }

@@ -40,7 +40,7 @@ from mstar.http.realtime.response import ActiveResponse, ResponsePlan
 from mstar.http.realtime.settings import SessionConfig
 from mstar.http.realtime.vad import VadEvent
 from mstar.http.submission import SPEAK_WALK, Target, model_defaults
-from mstar.types import GenerateRequest, ModelCard, SamplingParams
+from mstar.types import REALTIME_PRIORITY, GenerateRequest, ModelCard, SamplingParams
 
 if TYPE_CHECKING:
     from mstar.engine.engine import Engine
@@ -323,7 +323,7 @@ class RealtimeSession:
                 raise ProtocolError("there is no text to speak: add a user message (input_text) first",
                                     "empty_input", "response.input")
             request = GenerateRequest(rid, self.target.name, {"text": spoken, "voice": voice}, sampling,
-                                      walk=SPEAK_WALK, more_input=True)
+                                      walk=SPEAK_WALK, more_input=True, priority=REALTIME_PRIORITY)
             return ResponsePlan(rid, request, await self.engine.prepare(request), modality="audio", spoken=spoken,
                                 voice=voice)
         instructions = self.config.instructions if instructions is None else instructions
@@ -336,7 +336,8 @@ class RealtimeSession:
         chat = self.target.tokenizer is not None and getattr(self.target.tokenizer, "chat_template", None)
         inputs = {"messages": messages} if chat else {"prompt": "\n".join(m["content"] for m in messages)}
         # a response's limit is a ceiling: it takes what the context has room for, up to the limit
-        request = GenerateRequest(rid, self.target.name, inputs, dataclasses.replace(sampling, max_tokens=None))
+        request = GenerateRequest(rid, self.target.name, inputs, dataclasses.replace(sampling, max_tokens=None),
+                                  priority=REALTIME_PRIORITY)
         prepared = await self.engine.prepare(request)
         if limit is not None and limit < self.target.max_model_len - prepared.num_prompt_tokens:
             request = dataclasses.replace(request, sampling=dataclasses.replace(sampling, max_tokens=limit))
@@ -360,7 +361,7 @@ class RealtimeSession:
         by: dict[str, dict[str, Any]] = {"talker": {"max_tokens": limit}} if limit is not None else {}
         request = GenerateRequest(rid, self.target.name, {"messages": messages, "voice": voice},
                                   dataclasses.replace(sampling, max_tokens=None), sampling_by=by,
-                                  walk=self.target.spoken_chat_walk)
+                                  walk=self.target.spoken_chat_walk, priority=REALTIME_PRIORITY)
         prepared = await self.engine.prepare(request)
         if limit is not None and limit < self.target.max_model_len - prepared.num_prompt_tokens:
             request = dataclasses.replace(request, sampling=dataclasses.replace(sampling, max_tokens=limit))

@@ -61,7 +61,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         field = "text" if isinstance(body.prompt, str) else "input_ids"
         names = {**sampling_names(SAMPLING_PREFIX), "prompt": field}  # max_tokens among the sampling fields
         sub = await submit(engine, request_id, target.name, [Inputs(prompt_inputs(body.prompt), names)],
-                           body.sampling, walk=body.walk, sampling_by=body.sampling_by)
+                           body.sampling, walk=body.walk, sampling_by=body.sampling_by, priority=body.priority)
     try:
         if body.stream:
             return await _stream_ndjson(request, sub, request_id)
@@ -86,7 +86,7 @@ async def _submit_speech(engine: Engine, request_id: str, target: Target, body: 
     values = {"text": body.prompt, **({"voice": body.voice} if body.voice is not None else {})}
     spoken = Inputs(values, spoken_names("text", tokens_field, SAMPLING_PREFIX))
     return await submit(engine, request_id, target.name, [spoken], sampling, walk=body.walk or target.tts_walk,
-                        sampling_by=body.sampling_by, keep_audio=not body.stream)
+                        sampling_by=body.sampling_by, keep_audio=not body.stream, priority=body.priority)
 
 
 def _audio_of(source: Choice | OutputChunk) -> dict[str, Any]:

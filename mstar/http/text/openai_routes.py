@@ -85,7 +85,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
                for i, p in enumerate(body.prompts)]
     reply = Reply(f"cmpl-{uuid.uuid4().hex}", "text_completion", int(time.time()), target.name)
     sampling = dataclasses.replace(body.sampling, max_tokens=body.max_tokens)
-    sub = await submit(engine, reply.id, target.name, prompts, sampling, n=body.n, sampling_by=body.sampling_by)
+    sub = await submit(engine, reply.id, target.name, prompts, sampling, n=body.n, sampling_by=body.sampling_by,
+                       priority=body.priority)
     shapes = LogprobShapes(target.tokenizer) if body.sampling.logprobs is not None else None
     try:
         if body.stream:
@@ -120,7 +121,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     sampling = dataclasses.replace(body.sampling, max_tokens=body.max_tokens)
     sub = await submit(engine, reply.id, target.name, [Inputs(values, names)], sampling, n=body.n,
                        sampling_by=body.sampling_by, walk=target.spoken_chat_walk if body.audio else None,
-                       keep_audio=body.audio is not None and not body.stream)
+                       keep_audio=body.audio is not None and not body.stream, priority=body.priority)
     shapes = LogprobShapes(target.tokenizer) if body.sampling.logprobs is not None else None
     spoken = SpokenAnswers(body.audio, len(sub.choices), reply.created) if body.audio is not None else None
     try:

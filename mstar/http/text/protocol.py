@@ -33,11 +33,12 @@ Prompt = Union[str, tuple[int, ...]]
 SAMPLING_KEYS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 # mstar's: sampling per sampling key of the walk, checked by the model
 SAMPLING_BY = "sampling_by"
-GENERATE_KEYS = frozenset({"text", "input_ids", "model", "sampling_params", "stream", "voice", "walk", SAMPLING_BY})
+GENERATE_KEYS = frozenset({"text", "input_ids", "model", "sampling_params", "stream", "voice", "walk", SAMPLING_BY,
+                           "priority"})
 # Every route answers a field it does not know with a 400 naming it, as OpenAI does. The OpenAI routes know
 # each field of OpenAI's own request, whether served or refused with a reason, and mstar's sampling extensions.
 SAMPLING_EXTENSIONS = frozenset({"top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens",
-                                 SAMPLING_BY})
+                                 SAMPLING_BY, "priority"})
 OPENAI_KEYS = SAMPLING_EXTENSIONS | {
     "model", "max_tokens", "n", "stream", "stream_options", "temperature", "top_p", "seed", "stop", "user",
     "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "response_format"}
@@ -63,6 +64,7 @@ class CompletionBody:
     stream: bool = False
     include_usage: bool = False
     sampling_by: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -81,6 +83,7 @@ class ChatBody:
     max_tokens_field: str = "max_tokens"  # the name the client used, for errors
     sampling_by: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     audio: AudioOutput | None = None
+    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,7 @@ class GenerateBody:
     walk: str | None = None
     sampling_given: frozenset[str] = frozenset()  # the sampling_params keys the client set
     sampling_by: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    priority: int = 0
 
 
 def parse_json_object(body: bytes) -> dict[str, Any]:
@@ -133,6 +137,7 @@ def parse_completion(body: bytes) -> CompletionBody:
         stream=stream,
         include_usage=include_usage,
         sampling_by=f.objects(SAMPLING_BY),
+        priority=_read_priority(f),
     )
 
 
@@ -164,6 +169,7 @@ def parse_chat(body: bytes) -> ChatBody:
         max_tokens_field=key,
         sampling_by=f.objects(SAMPLING_BY),
         audio=audio,
+        priority=_read_priority(f),
     )
 
 
@@ -196,6 +202,7 @@ def parse_generate(body: bytes) -> GenerateBody:
         walk=f.string("walk"),
         sampling_given=frozenset(k for k, v in sp.obj.items() if v is not None),
         sampling_by=f.objects(SAMPLING_BY),
+        priority=_read_priority(f),
     )
 
 
@@ -225,6 +232,13 @@ def read_sampling(f: Fields, logprobs: int | None = None) -> SamplingParams:
 
 
 # ----------------------------------------------------------------- helpers
+
+
+def _read_priority(f: Fields) -> int:
+    """mstar's (and vLLM's) `priority`: lower is served first among waiting requests."""
+    value = f.integer("priority", 0, lo=-(2**31), hi=2**31 - 1)
+    assert value is not None
+    return value
 
 
 def _refuse_openai_extras(f: Fields) -> None:

@@ -1,0 +1,75 @@
+"""Request priority: lower goes first among rows waiting for a step (as
+vLLM's `priority`), without losing the queue's place in line; the HTTP
+routes read it and realtime sessions ask for REALTIME_PRIORITY."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from mstar.config import EngineConfig, SchedulerConfig
+from mstar.engine.engine import Engine
+from mstar.errors import RequestError
+from mstar.http.text.protocol import parse_chat, parse_completion, parse_generate
+from mstar.scheduler import ModeCaps, PagePool, Scheduler, WorkItem
+from mstar.types import REALTIME_PRIORITY, GenerateRequest, SamplingParams
+
+
+def _item(rid: str, priority: int = 0, mode: str = "prefill") -> WorkItem:
+    return WorkItem(rid, "main", "llm", mode, num_tokens=4, pages_needed=1, starts_row=True, priority=priority)
+
+
+def test_a_better_priority_goes_ahead_in_its_queue_in_the_place_of_the_first_it_passes() -> None:
+    pool = PagePool(64, 4)
+    caps = {("llm", "prefill"): ModeCaps(1, 100), ("llm", "decode"): ModeCaps(8, 100)}
+    sched = Scheduler(caps, {"llm": pool})
+    a, b = _item("a"), _item("b")
+    sched.add(a)
+    decode = WorkItem("run", "main", "llm", "decode")
+    sched.add(decode)
+    sched.add(b)
+    urgent, later = _item("rt", REALTIME_PRIORITY), _item("batch", 5)
+    sched.add(later)
+    sched.add(urgent)
+    assert urgent.ticket == a.ticket  # it took a's place in line: ahead of the decode step queued after a
+    order = []
+    while (plan := sched.schedule()) is not None:
+        order += [i.request_id for i in plan.items]
+    assert order == ["rt", "a", "run", "b", "batch"]
+
+
+def test_the_routes_read_priority_and_refuse_a_bad_one() -> None:
+    chat = b'{"messages": [{"role": "user", "content": "hi"}], "priority": -3}'
+    assert parse_chat(chat).priority == -3
+    assert parse_completion(b'{"prompt": "hi", "priority": 7}').priority == 7
+    assert parse_generate(b'{"text": "hi"}').priority == 0
+    for bad in (b'"high"', b'1.5', b'4294967296'):
+        with pytest.raises(RequestError) as caught:
+            parse_completion(b'{"prompt": "hi", "priority": ' + bad + b'}')
+        assert caught.value.field == "priority"
+
+
+async def test_a_waiting_request_of_better_priority_starts_first() -> None:
+    eng = Engine(EngineConfig(model="tiny-llama", scheduler=SchedulerConfig(max_num_seqs=1)))
+    await eng.start()
+    order: list[str] = []
+
+    async def run(rid: str, priority: int, tokens: int) -> None:
+        request = GenerateRequest(rid, eng.model_name, {"prompt_ids": [5, 6, 7]},
+                                  SamplingParams(max_tokens=tokens, ignore_eos=True), priority=priority)
+        async for chunk in eng.submit(request):
+            if chunk.token_ids and rid not in order:
+                order.append(rid)
+
+    try:
+        first = asyncio.ensure_future(run("first", 0, 60))  # holds the one running row
+        while not order:
+            await asyncio.sleep(0.001)
+        rest = [asyncio.ensure_future(run("plain", 0, 2))]
+        await asyncio.sleep(0.02)
+        rest.append(asyncio.ensure_future(run("urgent", REALTIME_PRIORITY, 2)))
+        await asyncio.gather(first, *rest)
+        assert order == ["first", "urgent", "plain"]
+    finally:
+        await eng.shutdown()
