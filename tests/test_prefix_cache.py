@@ -26,22 +26,22 @@ VOCAB = 384
 
 def test_page_keys_chain_whole_pages_and_their_parents() -> None:
     a = torch.arange(40)
-    keys = page_keys(a, 16)
+    keys = page_keys(a.tolist(), 16)
     assert len(keys) == 2 and len(set(keys)) == 2
     late = a.clone()
     late[37] = 0  # in the partial third page: no key covers it
-    assert page_keys(late, 16) == keys == page_keys(a[:32], 16)
+    assert page_keys(late.tolist(), 16) == keys == page_keys(a[:32].tolist(), 16)
     early = a.clone()
     early[3] = 0  # the first page differs, so does every page after it
-    assert not set(page_keys(early, 16)) & set(keys)
-    assert not set(page_keys(a, 16, salt=b"other")) & set(keys)
-    assert page_keys(a[:15], 16) == ()
+    assert not set(page_keys(early.tolist(), 16)) & set(keys)
+    assert not set(page_keys(a.tolist(), 16, salt=b"other")) & set(keys)
+    assert page_keys(a[:15].tolist(), 16) == ()
 
 
 def test_the_pool_keeps_cached_pages_until_an_allocation_needs_them() -> None:
     pool = PagePool(4, 2)
     cache = PrefixCache(pool)
-    keys = page_keys(torch.arange(4), 2)
+    keys = page_keys(list(range(4)), 2)
     pages = pool.allocate(2)
     cache.insert(keys, pages)
     pool.free(pages)
@@ -62,7 +62,7 @@ def test_the_pool_keeps_cached_pages_until_an_allocation_needs_them() -> None:
 
 
 def _item(rid: str, n: int, pool: PagePool, prefix: bool = True) -> WorkItem:
-    ids = torch.arange(n)
+    ids = list(range(n))
     return WorkItem(rid, "main", "llm", "prefill", num_tokens=n, pages_needed=pool.pages_for(n), starts_row=True,
                     prefix=page_keys(ids, pool.page_size) if prefix else ())
 

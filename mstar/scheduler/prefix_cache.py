@@ -14,22 +14,21 @@ unheld cached pages until an allocation needs them and then tells the cache
 from __future__ import annotations
 
 import hashlib
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
 
 from mstar.scheduler.pages import PagePool
 
 
-def page_keys(ids: torch.Tensor, page_size: int, salt: bytes = b"") -> tuple[bytes, ...]:
+def page_keys(ids: Sequence[int], page_size: int, salt: bytes = b"") -> tuple[bytes, ...]:
     """The hash chain of the full pages of `ids` (a prompt's token ids from
     position 0): one key per full page."""
-    flat = ids.reshape(-1).to(torch.int64).cpu().numpy()
     keys: list[bytes] = []
     parent = salt
-    for start in range(0, len(flat) - page_size + 1, page_size):
+    for start in range(0, len(ids) - page_size + 1, page_size):
         h = hashlib.blake2b(parent, digest_size=16)
-        h.update(flat[start:start + page_size].tobytes())
+        h.update(array("q", ids[start:start + page_size]).tobytes())
         parent = h.digest()
         keys.append(parent)
     return tuple(keys)

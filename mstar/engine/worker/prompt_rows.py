@@ -47,5 +47,5 @@ def prompt_row(store: TensorStore, comp: Component | None, step: Step,
     ids = store.get(ref)
     if ids.is_floating_point():
         return PromptRow()
-    keys = page_keys(ids, page_size, salt=step.component.encode()) if caching else ()
+    keys = page_keys(ids.reshape(-1).tolist(), page_size, salt=step.component.encode()) if caching else ()
     return PromptRow(chunkable=True, prefix=keys)
