@@ -277,3 +277,36 @@ async def test_speech_end_to_end_on_orpheus_tiny(tiny) -> None:
         await _drained(eng)
     finally:
         await eng.shutdown()
+
+
+async def test_a_short_walk_beside_a_running_speech_group_finishes_within_a_few_steps() -> None:
+    """Two groups of one component (the speak and generate walks' decode
+    loops): a group left with no row has its last launched step read at
+    once, not at the next settle, which only a new request's prefill brings."""
+    eng = Engine(EngineConfig(model="orpheus-tiny"))
+    await eng.start()
+    steps: list[tuple[str, str]] = []
+    eng.add_report_hook(lambda r: steps.append((r.component, r.mode)) if r.rows > 0 and r.component else None)
+
+    async def speak(rid: str) -> None:
+        request = GenerateRequest(rid, eng.model_name, {"text": "a long answer", "voice": "tara"},
+                                  SamplingParams(max_tokens=600, ignore_eos=True))
+        async for _ in eng.submit(request):
+            pass
+
+    try:
+        background = [asyncio.ensure_future(speak(f"bg{i}")) for i in range(2)]
+        while steps.count(("llm", "decode")) < 5:
+            await asyncio.sleep(0.001)
+        start = len(steps)
+        short = GenerateRequest("short", eng.model_name, {"prompt_ids": [5, 6, 7]},
+                                SamplingParams(max_tokens=2, ignore_eos=True), walk="generate")
+        tokens = [t async for chunk in eng.submit(short) for t in chunk.token_ids]
+        assert len(tokens) == 2
+        assert steps[start:].count(("llm", "decode")) <= 6  # its own step and the speech group's few beside
+        assert not any(t.done() for t in background)
+        for rid in ("bg0", "bg1"):
+            eng.abort(rid)
+        await asyncio.gather(*background)
+    finally:
+        await eng.shutdown()

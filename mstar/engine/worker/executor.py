@@ -100,6 +100,16 @@ class Executor:
             self._run_group(plan)
         else:
             self._step(Batch(plan.component, plan.mode, plan.items))
+        self._read_emptied()
+
+    def _read_emptied(self) -> None:
+        """Read the launched step of each group no row is left in: no later
+        step of its own would, and its rows' last tokens would wait for the
+        next settle (while other groups step, that may be seconds away)."""
+        for group in [g for g in self._inflight if not len(g)]:
+            self._finalize_group(group, self._inflight[group])
+            del self._inflight[group]  # only now, as in `settle`
+            self._group_mark.pop(group, None)
 
     def _merge_joins(self) -> None:
         """Fold rows that joined a group into it, so that the scheduler plans
