@@ -25,6 +25,9 @@
 #   scripts/gpu_check.sh compare    the decode step and host time per step of this tree against an older one,
 #                                   base then new, twice: $BASE is a copy of the older tree (carried; see
 #                                   scripts/base_tree.sh), $BASE_COMMIT its commit
+#   scripts/gpu_check.sh scheduler  prefix cache and chunked prefill GPU tests, then scripts/bench_scheduler.py
+#                                   (64 Orpheus streams; arrivals every 100 ms; a 4,000-token prompt), at the
+#                                   default step budget and at --max-num-batched-tokens 1024
 #   scripts/gpu_check.sh omni-bench only that benchmark
 #   scripts/gpu_check.sh omni-profile  where a spoken answer's step time goes, by component and by kernel
 #                                   (scripts/profile_omni.py; $OMNI_PROFILE_ARGS replaces its flags)
@@ -196,6 +199,15 @@ if [[ $what == omni ]]; then
   tail -8 "$OUT/omni_tests.txt"
   timeout ${OMNI_TIMEOUT:-420} python3 scripts/bench_omni.py ${OMNI_ARGS:-} --out "$OUT/omni.json" 2>&1 \
       | grep -v "\[info" | tee "$OUT/bench_omni.txt" | tail -20
+fi
+if [[ $what == scheduler ]]; then  # prefix cache and chunked prefill on CUDA, then what admissions cost Orpheus streams
+  timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider -k cuda tests/test_prefix_cache.py \
+      tests/test_chunked_prefill.py > "$OUT/scheduler_tests.txt" 2>&1
+  rc=$?
+  tail -3 "$OUT/scheduler_tests.txt"
+  timeout 240 python3 scripts/bench_scheduler.py --label default --out "$OUT/scheduler.json" 2>&1 | tail -30
+  timeout 240 python3 scripts/bench_scheduler.py --label budget_1024 --server-args "--max-num-batched-tokens 1024" \
+      --out "$OUT/scheduler.json" 2>&1 | tail -30
 fi
 if [[ $what == omni-bench ]]; then
   timeout ${OMNI_TIMEOUT:-420} python3 scripts/bench_omni.py ${OMNI_ARGS:-} --out "$OUT/omni.json" 2>&1 \
