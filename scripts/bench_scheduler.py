@@ -136,6 +136,14 @@ async def _long_prompt(session: aiohttp.ClientSession, url: str, model: str, n: 
     return {"sent": t0, "done": time.perf_counter()}
 
 
+async def _snapshot(session: aiohttp.ClientSession, url: str, a: argparse.Namespace, name: str) -> None:
+    """The server's /metrics at a phase boundary, into `--metrics-dir`."""
+    if a.metrics_dir is None:
+        return
+    async with session.get(f"{url}/metrics") as r:
+        (a.metrics_dir / f"metrics_{a.label}_{name}.txt").write_text(await r.text())
+
+
 async def bench(a: argparse.Namespace, url: str, server: Server | None) -> dict[str, Any]:
     health = await wait_healthy(url, a.startup_timeout, server)
     model = health["model"]
@@ -151,8 +159,10 @@ async def bench(a: argparse.Namespace, url: str, server: Server | None) -> dict[
             await asyncio.sleep(0.05)
         await asyncio.sleep(a.settle)
         t_steady = time.perf_counter()
+        await _snapshot(session, url, a, "steady_start")
         await asyncio.sleep(a.seconds)
         t_arrivals = time.perf_counter()
+        await _snapshot(session, url, a, "arrivals_start")
         arrivals: list[asyncio.Task] = []
         n = 1000
         while time.perf_counter() - t_arrivals < a.seconds:
@@ -160,6 +170,7 @@ async def bench(a: argparse.Namespace, url: str, server: Server | None) -> dict[
             n += 1
             await asyncio.sleep(a.every)
         t_arrivals_end = time.perf_counter()
+        await _snapshot(session, url, a, "arrivals_end")
         arrived = await asyncio.gather(*arrivals)
         await asyncio.sleep(a.settle)
         long = await _long_prompt(session, url, model, a.long_prompt)
@@ -214,6 +225,7 @@ def main() -> None:
     p.add_argument("--voice", default="tara")
     p.add_argument("--label", default="default", help="the key of this run in --out")
     p.add_argument("--out", type=Path, default=None, help="JSON to add this run to (under --label)")
+    p.add_argument("--metrics-dir", type=Path, default=None, help="save /metrics at each phase's start here")
     a = p.parse_args()
     signal.signal(signal.SIGTERM, on_sigterm)
     url, server, desc = start_server(a, ["--model", a.model, "--load-format", a.load_format, "--gpus", a.gpus],

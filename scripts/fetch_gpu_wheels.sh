@@ -9,7 +9,8 @@ mkdir -p .wheels
 pip download --no-deps --only-binary=:all: -d .wheels \
   --python-version 3.12 --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
   --platform manylinux_2_17_x86_64 \
-  flashinfer-python==0.6.4 apache-tvm-ffi nvidia-ml-py ninja structlog orjson pytest-asyncio snac einops pillow
+  flashinfer-python==0.6.4 apache-tvm-ffi nvidia-ml-py ninja structlog orjson pytest-asyncio snac einops pillow \
+  soundfile cffi pycparser
 # The parity tests' reference is transformers: the GPU machine gets the version
 # this box (and so CI) runs, with what it needs beyond the image's packages
 # (numpy, which the image has, is left out to stay under the carry limit).

@@ -373,22 +373,34 @@ class ComponentRunner:
 
     def _run_plain(self, inputs: list[dict[str, torch.Tensor]], step: Step, fn: Callable,
                    seeds: torch.Tensor | None) -> dict:
-        """Rows stacked into one call (a captured graph where one fits), or
-        one call per row when their shapes differ (a stream's short last
-        chunk). `seeds` [B] on the host, for modes that take them."""
-        rows = {n: [row[n] for row in inputs] for n in step.inputs}
-        if all(len({tuple(t.shape) for t in ts}) == 1 for ts in rows.values()):
-            stacked = [torch.stack(ts if len({t.device for t in ts}) == 1 else [t.to(self.device) for t in ts])
-                       for ts in rows.values()]
-            graphs = self.mode_graphs.get(step.mode)
-            out = graphs.run(stacked, seeds) if graphs is not None else None
-            if out is None:
-                out = self._call(fn, stacked, seeds)
-            return self._name_outputs(step, out)
-        outs = [self._name_outputs(step, self._call(fn, [ts[i].unsqueeze(0) for ts in rows.values()],
-                                                    None if seeds is None else seeds[i:i + 1]))
-                for i in range(len(inputs))]
-        return {n: [o[n][0] for o in outs] for n in step.outputs}
+        """Rows stacked into one call (a captured graph where one fits); rows
+        of other shapes (a stream's short last chunk) in one call per shape,
+        so one short row leaves the others their graph. `seeds` [B] on the
+        host, for modes that take them."""
+        shapes = [tuple(tuple(row[n].shape) for n in step.inputs) for row in inputs]
+        if len(set(shapes)) == 1:
+            return self._run_stacked(inputs, step, fn, seeds)
+        by_shape: dict[tuple, list[int]] = {}
+        for i, shape in enumerate(shapes):
+            by_shape.setdefault(shape, []).append(i)
+        rows: list[dict[str, torch.Tensor]] = [{} for _ in inputs]
+        for idx in by_shape.values():
+            out = self._run_stacked([inputs[i] for i in idx], step, fn, None if seeds is None else seeds[idx])
+            for j, i in enumerate(idx):
+                rows[i] = {n: out[n][j] for n in step.outputs}
+        return {n: [row[n] for row in rows] for n in step.outputs}
+
+    def _run_stacked(self, inputs: list[dict[str, torch.Tensor]], step: Step, fn: Callable,
+                     seeds: torch.Tensor | None) -> dict:
+        """Rows of one shape in one call: a graph replay where one fits."""
+        columns = [[row[n] for row in inputs] for n in step.inputs]
+        stacked = [torch.stack(ts if len({t.device for t in ts}) == 1 else [t.to(self.device) for t in ts])
+                   for ts in columns]
+        graphs = self.mode_graphs.get(step.mode)
+        out = graphs.run(stacked, seeds) if graphs is not None else None
+        if out is None:
+            out = self._call(fn, stacked, seeds)
+        return self._name_outputs(step, out)
 
     def _run_plain_signed(self, inputs: list[dict[str, torch.Tensor]], step: Step, sig: Mode, fn: Callable,
                           seeds: torch.Tensor | None) -> dict:
