@@ -1,0 +1,267 @@
+"""A scheduler simulator: mstar's own `Scheduler` (pure Python) driving
+synthetic Orpheus speech streams on a clock of step costs measured on the
+H200, to compare admission policies on the CPU in seconds.
+
+    PYTHONPATH=. python scripts/sim_scheduler.py --out docs/benchmarks/scheduler_sim.json
+
+Each stream: a prefill of its prompt (the `llm.prefill` queue, chunkable),
+then one decode-group step per token; every 7 tokens make a frame, and from
+the 4th frame on each frame queues a codec window (`codec.window`) whose
+step sends the stream a chunk of 2048 samples (85.3 ms of audio). The last
+frames leave in one short window. Steps run one after another; a step's
+cost comes from `Costs` (the defaults fit docs/benchmarks/decode.md and
+scheduler.md). What the simulator leaves out: the worker's overlap of host
+and device work, CUDA-graph buckets, page accounting and the HTTP path.
+
+Scenarios, as `scripts/bench_scheduler.py` runs them on the GPU: `--streams`
+long streams; then a short request every `--every` seconds; then one
+`--long-prompt`-token prompt. Printed per policy (`--budgets`: the step's
+token cap, `--max-num-batched-tokens`): the running streams' chunk gaps with
+and without arrivals, the arrivals' time to first audio, stalls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from mstar.scheduler import ModeCaps, Scheduler, WorkItem  # noqa: E402
+
+FRAME_TOKENS = 7
+WINDOW_FRAMES = 4
+FRAME_S = 2048 / 24_000
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Milliseconds a step takes on the H200 (orpheus-3b): decode 4.1 ms at one
+    row, 7.1 at 64, 16.9 at 256 (decode.md); a prefill step ~20 ms for a few
+    tokens and ~88 ms for 4,000 (scheduler.md); a codec step ~2-3 ms."""
+
+    decode_base: float = 4.0
+    decode_per_row: float = 0.05
+    prefill_base: float = 20.0
+    prefill_per_token: float = 0.017
+    codec_base: float = 2.0
+    codec_per_row: float = 0.01
+
+    def decode(self, rows: int) -> float:
+        return self.decode_base + self.decode_per_row * rows
+
+    def prefill(self, tokens: int) -> float:
+        return self.prefill_base + self.prefill_per_token * tokens
+
+    def codec(self, rows: int) -> float:
+        return self.codec_base + self.codec_per_row * rows
+
+
+@dataclass(eq=False)
+class SimStream:
+    name: str
+    arrived: float
+    prompt: int
+    tokens: int                      # decode tokens to write
+    kind: str                        # background | arrival | long
+    written: int = 0
+    chunks: list[float] = field(default_factory=list)
+    finished: float = math.nan
+
+    @property
+    def frames(self) -> int:
+        return self.written // FRAME_TOKENS
+
+
+class Group:
+    """The decode loop group as the scheduler sees it (`StandingGroup`)."""
+
+    def __init__(self) -> None:
+        self.ticket = -1
+        self.rows: list[SimStream] = []
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def short_of_pages(self, page_size: int) -> list[int]:
+        return []
+
+    def pages(self, row: int) -> list[int]:
+        return []
+
+
+class Sim:
+    def __init__(self, costs: Costs, budget: int, max_rows: int = 256) -> None:
+        self.costs = costs
+        caps = {("llm", "prefill"): ModeCaps(max_rows, budget), ("llm", "decode"): ModeCaps(max_rows, budget),
+                ("codec", "window"): ModeCaps(max_rows, budget)}
+        self.sched = Scheduler(caps)
+        self.group = Group()
+        self.sched.add_group(("llm", "decode"), self.group)
+        self.now = 0.0
+        self.streams: list[SimStream] = []
+        self.pending: list[SimStream] = []  # not arrived yet, by arrival time
+
+    def arrive(self, stream: SimStream) -> None:
+        self.streams.append(stream)
+        self.pending.append(stream)
+        self.pending.sort(key=lambda s: s.arrived)
+
+    def _admit_arrivals(self) -> None:
+        while self.pending and self.pending[0].arrived <= self.now:
+            s = self.pending.pop(0)
+            self.sched.add(WorkItem(s.name, "main", "llm", "prefill", num_tokens=s.prompt, payload=s,
+                                    chunkable=True))
+
+    def run(self, until: float) -> None:
+        while self.now < until:
+            self._admit_arrivals()
+            plan = self.sched.schedule()
+            if plan is None:
+                if not self.pending:
+                    return
+                self.now = max(self.now, self.pending[0].arrived)
+                continue
+            if plan.group is not None:
+                self._decode(plan.rows)
+            elif plan.component == "codec":
+                self.now += self.costs.codec(len(plan.items)) / 1e3
+                for item in plan.items:
+                    item.payload.chunks.append(self.now)
+            else:
+                self._prefill(plan.items)
+
+    def _prefill(self, items: list[WorkItem]) -> None:
+        self.now += self.costs.prefill(sum(i.chunk if i.chunkable else i.num_tokens for i in items)) / 1e3
+        for item in items:
+            if item.partial:
+                self.sched.next_chunk(item)
+            else:
+                stream = item.payload
+                stream.written = 1  # the prefill samples the first token
+                self.group.rows.append(stream)
+
+    def _decode(self, rows: slice) -> None:
+        window = self.group.rows[rows]
+        self.now += self.costs.decode(len(window)) / 1e3
+        done = []
+        for s in window:
+            s.written += 1
+            if s.written % FRAME_TOKENS == 0 and s.frames >= WINDOW_FRAMES:
+                self.sched.add(WorkItem(s.name, "main", "codec", "window", payload=s))
+            if s.written >= s.tokens:
+                done.append(s)
+                if s.frames >= 2:  # the last frames, in one short window
+                    self.sched.add(WorkItem(s.name, "main", "codec", "window", payload=s))
+        for s in done:
+            self.group.rows.remove(s)
+            s.finished = self.now
+            if s.kind == "background":  # its client's next request, at once (a closed loop)
+                self.arrive(SimStream(f"{s.name}+", self.now, s.prompt, s.tokens, s.kind))
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return math.nan
+    xs = sorted(xs)
+    pos = (len(xs) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _gaps(streams: list[SimStream], start: float, end: float) -> list[float]:
+    return [b - a for s in streams for a, b in zip(s.chunks, s.chunks[1:]) if start <= b < end]
+
+
+def _stalls(streams: list[SimStream], start: float, end: float) -> int:
+    late = 0
+    for s in streams:
+        if not s.chunks:
+            continue
+        dry = s.chunks[0] + FRAME_S
+        for at in s.chunks[1:]:
+            if at > dry:
+                late += start <= at < end
+                dry = at
+            dry += FRAME_S
+    return late
+
+
+def simulate(a: argparse.Namespace, costs: Costs, budget: int) -> dict[str, Any]:
+    sim = Sim(costs, budget)
+    for i in range(a.streams):  # the background, staggered a little as clients start
+        sim.arrive(SimStream(f"bg{i}", 0.002 * i, a.prompt, a.stream_tokens, "background"))
+    ramp, phase = a.ramp, a.seconds
+    n = 0
+    t = ramp + phase
+    while t < ramp + 2 * phase:
+        sim.arrive(SimStream(f"new{n}", t, a.prompt, a.short_tokens, "arrival"))
+        n += 1
+        t += a.every
+    t_long = ramp + 2 * phase + a.settle
+    sim.arrive(SimStream("long", t_long, a.long_prompt, 2, "long"))
+    sim.run(t_long + a.settle)
+    bg = [s for s in sim.streams if s.kind == "background"]
+    new = [s for s in sim.streams if s.kind == "arrival" and s.chunks]
+    steady = _gaps(bg, ramp, ramp + phase)
+    busy = _gaps(bg, ramp + phase, ramp + 2 * phase)
+    long = next(s for s in sim.streams if s.kind == "long")
+    window = (t_long, t_long + 0.5)
+    ttfa = sorted(s.chunks[0] - s.arrived for s in new)
+    alone = Sim(costs, budget)
+    alone.arrive(SimStream("alone", 0.0, a.prompt, a.short_tokens, "arrival"))
+    alone.run(10.0)
+    one = alone.streams[0].chunks[0]
+    return {
+        "budget": budget,
+        "one_stream_ttfa_ms": round(one * 1e3, 1),
+        "arrivals_ttfa_p50_ms": round(_percentile(ttfa, 50) * 1e3, 1),
+        "ttfa_ratio": round(_percentile(ttfa, 50) / one, 2),
+        "steady_gap_p50_ms": round(_percentile(steady, 50) * 1e3, 1),
+        "steady_gap_p99_ms": round(_percentile(steady, 99) * 1e3, 1),
+        "arrivals_gap_p50_ms": round(_percentile(busy, 50) * 1e3, 1),
+        "arrivals_gap_p99_ms": round(_percentile(busy, 99) * 1e3, 1),
+        "gap_p99_ratio": round(_percentile(busy, 99) / _percentile(steady, 99), 2),
+        "long_prompt_max_gap_ms": round(max(_gaps(bg, *window), default=0.0) * 1e3, 1),
+        "long_prompt_stalls": _stalls(bg, *window),
+        "stalls": _stalls(bg, ramp, t_long + a.settle),
+        "long_prompt_done_ms": round((long.finished - t_long) * 1e3, 1),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--streams", type=int, default=64)
+    p.add_argument("--prompt", type=int, default=30, help="prompt tokens of a speech request")
+    p.add_argument("--stream-tokens", type=int, default=2800)
+    p.add_argument("--short-tokens", type=int, default=140)
+    p.add_argument("--every", type=float, default=0.1)
+    p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument("--ramp", type=float, default=5.0)
+    p.add_argument("--settle", type=float, default=2.0)
+    p.add_argument("--long-prompt", type=int, default=4000)
+    p.add_argument("--budgets", type=int, nargs="+", default=[8192, 1024, 256])
+    p.add_argument("--prefill-base-ms", type=float, default=Costs.prefill_base,
+                   help="the fixed cost of a prefill step (what mixed steps or prefill graphs would cut)")
+    p.add_argument("--out", type=Path, default=None)
+    a = p.parse_args()
+    costs = Costs(prefill_base=a.prefill_base_ms)
+    rows = [simulate(a, costs, budget) for budget in a.budgets]
+    keys = list(rows[0])
+    print(" ".join(f"{k:>14s}" for k in keys))
+    for r in rows:
+        print(" ".join(f"{r[k]:>14}" for k in keys))
+    if a.out is not None:
+        report = json.loads(a.out.read_text()) if a.out.exists() else {}
+        report[f"prefill_base_{a.prefill_base_ms:g}ms"] = {"costs": costs.__dict__, "args": vars(a) | {"out": None},
+                                                           "rows": rows}
+        a.out.write_text(json.dumps(report, indent=1, default=str) + "\n")
+
+
+if __name__ == "__main__":
+    main()
