@@ -34,6 +34,7 @@ class SchedulerConfig:
     kv_reservation: str = "request"
     state_slots: int | None = None      # rows with per-row state at once (None: max_num_seqs)
     prefix_caching: bool = True         # rows share the KV pages of prompt prefixes seen before
+    admit_every: int = 0                # running groups' steps between two steps that start new rows (0: any time)
 
 
 @dataclass(frozen=True)
@@ -187,6 +188,9 @@ def build_parser(builtin_models: Sequence[str] = ()) -> argparse.ArgumentParser:
     p.add_argument("--kv-reservation", choices=("request", "lazy"), default="request",
                    help="request: reserve prompt + max_tokens pages at the start; lazy: take pages as tokens "
                         "arrive, and preempt (swap out) the youngest rows when they run out")
+    p.add_argument("--admit-every", type=int, default=0,
+                   help="while requests are decoding, steps they take between two prefill steps of new requests: "
+                        "arrivals then share fewer, larger prefill steps (0: a prefill whenever its turn comes)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="compute every prompt's KV, even where a full page of its prefix was computed before")
     p.add_argument("--seed", type=int, default=0, help="engine seed, for requests without their own")
@@ -248,6 +252,8 @@ def parse_args(argv: list[str] | None = None, builtin_models: Sequence[str] = ()
     for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
         if getattr(a, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+    if a.admit_every < 0:
+        raise ConfigError("--admit-every must be 0 or more")
     if a.state_slots is not None and a.state_slots < 1:
         raise ConfigError("--state-slots must be positive")
     if a.media_workers is not None and a.media_workers < 1:
@@ -264,6 +270,7 @@ def parse_args(argv: list[str] | None = None, builtin_models: Sequence[str] = ()
         kv_reservation=a.kv_reservation,
         state_slots=a.state_slots,
         prefix_caching=a.prefix_caching,
+        admit_every=a.admit_every,
     )
     engine = EngineConfig(
         model=a.model,

@@ -95,11 +95,11 @@ class Group:
 
 
 class Sim:
-    def __init__(self, costs: Costs, budget: int, max_rows: int = 256) -> None:
+    def __init__(self, costs: Costs, budget: int, max_rows: int = 256, admit_every: int = 0) -> None:
         self.costs = costs
         caps = {("llm", "prefill"): ModeCaps(max_rows, budget), ("llm", "decode"): ModeCaps(max_rows, budget),
                 ("codec", "window"): ModeCaps(max_rows, budget)}
-        self.sched = Scheduler(caps)
+        self.sched = Scheduler(caps, admit_every=admit_every)
         self.group = Group()
         self.sched.add_group(("llm", "decode"), self.group)
         self.now = 0.0
@@ -115,7 +115,7 @@ class Sim:
         while self.pending and self.pending[0].arrived <= self.now:
             s = self.pending.pop(0)
             self.sched.add(WorkItem(s.name, "main", "llm", "prefill", num_tokens=s.prompt, payload=s,
-                                    chunkable=True))
+                                    chunkable=True, starts_row=True))
 
     def run(self, until: float) -> None:
         while self.now < until:
@@ -192,8 +192,8 @@ def _stalls(streams: list[SimStream], start: float, end: float) -> int:
     return late
 
 
-def simulate(a: argparse.Namespace, costs: Costs, budget: int) -> dict[str, Any]:
-    sim = Sim(costs, budget)
+def simulate(a: argparse.Namespace, costs: Costs, budget: int, admit_every: int = 0) -> dict[str, Any]:
+    sim = Sim(costs, budget, admit_every=admit_every)
     for i in range(a.streams):  # the background, staggered a little as clients start
         sim.arrive(SimStream(f"bg{i}", 0.002 * i, a.prompt, a.stream_tokens, "background"))
     ramp, phase = a.ramp, a.seconds
@@ -219,6 +219,7 @@ def simulate(a: argparse.Namespace, costs: Costs, budget: int) -> dict[str, Any]
     one = alone.streams[0].chunks[0]
     return {
         "budget": budget,
+        "admit_every": admit_every,
         "one_stream_ttfa_ms": round(one * 1e3, 1),
         "arrivals_ttfa_p50_ms": round(_percentile(ttfa, 50) * 1e3, 1),
         "ttfa_ratio": round(_percentile(ttfa, 50) / one, 2),
@@ -246,19 +247,21 @@ def main() -> None:
     p.add_argument("--settle", type=float, default=2.0)
     p.add_argument("--long-prompt", type=int, default=4000)
     p.add_argument("--budgets", type=int, nargs="+", default=[8192, 1024, 256])
+    p.add_argument("--admit-every", type=int, nargs="+", default=[0],
+                   help="Scheduler(admit_every=...): group steps between two steps that start rows")
     p.add_argument("--prefill-base-ms", type=float, default=Costs.prefill_base,
                    help="the fixed cost of a prefill step (what mixed steps or prefill graphs would cut)")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args()
     costs = Costs(prefill_base=a.prefill_base_ms)
-    rows = [simulate(a, costs, budget) for budget in a.budgets]
+    rows = [simulate(a, costs, budget, every) for every in a.admit_every for budget in a.budgets]
     keys = list(rows[0])
     print(" ".join(f"{k:>14s}" for k in keys))
     for r in rows:
         print(" ".join(f"{r[k]:>14}" for k in keys))
     if a.out is not None:
         report = json.loads(a.out.read_text()) if a.out.exists() else {}
-        report[f"prefill_base_{a.prefill_base_ms:g}ms"] = {"costs": costs.__dict__, "args": vars(a) | {"out": None},
+        report[f"prefill_base_{a.prefill_base_ms:g}ms" + ("" if a.admit_every == [0] else "_admit_every")] = {"costs": costs.__dict__, "args": vars(a) | {"out": None},
                                                            "rows": rows}
         a.out.write_text(json.dumps(report, indent=1, default=str) + "\n")
 

@@ -73,3 +73,38 @@ async def test_a_waiting_request_of_better_priority_starts_first() -> None:
         assert order == ["first", "urgent", "plain"]
     finally:
         await eng.shutdown()
+
+
+class _Group:
+    def __init__(self, rows: int) -> None:
+        self.ticket = -1
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def short_of_pages(self, page_size: int) -> list[int]:
+        return []
+
+    def pages(self, row: int) -> list[int]:
+        return []
+
+
+def test_admit_every_holds_new_rows_until_running_groups_have_stepped() -> None:
+    caps = {("llm", "prefill"): ModeCaps(8, 100), ("llm", "decode"): ModeCaps(8, 100)}
+    sched = Scheduler(caps, admit_every=3)
+    group = _Group(2)
+    sched.add_group(("llm", "decode"), group)
+    plans = []
+    for i in range(4):  # arrivals, one between each step
+        sched.add(WorkItem(f"n{i}", "main", "llm", "prefill", starts_row=True))
+        plan = sched.schedule()
+        plans.append("group" if plan.group is not None else [item.request_id for item in plan.items])
+    plans += ["group" if (p := sched.schedule()).group is not None else [i.request_id for i in p.items]
+              for _ in range(4)]
+    # the group stepped first (its ticket is older); the first admission then goes at once, with the arrival
+    # that came meanwhile; later arrivals wait for three group steps, then go together
+    assert plans == ["group", ["n0", "n1"], "group", "group", "group", ["n2", "n3"], "group", "group"]
+    group.rows = 0  # nothing running: a new row never waits
+    sched.add(WorkItem("late", "main", "llm", "prefill", starts_row=True))
+    assert [i.request_id for i in sched.schedule().items] == ["late"]

@@ -51,11 +51,18 @@ class _Standing:
 class Scheduler:
     def __init__(self, caps: dict[QueueKey, ModeCaps], pools: dict[str, PagePool] | None = None,
                  max_running: dict[str, int] | None = None, grow_pages: bool = False,
-                 slots: dict[str, PagePool] | None = None, prefix_caching: bool = False) -> None:
+                 slots: dict[str, PagePool] | None = None, prefix_caching: bool = False,
+                 admit_every: int = 0) -> None:
         """`grow_pages`: a standing group's rows get their pages one at a
         time, as they need them, instead of holding them from admission.
         `slots`: per component with per-row state, its free slots (pages of
-        one slot). `prefix_caching`: a prefix cache over each page pool."""
+        one slot). `prefix_caching`: a prefix cache over each page pool.
+        `admit_every`: while a component's standing groups have rows, a step
+        that starts new rows of it waits until they have stepped this many
+        times since the last one (new requests then share fewer, larger
+        prefill steps; 0: no wait)."""
+        self.admit_every = admit_every
+        self._since_admit: dict[str, int] = {}  # group steps per component since a step started rows
         self.caps = dict(caps)
         self.pools = dict(pools or {})
         self.caches = {name: PrefixCache(pool) for name, pool in self.pools.items()} if prefix_caching else {}
@@ -175,12 +182,26 @@ class Scheduler:
         order.sort(key=lambda entry: (entry[0], entry[1]))
         for _, _, key, standing in order:
             if standing is not None:
+                self._since_admit[key[0]] = self._since_admit.get(key[0], self.admit_every) + 1
                 return self._group_step(standing, in_flight)
+            if self._admission_waits(key):
+                continue
             items = self._take(key)
+            if any(i.starts_row for i in items):
+                self._since_admit[key[0]] = 0
             if items:
                 # a KV step changes pages and groups that launched steps read
                 return StepPlan(key[0], key[1], items, settle=key[0] in self.pools)
         return None
+
+    def _admission_waits(self, key: QueueKey) -> bool:
+        """Whether `key`'s queue, headed by a row that would start, waits for
+        its component's running groups to step (`admit_every`)."""
+        q = self._queues[key]
+        if not self.admit_every or not q[0].starts_row:
+            return False
+        running = any(len(g.group) for g in self._groups if g.key[0] == key[0])
+        return running and self._since_admit.get(key[0], self.admit_every) < self.admit_every
 
     def _take(self, key: QueueKey) -> list[WorkItem]:
         q = self._queues[key]

@@ -120,7 +120,8 @@ class DeviceWorker:
         # a component with per-row state: a row takes a slot with its first pages (slots are pages of one)
         slots = {name: PagePool(r.state.num_slots, 1) for name, r in self.runners.items() if r.state is not None}
         self.scheduler = Scheduler(caps, self.pools, max_running=dict.fromkeys(self.pools, cfg.max_num_seqs),
-                                   grow_pages=lazy, slots=slots, prefix_caching=cfg.prefix_caching)
+                                   grow_pages=lazy, slots=slots, prefix_caching=cfg.prefix_caching,
+                                   admit_every=cfg.admit_every)
         token_loops = {n for n in self.placed if self.model.components[n].kv_cache and self.model.components[n].samples}
         self.walker = Walker(self.store, self.scheduler, self.pools, self.model.max_model_len, self._finished,
                              token_loops, self.device, lazy_pages=lazy, join_turn=self.model.join_turn,
