@@ -89,7 +89,9 @@ def test_renderer() -> None:
 
 @pytest.mark.asyncio(loop_scope="module")
 async def test_metrics_after_some_requests(engine: Engine, http: aiohttp.ClientSession) -> None:
-    body = {"model": MODEL, "prompt": "Once upon", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    # long enough for full KV pages: the second request finds them in the prefix cache
+    body = {"model": MODEL, "prompt": "Once upon a time there was a tiny model. " * 2, "max_tokens": 4,
+            "temperature": 0, "ignore_eos": True}
     for _ in range(2):
         async with http.post("/v1/completions", json=body) as r:
             assert r.status == 200
@@ -128,3 +130,7 @@ async def test_metrics_after_some_requests(engine: Engine, http: aiohttp.ClientS
         samples, "mstar_step_seconds_count", component="llm", mode="decode")
     assert value(samples, "mstar_speculative_steps_dropped_total") >= 0
     assert value(samples, "mstar_tensors_held") >= 0
+    queries = value(samples, "mstar_prefix_cache_queries_total", component="llm")
+    hits = value(samples, "mstar_prefix_cache_hits_total", component="llm")
+    assert queries > hits >= 64 and hits % 16 == 0  # the second prompt's full pages, all but its last token's
+    assert value(samples, "mstar_prefix_cache_pages", component="llm") >= 4
