@@ -73,29 +73,6 @@ def _stalls(streams: list[Stream], start: float, end: float) -> int:
     return late
 
 
-async def _listen(session: aiohttp.ClientSession, url: str, body: dict[str, Any], stream: Stream) -> None:
-    """One streamed speech request into `stream`, chunk by chunk as they come,
-    so a request cancelled midway keeps what it heard."""
-    try:
-        async with session.post(f"{url}/v1/audio/speech", json=body) as r:
-            if r.status != 200:
-                stream.error = f"HTTP {r.status}: {(await r.text())[:200]}"
-                return
-            pending = 0
-            async for data, end_of_chunk in r.content.iter_chunks():
-                now = time.perf_counter()
-                if data and stream.first_byte is None:
-                    stream.first_byte = now
-                pending += len(data)
-                if end_of_chunk and pending:
-                    stream.add(now, pending)
-                    pending = 0
-    except aiohttp.ClientError as e:
-        stream.error = f"{type(e).__name__}: {e}"
-    finally:
-        stream.end = time.perf_counter()
-
-
 class Background:
     """`--streams` clients, each sending its next long request when the last
     ends, until `stop` cancels them."""
@@ -110,7 +87,8 @@ class Background:
         while True:
             stream = Stream(sent=time.perf_counter())
             self.streams.append(stream)
-            await _listen(self.session, self.url, _body(self.a, self.model, n, self.a.stream_tokens), stream)
+            await speak(self.session, self.url, _body(self.a, self.model, n, self.a.stream_tokens), self.a.timeout,
+                        stream)
             n += self.a.streams
 
     def start(self) -> None:

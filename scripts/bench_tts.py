@@ -197,10 +197,12 @@ def speech_body(a: argparse.Namespace, model: str, n: int) -> dict[str, Any]:
     return body
 
 
-async def speak(session: aiohttp.ClientSession, url: str, body: dict[str, Any], timeout_s: float) -> Stream:
+async def speak(session: aiohttp.ClientSession, url: str, body: dict[str, Any], timeout_s: float,
+                stream: Stream | None = None) -> Stream:
     """One streamed request; never raises for the request's own failures
-    (they land in `Stream.error`)."""
-    stream = Stream(sent=time.perf_counter())
+    (they land in `Stream.error`). Into `stream` when given, chunk by chunk as
+    they come, so a request cancelled midway keeps what it heard."""
+    stream = stream or Stream(sent=time.perf_counter())
     try:
         while True:  # a refusal (429/503) carries Retry-After: wait, then send again
             r = await session.post(f"{url}/v1/audio/speech", json=body, timeout=aiohttp.ClientTimeout(total=timeout_s))

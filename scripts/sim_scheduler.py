@@ -32,6 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from mstar.scheduler import ModeCaps, Scheduler, WorkItem  # noqa: E402
+from tts_report import percentile  # noqa: E402  (a sibling: the script's folder is first on sys.path)
 
 FRAME_TOKENS = 7
 WINDOW_FRAMES = 4
@@ -164,16 +165,6 @@ class Sim:
                 self.arrive(SimStream(f"{s.name}+", self.now, s.prompt, s.tokens, s.kind))
 
 
-def _percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return math.nan
-    xs = sorted(xs)
-    pos = (len(xs) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
 def _gaps(streams: list[SimStream], start: float, end: float) -> list[float]:
     return [b - a for s in streams for a, b in zip(s.chunks, s.chunks[1:]) if start <= b < end]
 
@@ -221,13 +212,13 @@ def simulate(a: argparse.Namespace, costs: Costs, budget: int, admit_every: int 
         "budget": budget,
         "admit_every": admit_every,
         "one_stream_ttfa_ms": round(one * 1e3, 1),
-        "arrivals_ttfa_p50_ms": round(_percentile(ttfa, 50) * 1e3, 1),
-        "ttfa_ratio": round(_percentile(ttfa, 50) / one, 2),
-        "steady_gap_p50_ms": round(_percentile(steady, 50) * 1e3, 1),
-        "steady_gap_p99_ms": round(_percentile(steady, 99) * 1e3, 1),
-        "arrivals_gap_p50_ms": round(_percentile(busy, 50) * 1e3, 1),
-        "arrivals_gap_p99_ms": round(_percentile(busy, 99) * 1e3, 1),
-        "gap_p99_ratio": round(_percentile(busy, 99) / _percentile(steady, 99), 2),
+        "arrivals_ttfa_p50_ms": round(percentile(ttfa, 50) * 1e3, 1),
+        "ttfa_ratio": round(percentile(ttfa, 50) / one, 2),
+        "steady_gap_p50_ms": round(percentile(steady, 50) * 1e3, 1),
+        "steady_gap_p99_ms": round(percentile(steady, 99) * 1e3, 1),
+        "arrivals_gap_p50_ms": round(percentile(busy, 50) * 1e3, 1),
+        "arrivals_gap_p99_ms": round(percentile(busy, 99) * 1e3, 1),
+        "gap_p99_ratio": round(percentile(busy, 99) / percentile(steady, 99), 2),
         "long_prompt_max_gap_ms": round(max(_gaps(bg, *window), default=0.0) * 1e3, 1),
         "long_prompt_stalls": _stalls(bg, *window),
         "stalls": _stalls(bg, ramp, t_long + a.settle),

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from llama_folder import save_tiny_llama
+from tiny_llama import generated, save_tiny_llama
 from mstar.config import EngineConfig, SchedulerConfig
 from mstar.engine.engine import Engine
 from mstar.scheduler import ModeCaps, PagePool, Scheduler, WorkItem
-from mstar.types import GenerateRequest, SamplingParams
+from mstar.types import SamplingParams
 
 pytest.importorskip("transformers")
 
@@ -72,14 +72,6 @@ def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_llama(tmp_path_factory.mktemp("llama_chunks"), VOCAB)
 
 
-async def _run(eng: Engine, rid: str, prompt: list[int], sp: SamplingParams) -> list[int]:
-    toks: list[int] = []
-    async for chunk in eng.submit(GenerateRequest(rid, eng.model_name, {"prompt_ids": prompt}, sp)):
-        assert chunk.error is None, chunk.error
-        toks.extend(chunk.token_ids)
-    return toks
-
-
 def _prompts() -> list[list[int]]:
     rng = random.Random(7)
     shared = [1] + [rng.randrange(3, VOCAB) for _ in range(50)]
@@ -94,8 +86,8 @@ async def _outputs(folder: Path, budget: int, caching: bool, device: str) -> lis
     try:
         params = [SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
                   SamplingParams(max_tokens=10, temperature=0.9, seed=3, repetition_penalty=1.2, ignore_eos=True)]
-        first = await _run(eng, "first", _prompts()[0], params[0])
-        rest = await asyncio.gather(*[_run(eng, f"r{i}{j}", p, sp) for i, p in enumerate(_prompts())
+        first = await generated(eng, "first", _prompts()[0], params[0])
+        rest = await asyncio.gather(*[generated(eng, f"r{i}{j}", p, sp) for i, p in enumerate(_prompts())
                                       for j, sp in enumerate(params)])
         return [first, *rest]
     finally:
@@ -117,13 +109,13 @@ async def test_running_rows_step_between_a_long_prompts_chunks(hf_folder: Path) 
     steps: list[str] = []
     eng.add_report_hook(lambda r: steps.append(r.mode) if r.rows > 0 and r.component else None)
     try:
-        running = asyncio.ensure_future(_run(eng, "running", [1, 5, 9], SamplingParams(max_tokens=400,
+        running = asyncio.ensure_future(generated(eng, "running", [1, 5, 9], SamplingParams(max_tokens=400,
                                                                                      ignore_eos=True)))
         while len(steps) < 3:
             await asyncio.sleep(0.001)
         start = len(steps)
         long = [1] + [random.Random(2).randrange(3, VOCAB) for _ in range(200)]
-        await _run(eng, "long", long, SamplingParams(max_tokens=2, ignore_eos=True))
+        await generated(eng, "long", long, SamplingParams(max_tokens=2, ignore_eos=True))
         seen = steps[start:]
         prefills = [i for i, mode in enumerate(seen) if mode == "prefill"]
         assert len(prefills) >= 201 // 24  # one step per chunk at least

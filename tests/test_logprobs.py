@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llama_folder import save_tiny_llama
+from tiny_llama import save_tiny_llama
 from mstar.config import EngineConfig, SchedulerConfig
 from mstar.engine.engine import Engine
 from mstar.engine.execution.sampler import SamplingTensors, sample, token_logprobs

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from llama_folder import save_tiny_llama
+from tiny_llama import generated, save_tiny_llama
 from mstar.config import EngineConfig, SchedulerConfig
 from mstar.engine.engine import Engine
 from mstar.scheduler import ModeCaps, PagePool, Scheduler, WorkItem
@@ -114,14 +114,6 @@ def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_llama(tmp_path_factory.mktemp("llama_prefix"), VOCAB)
 
 
-async def _run(eng: Engine, rid: str, prompt: list[int], sp: SamplingParams) -> list[int]:
-    toks: list[int] = []
-    async for chunk in eng.submit(GenerateRequest(rid, eng.model_name, {"prompt_ids": prompt}, sp)):
-        assert chunk.error is None, chunk.error
-        toks.extend(chunk.token_ids)
-    return toks
-
-
 async def _settled(eng: Engine) -> None:
     for _ in range(300):
         if eng.pages_in_use() == 0 and not any(w.walker.runs for w in eng.workers):
@@ -145,8 +137,8 @@ async def _serve(folder: Path, caching: bool, device: str) -> tuple[list[list[in
                               scheduler=SchedulerConfig(page_size=4, num_pages=256, prefix_caching=caching)))
     await eng.start()
     cases = _cases()
-    first = [await _run(eng, "first", *cases[0])]  # alone: the prefix enters the cache
-    together = await asyncio.gather(*[_run(eng, f"r{i}", p, sp) for i, (p, sp) in enumerate(cases)])
+    first = [await generated(eng, "first", *cases[0])]  # alone: the prefix enters the cache
+    together = await asyncio.gather(*[generated(eng, f"r{i}", p, sp) for i, (p, sp) in enumerate(cases)])
     return first + together, eng
 
 
@@ -179,7 +171,7 @@ async def test_aborted_rows_leave_only_cached_pages(hf_folder: Path) -> None:
         await eng.start()
         try:
             prompt, sp = _cases()[0]
-            await _run(eng, "warm", prompt, sp)
+            await generated(eng, "warm", prompt, sp)
             streams = [eng.submit(GenerateRequest(f"x{i}", eng.model_name, {"prompt_ids": prompt + [5 + i]},
                                                   SamplingParams(max_tokens=40, ignore_eos=True)))
                        for i in range(12)]

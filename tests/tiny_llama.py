@@ -1,12 +1,15 @@
 """A tiny random Llama checkpoint for engine tests, saved the Hugging Face
 way, with logits wide enough that greedy choices and top-k orders are not
-near-ties (random init is close to uniform)."""
+near-ties (random init is close to uniform); and a prompt's generated ids."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
+
+from mstar.engine.engine import Engine
+from mstar.types import GenerateRequest, SamplingParams
 
 
 def save_tiny_llama(folder: Path, vocab: int = 384, layers: int = 3, max_positions: int = 512) -> Path:
@@ -22,3 +25,12 @@ def save_tiny_llama(folder: Path, vocab: int = 384, layers: int = 3, max_positio
         model.lm_head.weight.mul_(8)
     model.save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+async def generated(eng: Engine, rid: str, prompt: list[int], sp: SamplingParams) -> list[int]:
+    """The ids `eng` generates for `prompt` (a chunk's error fails the test)."""
+    toks: list[int] = []
+    async for chunk in eng.submit(GenerateRequest(rid, eng.model_name, {"prompt_ids": prompt}, sp)):
+        assert chunk.error is None, chunk.error
+        toks.extend(chunk.token_ids)
+    return toks
