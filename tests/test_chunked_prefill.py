@@ -15,7 +15,7 @@ from tiny_llama import generated, save_tiny_llama
 from mstar.config import EngineConfig, SchedulerConfig
 from mstar.engine.engine import Engine
 from mstar.scheduler import ModeCaps, PagePool, Scheduler, WorkItem
-from mstar.types import SamplingParams
+from mstar.types import GenerateRequest, SamplingParams
 
 pytest.importorskip("transformers")
 
@@ -124,5 +124,46 @@ async def test_running_rows_step_between_a_long_prompts_chunks(hf_folder: Path) 
         assert not running.done()
         eng.abort("running")
         await running
+    finally:
+        await eng.shutdown()
+
+
+async def test_a_prompt_aborted_between_chunks_releases_nothing_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its first chunk's step took its inputs out of the store; the queued rest
+    holds them itself, so cancelling it releases no reference again."""
+    from mstar.engine.worker.walker import Walker
+
+    cancelled: list[tuple[bool, dict]] = []
+    cancel, next_chunk = Walker.cancel, Scheduler.next_chunk
+
+    def spy(self: Walker, items: list) -> None:
+        cancelled.extend((item.payload.held is not None, dict(item.payload.inputs)) for item in items)
+        cancel(self, items)
+
+    eng = Engine(EngineConfig(model="tiny-llama", scheduler=SchedulerConfig(page_size=4, max_num_batched_tokens=8)))
+    chunks_run = 0
+
+    def abort_at_the_third(self: Scheduler, item: WorkItem) -> None:  # on the worker thread, as its inbox would
+        nonlocal chunks_run
+        next_chunk(self, item)
+        chunks_run += 1
+        if chunks_run == 3:
+            eng.workers[0].walker.abort(item.request_id)
+
+    monkeypatch.setattr(Walker, "cancel", spy)
+    monkeypatch.setattr(Scheduler, "next_chunk", abort_at_the_third)
+    await eng.start()
+    try:
+        prompt = [random.Random(2).randrange(3, 250) for _ in range(200)]
+        request = GenerateRequest("long", eng.model_name, {"prompt_ids": prompt},
+                                  SamplingParams(max_tokens=2, ignore_eos=True))
+        chunks = [c async for c in eng.submit(request)]
+        assert chunks[-1].finish_reason == "abort" and chunks_run == 3
+        assert [held for held, _ in cancelled] == [True] and cancelled[0][1] == {}
+        for _ in range(200):
+            if len(eng.store) == 0 and eng.pages_in_use() == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert len(eng.store) == 0 and eng.pages_in_use() == 0
     finally:
         await eng.shutdown()

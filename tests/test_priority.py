@@ -108,3 +108,31 @@ def test_admit_every_holds_new_rows_until_running_groups_have_stepped() -> None:
     group.rows = 0  # nothing running: a new row never waits
     sched.add(WorkItem("late", "main", "llm", "prefill", starts_row=True))
     assert [i.request_id for i in sched.schedule().items] == ["late"]
+
+
+def test_better_priority_chunks_and_arrivals_still_let_running_groups_step() -> None:
+    """Each waiting item lends its place in line once, and a prompt's next
+    chunk borrows none: otherwise its queue would keep the oldest ticket."""
+    caps = {("llm", "prefill"): ModeCaps(8, 32), ("llm", "decode"): ModeCaps(8, 32)}
+    sched = Scheduler(caps, {"llm": PagePool(256, 4)})
+    group = _Group(4)
+    sched.add_group(("llm", "decode"), group)
+    waiting = WorkItem("plain", "main", "llm", "prefill", num_tokens=20, pages_needed=5, starts_row=True)
+    long = WorkItem("urgent", "main", "llm", "prefill", num_tokens=400, pages_needed=100, starts_row=True,
+                    chunkable=True, priority=REALTIME_PRIORITY)
+    sched.add(waiting)
+    sched.add(long)
+    seq = []
+    while "plain" not in seq:
+        plan = sched.schedule()
+        if plan.group is not None:
+            seq.append("group")
+            continue
+        seq += [item.request_id for item in plan.items]
+        for item in plan.items:
+            item.granted = []
+            if item.partial:
+                sched.next_chunk(item)
+    chunks = seq.count("urgent")
+    assert chunks == 13 and seq[-1] == "plain"
+    assert all(seq[i + 1] == "group" for i, s in enumerate(seq[:-1]) if s == "urgent" and seq[i + 1] != "plain")

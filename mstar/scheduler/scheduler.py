@@ -102,17 +102,22 @@ class Scheduler:
         self._insert(q, item)
 
     @staticmethod
-    def _insert(q: deque[WorkItem], item: WorkItem) -> None:
-        """Put `item` behind the items of its priority or better. One that
-        passes others takes the ticket of the first it passes: the queue keeps
-        its place in line, and the item goes where that one would have."""
+    def _insert(q: deque[WorkItem], item: WorkItem, lend: bool = True) -> None:
+        """Put `item` behind the items of its priority or better. A new item
+        that passes others takes the ticket of the first it passes, so the
+        queue keeps its place in line and the item goes where that one would
+        have; each item lends its place once (and a prompt's next chunk takes
+        none, `lend=False`), or a stream of better-priority arrivals, or of a
+        long prompt's chunks, would keep its queue ahead of running groups."""
         if not q or q[-1].priority <= item.priority:
             q.append(item)
             return
         at = len(q)
         while at > 0 and q[at - 1].priority > item.priority:
             at -= 1
-        item.ticket = min(item.ticket, q[at].ticket)
+        if lend and not q[at].passed:
+            q[at].passed = True
+            item.ticket = min(item.ticket, q[at].ticket)
         q.insert(at, item)
 
     def remove(self, request_id: str, partition: str | None = None) -> list[WorkItem]:
@@ -272,7 +277,7 @@ class Scheduler:
         item.chunk = 0
         item.starts_row = False
         item.ticket = next(self._tickets)
-        self._insert(self._queues[item.key], item)
+        self._insert(self._queues[item.key], item, lend=False)
 
     def cache_prefix(self, item: WorkItem, pages: list[int]) -> None:
         """`item`'s step has run: its row's first `pages` hold its prompt's

@@ -64,6 +64,7 @@ class WorkItem:
     done: int = 0              # of its tokens, those already in its row's KV (cached, or earlier chunks)
     chunk: int = 0             # tokens its next step computes (a chunkable item's, set as it is taken)
     priority: int = 0          # lower goes first in its queue (its request's priority)
+    passed: bool = False       # an item of better priority took its place in line (once: see `Scheduler._insert`)
 
     @property
     def key(self) -> QueueKey:

@@ -272,7 +272,8 @@ class Executor:
         order) puts its full pages in the prefix cache."""
         for item, row in zip(items, inputs):
             if item.partial:
-                item.payload.held = row
+                # its inputs left the store with this step: what a cancel would release is gone
+                item.payload.held, item.payload.inputs = row, {}
                 self.scheduler.next_chunk(item)
             elif item.prefix:
                 self.scheduler.cache_prefix(item, item.payload.part.row(item.component, item.payload.branch).pages)
