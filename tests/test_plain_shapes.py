@@ -30,10 +30,10 @@ def test_rows_of_several_shapes_run_in_one_call_per_shape_in_their_order() -> No
     step = Step("summer", "window", "x", "sum")
     lengths = [4, 4, 2, 4, 3, 2, 4]
     rows = [{"x": torch.arange(n) + 10 * i} for i, n in enumerate(lengths)]
-    out = runner._run_plain(rows, step, module.window, None)
+    out = runner.plain.run(rows, step, module.window, None)
     assert sorted(module.calls) == [(1, 3), (2, 2), (4, 4)]
     for row, got in zip(rows, out["sum"]):
         assert torch.equal(got, torch.stack([row["x"].sum(), torch.tensor(row["x"].numel())]))
     module.calls.clear()
-    same = runner._run_plain(rows[:2], step, module.window, None)
+    same = runner.plain.run(rows[:2], step, module.window, None)
     assert module.calls == [(2, 4)] and same["sum"].shape == (2, 2)

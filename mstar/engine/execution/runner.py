@@ -26,7 +26,8 @@ from mstar.engine.execution.kv_mode_graphs import KVModeGraphs
 from mstar.engine.memory.kv_cache import KVCache
 from mstar.engine.worker.loop_group import LoopGroup
 from mstar.engine.execution.mode_graphs import ModeGraphs, takes_seeds
-from mstar.engine.execution.pack import kv_outputs, named_outputs, pack_kv, stacked, step_indices
+from mstar.engine.execution.pack import kv_outputs, pack_kv, step_indices
+from mstar.engine.execution.plain_steps import PlainSteps, step_outputs
 from mstar.engine.worker.kv_rows import KVRow
 from mstar.engine.worker.rows import PartitionRun
 from mstar.engine.execution.sampler import SamplingTensors, banned_table, sample, token_logprobs
@@ -70,6 +71,7 @@ class ComponentRunner:
         self.device_s = 0.0
         self._cuda = device.type == "cuda"
         self._takes_seeds: dict[str, bool] = {}  # by mode
+        self.plain = PlainSteps(self.mode_graphs, device)
         # `Component.own_stream`: the steps' work is queued here, beside the worker's stream
         self.stream = (torch.cuda.Stream(device, priority=-1 if spec.urgent else 0)
                        if self._cuda and spec.own_stream else None)
@@ -121,8 +123,8 @@ class ComponentRunner:
                 assert state is not None
                 state.new = [r.slot_new for r in rows]
                 fn = functools.partial(fn, state=state)
-            values = (self._run_plain(inputs, step, fn, seeds) if sig is None
-                      else self._run_plain_signed(inputs, step, sig, fn, seeds))
+            values = (self.plain.run(inputs, step, fn, seeds) if sig is None
+                      else self.plain.run_signed(inputs, step, sig, fn, seeds, self.state is not None))
             if self.state is not None:
                 for p, b in zip(parts, branches):
                     p.row(self.name, b).stepped_on_slot()
@@ -182,7 +184,7 @@ class ComponentRunner:
                                             [rows[i].reshape(-1) for i in ends], [banned[i] for i in ends])
             values = {step.outputs[0]: tokens}
         else:
-            values, logprobs = self._name_outputs(step, out), None
+            values, logprobs = step_outputs(step, out), None
         for i, (r, n) in enumerate(zip(kv, lens)):  # only now: a step that raised left its rows as they were
             r.advance(n, None, self.spec.samples and i in ends)
         return values, logprobs
@@ -369,74 +371,6 @@ class ComponentRunner:
         tokens = self._timed(sample)(logits, st, seen, banned)
         return tokens, self._timed(token_logprobs)(logits, tokens, st), extras
 
-    # --------------------------------------------------------- plain rows
-
-    def _run_plain(self, inputs: list[dict[str, torch.Tensor]], step: Step, fn: Callable,
-                   seeds: torch.Tensor | None) -> dict:
-        """Rows stacked into one call (a captured graph where one fits); rows
-        of other shapes (a stream's short last chunk) in one call per shape,
-        so one short row leaves the others their graph. `seeds` [B] on the
-        host, for modes that take them."""
-        shapes = [tuple(tuple(row[n].shape) for n in step.inputs) for row in inputs]
-        if len(set(shapes)) == 1:
-            return self._run_stacked(inputs, step, fn, seeds)
-        by_shape: dict[tuple, list[int]] = {}
-        for i, shape in enumerate(shapes):
-            by_shape.setdefault(shape, []).append(i)
-        rows: list[dict[str, torch.Tensor]] = [{} for _ in inputs]
-        for idx in by_shape.values():
-            out = self._run_stacked([inputs[i] for i in idx], step, fn, None if seeds is None else seeds[idx])
-            for j, i in enumerate(idx):
-                rows[i] = {n: out[n][j] for n in step.outputs}
-        return {n: [row[n] for row in rows] for n in step.outputs}
-
-    def _run_stacked(self, inputs: list[dict[str, torch.Tensor]], step: Step, fn: Callable,
-                     seeds: torch.Tensor | None) -> dict:
-        """Rows of one shape in one call: a graph replay where one fits."""
-        columns = [[row[n] for row in inputs] for n in step.inputs]
-        stacked = [torch.stack(ts if len({t.device for t in ts}) == 1 else [t.to(self.device) for t in ts])
-                   for ts in columns]
-        graphs = self.mode_graphs.get(step.mode)
-        out = graphs.run(stacked, seeds) if graphs is not None else None
-        if out is None:
-            out = self._call(fn, stacked, seeds)
-        return self._name_outputs(step, out)
-
-    def _run_plain_signed(self, inputs: list[dict[str, torch.Tensor]], step: Step, sig: Mode, fn: Callable,
-                          seeds: torch.Tensor | None) -> dict:
-        """Rows of a plain mode with a signature, as keyword arguments by
-        signature name: stacked over rows, or lists for ragged inputs; one
-        call per row when other inputs differ in shape."""
-        reads, writes = step_bindings(step, sig)
-        specs = [i for i in sig.inputs if i.name in reads]
-        rows = {i.name: [row[reads[i.name]] for row in inputs] for i in specs}
-        if all(i.ragged or len({tuple(t.shape) for t in rows[i.name]}) == 1 for i in specs):
-            kwargs = {i.name: stacked(i, rows[i.name], self.device) for i in specs}
-            # a captured mode takes its inputs in signature order (`Model.graph_rows`), by position
-            graphs = None if any(i.ragged for i in specs) or self.state is not None else self.mode_graphs.get(step.mode)
-            out = graphs.run(list(kwargs.values()), seeds) if graphs is not None else None
-            if out is None:
-                out = self._call_named(fn, kwargs, seeds)
-            return named_outputs(out, sig, writes, step.label)
-        outs = []
-        for r in range(len(inputs)):
-            alone = {i.name: stacked(i, [rows[i.name][r]], self.device) for i in specs}
-            call = fn
-            if self.state is not None:  # row r's own slot
-                state = fn.keywords["state"]
-                call = functools.partial(fn.func, state=StateRows(state.tensors, state.slots[r:r + 1],
-                                                                  None if state.new is None else state.new[r:r + 1]))
-            out = self._call_named(call, alone, None if seeds is None else seeds[r:r + 1])
-            outs.append(named_outputs(out, sig, writes, step.label))
-        return {v: [o[v][0] for o in outs] for v in writes.values()}
-
-    def _call_named(self, fn: Callable, kwargs: dict, seeds: torch.Tensor | None):
-        return fn(**kwargs) if seeds is None else fn(**kwargs, seeds=to_device(seeds, self.device))
-
-    def _call(self, fn: Callable, args: list[torch.Tensor], seeds: torch.Tensor | None):
-        args = [to_device(a, self.device) for a in args]
-        return fn(*args) if seeds is None else fn(*args, seeds=to_device(seeds, self.device))
-
     def _timed(self, fn: Callable) -> Callable:
         """`fn`, adding its run time to `device_s` on the CPU, where compute is
         synchronous. On CUDA calls only launch work; `_wait` measures there."""
@@ -457,16 +391,6 @@ class ComponentRunner:
             t0 = time.perf_counter()
             torch.cuda.current_stream(self.device).synchronize()
             self.device_s += time.perf_counter() - t0
-
-    def _name_outputs(self, step: Step, out) -> dict[str, torch.Tensor]:
-        if isinstance(out, torch.Tensor):
-            out = {step.outputs[0]: out}
-        if len(step.outputs) == 1 and len(out) == 1:
-            return {step.outputs[0]: next(iter(out.values()))}
-        missing = [n for n in step.outputs if n not in out]
-        if missing:
-            raise RuntimeError(f"{step.label} returned {sorted(out)}, not {missing}")
-        return {n: out[n] for n in step.outputs}
 
     def _take(self, item: WorkItem, name: str) -> torch.Tensor:
         ref = item.payload.inputs[name]
