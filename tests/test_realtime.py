@@ -218,3 +218,24 @@ async def test_a_text_model_answers_in_text() -> None:
         assert done.response.usage.output_tokens == 12
         assert done.response.status == "incomplete" and done.response.status_details.reason == "max_output_tokens"
         assert deltas and next(e for e in seen if e.type == "response.output_text.done").text == deltas
+
+
+async def test_a_conversations_next_response_starts_from_the_cached_conversation() -> None:
+    """Each response is a request over the conversation so far: its prompt
+    starts with the last one's, whose full KV pages the prefix cache holds."""
+    async with running_engine("tiny-llama") as engine, serving(engine) as url:
+        async with _client(url).realtime.connect(model="tiny-llama") as conn:
+            await conn.recv()
+            await conn.session.update(session={"type": "realtime", "mstar": {"seed": 7}})
+            first = "tell me a long story about a lighthouse keeper and the ships that pass at night"
+            await conn.conversation.item.create(item=_user(first))
+            await conn.response.create(response={"max_output_tokens": 8})
+            await _until(conn, "response.done", [])
+            before = engine.health()["devices"][0]["prefix_cache"]["llm"]
+            await conn.conversation.item.create(item=_user("and then?"))
+            await conn.response.create(response={"max_output_tokens": 8})
+            await _until(conn, "response.done", [])
+            after = engine.health()["devices"][0]["prefix_cache"]["llm"]
+        # the first prompt's full pages (16 tokens each) at least: the first message alone fills four
+        assert after["hits"] - before["hits"] >= 4 * 16
+        await _settled(engine)
