@@ -4,9 +4,8 @@ building under per-mode caps, FIFO fairness, and KV page admission.
 Work items come in (`add`), batches go out (`schedule`). The queue served next
 is the one whose oldest item has waited longest, so prefills of new requests
 and decode steps of running ones take turns in arrival order. Within a queue,
-an item of a better (lower) priority goes ahead of the others, taking the
-place in line of the first it passes. Within a queue,
-items are taken in FIFO order until a cap is reached or an item cannot get its
+an item of a better (lower) priority goes ahead of the others (`_insert`),
+and items are taken in order until a cap is reached or an item cannot get its
 pages; an item that cannot get pages waits at the head of its queue (nothing
 behind it in that queue jumps ahead, so large requests are not starved). A KV
 component has at most `max_running` running rows (rows holding pages): an

@@ -35,16 +35,6 @@ class WorkItem:
     cap leaves room for (`chunk`); the rest wait in line for later steps.
     """
 
-    @property
-    def remaining(self) -> int:
-        """Tokens still to compute."""
-        return self.num_tokens - self.done
-
-    @property
-    def partial(self) -> bool:
-        """Its next step leaves tokens for later ones."""
-        return self.chunkable and 0 < self.chunk < self.remaining
-
     request_id: str
     partition: str
     component: str
@@ -69,6 +59,16 @@ class WorkItem:
     @property
     def key(self) -> QueueKey:
         return (self.component, self.mode)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to compute."""
+        return self.num_tokens - self.done
+
+    @property
+    def partial(self) -> bool:
+        """Its next step leaves tokens for later ones."""
+        return self.chunkable and 0 < self.chunk < self.remaining
 
 
 @dataclass(eq=False)

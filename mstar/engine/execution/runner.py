@@ -110,10 +110,9 @@ class ComponentRunner:
             raise RuntimeError(f"rows of one {step.label} step read or write different values")
         if self.kv is not None:
             spans = [(item.done, item.done + item.chunk if item.chunkable else None) for item in batch.items]
-            values, logprobs = self._run_tokens([row[step.inputs[0]] for row in inputs], parts, branches, step, fn,
-                                                banned, spans)
-            if any(item.partial for item in batch.items):  # rows with chunks to come write nothing yet
-                ends = [i for i, item in enumerate(batch.items) if not item.partial]
+            values, logprobs, ends = self._run_tokens([row[step.inputs[0]] for row in inputs], parts, branches,
+                                                      step, fn, banned, spans)
+            if len(ends) < len(parts):  # rows with chunks to come write nothing yet
                 parts, branches = [parts[i] for i in ends], [branches[i] for i in ends]
         else:
             seeds = self._row_seeds(parts, step) if self._seeded(batch.mode) else None
@@ -146,11 +145,12 @@ class ComponentRunner:
 
     def _run_tokens(self, rows: list[torch.Tensor], parts: list[PartitionRun], branches: list[str], step: Step,
                     fn, banned: list[tuple[int, ...]], spans: list[tuple[int, int | None]]
-                    ) -> tuple[dict, torch.Tensor | None]:
+                    ) -> tuple[dict, torch.Tensor | None, list[int]]:
         """`spans`: the tokens of each row this step computes, [start, end)
         (end None: to the last). Those before `start` are in its pages already
         (a prefix cache hit, or earlier chunks); a row that ends before its
-        last token (a chunk) samples nothing, and the values hold the others'."""
+        last token (a chunk) samples nothing, and the values hold the others':
+        the rows whose prompt ended, returned last."""
         assert self.kv is not None
         kv = [p.row(self.name, b) for p, b in zip(parts, branches)]
         ids, positions, lens, ctx, tables = [], [], [], [], []
@@ -185,9 +185,10 @@ class ComponentRunner:
             values = {step.outputs[0]: tokens}
         else:
             values, logprobs = step_outputs(step, out), None
+        ended = set(ends)
         for i, (r, n) in enumerate(zip(kv, lens)):  # only now: a step that raised left its rows as they were
-            r.advance(n, None, self.spec.samples and i in ends)
-        return values, logprobs
+            r.advance(n, None, self.spec.samples and i in ended)
+        return values, logprobs, ends
 
     def _run_signed(self, inputs: list[dict[str, torch.Tensor]], parts: list[PartitionRun], branches: list[str],
                     sig: Mode, fn: Callable, banned: list[tuple[int, ...]]) -> StepOutput:

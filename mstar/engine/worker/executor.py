@@ -107,9 +107,7 @@ class Executor:
         step of its own would, and its rows' last tokens would wait for the
         next settle (while other groups step, that may be seconds away)."""
         for group in [g for g in self._inflight if not len(g)]:
-            self._finalize_group(group, self._inflight[group])
-            del self._inflight[group]  # only now, as in `settle`
-            self._group_mark.pop(group, None)
+            self._read(group)
 
     def _merge_joins(self) -> None:
         """Fold rows that joined a group into it, so that the scheduler plans
@@ -447,10 +445,13 @@ class Executor:
         """Read every launched group step (before a step that changes pages
         or groups, or when there is nothing left to launch)."""
         while self._inflight:
-            group = next(iter(self._inflight))
-            self._finalize_group(group, self._inflight[group])
-            del self._inflight[group]  # only now: `busy` stays true until the step is read
-            self._group_mark.pop(group, None)
+            self._read(next(iter(self._inflight)))
+
+    def _read(self, group: LoopGroup) -> None:
+        """Read `group`'s launched step: it is in flight no more."""
+        self._finalize_group(group, self._inflight[group])
+        del self._inflight[group]  # only now: `busy` stays true until the step is read
+        self._group_mark.pop(group, None)
 
     # ------------------------------------------------------------- reports
 
