@@ -39,7 +39,7 @@ ENGINE_ROOMS = ("mstar.engine.engine", "mstar.engine.messages", "mstar.engine.ev
                 "mstar.engine.execution", "mstar.engine.memory", "mstar.engine.movement")
 # the row state a step runs over (the worker owns it; execution reads and advances it)
 EXECUTION_READS = frozenset({"mstar.engine.worker.rows", "mstar.engine.worker.kv_rows",
-                             "mstar.engine.worker.loop_group", "mstar.engine.worker.group_shape"})
+                             "mstar.engine.worker.groups.loop_group", "mstar.engine.worker.groups.group_shape"})
 
 
 def under(name: str, *prefixes: str) -> bool:

@@ -19,7 +19,7 @@ from mstar.engine.engine import Engine
 from mstar.engine.execution.runner import ComponentRunner
 from mstar.engine.worker import walker as walker_module
 from mstar.engine.worker.executor import Executor
-from mstar.engine.worker.loop_group import LoopGroup
+from mstar.engine.worker.groups.loop_group import LoopGroup
 from mstar.engine.worker.rows import Frame, PartitionRun, RequestRun
 from mstar.engine.worker.streaming.edges import Streams
 from mstar.graph import Partition, Step, Walk, compile_walk

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from mstar.engine.worker.loop_group import LoopGroup
+from mstar.engine.worker.groups.loop_group import LoopGroup
 from mstar.engine.memory.kv_cache import SwappedKV
 from mstar.engine.worker.rows import Frame, PartitionRun, RequestRun
 from mstar.graph import Loop, compile_walk

@@ -20,7 +20,7 @@ from mstar.engine.memory.kv_cache import KVCache
 from mstar.engine.memory.sizing import kv_cache_log_fields, kv_cache_pages
 from mstar.engine.memory.state_slots import StatePool
 from mstar.engine.execution.runner import ComponentRunner
-from mstar.engine.worker.group_shape import graph_outputs
+from mstar.engine.worker.groups.group_shape import graph_outputs
 from mstar.engine.movement.tensor_store import TensorStore
 from mstar.models.base import Model
 from mstar.scheduler import PagePool

@@ -24,7 +24,7 @@ from mstar.engine.execution.cuda_graphs import DecodeGraphs
 from mstar.engine.execution.draws import Draws
 from mstar.engine.execution.kv_mode_graphs import KVModeGraphs
 from mstar.engine.memory.kv_cache import KVCache
-from mstar.engine.worker.loop_group import LoopGroup
+from mstar.engine.worker.groups.loop_group import LoopGroup
 from mstar.engine.execution.mode_graphs import ModeGraphs, takes_seeds
 from mstar.engine.execution.pack import kv_outputs, pack_kv, step_indices
 from mstar.engine.execution.plain_steps import PlainSteps, step_outputs

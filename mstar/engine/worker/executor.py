@@ -22,7 +22,7 @@ from mstar.engine.messages import Awaiting, EmitBatch, Finished, StepReport
 from mstar.engine.movement.arena import HostArena, stage_to_host
 from mstar.engine.movement.tensor_store import TensorRef, TensorStore
 from mstar.engine.movement.transfer import select_rows
-from mstar.engine.worker.loop_group import LoopGroup, Pending
+from mstar.engine.worker.groups.loop_group import LoopGroup, Pending
 from mstar.engine.worker.outbox import Outbox
 from mstar.engine.worker.streaming.peer_link import PeerLink
 from mstar.engine.worker.preemption import Preemption

@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 from mstar.engine.memory.kv_cache import KVCache
 from mstar.engine.memory.state_slots import StatePool
 from mstar.engine.worker.kv_rows import KVRow
-from mstar.engine.worker.loop_group import LoopGroup
+from mstar.engine.worker.groups.loop_group import LoopGroup
 from mstar.engine.worker.rows import PartitionRun
 from mstar.engine.worker.walker import Walker
 from mstar.scheduler import PagePool, Scheduler, WorkItem

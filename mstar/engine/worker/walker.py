@@ -17,8 +17,8 @@ from typing import Callable
 import torch
 
 from mstar.engine.worker.cursor import Cursor
-from mstar.engine.worker.group_shape import group_shape
-from mstar.engine.worker.loop_group import Leave, LoopGroup
+from mstar.engine.worker.groups.group_shape import group_shape
+from mstar.engine.worker.groups.loop_group import Leave, LoopGroup
 from mstar.engine.worker.prompt_rows import PromptRow, prompt_row
 from mstar.engine.messages import Finished, Submit
 from mstar.engine.worker.rows import PartitionRun, RequestRun, StreamItem, Work

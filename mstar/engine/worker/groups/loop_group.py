@@ -28,8 +28,8 @@ import torch
 
 from mstar.engine.execution.sampler import SamplingTensors
 from mstar.engine.movement.transfer import to_device
-from mstar.engine.worker.group_shape import GroupShape
-from mstar.engine.worker.group_stream import GroupStream
+from mstar.engine.worker.groups.group_shape import GroupShape
+from mstar.engine.worker.groups.group_stream import GroupStream
 from mstar.engine.worker.rows import PartitionRun
 from mstar.graph import Loop
 
