@@ -35,6 +35,7 @@ class SchedulerConfig:
     state_slots: int | None = None      # rows with per-row state at once (None: max_num_seqs)
     prefix_caching: bool = True         # rows share the KV pages of prompt prefixes seen before
     admit_every: int = 0                # running groups' steps between two steps that start new rows (0: any time)
+    mixed_steps: bool = True            # new rows' prompt tokens ride in running decode groups' steps
 
 
 @dataclass(frozen=True)
@@ -191,6 +192,8 @@ def build_parser(builtin_models: Sequence[str] = ()) -> argparse.ArgumentParser:
     p.add_argument("--admit-every", type=int, default=0,
                    help="while requests are decoding, steps they take between two prefill steps of new requests: "
                         "arrivals then share fewer, larger prefill steps (0: a prefill whenever its turn comes)")
+    p.add_argument("--no-mixed-steps", dest="mixed_steps", action="store_false",
+                   help="run new requests' prompts in steps of their own instead of inside running decode steps")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="compute every prompt's KV, even where a full page of its prefix was computed before")
     p.add_argument("--seed", type=int, default=0, help="engine seed, for requests without their own")
@@ -271,6 +274,7 @@ def parse_args(argv: list[str] | None = None, builtin_models: Sequence[str] = ()
         state_slots=a.state_slots,
         prefix_caching=a.prefix_caching,
         admit_every=a.admit_every,
+        mixed_steps=a.mixed_steps,
     )
     engine = EngineConfig(
         model=a.model,

@@ -142,7 +142,10 @@ class Component:
     streams run at high priority: a long chain of small kernels (a talker
     frame's code predictor) that other components' bulk work (an MoE decode
     filling every SM) would otherwise hold up, as the hardware interleaves
-    their blocks.
+    their blocks. `apart`: of a sampling KV component's name-only modes,
+    those that compute differently from the others: their rows never share
+    a step with another mode's (by default a new row's prompt may run inside
+    a running decode group's step, through the group's mode).
     """
 
     modes: tuple[str | Mode, ...]
@@ -151,6 +154,7 @@ class Component:
     state: bool = False
     own_stream: bool = False
     urgent: bool = False
+    apart: tuple[str, ...] = ()
     signatures: dict[str, Mode] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -162,6 +166,8 @@ class Component:
             raise ValueError("a mode touches the KV cache of a component without one")
         if self.own_stream and self.kv_cache:  # its item steps, forks and swaps of KV rows run on the worker's stream
             raise ValueError("a component with a KV cache runs on the worker's stream (own_stream is for plain ones)")
+        if any(m not in names for m in self.apart):
+            raise ValueError(f"apart names modes {self.apart} the component does not have ({names})")
         object.__setattr__(self, "modes", names)
         object.__setattr__(self, "signatures", {**self.signatures, **declared})
 

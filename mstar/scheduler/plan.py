@@ -18,6 +18,7 @@ class StandingGroup(Protocol):
     they joined, so the last row is the youngest."""
 
     ticket: int  # its place in line, renewed each time it steps
+    mixes: bool  # its steps can take new rows' prompt tokens beside its rows
 
     def __len__(self) -> int: ...
 
@@ -38,9 +39,11 @@ class StepPlan:
     out), `grow` (hand those pages to those group rows), admit `items` (their
     pages are filled in), resume the preempted among them, run.
 
-    A plan is either a step of `items` or of `group` over `rows`. A plan with
-    neither only asks for a settle: the worker reads what it launched, then
-    asks again (the scheduler decides on exact row state only).
+    A plan is a step of `items`, or of `group` over `rows` (with `items`:
+    new rows whose prompt tokens, `chunk` of them each, ride in the group's
+    step, a mixed step). A plan with neither only asks for a settle: the
+    worker reads what it launched, then asks again (the scheduler decides on
+    exact row state only).
 
     `preempt` lists the group's youngest rows, highest index first; the rows
     in `grow` and `rows` are numbered as after those rows left, which leaves

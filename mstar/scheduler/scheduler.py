@@ -25,7 +25,11 @@ most `max_rows` rows it runs, taken in turn when it holds more, and, when
 its rows get pages as they grow (`grow_pages`), a page for each row that
 needs one, making room by preempting the youngest rows when the pool is dry.
 It decides that on exact row state only: with steps of the worker still
-unread, it first asks the worker to read them (`StepPlan.settle`).
+unread, it first asks the worker to read them (`StepPlan.settle`). A group
+whose rows may share their step with new rows' prompts (`mix`) takes the
+waiting prompts of its component into its step, as many tokens as the step's
+token cap leaves beside its rows (a mixed step): new requests then start
+without a step of their own, and the running rows keep their cadence.
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ from mstar.scheduler.plan import StandingGroup, StepPlan
 from mstar.scheduler.prefix_cache import PrefixCache
 from mstar.scheduler.work import ModeCaps, QueueKey, WorkItem
 
+# new rows a mixed step takes at most: its CUDA graphs are captured for that many
+MIXED_ROWS = 4
+
 
 @dataclass(eq=False, slots=True)
 class _Standing:
@@ -51,7 +58,7 @@ class Scheduler:
     def __init__(self, caps: dict[QueueKey, ModeCaps], pools: dict[str, PagePool] | None = None,
                  max_running: dict[str, int] | None = None, grow_pages: bool = False,
                  slots: dict[str, PagePool] | None = None, prefix_caching: bool = False,
-                 admit_every: int = 0) -> None:
+                 admit_every: int = 0, mix: dict[str, frozenset[str]] | None = None) -> None:
         """`grow_pages`: a standing group's rows get their pages one at a
         time, as they need them, instead of holding them from admission.
         `slots`: per component with per-row state, its free slots (pages of
@@ -59,8 +66,11 @@ class Scheduler:
         `admit_every`: while a component's standing groups have rows, a step
         that starts new rows of it waits until they have stepped this many
         times since the last one (new requests then share fewer, larger
-        prefill steps; 0: no wait)."""
+        prefill steps; 0: no wait). `mix`: per component, the modes whose
+        rows may share one step: a standing group of one of them takes the
+        waiting prompts of the others into its steps."""
         self.admit_every = admit_every
+        self.mix = dict(mix or {})
         self._since_admit: dict[str, int] = {}  # group steps per component since a step started rows
         self.caps = dict(caps)
         self.pools = dict(pools or {})
@@ -207,18 +217,25 @@ class Scheduler:
         running = any(len(g.group) for g in self._groups if g.key[0] == key[0])
         return running and self._since_admit.get(key[0], self.admit_every) < self.admit_every
 
-    def _take(self, key: QueueKey) -> list[WorkItem]:
+    def _take(self, key: QueueKey, max_rows: int | None = None, max_tokens: int | None = None,
+              chunks_only: bool = False) -> list[WorkItem]:
+        """Items of `key`'s queue for one step, within its caps (or the given
+        ones); `chunks_only`: only chunkable items, up to the first other."""
         q = self._queues[key]
         caps = self.caps[key]
+        max_rows = caps.max_rows if max_rows is None else max_rows
+        max_tokens = caps.max_tokens if max_tokens is None else max_tokens
         pool = self.pools.get(key[0])
         taken: list[WorkItem] = []
         held: deque[WorkItem] = deque()  # rows waiting for the running cap or a slot; rows running already pass them
         tokens = 0
         limit = self.max_running.get(key[0])
-        while q and len(taken) < caps.max_rows:
+        while q and len(taken) < max_rows:
             item = q[0]
-            full = tokens + item.remaining > caps.max_tokens
-            if taken and full and not (item.chunkable and tokens < caps.max_tokens):
+            if chunks_only and not item.chunkable:
+                break
+            full = tokens + item.remaining > max_tokens
+            if full and not (item.chunkable and tokens < max_tokens) and (taken or chunks_only):
                 break
             if item.starts_row and item.capped and limit is not None and self.running.get(key[0], 0) >= limit:
                 held.append(q.popleft())
@@ -245,7 +262,7 @@ class Scheduler:
                 self.running[key[0]] = self.running.get(key[0], 0) + 1
             taken.append(item)
             if item.chunkable:  # as much as the cap leaves room for (a cached prefix counts for nothing)
-                item.chunk = min(item.remaining, max(caps.max_tokens - tokens, 1))
+                item.chunk = min(item.remaining, max(max_tokens - tokens, 1))
             tokens += item.chunk if item.chunkable else item.num_tokens
         q.extendleft(reversed(held))  # they keep their places at the front
         return taken
@@ -293,7 +310,8 @@ class Scheduler:
         pool = self.pools.get(key[0]) if self.grow_pages else None
         if pool is None:  # its rows hold every page they need
             group.ticket = self.ticket()
-            return StepPlan(key[0], key[1], [], group=group, rows=self._window(standing, len(group), max_rows))
+            rows = self._window(standing, len(group), max_rows)
+            return StepPlan(key[0], key[1], self._mixed(standing, rows), group=group, rows=rows)
         short = group.short_of_pages(pool.page_size)
         preempt: list[int] = []
         if len(short) > pool.num_free:
@@ -304,7 +322,31 @@ class Scheduler:
         assert pages is not None  # the victims made room
         group.ticket = self.ticket()
         rows = self._window(standing, len(group) - len(preempt), max_rows)
-        return StepPlan(key[0], key[1], [], group=group, rows=rows, grow=list(zip(short, pages)), preempt=preempt)
+        return StepPlan(key[0], key[1], self._mixed(standing, rows), group=group, rows=rows,
+                        grow=list(zip(short, pages)), preempt=preempt)
+
+    def _mixed(self, standing: _Standing, rows: slice) -> list[WorkItem]:
+        """The waiting prompts a group step takes in beside its rows: from the
+        queue of its component's mixing modes whose head waited longest, the
+        chunkable items at its front, within the tokens and rows the step
+        leaves (`MIXED_ROWS`)."""
+        (component, mode), group = standing.key, standing.group
+        modes = self.mix.get(component, frozenset())
+        n = rows.stop - rows.start
+        if mode not in modes or not n or not group.mixes:
+            return []
+        room = self.caps[standing.key].max_tokens - n
+        queues = [(q[0].ticket, k) for k, q in self._queues.items()
+                  if k[0] == component and k[1] in modes and k[1] != mode and q and q[0].chunkable]
+        if room < 1 or not queues:
+            return []
+        key = min(queues)[1]
+        if self._admission_waits(key):
+            return []
+        items = self._take(key, min(MIXED_ROWS, self.caps[key].max_rows), room, chunks_only=True)
+        if any(i.starts_row for i in items):
+            self._since_admit[component] = 0
+        return items
 
     def _victims(self, component: str, group: StandingGroup, short: list[int], pool: PagePool) -> list[int]:
         """Preempt the youngest rows until the short rows left fit in the free

@@ -23,6 +23,7 @@ from mstar.engine.execution.backends import AttentionBackend
 from mstar.engine.execution.cuda_graphs import DecodeGraphs
 from mstar.engine.execution.draws import Draws
 from mstar.engine.execution.kv_mode_graphs import KVModeGraphs
+from mstar.engine.execution.mixed import NewRows, mixed_inputs
 from mstar.engine.memory.kv_cache import KVCache
 from mstar.engine.worker.groups.loop_group import LoopGroup
 from mstar.engine.execution.mode_graphs import ModeGraphs, takes_seeds
@@ -50,6 +51,20 @@ class StepOutput:
     branches: list[str] | None = None       # the branch row each row stepped (after a fork); None: all "main"
 
 
+@dataclass(eq=False)
+class GroupLaunch:
+    """A launched group step's results, on the device and possibly not
+    computed yet: its rows' tokens, the packed logprobs of the rows that
+    asked, the outputs the group keeps (by walk value), and in a mixed step
+    the tokens (and logprobs) of the new rows whose prompt ended."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor | None
+    extras: dict[str, torch.Tensor]
+    new_tokens: torch.Tensor | None = None
+    new_logprobs: torch.Tensor | None = None
+
+
 class ComponentRunner:
     def __init__(self, name: str, spec: Component, module: nn.Module, device: torch.device,
                  store: TensorStore, kv: KVCache | None, attention: AttentionBackend | None = None,
@@ -68,6 +83,7 @@ class ComponentRunner:
         self.graphs = graphs
         self.mode_graphs = mode_graphs or {}
         self.kv_graphs = kv_graphs or {}
+        self.mixed_graphs = None  # graphs of mixed steps, where captured
         self.device_s = 0.0
         self._cuda = device.type == "cuda"
         self._takes_seeds: dict[str, bool] = {}  # by mode
@@ -264,9 +280,11 @@ class ComponentRunner:
         return StateRows(self.state.tensors, to_device(slots, self.device))
 
     def _sample(self, logits: torch.Tensor, parts: list[PartitionRun], kv: list[KVRow],
-                inputs: list[torch.Tensor], banned: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The rows' tokens, and the packed logprobs of those that asked (on the host);
-        `banned`: each row's ids it may not draw."""
+                inputs: list[torch.Tensor], banned: list[tuple[int, ...]], wait: bool = True
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The rows' tokens, and the packed logprobs of those that asked (on
+        the host; with `wait` False nothing waits, and they stay on the
+        device); `banned`: each row's ids it may not draw."""
         params = [p.sampling for p in parts]
         st = SamplingTensors.build(params, [p.seed for p in parts], [r.generated for r in kv], logits.device)
         seen = None
@@ -279,24 +297,27 @@ class ComponentRunner:
         with torch.profiler.record_function("mstar.sample"):
             tokens = self._timed(sample)(logits, st, seen, banned_table(banned, logits.device))
             logprobs = self._timed(token_logprobs)(logits, tokens, st)
+        if not wait:
+            return tokens, logprobs
         self._wait()
         return tokens, None if logprobs is None else logprobs.cpu()
 
     @torch.inference_mode()
-    def run_group(self, group: LoopGroup, sl: slice, fed: list[int] | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
-        """Launch one decode step of rows `sl` of a token loop group; returns
-        its [n] new tokens, the packed logprobs of the rows that asked, and
-        the outputs the group keeps (by walk value), on the device and
-        possibly not computed yet. `fed`: each row's stream item, where the
-        step reads one."""
+    def run_group(self, group: LoopGroup, sl: slice, fed: list[int] | None = None,
+                  new: NewRows | None = None) -> GroupLaunch:
+        """Launch one decode step of rows `sl` of a token loop group (with
+        `new`: and those new rows' prompt chunks, a mixed step). `fed`: each
+        row's stream item, where the step reads one."""
         assert self.kv is not None and self.attention is not None
         self.device_s = 0.0
         n = sl.stop - sl.start
         ctx = group.kv_lens[sl]
-        logits = None
+        logits = new_logits = None
         extras: dict[str, torch.Tensor] = {}
-        if group.shape.reads_more:
+        if new is not None:
+            logits = self._mixed_logits(group, sl, new)
+            logits, new_logits = logits[:n], logits[n:]
+        elif group.shape.reads_more:
             out = self._group_mode_step(group, sl, fed)
             logits = out["logits"]
             extras = {value: out[name] for name, value in group.extras.items()}
@@ -324,8 +345,39 @@ class ComponentRunner:
         seen = group.update_seen(sl)
         st = group.sampling_for(sl)
         banned = group.banned(sl)
-        return self._group_tokens(logits, st, seen, None if banned is None else to_device(banned, self.device),
-                                  extras)
+        launch = self._group_tokens(logits, st, seen, None if banned is None else to_device(banned, self.device),
+                                    extras)
+        if new is not None:
+            assert new_logits is not None
+            ends = new.ends
+            launch.new_tokens, launch.new_logprobs = self._sample(
+                new_logits, [new.parts[i] for i in ends], [new.kv[i] for i in ends],
+                [new.prompts[i].reshape(-1) for i in ends], [new.banned[i] for i in ends], wait=False)
+            ended = set(ends)
+            for i, (r, k) in enumerate(zip(new.kv, new.lens)):
+                r.advance(k, None, i in ended)
+        return launch
+
+    def _mixed_logits(self, group: LoopGroup, sl: slice, new: NewRows) -> torch.Tensor:
+        """The logits of a mixed step (`mixed.py`): the group's rows, then the
+        new rows whose prompt ends at this step."""
+        assert self.attention is not None
+        m = mixed_inputs(group, sl, new)
+        if self.mixed_graphs is not None:
+            with torch.profiler.record_function("mstar.replay"):
+                replayed = self.mixed_graphs.run(m)
+            if replayed is not None:
+                self.device_s += self.mixed_graphs.fence.wait_s
+                return replayed
+        batch = TokenBatch(
+            input_ids=torch.cat([m.group_tokens, to_device(m.new_ids, self.device)]),
+            positions=to_device(m.positions, self.device),
+            query_start=m.query_start,
+            logits_index=to_device(m.logits_index, self.device),
+            attn=self.attention.plan(m.query_start, m.context_lens, m.block_tables),
+        )
+        with torch.profiler.record_function("mstar.forward"):
+            return self._timed(getattr(self.module, group.mode))(batch)["logits"]
 
     def _group_mode_step(self, group: LoopGroup, sl: slice, fed: list[int] | None) -> dict[str, torch.Tensor]:
         """The outputs of a group step whose mode reads more than its token
@@ -364,13 +416,12 @@ class ComponentRunner:
         return out
 
     def _group_tokens(self, logits: torch.Tensor, st: SamplingTensors, seen: torch.Tensor | None,
-                      banned: torch.Tensor | None, extras: dict[str, torch.Tensor]
-                      ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+                      banned: torch.Tensor | None, extras: dict[str, torch.Tensor]) -> GroupLaunch:
         """A group step's tokens sampled from its logits, and their logprobs."""
         # no wait: the worker reads these tokens after launching the next step. A graph's logits are
         # its static output: read here, in stream order, before the next replay rewrites them
         tokens = self._timed(sample)(logits, st, seen, banned)
-        return tokens, self._timed(token_logprobs)(logits, tokens, st), extras
+        return GroupLaunch(tokens, self._timed(token_logprobs)(logits, tokens, st), extras)
 
     def _timed(self, fn: Callable) -> Callable:
         """`fn`, adding its run time to `device_s` on the CPU, where compute is

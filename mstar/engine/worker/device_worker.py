@@ -103,6 +103,16 @@ class DeviceWorker:
 
     # -------------------------------------------------------------- setup
 
+    def _mixing(self) -> dict[str, frozenset[str]]:
+        """Per sampling KV component here (without per-row state), its
+        name-only modes whose rows may share a step (`Component.apart`)."""
+        out = {}
+        for name, modes in self.placed.items():
+            comp = self.model.components[name]
+            if comp.kv_cache and comp.samples and not comp.state:
+                out[name] = frozenset(m for m in modes if m not in comp.signatures and m not in comp.apart)
+        return out
+
     def _setup(self) -> None:
         cfg = self.config.scheduler
         caps = {}
@@ -121,7 +131,7 @@ class DeviceWorker:
         slots = {name: PagePool(r.state.num_slots, 1) for name, r in self.runners.items() if r.state is not None}
         self.scheduler = Scheduler(caps, self.pools, max_running=dict.fromkeys(self.pools, cfg.max_num_seqs),
                                    grow_pages=lazy, slots=slots, prefix_caching=cfg.prefix_caching,
-                                   admit_every=cfg.admit_every)
+                                   admit_every=cfg.admit_every, mix=self._mixing() if cfg.mixed_steps else {})
         token_loops = {n for n in self.placed if self.model.components[n].kv_cache and self.model.components[n].samples}
         self.walker = Walker(self.store, self.scheduler, self.pools, self.model.max_model_len, self._finished,
                              token_loops, self.device, lazy_pages=lazy, join_turn=self.model.join_turn,

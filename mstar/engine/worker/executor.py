@@ -23,6 +23,7 @@ from mstar.engine.movement.arena import HostArena, stage_to_host
 from mstar.engine.movement.tensor_store import TensorRef, TensorStore
 from mstar.engine.movement.transfer import select_rows
 from mstar.engine.worker.groups.loop_group import LoopGroup, Pending
+from mstar.engine.worker.groups.mixed_items import MixedItems
 from mstar.engine.worker.outbox import Outbox
 from mstar.engine.worker.streaming.peer_link import PeerLink
 from mstar.engine.worker.preemption import Preemption
@@ -138,8 +139,10 @@ class Executor:
         with torch.cuda.stream(runner.stream):
             self._take_and_run(batch, runner, t0)
 
-    def _take_and_run(self, batch: Batch, runner: ComponentRunner, t0: float) -> None:
-        for item in batch.items:
+    def _admit(self, items: list[WorkItem], runner: ComponentRunner) -> list[WorkItem]:
+        """Rows take the pages (and slots) they were admitted with; the
+        preempted among them come back. The items that run a step."""
+        for item in items:
             if not item.granted and item.granted_slot is None:
                 continue
             row = item.payload.part.row(item.component, item.payload.branch)
@@ -151,10 +154,12 @@ class Executor:
                 row.take_slot(item.granted_slot)
                 runner.state.zero(item.granted_slot)
                 item.granted_slot = None
-        if self.preemption is not None:
-            batch.items = self.preemption.resume(batch.items)
-            if not batch.items:
-                return
+        return items if self.preemption is None else self.preemption.resume(items)
+
+    def _take_and_run(self, batch: Batch, runner: ComponentRunner, t0: float) -> None:
+        batch.items = self._admit(batch.items, runner)
+        if not batch.items:
+            return
         groups = self._by_writes(runner, batch)
         if len(groups) > 1:  # rows whose walks name the mode's outputs differently: one call each way
             for items in groups:
@@ -325,21 +330,25 @@ class Executor:
         t0 = time.perf_counter()
         n = sl.stop - sl.start
         launched: Pending | None = None
+        mixed = MixedItems.take(self._admit(plan.items, runner), runner) if plan.items else None
         if n:
             try:
                 fed = self.walker.streams.take_items(group.rows[sl]) if group.shape.fed is not None else None
                 with torch.profiler.record_function(f"mstar.{group.component}.{group.mode}"), group.stream.on():
                     group.stream.after_worker()
-                    tokens, logprobs, extras = runner.run_group(group, sl, fed)
-                    launched = group.launched(sl, tokens, logprobs, extras)
+                    launch = runner.run_group(group, sl, fed, mixed.rows if mixed else None)
+                    launched = group.launched(sl, launch.tokens, launch.logprobs, launch.extras)
+                    if mixed is not None:
+                        mixed.launch = launch
             except Exception as e:
                 self.stats.failed_steps += 1
                 log.exception("step failed", device=self.name, component=group.component, mode=group.mode, rows=n)
-                for rid in dict.fromkeys(group.request_ids[sl]):
+                for rid in dict.fromkeys(group.request_ids[sl] + (mixed.request_ids if mixed else [])):
                     self.walker.abort(rid, "error", f"{type(e).__name__}: {e}")
+                mixed = None
             else:
                 self.stats.steps += 1
-                self.stats.rows += n
+                self.stats.rows += n + (len(mixed.items) if mixed else 0)
         t1 = time.perf_counter()
         # on CUDA the runner only waited for the previous step's inputs to land;
         # on the CPU it computed (synchronously) for that long
@@ -354,9 +363,14 @@ class Executor:
             self._inflight[group] = launched
         else:
             self._inflight.pop(group, None)
+        if mixed is not None:  # after the previous step's host work: reading these waits for this step
+            outputs = mixed.outputs()
+            self._chunked(mixed.items, mixed.inputs)
+            for out in outputs:
+                self._route(out, sampled=True)
         now = time.perf_counter()
         r = self.report
-        r.component, r.mode, r.rows = group.component, group.mode, n
+        r.component, r.mode, r.rows = group.component, group.mode, n + (len(mixed.items) if mixed else 0)
         r.step_s = now - self._group_mark.get(group, t0)
         r.device_s = waited + device
         self._group_mark[group] = now

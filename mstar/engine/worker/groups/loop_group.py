@@ -136,6 +136,13 @@ class LoopGroup:
     def __len__(self) -> int:
         return len(self.rows) + len(self._joins)
 
+    @property
+    def mixes(self) -> bool:
+        """Its steps may take new rows' prompt tokens beside its rows (a mixed
+        step): a step that reads its token alone, keeps nothing else and has
+        one position axis runs their tokens through the same call."""
+        return not self.shape.reads_more and not self.shape.extras and self.axes == 1
+
     # ----------------------------------------------------------- membership
 
     def join(self, part: PartitionRun, token: torch.Tensor, count: int, cap: int | None,

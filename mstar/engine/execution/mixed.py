@@ -1,0 +1,80 @@
+"""A mixed step: a decode group's rows (one token each) and new rows' prompt
+tokens (a chunk each) in one forward of the group's mode. In: the group's
+window and the new rows (`NewRows`); out: the step's packed inputs on the
+host (`MixedInputs`), the group's rows first, so that the first n logits
+rows are the group's and the rest those of the new rows whose prompt ends
+at this step.
+
+Only a sampling KV component's name-only token modes mix (the scheduler's
+`mix`), and only a group whose step reads its token alone (`LoopGroup.mixes`):
+every row is then token ids at positions after its cached length, which one
+attention plan over ragged rows serves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mstar.engine.worker.groups.loop_group import LoopGroup
+from mstar.engine.worker.kv_rows import KVRow
+from mstar.engine.worker.rows import PartitionRun
+
+
+@dataclass(eq=False)
+class NewRows:
+    """The new rows of a mixed step, in the scheduler's order."""
+
+    parts: list[PartitionRun]
+    kv: list[KVRow]
+    prompts: list[torch.Tensor]          # each row's whole prompt ids [L], on the host
+    spans: list[tuple[int, int]]         # the prompt tokens this step computes, [start, end)
+    banned: list[tuple[int, ...]]        # ids each row may not sample
+
+    @property
+    def ends(self) -> list[int]:
+        """The rows whose prompt ends at this step: they sample."""
+        return [i for i, (p, (_, end)) in enumerate(zip(self.prompts, self.spans)) if end >= p.numel()]
+
+    @property
+    def lens(self) -> list[int]:
+        return [end - start for start, end in self.spans]
+
+
+@dataclass(eq=False)
+class MixedInputs:
+    """A mixed step's packed inputs, on the host but for the group's tokens."""
+
+    group_tokens: torch.Tensor   # [n] the group's last tokens, on the device
+    new_ids: torch.Tensor        # [k] the new rows' chunks, packed
+    positions: torch.Tensor      # [n + k]
+    query_start: torch.Tensor    # [n + m + 1]
+    context_lens: torch.Tensor   # [n + m] tokens each row has cached
+    block_tables: torch.Tensor   # [n + m, P]
+    logits_index: torch.Tensor   # [n + ended] the group's tokens, then each ending new row's last
+
+    @property
+    def rows(self) -> int:
+        return self.context_lens.numel()
+
+
+def mixed_inputs(group: LoopGroup, sl: slice, new: NewRows) -> MixedInputs:
+    """The packed inputs of a step of rows `sl` of `group` with `new`'s chunks."""
+    n = sl.stop - sl.start
+    lens = torch.tensor(new.lens, dtype=torch.long)
+    ctx_new = torch.tensor([r.kv_len for r in new.kv], dtype=torch.long)
+    new_ids = torch.cat([p.reshape(-1)[start:end] for p, (start, end) in zip(new.prompts, new.spans)]).long()
+    new_pos = torch.cat([torch.arange(c, c + k) for c, k in zip(ctx_new.tolist(), new.lens)])
+    ends = torch.cumsum(lens, 0)
+    query_start = torch.cat([torch.arange(n + 1), n + ends])
+    width = max(group.block_table.shape[1], max(len(r.pages) for r in new.kv))
+    tables = torch.zeros(n + len(new.kv), width, dtype=torch.long)
+    tables[:n, :group.block_table.shape[1]] = group.block_table[sl]
+    for i, r in enumerate(new.kv):
+        tables[n + i, :len(r.pages)] = torch.tensor(r.pages, dtype=torch.long)
+    logits_index = torch.cat([torch.arange(n), n + ends[new.ends] - 1])
+    return MixedInputs(group_tokens=group.tokens[sl], new_ids=new_ids,
+                       positions=torch.cat([group.positions(sl), new_pos]), query_start=query_start,
+                       context_lens=torch.cat([group.kv_lens[sl], ctx_new]), block_tables=tables,
+                       logits_index=logits_index)

@@ -1,0 +1,203 @@
+"""Mixed steps: new rows' prompt tokens ride in a running decode group's step
+(one forward over ragged rows) instead of a prefill step of their own. The
+scheduler's choice of what rides along, and outputs equal to unmixed steps
+(greedy, seeded, with a repetition penalty, with logprobs, chunked, cached)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from tiny_llama import save_tiny_llama
+from mstar.config import EngineConfig, SchedulerConfig
+from mstar.engine.engine import Engine
+from mstar.engine.execution.runner import ComponentRunner
+from mstar.graph import Component
+from mstar.scheduler import ModeCaps, PagePool, Scheduler, WorkItem
+from mstar.scheduler.scheduler import MIXED_ROWS
+from mstar.types import GenerateRequest, SamplingParams
+
+pytest.importorskip("transformers")
+
+VOCAB = 384
+DECODE = ("llm", "decode")
+
+
+class _Group:
+    def __init__(self, rows: int, mixes: bool = True) -> None:
+        self.ticket = -1
+        self.rows = rows
+        self.mixes = mixes
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def short_of_pages(self, page_size: int) -> list[int]:
+        return []
+
+    def pages(self, row: int) -> list[int]:
+        return []
+
+
+def _sched(max_tokens: int = 32, mix: bool = True, mixes: bool = True, rows: int = 3) -> tuple[Scheduler, PagePool]:
+    pool = PagePool(64, 4)
+    caps = {("llm", "prefill"): ModeCaps(8, max_tokens), DECODE: ModeCaps(8, max_tokens)}
+    sched = Scheduler(caps, {"llm": pool}, mix={"llm": frozenset({"prefill", "decode"})} if mix else None)
+    sched.add_group(DECODE, _Group(rows, mixes))
+    return sched, pool
+
+
+def _prompt(rid: str, n: int, pool: PagePool, chunkable: bool = True) -> WorkItem:
+    return WorkItem(rid, "main", "llm", "prefill", num_tokens=n, pages_needed=pool.pages_for(n), starts_row=True,
+                    chunkable=chunkable)
+
+
+def test_a_group_step_takes_waiting_prompts_in_the_room_its_rows_leave() -> None:
+    sched, pool = _sched(32)
+    first = sched.schedule()  # the group's ticket is older than any prompt's
+    assert first.group is not None and first.items == []
+    a, b = _prompt("a", 20, pool), _prompt("b", 30, pool)
+    sched.add(a)
+    sched.add(b)
+    plan = sched.schedule()
+    assert plan.group is not None and plan.rows == slice(0, 3)
+    assert plan.items == [a, b] and (a.chunk, b.chunk) == (20, 9)  # 32 tokens: 3 rows, 20, the 9 left
+    assert b.partial and len(a.granted) == 5 and len(b.granted) == 8
+    assert sched.running["llm"] == 2
+
+
+def test_prompts_ride_along_only_where_they_and_the_group_may() -> None:
+    for kwargs in ({"mix": False}, {"mixes": False}):
+        sched, pool = _sched(**kwargs)
+        sched.schedule()
+        sched.add(_prompt("a", 5, pool))
+        plan = sched.schedule()
+        assert plan.group is not None and plan.items == []  # the prompt waits for a step of its own
+        assert sched.schedule().items[0].request_id == "a"
+    sched, pool = _sched()
+    sched.schedule()
+    sched.add(_prompt("rigid", 5, pool, chunkable=False))  # a signed mode's prompt runs whole, on its own
+    assert sched.schedule().items == []
+    sched, pool = _sched(max_tokens=3, rows=3)  # no room beside the rows
+    sched.schedule()
+    sched.add(_prompt("a", 5, pool))
+    assert sched.schedule().items == []
+
+
+def test_a_mixed_step_takes_at_most_MIXED_ROWS_new_rows() -> None:
+    sched, pool = _sched(1024)
+    sched.schedule()
+    for i in range(MIXED_ROWS + 2):
+        sched.add(_prompt(f"p{i}", 3, pool))
+    assert len(sched.schedule().items) == MIXED_ROWS
+
+
+def test_a_component_may_keep_modes_apart() -> None:
+    assert Component(("prefill", "decode"), kv_cache=True, samples=True, apart=("prefill",)).apart == ("prefill",)
+    with pytest.raises(ValueError, match="apart"):
+        Component(("prefill", "decode"), apart=("score",))
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("llama_mixed"), VOCAB)
+
+
+PARAMS = [SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2),
+          SamplingParams(max_tokens=12, temperature=0.9, seed=3, repetition_penalty=1.3, ignore_eos=True),
+          SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)]
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(11)
+    shared = [1] + [rng.randrange(3, VOCAB) for _ in range(40)]
+    return [shared + [rng.randrange(3, VOCAB) for _ in range(n)] for n in (3, 17, 60)] + [[1, 7]]
+
+
+async def _run(eng: Engine, rid: str, prompt: list[int], sp: SamplingParams) -> tuple[list[int], list[float]]:
+    toks, lps = [], []
+    async for chunk in eng.submit(GenerateRequest(rid, eng.model_name, {"prompt_ids": prompt}, sp)):
+        assert chunk.error is None, chunk.error
+        toks.extend(chunk.token_ids)
+        lps.extend(lp.logprob for lp in chunk.logprobs or [])
+    return toks, lps
+
+
+async def _outputs(folder: Path, mixed: bool, budget: int, caching: bool, device: str
+                   ) -> tuple[list[tuple[list[int], list[float]]], int]:
+    """Outputs of requests that arrive one after another while a long one
+    decodes, and how many steps carried new rows."""
+    mixed_steps = 0
+    run_group = ComponentRunner.run_group
+
+    def counting(self, group, sl, fed=None, new=None):
+        nonlocal mixed_steps
+        mixed_steps += new is not None
+        return run_group(self, group, sl, fed, new)
+
+    eng = Engine(EngineConfig(model=str(folder), devices=(device,), dtype="float32", scheduler=SchedulerConfig(
+        page_size=4, num_pages=512, max_num_batched_tokens=budget, prefix_caching=caching, mixed_steps=mixed)))
+    await eng.start()
+    try:
+        ComponentRunner.run_group = counting
+        running = asyncio.ensure_future(_run(eng, "running", [1, 5, 9], SamplingParams(
+            max_tokens=200, temperature=0.0, ignore_eos=True)))
+        tasks = []
+        for i, prompt in enumerate(_prompts()):
+            for j, sp in enumerate(PARAMS):
+                await asyncio.sleep(0.005)
+                tasks.append(asyncio.ensure_future(_run(eng, f"r{i}{j}", prompt, sp)))
+        outs = await asyncio.gather(*tasks)
+        return [await running, *outs], mixed_steps
+    finally:
+        ComponentRunner.run_group = run_group
+        await eng.shutdown()
+
+
+def _same(a: list[tuple[list[int], list[float]]], b: list[tuple[list[int], list[float]]]) -> None:
+    assert [t for t, _ in a] == [t for t, _ in b]
+    for (_, x), (_, y) in zip(a, b):
+        assert x == pytest.approx(y, abs=1e-4)
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda:0"] if torch.cuda.is_available() else []))
+async def test_outputs_are_the_same_mixed_or_not(hf_folder: Path, device: str) -> None:
+    alone, none = await _outputs(hf_folder, False, 8192, False, device)
+    assert none == 0
+    mixed, steps = await _outputs(hf_folder, True, 8192, False, device)
+    assert steps > 0
+    _same(mixed, alone)
+    chunked, steps = await _outputs(hf_folder, True, 24, True, device)  # chunks of a prompt in several steps
+    assert steps > 0
+    _same(chunked, alone)
+
+
+async def test_no_pages_leak_from_mixed_steps_with_aborts(hf_folder: Path) -> None:
+    eng = Engine(EngineConfig(model=str(hf_folder), scheduler=SchedulerConfig(
+        page_size=4, num_pages=512, max_num_batched_tokens=32, prefix_caching=False)))
+    await eng.start()
+    try:
+        running = asyncio.ensure_future(_run(eng, "running", [1, 5, 9], SamplingParams(
+            max_tokens=300, ignore_eos=True)))
+        tasks = []
+        for i, prompt in enumerate(_prompts() * 2):
+            await asyncio.sleep(0.003)
+            tasks.append(asyncio.ensure_future(_run(eng, f"r{i}", prompt, SamplingParams(
+                max_tokens=20, ignore_eos=True))))
+            if i % 3 == 1:
+                await asyncio.sleep(0.002)
+                eng.abort(f"r{i}")
+        await asyncio.gather(*tasks, return_exceptions=True)
+        eng.abort("running")
+        await asyncio.gather(running, return_exceptions=True)
+        for _ in range(200):
+            if eng.pages_in_use() == 0 and len(eng.store) == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert eng.pages_in_use() == 0 and len(eng.store) == 0
+    finally:
+        await eng.shutdown()
