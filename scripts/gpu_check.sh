@@ -25,9 +25,10 @@
 #   scripts/gpu_check.sh compare    the decode step and host time per step of this tree against an older one,
 #                                   base then new, twice: $BASE is a copy of the older tree (carried; see
 #                                   scripts/base_tree.sh), $BASE_COMMIT its commit
-#   scripts/gpu_check.sh scheduler  prefix cache and chunked prefill GPU tests, then scripts/bench_scheduler.py
-#                                   (64 Orpheus streams; arrivals every 100 ms; a 4,000-token prompt), at the
-#                                   default step budget and at --max-num-batched-tokens 1024
+#   scripts/gpu_check.sh scheduler  mixed-step, prefix cache and chunked prefill GPU tests, then
+#                                   scripts/bench_scheduler.py (64 Orpheus streams; arrivals every 100 ms; a
+#                                   4,000-token prompt) labelled $SCHED_LABEL (default $MSTAR_COMMIT); with
+#                                   $SCHED_UNMIXED set, again with --no-mixed-steps
 #   scripts/gpu_check.sh omni-bench only that benchmark
 #   scripts/gpu_check.sh omni-profile  where a spoken answer's step time goes, by component and by kernel
 #                                   (scripts/profile_omni.py; $OMNI_PROFILE_ARGS replaces its flags)
@@ -73,7 +74,7 @@ if [[ $what == tests || $what == all ]]; then
   tests=$(ls tests/test_kernels_gpu.py tests/test_flashinfer_attention.py tests/test_paged_layout.py \
             tests/test_gpu_engine.py tests/test_llama_parity_model.py tests/test_paged_attention.py \
             tests/test_orpheus_gpu.py tests/test_logprobs_gpu.py tests/test_decode_graphs_gpu.py tests/test_prefix_cache.py \
-            2>/dev/null)
+            tests/test_mixed_graphs_gpu.py tests/test_mixed_steps.py 2>/dev/null)
   timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider -o timeout=250 $tests > "$OUT/gpu_tests.txt" 2>&1
   rc=$?
   # the toys' runtime paths on CUDA (their CPU cases run in CI)
@@ -200,14 +201,19 @@ if [[ $what == omni ]]; then
   timeout ${OMNI_TIMEOUT:-420} python3 scripts/bench_omni.py ${OMNI_ARGS:-} --out "$OUT/omni.json" 2>&1 \
       | grep -v "\[info" | tee "$OUT/bench_omni.txt" | tail -20
 fi
-if [[ $what == scheduler ]]; then  # prefix cache and chunked prefill on CUDA, then what admissions cost Orpheus streams
-  timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider -k cuda tests/test_prefix_cache.py \
-      tests/test_chunked_prefill.py > "$OUT/scheduler_tests.txt" 2>&1
+if [[ $what == scheduler ]]; then  # mixed steps, prefix cache and chunked prefill on CUDA, then what admissions cost
+  timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_mixed_graphs_gpu.py > "$OUT/scheduler_tests.txt" 2>&1
   rc=$?
-  tail -3 "$OUT/scheduler_tests.txt"
-  timeout 240 python3 scripts/bench_scheduler.py --label default --out "$OUT/scheduler.json" 2>&1 | tail -30
-  timeout 240 python3 scripts/bench_scheduler.py --label budget_1024 --server-args "--max-num-batched-tokens 1024" \
+  timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider -k cuda tests/test_prefix_cache.py \
+      tests/test_chunked_prefill.py tests/test_mixed_steps.py >> "$OUT/scheduler_tests.txt" 2>&1 || rc=1
+  tail -8 "$OUT/scheduler_tests.txt"
+  label=${SCHED_LABEL:-${MSTAR_COMMIT:-local}}
+  timeout 240 python3 scripts/bench_scheduler.py --label "$label" --short-tokens 140 --metrics-dir "$OUT" \
       --out "$OUT/scheduler.json" 2>&1 | tail -30
+  if [[ -n ${SCHED_UNMIXED:-} ]]; then  # the same without mixed steps, in the same call
+    timeout 240 python3 scripts/bench_scheduler.py --label "${label}_unmixed" --short-tokens 140 \
+        --server-args "--no-mixed-steps" --out "$OUT/scheduler.json" 2>&1 | tail -30
+  fi
 fi
 if [[ $what == omni-bench ]]; then
   timeout ${OMNI_TIMEOUT:-420} python3 scripts/bench_omni.py ${OMNI_ARGS:-} --out "$OUT/omni.json" 2>&1 \

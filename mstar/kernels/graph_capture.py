@@ -18,19 +18,21 @@ import torch
 from tqdm import tqdm
 
 T = TypeVar("T")
+K = TypeVar("K", int, tuple[int, int])
 
 _CAPTURING = threading.Lock()
 
 
 @torch.inference_mode()
-def capture_buckets(device: torch.device, buckets: Iterable[int], prepare: Callable[[int], Any],
-                    step: Callable[[int, Any], T], desc: str,
-                    show_progress: bool = True) -> dict[int, tuple[torch.cuda.CUDAGraph, T]]:
-    """For each bucket b, largest first, sharing one memory pool: `prepare(b)`
+def capture_buckets(device: torch.device, buckets: Iterable[K], prepare: Callable[[K], Any],
+                    step: Callable[[K, Any], T], desc: str,
+                    show_progress: bool = True) -> dict[K, tuple[torch.cuda.CUDAGraph, T]]:
+    """For each bucket b (a batch size, or a tuple of sizes), largest first,
+    sharing one memory pool: `prepare(b)`
     (planning, on the capture stream), two warm-up calls of `step(b, prepared)`
     (lazy inits and kernel compiles stay out of the graph), then the captured
     call. Returns b -> (graph, what the captured call returned)."""
-    out: dict[int, tuple[torch.cuda.CUDAGraph, T]] = {}
+    out: dict[K, tuple[torch.cuda.CUDAGraph, T]] = {}
     with _CAPTURING:
         pool = None
         stream = torch.cuda.Stream(device)

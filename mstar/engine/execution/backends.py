@@ -3,8 +3,9 @@
 The torch reference (`TorchPagedAttention`) runs everywhere and is the oracle;
 FlashInfer serves CUDA devices when it is installed. Decode steps replay CUDA
 graphs when the backend can plan into static buffers and graphs are not
-switched off; so do the plain modes whose row shapes the model declares, and
-the KV modes declared `graph=True` that it gives row shapes for.
+switched off; so do mixed steps (a decode group's rows with new rows' prompt
+tokens) that fit a bucket, the plain modes whose row shapes the model
+declares, and the KV modes declared `graph=True` that it gives row shapes for.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from mstar.engine.memory.attention import TorchPagedAttention
 from mstar.engine.execution.cuda_graphs import DecodeGraphs
 from mstar.engine.memory.kv_cache import KVCache
 from mstar.engine.execution.kv_mode_graphs import KVModeGraphs
+from mstar.engine.execution.mixed_graphs import MIXED_TOKEN_BUCKETS, MixedGraphs
 from mstar.engine.execution.mode_graphs import ModeGraphs
 from mstar.errors import ConfigError
 from mstar.graph import Component
 from mstar.models.base import Model
+from mstar.scheduler.scheduler import MIXED_ROWS
 from mstar.types import AttentionContext, TokenBatch
 
 log = structlog.get_logger("mstar.backends")
@@ -49,7 +52,8 @@ class TorchBackend:
 
 
 def attention_backend(cache: KVCache, num_q_heads: int, max_pages_per_row: int,
-                      config: EngineConfig) -> AttentionBackend:
+                      config: EngineConfig, mixed: bool = False) -> AttentionBackend:
+    """`mixed`: plan CUDA-graph mixed steps too (`mixed_graphs.py`)."""
     choice = config.attention_backend
     if choice == "torch" or (choice == "auto" and cache.device.type != "cuda"):
         return TorchBackend(cache)
@@ -79,7 +83,10 @@ def attention_backend(cache: KVCache, num_q_heads: int, max_pages_per_row: int,
                  head_dim=cache.spec.head_dim)
         return TorchBackend(cache)
     buckets = () if config.enforce_eager else config.cuda_graph_batch_sizes
-    return FlashInferAttention(cache, num_q_heads, graph_batch_sizes=buckets, max_pages_per_row=max_pages_per_row)
+    mixed = mixed and bool(buckets)
+    return FlashInferAttention(cache, num_q_heads, graph_batch_sizes=buckets, max_pages_per_row=max_pages_per_row,
+                               mixed_tokens=MIXED_TOKEN_BUCKETS if mixed else (),
+                               mixed_rows=MIXED_ROWS if mixed else 0)
 
 
 def decode_graphs(step: Callable[[TokenBatch], dict[str, torch.Tensor]], backend: AttentionBackend,
@@ -89,6 +96,17 @@ def decode_graphs(step: Callable[[TokenBatch], dict[str, torch.Tensor]], backend
     if config.enforce_eager or device.type != "cuda" or not hasattr(backend, "plan_graph"):
         return None
     graphs = DecodeGraphs(step, backend, config.cuda_graph_batch_sizes, device, outputs, axes)
+    graphs.capture()
+    return graphs
+
+
+def mixed_graphs(step: Callable[[TokenBatch], dict[str, torch.Tensor]], backend: AttentionBackend,
+                 decode: DecodeGraphs | None, device: torch.device) -> MixedGraphs | None:
+    """Captured mixed-step graphs, where the backend plans them (beside the
+    decode graphs, whose staging fence they share)."""
+    if decode is None or not getattr(backend, "mixed_graph_buckets", None):
+        return None
+    graphs = MixedGraphs(step, backend, device, decode.fence)  # type: ignore[arg-type]
     graphs.capture()
     return graphs
 

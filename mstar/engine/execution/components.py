@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from mstar.config import EngineConfig
-from mstar.engine.execution.backends import attention_backend, decode_graphs, kv_mode_graphs, mode_graphs
+from mstar.engine.execution.backends import (attention_backend, decode_graphs, kv_mode_graphs, mixed_graphs,
+                                             mode_graphs)
 from mstar.engine.memory.kv_cache import KVCache
 from mstar.engine.memory.sizing import kv_cache_log_fields, kv_cache_pages
 from mstar.engine.memory.state_slots import StatePool
@@ -92,15 +93,20 @@ def _runner(model: Model, name: str, module: nn.Module, device: torch.device, dt
     kv = KVCache(kvspec, num_pages, cfg.page_size, device, dtype)
     log.info("kv cache", device=str(device), component=name,
              **kv_cache_log_fields(num_pages, cfg.page_size, kvspec, dtype))
-    attention = attention_backend(kv, kvspec.num_q_heads, need, config)
     # decode graphs take no per-row state yet: a component with state decodes eagerly
     outputs = graph_outputs(spec, "decode") if spec.samples and not spec.state and hasattr(module, "decode") else None
+    # mixed steps' graphs: decode steps that keep only logits, of one position axis (`LoopGroup.mixes`)
+    mixes = cfg.mixed_steps and outputs == ("logits",) and spec.position_axes == 1
+    attention = attention_backend(kv, kvspec.num_q_heads, need, config, mixed=mixes)
     graphs = decode_graphs(module.decode, attention, device, config, outputs, spec.position_axes) \
         if outputs is not None else None
+    mixed = mixed_graphs(module.decode, attention, graphs, device) if mixes else None
     by_mode = kv_mode_graphs(model, name, spec, module, attention, device, config)
     log.info("attention", device=str(device), component=name, backend=type(attention).__name__,
              cuda_graphs=graphs.buckets if graphs is not None else None,
+             mixed_graphs=len(mixed.buckets) if mixed is not None else None,
              mode_graphs={m: g.buckets for m, g in by_mode.items()} or None)
     runner = ComponentRunner(name, spec, module, device, store, kv, attention, graphs, state=state,
                              kv_graphs=by_mode)
+    runner.mixed_graphs = mixed
     return runner, PagePool(num_pages, cfg.page_size)

@@ -53,6 +53,7 @@ class MixedInputs:
     context_lens: torch.Tensor   # [n + m] tokens each row has cached
     block_tables: torch.Tensor   # [n + m, P]
     logits_index: torch.Tensor   # [n + ended] the group's tokens, then each ending new row's last
+    ends: list[int]              # the new rows whose prompt ends at this step
 
     @property
     def rows(self) -> int:
@@ -77,4 +78,4 @@ def mixed_inputs(group: LoopGroup, sl: slice, new: NewRows) -> MixedInputs:
     return MixedInputs(group_tokens=group.tokens[sl], new_ids=new_ids,
                        positions=torch.cat([group.positions(sl), new_pos]), query_start=query_start,
                        context_lens=torch.cat([group.kv_lens[sl], ctx_new]), block_tables=tables,
-                       logits_index=logits_index)
+                       logits_index=logits_index, ends=new.ends)

@@ -14,7 +14,12 @@ into the layer's pages at the new tokens' slots (one fused kernel,
 built with `use_cuda_graph=True` over static device buffers (slot mapping,
 kv_indptr, kv_indices, kv_last_page_len), refilled and re-planned before
 every replay; its context touches only those buffers, so one context object
-serves the capture and every replay.
+serves the capture and every replay. `plan_mixed_graph` serves CUDA-graph
+mixed steps (a decode bucket's rows, then a few new rows' prompt tokens at a
+padded token count): the decode rows attend through their bucket's decode
+wrapper, the new rows through a graph-mode paged-prefill wrapper of the token
+count, whose work split FlashInfer fixes by the bucket (its rows and total
+tokens), so any split of the tokens over the rows replays.
 
 All wrappers share one float workspace: they run one after another in stream
 order (a component's decode groups run on a stream of their own, which waits
@@ -99,6 +104,50 @@ class FlashInferContext(PagedDest):
         return out.to(q.dtype)
 
 
+class MixedContext(FlashInferContext):
+    """A mixed step's context: its first `split` tokens (one per decode row)
+    attend through a decode wrapper, the rest (new rows' prompt tokens)
+    through a paged-prefill one; the new keys of both go into the pages in
+    one pass."""
+
+    def __init__(self, cache: KVCache, decode: Any, prefill: Any, slot_mapping: torch.Tensor, split: int) -> None:
+        super().__init__(cache, decode, slot_mapping, slot_mapping.numel())
+        self.prefill = prefill
+        self.split = split
+
+    def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
+        k_pages, v_pages = self.cache.layer(layer)
+        q_scale = scale * math.sqrt(q.shape[-1])
+        q = q.to(k_pages.dtype).contiguous()
+        out = torch.empty_like(q)
+        self.wrapper.run(q[:self.split], (k_pages, v_pages), q_scale=q_scale, out=out[:self.split])
+        self.prefill.run(q[self.split:], (k_pages, v_pages), q_scale=q_scale, out=out[self.split:])
+        return out
+
+
+class _PrefillBucket:
+    """The new rows' half of mixed-step graphs of `tokens` new tokens: a
+    graph-mode paged-prefill wrapper over `rows` new rows and a padding row,
+    with its static buffers and page-locked staging."""
+
+    def __init__(self, owner: FlashInferAttention, tokens: int, rows: int, max_pages_per_row: int) -> None:
+        dev = owner.cache.device
+        self.tokens, self.rows = tokens, rows
+        self.max_pages = rows * max_pages_per_row + -(-tokens // owner.cache.page_size)
+        n = rows + 1
+        i32 = dict(dtype=torch.int32, device=dev)
+        self.qo_indptr, self.kv_indptr = torch.zeros(n + 1, **i32), torch.zeros(n + 1, **i32)
+        self.kv_indices, self.kv_last_page_len = torch.zeros(self.max_pages, **i32), torch.zeros(n, **i32)
+        self.indices_stage = torch.zeros(self.max_pages, **i32)
+        pin = dict(dtype=torch.int32, pin_memory=True)
+        self.pinned_qo, self.pinned_indptr = torch.empty(n + 1, **pin), torch.empty(n + 1, **pin)
+        self.pinned_last, self.pinned_indices = torch.empty(n, **pin), torch.empty(self.max_pages, **pin)
+        self.wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            owner.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=self.qo_indptr,
+            paged_kv_indptr_buf=self.kv_indptr, paged_kv_indices_buf=self.kv_indices,
+            paged_kv_last_page_len_buf=self.kv_last_page_len, backend=PREFILL_BACKEND)
+
+
 class _GraphBucket:
     """Static buffers, a CUDA-graph wrapper and the one context of a batch size."""
 
@@ -136,7 +185,10 @@ class FlashInferAttention:
 
     def __init__(self, cache: KVCache, num_qo_heads: int, *, graph_batch_sizes: Sequence[int] = (),
                  max_pages_per_row: int, workspace_bytes: int = 256 << 20,
-                 decode_tensor_cores: bool = DECODE_TENSOR_CORES) -> None:
+                 decode_tensor_cores: bool = DECODE_TENSOR_CORES, mixed_tokens: Sequence[int] = (),
+                 mixed_rows: int = 0) -> None:
+        """`mixed_tokens`, `mixed_rows`: the new tokens and most new rows of
+        the mixed-step graphs (`plan_mixed_graph`), beside each decode bucket."""
         if cache.device.type != "cuda":
             raise ConfigError(f"FlashInfer attention needs a CUDA device, the KV cache is on {cache.device}")
         if num_qo_heads < 1 or num_qo_heads % cache.spec.num_kv_heads:
@@ -155,6 +207,13 @@ class FlashInferAttention:
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
                                                                      use_tensor_cores=decode_tensor_cores)
         self._buckets = {b: _GraphBucket(self, b, max_pages_per_row) for b in sorted(set(graph_batch_sizes))}
+        self.mixed_rows = mixed_rows
+        self._prefills = {t: _PrefillBucket(self, t, mixed_rows, max_pages_per_row)
+                          for t in sorted(set(mixed_tokens))} if mixed_rows and self._buckets else {}
+        top = max(self._buckets, default=0) + max(self._prefills, default=0)
+        self._mixed_slots = torch.zeros(top, dtype=torch.long, device=cache.device)
+        self._pinned_mixed_slots = torch.empty(top, dtype=torch.long, pin_memory=True)
+        self._mixed: dict[tuple[int, int], MixedContext] = {}
 
     def _plan_decode(self, wrapper: Any, layout: PagedLayout) -> None:
         wrapper.plan(layout.kv_indptr, layout.kv_indices, layout.kv_last_page_len, *self._dims, **self._dtypes)
@@ -187,6 +246,10 @@ class FlashInferAttention:
         if bucket is None:
             raise ValueError(f"no CUDA-graph bucket of batch size {batch_size} (have {self.graph_batch_sizes})")
         layout = decode_bucket(batch_size, context_lens, block_tables, self.cache.page_size, self.cache.scratch_page)
+        self._plan_bucket(bucket, layout)
+        return bucket.context
+
+    def _plan_bucket(self, bucket: _GraphBucket, layout: PagedLayout) -> None:
         widest = int((layout.kv_indptr[1:] - layout.kv_indptr[:-1]).max())
         if widest > self.max_pages_per_row:
             raise ValueError(f"a row needs {widest} pages, graph buckets hold {self.max_pages_per_row} a row")
@@ -201,4 +264,58 @@ class FlashInferAttention:
         bucket.indices_stage[:n].copy_(bucket.pinned_indices[:n], non_blocking=True)
         bucket.wrapper.plan(bucket.pinned_indptr, bucket.indices_stage[:n], bucket.pinned_last, *self._dims,
                             non_blocking=True, **self._dtypes)
-        return bucket.context
+
+    @property
+    def mixed_graph_buckets(self) -> list[tuple[int, int]]:
+        """(decode rows, new tokens) of every mixed-step graph this backend plans."""
+        return [(b, t) for b in self._buckets for t in self._prefills]
+
+    def plan_mixed_graph(self, batch_size: int, tokens: int, context_lens: torch.Tensor, block_tables: torch.Tensor,
+                         new_query_start: torch.Tensor, new_context_lens: torch.Tensor,
+                         new_tables: torch.Tensor) -> MixedContext:
+        """Plan mixed bucket (`batch_size` decode rows, `tokens` new tokens):
+        n decode rows (`context_lens` [n], `block_tables` [n, P]) padded as
+        `plan_graph` pads them, then m <= `mixed_rows` new rows
+        (`new_query_start` [m + 1] from 0, `new_context_lens`, `new_tables`
+        [m, P']); unused new-row slots take one token each and a last row
+        the tokens left (at least one), all on the scratch page. The step's
+        packed tokens: the bucket's decode rows, then the new rows'. Returns
+        the bucket's one context."""
+        bucket, pre = self._buckets[batch_size], self._prefills[tokens]
+        page, scratch = self.cache.page_size, self.cache.scratch_page
+        dec = decode_bucket(batch_size, context_lens, block_tables, page, scratch)
+        self._plan_bucket(bucket, dec)
+        lens = (new_query_start[1:] - new_query_start[:-1]).tolist()
+        m = len(lens)
+        spare = tokens - sum(lens) - (pre.rows - m)
+        if m > pre.rows or spare < 1:
+            raise ValueError(f"{m} new rows of {sum(lens)} tokens do not fit a mixed bucket of {tokens}")
+        q_lens = lens + [1] * (pre.rows - m) + [spare]
+        query_start = torch.zeros(pre.rows + 2, dtype=torch.long)
+        query_start[1:] = torch.cumsum(torch.tensor(q_lens, dtype=torch.long), 0)
+        width = max(new_tables.shape[1] if m else 1, -(-spare // page))
+        tables = torch.full((pre.rows + 1, width), scratch, dtype=torch.long)
+        if m:
+            tables[:m, :new_tables.shape[1]] = new_tables
+        ctx = torch.zeros(pre.rows + 1, dtype=torch.long)
+        ctx[:m] = new_context_lens
+        lay = build_layout(query_start, ctx, tables, page, scratch)
+        k = lay.kv_indices.numel()
+        if k > pre.max_pages:
+            raise ValueError(f"new rows need {k} pages, the mixed bucket holds {pre.max_pages}")
+        pre.pinned_qo.copy_(lay.qo_indptr)
+        pre.pinned_indptr.copy_(lay.kv_indptr)
+        pre.pinned_last.copy_(lay.kv_last_page_len)
+        pre.pinned_indices[:k].copy_(lay.kv_indices)
+        pre.indices_stage[:k].copy_(pre.pinned_indices[:k], non_blocking=True)
+        pre.wrapper.plan(pre.pinned_qo, pre.pinned_indptr, pre.indices_stage[:k], pre.pinned_last, *self._dims,
+                         causal=True, non_blocking=True, **self._dtypes)
+        total = batch_size + tokens
+        self._pinned_mixed_slots[:batch_size].copy_(dec.slot_mapping)
+        self._pinned_mixed_slots[batch_size:total].copy_(lay.slot_mapping)
+        self._mixed_slots[:total].copy_(self._pinned_mixed_slots[:total], non_blocking=True)
+        ctx_obj = self._mixed.get((batch_size, tokens))
+        if ctx_obj is None:
+            ctx_obj = self._mixed[(batch_size, tokens)] = MixedContext(
+                self.cache, bucket.wrapper, pre.wrapper, self._mixed_slots[:total], batch_size)
+        return ctx_obj
