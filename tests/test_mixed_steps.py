@@ -152,6 +152,9 @@ async def _outputs(folder: Path, mixed: bool, budget: int, caching: bool, device
                 await asyncio.sleep(0.005)
                 tasks.append(asyncio.ensure_future(_run(eng, f"r{i}{j}", prompt, sp)))
         outs = await asyncio.gather(*tasks)
+        stats = eng.workers[0].stats
+        assert stats.mixed_steps == mixed_steps and stats.mixed_graph_steps == 0  # no graphs here
+        assert stats.mixed_rows >= mixed_steps
         return [await running, *outs], mixed_steps
     finally:
         ComponentRunner.run_group = run_group

@@ -12,12 +12,14 @@ from mstar.engine.engine import Engine
 from mstar.types import GenerateRequest, SamplingParams
 
 
-def save_tiny_llama(folder: Path, vocab: int = 384, layers: int = 3, max_positions: int = 512) -> Path:
+def save_tiny_llama(folder: Path, vocab: int = 384, layers: int = 3, max_positions: int = 512,
+                    hidden: int = 64) -> Path:
+    """`hidden`: 64 gives heads of 16; 256 heads of 64, which FlashInfer's kernels take."""
     import transformers
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=160, num_hidden_layers=layers,
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=160, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
     model = transformers.LlamaForCausalLM(cfg)

@@ -165,9 +165,17 @@ class EngineMetrics:
                     if getattr(w, "arena", None) is not None]),
             family("mstar_worker_seconds_total", "counter",
                    "A worker thread's time in decode group steps, by phase: launch (planning, graph replay, "
-                   "bookkeeping), finalize (stop rules, emits, routing), wait (blocked on the device).",
+                   "bookkeeping), finalize (stop rules, emits, routing), wait (blocked on the device), mixed "
+                   "(reading and routing the new rows of mixed steps, a wait for their step included).",
                    [((("device", w.name), ("phase", ph)), getattr(w.stats, f"{ph}_s")) for w in workers
-                    for ph in ("launch", "finalize", "wait")]),
+                    for ph in ("launch", "finalize", "wait", "mixed")]),
+            family("mstar_mixed_steps_total", "counter",
+                   "Decode group steps that took new rows' prompt tokens in, eager or as a CUDA graph.",
+                   [((("device", w.name), ("graph", g)), n) for w in workers
+                    for g, n in (("0", w.stats.mixed_steps - w.stats.mixed_graph_steps),
+                                 ("1", w.stats.mixed_graph_steps))]),
+            family("mstar_mixed_rows_total", "counter", "New rows that mixed steps took in.",
+                   [((("device", w.name),), w.stats.mixed_rows) for w in workers]),
             family("mstar_worker_steps_total", "counter", "Steps a worker ran.",
                    [((("device", w.name),), w.stats.steps) for w in workers]),
             family("mstar_event_loop_lag_seconds", "histogram",

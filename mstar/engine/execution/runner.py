@@ -84,6 +84,7 @@ class ComponentRunner:
         self.mode_graphs = mode_graphs or {}
         self.kv_graphs = kv_graphs or {}
         self.mixed_graphs = None  # graphs of mixed steps, where captured
+        self.mixed_replayed = False  # the last mixed step replayed one
         self.device_s = 0.0
         self._cuda = device.type == "cuda"
         self._takes_seeds: dict[str, bool] = {}  # by mode
@@ -363,11 +364,13 @@ class ComponentRunner:
         new rows whose prompt ends at this step."""
         assert self.attention is not None
         m = mixed_inputs(group, sl, new)
+        self.mixed_replayed = False
         if self.mixed_graphs is not None:
             with torch.profiler.record_function("mstar.replay"):
                 replayed = self.mixed_graphs.run(m)
             if replayed is not None:
                 self.device_s += self.mixed_graphs.fence.wait_s
+                self.mixed_replayed = True
                 return replayed
         batch = TokenBatch(
             input_ids=torch.cat([m.group_tokens, to_device(m.new_ids, self.device)]),

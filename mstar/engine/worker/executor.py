@@ -46,6 +46,10 @@ class WorkerStats:
     launch_s: float = 0.0     # planning, graph replay, sampling launch, group bookkeeping
     finalize_s: float = 0.0   # reading the previous step: stop rules, emits, routing
     failed_steps: int = 0
+    mixed_steps: int = 0       # group steps that took new rows' prompt tokens in
+    mixed_graph_steps: int = 0  # of those, replayed as CUDA graphs
+    mixed_rows: int = 0        # new rows those steps took in
+    mixed_s: float = 0.0       # reading the new rows' tokens (a wait for their step) and routing them
 
 
 class Executor:
@@ -348,7 +352,11 @@ class Executor:
                 mixed = None
             else:
                 self.stats.steps += 1
-                self.stats.rows += n + (len(mixed.items) if mixed else 0)
+                self.stats.rows += n
+                if mixed is not None:
+                    self.stats.mixed_steps += 1
+                    self.stats.mixed_graph_steps += runner.mixed_replayed
+                    self.stats.mixed_rows += len(mixed.items)
         t1 = time.perf_counter()
         # on CUDA the runner only waited for the previous step's inputs to land;
         # on the CPU it computed (synchronously) for that long
@@ -364,10 +372,12 @@ class Executor:
         else:
             self._inflight.pop(group, None)
         if mixed is not None:  # after the previous step's host work: reading these waits for this step
+            t2 = time.perf_counter()
             outputs = mixed.outputs()
             self._chunked(mixed.items, mixed.inputs)
             for out in outputs:
                 self._route(out, sampled=True)
+            self.stats.mixed_s += time.perf_counter() - t2
         now = time.perf_counter()
         r = self.report
         r.component, r.mode, r.rows = group.component, group.mode, n + (len(mixed.items) if mixed else 0)
