@@ -12,6 +12,7 @@ and the top CUDA kernels. A short warm-up level runs first, uncounted.
 
     python scripts/profile_tts.py --concurrency 1 64 256 --tokens 512
     python scripts/profile_tts.py --model orpheus-tiny --devices cpu --concurrency 2 --tokens 70
+    python scripts/profile_tts.py --concurrency 64 --tokens 1200 --trace 2 --arrivals 0.1
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ from mstar.types import GenerateRequest
 TEXT = "The morning train was late again, so I bought a coffee and watched the pigeons argue over a crust of bread."
 
 
-async def level(eng: Engine, c: int, tokens: int, trace_s: float, trace_after: float) -> dict:
+async def level(eng: Engine, c: int, tokens: int, trace_s: float, trace_after: float, every: float = 0.0,
+                arrival_tokens: int = 140) -> dict:
     by_step: dict[tuple[str, str], list[StepReport]] = defaultdict(list)
     hook = eng.add_report_hook(lambda r: by_step[(r.component, r.mode)].append(r) if r.component else None)
     sampling = dataclasses.replace(eng.model.default_sampling(), max_tokens=tokens, ignore_eos=True)
@@ -59,15 +61,35 @@ async def level(eng: Engine, c: int, tokens: int, trace_s: float, trace_after: f
 
     t0 = time.perf_counter()
     tasks = [asyncio.create_task(one(i)) for i in range(c)]
-    prof = None
+    prof = arrivals_prof = None
     if trace_s > 0:
         await asyncio.sleep(trace_after)
         prof = await eng.profile(trace_s)
+    if every > 0:  # then new short requests every `every` s, traced as long again
+        arrivals: list[asyncio.Task] = []
+
+        async def arrive() -> None:
+            nonlocal sampling
+            while True:
+                short = dataclasses.replace(sampling, max_tokens=arrival_tokens, seed=len(arrivals))
+                req = GenerateRequest(f"a{c}-{len(arrivals)}", eng.model_name, {"text": TEXT, "voice": None}, short)
+                arrivals.append(asyncio.create_task(_drain(eng, req)))
+                await asyncio.sleep(every)
+        feeder = asyncio.create_task(arrive())
+        await asyncio.sleep(1.0)
+        arrivals_prof = await eng.profile(trace_s)
+        feeder.cancel()
+        await asyncio.gather(*arrivals)
     await asyncio.gather(*tasks)
     wall = time.perf_counter() - t0
     eng.remove_report_hook(hook)
     return {"c": c, "wall": wall, "audio_s": audio_bytes / 2 / 24_000, "sampled": sampled, "steps": dict(by_step),
-            "first_audio": sorted(first_audio), "prof": prof}
+            "first_audio": sorted(first_audio), "prof": prof, "arrivals_prof": arrivals_prof}
+
+
+async def _drain(eng: Engine, req: GenerateRequest) -> None:
+    async for _ in eng.submit(req):
+        pass
 
 
 def show(r: dict, tokens: int) -> None:
@@ -88,15 +110,17 @@ def show(r: dict, tokens: int) -> None:
     if decode:
         print(f"decode steps per request token: {len(decode) / tokens:.2f}; "
               f"mean period {1e3 * r['wall'] / len(decode):.2f} ms")
-    if r["prof"] is not None:
-        events = r["prof"].key_averages()
+    for name, key in (("", "prof"), (" (with arrivals)", "arrivals_prof")):
+        if r[key] is None:
+            continue
+        events = r[key].key_averages()
         cuda = torch.cuda.is_available()
-        print("worker phases in the trace window (CPU ms total, calls; device ms of their kernels):")
+        print(f"worker phases in the trace window{name} (CPU ms total, calls; device ms of their kernels):")
         for e in sorted((e for e in events if e.key.startswith("mstar.")), key=lambda e: -e.cpu_time_total):
             device = f"{e.device_time_total / 1e3:9.1f}" if cuda else ""
             print(f"  {e.key:<24} {e.cpu_time_total / 1e3:9.1f} {e.count:>6} {device}")
-        sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-        print(events.table(sort_by=sort, row_limit=18, max_name_column_width=70))
+        sort = "self_cuda_time_total" if cuda and not r["arrivals_prof"] else "self_cpu_time_total"
+        print(events.table(sort_by=sort, row_limit=25 if r["arrivals_prof"] else 18, max_name_column_width=70))
 
 
 async def main(a: argparse.Namespace) -> None:
@@ -107,7 +131,7 @@ async def main(a: argparse.Namespace) -> None:
         # not counted: first uses compile the Triton kernels and warm the allocators
         await level(eng, 2, min(a.tokens, 64), 0.0, 0.0)
         for c in a.concurrency:
-            show(await level(eng, c, a.tokens, a.trace, a.trace_after), a.tokens)
+            show(await level(eng, c, a.tokens, a.trace, a.trace_after, a.arrivals, a.arrival_tokens), a.tokens)
     finally:
         await eng.shutdown()
 
@@ -121,6 +145,10 @@ if __name__ == "__main__":
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--trace", type=float, default=0.0, help="seconds of torch profiler in each level")
     p.add_argument("--trace-after", type=float, default=1.0, help="when the trace starts, in seconds into a level")
+    p.add_argument("--arrivals", type=float, default=0.0,
+                   help="after the trace, a new short request every this many seconds, traced as long again "
+                        "(host time per phase and op, with and without arrivals)")
+    p.add_argument("--arrival-tokens", type=int, default=140)
     args = p.parse_args()
     print(f"# {platform.platform()} | python {platform.python_version()} | torch {torch.__version__} "
           f"| {os.cpu_count()} cpus | model {args.model} ({args.load_format}) on {args.devices}")
