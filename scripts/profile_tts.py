@@ -12,26 +12,31 @@ and the top CUDA kernels. A short warm-up level runs first, uncounted.
 
     python scripts/profile_tts.py --concurrency 1 64 256 --tokens 512
     python scripts/profile_tts.py --model orpheus-tiny --devices cpu --concurrency 2 --tokens 70
-    python scripts/profile_tts.py --concurrency 64 --tokens 1200 --trace 2 --arrivals 0.1
+    python scripts/profile_tts.py --concurrency 64 --tokens 1200 --trace 2 --arrivals 0.1 [--cprofile 40]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import dataclasses
 import os
 import platform
+import pstats
 import time
 from collections import defaultdict
+from typing import Callable
 
 import torch
 
 from mstar.config import EngineConfig, SchedulerConfig
 from mstar.engine.engine import Engine
+from mstar.engine.worker.executor import Executor
 from mstar.engine.messages import StepReport
 from mstar.types import GenerateRequest
 
+CPROFILE_ROWS = 0  # --cprofile: Python profiler rows to print (0: torch profiler)
 TEXT = "The morning train was late again, so I bought a coffee and watched the pigeons argue over a crust of bread."
 
 
@@ -64,12 +69,11 @@ async def level(eng: Engine, c: int, tokens: int, trace_s: float, trace_after: f
     prof = arrivals_prof = None
     if trace_s > 0:
         await asyncio.sleep(trace_after)
-        prof = await eng.profile(trace_s)
+        prof = await _window(eng, trace_s)
     if every > 0:  # then new short requests every `every` s, traced as long again
         arrivals: list[asyncio.Task] = []
 
         async def arrive() -> None:
-            nonlocal sampling
             while True:
                 short = dataclasses.replace(sampling, max_tokens=arrival_tokens, seed=len(arrivals))
                 req = GenerateRequest(f"a{c}-{len(arrivals)}", eng.model_name, {"text": TEXT, "voice": None}, short)
@@ -77,7 +81,7 @@ async def level(eng: Engine, c: int, tokens: int, trace_s: float, trace_after: f
                 await asyncio.sleep(every)
         feeder = asyncio.create_task(arrive())
         await asyncio.sleep(1.0)
-        arrivals_prof = await eng.profile(trace_s)
+        arrivals_prof = await _window(eng, trace_s)
         feeder.cancel()
         await asyncio.gather(*arrivals)
     await asyncio.gather(*tasks)
@@ -85,6 +89,35 @@ async def level(eng: Engine, c: int, tokens: int, trace_s: float, trace_after: f
     eng.remove_report_hook(hook)
     return {"c": c, "wall": wall, "audio_s": audio_bytes / 2 / 24_000, "sampled": sampled, "steps": dict(by_step),
             "first_audio": sorted(first_audio), "prof": prof, "arrivals_prof": arrivals_prof}
+
+
+_CPROFILE: list[cProfile.Profile | None] = [None]  # the window's, while one is open
+
+
+def _profiled(method: Callable) -> Callable:
+    """An `Executor` method under the open window's Python profiler (the worker's thread)."""
+    def call(self, *args):
+        prof = _CPROFILE[0]
+        if prof is None:
+            return method(self, *args)
+        prof.enable()
+        try:
+            return method(self, *args)
+        finally:
+            prof.disable()
+    return call
+
+
+async def _window(eng: Engine, seconds: float) -> torch.profiler.profile | pstats.Stats:
+    """`seconds` of the worker: torch's profiler, or with `--cprofile` Python's
+    over its plans (made and carried out)."""
+    if not CPROFILE_ROWS:
+        return await eng.profile(seconds)
+    _CPROFILE[0] = prof = cProfile.Profile()
+    await asyncio.sleep(seconds)
+    _CPROFILE[0] = None
+    await asyncio.sleep(0.1)  # the plan under way ends
+    return pstats.Stats(prof)
 
 
 async def _drain(eng: Engine, req: GenerateRequest) -> None:
@@ -112,6 +145,11 @@ def show(r: dict, tokens: int) -> None:
               f"mean period {1e3 * r['wall'] / len(decode):.2f} ms")
     for name, key in (("", "prof"), (" (with arrivals)", "arrivals_prof")):
         if r[key] is None:
+            continue
+        if isinstance(r[key], pstats.Stats):  # --cprofile: the worker's own functions and the libraries' it calls
+            print(f"worker's Python in the window{name}, by own time:")
+            r[key].sort_stats("tottime").print_stats(CPROFILE_ROWS)
+            r[key].sort_stats("cumulative").print_stats("mstar", CPROFILE_ROWS)
             continue
         events = r[key].key_averages()
         cuda = torch.cuda.is_available()
@@ -149,7 +187,13 @@ if __name__ == "__main__":
                    help="after the trace, a new short request every this many seconds, traced as long again "
                         "(host time per phase and op, with and without arrivals)")
     p.add_argument("--arrival-tokens", type=int, default=140)
+    p.add_argument("--cprofile", type=int, default=0, metavar="ROWS",
+                   help="in the trace windows, Python's profiler over the worker's plans instead of torch's; "
+                        "print this many functions")
     args = p.parse_args()
+    CPROFILE_ROWS = args.cprofile
+    if CPROFILE_ROWS:
+        Executor.run, Executor.next_plan = _profiled(Executor.run), _profiled(Executor.next_plan)
     print(f"# {platform.platform()} | python {platform.python_version()} | torch {torch.__version__} "
           f"| {os.cpu_count()} cpus | model {args.model} ({args.load_format}) on {args.devices}")
     asyncio.run(main(args))
