@@ -208,11 +208,11 @@ if [[ $what == scheduler ]]; then  # mixed steps, prefix cache and chunked prefi
       tests/test_chunked_prefill.py tests/test_mixed_steps.py >> "$OUT/scheduler_tests.txt" 2>&1 || rc=1
   tail -8 "$OUT/scheduler_tests.txt"
   label=${SCHED_LABEL:-${MSTAR_COMMIT:-local}}
-  timeout 240 python3 scripts/bench_scheduler.py --label "$label" --short-tokens 140 --metrics-dir "$OUT" \
+  timeout 300 python3 scripts/bench_scheduler.py --label "$label" --short-tokens 140 --metrics-dir "$OUT" \
       --out "$OUT/scheduler.json" 2>&1 | tail -30
   if [[ -n ${SCHED_UNMIXED:-} ]]; then  # the same without mixed steps, in the same call
-    timeout 240 python3 scripts/bench_scheduler.py --label "${label}_unmixed" --short-tokens 140 \
-        --server-args "--no-mixed-steps" --out "$OUT/scheduler.json" 2>&1 | tail -30
+    timeout 300 python3 scripts/bench_scheduler.py --label "${label}_unmixed" --short-tokens 140 \
+        --server-args=--no-mixed-steps --out "$OUT/scheduler.json" 2>&1 | tail -30
   fi
 fi
 if [[ $what == omni-bench ]]; then
