@@ -3,6 +3,7 @@ synthetic Orpheus speech streams on a clock of step costs measured on the
 H200, to compare admission policies on the CPU in seconds.
 
     PYTHONPATH=. python scripts/sim_scheduler.py --out docs/benchmarks/scheduler_sim.json
+    PYTHONPATH=. python scripts/sim_scheduler.py --mixed --out docs/benchmarks/scheduler_sim.json
 
 Each stream: a prefill of its prompt (the `llm.prefill` queue, chunkable),
 then one decode-group step per token; every 7 tokens make a frame, and from
@@ -37,6 +38,7 @@ from tts_report import percentile  # noqa: E402  (a sibling: the script's folder
 FRAME_TOKENS = 7
 WINDOW_FRAMES = 4
 FRAME_S = 2048 / 24_000
+MIXED_GRAPH_TOKENS = 500  # new tokens the largest mixed-step graph takes (512 with its padding)
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,10 @@ class Costs:
     prefill_per_token: float = 0.017
     codec_base: float = 2.0
     codec_per_row: float = 0.01
+    # a mixed step (a decode step with new rows' prompt tokens, as a CUDA graph): 64 rows plus 8-128 new
+    # tokens took 6.4-6.9 ms against 4.5 for the decode graph (scripts/probe_mixed.py)
+    mixed_base: float = 1.9
+    mixed_per_token: float = 0.004
 
     def decode(self, rows: int) -> float:
         return self.decode_base + self.decode_per_row * rows
@@ -60,6 +66,11 @@ class Costs:
 
     def codec(self, rows: int) -> float:
         return self.codec_base + self.codec_per_row * rows
+
+    def mixed(self, rows: int, tokens: int) -> float:
+        if tokens > MIXED_GRAPH_TOKENS:  # past the largest mixed graph: one eager forward, as a prefill costs
+            return self.prefill(rows + tokens)
+        return self.decode(rows) + self.mixed_base + self.mixed_per_token * tokens
 
 
 @dataclass(eq=False)
@@ -84,6 +95,7 @@ class Group:
     def __init__(self) -> None:
         self.ticket = -1
         self.rows: list[SimStream] = []
+        self.mixes = True
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -96,11 +108,13 @@ class Group:
 
 
 class Sim:
-    def __init__(self, costs: Costs, budget: int, max_rows: int = 256, admit_every: int = 0) -> None:
+    def __init__(self, costs: Costs, budget: int, max_rows: int = 256, admit_every: int = 0,
+                 mixed: bool = False) -> None:
         self.costs = costs
         caps = {("llm", "prefill"): ModeCaps(max_rows, budget), ("llm", "decode"): ModeCaps(max_rows, budget),
                 ("codec", "window"): ModeCaps(max_rows, budget)}
-        self.sched = Scheduler(caps, admit_every=admit_every)
+        mix = {"llm": frozenset({"prefill", "decode"})} if mixed else None
+        self.sched = Scheduler(caps, admit_every=admit_every, mix=mix)
         self.group = Group()
         self.sched.add_group(("llm", "decode"), self.group)
         self.now = 0.0
@@ -128,7 +142,7 @@ class Sim:
                 self.now = max(self.now, self.pending[0].arrived)
                 continue
             if plan.group is not None:
-                self._decode(plan.rows)
+                self._decode(plan.rows, plan.items)
             elif plan.component == "codec":
                 self.now += self.costs.codec(len(plan.items)) / 1e3
                 for item in plan.items:
@@ -138,6 +152,9 @@ class Sim:
 
     def _prefill(self, items: list[WorkItem]) -> None:
         self.now += self.costs.prefill(sum(i.chunk if i.chunkable else i.num_tokens for i in items)) / 1e3
+        self._prefilled(items)
+
+    def _prefilled(self, items: list[WorkItem]) -> None:
         for item in items:
             if item.partial:
                 self.sched.next_chunk(item)
@@ -146,9 +163,13 @@ class Sim:
                 stream.written = 1  # the prefill samples the first token
                 self.group.rows.append(stream)
 
-    def _decode(self, rows: slice) -> None:
+    def _decode(self, rows: slice, new: list[WorkItem]) -> None:
+        """A group step over `rows`, with `new` rows' prompt chunks in it (a mixed step)."""
         window = self.group.rows[rows]
-        self.now += self.costs.decode(len(window)) / 1e3
+        if new:
+            self.now += self.costs.mixed(len(window), sum(i.chunk for i in new)) / 1e3
+        else:
+            self.now += self.costs.decode(len(window)) / 1e3
         done = []
         for s in window:
             s.written += 1
@@ -163,6 +184,7 @@ class Sim:
             s.finished = self.now
             if s.kind == "background":  # its client's next request, at once (a closed loop)
                 self.arrive(SimStream(f"{s.name}+", self.now, s.prompt, s.tokens, s.kind))
+        self._prefilled(new)  # they join the group after its rows stepped
 
 
 def _gaps(streams: list[SimStream], start: float, end: float) -> list[float]:
@@ -183,8 +205,9 @@ def _stalls(streams: list[SimStream], start: float, end: float) -> int:
     return late
 
 
-def simulate(a: argparse.Namespace, costs: Costs, budget: int, admit_every: int = 0) -> dict[str, Any]:
-    sim = Sim(costs, budget, admit_every=admit_every)
+def simulate(a: argparse.Namespace, costs: Costs, budget: int, admit_every: int = 0,
+             mixed: bool = False) -> dict[str, Any]:
+    sim = Sim(costs, budget, admit_every=admit_every, mixed=mixed)
     for i in range(a.streams):  # the background, staggered a little as clients start
         sim.arrive(SimStream(f"bg{i}", 0.002 * i, a.prompt, a.stream_tokens, "background"))
     ramp, phase = a.ramp, a.seconds
@@ -211,6 +234,7 @@ def simulate(a: argparse.Namespace, costs: Costs, budget: int, admit_every: int 
     return {
         "budget": budget,
         "admit_every": admit_every,
+        "mixed": mixed,
         "one_stream_ttfa_ms": round(one * 1e3, 1),
         "arrivals_ttfa_p50_ms": round(percentile(ttfa, 50) * 1e3, 1),
         "ttfa_ratio": round(percentile(ttfa, 50) / one, 2),
@@ -242,18 +266,21 @@ def main() -> None:
                    help="Scheduler(admit_every=...): group steps between two steps that start rows")
     p.add_argument("--prefill-base-ms", type=float, default=Costs.prefill_base,
                    help="the fixed cost of a prefill step (what mixed steps or prefill graphs would cut)")
+    p.add_argument("--mixed", action="store_true",
+                   help="new rows' prompts ride in the decode group's steps (mixed steps, their measured cost)")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args()
     costs = Costs(prefill_base=a.prefill_base_ms)
-    rows = [simulate(a, costs, budget, every) for every in a.admit_every for budget in a.budgets]
+    rows = [simulate(a, costs, budget, every, a.mixed) for every in a.admit_every for budget in a.budgets]
     keys = list(rows[0])
     print(" ".join(f"{k:>14s}" for k in keys))
     for r in rows:
         print(" ".join(f"{r[k]:>14}" for k in keys))
     if a.out is not None:
         report = json.loads(a.out.read_text()) if a.out.exists() else {}
-        report[f"prefill_base_{a.prefill_base_ms:g}ms" + ("" if a.admit_every == [0] else "_admit_every")] = {"costs": costs.__dict__, "args": vars(a) | {"out": None},
-                                                           "rows": rows}
+        label = "mixed" if a.mixed else f"prefill_base_{a.prefill_base_ms:g}ms"
+        label += "" if a.admit_every == [0] else "_admit_every"
+        report[label] = {"costs": costs.__dict__, "args": vars(a) | {"out": None}, "rows": rows}
         a.out.write_text(json.dumps(report, indent=1, default=str) + "\n")
 
 

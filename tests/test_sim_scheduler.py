@@ -47,3 +47,20 @@ def test_chunking_a_long_prompt_takes_a_prefill_step_per_chunk() -> None:
     whole = simulate(_args(), Costs(), 8192)["long_prompt_done_ms"]
     chunked = simulate(_args(), Costs(), 100)["long_prompt_done_ms"]
     assert chunked - whole >= (600 // 100 - 1) * Costs().prefill_base
+
+
+def test_mixed_steps_take_arrivals_into_decode_steps_at_their_cost() -> None:
+    costs = Costs()
+    sim = Sim(costs, budget=8192, mixed=True)
+    sim.arrive(SimStream("running", 0.0, 30, 700, "arrival"))
+    sim.run(0.1)  # its own prefill (no group yet), then decode steps
+    before = sim.now
+    sim.arrive(SimStream("new", sim.now, 30, 70, "arrival"))
+    sim.run(before + (costs.mixed(1, 30) + costs.decode(2)) / 1e3 + 1e-9)
+    # the arrival rode in the running row's next step, and its row stepped in the one after: sooner than a
+    # prefill step of its own would have ended (20 ms)
+    assert [s.name for s in sim.group.rows] == ["running", "new"] and sim.streams[1].written >= 2
+    assert (sim.now - before) * 1e3 < costs.prefill(30)
+    plain = simulate(_args(), costs, 8192)
+    mixed = simulate(_args(), costs, 8192, mixed=True)
+    assert mixed["mixed"] and mixed["arrivals_gap_p99_ms"] < plain["arrivals_gap_p99_ms"]
