@@ -1,11 +1,15 @@
 """Block tables for attention tests: each row's pages drawn from a random
-permutation of the pool, so they are never contiguous or in order."""
+permutation of the pool, so they are never contiguous or in order; and
+caches of random contents to attend over."""
 
 from __future__ import annotations
 
 import math
 
 import torch
+
+from mstar.engine.memory.kv_cache import KVCache
+from mstar.models.base import KVSpec
 
 
 def scattered_tables(gen: torch.Generator, ctx: list[int], new: list[int], *, page: int, num_pages: int,
@@ -19,3 +23,19 @@ def scattered_tables(gen: torch.Generator, ctx: list[int], new: list[int], *, pa
         start += count
     assert start <= num_pages, "the pool is too small for these rows"
     return out
+
+
+def random_caches(seed: int, layers: int, kv_heads: int, head_dim: int, num_pages: int, page: int,
+                  device: str = "cuda") -> tuple[KVCache, KVCache]:
+    """Two bf16 KV caches with the same random contents: one for the backend
+    under test, one for the reference."""
+    gen = torch.Generator().manual_seed(seed)
+    spec = KVSpec(layers, kv_heads, head_dim)
+    fi = KVCache(spec, num_pages, page, device, torch.bfloat16)
+    ref = KVCache(spec, num_pages, page, device, torch.bfloat16)
+    for layer in range(layers):
+        for t in (fi.k[layer], fi.v[layer]):
+            t.copy_(torch.randn(t.shape, generator=gen).to(torch.bfloat16))
+        ref.k[layer].copy_(fi.k[layer])
+        ref.v[layer].copy_(fi.v[layer])
+    return fi, ref

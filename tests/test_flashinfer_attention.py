@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_tables import scattered_tables
+from paged_tables import random_caches, scattered_tables
 
 if not torch.cuda.is_available():
     pytest.skip("FlashInfer attention needs a CUDA device", allow_module_level=True)
@@ -19,7 +19,6 @@ pytest.importorskip("flashinfer", reason="flashinfer is not installed")
 from mstar.engine.memory.attention import TorchPagedAttention  # noqa: E402
 from mstar.engine.memory.flashinfer_attention import FlashInferAttention  # noqa: E402
 from mstar.engine.memory.kv_cache import KVCache  # noqa: E402
-from mstar.models.base import KVSpec  # noqa: E402
 from mstar.models.layers.rotary import RotaryEmbedding  # noqa: E402
 from mstar.types import Rotary  # noqa: E402
 
@@ -34,16 +33,7 @@ ATOL = RTOL = 2e-2
 
 def caches(seed: int) -> tuple[KVCache, KVCache]:
     """Two caches with the same random contents: one for FlashInfer, one for the reference."""
-    gen = torch.Generator().manual_seed(seed)
-    spec = KVSpec(LAYERS, HKV, D)
-    fi = KVCache(spec, NUM_PAGES, PAGE, DEVICE, torch.bfloat16)
-    ref = KVCache(spec, NUM_PAGES, PAGE, DEVICE, torch.bfloat16)
-    for layer in range(LAYERS):
-        for t in (fi.k[layer], fi.v[layer]):
-            t.copy_(torch.randn(t.shape, generator=gen).to(torch.bfloat16))
-        ref.k[layer].copy_(fi.k[layer])
-        ref.v[layer].copy_(fi.v[layer])
-    return fi, ref
+    return random_caches(seed, LAYERS, HKV, D, NUM_PAGES, PAGE, DEVICE)
 
 
 def tables(gen: torch.Generator, ctx: list[int], new: list[int], spare: int = 2) -> list[list[int]]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from paged_tables import scattered_tables
+from paged_tables import random_caches, scattered_tables
 
 if not torch.cuda.is_available():
     pytest.skip("mixed-step graphs need a CUDA device", allow_module_level=True)
@@ -26,8 +26,6 @@ from mstar.engine.engine import Engine  # noqa: E402
 from mstar.engine.execution.mixed_graphs import MixedGraphs  # noqa: E402
 from mstar.engine.memory.attention import TorchPagedAttention  # noqa: E402
 from mstar.engine.memory.flashinfer_attention import FlashInferAttention  # noqa: E402
-from mstar.engine.memory.kv_cache import KVCache  # noqa: E402
-from mstar.models.base import KVSpec  # noqa: E402
 from mstar.types import GenerateRequest, SamplingParams  # noqa: E402
 
 DEVICE = "cuda"
@@ -39,19 +37,6 @@ SCALE = 0.1
 ATOL = RTOL = 2e-2
 
 
-def _caches(seed: int) -> tuple[KVCache, KVCache]:
-    gen = torch.Generator().manual_seed(seed)
-    spec = KVSpec(LAYERS, HKV, D)
-    fi = KVCache(spec, NUM_PAGES, PAGE, DEVICE, torch.bfloat16)
-    ref = KVCache(spec, NUM_PAGES, PAGE, DEVICE, torch.bfloat16)
-    for layer in range(LAYERS):
-        for t in (fi.k[layer], fi.v[layer]):
-            t.copy_(torch.randn(t.shape, generator=gen).to(torch.bfloat16))
-        ref.k[layer].copy_(fi.k[layer])
-        ref.v[layer].copy_(fi.v[layer])
-    return fi, ref
-
-
 def _padded(rows: list[list[int]]) -> torch.Tensor:
     width = max(len(r) for r in rows)
     return torch.tensor([r + [0] * (width - len(r)) for r in rows])
@@ -60,7 +45,7 @@ def _padded(rows: list[list[int]]) -> torch.Tensor:
 def test_a_mixed_bucket_replays_any_split_of_its_tokens() -> None:
     b, t, slots = 8, 32, 4
     gen = torch.Generator().manual_seed(3)
-    fi_cache, ref_cache = _caches(3)
+    fi_cache, ref_cache = random_caches(3, LAYERS, HKV, D, NUM_PAGES, PAGE, DEVICE)
     attn = FlashInferAttention(fi_cache, HQ, graph_batch_sizes=(b,), max_pages_per_row=24, mixed_tokens=(t,),
                                mixed_rows=slots)
     assert attn.mixed_graph_buckets == [(b, t)]

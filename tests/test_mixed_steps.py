@@ -17,6 +17,7 @@ from mstar.config import EngineConfig, SchedulerConfig
 from mstar.engine.engine import Engine
 from mstar.engine.execution.runner import ComponentRunner
 from mstar.graph import Component
+from standing_group import FakeGroup
 from mstar.scheduler import ModeCaps, PagePool, Scheduler, WorkItem
 from mstar.scheduler.scheduler import MIXED_ROWS
 from mstar.types import GenerateRequest, SamplingParams
@@ -27,27 +28,11 @@ VOCAB = 384
 DECODE = ("llm", "decode")
 
 
-class _Group:
-    def __init__(self, rows: int, mixes: bool = True) -> None:
-        self.ticket = -1
-        self.rows = rows
-        self.mixes = mixes
-
-    def __len__(self) -> int:
-        return self.rows
-
-    def short_of_pages(self, page_size: int) -> list[int]:
-        return []
-
-    def pages(self, row: int) -> list[int]:
-        return []
-
-
 def _sched(max_tokens: int = 32, mix: bool = True, mixes: bool = True, rows: int = 3) -> tuple[Scheduler, PagePool]:
     pool = PagePool(64, 4)
     caps = {("llm", "prefill"): ModeCaps(8, max_tokens), DECODE: ModeCaps(8, max_tokens)}
     sched = Scheduler(caps, {"llm": pool}, mix={"llm": frozenset({"prefill", "decode"})} if mix else None)
-    sched.add_group(DECODE, _Group(rows, mixes))
+    sched.add_group(DECODE, FakeGroup(rows, mixes))
     return sched, pool
 
 

@@ -12,6 +12,7 @@ from mstar.config import EngineConfig, SchedulerConfig
 from mstar.engine.engine import Engine
 from mstar.errors import RequestError
 from mstar.http.text.protocol import parse_chat, parse_completion, parse_generate
+from standing_group import FakeGroup
 from mstar.scheduler import ModeCaps, PagePool, Scheduler, WorkItem
 from mstar.types import REALTIME_PRIORITY, GenerateRequest, SamplingParams
 
@@ -75,25 +76,10 @@ async def test_a_waiting_request_of_better_priority_starts_first() -> None:
         await eng.shutdown()
 
 
-class _Group:
-    def __init__(self, rows: int) -> None:
-        self.ticket = -1
-        self.rows = rows
-
-    def __len__(self) -> int:
-        return self.rows
-
-    def short_of_pages(self, page_size: int) -> list[int]:
-        return []
-
-    def pages(self, row: int) -> list[int]:
-        return []
-
-
 def test_admit_every_holds_new_rows_until_running_groups_have_stepped() -> None:
     caps = {("llm", "prefill"): ModeCaps(8, 100), ("llm", "decode"): ModeCaps(8, 100)}
     sched = Scheduler(caps, admit_every=3)
-    group = _Group(2)
+    group = FakeGroup(2)
     sched.add_group(("llm", "decode"), group)
     plans = []
     for i in range(4):  # arrivals, one between each step
@@ -115,7 +101,7 @@ def test_better_priority_chunks_and_arrivals_still_let_running_groups_step() -> 
     chunk borrows none: otherwise its queue would keep the oldest ticket."""
     caps = {("llm", "prefill"): ModeCaps(8, 32), ("llm", "decode"): ModeCaps(8, 32)}
     sched = Scheduler(caps, {"llm": PagePool(256, 4)})
-    group = _Group(4)
+    group = FakeGroup(4)
     sched.add_group(("llm", "decode"), group)
     waiting = WorkItem("plain", "main", "llm", "prefill", num_tokens=20, pages_needed=5, starts_row=True)
     long = WorkItem("urgent", "main", "llm", "prefill", num_tokens=400, pages_needed=100, starts_row=True,

@@ -23,13 +23,14 @@ from mstar.engine.movement.arena import HostArena, stage_to_host
 from mstar.engine.movement.tensor_store import TensorRef, TensorStore
 from mstar.engine.movement.transfer import select_rows
 from mstar.engine.worker.groups.loop_group import LoopGroup, Pending
+from mstar.engine.worker.forking import fork_rows
 from mstar.engine.worker.groups.mixed_items import MixedItems
 from mstar.engine.worker.outbox import Outbox
 from mstar.engine.worker.streaming.peer_link import PeerLink
 from mstar.engine.worker.preemption import Preemption
 from mstar.engine.worker.stop_rules import stop_reasons
 from mstar.engine.worker.walker import FORK_MODE, Walker
-from mstar.graph import ForkRows, WalkPlan, step_bindings
+from mstar.graph import WalkPlan, step_bindings
 from mstar.scheduler import Batch, Scheduler, StepPlan, WorkItem
 
 log = structlog.get_logger("mstar.worker")
@@ -214,41 +215,9 @@ class Executor:
         r.device_s = self.runners[batch.component].device_s
 
     def _fork(self, batch: Batch) -> None:
-        """Split each item's KV row into the branches its fork names: a
-        "share" branch holds main's full pages (one more holder each) and a
-        copy of its partial last page, in a page the scheduler granted; a
-        "fresh" one starts empty."""
-        pool = self.scheduler.pools[batch.component]
         cache = self.runners[batch.component].kv
         assert cache is not None
-        for item in batch.items:
-            part = item.payload.part
-            ins = part.plan.program[part.pc]
-            assert isinstance(ins, ForkRows)
-            main = part.row(batch.component)
-            granted = list(item.granted)
-            item.granted = []
-            if main.swapped is not None:  # preempted while it waited to fork: its KV comes back first
-                assert self.preemption is not None
-                n = main.swapped.num_pages
-                main.admit(granted[:n])
-                granted = granted[n:]
-                self.preemption.swap_in(main, batch.component)
-            full, partial = divmod(main.kv_len, pool.page_size)
-            started = 0
-            for name, how in ins.fork.branches:
-                if how != "share" or not main.pages:
-                    continue
-                pages = main.pages[:full]
-                pool.share(pages)
-                if partial:
-                    copy = granted.pop()
-                    cache.copy_pages([main.pages[full]], [copy])
-                    pages = [*pages, copy]
-                part.row(batch.component, name).fork_from(main, pages)
-                started += 1
-            self.scheduler.rows_started(batch.component, started)
-            self.walker.forked(part)
+        fork_rows(batch, cache, self.scheduler, self.walker, self.preemption)
         self.stats.steps += 1
         self.stats.rows += len(batch)
 

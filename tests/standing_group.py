@@ -1,0 +1,20 @@
+"""A standing group as the scheduler sees it (`scheduler.StandingGroup`), for
+scheduler tests: a number of rows, no pages to grow."""
+
+from __future__ import annotations
+
+
+class FakeGroup:
+    def __init__(self, rows: int, mixes: bool = False) -> None:
+        self.ticket = -1
+        self.rows = rows
+        self.mixes = mixes
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def short_of_pages(self, page_size: int) -> list[int]:
+        return []
+
+    def pages(self, row: int) -> list[int]:
+        return []
