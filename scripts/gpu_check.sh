@@ -29,6 +29,8 @@
 #                                   scripts/bench_scheduler.py (64 Orpheus streams; arrivals every 100 ms; a
 #                                   4,000-token prompt) labelled $SCHED_LABEL (default $MSTAR_COMMIT); with
 #                                   $SCHED_UNMIXED set, again with --no-mixed-steps
+#   scripts/gpu_check.sh arrivals   where the worker's time goes with new requests arriving beside 64 Orpheus
+#                                   streams (scripts/profile_tts.py --arrivals 0.1): Python's profiler, then torch's
 #   scripts/gpu_check.sh omni-bench only that benchmark
 #   scripts/gpu_check.sh omni-profile  where a spoken answer's step time goes, by component and by kernel
 #                                   (scripts/profile_omni.py; $OMNI_PROFILE_ARGS replaces its flags)
@@ -214,6 +216,13 @@ if [[ $what == scheduler ]]; then  # mixed steps, prefix cache and chunked prefi
     timeout 300 python3 scripts/bench_scheduler.py --label "${label}_unmixed" --short-tokens 140 \
         --server-args=--no-mixed-steps --out "$OUT/scheduler.json" 2>&1 | tail -30
   fi
+fi
+if [[ $what == arrivals ]]; then
+  for how in "--cprofile 45" ""; do
+    timeout 240 python3 scripts/profile_tts.py --concurrency 64 --tokens 900 --trace 2 --trace-after 3 \
+        --arrivals 0.1 $how 2>&1 | grep -v "\[info\|capturing\|USDT" >> "$OUT/profile_arrivals.txt"
+  done
+  head -150 "$OUT/profile_arrivals.txt"
 fi
 if [[ $what == omni-bench ]]; then
   timeout ${OMNI_TIMEOUT:-420} python3 scripts/bench_omni.py ${OMNI_ARGS:-} --out "$OUT/omni.json" 2>&1 \
