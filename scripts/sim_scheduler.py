@@ -38,7 +38,7 @@ from tts_report import percentile  # noqa: E402  (a sibling: the script's folder
 FRAME_TOKENS = 7
 WINDOW_FRAMES = 4
 FRAME_S = 2048 / 24_000
-MIXED_GRAPH_TOKENS = 500  # new tokens the largest mixed-step graph takes (512 with its padding)
+MIXED_GRAPH_TOKENS = 507  # new tokens the largest mixed-step graph takes (512 less its padding rows)
 
 
 @dataclass(frozen=True)
@@ -109,12 +109,13 @@ class Group:
 
 class Sim:
     def __init__(self, costs: Costs, budget: int, max_rows: int = 256, admit_every: int = 0,
-                 mixed: bool = False) -> None:
+                 mixed: bool = False, mix_tokens: int | None = None) -> None:
         self.costs = costs
         caps = {("llm", "prefill"): ModeCaps(max_rows, budget), ("llm", "decode"): ModeCaps(max_rows, budget),
                 ("codec", "window"): ModeCaps(max_rows, budget)}
         mix = {"llm": frozenset({"prefill", "decode"})} if mixed else None
-        self.sched = Scheduler(caps, admit_every=admit_every, mix=mix)
+        self.sched = Scheduler(caps, admit_every=admit_every, mix=mix,
+                               mix_tokens=None if mix_tokens is None else {"llm": mix_tokens})
         self.group = Group()
         self.sched.add_group(("llm", "decode"), self.group)
         self.now = 0.0
@@ -206,8 +207,8 @@ def _stalls(streams: list[SimStream], start: float, end: float) -> int:
 
 
 def simulate(a: argparse.Namespace, costs: Costs, budget: int, admit_every: int = 0,
-             mixed: bool = False) -> dict[str, Any]:
-    sim = Sim(costs, budget, admit_every=admit_every, mixed=mixed)
+             mixed: bool = False, mix_tokens: int | None = None) -> dict[str, Any]:
+    sim = Sim(costs, budget, admit_every=admit_every, mixed=mixed, mix_tokens=mix_tokens)
     for i in range(a.streams):  # the background, staggered a little as clients start
         sim.arrive(SimStream(f"bg{i}", 0.002 * i, a.prompt, a.stream_tokens, "background"))
     ramp, phase = a.ramp, a.seconds
@@ -235,6 +236,7 @@ def simulate(a: argparse.Namespace, costs: Costs, budget: int, admit_every: int 
         "budget": budget,
         "admit_every": admit_every,
         "mixed": mixed,
+        "mix_tokens": mix_tokens,
         "one_stream_ttfa_ms": round(one * 1e3, 1),
         "arrivals_ttfa_p50_ms": round(percentile(ttfa, 50) * 1e3, 1),
         "ttfa_ratio": round(percentile(ttfa, 50) / one, 2),
@@ -268,18 +270,22 @@ def main() -> None:
                    help="the fixed cost of a prefill step (what mixed steps or prefill graphs would cut)")
     p.add_argument("--mixed", action="store_true",
                    help="new rows' prompts ride in the decode group's steps (mixed steps, their measured cost)")
+    p.add_argument("--mix-tokens", type=int, nargs="+", default=[None],
+                   help="Scheduler(mix_tokens=...): most prompt tokens a mixed step takes")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args()
     costs = Costs(prefill_base=a.prefill_base_ms)
-    rows = [simulate(a, costs, budget, every, a.mixed) for every in a.admit_every for budget in a.budgets]
+    rows = [simulate(a, costs, budget, every, a.mixed, cap) for every in a.admit_every for budget in a.budgets
+            for cap in a.mix_tokens]
     keys = list(rows[0])
     print(" ".join(f"{k:>14s}" for k in keys))
     for r in rows:
-        print(" ".join(f"{r[k]:>14}" for k in keys))
+        print(" ".join(f"{str(r[k]):>14}" for k in keys))
     if a.out is not None:
         report = json.loads(a.out.read_text()) if a.out.exists() else {}
         label = "mixed" if a.mixed else f"prefill_base_{a.prefill_base_ms:g}ms"
         label += "" if a.admit_every == [0] else "_admit_every"
+        label += "" if a.mix_tokens == [None] else "_mix_tokens"
         report[label] = {"costs": costs.__dict__, "args": vars(a) | {"out": None}, "rows": rows}
         a.out.write_text(json.dumps(report, indent=1, default=str) + "\n")
 

@@ -73,6 +73,26 @@ def test_prompts_ride_along_only_where_they_and_the_group_may() -> None:
     assert sched.schedule().items == []
 
 
+def test_mix_tokens_caps_what_a_mixed_step_takes_and_the_rest_rides_later() -> None:
+    pool = PagePool(64, 4)
+    caps = {("llm", "prefill"): ModeCaps(8, 1024), DECODE: ModeCaps(8, 1024)}
+    sched = Scheduler(caps, {"llm": pool}, mix={"llm": frozenset({"prefill", "decode"})}, mix_tokens={"llm": 10})
+    sched.add_group(DECODE, FakeGroup(3, mixes=True))
+    sched.schedule()
+    long = _prompt("long", 25, pool)
+    sched.add(long)
+    chunks = []
+    while True:
+        plan = sched.schedule()
+        assert plan.group is not None and plan.items == [long]
+        chunks.append(long.chunk)
+        if not long.partial:
+            break
+        long.granted = []
+        sched.next_chunk(long)
+    assert chunks == [10, 10, 5]
+
+
 def test_a_mixed_step_takes_at_most_MIXED_ROWS_new_rows() -> None:
     sched, pool = _sched(1024)
     sched.schedule()

@@ -58,7 +58,8 @@ class Scheduler:
     def __init__(self, caps: dict[QueueKey, ModeCaps], pools: dict[str, PagePool] | None = None,
                  max_running: dict[str, int] | None = None, grow_pages: bool = False,
                  slots: dict[str, PagePool] | None = None, prefix_caching: bool = False,
-                 admit_every: int = 0, mix: dict[str, frozenset[str]] | None = None) -> None:
+                 admit_every: int = 0, mix: dict[str, frozenset[str]] | None = None,
+                 mix_tokens: dict[str, int] | None = None) -> None:
         """`grow_pages`: a standing group's rows get their pages one at a
         time, as they need them, instead of holding them from admission.
         `slots`: per component with per-row state, its free slots (pages of
@@ -68,9 +69,13 @@ class Scheduler:
         times since the last one (new requests then share fewer, larger
         prefill steps; 0: no wait). `mix`: per component, the modes whose
         rows may share one step: a standing group of one of them takes the
-        waiting prompts of the others into its steps."""
+        waiting prompts of the others into its steps; `mix_tokens`: per
+        component, most prompt tokens one such step takes (a longer prompt
+        rides in chunks: past its graphs' largest bucket a mixed step runs
+        eagerly, holding the group's rows that long)."""
         self.admit_every = admit_every
         self.mix = dict(mix or {})
+        self.mix_tokens = dict(mix_tokens or {})
         self._since_admit: dict[str, int] = {}  # group steps per component since a step started rows
         self.caps = dict(caps)
         self.pools = dict(pools or {})
@@ -336,6 +341,7 @@ class Scheduler:
         if mode not in modes or not n or not group.mixes:
             return []
         room = self.caps[standing.key].max_tokens - n
+        room = min(room, self.mix_tokens.get(component, room))
         queues = [(q[0].ticket, k) for k, q in self._queues.items()
                   if k[0] == component and k[1] in modes and k[1] != mode and q and q[0].chunkable]
         if room < 1 or not queues:

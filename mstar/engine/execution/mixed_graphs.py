@@ -66,6 +66,12 @@ class MixedGraphs:
     def buckets(self) -> list[tuple[int, int]]:
         return sorted(self._graphs)
 
+    @property
+    def max_new_tokens(self) -> int:
+        """Most new tokens a replay takes: its largest bucket less the padding
+        rows (one token each) it keeps at least."""
+        return max(t for _, t in self._graphs) - self.rows - 1 if self._graphs else 0
+
     def _batch(self, b: int, t: int, attn: AttentionContext) -> TokenBatch:
         return TokenBatch(input_ids=self._ids[:b + t], positions=self._positions[:b + t],
                           query_start=torch.zeros(1, dtype=torch.long), logits_index=self._logits_rows[:b + self.rows],

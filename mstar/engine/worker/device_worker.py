@@ -131,7 +131,9 @@ class DeviceWorker:
         slots = {name: PagePool(r.state.num_slots, 1) for name, r in self.runners.items() if r.state is not None}
         self.scheduler = Scheduler(caps, self.pools, max_running=dict.fromkeys(self.pools, cfg.max_num_seqs),
                                    grow_pages=lazy, slots=slots, prefix_caching=cfg.prefix_caching,
-                                   admit_every=cfg.admit_every, mix=self._mixing() if cfg.mixed_steps else {})
+                                   admit_every=cfg.admit_every, mix=self._mixing() if cfg.mixed_steps else {},
+                                   mix_tokens={name: r.mixed_graphs.max_new_tokens for name, r in self.runners.items()
+                                               if r.mixed_graphs is not None})
         token_loops = {n for n in self.placed if self.model.components[n].kv_cache and self.model.components[n].samples}
         self.walker = Walker(self.store, self.scheduler, self.pools, self.model.max_model_len, self._finished,
                              token_loops, self.device, lazy_pages=lazy, join_turn=self.model.join_turn,
