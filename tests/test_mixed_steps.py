@@ -209,3 +209,23 @@ async def test_no_pages_leak_from_mixed_steps_with_aborts(hf_folder: Path) -> No
         assert eng.pages_in_use() == 0 and len(eng.store) == 0
     finally:
         await eng.shutdown()
+
+
+def test_a_step_that_preempts_its_rows_admits_no_new_ones() -> None:
+    pool = PagePool(4, 4)
+    held = pool.allocate(3)  # three rows of one page each, all needing another
+    caps = {("llm", "prefill"): ModeCaps(8, 64), DECODE: ModeCaps(8, 64)}
+    sched = Scheduler(caps, {"llm": pool}, grow_pages=True, mix={"llm": frozenset({"prefill", "decode"})})
+
+    class Short(FakeGroup):
+        def short_of_pages(self, page_size: int) -> list[int]:
+            return list(range(self.rows))
+
+        def pages(self, row: int) -> list[int]:
+            return [held[row]]
+    sched.add_group(DECODE, Short(3, mixes=True))
+    sched.running["llm"] = 3
+    sched.add(_prompt("new", 3, pool))
+    sched._groups[0].group.ticket = -2  # the group's turn first
+    plan = sched.schedule()
+    assert plan.group is not None and plan.preempt and plan.items == []

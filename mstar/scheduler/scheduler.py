@@ -327,8 +327,9 @@ class Scheduler:
         assert pages is not None  # the victims made room
         group.ticket = self.ticket()
         rows = self._window(standing, len(group) - len(preempt), max_rows)
-        return StepPlan(key[0], key[1], self._mixed(standing, rows), group=group, rows=rows,
-                        grow=list(zip(short, pages)), preempt=preempt)
+        # a step that preempts its rows for pages admits no new ones with the pages it freed
+        mixed = [] if preempt else self._mixed(standing, rows)
+        return StepPlan(key[0], key[1], mixed, group=group, rows=rows, grow=list(zip(short, pages)), preempt=preempt)
 
     def _mixed(self, standing: _Standing, rows: slice) -> list[WorkItem]:
         """The waiting prompts a group step takes in beside its rows: from the
