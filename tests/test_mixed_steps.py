@@ -212,8 +212,8 @@ async def test_no_pages_leak_from_mixed_steps_with_aborts(hf_folder: Path) -> No
 
 
 def test_a_step_that_preempts_its_rows_admits_no_new_ones() -> None:
-    pool = PagePool(4, 4)
-    held = pool.allocate(3)  # three rows of one page each, all needing another
+    pool = PagePool(8, 4)
+    held = pool.allocate(6)  # three rows of two pages each, all needing another: the youngest goes
     caps = {("llm", "prefill"): ModeCaps(8, 64), DECODE: ModeCaps(8, 64)}
     sched = Scheduler(caps, {"llm": pool}, grow_pages=True, mix={"llm": frozenset({"prefill", "decode"})})
 
@@ -222,10 +222,11 @@ def test_a_step_that_preempts_its_rows_admits_no_new_ones() -> None:
             return list(range(self.rows))
 
         def pages(self, row: int) -> list[int]:
-            return [held[row]]
+            return held[2 * row:2 * row + 2]
     sched.add_group(DECODE, Short(3, mixes=True))
     sched.running["llm"] = 3
     sched.add(_prompt("new", 3, pool))
     sched._groups[0].group.ticket = -2  # the group's turn first
     plan = sched.schedule()
-    assert plan.group is not None and plan.preempt and plan.items == []
+    assert plan.group is not None and plan.preempt == [2] and plan.items == []
+    assert pool.num_free == 2  # what the new row would have taken
