@@ -21,14 +21,18 @@ from dataclasses import dataclass
 from mstar.scheduler.pages import PagePool
 
 
-def page_keys(ids: Sequence[int], page_size: int, salt: bytes = b"") -> tuple[bytes, ...]:
+def page_keys(ids: Sequence[int], page_size: int, salt: bytes = b"",
+              columns: Sequence[Sequence[int]] = ()) -> tuple[bytes, ...]:
     """The hash chain of the full pages of `ids` (a prompt's token ids from
-    position 0): one key per full page."""
+    position 0): one key per full page. `columns`: more per-token ints that
+    decide the KV (a multimodal prompt's positions), hashed along."""
     keys: list[bytes] = []
     parent = salt
     for start in range(0, len(ids) - page_size + 1, page_size):
         h = hashlib.blake2b(parent, digest_size=16)
         h.update(array("q", ids[start:start + page_size]).tobytes())
+        for column in columns:
+            h.update(array("q", column[start:start + page_size]).tobytes())
         parent = h.digest()
         keys.append(parent)
     return tuple(keys)

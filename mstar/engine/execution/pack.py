@@ -38,19 +38,27 @@ class PackedRows:
 
 
 def pack_kv(rows: list[dict[str, torch.Tensor]], reads: list[dict[str, str]], kv: list[KVRow],
-            sig: Mode, axes: int, plan: Planner, device: torch.device) -> PackedRows:
+            sig: Mode, axes: int, plan: Planner, device: torch.device,
+            skips: list[int] | None = None) -> PackedRows:
     """`rows[i]`: row i's inputs by signature name; `reads[i]`: the walk value
     each came from (errors name it); `kv[i]`: its KV row (a `reset` mode
-    starts it over); `axes`: of the component's positions.
+    starts it over); `axes`: of the component's positions; `skips[i]`: the
+    first tokens of row i's query whose KV its pages hold already (a prefix
+    cache hit): the step computes the rest, with their positions and the
+    embeddings that stand for them.
     Raises `ValueError` for a row whose inputs disagree with its tokens (the
     worker then runs the rows alone, and that row fails by itself)."""
     assert sig.query is not None
     query = sig.input(sig.query)
-    ids: list[torch.Tensor] = []
+    skips = skips or [0] * len(rows)
+    full: list[torch.Tensor] = []
     for row in rows:
         q = row[query.name]
         # a query of embeddings stands for every token of the row: its ids are placeholders
-        ids.append(q.reshape(-1) if query.kind is Kind.IDS else torch.zeros(q.shape[0], dtype=torch.long))
+        full.append(q.reshape(-1) if query.kind is Kind.IDS else torch.zeros(q.shape[0], dtype=torch.long))
+    if any(skips):
+        rows = [_skipped(row, sig, ids, skip) for row, ids, skip in zip(rows, full, skips)]
+    ids = [t[skip:] for t, skip in zip(full, skips)]
     lens = [t.numel() for t in ids]
     query_start = torch.zeros(len(rows) + 1, dtype=torch.long)
     query_start[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.long), 0)
@@ -81,9 +89,33 @@ def pack_kv(rows: list[dict[str, torch.Tensor]], reads: list[dict[str, str]], kv
         extra=extra,
         start_positions=start_positions,
     )
-    # embeddings' placeholder ids are no tokens the row saw (a talker's repetition penalty is over its own codes)
-    seen = ids if query.kind is Kind.IDS else [t[:0] for t in ids]
+    # embeddings' placeholder ids are no tokens the row saw (a talker's repetition penalty is over its own
+    # codes); a repetition penalty sees the whole prompt, cached or not
+    seen = full if query.kind is Kind.IDS else [t[:0] for t in ids]
     return PackedRows(batch, seen, lens, deltas)
+
+
+def _skipped(row: dict[str, torch.Tensor], sig: Mode, ids: torch.Tensor, skip: int) -> dict[str, torch.Tensor]:
+    """Row inputs less their first `skip` tokens: the query's, the rows of
+    embeddings standing for them, their positions (a given input keeps its
+    largest position, which sets the row's rope delta, in its last token)."""
+    if not skip:
+        return row
+    out = dict(row)
+    for inp in sig.inputs:
+        value = row.get(inp.name)
+        if value is None:
+            continue
+        if inp.name == sig.query:
+            out[inp.name] = value.reshape(-1)[skip:] if inp.kind is Kind.IDS else value[skip:]
+        elif inp.kind is Kind.EMBEDS:
+            out[inp.name] = value[int((ids[:skip] == inp.at).sum()):] if inp.at is not None else value[skip:]
+        elif inp.kind is Kind.POSITIONS:
+            pos = value.reshape(inp.axes, -1)
+            if pos.shape[-1] > skip and pos[:, skip:].max() < pos.max():
+                raise ValueError(f"the cached prefix of '{inp.name}' holds its largest position")
+            out[inp.name] = pos[:, skip:]
+    return out
 
 
 def step_indices(ids: list[torch.Tensor], positions: torch.Tensor, query_start: torch.Tensor,

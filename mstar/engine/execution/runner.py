@@ -121,7 +121,7 @@ class ComponentRunner:
         sig = self.spec.signatures.get(batch.mode)
         banned = [item.payload.banned for item in batch.items]
         if self.kv is not None and sig is not None:
-            return self._run_signed(inputs, parts, branches, sig, fn, banned)
+            return self._run_signed(inputs, parts, branches, sig, fn, banned, [item.done for item in batch.items])
         if any(p.current_step() is not step and p.current_step() != step for p in parts[1:]):
             # one call names its values after one step: the row-by-row retry runs each row's own
             raise RuntimeError(f"rows of one {step.label} step read or write different values")
@@ -208,10 +208,11 @@ class ComponentRunner:
         return values, logprobs, ends
 
     def _run_signed(self, inputs: list[dict[str, torch.Tensor]], parts: list[PartitionRun], branches: list[str],
-                    sig: Mode, fn: Callable, banned: list[tuple[int, ...]]) -> StepOutput:
+                    sig: Mode, fn: Callable, banned: list[tuple[int, ...]], skips: list[int]) -> StepOutput:
         """A KV step of a mode with a signature: every bound input packed by
-        name (`pack_kv`), the TOKEN output sampled from the mode's "logits",
-        the others named by the binding."""
+        name (`pack_kv`; `skips`: each row's first tokens that a prefix cache
+        hit put in its pages already), the TOKEN output sampled from the
+        mode's "logits", the others named by the binding."""
         assert self.kv is not None and self.attention is not None
         steps = [p.current_step() for p in parts]
         bound = [step_bindings(s, sig) for s in steps]
@@ -232,7 +233,7 @@ class ComponentRunner:
         def plan(*args) -> AttentionContext | None:  # a replay plans its bucket's metadata itself
             plans.append(args)
             return None if graphs is not None else self.attention.plan(*args)
-        packed = pack_kv(rows, reads, kv, sig, self.spec.position_axes, plan, self.device)
+        packed = pack_kv(rows, reads, kv, sig, self.spec.position_axes, plan, self.device, skips)
         packed.batch.state = self._state_rows([r.slot for r in kv])
         draws = steps[0].draws
         if draws is not None:
