@@ -17,19 +17,19 @@ from typing import Callable
 import torch
 
 from mstar.engine.worker.cursor import Cursor
-from mstar.engine.worker.groups.group_shape import group_shape
+from mstar.engine.worker.groups.joining import join_group
 from mstar.engine.worker.groups.loop_group import Leave, LoopGroup
 from mstar.engine.worker.prompt_rows import PromptRow, prompt_row
 from mstar.engine.messages import Finished, Submit
 from mstar.engine.worker.rows import PartitionRun, RequestRun, StreamItem, Work
 from mstar.engine.worker.streaming.buffer import StreamBuffer
-from mstar.engine.worker.stop_rules import banned_ids, loop_key, stop_ids
+from mstar.engine.worker.stop_rules import banned_ids
 from mstar.engine.worker.streaming.edges import Send, Streams
 from mstar.engine.movement.tensor_store import TensorRef, TensorStore
 from mstar.engine.movement.transfer import to_device
 from mstar.engine.worker.turns import Turns
 from mstar.errors import ConfigError
-from mstar.graph import Component, ForkRows, Kind, Run, Step, WalkPlan, step_bindings
+from mstar.graph import Component, ForkRows, Kind, Step, WalkPlan, step_bindings
 from mstar.scheduler import PagePool, Scheduler, WorkItem
 
 
@@ -147,7 +147,7 @@ class Walker:
         if ins.enters and (not part.loops or part.loops[-1].loop != ins.checks):
             assert ins.checks is not None
             self.cursor.push(part, ins.checks)  # the loop starts with this step's write
-        if ins.checks is not None and self._join_group(part, ins):
+        if ins.checks is not None and join_group(self, part, ins):
             return
         inputs: dict[str, TensorRef | list[StreamItem] | int] = {}
         stream = part.plan.stream
@@ -253,73 +253,6 @@ class Walker:
         if ins is None or not ins.enters or self.lazy_pages:
             return 0
         return part.loops[-1].cap or 0
-
-    def _join_group(self, part: PartitionRun, ins: Run) -> bool:
-        """Hand a token loop to its `LoopGroup`; False when the loop does not
-        qualify (a body other than one step of a sampling KV component reading
-        back its own token, and what `group_shape` allows besides; a
-        collection, no write cap, or pages that do not cover the cap) and runs
-        item by item. A row whose step reads its stream joins once the next
-        item is there (until then it parks as any consumer does)."""
-        assert ins.checks is not None
-        loop = part.plan.loops[ins.checks].loop
-        step = ins.step
-        if (ins.enters or loop.body != (step,) or loop.collect is not None
-                or step.component not in self.token_loops):
-            return False
-        comp = self.components.get(step.component)
-        row = part.row(step.component)
-        shape = group_shape(comp, step, loop.value, part.plan.stream)
-        if shape is None:
-            return False  # reads or writes what a group does not carry
-        more_input = part.request.walk.more_input is not None
-        if more_input and (shape.reads_more or (comp is not None and comp.state)):
-            # a group computes a step past a row's stop before it knows; a state updated in place (or a stream
-            # item taken) by that dead step would be wrong for the next turn
-            return False
-        if shape.fed is not None:
-            if not self.streams.ready(part) or self._reads_stream_later(part, ins):
-                return False
-        if row.swapped is not None:  # preempted while it waited outside: an item step swaps its KV back first
-            return False
-        frame = part.loops[-1]
-        cap, count = frame.cap, frame.count
-        pool = self.pools[step.component]
-        if cap is None or (not self.lazy_pages and pool.pages_for(row.kv_len + cap - count) > len(row.pages)):
-            return False
-        key = (part.request.walk.name, part.name, part.pc)
-        group = self.groups.get(key)
-        if group is None:
-            stream = None
-            if self.device.type == "cuda":
-                stream = self.group_streams.get(step.component)
-                if stream is None:
-                    urgent = comp is not None and comp.urgent
-                    stream = self.group_streams[step.component] = torch.cuda.Stream(self.device,
-                                                                                     priority=-1 if urgent else 0)
-            group = self.groups[key] = LoopGroup(step.component, step.mode, loop, self.device, shape,
-                                                 comp.position_axes if comp is not None else 1, stream)
-            self.scheduler.add_group((step.component, step.mode), group)
-        if not len(group):
-            group.ticket = self.scheduler.ticket()
-        token = self.store.take(part.values.pop(loop.value), part.request_id)
-        reads = step_bindings(step, comp.signatures[step.mode])[0] if shape.carried else {}
-        carried = {name: self.store.take(part.values.pop(reads[name]), part.request_id) for name in shape.carried}
-        group.join(part, token, count, cap, stop_ids(part, loop), carried,
-                   part.request.sampling[loop_key(part, loop)].min_tokens)
-        part.busy = True
-        return True
-
-    @staticmethod
-    def _reads_stream_later(part: PartitionRun, ins: Run) -> bool:
-        """A step after `ins`'s top-level loop (or around it) reads the stream
-        too: a group's speculative step past a row's stop takes an item, which
-        such a step would then miss."""
-        assert part.plan.stream is not None
-        if len(part.loops) != 1:
-            return True
-        program = part.plan.program
-        return any(isinstance(i, Run) and part.plan.stream.as_ in i.step.inputs for i in program[part.pc + 1:])
 
     def preempted(self, leave: Leave, pages: int, slot: bool) -> None:
         """A group row was preempted (its `pages` freed, its KV in host
