@@ -19,7 +19,7 @@ from mstar.engine.execution.runner import ComponentRunner
 from mstar.graph import Component
 from standing_group import FakeGroup
 from mstar.scheduler import ModeCaps, PagePool, Scheduler, WorkItem
-from mstar.scheduler.scheduler import MIXED_ROWS
+from mstar.scheduler.scheduler import MIXED_MIN_CHUNK, MIXED_ROWS
 from mstar.types import GenerateRequest, SamplingParams
 
 pytest.importorskip("transformers")
@@ -71,15 +71,20 @@ def test_prompts_ride_along_only_where_they_and_the_group_may() -> None:
     sched.schedule()
     sched.add(_prompt("a", 5, pool))
     assert sched.schedule().items == []
+    sched, pool = _sched(max_tokens=40, rows=3)  # a long prompt would creep along in chunks of 37
+    assert 40 - 3 < MIXED_MIN_CHUNK
+    sched.schedule()
+    sched.add(_prompt("long", 200, pool))
+    assert sched.schedule().items == [] and sched.schedule().items[0].request_id == "long"
 
 
 def test_mix_tokens_caps_what_a_mixed_step_takes_and_the_rest_rides_later() -> None:
-    pool = PagePool(64, 4)
+    pool = PagePool(128, 4)
     caps = {("llm", "prefill"): ModeCaps(8, 1024), DECODE: ModeCaps(8, 1024)}
-    sched = Scheduler(caps, {"llm": pool}, mix={"llm": frozenset({"prefill", "decode"})}, mix_tokens={"llm": 10})
+    sched = Scheduler(caps, {"llm": pool}, mix={"llm": frozenset({"prefill", "decode"})}, mix_tokens={"llm": 100})
     sched.add_group(DECODE, FakeGroup(3, mixes=True))
     sched.schedule()
-    long = _prompt("long", 25, pool)
+    long = _prompt("long", 250, pool)
     sched.add(long)
     chunks = []
     while True:
@@ -90,7 +95,7 @@ def test_mix_tokens_caps_what_a_mixed_step_takes_and_the_rest_rides_later() -> N
             break
         long.granted = []
         sched.next_chunk(long)
-    assert chunks == [10, 10, 5]
+    assert chunks == [100, 100, 50]
 
 
 def test_a_mixed_step_takes_at_most_MIXED_ROWS_new_rows() -> None:
@@ -179,7 +184,7 @@ async def test_outputs_are_the_same_mixed_or_not(hf_folder: Path, device: str) -
     mixed, steps = await _outputs(hf_folder, True, 8192, False, device)
     assert steps > 0
     _same(mixed, alone)
-    chunked, steps = await _outputs(hf_folder, True, 24, True, device)  # chunks of a prompt in several steps
+    chunked, steps = await _outputs(hf_folder, True, 90, True, device)  # chunks of a prompt in several steps
     assert steps > 0
     _same(chunked, alone)
 
@@ -230,3 +235,26 @@ def test_a_step_that_preempts_its_rows_admits_no_new_ones() -> None:
     plan = sched.schedule()
     assert plan.group is not None and plan.preempt == [2] and plan.items == []
     assert pool.num_free == 2  # what the new row would have taken
+
+
+async def test_a_failing_mixed_step_fails_its_new_rows_and_the_group_steps_on(hf_folder: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    import mstar.engine.execution.runner as runner_module
+
+    def broken(*args, **kwargs):
+        raise ValueError("a new row's table is broken")
+    monkeypatch.setattr(runner_module, "mixed_inputs", broken)
+    eng = Engine(EngineConfig(model=str(hf_folder), scheduler=SchedulerConfig(page_size=4, num_pages=256)))
+    await eng.start()
+    try:
+        running = asyncio.ensure_future(_run(eng, "running", [1, 5, 9], SamplingParams(
+            max_tokens=60, temperature=0.0, ignore_eos=True)))
+        await asyncio.sleep(0.05)
+        request = GenerateRequest("new", eng.model_name, {"prompt_ids": [1, 7, 8, 9]}, SamplingParams(max_tokens=4))
+        chunks = [c async for c in eng.submit(request)]
+        assert "a new row's table is broken" in (chunks[-1].error or "")
+        tokens, _ = await running  # the running row stepped on, alone
+        assert len(tokens) == 60
+        assert eng.workers[0].stats.failed_steps == 0
+    finally:
+        await eng.shutdown()

@@ -40,11 +40,14 @@ from dataclasses import dataclass
 
 from mstar.scheduler.pages import PagePool
 from mstar.scheduler.plan import StandingGroup, StepPlan
-from mstar.scheduler.prefix_cache import PrefixCache
+from mstar.scheduler.prefix_cache import PrefixCache, page_keys
 from mstar.scheduler.work import ModeCaps, QueueKey, WorkItem
 
 # new rows a mixed step takes at most: its CUDA graphs are captured for that many
 MIXED_ROWS = 4
+# a prompt that would ride in chunks smaller than this (a group leaving little of the step's token cap) takes
+# steps of its own instead, or a long prompt would creep a few tokens a step
+MIXED_MIN_CHUNK = 64
 
 
 @dataclass(eq=False, slots=True)
@@ -300,6 +303,13 @@ class Scheduler:
         item.ticket = next(self._tickets)
         self._insert(self._queues[item.key], item, lend=False)
 
+    def cache_pages(self, component: str, ids: list[int], pages: list[int]) -> None:
+        """A row that ends held `ids` from position 0 in its full `pages`
+        (its prompt and what it generated): for rows that start the same way."""
+        cache = self.caches.get(component)
+        if cache is not None and pages:
+            cache.insert(page_keys(ids, cache.pool.page_size, salt=component.encode()), pages)
+
     def cache_prefix(self, item: WorkItem, pages: list[int]) -> None:
         """`item`'s step has run: its row's first `pages` hold its prompt's
         full pages, for rows that start the same way."""
@@ -348,7 +358,7 @@ class Scheduler:
         if room < 1 or not queues:
             return []
         key = min(queues)[1]
-        if self._admission_waits(key):
+        if self._admission_waits(key) or room < min(MIXED_MIN_CHUNK, self._queues[key][0].remaining):
             return []
         items = self._take(key, min(MIXED_ROWS, self.caps[key].max_rows), room, chunks_only=True)
         if any(i.starts_row for i in items):

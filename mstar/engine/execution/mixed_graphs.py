@@ -114,7 +114,8 @@ class MixedGraphs:
         self.fence.wait()  # the previous step's inputs have landed: the staging is free
         ids, pos, rows = self._pinned_ids, self._pinned_positions, self._pinned_rows
         ids[:b + t].zero_()
-        ids[b:b + k].copy_(m.new_ids)
+        if m.new_ids.device.type == "cpu":
+            ids[b:b + k].copy_(m.new_ids)
         pos[:b + t].zero_()
         pos[:n].copy_(m.positions[:n])
         pos[b:b + k].copy_(m.positions[n:])
@@ -124,6 +125,8 @@ class MixedGraphs:
         rows[b + new_rows:b + self.rows] = b + k + torch.arange(self.rows - new_rows)  # the slots' padding tokens
         self._ids[:b + t].copy_(ids[:b + t], non_blocking=True)
         self._ids[:n].copy_(m.group_tokens)  # in stream order, after the staged copy
+        if m.new_ids.device.type != "cpu":
+            self._ids[b:b + k].copy_(m.new_ids)
         self._positions[:b + t].copy_(pos[:b + t], non_blocking=True)
         self._logits_rows[:b + self.rows].copy_(rows[:b + self.rows], non_blocking=True)
         self.attention.plan_mixed_graph(b, t, m.context_lens[:n], m.block_tables[:n],

@@ -118,11 +118,12 @@ class MixedContext(FlashInferContext):
     def attend(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor:
         k_pages, v_pages = self.cache.layer(layer)
         q_scale = scale * math.sqrt(q.shape[-1])
+        dtype = q.dtype
         q = q.to(k_pages.dtype).contiguous()
         out = torch.empty_like(q)
         self.wrapper.run(q[:self.split], (k_pages, v_pages), q_scale=q_scale, out=out[:self.split])
         self.prefill.run(q[self.split:], (k_pages, v_pages), q_scale=q_scale, out=out[self.split:])
-        return out
+        return out.to(dtype)
 
 
 class _PrefillBucket:

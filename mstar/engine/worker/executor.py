@@ -303,13 +303,23 @@ class Executor:
         t0 = time.perf_counter()
         n = sl.stop - sl.start
         launched: Pending | None = None
-        mixed = MixedItems.take(self._admit(plan.items, runner), runner) if plan.items else None
+        mixed = self._take_mixed(plan, runner)
         if n:
             try:
                 fed = self.walker.streams.take_items(group.rows[sl]) if group.shape.fed is not None else None
                 with torch.profiler.record_function(f"mstar.{group.component}.{group.mode}"), group.stream.on():
                     group.stream.after_worker()
-                    launch = runner.run_group(group, sl, fed, mixed.rows if mixed else None)
+                    try:
+                        launch = runner.run_group(group, sl, fed, mixed.rows if mixed else None)
+                    except Exception as e:
+                        if mixed is None:
+                            raise
+                        # the group's state is as it was: its rows step alone, the new rows fail
+                        log.exception("mixed step failed", device=self.name, component=group.component,
+                                      rows=n, new_rows=len(mixed.items))
+                        self._fail(Batch(group.component, mixed.items[0].mode, mixed.items), f"{type(e).__name__}: {e}")
+                        mixed = None
+                        launch = runner.run_group(group, sl, fed)
                     launched = group.launched(sl, launch.tokens, launch.logprobs, launch.extras)
                     if mixed is not None:
                         mixed.launch = launch
@@ -342,17 +352,31 @@ class Executor:
             self._inflight.pop(group, None)
         if mixed is not None:  # after the previous step's host work: reading these waits for this step
             t2 = time.perf_counter()
-            outputs = mixed.outputs()
+            # they were sampled on the group's stream; the worker's reads them (and routes them) from here on
+            group.stream.worker_waits()
+            outputs = mixed.outputs(group.stream.handed_out)
             self._chunked(mixed.items, mixed.inputs)
             for out in outputs:
                 self._route(out, sampled=True)
             self.stats.mixed_s += time.perf_counter() - t2
         now = time.perf_counter()
         r = self.report
-        r.component, r.mode, r.rows = group.component, group.mode, n + (len(mixed.items) if mixed else 0)
+        r.component, r.mode, r.rows = group.component, group.mode, n
         r.step_s = now - self._group_mark.get(group, t0)
         r.device_s = waited + device
         self._group_mark[group] = now
+
+    def _take_mixed(self, plan: StepPlan, runner: ComponentRunner) -> MixedItems | None:
+        """The new rows riding in a group step, admitted, with their inputs;
+        rows whose inputs cannot be taken fail alone (None: no new row)."""
+        if not plan.items:
+            return None
+        try:
+            return MixedItems.take(self._admit(plan.items, runner), runner)
+        except Exception as e:
+            log.exception("new rows of a mixed step failed", device=self.name, component=plan.component)
+            self._fail(Batch(plan.component, plan.items[0].mode, plan.items), f"{type(e).__name__}: {e}")
+            return None
 
     def _fed_window(self, group: LoopGroup, sl: slice) -> slice:
         """Window `sl` less its rows whose stream has no item for the step
@@ -396,6 +420,10 @@ class Executor:
             items = host.tolist()  # token ids enter streams as host ints
             for i in going_on:
                 self.walker.streams.feed(p.rows[i], value, items[i])
+        if group.followed:  # rows following their ids for the prefix cache (those leaving get theirs as they go)
+            ids = host.tolist()
+            for i in going_on:
+                p.rows[i].row(group.component).sampled(ids[i])
         extras = self._group_extras(group, p, walk, keep, going_on, {leave.row for leave in leaving})
         for leave in leaving:
             self.walker.left_group(leave, {name: refs[leave.row] for name, refs in extras.items()})

@@ -35,6 +35,7 @@ class KVRow:
     slot: int | None = None           # its slot of the component's per-row state (a recurrent layer's)
     slot_new: bool = False            # its slot was zeroed for it and no step has run on it yet
     swapped_state: dict[str, torch.Tensor] | None = None  # preempted: its slot's state, in host memory
+    token_ids: list[int] | None = None  # the ids its pages hold from position 0, while they are followed
 
     @property
     def start(self) -> int:
@@ -54,6 +55,28 @@ class KVRow:
         """A branch that starts with what `main` holds, in `pages` (its full
         pages shared, a copy of its partial last one)."""
         self.pages, self.kv_len, self.rope_delta = pages, main.kv_len, main.rope_delta
+
+    def follow(self, prompt: list[int]) -> None:
+        """Follow the ids its pages hold, from its first step's `prompt` on:
+        when it ends, its full pages may enter the prefix cache, what it
+        generated included."""
+        self.token_ids = list(prompt)
+
+    def sampled(self, token: int) -> None:
+        """It sampled `token`, which its loop's next step feeds into its pages."""
+        if self.token_ids is not None:
+            self.token_ids.append(token)
+
+    def unfollow(self) -> None:
+        """A step other than its token loop's writes its pages: their ids are not known here."""
+        self.token_ids = None
+
+    def full_pages(self, page_size: int) -> tuple[list[int], list[int]]:
+        """The followed ids of its full pages, and those pages (none unfollowed)."""
+        if self.token_ids is None:
+            return [], []
+        n = min(self.kv_len, len(self.token_ids)) // page_size
+        return self.token_ids[:n * page_size], self.pages[:n]
 
     def take_slot(self, slot: int) -> None:
         """Admitted with a slot of per-row state (zeroed by the caller)."""

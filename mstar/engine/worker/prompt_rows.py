@@ -37,6 +37,7 @@ class PromptRow:
 
     chunkable: bool = False        # it may run over several steps, a chunk of its tokens each
     prefix: tuple[bytes, ...] = ()  # the keys of its prompt's full pages, for the prefix cache
+    ids: tuple[int, ...] = ()      # a name-only prompt's ids, where the cache is on (the row may follow them)
 
 
 def prompt_row(store: TensorStore, comp: Component | None, step: Step, inputs: Inputs, row: KVRow,
@@ -59,8 +60,10 @@ def prompt_row(store: TensorStore, comp: Component | None, step: Step, inputs: I
     ids = store.get(ref)
     if ids.is_floating_point():
         return PromptRow()
-    keys = page_keys(ids.reshape(-1).tolist(), page_size, salt=salt) if caching else ()
-    return PromptRow(chunkable=True, prefix=keys)
+    if not caching:
+        return PromptRow(chunkable=True)
+    prompt = ids.reshape(-1).tolist()
+    return PromptRow(chunkable=True, prefix=page_keys(prompt, page_size, salt=salt), ids=tuple(prompt))
 
 
 def _reusable(sig: Mode, step: Step) -> bool:

@@ -216,6 +216,10 @@ class Walker:
             starts_row = not row.pages
             prompt = prompt_row(self.store, self.components.get(step.component), step, inputs, row, pool.page_size,
                                 step.component in self.scheduler.caches)
+            if prompt.ids and self._follows(part):
+                row.follow(list(prompt.ids))
+            elif row.token_ids is not None and not self._loops_back(part, step):
+                row.unfollow()
         for refs in inputs.values():
             for ref in refs if isinstance(refs, list) else (refs,):
                 if isinstance(ref, TensorRef):
@@ -228,6 +232,25 @@ class Walker:
                                     payload=Work(part, inputs, branch, banned=banned), starts_row=starts_row,
                                     needs_slot=needs_slot, capped=capped, prefix=prompt.prefix,
                                     chunkable=prompt.chunkable, priority=part.request.priority))
+
+    @staticmethod
+    def _follows(part: PartitionRun) -> bool:
+        """Whether a row whose first step is under `part`'s cursor follows its
+        ids for the prefix cache: its step enters a token loop whose tokens
+        the client reads back in a later prompt (a conversation's turns), not
+        ones another partition's stream takes (speech codes), in a request
+        without later turns of its own."""
+        ins = part.instr()
+        if ins is None or ins.checks is None or part.request.walk.more_input is not None:
+            return False
+        return not part.request.walk.streams.get(part.plan.loops[ins.checks].loop.value)
+
+    @staticmethod
+    def _loops_back(part: PartitionRun, step: Step) -> bool:
+        """`step` reads back its loop's last token (item by item, outside a group)."""
+        ins = part.instr()
+        return ins is not None and ins.checks is not None and \
+            step.inputs[:1] == (part.plan.loops[ins.checks].loop.value,)
 
     def _num_tokens(self, step: Step, inputs: dict[str, TensorRef | list[StreamItem] | int]) -> int:
         """The new tokens a KV step brings: its query input's ids, or its rows
@@ -344,6 +367,11 @@ class Walker:
             for name, ref in outputs.items():
                 token = tokens.get(name) if tokens else None
                 self.streams.feed(part, name, token if token is not None else ref)
+            if tokens and ins is not None and ins.step.component in self.pools:
+                row = part.rows.get((ins.step.component, branch))
+                for name in ins.step.outputs:
+                    if row is not None and name in tokens:
+                        row.sampled(tokens[name])
         part.busy = False
         if part.plan.stream is not None and ins is not None and part.plan.stream.as_ in ins.step.inputs:
             self.streams.consumed(part)
@@ -391,9 +419,15 @@ class Walker:
         self.on_finish(Finished(rid, part.name, reason, done, error, generated))
 
     def free_pages(self, part: PartitionRun) -> None:
-        """Give the partition's KV pages back; its rows no longer run."""
+        """Give the partition's KV pages back; its rows no longer run. A row
+        that followed its ids hands its full pages to the prefix cache first
+        (what it generated too: a conversation's next turn starts with it)."""
         for row in part.rows.values():
-            if row.release(self.pools.get(row.component), self.slots.get(row.component)):
+            pool = self.pools.get(row.component)
+            if row.token_ids is not None and pool is not None:
+                ids, pages = row.full_pages(pool.page_size)
+                self.scheduler.cache_pages(row.component, ids, pages)
+            if row.release(pool, self.slots.get(row.component)):
                 self.scheduler.row_ended(row.component)
 
     def stop(self, request_id: str, partition: str) -> int:

@@ -125,6 +125,7 @@ class LoopGroup:
         self.seq = 0                        # steps launched
         self._pinned: list[torch.Tensor | None] = [None, None]
         self._events = [torch.cuda.Event(), torch.cuda.Event()] if device.type == "cuda" else []
+        self.followed = 0  # rows that follow their ids for the prefix cache (`KVRow.follow`): read their tokens
         self._left: dict[int, int] = {}           # id(row) -> the launch after which it left
         self._left_at: dict[int, list[int]] = {}  # launch seq -> ids of the rows that left after it
 
@@ -247,6 +248,7 @@ class LoopGroup:
         for p, r in zip(parts, kv):
             self._left.pop(id(p), None)
             r.into_group()  # the group's copy, if any, is the live one now
+            self.followed += r.token_ids is not None
 
     def _merged_seen(self, seens: list[torch.Tensor | None]) -> torch.Tensor | None:
         """One `seen` row per group row once any row has a repetition penalty."""
@@ -437,6 +439,7 @@ class LoopGroup:
         for i in idx:
             part = self.rows[i]
             self._left[id(part)] = seq
+            self.followed -= part.row(self.component).token_ids is not None
             if self.seen is not None:
                 part.row(self.component).keep_seen(self.stream.handed_out(self.seen[i].clone()))
         self._left_at.setdefault(seq, []).extend(id(self.rows[i]) for i in idx)

@@ -6,6 +6,7 @@ as step outputs to route (one per value name their walks give the token).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,13 +35,16 @@ class MixedItems:
     def request_ids(self) -> list[str]:
         return [item.request_id for item in self.items]
 
-    def outputs(self) -> list[StepOutput]:
+    def outputs(self, handed_out: Callable[[torch.Tensor], torch.Tensor]) -> list[StepOutput]:
         """What the rows whose prompt ended sampled, one output per value
-        name their steps write (reading them waits for the step)."""
+        name their steps write (reading them waits for the step, which the
+        caller's stream waits for); `handed_out` marks the step's tensors as
+        read on the caller's stream."""
         assert self.launch is not None and self.launch.new_tokens is not None
         ends = self.rows.ends
+        new_tokens = handed_out(self.launch.new_tokens)
         logprobs = self.launch.new_logprobs
-        host_logprobs = None if logprobs is None else logprobs.cpu()
+        host_logprobs = None if logprobs is None else handed_out(logprobs).cpu()
         by_name: dict[str, list[int]] = {}
         for j, i in enumerate(ends):
             by_name.setdefault(self.items[i].payload.part.current_step().outputs[0], []).append(j)
@@ -48,8 +52,7 @@ class MixedItems:
         for name, idx in by_name.items():
             rows = [self.items[ends[j]] for j in idx]
             pick = torch.tensor(idx, dtype=torch.long)
-            tokens = self.launch.new_tokens if len(idx) == len(ends) else self.launch.new_tokens[pick.to(
-                self.launch.new_tokens.device)]
+            tokens = new_tokens if len(idx) == len(ends) else new_tokens[pick.to(new_tokens.device)]
             out.append(StepOutput([item.payload.part for item in rows], {name: tokens},
                                   None if host_logprobs is None else host_logprobs[pick],
                                   branches=[item.payload.branch for item in rows]))
