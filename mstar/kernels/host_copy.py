@@ -2,10 +2,13 @@
 host tensors go through page-locked memory, so a copy queues behind the
 steps in flight instead of blocking the host until they finish (a copy from
 pageable memory does). Models building a step's index tensors and the
-engine's transfers both copy this way.
+engine's transfers both copy this way. A `StagingFence` says when the copies
+out of a reused page-locked buffer have landed.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -33,3 +36,27 @@ def together_on(tensors: list[torch.Tensor], device: torch.device | str) -> list
     index tensors instead of one each."""
     flat = to_device(torch.cat([t.reshape(-1) for t in tensors]), device)
     return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+
+
+class StagingFence:
+    """When a replay's host-to-device copies have landed: recorded once they
+    are queued, waited for by the next replay before it rewrites the
+    page-locked staging they read (a step is launched before the one before
+    it is read). `wait_s`: how long the last wait took."""
+
+    def __init__(self) -> None:
+        self._copied: torch.cuda.Event | None = None
+        self.wait_s = 0.0
+
+    def wait(self) -> None:
+        self.wait_s = 0.0
+        if self._copied is None:
+            self._copied = torch.cuda.Event()
+            return
+        t0 = time.perf_counter()
+        self._copied.synchronize()
+        self.wait_s = time.perf_counter() - t0
+
+    def record(self) -> None:
+        assert self._copied is not None, "record() follows wait()"
+        self._copied.record()

@@ -103,10 +103,10 @@ def decode_graphs(step: Callable[[TokenBatch], dict[str, torch.Tensor]], backend
 def mixed_graphs(step: Callable[[TokenBatch], dict[str, torch.Tensor]], backend: AttentionBackend,
                  decode: DecodeGraphs | None, device: torch.device) -> MixedGraphs | None:
     """Captured mixed-step graphs, where the backend plans them (beside the
-    decode graphs, whose staging fence they share)."""
+    decode graphs)."""
     if decode is None or not getattr(backend, "mixed_graph_buckets", None):
         return None
-    graphs = MixedGraphs(step, backend, device, decode.fence)  # type: ignore[arg-type]
+    graphs = MixedGraphs(step, backend, device)  # type: ignore[arg-type]
     graphs.capture()
     return graphs
 

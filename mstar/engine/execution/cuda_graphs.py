@@ -16,44 +16,22 @@ sharing one memory pool.
 from __future__ import annotations
 
 import bisect
-import time
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 import torch
 
 from mstar.kernels.graph_capture import capture_buckets
+from mstar.kernels.host_copy import StagingFence
 
 from mstar.types import AttentionContext, TokenBatch
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
-class StagingFence:
-    """When a replay's host-to-device copies have landed: recorded once they
-    are queued, waited for by the next replay before it rewrites the
-    page-locked staging they read (a step is launched before the one before
-    it is read). `wait_s`: how long the last wait took."""
-
-    def __init__(self) -> None:
-        self._copied: torch.cuda.Event | None = None
-        self.wait_s = 0.0
-
-    def wait(self) -> None:
-        self.wait_s = 0.0
-        if self._copied is None:
-            self._copied = torch.cuda.Event()
-            return
-        t0 = time.perf_counter()
-        self._copied.synchronize()
-        self.wait_s = time.perf_counter() - t0
-
-    def record(self) -> None:
-        assert self._copied is not None, "record() follows wait()"
-        self._copied.record()
-
-
 class GraphAttention(Protocol):
+    fence: StagingFence  # over the page-locked staging of every graph set planning into its buckets
+
     def plan_graph(self, batch_size: int, context_lens: torch.Tensor,
                    block_tables: torch.Tensor) -> AttentionContext: ...
 
@@ -83,7 +61,7 @@ class DecodeGraphs:
         self._rows = torch.arange(top, dtype=torch.long, device=device)
         self._pinned_positions = torch.empty(shape, dtype=torch.long, pin_memory=True)
         self._graphs: dict[int, _Graph] = {}
-        self.fence = StagingFence()
+        self.fence = attention.fence  # one per backend: its graph sets share its buckets' staging
 
     @property
     def max_batch(self) -> int:

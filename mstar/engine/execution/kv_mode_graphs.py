@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mstar.engine.execution.cuda_graphs import GraphAttention, StagingFence
+from mstar.engine.execution.cuda_graphs import GraphAttention
 from mstar.engine.execution.draws import DRAW_KINDS, Draws, StaticDraws
 from mstar.kernels.graph_capture import capture_buckets
 from mstar.models.base import RowShape
@@ -58,7 +58,7 @@ class KVModeGraphs:
         self._extra = {n: torch.zeros((top, *r.shape), dtype=r.dtype, device=device) for n, r in rows.items()}
         self._draws = StaticDraws(top, draws, device) if draws else None
         self._graphs: dict[tuple[int, str | None], _Graph] = {}
-        self.fence = StagingFence()
+        self.fence = attention.fence  # shared with the backend's other graph sets: one staging
 
     def _batch(self, b: int, attn: AttentionContext, kind: str | None) -> TokenBatch:
         return TokenBatch(input_ids=self._ids[:b], positions=self._positions[..., :b],

@@ -8,8 +8,8 @@ out on the scratch page). The graph's logits rows are the b decode rows,
 then one per new-row slot (its last token); a replay returns the group's n
 and those of the new rows whose prompt ends. Inputs are staged in
 page-locked memory, so a step is launched while the one before still runs;
-the staging fence is the decode graphs' own, as the two share the decode
-buckets' planning buffers. Mixed steps that fit no bucket run eagerly.
+the staging fence is the attention backend's, shared with its decode graphs,
+as they share the decode buckets' planning buffers. Mixed steps that fit no bucket run eagerly.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from mstar.engine.execution.cuda_graphs import StagingFence
+from mstar.kernels.host_copy import StagingFence
 from mstar.engine.execution.mixed import MixedInputs
 from mstar.engine.movement.transfer import to_device
 from mstar.kernels.graph_capture import capture_buckets
@@ -32,6 +32,7 @@ MIXED_TOKEN_BUCKETS = (32, 160, 512)
 
 class MixedAttention(Protocol):
     mixed_rows: int
+    fence: StagingFence
 
     @property
     def mixed_graph_buckets(self) -> list[tuple[int, int]]: ...
@@ -43,12 +44,11 @@ class MixedAttention(Protocol):
 
 class MixedGraphs:
     def __init__(self, step: Callable[[TokenBatch], dict[str, torch.Tensor]], attention: MixedAttention,
-                 device: torch.device, fence: StagingFence) -> None:
-        """`fence`: the decode graphs' (see the module docstring)."""
+                 device: torch.device) -> None:
         self.step = step
         self.attention = attention
         self.device = device
-        self.fence = fence
+        self.fence = attention.fence
         self.rows = attention.mixed_rows
         keys = attention.mixed_graph_buckets
         self.row_buckets = sorted({b for b, _ in keys})

@@ -41,7 +41,7 @@ import torch
 from mstar.engine.memory.kv_cache import KVCache, PagedDest
 from mstar.engine.memory.paged_layout import PagedLayout, build_layout, decode_bucket
 from mstar.errors import ConfigError
-from mstar.kernels.host_copy import to_device
+from mstar.kernels.host_copy import StagingFence, to_device
 from mstar.kernels.rope_kv import rope_and_store, store_kv
 from mstar.types import Rotary
 
@@ -208,6 +208,9 @@ class FlashInferAttention:
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
                                                                      use_tensor_cores=decode_tensor_cores)
         self._buckets = {b: _GraphBucket(self, b, max_pages_per_row) for b in sorted(set(graph_batch_sizes))}
+        # the graph sets replaying into these buckets (decode, mixed, a KV mode's) rewrite the same page-locked
+        # staging: each waits, through this one fence, for the last replay's copies, whichever set made it
+        self.fence = StagingFence()
         self.mixed_rows = mixed_rows
         self._prefills = {t: _PrefillBucket(self, t, mixed_rows, max_pages_per_row)
                           for t in sorted(set(mixed_tokens))} if mixed_rows and self._buckets else {}
