@@ -258,3 +258,37 @@ async def test_a_failing_mixed_step_fails_its_new_rows_and_the_group_steps_on(hf
         assert eng.workers[0].stats.failed_steps == 0
     finally:
         await eng.shutdown()
+
+
+async def test_decode_rows_of_two_walks_share_one_group_and_its_steps() -> None:
+    """Orpheus's `speak` and `generate` walks both loop on the Llama's decode:
+    their rows step together, each row's tokens going where its own walk
+    sends them (audio through the codec, token ids to the client), as they
+    do when each request runs alone."""
+    eng = Engine(EngineConfig(model="orpheus-tiny", scheduler=SchedulerConfig(page_size=4)))
+    await eng.start()
+    shared = []
+
+    def hook(report) -> None:
+        groups = list(eng.workers[0].walker.groups.values())
+        if report.mode == "decode" and groups:
+            shared.append(max(len(g) for g in groups))
+    eng.add_report_hook(hook)
+    speak = GenerateRequest("speak", eng.model_name, {"text": "hello there", "voice": None},
+                            SamplingParams(max_tokens=70, temperature=0.6, seed=2, ignore_eos=True))
+    text = GenerateRequest("text", eng.model_name, {"prompt_ids": [1, 5, 9, 13]},
+                           SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True), walk="generate")
+
+    async def run(request: GenerateRequest) -> tuple[list[int], bytes]:
+        chunks = [c async for c in eng.submit(request)]
+        assert chunks[-1].error is None
+        return [t for c in chunks for t in c.token_ids], b"".join(c.audio or b"" for c in chunks)
+    try:
+        alone = [await run(speak), await run(text)]
+        assert alone[0][1] and not alone[1][1] and len(alone[1][0]) == 30
+        shared.clear()
+        together = await asyncio.gather(run(speak), run(text))
+        assert len(eng.workers[0].walker.groups) == 1 and max(shared) == 2
+        assert list(together) == alone
+    finally:
+        await eng.shutdown()

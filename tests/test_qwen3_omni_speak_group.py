@@ -18,6 +18,7 @@ from mstar.config import EngineConfig, SchedulerConfig
 from mstar.engine.engine import Engine
 from mstar.engine.execution.runner import ComponentRunner
 from mstar.engine.worker import walker as walker_module
+from mstar.engine.worker.groups import joining as joining_module
 from mstar.engine.worker.executor import Executor
 from mstar.engine.worker.groups.loop_group import LoopGroup
 from mstar.engine.worker.rows import Frame, PartitionRun, RequestRun
@@ -87,10 +88,10 @@ def counts(monkeypatch: pytest.MonkeyPatch) -> collections.Counter:
 @pytest.fixture
 def item_by_item(monkeypatch: pytest.MonkeyPatch):
     """Turns the talker's group off: its loop runs item by item, as before groups took it."""
-    shape = walker_module.group_shape
+    shape = joining_module.group_shape
 
     def off() -> None:
-        monkeypatch.setattr(walker_module, "group_shape",
+        monkeypatch.setattr(joining_module, "group_shape",
                             lambda spec, step, value, stream=None:
                             None if step.component == "talker" else shape(spec, step, value, stream))
     return off
@@ -210,5 +211,5 @@ def test_a_group_takes_its_stream_only_when_no_later_step_reads_it() -> None:
     for name, walk in plans.items():
         plan = compile_walk(name, walk, model.components)
         part = PartitionRun(RequestRun("r", plan, {}, {}), plan.partitions["talker"], pc=1, loops=[Frame(0, 10)])
-        later[name] = walker_module.Walker._reads_stream_later(part, part.instr())
+        later[name] = joining_module._reads_stream_later(part, part.instr())
     assert later == {"speak": False, "reading": True}

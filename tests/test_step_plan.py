@@ -37,7 +37,7 @@ def _group(s: Scheduler, prompts: list[int]) -> tuple[LoopGroup, list[PartitionR
     root = WALK.partitions[WALK.root]
     loop = root.nodes[1]
     assert isinstance(loop, Loop)
-    group = LoopGroup("llm", "decode", loop, torch.device("cpu"))
+    group = LoopGroup("llm", "decode", torch.device("cpu"))
     s.add_group(DECODE, group)
     group.ticket = s.ticket()
     parts = []

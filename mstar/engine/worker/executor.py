@@ -22,7 +22,8 @@ from mstar.engine.messages import Awaiting, EmitBatch, Finished, StepReport
 from mstar.engine.movement.arena import HostArena, stage_to_host
 from mstar.engine.movement.tensor_store import TensorRef, TensorStore
 from mstar.engine.movement.transfer import select_rows
-from mstar.engine.worker.groups.loop_group import LoopGroup, Pending
+from mstar.engine.worker.groups.loop_group import LoopGroup
+from mstar.engine.worker.groups.pending import Pending, Route
 from mstar.engine.worker.forking import fork_rows
 from mstar.engine.worker.groups.mixed_items import MixedItems
 from mstar.engine.worker.outbox import Outbox
@@ -30,7 +31,7 @@ from mstar.engine.worker.streaming.peer_link import PeerLink
 from mstar.engine.worker.preemption import Preemption
 from mstar.engine.worker.stop_rules import stop_reasons
 from mstar.engine.worker.walker import FORK_MODE, Walker
-from mstar.graph import WalkPlan, step_bindings
+from mstar.graph import step_bindings
 from mstar.scheduler import Batch, Scheduler, StepPlan, WorkItem
 
 log = structlog.get_logger("mstar.worker")
@@ -402,32 +403,45 @@ class Executor:
         host = p.host.clone()  # its pinned buffer is reused two launches on; the event loop reads later
         leaving = group.finalize(p)
         valid = group.valid_rows(p)
-        value = group.loop.value
-        walk = p.rows[0].request.walk
         keep = range(len(p.rows)) if valid is None else valid
         self.stats.dropped_rows += len(p.rows) - len(keep)
-        if value in walk.emits:
-            if valid is None:
-                self.outbox.emit(self.report, EmitBatch(value, p.request_ids, p.partitions, host,
-                                                        logprobs=p.logprobs))
-            elif valid:
-                self.outbox.emit(self.report, EmitBatch(value, [p.request_ids[i] for i in valid],
-                                                        [p.partitions[i] for i in valid], host[valid],
-                                                        logprobs=None if p.logprobs is None else p.logprobs[valid]))
         gone = {id(leave.part) for leave in leaving}
         going_on = [i for i in keep if id(p.rows[i]) not in gone and not p.rows[i].done]
-        if walk.streams.get(value):
-            items = host.tolist()  # token ids enter streams as host ints
-            for i in going_on:
-                self.walker.streams.feed(p.rows[i], value, items[i])
+        routes = p.route_rows()
+        for route, idx in routes:  # one, unless rows of several walks stepped together
+            if len(routes) > 1:
+                kept = set(keep)
+                self._route_tokens(p, host, route, [i for i in idx if i in kept],
+                                   [i for i in going_on if p.routes[i] == route])
+            else:
+                self._route_tokens(p, host, route, keep, going_on)
         if group.followed:  # rows following their ids for the prefix cache (those leaving get theirs as they go)
             ids = host.tolist()
             for i in going_on:
                 p.rows[i].row(group.component).sampled(ids[i])
-        extras = self._group_extras(group, p, walk, keep, going_on, {leave.row for leave in leaving})
+        extras = self._group_extras(group, p, keep, going_on, {leave.row for leave in leaving})
         for leave in leaving:
             self.walker.left_group(leave, {name: refs[leave.row] for name, refs in extras.items()})
         return waited
+
+    def _route_tokens(self, p: Pending, host: torch.Tensor, route: Route, keep: range | list[int],
+                      going_on: list[int]) -> None:
+        """The tokens of `p`'s rows on `route`: to the clients of the rows whose
+        output counts (`keep`), and into the streams of those going on."""
+        value, walk = route.value, route.walk
+        if value in walk.emits and len(keep):
+            if len(keep) == len(p.rows):
+                self.outbox.emit(self.report, EmitBatch(value, p.request_ids, p.partitions, host,
+                                                        logprobs=p.logprobs))
+            else:
+                rows = list(keep)
+                self.outbox.emit(self.report, EmitBatch(value, [p.request_ids[i] for i in rows],
+                                                        [p.partitions[i] for i in rows], host[rows],
+                                                        logprobs=None if p.logprobs is None else p.logprobs[rows]))
+        if walk.streams.get(value):
+            items = host.tolist()  # token ids enter streams as host ints
+            for i in going_on:
+                self.walker.streams.feed(p.rows[i], value, items[i])
 
     def _emit_rows(self, name: str, data: torch.Tensor | list[torch.Tensor], idx: list[int], rids: list[str],
                    partitions: list[str], logprobs: torch.Tensor | None = None) -> None:
@@ -438,25 +452,30 @@ class Executor:
         self.outbox.emit(self.report, EmitBatch(name, [rids[i] for i in idx], [partitions[i] for i in idx], host,
                                                 blocks, None if logprobs is None else logprobs[idx]), ready)
 
-    def _group_extras(self, group: LoopGroup, p: Pending, walk: WalkPlan, keep: range | list[int],
+    def _group_extras(self, group: LoopGroup, p: Pending, keep: range | list[int],
                       going_on: list[int], left: set[int]) -> dict[str, list[TensorRef]]:
         """The hidden states a group step kept: stored once, emitted for the
-        rows whose output counts, fed to the streams of rows that go on, and
-        one reference each for the rows that leave at it (`left`; the rest
-        let theirs go)."""
+        rows whose output counts, fed to the streams of rows that go on (by
+        each row's walk), and one reference each for the rows that leave at
+        it (`left`; the rest let theirs go)."""
         out: dict[str, list[TensorRef]] = {}
         if not p.extras:
             return out
         rids = p.request_ids
+        walks = [(route.walk, set(idx)) for route, idx in p.route_rows()]
         for value, data in p.extras.items():
             group.stream.handed_out(data)
-            if value in walk.emits:
-                self._emit_rows(value, data, list(keep), rids, p.partitions)
+            emitting = [i for i in keep if any(value in w.emits and i in idx for w, idx in walks)] \
+                if len(walks) > 1 else list(keep) if value in walks[0][0].emits else []
+            if emitting:
+                self._emit_rows(value, data, emitting, rids, p.partitions)
             handle = self.store.put(data, rids)
             refs = out[value] = [TensorRef(handle, i) for i in range(len(rids))]
-            if walk.streams.get(value):
-                for i in going_on:
-                    self.walker.streams.feed(p.rows[i], value, refs[i])
+            for walk, idx in walks:
+                if walk.streams.get(value):
+                    for i in going_on:
+                        if i in idx:
+                            self.walker.streams.feed(p.rows[i], value, refs[i])
             for i in range(len(rids)):
                 if i not in left:
                     self.store.release(refs[i], rids[i])

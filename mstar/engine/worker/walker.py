@@ -18,7 +18,8 @@ import torch
 
 from mstar.engine.worker.cursor import Cursor
 from mstar.engine.worker.groups.joining import join_group
-from mstar.engine.worker.groups.loop_group import Leave, LoopGroup
+from mstar.engine.worker.groups.loop_group import LoopGroup
+from mstar.engine.worker.groups.pending import Leave
 from mstar.engine.worker.prompt_rows import PromptRow, prompt_row
 from mstar.engine.messages import Finished, Submit
 from mstar.engine.worker.rows import PartitionRun, RequestRun, StreamItem, Work
@@ -77,7 +78,7 @@ class Walker:
         self.components = components or {}
         self.slots = slots or {}  # the free state slots of components with per-row state
         self.runs: dict[str, RequestRun] = {}
-        self.groups: dict[tuple[str, str, int], LoopGroup] = {}
+        self.groups: dict[tuple, LoopGroup] = {}  # by component, mode and what a step reads and keeps
         self.group_streams: dict[str, torch.cuda.Stream] = {}  # on CUDA, per component: its groups' steps
         self.index = index
         self.cursor = Cursor(self)

@@ -1,7 +1,8 @@
 """A token loop's row joining its decode group, on the worker thread: the
 walker, at a loop's step, hands the row here; it joins the `LoopGroup` of its
-walk's program position (made on first use, with the component's CUDA
-stream), or runs item by item when the loop does not qualify.
+component's mode and step shape, whatever its walk (made on first use, with
+the component's CUDA stream), or runs item by item when the loop does not
+qualify.
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ def join_group(walker: Walker, part: PartitionRun, ins: Run) -> bool:
     pool = walker.pools[step.component]
     if cap is None or (not walker.lazy_pages and pool.pages_for(row.kv_len + cap - count) > len(row.pages)):
         return False
-    key = (part.request.walk.name, part.name, part.pc)
+    # rows of any walk whose loop steps this mode reading and keeping the same share a group (and its steps)
+    key = (step.component, step.mode, tuple(sorted(shape.extras.items())), tuple(sorted(shape.carried.items())),
+           shape.fed, shape.draws)
     group = walker.groups.get(key)
     if group is None:
         stream = None
@@ -63,7 +66,7 @@ def join_group(walker: Walker, part: PartitionRun, ins: Run) -> bool:
                 urgent = comp is not None and comp.urgent
                 stream = walker.group_streams[step.component] = torch.cuda.Stream(walker.device,
                                                                                  priority=-1 if urgent else 0)
-        group = walker.groups[key] = LoopGroup(step.component, step.mode, loop, walker.device, shape,
+        group = walker.groups[key] = LoopGroup(step.component, step.mode, walker.device, shape,
                                              comp.position_axes if comp is not None else 1, stream)
         walker.scheduler.add_group((step.component, step.mode), group)
     if not len(group):

@@ -22,7 +22,7 @@ stream (`group_stream.py`), so that two components' decode overlap.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -31,7 +31,7 @@ from mstar.engine.movement.transfer import to_device
 from mstar.engine.worker.groups.group_shape import GroupShape
 from mstar.engine.worker.groups.group_stream import GroupStream
 from mstar.engine.worker.rows import PartitionRun
-from mstar.graph import Loop
+from mstar.engine.worker.groups.pending import Leave, Pending, Route, route_of
 
 _NO_CAP = 2**62
 
@@ -47,55 +47,19 @@ class _Join:
     min_tokens: int       # writes before which its stop ids may not be drawn
 
 
-@dataclass(frozen=True)
-class Leave:
-    """A row whose stop rule held at this step (or that was taken out)."""
-
-    part: PartitionRun
-    token: torch.Tensor   # its last token, scalar on the device
-    reason: str | None
-    host_token: int | None = None  # the same token, where the host has read it already
-    row: int = -1                  # its row in the step it left at (`Pending`), where it left at one
-    carried: dict[str, torch.Tensor] = field(default_factory=dict)  # by walk value: what its next step reads back
-
-
-@dataclass(eq=False)
-class Pending:
-    """A launched step whose tokens the host has not read yet; per row, the
-    state after the step (what a row that leaves with it keeps)."""
-
-    seq: int
-    rows: list[PartitionRun]
-    request_ids: list[str]
-    partitions: list[str]
-    tokens: torch.Tensor        # [n] on the device
-    host: torch.Tensor          # [n] host copy, valid once `event` is done
-    event: torch.cuda.Event | None
-    stop_table: torch.Tensor    # [n, S]
-    kv_lens: torch.Tensor       # [n]
-    counts: torch.Tensor        # [n]
-    counters: torch.Tensor      # [n]
-    drawn: torch.Tensor         # [n] the mode's own draws under the group's draw key, after the step
-    exhausted: torch.Tensor     # [n] bool: reached the write cap with this step
-    logprobs: torch.Tensor | None = None  # [n, 1 + 2K] packed (`sampler.token_logprobs`), host copy as `host`
-    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # walk value -> [n, ...] on the device
-
-    def wait(self) -> None:
-        if self.event is not None:
-            self.event.synchronize()
-
-
 class LoopGroup:
-    def __init__(self, component: str, mode: str, loop: Loop, device: torch.device,
+    def __init__(self, component: str, mode: str, device: torch.device,
                  shape: GroupShape | None = None, axes: int = 1, stream: torch.cuda.Stream | None = None) -> None:
         """`shape`: what a step reads and keeps besides the token; `axes`: of
         the component's positions (every axis at a row's next position);
         `stream`: on CUDA, the one its steps and its tensors' updates go on
-        (the component's groups share it), beside the worker's stream."""
+        (the component's groups share it), beside the worker's stream. Rows
+        of any walks whose loops step `component.mode` the same way share a
+        group; each row's tokens go where its own walk sends them (`Route`)."""
         self.stream = GroupStream(stream, device)
         self.component = component
         self.mode = mode
-        self.loop = loop
+        self._routes: dict[Route, int] = {}  # the routes of its rows, and how many rows each
         self.device = device
         self.shape = shape or GroupShape()
         self.axes = axes
@@ -249,6 +213,8 @@ class LoopGroup:
             self._left.pop(id(p), None)
             r.into_group()  # the group's copy, if any, is the live one now
             self.followed += r.token_ids is not None
+            route = route_of(p)
+            self._routes[route] = self._routes.get(route, 0) + 1
 
     def _merged_seen(self, seens: list[torch.Tensor | None]) -> torch.Tensor | None:
         """One `seen` row per group row once any row has a repetition penalty."""
@@ -379,9 +345,11 @@ class LoopGroup:
             host = new_tokens
         counts = self.counts[sl].clone()
         exhausted = counts >= self.caps[sl]
-        pending = Pending(self.seq, self.rows[sl], self.request_ids[sl], self.partitions[sl], new_tokens, host,
+        rows = self.rows[sl]
+        routes = list(self._routes) if len(self._routes) == 1 else [route_of(part) for part in rows]
+        pending = Pending(self.seq, rows, self.request_ids[sl], self.partitions[sl], new_tokens, host,
                           event, self.stop_table[sl], self.kv_lens[sl].clone(), counts, self.counters[sl].clone(),
-                          self.drawn[sl].clone(), exhausted, logprobs, dict(extras or {}))
+                          self.drawn[sl].clone(), exhausted, logprobs, dict(extras or {}), routes)
         if bool(exhausted.any()):
             # valid in this step's output, gone from the next
             self._drop((exhausted.nonzero().flatten() + sl.start).tolist(), self.seq + 1)
@@ -440,6 +408,10 @@ class LoopGroup:
             part = self.rows[i]
             self._left[id(part)] = seq
             self.followed -= part.row(self.component).token_ids is not None
+            route = route_of(part)
+            self._routes[route] -= 1
+            if not self._routes[route]:
+                del self._routes[route]
             if self.seen is not None:
                 part.row(self.component).keep_seen(self.stream.handed_out(self.seen[i].clone()))
         self._left_at.setdefault(seq, []).extend(id(self.rows[i]) for i in idx)
