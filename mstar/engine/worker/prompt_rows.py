@@ -95,9 +95,11 @@ def _signed_keys(store: TensorStore, sig: Mode, step: Step, inputs: Inputs, page
             continue
         at = [i for i, t in enumerate(ids) if t == inp.at] if inp.at is not None else list(range(len(ids)))
         rows = store.get(ref)
-        if rows.shape[0] != len(at):
+        if rows.dim() == 0 or rows.shape[0] != len(at):
             return ()  # the step itself reports the mismatch
-        data = rows.reshape(rows.shape[0], -1).contiguous().cpu().view(torch.uint8).numpy()
+        if not len(at):
+            continue
+        data = rows.reshape(len(at), -1).contiguous().cpu().view(torch.uint8).numpy()
         for i, row in zip(at, data):
             media.setdefault(i, hashlib.blake2b(name.encode(), digest_size=8)).update(row.tobytes())
     for i, h in media.items():
