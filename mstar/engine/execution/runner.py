@@ -107,6 +107,20 @@ class ComponentRunner:
                                              for n in (names[:1] if self.kv is not None else names)})
         return out
 
+    def by_writes(self, batch: Batch) -> list[list[WorkItem]]:
+        """The batch's rows by the walk values their step writes (a chat's
+        prefill keeps only its token, a spoken chat's also the talker's rows):
+        one call each way."""
+        sig = self.spec.signatures.get(batch.mode)
+        steps = {id(item.payload.part.current_step()) for item in batch.items}
+        if sig is None or len(steps) == 1:  # rows of one walk's step (the usual case): one way
+            return [batch.items]
+        groups: dict[tuple, list[WorkItem]] = {}
+        for item in batch.items:
+            writes = step_bindings(item.payload.part.current_step(), sig)[1]
+            groups.setdefault(tuple(sorted(writes.items())), []).append(item)
+        return list(groups.values())
+
     @torch.inference_mode()
     def compute(self, batch: Batch, inputs: list[dict[str, torch.Tensor]]) -> StepOutput:
         """Forward (and sample) the rows on `inputs`. A row's state moves on

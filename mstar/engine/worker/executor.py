@@ -18,10 +18,9 @@ import structlog
 import torch
 
 from mstar.engine.execution.runner import ComponentRunner, StepOutput
-from mstar.engine.messages import Awaiting, EmitBatch, Finished, StepReport
-from mstar.engine.movement.arena import HostArena, stage_to_host
+from mstar.engine.messages import Awaiting, Finished, StepReport
+from mstar.engine.movement.arena import HostArena
 from mstar.engine.movement.tensor_store import TensorRef, TensorStore
-from mstar.engine.movement.transfer import select_rows
 from mstar.engine.worker.groups.loop_group import LoopGroup
 from mstar.engine.worker.groups.pending import Pending, Route
 from mstar.engine.worker.forking import fork_rows
@@ -31,7 +30,6 @@ from mstar.engine.worker.streaming.peer_link import PeerLink
 from mstar.engine.worker.preemption import Preemption
 from mstar.engine.worker.stop_rules import stop_reasons
 from mstar.engine.worker.walker import FORK_MODE, Walker
-from mstar.graph import step_bindings
 from mstar.scheduler import Batch, Scheduler, StepPlan, WorkItem
 
 log = structlog.get_logger("mstar.worker")
@@ -166,26 +164,12 @@ class Executor:
         batch.items = self._admit(batch.items, runner)
         if not batch.items:
             return
-        groups = self._by_writes(runner, batch)
+        groups = runner.by_writes(batch)
         if len(groups) > 1:  # rows whose walks name the mode's outputs differently: one call each way
             for items in groups:
                 self._run(Batch(batch.component, batch.mode, items), runner, time.perf_counter())
             return
         self._run(batch, runner, t0)
-
-    @staticmethod
-    def _by_writes(runner: ComponentRunner, batch: Batch) -> list[list[WorkItem]]:
-        """The batch's rows by the walk values their step writes (a chat's
-        prefill keeps only its token, a spoken chat's also the talker's rows)."""
-        sig = runner.spec.signatures.get(batch.mode)
-        steps = {id(item.payload.part.current_step()) for item in batch.items}
-        if sig is None or len(steps) == 1:  # rows of one walk's step (the usual case): one way
-            return [batch.items]
-        groups: dict[tuple, list[WorkItem]] = {}
-        for item in batch.items:
-            writes = step_bindings(item.payload.part.current_step(), sig)[1]
-            groups.setdefault(tuple(sorted(writes.items())), []).append(item)
-        return list(groups.values())
 
     def _run(self, batch: Batch, runner: ComponentRunner, t0: float) -> None:
         inputs: list[dict[str, torch.Tensor]] | None = None
@@ -266,7 +250,8 @@ class Executor:
         for name, data in out.values.items():
             emitting = [i for i, p in enumerate(parts) if name in p.request.walk.emits]
             if emitting:
-                self._emit_rows(name, data, emitting, rids, [p.name for p in parts], out.logprobs)
+                self.outbox.stage_rows(self.report, self.arena, name, data, emitting, rids, [p.name for p in parts],
+                                       out.logprobs)
             if isinstance(data, list):
                 refs[name] = [TensorRef(self.store.put(t, (rid,))) for t, rid in zip(data, rids)]
             else:
@@ -409,12 +394,9 @@ class Executor:
         going_on = [i for i in keep if id(p.rows[i]) not in gone and not p.rows[i].done]
         routes = p.route_rows()
         for route, idx in routes:  # one, unless rows of several walks stepped together
-            if len(routes) > 1:
-                kept = set(keep)
-                self._route_tokens(p, host, route, [i for i in idx if i in kept],
-                                   [i for i in going_on if p.routes[i] == route])
-            else:
-                self._route_tokens(p, host, route, keep, going_on)
+            on = set(idx) if len(routes) > 1 else None
+            self._route_tokens(p, host, route, keep if on is None else [i for i in keep if i in on],
+                               going_on if on is None else [i for i in going_on if i in on])
         if group.followed:  # rows following their ids for the prefix cache (those leaving get theirs as they go)
             ids = host.tolist()
             for i in going_on:
@@ -430,27 +412,13 @@ class Executor:
         output counts (`keep`), and into the streams of those going on."""
         value, walk = route.value, route.walk
         if value in walk.emits and len(keep):
-            if len(keep) == len(p.rows):
-                self.outbox.emit(self.report, EmitBatch(value, p.request_ids, p.partitions, host,
-                                                        logprobs=p.logprobs))
-            else:
-                rows = list(keep)
-                self.outbox.emit(self.report, EmitBatch(value, [p.request_ids[i] for i in rows],
-                                                        [p.partitions[i] for i in rows], host[rows],
-                                                        logprobs=None if p.logprobs is None else p.logprobs[rows]))
+            every = len(keep) == len(p.rows)
+            self.outbox.emit_rows(self.report, value, host, None if every else list(keep), p.request_ids,
+                                  p.partitions, p.logprobs)
         if walk.streams.get(value):
             items = host.tolist()  # token ids enter streams as host ints
             for i in going_on:
                 self.walker.streams.feed(p.rows[i], value, items[i])
-
-    def _emit_rows(self, name: str, data: torch.Tensor | list[torch.Tensor], idx: list[int], rids: list[str],
-                   partitions: list[str], logprobs: torch.Tensor | None = None) -> None:
-        """Rows `idx` of a step's output `name` to their clients."""
-        rows = [data[i] for i in idx] if isinstance(data, list) else select_rows(data.detach(), idx)
-        # no wait: the rows reach the report once copied (into the arena, freed once the engine read them)
-        host, ready, blocks = stage_to_host(rows, self.arena, stage_cpu=True)
-        self.outbox.emit(self.report, EmitBatch(name, [rids[i] for i in idx], [partitions[i] for i in idx], host,
-                                                blocks, None if logprobs is None else logprobs[idx]), ready)
 
     def _group_extras(self, group: LoopGroup, p: Pending, keep: range | list[int],
                       going_on: list[int], left: set[int]) -> dict[str, list[TensorRef]]:
@@ -468,7 +436,7 @@ class Executor:
             emitting = [i for i in keep if any(value in w.emits and i in idx for w, idx in walks)] \
                 if len(walks) > 1 else list(keep) if value in walks[0][0].emits else []
             if emitting:
-                self._emit_rows(value, data, emitting, rids, p.partitions)
+                self.outbox.stage_rows(self.report, self.arena, value, data, emitting, rids, p.partitions)
             handle = self.store.put(data, rids)
             refs = out[value] = [TensorRef(handle, i) for i in range(len(rids))]
             for walk, idx in walks:

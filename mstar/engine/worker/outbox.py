@@ -16,6 +16,8 @@ from collections import deque
 import torch
 
 from mstar.engine.messages import Awaiting, EmitBatch, Finished, StepReport
+from mstar.engine.movement.arena import HostArena, stage_to_host
+from mstar.engine.movement.transfer import select_rows
 
 
 class Outbox:
@@ -32,6 +34,27 @@ class Outbox:
             report.emits.append(batch)
         else:
             self._held.append((ready, batch))
+
+    def emit_rows(self, report: StepReport, name: str, host: torch.Tensor, idx: list[int] | None, rids: list[str],
+                  partitions: list[str], logprobs: torch.Tensor | None = None) -> None:
+        """Rows `idx` (None: all) of `host`, a step's output `name` already on
+        the host (a group's tokens), to their clients."""
+        if idx is None:
+            self.emit(report, EmitBatch(name, rids, partitions, host, logprobs=logprobs))
+            return
+        self.emit(report, EmitBatch(name, [rids[i] for i in idx], [partitions[i] for i in idx], host[idx],
+                                    logprobs=None if logprobs is None else logprobs[idx]))
+
+    def stage_rows(self, report: StepReport, arena: HostArena | None, name: str,
+                   data: torch.Tensor | list[torch.Tensor], idx: list[int], rids: list[str], partitions: list[str],
+                   logprobs: torch.Tensor | None = None) -> None:
+        """Rows `idx` of a step's output `name` to their clients, copied to the
+        host without waiting (into `arena`, freed once the engine read them):
+        they reach the report once the copy has run."""
+        rows = [data[i] for i in idx] if isinstance(data, list) else select_rows(data.detach(), idx)
+        host, ready, blocks = stage_to_host(rows, arena, stage_cpu=True)
+        self.emit(report, EmitBatch(name, [rids[i] for i in idx], [partitions[i] for i in idx], host, blocks,
+                                    None if logprobs is None else logprobs[idx]), ready)
 
     def finished(self, report: StepReport, fin: Finished | Awaiting) -> None:
         """A partition's end (or a request's wait for input), behind its emits."""
