@@ -46,19 +46,21 @@ def test_float16_codec_is_within_a_tenth_of_a_percent_of_float32() -> None:
 
 def test_codec_graphs_replay_what_eager_computes() -> None:
     codec = _codec(torch.float16)
-    graphs = ModeGraphs("codec.window", codec.window, (RowShape((WINDOW_TOKENS,), torch.long),),
-                        (1, 4, 16), torch.device("cuda"))
+    # full windows and 3-frame last windows
+    graphs = ModeGraphs("codec.window", codec.window, ((RowShape((WINDOW_TOKENS,), torch.long),),
+                                                       (RowShape((21,), torch.long),)), (1, 4, 16), torch.device("cuda"))
     assert graphs.seeded
     graphs.capture(show_progress=False)
     for n in (1, 3, 16):  # exact and padded buckets
-        tokens, seeds = _windows(n, seed=n), torch.arange(100, 100 + n, device="cuda")
-        out = graphs.run([tokens], seeds)
-        assert out is not None and out.shape == (n, 2048)
-        eager = codec.window(tokens, seeds=seeds)
-        assert (out - eager).abs().max().item() < 2e-3
+        for length, samples in ((WINDOW_TOKENS, 2048), (21, 4096)):
+            tokens, seeds = _windows(n, seed=n)[:, :length], torch.arange(100, 100 + n, device="cuda")
+            out = graphs.run([tokens], seeds)
+            assert out is not None and out.shape == (n, samples)
+            eager = codec.window(tokens, seeds=seeds)
+            assert (out - eager).abs().max().item() < 2e-3
     # what does not fit runs eagerly
     assert graphs.run([_windows(17)], torch.arange(17, device="cuda")) is None
-    assert graphs.run([_windows(2)[:, :21]], torch.arange(2, device="cuda")) is None
+    assert graphs.run([_windows(2)[:, :14]], torch.arange(2, device="cuda")) is None
     # the returned rows are copies: a later replay does not change them
     first = graphs.run([_windows(4, seed=1)], torch.arange(4, device="cuda"))
     kept = first.clone()

@@ -130,6 +130,13 @@ class Model:
         (its rows vary in shape, or a graph would not pay)."""
         return None
 
+    def graph_shapes(self, component: str, mode: str) -> tuple[tuple[RowShape, ...], ...]:
+        """Every set of per-row inputs a plain mode's graphs are captured
+        for: `graph_rows` alone unless a model lists more (a mode whose rows
+        come in a few known shapes runs none of them eagerly); () for none."""
+        rows = self.graph_rows(component, mode)
+        return () if rows is None else (rows,)
+
     def split_placement(self, num_devices: int) -> dict[str, list[int]] | None:
         """`--placement split`: component -> device indices (into --gpus);
         None: the model has no split of its own."""

@@ -114,15 +114,15 @@ def mixed_graphs(step: Callable[[TokenBatch], dict[str, torch.Tensor]], backend:
 def mode_graphs(model: Model, component: str, modes: Sequence[str], module: nn.Module, device: torch.device,
                 config: EngineConfig) -> dict[str, ModeGraphs]:
     """Captured graphs of the plain modes the model declares row shapes for
-    (`Model.graph_rows`), by mode; empty where graphs cannot or should not run."""
+    (`Model.graph_shapes`), by mode; empty where graphs cannot or should not run."""
     if config.enforce_eager or device.type != "cuda":
         return {}
     graphs = {}
     for mode in modes:
-        rows = model.graph_rows(component, mode)
-        if rows is None:
+        shapes = model.graph_shapes(component, mode)
+        if not shapes:
             continue
-        graphs[mode] = ModeGraphs(f"{component}.{mode}", getattr(module, mode), rows,
+        graphs[mode] = ModeGraphs(f"{component}.{mode}", getattr(module, mode), shapes,
                                   halfway_buckets(config.cuda_graph_batch_sizes), device)
         graphs[mode].capture()
     return graphs

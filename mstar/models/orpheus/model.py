@@ -43,7 +43,7 @@ from mstar.models.base import RowShape
 from mstar.models.llama import LlamaModel
 from mstar.models.llama.config import LlamaConfig
 from mstar.models.llama.model import LlamaDecoder
-from mstar.models.orpheus.codec import WINDOW_TOKENS, OrpheusCodec
+from mstar.models.orpheus.codec import WINDOW_FRAMES, WINDOW_TOKENS, OrpheusCodec
 from mstar.models.orpheus.tokens import (AUDIO_END_IDS, AUDIO_TOKEN_BASE, AUDIO_TOKEN_END, DEFAULT_VOICE,
                                          END_OF_TEXT, FRAME_TOKENS, ORPHEUS_VOCAB_SIZE, START_OF_SPEECH, VOICES,
                                          prompt_ids, turn_after, voice_text)
@@ -145,9 +145,12 @@ class OrpheusModel(LlamaModel):
             lean_toward_audio(decoder, self.audio_lean)
         return decoder
 
-    def graph_rows(self, component: str, mode: str) -> tuple[RowShape, ...] | None:
-        # a full window is the codec's every step but a stream's last
-        return (RowShape((WINDOW_TOKENS,), torch.long),) if (component, mode) == ("codec", "window") else None
+    def graph_shapes(self, component: str, mode: str) -> tuple[tuple[RowShape, ...], ...]:
+        # a full window is the codec's every step but a stream's last, which holds 2 or 3 frames (fewer
+        # decode nothing): those are graphs too, or the streams ending in a step wait for an eager call
+        if (component, mode) != ("codec", "window"):
+            return ()
+        return tuple((RowShape((frames * FRAME_TOKENS,), torch.long),) for frames in range(WINDOW_FRAMES, 1, -1))
 
     def _snac(self, device: torch.device) -> SnacDecoder:
         folder = self.snac_path if self.snac_path is not None and self.snac_path.is_dir() else None

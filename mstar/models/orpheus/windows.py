@@ -32,5 +32,7 @@ class PlayedWindows(SlidingWindow):
         # window `cut` would start here; from its second stride on nothing was
         # played, and a consumer of whole frames needs that stride whole
         if total - start >= 2 * self.stride:
-            return [(start, total)]
+            # whole strides only: the consumer drops a trailing partial frame anyway, and a short window
+            # then comes in one of a few lengths, each with CUDA graphs of its own
+            return [(start, start + (total - start) // self.stride * self.stride)]
         return []
