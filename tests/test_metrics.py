@@ -134,3 +134,7 @@ async def test_metrics_after_some_requests(engine: Engine, http: aiohttp.ClientS
     hits = value(samples, "mstar_prefix_cache_hits_total", component="llm")
     assert queries > hits >= 64 and hits % 16 == 0  # the second prompt's full pages, all but its last token's
     assert value(samples, "mstar_prefix_cache_pages", component="llm") >= 4
+    # the worker's CPU time in decode steps: positive, and within the wall time of the phases it ran
+    wall = sum(value(samples, "mstar_worker_seconds_total", phase=ph) for ph in ("launch", "finalize", "wait"))
+    cpu = sum(value(samples, "mstar_worker_cpu_seconds_total", phase=ph) for ph in ("launch", "finalize"))
+    assert 0 < cpu <= wall * 1.05 + 1e-3

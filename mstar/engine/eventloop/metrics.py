@@ -169,6 +169,13 @@ class EngineMetrics:
                    "(reading and routing the new rows of mixed steps, a wait for their step included).",
                    [((("device", w.name), ("phase", ph)), getattr(w.stats, f"{ph}_s")) for w in workers
                     for ph in ("launch", "finalize", "wait", "mixed")]),
+            family("mstar_worker_cpu_seconds_total", "counter",
+                   "A worker thread's CPU time in the launch and finalize phases of decode group steps, its waits "
+                   "for the device included (the driver spins while it waits): what the launch, finalize and wait "
+                   "phases of mstar_worker_seconds_total add up to beyond it, the thread was ready but not running "
+                   "(another thread held the GIL, or the OS ran something else).",
+                   [((("device", w.name), ("phase", ph)), getattr(w.stats, f"{ph}_cpu_s")) for w in workers
+                    for ph in ("launch", "finalize")]),
             family("mstar_mixed_steps_total", "counter",
                    "Decode group steps that took new rows' prompt tokens in, eager or as a CUDA graph.",
                    [((("device", w.name), ("graph", g)), n) for w in workers

@@ -45,6 +45,10 @@ class WorkerStats:
     wait_s: float = 0.0       # blocked on the device for the previous step
     launch_s: float = 0.0     # planning, graph replay, sampling launch, group bookkeeping
     finalize_s: float = 0.0   # reading the previous step: stop rules, emits, routing
+    # the worker thread's CPU time in launch and finalize (device waits included): what wall time adds
+    # beyond it is time the thread could not run (the GIL held by another thread, or the OS)
+    launch_cpu_s: float = 0.0
+    finalize_cpu_s: float = 0.0
     failed_steps: int = 0
     mixed_steps: int = 0       # group steps that took new rows' prompt tokens in
     mixed_graph_steps: int = 0  # of those, replayed as CUDA graphs
@@ -286,7 +290,7 @@ class Executor:
             sl = self._fed_window(group, sl)
         runner = self.runners[group.component]
         prev = self._inflight.get(group)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         n = sl.stop - sl.start
         launched: Pending | None = None
         mixed = self._take_mixed(plan, runner)
@@ -322,7 +326,7 @@ class Executor:
                     self.stats.mixed_steps += 1
                     self.stats.mixed_graph_steps += runner.mixed_replayed
                     self.stats.mixed_rows += len(mixed.items)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         # on CUDA the runner only waited for the previous step's inputs to land;
         # on the CPU it computed (synchronously) for that long
         device = runner.device_s if n else 0.0
@@ -332,6 +336,8 @@ class Executor:
         self.stats.wait_s += blocked
         self.stats.launch_s += t1 - t0 - (device if self.device.type == "cuda" else 0.0)
         self.stats.finalize_s += time.perf_counter() - t1 - waited
+        self.stats.launch_cpu_s += c1 - c0
+        self.stats.finalize_cpu_s += time.thread_time() - c1
         if launched is not None:
             self._inflight[group] = launched
         else:
