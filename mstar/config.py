@@ -95,6 +95,7 @@ class ServerConfig:
     body_timeout: float = 60.0            # seconds for a body to arrive in full (0: none); streamed-in: idle
     media_workers: int = field(default_factory=default_media_workers)  # processes decoding audio and images
     media_limits: MediaLimits = field(default_factory=MediaLimits)
+    profiling: bool = False               # POST /debug/profile: torch's profiler over a worker while serving
 
 
 def parse_devices(spec: str) -> tuple[str, ...]:
@@ -224,6 +225,9 @@ def build_parser(builtin_models: Sequence[str] = ()) -> argparse.ArgumentParser:
     p.add_argument("--allowed-origins", default="",
                    help="comma-separated browser origins allowed to call (CORS), e.g. https://app.example.com; "
                         "* allows any; none: no CORS headers")
+    p.add_argument("--enable-profiling", dest="profiling", action="store_true",
+                   help="serve POST /debug/profile: torch's profiler over a few seconds of a worker while it "
+                        "serves, answered as text (it slows that worker while it runs)")
     p.add_argument("--header-timeout", type=float, default=10.0,
                    help="seconds a request's header block may take to arrive; past it the connection closes "
                         "(0: no limit)")
@@ -300,4 +304,4 @@ def parse_args(argv: list[str] | None = None, builtin_models: Sequence[str] = ()
                         allowed_origins=tuple(o.strip() for o in a.allowed_origins.split(",") if o.strip()),
                         header_timeout=a.header_timeout, body_timeout=a.body_timeout,
                         media_workers=a.media_workers or default_media_workers(),
-                        media_limits=MediaLimits(a.max_audio_seconds, a.max_image_pixels))
+                        media_limits=MediaLimits(a.max_audio_seconds, a.max_image_pixels), profiling=a.profiling)

@@ -122,6 +122,14 @@ async def _snapshot(session: aiohttp.ClientSession, url: str, a: argparse.Namesp
         (a.metrics_dir / f"metrics_{a.label}_{name}.txt").write_text(await r.text())
 
 
+async def _profile(session: aiohttp.ClientSession, url: str, a: argparse.Namespace, name: str) -> None:
+    """`--profile` seconds of the worker's steps from a third into a phase
+    (POST /debug/profile, ops by Python stack too), into `--metrics-dir`."""
+    await asyncio.sleep(a.seconds / 3)
+    async with session.post(f"{url}/debug/profile", json={"seconds": a.profile, "rows": 40, "stacks": True}) as r:
+        (a.metrics_dir / f"profile_{a.label}_{name}.txt").write_text(await r.text())
+
+
 async def bench(a: argparse.Namespace, url: str, server: Server | None) -> dict[str, Any]:
     health = await wait_healthy(url, a.startup_timeout, server)
     model = health["model"]
@@ -138,9 +146,12 @@ async def bench(a: argparse.Namespace, url: str, server: Server | None) -> dict[
         await asyncio.sleep(a.settle)
         t_steady = time.perf_counter()
         await _snapshot(session, url, a, "steady_start")
+        profiles = [asyncio.ensure_future(_profile(session, url, a, "steady"))] if a.profile else []
         await asyncio.sleep(a.seconds)
         t_arrivals = time.perf_counter()
         await _snapshot(session, url, a, "arrivals_start")
+        if a.profile:
+            profiles.append(asyncio.ensure_future(_profile(session, url, a, "arrivals")))
         arrivals: list[asyncio.Task] = []
         n = 1000
         while time.perf_counter() - t_arrivals < a.seconds:
@@ -149,6 +160,7 @@ async def bench(a: argparse.Namespace, url: str, server: Server | None) -> dict[
             await asyncio.sleep(a.every)
         t_arrivals_end = time.perf_counter()
         await _snapshot(session, url, a, "arrivals_end")
+        await asyncio.gather(*profiles)
         arrived = await asyncio.gather(*arrivals)
         await asyncio.sleep(a.settle)
         long = await _long_prompt(session, url, model, a.long_prompt)
@@ -204,9 +216,16 @@ def main() -> None:
     p.add_argument("--label", default="default", help="the key of this run in --out")
     p.add_argument("--out", type=Path, default=None, help="JSON to add this run to (under --label)")
     p.add_argument("--metrics-dir", type=Path, default=None, help="save /metrics at each phase's start here")
+    p.add_argument("--profile", type=float, default=0.0, metavar="SECONDS",
+                   help="also profile the worker this long in the steady and arrivals phases (the server runs "
+                        "with --enable-profiling; the tables go to --metrics-dir; the profiler slows the phases "
+                        "it runs in, so their numbers are not the benchmark's)")
     a = p.parse_args()
+    if a.profile and a.metrics_dir is None:
+        p.error("--profile writes its tables to --metrics-dir")
     signal.signal(signal.SIGTERM, on_sigterm)
-    url, server, desc = start_server(a, ["--model", a.model, "--load-format", a.load_format, "--gpus", a.gpus],
+    flags = ["--model", a.model, "--load-format", a.load_format, "--gpus", a.gpus]
+    url, server, desc = start_server(a, flags + (["--enable-profiling"] if a.profile else []),
                                      "bench_scheduler_server_")
     try:
         result = run_async(bench(a, url, server))

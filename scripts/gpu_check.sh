@@ -29,6 +29,8 @@
 #                                   scripts/bench_scheduler.py (64 Orpheus streams; arrivals every 100 ms; a
 #                                   4,000-token prompt) labelled $SCHED_LABEL (default $MSTAR_COMMIT); with
 #                                   $SCHED_UNMIXED set, again with --no-mixed-steps
+#   scripts/gpu_check.sh scheduler-profile  bench_scheduler.py with --profile 2: the worker's ops (by Python
+#                                   stack too) in its steady and arrivals phases, served over HTTP
 #   scripts/gpu_check.sh arrivals   where the worker's time goes with new requests arriving beside 64 Orpheus
 #                                   streams (scripts/profile_tts.py --arrivals 0.1): Python's profiler, then torch's
 #   scripts/gpu_check.sh omni-bench only that benchmark
@@ -216,6 +218,10 @@ if [[ $what == scheduler ]]; then  # mixed steps, prefix cache and chunked prefi
     timeout 300 python3 scripts/bench_scheduler.py --label "${label}_unmixed" --short-tokens 140 \
         --server-args=--no-mixed-steps --out "$OUT/scheduler.json" 2>&1 | tail -30
   fi
+fi
+if [[ $what == scheduler-profile ]]; then  # where the worker's time goes in bench_scheduler's phases, over HTTP
+  timeout 300 python3 scripts/bench_scheduler.py --label "${SCHED_LABEL:-${MSTAR_COMMIT:-local}}_profiled" \
+      --short-tokens 140 --profile 2 --metrics-dir "$OUT" 2>&1 | grep -v "\[info" | tail -12
 fi
 if [[ $what == arrivals ]]; then
   for how in "--cprofile 45" ""; do

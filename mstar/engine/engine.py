@@ -177,11 +177,12 @@ class Engine:
                           tuple(m.voices), m.default_sampling(), tuple(m.input_modalities), m.tts_walk,
                           m.spoken_chat_walk, tts)]
 
-    async def profile(self, seconds: float, worker: int = 0) -> torch.profiler.profile:
+    async def profile(self, seconds: float, worker: int = 0, stacks: bool = False) -> torch.profiler.profile:
         """torch's profiler over `seconds` of worker `worker`'s thread (its
-        steps' CPU ops and, on CUDA, their kernels)."""
+        steps' CPU ops and, on CUDA, their kernels; with `stacks`, each op's
+        Python stack). Raises RuntimeError while another profile runs there."""
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self.workers[worker].send(Profile(seconds, done))
+        self.workers[worker].send(Profile(seconds, done, stacks))
         return await asyncio.wrap_future(done)
 
     def health(self) -> dict:

@@ -73,10 +73,12 @@ class Shutdown:
 @dataclass
 class Profile:
     """Run torch's profiler on the worker thread for `seconds`, then resolve
-    `done` with the finished profiler (its `key_averages()`, traces)."""
+    `done` with the finished profiler (its `key_averages()`, traces);
+    `stacks`: record each op's Python stack too (slower)."""
 
     seconds: float
     done: concurrent.futures.Future
+    stacks: bool = False
 
 
 @dataclass(eq=False)

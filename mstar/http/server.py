@@ -21,7 +21,7 @@ from aiohttp import web
 
 from mstar.config import ServerConfig
 from mstar.errors import RequestError
-from mstar.http import demo_routes, metrics_routes
+from mstar.http import demo_routes, metrics_routes, profile_routes
 from mstar.http.openapi import routes as openapi_routes
 from mstar.http.realtime import routes as realtime_routes
 from mstar.http.speech import routes as speech_routes
@@ -156,4 +156,6 @@ def build_app(engine: Engine, *, manage_engine: bool = True, drain_s: float = DR
     app.router.add_get("/openapi.json", openapi_routes.openapi)
     app.router.add_get("/", demo_routes.index)
     app.router.add_get("/static/{name}", demo_routes.static_file)
+    if config.profiling:
+        app.router.add_post("/debug/profile", profile_routes.profile)
     return app

@@ -31,7 +31,7 @@ class WorkerProfiler:
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
-        prof = torch.profiler.profile(activities=activities)
+        prof = torch.profiler.profile(activities=activities, with_stack=msg.stacks)
         prof.start()
         self._running = (prof, time.perf_counter() + msg.seconds, msg.done)
 

@@ -1,0 +1,74 @@
+"""`POST /debug/profile` (served with `--enable-profiling`): torch's profiler
+over a few seconds of one worker's thread while the server serves, answered
+as text: the worker's phases (its `mstar.*` ranges), then its ops by their
+own CPU time and, on CUDA, by their kernels' time.
+
+This is how to see where a worker's host time goes under real HTTP load
+(the event loop and the clients beside it), which an in-process profile
+misses. The profiler slows the worker while it runs, so the route is off
+unless the server was started to allow it.
+"""
+
+from __future__ import annotations
+
+import math
+
+from aiohttp import web
+
+from mstar.http.keys import ENGINE
+from mstar.http.responses import error_response
+
+MAX_SECONDS = 60.0
+STACK_DEPTH = 8  # frames of each op's stack that tell its callers apart
+
+
+def _number(body: dict, name: str, default: float) -> float | None:
+    value = body.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+async def profile(request: web.Request) -> web.Response:
+    """Body (JSON, every field optional): `seconds` (default 2, at most 60),
+    `worker` (index into --gpus, default 0), `rows` (ops per table, default
+    30), `stacks` (also the ops by their Python stack, default false)."""
+    try:
+        body = await request.json() if request.can_read_body else {}
+    except ValueError:
+        return error_response("the body is not JSON", status=400)
+    if not isinstance(body, dict):
+        return error_response("the body must be a JSON object", status=400)
+    engine = request.app[ENGINE]
+    seconds, worker, rows = _number(body, "seconds", 2.0), _number(body, "worker", 0), _number(body, "rows", 30)
+    if seconds is None or not 0 < seconds <= MAX_SECONDS:
+        return error_response(f"seconds must be in (0, {MAX_SECONDS:g}]", status=400, param="seconds")
+    if worker is None or worker != int(worker) or not 0 <= worker < len(engine.workers):
+        return error_response(f"worker must be an index below {len(engine.workers)}", status=400, param="worker")
+    if rows is None or rows != int(rows) or not 1 <= rows <= 500:
+        return error_response("rows must be a whole number in [1, 500]", status=400, param="rows")
+    stacks = body.get("stacks", False)
+    if not isinstance(stacks, bool):
+        return error_response("stacks must be true or false", status=400, param="stacks")
+    try:
+        prof = await engine.profile(seconds, int(worker), stacks)
+    except RuntimeError as e:  # one profile per worker at a time
+        return error_response(str(e), status=409)
+    events = prof.key_averages()
+    device = engine.workers[int(worker)].name
+    cuda = device.startswith("cuda")
+    lines = [f"# {seconds:g} s of worker {int(worker)} ({device})",
+             "worker phases (CPU ms total, calls" + ("; device ms of their kernels)" if cuda else ")")]
+    for e in sorted((e for e in events if e.key.startswith("mstar.")), key=lambda e: -e.cpu_time_total):
+        kernels = f" {e.device_time_total / 1e3:10.1f}" if cuda else ""
+        lines.append(f"  {e.key:<28} {e.cpu_time_total / 1e3:10.1f} {e.count:>7}{kernels}")
+    lines += ["", "ops by their own CPU time:", events.table(sort_by="self_cpu_time_total", row_limit=int(rows),
+                                                              max_name_column_width=70)]
+    if cuda:
+        lines += ["ops by their kernels' time:", events.table(sort_by="self_cuda_time_total", row_limit=int(rows),
+                                                               max_name_column_width=70)]
+    if stacks:
+        lines += ["ops by their own CPU time and Python stack:",
+                  prof.key_averages(group_by_stack_n=STACK_DEPTH).table(
+                      sort_by="self_cpu_time_total", row_limit=int(rows), max_name_column_width=70)]
+    return web.Response(text="\n".join(lines), content_type="text/plain")
