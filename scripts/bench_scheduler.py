@@ -3,15 +3,18 @@ loopback HTTP, `--streams` long streams running, then new requests arriving.
 
 Starts the server itself (`python -m mstar.http --model orpheus-3b
 --load-format dummy --gpus 0`, plus `--server-args`) or targets `--url`.
-Phases, one after the other, over the same background:
+Phases, one after the other:
   alone     `--alone` short requests one at a time: the one-stream TTFA;
   steady    `--streams` clients in a closed loop of long requests
             (`--stream-tokens` each), measured for `--seconds` once all
-            have started: the gaps between their audio chunks;
-  arrivals  the same, plus a new short request every `--every` seconds
-            (open loop): the running streams' gaps again, and the new
-            requests' TTFA;
-  long      the same background, plus one `--long-prompt`-token prompt
+            have played and `--settle` seconds more: the gaps between
+            their audio chunks; then these clients stop;
+  arrivals  `--streams` new clients the same way, measured from the same
+            point of their streams (so a decode step reads as much KV as
+            in the steady phase), plus a new short request every
+            `--every` seconds (open loop): the running streams' gaps
+            again, and the new requests' TTFA;
+  long      the arrivals' background, plus one `--long-prompt`-token prompt
             (`/generate`, random ids, 2 new tokens): the running streams'
             chunks that came after their player ran dry (stalls) while
             it was admitted, and their largest gap then.
@@ -97,6 +100,15 @@ class Background:
     def all_playing(self) -> bool:
         return len(self.streams) >= self.a.streams and all(s.first_byte is not None for s in self.streams)
 
+    async def started(self) -> float:
+        """Start the clients; when every one is playing and `--settle` more
+        seconds have passed, the time then."""
+        self.start()
+        while not self.all_playing():
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(self.a.settle)
+        return time.perf_counter()
+
     async def stop(self) -> None:
         for t in self.tasks:
             t.cancel()
@@ -139,16 +151,17 @@ async def bench(a: argparse.Namespace, url: str, server: Server | None) -> dict[
         for n in range(2):  # first-use costs (graph replays, codec) before anything is timed
             await speak(session, url, _body(a, model, n, a.short_tokens), a.timeout)
         alone = [await speak(session, url, _body(a, model, n, a.short_tokens), a.timeout) for n in range(a.alone)]
-        bg = Background(session, url, a, model)
-        bg.start()
-        while not bg.all_playing():
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(a.settle)
-        t_steady = time.perf_counter()
+        # each phase starts its own background at the same offset: the running streams' contexts (the
+        # KV each decode step reads) are the same in both, so the gaps differ only by the arrivals
+        quiet = Background(session, url, a, model)
+        t_steady = await quiet.started()
         await _snapshot(session, url, a, "steady_start")
         profiles = [asyncio.ensure_future(_profile(session, url, a, "steady"))] if a.profile else []
         await asyncio.sleep(a.seconds)
-        t_arrivals = time.perf_counter()
+        t_steady_end = time.perf_counter()
+        await quiet.stop()
+        bg = Background(session, url, a, model)
+        t_arrivals = await bg.started()
         await _snapshot(session, url, a, "arrivals_start")
         if a.profile:
             profiles.append(asyncio.ensure_future(_profile(session, url, a, "arrivals")))
@@ -167,10 +180,10 @@ async def bench(a: argparse.Namespace, url: str, server: Server | None) -> dict[
         await asyncio.sleep(a.settle)
         t_long_end = time.perf_counter()
         await bg.stop()
-    failed = [s.error for s in [*alone, *arrived, *bg.streams] if s.error]
+    failed = [s.error for s in [*alone, *arrived, *quiet.streams, *bg.streams] if s.error]
     if not alone or not arrived:
         raise SystemExit("no request was timed")
-    steady = _gaps(bg.streams, t_steady, t_arrivals)
+    steady = _gaps(quiet.streams, t_steady, t_steady_end)
     busy = _gaps(bg.streams, t_arrivals, t_arrivals_end)
     window = (long["sent"], long["done"] + 0.5)  # the prompt's admission, and what follows it
     during = _gaps(bg.streams, *window)
@@ -192,7 +205,8 @@ async def bench(a: argparse.Namespace, url: str, server: Server | None) -> dict[
         "long_prompt_s": round(long["done"] - long["sent"], 3),
         "long_prompt_max_gap_ms": round(max(during, default=0.0) * 1e3, 1),
         "long_prompt_stalls": _stalls(bg.streams, *window),
-        "stalls_all_phases": _stalls(bg.streams, t_steady, t_long_end),
+        "stalls_all_phases": _stalls(quiet.streams, t_steady, t_steady_end) + _stalls(bg.streams, t_arrivals,
+                                                                                      t_long_end),
     }
     return result
 

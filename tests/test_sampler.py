@@ -235,3 +235,24 @@ def test_banned_ids_are_never_drawn_and_pads_ban_nothing() -> None:
         assert drawn[0] != 0 and drawn[1] not in (1, 2)
     assert banned_table([(), ()], "cpu") is None
     assert banned_table([(3,), (), (4, 5)], "cpu").tolist() == [[3, -1], [-1, -1], [4, 5]]
+
+
+def test_picked_rows_get_their_own_flags_from_the_host() -> None:
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9),
+              SamplingParams(temperature=0.0, repetition_penalty=1.3), SamplingParams(temperature=0.0, top_k=5)]
+    st = SamplingTensors.build(params, [1, 2, 3, 4], [0, 0, 0, 0], "cpu")
+    assert not st.all_greedy and st.any_penalty and st.any_filter
+    both = st.cat(SamplingTensors.build(params[:1], [5], [0], "cpu"))
+
+    def pick(s: SamplingTensors, rows: list[int]) -> SamplingTensors:
+        idx = torch.tensor(rows)
+        return s.select(idx, idx)
+
+    greedy = pick(both, [0, 3, 4])  # top_k of a greedy row filters nothing
+    assert greedy.all_greedy and not greedy.any_penalty and not greedy.any_filter
+    assert greedy.temperature.tolist() == [0.0, 0.0, 0.0]
+    sampled = pick(both, [1, 2])
+    assert not sampled.all_greedy and sampled.any_penalty and sampled.any_filter
+    # without the host's flags (a graph's bound draws) picked rows keep the flags they had
+    kept = pick(SamplingTensors(**{**st.__dict__, "host_flags": None}), [0])
+    assert not kept.all_greedy and kept.any_penalty and kept.any_filter

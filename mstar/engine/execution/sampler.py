@@ -46,6 +46,9 @@ class SamplingTensors:
     any_penalty: bool
     any_filter: bool             # any sampled row with top-k, top-p or min-p active
     any_logprobs: bool
+    # per row on the host: sampled, penalised, filtered (what the flags are made of), so that picking
+    # rows recomputes the flags without reading the device; None: picked rows keep the flags (conservative)
+    host_flags: Tensor | None = None
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], counters: Sequence[int],
@@ -53,6 +56,9 @@ class SamplingTensors:
         if not len(params) == len(seeds) == len(counters):
             raise ValueError("params, seeds and counters must have one entry per row")
         sampled = [p for p in params if p.temperature > 0]
+        host_flags = torch.tensor([[p.temperature > 0, p.repetition_penalty != 1.0,
+                                    p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0)]
+                                   for p in params], dtype=torch.bool).reshape(len(params), 3)
         # one copy to the device per dtype, not one per column: the columns are rows of two tensors
         floats = to_device(torch.tensor([[p.temperature for p in params], [p.top_p for p in params],
                                          [p.min_p for p in params], [p.repetition_penalty for p in params]],
@@ -74,6 +80,7 @@ class SamplingTensors:
             any_penalty=any(p.repetition_penalty != 1.0 for p in params),
             any_filter=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in sampled),
             any_logprobs=any(p.logprobs is not None for p in params),
+            host_flags=host_flags,
         )
 
     def rows(self, sl: slice) -> SamplingTensors:
@@ -85,7 +92,9 @@ class SamplingTensors:
         out = {}
         for f in fields(self):
             x, y = getattr(self, f.name), getattr(other, f.name)
-            if isinstance(x, Tensor):
+            if f.name == "host_flags":
+                out[f.name] = None if x is None or y is None else torch.cat([x, y])
+            elif isinstance(x, Tensor):
                 out[f.name] = torch.cat([x, y])
             else:
                 out[f.name] = x and y if f.name == "all_greedy" else x or y
@@ -98,10 +107,12 @@ class SamplingTensors:
         for name, value in out.items():
             if isinstance(value, Tensor):
                 out[name] = value[host_idx if value.device.type == "cpu" else idx]
-        sampled = out["temperature"] > 0
-        out["all_greedy"] = not bool(sampled.any())
-        out["any_penalty"] = bool((out["repetition_penalty"] != 1.0).any())
-        out["any_filter"] = bool(((out["top_k"] > 0) | (out["top_p"] < 1.0) | (out["min_p"] > 0.0))[sampled].any())
+        # from the host's copy: reading the device here would wait for the steps in flight
+        flags = out["host_flags"]
+        if flags is not None:
+            out["all_greedy"] = not bool(flags[:, 0].any())
+            out["any_penalty"] = bool(flags[:, 1].any())
+            out["any_filter"] = bool(flags[:, 2].any())
         out["any_logprobs"] = bool((out["logprobs"] != NOT_ASKED).any())
         return SamplingTensors(**out)
 
