@@ -26,12 +26,18 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class KVSpec:
     """Shape of one KV-cache component's pages (per layer: K and V of
-    [num_pages, page_size, num_kv_heads, head_dim])."""
+    [num_pages, page_size, num_kv_heads, head_dim]).
+
+    `token_rows`: outputs of every prompt token (a mode's HIDDEN rows="all"
+    outputs, by name and width) that the pages keep beside K and V while the
+    prefix cache is on, so that a prompt starting from cached pages still
+    hands every token's row on (a thinker's states for its talker)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     num_q_heads: int = 0   # the query heads attending over these pages (0: unknown)
+    token_rows: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)

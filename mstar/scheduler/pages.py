@@ -16,11 +16,14 @@ from typing import Callable
 
 
 class PagePool:
-    def __init__(self, num_pages: int, page_size: int) -> None:
+    def __init__(self, num_pages: int, page_size: int, token_rows: frozenset[str] = frozenset()) -> None:
+        """`token_rows`: the outputs whose every token's row the pages keep
+        beside the KV (`KVSpec.token_rows`)."""
         if num_pages < 1 or page_size < 1:
             raise ValueError("a page pool needs at least one page of at least one token")
         self.num_pages = num_pages
         self.page_size = page_size
+        self.token_rows = token_rows
         # Pop from the end: low page ids are handed out first, which keeps
         # small workloads in a compact, cache-friendly part of the pool.
         self._free: list[int] = list(range(num_pages - 1, -1, -1))

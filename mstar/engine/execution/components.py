@@ -8,6 +8,7 @@ the CUDA graphs of the modes the model declares row shapes for.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import structlog
@@ -23,7 +24,7 @@ from mstar.engine.memory.state_slots import StatePool
 from mstar.engine.execution.runner import ComponentRunner
 from mstar.engine.worker.groups.group_shape import graph_outputs
 from mstar.engine.movement.tensor_store import TensorStore
-from mstar.models.base import Model
+from mstar.models.base import KVSpec, Model
 from mstar.scheduler import PagePool
 
 log = structlog.get_logger("mstar.worker")
@@ -57,11 +58,19 @@ def build_runners(model: Model, names: Sequence[str], device: torch.device, stor
     num_pages = 0
     if kv_names:
         num_pages = cfg.num_pages or kv_cache_pages(
-            device, [model.kv_spec(name) for name in kv_names], cfg.page_size, dtype,
+            device, [kv_spec(model, name, config) for name in kv_names], cfg.page_size, dtype,
             gpu_memory_utilization=cfg.gpu_memory_utilization, cpu_bytes=cfg.kv_cache_memory * 2**30,
             max_model_len=model.max_model_len)
     return {name: _runner(model, name, modules[name], device, dtype, store, config, num_pages, states.get(name))
             for name in names}
+
+
+def kv_spec(model: Model, name: str, config: EngineConfig) -> KVSpec:
+    """The model's KV spec of component `name`; its token rows only while
+    the prefix cache is on (without it no prompt starts from a page another
+    prompt wrote, and the rows would take memory for nothing)."""
+    spec = model.kv_spec(name)
+    return spec if config.scheduler.prefix_caching else dataclasses.replace(spec, token_rows=())
 
 
 def _state_pool(model: Model, name: str, device: torch.device, config: EngineConfig) -> StatePool:
@@ -85,7 +94,7 @@ def _runner(model: Model, name: str, module: nn.Module, device: torch.device, dt
         return ComponentRunner(name, spec, module, device, store, None, mode_graphs=graphs_by_mode,
                                state=state), None
     cfg = config.scheduler
-    kvspec = model.kv_spec(name)
+    kvspec = kv_spec(model, name, config)
     need = -(-model.max_model_len // cfg.page_size)
     if num_pages < need:
         raise ValueError(f"{name}: {num_pages} KV pages cannot hold one request of "
@@ -109,4 +118,4 @@ def _runner(model: Model, name: str, module: nn.Module, device: torch.device, dt
     runner = ComponentRunner(name, spec, module, device, store, kv, attention, graphs, state=state,
                              kv_graphs=by_mode)
     runner.mixed_graphs = mixed
-    return runner, PagePool(num_pages, cfg.page_size)
+    return runner, PagePool(num_pages, cfg.page_size, frozenset(kv.rows))

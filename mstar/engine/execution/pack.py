@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -24,6 +24,9 @@ from mstar.kernels.host_copy import together_on
 from mstar.engine.worker.kv_rows import KVRow
 from mstar.graph import In, Kind, Mode
 from mstar.types import AttentionContext, TokenBatch
+
+if TYPE_CHECKING:
+    from mstar.engine.memory.kv_cache import KVCache
 
 # the attention plan of a step: query_start [B + 1], context lens [B], page tables, causal in
 Planner = Callable[[torch.Tensor, torch.Tensor, list[list[int]], bool], AttentionContext]
@@ -226,6 +229,31 @@ def kv_outputs(out: Mapping[str, Any], sig: Mode, writes: dict[str, str], lens: 
         data = out[name]
         values[value] = list(torch.split(data, lens)) if spec.rows == "all" else data
     return values
+
+
+def page_token_rows(values: dict[str, torch.Tensor | list[torch.Tensor]], cache: KVCache, sig: Mode,
+                    writes: dict[str, str], kv: list[KVRow], lens: list[int], skips: list[int]) -> None:
+    """The rows="all" outputs the pages keep (`KVSpec.token_rows`), in place
+    in `values` (`kv_outputs`'): each row's new tokens' rows written into its
+    pages at their slots, and the rows of the prefix a cache hit gave it (its
+    query's first `skips[i]` tokens, computed by an earlier prompt) read back
+    in front, so the output covers the whole query either way. Before the
+    rows advance: a row's new tokens start at its `kv_len`."""
+    for name, value in writes.items():
+        if name not in cache.rows:
+            continue
+        out = values[value]
+        assert isinstance(out, list)
+        whole = []
+        for row, mine, n, skip in zip(kv, out, lens, skips):
+            first = 0 if sig.reset else row.kv_len
+            at = torch.arange(first - skip, first + n)
+            slots = torch.tensor(row.pages, dtype=torch.long)[at // cache.page_size] * cache.page_size \
+                + at % cache.page_size
+            if n:
+                cache.write_rows(name, slots[skip:], mine)
+            whole.append(torch.cat([cache.read_rows(name, slots[:skip]).to(mine.dtype), mine]) if skip else mine)
+        values[value] = whole
 
 
 def named_outputs(out: Any, sig: Mode, writes: dict[str, str], label: str) -> dict[str, Any]:

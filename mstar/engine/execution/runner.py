@@ -27,7 +27,7 @@ from mstar.engine.execution.mixed import NewRows, mixed_inputs
 from mstar.engine.memory.kv_cache import KVCache
 from mstar.engine.worker.groups.loop_group import LoopGroup
 from mstar.engine.execution.mode_graphs import ModeGraphs, takes_seeds
-from mstar.engine.execution.pack import kv_outputs, pack_kv, step_indices
+from mstar.engine.execution.pack import kv_outputs, pack_kv, page_token_rows, step_indices
 from mstar.engine.execution.plain_steps import PlainSteps, step_outputs
 from mstar.engine.worker.kv_rows import KVRow
 from mstar.engine.worker.rows import PartitionRun
@@ -269,6 +269,8 @@ class ComponentRunner:
                 raise RuntimeError(f"{steps[0].label} returned {sorted(out)}: no 'logits' to sample '{token}' from")
             tokens, logprobs = self._sample(out["logits"], parts, kv, packed.ids, banned)
         values = kv_outputs(out, sig, writes, packed.lens, tokens, steps[0].label)
+        if self.kv.rows:
+            page_token_rows(values, self.kv, sig, writes, kv, packed.lens, skips)
         for r, n, delta in zip(kv, packed.lens, packed.rope_deltas):  # only now, as in `_run_tokens`
             if sig.kv == "append":
                 r.advance(n, delta, tokens is not None, reset=sig.reset)

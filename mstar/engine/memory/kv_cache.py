@@ -3,6 +3,9 @@
 Per layer, K and V are [num_pages + 1, page_size, num_kv_heads, head_dim] tensors
 allocated once at startup; rows of a step own pages through block tables, and
 attention backends write and read tokens at slot `page * page_size + offset`.
+The spec's token rows (`KVSpec.token_rows`) are [num_pages + 1, page_size,
+width] beside them, at the same slots, and go wherever the pages go (copies,
+swaps).
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ class KVCache:
                                       for _ in range(spec.num_layers)]
         self.v: list[torch.Tensor] = [torch.zeros(shape, device=self.device, dtype=dtype)
                                       for _ in range(spec.num_layers)]
+        self.rows: dict[str, torch.Tensor] = {
+            name: torch.zeros((num_pages + 1, page_size, width), device=self.device, dtype=dtype)
+            for name, width in spec.token_rows}
 
     @property
     def num_layers(self) -> int:
@@ -60,9 +66,24 @@ class KVCache:
 
     @staticmethod
     def bytes_per_page(spec: KVSpec, page_size: int, dtype: torch.dtype) -> int:
-        """Bytes one page takes over all layers, K and V."""
+        """Bytes one page takes over all layers, K and V, and its token rows."""
         itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * spec.num_layers * page_size * spec.num_kv_heads * spec.head_dim * itemsize
+        rows = sum(width for _, width in spec.token_rows)
+        return (2 * spec.num_layers * spec.num_kv_heads * spec.head_dim + rows) * page_size * itemsize
+
+    def write_rows(self, name: str, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Token rows `rows` [n, width] of output `name` at `slots` [n]."""
+        table = self.rows[name]
+        table.view(-1, table.shape[-1]).index_copy_(0, slots.to(self.device), rows.to(table.dtype))
+
+    def read_rows(self, name: str, slots: torch.Tensor) -> torch.Tensor:
+        """Token rows of output `name` at `slots` [n]: [n, width]."""
+        table = self.rows[name]
+        return table.view(-1, table.shape[-1]).index_select(0, slots.to(self.device))
+
+    def _paged(self) -> list[torch.Tensor]:
+        """Every tensor indexed by page: each layer's K and V, then the token rows."""
+        return [t for pair in zip(self.k, self.v) for t in pair] + list(self.rows.values())
 
     @classmethod
     def pages_for_memory(cls, spec: KVSpec, page_size: int, dtype: torch.dtype, memory_bytes: int | float) -> int:
@@ -88,7 +109,7 @@ class KVCache:
             return
         s = torch.tensor(src, dtype=torch.long, device=self.device)
         d = torch.tensor(dst, dtype=torch.long, device=self.device)
-        for pages in (*self.k, *self.v):
+        for pages in self._paged():
             pages.index_copy_(0, d, pages.index_select(0, s))
 
     def swap_out(self, pages: list[int]) -> "SwappedKV":
@@ -98,11 +119,10 @@ class KVCache:
         idx = torch.tensor(pages, dtype=torch.long)
         dev_idx = idx.to(self.device)
         host = []
-        for k, v in zip(self.k, self.v):
-            for t in (k, v):
-                rows = t.index_select(0, dev_idx)
-                buf = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=self.device.type == "cuda")
-                host.append(buf.copy_(rows, non_blocking=True))
+        for t in self._paged():
+            rows = t.index_select(0, dev_idx)
+            buf = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=self.device.type == "cuda")
+            host.append(buf.copy_(rows, non_blocking=True))
         return SwappedKV(host, len(pages))
 
     def swap_in(self, swapped: "SwappedKV", pages: list[int]) -> None:
@@ -110,8 +130,7 @@ class KVCache:
         if len(pages) != swapped.num_pages:
             raise ValueError(f"{swapped.num_pages} pages were swapped out, {len(pages)} given back")
         dev_idx = torch.tensor(pages, dtype=torch.long).to(self.device)
-        tensors = [t for pair in zip(self.k, self.v) for t in pair]
-        for t, saved in zip(tensors, swapped.host):
+        for t, saved in zip(self._paged(), swapped.host):
             t.index_copy_(0, dev_idx, saved.to(self.device, non_blocking=True))
 
 

@@ -9,10 +9,12 @@ pages). A sampling component's name-only token steps (token ids from
 position 0, one token out per row) may also run in parts. A step of a mode
 with a signature may start from the cache when it reads only token ids,
 embeddings standing for some of them (media) and positions, and writes only
-its sampled token and last-token states (no state of every prompt token,
-which a cached prefix would not compute): its page keys hash each token's id,
+its sampled token, last-token states, and states of every prompt token only
+where the pages keep those rows (`KVSpec.token_rows`: a cached prefix computes
+none, so its rows come from the pages): its page keys hash each token's id,
 or for a token an embedding stands for, a digest of that embedding's rows,
-and its positions. Such steps run whole.
+and its positions, salted with the rows it keeps (a page written by a step
+that kept none has none to give). Such steps run whole.
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ class PromptRow:
 
 
 def prompt_row(store: TensorStore, comp: Component | None, step: Step, inputs: Inputs, row: KVRow,
-               page_size: int, caching: bool) -> PromptRow:
+               page_size: int, caching: bool, token_rows: frozenset[str] = frozenset()) -> PromptRow:
     """How `step`, the first of `row`, may be scheduled (`caching`: its
-    component has a prefix cache)."""
+    component has a prefix cache; `token_rows`: the outputs whose every
+    token's row its pages keep)."""
     if row.pages or row.kv_len or row.swapped is not None or row.branch != "main":
         return PromptRow()
     if comp is None or not comp.samples or comp.state or any(mode.reset for mode in comp.signatures.values()):
@@ -51,8 +54,11 @@ def prompt_row(store: TensorStore, comp: Component | None, step: Step, inputs: I
     salt = step.component.encode()
     sig = comp.signatures.get(step.mode)
     if sig is not None:
-        if not caching or not _reusable(sig, step):
+        if not caching or not _reusable(sig, step, token_rows):
             return PromptRow()
+        # a step that hands on token rows reuses only pages that a step keeping the same rows wrote
+        kept = sorted(name for name in step_bindings(step, sig)[1] if name in token_rows)
+        salt += b"".join(b"|" + name.encode() for name in kept)
         return PromptRow(prefix=_signed_keys(store, sig, step, inputs, page_size, salt))
     ref = inputs.get(step.inputs[0])
     if not isinstance(ref, TensorRef):
@@ -66,7 +72,7 @@ def prompt_row(store: TensorStore, comp: Component | None, step: Step, inputs: I
     return PromptRow(chunkable=True, prefix=page_keys(prompt, page_size, salt=salt), ids=tuple(prompt))
 
 
-def _reusable(sig: Mode, step: Step) -> bool:
+def _reusable(sig: Mode, step: Step, token_rows: frozenset[str]) -> bool:
     """A signed step whose KV the prefix cache can stand for (module docstring)."""
     if sig.kv != "append" or sig.query is None or sig.input(sig.query).kind is not Kind.IDS or sig.draws:
         return False
@@ -74,7 +80,8 @@ def _reusable(sig: Mode, step: Step) -> bool:
     if any(sig.input(name).kind not in (Kind.IDS, Kind.EMBEDS, Kind.POSITIONS) for name in reads):
         return False
     outs = [sig.output(name) for name in writes]
-    return all(o is not None and (o.kind is Kind.TOKEN or (o.kind is Kind.HIDDEN and o.rows == "last"))
+    return all(o is not None and (o.kind is Kind.TOKEN or (o.kind is Kind.HIDDEN and o.rows == "last")
+                                  or (o.kind is Kind.HIDDEN and o.rows == "all" and o.name in token_rows))
                for o in outs)
 
 

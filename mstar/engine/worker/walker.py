@@ -216,7 +216,7 @@ class Walker:
                 pages, capped = max(pages, row.swapped.num_pages), False  # it ran already: the cap is for new rows
             starts_row = not row.pages
             prompt = prompt_row(self.store, self.components.get(step.component), step, inputs, row, pool.page_size,
-                                step.component in self.scheduler.caches)
+                                step.component in self.scheduler.caches, pool.token_rows)
             if prompt.ids and self._follows(part):
                 row.follow(list(prompt.ids))
             elif row.token_ids is not None and not self._loops_back(part, step):

@@ -142,8 +142,11 @@ class Qwen3OmniModel(Model):
         if component not in ("thinker", "talker"):
             raise ConfigError(f"model '{self.name}' has no KV cache for '{component}'")
         cfg = self.config.thinker if component == "thinker" else self.config.talker.decoder
+        # the thinker's pages keep each prompt token's `hidden` row (what its talker reads), so a spoken answer
+        # whose prompt starts from cached pages still hands the talker every row: a few % more memory a page
+        rows = (("hidden", cfg.hidden_size),) if component == "thinker" else ()
         return KVSpec(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
-                      num_q_heads=cfg.num_attention_heads)
+                      num_q_heads=cfg.num_attention_heads, token_rows=rows)
 
     def build_component(self, component: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
         if component == "thinker":
