@@ -45,3 +45,8 @@ class WalkError(MstarError):
 
 class ConfigError(MstarError):
     """Inconsistent engine or model configuration."""
+
+
+class ProfilerBusy(MstarError, RuntimeError):
+    """A profile was asked for while another runs in the process (torch's
+    profiler is one per process)."""

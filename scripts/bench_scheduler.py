@@ -139,6 +139,8 @@ async def _profile(session: aiohttp.ClientSession, url: str, a: argparse.Namespa
     (POST /debug/profile, ops by Python stack too), into `--metrics-dir`."""
     await asyncio.sleep(a.seconds / 3)
     async with session.post(f"{url}/debug/profile", json={"seconds": a.profile, "rows": 40, "stacks": True}) as r:
+        if r.status != 200:
+            raise SystemExit(f"the {name} phase's profile failed: HTTP {r.status} {await r.text()}")
         (a.metrics_dir / f"profile_{a.label}_{name}.txt").write_text(await r.text())
 
 

@@ -180,7 +180,10 @@ class Engine:
     async def profile(self, seconds: float, worker: int = 0, stacks: bool = False) -> torch.profiler.profile:
         """torch's profiler over `seconds` of worker `worker`'s thread (its
         steps' CPU ops and, on CUDA, their kernels; with `stacks`, each op's
-        Python stack). Raises RuntimeError while another profile runs there."""
+        Python stack). Raises `ProfilerBusy` while another profile runs in
+        the process, RuntimeError when the worker is not running."""
+        if not self.workers[worker].alive:
+            raise RuntimeError(f"the worker on {self.workers[worker].name} is not running")
         done: concurrent.futures.Future = concurrent.futures.Future()
         self.workers[worker].send(Profile(seconds, done, stacks))
         return await asyncio.wrap_future(done)

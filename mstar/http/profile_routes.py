@@ -11,10 +11,13 @@ unless the server was started to allow it.
 
 from __future__ import annotations
 
+import asyncio
 import math
 
+import torch
 from aiohttp import web
 
+from mstar.errors import ProfilerBusy
 from mstar.http.keys import ENGINE
 from mstar.http.responses import error_response
 
@@ -52,23 +55,31 @@ async def profile(request: web.Request) -> web.Response:
         return error_response("stacks must be true or false", status=400, param="stacks")
     try:
         prof = await engine.profile(seconds, int(worker), stacks)
-    except RuntimeError as e:  # one profile per worker at a time
+    except ProfilerBusy as e:  # one profile in the process at a time
         return error_response(str(e), status=409)
+    except RuntimeError as e:  # the worker is not running
+        return error_response(str(e), status=503)
+    # the tables take a while to build (seconds, with stacks): off the event loop
+    text = await asyncio.to_thread(_report, prof, seconds, int(worker), engine.workers[int(worker)].name,
+                                   int(rows), stacks)
+    return web.Response(text=text, content_type="text/plain")
+
+
+def _report(prof: torch.profiler.profile, seconds: float, worker: int, device: str, rows: int, stacks: bool) -> str:
     events = prof.key_averages()
-    device = engine.workers[int(worker)].name
     cuda = device.startswith("cuda")
-    lines = [f"# {seconds:g} s of worker {int(worker)} ({device})",
+    lines = [f"# {seconds:g} s of worker {worker} ({device})",
              "worker phases (CPU ms total, calls" + ("; device ms of their kernels)" if cuda else ")")]
     for e in sorted((e for e in events if e.key.startswith("mstar.")), key=lambda e: -e.cpu_time_total):
         kernels = f" {e.device_time_total / 1e3:10.1f}" if cuda else ""
         lines.append(f"  {e.key:<28} {e.cpu_time_total / 1e3:10.1f} {e.count:>7}{kernels}")
-    lines += ["", "ops by their own CPU time:", events.table(sort_by="self_cpu_time_total", row_limit=int(rows),
+    lines += ["", "ops by their own CPU time:", events.table(sort_by="self_cpu_time_total", row_limit=rows,
                                                               max_name_column_width=70)]
     if cuda:
-        lines += ["ops by their kernels' time:", events.table(sort_by="self_cuda_time_total", row_limit=int(rows),
+        lines += ["ops by their kernels' time:", events.table(sort_by="self_cuda_time_total", row_limit=rows,
                                                                max_name_column_width=70)]
     if stacks:
         lines += ["ops by their own CPU time and Python stack:",
                   prof.key_averages(group_by_stack_n=STACK_DEPTH).table(
-                      sort_by="self_cpu_time_total", row_limit=int(rows), max_name_column_width=70)]
-    return web.Response(text="\n".join(lines), content_type="text/plain")
+                      sort_by="self_cpu_time_total", row_limit=rows, max_name_column_width=70)]
+    return "\n".join(lines)

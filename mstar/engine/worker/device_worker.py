@@ -172,6 +172,7 @@ class DeviceWorker:
             log.error("worker died", device=self.name, error=repr(e), trace=traceback.format_exc())
         finally:
             self.alive = False
+            self.profiler.close(f"the worker on {self.name} stopped")
             self._fail_all(f"the worker on {self.name} stopped: {self.error!r}" if self.error else None)
             self._release()
 
