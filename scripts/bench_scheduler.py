@@ -14,6 +14,8 @@ Phases, one after the other:
             in the steady phase), plus a new short request every
             `--every` seconds (open loop): the running streams' gaps
             again, and the new requests' TTFA;
+  control   with `--control-streams N`, between the two: N streams and no
+            arrivals, measured the same way (the rows alone, without admissions);
   long      the arrivals' background, plus one `--long-prompt`-token prompt
             (`/generate`, random ids, 2 new tokens): the running streams'
             chunks that came after their player ran dry (stalls) while
@@ -80,8 +82,10 @@ class Background:
     """`--streams` clients, each sending its next long request when the last
     ends, until `stop` cancels them."""
 
-    def __init__(self, session: aiohttp.ClientSession, url: str, a: argparse.Namespace, model: str) -> None:
+    def __init__(self, session: aiohttp.ClientSession, url: str, a: argparse.Namespace, model: str,
+                 streams: int | None = None) -> None:
         self.session, self.url, self.a, self.model = session, url, a, model
+        self.n = streams or a.streams
         self.streams: list[Stream] = []
         self.tasks: list[asyncio.Task] = []
 
@@ -92,13 +96,13 @@ class Background:
             self.streams.append(stream)
             await speak(self.session, self.url, _body(self.a, self.model, n, self.a.stream_tokens), self.a.timeout,
                         stream)
-            n += self.a.streams
+            n += self.n
 
     def start(self) -> None:
-        self.tasks = [asyncio.ensure_future(self._client(i)) for i in range(self.a.streams)]
+        self.tasks = [asyncio.ensure_future(self._client(i)) for i in range(self.n)]
 
     def all_playing(self) -> bool:
-        return len(self.streams) >= self.a.streams and all(s.first_byte is not None for s in self.streams)
+        return len(self.streams) >= self.n and all(s.first_byte is not None for s in self.streams)
 
     async def started(self) -> float:
         """Start the clients; when every one is playing and `--settle` more
@@ -162,6 +166,16 @@ async def bench(a: argparse.Namespace, url: str, server: Server | None) -> dict[
         await asyncio.sleep(a.seconds)
         t_steady_end = time.perf_counter()
         await quiet.stop()
+        control: dict[str, float] = {}
+        if a.control_streams:  # as many streams as run with arrivals, none arriving: what the rows alone cost
+            more = Background(session, url, a, model, a.control_streams)
+            t_more = await more.started()
+            await asyncio.sleep(a.seconds)
+            gaps = _gaps(more.streams, t_more, time.perf_counter())
+            await more.stop()
+            control = {"control_streams": a.control_streams,
+                       "control_gap_p50_ms": round(percentile(gaps, 50) * 1e3, 1),
+                       "control_gap_p99_ms": round(percentile(gaps, 99) * 1e3, 1)}
         bg = Background(session, url, a, model)
         t_arrivals = await bg.started()
         await _snapshot(session, url, a, "arrivals_start")
@@ -209,6 +223,7 @@ async def bench(a: argparse.Namespace, url: str, server: Server | None) -> dict[
         "long_prompt_stalls": _stalls(bg.streams, *window),
         "stalls_all_phases": _stalls(quiet.streams, t_steady, t_steady_end) + _stalls(bg.streams, t_arrivals,
                                                                                       t_long_end),
+        **control,
     }
     return result
 
@@ -232,6 +247,9 @@ def main() -> None:
     p.add_argument("--label", default="default", help="the key of this run in --out")
     p.add_argument("--out", type=Path, default=None, help="JSON to add this run to (under --label)")
     p.add_argument("--metrics-dir", type=Path, default=None, help="save /metrics at each phase's start here")
+    p.add_argument("--control-streams", type=int, default=0, metavar="N",
+                   help="also measure N streams without arrivals (N: the rows the arrivals phase runs, from its "
+                        "/metrics): the gaps the rows alone give, against which the arrivals' own cost shows")
     p.add_argument("--profile", type=float, default=0.0, metavar="SECONDS",
                    help="also profile the worker this long in the steady and arrivals phases (the server runs "
                         "with --enable-profiling; the tables go to --metrics-dir; the profiler slows the phases "

@@ -27,8 +27,9 @@
 #                                   scripts/base_tree.sh), $BASE_COMMIT its commit
 #   scripts/gpu_check.sh scheduler  mixed-step, prefix cache and chunked prefill GPU tests, then
 #                                   scripts/bench_scheduler.py (64 Orpheus streams; arrivals every 100 ms; a
-#                                   4,000-token prompt) labelled $SCHED_LABEL (default $MSTAR_COMMIT); with
-#                                   $SCHED_UNMIXED set, again with --no-mixed-steps
+#                                   4,000-token prompt) labelled $SCHED_LABEL (default $MSTAR_COMMIT), plus
+#                                   $SCHED_ARGS (e.g. --control-streams 76); with $SCHED_UNMIXED set, again
+#                                   with --no-mixed-steps
 #   scripts/gpu_check.sh scheduler-profile  bench_scheduler.py with --profile 2: the worker's ops (by Python
 #                                   stack too) in its steady and arrivals phases, served over HTTP
 #   scripts/gpu_check.sh arrivals   where the worker's time goes with new requests arriving beside 64 Orpheus
@@ -213,7 +214,7 @@ if [[ $what == scheduler ]]; then  # mixed steps, prefix cache and chunked prefi
   tail -8 "$OUT/scheduler_tests.txt"
   label=${SCHED_LABEL:-${MSTAR_COMMIT:-local}}
   timeout 300 python3 scripts/bench_scheduler.py --label "$label" --short-tokens 140 --metrics-dir "$OUT" \
-      --out "$OUT/scheduler.json" 2>&1 | tail -30
+      ${SCHED_ARGS:-} --out "$OUT/scheduler.json" 2>&1 | tail -30
   if [[ -n ${SCHED_UNMIXED:-} ]]; then  # the same without mixed steps, in the same call
     timeout 300 python3 scripts/bench_scheduler.py --label "${label}_unmixed" --short-tokens 140 \
         --server-args=--no-mixed-steps --out "$OUT/scheduler.json" 2>&1 | tail -30
