@@ -27,7 +27,7 @@ def serve(engine: Engine, **config: object):
 
 async def test_a_profile_while_serving_names_the_decode_steps(engine: Engine) -> None:
     async with serve(engine, profiling=True) as url, aiohttp.ClientSession() as http:
-        body = {"model": "tiny-llama", "prompt": "Hello", "max_tokens": 1500, "ignore_eos": True}
+        body = {"model": "tiny-llama", "prompt": "Hello", "max_tokens": 2000, "ignore_eos": True}
 
         async def complete() -> None:
             async with http.post(url + "/v1/completions", json=body) as r:
@@ -36,10 +36,10 @@ async def test_a_profile_while_serving_names_the_decode_steps(engine: Engine) ->
 
         running = asyncio.create_task(complete())
         await asyncio.sleep(0.3)  # decoding by now
-        async with http.post(url + "/debug/profile", json={"seconds": 0.5, "rows": 10}) as r:
+        async with http.post(url + "/debug/profile", json={"seconds": 0.05, "rows": 10}) as r:
             assert r.status == 200 and r.content_type == "text/plain"
             text = await r.text()
-        async with http.post(url + "/debug/profile", json={"seconds": 0.3, "rows": 10, "stacks": True}) as r:
+        async with http.post(url + "/debug/profile", json={"seconds": 0.05, "rows": 10, "stacks": True}) as r:
             assert r.status == 200
             stacked = await r.text()
         assert not running.done(), "the completion should still be decoding"
