@@ -32,6 +32,8 @@
 #                                   with --no-mixed-steps
 #   scripts/gpu_check.sh scheduler-profile  bench_scheduler.py with --profile 2: the worker's ops (by Python
 #                                   stack too) in its steady and arrivals phases, served over HTTP
+#   scripts/gpu_check.sh sampler    the wide-vocabulary draw's GPU tests, then scripts/bench_sampler.py (it against
+#                                   the torch form, batch 1 to 256 over Orpheus's vocabulary)
 #   scripts/gpu_check.sh arrivals   where the worker's time goes with new requests arriving beside 64 Orpheus
 #                                   streams (scripts/profile_tts.py --arrivals 0.1): Python's profiler, then torch's
 #   scripts/gpu_check.sh omni-bench only that benchmark
@@ -223,6 +225,13 @@ fi
 if [[ $what == scheduler-profile ]]; then  # where the worker's time goes in bench_scheduler's phases, over HTTP
   timeout 300 python3 scripts/bench_scheduler.py --label "${SCHED_LABEL:-${MSTAR_COMMIT:-local}}_profiled" \
       --short-tokens 140 --profile 2 --metrics-dir "$OUT" 2>&1 | grep -v "\[info" | tail -12
+fi
+if [[ $what == sampler ]]; then  # the wide-vocabulary draw against the torch form: equal draws, then their times
+  timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider -k "wide_draw or draw_tokens" tests/test_kernels_gpu.py \
+      > "$OUT/sampler_tests.txt" 2>&1
+  rc=$?
+  tail -5 "$OUT/sampler_tests.txt"
+  timeout 200 python3 scripts/bench_sampler.py --batches 1 16 64 128 256 2>&1 | tee "$OUT/bench_sampler.txt"
 fi
 if [[ $what == arrivals ]]; then
   for how in "--cprofile 45" ""; do

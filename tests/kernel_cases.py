@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from mstar.kernels import activation, head_norm_rope, moe, norm, qkv_store, rope_kv, router, snake
-from mstar.kernels.sampling import draw, noise
+from mstar.kernels.sampling import draw, noise, wide_draw
 
 EPS = 1e-5
 
@@ -320,11 +320,13 @@ def same_on_replay(make_inputs: Callable[[], list[torch.Tensor]],
         torch.testing.assert_close(o, e, atol=0, rtol=0)
 
 
-def check_draw_tokens(rows: int, vocab: int, filtered: bool, dtype: torch.dtype, device: str) -> None:
+def check_draw_tokens(rows: int, vocab: int, filtered: bool, dtype: torch.dtype, device: str,
+                      kernel: Callable[..., torch.Tensor] | None = None) -> None:
     """One launch draws the token the sampler's torch form draws, row by row:
     greedy rows (temperature 0) beside sampled ones, filters alone and
     together, ties and -inf entries, logits in `dtype` read as they are,
-    draws at counter + offset."""
+    draws at counter + offset. `kernel`: the draw under test (default
+    `draw.draw_tokens_triton`)."""
     gen = torch.Generator().manual_seed(rows * 10 + vocab + filtered)
     logits = torch.randn(rows, vocab, generator=gen) * 3
     logits[:, ::7] = float("-inf")
@@ -343,10 +345,30 @@ def check_draw_tokens(rows: int, vocab: int, filtered: bool, dtype: torch.dtype,
     seeds, counters = torch.arange(rows) * 3 + 1, torch.arange(rows) * 5
     for offset in (0, 1, 14):
         args = [t.to(device) for t in (logits, temperature, top_k, top_p, min_p, seeds, counters)]
-        got = draw.draw_tokens_triton(*args, offset, filtered)
+        got = (kernel or draw.draw_tokens_triton)(*args, offset, filtered)
         assert got.dtype == torch.int64 and got.shape == (rows,)
         want = draw.draw_tokens_reference(*args, offset, filtered)
         assert got.cpu().tolist() == want.cpu().tolist(), offset
+
+
+def check_wide_draw(rows: int, vocab: int, filtered: bool, dtype: torch.dtype, device: str, block: int) -> None:
+    """`check_draw_tokens` for the draw of wide vocabularies, its row
+    streamed in blocks of `block`; plus a top-p cut that falls inside a run
+    of equal logits, and a vocabulary past one block by one token."""
+    check_draw_tokens(rows, vocab, filtered, dtype, device,
+                      lambda *a: wide_draw.draw_tokens_wide(*a, block=block))
+    if not filtered:
+        return
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(4, vocab + 1, generator=gen)
+    logits[:, 3:40] = 4.0  # 37 equal logits well above the rest: top-p ends among them
+    args = [logits.to(dtype), torch.tensor([1.0, 0.7, 1.0, 1.5]), torch.tensor([0, 0, 20, 0]),
+            torch.tensor([0.5, 0.3, 0.9, 0.97]), torch.tensor([0.0, 0.0, 0.0, 0.01]), torch.arange(4),
+            torch.arange(4) + 9]
+    args = [t.to(device) for t in args]
+    for offset in (0, 3):
+        got = wide_draw.draw_tokens_wide(*args, offset, True, block=block)
+        assert got.cpu().tolist() == draw.draw_tokens_reference(*args, offset, True).cpu().tolist(), offset
 
 
 def check_route_top_k(tokens: int, experts: int, k: int, renormalize: bool, dtype: torch.dtype, device: str) -> None:

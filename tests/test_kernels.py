@@ -12,7 +12,7 @@ from kernel_cases import (check_exponential_noise, check_fused_add_rms_norm, che
                           check_head_norm_rope, check_moe_align, check_qkv_norm_rope_store, check_rms_norm,
                           check_rope_and_store,
                           check_silu_and_mul, check_snake, check_snake_beta, check_snake_beta_held,
-                          check_draw_tokens, check_route_top_k,
+                          check_draw_tokens, check_route_top_k, check_wide_draw,
                           check_snake_dwconv, moe_inputs)
 
 from mstar.kernels import activation, fused_add_rms_norm, moe, norm, rms_norm, rope_and_store, rope_kv, silu_and_mul
@@ -287,6 +287,13 @@ def test_head_norm_rope(t, heads, d, dtype):
 @pytest.mark.parametrize("rows,vocab,dtype", [(13, 40, torch.float32), (7, 300, torch.float16)])
 def test_draw_tokens(rows, vocab, dtype, filtered):
     check_draw_tokens(rows, vocab, filtered, dtype, "cpu")
+
+
+@interpreted
+@pytest.mark.parametrize("filtered", [True, False])
+@pytest.mark.parametrize("rows,vocab,dtype,block", [(13, 40, torch.float32, 16), (7, 700, torch.float16, 128)])
+def test_wide_draw(rows, vocab, dtype, block, filtered):
+    check_wide_draw(rows, vocab, filtered, dtype, "cpu", block)
 
 
 @interpreted

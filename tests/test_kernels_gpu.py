@@ -11,6 +11,7 @@ from kernel_cases import (
     check_fused_add_rms_norm,
     check_draw_tokens,
     check_route_top_k,
+    check_wide_draw,
     check_head_norm_rope,
     check_qkv_norm_rope_store,
     check_fused_moe,
@@ -211,6 +212,13 @@ def test_head_norm_rope(t, heads, d, dtype):
                                               (32, 3072, torch.bfloat16), (5, 4096, torch.float32)])
 def test_draw_tokens(rows, vocab, dtype, filtered):
     check_draw_tokens(rows, vocab, filtered, dtype, "cuda")
+
+
+@pytest.mark.parametrize("filtered", [True, False])
+@pytest.mark.parametrize("rows,vocab,dtype,block", [(13, 40, torch.float32, 16), (64, 156940, torch.bfloat16, 2048),
+                                                    (7, 151936, torch.float32, 1024)])
+def test_wide_draw(rows, vocab, dtype, block, filtered):
+    check_wide_draw(rows, vocab, filtered, dtype, "cuda", block)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
