@@ -32,16 +32,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mstar.kernels.backend import jit, tl, use_triton
+from mstar.kernels.backend import jit, tl
 from mstar.kernels.sampling.noise import _INV_2_24, _MUL_A, _MUL_B, _ROW_SALT, _exp_noise, _row_key
 
 BLOCK = 2048  # elements a program holds at once
 CUTS = 33     # bisection steps over a 32-bit key range: enough to close it
-
-
-def wide_draws(logits: Tensor) -> bool:
-    """Whether `draw_tokens_wide` serves these logits (CUDA, through Triton)."""
-    return use_triton(logits) and logits.dim() == 2
 
 
 def draw_tokens_wide(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
