@@ -36,7 +36,8 @@ from mstar.kernels.backend import jit, tl
 from mstar.kernels.sampling.noise import _INV_2_24, _MUL_A, _MUL_B, _ROW_SALT, _exp_noise, _row_key
 
 BLOCK = 2048  # elements a program holds at once
-CUTS = 33     # bisection steps over a 32-bit key range: enough to close it
+CUTS = 33     # bisection steps over a 32-bit key range: enough to close it (a kernel argument: Triton reads
+              # no module globals)
 
 
 def draw_tokens_wide(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
@@ -56,7 +57,7 @@ def draw_tokens_wide(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: 
                                    top_k.to(torch.int64).contiguous(), top_p.float().contiguous(),
                                    min_p.float().contiguous(), seeds.to(torch.int64).contiguous(),
                                    counters.to(torch.int64).contiguous(), out, vocab, offset, _MUL_A, _MUL_B,
-                                   _ROW_SALT, _INV_2_24, FILTER=filtered, BLOCK=block, num_warps=8)
+                                   _ROW_SALT, _INV_2_24, FILTER=filtered, BLOCK=block, CUTS=CUTS, num_warps=8)
     return out
 
 
@@ -85,7 +86,7 @@ def _in_top_k(key, valid, cut, need, seen):
      any_value=("offset",))
 def _wide_draw_kernel(logits_ptr, stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr, counters_ptr,
                       out_ptr, vocab, offset, mul_a, mul_b, salt, inv_2_24, FILTER: tl.constexpr,
-                      BLOCK: tl.constexpr):
+                      BLOCK: tl.constexpr, CUTS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride
     cols = tl.arange(0, BLOCK)
