@@ -1,5 +1,5 @@
-"""The prefix cache under Qwen3-Omni's spoken answers (the tiny random model
-on the CPU): the thinker's pages keep each prompt token's `hidden` row (what
+"""The prefix cache under Qwen3-Omni's spoken answers (the tiny random model,
+float32, on the CPU and on CUDA): the thinker's pages keep each prompt token's `hidden` row (what
 the talker reads), so a spoken answer whose prompt starts from cached pages
 hands the talker every row and speaks exactly as without the cache; pages a
 text answer wrote (no rows kept) serve text answers only; without the cache
@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 import torch
 
 from mstar.config import EngineConfig, SchedulerConfig
@@ -17,6 +18,7 @@ from mstar.engine.engine import Engine
 from mstar.engine.memory.kv_cache import KVCache
 from mstar.models.base import KVSpec
 from mstar.types import GenerateRequest, SamplingParams
+from toys.serving import DEVICES
 
 PAGE = 4
 MODEL = "qwen3-omni-tiny"
@@ -50,10 +52,10 @@ CASES = [  # (name, walk, messages), served one after the other
 ]
 
 
-async def _serve(caching: bool) -> tuple[dict[str, tuple[list[int], bytes]], dict[str, int], set[str]]:
+async def _serve(caching: bool, device: str) -> tuple[dict[str, tuple[list[int], bytes]], dict[str, int], set[str]]:
     """Each case's text tokens and PCM, the thinker's prompt tokens each
     found in the cache, and the rows the thinker's pages keep."""
-    eng = Engine(EngineConfig(model=MODEL, devices=("cpu",), max_model_len=256,
+    eng = Engine(EngineConfig(model=MODEL, devices=(device,), max_model_len=256, dtype="float32",
                               scheduler=SchedulerConfig(page_size=PAGE, prefix_caching=caching)))
     await eng.start()
     out, hits = {}, {}
@@ -78,9 +80,10 @@ async def _serve(caching: bool) -> tuple[dict[str, tuple[list[int], bytes]], dic
         await eng.shutdown()
 
 
-async def test_spoken_answers_start_from_cached_pages_and_speak_as_without_them() -> None:
-    cached, hits, rows = await _serve(True)
-    plain, none, no_rows = await _serve(False)
+@pytest.mark.parametrize("device", DEVICES)
+async def test_spoken_answers_start_from_cached_pages_and_speak_as_without_them(device: str) -> None:
+    cached, hits, rows = await _serve(True, device)
+    plain, none, no_rows = await _serve(False, device)
     assert rows == {"hidden"} and not no_rows and not any(none.values())
     for name, walk, _ in CASES:
         assert cached[name][0] == plain[name][0], name
