@@ -187,7 +187,7 @@ def test_stop_cancels_the_response_and_playback(server: str, browser: Any) -> No
 
 
 def test_stream_text_adds_to_the_running_response(server: str, browser: Any) -> None:
-    open_page(browser, server, max_tokens=400, stream=True)
+    open_page(browser, server, max_tokens=200, stream=True)
     box = type_text(browser, "First part.")
     box.send_keys(Keys.ENTER)  # stream mode: Enter speaks, and while it speaks, sends more
     wait_for(browser, lambda s: s["audioBytes"] > 0, "the first audio")
