@@ -115,7 +115,7 @@ def _wide_draw_kernel(logits_ptr, stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_
         keep_k = tl.where(k > 0, tl.minimum(k, vocab), vocab)
         if keep_k < vocab:
             lo, hi = lowest, top
-            for _ in range(CUTS):
+            for _step in range(CUTS):
                 mid = lo + (hi - lo + 1) // 2
                 count = tl.full((), 0, tl.int64)
                 for start in range(0, vocab, BLOCK):
@@ -151,7 +151,7 @@ def _wide_draw_kernel(logits_ptr, stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_
         p = tl.load(top_p_ptr + row)
         if p < 1.0:
             lo, hi = lowest, top
-            for _ in range(CUTS):
+            for _step in range(CUTS):
                 mid = lo + (hi - lo + 1) // 2
                 mass = tl.full((), 0.0, tl.float32)
                 seen = tl.full((), 0, tl.int32)
