@@ -82,6 +82,16 @@ def _in_top_k(key, valid, cut, need, seen):
     return valid & ((key > cut) | (tie & (before < need))), seen + tl.sum(ties, axis=0)
 
 
+@jit
+def _kept(base, idx, vocab, div, cut, need, seen):
+    """A block's scaled logits, their keys, and top-k's kept tokens among
+    them (`_in_top_k`), with the ties seen so far."""
+    valid = idx < vocab
+    s, key = _scaled(base, idx, valid, div)
+    kept, seen = _in_top_k(key, valid, cut, need, seen)
+    return s, key, kept, seen
+
+
 @jit(per_row=("temp_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr", "seeds_ptr", "counters_ptr"),
      any_value=("offset",))
 def _wide_draw_kernel(logits_ptr, stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr, counters_ptr,
@@ -139,9 +149,7 @@ def _wide_draw_kernel(logits_ptr, stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_
     seen = tl.full((), 0, tl.int32)
     for start in range(0, vocab, BLOCK):
         idx = start + cols
-        valid = idx < vocab
-        s, key = _scaled(base, idx, valid, div)
-        kept, seen = _in_top_k(key, valid, k_cut, k_need, seen)
+        s, key, kept, seen = _kept(base, idx, vocab, div, k_cut, k_need, seen)
         total += tl.sum(tl.where(kept, tl.exp(s - m), 0.0), axis=0)
     # top-p's cut, and the mass above it
     p_cut = lowest
@@ -156,10 +164,7 @@ def _wide_draw_kernel(logits_ptr, stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_
                 mass = tl.full((), 0.0, tl.float32)
                 seen = tl.full((), 0, tl.int32)
                 for start in range(0, vocab, BLOCK):
-                    idx = start + cols
-                    valid = idx < vocab
-                    s, key = _scaled(base, idx, valid, div)
-                    kept, seen = _in_top_k(key, valid, k_cut, k_need, seen)
+                    s, key, kept, seen = _kept(base, start + cols, vocab, div, k_cut, k_need, seen)
                     mass += tl.sum(tl.where(kept & (key >= mid), tl.exp(s - m) / total, 0.0), axis=0)
                 enough = mass >= p
                 # short: everything at or above mid is above the cut, which lies below it
@@ -179,9 +184,7 @@ def _wide_draw_kernel(logits_ptr, stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_
     tied_mass = tl.full((), 0.0, tl.float32)
     for start in range(0, vocab, BLOCK):
         idx = start + cols
-        valid = idx < vocab
-        s, key = _scaled(base, idx, valid, div)
-        kept, seen = _in_top_k(key, valid, k_cut, k_need, seen)
+        s, key, kept, seen = _kept(base, idx, vocab, div, k_cut, k_need, seen)
         probs = tl.where(kept, tl.exp(s - m) / total, 0.0)
         if FILTER:
             tie = kept & (key == p_cut)
