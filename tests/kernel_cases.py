@@ -369,6 +369,11 @@ def check_wide_draw(rows: int, vocab: int, filtered: bool, dtype: torch.dtype, d
     for offset in (0, 3):
         got = wide_draw.draw_tokens_wide(*args, offset, True, block=block)
         assert got.cpu().tolist() == draw.draw_tokens_reference(*args, offset, True).cpu().tolist(), offset
+    # a +inf logit: every probability is NaN, and the first top token wins, as the torch form's rank 0
+    args[0] = args[0].clone()
+    args[0][:, vocab // 2] = float("inf")
+    got = wide_draw.draw_tokens_wide(*args, 0, True, block=block)
+    assert got.cpu().tolist() == draw.draw_tokens_reference(*args, 0, True).cpu().tolist() == [vocab // 2] * 4
 
 
 def check_route_top_k(tokens: int, experts: int, k: int, renormalize: bool, dtype: torch.dtype, device: str) -> None:

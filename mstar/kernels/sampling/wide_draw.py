@@ -145,12 +145,17 @@ def _wide_draw_kernel(logits_ptr, stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_
             k_cut = lo
             k_need = (keep_k - above).to(tl.int32)
     # the softmax's sum over top-k
+    # and the first token at the top: it wins where no score does (a +inf logit leaves every probability NaN),
+    # as the torch form's rank 0
     total = tl.full((), 0.0, tl.float32)
+    first_top = tl.full((), 0, tl.int64)
+    first_top = first_top + vocab
     seen = tl.full((), 0, tl.int32)
     for start in range(0, vocab, BLOCK):
         idx = start + cols
         s, key, kept, seen = _kept(base, idx, vocab, div, k_cut, k_need, seen)
         total += tl.sum(tl.where(kept, tl.exp(s - m), 0.0), axis=0)
+        first_top = tl.minimum(first_top, tl.min(tl.where((idx < vocab) & (key == top), idx, vocab), axis=0).to(tl.int64))
     # top-p's cut, and the mass above it
     p_cut = lowest
     p_above = tl.full((), 0.0, tl.float32)
@@ -178,8 +183,8 @@ def _wide_draw_kernel(logits_ptr, stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_
     first = 1.0 / total
     # the race over the kept tokens
     key_row = _row_key(tl.load(seeds_ptr + row), tl.load(counters_ptr + row) + offset, mul_a, mul_b, salt)
-    win = tl.full((), -1.0, tl.float32)
-    win_at = tl.full((), 0, tl.int64)
+    win = tl.full((), 0.0, tl.float32)
+    win_at = first_top
     seen = tl.full((), 0, tl.int32)
     tied_mass = tl.full((), 0.0, tl.float32)
     for start in range(0, vocab, BLOCK):
