@@ -24,12 +24,14 @@ from mstar.models.snac import SNAC_24KHZ, load_snac_decoder
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"))
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--frames", type=int, default=4)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--graphs", action="store_true", help="also time a CUDA graph replay (CUDA only)")
     parser.add_argument("--package", action="store_true", help="also time snac.SNAC.decode")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the timings, the kernels of eager calls at the largest batch, by device time")
     args = parser.parse_args()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     cfg = SNAC_24KHZ
@@ -71,6 +73,30 @@ def main() -> None:
                 package = timed(lambda c=codes: reference.decode(c), device, args.iters)
                 line += f" | snac package {package:8.2f} ms"
         print(line, flush=True)
+    if args.profile:
+        profile_kernels(decoder, cfg, args.frames, max(args.batches), device)
+
+
+def profile_kernels(decoder: torch.nn.Module, cfg, frames: int, batch: int, device: torch.device) -> None:
+    """Torch's profiler over three eager window decodes of `batch` rows: its
+    table of operators by device time, so the codec's largest kernels show."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gen = torch.Generator().manual_seed(0)
+    codes = [torch.randint(0, cfg.codebook_size, (batch, n), generator=gen).to(device)
+             for n in cfg.level_lengths(frames)]
+    seeds = torch.arange(batch, device=device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.inference_mode():
+        decoder.decode(codes, seeds=seeds)
+        with profile(activities=activities) as prof:
+            for _ in range(3):
+                decoder.decode(codes, seeds=seeds)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(f"profile: three eager decodes of {batch} windows, by {key}")
+    print(prof.key_averages().table(sort_by=key, row_limit=18, max_name_column_width=60))
 
 
 if __name__ == "__main__":

@@ -34,6 +34,9 @@
 #                                   stack too) in its steady and arrivals phases, served over HTTP
 #   scripts/gpu_check.sh sampler    the wide-vocabulary draw's GPU tests, then scripts/bench_sampler.py (it against
 #                                   the torch form, batch 1 to 256 over Orpheus's vocabulary)
+#   scripts/gpu_check.sh kvdtype    decode attention over bf16 and fp8 KV pages, CUDA and tensor cores, 64-400 rows
+#                                   (scripts/bench_kv_dtype.py), then SNAC windows' time and kernels in float16
+#                                   (scripts/bench_snac.py --profile)
 #   scripts/gpu_check.sh arrivals   where the worker's time goes with new requests arriving beside 64 Orpheus
 #                                   streams (scripts/profile_tts.py --arrivals 0.1): Python's profiler, then torch's
 #   scripts/gpu_check.sh omni-bench only that benchmark
@@ -232,6 +235,12 @@ if [[ $what == sampler ]]; then  # the wide-vocabulary draw against the torch fo
   rc=$?
   tail -5 "$OUT/sampler_tests.txt"
   timeout 200 python3 scripts/bench_sampler.py --batches 1 16 64 128 256 2>&1 | tee "$OUT/bench_sampler.txt"
+fi
+if [[ $what == kvdtype ]]; then
+  timeout 300 python3 scripts/bench_kv_dtype.py --batches 64 256 400 --context 560 --out "$OUT/kv_dtype.json" 2>&1 \
+      | tee "$OUT/bench_kv_dtype.txt" | tail -14
+  timeout 200 python3 scripts/bench_snac.py --device cuda --dtype float16 --batches 1 16 64 --graphs --profile 2>&1 \
+      | tee "$OUT/bench_snac.txt" | tail -30
 fi
 if [[ $what == arrivals ]]; then
   for how in "--cprofile 45" ""; do
