@@ -4,8 +4,11 @@ Windows of `--frames` coarse frames (4: one Orpheus window of 28 tokens,
 8192 samples) with random codes, decoded by mstar's SnacDecoder (dummy
 weights, per-row seeded noise) eagerly and, on CUDA, replayed from a CUDA
 graph; with `--package`, also by `snac.SNAC.decode` with the same weights'
-shapes (random init). Prints one line per batch size: median milliseconds per
-call and audio seconds decoded per wall second.
+shapes (random init). With `--play`, only the second frame of each window,
+as Orpheus plays it (the decoder computes what those samples depend on).
+Prints one line per batch size: median milliseconds per call and audio
+seconds a listener gets per wall second (a window's whole length, or with
+`--play` its one played frame).
 
     python scripts/bench_snac.py --device cpu --batches 1 16
     python scripts/bench_snac.py --device cuda --batches 1 16 64 --graphs --package
@@ -28,6 +31,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--frames", type=int, default=4)
     parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--play", action="store_true",
+                        help="decode only the second frame, as an Orpheus window plays it (SnacDecoder's play span)")
     parser.add_argument("--graphs", action="store_true", help="also time a CUDA graph replay (CUDA only)")
     parser.add_argument("--package", action="store_true", help="also time snac.SNAC.decode")
     parser.add_argument("--profile", action="store_true",
@@ -42,42 +47,46 @@ def main() -> None:
 
         reference = snac.SNAC(**cfg.to_dict()).eval().to(device=device, dtype=dtype)
     audio_s = args.frames * cfg.samples_per_coarse_frame / cfg.sampling_rate
+    spf = cfg.samples_per_coarse_frame
+    play = (spf, 2 * spf) if args.play else None
+    heard_s = spf / cfg.sampling_rate if play else audio_s   # what a window gives a listener
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
           f"{args.dtype}, {torch.get_num_threads()} threads, window of {args.frames} coarse frames "
-          f"({audio_s * 1e3:.0f} ms of audio)")
+          f"({audio_s * 1e3:.0f} ms of audio){', playing its second frame' if play else ''}")
     for batch in args.batches:
         gen = torch.Generator().manual_seed(batch)
         codes = [torch.randint(0, cfg.codebook_size, (batch, n), generator=gen).to(device)
                  for n in cfg.level_lengths(args.frames)]
         seeds = torch.arange(batch, device=device)
         with torch.inference_mode():
-            eager = timed(lambda c=codes, s=seeds: decoder.decode(c, seeds=s), device, args.iters)
-            line = f"batch {batch:3d}: eager {eager:8.2f} ms ({batch * audio_s / eager * 1e3:7.1f} audio-s/s)"
+            eager = timed(lambda c=codes, s=seeds: decoder.decode(c, seeds=s, play=play), device, args.iters)
+            line = f"batch {batch:3d}: eager {eager:8.2f} ms ({batch * heard_s / eager * 1e3:7.1f} audio-s/s)"
             if args.graphs and device.type == "cuda":
                 graph = torch.cuda.CUDAGraph()
                 stream = torch.cuda.Stream(device)
                 stream.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(stream):   # warm up off the default stream before capture
                     for _ in range(2):
-                        decoder.decode(codes, seeds=seeds)
+                        decoder.decode(codes, seeds=seeds, play=play)
                 torch.cuda.current_stream(device).wait_stream(stream)
                 with torch.cuda.graph(graph):
-                    out = decoder.decode(codes, seeds=seeds)
+                    out = decoder.decode(codes, seeds=seeds, play=play)
                 replay = timed(graph.replay, device, args.iters)
-                eager_out = decoder.decode(codes, seeds=seeds)
+                eager_out = decoder.decode(codes, seeds=seeds, play=play)
                 graph.replay()
                 diff = (out - eager_out).abs().max().item()
-                line += f" | graph {replay:7.2f} ms ({batch * audio_s / replay * 1e3:7.1f} audio-s/s, " \
+                line += f" | graph {replay:7.2f} ms ({batch * heard_s / replay * 1e3:7.1f} audio-s/s, " \
                         f"max |graph - eager| {diff:.1e})"
             if reference is not None:
                 package = timed(lambda c=codes: reference.decode(c), device, args.iters)
                 line += f" | snac package {package:8.2f} ms"
         print(line, flush=True)
     if args.profile:
-        profile_kernels(decoder, cfg, args.frames, max(args.batches), device)
+        profile_kernels(decoder, cfg, args.frames, max(args.batches), device, play)
 
 
-def profile_kernels(decoder: torch.nn.Module, cfg, frames: int, batch: int, device: torch.device) -> None:
+def profile_kernels(decoder: torch.nn.Module, cfg, frames: int, batch: int, device: torch.device,
+                    play: tuple[int, int] | None) -> None:
     """Torch's profiler over three eager window decodes of `batch` rows: its
     table of operators by device time, so the codec's largest kernels show."""
     from torch.profiler import ProfilerActivity, profile
@@ -88,10 +97,10 @@ def profile_kernels(decoder: torch.nn.Module, cfg, frames: int, batch: int, devi
     seeds = torch.arange(batch, device=device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch.inference_mode():
-        decoder.decode(codes, seeds=seeds)
+        decoder.decode(codes, seeds=seeds, play=play)
         with profile(activities=activities) as prof:
             for _ in range(3):
-                decoder.decode(codes, seeds=seeds)
+                decoder.decode(codes, seeds=seeds, play=play)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"

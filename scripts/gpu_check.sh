@@ -36,7 +36,7 @@
 #                                   the torch form, batch 1 to 256 over Orpheus's vocabulary)
 #   scripts/gpu_check.sh kvdtype    decode attention over bf16 and fp8 KV pages, CUDA and tensor cores, 64-400 rows
 #                                   (scripts/bench_kv_dtype.py), then SNAC windows' time and kernels in float16
-#                                   (scripts/bench_snac.py --profile)
+#                                   (scripts/bench_snac.py --profile), whole windows and played frames
 #   scripts/gpu_check.sh arrivals   where the worker's time goes with new requests arriving beside 64 Orpheus
 #                                   streams (scripts/profile_tts.py --arrivals 0.1): Python's profiler, then torch's
 #   scripts/gpu_check.sh omni-bench only that benchmark
@@ -239,8 +239,10 @@ fi
 if [[ $what == kvdtype ]]; then
   timeout 300 python3 scripts/bench_kv_dtype.py --batches 64 256 400 --context 560 --out "$OUT/kv_dtype.json" 2>&1 \
       | tee "$OUT/bench_kv_dtype.txt" | tail -14
-  timeout 200 python3 scripts/bench_snac.py --device cuda --dtype float16 --batches 1 16 64 --graphs --profile 2>&1 \
-      | tee "$OUT/bench_snac.txt" | tail -30
+  for play in "" --play; do
+    timeout 200 python3 scripts/bench_snac.py --device cuda --dtype float16 --batches 1 16 64 --graphs --profile $play \
+        2>&1 | grep -v "Warning\|_warn_once" | tee -a "$OUT/bench_snac.txt" | tail -30
+  done
 fi
 if [[ $what == arrivals ]]; then
   for how in "--cprofile 45" ""; do

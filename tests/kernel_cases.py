@@ -190,6 +190,14 @@ def check_snake_dwconv(b: int, c: int, t: int, dilation: int, dtype: torch.dtype
     want = snake.snake_dwconv_reference(x.float(), alpha.float(), weight.float(), bias.float(), dilation)
     tol = {"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 4e-3}
     torch.testing.assert_close(got.float(), want, **tol)
+    # output windows: inside, at either end, one sample, empty; each equal to the whole conv's outputs there
+    for offset, width in {(t // 3, t // 3), (0, t // 2 + 1), (t - t // 2 - 1, t // 2 + 1), (t // 2, 1), (t, 0)}:
+        part = snake.snake_dwconv_triton(x, alpha, weight, bias, dilation, offset, width)
+        assert part.shape == (b, c, width)
+        torch.testing.assert_close(part.float(), want[..., offset:offset + width], **tol)
+        ref = snake.snake_dwconv_reference(x.float(), alpha.float(), weight.float(), bias.float(), dilation,
+                                           offset, width)
+        torch.testing.assert_close(ref, want[..., offset:offset + width], atol=1e-6, rtol=1e-6)
 
 
 def check_exponential_noise(rows: int, vocab: int, device: str) -> None:

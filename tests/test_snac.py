@@ -26,6 +26,7 @@ from mstar.models.snac import (
     read_config,
 )
 from mstar.models.snac.noise import seeded_normal
+from mstar.models.snac.spans import Span, take
 
 ATOL = 1e-4
 WINDOW = 4        # coarse frames in one Orpheus window (28 tokens)
@@ -166,6 +167,48 @@ def test_other_configs_match_package(tmp_path: Path, cfg: SnacConfig) -> None:
     codes = random_codes(cfg, 2, 2)   # 16 latent frames for the attention config: two windows
     expected, got = seeded_decodes(ref, decoder, codes)
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+
+
+# ---------------------------------------------------------------- played spans
+
+
+@pytest.mark.parametrize("coarse,play", [(4, (2048, 4096)), (4, (2048, 8192)), (3, (2048, 6144)), (2, (2048, 4096)),
+                                         (4, (0, 100)), (4, (8191, 8192)), (1, (0, 2048)), (4, (0, 8192))])
+def test_a_played_span_equals_the_whole_decode_there(decoder: SnacDecoder, coarse: int,
+                                                     play: tuple[int, int]) -> None:
+    """Orpheus's windows play one frame of four (and a stream's last window
+    the frames from the second on): the layers compute only what those
+    samples depend on, with the padding of the signal's true ends, and give
+    the whole decode's samples (seeded noise, and the generator's)."""
+    codes = random_codes(SNAC_24KHZ, 2, coarse, seed=23)
+    seeds = torch.tensor([11, -4])
+    whole = decoder.decode(codes, seeds=seeds)
+    part = decoder.decode(codes, seeds=seeds, play=play)
+    assert part.shape == (2, 1, play[1] - play[0])
+    torch.testing.assert_close(part, whole[..., play[0]:play[1]], atol=2e-6, rtol=0)
+    drawn = decoder.decode(codes, generator=torch.Generator().manual_seed(8), play=play)
+    again = decoder.decode(codes, generator=torch.Generator().manual_seed(8))
+    torch.testing.assert_close(drawn, again[..., play[0]:play[1]], atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("cfg", [SMALL_ATTENTION, SMALL_PLAIN], ids=["attention", "plain"])
+def test_played_spans_of_other_configs(tmp_path: Path, cfg: SnacConfig) -> None:
+    """A local attention sees its whole signal (no span before it), and a
+    plain (not depthwise) stem and residual convolution take spans too."""
+    decoder = load_snac_decoder(save_folder(tmp_path, cfg, make_reference(cfg, seed=6).state_dict()))
+    codes = random_codes(cfg, 2, 2)
+    whole = decoder.decode(codes, noise=False)
+    length = whole.shape[-1]
+    for play in ((length // 4, length // 2), (0, 3), (length - 5, length)):
+        part = decoder.decode(codes, noise=False, play=play)
+        torch.testing.assert_close(part, whole[..., play[0]:play[1]], atol=2e-6, rtol=0)
+
+
+def test_spans_reject_what_they_do_not_hold() -> None:
+    with pytest.raises(ValueError, match="does not lie"):
+        Span(3, 2, 10)
+    with pytest.raises(ValueError, match="not inside"):
+        take(torch.zeros(1, 1, 4), Span(2, 6, 10), Span(1, 3, 10))
 
 
 # ---------------------------------------------------------------- batching and noise

@@ -153,55 +153,76 @@ def _snake_kernel(x_ptr, freq_ptr, mag_ptr, out_ptr, channels, length, eps, BLOC
 
 
 def snake_dwconv(x: torch.Tensor, alpha: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                 dilation: int) -> torch.Tensor:
+                 dilation: int, offset: int = 0, width: int | None = None) -> torch.Tensor:
     """conv1d(snake(x, alpha), weight, bias) with groups = channels, odd
-    kernel, `dilation`, and the padding that keeps the length."""
+    kernel, `dilation`, and the padding that keeps the length (zeros beyond
+    x's ends); only outputs [offset, offset + width) of that convolution
+    (default: all of them), as [B, C, width]."""
     if use_triton(x) and not torch.is_grad_enabled():
-        return snake_dwconv_triton(x, alpha, weight, bias, dilation)
-    return snake_dwconv_reference(x, alpha, weight, bias, dilation)
+        return snake_dwconv_triton(x, alpha, weight, bias, dilation, offset, width)
+    return snake_dwconv_reference(x, alpha, weight, bias, dilation, offset, width)
 
 
 def snake_dwconv_reference(x: torch.Tensor, alpha: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                           dilation: int) -> torch.Tensor:
-    pad = (weight.shape[-1] - 1) * dilation // 2
-    return F.conv1d(snake_reference(x, alpha), weight, bias, padding=pad, dilation=dilation, groups=x.shape[1])
+                           dilation: int, offset: int = 0, width: int | None = None) -> torch.Tensor:
+    length = x.shape[-1]
+    width = length - offset if width is None else width
+    _check_window(length, offset, width)
+    if width == 0:
+        return x.new_empty(*x.shape[:-1], 0)
+    reach = (weight.shape[-1] - 1) * dilation // 2
+    lo, hi = max(0, offset - reach), min(length, offset + width + reach)
+    left, right = lo - (offset - reach), (offset + width + reach) - hi
+    # snake(0) = 0, so the zeros may go in before or after the snake
+    inner = snake_reference(x[..., lo:hi], alpha)
+    if left != right:
+        inner = F.pad(inner, (left, right))
+    return F.conv1d(inner, weight, bias, padding=left if left == right else 0, dilation=dilation,
+                    groups=x.shape[1])
+
+
+def _check_window(length: int, offset: int, width: int) -> None:
+    if offset < 0 or width < 0 or offset + width > length:
+        raise ValueError(f"outputs [{offset}, {offset + width}) do not lie in a signal of {length}")
 
 
 def snake_dwconv_triton(x: torch.Tensor, alpha: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                        dilation: int) -> torch.Tensor:
+                        dilation: int, offset: int = 0, width: int | None = None) -> torch.Tensor:
     """One read of x per tap (from cache), one write: the snake's output and
     the convolution's input are never stored. Padding is zeros after the
     snake, which is what the padded convolution sees (snake(0) = 0 anyway)."""
     batch, channels, length = x.shape
+    width = length - offset if width is None else width
+    _check_window(length, offset, width)
     taps = weight.shape[-1]
     if weight.shape != (channels, 1, taps) or taps % 2 == 0 or alpha.numel() != channels:
         raise ValueError(f"snake_dwconv takes a depthwise weight [C, 1, odd k] and alpha [1, C, 1] for "
                          f"C = {channels}, got {tuple(weight.shape)} and {tuple(alpha.shape)}")
     x = x.contiguous()
-    out = torch.empty_like(x)
+    out = torch.empty(batch, channels, width, dtype=x.dtype, device=x.device)
     if out.numel():
         b = bias if bias is not None else torch.zeros(channels, dtype=x.dtype, device=x.device)
-        grid = (batch * channels, (length + BLOCK - 1) // BLOCK)
+        grid = (batch * channels, (width + BLOCK - 1) // BLOCK)
         _snake_dwconv_kernel[grid](x, alpha.reshape(-1).contiguous(), weight.reshape(channels, taps).contiguous(),
-                                   b.contiguous(), out, channels, length, dilation, ALPHA_EPS, TAPS=taps,
-                                   BLOCK=BLOCK, num_warps=num_warps(BLOCK))
+                                   b.contiguous(), out, channels, length, offset, width, dilation, ALPHA_EPS,
+                                   TAPS=taps, BLOCK=BLOCK, num_warps=num_warps(BLOCK))
     return out
 
 
 @jit
-def _snake_dwconv_kernel(x_ptr, alpha_ptr, w_ptr, b_ptr, out_ptr, channels, length, dilation, eps,
+def _snake_dwconv_kernel(x_ptr, alpha_ptr, w_ptr, b_ptr, out_ptr, channels, length, offset, width, dilation, eps,
                          TAPS: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)   # one (batch, channel) row of T samples
+    row = tl.program_id(0).to(tl.int64)   # one (batch, channel) row: `length` samples in, `width` out
     c = row % channels
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     a = tl.load(alpha_ptr + c).to(tl.float32)
     inv = 1.0 / (a + eps)
     acc = tl.zeros((BLOCK,), dtype=tl.float32) + tl.load(b_ptr + c).to(tl.float32)
     for k in tl.static_range(TAPS):
-        src = cols + (k - (TAPS - 1) // 2) * dilation
-        valid = (src >= 0) & (src < length)
+        src = offset + cols + (k - (TAPS - 1) // 2) * dilation
+        valid = (src >= 0) & (src < length) & (cols < width)
         xv = tl.load(x_ptr + row * length + src, mask=valid, other=0.0).to(tl.float32)
         s = tl.sin(a * xv)
         w = tl.load(w_ptr + c * TAPS + k).to(tl.float32)
         acc += w * (xv + s * s * inv)
-    tl.store(out_ptr + row * length + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < length)
+    tl.store(out_ptr + row * width + cols, acc.to(out_ptr.dtype.element_ty), mask=cols < width)

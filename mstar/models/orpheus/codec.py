@@ -6,6 +6,8 @@ and the coarsest level has one code per 4 hops). Like Orpheus's decoder
 (decoder.py: audio_hat[:, :, 2048:4096]) it returns only the second frame:
 the first is left context, the last two right context, and the stream moves
 one frame per window, so consecutive windows play consecutive frames.
+SNAC computes only what the played samples depend on (`SnacDecoder.synthesize`'s
+`play`): the same samples as slicing the whole window's decode.
 
 The stream's last window is shorter (`PlayedWindows.flush`: the next window
 cut short at the end of the stream). Nothing will come after it, so it plays
@@ -50,6 +52,7 @@ class OrpheusCodec(nn.Module):
         spf = self.samples_per_frame
         if frames < 2:
             return torch.zeros(rows, 0, dtype=torch.float32, device=tokens.device)
-        audio = self.snac.decode(tokens_to_codes(tokens), seeds=seeds)[:, 0]
         end = 2 * spf if length == WINDOW_TOKENS else frames * spf
-        return audio[:, spf:end].float().contiguous()
+        # only the played samples and what they depend on: the same samples, a third of the work
+        audio = self.snac.decode(tokens_to_codes(tokens), seeds=seeds, play=(spf, end))[:, 0]
+        return audio.float().contiguous()

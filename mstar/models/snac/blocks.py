@@ -8,6 +8,10 @@
 - `UpsampleBlock`: snake, transposed conv (T -> T * stride), noise, three
   residual units with dilations 1, 3, 9.
 
+Each block also runs over spans (`spans.py`): `need(out)` is the input span
+its output span reads, `forward_span` computes just that output span from
+an input holding it, with the values the whole forward gives there.
+
 Convolutions are plain `nn.Conv1d`/`nn.ConvTranspose1d`: the checkpoint's
 weight normalisation is folded into their weights at load, so a forward does
 no weight-norm work.
@@ -21,6 +25,7 @@ import torch
 from torch import nn
 
 from mstar.kernels.snake import snake, snake_dwconv
+from mstar.models.snac.spans import Span, conv_need, take, upsample_need
 
 Device = torch.device | str | None
 DILATIONS = (1, 3, 9)
@@ -47,14 +52,30 @@ class ResidualUnit(nn.Module):
         self.snake2 = Snake(dim, device=device, dtype=dtype)
         self.proj = nn.Conv1d(dim, dim, 1, device=device, dtype=dtype)
 
+    @property
+    def reach(self) -> int:
+        return self.conv.padding[0]
+
+    def need(self, out: Span) -> Span:
+        return conv_need(out, self.reach)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        whole = Span.whole(x.shape[-1])
+        return self.forward_span(x, whole, whole)
+
+    def forward_span(self, x: torch.Tensor, held: Span, out: Span) -> torch.Tensor:
+        """x [B, C, held.width] holding `held` (at least `need(out)`) ->
+        [B, C, out.width]."""
+        offset = out.start - held.start
         if self.conv.groups == self.conv.in_channels:  # depthwise (SNAC 24 kHz): snake and conv in one pass
-            h = snake_dwconv(x, self.snake1.alpha, self.conv.weight, self.conv.bias, self.conv.dilation[0])
+            h = snake_dwconv(x, self.snake1.alpha, self.conv.weight, self.conv.bias, self.conv.dilation[0],
+                             offset, out.width)
         else:
-            h = self.conv(self.snake1(x))
+            h = self.conv(self.snake1(x))[..., offset:offset + out.width]
         y = self.proj(self.snake2(h))
+        skip = take(x, held, out)
         # y is this unit's own temporary: add the input into it instead of a third buffer
-        return y.add_(x) if not torch.is_grad_enabled() else x + y
+        return y.add_(skip) if not torch.is_grad_enabled() else skip + y
 
 
 class NoiseInjection(nn.Module):
@@ -91,4 +112,29 @@ class UpsampleBlock(nn.Module):
             x = self.noise(x, noise)
         for unit in self.residuals:
             x = unit(x)
+        return x
+
+    def spans(self, out: Span, in_length: int) -> list[Span]:
+        """What each stage must hold for output span `out` of an input of
+        `in_length`: [the input, the upsampled (and noised) signal, each
+        residual unit's output]; the last is `out`."""
+        held = [out]
+        for unit in reversed(self.residuals):
+            held.insert(0, unit.need(held[0]))
+        conv = self.upsample
+        return [upsample_need(held[0], self.stride, conv.padding[0], in_length), *held]
+
+    def forward_span(self, x: torch.Tensor, spans: list[Span], noise: torch.Tensor | None) -> torch.Tensor:
+        """x holding `spans[0]` (from `spans`) -> the block's output over
+        `spans[-1]`; `noise` [B, 1, spans[1].width]: the draw over spans[1]."""
+        conv = self.upsample
+        y = torch.nn.functional.conv_transpose1d(self.snake(x), conv.weight, conv.bias, stride=self.stride)
+        # y[u] is the whole output's position u + held.start * stride - padding (the inputs before the span
+        # add nothing to the positions asked for)
+        first = spans[1].start - (spans[0].start * self.stride - conv.padding[0])
+        x = y[..., first:first + spans[1].width]
+        if self.noise is not None and noise is not None:
+            x = self.noise(x, noise)
+        for unit, held, out in zip(self.residuals, spans[1:], spans[2:]):
+            x = unit.forward_span(x, held, out)
         return x

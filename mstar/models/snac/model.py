@@ -29,6 +29,7 @@ from mstar.models.snac.attention import LocalAttention
 from mstar.models.snac.blocks import KERNEL, Snake, UpsampleBlock
 from mstar.models.snac.config import SnacConfig
 from mstar.models.snac.noise import NoiseSource, SeededNoise, TorchNoise
+from mstar.models.snac.spans import Span, conv_need, conv_span, take
 
 Device = torch.device | str | None
 
@@ -109,36 +110,72 @@ class SnacDecoder(nn.Module):
         return z
 
     # -- the decoder network
-    def synthesize(self, z: torch.Tensor, noise: NoiseSource | None) -> torch.Tensor:
+    def synthesize(self, z: torch.Tensor, noise: NoiseSource | None,
+                   play: tuple[int, int] | None = None) -> torch.Tensor:
         """latent z [B, latent, F] -> audio [B, 1, F * hop]. `noise` draws one
-        [B, 1, T] tensor per upsampling block, in block order; None: no noise."""
-        x = self.stem_depthwise(z) if self.stem_depthwise is not None else z
-        x = self.stem(x)
+        [B, 1, T] tensor per upsampling block, in block order; None: no noise.
+        `play` (start, stop): only those samples, [B, 1, stop - start], equal
+        to the whole decode's there; each layer computes just the positions
+        they depend on (`spans.py`)."""
+        if play is None:
+            x = self.stem_depthwise(z) if self.stem_depthwise is not None else z
+            x = self.stem(x)
+            if self.attention is not None:
+                x = self.attention(x)
+            batch, length = x.shape[0], x.shape[-1]
+            for i, block in enumerate(self.blocks):
+                length *= block.stride
+                draw = None
+                if noise is not None and block.noise is not None:
+                    draw = noise.draw(i, batch, length, x.device, x.dtype)
+                x = block(x, draw)
+            return torch.tanh(self.out_conv(self.out_snake(x)))
+        return self._synthesize_span(z, noise, Span(*play, z.shape[-1] * self.config.hop_length))
+
+    def _synthesize_span(self, z: torch.Tensor, noise: NoiseSource | None, out: Span) -> torch.Tensor:
+        # backward from the samples asked for: the span each block's output must hold
+        last = conv_need(out, self.out_conv.padding[0])
+        block_spans: list[list[Span]] = []
+        need = last
+        for block in reversed(self.blocks):
+            block_spans.insert(0, block.spans(need, need.length // block.stride))
+            need = block_spans[0][0]
+        if self.attention is not None:  # attention over windows of the whole signal: all of it, up to there
+            need = Span.whole(need.length)
+        first = self.stem_depthwise if self.stem_depthwise is not None else self.stem
+        z_span = conv_need(need, first.padding[0])
+        # forward over the spans
+        x = conv_span(first, take(z, Span.whole(z.shape[-1]), z_span), z_span, need)
+        if self.stem_depthwise is not None:
+            x = self.stem(x)
         if self.attention is not None:
             x = self.attention(x)
-        batch, length = x.shape[0], x.shape[-1]
-        for i, block in enumerate(self.blocks):
-            length *= block.stride
+        held = need
+        for i, (block, spans) in enumerate(zip(self.blocks, block_spans)):
             draw = None
             if noise is not None and block.noise is not None:
-                draw = noise.draw(i, batch, length, x.device, x.dtype)
-            x = block(x, draw)
-        return torch.tanh(self.out_conv(self.out_snake(x)))
+                noised = spans[1]
+                draw = noise.draw(i, x.shape[0], noised.length, x.device, x.dtype, (noised.start, noised.stop))
+            x = block.forward_span(take(x, held, spans[0]), spans, draw)
+            held = spans[-1]
+        return torch.tanh(conv_span(self.out_conv, self.out_snake(x), last, out))
 
     @torch.no_grad()
     def decode(self, codes: Sequence[torch.Tensor], *, noise: bool = True,
-               generator: torch.Generator | None = None, seeds: torch.Tensor | None = None) -> torch.Tensor:
+               generator: torch.Generator | None = None, seeds: torch.Tensor | None = None,
+               play: tuple[int, int] | None = None) -> torch.Tensor:
         """codes per level [B, T_level] -> audio [B, 1, T * vq_strides[0] * hop].
 
         Noise (when the config has it and `noise` is True): with `seeds` [B]
         (int64), per-row counter-based noise, independent of the batch; else
         torch.randn from `generator` (default: the global generator), the
-        package's exact draws."""
+        package's exact draws. `play` (start, stop): only those samples
+        (`synthesize`)."""
         z = self.embed_codes(codes)
         source: NoiseSource | None = None
         if noise:
             source = SeededNoise(seeds) if seeds is not None else TorchNoise(generator)
-        return self.synthesize(z, source)
+        return self.synthesize(z, source, play)
 
     def forward(self, codes: Sequence[torch.Tensor]) -> torch.Tensor:
         return self.decode(codes)

@@ -38,8 +38,10 @@ TWO_PI = 2.0 * math.pi
 
 
 class NoiseSource(Protocol):
-    def draw(self, block: int, batch: int, length: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """Standard normal noise [batch, 1, length] for noise block `block`."""
+    def draw(self, block: int, batch: int, length: int, device: torch.device, dtype: torch.dtype,
+             cols: tuple[int, int] | None = None) -> torch.Tensor:
+        """Standard normal noise [batch, 1, length] for noise block `block`;
+        with `cols` (start, stop), only those columns of it."""
         ...
 
 
@@ -49,8 +51,11 @@ class TorchNoise:
     def __init__(self, generator: torch.Generator | None = None) -> None:
         self.generator = generator
 
-    def draw(self, block: int, batch: int, length: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        return torch.randn((batch, 1, length), generator=self.generator, device=device, dtype=dtype)
+    def draw(self, block: int, batch: int, length: int, device: torch.device, dtype: torch.dtype,
+             cols: tuple[int, int] | None = None) -> torch.Tensor:
+        # the whole draw either way: the generator's stream is the package's only with it
+        noise = torch.randn((batch, 1, length), generator=self.generator, device=device, dtype=dtype)
+        return noise if cols is None else noise[..., cols[0]:cols[1]]
 
 
 class SeededNoise:
@@ -62,10 +67,12 @@ class SeededNoise:
             raise ValueError(f"seeds must be a 1-D integer tensor [B], got {seeds.dtype} {tuple(seeds.shape)}")
         self.seeds = seeds
 
-    def draw(self, block: int, batch: int, length: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    def draw(self, block: int, batch: int, length: int, device: torch.device, dtype: torch.dtype,
+             cols: tuple[int, int] | None = None) -> torch.Tensor:
         if self.seeds.shape[0] != batch:
             raise ValueError(f"{self.seeds.shape[0]} seeds for a batch of {batch} rows")
-        return seeded_normal(self.seeds.to(device), block, length).to(dtype).unsqueeze(1)
+        start, stop = cols if cols is not None else (0, length)
+        return seeded_normal(self.seeds.to(device), block, stop - start, start).to(dtype).unsqueeze(1)
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -83,15 +90,15 @@ def _fmix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def seeded_normal(seeds: torch.Tensor, block: int, length: int) -> torch.Tensor:
-    """Standard normals [B, length] (float32), a pure function of each row's
-    seed, `block` and the column."""
+def seeded_normal(seeds: torch.Tensor, block: int, length: int, start: int = 0) -> torch.Tensor:
+    """Standard normals [B, length] (float32) for columns start, start + 1,
+    ...: a pure function of each row's seed, `block` and the column."""
     seeds = seeds.to(torch.int64)
     # fold both halves of the 64-bit seed, then the block, into one 32-bit key per row
     key = _fmix32((seeds & MASK32) ^ _fmix32((seeds >> 32) & MASK32))
     key = _fmix32(key ^ _mul32(torch.full_like(key, block + 1), GOLDEN)).unsqueeze(1)   # [B, 1]
     # two 32-bit words per sample (radius and angle of Box-Muller), counters 2t and 2t + 1
-    counter = torch.arange(2 * length, device=seeds.device, dtype=torch.int64).unsqueeze(0)
+    counter = torch.arange(2 * start, 2 * (start + length), device=seeds.device, dtype=torch.int64).unsqueeze(0)
     bits = _fmix32(_fmix32(counter ^ key) ^ _mul32(key, GOLDEN))
     # 24 bits per uniform: float32 holds them exactly; +0.5 keeps u1 off zero (log(0))
     uniform = ((bits >> 8).to(torch.float32) + 0.5) * 2.0 ** -24
