@@ -377,6 +377,13 @@ def check_wide_draw(rows: int, vocab: int, filtered: bool, dtype: torch.dtype, d
     for offset in (0, 3):
         got = wide_draw.draw_tokens_wide(*args, offset, True, block=block)
         assert got.cpu().tolist() == draw.draw_tokens_reference(*args, offset, True).cpu().tolist(), offset
+    # what the host knows skips a search: no row with top-k, then no row with top-p
+    no_k = [args[0], args[1], torch.zeros_like(args[2]), *args[3:]]
+    got = wide_draw.draw_tokens_wide(*no_k, 0, True, block=block, top_k_active=False)
+    assert got.cpu().tolist() == draw.draw_tokens_reference(*no_k, 0, True).cpu().tolist()
+    no_p = [*args[:3], torch.ones_like(args[3]), *args[4:]]
+    got = wide_draw.draw_tokens_wide(*no_p, 0, True, block=block, top_p_active=False)
+    assert got.cpu().tolist() == draw.draw_tokens_reference(*no_p, 0, True).cpu().tolist()
     # a +inf logit: every probability is NaN, and the first top token wins, as the torch form's rank 0
     args[0] = args[0].clone()
     args[0][:, vocab // 2] = float("inf")

@@ -300,22 +300,28 @@ def test_wide_draw(rows, vocab, dtype, block, filtered):
 
 
 # the interpreter runs what a GPU compile refuses (a loop variable that changes type, a global read in a
-# kernel): the wide draw, not yet run on a GPU here, is compiled for an H100/H200 target, in a process of its own
-# (this one's kernels are the interpreter's)
+# kernel): the wide draw's kernels are compiled for an H100/H200 target on this CPU box, in a process of its
+# own (this one's kernels are the interpreter's)
 _COMPILE_WIDE_DRAW = """
-import sys
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
-from mstar.kernels.sampling import wide_draw
-signature = {"logits_ptr": "*bf16", "stride": "i64", "temp_ptr": "*fp32", "top_k_ptr": "*i64", "top_p_ptr": "*fp32",
-             "min_p_ptr": "*fp32", "seeds_ptr": "*i64", "counters_ptr": "*i64", "out_ptr": "*i64", "vocab": "i32",
-             "offset": "i64", "mul_a": "i32", "mul_b": "i32", "salt": "i32", "inv_2_24": "fp32",
-             "FILTER": "constexpr", "BLOCK": "constexpr", "CUTS": "constexpr"}
-for filtered in (True, False):
-    source = ASTSource(wide_draw._wide_draw_kernel, signature,
-                       constexprs={"FILTER": filtered, "BLOCK": wide_draw.BLOCK, "CUTS": wide_draw.CUTS})
-    kernel = compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
-    assert "cubin" in kernel.asm, sorted(kernel.asm)
+from mstar.kernels.sampling import wide_draw as w
+ints = {"stride": "i64", "offset": "i64", "vocab": "i32", "blocks": "i32", "mul_a": "i32", "mul_b": "i32",
+        "salt": "i32", "inv_2_24": "fp32"}
+pointers = {"logits_ptr": "*bf16", "skip_ptr": "*i8", "top_ptr": "*i64", "k_cut_ptr": "*i64", "k_need_ptr": "*i64",
+            "lo_ptr": "*i64", "hi_ptr": "*i64", "cut_ptr": "*i64", "p_cut_ptr": "*i64", "seeds_ptr": "*i64",
+            "counters_ptr": "*i64", "at_ptr": "*i64", "first_ptr": "*i64", "win_at_ptr": "*i64"}
+constexprs = {"BLOCK": w.BLOCK, "WAYS": w.WAYS, "BLOCKS": 128}
+for kernel, flags in ((w._max_kernel, {}), (w._total_kernel, {}), (w._narrow_kernel, {}),
+                      (w._above_kernel, {"MASS": True}), (w._above_kernel, {"MASS": False}),
+                      (w._tie_kernel, {"MASS": True}), (w._tie_kernel, {"MASS": False}),
+                      (w._race_kernel, {"FILTER": True}), (w._race_kernel, {"FILTER": False})):
+    names = kernel.arg_names
+    known = {**constexprs, **flags}
+    signature = {n: "constexpr" if n in known else ints.get(n) or pointers.get(n, "*fp32") for n in names}
+    source = ASTSource(kernel, signature, constexprs={n: v for n, v in known.items() if n in names})
+    compiled = compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    assert "cubin" in compiled.asm, (kernel, sorted(compiled.asm))
 """
 
 

@@ -248,11 +248,16 @@ def test_picked_rows_get_their_own_flags_from_the_host() -> None:
         idx = torch.tensor(rows)
         return s.select(idx, idx)
 
+    assert st.any_top_p and not st.any_top_k  # the top_k=5 row is greedy: it cuts nothing
     greedy = pick(both, [0, 3, 4])  # top_k of a greedy row filters nothing
     assert greedy.all_greedy and not greedy.any_penalty and not greedy.any_filter
+    assert not greedy.any_top_k and not greedy.any_top_p
     assert greedy.temperature.tolist() == [0.0, 0.0, 0.0]
     sampled = pick(both, [1, 2])
-    assert not sampled.all_greedy and sampled.any_penalty and sampled.any_filter
+    assert not sampled.all_greedy and sampled.any_penalty and sampled.any_filter and sampled.any_top_p
+    cut_by_k = SamplingTensors.build([SamplingParams(temperature=0.5, top_k=3)], [1], [0], "cpu")
+    assert cut_by_k.any_top_k and not cut_by_k.any_top_p
+    assert pick(cut_by_k.cat(st), [0]).any_top_k and not pick(cut_by_k.cat(st), [1, 2]).any_top_k
     # without the host's flags (a graph's bound draws) picked rows keep the flags they had
     kept = pick(SamplingTensors(**{**st.__dict__, "host_flags": None}), [0])
     assert not kept.all_greedy and kept.any_penalty and kept.any_filter

@@ -46,9 +46,12 @@ class SamplingTensors:
     any_penalty: bool
     any_filter: bool             # any sampled row with top-k, top-p or min-p active
     any_logprobs: bool
-    # per row on the host: sampled, penalised, filtered (what the flags are made of), so that picking
-    # rows recomputes the flags without reading the device; None: picked rows keep the flags (conservative)
+    # per row on the host: sampled, penalised, filtered, cut by top-k, cut by top-p (what the flags are made
+    # of), so that picking rows recomputes the flags without reading the device; None: picked rows keep the
+    # flags (conservative)
     host_flags: Tensor | None = None
+    any_top_k: bool = True       # any sampled row with top-k on: a wide vocabulary's draw searches for its cut
+    any_top_p: bool = True       # any sampled row with top-p below 1: likewise
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], counters: Sequence[int],
@@ -57,8 +60,9 @@ class SamplingTensors:
             raise ValueError("params, seeds and counters must have one entry per row")
         sampled = [p for p in params if p.temperature > 0]
         host_flags = torch.tensor([[p.temperature > 0, p.repetition_penalty != 1.0,
-                                    p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0)]
-                                   for p in params], dtype=torch.bool).reshape(len(params), 3)
+                                    p.temperature > 0 and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0),
+                                    p.temperature > 0 and p.top_k > 0, p.temperature > 0 and p.top_p < 1.0]
+                                   for p in params], dtype=torch.bool).reshape(len(params), 5)
         # one copy to the device per dtype, not one per column: the columns are rows of two tensors
         floats = to_device(torch.tensor([[p.temperature for p in params], [p.top_p for p in params],
                                          [p.min_p for p in params], [p.repetition_penalty for p in params]],
@@ -81,6 +85,8 @@ class SamplingTensors:
             any_filter=any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in sampled),
             any_logprobs=any(p.logprobs is not None for p in params),
             host_flags=host_flags,
+            any_top_k=bool(host_flags[:, 3].any()),
+            any_top_p=bool(host_flags[:, 4].any()),
         )
 
     def rows(self, sl: slice) -> SamplingTensors:
@@ -113,6 +119,8 @@ class SamplingTensors:
             out["all_greedy"] = not bool(flags[:, 0].any())
             out["any_penalty"] = bool(flags[:, 1].any())
             out["any_filter"] = bool(flags[:, 2].any())
+            out["any_top_k"] = bool(flags[:, 3].any())
+            out["any_top_p"] = bool(flags[:, 4].any())
         out["any_logprobs"] = bool((out["logprobs"] != NOT_ASKED).any())
         return SamplingTensors(**out)
 
@@ -170,7 +178,7 @@ def sample(logits: Tensor, st: SamplingTensors, seen: Tensor | None = None, bann
     if st.all_greedy:
         return torch.argmax(logits, dim=-1)   # a float copy would not move the argmax: the values are exact
     return draw_tokens(logits, st.temperature, st.top_k, st.top_p, st.min_p, st.seeds, st.counters, offset,
-                       st.any_filter)
+                       st.any_filter, top_k_active=st.any_top_k, top_p_active=st.any_top_p)
 
 
 def token_logprobs(logits: Tensor, tokens: Tensor, st: SamplingTensors) -> Tensor | None:

@@ -9,7 +9,9 @@ row's counter + `offset`) is largest wins.
 The torch form is about ten launches a draw (a float copy, the greedy
 argmax, the scaling, the noise, the race, the selects), and a talker frame
 draws sixteen times, one after another; here a draw is one launch, for
-vocabularies up to `MAX_VOCAB` (a row in registers).
+vocabularies up to `MAX_VOCAB` (a row in registers). Wider vocabularies (a
+language model's) take `wide_draw.py`: the filters' cuts searched by value
+over blocks of the row, no sort.
 """
 
 from __future__ import annotations
@@ -20,15 +22,21 @@ from torch import Tensor
 from mstar.kernels.backend import block_size, jit, num_warps, tl, use_triton
 from mstar.kernels.sampling.noise import _INV_2_24, _MUL_A, _MUL_B, _ROW_SALT, _exp_noise, _row_key, exponential_noise
 from mstar.kernels.sampling.race import MAX_VOCAB, _sorted_weights, filtered_race_reference
+from mstar.kernels.sampling.wide_draw import draw_tokens_wide
 
 
 def draw_tokens(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, seeds: Tensor,
-                counters: Tensor, offset: int = 0, filtered: bool = True) -> Tensor:
+                counters: Tensor, offset: int = 0, filtered: bool = True, *, top_k_active: bool = True,
+                top_p_active: bool = True) -> Tensor:
     """`filtered`: whether any row filters (top-k, top-p or min-p); when
     none does the race runs over the whole softmax, as the sampler's plain
-    path does."""
-    if use_triton(logits) and logits.shape[-1] <= MAX_VOCAB:
-        return draw_tokens_triton(logits, temperature, top_k, top_p, min_p, seeds, counters, offset, filtered)
+    path does. `top_k_active` / `top_p_active`: whether any row may cut by
+    top-k / top-p (False lets a wide vocabulary's draw skip that search)."""
+    if use_triton(logits):
+        if logits.shape[-1] <= MAX_VOCAB:
+            return draw_tokens_triton(logits, temperature, top_k, top_p, min_p, seeds, counters, offset, filtered)
+        return draw_tokens_wide(logits, temperature, top_k, top_p, min_p, seeds, counters, offset, filtered,
+                                top_k_active=top_k_active, top_p_active=top_p_active)
     return draw_tokens_reference(logits, temperature, top_k, top_p, min_p, seeds, counters, offset, filtered)
 
 

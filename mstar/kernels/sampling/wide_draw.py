@@ -1,14 +1,15 @@
 """One draw per row over a vocabulary too wide for a row in registers (a
 language model's 150k tokens): a row's logits [B, V], temperature, top-k,
 top-p, min-p, seed and counter in, its token ([B] int64) out, as
-`draw.draw_tokens_reference` draws it, in one launch and without a sort.
+`draw.draw_tokens_reference` draws it, without a sort and without reading
+anything back to the host.
 
 The torch form sorts every row (a radix sort of B x V floats), takes a
 softmax and a cumulative sum of the sorted rows, and makes the [B, V] noise
-apart: about 1.4 ms of an H200 step at 64 rows of Orpheus's 157k vocabulary.
-Here one program streams its row in blocks and finds the filters' cut by
-value instead of by rank: each scaled logit's float bits, made
-order-preserving, are a 32-bit key, and a bisection over keys finds
+apart: 1.7 ms on an H200 at 64 rows of Orpheus's 157k vocabulary, 5.3 ms at
+256 (`scripts/bench_sampler.py`). Here the filters' cuts are found by value
+instead of by rank: each scaled logit's float bits, made order-preserving,
+are a 32-bit key, and a search over keys finds
 
 - top-k's cut: the largest key with at least k tokens at or above it;
 - top-p's cut: the largest key whose tokens at or above it (within top-k)
@@ -22,9 +23,11 @@ first, and the kept token whose probability over its Exp(1) noise (drawn here,
 cumsum, so a token whose mass before it lies within a few float32 roundings of
 p may be cut on the other side; the tests hold the draws equal otherwise.
 
-Not yet what `draw.draw_tokens` runs: it takes over the wide rows once the
-H200 has run its tests and timed it against the torch form
-(`scripts/gpu_check.sh sampler`).
+Every pass is a launch over (row, block of `block` tokens) programs, so a
+row's 157k tokens spread over the GPU at any batch size; a search pass tests
+`WAYS` keys at once and a small kernel narrows each row's range, so a 32-bit
+key range closes in `PASSES` passes. Per-block partial sums go back through
+device tensors only: nothing here waits for the device.
 """
 
 from __future__ import annotations
@@ -32,33 +35,132 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mstar.kernels.backend import jit, tl
+from mstar.kernels.backend import block_size, jit, tl
 from mstar.kernels.sampling.noise import _INV_2_24, _MUL_A, _MUL_B, _ROW_SALT, _exp_noise, _row_key
 
-BLOCK = 2048  # elements a program holds at once
-CUTS = 33     # bisection steps over a 32-bit key range: enough to close it (a kernel argument: Triton reads
-              # no module globals)
+BLOCK = 2048        # tokens a program reads
+WAYS = 16           # keys a search pass tests at once
+PASSES = 8          # WAYS ** PASSES >= 2 ** 32: a range of 32-bit keys closes
+LOWEST = -(1 << 31)  # below every float's key (only a negative NaN's bits map here)
+_NONE = 1 << 40      # "no count limit" for rows without top-k
 
 
 def draw_tokens_wide(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
                      seeds: Tensor, counters: Tensor, offset: int = 0, filtered: bool = True,
-                     block: int = BLOCK) -> Tensor:
-    """`draw.draw_tokens`'s arguments; `block`: elements per program step
-    (a power of two; tests take small ones to cross many blocks)."""
+                     block: int = BLOCK, top_k_active: bool = True, top_p_active: bool = True) -> Tensor:
+    """`draw.draw_tokens`'s arguments; `block`: tokens per program (a power
+    of two; tests take small ones to cross many blocks). `top_k_active` /
+    `top_p_active`: whether any row may cut by top-k / top-p (what the host
+    knows of the rows; False skips that search's passes)."""
     rows, vocab = logits.shape
     params = (temperature, top_k, top_p, min_p, seeds, counters)
     if any(p.shape != (rows,) for p in params):
         raise ValueError(f"logits {tuple(logits.shape)} with per-row parameters of {rows} rows")
-    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
-    if rows and vocab:
-        if logits.stride(-1) != 1:
-            logits = logits.contiguous()
-        _wide_draw_kernel[(rows,)](logits, logits.stride(0), temperature.float().contiguous(),
-                                   top_k.to(torch.int64).contiguous(), top_p.float().contiguous(),
-                                   min_p.float().contiguous(), seeds.to(torch.int64).contiguous(),
-                                   counters.to(torch.int64).contiguous(), out, vocab, offset, _MUL_A, _MUL_B,
-                                   _ROW_SALT, _INV_2_24, FILTER=filtered, BLOCK=block, CUTS=CUTS, num_warps=8)
-    return out
+    if rows == 0 or vocab == 0:
+        return torch.zeros(rows, dtype=torch.int64, device=logits.device)
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    dev, f32, i64 = logits.device, torch.float32, torch.int64
+    blocks = -(-vocab // block)
+    grid = (rows, blocks)
+    stride = logits.stride(0)
+    temp = temperature.to(f32).contiguous()
+    div = torch.where(temp <= 0, torch.ones_like(temp), temp)
+
+    # the raw maximum (greedy: its first index) and the scaled one, rounded as each logit's scaling rounds
+    part_max = torch.empty(rows, blocks, dtype=f32, device=dev)
+    part_at = torch.empty(rows, blocks, dtype=i64, device=dev)
+    _max_kernel[grid](logits, stride, part_max, part_at, vocab, blocks, BLOCK=block, num_warps=4)
+    first_block = part_max.argmax(1, keepdim=True)   # the first block holding the maximum
+    greedy = part_at.gather(1, first_block).squeeze(1)
+    m = part_max.gather(1, first_block).squeeze(1) / div
+    m = torch.where(m == 0, torch.zeros_like(m), m)   # -0.0's key is not 0.0's
+    bits = m.view(torch.int32).to(i64)
+    top = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).contiguous()
+
+    # top-k's cut, the count it still keeps at the cut, and each block's ties before it
+    k_cut = torch.full((rows,), LOWEST, dtype=i64, device=dev)
+    k_need = torch.full((rows,), _NONE, dtype=i64, device=dev)
+    k_before = torch.zeros(rows, blocks, dtype=f32, device=dev)
+    keep_k = torch.where(top_k > 0, top_k.to(i64).clamp(max=vocab), vocab)
+    total = torch.ones(rows, dtype=f32, device=dev)   # a placeholder until the sum over top-k is known
+    kernel_args = (logits, stride, div, m, vocab, blocks)
+    if filtered and top_k_active:
+        k_on = keep_k < vocab
+        cut = _search(kernel_args, keep_k.to(f32), k_on, top, k_cut, k_need, k_before, total, False, grid, block)
+        k_cut = torch.where(k_on, cut, k_cut)
+        k_need, k_before = _ties(kernel_args, k_cut, k_need, k_before, total, False, grid, block, keep_k)
+        k_need = torch.where(k_on, k_need, _NONE)
+
+    # the softmax's sum over top-k, and the first token at the top (it wins where no score does: a +inf logit
+    # leaves every probability NaN, and the torch form takes its rank 0)
+    part_total = torch.empty(rows, blocks, dtype=f32, device=dev)
+    part_first = torch.empty(rows, blocks, dtype=i64, device=dev)
+    _total_kernel[grid](*kernel_args, top, k_cut, k_need, k_before, part_total, part_first, BLOCK=block,
+                        num_warps=4)
+    total = part_total.sum(1)
+    first_top = part_first.amin(1)
+
+    # top-p's cut, the mass above it, and each block's tied mass before it
+    p = top_p.to(f32).contiguous()
+    p_cut = torch.full((rows,), LOWEST, dtype=i64, device=dev)
+    p_above = torch.zeros(rows, dtype=f32, device=dev)
+    p_before = torch.zeros(rows, blocks, dtype=f32, device=dev)
+    if filtered and top_p_active:
+        p_on = p < 1.0
+        cut = _search(kernel_args, p, p_on, top, k_cut, k_need, k_before, total, True, grid, block)
+        p_cut = torch.where(p_on, cut, p_cut)
+        p_above, p_before = _ties(kernel_args, p_cut, k_need, k_before, total, True, grid, block, None,
+                                  k_cut=k_cut)
+
+    # the race over the kept tokens
+    part_win = torch.empty(rows, blocks, dtype=f32, device=dev)
+    part_win_at = torch.empty(rows, blocks, dtype=i64, device=dev)
+    _race_kernel[grid](*kernel_args, k_cut, k_need, k_before, total, p, p_cut, p_above, p_before,
+                       min_p.to(f32).contiguous(), seeds.to(i64).contiguous(), counters.to(i64).contiguous(),
+                       part_win, part_win_at, offset, _MUL_A, _MUL_B, _ROW_SALT, _INV_2_24, FILTER=filtered,
+                       BLOCK=block, num_warps=4)
+    best_block = part_win.argmax(1, keepdim=True)
+    win = part_win.gather(1, best_block).squeeze(1)
+    drawn = torch.where(win > 0, part_win_at.gather(1, best_block).squeeze(1), first_top)
+    return torch.where(temp <= 0, greedy, drawn)
+
+
+def _search(kernel_args: tuple, target: Tensor, on: Tensor, top: Tensor, k_cut: Tensor, k_need: Tensor,
+            k_before: Tensor, total: Tensor, mass: bool, grid: tuple[int, int], block: int) -> Tensor:
+    """The largest key whose tokens at or above it reach `target` (a count,
+    or with `mass` a probability over top-k's tokens), per row where `on`
+    (others: anything)."""
+    rows, blocks = grid
+    lo = torch.full((rows,), LOWEST, dtype=torch.int64, device=top.device)
+    hi = top.clone()
+    part = torch.empty(rows, blocks, WAYS, dtype=torch.float32, device=top.device)
+    skip = (~on).to(torch.int8)
+    for _ in range(PASSES):
+        _above_kernel[grid](*kernel_args, lo, hi, skip, k_cut, k_need, k_before, total, part, MASS=mass,
+                            WAYS=WAYS, BLOCK=block, num_warps=8)
+        _narrow_kernel[(rows,)](part, lo, hi, target, skip, blocks, WAYS=WAYS, BLOCKS=block_size(blocks),
+                                num_warps=1)
+    return lo
+
+
+def _ties(kernel_args: tuple, cut: Tensor, k_need: Tensor, k_before: Tensor, total: Tensor, mass: bool,
+          grid: tuple[int, int], block: int, keep: Tensor | None,
+          k_cut: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Above a cut and at it, per block: for top-k (`keep`: the count to
+    keep) the count still kept at the cut and each block's ties before it;
+    with `mass` (top-p) the mass above the cut and each block's tied mass
+    before it."""
+    rows, blocks = grid
+    above = torch.empty(rows, blocks, dtype=torch.float32, device=cut.device)
+    ties = torch.empty(rows, blocks, dtype=torch.float32, device=cut.device)
+    _tie_kernel[grid](*kernel_args, cut, k_cut if k_cut is not None else cut, k_need, k_before, total, above, ties,
+                      MASS=mass, BLOCK=block, num_warps=4)
+    before = ties.cumsum(1) - ties
+    if mass:
+        return above.sum(1), before
+    assert keep is not None
+    return keep - above.sum(1).to(torch.int64), before
 
 
 @jit
@@ -72,136 +174,140 @@ def _scaled(base, idx, valid, div):
 
 
 @jit
-def _in_top_k(key, valid, cut, need, seen):
-    """Top-k's kept tokens of a block: keys above the cut, and ties at it
-    while fewer than `need` came before them (`seen`: ties of earlier
-    blocks). Returns the mask and the ties seen so far."""
-    tie = valid & (key == cut)
-    ties = tie.to(tl.int32)
-    before = seen + tl.cumsum(ties, axis=0) - ties
-    return valid & ((key > cut) | (tie & (before < need))), seen + tl.sum(ties, axis=0)
+def _block_in(row, logits_ptr, stride, div_ptr, vocab, BLOCK: tl.constexpr):
+    """A program's block: its token indices, which are in the row, the scaled
+    logits and their keys."""
+    idx = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    valid = idx < vocab
+    s, key = _scaled(logits_ptr + row * stride, idx, valid, tl.load(div_ptr + row))
+    return idx, valid, s, key
 
 
 @jit
-def _kept(base, idx, vocab, div, cut, need, seen):
-    """A block's scaled logits, their keys, and top-k's kept tokens among
-    them (`_in_top_k`), with the ties seen so far."""
-    valid = idx < vocab
-    s, key = _scaled(base, idx, valid, div)
-    kept, seen = _in_top_k(key, valid, cut, need, seen)
-    return s, key, kept, seen
+def _top_k_kept(row, blocks, key, valid, k_cut_ptr, k_need_ptr, k_before_ptr):
+    """Top-k's kept tokens of a block: keys above the cut, and ties at it
+    while fewer than the count still kept came before them (earlier blocks'
+    ties counted in `k_before`)."""
+    cut = tl.load(k_cut_ptr + row)
+    tie = valid & (key == cut)
+    ties = tie.to(tl.float32)
+    before = tl.load(k_before_ptr + row * blocks + tl.program_id(1)) + tl.cumsum(ties, axis=0) - ties
+    return valid & ((key > cut) | (tie & (before < tl.load(k_need_ptr + row).to(tl.float32))))
 
 
-@jit(per_row=("temp_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr", "seeds_ptr", "counters_ptr"),
-     any_value=("offset",))
-def _wide_draw_kernel(logits_ptr, stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr, counters_ptr,
-                      out_ptr, vocab, offset, mul_a, mul_b, salt, inv_2_24, FILTER: tl.constexpr,
-                      BLOCK: tl.constexpr, CUTS: tl.constexpr):
+@jit
+def _max_kernel(logits_ptr, stride, max_ptr, at_ptr, vocab, blocks, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    base = logits_ptr + row * stride
-    cols = tl.arange(0, BLOCK)
-    t = tl.load(temp_ptr + row)
-    div = tl.where(t <= 0.0, 1.0, t)
-    # the raw maximum (greedy: its first index) and the scaled one
-    best = tl.full((), float("-inf"), tl.float32)
-    best_at = tl.full((), 0, tl.int64)
-    for start in range(0, vocab, BLOCK):
-        idx = start + cols
-        x = tl.load(base + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
-        block_best = tl.max(x, axis=0)
-        at = tl.argmax(x, axis=0).to(tl.int64) + start
-        best_at = tl.where(block_best > best, at, best_at)
-        best = tl.maximum(best, block_best)
-    m = tl.math.div_rn(best, div)
-    m = tl.where(m == 0.0, 0.0, m)
-    m_bits = m.to(tl.int32, bitcast=True)
-    top = tl.where(m_bits >= 0, m_bits, m_bits ^ 0x7FFFFFFF).to(tl.int64)
-    lowest = tl.full((), -2147483648, tl.int64)
-    # top-k's cut (none: every token at or above the lowest key)
-    k_cut = lowest
-    k_need = tl.full((), 2147483647, tl.int32)
+    start = tl.program_id(1) * BLOCK
+    idx = start + tl.arange(0, BLOCK)
+    x = tl.load(logits_ptr + row * stride + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
+    tl.store(max_ptr + row * blocks + tl.program_id(1), tl.max(x, axis=0))
+    tl.store(at_ptr + row * blocks + tl.program_id(1), tl.argmax(x, axis=0).to(tl.int64) + start)
+
+
+@jit
+def _total_kernel(logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, top_ptr, k_cut_ptr, k_need_ptr, k_before_ptr,
+                  total_ptr, first_ptr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    idx, valid, s, key = _block_in(row, logits_ptr, stride, div_ptr, vocab, BLOCK)
+    kept = _top_k_kept(row, blocks, key, valid, k_cut_ptr, k_need_ptr, k_before_ptr)
+    e = tl.where(kept, tl.exp(s - tl.load(m_ptr + row)), 0.0)
+    at = row * blocks + tl.program_id(1)
+    tl.store(total_ptr + at, tl.sum(e, axis=0))
+    first = tl.min(tl.where(valid & (key == tl.load(top_ptr + row)), idx, vocab), axis=0)
+    tl.store(first_ptr + at, first.to(tl.int64))
+
+
+@jit
+def _above_kernel(logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, lo_ptr, hi_ptr, skip_ptr, k_cut_ptr, k_need_ptr,
+                  k_before_ptr, total_ptr, part_ptr, MASS: tl.constexpr, WAYS: tl.constexpr, BLOCK: tl.constexpr):
+    """A search pass: for each of the row's WAYS keys (`_probes`), the count
+    (or with MASS, the probability over top-k) of the block's tokens at or
+    above it."""
+    row = tl.program_id(0).to(tl.int64)
+    if tl.load(skip_ptr + row) == 0:
+        idx, valid, s, key = _block_in(row, logits_ptr, stride, div_ptr, vocab, BLOCK)
+        if MASS:
+            kept = _top_k_kept(row, blocks, key, valid, k_cut_ptr, k_need_ptr, k_before_ptr)
+            w = tl.where(kept, tl.exp(s - tl.load(m_ptr + row)) / tl.load(total_ptr + row), 0.0)
+        else:
+            w = valid.to(tl.float32)
+        probes = _probes(tl.load(lo_ptr + row), tl.load(hi_ptr + row), WAYS)
+        hit = key[:, None] >= probes[None, :]
+        sums = tl.sum(tl.where(hit, w[:, None], 0.0), axis=0)
+        tl.store(part_ptr + (row * blocks + tl.program_id(1)) * WAYS + tl.arange(0, WAYS), sums)
+
+
+@jit
+def _probes(lo, hi, WAYS: tl.constexpr):
+    """The keys a pass tests over [lo, hi]: lo, then WAYS - 1 more spread
+    over (lo, hi] (past hi where the range is narrower than WAYS)."""
+    j = tl.arange(0, WAYS).to(tl.int64)
+    width = hi - lo + 1
+    return lo + (j * width + WAYS - 1) // WAYS
+
+
+@jit
+def _narrow_kernel(part_ptr, lo_ptr, hi_ptr, target_ptr, skip_ptr, blocks, WAYS: tl.constexpr,
+                   BLOCKS: tl.constexpr):
+    """A row's range after a pass: from the largest probe whose tokens reach
+    the target (the first, lo, is taken to) up to the next probe."""
+    row = tl.program_id(0).to(tl.int64)
+    if tl.load(skip_ptr + row) == 0:
+        b = tl.arange(0, BLOCKS)
+        j = tl.arange(0, WAYS)
+        part = tl.load(part_ptr + (row * blocks + b[:, None]) * WAYS + j[None, :], mask=(b < blocks)[:, None],
+                       other=0.0)
+        sums = tl.sum(part, axis=0)
+        lo = tl.load(lo_ptr + row)
+        hi = tl.load(hi_ptr + row)
+        probes = _probes(lo, hi, WAYS)
+        ok = ((sums >= tl.load(target_ptr + row)) & (probes <= hi)) | (j == 0)
+        best = tl.max(tl.where(ok, j, 0), axis=0)
+        nxt = tl.sum(tl.where(j == best + 1, probes, 0), axis=0)
+        tl.store(lo_ptr + row, tl.sum(tl.where(j == best, probes, 0), axis=0))
+        tl.store(hi_ptr + row, tl.where(best == WAYS - 1, hi, tl.minimum(nxt - 1, hi)))
+
+
+@jit
+def _tie_kernel(logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, cut_ptr, k_cut_ptr, k_need_ptr, k_before_ptr,
+                total_ptr, above_ptr, ties_ptr, MASS: tl.constexpr, BLOCK: tl.constexpr):
+    """A block's count (or with MASS, top-k's probability) above a cut and at it."""
+    row = tl.program_id(0).to(tl.int64)
+    idx, valid, s, key = _block_in(row, logits_ptr, stride, div_ptr, vocab, BLOCK)
+    if MASS:
+        kept = _top_k_kept(row, blocks, key, valid, k_cut_ptr, k_need_ptr, k_before_ptr)
+        w = tl.where(kept, tl.exp(s - tl.load(m_ptr + row)) / tl.load(total_ptr + row), 0.0)
+    else:
+        w = valid.to(tl.float32)
+    cut = tl.load(cut_ptr + row)
+    at = row * blocks + tl.program_id(1)
+    tl.store(above_ptr + at, tl.sum(tl.where(key > cut, w, 0.0), axis=0))
+    tl.store(ties_ptr + at, tl.sum(tl.where(key == cut, w, 0.0), axis=0))
+
+
+@jit(per_row=("p_ptr", "min_p_ptr", "seeds_ptr", "counters_ptr"), any_value=("offset",))
+def _race_kernel(logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_cut_ptr, k_need_ptr, k_before_ptr, total_ptr,
+                 p_ptr, p_cut_ptr, p_above_ptr, p_before_ptr, min_p_ptr, seeds_ptr, counters_ptr, win_ptr, win_at_ptr,
+                 offset, mul_a, mul_b, salt, inv_2_24, FILTER: tl.constexpr, BLOCK: tl.constexpr):
+    """A block's best kept token: its probability over its noise (0 where none
+    is kept, or where a NaN probability leaves no order), and where it is."""
+    row = tl.program_id(0).to(tl.int64)
+    idx, valid, s, key = _block_in(row, logits_ptr, stride, div_ptr, vocab, BLOCK)
+    kept = _top_k_kept(row, blocks, key, valid, k_cut_ptr, k_need_ptr, k_before_ptr)
+    total = tl.load(total_ptr + row)
+    probs = tl.where(kept, tl.exp(s - tl.load(m_ptr + row)) / total, 0.0)
+    at = row * blocks + tl.program_id(1)
     if FILTER:
-        k = tl.load(top_k_ptr + row)
-        keep_k = tl.where(k > 0, tl.minimum(k, vocab), vocab)
-        if keep_k < vocab:
-            lo, hi = lowest, top
-            for _step in range(CUTS):
-                mid = lo + (hi - lo + 1) // 2
-                count = tl.full((), 0, tl.int64)
-                for start in range(0, vocab, BLOCK):
-                    idx = start + cols
-                    valid = idx < vocab
-                    _, key = _scaled(base, idx, valid, div)
-                    count += tl.sum((valid & (key >= mid)).to(tl.int64), axis=0)
-                at_least = count >= keep_k
-                lo = tl.where(at_least, mid, lo)
-                hi = tl.where(at_least, hi, mid - 1)
-            above = tl.full((), 0, tl.int64)
-            for start in range(0, vocab, BLOCK):
-                idx = start + cols
-                valid = idx < vocab
-                _, key = _scaled(base, idx, valid, div)
-                above += tl.sum((valid & (key > lo)).to(tl.int64), axis=0)
-            k_cut = lo
-            k_need = (keep_k - above).to(tl.int32)
-    # the softmax's sum over top-k
-    # and the first token at the top: it wins where no score does (a +inf logit leaves every probability NaN),
-    # as the torch form's rank 0
-    total = tl.full((), 0.0, tl.float32)
-    first_top = tl.full((), 0, tl.int64)
-    first_top = first_top + vocab
-    seen = tl.full((), 0, tl.int32)
-    for start in range(0, vocab, BLOCK):
-        idx = start + cols
-        s, key, kept, seen = _kept(base, idx, vocab, div, k_cut, k_need, seen)
-        total += tl.sum(tl.where(kept, tl.exp(s - m), 0.0), axis=0)
-        first_top = tl.minimum(first_top, tl.min(tl.where((idx < vocab) & (key == top), idx, vocab), axis=0).to(tl.int64))
-    # top-p's cut, and the mass above it
-    p_cut = lowest
-    p_above = tl.full((), 0.0, tl.float32)
-    p = tl.full((), 2.0, tl.float32)
-    if FILTER:
-        p = tl.load(top_p_ptr + row)
-        if p < 1.0:
-            lo, hi = lowest, top
-            for _step in range(CUTS):
-                mid = lo + (hi - lo + 1) // 2
-                mass = tl.full((), 0.0, tl.float32)
-                seen = tl.full((), 0, tl.int32)
-                for start in range(0, vocab, BLOCK):
-                    s, key, kept, seen = _kept(base, start + cols, vocab, div, k_cut, k_need, seen)
-                    mass += tl.sum(tl.where(kept & (key >= mid), tl.exp(s - m) / total, 0.0), axis=0)
-                enough = mass >= p
-                # short: everything at or above mid is above the cut, which lies below it
-                p_above = tl.where(enough, p_above, mass)
-                lo = tl.where(enough, mid, lo)
-                hi = tl.where(enough, hi, mid - 1)
-            p_cut = lo
-    min_p = tl.full((), 0.0, tl.float32)
-    if FILTER:
-        min_p = tl.load(min_p_ptr + row)
-    first = 1.0 / total
-    # the race over the kept tokens
+        cut = tl.load(p_cut_ptr + row)
+        tie = kept & (key == cut)
+        tie_probs = tl.where(tie, probs, 0.0)
+        before = tl.load(p_above_ptr + row) + tl.load(p_before_ptr + at) + tl.cumsum(tie_probs, axis=0) - tie_probs
+        # p >= 1 leaves the cut at the lowest key, which no number has: every kept token is above it
+        kept = kept & ((key > cut) | (tie & (before < tl.load(p_ptr + row))))
+        kept = kept & (probs >= tl.load(min_p_ptr + row) * (1.0 / total))
     key_row = _row_key(tl.load(seeds_ptr + row), tl.load(counters_ptr + row) + offset, mul_a, mul_b, salt)
-    win = tl.full((), 0.0, tl.float32)
-    win_at = first_top
-    seen = tl.full((), 0, tl.int32)
-    tied_mass = tl.full((), 0.0, tl.float32)
-    for start in range(0, vocab, BLOCK):
-        idx = start + cols
-        s, key, kept, seen = _kept(base, idx, vocab, div, k_cut, k_need, seen)
-        probs = tl.where(kept, tl.exp(s - m) / total, 0.0)
-        if FILTER:
-            tie = kept & (key == p_cut)
-            tie_probs = tl.where(tie, probs, 0.0)
-            before = p_above + tied_mass + tl.cumsum(tie_probs, axis=0) - tie_probs
-            # p >= 1 leaves the cut at the lowest key, which no number has: every kept token is above it
-            kept = kept & ((key > p_cut) | (tie & (before < p)))
-            tied_mass += tl.sum(tie_probs, axis=0)
-            kept = kept & (probs >= min_p * first)
-        score = tl.where(kept, probs, 0.0) / _exp_noise(key_row, idx, mul_a, mul_b, inv_2_24)
-        block_win = tl.max(score, axis=0)
-        at = tl.argmax(score, axis=0).to(tl.int64) + start
-        win_at = tl.where(block_win > win, at, win_at)
-        win = tl.maximum(win, block_win)
-    tl.store(out_ptr + row, tl.where(t <= 0.0, best_at, win_at))
+    score = tl.where(kept, probs, 0.0) / _exp_noise(key_row, idx, mul_a, mul_b, inv_2_24)
+    score = tl.where(score > 0.0, score, 0.0)   # NaN (a +inf logit) to 0: the row falls back to its first top token
+    tl.store(win_ptr + at, tl.max(score, axis=0))
+    tl.store(win_at_ptr + at, tl.argmax(score, axis=0).to(tl.int64) + tl.program_id(1) * BLOCK)
