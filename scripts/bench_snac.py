@@ -33,6 +33,8 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--play", action="store_true",
                         help="decode only the second frame, as an Orpheus window plays it (SnacDecoder's play span)")
+    parser.add_argument("--modules", action="store_true",
+                        help="run the residual units as modules (on CUDA the default fuses them: kernels/snake_unit.py)")
     parser.add_argument("--graphs", action="store_true", help="also time a CUDA graph replay (CUDA only)")
     parser.add_argument("--package", action="store_true", help="also time snac.SNAC.decode")
     parser.add_argument("--profile", action="store_true",
@@ -50,16 +52,19 @@ def main() -> None:
     spf = cfg.samples_per_coarse_frame
     play = (spf, 2 * spf) if args.play else None
     heard_s = spf / cfg.sampling_rate if play else audio_s   # what a window gives a listener
+    fused = False if args.modules else None
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
           f"{args.dtype}, {torch.get_num_threads()} threads, window of {args.frames} coarse frames "
-          f"({audio_s * 1e3:.0f} ms of audio){', playing its second frame' if play else ''}")
+          f"({audio_s * 1e3:.0f} ms of audio){', playing its second frame' if play else ''}"
+          f"{', residual units as modules' if args.modules else ''}")
     for batch in args.batches:
         gen = torch.Generator().manual_seed(batch)
         codes = [torch.randint(0, cfg.codebook_size, (batch, n), generator=gen).to(device)
                  for n in cfg.level_lengths(args.frames)]
         seeds = torch.arange(batch, device=device)
         with torch.inference_mode():
-            eager = timed(lambda c=codes, s=seeds: decoder.decode(c, seeds=s, play=play), device, args.iters)
+            eager = timed(lambda c=codes, s=seeds: decoder.decode(c, seeds=s, play=play, fused=fused), device,
+                          args.iters)
             line = f"batch {batch:3d}: eager {eager:8.2f} ms ({batch * heard_s / eager * 1e3:7.1f} audio-s/s)"
             if args.graphs and device.type == "cuda":
                 graph = torch.cuda.CUDAGraph()
@@ -67,12 +72,12 @@ def main() -> None:
                 stream.wait_stream(torch.cuda.current_stream(device))
                 with torch.cuda.stream(stream):   # warm up off the default stream before capture
                     for _ in range(2):
-                        decoder.decode(codes, seeds=seeds, play=play)
+                        decoder.decode(codes, seeds=seeds, play=play, fused=fused)
                 torch.cuda.current_stream(device).wait_stream(stream)
                 with torch.cuda.graph(graph):
-                    out = decoder.decode(codes, seeds=seeds, play=play)
+                    out = decoder.decode(codes, seeds=seeds, play=play, fused=fused)
                 replay = timed(graph.replay, device, args.iters)
-                eager_out = decoder.decode(codes, seeds=seeds, play=play)
+                eager_out = decoder.decode(codes, seeds=seeds, play=play, fused=fused)
                 graph.replay()
                 diff = (out - eager_out).abs().max().item()
                 line += f" | graph {replay:7.2f} ms ({batch * heard_s / replay * 1e3:7.1f} audio-s/s, " \
@@ -82,11 +87,11 @@ def main() -> None:
                 line += f" | snac package {package:8.2f} ms"
         print(line, flush=True)
     if args.profile:
-        profile_kernels(decoder, cfg, args.frames, max(args.batches), device, play)
+        profile_kernels(decoder, cfg, args.frames, max(args.batches), device, play, fused)
 
 
 def profile_kernels(decoder: torch.nn.Module, cfg, frames: int, batch: int, device: torch.device,
-                    play: tuple[int, int] | None) -> None:
+                    play: tuple[int, int] | None, fused: bool | None) -> None:
     """Torch's profiler over three eager window decodes of `batch` rows: its
     table of operators by device time, so the codec's largest kernels show."""
     from torch.profiler import ProfilerActivity, profile
@@ -97,10 +102,10 @@ def profile_kernels(decoder: torch.nn.Module, cfg, frames: int, batch: int, devi
     seeds = torch.arange(batch, device=device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch.inference_mode():
-        decoder.decode(codes, seeds=seeds, play=play)
+        decoder.decode(codes, seeds=seeds, play=play, fused=fused)
         with profile(activities=activities) as prof:
             for _ in range(3):
-                decoder.decode(codes, seeds=seeds, play=play)
+                decoder.decode(codes, seeds=seeds, play=play, fused=fused)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"

@@ -35,8 +35,10 @@
 #   scripts/gpu_check.sh sampler    the wide-vocabulary draw's GPU tests, then scripts/bench_sampler.py (it against
 #                                   the torch form, batch 1 to 256 over Orpheus's vocabulary)
 #   scripts/gpu_check.sh kvdtype    decode attention over bf16 and fp8 KV pages, CUDA and tensor cores, 64-400 rows
-#                                   (scripts/bench_kv_dtype.py), then SNAC windows' time and kernels in float16
-#                                   (scripts/bench_snac.py --profile), whole windows and played frames
+#                                   (scripts/bench_kv_dtype.py)
+#   scripts/gpu_check.sh codec      SNAC's kernels' and Orpheus's GPU tests, then SNAC windows' time and kernels in
+#                                   float16 (scripts/bench_snac.py --profile): whole windows and played frames with
+#                                   the residual units as modules, then played frames with them fused
 #   scripts/gpu_check.sh arrivals   where the worker's time goes with new requests arriving beside 64 Orpheus
 #                                   streams (scripts/profile_tts.py --arrivals 0.1): Python's profiler, then torch's
 #   scripts/gpu_check.sh omni-bench only that benchmark
@@ -239,8 +241,14 @@ fi
 if [[ $what == kvdtype ]]; then
   timeout 300 python3 scripts/bench_kv_dtype.py --batches 64 256 400 --context 560 --out "$OUT/kv_dtype.json" 2>&1 \
       | tee "$OUT/bench_kv_dtype.txt" | tail -14
-  for play in "" --play; do
-    timeout 200 python3 scripts/bench_snac.py --device cuda --dtype float16 --batches 1 16 64 --graphs --profile $play \
+fi
+if [[ $what == codec ]]; then
+  timeout 240 python3 -m pytest -q -rfE -p no:cacheprovider -k "snake or noise" tests/test_kernels_gpu.py \
+      tests/test_orpheus_gpu.py > "$OUT/codec_tests.txt" 2>&1
+  rc=$?
+  tail -6 "$OUT/codec_tests.txt"
+  for how in "--modules" "--modules --play" "--play"; do  # the whole window, its played frame, then fused units
+    timeout 200 python3 scripts/bench_snac.py --device cuda --dtype float16 --batches 1 16 64 --graphs --profile $how \
         2>&1 | grep -v "Warning\|_warn_once" | tee -a "$OUT/bench_snac.txt" | tail -30
   done
 fi

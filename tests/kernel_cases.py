@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from mstar.kernels import activation, head_norm_rope, moe, norm, qkv_store, rope_kv, router, snake
+from mstar.kernels import activation, head_norm_rope, moe, norm, qkv_store, rope_kv, router, snake, snake_unit
 from mstar.kernels.sampling import draw, noise, wide_draw
 
 EPS = 1e-5
@@ -198,6 +198,40 @@ def check_snake_dwconv(b: int, c: int, t: int, dilation: int, dtype: torch.dtype
         ref = snake.snake_dwconv_reference(x.float(), alpha.float(), weight.float(), bias.float(), dilation,
                                            offset, width)
         torch.testing.assert_close(ref, want[..., offset:offset + width], atol=1e-6, rtol=1e-6)
+
+
+def check_snake_unit(b: int, c: int, t: int, dilation: int, dtype: torch.dtype, device: str) -> None:
+    """A residual unit's fused halves against their float32 references on the
+    same rounded inputs: the depthwise conv + second snake over output
+    windows (inside, at either end), and the residual sum + next snake with
+    and without bias, noise and the snake, x a view into a longer signal."""
+    gen = torch.Generator().manual_seed(b * 10_000 + c * 100 + t + dilation)
+    sx = (torch.randn(b, c, t, generator=gen) * 2).to(device=device, dtype=dtype)
+    alpha = (0.2 + torch.rand(1, c, 1, generator=gen) * 3).to(device=device, dtype=dtype)
+    weight = (torch.randn(c, 1, 7, generator=gen) * 0.3).to(device=device, dtype=dtype)
+    bias = torch.randn(c, generator=gen).to(device=device, dtype=dtype)
+    tol = {"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 4e-3}
+    f32 = [a.float() for a in (sx, weight, bias, alpha)]
+    whole = snake_unit.dwconv_snake_reference(*f32, dilation)
+    for offset, width in {(0, t), (t // 3, t // 3), (0, t // 2 + 1), (t - t // 2 - 1, t // 2 + 1), (t, 0)}:
+        got = snake_unit.dwconv_snake_triton(sx, weight, bias, alpha, dilation, offset, width)
+        assert got.shape == (b, c, width) and got.dtype == dtype
+        torch.testing.assert_close(got.float(), whole[..., offset:offset + width], **tol)
+        want = snake_unit.dwconv_snake_reference(*f32, dilation, offset, width)
+        torch.testing.assert_close(want, whole[..., offset:offset + width], atol=1e-6, rtol=1e-6)
+    longer = (torch.randn(b, c, t + 5, generator=gen) * 2).to(device=device, dtype=dtype)
+    x = longer[..., 3:3 + t]   # a span of a longer signal: rows strided, samples contiguous
+    y = torch.randn(b, c, t, generator=gen).to(device=device, dtype=dtype)
+    noise = torch.randn(b, 1, t, generator=gen).to(device=device, dtype=dtype)
+    for with_bias, with_noise, with_snake in ((True, False, True), (False, True, True), (True, True, False)):
+        args = (bias if with_bias else None, alpha if with_snake else None, noise if with_noise else None)
+        out, snaked = snake_unit.residual_snake_triton(x, y, *args)
+        ref_out, ref_snaked = snake_unit.residual_snake_reference(
+            x.float(), y.float(), *(a.float() if a is not None else None for a in args))
+        assert out.dtype == dtype and (snaked is None) == (not with_snake)
+        torch.testing.assert_close(out.float(), ref_out, **tol)
+        if with_snake:
+            torch.testing.assert_close(snaked.float(), ref_snaked, **tol)
 
 
 def check_exponential_noise(rows: int, vocab: int, device: str) -> None:

@@ -16,7 +16,7 @@ from kernel_cases import (check_exponential_noise, check_fused_add_rms_norm, che
                           check_rope_and_store,
                           check_silu_and_mul, check_snake, check_snake_beta, check_snake_beta_held,
                           check_draw_tokens, check_route_top_k, check_wide_draw,
-                          check_snake_dwconv, moe_inputs)
+                          check_snake_dwconv, check_snake_unit, moe_inputs)
 
 from mstar.kernels import activation, fused_add_rms_norm, moe, norm, rms_norm, rope_and_store, rope_kv, silu_and_mul
 from mstar.kernels.backend import HAVE_TRITON, block_size, num_warps
@@ -54,6 +54,13 @@ def test_snake(b, c, t, dtype):
 @pytest.mark.parametrize("b,c,t,dilation", [(1, 2, 5, 1), (2, 3, 40, 3), (2, 8, 1100, 9), (1, 4, 9, 9)])
 def test_snake_dwconv(b, c, t, dilation, dtype):
     check_snake_dwconv(b, c, t, dilation, dtype, "cpu")
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("b,c,t,dilation", [(1, 2, 5, 1), (2, 3, 40, 3), (2, 8, 1100, 9)])
+def test_snake_unit(b, c, t, dilation, dtype):
+    check_snake_unit(b, c, t, dilation, dtype, "cpu")
 
 
 def test_snake_dwconv_rejects_a_grouped_weight():

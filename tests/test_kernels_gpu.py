@@ -24,6 +24,7 @@ from kernel_cases import (
     check_snake_beta_held,
     check_exponential_noise,
     check_snake_dwconv,
+    check_snake_unit,
     moe_inputs,
     moe_routing,
     same_on_replay,
@@ -68,6 +69,12 @@ def test_snake(b, c, t, dtype):
 @pytest.mark.parametrize("b,c,t,dilation", [(1, 2, 5, 1), (16, 64, 8192, 9), (8, 512, 128, 3)])
 def test_snake_dwconv(b, c, t, dilation, dtype):
     check_snake_dwconv(b, c, t, dilation, dtype, "cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("b,c,t,dilation", [(1, 2, 5, 1), (16, 64, 8192, 9), (8, 512, 128, 3)])
+def test_snake_unit(b, c, t, dilation, dtype):
+    check_snake_unit(b, c, t, dilation, dtype, "cuda")
 
 
 @pytest.mark.parametrize("rows,vocab", [(1, 5), (256, 156_940)])

@@ -191,6 +191,20 @@ def test_a_played_span_equals_the_whole_decode_there(decoder: SnacDecoder, coars
     torch.testing.assert_close(drawn, again[..., play[0]:play[1]], atol=2e-6, rtol=0)
 
 
+@pytest.mark.parametrize("play", [None, (2048, 4096), (2048, 6144)])
+def test_fused_residual_units_decode_as_the_modules(decoder: SnacDecoder, play: tuple[int, int] | None) -> None:
+    """The passes CUDA runs (each snake computed once and carried to what
+    reads it, 1x1 convs as batched GEMMs), here through their torch
+    references: the modules' samples, whole or over a played span."""
+    codes = random_codes(SNAC_24KHZ, 2, 3, seed=24)
+    seeds = torch.tensor([3, 77])
+    modules = decoder.decode(codes, seeds=seeds, play=play, fused=False)
+    fused = decoder.decode(codes, seeds=seeds, play=play, fused=True)
+    torch.testing.assert_close(fused, modules, atol=2e-6, rtol=0)
+    quiet = decoder.decode(codes, noise=False, play=play, fused=True)
+    torch.testing.assert_close(quiet, decoder.decode(codes, noise=False, play=play), atol=2e-6, rtol=0)
+
+
 @pytest.mark.parametrize("cfg", [SMALL_ATTENTION, SMALL_PLAIN], ids=["attention", "plain"])
 def test_played_spans_of_other_configs(tmp_path: Path, cfg: SnacConfig) -> None:
     """A local attention sees its whole signal (no span before it), and a

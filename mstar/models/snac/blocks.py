@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from mstar.kernels.snake import snake, snake_dwconv
+from mstar.kernels.snake_unit import dwconv_snake, residual_snake
 from mstar.models.snac.spans import Span, conv_need, take, upsample_need
 
 Device = torch.device | str | None
@@ -77,6 +78,16 @@ class ResidualUnit(nn.Module):
         # y is this unit's own temporary: add the input into it instead of a third buffer
         return y.add_(skip) if not torch.is_grad_enabled() else skip + y
 
+    def forward_fused(self, x: torch.Tensor, sx: torch.Tensor, held: Span, out: Span,
+                      next_alpha: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A depthwise unit in three passes (`kernels/snake_unit.py`): x and
+        its first snake `sx`, both holding `held` -> the unit's output over
+        `out`, and the next snake (`next_alpha`) of it."""
+        h = dwconv_snake(sx, self.conv.weight, self.conv.bias, self.snake2.alpha, self.conv.dilation[0],
+                         out.start - held.start, out.width)
+        y = torch.bmm(self.proj.weight[:, :, 0].expand(h.shape[0], -1, -1), h)
+        return residual_snake(take(x, held, out), y, self.proj.bias, next_alpha)
+
 
 class NoiseInjection(nn.Module):
     def __init__(self, dim: int, *, device: Device = None, dtype: torch.dtype | None = None) -> None:
@@ -124,15 +135,36 @@ class UpsampleBlock(nn.Module):
         conv = self.upsample
         return [upsample_need(held[0], self.stride, conv.padding[0], in_length), *held]
 
-    def forward_span(self, x: torch.Tensor, spans: list[Span], noise: torch.Tensor | None) -> torch.Tensor:
-        """x holding `spans[0]` (from `spans`) -> the block's output over
-        `spans[-1]`; `noise` [B, 1, spans[1].width]: the draw over spans[1]."""
+    def _upsampled(self, sx: torch.Tensor, spans: list[Span]) -> torch.Tensor:
+        """The transposed conv of the input's snake `sx` (holding spans[0]), over spans[1]."""
         conv = self.upsample
-        y = torch.nn.functional.conv_transpose1d(self.snake(x), conv.weight, conv.bias, stride=self.stride)
+        y = torch.nn.functional.conv_transpose1d(sx, conv.weight, conv.bias, stride=self.stride)
         # y[u] is the whole output's position u + held.start * stride - padding (the inputs before the span
         # add nothing to the positions asked for)
         first = spans[1].start - (spans[0].start * self.stride - conv.padding[0])
-        x = y[..., first:first + spans[1].width]
+        return y[..., first:first + spans[1].width]
+
+    def forward_fused(self, sx: torch.Tensor, spans: list[Span], noise: torch.Tensor | None,
+                      next_alpha: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Depthwise residual units in passes that carry each snake along:
+        the input's snake `sx` (holding spans[0]) -> the block's output over
+        spans[-1], and its snake by `next_alpha` (what reads it next)."""
+        x = self._upsampled(sx, spans)
+        first = self.residuals[0].snake1.alpha
+        if self.noise is not None and noise is not None:
+            h = torch.bmm(self.noise.proj.weight[:, :, 0].expand(x.shape[0], -1, -1), x)
+            x, s = residual_snake(x, h, None, first, noise)
+        else:
+            s = snake(x.contiguous(), first)
+        units = list(self.residuals)
+        for i, (unit, held, out) in enumerate(zip(units, spans[1:], spans[2:])):
+            x, s = unit.forward_fused(x, s, held, out, units[i + 1].snake1.alpha if i + 1 < len(units) else next_alpha)
+        return x, s
+
+    def forward_span(self, x: torch.Tensor, spans: list[Span], noise: torch.Tensor | None) -> torch.Tensor:
+        """x holding `spans[0]` (from `spans`) -> the block's output over
+        `spans[-1]`; `noise` [B, 1, spans[1].width]: the draw over spans[1]."""
+        x = self._upsampled(self.snake(x), spans)
         if self.noise is not None and noise is not None:
             x = self.noise(x, noise)
         for unit, held, out in zip(self.residuals, spans[1:], spans[2:]):

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from mstar.kernels.snake import snake
 from mstar.models.snac.attention import LocalAttention
 from mstar.models.snac.blocks import KERNEL, Snake, UpsampleBlock
 from mstar.models.snac.config import SnacConfig
@@ -110,14 +111,19 @@ class SnacDecoder(nn.Module):
         return z
 
     # -- the decoder network
-    def synthesize(self, z: torch.Tensor, noise: NoiseSource | None,
-                   play: tuple[int, int] | None = None) -> torch.Tensor:
+    def synthesize(self, z: torch.Tensor, noise: NoiseSource | None, play: tuple[int, int] | None = None,
+                   fused: bool | None = None) -> torch.Tensor:
         """latent z [B, latent, F] -> audio [B, 1, F * hop]. `noise` draws one
         [B, 1, T] tensor per upsampling block, in block order; None: no noise.
         `play` (start, stop): only those samples, [B, 1, stop - start], equal
         to the whole decode's there; each layer computes just the positions
-        they depend on (`spans.py`)."""
-        if play is None:
+        they depend on (`spans.py`). `fused`: depthwise residual units in the
+        passes of `kernels/snake_unit.py` (each snake computed once, carried
+        to what reads it); None: where the kernels are Triton's (CUDA)."""
+        if fused is None:
+            fused = z.is_cuda and not torch.is_grad_enabled()
+        fused = fused and self.config.depthwise
+        if play is None and not fused:
             x = self.stem_depthwise(z) if self.stem_depthwise is not None else z
             x = self.stem(x)
             if self.attention is not None:
@@ -130,9 +136,10 @@ class SnacDecoder(nn.Module):
                     draw = noise.draw(i, batch, length, x.device, x.dtype)
                 x = block(x, draw)
             return torch.tanh(self.out_conv(self.out_snake(x)))
-        return self._synthesize_span(z, noise, Span(*play, z.shape[-1] * self.config.hop_length))
+        total = z.shape[-1] * self.config.hop_length
+        return self._synthesize_span(z, noise, Span(*play, total) if play else Span.whole(total), fused)
 
-    def _synthesize_span(self, z: torch.Tensor, noise: NoiseSource | None, out: Span) -> torch.Tensor:
+    def _synthesize_span(self, z: torch.Tensor, noise: NoiseSource | None, out: Span, fused: bool) -> torch.Tensor:
         # backward from the samples asked for: the span each block's output must hold
         last = conv_need(out, self.out_conv.padding[0])
         block_spans: list[list[Span]] = []
@@ -151,31 +158,37 @@ class SnacDecoder(nn.Module):
         if self.attention is not None:
             x = self.attention(x)
         held = need
+        if fused:  # the blocks pass each other their outputs' snakes
+            x = snake(x, self.blocks[0].snake.alpha)
         for i, (block, spans) in enumerate(zip(self.blocks, block_spans)):
             draw = None
             if noise is not None and block.noise is not None:
                 noised = spans[1]
                 draw = noise.draw(i, x.shape[0], noised.length, x.device, x.dtype, (noised.start, noised.stop))
-            x = block.forward_span(take(x, held, spans[0]), spans, draw)
+            if fused:
+                after = self.blocks[i + 1].snake.alpha if i + 1 < len(self.blocks) else self.out_snake.alpha
+                _, x = block.forward_fused(take(x, held, spans[0]), spans, draw, after)
+            else:
+                x = block.forward_span(take(x, held, spans[0]), spans, draw)
             held = spans[-1]
-        return torch.tanh(conv_span(self.out_conv, self.out_snake(x), last, out))
+        return torch.tanh(conv_span(self.out_conv, x if fused else self.out_snake(x), last, out))
 
     @torch.no_grad()
     def decode(self, codes: Sequence[torch.Tensor], *, noise: bool = True,
                generator: torch.Generator | None = None, seeds: torch.Tensor | None = None,
-               play: tuple[int, int] | None = None) -> torch.Tensor:
+               play: tuple[int, int] | None = None, fused: bool | None = None) -> torch.Tensor:
         """codes per level [B, T_level] -> audio [B, 1, T * vq_strides[0] * hop].
 
         Noise (when the config has it and `noise` is True): with `seeds` [B]
         (int64), per-row counter-based noise, independent of the batch; else
         torch.randn from `generator` (default: the global generator), the
-        package's exact draws. `play` (start, stop): only those samples
-        (`synthesize`)."""
+        package's exact draws. `play` (start, stop): only those samples;
+        `fused`: see `synthesize`."""
         z = self.embed_codes(codes)
         source: NoiseSource | None = None
         if noise:
             source = SeededNoise(seeds) if seeds is not None else TorchNoise(generator)
-        return self.synthesize(z, source, play)
+        return self.synthesize(z, source, play, fused)
 
     def forward(self, codes: Sequence[torch.Tensor]) -> torch.Tensor:
         return self.decode(codes)

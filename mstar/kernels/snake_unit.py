@@ -1,0 +1,162 @@
+"""The halves of a SNAC residual unit around its 1x1 convolution, each one
+pass: activations [B, C, T] in and out.
+
+A residual unit is snake, depthwise dilated conv (kernel 7), snake, 1x1
+conv, plus its input. Fused into one pass with the conv, the first snake is
+computed once per tap (seven sines an output); and the 1x1 conv, run as a
+convolution, costs two layout transposes beside its GEMM. Here the unit runs
+as three launches, one sine per value:
+
+- `dwconv_snake`: the depthwise conv over an input that is already the
+  first snake's output, then bias and the second snake;
+- the 1x1 conv as a batched GEMM (the caller's `torch.bmm`);
+- `residual_snake`: the input plus the GEMM's output (times the noise where
+  the unit is a noise injection) plus the bias, and the next snake of that
+  sum, which is what the next unit (or the next block's transposed conv, or
+  the decoder's last conv) reads.
+
+Both compute in float32 and round once; their torch references (CPU) do the
+same ops in the activations' dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mstar.kernels.backend import jit, num_warps, tl, use_triton
+from mstar.kernels.snake import ALPHA_EPS, snake_reference
+
+BLOCK = 1024
+
+
+def dwconv_snake(sx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, alpha: torch.Tensor,
+                 dilation: int, offset: int = 0, width: int | None = None) -> torch.Tensor:
+    """snake(conv1d(sx, weight, bias, groups=C, dilation, length kept, zeros
+    beyond sx's ends), alpha), outputs [offset, offset + width) only:
+    [B, C, width]."""
+    if use_triton(sx) and not torch.is_grad_enabled():
+        return dwconv_snake_triton(sx, weight, bias, alpha, dilation, offset, width)
+    return dwconv_snake_reference(sx, weight, bias, alpha, dilation, offset, width)
+
+
+def dwconv_snake_reference(sx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, alpha: torch.Tensor,
+                           dilation: int, offset: int = 0, width: int | None = None) -> torch.Tensor:
+    length = sx.shape[-1]
+    width = length - offset if width is None else width
+    if offset < 0 or width < 0 or offset + width > length:
+        raise ValueError(f"outputs [{offset}, {offset + width}) do not lie in a signal of {length}")
+    if width == 0:
+        return sx.new_empty(*sx.shape[:-1], 0)
+    reach = (weight.shape[-1] - 1) * dilation // 2
+    lo, hi = max(0, offset - reach), min(length, offset + width + reach)
+    left, right = lo - (offset - reach), (offset + width + reach) - hi
+    inner = sx[..., lo:hi]
+    if left != right:
+        inner, left = F.pad(inner, (left, right)), 0
+    h = F.conv1d(inner, weight, bias, padding=left, dilation=dilation, groups=sx.shape[1])
+    return snake_reference(h, alpha)
+
+
+def dwconv_snake_triton(sx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, alpha: torch.Tensor,
+                        dilation: int, offset: int = 0, width: int | None = None) -> torch.Tensor:
+    batch, channels, length = sx.shape
+    width = length - offset if width is None else width
+    taps = weight.shape[-1]
+    if offset < 0 or width < 0 or offset + width > length:
+        raise ValueError(f"outputs [{offset}, {offset + width}) do not lie in a signal of {length}")
+    if weight.shape != (channels, 1, taps) or taps % 2 == 0 or alpha.numel() != channels:
+        raise ValueError(f"dwconv_snake takes a depthwise weight [C, 1, odd k] and alpha [1, C, 1] for "
+                         f"C = {channels}, got {tuple(weight.shape)} and {tuple(alpha.shape)}")
+    sx = sx.contiguous()
+    out = torch.empty(batch, channels, width, dtype=sx.dtype, device=sx.device)
+    if out.numel():
+        b = bias if bias is not None else torch.zeros(channels, dtype=sx.dtype, device=sx.device)
+        grid = (batch * channels, (width + BLOCK - 1) // BLOCK)
+        _dwconv_snake_kernel[grid](sx, weight.reshape(channels, taps).contiguous(), b.contiguous(),
+                                   alpha.reshape(-1).contiguous(), out, channels, length, offset, width, dilation,
+                                   ALPHA_EPS, TAPS=taps, BLOCK=BLOCK, num_warps=num_warps(BLOCK))
+    return out
+
+
+@jit
+def _dwconv_snake_kernel(x_ptr, w_ptr, b_ptr, alpha_ptr, out_ptr, channels, length, offset, width, dilation, eps,
+                         TAPS: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)   # one (batch, channel) row: `length` samples in, `width` out
+    c = row % channels
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32) + tl.load(b_ptr + c).to(tl.float32)
+    for k in tl.static_range(TAPS):
+        src = offset + cols + (k - (TAPS - 1) // 2) * dilation
+        valid = (src >= 0) & (src < length) & (cols < width)
+        xv = tl.load(x_ptr + row * length + src, mask=valid, other=0.0).to(tl.float32)
+        acc += tl.load(w_ptr + c * TAPS + k).to(tl.float32) * xv
+    a = tl.load(alpha_ptr + c).to(tl.float32)
+    s = tl.sin(a * acc)
+    tl.store(out_ptr + row * width + cols, (acc + s * s / (a + eps)).to(out_ptr.dtype.element_ty),
+             mask=cols < width)
+
+
+def residual_snake(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, alpha: torch.Tensor | None,
+                   noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """out = x + y (* noise [B, 1, T]) + bias [C], and snake(out, alpha)
+    (None without alpha). x may be a view of a longer signal (its last dim
+    contiguous); y [B, C, T] contiguous."""
+    if use_triton(x) and not torch.is_grad_enabled():
+        return residual_snake_triton(x, y, bias, alpha, noise)
+    return residual_snake_reference(x, y, bias, alpha, noise)
+
+
+def residual_snake_reference(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None,
+                             alpha: torch.Tensor | None,
+                             noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    out = y * noise if noise is not None else y.clone()
+    if bias is not None:
+        out += bias[None, :, None]
+    out += x
+    return out, None if alpha is None else snake_reference(out, alpha)
+
+
+def residual_snake_triton(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, alpha: torch.Tensor | None,
+                          noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    batch, channels, length = y.shape
+    if x.shape != y.shape or x.stride(-1) != 1 or (noise is not None and noise.shape != (batch, 1, length)):
+        raise ValueError(f"residual_snake takes x and y [B, C, T] (x's last dim contiguous) and noise [B, 1, T], "
+                         f"got {tuple(x.shape)} (strides {x.stride()}), {tuple(y.shape)} and "
+                         f"{None if noise is None else tuple(noise.shape)}")
+    y = y.contiguous()
+    out = torch.empty_like(y)
+    snaked = torch.empty_like(y) if alpha is not None else out
+    if out.numel():
+        grid = (batch * channels, (length + BLOCK - 1) // BLOCK)
+        _residual_snake_kernel[grid](x, x.stride(0), x.stride(1), y, bias if bias is not None else y,
+                                     noise.contiguous() if noise is not None else y,
+                                     alpha.reshape(-1).contiguous() if alpha is not None else y, out, snaked,
+                                     channels, length, ALPHA_EPS, HAS_BIAS=bias is not None,
+                                     HAS_NOISE=noise is not None, SNAKE=alpha is not None, BLOCK=BLOCK,
+                                     num_warps=num_warps(BLOCK))
+    return out, snaked if alpha is not None else None
+
+
+@jit
+def _residual_snake_kernel(x_ptr, x_batch_stride, x_channel_stride, y_ptr, b_ptr, noise_ptr, alpha_ptr, out_ptr,
+                           snaked_ptr, channels, length, eps, HAS_BIAS: tl.constexpr, HAS_NOISE: tl.constexpr,
+                           SNAKE: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)   # one (batch, channel) row
+    b = row // channels
+    c = row % channels
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < length
+    y = tl.load(y_ptr + row * length + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_NOISE:
+        y = y * tl.load(noise_ptr + b * length + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + c).to(tl.float32)
+    x = tl.load(x_ptr + b * x_batch_stride + c * x_channel_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    out = x + y
+    tl.store(out_ptr + row * length + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    if SNAKE:
+        a = tl.load(alpha_ptr + c).to(tl.float32)
+        s = tl.sin(a * out)
+        tl.store(snaked_ptr + row * length + cols, (out + s * s / (a + eps)).to(snaked_ptr.dtype.element_ty),
+                 mask=mask)
