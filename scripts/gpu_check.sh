@@ -32,7 +32,7 @@
 #                                   with --no-mixed-steps
 #   scripts/gpu_check.sh scheduler-profile  bench_scheduler.py with --profile 2: the worker's ops (by Python
 #                                   stack too) in its steady and arrivals phases, served over HTTP
-#   scripts/gpu_check.sh sampler    the wide-vocabulary draw's GPU tests, then scripts/bench_sampler.py (it against
+#   scripts/gpu_check.sh sampler    the wide-vocabulary draw's and the penalty's GPU tests, then scripts/bench_sampler.py (it against
 #                                   the torch form, batch 1 to 256 over Orpheus's vocabulary)
 #   scripts/gpu_check.sh kvdtype    decode attention over bf16 and fp8 KV pages, CUDA and tensor cores, 64-400 rows
 #                                   (scripts/bench_kv_dtype.py)
@@ -232,7 +232,7 @@ if [[ $what == scheduler-profile ]]; then  # where the worker's time goes in ben
       --short-tokens 140 --profile 2 --metrics-dir "$OUT" 2>&1 | grep -v "\[info" | tail -12
 fi
 if [[ $what == sampler ]]; then  # the wide-vocabulary draw against the torch form: equal draws, then their times
-  timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider -k "wide_draw or draw_tokens" tests/test_kernels_gpu.py \
+  timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider -k "wide_draw or draw_tokens or penalty" tests/test_kernels_gpu.py \
       > "$OUT/sampler_tests.txt" 2>&1
   rc=$?
   tail -5 "$OUT/sampler_tests.txt"

@@ -15,6 +15,7 @@ import torch
 
 from mstar.kernels import activation, head_norm_rope, moe, norm, qkv_store, rope_kv, router, snake, snake_unit
 from mstar.kernels.sampling import draw, noise, wide_draw
+from mstar.kernels.sampling import penalty as penalty_kernels
 
 EPS = 1e-5
 
@@ -232,6 +233,22 @@ def check_snake_unit(b: int, c: int, t: int, dilation: int, dtype: torch.dtype, 
         torch.testing.assert_close(out.float(), ref_out, **tol)
         if with_snake:
             torch.testing.assert_close(snaked.float(), ref_snaked, **tol)
+
+
+def check_repetition_penalty(rows: int, vocab: int, dtype: torch.dtype, device: str) -> None:
+    """The kernel's float32 logits equal the torch form's bit for bit: seen
+    tokens' positive logits divided, negative ones multiplied, rows without
+    a penalty (1.0) and -inf entries left as they are."""
+    gen = torch.Generator().manual_seed(rows * 100 + vocab)
+    logits = (torch.randn(rows, vocab, generator=gen) * 4).to(dtype)
+    logits[:, ::11] = float("-inf")
+    seen = torch.rand(rows, vocab, generator=gen) < 0.3
+    penalty = torch.tensor([[1.3, 1.0, 2.0, 0.7][r % 4] for r in range(rows)])
+    args = [t.to(device) for t in (logits, seen, penalty)]
+    got = penalty_kernels.repetition_penalty_triton(*args)
+    want = penalty_kernels.repetition_penalty_reference(*args)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, want)
 
 
 def check_exponential_noise(rows: int, vocab: int, device: str) -> None:

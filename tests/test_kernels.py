@@ -16,7 +16,7 @@ from kernel_cases import (check_exponential_noise, check_fused_add_rms_norm, che
                           check_rope_and_store,
                           check_silu_and_mul, check_snake, check_snake_beta, check_snake_beta_held,
                           check_draw_tokens, check_route_top_k, check_wide_draw,
-                          check_snake_dwconv, check_snake_unit, moe_inputs)
+                          check_snake_dwconv, check_snake_unit, check_repetition_penalty, moe_inputs)
 
 from mstar.kernels import activation, fused_add_rms_norm, moe, norm, rms_norm, rope_and_store, rope_kv, silu_and_mul
 from mstar.kernels.backend import HAVE_TRITON, block_size, num_warps
@@ -297,6 +297,12 @@ def test_head_norm_rope(t, heads, d, dtype):
 @pytest.mark.parametrize("rows,vocab,dtype", [(13, 40, torch.float32), (7, 300, torch.float16)])
 def test_draw_tokens(rows, vocab, dtype, filtered):
     check_draw_tokens(rows, vocab, filtered, dtype, "cpu")
+
+
+@interpreted
+@pytest.mark.parametrize("rows,vocab,dtype", [(3, 50, torch.float32), (5, 5000, torch.bfloat16)])
+def test_repetition_penalty(rows, vocab, dtype):
+    check_repetition_penalty(rows, vocab, dtype, "cpu")
 
 
 @interpreted

@@ -25,6 +25,7 @@ from kernel_cases import (
     check_exponential_noise,
     check_snake_dwconv,
     check_snake_unit,
+    check_repetition_penalty,
     moe_inputs,
     moe_routing,
     same_on_replay,
@@ -75,6 +76,11 @@ def test_snake_dwconv(b, c, t, dilation, dtype):
 @pytest.mark.parametrize("b,c,t,dilation", [(1, 2, 5, 1), (16, 64, 8192, 9), (8, 512, 128, 3)])
 def test_snake_unit(b, c, t, dilation, dtype):
     check_snake_unit(b, c, t, dilation, dtype, "cuda")
+
+
+@pytest.mark.parametrize("rows,vocab,dtype", [(3, 50, torch.float32), (64, 156_940, torch.bfloat16)])
+def test_repetition_penalty(rows, vocab, dtype):
+    check_repetition_penalty(rows, vocab, dtype, "cuda")
 
 
 @pytest.mark.parametrize("rows,vocab", [(1, 5), (256, 156_940)])

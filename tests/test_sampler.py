@@ -8,8 +8,9 @@ import random
 import pytest
 import torch
 
-from mstar.engine.execution.sampler import SamplingTensors, apply_repetition_penalty, banned_table, sample
+from mstar.engine.execution.sampler import SamplingTensors, banned_table, sample
 from mstar.kernels.sampling.noise import exponential_noise_reference, random_bits
+from mstar.kernels.sampling.penalty import repetition_penalty
 from mstar.types import SamplingParams
 
 M32 = 0xFFFFFFFF
@@ -180,7 +181,7 @@ def test_repetition_penalty_matches_naive_loop() -> None:
             if seen[b, v]:
                 x = expected[b, v]
                 expected[b, v] = x / penalty[b] if x > 0 else x * penalty[b]
-    assert torch.allclose(apply_repetition_penalty(logits, seen, penalty), expected)
+    assert torch.allclose(repetition_penalty(logits, seen, penalty), expected)
 
 
 def test_penalty_steers_greedy_and_needs_a_seen_mask() -> None:

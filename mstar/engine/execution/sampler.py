@@ -24,6 +24,7 @@ from torch import Tensor
 
 from mstar.engine.movement.transfer import to_device
 from mstar.kernels.sampling.draw import draw_tokens
+from mstar.kernels.sampling.penalty import repetition_penalty
 from mstar.types import SamplingParams
 
 NOT_ASKED = -1  # a row's logprobs count when its request reports none
@@ -129,14 +130,6 @@ def _sliced(value: object, sl: slice) -> object:
     return value[sl] if isinstance(value, Tensor) else value
 
 
-def apply_repetition_penalty(logits: Tensor, seen: Tensor, penalty: Tensor) -> Tensor:
-    """Penalise the `seen` [B, V] tokens of each row as Hugging Face does:
-    positive logits are divided by the row's penalty, negative ones multiplied."""
-    pen = penalty.to(logits.dtype)[:, None]
-    penalised = torch.where(logits > 0, logits / pen, logits * pen)
-    return torch.where(seen, penalised, logits)
-
-
 def banned_mask(banned: Tensor, vocab: int) -> Tensor:
     """[B, V] bool: the ids of each row of `banned` [B, S] (-1: none)."""
     index = torch.where(banned >= 0, banned, vocab)  # the pads land in a column cut off below
@@ -167,12 +160,12 @@ def sample(logits: Tensor, st: SamplingTensors, seen: Tensor | None = None, bann
     an exponential race (argmax of probs / Exp noise), equivalent to sampling
     from the filtered softmax at the row's temperature (`kernels/sampling/draw.py`).
     """
-    if st.any_penalty or banned is not None:
-        logits = logits.float()
     if st.any_penalty:
         if seen is None:
             raise ValueError("a row has a repetition penalty but no `seen` mask was given")
-        logits = apply_repetition_penalty(logits, seen, st.repetition_penalty)
+        logits = repetition_penalty(logits, seen, st.repetition_penalty)   # float32
+    elif banned is not None:
+        logits = logits.float()
     if banned is not None:
         logits = logits.masked_fill(banned_mask(banned, logits.shape[-1]), float("-inf"))
     if st.all_greedy:
