@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from mstar.kernels import activation, head_norm_rope, moe, norm, qkv_store, rope_kv, router, snake, snake_unit
+from mstar.kernels import activation, codec_noise, head_norm_rope, moe, norm, qkv_store, rope_kv, router, snake, snake_unit
 from mstar.kernels.sampling import draw, noise, wide_draw
 from mstar.kernels.sampling import penalty as penalty_kernels
 
@@ -249,6 +249,19 @@ def check_repetition_penalty(rows: int, vocab: int, dtype: torch.dtype, device: 
     want = penalty_kernels.repetition_penalty_reference(*args)
     assert got.dtype == torch.float32
     assert torch.equal(got, want)
+
+
+def check_codec_noise(rows: int, length: int, start: int, dtype: torch.dtype, device: str) -> None:
+    """SNAC's seeded normals: the kernel's hash is the reference's bit for bit
+    (negative and 64-bit seeds, a column offset), its float32 Box-Muller
+    within an ulp or two of torch's, one rounding to `dtype`."""
+    seeds = torch.tensor([0, 1, -7, 2**40 + 3, -(2**62), 12345][:rows] * (rows // 6 + 1))[:rows].to(device)
+    for block in (0, 3):
+        got = codec_noise.seeded_normal_triton(seeds, block, length, start, dtype)
+        want = codec_noise.seeded_normal_reference(seeds, block, length, start)
+        assert got.shape == (rows, length) and got.dtype == dtype
+        tol = {"atol": 4e-6, "rtol": 4e-6} if dtype == torch.float32 else {"atol": 4e-3, "rtol": 1e-3}
+        torch.testing.assert_close(got.float(), want, **tol)
 
 
 def check_exponential_noise(rows: int, vocab: int, device: str) -> None:

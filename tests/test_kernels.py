@@ -16,7 +16,7 @@ from kernel_cases import (check_exponential_noise, check_fused_add_rms_norm, che
                           check_rope_and_store,
                           check_silu_and_mul, check_snake, check_snake_beta, check_snake_beta_held,
                           check_draw_tokens, check_route_top_k, check_wide_draw,
-                          check_snake_dwconv, check_snake_unit, check_repetition_penalty, moe_inputs)
+                          check_snake_dwconv, check_snake_unit, check_repetition_penalty, check_codec_noise, moe_inputs)
 
 from mstar.kernels import activation, fused_add_rms_norm, moe, norm, rms_norm, rope_and_store, rope_kv, silu_and_mul
 from mstar.kernels.backend import HAVE_TRITON, block_size, num_warps
@@ -300,6 +300,12 @@ def test_draw_tokens(rows, vocab, dtype, filtered):
 
 
 @interpreted
+@pytest.mark.parametrize("rows,length,start,dtype", [(2, 7, 0, torch.float32), (6, 2500, 2006, torch.float16)])
+def test_codec_noise(rows, length, start, dtype):
+    check_codec_noise(rows, length, start, dtype, "cpu")
+
+
+@interpreted
 @pytest.mark.parametrize("rows,vocab,dtype", [(3, 50, torch.float32), (5, 5000, torch.bfloat16)])
 def test_repetition_penalty(rows, vocab, dtype):
     check_repetition_penalty(rows, vocab, dtype, "cpu")
@@ -313,25 +319,41 @@ def test_wide_draw(rows, vocab, dtype, block, filtered):
 
 
 # the interpreter runs what a GPU compile refuses (a loop variable that changes type, a global read in a
-# kernel): the wide draw's kernels are compiled for an H100/H200 target on this CPU box, in a process of its
-# own (this one's kernels are the interpreter's)
-_COMPILE_WIDE_DRAW = """
+# kernel): the kernels written since the H200 last ran them are compiled for an H100/H200 target on this CPU
+# box, in a process of its own (this one's kernels are the interpreter's)
+_COMPILE_FOR_SM90 = """
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
-from mstar.kernels.sampling import wide_draw as w
+from mstar.kernels import codec_noise, snake_unit
+from mstar.kernels.sampling import penalty, wide_draw as w
 ints = {"stride": "i64", "offset": "i64", "vocab": "i32", "blocks": "i32", "mul_a": "i32", "mul_b": "i32",
-        "salt": "i32", "inv_2_24": "fp32"}
+        "salt": "i32", "inv_2_24": "fp32", "channels": "i32", "length": "i32", "width": "i32", "dilation": "i32",
+        "eps": "fp32", "x_batch_stride": "i64", "x_channel_stride": "i64", "block": "i32", "start": "i32",
+        "golden": "u32", "mix1": "u32", "mix2": "u32", "two_pi": "fp32"}
 pointers = {"logits_ptr": "*bf16", "skip_ptr": "*i8", "top_ptr": "*i64", "k_cut_ptr": "*i64", "k_need_ptr": "*i64",
             "lo_ptr": "*i64", "hi_ptr": "*i64", "cut_ptr": "*i64", "p_cut_ptr": "*i64", "seeds_ptr": "*i64",
-            "counters_ptr": "*i64", "at_ptr": "*i64", "first_ptr": "*i64", "win_at_ptr": "*i64"}
-constexprs = {"BLOCK": w.BLOCK, "WAYS": w.WAYS, "BLOCKS": 128}
-for kernel, flags in ((w._max_kernel, {}), (w._total_kernel, {}), (w._narrow_kernel, {}),
-                      (w._above_kernel, {"MASS": True}), (w._above_kernel, {"MASS": False}),
-                      (w._tie_kernel, {"MASS": True}), (w._tie_kernel, {"MASS": False}),
-                      (w._race_kernel, {"FILTER": True}), (w._race_kernel, {"FILTER": False})):
+            "counters_ptr": "*i64", "at_ptr": "*i64", "first_ptr": "*i64", "win_at_ptr": "*i64", "seen_ptr": "*u8"}
+halves = {"x_ptr", "w_ptr", "b_ptr", "alpha_ptr", "y_ptr", "noise_ptr", "snaked_ptr"}
+constexprs = {"BLOCK": 1024, "WAYS": w.WAYS, "BLOCKS": 128, "TAPS": 7}
+kernels = [(w._max_kernel, {}), (w._total_kernel, {}), (w._narrow_kernel, {}),
+           (w._above_kernel, {"MASS": True}), (w._above_kernel, {"MASS": False}),
+           (w._tie_kernel, {"MASS": True}), (w._tie_kernel, {"MASS": False}),
+           (w._race_kernel, {"FILTER": True}), (w._race_kernel, {"FILTER": False}),
+           (penalty._penalty_kernel, {}), (codec_noise._normal_kernel, {}),
+           (snake_unit._dwconv_snake_kernel, {}),
+           (snake_unit._residual_snake_kernel, {"HAS_BIAS": True, "HAS_NOISE": True, "SNAKE": True}),
+           (snake_unit._residual_snake_kernel, {"HAS_BIAS": False, "HAS_NOISE": False, "SNAKE": False})]
+for kernel, flags in kernels:
     names = kernel.arg_names
     known = {**constexprs, **flags}
-    signature = {n: "constexpr" if n in known else ints.get(n) or pointers.get(n, "*fp32") for n in names}
+    halved = kernel.fn.__module__.endswith("snake_unit") or kernel is codec_noise._normal_kernel
+    def kind(n):
+        if n in known:
+            return "constexpr"
+        if n in ints:
+            return ints[n]
+        return pointers.get(n, "*fp16" if halved and (n in halves or n == "out_ptr") else "*fp32")
+    signature = {n: kind(n) for n in names}
     source = ASTSource(kernel, signature, constexprs={n: v for n, v in known.items() if n in names})
     compiled = compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     assert "cubin" in compiled.asm, (kernel, sorted(compiled.asm))
@@ -339,9 +361,9 @@ for kernel, flags in ((w._max_kernel, {}), (w._total_kernel, {}), (w._narrow_ker
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
-def test_wide_draw_compiles_for_a_gpu():
+def test_new_kernels_compile_for_a_gpu():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", _COMPILE_WIDE_DRAW], env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", _COMPILE_FOR_SM90], env=env, capture_output=True, text=True,
                           timeout=300, cwd=Path(__file__).resolve().parents[1])
     assert done.returncode == 0, done.stderr[-3000:]
 

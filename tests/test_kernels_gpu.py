@@ -26,6 +26,7 @@ from kernel_cases import (
     check_snake_dwconv,
     check_snake_unit,
     check_repetition_penalty,
+    check_codec_noise,
     moe_inputs,
     moe_routing,
     same_on_replay,
@@ -76,6 +77,11 @@ def test_snake_dwconv(b, c, t, dilation, dtype):
 @pytest.mark.parametrize("b,c,t,dilation", [(1, 2, 5, 1), (16, 64, 8192, 9), (8, 512, 128, 3)])
 def test_snake_unit(b, c, t, dilation, dtype):
     check_snake_unit(b, c, t, dilation, dtype, "cuda")
+
+
+@pytest.mark.parametrize("rows,length,start,dtype", [(2, 7, 0, torch.float32), (64, 2132, 2006, torch.float16)])
+def test_codec_noise(rows, length, start, dtype):
+    check_codec_noise(rows, length, start, dtype, "cuda")
 
 
 @pytest.mark.parametrize("rows,vocab,dtype", [(3, 50, torch.float32), (64, 156_940, torch.bfloat16)])

@@ -18,23 +18,16 @@ block; the noise is part of the model's output, so it is kept. Two sources:
   (no generator state to capture). This is the serving choice: a request's
   audio does not depend on its neighbours.
 
-The hash works on int64 tensors holding 32-bit values and splits every
-32-bit multiply into 16-bit halves, so no product overflows int64 and the
-bits are the same on every backend.
+The hash and its kernel are `kernels/codec_noise.py`.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Protocol
 
 import torch
 
-MASK32 = 0xFFFF_FFFF
-GOLDEN = 0x9E37_79B9   # odd constants of murmur3 / the golden ratio: spread nearby inputs apart
-MIX1 = 0x85EB_CA6B
-MIX2 = 0xC2B2_AE35
-TWO_PI = 2.0 * math.pi
+from mstar.kernels.codec_noise import seeded_normal
 
 
 class NoiseSource(Protocol):
@@ -72,35 +65,7 @@ class SeededNoise:
         if self.seeds.shape[0] != batch:
             raise ValueError(f"{self.seeds.shape[0]} seeds for a batch of {batch} rows")
         start, stop = cols if cols is not None else (0, length)
-        return seeded_normal(self.seeds.to(device), block, stop - start, start).to(dtype).unsqueeze(1)
+        return seeded_normal(self.seeds.to(device), block, stop - start, start, dtype).unsqueeze(1)
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(x * c) mod 2**32 for x in [0, 2**32): products stay below 2**49."""
-    lo, hi = c & 0xFFFF, c >> 16
-    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & MASK32
-
-
-def _fmix32(x: torch.Tensor) -> torch.Tensor:
-    """murmur3's finaliser: a bijection of 32-bit values with full avalanche."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, MIX1)
-    x = x ^ (x >> 13)
-    x = _mul32(x, MIX2)
-    return x ^ (x >> 16)
-
-
-def seeded_normal(seeds: torch.Tensor, block: int, length: int, start: int = 0) -> torch.Tensor:
-    """Standard normals [B, length] (float32) for columns start, start + 1,
-    ...: a pure function of each row's seed, `block` and the column."""
-    seeds = seeds.to(torch.int64)
-    # fold both halves of the 64-bit seed, then the block, into one 32-bit key per row
-    key = _fmix32((seeds & MASK32) ^ _fmix32((seeds >> 32) & MASK32))
-    key = _fmix32(key ^ _mul32(torch.full_like(key, block + 1), GOLDEN)).unsqueeze(1)   # [B, 1]
-    # two 32-bit words per sample (radius and angle of Box-Muller), counters 2t and 2t + 1
-    counter = torch.arange(2 * start, 2 * (start + length), device=seeds.device, dtype=torch.int64).unsqueeze(0)
-    bits = _fmix32(_fmix32(counter ^ key) ^ _mul32(key, GOLDEN))
-    # 24 bits per uniform: float32 holds them exactly; +0.5 keeps u1 off zero (log(0))
-    uniform = ((bits >> 8).to(torch.float32) + 0.5) * 2.0 ** -24
-    u1, u2 = uniform.view(-1, length, 2).unbind(-1)
-    return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(TWO_PI * u2)
+__all__ = ["NoiseSource", "SeededNoise", "TorchNoise", "seeded_normal"]
