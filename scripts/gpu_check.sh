@@ -243,9 +243,10 @@ if [[ $what == kvdtype ]]; then
       | tee "$OUT/bench_kv_dtype.txt" | tail -14
 fi
 if [[ $what == codec ]]; then
-  timeout 240 python3 -m pytest -q -rfE -p no:cacheprovider -k "snake or noise" tests/test_kernels_gpu.py \
-      tests/test_orpheus_gpu.py > "$OUT/codec_tests.txt" 2>&1
+  timeout 120 python3 -m pytest -q -rfE -p no:cacheprovider -k "snake or noise" tests/test_kernels_gpu.py \
+      > "$OUT/codec_tests.txt" 2>&1
   rc=$?
+  timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_orpheus_gpu.py >> "$OUT/codec_tests.txt" 2>&1 || rc=1
   tail -6 "$OUT/codec_tests.txt"
   for how in "--modules" "--modules --play" "--play"; do  # the whole window, its played frame, then fused units
     timeout 200 python3 scripts/bench_snac.py --device cuda --dtype float16 --batches 1 16 64 --graphs --profile $how \

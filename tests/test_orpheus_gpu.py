@@ -44,6 +44,21 @@ def test_float16_codec_is_within_a_tenth_of_a_percent_of_float32() -> None:
     assert (half - ref).abs().max().item() < 1e-2
 
 
+def test_cuda_codec_plays_what_the_cpu_modules_decode() -> None:
+    """On CUDA a window runs fused residual units over the played frame's
+    spans with the noise kernel; on the CPU the modules and the torch noise:
+    the same samples in float32 (full windows and a stream's last ones)."""
+    cpu_snac = load_snac_decoder(None, load_format="dummy", device="cpu", dtype=torch.float32)
+    cpu = OrpheusCodec(cpu_snac, cpu_snac.config.samples_per_coarse_frame).eval()
+    cuda = _codec(torch.float32)
+    for length in (WINDOW_TOKENS, 21, 14):
+        tokens, seeds = _windows(8, seed=length)[:, :length], torch.arange(8) * 13 - 40
+        got = cuda.window(tokens, seeds=seeds.cuda()).cpu()
+        want = cpu.window(tokens.cpu(), seeds=seeds)
+        assert got.shape == want.shape and got.shape[1] > 0
+        assert (got - want).abs().max().item() < 1e-4
+
+
 def test_codec_graphs_replay_what_eager_computes() -> None:
     codec = _codec(torch.float16)
     # full windows and 3-frame last windows
