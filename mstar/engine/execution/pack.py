@@ -232,25 +232,35 @@ def kv_outputs(out: Mapping[str, Any], sig: Mode, writes: dict[str, str], lens: 
 
 
 def page_token_rows(values: dict[str, torch.Tensor | list[torch.Tensor]], cache: KVCache, sig: Mode,
-                    writes: dict[str, str], kv: list[KVRow], lens: list[int], skips: list[int]) -> None:
+                    writes: dict[str, str], kv: list[KVRow], lens: list[int], skips: list[int],
+                    slot_mapping: torch.Tensor | None = None) -> None:
     """The rows="all" outputs the pages keep (`KVSpec.token_rows`), in place
     in `values` (`kv_outputs`'): each row's new tokens' rows written into its
     pages at their slots, and the rows of the prefix a cache hit gave it (its
     query's first `skips[i]` tokens, computed by an earlier prompt) read back
     in front, so the output covers the whole query either way. Before the
-    rows advance: a row's new tokens start at its `kv_len`."""
+    rows advance: a row's new tokens start at its `kv_len`. `slot_mapping`:
+    the step's attention plan's slots of its new tokens, packed row after
+    row (then the writes are one copy and only cache hits look up slots)."""
+    if slot_mapping is not None and slot_mapping.numel() != sum(lens):
+        slot_mapping = None
     for name, value in writes.items():
         if name not in cache.rows:
             continue
         out = values[value]
         assert isinstance(out, list)
+        if slot_mapping is not None and slot_mapping.numel():
+            cache.write_rows(name, slot_mapping, torch.cat([mine for mine, n in zip(out, lens) if n]))
         whole = []
         for row, mine, n, skip in zip(kv, out, lens, skips):
+            if slot_mapping is not None and not skip:
+                whole.append(mine)
+                continue
             first = 0 if sig.reset else row.kv_len
             at = torch.arange(first - skip, first + n)
             slots = torch.tensor(row.pages, dtype=torch.long)[at // cache.page_size] * cache.page_size \
                 + at % cache.page_size
-            if n:
+            if n and slot_mapping is None:
                 cache.write_rows(name, slots[skip:], mine)
             whole.append(torch.cat([cache.read_rows(name, slots[:skip]).to(mine.dtype), mine]) if skip else mine)
         values[value] = whole

@@ -270,7 +270,9 @@ class ComponentRunner:
             tokens, logprobs = self._sample(out["logits"], parts, kv, packed.ids, banned)
         values = kv_outputs(out, sig, writes, packed.lens, tokens, steps[0].label)
         if self.kv.rows:
-            page_token_rows(values, self.kv, sig, writes, kv, packed.lens, skips)
+            attn = packed.batch.attn
+            page_token_rows(values, self.kv, sig, writes, kv, packed.lens, skips,
+                            getattr(attn, "slot_mapping", None) if attn is not None else None)
         for r, n, delta in zip(kv, packed.lens, packed.rope_deltas):  # only now, as in `_run_tokens`
             if sig.kv == "append":
                 r.advance(n, delta, tokens is not None, reset=sig.reset)
