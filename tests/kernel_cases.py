@@ -429,6 +429,13 @@ def check_wide_draw(rows: int, vocab: int, filtered: bool, dtype: torch.dtype, d
     of equal logits, and a vocabulary past one block by one token."""
     check_draw_tokens(rows, vocab, filtered, dtype, device,
                       lambda *a: wide_draw.draw_tokens_wide(*a, block=block))
+    # a +inf logit (or a finite one that a tiny temperature scales past float32): every probability is NaN,
+    # and the torch form's argmax takes the NaN row's first entry
+    inf = torch.tensor([[0.0, 1.0, float("inf"), 2.0, 0.5], [1.0, 5.0, 3.0, 5.0, -2.0]]).to(dtype)
+    nan_args = [t.to(device) for t in (inf, torch.tensor([1.0, 1e-38]), torch.zeros(2, dtype=torch.long),
+                                       torch.ones(2), torch.zeros(2), torch.arange(2), torch.arange(2))]
+    got = wide_draw.draw_tokens_wide(*nan_args, 0, filtered, block=block)
+    assert got.cpu().tolist() == draw.draw_tokens_reference(*nan_args, 0, filtered).cpu().tolist()
     if not filtered:
         return
     gen = torch.Generator().manual_seed(vocab)

@@ -122,7 +122,10 @@ def draw_tokens_wide(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: 
                        BLOCK=block, num_warps=4)
     best_block = part_win.argmax(1, keepdim=True)
     win = part_win.gather(1, best_block).squeeze(1)
-    drawn = torch.where(win > 0, part_win_at.gather(1, best_block).squeeze(1), first_top)
+    # no score (a +inf logit leaves every probability NaN): the torch form's argmax over the NaN row takes its
+    # first entry, which is rank 0 (the first top token) when it sorted the row and index 0 when it did not
+    fallback = first_top if filtered else torch.zeros_like(first_top)
+    drawn = torch.where(win > 0, part_win_at.gather(1, best_block).squeeze(1), fallback)
     return torch.where(temp <= 0, greedy, drawn)
 
 
