@@ -218,6 +218,12 @@ def test_played_spans_of_other_configs(tmp_path: Path, cfg: SnacConfig) -> None:
         torch.testing.assert_close(part, whole[..., play[0]:play[1]], atol=2e-6, rtol=0)
 
 
+def test_an_empty_played_span_is_no_samples(decoder: SnacDecoder) -> None:
+    codes = random_codes(SNAC_24KHZ, 2, 2, seed=25)
+    for play in ((0, 0), (5, 5), (4096, 4096)):
+        assert decoder.decode(codes, seeds=torch.tensor([1, 2]), play=play).shape == (2, 1, 0)
+
+
 def test_spans_reject_what_they_do_not_hold() -> None:
     with pytest.raises(ValueError, match="does not lie"):
         Span(3, 2, 10)

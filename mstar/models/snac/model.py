@@ -137,7 +137,10 @@ class SnacDecoder(nn.Module):
                 x = block(x, draw)
             return torch.tanh(self.out_conv(self.out_snake(x)))
         total = z.shape[-1] * self.config.hop_length
-        return self._synthesize_span(z, noise, Span(*play, total) if play else Span.whole(total), fused)
+        out = Span(*play, total) if play else Span.whole(total)
+        if out.width == 0:
+            return z.new_zeros(z.shape[0], 1, 0)
+        return self._synthesize_span(z, noise, out, fused)
 
     def _synthesize_span(self, z: torch.Tensor, noise: NoiseSource | None, out: Span, fused: bool) -> torch.Tensor:
         # backward from the samples asked for: the span each block's output must hold
