@@ -199,6 +199,20 @@ def _top_k_kept(row, blocks, key, valid, k_cut_ptr, k_need_ptr, k_before_ptr):
 
 
 @jit
+def _weighed(row, logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_cut_ptr, k_need_ptr, k_before_ptr, total_ptr,
+             MASS: tl.constexpr, BLOCK: tl.constexpr):
+    """A block's keys and what each token weighs in a search: 1 (a count),
+    or with MASS its probability over top-k's tokens (0 outside them)."""
+    idx, valid, s, key = _block_in(row, logits_ptr, stride, div_ptr, vocab, BLOCK)
+    if MASS:
+        kept = _top_k_kept(row, blocks, key, valid, k_cut_ptr, k_need_ptr, k_before_ptr)
+        w = tl.where(kept, tl.exp(s - tl.load(m_ptr + row)) / tl.load(total_ptr + row), 0.0)
+    else:
+        w = valid.to(tl.float32)
+    return key, w
+
+
+@jit
 def _max_kernel(logits_ptr, stride, max_ptr, at_ptr, vocab, blocks, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1) * BLOCK
@@ -229,12 +243,8 @@ def _above_kernel(logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, lo_ptr, hi_
     above it."""
     row = tl.program_id(0).to(tl.int64)
     if tl.load(skip_ptr + row) == 0:
-        idx, valid, s, key = _block_in(row, logits_ptr, stride, div_ptr, vocab, BLOCK)
-        if MASS:
-            kept = _top_k_kept(row, blocks, key, valid, k_cut_ptr, k_need_ptr, k_before_ptr)
-            w = tl.where(kept, tl.exp(s - tl.load(m_ptr + row)) / tl.load(total_ptr + row), 0.0)
-        else:
-            w = valid.to(tl.float32)
+        key, w = _weighed(row, logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_cut_ptr, k_need_ptr,
+                          k_before_ptr, total_ptr, MASS, BLOCK)
         probes = _probes(tl.load(lo_ptr + row), tl.load(hi_ptr + row), WAYS)
         hit = key[:, None] >= probes[None, :]
         sums = tl.sum(tl.where(hit, w[:, None], 0.0), axis=0)
@@ -277,12 +287,8 @@ def _tie_kernel(logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, cut_ptr, k_cu
                 total_ptr, above_ptr, ties_ptr, MASS: tl.constexpr, BLOCK: tl.constexpr):
     """A block's count (or with MASS, top-k's probability) above a cut and at it."""
     row = tl.program_id(0).to(tl.int64)
-    idx, valid, s, key = _block_in(row, logits_ptr, stride, div_ptr, vocab, BLOCK)
-    if MASS:
-        kept = _top_k_kept(row, blocks, key, valid, k_cut_ptr, k_need_ptr, k_before_ptr)
-        w = tl.where(kept, tl.exp(s - tl.load(m_ptr + row)) / tl.load(total_ptr + row), 0.0)
-    else:
-        w = valid.to(tl.float32)
+    key, w = _weighed(row, logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_cut_ptr, k_need_ptr, k_before_ptr,
+                      total_ptr, MASS, BLOCK)
     cut = tl.load(cut_ptr + row)
     at = row * blocks + tl.program_id(1)
     tl.store(above_ptr + at, tl.sum(tl.where(key > cut, w, 0.0), axis=0))
