@@ -165,23 +165,31 @@ def snake_dwconv(x: torch.Tensor, alpha: torch.Tensor, weight: torch.Tensor, bia
 
 def snake_dwconv_reference(x: torch.Tensor, alpha: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                            dilation: int, offset: int = 0, width: int | None = None) -> torch.Tensor:
+    # snake(0) = 0, so the padding's zeros may go in before or after the snake
+    return conv_window(snake_reference(x, alpha), weight, bias, dilation, x.shape[1], offset, width)
+
+
+def conv_window(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dilation: int, groups: int,
+                offset: int = 0, width: int | None = None) -> torch.Tensor:
+    """conv1d(x, weight, bias) with an odd kernel, `dilation`, `groups` and
+    the padding that keeps the length (zeros beyond x's ends), outputs
+    [offset, offset + width) only (default: all): [B, C_out, width]."""
     length = x.shape[-1]
     width = length - offset if width is None else width
-    _check_window(length, offset, width)
+    check_window(length, offset, width)
     if width == 0:
-        return x.new_empty(*x.shape[:-1], 0)
+        return x.new_empty(x.shape[0], weight.shape[0], 0)
     reach = (weight.shape[-1] - 1) * dilation // 2
     lo, hi = max(0, offset - reach), min(length, offset + width + reach)
     left, right = lo - (offset - reach), (offset + width + reach) - hi
-    # snake(0) = 0, so the zeros may go in before or after the snake
-    inner = snake_reference(x[..., lo:hi], alpha)
+    inner = x[..., lo:hi]
     if left != right:
-        inner = F.pad(inner, (left, right))
-    return F.conv1d(inner, weight, bias, padding=left if left == right else 0, dilation=dilation,
-                    groups=x.shape[1])
+        inner, left = F.pad(inner, (left, right)), 0
+    return F.conv1d(inner, weight, bias, padding=left, dilation=dilation, groups=groups)
 
 
-def _check_window(length: int, offset: int, width: int) -> None:
+def check_window(length: int, offset: int, width: int) -> None:
+    """Outputs [offset, offset + width) must lie in a signal of `length`."""
     if offset < 0 or width < 0 or offset + width > length:
         raise ValueError(f"outputs [{offset}, {offset + width}) do not lie in a signal of {length}")
 
@@ -193,7 +201,7 @@ def snake_dwconv_triton(x: torch.Tensor, alpha: torch.Tensor, weight: torch.Tens
     snake, which is what the padded convolution sees (snake(0) = 0 anyway)."""
     batch, channels, length = x.shape
     width = length - offset if width is None else width
-    _check_window(length, offset, width)
+    check_window(length, offset, width)
     taps = weight.shape[-1]
     if weight.shape != (channels, 1, taps) or taps % 2 == 0 or alpha.numel() != channels:
         raise ValueError(f"snake_dwconv takes a depthwise weight [C, 1, odd k] and alpha [1, C, 1] for "

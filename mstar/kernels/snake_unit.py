@@ -22,10 +22,9 @@ same ops in the activations' dtype.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from mstar.kernels.backend import jit, num_warps, tl, use_triton
-from mstar.kernels.snake import ALPHA_EPS, snake_reference
+from mstar.kernels.snake import ALPHA_EPS, check_window, conv_window, snake_reference
 
 BLOCK = 1024
 
@@ -42,20 +41,7 @@ def dwconv_snake(sx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def dwconv_snake_reference(sx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, alpha: torch.Tensor,
                            dilation: int, offset: int = 0, width: int | None = None) -> torch.Tensor:
-    length = sx.shape[-1]
-    width = length - offset if width is None else width
-    if offset < 0 or width < 0 or offset + width > length:
-        raise ValueError(f"outputs [{offset}, {offset + width}) do not lie in a signal of {length}")
-    if width == 0:
-        return sx.new_empty(*sx.shape[:-1], 0)
-    reach = (weight.shape[-1] - 1) * dilation // 2
-    lo, hi = max(0, offset - reach), min(length, offset + width + reach)
-    left, right = lo - (offset - reach), (offset + width + reach) - hi
-    inner = sx[..., lo:hi]
-    if left != right:
-        inner, left = F.pad(inner, (left, right)), 0
-    h = F.conv1d(inner, weight, bias, padding=left, dilation=dilation, groups=sx.shape[1])
-    return snake_reference(h, alpha)
+    return snake_reference(conv_window(sx, weight, bias, dilation, sx.shape[1], offset, width), alpha)
 
 
 def dwconv_snake_triton(sx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, alpha: torch.Tensor,
@@ -63,8 +49,7 @@ def dwconv_snake_triton(sx: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     batch, channels, length = sx.shape
     width = length - offset if width is None else width
     taps = weight.shape[-1]
-    if offset < 0 or width < 0 or offset + width > length:
-        raise ValueError(f"outputs [{offset}, {offset + width}) do not lie in a signal of {length}")
+    check_window(length, offset, width)
     if weight.shape != (channels, 1, taps) or taps % 2 == 0 or alpha.numel() != channels:
         raise ValueError(f"dwconv_snake takes a depthwise weight [C, 1, odd k] and alpha [1, C, 1] for "
                          f"C = {channels}, got {tuple(weight.shape)} and {tuple(alpha.shape)}")

@@ -20,8 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from mstar.kernels.snake import conv_window
 
 
 @dataclass(frozen=True)
@@ -69,10 +70,8 @@ def conv_span(conv: nn.Conv1d, x: torch.Tensor, held: Span, out: Span) -> torch.
     """`conv` (a "same" convolution: odd kernel, padding its reach) over
     `out` alone, from x [B, C, held.width] holding `held`: what the padded
     convolution of the whole signal gives there, zeros beyond its ends."""
-    reach = conv.padding[0]
-    need = conv_need(out, reach)
+    need = conv_need(out, conv.padding[0])
+    # the part of x it reads; beyond that part's ends lie only the signal's ends
     inner = take(x, held, need)
-    left, right = need.start - (out.start - reach), (out.stop + reach) - need.stop
-    if left != right:
-        inner, left = F.pad(inner, (left, right)), 0
-    return F.conv1d(inner, conv.weight, conv.bias, padding=left, dilation=conv.dilation, groups=conv.groups)
+    return conv_window(inner, conv.weight, conv.bias, conv.dilation[0], conv.groups, out.start - need.start,
+                       out.width)
