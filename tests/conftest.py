@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import pytest
 import pytest_asyncio
 import torch
 
@@ -42,3 +43,13 @@ async def http(server: str) -> AsyncIterator["aiohttp.ClientSession"]:  # noqa: 
 
     async with aiohttp.ClientSession(base_url=server) as session:
         yield session
+
+
+@pytest.fixture
+def exact_float32() -> Iterator[None]:
+    """CUDA float32 without TF32 (cuDNN's convolutions default to it), for
+    tests that hold a GPU path to a CPU float32 reference."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

@@ -44,10 +44,11 @@ def test_float16_codec_is_within_a_tenth_of_a_percent_of_float32() -> None:
     assert (half - ref).abs().max().item() < 1e-2
 
 
-def test_cuda_codec_plays_what_the_cpu_modules_decode() -> None:
+def test_cuda_codec_plays_what_the_cpu_modules_decode(exact_float32: None) -> None:
     """On CUDA a window runs fused residual units over the played frame's
     spans with the noise kernel; on the CPU the modules and the torch noise:
-    the same samples in float32 (full windows and a stream's last ones)."""
+    the same samples in float32 (full windows and a stream's last ones),
+    TF32 off on both sides of the comparison."""
     cpu_snac = load_snac_decoder(None, load_format="dummy", device="cpu", dtype=torch.float32)
     cpu = OrpheusCodec(cpu_snac, cpu_snac.config.samples_per_coarse_frame).eval()
     cuda = _codec(torch.float32)

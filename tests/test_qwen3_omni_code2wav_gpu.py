@@ -10,13 +10,13 @@ whole decode differ by summation order alone: 1e-5 absolute, as on CPU.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
     pytest.skip("CUDA graphs need a CUDA device", allow_module_level=True)
+pytestmark = pytest.mark.usefixtures("exact_float32")
 
 from mstar.engine.memory.state_slots import StatePool  # noqa: E402
 from mstar.models.qwen3_omni.config import Code2WavConfig  # noqa: E402
@@ -26,14 +26,6 @@ from mstar.types import StateRows  # noqa: E402
 CFG = Code2WavConfig(codebook_size=64, num_quantizers=4, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, intermediate_size=128, sliding_window=8, decoder_dim=64,
                      upsample_rates=(8, 5, 4, 3), upsampling_ratios=(2, 2), rope_theta=1e4, rms_norm_eps=1e-5)
-
-
-@pytest.fixture(autouse=True)
-def exact_float32() -> Iterator[None]:
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def _random(cfg: Code2WavConfig) -> Code2Wav:
