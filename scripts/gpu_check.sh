@@ -236,7 +236,7 @@ if [[ $what == sampler ]]; then  # the wide-vocabulary draw against the torch fo
       > "$OUT/sampler_tests.txt" 2>&1
   rc=$?
   tail -5 "$OUT/sampler_tests.txt"
-  timeout 200 python3 scripts/bench_sampler.py --batches 1 16 64 128 256 400 2>&1 | tee "$OUT/bench_sampler.txt"
+  timeout 200 python3 scripts/bench_sampler.py --batches 1 16 64 128 256 400 --profile 2>&1 | tee "$OUT/bench_sampler.txt"
 fi
 if [[ $what == kvdtype ]]; then
   timeout 300 python3 scripts/bench_kv_dtype.py --batches 64 256 400 --context 560 --out "$OUT/kv_dtype.json" 2>&1 \

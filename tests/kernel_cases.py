@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from mstar.kernels import activation, codec_noise, head_norm_rope, moe, norm, qkv_store, rope_kv, router, snake, snake_unit
-from mstar.kernels.sampling import draw, noise, wide_draw
+from mstar.kernels.sampling import draw, noise, wide_descent, wide_draw
 from mstar.kernels.sampling import penalty as penalty_kernels
 
 EPS = 1e-5
@@ -427,8 +427,9 @@ def check_wide_draw(rows: int, vocab: int, filtered: bool, dtype: torch.dtype, d
     """`check_draw_tokens` for the draw of wide vocabularies, its row
     streamed in blocks of `block`; plus a top-p cut that falls inside a run
     of equal logits, and a vocabulary past one block by one token."""
-    check_draw_tokens(rows, vocab, filtered, dtype, device,
-                      lambda *a: wide_draw.draw_tokens_wide(*a, block=block))
+    for steps in (0, 1, wide_descent.STEPS):  # every row to the search; one candidate tested; the default
+        check_draw_tokens(rows, vocab, filtered, dtype, device,
+                          lambda *a: wide_draw.draw_tokens_wide(*a, block=block, descent_steps=steps))
     # a +inf logit (or a finite one that a tiny temperature scales past float32): every probability is NaN,
     # and the torch form's argmax takes the NaN row's first entry
     inf = torch.tensor([[0.0, 1.0, float("inf"), 2.0, 0.5], [1.0, 5.0, 3.0, 5.0, -2.0]]).to(dtype)
@@ -445,8 +446,8 @@ def check_wide_draw(rows: int, vocab: int, filtered: bool, dtype: torch.dtype, d
             torch.tensor([0.5, 0.3, 0.9, 0.97]), torch.tensor([0.0, 0.0, 0.0, 0.01]), torch.arange(4),
             torch.arange(4) + 9]
     args = [t.to(device) for t in args]
-    for offset in (0, 3):
-        got = wide_draw.draw_tokens_wide(*args, offset, True, block=block)
+    for offset, steps in ((0, 0), (0, 1), (3, 0), (3, wide_descent.STEPS)):
+        got = wide_draw.draw_tokens_wide(*args, offset, True, block=block, descent_steps=steps)
         assert got.cpu().tolist() == draw.draw_tokens_reference(*args, offset, True).cpu().tolist(), offset
     # what the host knows skips a search: no row with top-k, then no row with top-p
     no_k = [args[0], args[1], torch.zeros_like(args[2]), *args[3:]]
@@ -460,6 +461,55 @@ def check_wide_draw(rows: int, vocab: int, filtered: bool, dtype: torch.dtype, d
     args[0][:, vocab // 2] = float("inf")
     got = wide_draw.draw_tokens_wide(*args, 0, True, block=block)
     assert got.cpu().tolist() == draw.draw_tokens_reference(*args, 0, True).cpu().tolist() == [vocab // 2] * 4
+
+
+def check_wide_descent(rows: int, vocab: int, dtype: torch.dtype, device: str, block: int) -> None:
+    """The candidate descent alone: with steps enough, every sampled row of a
+    top-p draw settles there (none is left to the search), and on the token
+    the torch form draws; with none, no row settles; greedy rows stay as
+    they came, and a row whose probabilities are NaN (a +inf logit) is left
+    to the search."""
+    gen = torch.Generator().manual_seed(rows + vocab)
+    logits = (torch.randn(rows, vocab, generator=gen) * 3).to(dtype)
+    logits[rows - 1, vocab // 3] = float("inf")
+    temperature = torch.tensor([[0.0, 0.6, 1.0, 1.4][r % 4] for r in range(rows)])
+    top_p = torch.tensor([[0.8, 0.5, 0.95, 1.0, 0.3][r % 5] for r in range(rows)])
+    min_p = torch.tensor([[0.0, 0.0, 0.02][r % 3] for r in range(rows)])
+    args = [t.to(device) for t in (logits, temperature, torch.zeros(rows, dtype=torch.long), top_p, min_p,
+                                   torch.arange(rows) + 5, torch.arange(rows) * 3)]
+    want = draw.draw_tokens_reference(*args, 0, True).cpu()
+    greedy = temperature <= 0
+    for steps in (0, 64):
+        state, token = _descend(args, steps, block)
+        if steps == 0:
+            assert (state.cpu() == wide_descent.SETTLED).tolist() == greedy.tolist()
+            continue
+        settled = (state.cpu() == wide_descent.SETTLED) & ~greedy
+        sampled = ~greedy
+        sampled[rows - 1] = False
+        assert settled[sampled].all(), state
+        assert not settled[rows - 1]
+        assert token.cpu()[settled].tolist() == want[settled].tolist()
+
+
+def _descend(args: list[torch.Tensor], steps: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`wide_descent.descend` on a draw's arguments, with the tensors the
+    wide draw prepares for it (no top-k)."""
+    logits, temperature, _, top_p, min_p, seeds, counters = args
+    rows, vocab = logits.shape
+    blocks = -(-vocab // block)
+    div = torch.where(temperature <= 0, torch.ones_like(temperature), temperature)
+    scaled = logits.float() / div[:, None]
+    m = scaled.max(1).values
+    total = torch.exp(scaled - m[:, None]).sum(1)
+    dev = logits.device
+    none_k = (torch.full((rows,), wide_draw.LOWEST, dtype=torch.int64, device=dev),
+              torch.full((rows,), wide_draw._NONE, dtype=torch.int64, device=dev),
+              torch.zeros(rows, blocks, dtype=torch.float32, device=dev))
+    kernel_args = (logits, logits.stride(0), div, m, vocab, blocks)
+    state = (temperature <= 0).to(torch.int8) * wide_descent.SETTLED
+    return wide_descent.descend(kernel_args, *none_k, total, top_p, min_p, seeds, counters, 0, state, (rows, blocks),
+                                block, steps)
 
 
 def check_route_top_k(tokens: int, experts: int, k: int, renormalize: bool, dtype: torch.dtype, device: str) -> None:

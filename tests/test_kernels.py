@@ -15,7 +15,7 @@ from kernel_cases import (check_exponential_noise, check_fused_add_rms_norm, che
                           check_head_norm_rope, check_moe_align, check_qkv_norm_rope_store, check_rms_norm,
                           check_rope_and_store,
                           check_silu_and_mul, check_snake, check_snake_beta, check_snake_beta_held,
-                          check_draw_tokens, check_route_top_k, check_wide_draw,
+                          check_draw_tokens, check_route_top_k, check_wide_descent, check_wide_draw,
                           check_snake_dwconv, check_snake_unit, check_repetition_penalty, check_codec_noise, moe_inputs)
 
 from mstar.kernels import activation, fused_add_rms_norm, moe, norm, rms_norm, rope_and_store, rope_kv, silu_and_mul
@@ -318,6 +318,12 @@ def test_wide_draw(rows, vocab, dtype, block, filtered):
     check_wide_draw(rows, vocab, filtered, dtype, "cpu", block)
 
 
+@interpreted
+@pytest.mark.parametrize("rows,vocab,dtype,block", [(11, 70, torch.float32, 16), (6, 900, torch.bfloat16, 128)])
+def test_wide_descent(rows, vocab, dtype, block):
+    check_wide_descent(rows, vocab, dtype, "cpu", block)
+
+
 # the interpreter runs what a GPU compile refuses (a loop variable that changes type, a global read in a
 # kernel): the kernels written since the H200 last ran them are compiled for an H100/H200 target on this CPU
 # box, in a process of its own (this one's kernels are the interpreter's)
@@ -325,20 +331,23 @@ _COMPILE_FOR_SM90 = """
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 from mstar.kernels import codec_noise, snake_unit
-from mstar.kernels.sampling import penalty, wide_draw as w
+from mstar.kernels.sampling import penalty, wide_descent as d, wide_draw as w
 ints = {"stride": "i64", "offset": "i64", "vocab": "i32", "blocks": "i32", "mul_a": "i32", "mul_b": "i32",
         "salt": "i32", "inv_2_24": "fp32", "channels": "i32", "length": "i32", "width": "i32", "dilation": "i32",
         "eps": "fp32", "x_batch_stride": "i64", "x_channel_stride": "i64", "block": "i32", "start": "i32",
         "golden": "u32", "mix1": "u32", "mix2": "u32", "two_pi": "fp32"}
 pointers = {"logits_ptr": "*bf16", "skip_ptr": "*i8", "top_ptr": "*i64", "k_cut_ptr": "*i64", "k_need_ptr": "*i64",
             "lo_ptr": "*i64", "hi_ptr": "*i64", "cut_ptr": "*i64", "p_cut_ptr": "*i64", "seeds_ptr": "*i64",
-            "counters_ptr": "*i64", "at_ptr": "*i64", "first_ptr": "*i64", "win_at_ptr": "*i64", "seen_ptr": "*u8"}
+            "counters_ptr": "*i64", "at_ptr": "*i64", "first_ptr": "*i64", "win_at_ptr": "*i64", "seen_ptr": "*u8",
+            "cand_ptr": "*i64", "state_ptr": "*i8"}
 halves = {"x_ptr", "w_ptr", "b_ptr", "alpha_ptr", "y_ptr", "noise_ptr", "snaked_ptr"}
 constexprs = {"BLOCK": 1024, "WAYS": w.WAYS, "BLOCKS": 128, "TAPS": 7}
 kernels = [(w._max_kernel, {}), (w._total_kernel, {}), (w._narrow_kernel, {}),
            (w._above_kernel, {"MASS": True}), (w._above_kernel, {"MASS": False}),
            (w._tie_kernel, {"MASS": True}), (w._tie_kernel, {"MASS": False}),
            (w._race_kernel, {"FILTER": True}), (w._race_kernel, {"FILTER": False}),
+           *[(kernel, {"FIRST": first, "LAST": last}) for kernel in (d._descend_kernel, d._settle_kernel)
+             for first, last in ((True, False), (False, False), (False, True), (True, True))],
            (penalty._penalty_kernel, {}), (codec_noise._normal_kernel, {}),
            (snake_unit._dwconv_snake_kernel, {}),
            (snake_unit._residual_snake_kernel, {"HAS_BIAS": True, "HAS_NOISE": True, "SNAKE": True}),

@@ -11,6 +11,7 @@ from kernel_cases import (
     check_fused_add_rms_norm,
     check_draw_tokens,
     check_route_top_k,
+    check_wide_descent,
     check_wide_draw,
     check_head_norm_rope,
     check_qkv_norm_rope_store,
@@ -238,6 +239,11 @@ def test_draw_tokens(rows, vocab, dtype, filtered):
                                                     (7, 151936, torch.float32, 1024)])
 def test_wide_draw(rows, vocab, dtype, block, filtered):
     check_wide_draw(rows, vocab, filtered, dtype, "cuda", block)
+
+
+@pytest.mark.parametrize("rows,vocab,dtype,block", [(11, 70, torch.float32, 16), (64, 156940, torch.bfloat16, 2048)])
+def test_wide_descent(rows, vocab, dtype, block):
+    check_wide_descent(rows, vocab, dtype, "cuda", block)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -28,6 +28,11 @@ row's 157k tokens spread over the GPU at any batch size; a search pass tests
 `WAYS` keys at once and a small kernel narrows each row's range, so a 32-bit
 key range closes in `PASSES` passes. Per-block partial sums go back through
 device tensors only: nothing here waits for the device.
+
+Top-p's search runs only for the rows the candidate descent
+(`wide_descent.py`) leaves: it tests race winners against the cut in one pass
+each and settles nearly every row in one or two, where the search takes
+sixteen passes (eight each testing `WAYS` keys, eight narrowing).
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ from torch import Tensor
 
 from mstar.kernels.backend import block_size, jit, tl
 from mstar.kernels.sampling.noise import _INV_2_24, _MUL_A, _MUL_B, _ROW_SALT, _exp_noise, _row_key
+from mstar.kernels.sampling.wide_blocks import _block_in, _top_k_kept
+from mstar.kernels.sampling.wide_descent import SETTLED, STEPS, descend
 
 BLOCK = 2048        # tokens a program reads
 WAYS = 16           # keys a search pass tests at once
@@ -47,11 +54,14 @@ _NONE = 1 << 40      # "no count limit" for rows without top-k
 
 def draw_tokens_wide(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
                      seeds: Tensor, counters: Tensor, offset: int = 0, filtered: bool = True,
-                     block: int = BLOCK, top_k_active: bool = True, top_p_active: bool = True) -> Tensor:
+                     block: int = BLOCK, top_k_active: bool = True, top_p_active: bool = True,
+                     descent_steps: int = STEPS) -> Tensor:
     """`draw.draw_tokens`'s arguments; `block`: tokens per program (a power
     of two; tests take small ones to cross many blocks). `top_k_active` /
     `top_p_active`: whether any row may cut by top-k / top-p (what the host
-    knows of the rows; False skips that search's passes)."""
+    knows of the rows; False skips that search's passes). `descent_steps`:
+    candidates a row tests (`wide_descent.py`) before it searches for top-p's
+    cut (0: every row searches)."""
     rows, vocab = logits.shape
     params = (temperature, top_k, top_p, min_p, seeds, counters)
     if any(p.shape != (rows,) for p in params):
@@ -101,32 +111,38 @@ def draw_tokens_wide(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: 
     total = part_total.sum(1)
     first_top = part_first.amin(1)
 
-    # top-p's cut, the mass above it, and each block's tied mass before it
+    # top-p: most rows settle on a tested candidate; the rest search for the cut, the mass above it, and each
+    # block's tied mass before it
     p = top_p.to(f32).contiguous()
     p_cut = torch.full((rows,), LOWEST, dtype=i64, device=dev)
     p_above = torch.zeros(rows, dtype=f32, device=dev)
     p_before = torch.zeros(rows, blocks, dtype=f32, device=dev)
+    settled = torch.zeros(rows, dtype=torch.bool, device=dev)
+    token = torch.zeros(rows, dtype=i64, device=dev)
     if filtered and top_p_active:
-        p_on = p < 1.0
+        state, token = descend(kernel_args, k_cut, k_need, k_before, total, p, min_p, seeds, counters, offset,
+                               (temp <= 0).to(torch.int8) * SETTLED, grid, block, descent_steps)
+        settled = state == SETTLED
+        p_on = (p < 1.0) & ~settled
         cut = _search(kernel_args, p, p_on, top, k_cut, k_need, k_before, total, True, grid, block)
         p_cut = torch.where(p_on, cut, p_cut)
         p_above, p_before = _ties(kernel_args, p_cut, k_need, k_before, total, True, grid, block, None,
-                                  k_cut=k_cut)
+                                  k_cut=k_cut, skip=settled)
 
-    # the race over the kept tokens
-    part_win = torch.empty(rows, blocks, dtype=f32, device=dev)
-    part_win_at = torch.empty(rows, blocks, dtype=i64, device=dev)
+    # the race over the kept tokens of the rows still to draw
+    part_win = torch.zeros(rows, blocks, dtype=f32, device=dev)
+    part_win_at = torch.zeros(rows, blocks, dtype=i64, device=dev)
     _race_kernel[grid](*kernel_args, k_cut, k_need, k_before, total, p, p_cut, p_above, p_before,
                        min_p.to(f32).contiguous(), seeds.to(i64).contiguous(), counters.to(i64).contiguous(),
-                       part_win, part_win_at, offset, _MUL_A, _MUL_B, _ROW_SALT, _INV_2_24, FILTER=filtered,
-                       BLOCK=block, num_warps=4)
+                       settled.to(torch.int8), part_win, part_win_at, offset, _MUL_A, _MUL_B, _ROW_SALT, _INV_2_24,
+                       FILTER=filtered, BLOCK=block, num_warps=4)
     best_block = part_win.argmax(1, keepdim=True)
     win = part_win.gather(1, best_block).squeeze(1)
     # no score (a +inf logit leaves every probability NaN): the torch form's argmax over the NaN row takes its
     # first entry, which is rank 0 (the first top token) when it sorted the row and index 0 when it did not
     fallback = first_top if filtered else torch.zeros_like(first_top)
     drawn = torch.where(win > 0, part_win_at.gather(1, best_block).squeeze(1), fallback)
-    return torch.where(temp <= 0, greedy, drawn)
+    return torch.where(temp <= 0, greedy, torch.where(settled, token, drawn))
 
 
 def _search(kernel_args: tuple, target: Tensor, on: Tensor, top: Tensor, k_cut: Tensor, k_need: Tensor,
@@ -149,53 +165,22 @@ def _search(kernel_args: tuple, target: Tensor, on: Tensor, top: Tensor, k_cut: 
 
 def _ties(kernel_args: tuple, cut: Tensor, k_need: Tensor, k_before: Tensor, total: Tensor, mass: bool,
           grid: tuple[int, int], block: int, keep: Tensor | None,
-          k_cut: Tensor | None = None) -> tuple[Tensor, Tensor]:
+          k_cut: Tensor | None = None, skip: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Above a cut and at it, per block: for top-k (`keep`: the count to
     keep) the count still kept at the cut and each block's ties before it;
     with `mass` (top-p) the mass above the cut and each block's tied mass
-    before it."""
+    before it. Rows where `skip` come out as zeros."""
     rows, blocks = grid
-    above = torch.empty(rows, blocks, dtype=torch.float32, device=cut.device)
-    ties = torch.empty(rows, blocks, dtype=torch.float32, device=cut.device)
-    _tie_kernel[grid](*kernel_args, cut, k_cut if k_cut is not None else cut, k_need, k_before, total, above, ties,
-                      MASS=mass, BLOCK=block, num_warps=4)
+    above = torch.zeros(rows, blocks, dtype=torch.float32, device=cut.device)
+    ties = torch.zeros(rows, blocks, dtype=torch.float32, device=cut.device)
+    skip = torch.zeros(rows, dtype=torch.int8, device=cut.device) if skip is None else skip.to(torch.int8)
+    _tie_kernel[grid](*kernel_args, cut, k_cut if k_cut is not None else cut, k_need, k_before, total, skip, above,
+                      ties, MASS=mass, BLOCK=block, num_warps=4)
     before = ties.cumsum(1) - ties
     if mass:
         return above.sum(1), before
     assert keep is not None
     return keep - above.sum(1).to(torch.int64), before
-
-
-@jit
-def _scaled(base, idx, valid, div):
-    """A block's scaled logits (-inf past the row) and their order-preserving keys (int64)."""
-    x = tl.load(base + idx, mask=valid, other=float("-inf")).to(tl.float32)
-    s = tl.math.div_rn(x, div)  # rounded as torch's division
-    s = tl.where(s == 0.0, 0.0, s)  # -0.0 equals 0.0; their bits do not
-    bits = s.to(tl.int32, bitcast=True)
-    return s, tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
-
-
-@jit
-def _block_in(row, logits_ptr, stride, div_ptr, vocab, BLOCK: tl.constexpr):
-    """A program's block: its token indices, which are in the row, the scaled
-    logits and their keys."""
-    idx = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    valid = idx < vocab
-    s, key = _scaled(logits_ptr + row * stride, idx, valid, tl.load(div_ptr + row))
-    return idx, valid, s, key
-
-
-@jit
-def _top_k_kept(row, blocks, key, valid, k_cut_ptr, k_need_ptr, k_before_ptr):
-    """Top-k's kept tokens of a block: keys above the cut, and ties at it
-    while fewer than the count still kept came before them (earlier blocks'
-    ties counted in `k_before`)."""
-    cut = tl.load(k_cut_ptr + row)
-    tie = valid & (key == cut)
-    ties = tie.to(tl.float32)
-    before = tl.load(k_before_ptr + row * blocks + tl.program_id(1)) + tl.cumsum(ties, axis=0) - ties
-    return valid & ((key > cut) | (tie & (before < tl.load(k_need_ptr + row).to(tl.float32))))
 
 
 @jit
@@ -284,39 +269,44 @@ def _narrow_kernel(part_ptr, lo_ptr, hi_ptr, target_ptr, skip_ptr, blocks, WAYS:
 
 @jit
 def _tie_kernel(logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, cut_ptr, k_cut_ptr, k_need_ptr, k_before_ptr,
-                total_ptr, above_ptr, ties_ptr, MASS: tl.constexpr, BLOCK: tl.constexpr):
+                total_ptr, skip_ptr, above_ptr, ties_ptr, MASS: tl.constexpr, BLOCK: tl.constexpr):
     """A block's count (or with MASS, top-k's probability) above a cut and at it."""
     row = tl.program_id(0).to(tl.int64)
-    key, w = _weighed(row, logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_cut_ptr, k_need_ptr, k_before_ptr,
-                      total_ptr, MASS, BLOCK)
-    cut = tl.load(cut_ptr + row)
-    at = row * blocks + tl.program_id(1)
-    tl.store(above_ptr + at, tl.sum(tl.where(key > cut, w, 0.0), axis=0))
-    tl.store(ties_ptr + at, tl.sum(tl.where(key == cut, w, 0.0), axis=0))
+    if tl.load(skip_ptr + row) == 0:
+        key, w = _weighed(row, logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_cut_ptr, k_need_ptr,
+                          k_before_ptr, total_ptr, MASS, BLOCK)
+        cut = tl.load(cut_ptr + row)
+        at = row * blocks + tl.program_id(1)
+        tl.store(above_ptr + at, tl.sum(tl.where(key > cut, w, 0.0), axis=0))
+        tl.store(ties_ptr + at, tl.sum(tl.where(key == cut, w, 0.0), axis=0))
 
 
 @jit(per_row=("p_ptr", "min_p_ptr", "seeds_ptr", "counters_ptr"), any_value=("offset",))
 def _race_kernel(logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_cut_ptr, k_need_ptr, k_before_ptr, total_ptr,
-                 p_ptr, p_cut_ptr, p_above_ptr, p_before_ptr, min_p_ptr, seeds_ptr, counters_ptr, win_ptr, win_at_ptr,
-                 offset, mul_a, mul_b, salt, inv_2_24, FILTER: tl.constexpr, BLOCK: tl.constexpr):
+                 p_ptr, p_cut_ptr, p_above_ptr, p_before_ptr, min_p_ptr, seeds_ptr, counters_ptr, skip_ptr, win_ptr,
+                 win_at_ptr, offset, mul_a, mul_b, salt, inv_2_24, FILTER: tl.constexpr, BLOCK: tl.constexpr):
     """A block's best kept token: its probability over its noise (0 where none
-    is kept, or where a NaN probability leaves no order), and where it is."""
+    is kept, or where a NaN probability leaves no order), and where it is;
+    nothing for rows that `skip`."""
     row = tl.program_id(0).to(tl.int64)
-    idx, valid, s, key = _block_in(row, logits_ptr, stride, div_ptr, vocab, BLOCK)
-    kept = _top_k_kept(row, blocks, key, valid, k_cut_ptr, k_need_ptr, k_before_ptr)
-    total = tl.load(total_ptr + row)
-    probs = tl.where(kept, tl.exp(s - tl.load(m_ptr + row)) / total, 0.0)
-    at = row * blocks + tl.program_id(1)
-    if FILTER:
-        cut = tl.load(p_cut_ptr + row)
-        tie = kept & (key == cut)
-        tie_probs = tl.where(tie, probs, 0.0)
-        before = tl.load(p_above_ptr + row) + tl.load(p_before_ptr + at) + tl.cumsum(tie_probs, axis=0) - tie_probs
-        # p >= 1 leaves the cut at the lowest key, which no number has: every kept token is above it
-        kept = kept & ((key > cut) | (tie & (before < tl.load(p_ptr + row))))
-        kept = kept & (probs >= tl.load(min_p_ptr + row) * (1.0 / total))
-    key_row = _row_key(tl.load(seeds_ptr + row), tl.load(counters_ptr + row) + offset, mul_a, mul_b, salt)
-    score = tl.where(kept, probs, 0.0) / _exp_noise(key_row, idx, mul_a, mul_b, inv_2_24)
-    score = tl.where(score > 0.0, score, 0.0)   # NaN (a +inf logit) to 0: the row falls back to its first top token
-    tl.store(win_ptr + at, tl.max(score, axis=0))
-    tl.store(win_at_ptr + at, tl.argmax(score, axis=0).to(tl.int64) + tl.program_id(1) * BLOCK)
+    if tl.load(skip_ptr + row) == 0:
+        idx, valid, s, key = _block_in(row, logits_ptr, stride, div_ptr, vocab, BLOCK)
+        kept = _top_k_kept(row, blocks, key, valid, k_cut_ptr, k_need_ptr, k_before_ptr)
+        total = tl.load(total_ptr + row)
+        probs = tl.where(kept, tl.exp(s - tl.load(m_ptr + row)) / total, 0.0)
+        at = row * blocks + tl.program_id(1)
+        if FILTER:
+            cut = tl.load(p_cut_ptr + row)
+            tie = kept & (key == cut)
+            tie_probs = tl.where(tie, probs, 0.0)
+            before = (tl.load(p_above_ptr + row) + tl.load(p_before_ptr + at) + tl.cumsum(tie_probs, axis=0)
+                      - tie_probs)
+            # p >= 1 leaves the cut at the lowest key, which no number has: every kept token is above it
+            kept = kept & ((key > cut) | (tie & (before < tl.load(p_ptr + row))))
+            kept = kept & (probs >= tl.load(min_p_ptr + row) * (1.0 / total))
+        key_row = _row_key(tl.load(seeds_ptr + row), tl.load(counters_ptr + row) + offset, mul_a, mul_b, salt)
+        score = tl.where(kept, probs, 0.0) / _exp_noise(key_row, idx, mul_a, mul_b, inv_2_24)
+        # NaN (a +inf logit) to 0: the row falls back to its first top token
+        score = tl.where(score > 0.0, score, 0.0)
+        tl.store(win_ptr + at, tl.max(score, axis=0))
+        tl.store(win_at_ptr + at, tl.argmax(score, axis=0).to(tl.int64) + tl.program_id(1) * BLOCK)

@@ -1,0 +1,47 @@
+"""What every pass of the wide-vocabulary draw reads from its block of a
+row: the token indices, their temperature-scaled logits, the logits'
+order-preserving keys, and which tokens top-k keeps. Shared by the search
+(`wide_draw.py`) and the candidate descent (`wide_descent.py`).
+"""
+
+from __future__ import annotations
+
+from mstar.kernels.backend import jit, tl
+
+
+@jit
+def _key(s):
+    """Scaled logits' float bits as int64 keys that order as the floats do."""
+    s = tl.where(s == 0.0, 0.0, s)  # -0.0 equals 0.0; their bits do not
+    bits = s.to(tl.int32, bitcast=True)
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(tl.int64)
+
+
+@jit
+def _scaled(base, idx, valid, div):
+    """A block's scaled logits (-inf past the row) and their keys."""
+    x = tl.load(base + idx, mask=valid, other=float("-inf")).to(tl.float32)
+    s = tl.math.div_rn(x, div)  # rounded as torch's division
+    return s, _key(s)
+
+
+@jit
+def _block_in(row, logits_ptr, stride, div_ptr, vocab, BLOCK: tl.constexpr):
+    """A program's block: its token indices, which are in the row, the scaled
+    logits and their keys."""
+    idx = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    valid = idx < vocab
+    s, key = _scaled(logits_ptr + row * stride, idx, valid, tl.load(div_ptr + row))
+    return idx, valid, s, key
+
+
+@jit
+def _top_k_kept(row, blocks, key, valid, k_cut_ptr, k_need_ptr, k_before_ptr):
+    """Top-k's kept tokens of a block: keys above the cut, and ties at it
+    while fewer than the count still kept came before them (earlier blocks'
+    ties counted in `k_before`)."""
+    cut = tl.load(k_cut_ptr + row)
+    tie = valid & (key == cut)
+    ties = tie.to(tl.float32)
+    before = tl.load(k_before_ptr + row * blocks + tl.program_id(1)) + tl.cumsum(ties, axis=0) - ties
+    return valid & ((key > cut) | (tie & (before < tl.load(k_need_ptr + row).to(tl.float32))))
