@@ -58,7 +58,7 @@ def test_snake_dwconv(b, c, t, dilation, dtype):
 
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("b,c,t,dilation", [(1, 2, 5, 1), (2, 3, 40, 3), (2, 8, 1100, 9)])
+@pytest.mark.parametrize("b,c,t,dilation", [(1, 2, 5, 1), (2, 3, 40, 3), (2, 8, 1100, 9), (3, 23, 37, 1)])
 def test_snake_unit(b, c, t, dilation, dtype):
     check_snake_unit(b, c, t, dilation, dtype, "cpu")
 
@@ -332,7 +332,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 from mstar.kernels import codec_noise, snake_unit
 from mstar.kernels.sampling import penalty, wide_descent as d, wide_draw as w
-ints = {"stride": "i64", "offset": "i64", "vocab": "i32", "blocks": "i32", "mul_a": "i32", "mul_b": "i32",
+ints = {"n_rows": "i32", "stride": "i64", "offset": "i64", "vocab": "i32", "blocks": "i32", "mul_a": "i32", "mul_b": "i32",
         "salt": "i32", "inv_2_24": "fp32", "channels": "i32", "length": "i32", "width": "i32", "dilation": "i32",
         "eps": "fp32", "x_batch_stride": "i64", "x_channel_stride": "i64", "block": "i32", "start": "i32",
         "golden": "u32", "mix1": "u32", "mix2": "u32", "two_pi": "fp32"}
@@ -341,7 +341,7 @@ pointers = {"logits_ptr": "*bf16", "skip_ptr": "*i8", "top_ptr": "*i64", "k_cut_
             "counters_ptr": "*i64", "at_ptr": "*i64", "first_ptr": "*i64", "win_at_ptr": "*i64", "seen_ptr": "*u8",
             "cand_ptr": "*i64", "state_ptr": "*i8"}
 halves = {"x_ptr", "w_ptr", "b_ptr", "alpha_ptr", "y_ptr", "noise_ptr", "snaked_ptr"}
-constexprs = {"BLOCK": 1024, "WAYS": w.WAYS, "BLOCKS": 128, "TAPS": 7}
+constexprs = {"BLOCK": 1024, "WAYS": w.WAYS, "BLOCKS": 128, "TAPS": 7, "ROWS": 1}
 kernels = [(w._max_kernel, {}), (w._total_kernel, {}), (w._narrow_kernel, {}),
            (w._above_kernel, {"MASS": True}), (w._above_kernel, {"MASS": False}),
            (w._tie_kernel, {"MASS": True}), (w._tie_kernel, {"MASS": False}),
@@ -349,9 +349,11 @@ kernels = [(w._max_kernel, {}), (w._total_kernel, {}), (w._narrow_kernel, {}),
            *[(kernel, {"FIRST": first, "LAST": last}) for kernel in (d._descend_kernel, d._settle_kernel)
              for first, last in ((True, False), (False, False), (False, True), (True, True))],
            (penalty._penalty_kernel, {}), (codec_noise._normal_kernel, {}),
-           (snake_unit._dwconv_snake_kernel, {}),
+           (snake_unit._dwconv_snake_kernel, {}), (snake_unit._dwconv_snake_kernel, {"ROWS": 32, "BLOCK": 32}),
            (snake_unit._residual_snake_kernel, {"HAS_BIAS": True, "HAS_NOISE": True, "SNAKE": True}),
-           (snake_unit._residual_snake_kernel, {"HAS_BIAS": False, "HAS_NOISE": False, "SNAKE": False})]
+           (snake_unit._residual_snake_kernel, {"HAS_BIAS": False, "HAS_NOISE": False, "SNAKE": False}),
+           (snake_unit._residual_snake_kernel, {"HAS_BIAS": True, "HAS_NOISE": True, "SNAKE": True, "ROWS": 64,
+                                                 "BLOCK": 16})]
 for kernel, flags in kernels:
     names = kernel.arg_names
     known = {**constexprs, **flags}

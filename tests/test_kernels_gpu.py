@@ -75,7 +75,7 @@ def test_snake_dwconv(b, c, t, dilation, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("b,c,t,dilation", [(1, 2, 5, 1), (16, 64, 8192, 9), (8, 512, 128, 3)])
+@pytest.mark.parametrize("b,c,t,dilation", [(1, 2, 5, 1), (16, 64, 8192, 9), (8, 512, 128, 3), (64, 1024, 37, 1)])
 def test_snake_unit(b, c, t, dilation, dtype):
     check_snake_unit(b, c, t, dilation, dtype, "cuda")
 

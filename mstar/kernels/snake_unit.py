@@ -16,7 +16,9 @@ as three launches, one sine per value:
   the decoder's last conv) reads.
 
 Both compute in float32 and round once; their torch references (CPU) do the
-same ops in the activations' dtype.
+same ops in the activations' dtype. A program covers `TILE` values: rows of
+(batch, channel) by a block of columns no wider than the rows are, since a
+deep block's rows (its played span) are a few dozen samples long.
 """
 
 from __future__ import annotations
@@ -26,7 +28,15 @@ import torch
 from mstar.kernels.backend import jit, num_warps, tl, use_triton
 from mstar.kernels.snake import ALPHA_EPS, check_window, conv_window, snake_reference
 
-BLOCK = 1024
+TILE = 1024  # values a program covers
+MIN_BLOCK = 16
+
+
+def _tile(rows: int, width: int) -> tuple[int, int, tuple[int, int]]:
+    """(rows a program covers, columns it covers, grid) for rows of `width`."""
+    block = min(TILE, max(MIN_BLOCK, 1 << max(width - 1, 0).bit_length()))
+    per = TILE // block
+    return per, block, (-(-rows // per), -(-width // block))
 
 
 def dwconv_snake(sx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, alpha: torch.Tensor,
@@ -57,29 +67,33 @@ def dwconv_snake_triton(sx: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     out = torch.empty(batch, channels, width, dtype=sx.dtype, device=sx.device)
     if out.numel():
         b = bias if bias is not None else torch.zeros(channels, dtype=sx.dtype, device=sx.device)
-        grid = (batch * channels, (width + BLOCK - 1) // BLOCK)
+        per, block, grid = _tile(batch * channels, width)
         _dwconv_snake_kernel[grid](sx, weight.reshape(channels, taps).contiguous(), b.contiguous(),
-                                   alpha.reshape(-1).contiguous(), out, channels, length, offset, width, dilation,
-                                   ALPHA_EPS, TAPS=taps, BLOCK=BLOCK, num_warps=num_warps(BLOCK))
+                                   alpha.reshape(-1).contiguous(), out, batch * channels, channels, length, offset,
+                                   width, dilation, ALPHA_EPS, TAPS=taps, ROWS=per, BLOCK=block,
+                                   num_warps=num_warps(TILE))
     return out
 
 
 @jit
-def _dwconv_snake_kernel(x_ptr, w_ptr, b_ptr, alpha_ptr, out_ptr, channels, length, offset, width, dilation, eps,
-                         TAPS: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)   # one (batch, channel) row: `length` samples in, `width` out
-    c = row % channels
+def _dwconv_snake_kernel(x_ptr, w_ptr, b_ptr, alpha_ptr, out_ptr, n_rows, channels, length, offset, width, dilation,
+                         eps, TAPS: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    # ROWS (batch, channel) rows: `length` samples in, `width` out
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    live = rows < n_rows
+    c = rows % channels
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    acc = tl.zeros((BLOCK,), dtype=tl.float32) + tl.load(b_ptr + c).to(tl.float32)
+    out_ok = live[:, None] & (cols < width)[None, :]
+    acc = tl.zeros((ROWS, BLOCK), dtype=tl.float32) + tl.load(b_ptr + c, mask=live, other=0.0).to(tl.float32)[:, None]
     for k in tl.static_range(TAPS):
         src = offset + cols + (k - (TAPS - 1) // 2) * dilation
-        valid = (src >= 0) & (src < length) & (cols < width)
-        xv = tl.load(x_ptr + row * length + src, mask=valid, other=0.0).to(tl.float32)
-        acc += tl.load(w_ptr + c * TAPS + k).to(tl.float32) * xv
-    a = tl.load(alpha_ptr + c).to(tl.float32)
+        valid = out_ok & ((src >= 0) & (src < length))[None, :]
+        xv = tl.load(x_ptr + rows[:, None] * length + src[None, :], mask=valid, other=0.0).to(tl.float32)
+        acc += tl.load(w_ptr + c * TAPS + k, mask=live, other=0.0).to(tl.float32)[:, None] * xv
+    a = tl.load(alpha_ptr + c, mask=live, other=1.0).to(tl.float32)[:, None]
     s = tl.sin(a * acc)
-    tl.store(out_ptr + row * width + cols, (acc + s * s / (a + eps)).to(out_ptr.dtype.element_ty),
-             mask=cols < width)
+    tl.store(out_ptr + rows[:, None] * width + cols[None, :], (acc + s * s / (a + eps)).to(out_ptr.dtype.element_ty),
+             mask=out_ok)
 
 
 def residual_snake(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor | None, alpha: torch.Tensor | None,
@@ -113,35 +127,37 @@ def residual_snake_triton(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor |
     out = torch.empty_like(y)
     snaked = torch.empty_like(y) if alpha is not None else out
     if out.numel():
-        grid = (batch * channels, (length + BLOCK - 1) // BLOCK)
+        per, block, grid = _tile(batch * channels, length)
         _residual_snake_kernel[grid](x, x.stride(0), x.stride(1), y, bias if bias is not None else y,
                                      noise.contiguous() if noise is not None else y,
                                      alpha.reshape(-1).contiguous() if alpha is not None else y, out, snaked,
-                                     channels, length, ALPHA_EPS, HAS_BIAS=bias is not None,
-                                     HAS_NOISE=noise is not None, SNAKE=alpha is not None, BLOCK=BLOCK,
-                                     num_warps=num_warps(BLOCK))
+                                     batch * channels, channels, length, ALPHA_EPS, HAS_BIAS=bias is not None,
+                                     HAS_NOISE=noise is not None, SNAKE=alpha is not None, ROWS=per, BLOCK=block,
+                                     num_warps=num_warps(TILE))
     return out, snaked if alpha is not None else None
 
 
 @jit
 def _residual_snake_kernel(x_ptr, x_batch_stride, x_channel_stride, y_ptr, b_ptr, noise_ptr, alpha_ptr, out_ptr,
-                           snaked_ptr, channels, length, eps, HAS_BIAS: tl.constexpr, HAS_NOISE: tl.constexpr,
-                           SNAKE: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)   # one (batch, channel) row
-    b = row // channels
-    c = row % channels
+                           snaked_ptr, n_rows, channels, length, eps, HAS_BIAS: tl.constexpr, HAS_NOISE: tl.constexpr,
+                           SNAKE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)   # (batch, channel) rows
+    live = rows < n_rows
+    b = rows // channels
+    c = rows % channels
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < length
-    y = tl.load(y_ptr + row * length + cols, mask=mask, other=0.0).to(tl.float32)
+    mask = live[:, None] & (cols < length)[None, :]
+    at = rows[:, None] * length + cols[None, :]
+    y = tl.load(y_ptr + at, mask=mask, other=0.0).to(tl.float32)
     if HAS_NOISE:
-        y = y * tl.load(noise_ptr + b * length + cols, mask=mask, other=0.0).to(tl.float32)
+        y = y * tl.load(noise_ptr + b[:, None] * length + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
-        y += tl.load(b_ptr + c).to(tl.float32)
-    x = tl.load(x_ptr + b * x_batch_stride + c * x_channel_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        y += tl.load(b_ptr + c, mask=live, other=0.0).to(tl.float32)[:, None]
+    x = tl.load(x_ptr + (b * x_batch_stride + c * x_channel_stride)[:, None] + cols[None, :], mask=mask,
+                other=0.0).to(tl.float32)
     out = x + y
-    tl.store(out_ptr + row * length + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + at, out.to(out_ptr.dtype.element_ty), mask=mask)
     if SNAKE:
-        a = tl.load(alpha_ptr + c).to(tl.float32)
+        a = tl.load(alpha_ptr + c, mask=live, other=1.0).to(tl.float32)[:, None]
         s = tl.sin(a * out)
-        tl.store(snaked_ptr + row * length + cols, (out + s * s / (a + eps)).to(snaked_ptr.dtype.element_ty),
-                 mask=mask)
+        tl.store(snaked_ptr + at, (out + s * s / (a + eps)).to(snaked_ptr.dtype.element_ty), mask=mask)
