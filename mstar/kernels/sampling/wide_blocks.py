@@ -1,12 +1,14 @@
 """What every pass of the wide-vocabulary draw reads from its block of a
 row: the token indices, their temperature-scaled logits, the logits'
 order-preserving keys, and which tokens top-k keeps. Shared by the search
-(`wide_draw.py`) and the candidate descent (`wide_descent.py`).
+(`wide_draw.py`) and the candidate descent (`wide_descent.py`), with the
+race's last step: a block's best score and where it is.
 """
 
 from __future__ import annotations
 
 from mstar.kernels.backend import jit, tl
+from mstar.kernels.sampling.noise import _exp_noise, _row_key
 
 
 @jit
@@ -45,3 +47,27 @@ def _top_k_kept(row, blocks, key, valid, k_cut_ptr, k_need_ptr, k_before_ptr):
     ties = tie.to(tl.float32)
     before = tl.load(k_before_ptr + row * blocks + tl.program_id(1)) + tl.cumsum(ties, axis=0) - ties
     return valid & ((key > cut) | (tie & (before < tl.load(k_need_ptr + row).to(tl.float32))))
+
+
+@jit
+def _kept_probs(row, logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_cut_ptr, k_need_ptr, k_before_ptr,
+                total_ptr, BLOCK: tl.constexpr):
+    """A block's indices, keys, top-k's kept tokens and their probabilities
+    over top-k (0 for the others), and the row's softmax sum."""
+    idx, valid, s, key = _block_in(row, logits_ptr, stride, div_ptr, vocab, BLOCK)
+    kept = _top_k_kept(row, blocks, key, valid, k_cut_ptr, k_need_ptr, k_before_ptr)
+    total = tl.load(total_ptr + row)
+    return idx, key, kept, tl.where(kept, tl.exp(s - tl.load(m_ptr + row)) / total, 0.0), total
+
+
+@jit
+def _race_block(row, at, idx, kept, probs, seed, counter, win_ptr, win_at_ptr, mul_a, mul_b, salt, inv_2_24,
+                BLOCK: tl.constexpr):
+    """Stores the block's best kept token's probability over its Exp(1) noise
+    (0 where none is kept, or where a NaN probability, from a +inf logit,
+    leaves no order) and its index."""
+    score = tl.where(kept, probs, 0.0) / _exp_noise(_row_key(seed, counter, mul_a, mul_b, salt), idx, mul_a, mul_b,
+                                                    inv_2_24)
+    score = tl.where(score > 0.0, score, 0.0)
+    tl.store(win_ptr + at, tl.max(score, axis=0))
+    tl.store(win_at_ptr + at, tl.argmax(score, axis=0).to(tl.int64) + tl.program_id(1) * BLOCK)

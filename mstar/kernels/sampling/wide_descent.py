@@ -26,8 +26,8 @@ import torch
 from torch import Tensor
 
 from mstar.kernels.backend import block_size, jit, tl
-from mstar.kernels.sampling.noise import _INV_2_24, _MUL_A, _MUL_B, _ROW_SALT, _exp_noise, _row_key
-from mstar.kernels.sampling.wide_blocks import _block_in, _key, _top_k_kept
+from mstar.kernels.sampling.noise import _INV_2_24, _MUL_A, _MUL_B, _ROW_SALT
+from mstar.kernels.sampling.wide_blocks import _key, _kept_probs, _race_block
 
 STEPS = 4  # candidates tested before a row takes the search
 
@@ -71,25 +71,19 @@ def _descend_kernel(logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_cut_ptr
     tokens before it (all of them, the first step)."""
     row = tl.program_id(0).to(tl.int64)
     if tl.load(state_ptr + row) == 0:
-        idx, valid, s, key = _block_in(row, logits_ptr, stride, div_ptr, vocab, BLOCK)
-        kept = _top_k_kept(row, blocks, key, valid, k_cut_ptr, k_need_ptr, k_before_ptr)
-        total = tl.load(total_ptr + row)
-        probs = tl.where(kept, tl.exp(s - tl.load(m_ptr + row)) / total, 0.0)
+        idx, key, kept, probs, total = _kept_probs(row, logits_ptr, stride, div_ptr, m_ptr, vocab, blocks,
+                                                   k_cut_ptr, k_need_ptr, k_before_ptr, total_ptr, BLOCK)
         at = row * blocks + tl.program_id(1)
         if not FIRST:
             cand = tl.load(cand_ptr + row)
             c = tl.math.div_rn(tl.load(logits_ptr + row * stride + cand).to(tl.float32), tl.load(div_ptr + row))
             c_key = _key(c)
-            before = (key > c_key) | ((key == c_key) & (idx < cand))
-            kept = kept & before
+            kept = kept & ((key > c_key) | ((key == c_key) & (idx < cand)))
             tl.store(mass_ptr + at, tl.sum(tl.where(kept, probs, 0.0), axis=0))
         if not LAST:
             kept = kept & (probs >= tl.load(min_p_ptr + row) * (1.0 / total))
-            key_row = _row_key(tl.load(seeds_ptr + row), tl.load(counters_ptr + row) + offset, mul_a, mul_b, salt)
-            score = tl.where(kept, probs, 0.0) / _exp_noise(key_row, idx, mul_a, mul_b, inv_2_24)
-            score = tl.where(score > 0.0, score, 0.0)   # NaN (a +inf logit): no score
-            tl.store(win_ptr + at, tl.max(score, axis=0))
-            tl.store(win_at_ptr + at, tl.argmax(score, axis=0).to(tl.int64) + tl.program_id(1) * BLOCK)
+            _race_block(row, at, idx, kept, probs, tl.load(seeds_ptr + row), tl.load(counters_ptr + row) + offset,
+                        win_ptr, win_at_ptr, mul_a, mul_b, salt, inv_2_24, BLOCK)
 
 
 @jit(per_row=("p_ptr",))

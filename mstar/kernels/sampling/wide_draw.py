@@ -41,8 +41,8 @@ import torch
 from torch import Tensor
 
 from mstar.kernels.backend import block_size, jit, tl
-from mstar.kernels.sampling.noise import _INV_2_24, _MUL_A, _MUL_B, _ROW_SALT, _exp_noise, _row_key
-from mstar.kernels.sampling.wide_blocks import _block_in, _top_k_kept
+from mstar.kernels.sampling.noise import _INV_2_24, _MUL_A, _MUL_B, _ROW_SALT
+from mstar.kernels.sampling.wide_blocks import _block_in, _kept_probs, _race_block, _top_k_kept
 from mstar.kernels.sampling.wide_descent import SETTLED, STEPS, descend
 
 BLOCK = 2048        # tokens a program reads
@@ -188,11 +188,11 @@ def _weighed(row, logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_cut_ptr, 
              MASS: tl.constexpr, BLOCK: tl.constexpr):
     """A block's keys and what each token weighs in a search: 1 (a count),
     or with MASS its probability over top-k's tokens (0 outside them)."""
-    idx, valid, s, key = _block_in(row, logits_ptr, stride, div_ptr, vocab, BLOCK)
     if MASS:
-        kept = _top_k_kept(row, blocks, key, valid, k_cut_ptr, k_need_ptr, k_before_ptr)
-        w = tl.where(kept, tl.exp(s - tl.load(m_ptr + row)) / tl.load(total_ptr + row), 0.0)
+        _, key, _, w, _ = _kept_probs(row, logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_cut_ptr, k_need_ptr,
+                                      k_before_ptr, total_ptr, BLOCK)
     else:
+        _, valid, _, key = _block_in(row, logits_ptr, stride, div_ptr, vocab, BLOCK)
         w = valid.to(tl.float32)
     return key, w
 
@@ -290,10 +290,8 @@ def _race_kernel(logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_cut_ptr, k
     nothing for rows that `skip`."""
     row = tl.program_id(0).to(tl.int64)
     if tl.load(skip_ptr + row) == 0:
-        idx, valid, s, key = _block_in(row, logits_ptr, stride, div_ptr, vocab, BLOCK)
-        kept = _top_k_kept(row, blocks, key, valid, k_cut_ptr, k_need_ptr, k_before_ptr)
-        total = tl.load(total_ptr + row)
-        probs = tl.where(kept, tl.exp(s - tl.load(m_ptr + row)) / total, 0.0)
+        idx, key, kept, probs, total = _kept_probs(row, logits_ptr, stride, div_ptr, m_ptr, vocab, blocks,
+                                                   k_cut_ptr, k_need_ptr, k_before_ptr, total_ptr, BLOCK)
         at = row * blocks + tl.program_id(1)
         if FILTER:
             cut = tl.load(p_cut_ptr + row)
@@ -304,9 +302,6 @@ def _race_kernel(logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_cut_ptr, k
             # p >= 1 leaves the cut at the lowest key, which no number has: every kept token is above it
             kept = kept & ((key > cut) | (tie & (before < tl.load(p_ptr + row))))
             kept = kept & (probs >= tl.load(min_p_ptr + row) * (1.0 / total))
-        key_row = _row_key(tl.load(seeds_ptr + row), tl.load(counters_ptr + row) + offset, mul_a, mul_b, salt)
-        score = tl.where(kept, probs, 0.0) / _exp_noise(key_row, idx, mul_a, mul_b, inv_2_24)
-        # NaN (a +inf logit) to 0: the row falls back to its first top token
-        score = tl.where(score > 0.0, score, 0.0)
-        tl.store(win_ptr + at, tl.max(score, axis=0))
-        tl.store(win_at_ptr + at, tl.argmax(score, axis=0).to(tl.int64) + tl.program_id(1) * BLOCK)
+        # no score anywhere (a +inf logit): the row falls back to its first top token
+        _race_block(row, at, idx, kept, probs, tl.load(seeds_ptr + row), tl.load(counters_ptr + row) + offset,
+                    win_ptr, win_at_ptr, mul_a, mul_b, salt, inv_2_24, BLOCK)
