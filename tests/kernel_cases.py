@@ -509,7 +509,7 @@ def _descend(args: list[torch.Tensor], steps: int, block: int) -> tuple[torch.Te
     kernel_args = (logits, logits.stride(0), div, m, vocab, blocks)
     state = (temperature <= 0).to(torch.int8) * wide_descent.SETTLED
     return wide_descent.descend(kernel_args, *none_k, total, top_p, min_p, seeds, counters, 0, state, (rows, blocks),
-                                block, steps)
+                                block, steps, top_k=False)
 
 
 def check_route_top_k(tokens: int, experts: int, k: int, renormalize: bool, dtype: torch.dtype, device: str) -> None:

@@ -332,7 +332,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 from mstar.kernels import codec_noise, snake_unit
 from mstar.kernels.sampling import penalty, wide_descent as d, wide_draw as w
-ints = {"n_rows": "i32", "stride": "i64", "offset": "i64", "vocab": "i32", "blocks": "i32", "mul_a": "i32", "mul_b": "i32",
+ints = {"n_rows": "i32", "stride": "i64", "offset": "i64",
+        "vocab": "i32", "blocks": "i32", "mul_a": "i32", "mul_b": "i32",
         "salt": "i32", "inv_2_24": "fp32", "channels": "i32", "length": "i32", "width": "i32", "dilation": "i32",
         "eps": "fp32", "x_batch_stride": "i64", "x_channel_stride": "i64", "block": "i32", "start": "i32",
         "golden": "u32", "mix1": "u32", "mix2": "u32", "two_pi": "fp32"}
@@ -342,11 +343,15 @@ pointers = {"logits_ptr": "*bf16", "skip_ptr": "*i8", "top_ptr": "*i64", "k_cut_
             "cand_ptr": "*i64", "state_ptr": "*i8"}
 halves = {"x_ptr", "w_ptr", "b_ptr", "alpha_ptr", "y_ptr", "noise_ptr", "snaked_ptr"}
 constexprs = {"BLOCK": 1024, "WAYS": w.WAYS, "BLOCKS": 128, "TAPS": 7, "ROWS": 1}
-kernels = [(w._max_kernel, {}), (w._total_kernel, {}), (w._narrow_kernel, {}),
-           (w._above_kernel, {"MASS": True}), (w._above_kernel, {"MASS": False}),
-           (w._tie_kernel, {"MASS": True}), (w._tie_kernel, {"MASS": False}),
-           (w._race_kernel, {"FILTER": True}), (w._race_kernel, {"FILTER": False}),
-           *[(kernel, {"FIRST": first, "LAST": last}) for kernel in (d._descend_kernel, d._settle_kernel)
+kernels = [(w._max_kernel, {}), (w._total_kernel, {"TOP_K": True}), (w._total_kernel, {"TOP_K": False}),
+           (w._narrow_kernel, {}), (w._above_kernel, {"MASS": True, "TOP_K": True}),
+           (w._above_kernel, {"MASS": True, "TOP_K": False}), (w._above_kernel, {"MASS": False, "TOP_K": True}),
+           (w._tie_kernel, {"MASS": True, "TOP_K": False}), (w._tie_kernel, {"MASS": False, "TOP_K": True}),
+           (w._race_kernel, {"FILTER": True, "TOP_K": True}), (w._race_kernel, {"FILTER": False, "TOP_K": False}),
+           *[(d._descend_kernel, {"FIRST": first, "LAST": last, "TOP_K": top_k})
+             for first, last, top_k in ((True, False, True), (False, False, False), (False, True, True),
+                                        (True, True, False))],
+           *[(d._settle_kernel, {"FIRST": first, "LAST": last})
              for first, last in ((True, False), (False, False), (False, True), (True, True))],
            (penalty._penalty_kernel, {}), (codec_noise._normal_kernel, {}),
            (snake_unit._dwconv_snake_kernel, {}), (snake_unit._dwconv_snake_kernel, {"ROWS": 32, "BLOCK": 32}),

@@ -38,10 +38,13 @@ def _block_in(row, logits_ptr, stride, div_ptr, vocab, BLOCK: tl.constexpr):
 
 
 @jit
-def _top_k_kept(row, blocks, key, valid, k_cut_ptr, k_need_ptr, k_before_ptr):
+def _top_k_kept(row, blocks, key, valid, k_cut_ptr, k_need_ptr, k_before_ptr, TOP_K: tl.constexpr):
     """Top-k's kept tokens of a block: keys above the cut, and ties at it
     while fewer than the count still kept came before them (earlier blocks'
-    ties counted in `k_before`)."""
+    ties counted in `k_before`). Without TOP_K (no row cuts by it) every
+    token in the row, and no scan over the block."""
+    if not TOP_K:
+        return valid
     cut = tl.load(k_cut_ptr + row)
     tie = valid & (key == cut)
     ties = tie.to(tl.float32)
@@ -51,11 +54,11 @@ def _top_k_kept(row, blocks, key, valid, k_cut_ptr, k_need_ptr, k_before_ptr):
 
 @jit
 def _kept_probs(row, logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_cut_ptr, k_need_ptr, k_before_ptr,
-                total_ptr, BLOCK: tl.constexpr):
+                total_ptr, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
     """A block's indices, keys, top-k's kept tokens and their probabilities
     over top-k (0 for the others), and the row's softmax sum."""
     idx, valid, s, key = _block_in(row, logits_ptr, stride, div_ptr, vocab, BLOCK)
-    kept = _top_k_kept(row, blocks, key, valid, k_cut_ptr, k_need_ptr, k_before_ptr)
+    kept = _top_k_kept(row, blocks, key, valid, k_cut_ptr, k_need_ptr, k_before_ptr, TOP_K)
     total = tl.load(total_ptr + row)
     return idx, key, kept, tl.where(kept, tl.exp(s - tl.load(m_ptr + row)) / total, 0.0), total
 

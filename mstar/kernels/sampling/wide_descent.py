@@ -36,10 +36,11 @@ DESCENDING, SETTLED, STUCK = 0, 1, 2  # a row's state
 
 def descend(kernel_args: tuple, k_cut: Tensor, k_need: Tensor, k_before: Tensor, total: Tensor, p: Tensor,
             min_p: Tensor, seeds: Tensor, counters: Tensor, offset: int, state: Tensor, grid: tuple[int, int],
-            block: int, steps: int = STEPS) -> tuple[Tensor, Tensor]:
+            block: int, steps: int = STEPS, top_k: bool = True) -> tuple[Tensor, Tensor]:
     """`kernel_args` and the top-k tensors as `wide_draw` passes them to its
     kernels; `state` [rows] int8: SETTLED for rows that need no draw here
-    (greedy ones), DESCENDING for the rest. Returns (state, token): token is
+    (greedy ones), DESCENDING for the rest; `top_k`: whether any row cuts by
+    top-k. Returns (state, token): token is
     the draw where state is SETTLED (and was not settled on entry), else
     meaningless."""
     rows, blocks = grid
@@ -55,7 +56,7 @@ def descend(kernel_args: tuple, k_cut: Tensor, k_need: Tensor, k_before: Tensor,
         first, last = step == 0, step == steps
         _descend_kernel[grid](*kernel_args, k_cut, k_need, k_before, total, *row_args, token, state, part_mass,
                               part_win, part_at, offset, _MUL_A, _MUL_B, _ROW_SALT, _INV_2_24, FIRST=first,
-                              LAST=last, BLOCK=block, num_warps=4)
+                              LAST=last, TOP_K=top_k, BLOCK=block, num_warps=4)
         _settle_kernel[(rows,)](p, token, state, part_mass, part_win, part_at, blocks, FIRST=first, LAST=last,
                                 BLOCKS=block_size(blocks), num_warps=1)
     return state, token
@@ -65,14 +66,14 @@ def descend(kernel_args: tuple, k_cut: Tensor, k_need: Tensor, k_before: Tensor,
 def _descend_kernel(logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_cut_ptr, k_need_ptr, k_before_ptr,
                     total_ptr, min_p_ptr, seeds_ptr, counters_ptr, cand_ptr, state_ptr, mass_ptr, win_ptr, win_at_ptr,
                     offset, mul_a, mul_b, salt, inv_2_24, FIRST: tl.constexpr, LAST: tl.constexpr,
-                    BLOCK: tl.constexpr):
+                    TOP_K: tl.constexpr, BLOCK: tl.constexpr):
     """A block's part of a step: the probability of top-k's tokens before the
     row's candidate (past the first step), and the best score among the kept
     tokens before it (all of them, the first step)."""
     row = tl.program_id(0).to(tl.int64)
     if tl.load(state_ptr + row) == 0:
         idx, key, kept, probs, total = _kept_probs(row, logits_ptr, stride, div_ptr, m_ptr, vocab, blocks,
-                                                   k_cut_ptr, k_need_ptr, k_before_ptr, total_ptr, BLOCK)
+                                                   k_cut_ptr, k_need_ptr, k_before_ptr, total_ptr, TOP_K, BLOCK)
         at = row * blocks + tl.program_id(1)
         if not FIRST:
             cand = tl.load(cand_ptr + row)

@@ -95,7 +95,8 @@ def draw_tokens_wide(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: 
     keep_k = torch.where(top_k > 0, top_k.to(i64).clamp(max=vocab), vocab)
     total = torch.ones(rows, dtype=f32, device=dev)   # a placeholder until the sum over top-k is known
     kernel_args = (logits, stride, div, m, vocab, blocks)
-    if filtered and top_k_active:
+    top_k_on = filtered and top_k_active   # else every row keeps its whole vocabulary: no scan for top-k's ties
+    if top_k_on:
         k_on = keep_k < vocab
         cut = _search(kernel_args, keep_k.to(f32), k_on, top, k_cut, k_need, k_before, total, False, grid, block)
         k_cut = torch.where(k_on, cut, k_cut)
@@ -106,8 +107,8 @@ def draw_tokens_wide(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: 
     # leaves every probability NaN, and the torch form takes its rank 0)
     part_total = torch.empty(rows, blocks, dtype=f32, device=dev)
     part_first = torch.empty(rows, blocks, dtype=i64, device=dev)
-    _total_kernel[grid](*kernel_args, top, k_cut, k_need, k_before, part_total, part_first, BLOCK=block,
-                        num_warps=4)
+    _total_kernel[grid](*kernel_args, top, k_cut, k_need, k_before, part_total, part_first, TOP_K=top_k_on,
+                        BLOCK=block, num_warps=4)
     total = part_total.sum(1)
     first_top = part_first.amin(1)
 
@@ -121,13 +122,13 @@ def draw_tokens_wide(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: 
     token = torch.zeros(rows, dtype=i64, device=dev)
     if filtered and top_p_active:
         state, token = descend(kernel_args, k_cut, k_need, k_before, total, p, min_p, seeds, counters, offset,
-                               (temp <= 0).to(torch.int8) * SETTLED, grid, block, descent_steps)
+                               (temp <= 0).to(torch.int8) * SETTLED, grid, block, descent_steps, top_k_on)
         settled = state == SETTLED
         p_on = (p < 1.0) & ~settled
-        cut = _search(kernel_args, p, p_on, top, k_cut, k_need, k_before, total, True, grid, block)
+        cut = _search(kernel_args, p, p_on, top, k_cut, k_need, k_before, total, True, grid, block, top_k_on)
         p_cut = torch.where(p_on, cut, p_cut)
         p_above, p_before = _ties(kernel_args, p_cut, k_need, k_before, total, True, grid, block, None,
-                                  k_cut=k_cut, skip=settled)
+                                  k_cut=k_cut, skip=settled, top_k=top_k_on)
 
     # the race over the kept tokens of the rows still to draw
     part_win = torch.zeros(rows, blocks, dtype=f32, device=dev)
@@ -135,7 +136,7 @@ def draw_tokens_wide(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: 
     _race_kernel[grid](*kernel_args, k_cut, k_need, k_before, total, p, p_cut, p_above, p_before,
                        min_p.to(f32).contiguous(), seeds.to(i64).contiguous(), counters.to(i64).contiguous(),
                        settled.to(torch.int8), part_win, part_win_at, offset, _MUL_A, _MUL_B, _ROW_SALT, _INV_2_24,
-                       FILTER=filtered, BLOCK=block, num_warps=4)
+                       FILTER=filtered, TOP_K=top_k_on, BLOCK=block, num_warps=4)
     best_block = part_win.argmax(1, keepdim=True)
     win = part_win.gather(1, best_block).squeeze(1)
     # no score (a +inf logit leaves every probability NaN): the torch form's argmax over the NaN row takes its
@@ -146,10 +147,11 @@ def draw_tokens_wide(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: 
 
 
 def _search(kernel_args: tuple, target: Tensor, on: Tensor, top: Tensor, k_cut: Tensor, k_need: Tensor,
-            k_before: Tensor, total: Tensor, mass: bool, grid: tuple[int, int], block: int) -> Tensor:
+            k_before: Tensor, total: Tensor, mass: bool, grid: tuple[int, int], block: int,
+            top_k: bool = True) -> Tensor:
     """The largest key whose tokens at or above it reach `target` (a count,
     or with `mass` a probability over top-k's tokens), per row where `on`
-    (others: anything)."""
+    (others: anything). `top_k`: whether any row cuts by top-k."""
     rows, blocks = grid
     lo = torch.full((rows,), LOWEST, dtype=torch.int64, device=top.device)
     hi = top.clone()
@@ -157,7 +159,7 @@ def _search(kernel_args: tuple, target: Tensor, on: Tensor, top: Tensor, k_cut: 
     skip = (~on).to(torch.int8)
     for _ in range(PASSES):
         _above_kernel[grid](*kernel_args, lo, hi, skip, k_cut, k_need, k_before, total, part, MASS=mass,
-                            WAYS=WAYS, BLOCK=block, num_warps=8)
+                            TOP_K=top_k, WAYS=WAYS, BLOCK=block, num_warps=8)
         _narrow_kernel[(rows,)](part, lo, hi, target, skip, blocks, WAYS=WAYS, BLOCKS=block_size(blocks),
                                 num_warps=1)
     return lo
@@ -165,7 +167,7 @@ def _search(kernel_args: tuple, target: Tensor, on: Tensor, top: Tensor, k_cut: 
 
 def _ties(kernel_args: tuple, cut: Tensor, k_need: Tensor, k_before: Tensor, total: Tensor, mass: bool,
           grid: tuple[int, int], block: int, keep: Tensor | None,
-          k_cut: Tensor | None = None, skip: Tensor | None = None) -> tuple[Tensor, Tensor]:
+          k_cut: Tensor | None = None, skip: Tensor | None = None, top_k: bool = True) -> tuple[Tensor, Tensor]:
     """Above a cut and at it, per block: for top-k (`keep`: the count to
     keep) the count still kept at the cut and each block's ties before it;
     with `mass` (top-p) the mass above the cut and each block's tied mass
@@ -175,7 +177,7 @@ def _ties(kernel_args: tuple, cut: Tensor, k_need: Tensor, k_before: Tensor, tot
     ties = torch.zeros(rows, blocks, dtype=torch.float32, device=cut.device)
     skip = torch.zeros(rows, dtype=torch.int8, device=cut.device) if skip is None else skip.to(torch.int8)
     _tie_kernel[grid](*kernel_args, cut, k_cut if k_cut is not None else cut, k_need, k_before, total, skip, above,
-                      ties, MASS=mass, BLOCK=block, num_warps=4)
+                      ties, MASS=mass, TOP_K=top_k, BLOCK=block, num_warps=4)
     before = ties.cumsum(1) - ties
     if mass:
         return above.sum(1), before
@@ -185,12 +187,12 @@ def _ties(kernel_args: tuple, cut: Tensor, k_need: Tensor, k_before: Tensor, tot
 
 @jit
 def _weighed(row, logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_cut_ptr, k_need_ptr, k_before_ptr, total_ptr,
-             MASS: tl.constexpr, BLOCK: tl.constexpr):
+             MASS: tl.constexpr, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
     """A block's keys and what each token weighs in a search: 1 (a count),
     or with MASS its probability over top-k's tokens (0 outside them)."""
     if MASS:
         _, key, _, w, _ = _kept_probs(row, logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_cut_ptr, k_need_ptr,
-                                      k_before_ptr, total_ptr, BLOCK)
+                                      k_before_ptr, total_ptr, TOP_K, BLOCK)
     else:
         _, valid, _, key = _block_in(row, logits_ptr, stride, div_ptr, vocab, BLOCK)
         w = valid.to(tl.float32)
@@ -209,10 +211,10 @@ def _max_kernel(logits_ptr, stride, max_ptr, at_ptr, vocab, blocks, BLOCK: tl.co
 
 @jit
 def _total_kernel(logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, top_ptr, k_cut_ptr, k_need_ptr, k_before_ptr,
-                  total_ptr, first_ptr, BLOCK: tl.constexpr):
+                  total_ptr, first_ptr, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     idx, valid, s, key = _block_in(row, logits_ptr, stride, div_ptr, vocab, BLOCK)
-    kept = _top_k_kept(row, blocks, key, valid, k_cut_ptr, k_need_ptr, k_before_ptr)
+    kept = _top_k_kept(row, blocks, key, valid, k_cut_ptr, k_need_ptr, k_before_ptr, TOP_K)
     e = tl.where(kept, tl.exp(s - tl.load(m_ptr + row)), 0.0)
     at = row * blocks + tl.program_id(1)
     tl.store(total_ptr + at, tl.sum(e, axis=0))
@@ -222,14 +224,15 @@ def _total_kernel(logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, top_ptr, k_
 
 @jit
 def _above_kernel(logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, lo_ptr, hi_ptr, skip_ptr, k_cut_ptr, k_need_ptr,
-                  k_before_ptr, total_ptr, part_ptr, MASS: tl.constexpr, WAYS: tl.constexpr, BLOCK: tl.constexpr):
+                  k_before_ptr, total_ptr, part_ptr, MASS: tl.constexpr, TOP_K: tl.constexpr, WAYS: tl.constexpr,
+                  BLOCK: tl.constexpr):
     """A search pass: for each of the row's WAYS keys (`_probes`), the count
     (or with MASS, the probability over top-k) of the block's tokens at or
     above it."""
     row = tl.program_id(0).to(tl.int64)
     if tl.load(skip_ptr + row) == 0:
         key, w = _weighed(row, logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_cut_ptr, k_need_ptr,
-                          k_before_ptr, total_ptr, MASS, BLOCK)
+                          k_before_ptr, total_ptr, MASS, TOP_K, BLOCK)
         probes = _probes(tl.load(lo_ptr + row), tl.load(hi_ptr + row), WAYS)
         hit = key[:, None] >= probes[None, :]
         sums = tl.sum(tl.where(hit, w[:, None], 0.0), axis=0)
@@ -269,12 +272,13 @@ def _narrow_kernel(part_ptr, lo_ptr, hi_ptr, target_ptr, skip_ptr, blocks, WAYS:
 
 @jit
 def _tie_kernel(logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, cut_ptr, k_cut_ptr, k_need_ptr, k_before_ptr,
-                total_ptr, skip_ptr, above_ptr, ties_ptr, MASS: tl.constexpr, BLOCK: tl.constexpr):
+                total_ptr, skip_ptr, above_ptr, ties_ptr, MASS: tl.constexpr, TOP_K: tl.constexpr,
+                BLOCK: tl.constexpr):
     """A block's count (or with MASS, top-k's probability) above a cut and at it."""
     row = tl.program_id(0).to(tl.int64)
     if tl.load(skip_ptr + row) == 0:
         key, w = _weighed(row, logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_cut_ptr, k_need_ptr,
-                          k_before_ptr, total_ptr, MASS, BLOCK)
+                          k_before_ptr, total_ptr, MASS, TOP_K, BLOCK)
         cut = tl.load(cut_ptr + row)
         at = row * blocks + tl.program_id(1)
         tl.store(above_ptr + at, tl.sum(tl.where(key > cut, w, 0.0), axis=0))
@@ -284,14 +288,15 @@ def _tie_kernel(logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, cut_ptr, k_cu
 @jit(per_row=("p_ptr", "min_p_ptr", "seeds_ptr", "counters_ptr"), any_value=("offset",))
 def _race_kernel(logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_cut_ptr, k_need_ptr, k_before_ptr, total_ptr,
                  p_ptr, p_cut_ptr, p_above_ptr, p_before_ptr, min_p_ptr, seeds_ptr, counters_ptr, skip_ptr, win_ptr,
-                 win_at_ptr, offset, mul_a, mul_b, salt, inv_2_24, FILTER: tl.constexpr, BLOCK: tl.constexpr):
+                 win_at_ptr, offset, mul_a, mul_b, salt, inv_2_24, FILTER: tl.constexpr, TOP_K: tl.constexpr,
+                 BLOCK: tl.constexpr):
     """A block's best kept token: its probability over its noise (0 where none
     is kept, or where a NaN probability leaves no order), and where it is;
     nothing for rows that `skip`."""
     row = tl.program_id(0).to(tl.int64)
     if tl.load(skip_ptr + row) == 0:
         idx, key, kept, probs, total = _kept_probs(row, logits_ptr, stride, div_ptr, m_ptr, vocab, blocks,
-                                                   k_cut_ptr, k_need_ptr, k_before_ptr, total_ptr, BLOCK)
+                                                   k_cut_ptr, k_need_ptr, k_before_ptr, total_ptr, TOP_K, BLOCK)
         at = row * blocks + tl.program_id(1)
         if FILTER:
             cut = tl.load(p_cut_ptr + row)
