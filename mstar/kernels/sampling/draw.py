@@ -10,8 +10,8 @@ The torch form is about ten launches a draw (a float copy, the greedy
 argmax, the scaling, the noise, the race, the selects), and a talker frame
 draws sixteen times, one after another; here a draw is one launch, for
 vocabularies up to `MAX_VOCAB` (a row in registers). Wider vocabularies (a
-language model's) take `wide_draw.py`: the filters' cuts searched by value
-over blocks of the row, no sort.
+language model's) take `wide_draw.py` from `WIDE_MIN_ROWS` rows: the
+filters' cuts found by value over blocks of the row, no sort.
 """
 
 from __future__ import annotations
@@ -24,6 +24,12 @@ from mstar.kernels.sampling.noise import _INV_2_24, _MUL_A, _MUL_B, _ROW_SALT, _
 from mstar.kernels.sampling.race import MAX_VOCAB, _sorted_weights, filtered_race_reference
 from mstar.kernels.sampling.wide_draw import draw_tokens_wide
 
+# Rows from which a wide vocabulary's draw takes `wide_draw` on CUDA. The
+# sampler launches it eagerly, about seventy launches, so below this the torch
+# form's sort (fewer launches) is as fast on an H200 (`scripts/bench_sampler.py`:
+# 1.7 ms each at 64 rows, the sort 3.7 ms against 2.3 at 128, 8.9 against 2.5 at 400).
+WIDE_MIN_ROWS = 64
+
 
 def draw_tokens(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, seeds: Tensor,
                 counters: Tensor, offset: int = 0, filtered: bool = True, *, top_k_active: bool = True,
@@ -35,8 +41,9 @@ def draw_tokens(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tenso
     if use_triton(logits):
         if logits.shape[-1] <= MAX_VOCAB:
             return draw_tokens_triton(logits, temperature, top_k, top_p, min_p, seeds, counters, offset, filtered)
-        return draw_tokens_wide(logits, temperature, top_k, top_p, min_p, seeds, counters, offset, filtered,
-                                top_k_active=top_k_active, top_p_active=top_p_active)
+        if logits.shape[0] >= WIDE_MIN_ROWS:
+            return draw_tokens_wide(logits, temperature, top_k, top_p, min_p, seeds, counters, offset, filtered,
+                                    top_k_active=top_k_active, top_p_active=top_p_active)
     return draw_tokens_reference(logits, temperature, top_k, top_p, min_p, seeds, counters, offset, filtered)
 
 
