@@ -44,7 +44,7 @@ def test_silu_and_mul(t, inter, dtype):
 
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("b,c,t", [(1, 3, 5), (2, 4, 1500), (3, 64, 2048)])
+@pytest.mark.parametrize("b,c,t", [(1, 3, 5), (2, 4, 1500), (3, 64, 2048), (5, 13, 37)])
 def test_snake(b, c, t, dtype):
     check_snake(b, c, t, dtype, "cpu")
 
@@ -330,7 +330,7 @@ def test_wide_descent(rows, vocab, dtype, block):
 _COMPILE_FOR_SM90 = """
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
-from mstar.kernels import codec_noise, snake_unit
+from mstar.kernels import codec_noise, snake, snake_unit
 from mstar.kernels.sampling import penalty, wide_descent as d, wide_draw as w
 ints = {"n_rows": "i32", "stride": "i64", "offset": "i64",
         "vocab": "i32", "blocks": "i32", "mul_a": "i32", "mul_b": "i32",
@@ -354,6 +354,7 @@ kernels = [(w._max_kernel, {}), (w._total_kernel, {"TOP_K": True}), (w._total_ke
            *[(d._settle_kernel, {"FIRST": first, "LAST": last})
              for first, last in ((True, False), (False, False), (False, True), (True, True))],
            (penalty._penalty_kernel, {}), (codec_noise._normal_kernel, {}),
+           (snake._snake_kernel, {"ROWS": 16, "BLOCK": 64}),
            (snake_unit._dwconv_snake_kernel, {}), (snake_unit._dwconv_snake_kernel, {"ROWS": 32, "BLOCK": 32}),
            (snake_unit._residual_snake_kernel, {"HAS_BIAS": True, "HAS_NOISE": True, "SNAKE": True}),
            (snake_unit._residual_snake_kernel, {"HAS_BIAS": False, "HAS_NOISE": False, "SNAKE": False}),
@@ -393,7 +394,7 @@ def test_route_top_k(tokens, experts, k, renormalize, dtype):
 
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # the interpreter truncates to bf16
-@pytest.mark.parametrize("b,c,t", [(1, 3, 5), (2, 16, 1500)])
+@pytest.mark.parametrize("b,c,t", [(1, 3, 5), (2, 16, 1500), (3, 7, 20)])
 def test_snake_beta(b, c, t, dtype):
     check_snake_beta(b, c, t, dtype, "cpu")
 

@@ -69,4 +69,14 @@ def num_warps(elements: int) -> int:
     return min(block_size(max(elements // 256, 1)), 16)
 
 
-__all__ = ["HAVE_TRITON", "block_size", "jit", "num_warps", "tl", "triton", "use_triton"]
+def row_tiles(rows: int, width: int, tile: int = 1024, min_block: int = 16) -> tuple[int, int, tuple[int, int]]:
+    """How a kernel over `rows` rows of `width` values tiles them: (rows a
+    program covers, columns it covers, grid). A program covers `tile` values,
+    its block of columns no wider than the rows, so short rows (a deep
+    vocoder block's few dozen samples) do not leave most lanes masked."""
+    block = min(tile, max(min_block, block_size(width)))
+    per = tile // block
+    return per, block, (-(-rows // per), -(-width // block))
+
+
+__all__ = ["HAVE_TRITON", "block_size", "jit", "num_warps", "row_tiles", "tl", "triton", "use_triton"]

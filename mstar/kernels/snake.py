@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mstar.kernels.backend import jit, num_warps, tl, use_triton
+from mstar.kernels.backend import jit, num_warps, row_tiles, tl, use_triton
 
 # the snac package's guard against alpha == 0; the reference keeps it so its bits match the package
 ALPHA_EPS = 1e-9
@@ -133,23 +133,27 @@ def _launch(x: torch.Tensor, freq: torch.Tensor, magnitude: torch.Tensor, eps: f
     batch, channels, length = x.shape
     out = torch.empty_like(x)
     if out.numel():
-        grid = (batch * channels, (length + BLOCK - 1) // BLOCK)
-        _snake_kernel[grid](x, freq.reshape(-1).contiguous(), magnitude.reshape(-1).contiguous(), out, channels,
-                            length, eps, BLOCK=BLOCK, num_warps=num_warps(BLOCK))
+        per, block, grid = row_tiles(batch * channels, length, BLOCK)
+        _snake_kernel[grid](x, freq.reshape(-1).contiguous(), magnitude.reshape(-1).contiguous(), out,
+                            batch * channels, channels, length, eps, ROWS=per, BLOCK=block,
+                            num_warps=num_warps(BLOCK))
     return out
 
 
 @jit
-def _snake_kernel(x_ptr, freq_ptr, mag_ptr, out_ptr, channels, length, eps, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)   # one (batch, channel) row of T samples
+def _snake_kernel(x_ptr, freq_ptr, mag_ptr, out_ptr, n_rows, channels, length, eps, ROWS: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)   # (batch, channel) rows of T samples
+    live = rows < n_rows
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < length
-    a = tl.load(freq_ptr + row % channels).to(tl.float32)
-    m = tl.load(mag_ptr + row % channels).to(tl.float32)
-    x = tl.load(x_ptr + row * length + cols, mask=mask, other=0.0).to(tl.float32)
+    mask = live[:, None] & (cols < length)[None, :]
+    a = tl.load(freq_ptr + rows % channels, mask=live, other=1.0).to(tl.float32)[:, None]
+    m = tl.load(mag_ptr + rows % channels, mask=live, other=1.0).to(tl.float32)[:, None]
+    at = rows[:, None] * length + cols[None, :]
+    x = tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32)
     s = tl.sin(a * x)
     y = x + s * s / (m + eps)
-    tl.store(out_ptr + row * length + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + at, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def snake_dwconv(x: torch.Tensor, alpha: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

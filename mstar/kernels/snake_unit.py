@@ -25,18 +25,10 @@ from __future__ import annotations
 
 import torch
 
-from mstar.kernels.backend import jit, num_warps, tl, use_triton
+from mstar.kernels.backend import jit, num_warps, row_tiles, tl, use_triton
 from mstar.kernels.snake import ALPHA_EPS, check_window, conv_window, snake_reference
 
 TILE = 1024  # values a program covers
-MIN_BLOCK = 16
-
-
-def _tile(rows: int, width: int) -> tuple[int, int, tuple[int, int]]:
-    """(rows a program covers, columns it covers, grid) for rows of `width`."""
-    block = min(TILE, max(MIN_BLOCK, 1 << max(width - 1, 0).bit_length()))
-    per = TILE // block
-    return per, block, (-(-rows // per), -(-width // block))
 
 
 def dwconv_snake(sx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, alpha: torch.Tensor,
@@ -67,7 +59,7 @@ def dwconv_snake_triton(sx: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     out = torch.empty(batch, channels, width, dtype=sx.dtype, device=sx.device)
     if out.numel():
         b = bias if bias is not None else torch.zeros(channels, dtype=sx.dtype, device=sx.device)
-        per, block, grid = _tile(batch * channels, width)
+        per, block, grid = row_tiles(batch * channels, width, TILE)
         _dwconv_snake_kernel[grid](sx, weight.reshape(channels, taps).contiguous(), b.contiguous(),
                                    alpha.reshape(-1).contiguous(), out, batch * channels, channels, length, offset,
                                    width, dilation, ALPHA_EPS, TAPS=taps, ROWS=per, BLOCK=block,
@@ -127,7 +119,7 @@ def residual_snake_triton(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor |
     out = torch.empty_like(y)
     snaked = torch.empty_like(y) if alpha is not None else out
     if out.numel():
-        per, block, grid = _tile(batch * channels, length)
+        per, block, grid = row_tiles(batch * channels, length, TILE)
         _residual_snake_kernel[grid](x, x.stride(0), x.stride(1), y, bias if bias is not None else y,
                                      noise.contiguous() if noise is not None else y,
                                      alpha.reshape(-1).contiguous() if alpha is not None else y, out, snaked,
