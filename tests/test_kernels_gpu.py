@@ -246,6 +246,34 @@ def test_wide_descent(rows, vocab, dtype, block):
     check_wide_descent(rows, vocab, dtype, "cuda", block)
 
 
+def test_the_wide_draw_is_compiled_before_serving():
+    """After `compile_wide_draw` over a decode graph's logits, the sampler's
+    draws of more rows (bfloat16 logits, and float32 ones as a penalty
+    leaves them; with and without top-k) compile nothing more."""
+    from mstar.kernels.sampling import draw, wide_descent, wide_draw
+    logits = torch.randn(128, 156940, device="cuda").to(torch.bfloat16)
+    draw.compile_wide_draw(logits)
+    kernels = [wide_draw._max_kernel, wide_draw._total_kernel, wide_draw._above_kernel, wide_draw._narrow_kernel,
+               wide_draw._tie_kernel, wide_draw._race_kernel, wide_descent._descend_kernel,
+               wide_descent._settle_kernel]
+    device = torch.cuda.current_device()
+
+    def compiled() -> list[int]:
+        return [len(kernel.device_caches[device][0]) for kernel in kernels]
+    before = compiled()
+    assert all(before)
+    rows = 100
+    params = [torch.full((rows,), 0.6), torch.zeros(rows, dtype=torch.long), torch.full((rows,), 0.8),
+              torch.zeros(rows), torch.arange(rows) * 11, torch.arange(rows)]
+    params = [p.cuda() for p in params]
+    for x in (logits[:rows], logits[:rows].float()):
+        draw.draw_tokens(x, *params, 0, True, top_k_active=False, top_p_active=True)
+        params[1] = torch.full((rows,), 40, device="cuda")
+        draw.draw_tokens(x, *params, 3, True, top_k_active=True, top_p_active=True)
+    torch.cuda.synchronize()
+    assert compiled() == before
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens,experts,k,renormalize", [(1, 128, 8, True), (300, 128, 8, True), (7, 60, 4, False)])
 def test_route_top_k(tokens, experts, k, renormalize, dtype):

@@ -19,6 +19,7 @@ from mstar.config import EngineConfig
 from mstar.engine.execution.backends import (attention_backend, decode_graphs, kv_mode_graphs, mixed_graphs,
                                              mode_graphs)
 from mstar.engine.memory.kv_cache import KVCache
+from mstar.kernels.sampling.draw import compile_wide_draw
 from mstar.engine.memory.sizing import kv_cache_log_fields, kv_cache_pages
 from mstar.engine.memory.state_slots import StatePool
 from mstar.engine.execution.runner import ComponentRunner
@@ -110,6 +111,8 @@ def _runner(model: Model, name: str, module: nn.Module, device: torch.device, dt
     graphs = decode_graphs(module.decode, attention, device, config, outputs, spec.position_axes) \
         if outputs is not None else None
     mixed = mixed_graphs(module.decode, attention, graphs, device) if mixes else None
+    if graphs is not None and (logits := graphs.static_output("logits")) is not None:
+        compile_wide_draw(logits)   # before serving: a first wide batch would wait seconds for Triton
     by_mode = kv_mode_graphs(model, name, spec, module, attention, device, config)
     log.info("attention", device=str(device), component=name, backend=type(attention).__name__,
              cuda_graphs=graphs.buckets if graphs is not None else None,

@@ -83,6 +83,12 @@ class DecodeGraphs:
             lambda b, attn: self._kept(self.step(self._batch(b, attn))), "capturing CUDA graphs", show_progress)
         self._graphs = {b: _Graph(graph, outputs) for b, (graph, outputs) in graphs.items()}
 
+    def static_output(self, name: str) -> torch.Tensor | None:
+        """The largest bucket's buffer of an output (what its replays
+        rewrite), or None when nothing was captured."""
+        graph = self._graphs.get(self.max_batch) if self.buckets else None
+        return graph.outputs.get(name) if graph is not None else None
+
     def _kept(self, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         missing = [name for name in self.outputs if name not in out]
         if missing:

@@ -47,6 +47,29 @@ def draw_tokens(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tenso
     return draw_tokens_reference(logits, temperature, top_k, top_p, min_p, seeds, counters, offset, filtered)
 
 
+def compile_wide_draw(logits: Tensor) -> None:
+    """Compiles the wide draw's kernels for logits like `logits` [B, V] (a
+    decode graph's output buffer), and for float32 logits (what a repetition
+    penalty or a ban leaves), under every flag the sampler passes, by drawing
+    from WIDE_MIN_ROWS of its rows; nothing where `draw_tokens`
+    would not take the wide draw. Triton compiles a kernel on its first
+    launch, seconds for the dozen here, which the first step of
+    WIDE_MIN_ROWS rows would otherwise wait."""
+    rows, vocab = logits.shape
+    if not use_triton(logits) or vocab <= MAX_VOCAB or rows < WIDE_MIN_ROWS:
+        return
+    rows = WIDE_MIN_ROWS
+    dev = logits.device
+    f32 = torch.float32
+    params = (torch.ones(rows, dtype=f32, device=dev), torch.full((rows,), 5, dtype=torch.int64, device=dev),
+              torch.full((rows,), 0.9, dtype=f32, device=dev), torch.zeros(rows, dtype=f32, device=dev),
+              torch.arange(rows, device=dev), torch.zeros(rows, dtype=torch.int64, device=dev))
+    flags = ((False, False, False), (True, True, True), (True, False, True), (True, True, False), (True, False, False))
+    for x in {logits.dtype: logits[:rows], torch.float32: logits[:rows].float()}.values():
+        for filtered, top_k_active, top_p_active in flags:
+            draw_tokens_wide(x, *params, 0, filtered, top_k_active=top_k_active, top_p_active=top_p_active)
+
+
 def draw_tokens_reference(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
                           seeds: Tensor, counters: Tensor, offset: int = 0, filtered: bool = True) -> Tensor:
     logits = logits.float()
