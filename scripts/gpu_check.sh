@@ -232,7 +232,7 @@ if [[ $what == scheduler-profile ]]; then  # where the worker's time goes in ben
       --short-tokens 140 --profile 2 --metrics-dir "$OUT" 2>&1 | grep -v "\[info" | tail -12
 fi
 if [[ $what == sampler ]]; then  # the wide-vocabulary draw against the torch form: equal draws, then their times
-  timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider -k "wide_draw or draw_tokens or penalty" tests/test_kernels_gpu.py \
+  timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider -k "wide_draw or wide_descent or draw_tokens or penalty" tests/test_kernels_gpu.py \
       > "$OUT/sampler_tests.txt" 2>&1
   rc=$?
   tail -5 "$OUT/sampler_tests.txt"
