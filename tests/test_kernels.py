@@ -313,7 +313,8 @@ def test_repetition_penalty(rows, vocab, dtype):
 
 @interpreted
 @pytest.mark.parametrize("filtered", [True, False])
-@pytest.mark.parametrize("rows,vocab,dtype,block", [(13, 40, torch.float32, 16), (7, 300, torch.float16, 64)])
+@pytest.mark.parametrize("rows,vocab,dtype,block", [(13, 40, torch.float32, 16), (7, 300, torch.float16, 64),
+                                                    (5, 300, torch.float32, 16)])   # more blocks than GROUPS
 def test_wide_draw(rows, vocab, dtype, block, filtered):
     check_wide_draw(rows, vocab, filtered, dtype, "cpu", block)
 
@@ -342,7 +343,7 @@ pointers = {"logits_ptr": "*bf16", "skip_ptr": "*i8", "top_ptr": "*i64", "k_cut_
             "counters_ptr": "*i64", "at_ptr": "*i64", "first_ptr": "*i64", "win_at_ptr": "*i64", "seen_ptr": "*u8",
             "cand_ptr": "*i64", "state_ptr": "*i8"}
 halves = {"x_ptr", "w_ptr", "b_ptr", "alpha_ptr", "y_ptr", "noise_ptr", "snaked_ptr"}
-constexprs = {"BLOCK": 1024, "WAYS": w.WAYS, "BLOCKS": 128, "TAPS": 7, "ROWS": 1}
+constexprs = {"BLOCK": 1024, "WAYS": w.WAYS, "GROUPS": w.GROUPS, "BLOCKS": 128, "TAPS": 7, "ROWS": 1}
 kernels = [(w._max_kernel, {}), (w._total_kernel, {"TOP_K": True}), (w._total_kernel, {"TOP_K": False}),
            (w._narrow_kernel, {}), (w._above_kernel, {"MASS": True, "TOP_K": True}),
            (w._above_kernel, {"MASS": True, "TOP_K": False}), (w._above_kernel, {"MASS": False, "TOP_K": True}),

@@ -28,17 +28,17 @@ def _scaled(base, idx, valid, div):
 
 
 @jit
-def _block_in(row, logits_ptr, stride, div_ptr, vocab, BLOCK: tl.constexpr):
-    """A program's block: its token indices, which are in the row, the scaled
-    logits and their keys."""
-    idx = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+def _block_in(row, blk, logits_ptr, stride, div_ptr, vocab, BLOCK: tl.constexpr):
+    """Block `blk` of a row: its token indices, which are in the row, the
+    scaled logits and their keys."""
+    idx = blk * BLOCK + tl.arange(0, BLOCK)
     valid = idx < vocab
     s, key = _scaled(logits_ptr + row * stride, idx, valid, tl.load(div_ptr + row))
     return idx, valid, s, key
 
 
 @jit
-def _top_k_kept(row, blocks, key, valid, k_cut_ptr, k_need_ptr, k_before_ptr, TOP_K: tl.constexpr):
+def _top_k_kept(row, blk, blocks, key, valid, k_cut_ptr, k_need_ptr, k_before_ptr, TOP_K: tl.constexpr):
     """Top-k's kept tokens of a block: keys above the cut, and ties at it
     while fewer than the count still kept came before them (earlier blocks'
     ties counted in `k_before`). Without TOP_K (no row cuts by it) every
@@ -48,23 +48,23 @@ def _top_k_kept(row, blocks, key, valid, k_cut_ptr, k_need_ptr, k_before_ptr, TO
     cut = tl.load(k_cut_ptr + row)
     tie = valid & (key == cut)
     ties = tie.to(tl.float32)
-    before = tl.load(k_before_ptr + row * blocks + tl.program_id(1)) + tl.cumsum(ties, axis=0) - ties
+    before = tl.load(k_before_ptr + row * blocks + blk) + tl.cumsum(ties, axis=0) - ties
     return valid & ((key > cut) | (tie & (before < tl.load(k_need_ptr + row).to(tl.float32))))
 
 
 @jit
-def _kept_probs(row, logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_cut_ptr, k_need_ptr, k_before_ptr,
+def _kept_probs(row, blk, logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_cut_ptr, k_need_ptr, k_before_ptr,
                 total_ptr, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
     """A block's indices, keys, top-k's kept tokens and their probabilities
     over top-k (0 for the others), and the row's softmax sum."""
-    idx, valid, s, key = _block_in(row, logits_ptr, stride, div_ptr, vocab, BLOCK)
-    kept = _top_k_kept(row, blocks, key, valid, k_cut_ptr, k_need_ptr, k_before_ptr, TOP_K)
+    idx, valid, s, key = _block_in(row, blk, logits_ptr, stride, div_ptr, vocab, BLOCK)
+    kept = _top_k_kept(row, blk, blocks, key, valid, k_cut_ptr, k_need_ptr, k_before_ptr, TOP_K)
     total = tl.load(total_ptr + row)
     return idx, key, kept, tl.where(kept, tl.exp(s - tl.load(m_ptr + row)) / total, 0.0), total
 
 
 @jit
-def _race_block(row, at, idx, kept, probs, seed, counter, win_ptr, win_at_ptr, mul_a, mul_b, salt, inv_2_24,
+def _race_block(row, blk, at, idx, kept, probs, seed, counter, win_ptr, win_at_ptr, mul_a, mul_b, salt, inv_2_24,
                 BLOCK: tl.constexpr):
     """Stores the block's best kept token's probability over its Exp(1) noise
     (0 where none is kept, or where a NaN probability, from a +inf logit,
@@ -73,4 +73,4 @@ def _race_block(row, at, idx, kept, probs, seed, counter, win_ptr, win_at_ptr, m
                                                     inv_2_24)
     score = tl.where(score > 0.0, score, 0.0)
     tl.store(win_ptr + at, tl.max(score, axis=0))
-    tl.store(win_at_ptr + at, tl.argmax(score, axis=0).to(tl.int64) + tl.program_id(1) * BLOCK)
+    tl.store(win_at_ptr + at, tl.argmax(score, axis=0).to(tl.int64) + blk * BLOCK)

@@ -72,9 +72,10 @@ def _descend_kernel(logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_cut_ptr
     tokens before it (all of them, the first step)."""
     row = tl.program_id(0).to(tl.int64)
     if tl.load(state_ptr + row) == 0:
-        idx, key, kept, probs, total = _kept_probs(row, logits_ptr, stride, div_ptr, m_ptr, vocab, blocks,
+        blk = tl.program_id(1)
+        idx, key, kept, probs, total = _kept_probs(row, blk, logits_ptr, stride, div_ptr, m_ptr, vocab, blocks,
                                                    k_cut_ptr, k_need_ptr, k_before_ptr, total_ptr, TOP_K, BLOCK)
-        at = row * blocks + tl.program_id(1)
+        at = row * blocks + blk
         if not FIRST:
             cand = tl.load(cand_ptr + row)
             c = tl.math.div_rn(tl.load(logits_ptr + row * stride + cand).to(tl.float32), tl.load(div_ptr + row))
@@ -83,7 +84,7 @@ def _descend_kernel(logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_cut_ptr
             tl.store(mass_ptr + at, tl.sum(tl.where(kept, probs, 0.0), axis=0))
         if not LAST:
             kept = kept & (probs >= tl.load(min_p_ptr + row) * (1.0 / total))
-            _race_block(row, at, idx, kept, probs, tl.load(seeds_ptr + row), tl.load(counters_ptr + row) + offset,
+            _race_block(row, blk, at, idx, kept, probs, tl.load(seeds_ptr + row), tl.load(counters_ptr + row) + offset,
                         win_ptr, win_at_ptr, mul_a, mul_b, salt, inv_2_24, BLOCK)
 
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mstar.kernels.backend import block_size, jit, tl
+from mstar.kernels.backend import jit, tl
 from mstar.kernels.sampling.noise import _INV_2_24, _MUL_A, _MUL_B, _ROW_SALT
 from mstar.kernels.sampling.wide_blocks import _block_in, _kept_probs, _race_block, _top_k_kept
 from mstar.kernels.sampling.wide_descent import SETTLED, STEPS, descend
@@ -48,6 +48,10 @@ from mstar.kernels.sampling.wide_descent import SETTLED, STEPS, descend
 BLOCK = 2048        # tokens a program reads
 WAYS = 16           # keys a search pass tests at once
 PASSES = 8          # WAYS ** PASSES >= 2 ** 32: a range of 32-bit keys closes
+# programs a row's search and tie passes take, each looping over every GROUPS-th block: those passes run for
+# the few rows the descent leaves, and a (row, block) grid of programs that mostly return at once still
+# cost about 70 us a pass at 400 rows on an H200
+GROUPS = 8
 LOWEST = -(1 << 31)  # below every float's key (only a negative NaN's bits map here)
 _NONE = 1 << 40      # "no count limit" for rows without top-k
 
@@ -155,13 +159,12 @@ def _search(kernel_args: tuple, target: Tensor, on: Tensor, top: Tensor, k_cut: 
     rows, blocks = grid
     lo = torch.full((rows,), LOWEST, dtype=torch.int64, device=top.device)
     hi = top.clone()
-    part = torch.empty(rows, blocks, WAYS, dtype=torch.float32, device=top.device)
+    part = torch.empty(rows, GROUPS, WAYS, dtype=torch.float32, device=top.device)
     skip = (~on).to(torch.int8)
     for _ in range(PASSES):
-        _above_kernel[grid](*kernel_args, lo, hi, skip, k_cut, k_need, k_before, total, part, MASS=mass,
-                            TOP_K=top_k, WAYS=WAYS, BLOCK=block, num_warps=8)
-        _narrow_kernel[(rows,)](part, lo, hi, target, skip, blocks, WAYS=WAYS, BLOCKS=block_size(blocks),
-                                num_warps=1)
+        _above_kernel[(rows, GROUPS)](*kernel_args, lo, hi, skip, k_cut, k_need, k_before, total, part, MASS=mass,
+                                      TOP_K=top_k, WAYS=WAYS, GROUPS=GROUPS, BLOCK=block, num_warps=8)
+        _narrow_kernel[(rows,)](part, lo, hi, target, skip, GROUPS, WAYS=WAYS, BLOCKS=GROUPS, num_warps=1)
     return lo
 
 
@@ -176,8 +179,8 @@ def _ties(kernel_args: tuple, cut: Tensor, k_need: Tensor, k_before: Tensor, tot
     above = torch.zeros(rows, blocks, dtype=torch.float32, device=cut.device)
     ties = torch.zeros(rows, blocks, dtype=torch.float32, device=cut.device)
     skip = torch.zeros(rows, dtype=torch.int8, device=cut.device) if skip is None else skip.to(torch.int8)
-    _tie_kernel[grid](*kernel_args, cut, k_cut if k_cut is not None else cut, k_need, k_before, total, skip, above,
-                      ties, MASS=mass, TOP_K=top_k, BLOCK=block, num_warps=4)
+    _tie_kernel[(rows, GROUPS)](*kernel_args, cut, k_cut if k_cut is not None else cut, k_need, k_before, total, skip,
+                                above, ties, MASS=mass, TOP_K=top_k, GROUPS=GROUPS, BLOCK=block, num_warps=4)
     before = ties.cumsum(1) - ties
     if mass:
         return above.sum(1), before
@@ -186,15 +189,15 @@ def _ties(kernel_args: tuple, cut: Tensor, k_need: Tensor, k_before: Tensor, tot
 
 
 @jit
-def _weighed(row, logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_cut_ptr, k_need_ptr, k_before_ptr, total_ptr,
-             MASS: tl.constexpr, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
-    """A block's keys and what each token weighs in a search: 1 (a count),
+def _weighed(row, blk, logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_cut_ptr, k_need_ptr, k_before_ptr,
+             total_ptr, MASS: tl.constexpr, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """Block `blk`'s keys and what each token weighs in a search: 1 (a count),
     or with MASS its probability over top-k's tokens (0 outside them)."""
     if MASS:
-        _, key, _, w, _ = _kept_probs(row, logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_cut_ptr, k_need_ptr,
-                                      k_before_ptr, total_ptr, TOP_K, BLOCK)
+        _, key, _, w, _ = _kept_probs(row, blk, logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_cut_ptr,
+                                      k_need_ptr, k_before_ptr, total_ptr, TOP_K, BLOCK)
     else:
-        _, valid, _, key = _block_in(row, logits_ptr, stride, div_ptr, vocab, BLOCK)
+        _, valid, _, key = _block_in(row, blk, logits_ptr, stride, div_ptr, vocab, BLOCK)
         w = valid.to(tl.float32)
     return key, w
 
@@ -213,8 +216,8 @@ def _max_kernel(logits_ptr, stride, max_ptr, at_ptr, vocab, blocks, BLOCK: tl.co
 def _total_kernel(logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, top_ptr, k_cut_ptr, k_need_ptr, k_before_ptr,
                   total_ptr, first_ptr, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    idx, valid, s, key = _block_in(row, logits_ptr, stride, div_ptr, vocab, BLOCK)
-    kept = _top_k_kept(row, blocks, key, valid, k_cut_ptr, k_need_ptr, k_before_ptr, TOP_K)
+    idx, valid, s, key = _block_in(row, tl.program_id(1), logits_ptr, stride, div_ptr, vocab, BLOCK)
+    kept = _top_k_kept(row, tl.program_id(1), blocks, key, valid, k_cut_ptr, k_need_ptr, k_before_ptr, TOP_K)
     e = tl.where(kept, tl.exp(s - tl.load(m_ptr + row)), 0.0)
     at = row * blocks + tl.program_id(1)
     tl.store(total_ptr + at, tl.sum(e, axis=0))
@@ -225,18 +228,19 @@ def _total_kernel(logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, top_ptr, k_
 @jit
 def _above_kernel(logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, lo_ptr, hi_ptr, skip_ptr, k_cut_ptr, k_need_ptr,
                   k_before_ptr, total_ptr, part_ptr, MASS: tl.constexpr, TOP_K: tl.constexpr, WAYS: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  GROUPS: tl.constexpr, BLOCK: tl.constexpr):
     """A search pass: for each of the row's WAYS keys (`_probes`), the count
-    (or with MASS, the probability over top-k) of the block's tokens at or
-    above it."""
+    (or with MASS, the probability over top-k) of the group's tokens at or
+    above it (the group: every GROUPS-th block of the row)."""
     row = tl.program_id(0).to(tl.int64)
     if tl.load(skip_ptr + row) == 0:
-        key, w = _weighed(row, logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_cut_ptr, k_need_ptr,
-                          k_before_ptr, total_ptr, MASS, TOP_K, BLOCK)
         probes = _probes(tl.load(lo_ptr + row), tl.load(hi_ptr + row), WAYS)
-        hit = key[:, None] >= probes[None, :]
-        sums = tl.sum(tl.where(hit, w[:, None], 0.0), axis=0)
-        tl.store(part_ptr + (row * blocks + tl.program_id(1)) * WAYS + tl.arange(0, WAYS), sums)
+        sums = tl.zeros((WAYS,), dtype=tl.float32)
+        for blk in range(tl.program_id(1), blocks, GROUPS):
+            key, w = _weighed(row, blk, logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_cut_ptr, k_need_ptr,
+                              k_before_ptr, total_ptr, MASS, TOP_K, BLOCK)
+            sums += tl.sum(tl.where(key[:, None] >= probes[None, :], w[:, None], 0.0), axis=0)
+        tl.store(part_ptr + (row * GROUPS + tl.program_id(1)) * WAYS + tl.arange(0, WAYS), sums)
 
 
 @jit
@@ -273,16 +277,18 @@ def _narrow_kernel(part_ptr, lo_ptr, hi_ptr, target_ptr, skip_ptr, blocks, WAYS:
 @jit
 def _tie_kernel(logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, cut_ptr, k_cut_ptr, k_need_ptr, k_before_ptr,
                 total_ptr, skip_ptr, above_ptr, ties_ptr, MASS: tl.constexpr, TOP_K: tl.constexpr,
-                BLOCK: tl.constexpr):
-    """A block's count (or with MASS, top-k's probability) above a cut and at it."""
+                GROUPS: tl.constexpr, BLOCK: tl.constexpr):
+    """Each of the group's blocks' count (or with MASS, top-k's probability)
+    above a cut and at it."""
     row = tl.program_id(0).to(tl.int64)
     if tl.load(skip_ptr + row) == 0:
-        key, w = _weighed(row, logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_cut_ptr, k_need_ptr,
-                          k_before_ptr, total_ptr, MASS, TOP_K, BLOCK)
         cut = tl.load(cut_ptr + row)
-        at = row * blocks + tl.program_id(1)
-        tl.store(above_ptr + at, tl.sum(tl.where(key > cut, w, 0.0), axis=0))
-        tl.store(ties_ptr + at, tl.sum(tl.where(key == cut, w, 0.0), axis=0))
+        for blk in range(tl.program_id(1), blocks, GROUPS):
+            key, w = _weighed(row, blk, logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_cut_ptr, k_need_ptr,
+                              k_before_ptr, total_ptr, MASS, TOP_K, BLOCK)
+            at = row * blocks + blk
+            tl.store(above_ptr + at, tl.sum(tl.where(key > cut, w, 0.0), axis=0))
+            tl.store(ties_ptr + at, tl.sum(tl.where(key == cut, w, 0.0), axis=0))
 
 
 @jit(per_row=("p_ptr", "min_p_ptr", "seeds_ptr", "counters_ptr"), any_value=("offset",))
@@ -295,9 +301,10 @@ def _race_kernel(logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_cut_ptr, k
     nothing for rows that `skip`."""
     row = tl.program_id(0).to(tl.int64)
     if tl.load(skip_ptr + row) == 0:
-        idx, key, kept, probs, total = _kept_probs(row, logits_ptr, stride, div_ptr, m_ptr, vocab, blocks,
+        blk = tl.program_id(1)
+        idx, key, kept, probs, total = _kept_probs(row, blk, logits_ptr, stride, div_ptr, m_ptr, vocab, blocks,
                                                    k_cut_ptr, k_need_ptr, k_before_ptr, total_ptr, TOP_K, BLOCK)
-        at = row * blocks + tl.program_id(1)
+        at = row * blocks + blk
         if FILTER:
             cut = tl.load(p_cut_ptr + row)
             tie = kept & (key == cut)
@@ -308,5 +315,5 @@ def _race_kernel(logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_cut_ptr, k
             kept = kept & ((key > cut) | (tie & (before < tl.load(p_ptr + row))))
             kept = kept & (probs >= tl.load(min_p_ptr + row) * (1.0 / total))
         # no score anywhere (a +inf logit): the row falls back to its first top token
-        _race_block(row, at, idx, kept, probs, tl.load(seeds_ptr + row), tl.load(counters_ptr + row) + offset,
+        _race_block(row, blk, at, idx, kept, probs, tl.load(seeds_ptr + row), tl.load(counters_ptr + row) + offset,
                     win_ptr, win_at_ptr, mul_a, mul_b, salt, inv_2_24, BLOCK)
