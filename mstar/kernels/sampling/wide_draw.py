@@ -164,7 +164,7 @@ def _search(kernel_args: tuple, target: Tensor, on: Tensor, top: Tensor, k_cut: 
     for _ in range(PASSES):
         _above_kernel[(rows, GROUPS)](*kernel_args, lo, hi, skip, k_cut, k_need, k_before, total, part, MASS=mass,
                                       TOP_K=top_k, WAYS=WAYS, GROUPS=GROUPS, BLOCK=block, num_warps=8)
-        _narrow_kernel[(rows,)](part, lo, hi, target, skip, GROUPS, WAYS=WAYS, BLOCKS=GROUPS, num_warps=1)
+        _narrow_kernel[(rows,)](part, lo, hi, target, skip, WAYS=WAYS, GROUPS=GROUPS, num_warps=1)
     return lo
 
 
@@ -253,17 +253,15 @@ def _probes(lo, hi, WAYS: tl.constexpr):
 
 
 @jit
-def _narrow_kernel(part_ptr, lo_ptr, hi_ptr, target_ptr, skip_ptr, blocks, WAYS: tl.constexpr,
-                   BLOCKS: tl.constexpr):
-    """A row's range after a pass: from the largest probe whose tokens reach
-    the target (the first, lo, is taken to) up to the next probe."""
+def _narrow_kernel(part_ptr, lo_ptr, hi_ptr, target_ptr, skip_ptr, WAYS: tl.constexpr, GROUPS: tl.constexpr):
+    """A row's range after a pass (its GROUPS partial sums per probe): from
+    the largest probe whose tokens reach the target (the first, lo, is taken
+    to) up to the next probe."""
     row = tl.program_id(0).to(tl.int64)
     if tl.load(skip_ptr + row) == 0:
-        b = tl.arange(0, BLOCKS)
+        g = tl.arange(0, GROUPS)
         j = tl.arange(0, WAYS)
-        part = tl.load(part_ptr + (row * blocks + b[:, None]) * WAYS + j[None, :], mask=(b < blocks)[:, None],
-                       other=0.0)
-        sums = tl.sum(part, axis=0)
+        sums = tl.sum(tl.load(part_ptr + (row * GROUPS + g[:, None]) * WAYS + j[None, :]), axis=0)
         lo = tl.load(lo_ptr + row)
         hi = tl.load(hi_ptr + row)
         probes = _probes(lo, hi, WAYS)
