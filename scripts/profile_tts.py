@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from mstar.config import EngineConfig, SchedulerConfig
+from mstar.config import EngineConfig, SchedulerConfig, graph_buckets
 from mstar.engine.engine import Engine
 from mstar.engine.worker.executor import Executor
 from mstar.engine.messages import StepReport
@@ -163,6 +163,7 @@ def show(r: dict, tokens: int) -> None:
 
 async def main(a: argparse.Namespace) -> None:
     eng = Engine(EngineConfig(model=a.model, devices=tuple(a.devices.split(",")), load_format=a.load_format,
+                              cuda_graph_batch_sizes=graph_buckets(max(256, *a.concurrency)),
                               scheduler=SchedulerConfig(max_num_seqs=max(a.concurrency))))
     await eng.start()
     try:
