@@ -85,7 +85,7 @@ rc=0
 if [[ $what == tests || $what == all ]]; then
   tests=$(ls tests/test_kernels_gpu.py tests/test_flashinfer_attention.py tests/test_paged_layout.py \
             tests/test_gpu_engine.py tests/test_llama_parity_model.py tests/test_paged_attention.py \
-            tests/test_orpheus_gpu.py tests/test_logprobs_gpu.py tests/test_decode_graphs_gpu.py tests/test_prefix_cache.py \
+            tests/test_orpheus_gpu.py tests/test_logprobs_gpu.py tests/test_decode_graphs_gpu.py tests/test_sampler_graphs_gpu.py tests/test_prefix_cache.py \
             tests/test_mixed_graphs_gpu.py tests/test_mixed_steps.py 2>/dev/null)
   timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider -o timeout=250 $tests > "$OUT/gpu_tests.txt" 2>&1
   rc=$?
@@ -235,6 +235,7 @@ if [[ $what == sampler ]]; then  # the wide-vocabulary draw against the torch fo
   timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider -k "wide_draw or wide_descent or draw_tokens or penalty" tests/test_kernels_gpu.py \
       > "$OUT/sampler_tests.txt" 2>&1
   rc=$?
+  timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_sampler_graphs_gpu.py >> "$OUT/sampler_tests.txt" 2>&1 || rc=1
   tail -5 "$OUT/sampler_tests.txt"
   timeout 200 python3 scripts/bench_sampler.py --batches 1 16 64 128 256 400 --profile 2>&1 | tee "$OUT/bench_sampler.txt"
 fi

@@ -23,11 +23,13 @@ from mstar.engine.memory.kv_cache import KVCache
 from mstar.engine.execution.kv_mode_graphs import KVModeGraphs
 from mstar.engine.execution.mixed_graphs import MIXED_TOKEN_BUCKETS, MixedGraphs
 from mstar.engine.execution.mode_graphs import ModeGraphs
+from mstar.engine.execution.sampler import SamplingTensors
+from mstar.engine.execution.sampler_graphs import SamplerGraphs
 from mstar.errors import ConfigError
 from mstar.graph import Component
 from mstar.models.base import Model
 from mstar.scheduler.scheduler import MIXED_ROWS
-from mstar.types import AttentionContext, TokenBatch
+from mstar.types import AttentionContext, SamplingParams, TokenBatch
 
 log = structlog.get_logger("mstar.backends")
 
@@ -108,6 +110,17 @@ def mixed_graphs(step: Callable[[TokenBatch], dict[str, torch.Tensor]], backend:
         return None
     graphs = MixedGraphs(step, backend, device)  # type: ignore[arg-type]
     graphs.capture()
+    return graphs
+
+
+def sampler_graphs(decode: DecodeGraphs, default: SamplingParams, device: torch.device) -> SamplerGraphs | None:
+    """Graphs of the draws from the decode graphs' logits, those of the
+    model's `default` sampling captured now (others on first use)."""
+    logits = decode.static_outputs("logits")
+    if not logits:
+        return None
+    graphs = SamplerGraphs(logits, device)
+    graphs.capture(SamplingTensors.build([default], [0], [0], device))
     return graphs
 
 

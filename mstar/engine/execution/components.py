@@ -17,7 +17,7 @@ from torch import nn
 
 from mstar.config import EngineConfig
 from mstar.engine.execution.backends import (attention_backend, decode_graphs, kv_mode_graphs, mixed_graphs,
-                                             mode_graphs)
+                                             mode_graphs, sampler_graphs)
 from mstar.engine.memory.kv_cache import KVCache
 from mstar.kernels.sampling.draw import compile_wide_draw
 from mstar.engine.memory.sizing import kv_cache_log_fields, kv_cache_pages
@@ -111,8 +111,10 @@ def _runner(model: Model, name: str, module: nn.Module, device: torch.device, dt
     graphs = decode_graphs(module.decode, attention, device, config, outputs, spec.position_axes) \
         if outputs is not None else None
     mixed = mixed_graphs(module.decode, attention, graphs, device) if mixes else None
+    draws = None
     if graphs is not None and (logits := graphs.static_output("logits")) is not None:
         compile_wide_draw(logits)   # before serving: a first wide batch would wait seconds for Triton
+        draws = sampler_graphs(graphs, model.default_sampling(), device)
     by_mode = kv_mode_graphs(model, name, spec, module, attention, device, config)
     log.info("attention", device=str(device), component=name, backend=type(attention).__name__,
              cuda_graphs=graphs.buckets if graphs is not None else None,
@@ -120,5 +122,5 @@ def _runner(model: Model, name: str, module: nn.Module, device: torch.device, dt
              mode_graphs={m: g.buckets for m, g in by_mode.items()} or None)
     runner = ComponentRunner(name, spec, module, device, store, kv, attention, graphs, state=state,
                              kv_graphs=by_mode)
-    runner.mixed_graphs = mixed
+    runner.mixed_graphs, runner.sampler_graphs = mixed, draws
     return runner, PagePool(num_pages, cfg.page_size, frozenset(kv.rows))

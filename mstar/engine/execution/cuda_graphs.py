@@ -89,6 +89,10 @@ class DecodeGraphs:
         graph = self._graphs.get(self.max_batch) if self.buckets else None
         return graph.outputs.get(name) if graph is not None else None
 
+    def static_outputs(self, name: str) -> dict[int, torch.Tensor]:
+        """Each bucket's buffer of an output, by bucket size."""
+        return {b: g.outputs[name] for b, g in self._graphs.items() if name in g.outputs}
+
     def _kept(self, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         missing = [name for name in self.outputs if name not in out]
         if missing:

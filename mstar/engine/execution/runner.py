@@ -32,6 +32,7 @@ from mstar.engine.execution.plain_steps import PlainSteps, step_outputs
 from mstar.engine.worker.kv_rows import KVRow
 from mstar.engine.worker.rows import PartitionRun
 from mstar.engine.execution.sampler import SamplingTensors, banned_table, sample, token_logprobs
+from mstar.engine.execution.sampler_graphs import SamplerGraphs
 from mstar.engine.movement.tensor_store import TensorRef, TensorStore
 from mstar.engine.movement.transfer import to_device
 from mstar.graph import Component, Kind, Mode, Step, step_bindings
@@ -84,6 +85,7 @@ class ComponentRunner:
         self.mode_graphs = mode_graphs or {}
         self.kv_graphs = kv_graphs or {}
         self.mixed_graphs = None  # graphs of mixed steps, where captured
+        self.sampler_graphs: SamplerGraphs | None = None  # graphs of the decode graphs' draws, where captured
         self.mixed_replayed = False  # the last mixed step replayed one
         self.device_s = 0.0
         self._cuda = device.type == "cuda"
@@ -333,6 +335,7 @@ class ComponentRunner:
         n = sl.stop - sl.start
         ctx = group.kv_lens[sl]
         logits = new_logits = None
+        bucket = None   # of the decode graph replayed: its draw may replay too
         extras: dict[str, torch.Tensor] = {}
         if new is not None:
             logits = self._mixed_logits(group, sl, new)
@@ -346,7 +349,7 @@ class ComponentRunner:
                                        group.positions(sl) if group.shifted or group.axes > 1 else None)
             self.device_s += self.graphs.fence.wait_s
             if replayed is not None:
-                logits = replayed["logits"]
+                logits, bucket = replayed["logits"], self.graphs.bucket(n)
                 # out of the static buffers, in stream order: the next replay rewrites them before they are read
                 extras = {value: replayed[name].clone() for name, value in group.extras.items()}
         if logits is None:
@@ -366,7 +369,7 @@ class ComponentRunner:
         st = group.sampling_for(sl)
         banned = group.banned(sl)
         launch = self._group_tokens(logits, st, seen, None if banned is None else to_device(banned, self.device),
-                                    extras)
+                                    extras, bucket)
         if new is not None:
             assert new_logits is not None
             ends = new.ends
@@ -438,11 +441,14 @@ class ComponentRunner:
         return out
 
     def _group_tokens(self, logits: torch.Tensor, st: SamplingTensors, seen: torch.Tensor | None,
-                      banned: torch.Tensor | None, extras: dict[str, torch.Tensor]) -> GroupLaunch:
-        """A group step's tokens sampled from its logits, and their logprobs."""
+                      banned: torch.Tensor | None, extras: dict[str, torch.Tensor],
+                      bucket: int | None = None) -> GroupLaunch:
+        """A group step's tokens sampled from its logits (a decode graph `bucket`'s: by a graph of the
+        draw, unless ids are banned), and their logprobs."""
         # no wait: the worker reads these tokens after launching the next step. A graph's logits are
         # its static output: read here, in stream order, before the next replay rewrites them
-        tokens = self._timed(sample)(logits, st, seen, banned)
+        graphs = self.sampler_graphs if bucket is not None and banned is None else None
+        tokens = graphs.draw(bucket, st, seen) if graphs else self._timed(sample)(logits, st, seen, banned)
         return GroupLaunch(tokens, self._timed(token_logprobs)(logits, tokens, st), extras)
 
     def _timed(self, fn: Callable) -> Callable:
