@@ -118,3 +118,27 @@ def test_missing_unexpected_and_misshapen_tensors(folder, tmp_path):
     (tmp_path / "empty" / "config.json").write_text((folder / "config.json").read_text())
     with pytest.raises(ConfigError, match="safetensors"):
         load_model(str(tmp_path / "empty")).build_component("llm", cpu, torch.float32)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_head_pads_its_rows_and_computes_the_vocabulary(tied):
+    """An odd vocabulary's head multiplies a matrix padded to 64 rows (zero past
+    the vocabulary), returns only the vocabulary's logits, and a tied
+    embedding reads the same (unpadded) rows."""
+    from mstar.models.llama.config import LlamaConfig
+    from mstar.models.llama.loader import dummy_weights
+    from mstar.models.llama.model import LlamaDecoder
+
+    cfg = LlamaConfig(vocab_size=301, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    decoder = LlamaDecoder(cfg, tie_word_embeddings=tied, dtype=torch.float32)
+    dummy_weights(decoder, seed=3)
+    head = decoder.lm_head
+    assert head.padded.shape == (320, 32) and head.weight.shape == (301, 32)
+    assert head.weight.data_ptr() == head.padded.data_ptr() and not head.padded[301:].any()
+    assert (decoder.embed_tokens.weight is head.weight) == tied
+    names = [name for name, _ in decoder.named_parameters()]
+    assert names[0] == "embed_tokens.weight" and ("lm_head.weight" in names) != tied
+    x = torch.randn(5, 32)
+    assert head(x).shape == (5, 301)
+    torch.testing.assert_close(head(x), x @ head.weight.T)

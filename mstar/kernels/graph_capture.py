@@ -26,15 +26,17 @@ _CAPTURING = threading.Lock()
 @torch.inference_mode()
 def capture_buckets(device: torch.device, buckets: Iterable[K], prepare: Callable[[K], Any],
                     step: Callable[[K, Any], T], desc: str, show_progress: bool = True,
-                    pool: tuple | None = None) -> dict[K, tuple[torch.cuda.CUDAGraph, T]]:
+                    pool: tuple | None = None,
+                    stream: torch.cuda.Stream | None = None) -> dict[K, tuple[torch.cuda.CUDAGraph, T]]:
     """For each bucket b (a batch size, or a tuple of sizes), largest first,
-    sharing one memory pool (`pool`: an earlier capture's): `prepare(b)`
+    sharing one memory pool (`pool`: an earlier capture's; give its `stream`
+    too, or the pool's freed blocks, kept per stream, are not reused): `prepare(b)`
     (planning, on the capture stream), two warm-up calls of `step(b, prepared)`
     (lazy inits and kernel compiles stay out of the graph), then the captured
     call. Returns b -> (graph, what the captured call returned)."""
     out: dict[K, tuple[torch.cuda.CUDAGraph, T]] = {}
     with _CAPTURING:
-        stream = torch.cuda.Stream(device)
+        stream = stream or torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         for b in tqdm(sorted(buckets, reverse=True), desc=desc, disable=not show_progress):
             with torch.cuda.stream(stream):  # planning's copies are ordered before the warm-up on this stream

@@ -14,18 +14,26 @@ kept per (bucket, flags), captured on the first draw that needs it (the
 model's default flags are captured with the decode graphs), all sharing one
 memory pool. Padding rows of a bucket draw from stale parameters; their tokens
 are cut off. Draws with banned ids (a `min_tokens` not reached) or an offset
-stay eager.
+stay eager, as do flags whose capture found no memory.
+
+A graph draws a bucket's rows, so from 33 to 63 rows it takes the wide
+vocabulary's draw where the eager sampler would sort (`draw.WIDE_MIN_ROWS`):
+the two draw the same token but where a token's mass before it lies within
+float32 roundings of top-p (`wide_draw.py`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import structlog
 import torch
 from torch import Tensor
 
 from mstar.engine.execution.sampler import SamplingTensors, sample
 from mstar.kernels.graph_capture import capture_buckets
+
+log = structlog.get_logger("mstar.sampler_graphs")
 
 Flags = tuple[bool, bool, bool, bool, bool]  # all greedy, any penalty, any filter, any top-k, any top-p
 
@@ -53,6 +61,8 @@ class SamplerGraphs:
         self._vocab = vocab
         self._graphs: dict[tuple[int, Flags], _Graph] = {}
         self._pool: tuple | None = None
+        self._stream = torch.cuda.Stream(device)   # every capture's: the pool's freed blocks are kept per stream
+        self._failed: set[tuple[int, Flags]] = set()
         self.captures = 0
 
     def bucket_of(self, n: int) -> int | None:
@@ -64,10 +74,19 @@ class SamplerGraphs:
         rows of `st`), as `sampler.sample` draws them."""
         n = st.temperature.shape[0]
         key = (bucket, flags_of(st))
-        self._stage(n, st, seen if st.any_penalty else None)
+        if st.any_penalty and seen is None:
+            raise ValueError("a row has a repetition penalty but no `seen` mask was given")
         graph = self._graphs.get(key)
+        if graph is None and key not in self._failed:
+            try:
+                graph = self._graphs[key] = self._capture(*key)
+            except torch.OutOfMemoryError:
+                # these flags draw eagerly from now on; the step goes on
+                log.warning("no memory to capture a sampler graph; drawing eagerly", bucket=bucket, flags=key[1])
+                self._failed.add(key)
         if graph is None:
-            graph = self._graphs[key] = self._capture(*key)
+            return sample(self.logits[bucket][:n], st, seen)
+        self._stage(n, st, seen if st.any_penalty else None)
         graph.graph.replay()
         # a copy: the next replay rewrites the static tokens while these may still be read
         return graph.tokens[:n].clone()
@@ -105,7 +124,8 @@ class SamplerGraphs:
         seen = self._seen_buffer()[:b] if any_penalty else None
         logits = self.logits[b]
         graphs = capture_buckets(self.device, [b], lambda _b: None, lambda _b, _p: sample(logits, st, seen),
-                                 "capturing sampler graphs", show_progress=False, pool=self._pool)
+                                 "capturing sampler graphs", show_progress=False, pool=self._pool,
+                                 stream=self._stream)
         graph, tokens = graphs[b]
         self._pool = graph.pool()
         self.captures += 1

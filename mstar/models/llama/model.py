@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mstar.models.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, qkv_linear
+from mstar.models.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, VocabHead, qkv_linear
 from mstar.models.llama.config import LlamaConfig
 from mstar.types import AttentionContext, Rotary, TokenBatch
 
@@ -78,16 +78,15 @@ class LlamaDecoder(nn.Module):
         super().__init__()
         self.config = cfg
         self.tie_word_embeddings = cfg.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
+        head = VocabHead(cfg.hidden_size, cfg.vocab_size, device=device, dtype=dtype)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta", dtype=dtype)
-        # nn.Embedding initialises its weight; allocate it empty on the device instead
-        self.embed_tokens.weight = nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype),
-                                                requires_grad=False)
+        # nn.Embedding initialises its weight; allocate it empty on the device instead (tied: the head's)
+        self.embed_tokens.weight = head.weight if self.tie_word_embeddings else nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype), requires_grad=False)
         self.layers = nn.ModuleList(LlamaLayer(cfg, i, device=device, dtype=dtype)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, device=device, dtype=dtype)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.lm_head = head   # registered last, as the checkpoint orders it
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta,
                                       cfg.rope_scaling, device=device)
 

@@ -68,7 +68,8 @@ class Streams:
                     self._start(cons, self._carried(part, sp))
                 for ref in cons.inbox.take(item):
                     self.release(ref, run.request_id)
-                self._wake(cons)
+                if first or cons.inbox.pending:  # else no chunk was cut: a parked consumer would park again
+                    self._wake(cons)
 
     def _carried(self, part: PartitionRun, sp: StreamPlan) -> dict[str, TensorRef]:
         """The producer's values the consumer reads, each with a reference of
