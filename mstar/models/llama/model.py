@@ -1,5 +1,5 @@
 """LlamaDecoder, the `llm` component: a packed `TokenBatch` of new tokens in,
-logits [B, vocab] (float32) for one chosen token per row out.
+logits [B, vocab] (in the weights' dtype) for one chosen token per row out.
 
 Prefill and decode are the same computation over packed rows; only the number
 of tokens per row differs. Attention goes through `batch.attn`, which owns the
@@ -105,7 +105,9 @@ class LlamaDecoder(nn.Module):
         # wanted: the head is the largest matmul of a decode step
         rows = batch.logits_index
         h, _ = self.norm(h[rows], residual[rows])
-        return {"logits": self.lm_head(h).float()}
+        # in the weights' dtype: the sampler reads any float dtype, and a float32 copy of B x V logits would be a
+        # pass over memory a step (0.2 ms at 400 rows of a 157k vocabulary on an H200)
+        return {"logits": self.lm_head(h)}
 
     def prefill(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
         """Rows of prompt tokens (any number per row, cached context or not)."""
