@@ -23,6 +23,13 @@ class ChunkPolicy:
         """Items before this index are never read again (they may be freed)."""
         raise NotImplementedError
 
+    def due(self, cut: int) -> int:
+        """How many items `ready` needs before it cuts chunk `cut`, or fewer
+        (a stream checks `ready` and `keep_from` again only once it holds
+        this many: a producer's every write otherwise calls both). The
+        default, 0, checks at every item."""
+        return 0
+
 
 @dataclass(frozen=True)
 class SlidingWindow(ChunkPolicy):
@@ -56,6 +63,9 @@ class SlidingWindow(ChunkPolicy):
     def keep_from(self, total: int, cut: int) -> int:
         return cut * self.stride
 
+    def due(self, cut: int) -> int:
+        return cut * self.stride + self.size
+
 
 @dataclass(frozen=True)
 class FixedChunks(ChunkPolicy):
@@ -76,6 +86,9 @@ class FixedChunks(ChunkPolicy):
 
     def keep_from(self, total: int, cut: int) -> int:
         return cut * self.size
+
+    def due(self, cut: int) -> int:
+        return (cut + 1) * self.size
 
 
 @dataclass(frozen=True)
@@ -106,6 +119,9 @@ class Items(ChunkPolicy):
     def keep_from(self, total: int, cut: int) -> int:
         return cut
 
+    def due(self, cut: int) -> int:
+        return cut + 1
+
 
 @dataclass(frozen=True)
 class LeftContext(ChunkPolicy):
@@ -134,6 +150,9 @@ class LeftContext(ChunkPolicy):
 
     def keep_from(self, total: int, cut: int) -> int:
         return max(0, cut * self.chunk - self.left)
+
+    def due(self, cut: int) -> int:
+        return (cut + 1) * self.chunk
 
 
 @dataclass(frozen=True)

@@ -40,12 +40,15 @@ class StreamBuffer:
     resting: bool = False           # the consumer's pass is over; it waits for the turn's end and the next
     turn_over: bool = False         # ... and it has seen the turn end
     fills: int = 0                  # reads an `Items` fill answered after the stream closed
+    due: int = 0                    # items of the turn before the policy may cut or drop again (`ChunkPolicy.due`)
 
     def take(self, item: StreamItem) -> list[StreamItem]:
         """One more item; the items no chunk will read any more, taken out
         (the caller releases them)."""
         self.items.append(item)
         self.produced += 1
+        if self.produced - self.segment_start < self.due:
+            return []  # no chunk is cut by this item, and what is kept moves only with the chunks
         self._cut(self.plan.chunks.ready)
         return self.read()
 
@@ -56,6 +59,7 @@ class StreamBuffer:
         self._cut(self.plan.chunks.flush)
         fed = self.produced > self.segment_start
         self.segment_start, self.segment_cuts = self.produced, self.chunks_cut
+        self.due = self.plan.chunks.due(0)
         if self.plan.on_turn == "restart" and fed:
             self.pending.append(TURN_OVER)
 
@@ -115,3 +119,4 @@ class StreamBuffer:
         chunks = policy(self.produced - s, first)
         self.chunks_cut += len(chunks)
         self.pending.extend((s + a, s + b, first + k) for k, (a, b) in enumerate(chunks))
+        self.due = self.plan.chunks.due(self.chunks_cut - self.segment_cuts)
