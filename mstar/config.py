@@ -57,6 +57,7 @@ class EngineConfig:
     host_arena_mb: int | None = None      # per worker, for staged outputs (None: 64 on CUDA, none on CPU)
     gil_switch_interval_ms: float | None = None  # Python's thread switch interval while serving (None: as is)
     enforce_eager: bool = False           # no CUDA graphs
+    quantization: str | None = None       # None | fp8: the projections' weights (opt-in: it changes the output)
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -207,6 +208,10 @@ def build_parser(builtin_models: Sequence[str] = ()) -> argparse.ArgumentParser:
     p.add_argument("--attention-backend", choices=("auto", "torch", "flashinfer"), default="auto",
                    help="auto: FlashInfer on CUDA, the torch reference on CPU")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--quantization", choices=("fp8",), default=None,
+                   help="fp8: the projections' weights in float8 (e4m3, a scale per output row) and their inputs "
+                        "quantized per row; the LM head and embeddings stay. Changes the output; CUDA needs "
+                        "compute capability 8.9 or later")
     p.add_argument("--gil-switch-interval-ms", type=float, default=None,
                    help="how long a thread may hold the GIL while another waits (Python's default: 5 ms); the "
                         "worker threads and the event loop share it")
@@ -294,6 +299,7 @@ def parse_args(argv: list[str] | None = None, builtin_models: Sequence[str] = ()
         request_timeout=a.request_timeout,
         attention_backend=a.attention_backend,
         enforce_eager=a.enforce_eager,
+        quantization=a.quantization,
         host_arena_mb=a.host_arena_mb,
         gil_switch_interval_ms=a.gil_switch_interval_ms,
         cuda_graph_batch_sizes=graph_buckets(a.cuda_graph_max_batch),

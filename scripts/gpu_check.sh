@@ -32,8 +32,11 @@
 #                                   with --no-mixed-steps
 #   scripts/gpu_check.sh scheduler-profile  bench_scheduler.py with --profile 2: the worker's ops (by Python
 #                                   stack too) in its steady and arrivals phases, served over HTTP
-#   scripts/gpu_check.sh sampler    the wide-vocabulary draw's and the penalty's GPU tests, then scripts/bench_sampler.py (it against
-#                                   the torch form, batch 1 to 256 over Orpheus's vocabulary)
+#   scripts/gpu_check.sh sampler    the wide-vocabulary draw's, the penalty's, the sampler graphs' and the fp8 projections' GPU
+#                                   tests, then scripts/bench_sampler.py (it against the torch form, batch 1 to 400 over
+#                                   Orpheus's vocabulary)
+#   scripts/gpu_check.sh fp8        the fp8 projections' GPU tests, then scripts/bench_fp8.py (their GEMMs against bf16,
+#                                   and Orpheus-3B's greedy tokens with and without --quantization fp8)
 #   scripts/gpu_check.sh kvdtype    decode attention over bf16 and fp8 KV pages, CUDA and tensor cores, 64-400 rows
 #                                   (scripts/bench_kv_dtype.py)
 #   scripts/gpu_check.sh codec      SNAC's kernels' and Orpheus's GPU tests, then SNAC windows' time and kernels in
@@ -235,9 +238,16 @@ if [[ $what == sampler ]]; then  # the wide-vocabulary draw against the torch fo
   timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider -k "wide_draw or wide_descent or draw_tokens or penalty" tests/test_kernels_gpu.py \
       > "$OUT/sampler_tests.txt" 2>&1
   rc=$?
-  timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_sampler_graphs_gpu.py >> "$OUT/sampler_tests.txt" 2>&1 || rc=1
+  timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_sampler_graphs_gpu.py tests/test_fp8_gpu.py \
+      >> "$OUT/sampler_tests.txt" 2>&1 || rc=1
   tail -5 "$OUT/sampler_tests.txt"
   timeout 200 python3 scripts/bench_sampler.py --batches 1 16 64 128 256 400 --profile 2>&1 | tee "$OUT/bench_sampler.txt"
+fi
+if [[ $what == fp8 ]]; then
+  timeout 120 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_fp8_gpu.py > "$OUT/fp8_tests.txt" 2>&1
+  rc=$?
+  tail -4 "$OUT/fp8_tests.txt"
+  timeout 360 python3 scripts/bench_fp8.py ${FP8_ARGS:-} 2>&1 | grep -v "\[info\|capturing" | tee "$OUT/bench_fp8.txt"
 fi
 if [[ $what == kvdtype ]]; then
   timeout 300 python3 scripts/bench_kv_dtype.py --batches 64 256 400 --context 560 --out "$OUT/kv_dtype.json" 2>&1 \

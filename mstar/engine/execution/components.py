@@ -19,6 +19,8 @@ from mstar.config import EngineConfig
 from mstar.engine.execution.backends import (attention_backend, decode_graphs, kv_mode_graphs, mixed_graphs,
                                              mode_graphs, sampler_graphs)
 from mstar.engine.memory.kv_cache import KVCache
+from mstar.errors import ConfigError
+from mstar.models.layers import quantize_linears
 from mstar.kernels.sampling.draw import compile_wide_draw
 from mstar.engine.memory.sizing import kv_cache_log_fields, kv_cache_pages
 from mstar.engine.memory.state_slots import StatePool
@@ -47,6 +49,8 @@ def build_runners(model: Model, names: Sequence[str], device: torch.device, stor
     (a request's thinker and talker hold about as many tokens each)."""
     dtype = resolve_dtype(model, config, device)
     modules = {name: model.build_component(name, device, dtype) for name in names}
+    if config.quantization == "fp8":
+        _fp8(modules, device)
     for module in modules.values():  # a module that captures graphs of its own runs eagerly when told to
         if hasattr(module, "enforce_eager"):
             module.enforce_eager = config.enforce_eager
@@ -64,6 +68,18 @@ def build_runners(model: Model, names: Sequence[str], device: torch.device, stor
             max_model_len=model.max_model_len)
     return {name: _runner(model, name, modules[name], device, dtype, store, config, num_pages, states.get(name))
             for name in names}
+
+
+def _fp8(modules: dict[str, nn.Module], device: torch.device) -> None:
+    """`--quantization fp8`: every component's projections, before the KV
+    cache takes the memory they give back."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ConfigError(f"--quantization fp8 needs compute capability 8.9 or later; {device} has "
+                          f"{torch.cuda.get_device_capability(device)}")
+    for name, module in modules.items():
+        log.info("fp8 weights", device=str(device), component=name, linears=quantize_linears(module))
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def kv_spec(model: Model, name: str, config: EngineConfig) -> KVSpec:

@@ -1,8 +1,8 @@
 """Shared torch blocks for model components: norms, rotary, projections, MLPs."""
 
-from mstar.models.layers.linear import Linear, MergedLinear, VocabHead, qkv_linear
+from mstar.models.layers.linear import Linear, MergedLinear, VocabHead, qkv_linear, quantize_linears
 from mstar.models.layers.mlp import SwiGLU
 from mstar.models.layers.norm import RMSNorm
 from mstar.models.layers.rotary import RopeScaling, RotaryEmbedding
 
-__all__ = ["Linear", "MergedLinear", "RMSNorm", "RopeScaling", "RotaryEmbedding", "SwiGLU", "VocabHead", "qkv_linear"]
+__all__ = ["Linear", "MergedLinear", "RMSNorm", "RopeScaling", "RotaryEmbedding", "SwiGLU", "VocabHead", "qkv_linear", "quantize_linears"]

@@ -5,7 +5,8 @@ allocated uninitialised (the loader fills them). `MergedLinear` stores several
 checkpoint projections stacked along the output dimension as one weight (q/k/v,
 gate/up), so a step runs one matmul instead of several; `shard_rows` tells the
 loader where each checkpoint tensor goes. `VocabHead` is an LM head whose
-rows are padded for the matmul.
+rows are padded for the matmul. `quantize_linears` turns projections to fp8
+(`fp8.py`).
 
 Outside CUDA graphs, a projection of more than `SMALL_ROWS` rows on CUDA runs
 at `padded_rows` rows (the extra ones computed and dropped): cuBLAS spends
@@ -20,6 +21,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from mstar.models.layers.fp8 import FP8, can_quantize, fp8_linear, quantize_weight
 
 SMALL_ROWS = 16  # up to here every count is its own shape: few, and seen at once
 
@@ -63,10 +66,22 @@ class Linear(nn.Module):
                      if bias else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.dtype == FP8:   # `quantize_linears`
+            return fp8_linear(x, self.weight, self.weight_scale, self.bias)
         return linear_padded(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, bias={self.bias is not None}"
+
+
+def quantize_linears(module: nn.Module) -> int:
+    """Every `Linear` (and `MergedLinear`) under `module` whose shape an fp8
+    GEMM takes, to fp8 weights in place (`fp8.py`; a `VocabHead` stays as
+    it is); returns how many."""
+    linears = [m for m in module.modules() if isinstance(m, Linear) and can_quantize(m)]
+    for linear in linears:
+        quantize_weight(linear)
+    return len(linears)
 
 
 class VocabHead(nn.Module):

@@ -1,0 +1,68 @@
+"""fp8 (e4m3) projections, `--quantization fp8`: a `Linear`'s weight [out, in]
+stored as float8 with one float32 scale per output row, each activation row
+quantized as it comes (its own scale), and their product accumulated in
+float32 and written in the activations' dtype.
+
+At hundreds of decode rows an Orpheus-3B step's projections stop being
+bound by reading the weights and become bound by the tensor cores' bf16
+arithmetic (3.4 ms a step at 400 rows on an H200, at ~750 TFLOP/s:
+`docs/benchmarks/analysis.md`); fp8 doubles that arithmetic rate and halves
+the weight bytes. The output changes (it is opt-in): per-row scales keep the
+error of each product near e4m3's 2^-4 relative step.
+
+On CUDA the product is `torch._scaled_mm` with row-wise scales (Hopper and
+later); elsewhere the reference dequantizes both sides and multiplies in
+float32, the same arithmetic up to summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0   # e4m3fn's largest finite value
+ALIGN = 16        # fp8 GEMMs want both of the weight's dimensions a multiple of this
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (float8 [M, K], float32 scales [M, 1]) with x ~= q * scale."""
+    amax = x.abs().amax(dim=-1, keepdim=True).float()
+    scale = torch.clamp(amax, min=1e-12) / FP8_MAX
+    q = torch.clamp(x.float() / scale, -FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+def can_quantize(linear: nn.Module) -> bool:
+    w = getattr(linear, "weight", None)
+    return (isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype != FP8 and w.shape[0] % ALIGN == 0
+            and w.shape[1] % ALIGN == 0)
+
+
+def quantize_weight(linear: nn.Module) -> None:
+    """Turn `linear`'s weight into float8 rows and their scales, in place
+    (`weight_scale` [out] float32); its forward then takes `fp8_linear`."""
+    q, scale = quantize_rows(linear.weight.data)
+    linear.weight = nn.Parameter(q, requires_grad=False)
+    linear.register_buffer("weight_scale", scale.reshape(-1).contiguous())
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., K] (bf16/fp16/fp32) @ dequantized weight [N, K].T (+ bias) in x's dtype."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    q, scale = quantize_rows(x2)
+    if x.is_cuda:
+        m = x2.shape[0]
+        padded = -(-m // ALIGN) * ALIGN   # the GEMM takes rows in multiples of 16: the padding rows are zero
+        if padded != m:
+            q = torch.cat([q, q.new_zeros(padded - m, q.shape[1])])
+            scale = torch.cat([scale, scale.new_ones(padded - m, 1)])
+        out = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.reshape(1, -1),
+                               out_dtype=x.dtype if x.dtype != torch.float32 else torch.bfloat16)[:m].to(x.dtype)
+    else:
+        out = ((q.float() * scale) @ (weight.float() * weight_scale[:, None]).t()).to(x.dtype)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*shape[:-1], weight.shape[0])

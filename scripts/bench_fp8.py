@@ -1,0 +1,132 @@
+"""fp8 projections (`--quantization fp8`) against bf16: their time, and what
+they do to the tokens.
+
+1. The GEMMs of an Orpheus-3B layer (qkv 3072->5120, o 3072->3072, gate_up
+   3072->16384, down 8192->3072) at each row count, bf16 (`F.linear`) against
+   fp8 (the activations' row quantization included), from CUDA graphs; the
+   sum over a 28-layer step.
+2. The engine serving `--model` (dummy weights) with and without fp8: greedy
+   tokens of the `generate` walk for a few prompts (how many agree with bf16
+   before the first difference, and in all) and the first position's top-5
+   logprobs (largest difference). Random weights say little of a trained
+   model's quality; with a local checkpoint pass `--model /path`.
+
+    python scripts/bench_fp8.py --rows 1 64 256 400 [--model orpheus-3b] [--tokens 64]
+    python scripts/bench_fp8.py --device cpu --model tiny-llama --skip-gemms --tokens 16   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+
+import torch
+import torch.nn.functional as F
+
+from mstar.config import EngineConfig
+from mstar.engine.engine import Engine
+from mstar.models.layers import Linear, quantize_linears
+from mstar.types import GenerateRequest, SamplingParams
+
+SHAPES = {"qkv": (3072, 5120), "o": (3072, 3072), "gate_up": (3072, 16384), "down": (8192, 3072)}
+LAYERS = 28
+
+
+def _graph_ms(fn, iters: int = 50) -> float:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(10):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters / 10
+
+
+def gemms(rows: list[int]) -> None:
+    print("GEMM ms (bf16 / fp8), from CUDA graphs:")
+    print(f"{'rows':>5} " + " ".join(f"{name:>17}" for name in SHAPES) + f" {'28 layers':>17}")
+    for m in rows:
+        cells, bf16_sum, fp8_sum = [], 0.0, 0.0
+        for k, n in SHAPES.values():
+            lin = Linear(k, n, device="cuda", dtype=torch.bfloat16)
+            lin.weight.data.normal_(0, 0.02)
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            w = lin.weight.data.clone()
+            t_bf16 = _graph_ms(lambda: F.linear(x, w))
+            quantize_linears(lin)
+            t_fp8 = _graph_ms(lambda: lin(x))
+            bf16_sum, fp8_sum = bf16_sum + t_bf16, fp8_sum + t_fp8
+            cells.append(f"{t_bf16:7.3f} / {t_fp8:7.3f}")
+        print(f"{m:>5} " + " ".join(f"{c:>17}" for c in cells)
+              + f" {bf16_sum * LAYERS:7.2f} / {fp8_sum * LAYERS:7.2f}")
+
+
+async def _served(model: str, device: str, quantization: str | None, prompts: list[list[int]], tokens: int):
+    eng = Engine(EngineConfig(model=model, load_format="dummy", devices=(device,), quantization=quantization))
+    await eng.start()
+    try:
+        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, logprobs=5)
+
+        async def one(i: int, ids: list[int]):
+            got, top = [], []
+            req = GenerateRequest(f"p{i}", eng.model_name, {"prompt_ids": ids}, params, walk="generate")
+            async for out in eng.submit(req):
+                got += out.token_ids
+                top += [dict(lp.top) for lp in out.logprobs or ()]
+            return got, top
+        return await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts)))
+    finally:
+        await eng.shutdown()
+
+
+def tokens(model: str, device: str, n: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, 250, (24 + 8 * i,), generator=g).tolist() for i in range(8)]
+    full = asyncio.run(_served(model, device, None, prompts, n))
+    fp8 = asyncio.run(_served(model, device, "fp8", prompts, n))
+    print(f"greedy tokens, {model} (dummy weights), {len(prompts)} prompts x {n} tokens:")
+    same_total, first_diffs, lp_diff, same_sets = 0, [], 0.0, 0
+    for (a, ta), (b, tb) in zip(full, fp8):
+        same_total += sum(x == y for x, y in zip(a, b))
+        first_diffs.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)))
+        same_sets += set(ta[0]) == set(tb[0])
+        lp_diff = max([lp_diff] + [abs(tb[0][t] - lp) for t, lp in ta[0].items() if t in tb[0]])
+    print(f"  agree with the unquantized model: {same_total}/{len(prompts) * n} tokens; tokens before the first "
+          f"difference, per prompt: {first_diffs}")
+    print(f"  first position's top-5: the same tokens in {same_sets}/{len(prompts)} prompts; largest logprob "
+          f"difference over the tokens in both {lp_diff:.4f}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256, 400])
+    p.add_argument("--model", default="orpheus-3b")
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--device", default="cuda:0", help="where the engine serves (cpu: the reference, a smoke run)")
+    p.add_argument("--skip-tokens", action="store_true", help="the GEMMs only")
+    p.add_argument("--skip-gemms", action="store_true", help="the tokens only")
+    a = p.parse_args()
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    print(f"# {platform.platform()} | torch {torch.__version__} | {gpu} | commit {os.environ.get('MSTAR_COMMIT', '?')}")
+    if not a.skip_gemms:
+        gemms(a.rows)
+    if not a.skip_tokens:
+        tokens(a.model, a.device, a.tokens)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""`--quantization fp8` on the CPU reference: row quantization's error,
+fp8 projections against the full-precision product, which modules turn
+(projections, not the LM head or embeddings), and a served model whose
+logits stay close to the unquantized ones."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from mstar.config import EngineConfig
+from mstar.engine.engine import Engine
+from mstar.models.layers import Linear, VocabHead, quantize_linears
+from mstar.models.layers.fp8 import FP8, FP8_MAX, fp8_linear, quantize_rows
+from mstar.types import GenerateRequest, SamplingParams
+
+
+def test_rows_quantize_within_e4m3s_step():
+    x = torch.randn(7, 256) * torch.logspace(-3, 3, 7)[:, None]   # rows of very different sizes
+    q, scale = quantize_rows(x)
+    assert q.dtype == FP8 and scale.shape == (7, 1)
+    assert torch.equal(q.float().abs().amax(1), torch.full((7,), FP8_MAX))  # each row's largest maps to 448
+    back = q.float() * scale
+    big = x.abs() > x.abs().amax(1, keepdim=True) / 64   # e4m3's relative step 2^-4 holds away from subnormals
+    assert ((back - x).abs()[big] <= x.abs()[big] * 2 ** -4).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_fp8_projection_is_close_to_the_full_one(dtype):
+    torch.manual_seed(0)
+    lin = Linear(128, 64, bias=True, dtype=dtype)
+    lin.weight.data.normal_(0, 0.05)
+    lin.bias.data.normal_(0, 0.1)
+    x = torch.randn(5, 3, 128, dtype=dtype)
+    full = lin(x).float()
+    assert quantize_linears(lin) == 1 and lin.weight.dtype == FP8 and lin.weight_scale.shape == (64,)
+    got = lin(x)
+    assert got.dtype == dtype and got.shape == (5, 3, 64)
+    rel = (got.float() - full).norm() / full.norm()
+    assert rel < 0.05, rel
+    # the layer's path is the function's
+    torch.testing.assert_close(got, fp8_linear(x, lin.weight, lin.weight_scale, lin.bias))
+
+
+def test_only_projections_turn():
+    from mstar.models.registry import load_model
+    model = load_model("tiny-llama")
+    decoder = model.build_component("llm", torch.device("cpu"), torch.float32)
+    n = quantize_linears(decoder)
+    layers = len(decoder.layers)
+    assert n == 4 * layers   # qkv, o, gate_up, down
+    assert isinstance(decoder.lm_head, VocabHead) and decoder.lm_head.weight.dtype == torch.float32
+    assert decoder.embed_tokens.weight.dtype == torch.float32
+    assert all(m.weight.dtype == FP8 for m in decoder.modules() if isinstance(m, Linear))
+
+
+def _served(quantization: str | None) -> tuple[list[int], list[dict[int, float]]]:
+    """tiny-llama's greedy tokens for one prompt, and each position's top-5 logprobs."""
+    async def run() -> tuple[list[int], list[dict[int, float]]]:
+        eng = Engine(EngineConfig(model="tiny-llama", quantization=quantization))
+        await eng.start()
+        try:
+            params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5)
+            tokens: list[int] = []
+            top: list[dict[int, float]] = []
+            async for out in eng.submit(GenerateRequest("r", eng.model_name, {"prompt_ids": [5, 9, 200, 7]},
+                                                         params)):
+                tokens += out.token_ids
+                top += [dict(lp.top) for lp in out.logprobs or ()]
+            return tokens, top
+        finally:
+            await eng.shutdown()
+    return asyncio.run(run())
+
+
+def test_a_served_fp8_model_stays_close_to_the_full_one():
+    full_tokens, full_top = _served(None)
+    fp8_tokens, fp8_top = _served("fp8")
+    assert len(fp8_tokens) == len(full_tokens) == 12 and len(fp8_top) == 12
+    # the first position sees the prompt alone in both: the same top tokens, with logprobs within 0.1
+    first = full_top[0]
+    assert set(fp8_top[0]) == set(first)
+    assert max(abs(fp8_top[0][t] - lp) for t, lp in first.items()) < 0.1
+    assert fp8_tokens[0] == full_tokens[0]

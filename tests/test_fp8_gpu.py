@@ -1,0 +1,64 @@
+"""fp8 projections on CUDA (`torch._scaled_mm`, row-wise scales) against the
+CPU reference of the same quantized operands, at row counts that need
+padding to the GEMM's multiple of 16, and replayed from a CUDA graph. Needs
+a GPU of compute capability 8.9 or later (the GPU machine:
+scripts/gpu_check.sh sampler)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+    pytest.skip("fp8 GEMMs need a CUDA device of compute capability 8.9 or later", allow_module_level=True)
+
+from mstar.models.layers import Linear, quantize_linears  # noqa: E402
+
+
+def _layer(bias: bool) -> Linear:
+    torch.manual_seed(1)
+    lin = Linear(3072, 1024, bias=bias, device="cuda", dtype=torch.bfloat16)
+    lin.weight.data.normal_(0, 0.02)
+    if bias:
+        lin.bias.data.normal_(0, 0.1)
+    quantize_linears(lin)
+    return lin
+
+
+def _reference(lin: Linear, x: torch.Tensor) -> torch.Tensor:
+    cpu = Linear(lin.in_features, lin.out_features, bias=lin.bias is not None, dtype=torch.bfloat16)
+    cpu.weight = torch.nn.Parameter(lin.weight.cpu(), requires_grad=False)
+    cpu.register_buffer("weight_scale", lin.weight_scale.cpu())
+    if lin.bias is not None:
+        cpu.bias.data.copy_(lin.bias.cpu())
+    return cpu(x.cpu())
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_cuda_fp8_matches_the_reference(rows, bias):
+    lin = _layer(bias)
+    x = torch.randn(rows, 3072, device="cuda", dtype=torch.bfloat16)
+    got = lin(x).cpu().float()
+    want = _reference(lin, x).float()
+    # the same quantized operands; only the summation order and bf16 rounding of the output differ
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+def test_fp8_projections_replay_under_cuda_graphs():
+    lin = _layer(False)
+    x = torch.randn(64, 3072, device="cuda", dtype=torch.bfloat16)
+    want = lin(x)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        lin(x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = lin(x)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, lin(x))
+    assert not torch.equal(out, want)
