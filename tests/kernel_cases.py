@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 import torch
 
-from mstar.kernels import activation, codec_noise, head_norm_rope, moe, norm, qkv_store, rope_kv, router, snake, snake_unit
+from mstar.kernels import (activation, codec_noise, head_norm_rope, moe, norm, qkv_store, quantize, rope_kv, router, snake,
+                           snake_unit)
 from mstar.kernels.sampling import draw, noise, wide_descent, wide_draw
 from mstar.kernels.sampling import penalty as penalty_kernels
 
@@ -40,6 +41,26 @@ def check_rms_norm(t: int, h: int, dtype: torch.dtype, device: str, interpreted:
     got = norm.rms_norm_triton(x, weight, EPS)
     assert got.dtype == dtype and got.shape == x.shape
     torch.testing.assert_close(got, norm.rms_norm_reference(x, weight, EPS), **tolerance(dtype, interpreted))
+
+
+def check_quantize_rows(m: int, k: int, dtype: torch.dtype, device: str, interpreted: bool) -> None:
+    """The same scales as the reference, and the same fp8 values bit for bit on CUDA. Triton's interpreter
+    casts to float8 with its own rounding (7.78 -> 4.0, 10.5 -> 11.0), so there each value need only hold
+    the reference's sign and be within a factor of two of it: enough to show every element lands where it
+    belongs."""
+    gen = torch.Generator().manual_seed(m * 10 + k)
+    x = (_rows(gen, m, k, torch.float32, "cpu") * torch.logspace(-3, 3, m)[:, None]).to(device=device, dtype=dtype)
+    x[0, : k // 2] = 0.0   # zeros beside the row's values
+    q, scale = quantize.quantize_rows_triton(x)
+    q_ref, scale_ref = quantize.quantize_rows_reference(x)
+    assert q.dtype == quantize.FP8 and q.shape == (m, k) and scale.shape == (m, 1)
+    torch.testing.assert_close(scale, scale_ref, atol=0, rtol=0)
+    if interpreted:
+        got, want = q.float(), q_ref.float()
+        assert torch.equal(torch.sign(got), torch.sign(want))
+        assert ((got.abs() <= want.abs() * 2) & (got.abs() * 2 >= want.abs())).all()
+    else:
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
 def check_qkv_norm_rope_store(t: int, heads: int, kv_heads: int, d: int, dtype: torch.dtype, cache_dtype: torch.dtype,

@@ -13,7 +13,8 @@ import torch
 from mstar.config import EngineConfig
 from mstar.engine.engine import Engine
 from mstar.models.layers import Linear, VocabHead, quantize_linears
-from mstar.models.layers.fp8 import FP8, FP8_MAX, fp8_linear, quantize_rows
+from mstar.kernels.quantize import FP8, FP8_MAX, quantize_rows
+from mstar.models.layers.fp8 import fp8_linear
 from mstar.types import GenerateRequest, SamplingParams
 
 

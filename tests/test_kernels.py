@@ -16,7 +16,8 @@ from kernel_cases import (check_exponential_noise, check_fused_add_rms_norm, che
                           check_rope_and_store,
                           check_silu_and_mul, check_snake, check_snake_beta, check_snake_beta_held,
                           check_draw_tokens, check_route_top_k, check_wide_descent, check_wide_draw,
-                          check_snake_dwconv, check_snake_unit, check_repetition_penalty, check_codec_noise, moe_inputs)
+                          check_snake_dwconv, check_snake_unit, check_repetition_penalty, check_codec_noise, moe_inputs,
+                          check_quantize_rows)
 
 from mstar.kernels import activation, fused_add_rms_norm, moe, norm, rms_norm, rope_and_store, rope_kv, silu_and_mul
 from mstar.kernels.backend import HAVE_TRITON, block_size, num_warps
@@ -418,3 +419,10 @@ def test_a_kernel_unspecialised_on_a_parameter_it_lacks_is_refused():
         jit(per_row=("seeds_ptr",))(kernel)
     with pytest.raises(TypeError, match="rows"):
         jit(any_value=("rows",))(kernel)
+
+
+@interpreted
+@pytest.mark.parametrize("m,k", [(1, 64), (5, 3072), (3, 8192)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_rows(m, k, dtype):
+    check_quantize_rows(m, k, dtype, "cpu", interpreted=True)

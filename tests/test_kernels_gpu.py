@@ -8,6 +8,7 @@ import pytest
 import torch
 from kernel_cases import (
     MOE_SHAPES,
+    check_quantize_rows,
     check_fused_add_rms_norm,
     check_draw_tokens,
     check_route_top_k,
@@ -323,3 +324,9 @@ def test_a_burst_of_a_new_row_count_compiles_no_sampling_kernel():
     finally:
         knobs.runtime.jit_cache_hook = previous
     assert compiled == [], f"compiled again for a new row count: {compiled}"
+
+
+@pytest.mark.parametrize("m,k", [(1, 64), (5, 3072), (400, 8192)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_rows(m, k, dtype):
+    check_quantize_rows(m, k, dtype, "cuda", interpreted=False)

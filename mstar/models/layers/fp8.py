@@ -10,8 +10,9 @@ arithmetic (3.4 ms a step at 400 rows on an H200, at ~750 TFLOP/s:
 the weight bytes. The output changes (it is opt-in): per-row scales keep the
 error of each product near e4m3's 2^-4 relative step.
 
-On CUDA the product is `torch._scaled_mm` with row-wise scales (Hopper and
-later); elsewhere the reference dequantizes both sides and multiplies in
+On CUDA the rows are quantized by one kernel (`kernels/quantize.py`) and the
+product is `torch._scaled_mm` with row-wise scales (Ada, Hopper and later);
+elsewhere the reference dequantizes both sides and multiplies in
 float32, the same arithmetic up to summation order.
 """
 
@@ -20,17 +21,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0   # e4m3fn's largest finite value
+from mstar.kernels.quantize import FP8, quantize_rows, quantize_rows_reference
+
 ALIGN = 16        # fp8 GEMMs want both of the weight's dimensions a multiple of this
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (float8 [M, K], float32 scales [M, 1]) with x ~= q * scale."""
-    amax = x.abs().amax(dim=-1, keepdim=True).float()
-    scale = torch.clamp(amax, min=1e-12) / FP8_MAX
-    q = torch.clamp(x.float() / scale, -FP8_MAX, FP8_MAX).to(FP8)
-    return q, scale
 
 
 def can_quantize(linear: nn.Module) -> bool:
@@ -42,7 +35,7 @@ def can_quantize(linear: nn.Module) -> bool:
 def quantize_weight(linear: nn.Module) -> None:
     """Turn `linear`'s weight into float8 rows and their scales, in place
     (`weight_scale` [out] float32); its forward then takes `fp8_linear`."""
-    q, scale = quantize_rows(linear.weight.data)
+    q, scale = quantize_rows_reference(linear.weight.data)   # once, at load: the reference is exact
     linear.weight = nn.Parameter(q, requires_grad=False)
     linear.register_buffer("weight_scale", scale.reshape(-1).contiguous())
 
