@@ -20,10 +20,17 @@ FP8_MAX = 448.0   # e4m3fn's largest finite value
 MIN_AMAX = 1e-12  # an all-zero row gets this, not a zero scale
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """`multiple`: the rows come out padded to a multiple of this (zeros,
+    scale 1), as a GEMM that takes rows in tiles may want them."""
     if use_triton(x):
-        return quantize_rows_triton(x)
-    return quantize_rows_reference(x)
+        return quantize_rows_triton(x, multiple)
+    q, scale = quantize_rows_reference(x)
+    pad = -x.shape[0] % multiple
+    if pad:
+        q = torch.cat([q, q.new_zeros(pad, q.shape[1])])
+        scale = torch.cat([scale, scale.new_ones(pad, 1)])
+    return q, scale
 
 
 def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -33,28 +40,30 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return q, scale
 
 
-def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_triton(x: torch.Tensor, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dim() != 2:
         raise ValueError(f"quantize_rows takes [M, K], got {tuple(x.shape)}")
     m, k = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
-    q = torch.empty(m, k, dtype=FP8, device=x.device)
-    scale = torch.empty(m, 1, dtype=torch.float32, device=x.device)
-    if m and k:
+    rows = m + -m % multiple
+    q = torch.empty(rows, k, dtype=FP8, device=x.device)
+    scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    if rows and k:
         block = block_size(k)
-        _quantize_rows_kernel[(m,)](x, x.stride(0), q, scale, k, FP8_MAX, MIN_AMAX, BLOCK=block,
-                                    num_warps=num_warps(block))
+        _quantize_rows_kernel[(rows,)](x, x.stride(0), q, scale, m, k, FP8_MAX, MIN_AMAX, BLOCK=block,
+                                       num_warps=num_warps(block))
     return q, scale
 
 
-@jit
-def _quantize_rows_kernel(x_ptr, stride, q_ptr, scale_ptr, k, fp8_max, min_amax, BLOCK: tl.constexpr):
+@jit(any_value=("m",))
+def _quantize_rows_kernel(x_ptr, stride, q_ptr, scale_ptr, m, k, fp8_max, min_amax, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < k
-    x = tl.load(x_ptr + row * stride + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0), min_amax) / fp8_max
+    x = tl.load(x_ptr + row * stride + cols, mask=mask & (row < m), other=0.0).to(tl.float32)   # padding: 0
+    # a padding row (all zeros) gets scale 1, as the torch form pads
+    scale = tl.where(row < m, tl.maximum(tl.max(tl.abs(x), axis=0), min_amax) / fp8_max, 1.0)
     y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)   # rounded as torch's division
     tl.store(q_ptr + row * k + cols, y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
     tl.store(scale_ptr + row, scale)

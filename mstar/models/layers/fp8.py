@@ -45,16 +45,14 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
     """x [..., K] (bf16/fp16/fp32) @ dequantized weight [N, K].T (+ bias) in x's dtype."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    q, scale = quantize_rows(x2)
+    m = x2.shape[0]
     if x.is_cuda:
-        m = x2.shape[0]
-        padded = -(-m // ALIGN) * ALIGN   # the GEMM takes rows in multiples of 16: the padding rows are zero
-        if padded != m:
-            q = torch.cat([q, q.new_zeros(padded - m, q.shape[1])])
-            scale = torch.cat([scale, scale.new_ones(padded - m, 1)])
+        # rows padded (zeros) to the GEMM's multiple of 16, by the quantizing kernel itself
+        q, scale = quantize_rows(x2, ALIGN)
         out = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.reshape(1, -1),
                                out_dtype=x.dtype if x.dtype != torch.float32 else torch.bfloat16)[:m].to(x.dtype)
     else:
+        q, scale = quantize_rows(x2)
         out = ((q.float() * scale) @ (weight.float() * weight_scale[:, None]).t()).to(x.dtype)
     if bias is not None:
         out = out + bias
