@@ -209,9 +209,9 @@ def build_parser(builtin_models: Sequence[str] = ()) -> argparse.ArgumentParser:
                    help="auto: FlashInfer on CUDA, the torch reference on CPU")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--quantization", choices=("fp8",), default=None,
-                   help="fp8: the projections' weights in float8 (e4m3, a scale per output row) and their inputs "
-                        "quantized per row; the LM head and embeddings stay. Changes the output; CUDA needs "
-                        "compute capability 8.9 or later")
+                   help="fp8: the decoder layers' projections of the language models in float8 (e4m3 weights with "
+                        "a scale per output row, inputs quantized per row); heads, embeddings, encoders and "
+                        "vocoders stay. Changes the output; CUDA needs compute capability 8.9+ and bfloat16")
     p.add_argument("--gil-switch-interval-ms", type=float, default=None,
                    help="how long a thread may hold the GIL while another waits (Python's default: 5 ms); the "
                         "worker threads and the event loop share it")

@@ -27,7 +27,8 @@ import torch.nn.functional as F
 
 from mstar.config import EngineConfig
 from mstar.engine.engine import Engine
-from mstar.models.layers import Linear, quantize_linears
+from mstar.models.layers import Linear
+from mstar.models.layers.fp8 import quantize_weight
 from mstar.types import GenerateRequest, SamplingParams
 
 SHAPES = {"qkv": (3072, 5120), "o": (3072, 3072), "gate_up": (3072, 16384), "down": (8192, 3072)}
@@ -67,7 +68,7 @@ def gemms(rows: list[int]) -> None:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             w = lin.weight.data.clone()
             t_bf16 = _graph_ms(lambda: F.linear(x, w))
-            quantize_linears(lin)
+            quantize_weight(lin)
             t_fp8 = _graph_ms(lambda: lin(x))
             bf16_sum, fp8_sum = bf16_sum + t_bf16, fp8_sum + t_fp8
             cells.append(f"{t_bf16:7.3f} / {t_fp8:7.3f}")

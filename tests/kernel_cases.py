@@ -51,8 +51,8 @@ def check_quantize_rows(m: int, k: int, dtype: torch.dtype, device: str, interpr
     gen = torch.Generator().manual_seed(m * 10 + k)
     x = (_rows(gen, m, k, torch.float32, "cpu") * torch.logspace(-3, 3, m)[:, None]).to(device=device, dtype=dtype)
     x[0, : k // 2] = 0.0   # zeros beside the row's values
-    q, scale = quantize.quantize_rows_triton(x, 16)
     padded = -(-m // 16) * 16   # rows past m: zeros with scale 1, as the torch form pads them
+    q, scale = quantize.quantize_rows_triton(x, padded)
     assert q.dtype == quantize.FP8 and q.shape == (padded, k) and scale.shape == (padded, 1)
     assert not q[m:].float().any() and (scale[m:] == 1).all()
     q, scale = q[:m], scale[:m]

@@ -14,7 +14,7 @@ from mstar.config import EngineConfig
 from mstar.engine.engine import Engine
 from mstar.models.layers import Linear, VocabHead, quantize_linears
 from mstar.kernels.quantize import FP8, FP8_MAX, quantize_rows
-from mstar.models.layers.fp8 import fp8_linear
+from mstar.models.layers.fp8 import fp8_linear, quantize_weight
 from mstar.types import GenerateRequest, SamplingParams
 
 
@@ -36,7 +36,9 @@ def test_an_fp8_projection_is_close_to_the_full_one(dtype):
     lin.bias.data.normal_(0, 0.1)
     x = torch.randn(5, 3, 128, dtype=dtype)
     full = lin(x).float()
-    assert quantize_linears(lin) == 1 and lin.weight.dtype == FP8 and lin.weight_scale.shape == (64,)
+    assert quantize_linears(lin) == 0   # not under a decoder's `layers`
+    quantize_weight(lin)
+    assert lin.weight.dtype == FP8 and lin.weight_scale.shape == (64,)
     got = lin(x)
     assert got.dtype == dtype and got.shape == (5, 3, 64)
     rel = (got.float() - full).norm() / full.norm()
@@ -55,6 +57,22 @@ def test_only_projections_turn():
     assert isinstance(decoder.lm_head, VocabHead) and decoder.lm_head.weight.dtype == torch.float32
     assert decoder.embed_tokens.weight.dtype == torch.float32
     assert all(m.weight.dtype == FP8 for m in decoder.modules() if isinstance(m, Linear))
+
+
+def test_only_the_language_models_decoder_layers_turn():
+    """Qwen3-Omni: the thinker's and talker's layers turn; their heads, the code predictor's heads, the
+    encoders and the vocoder do not (a component without a KV cache is left whole by the engine)."""
+    from mstar.models.registry import load_model
+    model = load_model("qwen3-omni-tiny")
+    for name, spec in model.components.items():
+        module = model.build_component(name, torch.device("cpu"), torch.float32)
+        n = quantize_linears(module) if spec.kv_cache else 0
+        turned = {m for m, mod in module.named_modules() if isinstance(mod, Linear) and mod.weight.dtype == FP8}
+        assert len(turned) == n
+        assert all(m.startswith("layers.") or ".layers." in m for m in turned), (name, sorted(turned))
+        assert not any("head" in m.rsplit(".", 1)[-1] for m in turned), (name, sorted(turned))
+        if spec.kv_cache and name in ("thinker", "talker"):
+            assert n > 0, name
 
 
 def _served(quantization: str | None) -> tuple[list[int], list[dict[int, float]]]:

@@ -12,7 +12,8 @@ import torch
 if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
     pytest.skip("fp8 GEMMs need a CUDA device of compute capability 8.9 or later", allow_module_level=True)
 
-from mstar.models.layers import Linear, quantize_linears  # noqa: E402
+from mstar.models.layers import Linear  # noqa: E402
+from mstar.models.layers.fp8 import quantize_weight  # noqa: E402
 
 
 def _layer(bias: bool) -> Linear:
@@ -21,7 +22,7 @@ def _layer(bias: bool) -> Linear:
     lin.weight.data.normal_(0, 0.02)
     if bias:
         lin.bias.data.normal_(0, 0.1)
-    quantize_linears(lin)
+    quantize_weight(lin)
     return lin
 
 

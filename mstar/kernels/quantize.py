@@ -20,13 +20,13 @@ FP8_MAX = 448.0   # e4m3fn's largest finite value
 MIN_AMAX = 1e-12  # an all-zero row gets this, not a zero scale
 
 
-def quantize_rows(x: torch.Tensor, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """`multiple`: the rows come out padded to a multiple of this (zeros,
-    scale 1), as a GEMM that takes rows in tiles may want them."""
+def quantize_rows(x: torch.Tensor, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rows`: at least x's; the rows past x's come out as zeros with scale
+    1 (a GEMM's padding)."""
     if use_triton(x):
-        return quantize_rows_triton(x, multiple)
+        return quantize_rows_triton(x, rows)
     q, scale = quantize_rows_reference(x)
-    pad = -x.shape[0] % multiple
+    pad = (rows or x.shape[0]) - x.shape[0]
     if pad:
         q = torch.cat([q, q.new_zeros(pad, q.shape[1])])
         scale = torch.cat([scale, scale.new_ones(pad, 1)])
@@ -40,13 +40,13 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return q, scale
 
 
-def quantize_rows_triton(x: torch.Tensor, multiple: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    if x.dim() != 2:
-        raise ValueError(f"quantize_rows takes [M, K], got {tuple(x.shape)}")
+def quantize_rows_triton(x: torch.Tensor, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    if x.dim() != 2 or (rows is not None and rows < x.shape[0]):
+        raise ValueError(f"quantize_rows takes [M, K] and at least M rows, got {tuple(x.shape)} and {rows}")
     m, k = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
-    rows = m + -m % multiple
+    rows = rows or m
     q = torch.empty(rows, k, dtype=FP8, device=x.device)
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     if rows and k:
@@ -63,7 +63,7 @@ def _quantize_rows_kernel(x_ptr, stride, q_ptr, scale_ptr, m, k, fp8_max, min_am
     mask = cols < k
     x = tl.load(x_ptr + row * stride + cols, mask=mask & (row < m), other=0.0).to(tl.float32)   # padding: 0
     # a padding row (all zeros) gets scale 1, as the torch form pads
-    scale = tl.where(row < m, tl.maximum(tl.max(tl.abs(x), axis=0), min_amax) / fp8_max, 1.0)
+    scale = tl.where(row < m, tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), min_amax), fp8_max), 1.0)
     y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)   # rounded as torch's division
     tl.store(q_ptr + row * k + cols, y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
     tl.store(scale_ptr + row, scale)

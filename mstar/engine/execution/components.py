@@ -50,7 +50,7 @@ def build_runners(model: Model, names: Sequence[str], device: torch.device, stor
     dtype = resolve_dtype(model, config, device)
     modules = {name: model.build_component(name, device, dtype) for name in names}
     if config.quantization == "fp8":
-        _fp8(modules, device)
+        _fp8({name: m for name, m in modules.items() if model.components[name].kv_cache}, device, dtype)
     for module in modules.values():  # a module that captures graphs of its own runs eagerly when told to
         if hasattr(module, "enforce_eager"):
             module.enforce_eager = config.enforce_eager
@@ -70,12 +70,14 @@ def build_runners(model: Model, names: Sequence[str], device: torch.device, stor
             for name in names}
 
 
-def _fp8(modules: dict[str, nn.Module], device: torch.device) -> None:
-    """`--quantization fp8`: every component's projections, before the KV
-    cache takes the memory they give back."""
+def _fp8(modules: dict[str, nn.Module], device: torch.device, dtype: torch.dtype) -> None:
+    """`--quantization fp8`: the decoder layers' projections of the KV
+    components (`modules`), before the KV cache takes the memory they give back."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         raise ConfigError(f"--quantization fp8 needs compute capability 8.9 or later; {device} has "
                           f"{torch.cuda.get_device_capability(device)}")
+    if device.type == "cuda" and dtype != torch.bfloat16:
+        raise ConfigError(f"--quantization fp8 on CUDA takes --dtype bfloat16, not {dtype}")
     for name, module in modules.items():
         log.info("fp8 weights", device=str(device), component=name, linears=quantize_linears(module))
     if device.type == "cuda":

@@ -25,7 +25,7 @@ from mstar.models.base import KVSpec
 GiB = 1 << 30
 # What the runtime allocates on the device after the cache is sized. For an
 # Orpheus-3B shape: a prefill step of 8192 packed tokens holds ~0.3 GB of MLP
-# activations; float32 logits and a top-p sort over 256 rows x 157k vocab take
+# activations; logits, the penalty's float32 copy and a top-p sort over 256 rows x 157k vocab take
 # ~0.5 GB; FlashInfer keeps ~0.25 GB of plan/work buffers per wrapper; CUDA
 # graph pools and allocator fragmentation take the rest. 2 GiB covers that with
 # room; it is ~1.5% of an H200, so a fixed size costs little on big devices.

@@ -26,6 +26,9 @@ from mstar.kernels.quantize import FP8, quantize_rows, quantize_rows_reference
 ALIGN = 16        # fp8 GEMMs want both of the weight's dimensions a multiple of this
 
 
+CHUNK_ROWS = 4096  # a weight is quantized this many rows at a time: float32 copies of a whole one are GBs
+
+
 def can_quantize(linear: nn.Module) -> bool:
     w = getattr(linear, "weight", None)
     return (isinstance(w, torch.Tensor) and w.dim() == 2 and w.dtype != FP8 and w.shape[0] % ALIGN == 0
@@ -35,22 +38,32 @@ def can_quantize(linear: nn.Module) -> bool:
 def quantize_weight(linear: nn.Module) -> None:
     """Turn `linear`'s weight into float8 rows and their scales, in place
     (`weight_scale` [out] float32); its forward then takes `fp8_linear`."""
-    q, scale = quantize_rows_reference(linear.weight.data)   # once, at load: the reference is exact
+    w = linear.weight.data
+    q = torch.empty(w.shape, dtype=FP8, device=w.device)
+    scale = torch.empty(w.shape[0], dtype=torch.float32, device=w.device)
+    for start in range(0, w.shape[0], CHUNK_ROWS):   # once, at load: the reference is exact
+        rows = slice(start, start + CHUNK_ROWS)
+        q[rows], chunk_scale = quantize_rows_reference(w[rows])
+        scale[rows] = chunk_scale.reshape(-1)
     linear.weight = nn.Parameter(q, requires_grad=False)
-    linear.register_buffer("weight_scale", scale.reshape(-1).contiguous())
+    linear.register_buffer("weight_scale", scale)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] (bf16/fp16/fp32) @ dequantized weight [N, K].T (+ bias) in x's dtype."""
+               bias: torch.Tensor | None, rows: int | None = None) -> torch.Tensor:
+    """x [..., K] @ dequantized weight [N, K].T (+ bias) in x's dtype (bf16
+    on CUDA). `rows`: on CUDA the GEMM runs at this many rows (at least x's;
+    rounded up to a multiple of 16), the padding quantized as zeros."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     m = x2.shape[0]
     if x.is_cuda:
-        # rows padded (zeros) to the GEMM's multiple of 16, by the quantizing kernel itself
-        q, scale = quantize_rows(x2, ALIGN)
+        if x.dtype != torch.bfloat16:
+            raise ValueError(f"fp8 projections on CUDA take bfloat16 activations, not {x.dtype}")
+        padded = -(-max(rows or m, m, 1) // ALIGN) * ALIGN
+        q, scale = quantize_rows(x2, padded)   # the padding rows by the quantizing kernel itself
         out = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.reshape(1, -1),
-                               out_dtype=x.dtype if x.dtype != torch.float32 else torch.bfloat16)[:m].to(x.dtype)
+                               out_dtype=torch.bfloat16)[:m]
     else:
         q, scale = quantize_rows(x2)
         out = ((q.float() * scale) @ (weight.float() * weight_scale[:, None]).t()).to(x.dtype)

@@ -67,7 +67,9 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == FP8:   # `quantize_linears`
-            return fp8_linear(x, self.weight, self.weight_scale, self.bias)
+            eager = x.is_cuda and not torch.cuda.is_current_stream_capturing()
+            rows = padded_rows(x.numel() // x.shape[-1]) if eager else None   # few shapes, as `linear_padded`
+            return fp8_linear(x, self.weight, self.weight_scale, self.bias, rows)
         return linear_padded(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
@@ -75,10 +77,12 @@ class Linear(nn.Module):
 
 
 def quantize_linears(module: nn.Module) -> int:
-    """Every `Linear` (and `MergedLinear`) under `module` whose shape an fp8
-    GEMM takes, to fp8 weights in place (`fp8.py`; a `VocabHead` stays as
-    it is); returns how many."""
-    linears = [m for m in module.modules() if isinstance(m, Linear) and can_quantize(m)]
+    """The projections of `module`'s decoder layers (every `Linear` and
+    `MergedLinear` under a child named `layers`) whose shape an fp8 GEMM
+    takes, to fp8 weights in place (`fp8.py`); heads, embeddings, encoders'
+    and vocoders' projections stay as they are. Returns how many turned."""
+    linears = [m for name, m in module.named_modules()
+               if (name.startswith("layers.") or ".layers." in name) and isinstance(m, Linear) and can_quantize(m)]
     for linear in linears:
         quantize_weight(linear)
     return len(linears)
