@@ -55,7 +55,7 @@ class SamplerGraphs:
         self.device = device
         top, vocab = max(logits), next(iter(logits.values())).shape[1]
         f32, i64 = torch.float32, torch.int64
-        self._floats = torch.zeros(5, top, dtype=f32, device=device)  # temperature, top-p, min-p, penalty, spare
+        self._floats = torch.zeros(4, top, dtype=f32, device=device)  # temperature, top-p, min-p, penalty
         self._ints = torch.zeros(3, top, dtype=i64, device=device)    # top-k, seed, counter
         self._seen: Tensor | None = None   # [top, V] bool, made with the first penalised graph
         self._vocab = vocab
