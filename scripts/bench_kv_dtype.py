@@ -16,9 +16,11 @@ the query's type as it loads them). For each KV dtype and each decode kernel
               on these random keys (std 1) and values
 
 It answers one question before the KV cache grows an fp8 option: does an fp8
-cache make decode attention faster at 64-400 rows on this GPU.
+cache make decode attention faster at 64-400 rows on this GPU. With
+`--no-split`, bf16 rows again with FlashInfer's split-KV off.
 
     python3 scripts/bench_kv_dtype.py --batches 64 256 400 --context 560
+    python3 scripts/bench_kv_dtype.py --batches 400 --context 140 --no-split
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ LAYERS = 4
 FP8 = torch.float8_e4m3fn
 
 
-def measure(batch: int, context: int, kv_dtype: torch.dtype, tensor_cores: bool) -> dict[str, object]:
+def measure(batch: int, context: int, kv_dtype: torch.dtype, tensor_cores: bool,
+            no_split: bool = False) -> dict[str, object]:
     gen = torch.Generator(device="cuda").manual_seed(batch)
     per_row = math.ceil(context / PAGE)
     pages = batch * per_row
@@ -59,7 +62,8 @@ def measure(batch: int, context: int, kv_dtype: torch.dtype, tensor_cores: bool)
     def wrapper(kv: torch.dtype):
         w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             torch.zeros(256 << 20, dtype=torch.uint8, device="cuda"), "NHD", use_tensor_cores=tensor_cores)
-        w.plan(indptr, order, last, HQ, HKV, D, PAGE, q_data_type=torch.bfloat16, kv_data_type=kv)
+        w.plan(indptr, order, last, HQ, HKV, D, PAGE, q_data_type=torch.bfloat16, kv_data_type=kv,
+               disable_split_kv=no_split)
         return w
 
     w = wrapper(kv_dtype)
@@ -70,7 +74,8 @@ def measure(batch: int, context: int, kv_dtype: torch.dtype, tensor_cores: bool)
     attend_us = graph_time_us(lambda i: w.run(q, stored[i % LAYERS]))
     kv_bytes = 2 * batch * context * HKV * D * torch.empty((), dtype=kv_dtype).element_size()
     return dict(batch=batch, context=context, kv_dtype=str(kv_dtype).removeprefix("torch."),
-                decode="tensor cores" if tensor_cores else "CUDA cores", attend_us=round(attend_us, 2),
+                decode="tensor cores" if tensor_cores else "CUDA cores", split_kv="off" if no_split else "auto",
+                attend_us=round(attend_us, 2),
                 kv_gbps=round(kv_bytes / attend_us / 1e3, 1), max_err=max_err, quant_err=quant_err)
 
 
@@ -87,6 +92,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batches", type=int, nargs="+", default=[64, 256, 400])
     p.add_argument("--context", type=int, default=560)
+    p.add_argument("--no-split", action="store_true",
+                   help="also bf16 pages with FlashInfer's split of long rows off (`disable_split_kv`): at short "
+                        "contexts and many rows the split's merge may cost more than it spreads")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, flashinfer {version('flashinfer-python')}, "
@@ -103,6 +111,9 @@ def main() -> None:
                                      error=f"{type(exc).__name__}: {str(exc)[:200]}"))
                 print(rows[-1], flush=True)
                 torch.cuda.empty_cache()
+        for tc in (False, True) if a.no_split else ():
+            rows.append(measure(batch, a.context, torch.bfloat16, tc, no_split=True))
+            print(rows[-1], flush=True)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(dict(commit=commit(REPO), rows=rows), f, indent=1)
