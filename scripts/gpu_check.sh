@@ -38,7 +38,7 @@
 #   scripts/gpu_check.sh fp8        the fp8 projections' GPU tests, then scripts/bench_fp8.py (their GEMMs against bf16,
 #                                   and Orpheus-3B's greedy tokens with and without --quantization fp8)
 #   scripts/gpu_check.sh kvdtype    decode attention over bf16 and fp8 KV pages, CUDA and tensor cores, 64-400 rows
-#                                   (scripts/bench_kv_dtype.py)
+#                                   (scripts/bench_kv_dtype.py; $KV_ARGS replaces its flags)
 #   scripts/gpu_check.sh codec      SNAC's kernels' and Orpheus's GPU tests, then SNAC windows' time and kernels in
 #                                   float16 (scripts/bench_snac.py --profile): whole windows and played frames with
 #                                   the residual units as modules, then played frames with them fused
@@ -250,7 +250,7 @@ if [[ $what == fp8 ]]; then
   timeout 360 python3 scripts/bench_fp8.py ${FP8_ARGS:-} 2>&1 | grep -v "\[info\|capturing" | tee "$OUT/bench_fp8.txt"
 fi
 if [[ $what == kvdtype ]]; then
-  timeout 300 python3 scripts/bench_kv_dtype.py --batches 64 256 400 --context 560 --out "$OUT/kv_dtype.json" 2>&1 \
+  timeout 300 python3 scripts/bench_kv_dtype.py ${KV_ARGS:---batches 64 256 400 --context 560} --out "$OUT/kv_dtype.json" 2>&1 \
       | tee "$OUT/bench_kv_dtype.txt" | tail -14
 fi
 if [[ $what == codec ]]; then
