@@ -314,10 +314,18 @@ def test_repetition_penalty(rows, vocab, dtype):
 
 @interpreted
 @pytest.mark.parametrize("filtered", [True, False])
-@pytest.mark.parametrize("rows,vocab,dtype,block", [(13, 40, torch.float32, 16), (7, 300, torch.float16, 64),
-                                                    (5, 300, torch.float32, 16)])   # more blocks than GROUPS
+@pytest.mark.parametrize("rows,vocab,dtype,block", [(7, 40, torch.float32, 16), (7, 300, torch.float16, 64)])
 def test_wide_draw(rows, vocab, dtype, block, filtered):
     check_wide_draw(rows, vocab, filtered, dtype, "cpu", block)
+
+
+@interpreted
+def test_wide_draw_searches_more_blocks_than_groups():
+    """The search's and ties' programs loop over every GROUPS-th block: a row of 10 blocks, every row
+    searching (no descent), with top-k and top-p."""
+    from mstar.kernels.sampling import wide_draw
+    check_draw_tokens(3, 150, True, torch.float32, "cpu",
+                      lambda *a: wide_draw.draw_tokens_wide(*a, block=16, descent_steps=0))
 
 
 @interpreted
