@@ -35,29 +35,9 @@ SHAPES = {"qkv": (3072, 5120), "o": (3072, 3072), "gate_up": (3072, 16384), "dow
 LAYERS = 28
 
 
-def _graph_ms(fn, iters: int = 50) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(10):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters / 10
-
-
 def gemms(rows: list[int]) -> None:
+    from bench_page_size import graph_time_us   # it needs FlashInfer: the CPU smoke run skips the GEMMs
+
     print("GEMM ms (bf16 / fp8), from CUDA graphs:")
     print(f"{'rows':>5} " + " ".join(f"{name:>17}" for name in SHAPES) + f" {'28 layers':>17}")
     for m in rows:
@@ -67,9 +47,9 @@ def gemms(rows: list[int]) -> None:
             lin.weight.data.normal_(0, 0.02)
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             w = lin.weight.data.clone()
-            t_bf16 = _graph_ms(lambda: F.linear(x, w))
+            t_bf16 = graph_time_us(lambda _i: F.linear(x, w)) / 1e3
             quantize_weight(lin)
-            t_fp8 = _graph_ms(lambda: lin(x))
+            t_fp8 = graph_time_us(lambda _i: lin(x)) / 1e3
             bf16_sum, fp8_sum = bf16_sum + t_bf16, fp8_sum + t_fp8
             cells.append(f"{t_bf16:7.3f} / {t_fp8:7.3f}")
         print(f"{m:>5} " + " ".join(f"{c:>17}" for c in cells)
