@@ -20,17 +20,10 @@ FP8_MAX = 448.0   # e4m3fn's largest finite value
 MIN_AMAX = 1e-12  # an all-zero row gets this, not a zero scale
 
 
-def quantize_rows(x: torch.Tensor, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`rows`: at least x's; the rows past x's come out as zeros with scale
-    1 (a GEMM's padding)."""
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if use_triton(x):
-        return quantize_rows_triton(x, rows)
-    q, scale = quantize_rows_reference(x)
-    pad = (rows or x.shape[0]) - x.shape[0]
-    if pad:
-        q = torch.cat([q, q.new_zeros(pad, q.shape[1])])
-        scale = torch.cat([scale, scale.new_ones(pad, 1)])
-    return q, scale
+        return quantize_rows_triton(x)
+    return quantize_rows_reference(x)
 
 
 def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,6 +34,8 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 def quantize_rows_triton(x: torch.Tensor, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rows`: at least x's; the rows past x's come out as zeros with scale
+    1 (a GEMM's padding)."""
     if x.dim() != 2 or (rows is not None and rows < x.shape[0]):
         raise ValueError(f"quantize_rows takes [M, K] and at least M rows, got {tuple(x.shape)} and {rows}")
     m, k = x.shape

@@ -65,10 +65,6 @@ class SamplerGraphs:
         self._failed: set[tuple[int, Flags]] = set()
         self.captures = 0
 
-    def bucket_of(self, n: int) -> int | None:
-        fits = [b for b in self.logits if b >= n]
-        return min(fits) if fits else None
-
     def draw(self, bucket: int, st: SamplingTensors, seen: Tensor | None) -> Tensor:
         """The tokens [n] of the first n rows of `bucket`'s logits (n: the
         rows of `st`), as `sampler.sample` draws them."""

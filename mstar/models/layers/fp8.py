@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mstar.kernels.quantize import FP8, quantize_rows, quantize_rows_reference
+from mstar.kernels.quantize import FP8, quantize_rows_reference, quantize_rows_triton
 
 ALIGN = 16        # fp8 GEMMs want both of the weight's dimensions a multiple of this
 
@@ -61,11 +61,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         if x.dtype != torch.bfloat16:
             raise ValueError(f"fp8 projections on CUDA take bfloat16 activations, not {x.dtype}")
         padded = -(-max(rows or m, m, 1) // ALIGN) * ALIGN
-        q, scale = quantize_rows(x2, padded)   # the padding rows by the quantizing kernel itself
+        q, scale = quantize_rows_triton(x2, padded)   # the padding rows by the quantizing kernel itself
         out = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.reshape(1, -1),
                                out_dtype=torch.bfloat16)[:m]
     else:
-        q, scale = quantize_rows(x2)
+        q, scale = quantize_rows_reference(x2)
         out = ((q.float() * scale) @ (weight.float() * weight_scale[:, None]).t()).to(x.dtype)
     if bias is not None:
         out = out + bias

@@ -36,13 +36,18 @@ def padded_rows(n: int) -> int:
     return -(-n // step) * step
 
 
+def gemm_rows(x: torch.Tensor) -> int:
+    """The rows a projection of x [..., K] runs at: `padded_rows` of its rows
+    for a CUDA tensor outside a graph capture (whose shapes are few already),
+    else its own rows."""
+    m = x.shape[:-1].numel()
+    return padded_rows(m) if x.is_cuda and not torch.cuda.is_current_stream_capturing() else m
+
+
 def linear_padded(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, its rows padded to `padded_rows` when x is
-    a 2-D CUDA tensor outside a graph capture (whose shapes are few already)."""
+    """`F.linear(x, weight, bias)`, a 2-D x's rows padded to `gemm_rows`."""
     m = x.shape[0]
-    if x.dim() != 2 or m <= SMALL_ROWS or not x.is_cuda or torch.cuda.is_current_stream_capturing():
-        return F.linear(x, weight, bias)
-    padded = padded_rows(m)
+    padded = gemm_rows(x) if x.dim() == 2 else m
     if padded == m:
         return F.linear(x, weight, bias)
     wide = x.new_empty(padded, x.shape[1])  # rows past m are left as they are: each output row reads its own row
@@ -67,9 +72,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == FP8:   # `quantize_linears`
-            eager = x.is_cuda and not torch.cuda.is_current_stream_capturing()
-            rows = padded_rows(x.numel() // x.shape[-1]) if eager else None   # few shapes, as `linear_padded`
-            return fp8_linear(x, self.weight, self.weight_scale, self.bias, rows)
+            return fp8_linear(x, self.weight, self.weight_scale, self.bias, gemm_rows(x))
         return linear_padded(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
