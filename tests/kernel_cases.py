@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import torch
 
-from mstar.kernels import (activation, codec_noise, head_norm_rope, moe, norm, qkv_store, quantize, rope_kv, router, snake,
-                           snake_unit)
+from mstar.kernels import activation, head_norm_rope, moe, norm, qkv_store, quantize, rope_kv, router
+from mstar.kernels.codec import codec_noise, snake, snake_unit
 from mstar.kernels.sampling import draw, noise, wide_descent, wide_draw
 from mstar.kernels.sampling import penalty as penalty_kernels
 

@@ -1,4 +1,4 @@
-"""A streaming step's convolutions as GEMMs (`mstar.kernels.conv`) against
+"""A streaming step's convolutions as GEMMs (`mstar.kernels.codec.conv`) against
 torch's own, on the CPU: dilations, kernel 1, transposed kernels of one and
 two blocks, with and without bias; and code2wav's step dispatching to them
 (on CUDA) gives the whole decode, in the GPU tests."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from mstar.kernels.conv import blocks_weight, conv1d_gemm, conv_transpose1d_blocks
+from mstar.kernels.codec.conv import blocks_weight, conv1d_gemm, conv_transpose1d_blocks
 
 
 @pytest.mark.parametrize("kernel,dilation", [(1, 1), (7, 1), (7, 3), (7, 9), (2, 1)])

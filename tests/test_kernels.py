@@ -65,7 +65,7 @@ def test_snake_unit(b, c, t, dilation, dtype):
 
 
 def test_snake_dwconv_rejects_a_grouped_weight():
-    from mstar.kernels.snake import snake_dwconv_triton
+    from mstar.kernels.codec.snake import snake_dwconv_triton
 
     with pytest.raises(ValueError, match="depthwise"):
         snake_dwconv_triton(torch.zeros(1, 4, 8), torch.ones(1, 4, 1), torch.zeros(4, 2, 7), None, 1)
@@ -126,7 +126,7 @@ def test_moe_reference_matches_a_dense_loop():
 
 
 def test_snake_reference_is_the_package_formula():
-    from mstar.kernels.snake import ALPHA_EPS, snake, snake_reference
+    from mstar.kernels.codec.snake import ALPHA_EPS, snake, snake_reference
 
     x, alpha = torch.randn(2, 3, 17), torch.rand(1, 3, 1) + 0.1
     want = x + (alpha + ALPHA_EPS).reciprocal() * torch.sin(alpha * x).pow(2)
@@ -231,7 +231,7 @@ def test_snac_decoder_through_the_fused_kernels_matches_the_reference(monkeypatc
     """The residual units' wiring of snake_dwconv (weight, bias, dilation) and
     snake: a small depthwise SNAC decoded with the Triton path (interpreted)
     against the torch path, same weights, same seeded noise."""
-    from mstar.kernels import snake as snake_kernels
+    from mstar.kernels.codec import snake as snake_kernels
     from mstar.models.snac import SnacConfig, load_snac_decoder
 
     cfg = SnacConfig(sampling_rate=16_000, encoder_dim=8, encoder_rates=(2, 2), decoder_dim=64,
@@ -340,7 +340,7 @@ def test_wide_descent(rows, vocab, dtype, block):
 _COMPILE_FOR_SM90 = """
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
-from mstar.kernels import codec_noise, snake, snake_unit
+from mstar.kernels.codec import codec_noise, snake, snake_unit
 from mstar.kernels.sampling import penalty, wide_descent as d, wide_draw as w
 ints = {"n_rows": "i32", "stride": "i64", "offset": "i64",
         "vocab": "i32", "blocks": "i32", "mul_a": "i32", "mul_b": "i32",

@@ -158,7 +158,7 @@ def test_three_rows_at_different_offsets_stream_the_whole_decode(saved, dtype: t
     """Frame by frame and in uneven chunks, rows joining late and in shuffled
     order in one state tensor, 40 frames each: past the window (8) and the
     convolutions' reach (about 10 frames) many times over. `gemm`: the
-    step's convolutions as CUDA runs them (`mstar.kernels.conv`)."""
+    step's convolutions as CUDA runs them (`mstar.kernels.codec.conv`)."""
     from mstar.models.qwen3_omni.speech import code2wav_blocks
 
     monkeypatch.setattr(code2wav_blocks, "_as_gemm", lambda x: convs == "gemm")

@@ -24,8 +24,8 @@ import math
 import torch
 from torch import nn
 
-from mstar.kernels.snake import snake, snake_dwconv
-from mstar.kernels.snake_unit import dwconv_snake, residual_snake
+from mstar.kernels.codec.snake import snake, snake_dwconv
+from mstar.kernels.codec.snake_unit import dwconv_snake, residual_snake
 from mstar.models.snac.spans import Span, conv_need, take, upsample_need
 
 Device = torch.device | str | None
@@ -80,7 +80,7 @@ class ResidualUnit(nn.Module):
 
     def forward_fused(self, x: torch.Tensor, sx: torch.Tensor, held: Span, out: Span,
                       next_alpha: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A depthwise unit in three passes (`kernels/snake_unit.py`): x and
+        """A depthwise unit in three passes (`kernels/codec/snake_unit.py`): x and
         its first snake `sx`, both holding `held` -> the unit's output over
         `out`, and the next snake (`next_alpha`) of it."""
         h = dwconv_snake(sx, self.conv.weight, self.conv.bias, self.snake2.alpha, self.conv.dilation[0],

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from mstar.kernels.snake import snake
+from mstar.kernels.codec.snake import snake
 from mstar.models.snac.attention import LocalAttention
 from mstar.models.snac.blocks import KERNEL, Snake, UpsampleBlock
 from mstar.models.snac.config import SnacConfig
@@ -118,7 +118,7 @@ class SnacDecoder(nn.Module):
         `play` (start, stop): only those samples, [B, 1, stop - start], equal
         to the whole decode's there; each layer computes just the positions
         they depend on (`spans.py`). `fused`: depthwise residual units in the
-        passes of `kernels/snake_unit.py` (each snake computed once, carried
+        passes of `kernels/codec/snake_unit.py` (each snake computed once, carried
         to what reads it); None: where the kernels are Triton's (CUDA)."""
         if fused is None:
             fused = z.is_cuda and not torch.is_grad_enabled()

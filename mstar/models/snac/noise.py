@@ -18,7 +18,7 @@ block; the noise is part of the model's output, so it is kept. Two sources:
   (no generator state to capture). This is the serving choice: a request's
   audio does not depend on its neighbours.
 
-The hash and its kernel are `kernels/codec_noise.py`.
+The hash and its kernel are `kernels/codec/codec_noise.py`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Protocol
 
 import torch
 
-from mstar.kernels.codec_noise import seeded_normal
+from mstar.kernels.codec.codec_noise import seeded_normal
 
 
 class NoiseSource(Protocol):

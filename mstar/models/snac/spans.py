@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mstar.kernels.snake import conv_window
+from mstar.kernels.codec.snake import conv_window
 
 
 @dataclass(frozen=True)

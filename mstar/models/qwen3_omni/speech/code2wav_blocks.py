@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.kernels.conv import blocks_weight, conv1d_gemm, conv_transpose1d_blocks
-from mstar.kernels.snake import snake_beta, snake_beta_held
+from mstar.kernels.codec.conv import blocks_weight, conv1d_gemm, conv_transpose1d_blocks
+from mstar.kernels.codec.snake import snake_beta, snake_beta_held
 from mstar.models.layers.linear import Linear
 
 Device = torch.device | str | None
@@ -130,7 +130,7 @@ class CausalTransConv(nn.Module):
 
 
 def _as_gemm(x: torch.Tensor) -> bool:
-    """A step's dense convolutions run as GEMMs on CUDA (`mstar.kernels.conv`),
+    """A step's dense convolutions run as GEMMs on CUDA (`mstar.kernels.codec.conv`),
     where cuDNN's choices at a step's shapes are slow; elsewhere torch's."""
     return x.is_cuda and not torch.is_grad_enabled()
 

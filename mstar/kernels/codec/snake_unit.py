@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from mstar.kernels.backend import jit, num_warps, row_tiles, tl, use_triton
-from mstar.kernels.snake import ALPHA_EPS, check_window, conv_window, snake_reference
+from mstar.kernels.codec.snake import ALPHA_EPS, check_window, conv_window, snake_reference
 
 TILE = 1024  # values a program covers
 
