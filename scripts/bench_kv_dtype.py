@@ -17,7 +17,9 @@ the query's type as it loads them). For each KV dtype and each decode kernel
 
 It answers one question before the KV cache grows an fp8 option: does an fp8
 cache make decode attention faster at 64-400 rows on this GPU. With
-`--no-split`, bf16 rows again with FlashInfer's split-KV off.
+`--no-split`, bf16 rows again with FlashInfer's split-KV off; with `--xqa`,
+TensorRT-LLM's XQA kernel (FlashInfer's `xqa` decode backend, no plan) over
+bf16 and fp8 pages.
 
     python3 scripts/bench_kv_dtype.py --batches 64 256 400 --context 560
     python3 scripts/bench_kv_dtype.py --batches 400 --context 140 --no-split
@@ -40,7 +42,7 @@ FP8 = torch.float8_e4m3fn
 
 
 def measure(batch: int, context: int, kv_dtype: torch.dtype, tensor_cores: bool,
-            no_split: bool = False) -> dict[str, object]:
+            no_split: bool = False, xqa: bool = False) -> dict[str, object]:
     gen = torch.Generator(device="cuda").manual_seed(batch)
     per_row = math.ceil(context / PAGE)
     pages = batch * per_row
@@ -66,15 +68,26 @@ def measure(batch: int, context: int, kv_dtype: torch.dtype, tensor_cores: bool,
                disable_split_kv=no_split)
         return w
 
-    w = wrapper(kv_dtype)
     ref = wrapper(torch.bfloat16)
-    out = w.run(q, stored[0])
+    if xqa:   # TensorRT-LLM's XQA through FlashInfer: no plan, the page table and lengths as tensors
+        table = order.view(batch, per_row)
+        lens = torch.full((batch,), context, dtype=torch.int32, device="cuda").to(torch.uint32)
+        space = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+        o = torch.empty_like(q)
+
+        def run(_q, kv):
+            return flashinfer.decode.xqa_batch_decode_with_kv_cache(
+                _q, kv, space, table, lens, context, bmm1_scale=D ** -0.5, out=o)
+    else:
+        w = wrapper(kv_dtype)
+        run = w.run
+    out = run(q, stored[0]).clone()
     max_err = (out.float() - ref.run(q, as_bf16[0]).float()).abs().max().item()
     quant_err = (out.float() - ref.run(q, exact[0]).float()).abs().max().item()
-    attend_us = graph_time_us(lambda i: w.run(q, stored[i % LAYERS]))
+    attend_us = graph_time_us(lambda i: run(q, stored[i % LAYERS]))
     kv_bytes = 2 * batch * context * HKV * D * torch.empty((), dtype=kv_dtype).element_size()
     return dict(batch=batch, context=context, kv_dtype=str(kv_dtype).removeprefix("torch."),
-                decode="tensor cores" if tensor_cores else "CUDA cores", split_kv="off" if no_split else "auto",
+                decode="xqa" if xqa else "tensor cores" if tensor_cores else "CUDA cores", split_kv="off" if no_split else "auto",
                 attend_us=round(attend_us, 2),
                 kv_gbps=round(kv_bytes / attend_us / 1e3, 1), max_err=max_err, quant_err=quant_err)
 
@@ -95,6 +108,8 @@ def main() -> None:
     p.add_argument("--no-split", action="store_true",
                    help="also bf16 pages with FlashInfer's split of long rows off (`disable_split_kv`): at short "
                         "contexts and many rows the split's merge may cost more than it spreads")
+    p.add_argument("--xqa", action="store_true",
+                   help="also TensorRT-LLM's XQA decode kernel (FlashInfer's `xqa` backend) over bf16 and fp8 pages")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, flashinfer {version('flashinfer-python')}, "
@@ -111,6 +126,13 @@ def main() -> None:
                                      error=f"{type(exc).__name__}: {str(exc)[:200]}"))
                 print(rows[-1], flush=True)
                 torch.cuda.empty_cache()
+        for kv in (torch.bfloat16, FP8) if a.xqa else ():
+            try:
+                rows.append(measure(batch, a.context, kv, True, xqa=True))
+            except Exception as exc:
+                rows.append(dict(batch=batch, context=a.context, kv_dtype=str(kv), decode="xqa",
+                                 error=f"{type(exc).__name__}: {str(exc)[:300]}"))
+            print(rows[-1], flush=True)
         for tc in (False, True) if a.no_split else ():
             rows.append(measure(batch, a.context, torch.bfloat16, tc, no_split=True))
             print(rows[-1], flush=True)
