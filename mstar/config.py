@@ -58,6 +58,7 @@ class EngineConfig:
     gil_switch_interval_ms: float | None = None  # Python's thread switch interval while serving (None: as is)
     enforce_eager: bool = False           # no CUDA graphs
     quantization: str | None = None       # None | fp8: the projections' weights (opt-in: it changes the output)
+    kv_cache_dtype: str = "auto"          # auto (the model's dtype) | fp8: K and V pages in float8 e4m3 (opt-in)
     cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -212,6 +213,11 @@ def build_parser(builtin_models: Sequence[str] = ()) -> argparse.ArgumentParser:
                    help="fp8: the decoder layers' projections of the language models in float8 (e4m3 weights with "
                         "a scale per output row, inputs quantized per row); heads, embeddings, encoders and "
                         "vocoders stay. Changes the output; CUDA needs compute capability 8.9+ and bfloat16")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8"), default="auto",
+                   help="auto: K and V pages in the model's dtype; fp8: in float8 e4m3 (scale 1), half the bytes "
+                        "a decode step reads and twice the tokens in the same memory. Changes the output; "
+                        "CUDA needs compute capability 8.9+, and decodes through TensorRT-LLM's XQA kernel "
+                        "(FlashInfer) on 9.0+")
     p.add_argument("--gil-switch-interval-ms", type=float, default=None,
                    help="how long a thread may hold the GIL while another waits (Python's default: 5 ms); the "
                         "worker threads and the event loop share it")
@@ -300,6 +306,7 @@ def parse_args(argv: list[str] | None = None, builtin_models: Sequence[str] = ()
         attention_backend=a.attention_backend,
         enforce_eager=a.enforce_eager,
         quantization=a.quantization,
+        kv_cache_dtype=a.kv_cache_dtype,
         host_arena_mb=a.host_arena_mb,
         gil_switch_interval_ms=a.gil_switch_interval_ms,
         cuda_graph_batch_sizes=graph_buckets(a.cuda_graph_max_batch),

@@ -78,6 +78,8 @@ def check_qkv_norm_rope_store(t: int, heads: int, kv_heads: int, d: int, dtype: 
     angles = torch.rand(t, d // 2, generator=gen) * 100
     cos, sin = (f(torch.cat([angles, angles], -1)).to(device) for f in (torch.cos, torch.sin))
     tol = tolerance(dtype, interpreted) if cache_dtype == dtype else {"atol": 3e-2, "rtol": 3e-2}
+    if cache_dtype == torch.float8_e4m3fn:   # a last-bit difference in k's rounding may carry one e4m3 step
+        tol = {"atol": 2 ** -3, "rtol": 2 ** -3}
 
     def caches(n: int) -> tuple[torch.Tensor, torch.Tensor]:
         return tuple(torch.randn(n, kv_heads, d, generator=gen).to(device=device, dtype=cache_dtype) for _ in "kv")
@@ -96,10 +98,10 @@ def check_qkv_norm_rope_store(t: int, heads: int, kv_heads: int, d: int, dtype: 
                                                        make(k_want, v_want))
         assert got.dtype == dtype and got.shape == (t, heads, d)
         torch.testing.assert_close(got, want, **tolerance(dtype, interpreted))
-        torch.testing.assert_close(k_got, k_want, **tol)
-        torch.testing.assert_close(v_got, v_want, atol=0, rtol=0)
+        torch.testing.assert_close(k_got.float(), k_want.float(), **tol)
+        torch.testing.assert_close(v_got.float(), v_want.float(), atol=0, rtol=0)
         written = make(k_got, v_got).rows(t, torch.device(device))
-        assert written.unique().numel() == t and not torch.equal(k_got[written], noise[written])
+        assert written.unique().numel() == t and not torch.equal(k_got.float()[written], noise.float()[written])
 
 
 def check_head_norm_rope(t: int, heads: int, d: int, dtype: torch.dtype, device: str, interpreted: bool) -> None:

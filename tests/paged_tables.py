@@ -26,16 +26,16 @@ def scattered_tables(gen: torch.Generator, ctx: list[int], new: list[int], *, pa
 
 
 def random_caches(seed: int, layers: int, kv_heads: int, head_dim: int, num_pages: int, page: int,
-                  device: str = "cuda") -> tuple[KVCache, KVCache]:
-    """Two bf16 KV caches with the same random contents: one for the backend
-    under test, one for the reference."""
+                  device: str = "cuda", kv_dtype: torch.dtype = torch.bfloat16) -> tuple[KVCache, KVCache]:
+    """Two bf16-model KV caches (pages in `kv_dtype`) with the same random
+    contents: one for the backend under test, one for the reference."""
     gen = torch.Generator().manual_seed(seed)
     spec = KVSpec(layers, kv_heads, head_dim)
-    fi = KVCache(spec, num_pages, page, device, torch.bfloat16)
-    ref = KVCache(spec, num_pages, page, device, torch.bfloat16)
+    fi = KVCache(spec, num_pages, page, device, torch.bfloat16, kv_dtype)
+    ref = KVCache(spec, num_pages, page, device, torch.bfloat16, kv_dtype)
     for layer in range(layers):
         for t in (fi.k[layer], fi.v[layer]):
-            t.copy_(torch.randn(t.shape, generator=gen).to(torch.bfloat16))
+            t.copy_(torch.randn(t.shape, generator=gen).to(kv_dtype))
         ref.k[layer].copy_(fi.k[layer])
         ref.v[layer].copy_(fi.v[layer])
     return fi, ref

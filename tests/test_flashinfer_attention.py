@@ -29,11 +29,23 @@ LAYERS = 2
 NUM_PAGES = 160
 SCALE = 0.1                  # not 1/sqrt(D): the scale must reach the kernel
 ATOL = RTOL = 2e-2
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+KV_DTYPES = [BF16, FP8]
+# over float8 pages decode runs through XQA, whose Hopper kernel multiplies in float8: the queries and the
+# softmax's probabilities are rounded to e4m3 too (the reference reads the same float8 keys and values)
+TOLERANCE = {BF16: dict(atol=ATOL, rtol=RTOL), FP8: dict(atol=6e-2, rtol=6e-2)}
 
 
-def caches(seed: int) -> tuple[KVCache, KVCache]:
+def caches(seed: int, kv_dtype: torch.dtype = BF16) -> tuple[KVCache, KVCache]:
     """Two caches with the same random contents: one for FlashInfer, one for the reference."""
-    return random_caches(seed, LAYERS, HKV, D, NUM_PAGES, PAGE, DEVICE)
+    return random_caches(seed, LAYERS, HKV, D, NUM_PAGES, PAGE, DEVICE, kv_dtype)
+
+
+def same_pages(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal keys or values in the pages: bf16's own rounding of a rotated key
+    may differ in its last bit, which float8 rounding may carry one e4m3 step."""
+    tol = 2 ** -3 if got.dtype == FP8 else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
 def tables(gen: torch.Generator, ctx: list[int], new: list[int], spare: int = 2) -> list[list[int]]:
@@ -69,9 +81,9 @@ def reference(ref: TorchPagedAttention, layer: int, q, k, v, rotary: Rotary | No
 
 
 def check_step(ctx: list[int], new: list[int], seed: int, *, use_rotary: bool = False,
-               tensor_cores: bool = False, causal: bool = True) -> None:
+               tensor_cores: bool = False, causal: bool = True, kv_dtype: torch.dtype = BF16) -> None:
     gen = torch.Generator().manual_seed(seed)
-    fi_cache, ref_cache = caches(seed)
+    fi_cache, ref_cache = caches(seed, kv_dtype)
     bt = tables(gen, ctx, new)
     qs = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()])
     context_lens = torch.tensor(ctx)
@@ -86,22 +98,33 @@ def check_step(ctx: list[int], new: list[int], seed: int, *, use_rotary: bool = 
         out = fi.forward(layer, q, k, v, SCALE, rotary)
         want = reference(ref, layer, q, k, v, rotary)
         assert out.shape == (int(qs[-1]), HQ, D) and out.dtype == torch.bfloat16
-        torch.testing.assert_close(out.float(), want.float(), atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(out.float(), want.float(), **TOLERANCE[kv_dtype])
         # both wrote the same (rotated) keys and values into the same slots
-        torch.testing.assert_close(fi_cache.k[layer].float(), ref_cache.k[layer].float(), atol=1e-2, rtol=1e-2)
+        same_pages(fi_cache.k[layer], ref_cache.k[layer])
         torch.testing.assert_close(fi_cache.v[layer].float(), ref_cache.v[layer].float(), atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("tensor_cores", [False, True])
-def test_decode_batch(tensor_cores):
+@pytest.mark.parametrize("tensor_cores,kv_dtype", [(False, BF16), (True, BF16), (True, FP8)])
+def test_decode_batch(tensor_cores, kv_dtype):
     gen = torch.Generator().manual_seed(1)
     ctx = torch.randint(0, 300, (16,), generator=gen).tolist()
     ctx[0], ctx[1], ctx[2] = 0, PAGE - 1, PAGE  # first token, last slot of a page, first slot of the next
-    check_step(ctx, [1] * 16, seed=2, tensor_cores=tensor_cores)
+    ctx[3], ctx[4] = 139, 559   # lengths of 140 and 560: the first fp8 benchmark's
+    check_step(ctx, [1] * 16, seed=2, tensor_cores=tensor_cores, kv_dtype=kv_dtype)
 
 
-def test_prefill_batch_with_and_without_context():
-    check_step(ctx=[0, 0, 20, 33, 0, 16], new=[37, 5, 16, 50, 128, 1], seed=3)
+@pytest.mark.parametrize("rows", [1, 3, 64])
+def test_fp8_decode_lengths(rows):
+    """XQA over float8 pages: one row (its split over the sequence), a few, many; rows of every length
+    around a page and a 64-token tile."""
+    gen = torch.Generator().manual_seed(rows)
+    ctx = (torch.randint(0, 140, (rows,), generator=gen) if rows > 3 else torch.tensor([139, 63, 64][:rows])).tolist()
+    check_step(ctx, [1] * rows, seed=rows, kv_dtype=FP8)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_prefill_batch_with_and_without_context(kv_dtype):
+    check_step(ctx=[0, 0, 20, 33, 0, 16], new=[37, 5, 16, 50, 128, 1], seed=3, kv_dtype=kv_dtype)
 
 
 def test_non_causal_blocks_over_their_rows_context():
@@ -114,17 +137,18 @@ def test_mixed_batch():
     check_step(ctx=[0, 40, 17, 5, 100, 0], new=[20, 1, 1, 9, 1, 1], seed=4)
 
 
-def test_rotary_is_applied_before_the_write():
-    check_step(ctx=[0, 40, 17, 5], new=[20, 1, 1, 9], seed=5, use_rotary=True)
-    check_step(ctx=[3, 40, 170], new=[1, 1, 1], seed=6, use_rotary=True)
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_rotary_is_applied_before_the_write(kv_dtype):
+    check_step(ctx=[0, 40, 17, 5], new=[20, 1, 1, 9], seed=5, use_rotary=True, kv_dtype=kv_dtype)
+    check_step(ctx=[3, 40, 170], new=[1, 1, 1], seed=6, use_rotary=True, kv_dtype=kv_dtype)
 
 
-@pytest.mark.parametrize("use_rotary", [False, True])
-@pytest.mark.parametrize("tensor_cores", [False, True])
-def test_cuda_graph_bucket_replays_with_new_rows(tensor_cores, use_rotary):
+@pytest.mark.parametrize("use_rotary,tensor_cores,kv_dtype", [
+    (False, False, BF16), (False, True, BF16), (True, False, BF16), (True, True, BF16), (True, True, FP8)])
+def test_cuda_graph_bucket_replays_with_new_rows(tensor_cores, use_rotary, kv_dtype):
     bucket, rows, layers = 8, 5, range(LAYERS)
     gen = torch.Generator().manual_seed(7)
-    fi_cache, ref_cache = caches(7)
+    fi_cache, ref_cache = caches(7, kv_dtype)
     attn = FlashInferAttention(fi_cache, HQ, graph_batch_sizes=(4, bucket), max_pages_per_row=24,
                                decode_tensor_cores=tensor_cores)
     q_in = torch.zeros(bucket, HQ, D, device=DEVICE, dtype=torch.bfloat16)
@@ -148,7 +172,8 @@ def test_cuda_graph_bucket_replays_with_new_rows(tensor_cores, use_rotary):
     torch.cuda.current_stream().wait_stream(stream)
     # the capture wrote k/v of zeros into whatever it was planned on: the scratch page only
     for layer in layers:
-        torch.testing.assert_close(fi_cache.k[layer][:NUM_PAGES], ref_cache.k[layer][:NUM_PAGES], atol=0, rtol=0)
+        torch.testing.assert_close(fi_cache.k[layer][:NUM_PAGES].float(), ref_cache.k[layer][:NUM_PAGES].float(),
+                                   atol=0, rtol=0)
 
     # one row starts at position 0; a later row grows past the graph's first plan
     for ctx in ([0, 31, 47, 90, 200], [15, 5, 16, 300, 64]):
@@ -169,8 +194,9 @@ def test_cuda_graph_bucket_replays_with_new_rows(tensor_cores, use_rotary):
         for layer in layers:
             # the reference writes layer by layer after the graph wrote them all: same slots, same values
             want = reference(ref, layer, q, k, v, ref_rotary)
-            torch.testing.assert_close(outs[layer][:rows].float(), want.float(), atol=ATOL, rtol=RTOL)
-            torch.testing.assert_close(fi_cache.v[layer][:NUM_PAGES], ref_cache.v[layer][:NUM_PAGES], atol=0, rtol=0)
+            torch.testing.assert_close(outs[layer][:rows].float(), want.float(), **TOLERANCE[kv_dtype])
+            torch.testing.assert_close(fi_cache.v[layer][:NUM_PAGES].float(), ref_cache.v[layer][:NUM_PAGES].float(),
+                                       atol=0, rtol=0)
 
 
 def test_plan_graph_refuses_what_its_buffers_cannot_hold():

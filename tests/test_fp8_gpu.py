@@ -2,7 +2,7 @@
 CPU reference of the same quantized operands, at row counts that need
 padding to the GEMM's multiple of 16, and replayed from a CUDA graph. Needs
 a GPU of compute capability 8.9 or later (the GPU machine:
-scripts/gpu_check.sh sampler)."""
+scripts/gpu_check.sh sampler); and a served model over float8 KV pages."""
 
 from __future__ import annotations
 
@@ -63,3 +63,48 @@ def test_fp8_projections_replay_under_cuda_graphs():
     torch.cuda.synchronize()
     torch.testing.assert_close(out, lin(x))
     assert not torch.equal(out, want)
+
+
+def _served_llama(folder, kv_cache_dtype: str) -> tuple[list[int], list[dict[int, float]], object]:
+    """A tiny Llama's greedy tokens on CUDA (decode from CUDA graphs), each position's top-5 logprobs, and its
+    attention backend."""
+    import asyncio
+
+    from mstar.config import EngineConfig, SchedulerConfig
+    from mstar.engine.engine import Engine
+    from mstar.types import GenerateRequest, SamplingParams
+
+    async def run():
+        eng = Engine(EngineConfig(model=str(folder), devices=("cuda:0",), dtype="bfloat16",
+                                  kv_cache_dtype=kv_cache_dtype, cuda_graph_batch_sizes=(1, 2, 4),
+                                  scheduler=SchedulerConfig(page_size=16, num_pages=256)))
+        await eng.start()
+        try:
+            params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=5)
+            tokens, top = [], []
+            async for out in eng.submit(GenerateRequest("r", eng.model_name, {"prompt_ids": [5, 9, 200, 7] * 9},
+                                                         params)):
+                assert out.error is None, out.error
+                tokens += out.token_ids
+                top += [dict(lp.top) for lp in out.logprobs or ()]
+            return tokens, top, eng.workers[0].runners["llm"].attention
+        finally:
+            await eng.shutdown()
+    return asyncio.run(run())
+
+
+def test_a_served_model_over_float8_pages_decodes_through_xqa(tmp_path):
+    """`--kv-cache-dtype fp8` on CUDA: prefill through FlashInfer over float8 pages, decode through XQA from
+    CUDA graphs; the first position's top-5 stay within 0.1 of bf16 pages'."""
+    from tiny_llama import save_tiny_llama
+
+    folder = save_tiny_llama(tmp_path, 384, hidden=256)
+    full_tokens, full_top, full_attn = _served_llama(folder, "auto")
+    fp8_tokens, fp8_top, fp8_attn = _served_llama(folder, "fp8")
+    assert not full_attn.xqa and fp8_attn.xqa == (torch.cuda.get_device_capability()[0] in (9, 10, 12))
+    assert fp8_attn.cache.k[0].dtype == torch.float8_e4m3fn
+    assert len(fp8_tokens) == len(full_tokens) == 24 and len(fp8_top) == 24
+    first = full_top[0]
+    assert set(fp8_top[0]) == set(first)
+    assert max(abs(fp8_top[0][t] - lp) for t, lp in first.items()) < 0.1
+    assert fp8_tokens[0] == full_tokens[0]

@@ -218,8 +218,9 @@ def test_qkv_norm_rope_store(t, heads, kv_heads, d, dtype):
     check_qkv_norm_rope_store(t, heads, kv_heads, d, dtype, dtype, "cuda", interpreted=False)
 
 
-def test_qkv_norm_rope_store_into_a_cache_of_another_dtype():
-    check_qkv_norm_rope_store(7, 8, 2, 128, torch.bfloat16, torch.float16, "cuda", interpreted=False)
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.float8_e4m3fn])
+def test_qkv_norm_rope_store_into_a_cache_of_another_dtype(cache_dtype):
+    check_qkv_norm_rope_store(7, 8, 2, 128, torch.bfloat16, cache_dtype, "cuda", interpreted=False)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

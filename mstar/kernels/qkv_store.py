@@ -24,6 +24,7 @@ import torch
 
 from mstar.kernels.backend import block_size, jit, num_warps, tl, use_triton
 from mstar.kernels.head_norm_rope import head_norm_rope_reference
+from mstar.kernels.rope_kv import put_rows
 
 
 @dataclass(frozen=True)
@@ -63,8 +64,8 @@ def qkv_norm_rope_store_reference(qkv: torch.Tensor, heads: int, kv_heads: int, 
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
     rows = dest.rows(t, qkv.device)
     k = head_norm_rope_reference(k.reshape(t, kv_heads, d), k_weight, cos, sin, eps)
-    dest.k.index_copy_(0, rows, k.to(dest.k.dtype))
-    dest.v.index_copy_(0, rows, v.reshape(t, kv_heads, d).to(dest.v.dtype))
+    put_rows(dest.k, rows, k)
+    put_rows(dest.v, rows, v.reshape(t, kv_heads, d))
     return head_norm_rope_reference(q.reshape(t, heads, d), q_weight, cos, sin, eps)
 
 

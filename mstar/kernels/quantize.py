@@ -28,7 +28,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     amax = x.abs().amax(dim=-1, keepdim=True).float()
-    scale = torch.clamp(amax, min=MIN_AMAX) / FP8_MAX
+    # times the reciprocal, not divided: torch's CUDA division by a scalar multiplies by its reciprocal and the
+    # CPU's divides, so only the product is one definition on both (and the kernel's)
+    scale = torch.clamp(amax, min=MIN_AMAX) * (1.0 / FP8_MAX)
     q = torch.clamp(x.float() / scale, -FP8_MAX, FP8_MAX).to(FP8)
     return q, scale
 
@@ -46,19 +48,19 @@ def quantize_rows_triton(x: torch.Tensor, rows: int | None = None) -> tuple[torc
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     if rows and k:
         block = block_size(k)
-        _quantize_rows_kernel[(rows,)](x, x.stride(0), q, scale, m, k, FP8_MAX, MIN_AMAX, BLOCK=block,
+        _quantize_rows_kernel[(rows,)](x, x.stride(0), q, scale, m, k, FP8_MAX, 1.0 / FP8_MAX, MIN_AMAX, BLOCK=block,
                                        num_warps=num_warps(block))
     return q, scale
 
 
 @jit(any_value=("m",))
-def _quantize_rows_kernel(x_ptr, stride, q_ptr, scale_ptr, m, k, fp8_max, min_amax, BLOCK: tl.constexpr):
+def _quantize_rows_kernel(x_ptr, stride, q_ptr, scale_ptr, m, k, fp8_max, inv_max, min_amax, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < k
     x = tl.load(x_ptr + row * stride + cols, mask=mask & (row < m), other=0.0).to(tl.float32)   # padding: 0
     # a padding row (all zeros) gets scale 1, as the torch form pads
-    scale = tl.where(row < m, tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), axis=0), min_amax), fp8_max), 1.0)
+    scale = tl.where(row < m, tl.maximum(tl.max(tl.abs(x), axis=0), min_amax) * inv_max, 1.0)
     y = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -fp8_max), fp8_max)   # rounded as torch's division
     tl.store(q_ptr + row * k + cols, y.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=mask)
     tl.store(scale_ptr + row, scale)

@@ -38,13 +38,28 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions:
     return (h * c + rotate_half(h) * s).to(x.dtype)
 
 
+def raw(t: torch.Tensor) -> torch.Tensor:
+    """`t` itself, or a float8 tensor's bytes (same shape): torch has no index
+    copies of float8 tensors, so float8 KV pages move as bytes."""
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
+
+
+def put_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    """dst[index] = src cast to dst's dtype, along dim 0 (float8 too)."""
+    raw(dst).index_copy_(0, index, raw(src.to(dst.dtype)))
+
+
+def take_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """src[index] along dim 0 for an index of any shape, in src's dtype (float8 too)."""
+    return raw(src).index_select(0, index.flatten()).view(src.dtype).view(*index.shape, *src.shape[1:])
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Write k, v [T, Hkv, D] into the pages at flat slots `slot_mapping` [T]."""
     hkv, d = k.shape[1:]
     for new, pages in ((k, k_cache), (v, v_cache)):
-        flat = pages.view(-1, hkv, d)
-        flat.index_copy_(0, slot_mapping, new.to(flat.dtype))
+        put_rows(pages.view(-1, hkv, d), slot_mapping, new)
 
 
 def rope_and_store_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,

@@ -18,7 +18,7 @@ from torch import nn
 from mstar.config import EngineConfig
 from mstar.engine.execution.backends import (attention_backend, decode_graphs, kv_mode_graphs, mixed_graphs,
                                              mode_graphs, sampler_graphs)
-from mstar.engine.memory.kv_cache import KVCache
+from mstar.engine.memory.kv_cache import FP8_KV, KVCache
 from mstar.errors import ConfigError
 from mstar.models.layers import quantize_linears
 from mstar.kernels.sampling.draw import compile_wide_draw
@@ -64,10 +64,22 @@ def build_runners(model: Model, names: Sequence[str], device: torch.device, stor
     if kv_names:
         num_pages = cfg.num_pages or kv_cache_pages(
             device, [kv_spec(model, name, config) for name in kv_names], cfg.page_size, dtype,
+            kv_dtype=kv_cache_dtype(config, device, dtype),
             gpu_memory_utilization=cfg.gpu_memory_utilization, cpu_bytes=cfg.kv_cache_memory * 2**30,
             max_model_len=model.max_model_len)
     return {name: _runner(model, name, modules[name], device, dtype, store, config, num_pages, states.get(name))
             for name in names}
+
+
+def kv_cache_dtype(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """What K and V pages are stored in: the model's dtype, or float8 e4m3 under `--kv-cache-dtype fp8`
+    (opt-in: every key and value is rounded to it)."""
+    if config.kv_cache_dtype == "auto":
+        return dtype
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ConfigError(f"--kv-cache-dtype fp8 needs compute capability 8.9 or later; {device} has "
+                          f"{torch.cuda.get_device_capability(device)}")
+    return FP8_KV
 
 
 def _fp8(modules: dict[str, nn.Module], device: torch.device, dtype: torch.dtype) -> None:
@@ -118,9 +130,10 @@ def _runner(model: Model, name: str, module: nn.Module, device: torch.device, dt
     if num_pages < need:
         raise ValueError(f"{name}: {num_pages} KV pages cannot hold one request of "
                          f"max_model_len {model.max_model_len} ({need} pages)")
-    kv = KVCache(kvspec, num_pages, cfg.page_size, device, dtype)
+    kv_dtype = kv_cache_dtype(config, device, dtype)
+    kv = KVCache(kvspec, num_pages, cfg.page_size, device, dtype, kv_dtype)
     log.info("kv cache", device=str(device), component=name,
-             **kv_cache_log_fields(num_pages, cfg.page_size, kvspec, dtype))
+             **kv_cache_log_fields(num_pages, cfg.page_size, kvspec, dtype, kv_dtype))
     # decode graphs take no per-row state yet: a component with state decodes eagerly
     outputs = graph_outputs(spec, "decode") if spec.samples and not spec.state and hasattr(module, "decode") else None
     # mixed steps' graphs: decode steps that keep only logits, of one position axis (`LoopGroup.mixes`)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from mstar.engine.memory.kv_cache import KVCache, PagedDest
-from mstar.kernels.rope_kv import rope_and_store, store_kv
+from mstar.kernels.rope_kv import rope_and_store, store_kv, take_rows
 from mstar.types import Rotary
 
 # score tensors beyond this are computed a group of rows at a time, so a long
@@ -159,8 +159,8 @@ class TorchPagedAttention(PagedDest):
         out = torch.empty_like(q_pad)
         group = hq // hkv
         for rows in self._row_groups(hq):
-            keys = k_flat[self.gather_slots[rows]].float().transpose(1, 2)    # [b, Hkv, L, D]
-            values = v_flat[self.gather_slots[rows]].float().transpose(1, 2)
+            keys = take_rows(k_flat, self.gather_slots[rows]).float().transpose(1, 2)    # [b, Hkv, L, D]
+            values = take_rows(v_flat, self.gather_slots[rows]).float().transpose(1, 2)
             if group > 1:  # GQA by repeating KV heads: SDPA's enable_gqa needs torch >= 2.5
                 keys = keys.repeat_interleave(group, dim=1)
                 values = values.repeat_interleave(group, dim=1)

@@ -10,6 +10,9 @@ into the layer's pages at the new tokens' slots (one fused kernel,
 `mstar.kernels.rope_kv`), then attends over
 (k_pages, v_pages) of `cache.layer(layer)` in NHD layout. Out: [T, Hq, D].
 
+Over float8 pages (`--kv-cache-dtype fp8`) decode runs through XQA
+(`xqa_decode.py`) where it runs, in the same places as the decode wrapper.
+
 `plan_graph` serves CUDA-graph decode: each batch-size bucket owns a wrapper
 built with `use_cuda_graph=True` over static device buffers (slot mapping,
 kv_indptr, kv_indices, kv_last_page_len), refilled and re-planned before
@@ -40,6 +43,7 @@ import torch
 
 from mstar.engine.memory.kv_cache import KVCache, PagedDest
 from mstar.engine.memory.paged_layout import PagedLayout, build_layout, decode_bucket
+from mstar.engine.memory.xqa_decode import SEMAPHORE_BYTES, XqaDecode, xqa_supported
 from mstar.errors import ConfigError
 from mstar.kernels.host_copy import StagingFence, to_device
 from mstar.kernels.rope_kv import rope_and_store, store_kv
@@ -55,15 +59,15 @@ PREFILL_BACKEND = "fa2"
 DECODE_TENSOR_CORES = True
 
 
-def build_kernels(dtype: torch.dtype, head_dim: int) -> None:
+def build_kernels(dtype: torch.dtype, head_dim: int, kv_dtype: torch.dtype | None = None) -> None:
     """JIT-compile the prefill and decode modules in one parallel ninja run
     (a fresh machine otherwise compiles them one after another on first use)."""
     from flashinfer.jit import build_jit_specs, gen_batch_decode_module, gen_batch_prefill_module
 
-    idx = torch.int32
+    idx, kv = torch.int32, kv_dtype or dtype
     specs = [
-        gen_batch_prefill_module(PREFILL_BACKEND, dtype, dtype, dtype, idx, head_dim, head_dim, 0, False, False, False),
-        gen_batch_decode_module(dtype, dtype, dtype, idx, head_dim, head_dim, 0, False, False),
+        gen_batch_prefill_module(PREFILL_BACKEND, dtype, kv, dtype, idx, head_dim, head_dim, 0, False, False, False),
+        gen_batch_decode_module(dtype, kv, dtype, idx, head_dim, head_dim, 0, False, False),
     ]
     build_jit_specs(specs, verbose=False)
 
@@ -100,7 +104,7 @@ class FlashInferContext(PagedDest):
         # FlashInfer fixes sm_scale at plan time, before the model says it; its
         # per-call q_scale multiplies the default 1/sqrt(D), so this gives `scale`
         q_scale = scale * math.sqrt(q.shape[-1])
-        out = self.wrapper.run(q.to(k_pages.dtype).contiguous(), (k_pages, v_pages), q_scale=q_scale)
+        out = self.wrapper.run(q.to(self.cache.dtype).contiguous(), (k_pages, v_pages), q_scale=q_scale)
         return out.to(q.dtype)
 
 
@@ -119,7 +123,7 @@ class MixedContext(FlashInferContext):
         k_pages, v_pages = self.cache.layer(layer)
         q_scale = scale * math.sqrt(q.shape[-1])
         dtype = q.dtype
-        q = q.to(k_pages.dtype).contiguous()
+        q = q.to(self.cache.dtype).contiguous()
         out = torch.empty_like(q)
         self.wrapper.run(q[:self.split], (k_pages, v_pages), q_scale=q_scale, out=out[:self.split])
         self.prefill.run(q[self.split:], (k_pages, v_pages), q_scale=q_scale, out=out[self.split:])
@@ -174,10 +178,13 @@ class _GraphBucket:
         self.pinned_slots = torch.empty(batch_size, dtype=torch.int64, pin_memory=True)
         # FlashInfer copies host page indices synchronously: hand it device ones
         self.indices_stage = torch.zeros(self.max_pages, dtype=torch.int32, device=dev)
-        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            owner.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=owner.decode_tensor_cores,
-            paged_kv_indptr_buffer=self.kv_indptr, paged_kv_indices_buffer=self.kv_indices,
-            paged_kv_last_page_len_buffer=self.kv_last_page_len)
+        if owner.xqa:
+            self.wrapper: Any = owner.xqa_decode(batch_size, max_pages_per_row)
+        else:
+            self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                owner.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=owner.decode_tensor_cores,
+                paged_kv_indptr_buffer=self.kv_indptr, paged_kv_indices_buffer=self.kv_indices,
+                paged_kv_last_page_len_buffer=self.kv_last_page_len)
         self.context = FlashInferContext(owner.cache, self.wrapper, self.slot_mapping, batch_size)
 
 
@@ -202,11 +209,14 @@ class FlashInferAttention:
         self.decode_tensor_cores = decode_tensor_cores
         # what every plan() of every wrapper is told: the pages' shape and dtype
         self._dims = (num_qo_heads, cache.spec.num_kv_heads, cache.spec.head_dim, cache.page_size)
-        self._dtypes = dict(q_data_type=cache.dtype, kv_data_type=cache.dtype)
+        self._dtypes = dict(q_data_type=cache.dtype, kv_data_type=cache.kv_dtype)
         self.workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=cache.device)
+        # float8 pages decode through XQA where it runs (xqa_decode.py); prefill stays FlashInfer's
+        self.xqa = xqa_supported(cache)
+        self._semaphores = torch.zeros(SEMAPHORE_BYTES, dtype=torch.uint8, device=cache.device) if self.xqa else None
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=PREFILL_BACKEND)
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD",
-                                                                     use_tensor_cores=decode_tensor_cores)
+        self._decode: Any = self.xqa_decode() if self.xqa else flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=decode_tensor_cores)
         self._buckets = {b: _GraphBucket(self, b, max_pages_per_row) for b in sorted(set(graph_batch_sizes))}
         # the graph sets replaying into these buckets (decode, mixed, a KV mode's) rewrite the same page-locked
         # staging: each waits, through this one fence, for the last replay's copies, whichever set made it
@@ -219,7 +229,14 @@ class FlashInferAttention:
         self._pinned_mixed_slots = torch.empty(top, dtype=torch.long, pin_memory=True)
         self._mixed: dict[tuple[int, int], MixedContext] = {}
 
+    def xqa_decode(self, rows: int | None = None, width: int = 0) -> XqaDecode:
+        """An XQA decode plan sharing this backend's workspace (as scratch) and semaphores."""
+        return XqaDecode(self.cache, self.num_qo_heads, self.workspace, self._semaphores, rows, width)
+
     def _plan_decode(self, wrapper: Any, layout: PagedLayout) -> None:
+        if self.xqa:
+            wrapper.plan(layout)
+            return
         wrapper.plan(layout.kv_indptr, layout.kv_indices, layout.kv_last_page_len, *self._dims, **self._dtypes)
 
     def plan(self, query_start: torch.Tensor, context_lens: torch.Tensor,
@@ -259,12 +276,15 @@ class FlashInferAttention:
             raise ValueError(f"a row needs {widest} pages, graph buckets hold {self.max_pages_per_row} a row")
         # every copy below is from page-locked memory, so none of them blocks
         # the host; all run in stream order before the replay
+        bucket.pinned_slots.copy_(layout.slot_mapping)
+        bucket.slot_mapping.copy_(bucket.pinned_slots, non_blocking=True)
+        if self.xqa:
+            bucket.wrapper.plan(layout)
+            return
         n = layout.kv_indices.numel()
         bucket.pinned_indptr.copy_(layout.kv_indptr)
         bucket.pinned_last.copy_(layout.kv_last_page_len)
         bucket.pinned_indices[:n].copy_(layout.kv_indices)
-        bucket.pinned_slots.copy_(layout.slot_mapping)
-        bucket.slot_mapping.copy_(bucket.pinned_slots, non_blocking=True)
         bucket.indices_stage[:n].copy_(bucket.pinned_indices[:n], non_blocking=True)
         bucket.wrapper.plan(bucket.pinned_indptr, bucket.indices_stage[:n], bucket.pinned_last, *self._dims,
                             non_blocking=True, **self._dtypes)

@@ -6,6 +6,12 @@ attention backends write and read tokens at slot `page * page_size + offset`.
 The spec's token rows (`KVSpec.token_rows`) are [num_pages + 1, page_size,
 width] beside them, at the same slots, and go wherever the pages go (copies,
 swaps).
+
+`kv_dtype` is what K and V are stored in: the model's dtype, or float8 e4m3
+(`--kv-cache-dtype fp8`: half the bytes a decode step reads, each key and
+value rounded to e4m3 with scale 1, saturating at 448); the token rows stay
+in `dtype`. torch has no index copies of float8 tensors, so float8 pages
+move as their bytes (`raw`).
 """
 
 from __future__ import annotations
@@ -14,28 +20,33 @@ import torch
 
 from mstar.errors import ConfigError
 from mstar.kernels.qkv_store import KVDest
+from mstar.kernels.rope_kv import raw
 from mstar.models.base import KVSpec
+
+
+FP8_KV = torch.float8_e4m3fn
 
 
 class KVCache:
     def __init__(self, spec: KVSpec, num_pages: int, page_size: int, device: torch.device | str,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> None:
         if num_pages < 1 or page_size < 1:
             raise ConfigError(f"KV cache needs positive num_pages and page_size, got {num_pages} and {page_size}")
         self.spec = spec
         self.num_pages = num_pages
         self.page_size = page_size
         self.device = torch.device(device)
-        self.dtype = dtype
+        self.dtype = dtype                    # the model's: queries, token rows
+        self.kv_dtype = kv_dtype or dtype     # K and V pages
         # one page more than the pool hands out: the scratch page, where the
         # padding rows of a CUDA-graph batch write and read harmlessly
         self.scratch_page = num_pages
         shape = (num_pages + 1, page_size, spec.num_kv_heads, spec.head_dim)
         # zeroed, not empty: padded gathers read unused slots, and garbage there
         # could be NaN/inf, which survives a zero attention weight as NaN
-        self.k: list[torch.Tensor] = [torch.zeros(shape, device=self.device, dtype=dtype)
+        self.k: list[torch.Tensor] = [torch.zeros(shape, device=self.device, dtype=self.kv_dtype)
                                       for _ in range(spec.num_layers)]
-        self.v: list[torch.Tensor] = [torch.zeros(shape, device=self.device, dtype=dtype)
+        self.v: list[torch.Tensor] = [torch.zeros(shape, device=self.device, dtype=self.kv_dtype)
                                       for _ in range(spec.num_layers)]
         self.rows: dict[str, torch.Tensor] = {
             name: torch.zeros((num_pages + 1, page_size, width), device=self.device, dtype=dtype)
@@ -65,11 +76,11 @@ class KVCache:
                       slots=slots)
 
     @staticmethod
-    def bytes_per_page(spec: KVSpec, page_size: int, dtype: torch.dtype) -> int:
+    def bytes_per_page(spec: KVSpec, page_size: int, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> int:
         """Bytes one page takes over all layers, K and V, and its token rows."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        rows = sum(width for _, width in spec.token_rows)
-        return (2 * spec.num_layers * spec.num_kv_heads * spec.head_dim + rows) * page_size * itemsize
+        kv_size = torch.empty((), dtype=kv_dtype or dtype).element_size()
+        rows = sum(width for _, width in spec.token_rows) * torch.empty((), dtype=dtype).element_size()
+        return (2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * kv_size + rows) * page_size
 
     def write_rows(self, name: str, slots: torch.Tensor, rows: torch.Tensor) -> None:
         """Token rows `rows` [n, width] of output `name` at `slots` [n]."""
@@ -82,25 +93,26 @@ class KVCache:
         return table.view(-1, table.shape[-1]).index_select(0, slots.to(self.device))
 
     def _paged(self) -> list[torch.Tensor]:
-        """Every tensor indexed by page: each layer's K and V, then the token rows."""
-        return [t for pair in zip(self.k, self.v) for t in pair] + list(self.rows.values())
+        """Every tensor indexed by page: each layer's K and V (as `raw`), then the token rows."""
+        return [raw(t) for pair in zip(self.k, self.v) for t in pair] + list(self.rows.values())
 
     @classmethod
-    def pages_for_memory(cls, spec: KVSpec, page_size: int, dtype: torch.dtype, memory_bytes: int | float) -> int:
+    def pages_for_memory(cls, spec: KVSpec, page_size: int, dtype: torch.dtype, memory_bytes: int | float,
+                         kv_dtype: torch.dtype | None = None) -> int:
         """How many pages fit in `memory_bytes`; a `ConfigError` if not even one."""
-        n = int(memory_bytes // cls.bytes_per_page(spec, page_size, dtype))
+        per_page = cls.bytes_per_page(spec, page_size, dtype, kv_dtype)
+        n = int(memory_bytes // per_page)
         if n < 1:
-            raise ConfigError(f"KV cache memory of {int(memory_bytes)} bytes holds no page of "
-                              f"{cls.bytes_per_page(spec, page_size, dtype)} bytes")
+            raise ConfigError(f"KV cache memory of {int(memory_bytes)} bytes holds no page of {per_page} bytes")
         return n
 
     def memory_bytes(self) -> int:
-        return self.num_pages * self.bytes_per_page(self.spec, self.page_size, self.dtype)
+        return self.num_pages * self.bytes_per_page(self.spec, self.page_size, self.dtype, self.kv_dtype)
 
     def __repr__(self) -> str:
         s = self.spec
         return (f"KVCache(layers={s.num_layers}, pages={self.num_pages}, page_size={self.page_size}, "
-                f"kv_heads={s.num_kv_heads}, head_dim={s.head_dim}, {self.dtype}, {self.device})")
+                f"kv_heads={s.num_kv_heads}, head_dim={s.head_dim}, {self.kv_dtype}, {self.device})")
 
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         """Copy pages `src` into pages `dst`, every layer's K and V (a forked

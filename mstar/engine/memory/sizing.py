@@ -35,7 +35,7 @@ MemGetInfo = Callable[[torch.device], tuple[int, int]]  # device -> (free, total
 
 
 def kv_cache_pages(device: torch.device, spec: KVSpec | Sequence[KVSpec], page_size: int, dtype: torch.dtype, *,
-                   gpu_memory_utilization: float, cpu_bytes: float,
+                   gpu_memory_utilization: float, cpu_bytes: float, kv_dtype: torch.dtype | None = None,
                    reserve_bytes: int = DEFAULT_RESERVE_BYTES, max_model_len: int | None = None,
                    mem_get_info: MemGetInfo | None = None) -> int:
     """Pages for each KV component on `device` (`spec`: one, or every one
@@ -45,7 +45,7 @@ def kv_cache_pages(device: torch.device, spec: KVSpec | Sequence[KVSpec], page_s
     when None)."""
     device = torch.device(device)
     specs = [spec] if isinstance(spec, KVSpec) else list(spec)
-    sizes = [KVCache.bytes_per_page(s, page_size, dtype) for s in specs]
+    sizes = [KVCache.bytes_per_page(s, page_size, dtype, kv_dtype) for s in specs]
     per_page = sum(sizes) if device.type == "cuda" else max(sizes)
     need = -(-max_model_len // page_size) if max_model_len else 1
     if device.type == "cuda":
@@ -78,10 +78,12 @@ def kv_cache_pages(device: torch.device, spec: KVSpec | Sequence[KVSpec], page_s
     return pages
 
 
-def kv_cache_log_fields(num_pages: int, page_size: int, spec: KVSpec, dtype: torch.dtype) -> dict[str, int | float]:
-    """What a startup log line says about a cache: pages, tokens, GiB (scratch page included)."""
-    per_page = KVCache.bytes_per_page(spec, page_size, dtype)
-    return {"pages": num_pages, "tokens": num_pages * page_size, "gib": _gib((num_pages + 1) * per_page)}
+def kv_cache_log_fields(num_pages: int, page_size: int, spec: KVSpec, dtype: torch.dtype,
+                        kv_dtype: torch.dtype | None = None) -> dict[str, int | float | str]:
+    """What a startup log line says about a cache: pages, tokens, GiB (scratch page included), K and V's dtype."""
+    per_page = KVCache.bytes_per_page(spec, page_size, dtype, kv_dtype)
+    return {"pages": num_pages, "tokens": num_pages * page_size, "gib": _gib((num_pages + 1) * per_page),
+            "kv_dtype": str(kv_dtype or dtype).removeprefix("torch.")}
 
 
 def _gib(n: float) -> float:
