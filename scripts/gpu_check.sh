@@ -39,6 +39,9 @@
 #                                   and Orpheus-3B's greedy tokens with and without --quantization fp8)
 #   scripts/gpu_check.sh kvdtype    decode attention over bf16 and fp8 KV pages, CUDA and tensor cores, 64-400 rows
 #                                   (scripts/bench_kv_dtype.py; $KV_ARGS replaces its flags)
+#   scripts/gpu_check.sh fp8kv      --kv-cache-dtype fp8's GPU tests: FlashInfer prefill and XQA decode over float8
+#                                   pages (eager, graph buckets, mixed buckets) against the torch reference, the
+#                                   stores into float8 pages, a served model; then the row quantizer's
 #   scripts/gpu_check.sh codec      SNAC's kernels' and Orpheus's GPU tests, then SNAC windows' time and kernels in
 #                                   float16 (scripts/bench_snac.py --profile): whole windows and played frames with
 #                                   the residual units as modules, then played frames with them fused
@@ -72,7 +75,7 @@ fi
 # FlashInfer's prefill and decode kernels in one parallel build, before anything needs them
 if [[ $what != moe ]]; then
   t0=$SECONDS
-  python3 -c 'import torch; from mstar.engine.memory.flashinfer_attention import build_kernels; build_kernels(torch.bfloat16, 128)' \
+  python3 -c 'import torch; from mstar.engine.memory.flashinfer_attention import build_kernels; build_kernels(torch.bfloat16, 128); build_kernels(torch.bfloat16, 128, torch.float8_e4m3fn)' \
     2>&1 | tail -20 | tee "$OUT/jit.txt"
   echo "FlashInfer JIT build: $((SECONDS - t0)) s" | tee -a "$OUT/jit.txt"
 fi
@@ -248,6 +251,14 @@ if [[ $what == fp8 ]]; then
   rc=$?
   tail -4 "$OUT/fp8_tests.txt"
   timeout 360 python3 scripts/bench_fp8.py ${FP8_ARGS:-} 2>&1 | grep -v "\[info\|capturing" | tee "$OUT/bench_fp8.txt"
+fi
+if [[ $what == fp8kv ]]; then
+  timeout 420 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_flashinfer_attention.py tests/test_fp8_gpu.py \
+      tests/test_mixed_graphs_gpu.py -k "not engine_outputs" > "$OUT/fp8kv_tests.txt" 2>&1
+  rc=$?
+  timeout 120 python3 -m pytest -q -rfE -p no:cacheprovider -k "quantize or qkv_norm_rope_store or rope_and_store" \
+      tests/test_kernels_gpu.py >> "$OUT/fp8kv_tests.txt" 2>&1 || rc=1
+  grep -E "passed|failed|Error|FAILED" "$OUT/fp8kv_tests.txt" | tail -30
 fi
 if [[ $what == kvdtype ]]; then
   timeout 300 python3 scripts/bench_kv_dtype.py ${KV_ARGS:---batches 64 256 400 --context 560} --out "$OUT/kv_dtype.json" 2>&1 \
