@@ -109,7 +109,7 @@ def test_decode_batch(tensor_cores, kv_dtype):
     gen = torch.Generator().manual_seed(1)
     ctx = torch.randint(0, 300, (16,), generator=gen).tolist()
     ctx[0], ctx[1], ctx[2] = 0, PAGE - 1, PAGE  # first token, last slot of a page, first slot of the next
-    ctx[3], ctx[4] = 139, 559   # lengths of 140 and 560: the first fp8 benchmark's
+    ctx[3] = 139   # a length of 140: the first fp8 benchmark crashed there
     check_step(ctx, [1] * 16, seed=2, tensor_cores=tensor_cores, kv_dtype=kv_dtype)
 
 
