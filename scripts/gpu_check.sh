@@ -58,7 +58,7 @@ cd "$(dirname "$0")/.."
 what=${1:-all}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-export FLASHINFER_CUDA_ARCH_LIST=9.0 PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export FLASHINFER_CUDA_ARCH_LIST=9.0a PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 export MAX_JOBS=${MAX_JOBS:-16} FLASHINFER_NVCC_THREADS=${FLASHINFER_NVCC_THREADS:-4}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
@@ -254,7 +254,8 @@ if [[ $what == fp8 ]]; then
 fi
 if [[ $what == fp8kv ]]; then
   timeout 420 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_flashinfer_attention.py tests/test_fp8_gpu.py \
-      tests/test_mixed_graphs_gpu.py -k "not engine_outputs" > "$OUT/fp8kv_tests.txt" 2>&1
+      tests/test_mixed_graphs_gpu.py -k "not engine_outputs and not fp8_matches and not fp8_projections" \
+      > "$OUT/fp8kv_tests.txt" 2>&1
   rc=$?
   timeout 120 python3 -m pytest -q -rfE -p no:cacheprovider -k "quantize or qkv_norm_rope_store or rope_and_store" \
       tests/test_kernels_gpu.py >> "$OUT/fp8kv_tests.txt" 2>&1 || rc=1

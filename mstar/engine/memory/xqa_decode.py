@@ -18,22 +18,37 @@ halves decode attention's time.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
+import structlog
 import torch
 
 from mstar.engine.memory.kv_cache import KVCache
 from mstar.engine.memory.paged_layout import PagedLayout
 from mstar.kernels.host_copy import to_device
 
+log = structlog.get_logger("mstar.xqa")
+
 SEMAPHORE_BYTES = 8 << 20   # XQA's split-sequence semaphores: zero at rest, left zero by every launch
 
 
 def xqa_supported(cache: KVCache) -> bool:
     """XQA serves float8 pages of 16-128 tokens with fp16/bf16 queries on
-    compute capability 9.x, 10.x and 12.x."""
-    return (cache.device.type == "cuda" and cache.kv_dtype == torch.float8_e4m3fn
-            and cache.dtype in (torch.float16, torch.bfloat16) and cache.page_size in (16, 32, 64, 128)
-            and torch.cuda.get_device_capability(cache.device)[0] in (9, 10, 12))
+    compute capability 9.x, 10.x and 12.x. Its Hopper kernel needs a build for
+    sm_90a: FlashInfer builds for it unless FLASHINFER_CUDA_ARCH_LIST names a
+    plain 9.0, in which case the kernel would only trap, so decode stays
+    FlashInfer's."""
+    if not (cache.device.type == "cuda" and cache.kv_dtype == torch.float8_e4m3fn
+            and cache.dtype in (torch.float16, torch.bfloat16) and cache.page_size in (16, 32, 64, 128)):
+        return False
+    major = torch.cuda.get_device_capability(cache.device)[0]
+    archs = os.environ.get("FLASHINFER_CUDA_ARCH_LIST", "").split()
+    if major == 9 and archs and "9.0a" not in archs:
+        log.warning("FLASHINFER_CUDA_ARCH_LIST has no 9.0a: float8 pages decode through FlashInfer, not XQA",
+                    archs=archs)
+        return False
+    return major in (9, 10, 12)
 
 
 def dense_tables(layout: PagedLayout, page_size: int, scratch_page: int,
