@@ -31,14 +31,31 @@ SCALE = 0.1                  # not 1/sqrt(D): the scale must reach the kernel
 ATOL = RTOL = 2e-2
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 KV_DTYPES = [BF16, FP8]
-# over float8 pages decode runs through XQA, whose Hopper kernel multiplies in float8: the queries and the
-# softmax's probabilities are rounded to e4m3 too (the reference reads the same float8 keys and values)
-TOLERANCE = {BF16: dict(atol=ATOL, rtol=RTOL), FP8: dict(atol=6e-2, rtol=6e-2)}
+NUM_PAGES_FP8 = 800           # the float8 tests' many rows of up to ~150 tokens
 
 
 def caches(seed: int, kv_dtype: torch.dtype = BF16) -> tuple[KVCache, KVCache]:
     """Two caches with the same random contents: one for FlashInfer, one for the reference."""
-    return random_caches(seed, LAYERS, HKV, D, NUM_PAGES, PAGE, DEVICE, kv_dtype)
+    return random_caches(seed, LAYERS, HKV, D, pages(kv_dtype), PAGE, DEVICE, kv_dtype)
+
+
+def pages(kv_dtype: torch.dtype) -> int:
+    return NUM_PAGES_FP8 if kv_dtype == FP8 else NUM_PAGES
+
+
+def close(got: torch.Tensor, want: torch.Tensor, kv_dtype: torch.dtype) -> None:
+    """bf16 pages: FlashInfer against the reference at bf16's tolerance. float8
+    pages: decode runs through XQA, whose Hopper kernel multiplies in float8
+    (queries and softmax probabilities rounded to e4m3 too; the reference reads
+    the same float8 keys and values in float32). On the H200 its outputs
+    (magnitudes up to ~1) differed by at most 0.15, and by more than 0.06 in at
+    most 0.1% of elements; a row read from a wrong page differs by ~1 in most
+    of its elements."""
+    if kv_dtype == BF16:
+        torch.testing.assert_close(got.float(), want.float(), atol=ATOL, rtol=RTOL)
+        return
+    err = (got.float() - want.float()).abs()
+    assert err.max() <= 0.25 and (err > 0.06).float().mean() <= 0.01, (err.max(), (err > 0.06).float().mean())
 
 
 def same_pages(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -48,8 +65,9 @@ def same_pages(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
-def tables(gen: torch.Generator, ctx: list[int], new: list[int], spare: int = 2) -> list[list[int]]:
-    return scattered_tables(gen, ctx, new, page=PAGE, num_pages=NUM_PAGES, spare=spare)
+def tables(gen: torch.Generator, ctx: list[int], new: list[int], spare: int = 2,
+           kv_dtype: torch.dtype = BF16) -> list[list[int]]:
+    return scattered_tables(gen, ctx, new, page=PAGE, num_pages=pages(kv_dtype), spare=spare)
 
 
 def rotary_for(positions: torch.Tensor) -> Rotary:
@@ -84,7 +102,7 @@ def check_step(ctx: list[int], new: list[int], seed: int, *, use_rotary: bool = 
                tensor_cores: bool = False, causal: bool = True, kv_dtype: torch.dtype = BF16) -> None:
     gen = torch.Generator().manual_seed(seed)
     fi_cache, ref_cache = caches(seed, kv_dtype)
-    bt = tables(gen, ctx, new)
+    bt = tables(gen, ctx, new, kv_dtype=kv_dtype)
     qs = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()])
     context_lens = torch.tensor(ctx)
     attn = FlashInferAttention(fi_cache, HQ, max_pages_per_row=64, decode_tensor_cores=tensor_cores)
@@ -98,7 +116,7 @@ def check_step(ctx: list[int], new: list[int], seed: int, *, use_rotary: bool = 
         out = fi.forward(layer, q, k, v, SCALE, rotary)
         want = reference(ref, layer, q, k, v, rotary)
         assert out.shape == (int(qs[-1]), HQ, D) and out.dtype == torch.bfloat16
-        torch.testing.assert_close(out.float(), want.float(), **TOLERANCE[kv_dtype])
+        close(out, want, kv_dtype)
         # both wrote the same (rotated) keys and values into the same slots
         same_pages(fi_cache.k[layer], ref_cache.k[layer])
         torch.testing.assert_close(fi_cache.v[layer].float(), ref_cache.v[layer].float(), atol=0, rtol=0)
@@ -172,12 +190,13 @@ def test_cuda_graph_bucket_replays_with_new_rows(tensor_cores, use_rotary, kv_dt
     torch.cuda.current_stream().wait_stream(stream)
     # the capture wrote k/v of zeros into whatever it was planned on: the scratch page only
     for layer in layers:
-        torch.testing.assert_close(fi_cache.k[layer][:NUM_PAGES].float(), ref_cache.k[layer][:NUM_PAGES].float(),
+        n = pages(kv_dtype)
+        torch.testing.assert_close(fi_cache.k[layer][:n].float(), ref_cache.k[layer][:n].float(),
                                    atol=0, rtol=0)
 
     # one row starts at position 0; a later row grows past the graph's first plan
     for ctx in ([0, 31, 47, 90, 200], [15, 5, 16, 300, 64]):
-        bt = tables(gen, ctx, [1] * rows)
+        bt = tables(gen, ctx, [1] * rows, kv_dtype=kv_dtype)
         width = max(len(r) for r in bt)
         block_table = torch.tensor([r + [0] * (width - len(r)) for r in bt])  # padded like a loop group's
         context_lens = torch.tensor(ctx)
@@ -194,8 +213,9 @@ def test_cuda_graph_bucket_replays_with_new_rows(tensor_cores, use_rotary, kv_dt
         for layer in layers:
             # the reference writes layer by layer after the graph wrote them all: same slots, same values
             want = reference(ref, layer, q, k, v, ref_rotary)
-            torch.testing.assert_close(outs[layer][:rows].float(), want.float(), **TOLERANCE[kv_dtype])
-            torch.testing.assert_close(fi_cache.v[layer][:NUM_PAGES].float(), ref_cache.v[layer][:NUM_PAGES].float(),
+            close(outs[layer][:rows], want, kv_dtype)
+            n = pages(kv_dtype)
+            torch.testing.assert_close(fi_cache.v[layer][:n].float(), ref_cache.v[layer][:n].float(),
                                        atol=0, rtol=0)
 
 

@@ -46,7 +46,6 @@ def _padded(rows: list[list[int]]) -> torch.Tensor:
 def test_a_mixed_bucket_replays_any_split_of_its_tokens(kv_dtype: torch.dtype) -> None:
     """Over float8 pages the decode rows go through XQA, the new rows through FlashInfer's prefill."""
     b, t, slots = 8, 32, 4
-    tol = dict(atol=ATOL, rtol=RTOL) if kv_dtype == torch.bfloat16 else dict(atol=6e-2, rtol=6e-2)
     gen = torch.Generator().manual_seed(3)
     fi_cache, ref_cache = random_caches(3, LAYERS, HKV, D, NUM_PAGES, PAGE, DEVICE, kv_dtype)
     attn = FlashInferAttention(fi_cache, HQ, graph_batch_sizes=(b,), max_pages_per_row=24, mixed_tokens=(t,),
@@ -91,7 +90,11 @@ def test_a_mixed_bucket_replays_any_split_of_its_tokens(kv_dtype: torch.dtype) -
         for layer in range(LAYERS):
             want = ref.forward(layer, q, k, v, SCALE)
             real = torch.cat([outs[layer][:n], outs[layer][b:b + k_new]])
-            torch.testing.assert_close(real.float(), want.float(), **tol)
+            if kv_dtype == torch.bfloat16:
+                torch.testing.assert_close(real.float(), want.float(), atol=ATOL, rtol=RTOL)
+            else:  # XQA multiplies in float8: the bounds of test_flashinfer_attention.close
+                err = (real.float() - want.float()).abs()
+                assert err.max() <= 0.25 and (err > 0.06).float().mean() <= 0.01, err.max()
             torch.testing.assert_close(fi_cache.v[layer][:NUM_PAGES].float(), ref_cache.v[layer][:NUM_PAGES].float(),
                                        atol=0, rtol=0)
 
