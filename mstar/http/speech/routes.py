@@ -170,15 +170,25 @@ async def _encoded(chunks: Chunks, first: OutputChunk, encoder: AudioEncoder,
 async def _stream_audio(request: web.Request, chunks: Chunks, first: OutputChunk,
                         encoder: AudioEncoder, failed: Failure) -> web.StreamResponse:
     response = await _open(request, encoder.content_type, first.sample_rate or DEFAULT_SAMPLE_RATE)
+    write = response.write
 
-    async def send(data: bytes) -> None:
-        if data:  # an empty chunk would end a chunked body
-            await response.write(data)
-
+    # One loop over the request's chunks, not `_encoded`'s generators: at hundreds of streams every
+    # chunk's pass through the event loop holds the GIL that the device worker needs.
     try:
-        async with aclosing(_encoded(chunks, first, encoder, failed)) as parts:
-            async for data in parts:
-                await send(data)
+        for data in (encoder.start(), encoder.push(first.audio) if first.audio else b""):
+            if data:  # an empty chunk would end a chunked body
+                await write(data)
+        if not first.finished:
+            async for choice, chunk in chunks:
+                if chunk.audio and (data := encoder.push(chunk.audio)):
+                    await write(data)
+                if chunk.finished:
+                    failure = failed(choice)
+                    if failure is not None:
+                        raise failure
+                    break
+        if data := encoder.finish():
+            await write(data)
         await response.write_eof()
     except (GenerationFailed, RequestError) as e:
         log.warning("speech failed mid-stream; cutting the body short", error=e.message,
