@@ -168,6 +168,7 @@ class ModelCard:
     spoken_chat_walk: str | None = None  # its walk for chat answers spoken as well as written, if it has one
     # what a request on `tts_walk` gets for the sampling fields it leaves out (the walk's root key's defaults)
     tts_sampling: SamplingParams = field(default_factory=SamplingParams)
+    early_tts_walk: str | None = None    # `tts_walk` with its first audio sooner, if it has one
 
 
 @dataclass(frozen=True)

@@ -194,6 +194,8 @@ def speech_body(a: argparse.Namespace, model: str, n: int) -> dict[str, Any]:
                             "response_format": "pcm", "max_tokens": a.audio_tokens, "ignore_eos": True}
     if a.seed is not None:
         body["seed"] = a.seed + n
+    if a.early_audio:
+        body["early_audio"] = True
     return body
 
 
@@ -289,7 +291,8 @@ class Results:
                       f"or {a.seconds:.0f} s, whichever first; {a.warmup} warm-up request(s) not counted",
             "requests": f"response_format pcm, voice {a.voice}, {len(SENTENCES)} fixed sentences of "
                         f"{min(words)}-{max(words)} words, the model's default sampling"
-                        + (f", seed {a.seed} + index" if a.seed is not None else ""),
+                        + (f", seed {a.seed} + index" if a.seed is not None else "")
+                        + (", early_audio (the first frame from a 2-frame window)" if a.early_audio else ""),
         }
         self.env = environment(devices, model, self.server_desc, REPO, settings)
         print("# " + " | ".join(f"{k} {v}" for k, v in self.env.items()), flush=True)
@@ -439,6 +442,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="uncounted requests before the first level")
     p.add_argument("--voice", default="tara")
     p.add_argument("--seed", type=int, default=None, help="send seed + request index (default: none sent)")
+    p.add_argument("--early-audio", action="store_true",
+                   help="ask for the early walk (`early_audio`): first audio after 2 frames of tokens, not 4")
     p.add_argument("--skip-baseline", action="store_true")
     p.add_argument("--baseline-batches", type=int, nargs="+", default=[1, 16])
     p.add_argument("--baseline-repeats", type=int, default=1)

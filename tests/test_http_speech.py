@@ -227,6 +227,14 @@ async def test_refusals_name_the_field(api: aiohttp.ClientSession, speaker: Engi
     assert await wait_until(lambda: speaker.num_running() == 0)
 
 
+async def test_early_audio_plays_as_many_frames(api: aiohttp.ClientSession) -> None:
+    """The early walk's first frame comes from a 2-frame window; every frame is heard, once."""
+    r, chunks = await fetch(api, response_format="pcm", early_audio=True)
+    assert len(b"".join(chunks)) == await reference_length(api)
+    async with api.post("/v1/audio/speech", json=speech(early_audio="yes")) as r:
+        assert r.status == 400 and (await r.json())["error"]["param"] == "early_audio"
+
+
 async def test_speed_one_and_empty_instructions_are_accepted(api: aiohttp.ClientSession) -> None:
     _, chunks = await fetch(api, response_format="pcm", speed=1.0, instructions="")
     assert len(b"".join(chunks)) == await reference_length(api)

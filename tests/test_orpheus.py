@@ -141,14 +141,27 @@ def _played_frames(policy: SlidingWindow, total: int) -> list[int]:
     return played
 
 
+@pytest.mark.parametrize("first", [0, 2, 3, 4])
 @pytest.mark.parametrize("total", [0, 6, 13, 14, 20, 21, 27, 28, 29, 34, 35, 48, 49, 50, 63, 111, 112])
-def test_played_windows_play_every_frame_but_the_first_once(total: int) -> None:
+def test_played_windows_play_every_frame_but_the_first_once(total: int, first: int) -> None:
     frames = total // 7
-    assert _played_frames(PlayedWindows(28, 7), total) == list(range(1, frames))
-    assert isinstance(PlayedWindows(28, 7), SlidingWindow)
+    policy = PlayedWindows(28, 7, first=first)
+    assert _played_frames(policy, total) == list(range(1, frames))
+    assert isinstance(policy, SlidingWindow)
     # a last window holds whole frames: 14 or 21 tokens, the lengths the codec has graphs for
     for cut in range(max(frames - 3, 0), frames + 1):
-        assert all(end - start in (14, 21, 28) for start, end in PlayedWindows(28, 7).flush(total, cut))
+        assert all(end - start in (14, 21, 28) for start, end in policy.flush(total, cut))
+
+
+@pytest.mark.parametrize("first, due", [(0, [28, 35, 42]), (2, [14, 35, 42]), (3, [21, 42, 49]), (4, [28, 35, 42])])
+def test_an_early_first_window_is_cut_as_soon_as_its_frames_are_written(first: int, due: list[int]) -> None:
+    policy = PlayedWindows(28, 7, first=first)
+    assert [policy.due(i) for i in range(3)] == due
+    assert policy.ready(due[0] - 1, 0) == [] and len(policy.ready(due[0], 0)) == 1
+    # what the next chunk reads is kept, what none reads may go
+    assert policy.keep_from(due[0], 1) == policy.ready(due[1], 1)[0][0]
+    with pytest.raises(ValueError, match="first chunk"):
+        PlayedWindows(28, 7, first=1)
 
 
 # ------------------------------------------------------------ model file
@@ -175,6 +188,9 @@ def test_walks_compile(tiny) -> None:
     assert (stream.chunks.size, stream.chunks.stride) == (28, 7)
     assert speak.emits["pcm"].modality == "audio" and speak.emits["pcm"].sample_rate == 24000
     assert "generate" in plans
+    # the early walk differs only in its first window
+    (early,) = plans[tiny.early_tts_walk].streams["token"]
+    assert early.chunks == dataclasses.replace(stream.chunks, first=2) and early.accept == stream.accept
 
 
 def test_prompt_format(tiny) -> None:

@@ -82,7 +82,8 @@ class Engine:
                 None, lambda: load_model(cfg.model, cfg.load_format, cfg.max_model_len))
         self.plans = compile_walks(self.model.walks, self.model.components)
         check_runnable(self.plans, self.model.components)
-        for role, walk in (("tts_walk", self.model.tts_walk), ("spoken_chat_walk", self.model.spoken_chat_walk)):
+        for role, walk in (("tts_walk", self.model.tts_walk), ("early_tts_walk", self.model.early_tts_walk),
+                           ("spoken_chat_walk", self.model.spoken_chat_walk)):
             if walk is not None and walk not in self.plans:
                 raise ConfigError(f"model '{self.model.name}': its {role} '{walk}' is not one of its walks "
                                   f"({', '.join(self.plans)})")
@@ -175,7 +176,7 @@ class Engine:
         tts = m.default_sampling(self.plans[m.tts_walk].root) if m.tts_walk is not None else m.default_sampling()
         return [ModelCard(self.model_name, m.max_model_len, tuple(self.plans), m.default_walk, placed,
                           tuple(m.voices), m.default_sampling(), tuple(m.input_modalities), m.tts_walk,
-                          m.spoken_chat_walk, tts)]
+                          m.spoken_chat_walk, tts, m.early_tts_walk)]
 
     async def profile(self, seconds: float, worker: int = 0, stacks: bool = False) -> torch.profiler.profile:
         """torch's profiler over `seconds` of worker `worker`'s thread (its

@@ -80,6 +80,7 @@ class Model:
     input_modalities: tuple[str, ...] = ("text",)
     # the walks that serve the APIs with audio out (None: the model serves none):
     tts_walk: str | None = None          # `{"text", "voice"}` in, audio out (`/v1/audio/speech`)
+    early_tts_walk: str | None = None    # the same, its first audio sooner and less exact (`early_audio`)
     spoken_chat_walk: str | None = None  # chat `messages` and a `voice` in, text and audio out
 
     def __init__(self, name: str) -> None:

@@ -322,6 +322,10 @@ SPEECH_REQUEST: Schema = {
                                   "known length (its header has the true sizes); needs stream_format 'audio'"},
         "speed": {"enum": [1.0], "description": "only 1.0 is supported"},
         "instructions": {"type": "string", "maxLength": 0, "description": "not supported"},
+        "early_audio": {"type": "boolean", "default": False,
+                        "description": "mstar's: the first audio sooner, its first frame decoded with less "
+                                       "context (Orpheus: after 2 frames of tokens instead of 4; later frames "
+                                       "are the same); 400 for a model without such a walk"},
         "max_tokens": max_tokens(),
         **{k: v for k, v in sampling_properties().items() if k in SPEECH_SAMPLING_KEYS},
         "sampling_by": sampling_by(),

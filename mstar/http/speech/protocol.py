@@ -32,7 +32,7 @@ MORE_INPUT_KEYS = frozenset({"input"})
 SAMPLING_INTS = ("max_tokens", "min_tokens", "top_k", "seed")
 SAMPLING_NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty")
 SAMPLING_KEYS = frozenset(SAMPLING_INTS + SAMPLING_NUMBERS + ("ignore_eos",))
-SPEECH_KEYS = OPENAI_KEYS | SAMPLING_KEYS | {"stream", SAMPLING_BY}
+SPEECH_KEYS = OPENAI_KEYS | SAMPLING_KEYS | {"stream", "early_audio", SAMPLING_BY}
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,9 @@ class SpeechBody:
     """A speech request; `voice` None is the model's default voice,
     `sampling` holds only the sampling fields the client gave (and
     `sampling_by` its sampling per key), and `stream` False asks for the
-    whole audio in one answer."""
+    whole audio in one answer. `early_audio` (an mstar extension) asks for
+    the model's early walk: first audio sooner, its first frame decoded with
+    less context (Orpheus: after 2 frames instead of 4)."""
 
     model: str | None
     input: str
@@ -50,6 +52,7 @@ class SpeechBody:
     sampling: dict[str, Any] = field(default_factory=dict)
     stream: bool = True
     sampling_by: dict[str, dict[str, Any]] = field(default_factory=dict)
+    early_audio: bool = False
 
 
 def parse_speech(body: bytes) -> SpeechBody:
@@ -79,6 +82,7 @@ def parse_speech(body: bytes) -> SpeechBody:
         sampling=_read_sampling(f),
         stream=stream,
         sampling_by=f.objects(SAMPLING_BY),
+        early_audio=f.boolean("early_audio", False),
     )
 
 

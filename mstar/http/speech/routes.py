@@ -73,11 +73,16 @@ async def speech(request: web.Request) -> web.StreamResponse:
     if target.tts_walk is None:
         raise RequestError(f"model '{target.name}' does not speak: it has no text-to-speech walk (its walks: "
                            f"{', '.join(target.walks)})", field="model")
+    walk = target.tts_walk
+    if body.early_audio:
+        if target.early_tts_walk is None:
+            raise RequestError(f"model '{target.name}' has no early-audio walk", field="early_audio")
+        walk = target.early_tts_walk
     sampling = speech_sampling(target.tts_sampling, body)
     # no voice: the model's default one
     values = {"text": body.input, **({"voice": body.voice} if body.voice is not None else {})}
     spoken = Inputs(values, spoken_names("input", "max_tokens" if "max_tokens" in body.sampling else None))
-    sub = await submit(engine, f"speech-{uuid.uuid4().hex}", target.name, [spoken], sampling, walk=target.tts_walk,
+    sub = await submit(engine, f"speech-{uuid.uuid4().hex}", target.name, [spoken], sampling, walk=walk,
                        sampling_by=body.sampling_by, more_input=streamed, keep_audio=not body.stream)
     more = StreamedInput(request, engine, sub.streams[0].request_id) if streamed else None
 

@@ -78,27 +78,37 @@ TINY_AUDIO_LEAN = 1.0
 DUMMY_3B_AUDIO_LEAN = 30.0
 
 
+def speak_walk(first_frames: int = 0) -> Walk:
+    """Text to speech: the LLM's audio tokens streamed into SNAC windows;
+    `first_frames` (see `PlayedWindows.first`): the first audio after that
+    many frames, not a full window's 4."""
+    return Walk(
+        Step("llm", "prefill", "prompt_ids", "token"),
+        Loop(Step("llm", "decode", "token", "token"),
+             until=TokenIn(AUDIO_END_IDS) | EosToken() | MaxTokens() | HostStop()),
+        Stream("token", into=Step("codec", "window", "token", "pcm"),
+               chunks=PlayedWindows(size=WINDOW_TOKENS, stride=FRAME_TOKENS, first=first_frames),
+               accept=(AUDIO_TOKEN_BASE, AUDIO_TOKEN_END)),
+        Emit("pcm", modality="audio", sample_rate=SAMPLE_RATE),
+        inputs=("prompt_ids",),
+        more_input="prompt_ids",  # text streamed in while it speaks: one more turn per piece
+    )
+
+
 class OrpheusModel(LlamaModel):
     components = {
         "llm": Component(modes=("prefill", "decode"), kv_cache=True, samples=True),
         "codec": Component(modes=("window",)),
     }
     walks = {
-        "speak": Walk(
-            Step("llm", "prefill", "prompt_ids", "token"),
-            Loop(Step("llm", "decode", "token", "token"),
-                 until=TokenIn(AUDIO_END_IDS) | EosToken() | MaxTokens() | HostStop()),
-            Stream("token", into=Step("codec", "window", "token", "pcm"),
-                   chunks=PlayedWindows(size=WINDOW_TOKENS, stride=FRAME_TOKENS),
-                   accept=(AUDIO_TOKEN_BASE, AUDIO_TOKEN_END)),
-            Emit("pcm", modality="audio", sample_rate=SAMPLE_RATE),
-            inputs=("prompt_ids",),
-            more_input="prompt_ids",  # text streamed in while it speaks: one more turn per piece
-        ),
+        "speak": speak_walk(),
+        # the first frame heard 2 frames into the stream, without its right context (opt-in: `early_audio`)
+        "speak_early": speak_walk(first_frames=2),
         "generate": LlamaModel.walks["generate"],
     }
     default_walk = "speak"
     tts_walk = "speak"
+    early_tts_walk = "speak_early"
 
     def __init__(self, name: str, path: str | None, load_format: str = "auto", max_model_len: int | None = None,
                  *, builtin: LlamaConfig | None = None, default_max_model_len: int | None = None,
