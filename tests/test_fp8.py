@@ -5,17 +5,14 @@ logits stay close to the unquantized ones."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
+from greedy_top5 import greedy_top5
 
 from mstar.config import EngineConfig
-from mstar.engine.engine import Engine
 from mstar.models.layers import Linear, VocabHead, quantize_linears
 from mstar.kernels.quantize import FP8, FP8_MAX, quantize_rows
 from mstar.models.layers.fp8 import fp8_linear, quantize_weight
-from mstar.types import GenerateRequest, SamplingParams
 
 
 def test_rows_quantize_within_e4m3s_step():
@@ -77,21 +74,8 @@ def test_only_the_language_models_decoder_layers_turn():
 
 def _served(quantization: str | None) -> tuple[list[int], list[dict[int, float]]]:
     """tiny-llama's greedy tokens for one prompt, and each position's top-5 logprobs."""
-    async def run() -> tuple[list[int], list[dict[int, float]]]:
-        eng = Engine(EngineConfig(model="tiny-llama", quantization=quantization))
-        await eng.start()
-        try:
-            params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5)
-            tokens: list[int] = []
-            top: list[dict[int, float]] = []
-            async for out in eng.submit(GenerateRequest("r", eng.model_name, {"prompt_ids": [5, 9, 200, 7]},
-                                                         params)):
-                tokens += out.token_ids
-                top += [dict(lp.top) for lp in out.logprobs or ()]
-            return tokens, top
-        finally:
-            await eng.shutdown()
-    return asyncio.run(run())
+    tokens, top, _ = greedy_top5(EngineConfig(model="tiny-llama", quantization=quantization), [5, 9, 200, 7])
+    return tokens, top
 
 
 def test_a_served_fp8_model_stays_close_to_the_full_one():

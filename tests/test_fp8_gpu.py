@@ -68,29 +68,14 @@ def test_fp8_projections_replay_under_cuda_graphs():
 def _served_llama(folder, kv_cache_dtype: str) -> tuple[list[int], list[dict[int, float]], object]:
     """A tiny Llama's greedy tokens on CUDA (decode from CUDA graphs), each position's top-5 logprobs, and its
     attention backend."""
-    import asyncio
+    from greedy_top5 import greedy_top5
 
     from mstar.config import EngineConfig, SchedulerConfig
-    from mstar.engine.engine import Engine
-    from mstar.types import GenerateRequest, SamplingParams
 
-    async def run():
-        eng = Engine(EngineConfig(model=str(folder), devices=("cuda:0",), dtype="bfloat16",
-                                  kv_cache_dtype=kv_cache_dtype, cuda_graph_batch_sizes=(1, 2, 4),
-                                  scheduler=SchedulerConfig(page_size=16, num_pages=256)))
-        await eng.start()
-        try:
-            params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=5)
-            tokens, top = [], []
-            async for out in eng.submit(GenerateRequest("r", eng.model_name, {"prompt_ids": [5, 9, 200, 7] * 9},
-                                                         params)):
-                assert out.error is None, out.error
-                tokens += out.token_ids
-                top += [dict(lp.top) for lp in out.logprobs or ()]
-            return tokens, top, eng.workers[0].runners["llm"].attention
-        finally:
-            await eng.shutdown()
-    return asyncio.run(run())
+    config = EngineConfig(model=str(folder), devices=("cuda:0",), dtype="bfloat16", kv_cache_dtype=kv_cache_dtype,
+                          cuda_graph_batch_sizes=(1, 2, 4), scheduler=SchedulerConfig(page_size=16, num_pages=256))
+    return greedy_top5(config, [5, 9, 200, 7] * 9, tokens=24,
+                       inspect=lambda eng: eng.workers[0].runners["llm"].attention)
 
 
 def test_a_served_model_over_float8_pages_decodes_through_xqa(tmp_path):

@@ -7,13 +7,11 @@ with full-precision pages."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
+from greedy_top5 import greedy_top5
 
 from mstar.config import EngineConfig, parse_args
-from mstar.engine.engine import Engine
 from mstar.engine.memory.attention import TorchPagedAttention
 from mstar.engine.memory.kv_cache import KVCache
 from mstar.engine.memory.paged_layout import build_layout, decode_bucket
@@ -21,7 +19,6 @@ from mstar.engine.memory.xqa_decode import dense_tables
 from mstar.kernels.qkv_store import KVDest, qkv_norm_rope_store_reference
 from mstar.kernels.rope_kv import put_rows, store_kv, take_rows
 from mstar.models.base import KVSpec
-from mstar.types import GenerateRequest, SamplingParams
 
 FP8 = torch.float8_e4m3fn
 SPEC = KVSpec(2, 2, 16)
@@ -124,22 +121,8 @@ def test_the_flag():
 
 def _served(kv_cache_dtype: str) -> tuple[list[int], list[dict[int, float]], torch.dtype]:
     """tiny-llama's greedy tokens for one prompt, each position's top-5 logprobs, and its pages' dtype."""
-    async def run() -> tuple[list[int], list[dict[int, float]], torch.dtype]:
-        eng = Engine(EngineConfig(model="tiny-llama", kv_cache_dtype=kv_cache_dtype))
-        await eng.start()
-        try:
-            params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=5)
-            tokens: list[int] = []
-            top: list[dict[int, float]] = []
-            async for out in eng.submit(GenerateRequest("r", eng.model_name, {"prompt_ids": [5, 9, 200, 7]},
-                                                         params)):
-                assert out.error is None, out.error
-                tokens += out.token_ids
-                top += [dict(lp.top) for lp in out.logprobs or ()]
-            return tokens, top, eng.workers[0].runners["llm"].kv.k[0].dtype
-        finally:
-            await eng.shutdown()
-    return asyncio.run(run())
+    return greedy_top5(EngineConfig(model="tiny-llama", kv_cache_dtype=kv_cache_dtype), [5, 9, 200, 7],
+                       inspect=lambda eng: eng.workers[0].runners["llm"].kv.k[0].dtype)
 
 
 def test_a_served_model_over_float8_pages_stays_close():
