@@ -135,3 +135,13 @@ def test_a_served_model_over_float8_pages_stays_close():
     assert set(fp8_top[0]) == set(first)
     assert max(abs(fp8_top[0][t] - lp) for t, lp in first.items()) < 0.1
     assert fp8_tokens[0] == full_tokens[0]
+
+
+def test_an_unknown_kv_cache_dtype_is_refused():
+    from mstar.engine.execution.components import kv_cache_dtype
+    from mstar.errors import ConfigError
+
+    assert kv_cache_dtype(EngineConfig(kv_cache_dtype="fp8"), torch.device("cpu"), torch.float32) == FP8
+    assert kv_cache_dtype(EngineConfig(), torch.device("cpu"), torch.bfloat16) == torch.bfloat16
+    with pytest.raises(ConfigError, match="auto or fp8"):
+        kv_cache_dtype(EngineConfig(kv_cache_dtype="bf16"), torch.device("cpu"), torch.float32)

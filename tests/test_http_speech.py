@@ -274,6 +274,12 @@ async def test_native_generate_streams_audio(api: aiohttp.ClientSession) -> None
         body = await r.json()
     assert len(base64.b64decode(body["audio"])) == length and body["sample_rate"] == RATE
     assert body["usage"]["prompt_tokens"] > 0
+    # the early walk is a speech walk too: the voice defaults and the model's speech sampling apply
+    async with api.post("/generate", json={"text": "Hello from mstar.", "walk": "speak_early",
+                                           "sampling_params": SHORT}) as r:
+        assert r.status == 200
+        early = await r.json()
+    assert len(base64.b64decode(early["audio"])) == length
 
 
 async def test_native_generate_speech_errors(api: aiohttp.ClientSession) -> None:

@@ -76,6 +76,8 @@ def kv_cache_dtype(config: EngineConfig, device: torch.device, dtype: torch.dtyp
     (opt-in: every key and value is rounded to it)."""
     if config.kv_cache_dtype == "auto":
         return dtype
+    if config.kv_cache_dtype != "fp8":
+        raise ConfigError(f"--kv-cache-dtype takes auto or fp8, not '{config.kv_cache_dtype}'")
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         raise ConfigError(f"--kv-cache-dtype fp8 needs compute capability 8.9 or later; {device} has "
                           f"{torch.cuda.get_device_capability(device)}")

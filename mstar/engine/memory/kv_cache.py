@@ -112,7 +112,8 @@ class KVCache:
     def __repr__(self) -> str:
         s = self.spec
         return (f"KVCache(layers={s.num_layers}, pages={self.num_pages}, page_size={self.page_size}, "
-                f"kv_heads={s.num_kv_heads}, head_dim={s.head_dim}, {self.kv_dtype}, {self.device})")
+                f"kv_heads={s.num_kv_heads}, head_dim={s.head_dim}, {self.dtype}, pages {self.kv_dtype}, "
+                f"{self.device})")
 
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         """Copy pages `src` into pages `dst`, every layer's K and V (a forked
