@@ -32,7 +32,7 @@ def leaf(name: str) -> bool:
 # request parsing must stay usable by clients that have no torch
 TORCH_FREE = sorted(LEAVES) + ["mstar.scheduler", "mstar.http.text.protocol", "mstar.http.fields",
                               "mstar.http.text.chat_messages", "mstar.http.speech.audio", "mstar.http.speech.protocol",
-                              "mstar.client"]
+                              "mstar.client", "mstar.cluster"]
 
 
 ENGINE_ROOMS = ("mstar.engine.engine", "mstar.engine.messages", "mstar.engine.eventloop", "mstar.engine.worker",
@@ -84,6 +84,10 @@ RULES = (
     Rule(lambda m: under(m, "mstar.engine.worker"),
          lambda n: under(n, "mstar.engine.eventloop", "mstar.engine.engine"),
          "engine/worker/ talks to the event loop only through engine/messages.py"),
+    # the front proxies replicas that may run anywhere: it knows them only through HTTP
+    Rule(lambda m: under(m, "mstar.cluster"),
+         lambda n: under(n, "torch") or (under(n, "mstar") and not under(n, "mstar.cluster") and n != "mstar"),
+         "cluster/ reaches replicas over HTTP only: it imports no other mstar module, and no torch"),
     # the SDK installs where torch may not: it knows the server only through HTTP
     Rule(lambda m: under(m, "mstar.client"),
          lambda n: under(n, "torch") or (under(n, "mstar") and not under(n, "mstar.client") and n != "mstar"),

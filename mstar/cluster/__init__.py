@@ -1,0 +1,2 @@
+"""Serving beyond one process: several mstar replicas behind one address
+(`front.py`)."""

@@ -1,0 +1,104 @@
+"""The front address over two `orpheus-tiny` replicas, each a real engine on
+its own loopback port: speech streamed through it as the replicas stream it,
+requests spread over both, a realtime websocket pinned to one, `/health` and
+`/metrics` of both, and a replica that goes away while the other serves on."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+
+import aiohttp
+import orjson
+import pytest
+import pytest_asyncio
+from http_support import running_engine, serving, serving_app
+
+from mstar.cluster.front import Front, labelled
+
+on_module_loop = pytest.mark.asyncio(loop_scope="module")
+
+SPEECH = {"model": "orpheus-tiny", "input": "Hello from the front.", "voice": "tara", "response_format": "pcm",
+          "max_tokens": 35, "seed": 5}
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def replicas() -> AsyncIterator[list[str]]:
+    async with AsyncExitStack() as stack:
+        urls = []
+        for _ in range(2):
+            engine = await stack.enter_async_context(running_engine("orpheus-tiny"))
+            urls.append(await stack.enter_async_context(serving(engine)))
+        yield urls
+
+
+async def _speech(session: aiohttp.ClientSession, url: str) -> tuple[int, list[bytes]]:
+    async with session.post(f"{url}/v1/audio/speech", json=SPEECH) as r:
+        chunks = [data async for data, _ in r.content.iter_chunks()]
+        return r.status, chunks
+
+
+@on_module_loop
+async def test_speech_streams_through_the_front_and_spreads_over_both(replicas: list[str]) -> None:
+    front = Front(replicas)
+    async with serving_app(front.app()) as url, aiohttp.ClientSession() as session:
+        status, direct = await _speech(session, replicas[0])
+        assert status == 200
+        for _ in range(2):
+            status, chunks = await _speech(session, url)
+            assert status == 200
+            # the same seed, the same tokens: as many samples as straight from a replica, in pieces as they came
+            assert len(b"".join(chunks)) == len(b"".join(direct)) and len(chunks) > 1
+        assert [r.served for r in front.replicas] == [1, 1]   # one at a time: the tie rotates
+        assert all(r.outstanding == 0 for r in front.replicas)
+        async with session.get(f"{url}/v1/models") as r:
+            assert r.status == 200 and (await r.json())["data"][0]["id"] == "orpheus-tiny"
+        async with session.get(f"{url}/health") as r:
+            health = await r.json()
+        assert r.status == 200 and [x["healthy"] for x in health["replicas"]] == [True, True]
+        async with session.get(f"{url}/metrics") as r:
+            text = await r.text()
+        assert 'mstar_replica_up{replica="0"} 1' in text and 'mstar_replica_up{replica="1"} 1' in text
+        assert any(line.startswith("mstar_") and 'replica="1"' in line for line in text.splitlines()[2:])
+
+
+@on_module_loop
+async def test_a_realtime_session_is_pinned_to_one_replica(replicas: list[str]) -> None:
+    front = Front(replicas)
+    async with serving_app(front.app()) as url, aiohttp.ClientSession() as session:
+        async with session.ws_connect(f"{url}/v1/realtime?model=orpheus-tiny") as ws:
+            first = orjson.loads((await ws.receive()).data)
+            assert first["type"] == "session.created"
+            assert sorted(r.outstanding for r in front.replicas) == [0, 1]   # held for the session
+        await ws.close()
+
+
+@on_module_loop
+async def test_requests_go_to_the_replica_still_up(replicas: list[str]) -> None:
+    live = replicas[1]
+    async with aiohttp.ClientSession() as session:
+        async with serving_app(_gone_app()) as gone:
+            pass   # a port that answered once and is closed now: connections to it are refused
+        front = Front([gone, live])
+        async with serving_app(front.app()) as url:
+            for _ in range(2):
+                status, chunks = await _speech(session, url)
+                assert status == 200 and b"".join(chunks)
+            assert not front.replicas[0].healthy and front.replicas[1].served == 2
+            async with session.get(f"{url}/health") as r:
+                health = await r.json()
+            assert [x["healthy"] for x in health["replicas"]] == [False, True]
+        front = Front([gone])
+        async with serving_app(front.app()) as url:
+            async with session.post(f"{url}/v1/audio/speech", json=SPEECH) as r:
+                assert r.status == 503 and (await r.json())["error"]["code"] == "unavailable"
+
+
+def _gone_app() -> aiohttp.web.Application:
+    return aiohttp.web.Application()
+
+
+def test_metrics_lines_get_the_replica_label() -> None:
+    text = "# HELP a x\n# TYPE a counter\na 3\nb{k=\"v\"} 1.5\n"
+    assert labelled(text, 2).splitlines() == ["# HELP a x", "# TYPE a counter", 'a{replica="2"} 3',
+                                              'b{replica="2",k="v"} 1.5']
