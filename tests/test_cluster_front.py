@@ -5,6 +5,7 @@ requests spread over both, a realtime websocket pinned to one, `/health` and
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 
@@ -14,7 +15,7 @@ import pytest
 import pytest_asyncio
 from http_support import running_engine, serving, serving_app
 
-from mstar.cluster.front import Front, labelled
+from mstar.cluster.front import Front, labelled, merged
 
 on_module_loop = pytest.mark.asyncio(loop_scope="module")
 
@@ -71,6 +72,7 @@ async def test_a_realtime_session_is_pinned_to_one_replica(replicas: list[str]) 
             assert first["type"] == "session.created"
             assert sorted(r.outstanding for r in front.replicas) == [0, 1]   # held for the session
         await ws.close()
+        assert await _settled(front)
 
 
 @on_module_loop
@@ -94,11 +96,67 @@ async def test_requests_go_to_the_replica_still_up(replicas: list[str]) -> None:
                 assert r.status == 503 and (await r.json())["error"]["code"] == "unavailable"
 
 
+async def _settled(front: Front) -> bool:
+    """Every replica's outstanding count back to 0 (a closed session's handler ends just after)."""
+    for _ in range(100):
+        if all(r.outstanding == 0 for r in front.replicas):
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
 def _gone_app() -> aiohttp.web.Application:
     return aiohttp.web.Application()
 
 
-def test_metrics_lines_get_the_replica_label() -> None:
+def _failing_replica() -> aiohttp.web.Application:
+    """A stand-in replica: healthy, a streamed answer it abandons halfway, a websocket it closes with 4001."""
+    async def health(_r: aiohttp.web.Request) -> aiohttp.web.Response:
+        return aiohttp.web.json_response({"status": "ok"})
+
+    async def half(request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
+        response = aiohttp.web.StreamResponse()
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        await response.write(b"first part")
+        request.transport.abort()   # the replica dies mid-answer
+        return response
+
+    async def socket(request: aiohttp.web.Request) -> aiohttp.web.WebSocketResponse:
+        ws = aiohttp.web.WebSocketResponse(protocols=("realtime",))
+        await ws.prepare(request)
+        await ws.send_str("hello")
+        await ws.close(code=4001, message=b"done here")
+        return ws
+
+    app = aiohttp.web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/half", half)
+    app.router.add_get("/ws", socket)
+    return app
+
+
+@on_module_loop
+async def test_a_replica_failing_mid_answer_cuts_the_answer_and_close_codes_pass() -> None:
+    async with serving_app(_failing_replica()) as replica, aiohttp.ClientSession() as session:
+        front = Front([replica])
+        async with serving_app(front.app()) as url:
+            async with session.get(f"{url}/half") as r:
+                assert r.status == 200
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    await r.read()   # not a complete-looking answer
+            async with session.ws_connect(f"{url}/ws", protocols=("realtime",)) as ws:
+                assert ws.protocol == "realtime"   # the replica's choice, passed back
+                assert (await ws.receive()).data == "hello"
+                msg = await ws.receive()
+                assert msg.type == aiohttp.WSMsgType.CLOSE and msg.data == 4001
+            assert await _settled(front)
+
+
+def test_metrics_lines_get_the_replica_label_and_families_merge() -> None:
     text = "# HELP a x\n# TYPE a counter\na 3\nb{k=\"v\"} 1.5\n"
     assert labelled(text, 2).splitlines() == ["# HELP a x", "# TYPE a counter", 'a{replica="2"} 3',
                                               'b{replica="2",k="v"} 1.5']
+    both = merged([labelled(text, 0), labelled(text, 1)]).splitlines()
+    assert both == ["# HELP a x", "# TYPE a counter", 'a{replica="0"} 3', 'b{replica="0",k="v"} 1.5',
+                    'a{replica="1"} 3', 'b{replica="1",k="v"} 1.5']

@@ -8,9 +8,9 @@ that refuses a connection, or whose `/health` stops answering, is marked down
 and left out until its health check passes again; a request that could not
 reach one is tried on the next, since it never started there. A replica that
 fails after it began answering cuts that answer short: the client sees the
-stream end early (a plain answer: 502), never a silent retry that could speak
-twice. `/health` lists the replicas; `/metrics` is each replica's, every
-sample labelled `replica="<index>"`.
+stream (or body) cut before its end, never a silent retry that could speak
+twice. `/health` lists the replicas; `/metrics` merges the replicas'
+metric families, every sample labelled `replica="<index>"`.
 
 Bodies pass through unbuffered both ways (NDJSON input streamed to the
 speech route included), so the front adds one hop per chunk, not a wait for
@@ -32,9 +32,11 @@ log = structlog.get_logger("mstar.cluster.front")
 
 HEALTH_EVERY_S = 2.0
 HEALTH_TIMEOUT_S = 5.0
-# headers that describe one hop's connection, not the message (RFC 9110 7.6.1), and those aiohttp sets itself
+WS_MAX_MESSAGE = 16 << 20   # the replicas' realtime socket takes messages this large
+# headers that describe one hop's connection, not the message (RFC 9110 7.6.1), and those aiohttp sets itself;
+# Host passes on: a replica's same-origin check compares it with the page's Origin
 HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-                         "transfer-encoding", "upgrade", "host", "content-length"})
+                         "transfer-encoding", "upgrade", "content-length"})
 
 
 @dataclass(eq=False)
@@ -60,8 +62,9 @@ class Front:
             raise ValueError("a front needs at least one replica")
         self.replicas = [Replica(url.rstrip("/"), i) for i, url in enumerate(urls)]
         self._turn = itertools.count()
-        self._session: aiohttp.ClientSession | None = None
-        self._checker: asyncio.Task[None] | None = None
+        self._session: aiohttp.ClientSession | None = None   # requests passed on: no cap on connections
+        self._probe: aiohttp.ClientSession | None = None     # health checks and metrics, never queued behind them
+        self._sockets: set[web.WebSocketResponse] = set()
 
     # ------------------------------------------------------------ routing
 
@@ -77,36 +80,48 @@ class Front:
     # ------------------------------------------------------------ lifecycle
 
     def app(self) -> web.Application:
+        """The aiohttp app: `/health`, `/metrics`, and every other path passed to a replica. Serve it
+        with `handler_cancellation=True`, so a client that hangs up ends its replica request at once."""
         app = web.Application(client_max_size=0)
         app.router.add_get("/health", self._health)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_route("*", "/{tail:.*}", self._pass)
-        app.on_startup.append(self._start)
-        app.on_cleanup.append(self._stop)
+        app.cleanup_ctx.append(self._lifetime)
+        app.on_shutdown.append(self._close_sockets)
         return app
 
-    async def _start(self, _app: web.Application) -> None:
+    async def _lifetime(self, _app: web.Application) -> AsyncIterator[None]:
         # no total timeout: a speech stream may run for minutes; connecting is bounded
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
-                                              auto_decompress=False)
-        self._checker = asyncio.create_task(self._check_health())
-
-    async def _stop(self, _app: web.Application) -> None:
-        if self._checker is not None:
-            self._checker.cancel()
-        if self._session is not None:
+                                              auto_decompress=False, connector=aiohttp.TCPConnector(limit=0))
+        self._probe = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S))
+        checkers = [asyncio.create_task(self._check_health(r)) for r in self.replicas]
+        try:
+            yield
+        finally:
+            for t in checkers:
+                t.cancel()
+            await asyncio.gather(*checkers, return_exceptions=True)
             await self._session.close()
+            await self._probe.close()
 
-    async def _check_health(self) -> None:
+    async def _close_sockets(self, _app: web.Application) -> None:
+        for ws in list(self._sockets):
+            await ws.close(code=aiohttp.WSCloseCode.GOING_AWAY, message=b"server shutdown")
+
+    async def _check_health(self, replica: Replica) -> None:
+        """One replica's checks, on their own: a slow one holds no other's."""
         while True:
-            await asyncio.gather(*(self._check(r) for r in self.replicas))
+            try:
+                await self._check(replica)
+            except Exception:   # a check must never end the loop
+                log.exception("health check failed", replica=replica.index)
             await asyncio.sleep(HEALTH_EVERY_S)
 
     async def _check(self, replica: Replica) -> None:
-        assert self._session is not None
+        assert self._probe is not None
         try:
-            async with self._session.get(f"{replica.url}/health",
-                                         timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as r:
+            async with self._probe.get(f"{replica.url}/health") as r:
                 ok = r.status == 200
         except (aiohttp.ClientError, asyncio.TimeoutError):
             ok = False
@@ -123,19 +138,22 @@ class Front:
         return web.json_response({"status": "ok" if up else "unavailable", "replicas": replicas},
                                  status=200 if up else 503)
 
-    async def _metrics(self, _request: web.Request) -> web.Response:
-        texts = await asyncio.gather(*(self._replica_metrics(r) for r in self.replicas))
-        return web.Response(text="".join(texts), content_type="text/plain", charset="utf-8")
+    async def _metrics(self, request: web.Request) -> web.Response:
+        auth = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}   # replicas with keys
+        texts = await asyncio.gather(*(self._replica_metrics(r, auth) for r in self.replicas))
+        up = "".join(f'mstar_replica_up{{replica="{r.index}"}} {int(t is not None)}\n'
+                     for r, t in zip(self.replicas, texts))
+        body = ("# HELP mstar_replica_up whether the replica's /metrics answered\n# TYPE mstar_replica_up gauge\n"
+                + up + merged([labelled(t, r.index) for r, t in zip(self.replicas, texts) if t is not None]))
+        return web.Response(text=body, content_type="text/plain", charset="utf-8")
 
-    async def _replica_metrics(self, replica: Replica) -> str:
-        assert self._session is not None
+    async def _replica_metrics(self, replica: Replica, headers: dict[str, str]) -> str | None:
+        assert self._probe is not None
         try:
-            async with self._session.get(f"{replica.url}/metrics",
-                                         timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as r:
-                text = await r.text()
+            async with self._probe.get(f"{replica.url}/metrics", headers=headers) as r:
+                return await r.text() if r.status == 200 else None
         except (aiohttp.ClientError, asyncio.TimeoutError):
-            return f'mstar_replica_up{{replica="{replica.index}"}} 0\n'
-        return f'mstar_replica_up{{replica="{replica.index}"}} 1\n' + labelled(text, replica.index)
+            return None
 
     async def _pass(self, request: web.Request) -> web.StreamResponse:
         if request.headers.get("upgrade", "").lower() == "websocket":
@@ -154,13 +172,14 @@ class Front:
                 if body is not None and e.sent_body:
                     # the body already went (in part) into the lost connection: it cannot be sent again
                     return _unavailable()
-                replica.healthy = False
+                if isinstance(e.error, aiohttp.ClientConnectorError):   # refused: down until its health answers
+                    replica.healthy = False
                 log.warning("replica unreachable; trying another", replica=replica.index, error=str(e.error))
 
     async def _pass_to(self, replica: Replica, request: web.Request,
                        body: aiohttp.StreamReader | None) -> web.StreamResponse:
         assert self._session is not None
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        headers = _forwarded(request)
         sent = _Sent(body)
         replica.outstanding += 1
         try:
@@ -181,13 +200,23 @@ class Front:
                 else:
                     response.content_length = int(upstream.headers["content-length"])
                 await response.prepare(request)
-                try:
-                    async for data in upstream.content.iter_any():
+                chunks = upstream.content.iter_any()
+                while True:
+                    try:
+                        data = await chunks.__anext__()
+                    except StopAsyncIteration:
+                        break
+                    except aiohttp.ClientError as e:
+                        # the replica failed mid-answer: the client sees its answer cut, not a complete one
+                        log.warning("replica failed mid-answer; cutting it", replica=replica.index, error=str(e))
+                        response.force_close()
+                        if request.transport is not None:
+                            request.transport.abort()
+                        return response
+                    try:
                         await response.write(data)
-                except aiohttp.ClientError as e:  # the replica failed mid-answer: the client's stream ends short
-                    log.warning("replica failed mid-answer; cutting it short", replica=replica.index, error=str(e))
-                    response.force_close()
-                    return response
+                    except ConnectionError:   # the client left: leaving `upstream` tells the replica
+                        return response
                 await response.write_eof()
                 return response
         finally:
@@ -200,24 +229,61 @@ class Front:
             replica = self.pick()
         except NoReplica:
             return _unavailable()
-        headers = {k: v for k, v in request.headers.items()
-                   if k.lower() not in HOP_HEADERS and not k.lower().startswith("sec-websocket")}
+        headers = {k: v for k, v in _forwarded(request).items() if not k.lower().startswith("sec-websocket")}
+        offered = tuple(p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip())
         replica.outstanding += 1
         try:
             try:
-                upstream = await self._session.ws_connect(replica.url + request.rel_url.path_qs, headers=headers)
+                upstream = await self._session.ws_connect(replica.url + request.rel_url.path_qs, headers=headers,
+                                                          protocols=offered, max_msg_size=WS_MAX_MESSAGE)
+            except aiohttp.WSServerHandshakeError as e:   # the replica's own answer (401, 403, 404): passed on
+                return web.json_response({"error": {"message": e.message, "type": "invalid_request_error",
+                                                    "param": None, "code": None}}, status=e.status)
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 log.warning("replica refused a websocket", replica=replica.index, error=str(e))
                 return _unavailable()
             replica.served += 1
-            client = web.WebSocketResponse()
-            await client.prepare(request)
             async with upstream:
-                await _pump_both(client, upstream)
-            await client.close()
+                client = web.WebSocketResponse(protocols=(upstream.protocol,) if upstream.protocol else (),
+                                               max_msg_size=WS_MAX_MESSAGE)
+                await client.prepare(request)
+                self._sockets.add(client)
+                try:
+                    await _pump_both(client, upstream)
+                finally:
+                    self._sockets.discard(client)
+                    await client.close()
             return client
         finally:
             replica.outstanding -= 1
+
+
+def _forwarded(request: web.Request) -> dict[str, str]:
+    """The request's headers for the replica: end-to-end ones, and who the client is."""
+    named = {h.strip().lower() for h in request.headers.get("Connection", "").split(",")}   # hop-by-hop too
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS and k.lower() not in named}
+    peer = request.remote
+    if peer:
+        prior = request.headers.get("X-Forwarded-For")
+        headers["X-Forwarded-For"] = f"{prior}, {peer}" if prior else peer
+    return headers
+
+
+def merged(texts: list[str]) -> str:
+    """Prometheus texts of the same families as one: each family's HELP and TYPE once, then every text's
+    samples of it (a parser refuses a family whose lines are split, or a second TYPE line)."""
+    families: dict[str, tuple[list[str], list[str]]] = {}
+    for text in texts:
+        family = ""
+        for line in text.splitlines():
+            if line.startswith("# HELP ") or line.startswith("# TYPE "):
+                family = line.split()[2]
+                head, _ = families.setdefault(family, ([], []))
+                if line not in head:
+                    head.append(line)
+            elif line and not line.startswith("#"):
+                families.setdefault(family, ([], []))[1].append(line)
+    return "".join("\n".join(head + samples) + "\n" for head, samples in families.values())
 
 
 def labelled(text: str, index: int) -> str:
@@ -248,13 +314,16 @@ async def _pump_both(client: web.WebSocketResponse, upstream: aiohttp.ClientWebS
                 await dst.send_bytes(msg.data)
             else:
                 break
-        await dst.close()
+        # the side that closed says why: its code and reason go on to the other
+        await dst.close(code=src.close_code or aiohttp.WSCloseCode.OK)
 
     tasks = [asyncio.create_task(forward(client, upstream)), asyncio.create_task(forward(upstream, client))]
-    _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    for t in pending:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:   # a handler cancelled (the front shutting down) leaves no pump behind
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class _NotStarted(Exception):
@@ -303,7 +372,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--port", type=int, default=8080)
     a = p.parse_args(argv)
     urls = [u.strip() for u in a.replicas.split(",") if u.strip()]
-    web.run_app(Front(urls).app(), host=a.host, port=a.port, access_log=None)
+    web.run_app(Front(urls).app(), host=a.host, port=a.port, access_log=None, handler_cancellation=True)
 
 
 if __name__ == "__main__":
