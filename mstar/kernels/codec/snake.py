@@ -198,22 +198,31 @@ def check_window(length: int, offset: int, width: int) -> None:
         raise ValueError(f"outputs [{offset}, {offset + width}) do not lie in a signal of {length}")
 
 
-def snake_dwconv_triton(x: torch.Tensor, alpha: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                        dilation: int, offset: int = 0, width: int | None = None) -> torch.Tensor:
-    """One read of x per tap (from cache), one write: the snake's output and
-    the convolution's input are never stored. Padding is zeros after the
-    snake, which is what the padded convolution sees (snake(0) = 0 anyway)."""
+def depthwise_call(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, alpha: torch.Tensor,
+                   offset: int, width: int | None) -> tuple[int, int, int, int, int, torch.Tensor]:
+    """A fused snake + depthwise convolution's call, checked: x [B, C, L],
+    weight [C, 1, odd k], alpha of C values, outputs [offset, offset +
+    width). Returns B, C, L, width, k and the bias (zeros when None)."""
     batch, channels, length = x.shape
     width = length - offset if width is None else width
     check_window(length, offset, width)
     taps = weight.shape[-1]
     if weight.shape != (channels, 1, taps) or taps % 2 == 0 or alpha.numel() != channels:
-        raise ValueError(f"snake_dwconv takes a depthwise weight [C, 1, odd k] and alpha [1, C, 1] for "
+        raise ValueError(f"{op} takes a depthwise weight [C, 1, odd k] and alpha [1, C, 1] for "
                          f"C = {channels}, got {tuple(weight.shape)} and {tuple(alpha.shape)}")
+    b = bias if bias is not None else torch.zeros(channels, dtype=x.dtype, device=x.device)
+    return batch, channels, length, width, taps, b
+
+
+def snake_dwconv_triton(x: torch.Tensor, alpha: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        dilation: int, offset: int = 0, width: int | None = None) -> torch.Tensor:
+    """One read of x per tap (from cache), one write: the snake's output and
+    the convolution's input are never stored. Padding is zeros after the
+    snake, which is what the padded convolution sees (snake(0) = 0 anyway)."""
+    batch, channels, length, width, taps, b = depthwise_call("snake_dwconv", x, weight, bias, alpha, offset, width)
     x = x.contiguous()
     out = torch.empty(batch, channels, width, dtype=x.dtype, device=x.device)
     if out.numel():
-        b = bias if bias is not None else torch.zeros(channels, dtype=x.dtype, device=x.device)
         grid = (batch * channels, (width + BLOCK - 1) // BLOCK)
         _snake_dwconv_kernel[grid](x, alpha.reshape(-1).contiguous(), weight.reshape(channels, taps).contiguous(),
                                    b.contiguous(), out, channels, length, offset, width, dilation, ALPHA_EPS,

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from mstar.kernels.backend import jit, num_warps, row_tiles, tl, use_triton
-from mstar.kernels.codec.snake import ALPHA_EPS, check_window, conv_window, snake_reference
+from mstar.kernels.codec.snake import ALPHA_EPS, conv_window, depthwise_call, snake_reference
 
 TILE = 1024  # values a program covers
 
@@ -48,17 +48,10 @@ def dwconv_snake_reference(sx: torch.Tensor, weight: torch.Tensor, bias: torch.T
 
 def dwconv_snake_triton(sx: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, alpha: torch.Tensor,
                         dilation: int, offset: int = 0, width: int | None = None) -> torch.Tensor:
-    batch, channels, length = sx.shape
-    width = length - offset if width is None else width
-    taps = weight.shape[-1]
-    check_window(length, offset, width)
-    if weight.shape != (channels, 1, taps) or taps % 2 == 0 or alpha.numel() != channels:
-        raise ValueError(f"dwconv_snake takes a depthwise weight [C, 1, odd k] and alpha [1, C, 1] for "
-                         f"C = {channels}, got {tuple(weight.shape)} and {tuple(alpha.shape)}")
+    batch, channels, length, width, taps, b = depthwise_call("dwconv_snake", sx, weight, bias, alpha, offset, width)
     sx = sx.contiguous()
     out = torch.empty(batch, channels, width, dtype=sx.dtype, device=sx.device)
     if out.numel():
-        b = bias if bias is not None else torch.zeros(channels, dtype=sx.dtype, device=sx.device)
         per, block, grid = row_tiles(batch * channels, width, TILE)
         _dwconv_snake_kernel[grid](sx, weight.reshape(channels, taps).contiguous(), b.contiguous(),
                                    alpha.reshape(-1).contiguous(), out, batch * channels, channels, length, offset,
