@@ -163,6 +163,7 @@ def show(r: dict, tokens: int) -> None:
 
 async def main(a: argparse.Namespace) -> None:
     eng = Engine(EngineConfig(model=a.model, devices=tuple(a.devices.split(",")), load_format=a.load_format,
+                              kv_cache_dtype=a.kv_cache_dtype,
                               cuda_graph_batch_sizes=graph_buckets(max(256, *a.concurrency)),
                               scheduler=SchedulerConfig(max_num_seqs=max(a.concurrency))))
     await eng.start()
@@ -182,6 +183,7 @@ if __name__ == "__main__":
     p.add_argument("--devices", default="cuda:0")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
     p.add_argument("--tokens", type=int, default=512)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
     p.add_argument("--trace", type=float, default=0.0, help="seconds of torch profiler in each level")
     p.add_argument("--trace-after", type=float, default=1.0, help="when the trace starts, in seconds into a level")
     p.add_argument("--arrivals", type=float, default=0.0,
@@ -196,5 +198,6 @@ if __name__ == "__main__":
     if CPROFILE_ROWS:
         Executor.run, Executor.next_plan = _profiled(Executor.run), _profiled(Executor.next_plan)
     print(f"# {platform.platform()} | python {platform.python_version()} | torch {torch.__version__} "
-          f"| {os.cpu_count()} cpus | model {args.model} ({args.load_format}) on {args.devices}")
+          f"| {os.cpu_count()} cpus | model {args.model} ({args.load_format}) on {args.devices} "
+          f"| kv {args.kv_cache_dtype}")
     asyncio.run(main(args))
