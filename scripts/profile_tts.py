@@ -13,6 +13,11 @@ and the top CUDA kernels. A short warm-up level runs first, uncounted.
     python scripts/profile_tts.py --concurrency 1 64 256 --tokens 512
     python scripts/profile_tts.py --model orpheus-tiny --devices cpu --concurrency 2 --tokens 70
     python scripts/profile_tts.py --concurrency 64 --tokens 1200 --trace 2 --arrivals 0.1 [--cprofile 40]
+    python scripts/profile_tts.py --model orpheus-tiny --devices cpu --stub-compute --concurrency 400 --tokens 120
+
+`--stub-compute` puts `bench_host_speech.py`'s stand-ins in place of the
+model's heavy compute (LM head, sampler, attention, SNAC window): what is
+left of a step's time on the CPU is the host's work for it.
 """
 
 from __future__ import annotations
@@ -193,7 +198,12 @@ if __name__ == "__main__":
     p.add_argument("--cprofile", type=int, default=0, metavar="ROWS",
                    help="in the trace windows, Python's profiler over the worker's plans instead of torch's; "
                         "print this many functions")
+    p.add_argument("--stub-compute", action="store_true",
+                   help="bench_host_speech.py's stand-ins for the model's heavy compute (host cost on the CPU)")
     args = p.parse_args()
+    if args.stub_compute:
+        from bench_host_speech import apply_stubs  # this script's folder is on the path
+        apply_stubs(defaultdict(int), None)
     CPROFILE_ROWS = args.cprofile
     if CPROFILE_ROWS:
         Executor.run, Executor.next_plan = _profiled(Executor.run), _profiled(Executor.next_plan)

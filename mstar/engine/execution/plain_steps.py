@@ -40,7 +40,7 @@ class PlainSteps:
             seeds: torch.Tensor | None) -> dict:
         """Rows of a name-only mode by input name; `seeds` [B] on the host,
         for modes that take them."""
-        shapes = [tuple(tuple(row[n].shape) for n in step.inputs) for row in inputs]
+        shapes = [tuple(row[n].shape for n in step.inputs) for row in inputs]
         if len(set(shapes)) == 1:
             return self._stacked(inputs, step, fn, seeds)
         by_shape: dict[tuple, list[int]] = {}

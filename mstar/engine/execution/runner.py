@@ -100,23 +100,22 @@ class ComponentRunner:
         a batch that fails in `compute` can run again row by row from these.
         A row whose earlier chunk took them has them in its payload."""
         if batch.mode in self.spec.signatures:  # every bound input, of each row's own step
-            return [item.payload.held or {n: self._take(item, n) for n in item.payload.inputs}
-                    for item in batch.items]
-        out = []
-        for item in batch.items:  # each row's own step: rows of two walks may bind other names
-            names = item.payload.part.current_step().inputs
-            out.append(item.payload.held or {n: self._take(item, n)
-                                             for n in (names[:1] if self.kv is not None else names)})
-        return out
+            names = [list(item.payload.inputs) for item in batch.items]
+        else:  # each row's own step: rows of two walks may bind other names
+            names = [list(item.payload.part.current_step().inputs) for item in batch.items]
+            if self.kv is not None:
+                names = [n[:1] for n in names]
+        ids = _host_ids(batch.items, names)
+        return [item.payload.held or {n: ids[n][i] if n in ids else self._take(item, n) for n in row}
+                for i, (item, row) in enumerate(zip(batch.items, names))]
 
     def by_writes(self, batch: Batch) -> list[list[WorkItem]]:
         """The batch's rows by the walk values their step writes (a chat's
         prefill keeps only its token, a spoken chat's also the talker's rows):
         one call each way."""
         sig = self.spec.signatures.get(batch.mode)
-        steps = {id(item.payload.part.current_step()) for item in batch.items}
-        if sig is None or len(steps) == 1:  # rows of one walk's step (the usual case): one way
-            return [batch.items]
+        if sig is None or len({id(item.payload.part.current_step()) for item in batch.items}) == 1:
+            return [batch.items]  # rows of one walk's step (the usual case): one way
         groups: dict[tuple, list[WorkItem]] = {}
         for item in batch.items:
             writes = step_bindings(item.payload.part.current_step(), sig)[1]
@@ -495,3 +494,25 @@ class ComponentRunner:
         if self.stream is not None and t.is_cuda:
             t.record_stream(self.stream)
         return t
+
+
+def _host_ids(items: list[WorkItem], names: list[list[str]]) -> dict[str, tuple[torch.Tensor, ...]]:
+    """The inputs that are, in every row, a stream chunk of token ids held on
+    the host, all of one length (a codec's windows): made into one tensor in
+    one call, each row's a view of it, by name."""
+    out: dict[str, tuple[torch.Tensor, ...]] = {}
+    if len(items) < 2 or any(item.payload.held for item in items):
+        return out
+    for name in names[0]:
+        chunks = [item.payload.inputs.get(name) for item in items]
+        first = chunks[0]
+        if not isinstance(first, list) or not first:
+            continue
+        if any(not isinstance(c, list) or len(c) != len(first) for c in chunks):
+            continue
+        try:  # a chunk holding a stored item (a TensorRef) is not made of ids: each row's own way
+            out[name] = torch.tensor(chunks, dtype=torch.long).unbind(0)
+        except (TypeError, ValueError, RuntimeError):
+            continue
+    return out
+

@@ -72,6 +72,7 @@ class Frame:
     count: int = 0            # writes of its value since it started, the write that entered it included
     iteration: int = 0        # rounds of its body finished (`@i`)
     collected: list[TensorRef] = field(default_factory=list)  # what its `Collect` gathered so far
+    stops: tuple[int, ...] | None = None  # its stop ids, read at its first check (`stop_rules.frame_stop_ids`)
 
 
 @dataclass(eq=False, slots=True)

@@ -49,6 +49,14 @@ def stop_ids(part: PartitionRun, loop: Loop) -> tuple[int, ...]:
     return ids
 
 
+def frame_stop_ids(part: PartitionRun, loop: Loop, frame: Frame) -> tuple[int, ...]:
+    """`stop_ids` of the loop `frame` runs, read once: a request's stop ids
+    and sampling do not change while it is in a loop."""
+    if frame.stops is None:
+        frame.stops = stop_ids(part, loop)
+    return frame.stops
+
+
 def banned_ids(part: PartitionRun) -> tuple[int, ...]:
     """The stop ids the step under the cursor may not draw: its loop's, while
     the loop has written fewer than its key's `min_tokens`."""
@@ -58,7 +66,7 @@ def banned_ids(part: PartitionRun) -> tuple[int, ...]:
     loop, frame = checked
     if frame.count >= part.request.sampling[loop_key(part, loop)].min_tokens:
         return ()
-    return stop_ids(part, loop)
+    return frame_stop_ids(part, loop, frame)
 
 
 def checking_loop(part: PartitionRun) -> tuple[Loop, Frame] | None:
@@ -90,7 +98,7 @@ def stop_reasons(parts: list[PartitionRun], values: dict[str, torch.Tensor]) -> 
         loop_value = loop.value
         if frame.cap is not None and frame.count + 1 >= frame.cap:
             reasons[i] = "length"
-        ids = stop_ids(part, loop)
+        ids = frame_stop_ids(part, loop, frame)
         if ids:
             token_rows.append(i)
             token_sets.append(ids)

@@ -223,7 +223,7 @@ class Walker:
                 row.unfollow()
         for refs in inputs.values():
             for ref in refs if isinstance(refs, list) else (refs,):
-                if isinstance(ref, TensorRef):
+                if type(ref) is not int:  # a stored item (token ids on the host hold nothing)
                     self.store.retain(ref, rid)
         # a row of a component with per-row state takes a slot at its first step (a plain one too: no pages)
         needs_slot = step.component in self.slots and part.row(step.component, branch).slot is None
