@@ -118,7 +118,7 @@ async def _window(eng: Engine, seconds: float) -> torch.profiler.profile | pstat
     over its plans (made and carried out)."""
     if not CPROFILE_ROWS:
         return await eng.profile(seconds)
-    _CPROFILE[0] = prof = cProfile.Profile(time.thread_time)  # CPU time: waits for the GIL or the GPU left out
+    _CPROFILE[0] = prof = cProfile.Profile()
     await asyncio.sleep(seconds)
     _CPROFILE[0] = None
     await asyncio.sleep(0.1)  # the plan under way ends
