@@ -129,15 +129,32 @@ def _failing_replica() -> aiohttp.web.Application:
         await ws.close(code=4001, message=b"done here")
         return ws
 
+    async def half_events(request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
+        response = aiohttp.web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        await response.write(b'data: {"choices": []}\n\n')
+        request.transport.abort()
+        return response
+
+    async def lost_socket(request: aiohttp.web.Request) -> aiohttp.web.WebSocketResponse:
+        ws = aiohttp.web.WebSocketResponse()
+        await ws.prepare(request)
+        await ws.send_str("hello")
+        request.transport.abort()   # no close frame: the replica is gone
+        return ws
+
     app = aiohttp.web.Application()
     app.router.add_get("/health", health)
     app.router.add_get("/half", half)
+    app.router.add_get("/half-events", half_events)
     app.router.add_get("/ws", socket)
+    app.router.add_get("/lost-ws", lost_socket)
     return app
 
 
 @on_module_loop
-async def test_a_replica_failing_mid_answer_cuts_the_answer_and_close_codes_pass() -> None:
+async def test_a_replica_failing_mid_answer_ends_the_answer_and_close_codes_pass() -> None:
     async with serving_app(_failing_replica()) as replica, aiohttp.ClientSession() as session:
         front = Front([replica])
         async with serving_app(front.app()) as url:
@@ -150,6 +167,18 @@ async def test_a_replica_failing_mid_answer_cuts_the_answer_and_close_codes_pass
                 assert (await ws.receive()).data == "hello"
                 msg = await ws.receive()
                 assert msg.type == aiohttp.WSMsgType.CLOSE and msg.data == 4001
+            # an event stream ends with an error event, as OpenAI's clients expect
+            async with session.get(f"{url}/half-events") as r:
+                body = (await r.read()).decode()
+            events = [orjson.loads(line[6:]) for line in body.splitlines() if line.startswith("data: ")]
+            assert events[0] == {"choices": []} and events[-1]["error"]["code"] == "replica_failed"
+            # a realtime session whose replica is lost: an error event, then close code 1011
+            async with session.ws_connect(f"{url}/lost-ws") as ws:
+                assert (await ws.receive()).data == "hello"
+                event = orjson.loads((await ws.receive()).data)
+                assert event["type"] == "error" and event["error"]["code"] == "replica_failed"
+                msg = await ws.receive()
+                assert msg.type == aiohttp.WSMsgType.CLOSE and msg.data == aiohttp.WSCloseCode.INTERNAL_ERROR
             assert await _settled(front)
 
 

@@ -7,9 +7,10 @@ rule of in-process replicas), the one after the last pick on a tie. A replica
 that refuses a connection, or whose `/health` stops answering, is marked down
 and left out until its health check passes again; a request that could not
 reach one is tried on the next, since it never started there. A replica that
-fails after it began answering cuts that answer short: the client sees the
-stream (or body) cut before its end, never a silent retry that could speak
-twice. `/health` lists the replicas; `/metrics` merges the replicas'
+fails after it began answering ends that answer: an event stream with an
+`{"error": ...}` event, a realtime session with an `error` event and close
+code 1011, any other body cut before its end; never a silent retry that
+could speak twice. `/health` lists the replicas; `/metrics` merges the replicas'
 metric families, every sample labelled `replica="<index>"`.
 
 Bodies pass through unbuffered both ways (NDJSON input streamed to the
@@ -20,7 +21,10 @@ whole responses.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import json
+import uuid
 from collections.abc import AsyncIterator, Sequence, Set
 from dataclasses import dataclass
 
@@ -35,6 +39,8 @@ HEALTH_TIMEOUT_S = 5.0
 WS_MAX_MESSAGE = 16 << 20   # the replicas' realtime socket takes messages this large
 # headers that describe one hop's connection, not the message (RFC 9110 7.6.1), and those aiohttp sets itself;
 # Host passes on: a replica's same-origin check compares it with the page's Origin
+REPLICA_LOST = {"error": {"message": "the replica serving this request failed; send it again", "type": "server_error",
+                          "param": None, "code": "replica_failed"}}
 HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                          "transfer-encoding", "upgrade", "content-length"})
 
@@ -76,6 +82,14 @@ class Front:
         least = min(r.outstanding for r in live)
         tied = [r for r in live if r.outstanding == least]
         return tied[next(self._turn) % len(tied)]
+
+    def relocate(self, index: int, url: str) -> None:
+        """Replica `index` serves at `url` now (restarted elsewhere): down until its health check passes there."""
+        replica = self.replicas[index]
+        url = url.rstrip("/")
+        if url != replica.url:
+            log.info("replica moved", replica=index, url=url, was=replica.url)
+            replica.url, replica.healthy = url, False
 
     # ------------------------------------------------------------ lifecycle
 
@@ -207,12 +221,8 @@ class Front:
                     except StopAsyncIteration:
                         break
                     except aiohttp.ClientError as e:
-                        # the replica failed mid-answer: the client sees its answer cut, not a complete one
-                        log.warning("replica failed mid-answer; cutting it", replica=replica.index, error=str(e))
-                        response.force_close()
-                        if request.transport is not None:
-                            request.transport.abort()
-                        return response
+                        log.warning("replica failed mid-answer", replica=replica.index, error=str(e))
+                        return await _failed_mid_answer(request, response, upstream)
                     try:
                         await response.write(data)
                     except ConnectionError:   # the client left: leaving `upstream` tells the replica
@@ -256,6 +266,25 @@ class Front:
             return client
         finally:
             replica.outstanding -= 1
+
+
+async def _failed_mid_answer(request: web.Request, response: web.StreamResponse,
+                             upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+    """The replica failed after its answer began. An event stream ends with an
+    `{"error": ...}` event (what OpenAI's clients raise), as the replica's own
+    failures do; any other body is cut, so the client sees it incomplete
+    (chunked audio has no way to say more), never a complete-looking answer."""
+    if upstream.content_type == "text/event-stream":
+        try:
+            await response.write(b"data: " + json.dumps(REPLICA_LOST).encode() + b"\n\n")
+            await response.write_eof()
+            return response
+        except ConnectionError:
+            return response
+    response.force_close()
+    if request.transport is not None:
+        request.transport.abort()
+    return response
 
 
 def _forwarded(request: web.Request) -> dict[str, str]:
@@ -314,6 +343,14 @@ async def _pump_both(client: web.WebSocketResponse, upstream: aiohttp.ClientWebS
                 await dst.send_bytes(msg.data)
             else:
                 break
+        if src is upstream and src.close_code in (None, aiohttp.WSCloseCode.ABNORMAL_CLOSURE):
+            # the replica went away without closing: the session is over, and the client is told why
+            event = {"type": "error", "event_id": f"event_{uuid.uuid4().hex[:20]}",
+                     "error": {**REPLICA_LOST["error"], "event_id": None}}
+            with contextlib.suppress(ConnectionError):
+                await dst.send_str(json.dumps(event))
+            await dst.close(code=aiohttp.WSCloseCode.INTERNAL_ERROR, message=b"replica failed")
+            return
         # the side that closed says why: its code and reason go on to the other
         await dst.close(code=src.close_code or aiohttp.WSCloseCode.OK)
 

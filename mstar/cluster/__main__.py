@@ -1,0 +1,70 @@
+"""`python -m mstar.cluster`: mstar replicas on a Ray cluster behind one address.
+
+    python -m mstar.cluster --num-replicas 2 --gpus-per-replica 1 --port 8000 -- --model orpheus-3b
+    python -m mstar.cluster --address ray://head:10001 --num-replicas 4 --port 8000 -- --model /models/orpheus
+    python -m mstar.cluster --gpus cpu --num-replicas 2 --port 8000 -- --model tiny-llama
+
+Flags after `--` (and any this command does not know) go to every
+replica's `python -m mstar.http`; the replicas' --host, --port and --gpus
+are set by the cluster (--gpus cpu here gives CPU replicas).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from aiohttp import web
+
+from mstar.cluster.front import Front
+from mstar.cluster.ray_replicas import RayReplicas
+from mstar.cluster.replica import ReplicaSpec
+
+OWN_FLAGS = ("--host", "--port")   # of the front: a replica's are the cluster's to choose
+
+
+def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(prog="python -m mstar.cluster", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--address", default=None,
+                   help="the Ray cluster to join (auto, host:port, ray://host:10001); none: start a local one")
+    p.add_argument("--num-replicas", type=int, default=1)
+    p.add_argument("--gpus-per-replica", type=int, default=1, help="GPUs each replica's server gets")
+    p.add_argument("--gpus", default=None, help="cpu: CPU replicas (no GPUs asked of Ray)")
+    p.add_argument("--cpus-per-replica", type=float, default=1.0, help="CPUs Ray reserves for each replica")
+    p.add_argument("--max-restarts", type=int, default=-1, help="restarts of a replica that dies (-1: no limit)")
+    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds a replica may take to serve")
+    p.add_argument("--name", default="mstar", help="the replica actors' name prefix (one per front on a Ray cluster)")
+    p.add_argument("--host", default="127.0.0.1", help="the front's address (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="the front's port")
+    a, rest = p.parse_known_args(argv)
+    if rest[:1] == ["--"]:
+        rest = rest[1:]
+    if a.gpus not in (None, "cpu"):
+        p.error("--gpus takes only 'cpu' here; a replica's GPUs are --gpus-per-replica, placed by Ray")
+    clash = [f for f in rest if f.split("=")[0] in (*OWN_FLAGS, "--gpus")]
+    if clash:
+        p.error(f"{', '.join(clash)}: the cluster sets each replica's; --host/--port here are the front's")
+    return a, rest
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a, server_args = parse(sys.argv[1:] if argv is None else argv)
+    gpus = 0 if a.gpus == "cpu" else a.gpus_per_replica
+    spec = ReplicaSpec(tuple(server_args), gpus=gpus, startup_timeout_s=a.startup_timeout)
+    replicas = RayReplicas(spec, a.num_replicas, num_cpus=a.cpus_per_replica, max_restarts=a.max_restarts,
+                           name=a.name)
+    try:
+        urls = replicas.start(a.address)
+        print(f"mstar cluster: {len(urls)} replicas ({', '.join(urls)}) behind http://{a.host}:{a.port}",
+              flush=True)
+        web.run_app(replicas.serve(Front(urls)), host=a.host, port=a.port, access_log=None,
+                    handler_cancellation=True, print=None)
+    finally:
+        replicas.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
