@@ -12,6 +12,7 @@ steps are short, and a hop may join events), so a gap's median says little:
 the mean gap (a stream's length over its tokens) is the figure compared.
 
     python scripts/bench_front.py --model tiny-llama --requests 40 --tokens 32
+    python scripts/bench_front.py --model tiny-llama --requests 40 --tokens 64 --ray   # through python -m mstar.cluster
 """
 
 from __future__ import annotations
@@ -50,6 +51,11 @@ async def wait_healthy(url: str, timeout_s: float = 120.0) -> None:
                 pass
             await asyncio.sleep(0.5)
     raise RuntimeError(f"{url} did not become healthy")
+
+
+async def replica_url(front: str) -> str:
+    async with aiohttp.ClientSession() as session, session.get(f"{front}/health") as r:
+        return (await r.json())["replicas"][0]["url"]
 
 
 async def one(session: aiohttp.ClientSession, url: str, model: str, tokens: int) -> tuple[float, list[float]]:
@@ -101,17 +107,26 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=40, help="per path")
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--ray", action="store_true",
+                   help="the replica and front from `python -m mstar.cluster` (a local Ray instance, one CPU "
+                        "replica); direct is the replica's own address")
     a = p.parse_args()
     replica_port, front_port = free_port(), free_port()
     direct, front = f"http://127.0.0.1:{replica_port}", f"http://127.0.0.1:{front_port}"
-    procs = [subprocess.Popen([sys.executable, "-m", "mstar.http", "--model", a.model, "--port", str(replica_port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO),
-             subprocess.Popen([sys.executable, "-m", "mstar.cluster.front", "--replicas", direct,
-                               "--port", str(front_port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              cwd=REPO)]
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "cwd": REPO}
+    if a.ray:
+        procs = [subprocess.Popen([sys.executable, "-m", "mstar.cluster", "--gpus", "cpu", "--num-replicas", "1",
+                                   "--port", str(front_port), "--", "--model", a.model], **quiet)]
+    else:
+        procs = [subprocess.Popen([sys.executable, "-m", "mstar.http", "--model", a.model, "--port",
+                                   str(replica_port)], **quiet),
+                 subprocess.Popen([sys.executable, "-m", "mstar.cluster.front", "--replicas", direct,
+                                   "--port", str(front_port)], **quiet)]
     try:
+        asyncio.run(wait_healthy(front, timeout_s=240))
+        if a.ray:   # the replica's address, as the front knows it
+            direct = asyncio.run(replica_url(front))
         asyncio.run(wait_healthy(direct))
-        asyncio.run(wait_healthy(front))
         result = asyncio.run(measure(direct, front, a.model, a.requests, a.tokens))
     finally:
         for proc in procs:
@@ -119,7 +134,8 @@ def main() -> None:
         for proc in procs:
             proc.wait(timeout=30)
     env = {"python": platform.python_version(), "machine": platform.machine(), "mstar": commit(REPO),
-           "model": a.model, "requests per path": a.requests, "tokens": a.tokens}
+           "model": a.model, "requests per path": a.requests, "tokens": a.tokens,
+           "launch": "python -m mstar.cluster (Ray)" if a.ray else "mstar.http + mstar.cluster.front"}
     print("# " + " | ".join(f"{k} {v}" for k, v in env.items()))
     for name in ("direct", "front"):
         r = result[name]

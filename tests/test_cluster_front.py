@@ -133,7 +133,7 @@ def _failing_replica() -> aiohttp.web.Application:
         response = aiohttp.web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         response.enable_chunked_encoding()
         await response.prepare(request)
-        await response.write(b'data: {"choices": []}\n\n')
+        await response.write(b'data: {"choices": []}\n\ndata: {"cho')   # dies in the middle of an event
         request.transport.abort()
         return response
 

@@ -29,8 +29,10 @@ from ray.cluster_utils import Cluster
 from mstar.cluster.ray_replicas import NAMESPACE, actor_name
 
 STARTUP_S = 240
+pytestmark = pytest.mark.timeout(900)   # the setup starts a cluster and four servers; a restart is waited for
 SPEECH = {"model": "orpheus-tiny", "input": "Hello from the cluster.", "voice": "tara", "response_format": "pcm",
           "extra_body": {"max_tokens": 70, "seed": 5, "ignore_eos": True}}
+LONG = {**SPEECH, "extra_body": {**SPEECH["extra_body"], "max_tokens": 280}}   # seconds on a CPU: killed mid-way
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +51,11 @@ def ray_cluster() -> Iterator[Cluster]:
 class Front:
     """A `python -m mstar.cluster` process joined to the test cluster; its replica actors' names are prefixed."""
 
-    def __init__(self, cluster: Cluster, model: str, prefix: str) -> None:
+    def __init__(self, cluster: Cluster, model: str, prefix: str, log: str) -> None:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.prefix = prefix
-        self.log = open(f"/tmp/mstar-cluster-{prefix}.log", "w+")
+        self.log = open(log, "w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mstar.cluster", "--address", cluster.address, "--gpus", "cpu",
              "--num-replicas", "2", "--name", prefix, "--port", str(self.port), "--", "--model", model, "--max-num-seqs", "8"],
@@ -81,6 +83,18 @@ class Front:
             self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        self.log.close()
+
+    def gone(self, timeout: float = 30.0) -> bool:
+        """Its replica actors are gone (the front stopped them)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                self.actor(0)
+            except ValueError:
+                return True
+            time.sleep(0.5)
+        return False
 
     def _tail(self) -> str:
         self.log.flush()
@@ -89,18 +103,21 @@ class Front:
 
 
 @pytest.fixture(scope="module")
-def fronts(ray_cluster: Cluster) -> Iterator[tuple[Front, Front]]:
-    text, speech = Front(ray_cluster, "tiny-llama", "text"), Front(ray_cluster, "orpheus-tiny", "speech")
+def fronts(ray_cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Front, Front]]:
+    logs = tmp_path_factory.mktemp("cluster")
+    # one after the other: Ray's SPREAD is best effort, and the first pair placed on an empty cluster spreads
+    text = Front(ray_cluster, "tiny-llama", "text", str(logs / "text.log"))
+    speech = None
     try:
         text.wait_healthy()
+        speech = Front(ray_cluster, "orpheus-tiny", "speech", str(logs / "speech.log"))
         speech.wait_healthy()
         yield text, speech
     finally:
-        text.stop()
-        speech.stop()
-    for front in (text, speech):   # the front stopped its replicas
-        with pytest.raises(ValueError):
-            front.actor(0)
+        for front in (text, speech):
+            if front is not None:
+                front.stop()
+    assert text.gone() and speech is not None and speech.gone(), "a stopped front leaves no replica behind"
 
 
 def test_text_through_the_front_spreads_over_both_nodes(fronts: tuple[Front, Front]) -> None:
@@ -123,8 +140,8 @@ def test_text_through_the_front_spreads_over_both_nodes(fronts: tuple[Front, Fro
     assert 'mstar_replica_up{replica="0"} 1' in metrics and 'mstar_replica_up{replica="1"} 1' in metrics
 
 
-async def _speech(client: AsyncOpenAI) -> bytes:
-    async with client.audio.speech.with_streaming_response.create(**SPEECH) as r:
+async def _speech(client: AsyncOpenAI, body: dict = SPEECH) -> bytes:
+    async with client.audio.speech.with_streaming_response.create(**body) as r:
         return b"".join([chunk async for chunk in r.iter_bytes()])
 
 
@@ -153,11 +170,15 @@ async def test_a_replica_killed_mid_load_fails_only_its_requests(fronts: tuple[F
     full = len(await _speech(client))
     before = _get_json(f"{speech.url}/health")["replicas"]
     doomed = ray.get(speech.actor(0).info.remote())
-    load = [asyncio.create_task(_speech(client)) for _ in range(6)]
-    await asyncio.sleep(1.0)   # every request under way, three on each replica
+    load = [asyncio.create_task(_speech(client, LONG)) for _ in range(6)]
+    for _ in range(200):   # every request under way, three on each replica
+        if [r["outstanding"] for r in _get_json(f"{speech.url}/health")["replicas"]] == [3, 3]:
+            break
+        await asyncio.sleep(0.05)
     os.kill(doomed["pid"], signal.SIGKILL)
     results = await asyncio.gather(*load, return_exceptions=True)
-    complete = [r for r in results if isinstance(r, bytes) and len(r) == full]
+    long = len(await _speech(client, LONG)) if any(isinstance(r, bytes) for r in results) else 0
+    complete = [r for r in results if isinstance(r, bytes) and len(r) == long]
     failed = [r for r in results if not isinstance(r, bytes)]
     assert len(complete) + len(failed) == len(results), "an answer cut short must not look complete"
     assert complete and failed, results

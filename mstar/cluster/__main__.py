@@ -19,7 +19,7 @@ from aiohttp import web
 
 from mstar.cluster.front import Front
 from mstar.cluster.ray_replicas import RayReplicas
-from mstar.cluster.replica import ReplicaSpec
+from mstar.cluster.replica import STARTUP_TIMEOUT_S, ReplicaSpec
 
 OWN_FLAGS = ("--host", "--port")   # of the front: a replica's are the cluster's to choose
 
@@ -34,13 +34,17 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--gpus", default=None, help="cpu: CPU replicas (no GPUs asked of Ray)")
     p.add_argument("--cpus-per-replica", type=float, default=1.0, help="CPUs Ray reserves for each replica")
     p.add_argument("--max-restarts", type=int, default=-1, help="restarts of a replica that dies (-1: no limit)")
-    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds a replica may take to serve")
+    p.add_argument("--startup-timeout", type=float, default=STARTUP_TIMEOUT_S,
+                   help="seconds a replica may take to serve")
     p.add_argument("--name", default="mstar", help="the replica actors' name prefix (one per front on a Ray cluster)")
     p.add_argument("--host", default="127.0.0.1", help="the front's address (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="the front's port")
-    a, rest = p.parse_known_args(argv)
-    if rest[:1] == ["--"]:
-        rest = rest[1:]
+    head, tail = list(argv), []
+    if "--" in head:   # after `--`: the replicas' flags, whatever they are
+        cut = head.index("--")
+        head, tail = head[:cut], head[cut + 1:]
+    a, rest = p.parse_known_args(head)
+    rest += tail
     if a.gpus not in (None, "cpu"):
         p.error("--gpus takes only 'cpu' here; a replica's GPUs are --gpus-per-replica, placed by Ray")
     clash = [f for f in rest if f.split("=")[0] in (*OWN_FLAGS, "--gpus")]

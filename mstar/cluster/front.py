@@ -84,12 +84,12 @@ class Front:
         return tied[next(self._turn) % len(tied)]
 
     def relocate(self, index: int, url: str) -> None:
-        """Replica `index` serves at `url` now (restarted elsewhere): down until its health check passes there."""
+        """Replica `index` serves at `url` now (restarted elsewhere, and answering there)."""
         replica = self.replicas[index]
         url = url.rstrip("/")
-        if url != replica.url:
+        if url != replica.url:   # its actor answered with the URL only once the server's /health did
             log.info("replica moved", replica=index, url=url, was=replica.url)
-            replica.url, replica.healthy = url, False
+            replica.url, replica.healthy = url, True
 
     # ------------------------------------------------------------ lifecycle
 
@@ -215,14 +215,23 @@ class Front:
                     response.content_length = int(upstream.headers["content-length"])
                 await response.prepare(request)
                 chunks = upstream.content.iter_any()
+                events = upstream.content_type == "text/event-stream"
+                held = b""   # of an event stream: an event not yet whole (a failure must not leave half of one)
                 while True:
                     try:
                         data = await chunks.__anext__()
                     except StopAsyncIteration:
+                        if held:   # the replica's own last bytes, as it ended them
+                            with contextlib.suppress(ConnectionError):
+                                await response.write(held)
                         break
                     except aiohttp.ClientError as e:
                         log.warning("replica failed mid-answer", replica=replica.index, error=str(e))
                         return await _failed_mid_answer(request, response, upstream)
+                    if events:
+                        data, held = _whole_events(held + data)
+                        if not data:
+                            continue
                     try:
                         await response.write(data)
                     except ConnectionError:   # the client left: leaving `upstream` tells the replica
@@ -285,6 +294,12 @@ async def _failed_mid_answer(request: web.Request, response: web.StreamResponse,
     if request.transport is not None:
         request.transport.abort()
     return response
+
+
+def _whole_events(data: bytes) -> tuple[bytes, bytes]:
+    """Server-sent events' bytes split after their last whole event: (to send, to hold)."""
+    end = data.rfind(b"\n\n")
+    return (data[:end + 2], data[end + 2:]) if end >= 0 else (b"", data)
 
 
 def _forwarded(request: web.Request) -> dict[str, str]:

@@ -52,14 +52,26 @@ class RayReplicas:
         import ray
 
         if not ray.is_initialized():
-            ray.init(address=address, namespace=NAMESPACE, log_to_driver=True)
+            # "local": a new instance, not one that RAY_ADDRESS or an earlier `ray start` names
+            ray.init(address=address or "local", namespace=NAMESPACE, log_to_driver=True)
             self._started_ray = True
+        have = ray.cluster_resources()
+        for resource, need in (("GPU", self.spec.gpus), ("CPU", self.num_cpus)):
+            if need and have.get(resource, 0) < need:
+                raise RuntimeError(f"a replica needs {need} {resource}s; the Ray cluster has {have.get(resource, 0)}"
+                                   + (" (--gpus cpu serves on CPUs)" if resource == "GPU" else ""))
         cls = actor_class(self.spec.gpus, self.num_cpus, self.max_restarts)
-        self.actors = [cls.options(name=actor_name(i, self.name), namespace=NAMESPACE, scheduling_strategy="SPREAD",
-                                   lifetime=None).remote(i, self.spec) for i in range(self.num_replicas)]
         try:
-            return ray.get([a.url.remote() for a in self.actors])
-        except Exception:
+            for i in range(self.num_replicas):   # one by one: a refused one leaves those before it to stop
+                self.actors.append(cls.options(name=actor_name(i, self.name), namespace=NAMESPACE,
+                                               scheduling_strategy="SPREAD").remote(i, self.spec))
+            urls = [a.url.remote() for a in self.actors]
+            ready, _ = ray.wait(urls, num_returns=len(urls), timeout=self.spec.startup_timeout_s + 120)
+            if len(ready) < len(urls):   # Ray could not place them all (no node has what one asks for)
+                raise RuntimeError(f"{len(urls) - len(ready)} of {len(urls)} replicas did not start in "
+                                   f"{self.spec.startup_timeout_s + 120:.0f} s; `ray status` shows what is free")
+            return ray.get(urls)
+        except BaseException:
             self.stop()
             raise
 
@@ -68,7 +80,9 @@ class RayReplicas:
         import ray
 
         if self.actors:
-            done, _ = ray.wait([a.stop.remote() for a in self.actors], num_returns=len(self.actors), timeout=40)
+            # no retry: a stop sent to an actor that just died must not restart it
+            stops = [a.stop.options(max_task_retries=0).remote() for a in self.actors]
+            ray.wait(stops, num_returns=len(stops), timeout=40)
             for a in self.actors:
                 ray.kill(a, no_restart=True)
             self.actors = []
@@ -96,7 +110,7 @@ class RayReplicas:
                 try:
                     front.relocate(index, await actor.url.remote())
                 except Exception as e:   # a restart that failed to start its server: keep asking
-                    log.warning("replica not serving", replica=index, error=str(e).splitlines()[0][:200])
+                    log.warning("replica not serving", replica=index, error=(str(e) or repr(e)).splitlines()[0][:200])
                 await asyncio.sleep(HEALTH_EVERY_S)
 
         await asyncio.gather(*(one(i, a) for i, a in enumerate(self.actors)))

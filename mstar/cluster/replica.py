@@ -4,7 +4,8 @@ The actor starts `python -m mstar.http` on its node, with the GPUs Ray gave
 it (Ray sets CUDA_VISIBLE_DEVICES, so the server sees them as 0..k-1) or on
 the CPU, on a free port of the node's address, and answers `url()` once the
 server's `/health` does. The server is the actor's child and dies with it
-(Linux's parent-death signal); when the server dies, the actor exits, so
+(Linux's parent-death signal); when the server dies, or a restarted one
+cannot start, the actor exits, so
 Ray's restart of the actor (`max_restarts`) is a restart of the server, on
 whichever node Ray picks, at a new URL.
 
@@ -13,7 +14,9 @@ Ray is imported only by `actor_class()`: importing this module needs no Ray.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import http.client
 import os
 import signal
 import socket
@@ -22,13 +25,16 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 POLL_S = 0.25
 EXIT_WHEN_SERVER_DIES = 3   # the actor's exit code then: Ray restarts it
+RETRY_AFTER_S = 5.0         # a restarted replica whose server failed to start tries again (a new actor) after this
+STARTUP_TIMEOUT_S = 900.0   # a large checkpoint loads for minutes
+_NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))   # the node's own address, never a proxy
 
 
 @dataclass(frozen=True)
@@ -39,7 +45,7 @@ class ReplicaSpec:
 
     server_args: tuple[str, ...]
     gpus: int = 0
-    startup_timeout_s: float = 600.0
+    startup_timeout_s: float = STARTUP_TIMEOUT_S
 
 
 class ReplicaServer:
@@ -56,8 +62,12 @@ class ReplicaServer:
         gpus = ",".join(str(i) for i in range(spec.gpus)) if spec.gpus else "cpu"
         cmd = [sys.executable, "-m", "mstar.http", *spec.server_args, "--host", self.host, "--port", str(self.port),
                "--gpus", gpus]
-        self.server = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+        # Ray runs a sync actor's tasks on its main thread, which spawns the server here: the
+        # parent-death signal (sent when that thread ends) comes when the actor's process does
+        self.server = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                       preexec_fn=_die_with(os.getpid(), _prctl()))
         self._ready = False
+        self._stopping = False
 
     def url(self) -> str:
         """The server's base URL, once its /health answers (the first call waits for it)."""
@@ -67,18 +77,17 @@ class ReplicaServer:
         deadline = time.monotonic() + self.spec.startup_timeout_s
         while time.monotonic() < deadline:
             if self.server.poll() is not None:
-                raise RuntimeError(f"replica {self.index}'s server exited ({self.server.returncode}) while "
-                                   f"starting:\n{self._log_tail()}")
+                self._failed(f"exited ({self.server.returncode}) while starting")
             try:
-                with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
+                with _NO_PROXY.open(f"{base}/health", timeout=2) as r:
                     if r.status == 200:
                         break
-            except (urllib.error.URLError, ConnectionError, TimeoutError):
+            except (OSError, http.client.HTTPException):
                 pass
             time.sleep(POLL_S)
         else:
-            raise RuntimeError(f"replica {self.index}'s server did not answer /health within "
-                               f"{self.spec.startup_timeout_s:.0f} s:\n{self._log_tail()}")
+            self.server.kill()
+            self._failed(f"did not answer /health within {self.spec.startup_timeout_s:.0f} s")
         self._ready = True
         threading.Thread(target=self._watch, name="mstar-replica-watch", daemon=True).start()
         return base
@@ -90,18 +99,34 @@ class ReplicaServer:
 
     def stop(self) -> None:
         """Stop the server (SIGTERM: it drains), then let the actor go."""
-        self._ready = False
+        self._stopping = True
         if self.server.poll() is None:
             self.server.send_signal(signal.SIGTERM)
             try:
                 self.server.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 self.server.kill()
+        self.log.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.log.name)
+
+    def _failed(self, what: str) -> None:
+        """The server could not start. A first start says why (the cluster's
+        start fails with it); a replica Ray restarted exits after a pause, so
+        Ray tries it again, as it would a server that died."""
+        import ray
+
+        message = f"replica {self.index}'s server {what}:\n{self._log_tail()}"
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            print(message, flush=True)
+            time.sleep(RETRY_AFTER_S)
+            os._exit(EXIT_WHEN_SERVER_DIES)
+        raise RuntimeError(message)
 
     def _watch(self) -> None:
         """The server died after it served: the actor exits, and Ray restarts it (a `stop()` does not come here)."""
         code = self.server.wait()
-        if self._ready:
+        if not self._stopping:
             print(f"replica {self.index}'s server exited ({code}); restarting the replica", flush=True)
             os._exit(EXIT_WHEN_SERVER_DIES)
 
@@ -132,9 +157,21 @@ def _node_id() -> str:
     return ray.get_runtime_context().get_node_id()
 
 
-def _die_with_parent() -> None:
-    """In the server's process before exec: SIGTERM when the actor's process dies (Linux; elsewhere nothing)."""
+def _prctl() -> Any:
+    """libc's `prctl`, looked up in the parent (a forked child must not load libraries); None off Linux."""
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+def _die_with(parent: int, prctl: Any) -> Callable[[], None]:
+    """The server's pre-exec step: SIGKILL when the actor's process dies, as
+    it holds the GPUs a restarted replica needs (PR_SET_PDEATHSIG); and gone
+    at once if the actor died before that was set."""
+    def before_exec() -> None:
+        if prctl is not None:
+            prctl(1, signal.SIGKILL)
+        if os.getppid() != parent:
+            os._exit(1)
+    return before_exec
