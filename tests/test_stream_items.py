@@ -14,20 +14,14 @@ from mstar.types import GenerateRequest, SamplingParams
 
 async def test_token_streams_carry_host_ints(monkeypatch: pytest.MonkeyPatch) -> None:
     fed: list[object] = []
-    original, original_ids = Streams.feed, Streams.feed_ids
+    original = Streams.feed
 
     def spy(self, part, value, item):
         if value == "token" and part.request.walk.streams.get(value):
             fed.append(item)
         return original(self, part, value, item)
 
-    def spy_ids(self, parts, value, ids):  # a loop group's rows, each with its id
-        if value == "token":
-            fed.extend(ids)
-        return original_ids(self, parts, value, ids)
-
     monkeypatch.setattr(Streams, "feed", spy)
-    monkeypatch.setattr(Streams, "feed_ids", spy_ids)
     eng = Engine(EngineConfig(model="orpheus-tiny"))
     await eng.start()
     try:

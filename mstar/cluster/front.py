@@ -37,10 +37,10 @@ log = structlog.get_logger("mstar.cluster.front")
 HEALTH_EVERY_S = 2.0
 HEALTH_TIMEOUT_S = 5.0
 WS_MAX_MESSAGE = 16 << 20   # the replicas' realtime socket takes messages this large
-# headers that describe one hop's connection, not the message (RFC 9110 7.6.1), and those aiohttp sets itself;
-# Host passes on: a replica's same-origin check compares it with the page's Origin
 REPLICA_LOST = {"error": {"message": "the replica serving this request failed; send it again", "type": "server_error",
                           "param": None, "code": "replica_failed"}}
+# headers that describe one hop's connection, not the message (RFC 9110 7.6.1), and those aiohttp sets itself;
+# Host passes on: a replica's same-origin check compares it with the page's Origin
 HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                          "transfer-encoding", "upgrade", "content-length"})
 
@@ -227,7 +227,7 @@ class Front:
                         break
                     except aiohttp.ClientError as e:
                         log.warning("replica failed mid-answer", replica=replica.index, error=str(e))
-                        return await _failed_mid_answer(request, response, upstream)
+                        return await _failed_mid_answer(request, response, events)
                     if events:
                         data, held = _whole_events(held + data)
                         if not data:
@@ -277,13 +277,13 @@ class Front:
             replica.outstanding -= 1
 
 
-async def _failed_mid_answer(request: web.Request, response: web.StreamResponse,
-                             upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+async def _failed_mid_answer(request: web.Request, response: web.StreamResponse, events: bool) -> web.StreamResponse:
     """The replica failed after its answer began. An event stream ends with an
     `{"error": ...}` event (what OpenAI's clients raise), as the replica's own
     failures do; any other body is cut, so the client sees it incomplete
-    (chunked audio has no way to say more), never a complete-looking answer."""
-    if upstream.content_type == "text/event-stream":
+    (chunked audio has no way to say more), never a complete-looking answer.
+    `events`: the answer is an event stream, its whole events sent so far."""
+    if events:
         try:
             await response.write(b"data: " + json.dumps(REPLICA_LOST).encode() + b"\n\n")
             await response.write_eof()

@@ -9,6 +9,9 @@ binding, a rows="all" output cut into one tensor per row.
 
 Plain modes: each input stacked over rows (a list when ragged) under its
 signature name, and the outputs named by the binding.
+
+Any mode: the stream chunks of token ids that every row of a step holds on
+the host (a codec's windows) made into one tensor (`host_id_rows`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from mstar.graph import In, Kind, Mode
 from mstar.types import AttentionContext, TokenBatch
 
 if TYPE_CHECKING:
+    from mstar.scheduler import WorkItem
     from mstar.engine.memory.kv_cache import KVCache
 
 # the attention plan of a step: query_start [B + 1], context lens [B], page tables, causal in
@@ -277,3 +281,24 @@ def named_outputs(out: Any, sig: Mode, writes: dict[str, str], label: str) -> di
     if missing:
         raise RuntimeError(f"{label} returned {sorted(out)}, not {missing}")
     return {value: out[name] for name, value in writes.items()}
+
+
+def host_id_rows(items: list[WorkItem], names: list[list[str]]) -> dict[str, tuple[torch.Tensor, ...]]:
+    """The inputs that are, in every row, a stream chunk of token ids held on
+    the host, all of one length (a codec's windows): made into one tensor in
+    one call, each row's a view of it, by name."""
+    out: dict[str, tuple[torch.Tensor, ...]] = {}
+    if len(items) < 2 or any(item.payload.held for item in items):
+        return out
+    for name in names[0]:
+        chunks = [item.payload.inputs.get(name) for item in items]
+        first = chunks[0]
+        if not isinstance(first, list) or not first:
+            continue
+        if any(not isinstance(c, list) or len(c) != len(first) for c in chunks):
+            continue
+        try:  # a chunk holding a stored item (a TensorRef) is not made of ids: each row's own way
+            out[name] = torch.tensor(chunks, dtype=torch.long).unbind(0)
+        except (TypeError, ValueError, RuntimeError):
+            continue
+    return out

@@ -27,7 +27,7 @@ from mstar.engine.execution.mixed import NewRows, mixed_inputs
 from mstar.engine.memory.kv_cache import KVCache
 from mstar.engine.worker.groups.loop_group import LoopGroup
 from mstar.engine.execution.mode_graphs import ModeGraphs, takes_seeds
-from mstar.engine.execution.pack import kv_outputs, pack_kv, page_token_rows, step_indices
+from mstar.engine.execution.pack import host_id_rows, kv_outputs, pack_kv, page_token_rows, step_indices
 from mstar.engine.execution.plain_steps import PlainSteps, step_outputs
 from mstar.engine.worker.kv_rows import KVRow
 from mstar.engine.worker.rows import PartitionRun
@@ -105,7 +105,7 @@ class ComponentRunner:
             names = [list(item.payload.part.current_step().inputs) for item in batch.items]
             if self.kv is not None:
                 names = [n[:1] for n in names]
-        ids = _host_ids(batch.items, names)
+        ids = host_id_rows(batch.items, names)
         return [item.payload.held or {n: ids[n][i] if n in ids else self._take(item, n) for n in row}
                 for i, (item, row) in enumerate(zip(batch.items, names))]
 
@@ -494,25 +494,3 @@ class ComponentRunner:
         if self.stream is not None and t.is_cuda:
             t.record_stream(self.stream)
         return t
-
-
-def _host_ids(items: list[WorkItem], names: list[list[str]]) -> dict[str, tuple[torch.Tensor, ...]]:
-    """The inputs that are, in every row, a stream chunk of token ids held on
-    the host, all of one length (a codec's windows): made into one tensor in
-    one call, each row's a view of it, by name."""
-    out: dict[str, tuple[torch.Tensor, ...]] = {}
-    if len(items) < 2 or any(item.payload.held for item in items):
-        return out
-    for name in names[0]:
-        chunks = [item.payload.inputs.get(name) for item in items]
-        first = chunks[0]
-        if not isinstance(first, list) or not first:
-            continue
-        if any(not isinstance(c, list) or len(c) != len(first) for c in chunks):
-            continue
-        try:  # a chunk holding a stored item (a TensorRef) is not made of ids: each row's own way
-            out[name] = torch.tensor(chunks, dtype=torch.long).unbind(0)
-        except (TypeError, ValueError, RuntimeError):
-            continue
-    return out
-

@@ -421,9 +421,10 @@ class Executor:
             every = len(keep) == len(p.rows)
             self.outbox.emit_rows(self.report, value, host, None if every else list(keep), p.request_ids,
                                   p.partitions, p.logprobs)
-        if walk.streams.get(value) and going_on:
+        if walk.streams.get(value):
             items = host.tolist()  # token ids enter streams as host ints
-            self.walker.streams.feed_ids([p.rows[i] for i in going_on], value, [items[i] for i in going_on])
+            for i in going_on:
+                self.walker.streams.feed(p.rows[i], value, items[i])
 
     def _group_extras(self, group: LoopGroup, p: Pending, keep: range | list[int],
                       going_on: list[int], left: set[int]) -> dict[str, list[TensorRef]]:

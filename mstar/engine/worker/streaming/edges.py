@@ -43,56 +43,33 @@ class Streams:
 
     def feed(self, part: PartitionRun, value: str, item: StreamItem) -> None:
         """A write of `value` by `part` enters the streams it feeds."""
-        for sp in part.request.walk.streams.get(value, ()):
-            if sp.producer == part.name:
-                self._feed(part, sp, item)
-
-    def feed_ids(self, parts: list[PartitionRun], value: str, ids: list[int]) -> None:
-        """Token ids on the host, one written as `value` by each of `parts` (a
-        loop group's step): `feed` for each, where an id that goes on a
-        started local stream takes the short way."""
-        plans: dict[tuple[int, str], list[StreamPlan]] = {}  # by (walk, producer): the streams value feeds
-        for part, token in zip(parts, ids):
-            run = part.request
-            key = (id(run.walk), part.plan.name)
-            fed = plans.get(key)
-            if fed is None:
-                fed = plans[key] = [sp for sp in run.walk.streams.get(value, ()) if sp.producer == key[1]]
-            for sp in fed:
-                cons = run.partitions.get(sp.consumer)
-                if cons is None or cons.done or cons.inbox is None or sp.consumer not in run.started:
-                    self._feed(part, sp, token)  # it starts the stream, or goes to another worker
-                elif sp.accept is None or sp.accept[0] <= token < sp.accept[1]:
-                    cons.inbox.take(token)  # what it drops are ids: nothing to release
-                    if cons.inbox.pending:
-                        self._wake(cons)
-
-    def _feed(self, part: PartitionRun, sp: StreamPlan, item: StreamItem) -> None:
-        """`item`, written by `part`, into the stream `sp`."""
         run = part.request
-        cons = run.partitions.get(sp.consumer)
-        if cons is not None and cons.done:
-            return
-        if sp.accept is not None:
-            token = item if isinstance(item, int) else int(self.store.get(item))
-            if not sp.accept[0] <= token < sp.accept[1]:
-                return
-        if isinstance(item, TensorRef):
-            self.store.retain(item, part.request_id)  # the consumer's reference, wherever it runs
-        first = sp.consumer not in run.started  # of the stream, or of a turn that restarts its consumer
-        run.started.add(sp.consumer)
-        if cons is None:
-            if first:
-                self._send(run, sp.consumer, StreamStart(run.request_id, sp.consumer, self._carried(part, sp)))
-            self._send(run, sp.consumer, StreamItems(run.request_id, sp.consumer, [item]))
-            return
-        assert cons.inbox is not None
-        if first:
-            self._start(cons, self._carried(part, sp))
-        for ref in cons.inbox.take(item):
-            self.release(ref, run.request_id)
-        if first or cons.inbox.pending:  # else no chunk was cut: a parked consumer would park again
-            self._wake(cons)
+        for sp in run.walk.streams.get(value, ()):
+            if sp.producer != part.name:
+                continue
+            cons = run.partitions.get(sp.consumer)
+            if cons is not None and cons.done:
+                continue
+            if sp.accept is not None:
+                token = item if isinstance(item, int) else int(self.store.get(item))
+                if not sp.accept[0] <= token < sp.accept[1]:
+                    continue
+            if isinstance(item, TensorRef):
+                self.store.retain(item, part.request_id)  # the consumer's reference, wherever it runs
+            first = sp.consumer not in run.started  # of the stream, or of a turn that restarts its consumer
+            run.started.add(sp.consumer)
+            if cons is None:
+                if first:
+                    self._send(run, sp.consumer, StreamStart(run.request_id, sp.consumer, self._carried(part, sp)))
+                self._send(run, sp.consumer, StreamItems(run.request_id, sp.consumer, [item]))
+            else:
+                assert cons.inbox is not None
+                if first:
+                    self._start(cons, self._carried(part, sp))
+                for ref in cons.inbox.take(item):
+                    self.release(ref, run.request_id)
+                if first or cons.inbox.pending:  # else no chunk was cut: a parked consumer would park again
+                    self._wake(cons)
 
     def _carried(self, part: PartitionRun, sp: StreamPlan) -> dict[str, TensorRef]:
         """The producer's values the consumer reads, each with a reference of
