@@ -50,6 +50,8 @@
 #   scripts/gpu_check.sh omni-bench only that benchmark
 #   scripts/gpu_check.sh omni-profile  where a spoken answer's step time goes, by component and by kernel
 #                                   (scripts/profile_omni.py; $OMNI_PROFILE_ARGS replaces its flags)
+#   scripts/gpu_check.sh first-burst  what the first burst of streams after startup pays (scripts/probe_first_burst.sh),
+#                                   then one stream's and 64 streams' first audio with and without early_audio
 #   scripts/gpu_check.sh all        tests and bench (default)
 # FlashInfer compiles its kernels on first use into ~/.cache/flashinfer; a
 # second call on the same (still warm) machine reuses them.
@@ -291,6 +293,9 @@ if [[ $what == omni-profile ]]; then
   : "${OMNI_PROFILE_ARGS:=--concurrency 8 32 --frames 125 --kernels 2}"
   timeout ${OMNI_TIMEOUT:-420} python3 scripts/profile_omni.py $OMNI_PROFILE_ARGS 2>&1 \
       | grep -v "\[info\|capturing" | tee "$OUT/profile_omni.txt" | tail -150
+fi
+if [[ $what == first-burst ]]; then
+  timeout ${FB_TIMEOUT:-480} scripts/probe_first_burst.sh 2>&1 | grep -v "\[info" | tee "$OUT/first_burst.txt" | tail -120
 fi
 if [[ $what == pagesize ]]; then
   timeout 240 python3 scripts/bench_page_size.py --out "$OUT/page_size.json" 2>&1 | tail -30 | tee "$OUT/page_size.txt"

@@ -3,7 +3,8 @@
 The attention of a mixed bucket (decode rows through their bucket's decode
 wrapper, new rows' prompt tokens through a graph-mode paged-prefill wrapper)
 captured once and replayed with other rows, against TorchPagedAttention; and
-the engine's outputs with mixed-step graphs equal to those without mixing.
+the engine's outputs with mixed-step graphs equal to those without mixing,
+lone short prompts (no group running) replayed in them included.
 """
 
 from __future__ import annotations
@@ -104,9 +105,13 @@ def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_llama(tmp_path_factory.mktemp("llama_mixed_gpu"), 384, hidden=256)  # FlashInfer's head size
 
 
-async def _outputs(folder: Path, mixed: bool) -> tuple[list[list[int]], int]:
+async def _outputs(folder: Path, mixed: bool, alone: bool = False) -> tuple[list[list[int]], int]:
+    """Each request's tokens, and how many mixed steps replayed a graph. With
+    `alone`, one request at a time: every prompt arrives when no group runs,
+    and the replays counted are of such lone prompts."""
     replays = 0
-    run = MixedGraphs.run
+    hooked = "run_prompts" if alone else "run"
+    run = getattr(MixedGraphs, hooked)
 
     def counting(self, m):
         nonlocal replays
@@ -118,7 +123,7 @@ async def _outputs(folder: Path, mixed: bool) -> tuple[list[list[int]], int]:
                               cuda_graph_batch_sizes=(1, 2, 4, 8, 16), scheduler=SchedulerConfig(
                                   page_size=16, num_pages=512, mixed_steps=mixed)))
     await eng.start()
-    MixedGraphs.run = counting
+    setattr(MixedGraphs, hooked, counting)
     try:
         rng = random.Random(5)
         shared = [1] + [rng.randrange(3, 384) for _ in range(40)]
@@ -132,6 +137,9 @@ async def _outputs(folder: Path, mixed: bool) -> tuple[list[list[int]], int]:
                 assert chunk.error is None, chunk.error
                 toks.extend(chunk.token_ids)
             return toks
+        if alone:
+            return [await one(f"r{i}{j}", prompt, sp) for i, prompt in enumerate(prompts)
+                    for j, sp in enumerate(params)], replays
         running = asyncio.ensure_future(one("running", [1, 5, 9], SamplingParams(max_tokens=300, temperature=0.0,
                                                                                  ignore_eos=True)))
         tasks = []
@@ -141,7 +149,7 @@ async def _outputs(folder: Path, mixed: bool) -> tuple[list[list[int]], int]:
                 tasks.append(asyncio.ensure_future(one(f"r{i}{j}", prompt, sp)))
         return [await running, *await asyncio.gather(*tasks)], replays
     finally:
-        MixedGraphs.run = run
+        setattr(MixedGraphs, hooked, run)
         await eng.shutdown()
 
 
@@ -150,3 +158,13 @@ async def test_engine_outputs_with_mixed_graphs_equal_unmixed(hf_folder: Path) -
     mixed, replays = await _outputs(hf_folder, True)
     assert none == 0 and replays > 0
     assert mixed == alone
+
+
+async def test_lone_prompts_replay_a_mixed_graph_with_the_eager_tokens(hf_folder: Path) -> None:
+    """A short prompt arriving when no group runs replays a mixed bucket whose
+    group rows are all padding; a prompt past the buckets (300 tokens after a
+    cached prefix: not all fit) runs eagerly. Tokens as without mixed steps."""
+    eager, none = await _outputs(hf_folder, False, alone=True)
+    replayed, replays = await _outputs(hf_folder, True, alone=True)
+    assert none == 0 and replays > 0
+    assert replayed == eager

@@ -292,3 +292,25 @@ async def test_decode_rows_of_two_walks_share_one_group_and_its_steps() -> None:
         assert list(together) == alone
     finally:
         await eng.shutdown()
+
+
+def test_a_step_of_prompts_alone_packs_as_a_mixed_step_without_group_rows() -> None:
+    """`prompt_inputs` (a lone short prompt's step, replayed in a mixed graph
+    on CUDA) lays the new rows out as `mixed_inputs` does after a group's."""
+    from types import SimpleNamespace
+    from mstar.engine.execution.mixed import NewRows, mixed_inputs, prompt_inputs
+    kv = [SimpleNamespace(kv_len=4, pages=[7, 3]), SimpleNamespace(kv_len=0, pages=[5])]
+    prompts = [torch.arange(10, 19), torch.arange(20, 23)]
+    new = NewRows([None, None], kv, prompts, [(4, 7), (0, 3)], [(), ()])   # a chunk, then a whole prompt
+    alone = prompt_inputs(new, torch.device("cpu"))
+    group = SimpleNamespace(tokens=torch.tensor([1, 2]), kv_lens=torch.tensor([9, 30]),
+                            block_table=torch.tensor([[1, 2, 4], [6, 8, 9]]),
+                            positions=lambda sl: torch.tensor([9, 30])[sl])
+    beside = mixed_inputs(group, slice(0, 2), new)
+    assert alone.group_tokens.numel() == 0 and alone.rows == 2
+    assert alone.new_ids.tolist() == [14, 15, 16, 20, 21, 22] == beside.new_ids.tolist()
+    assert alone.positions.tolist() == [4, 5, 6, 0, 1, 2] == beside.positions[2:].tolist()
+    assert alone.query_start.tolist() == [0, 3, 6] == (beside.query_start[2:] - 2).tolist()
+    assert alone.context_lens.tolist() == [4, 0]
+    assert alone.block_tables.tolist() == [[7, 3], [5, 0]]
+    assert alone.ends == [1] and alone.logits_index.tolist() == [5] == (beside.logits_index[2:] - 2).tolist()

@@ -3,7 +3,9 @@ tokens (a chunk each) in one forward of the group's mode. In: the group's
 window and the new rows (`NewRows`); out: the step's packed inputs on the
 host (`MixedInputs`), the group's rows first, so that the first n logits
 rows are the group's and the rest those of the new rows whose prompt ends
-at this step.
+at this step. A step of new rows alone packs the same way with no group rows
+(`prompt_inputs`): a mixed graph then serves a short prompt that arrives when
+no group is running.
 
 Only a sampling KV component's name-only token modes mix (the scheduler's
 `mix`), and only a group whose step reads its token alone (`LoopGroup.mixes`):
@@ -62,20 +64,31 @@ class MixedInputs:
 
 def mixed_inputs(group: LoopGroup, sl: slice, new: NewRows) -> MixedInputs:
     """The packed inputs of a step of rows `sl` of `group` with `new`'s chunks."""
-    n = sl.stop - sl.start
+    return _packed(group.tokens[sl], group.positions(sl), group.kv_lens[sl], group.block_table[sl], new)
+
+
+def prompt_inputs(new: NewRows, device: torch.device) -> MixedInputs:
+    """The packed inputs of a step of `new`'s chunks alone: a mixed step
+    with no group rows, so that a mixed graph can serve a lone short prompt."""
+    none = torch.zeros(0, dtype=torch.long)
+    return _packed(none.to(device), none, none, torch.zeros(0, 1, dtype=torch.long), new)
+
+
+def _packed(group_tokens: torch.Tensor, group_positions: torch.Tensor, group_lens: torch.Tensor,
+            group_tables: torch.Tensor, new: NewRows) -> MixedInputs:
+    n = group_tokens.numel()
     lens = torch.tensor(new.lens, dtype=torch.long)
     ctx_new = torch.tensor([r.kv_len for r in new.kv], dtype=torch.long)
     new_ids = torch.cat([p.reshape(-1)[start:end] for p, (start, end) in zip(new.prompts, new.spans)]).long()
     new_pos = torch.cat([torch.arange(c, c + k) for c, k in zip(ctx_new.tolist(), new.lens)])
     ends = torch.cumsum(lens, 0)
     query_start = torch.cat([torch.arange(n + 1), n + ends])
-    width = max(group.block_table.shape[1], max(len(r.pages) for r in new.kv))
+    width = max(group_tables.shape[1], max(len(r.pages) for r in new.kv))
     tables = torch.zeros(n + len(new.kv), width, dtype=torch.long)
-    tables[:n, :group.block_table.shape[1]] = group.block_table[sl]
+    tables[:n, :group_tables.shape[1]] = group_tables
     for i, r in enumerate(new.kv):
         tables[n + i, :len(r.pages)] = torch.tensor(r.pages, dtype=torch.long)
     logits_index = torch.cat([torch.arange(n), n + ends[new.ends] - 1])
-    return MixedInputs(group_tokens=group.tokens[sl], new_ids=new_ids,
-                       positions=torch.cat([group.positions(sl), new_pos]), query_start=query_start,
-                       context_lens=torch.cat([group.kv_lens[sl], ctx_new]), block_tables=tables,
+    return MixedInputs(group_tokens=group_tokens, new_ids=new_ids, positions=torch.cat([group_positions, new_pos]),
+                       query_start=query_start, context_lens=torch.cat([group_lens, ctx_new]), block_tables=tables,
                        logits_index=logits_index, ends=new.ends)

@@ -10,6 +10,8 @@ and those of the new rows whose prompt ends. Inputs are staged in
 page-locked memory, so a step is launched while the one before still runs;
 the staging fence is the attention backend's, shared with its decode graphs,
 as they share the decode buckets' planning buffers. Mixed steps that fit no bucket run eagerly.
+A step of short prompts alone replays a bucket too, its group rows all padding
+(`run_prompts`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Protocol
 import torch
 
 from mstar.kernels.host_copy import StagingFence
-from mstar.engine.execution.mixed import MixedInputs
+from mstar.engine.execution.mixed import MixedInputs, NewRows, prompt_inputs
 from mstar.engine.movement.transfer import to_device
 from mstar.kernels.graph_capture import capture_buckets
 from mstar.types import AttentionContext, TokenBatch
@@ -101,6 +103,11 @@ class MixedGraphs:
             return None
         key = (self.row_buckets[i], self.token_buckets[j])
         return key if key in self._graphs else None
+
+    def run_prompts(self, new: NewRows) -> torch.Tensor | None:
+        """The logits of `new`'s rows whose prompt ends, from a step of those
+        chunks alone (no group rows), or None: they fit no bucket."""
+        return self.run(prompt_inputs(new, self.device))
 
     def run(self, m: MixedInputs) -> torch.Tensor | None:
         """The logits of the group's rows, then of the new rows whose prompt

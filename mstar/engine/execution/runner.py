@@ -183,35 +183,33 @@ class ComponentRunner:
         (a prefix cache hit, or earlier chunks); a row that ends before its
         last token (a chunk) samples nothing, and the values hold the others':
         the rows whose prompt ended, returned last."""
-        assert self.kv is not None
+        assert self.kv is not None and self.attention is not None
         kv = [p.row(self.name, b) for p, b in zip(parts, branches)]
-        ids, positions, lens, ctx, tables = [], [], [], [], []
-        for row, r, (start, end) in zip(rows, kv, spans):
-            toks = row.reshape(-1)[start:end]
-            n = toks.numel()
-            ids.append(toks)
-            positions.append(torch.arange(r.kv_len, r.kv_len + n))
-            lens.append(n)
-            ctx.append(r.kv_len)
-            tables.append(r.pages)
-        query_start = torch.zeros(len(rows) + 1, dtype=torch.long)
-        query_start[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.long), 0)
-        input_ids, flat_positions, logits_index, _ = step_indices(ids, torch.cat(positions), query_start, self.device)
-        assert self.attention is not None
-        attn = self.attention.plan(query_start, torch.tensor(ctx, dtype=torch.long), tables)
-        batch = TokenBatch(
-            input_ids=input_ids,
-            positions=flat_positions,
-            query_start=query_start,
-            logits_index=logits_index,
-            attn=attn,
-            state=self._state_rows([r.slot for r in kv]),
-        )
-        with torch.profiler.record_function("mstar.forward"):
-            out = fn(batch)
         ends = [i for i, (row, (_, end)) in enumerate(zip(rows, spans)) if end is None or end >= row.numel()]
-        if self.spec.samples:  # a repetition penalty sees the whole prompt, however it was computed
-            logits = out["logits"] if len(ends) == len(rows) else out["logits"][ends]
+        lens = [(row.numel() if end is None else end) - start for row, (start, end) in zip(rows, spans)]
+        logits = None   # a lone short prompt replays a mixed graph: eagerly it is a launch-bound forward
+        if self.mixed_graphs is not None and self.spec.samples and step.mode not in self.spec.apart:
+            prompts = [row.reshape(-1) for row in rows]
+            with torch.profiler.record_function("mstar.replay"):
+                logits = self.mixed_graphs.run_prompts(NewRows(parts, kv, prompts, [
+                    (start, start + n) for (start, _), n in zip(spans, lens)], banned))
+            self.device_s += self.mixed_graphs.fence.wait_s if logits is not None else 0.0
+        if logits is None:
+            positions = [torch.arange(r.kv_len, r.kv_len + n) for r, n in zip(kv, lens)]
+            query_start = torch.zeros(len(rows) + 1, dtype=torch.long)
+            query_start[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.long), 0)
+            input_ids, flat_positions, logits_index, _ = step_indices(
+                [row.reshape(-1)[start:end] for row, (start, end) in zip(rows, spans)], torch.cat(positions),
+                query_start, self.device)
+            attn = self.attention.plan(query_start, torch.tensor([r.kv_len for r in kv], dtype=torch.long),
+                                       [r.pages for r in kv])
+            batch = TokenBatch(input_ids=input_ids, positions=flat_positions, query_start=query_start,
+                               logits_index=logits_index, attn=attn, state=self._state_rows([r.slot for r in kv]))
+            with torch.profiler.record_function("mstar.forward"):
+                out = fn(batch)
+            if self.spec.samples:
+                logits = out["logits"] if len(ends) == len(rows) else out["logits"][ends]
+        if logits is not None:  # a repetition penalty sees the whole prompt, however it was computed
             tokens, logprobs = self._sample(logits, [parts[i] for i in ends], [kv[i] for i in ends],
                                             [rows[i].reshape(-1) for i in ends], [banned[i] for i in ends])
             values = {step.outputs[0]: tokens}
