@@ -199,3 +199,26 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_a_replica_whose_port_is_taken_before_its_server_binds_starts_on_another(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The actor chooses a free port and its server binds it a moment later;
+    a port taken in between costs a restart on another, not the replica."""
+    from mstar.cluster import replica
+    host = ray.util.get_node_ip_address()
+    taken = socket.socket()
+    taken.bind((host, 0))
+    taken.listen()
+    chosen = [taken.getsockname()[1]]
+    pick = replica._free_port
+    monkeypatch.setattr(replica, "_free_port", lambda h: chosen.pop() if chosen else pick(h))
+    server = replica.ReplicaServer(0, replica.ReplicaSpec(("--model", "tiny-llama"), startup_timeout_s=STARTUP_S))
+    try:
+        url = server.url()
+        assert server.port != taken.getsockname()[1] and url == f"http://{host}:{server.port}"
+        with replica._NO_PROXY.open(f"{url}/health", timeout=10) as r:   # the node's address: never a proxy
+            assert r.status == 200
+    finally:
+        server.stop()
+        taken.close()

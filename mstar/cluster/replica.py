@@ -34,6 +34,8 @@ POLL_S = 0.25
 EXIT_WHEN_SERVER_DIES = 3   # the actor's exit code then: Ray restarts it
 RETRY_AFTER_S = 5.0         # a restarted replica whose server failed to start tries again (a new actor) after this
 STARTUP_TIMEOUT_S = 900.0   # a large checkpoint loads for minutes
+PORT_ATTEMPTS = 3           # free ports a server is started on, when the one before was taken before it bound
+PORT_TAKEN = "cannot listen on"   # what `mstar.http` says then, before it loads anything
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))   # the node's own address, never a proxy
 
 
@@ -57,29 +59,41 @@ class ReplicaServer:
         self.index = index
         self.spec = spec
         self.host = ray.util.get_node_ip_address()
-        self.port = _free_port(self.host)
         self.log = tempfile.NamedTemporaryFile(prefix=f"mstar-replica{index}-", suffix=".log", delete=False)
-        gpus = ",".join(str(i) for i in range(spec.gpus)) if spec.gpus else "cpu"
-        cmd = [sys.executable, "-m", "mstar.http", *spec.server_args, "--host", self.host, "--port", str(self.port),
-               "--gpus", gpus]
+        self._ready = False
+        self._stopping = False
+        self._spawn()
+
+    def _spawn(self) -> None:
+        """Start the server on a free port of the node. The port is free when
+        chosen, not when the server binds it a moment later: `url()` starts
+        the server again on another port if something took it meanwhile."""
+        self.port = _free_port(self.host)
+        self.log.seek(0)
+        self.log.truncate()
+        gpus = ",".join(str(i) for i in range(self.spec.gpus)) if self.spec.gpus else "cpu"
+        cmd = [sys.executable, "-m", "mstar.http", *self.spec.server_args, "--host", self.host,
+               "--port", str(self.port), "--gpus", gpus]
         # Ray runs a sync actor's tasks on its main thread, which spawns the server here: the
         # parent-death signal (sent when that thread ends) comes when the actor's process does
         self.server = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                        preexec_fn=_die_with(os.getpid(), _prctl()))
-        self._ready = False
-        self._stopping = False
 
     def url(self) -> str:
         """The server's base URL, once its /health answers (the first call waits for it)."""
-        base = f"http://{self.host}:{self.port}"
         if self._ready:
-            return base
+            return f"http://{self.host}:{self.port}"
         deadline = time.monotonic() + self.spec.startup_timeout_s
+        ports_tried = 1
         while time.monotonic() < deadline:
             if self.server.poll() is not None:
+                if ports_tried < PORT_ATTEMPTS and PORT_TAKEN in self._log_tail():
+                    ports_tried += 1
+                    self._spawn()
+                    continue
                 self._failed(f"exited ({self.server.returncode}) while starting")
             try:
-                with _NO_PROXY.open(f"{base}/health", timeout=2) as r:
+                with _NO_PROXY.open(f"http://{self.host}:{self.port}/health", timeout=2) as r:
                     if r.status == 200:
                         break
             except (OSError, http.client.HTTPException):
@@ -90,7 +104,7 @@ class ReplicaServer:
             self._failed(f"did not answer /health within {self.spec.startup_timeout_s:.0f} s")
         self._ready = True
         threading.Thread(target=self._watch, name="mstar-replica-watch", daemon=True).start()
-        return base
+        return f"http://{self.host}:{self.port}"
 
     def info(self) -> dict[str, Any]:
         """Where it runs: node address, server pid and log (a test kills the pid)."""
