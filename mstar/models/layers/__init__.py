@@ -2,7 +2,7 @@
 
 from mstar.models.layers.linear import Linear, MergedLinear, VocabHead, qkv_linear, quantize_linears
 from mstar.models.layers.mlp import SwiGLU
-from mstar.models.layers.norm import RMSNorm
+from mstar.models.layers.norm import CenteredRMSNorm, RMSNorm
 from mstar.models.layers.rotary import RopeScaling, RotaryEmbedding
 
-__all__ = ["Linear", "MergedLinear", "RMSNorm", "RopeScaling", "RotaryEmbedding", "SwiGLU", "VocabHead", "qkv_linear", "quantize_linears"]
+__all__ = ["CenteredRMSNorm", "Linear", "MergedLinear", "RMSNorm", "RopeScaling", "RotaryEmbedding", "SwiGLU", "VocabHead", "qkv_linear", "quantize_linears"]

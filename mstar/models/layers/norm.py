@@ -48,3 +48,28 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class CenteredRMSNorm(nn.Module):
+    """`(1 + weight) * x / rms(x)` over the last dimension, the product taken
+    in float32 and rounded once (Qwen3.5's and Qwen3-Next's norms: their
+    weights are stored as offsets from one). `stream` as `RMSNorm.stream`,
+    the residual add in the activations' dtype."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, *,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+    def stream(self, h: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        summed = h if residual is None else h + residual
+        return self(summed), summed
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"

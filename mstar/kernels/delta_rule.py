@@ -1,0 +1,92 @@
+"""The gated delta net's math over a step's packed rows, each with a slot of
+per-row state (torch references; they run on any device).
+
+- `causal_conv_rows`: a depthwise causal convolution (then SiLU) over each
+  row's new inputs, continuing from the last K - 1 inputs its slot keeps,
+  which it then updates.
+- `delta_rule_rows`: the gated delta rule over each row's tokens, from and
+  back into its slot's recurrent state [Hv, Dk, Dv] (float32). Rows of one
+  token each (decode) update together; longer rows go token by token.
+- `gated_rms_norm`: RMS-normalise each head's output, weight it, gate it by
+  SiLU(z).
+
+A step's rows are `query_start` [B + 1] (on the host) over the packed
+tokens, and `slots` [B] (on the device) into the state tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+L2_EPS = 1e-6
+
+
+def causal_conv_rows(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
+                     query_start: torch.Tensor) -> torch.Tensor:
+    """x [T, C] in its dtype, weight [C, 1, K], state [S, C, K - 1] (any
+    float dtype); SiLU(conv) [T, C] out, in x's dtype."""
+    t, c = x.shape
+    width = weight.shape[-1]
+    rows = query_start.numel() - 1
+    if t == rows:  # one token a row: one batched window each
+        window = torch.cat([state[slots].to(weight.dtype), x.to(weight.dtype)[:, :, None]], dim=2)  # [B, C, K]
+        state[slots] = window[:, :, 1:].to(state.dtype)
+        return F.silu(F.conv1d(window, weight, groups=c)[:, :, 0]).to(x.dtype)
+    out = torch.empty_like(x)
+    bounds = query_start.tolist()
+    for i, slot in enumerate(slots.tolist()):
+        start, end = bounds[i], bounds[i + 1]
+        window = torch.cat([state[slot].to(weight.dtype), x[start:end].to(weight.dtype).T], dim=1)  # [C, K-1+n]
+        state[slot] = window[:, window.shape[1] - (width - 1):].to(state.dtype)
+        out[start:end] = F.silu(F.conv1d(window[None], weight, groups=c)[0]).T.to(x.dtype)
+    return out
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    x = x.float()
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
+
+
+def _step(s: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+          beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of N rows: s [N, H, Dk, Dv], q/k [N, H, Dk], v [N, H, Dv],
+    g/beta [N, H] -> (out [N, H, Dv], the new s)."""
+    s = s * g.exp()[:, :, None, None]
+    predicted = torch.einsum("nhkv,nhk->nhv", s, k)
+    s = s + k[:, :, :, None] * ((v - predicted) * beta[:, :, None])[:, :, None, :]
+    return torch.einsum("nhkv,nhk->nhv", s, q), s
+
+
+def delta_rule_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    state: torch.Tensor, slots: torch.Tensor, query_start: torch.Tensor) -> torch.Tensor:
+    """q, k [T, Hk, Dk], v [T, Hv, Dv] (Hv a multiple of Hk: each q/k head
+    serves Hv / Hk consecutive value heads), g (log decay) and beta [T, Hv],
+    state [S, Hv, Dk, Dv] float32; out [T, Hv, Dv] float32."""
+    t, hk, dk = k.shape
+    groups = v.shape[1] // hk
+    q = _l2norm(q).repeat_interleave(groups, dim=1) * dk ** -0.5
+    k = _l2norm(k).repeat_interleave(groups, dim=1)
+    v, g, beta = v.float(), g.float(), beta.float()
+    rows = query_start.numel() - 1
+    if t == rows:
+        out, s = _step(state[slots], q, k, v, g, beta)
+        state[slots] = s
+        return out
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    bounds = query_start.tolist()
+    for i, slot in enumerate(slots.tolist()):
+        s = state[slot][None]
+        for j in range(bounds[i], bounds[i + 1]):
+            o, s = _step(s, q[j:j + 1], k[j:j + 1], v[j:j + 1], g[j:j + 1], beta[j:j + 1])
+            out[j] = o[0]
+        state[slot] = s[0]
+    return out
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x, z [..., D] in the model's dtype; weight * x / rms(x) * SiLU(z), the
+    norm in float32 and rounded before the weight, the gate in float32."""
+    h = x.float()
+    h = (weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)).float()
+    return (h * F.silu(z.float())).to(x.dtype)

@@ -1,0 +1,133 @@
+"""Qwen35Decoder, the `llm` component: a packed `TokenBatch` of new tokens
+(and each row's state slot) in, logits [B, vocab] for one chosen token per
+row out. Prefill and decode are one computation over packed rows.
+
+Layers are gated delta nets (`delta_net.py`: per-row recurrent state) or
+gated attention over the paged KV cache: q and k RMS-normalised per head, a
+rotary over the first `rotary_dim` dims of each head (multimodal positions
+[3, T] interleaved, text's three axes equal), and the output scaled by
+sigmoid of a gate the query projection also yields. The KV pages hold only
+the attention layers, numbered in order (`Qwen35Config.attention_layers`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mstar.models.layers import CenteredRMSNorm, Linear, SwiGLU, VocabHead
+from mstar.models.layers.mrope import mrope_axes, mrope_cos_sin
+from mstar.models.qwen3_5.config import FULL, Qwen35Config
+from mstar.models.qwen3_5.delta_net import GatedDeltaNet
+from mstar.types import AttentionContext, TokenBatch
+
+Device = torch.device | str | None
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]: its first cos.shape[-1] dims rotated (rotate-half pairs), the rest as they are."""
+    dim = cos.shape[-1]
+    rot, rest = x[..., :dim], x[..., dim:]
+    half = dim // 2
+    turned = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    return torch.cat([rot * cos[:, None] + turned * sin[:, None], rest], dim=-1)
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: Qwen35Config, kv_layer: int, *, device: Device = None,
+                 dtype: torch.dtype | None = None) -> None:
+        """`kv_layer`: this layer's index in the KV pages."""
+        super().__init__()
+        self.kv_layer = kv_layer
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        bias = cfg.attention_bias
+        self.q_proj = Linear(cfg.hidden_size, 2 * self.heads * self.head_dim, bias, device=device, dtype=dtype)
+        self.k_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias, device=device, dtype=dtype)
+        self.v_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias, device=device, dtype=dtype)
+        self.o_proj = Linear(self.heads * self.head_dim, cfg.hidden_size, bias, device=device, dtype=dtype)
+        self.q_norm = CenteredRMSNorm(self.head_dim, cfg.rms_norm_eps, device=device, dtype=dtype)
+        self.k_norm = CenteredRMSNorm(self.head_dim, cfg.rms_norm_eps, device=device, dtype=dtype)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
+        t, d = x.shape[0], self.head_dim
+        q, gate = self.q_proj(x).reshape(t, self.heads, 2 * d).split(d, dim=-1)   # per head: query, then gate
+        q = _rotate(self.q_norm(q), cos, sin)
+        k = _rotate(self.k_norm(self.k_proj(x).reshape(t, self.kv_heads, d)), cos, sin)
+        v = self.v_proj(x).reshape(t, self.kv_heads, d)
+        out = attn.forward(self.kv_layer, q.contiguous(), k.contiguous(), v, self.scale)
+        return self.o_proj(out.reshape(t, self.heads * d) * torch.sigmoid(gate.reshape(t, self.heads * d)))
+
+
+class Qwen35Layer(nn.Module):
+    def __init__(self, cfg: Qwen35Config, layer: int, *, device: Device = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.input_layernorm = CenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
+        if cfg.layer_types[layer] == FULL:
+            self.self_attn = GatedAttention(cfg, cfg.attention_layers.index(layer), device=device, dtype=dtype)
+        else:
+            self.linear_attn = GatedDeltaNet(cfg, cfg.delta_layers.index(layer), device=device, dtype=dtype)
+        self.post_attention_layernorm = CenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, device=device, dtype=dtype)
+
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, residual) in, (this layer's MLP output, the stream before it) out, as a Llama layer's."""
+        h, residual = self.input_layernorm.stream(h, residual)
+        if hasattr(self, "self_attn"):
+            h = self.self_attn(h, cos, sin, batch.attn)
+        else:
+            assert batch.state is not None, "a delta-net layer needs the rows' state slots"
+            h = self.linear_attn(h, batch.state, batch.query_start)
+        h, residual = self.post_attention_layernorm.stream(h, residual)
+        return self.mlp(h), residual
+
+
+class Qwen35Decoder(nn.Module):
+    """The hybrid decoder stack with its LM head; parameters uninitialised
+    on `device` in `dtype` until the loader fills them."""
+
+    def __init__(self, cfg: Qwen35Config, *, tie_word_embeddings: bool | None = None, device: Device = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.tie_word_embeddings = cfg.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
+        head = VocabHead(cfg.hidden_size, cfg.vocab_size, device=device, dtype=dtype)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta", dtype=dtype)
+        self.embed_tokens.weight = head.weight if self.tie_word_embeddings else nn.Parameter(
+            torch.empty(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype), requires_grad=False)
+        self.layers = nn.ModuleList(Qwen35Layer(cfg, i, device=device, dtype=dtype)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = CenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
+        self.lm_head = head
+        dim = cfg.rotary_dim
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+        self.register_buffer("rope_axes", mrope_axes(cfg.mrope_section).to(device), persistent=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @torch.no_grad()
+    def forward(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
+        h = self.embed_tokens(batch.input_ids)
+        positions = batch.positions if batch.positions.dim() == 2 else batch.positions[None].expand(3, -1)
+        cos, sin = mrope_cos_sin(positions, self.inv_freq, self.rope_axes)
+        cos, sin = cos.to(h.dtype), sin.to(h.dtype)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            h, residual = layer(h, residual, cos, sin, batch)
+        rows = batch.logits_index
+        assert residual is not None
+        h, _ = self.norm.stream(h[rows], residual[rows])
+        return {"logits": self.lm_head(h)}
+
+    def prefill(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
+        """Rows of prompt tokens, each continuing from its slot's state and cached KV."""
+        return self.forward(batch)
+
+    def decode(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
+        """Rows of one new token each; the same computation as `prefill`."""
+        return self.forward(batch)
