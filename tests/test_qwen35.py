@@ -1,0 +1,127 @@
+"""Qwen3.5's hybrid text decoder (gated delta nets beside gated attention,
+per-row recurrent state) on the CPU against transformers' own
+`Qwen3_5ForCausalLM` with the same weights: greedy tokens equal for
+concurrent prompts batched in one decode group, with as many state slots as
+rows or fewer (rows wait for a slot), and under preemption (a swapped row's
+state leaves its slot and comes back); slots and pages all free after.
+The official `openai` client's completions and chat against `qwen3.5-tiny`."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import openai
+import pytest
+import pytest_asyncio
+import torch
+from http_support import serving
+from tiny_llama import generated
+from tiny_qwen35 import save_tiny_qwen35
+
+from mstar.config import EngineConfig, SchedulerConfig
+from mstar.engine.engine import Engine
+from mstar.models.qwen3_5.config import Qwen35Config
+from mstar.types import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = [[1, 5, 9, 33, 7], [1, *range(40, 140)], [1, 2], [1, *range(300, 330)], [1, 17, 17, 17]]
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+    """The folder, and transformers' greedy continuation of each prompt."""
+    folder = save_tiny_qwen35(tmp_path_factory.mktemp("qwen35"))
+    hf = transformers.Qwen3_5ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    want = []
+    with torch.no_grad():
+        for p in PROMPTS:
+            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=NEW, do_sample=False)
+            want.append(out[0, len(p):].tolist())
+    return folder, want
+
+
+def test_the_config_reads_the_layer_pattern_and_the_state_shapes(checkpoint: tuple[Path, list]) -> None:
+    from mstar.models.registry import load_model
+    model = load_model(str(checkpoint[0]))
+    cfg = model.config
+    assert isinstance(cfg, Qwen35Config)
+    assert cfg.attention_layers == (1, 3) and cfg.delta_layers == (0, 2) and cfg.rotary_dim == 8
+    assert model.kv_spec("llm").num_layers == 2
+    spec = dict((name, shape) for name, shape, _ in model.state_spec("llm").tensors)
+    assert spec == {"conv": (2, 2 * 2 * 16 + 4 * 16, 3), "rec": (2, 4, 16, 16)}
+
+
+async def _all(eng: Engine, prompts: list[list[int]]) -> list[list[int]]:
+    greedy = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    return list(await asyncio.gather(*(generated(eng, f"r{i}", p, greedy) for i, p in enumerate(prompts))))
+
+
+async def _free(eng: Engine, slots: int) -> None:
+    pool = eng.workers[0].scheduler.slots["llm"]
+    for _ in range(100):
+        if pool.num_free == slots and eng.pages_in_use() == 0:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{slots - pool.num_free} state slots, {eng.pages_in_use()} pages still held")
+
+
+@pytest.mark.parametrize("slots", [None, 2])
+async def test_greedy_tokens_equal_transformers(checkpoint: tuple[Path, list], slots: int | None) -> None:
+    folder, want = checkpoint
+    eng = Engine(EngineConfig(model=str(folder), scheduler=SchedulerConfig(page_size=4, state_slots=slots)))
+    await eng.start()
+    steps: list[int] = []
+    eng.add_report_hook(lambda r: steps.append(r.rows) if r.mode == "decode" else None)
+    try:
+        assert await _all(eng, PROMPTS) == want
+        assert max(steps) == (slots or len(PROMPTS))   # decode rows batched, never more than the slots
+        await _free(eng, slots or eng.config.scheduler.max_num_seqs)
+    finally:
+        await eng.shutdown()
+
+
+async def test_preempted_rows_carry_their_state_out_and_back(checkpoint: tuple[Path, list]) -> None:
+    """A KV pool smaller than the prompts need together (`--kv-reservation
+    lazy`): rows are swapped out mid-answer, and their recurrent state with
+    their pages."""
+    folder, want = checkpoint
+    eng = Engine(EngineConfig(model=str(folder), max_model_len=160, scheduler=SchedulerConfig(
+        page_size=4, num_pages=40, kv_reservation="lazy")))
+    await eng.start()
+    try:
+        assert await _all(eng, PROMPTS) == want
+        assert eng.workers[0].preemption.preempted > 0
+        await _free(eng, eng.config.scheduler.max_num_seqs)
+    finally:
+        await eng.shutdown()
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def client() -> AsyncIterator[openai.AsyncOpenAI]:
+    eng = Engine(EngineConfig(model="qwen3.5-tiny", scheduler=SchedulerConfig(page_size=4)))
+    await eng.start()
+    try:
+        async with serving(eng) as base:
+            api = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=30)
+            yield api
+            await api.close()
+    finally:
+        await eng.shutdown()
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_the_openai_client_completes_and_chats(client: openai.AsyncOpenAI) -> None:
+    greedy = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+    done = await client.completions.create(model="qwen3.5-tiny", prompt="Once upon", max_tokens=6, **greedy)
+    assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 6
+    stream = await client.completions.create(model="qwen3.5-tiny", prompt="Once upon", max_tokens=6, stream=True,
+                                             **greedy)
+    assert "".join([c.choices[0].text async for c in stream if c.choices]) == done.choices[0].text
+    chat = await client.chat.completions.create(model="qwen3.5-tiny", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=5, **greedy)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 5
