@@ -101,6 +101,32 @@ async def test_preempted_rows_carry_their_state_out_and_back(checkpoint: tuple[P
         await eng.shutdown()
 
 
+@pytest.mark.parametrize("mixed", [True, False])
+async def test_chunked_and_mixed_prefills_carry_the_state_on(checkpoint: tuple[Path, list], mixed: bool) -> None:
+    """Prompts arriving while others decode, in chunks of at most 16 tokens a
+    step: each chunk goes on from the state the one before left, riding in
+    the decode group's steps (mixed) or in steps of its own."""
+    folder, want = checkpoint
+    eng = Engine(EngineConfig(model=str(folder), scheduler=SchedulerConfig(
+        page_size=4, max_num_batched_tokens=16, mixed_steps=mixed)))
+    await eng.start()
+    chunks: list[int] = []
+    eng.add_report_hook(lambda r: chunks.append(r.rows) if r.mode == "prefill" else None)
+    greedy = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
+    try:
+        tasks = []
+        for i, prompt in enumerate(PROMPTS):
+            tasks.append(asyncio.ensure_future(generated(eng, f"r{i}", prompt, greedy)))
+            await asyncio.sleep(0.05)
+        assert list(await asyncio.gather(*tasks)) == want
+        stats = eng.workers[0].stats
+        assert (stats.mixed_rows > 0) == mixed
+        assert sum(chunks) + stats.mixed_rows >= 12   # unchunked, the 5 prompts would take 5 rows; chunked 12
+        await _free(eng, eng.config.scheduler.max_num_seqs)
+    finally:
+        await eng.shutdown()
+
+
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def client() -> AsyncIterator[openai.AsyncOpenAI]:
     eng = Engine(EngineConfig(model="qwen3.5-tiny", scheduler=SchedulerConfig(page_size=4)))

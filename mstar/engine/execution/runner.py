@@ -397,6 +397,8 @@ class ComponentRunner:
             query_start=m.query_start,
             logits_index=to_device(m.logits_index, self.device),
             attn=self.attention.plan(m.query_start, m.context_lens, m.block_tables),
+            state=self._state_rows(torch.cat([group.slots[sl], torch.tensor([r.slot for r in new.kv])]).long()
+                                   if self.state is not None else []),
         )
         with torch.profiler.record_function("mstar.forward"):
             return self._timed(getattr(self.module, group.mode))(batch)["logits"]

@@ -104,12 +104,12 @@ class DeviceWorker:
     # -------------------------------------------------------------- setup
 
     def _mixing(self) -> dict[str, frozenset[str]]:
-        """Per sampling KV component here (without per-row state), its
-        name-only modes whose rows may share a step (`Component.apart`)."""
+        """Per sampling KV component here, its name-only modes whose rows may
+        share a step (`Component.apart`)."""
         out = {}
         for name, modes in self.placed.items():
             comp = self.model.components[name]
-            if comp.kv_cache and comp.samples and not comp.state:
+            if comp.kv_cache and comp.samples:
                 out[name] = frozenset(m for m in modes if m not in comp.signatures and m not in comp.apart)
         return out
 

@@ -6,7 +6,8 @@ Only steps whose KV depends on nothing but what the keys hash qualify, on a
 component without per-row state (a prefix of KV would leave it empty) and no
 mode of which restarts its cache in place (that would write over shared
 pages). A sampling component's name-only token steps (token ids from
-position 0, one token out per row) may also run in parts. A step of a mode
+position 0, one token out per row) may also run in parts, with per-row
+state too (each chunk goes on from the state the one before left). A step of a mode
 with a signature may start from the cache when it reads only token ids,
 embeddings standing for some of them (media) and positions, and writes only
 its sampled token, last-token states, and states of every prompt token only
@@ -49,10 +50,14 @@ def prompt_row(store: TensorStore, comp: Component | None, step: Step, inputs: I
     token's row its pages keep)."""
     if row.pages or row.kv_len or row.swapped is not None or row.branch != "main":
         return PromptRow()
-    if comp is None or not comp.samples or comp.state or any(mode.reset for mode in comp.signatures.values()):
+    if comp is None or not comp.samples or any(mode.reset for mode in comp.signatures.values()):
         return PromptRow()
     salt = step.component.encode()
     sig = comp.signatures.get(step.mode)
+    if comp.state:   # its chunks carry the row's state on in its slot; a cached prefix would leave it empty
+        ref = inputs.get(step.inputs[0])
+        return PromptRow(chunkable=sig is None and isinstance(ref, TensorRef)
+                         and not store.get(ref).is_floating_point())
     if sig is not None:
         if not caching or not _reusable(sig, step, token_rows):
             return PromptRow()
