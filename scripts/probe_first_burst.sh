@@ -17,7 +17,7 @@ port=${FB_PORT:-18231}
 url=http://127.0.0.1:$port
 burst=${FB_BURST:-64}
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
-python3 -m mstar.http --model orpheus-3b --load-format dummy --host 127.0.0.1 --port "$port" --enable-profiling \
+python3 -m mstar.http --model orpheus-3b --load-format dummy --gpus 0 --host 127.0.0.1 --port "$port" --enable-profiling \
     ${FB_SERVER_ARGS:-} > "$OUT/fb_server.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null; wait $server 2>/dev/null' EXIT
