@@ -31,22 +31,31 @@ compiled() {  # kernels built since the server was healthy
   find "$TRITON_CACHE_DIR" "$HOME/.cache/flashinfer" -newer "$marker" -type f \( -name '*.json' -o -name '*.so' \) \
       2>/dev/null | grep -v '__grp__' | sed "s|$HOME/||"
 }
-level() {  # bench_tts against this server: a label, then its flags
+runs=$(mktemp -d)
+level() {  # bench_tts against this server: a label, then its flags; its JSON goes into $OUT/fb.tgz
   local label=$1; shift
-  timeout 200 python3 scripts/bench_tts.py --url "$url" --requests-per-client 1 --skip-baseline \
-      --out "$OUT/fb_$label.json" "$@" 2>&1 | grep -E "^\s*[0-9]+ |conc|TTFA" | tail -6 | sed "s/^/$label: /"
+  timeout 200 python3 scripts/bench_tts.py --url "$url" --requests-per-client 1 --skip-baseline --warmup 0 \
+      --out "$runs/$label.json" "$@" 2>&1 | grep -E "^ +[0-9]+ " | sed "s/^/$label: /"
 }
-level warmup --concurrency 1 --warmup 0
+profiled() {  # a level with the worker profiled from just before it (bench_tts takes ~2 s to send)
+  local label=$1; shift
+  curl -s -X POST "$url/debug/profile" -d '{"seconds": 8, "stacks": true, "rows": 40}' \
+      > "$OUT/fb_profile_$label.txt" &
+  local prof=$!
+  level "$label" "$@"
+  wait $prof
+}
+echo "  conc  reqs  errs  refd  ttfa p50  ttfa p99  rtf p50  rtf tot     sv  audio/s audio/req  wall s"
+level warmup --concurrency 1
 echo "compiled after the warm-up request:"; compiled; touch "$marker"
-curl -s -X POST "$url/debug/profile" -d '{"seconds": 4, "stacks": true, "rows": 40}' > "$OUT/fb_profile.txt" &
-prof=$!
-level burst1 --concurrency "$burst" --warmup 0
-wait $prof
+profiled burst1 --concurrency "$burst"
 echo "compiled during the first burst of $burst:"; compiled; touch "$marker"
-level burst2 --concurrency "$burst" --warmup 0
+level burst2 --concurrency "$burst"
 echo "compiled during the second burst:"; compiled
 for c in ${FB_LEVELS:-1 64}; do
-  level "c$c" --concurrency "$c" --warmup 0
-  level "c${c}_early" --concurrency "$c" --warmup 0 --early-audio
+  level "c$c" --concurrency "$c"
+  profiled "c${c}_early" --concurrency "$c" --early-audio
 done
-head -60 "$OUT/fb_profile.txt"
+level "again${burst}" --concurrency "$burst"
+tar czf "$OUT/fb.tgz" -C "$runs" .
+grep -i -E "warn|error|eager" "$OUT/fb_server.log" | head -20
