@@ -39,6 +39,7 @@ level() {  # bench_tts against this server: a label, then its flags; its JSON go
 }
 profiled() {  # a level with the worker profiled from just before it (bench_tts takes ~2 s to send)
   local label=$1; shift
+  [[ ${FB_PROFILE:-1} == 0 ]] && { level "$label" "$@"; return; }
   curl -s -X POST "$url/debug/profile" -d '{"seconds": 8, "stacks": true, "rows": 40}' \
       > "$OUT/fb_profile_$label.txt" &
   local prof=$!
@@ -56,6 +57,6 @@ for c in ${FB_LEVELS:-1 64}; do
   level "c$c" --concurrency "$c"
   profiled "c${c}_early" --concurrency "$c" --early-audio
 done
-level "again${burst}" --concurrency "$burst"
+[[ -n ${FB_AGAIN:-1} ]] && level "again${burst}" --concurrency "$burst"
 tar czf "$OUT/fb.tgz" -C "$runs" .
 grep -i -E "warn|error|eager" "$OUT/fb_server.log" | head -20

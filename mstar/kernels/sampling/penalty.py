@@ -48,9 +48,10 @@ def repetition_penalty_triton(logits: Tensor, seen: Tensor, penalty: Tensor) -> 
     return out
 
 
-# the logits' row stride is the head's padded width under a decode graph and the vocabulary
-# in an eager step: specialised on it, the first eager sample after startup waits for a compile
-@jit(per_row=("penalty_ptr",), any_value=("stride",))
+# the logits' row stride is the head's padded width under a decode graph and the vocabulary in an eager
+# step, and a group's rows start anywhere in its logits and seen flags (rows of 156,940 bytes are not
+# 16-byte aligned): specialised on those, a burst of a new shape waits for a compile
+@jit(per_row=("penalty_ptr", "logits_ptr", "seen_ptr"), any_value=("stride",))
 def _penalty_kernel(logits_ptr, stride, seen_ptr, penalty_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
