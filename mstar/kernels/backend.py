@@ -30,11 +30,12 @@ def jit(fn: Callable[..., Any] | None = None, *, per_row: tuple[str, ...] = (),
     """`triton.jit` where triton imports; otherwise the bare function, which
     is never launched because `use_triton` is then always False.
 
-    `per_row`: pointer parameters a program reads one value from (a row's
-    seed, top-p, ...). Triton compiles a kernel apart for each 16-byte
-    alignment of each pointer; these often point into a stack of per-row
-    columns, where the alignment follows the row count, so a burst of a new
-    size would wait seconds for a compile that buys a scalar load nothing.
+    `per_row`: pointer parameters not specialised on their 16-byte
+    alignment. Triton compiles a kernel apart for each alignment of each
+    pointer; a per-row column (a row's seed, top-p, ...) in a stack of them,
+    or a slice of rows starting anywhere in a batch, is aligned or not by the
+    row count or offset, so a burst of a new size would wait seconds for a
+    compile that buys a scalar load (or a wider load) little.
     `any_value`: integer parameters likewise not specialised (Triton
     compiles 1 and multiples of 16 apart) where their value varies by call."""
     def wrap(f: Callable[..., Any]) -> Any:
