@@ -31,11 +31,12 @@ PROMPTS = [[1, 5, 9, 33, 7], [1, *range(40, 140)], [1, 2], [1, *range(300, 330)]
 NEW = 12
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+def _checkpoint(folder: Path, experts: int = 0) -> tuple[Path, list[list[int]]]:
     """The folder, and transformers' greedy continuation of each prompt."""
-    folder = save_tiny_qwen35(tmp_path_factory.mktemp("qwen35"))
-    hf = transformers.Qwen3_5ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    save_tiny_qwen35(folder, experts=experts)
+    cls = transformers.Qwen3_5MoeForCausalLM if experts else transformers.Qwen3_5ForCausalLM
+    hf = cls.from_pretrained(folder, dtype=torch.float32).eval()
+    hf.generation_config.eos_token_id = None   # as the engine's ignore_eos: EOS is a token like any other
     want = []
     with torch.no_grad():
         for p in PROMPTS:
@@ -43,6 +44,27 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[lis
                               max_new_tokens=NEW, do_sample=False)
             want.append(out[0, len(p):].tolist())
     return folder, want
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+    return _checkpoint(tmp_path_factory.mktemp("qwen35"))
+
+
+def test_the_moe_decoder_matches_transformers(tmp_path: Path) -> None:
+    """`qwen3_5_moe`: experts stored one by one stack into the MoE layer's
+    weights; routed experts with renormalised weights beside a gated shared
+    expert. Greedy tokens of concurrent prompts equal transformers'."""
+    folder, want = _checkpoint(tmp_path, experts=4)
+
+    async def run() -> list[list[int]]:
+        eng = Engine(EngineConfig(model=str(folder), scheduler=SchedulerConfig(page_size=4)))
+        await eng.start()
+        try:
+            return await _all(eng, PROMPTS)
+        finally:
+            await eng.shutdown()
+    assert asyncio.run(run()) == want
 
 
 def test_the_config_reads_the_layer_pattern_and_the_state_shapes(checkpoint: tuple[Path, list]) -> None:

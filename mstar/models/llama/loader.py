@@ -21,6 +21,7 @@ from tqdm import tqdm
 from mstar.errors import ConfigError
 from mstar.models.checkpoint import mismatch_error
 from mstar.models.layers import MergedLinear
+from mstar.models.llama.model import LlamaDecoder
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -100,7 +101,7 @@ def target_of(hf_name: str) -> tuple[str, str | None] | None:
     return None
 
 
-def _expected(decoder: nn.Module) -> dict[tuple[str, str | None], torch.Tensor]:
+def _expected(decoder: LlamaDecoder) -> dict[tuple[str, str | None], torch.Tensor]:
     """Every (parameter, shard) slot that must be filled, with its view."""
     slots: dict[tuple[str, str | None], torch.Tensor] = {}
     modules = dict(decoder.named_modules())
@@ -114,12 +115,8 @@ def _expected(decoder: nn.Module) -> dict[tuple[str, str | None], torch.Tensor]:
     return slots
 
 
-def load_weights(decoder: nn.Module, folder: str | Path, progress: bool = True,
-                 target: Callable[[str], tuple[str, str | None] | None] = target_of, model: str = "llama") -> None:
-    """Fill `decoder` (a `tie_word_embeddings` decoder of merged projections)
-    from the safetensors checkpoint in `folder`; `target` maps a checkpoint
-    name to its (parameter, merged shard), None for a name the decoder does
-    not know, "" for one it skips; `model` names the model in errors."""
+def load_weights(decoder: LlamaDecoder, folder: str | Path, progress: bool = True) -> None:
+    """Fill `decoder` from the safetensors checkpoint in `folder`."""
     files = CheckpointFiles(folder)
     slots = _expected(decoder)
     filled: set[tuple[str, str | None]] = set()
@@ -129,22 +126,22 @@ def load_weights(decoder: nn.Module, folder: str | Path, progress: bool = True,
         bar.update(1)
         if IGNORED.fullmatch(hf_name):
             continue
-        found = target(hf_name)
-        if found == ("", None) or found == ("lm_head.weight", None) and decoder.tie_word_embeddings:
-            continue  # a part the model does not serve; or tied: the embedding is the head
-        if found is None or found not in slots:
+        target = target_of(hf_name)
+        if target == ("lm_head.weight", None) and decoder.tie_word_embeddings:
+            continue  # tied: the embedding is the head
+        if target is None or target not in slots:
             unexpected.append(hf_name)
             continue
-        slot = slots[found]
+        slot = slots[target]
         if tuple(tensor.shape) != tuple(slot.shape):
             raise ConfigError(f"{folder}: tensor '{hf_name}' has shape {tuple(tensor.shape)}, "
                               f"the config expects {tuple(slot.shape)}")
         slot.copy_(tensor)
-        filled.add(found)
+        filled.add(target)
     bar.close()
     missing = sorted(f"{p}[{s}]" if s else p for p, s in set(slots) - filled)
     if missing or unexpected:
-        raise mismatch_error(folder, model, missing, list(unexpected))
+        raise mismatch_error(folder, "llama", missing, list(unexpected))
 
 
 def dummy_weights(decoder: nn.Module, seed: int = 0) -> None:

@@ -8,6 +8,8 @@ rotary over the first `rotary_dim` dims of each head (multimodal positions
 [3, T] interleaved, text's three axes equal), and the output scaled by
 sigmoid of a gate the query projection also yields. The KV pages hold only
 the attention layers, numbered in order (`Qwen35Config.attention_layers`).
+The feed-forward is a SwiGLU, or in a MoE decoder a sparse MoE with a shared
+expert behind a sigmoid gate (its routing weights renormalised).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from torch import nn
 
 from mstar.models.layers import CenteredRMSNorm, Linear, SwiGLU, VocabHead
+from mstar.models.layers.moe import SparseMoe
 from mstar.models.layers.mrope import mrope_axes, mrope_cos_sin
 from mstar.models.qwen3_5.config import FULL, Qwen35Config
 from mstar.models.qwen3_5.delta_net import GatedDeltaNet
@@ -41,21 +44,21 @@ class GatedAttention(nn.Module):
         self.kv_layer = kv_layer
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
-        bias = cfg.attention_bias
-        self.q_proj = Linear(cfg.hidden_size, 2 * self.heads * self.head_dim, bias, device=device, dtype=dtype)
-        self.k_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias, device=device, dtype=dtype)
-        self.v_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias, device=device, dtype=dtype)
-        self.o_proj = Linear(self.heads * self.head_dim, cfg.hidden_size, bias, device=device, dtype=dtype)
+        # one projection for the query with its gate (per head: query, then gate), the key and the value
+        self.qkv_rows = (2 * self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim)
+        self.qkv = Linear(cfg.hidden_size, sum(self.qkv_rows), cfg.attention_bias, device=device, dtype=dtype)
+        self.o_proj = Linear(self.heads * self.head_dim, cfg.hidden_size, cfg.attention_bias, device=device,
+                             dtype=dtype)
         self.q_norm = CenteredRMSNorm(self.head_dim, cfg.rms_norm_eps, device=device, dtype=dtype)
         self.k_norm = CenteredRMSNorm(self.head_dim, cfg.rms_norm_eps, device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
-        q, gate = self.q_proj(x).reshape(t, self.heads, 2 * d).split(d, dim=-1)   # per head: query, then gate
+        qg, k, v = self.qkv(x).split(self.qkv_rows, dim=-1)
+        q, gate = qg.reshape(t, self.heads, 2 * d).split(d, dim=-1)
         q = _rotate(self.q_norm(q), cos, sin)
-        k = _rotate(self.k_norm(self.k_proj(x).reshape(t, self.kv_heads, d)), cos, sin)
-        v = self.v_proj(x).reshape(t, self.kv_heads, d)
-        out = attn.forward(self.kv_layer, q.contiguous(), k.contiguous(), v, self.scale)
+        k = _rotate(self.k_norm(k.reshape(t, self.kv_heads, d)), cos, sin)
+        out = attn.forward(self.kv_layer, q.contiguous(), k.contiguous(), v.reshape(t, self.kv_heads, d), self.scale)
         return self.o_proj(out.reshape(t, self.heads * d) * torch.sigmoid(gate.reshape(t, self.heads * d)))
 
 
@@ -69,7 +72,9 @@ class Qwen35Layer(nn.Module):
         else:
             self.linear_attn = GatedDeltaNet(cfg, cfg.delta_layers.index(layer), device=device, dtype=dtype)
         self.post_attention_layernorm = CenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, device=device, dtype=dtype)
+        self.mlp = SparseMoe(cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts, cfg.num_experts_per_tok, True,
+                             cfg.shared_expert_intermediate_size, device=device, dtype=dtype) if cfg.num_experts \
+            else SwiGLU(cfg.hidden_size, cfg.intermediate_size, device=device, dtype=dtype)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 batch: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,41 +3,28 @@
 A `Qwen3_5ForCausalLM` checkpoint names the decoder `model.*`, a
 `Qwen3_5ForConditionalGeneration` one `model.language_model.*` beside its
 vision tower (`model.visual.*`, not served yet) and both may carry
-multi-token-prediction layers (`mtp.*`, unused). Parameters keep the
-checkpoint's names but for the MLP's gate and up projections, which share
-one merged weight.
+multi-token-prediction layers (`mtp.*`, unused), which it does not read.
+Parameters keep the checkpoint's names but where `weight_map` merges
+(an attention's q, k and v, a SwiGLU's gate and up) or stacks (experts).
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch
 
-from mstar.models.llama.loader import dummy_param, dummy_seed, load_weights
+from mstar.models.llama.loader import dummy_param, dummy_seed
 from mstar.models.qwen3_5.decoder import Qwen35Decoder
+from mstar.models.weight_map import Part, load_mapped
 
-SKIPPED = re.compile(r"(model\.visual\.|mtp\.).*")
-PREFIXES = ("model.language_model.", "model.")
-MLP = {"gate_proj": ("mlp.gate_up", "gate"), "up_proj": ("mlp.gate_up", "up"), "down_proj": ("mlp.down", None)}
-
-
-def target_of(hf_name: str) -> tuple[str, str | None] | None:
-    """(decoder parameter, merged shard or None) of a checkpoint tensor;
-    ("", None) for one the model skips."""
-    if SKIPPED.fullmatch(hf_name):
-        return "", None
-    name = next((hf_name[len(p):] for p in PREFIXES if hf_name.startswith(p)), hf_name)
-    m = re.fullmatch(r"(layers\.\d+\.)mlp\.(\w+)\.weight", name)
-    if m and m.group(2) in MLP:
-        path, shard = MLP[m.group(2)]
-        return f"{m.group(1)}{path}.weight", shard
-    return name, None
+# the text decoder of a CausalLM or a ConditionalGeneration checkpoint (beside `model.visual.*`, `mtp.*`)
+TEXT = Part("qwen3.5", (("model.language_model.", ""), ("model.", ""), ("lm_head.", "lm_head.")),
+            ("model.language_model.", "model.embed_tokens.", "model.layers.", "model.norm.", "lm_head."))
 
 
 def load_checkpoint(decoder: Qwen35Decoder, folder: str | Path) -> None:
-    load_weights(decoder, folder, target=target_of, model="qwen3.5")
+    load_mapped(decoder, folder, TEXT)
 
 
 def dummy_weights(decoder: Qwen35Decoder, seed: int = 0) -> None:

@@ -69,8 +69,6 @@ class Qwen35Model(Model):
             self._tokenizer = Tokenizer.from_folder(self.path) if (self.path / "tokenizer.json").is_file() else None
             eos = read_optional_json(self.path / "generation_config.json").get("eos_token_id")
             self._generation_eos = (eos,) if isinstance(eos, int) else tuple(eos or ())
-        if self.config.num_experts:
-            raise ConfigError(f"model '{name}': Qwen3.5's mixture-of-experts decoder is not served yet")
         limit = self.config.max_position_embeddings
         if max_model_len is not None and not 0 < max_model_len <= limit:
             raise ConfigError(f"--max-model-len {max_model_len} is outside 1..{limit} for model '{name}'")

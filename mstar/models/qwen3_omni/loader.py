@@ -1,195 +1,34 @@
 """Qwen3-Omni weights from a Hugging Face folder (safetensors, as
-transformers saves `Qwen3OmniMoeForConditionalGeneration`): checkpoint names
-in, the parameters of mstar's modules filled, for the thinker's text decoder
-and for the talker with its code predictor.
-
-A name finds its parameter in two steps: a prefix picks the part and where
-in the module it lands (`talker.code_predictor.model.` -> `code_predictor.`),
-then the feed-forward's pieces find their place. Experts stored one by one
-(`mlp.experts.E.{gate,up,down}_proj`) are stacked into the layout the MoE
-layer runs ([E, 2I, H] gate then up, [E, H, I] down); the gate and up
-projections of a shared expert or a dense MLP fill the two halves of one
-merged weight, and an attention's q, k and v projections the three row
-blocks of its `qkv`.
+transformers saves `Qwen3OmniMoeForConditionalGeneration`): the parts of its
+checkpoint that fill the thinker's text decoder and the talker with its code
+predictor (`weight_map.py` does the filling).
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from torch import nn
-
-from mstar.errors import ConfigError
-from mstar.models.checkpoint import mismatch_error
-from mstar.models.llama.loader import CheckpointFiles
 from mstar.models.qwen3_omni.speech.talker import TalkerDecoder
 from mstar.models.qwen3_omni.thinker import ThinkerDecoder
+from mstar.models.weight_map import Part, load_mapped
 
-# (expert, shard): which slice of a parameter a checkpoint tensor fills; (None, None) is all of it
-Piece = tuple[int | None, str | None]
-
-# checkpoint MLP names (after the part's prefix) -> mstar's parameter; `expert` and `shard` name the piece
-_MLP = (
-    (re.compile(r"(.+\.mlp)\.experts\.(?P<expert>\d+)\.(?P<shard>gate|up)_proj\.weight"), r"\1.gate_up"),
-    (re.compile(r"(.+\.mlp)\.experts\.(?P<expert>\d+)\.(?P<shard>down)_proj\.weight"), r"\1.down"),
-    (re.compile(r"(.+\.mlp)\.shared_expert\.(?P<shard>gate|up)_proj\.weight"), r"\1.shared.gate_up.weight"),
-    (re.compile(r"(.+\.mlp)\.shared_expert\.down_proj\.weight"), r"\1.shared.down.weight"),
-    (re.compile(r"(.+\.mlp)\.shared_expert_gate\.weight"), r"\1.shared_gate.weight"),
-    (re.compile(r"(.+\.mlp)\.gate\.weight"), r"\1.router"),
-    (re.compile(r"(.+\.mlp)\.(?P<shard>gate|up)_proj\.weight"), r"\1.gate_up.weight"),
-    (re.compile(r"(.+\.mlp)\.down_proj\.weight"), r"\1.down.weight"),
-    (re.compile(r"(.+\.self_attn)\.(?P<shard>q|k|v)_proj\.(?P<kind>weight|bias)"), r"\1.qkv.\g<kind>"),
-)
-
-
-@dataclass(frozen=True)
-class _Part:
-    what: str                              # as errors name it
-    prefixes: tuple[tuple[str, str], ...]  # checkpoint prefix -> module prefix; the first that matches
-    owned: tuple[str, ...]                 # checkpoint names under these must each fill a parameter
-
-
-_THINKER = _Part("qwen3-omni thinker", (("thinker.lm_head.", "lm_head."), ("thinker.model.", "")),
-                 ("thinker.model.", "thinker.lm_head."))
-_TALKER = _Part("qwen3-omni talker",
-                (("talker.model.", ""), ("talker.code_predictor.model.", "code_predictor."),
-                 ("talker.code_predictor.lm_head.", "code_predictor.lm_head."), ("talker.", ""),
-                 ("thinker.model.embed_tokens.", "thinker_embed.")),  # the talker's copy of the thinker's table
-                ("talker.", "thinker.model.embed_tokens."))
-
-
-def _target(part: _Part, name: str) -> tuple[str, Piece] | None:
-    """The parameter a checkpoint tensor fills and which piece of it; None:
-    not one of the part's names."""
-    for prefix, local in part.prefixes:
-        if name.startswith(prefix):
-            break
-    else:
-        return None
-    name = local + name[len(prefix):]
-    for pattern, replacement in _MLP:
-        match = pattern.fullmatch(name)
-        if match is not None:
-            groups = match.groupdict()
-            expert = groups.get("expert")
-            return match.expand(replacement), (None if expert is None else int(expert), groups.get("shard"))
-    return name, (None, None)
-
-
-def _fill(param: torch.Tensor, piece: Piece, tensor: torch.Tensor, blocks: tuple[int, int, int] | None) -> None:
-    """`blocks`: the rows of q, k and v in a merged qkv parameter."""
-    expert, shard = piece
-    view = param if expert is None else param[expert]
-    if shard in ("gate", "up"):  # both merged layouts hold gate then up, half and half
-        half = view.shape[0] // 2
-        view = view[:half] if shard == "gate" else view[half:]
-    elif shard in ("q", "k", "v"):
-        assert blocks is not None
-        q, k, v = blocks
-        start, rows = {"q": (0, q), "k": (q, k), "v": (q + k, v)}[shard]
-        view = view[start:start + rows]
-    if view.shape != tensor.shape:
-        raise ValueError(f"a checkpoint tensor of shape {tuple(tensor.shape)} cannot fill {tuple(view.shape)}")
-    view.copy_(tensor)
-
-
-def _expected(params: dict[str, torch.Tensor]) -> set[tuple[str, int | None, str | None]]:
-    """What a complete checkpoint fills: each plain parameter whole, each
-    merged gate/up weight by halves, each stacked expert parameter per
-    expert and projection."""
-    out: set[tuple[str, int | None, str | None]] = set()
-    for name, p in params.items():
-        stacked = ("gate", "up") if name.endswith(".gate_up") else ("down",) if name.endswith(".down") else ()
-        if stacked and p.dim() == 3:
-            out |= {(name, e, which) for e in range(p.shape[0]) for which in stacked}
-        elif name.endswith(".gate_up.weight"):
-            out |= {(name, None, "gate"), (name, None, "up")}
-        elif name.endswith((".qkv.weight", ".qkv.bias")):
-            out |= {(name, None, "q"), (name, None, "k"), (name, None, "v")}
-        else:
-            out.add((name, None, None))
-    return out
-
-
-def _qkv_blocks(module: nn.Module) -> dict[str, tuple[int, int, int]]:
-    """Each merged qkv weight's and bias's rows of q, k and v, by parameter
-    name: of every attention with a `qkv` projection and `heads`,
-    `kv_heads` and `head_dim`."""
-    return {f"{name}.qkv.{kind}": (m.heads * m.head_dim, m.kv_heads * m.head_dim, m.kv_heads * m.head_dim)
-            for name, m in module.named_modules()
-            if isinstance(getattr(m, "qkv", None), nn.Module) and hasattr(m, "kv_heads") for kind in ("weight", "bias")}
-
-
-def _load(module: nn.Module, folder: str | Path, part: _Part) -> None:
-    params = dict(module.named_parameters())
-    blocks = _qkv_blocks(module)
-    filled: set[tuple[str, int | None, str | None]] = set()
-    unknown: list[str] = []
-    with torch.no_grad():
-        for name, tensor in CheckpointFiles(folder).tensors(lambda n: n.startswith(part.owned)):
-            target = _target(part, name)
-            param = None if target is None else params.get(target[0])
-            if target is None or param is None:
-                unknown.append(name)
-                continue
-            try:
-                _fill(param, target[1], tensor, blocks.get(target[0]))
-            except ValueError as e:
-                raise ConfigError(f"{part.what} checkpoint {folder}: '{name}': {e}") from e
-            filled.add((target[0], *target[1]))
-    missing = sorted({name for name, _, _ in _expected(params) - filled})
-    if missing or unknown:
-        raise mismatch_error(folder, part.what, missing, unknown)
+_THINKER = Part("qwen3-omni thinker", (("thinker.lm_head.", "lm_head."), ("thinker.model.", "")),
+                ("thinker.model.", "thinker.lm_head."))
+_TALKER = Part("qwen3-omni talker",
+               (("talker.model.", ""), ("talker.code_predictor.model.", "code_predictor."),
+                ("talker.code_predictor.lm_head.", "code_predictor.lm_head."), ("talker.", ""),
+                ("thinker.model.embed_tokens.", "thinker_embed.")),  # the talker's copy of the thinker's table
+               ("talker.", "thinker.model.embed_tokens."))
 
 
 def load_thinker(decoder: ThinkerDecoder, folder: str | Path) -> None:
     """Fill `decoder` from `folder`; a `ConfigError` names what is missing
     or left over."""
-    _load(decoder, folder, _THINKER)
+    load_mapped(decoder, folder, _THINKER)
 
 
 def load_talker(talker: TalkerDecoder, folder: str | Path) -> None:
     """Fill `talker` (its code predictor and its copy of the thinker's
     embedding table with it) from `folder`; a `ConfigError` names what is
     missing or left over."""
-    _load(talker, folder, _TALKER)
-
-
-def load_part(module: nn.Module, folder: str | Path, prefix: str, what: str) -> None:
-    """Fill a part whose parameters are the checkpoint's tensors under
-    `prefix`, one to one, but for each attention's q, k and v projections
-    (weights and biases), which fill the row blocks of its merged `qkv`; a
-    `ConfigError` (`what` names the part) lists what is missing or left over."""
-    _load(module, folder, _Part(what, ((prefix, ""),), (prefix,)))
-
-
-def fill_params(module: nn.Module, folder: str | Path, prefix: str, what: str,
-                target: Callable[[str], str | None] = lambda local: local,
-                adapt: Callable[[str, torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
-    """Fill a part whose parameters map one to one onto checkpoint tensors
-    (the encoders, code2wav) from the tensors under `prefix`, reading only
-    those: `target` names the parameter a tensor fills (its name past the
-    prefix in; None: no parameter), `adapt(name, tensor, param)` may reshape
-    it first. A `ConfigError` (`what` names the part) lists the parameters
-    nothing filled and the tensors that fill nothing, or fit nothing."""
-    params = dict(module.named_parameters())
-    filled: set[str] = set()
-    unknown: list[str] = []
-    with torch.no_grad():
-        for name, tensor in CheckpointFiles(folder).tensors(lambda n: n.startswith(prefix)):
-            local = target(name[len(prefix):])
-            param = params.get(local) if local is not None else None
-            if param is not None and adapt is not None:
-                tensor = adapt(name, tensor, param)
-            if param is None or param.shape != tensor.shape:
-                unknown.append(name if param is None else f"{name} {list(tensor.shape)}")
-                continue
-            param.copy_(tensor)
-            filled.add(local)
-    missing = sorted(set(params) - filled)
-    if missing or unknown:
-        raise mismatch_error(folder, what, missing, unknown)
+    load_mapped(talker, folder, _TALKER)

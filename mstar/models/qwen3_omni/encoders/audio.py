@@ -34,7 +34,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from mstar.kernels.host_copy import to_device
 from mstar.models.layers.linear import Linear, padded_rows
 from mstar.models.qwen3_omni.config import AudioEncoderConfig
-from mstar.models.qwen3_omni.loader import load_part
+from mstar.models.weight_map import load_part
 from mstar.models.qwen3_omni.positions import MEL_CHUNK, TOKENS_PER_CHUNK
 
 Device = torch.device | str | None

@@ -33,7 +33,7 @@ from torch import nn
 
 from mstar.models.layers.linear import Linear
 from mstar.models.qwen3_omni.config import VisionEncoderConfig
-from mstar.models.qwen3_omni.loader import fill_params
+from mstar.models.weight_map import fill_params
 from mstar.models.qwen3_omni.thinker import rotate
 
 Device = torch.device | str | None

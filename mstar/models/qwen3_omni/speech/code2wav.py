@@ -29,7 +29,7 @@ from torch import nn
 from mstar.errors import ConfigError
 from mstar.models.base import StateSpec
 from mstar.models.qwen3_omni.config import Code2WavConfig
-from mstar.models.qwen3_omni.loader import fill_params
+from mstar.models.weight_map import fill_params
 from mstar.models.qwen3_omni.speech.code2wav_blocks import (
     KERNEL,
     CausalConv,
