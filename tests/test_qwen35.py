@@ -173,3 +173,26 @@ async def test_the_openai_client_completes_and_chats(client: openai.AsyncOpenAI)
     chat = await client.chat.completions.create(model="qwen3.5-tiny", messages=[{"role": "user", "content": "hi"}],
                                                 max_tokens=5, **greedy)
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 5
+
+
+@pytest.mark.parametrize("n", [1, 16, 63, 64, 150])
+def test_the_chunked_delta_rule_equals_the_token_by_token_one(n: int) -> None:
+    """`chunked_delta_rule` (long prompts: one triangular solve a chunk)
+    against the recurrence it stands for, from a state that is not empty,
+    with decays strong and weak and write strengths from 0 to 1."""
+    from mstar.kernels import delta_rule
+    gen = torch.Generator().manual_seed(n)
+    h, dk, dv = 3, 8, 5
+    q = delta_rule._l2norm(torch.randn(n, h, dk, generator=gen)) * dk ** -0.5
+    k = delta_rule._l2norm(torch.randn(n, h, dk, generator=gen))
+    v = torch.randn(n, h, dv, generator=gen)
+    g = -torch.rand(n, h, generator=gen) * 3
+    beta = torch.rand(n, h, generator=gen)
+    s0 = torch.randn(h, dk, dv, generator=gen)
+    out, s = delta_rule.chunked_delta_rule(q, k, v, g, beta, s0, chunk=16)
+    want, state = torch.empty_like(v), s0[None]
+    for t in range(n):
+        o, state = delta_rule._step(state, q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1])
+        want[t] = o[0]
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(s, state[0], atol=1e-5, rtol=1e-5)

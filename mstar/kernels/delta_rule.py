@@ -6,7 +6,8 @@ per-row state (torch references; they run on any device).
   which it then updates.
 - `delta_rule_rows`: the gated delta rule over each row's tokens, from and
   back into its slot's recurrent state [Hv, Dk, Dv] (float32). Rows of one
-  token each (decode) update together; longer rows go token by token.
+  token each (decode) update together; a long row goes by chunks
+  (`chunked_delta_rule`), a short one token by token.
 - `gated_rms_norm`: RMS-normalise each head's output, weight it, gate it by
   SiLU(z).
 
@@ -20,6 +21,8 @@ import torch
 import torch.nn.functional as F
 
 L2_EPS = 1e-6
+CHUNK = 64          # tokens a chunk of `chunked_delta_rule` solves at once
+CHUNKED_FROM = 16   # a row of this many tokens or more goes by chunks; shorter ones token by token
 
 
 def causal_conv_rows(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
@@ -76,12 +79,53 @@ def delta_rule_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     bounds = query_start.tolist()
     for i, slot in enumerate(slots.tolist()):
+        start, end = bounds[i], bounds[i + 1]
+        if end - start >= CHUNKED_FROM:
+            out[start:end], state[slot] = chunked_delta_rule(q[start:end], k[start:end], v[start:end],
+                                                             g[start:end], beta[start:end], state[slot])
+            continue
         s = state[slot][None]
-        for j in range(bounds[i], bounds[i + 1]):
+        for j in range(start, end):
             o, s = _step(s, q[j:j + 1], k[j:j + 1], v[j:j + 1], g[j:j + 1], beta[j:j + 1])
             out[j] = o[0]
         state[slot] = s[0]
     return out
+
+
+def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       s0: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """One row's n tokens at once, `chunk` at a time: q, k [n, H, Dk] (q
+    scaled, both normalised), v [n, H, Dv], g, beta [n, H], s0 [H, Dk, Dv],
+    all float32 -> (out [n, H, Dv], the state after the last token).
+
+    Within a chunk from state S0, with G the running sum of g and
+    D[t, i] = exp(G[t] - G[i]), the state after token t is
+    exp(G[t]) S0 + sum over i <= t of D[t, i] k_i u_i^T, where the writes u
+    solve (I + tril(beta D (K K^T), -1)) U = beta (V - exp(G) K S0): one
+    triangular solve a chunk instead of a step a token."""
+    n, h, dk = k.shape
+    pad = -n % chunk
+    q, k, v, g, beta = (F.pad(x, (0, 0) * (x.dim() - 1) + (0, pad)) if pad else x for x in (q, k, v, g, beta))
+    # [H, chunks, C, ...]: heads and chunks batch the matmuls; the scan over chunks carries the state
+    q, k, v = (x.reshape(-1, chunk, h, x.shape[-1]).permute(2, 0, 1, 3) for x in (q, k, v))
+    g, beta = (x.reshape(-1, chunk, h).permute(2, 0, 1) for x in (g, beta))
+    cum = g.cumsum(-1)                                                    # G: [H, N, C]
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=k.device).tril()
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~lower, float("-inf")).exp()   # D, 0 above
+    kk = (k @ k.transpose(-1, -2)) * decay * beta[..., None]
+    system = torch.eye(chunk, device=k.device) + kk.tril(-1)
+    writes = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False)          # the U of S0 = 0
+    from_state = torch.linalg.solve_triangular(system, k * (beta * cum.exp())[..., None], upper=False)
+    attend = (q @ k.transpose(-1, -2)) * decay                            # D * (Q K^T), 0 above the diagonal
+    tail = (cum[..., -1:] - cum).exp()[..., None]                         # exp(G[C] - G[i])
+    out = torch.empty_like(v)
+    s = s0
+    for c in range(q.shape[1]):
+        u = writes[:, c] - from_state[:, c] @ s
+        out[:, c] = (q[:, c] * cum[:, c, :, None].exp()) @ s + attend[:, c] @ u
+        s = s * cum[:, c, -1, None, None].exp() + (k[:, c] * tail[:, c]).transpose(-1, -2) @ u
+    out = out.permute(1, 2, 0, 3).reshape(-1, h, v.shape[-1])
+    return out[:n], s
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
