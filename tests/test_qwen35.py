@@ -23,7 +23,7 @@ from tiny_qwen35 import save_tiny_qwen35
 from mstar.config import EngineConfig, SchedulerConfig
 from mstar.engine.engine import Engine
 from mstar.models.qwen3_5.config import Qwen35Config
-from mstar.types import SamplingParams
+from mstar.types import GenerateRequest, SamplingParams
 
 transformers = pytest.importorskip("transformers")
 
@@ -196,3 +196,25 @@ def test_the_chunked_delta_rule_equals_the_token_by_token_one(n: int) -> None:
         want[t] = o[0]
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(s, state[0], atol=1e-5, rtol=1e-5)
+
+
+async def test_metrics_and_health_count_the_state_slots(checkpoint: tuple[Path, list]) -> None:
+    eng = Engine(EngineConfig(model=str(checkpoint[0]), scheduler=SchedulerConfig(page_size=4, state_slots=3)))
+    await eng.start()
+    try:
+        labels = '{device="cpu",component="llm"}'
+        stream = eng.submit(GenerateRequest("long", eng.model_name, {"prompt_ids": [1, 2, 3]},
+                                            SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)))
+        async for chunk in stream:
+            if chunk.token_ids:
+                break
+        text = eng.metrics_text()
+        assert f"mstar_state_slots_in_use{labels} 1" in text and f"mstar_state_slots_total{labels} 3" in text
+        assert eng.health()["devices"][0]["state_slots"] == {"llm": {"in_use": 1, "total": 3}}
+        eng.abort("long")
+        async for _ in stream:
+            pass
+        await _free(eng, 3)
+        assert f"mstar_state_slots_in_use{labels} 0" in eng.metrics_text()
+    finally:
+        await eng.shutdown()

@@ -195,7 +195,8 @@ class Engine:
             "status": "ok" if ok else "unhealthy",
             "model": self.model_name,
             "devices": [{"device": w.name, "alive": w.alive, "components": w.components,
-                         "kv_pages_in_use": w.pages_in_use(), "prefix_cache": w.prefix_caches()}
+                         "kv_pages_in_use": w.pages_in_use(), "prefix_cache": w.prefix_caches(),
+                         "state_slots": w.state_slots()}
                         for w in self.workers],
             "placement": describe(self.placement) if self.workers else {},
             "requests_running": len(self._states),

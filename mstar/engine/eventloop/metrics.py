@@ -121,6 +121,8 @@ class EngineMetrics:
         pools = [((("device", w.name), ("component", c)), p) for w in workers for c, p in list(w.pools.items())]
         caches = [((("device", w.name), ("component", c)), stats) for w in workers
                   for c, stats in w.prefix_caches().items()]
+        slots = [((("device", w.name), ("component", c)), n) for w in workers if hasattr(w, "state_slots")
+                 for c, n in w.state_slots().items()]
         dropped = outputs_dropped + sum(w.stats.cancelled_steps + w.stats.dropped_rows for w in workers)
         preempted = sum(w.preemption.preempted for w in workers if getattr(w, "preemption", None) is not None)
         parts = [
@@ -149,6 +151,11 @@ class EngineMetrics:
                    [(labels, p.num_used) for labels, p in pools]),
             family("mstar_kv_pages_total", "gauge", "KV cache pages in the pool.",
                    [(labels, p.num_pages) for labels, p in pools]),
+            family("mstar_state_slots_in_use", "gauge",
+                   "Slots of per-row state (a recurrent layer's) held by rows, per device and component.",
+                   [(labels, n["in_use"]) for labels, n in slots]),
+            family("mstar_state_slots_total", "gauge", "Slots of per-row state in the pool (--state-slots).",
+                   [(labels, n["total"]) for labels, n in slots]),
             family("mstar_prefix_cache_queries_total", "counter",
                    "Prompt tokens of new rows looked up in the prefix cache.",
                    [(labels, c["queries"]) for labels, c in caches]),

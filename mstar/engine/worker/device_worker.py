@@ -92,6 +92,12 @@ class DeviceWorker:
     def pages_in_use(self) -> dict[str, int]:
         return {name: pool.num_used for name, pool in self.pools.items()}
 
+    def state_slots(self) -> dict[str, dict[str, int]]:
+        """Per component with per-row state: its slots held by rows, of how many."""
+        if not hasattr(self, "scheduler"):  # its setup failed
+            return {}
+        return {name: {"in_use": pool.num_used, "total": pool.num_pages} for name, pool in self.scheduler.slots.items()}
+
     def prefix_caches(self) -> dict[str, dict[str, int]]:
         """Per KV component with a prefix cache: pages holding a cached prefix
         (`pages`; `unheld`: of those, held by no row), and prompt tokens looked
