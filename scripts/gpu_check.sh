@@ -94,7 +94,7 @@ if [[ $what == tests || $what == all ]]; then
   tests=$(ls tests/test_kernels_gpu.py tests/test_flashinfer_attention.py tests/test_paged_layout.py \
             tests/test_gpu_engine.py tests/test_llama_parity_model.py tests/test_paged_attention.py \
             tests/test_orpheus_gpu.py tests/test_logprobs_gpu.py tests/test_decode_graphs_gpu.py tests/test_sampler_graphs_gpu.py tests/test_prefix_cache.py \
-            tests/test_mixed_graphs_gpu.py tests/test_mixed_steps.py 2>/dev/null)
+            tests/test_mixed_graphs_gpu.py tests/test_mixed_steps.py tests/test_qwen35_gpu.py 2>/dev/null)
   timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider -o timeout=250 $tests > "$OUT/gpu_tests.txt" 2>&1
   rc=$?
   # the toys' runtime paths on CUDA (their CPU cases run in CI)

@@ -20,6 +20,7 @@ from mstar.config import EngineConfig
 from mstar.engine.memory.attention import TorchPagedAttention
 from mstar.engine.execution.cuda_graphs import DecodeGraphs
 from mstar.engine.memory.kv_cache import KVCache
+from mstar.engine.memory.state_slots import StatePool
 from mstar.engine.execution.kv_mode_graphs import KVModeGraphs
 from mstar.engine.execution.mixed_graphs import MIXED_TOKEN_BUCKETS, MixedGraphs
 from mstar.engine.execution.mode_graphs import ModeGraphs
@@ -93,11 +94,11 @@ def attention_backend(cache: KVCache, num_q_heads: int, max_pages_per_row: int,
 
 def decode_graphs(step: Callable[[TokenBatch], dict[str, torch.Tensor]], backend: AttentionBackend,
                   device: torch.device, config: EngineConfig, outputs: Sequence[str] = ("logits",),
-                  axes: int = 1) -> DecodeGraphs | None:
+                  axes: int = 1, state: StatePool | None = None) -> DecodeGraphs | None:
     """Captured decode graphs, or None where they cannot or should not run."""
     if config.enforce_eager or device.type != "cuda" or not hasattr(backend, "plan_graph"):
         return None
-    graphs = DecodeGraphs(step, backend, config.cuda_graph_batch_sizes, device, outputs, axes)
+    graphs = DecodeGraphs(step, backend, config.cuda_graph_batch_sizes, device, outputs, axes, state)
     graphs.capture()
     return graphs
 

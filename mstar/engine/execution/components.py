@@ -136,12 +136,12 @@ def _runner(model: Model, name: str, module: nn.Module, device: torch.device, dt
     kv = KVCache(kvspec, num_pages, cfg.page_size, device, dtype, kv_dtype)
     log.info("kv cache", device=str(device), component=name,
              **kv_cache_log_fields(num_pages, cfg.page_size, kvspec, dtype, kv_dtype))
-    # decode graphs take no per-row state yet: a component with state decodes eagerly
-    outputs = graph_outputs(spec, "decode") if spec.samples and not spec.state and hasattr(module, "decode") else None
+    # decode graphs replay a component with per-row state too, its rows' slots copied in; its mixed steps run eagerly
+    outputs = graph_outputs(spec, "decode") if spec.samples and hasattr(module, "decode") else None
     # mixed steps' graphs: decode steps that keep only logits, of one position axis (`LoopGroup.mixes`)
-    mixes = cfg.mixed_steps and outputs == ("logits",) and spec.position_axes == 1
+    mixes = cfg.mixed_steps and outputs == ("logits",) and spec.position_axes == 1 and not spec.state
     attention = attention_backend(kv, kvspec.num_q_heads, need, config, mixed=mixes)
-    graphs = decode_graphs(module.decode, attention, device, config, outputs, spec.position_axes) \
+    graphs = decode_graphs(module.decode, attention, device, config, outputs, spec.position_axes, state) \
         if outputs is not None else None
     mixed = mixed_graphs(module.decode, attention, graphs, device) if mixes else None
     draws = None

@@ -10,7 +10,10 @@ host-to-device copy is from page-locked memory, so a step can be prepared
 and launched while the previous one still runs: the host waits only until
 the previous step's inputs have landed. Steps larger than the largest bucket
 run eagerly. Graphs are captured once at startup, largest bucket first,
-sharing one memory pool.
+sharing one memory pool. A component with per-row state (`StatePool`) also
+copies its rows' slots into the bucket's static slots, padding rows taking
+the pool's scratch slot, so the graph reads and updates the rows' states in
+place.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import torch
 from mstar.kernels.graph_capture import capture_buckets
 from mstar.kernels.host_copy import StagingFence
 
-from mstar.types import AttentionContext, TokenBatch
+from mstar.engine.memory.state_slots import StatePool
+from mstar.types import AttentionContext, StateRows, TokenBatch
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -45,9 +49,10 @@ class _Graph:
 class DecodeGraphs:
     def __init__(self, step: Callable[[TokenBatch], dict[str, torch.Tensor]], attention: GraphAttention,
                  buckets: Sequence[int], device: torch.device, outputs: Sequence[str] = ("logits",),
-                 axes: int = 1) -> None:
+                 axes: int = 1, state: StatePool | None = None) -> None:
         """`outputs`: what the step returns that a replay keeps ("logits" and
-        a decode mode's hidden states); `axes`: of the positions it takes."""
+        a decode mode's hidden states); `axes`: of the positions it takes;
+        `state`: the component's per-row state, if it has one."""
         self.step = step
         self.attention = attention
         self.buckets = sorted(set(buckets))
@@ -60,6 +65,10 @@ class DecodeGraphs:
         self._positions = torch.zeros(shape, dtype=torch.long, device=device)
         self._rows = torch.arange(top, dtype=torch.long, device=device)
         self._pinned_positions = torch.empty(shape, dtype=torch.long, pin_memory=True)
+        self.state = state
+        if state is not None:
+            self._slots = torch.full((top,), state.scratch_slot, dtype=torch.long, device=device)
+            self._pinned_slots = torch.empty(top, dtype=torch.long, pin_memory=True)
         self._graphs: dict[int, _Graph] = {}
         self.fence = attention.fence  # one per backend: its graph sets share its buckets' staging
 
@@ -72,8 +81,10 @@ class DecodeGraphs:
         return self.buckets[i] if i < len(self.buckets) else None
 
     def _batch(self, b: int, attn: AttentionContext) -> TokenBatch:
+        state = None if self.state is None else StateRows(self.state.tensors, self._slots[:b])
         return TokenBatch(input_ids=self._ids[:b], positions=self._positions[..., :b],
-                          query_start=torch.arange(b + 1, dtype=torch.long), logits_index=self._rows[:b], attn=attn)
+                          query_start=torch.arange(b + 1, dtype=torch.long), logits_index=self._rows[:b], attn=attn,
+                          state=state)
 
     def capture(self, show_progress: bool = True) -> None:
         empty_ctx = torch.zeros(0, dtype=torch.long)
@@ -100,11 +111,11 @@ class DecodeGraphs:
         return {name: out[name] for name in self.outputs}
 
     def run(self, tokens: torch.Tensor, context_lens: torch.Tensor, block_table: torch.Tensor,
-            positions: torch.Tensor | None = None) -> dict[str, torch.Tensor] | None:
+            positions: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> dict[str, torch.Tensor] | None:
         """The kept outputs of n rows (logits [n, V], ...: views of static
         buffers the next replay rewrites), or None when n is past the largest
         bucket. `positions` (host): [n], or [axes, n]; default the rows'
-        cached lengths."""
+        cached lengths. `slots` (host, [n]): the rows' state slots, with state."""
         n = tokens.shape[0]
         b = self.bucket(n)
         if b is None or b not in self._graphs:
@@ -116,6 +127,11 @@ class DecodeGraphs:
         if b > n:
             self._ids[n:b].zero_()
             self._positions[..., n:b].zero_()
+        if self.state is not None:
+            assert slots is not None and slots.numel() == n, "a step of rows with state needs their slots"
+            self._pinned_slots[:n].copy_(slots)
+            self._pinned_slots[n:b].fill_(self.state.scratch_slot)
+            self._slots[:b].copy_(self._pinned_slots[:b], non_blocking=True)
         self.attention.plan_graph(b, context_lens, block_table)
         self.fence.record()
         g = self._graphs[b]

@@ -343,7 +343,8 @@ class ComponentRunner:
             extras = {value: out[name] for name, value in group.extras.items()}
         elif self.graphs is not None:
             replayed = self.graphs.run(group.tokens[sl], ctx, group.block_table[sl],
-                                       group.positions(sl) if group.shifted or group.axes > 1 else None)
+                                       group.positions(sl) if group.shifted or group.axes > 1 else None,
+                                       group.slots[sl] if self.state is not None else None)
             self.device_s += self.graphs.fence.wait_s
             if replayed is not None:
                 logits, bucket = replayed["logits"], self.graphs.bucket(n)
