@@ -218,3 +218,31 @@ async def test_metrics_and_health_count_the_state_slots(checkpoint: tuple[Path, 
         assert f"mstar_state_slots_in_use{labels} 0" in eng.metrics_text()
     finally:
         await eng.shutdown()
+
+
+async def test_a_failed_mixed_step_fails_its_rows_with_state(checkpoint: tuple[Path, list],
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mixed step that raises may have updated the running rows' states in
+    place before it did: those rows fail with the new ones instead of
+    stepping again (a model without state steps them again alone)."""
+    from mstar.engine.execution import runner as runner_module
+
+    def broken(*args, **kwargs):
+        raise ValueError("a new row's table is broken")
+    monkeypatch.setattr(runner_module, "mixed_inputs", broken)
+    eng = Engine(EngineConfig(model=str(checkpoint[0]), scheduler=SchedulerConfig(page_size=4)))
+    await eng.start()
+    try:
+        greedy = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+        async def run(rid: str, prompt: list[int], sp: SamplingParams) -> list:
+            return [c async for c in eng.submit(GenerateRequest(rid, eng.model_name, {"prompt_ids": prompt}, sp))]
+        running = asyncio.ensure_future(run("running", [1, 5, 9], greedy))
+        await asyncio.sleep(0.05)
+        assert not running.done()
+        new = await run("new", [1, 7, 8, 9], SamplingParams(max_tokens=4))
+        rest = await running
+        assert "a new row's table is broken" in (new[-1].error or "")
+        assert "a new row's table is broken" in (rest[-1].error or "") and len(rest) < 60
+        await _free(eng, eng.config.scheduler.max_num_seqs)
+    finally:
+        await eng.shutdown()

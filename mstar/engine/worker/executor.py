@@ -302,8 +302,8 @@ class Executor:
                     try:
                         launch = runner.run_group(group, sl, fed, mixed.rows if mixed else None)
                     except Exception as e:
-                        if mixed is None:
-                            raise
+                        if mixed is None or runner.state is not None:
+                            raise   # rows of per-row state may be half updated in place: none can step again
                         # the group's state is as it was: its rows step alone, the new rows fail
                         log.exception("mixed step failed", device=self.name, component=group.component,
                                       rows=n, new_rows=len(mixed.items))
