@@ -250,3 +250,4 @@ class StateRows:
     tensors: dict[str, torch.Tensor]
     slots: torch.Tensor
     new: list[bool] | None = None  # a plain component's rows whose slots start empty at this step (host-known)
+    host: list[int] | None = None  # `slots` on the host, where the step knows them (a graph's replay does not)

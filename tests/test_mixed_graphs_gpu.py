@@ -161,9 +161,9 @@ async def test_engine_outputs_with_mixed_graphs_equal_unmixed(hf_folder: Path) -
 
 
 async def test_lone_prompts_replay_a_mixed_graph_with_the_eager_tokens(hf_folder: Path) -> None:
-    """A short prompt arriving when no group runs replays a mixed bucket whose
-    group rows are all padding; a prompt past the buckets (300 tokens after a
-    cached prefix: not all fit) runs eagerly. Tokens as without mixed steps."""
+    """A prompt arriving when no group runs replays a mixed bucket whose group
+    rows are all padding (from a few tokens after a cached prefix to 300: the
+    512-token bucket). Tokens as without mixed steps."""
     eager, none = await _outputs(hf_folder, False, alone=True)
     replayed, replays = await _outputs(hf_folder, True, alone=True)
     assert none == 0 and replays > 0

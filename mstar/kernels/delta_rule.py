@@ -26,9 +26,11 @@ CHUNKED_FROM = 16   # a row of this many tokens or more goes by chunks; shorter 
 
 
 def causal_conv_rows(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
-                     query_start: torch.Tensor) -> torch.Tensor:
+                     query_start: torch.Tensor, host_slots: list[int] | None = None) -> torch.Tensor:
     """x [T, C] in its dtype, weight [C, 1, K], state [S, C, K - 1] (any
-    float dtype); SiLU(conv) [T, C] out, in x's dtype."""
+    float dtype); SiLU(conv) [T, C] out, in x's dtype. `host_slots`: `slots`
+    on the host, if known (rows of several tokens go one by one: without
+    them, reading the slots waits for the device)."""
     t, c = x.shape
     width = weight.shape[-1]
     rows = query_start.numel() - 1
@@ -38,7 +40,7 @@ def causal_conv_rows(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
         return F.silu(F.conv1d(window, weight, groups=c)[:, :, 0]).to(x.dtype)
     out = torch.empty_like(x)
     bounds = query_start.tolist()
-    for i, slot in enumerate(slots.tolist()):
+    for i, slot in enumerate(slots.tolist() if host_slots is None else host_slots):
         start, end = bounds[i], bounds[i + 1]
         window = torch.cat([state[slot].to(weight.dtype), x[start:end].to(weight.dtype).T], dim=1)  # [C, K-1+n]
         state[slot] = window[:, window.shape[1] - (width - 1):].to(state.dtype)
@@ -62,10 +64,12 @@ def _step(s: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
 
 
 def delta_rule_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                    state: torch.Tensor, slots: torch.Tensor, query_start: torch.Tensor) -> torch.Tensor:
+                    state: torch.Tensor, slots: torch.Tensor, query_start: torch.Tensor,
+                    host_slots: list[int] | None = None) -> torch.Tensor:
     """q, k [T, Hk, Dk], v [T, Hv, Dv] (Hv a multiple of Hk: each q/k head
     serves Hv / Hk consecutive value heads), g (log decay) and beta [T, Hv],
-    state [S, Hv, Dk, Dv] float32; out [T, Hv, Dv] float32."""
+    state [S, Hv, Dk, Dv] float32; out [T, Hv, Dv] float32; `host_slots` as
+    `causal_conv_rows` takes them."""
     t, hk, dk = k.shape
     groups = v.shape[1] // hk
     q = _l2norm(q).repeat_interleave(groups, dim=1) * dk ** -0.5
@@ -78,7 +82,7 @@ def delta_rule_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         return out
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     bounds = query_start.tolist()
-    for i, slot in enumerate(slots.tolist()):
+    for i, slot in enumerate(slots.tolist() if host_slots is None else host_slots):
         start, end = bounds[i], bounds[i + 1]
         if end - start >= CHUNKED_FROM:
             out[start:end], state[slot] = chunked_delta_rule(q[start:end], k[start:end], v[start:end],

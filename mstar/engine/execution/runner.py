@@ -296,7 +296,7 @@ class ComponentRunner:
         if not isinstance(slots, torch.Tensor):
             assert all(s is not None for s in slots), "a row of a component with state has no slot"
             slots = torch.tensor(slots, dtype=torch.long)
-        return StateRows(self.state.tensors, to_device(slots, self.device))
+        return StateRows(self.state.tensors, to_device(slots, self.device), host=slots.tolist())
 
     def _sample(self, logits: torch.Tensor, parts: list[PartitionRun], kv: list[KVRow],
                 inputs: list[torch.Tensor], banned: list[tuple[int, ...]], wait: bool = True

@@ -363,6 +363,10 @@ class Executor:
         rows whose inputs cannot be taken fail alone (None: no new row)."""
         if not plan.items:
             return None
+        if runner.state is not None:
+            # a slot a row left may be handed out while a step with that row is still queued on the group's
+            # stream: zeroing it (or swapping a row into it) on the worker's stream must come after that step
+            plan.group.stream.worker_waits()
         try:
             return MixedItems.take(self._admit(plan.items, runner), runner)
         except Exception as e:

@@ -70,12 +70,13 @@ class GatedDeltaNet(nn.Module):
         t = x.shape[0]
         conv = state.tensors["conv"][:, self.index]
         rec = state.tensors["rec"][:, self.index]
-        mixed = causal_conv_rows(self.in_proj_qkv(x), self.conv1d.weight, conv, state.slots, query_start)
+        mixed = causal_conv_rows(self.in_proj_qkv(x), self.conv1d.weight, conv, state.slots, query_start, state.host)
         q, k, v = torch.split(mixed, self.split, dim=-1)
         beta = torch.sigmoid(self.in_proj_b(x))
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
         out = delta_rule_rows(q.reshape(t, self.k_heads, self.k_dim), k.reshape(t, self.k_heads, self.k_dim),
-                              v.reshape(t, self.v_heads, self.v_dim), g, beta, rec, state.slots, query_start)
+                              v.reshape(t, self.v_heads, self.v_dim), g, beta, rec, state.slots, query_start,
+                              state.host)
         z = self.in_proj_z(x).reshape(t, self.v_heads, self.v_dim)
         out = gated_rms_norm(out.to(x.dtype), z, self.norm.weight, self.norm.eps)
         return self.out_proj(out.reshape(t, self.v_heads * self.v_dim))

@@ -7,7 +7,7 @@ per-row state for its delta-net layers (`Component(state=True)`): the
 runtime allocates the slot when the row starts, frees it when the row ends
 and swaps it out and back with the row's pages under preemption. No prefix
 cache serves such rows (a cached prefix of KV would leave the recurrent
-state empty), and their decode steps run without CUDA graphs for now.
+state empty); their decode steps replay CUDA graphs with the rows' slots.
 
 `Qwen35Model(name, path, ...)` reads a Hugging Face folder (`qwen3_5` or
 `qwen3_5_moe` config.json, safetensors, tokenizer); `path=None` with a
