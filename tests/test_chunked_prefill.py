@@ -67,6 +67,27 @@ def test_a_chunkable_prompt_fills_the_room_other_prompts_leave() -> None:
     assert len(sched2.schedule().items) == 1 and sched2.schedule().items == [rigid]
 
 
+def test_a_prompt_between_chunks_passes_a_new_one_waiting_for_pages() -> None:
+    """A prompt halfway through its chunks holds its pages; a new prompt at
+    the front of the line waits for pages. The held prompt goes on past it
+    (it frees pages as it ends), and other new prompts stay behind it. Stopped
+    at that front, every request waited, while under lazy reservation the
+    running rows preempted one another for pages without end."""
+    pool = PagePool(30, 4)
+    caps = {("llm", "prefill"): ModeCaps(8, 32), ("llm", "decode"): ModeCaps(8, 32)}
+    sched = Scheduler(caps, {"llm": pool})
+    long = _prompt("long", 100, pool)
+    sched.add(long)
+    assert sched.schedule().items == [long] and pool.num_free == 5
+    long.granted = []
+    big, small = _prompt("big", 40, pool), _prompt("small", 4, pool)   # 10 pages: more than are free
+    sched.add(big)
+    sched.next_chunk(long)
+    sched.add(small)
+    assert sched.schedule().items == [long] and long.done == 32   # not `small`: it came after `big`
+    assert [i.request_id for i in sched.waiting("llm")] == ["big", "small"]
+
+
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_llama(tmp_path_factory.mktemp("llama_chunks"), VOCAB)
@@ -175,3 +196,4 @@ async def test_a_prompt_aborted_between_chunks_releases_nothing_twice(monkeypatc
         assert len(eng.store) == 0 and eng.pages_in_use() == 0
     finally:
         await eng.shutdown()
+

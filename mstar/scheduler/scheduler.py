@@ -238,6 +238,7 @@ class Scheduler:
         held: deque[WorkItem] = deque()  # rows waiting for the running cap or a slot; rows running already pass them
         tokens = 0
         limit = self.max_running.get(key[0])
+        short = False   # a row that starts waits for pages: rows that start behind it wait too
         while q and len(taken) < max_rows:
             item = q[0]
             if chunks_only and not item.chunkable:
@@ -245,6 +246,9 @@ class Scheduler:
             full = tokens + item.remaining > max_tokens
             if full and not (item.chunkable and tokens < max_tokens) and (taken or chunks_only):
                 break
+            if short and item.starts_row:
+                held.append(q.popleft())
+                continue
             if item.starts_row and item.capped and limit is not None and self.running.get(key[0], 0) >= limit:
                 held.append(q.popleft())
                 continue
@@ -260,7 +264,13 @@ class Scheduler:
                 if pages is None:
                     if slot is not None:
                         self.slots[key[0]].free(slot)
-                    break
+                    if not item.starts_row:
+                        break
+                    # rows that hold their pages (a prompt's next chunk) pass it: they free pages as they end,
+                    # and while they wait nothing may, as running rows preempt one another for pages
+                    short = True
+                    held.append(q.popleft())
+                    continue
                 item.granted = pages
                 item.pages_needed = 0
             if slot is not None:
