@@ -119,6 +119,17 @@ class VocabHead(nn.Module):
         return f"{self.in_features} -> {self.out_features} (rows padded to {self.padded.shape[0]})"
 
 
+def token_embedding(head: VocabHead, tied: bool, *, device: torch.device | str | None = None,
+                    dtype: torch.dtype | None = None) -> nn.Embedding:
+    """A language model's input embedding beside its `head`: sharing the
+    head's weight when `tied`, else a weight of its own, allocated empty on
+    `device` (the loader fills it; nn.Embedding would initialise it first)."""
+    embedding = nn.Embedding(head.out_features, head.in_features, device="meta", dtype=dtype)
+    embedding.weight = head.weight if tied else nn.Parameter(
+        torch.empty(head.out_features, head.in_features, device=device, dtype=dtype), requires_grad=False)
+    return embedding
+
+
 class MergedLinear(Linear):
     """Several projections of the same input, stacked: output = cat(shards).
 

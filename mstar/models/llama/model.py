@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mstar.models.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, VocabHead, qkv_linear
+from mstar.models.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, VocabHead, qkv_linear, token_embedding
 from mstar.models.llama.config import LlamaConfig
 from mstar.types import AttentionContext, Rotary, TokenBatch
 
@@ -79,10 +79,7 @@ class LlamaDecoder(nn.Module):
         self.config = cfg
         self.tie_word_embeddings = cfg.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
         head = VocabHead(cfg.hidden_size, cfg.vocab_size, device=device, dtype=dtype)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta", dtype=dtype)
-        # nn.Embedding initialises its weight; allocate it empty on the device instead (tied: the head's)
-        self.embed_tokens.weight = head.weight if self.tie_word_embeddings else nn.Parameter(
-            torch.empty(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype), requires_grad=False)
+        self.embed_tokens = token_embedding(head, self.tie_word_embeddings, device=device, dtype=dtype)
         self.layers = nn.ModuleList(LlamaLayer(cfg, i, device=device, dtype=dtype)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)

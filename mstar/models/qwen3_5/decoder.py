@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mstar.models.layers import CenteredRMSNorm, Linear, SwiGLU, VocabHead
+from mstar.models.layers import CenteredRMSNorm, Linear, SwiGLU, VocabHead, token_embedding
 from mstar.models.layers.moe import SparseMoe
 from mstar.models.layers.mrope import mrope_axes, mrope_cos_sin
 from mstar.models.qwen3_5.config import FULL, Qwen35Config
@@ -99,9 +99,7 @@ class Qwen35Decoder(nn.Module):
         self.config = cfg
         self.tie_word_embeddings = cfg.tie_word_embeddings if tie_word_embeddings is None else tie_word_embeddings
         head = VocabHead(cfg.hidden_size, cfg.vocab_size, device=device, dtype=dtype)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta", dtype=dtype)
-        self.embed_tokens.weight = head.weight if self.tie_word_embeddings else nn.Parameter(
-            torch.empty(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype), requires_grad=False)
+        self.embed_tokens = token_embedding(head, self.tie_word_embeddings, device=device, dtype=dtype)
         self.layers = nn.ModuleList(Qwen35Layer(cfg, i, device=device, dtype=dtype)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = CenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
