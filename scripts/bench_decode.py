@@ -14,6 +14,10 @@ PYTHONPATH=. where mstar is not pip-installed):
 A CPU smoke test:
     python scripts/bench_decode.py --model tiny-llama --gpus cpu --batches 1 4 --contexts 32 \\
         --new-tokens 8 --skip-hf --out /tmp/x.json
+Qwen3.5 (its floor adds each row's recurrent state, read and written once a
+step; transformers' baseline is its own Qwen3_5ForCausalLM):
+    python scripts/bench_decode.py --model qwen3.5-9b --batches 1 64 256 --contexts 512 \\
+        --out docs/benchmarks/qwen35.json
 """
 
 from __future__ import annotations
@@ -30,13 +34,17 @@ from pathlib import Path
 import torch
 
 # sibling modules: the script's folder is first on sys.path
-from decode_measures import (GiB, build_hf, copy_bandwidth_gbps, hf_decode_tokens_per_s, kv_bytes_per_step,
-                             weight_bytes_per_step)
+from decode_measures import (GiB, build_hf, build_hf_qwen35, copy_bandwidth_gbps, hf_decode_tokens_per_s,
+                             kv_bytes_per_step, module_weight_bytes, state_bytes_per_step, weight_bytes_per_step)
 from decode_report import environment, write_markdown
 from mstar.config import EngineConfig, SchedulerConfig, parse_devices
 from mstar.engine.engine import Engine
 from mstar.engine.messages import StepReport
+from mstar.models.base import Model
+from mstar.models.checkpoint import read_json
 from mstar.models.llama import LlamaModel
+from mstar.models.qwen3_5 import builtins as qwen35_builtins
+from mstar.models.qwen3_5.model import Qwen35Model
 from mstar.models.registry import load_model
 from mstar.types import GenerateRequest, SamplingParams
 
@@ -98,18 +106,21 @@ class Bench:
         return run, wall
 
 
-def row_of(run: Run, batch: int, context: int, new_tokens: int, weights: int, spec, dtype, gbps: float) -> dict:
+def row_of(run: Run, batch: int, context: int, new_tokens: int, weights: int, spec, dtype, gbps: float,
+           state=None) -> dict:
+    """`state`: the model's per-row `StateSpec`, whose bytes a step reads and writes (None: no state)."""
     if not run.full:
         raise SystemExit(f"batch {batch} context {context}: no decode step ran with all {batch} rows")
     step = statistics.median(r.step_s for r in run.full)
     host = statistics.median(r.step_s - r.device_s for r in run.full)
     # the context grows by one per step: take its mean over the decode steps
-    floor = (weights + kv_bytes_per_step(spec, dtype, batch, context + new_tokens / 2)) / (gbps * 1e9)
+    moved = weights + kv_bytes_per_step(spec, dtype, batch, context + new_tokens / 2)
+    floor = (moved + (state_bytes_per_step(state, batch) if state is not None else 0)) / (gbps * 1e9)
     return {"batch": batch, "context": context, "step_ms": round(1e3 * step, 3), "floor_ms": round(1e3 * floor, 3),
             "ratio": round(step / floor, 2), "host_ms": round(1e3 * host, 3)}
 
 
-async def bench_engine(a: argparse.Namespace, model: LlamaModel, device: torch.device, dtype: torch.dtype,
+async def bench_engine(a: argparse.Namespace, model: Model, device: torch.device, dtype: torch.dtype,
                        gbps: float) -> tuple[list[dict], list[dict]]:
     page = a.page_size
     per_row = -(-(max(a.contexts) + a.new_tokens) // page) + 1  # +1: room for a step launched ahead
@@ -124,7 +135,11 @@ async def bench_engine(a: argparse.Namespace, model: LlamaModel, device: torch.d
     await engine.start()
     print(f"# engine started in {time.perf_counter() - t0:.1f} s ({pages} KV pages of {page})", flush=True)
     bench = Bench(engine, a.new_tokens)
-    weights = weight_bytes_per_step(model.config, torch.empty((), dtype=dtype).element_size())
+    state = model.state_spec("llm") if model.components["llm"].state else None
+    if isinstance(model, LlamaModel):
+        weights = weight_bytes_per_step(model.config, torch.empty((), dtype=dtype).element_size())
+    else:  # every weight once (a MoE decoder's floor would count only the experts a step routes to)
+        weights = module_weight_bytes(engine.workers[0].runners["llm"].module)
     spec = model.kv_spec("llm")
     try:
         await bench.measure(max(a.batches), min(a.contexts), 4)  # warm-up: allocator, lazy kernels
@@ -134,7 +149,7 @@ async def bench_engine(a: argparse.Namespace, model: LlamaModel, device: torch.d
         for context in a.contexts:
             for batch in a.batches:
                 run, wall = await bench.measure(batch, context)
-                row = row_of(run, batch, context, a.new_tokens, weights, spec, dtype, gbps)
+                row = row_of(run, batch, context, a.new_tokens, weights, spec, dtype, gbps, state)
                 rows.append(row)
                 rate = run.decode_tokens / wall
                 if context == a.contexts[0]:
@@ -146,8 +161,13 @@ async def bench_engine(a: argparse.Namespace, model: LlamaModel, device: torch.d
     return rows, tps
 
 
-def bench_hf(a: argparse.Namespace, model: LlamaModel, device: torch.device, dtype: torch.dtype) -> list[dict]:
-    hf = build_hf(model.config, device, dtype)
+def bench_hf(a: argparse.Namespace, model: Model, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    if isinstance(model, Qwen35Model):
+        raw = read_json(model.path / "config.json") if model.path is not None else \
+            getattr(qwen35_builtins, {"qwen3.5-tiny": "QWEN35_TINY", "qwen3.5-9b": "QWEN35_9B"}[a.model])
+        hf = build_hf_qwen35(raw, device, dtype)
+    else:
+        hf = build_hf(model.config, device, dtype)
     out = []
     for batch in a.hf_batches:
         rate = hf_decode_tokens_per_s(hf, batch, a.contexts[0], a.new_tokens, device)
@@ -185,8 +205,8 @@ def main() -> None:
     (device_name,) = parse_devices(a.gpus)
     device = torch.device(device_name)
     model = load_model(a.model, a.load_format, a.max_model_len)
-    if not isinstance(model, LlamaModel):
-        raise SystemExit(f"{a.model}: bench_decode measures Llama-family models only")
+    if not isinstance(model, (LlamaModel, Qwen35Model)):
+        raise SystemExit(f"{a.model}: bench_decode measures Llama-family and Qwen3.5 models only")
     if max(a.contexts) + a.new_tokens > model.max_model_len:
         raise SystemExit(f"context {max(a.contexts)} + {a.new_tokens} new tokens exceed max_model_len "
                          f"{model.max_model_len}: pass --max-model-len")

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 
 from mstar.engine.memory.kv_cache import KVCache
-from mstar.models.base import KVSpec
+from mstar.engine.memory.state_slots import StatePool
+from mstar.models.base import KVSpec, StateSpec
 from mstar.models.llama.config import LlamaConfig
 
 GiB = 1 << 30
@@ -123,3 +124,30 @@ def hf_decode_tokens_per_s(model: torch.nn.Module, batch: int, context: int, new
     full = statistics.median(run(new_tokens) for _ in range(repeats))
     first = statistics.median(run(1) for _ in range(repeats))
     return batch * (new_tokens - 1) / max(full - first, 1e-9)
+
+
+def module_weight_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a decoder module's weights one decode step reads: every
+    parameter once (a tied table counted once, as the head), but an untied
+    input embedding, of which a step gathers only its rows."""
+    embed = getattr(module, "embed_tokens", None)
+    head = getattr(module, "lm_head", None)
+    skip = embed.weight if embed is not None and head is not None and embed.weight is not head.weight else None
+    return sum(p.numel() * p.element_size() for p in module.parameters() if p is not skip)
+
+
+def state_bytes_per_step(spec: StateSpec, batch: int) -> int:
+    """Per-row state bytes a decode step moves: each row's state read and written once."""
+    return 2 * batch * StatePool.bytes_per_slot(spec)
+
+
+def build_hf_qwen35(config: dict[str, Any], device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """transformers' Qwen3_5ForCausalLM of a config.json's shape (its text
+    config), with its own random init."""
+    import transformers
+
+    text = dict(config.get("text_config") or config)
+    text.pop("model_type", None)
+    with torch.device(device):
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**text))
+    return model.to(dtype).eval()

@@ -50,6 +50,8 @@
 #   scripts/gpu_check.sh omni-bench only that benchmark
 #   scripts/gpu_check.sh omni-profile  where a spoken answer's step time goes, by component and by kernel
 #                                   (scripts/profile_omni.py; $OMNI_PROFILE_ARGS replaces its flags)
+#   scripts/gpu_check.sh qwen35     Qwen3.5's GPU tests, then its decode against the bandwidth floor (qwen3.5-9b shape,
+#                                   dummy weights: scripts/bench_decode.py; $QWEN35_ARGS replaces its batches)
 #   scripts/gpu_check.sh first-burst  what the first burst of streams after startup pays (scripts/probe_first_burst.sh),
 #                                   then one stream's and 64 streams' first audio with and without early_audio
 #   scripts/gpu_check.sh all        tests and bench (default)
@@ -293,6 +295,13 @@ if [[ $what == omni-profile ]]; then
   : "${OMNI_PROFILE_ARGS:=--concurrency 8 32 --frames 125 --kernels 2}"
   timeout ${OMNI_TIMEOUT:-420} python3 scripts/profile_omni.py $OMNI_PROFILE_ARGS 2>&1 \
       | grep -v "\[info\|capturing" | tee "$OUT/profile_omni.txt" | tail -150
+fi
+if [[ $what == qwen35 ]]; then
+  timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_qwen35_gpu.py > "$OUT/qwen35_tests.txt" 2>&1
+  rc=$?
+  tail -5 "$OUT/qwen35_tests.txt"
+  timeout 420 python3 scripts/bench_decode.py --model qwen3.5-9b --contexts 512 --new-tokens 32 \
+      ${QWEN35_ARGS:---batches 1 64 256} --hf-batches 1 16 --out "$OUT/qwen35.json" 2>&1 | grep -v "\[info" | tail -14
 fi
 if [[ $what == first-burst ]]; then
   timeout ${FB_TIMEOUT:-480} scripts/probe_first_burst.sh 2>&1 | grep -v "\[info" | tee "$OUT/first_burst.txt" | tail -120
