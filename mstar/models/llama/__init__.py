@@ -18,7 +18,8 @@ import torch
 
 from mstar.errors import ConfigError
 from mstar.graph import Component
-from mstar.models.base import KVSpec, Model, text_walk
+from mstar.models.base import KVSpec, text_walk
+from mstar.models.language import LanguageModel
 from mstar.models.llama.config import TINY_LLAMA, LlamaConfig, read_config_json
 from mstar.models.llama.loader import checkpoint_has_lm_head, dummy_weights, load_weights
 from mstar.models.llama.model import LlamaDecoder
@@ -36,7 +37,7 @@ DUMMY_SEED = 0
 __all__ = ["LlamaConfig", "LlamaDecoder", "LlamaModel"]
 
 
-class LlamaModel(Model):
+class LlamaModel(LanguageModel):
     components = {"llm": Component(modes=("prefill", "decode"), kv_cache=True, samples=True)}
     walks = {
         "generate": text_walk("llm"),
@@ -96,24 +97,7 @@ class LlamaModel(Model):
             return None
         return Tokenizer.from_folder(path)
 
-    # -- what the runtime reads
-    @property
-    def tokenizer(self) -> Tokenizer | None:
-        return self._tokenizer
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        tok = self._tokenizer.eos_token_ids if self._tokenizer is not None else ()
-        return tuple(dict.fromkeys((*self._generation_eos, *self.config.eos_token_ids, *tok)))
-
-    @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
-
-    @property
-    def random_weights(self) -> bool:
-        return self.load_format == "dummy"
-
+    # -- what the runtime reads (and `LanguageModel`'s)
     def kv_spec(self, component: str) -> KVSpec:
         if component != "llm":
             return super().kv_spec(component)

@@ -24,8 +24,9 @@ import torch
 
 from mstar.errors import ConfigError
 from mstar.graph import Component
-from mstar.models.base import KVSpec, Model, StateSpec, text_walk
+from mstar.models.base import KVSpec, StateSpec, text_walk
 from mstar.models.checkpoint import read_json
+from mstar.models.language import LanguageModel
 from mstar.models.prepared import PreparedPiece
 from mstar.models.prompt import prompt_tokens
 from mstar.models.qwen3_5.config import MODEL_TYPES, Qwen35Config
@@ -38,7 +39,7 @@ LOAD_FORMATS = ("auto", "dummy")
 DUMMY_SEED = 0
 
 
-class Qwen35Model(Model):
+class Qwen35Model(LanguageModel):
     components = {"llm": Component(modes=("prefill", "decode"), kv_cache=True, samples=True, state=True)}
     walks = {"generate": text_walk("llm")}
     default_walk = "generate"
@@ -74,24 +75,7 @@ class Qwen35Model(Model):
             raise ConfigError(f"--max-model-len {max_model_len} is outside 1..{limit} for model '{name}'")
         self._max_model_len = max_model_len or limit
 
-    # -- what the runtime reads
-    @property
-    def tokenizer(self) -> Tokenizer | None:
-        return self._tokenizer
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]:
-        tok = self._tokenizer.eos_token_ids if self._tokenizer is not None else ()
-        return tuple(dict.fromkeys((*self._generation_eos, *self.config.eos_token_ids, *tok)))
-
-    @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
-
-    @property
-    def random_weights(self) -> bool:
-        return self.load_format == "dummy"
-
+    # -- what the runtime reads (and `LanguageModel`'s)
     def kv_spec(self, component: str) -> KVSpec:
         if component != "llm":
             return super().kv_spec(component)
