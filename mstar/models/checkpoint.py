@@ -1,6 +1,7 @@
-"""What loaders share about checkpoint folders: reading their JSON files, and
-the error that lists the tensors a checkpoint lacks and the ones it has that
-the model does not. Importable without torch."""
+"""What loaders share about checkpoint folders: the load formats, reading
+their JSON files (and the EOS ids of a generation config), and the error that
+lists the tensors a checkpoint lacks and the ones it has that the model does
+not. Importable without torch."""
 
 from __future__ import annotations
 
@@ -12,6 +13,12 @@ from typing import Any
 from mstar.errors import ConfigError
 
 _SHOWN = 8
+LOAD_FORMATS = ("auto", "dummy")   # a folder's weights, or seeded random ones of its shape
+
+
+def check_load_format(load_format: str) -> None:
+    if load_format not in LOAD_FORMATS:
+        raise ConfigError(f"load format '{load_format}' is not one of {', '.join(LOAD_FORMATS)}")
 
 
 def read_json(file: Path, *, required: bool = True) -> Any:
@@ -25,6 +32,14 @@ def read_json(file: Path, *, required: bool = True) -> Any:
         return json.loads(file.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ConfigError(f"{file}: cannot read: {e}") from None
+
+
+def generation_eos(folder: Path) -> tuple[int, ...]:
+    """The `eos_token_id` of the folder's generation_config.json (one id or
+    a list; () when the file or the key is absent)."""
+    gen = read_json(folder / "generation_config.json", required=False)
+    eos = gen.get("eos_token_id") if isinstance(gen, dict) else None
+    return (eos,) if isinstance(eos, int) else tuple(eos or ())
 
 
 def mismatch_error(folder: str | Path, model: str, missing: Sequence[str],

@@ -12,26 +12,22 @@ the vocabulary; the real Orpheus tokenizer comes with the Orpheus model).
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 import torch
 
 from mstar.errors import ConfigError
 from mstar.graph import Component
 from mstar.models.base import KVSpec, text_walk
+from mstar.models.checkpoint import check_load_format, generation_eos
 from mstar.models.language import LanguageModel
 from mstar.models.llama.config import TINY_LLAMA, LlamaConfig, read_config_json
 from mstar.models.llama.loader import checkpoint_has_lm_head, dummy_weights, load_weights
 from mstar.models.llama.model import LlamaDecoder
 from mstar.models.prepared import PreparedPiece
 from mstar.models.prompt import prompt_tokens
-from mstar.models.tokenizer import (BYTE_TOKENIZER_VOCAB_SIZE, Tokenizer, builtin_byte_tokenizer,
-                                    read_optional_json)
+from mstar.models.tokenizer import BYTE_TOKENIZER_VOCAB_SIZE, Tokenizer, builtin_byte_tokenizer
 from mstar.types import GenerateRequest, SamplingParams
 
-log = logging.getLogger(__name__)
-
-LOAD_FORMATS = ("auto", "dummy")
 DUMMY_SEED = 0
 
 __all__ = ["LlamaConfig", "LlamaDecoder", "LlamaModel"]
@@ -51,8 +47,7 @@ class LlamaModel(LanguageModel):
         `load_format="dummy"`); `default_max_model_len`: the served context
         when `max_model_len` is None (default: max_position_embeddings)."""
         super().__init__(name)
-        if load_format not in LOAD_FORMATS:
-            raise ConfigError(f"load format '{load_format}' is not one of {', '.join(LOAD_FORMATS)}")
+        check_load_format(load_format)
         if max_model_len is not None and max_model_len < 1:
             raise ConfigError(f"max_model_len must be positive, got {max_model_len}")
         self.path = Path(path) if path is not None else None
@@ -81,21 +76,12 @@ class LlamaModel(LanguageModel):
             except ConfigError as e:
                 raise ConfigError(f"{self.path / 'config.json'}: {e}") from None
             self.load_format = load_format
-            self._tokenizer = self._folder_tokenizer(self.path)
-            gen = read_optional_json(self.path / "generation_config.json")
-            eos = gen.get("eos_token_id")
-            self._generation_eos = (eos,) if isinstance(eos, int) else tuple(eos or ())
+            self._tokenizer = self.folder_tokenizer(self.path)
+            self._generation_eos = generation_eos(self.path)
         if max_model_len is not None and max_model_len > self.config.max_position_embeddings:
             raise ConfigError(f"--max-model-len {max_model_len} is more than model '{name}' supports "
                               f"({self.config.max_position_embeddings} positions)")
         self._max_model_len = max_model_len or default_max_model_len or self.config.max_position_embeddings
-
-    @staticmethod
-    def _folder_tokenizer(path: Path) -> Tokenizer | None:
-        if not (path / "tokenizer.json").is_file():
-            log.warning("%s has no tokenizer.json: only token-id prompts can be served", path)
-            return None
-        return Tokenizer.from_folder(path)
 
     # -- what the runtime reads (and `LanguageModel`'s)
     def kv_spec(self, component: str) -> KVSpec:

@@ -25,17 +25,16 @@ import torch
 from mstar.errors import ConfigError
 from mstar.graph import Component
 from mstar.models.base import KVSpec, StateSpec, text_walk
-from mstar.models.checkpoint import read_json
+from mstar.models.checkpoint import check_load_format, generation_eos, read_json
 from mstar.models.language import LanguageModel
 from mstar.models.prepared import PreparedPiece
 from mstar.models.prompt import prompt_tokens
 from mstar.models.qwen3_5.config import MODEL_TYPES, Qwen35Config
 from mstar.models.qwen3_5.decoder import Qwen35Decoder
 from mstar.models.qwen3_5.loader import dummy_weights, load_checkpoint
-from mstar.models.tokenizer import Tokenizer, builtin_byte_tokenizer, read_optional_json
+from mstar.models.tokenizer import Tokenizer, builtin_byte_tokenizer
 from mstar.types import GenerateRequest, SamplingParams
 
-LOAD_FORMATS = ("auto", "dummy")
 DUMMY_SEED = 0
 
 
@@ -49,8 +48,7 @@ class Qwen35Model(LanguageModel):
         """`builtin`: the config.json dict of a checkpoint-less shape (random
         weights; with the byte tokenizer)."""
         super().__init__(name)
-        if load_format not in LOAD_FORMATS:
-            raise ConfigError(f"load format '{load_format}' is not one of {', '.join(LOAD_FORMATS)}")
+        check_load_format(load_format)
         self.path = Path(path) if path is not None else None
         self._generation_eos: tuple[int, ...] = ()
         if self.path is None:
@@ -67,9 +65,8 @@ class Qwen35Model(LanguageModel):
             except ConfigError as e:
                 raise ConfigError(f"{self.path / 'config.json'}: {e}") from None
             self.load_format = load_format
-            self._tokenizer = Tokenizer.from_folder(self.path) if (self.path / "tokenizer.json").is_file() else None
-            eos = read_optional_json(self.path / "generation_config.json").get("eos_token_id")
-            self._generation_eos = (eos,) if isinstance(eos, int) else tuple(eos or ())
+            self._tokenizer = self.folder_tokenizer(self.path)
+            self._generation_eos = generation_eos(self.path)
         limit = self.config.max_position_embeddings
         if max_model_len is not None and not 0 < max_model_len <= limit:
             raise ConfigError(f"--max-model-len {max_model_len} is outside 1..{limit} for model '{name}'")

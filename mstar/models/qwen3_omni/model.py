@@ -19,6 +19,7 @@ import torch
 from mstar.errors import ConfigError, RequestError
 from mstar.graph import Component
 from mstar.models.base import KVSpec, Model, RowShape, StateSpec
+from mstar.models.checkpoint import check_load_format, generation_eos
 from mstar.models.llama.loader import dummy_param, dummy_seed, dummy_weights
 from mstar.models.prepared import PreparedPiece
 from mstar.models.qwen3_omni import walks
@@ -36,10 +37,9 @@ from mstar.models.qwen3_omni.speech.talker import TalkerDecoder
 from mstar.models.qwen3_omni.speech.talker_prompt import check_speakable, talker_positions, voice_id
 from mstar.models.qwen3_omni.positions import audio_tokens, mrope_positions
 from mstar.models.qwen3_omni.thinker import ThinkerDecoder
-from mstar.models.tokenizer import Tokenizer, builtin_byte_tokenizer, read_optional_json
+from mstar.models.tokenizer import Tokenizer, builtin_byte_tokenizer
 from mstar.types import GenerateRequest, SamplingParams
 
-LOAD_FORMATS = ("auto", "dummy")
 DUMMY_SEED = 0
 DEFAULT_VOICE = "ethan"       # transformers' generate() speaks as Ethan unless told
 TALKER_MAX_FRAMES = 4096      # the released talker's token budget: about 327 s of speech
@@ -56,8 +56,7 @@ class Qwen3OmniModel(Model):
         """From the folder `path`, or (`path` None) from the config.json-style
         dict `builtin`, with seeded random weights and the byte tokenizer."""
         super().__init__(name)
-        if load_format not in LOAD_FORMATS:
-            raise ConfigError(f"load format '{load_format}' is not one of {', '.join(LOAD_FORMATS)}")
+        check_load_format(load_format)
         self.path = Path(path) if path is not None else None
         if self.path is None:
             if builtin is None:
@@ -71,8 +70,7 @@ class Qwen3OmniModel(Model):
         else:
             self.config, self.load_format = Qwen3OmniConfig.from_folder(self.path), load_format
             self._tokenizer = Tokenizer.from_folder(self.path) if (self.path / "tokenizer.json").is_file() else None
-            eos = read_optional_json(self.path / "generation_config.json").get("eos_token_id")
-            self._eos = (eos,) if isinstance(eos, int) else tuple(eos or (self.config.ids.im_end,))
+            self._eos = generation_eos(self.path) or (self.config.ids.im_end,)
         positions = self.config.thinker.max_position_embeddings
         if max_model_len is not None and not 0 < max_model_len <= positions:
             raise ConfigError(f"--max-model-len {max_model_len} is outside 1..{positions} for model '{name}'")

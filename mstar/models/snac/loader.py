@@ -23,13 +23,12 @@ import torch
 from torch import nn
 
 from mstar.errors import ConfigError
-from mstar.models.checkpoint import mismatch_error
+from mstar.models.checkpoint import check_load_format, mismatch_error
 from mstar.models.snac.config import SNAC_24KHZ, SnacConfig, read_config
 from mstar.models.snac.model import SnacDecoder
 
 Device = torch.device | str | None
 BIN_FILE = "pytorch_model.bin"
-LOAD_FORMATS = ("auto", "dummy")
 # checkpoint tensors the decode side never reads (the attention's inv_freq is rebuilt from the config)
 IGNORED = re.compile(r"encoder\..*|quantizer\.quantizers\.\d+\.in_proj\..*|decoder\.model\.\d+\.rel_pos\.inv_freq")
 # the two namings of a weight-normalised conv's (g, v); a plain `weight` is tried after them
@@ -186,8 +185,7 @@ def load_snac_decoder(folder: str | Path | None, *, load_format: str = "auto", d
 
     `load_format="dummy"`: random weights (seeded by `seed`) of the folder's
     config, or of `config` (default SNAC_24KHZ) when `folder` is None."""
-    if load_format not in LOAD_FORMATS:
-        raise ConfigError(f"load format '{load_format}' is not one of {', '.join(LOAD_FORMATS)}")
+    check_load_format(load_format)
     if folder is not None:
         cfg = read_config(folder)
         if config is not None and config != cfg:
