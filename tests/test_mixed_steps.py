@@ -299,12 +299,12 @@ def test_a_step_of_prompts_alone_packs_as_a_mixed_step_without_group_rows() -> N
     on CUDA) lays the new rows out as `mixed_inputs` does after a group's."""
     from types import SimpleNamespace
     from mstar.engine.execution.mixed import NewRows, mixed_inputs, prompt_inputs
-    kv = [SimpleNamespace(kv_len=4, pages=[7, 3]), SimpleNamespace(kv_len=0, pages=[5])]
+    kv = [SimpleNamespace(kv_len=4, pages=[7, 3], slot=None), SimpleNamespace(kv_len=0, pages=[5], slot=None)]
     prompts = [torch.arange(10, 19), torch.arange(20, 23)]
     new = NewRows([None, None], kv, prompts, [(4, 7), (0, 3)], [(), ()])   # a chunk, then a whole prompt
     alone = prompt_inputs(new, torch.device("cpu"))
     group = SimpleNamespace(tokens=torch.tensor([1, 2]), kv_lens=torch.tensor([9, 30]),
-                            block_table=torch.tensor([[1, 2, 4], [6, 8, 9]]),
+                            block_table=torch.tensor([[1, 2, 4], [6, 8, 9]]), slots=torch.tensor([-1, -1]),
                             positions=lambda sl: torch.tensor([9, 30])[sl])
     beside = mixed_inputs(group, slice(0, 2), new)
     assert alone.group_tokens.numel() == 0 and alone.rows == 2
@@ -314,3 +314,4 @@ def test_a_step_of_prompts_alone_packs_as_a_mixed_step_without_group_rows() -> N
     assert alone.context_lens.tolist() == [4, 0]
     assert alone.block_tables.tolist() == [[7, 3], [5, 0]]
     assert alone.ends == [1] and alone.logits_index.tolist() == [5] == (beside.logits_index[2:] - 2).tolist()
+    assert alone.slots.tolist() == [-1, -1] and beside.slots.tolist() == [-1] * 4

@@ -79,10 +79,14 @@ class ReplicaServer:
         self.server = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                        preexec_fn=_die_with(os.getpid(), _prctl()))
 
+    @property
+    def _base(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
     def url(self) -> str:
         """The server's base URL, once its /health answers (the first call waits for it)."""
         if self._ready:
-            return f"http://{self.host}:{self.port}"
+            return self._base
         deadline = time.monotonic() + self.spec.startup_timeout_s
         ports_tried = 1
         while time.monotonic() < deadline:
@@ -93,7 +97,7 @@ class ReplicaServer:
                     continue
                 self._failed(f"exited ({self.server.returncode}) while starting")
             try:
-                with _NO_PROXY.open(f"http://{self.host}:{self.port}/health", timeout=2) as r:
+                with _NO_PROXY.open(f"{self._base}/health", timeout=2) as r:
                     if r.status == 200:
                         break
             except (OSError, http.client.HTTPException):
@@ -104,7 +108,7 @@ class ReplicaServer:
             self._failed(f"did not answer /health within {self.spec.startup_timeout_s:.0f} s")
         self._ready = True
         threading.Thread(target=self._watch, name="mstar-replica-watch", daemon=True).start()
-        return f"http://{self.host}:{self.port}"
+        return self._base
 
     def info(self) -> dict[str, Any]:
         """Where it runs: node address, server pid and log (a test kills the pid)."""

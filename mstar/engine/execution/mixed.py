@@ -56,6 +56,7 @@ class MixedInputs:
     block_tables: torch.Tensor   # [n + m, P]
     logits_index: torch.Tensor   # [n + ended] the group's tokens, then each ending new row's last
     ends: list[int]              # the new rows whose prompt ends at this step
+    slots: torch.Tensor          # [n + m] each row's slot of per-row state (-1: none)
 
     @property
     def rows(self) -> int:
@@ -64,18 +65,19 @@ class MixedInputs:
 
 def mixed_inputs(group: LoopGroup, sl: slice, new: NewRows) -> MixedInputs:
     """The packed inputs of a step of rows `sl` of `group` with `new`'s chunks."""
-    return _packed(group.tokens[sl], group.positions(sl), group.kv_lens[sl], group.block_table[sl], new)
+    return _packed(group.tokens[sl], group.positions(sl), group.kv_lens[sl], group.block_table[sl], group.slots[sl],
+                   new)
 
 
 def prompt_inputs(new: NewRows, device: torch.device) -> MixedInputs:
     """The packed inputs of a step of `new`'s chunks alone: a mixed step
     with no group rows, so that a mixed graph can serve a lone short prompt."""
     none = torch.zeros(0, dtype=torch.long)
-    return _packed(none.to(device), none, none, torch.zeros(0, 1, dtype=torch.long), new)
+    return _packed(none.to(device), none, none, torch.zeros(0, 1, dtype=torch.long), none, new)
 
 
 def _packed(group_tokens: torch.Tensor, group_positions: torch.Tensor, group_lens: torch.Tensor,
-            group_tables: torch.Tensor, new: NewRows) -> MixedInputs:
+            group_tables: torch.Tensor, group_slots: torch.Tensor, new: NewRows) -> MixedInputs:
     n = group_tokens.numel()
     lens = torch.tensor(new.lens, dtype=torch.long)
     ctx_new = torch.tensor([r.kv_len for r in new.kv], dtype=torch.long)
@@ -91,4 +93,6 @@ def _packed(group_tokens: torch.Tensor, group_positions: torch.Tensor, group_len
     logits_index = torch.cat([torch.arange(n), n + ends[new.ends] - 1])
     return MixedInputs(group_tokens=group_tokens, new_ids=new_ids, positions=torch.cat([group_positions, new_pos]),
                        query_start=query_start, context_lens=torch.cat([group_lens, ctx_new]), block_tables=tables,
-                       logits_index=logits_index, ends=new.ends)
+                       logits_index=logits_index, ends=new.ends,
+                       slots=torch.cat([group_slots, torch.tensor([-1 if r.slot is None else r.slot for r in new.kv],
+                                                                  dtype=torch.long)]))

@@ -193,7 +193,8 @@ class ComponentRunner:
             with torch.profiler.record_function("mstar.replay"):
                 logits = self.mixed_graphs.run_prompts(NewRows(parts, kv, prompts, [
                     (start, start + n) for (start, _), n in zip(spans, lens)], banned))
-            self.device_s += self.mixed_graphs.fence.wait_s if logits is not None else 0.0
+            if logits is not None:
+                self.device_s += self.mixed_graphs.fence.wait_s
         if logits is None:
             positions = [torch.arange(r.kv_len, r.kv_len + n) for r, n in zip(kv, lens)]
             query_start = torch.zeros(len(rows) + 1, dtype=torch.long)
@@ -398,8 +399,7 @@ class ComponentRunner:
             query_start=m.query_start,
             logits_index=to_device(m.logits_index, self.device),
             attn=self.attention.plan(m.query_start, m.context_lens, m.block_tables),
-            state=self._state_rows(torch.cat([group.slots[sl], torch.tensor([r.slot for r in new.kv])]).long()
-                                   if self.state is not None else []),
+            state=self._state_rows(m.slots),
         )
         with torch.profiler.record_function("mstar.forward"):
             return self._timed(getattr(self.module, group.mode))(batch)["logits"]

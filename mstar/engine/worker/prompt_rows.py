@@ -54,10 +54,9 @@ def prompt_row(store: TensorStore, comp: Component | None, step: Step, inputs: I
         return PromptRow()
     salt = step.component.encode()
     sig = comp.signatures.get(step.mode)
-    if comp.state:   # its chunks carry the row's state on in its slot; a cached prefix would leave it empty
-        ref = inputs.get(step.inputs[0])
-        return PromptRow(chunkable=sig is None and isinstance(ref, TensorRef)
-                         and not store.get(ref).is_floating_point())
+    # a row with per-row state runs as without a cache: a cached prefix would leave its state empty, and its
+    # chunks carry the state on in its slot
+    caching = caching and not comp.state
     if sig is not None:
         if not caching or not _reusable(sig, step, token_rows):
             return PromptRow()
