@@ -1,4 +1,5 @@
-"""Kernels by time in one decode step of the served Llama (the GPU machine).
+"""Kernels by time in one decode step of a served language model (the GPU
+machine): Llama shapes, or Qwen3.5's with a state slot per row.
 
 Builds the component the engine builds (`--model`, dummy weights by default),
 fills a paged KV cache for `--batch` rows of `--context` tokens, and profiles
@@ -21,9 +22,10 @@ from mstar.config import EngineConfig
 from mstar.engine.execution.backends import attention_backend
 from mstar.engine.execution.cuda_graphs import DecodeGraphs
 from mstar.engine.memory.kv_cache import KVCache
+from mstar.engine.memory.state_slots import StatePool
 from mstar.engine.execution.sampler import SamplingTensors, sample
 from mstar.models.registry import load_model
-from mstar.types import SamplingParams, TokenBatch
+from mstar.types import SamplingParams, StateRows, TokenBatch
 
 
 def profile_batch(model_name: str, batch: int, context: int, steps: int, top: int) -> None:
@@ -41,10 +43,14 @@ def profile_batch(model_name: str, batch: int, context: int, steps: int, top: in
     tokens = torch.randint(0, model.config.vocab_size, (batch,), device=dev)
     st = SamplingTensors.build([SamplingParams(temperature=0.0)] * batch, [0] * batch, [0] * batch, dev)
     qs = torch.arange(batch + 1)
+    has_state = model.components["llm"].state
+    pool = StatePool(model.state_spec("llm"), batch, dev) if has_state else None
+    slots = torch.arange(batch)
 
     def step() -> torch.Tensor:
+        rows = StateRows(pool.tensors, slots.to(dev), host=slots.tolist()) if pool is not None else None
         b = TokenBatch(input_ids=tokens, positions=ctx.to(dev), query_start=qs,
-                       logits_index=torch.arange(batch, device=dev), attn=attn.plan(qs, ctx, tables))
+                       logits_index=torch.arange(batch, device=dev), attn=attn.plan(qs, ctx, tables), state=rows)
         return sample(module.decode(b)["logits"], st)
 
     for _ in range(3):
@@ -62,14 +68,15 @@ def profile_batch(model_name: str, batch: int, context: int, steps: int, top: in
     for e in events[:top]:
         print(f"{e.device_time_total / steps:9.1f} {e.count / steps:10.1f}  {e.key[:110]}")
 
-    graphs = DecodeGraphs(module.decode, attn, (batch,), dev)
+    graphs = DecodeGraphs(module.decode, attn, (batch,), dev, state=pool)
     graphs.capture(show_progress=False)
+    slot_arg = slots if pool is not None else None
     for _ in range(3):
-        graphs.run(tokens, ctx, tables)
+        graphs.run(tokens, ctx, tables, slots=slot_arg)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(steps):
-        sample(graphs.run(tokens, ctx, tables)["logits"], st)
+        sample(graphs.run(tokens, ctx, tables, slots=slot_arg)["logits"], st)
     torch.cuda.synchronize()
     print(f"CUDA graph step (with planning and sampling): {(time.perf_counter() - t0) / steps * 1e3:.3f} ms")
 

@@ -34,13 +34,13 @@ def _rows(gen: torch.Generator, t: int, h: int, dtype: torch.dtype, device: str)
     return torch.randn(t, h + 8, generator=gen).to(device=device, dtype=dtype)[:, 4:4 + h]
 
 
-def check_rms_norm(t: int, h: int, dtype: torch.dtype, device: str, interpreted: bool) -> None:
+def check_rms_norm(t: int, h: int, dtype: torch.dtype, device: str, interpreted: bool, centered: bool = False) -> None:
     gen = torch.Generator().manual_seed(t * 1000 + h)
     x = _rows(gen, t, h, dtype, device) * 3
     weight = (1 + 0.5 * torch.randn(h, generator=gen)).to(device=device, dtype=dtype)
-    got = norm.rms_norm_triton(x, weight, EPS)
+    got = norm.rms_norm_triton(x, weight, EPS, centered)
     assert got.dtype == dtype and got.shape == x.shape
-    torch.testing.assert_close(got, norm.rms_norm_reference(x, weight, EPS), **tolerance(dtype, interpreted))
+    torch.testing.assert_close(got, norm.rms_norm_reference(x, weight, EPS, centered), **tolerance(dtype, interpreted))
 
 
 def check_quantize_rows(m: int, k: int, dtype: torch.dtype, device: str, interpreted: bool) -> None:
@@ -131,14 +131,15 @@ def check_head_norm_rope(t: int, heads: int, d: int, dtype: torch.dtype, device:
     torch.testing.assert_close(got, want, **tolerance(dtype, interpreted))
 
 
-def check_fused_add_rms_norm(t: int, h: int, dtype: torch.dtype, device: str, interpreted: bool) -> None:
+def check_fused_add_rms_norm(t: int, h: int, dtype: torch.dtype, device: str, interpreted: bool,
+                             centered: bool = False) -> None:
     gen = torch.Generator().manual_seed(t * 1000 + h + 1)
     x = _rows(gen, t, h, dtype, device)
     residual = _rows(gen, t, h, dtype, device) * 4
     weight = (1 + 0.5 * torch.randn(h, generator=gen)).to(device=device, dtype=dtype)
     x_before, residual_before = x.clone(), residual.clone()
-    normed, summed = norm.fused_add_rms_norm_triton(x, residual, weight, EPS)
-    ref_normed, ref_summed = norm.fused_add_rms_norm_reference(x, residual, weight, EPS)
+    normed, summed = norm.fused_add_rms_norm_triton(x, residual, weight, EPS, centered)
+    ref_normed, ref_summed = norm.fused_add_rms_norm_reference(x, residual, weight, EPS, centered)
     tol = tolerance(dtype, interpreted)
     torch.testing.assert_close(summed, ref_summed, **tol)
     torch.testing.assert_close(normed, ref_normed, **tol)

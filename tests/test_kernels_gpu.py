@@ -45,8 +45,9 @@ DTYPES = [torch.float32, torch.bfloat16]
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t,h", [(1, 64), (7, 96), (33, 3072), (512, 8192)])
 @pytest.mark.parametrize("check", [check_rms_norm, check_fused_add_rms_norm], ids=["plain", "fused_add"])
-def test_rms_norm(check, t, h, dtype):
-    check(t, h, dtype, "cuda", interpreted=False)
+@pytest.mark.parametrize("centered", [False, True], ids=["weight", "centered"])
+def test_rms_norm(check, t, h, dtype, centered):
+    check(t, h, dtype, "cuda", interpreted=False, centered=centered)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

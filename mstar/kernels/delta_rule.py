@@ -1,15 +1,16 @@
 """The gated delta net's math over a step's packed rows, each with a slot of
-per-row state (torch references; they run on any device).
+per-row state: torch references, which run on any device; CUDA steps whose
+rows are all one token (decode) take the fused Triton steps of
+`delta_step` instead.
 
 - `causal_conv_rows`: a depthwise causal convolution (then SiLU) over each
   row's new inputs, continuing from the last K - 1 inputs its slot keeps,
   which it then updates.
-- `delta_rule_rows`: the gated delta rule over each row's tokens, from and
-  back into its slot's recurrent state [Hv, Dk, Dv] (float32). Rows of one
-  token each (decode) update together; a long row goes by chunks
-  (`chunked_delta_rule`), a short one token by token.
-- `gated_rms_norm`: RMS-normalise each head's output, weight it, gate it by
-  SiLU(z).
+- `delta_rule_rows`: the gates (`gates`), then the gated delta rule over
+  each row's tokens, from and back into its slot's recurrent state
+  [Hv, Dk, Dv] (float32). Rows of one token each (decode) update together;
+  a long row goes by chunks (`chunked_delta_rule`), a short one token by
+  token.
 
 A step's rows are `query_start` [B + 1] (on the host) over the packed
 tokens, and `slots` [B] (on the device) into the state tensors.
@@ -20,7 +21,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-L2_EPS = 1e-6
+from mstar.kernels import delta_step
+from mstar.kernels.backend import use_triton
+from mstar.kernels.delta_step import L2_EPS
+
 CHUNK = 64          # tokens a chunk of `chunked_delta_rule` solves at once
 CHUNKED_FROM = 16   # a row of this many tokens or more goes by chunks; shorter ones token by token
 
@@ -31,10 +35,16 @@ def causal_conv_rows(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor,
     float dtype); SiLU(conv) [T, C] out, in x's dtype. `host_slots`: `slots`
     on the host, if known (rows of several tokens go one by one: without
     them, reading the slots waits for the device)."""
+    if x.shape[0] == query_start.numel() - 1 and use_triton(x):
+        return delta_step.conv_step(x, weight, state, slots)
+    return causal_conv_rows_reference(x, weight, state, slots, query_start, host_slots)
+
+
+def causal_conv_rows_reference(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
+                               query_start: torch.Tensor, host_slots: list[int] | None = None) -> torch.Tensor:
     t, c = x.shape
     width = weight.shape[-1]
-    rows = query_start.numel() - 1
-    if t == rows:  # one token a row: one batched window each
+    if t == query_start.numel() - 1:  # one token a row: one batched window each
         window = torch.cat([state[slots].to(weight.dtype), x.to(weight.dtype)[:, :, None]], dim=2)  # [B, C, K]
         state[slots] = window[:, :, 1:].to(state.dtype)
         return F.silu(F.conv1d(window, weight, groups=c)[:, :, 0]).to(x.dtype)
@@ -63,14 +73,33 @@ def _step(s: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     return torch.einsum("nhkv,nhk->nhv", s, q), s
 
 
-def delta_rule_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                    state: torch.Tensor, slots: torch.Tensor, query_start: torch.Tensor,
-                    host_slots: list[int] | None = None) -> torch.Tensor:
+def gates(a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor,
+          dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The raw gate inputs a, b [T, Hv] and the layer's A_log, dt_bias [Hv]
+    -> (g, the log decay -exp(A) softplus(a + dt_bias), float32; beta,
+    sigmoid(b) in b's dtype)."""
+    return -a_log.float().exp() * F.softplus(a.float() + dt_bias.float()), torch.sigmoid(b)
+
+
+def delta_rule_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                    a_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
+                    query_start: torch.Tensor, host_slots: list[int] | None = None) -> torch.Tensor:
     """q, k [T, Hk, Dk], v [T, Hv, Dv] (Hv a multiple of Hk: each q/k head
-    serves Hv / Hk consecutive value heads), g (log decay) and beta [T, Hv],
-    state [S, Hv, Dk, Dv] float32; out [T, Hv, Dv] float32; `host_slots` as
+    serves Hv / Hk consecutive value heads), the gate inputs a, b [T, Hv]
+    and A_log, dt_bias [Hv] as `gates` takes them, state [S, Hv, Dk, Dv]
+    float32; out [T, Hv, Dv] in v's dtype; `host_slots` as
     `causal_conv_rows` takes them."""
+    if k.shape[0] == query_start.numel() - 1 and use_triton(v):
+        return delta_step.recurrent_step(q, k, v, a, b, a_log, dt_bias, state, slots, v.dtype)
+    return delta_rule_rows_reference(q, k, v, a, b, a_log, dt_bias, state, slots, query_start, host_slots)
+
+
+def delta_rule_rows_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                              a_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
+                              query_start: torch.Tensor, host_slots: list[int] | None = None) -> torch.Tensor:
     t, hk, dk = k.shape
+    g, beta = gates(a, b, a_log, dt_bias)
+    dtype = v.dtype
     groups = v.shape[1] // hk
     q = _l2norm(q).repeat_interleave(groups, dim=1) * dk ** -0.5
     k = _l2norm(k).repeat_interleave(groups, dim=1)
@@ -79,7 +108,7 @@ def delta_rule_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     if t == rows:
         out, s = _step(state[slots], q, k, v, g, beta)
         state[slots] = s
-        return out
+        return out.to(dtype)
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     bounds = query_start.tolist()
     for i, slot in enumerate(slots.tolist() if host_slots is None else host_slots):
@@ -93,7 +122,7 @@ def delta_rule_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
             o, s = _step(s, q[j:j + 1], k[j:j + 1], v[j:j + 1], g[j:j + 1], beta[j:j + 1])
             out[j] = o[0]
         state[slot] = s[0]
-    return out
+    return out.to(dtype)
 
 
 def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -131,10 +160,3 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     out = out.permute(1, 2, 0, 3).reshape(-1, h, v.shape[-1])
     return out[:n], s
 
-
-def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x, z [..., D] in the model's dtype; weight * x / rms(x) * SiLU(z), the
-    norm in float32 and rounded before the weight, the gate in float32."""
-    h = x.float()
-    h = (weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)).float()
-    return (h * F.silu(z.float())).to(x.dtype)

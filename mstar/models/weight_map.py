@@ -9,9 +9,12 @@ then the feed-forward's pieces find their place. Experts stored one by one
 (`mlp.experts.E.{gate,up,down}_proj`) are stacked into the layout the MoE
 layer runs ([E, 2I, H] gate then up, [E, H, I] down); the gate and up
 projections of a shared expert or a dense MLP fill the two halves of one
-merged weight, and an attention's q, k and v projections the three row
-blocks of its `qkv` (an attention says their rows with `qkv_rows`, else
-they are its heads', KV heads' and KV heads' times `head_dim`).
+merged weight, an attention's q, k and v projections the three row blocks
+of its `qkv` (an attention says their rows with `qkv_rows`, else they are
+its heads', KV heads' and KV heads' times `head_dim`), and a module's other
+merged projections the row blocks its `merged_rows` lists
+({projection: ((checkpoint suffix, rows), ...)}: `in_proj` of
+`in_proj_qkv`, `in_proj_z`, ...).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from mstar.models.llama.loader import CheckpointFiles
 
 # (expert, shard): which slice of a parameter a checkpoint tensor fills; (None, None) is all of it
 Piece = tuple[int | None, str | None]
+# a merged parameter's row blocks: shard -> (first row, rows)
+Blocks = dict[str, tuple[int, int]]
 
 # checkpoint MLP names (after the part's prefix) -> mstar's parameter; `expert` and `shard` name the piece
 _MLP = (
@@ -52,15 +57,19 @@ class Part:
     owned: tuple[str, ...]                 # checkpoint names under these must each fill a parameter
 
 
-def _target(part: Part, name: str) -> tuple[str, Piece] | None:
+def _target(part: Part, name: str, merged: dict[str, str]) -> tuple[str, Piece] | None:
     """The parameter a checkpoint tensor fills and which piece of it; None:
-    not one of the part's names."""
+    not one of the part's names. `merged`: the checkpoint names of the row
+    blocks of `merged_rows` projections -> (parameter, shard) as
+    `_merged_names` lists them."""
     for prefix, local in part.prefixes:
         if name.startswith(prefix):
             break
     else:
         return None
     name = local + name[len(prefix):]
+    if name in merged:
+        return merged[name]
     for pattern, replacement in _MLP:
         match = pattern.fullmatch(name)
         if match is not None:
@@ -70,27 +79,25 @@ def _target(part: Part, name: str) -> tuple[str, Piece] | None:
     return name, (None, None)
 
 
-def _fill(param: torch.Tensor, piece: Piece, tensor: torch.Tensor, blocks: tuple[int, int, int] | None) -> None:
-    """`blocks`: the rows of q, k and v in a merged qkv parameter."""
+def _fill(param: torch.Tensor, piece: Piece, tensor: torch.Tensor, blocks: Blocks | None) -> None:
+    """`blocks`: the row blocks of a merged projection's parameter."""
     expert, shard = piece
     view = param if expert is None else param[expert]
-    if shard in ("gate", "up"):  # both merged layouts hold gate then up, half and half
+    if shard in ("gate", "up") and blocks is None:  # both merged layouts hold gate then up, half and half
         half = view.shape[0] // 2
         view = view[:half] if shard == "gate" else view[half:]
-    elif shard in ("q", "k", "v"):
-        assert blocks is not None
-        q, k, v = blocks
-        start, rows = {"q": (0, q), "k": (q, k), "v": (q + k, v)}[shard]
+    elif shard is not None and blocks is not None:
+        start, rows = blocks[shard]
         view = view[start:start + rows]
     if view.shape != tensor.shape:
         raise ValueError(f"a checkpoint tensor of shape {tuple(tensor.shape)} cannot fill {tuple(view.shape)}")
     view.copy_(tensor)
 
 
-def _expected(params: dict[str, torch.Tensor]) -> set[tuple[str, int | None, str | None]]:
+def _expected(params: dict[str, torch.Tensor], blocks: dict[str, Blocks]) -> set[tuple[str, int | None, str | None]]:
     """What a complete checkpoint fills: each plain parameter whole, each
-    merged gate/up weight by halves, each stacked expert parameter per
-    expert and projection."""
+    merged gate/up weight by halves, each other merged one by its row
+    blocks, each stacked expert parameter per expert and projection."""
     out: set[tuple[str, int | None, str | None]] = set()
     for name, p in params.items():
         stacked = ("gate", "up") if name.endswith(".gate_up") else ("down",) if name.endswith(".down") else ()
@@ -98,31 +105,56 @@ def _expected(params: dict[str, torch.Tensor]) -> set[tuple[str, int | None, str
             out |= {(name, e, which) for e in range(p.shape[0]) for which in stacked}
         elif name.endswith(".gate_up.weight"):
             out |= {(name, None, "gate"), (name, None, "up")}
-        elif name.endswith((".qkv.weight", ".qkv.bias")):
-            out |= {(name, None, "q"), (name, None, "k"), (name, None, "v")}
+        elif name in blocks:
+            out |= {(name, None, shard) for shard in blocks[name]}
         else:
             out.add((name, None, None))
     return out
 
 
-def _qkv_blocks(module: nn.Module) -> dict[str, tuple[int, int, int]]:
-    """Each merged qkv weight's and bias's rows of q, k and v, by parameter
-    name: of every attention with a `qkv` projection and `heads`,
-    `kv_heads` and `head_dim`."""
-    return {f"{name}.qkv.{kind}": getattr(m, "qkv_rows", None)
-            or (m.heads * m.head_dim, m.kv_heads * m.head_dim, m.kv_heads * m.head_dim)
-            for name, m in module.named_modules()
-            if isinstance(getattr(m, "qkv", None), nn.Module) and hasattr(m, "kv_heads") for kind in ("weight", "bias")}
+def _stacked(shards: tuple[tuple[str, int], ...]) -> Blocks:
+    out: Blocks = {}
+    start = 0
+    for shard, rows in shards:
+        out[shard] = (start, rows)
+        start += rows
+    return out
+
+
+def _row_blocks(module: nn.Module) -> dict[str, Blocks]:
+    """Each merged projection's row blocks, by parameter name (weight and
+    bias): every attention's `qkv` (an attention has `heads`, `kv_heads`
+    and `head_dim`) and each projection a module's `merged_rows` names."""
+    out: dict[str, Blocks] = {}
+    for name, m in module.named_modules():
+        merged: dict[str, tuple[tuple[str, int], ...]] = dict(getattr(m, "merged_rows", {}))
+        if isinstance(getattr(m, "qkv", None), nn.Module) and hasattr(m, "kv_heads"):
+            q, k, v = getattr(m, "qkv_rows", None) or (m.heads * m.head_dim, m.kv_heads * m.head_dim,
+                                                       m.kv_heads * m.head_dim)
+            merged["qkv"] = (("q", q), ("k", k), ("v", v))
+        for projection, shards in merged.items():
+            for kind in ("weight", "bias"):
+                out[f"{name}.{projection}.{kind}"] = _stacked(shards)
+    return out
+
+
+def _merged_names(module: nn.Module) -> dict[str, tuple[str, Piece]]:
+    """The checkpoint names (after a part's prefix) of the row blocks of
+    `merged_rows` projections: `<module>.<projection>_<shard>.<kind>` ->
+    (the merged parameter, (None, shard))."""
+    return {f"{name}.{projection}_{shard}.{kind}": (f"{name}.{projection}.{kind}", (None, shard))
+            for name, m in module.named_modules() for projection, shards in getattr(m, "merged_rows", {}).items()
+            for shard, _ in shards for kind in ("weight", "bias")}
 
 
 def load_mapped(module: nn.Module, folder: str | Path, part: Part) -> None:
     params = dict(module.named_parameters())
-    blocks = _qkv_blocks(module)
+    blocks, merged = _row_blocks(module), _merged_names(module)
     filled: set[tuple[str, int | None, str | None]] = set()
     unknown: list[str] = []
     with torch.no_grad():
         for name, tensor in CheckpointFiles(folder).tensors(lambda n: n.startswith(part.owned)):
-            target = _target(part, name)
+            target = _target(part, name, merged)
             param = None if target is None else params.get(target[0])
             if target is None or param is None:
                 unknown.append(name)
@@ -132,7 +164,7 @@ def load_mapped(module: nn.Module, folder: str | Path, part: Part) -> None:
             except ValueError as e:
                 raise ConfigError(f"{part.what} checkpoint {folder}: '{name}': {e}") from e
             filled.add((target[0], *target[1]))
-    missing = sorted({name for name, _, _ in _expected(params) - filled})
+    missing = sorted({name for name, _, _ in _expected(params, blocks) - filled})
     if missing or unknown:
         raise mismatch_error(folder, part.what, missing, unknown)
 

@@ -63,13 +63,12 @@ class CenteredRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(hidden_size, device=device, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps, centered=True)
 
     def stream(self, h: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        summed = h if residual is None else h + residual
-        return self(summed), summed
+        if residual is None:
+            return self(h), h
+        return fused_add_rms_norm(h, residual, self.weight, self.eps, centered=True)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"

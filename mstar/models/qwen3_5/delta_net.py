@@ -18,10 +18,10 @@ one token each as one batched update).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from mstar.kernels.delta_rule import causal_conv_rows, delta_rule_rows, gated_rms_norm
+from mstar.kernels.delta_rule import causal_conv_rows, delta_rule_rows
+from mstar.kernels.norm import gated_rms_norm
 from mstar.models.layers import Linear
 from mstar.models.qwen3_5.config import Qwen35Config
 from mstar.types import StateRows
@@ -55,10 +55,10 @@ class GatedDeltaNet(nn.Module):
         key, value = self.k_heads * self.k_dim, self.v_heads * self.v_dim
         self.split = (key, key, value)
         h = cfg.hidden_size
-        self.in_proj_qkv = Linear(h, cfg.conv_dim, False, device=device, dtype=dtype)
-        self.in_proj_z = Linear(h, value, False, device=device, dtype=dtype)
-        self.in_proj_b = Linear(h, self.v_heads, False, device=device, dtype=dtype)
-        self.in_proj_a = Linear(h, self.v_heads, False, device=device, dtype=dtype)
+        # the checkpoint's in_proj_qkv, in_proj_z, in_proj_b and in_proj_a as one projection: one GEMM a step
+        self.merged_rows = {"in_proj": (("qkv", cfg.conv_dim), ("z", value), ("b", self.v_heads),
+                                        ("a", self.v_heads))}
+        self.in_proj = Linear(h, cfg.conv_dim + value + 2 * self.v_heads, False, device=device, dtype=dtype)
         self.conv1d = _Conv(cfg.conv_dim, cfg.linear_conv_kernel_dim, device, dtype)
         self.dt_bias = nn.Parameter(torch.empty(self.v_heads, device=device, dtype=dtype), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(self.v_heads, device=device, dtype=dtype), requires_grad=False)
@@ -70,13 +70,11 @@ class GatedDeltaNet(nn.Module):
         t = x.shape[0]
         conv = state.tensors["conv"][:, self.index]
         rec = state.tensors["rec"][:, self.index]
-        mixed = causal_conv_rows(self.in_proj_qkv(x), self.conv1d.weight, conv, state.slots, query_start, state.host)
+        qkv, z, b, a = self.in_proj(x).split([rows for _, rows in self.merged_rows["in_proj"]], dim=-1)
+        mixed = causal_conv_rows(qkv, self.conv1d.weight, conv, state.slots, query_start, state.host)
         q, k, v = torch.split(mixed, self.split, dim=-1)
-        beta = torch.sigmoid(self.in_proj_b(x))
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
         out = delta_rule_rows(q.reshape(t, self.k_heads, self.k_dim), k.reshape(t, self.k_heads, self.k_dim),
-                              v.reshape(t, self.v_heads, self.v_dim), g, beta, rec, state.slots, query_start,
-                              state.host)
-        z = self.in_proj_z(x).reshape(t, self.v_heads, self.v_dim)
-        out = gated_rms_norm(out.to(x.dtype), z, self.norm.weight, self.norm.eps)
+                              v.reshape(t, self.v_heads, self.v_dim), a, b, self.A_log, self.dt_bias, rec,
+                              state.slots, query_start, state.host)
+        out = gated_rms_norm(out, z.reshape(t, self.v_heads, self.v_dim), self.norm.weight, self.norm.eps)
         return self.out_proj(out.reshape(t, self.v_heads * self.v_dim))

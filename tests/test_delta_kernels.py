@@ -1,0 +1,144 @@
+"""The gated delta net's Triton decode steps (`kernels.delta_step`) and gated
+norm against their torch references: on CPU tensors through Triton's
+interpreter at toy shapes, and on CUDA at Qwen3.5-9B's shapes (the GPU
+machine), where they must also replay unchanged under a CUDA graph.
+
+Inputs arrive as the model makes them: q, k and v as column views of the
+conv's output, the state as one layer's view of [slots, layers, ...], the
+rows' slots out of order, every other slot filled with noise that must stay
+as it was.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from kernel_cases import same_on_replay, tolerance
+
+from mstar.kernels import delta_rule, delta_step, norm
+from mstar.kernels.backend import HAVE_TRITON
+
+LAYERS, LAYER = 3, 1
+TOY = {"hk": 2, "hv": 4, "dk": 16, "dv": 24}
+QWEN35_9B = {"hk": 16, "hv": 32, "dk": 128, "dv": 128}
+
+
+def _devices() -> list:
+    interpreted = HAVE_TRITON and os.environ.get("TRITON_INTERPRET") == "1"
+    return [pytest.param("cpu", marks=pytest.mark.skipif(not interpreted, reason="needs TRITON_INTERPRET=1")),
+            pytest.param("cuda", marks=pytest.mark.skipif(not (torch.cuda.is_available() and HAVE_TRITON),
+                                                          reason="needs CUDA (runs on the GPU machine)"))]
+
+
+def _case(device: str, rows: int, dtype: torch.dtype, seed: int, shape: dict) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    hk, hv, dk, dv = shape["hk"], shape["hv"], shape["dk"], shape["dv"]
+    key, value = hk * dk, hv * dv
+    slots_total = rows + 3
+    mixed = torch.randn(rows, 2 * key + value + 8, generator=gen)[:, 4:4 + 2 * key + value]
+
+    def on(t: torch.Tensor, as_dtype: torch.dtype = dtype) -> torch.Tensor:
+        return t.to(device=device, dtype=as_dtype)
+    mixed = on(mixed)
+    q, k, v = mixed.split((key, key, value), dim=-1)
+    return {
+        "mixed": mixed,
+        "q": q.reshape(rows, hk, dk), "k": k.reshape(rows, hk, dk), "v": v.reshape(rows, hv, dv),
+        "ab": on(torch.randn(rows, 2 * hv + 3, generator=gen) * 2),
+        "a_log": on(torch.empty(hv).uniform_(0, 2.7, generator=gen)),
+        "dt_bias": on(torch.randn(hv, generator=gen)),
+        "conv_weight": on(torch.randn(2 * key + value, 1, 4, generator=gen) * 0.5),
+        # past inputs, so exact in the activations' dtype
+        "conv": on(on(torch.randn(slots_total, LAYERS, 2 * key + value, 3, generator=gen)), torch.float32),
+        "rec": on(torch.randn(slots_total, LAYERS, hv, dk, dv, generator=gen) * 0.3, torch.float32),
+        "slots": torch.randperm(slots_total, generator=gen)[:rows].to(device),
+        "hv": hv,
+    }
+
+
+def _gates(c: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    hv = c["hv"]
+    return c["ab"][:, :hv], c["ab"][:, hv + 3:]
+
+
+def _recurrent(c: dict, rec: torch.Tensor, reference: bool) -> torch.Tensor:
+    a, b = _gates(c)
+    layer = rec[:, LAYER]
+    if reference:
+        starts = torch.arange(c["q"].shape[0] + 1)
+        return delta_rule.delta_rule_rows_reference(c["q"], c["k"], c["v"], a, b, c["a_log"], c["dt_bias"],
+                                                    layer, c["slots"], starts)
+    return delta_step.recurrent_step(c["q"], c["k"], c["v"], a, b, c["a_log"], c["dt_bias"], layer, c["slots"],
+                                     c["v"].dtype)
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_recurrent_step(device: str, dtype: torch.dtype, rows: int) -> None:
+    shape = TOY if device == "cpu" else QWEN35_9B
+    c = _case(device, rows if device == "cpu" else rows * 13, dtype, rows, shape)
+    want_rec, got_rec = c["rec"].clone(), c["rec"].clone()
+    want = _recurrent(c, want_rec, reference=True)
+    got = _recurrent(c, got_rec, reference=False)
+    assert got.dtype == dtype and got.shape == want.shape
+    torch.testing.assert_close(got, want, **tolerance(dtype, device == "cpu"))
+    # the state is float32 either way; with bfloat16 inputs the write strength sigmoid(b) is rounded to
+    # bfloat16 first, and one ulp of it apart (the interpreter rounds toward zero) moves an update by 2^-8
+    state_tol = {"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 5e-3, "rtol": 1e-2}
+    torch.testing.assert_close(got_rec, want_rec, **state_tol)
+    assert not torch.equal(got_rec, c["rec"])
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 6])
+def test_conv_step(device: str, dtype: torch.dtype, rows: int) -> None:
+    shape = TOY if device == "cpu" else QWEN35_9B
+    c = _case(device, rows, dtype, 100 + rows, shape)
+    x = c["mixed"]
+    want_conv, got_conv = c["conv"].clone(), c["conv"].clone()
+    want = delta_rule.causal_conv_rows_reference(x, c["conv_weight"], want_conv[:, LAYER], c["slots"],
+                                                 torch.arange(rows + 1))
+    got = delta_step.conv_step(x, c["conv_weight"], got_conv[:, LAYER], c["slots"])
+    assert got.dtype == dtype and got.shape == x.shape
+    torch.testing.assert_close(got, want, **tolerance(dtype, device == "cpu"))
+    torch.testing.assert_close(got_conv, want_conv, atol=0, rtol=0)
+    assert not torch.equal(got_conv, c["conv"])
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_rms_norm(device: str, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(7)
+    t, h, d = 5, 4, 128
+    x = (torch.randn(t, h, d, generator=gen) * 3).to(device=device, dtype=dtype)
+    z = torch.randn(t, h * d + 16, generator=gen).to(device=device, dtype=dtype)[:, 8:8 + h * d].reshape(t, h, d)
+    weight = (1 + 0.5 * torch.randn(d, generator=gen)).to(device=device, dtype=dtype)
+    got = norm.gated_rms_norm_triton(x, z, weight, 1e-6)
+    assert got.dtype == dtype and got.shape == x.shape
+    torch.testing.assert_close(got, norm.gated_rms_norm_reference(x, z, weight, 1e-6),
+                               **tolerance(dtype, device == "cpu"))
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAVE_TRITON), reason="needs CUDA (runs on the GPU machine)")
+def test_decode_steps_replay_under_a_cuda_graph() -> None:
+    """Captured once, replayed on new inputs (new slots too): what an eager call on them gives, state included."""
+    seeds = iter(range(1000))
+
+    def inputs() -> list[torch.Tensor]:
+        c = _case("cuda", 64, torch.bfloat16, next(seeds), QWEN35_9B)
+        a, b = _gates(c)
+        return [c["mixed"], a.contiguous(), b.contiguous(), c["a_log"], c["dt_bias"], c["conv_weight"],
+                c["conv"], c["rec"], c["slots"]]
+
+    def step(mixed, a, b, a_log, dt_bias, weight, conv, rec, slots) -> tuple[torch.Tensor, ...]:
+        key, value = 16 * 128, 32 * 128
+        x = delta_step.conv_step(mixed, weight, conv[:, LAYER], slots)
+        q, k, v = x.split((key, key, value), dim=-1)
+        out = delta_step.recurrent_step(q.reshape(-1, 16, 128), k.reshape(-1, 16, 128), v.reshape(-1, 32, 128),
+                                        a, b, a_log, dt_bias, rec[:, LAYER], slots, torch.bfloat16)
+        return out, conv.clone(), rec.clone()
+    same_on_replay(inputs, step)
