@@ -20,4 +20,8 @@ pip download -q --only-binary=:all: -d .wheels/hf \
   --python-version 3.12 --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
   --platform manylinux_2_17_x86_64 "transformers==$tf"
 rm -f .wheels/hf/numpy-*.whl
+# fla-core's Triton kernels, which scripts/probe_delta_prefill.py judges against
+# mstar's own delta rule; installed only for that probe (gpu_check.sh qwen35)
+mkdir -p .wheels/fla
+pip download -q --no-deps -d .wheels/fla fla-core==0.6.0
 du -sh .wheels

@@ -51,7 +51,7 @@
 #   scripts/gpu_check.sh omni-profile  where a spoken answer's step time goes, by component and by kernel
 #                                   (scripts/profile_omni.py; $OMNI_PROFILE_ARGS replaces its flags)
 #   scripts/gpu_check.sh qwen35     Qwen3.5's GPU tests, a profile of its decode step (QWEN35_PROFILE=0 skips it),
-#                                   then its decode against the bandwidth floor (qwen3.5-9b shape,
+#                                   its decode against the bandwidth floor (qwen3.5-9b shape,
 #                                   dummy weights: scripts/bench_decode.py; $QWEN35_ARGS replaces its batches)
 #   scripts/gpu_check.sh first-burst  what the first burst of streams after startup pays (scripts/probe_first_burst.sh),
 #                                   then one stream's and 64 streams' first audio with and without early_audio
@@ -97,7 +97,7 @@ if [[ $what == tests || $what == all ]]; then
   tests=$(ls tests/test_kernels_gpu.py tests/test_flashinfer_attention.py tests/test_paged_layout.py \
             tests/test_gpu_engine.py tests/test_llama_parity_model.py tests/test_paged_attention.py \
             tests/test_orpheus_gpu.py tests/test_logprobs_gpu.py tests/test_decode_graphs_gpu.py tests/test_sampler_graphs_gpu.py tests/test_prefix_cache.py \
-            tests/test_mixed_graphs_gpu.py tests/test_mixed_steps.py tests/test_qwen35_gpu.py tests/test_delta_kernels.py \
+            tests/test_mixed_graphs_gpu.py tests/test_mixed_steps.py tests/test_qwen35_gpu.py tests/test_qwen35_kernels.py \
             2>/dev/null)
   timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider -o timeout=250 $tests > "$OUT/gpu_tests.txt" 2>&1
   rc=$?
@@ -299,7 +299,7 @@ if [[ $what == omni-profile ]]; then
       | grep -v "\[info\|capturing" | tee "$OUT/profile_omni.txt" | tail -150
 fi
 if [[ $what == qwen35 ]]; then
-  timeout 240 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_delta_kernels.py tests/test_qwen35_gpu.py \
+  timeout 240 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_qwen35_kernels.py tests/test_qwen35_gpu.py \
       tests/test_kernels_gpu.py::test_rms_norm \
       > "$OUT/qwen35_tests.txt" 2>&1
   rc=$?
@@ -310,6 +310,11 @@ if [[ $what == qwen35 ]]; then
   fi
   timeout 420 python3 scripts/bench_decode.py --model qwen3.5-9b --contexts 512 --new-tokens 32 \
       ${QWEN35_ARGS:---batches 1 64 256} --hf-batches 1 16 --out "$OUT/qwen35.json" 2>&1 | grep -v "\[info" | tail -14
+  timeout 300 python3 scripts/probe_qwen35_bf16.py 2>&1 | grep -v "\[info\|capturing\|tokenizer" \
+      | tee "$OUT/qwen35_bf16.txt" | tail -8
+  # fla-core only now, so transformers' baseline above ran as a plain install runs it (torch fallbacks)
+  python3 -m pip install -q --no-deps --no-index .wheels/fla/*.whl 2>&1 | grep -v "root user" | tail -2
+  timeout 200 python3 scripts/probe_delta_prefill.py 2>&1 | tee "$OUT/delta_prefill.txt" | tail -12
 fi
 if [[ $what == first-burst ]]; then
   timeout ${FB_TIMEOUT:-480} scripts/probe_first_burst.sh 2>&1 | grep -v "\[info" | tee "$OUT/first_burst.txt" | tail -120

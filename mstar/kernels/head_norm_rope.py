@@ -1,7 +1,10 @@
 """Per-head RMSNorm, then rotary: queries or keys x [T, heads, D], the norm's
-weight [D] and each token's rotary angles cos/sin [T, D] in; the normed,
+weight [D] and each token's rotary angles cos/sin [T, R] in; the normed,
 rotated heads out in x's dtype (Qwen3's q_norm / k_norm before M-RoPE).
-`rope` is the rotation alone (code2wav's transformer).
+R < D rotates each head's first R dims and passes the rest (Qwen3.5's
+partial rotary); `centered` takes the weight as an offset from one
+(Qwen3.5's norms, `norm.rms_norm`). `rope` is the rotation alone
+(code2wav's transformer).
 
 Unfused that is about nine launches per tensor per layer (the norm, then
 the rotation's casts, negation, concatenation, products and sum), and at
@@ -21,10 +24,10 @@ from mstar.kernels.rope_kv import rotate_half
 
 
 def head_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   eps: float) -> torch.Tensor:
+                   eps: float, centered: bool = False) -> torch.Tensor:
     if use_triton(x):
-        return head_norm_rope_triton(x, weight, cos, sin, eps)
-    return head_norm_rope_reference(x, weight, cos, sin, eps)
+        return head_norm_rope_triton(x, weight, cos, sin, eps, centered)
+    return head_norm_rope_reference(x, weight, cos, sin, eps, centered)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -41,55 +44,66 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 
 
 def head_norm_rope_reference(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                             eps: float) -> torch.Tensor:
-    h = rms_norm_reference(x, weight, eps).float()
-    return (h * cos[:, None] + rotate_half(h) * sin[:, None]).to(x.dtype)
+                             eps: float, centered: bool = False) -> torch.Tensor:
+    h = rms_norm_reference(x, weight, eps, centered).float()
+    r = cos.shape[-1]
+    turned = h[..., :r] * cos[:, None] + rotate_half(h[..., :r]) * sin[:, None]
+    return (turned if r == h.shape[-1] else torch.cat([turned, h[..., r:]], dim=-1)).to(x.dtype)
 
 
 def head_norm_rope_triton(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                          eps: float) -> torch.Tensor:
+                          eps: float, centered: bool = False) -> torch.Tensor:
     """`weight` None: the rotation alone (`rope`)."""
     t, heads, d = x.shape
-    if (weight is not None and weight.shape != (d,)) or cos.shape != (t, d) or sin.shape != (t, d) or d % 2:
+    r = cos.shape[-1]
+    if (weight is not None and weight.shape != (d,)) or cos.shape != (t, r) or sin.shape != (t, r) or r % 2 \
+            or r > d:
         raise ValueError(f"x {tuple(x.shape)}, weight {None if weight is None else tuple(weight.shape)}, "
                          f"cos {tuple(cos.shape)} and "
-                         f"sin {tuple(sin.shape)} do not fit: need [T, H, D], [D], [T, D] with D even")
-    if x.stride(2) != 1 or x.stride(1) != d:  # heads packed, tokens at any stride (a slice of a qkv output)
+                         f"sin {tuple(sin.shape)} do not fit: need [T, H, D], [D], [T, R] with R even, R <= D")
+    if x.stride(2) != 1:  # each head's features packed; heads and tokens at any stride (views of a projection)
         x = x.contiguous()
     # a token stride of 0 (every token at one position, an expanded view) is read as it is
-    cos, sin = (c if c.stride(-1) == 1 and c.stride(0) in (0, d) else c.contiguous() for c in (cos, sin))
-    out = torch.empty_like(x)
+    cos, sin = (c if c.stride(-1) == 1 and c.stride(0) in (0, r) else c.contiguous() for c in (cos, sin))
+    out = torch.empty((t, heads, d), dtype=x.dtype, device=x.device)
     if x.numel():
         block = block_size(d)
         w = weight.contiguous() if weight is not None else x  # not read without the norm
-        _kernel[(t * heads,)](x, w, cos, sin, out, heads, d, x.stride(0), cos.stride(0), sin.stride(0), eps,
-                              NORM=weight is not None, BLOCK=block, num_warps=num_warps(block))
+        _kernel[(t * heads,)](x, w, cos, sin, out, heads, d, r, x.stride(0), x.stride(1), cos.stride(0),
+                              sin.stride(0), eps, NORM=weight is not None, CENTERED=centered, BLOCK=block,
+                              num_warps=num_warps(block))
     return out
 
 
 @jit
-def _kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, d, stride_x, stride_cos, stride_sin, eps,
-            NORM: tl.constexpr, BLOCK: tl.constexpr):
-    # one program per (token, head); its row and the row's other half (rotate_half's partner) in registers
+def _kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, d, r, stride_x, stride_head, stride_cos, stride_sin,
+            eps, NORM: tl.constexpr, CENTERED: tl.constexpr, BLOCK: tl.constexpr):
+    # one program per (token, head); its row and the row's rotated part's other half (rotate_half's
+    # partner) in registers; dims from r on are not rotated
     row = tl.program_id(0).to(tl.int64)
     token = row // heads
     cols = tl.arange(0, BLOCK)
     mask = cols < d
-    half = d // 2
-    partner = tl.where(cols < half, cols + half, cols - half)
+    turns = cols < r
+    half = r // 2
+    partner = tl.where(cols < half, cols + half, tl.where(turns, cols - half, cols))
     dtype = out_ptr.dtype.element_ty
-    at = token * stride_x + (row - token * heads) * d
+    at = token * stride_x + (row - token * heads) * stride_head
     x = tl.load(x_ptr + at + cols, mask=mask, other=0.0).to(tl.float32)
     xp = tl.load(x_ptr + at + partner, mask=mask, other=0.0).to(tl.float32)
     if NORM:
         rstd = tl.rsqrt(tl.sum(x * x, axis=0) / d + eps)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         wp = tl.load(w_ptr + partner, mask=mask, other=0.0).to(tl.float32)
-        n = ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
-        np_ = ((xp * rstd).to(dtype).to(tl.float32) * wp).to(dtype).to(tl.float32)
+        if CENTERED:
+            n = (x * rstd * (1.0 + w)).to(dtype).to(tl.float32)
+            np_ = (xp * rstd * (1.0 + wp)).to(dtype).to(tl.float32)
+        else:
+            n = ((x * rstd).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
+            np_ = ((xp * rstd).to(dtype).to(tl.float32) * wp).to(dtype).to(tl.float32)
     else:
         n, np_ = x, xp
-    c = tl.load(cos_ptr + token * stride_cos + cols, mask=mask, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + token * stride_sin + cols, mask=mask, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + token * stride_cos + cols, mask=turns, other=1.0).to(tl.float32)
+    s = tl.load(sin_ptr + token * stride_sin + cols, mask=turns, other=0.0).to(tl.float32)
     rotated = tl.where(cols < half, -np_, np_)
     tl.store(out_ptr + row * d + cols, (n * c + rotated * s).to(dtype), mask=mask)

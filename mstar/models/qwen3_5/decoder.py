@@ -5,7 +5,8 @@ row out. Prefill and decode are one computation over packed rows.
 Layers are gated delta nets (`delta_net.py`: per-row recurrent state) or
 gated attention over the paged KV cache: q and k RMS-normalised per head, a
 rotary over the first `rotary_dim` dims of each head (multimodal positions
-[3, T] interleaved, text's three axes equal), and the output scaled by
+[3, T] interleaved, text's three axes equal; `kernels.head_norm_rope` fuses
+the norm and the rotation), and the output scaled by
 sigmoid of a gate the query projection also yields. The KV pages hold only
 the attention layers, numbered in order (`Qwen35Config.attention_layers`).
 The feed-forward is a SwiGLU, or in a MoE decoder a sparse MoE with a shared
@@ -17,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from mstar.kernels.head_norm_rope import head_norm_rope
 from mstar.models.layers import CenteredRMSNorm, Linear, SwiGLU, VocabHead, token_embedding
 from mstar.models.layers.moe import SparseMoe
 from mstar.models.layers.mrope import mrope_axes, mrope_cos_sin
@@ -25,15 +27,6 @@ from mstar.models.qwen3_5.delta_net import GatedDeltaNet
 from mstar.types import AttentionContext, TokenBatch
 
 Device = torch.device | str | None
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]: its first cos.shape[-1] dims rotated (rotate-half pairs), the rest as they are."""
-    dim = cos.shape[-1]
-    rot, rest = x[..., :dim], x[..., dim:]
-    half = dim // 2
-    turned = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-    return torch.cat([rot * cos[:, None] + turned * sin[:, None], rest], dim=-1)
 
 
 class GatedAttention(nn.Module):
@@ -55,11 +48,11 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         t, d = x.shape[0], self.head_dim
         qg, k, v = self.qkv(x).split(self.qkv_rows, dim=-1)
-        q, gate = qg.reshape(t, self.heads, 2 * d).split(d, dim=-1)
-        q = _rotate(self.q_norm(q), cos, sin)
-        k = _rotate(self.k_norm(k.reshape(t, self.kv_heads, d)), cos, sin)
+        q, gate = qg.view(t, self.heads, 2 * d).split(d, dim=-1)
+        q = head_norm_rope(q, self.q_norm.weight, cos, sin, self.q_norm.eps, centered=True)
+        k = head_norm_rope(k.view(t, self.kv_heads, d), self.k_norm.weight, cos, sin, self.k_norm.eps, centered=True)
         out = attn.forward(self.kv_layer, q.contiguous(), k.contiguous(), v.reshape(t, self.kv_heads, d), self.scale)
-        return self.o_proj(out.reshape(t, self.heads * d) * torch.sigmoid(gate.reshape(t, self.heads * d)))
+        return self.o_proj((out.view(t, self.heads, d) * torch.sigmoid(gate)).view(t, self.heads * d))
 
 
 class Qwen35Layer(nn.Module):

@@ -1,7 +1,9 @@
-"""The gated delta net's Triton decode steps (`kernels.delta_step`) and gated
-norm against their torch references: on CPU tensors through Triton's
-interpreter at toy shapes, and on CUDA at Qwen3.5-9B's shapes (the GPU
-machine), where they must also replay unchanged under a CUDA graph.
+"""Qwen3.5's Triton kernels against their torch references: the gated delta
+net's decode steps (`kernels.delta_step`), its gated norm, and the gated
+attention's centred per-head norm with partial rotary; on CPU tensors
+through Triton's interpreter at toy shapes, and on CUDA at Qwen3.5-9B's
+shapes (the GPU machine), where the delta steps must also replay unchanged
+under a CUDA graph.
 
 Inputs arrive as the model makes them: q, k and v as column views of the
 conv's output, the state as one layer's view of [slots, layers, ...], the
@@ -17,7 +19,7 @@ import pytest
 import torch
 from kernel_cases import same_on_replay, tolerance
 
-from mstar.kernels import delta_rule, delta_step, norm
+from mstar.kernels import delta_rule, delta_step, head_norm_rope, norm
 from mstar.kernels.backend import HAVE_TRITON
 
 LAYERS, LAYER = 3, 1
@@ -120,6 +122,29 @@ def test_gated_rms_norm(device: str, dtype: torch.dtype) -> None:
     got = norm.gated_rms_norm_triton(x, z, weight, 1e-6)
     assert got.dtype == dtype and got.shape == x.shape
     torch.testing.assert_close(got, norm.gated_rms_norm_reference(x, z, weight, 1e-6),
+                               **tolerance(dtype, device == "cpu"))
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [1, 7])
+def test_centred_head_norm_with_partial_rotary(device: str, dtype: torch.dtype, t: int) -> None:
+    """The gated attention's queries: each head's [query | gate] in one row of the projection, the query read
+    in place (head stride 2D), centred-normed, its first R = D / 4 dims rotated, the rest passed through."""
+    gen = torch.Generator().manual_seed(t)
+    heads, d = (4, 32) if device == "cpu" else (16, 256)
+    r = d // 4
+    rows = (torch.randn(t, heads, 2 * d, generator=gen) * 3).to(device=device, dtype=dtype)
+    x = rows[..., :d]
+    weight = (0.5 * torch.randn(d, generator=gen)).to(device=device, dtype=dtype)
+    angles = torch.rand(t, r // 2, generator=gen) * 100
+    cos, sin = (f(torch.cat([angles, angles], -1)).to(device) for f in (torch.cos, torch.sin))
+    got = head_norm_rope.head_norm_rope_triton(x, weight, cos, sin, 1e-6, centered=True)
+    want = head_norm_rope.head_norm_rope_reference(x, weight, cos, sin, 1e-6, centered=True)
+    assert got.shape == x.shape and got.is_contiguous()
+    torch.testing.assert_close(got, want, **tolerance(dtype, device == "cpu"))
+    # past R the normed value as it is: the reference's norm alone
+    torch.testing.assert_close(got[..., r:], norm.rms_norm_reference(x, weight, 1e-6, centered=True)[..., r:],
                                **tolerance(dtype, device == "cpu"))
 
 
