@@ -314,7 +314,13 @@ if [[ $what == qwen35 ]]; then
       | tee "$OUT/qwen35_bf16.txt" | tail -8
   # fla-core only now, so transformers' baseline above ran as a plain install runs it (torch fallbacks)
   python3 -m pip install -q --no-deps --no-index .wheels/fla/*.whl 2>&1 | grep -v "root user" | tail -2
+  timeout 120 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_qwen35_kernels.py -k fla \
+      >> "$OUT/qwen35_tests.txt" 2>&1 || rc=1
+  tail -2 "$OUT/qwen35_tests.txt"
   timeout 200 python3 scripts/probe_delta_prefill.py 2>&1 | tee "$OUT/delta_prefill.txt" | tail -12
+  # again with fla-core installed: both transformers and mstar take its chunked kernel for prompts
+  timeout 300 python3 scripts/probe_qwen35_bf16.py 2>&1 | grep -v "\[info\|capturing\|tokenizer" \
+      | tee "$OUT/qwen35_bf16_fla.txt" | tail -8
 fi
 if [[ $what == first-burst ]]; then
   timeout ${FB_TIMEOUT:-480} scripts/probe_first_burst.sh 2>&1 | grep -v "\[info" | tee "$OUT/first_burst.txt" | tail -120

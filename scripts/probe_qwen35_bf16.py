@@ -3,9 +3,13 @@ transformers, on the GPU machine: one random checkpoint (the 9B's head and
 state sizes, fewer and narrower layers) saved as a folder; greedy tokens of
 several prompts from transformers' float32 `generate` (the reference),
 transformers' bfloat16, and mstar's engine in bfloat16 and float32 (CUDA
-graphs, Triton kernels). Prints, for each run, the tokens each prompt
-agrees with the reference before it first differs, and how many of all
-the tokens agree position by position.
+graphs, Triton kernels). Prints, for each run, the log probabilities of
+the first answer token's 20 most likely tokens (the prompt's prefill)
+against the reference's at the same tokens (mean and largest difference),
+then the tokens each prompt agrees with the reference before it first
+differs, and how many of all the tokens agree position by position (a
+random model's near-ties make these noisy; the log probabilities are the
+measure).
 
     python scripts/probe_qwen35_bf16.py --new 64
 """
@@ -14,18 +18,21 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
+import os
 import tempfile
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from tiny_llama import generated  # noqa: E402
+from mstar.config import EngineConfig, SchedulerConfig
+from mstar.engine.engine import Engine
+from mstar.types import GenerateRequest, SamplingParams
 
-from mstar.config import EngineConfig, SchedulerConfig  # noqa: E402
-from mstar.engine.engine import Engine  # noqa: E402
-from mstar.types import SamplingParams  # noqa: E402
+# a run: each prompt's greedy tokens, and its first answer token's top logprobs {token id: logprob}
+Run = tuple[list[list[int]], list[dict[int, float]]]
+
+
+TOP = 20
 
 
 def _save(folder: Path, vocab: int) -> None:
@@ -50,30 +57,53 @@ def _save(folder: Path, vocab: int) -> None:
     model.save_pretrained(folder, safe_serialization=True)
 
 
-def _hf(folder: Path, prompts: list[list[int]], new: int, dtype: torch.dtype) -> list[list[int]]:
+def _hf(folder: Path, prompts: list[list[int]], new: int, dtype: torch.dtype) -> tuple[Run, list[torch.Tensor]]:
+    """The run, and each prompt's first-token log probabilities over the whole vocabulary."""
     import transformers
     hf = transformers.Qwen3_5ForCausalLM.from_pretrained(folder, dtype=dtype).to("cuda").eval()
     hf.generation_config.eos_token_id = None
-    out = []
+    tokens, tops, full = [], [], []
     with torch.no_grad():
         for p in prompts:
             ids = torch.tensor([p], device="cuda")
-            out.append(hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                                   do_sample=False)[0, len(p):].tolist())
+            logprobs = torch.log_softmax(hf(ids).logits[0, -1].float(), -1).cpu()
+            full.append(logprobs)
+            best = logprobs.topk(TOP)
+            tops.append(dict(zip(best.indices.tolist(), best.values.tolist())))
+            tokens.append(hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                      do_sample=False)[0, len(p):].tolist())
     del hf
     torch.cuda.empty_cache()
-    return out
+    return (tokens, tops), full
 
 
-async def _mstar(folder: Path, prompts: list[list[int]], new: int, dtype: str) -> list[list[int]]:
+async def _mstar(folder: Path, prompts: list[list[int]], new: int, dtype: str) -> Run:
     eng = Engine(EngineConfig(model=str(folder), devices=("cuda:0",), dtype=dtype,
                               scheduler=SchedulerConfig(page_size=16)))
     await eng.start()
+    greedy = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True, logprobs=TOP)
+
+    async def one(i: int, p: list[int]) -> tuple[list[int], dict[int, float]]:
+        tokens: list[int] = []
+        top: dict[int, float] = {}
+        async for chunk in eng.submit(GenerateRequest(f"r{i}", eng.model_name, {"prompt_ids": p}, greedy)):
+            if chunk.error is not None:
+                raise RuntimeError(chunk.error)
+            if not tokens and chunk.logprobs:
+                top = dict(chunk.logprobs[0].top)
+            tokens.extend(chunk.token_ids)
+        return tokens, top
     try:
-        greedy = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
-        return list(await asyncio.gather(*(generated(eng, f"r{i}", p, greedy) for i, p in enumerate(prompts))))
+        got = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
     finally:
         await eng.shutdown()
+    return [t for t, _ in got], [top for _, top in got]
+
+
+def _logprob_error(tops: list[dict[int, float]], reference: list[torch.Tensor]) -> tuple[float, float]:
+    """Mean and largest |logprob - the reference's| over each prompt's top tokens."""
+    errors = [abs(lp - ref[token].item()) for top, ref in zip(tops, reference) for token, lp in top.items()]
+    return sum(errors) / len(errors), max(errors)
 
 
 def _agreement(got: list[list[int]], want: list[list[int]]) -> tuple[list[int], float]:
@@ -90,7 +120,7 @@ def _agreement(got: list[list[int]], want: list[list[int]]) -> tuple[list[int], 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--new", type=int, default=64)
-    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--prompts", type=int, default=16)
     args = p.parse_args()
     vocab = 4096
     gen = torch.Generator().manual_seed(2)
@@ -99,18 +129,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         _save(folder, vocab)
-        reference = _hf(folder, prompts, args.new, torch.float32)
-        runs = {"transformers bfloat16": _hf(folder, prompts, args.new, torch.bfloat16),
+        (reference, _), full = _hf(folder, prompts, args.new, torch.float32)
+        runs = {"transformers bfloat16": _hf(folder, prompts, args.new, torch.bfloat16)[0],
                 "mstar float32": asyncio.run(_mstar(folder, prompts, args.new, "float32")),
                 "mstar bfloat16": asyncio.run(_mstar(folder, prompts, args.new, "bfloat16"))}
-    print(f"# {torch.cuda.get_device_name(0)} | torch {torch.__version__} | {args.prompts} prompts of "
-          f"{[len(p) for p in prompts]} tokens, {args.new} greedy tokens each; reference: transformers float32")
-    print(f"{'run':<24} {'same tokens':>12}  tokens before the first difference, per prompt")
-    for name, got in runs.items():
-        first, frac = _agreement(got, reference)
-        print(f"{name:<24} {frac:12.3f}  {first}")
-    first, frac = _agreement(runs["mstar bfloat16"], runs["transformers bfloat16"])
-    print(f"{'mstar bf16 vs hf bf16':<24} {frac:12.3f}  {first}")
+    print(f"# {torch.cuda.get_device_name(0)} | torch {torch.__version__} | mstar commit "
+          f"{os.environ.get('MSTAR_COMMIT', '?')} | {args.prompts} prompts of {[len(p) for p in prompts]} tokens, "
+          f"{args.new} greedy tokens each; reference: transformers float32")
+    print(f"{'run':<24} {'mean |dlogprob|':>16} {'max |dlogprob|':>15} {'same tokens':>12}  "
+          "tokens before the first difference, per prompt")
+    for name, (tokens, tops) in runs.items():
+        first, frac = _agreement(tokens, reference)
+        mean, worst = _logprob_error(tops, full)
+        print(f"{name:<24} {mean:16.4f} {worst:15.4f} {frac:12.3f}  {first}")
+    first, frac = _agreement(runs["mstar bfloat16"][0], runs["transformers bfloat16"][0])
+    print(f"{'mstar bf16 vs hf bf16':<24} {'':>16} {'':>15} {frac:12.3f}  {first}")
 
 
 if __name__ == "__main__":

@@ -167,3 +167,27 @@ def test_decode_steps_replay_under_a_cuda_graph() -> None:
                                         a, b, a_log, dt_bias, rec[:, LAYER], slots, torch.bfloat16)
         return out, conv.clone(), rec.clone()
     same_on_replay(inputs, step)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and HAVE_TRITON and delta_rule.fla_chunk() is not None),
+                    reason="needs CUDA and fla-core (gpu_check.sh qwen35 installs it after the other GPU tests)")
+def test_prompt_rows_through_fla_core() -> None:
+    """A mixed step's rows (decode rows of one token beside prompts of up to 300) in bfloat16 through fla's
+    chunked kernel, from and back into their slots: the torch form's outputs and states."""
+    lengths = [1, 17, 64, 1, 300]
+    gen = torch.Generator().manual_seed(3)
+    shape = QWEN35_9B
+    c = _case("cuda", sum(lengths), torch.bfloat16, 11, shape)
+    rows = len(lengths)
+    slots = torch.randperm(c["rec"].shape[0], generator=gen)[:rows].to("cuda")
+    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    a, b = _gates(c)
+    want_rec, got_rec = c["rec"].clone(), c["rec"].clone()
+    want = delta_rule.delta_rule_rows_reference(c["q"], c["k"], c["v"], a, b, c["a_log"], c["dt_bias"],
+                                                want_rec[:, LAYER], slots, starts)
+    got = delta_rule.delta_rule_rows(c["q"], c["k"], c["v"], a, b, c["a_log"], c["dt_bias"], got_rec[:, LAYER],
+                                     slots, starts)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    # fla normalises q and k into bfloat16 and multiplies in bfloat16 where the torch form stays in float32
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(got_rec, want_rec, atol=2e-2, rtol=2e-2)

@@ -120,6 +120,14 @@ class Qwen35Decoder(nn.Module):
         h, _ = self.norm.stream(h[rows], residual[rows])
         return {"logits": self.lm_head(h)}
 
+    def compile_kernels(self) -> None:
+        """Before serving (the engine calls it on CUDA): the delta rule's prompt kernels, which compile on
+        first use, for this model's head shapes (all delta-net layers share them)."""
+        for layer in self.layers:
+            if hasattr(layer, "linear_attn"):
+                layer.linear_attn.compile_kernels()
+                return
+
     def prefill(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
         """Rows of prompt tokens, each continuing from its slot's state and cached KV."""
         return self.forward(batch)

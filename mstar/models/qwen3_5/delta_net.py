@@ -78,3 +78,20 @@ class GatedDeltaNet(nn.Module):
                               state.slots, query_start, state.host)
         out = gated_rms_norm(out, z.reshape(t, self.v_heads, self.v_dim), self.norm.weight, self.norm.eps)
         return self.out_proj(out.reshape(t, self.v_heads * self.v_dim))
+
+    def compile_kernels(self) -> None:
+        """Run a prompt row and a decode row through this layer's delta rule
+        on made-up inputs and a state of its own: what compiles or tunes
+        itself on first use (fla-core's chunked kernel autotunes for
+        seconds) does so before serving, not on a first request."""
+        weight = self.in_proj.weight
+        dev, dtype = weight.device, weight.dtype
+        lengths = (70, 1)   # past one 64-token chunk, and a decode row beside it
+        t = sum(lengths)
+        gen = torch.Generator(device=dev).manual_seed(0)
+        q, k = (torch.randn(t, self.k_heads, self.k_dim, device=dev, generator=gen).to(dtype) for _ in range(2))
+        v = torch.randn(t, self.v_heads, self.v_dim, device=dev, generator=gen).to(dtype)
+        a, b = (torch.randn(t, self.v_heads, device=dev, generator=gen).to(dtype) for _ in range(2))
+        state = torch.zeros(len(lengths), self.v_heads, self.k_dim, self.v_dim, device=dev)
+        delta_rule_rows(q, k, v, a, b, self.A_log, self.dt_bias, state, torch.arange(len(lengths), device=dev),
+                        torch.tensor([0, lengths[0], t]))
