@@ -312,6 +312,7 @@ if [[ $what == qwen35 ]]; then
       ${QWEN35_ARGS:---batches 1 64 256} --hf-batches 1 16 --out "$OUT/qwen35.json" 2>&1 | grep -v "\[info" | tail -14
   timeout 300 python3 scripts/probe_qwen35_bf16.py 2>&1 | grep -v "\[info\|capturing\|tokenizer" \
       | tee "$OUT/qwen35_bf16.txt" | tail -8
+  timeout 120 python3 scripts/probe_delta_decode.py 2>&1 | tee "$OUT/delta_decode.txt" | tail -30
   # fla-core only now, so transformers' baseline above ran as a plain install runs it (torch fallbacks)
   python3 -m pip install -q --no-deps --no-index .wheels/fla/*.whl 2>&1 | grep -v "root user" | tail -2
   timeout 120 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_qwen35_kernels.py -k fla \

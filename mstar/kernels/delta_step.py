@@ -45,10 +45,11 @@ def conv_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, slots:
 
 def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                    a_log: torch.Tensor, dt_bias: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
-                   out_dtype: torch.dtype) -> torch.Tensor:
+                   out_dtype: torch.dtype, block_v: int = _BV, warps: int = 4) -> torch.Tensor:
     """q, k [B, Hk, Dk], v [B, Hv, Dv] (each head's values contiguous; row
     strides free), a, b [B, Hv], state [S, Hv, Dk, Dv] float32 (slot stride
-    free); out [B, Hv, Dv] in `out_dtype`."""
+    free); out [B, Hv, Dv] in `out_dtype`. `block_v`, `warps`: a program's
+    columns of state and its warps (scripts/probe_delta_decode.py sweeps them)."""
     rows, k_heads, dk = k.shape
     v_heads, dv = v.shape[1:]
     for t, d in ((q, dk), (k, dk), (v, dv)):
@@ -59,12 +60,12 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.T
     if dk != block_size(dk):
         raise ValueError(f"recurrent_step needs a power-of-two key head size, not {dk}")
     out = torch.empty((rows, v_heads, dv), dtype=out_dtype, device=v.device)
-    bv = min(_BV, block_size(dv))
+    bv = min(block_v, block_size(dv))
     if rows:
         _recurrent_step_kernel[(rows * v_heads, -(-dv // bv))](
             q, k, v, a, b, a_log, dt_bias, state, slots, out,
             q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0), state.stride(0), dk ** -0.5, L2_EPS,
-            HV=v_heads, GROUPS=v_heads // k_heads, DK=dk, DV=dv, BV=bv, num_warps=4)
+            HV=v_heads, GROUPS=v_heads // k_heads, DK=dk, DV=dv, BV=bv, num_warps=warps)
     return out
 
 
