@@ -24,7 +24,9 @@ import torch
 from mstar.kernels.backend import block_size, jit, tl
 
 L2_EPS = 1e-6
-_BV = 32     # state columns a program of `recurrent_step` covers
+# state columns a program of `recurrent_step` covers: of 16, 32 and 64 (and 2, 4 or 8 warps), 64 with 4 warps
+# moved Qwen3.5-9B's states fastest on an H200 at 1, 64 and 256 rows (scripts/probe_delta_decode.py)
+_BV = 64
 _BC = 256    # channels a program of `conv_step` covers
 
 
