@@ -11,13 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_cases import (check_exponential_noise, check_fused_add_rms_norm, check_fused_moe,
-                          check_head_norm_rope, check_moe_align, check_qkv_norm_rope_store, check_rms_norm,
-                          check_rope_and_store,
-                          check_silu_and_mul, check_snake, check_snake_beta, check_snake_beta_held,
-                          check_draw_tokens, check_route_top_k, check_wide_descent, check_wide_draw,
-                          check_snake_dwconv, check_snake_unit, check_repetition_penalty, check_codec_noise, moe_inputs,
-                          check_quantize_rows)
+from kernel_cases import (check_fused_add_rms_norm, check_fused_moe, check_head_norm_rope, check_moe_align,
+                          check_qkv_norm_rope_store, check_rms_norm, check_rope_and_store, check_silu_and_mul,
+                          check_snake, check_snake_beta, check_snake_beta_held, check_route_top_k,
+                          check_snake_dwconv, check_snake_unit, check_codec_noise, moe_inputs, check_quantize_rows)
+from sampling_kernel_cases import (check_exponential_noise, check_draw_tokens, check_wide_descent, check_wide_draw,
+                                   check_repetition_penalty)
 
 from mstar.kernels import activation, fused_add_rms_norm, moe, norm, rms_norm, rope_and_store, rope_kv, silu_and_mul
 from mstar.kernels.backend import HAVE_TRITON, block_size, num_warps

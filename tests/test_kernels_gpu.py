@@ -6,33 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import (
-    MOE_SHAPES,
-    check_quantize_rows,
-    check_fused_add_rms_norm,
-    check_draw_tokens,
-    check_route_top_k,
-    check_wide_descent,
-    check_wide_draw,
-    check_head_norm_rope,
-    check_qkv_norm_rope_store,
-    check_fused_moe,
-    check_moe_align,
-    check_rms_norm,
-    check_rope_and_store,
-    check_silu_and_mul,
-    check_snake,
-    check_snake_beta,
-    check_snake_beta_held,
-    check_exponential_noise,
-    check_snake_dwconv,
-    check_snake_unit,
-    check_repetition_penalty,
-    check_codec_noise,
-    moe_inputs,
-    moe_routing,
-    same_on_replay,
-)
+from kernel_cases import (MOE_SHAPES, check_quantize_rows, check_fused_add_rms_norm, check_route_top_k,
+                          check_head_norm_rope, check_qkv_norm_rope_store, check_fused_moe, check_moe_align,
+                          check_rms_norm, check_rope_and_store, check_silu_and_mul, check_snake, check_snake_beta,
+                          check_snake_beta_held, check_snake_dwconv, check_snake_unit, check_codec_noise, moe_inputs,
+                          moe_routing, same_on_replay)
+from sampling_kernel_cases import (check_draw_tokens, check_wide_descent, check_wide_draw, check_exponential_noise,
+                                   check_repetition_penalty)
 
 from mstar.kernels import activation, fused_add_rms_norm, moe, norm, rms_norm, rope_and_store, rope_kv, silu_and_mul
 from mstar.kernels.backend import HAVE_TRITON
