@@ -16,6 +16,7 @@ import openai
 import pytest
 import pytest_asyncio
 import torch
+from greedy_top5 import greedy_top5
 from http_support import serving
 from tiny_llama import generated
 from tiny_qwen35 import save_tiny_qwen35
@@ -247,3 +248,24 @@ async def test_a_failed_mixed_step_fails_its_rows_with_state(checkpoint: tuple[P
         await _free(eng, eng.config.scheduler.max_num_seqs)
     finally:
         await eng.shutdown()
+
+
+def test_fp8_weights_serve_a_delta_net_model(tmp_path: Path) -> None:
+    """`--quantization fp8` turns the delta nets' merged input projection too (208 x 64 here): the model
+    serves, its first greedy choice the full-precision one's, and the layers' warm-up (run before serving
+    on CUDA) makes its inputs in the activations' dtype, not float8."""
+    folder = save_tiny_qwen35(tmp_path / "q", value_heads=8)
+    full_tokens, full_top, _ = greedy_top5(EngineConfig(model=str(folder)), [1, 5, 9, 33, 7], tokens=4)
+
+    def turned(eng: Engine) -> int:
+        module = eng.workers[0].runners["llm"].module
+        delta_nets = [layer.linear_attn for layer in module.layers if hasattr(layer, "linear_attn")]
+        for net in delta_nets:
+            net.warm()   # what compile_kernels runs on CUDA, here on the quantized layer
+        return sum(net.in_proj.weight.dtype == torch.float8_e4m3fn for net in delta_nets)
+    fp8_tokens, fp8_top, in_projs = greedy_top5(EngineConfig(model=str(folder), quantization="fp8"),
+                                                [1, 5, 9, 33, 7], tokens=4, inspect=turned)
+    assert in_projs == 2   # both delta-net layers' merged projections are float8
+    assert fp8_tokens[0] == full_tokens[0] and len(fp8_tokens) == 4
+    # the tiny checkpoint's head is scaled up eightfold (wide logits), which widens fp8's logprob error too
+    assert max(abs(fp8_top[0][t] - lp) for t, lp in full_top[0].items() if t in fp8_top[0]) < 0.4

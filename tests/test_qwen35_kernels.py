@@ -60,13 +60,16 @@ def _case(device: str, rows: int, dtype: torch.dtype, seed: int, shape: dict) ->
     }
 
 
-def _gates(c: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def _gates(c: dict, interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """a and b as column views of one projection's output; `interleaved`: every other column each."""
     hv = c["hv"]
+    if interleaved:
+        return c["ab"][:, 0:2 * hv:2], c["ab"][:, 1:2 * hv:2]
     return c["ab"][:, :hv], c["ab"][:, hv + 3:]
 
 
-def _recurrent(c: dict, rec: torch.Tensor, reference: bool) -> torch.Tensor:
-    a, b = _gates(c)
+def _recurrent(c: dict, rec: torch.Tensor, reference: bool, interleaved: bool = False) -> torch.Tensor:
+    a, b = _gates(c, interleaved)
     layer = rec[:, LAYER]
     if reference:
         starts = torch.arange(c["q"].shape[0] + 1)
@@ -92,6 +95,11 @@ def test_recurrent_step(device: str, dtype: torch.dtype, rows: int) -> None:
     state_tol = {"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 5e-3, "rtol": 1e-2}
     torch.testing.assert_close(got_rec, want_rec, **state_tol)
     assert not torch.equal(got_rec, c["rec"])
+    # gate inputs whose heads are not adjacent (a column stride of 2) read right too
+    twisted = c["rec"].clone()
+    torch.testing.assert_close(_recurrent(c, twisted, reference=False, interleaved=True),
+                               _recurrent(c, c["rec"].clone(), reference=True, interleaved=True),
+                               **tolerance(dtype, device == "cpu"))
 
 
 @pytest.mark.parametrize("device", _devices())
@@ -128,9 +136,11 @@ def test_gated_rms_norm(device: str, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("device", _devices())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t", [1, 7])
-def test_centred_head_norm_with_partial_rotary(device: str, dtype: torch.dtype, t: int) -> None:
+@pytest.mark.parametrize("rounded", [False, True])
+def test_centred_head_norm_with_partial_rotary(device: str, dtype: torch.dtype, t: int, rounded: bool) -> None:
     """The gated attention's queries: each head's [query | gate] in one row of the projection, the query read
-    in place (head stride 2D), centred-normed, its first R = D / 4 dims rotated, the rest passed through."""
+    in place (head stride 2D), centred-normed, its first R = D / 4 dims rotated, the rest passed through;
+    `rounded`: the rotation as transformers' Qwen3.5 computes it in the activations' dtype, bit for bit."""
     gen = torch.Generator().manual_seed(t)
     heads, d = (4, 32) if device == "cpu" else (16, 256)
     r = d // 4
@@ -139,8 +149,14 @@ def test_centred_head_norm_with_partial_rotary(device: str, dtype: torch.dtype, 
     weight = (0.5 * torch.randn(d, generator=gen)).to(device=device, dtype=dtype)
     angles = torch.rand(t, r // 2, generator=gen) * 100
     cos, sin = (f(torch.cat([angles, angles], -1)).to(device) for f in (torch.cos, torch.sin))
-    got = head_norm_rope.head_norm_rope_triton(x, weight, cos, sin, 1e-6, centered=True)
-    want = head_norm_rope.head_norm_rope_reference(x, weight, cos, sin, 1e-6, centered=True)
+    got = head_norm_rope.head_norm_rope_triton(x, weight, cos, sin, 1e-6, centered=True, rounded=rounded)
+    want = head_norm_rope.head_norm_rope_reference(x, weight, cos, sin, 1e-6, centered=True, rounded=rounded)
+    if rounded:  # transformers' apply_rotary_pos_emb: products and sum in x's dtype, cos/sin cast to it
+        normed = norm.rms_norm_reference(x, weight, 1e-6, centered=True)
+        c, s = cos.to(dtype)[:, None], sin.to(dtype)[:, None]
+        part = normed[..., :r]
+        turned = part * c + torch.cat([-part[..., r // 2:], part[..., :r // 2]], -1) * s
+        assert torch.equal(want, torch.cat([turned, normed[..., r:]], -1))
     assert got.shape == x.shape and got.is_contiguous()
     torch.testing.assert_close(got, want, **tolerance(dtype, device == "cpu"))
     # past R the normed value as it is: the reference's norm alone

@@ -12,10 +12,13 @@ import torch
 
 
 def save_tiny_qwen35(folder: Path, vocab: int = 384, layers: int = 4, interval: int = 2,
-                     dtype: torch.dtype = torch.float32, experts: int = 0, head_dim: int = 32) -> Path:
+                     dtype: torch.dtype = torch.float32, experts: int = 0, head_dim: int = 32,
+                     value_heads: int = 4) -> Path:
     """`layers` decoder layers, every `interval`-th one attention; with
     `experts`, the MoE decoder (`Qwen3_5MoeForCausalLM`, 2 experts a token
-    and a shared expert); `head_dim` 64 or more for FlashInfer's kernels."""
+    and a shared expert); `head_dim` 64 or more for FlashInfer's kernels;
+    `value_heads` of the delta nets (8 makes their merged input projection
+    208 rows, a multiple of 16 that fp8 weights take)."""
     import transformers
 
     torch.manual_seed(0)
@@ -25,7 +28,7 @@ def save_tiny_qwen35(folder: Path, vocab: int = 384, layers: int = 4, interval: 
     cfg = config_class(
         vocab_size=vocab, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4, **moe,
         num_key_value_heads=2, head_dim=head_dim, linear_conv_kernel_dim=4, linear_key_head_dim=16,
-        linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=value_heads,
         layer_types=["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)],
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25,
                          "mrope_section": [head_dim // 16, head_dim // 32, head_dim // 32]},

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from mstar.kernels import delta_step
-from mstar.kernels.backend import use_triton
+from mstar.kernels.backend import block_size, use_triton
 from mstar.kernels.delta_step import L2_EPS
 
 CHUNK = 64          # tokens a chunk of `chunked_delta_rule` solves at once
@@ -96,7 +96,8 @@ def delta_rule_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.
     and A_log, dt_bias [Hv] as `gates` takes them, state [S, Hv, Dk, Dv]
     float32; out [T, Hv, Dv] in v's dtype; `host_slots` as
     `causal_conv_rows` takes them."""
-    if k.shape[0] == query_start.numel() - 1 and use_triton(v):
+    dk = k.shape[-1]
+    if k.shape[0] == query_start.numel() - 1 and use_triton(v) and dk == block_size(dk):
         return delta_step.recurrent_step(q, k, v, a, b, a_log, dt_bias, state, slots, v.dtype)
     chunked = fla_chunk() if use_triton(v) and v.dtype in (torch.bfloat16, torch.float16) else None
     if chunked is not None:

@@ -25,7 +25,8 @@ from mstar.kernels.backend import block_size, jit, tl
 
 L2_EPS = 1e-6
 # state columns a program of `recurrent_step` covers: of 16, 32 and 64 (and 2, 4 or 8 warps), 64 with 4 warps
-# moved Qwen3.5-9B's states fastest on an H200 at 1, 64 and 256 rows (scripts/probe_delta_decode.py)
+# moved Qwen3.5-9B's states fastest on an H200 at 64 and 256 rows (scripts/probe_delta_decode.py; one row's
+# state of one layer stays in L2 there, so its numbers do not say much)
 _BV = 64
 _BC = 256    # channels a program of `conv_step` covers
 
@@ -61,6 +62,7 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.T
         raise ValueError("recurrent_step needs a float32 state of [S, Hv, Dk, Dv] per slot")
     if dk != block_size(dk):
         raise ValueError(f"recurrent_step needs a power-of-two key head size, not {dk}")
+    a, b = (g if g.stride(1) == 1 else g.contiguous() for g in (a, b))  # heads adjacent; rows at any stride
     out = torch.empty((rows, v_heads, dv), dtype=out_dtype, device=v.device)
     bv = min(block_v, block_size(dv))
     if rows:

@@ -3,8 +3,10 @@ weight [D] and each token's rotary angles cos/sin [T, R] in; the normed,
 rotated heads out in x's dtype (Qwen3's q_norm / k_norm before M-RoPE).
 R < D rotates each head's first R dims and passes the rest (Qwen3.5's
 partial rotary); `centered` takes the weight as an offset from one
-(Qwen3.5's norms, `norm.rms_norm`). `rope` is the rotation alone
-(code2wav's transformer).
+(Qwen3.5's norms, `norm.rms_norm`); `rounded` rounds the rotation's two
+products and their sum each to x's dtype, as transformers' Qwen3.5 computes
+it in bfloat16 (else the rotation is float32, rounded once). `rope` is the
+rotation alone (code2wav's transformer).
 
 Unfused that is about nine launches per tensor per layer (the norm, then
 the rotation's casts, negation, concatenation, products and sum), and at
@@ -24,10 +26,10 @@ from mstar.kernels.rope_kv import rotate_half
 
 
 def head_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   eps: float, centered: bool = False) -> torch.Tensor:
+                   eps: float, centered: bool = False, rounded: bool = False) -> torch.Tensor:
     if use_triton(x):
-        return head_norm_rope_triton(x, weight, cos, sin, eps, centered)
-    return head_norm_rope_reference(x, weight, cos, sin, eps, centered)
+        return head_norm_rope_triton(x, weight, cos, sin, eps, centered, rounded)
+    return head_norm_rope_reference(x, weight, cos, sin, eps, centered, rounded)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -44,15 +46,17 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 
 
 def head_norm_rope_reference(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                             eps: float, centered: bool = False) -> torch.Tensor:
-    h = rms_norm_reference(x, weight, eps, centered).float()
+                             eps: float, centered: bool = False, rounded: bool = False) -> torch.Tensor:
+    h = rms_norm_reference(x, weight, eps, centered)
+    h = h if rounded else h.float()
     r = cos.shape[-1]
-    turned = h[..., :r] * cos[:, None] + rotate_half(h[..., :r]) * sin[:, None]
+    cos, sin = (c.to(h.dtype)[:, None] for c in (cos, sin))
+    turned = h[..., :r] * cos + rotate_half(h[..., :r]) * sin
     return (turned if r == h.shape[-1] else torch.cat([turned, h[..., r:]], dim=-1)).to(x.dtype)
 
 
 def head_norm_rope_triton(x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                          eps: float, centered: bool = False) -> torch.Tensor:
+                          eps: float, centered: bool = False, rounded: bool = False) -> torch.Tensor:
     """`weight` None: the rotation alone (`rope`)."""
     t, heads, d = x.shape
     r = cos.shape[-1]
@@ -70,14 +74,14 @@ def head_norm_rope_triton(x: torch.Tensor, weight: torch.Tensor | None, cos: tor
         block = block_size(d)
         w = weight.contiguous() if weight is not None else x  # not read without the norm
         _kernel[(t * heads,)](x, w, cos, sin, out, heads, d, r, x.stride(0), x.stride(1), cos.stride(0),
-                              sin.stride(0), eps, NORM=weight is not None, CENTERED=centered, BLOCK=block,
-                              num_warps=num_warps(block))
+                              sin.stride(0), eps, NORM=weight is not None, CENTERED=centered, ROUNDED=rounded,
+                              BLOCK=block, num_warps=num_warps(block))
     return out
 
 
 @jit
 def _kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, d, r, stride_x, stride_head, stride_cos, stride_sin,
-            eps, NORM: tl.constexpr, CENTERED: tl.constexpr, BLOCK: tl.constexpr):
+            eps, NORM: tl.constexpr, CENTERED: tl.constexpr, ROUNDED: tl.constexpr, BLOCK: tl.constexpr):
     # one program per (token, head); its row and the row's rotated part's other half (rotate_half's
     # partner) in registers; dims from r on are not rotated
     row = tl.program_id(0).to(tl.int64)
@@ -106,4 +110,9 @@ def _kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, d, r, stride_x, stri
     c = tl.load(cos_ptr + token * stride_cos + cols, mask=turns, other=1.0).to(tl.float32)
     s = tl.load(sin_ptr + token * stride_sin + cols, mask=turns, other=0.0).to(tl.float32)
     rotated = tl.where(cols < half, -np_, np_)
-    tl.store(out_ptr + row * d + cols, (n * c + rotated * s).to(dtype), mask=mask)
+    if ROUNDED:
+        c, s = c.to(dtype).to(tl.float32), s.to(dtype).to(tl.float32)
+        out = (n * c).to(dtype).to(tl.float32) + (rotated * s).to(dtype).to(tl.float32)
+    else:
+        out = n * c + rotated * s
+    tl.store(out_ptr + row * d + cols, out.to(dtype), mask=mask)

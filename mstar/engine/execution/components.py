@@ -148,8 +148,6 @@ def _runner(model: Model, name: str, module: nn.Module, device: torch.device, dt
     if graphs is not None and (logits := graphs.static_output("logits")) is not None:
         compile_wide_draw(logits)   # before serving: a first wide batch would wait seconds for Triton
         draws = sampler_graphs(graphs, model.default_sampling(), device)
-    if device.type == "cuda" and hasattr(module, "compile_kernels"):
-        module.compile_kernels()   # a model's kernels that compile (or tune) on first use, before serving
     by_mode = kv_mode_graphs(model, name, spec, module, attention, device, config)
     log.info("attention", device=str(device), component=name, backend=type(attention).__name__,
              cuda_graphs=graphs.buckets if graphs is not None else None,

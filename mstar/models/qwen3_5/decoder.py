@@ -49,8 +49,10 @@ class GatedAttention(nn.Module):
         t, d = x.shape[0], self.head_dim
         qg, k, v = self.qkv(x).split(self.qkv_rows, dim=-1)
         q, gate = qg.view(t, self.heads, 2 * d).split(d, dim=-1)
-        q = head_norm_rope(q, self.q_norm.weight, cos, sin, self.q_norm.eps, centered=True)
-        k = head_norm_rope(k.view(t, self.kv_heads, d), self.k_norm.weight, cos, sin, self.k_norm.eps, centered=True)
+        # rounded as transformers rotates in bfloat16: its logits, not a more precise answer
+        q = head_norm_rope(q, self.q_norm.weight, cos, sin, self.q_norm.eps, centered=True, rounded=True)
+        k = head_norm_rope(k.view(t, self.kv_heads, d), self.k_norm.weight, cos, sin, self.k_norm.eps,
+                           centered=True, rounded=True)
         out = attn.forward(self.kv_layer, q.contiguous(), k.contiguous(), v.reshape(t, self.kv_heads, d), self.scale)
         return self.o_proj((out.view(t, self.heads, d) * torch.sigmoid(gate)).view(t, self.heads * d))
 
@@ -119,14 +121,6 @@ class Qwen35Decoder(nn.Module):
         assert residual is not None
         h, _ = self.norm.stream(h[rows], residual[rows])
         return {"logits": self.lm_head(h)}
-
-    def compile_kernels(self) -> None:
-        """Before serving (the engine calls it on CUDA): the delta rule's prompt kernels, which compile on
-        first use, for this model's head shapes (all delta-net layers share them)."""
-        for layer in self.layers:
-            if hasattr(layer, "linear_attn"):
-                layer.linear_attn.compile_kernels()
-                return
 
     def prefill(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
         """Rows of prompt tokens, each continuing from its slot's state and cached KV."""

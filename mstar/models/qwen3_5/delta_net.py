@@ -80,12 +80,19 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(out.reshape(t, self.v_heads * self.v_dim))
 
     def compile_kernels(self) -> None:
-        """Run a prompt row and a decode row through this layer's delta rule
-        on made-up inputs and a state of its own: what compiles or tunes
-        itself on first use (fla-core's chunked kernel autotunes for
-        seconds) does so before serving, not on a first request."""
-        weight = self.in_proj.weight
-        dev, dtype = weight.device, weight.dtype
+        """Before serving (the engine calls it on every module that has it):
+        on CUDA, what compiles or tunes itself on first use (fla-core's
+        chunked kernel autotunes for seconds; the layers share shapes, so
+        the first layer pays) runs once through `warm` instead of holding a
+        first request. Nothing compiles on the CPU."""
+        if self.norm.weight.device.type == "cuda":
+            self.warm()
+
+    def warm(self) -> None:
+        """A prompt row and a decode row through this layer's delta rule, on
+        made-up inputs and a state of its own."""
+        # the norm's weight keeps the activations' dtype where fp8 quantization has turned in_proj to float8
+        dev, dtype = self.norm.weight.device, self.norm.weight.dtype
         lengths = (70, 1)   # past one 64-token chunk, and a decode row beside it
         t = sum(lengths)
         gen = torch.Generator(device=dev).manual_seed(0)
