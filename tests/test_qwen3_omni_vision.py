@@ -21,10 +21,12 @@ from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeVisionEncoder
 
 from mstar.errors import ConfigError, RequestError
-from mstar.models.qwen3_omni.config import Qwen3OmniConfig, VisionEncoderConfig
-from mstar.models.qwen3_omni.encoders.image import ImagePatches, image_patches
-from mstar.models.qwen3_omni.encoders.vision import VisionEncoder, load_vision_encoder
+from mstar.models.qwen3_omni.config import Qwen3OmniConfig
+from mstar.models.qwen3_omni.loader import load_vision
 from mstar.models.qwen3_omni.positions import mrope_positions
+from mstar.models.vision.config import VisionEncoderConfig
+from mstar.models.vision.encoder import VisionEncoder
+from mstar.models.vision.patches import ImagePatches, image_patches
 from test_qwen3_omni_config import tiny
 
 # The shape of the Qwen3-Omni checkpoints' preprocessor_config.json (its image part)
@@ -141,7 +143,7 @@ def odd_encoder(tmp_path_factory: pytest.TempPathFactory) -> tuple[VisionEncoder
 
 def _ours(cfg: VisionEncoderConfig, folder: Path) -> VisionEncoder:
     encoder = VisionEncoder(cfg).eval()
-    load_vision_encoder(encoder, folder)
+    load_vision(encoder, folder)
     return encoder
 
 

@@ -18,7 +18,6 @@ from torch import nn
 
 from mstar.kernels.head_norm_rope import head_norm_rope
 from mstar.kernels.qkv_store import qkv_norm_rope_store
-from mstar.kernels.rope_kv import rotate_half
 from mstar.models.layers.linear import Linear
 from mstar.models.layers.moe import SparseMoe
 from mstar.models.layers.mrope import mrope_axes, mrope_cos_sin
@@ -27,13 +26,6 @@ from mstar.models.qwen3_omni.config import CodePredictorConfig, MoeDecoderConfig
 from mstar.types import AttentionContext, TokenBatch
 
 Device = torch.device | str | None
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D] rotated in the "rotate half" layout by cos/sin [T, D]
-    (one angle per token, from its own positions)."""
-    h = x.float()
-    return (h * cos[:, None] + rotate_half(h) * sin[:, None]).to(x.dtype)
 
 
 class ThinkerAttention(nn.Module):
