@@ -22,6 +22,7 @@ from mstar.models.layers.linear import Linear
 from mstar.models.layers.moe import SparseMoe
 from mstar.models.layers.mrope import mrope_axes, mrope_cos_sin
 from mstar.models.layers.norm import RMSNorm
+from mstar.models.layers.splice import spliced
 from mstar.models.qwen3_omni.config import CodePredictorConfig, MoeDecoderConfig
 from mstar.types import AttentionContext, TokenBatch
 
@@ -111,11 +112,7 @@ class ThinkerDecoder(nn.Module):
     def forward(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
         """Every token's embedding and `accept_layer` output ("embeds",
         "hidden", [T, H]) and the logits of each row's last token."""
-        embeds = self.embed_tokens(batch.input_ids)
-        for name in ("audio", "image"):
-            if name in batch.embeds:
-                rows, index = batch.embeds[name]
-                embeds = embeds.index_copy(0, index, rows.to(embeds.dtype))
+        embeds = spliced(self.embed_tokens(batch.input_ids), batch.embeds, ("audio", "image"))
         deep, deep_index = batch.embeds.get("deepstack", (None, None))
         positions = batch.positions if batch.positions.dim() == 2 else batch.positions.expand(3, -1)
         cos, sin = mrope_cos_sin(positions, self.inv_freq, self.mrope_axes)
