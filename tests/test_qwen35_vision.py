@@ -17,16 +17,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import openai
 import pytest
-import pytest_asyncio
 import torch
-from http_support import serving
+from http_support import openai_client
 from PIL import Image
 from safetensors.torch import load_file, save_file
 from tiny_qwen35 import IMAGE, save_tiny_qwen35, save_tiny_qwen35_vl
@@ -182,6 +180,7 @@ async def test_greedy_tokens_equal_transformers(dense: Reference) -> None:
     assert {"prefill", "prefill_image", "decode"} <= modes
     assert max(rows for mode, rows in steps if mode == "decode") == len(CHATS)
     assert sum(rows for mode, rows in steps if mode == "prefill") > 1   # the text prompt's chunks
+    assert sum(rows for mode, rows in steps if mode == "prefill_image") == 3   # each image prompt in one step
 
 
 async def test_the_moe_model_matches_transformers(tmp_path: Path) -> None:
@@ -223,39 +222,25 @@ def _png_url(height: int, width: int) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
-@pytest_asyncio.fixture(loop_scope="module", scope="module")
-async def client() -> AsyncIterator[openai.AsyncOpenAI]:
-    engine = Engine(EngineConfig(model="qwen3.5-vl-tiny", scheduler=SchedulerConfig(page_size=4)))
-    await engine.start()
-    try:
-        async with serving(engine) as base:
-            api = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=30)
-            yield api
-            await api.close()
-    finally:
-        await engine.shutdown()
-
-
-@pytest.mark.asyncio(loop_scope="module")
-async def test_the_openai_client_chats_with_an_image(client: openai.AsyncOpenAI) -> None:
+async def test_the_openai_client_chats_with_an_image_and_one_that_does_not_decode_is_a_400() -> None:
     """The picture is decoded, cut into patches and placed: the prompt is the
-    text-only chat's plus its image's placeholders and their two bounds."""
-    api = client
-    greedy = {"temperature": 0, "max_tokens": 5, "extra_body": {"ignore_eos": True}}
+    text-only chat's plus its image's placeholders and their two bounds. A
+    data URL whose bytes are no picture fails that request alone, naming
+    its part."""
+    greedy: dict[str, Any] = {"temperature": 0, "max_tokens": 5, "extra_body": {"ignore_eos": True}}
     question = {"type": "text", "text": "what is this?"}
-    seen = await api.chat.completions.create(model="qwen3.5-vl-tiny", messages=[{"role": "user", "content": [
-        question, {"type": "image_url", "image_url": {"url": _png_url(40, 60)}}]}], **greedy)
-    alone = await api.chat.completions.create(model="qwen3.5-vl-tiny", messages=[{"role": "user", "content": [
-        question]}], **greedy)
-    assert seen.choices[0].message.role == "assistant" and seen.usage.completion_tokens == 5
     tokens = load_model("qwen3.5-vl-tiny").patch_recipe.patches(_picture(40, 60, 3), "image").tokens
+    async with openai_client(EngineConfig(model="qwen3.5-vl-tiny", scheduler=SchedulerConfig(page_size=4))) as api:
+        seen = await api.chat.completions.create(model="qwen3.5-vl-tiny", messages=[{"role": "user", "content": [
+            question, {"type": "image_url", "image_url": {"url": _png_url(40, 60)}}]}], **greedy)
+        alone = await api.chat.completions.create(model="qwen3.5-vl-tiny", messages=[{"role": "user", "content": [
+            question]}], **greedy)
+        with pytest.raises(openai.BadRequestError) as caught:
+            await api.chat.completions.create(model="qwen3.5-vl-tiny", messages=[{"role": "user", "content": [
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgoAAAAA"}}]}], **greedy)
+        after = await api.chat.completions.create(model="qwen3.5-vl-tiny", messages=[{"role": "user", "content": [
+            question]}], **greedy)
+    assert seen.choices[0].message.role == "assistant" and seen.usage.completion_tokens == 5
     assert seen.usage.prompt_tokens == alone.usage.prompt_tokens + tokens + 2
-
-
-@pytest.mark.asyncio(loop_scope="module")
-async def test_an_image_that_does_not_decode_is_a_400(client: openai.AsyncOpenAI) -> None:
-    with pytest.raises(openai.BadRequestError) as caught:
-        await client.chat.completions.create(model="qwen3.5-vl-tiny", max_tokens=3, messages=[{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgoAAAAA"}}]}])
-    assert caught.value.status_code == 400
-    assert "messages[0].content[0].image_url" in str(caught.value.body)
+    assert caught.value.status_code == 400 and caught.value.body["param"] == "messages[0].content[0].image_url.url"
+    assert after.choices[0].message.content == alone.choices[0].message.content
