@@ -244,3 +244,19 @@ async def test_the_openai_client_chats_with_an_image_and_one_that_does_not_decod
     assert seen.usage.prompt_tokens == alone.usage.prompt_tokens + tokens + 2
     assert caught.value.status_code == 400 and caught.value.body["param"] == "messages[0].content[0].image_url.url"
     assert after.choices[0].message.content == alone.choices[0].message.content
+
+
+def test_the_9b_builtin_has_the_tower_transformers_builds_for_its_config() -> None:
+    """Every tensor of transformers' `Qwen3_5VisionModel` for `qwen3.5-9b`'s
+    vision config fills a parameter of ours of as many elements (built on
+    the meta device: no weights)."""
+    from mstar.models.qwen3_5.builtins import QWEN35_9B
+    from mstar.models.vision.encoder import _vision_target
+
+    model = load_model("qwen3.5-9b", load_format="dummy")
+    assert model.config.vision is not None and model.config.image_tokens.image == 248056
+    ours = dict(VisionEncoder(model.config.vision, device="meta").named_parameters())
+    with torch.device("meta"):
+        theirs = transformers.Qwen3_5VisionModel(transformers.Qwen3_5VisionConfig(**QWEN35_9B["vision_config"]))
+    shapes = {_vision_target(name): p.numel() for name, p in theirs.named_parameters()}
+    assert shapes == {name: p.numel() for name, p in ours.items()} and len(shapes) == 3 + 12 * 27 + 6
