@@ -46,7 +46,7 @@ from mstar.models.vision.preprocessor import PatchRecipe
 from mstar.types import GenerateRequest, SamplingParams
 
 DUMMY_SEED = 0
-# the published checkpoints' preprocessor_config.json budget, for a folder without one and the builtins
+# Qwen3-VL's published preprocessor_config.json pixel budget, for a folder without one and the builtins
 MIN_PIXELS, MAX_PIXELS = 65536, 16777216
 
 
