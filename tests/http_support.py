@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
+import openai
 import orjson
 from aiohttp import web
 
@@ -39,6 +40,21 @@ async def serving(engine: Engine, cancel_handlers: bool = True) -> AsyncIterator
     async with serving_app(build_app(engine, manage_engine=False), handler_cancellation=cancel_handlers,
                            access_log=None, shutdown_timeout=1.0) as url:
         yield url
+
+
+@asynccontextmanager
+async def openai_client(config: EngineConfig) -> AsyncIterator[openai.AsyncOpenAI]:
+    """The official `openai` client (no retries) against a fresh engine of
+    `config`, served on a loopback port."""
+    engine = Engine(config)
+    await engine.start()
+    try:
+        async with serving(engine) as base:
+            api = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=30)
+            yield api
+            await api.close()
+    finally:
+        await engine.shutdown()
 
 
 @asynccontextmanager

@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 import torch
 from greedy_top5 import greedy_top5
-from http_support import serving
+from http_support import openai_client
 from tiny_llama import generated
 from tiny_qwen35 import save_tiny_qwen35
 
@@ -153,15 +153,8 @@ async def test_chunked_and_mixed_prefills_carry_the_state_on(checkpoint: tuple[P
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def client() -> AsyncIterator[openai.AsyncOpenAI]:
-    eng = Engine(EngineConfig(model="qwen3.5-tiny", scheduler=SchedulerConfig(page_size=4)))
-    await eng.start()
-    try:
-        async with serving(eng) as base:
-            api = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=30)
-            yield api
-            await api.close()
-    finally:
-        await eng.shutdown()
+    async with openai_client(EngineConfig(model="qwen3.5-tiny", scheduler=SchedulerConfig(page_size=4))) as api:
+        yield api
 
 
 @pytest.mark.asyncio(loop_scope="module")

@@ -18,9 +18,9 @@ from transformers import Qwen3OmniMoeForConditionalGeneration, WhisperFeatureExt
 from mstar.config import EngineConfig
 from mstar.engine.engine import Engine
 from mstar.errors import RequestError
-from mstar.models.qwen3_omni.encoders.image import image_patches
 from mstar.models.qwen3_omni.model import Qwen3OmniModel
 from mstar.models.tokenizer import builtin_byte_tokenizer
+from mstar.models.vision.patches import image_patches
 from mstar.types import GenerateRequest, SamplingParams
 from test_qwen3_omni_thinker import saved  # noqa: F401  (the fixture)
 

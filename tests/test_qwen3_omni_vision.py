@@ -21,10 +21,13 @@ from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import Qwen
 from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeVisionEncoder
 
 from mstar.errors import ConfigError, RequestError
-from mstar.models.qwen3_omni.config import Qwen3OmniConfig, VisionEncoderConfig
-from mstar.models.qwen3_omni.encoders.image import ImagePatches, image_patches
-from mstar.models.qwen3_omni.encoders.vision import VisionEncoder, load_vision_encoder
+from mstar.models.qwen3_omni.config import Qwen3OmniConfig
+from mstar.models.qwen3_omni.loader import load_vision
 from mstar.models.qwen3_omni.positions import mrope_positions
+from mstar.models.vision.config import VisionEncoderConfig
+from mstar.models.vision.encoder import VisionEncoder
+from mstar.models.vision.patches import ImagePatches, image_patches
+from lively_weights import lively
 from test_qwen3_omni_config import tiny
 
 # The shape of the Qwen3-Omni checkpoints' preprocessor_config.json (its image part)
@@ -86,25 +89,6 @@ def test_pictures_transformers_refuses_are_refused_naming_the_field(processor) -
     assert image_patches(edge).grid_thw == tuple(processor(images=[Image.fromarray(edge)])["image_grid_thw"][0])
 
 
-def _lively(module: torch.nn.Module, seed: int) -> None:
-    """Weights at the scale of a trained encoder (norms near 1, linear maps
-    of unit gain): at N(0, 0.08) throughout, the signal shrinks at every norm
-    until attention is near uniform and the rotary, the merger's GELU, even
-    swapped rows and columns change the output by less than the tolerance."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            noise = torch.randn(p.shape, generator=generator)
-            if "norm" in name or "ln_q" in name:
-                p.copy_(1 + 0.1 * noise if name.endswith("weight") else 0.1 * noise)
-            elif name.endswith("bias"):
-                p.copy_(0.1 * noise)
-            elif name.startswith("pos_embed"):
-                p.copy_(noise)
-            else:
-                p.copy_(noise / p[0].numel() ** 0.5)
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Qwen3OmniMoeForConditionalGeneration]:
     torch.manual_seed(0)
@@ -112,7 +96,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Qwen3OmniMoeF
     with torch.no_grad():  # transformers leaves stacked experts uninitialised
         for p in model.parameters():
             p.normal_(0.0, 0.08)
-    _lively(model.thinker.model.visual, seed=0)
+    lively(model.thinker.model.visual, seed=0)
     folder = tmp_path_factory.mktemp("omni-weights")
     model.save_pretrained(folder)
     return folder, model
@@ -129,7 +113,7 @@ def odd_encoder(tmp_path_factory: pytest.TempPathFactory) -> tuple[VisionEncoder
                                              out_hidden_size=24, num_position_embeddings=16,
                                              deepstack_visual_indexes=[2, 0])
     encoder = Qwen3OmniMoeVisionEncoder(config).eval()
-    _lively(encoder, seed=1)
+    lively(encoder, seed=1)
     folder = tmp_path_factory.mktemp("omni-vision")
     save_file({f"thinker.visual.{k}": v.contiguous() for k, v in encoder.state_dict().items()},
               str(folder / "model.safetensors"))
@@ -141,7 +125,7 @@ def odd_encoder(tmp_path_factory: pytest.TempPathFactory) -> tuple[VisionEncoder
 
 def _ours(cfg: VisionEncoderConfig, folder: Path) -> VisionEncoder:
     encoder = VisionEncoder(cfg).eval()
-    load_vision_encoder(encoder, folder)
+    load_vision(encoder, folder)
     return encoder
 
 

@@ -13,7 +13,7 @@ when a text comes to a model without a tokenizer.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -36,11 +36,10 @@ def prompt_tokens(inputs: Mapping[str, Any], tokenizer: Tokenizer | None, vocab_
         raise RequestError(f"give one of {', '.join(PROMPT_INPUTS)}, not {' and '.join(given)}", field="prompt")
     if "messages" in inputs:
         field = "messages"
-        ids = chat_ids(inputs["messages"], _flag(inputs, "add_generation_prompt"), _need(tokenizer, model),
-                       max_model_len)
+        ids = chat_ids(inputs["messages"], generation_prompt(inputs), need_tokenizer(tokenizer, model), max_model_len)
     elif "prompt" in inputs:
         field = "prompt"
-        ids = text_ids(inputs["prompt"], _need(tokenizer, model), max_model_len)
+        ids = text_ids(inputs["prompt"], need_tokenizer(tokenizer, model), max_model_len)
     else:
         field = "prompt"
         ids = given_ids(inputs.get("prompt_ids"))
@@ -66,22 +65,30 @@ def text_ids(text: Any, tokenizer: Tokenizer, max_model_len: int) -> list[int]:
 def chat_ids(messages: Any, add_generation_prompt: bool, tokenizer: Tokenizer, max_model_len: int) -> list[int]:
     """Messages through the chat template, then the tokenizer without
     special tokens (the template placed them)."""
+    ids = list(tokenizer.encode(chat_text(messages, add_generation_prompt, tokenizer, max_model_len),
+                                add_special_tokens=False))
+    if not ids:
+        raise RequestError("the messages have no tokens", field="messages")
+    return ids
+
+
+def chat_text(messages: Any, add_generation_prompt: bool, tokenizer: Tokenizer, max_model_len: int,
+              media: Collection[str] = ()) -> str:
+    """Messages through the chat template (`media`: the kinds of content
+    part it is given as parts, `Tokenizer.apply_chat_template`'s)."""
     if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
         raise RequestError("must be a non-empty list of messages", field="messages")
     chars = sum(len(m["content"]) for m in messages if isinstance(m, Mapping) and isinstance(m.get("content"), str))
     check_length(tokenizer, chars, max_model_len, "messages")
     try:
-        text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt)
+        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                             media=media)
     except (ValueError, TypeError, KeyError) as e:
         raise RequestError(f"the chat template refused these messages: {e}", field="messages") from None
     except Exception as e:  # jinja's TemplateError is raised by a template's raise_exception()
         if type(e).__module__.startswith("jinja2"):
             raise RequestError(f"the chat template refused these messages: {e}", field="messages") from None
         raise
-    ids = list(tokenizer.encode(text, add_special_tokens=False))
-    if not ids:
-        raise RequestError("the messages have no tokens", field="messages")
-    return ids
 
 
 def given_ids(value: Any) -> list[int]:
@@ -107,14 +114,16 @@ def check_length(tokenizer: Tokenizer, chars: int, max_model_len: int, field: st
             f"context of {max_model_len} tokens", field=field, code=CONTEXT_EXCEEDED)
 
 
-def _need(tokenizer: Tokenizer | None, model: str) -> Tokenizer:
+def need_tokenizer(tokenizer: Tokenizer | None, model: str) -> Tokenizer:
+    """The model's tokenizer; without one, a text prompt is the request's error."""
     if tokenizer is None:
         raise RequestError(f"model '{model}' has no tokenizer: send token ids", field="model")
     return tokenizer
 
 
-def _flag(inputs: Mapping[str, Any], name: str) -> bool:
-    value = inputs.get(name, True)
+def generation_prompt(inputs: Mapping[str, Any]) -> bool:
+    """A chat's `add_generation_prompt` (the assistant's opening after the messages; true unless given)."""
+    value = inputs.get("add_generation_prompt", True)
     if not isinstance(value, bool):
-        raise RequestError("must be a boolean", field=name)
+        raise RequestError("must be a boolean", field="add_generation_prompt")
     return value

@@ -1,9 +1,10 @@
 """Model names in, `Model` objects out.
 
 A name is either a builtin (`tiny-llama`; `orpheus-tiny`; `orpheus-3b`, a shape without
-a checkpoint, served with `load_format="dummy"`; `qwen3-omni-tiny`; `qwen3-omni-30b-a3b`, a shape served with `load_format="dummy"`; `qwen3.5-tiny`; `qwen3.5-9b`, a shape) or a local Hugging Face folder whose
-config.json `model_type` picks the model class (a llama folder with a `snac/`
-subfolder is Orpheus; `qwen3_omni_moe` is Qwen3-Omni; `qwen3_5` and `qwen3_5_moe` are Qwen3.5). Model files register
+a checkpoint, served with `load_format="dummy"`; `qwen3-omni-tiny`; `qwen3-omni-30b-a3b`, a shape served with
+`load_format="dummy"`; `qwen3.5-tiny`; `qwen3.5-vl-tiny`; `qwen3.5-9b`, a shape) or a local Hugging Face folder
+whose config.json `model_type` picks the model class (a llama folder with a `snac/` subfolder is Orpheus;
+`qwen3_omni_moe` is Qwen3-Omni; `qwen3_5` and `qwen3_5_moe` are Qwen3.5). Model files register
 themselves here by name; the runtime only calls `load_model`.
 """
 
@@ -93,7 +94,7 @@ def _qwen35(shape: str) -> ModelFactory:
         from mstar.models.qwen3_5.model import Qwen35Model
 
         # tiny: always seeded random weights; a real shape serves only with --load-format dummy
-        if shape != "QWEN35_TINY" and load_format != "dummy":
+        if "TINY" not in shape and load_format != "dummy":
             raise ConfigError(f"model '{name}' has no bundled checkpoint: pass a local Hugging Face folder "
                               f"as the model, or --load-format dummy for random weights of its shape")
         return Qwen35Model(name, None, "dummy", max_model_len, builtin=getattr(builtins, shape))
@@ -114,6 +115,7 @@ register_builtin("qwen3-omni-30b-a3b", _qwen3_omni_30b_a3b)
 register_model_type("llama", _llama_folder)
 register_model_type("qwen3_omni_moe", _qwen3_omni_folder)
 register_builtin("qwen3.5-tiny", _qwen35("QWEN35_TINY"))
+register_builtin("qwen3.5-vl-tiny", _qwen35("QWEN35_VL_TINY"))
 register_builtin("qwen3.5-9b", _qwen35("QWEN35_9B"))
 for _type in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"):
     register_model_type(_type, _qwen35_folder)

@@ -10,7 +10,7 @@ Importable without torch.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -145,12 +145,16 @@ class Tokenizer:
         return self._tok.decode_batch([list(s) for s in seqs], skip_special_tokens=skip_special_tokens)
 
     # ------------------------------------------------------------ chat
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            media: Collection[str] = ()) -> str:
         """The prompt text for a chat. Message content may be a string or a
-        list of `{"type": "text", "text": ...}` parts (joined with newlines)."""
+        list of `{"type": "text", "text": ...}` parts (joined with newlines);
+        with `media`, also parts of those types, which the template gets as
+        a list of parts (`{"type": "image"}`, say: the template places the
+        media's tokens)."""
         if not isinstance(messages, list) or not messages:
             raise RequestError("must be a non-empty list", field="messages")
-        msgs = [_normalise_message(m, i) for i, m in enumerate(messages)]
+        msgs = [_normalise_message(m, i, media) for i, m in enumerate(messages)]
         template = self._template()
         try:
             return template.render(messages=msgs, add_generation_prompt=add_generation_prompt,
@@ -197,7 +201,7 @@ def _compile_template(source: str) -> Any:
         raise ConfigError(f"chat template does not compile: {e}") from None
 
 
-def _normalise_message(m: Any, i: int) -> dict[str, Any]:
+def _normalise_message(m: Any, i: int, media: Collection[str] = ()) -> dict[str, Any]:
     where = f"messages[{i}]"
     if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
         raise RequestError("must be an object with a string 'role'", field=where)
@@ -206,13 +210,20 @@ def _normalise_message(m: Any, i: int) -> dict[str, Any]:
     if content is None:
         out["content"] = ""
     elif isinstance(content, list):
-        texts = []
+        parts: list[dict[str, str]] = []
         for part in content:
-            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise RequestError("only text parts ({'type': 'text', 'text': ...}) are supported",
+            kind = part.get("type") if isinstance(part, Mapping) else None
+            if kind in media:
+                parts.append({"type": kind})
+            elif kind == "text" and isinstance(part.get("text"), str):
+                parts.append({"type": "text", "text": part["text"]})
+            else:
+                raise RequestError("only text parts ({'type': 'text', 'text': ...}) are supported"
+                                   + (f", and {', '.join(sorted(media))} parts" if media else ""),
                                    field=f"{where}.content")
-            texts.append(part["text"])
-        out["content"] = "\n".join(texts)
+        # text alone stays one string, which every template reads
+        texts = [p["text"] for p in parts if p["type"] == "text"]
+        out["content"] = "\n".join(texts) if len(texts) == len(parts) else parts
     elif not isinstance(content, str):
         raise RequestError("must be a string or a list of text parts", field=f"{where}.content")
     return out
@@ -249,10 +260,11 @@ def _byte_alphabet() -> list[str]:
     return chars
 
 
-def builtin_byte_tokenizer() -> Tokenizer:
+def builtin_byte_tokenizer(chat_template: str | None = None) -> Tokenizer:
     """A byte-level tokenizer built in code: token b is byte b (no merges),
     then the Llama-3 specials; BOS is added by the post-processor, as Llama 3's
-    tokenizer.json does."""
+    tokenizer.json does. Chats render Llama-3 style unless `chat_template`
+    says otherwise."""
     vocab = {ch: b for b, ch in enumerate(_byte_alphabet())}
     tok = _HFTokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -261,8 +273,8 @@ def builtin_byte_tokenizer() -> Tokenizer:
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BEGIN_OF_TEXT} $A", pair=f"{BEGIN_OF_TEXT} $A {BEGIN_OF_TEXT} $B",
         special_tokens=[(BEGIN_OF_TEXT, BYTE_TOKENIZER_BOS)])
-    return Tokenizer(tok, bos_token=BEGIN_OF_TEXT, eos_token=EOT, chat_template=LLAMA3_STYLE_TEMPLATE,
-                     eos_token_ids=BYTE_TOKENIZER_EOS)
+    return Tokenizer(tok, bos_token=BEGIN_OF_TEXT, eos_token=EOT,
+                     chat_template=chat_template or LLAMA3_STYLE_TEMPLATE, eos_token_ids=BYTE_TOKENIZER_EOS)
 
 
 # streaming lives in its own file; re-exported so callers import one module

@@ -138,7 +138,7 @@ def _runner(model: Model, name: str, module: nn.Module, device: torch.device, dt
              **kv_cache_log_fields(num_pages, cfg.page_size, kvspec, dtype, kv_dtype))
     # decode graphs replay a component with per-row state too, its rows' slots copied in; its mixed steps run eagerly
     outputs = graph_outputs(spec, "decode") if spec.samples and hasattr(module, "decode") else None
-    # mixed steps' graphs: decode steps that keep only logits, of one position axis (`LoopGroup.mixes`)
+    # mixed steps' graphs: decode steps that keep only logits, of one position axis (M-RoPE ones mix eagerly)
     mixes = cfg.mixed_steps and outputs == ("logits",) and spec.position_axes == 1 and not spec.state
     attention = attention_backend(kv, kvspec.num_q_heads, need, config, mixed=mixes)
     graphs = decode_graphs(module.decode, attention, device, config, outputs, spec.position_axes, state) \

@@ -9,8 +9,10 @@ no group is running.
 
 Only a sampling KV component's name-only token modes mix (the scheduler's
 `mix`), and only a group whose step reads its token alone (`LoopGroup.mixes`):
-every row is then token ids at positions after its cached length, which one
-attention plan over ragged rows serves.
+every row is then token ids at positions after its cached length (plus a
+group row's rope delta), which one attention plan over ragged rows serves.
+Positions are one per token ([n + k]) whatever the component's axes: every
+axis of such a token is the same, and a model of M-RoPE axes expands them.
 """
 
 from __future__ import annotations
@@ -65,8 +67,9 @@ class MixedInputs:
 
 def mixed_inputs(group: LoopGroup, sl: slice, new: NewRows) -> MixedInputs:
     """The packed inputs of a step of rows `sl` of `group` with `new`'s chunks."""
-    return _packed(group.tokens[sl], group.positions(sl), group.kv_lens[sl], group.block_table[sl], group.slots[sl],
-                   new)
+    positions = group.positions(sl)   # [axes, n] of equal rows for an M-RoPE component: one is all of them
+    return _packed(group.tokens[sl], positions if positions.dim() == 1 else positions[0], group.kv_lens[sl],
+                   group.block_table[sl], group.slots[sl], new)
 
 
 def prompt_inputs(new: NewRows, device: torch.device) -> MixedInputs:

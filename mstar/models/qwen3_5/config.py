@@ -1,6 +1,8 @@
 """Qwen35Config: a Hugging Face `qwen3_5` / `qwen3_5_moe` config.json dict in
 (the text decoder's fields under `text_config`, or at the top level for a
-`*_text` folder), the frozen numbers of the hybrid text decoder out.
+`*_text` folder), the frozen numbers of the hybrid text decoder out, and,
+where the dict has a `vision_config` (a `*ForConditionalGeneration`
+checkpoint), those of the vision tower with the image tokens' ids.
 
 Layers are gated delta nets (`linear_attention`) or gated full attention
 (`full_attention`), as `layer_types` lists them (by default every
@@ -16,9 +18,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from mstar.errors import ConfigError
+from mstar.models.vision.config import VisionEncoderConfig
 
 MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text")
 LINEAR, FULL = "linear_attention", "full_attention"
+# transformers' `Qwen3_5Config` defaults for a dict that leaves them out (the published checkpoints' ids)
+IMAGE_TOKEN_ID, VISION_START_TOKEN_ID, VISION_END_TOKEN_ID = 248056, 248053, 248054
+
+
+@dataclass(frozen=True)
+class ImageTokens:
+    image: int          # the placeholder an image's rows replace, one per merged 2x2 block of patches
+    vision_start: int   # before and after each image's run of placeholders (text to the positions)
+    vision_end: int
 
 
 def _ids(value: Any) -> tuple[int, ...]:
@@ -54,6 +66,8 @@ class Qwen35Config:
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
     eos_token_ids: tuple[int, ...] = ()
+    vision: VisionEncoderConfig | None = None   # the vision tower; None: a text-only model
+    image_tokens: ImageTokens | None = None     # given with `vision`
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -81,6 +95,15 @@ class Qwen35Config:
                               f"1..{self.num_experts}")
         if not self.num_experts and self.intermediate_size <= 0:
             raise ConfigError("qwen3.5 config: a dense decoder needs a positive intermediate_size")
+        if (self.vision is None) != (self.image_tokens is None):
+            raise ConfigError("qwen3.5 config: a vision tower needs its image tokens' ids, and they need a tower")
+        if self.vision is not None and self.vision.out_hidden_size != self.hidden_size:
+            raise ConfigError(f"qwen3.5 config: vision_config.out_hidden_size is {self.vision.out_hidden_size}, "
+                              f"but the text decoder is {self.hidden_size} wide")
+        if self.image_tokens is not None and not all(0 <= t < self.vocab_size for t in (
+                self.image_tokens.image, self.image_tokens.vision_start, self.image_tokens.vision_end)):
+            raise ConfigError(f"qwen3.5 config: the image tokens' ids {self.image_tokens} are not all inside the "
+                              f"vocabulary of {self.vocab_size}")
 
     @property
     def rotary_dim(self) -> int:
@@ -141,8 +164,21 @@ class Qwen35Config:
                 moe_intermediate_size=int(d.get("moe_intermediate_size") or 0) if experts else 0,
                 shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0) if experts else 0,
                 eos_token_ids=_ids(d.get("eos_token_id", outer.get("eos_token_id"))),
+                **_tower(outer),
             )
         except KeyError as e:
             raise ConfigError(f"qwen3.5 config: missing key {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
             raise ConfigError(f"qwen3.5 config: {e}") from None
+
+
+def _tower(outer: Mapping[str, Any]) -> dict[str, Any]:
+    """The vision tower's fields of a composite config dict (none without a `vision_config`)."""
+    if outer.get("vision_config") is None:
+        return {}
+    # Qwen3.5's tower has no deepstack levels (transformers builds none, whatever the dict lists)
+    vision = VisionEncoderConfig.from_dict(outer["vision_config"], "qwen3.5 config: vision_config", deepstack=False)
+    return {"vision": vision, "image_tokens": ImageTokens(
+        image=int(outer.get("image_token_id", IMAGE_TOKEN_ID)),
+        vision_start=int(outer.get("vision_start_token_id", VISION_START_TOKEN_ID)),
+        vision_end=int(outer.get("vision_end_token_id", VISION_END_TOKEN_ID)))}

@@ -1,6 +1,9 @@
 """Qwen35Decoder, the `llm` component: a packed `TokenBatch` of new tokens
 (and each row's state slot) in, logits [B, vocab] for one chosen token per
-row out. Prefill and decode are one computation over packed rows.
+row out. Prefill and decode are one computation over packed rows; an image
+prompt's prefill (`prefill_image`) also brings the vision tower's rows, which
+take the place of its image placeholders' embeddings (`embeds["image"]`),
+and 3-axis positions.
 
 Layers are gated delta nets (`delta_net.py`: per-row recurrent state) or
 gated attention over the paged KV cache: q and k RMS-normalised per head, a
@@ -22,6 +25,7 @@ from mstar.kernels.head_norm_rope import head_norm_rope
 from mstar.models.layers import CenteredRMSNorm, Linear, SwiGLU, VocabHead, token_embedding
 from mstar.models.layers.moe import SparseMoe
 from mstar.models.layers.mrope import mrope_axes, mrope_cos_sin
+from mstar.models.layers.splice import spliced
 from mstar.models.qwen3_5.config import FULL, Qwen35Config
 from mstar.models.qwen3_5.delta_net import GatedDeltaNet
 from mstar.types import AttentionContext, TokenBatch
@@ -110,7 +114,7 @@ class Qwen35Decoder(nn.Module):
 
     @torch.no_grad()
     def forward(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
-        h = self.embed_tokens(batch.input_ids)
+        h = spliced(self.embed_tokens(batch.input_ids), batch.embeds, ("image",))
         positions = batch.positions if batch.positions.dim() == 2 else batch.positions[None].expand(3, -1)
         cos, sin = mrope_cos_sin(positions, self.inv_freq, self.rope_axes)
         cos, sin = cos.to(h.dtype), sin.to(h.dtype)
@@ -124,6 +128,12 @@ class Qwen35Decoder(nn.Module):
 
     def prefill(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
         """Rows of prompt tokens, each continuing from its slot's state and cached KV."""
+        return self.forward(batch)
+
+    def prefill_image(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
+        """Rows of prompt tokens with images: the tower's rows at the
+        placeholders, positions [3, T] (a row's text after an image goes on
+        from past the image's largest position)."""
         return self.forward(batch)
 
     def decode(self, batch: TokenBatch) -> dict[str, torch.Tensor]:

@@ -1,11 +1,12 @@
-"""Qwen3.5 checkpoint names in, `Qwen35Decoder` parameters out.
+"""Qwen3.5 checkpoint names in, `Qwen35Decoder` and vision tower parameters
+out.
 
 A `Qwen3_5ForCausalLM` checkpoint names the decoder `model.*`, a
 `Qwen3_5ForConditionalGeneration` one `model.language_model.*` beside its
-vision tower (`model.visual.*`, not served yet) and both may carry
-multi-token-prediction layers (`mtp.*`, unused), which it does not read.
-Parameters keep the checkpoint's names but where `weight_map` merges
-(an attention's q, k and v, a SwiGLU's gate and up) or stacks (experts).
+vision tower (`model.visual.*`, which `load_tower` reads), and both may
+carry multi-token-prediction layers (`mtp.*`, unused). The decoder's
+parameters keep the checkpoint's names but where `weight_map` merges (an
+attention's q, k and v, a SwiGLU's gate and up) or stacks (experts).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from mstar.models.llama.loader import dummy_param, dummy_seed
 from mstar.models.qwen3_5.decoder import Qwen35Decoder
+from mstar.models.vision.encoder import VisionEncoder, load_vision_encoder
 from mstar.models.weight_map import Part, load_mapped
 
 # the text decoder of a CausalLM or a ConditionalGeneration checkpoint (beside `model.visual.*`, `mtp.*`)
@@ -25,6 +27,11 @@ TEXT = Part("qwen3.5", (("model.language_model.", ""), ("model.", ""), ("lm_head
 
 def load_checkpoint(decoder: Qwen35Decoder, folder: str | Path) -> None:
     load_mapped(decoder, folder, TEXT)
+
+
+def load_tower(tower: VisionEncoder, folder: str | Path) -> None:
+    """The vision tower from the folder's `model.visual.*` tensors."""
+    load_vision_encoder(tower, folder, "model.visual.", "qwen3.5 vision tower")
 
 
 def dummy_weights(decoder: Qwen35Decoder, seed: int = 0) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 
 from mstar.errors import ConfigError
 from mstar.models.checkpoint import read_json
+from mstar.models.vision.config import VisionEncoderConfig
 
 MODEL_TYPE = "qwen3_omni_moe"
 
@@ -151,53 +152,6 @@ class AudioEncoderConfig:
         return cfg
 
 
-VISION_ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")
-
-
-@dataclass(frozen=True)
-class VisionEncoderConfig:
-    depth: int
-    hidden_size: int
-    num_heads: int
-    intermediate_size: int
-    patch_size: int
-    temporal_patch_size: int
-    spatial_merge_size: int
-    in_channels: int
-    out_hidden_size: int
-    num_position_embeddings: int        # a square table: sqrt(n) positions a side
-    deepstack_visual_indexes: tuple[int, ...]
-    hidden_act: str = "gelu_pytorch_tanh"   # the blocks' MLP; the mergers' GELU is always exact
-    rope_theta: float = 10000.0             # the 2-D axial rotary's base
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @classmethod
-    def read(cls, f: _Fields) -> VisionEncoderConfig:
-        # transformers' defaults here are the real checkpoint's values, so a missing field may take them
-        rope = f.data.get("rope_parameters") or {}
-        cfg = f.fill(cls, deepstack_visual_indexes=f.need("deepstack_visual_indexes", tuple),
-                     hidden_act=f.get("hidden_act", "gelu_pytorch_tanh", str),
-                     rope_theta=float(rope.get("rope_theta", f.get("rope_theta", 10000.0, float))))
-        side = math.isqrt(cfg.num_position_embeddings)
-        if cfg.hidden_act not in VISION_ACTIVATIONS:
-            raise ConfigError(f"qwen3-omni config: {f.where}.hidden_act {cfg.hidden_act!r} is not one of "
-                              f"{', '.join(VISION_ACTIVATIONS)}")
-        if cfg.hidden_size % cfg.num_heads or cfg.head_dim % 4:
-            raise ConfigError(f"qwen3-omni config: {f.where}: hidden_size {cfg.hidden_size} over {cfg.num_heads} "
-                              "heads must give a head size divisible by 4 (the rotary splits it in rows and columns)")
-        if side * side != cfg.num_position_embeddings:
-            raise ConfigError(f"qwen3-omni config: {f.where}.num_position_embeddings {cfg.num_position_embeddings} "
-                              "is not a square")
-        levels = cfg.deepstack_visual_indexes
-        if len(set(levels)) != len(levels) or not all(0 <= i < cfg.depth for i in levels):
-            raise ConfigError(f"qwen3-omni config: {f.where}.deepstack_visual_indexes {list(levels)} must be "
-                              f"distinct layers in 0..{cfg.depth - 1}")
-        return cfg
-
-
 @dataclass(frozen=True)
 class CodePredictorConfig:
     hidden_size: int
@@ -321,7 +275,9 @@ class Qwen3OmniConfig:
         talker = TalkerConfig.read(top.sub("talker_config"))
         cfg = cls(thinker=MoeDecoderConfig.read(thinker.sub("text_config"), shared_expert=False),
                   audio=AudioEncoderConfig.read(thinker.sub("audio_config")),
-                  vision=VisionEncoderConfig.read(thinker.sub("vision_config")),
+                  vision=VisionEncoderConfig.from_dict(thinker.need("vision_config", dict),
+                                                       f"qwen3-omni config: {thinker.where}.vision_config",
+                                                       deepstack=True),
                   talker=talker, code2wav=Code2WavConfig.read(top.sub("code2wav_config")),
                   ids=TokenIds(audio=thinker.need("audio_token_id"), audio_start=thinker.need("audio_start_token_id"),
                                image=thinker.need("image_token_id"), video=thinker.need("video_token_id"),

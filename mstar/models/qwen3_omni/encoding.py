@@ -1,14 +1,11 @@
-"""The encoders as the runtime steps them: a batch of requests' media in (each
-request's clips or images packed in one tensor, ragged over requests), each
-request's thinker-width rows out, in its placeholders' order.
+"""The audio encoder as the runtime steps it: a batch of requests' clips in
+(each request's packed in one tensor, ragged over requests), each request's
+thinker-width rows out, in its placeholders' order. (Images go through the
+shared `vision/encoding.py`, with their deepstack features.)
 
 A request's clips travel as `mel` [clips, mel bins, longest clip's frames]
 with `frames` [clips]; each clip is cut back to its own frames here, and all
-clips of all requests go through the encoder in one call. A request's images
-travel as their patches one after another (`pixels` [patches, patch dim])
-with `grids` [images, 3]; the rows come out with each token's deepstack
-features ([tokens, levels, H]: what the thinker adds after its first
-layers).
+clips of all requests go through the encoder in one call.
 """
 
 from __future__ import annotations
@@ -17,7 +14,6 @@ import torch
 from torch import nn
 
 from mstar.models.qwen3_omni.encoders.audio import AudioEncoder
-from mstar.models.qwen3_omni.encoders.vision import VisionEncoder
 from mstar.models.qwen3_omni.positions import audio_tokens
 
 
@@ -56,19 +52,3 @@ class AudioEncoding(nn.Module):
             out.append(torch.cat(by_clip[at:at + n]) if n else rows[:0])
             at += n
         return {"rows": out}
-
-
-class VisionEncoding(nn.Module):
-    """Component `vision`, mode `encode`."""
-
-    def __init__(self, encoder: VisionEncoder) -> None:
-        super().__init__()
-        self.encoder = encoder
-
-    def encode(self, pixels: list[torch.Tensor], grids: list[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
-        grid = torch.cat([g.reshape(-1, 3) for g in grids]).cpu()
-        out = self.encoder(torch.cat(pixels), grid)
-        merge = self.encoder.cfg.spatial_merge_size ** 2
-        counts = [int(g.reshape(-1, 3).prod(-1).sum()) // merge for g in grids]
-        deep = out.deepstack.transpose(0, 1)  # [tokens, levels, H]: the rows the thinker splices at a token
-        return {"rows": list(out.embeds.split(counts)), "deepstack": list(deep.split(counts))}

@@ -1,7 +1,8 @@
 """Qwen3-Omni weights from a Hugging Face folder (safetensors, as
 transformers saves `Qwen3OmniMoeForConditionalGeneration`): the parts of its
-checkpoint that fill the thinker's text decoder and the talker with its code
-predictor (`weight_map.py` does the filling).
+checkpoint that fill the thinker's text decoder, its vision encoder (under
+`thinker.visual.`) and the talker with its code predictor (`weight_map.py`
+does the filling).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from pathlib import Path
 
 from mstar.models.qwen3_omni.speech.talker import TalkerDecoder
 from mstar.models.qwen3_omni.thinker import ThinkerDecoder
+from mstar.models.vision.encoder import VisionEncoder, load_vision_encoder
 from mstar.models.weight_map import Part, load_mapped
 
 _THINKER = Part("qwen3-omni thinker", (("thinker.lm_head.", "lm_head."), ("thinker.model.", "")),
@@ -32,3 +34,9 @@ def load_talker(talker: TalkerDecoder, folder: str | Path) -> None:
     embedding table with it) from `folder`; a `ConfigError` names what is
     missing or left over."""
     load_mapped(talker, folder, _TALKER)
+
+
+def load_vision(encoder: VisionEncoder, folder: str | Path) -> None:
+    """Fill the vision encoder from `folder`'s `thinker.visual.*` tensors; a
+    `ConfigError` names what is missing or left over."""
+    load_vision_encoder(encoder, folder, "thinker.visual.", "qwen3-omni vision encoder")

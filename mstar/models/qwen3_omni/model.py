@@ -26,11 +26,9 @@ from mstar.models.qwen3_omni import walks
 from mstar.models.qwen3_omni.config import Qwen3OmniConfig
 from mstar.models.qwen3_omni.encoders.audio import AudioEncoder, load_audio_encoder
 from mstar.models.qwen3_omni.encoders.mel import LogMel
-from mstar.models.qwen3_omni.encoders.image import ImagePatches, image_patches
-from mstar.models.qwen3_omni.encoders.vision import VisionEncoder, load_vision_encoder
-from mstar.models.qwen3_omni.encoding import AudioEncoding, VisionEncoding, pack_clips
+from mstar.models.qwen3_omni.encoding import AudioEncoding, pack_clips
 from mstar.models.qwen3_omni.intake import Intake, PromptMedia
-from mstar.models.qwen3_omni.loader import load_talker, load_thinker
+from mstar.models.qwen3_omni.loader import load_talker, load_thinker, load_vision
 from mstar.models.qwen3_omni.speaking import Code2WavSteps, TalkerSteps
 from mstar.models.qwen3_omni.speech.code2wav import Code2Wav, load_code2wav
 from mstar.models.qwen3_omni.speech.talker import TalkerDecoder
@@ -38,6 +36,9 @@ from mstar.models.qwen3_omni.speech.talker_prompt import check_speakable, talker
 from mstar.models.qwen3_omni.positions import audio_tokens, mrope_positions
 from mstar.models.qwen3_omni.thinker import ThinkerDecoder
 from mstar.models.tokenizer import Tokenizer, builtin_byte_tokenizer
+from mstar.models.vision.encoder import VisionEncoder
+from mstar.models.vision.encoding import VisionEncoding
+from mstar.models.vision.patches import ImagePatches, image_patches
 from mstar.types import GenerateRequest, SamplingParams
 
 DUMMY_SEED = 0
@@ -156,7 +157,7 @@ class Qwen3OmniModel(Model):
             load = load_audio_encoder
         elif component == "vision":
             module = VisionEncoder(self.config.vision, device=device, dtype=dtype)
-            load = load_vision_encoder
+            load = load_vision
         elif component == "talker":
             module = TalkerDecoder(self.config.talker, self.config.thinker.vocab_size, device=device, dtype=dtype)
             load = load_talker

@@ -18,22 +18,15 @@ from torch import nn
 
 from mstar.kernels.head_norm_rope import head_norm_rope
 from mstar.kernels.qkv_store import qkv_norm_rope_store
-from mstar.kernels.rope_kv import rotate_half
 from mstar.models.layers.linear import Linear
 from mstar.models.layers.moe import SparseMoe
 from mstar.models.layers.mrope import mrope_axes, mrope_cos_sin
 from mstar.models.layers.norm import RMSNorm
+from mstar.models.layers.splice import spliced
 from mstar.models.qwen3_omni.config import CodePredictorConfig, MoeDecoderConfig
 from mstar.types import AttentionContext, TokenBatch
 
 Device = torch.device | str | None
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, D] rotated in the "rotate half" layout by cos/sin [T, D]
-    (one angle per token, from its own positions)."""
-    h = x.float()
-    return (h * cos[:, None] + rotate_half(h) * sin[:, None]).to(x.dtype)
 
 
 class ThinkerAttention(nn.Module):
@@ -119,11 +112,7 @@ class ThinkerDecoder(nn.Module):
     def forward(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
         """Every token's embedding and `accept_layer` output ("embeds",
         "hidden", [T, H]) and the logits of each row's last token."""
-        embeds = self.embed_tokens(batch.input_ids)
-        for name in ("audio", "image"):
-            if name in batch.embeds:
-                rows, index = batch.embeds[name]
-                embeds = embeds.index_copy(0, index, rows.to(embeds.dtype))
+        embeds = spliced(self.embed_tokens(batch.input_ids), batch.embeds, ("audio", "image"))
         deep, deep_index = batch.embeds.get("deepstack", (None, None))
         positions = batch.positions if batch.positions.dim() == 2 else batch.positions.expand(3, -1)
         cos, sin = mrope_cos_sin(positions, self.inv_freq, self.mrope_axes)

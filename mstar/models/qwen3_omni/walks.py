@@ -22,6 +22,7 @@ from __future__ import annotations
 from mstar.graph import (Component, Emit, EosToken, HostStop, In, Items, Kind, Loop, MaxTokens, Mode, Out, Partition,
                          Step, Stream, Walk)
 from mstar.models.qwen3_omni.config import Qwen3OmniConfig, TokenIds
+from mstar.models.vision.encoding import vision_component
 
 TEXT_OUT = "chat"
 SPEECH_OUT = "speak"
@@ -75,13 +76,11 @@ def walk_name(speech: bool, audio: bool, image: bool) -> str:
     return (SPEECH_OUT if speech else TEXT_OUT) + ("+audio" if audio else "") + ("+image" if image else "")
 
 
-# the clips' frame counts and the images' grids lay the encoders' batches out in Python: on the host
+# the clips' frame counts lay the encoder's batch out in Python: on the host
 AUDIO_COMPONENT = Component(modes=(Mode("encode", (In("mel", Kind.TENSOR, ragged=True),
                                                   In("frames", Kind.TENSOR, ragged=True, host=True)),
                                               (Out("rows", Kind.TENSOR),)),))
-VISION_COMPONENT = Component(modes=(Mode("encode", (In("pixels", Kind.TENSOR, ragged=True),
-                                                   In("grids", Kind.TENSOR, ragged=True, host=True)),
-                                               (Out("rows", Kind.TENSOR), Out("deepstack", Kind.TENSOR))),))
+VISION_COMPONENT = vision_component(deepstack=True)
 
 
 def _encoders(audio: bool, image: bool) -> tuple[list[Step], dict[str, str], list[str]]:

@@ -104,9 +104,11 @@ class LoopGroup:
     @property
     def mixes(self) -> bool:
         """Its steps may take new rows' prompt tokens beside its rows (a mixed
-        step): a step that reads its token alone, keeps nothing else and has
-        one position axis runs their tokens through the same call."""
-        return not self.shape.reads_more and not self.shape.extras and self.axes == 1
+        step): a step that reads its token alone and keeps nothing else runs
+        their tokens through the same call, at one position each (a decode
+        row's token, and a name-only prompt's, sits at the same place on every
+        M-RoPE axis)."""
+        return not self.shape.reads_more and not self.shape.extras
 
     # ----------------------------------------------------------- membership
 

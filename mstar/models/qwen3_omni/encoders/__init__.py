@@ -1,3 +1,3 @@
-"""Qwen3-Omni's input side, run once per request before the thinker: audio
-(16 kHz waveform -> log-mel -> audio encoder rows) and images (pixels ->
-patches -> vision encoder rows and deepstack features)."""
+"""Qwen3-Omni's audio input side, run once per request before the thinker:
+16 kHz waveform -> log-mel -> audio encoder rows. (Its images go through the
+vision encoder it shares with Qwen3.5: `mstar/models/vision/`.)"""

@@ -33,9 +33,9 @@ from mstar.kernels.host_copy import index_on
 from mstar.models.qwen3_omni.config import Qwen3OmniConfig, TokenIds
 from mstar.models.qwen3_omni.positions import mrope_positions
 from mstar.models.qwen3_omni.speech.talker import TalkerDecoder
+from mstar.models.vision.positions import NOT_A_TOKEN  # as the audio id: audio placeholders get text positions
 
 ASSISTANT_ROWS = 9
-NOT_A_TOKEN = -1  # an id no prompt holds: audio placeholders get text positions
 
 
 @dataclass(frozen=True)

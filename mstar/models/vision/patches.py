@@ -5,10 +5,11 @@ patches ([patches, 3 * 2 * 16 * 16] float32, each patch channel-major with
 its one frame repeated over the two temporal slots) in merge-block order,
 with the grid (1, h, w) in patches.
 
-This is what transformers' `Qwen2VLImageProcessor` gives with Qwen3-Omni's
-preprocessor settings, through its PIL backend (the one it takes without
-torchvision): Pillow's bicubic resize of the 8-bit picture, then float
-arithmetic in the same order, so the values are bit for bit the same.
+This is what transformers' `Qwen2VLImageProcessor` gives with a checkpoint's
+preprocessor settings (Qwen3-Omni's are the defaults here; a folder's own
+come through `preprocessor.py`), through its PIL backend (the one it takes
+without torchvision): Pillow's bicubic resize of the 8-bit picture, then
+float arithmetic in the same order, so the values are bit for bit the same.
 """
 
 from __future__ import annotations

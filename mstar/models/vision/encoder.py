@@ -1,9 +1,11 @@
-"""Qwen3-Omni's vision encoder: the patches of one or more images
-(`ImagePatches.pixel_values` concatenated, [patches, C * T * P * P]) and
-their grids [N, 3] in; one row of the thinker's width per 2x2 block of
-patches out (`embeds`), and the deepstack features, the same blocks merged
-after chosen encoder layers (`deepstack`), which the thinker adds to its
-residual stream at the image positions after its first decoder layers.
+"""The vision encoder of Qwen3-VL, as Qwen3-Omni's thinker and Qwen3.5 carry
+it: the patches of one or more images (`ImagePatches.pixel_values`
+concatenated, [patches, C * T * P * P]) and their grids [N, 3] in; one row
+of the decoder's width per 2x2 block of patches out (`embeds`), and, for a
+model that has them (Qwen3-Omni; Qwen3.5 has none), the deepstack features,
+the same blocks merged after chosen encoder layers (`deepstack`), which the
+decoder adds to its residual stream at the image positions after its first
+layers.
 
 A patch is embedded by one linear map (the checkpoint's Conv3d has stride
 equal to its kernel, so it sees each patch alone), plus a learned square
@@ -17,7 +19,9 @@ order of the encoder layers they are taken after, whatever the order of
 `deepstack_visual_indexes` (as in transformers).
 
 Frames of different sizes attend in one batched call, padded to the longest
-frame with the padding masked out as keys.
+frame with the padding masked out as keys. `load_vision_encoder` fills it
+from a checkpoint's tensors under a prefix (`thinker.visual.`,
+`model.visual.`), in either model's names for the mergers.
 """
 
 from __future__ import annotations
@@ -31,10 +35,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.kernels.rope_kv import rotate_half
 from mstar.models.layers.linear import Linear
-from mstar.models.qwen3_omni.config import VisionEncoderConfig
+from mstar.models.vision.config import VisionEncoderConfig
 from mstar.models.weight_map import fill_params
-from mstar.models.qwen3_omni.thinker import rotate
 
 Device = torch.device | str | None
 LAYER_NORM_EPS = 1e-6
@@ -86,6 +90,13 @@ class PatchLayout:
                    longest=longest, keys=keys)
 
 
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] rotated in the "rotate half" layout by cos/sin [T, D]
+    (one angle per patch, from its own row and column), in float32."""
+    h = x.float()
+    return (h * cos[:, None] + rotate_half(h) * sin[:, None]).to(x.dtype)
+
+
 def _bilinear_taps(index: torch.Tensor, size: torch.Tensor, side: int) -> tuple[torch.Tensor, torch.Tensor]:
     """For positions `index` along axes of `size` points resampled from
     `side` table entries (end points on end points): the two table
@@ -108,7 +119,7 @@ class VisionAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: PatchLayout) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.heads, self.head_dim).unbind(1)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         shape = (layout.frames, layout.longest, self.heads, self.head_dim)
         padded = []
         for rows in (q, k, v):
@@ -222,13 +233,16 @@ class VisionEncoder(nn.Module):
         return VisionOutput(embeds=embeds, deepstack=deepstack)
 
 
-_VISUAL = "thinker.visual."
-_MERGER = re.compile(r"(merger|merger_list\.(\d+))\.(ln_q|mlp\.0|mlp\.2)\.(weight|bias)")
-_MERGER_PARTS = {"ln_q": "norm", "mlp.0": "fc1", "mlp.2": "fc2"}
+# the mergers' names: Qwen3-Omni's (`merger`, `merger_list.K`; `ln_q`, `mlp.0`, `mlp.2`) and Qwen3-VL's and
+# Qwen3.5's (`merger`, `deepstack_merger_list.K`; `norm`, `linear_fc1`, `linear_fc2`)
+_MERGER = re.compile(r"(merger|(?:deepstack_)?merger_list\.(\d+))\.(ln_q|mlp\.0|mlp\.2|norm|linear_fc1|linear_fc2)"
+                     r"\.(weight|bias)")
+_MERGER_PARTS = {"ln_q": "norm", "mlp.0": "fc1", "mlp.2": "fc2", "norm": "norm", "linear_fc1": "fc1",
+                 "linear_fc2": "fc2"}
 
 
 def _vision_target(local: str) -> str:
-    """The encoder parameter that the checkpoint tensor `thinker.visual.<local>` fills."""
+    """The encoder parameter that the checkpoint tensor `<prefix><local>` fills."""
     if local.startswith("patch_embed.proj."):
         return "patch_embed." + local[len("patch_embed.proj."):]
     merger = _MERGER.fullmatch(local)
@@ -238,13 +252,14 @@ def _vision_target(local: str) -> str:
     return local.replace(".mlp.linear_fc", ".fc")
 
 
-def load_vision_encoder(encoder: VisionEncoder, folder: str | Path) -> None:
-    """Fill `encoder` from the `thinker.visual.*` tensors of a folder
-    transformers saved; a `ConfigError` names what is missing or left over."""
+def load_vision_encoder(encoder: VisionEncoder, folder: str | Path, prefix: str, what: str) -> None:
+    """Fill `encoder` from the `<prefix>*` tensors of a folder transformers
+    saved; a `ConfigError` (`what` names the encoder) names what is missing
+    or left over."""
     def as_linear(name: str, tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         # the patch Conv3d's [out, C, T, P, P] kernel is the [out, C*T*P*P] linear map
         if name.endswith("patch_embed.proj.weight") and param.numel() == tensor.numel():
             return tensor.reshape(param.shape)
         return tensor
 
-    fill_params(encoder, folder, _VISUAL, "qwen3-omni vision encoder", _vision_target, as_linear)
+    fill_params(encoder, folder, prefix, what, _vision_target, as_linear)
