@@ -38,7 +38,8 @@ def check_exponential_noise(rows: int, vocab: int, device: str) -> None:
     seeds = torch.randint(-2**62, 2**62, (rows,), generator=gen)
     counters = torch.randint(0, 2**40, (rows,), generator=gen)
     # and a row whose bits reach the top 24-bit value (at index 622), where u must stay below 1
-    seeds, counters = torch.cat([seeds, torch.tensor([0])]).to(device), torch.cat([counters, torch.tensor([18735])]).to(device)
+    seeds = torch.cat([seeds, torch.tensor([0])]).to(device)
+    counters = torch.cat([counters, torch.tensor([18735])]).to(device)
     got = noise.exponential_noise_triton(seeds, counters, vocab)
     want = noise.exponential_noise_reference(seeds, counters, vocab)
     assert got.shape == (rows + 1, vocab) and got.dtype == torch.float32
