@@ -3,7 +3,7 @@ client against qwen3-omni-tiny. An `input_audio` part is decoded off the
 event loop and the model answers what it answers for the decoded samples
 in-process (streamed or not, n samples from one decode); FLAC and WAV of the
 same samples give the same tokens, MP3 is served; a PNG `image_url` data URL
-is seen (expected to fail until the vision encoder lands); each bad part is a 400
+is served (an answer of the asked length); each bad part is a 400
 naming its field, a text-only model refuses media by the part's `type`, a
 clip the context cannot hold is refused naming `messages`; the server's
 limits are its flags'. Two requests' audio decode at once while a third
