@@ -4,6 +4,10 @@ Decode steps of rows with per-row state replay CUDA graphs, the rows'
 slots copied into the graph's static slots (padding rows on the scratch
 slot): greedy tokens equal to the same engine run eagerly, in bfloat16 over
 FlashInfer; and in float32 equal to transformers' own `Qwen3_5ForCausalLM`.
+Chats with images (the vision tower, `prefill_image`, decode past the rope
+delta) likewise: float32 tokens equal to transformers'
+`Qwen3_5ForConditionalGeneration`, bfloat16 decode graphs (3-axis positions
+beside the state slots) equal to eager.
 """
 
 from __future__ import annotations
@@ -73,3 +77,23 @@ async def test_float32_on_the_gpu_matches_transformers(folder: Path) -> None:
                                     do_sample=False)[0, len(p):].tolist())
     got, _ = await _tokens(folder, "float32", False)
     assert got == want
+
+
+async def _chat_tokens(folder: Path, dtype: str, eager: bool) -> list[list[int]]:
+    from test_qwen35_vision import CHATS, _answers
+    eng = Engine(EngineConfig(model=str(folder), devices=("cuda:0",), dtype=dtype, enforce_eager=eager,
+                              cuda_graph_batch_sizes=(1, 2, 4, 8), scheduler=SchedulerConfig(page_size=16)))
+    await eng.start()
+    try:
+        return await _answers(eng, CHATS)
+    finally:
+        await eng.shutdown()
+
+
+async def test_chats_with_images_on_the_gpu(tmp_path_factory: pytest.TempPathFactory) -> None:
+    from test_qwen35_vision import CHATS, Reference
+    reference = Reference(tmp_path_factory.mktemp("qwen35_vl_gpu"), experts=0, head_dim=64)
+    want = [reference.answer(messages) for messages in CHATS]   # transformers on the CPU, float32
+    assert await _chat_tokens(reference.folder, "float32", False) == want
+    assert await _chat_tokens(reference.folder, "bfloat16", False) == \
+        await _chat_tokens(reference.folder, "bfloat16", True)

@@ -83,8 +83,8 @@ def _as_pil(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 class Reference:
     """A saved checkpoint, transformers' model and processor of it, and its answers."""
 
-    def __init__(self, folder: Path, experts: int) -> None:
-        self.folder = save_tiny_qwen35_vl(folder, experts=experts)
+    def __init__(self, folder: Path, experts: int, head_dim: int = 32) -> None:
+        self.folder = save_tiny_qwen35_vl(folder, experts=experts, head_dim=head_dim)
         cls = transformers.Qwen3_5MoeForConditionalGeneration if experts else \
             transformers.Qwen3_5ForConditionalGeneration
         self.model = cls.from_pretrained(folder, dtype=torch.float32).eval()

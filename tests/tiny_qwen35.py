@@ -78,11 +78,12 @@ def save_tiny_qwen35(folder: Path, vocab: int = 384, layers: int = 4, interval: 
     return folder
 
 
-def save_tiny_qwen35_vl(folder: Path, experts: int = 0) -> Path:
+def save_tiny_qwen35_vl(folder: Path, experts: int = 0, head_dim: int = 32) -> Path:
     """The whole model (`Qwen3_5ForConditionalGeneration`, or with `experts`
     the MoE one) in float32, with its tokenizer, chat template and
     preprocessor_config.json: a 2-block tower of 32 wide, 16-pixel patches,
-    a 4 x 4 position table (stretched to each grid)."""
+    a 4 x 4 position table (stretched to each grid); `head_dim` of the
+    decoder's attention (64 or more for FlashInfer's kernels)."""
     import transformers
     from transformers.models.qwen3_5.tokenization_qwen3_5 import Qwen3_5Tokenizer
 
@@ -92,7 +93,7 @@ def save_tiny_qwen35_vl(folder: Path, experts: int = 0) -> Path:
     vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=16, temporal_patch_size=2,
                   spatial_merge_size=2, out_hidden_size=64, num_position_embeddings=16)
     config_class = transformers.Qwen3_5MoeConfig if experts else transformers.Qwen3_5Config
-    cfg = config_class(text_config=_text_config(384, 4, 2, experts, 32), vision_config=vision,
+    cfg = config_class(text_config=_text_config(384, 4, 2, experts, head_dim), vision_config=vision,
                        image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=VISION_START,
                        vision_end_token_id=VISION_END)
     model_class = transformers.Qwen3_5MoeForConditionalGeneration if experts else \
