@@ -299,7 +299,8 @@ def test_a_step_of_prompts_alone_packs_as_a_mixed_step_without_group_rows() -> N
     on CUDA) lays the new rows out as `mixed_inputs` does after a group's."""
     from types import SimpleNamespace
     from mstar.engine.execution.mixed import NewRows, mixed_inputs, prompt_inputs
-    kv = [SimpleNamespace(kv_len=4, pages=[7, 3], slot=None), SimpleNamespace(kv_len=0, pages=[5], slot=None)]
+    kv = [SimpleNamespace(kv_len=4, start=4, pages=[7, 3], slot=None),
+          SimpleNamespace(kv_len=0, start=0, pages=[5], slot=None)]
     prompts = [torch.arange(10, 19), torch.arange(20, 23)]
     new = NewRows([None, None], kv, prompts, [(4, 7), (0, 3)], [(), ()])   # a chunk, then a whole prompt
     alone = prompt_inputs(new, torch.device("cpu"))

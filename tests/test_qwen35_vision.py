@@ -260,3 +260,47 @@ def test_the_9b_builtin_has_the_tower_transformers_builds_for_its_config() -> No
         theirs = transformers.Qwen3_5VisionModel(transformers.Qwen3_5VisionConfig(**QWEN35_9B["vision_config"]))
     shapes = {_vision_target(name): p.numel() for name, p in theirs.named_parameters()}
     assert shapes == {name: p.numel() for name, p in ours.items()} and len(shapes) == 3 + 12 * 27 + 6
+
+
+def test_a_prompt_past_the_context_is_refused_before_its_images_are_cut(dense: Reference,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each picture's token count comes from its size: a chat whose images overrun the context is a 400
+    (`context_length_exceeded`, naming `messages`) without a patch cut (under a real checkpoint's budget a
+    4096-pixel square is ~400 MB of patches). The tiny checkpoint's budget makes a 64-pixel square 4 tokens
+    and its context 2048: 400 of them overrun it."""
+    from mstar.errors import RequestError
+    from mstar.models.vision.preprocessor import PatchRecipe
+
+    model = load_model(str(dense.folder))
+    square = np.zeros((64, 64, 3), dtype=np.uint8)
+    chat = [{"role": "user", "content": [*[_image(square)] * 400, {"type": "text", "text": "what are they?"}]}]
+    request = GenerateRequest("big", model.name, {"messages": chat}, SamplingParams())
+
+    def cut(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("patches were cut for a prompt past the context")
+    monkeypatch.setattr(PatchRecipe, "patches", cut)
+    with pytest.raises(RequestError) as refused:
+        model.prepare_inputs(request, SamplingParams())
+    assert refused.value.field == "messages" and refused.value.code == "context_length_exceeded"
+    assert model.max_model_len == 2048 and model.patch_recipe.grid(square, "x") == (1, 4, 4)
+
+
+def test_null_pixel_budget_keys_leave_size_to_set_it() -> None:
+    """transformers reads a null `min_pixels` / `max_pixels` as absent: `size` then sets the budget."""
+    from mstar.models.vision.preprocessor import PatchRecipe
+
+    default = PatchRecipe(patch_size=16, temporal_patch_size=2, merge_size=2)
+    recipe = PatchRecipe._from({"min_pixels": None, "max_pixels": None,
+                                "size": {"shortest_edge": 1024, "longest_edge": 4096}}, default, "test")
+    assert (recipe.min_pixels, recipe.max_pixels) == (1024, 4096)
+
+
+def test_placeholder_tokens_typed_in_the_text_are_refused_naming_messages(dense: Reference) -> None:
+    from mstar.errors import RequestError
+
+    model = load_model(str(dense.folder))
+    chat = [{"role": "user", "content": [{"type": "text", "text": "look: <|image_pad|> here"}, _image(SMALL)]}]
+    with pytest.raises(RequestError, match="placeholder tokens") as refused:
+        model.prepare_inputs(GenerateRequest("typed", model.name, {"messages": chat}, SamplingParams()),
+                             SamplingParams())
+    assert refused.value.field == "messages"

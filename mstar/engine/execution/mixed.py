@@ -85,7 +85,8 @@ def _packed(group_tokens: torch.Tensor, group_positions: torch.Tensor, group_len
     lens = torch.tensor(new.lens, dtype=torch.long)
     ctx_new = torch.tensor([r.kv_len for r in new.kv], dtype=torch.long)
     new_ids = torch.cat([p.reshape(-1)[start:end] for p, (start, end) in zip(new.prompts, new.spans)]).long()
-    new_pos = torch.cat([torch.arange(c, c + k) for c, k in zip(ctx_new.tolist(), new.lens)])
+    # positions from each row's start (its cached length plus any rope delta), as a plain prefill takes them
+    new_pos = torch.cat([torch.arange(r.start, r.start + k) for r, k in zip(new.kv, new.lens)])
     ends = torch.cumsum(lens, 0)
     query_start = torch.cat([torch.arange(n + 1), n + ends])
     width = max(group_tables.shape[1], max(len(r.pages) for r in new.kv))

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from mstar.errors import RequestError
+from mstar.models.prepared import CONTEXT_EXCEEDED
 from mstar.models.prompt import chat_text
 from mstar.models.qwen3_5.config import ImageTokens
 from mstar.models.tokenizer import Tokenizer
@@ -58,29 +59,45 @@ def has_images(inputs: Mapping[str, Any]) -> bool:
 
 def image_prompt(messages: Sequence[Any], add_generation_prompt: bool, tokenizer: Tokenizer, recipe: PatchRecipe,
                  tokens: ImageTokens, vocab_size: int, max_model_len: int) -> ImagePrompt:
-    """The prompt of `messages`; `RequestError`s name the field at fault."""
-    images: list[ImagePatches] = []
-    stubbed = [_stubbed(message, m, recipe, images) for m, message in enumerate(messages)]
+    """The prompt of `messages`; `RequestError`s name the field at fault.
+    Each image's token count comes from its size first, and a prompt past
+    the context is refused before any image is cut into patches (a 4096 x
+    4096 picture is ~400 MB of them)."""
+    found: list[tuple[Any, str]] = []   # each image part's picture and field, in order
+    stubbed = [_stubbed(message, m, found) for m, message in enumerate(messages)]
+    grids = [recipe.grid(picture, where) for picture, where in found]
     text = chat_text(stubbed, add_generation_prompt, tokenizer, max_model_len, media=("image",))
     pieces = text.split(PLACEHOLDER)
-    if len(pieces) - 1 != len(images):
+    if len(pieces) - 1 != len(found):
         raise RequestError(f"the chat template placed {len(pieces) - 1} images, but the messages hold "
-                           f"{len(images)}", field="messages")
-    ids = list(tokenizer.encode(pieces[0], add_special_tokens=False))
-    for image, piece in zip(images, pieces[1:]):
-        ids += [tokens.vision_start, *[tokens.image] * image.tokens, tokens.vision_end]
-        ids += tokenizer.encode(piece, add_special_tokens=False)
+                           f"{len(found)}", field="messages")
+    reserved = {tokens.vision_start, tokens.image, tokens.vision_end}
+
+    def text_ids(piece: str) -> list[int]:
+        out = list(tokenizer.encode(piece, add_special_tokens=False))
+        if reserved.intersection(out):
+            raise RequestError("the text holds an image's placeholder tokens (<|vision_start|>, <|image_pad|>, "
+                               "<|vision_end|>); an image comes as an image_url part", field="messages")
+        return out
+    ids = text_ids(pieces[0])
+    for (t, h, w), piece in zip(grids, pieces[1:]):
+        ids += [tokens.vision_start, *[tokens.image] * (t * h * w // recipe.merge_size ** 2), tokens.vision_end]
+        ids += text_ids(piece)
+    if len(ids) >= max_model_len:
+        raise RequestError(f"the prompt is {len(ids)} tokens with its images but the model's context is "
+                           f"{max_model_len} tokens, leaving no room to generate", field="messages",
+                           code=CONTEXT_EXCEEDED)
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab_size})", field="messages")
-    positions, _ = prompt_positions(ids, image_id=tokens.image, image_grids=[p.grid_thw for p in images],
-                                    spatial_merge=recipe.merge_size)
+    images = [recipe.patches(picture, where) for picture, where in found]
+    positions, _ = prompt_positions(ids, image_id=tokens.image, image_grids=grids, spatial_merge=recipe.merge_size)
     return ImagePrompt(ids, images, positions)
 
 
-def _stubbed(message: Any, m: int, recipe: PatchRecipe, images: list[ImagePatches]) -> Any:
-    """`message` with each image part cut into patches (appended to
-    `images`) and left as `{"type": "image"}` for the template."""
+def _stubbed(message: Any, m: int, found: list[tuple[Any, str]]) -> Any:
+    """`message` with each image part's picture (appended to `found` with
+    its field) left out: `{"type": "image"}` for the template."""
     if not isinstance(message, Mapping) or not isinstance(message.get("content"), list):
         return message
     parts = []
@@ -89,7 +106,7 @@ def _stubbed(message: Any, m: int, recipe: PatchRecipe, images: list[ImagePatche
             where = f"messages[{m}].content[{p}]"
             if "image" not in part:
                 raise RequestError("an image part brings its decoded picture as `image`", field=where)
-            images.append(recipe.patches(part["image"], where))
+            found.append((part["image"], where))
             part = {"type": "image"}
         parts.append(part)
     return {**message, "content": parts}

@@ -80,13 +80,14 @@ def _rgb(image: np.ndarray | Image.Image) -> Image.Image:
     return image.convert("RGB")
 
 
-def image_patches(image: np.ndarray | Image.Image, *, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS,
-                  patch_size: int = PATCH_SIZE, temporal_patch_size: int = TEMPORAL_PATCH_SIZE,
-                  merge_size: int = MERGE_SIZE, mean: Sequence[float] = MEAN, std: Sequence[float] = STD,
-                  field: str = "image") -> ImagePatches:
-    """The encoder input of one picture. A picture with an empty side or a
-    longer side over 200 times the shorter is a `RequestError` naming
-    `field` (transformers refuses the same ones)."""
+def image_grid(image: np.ndarray | Image.Image, *, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS,
+               patch_size: int = PATCH_SIZE, merge_size: int = MERGE_SIZE,
+               field: str = "image") -> tuple[int, int, int]:
+    """The grid (t, h, w) in patches that `image_patches` cuts `image` into,
+    from its size alone (no pixel is read): a prompt counts its tokens before
+    paying for the patches. A picture with an empty side or a longer side
+    over 200 times the shorter is a `RequestError` naming `field`
+    (transformers refuses the same ones)."""
     if not 0 < min_pixels <= max_pixels:
         raise ValueError(f"the pixel budget needs 0 < min_pixels <= max_pixels, got {min_pixels}, {max_pixels}")
     if isinstance(image, Image.Image):
@@ -101,14 +102,24 @@ def image_patches(image: np.ndarray | Image.Image, *, min_pixels: int = MIN_PIXE
     if max(width, height) > MAX_ASPECT * min(width, height):
         raise RequestError(f"the image is {width}x{height} pixels; its longer side may be at most {MAX_ASPECT} "
                            "times its shorter", field=field)
+    new_height, new_width = resized_size(height, width, factor=patch_size * merge_size, min_pixels=min_pixels,
+                                         max_pixels=max_pixels)
+    return 1, new_height // patch_size, new_width // patch_size
+
+
+def image_patches(image: np.ndarray | Image.Image, *, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS,
+                  patch_size: int = PATCH_SIZE, temporal_patch_size: int = TEMPORAL_PATCH_SIZE,
+                  merge_size: int = MERGE_SIZE, mean: Sequence[float] = MEAN, std: Sequence[float] = STD,
+                  field: str = "image") -> ImagePatches:
+    """The encoder input of one picture; what `image_grid` refuses is refused."""
+    _, h, w = image_grid(image, min_pixels=min_pixels, max_pixels=max_pixels, patch_size=patch_size,
+                         merge_size=merge_size, field=field)
+    new_height, new_width = h * patch_size, w * patch_size
     picture = _rgb(image)
-    factor = patch_size * merge_size
-    new_height, new_width = resized_size(height, width, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
     resized = np.asarray(picture.resize((new_width, new_height), Image.Resampling.BICUBIC))
     # float64 scaling rounded to float32, then float32 centring: transformers' order, bit for bit
     pixels = (resized.astype(np.float64) * (1 / 255)).astype(np.float32)
     pixels = (pixels - np.asarray(mean, dtype=np.float32)) / np.asarray(std, dtype=np.float32)
-    h, w = new_height // patch_size, new_width // patch_size
     m, p = merge_size, patch_size
     # [H, W, C] -> (block row, block col, row in block, col in block, C, pixel row, pixel col)
     blocks = pixels.reshape(h // m, m, p, w // m, m, p, 3).transpose(0, 3, 1, 4, 6, 2, 5)

@@ -25,7 +25,7 @@ from PIL import Image
 from mstar.errors import ConfigError
 from mstar.models.checkpoint import read_json
 from mstar.models.vision.config import VisionEncoderConfig
-from mstar.models.vision.patches import (MAX_PIXELS, MEAN, MIN_PIXELS, STD, ImagePatches, image_patches)
+from mstar.models.vision.patches import MAX_PIXELS, MEAN, MIN_PIXELS, STD, ImagePatches, image_grid, image_patches
 
 BICUBIC = 3            # PIL's code for the filter `patches.py` resizes with
 RESCALE = 1 / 255
@@ -53,6 +53,11 @@ class PatchRecipe:
                              patch_size=self.patch_size, temporal_patch_size=self.temporal_patch_size,
                              merge_size=self.merge_size, mean=self.mean, std=self.std, field=field)
 
+    def grid(self, image: np.ndarray | Image.Image, field: str) -> tuple[int, int, int]:
+        """The grid `patches` would cut `image` into, from its size alone."""
+        return image_grid(image, min_pixels=self.min_pixels, max_pixels=self.max_pixels, patch_size=self.patch_size,
+                          merge_size=self.merge_size, field=field)
+
     @classmethod
     def for_encoder(cls, encoder: VisionEncoderConfig, min_pixels: int, max_pixels: int) -> PatchRecipe:
         """The encoder's patch sizes within a budget, mean and std 0.5 (the Qwen-VL family's)."""
@@ -79,8 +84,9 @@ class PatchRecipe:
         size = data.get("size") if isinstance(data.get("size"), Mapping) else {}
         given = {"patch_size": data.get("patch_size"), "temporal_patch_size": data.get("temporal_patch_size"),
                  "merge_size": data.get("merge_size"),
-                 "min_pixels": data.get("min_pixels", size.get("shortest_edge")),
-                 "max_pixels": data.get("max_pixels", size.get("longest_edge")),
+                 # a key given as null is absent, as transformers reads it
+                 "min_pixels": _first(data.get("min_pixels"), size.get("shortest_edge")),
+                 "max_pixels": _first(data.get("max_pixels"), size.get("longest_edge")),
                  "mean": data.get("image_mean"), "std": data.get("image_std")}
         try:
             changes = {name: tuple(float(v) for v in value) if name in ("mean", "std") else int(value)
@@ -99,3 +105,6 @@ class PatchRecipe:
             raise ConfigError(f"{where}: image_mean and image_std must be 3 numbers each, the std positive")
         return recipe
 
+
+def _first(*values: Any) -> Any:
+    return next((v for v in values if v is not None), None)
