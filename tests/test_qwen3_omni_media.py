@@ -150,3 +150,20 @@ def test_chat_without_the_assistants_opening_when_asked(folder: Path) -> None:  
         mine.prepare(GenerateRequest("c", "m", {"messages": messages, "add_generation_prompt": False, "voice": "ethan"},
                                      walk="speak"))
     assert refused.value.field == "input"
+
+
+def test_images_past_the_context_are_refused_before_they_are_cut(folder: Path,  # noqa: F811
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each picture's token count comes from its size: a chat whose images overrun the context is refused
+    (`context_length_exceeded`) without a patch cut (under the default budget a 4096-pixel square is ~400 MB
+    of patches, and a few of them in a small request could exhaust the host's memory before the refusal)."""
+    mine = Qwen3OmniModel(str(folder), str(folder))
+
+    def cut(*args: object, **kwargs: object) -> None:
+        raise AssertionError("patches were cut for a prompt past the context")
+    monkeypatch.setattr("mstar.models.qwen3_omni.model.image_patches", cut)
+    square = {"type": "image", "image": np.zeros((1024, 1024, 3), dtype=np.uint8)}   # 1024 tokens each
+    count = mine.max_model_len // 1024 + 1
+    with pytest.raises(RequestError) as refused:
+        mine.prepare(GenerateRequest("p", "m", {"messages": _messages("what are they?", *[square] * count)}))
+    assert refused.value.code == "context_length_exceeded" and refused.value.field == "messages"

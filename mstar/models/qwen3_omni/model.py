@@ -38,7 +38,7 @@ from mstar.models.qwen3_omni.thinker import ThinkerDecoder
 from mstar.models.tokenizer import Tokenizer, builtin_byte_tokenizer
 from mstar.models.vision.encoder import VisionEncoder
 from mstar.models.vision.encoding import VisionEncoding
-from mstar.models.vision.patches import ImagePatches, image_patches
+from mstar.models.vision.patches import ImagePatches, image_grid, image_patches
 from mstar.types import GenerateRequest, SamplingParams
 
 DUMMY_SEED = 0
@@ -198,7 +198,8 @@ class Qwen3OmniModel(Model):
             raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab})", field=field)
         cfg = self.config
         mels = [mel for _, mel in media.audio]
-        images: list[ImagePatches] = [patches for _, patches in media.images]
+        # the intake refused a prompt past the context before this: only now are the pictures cut
+        images: list[ImagePatches] = [self._patches(*picture) for _, picture in media.images]
         positions, _ = mrope_positions(ids, audio_id=cfg.ids.audio, image_id=cfg.ids.image,
                                        audio_frames=[m.shape[1] for m in mels],
                                        image_grids=[p.grid_thw for p in images],
@@ -291,12 +292,18 @@ class Qwen3OmniModel(Model):
                   "script_first": torch.tensor(script[0]), **self._talker_inputs(request, prompt, [])}
         return PreparedPiece(values, values["talker_ids"].numel(), "input")
 
-    def _image_part(self, image: Any, field: str) -> tuple[ImagePatches, int]:
-        """A decoded picture (RGB uint8 [H, W, 3]) as the vision encoder's patches, and the tokens it makes."""
+    def _image_part(self, image: Any, field: str) -> tuple[tuple[Any, str], int]:
+        """A decoded picture (RGB uint8 [H, W, 3]) kept as it is with its
+        field, and the tokens it makes, from its size alone: `_patches` cuts
+        it once the prompt is known to fit the context."""
         v = self.config.vision
-        patches = image_patches(image, patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
-                                merge_size=v.spatial_merge_size, field=field)
-        return patches, patches.tokens
+        t, h, w = image_grid(image, patch_size=v.patch_size, merge_size=v.spatial_merge_size, field=field)
+        return (image, field), t * h * w // v.spatial_merge_size ** 2
+
+    def _patches(self, image: Any, field: str) -> ImagePatches:
+        v = self.config.vision
+        return image_patches(image, patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
+                             merge_size=v.spatial_merge_size, field=field)
 
     def _audio_part(self, audio: Any, field: str) -> tuple[torch.Tensor, int]:
         """A decoded clip (16 kHz mono float) as log-mel, and the tokens it makes."""
