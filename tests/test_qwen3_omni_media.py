@@ -161,7 +161,7 @@ def test_images_past_the_context_are_refused_before_they_are_cut(folder: Path,  
 
     def cut(*args: object, **kwargs: object) -> None:
         raise AssertionError("patches were cut for a prompt past the context")
-    monkeypatch.setattr("mstar.models.qwen3_omni.model.image_patches", cut)
+    monkeypatch.setattr("mstar.models.vision.patches._rgb", cut)   # where any cut first reads the pixels
     square = {"type": "image", "image": np.zeros((1024, 1024, 3), dtype=np.uint8)}   # 1024 tokens each
     count = mine.max_model_len // 1024 + 1
     with pytest.raises(RequestError) as refused:

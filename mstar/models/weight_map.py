@@ -57,7 +57,7 @@ class Part:
     owned: tuple[str, ...]                 # checkpoint names under these must each fill a parameter
 
 
-def _target(part: Part, name: str, merged: dict[str, str]) -> tuple[str, Piece] | None:
+def _target(part: Part, name: str, merged: dict[str, tuple[str, Piece]]) -> tuple[str, Piece] | None:
     """The parameter a checkpoint tensor fills and which piece of it; None:
     not one of the part's names. `merged`: the checkpoint names of the row
     blocks of `merged_rows` projections -> (parameter, shard) as

@@ -38,7 +38,8 @@ from mstar.models.qwen3_omni.thinker import ThinkerDecoder
 from mstar.models.tokenizer import Tokenizer, builtin_byte_tokenizer
 from mstar.models.vision.encoder import VisionEncoder
 from mstar.models.vision.encoding import VisionEncoding
-from mstar.models.vision.patches import ImagePatches, image_grid, image_patches
+from mstar.models.vision.patches import MAX_PIXELS, MIN_PIXELS, ImagePatches
+from mstar.models.vision.preprocessor import PatchRecipe
 from mstar.types import GenerateRequest, SamplingParams
 
 DUMMY_SEED = 0
@@ -84,6 +85,8 @@ class Qwen3OmniModel(Model):
         self.voices = tuple(self.config.talker.voices)
         self._state_dtype = torch.float32  # code2wav's state: its compute dtype, known once it is built
         self._mel = LogMel(self.config.audio.num_mel_bins)
+        # Qwen2-VL's pixel budget (the patches' defaults), mean and std 0.5
+        self.patch_recipe = PatchRecipe.for_encoder(self.config.vision, MIN_PIXELS, MAX_PIXELS)
         self.intake = Intake(self.config.ids, self._tokenizer, audio=self._audio_part, image=self._image_part)
 
     @property
@@ -199,7 +202,7 @@ class Qwen3OmniModel(Model):
         cfg = self.config
         mels = [mel for _, mel in media.audio]
         # the intake refused a prompt past the context before this: only now are the pictures cut
-        images: list[ImagePatches] = [self._patches(*picture) for _, picture in media.images]
+        images: list[ImagePatches] = [self.patch_recipe.patches(*picture) for _, picture in media.images]
         positions, _ = mrope_positions(ids, audio_id=cfg.ids.audio, image_id=cfg.ids.image,
                                        audio_frames=[m.shape[1] for m in mels],
                                        image_grids=[p.grid_thw for p in images],
@@ -294,16 +297,10 @@ class Qwen3OmniModel(Model):
 
     def _image_part(self, image: Any, field: str) -> tuple[tuple[Any, str], int]:
         """A decoded picture (RGB uint8 [H, W, 3]) kept as it is with its
-        field, and the tokens it makes, from its size alone: `_patches` cuts
-        it once the prompt is known to fit the context."""
-        v = self.config.vision
-        t, h, w = image_grid(image, patch_size=v.patch_size, merge_size=v.spatial_merge_size, field=field)
-        return (image, field), t * h * w // v.spatial_merge_size ** 2
-
-    def _patches(self, image: Any, field: str) -> ImagePatches:
-        v = self.config.vision
-        return image_patches(image, patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
-                             merge_size=v.spatial_merge_size, field=field)
+        field, and the tokens it makes, from its size alone: it is cut into
+        patches once the prompt is known to fit the context."""
+        t, h, w = self.patch_recipe.grid(image, field)
+        return (image, field), t * h * w // self.patch_recipe.merge_size ** 2
 
     def _audio_part(self, audio: Any, field: str) -> tuple[torch.Tensor, int]:
         """A decoded clip (16 kHz mono float) as log-mel, and the tokens it makes."""
