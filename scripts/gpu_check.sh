@@ -52,7 +52,8 @@
 #                                   (scripts/profile_omni.py; $OMNI_PROFILE_ARGS replaces its flags)
 #   scripts/gpu_check.sh qwen35     Qwen3.5's GPU tests, a profile of its decode step (QWEN35_PROFILE=0 skips it),
 #                                   its decode against the bandwidth floor (qwen3.5-9b shape,
-#                                   dummy weights: scripts/bench_decode.py; $QWEN35_ARGS replaces its batches)
+#                                   dummy weights: scripts/bench_decode.py; $QWEN35_ARGS replaces its batches;
+#                                   QWEN35_PROBES=0 keeps only the bf16 probe with fla-core)
 #   scripts/gpu_check.sh first-burst  what the first burst of streams after startup pays (scripts/probe_first_burst.sh),
 #                                   then one stream's and 64 streams' first audio with and without early_audio
 #   scripts/gpu_check.sh all        tests and bench (default)
@@ -310,15 +311,19 @@ if [[ $what == qwen35 ]]; then
   fi
   timeout 420 python3 scripts/bench_decode.py --model qwen3.5-9b --contexts 512 --new-tokens 32 \
       ${QWEN35_ARGS:---batches 1 64 256} --hf-batches 1 16 --out "$OUT/qwen35.json" 2>&1 | grep -v "\[info" | tail -14
-  timeout 300 python3 scripts/probe_qwen35_bf16.py 2>&1 | grep -v "\[info\|capturing\|tokenizer" \
-      | tee "$OUT/qwen35_bf16.txt" | tail -8
-  timeout 120 python3 scripts/probe_delta_decode.py 2>&1 | tee "$OUT/delta_decode.txt" | tail -30
+  if [[ ${QWEN35_PROBES:-1} == 1 ]]; then
+    timeout 300 python3 scripts/probe_qwen35_bf16.py 2>&1 | grep -v "\[info\|capturing\|tokenizer" \
+        | tee "$OUT/qwen35_bf16.txt" | tail -8
+    timeout 120 python3 scripts/probe_delta_decode.py 2>&1 | tee "$OUT/delta_decode.txt" | tail -30
+  fi
   # fla-core only now, so transformers' baseline above ran as a plain install runs it (torch fallbacks)
   python3 -m pip install -q --no-deps --no-index .wheels/fla/*.whl 2>&1 | grep -v "root user" | tail -2
   timeout 120 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_qwen35_kernels.py -k fla \
       >> "$OUT/qwen35_tests.txt" 2>&1 || rc=1
   tail -2 "$OUT/qwen35_tests.txt"
-  timeout 200 python3 scripts/probe_delta_prefill.py 2>&1 | tee "$OUT/delta_prefill.txt" | tail -12
+  if [[ ${QWEN35_PROBES:-1} == 1 ]]; then
+    timeout 200 python3 scripts/probe_delta_prefill.py 2>&1 | tee "$OUT/delta_prefill.txt" | tail -12
+  fi
   # again with fla-core installed: both transformers and mstar take its chunked kernel for prompts
   timeout 300 python3 scripts/probe_qwen35_bf16.py 2>&1 | grep -v "\[info\|capturing\|tokenizer" \
       | tee "$OUT/qwen35_bf16_fla.txt" | tail -8
