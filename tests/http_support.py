@@ -7,16 +7,18 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
-import openai
 import orjson
 from aiohttp import web
 
 from mstar.config import EngineConfig
 from mstar.engine.engine import Engine
 from mstar.http.server import build_app
+
+if TYPE_CHECKING:  # the GPU machine's image has no openai; only the tests that use the client need it
+    import openai
 
 MODEL = "tiny-llama"
 
@@ -46,6 +48,8 @@ async def serving(engine: Engine, cancel_handlers: bool = True) -> AsyncIterator
 async def openai_client(config: EngineConfig) -> AsyncIterator[openai.AsyncOpenAI]:
     """The official `openai` client (no retries) against a fresh engine of
     `config`, served on a loopback port."""
+    import openai
+
     engine = Engine(config)
     await engine.start()
     try:
