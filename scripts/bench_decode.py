@@ -164,7 +164,7 @@ async def bench_engine(a: argparse.Namespace, model: Model, device: torch.device
 def bench_hf(a: argparse.Namespace, model: Model, device: torch.device, dtype: torch.dtype) -> list[dict]:
     if isinstance(model, Qwen35Model):
         raw = read_json(model.path / "config.json") if model.path is not None else \
-            getattr(qwen35_builtins, {"qwen3.5-tiny": "QWEN35_TINY", "qwen3.5-9b": "QWEN35_9B"}[a.model])
+            qwen35_builtins.BY_NAME[a.model]
         hf = build_hf_qwen35(raw, device, dtype)
     else:
         hf = build_hf(model.config, device, dtype)

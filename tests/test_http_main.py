@@ -82,7 +82,7 @@ def test_help_shows_every_flag_its_default_and_the_builtin_models() -> None:
     assert "--model MODEL built-in model name or a local Hugging Face folder (default: tiny-llama)" in flat
     assert "(default: 8192)" in flat and "--seed SEED engine seed, for requests without their own (default: 0)" in flat
     assert ("built-in models (served without a folder): orpheus-3b, orpheus-tiny, qwen3-omni-30b-a3b, "
-            "qwen3-omni-tiny, qwen3.5-9b, qwen3.5-tiny, qwen3.5-vl-tiny, tiny-llama") in flat
+            "qwen3-omni-tiny, qwen3.5-35b-a3b, qwen3.5-9b, qwen3.5-tiny, qwen3.5-vl-tiny, tiny-llama") in flat
     flags = [a for a in build_parser()._actions if a.option_strings]
     assert len(flags) > 30
     for action in flags:

@@ -263,6 +263,25 @@ def test_the_9b_builtin_has_the_tower_transformers_builds_for_its_config() -> No
     assert shapes == {name: p.numel() for name, p in ours.items()} and len(shapes) == 3 + 12 * 27 + 6
 
 
+def test_the_35b_a3b_builtin_has_as_many_weights_as_transformers_builds_for_its_config() -> None:
+    """The MoE shape, decoder (merged and stacked as ours are) and tower, counted on the meta device against
+    transformers' `Qwen3_5MoeForConditionalGeneration` for the same config: 35.1B, the published size."""
+    from mstar.models.qwen3_5.builtins import QWEN35_35B_A3B
+    from mstar.models.qwen3_5.decoder import Qwen35Decoder
+
+    model = load_model("qwen3.5-35b-a3b", load_format="dummy")
+    assert model.config.vision is not None and model.config.num_experts == 256
+    decoder = Qwen35Decoder(model.config, device=torch.device("meta"), dtype=torch.bfloat16)
+    ours = {"decoder": sum(p.numel() for p in decoder.parameters()),
+            "tower": sum(p.numel() for p in VisionEncoder(model.config.vision, device="meta").parameters())}
+    with torch.device("meta"):
+        reference = transformers.Qwen3_5MoeForConditionalGeneration(transformers.Qwen3_5MoeConfig(**QWEN35_35B_A3B))
+    theirs = {"decoder": 0, "tower": 0}
+    for name, p in reference.named_parameters():
+        theirs["tower" if ".visual." in name else "decoder"] += p.numel()
+    assert ours == theirs and 35.0e9 < sum(ours.values()) < 35.2e9
+
+
 def test_a_prompt_past_the_context_is_refused_before_its_images_are_cut(dense: Reference,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Each picture's token count comes from its size: a chat whose images overrun the context is a 400

@@ -2,8 +2,8 @@
 
 A name is either a builtin (`tiny-llama`; `orpheus-tiny`; `orpheus-3b`, a shape without
 a checkpoint, served with `load_format="dummy"`; `qwen3-omni-tiny`; `qwen3-omni-30b-a3b`, a shape served with
-`load_format="dummy"`; `qwen3.5-tiny`; `qwen3.5-vl-tiny`; `qwen3.5-9b`, a shape) or a local Hugging Face folder
-whose config.json `model_type` picks the model class (a llama folder with a `snac/` subfolder is Orpheus;
+`load_format="dummy"`; `qwen3.5-tiny`; `qwen3.5-vl-tiny`; `qwen3.5-9b` and `qwen3.5-35b-a3b`, shapes) or a local
+Hugging Face folder whose config.json `model_type` picks the model class (a llama folder with a `snac/` subfolder is Orpheus;
 `qwen3_omni_moe` is Qwen3-Omni; `qwen3_5` and `qwen3_5_moe` are Qwen3.5). Model files register
 themselves here by name; the runtime only calls `load_model`.
 """
@@ -117,6 +117,7 @@ register_model_type("qwen3_omni_moe", _qwen3_omni_folder)
 register_builtin("qwen3.5-tiny", _qwen35("QWEN35_TINY"))
 register_builtin("qwen3.5-vl-tiny", _qwen35("QWEN35_VL_TINY"))
 register_builtin("qwen3.5-9b", _qwen35("QWEN35_9B"))
+register_builtin("qwen3.5-35b-a3b", _qwen35("QWEN35_35B_A3B"))
 for _type in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"):
     register_model_type(_type, _qwen35_folder)
 

@@ -1,7 +1,8 @@
 """Qwen3.5 shapes served by name, without a folder, as config.json dicts:
 `qwen3.5-tiny` (toy size, random weights, runs on the CPU, the byte
 tokenizer's vocabulary), `qwen3.5-vl-tiny` (the same decoder with a toy
-vision tower, three more ids for the image tokens) and `qwen3.5-9b`, the
+vision tower, three more ids for the image tokens), `qwen3.5-35b-a3b` (the
+published MoE checkpoint's decoder, below) and `qwen3.5-9b`, the
 published 9B checkpoint's shape (served with `--load-format dummy`): its
 decoder is what transformers' `Qwen3_5TextConfig` defaults to, its tower
 what `Qwen3_5VisionConfig` defaults to but for the output width, which is
@@ -59,6 +60,29 @@ QWEN35_9B: dict[str, Any] = {
                       "num_position_embeddings": 2304, "hidden_act": "gelu_pytorch_tanh",
                       "rope_parameters": {"rope_type": "axial", "rope_theta": 10000.0}},
 }
+
+# transformers' `Qwen3_5MoeTextConfig` defaults, which are the published 35B-A3B's decoder (40 layers of 2048, 256
+# experts of 512 with 8 routed and a shared one); the rope and context as the 9B's; the tower the 9B's, whose output
+# feeds this decoder's width
+QWEN35_35B_A3B: dict[str, Any] = {
+    "model_type": "qwen3_5_moe", "tie_word_embeddings": False,
+    "image_token_id": 248056, "vision_start_token_id": 248053, "vision_end_token_id": 248054,
+    "text_config": {
+        "model_type": "qwen3_5_moe_text", "hidden_size": 2048, "num_hidden_layers": 40,
+        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "vocab_size": 248320,
+        "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_num_key_heads": 16, "linear_num_value_heads": 32, "full_attention_interval": 4,
+        "rope_parameters": QWEN35_9B["text_config"]["rope_parameters"],
+        "max_position_embeddings": 262144, "tie_word_embeddings": False,
+    },
+    "vision_config": {**QWEN35_9B["vision_config"], "out_hidden_size": 2048},
+}
+
+# builtin names and their config.json dicts
+BY_NAME: dict[str, dict[str, Any]] = {"qwen3.5-tiny": QWEN35_TINY, "qwen3.5-vl-tiny": QWEN35_VL_TINY,
+                                      "qwen3.5-9b": QWEN35_9B, "qwen3.5-35b-a3b": QWEN35_35B_A3B}
 
 BUILTIN_CHAT_TEMPLATE = (
     "{{ bos_token }}"
