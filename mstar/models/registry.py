@@ -1,11 +1,12 @@
 """Model names in, `Model` objects out.
 
 A name is either a builtin (`tiny-llama`; `orpheus-tiny`; `orpheus-3b`, a shape without
-a checkpoint, served with `load_format="dummy"`; `qwen3-omni-tiny`; `qwen3-omni-30b-a3b`, a shape served with
-`load_format="dummy"`; `qwen3.5-tiny`; `qwen3.5-vl-tiny`; `qwen3.5-9b` and `qwen3.5-35b-a3b`, shapes) or a local
-Hugging Face folder whose config.json `model_type` picks the model class (a llama folder with a `snac/` subfolder is Orpheus;
-`qwen3_omni_moe` is Qwen3-Omni; `qwen3_5` and `qwen3_5_moe` are Qwen3.5). Model files register
-themselves here by name; the runtime only calls `load_model`.
+a checkpoint, served with `load_format="dummy"`; `qwen3-omni-tiny`; `qwen3-omni-30b-a3b`, a shape
+served with `load_format="dummy"`; `qwen3.5-tiny`; `qwen3.5-vl-tiny`; `qwen3.5-9b` and
+`qwen3.5-35b-a3b`, shapes) or a local Hugging Face folder whose config.json `model_type` picks the
+model class (a llama folder with a `snac/` subfolder is Orpheus; `qwen3_omni_moe` is Qwen3-Omni;
+`qwen3_5` and `qwen3_5_moe` are Qwen3.5). Model files register themselves here by name; the
+runtime only calls `load_model`.
 """
 
 from __future__ import annotations
