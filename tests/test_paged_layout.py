@@ -11,7 +11,7 @@ from paged_tables import scattered_tables
 
 from mstar.engine.memory.attention import TorchPagedAttention
 from mstar.engine.memory.kv_cache import KVCache
-from mstar.engine.memory.paged_layout import build_layout, decode_bucket
+from mstar.engine.memory.paged_layout import build_layout, decode_bucket, host_lens
 from mstar.models.base import KVSpec
 
 PAGE = 4
@@ -87,6 +87,20 @@ def test_decode_bucket_pads_onto_the_scratch_page():
     assert layout.slot_mapping.tolist() == [6 * PAGE + 1, 7 * PAGE, scratch * PAGE, scratch * PAGE]
     empty = decode_bucket(2, torch.zeros(0, dtype=torch.long), torch.zeros(0, 1, dtype=torch.long), PAGE, scratch)
     assert empty.kv_indices.tolist() == [scratch, scratch] and empty.slot_mapping.tolist() == [scratch * PAGE] * 2
+
+
+def test_seq_lens_are_what_flashinfer_derives_and_iterate_as_host_ints():
+    """`seq_lens` equal FlashInfer's `get_seq_lens` of the page lists (what its decode plan computes when not
+    given them); handed over through `host_lens`, its Python `max()` of them sees ints, `.cpu()` is the same
+    object, and torch ops on them give plain tensors of the same values."""
+    gen = torch.Generator().manual_seed(1)
+    ctx, new = [0, 3, 4, 9, 17], [1, 1, 1, 1, 1]
+    layout = build_layout(torch.arange(6), torch.tensor(ctx), random_tables(gen, ctx, new), PAGE, NUM_PAGES)
+    derived = torch.clamp(layout.kv_indptr[1:] - layout.kv_indptr[:-1] - 1, min=0) * PAGE + layout.kv_last_page_len
+    assert layout.seq_lens.dtype == torch.int32 and layout.seq_lens.tolist() == derived.tolist() == [1, 4, 5, 10, 18]
+    lens = host_lens(layout.seq_lens)
+    assert lens.cpu() is lens and max(lens).item() == 18 and [int(x) for x in lens] == [1, 4, 5, 10, 18]
+    assert type(lens + 0) is torch.Tensor and torch.equal(lens + 0, layout.seq_lens)
 
 
 def test_refusals_name_the_problem():

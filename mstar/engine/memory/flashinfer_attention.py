@@ -42,7 +42,7 @@ import flashinfer  # an ImportError here tells the backend chooser to fall back 
 import torch
 
 from mstar.engine.memory.kv_cache import KVCache, PagedDest
-from mstar.engine.memory.paged_layout import PagedLayout, build_layout, decode_bucket
+from mstar.engine.memory.paged_layout import PagedLayout, build_layout, decode_bucket, host_lens
 from mstar.engine.memory.xqa_decode import SEMAPHORE_BYTES, XqaDecode, xqa_supported
 from mstar.errors import ConfigError
 from mstar.kernels.host_copy import StagingFence, to_device
@@ -237,7 +237,8 @@ class FlashInferAttention:
         if self.xqa:
             wrapper.plan(layout)
             return
-        wrapper.plan(layout.kv_indptr, layout.kv_indices, layout.kv_last_page_len, *self._dims, **self._dtypes)
+        wrapper.plan(layout.kv_indptr, layout.kv_indices, layout.kv_last_page_len, *self._dims,
+                     seq_lens=host_lens(layout.seq_lens), **self._dtypes)
 
     def plan(self, query_start: torch.Tensor, context_lens: torch.Tensor,
              block_tables: torch.Tensor | list[list[int]], causal: bool = True) -> FlashInferContext:
@@ -287,7 +288,7 @@ class FlashInferAttention:
         bucket.pinned_indices[:n].copy_(layout.kv_indices)
         bucket.indices_stage[:n].copy_(bucket.pinned_indices[:n], non_blocking=True)
         bucket.wrapper.plan(bucket.pinned_indptr, bucket.indices_stage[:n], bucket.pinned_last, *self._dims,
-                            non_blocking=True, **self._dtypes)
+                            non_blocking=True, seq_lens=host_lens(layout.seq_lens), **self._dtypes)
 
     @property
     def mixed_graph_buckets(self) -> list[tuple[int, int]]:

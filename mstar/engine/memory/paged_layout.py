@@ -11,6 +11,7 @@ tokens are appended, in n_i = ceil(seq_i / page_size) pages:
   kv_last_page_len [B] tokens in a row's last page: 1..page_size (0 for an empty row)
   qo_indptr [B+1]      where each row's queries start in the packed tokens
   slot_mapping [T]     page * page_size + offset of each new token
+  seq_lens [B]         seq_i
 
 `decode_bucket` pads n decode rows to a CUDA-graph batch size: padding rows
 hold one token at position 0 of the scratch page.
@@ -21,6 +22,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,6 +37,7 @@ class PagedLayout:
     kv_last_page_len: torch.Tensor  # [B] int32
     slot_mapping: torch.Tensor      # [T] int64
     max_query_len: int
+    seq_lens: torch.Tensor          # [B] int32: tokens each row holds once this step's are in
 
     @property
     def num_rows(self) -> int:
@@ -114,7 +118,7 @@ def build_layout(query_start: torch.Tensor | np.ndarray, context_lens: torch.Ten
 
     return PagedLayout(qo_indptr=i32(qs - qs[0]), kv_indptr=i32(kv_indptr), kv_indices=i32(kv_indices),
                        kv_last_page_len=i32(last_page_len), slot_mapping=torch.from_numpy(slots),
-                       max_query_len=int(q_lens.max()) if rows else 0)
+                       max_query_len=int(q_lens.max()) if rows else 0, seq_lens=i32(seq_lens))
 
 
 def decode_bucket(batch_size: int, context_lens: torch.Tensor, block_tables: torch.Tensor, page_size: int,
@@ -137,3 +141,24 @@ def decode_bucket(batch_size: int, context_lens: torch.Tensor, block_tables: tor
     full_ctx = np.zeros(batch_size, dtype=np.int64)
     full_ctx[:n] = ctx
     return build_layout(np.arange(batch_size + 1), full_ctx, padded, page_size, scratch_page)
+
+
+class _HostLens(torch.Tensor):
+    """Rows' KV lengths on the host, as FlashInfer's decode `plan` takes them
+    (`seq_lens`): it takes their `max()` in Python, which iterates a tensor
+    as one 0-d tensor and one comparison per row (about half a millisecond
+    a step at 256 rows); these iterate as numpy scalars. In every torch op
+    and in FlashInfer's C++ plan they are a plain int32 tensor."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def cpu(self, *args: Any, **kwargs: Any) -> _HostLens:
+        return self
+
+    def __iter__(self) -> Any:
+        return iter(self.numpy())
+
+
+def host_lens(seq_lens: torch.Tensor) -> torch.Tensor:
+    """`seq_lens` (int32, on the host) for FlashInfer's decode `plan`."""
+    return seq_lens.as_subclass(_HostLens)
