@@ -41,9 +41,10 @@ def wait_for_line(proc: subprocess.Popen[str], event: str, timeout: float = 60.0
     pytest.fail(f"no '{event}' line within {timeout}s")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_serves_then_stops_on_signal(sig: signal.Signals) -> None:
-    proc = start_server()
+@pytest.mark.parametrize("sig, loop", [(signal.SIGTERM, "auto"), (signal.SIGINT, "auto"),
+                                       (signal.SIGTERM, "asyncio")])
+def test_serves_then_stops_on_signal(sig: signal.Signals, loop: str) -> None:
+    proc = start_server("--event-loop", loop)
     try:
         url = wait_for_line(proc, "listening")["url"]
         with urllib.request.urlopen(f"{url}/health", timeout=10) as r:
@@ -58,6 +59,29 @@ def test_serves_then_stops_on_signal(sig: signal.Signals) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_the_event_loop_is_the_one_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--event-loop`: uvloop's by default and when asked, the standard library's when asked; asking for
+    uvloop where it is not installed is a configuration error, not a silent fallback."""
+    import asyncio
+
+    from mstar.errors import ConfigError
+    from mstar.http.__main__ import run_on
+
+    seen: list[str] = []
+
+    async def note() -> None:
+        seen.append(type(asyncio.get_running_loop()).__module__)
+
+    for kind in ("auto", "uvloop", "asyncio"):
+        run_on(kind, note())
+    assert seen[0].startswith("uvloop") and seen[1].startswith("uvloop") and seen[2].startswith("asyncio")
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # an import of it fails
+    run_on("auto", note())
+    assert seen[3].startswith("asyncio")
+    with pytest.raises(ConfigError, match="uvloop is not installed"):
+        run_on("uvloop", note())
 
 
 def test_bad_arguments_exit_2() -> None:

@@ -1,8 +1,9 @@
 """The command line in, a serving process out: `python -m mstar.http`.
 
 Parses the arguments (`mstar.config.parse_args`), configures logging, starts
-the engine and the aiohttp app on host:port (on uvloop when installed), and
-serves until SIGINT or SIGTERM. Then it stops accepting connections, lets
+the engine and the aiohttp app on host:port (on the loop `--event-loop`
+names: uvloop by default, when installed), and serves until SIGINT or
+SIGTERM. Then it stops accepting connections, lets
 running requests finish for up to `DRAIN_S`, aborts the rest (their streams
 end with an error event), cancels any handler still running at
 `SHUTDOWN_GRACE_S` and shuts the engine down. A second signal exits at once.
@@ -77,13 +78,18 @@ async def serve(config: ServerConfig) -> None:
         log.info("stopped")
 
 
-def _run(coro: Coroutine[Any, Any, None]) -> None:
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(coro)
-        return
-    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+def run_on(event_loop: str, coro: Coroutine[Any, Any, None]) -> None:
+    """Run `coro` to its end on a new loop of the kind `--event-loop` names."""
+    factory = None
+    if event_loop != "asyncio":
+        try:
+            import uvloop
+            factory = uvloop.new_event_loop
+        except ImportError:
+            if event_loop == "uvloop":
+                coro.close()
+                raise ConfigError("--event-loop uvloop: uvloop is not installed") from None
+    with asyncio.Runner(loop_factory=factory) as runner:
         runner.run(coro)
 
 
@@ -99,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --log-level: {e}", file=sys.stderr)
         return 2
     try:
-        _run(serve(config))
+        run_on(config.event_loop, serve(config))
     except MstarError as e:  # a port taken, a model that does not load, a device or worker that did not start
         print(f"error: {e}", file=sys.stderr)
         return 1
