@@ -13,15 +13,28 @@ from mstar.types import GenerateRequest, SamplingParams
 
 
 async def test_token_streams_carry_host_ints(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode group's tokens come through `feed_ids` (which hands some rows on to `feed`); the prefill's
+    through `feed`."""
     fed: list[object] = []
-    original = Streams.feed
+    original, original_ids = Streams.feed, Streams.feed_ids
+    grouped = [False]
 
     def spy(self, part, value, item):
-        if value == "token" and part.request.walk.streams.get(value):
+        if value == "token" and part.request.walk.streams.get(value) and not grouped[0]:
             fed.append(item)
         return original(self, part, value, item)
 
+    def spy_ids(self, parts, value, ids):
+        if value == "token":
+            fed.extend(ids)
+        grouped[0] = True
+        try:
+            return original_ids(self, parts, value, ids)
+        finally:
+            grouped[0] = False
+
     monkeypatch.setattr(Streams, "feed", spy)
+    monkeypatch.setattr(Streams, "feed_ids", spy_ids)
     eng = Engine(EngineConfig(model="orpheus-tiny"))
     await eng.start()
     try:

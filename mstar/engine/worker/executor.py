@@ -427,8 +427,7 @@ class Executor:
                                   p.partitions, p.logprobs)
         if walk.streams.get(value):
             items = host.tolist()  # token ids enter streams as host ints
-            for i in going_on:
-                self.walker.streams.feed(p.rows[i], value, items[i])
+            self.walker.streams.feed_ids([p.rows[i] for i in going_on], value, [items[i] for i in going_on])
 
     def _group_extras(self, group: LoopGroup, p: Pending, keep: range | list[int],
                       going_on: list[int], left: set[int]) -> dict[str, list[TensorRef]]:

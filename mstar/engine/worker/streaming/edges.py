@@ -71,6 +71,31 @@ class Streams:
                 if first or cons.inbox.pending:  # else no chunk was cut: a parked consumer would park again
                     self._wake(cons)
 
+    def feed_ids(self, parts: list[PartitionRun], value: str, ids: list[int]) -> None:
+        """`feed` of one host token id per row (a decode group's step), the
+        same writes: a row whose stream is started, whose consumer is here
+        with no chunk waiting, and whose item cuts none only appends it; any
+        other row goes through `feed`. At hundreds of rows a step the per-row call chain is
+        the cost."""
+        for part, item in zip(parts, ids):
+            run = part.request
+            plans = run.walk.streams.get(value, ())
+            if len(plans) != 1:
+                self.feed(part, value, item)
+                continue
+            sp = plans[0]
+            cons = run.partitions.get(sp.consumer)
+            buf = cons.inbox if cons is not None else None
+            if (buf is None or cons.done or buf.pending or sp.producer != part.name or sp.consumer not in run.started
+                    or buf.produced + 1 - buf.segment_start >= buf.due
+                    or (sp.accept is not None and not sp.accept[0] <= item < sp.accept[1])):
+                # a first item, a cut (or one waiting: `feed` wakes its consumer), a remote or finished consumer,
+                # an id the stream does not take
+                self.feed(part, value, item)
+                continue
+            buf.items.append(item)
+            buf.produced += 1
+
     def _carried(self, part: PartitionRun, sp: StreamPlan) -> dict[str, TensorRef]:
         """The producer's values the consumer reads, each with a reference of
         the consumer's."""
