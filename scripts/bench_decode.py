@@ -207,6 +207,9 @@ def main() -> None:
     model = load_model(a.model, a.load_format, a.max_model_len)
     if not isinstance(model, (LlamaModel, Qwen35Model)):
         raise SystemExit(f"{a.model}: bench_decode measures Llama-family and Qwen3.5 models only")
+    if isinstance(model, Qwen35Model) and model.config.num_experts:
+        # its floor would count every expert's weights once a step, not the ones the step routes to
+        raise SystemExit(f"{a.model}: a MoE decoder's bandwidth floor is not modelled here; dense shapes only")
     if max(a.contexts) + a.new_tokens > model.max_model_len:
         raise SystemExit(f"context {max(a.contexts)} + {a.new_tokens} new tokens exceed max_model_len "
                          f"{model.max_model_len}: pass --max-model-len")

@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import cProfile
 import dataclasses
+import math
 import os
 import platform
 import pstats
@@ -64,6 +65,8 @@ async def level(eng: Engine, c: int, tokens: int, trace_s: float, trace_after: f
         while turn == 0 or (every > 0 and not arrivals_over.is_set()):
             t0 = time.perf_counter()
             params = dataclasses.replace(sampling, seed=i + turn * c)
+            if turn == 1:  # the c streams started together: their second turns end spread over a turn's length
+                params = dataclasses.replace(params, max_tokens=max(1, tokens * (i + 1) // c))
             req = GenerateRequest(f"p{c}-{i}-{turn}", eng.model_name, {"text": TEXT, "voice": None}, params)
             heard = turn > 0  # the first audio of the level's first requests only
             async for out in eng.submit(req):
@@ -176,10 +179,13 @@ def show(r: dict, tokens: int) -> None:
 
 
 async def main(a: argparse.Namespace) -> None:
+    # room for every arrival of a level beside its streams (at most that many run at once), or they would wait
+    # for a stream to end instead of running beside them
+    rows = max(a.concurrency) + (math.ceil((1.0 + a.trace) / a.arrivals) + 1 if a.arrivals > 0 else 0)
     eng = Engine(EngineConfig(model=a.model, devices=tuple(a.devices.split(",")), load_format=a.load_format,
                               kv_cache_dtype=a.kv_cache_dtype,
-                              cuda_graph_batch_sizes=graph_buckets(max(256, *a.concurrency)),
-                              scheduler=SchedulerConfig(max_num_seqs=max(a.concurrency))))
+                              cuda_graph_batch_sizes=graph_buckets(max(256, rows)),
+                              scheduler=SchedulerConfig(max_num_seqs=rows)))
     await eng.start()
     try:
         # not counted: first uses compile the Triton kernels and warm the allocators
