@@ -9,7 +9,8 @@ The official `openai` client's completions and chat against `qwen3.5-tiny`."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import json
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import openai
@@ -32,9 +33,14 @@ PROMPTS = [[1, 5, 9, 33, 7], [1, *range(40, 140)], [1, 2], [1, *range(300, 330)]
 NEW = 12
 
 
-def _checkpoint(folder: Path, experts: int = 0, prompts: list[list[int]] = PROMPTS) -> tuple[Path, list[list[int]]]:
-    """The folder, and transformers' greedy continuation of each prompt."""
+def _checkpoint(folder: Path, experts: int = 0, prompts: list[list[int]] = PROMPTS,
+                edit: Callable[[dict], None] | None = None) -> tuple[Path, list[list[int]]]:
+    """The folder (its config.json changed by `edit`), and transformers' greedy continuation of each prompt."""
     save_tiny_qwen35(folder, experts=experts)
+    if edit is not None:
+        config = json.loads((folder / "config.json").read_text())
+        edit(config)
+        (folder / "config.json").write_text(json.dumps(config))
     cls = transformers.Qwen3_5MoeForCausalLM if experts else transformers.Qwen3_5ForCausalLM
     hf = cls.from_pretrained(folder, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None   # as the engine's ignore_eos: EOS is a token like any other
@@ -67,6 +73,30 @@ def test_the_moe_decoder_matches_transformers(tmp_path: Path) -> None:
         finally:
             await eng.shutdown()
     assert asyncio.run(run()) == want
+
+
+def test_a_folder_saved_without_mrope_section_loads_as_transformers_reads_it(tmp_path: Path) -> None:
+    """transformers saves a small config without `mrope_section` and reads it as the 9B's (11, 11, 10), cut to
+    the rotary frequencies (4 here); so does mstar, and the greedy tokens are transformers'."""
+    def drop(config: dict) -> None:
+        del config["rope_parameters"]["mrope_section"]
+    prompts = [PROMPTS[0], PROMPTS[3]]
+    folder, want = _checkpoint(tmp_path, prompts=prompts, edit=drop)
+
+    async def run() -> list[list[int]]:
+        eng = Engine(EngineConfig(model=str(folder), scheduler=SchedulerConfig(page_size=4)))
+        await eng.start()
+        try:
+            return await _all(eng, prompts)
+        finally:
+            await eng.shutdown()
+    assert asyncio.run(run()) == want
+    from mstar.models.layers.mrope import mrope_axes
+    from mstar.models.registry import load_model
+    assert load_model(str(folder)).config.mrope_section == (11, 11, 10)
+    # transformers' recomposition: T everywhere, then H at 1, 4, ... below 3·11 and W at 2, 5, ... below 3·10
+    assert mrope_axes((11, 11, 10), 4).tolist() == [0, 1, 2, 0]
+    assert mrope_axes((11, 11, 10), 8).tolist() == [0, 1, 2, 0, 1, 2, 0, 1]
 
 
 def test_the_config_reads_the_layer_pattern_and_the_state_shapes(checkpoint: tuple[Path, list]) -> None:

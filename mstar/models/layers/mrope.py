@@ -15,10 +15,12 @@ from collections.abc import Sequence
 import torch
 
 
-def mrope_axes(section: Sequence[int]) -> torch.Tensor:
-    """[sum(section)] int64: the axis that drives each frequency."""
+def mrope_axes(section: Sequence[int], size: int | None = None) -> torch.Tensor:
+    """[size] int64 (default: sum(section)): the axis that drives each
+    frequency. A section that does not sum to `size` is cut to it, or leaves
+    the frequencies past it on T, as transformers reads one."""
     t, h, w = section
-    j = torch.arange(t + h + w)
+    j = torch.arange(t + h + w if size is None else size)
     axis = torch.zeros_like(j)
     axis[(j % 3 == 1) & (j < 3 * h)] = 1
     axis[(j % 3 == 2) & (j < 3 * w)] = 2

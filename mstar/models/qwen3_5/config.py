@@ -87,9 +87,11 @@ class Qwen35Config:
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
             raise ConfigError(f"qwen3.5 config: partial_rotary_factor {self.partial_rotary_factor} of head_dim "
                               f"{self.head_dim} is not an even number of dims")
-        if len(self.mrope_section) != 3 or sum(self.mrope_section) != self.rotary_dim // 2:
-            raise ConfigError(f"qwen3.5 config: mrope_section {list(self.mrope_section)} must be 3 numbers summing "
-                              f"to the rotary dims / 2 = {self.rotary_dim // 2}")
+        # transformers defaults it to the 9B's (11, 11, 10) whatever the head size, and cuts it to the rotary
+        # frequencies (`layers/mrope.py` does the same): a small checkpoint saved without one loads in both
+        if len(self.mrope_section) != 3 or min(self.mrope_section) < 0:
+            raise ConfigError(f"qwen3.5 config: mrope_section {list(self.mrope_section)} must be 3 numbers, "
+                              f"none negative")
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ConfigError(f"qwen3.5 config: num_experts_per_tok {self.num_experts_per_tok} is outside "
                               f"1..{self.num_experts}")

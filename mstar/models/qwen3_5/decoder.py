@@ -106,7 +106,7 @@ class Qwen35Decoder(nn.Module):
         dim = cfg.rotary_dim
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
-        self.register_buffer("rope_axes", mrope_axes(cfg.mrope_section).to(device), persistent=False)
+        self.register_buffer("rope_axes", mrope_axes(cfg.mrope_section, dim // 2).to(device), persistent=False)
 
     @property
     def vocab_size(self) -> int:
