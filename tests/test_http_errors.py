@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 from http_support import running_engine, serving, wait_until
 
 from mstar.engine.engine import Engine
@@ -137,6 +138,28 @@ async def test_hanging_up_an_sse_stream_aborts_it(engine: Engine, cancel_handler
                                  {"messages": CHAT, "stream": True, **LONG}, events=2)  # the role, then content
         await hang_up_mid_stream(base, engine, "/v1/completions",
                                  {"prompt": "go on", "stream": True, **LONG}, events=1)
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", {"prompt": "go on", "stream": True, **LONG}),
+                                        ("/generate", {"text": "go on", "stream": True, "sampling_params": LONG})])
+async def test_a_client_gone_before_a_streams_headers_is_a_499(engine: Engine, monkeypatch: pytest.MonkeyPatch,
+                                                             path: str, body: dict) -> None:
+    """A client that hangs up at once fails the stream's first write, its headers' (aiohttp raises a
+    `ConnectionResetError`): that is a 499 and an abort, as a hang-up before any answer, not a logged 500."""
+    prepare = web.StreamResponse.prepare
+
+    async def closing(self: web.StreamResponse, request: web.BaseRequest) -> Any:
+        if type(self) is web.StreamResponse:  # the stream's; the 499's own `web.Response` goes out
+            raise aiohttp.ClientConnectionResetError("Cannot write to closing transport")
+        return await prepare(self, request)
+
+    aborted = engine.stats["requests_aborted"]
+    monkeypatch.setattr(web.StreamResponse, "prepare", closing)
+    async with serving(engine) as base, aiohttp.ClientSession() as session:
+        async with session.post(base + path, json=body) as r:
+            assert r.status == 499
+    assert await wait_until(lambda: engine.health()["requests_running"] == 0)
+    assert engine.stats["requests_aborted"] == aborted + 1 and pages_in_use(engine) == 0
 
 
 @pytest.mark.parametrize("cancel_handlers", [True, False], ids=["cancelled", "transport-closed"])

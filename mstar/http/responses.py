@@ -10,6 +10,7 @@ import orjson
 from aiohttp import web
 
 from mstar.errors import RequestError
+from mstar.http.submission import ClientGone
 
 Framing = Literal["sse", "ndjson"]
 
@@ -66,7 +67,10 @@ class EventStream:
         response.headers["Cache-Control"] = "no-cache"
         # Proxies such as nginx would otherwise hold tokens back in a buffer.
         response.headers["X-Accel-Buffering"] = "no"
-        await response.prepare(request)
+        try:
+            await response.prepare(request)
+        except ConnectionError:  # the client left before the headers went out: a 499, as before any answer
+            raise ClientGone() from None
         return cls(response, framing)
 
     async def send(self, obj: Any) -> None:
