@@ -319,8 +319,10 @@ def test_placeholder_tokens_typed_in_the_text_are_refused_naming_messages(dense:
     from mstar.errors import RequestError
 
     model = load_model(str(dense.folder))
-    chat = [{"role": "user", "content": [{"type": "text", "text": "look: <|image_pad|> here"}, _image(SMALL)]}]
-    with pytest.raises(RequestError, match="placeholder tokens") as refused:
-        model.prepare_inputs(GenerateRequest("typed", model.name, {"messages": chat}, SamplingParams()),
-                             SamplingParams())
-    assert refused.value.field == "messages"
+    # one token of the placeholder, or the whole of it as the template writes an image
+    for typed in ("look: <|image_pad|> here", "look: <|vision_start|><|image_pad|><|vision_end|> here"):
+        chat = [{"role": "user", "content": [{"type": "text", "text": typed}, _image(SMALL)]}]
+        with pytest.raises(RequestError, match="placeholder tokens") as refused:
+            model.prepare_inputs(GenerateRequest("typed", model.name, {"messages": chat}, SamplingParams()),
+                                 SamplingParams())
+        assert refused.value.field == "messages"

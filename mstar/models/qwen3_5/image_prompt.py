@@ -32,6 +32,8 @@ from mstar.models.vision.positions import prompt_positions
 from mstar.models.vision.preprocessor import PatchRecipe
 
 PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"   # an image, as the chat template writes it
+TYPED_PLACEHOLDER = ("the text holds an image's placeholder tokens (<|vision_start|>, <|image_pad|>, <|vision_end|>); "
+                     "an image comes as an image_url part")
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,8 @@ def image_prompt(messages: Sequence[Any], add_generation_prompt: bool, tokenizer
     grids = [recipe.grid(picture, where) for picture, where in found]
     text = chat_text(stubbed, add_generation_prompt, tokenizer, max_model_len, media=("image",))
     pieces = text.split(PLACEHOLDER)
+    if len(pieces) - 1 > len(found):  # the template places each image once: the others were typed in the text
+        raise RequestError(TYPED_PLACEHOLDER, field="messages")
     if len(pieces) - 1 != len(found):
         raise RequestError(f"the chat template placed {len(pieces) - 1} images, but the messages hold "
                            f"{len(found)}", field="messages")
@@ -76,8 +80,7 @@ def image_prompt(messages: Sequence[Any], add_generation_prompt: bool, tokenizer
     def text_ids(piece: str) -> list[int]:
         out = list(tokenizer.encode(piece, add_special_tokens=False))
         if reserved.intersection(out):
-            raise RequestError("the text holds an image's placeholder tokens (<|vision_start|>, <|image_pad|>, "
-                               "<|vision_end|>); an image comes as an image_url part", field="messages")
+            raise RequestError(TYPED_PLACEHOLDER, field="messages")
         return out
     ids = text_ids(pieces[0])
     for (t, h, w), piece in zip(grids, pieces[1:]):
