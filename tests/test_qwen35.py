@@ -64,15 +64,7 @@ def test_the_moe_decoder_matches_transformers(tmp_path: Path) -> None:
     expert. Greedy tokens of concurrent prompts equal transformers'."""
     prompts = [PROMPTS[0], PROMPTS[3], PROMPTS[4]]   # the dense tests take the long one through its chunks
     folder, want = _checkpoint(tmp_path, experts=4, prompts=prompts)
-
-    async def run() -> list[list[int]]:
-        eng = Engine(EngineConfig(model=str(folder), scheduler=SchedulerConfig(page_size=4)))
-        await eng.start()
-        try:
-            return await _all(eng, prompts)
-        finally:
-            await eng.shutdown()
-    assert asyncio.run(run()) == want
+    assert _served(folder, prompts) == want
 
 
 def test_a_folder_saved_without_mrope_section_loads_as_transformers_reads_it(tmp_path: Path) -> None:
@@ -82,15 +74,7 @@ def test_a_folder_saved_without_mrope_section_loads_as_transformers_reads_it(tmp
         del config["rope_parameters"]["mrope_section"]
     prompts = [PROMPTS[0], PROMPTS[3]]
     folder, want = _checkpoint(tmp_path, prompts=prompts, edit=drop)
-
-    async def run() -> list[list[int]]:
-        eng = Engine(EngineConfig(model=str(folder), scheduler=SchedulerConfig(page_size=4)))
-        await eng.start()
-        try:
-            return await _all(eng, prompts)
-        finally:
-            await eng.shutdown()
-    assert asyncio.run(run()) == want
+    assert _served(folder, prompts) == want
     from mstar.models.layers.mrope import mrope_axes
     from mstar.models.registry import load_model
     assert load_model(str(folder)).config.mrope_section == (11, 11, 10)
@@ -108,6 +92,18 @@ def test_the_config_reads_the_layer_pattern_and_the_state_shapes(checkpoint: tup
     assert model.kv_spec("llm").num_layers == 2
     spec = dict((name, shape) for name, shape, _ in model.state_spec("llm").tensors)
     assert spec == {"conv": (2, 2 * 2 * 16 + 4 * 16, 3), "rec": (2, 4, 16, 16)}
+
+
+def _served(folder: Path, prompts: list[list[int]]) -> list[list[int]]:
+    """mstar's greedy continuations of `prompts` from the folder, concurrent."""
+    async def run() -> list[list[int]]:
+        eng = Engine(EngineConfig(model=str(folder), scheduler=SchedulerConfig(page_size=4)))
+        await eng.start()
+        try:
+            return await _all(eng, prompts)
+        finally:
+            await eng.shutdown()
+    return asyncio.run(run())
 
 
 async def _all(eng: Engine, prompts: list[list[int]]) -> list[list[int]]:
