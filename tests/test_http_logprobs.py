@@ -84,9 +84,13 @@ async def test_chat_logprobs_streamed_and_not(http: aiohttp.ClientSession) -> No
     whole = await _post(http, "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 2})
     content = whole["choices"][0]["logprobs"]["content"]
     assert len(content) == whole["usage"]["completion_tokens"]
+    text = whole["choices"][0]["message"]["content"]
+    assert bytes(b for e in content for b in e["bytes"]).decode("utf-8", errors="replace") == text
     for e in content:
         assert set(e) == {"token", "logprob", "bytes", "top_logprobs"}
-        assert e["bytes"] == list(e["token"].encode("utf-8"))
+        # a whole character's token is its UTF-8; a byte of one (U+FFFD on its own) is that byte
+        assert e["bytes"] == list(e["token"].encode("utf-8")) if e["token"] != "\ufffd" else \
+            len(e["bytes"]) == 1 and e["bytes"][0] >= 0x80
         assert len(e["top_logprobs"]) == 2 and e["top_logprobs"][0] == {k: e[k] for k in ("token", "logprob", "bytes")}
         assert e["top_logprobs"][0]["logprob"] >= e["top_logprobs"][1]["logprob"]
     pieces = await _stream(http, "/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 2})
@@ -159,3 +163,19 @@ async def test_a_speech_walk_refuses_logprobs_naming_the_field() -> None:
             assert r.status == 400
             assert (await r.json())["error"]["param"] == "sampling_params.logprobs"
         assert engine.num_running() == 0
+
+
+def test_chat_logprob_bytes_of_a_split_character_are_its_bytes() -> None:
+    """"é✓" as the byte tokenizer's five tokens: each reads U+FFFD on its own, and its `bytes` are its byte,
+    the sampled token's and the alternatives' alike."""
+    from mstar.http.text.logprobs import LogprobShapes
+    from mstar.models.tokenizer import builtin_byte_tokenizer
+    from mstar.types import TokenLogprob
+
+    raw = "é✓".encode()
+    entries = [TokenLogprob(b, -0.5, ((b, -0.5), (ord("a"), -1.0))) for b in raw]
+    content = LogprobShapes(builtin_byte_tokenizer()).chat(entries)["content"]
+    assert [e["token"] for e in content] == ["\ufffd"] * 5 and [e["bytes"] for e in content] == [[b] for b in raw]
+    assert all(e["top_logprobs"][0]["bytes"] == e["bytes"] and e["top_logprobs"][1]["bytes"] == [ord("a")]
+               for e in content)
+

@@ -167,6 +167,30 @@ def test_folder_tokenizer(tmp_path, post_processor, add_bos):
         assert "".join(_stream(tok, ids, [1] * 30)) == tok.decode(ids)
 
 
+def test_token_bytes_join_into_the_texts_utf8(tmp_path):
+    """`token_bytes`: a token holding part of a character is that part, so the bytes of a text's tokens join
+    into its UTF-8 (byte-level BPE: the builtin and a trained one with merges; a byte-fallback vocabulary,
+    whose `<0xNN>` pieces are bytes and whose word marker is a space); added and special tokens are their text."""
+    byte_level = builtin_byte_tokenizer()
+    trained = Tokenizer.from_folder(_trained_folder(tmp_path, True, None))
+    for tok in (byte_level, trained):
+        for text in SAMPLES:
+            ids = tok.encode(text, add_special_tokens=False)
+            assert b"".join(tok.token_bytes(ids)) == text.encode("utf-8"), text
+    assert byte_level.token_bytes([0xE2, byte_level.bos_token_id]) == [b"\xe2", b"<|begin_of_text|>"]
+
+    pieces = ["<unk>", *(f"<0x{b:02X}>" for b in range(256)), "\u2581", "h", "i", "\u2581h", "\u2581hi"]
+    sp = HFTokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[("\u2581", "h"), ("\u2581h", "i")],
+                                unk_token="<unk>", byte_fallback=True))
+    sp.pre_tokenizer = pre_tokenizers.Metaspace()
+    sp.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    fallback = Tokenizer(sp)
+    ids = fallback.encode(" hi é✓", add_special_tokens=False)
+    assert [fallback.id_to_token(i) for i in ids][:2] == ["\u2581hi", "\u2581"]
+    assert b"".join(fallback.token_bytes(ids)) == " hi é✓".encode("utf-8")
+    assert fallback.token_bytes([1 + 0xC3]) == [b"\xc3"]
+
+
 def test_folder_without_bos_request(tmp_path):
     tok = Tokenizer.from_folder(_trained_folder(tmp_path, post_processor=False, add_bos=None))
     assert 0 not in tok.encode("the fox")

@@ -75,6 +75,7 @@ class Tokenizer:
         if self.eos_token is None and self.eos_token_ids:
             self.eos_token = tokenizer.id_to_token(self.eos_token_ids[0])
         self._compiled: Any = None
+        self._bytes_form: tuple[str, frozenset[int]] | None = None  # `_byte_form`, read at its first use
         # the longest token's text in UTF-8 bytes: a text of n characters has at least n / max_token_bytes
         # tokens, known without tokenising it (worked out here, not on the event loop at the first request)
         self.max_token_bytes = max((len(t.encode()) for t in tokenizer.get_vocab(with_added_tokens=True)),
@@ -143,6 +144,40 @@ class Tokenizer:
     def decode_batch(self, seqs: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
         """Several decodes in one call into the tokenizer library."""
         return self._tok.decode_batch([list(s) for s in seqs], skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, ids: Sequence[int]) -> list[bytes]:
+        """Each token's own bytes in the text: a part of a multi-byte
+        character stays that part (a byte-level BPE token's bytes, a
+        `<0xE2>` byte-fallback piece), so a client that joins a text's
+        tokens' bytes gets its UTF-8. Added and special tokens, and tokens of
+        a vocabulary of neither kind, are their decoded text's UTF-8."""
+        kind, added = self._byte_form()
+        out = []
+        for i in ids:
+            piece = None if i in added else self._tok.id_to_token(i)
+            if piece is None:
+                out.append(self._tok.decode([i], skip_special_tokens=False).encode())
+            elif kind == "byte_level":
+                spelled = all(c in _UNBYTE for c in piece)
+                out.append(bytes(_UNBYTE[c] for c in piece) if spelled else piece.encode())
+            elif kind == "byte_fallback" and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                out.append(bytes([int(piece[3:5], 16)]))
+            elif kind == "byte_fallback":
+                out.append(piece.replace("\u2581", " ").encode())
+            else:
+                out.append(self._tok.decode([i], skip_special_tokens=False).encode())
+        return out
+
+    def _byte_form(self) -> tuple[str, frozenset[int]]:
+        """How the vocabulary spells bytes ("byte_level", "byte_fallback" or
+        "" for neither, from its decoder), and the added tokens' ids; read
+        once."""
+        if self._bytes_form is None:
+            decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+            kinds = {d.get("type") for d in (decoder.get("decoders") or [decoder])}
+            kind = "byte_level" if "ByteLevel" in kinds else "byte_fallback" if "ByteFallback" in kinds else ""
+            self._bytes_form = (kind, frozenset(self._tok.get_added_tokens_decoder()))
+        return self._bytes_form
 
     # ------------------------------------------------------------ chat
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
@@ -258,6 +293,10 @@ def _byte_alphabet() -> list[str]:
             chars.append(chr(256 + shift))
             shift += 1
     return chars
+
+
+# byte-level BPE's stand-in characters back to their bytes
+_UNBYTE = {ch: b for b, ch in enumerate(_byte_alphabet())}
 
 
 def builtin_byte_tokenizer(chat_template: str | None = None) -> Tokenizer:

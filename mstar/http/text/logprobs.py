@@ -5,8 +5,10 @@ entries with each token's UTF-8 bytes, and the native route's id entries.
 
 Numbers are of the model's raw distribution (see `SamplingParams`). A token
 string is the token decoded on its own with special tokens kept, as vLLM
-shows it: a token holding part of a multi-byte character reads U+FFFD, and
-its `bytes` are that string's UTF-8. `text_offset` counts the characters of
+shows it: a token holding part of a multi-byte character reads U+FFFD. Its
+`bytes` are its own bytes of the text (`Tokenizer.token_bytes`), as OpenAI's
+are: joined over a text's tokens they make its UTF-8, a character split over
+tokens included. `text_offset` counts the characters of
 the choice's token strings before each token (`echo` is not supported, so the
 prompt is not part of the text). JSON has no -inf: a logprob below -9999 (a
 token the model rules out) is reported as -9999, as OpenAI does.
@@ -56,10 +58,10 @@ class LogprobShapes:
     def chat(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
         """`/v1/chat/completions`' `logprobs` of `entries`."""
         text = self._strings(entries)
+        raw = dict(zip(text, self.tokenizer.token_bytes(list(text))))
 
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
-            token = text[token_id]
-            return {"token": token, "logprob": _number(logprob), "bytes": list(token.encode("utf-8"))}
+            return {"token": text[token_id], "logprob": _number(logprob), "bytes": list(raw[token_id])}
 
         return {"content": [{**entry(e.token_id, e.logprob), "top_logprobs": [entry(t, v) for t, v in e.top]}
                             for e in entries]}
