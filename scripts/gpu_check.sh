@@ -11,6 +11,8 @@
 #   scripts/gpu_check.sh tts        the speech benchmark (scripts/bench_tts.py; $TTS_ARGS adds flags,
 #                                   $TTS_SERVER_ARGS the server's)
 #   scripts/gpu_check.sh speech     orpheus, then tts at the documented configuration (one call, ~8 min)
+#   scripts/gpu_check.sh loops      tts once per --event-loop ($LOOPS, default "auto asyncio"), with $TTS_ARGS
+#                                   and $TTS_SERVER_ARGS (e.g. --concurrency 384 ... and --kv-cache-dtype fp8)
 #   scripts/gpu_check.sh overload   twice the real-time capacity offered to a server that admits 64 streams,
 #                                   then overload-lazy
 #   scripts/gpu_check.sh overload-lazy  64 streams on a KV pool too small for them (--kv-reservation lazy)
@@ -157,6 +159,12 @@ if [[ $what == tts || $what == speech ]]; then
   # Orpheus-3B (dummy weights) over loopback HTTP at 1/16/64/256 streams, plus transformers + snac baseline
   timeout ${TTS_TIMEOUT:-540} python3 scripts/bench_tts.py ${TTS_ARGS:-} --server-args "${TTS_SERVER_ARGS:-}" --out "$OUT/tts.json" --server-log "$OUT/tts_server.log" \
       2>&1 | tail -40 | tee "$OUT/bench_tts.txt"
+fi
+if [[ $what == loops ]]; then  # the speech benchmark once per event loop, same flags (uvloop's GIL against the standard loop's)
+  for loop in ${LOOPS:-auto asyncio}; do
+    timeout ${TTS_TIMEOUT:-270} python3 scripts/bench_tts.py ${TTS_ARGS:-} --server-args "${TTS_SERVER_ARGS:-} --event-loop $loop" \
+        --out "$OUT/tts_$loop.json" --server-log "$OUT/tts_server_$loop.log" 2>&1 | tail -12 | tee "$OUT/bench_tts_$loop.txt"
+  done
 fi
 if [[ $what == overload ]]; then
   # issue 7's overload goal: 128 closed-loop clients against 64 running + 16 waiting; the rest get 429 with
