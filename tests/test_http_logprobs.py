@@ -163,19 +163,3 @@ async def test_a_speech_walk_refuses_logprobs_naming_the_field() -> None:
             assert r.status == 400
             assert (await r.json())["error"]["param"] == "sampling_params.logprobs"
         assert engine.num_running() == 0
-
-
-def test_chat_logprob_bytes_of_a_split_character_are_its_bytes() -> None:
-    """"é✓" as the byte tokenizer's five tokens: each reads U+FFFD on its own, and its `bytes` are its byte,
-    the sampled token's and the alternatives' alike."""
-    from mstar.http.text.logprobs import LogprobShapes
-    from mstar.models.tokenizer import builtin_byte_tokenizer
-    from mstar.types import TokenLogprob
-
-    raw = "é✓".encode()
-    entries = [TokenLogprob(b, -0.5, ((b, -0.5), (ord("a"), -1.0))) for b in raw]
-    content = LogprobShapes(builtin_byte_tokenizer()).chat(entries)["content"]
-    assert [e["token"] for e in content] == ["\ufffd"] * 5 and [e["bytes"] for e in content] == [[b] for b in raw]
-    assert all(e["top_logprobs"][0]["bytes"] == e["bytes"] and e["top_logprobs"][1]["bytes"] == [ord("a")]
-               for e in content)
-

@@ -189,6 +189,22 @@ def test_token_bytes_join_into_the_texts_utf8(tmp_path):
     assert [fallback.id_to_token(i) for i in ids][:2] == ["\u2581hi", "\u2581"]
     assert b"".join(fallback.token_bytes(ids)) == " hi é✓".encode("utf-8")
     assert fallback.token_bytes([1 + 0xC3]) == [b"\xc3"]
+    sp.decoder = decoders.Metaspace()  # the word marker alone (no byte pieces in the text)
+    assert b"".join(Tokenizer(sp).token_bytes(fallback.encode(" hi hi", add_special_tokens=False))) == b" hi hi"
+
+
+def test_chat_logprob_bytes_of_a_split_character_are_its_bytes() -> None:
+    """"é✓" as the byte tokenizer's five tokens: each reads U+FFFD on its own, and its `bytes` are its byte,
+    the sampled token's and the alternatives' alike."""
+    from mstar.http.text.logprobs import LogprobShapes
+    from mstar.types import TokenLogprob
+
+    raw = "é✓".encode()
+    entries = [TokenLogprob(b, -0.5, ((b, -0.5), (ord("a"), -1.0))) for b in raw]
+    content = LogprobShapes(builtin_byte_tokenizer()).chat(entries)["content"]
+    assert [e["token"] for e in content] == ["\ufffd"] * 5 and [e["bytes"] for e in content] == [[b] for b in raw]
+    assert all(e["top_logprobs"][0]["bytes"] == e["bytes"] and e["top_logprobs"][1]["bytes"] == [ord("a")]
+               for e in content)
 
 
 def test_folder_without_bos_request(tmp_path):

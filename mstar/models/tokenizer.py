@@ -149,8 +149,10 @@ class Tokenizer:
         """Each token's own bytes in the text: a part of a multi-byte
         character stays that part (a byte-level BPE token's bytes, a
         `<0xE2>` byte-fallback piece), so a client that joins a text's
-        tokens' bytes gets its UTF-8. Added and special tokens, and tokens of
-        a vocabulary of neither kind, are their decoded text's UTF-8."""
+        tokens' bytes gets its UTF-8. A sentencepiece word marker is a space
+        (its decoder strips the text's first one; these bytes keep it).
+        Added and special tokens, and tokens of a vocabulary of neither
+        kind, are their decoded text's UTF-8."""
         kind, added = self._byte_form()
         out = []
         for i in ids:
@@ -160,22 +162,23 @@ class Tokenizer:
             elif kind == "byte_level":
                 spelled = all(c in _UNBYTE for c in piece)
                 out.append(bytes(_UNBYTE[c] for c in piece) if spelled else piece.encode())
-            elif kind == "byte_fallback" and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            elif kind == "word_marked" and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
                 out.append(bytes([int(piece[3:5], 16)]))
-            elif kind == "byte_fallback":
+            elif kind == "word_marked":
                 out.append(piece.replace("\u2581", " ").encode())
             else:
                 out.append(self._tok.decode([i], skip_special_tokens=False).encode())
         return out
 
     def _byte_form(self) -> tuple[str, frozenset[int]]:
-        """How the vocabulary spells bytes ("byte_level", "byte_fallback" or
-        "" for neither, from its decoder), and the added tokens' ids; read
-        once."""
-        if self._bytes_form is None:
-            decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+        """How the vocabulary spells text ("byte_level"; "word_marked": `▁`
+        for a space, bytes as `<0xNN>` pieces where it falls back; "" for
+        neither, from its decoder), and the added tokens' ids; read once."""
+        if self._bytes_form is None:  # the decoder's own state: the whole tokenizer's JSON takes ~0.5 s to write
+            decoder = json.loads(self._tok.decoder.__getstate__()) if self._tok.decoder is not None else {}
             kinds = {d.get("type") for d in (decoder.get("decoders") or [decoder])}
-            kind = "byte_level" if "ByteLevel" in kinds else "byte_fallback" if "ByteFallback" in kinds else ""
+            kind = "byte_level" if "ByteLevel" in kinds else \
+                "word_marked" if kinds & {"ByteFallback", "Metaspace"} else ""
             self._bytes_form = (kind, frozenset(self._tok.get_added_tokens_decoder()))
         return self._bytes_form
 

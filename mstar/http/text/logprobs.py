@@ -8,7 +8,8 @@ string is the token decoded on its own with special tokens kept, as vLLM
 shows it: a token holding part of a multi-byte character reads U+FFFD. Its
 `bytes` are its own bytes of the text (`Tokenizer.token_bytes`), as OpenAI's
 are: joined over a text's tokens they make its UTF-8, a character split over
-tokens included. `text_offset` counts the characters of
+tokens included (a sentencepiece word marker is a space, so a text's first
+word there keeps the space its string drops). `text_offset` counts the characters of
 the choice's token strings before each token (`echo` is not supported, so the
 prompt is not part of the text). JSON has no -inf: a logprob below -9999 (a
 token the model rules out) is reported as -9999, as OpenAI does.
