@@ -123,8 +123,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                        sampling_by=body.sampling_by, walk=target.spoken_chat_walk if body.audio else None,
                        keep_audio=body.audio is not None and not body.stream, priority=body.priority)
     shapes = LogprobShapes(target.tokenizer) if body.sampling.logprobs is not None else None
-    spoken = SpokenAnswers(body.audio, len(sub.choices), reply.created) if body.audio is not None else None
-    try:
+    try:  # from here on, whatever happens, the submission is closed (aborted if it still runs)
+        spoken = SpokenAnswers(body.audio, len(sub.choices), reply.created) if body.audio is not None else None
         if body.stream:
             chunk_reply = Reply(reply.id, "chat.completion.chunk", reply.created, reply.model)
             # OpenAI opens each choice's stream with the role, before any content (a spoken answer has none).
