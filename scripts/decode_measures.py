@@ -142,14 +142,12 @@ def state_bytes_per_step(spec: StateSpec, batch: int) -> int:
 
 
 def build_hf_qwen35(config: dict[str, Any], device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """transformers' Qwen3_5ForCausalLM (Qwen3_5MoeForCausalLM for a MoE
-    shape) of a config.json's shape (its text config), with its own random
-    init."""
+    """transformers' Qwen3_5ForCausalLM of a dense config.json's shape (its
+    text config), with its own random init."""
     import transformers
 
     text = dict(config.get("text_config") or config)
-    moe = str(text.pop("model_type", "")).startswith("qwen3_5_moe") or bool(text.get("num_experts"))
+    text.pop("model_type", None)
     with torch.device(device):
-        model = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**text)) if moe else \
-            transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**text))
+        model = transformers.Qwen3_5ForCausalLM(transformers.Qwen3_5TextConfig(**text))
     return model.to(dtype).eval()

@@ -89,17 +89,16 @@ def _qwen3_omni_tiny(name: str, load_format: str, max_model_len: int | None) -> 
     return Qwen3OmniModel(name, None, "dummy", max_model_len, builtin=QWEN3_OMNI_TINY)
 
 
-def _qwen35(shape: str) -> ModelFactory:
-    def build(name: str, load_format: str, max_model_len: int | None) -> Model:
-        from mstar.models.qwen3_5 import builtins
-        from mstar.models.qwen3_5.model import Qwen35Model
+def _qwen35(name: str, load_format: str, max_model_len: int | None) -> Model:
+    """A builtin of `qwen3_5.builtins.BY_NAME`."""
+    from mstar.models.qwen3_5.builtins import BY_NAME
+    from mstar.models.qwen3_5.model import Qwen35Model
 
-        # tiny: always seeded random weights; a real shape serves only with --load-format dummy
-        if "TINY" not in shape and load_format != "dummy":
-            raise ConfigError(f"model '{name}' has no bundled checkpoint: pass a local Hugging Face folder "
-                              f"as the model, or --load-format dummy for random weights of its shape")
-        return Qwen35Model(name, None, "dummy", max_model_len, builtin=getattr(builtins, shape))
-    return build
+    # tiny: always seeded random weights; a real shape serves only with --load-format dummy
+    if not name.endswith("-tiny") and load_format != "dummy":
+        raise ConfigError(f"model '{name}' has no bundled checkpoint: pass a local Hugging Face folder "
+                          f"as the model, or --load-format dummy for random weights of its shape")
+    return Qwen35Model(name, None, "dummy", max_model_len, builtin=BY_NAME[name])
 
 
 def _qwen35_folder(path: str, load_format: str, max_model_len: int | None) -> Model:
@@ -115,10 +114,8 @@ register_builtin("qwen3-omni-tiny", _qwen3_omni_tiny)
 register_builtin("qwen3-omni-30b-a3b", _qwen3_omni_30b_a3b)
 register_model_type("llama", _llama_folder)
 register_model_type("qwen3_omni_moe", _qwen3_omni_folder)
-register_builtin("qwen3.5-tiny", _qwen35("QWEN35_TINY"))
-register_builtin("qwen3.5-vl-tiny", _qwen35("QWEN35_VL_TINY"))
-register_builtin("qwen3.5-9b", _qwen35("QWEN35_9B"))
-register_builtin("qwen3.5-35b-a3b", _qwen35("QWEN35_35B_A3B"))
+for _name in ("qwen3.5-tiny", "qwen3.5-vl-tiny", "qwen3.5-9b", "qwen3.5-35b-a3b"):  # qwen3_5.builtins.BY_NAME's
+    register_builtin(_name, _qwen35)
 for _type in ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"):
     register_model_type(_type, _qwen35_folder)
 

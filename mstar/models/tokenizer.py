@@ -154,21 +154,21 @@ class Tokenizer:
         Added and special tokens, and tokens of a vocabulary of neither
         kind, are their decoded text's UTF-8."""
         kind, added = self._byte_form()
-        out = []
+        out: list[bytes | None] = []
         for i in ids:
-            piece = None if i in added else self._tok.id_to_token(i)
+            piece = None if i in added or not kind else self._tok.id_to_token(i)
             if piece is None:
-                out.append(self._tok.decode([i], skip_special_tokens=False).encode())
+                out.append(None)  # decoded below, all in one call
             elif kind == "byte_level":
                 spelled = all(c in _UNBYTE for c in piece)
                 out.append(bytes(_UNBYTE[c] for c in piece) if spelled else piece.encode())
-            elif kind == "word_marked" and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
                 out.append(bytes([int(piece[3:5], 16)]))
-            elif kind == "word_marked":
-                out.append(piece.replace("\u2581", " ").encode())
             else:
-                out.append(self._tok.decode([i], skip_special_tokens=False).encode())
-        return out
+                out.append(piece.replace("\u2581", " ").encode())
+        rest = [i for i, b in zip(ids, out) if b is None]
+        decoded = iter(self.decode_batch([[i] for i in rest], skip_special_tokens=False) if rest else ())
+        return [b if b is not None else next(decoded).encode() for b in out]
 
     def _byte_form(self) -> tuple[str, frozenset[int]]:
         """How the vocabulary spells text ("byte_level"; "word_marked": `▁`

@@ -22,7 +22,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-
 from typing import Any
 
 import numpy as np
