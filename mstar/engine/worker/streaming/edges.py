@@ -75,8 +75,8 @@ class Streams:
         """`feed` of one host token id per row (a decode group's step), the
         same writes: a row whose stream is started, whose consumer is here
         with no chunk waiting, and whose item cuts none only appends it; any
-        other row goes through `feed`. At hundreds of rows a step the per-row call chain is
-        the cost."""
+        other row goes through `feed`. At hundreds of rows a step the
+        per-row call chain is the cost."""
         for part, item in zip(parts, ids):
             run = part.request
             plans = run.walk.streams.get(value, ())
