@@ -98,7 +98,7 @@ class ServerConfig:
     media_workers: int = field(default_factory=default_media_workers)  # processes decoding audio and images
     media_limits: MediaLimits = field(default_factory=MediaLimits)
     profiling: bool = False               # POST /debug/profile: torch's profiler over a worker while serving
-    event_loop: str = "auto"              # auto (uvloop when installed) | uvloop | asyncio
+    event_loop: str = "asyncio"           # asyncio | uvloop | auto (uvloop when installed)
 
 
 def parse_devices(spec: str) -> tuple[str, ...]:
@@ -222,10 +222,10 @@ def build_parser(builtin_models: Sequence[str] = ()) -> argparse.ArgumentParser:
     p.add_argument("--gil-switch-interval-ms", type=float, default=None,
                    help="how long a thread may hold the GIL while another waits (Python's default: 5 ms); the "
                         "worker threads and the event loop share it")
-    p.add_argument("--event-loop", choices=("auto", "uvloop", "asyncio"), default="auto",
-                   help="the HTTP side's asyncio loop; auto: uvloop when installed. uvloop holds the GIL through "
-                        "each socket write, the standard loop does not: with many streams the device workers "
-                        "wait less for it")
+    p.add_argument("--event-loop", choices=("asyncio", "uvloop", "auto"), default="asyncio",
+                   help="the HTTP side's asyncio loop (auto: uvloop when installed). The standard library's is the "
+                        "default: uvloop holds the GIL through each socket write, so with many streams the device "
+                        "workers wait for it")
     p.add_argument("--host-arena-mb", type=int, default=None,
                    help="MiB of shared, page-locked host memory per worker for outputs on their way to clients "
                         "(default: 64 on a GPU, none on the CPU)")

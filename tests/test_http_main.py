@@ -62,12 +62,16 @@ def test_serves_then_stops_on_signal(sig: signal.Signals, loop: str) -> None:
 
 
 def test_the_event_loop_is_the_one_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`--event-loop`: uvloop's by default and when asked, the standard library's when asked; asking for
-    uvloop where it is not installed is a configuration error, not a silent fallback."""
+    """`--event-loop`: the standard library's by default, uvloop's when asked (or `auto` with it installed);
+    asking for uvloop where it is not installed is a configuration error, not a silent fallback."""
     import asyncio
 
+    from mstar.config import parse_args
     from mstar.errors import ConfigError
     from mstar.http.__main__ import run_on
+    from mstar.engine import builtin_models
+
+    assert parse_args(["--model", "tiny-llama"], builtin_models()).event_loop == "asyncio"
 
     seen: list[str] = []
 

@@ -2,7 +2,7 @@
 
 Parses the arguments (`mstar.config.parse_args`), configures logging, starts
 the engine and the aiohttp app on host:port (on the loop `--event-loop`
-names: uvloop by default, when installed), and serves until SIGINT or
+names: the standard library's by default), and serves until SIGINT or
 SIGTERM. Then it stops accepting connections, lets
 running requests finish for up to `DRAIN_S`, aborts the rest (their streams
 end with an error event), cancels any handler still running at
