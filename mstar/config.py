@@ -59,7 +59,7 @@ class EngineConfig:
     enforce_eager: bool = False           # no CUDA graphs
     quantization: str | None = None       # None | fp8: the projections' weights (opt-in: it changes the output)
     kv_cache_dtype: str = "auto"          # auto (the model's dtype) | fp8: K and V pages in float8 e4m3 (opt-in)
-    cuda_graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+    cuda_graph_batch_sizes: tuple[int, ...] = field(default_factory=lambda: graph_buckets(256))
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
 
@@ -123,14 +123,18 @@ def parse_devices(spec: str) -> tuple[str, ...]:
 
 
 def graph_buckets(max_batch: int) -> tuple[int, ...]:
-    """Powers of two up to `max_batch`, and `max_batch` itself."""
+    """The decode graphs' batch sizes up to `max_batch`, and `max_batch`
+    itself: 1, 2, 4, 8, 12, then four to a doubling (16, 20, 24, 28, 32, 40,
+    48, 56, 64, 80, ...). A step replays the smallest bucket that holds its
+    rows, and from a few dozen rows up a padding row costs its projections,
+    LM head and draw: a quarter at most (73 rows replay 80, not 128)."""
     if max_batch < 1:
         raise ConfigError("--cuda-graph-max-batch must be positive")
-    out = []
-    b = 1
-    while b < max_batch:
-        out.append(b)
-        b *= 2
+    out = [b for b in (1, 2, 4, 8, 12) if b < max_batch]
+    octave = 16
+    while octave < max_batch:
+        out += [b for b in range(octave, 2 * octave, octave // 4) if b < max_batch]
+        octave *= 2
     return tuple(out + [max_batch])
 
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from mstar.engine.execution.backends import halfway_buckets
+from mstar.config import graph_buckets
+from mstar.engine.execution.backends import doubling_buckets, halfway_buckets
 from mstar.engine.messages import EmitBatch, Finished, StepReport
 from mstar.engine.worker.outbox import Outbox
 from mstar.engine.movement.arena import stage_to_host
@@ -79,3 +80,17 @@ def test_halfway_buckets() -> None:
     assert halfway_buckets((1, 2, 4, 8, 16)) == (1, 2, 3, 4, 6, 8, 12, 16)
     assert halfway_buckets((4, 1)) == (1, 2, 4)
     assert halfway_buckets((8,)) == (8,)
+
+
+def test_graph_bucket_grids() -> None:
+    """Decode buckets pad a step by a quarter at most from 16 rows up; the
+    graph sets captured per other dimension keep the doublings."""
+    assert graph_buckets(1) == (1,)
+    assert graph_buckets(100) == (1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 100)
+    grid = graph_buckets(512)
+    assert grid[-4:] == (320, 384, 448, 512) and len(set(grid)) == len(grid) == 26
+    assert all(b / a <= 1.25 for a, b in zip(grid, grid[1:]) if a >= 16)
+    assert doubling_buckets(grid) == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+    assert doubling_buckets(graph_buckets(100)) == (1, 2, 4, 8, 16, 32, 64, 100)
+    codec = halfway_buckets(doubling_buckets(graph_buckets(256)))  # the codec windows' grid, as it was
+    assert codec == (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)

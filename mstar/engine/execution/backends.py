@@ -89,7 +89,7 @@ def attention_backend(cache: KVCache, num_q_heads: int, max_pages_per_row: int,
     mixed = mixed and bool(buckets)
     return FlashInferAttention(cache, num_q_heads, graph_batch_sizes=buckets, max_pages_per_row=max_pages_per_row,
                                mixed_tokens=MIXED_TOKEN_BUCKETS if mixed else (),
-                               mixed_rows=MIXED_ROWS if mixed else 0)
+                               mixed_rows=MIXED_ROWS if mixed else 0, mixed_buckets=doubling_buckets(buckets))
 
 
 def decode_graphs(step: Callable[[TokenBatch], dict[str, torch.Tensor]], backend: AttentionBackend,
@@ -137,7 +137,7 @@ def mode_graphs(model: Model, component: str, modes: Sequence[str], module: nn.M
         if not shapes:
             continue
         graphs[mode] = ModeGraphs(f"{component}.{mode}", getattr(module, mode), shapes,
-                                  halfway_buckets(config.cuda_graph_batch_sizes), device)
+                                  halfway_buckets(doubling_buckets(config.cuda_graph_batch_sizes)), device)
         graphs[mode].capture()
     return graphs
 
@@ -162,6 +162,15 @@ def kv_mode_graphs(model: Model, component: str, spec: Component, module: nn.Mod
                                     spec.position_axes, sig.draws)
         graphs[mode].capture()
     return graphs
+
+
+def doubling_buckets(buckets: Sequence[int]) -> tuple[int, ...]:
+    """The powers of two among `buckets`, and the largest: the sizes graph
+    sets captured once per other dimension (mixed steps: per token bucket;
+    plain modes: per row shape, halfway between these) are taken at, where
+    each extra size costs a capture and a logits buffer of its own."""
+    ordered = sorted(set(buckets))
+    return tuple(b for b in ordered if b & (b - 1) == 0 or b == ordered[-1])
 
 
 def halfway_buckets(buckets: Sequence[int]) -> tuple[int, ...]:

@@ -194,9 +194,10 @@ class FlashInferAttention:
     def __init__(self, cache: KVCache, num_qo_heads: int, *, graph_batch_sizes: Sequence[int] = (),
                  max_pages_per_row: int, workspace_bytes: int = 256 << 20,
                  decode_tensor_cores: bool = DECODE_TENSOR_CORES, mixed_tokens: Sequence[int] = (),
-                 mixed_rows: int = 0) -> None:
+                 mixed_rows: int = 0, mixed_buckets: Sequence[int] | None = None) -> None:
         """`mixed_tokens`, `mixed_rows`: the new tokens and most new rows of
-        the mixed-step graphs (`plan_mixed_graph`), beside each decode bucket."""
+        the mixed-step graphs (`plan_mixed_graph`), beside each decode bucket
+        of `mixed_buckets` (default: every one)."""
         if cache.device.type != "cuda":
             raise ConfigError(f"FlashInfer attention needs a CUDA device, the KV cache is on {cache.device}")
         if num_qo_heads < 1 or num_qo_heads % cache.spec.num_kv_heads:
@@ -224,6 +225,7 @@ class FlashInferAttention:
         self.mixed_rows = mixed_rows
         self._prefills = {t: _PrefillBucket(self, t, mixed_rows, max_pages_per_row)
                           for t in sorted(set(mixed_tokens))} if mixed_rows and self._buckets else {}
+        self._mixed_buckets = [b for b in self._buckets if mixed_buckets is None or b in mixed_buckets]
         top = max(self._buckets, default=0) + max(self._prefills, default=0)
         self._mixed_slots = torch.zeros(top, dtype=torch.long, device=cache.device)
         self._pinned_mixed_slots = torch.empty(top, dtype=torch.long, pin_memory=True)
@@ -293,7 +295,7 @@ class FlashInferAttention:
     @property
     def mixed_graph_buckets(self) -> list[tuple[int, int]]:
         """(decode rows, new tokens) of every mixed-step graph this backend plans."""
-        return [(b, t) for b in self._buckets for t in self._prefills]
+        return [(b, t) for b in self._mixed_buckets for t in self._prefills]
 
     def plan_mixed_graph(self, batch_size: int, tokens: int, context_lens: torch.Tensor, block_tables: torch.Tensor,
                          new_query_start: torch.Tensor, new_context_lens: torch.Tensor,
