@@ -125,15 +125,19 @@ def parse_devices(spec: str) -> tuple[str, ...]:
 def graph_buckets(max_batch: int) -> tuple[int, ...]:
     """The decode graphs' batch sizes up to `max_batch`, and `max_batch`
     itself: 1, 2, 4, 8, 12, then four to a doubling (16, 20, 24, 28, 32, 40,
-    48, 56, 64, 80, ...). A step replays the smallest bucket that holds its
-    rows, and from a few dozen rows up a padding row costs its projections,
-    LM head and draw: a quarter at most (73 rows replay 80, not 128)."""
+    48, 56, 64, 80, ...) and eight from 256 (288, 320, ...). A step replays
+    the smallest bucket that holds its rows, and from a few dozen rows up a
+    padding row costs its projections, LM head and draw: a quarter at most
+    (73 rows replay 80, not 128), an eighth from 256 rows, where a step's
+    time grows with its rows (400 replay 416, not 512). Each bucket keeps
+    its own logits, so the grid is no finer."""
     if max_batch < 1:
         raise ConfigError("--cuda-graph-max-batch must be positive")
     out = [b for b in (1, 2, 4, 8, 12) if b < max_batch]
     octave = 16
     while octave < max_batch:
-        out += [b for b in range(octave, 2 * octave, octave // 4) if b < max_batch]
+        step = octave // (8 if octave >= 256 else 4)
+        out += [b for b in range(octave, 2 * octave, step) if b < max_batch]
         octave *= 2
     return tuple(out + [max_batch])
 

@@ -83,13 +83,16 @@ def test_halfway_buckets() -> None:
 
 
 def test_graph_bucket_grids() -> None:
-    """Decode buckets pad a step by a quarter at most from 16 rows up; the
-    graph sets captured per other dimension keep the doublings."""
+    """Decode buckets pad a step by a quarter at most from 16 rows up, an
+    eighth from 256; the graph sets captured per other dimension keep the
+    doublings."""
     assert graph_buckets(1) == (1,)
     assert graph_buckets(100) == (1, 2, 4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 56, 64, 80, 96, 100)
+    assert graph_buckets(256)[-5:] == (128, 160, 192, 224, 256)
     grid = graph_buckets(512)
-    assert grid[-4:] == (320, 384, 448, 512) and len(set(grid)) == len(grid) == 26
+    assert grid[-8:] == (288, 320, 352, 384, 416, 448, 480, 512) and len(set(grid)) == len(grid) == 30
     assert all(b / a <= 1.25 for a, b in zip(grid, grid[1:]) if a >= 16)
+    assert all(b / a <= 1.125 for a, b in zip(grid, grid[1:]) if a >= 256)
     assert doubling_buckets(grid) == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
     assert doubling_buckets(graph_buckets(100)) == (1, 2, 4, 8, 16, 32, 64, 100)
     codec = halfway_buckets(doubling_buckets(graph_buckets(256)))  # the codec windows' grid, as it was
