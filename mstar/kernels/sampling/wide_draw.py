@@ -252,7 +252,7 @@ def _probes(lo, hi, WAYS: tl.constexpr):
     return lo + (j * width + WAYS - 1) // WAYS
 
 
-@jit
+@jit(per_row=("target_ptr",))  # top-p's column of an eager draw's parameters starts anywhere
 def _narrow_kernel(part_ptr, lo_ptr, hi_ptr, target_ptr, skip_ptr, WAYS: tl.constexpr, GROUPS: tl.constexpr):
     """A row's range after a pass (its GROUPS partial sums per probe): from
     the largest probe whose tokens reach the target (the first, lo, is taken
