@@ -460,9 +460,8 @@ def parse() -> argparse.Namespace:
 
 
 def run_async(coro: Coroutine[Any, Any, Any]) -> Any:
-    """On uvloop when installed: the client runs in its own process, where no
-    worker shares its GIL, and its loop's overhead stays small beside the
-    times it measures."""
+    """On uvloop when installed (no worker shares this process's GIL): the
+    client's loop overhead stays small beside the times it measures."""
     try:
         import uvloop
     except ImportError:
