@@ -452,10 +452,8 @@ def parse() -> argparse.Namespace:
     for name in ("audio_tokens", "requests_per_client", "baseline_repeats"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
-    if min(a.concurrency) < 1 or min(a.baseline_batches) < 1:
-        p.error("concurrencies and batches must be at least 1")
-    if a.audio_tokens < 7:
-        p.error("--audio-tokens must be at least 7 (one frame of audio)")
+    if min(a.concurrency) < 1 or min(a.baseline_batches) < 1 or a.audio_tokens < 7:
+        p.error("concurrencies and batches must be at least 1, --audio-tokens at least 7 (one frame of audio)")
     return a
 
 
