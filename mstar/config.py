@@ -238,7 +238,8 @@ def build_parser(builtin_models: Sequence[str] = ()) -> argparse.ArgumentParser:
                    help="MiB of shared, page-locked host memory per worker for outputs on their way to clients "
                         "(default: 64 on a GPU, none on the CPU)")
     p.add_argument("--cuda-graph-max-batch", type=int, default=256,
-                   help="capture decode graphs for batch sizes 1, 2, 4, ... up to this")
+                   help="capture decode graphs for batch sizes 1, 2, 4, 8, 12, 16, 20, ... (four to a doubling, "
+                        "eight from 256) up to this")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one)")
     p.add_argument("--log-format", choices=("console", "json"), default="console", help="log line format")

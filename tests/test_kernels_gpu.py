@@ -253,6 +253,14 @@ def test_the_wide_draw_is_compiled_before_serving():
         draw.draw_tokens(x, *params, 0, True, top_k_active=False, top_p_active=True)
         params[1] = torch.full((rows,), 40, device="cuda")
         draw.draw_tokens(x, *params, 3, True, top_k_active=True, top_p_active=True)
+    # an eager draw's parameters as `SamplingTensors.build` stacks them: 99 rows leave every column but the
+    # first off 16-byte alignment
+    rows = 99
+    floats = torch.tensor([[0.6] * rows, [0.8] * rows, [0.0] * rows], device="cuda")
+    ints = torch.stack([torch.full((rows,), 40), torch.arange(rows) * 11, torch.arange(rows)]).cuda()
+    for top_k in (False, True):
+        draw.draw_tokens(logits[:rows], floats[0], ints[0], floats[1], floats[2], ints[1], ints[2], 0, True,
+                         top_k_active=top_k, top_p_active=True)
     torch.cuda.synchronize()
     assert compiled() == before
 

@@ -43,6 +43,21 @@ def _padded(rows: list[list[int]]) -> torch.Tensor:
     return torch.tensor([r + [0] * (width - len(r)) for r in rows])
 
 
+def test_mixed_graphs_are_planned_at_the_decode_buckets_doublings() -> None:
+    """Decode buckets four to a doubling; mixed buckets (three graphs each, logits of their own) at the
+    doublings and the largest, as the engine builds its backend."""
+    from mstar.engine.execution.backends import attention_backend
+
+    fi_cache, _ = random_caches(3, LAYERS, HKV, D, NUM_PAGES, PAGE, DEVICE)
+    attn = FlashInferAttention(fi_cache, HQ, graph_batch_sizes=(4, 6, 8), max_pages_per_row=24, mixed_tokens=(32,),
+                               mixed_rows=4, mixed_buckets=(4, 8))
+    assert attn.graph_batch_sizes == (4, 6, 8) and attn.mixed_graph_buckets == [(4, 32), (8, 32)]
+    config = EngineConfig(cuda_graph_batch_sizes=(1, 2, 4, 8, 12, 16, 20))
+    built = attention_backend(fi_cache, HQ, 24, config, mixed=True)
+    assert built.graph_batch_sizes == (1, 2, 4, 8, 12, 16, 20)
+    assert sorted({b for b, _ in built.mixed_graph_buckets}) == [1, 2, 4, 8, 16, 20]
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.float8_e4m3fn])
 def test_a_mixed_bucket_replays_any_split_of_its_tokens(kv_dtype: torch.dtype) -> None:
     """Over float8 pages the decode rows go through XQA, the new rows through FlashInfer's prefill."""

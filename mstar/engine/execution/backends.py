@@ -158,17 +158,17 @@ def kv_mode_graphs(model: Model, component: str, spec: Component, module: nn.Mod
         if len(names) != len(shapes):
             raise ValueError(f"{component}.{mode}: graph_rows gives {len(shapes)} row shapes for {names}")
         graphs[mode] = KVModeGraphs(f"{component}.{mode}", getattr(module, mode), backend,
-                                    config.cuda_graph_batch_sizes, device, dict(zip(names, shapes)),
+                                    doubling_buckets(config.cuda_graph_batch_sizes), device, dict(zip(names, shapes)),
                                     spec.position_axes, sig.draws)
         graphs[mode].capture()
     return graphs
 
 
 def doubling_buckets(buckets: Sequence[int]) -> tuple[int, ...]:
-    """The powers of two among `buckets`, and the largest: the sizes graph
-    sets captured once per other dimension (mixed steps: per token bucket;
-    plain modes: per row shape, halfway between these) are taken at, where
-    each extra size costs a capture and a logits buffer of its own."""
+    """The powers of two among `buckets`, and the largest: the sizes of the
+    graph sets captured once per other dimension (mixed steps: per token
+    bucket; a KV mode: per draw; plain modes: per row shape, halfway between
+    these), where each extra size costs captures and buffers of its own."""
     ordered = sorted(set(buckets))
     return tuple(b for b in ordered if b & (b - 1) == 0 or b == ordered[-1])
 

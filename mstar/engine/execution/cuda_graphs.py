@@ -30,9 +30,6 @@ from mstar.kernels.host_copy import StagingFence
 from mstar.engine.memory.state_slots import StatePool
 from mstar.types import AttentionContext, StateRows, TokenBatch
 
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-
-
 class GraphAttention(Protocol):
     fence: StagingFence  # over the page-locked staging of every graph set planning into its buckets
 

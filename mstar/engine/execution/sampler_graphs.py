@@ -16,8 +16,8 @@ memory pool. Padding rows of a bucket draw from stale parameters; their tokens
 are cut off. Draws with banned ids (a `min_tokens` not reached) or an offset
 stay eager, as do flags whose capture found no memory.
 
-A graph draws a bucket's rows, so from 33 to 63 rows it takes the wide
-vocabulary's draw where the eager sampler would sort (`draw.WIDE_MIN_ROWS`):
+A graph draws a bucket's rows, so from 57 to 63 rows (bucket 64) it takes the
+wide vocabulary's draw where the eager sampler would sort (`draw.WIDE_MIN_ROWS`):
 the two draw the same token but where a token's mass before it lies within
 float32 roundings of top-p (`wide_draw.py`).
 """

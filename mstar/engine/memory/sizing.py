@@ -27,8 +27,10 @@ GiB = 1 << 30
 # Orpheus-3B shape: a prefill step of 8192 packed tokens holds ~0.3 GB of MLP
 # activations; logits, the penalty's float32 copy and a top-p sort over 256 rows x 157k vocab take
 # ~0.5 GB; FlashInfer keeps ~0.25 GB of plan/work buffers per wrapper; CUDA
-# graph pools (each decode bucket keeps its logits: ~0.55 GB over the 22
-# default buckets) and allocator fragmentation take the rest. 2 GiB covers that with
+# graph pools (each decode bucket keeps its logits: ~0.5 GB over the 22
+# default buckets, ~1.5 GB with --cuda-graph-max-batch 512, which the share
+# --gpu-memory-utilization leaves over holds) and allocator fragmentation
+# take the rest. 2 GiB covers that with
 # room; it is ~1.5% of an H200, so a fixed size costs little on big devices.
 DEFAULT_RESERVE_BYTES = 2 * GiB
 
