@@ -30,8 +30,11 @@ what is left of the model (`LlamaDecoder.forward` around the stand-ins, the
 sampler and window stand-ins: a GPU's work, not the host's) and in
 attention plans (the torch backend's; FlashInfer plans on a GPU) to a small
 shared file (`$BENCH_HOST_SPEECH_COUNTERS`), read at the window's edges.
-Then the clients hang up, the server aborts their requests, and the next
-level starts once it is idle. `--py-spy PREFIX` records the server's GIL
+`gc ms/s`, `gc2` and `gc2 ms` are the server's garbage collections in the
+window (`mstar_gc_pause_seconds`: their pauses a second, the full ones and
+a full one's mean pause); `--default-gc` leaves Python's collector as it
+is. Then the clients hang up, the server aborts their requests, and
+the next level starts once it is idle. `--py-spy PREFIX` records the server's GIL
 holders over each window (py-spy --gil --nonblocking, folded stacks); py-spy
 takes CPU of its own, so that run's numbers are not the clean ones.
 Only measured numbers are printed; on a busy box CPU time per chunk/token
@@ -72,6 +75,7 @@ SAMPLE_RATE = 24_000
 PCM_BYTES = 2
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 COUNTERS_ENV = "BENCH_HOST_SPEECH_COUNTERS"  # the launcher's Counters file
+DEFAULT_GC_ENV = "BENCH_HOST_SPEECH_DEFAULT_GC"  # set: the launcher leaves Python's collector as it is
 BUCKETS = ("model", "plan")
 
 # -- the server side: the launcher and its stand-ins
@@ -168,8 +172,10 @@ def serve(argv: list[str]) -> int:
     path = os.environ.get(COUNTERS_ENV)
     apply_stubs(hits, Counters(path) if path else None)
     atexit.register(lambda: print(f"# stand-in calls: {json.dumps(hits)}", file=sys.stderr, flush=True))
-    from mstar.http.__main__ import main as http_main
-    return http_main(argv)
+    import mstar.http.__main__ as http_main
+    if os.environ.get(DEFAULT_GC_ENV):
+        http_main.quiet_gc = lambda: 0
+    return http_main.main(argv)
 
 
 # -- the client side
@@ -217,6 +223,9 @@ class Snapshot:
     finished: float
     bytes: int
     http_chunks: int
+    gc_s: float      # the server's garbage collections, every generation
+    gc_full: float   # its full (generation 2) collections
+    gc_full_s: float
 
     def __sub__(self, o: Snapshot) -> Snapshot:
         return Snapshot(**{k: v - getattr(o, k) for k, v in asdict(self).items()})
@@ -269,7 +278,9 @@ async def snapshot(session: aiohttp.ClientSession, url: str, pid: int, clients: 
     return Snapshot(time.perf_counter(), cpu, main, own.user + own.system, inside["model"], inside["plan"], tokens,
                     total(m, "mstar_batch_size_sum", component="codec"),
                     total(m, "mstar_decode_steps_total"), total(m, "mstar_requests_total"),
-                    clients.bytes, clients.http_chunks)
+                    clients.bytes, clients.http_chunks, total(m, "mstar_gc_pause_seconds_sum"),
+                    total(m, "mstar_gc_pause_seconds_count", generation="2"),
+                    total(m, "mstar_gc_pause_seconds_sum", generation="2"))
 
 
 def py_spy(pid: int, prefix: str, streams: int, seconds: float) -> subprocess.Popen[bytes]:
@@ -325,6 +336,8 @@ async def run_level(session: aiohttp.ClientSession, url: str, pid: int, streams:
         "loop_us_per_chunk": 1e6 * d.main_cpu_s / chunks,
         "other_us_per_token": 1e6 * (d.cpu_s - d.main_cpu_s) / tokens,
         "model_us_per_token": 1e6 * d.model_s / tokens, "plan_us_per_token": 1e6 * d.plan_s / tokens,
+        "gc_ms_per_s": 1e3 * d.gc_s / d.t, "gc_full": int(d.gc_full),
+        "gc_full_ms": 1e3 * d.gc_full_s / max(d.gc_full, 1.0),
         "first_error": clients.errors[0] if clients.errors else None,
     }
 
@@ -335,7 +348,8 @@ COLUMNS = (  # (key, header, format)
     ("cpu_us_per_chunk", "us/chunk", "{:>8.1f}"), ("cpu_us_per_token", "us/tok", "{:>7.1f}"),
     ("loop_us_per_chunk", "loop us/chunk", "{:>13.1f}"), ("other_us_per_token", "other us/tok", "{:>12.1f}"),
     ("model_us_per_token", "model us/tok", "{:>12.1f}"), ("plan_us_per_token", "plan us/tok", "{:>11.1f}"),
-    ("rows_per_decode_step", "rows/step", "{:>9.1f}"), ("client_cores", "cli cores", "{:>9.2f}"),
+    ("rows_per_decode_step", "rows/step", "{:>9.1f}"), ("gc_ms_per_s", "gc ms/s", "{:>7.1f}"),
+    ("gc_full", "gc2", "{:>4d}"), ("gc_full_ms", "gc2 ms", "{:>6.1f}"), ("client_cores", "cli cores", "{:>9.2f}"),
     ("requests_done", "done", "{:>5d}"), ("errors", "err", "{:>4d}"),
 )
 
@@ -394,6 +408,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--py-spy", default=None, metavar="PREFIX",
                    help="record py-spy (--gil, raw folded stacks) of each window to PREFIX_<streams>.txt")
     p.add_argument("--out", type=Path, default=None, help="also write the rows and environment as JSON")
+    p.add_argument("--default-gc", action="store_true",
+                   help="the server keeps Python's garbage collection as it is (no `quiet_gc`: startup's objects "
+                        "not frozen, the default thresholds)")
     a = p.parse_args()
     if min(a.streams) < 1 or a.tokens < 7 or a.seconds <= 0:
         p.error("--streams >= 1, --tokens >= 7 (a frame) and --seconds > 0")
@@ -414,6 +431,8 @@ def main() -> None:
         f.write(bytes(8 * len(BUCKETS)))
         f.flush()
         os.environ[COUNTERS_ENV] = f.name  # the server's environment is this one's
+        if a.default_gc:
+            os.environ[DEFAULT_GC_ENV] = "1"
         counters = Counters(f.name)
         server = Server(argv, log)
         server.start()

@@ -88,6 +88,16 @@ def test_the_event_loop_is_the_one_asked_for(monkeypatch: pytest.MonkeyPatch) ->
         run_on("uvloop", note())
 
 
+def test_quiet_gc_freezes_startup_and_collects_the_young_less_often() -> None:
+    """In a process of its own: a frozen generation is for the whole process."""
+    code = ("import gc; from mstar.http.__main__ import GC_YOUNG_THRESHOLD, quiet_gc; "
+            "before = gc.get_threshold(); n = quiet_gc(); after = gc.get_threshold(); "
+            "print(n, gc.get_freeze_count(), before[1:] == after[1:], after[0] == GC_YOUNG_THRESHOLD > before[0])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    frozen, count, older_kept, young_raised = out.stdout.split()
+    assert int(frozen) == int(count) > 1000 and older_kept == young_raised == "True"
+
+
 def test_bad_arguments_exit_2() -> None:
     proc = start_server("--gpus", "tpu")
     assert proc.wait(timeout=60) == 2
@@ -173,6 +183,7 @@ def test_startup_says_weights_dtype_context_and_demo_url() -> None:
                 started["devices"]) == ("orpheus-tiny", True, "float32", 2048, ["cpu"])
         listening = wait_for_line(proc, "listening")
         assert listening["demo"] == listening["url"] + "/"
+        assert listening["gc_frozen_objects"] > 10_000  # startup's modules and model, out of the collector's walks
         with urllib.request.urlopen(listening["demo"], timeout=10) as r:
             assert b"<html" in r.read().lower()
     finally:

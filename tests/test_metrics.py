@@ -4,6 +4,7 @@ as the Prometheus exposition format; plus the renderer on its own."""
 
 from __future__ import annotations
 
+import gc
 import math
 import re
 
@@ -12,6 +13,7 @@ import pytest
 from http_support import MODEL, wait_until
 
 from mstar.engine.engine import Engine
+from mstar.engine.eventloop.metrics import LAG_BUCKETS, GCPauses
 from mstar.engine.eventloop.prometheus import Histogram, family
 from mstar.types import GenerateRequest, SamplingParams
 
@@ -138,3 +140,22 @@ async def test_metrics_after_some_requests(engine: Engine, http: aiohttp.ClientS
     wall = sum(value(samples, "mstar_worker_seconds_total", phase=ph) for ph in ("launch", "finalize", "wait"))
     cpu = sum(value(samples, "mstar_worker_cpu_seconds_total", phase=ph) for ph in ("launch", "finalize"))
     assert 0 < cpu <= wall * 1.05 + 1e-3
+    # the engine times Python's collections: every generation has its series, from the start
+    assert {ls["generation"] for n, ls, _ in samples if n == "mstar_gc_pause_seconds_count"} == {"0", "1", "2"}
+
+
+def test_gc_pauses_are_timed_by_generation_while_started() -> None:
+    hist = Histogram(LAG_BUCKETS, labelled=True)
+    pauses = GCPauses(hist)
+    full = (("generation", "2"),)
+    pauses.start()
+    try:
+        gc.collect()
+        gc.collect(0)
+    finally:
+        pauses.stop()
+    assert hist.count(full) == 1 and hist.series[full][-1] > 0
+    assert hist.count((("generation", "0"),)) >= 1
+    gc.collect()
+    assert hist.count(full) == 1  # stopped: no longer timed
+    pauses.stop()  # a second stop is harmless

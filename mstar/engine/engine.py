@@ -28,7 +28,7 @@ from mstar.config import EngineConfig
 from mstar.engine.execution.components import resolve_dtype
 from mstar.engine.eventloop.devices import check_devices
 from mstar.engine.messages import Abort, Append, CloseInput, Finished, Profile, Shutdown, StepReport, Stop, Submit
-from mstar.engine.eventloop.metrics import STATUSES, EngineMetrics, LagMonitor
+from mstar.engine.eventloop.metrics import STATUSES, EngineMetrics, GCPauses, LagMonitor
 from mstar.engine.eventloop.requests import RequestState, RequestStream
 from mstar.engine.movement.tensor_store import TensorStore
 from mstar.engine.eventloop.waiting_line import WaitingLine
@@ -67,6 +67,7 @@ class Engine:
         self._pre_hooks: list[Callable[[StepReport], None]] = []
         self._metrics = EngineMetrics()
         self._lag: LagMonitor | None = None
+        self._gc = GCPauses(self._metrics.gc_pauses)
         self._switch_interval: float | None = None  # Python's, to restore at shutdown
         self._draining = False  # shutting down: running requests may finish, new ones are refused
         self.add_report_hook(self._metrics.on_report)
@@ -113,6 +114,7 @@ class Engine:
             sys.setswitchinterval(cfg.gil_switch_interval_ms / 1000)
         self._lag = LagMonitor(self._metrics.loop_lag)
         self._lag.start()
+        self._gc.start()
         dtype = resolve_dtype(self.model, cfg, torch.device(devices[0]))
         log.info("engine started", model=self.model_name, random_weights=self.model.random_weights,
                  dtype=str(dtype).removeprefix("torch."), max_model_len=self.model.max_model_len,
@@ -121,6 +123,7 @@ class Engine:
     async def shutdown(self) -> None:
         if self._lag is not None:
             self._lag.stop()
+        self._gc.stop()
         if self._switch_interval is not None:
             sys.setswitchinterval(self._switch_interval)
             self._switch_interval = None
