@@ -142,6 +142,10 @@ async def test_metrics_after_some_requests(engine: Engine, http: aiohttp.ClientS
     assert 0 < cpu <= wall * 1.05 + 1e-3
     # the engine times Python's collections: every generation has its series, from the start
     assert {ls["generation"] for n, ls, _ in samples if n == "mstar_gc_pause_seconds_count"} == {"0", "1", "2"}
+    full = value(samples, "mstar_gc_pause_seconds_count", generation="2")
+    gc.collect()
+    async with http.get("/metrics") as r:
+        assert value(parse(await r.text()), "mstar_gc_pause_seconds_count", generation="2") >= full + 1
 
 
 def test_gc_pauses_are_timed_by_generation_while_started() -> None:
@@ -159,3 +163,5 @@ def test_gc_pauses_are_timed_by_generation_while_started() -> None:
     gc.collect()
     assert hist.count(full) == 1  # stopped: no longer timed
     pauses.stop()  # a second stop is harmless
+    pauses._on_gc("stop", {"generation": 2})  # a collection under way when the hook went in: not timed
+    assert hist.count(full) == 1 and hist.series[full][-1] < 60

@@ -114,11 +114,11 @@ class Engine:
             sys.setswitchinterval(cfg.gil_switch_interval_ms / 1000)
         self._lag = LagMonitor(self._metrics.loop_lag)
         self._lag.start()
-        self._gc.start()
         dtype = resolve_dtype(self.model, cfg, torch.device(devices[0]))
         log.info("engine started", model=self.model_name, random_weights=self.model.random_weights,
                  dtype=str(dtype).removeprefix("torch."), max_model_len=self.model.max_model_len,
                  devices=list(cfg.devices), placement=describe(self.placement))
+        self._gc.start()  # last: a start that raises leaves no hook behind
 
     async def shutdown(self) -> None:
         if self._lag is not None:

@@ -97,7 +97,9 @@ def quiet_gc() -> int:
     (`GC_YOUNG_THRESHOLD`), so what lives a step dies young instead of being
     promoted: with 256 speech streams on the CPU box, collections took
     ~25 ms a second with eight full ones in 30 s at Python's threshold, and
-    ~1 ms a second with none at this one (`scripts/bench_host_speech.py`)."""
+    ~1 ms a second with none at this one (`scripts/bench_host_speech.py`).
+    A cycle of frozen objects that becomes garbage later is never collected:
+    startup's objects live as long as the server."""
     gc.collect()
     gc.freeze()
     _, older, oldest = gc.get_threshold()

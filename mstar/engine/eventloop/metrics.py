@@ -62,19 +62,23 @@ class GCPauses:
     out: a full one over a process's startup objects took ~0.2 s on the CPU
     box. The callback runs on whichever thread allocated when the collector
     ran; its series exist from the start, so a scrape never sees the dict
-    change size."""
+    change size. A collection already under way when the hook went in (its
+    "stop" without a "start") is not timed."""
 
     def __init__(self, hist: Histogram) -> None:
         self.hist = hist
         for generation in GC_GENERATIONS:
             hist.series.setdefault((("generation", generation),), [0.0] * (len(hist.buckets) + 2))
-        self._t0 = 0.0
+        self._t0: float | None = None
 
     def _on_gc(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             self._t0 = time.perf_counter()
-        else:
-            self.hist.observe(time.perf_counter() - self._t0, (("generation", str(info["generation"])),))
+            return
+        t0, self._t0 = self._t0, None
+        generation = str(info.get("generation"))
+        if t0 is not None and generation in GC_GENERATIONS:
+            self.hist.observe(time.perf_counter() - t0, (("generation", generation),))
 
     def start(self) -> None:
         gc.callbacks.append(self._on_gc)
