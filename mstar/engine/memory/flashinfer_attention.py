@@ -85,7 +85,8 @@ class FlashInferContext(PagedDest):
                 scale: float, rotary: Rotary | None = None) -> torch.Tensor:
         t = q.shape[0]
         if t != self.num_tokens or k.shape[0] != t or v.shape[0] != t:
-            raise ValueError(f"attention planned for {self.num_tokens} tokens, got q/k/v of {t}/{k.shape[0]}/{v.shape[0]}")
+            raise ValueError(f"attention planned for {self.num_tokens} tokens, "
+                             f"got q/k/v of {t}/{k.shape[0]}/{v.shape[0]}")
         k_pages, v_pages = self.cache.layer(layer)
         if rotary is None:
             store_kv(k, v, k_pages, v_pages, self.slot_mapping)
