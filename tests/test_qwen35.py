@@ -288,3 +288,12 @@ def test_fp8_weights_serve_a_delta_net_model(tmp_path: Path) -> None:
     assert fp8_tokens[0] == full_tokens[0] and len(fp8_tokens) == 4
     # the tiny checkpoint's head is scaled up eightfold (wide logits), which widens fp8's logprob error too
     assert max(abs(fp8_top[0][t] - lp) for t, lp in full_top[0].items() if t in fp8_top[0]) < 0.4
+
+
+def test_every_qwen35_shape_is_served_by_name() -> None:
+    """The registry names them itself (importing `builtins` would bring torch into the command line's
+    start); they are `builtins.BY_NAME`'s, all of them."""
+    from mstar.models.qwen3_5.builtins import BY_NAME
+    from mstar.models.registry import BUILTINS
+
+    assert {name for name in BUILTINS if name.startswith("qwen3.5-")} == set(BY_NAME)

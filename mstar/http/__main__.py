@@ -3,10 +3,11 @@
 Parses the arguments (`mstar.config.parse_args`), configures logging, starts
 the engine and the aiohttp app on host:port (on the loop `--event-loop`
 names: the standard library's by default), sets the garbage collector for
-serving (`quiet_gc`), and serves until SIGINT or SIGTERM. Then it stops accepting connections, lets
-running requests finish for up to `DRAIN_S`, aborts the rest (their streams
-end with an error event), cancels any handler still running at
-`SHUTDOWN_GRACE_S` and shuts the engine down. A second signal exits at once.
+serving (`quiet_gc`), and serves until SIGINT or SIGTERM. Then it stops
+accepting connections, lets running requests finish for up to `DRAIN_S`,
+aborts the rest (their streams end with an error event), cancels any
+handler still running at `SHUTDOWN_GRACE_S` and shuts the engine down. A
+second signal exits at once.
 """
 
 from __future__ import annotations
@@ -80,9 +81,8 @@ async def serve(config: ServerConfig) -> None:
         log.info("stopped")
 
 
-# young objects between collections while serving (Python's default: 700). A step makes and drops thousands
-# of small objects; at 700 the youngest generation is collected every few hundred microseconds, and what
-# lives a step or two is promoted until it sets off a full collection.
+# young objects between collections while serving (Python's default: 700). A step of hundreds of rows makes
+# and drops many times that; at 700 what lives a step or two is promoted until it sets off a full collection.
 GC_YOUNG_THRESHOLD = 20_000
 
 

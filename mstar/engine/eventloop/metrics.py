@@ -68,7 +68,7 @@ class GCPauses:
     def __init__(self, hist: Histogram) -> None:
         self.hist = hist
         for generation in GC_GENERATIONS:
-            hist.series.setdefault((("generation", generation),), [0.0] * (len(hist.buckets) + 2))
+            hist.add_series((("generation", generation),))
         self._t0: float | None = None
 
     def _on_gc(self, phase: str, info: dict[str, int]) -> None:

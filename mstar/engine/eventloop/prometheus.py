@@ -49,12 +49,17 @@ class Histogram:
         self.buckets = tuple(sorted(buckets))
         self.series: dict[Labels, list[float]] = {}  # [bucket counts..., +Inf count, sum]
         if not labelled:  # an unlabelled histogram shows zeros before its first observation
-            self.series[()] = [0.0] * (len(self.buckets) + 2)
+            self.add_series(())
 
-    def observe(self, value: float, labels: Labels = ()) -> None:
+    def add_series(self, labels: Labels) -> list[float]:
+        """The series of `labels`, made (as zeros) if it is not there yet."""
         s = self.series.get(labels)
         if s is None:
             s = self.series[labels] = [0.0] * (len(self.buckets) + 2)
+        return s
+
+    def observe(self, value: float, labels: Labels = ()) -> None:
+        s = self.series.get(labels) or self.add_series(labels)
         # `le` is inclusive: a value equal to a bound belongs to that bucket
         s[bisect_left(self.buckets, value)] += 1
         s[-1] += value

@@ -30,8 +30,8 @@ GiB = 1 << 30
 # graph pools (each decode bucket keeps its logits: ~0.5 GB over the 22
 # default buckets, ~1.5 GB with --cuda-graph-max-batch 512, which the share
 # --gpu-memory-utilization leaves over holds) and allocator fragmentation
-# take the rest. 2 GiB covers that with
-# room; it is ~1.5% of an H200, so a fixed size costs little on big devices.
+# take the rest. 2 GiB covers that with room; it is ~1.5% of an H200, so a
+# fixed size costs little on big devices.
 DEFAULT_RESERVE_BYTES = 2 * GiB
 
 MemGetInfo = Callable[[torch.device], tuple[int, int]]  # device -> (free, total) bytes

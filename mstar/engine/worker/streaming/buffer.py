@@ -45,12 +45,21 @@ class StreamBuffer:
     def take(self, item: StreamItem) -> list[StreamItem]:
         """One more item; the items no chunk will read any more, taken out
         (the caller releases them)."""
+        if self.append_uncut(item):
+            return []  # what is kept moves only with the chunks
         self.items.append(item)
         self.produced += 1
-        if self.produced - self.segment_start < self.due:
-            return []  # no chunk is cut by this item, and what is kept moves only with the chunks
         self._cut(self.plan.chunks.ready)
         return self.read()
+
+    def append_uncut(self, item: StreamItem) -> bool:
+        """Append `item` if it cuts no chunk (True); else leave the buffer
+        as it is (False: `take` it)."""
+        if self.produced + 1 - self.segment_start >= self.due:
+            return False
+        self.items.append(item)
+        self.produced += 1
+        return True
 
     def segment(self) -> None:
         """The producer ended a turn: cut its tail, and count anew. A turn

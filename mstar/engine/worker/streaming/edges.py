@@ -87,14 +87,11 @@ class Streams:
             cons = run.partitions.get(sp.consumer)
             buf = cons.inbox if cons is not None else None
             if (buf is None or cons.done or buf.pending or sp.producer != part.name or sp.consumer not in run.started
-                    or buf.produced + 1 - buf.segment_start >= buf.due
-                    or (sp.accept is not None and not sp.accept[0] <= item < sp.accept[1])):
+                    or (sp.accept is not None and not sp.accept[0] <= item < sp.accept[1])
+                    or not buf.append_uncut(item)):
                 # a first item, a cut (or one waiting: `feed` wakes its consumer), a remote or finished consumer,
                 # an id the stream does not take
                 self.feed(part, value, item)
-                continue
-            buf.items.append(item)
-            buf.produced += 1
 
     def _carried(self, part: PartitionRun, sp: StreamPlan) -> dict[str, TensorRef]:
         """The producer's values the consumer reads, each with a reference of
