@@ -59,6 +59,7 @@ class EngineConfig:
     enforce_eager: bool = False           # no CUDA graphs
     quantization: str | None = None       # None | fp8: the projections' weights (opt-in: it changes the output)
     kv_cache_dtype: str = "auto"          # auto (the model's dtype) | fp8: K and V pages in float8 e4m3 (opt-in)
+    audio_logits_only: bool = False       # a speech model's head computes its audio ids' logits only (opt-in)
     cuda_graph_batch_sizes: tuple[int, ...] = field(default_factory=lambda: graph_buckets(256))
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -227,6 +228,12 @@ def build_parser(builtin_models: Sequence[str] = ()) -> argparse.ArgumentParser:
                         "a decode step reads and twice the tokens in the same memory. Changes the output; "
                         "CUDA needs compute capability 8.9+, and decodes through TensorRT-LLM's XQA kernel "
                         "(FlashInfer) on 9.0+")
+    p.add_argument("--audio-logits-only", action="store_true",
+                   help="a speech model's LM head computes the logits of its own ids only (Orpheus: its 28,684 "
+                        "special and audio ids, not Llama's 128,256 text ids), and its speech walks are the only "
+                        "ones served: a step's head and draw read a fifth of the vocabulary. Changes the output "
+                        "where the model would have drawn a text id (its probabilities are renormalised over "
+                        "the window)")
     p.add_argument("--gil-switch-interval-ms", type=float, default=None,
                    help="how long a thread may hold the GIL while another waits (Python's default: 5 ms); the "
                         "worker threads and the event loop share it")
@@ -321,6 +328,7 @@ def parse_args(argv: list[str] | None = None, builtin_models: Sequence[str] = ()
         enforce_eager=a.enforce_eager,
         quantization=a.quantization,
         kv_cache_dtype=a.kv_cache_dtype,
+        audio_logits_only=a.audio_logits_only,
         host_arena_mb=a.host_arena_mb,
         gil_switch_interval_ms=a.gil_switch_interval_ms,
         cuda_graph_batch_sizes=graph_buckets(a.cuda_graph_max_batch),

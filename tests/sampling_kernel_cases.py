@@ -45,6 +45,37 @@ def check_exponential_noise(rows: int, vocab: int, device: str) -> None:
     assert got.shape == (rows + 1, vocab) and got.dtype == torch.float32
     torch.testing.assert_close(got, want, atol=0, rtol=1e-6)
     assert (got > 0).all() and (want > 0).all()  # a -0.0 draw turns a race's 0 / -0.0 into NaN, which argmax takes
+    # a window of the vocabulary from index 37: the whole row's draws at those indices
+    window = noise.exponential_noise_triton(seeds, counters, vocab, 37)
+    whole = noise.exponential_noise_reference(seeds, counters, vocab + 37)
+    torch.testing.assert_close(window, whole[:, 37:], atol=0, rtol=1e-6)
+    torch.testing.assert_close(noise.exponential_noise_reference(seeds, counters, vocab, 37), whole[:, 37:],
+                               atol=0, rtol=0)
+
+
+def check_window_draw(rows: int, vocab: int, first: int, end: int, dtype: torch.dtype, device: str,
+                      kernel: Callable[..., torch.Tensor]) -> None:
+    """A draw from a window [first, end) of the vocabulary (a strided view
+    of the whole rows, drawing each id's noise) takes the token the torch
+    form takes from the whole rows with every id outside it at -inf:
+    greedy and sampled rows, with and without filters, at two offsets."""
+    gen = torch.Generator().manual_seed(rows + vocab + first)
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    logits[:, :first] = float("-inf")
+    logits[:, end:] = float("-inf")
+    logits = logits.to(dtype)
+    temperature = torch.tensor([[0.7, 1.0, 0.0, 1.3][r % 4] for r in range(rows)])
+    seeds, counters = torch.arange(rows) * 3 + 1, torch.arange(rows) * 5
+    for filtered in (True, False):
+        top_k = torch.tensor([[0, 5, 0][r % 3] if filtered else 0 for r in range(rows)])
+        top_p = torch.tensor([[0.8, 1.0, 0.5][r % 3] if filtered else 1.0 for r in range(rows)])
+        min_p = torch.tensor([[0.0, 0.05, 0.0][r % 3] if filtered else 0.0 for r in range(rows)])
+        params = [t.to(device) for t in (temperature, top_k, top_p, min_p, seeds, counters)]
+        whole = logits.to(device)
+        for offset in (0, 14):
+            got = kernel(whole[:, first:end], *params, offset, filtered, first=first) + first
+            want = draw.draw_tokens_reference(whole, *params, offset, filtered)
+            assert got.cpu().tolist() == want.cpu().tolist(), (filtered, offset)
 
 
 def check_draw_tokens(rows: int, vocab: int, filtered: bool, dtype: torch.dtype, device: str,

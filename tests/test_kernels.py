@@ -16,6 +16,7 @@ from kernel_cases import (check_fused_add_rms_norm, check_fused_moe, check_head_
                           check_snake, check_snake_beta, check_snake_beta_held, check_route_top_k,
                           check_snake_dwconv, check_snake_unit, check_codec_noise, moe_inputs, check_quantize_rows)
 from sampling_kernel_cases import (check_exponential_noise, check_draw_tokens, check_wide_descent, check_wide_draw,
+                                   check_window_draw,
                                    check_repetition_penalty)
 
 from mstar.kernels import activation, fused_add_rms_norm, moe, norm, rms_norm, rope_and_store, rope_kv, silu_and_mul
@@ -317,6 +318,16 @@ def test_repetition_penalty(rows, vocab, dtype):
 @pytest.mark.parametrize("rows,vocab,dtype,block", [(7, 40, torch.float32, 16), (7, 300, torch.float16, 64)])
 def test_wide_draw(rows, vocab, dtype, block, filtered):
     check_wide_draw(rows, vocab, filtered, dtype, "cpu", block)
+
+
+@pytest.mark.parametrize("how", ["reference", "triton", "wide"])
+def test_window_draw(how):
+    """A window of the vocabulary draws what the whole row draws with the ids outside it at -inf
+    (`--audio-logits-only`'s sampler), in each of the three draws."""
+    from mstar.kernels.sampling import draw, wide_draw
+    kernel = {"reference": draw.draw_tokens_reference, "triton": draw.draw_tokens_triton,
+              "wide": lambda *a, **kw: wide_draw.draw_tokens_wide(*a, block=32, **kw)}[how]
+    check_window_draw(9, 200, 64, 190, torch.float32, "cpu", kernel)
 
 
 @interpreted

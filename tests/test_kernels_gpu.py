@@ -12,6 +12,7 @@ from kernel_cases import (MOE_SHAPES, check_quantize_rows, check_fused_add_rms_n
                           check_snake_beta_held, check_snake_dwconv, check_snake_unit, check_codec_noise, moe_inputs,
                           moe_routing, same_on_replay)
 from sampling_kernel_cases import (check_draw_tokens, check_wide_descent, check_wide_draw, check_exponential_noise,
+                                   check_window_draw,
                                    check_repetition_penalty)
 
 from mstar.kernels import activation, fused_add_rms_norm, moe, norm, rms_norm, rope_and_store, rope_kv, silu_and_mul
@@ -222,6 +223,14 @@ def test_draw_tokens(rows, vocab, dtype, filtered):
                                                     (7, 151936, torch.float32, 1024)])
 def test_wide_draw(rows, vocab, dtype, block, filtered):
     check_wide_draw(rows, vocab, filtered, dtype, "cuda", block)
+
+
+@pytest.mark.parametrize("rows,how", [(64, "wide"), (5, "reference")])
+def test_window_draw(rows, how):
+    """Orpheus's own ids' window of its vocabulary (`--audio-logits-only`), a strided view of bf16 rows."""
+    from mstar.kernels.sampling import draw
+    kernel = {"wide": draw.draw_tokens_wide, "reference": draw.draw_tokens_reference}[how]
+    check_window_draw(rows, 156940, 128256, 156940, torch.bfloat16, "cuda", kernel)
 
 
 @pytest.mark.parametrize("rows,vocab,dtype,block", [(11, 70, torch.float32, 16), (64, 156940, torch.bfloat16, 2048)])

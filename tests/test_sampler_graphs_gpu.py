@@ -53,6 +53,22 @@ def test_a_replayed_draw_equals_the_eager_one(vocab, params):
         assert torch.equal(got, want), f"bucket {bucket}, {n} rows: {(got != want).sum()} rows differ"
 
 
+def test_a_windowed_replay_equals_the_eager_windowed_draw():
+    """`--audio-logits-only`: the head leaves Llama's text ids at -inf, and
+    graphs draw from Orpheus's own ids only, as the eager sampler does."""
+    window = (128256, 156940)
+    logits = buffers(156940, (8, 64, 128))
+    for x in logits.values():
+        x[:, :window[0]] = float("-inf")
+    graphs = SamplerGraphs(logits, torch.device("cuda"), window)
+    for step, (bucket, n) in enumerate([(128, 128), (128, 90), (64, 64), (8, 5)]):
+        st = rows(MIXED, n, step)
+        seen = seen_mask(n, 156940, step)
+        want = sample(logits[bucket][:n], st, seen, window=window)
+        got = graphs.draw(bucket, st, seen)
+        assert torch.equal(got, want) and bool((got >= window[0]).all())
+
+
 def test_graphs_are_kept_by_bucket_and_flags():
     logits = buffers(4096, (8, 64))
     graphs = SamplerGraphs(logits, torch.device("cuda"))

@@ -88,6 +88,8 @@ class Engine:
             if walk is not None and walk not in self.plans:
                 raise ConfigError(f"model '{self.model.name}': its {role} '{walk}' is not one of its walks "
                                   f"({', '.join(self.plans)})")
+        if cfg.audio_logits_only:  # the heads compute no text ids' logits: walks that write text are not served
+            self.plans = {name: self.plans[name] for name in self.model.audio_only_walks()}
         self.placement = resolve(cfg.placement, cfg.devices, self.model.components, self.plans,
                                  self.model.split_placement(len(cfg.devices)))
         devices = [d for d in cfg.devices if self.placement.on(d)]

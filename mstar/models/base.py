@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from mstar.errors import RequestError
+from mstar.errors import ConfigError, RequestError
 from mstar.graph import Component, Emit, EosToken, HostStop, Loop, MaxTokens, Step, Walk, WalkPlan, compile_walk
 from mstar.models.prepared import Prepared, PreparedPiece, fit_context, resolve_sampling, stop_ids
 
@@ -125,6 +125,23 @@ class Model:
 
     def kv_spec(self, component: str) -> KVSpec:
         raise NotImplementedError(f"component '{component}' has no KV cache")
+
+    def audio_logits(self, component: str) -> tuple[int, int] | None:
+        """The ids [first, end) a sampled component's speech walks draw from,
+        where the rest of its vocabulary is text: under `--audio-logits-only`
+        its head computes only these. None: no such window."""
+        return None
+
+    def audio_only_walks(self) -> tuple[str, ...]:
+        """The walks served under `--audio-logits-only`: the speech walks
+        (`tts_walk`, `early_tts_walk`), whose draws never want a text id. A
+        model without an audio window, or whose default walk is not one of
+        them, can not serve so."""
+        walks = tuple(w for w in (self.tts_walk, self.early_tts_walk) if w is not None)
+        if not walks or self.default_walk not in walks or not any(self.audio_logits(c) for c in self.components):
+            raise ConfigError(f"--audio-logits-only: model '{self.name}' has no speech walk whose head computes "
+                              f"audio ids only")
+        return walks
 
     def default_dtype(self, device: torch.device) -> torch.dtype:
         import torch

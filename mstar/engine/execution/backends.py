@@ -114,13 +114,15 @@ def mixed_graphs(step: Callable[[TokenBatch], dict[str, torch.Tensor]], backend:
     return graphs
 
 
-def sampler_graphs(decode: DecodeGraphs, default: SamplingParams, device: torch.device) -> SamplerGraphs | None:
-    """Graphs of the draws from the decode graphs' logits, those of the
-    model's `default` sampling captured now (others on first use)."""
+def sampler_graphs(decode: DecodeGraphs, default: SamplingParams, device: torch.device,
+                   window: tuple[int, int] | None = None) -> SamplerGraphs | None:
+    """Graphs of the draws from the decode graphs' logits (of ids `window`
+    only, where the head computes no others), those of the model's `default`
+    sampling captured now (others on first use)."""
     logits = decode.static_outputs("logits")
     if not logits:
         return None
-    graphs = SamplerGraphs(logits, device)
+    graphs = SamplerGraphs(logits, device, window)
     graphs.capture(SamplingTensors.build([default], [0], [0], device))
     return graphs
 

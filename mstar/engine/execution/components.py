@@ -20,7 +20,7 @@ from mstar.engine.execution.backends import (attention_backend, decode_graphs, k
                                              mode_graphs, sampler_graphs)
 from mstar.engine.memory.kv_cache import FP8_KV, KVCache
 from mstar.errors import ConfigError
-from mstar.models.layers import quantize_linears
+from mstar.models.layers import VocabHead, quantize_linears
 from mstar.kernels.sampling.draw import compile_wide_draw
 from mstar.engine.memory.sizing import kv_cache_log_fields, kv_cache_pages
 from mstar.engine.memory.state_slots import StatePool
@@ -51,6 +51,8 @@ def build_runners(model: Model, names: Sequence[str], device: torch.device, stor
     modules = {name: model.build_component(name, device, dtype) for name in names}
     if config.quantization == "fp8":
         _fp8({name: m for name, m in modules.items() if model.components[name].kv_cache}, device, dtype)
+    if config.audio_logits_only:
+        _audio_logits(model, modules)
     for module in modules.values():  # a module that captures graphs of its own runs eagerly when told to
         if hasattr(module, "enforce_eager"):
             module.enforce_eager = config.enforce_eager
@@ -96,6 +98,22 @@ def _fp8(modules: dict[str, nn.Module], device: torch.device, dtype: torch.dtype
         log.info("fp8 weights", device=str(device), component=name, linears=quantize_linears(module))
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def _audio_logits(model: Model, modules: dict[str, nn.Module]) -> None:
+    """`--audio-logits-only`: the heads of the components with an audio
+    window compute those ids' logits only (the model's speech walks draw
+    nothing else; `Engine` serves only those walks)."""
+    for name, module in modules.items():
+        window = model.audio_logits(name)
+        if window is None:
+            continue
+        head = getattr(module, "lm_head", None)
+        if not isinstance(head, VocabHead):
+            raise ConfigError(f"--audio-logits-only: component '{name}' of model '{model.name}' has no "
+                              f"vocabulary head to restrict")
+        head.restrict(*window)
+        log.info("audio logits only", component=name, ids=f"{window[0]}..{window[1] - 1}")
 
 
 def kv_spec(model: Model, name: str, config: EngineConfig) -> KVSpec:
@@ -146,8 +164,10 @@ def _runner(model: Model, name: str, module: nn.Module, device: torch.device, dt
     mixed = mixed_graphs(module.decode, attention, graphs, device) if mixes else None
     draws = None
     if graphs is not None and (logits := graphs.static_output("logits")) is not None:
-        compile_wide_draw(logits)   # before serving: a first wide batch would wait seconds for Triton
-        draws = sampler_graphs(graphs, model.default_sampling(), device)
+        window = getattr(module, "vocab_window", None)
+        # before serving: a first wide batch would wait seconds for Triton
+        compile_wide_draw(logits[:, window[0]:window[1]] if window else logits, window[0] if window else 0)
+        draws = sampler_graphs(graphs, model.default_sampling(), device, window)
     by_mode = kv_mode_graphs(model, name, spec, module, attention, device, config)
     log.info("attention", device=str(device), component=name, backend=type(attention).__name__,
              cuda_graphs=graphs.buckets if graphs is not None else None,

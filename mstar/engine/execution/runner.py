@@ -86,6 +86,8 @@ class ComponentRunner:
         self.kv_graphs = kv_graphs or {}
         self.mixed_graphs = None  # graphs of mixed steps, where captured
         self.sampler_graphs: SamplerGraphs | None = None  # graphs of the decode graphs' draws, where captured
+        # the ids a restricted head computes logits for (`--audio-logits-only`): the sampler reads only those
+        self.vocab_window: tuple[int, int] | None = getattr(module, "vocab_window", None)
         self.mixed_replayed = False  # the last mixed step replayed one
         self.device_s = 0.0
         self._cuda = device.type == "cuda"
@@ -315,7 +317,8 @@ class ComponentRunner:
                                 else r.seen if r.seen is not None else empty
                                 for p, r, toks in zip(parts, kv, inputs)])
         with torch.profiler.record_function("mstar.sample"):
-            tokens = self._timed(sample)(logits, st, seen, banned_table(banned, logits.device))
+            tokens = self._timed(sample)(logits, st, seen, banned_table(banned, logits.device),
+                                         window=self.vocab_window)
             logprobs = self._timed(token_logprobs)(logits, tokens, st)
         if not wait:
             return tokens, logprobs
@@ -448,7 +451,8 @@ class ComponentRunner:
         # no wait: the worker reads these tokens after launching the next step. A graph's logits are
         # its static output: read here, in stream order, before the next replay rewrites them
         graphs = self.sampler_graphs if bucket is not None and banned is None else None
-        tokens = graphs.draw(bucket, st, seen) if graphs else self._timed(sample)(logits, st, seen, banned)
+        tokens = (graphs.draw(bucket, st, seen) if graphs
+                  else self._timed(sample)(logits, st, seen, banned, window=self.vocab_window))
         return GroupLaunch(tokens, self._timed(token_logprobs)(logits, tokens, st), extras)
 
     def _timed(self, fn: Callable) -> Callable:

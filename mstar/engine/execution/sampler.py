@@ -149,17 +149,30 @@ def banned_table(rows: list[tuple[int, ...]], device: torch.device | str) -> Ten
 
 
 def sample(logits: Tensor, st: SamplingTensors, seen: Tensor | None = None, banned: Tensor | None = None,
-           offset: int = 0) -> Tensor:
+           offset: int = 0, window: tuple[int, int] | None = None) -> Tensor:
     """Draw one token per row: [B, V] logits (any float dtype, read as they
     are; copied to float32 only where a penalty or a ban rewrites them) ->
     [B] int64. `banned` [B, S]: ids a row may not draw yet (-1 pads; a
     `min_tokens` not reached). `offset`: draws at the rows' counters plus
-    this (a mode's j-th draw).
+    this (a mode's j-th draw). `window` (first, end): every id outside it
+    has a -inf logit (a head that computes only those ids'), so only that
+    slice is read; the draw is the one the whole row gives.
 
     Greedy rows take the argmax of the (penalised) logits. Other rows draw by
     an exponential race (argmax of probs / Exp noise), equivalent to sampling
     from the filtered softmax at the row's temperature (`kernels/sampling/draw.py`).
     """
+    if window is None:
+        return _sample(logits, st, seen, banned, offset, 0)
+    first, end = window
+    if banned is not None:  # ids outside the window can not be drawn anyway
+        banned = torch.where((banned >= first) & (banned < end), banned - first, -1)
+    return _sample(logits[:, first:end], st, None if seen is None else seen[:, first:end], banned, offset,
+                   first) + first
+
+
+def _sample(logits: Tensor, st: SamplingTensors, seen: Tensor | None, banned: Tensor | None, offset: int,
+            first: int) -> Tensor:
     if st.any_penalty:
         if seen is None:
             raise ValueError("a row has a repetition penalty but no `seen` mask was given")
@@ -171,7 +184,7 @@ def sample(logits: Tensor, st: SamplingTensors, seen: Tensor | None = None, bann
     if st.all_greedy:
         return torch.argmax(logits, dim=-1)   # a float copy would not move the argmax: the values are exact
     return draw_tokens(logits, st.temperature, st.top_k, st.top_p, st.min_p, st.seeds, st.counters, offset,
-                       st.any_filter, top_k_active=st.any_top_k, top_p_active=st.any_top_p)
+                       st.any_filter, top_k_active=st.any_top_k, top_p_active=st.any_top_p, first=first)
 
 
 def token_logprobs(logits: Tensor, tokens: Tensor, st: SamplingTensors) -> Tensor | None:

@@ -49,10 +49,13 @@ class _Graph:
 
 
 class SamplerGraphs:
-    def __init__(self, logits: dict[int, Tensor], device: torch.device) -> None:
-        """`logits`: each decode graph bucket's static logits buffer [b, V]."""
+    def __init__(self, logits: dict[int, Tensor], device: torch.device,
+                 window: tuple[int, int] | None = None) -> None:
+        """`logits`: each decode graph bucket's static logits buffer [b, V];
+        `window`: the ids the head computes (`sampler.sample`), if not all."""
         self.logits = logits
         self.device = device
+        self.window = window
         top, vocab = max(logits), next(iter(logits.values())).shape[1]
         f32, i64 = torch.float32, torch.int64
         self._floats = torch.zeros(4, top, dtype=f32, device=device)  # temperature, top-p, min-p, penalty
@@ -81,7 +84,7 @@ class SamplerGraphs:
                 log.warning("no memory to capture a sampler graph; drawing eagerly", bucket=bucket, flags=key[1])
                 self._failed.add(key)
         if graph is None:
-            return sample(self.logits[bucket][:n], st, seen)
+            return sample(self.logits[bucket][:n], st, seen, window=self.window)
         self._stage(n, st, seen if st.any_penalty else None)
         graph.graph.replay()
         # a copy: the next replay rewrites the static tokens while these may still be read
@@ -119,7 +122,8 @@ class SamplerGraphs:
             any_top_p=any_top_p)
         seen = self._seen_buffer()[:b] if any_penalty else None
         logits = self.logits[b]
-        graphs = capture_buckets(self.device, [b], lambda _b: None, lambda _b, _p: sample(logits, st, seen),
+        graphs = capture_buckets(self.device, [b], lambda _b: None,
+                                 lambda _b, _p: sample(logits, st, seen, window=self.window),
                                  "capturing sampler graphs", show_progress=False, pool=self._pool,
                                  stream=self._stream)
         graph, tokens = graphs[b]

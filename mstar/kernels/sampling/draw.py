@@ -33,23 +33,29 @@ WIDE_MIN_ROWS = 64
 
 def draw_tokens(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, seeds: Tensor,
                 counters: Tensor, offset: int = 0, filtered: bool = True, *, top_k_active: bool = True,
-                top_p_active: bool = True) -> Tensor:
+                top_p_active: bool = True, first: int = 0) -> Tensor:
     """`filtered`: whether any row filters (top-k, top-p or min-p); when
     none does the race runs over the whole softmax, as the sampler's plain
     path does. `top_k_active` / `top_p_active`: whether any row may cut by
-    top-k / top-p (False lets a wide vocabulary's draw skip that search)."""
+    top-k / top-p (False lets a wide vocabulary's draw skip that search).
+    `first`: the vocabulary index of the logits' column 0, where they are a
+    window of it: each column draws its id's noise, so a window draws what
+    the whole vocabulary would with every id outside it at -inf. The tokens
+    returned are columns (add `first` for ids)."""
     if use_triton(logits):
         if logits.shape[-1] <= MAX_VOCAB:
-            return draw_tokens_triton(logits, temperature, top_k, top_p, min_p, seeds, counters, offset, filtered)
+            return draw_tokens_triton(logits, temperature, top_k, top_p, min_p, seeds, counters, offset, filtered,
+                                      first)
         if logits.shape[0] >= WIDE_MIN_ROWS:
             return draw_tokens_wide(logits, temperature, top_k, top_p, min_p, seeds, counters, offset, filtered,
-                                    top_k_active=top_k_active, top_p_active=top_p_active)
-    return draw_tokens_reference(logits, temperature, top_k, top_p, min_p, seeds, counters, offset, filtered)
+                                    top_k_active=top_k_active, top_p_active=top_p_active, first=first)
+    return draw_tokens_reference(logits, temperature, top_k, top_p, min_p, seeds, counters, offset, filtered, first)
 
 
-def compile_wide_draw(logits: Tensor) -> None:
+def compile_wide_draw(logits: Tensor, first: int = 0) -> None:
     """Compiles the wide draw's kernels for logits like `logits` [B, V] (a
-    decode graph's output buffer), and for float32 logits (what a repetition
+    decode graph's output buffer, or the window of it the sampler draws from,
+    at vocabulary index `first`), and for float32 logits (what a repetition
     penalty or a ban leaves), under every flag the sampler passes, by drawing
     from WIDE_MIN_ROWS of its rows; nothing where `draw_tokens`
     would not take the wide draw. Triton compiles a kernel on its first
@@ -67,16 +73,18 @@ def compile_wide_draw(logits: Tensor) -> None:
     flags = ((False, False, False), (True, True, True), (True, False, True), (True, True, False), (True, False, False))
     for x in {logits.dtype: logits[:rows], torch.float32: logits[:rows].float()}.values():
         for filtered, top_k_active, top_p_active in flags:
-            draw_tokens_wide(x, *params, 0, filtered, top_k_active=top_k_active, top_p_active=top_p_active)
+            draw_tokens_wide(x, *params, 0, filtered, top_k_active=top_k_active, top_p_active=top_p_active,
+                             first=first)
 
 
 def draw_tokens_reference(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
-                          seeds: Tensor, counters: Tensor, offset: int = 0, filtered: bool = True) -> Tensor:
+                          seeds: Tensor, counters: Tensor, offset: int = 0, filtered: bool = True,
+                          first: int = 0) -> Tensor:
     logits = logits.float()
     greedy = torch.argmax(logits, dim=-1)
     is_greedy = temperature <= 0
     scaled = logits / torch.where(is_greedy, torch.ones_like(temperature), temperature)[:, None]
-    noise = exponential_noise(seeds, counters + offset if offset else counters, logits.shape[-1])
+    noise = exponential_noise(seeds, counters + offset if offset else counters, logits.shape[-1], first)
     if filtered:
         drawn = filtered_race_reference(scaled, top_k, top_p, min_p, noise)
     else:
@@ -85,7 +93,8 @@ def draw_tokens_reference(logits: Tensor, temperature: Tensor, top_k: Tensor, to
 
 
 def draw_tokens_triton(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
-                       seeds: Tensor, counters: Tensor, offset: int = 0, filtered: bool = True) -> Tensor:
+                       seeds: Tensor, counters: Tensor, offset: int = 0, filtered: bool = True,
+                       first: int = 0) -> Tensor:
     rows, vocab = logits.shape
     params = (temperature, top_k, top_p, min_p, seeds, counters)
     if vocab > MAX_VOCAB or any(p.shape != (rows,) for p in params):
@@ -99,15 +108,15 @@ def draw_tokens_triton(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p
         _draw_kernel[(rows,)](logits, logits.stride(0), temperature.float().contiguous(),
                               top_k.to(torch.int64).contiguous(), top_p.float().contiguous(),
                               min_p.float().contiguous(), seeds.to(torch.int64).contiguous(),
-                              counters.to(torch.int64).contiguous(), out, vocab, offset, _MUL_A, _MUL_B, _ROW_SALT,
-                              _INV_2_24, FILTER=filtered, BLOCK=block, num_warps=num_warps(block))
+                              counters.to(torch.int64).contiguous(), out, vocab, offset, first, _MUL_A, _MUL_B,
+                              _ROW_SALT, _INV_2_24, FILTER=filtered, BLOCK=block, num_warps=num_warps(block))
     return out
 
 
 @jit(per_row=("temp_ptr", "top_k_ptr", "top_p_ptr", "min_p_ptr", "seeds_ptr", "counters_ptr"),
-     any_value=("offset",))
+     any_value=("offset", "first"))
 def _draw_kernel(logits_ptr, stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seeds_ptr, counters_ptr, out_ptr,
-                 vocab, offset, mul_a, mul_b, salt, inv_2_24, FILTER: tl.constexpr, BLOCK: tl.constexpr):
+                 vocab, offset, first, mul_a, mul_b, salt, inv_2_24, FILTER: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     rank = tl.arange(0, BLOCK)
     valid = rank < vocab
@@ -119,11 +128,11 @@ def _draw_kernel(logits_ptr, stride, temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, 
     if FILTER:
         weights, index = _sorted_weights(scaled, tl.load(top_k_ptr + row), tl.load(top_p_ptr + row),
                                          tl.load(min_p_ptr + row), vocab, BLOCK)
-        noise = _exp_noise(key, index, mul_a, mul_b, inv_2_24)
+        noise = _exp_noise(key, index + first, mul_a, mul_b, inv_2_24)
         winner = tl.argmax(weights / noise, axis=0)
         drawn = tl.sum(tl.where(rank == winner, index, 0), axis=0)
     else:
         e = tl.exp(scaled - tl.max(scaled, axis=0))
         probs = e / tl.sum(e, axis=0)
-        drawn = tl.argmax(probs / _exp_noise(key, rank, mul_a, mul_b, inv_2_24), axis=0)
+        drawn = tl.argmax(probs / _exp_noise(key, rank + first, mul_a, mul_b, inv_2_24), axis=0)
     tl.store(out_ptr + row, tl.where(t <= 0.0, greedy, drawn).to(tl.int64))

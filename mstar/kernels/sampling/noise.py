@@ -48,24 +48,27 @@ def row_keys(seeds: Tensor, counters: Tensor) -> Tensor:
     return mix32(key ^ ((counters >> 32) & _M32))
 
 
-def random_bits(seeds: Tensor, counters: Tensor, vocab_size: int) -> Tensor:
-    """[B, V] int64 of 32 random bits for each (row, vocab index)."""
+def random_bits(seeds: Tensor, counters: Tensor, vocab_size: int, first: int = 0) -> Tensor:
+    """[B, V] int64 of 32 random bits for each (row, vocab index), the
+    indices from `first` (a window of the vocabulary draws the noise its ids
+    would draw in the whole)."""
     keys = row_keys(seeds, counters)
     # Pre-mixing the index keeps neighbouring indices from sharing low-bit patterns.
-    idx = mix32(torch.arange(vocab_size, device=seeds.device, dtype=torch.int64))
+    idx = mix32(torch.arange(first, first + vocab_size, device=seeds.device, dtype=torch.int64))
     return mix32(keys[:, None] ^ idx[None, :])
 
 
-def exponential_noise(seeds: Tensor, counters: Tensor, vocab_size: int) -> Tensor:
-    """[B, V] float32 Exp(1) draws derived from `random_bits`."""
+def exponential_noise(seeds: Tensor, counters: Tensor, vocab_size: int, first: int = 0) -> Tensor:
+    """[B, V] float32 Exp(1) draws derived from `random_bits` (indices from `first`)."""
     if use_triton(seeds):
-        return exponential_noise_triton(seeds, counters, vocab_size)
-    return exponential_noise_reference(seeds, counters, vocab_size)
+        return exponential_noise_triton(seeds, counters, vocab_size, first)
+    return exponential_noise_reference(seeds, counters, vocab_size, first)
 
 
-def exponential_noise_reference(seeds: Tensor, counters: Tensor, vocab_size: int) -> Tensor:
+def exponential_noise_reference(seeds: Tensor, counters: Tensor, vocab_size: int, first: int = 0) -> Tensor:
     # 24 bits fit a float32 mantissa exactly; the half-step keeps u above 0, the clamp below 1
-    u = (((random_bits(seeds, counters, vocab_size) >> 8).to(torch.float32) + 0.5) * _INV_2_24).clamp(max=_U_MAX)
+    bits = random_bits(seeds, counters, vocab_size, first)
+    u = (((bits >> 8).to(torch.float32) + 0.5) * _INV_2_24).clamp(max=_U_MAX)
     return -torch.log(u)
 
 
@@ -73,12 +76,12 @@ def exponential_noise_reference(seeds: Tensor, counters: Tensor, vocab_size: int
 BLOCK = 1024
 
 
-def exponential_noise_triton(seeds: Tensor, counters: Tensor, vocab_size: int) -> Tensor:
+def exponential_noise_triton(seeds: Tensor, counters: Tensor, vocab_size: int, first: int = 0) -> Tensor:
     seeds, counters = seeds.to(torch.int64).contiguous(), counters.to(torch.int64).contiguous()
     out = torch.empty(seeds.shape[0], vocab_size, dtype=torch.float32, device=seeds.device)
     if out.numel():
         grid = (seeds.shape[0], (vocab_size + BLOCK - 1) // BLOCK)
-        _noise_kernel[grid](seeds, counters, out, vocab_size, _MUL_A, _MUL_B, _ROW_SALT, _INV_2_24, BLOCK=BLOCK,
+        _noise_kernel[grid](seeds, counters, out, vocab_size, first, _MUL_A, _MUL_B, _ROW_SALT, _INV_2_24, BLOCK=BLOCK,
                             num_warps=num_warps(BLOCK))
     return out
 
@@ -123,9 +126,11 @@ def _exp_noise(key, cols, mul_a, mul_b, inv_2_24):
     return -tl.log(u)
 
 
-@jit(per_row=("seeds_ptr", "counters_ptr"))
-def _noise_kernel(seeds_ptr, counters_ptr, out_ptr, vocab, mul_a, mul_b, salt, inv_2_24, BLOCK: tl.constexpr):
+@jit(per_row=("seeds_ptr", "counters_ptr"), any_value=("first",))
+def _noise_kernel(seeds_ptr, counters_ptr, out_ptr, vocab, first, mul_a, mul_b, salt, inv_2_24,
+                  BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     key = _row_key(tl.load(seeds_ptr + row), tl.load(counters_ptr + row), mul_a, mul_b, salt)
-    tl.store(out_ptr + row * vocab + cols, _exp_noise(key, cols, mul_a, mul_b, inv_2_24), mask=cols < vocab)
+    tl.store(out_ptr + row * vocab + cols, _exp_noise(key, cols + first, mul_a, mul_b, inv_2_24),
+             mask=cols < vocab)

@@ -64,13 +64,14 @@ def _kept_probs(row, blk, logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_c
 
 
 @jit
-def _race_block(row, blk, at, idx, kept, probs, seed, counter, win_ptr, win_at_ptr, mul_a, mul_b, salt, inv_2_24,
-                BLOCK: tl.constexpr):
+def _race_block(row, blk, at, idx, kept, probs, seed, counter, first, win_ptr, win_at_ptr, mul_a, mul_b, salt,
+                inv_2_24, BLOCK: tl.constexpr):
     """Stores the block's best kept token's probability over its Exp(1) noise
     (0 where none is kept, or where a NaN probability, from a +inf logit,
-    leaves no order) and its index."""
-    score = tl.where(kept, probs, 0.0) / _exp_noise(_row_key(seed, counter, mul_a, mul_b, salt), idx, mul_a, mul_b,
-                                                    inv_2_24)
+    leaves no order) and its index; the noise is the vocabulary's at `first`
+    + index (the logits a window of it)."""
+    score = tl.where(kept, probs, 0.0) / _exp_noise(_row_key(seed, counter, mul_a, mul_b, salt), idx + first,
+                                                    mul_a, mul_b, inv_2_24)
     score = tl.where(score > 0.0, score, 0.0)
     tl.store(win_ptr + at, tl.max(score, axis=0))
     tl.store(win_at_ptr + at, tl.argmax(score, axis=0).to(tl.int64) + blk * BLOCK)

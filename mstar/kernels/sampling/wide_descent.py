@@ -36,11 +36,11 @@ DESCENDING, SETTLED, STUCK = 0, 1, 2  # a row's state
 
 def descend(kernel_args: tuple, k_cut: Tensor, k_need: Tensor, k_before: Tensor, total: Tensor, p: Tensor,
             min_p: Tensor, seeds: Tensor, counters: Tensor, offset: int, state: Tensor, grid: tuple[int, int],
-            block: int, steps: int = STEPS, top_k: bool = True) -> tuple[Tensor, Tensor]:
+            block: int, steps: int = STEPS, top_k: bool = True, first: int = 0) -> tuple[Tensor, Tensor]:
     """`kernel_args` and the top-k tensors as `wide_draw` passes them to its
     kernels; `state` [rows] int8: SETTLED for rows that need no draw here
     (greedy ones), DESCENDING for the rest; `top_k`: whether any row cuts by
-    top-k. Returns (state, token): token is
+    top-k; `first`: the vocabulary index of column 0 (its noise). Returns (state, token): token is
     the draw where state is SETTLED (and was not settled on entry), else
     meaningless."""
     rows, blocks = grid
@@ -53,19 +53,19 @@ def descend(kernel_args: tuple, k_cut: Tensor, k_need: Tensor, k_before: Tensor,
     row_args = (min_p.to(torch.float32).contiguous(), seeds.to(torch.int64).contiguous(),
                 counters.to(torch.int64).contiguous())
     for step in range(steps + 1):
-        first, last = step == 0, step == steps
+        opening, closing = step == 0, step == steps
         _descend_kernel[grid](*kernel_args, k_cut, k_need, k_before, total, *row_args, token, state, part_mass,
-                              part_win, part_at, offset, _MUL_A, _MUL_B, _ROW_SALT, _INV_2_24, FIRST=first,
-                              LAST=last, TOP_K=top_k, BLOCK=block, num_warps=4)
-        _settle_kernel[(rows,)](p, token, state, part_mass, part_win, part_at, blocks, FIRST=first, LAST=last,
+                              part_win, part_at, offset, first, _MUL_A, _MUL_B, _ROW_SALT, _INV_2_24, FIRST=opening,
+                              LAST=closing, TOP_K=top_k, BLOCK=block, num_warps=4)
+        _settle_kernel[(rows,)](p, token, state, part_mass, part_win, part_at, blocks, FIRST=opening, LAST=closing,
                                 BLOCKS=block_size(blocks), num_warps=1)
     return state, token
 
 
-@jit(per_row=("min_p_ptr", "seeds_ptr", "counters_ptr"), any_value=("offset",))
+@jit(per_row=("min_p_ptr", "seeds_ptr", "counters_ptr"), any_value=("offset", "first"))
 def _descend_kernel(logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_cut_ptr, k_need_ptr, k_before_ptr,
                     total_ptr, min_p_ptr, seeds_ptr, counters_ptr, cand_ptr, state_ptr, mass_ptr, win_ptr, win_at_ptr,
-                    offset, mul_a, mul_b, salt, inv_2_24, FIRST: tl.constexpr, LAST: tl.constexpr,
+                    offset, first, mul_a, mul_b, salt, inv_2_24, FIRST: tl.constexpr, LAST: tl.constexpr,
                     TOP_K: tl.constexpr, BLOCK: tl.constexpr):
     """A block's part of a step: the probability of top-k's tokens before the
     row's candidate (past the first step), and the best score among the kept
@@ -85,7 +85,7 @@ def _descend_kernel(logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_cut_ptr
         if not LAST:
             kept = kept & (probs >= tl.load(min_p_ptr + row) * (1.0 / total))
             _race_block(row, blk, at, idx, kept, probs, tl.load(seeds_ptr + row), tl.load(counters_ptr + row) + offset,
-                        win_ptr, win_at_ptr, mul_a, mul_b, salt, inv_2_24, BLOCK)
+                        first, win_ptr, win_at_ptr, mul_a, mul_b, salt, inv_2_24, BLOCK)
 
 
 @jit(per_row=("p_ptr",))

@@ -59,13 +59,14 @@ _NONE = 1 << 40      # "no count limit" for rows without top-k
 def draw_tokens_wide(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor,
                      seeds: Tensor, counters: Tensor, offset: int = 0, filtered: bool = True,
                      block: int = BLOCK, top_k_active: bool = True, top_p_active: bool = True,
-                     descent_steps: int = STEPS) -> Tensor:
+                     descent_steps: int = STEPS, first: int = 0) -> Tensor:
     """`draw.draw_tokens`'s arguments; `block`: tokens per program (a power
     of two; tests take small ones to cross many blocks). `top_k_active` /
     `top_p_active`: whether any row may cut by top-k / top-p (what the host
     knows of the rows; False skips that search's passes). `descent_steps`:
     candidates a row tests (`wide_descent.py`) before it searches for top-p's
-    cut (0: every row searches)."""
+    cut (0: every row searches). `first`: the vocabulary index of column 0
+    (the logits a window of the vocabulary: each token draws its id's noise)."""
     rows, vocab = logits.shape
     params = (temperature, top_k, top_p, min_p, seeds, counters)
     if any(p.shape != (rows,) for p in params):
@@ -126,7 +127,7 @@ def draw_tokens_wide(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: 
     token = torch.zeros(rows, dtype=i64, device=dev)
     if filtered and top_p_active:
         state, token = descend(kernel_args, k_cut, k_need, k_before, total, p, min_p, seeds, counters, offset,
-                               (temp <= 0).to(torch.int8) * SETTLED, grid, block, descent_steps, top_k_on)
+                               (temp <= 0).to(torch.int8) * SETTLED, grid, block, descent_steps, top_k_on, first)
         settled = state == SETTLED
         p_on = (p < 1.0) & ~settled
         cut = _search(kernel_args, p, p_on, top, k_cut, k_need, k_before, total, True, grid, block, top_k_on)
@@ -139,8 +140,8 @@ def draw_tokens_wide(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: 
     part_win_at = torch.zeros(rows, blocks, dtype=i64, device=dev)
     _race_kernel[grid](*kernel_args, k_cut, k_need, k_before, total, p, p_cut, p_above, p_before,
                        min_p.to(f32).contiguous(), seeds.to(i64).contiguous(), counters.to(i64).contiguous(),
-                       settled.to(torch.int8), part_win, part_win_at, offset, _MUL_A, _MUL_B, _ROW_SALT, _INV_2_24,
-                       FILTER=filtered, TOP_K=top_k_on, BLOCK=block, num_warps=4)
+                       settled.to(torch.int8), part_win, part_win_at, offset, first, _MUL_A, _MUL_B, _ROW_SALT,
+                       _INV_2_24, FILTER=filtered, TOP_K=top_k_on, BLOCK=block, num_warps=4)
     best_block = part_win.argmax(1, keepdim=True)
     win = part_win.gather(1, best_block).squeeze(1)
     # no score (a +inf logit leaves every probability NaN): the torch form's argmax over the NaN row takes its
@@ -289,10 +290,10 @@ def _tie_kernel(logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, cut_ptr, k_cu
             tl.store(ties_ptr + at, tl.sum(tl.where(key == cut, w, 0.0), axis=0))
 
 
-@jit(per_row=("p_ptr", "min_p_ptr", "seeds_ptr", "counters_ptr"), any_value=("offset",))
+@jit(per_row=("p_ptr", "min_p_ptr", "seeds_ptr", "counters_ptr"), any_value=("offset", "first"))
 def _race_kernel(logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_cut_ptr, k_need_ptr, k_before_ptr, total_ptr,
                  p_ptr, p_cut_ptr, p_above_ptr, p_before_ptr, min_p_ptr, seeds_ptr, counters_ptr, skip_ptr, win_ptr,
-                 win_at_ptr, offset, mul_a, mul_b, salt, inv_2_24, FILTER: tl.constexpr, TOP_K: tl.constexpr,
+                 win_at_ptr, offset, first, mul_a, mul_b, salt, inv_2_24, FILTER: tl.constexpr, TOP_K: tl.constexpr,
                  BLOCK: tl.constexpr):
     """A block's best kept token: its probability over its noise (0 where none
     is kept, or where a NaN probability leaves no order), and where it is;
@@ -314,4 +315,4 @@ def _race_kernel(logits_ptr, stride, div_ptr, m_ptr, vocab, blocks, k_cut_ptr, k
             kept = kept & (probs >= tl.load(min_p_ptr + row) * (1.0 / total))
         # no score anywhere (a +inf logit): the row falls back to its first top token
         _race_block(row, blk, at, idx, kept, probs, tl.load(seeds_ptr + row), tl.load(counters_ptr + row) + offset,
-                    win_ptr, win_at_ptr, mul_a, mul_b, salt, inv_2_24, BLOCK)
+                    first, win_ptr, win_at_ptr, mul_a, mul_b, salt, inv_2_24, BLOCK)

@@ -111,12 +111,37 @@ class VocabHead(nn.Module):
         self.register_buffer("padded", padded, persistent=False)
         # a view of the padded matrix: what the loader fills, and a tied embedding shares
         self.weight = nn.Parameter(padded[:vocab], requires_grad=False)
+        self._window: tuple[int, int] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_padded(x, self.padded, None)[..., : self.out_features]
+        if self.window is None:
+            return linear_padded(x, self.padded, None)[..., : self.out_features]
+        # only the window's rows multiply; the other ids' logits are -inf, so every reader of the logits sees
+        # the distribution the window leaves (the fill is one write, a fraction of the rows' matmul)
+        first, end = self._window[0], -(-self._window[1] // self.ALIGN) * self.ALIGN  # whole padded rows
+        out = x.new_empty(*x.shape[:-1], self.padded.shape[0])
+        out[..., :first].fill_(float("-inf"))
+        out[..., end:].fill_(float("-inf"))
+        out[..., first:end] = linear_padded(x, self.padded[first:end], None)
+        return out[..., : self.out_features]
+
+    @property
+    def window(self) -> tuple[int, int] | None:
+        """The ids [first, end) whose logits are computed; None: all."""
+        return self._window
+
+    def restrict(self, first: int, end: int) -> None:
+        """Compute the logits of ids [first, end) only, the others -inf.
+        `first` a multiple of ALIGN, so that the rows' matmul starts on an
+        aligned row (the rows up to `end` rounded up to ALIGN are computed)."""
+        if first % self.ALIGN or not 0 <= first < end <= self.out_features:
+            raise ValueError(f"a head of {self.out_features} ids restricted to [{first}, {end}): the window must "
+                             f"lie inside the vocabulary and start at a multiple of {self.ALIGN}")
+        self._window = (first, min(-(-end // self.ALIGN) * self.ALIGN, self.out_features))
 
     def extra_repr(self) -> str:
-        return f"{self.in_features} -> {self.out_features} (rows padded to {self.padded.shape[0]})"
+        window = f", ids {self._window[0]}..{self._window[1] - 1} only" if self._window else ""
+        return f"{self.in_features} -> {self.out_features} (rows padded to {self.padded.shape[0]}){window}"
 
 
 def token_embedding(head: VocabHead, tied: bool, *, device: torch.device | str | None = None,

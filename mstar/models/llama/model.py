@@ -91,6 +91,11 @@ class LlamaDecoder(nn.Module):
     def vocab_size(self) -> int:
         return self.config.vocab_size
 
+    @property
+    def vocab_window(self) -> tuple[int, int] | None:
+        """The ids whose logits the head computes, if not all (`VocabHead.restrict`)."""
+        return self.lm_head.window
+
     @torch.no_grad()
     def forward(self, batch: TokenBatch) -> dict[str, torch.Tensor]:
         h = self.embed_tokens(batch.input_ids)

@@ -45,8 +45,8 @@ from mstar.models.llama.config import LlamaConfig
 from mstar.models.llama.model import LlamaDecoder
 from mstar.models.orpheus.codec import WINDOW_FRAMES, WINDOW_TOKENS, OrpheusCodec
 from mstar.models.orpheus.tokens import (AUDIO_END_IDS, AUDIO_TOKEN_BASE, AUDIO_TOKEN_END, DEFAULT_VOICE,
-                                         END_OF_TEXT, FRAME_TOKENS, ORPHEUS_VOCAB_SIZE, START_OF_SPEECH, VOICES,
-                                         prompt_ids, turn_after, voice_text)
+                                         END_OF_TEXT, FRAME_TOKENS, LLAMA3_VOCAB_SIZE, ORPHEUS_VOCAB_SIZE,
+                                         START_OF_SPEECH, VOICES, prompt_ids, turn_after, voice_text)
 from mstar.models.orpheus.windows import PlayedWindows
 from mstar.models.prepared import PreparedPiece
 from mstar.models.prompt import PROMPT_INPUTS
@@ -140,6 +140,10 @@ class OrpheusModel(LlamaModel):
         (about 14 s of audio: 7 tokens per 2048 samples)."""
         return SamplingParams(max_tokens=DEFAULT_MAX_TOKENS, temperature=DEFAULT_TEMPERATURE, top_p=DEFAULT_TOP_P,
                               repetition_penalty=DEFAULT_REPETITION_PENALTY)
+
+    def audio_logits(self, component: str) -> tuple[int, int] | None:
+        # Orpheus's own ids: its specials (the speech's end among them) and the audio codes, past Llama's text
+        return (LLAMA3_VOCAB_SIZE, self.config.vocab_size) if component == "llm" else None
 
     def split_placement(self, num_devices: int) -> dict[str, list[int]] | None:
         # the LLM is the heavy part; the codec gets the last device to itself
