@@ -17,7 +17,10 @@ Phases, one after the other:
   control   with `--control-streams N`, between the two: N streams and no
             arrivals, measured the same way (the rows alone, without admissions);
   long      the arrivals' background, plus one `--long-prompt`-token prompt
-            (`/generate`, random ids, 2 new tokens): the running streams'
+            (`/generate`, random ids, 2 new tokens; with `--long-speech` a speech
+            request of as many characters, for a server of speech walks only,
+            `--audio-logits-only`: the dummy checkpoint's byte tokenizer makes
+            a token of each): the running streams'
             chunks that came after their player ran dry (stalls) while
             it was admitted, and their largest gap then.
 A gap is the time between two chunks of one request (its first chunk
@@ -119,12 +122,19 @@ class Background:
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
-async def _long_prompt(session: aiohttp.ClientSession, url: str, model: str, n: int) -> dict[str, float]:
-    ids = [random.Random(n).randrange(1000, 100_000) for _ in range(n)]
+async def _long_prompt(session: aiohttp.ClientSession, url: str, model: str, n: int,
+                       speech: bool = False) -> dict[str, float]:
+    rng = random.Random(n)
+    if speech:
+        text = "".join(rng.choice("abcdefghij klmnopqrstuvwxyz") for _ in range(n))
+        route, body = "/v1/audio/speech", {"model": model, "input": text, "voice": "tara", "response_format": "pcm",
+                                           "max_tokens": 2, "ignore_eos": True}
+    else:
+        route, body = "/generate", {"model": model, "input_ids": [rng.randrange(1000, 100_000) for _ in range(n)],
+                                    "walk": "generate", "sampling_params": {"max_tokens": 2, "ignore_eos": True}}
     t0 = time.perf_counter()
-    async with session.post(f"{url}/generate", json={"model": model, "input_ids": ids, "walk": "generate",
-                                                     "sampling_params": {"max_tokens": 2, "ignore_eos": True}}) as r:
-        body = await r.json()
+    async with session.post(f"{url}{route}", json=body) as r:
+        body = await (r.read() if speech and r.status == 200 else r.json())
         if r.status != 200:
             raise SystemExit(f"the long prompt failed: HTTP {r.status} {body}")
     return {"sent": t0, "done": time.perf_counter()}
@@ -192,7 +202,7 @@ async def bench(a: argparse.Namespace, url: str, server: Server | None) -> dict[
         await asyncio.gather(*profiles)
         arrived = await asyncio.gather(*arrivals)
         await asyncio.sleep(a.settle)
-        long = await _long_prompt(session, url, model, a.long_prompt)
+        long = await _long_prompt(session, url, model, a.long_prompt, a.long_speech)
         await asyncio.sleep(a.settle)
         t_long_end = time.perf_counter()
         await bg.stop()
@@ -242,6 +252,9 @@ def main() -> None:
     p.add_argument("--settle", type=float, default=2.0, help="seconds between phases")
     p.add_argument("--alone", type=int, default=5)
     p.add_argument("--long-prompt", type=int, default=4000)
+    p.add_argument("--long-speech", action="store_true",
+                   help="the long prompt as a speech request of --long-prompt characters (a server of speech walks "
+                        "only: --audio-logits-only)")
     p.add_argument("--timeout", type=float, default=300.0)
     p.add_argument("--voice", default="tara")
     p.add_argument("--label", default="default", help="the key of this run in --out")
