@@ -183,7 +183,7 @@ async def main(a: argparse.Namespace) -> None:
     # for a stream to end instead of running beside them
     rows = max(a.concurrency) + (math.ceil((1.0 + a.trace) / a.arrivals) + 1 if a.arrivals > 0 else 0)
     eng = Engine(EngineConfig(model=a.model, devices=tuple(a.devices.split(",")), load_format=a.load_format,
-                              kv_cache_dtype=a.kv_cache_dtype,
+                              kv_cache_dtype=a.kv_cache_dtype, audio_logits_only=a.audio_logits_only,
                               cuda_graph_batch_sizes=graph_buckets(max(256, rows)),
                               scheduler=SchedulerConfig(max_num_seqs=rows)))
     await eng.start()
@@ -204,6 +204,8 @@ if __name__ == "__main__":
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"])
+    p.add_argument("--audio-logits-only", action="store_true", help="the server's flag: the head and the draw over "
+                   "Orpheus's own ids only")
     p.add_argument("--trace", type=float, default=0.0, help="seconds of torch profiler in each level")
     p.add_argument("--trace-after", type=float, default=1.0, help="when the trace starts, in seconds into a level")
     p.add_argument("--arrivals", type=float, default=0.0,
@@ -224,5 +226,5 @@ if __name__ == "__main__":
         Executor.run, Executor.next_plan = _profiled(Executor.run), _profiled(Executor.next_plan)
     print(f"# {platform.platform()} | python {platform.python_version()} | torch {torch.__version__} "
           f"| {os.cpu_count()} cpus | model {args.model} ({args.load_format}) on {args.devices} "
-          f"| kv {args.kv_cache_dtype}")
+          f"| kv {args.kv_cache_dtype}{' | audio logits only' if args.audio_logits_only else ''}")
     asyncio.run(main(args))
