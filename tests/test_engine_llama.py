@@ -260,10 +260,10 @@ async def test_a_row_that_breaks_the_sampler_fails_alone_and_its_batch_goes_on(m
     bad_seed = 4242
     real = runner.sample
 
-    def faulty(logits, st, seen=None, banned=None):
+    def faulty(logits, st, seen=None, banned=None, **kw):
         if bool((st.seeds == bad_seed).any()):
             raise RuntimeError("injected sampler fault")
-        return real(logits, st, seen, banned)
+        return real(logits, st, seen, banned, **kw)
 
     eng = Engine(EngineConfig(model="tiny-llama"))
     await eng.start()
