@@ -233,7 +233,7 @@ def build_parser(builtin_models: Sequence[str] = ()) -> argparse.ArgumentParser:
                         "special and audio ids, not Llama's 128,256 text ids), and its speech walks are the only "
                         "ones served: a step's head and draw read a fifth of the vocabulary. Changes the output "
                         "where the model would have drawn a text id (its probabilities are renormalised over "
-                        "the window)")
+                        "the window), and a stop id outside it (Orpheus's <|eot_id|>) can no longer end a request")
     p.add_argument("--gil-switch-interval-ms", type=float, default=None,
                    help="how long a thread may hold the GIL while another waits (Python's default: 5 ms); the "
                         "worker threads and the event loop share it")

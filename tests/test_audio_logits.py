@@ -25,16 +25,19 @@ def test_a_restricted_head_computes_its_window_and_leaves_the_rest_at_minus_inf(
     head.weight.copy_(torch.randn(1000, 16))
     x = torch.randn(5, 16)
     whole = head(x)
-    head.restrict(128, 700)
-    assert head.window == (128, 704)   # up to the next aligned row: ids 700-703 come with the last rows
+    head.restrict(128, 704)
+    assert head.window == (128, 704)
     part = head(x)
     assert part.shape == whole.shape == (5, 1000)
     torch.testing.assert_close(part[:, 128:704], whole[:, 128:704], rtol=1e-5, atol=1e-5)
     assert torch.isneginf(part[:, :128]).all() and torch.isneginf(part[:, 704:]).all()
-    head.restrict(960, 1000)            # a window to the vocabulary's end keeps the padded rows out
-    assert head.window == (960, 1000) and torch.isneginf(head(x)[:, :960]).all()
-    with pytest.raises(ValueError, match="multiple of 64"):
-        head.restrict(100, 700)
+    head.restrict(960, 1000)            # to the vocabulary's end (not aligned): the padded rows stay out
+    last = head(x)
+    assert head.window == (960, 1000) and torch.isneginf(last[:, :960]).all()
+    torch.testing.assert_close(last[:, 960:], whole[:, 960:], rtol=1e-5, atol=1e-5)
+    for first, end in ((100, 704), (128, 700)):
+        with pytest.raises(ValueError, match="multiple of 64"):
+            head.restrict(first, end)
     with pytest.raises(ValueError, match="inside the vocabulary"):
         head.restrict(0, 1001)
 

@@ -129,7 +129,8 @@ class Model:
     def audio_logits(self, component: str) -> tuple[int, int] | None:
         """The ids [first, end) a sampled component's speech walks draw from,
         where the rest of its vocabulary is text: under `--audio-logits-only`
-        its head computes only these. None: no such window."""
+        its head computes only these (`VocabHead.restrict`: both ends aligned
+        to its rows, or `end` the vocabulary's end). None: no such window."""
         return None
 
     def audio_only_walks(self) -> tuple[str, ...]:

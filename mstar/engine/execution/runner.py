@@ -86,8 +86,7 @@ class ComponentRunner:
         self.kv_graphs = kv_graphs or {}
         self.mixed_graphs = None  # graphs of mixed steps, where captured
         self.sampler_graphs: SamplerGraphs | None = None  # graphs of the decode graphs' draws, where captured
-        # the ids a restricted head computes logits for (`--audio-logits-only`): the sampler reads only those
-        self.vocab_window: tuple[int, int] | None = getattr(module, "vocab_window", None)
+        self.vocab_window: tuple[int, int] | None = getattr(module, "vocab_window", None)  # `VocabHead.restrict`
         self.mixed_replayed = False  # the last mixed step replayed one
         self.device_s = 0.0
         self._cuda = device.type == "cuda"
@@ -311,8 +310,7 @@ class ComponentRunner:
         st = SamplingTensors.build(params, [p.seed for p in parts], [r.generated for r in kv], logits.device)
         seen = None
         if st.any_penalty:
-            vocab = logits.shape[-1]
-            empty = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
+            vocab, empty = logits.shape[-1], torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
             seen = torch.stack([r.saw(toks.to(logits.device), vocab) if p.sampling.repetition_penalty != 1.0
                                 else r.seen if r.seen is not None else empty
                                 for p, r, toks in zip(parts, kv, inputs)])

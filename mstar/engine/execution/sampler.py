@@ -156,7 +156,9 @@ def sample(logits: Tensor, st: SamplingTensors, seen: Tensor | None = None, bann
     `min_tokens` not reached). `offset`: draws at the rows' counters plus
     this (a mode's j-th draw). `window` (first, end): every id outside it
     has a -inf logit (a head that computes only those ids'), so only that
-    slice is read; the draw is the one the whole row gives.
+    slice is read. Each id draws its own noise there, so the draw is the
+    whole row's, but that the wide draw's block sums (`wide_draw.py`) start
+    elsewhere in the row and may round differently in the last bit.
 
     Greedy rows take the argmax of the (penalised) logits. Other rows draw by
     an exponential race (argmax of probs / Exp noise), equivalent to sampling

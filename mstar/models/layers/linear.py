@@ -132,12 +132,14 @@ class VocabHead(nn.Module):
 
     def restrict(self, first: int, end: int) -> None:
         """Compute the logits of ids [first, end) only, the others -inf.
-        `first` a multiple of ALIGN, so that the rows' matmul starts on an
-        aligned row (the rows up to `end` rounded up to ALIGN are computed)."""
-        if first % self.ALIGN or not 0 <= first < end <= self.out_features:
+        Both ends multiples of ALIGN (`end` may be the vocabulary's end), so
+        that the rows' matmul covers whole aligned rows and nothing else."""
+        if first % self.ALIGN or (end % self.ALIGN and end != self.out_features) \
+                or not 0 <= first < end <= self.out_features:
             raise ValueError(f"a head of {self.out_features} ids restricted to [{first}, {end}): the window must "
-                             f"lie inside the vocabulary and start at a multiple of {self.ALIGN}")
-        self._window = (first, min(-(-end // self.ALIGN) * self.ALIGN, self.out_features))
+                             f"lie inside the vocabulary, start at a multiple of {self.ALIGN} and end at one or at "
+                             f"the vocabulary's end")
+        self._window = (first, end)
 
     def extra_repr(self) -> str:
         window = f", ids {self._window[0]}..{self._window[1] - 1} only" if self._window else ""
