@@ -24,7 +24,8 @@ Device = torch.device | str | None
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer: int, *, device: Device = None, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, cfg: LlamaConfig, layer: int, *, device: Device = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.layer = layer
         self.num_heads = cfg.num_attention_heads
@@ -47,7 +48,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer: int, *, device: Device = None, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, cfg: LlamaConfig, layer: int, *, device: Device = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device=device, dtype=dtype)
         self.self_attn = LlamaAttention(cfg, layer, device=device, dtype=dtype)
