@@ -15,7 +15,7 @@ import torch
 
 import mstar
 from mstar.engine.memory.kv_cache import SwappedKV
-from mstar.engine.worker.kv_rows import KVRow
+from mstar.engine.worker.kv_rows import KVRow, seen_masks
 from mstar.scheduler import PagePool
 
 FIELDS = {f.name for f in fields(KVRow)} - {"component"}
@@ -76,8 +76,9 @@ def test_a_row_moves_through_its_methods() -> None:
     assert (row.kv_len, row.start, row.generated) == (7, 5, 2)
     row.advance(3, None, sampled=False, reset=True)  # a restarted cache: its pages stay
     assert (row.kv_len, row.rope_delta, len(row.pages)) == (3, 0, 2)
-    mask = row.saw(torch.tensor([1, 5, 99]), vocab=10)
-    assert mask.nonzero().flatten().tolist() == [1, 5, 9]
+    masks = seen_masks([row], [torch.tensor([1, 5, 99])], vocab=10, device=torch.device("cpu"))
+    mask = row.seen
+    assert mask.nonzero().flatten().tolist() == masks[0].nonzero().flatten().tolist() == [1, 5, 9]
     assert row.into_group() is mask and row.seen is None
     row.back_from_group(kv_len=9, generated=4)
     row.keep_seen(mask)
@@ -96,3 +97,19 @@ def test_a_row_moves_through_its_methods() -> None:
     row.take_slot(1)
     assert row.swapped_in()[1] is saved and (row.swapped, row.swapped_state, row.slot) == (None, None, 1)
     assert row.release(pool) and pool.num_free == 6 and not row.release(pool)
+
+
+def test_a_steps_seen_masks_mark_each_rows_new_tokens_over_what_it_saw_before() -> None:
+    """Rows with a penalty mark their tokens (over a mask they had, or none);
+    a row without one keeps its mask as it was, unmarked, or none at all."""
+    cpu = torch.device("cpu")
+    before = KVRow("llm")
+    seen_masks([before], [torch.tensor([2])], vocab=8, device=cpu)
+    fresh, plain, plain_before = KVRow("llm"), KVRow("llm"), KVRow("llm")
+    seen_masks([plain_before], [torch.tensor([7])], vocab=8, device=cpu)
+    masks = seen_masks([before, fresh, plain, plain_before],
+                       [torch.tensor([[3, 4]]), torch.tensor([0, 0, 9]), None, None], vocab=8, device=cpu)
+    assert [m.nonzero().flatten().tolist() for m in masks] == [[2, 3, 4], [0, 7], [], [7]]
+    assert before.seen is not None and before.seen.nonzero().flatten().tolist() == [2, 3, 4]
+    assert fresh.seen.nonzero().flatten().tolist() == [0, 7]   # an id past the vocabulary lands on its last
+    assert plain.seen is None and plain_before.seen.nonzero().flatten().tolist() == [7]

@@ -29,7 +29,7 @@ from mstar.engine.worker.groups.loop_group import LoopGroup
 from mstar.engine.execution.mode_graphs import ModeGraphs, takes_seeds
 from mstar.engine.execution.pack import host_id_rows, kv_outputs, pack_kv, page_token_rows, step_indices
 from mstar.engine.execution.plain_steps import PlainSteps, step_outputs
-from mstar.engine.worker.kv_rows import KVRow
+from mstar.engine.worker.kv_rows import KVRow, seen_masks
 from mstar.engine.worker.rows import PartitionRun
 from mstar.engine.execution.sampler import SamplingTensors, banned_table, sample, token_logprobs
 from mstar.engine.execution.sampler_graphs import SamplerGraphs
@@ -310,10 +310,8 @@ class ComponentRunner:
         st = SamplingTensors.build(params, [p.seed for p in parts], [r.generated for r in kv], logits.device)
         seen = None
         if st.any_penalty:
-            vocab, empty = logits.shape[-1], torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
-            seen = torch.stack([r.saw(toks.to(logits.device), vocab) if p.sampling.repetition_penalty != 1.0
-                                else r.seen if r.seen is not None else empty
-                                for p, r, toks in zip(parts, kv, inputs)])
+            seen = seen_masks(kv, [toks if p.sampling.repetition_penalty != 1.0 else None
+                                   for p, toks in zip(parts, inputs)], logits.shape[-1], logits.device)
         with torch.profiler.record_function("mstar.sample"):
             tokens = self._timed(sample)(logits, st, seen, banned_table(banned, logits.device),
                                          window=self.vocab_window)

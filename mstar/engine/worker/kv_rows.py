@@ -13,11 +13,13 @@ back (`back_from_group`) when the row leaves.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from mstar.engine.memory.kv_cache import SwappedKV
+from mstar.kernels.host_copy import to_device
 from mstar.scheduler import PagePool
 
 
@@ -105,12 +107,10 @@ class KVRow:
         """A step's mode drew `n` tokens itself under sampling key `key`."""
         self.drawn[key] = self.drawn.get(key, 0) + n
 
-    def saw(self, ids: torch.Tensor, vocab: int) -> torch.Tensor:
-        """Mark `ids` seen (the repetition penalty); the row's mask."""
-        if self.seen is None:
-            self.seen = torch.zeros(vocab, dtype=torch.bool, device=ids.device)
-        self.seen[ids.clamp(0, vocab - 1)] = True
-        return self.seen
+    def saw_in(self, mask: torch.Tensor) -> None:
+        """Its repetition penalty's seen mask is now `mask`: its row of a
+        step's masks (`seen_masks`), with what it was shown marked."""
+        self.seen = mask
 
     def new_turn(self) -> None:
         """A later turn starts: the repetition penalty looks at it alone."""
@@ -159,3 +159,29 @@ class KVRow:
             slots.free([self.slot])
         self.slot = None
         return held
+
+
+def seen_masks(rows: Sequence[KVRow], ids: Sequence[torch.Tensor | None], vocab: int,
+               device: torch.device) -> torch.Tensor:
+    """The repetition penalty's seen masks of a step's rows, [B, V] bool:
+    each row's mask so far (none: nothing seen), with `ids[i]` marked where
+    given (a penalised row's new tokens); such a row keeps its row of the
+    result as its mask from now on. One scatter marks every row: a mask of
+    its own a row was three launches, hundreds for a burst of admissions."""
+    masks = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
+    for i, row in enumerate(rows):
+        if row.seen is not None:  # a later chunk or turn of a row that saw tokens before
+            masks[i] = row.seen
+    marking = [i for i, t in enumerate(ids) if t is not None]
+    if not marking:
+        return masks
+    flat = [ids[i].reshape(-1) for i in marking]
+    where = torch.repeat_interleave(torch.tensor(marking), torch.tensor([t.numel() for t in flat]))
+    if all(t.device.type == "cpu" for t in flat):
+        cols = to_device(torch.cat(flat), device)   # one copy to the device, not one a row
+    else:
+        cols = torch.cat([t.to(device) for t in flat])
+    masks[to_device(where, device), cols.clamp(0, vocab - 1)] = True
+    for i in marking:
+        rows[i].saw_in(masks[i])
+    return masks
