@@ -161,12 +161,16 @@ async def test_chunked_and_mixed_prefills_carry_the_state_on(checkpoint: tuple[P
         page_size=4, max_num_batched_tokens=16, mixed_steps=mixed)))
     await eng.start()
     chunks: list[int] = []
-    eng.add_report_hook(lambda r: chunks.append(r.rows) if r.mode == "prefill" else None)
+    decoding = asyncio.Event()  # reports reach hooks on the event loop
+    eng.add_report_hook(lambda r: chunks.append(r.rows) if r.mode == "prefill"
+                        else decoding.set() if r.mode == "decode" else None)
     greedy = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
     try:
         tasks = []
         for i, prompt in enumerate(PROMPTS):
             tasks.append(asyncio.ensure_future(generated(eng, f"r{i}", prompt, greedy)))
+            if i == 0:  # the others arrive while it decodes, however slow the box is to start it
+                await asyncio.wait_for(decoding.wait(), 60)
             await asyncio.sleep(0.05)
         assert list(await asyncio.gather(*tasks)) == want
         stats = eng.workers[0].stats
