@@ -45,6 +45,8 @@ def check_exponential_noise(rows: int, vocab: int, device: str) -> None:
     assert got.shape == (rows + 1, vocab) and got.dtype == torch.float32
     torch.testing.assert_close(got, want, atol=0, rtol=1e-6)
     assert (got > 0).all() and (want > 0).all()  # a -0.0 draw turns a race's 0 / -0.0 into NaN, which argmax takes
+    if vocab > 4096:  # the window's indices are checked on the narrow cases (the interpreter is slow)
+        return
     # a window of the vocabulary from index 37: the whole row's draws at those indices
     window = noise.exponential_noise_triton(seeds, counters, vocab, 37)
     whole = noise.exponential_noise_reference(seeds, counters, vocab + 37)
