@@ -229,9 +229,10 @@ def build_parser(builtin_models: Sequence[str] = ()) -> argparse.ArgumentParser:
                         "CUDA needs compute capability 8.9+, and decodes through TensorRT-LLM's XQA kernel "
                         "(FlashInfer) on 9.0+")
     p.add_argument("--audio-logits-only", action="store_true",
-                   help="a speech model's LM head computes the logits of its own ids only (Orpheus: its 28,684 "
-                        "special and audio ids, not Llama's 128,256 text ids), and its speech walks are the only "
-                        "ones served: a step's head and draw read a fifth of the vocabulary. Changes the output "
+                   help="Orpheus models: the LM head computes the logits of Orpheus's own 28,684 special and "
+                        "audio ids only, not Llama's 128,256 text ids, so a step's head and draw read 18%% of the "
+                        "vocabulary; only speech is served (/v1/audio/speech, /v1/realtime; /generate's "
+                        "'generate' walk is refused). Changes the output "
                         "where the model would have drawn a text id (its probabilities are renormalised over "
                         "the window), and a stop id outside it (Orpheus's <|eot_id|>) can no longer end a request")
     p.add_argument("--gil-switch-interval-ms", type=float, default=None,

@@ -103,7 +103,8 @@ async def test_orpheus_serves_only_its_speech_walks_with_audio_ids() -> None:
         assert await _speech_samples(eng, seeds, tokens) == [samples_all_audio] * len(seeds)
         text = GenerateRequest("t", eng.model_name, {"prompt_ids": [5, 6, 7]},
                                SamplingParams(max_tokens=2), walk="generate")
-        with pytest.raises(RequestError, match="unknown walk 'generate'"):
+        with pytest.raises(RequestError, match="'generate' of model 'orpheus-tiny' is not served: "
+                                               "--audio-logits-only serves speak, speak_early"):
             async for _ in eng.submit(text):
                 pass
     finally:

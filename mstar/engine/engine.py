@@ -277,7 +277,9 @@ class Engine:
         walk_name = model.walk_for(request)
         plan = self.plans.get(walk_name)
         if plan is None:
-            raise RequestError(f"unknown walk '{walk_name}'; this model has {sorted(self.plans)}", field="walk")
+            why = "is not served: --audio-logits-only serves" if walk_name in model.walks else "is unknown; it has"
+            raise RequestError(f"walk '{walk_name}' of model '{self.model_name}' {why} {', '.join(self.plans)}",
+                               field="walk")
         if request.more_input and plan.more_input is None:
             raise RequestError(f"walk '{walk_name}' of model '{self.model_name}' takes no input while it runs",
                                field="input")

@@ -140,8 +140,8 @@ class Model:
         them, can not serve so."""
         walks = tuple(w for w in (self.tts_walk, self.early_tts_walk) if w is not None)
         if not walks or self.default_walk not in walks or not any(self.audio_logits(c) for c in self.components):
-            raise ConfigError(f"--audio-logits-only: model '{self.name}' has no speech walk whose head computes "
-                              f"audio ids only")
+            raise ConfigError(f"--audio-logits-only is for models that speak from ids of their own (Orpheus); "
+                              f"model '{self.name}' has none")
         return walks
 
     def default_dtype(self, device: torch.device) -> torch.dtype:
