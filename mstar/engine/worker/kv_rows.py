@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mstar.engine.memory.kv_cache import SwappedKV
-from mstar.kernels.host_copy import to_device
+from mstar.engine.movement.transfer import to_device
 from mstar.scheduler import PagePool
 
 
