@@ -1,14 +1,17 @@
 """`--audio-logits-only`: a speech model's head computes the logits of its
 own ids only, the rest -inf; the sampler reads only that window and draws
 what the whole row with those -inf entries would draw; the engine serves
-only the speech walks. Each piece against the unrestricted one on the CPU."""
+only the speech walks, and text routes answer 400 (without the flag they
+run Orpheus's text walk). Each piece against the unrestricted one on the CPU."""
 
 from __future__ import annotations
 
 import dataclasses
 
+import aiohttp
 import pytest
 import torch
+from http_support import serving
 
 from mstar.config import EngineConfig
 from mstar.engine.engine import Engine
@@ -70,6 +73,11 @@ def test_a_windowed_draw_is_the_whole_rows_draw(params: SamplingParams) -> None:
             assert ((got >= first) & (got < end)).all()
 
 
+async def _post(url: str, body: dict) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as http, http.post(url, json={"model": "orpheus-tiny", **body}) as r:
+        return r.status, await r.json()
+
+
 async def _speech_samples(eng: Engine, seeds: range, max_tokens: int) -> list[int]:
     """Each seed's speech request's PCM samples (`max_tokens` ids drawn at temperature 2: text ids too)."""
     base = SamplingParams(temperature=2.0, top_p=1.0, max_tokens=max_tokens, ignore_eos=True)
@@ -92,6 +100,10 @@ async def test_orpheus_serves_only_its_speech_walks_with_audio_ids() -> None:
     await plain.start()
     try:
         unrestricted = await _speech_samples(plain, seeds, tokens)
+        async with serving(plain) as url:
+            # a text route on a model that speaks runs its text walk: the Llama's ids (with logprobs) as text
+            status, body = await _post(url + "/v1/completions", {"prompt": "Hello", "max_tokens": 3, "logprobs": 1})
+            assert status == 200 and len(body["choices"][0]["logprobs"]["token_logprobs"]) == 3
     finally:
         await plain.shutdown()
     assert min(unrestricted) < samples_all_audio
@@ -107,6 +119,12 @@ async def test_orpheus_serves_only_its_speech_walks_with_audio_ids() -> None:
                                                "--audio-logits-only serves speak, speak_early"):
             async for _ in eng.submit(text):
                 pass
+        async with serving(eng) as url:  # text routes have no text walk here: a 400, not an empty answer
+            for route, body in (("/v1/completions", {"prompt": "Hello"}),
+                                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+                status, answer = await _post(url + route, {**body, "max_tokens": 3})
+                assert status == 400 and answer["error"]["param"] == "model", route
+                assert "answers in speech only" in answer["error"]["message"]
     finally:
         await eng.shutdown()
 

@@ -31,8 +31,8 @@ from mstar.http.text.chat_messages import media_parts
 from mstar.http.text.logprobs import LogprobShapes
 from mstar.http.text.protocol import parse_chat, parse_completion
 from mstar.http.responses import EventStream, client_gone, error_body, json_response
-from mstar.http.submission import (Choice, Inputs, Submission, failure_of, off_loop, prompt_inputs, resolve_model,
-                                   submit)
+from mstar.http.submission import (Choice, Inputs, Submission, Target, failure_of, off_loop, prompt_inputs,
+                                   resolve_model, submit)
 from mstar.types import ModelCard, OutputChunk
 
 log = structlog.get_logger("mstar.http")
@@ -86,7 +86,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     reply = Reply(f"cmpl-{uuid.uuid4().hex}", "text_completion", int(time.time()), target.name)
     sampling = dataclasses.replace(body.sampling, max_tokens=body.max_tokens)
     sub = await submit(engine, reply.id, target.name, prompts, sampling, n=body.n, sampling_by=body.sampling_by,
-                       priority=body.priority)
+                       priority=body.priority, walk=_text_walk(target))
     shapes = LogprobShapes(target.tokenizer) if body.sampling.logprobs is not None else None
     try:
         if body.stream:
@@ -120,7 +120,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     # max_tokens None: all the room the messages leave in the context
     sampling = dataclasses.replace(body.sampling, max_tokens=body.max_tokens)
     sub = await submit(engine, reply.id, target.name, [Inputs(values, names)], sampling, n=body.n,
-                       sampling_by=body.sampling_by, walk=target.spoken_chat_walk if body.audio else None,
+                       sampling_by=body.sampling_by,
+                       walk=target.spoken_chat_walk if body.audio else _text_walk(target),
                        keep_audio=body.audio is not None and not body.stream, priority=body.priority)
     shapes = LogprobShapes(target.tokenizer) if body.sampling.logprobs is not None else None
     try:  # from here on, whatever happens, the submission is closed (aborted if it still runs)
@@ -142,6 +143,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         return json_response(reply.body(answers, usage=spoken_usage(sub.usage(), choices)))
     finally:
         await sub.aclose()
+
+
+def _text_walk(target: Target) -> str | None:
+    """The walk a text answer runs: the model's default (None), or where that
+    one speaks (Orpheus's), its `text_walk`; a 400 where that is not served
+    (`--audio-logits-only`): an answer of speech has no text to give."""
+    if target.default_walk not in (target.tts_walk, target.early_tts_walk):
+        return None
+    if target.text_walk is not None and target.text_walk in target.walks:
+        return target.text_walk
+    raise RequestError(f"model '{target.name}' answers in speech only on this server: use /v1/audio/speech or "
+                       f"/v1/realtime", field="model")
 
 
 async def stream_sse(request: web.Request, sub: Submission, reply: Reply, piece: Piece,
