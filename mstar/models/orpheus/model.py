@@ -109,8 +109,8 @@ class OrpheusModel(LlamaModel):
     default_walk = "speak"
     tts_walk = "speak"
     early_tts_walk = "speak_early"
-    # /v1/completions and /v1/chat/completions: the Llama's ids as text (<custom_token_N> for audio codes), what
-    # a plain Llama server of the checkpoint answers and what Canopy's own package parses
+    # /v1/completions and /v1/chat/completions: the Llama's ids as text, what a plain Llama server of the
+    # checkpoint answers
     text_walk = "generate"
 
     def __init__(self, name: str, path: str | None, load_format: str = "auto", max_model_len: int | None = None,
