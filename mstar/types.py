@@ -169,7 +169,7 @@ class ModelCard:
     # what a request on `tts_walk` gets for the sampling fields it leaves out (the walk's root key's defaults)
     tts_sampling: SamplingParams = field(default_factory=SamplingParams)
     early_tts_walk: str | None = None    # `tts_walk` with its first audio sooner, if it has one
-    text_walk: str | None = None         # what text routes run where `default_walk` speaks, if it has one
+    written_walk: str | None = None      # what text routes run where `default_walk` speaks, if it has one
 
 
 @dataclass(frozen=True)

@@ -65,7 +65,7 @@ class Target:
     spoken_chat_walk: str | None = None
     tts_sampling: SamplingParams = field(default_factory=SamplingParams)
     early_tts_walk: str | None = None  # `tts_walk` with its first audio sooner (`early_audio`), if it has one
-    text_walk: str | None = None       # what text routes run where `default_walk` speaks (`Model.text_walk`)
+    written_walk: str | None = None    # what text routes run where `default_walk` speaks (`Model.written_walk`)
 
 
 def resolve_model(engine: Engine, requested: str | None) -> Target:
@@ -89,7 +89,7 @@ def resolve_model(engine: Engine, requested: str | None) -> Target:
     return Target(name=name, tokenizer=tokenizer, max_model_len=card.max_model_len, walks=tuple(card.walks),
                   default_walk=card.default_walk, input_modalities=tuple(card.input_modalities),
                   tts_walk=card.tts_walk, spoken_chat_walk=card.spoken_chat_walk, tts_sampling=tts,
-                  early_tts_walk=card.early_tts_walk, text_walk=card.text_walk)
+                  early_tts_walk=card.early_tts_walk, written_walk=card.written_walk)
 
 
 async def off_loop(size: int, fn: Callable[..., R], *args: Any) -> R:

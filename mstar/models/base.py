@@ -82,7 +82,7 @@ class Model:
     tts_walk: str | None = None          # `{"text", "voice"}` in, audio out (`/v1/audio/speech`)
     early_tts_walk: str | None = None    # the same, its first audio sooner and less exact (`early_audio`)
     spoken_chat_walk: str | None = None  # chat `messages` and a `voice` in, text and audio out
-    text_walk: str | None = None         # what text routes run where the default walk speaks (its ids as text)
+    written_walk: str | None = None      # what text routes run where the default walk speaks (its ids as text)
 
     def __init__(self, name: str) -> None:
         self.name = name

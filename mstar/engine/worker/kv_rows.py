@@ -136,6 +136,8 @@ class KVRow:
         """Preempted: its KV went to host memory, its pages back to the pool;
         with `state`, its slot's state went too and the slot is free."""
         self.swapped, self.pages = swapped, []
+        if self.seen is not None:  # its own copy: a view would hold the whole step's masks while it waits
+            self.seen = self.seen.clone()
         if state is not None:
             self.swapped_state, self.slot = state, None
 
@@ -167,7 +169,9 @@ def seen_masks(rows: Sequence[KVRow], ids: Sequence[torch.Tensor | None], vocab:
     each row's mask so far (none: nothing seen), with `ids[i]` marked where
     given (a penalised row's new tokens); such a row keeps its row of the
     result as its mask from now on. One scatter marks every row: a mask of
-    its own a row was three launches, hundreds for a burst of admissions."""
+    its own a row was three launches, hundreds for a burst of admissions.
+    A row's view holds the whole [B, V] tensor until it lets go: joining a
+    decode group (which copies), a new turn, or a swap (which clones)."""
     masks = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
     for i, row in enumerate(rows):
         if row.seen is not None:  # a later chunk or turn of a row that saw tokens before
@@ -180,8 +184,10 @@ def seen_masks(rows: Sequence[KVRow], ids: Sequence[torch.Tensor | None], vocab:
     if all(t.device.type == "cpu" for t in flat):
         cols = to_device(torch.cat(flat), device)   # one copy to the device, not one a row
     else:
-        cols = torch.cat([t.to(device) for t in flat])
-    masks[to_device(where, device), cols.clamp(0, vocab - 1)] = True
+        cols = torch.cat([to_device(t, device) for t in flat])
+    # the value made on the device: a Python True would be copied from the host, which waits for it on CUDA
+    masks.index_put_((to_device(where, device), cols.clamp(0, vocab - 1)), torch.ones((), dtype=torch.bool,
+                                                                                       device=device))
     for i in marking:
         rows[i].saw_in(masks[i])
     return masks

@@ -103,8 +103,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     target = resolve_model(engine, body.model)
     if body.audio is not None and target.spoken_chat_walk is None:
-        raise RequestError(f"model '{target.name}' answers in text only: 'audio' needs a model that speaks",
+        how = "speaks text it is given (/v1/audio/speech), not chat answers" if target.tts_walk else "answers in text only"
+        raise RequestError(f"model '{target.name}' {how}: 'audio' needs a model that speaks its answers",
                            field="modalities")
+    walk = target.spoken_chat_walk if body.audio else _text_walk(target)   # refused before any media is decoded
     parts = media_parts(body.messages)
     refuse_untaken(parts, target.name, target.input_modalities)
     # decoded once for all n samples, before anything starts: a bad part refuses the whole request
@@ -120,8 +122,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     # max_tokens None: all the room the messages leave in the context
     sampling = dataclasses.replace(body.sampling, max_tokens=body.max_tokens)
     sub = await submit(engine, reply.id, target.name, [Inputs(values, names)], sampling, n=body.n,
-                       sampling_by=body.sampling_by,
-                       walk=target.spoken_chat_walk if body.audio else _text_walk(target),
+                       sampling_by=body.sampling_by, walk=walk,
                        keep_audio=body.audio is not None and not body.stream, priority=body.priority)
     shapes = LogprobShapes(target.tokenizer) if body.sampling.logprobs is not None else None
     try:  # from here on, whatever happens, the submission is closed (aborted if it still runs)
@@ -147,12 +148,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 def _text_walk(target: Target) -> str | None:
     """The walk a text answer runs: the model's default (None), or where that
-    one speaks (Orpheus's), its `text_walk`; a 400 where that is not served
+    one speaks (Orpheus's), its `written_walk`; a 400 where that is not served
     (`--audio-logits-only`): an answer of speech has no text to give."""
     if target.default_walk not in (target.tts_walk, target.early_tts_walk):
         return None
-    if target.text_walk is not None and target.text_walk in target.walks:
-        return target.text_walk
+    if target.written_walk is not None and target.written_walk in target.walks:
+        return target.written_walk
     raise RequestError(f"model '{target.name}' answers in speech only on this server: use /v1/audio/speech or "
                        f"/v1/realtime", field="model")
 

@@ -111,7 +111,7 @@ class OrpheusModel(LlamaModel):
     early_tts_walk = "speak_early"
     # /v1/completions and /v1/chat/completions: the Llama's ids as text, what a plain Llama server of the
     # checkpoint answers
-    text_walk = "generate"
+    written_walk = "generate"
 
     def __init__(self, name: str, path: str | None, load_format: str = "auto", max_model_len: int | None = None,
                  *, builtin: LlamaConfig | None = None, default_max_model_len: int | None = None,
