@@ -103,7 +103,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     target = resolve_model(engine, body.model)
     if body.audio is not None and target.spoken_chat_walk is None:
-        how = "speaks text it is given (/v1/audio/speech), not chat answers" if target.tts_walk else "answers in text only"
+        how = ("speaks text it is given (/v1/audio/speech), not chat answers" if target.tts_walk
+               else "answers in text only")
         raise RequestError(f"model '{target.name}' {how}: 'audio' needs a model that speaks its answers",
                            field="modalities")
     walk = target.spoken_chat_walk if body.audio else _text_walk(target)   # refused before any media is decoded
