@@ -130,8 +130,10 @@ async def _long_prompt(session: aiohttp.ClientSession, url: str, model: str, n: 
         route, body = "/v1/audio/speech", {"model": model, "input": text, "voice": "tara", "response_format": "pcm",
                                            "max_tokens": 2, "ignore_eos": True}
     else:
-        route, body = "/generate", {"model": model, "input_ids": [rng.randrange(1000, 100_000) for _ in range(n)],
-                                    "walk": "generate", "sampling_params": {"max_tokens": 2, "ignore_eos": True}}
+        # the prompt earlier rows were measured with: one id, n times (a new generator of the same seed for each)
+        ids = [random.Random(n).randrange(1000, 100_000) for _ in range(n)]
+        route, body = "/generate", {"model": model, "input_ids": ids, "walk": "generate",
+                                    "sampling_params": {"max_tokens": 2, "ignore_eos": True}}
     t0 = time.perf_counter()
     async with session.post(f"{url}{route}", json=body) as r:
         body = await (r.read() if speech and r.status == 200 else r.json())

@@ -67,6 +67,10 @@ class Target:
     early_tts_walk: str | None = None  # `tts_walk` with its first audio sooner (`early_audio`), if it has one
     written_walk: str | None = None    # what text routes run where `default_walk` speaks (`Model.written_walk`)
 
+    def speaks(self, walk: str | None) -> bool:
+        """Whether `walk` (None: the default) is one of its text-to-speech walks."""
+        return (walk or self.default_walk) in (self.tts_walk, self.early_tts_walk)
+
 
 def resolve_model(engine: Engine, requested: str | None) -> Target:
     """The model a request names (default: the engine's); 404 if not served.

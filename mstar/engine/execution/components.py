@@ -165,8 +165,8 @@ def _runner(model: Model, name: str, module: nn.Module, device: torch.device, dt
     draws = None
     if graphs is not None and (logits := graphs.static_output("logits")) is not None:
         window = getattr(module, "vocab_window", None)
-        # before serving: a first wide batch would wait seconds for Triton
-        compile_wide_draw(logits[:, window[0]:window[1]] if window else logits, window[0] if window else 0)
+        first, end = window or (0, logits.shape[1])
+        compile_wide_draw(logits[:, first:end], first)   # before serving: a first wide batch would wait for Triton
         draws = sampler_graphs(graphs, model.default_sampling(), device, window)
     by_mode = kv_mode_graphs(model, name, spec, module, attention, device, config)
     log.info("attention", device=str(device), component=name, backend=type(attention).__name__,

@@ -54,7 +54,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if body.voice is not None and target.tts_walk is None:
         raise RequestError(f"model '{target.name}' has no voices: it does not speak (its walks: "
                            f"{', '.join(target.walks)})", field="voice")
-    speech = body.voice is not None or (body.walk or target.default_walk) in (target.tts_walk, target.early_tts_walk)
+    speech = body.voice is not None or target.speaks(body.walk)
     if isinstance(body.prompt, str) and speech:
         sub = await _submit_speech(engine, request_id, target, body)
     else:

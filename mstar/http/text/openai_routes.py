@@ -151,7 +151,7 @@ def _text_walk(target: Target) -> str | None:
     """The walk a text answer runs: the model's default (None), or where that
     one speaks (Orpheus's), its `written_walk`; a 400 where that is not served
     (`--audio-logits-only`): an answer of speech has no text to give."""
-    if target.default_walk not in (target.tts_walk, target.early_tts_walk):
+    if not target.speaks(None):
         return None
     if target.written_walk is not None and target.written_walk in target.walks:
         return target.written_walk

@@ -40,9 +40,9 @@ def descend(kernel_args: tuple, k_cut: Tensor, k_need: Tensor, k_before: Tensor,
     """`kernel_args` and the top-k tensors as `wide_draw` passes them to its
     kernels; `state` [rows] int8: SETTLED for rows that need no draw here
     (greedy ones), DESCENDING for the rest; `top_k`: whether any row cuts by
-    top-k; `first`: the vocabulary index of column 0 (its noise). Returns (state, token): token is
-    the draw where state is SETTLED (and was not settled on entry), else
-    meaningless."""
+    top-k; `first`: the vocabulary index of column 0 (its noise). Returns
+    (state, token): token is the draw where state is SETTLED (and was not
+    settled on entry), else meaningless."""
     rows, blocks = grid
     dev = total.device
     part_mass = torch.zeros(rows, blocks, dtype=torch.float32, device=dev)
