@@ -1,17 +1,19 @@
 """fp8 projections (`--quantization fp8`) against bf16: their time, and what
 they do to the tokens.
 
-1. The GEMMs of an Orpheus-3B layer (qkv 3072->5120, o 3072->3072, gate_up
-   3072->16384, down 8192->3072) at each row count, bf16 (`F.linear`) against
-   fp8 (the activations' row quantization included), from CUDA graphs; the
-   sum over a 28-layer step.
+1. The projections of an Orpheus-3B step (28 layers of qkv 3072->5120,
+   o 3072->3072, gate_up 3072->16384, down 8192->3072, each layer its own
+   weights) at each row count, from CUDA graphs: bf16 (`F.linear`), float8
+   rows and weights (`torch._scaled_mm`, the rows' quantization included)
+   and float8 weights times bf16 rows (`kernels/fp8_matmul.py`); with
+   `--sweep`, that kernel's tiles too.
 2. The engine serving `--model` (dummy weights) with and without fp8: greedy
    tokens of the `generate` walk for a few prompts (how many agree with bf16
    before the first difference, and in all) and the first position's top-5
    logprobs (largest difference). Random weights say little of a trained
    model's quality; with a local checkpoint pass `--model /path`.
 
-    python scripts/bench_fp8.py --rows 1 64 256 400 [--model orpheus-3b] [--tokens 64]
+    python scripts/bench_fp8.py --rows 1 64 256 400 [--sweep] [--model orpheus-3b] [--tokens 64]
     python scripts/bench_fp8.py --device cpu --model tiny-llama --skip-gemms --tokens 16   # a smoke run
 """
 
@@ -27,33 +29,77 @@ import torch.nn.functional as F
 
 from mstar.config import EngineConfig
 from mstar.engine.engine import Engine
-from mstar.models.layers import Linear
-from mstar.models.layers.fp8 import quantize_weight
+from mstar.kernels.fp8_matmul import Tiles, fp8_matmul_triton, tiles_for
+from mstar.kernels.quantize import quantize_rows_reference, quantize_rows_triton
 from mstar.types import GenerateRequest, SamplingParams
 
 SHAPES = {"qkv": (3072, 5120), "o": (3072, 3072), "gate_up": (3072, 16384), "down": (8192, 3072)}
 LAYERS = 28
 
 
-def gemms(rows: list[int]) -> None:
-    from bench_page_size import graph_time_us   # it needs FlashInfer: the CPU smoke run skips the GEMMs
-
-    print("GEMM ms (bf16 / fp8), from CUDA graphs:")
-    print(f"{'rows':>5} " + " ".join(f"{name:>17}" for name in SHAPES) + f" {'28 layers':>17}")
-    for m in rows:
-        cells, bf16_sum, fp8_sum = [], 0.0, 0.0
+def _layers(seed: int = 0) -> list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+    """LAYERS layers of the four projections, each its own weights (a chain reads 5.6 GB in bf16, so
+    nothing stays in L2 from one call to the next): (bf16 weight, float8 weight, its row scales)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    out = []
+    for _ in range(LAYERS):
+        layer = []
         for k, n in SHAPES.values():
-            lin = Linear(k, n, device="cuda", dtype=torch.bfloat16)
-            lin.weight.data.normal_(0, 0.02)
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            w = lin.weight.data.clone()
-            t_bf16 = graph_time_us(lambda _i: F.linear(x, w)) / 1e3
-            quantize_weight(lin)
-            t_fp8 = graph_time_us(lambda _i: lin(x)) / 1e3
-            bf16_sum, fp8_sum = bf16_sum + t_bf16, fp8_sum + t_fp8
-            cells.append(f"{t_bf16:7.3f} / {t_fp8:7.3f}")
-        print(f"{m:>5} " + " ".join(f"{c:>17}" for c in cells)
-              + f" {bf16_sum * LAYERS:7.2f} / {fp8_sum * LAYERS:7.2f}")
+            w = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+            q, scale = quantize_rows_reference(w)
+            layer.append((w, q, scale.reshape(-1)))
+        out.append(layer)
+    return out
+
+
+def _w8a8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Rows quantized too, then `torch._scaled_mm` with row-wise scales."""
+    m = x.shape[0]
+    xq, xs = quantize_rows_triton(x, -(-m // 16) * 16)
+    return torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scale.reshape(1, -1), out_dtype=torch.bfloat16)[:m]
+
+
+def _step_ms(layers, m: int, gemm) -> float:
+    """A 28-layer step's four projections at m rows, from one CUDA graph over the layers in turn."""
+    from bench_page_size import graph_time_us   # it needs FlashInfer: the CPU smoke run skips the GEMMs
+    xs = {k: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for k, _ in SHAPES.values()}
+
+    def layer(i: int) -> None:
+        for (k, _n), ws in zip(SHAPES.values(), layers[i % LAYERS]):
+            gemm(xs[k], *ws)
+    return graph_time_us(layer, calls=LAYERS, replays=20) * LAYERS / 1e3
+
+
+def gemms(rows: list[int], sweep: bool) -> None:
+    layers = _layers()
+    forms = {"bf16": lambda x, w, q, s: F.linear(x, w),
+             "fp8 rows+weights (_scaled_mm)": lambda x, w, q, s: _w8a8(x, q, s),
+             "fp8 weights (Triton)": lambda x, w, q, s: fp8_matmul_triton(x, q, s)}
+    print("a 28-layer step's projections, ms (each layer its own weights), from CUDA graphs:")
+    print(f"{'rows':>5} " + " ".join(f"{name:>30}" for name in forms))
+    for m in rows:
+        print(f"{m:>5} " + " ".join(f"{_step_ms(layers, m, f):>30.3f}" for f in forms.values()), flush=True)
+    if not sweep:
+        return
+    print("fp8 weights (Triton), tiles swept (m, n, k, warps, stages), best five per row count:")
+    for m in rows:
+        got = []
+        for t in _candidates(m):
+            try:
+                got.append((_step_ms(layers, m, lambda x, w, q, s, t=t: fp8_matmul_triton(x, q, s, t)), t))
+            except Exception as e:   # a tile too large for shared memory: not a candidate
+                print(f"  {m} {t}: {type(e).__name__}")
+        got.sort(key=lambda g: g[0])
+        print(f"{m:>5} table {tiles_for(m, 3072)}: " + "; ".join(f"{ms:.3f} {t}" for ms, t in got[:5]), flush=True)
+
+
+def _candidates(m: int) -> list[Tiles]:
+    if m <= 16:
+        return [Tiles(16, n, k, 4, s) for n in (16, 32, 64) for k in (128, 256, 512) for s in (3, 5)]
+    if m <= 64:
+        return [Tiles(bm, n, k, w, s) for bm in (32, 64) for n in (32, 64, 128) for k in (64, 128)
+                for w in (4,) for s in (3, 4)]
+    return [Tiles(bm, n, 64, w, s) for bm in (64, 128) for n in (64, 128, 256) for w in (4, 8) for s in (3, 4)]
 
 
 async def _served(model: str, device: str, quantization: str | None, prompts: list[list[int]], tokens: int):
@@ -100,11 +146,12 @@ def main() -> None:
     p.add_argument("--device", default="cuda:0", help="where the engine serves (cpu: the reference, a smoke run)")
     p.add_argument("--skip-tokens", action="store_true", help="the GEMMs only")
     p.add_argument("--skip-gemms", action="store_true", help="the tokens only")
+    p.add_argument("--sweep", action="store_true", help="also the fp8-weight kernel's tiles at each row count")
     a = p.parse_args()
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
     print(f"# {platform.platform()} | torch {torch.__version__} | {gpu} | commit {os.environ.get('MSTAR_COMMIT', '?')}")
     if not a.skip_gemms:
-        gemms(a.rows)
+        gemms(a.rows, a.sweep)
     if not a.skip_tokens:
         tokens(a.model, a.device, a.tokens)
 
