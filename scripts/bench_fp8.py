@@ -4,16 +4,14 @@ they do to the tokens.
 1. The projections of an Orpheus-3B step (28 layers of qkv 3072->5120,
    o 3072->3072, gate_up 3072->16384, down 8192->3072, each layer its own
    weights) at each row count, from CUDA graphs: bf16 (`F.linear`), float8
-   rows and weights (`torch._scaled_mm`, the rows' quantization included)
-   and float8 weights times bf16 rows (`kernels/fp8_matmul.py`); with
-   `--sweep`, that kernel's tiles too.
+   rows and weights (`torch._scaled_mm`, the rows' quantization included).
 2. The engine serving `--model` (dummy weights) with and without fp8: greedy
    tokens of the `generate` walk for a few prompts (how many agree with bf16
    before the first difference, and in all) and the first position's top-5
    logprobs (largest difference). Random weights say little of a trained
    model's quality; with a local checkpoint pass `--model /path`.
 
-    python scripts/bench_fp8.py --rows 1 64 256 400 [--sweep] [--model orpheus-3b] [--tokens 64]
+    python scripts/bench_fp8.py --rows 1 64 256 400 [--model orpheus-3b] [--tokens 64]
     python scripts/bench_fp8.py --device cpu --model tiny-llama --skip-gemms --tokens 16   # a smoke run
 """
 
@@ -29,7 +27,6 @@ import torch.nn.functional as F
 
 from mstar.config import EngineConfig
 from mstar.engine.engine import Engine
-from mstar.kernels.fp8_matmul import Tiles, fp8_matmul_triton, tiles_for
 from mstar.kernels.quantize import quantize_rows_reference, quantize_rows_triton
 from mstar.types import GenerateRequest, SamplingParams
 
@@ -70,36 +67,14 @@ def _step_ms(layers, m: int, gemm) -> float:
     return graph_time_us(layer, calls=LAYERS, replays=20) * LAYERS / 1e3
 
 
-def gemms(rows: list[int], sweep: bool) -> None:
+def gemms(rows: list[int]) -> None:
     layers = _layers()
     forms = {"bf16": lambda x, w, q, s: F.linear(x, w),
-             "fp8 rows+weights (_scaled_mm)": lambda x, w, q, s: _w8a8(x, q, s),
-             "fp8 weights (Triton)": lambda x, w, q, s: fp8_matmul_triton(x, q, s)}
+             "fp8 rows+weights (_scaled_mm)": lambda x, w, q, s: _w8a8(x, q, s)}
     print("a 28-layer step's projections, ms (each layer its own weights), from CUDA graphs:")
     print(f"{'rows':>5} " + " ".join(f"{name:>30}" for name in forms))
     for m in rows:
         print(f"{m:>5} " + " ".join(f"{_step_ms(layers, m, f):>30.3f}" for f in forms.values()), flush=True)
-    if not sweep:
-        return
-    print("fp8 weights (Triton), tiles swept (m, n, k, warps, stages), best five per row count:")
-    for m in rows:
-        got = []
-        for t in _candidates(m):
-            try:
-                got.append((_step_ms(layers, m, lambda x, w, q, s, t=t: fp8_matmul_triton(x, q, s, t)), t))
-            except Exception as e:   # a tile too large for shared memory: not a candidate
-                print(f"  {m} {t}: {type(e).__name__}")
-        got.sort(key=lambda g: g[0])
-        print(f"{m:>5} table {tiles_for(m, 3072)}: " + "; ".join(f"{ms:.3f} {t}" for ms, t in got[:5]), flush=True)
-
-
-def _candidates(m: int) -> list[Tiles]:
-    if m <= 16:
-        return [Tiles(16, n, k, 4, s) for n in (16, 32, 64) for k in (128, 256, 512) for s in (3, 5)]
-    if m <= 64:
-        return [Tiles(bm, n, k, w, s) for bm in (32, 64) for n in (32, 64, 128) for k in (64, 128)
-                for w in (4,) for s in (3, 4)]
-    return [Tiles(bm, n, 64, w, s) for bm in (64, 128) for n in (64, 128, 256) for w in (4, 8) for s in (3, 4)]
 
 
 async def _served(model: str, device: str, quantization: str | None, prompts: list[list[int]], tokens: int):
@@ -146,12 +121,11 @@ def main() -> None:
     p.add_argument("--device", default="cuda:0", help="where the engine serves (cpu: the reference, a smoke run)")
     p.add_argument("--skip-tokens", action="store_true", help="the GEMMs only")
     p.add_argument("--skip-gemms", action="store_true", help="the tokens only")
-    p.add_argument("--sweep", action="store_true", help="also the fp8-weight kernel's tiles at each row count")
     a = p.parse_args()
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
     print(f"# {platform.platform()} | torch {torch.__version__} | {gpu} | commit {os.environ.get('MSTAR_COMMIT', '?')}")
     if not a.skip_gemms:
-        gemms(a.rows, a.sweep)
+        gemms(a.rows)
     if not a.skip_tokens:
         tokens(a.model, a.device, a.tokens)
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from mstar.kernels import activation, fp8_matmul, head_norm_rope, moe, norm, qkv_store, quantize, rope_kv, router
+from mstar.kernels import activation, head_norm_rope, moe, norm, qkv_store, quantize, rope_kv, router
 from mstar.kernels.codec import codec_noise, snake, snake_unit
 
 EPS = 1e-5
@@ -62,24 +62,6 @@ def check_quantize_rows(m: int, k: int, dtype: torch.dtype, device: str, interpr
         assert ((got.abs() <= want.abs() * 2) & (got.abs() * 2 >= want.abs())).all()
     else:
         assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
-
-
-def check_fp8_matmul(m: int, n: int, k: int, device: str, interpreted: bool,
-                     tiles: fp8_matmul.Tiles | None = None) -> None:
-    """bf16 rows (a row view) times float8 weight rows with their scales, against the reference: the same
-    products summed in float32 in another order, so within a bf16 rounding or two."""
-    gen = torch.Generator().manual_seed(m * 100 + n + k)
-    x = _rows(gen, m, k, torch.bfloat16, device)
-    w = torch.randn(n, k, generator=gen) * torch.logspace(-2, 1, n)[:, None]   # rows of different scales
-    q, scale = quantize.quantize_rows_reference(w)
-    q, scale = q.to(device), scale.reshape(-1).to(device)
-    got = fp8_matmul.fp8_matmul_triton(x, q, scale, tiles)
-    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
-    want = fp8_matmul.fp8_matmul_reference(x, q, scale)
-    torch.testing.assert_close(got, want, **tolerance(torch.bfloat16, interpreted))
-    # the dequantized weight's product: what the reference stands for
-    full = (x.float() @ (q.float() * scale[:, None]).t()).to(torch.bfloat16)
-    torch.testing.assert_close(got, full, **tolerance(torch.bfloat16, interpreted))
 
 
 def check_qkv_norm_rope_store(t: int, heads: int, kv_heads: int, d: int, dtype: torch.dtype, cache_dtype: torch.dtype,

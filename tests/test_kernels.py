@@ -14,13 +14,12 @@ import torch
 from kernel_cases import (check_fused_add_rms_norm, check_fused_moe, check_head_norm_rope, check_moe_align,
                           check_qkv_norm_rope_store, check_rms_norm, check_rope_and_store, check_silu_and_mul,
                           check_snake, check_snake_beta, check_snake_beta_held, check_route_top_k,
-                          check_snake_dwconv, check_snake_unit, check_codec_noise, moe_inputs, check_quantize_rows,
-                          check_fp8_matmul)
+                          check_snake_dwconv, check_snake_unit, check_codec_noise, moe_inputs, check_quantize_rows)
 from sampling_kernel_cases import (check_exponential_noise, check_draw_tokens, check_wide_descent, check_wide_draw,
                                    check_window_draw,
                                    check_repetition_penalty)
 
-from mstar.kernels import activation, fp8_matmul, fused_add_rms_norm, moe, norm, rms_norm, rope_and_store, rope_kv, silu_and_mul
+from mstar.kernels import activation, fused_add_rms_norm, moe, norm, rms_norm, rope_and_store, rope_kv, silu_and_mul
 from mstar.kernels.backend import HAVE_TRITON, block_size, num_warps
 
 interpreted = pytest.mark.skipif(
@@ -447,11 +446,3 @@ def test_a_kernel_unspecialised_on_a_parameter_it_lacks_is_refused():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantize_rows(m, k, dtype):
     check_quantize_rows(m, k, dtype, "cpu", interpreted=True)
-
-
-@interpreted
-@pytest.mark.parametrize("m,n,k", [(1, 48, 64), (5, 100, 200), (40, 64, 96)])
-@pytest.mark.parametrize("tiles", [None, fp8_matmul.Tiles(16, 16, 32, 4, 2)], ids=["table", "small"])
-def test_fp8_matmul(m, n, k, tiles):
-    """Rows, columns and depth that do and do not fill a tile."""
-    check_fp8_matmul(m, n, k, "cpu", interpreted=True, tiles=tiles)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import (MOE_SHAPES, check_quantize_rows, check_fp8_matmul, check_fused_add_rms_norm, check_route_top_k,
+from kernel_cases import (MOE_SHAPES, check_quantize_rows, check_fused_add_rms_norm, check_route_top_k,
                           check_head_norm_rope, check_qkv_norm_rope_store, check_fused_moe, check_moe_align,
                           check_rms_norm, check_rope_and_store, check_silu_and_mul, check_snake, check_snake_beta,
                           check_snake_beta_held, check_snake_dwconv, check_snake_unit, check_codec_noise, moe_inputs,
@@ -329,10 +329,3 @@ def test_a_burst_of_a_new_row_count_compiles_no_sampling_kernel():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_quantize_rows(m, k, dtype):
     check_quantize_rows(m, k, dtype, "cuda", interpreted=False)
-
-
-@pytest.mark.parametrize("m", [1, 7, 16, 40, 64, 100, 256, 400, 2000])
-@pytest.mark.parametrize("n,k", [(5120, 3072), (3072, 8192), (100, 200)])
-def test_fp8_matmul(m, n, k):
-    """Every row of the table, Orpheus-3B's qkv and down shapes and one that fills no tile."""
-    check_fp8_matmul(m, n, k, "cuda", interpreted=False)
