@@ -100,6 +100,7 @@ async def test_orpheus_serves_only_its_speech_walks_with_audio_ids() -> None:
     await plain.start()
     try:
         unrestricted = await _speech_samples(plain, seeds, tokens)
+        assert "generate" in plain.health()["walks"] and plain.health()["audio_logits_only"] is False
         async with serving(plain) as url:
             # a text route on a model that speaks runs its text walk: the Llama's ids (with logprobs) as text
             status, body = await _post(url + "/v1/completions", {"prompt": "Hello", "max_tokens": 3, "logprobs": 1})
@@ -111,6 +112,7 @@ async def test_orpheus_serves_only_its_speech_walks_with_audio_ids() -> None:
     await eng.start()
     try:
         assert set(eng.plans) == {"speak", "speak_early"}
+        assert eng.health()["walks"] == ["speak", "speak_early"] and eng.health()["audio_logits_only"] is True
         assert eng.workers[0].runners["llm"].vocab_window == (LLAMA3_VOCAB_SIZE, ORPHEUS_VOCAB_SIZE)
         assert await _speech_samples(eng, seeds, tokens) == [samples_all_audio] * len(seeds)
         text = GenerateRequest("t", eng.model_name, {"prompt_ids": [5, 6, 7]},

@@ -1,14 +1,19 @@
 """What stops a server at startup, checked in-process: CUDA devices this
 machine lacks, a worker whose device cannot be set (its error reaches the
 engine instead of hanging its start), a model naming a walk it lacks to
-serve an API, and the URLs the server prints."""
+serve an API, the URLs the server prints, and the listening socket's
+backlog."""
 
 from __future__ import annotations
 
 import asyncio
+import select
+import socket
+import time
 
 import pytest
 import torch
+from aiohttp import web
 
 from mstar.config import EngineConfig
 from mstar.engine.eventloop.devices import check_devices
@@ -85,4 +90,41 @@ def test_bind_holds_the_port() -> None:
         with pytest.raises(OSError):
             listener.bind("127.0.0.1", port)
     finally:
+        sock.close()
+
+
+def _handshakes(port: int, n: int, within_s: float) -> int:
+    """How many of `n` connections to `port` complete their handshake within
+    `within_s`, while nothing accepts them."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", port))
+            socks.append(s)
+        done: set[socket.socket] = set()
+        deadline = time.monotonic() + within_s
+        while len(done) < n and (left := deadline - time.monotonic()) > 0:
+            _, ready, _ = select.select([], [s for s in socks if s not in done], [], left)
+            done |= {s for s in ready if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0}
+        return len(done)
+    finally:
+        for s in socks:
+            s.close()
+
+
+async def test_a_burst_of_clients_waits_in_the_backlog_not_in_a_retry() -> None:
+    """aiohttp's site listens again on the bound socket; with its default
+    backlog of 128 the 129th waiting connection's handshake is dropped and
+    retried a second later. 300 at once must all be held while the event loop
+    is busy (here: blocked by this test)."""
+    runner = web.AppRunner(web.Application())
+    await runner.setup()
+    sock = listener.bind("127.0.0.1", 0)
+    try:
+        await listener.site(runner, sock).start()
+        assert _handshakes(sock.getsockname()[1], 300, within_s=0.5) == 300
+    finally:
+        await runner.cleanup()
         sock.close()

@@ -199,6 +199,7 @@ class Engine:
         return {
             "status": "ok" if ok else "unhealthy",
             "model": self.model_name,
+            "walks": sorted(self.plans), "audio_logits_only": self.config.audio_logits_only,   # the walks it runs
             "devices": [{"device": w.name, "alive": w.alive, "components": w.components,
                          "kv_pages_in_use": w.pages_in_use(), "prefix_cache": w.prefix_caches(),
                          "state_slots": w.state_slots()}

@@ -21,7 +21,6 @@ from collections.abc import Coroutine
 from typing import Any
 
 import structlog
-from aiohttp import web
 
 from mstar.config import ServerConfig, parse_args
 from mstar.engine import builtin_models
@@ -68,7 +67,7 @@ async def serve(config: ServerConfig) -> None:
         log.info("starting engine", model=config.engine.model, devices=list(config.engine.devices))
         await runner.setup()  # runs on_startup, which starts the engine
         frozen = quiet_gc()
-        await web.SockSite(runner, sock).start()
+        await listener.site(runner, sock).start()
         host, port = sock.getsockname()[:2]
         log.info("listening", url=listener.url(host, port), demo=listener.demo_url(host, port),
                  model=engine.model_name, gc_frozen_objects=frozen)

@@ -3,8 +3,15 @@
 The socket is bound and listening before the model loads, so a port that is
 taken (or a host that does not resolve) fails in a moment instead of after
 the weights are in memory, and nobody takes the port meanwhile. aiohttp
-accepts on it (`web.SockSite`) once the engine runs; a client that connects
-before then waits in the backlog.
+accepts on it (`site`) once the engine runs; a client that connects before
+then waits in the backlog.
+
+The backlog holds connections the kernel has completed and the event loop
+has not yet accepted. Python's and aiohttp's default, 128, is less than a
+burst of streaming clients: past it the kernel drops a connection's
+handshake and the client sends it again after its one-second timeout, a
+second added to that request's first audio. The kernel caps the value at
+`net.core.somaxconn`.
 """
 
 from __future__ import annotations
@@ -13,6 +20,9 @@ import ipaddress
 import os
 import socket
 
+from aiohttp import web
+
+BACKLOG = 2048   # connections waiting to be accepted
 # a wildcard address is where the server listens, not where a browser can reach it
 _LOOPBACK = {"0.0.0.0": "127.0.0.1", "::": "::1"}
 
@@ -27,11 +37,17 @@ def bind(host: str, port: int) -> socket.socket:
         if os.name == "posix":  # rebind at once after a restart, past the old socket's TIME_WAIT
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
-        sock.listen()
+        sock.listen(BACKLOG)
     except OSError:
         sock.close()
         raise
     return sock
+
+
+def site(runner: web.BaseRunner, sock: socket.socket) -> web.SockSite:
+    """aiohttp's site on `sock`, keeping its backlog (the site listens on
+    it again, by default with 128)."""
+    return web.SockSite(runner, sock, backlog=BACKLOG)
 
 
 def url(host: str, port: int) -> str:
