@@ -31,6 +31,12 @@ the run /metrics settles (polled for `--settle` seconds) to
 `mstar_kv_pages_in_use` 0, `mstar_tensors_held` 0 and
 `mstar_requests_running` 0, with no request finished as `error`.
 
+Against a server whose model answers in speech only (its /health says
+`audio_logits_only`), every stream and every good neighbour is a speech
+request, and the big prompt is a speech input (a 4xx naming `input`); the
+malformed and poisoned requests keep their text routes, which validate a
+request before they refuse it.
+
 With a bounded waiting line (`--server-args "--max-waiting-requests N
 --queue-timeout S"`), requests past it get 429; each must carry Retry-After,
 and the client sends the request again after it (at most 5 s), so a refused
@@ -125,11 +131,12 @@ def stream_body(route: str, model: str, prompt: str, max_tokens: int) -> dict[st
     return body
 
 
-def make_jobs(a: argparse.Namespace, model: str, rng: random.Random) -> list[Job]:
+def make_jobs(a: argparse.Namespace, model: str, rng: random.Random, speech_only: bool = False) -> list[Job]:
     """Streams, disconnects and malformed requests, shuffled so every kind
-    overlaps every other."""
+    overlaps every other. `speech_only` (a server whose model answers in
+    speech only, `--audio-logits-only`): every stream is a speech request."""
     jobs: list[Job] = []
-    speech = getattr(a, "speech", 0)
+    speech = a.requests if speech_only else getattr(a, "speech", 0)
     every = a.requests // speech if speech else 0
     for i in range(a.requests):
         if every and i % every == 0 and i // every < speech:
@@ -157,13 +164,16 @@ def malformed_job(case: tuple[str, Any, str], model: str) -> Job:
     return Job("malformed", route, bad, expect_param=param)
 
 
-def poison_bursts(model: str, neighbours: int, rng: random.Random) -> list[list[Job]]:
-    """For each poisoned case, one burst: it and `neighbours` good streams of its route."""
+def poison_bursts(model: str, neighbours: int, rng: random.Random, speech_only: bool = False) -> list[list[Job]]:
+    """For each poisoned case, one burst: it and `neighbours` good streams of
+    its route (of speech on a server that answers in speech only: its text
+    routes still validate a request before they refuse it)."""
     bursts = []
     for case in POISONED:
-        route = case[0]
+        route = SPEECH_ROUTE if speech_only else case[0]
+        most = SPEECH_MAX_TOKENS if speech_only else MAX_TOKENS
         good = [Job("stream", route, json.dumps(stream_body(route, model, rng.choice(PROMPTS), n)).encode(), n)
-                for n in (rng.randint(1, MAX_TOKENS) for _ in range(neighbours))]
+                for n in (rng.randint(1, most) for _ in range(neighbours))]
         bursts.append([malformed_job(case, model), *good])
     return bursts
 
@@ -365,21 +375,23 @@ async def main_async(a: argparse.Namespace, url: str, server: Server | None) -> 
     t0 = time.monotonic()
     health = await wait_healthy(url, a.startup_timeout, server)
     model = str(health.get("model") or a.model)
-    print(f"# server healthy after {time.monotonic() - t0:.1f} s: model {model}", flush=True)
+    speech_only = bool(health.get("audio_logits_only"))
+    print(f"# server healthy after {time.monotonic() - t0:.1f} s: model {model}"
+          f"{' (speech only: every stream is a speech request)' if speech_only else ''}", flush=True)
     rng = random.Random(a.seed)
-    jobs = make_jobs(a, model, rng)
+    jobs = make_jobs(a, model, rng, speech_only)
     async with aiohttp.ClientSession() as session:
         before = await scrape(session, url)
     failures = []
     if a.big_prompt_mib > 0:
-        seen = await big_prompt(url, model, a.big_prompt_mib)
+        seen = await big_prompt(url, model, a.big_prompt_mib, speech_only)
         health = max(seen.health_s, default=0.0)
         print(f"big prompt          {a.big_prompt_mib:g} MiB: HTTP {seen.status} naming {seen.param!r} after "
               f"{seen.answer_s * 1e3:.0f} ms; /health polled {len(seen.health_s)} times meanwhile, slowest "
               f"{health * 1e3:.1f} ms", flush=True)
         failures += seen.problems()
     poisoned = Tally()
-    for burst in poison_bursts(model, a.poison_neighbours, rng) if a.poison_neighbours else []:
+    for burst in poison_bursts(model, a.poison_neighbours, rng, speech_only) if a.poison_neighbours else []:
         part = await fire(url, burst, a)
         poisoned.outcomes += part.outcomes
         poisoned.not_started += part.not_started

@@ -57,6 +57,7 @@ class BigPrompt:
     """What the big-prompt probe saw."""
 
     mib: float
+    expect: str = "prompt"   # the field that carries it, which the refusal must name
     status: int = 0
     param: str | None = None
     answer_s: float = 0.0
@@ -64,9 +65,9 @@ class BigPrompt:
 
     def problems(self) -> list[str]:
         out = []
-        if not 400 <= self.status < 500 or self.param != "prompt":
+        if not 400 <= self.status < 500 or self.param != self.expect:
             out.append(f"a {self.mib:g} MiB prompt got HTTP {self.status} naming {self.param!r}, not a 4xx "
-                       "naming 'prompt'")
+                       f"naming '{self.expect}'")
         if not self.health_s:
             out.append("/health was never polled while the big prompt was in flight")
         elif max(self.health_s) >= HEALTH_LIMIT_S:
@@ -75,15 +76,17 @@ class BigPrompt:
         return out
 
 
-async def big_prompt(url: str, model: str, mib: float) -> BigPrompt:
-    """POST a prompt of `mib` MiB to /v1/completions and poll /health until it
-    is answered. The prompt goes from a thread of its own, so that writing it
-    does not hold up this loop's polls."""
-    seen = BigPrompt(mib)
-    body = json.dumps({"model": model, "prompt": "a" * int(mib * 2**20), "max_tokens": 4}).encode()
+async def big_prompt(url: str, model: str, mib: float, speech: bool = False) -> BigPrompt:
+    """POST a prompt of `mib` MiB to /v1/completions (with `speech`, an input
+    to /v1/audio/speech) and poll /health until it is answered. The prompt
+    goes from a thread of its own, so that writing it does not hold up this
+    loop's polls."""
+    seen = BigPrompt(mib, "input" if speech else "prompt")
+    route = "/v1/audio/speech" if speech else "/v1/completions"
+    body = json.dumps({"model": model, seen.expect: "a" * int(mib * 2**20), "max_tokens": 4}).encode()
 
     def send() -> None:
-        request = urllib.request.Request(url + "/v1/completions", data=body,
+        request = urllib.request.Request(url + route, data=body,
                                          headers={"Content-Type": "application/json"})
         t0 = time.monotonic()
         try:

@@ -15,8 +15,8 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 import aiohttp
 from aiohttp import web
 from http_support import serving_app
-from loadtest import (SPEECH_ROUTE, Job, check_error, check_stream, make_jobs, parse_metrics, percentile,
-                      run_job)
+from loadtest import (POISONED, SPEECH_ROUTE, Job, check_error, check_stream, make_jobs, parse_metrics, percentile,
+                      poison_bursts, run_job)
 
 
 def _sse(n: int, finish: str = "length") -> list:
@@ -61,6 +61,20 @@ def test_speech_jobs_are_spread_over_the_streams() -> None:
     speech = [j for j in jobs if j.route == SPEECH_ROUTE]
     assert len(speech) == 10 and any(j.kind == "disconnect" for j in speech)
     assert all(json.loads(j.body)["stream_format"] == "sse" for j in speech)
+
+
+def test_a_speech_only_server_gets_speech_streams_beside_the_text_routes_refusals() -> None:
+    """Under --audio-logits-only the text routes refuse every request: the
+    streams and the poisoned requests' good neighbours go to speech, the
+    malformed and poisoned requests keep their text routes (they are
+    validated before the refusal)."""
+    a = Namespace(requests=30, disconnects=6, malformed=5, speech=0)
+    jobs = make_jobs(a, "orpheus-tiny", random.Random(0), speech_only=True)
+    assert {j.route for j in jobs if j.kind != "malformed"} == {SPEECH_ROUTE}
+    assert {j.route for j in jobs if j.kind == "malformed"} - {SPEECH_ROUTE}
+    bursts = poison_bursts("orpheus-tiny", 3, random.Random(0), speech_only=True)
+    assert [b[0].route for b in bursts] == [case[0] for case in POISONED]
+    assert all(j.route == SPEECH_ROUTE and j.kind == "stream" for b in bursts for j in b[1:])
 
 
 def test_error_must_be_4xx_naming_the_field() -> None:
