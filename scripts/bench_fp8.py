@@ -21,13 +21,15 @@ import argparse
 import asyncio
 import os
 import platform
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from mstar.config import EngineConfig
 from mstar.engine.engine import Engine
-from mstar.kernels.quantize import quantize_rows_reference, quantize_rows_triton
+from mstar.kernels.quantize import quantize_rows_reference
+from mstar.models.layers.fp8 import fp8_linear
 from mstar.types import GenerateRequest, SamplingParams
 
 SHAPES = {"qkv": (3072, 5120), "o": (3072, 3072), "gate_up": (3072, 16384), "down": (8192, 3072)}
@@ -49,14 +51,8 @@ def _layers(seed: int = 0) -> list[list[tuple[torch.Tensor, torch.Tensor, torch.
     return out
 
 
-def _w8a8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Rows quantized too, then `torch._scaled_mm` with row-wise scales."""
-    m = x.shape[0]
-    xq, xs = quantize_rows_triton(x, -(-m // 16) * 16)
-    return torch._scaled_mm(xq, q.t(), scale_a=xs, scale_b=scale.reshape(1, -1), out_dtype=torch.bfloat16)[:m]
-
-
-def _step_ms(layers, m: int, gemm) -> float:
+def _step_ms(layers: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]], m: int,
+             gemm: Callable[..., torch.Tensor]) -> float:
     """A 28-layer step's four projections at m rows, from one CUDA graph over the layers in turn."""
     from bench_page_size import graph_time_us   # it needs FlashInfer: the CPU smoke run skips the GEMMs
     xs = {k: torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for k, _ in SHAPES.values()}
@@ -70,7 +66,7 @@ def _step_ms(layers, m: int, gemm) -> float:
 def gemms(rows: list[int]) -> None:
     layers = _layers()
     forms = {"bf16": lambda x, w, q, s: F.linear(x, w),
-             "fp8 rows+weights (_scaled_mm)": lambda x, w, q, s: _w8a8(x, q, s)}
+             "fp8 rows+weights (_scaled_mm)": lambda x, w, q, s: fp8_linear(x, q, s, None)}
     print("a 28-layer step's projections, ms (each layer its own weights), from CUDA graphs:")
     print(f"{'rows':>5} " + " ".join(f"{name:>30}" for name in forms))
     for m in rows:

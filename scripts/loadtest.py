@@ -145,9 +145,10 @@ def make_jobs(a: argparse.Namespace, model: str, rng: random.Random, speech_only
             route, n = ROUTES[i % len(ROUTES)], rng.randint(1, MAX_TOKENS)
         body = json.dumps(stream_body(route, model, rng.choice(PROMPTS), n)).encode()
         if i < a.disconnects:
-            # SSE and NDJSON both send at least n + 1 events, so any cut in
-            # 0..n lands before the end
-            jobs.append(Job("disconnect", route, body, n, cut_after=rng.randint(0, n)))
+            # text SSE and NDJSON send at least n + 1 events, so any cut in 0..n lands before the end; speech
+            # sends an event a 7-token frame once its first 4-frame window played, and one for a short tail
+            most = max(1, n // 7 - 2) if route == SPEECH_ROUTE else n
+            jobs.append(Job("disconnect", route, body, n, cut_after=rng.randint(0, most)))
         else:
             jobs.append(Job("stream", route, body, n))
     jobs += [malformed_job(MALFORMED[i % len(MALFORMED)], model) for i in range(a.malformed)]

@@ -245,10 +245,10 @@ async def test_a_stream_takes_only_items_in_its_accept_range() -> None:
 def test_pcm16_rows_of_different_lengths_convert_as_each_alone() -> None:
     """A list of waveform rows (a first frame is shorter: code2wav cuts what
     came before the sequence) converts in one pass and slices back per row."""
-    from mstar.engine.engine import _pcm16
+    from mstar.engine.eventloop.pcm import pcm16
 
     g = torch.Generator().manual_seed(3)
     rows = [torch.rand(7, generator=g) * 2.4 - 1.2, torch.zeros(0), torch.rand(2, 3, generator=g) * 2 - 1]
     alone = [(r.reshape(-1).clamp(-1, 1) * 32767.0).round().to(torch.int16).numpy().tobytes() for r in rows]
-    assert _pcm16(rows) == alone and [len(b) for b in alone] == [14, 0, 12]
-    assert _pcm16([]) == []
+    assert pcm16(rows) == alone and [len(b) for b in alone] == [14, 0, 12]
+    assert pcm16([]) == []

@@ -17,6 +17,7 @@ from aiohttp import web
 from http_support import serving_app
 from loadtest import (POISONED, SPEECH_ROUTE, Job, check_error, check_stream, make_jobs, parse_metrics, percentile,
                       poison_bursts, run_job)
+from loadtest_cases import BigPrompt
 
 
 def _sse(n: int, finish: str = "length") -> list:
@@ -72,9 +73,18 @@ def test_a_speech_only_server_gets_speech_streams_beside_the_text_routes_refusal
     jobs = make_jobs(a, "orpheus-tiny", random.Random(0), speech_only=True)
     assert {j.route for j in jobs if j.kind != "malformed"} == {SPEECH_ROUTE}
     assert {j.route for j in jobs if j.kind == "malformed"} - {SPEECH_ROUTE}
+    # a speech stream sends an event a 7-token frame: its cuts fall among those
+    assert all(j.cut_after <= max(1, j.max_tokens // 7 - 2) for j in jobs if j.kind == "disconnect")
     bursts = poison_bursts("orpheus-tiny", 3, random.Random(0), speech_only=True)
     assert [b[0].route for b in bursts] == [case[0] for case in POISONED]
     assert all(j.route == SPEECH_ROUTE and j.kind == "stream" for b in bursts for j in b[1:])
+
+
+def test_a_big_speech_input_must_be_refused_naming_input() -> None:
+    seen = BigPrompt(8, expect="input", status=400, param="input", health_s=[0.01])
+    assert seen.problems() == []
+    seen.param = "prompt"
+    assert "naming 'input'" in seen.problems()[0]
 
 
 def test_error_must_be_4xx_naming_the_field() -> None:

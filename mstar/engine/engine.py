@@ -20,7 +20,6 @@ from collections import Counter
 from itertools import repeat
 from typing import Callable
 
-import numpy as np
 import structlog
 import torch
 
@@ -29,6 +28,7 @@ from mstar.engine.execution.components import resolve_dtype
 from mstar.engine.eventloop.devices import check_devices
 from mstar.engine.messages import Abort, Append, CloseInput, Finished, Profile, Shutdown, StepReport, Stop, Submit
 from mstar.engine.eventloop.metrics import STATUSES, EngineMetrics, GCPauses, LagMonitor
+from mstar.engine.eventloop.pcm import pcm16
 from mstar.engine.eventloop.requests import RequestState, RequestStream
 from mstar.engine.movement.tensor_store import TensorStore
 from mstar.engine.eventloop.waiting_line import WaitingLine
@@ -199,7 +199,9 @@ class Engine:
         return {
             "status": "ok" if ok else "unhealthy",
             "model": self.model_name,
-            "walks": sorted(self.plans), "audio_logits_only": self.config.audio_logits_only,   # the walks it runs
+            # what a client may ask of this server: --audio-logits-only leaves only the speech walks
+            "walks": sorted(self.plans),
+            "audio_logits_only": self.config.audio_logits_only,
             "devices": [{"device": w.name, "alive": w.alive, "components": w.components,
                          "kv_pages_in_use": w.pages_in_use(), "prefix_cache": w.prefix_caches(),
                          "state_slots": w.state_slots()}
@@ -384,7 +386,7 @@ class Engine:
         for batch in report.emits:
             emit = self._emit_of(batch.value)
             if emit.modality == "audio":
-                data: list = _pcm16(batch.data)
+                data: list = pcm16(batch.data)
             else:
                 data = batch.data.tolist() if hasattr(batch.data, "tolist") else [t.tolist() for t in batch.data]
             tokens: list[tuple[RequestState, str, int, list[float] | None]] = []
@@ -469,24 +471,6 @@ class Engine:
         status = reason if reason in STATUSES else "stop"
         self._metrics.finished(fin.request_id, status)
         state.finish(status, state.failed or fin.error)
-
-
-def _pcm16(data: torch.Tensor | list[torch.Tensor]) -> list[bytes]:
-    """Float waveforms in [-1, 1] (a [B, S] batch or a list of [S] rows) as
-    PCM16 little-endian bytes, one string per row."""
-    def pcm(x: torch.Tensor) -> torch.Tensor:
-        return (x.float().clamp(-1.0, 1.0) * 32767.0).round().to(torch.int16)
-
-    if isinstance(data, torch.Tensor):  # one conversion for the batch, then a slice per row
-        batch = pcm(data.reshape(data.shape[0], -1)).numpy()
-        return [row.tobytes() for row in batch]
-    if not data:
-        return []
-    # rows of any lengths: one conversion of them all, then a slice per row
-    rows = [r.reshape(-1) for r in data]
-    flat = pcm(torch.cat(rows)).numpy()
-    ends = np.cumsum([r.numel() for r in rows])
-    return [flat[end - r.numel():end].tobytes() for r, end in zip(rows, ends)]
 
 
 def _host_predicates(plan: WalkPlan) -> dict[tuple[str, str], Callable[[object], bool]]:

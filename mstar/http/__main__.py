@@ -68,6 +68,11 @@ async def serve(config: ServerConfig) -> None:
         await runner.setup()  # runs on_startup, which starts the engine
         frozen = quiet_gc()
         await listener.site(runner, sock).start()
+        cap = listener.backlog_cap()
+        if cap is not None and cap < listener.BACKLOG:
+            log.warning("the kernel caps the listen backlog: a burst of more clients retries its handshakes a "
+                        "second later", backlog=listener.BACKLOG, somaxconn=cap,
+                        raise_with=f"sysctl -w net.core.somaxconn={listener.BACKLOG}")
         host, port = sock.getsockname()[:2]
         log.info("listening", url=listener.url(host, port), demo=listener.demo_url(host, port),
                  model=engine.model_name, gc_frozen_objects=frozen)

@@ -22,7 +22,10 @@ import socket
 
 from aiohttp import web
 
-BACKLOG = 2048   # connections waiting to be accepted
+# hundreds of streaming clients connect at once (a burst of speech requests); the event loop accepts them
+# between other work, so they must be able to wait
+BACKLOG = 2048
+SOMAXCONN = "/proc/sys/net/core/somaxconn"
 # a wildcard address is where the server listens, not where a browser can reach it
 _LOOPBACK = {"0.0.0.0": "127.0.0.1", "::": "::1"}
 
@@ -42,6 +45,15 @@ def bind(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+def backlog_cap() -> int | None:
+    """The kernel's cap on a backlog where it says (Linux), else None."""
+    try:
+        with open(SOMAXCONN) as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
 
 
 def site(runner: web.BaseRunner, sock: socket.socket) -> web.SockSite:
