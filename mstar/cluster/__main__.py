@@ -20,6 +20,7 @@ from aiohttp import web
 from mstar.cluster.front import Front
 from mstar.cluster.ray_replicas import RayReplicas
 from mstar.cluster.replica import STARTUP_TIMEOUT_S, ReplicaSpec
+from mstar.http.listener import BACKLOG
 
 OWN_FLAGS = ("--host", "--port")   # of the front: a replica's are the cluster's to choose
 
@@ -64,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"mstar cluster: {len(urls)} replicas ({', '.join(urls)}) behind http://{a.host}:{a.port}",
               flush=True)
         web.run_app(replicas.serve(Front(urls)), host=a.host, port=a.port, access_log=None,
-                    handler_cancellation=True, print=None)
+                    handler_cancellation=True, print=None, backlog=BACKLOG)
     finally:
         replicas.stop()
     return 0

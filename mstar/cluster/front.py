@@ -32,6 +32,8 @@ import aiohttp
 import structlog
 from aiohttp import web
 
+from mstar.http.listener import BACKLOG
+
 log = structlog.get_logger("mstar.cluster.front")
 
 HEALTH_EVERY_S = 2.0
@@ -424,7 +426,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--port", type=int, default=8080)
     a = p.parse_args(argv)
     urls = [u.strip() for u in a.replicas.split(",") if u.strip()]
-    web.run_app(Front(urls).app(), host=a.host, port=a.port, access_log=None, handler_cancellation=True)
+    web.run_app(Front(urls).app(), host=a.host, port=a.port, access_log=None, handler_cancellation=True,
+                backlog=BACKLOG)
 
 
 if __name__ == "__main__":
