@@ -17,10 +17,9 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
-from mstar.cluster.front import Front
+from mstar.cluster.front import BACKLOG, Front
 from mstar.cluster.ray_replicas import RayReplicas
 from mstar.cluster.replica import STARTUP_TIMEOUT_S, ReplicaSpec
-from mstar.http.listener import BACKLOG
 
 OWN_FLAGS = ("--host", "--port")   # of the front: a replica's are the cluster's to choose
 

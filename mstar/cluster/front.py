@@ -32,10 +32,11 @@ import aiohttp
 import structlog
 from aiohttp import web
 
-from mstar.http.listener import BACKLOG
-
 log = structlog.get_logger("mstar.cluster.front")
 
+# connections waiting to be accepted: a burst of streaming clients is more than aiohttp's default 128, past
+# which a handshake is dropped and retried a second later (a replica's `mstar.http.listener` keeps as many)
+BACKLOG = 2048
 HEALTH_EVERY_S = 2.0
 HEALTH_TIMEOUT_S = 5.0
 WS_MAX_MESSAGE = 16 << 20   # the replicas' realtime socket takes messages this large
