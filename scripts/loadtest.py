@@ -172,7 +172,7 @@ def poison_bursts(model: str, neighbours: int, rng: random.Random, speech_only: 
     bursts = []
     for case in POISONED:
         route = SPEECH_ROUTE if speech_only else case[0]
-        most = SPEECH_MAX_TOKENS if speech_only else MAX_TOKENS
+        most = SPEECH_MAX_TOKENS if route == SPEECH_ROUTE else MAX_TOKENS
         good = [Job("stream", route, json.dumps(stream_body(route, model, rng.choice(PROMPTS), n)).encode(), n)
                 for n in (rng.randint(1, most) for _ in range(neighbours))]
         bursts.append([malformed_job(case, model), *good])
