@@ -56,22 +56,26 @@ async def test_a_waiting_request_of_better_priority_starts_first() -> None:
     await eng.start()
     order: list[str] = []
 
-    async def run(rid: str, priority: int, tokens: int) -> None:
-        request = GenerateRequest(rid, eng.model_name, {"prompt_ids": [5, 6, 7]},
-                                  SamplingParams(max_tokens=tokens, ignore_eos=True), priority=priority)
-        async for chunk in eng.submit(request):
+    def request(rid: str, priority: int, tokens: int) -> GenerateRequest:
+        return GenerateRequest(rid, eng.model_name, {"prompt_ids": [5, 6, 7]},
+                               SamplingParams(max_tokens=tokens, ignore_eos=True), priority=priority)
+
+    async def drain(rid: str, stream) -> None:
+        async for chunk in stream:
             if chunk.token_ids and rid not in order:
                 order.append(rid)
 
     try:
-        first = asyncio.ensure_future(run("first", 0, 60))  # holds the one running row
-        while not order:
-            await asyncio.sleep(0.001)
-        rest = [asyncio.ensure_future(run("plain", 0, 2))]
-        await asyncio.sleep(0.02)
-        rest.append(asyncio.ensure_future(run("urgent", REALTIME_PRIORITY, 2)))
-        await asyncio.gather(first, *rest)
-        assert order == ["first", "urgent", "plain"]
+        first = eng.submit(request("first", 0, 2000))  # holds the one running row until aborted
+        async for chunk in first:
+            if chunk.token_ids:
+                break
+        # both wait in the worker's queue (its inbox is in order) before the abort frees the row
+        plain = eng.submit(request("plain", 0, 2))
+        urgent = eng.submit(request("urgent", REALTIME_PRIORITY, 2))
+        eng.abort("first")
+        await asyncio.wait_for(asyncio.gather(drain("plain", plain), drain("urgent", urgent)), 60)
+        assert order == ["urgent", "plain"]
     finally:
         await eng.shutdown()
 
