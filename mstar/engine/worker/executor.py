@@ -1,6 +1,6 @@
 """Carries out the scheduler's step plans on the worker thread: a `StepPlan`
-in, a step on the device and its rows routed on out (into the step's
-`StepReport`).
+in, a step on the device and its outputs handed to the `Router` (into the
+step's `StepReport`).
 
 A plan runs in this order: settle (read every launched group step), preempt
 (swap group rows out), grow (hand group rows their new pages), admit (rows
@@ -17,18 +17,18 @@ from typing import Callable
 import structlog
 import torch
 
-from mstar.engine.execution.runner import ComponentRunner, StepOutput
+from mstar.engine.execution.runner import ComponentRunner
 from mstar.engine.messages import Awaiting, Finished, StepReport
 from mstar.engine.movement.arena import HostArena
-from mstar.engine.movement.tensor_store import TensorRef, TensorStore
+from mstar.engine.movement.tensor_store import TensorStore
 from mstar.engine.worker.groups.loop_group import LoopGroup
-from mstar.engine.worker.groups.pending import Pending, Route
+from mstar.engine.worker.groups.pending import Pending
 from mstar.engine.worker.forking import fork_rows
 from mstar.engine.worker.groups.mixed_items import MixedItems
 from mstar.engine.worker.outbox import Outbox
 from mstar.engine.worker.streaming.peer_link import PeerLink
 from mstar.engine.worker.preemption import Preemption
-from mstar.engine.worker.stop_rules import stop_reasons
+from mstar.engine.worker.router import Router
 from mstar.engine.worker.walker import FORK_MODE, Walker
 from mstar.scheduler import Batch, Scheduler, StepPlan, WorkItem
 
@@ -67,13 +67,12 @@ class Executor:
         self.runners = runners
         self.walker = walker
         self.scheduler = scheduler
-        self.store = store
         self.link = link
         self.post = post
-        self.arena = arena
         self.preemption = preemption
         self.stats = stats
         self.outbox = Outbox()
+        self.router = Router(walker, store, self.outbox, arena, stats)
         self.report = StepReport(device=name)   # of the step under way, posted by `flush`
         self._inflight: dict[LoopGroup, Pending] = {}  # launched group steps not read yet
         self._group_mark: dict[LoopGroup, float] = {}   # when each group's last step was done
@@ -195,7 +194,7 @@ class Executor:
         if out.parts:
             with torch.profiler.record_function("mstar.route"):
                 # a sampling step has waited for its tokens already: reading them costs no wait
-                self._route(out, sampled=runner.spec.samples)
+                self.router.route(self.report, out, sampled=runner.spec.samples)
         self.stats.steps += 1
         self.stats.rows += len(batch)
         r = self.report
@@ -229,7 +228,7 @@ class Executor:
             else:
                 self._chunked([item], [row])
                 if out.parts:
-                    self._route(out, sampled=runner.spec.samples)
+                    self.router.route(self.report, out, sampled=runner.spec.samples)
 
     def _chunked(self, items: list[WorkItem], inputs: list[dict[str, torch.Tensor]]) -> None:
         """After a step ran: a row with chunks to come goes back in line with
@@ -242,34 +241,6 @@ class Executor:
                 self.scheduler.next_chunk(item)
             elif item.prefix:
                 self.scheduler.cache_prefix(item, item.payload.part.row(item.component, item.payload.branch).pages)
-
-    def _route(self, out: StepOutput, sampled: bool = False) -> None:
-        """Fast postprocess of a step: emits, stop rules, then every row moves
-        on. `sampled`: the step's outputs are token ids [B] it sampled."""
-        parts = out.parts
-        reasons = stop_reasons(parts, {k: v for k, v in out.values.items()
-                                                   if isinstance(v, torch.Tensor)})
-        rids = [p.request_id for p in parts]
-        refs: dict[str, list[TensorRef]] = {}
-        for name, data in out.values.items():
-            emitting = [i for i, p in enumerate(parts) if name in p.request.walk.emits]
-            if emitting:
-                self.outbox.stage_rows(self.report, self.arena, name, data, emitting, rids, [p.name for p in parts],
-                                       out.logprobs)
-            if isinstance(data, list):
-                refs[name] = [TensorRef(self.store.put(t, (rid,))) for t, rid in zip(data, rids)]
-            else:
-                handle = self.store.put(data, rids)
-                refs[name] = [TensorRef(handle, i) for i in range(len(parts))]
-        if out.sampled is not None:  # a mode with a signature says which of its outputs it sampled
-            tokens = {name: out.values[name].tolist() for name in out.sampled}
-        else:
-            tokens = {name: data.tolist() for name, data in out.values.items()
-                      if sampled and isinstance(data, torch.Tensor) and data.dim() == 1}
-        branches = out.branches or ["main"] * len(parts)
-        for i, part in enumerate(parts):
-            self.walker.completed(part, {name: rs[i] for name, rs in refs.items()}, reasons[i],
-                                  {name: ids[i] for name, ids in tokens.items()}, branches[i])
 
     # --------------------------------------------------------- group steps
 
@@ -331,7 +302,7 @@ class Executor:
         # on the CPU it computed (synchronously) for that long
         device = runner.device_s if n else 0.0
         with torch.profiler.record_function("mstar.finalize"):
-            waited = self._finalize_group(group, prev) if prev is not None else 0.0
+            waited = self.router.read_group(self.report, group, prev) if prev is not None else 0.0
         blocked = waited + (device if self.device.type == "cuda" else 0.0)
         self.stats.wait_s += blocked
         self.stats.launch_s += t1 - t0 - (device if self.device.type == "cuda" else 0.0)
@@ -349,7 +320,7 @@ class Executor:
             outputs = mixed.outputs(group.stream.handed_out)
             self._chunked(mixed.items, mixed.inputs)
             for out in outputs:
-                self._route(out, sampled=True)
+                self.router.route(self.report, out, sampled=True)
             self.stats.mixed_s += time.perf_counter() - t2
         now = time.perf_counter()
         r = self.report
@@ -390,74 +361,6 @@ class Executor:
         kept = [i for i, part in enumerate(group.rows) if id(part) in window]
         return slice(kept[0], kept[-1] + 1) if kept else slice(0, 0)
 
-    def _finalize_group(self, group: LoopGroup, p: Pending) -> float:
-        """Route what step `p` sampled; returns the time spent waiting for it."""
-        t0 = time.perf_counter()
-        p.wait()
-        waited = time.perf_counter() - t0
-        host = p.host.clone()  # its pinned buffer is reused two launches on; the event loop reads later
-        leaving = group.finalize(p)
-        valid = group.valid_rows(p)
-        keep = range(len(p.rows)) if valid is None else valid
-        self.stats.dropped_rows += len(p.rows) - len(keep)
-        gone = {id(leave.part) for leave in leaving}
-        going_on = [i for i in keep if id(p.rows[i]) not in gone and not p.rows[i].done]
-        routes = p.route_rows()
-        for route, idx in routes:  # one, unless rows of several walks stepped together
-            on = set(idx) if len(routes) > 1 else None
-            self._route_tokens(p, host, route, keep if on is None else [i for i in keep if i in on],
-                               going_on if on is None else [i for i in going_on if i in on])
-        if group.followed:  # rows following their ids for the prefix cache (those leaving get theirs as they go)
-            ids = host.tolist()
-            for i in going_on:
-                p.rows[i].row(group.component).sampled(ids[i])
-        extras = self._group_extras(group, p, keep, going_on, {leave.row for leave in leaving})
-        for leave in leaving:
-            self.walker.left_group(leave, {name: refs[leave.row] for name, refs in extras.items()})
-        return waited
-
-    def _route_tokens(self, p: Pending, host: torch.Tensor, route: Route, keep: range | list[int],
-                      going_on: list[int]) -> None:
-        """The tokens of `p`'s rows on `route`: to the clients of the rows whose
-        output counts (`keep`), and into the streams of those going on."""
-        value, walk = route.value, route.walk
-        if value in walk.emits and len(keep):
-            every = len(keep) == len(p.rows)
-            self.outbox.emit_rows(self.report, value, host, None if every else list(keep), p.request_ids,
-                                  p.partitions, p.logprobs)
-        if walk.streams.get(value):
-            items = host.tolist()  # token ids enter streams as host ints
-            self.walker.streams.feed_ids([p.rows[i] for i in going_on], value, [items[i] for i in going_on])
-
-    def _group_extras(self, group: LoopGroup, p: Pending, keep: range | list[int],
-                      going_on: list[int], left: set[int]) -> dict[str, list[TensorRef]]:
-        """The hidden states a group step kept: stored once, emitted for the
-        rows whose output counts, fed to the streams of rows that go on (by
-        each row's walk), and one reference each for the rows that leave at
-        it (`left`; the rest let theirs go)."""
-        out: dict[str, list[TensorRef]] = {}
-        if not p.extras:
-            return out
-        rids = p.request_ids
-        walks = [(route.walk, set(idx)) for route, idx in p.route_rows()]
-        for value, data in p.extras.items():
-            group.stream.handed_out(data)
-            emitting = [i for i in keep if any(value in w.emits and i in idx for w, idx in walks)] \
-                if len(walks) > 1 else list(keep) if value in walks[0][0].emits else []
-            if emitting:
-                self.outbox.stage_rows(self.report, self.arena, value, data, emitting, rids, p.partitions)
-            handle = self.store.put(data, rids)
-            refs = out[value] = [TensorRef(handle, i) for i in range(len(rids))]
-            for walk, idx in walks:
-                if walk.streams.get(value):
-                    for i in going_on:
-                        if i in idx:
-                            self.walker.streams.feed(p.rows[i], value, refs[i])
-            for i in range(len(rids)):
-                if i not in left:
-                    self.store.release(refs[i], rids[i])
-        return out
-
     def settle(self) -> None:
         """Read every launched group step (before a step that changes pages
         or groups, or when there is nothing left to launch)."""
@@ -466,7 +369,7 @@ class Executor:
 
     def _read(self, group: LoopGroup) -> None:
         """Read `group`'s launched step: it is in flight no more."""
-        self._finalize_group(group, self._inflight[group])
+        self.router.read_group(self.report, group, self._inflight[group])
         del self._inflight[group]  # only now: `busy` stays true until the step is read
         self._group_mark.pop(group, None)
 
