@@ -118,10 +118,12 @@ class StepGate:
     event loop handles the report of tick n only once tick n + 1 has started,
     and tick n + 1 finishes only once that report has been handled."""
 
-    def __init__(self) -> None:
-        self.started = [threading.Event() for _ in range(10_000)]
-        self.processed = [threading.Event() for _ in range(10_000)]
+    def __init__(self, last: int) -> None:
+        """`last`: the last tick that runs (the one whose output a late stop drops)."""
+        self.started = [threading.Event() for _ in range(last + 2)]
+        self.processed = [threading.Event() for _ in range(last + 2)]
         self.reports = 0
+        self.last = last
 
     def __call__(self, n: int) -> None:  # on the worker, at the start of tick n
         self.started[n].set()
@@ -129,9 +131,8 @@ class StepGate:
             assert self.processed[n - 1].wait(timeout=30), "event loop never handled a report"
 
     def before_report(self, report: object) -> None:  # on the event loop
-        if getattr(report, "emits", None):
-            # the last tick has no successor: don't wait long for it
-            self.started[self.reports + 1].wait(timeout=0.5)
+        if getattr(report, "emits", None) and self.reports < self.last:  # the last tick has no successor
+            assert self.started[self.reports + 1].wait(timeout=30), "the worker never started the next tick"
 
     def after_report(self, report: object) -> None:
         if getattr(report, "emits", None):

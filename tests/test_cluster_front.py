@@ -98,7 +98,7 @@ async def test_requests_go_to_the_replica_still_up(replicas: list[str]) -> None:
 
 async def _settled(front: Front) -> bool:
     """Every replica's outstanding count back to 0 (a closed session's handler ends just after)."""
-    for _ in range(100):
+    for _ in range(1500):
         if all(r.outstanding == 0 for r in front.replicas):
             return True
         await asyncio.sleep(0.02)

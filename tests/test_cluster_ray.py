@@ -170,9 +170,9 @@ async def test_a_replica_killed_mid_load_fails_only_its_requests(fronts: tuple[F
     before = _get_json(f"{speech.url}/health")["replicas"]
     doomed = ray.get(speech.actor(0).info.remote())
     load = [asyncio.create_task(_speech(client, LONG)) for _ in range(6)]
-    for _ in range(200):   # every request under way, three on each replica
-        if [r["outstanding"] for r in _get_json(f"{speech.url}/health")["replicas"]] == [3, 3]:
-            break
+    deadline = time.monotonic() + 60
+    while (seen := [r["outstanding"] for r in _get_json(f"{speech.url}/health")["replicas"]]) != [3, 3]:
+        assert time.monotonic() < deadline, f"the requests were never under way three on each replica: {seen}"
         await asyncio.sleep(0.05)
     os.kill(doomed["pid"], signal.SIGKILL)
     results = await asyncio.gather(*load, return_exceptions=True)

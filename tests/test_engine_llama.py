@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from http_support import wait_until
 from tiny_llama import save_tiny_llama
 from mstar.config import EngineConfig, SchedulerConfig
 from mstar.engine.engine import Engine
@@ -51,7 +52,7 @@ async def _run(eng: Engine, rid: str, prompt: list[int], sp: SamplingParams) -> 
 
 
 async def _drained(eng: Engine) -> None:
-    for _ in range(300):
+    for _ in range(3000):
         if eng.pages_in_use() == 0 and len(eng.store) == 0 and not any(w.walker.runs for w in eng.workers):
             return
         await asyncio.sleep(0.01)
@@ -100,10 +101,8 @@ async def test_eos_and_stop_token_ids_end_with_stop(hf_folder: Path) -> None:
             sp = SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(stop_at,))
             dropped = eng.workers[0].stats.dropped_rows
             assert await _run(eng, f"s{i}", p, sp) == (cut, "stop")
-            for _ in range(200):
-                if not eng.workers[0].busy:
-                    break
-                await asyncio.sleep(0.005)
+            # busy until the speculative step is read
+            assert await wait_until(lambda: not eng.workers[0].busy, 30), "the worker stayed busy"
             if len(cut) > 2:
                 # decode steps are launched before the previous one is read: the step
                 # after the stop token ran speculatively and its output was dropped

@@ -28,7 +28,7 @@ async def _collect(eng: Engine, rid: str, walk: str, x: int = 0):
 
 
 async def _drained(eng: Engine) -> None:
-    for _ in range(200):
+    for _ in range(3000):
         if len(eng.store) == 0 and eng.store.num_owners() == 0 and not any(
                 w.scheduler.has_work() or w.walker.runs for w in eng.workers):
             return
@@ -37,7 +37,7 @@ async def _drained(eng: Engine) -> None:
 
 
 async def test_late_host_stop_drops_the_speculative_step() -> None:
-    gate = StepGate()
+    gate = StepGate(last=5)  # ticks 0-4 write 1-5; tick 5's 6 comes after the stop
     model = FakeModel(gate=gate)
     model.limit = 5
     eng = await _engine(model)

@@ -27,7 +27,7 @@ async def _started(cfg: EngineConfig, model=None) -> Engine:
 
 
 async def _drained(eng: Engine) -> None:
-    for _ in range(300):
+    for _ in range(3000):
         arenas = [w.arena for w in eng.workers if w.arena is not None]
         if (len(eng.store) == 0 and eng.store.num_owners() == 0 and eng.pages_in_use() == 0
                 and eng.num_running() == 0 and not any(w.walker.runs or w.link.pending for w in eng.workers)

@@ -257,7 +257,7 @@ def test_names_and_folder_layout(tmp_path, snac_folder) -> None:
 
 
 async def _drained(eng: Engine) -> None:
-    for _ in range(300):
+    for _ in range(3000):
         if len(eng.store) == 0 and eng.pages_in_use() == 0 and eng.num_running() == 0:
             return
         await asyncio.sleep(0.01)

@@ -101,7 +101,7 @@ async def _run(eng: Engine, rid: str, walk: str = "sums", **inputs: int) -> list
 
 
 async def _slots_free(eng: Engine, slots: int) -> None:
-    for _ in range(100):
+    for _ in range(1500):
         if all(w.scheduler.slots["acc"].num_free == slots for w in eng.workers if "acc" in w.scheduler.slots):
             return
         await asyncio.sleep(0.02)

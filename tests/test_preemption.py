@@ -45,7 +45,7 @@ async def _run(model: str, reservation: str, pages: int, n: int, tokens: int,
 
     try:
         out = list(await asyncio.gather(*[one(i) for i in range(n)]))
-        for _ in range(100):  # aborts reach the worker a step later
+        for _ in range(3000):  # aborts reach the worker a step later
             if not eng.workers[0].walker.runs:
                 break
             await asyncio.sleep(0.01)

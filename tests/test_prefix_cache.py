@@ -115,7 +115,7 @@ def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 async def _settled(eng: Engine) -> None:
-    for _ in range(300):
+    for _ in range(3000):
         if eng.pages_in_use() == 0 and not any(w.walker.runs for w in eng.workers):
             return
         await asyncio.sleep(0.01)

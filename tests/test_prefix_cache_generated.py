@@ -56,7 +56,7 @@ async def _conversation(folder: Path, caching: bool, mixed: bool = True) -> tupl
             prompt = prompt + answer + [rng.randrange(3, VOCAB) for _ in range(6)]
         eng.abort("beside")
         await asyncio.gather(running, return_exceptions=True)
-        for _ in range(200):
+        for _ in range(3000):
             if eng.pages_in_use() == 0:
                 break
             await asyncio.sleep(0.01)

@@ -64,7 +64,7 @@ async def _run(eng: Engine, rid: str, ids: list[int], params: SamplingParams) ->
 async def _slots_back(eng: Engine, slots: int) -> None:
     """Every worker's state slots free again (`slots` each)."""
     pools = [w.scheduler.slots["llm"] for w in eng.workers]
-    for _ in range(100):
+    for _ in range(1500):
         if all(p.num_free == slots for p in pools) and eng.pages_in_use() == 0:
             return
         await asyncio.sleep(0.02)

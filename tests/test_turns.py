@@ -127,7 +127,7 @@ async def test_abort_while_waiting_for_input_frees_everything(eng: Engine) -> No
     _, seen = await _until_awaiting(chunks)
     assert seen[-1].awaiting_input and eng.pages_in_use() > 0  # the cache is kept for the next turn
     eng.abort("idle")
-    for _ in range(100):
+    for _ in range(1500):
         if eng.pages_in_use() == 0 and eng.num_running() == 0:
             break
         await asyncio.sleep(0.02)
