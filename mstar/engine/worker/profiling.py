@@ -53,7 +53,9 @@ class WorkerProfiler:
         if self.device.type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         try:
-            prof = torch.profiler.profile(activities=activities, with_stack=msg.stacks)
+            # torch records ops' Python stacks only with the verbose config (2.13: `with_stack` alone leaves them empty)
+            verbose = torch._C._profiler._ExperimentalConfig(verbose=True) if msg.stacks else None
+            prof = torch.profiler.profile(activities=activities, with_stack=msg.stacks, experimental_config=verbose)
             prof.start()
         except Exception as e:  # the worker serves on without it
             _ONE_AT_A_TIME.release()
