@@ -124,6 +124,7 @@ class StepGate:
         self.processed = [threading.Event() for _ in range(last + 2)]
         self.reports = 0
         self.last = last
+        self.failure: str | None = None  # an event-loop hook's assert would only be logged: the test reads this
 
     def __call__(self, n: int) -> None:  # on the worker, at the start of tick n
         self.started[n].set()
@@ -132,7 +133,8 @@ class StepGate:
 
     def before_report(self, report: object) -> None:  # on the event loop
         if getattr(report, "emits", None) and self.reports < self.last:  # the last tick has no successor
-            assert self.started[self.reports + 1].wait(timeout=30), "the worker never started the next tick"
+            if not self.started[self.reports + 1].wait(timeout=30):
+                self.failure = f"the worker never started tick {self.reports + 1}"
 
     def after_report(self, report: object) -> None:
         if getattr(report, "emits", None):

@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -63,7 +64,7 @@ class Hold:
         """The process of each decode held so far (one entry per decode)."""
         return sorted(int(p.name.split("-")[1]) for p in self.folder.glob("started-*"))
 
-    async def started(self, count: int, pending: Sequence[asyncio.Future[object]] = (),
+    async def started(self, count: int, pending: Sequence[asyncio.Future[Any]] = (),
                       timeout: float = 30.0) -> list[int]:
         """`pids()` once `count` decodes are held; fails loudly after `timeout`
         s, or as soon as one of `pending` (what waits on the decodes) ends."""

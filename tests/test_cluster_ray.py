@@ -173,6 +173,7 @@ async def test_a_replica_killed_mid_load_fails_only_its_requests(fronts: tuple[F
     deadline = time.monotonic() + 60
     while (seen := [r["outstanding"] for r in _get_json(f"{speech.url}/health")["replicas"]]) != [3, 3]:
         assert time.monotonic() < deadline, f"the requests were never under way three on each replica: {seen}"
+        assert not any(t.done() for t in load), f"a request ended before all six were under way: {seen}"
         await asyncio.sleep(0.05)
     os.kill(doomed["pid"], signal.SIGKILL)
     results = await asyncio.gather(*load, return_exceptions=True)

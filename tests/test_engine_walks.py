@@ -45,6 +45,7 @@ async def test_late_host_stop_drops_the_speculative_step() -> None:
     eng.add_report_hook(gate.after_report)
     try:
         chunks = await _collect(eng, "r1", "count")
+        assert gate.failure is None, gate.failure
         values = [t for c in chunks for t in c.token_ids]
         assert values == [1, 2, 3, 4, 5]
         assert chunks[-1].finished and chunks[-1].finish_reason == "stop"

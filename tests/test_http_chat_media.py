@@ -357,7 +357,7 @@ async def test_the_servers_limits_apply(omni: Engine) -> None:
         await api.close()
 
 
-# ------------------------------------------------------------------ the event loop's pace
+# ------------------------------------------------------- decodes in the pool, beside the loop
 
 @on_module_loop
 async def test_audio_decodes_at_once_while_another_request_streams(omni: Engine, tmp_path: Path) -> None:
@@ -409,7 +409,8 @@ async def test_audio_decodes_at_once_while_another_request_streams(omni: Engine,
             hold.release()
             for task in tasks[len(posts):]:  # the stream, once begun
                 task.cancel()
-            await asyncio.wait(tasks)
+            _, late = await asyncio.wait(tasks, timeout=60)
+            assert not late, late
         answers = [p.result() for p in posts]
     for status, answer in answers:
         assert status == 400 and answer["error"]["param"] == "messages", answer

@@ -181,7 +181,7 @@ async def timed(work: Awaitable[T]) -> tuple[T, float, float]:
     return result, seconds, lag.worst
 
 
-async def test_the_loop_keeps_its_pace_while_big_media_decode(tmp_path: Path) -> None:
+async def test_big_media_decodes_in_a_pool_process_while_the_loop_runs(tmp_path: Path) -> None:
     """Decoding on the loop stalls it for about the decode's length; through
     the pool, a decode held at its start in a pool process leaves the loop
     serving (a heartbeat on it keeps beating), and gives what decoding on
@@ -208,7 +208,7 @@ async def test_the_loop_keeps_its_pace_while_big_media_decode(tmp_path: Path) ->
             beats.append(time.perf_counter())
 
     beating = asyncio.create_task(heartbeat())
-    pooled = []
+    pooled: list[np.ndarray] = []
     try:
         for decode in (lambda: decoder.audio(audio, AUDIO, max_seconds=60),
                        lambda: decoder.image(image, IMAGE, max_pixels=3840 * 2160)):
@@ -222,7 +222,8 @@ async def test_the_loop_keeps_its_pace_while_big_media_decode(tmp_path: Path) ->
                 assert not decoding.done() and hold.pids() == [pid], decoding  # still held
             finally:
                 hold.release()
-                await asyncio.wait([decoding])
+                done, _ = await asyncio.wait([decoding], timeout=60)
+                assert done, "a released decode never ended"
             pooled.append(decoding.result())
             hold.reset()
     finally:

@@ -248,16 +248,16 @@ async def test_a_failing_mixed_step_fails_its_new_rows_and_the_group_steps_on(hf
     await eng.start()
     try:
         running = aiter(eng.submit(GenerateRequest("running", eng.model_name, {"prompt_ids": [1, 5, 9]},
-                                                   SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))))
+                                                   SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True))))
         tokens = list((await anext(running)).token_ids)  # its first token: it decodes in its group now
-        # the worker takes the new row in within a step or two, of the 59 the running row has left: into a group step
+        # the worker takes the new row in within a step or two, of the 299 the running row has left: into a group step
         request = GenerateRequest("new", eng.model_name, {"prompt_ids": [1, 7, 8, 9]}, SamplingParams(max_tokens=4))
         chunks = [c async for c in eng.submit(request)]
         assert "a new row's table is broken" in (chunks[-1].error or "")
         async for chunk in running:  # the running row stepped on, alone
             assert chunk.error is None, chunk.error
             tokens += chunk.token_ids
-        assert len(tokens) == 60
+        assert len(tokens) == 300
         assert eng.workers[0].stats.failed_steps == 0
     finally:
         await eng.shutdown()

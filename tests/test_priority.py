@@ -10,6 +10,7 @@ import pytest
 
 from mstar.config import EngineConfig, SchedulerConfig
 from mstar.engine.engine import Engine
+from mstar.engine.eventloop.requests import RequestStream
 from mstar.errors import RequestError
 from mstar.http.text.protocol import parse_chat, parse_completion, parse_generate
 from standing_group import FakeGroup
@@ -60,7 +61,7 @@ async def test_a_waiting_request_of_better_priority_starts_first() -> None:
         return GenerateRequest(rid, eng.model_name, {"prompt_ids": [5, 6, 7]},
                                SamplingParams(max_tokens=tokens, ignore_eos=True), priority=priority)
 
-    async def drain(rid: str, stream) -> None:
+    async def drain(rid: str, stream: RequestStream) -> None:
         async for chunk in stream:
             if chunk.token_ids and rid not in order:
                 order.append(rid)

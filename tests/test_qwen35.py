@@ -258,15 +258,15 @@ async def test_a_failed_mixed_step_fails_its_rows_with_state(checkpoint: tuple[P
     eng = Engine(EngineConfig(model=str(checkpoint[0]), scheduler=SchedulerConfig(page_size=4)))
     await eng.start()
     try:
-        greedy = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+        greedy = SamplingParams(max_tokens=1000, temperature=0.0, ignore_eos=True)
         async def run(rid: str, prompt: list[int], sp: SamplingParams) -> list:
             return [c async for c in eng.submit(GenerateRequest(rid, eng.model_name, {"prompt_ids": prompt}, sp))]
         running = aiter(eng.submit(GenerateRequest("running", eng.model_name, {"prompt_ids": [1, 5, 9]}, greedy)))
-        rest = [await anext(running)]  # its first token: it decodes in its group, with 59 steps to go
+        rest = [await anext(running)]  # its first token: it decodes in its group, with 999 steps to go
         new = await run("new", [1, 7, 8, 9], SamplingParams(max_tokens=4))
         rest += [c async for c in running]
         assert "a new row's table is broken" in (new[-1].error or "")
-        assert "a new row's table is broken" in (rest[-1].error or "") and len(rest) < 60
+        assert "a new row's table is broken" in (rest[-1].error or "") and len(rest) < 1000
         await _free(eng, eng.config.scheduler.max_num_seqs)
     finally:
         await eng.shutdown()
