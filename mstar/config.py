@@ -206,9 +206,11 @@ def build_parser(builtin_models: Sequence[str] = ()) -> argparse.ArgumentParser:
                    help="while requests are decoding, steps they take between two prefill steps of new requests: "
                         "arrivals then share fewer, larger prefill steps (0: a prefill whenever its turn comes)")
     p.add_argument("--no-mixed-steps", dest="mixed_steps", action="store_false",
-                   help="run new requests' prompts in steps of their own instead of inside running decode steps")
+                   help="run new requests' prompts in steps of their own instead of inside running decode steps "
+                        "(by default they ride in them)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
-                   help="compute every prompt's KV, even where a full page of its prefix was computed before")
+                   help="compute every prompt's KV, even where a full page of its prefix was computed before "
+                        "(by default the prefix cache is on)")
     p.add_argument("--seed", type=int, default=0, help="engine seed, for requests without their own")
     p.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="requests waiting to start; a new one past this waits --queue-timeout, then gets 429")

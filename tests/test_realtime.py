@@ -79,6 +79,12 @@ async def test_text_in_audio_out(speech) -> None:
     kinds = [e.type for e in seen]
     assert kinds.index("conversation.item.added") < kinds.index("response.created") < kinds.index(
         "response.output_audio.delta") < kinds.index("response.output_audio.done")
+    # the assistant's item follows the user's in the conversation, as OpenAI's events say
+    user, answer = [e for e in seen if e.type == "conversation.item.added"]
+    assert user.item.role == "user" and answer.item.role == "assistant"
+    assert user.previous_item_id is None and answer.previous_item_id == user.item.id
+    finished = next(e for e in seen if e.type == "conversation.item.done" and e.item.id == answer.item.id)
+    assert finished.previous_item_id == user.item.id
     assert done.response.status == "incomplete"  # cut by max_output_tokens
     assert done.response.status_details.reason == "max_output_tokens"
     assert 0 < _frames(_audio(seen)) <= 4  # one turn of five frames plays four

@@ -421,10 +421,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     replicas already serving (each `python -m mstar.http` on its own host or port)."""
     import argparse
 
-    p = argparse.ArgumentParser(description="one address over several mstar replicas")
+    p = argparse.ArgumentParser(prog="python -m mstar.cluster.front",
+                                description="One address over several mstar replicas. It checks no keys itself: "
+                                            "a request's Authorization header goes on to the replica, whose "
+                                            "--api-key decides.")
     p.add_argument("--replicas", required=True, help="base URLs, comma-separated: http://10.0.0.2:8000,...")
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--host", default="127.0.0.1", help="the front's address, as the server's "
+                                                        "--host (0.0.0.0: every interface; default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="the front's port (default 8080)")
     a = p.parse_args(argv)
     urls = [u.strip() for u in a.replicas.split(",") if u.strip()]
     web.run_app(Front(urls).app(), host=a.host, port=a.port, access_log=None, handler_cancellation=True,

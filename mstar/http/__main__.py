@@ -58,7 +58,8 @@ async def serve(config: ServerConfig) -> None:
         if stop.is_set():
             log.warning("second signal; exiting without waiting", signal=sig.name)
             os._exit(128 + sig.value)
-        log.info("stop signal received; draining", signal=sig.name, grace_s=SHUTDOWN_GRACE_S)
+        log.info("stop signal received; draining", signal=sig.name, abort_after_s=DRAIN_S,
+                 cancel_after_s=SHUTDOWN_GRACE_S)
         stop.set()
 
     for sig in (signal.SIGINT, signal.SIGTERM):

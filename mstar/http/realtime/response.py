@@ -75,6 +75,13 @@ class ActiveResponse:
         self._linger: asyncio.TimerHandle | None = None
         self._task: asyncio.Task | None = None
 
+    def _previous_id(self) -> str | None:
+        """The id of the conversation item before this response's (the
+        session put it in the conversation as the response began)."""
+        items = self.session.items
+        at = next((i for i, item in enumerate(items) if item is self.item), 0)
+        return items[at - 1]["id"] if at > 0 else None
+
     # ------------------------------------------------------------ control
 
     def start(self, on_done: Callable[[ActiveResponse], None]) -> None:
@@ -83,7 +90,7 @@ class ActiveResponse:
         self._on_done = on_done
         self._send("response.created", response=self._response("in_progress"))
         self._send("response.output_item.added", response_id=self.id, output_index=0, item=self.item)
-        self._send("conversation.item.added", previous_item_id=None, item=self.item)
+        self._send("conversation.item.added", previous_item_id=self._previous_id(), item=self.item)
         self._send("response.content_part.added", part=self._part(False), **self._where())
         if self.audio and self.plan.spoken:
             self._say(self.plan.spoken)
@@ -211,7 +218,7 @@ class ActiveResponse:
             self._send("response.output_text.done", text=done_part["text"], **where)
         self._send("response.content_part.done", part=done_part, **where)
         self._send("response.output_item.done", response_id=self.id, output_index=0, item=self.item)
-        self._send("conversation.item.done", previous_item_id=None, item=self.item)
+        self._send("conversation.item.done", previous_item_id=self._previous_id(), item=self.item)
         details: dict[str, Any] = {"type": status, "reason": why}
         if status == "failed":
             details["error"] = {"type": "server_error", "code": reason,
