@@ -133,6 +133,35 @@ async def test_explicit_commit_without_vad(omni) -> None:
     assert len(_audio(seen)) > 0
 
 
+async def test_a_text_only_session_answers_heard_audio_in_text(omni) -> None:
+    """`output_modalities: ["text"]`: the model hears the committed audio and
+    answers as a chat completion without audio out does, in text deltas; a
+    response may ask for audio again, and a speech-only model refuses text."""
+    engine, url = omni
+    async with _client(url).realtime.connect(model=OMNI) as conn:
+        await conn.session.update(session={**NO_VAD, "output_modalities": ["text"]})
+        seen: list[Any] = []
+        updated = await _until(conn, "session.updated", seen)
+        assert updated.session.output_modalities == ["text"]
+        await _send(conn, np.concatenate([burst(300), silence(300)]))
+        await conn.input_audio_buffer.commit()
+        await _until(conn, "input_audio_buffer.committed", seen)
+        await conn.response.create()
+        done = await _until(conn, "response.done", seen)
+        assert done.response.output_modalities == ["text"]
+        deltas = [e.delta for e in seen if e.type == "response.output_text.delta"]
+        text = next(e.text for e in seen if e.type == "response.output_text.done")
+        assert deltas and "".join(deltas) == text and not _audio(seen)
+        assert done.response.usage.output_tokens == SHORT["max_output_tokens"]  # the session's limit, on the text
+        seen.clear()
+        await conn.response.create(response={"output_modalities": ["audio"]})  # this response speaks
+        done = await _until(conn, "response.done", seen)
+        assert done.response.output_modalities == ["audio"] and len(_audio(seen)) > 0
+        await conn.session.update(session={"type": "realtime", "output_modalities": ["text", "audio"]})
+        error = await _until(conn, "error", seen)
+        assert error.error.param == "session.output_modalities"
+
+
 async def test_speech_during_a_response_cancels_it(omni) -> None:
     engine, url = omni
     async with _client(url).realtime.connect(model=OMNI) as conn:

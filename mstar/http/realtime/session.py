@@ -17,6 +17,8 @@ user's committed audio turns and text, the assistant's transcripts; it ends
 when the model does. Its input audio buffer (`input_audio.py`) takes PCM16
 appends; with server VAD on (the default) speech that stops commits a turn
 and starts a response, and speech that starts cancels the running one.
+With `output_modalities: ["text"]` such a model answers on its chat walk in
+text, over the same conversation.
 A response of a text model is a chat completion over the conversation,
 streamed as `response.output_text.delta`.
 """
@@ -300,7 +302,8 @@ class RealtimeSession:
 
     async def _plan(self, params: dict[str, Any], limit: int | None) -> ResponsePlan:
         """The engine request a `response.create` starts."""
-        self.config.check_modalities(params, "response")
+        answer = self.config.check_modalities(params, "response")
+        in_text = answer == "text" if answer is not None else self.config.text_only
         instructions = field_of(params, "instructions", str, "response", required=False)
         audio = field_of(params, "audio", dict, "response", required=False) or {}
         output = field_of(audio, "output", dict, "response.audio", required=False) or {}
@@ -311,7 +314,7 @@ class RealtimeSession:
         defaults = model_defaults(self.engine)
         sampling = dataclasses.replace(defaults, max_tokens=limit or defaults.max_tokens, seed=self.config.seed)
         if self.hears:
-            return await self._conversation_plan(rid, given, instructions, asked_voice, sampling, limit)
+            return await self._conversation_plan(rid, given, instructions, asked_voice, sampling, limit, in_text)
         texts = self._input_texts(given) if given is not None else None
         if self.speaks:
             voice = self.config.voice
@@ -345,10 +348,11 @@ class RealtimeSession:
 
     async def _conversation_plan(self, rid: str, given: list[Any] | None, instructions: str | None,
                                  asked_voice: str | None, sampling: SamplingParams,
-                                 limit: int | None) -> ResponsePlan:
+                                 limit: int | None, in_text: bool = False) -> ResponsePlan:
         """One spoken-chat request over the conversation (or `response.input`'s
         items); `limit` caps the text and the talker's frames alike, as
-        OpenAI's counts audio tokens with text ones."""
+        OpenAI's counts audio tokens with text ones. `in_text`: the answer is
+        the chat walk's text, as a chat completion without audio out gives."""
         voice = self.config.voice
         if asked_voice is not None:
             voice = self.config.check_voice(asked_voice, "response.audio.output.voice")
@@ -358,14 +362,17 @@ class RealtimeSession:
         if not any(m["role"] == "user" for m in messages):
             raise ProtocolError("the conversation has nothing from the user: commit audio or add a message first",
                                 "empty_input", "response.input")
-        by: dict[str, dict[str, Any]] = {"talker": {"max_tokens": limit}} if limit is not None else {}
-        request = GenerateRequest(rid, self.target.name, {"messages": messages, "voice": voice},
-                                  dataclasses.replace(sampling, max_tokens=None), sampling_by=by,
-                                  walk=self.target.spoken_chat_walk, priority=REALTIME_PRIORITY)
+        by: dict[str, dict[str, Any]] = {"talker": {"max_tokens": limit}} if limit is not None and not in_text else {}
+        inputs = {"messages": messages} if in_text else {"messages": messages, "voice": voice}
+        request = GenerateRequest(rid, self.target.name, inputs, dataclasses.replace(sampling, max_tokens=None),
+                                  sampling_by=by, walk=None if in_text else self.target.spoken_chat_walk,
+                                  priority=REALTIME_PRIORITY)
         prepared = await self.engine.prepare(request)
         if limit is not None and limit < self.target.max_model_len - prepared.num_prompt_tokens:
             request = dataclasses.replace(request, sampling=dataclasses.replace(sampling, max_tokens=limit))
             prepared = await self.engine.prepare(request)
+        if in_text:
+            return ResponsePlan(rid, request, prepared, modality="text")
         return ResponsePlan(rid, request, prepared, modality="audio", voice=voice, writes_transcript=True)
 
     async def _given_items(self, given: list[Any]) -> tuple[list[dict[str, Any]], dict[str, list[np.ndarray]]]:

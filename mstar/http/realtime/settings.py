@@ -20,8 +20,10 @@ UNSET: Any = object()  # a field the update leaves as it is
 @dataclass
 class SessionConfig:
     """The session object; `speaks`: the model has audio out (then audio is
-    the only output modality), else text; `hears`: it takes audio in (then
-    server VAD is on unless turned off)."""
+    its output modality), else text; `hears`: it takes audio in (then
+    server VAD is on unless turned off); `text_only`: a model that hears and
+    speaks answers in text (`output_modalities: ["text"]`), as it does in a
+    chat completion without audio out."""
 
     session_id: str
     model: str
@@ -35,6 +37,7 @@ class SessionConfig:
     seed: int | None = None  # responses draw reproducibly (each response from this seed)
     hears: bool = False
     turn_detection: TurnDetection | None = None
+    text_only: bool = False
 
     def __post_init__(self) -> None:
         if self.hears and self.turn_detection is None:
@@ -42,7 +45,13 @@ class SessionConfig:
 
     @property
     def modalities(self) -> list[str]:
-        return ["audio"] if self.speaks else ["text"]
+        return ["audio"] if self.speaks and not self.text_only else ["text"]
+
+    @property
+    def answers(self) -> tuple[str, ...]:
+        """The output modalities the model can answer in: a model that hears
+        and speaks answers in text too (its chat walk)."""
+        return ("audio", "text") if self.hears else ("audio",) if self.speaks else ("text",)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -74,7 +83,7 @@ class SessionConfig:
             raise ProtocolError(f"this session serves '{self.model}'; connect with ?model= to use another",
                                 "invalid_value", "session.model")
         instructions = field_of(session, "instructions", str, "session", required=False)
-        self.check_modalities(session, "session")
+        answer = self.check_modalities(session, "session")
         raw_limit = session.get("max_output_tokens")
         limit = (output_limit(raw_limit, "session.max_output_tokens", self.max_model_len)
                  if raw_limit is not None else None)
@@ -82,6 +91,8 @@ class SessionConfig:
         voice, turns = self._audio(audio)
         linger, seed = self._extension(session)
         # all checked: apply together, so a refused update changes nothing
+        if answer is not None:
+            self.text_only = self.speaks and answer == "text"
         if instructions is not None:
             self.instructions = instructions
         if raw_limit is not None:
@@ -128,18 +139,21 @@ class SessionConfig:
             raise ProtocolError(f"unknown voice {voice!r}; this model has {have}", "invalid_value", param)
         return name
 
-    def check_modalities(self, obj: dict[str, Any], where: str) -> None:
-        """`output_modalities`, if given, must be what the model answers in."""
+    def check_modalities(self, obj: dict[str, Any], where: str) -> str | None:
+        """`output_modalities`, if given: one modality the model answers in,
+        which this returns (None: not given)."""
         modalities = field_of(obj, "output_modalities", list, where, required=False)
         if modalities is None:
-            return
+            return None
         for i, modality in enumerate(modalities):
             if not isinstance(modality, str) or modality not in MODALITIES:
                 param = f"{where}.output_modalities[{i}]"
                 raise ProtocolError(f"'{param}' must be one of {', '.join(MODALITIES)}", "invalid_value", param)
-        if sorted(set(modalities)) != self.modalities:
-            raise ProtocolError(f"model '{self.model}' answers in {self.modalities}, not {modalities}",
+        asked = sorted(set(modalities))
+        if len(asked) != 1 or asked[0] not in self.answers:
+            raise ProtocolError(f"model '{self.model}' answers in one of {list(self.answers)}, not {modalities}",
                                 "invalid_value", f"{where}.output_modalities")
+        return asked[0]
 
     @staticmethod
     def _extension(session: dict[str, Any]) -> tuple[int | None, int | None]:
