@@ -158,7 +158,11 @@ async def test_bad_fields_are_400s(engine: Engine, body: object) -> None:
     async with serve(engine, profiling=True) as url, aiohttp.ClientSession() as http:
         async with http.post(url + "/debug/profile", json=body) as r:
             assert r.status == 400
-            assert (await r.json())["error"]["type"] == "invalid_request_error"
+            error = (await r.json())["error"]
+            assert error["type"] == error["code"] == "invalid_request_error"
+            if isinstance(body, dict):  # named as every route names a field: param, and the message's lead
+                field = next(iter(body))
+                assert error["param"] == field and error["message"].startswith(f"{field}: "), error
 
 
 async def test_without_the_flag_there_is_no_route(engine: Engine) -> None:

@@ -131,8 +131,9 @@ def test_completion_refusals_name_the_field(fields: dict, field: str) -> None:
 
 def test_integers_beyond_64_bits_are_refused_naming_the_field() -> None:
     # no tensor or counter downstream could hold them: refused before they get that far
-    err = refused(parse_completion, b'{"prompt": "x", "max_tokens": 100000000000000000000000}')
+    err = refused(parse_completion, b'{"prompt": "x", "max_tokens": 99999999999999999999999}')
     assert err.field == "max_tokens" and "out of range" in err.message
+    assert "1e+23" in err.message and "9999999999999999" not in err.message  # not the float's digits as an int
     assert refused(parse_completion, b'{"prompt": "x", "seed": 100000000000000000000000}').field == "seed"
     assert refused(parse_completion, b'{"prompt": "x", "top_k": 9223372036854775808}').field == "top_k"
     assert parse_completion(b'{"prompt": "x", "seed": 9223372036854775807}').sampling.seed == 2**63 - 1

@@ -81,6 +81,8 @@ class Fields:
             return None
         # 2.0 is an integer to JSON; 2.5 is not.
         if isinstance(value, float) and not isinstance(value, bool) and value.is_integer():
+            if not -INT64_LIMIT <= value < INT64_LIMIT:  # a JSON integer past 64 bits the parser made a float:
+                raise self.error(key, f"is out of range, got {value:g}")  # its int() would show digits never sent
             value = int(value)
         if not is_int(value):
             raise self.error(key, f"must be an integer, not {type_name(value)}")

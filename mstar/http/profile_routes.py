@@ -17,9 +17,8 @@ import math
 import torch
 from aiohttp import web
 
-from mstar.errors import ProfilerBusy
+from mstar.errors import ProfilerBusy, RequestError
 from mstar.http.keys import ENGINE
-from mstar.http.responses import error_response
 
 MAX_SECONDS = 60.0
 STACK_DEPTH = 8  # frames of each op's stack that tell its callers apart
@@ -39,26 +38,26 @@ async def profile(request: web.Request) -> web.Response:
     try:
         body = await request.json() if request.can_read_body else {}
     except ValueError:
-        return error_response("the body is not JSON", status=400)
+        raise RequestError("the body is not JSON")
     if not isinstance(body, dict):
-        return error_response("the body must be a JSON object", status=400)
+        raise RequestError("the body must be a JSON object")
     engine = request.app[ENGINE]
     seconds, worker, rows = _number(body, "seconds", 2.0), _number(body, "worker", 0), _number(body, "rows", 30)
     if seconds is None or not 0 < seconds <= MAX_SECONDS:
-        return error_response(f"seconds must be in (0, {MAX_SECONDS:g}]", status=400, param="seconds")
+        raise RequestError(f"must be in (0, {MAX_SECONDS:g}]", field="seconds")
     if worker is None or worker != int(worker) or not 0 <= worker < len(engine.workers):
-        return error_response(f"worker must be an index below {len(engine.workers)}", status=400, param="worker")
+        raise RequestError(f"must be an index below {len(engine.workers)}", field="worker")
     if rows is None or rows != int(rows) or not 1 <= rows <= 500:
-        return error_response("rows must be a whole number in [1, 500]", status=400, param="rows")
+        raise RequestError("must be a whole number in [1, 500]", field="rows")
     stacks = body.get("stacks", False)
     if not isinstance(stacks, bool):
-        return error_response("stacks must be true or false", status=400, param="stacks")
+        raise RequestError("must be true or false", field="stacks")
     try:
         prof = await engine.profile(seconds, int(worker), stacks)
     except ProfilerBusy as e:  # one profile in the process at a time
-        return error_response(str(e), status=409)
+        raise RequestError(str(e), status=409, code="profiler_busy") from None
     except RuntimeError as e:  # the worker is not running
-        return error_response(str(e), status=503)
+        raise RequestError(str(e), status=503, code="unavailable") from None
     # the tables take a while to build (seconds, with stacks): off the event loop
     text = await asyncio.to_thread(_report, prof, seconds, int(worker), engine.workers[int(worker)].name,
                                    int(rows), stacks)
