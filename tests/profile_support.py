@@ -7,17 +7,15 @@ released the gate (a profile held open while a second one is asked for) and
 once its worker has run `steps` steps since the profile started (a profile
 that must see a step, however slowly the worker runs). Its seconds still
 count: the gate only ever makes a profile longer. Deadlines fail the test
-loudly, naming what did not happen.
+loudly, naming what did not happen (`http_support.wait_until`, asserted).
 """
 
 from __future__ import annotations
 
-import asyncio
 import threading
-import time
-from collections.abc import Callable
 
 import pytest
+from http_support import wait_until
 
 from mstar.engine.engine import Engine
 from mstar.engine.messages import Profile
@@ -25,15 +23,6 @@ from mstar.engine.worker import profiling
 from mstar.engine.worker.profiling import WorkerProfiler
 
 DEADLINE_S = 30.0  # for anything a test waits on: far past any loaded box, and a loud failure past it
-
-
-async def wait_until(check: Callable[[], bool], what: str, timeout: float = DEADLINE_S) -> None:
-    """Poll `check` until it is true; past `timeout` the test fails with `what`."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            pytest.fail(f"waited {timeout:g} s for {what}")
-        await asyncio.sleep(0.01)
 
 
 def profiler_free() -> bool:
@@ -83,5 +72,5 @@ class ProfileGate:
 
     async def running(self, worker: int = 0) -> None:
         """Until worker `worker` runs a profile (it holds the process's profiler)."""
-        await wait_until(lambda: self._engine.workers[worker].profiler.running,
-                         f"a profile to start on worker {worker}")
+        assert await wait_until(lambda: self._engine.workers[worker].profiler.running, DEADLINE_S), \
+            f"no profile started on worker {worker} within {DEADLINE_S:g} s"

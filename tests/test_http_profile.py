@@ -12,8 +12,8 @@ import asyncio
 import aiohttp
 import pytest
 from aiohttp import web
-from http_support import serving_app
-from profile_support import DEADLINE_S, ProfileGate, profiler_free, wait_until
+from http_support import serving_app, wait_until
+from profile_support import DEADLINE_S, ProfileGate, profiler_free
 
 from mstar.config import EngineConfig, ServerConfig, parse_args
 from mstar.engine.engine import Engine
@@ -50,7 +50,8 @@ async def test_a_profile_while_serving_names_the_decode_steps(engine: Engine,
 
         running = asyncio.create_task(complete())
         try:
-            await wait_until(lambda: decoding.is_set() or running.done(), "the completion to decode")
+            assert await wait_until(lambda: decoding.is_set() or running.done(), DEADLINE_S), \
+                f"waited {DEADLINE_S:g} s for the completion to decode"
         finally:
             engine.remove_report_hook(on_report)
         if running.done():
@@ -117,10 +118,12 @@ async def test_a_client_that_hangs_up_mid_profile_leaves_the_worker_serving(engi
             hanging_up.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await hanging_up
-        await wait_until(hung_up.is_set, "the server to cancel the profile's handler")
+        assert await wait_until(hung_up.is_set, DEADLINE_S), \
+            f"waited {DEADLINE_S:g} s for the server to cancel the profile's handler"
         assert engine.workers[0].profiler.running  # the hang-up came mid-profile
         gate.release()  # the worker ends the profile at its time, with nobody waiting for it
-        await wait_until(profiler_free, "the abandoned profile to end and free the profiler")
+        assert await wait_until(profiler_free, DEADLINE_S), \
+            f"waited {DEADLINE_S:g} s for the abandoned profile to end and free the profiler"
         assert engine.workers[0].alive
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=DEADLINE_S)) as http:
             async with http.post(url + "/debug/profile", json={"seconds": 0.2}) as r:
