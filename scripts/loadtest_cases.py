@@ -15,6 +15,9 @@ from typing import Any
 
 import aiohttp
 
+# sibling module: the script's folder is first on sys.path
+from loadtest_checks import SPEECH_ROUTE
+
 # A body that is not JSON at all (bytes) or a JSON value, the route it goes
 # to, and the field the server's error must name (its `error.param`).
 MALFORMED: tuple[tuple[str, bytes | Any, str], ...] = (
@@ -82,7 +85,7 @@ async def big_prompt(url: str, model: str, mib: float, speech: bool = False) -> 
     goes from a thread of its own, so that writing it does not hold up this
     loop's polls."""
     seen = BigPrompt(mib, "input" if speech else "prompt")
-    route = "/v1/audio/speech" if speech else "/v1/completions"
+    route = SPEECH_ROUTE if speech else "/v1/completions"
     body = json.dumps({"model": model, seen.expect: "a" * int(mib * 2**20), "max_tokens": 4}).encode()
 
     def send() -> None:
