@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from mstar.engine.movement.transfer import to_device
@@ -298,7 +299,8 @@ def host_id_rows(items: list[WorkItem], names: list[list[str]]) -> dict[str, tup
         if any(not isinstance(c, list) or len(c) != len(first) for c in chunks):
             continue
         try:  # a chunk holding a stored item (a TensorRef) is not made of ids: each row's own way
-            out[name] = torch.tensor(chunks, dtype=torch.long).unbind(0)
-        except (TypeError, ValueError, RuntimeError):
+            # numpy builds it from nested lists of ints ~3x faster than torch.tensor
+            out[name] = torch.from_numpy(np.array(chunks, dtype=np.int64)).unbind(0)
+        except (TypeError, ValueError, OverflowError):
             continue
     return out

@@ -171,7 +171,7 @@ class ComponentRunner:
         """One seed per row from its request's seed and how many times the row
         has run this step: a row's draws do not depend on its batch."""
         value = step.outputs[0]
-        seeds = [(p.seed * 1_000_003 + p.writes.get(value, 0)) % 2**63 for p in parts]
+        seeds = [(p.seed_of(step) * 1_000_003 + p.writes.get(value, 0)) % 2**63 for p in parts]
         return torch.tensor(seeds, dtype=torch.long)  # on the host: a graph stages it, an eager call moves it
 
     # ------------------------------------------------------------ KV rows

@@ -108,7 +108,11 @@ class PartitionRun:
 
     @property
     def seed(self) -> int:
-        seed = self.sampling.seed
+        return self.seed_of(None)
+
+    def seed_of(self, step: Step | None) -> int:
+        """The seed `step` (default: the step under the cursor) draws under."""
+        seed = self.request.sampling[self.key(step)].seed
         assert seed is not None  # `prepared.resolve_sampling` gives every key one
         return seed
 

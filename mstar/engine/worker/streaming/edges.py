@@ -73,10 +73,11 @@ class Streams:
 
     def feed_ids(self, parts: list[PartitionRun], value: str, ids: list[int]) -> None:
         """`feed` of one host token id per row (a decode group's step), the
-        same writes: a row whose stream is started, whose consumer is here
-        with no chunk waiting, and whose item cuts none only appends it; any
-        other row goes through `feed`. At hundreds of rows a step the
-        per-row call chain is the cost."""
+        same writes: a row whose stream is started and whose consumer is
+        here takes its item straight into the consumer's buffer, waking the
+        consumer only when it is parked and a chunk waits; any other row goes
+        through `feed`. At hundreds of rows a step the per-row call chain is
+        the cost."""
         for part, item in zip(parts, ids):
             run = part.request
             plans = run.walk.streams.get(value, ())
@@ -86,12 +87,17 @@ class Streams:
             sp = plans[0]
             cons = run.partitions.get(sp.consumer)
             buf = cons.inbox if cons is not None else None
-            if (buf is None or cons.done or buf.pending or sp.producer != part.name or sp.consumer not in run.started
-                    or (sp.accept is not None and not sp.accept[0] <= item < sp.accept[1])
-                    or not buf.append_uncut(item)):
-                # a first item, a cut (or one waiting: `feed` wakes its consumer), a remote or finished consumer,
-                # an id the stream does not take
+            if (buf is None or cons.done or sp.producer != part.name or sp.consumer not in run.started
+                    or (sp.accept is not None and not sp.accept[0] <= item < sp.accept[1])):
+                # a first item, a remote or finished consumer, an id the stream does not take
                 self.feed(part, value, item)
+            elif not buf.append_uncut(item):
+                for ref in buf.take(item):
+                    self.release(ref, run.request_id)
+                if buf.pending and cons.parked:
+                    self._wake(cons)
+            elif buf.pending and cons.parked:  # a chunk already waits for it: as `feed`, wake it
+                self._wake(cons)
 
     def _carried(self, part: PartitionRun, sp: StreamPlan) -> dict[str, TensorRef]:
         """The producer's values the consumer reads, each with a reference of
