@@ -70,6 +70,7 @@ class Engine:
         self._gc = GCPauses(self._metrics.gc_pauses)
         self._switch_interval: float | None = None  # Python's, to restore at shutdown
         self._draining = False  # shutting down: running requests may finish, new ones are refused
+        self._card: ModelCard | None = None
         self.add_report_hook(self._metrics.on_report)
 
     # ------------------------------------------------------------ lifecycle
@@ -175,13 +176,15 @@ class Engine:
         return tok
 
     def model_cards(self) -> list[ModelCard]:
-        m = self._model(None)
-        placed = self.placement.components()
-        # a tts walk's root samples under its own key, whose defaults are not the model's root defaults
-        tts = m.default_sampling(self.plans[m.tts_walk].root) if m.tts_walk is not None else m.default_sampling()
-        return [ModelCard(self.model_name, m.max_model_len, tuple(self.plans), m.default_walk, placed,
-                          tuple(m.voices), m.default_sampling(), tuple(m.input_modalities), m.tts_walk,
-                          m.spoken_chat_walk, tts, m.early_tts_walk, m.written_walk)]
+        if self._card is None:  # what it says is fixed once the engine started; every request reads it
+            m = self._model(None)
+            placed = self.placement.components()
+            # a tts walk's root samples under its own key, whose defaults are not the model's root defaults
+            tts = m.default_sampling(self.plans[m.tts_walk].root) if m.tts_walk is not None else m.default_sampling()
+            self._card = ModelCard(self.model_name, m.max_model_len, tuple(self.plans), m.default_walk, placed,
+                                   tuple(m.voices), m.default_sampling(), tuple(m.input_modalities), m.tts_walk,
+                                   m.spoken_chat_walk, tts, m.early_tts_walk, m.written_walk)
+        return [self._card]
 
     async def profile(self, seconds: float, worker: int = 0, stacks: bool = False) -> torch.profiler.profile:
         """torch's profiler over `seconds` of worker `worker`'s thread (its

@@ -56,7 +56,7 @@ class PartitionPlan:
     program: tuple[Instr, ...] = ()
     loops: tuple[LoopPlan, ...] = ()
 
-    @property
+    @functools.cached_property  # read on every request's intake; the plan never changes
     def steps(self) -> tuple[Step, ...]:
         """Every step of the partition, nested ones included, in program order."""
         return tuple(i.step for i in self.program if isinstance(i, Run))

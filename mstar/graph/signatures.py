@@ -12,6 +12,7 @@ walk's bindings against these signatures at model load.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Literal
@@ -186,5 +187,12 @@ class Component:
             return self.signatures[mode]
         if not (self.kv_cache and self.samples) or mode not in self.modes:
             return None
-        return Mode(mode, (In("ids", Kind.IDS),), (Out("token", Kind.TOKEN),), kv="append", query="ids",
-                    graph=mode == "decode")
+        return _implied(mode)
+
+
+@functools.lru_cache(maxsize=64)
+def _implied(mode: str) -> Mode:
+    """The signature a name-only mode of a sampling KV component implies; one
+    (frozen) object per mode name, asked for on every request's intake."""
+    return Mode(mode, (In("ids", Kind.IDS),), (Out("token", Kind.TOKEN),), kv="append", query="ids",
+                graph=mode == "decode")

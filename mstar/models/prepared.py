@@ -135,7 +135,7 @@ def _override(base: SamplingParams, fields: dict[str, Any] | None, key: str, roo
                 raise RequestError("must be an array", field=f"{where}.{name}")
             value = tuple(value)
         changes[name] = value
-    params = dataclasses.replace(base, **changes)
+    params = dataclasses.replace(base, **changes) if changes else base
     try:
         params.validate(max_model_len)
     except RequestError as e:

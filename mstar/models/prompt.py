@@ -45,8 +45,8 @@ def prompt_tokens(inputs: Mapping[str, Any], tokenizer: Tokenizer | None, vocab_
         ids = given_ids(inputs.get("prompt_ids"))
         if not ids:
             raise RequestError("the prompt is empty", field=field)
-    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
+    if ids and not 0 <= min(ids) <= max(ids) < vocab_size:
+        bad = next(t for t in ids if not 0 <= t < vocab_size)
         raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab_size})", field=field)
     return ids, field
 
@@ -99,7 +99,8 @@ def given_ids(value: Any) -> list[int]:
         return value.tolist()
     if value is None:
         return []
-    if not isinstance(value, (list, tuple)) or any(isinstance(t, bool) or not isinstance(t, int) for t in value):
+    if not isinstance(value, (list, tuple)) or not all(type(t) is int or (isinstance(t, int) and not isinstance(t, bool))
+                                                       for t in value):
         raise RequestError("must be a list of integer token ids", field="prompt")
     return list(value)
 
