@@ -55,6 +55,7 @@ async def test_http_answers_429_with_retry_after() -> None:
                 assert r.headers["Retry-After"] == "1"
                 body = await r.json()
                 assert body["error"]["code"] == "queue_full"
+                assert body["error"]["type"] == "requests"  # OpenAI's type for a 429 of too many requests
             async with http.get("/health") as r:  # not a generation route: never held back
                 assert r.status == 200
     finally:

@@ -20,8 +20,9 @@ def json_response(obj: Any, status: int = 200) -> web.Response:
 
 
 def error_body(message: str, *, status: int, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    """The OpenAI error shape; clients read `type` for the class of fault."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
+    """The OpenAI error shape; clients read `type` for the class of fault
+    (a 429's is OpenAI's for too many requests: come back after Retry-After)."""
+    kind = "requests" if status == 429 else "invalid_request_error" if status < 500 else "server_error"
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
