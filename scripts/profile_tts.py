@@ -14,10 +14,15 @@ and the top CUDA kernels. A short warm-up level runs first, uncounted.
     python scripts/profile_tts.py --model orpheus-tiny --devices cpu --concurrency 2 --tokens 70
     python scripts/profile_tts.py --concurrency 64 --tokens 1200 --trace 2 --arrivals 0.1 [--cprofile 40]
     python scripts/profile_tts.py --model orpheus-tiny --devices cpu --stub-compute --concurrency 400 --tokens 120
+    python scripts/profile_tts.py --model orpheus-tiny --devices cpu --stub-compute --concurrency 256 \
+        --tokens 700 --host-cpu
 
 `--stub-compute` puts `bench_host_speech.py`'s stand-ins in place of the
 model's heavy compute (LM head, sampler, attention, SNAC window): what is
-left of a step's time on the CPU is the host's work for it.
+left of a step's time on the CPU is the host's work for it. `--host-cpu`
+prints the worker thread's CPU time in item steps per row (a codec's
+windows, their routing and the walk's bookkeeping) and in feeding a decode
+group's tokens into their streams per token (cutting windows included).
 """
 
 from __future__ import annotations
@@ -79,6 +84,7 @@ async def level(eng: Engine, c: int, tokens: int, trace_s: float, trace_after: f
                     sampled += out.num_output_tokens
             turn += 1
 
+    HOST_CPU.clear()
     t0 = time.perf_counter()
     tasks = [asyncio.create_task(one(i)) for i in range(c)]
     prof = arrivals_prof = None
@@ -104,7 +110,8 @@ async def level(eng: Engine, c: int, tokens: int, trace_s: float, trace_after: f
     wall = time.perf_counter() - t0
     eng.remove_report_hook(hook)
     return {"c": c, "wall": wall, "audio_s": audio_bytes / 2 / 24_000, "sampled": sampled, "steps": dict(by_step),
-            "first_audio": sorted(first_audio), "prof": prof, "arrivals_prof": arrivals_prof}
+            "first_audio": sorted(first_audio), "prof": prof, "arrivals_prof": arrivals_prof,
+            "host_cpu": {k: tuple(v) for k, v in HOST_CPU.items()}}
 
 
 _CPROFILE: list[cProfile.Profile | None] = [None]  # the window's, while one is open
@@ -136,6 +143,27 @@ async def _window(eng: Engine, seconds: float) -> torch.profiler.profile | pstat
     return pstats.Stats(prof)
 
 
+# --host-cpu: the worker thread's CPU time (time.thread_time: what it ran, not what it waited for) in item steps
+# (a codec's windows) and in feeding a decode group's tokens into their streams; reset at each level
+HOST_CPU: dict[str, list[float]] = {}
+
+
+def _host_timed(owner: type, name: str, counted: Callable[[tuple], tuple[str, int]]) -> None:
+    """`owner.name` with its thread CPU time summed under the label `counted(args)` names, with its rows."""
+    method = getattr(owner, name)
+
+    def call(*args):
+        t0 = time.thread_time()
+        try:
+            return method(*args)
+        finally:
+            label, rows = counted(args)
+            got = HOST_CPU.setdefault(label, [0.0, 0])
+            got[0] += time.thread_time() - t0
+            got[1] += rows
+    setattr(owner, name, call)
+
+
 async def _drain(eng: Engine, req: GenerateRequest) -> None:
     async for _ in eng.submit(req):
         pass
@@ -160,6 +188,8 @@ def show(r: dict, tokens: int) -> None:
         per_token = f"decode steps per request token: {len(decode) / tokens:.2f}; " \
             if r["arrivals_prof"] is None else ""
         print(f"{per_token}mean period {1e3 * r['wall'] / len(decode):.2f} ms")
+    for label, (cpu_s, rows) in r["host_cpu"].items():
+        print(f"worker thread CPU, {label}: {1e6 * cpu_s / max(rows, 1):.2f} us ({rows} rows)")
     for name, key in (("", "prof"), (" (with arrivals)", "arrivals_prof")):
         if r[key] is None:
             continue
@@ -217,7 +247,13 @@ if __name__ == "__main__":
                         "print this many functions")
     p.add_argument("--stub-compute", action="store_true",
                    help="bench_host_speech.py's stand-ins for the model's heavy compute (host cost on the CPU)")
+    p.add_argument("--host-cpu", action="store_true",
+                   help="print the worker thread's CPU time per row of item steps and per token fed to streams")
     args = p.parse_args()
+    if args.host_cpu:
+        from mstar.engine.worker.streaming.edges import Streams
+        _host_timed(Executor, "_step", lambda a: (f"{a[1].component}/{a[1].mode} item steps, per row", len(a[1].items)))
+        _host_timed(Streams, "feed_ids", lambda a: ("a decode group's tokens into their streams, per token", len(a[1])))
     if args.stub_compute:
         from bench_host_speech import apply_stubs  # this script's folder is on the path
         apply_stubs(defaultdict(int), None)
