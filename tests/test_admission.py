@@ -60,3 +60,27 @@ async def test_http_answers_429_with_retry_after() -> None:
                 assert r.status == 200
     finally:
         await eng.shutdown()
+
+
+async def test_a_full_waiting_line_refuses_a_realtime_response_as_http_does() -> None:
+    """The same refusal over the realtime socket: an `error` event of the
+    type and code a 429 answer has."""
+    eng = Engine(EngineConfig(model="orpheus-tiny", max_waiting_requests=0, queue_timeout=0.01))
+    await eng.start()
+    try:
+        async with serving(eng) as base, aiohttp.ClientSession() as http:
+            async with http.post(base + "/v1/audio/speech", json={"model": "orpheus-tiny", "input": "hi"}) as r:
+                assert r.status == 429
+                refused = (await r.json())["error"]
+            ws = await http.ws_connect(base.replace("http://", "ws://") + "/v1/realtime?model=orpheus-tiny")
+            assert (await ws.receive_json(timeout=30))["type"] == "session.created"
+            await ws.send_json({"type": "conversation.item.create", "item": {
+                "type": "message", "role": "user", "content": [{"type": "input_text", "text": "hello"}]}})
+            await ws.send_json({"type": "response.create"})
+            while (event := await ws.receive_json(timeout=30))["type"] != "error":
+                pass
+            await ws.close()
+        assert (event["error"]["type"], event["error"]["code"]) == (refused["type"], refused["code"]) == \
+            ("requests", "queue_full")
+    finally:
+        await eng.shutdown()

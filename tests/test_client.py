@@ -250,8 +250,8 @@ async def stub() -> AsyncIterator[tuple[str, list[float]]]:
     async def health(request: web.Request) -> web.Response:
         calls.append(time.perf_counter())
         if len(calls) < 3:
-            return web.json_response({"error": {"message": "busy", "type": "invalid_request_error", "param": None,
-                                                "code": "too_many_requests"}}, status=429,
+            return web.json_response({"error": {"message": "busy", "type": "requests", "param": None,
+                                                "code": "queue_full"}}, status=429,
                                      headers={"Retry-After": "0.2"})
         return web.json_response({"status": "ok", "model": "stub", "requests_running": 0})
 
@@ -275,7 +275,7 @@ async def test_retries_honour_retry_after(stub: tuple[str, list[float]]) -> None
     async with AsyncClient(url, max_retries=1) as once:
         with pytest.raises(MstarError) as busy:
             await once.health()
-    assert (busy.value.status, busy.value.code, busy.value.retry_after) == (429, "too_many_requests", 0.2)
+    assert (busy.value.status, busy.value.code, busy.value.retry_after) == (429, "queue_full", 0.2)
     assert busy.value.retryable and len(calls) == 2 and calls[1] - calls[0] >= 0.2
     async with AsyncClient(url, max_retries=2) as patient:
         assert (await patient.health()).ok and len(calls) == 3

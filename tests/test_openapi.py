@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
+import jsonschema
 import orjson
 import pytest
 from openapi_spec_validator import validate
@@ -17,6 +18,7 @@ from openapi_spec_validator import validate
 from mstar.errors import RequestError
 from mstar.http.access import is_open
 from mstar.http.openapi.document import document
+from mstar.http.responses import error_body
 from mstar.http.server import build_app
 from mstar.http.speech.protocol import parse_speech
 from mstar.http.speech.routes import speech_sampling
@@ -122,6 +124,15 @@ def test_every_operation_documents_its_errors() -> None:
                 assert {"400", "404"} <= set(op["responses"]), path
                 assert resolve(op["responses"]["400"]["content"]["application/json"]["schema"]) is \
                     document()["components"]["schemas"]["Error"]
+
+
+def test_the_error_schema_takes_the_body_of_every_documented_status() -> None:
+    statuses = {int(s) for item in document()["paths"].values() for op in item.values()
+                for s in op["responses"] if s.startswith(("4", "5"))}
+    assert {400, 429, 503} <= statuses
+    for status in statuses:
+        body = error_body("why", status=status, param="field", code="some_code")
+        jsonschema.validate(body, document()["components"]["schemas"]["Error"])
 
 
 @pytest.mark.asyncio(loop_scope="module")

@@ -77,6 +77,7 @@ class Engine:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        self._card = None
         cfg = self.config
         check_devices(cfg.devices)
         if self.model is None:

@@ -19,11 +19,16 @@ def json_response(obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json")
 
 
+def error_type(status: int) -> str:
+    """The OpenAI error `type` of an answer of `status`: clients read it for
+    the class of fault (a 429's is OpenAI's for too many requests: come back
+    after Retry-After)."""
+    return "requests" if status == 429 else "invalid_request_error" if status < 500 else "server_error"
+
+
 def error_body(message: str, *, status: int, param: str | None = None, code: str | None = None) -> dict[str, Any]:
-    """The OpenAI error shape; clients read `type` for the class of fault
-    (a 429's is OpenAI's for too many requests: come back after Retry-After)."""
-    kind = "requests" if status == 429 else "invalid_request_error" if status < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    """The OpenAI error shape."""
+    return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
 
 
 def request_error_body(err: RequestError) -> dict[str, Any]:

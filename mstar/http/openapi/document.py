@@ -26,7 +26,8 @@ def _json(schema: Schema) -> Schema:
 def _errors(*statuses: int) -> dict[str, Any]:
     why = {400: "the request is malformed or out of range; `param` names the field",
            404: "unknown model (POST) or no such route", 500: "an unexpected server failure",
-           429: "too many requests are waiting to start; retry after the `Retry-After` header's seconds",
+           429: "too many requests are waiting to start (`type` `requests`, `code` `queue_full`); retry after the "
+                "`Retry-After` header's seconds",
            503: "the engine is not running; retry after the `Retry-After` header's seconds",
            413: "the request body is larger than the server accepts; the message gives the limit",
            504: "the request ran past the server's --request-timeout (a stream ends with an error event instead)"}

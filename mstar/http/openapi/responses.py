@@ -19,7 +19,8 @@ ERROR: Schema = {
         "required": ["message", "type", "param", "code"],
         "properties": {
             "message": {"type": "string"},
-            "type": {"enum": ["invalid_request_error", "server_error"]},
+            "type": {"enum": ["invalid_request_error", "requests", "server_error"],
+                     "description": "`requests` for a 429 (too many requests waiting), `server_error` for a 5xx"},
             "param": {**NULLABLE_STRING, "description": "the offending field, with its path"},
             "code": NULLABLE_STRING,
         },

@@ -41,6 +41,7 @@ from mstar.http.realtime.protocol import (ProtocolError, check_format, decode_au
 from mstar.http.realtime.response import ActiveResponse, ResponsePlan
 from mstar.http.realtime.settings import SessionConfig
 from mstar.http.realtime.vad import VadEvent
+from mstar.http.responses import error_type
 from mstar.http.submission import SPEAK_WALK, Target, model_defaults
 from mstar.types import REALTIME_PRIORITY, GenerateRequest, ModelCard, SamplingParams
 
@@ -274,8 +275,9 @@ class RealtimeSession:
             plan = await self._plan(params, limit)
             await self.engine.admit()
             stream = self.engine.submit(plan.request, plan.prepared)
-        except RequestError as e:
-            raise ProtocolError(e.message, e.code or "invalid_request", _param(e.field, limit_param)) from None
+        except RequestError as e:  # the type an HTTP answer of its status has (a full line's 429, a 503)
+            raise ProtocolError(e.message, e.code or "invalid_request", _param(e.field, limit_param),
+                                kind=error_type(e.status)) from None
         except MstarError as e:
             raise ProtocolError(str(e), "server_error", kind="server_error") from None
         if plan.spoken is not None:
