@@ -170,6 +170,7 @@ class ModelCard:
     tts_sampling: SamplingParams = field(default_factory=SamplingParams)
     early_tts_walk: str | None = None    # `tts_walk` with its first audio sooner, if it has one
     written_walk: str | None = None      # what text routes run where `default_walk` speaks, if it has one
+    spoken_audio_key: str | None = None  # the sampling key of a spoken chat answer's audio frames, if it speaks so
 
 
 @dataclass(frozen=True)

@@ -176,6 +176,27 @@ async def test_heard_and_answered_aloud(client: openai.AsyncOpenAI, omni: Engine
 
 
 @on_module_loop
+async def test_max_tokens_caps_the_spoken_frames_too(client: openai.AsyncOpenAI) -> None:
+    """OpenAI counts a spoken answer's audio tokens among its completion
+    tokens: `max_tokens` alone (no `sampling_by`) caps the talker's draws as
+    well as the text, where they would run to the talker's own default of
+    thousands; a `sampling_by` entry for the talker still wins."""
+    body = {"ignore_eos": True, "sampling_by": {"talker": {"stop_token_ids": []}}}
+    capped = await client.chat.completions.create(model=OMNI, messages=HELLO, modalities=["text", "audio"],
+                                                  audio={"voice": "ethan", "format": "pcm16"}, max_tokens=3,
+                                                  seed=SEED, extra_body=body)
+    usage = capped.usage
+    assert usage is not None and usage.completion_tokens_details is not None
+    assert (usage.completion_tokens_details.text_tokens, usage.completion_tokens_details.audio_tokens) == (3, 3)
+    body["sampling_by"]["talker"]["max_tokens"] = 5
+    own = await client.chat.completions.create(model=OMNI, messages=HELLO, modalities=["text", "audio"],
+                                               audio={"voice": "ethan", "format": "pcm16"}, max_tokens=3,
+                                               seed=SEED, extra_body=body)
+    assert own.usage is not None and own.usage.completion_tokens_details is not None
+    assert own.usage.completion_tokens_details.audio_tokens == 5
+
+
+@on_module_loop
 async def test_each_of_n_samples_speaks(client: openai.AsyncOpenAI) -> None:
     drawn = {**SPOKEN, "extra_body": {"ignore_eos": True, "sampling_by": {"talker": {**TALKER, "temperature": 1}}}}
     answer = await client.chat.completions.create(model=OMNI, messages=HELLO, n=2, audio={"voice": "ethan",

@@ -66,6 +66,7 @@ class Target:
     tts_sampling: SamplingParams = field(default_factory=SamplingParams)
     early_tts_walk: str | None = None  # `tts_walk` with its first audio sooner (`early_audio`), if it has one
     written_walk: str | None = None    # what text routes run where `default_walk` speaks (`Model.written_walk`)
+    spoken_audio_key: str | None = None  # the sampling key of a spoken chat answer's frames (`Model.spoken_audio_key`)
 
     def speaks(self, walk: str | None) -> bool:
         """Whether `walk` (None: the default) is one of its text-to-speech walks."""
@@ -93,7 +94,8 @@ def resolve_model(engine: Engine, requested: str | None) -> Target:
     return Target(name=name, tokenizer=tokenizer, max_model_len=card.max_model_len, walks=tuple(card.walks),
                   default_walk=card.default_walk, input_modalities=tuple(card.input_modalities),
                   tts_walk=card.tts_walk, spoken_chat_walk=card.spoken_chat_walk, tts_sampling=tts,
-                  early_tts_walk=card.early_tts_walk, written_walk=card.written_walk)
+                  early_tts_walk=card.early_tts_walk, written_walk=card.written_walk,
+                  spoken_audio_key=card.spoken_audio_key)
 
 
 async def off_loop(size: int, fn: Callable[..., R], *args: Any) -> R:

@@ -82,6 +82,8 @@ class Model:
     tts_walk: str | None = None          # `{"text", "voice"}` in, audio out (`/v1/audio/speech`)
     early_tts_walk: str | None = None    # the same, its first audio sooner and less exact (`early_audio`)
     spoken_chat_walk: str | None = None  # chat `messages` and a `voice` in, text and audio out
+    # the sampling key whose tokens are a spoken chat answer's audio (its frames): a request's `max_tokens` caps them
+    spoken_audio_key: str | None = None
     written_walk: str | None = None      # what text routes run where the default walk speaks (its ids as text)
 
     def __init__(self, name: str) -> None:

@@ -364,7 +364,8 @@ class RealtimeSession:
         if not any(m["role"] == "user" for m in messages):
             raise ProtocolError("the conversation has nothing from the user: commit audio or add a message first",
                                 "empty_input", "response.input")
-        by: dict[str, dict[str, Any]] = {"talker": {"max_tokens": limit}} if limit is not None and not in_text else {}
+        key = self.target.spoken_audio_key
+        by: dict[str, dict[str, Any]] = {key: {"max_tokens": limit}} if None not in (limit, key) and not in_text else {}
         inputs = {"messages": messages} if in_text else {"messages": messages, "voice": voice}
         request = GenerateRequest(rid, self.target.name, inputs, dataclasses.replace(sampling, max_tokens=None),
                                   sampling_by=by, walk=None if in_text else self.target.spoken_chat_walk,

@@ -29,7 +29,7 @@ from mstar.http.text.chat_audio import SpokenAnswers, spoken_usage
 from mstar.http.text.chat_media import decode_parts, refuse_untaken, with_media
 from mstar.http.text.chat_messages import media_parts
 from mstar.http.text.logprobs import LogprobShapes
-from mstar.http.text.protocol import parse_chat, parse_completion
+from mstar.http.text.protocol import ChatBody, parse_chat, parse_completion
 from mstar.http.responses import EventStream, client_gone, error_body, json_response
 from mstar.http.submission import (Choice, Inputs, Submission, Target, failure_of, off_loop, prompt_inputs,
                                    resolve_model, submit)
@@ -97,6 +97,17 @@ async def completions(request: web.Request) -> web.StreamResponse:
         await sub.aclose()
 
 
+def _spoken_cap(by: dict[str, dict[str, Any]], target: Target, body: ChatBody) -> dict[str, dict[str, Any]]:
+    """A spoken answer's `max_tokens` caps its audio frames too (as realtime's
+    `max_output_tokens` does): OpenAI counts audio tokens among the completion
+    tokens, so a small budget must not buy minutes of speech. Its own
+    `sampling_by` entry for the frames' key, if the request has one, wins."""
+    key = target.spoken_audio_key
+    if body.max_tokens is None or key is None or "max_tokens" in by.get(key, {}):
+        return by
+    return {**by, key: {**by.get(key, {}), "max_tokens": body.max_tokens}}
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     raw = await request.read()
     body = await off_loop(len(raw), parse_chat, raw)
@@ -123,7 +134,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     # max_tokens None: all the room the messages leave in the context
     sampling = dataclasses.replace(body.sampling, max_tokens=body.max_tokens)
     sub = await submit(engine, reply.id, target.name, [Inputs(values, names)], sampling, n=body.n,
-                       sampling_by=body.sampling_by, walk=walk,
+                       sampling_by=_spoken_cap(body.sampling_by, target, body) if body.audio else body.sampling_by,
+                       walk=walk,
                        keep_audio=body.audio is not None and not body.stream, priority=body.priority)
     shapes = LogprobShapes(target.tokenizer) if body.sampling.logprobs is not None else None
     try:  # from here on, whatever happens, the submission is closed (aborted if it still runs)

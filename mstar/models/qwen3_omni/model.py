@@ -52,6 +52,7 @@ class Qwen3OmniModel(Model):
     input_modalities = ("text", "audio", "image")
     tts_walk = walks.TTS
     spoken_chat_walk = walks.SPEECH_OUT  # `walk_for` adds the encoders a prompt's media need
+    spoken_audio_key = "talker"
 
     def __init__(self, name: str, path: str | Path | None, load_format: str = "auto",
                  max_model_len: int | None = None, *, builtin: Mapping[str, Any] | None = None) -> None:
