@@ -92,6 +92,9 @@ async def test_text_in_audio_out(speech) -> None:
     assert transcript == "hello world"
     assert done.response.usage.output_tokens == SHORT and done.response.usage.input_tokens > 0
     assert done.response.output[0].content[0].transcript == "hello world"
+    # GA's item content is typed output_audio (the content_part events' part stays "audio")
+    assert done.response.output[0].content[0].type == finished.item.content[0].type == "output_audio"
+    assert next(e for e in seen if e.type == "response.content_part.done").part.type == "audio"
     await _settled(engine)
 
 
@@ -224,6 +227,8 @@ async def test_a_text_model_answers_in_text() -> None:
         assert done.response.usage.output_tokens == 12
         assert done.response.status == "incomplete" and done.response.status_details.reason == "max_output_tokens"
         assert deltas and next(e for e in seen if e.type == "response.output_text.done").text == deltas
+        assert done.response.output[0].content[0].model_dump(exclude_none=True) == {"type": "output_text",
+                                                                                   "text": deltas}
 
 
 async def test_a_conversations_next_response_starts_from_the_cached_conversation() -> None:

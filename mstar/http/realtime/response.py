@@ -152,6 +152,7 @@ class ActiveResponse:
                 **extra}
 
     def _part(self, done: bool) -> dict[str, Any]:
+        """The answer's content part as `response.content_part.*` events carry it."""
         if self.audio:
             return {"type": "audio", "transcript": "".join(self.transcript) if done else ""}
         return {"type": "text", "text": "".join(self.transcript) if done else ""}
@@ -209,7 +210,8 @@ class ActiveResponse:
         status, why = _STATUS.get(reason or "error", ("failed", None))
         done_part = self._part(True)
         self.item["status"] = "completed" if status == "completed" else "incomplete"
-        self.item["content"] = [done_part]
+        # the same part in the assistant item, typed as GA's item content is (the events' part is not)
+        self.item["content"] = [{**done_part, "type": f"output_{done_part['type']}"}]
         where = self._where()
         if self.audio:
             self._send("response.output_audio.done", **where)
