@@ -33,7 +33,7 @@ from mstar.types import GenerateRequest, SamplingParams
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 CONTEXT = 512
-VOICES = ("chelsie", "ethan", "aiden")
+VOICES = ("ethan", "chelsie", "aiden")  # the default first
 TEXT = "Hello there."
 FRAMES = 6          # the tts walk's root is the talker: max_tokens is its draws, a frame each but the last
 SAMPLES = 1920 * (FRAMES - 1) - 555
@@ -102,7 +102,7 @@ async def test_each_voice_in_each_format(client: openai.AsyncOpenAI, omni: Engin
 
 
 async def test_voices_differ_and_ethan_is_the_default(client: openai.AsyncOpenAI) -> None:
-    chelsie, ethan, aiden = [await speak(client, voice, "pcm") for voice in VOICES]
+    ethan, chelsie, aiden = [await speak(client, voice, "pcm") for voice in VOICES]
     assert len({chelsie, ethan, aiden}) == 3
     assert await speak(client, None, "pcm") == ethan
     assert await speak(client, "Aiden", "pcm") == aiden  # names in any case, as the model reads them

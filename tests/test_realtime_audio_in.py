@@ -90,6 +90,7 @@ async def test_server_vad_commits_a_turn_and_answers_it(omni) -> None:
     async with _client(url).realtime.connect(model=OMNI) as conn:
         created = await conn.recv()
         assert created.session.audio.input.turn_detection.type == "server_vad"  # on by default
+        assert created.session.audio.output.voice == "ethan"  # the model's default, as chat and speech speak
         await conn.session.update(session=SHORT)
         seen: list[Any] = []
         await _until(conn, "session.updated", seen)

@@ -75,7 +75,7 @@ class Model:
     components: dict[str, Component] = {}
     walks: dict[str, Walk] = {}
     default_walk: str = ""
-    voices: tuple[str, ...] = ()  # speaker names, for models that speak
+    voices: tuple[str, ...] = ()  # speaker names, for models that speak: the default (a request naming none) first
     # what a request's chat messages may hold ("text", "audio", "image"); the HTTP layer refuses the rest
     input_modalities: tuple[str, ...] = ("text",)
     # the walks that serve the APIs with audio out (None: the model serves none):

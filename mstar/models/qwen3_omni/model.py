@@ -83,7 +83,8 @@ class Qwen3OmniModel(Model):
             "vision": walks.VISION_COMPONENT, "talker": walks.talker_component(self.config),
             "code2wav": walks.CODE2WAV_COMPONENT}
         self.walks = walks.walks(self.config)
-        self.voices = tuple(self.config.talker.voices)
+        # the default first: what a client naming no voice hears, wherever it asks (a realtime session takes the first)
+        self.voices = tuple(sorted(self.config.talker.voices, key=lambda v: v != DEFAULT_VOICE))
         self._state_dtype = torch.float32  # code2wav's state: its compute dtype, known once it is built
         self._mel = LogMel(self.config.audio.num_mel_bins)
         # Qwen2-VL's pixel budget (the patches' defaults), mean and std 0.5
@@ -269,7 +270,7 @@ class Qwen3OmniModel(Model):
                        grids: list[tuple[int, int, int]]) -> dict[str, torch.Tensor]:
         """The talker's prompt shape (placeholder ids, 3-axis positions) and the voice's codec id."""
         cfg = self.config
-        voice = request.inputs.get("voice", DEFAULT_VOICE)
+        voice = request.inputs.get("voice", self.voices[0] if self.voices else DEFAULT_VOICE)
         if not isinstance(voice, str):
             raise RequestError("must be a voice's name", field="voice")
         positions, _ = talker_positions(cfg, ids, grids)
