@@ -70,6 +70,21 @@ async def test_soundfile_reads_the_true_duration(url: str, pcm: bytes, fmt: str)
 
 
 @ON_LOOP
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("fmt", ["wav", "flac", "mp3", "opus"])
+async def test_an_answer_without_audio_is_still_a_file_of_its_format(url: str, fmt: str, stream: bool) -> None:
+    """A budget that ends before the first frame: no audio at all. WAV holds
+    none; FLAC, MP3 and Opus cannot be written empty, so they hold one silent
+    sample (MP3's encoder pads what it streams with silence of its own)."""
+    r, data = await _speech(url, response_format=fmt, stream=stream, max_tokens=1)
+    assert r.status == 200
+    samples, rate = soundfile.read(io.BytesIO(data), dtype="int16")
+    assert rate == RATE and not samples.any()
+    if not (stream and fmt == "mp3"):
+        assert len(samples) == (0 if fmt == "wav" else 1)
+
+
+@ON_LOOP
 async def test_a_streamed_wav_keeps_the_unknown_size_header(url: str, pcm: bytes) -> None:
     r, data = await _speech(url, response_format="wav")
     assert r.status == 200 and r.headers.get("Transfer-Encoding") == "chunked"

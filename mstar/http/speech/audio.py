@@ -44,6 +44,9 @@ _SOUNDFILE_FORMATS = {"flac": ("FLAC", "PCM_16"), "mp3": ("MP3", "MPEG_LAYER_III
 MP3_COMPRESSION_LEVEL = 0.5
 # Ogg pages close after this much audio; libsndfile's default (1 s) would hold audio back that long
 OGG_PAGE_LATENCY_MS = 100.0
+# libsndfile writes no readable FLAC, MP3 or Ogg Opus file of no samples (an empty one, or headers alone): an
+# answer with no audio at all (a budget that ends before the first frame) is a file of one silent sample
+EMPTY_ANSWER_SAMPLES = 1
 REFUSED = {"aac": "no AAC encoder is available"}
 
 
@@ -113,9 +116,10 @@ def encode_whole(name: str, sample_rate: int, pcm: bytes) -> bytes:
 
     fmt, subtype = _SOUNDFILE_FORMATS[name]
     out = io.BytesIO()  # seekable: libsndfile goes back to write the true sizes on close
+    samples = np.frombuffer(pcm[:len(pcm) - len(pcm) % SAMPLE_WIDTH], dtype="<i2")
     with soundfile.SoundFile(out, mode="w", samplerate=sample_rate, channels=1, format=fmt, subtype=subtype,
                              **_soundfile_options(name)) as file:
-        file.write(np.frombuffer(pcm[:len(pcm) - len(pcm) % SAMPLE_WIDTH], dtype="<i2"))
+        file.write(samples if len(samples) else np.zeros(EMPTY_ANSWER_SAMPLES, dtype="<i2"))
     return out.getvalue()
 
 
@@ -214,6 +218,7 @@ class SoundFileEncoder:
         self.file = soundfile.SoundFile(self.sink, mode="w", samplerate=sample_rate, channels=1,
                                         format=fmt, subtype=subtype, **_soundfile_options(name))
         self.carry = b""  # an odd byte left over from a chunk, completed by the next
+        self.written = False
         if name == "opus":
             _set_ogg_page_latency(self.file, OGG_PAGE_LATENCY_MS)
 
@@ -228,9 +233,14 @@ class SoundFileEncoder:
         self.carry = data[whole:]
         if whole:
             self.file.write(np.frombuffer(data[:whole], dtype="<i2"))
+            self.written = True
         return self.sink.take()
 
     def finish(self) -> bytes:
+        if not self.written:
+            import numpy as np
+
+            self.file.write(np.zeros(EMPTY_ANSWER_SAMPLES, dtype="<i2"))
         self.file.close()  # flushes the codec's last frames
         return self.sink.take()
 
