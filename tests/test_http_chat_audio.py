@@ -229,6 +229,8 @@ WAV = {"voice": "ethan", "format": "wav"}
     ({"modalities": ["text", "audio"], "audio": WAV, "logprobs": True}, "logprobs", "spoken"),
     ({"modalities": ["text", "text"]}, "modalities", "text"),
     ({"modalities": ["audio", "video"], "audio": WAV}, "modalities", "video"),
+    ({"modalities": ["audio"], "audio": WAV}, "modalities", "[\"text\", \"audio\"]"),  # never audio alone
+    ({"modalities": []}, "modalities", "[\"text\"]"),
     ({"modalities": ["text", "audio"], "audio": WAV,
       "messages": [*HELLO, {"role": "assistant", "audio": {"id": "audio_1"}}, *HELLO]}, "messages[1].audio",
      "transcript"),

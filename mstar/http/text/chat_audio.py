@@ -85,8 +85,9 @@ def read_audio_output(f: Fields, *, stream: bool, logprobs: bool) -> AudioOutput
 
 def _read_modalities(f: Fields) -> tuple[str, ...]:
     value = f.raw("modalities", ["text"])
-    if not isinstance(value, list) or not value or not all(isinstance(m, str) for m in value) \
-            or any(m not in MODALITIES for m in value) or len(set(value)) < len(value):
+    # an answer always has its text (a spoken one as the audio's transcript), as OpenAI's does: never audio alone
+    if not isinstance(value, list) or not all(isinstance(m, str) for m in value) \
+            or any(m not in MODALITIES for m in value) or len(set(value)) < len(value) or "text" not in value:
         raise f.error("modalities", f"must be [\"text\"] or [\"text\", \"audio\"], got {value!r}")
     return tuple(value)
 
