@@ -231,6 +231,7 @@ WAV = {"voice": "ethan", "format": "wav"}
     ({"modalities": ["audio", "video"], "audio": WAV}, "modalities", "video"),
     ({"modalities": ["audio"], "audio": WAV}, "modalities", "[\"text\", \"audio\"]"),  # never audio alone
     ({"modalities": []}, "modalities", "[\"text\"]"),
+    ({"messages": [*HELLO, {"role": "tool", "content": "42"}]}, "messages[1].role", "developer"),
     ({"modalities": ["text", "audio"], "audio": WAV,
       "messages": [*HELLO, {"role": "assistant", "audio": {"id": "audio_1"}}, *HELLO]}, "messages[1].audio",
      "transcript"),

@@ -82,8 +82,11 @@ class Intake:
         ids: list[int] = []
         for m, message in enumerate(messages):
             where = f"messages[{m}]"
-            if not isinstance(message, Mapping) or message.get("role") not in ROLES:
+            if not isinstance(message, Mapping):
                 raise RequestError(f"a message is an object whose role is one of {', '.join(ROLES)}", field=where)
+            if message.get("role") not in ROLES:  # OpenAI's `developer` reached here as `system`
+                raise RequestError(f"this model's chat takes the roles {', '.join(ROLES)} (and developer, as "
+                                   f"system), not {message.get('role')!r}", field=f"{where}.role")
             ids += [self.ids.im_start, self._role(message["role"]), *self._text("\n", model)]
             ids += self._content(message.get("content"), f"{where}.content", media, model)
             ids += [self.ids.im_end, *self._text("\n", model)]
