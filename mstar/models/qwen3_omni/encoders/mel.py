@@ -123,5 +123,7 @@ class LogMel:
         if clip.numel() == 0:
             raise RequestError("audio is empty", field=field)
         if clip.numel() < MIN_SAMPLES:
-            raise RequestError(f"audio is {clip.numel()} samples long; at least {MIN_SAMPLES} "
-                               f"({1000 * MIN_SAMPLES / SAMPLE_RATE:.1f} ms at 16 kHz) are needed", field=field)
+            # the count after resampling to 16 kHz: a duration reads the same whatever rate was sent
+            raise RequestError(f"audio is {1000 * clip.numel() / SAMPLE_RATE:.1f} ms long ({clip.numel()} samples "
+                               f"at 16 kHz); at least {1000 * MIN_SAMPLES / SAMPLE_RATE:.1f} ms ({MIN_SAMPLES} "
+                               "samples) are needed", field=field)
