@@ -126,6 +126,15 @@ def test_every_operation_documents_its_errors() -> None:
                     document()["components"]["schemas"]["Error"]
 
 
+def test_the_chat_schema_refuses_audio_alone_as_the_parser_does() -> None:
+    modalities = body_schema("/v1/chat/completions")["properties"]["modalities"]
+    for value in (["text"], ["text", "audio"], ["audio", "text"]):
+        jsonschema.validate(value, modalities)
+    for value in (["audio"], []):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(value, modalities)
+
+
 def test_the_error_schema_takes_the_body_of_every_documented_status() -> None:
     statuses = {int(s) for item in document()["paths"].values() for op in item.values()
                 for s in op["responses"] if s.startswith(("4", "5"))}

@@ -262,7 +262,7 @@ CHAT_REQUEST: Schema = {
         "add_generation_prompt": {"type": "boolean", "default": True},
         "tool_choice": {"enum": ["none", "auto"], "description": "tools are not supported"},
         "modalities": {"type": "array", "items": {"enum": list(MODALITIES)}, "minItems": 1, "uniqueItems": True,
-                       "default": ["text"],
+                       "contains": {"const": "text"}, "default": ["text"],
                        "description": "`[\"text\", \"audio\"]` (with `audio`) asks for a spoken answer, its "
                                       "text as the audio's transcript"},
         "audio": CHAT_AUDIO,
