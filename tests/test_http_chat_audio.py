@@ -197,6 +197,27 @@ async def test_max_tokens_caps_the_spoken_frames_too(client: openai.AsyncOpenAI)
 
 
 @on_module_loop
+async def test_an_answer_whose_frames_ran_out_ends_length(client: openai.AsyncOpenAI, omni: Engine) -> None:
+    """Its text stopped on its own (a stop id), its frames at max_tokens: the
+    answer was cut short, so it ends "length", as OpenAI's does at its budget
+    (the text alone would say "stop")."""
+    chat = GenerateRequest("ids", OMNI, {"messages": HELLO}, SamplingParams(max_tokens=4, temperature=0, seed=SEED,
+                                                                            ignore_eos=True), walk="chat")
+    ids = [t for c in [c async for c in omni.submit(chat, await omni.prepare(chat))] for t in c.token_ids]
+    text = {"ignore_eos": True, "stop_token_ids": [ids[1]]}
+    talker = {"sampling_by": {"talker": {"stop_token_ids": [], "temperature": 0}}}
+    for audio, reason in ((None, "stop"), ({"voice": "ethan", "format": "pcm16"}, "length")):
+        spoken: dict[str, Any] = {"modalities": ["text", "audio"], "audio": audio} if audio else {}
+        answer = await client.chat.completions.create(model=OMNI, messages=HELLO, temperature=0, seed=SEED,
+                                                      max_tokens=8, extra_body={**text, **(talker if audio else {})},
+                                                      **spoken)
+        assert answer.choices[0].finish_reason == reason, audio
+    usage = answer.usage
+    assert usage is not None and usage.completion_tokens_details is not None
+    assert (usage.completion_tokens_details.text_tokens, usage.completion_tokens_details.audio_tokens) == (2, 8)
+
+
+@on_module_loop
 async def test_each_of_n_samples_speaks(client: openai.AsyncOpenAI) -> None:
     drawn = {**SPOKEN, "extra_body": {"ignore_eos": True, "sampling_by": {"talker": {**TALKER, "temperature": 1}}}}
     answer = await client.chat.completions.create(model=OMNI, messages=HELLO, n=2, audio={"voice": "ethan",

@@ -169,3 +169,30 @@ async def test_the_gil_switch_interval_is_set_while_serving_and_restored() -> No
     finally:
         await eng.shutdown()
     assert sys.getswitchinterval() == before
+
+
+async def test_a_spoken_answer_cut_by_its_budget_on_another_device_ends_length() -> None:
+    """Qwen3-Omni's talker and code2wav on cpu:1, its thinker on cpu:0: the
+    text stops on its own (a stop id) while the talker's frames run out at
+    their `max_tokens` on the other worker. The request ends "length" there
+    too, as on one device: its answer was cut short."""
+    hello = {"messages": [{"role": "user", "content": "Say hello."}]}
+    results = []
+    for devices, spec in ((("cpu",), None), (TWO, "thinker=0,audio=0,vision=0,talker=1,code2wav=1")):
+        eng = await _started(EngineConfig(model="qwen3-omni-tiny", devices=devices, max_model_len=512,
+                                          **({"placement": parse_spec(spec)} if spec else {})))
+        try:
+            chat = GenerateRequest("ids", "qwen3-omni-tiny", hello,
+                                   SamplingParams(max_tokens=4, temperature=0, seed=7, ignore_eos=True), walk="chat")
+            ids = [t for c in [c async for c in eng.submit(chat)] for t in c.token_ids]
+            spoken = GenerateRequest("spoken", "qwen3-omni-tiny", {**hello, "voice": "ethan"},
+                                     SamplingParams(max_tokens=8, temperature=0, seed=7, ignore_eos=True,
+                                                    stop_token_ids=(ids[1],)),
+                                     walk="speak", sampling_by={"talker": {"max_tokens": 5, "stop_token_ids": [],
+                                                                           "temperature": 0}})
+            chunks = [c async for c in eng.submit(spoken)]
+            results.append((chunks[-1].finish_reason, "".join(c.text for c in chunks)))
+            await _drained(eng)
+        finally:
+            await eng.shutdown()
+    assert results[0] == results[1] and results[0][0] == "length"

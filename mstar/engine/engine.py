@@ -454,6 +454,7 @@ class Engine:
         state.num_generated += fin.num_generated
         if worker == state.worker:  # the root's worker: its last partition ends the way the root did
             state.root_reason = fin.reason
+        state.cut = state.cut or fin.reason == "length"
         if state.shards_left > 0:
             if fin.reason == "error" and not state.finished:  # one part failed: so does the request
                 state.failed = fin.error
@@ -470,6 +471,7 @@ class Engine:
         # a walk that emits audio, not tokens, still reports what it sampled
         state.num_output_tokens = max(state.num_output_tokens, state.num_generated)
         ended = state.root_reason if len(state.shards) > 1 and state.root_reason else fin.reason
+        ended = "length" if ended == "stop" and state.cut else ended  # a spoken answer's frames cut on another worker
         reason = state.stop_reason or ("error" if state.failed else ended)
         self.stats[f"finished_{reason}"] += 1
         status = reason if reason in STATUSES else "stop"

@@ -92,6 +92,7 @@ class RequestState:
         # (a speech walk's sampled tokens are audio the event loop never counts)
         self.context_floor = 0
         self.root_reason: str | None = None
+        self.cut = False  # a worker's part of it ended "length" (a budget cut it), whatever the root's reason
         self.failed: str | None = None  # the error of a part that failed
 
     def worker_of(self, partition: str) -> int:

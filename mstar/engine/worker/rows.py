@@ -32,6 +32,7 @@ class RequestRun:
     partitions: dict[str, PartitionRun] = field(default_factory=dict)
     live: int = 0
     root_reason: str | None = None
+    cut: bool = False  # a loop of it stopped at its token budget: the request ends "length", however its root did
     # input that keeps arriving (WalkPlan.more_input): the pieces not started yet, and whether more may come
     input_open: bool = False
     more: list[dict[str, torch.Tensor]] = field(default_factory=list)  # by walk input name

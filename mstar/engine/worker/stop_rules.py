@@ -25,6 +25,14 @@ def loop_key(part: PartitionRun, loop: Loop) -> str:
     return part.key(writer)
 
 
+def ran_out(part: PartitionRun, loop: Loop, frame: Frame) -> bool:
+    """Whether the loop, stopped at its cap ("length"), stopped at its key's
+    `max_tokens`: its output was cut short, not ended by a count the walk
+    fixes (`MaxSteps`)."""
+    budget = part.request.sampling[loop_key(part, loop)].max_tokens
+    return budget is not None and frame.cap == budget and any(isinstance(r, MaxTokens) for r in _rules(loop.until))
+
+
 def write_cap(part: PartitionRun, loop: Loop, read: Callable[[str], int]) -> int | None:
     """Writes of the loop's value at which it stops ("length"); None: no cap.
     `read`: the integer a walk value holds (a `MaxSteps(value=...)` cap). A

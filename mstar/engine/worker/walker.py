@@ -24,7 +24,7 @@ from mstar.engine.worker.prompt_rows import PromptRow, prompt_row
 from mstar.engine.messages import Finished, Submit
 from mstar.engine.worker.rows import PartitionRun, RequestRun, StreamItem, Work
 from mstar.engine.worker.streaming.buffer import StreamBuffer
-from mstar.engine.worker.stop_rules import banned_ids
+from mstar.engine.worker.stop_rules import banned_ids, ran_out
 from mstar.engine.worker.streaming.edges import Send, Streams
 from mstar.engine.movement.tensor_store import TensorRef, TensorStore
 from mstar.engine.movement.transfer import to_device
@@ -379,6 +379,9 @@ class Walker:
         if reason is not None and ins is not None and ins.checks is not None:
             top = part.loops[0].loop == ins.checks  # a top-level loop ends a turn, or the partition's work
             loop = part.plan.loops[ins.checks].loop
+            frame = part.frame(ins.checks)
+            if reason == "length" and frame is not None and ran_out(part, loop, frame):
+                part.request.cut = True  # a spoken answer's frames cut by max_tokens, though its text ended
             if top and self.turns.ends_turn(part, reason):
                 self.turns.end(part, loop, reason, tokens.get(loop.value) if tokens else None)
                 return
@@ -416,7 +419,8 @@ class Walker:
                 self.store.drop_owner(rid)
         generated = sum(r.generated for p in run.partitions.values() for r in p.rows.values()) if done else 0
         if done and reason in ENDED and run.root_reason in ENDED:
-            reason = run.root_reason  # a request that ran its course ended as its root did (a spoken answer's text)
+            # a request that ran its course ended as its root did (a spoken answer's text), unless a budget cut it
+            reason = "length" if run.cut else run.root_reason
         self.on_finish(Finished(rid, part.name, reason, done, error, generated))
 
     def free_pages(self, part: PartitionRun) -> None:
