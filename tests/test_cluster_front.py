@@ -144,8 +144,13 @@ def _failing_replica() -> aiohttp.web.Application:
         request.transport.abort()   # no close frame: the replica is gone
         return ws
 
+    async def refused_socket(request: aiohttp.web.Request) -> aiohttp.web.Response:
+        status = int(request.query["status"])
+        return aiohttp.web.json_response({"error": {"message": "no"}}, status=status)
+
     app = aiohttp.web.Application()
     app.router.add_get("/health", health)
+    app.router.add_get("/refused-ws", refused_socket)
     app.router.add_get("/half", half)
     app.router.add_get("/half-events", half_events)
     app.router.add_get("/ws", socket)
@@ -179,6 +184,16 @@ async def test_a_replica_failing_mid_answer_ends_the_answer_and_close_codes_pass
                 assert event["type"] == "error" and event["error"]["code"] == "replica_failed"
                 msg = await ws.receive()
                 assert msg.type == aiohttp.WSMsgType.CLOSE and msg.data == aiohttp.WSCloseCode.INTERNAL_ERROR
+            # a handshake the replica refuses: its status, typed as the replicas type their errors
+            for status, kind in ((401, "invalid_request_error"), (429, "requests"), (503, "server_error")):
+                with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+                    await session.ws_connect(f"{url}/refused-ws?status={status}")
+                assert refused.value.status == status
+                async with session.get(f"{url}/refused-ws?status={status}",
+                                       headers={"Upgrade": "websocket", "Connection": "Upgrade",
+                                                "Sec-WebSocket-Version": "13",
+                                                "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ=="}) as r:
+                    assert r.status == status and (await r.json())["error"]["type"] == kind
             assert await _settled(front)
 
 

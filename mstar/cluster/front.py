@@ -259,8 +259,10 @@ class Front:
                 upstream = await self._session.ws_connect(replica.url + request.rel_url.path_qs, headers=headers,
                                                           protocols=offered, max_msg_size=WS_MAX_MESSAGE)
             except aiohttp.WSServerHandshakeError as e:   # the replica's own answer (401, 403, 404): passed on
-                return web.json_response({"error": {"message": e.message, "type": "invalid_request_error",
-                                                    "param": None, "code": None}}, status=e.status)
+                # typed by status as the replicas type theirs (`http/responses.error_type`; no mstar import here)
+                kind = "requests" if e.status == 429 else "invalid_request_error" if e.status < 500 else "server_error"
+                return web.json_response({"error": {"message": e.message, "type": kind, "param": None, "code": None}},
+                                         status=e.status)
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 log.warning("replica refused a websocket", replica=replica.index, error=str(e))
                 return _unavailable()
