@@ -323,3 +323,11 @@ async def test_async_realtime_refuses_an_unknown_model(speech_url: str) -> None:
         with pytest.raises(MstarError) as e:
             await client.realtime("no-such-model")
         assert e.value.status == 404
+
+
+def test_an_error_event_of_a_429s_type_is_retryable_as_the_429() -> None:
+    """A realtime `error` event has no status: its type says the server was
+    busy (`requests`, what a 429 answer carries), so it is worth sending again."""
+    assert MstarError("busy", code="queue_full", type="requests").retryable
+    assert not MstarError("bad", code="invalid_value", type="invalid_request_error").retryable
+    assert not MstarError("bad", status=400, type="requests").retryable  # an answer's status decides

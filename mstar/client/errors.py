@@ -40,7 +40,9 @@ class MstarError(Exception):
 
     @property
     def retryable(self) -> bool:
-        return self.status in RETRYABLE
+        """Worth sending again later: a 429 or 503, or an error event of the
+        type a 429 has (a realtime response refused while too many wait)."""
+        return self.status in RETRYABLE or (self.status is None and self.type == "requests")
 
     def __str__(self) -> str:
         head = " ".join(str(p) for p in (self.status, self.code) if p is not None)
