@@ -73,6 +73,13 @@ async def test_a_model_naming_a_walk_it_lacks_does_not_start(role: str) -> None:
         await Engine(EngineConfig(), model=model).start()
 
 
+async def test_a_model_naming_a_spoken_audio_key_its_spoken_walk_lacks_does_not_start() -> None:
+    model = load_model("qwen3-omni-tiny")
+    model.spoken_audio_key = "talkr"
+    with pytest.raises(ConfigError, match="its spoken_audio_key 'talkr' is not a sampling key of its spoken_chat_walk"):
+        await Engine(EngineConfig(model="qwen3-omni-tiny"), model=model).start()
+
+
 @pytest.mark.parametrize("host,url,demo", [
     ("127.0.0.1", "http://127.0.0.1:8000", "http://127.0.0.1:8000/"),
     ("0.0.0.0", "http://0.0.0.0:8000", "http://127.0.0.1:8000/"),

@@ -37,7 +37,7 @@ from mstar.engine.worker.walker import check_runnable
 from mstar.errors import ConfigError, MstarError, ModelNotFound, RequestError
 from mstar.graph import Emit, HostStop, WalkPlan, compile_walks
 from mstar.models.base import Model
-from mstar.models.prepared import Prepared, input_size
+from mstar.models.prepared import Prepared, check_roles, input_size
 from mstar.models.registry import load_model
 from mstar.models.detokenizer import push_batch
 from mstar.models.tokenizer import IncrementalDetokenizer
@@ -85,11 +85,7 @@ class Engine:
                 None, lambda: load_model(cfg.model, cfg.load_format, cfg.max_model_len))
         self.plans = compile_walks(self.model.walks, self.model.components)
         check_runnable(self.plans, self.model.components)
-        for role, walk in (("tts_walk", self.model.tts_walk), ("early_tts_walk", self.model.early_tts_walk),
-                           ("spoken_chat_walk", self.model.spoken_chat_walk)):
-            if walk is not None and walk not in self.plans:
-                raise ConfigError(f"model '{self.model.name}': its {role} '{walk}' is not one of its walks "
-                                  f"({', '.join(self.plans)})")
+        check_roles(self.model, self.plans)
         if cfg.audio_logits_only:  # the heads compute no text ids' logits: walks that write text are not served
             self.plans = {name: self.plans[name] for name in self.model.audio_only_walks()}
         self.placement = resolve(cfg.placement, cfg.devices, self.model.components, self.plans,

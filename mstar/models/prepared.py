@@ -21,11 +21,14 @@ import hashlib
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from mstar.errors import RequestError
+from mstar.errors import ConfigError, RequestError
 from mstar.graph import Component, Kind, WalkPlan
 from mstar.types import GenerateRequest, SamplingParams
+
+if TYPE_CHECKING:
+    from mstar.models.base import Model
 
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 _SEQUENCE_FIELDS = ("stop", "stop_token_ids")  # tuples in SamplingParams, arrays in an override
@@ -75,6 +78,20 @@ def sampling_keys(plan: WalkPlan, components: dict[str, Component]) -> tuple[str
     sampling += [step.sampling for part in plan.partitions.values() for step in part.steps
                  if step.sampling is not None]
     return tuple(dict.fromkeys((plan.root, *sampling, *_draw_keys(plan))))
+
+
+def check_roles(model: Model, plans: dict[str, WalkPlan]) -> None:
+    """The walks a model names for its APIs are among its walks, and the key
+    it names for a spoken answer's frames is a sampling key of its spoken
+    walk (requests' `max_tokens` caps it); ConfigError otherwise."""
+    for role, walk in (("tts_walk", model.tts_walk), ("early_tts_walk", model.early_tts_walk),
+                       ("spoken_chat_walk", model.spoken_chat_walk)):
+        if walk is not None and walk not in plans:
+            raise ConfigError(f"model '{model.name}': its {role} '{walk}' is not one of its walks ({', '.join(plans)})")
+    key, walk = model.spoken_audio_key, model.spoken_chat_walk
+    if key is not None and (walk is None or key not in sampling_keys(plans[walk], model.components)):
+        raise ConfigError(f"model '{model.name}': its spoken_audio_key '{key}' is not a sampling key of its "
+                          f"spoken_chat_walk '{walk}'")
 
 
 def _draw_keys(plan: WalkPlan) -> tuple[str, ...]:
