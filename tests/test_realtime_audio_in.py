@@ -297,3 +297,24 @@ async def test_an_audio_item_is_heard_and_the_conversation_carries_on(omni) -> N
     assert second.response.usage.input_tokens > first.response.usage.input_tokens
     assert len(_audio(seen)) > 0
 
+
+
+def test_a_spoken_answer_item_reads_back_as_the_assistants_text() -> None:
+    """The next response's prompt holds each earlier answer as text: the
+    transcript of an assistant item as this server types it (output_audio,
+    output_text) or as older clients do (audio, text); a user item's heard
+    audio stays audio."""
+    from mstar.http.realtime.conversation import chat_messages
+
+    clip = np.zeros(1600, dtype=np.float32)
+    for audio_part, text_part in (("output_audio", "output_text"), ("audio", "text")):
+        items = [
+            {"id": "u1", "type": "message", "role": "user", "content": [{"type": "input_audio", "transcript": None}]},
+            {"id": "a1", "type": "message", "role": "assistant",
+             "content": [{"type": audio_part, "transcript": "Hi."}]},
+            {"id": "a2", "type": "message", "role": "assistant", "content": [{"type": text_part, "text": "Yes."}]},
+        ]
+        messages = chat_messages(items, {"u1": [clip]}, "Be brief.")
+        assert messages[0] == {"role": "system", "content": "Be brief."}
+        assert messages[1]["role"] == "user" and messages[1]["content"][0]["type"] == "audio"
+        assert messages[2:] == [{"role": "assistant", "content": "Hi."}, {"role": "assistant", "content": "Yes."}]
