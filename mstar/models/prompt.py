@@ -99,8 +99,8 @@ def given_ids(value: Any) -> list[int]:
         return value.tolist()
     if value is None:
         return []
-    if not isinstance(value, (list, tuple)) or not all(type(t) is int or (isinstance(t, int) and not isinstance(t, bool))
-                                                       for t in value):
+    if not isinstance(value, (list, tuple)) or not all(
+            type(t) is int or (isinstance(t, int) and not isinstance(t, bool)) for t in value):
         raise RequestError("must be a list of integer token ids", field="prompt")
     return list(value)
 
