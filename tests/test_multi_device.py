@@ -73,6 +73,30 @@ async def test_orpheus_on_two_devices_speaks_as_on_one(placement: str) -> None:
         assert [d["components"] for d in health["devices"]] == [["llm"], ["codec"]]
 
 
+async def test_a_component_on_two_devices_takes_roots_on_both() -> None:
+    """`llm=0+1,codec=1`: the llm as two data-parallel copies. Every speech
+    request's codec runs on cpu:1, which must not weigh cpu:1 down as a home
+    for roots: concurrent requests' llm rows go to both devices."""
+    eng = await _started(EngineConfig(model="orpheus-tiny", devices=TWO, placement=parse_spec("llm=0+1,codec=1")))
+    try:
+        long = SamplingParams(max_tokens=300, temperature=0.6, seed=3, ignore_eos=True)
+        streams = [eng.submit(GenerateRequest(f"r{i}", "orpheus-tiny", {"text": f"text {i}"}, long))
+                   for i in range(4)]
+        def roots() -> list[int]:  # tuple(): one C call, while the worker threads may be adding runs
+            return [sum(run.walk.root in run.partitions for run in tuple(w.walker.runs.values())) for w in eng.workers]
+
+        for _ in range(3000):  # the workers take their Submits on their own threads
+            if sum(roots()) == 4:
+                break
+            await asyncio.sleep(0.01)
+        assert roots() == [2, 2]
+        for s in streams:
+            eng.abort(s.request_id)
+        await _drained(eng)
+    finally:
+        await eng.shutdown()
+
+
 async def test_turns_cross_devices_too() -> None:
     greedy = SamplingParams(max_tokens=35, temperature=0.0, seed=5, ignore_eos=True)
     results = []
