@@ -148,7 +148,9 @@ def resolve(spec: PlacementSpec, devices: Sequence[str], components: Mapping[str
         if len(devices) < 2:
             raise ConfigError("--placement split needs two devices or more in --gpus")
         if not split:
-            raise ConfigError("this model has no split placement; name the devices: --placement llm=0,...")
+            raise ConfigError(f"this model has no split placement; name components' devices, e.g. --placement "
+                              f"{next(iter(components))}=0 (a component not named runs on every device; its "
+                              f"components: {', '.join(components)})")
         entries = [(c, tuple(str(i) for i in idx)) for c, idx in split.items()]
     else:
         entries = list(spec.entries)

@@ -78,8 +78,12 @@ def test_bad_specs_name_the_problem(spec: str, words: str) -> None:
 def test_split_needs_two_devices_and_a_model_split() -> None:
     with pytest.raises(ConfigError, match="two devices"):
         resolve(parse_spec("split"), ("cuda:0",), COMPONENTS, WALKS, split={"llm": [0]})
-    with pytest.raises(ConfigError, match="no split placement"):
+    with pytest.raises(ConfigError, match="no split placement") as refused:
         resolve(parse_spec("split"), DEVICES, COMPONENTS, WALKS, split=None)
+    # the example it gives names this model's components, and is a placement that resolves
+    example = str(refused.value).split("--placement ")[1].split(" ")[0]
+    assert example.split("=")[0] in COMPONENTS
+    assert resolve(parse_spec(example), DEVICES, COMPONENTS, WALKS).components()
 
 
 def test_a_partition_needs_one_device_for_all_its_steps() -> None:
