@@ -165,3 +165,25 @@ def test_gc_pauses_are_timed_by_generation_while_started() -> None:
     pauses.stop()  # a second stop is harmless
     pauses._on_gc("stop", {"generation": 2})  # a collection under way when the hook went in: not timed
     assert hist.count(full) == 1 and hist.series[full][-1] < 60
+
+
+async def test_the_queue_depth_counts_requests_waiting_to_start_not_running_ones() -> None:
+    """One row at a time (`max_num_seqs` 1): while one request runs, the two
+    after it wait to start, and the gauge says 2, not 3 (vLLM's
+    num_requests_waiting)."""
+    from mstar.config import EngineConfig, SchedulerConfig
+
+    eng = Engine(EngineConfig(model=MODEL, scheduler=SchedulerConfig(max_num_seqs=1)))
+    await eng.start()
+    try:
+        long = SamplingParams(max_tokens=2000, ignore_eos=True, temperature=0.0)
+        streams = [eng.submit(GenerateRequest(f"q{i}", MODEL, {"prompt_ids": [1, 2, 3]}, long)) for i in range(3)]
+        first = aiter(streams[0])
+        await anext(first)  # the first runs
+        assert value(parse(eng.metrics_text()), "mstar_queue_depth") == 2
+        for s in streams:
+            eng.abort(s.request_id)
+        assert await wait_until(lambda: eng.num_running() == 0, timeout=30)
+        assert value(parse(eng.metrics_text()), "mstar_queue_depth") == 0
+    finally:
+        await eng.shutdown()

@@ -193,6 +193,13 @@ class Scheduler:
     def num_waiting(self) -> int:
         return sum(len(q) for q in self._queues.values()) + sum(len(g.group) for g in self._groups)
 
+    def num_to_start(self) -> int:
+        """Rows waiting to start: new requests' first steps (and preempted
+        rows coming back) not admitted yet, as vLLM's waiting requests. Read
+        by /metrics on the event loop while the worker changes the queues: each
+        is copied whole (one C call under the GIL) before it is counted."""
+        return sum(item.starts_row for q in list(self._queues.values()) for item in tuple(q))
+
     def schedule(self, in_flight: bool = False) -> StepPlan | None:
         """The next step, or None when no queue can make progress.
         `in_flight`: steps the worker launched are not read yet, so a

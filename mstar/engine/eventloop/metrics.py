@@ -152,7 +152,7 @@ class EngineMetrics:
                outputs_dropped: int) -> str:
         workers = list(workers)
         # a worker that failed in setup has no scheduler
-        waiting = sum(w.scheduler.num_waiting() for w in workers if hasattr(w, "scheduler"))
+        waiting = sum(w.scheduler.num_to_start() for w in workers if hasattr(w, "scheduler"))
         pools = [((("device", w.name), ("component", c)), p) for w in workers for c, p in list(w.pools.items())]
         caches = [((("device", w.name), ("component", c)), stats) for w in workers
                   for c, stats in w.prefix_caches().items()]
@@ -165,7 +165,8 @@ class EngineMetrics:
                    [((("status", s),), n) for s, n in self.requests.items()]),
             family("mstar_requests_running", "gauge", "Requests submitted and not finished.",
                    [((), requests_running)]),
-            family("mstar_queue_depth", "gauge", "Rows waiting in the workers' schedulers.", [((), waiting)]),
+            family("mstar_queue_depth", "gauge", "Rows waiting to start in the workers' schedulers: new requests "
+                   "not admitted yet (running rows are not).", [((), waiting)]),
             family("mstar_time_to_first_token_seconds", "histogram",
                    "Seconds from submit to the first chunk with tokens or text.", self.ttft),
             family("mstar_time_to_first_audio_seconds", "histogram",
