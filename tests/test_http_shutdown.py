@@ -10,6 +10,7 @@ import time
 
 import aiohttp
 import orjson
+import pytest
 from test_http_main import start_server, wait_for_line
 
 from mstar.http.__main__ import SHUTDOWN_GRACE_S
@@ -38,8 +39,19 @@ async def test_sigterm_ends_long_speech_streams_with_an_error_event_within_the_g
             started = [asyncio.Event() for _ in responses]
             readers = [asyncio.ensure_future(_events(r, e)) for r, e in zip(responses, started)]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), timeout=60)
-            t0 = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as pooled:
+                async with pooled.get(url + "/health") as r:  # its connection stays open, kept alive
+                    assert r.status == 200
+                t0 = time.monotonic()
+                proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(1.0)
+                # a request on the kept-alive connection while the server drains: refused at once (the idle
+                # connection was closed, the listener is gone), not held until the drain ends
+                sent = time.monotonic()
+                with pytest.raises(aiohttp.ClientError):
+                    async with pooled.get(url + "/health", timeout=aiohttp.ClientTimeout(total=20)) as r:
+                        await r.read()
+                assert time.monotonic() - sent < 2, "a request on a kept-alive connection waited for the drain"
             streams = await asyncio.wait_for(asyncio.gather(*readers), timeout=SHUTDOWN_GRACE_S + 20)
             code = await asyncio.to_thread(proc.wait, SHUTDOWN_GRACE_S + 20)
             took = time.monotonic() - t0

@@ -132,6 +132,16 @@ class HeadDeadlineHandler(web.RequestHandler):
         self._disarm()
         super().connection_lost(exc)
 
+    def close(self) -> None:
+        """At shutdown (`Server.pre_shutdown`) a connection waiting for its
+        next request closes now: aiohttp would keep it open, reading nothing,
+        until the drain ended, so a pooled client sending on it waited seconds
+        for the close. One whose request runs answers it, then closes."""
+        idle = self._waiting_for_request()
+        super().close()
+        if idle:
+            self.force_close()
+
     def _waiting_for_request(self) -> bool:
         return self._waiter is not None and not self._waiter.done()
 
