@@ -175,7 +175,9 @@ async def test_a_replica_failing_mid_answer_ends_the_answer_and_close_codes_pass
             # an event stream ends with an error event, as OpenAI's clients expect
             async with session.get(f"{url}/half-events") as r:
                 body = (await r.read()).decode()
-            events = [orjson.loads(line[6:]) for line in body.splitlines() if line.startswith("data: ")]
+            data = [line[6:] for line in body.splitlines() if line.startswith("data: ")]
+            assert data[-1] == "[DONE]"   # after the error event, as a replica's own failures end
+            events = [orjson.loads(d) for d in data[:-1]]
             assert events[0] == {"choices": []} and events[-1]["error"]["code"] == "replica_failed"
             # a realtime session whose replica is lost: an error event, then close code 1011
             async with session.ws_connect(f"{url}/lost-ws") as ws:
@@ -195,6 +197,53 @@ async def test_a_replica_failing_mid_answer_ends_the_answer_and_close_codes_pass
                                                 "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ=="}) as r:
                     assert r.status == status and (await r.json())["error"]["type"] == kind
             assert await _settled(front)
+
+
+def _endless_events() -> aiohttp.web.Application:
+    """A replica whose event stream runs until it is cut."""
+    async def health(request: aiohttp.web.Request) -> aiohttp.web.Response:
+        return aiohttp.web.json_response({"status": "ok"})
+
+    async def events(request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
+        response = aiohttp.web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i in range(10_000):
+            await response.write(b'data: {"n": %d}\n\n' % i)
+            await asyncio.sleep(0.02)
+        return response
+
+    app = aiohttp.web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/events", events)
+    return app
+
+
+@on_module_loop
+async def test_a_stopping_front_drains_then_ends_event_streams_with_an_error_event() -> None:
+    """The front's stop, as a replica's: an answer under way runs on for the
+    drain, then its event stream ends with an error event and [DONE] (not a
+    cut), within the grace."""
+    async with serving_app(_endless_events()) as replica, aiohttp.ClientSession() as session:
+        front = Front([replica])
+        app = front.app()
+        app.on_shutdown.clear()
+        app.on_shutdown.append(lambda a: front._drain(a, drain_s=0.5))
+        runner = aiohttp.web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
+        await runner.setup()
+        site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = "http://%s:%d" % runner.addresses[0][:2]
+        async with session.get(f"{url}/events") as r:
+            assert (await r.content.readline()).startswith(b"data: ")
+            started = asyncio.get_running_loop().time()
+            stopping = asyncio.ensure_future(runner.cleanup())
+            body = (await r.read()).decode()
+        await stopping
+        took = asyncio.get_running_loop().time() - started
+        data = [line[6:] for line in body.splitlines() if line.startswith("data: ")]
+        assert data[-1] == "[DONE]" and orjson.loads(data[-2])["error"]["code"] == "aborted"
+        assert orjson.loads(data[-3])["n"] > 10   # it ran on through the drain
+        assert 0.5 <= took < 5, took
 
 
 def test_metrics_lines_get_the_replica_label_and_families_merge() -> None:

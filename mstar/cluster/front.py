@@ -42,6 +42,12 @@ HEALTH_TIMEOUT_S = 5.0
 WS_MAX_MESSAGE = 16 << 20   # the replicas' realtime socket takes messages this large
 REPLICA_LOST = {"error": {"message": "the replica serving this request failed; send it again", "type": "server_error",
                           "param": None, "code": "replica_failed"}}
+FRONT_STOPPED = {"error": {"message": "the front is shutting down; send the request again", "type": "server_error",
+                           "param": None, "code": "aborted"}}
+# a stop signal, as a replica takes one: running answers get DRAIN_S to end, then event streams end with an error
+# event and what is left is cut; the process is gone within GRACE_S (a realtime socket closes 1001 after the drain)
+DRAIN_S = 7.0
+GRACE_S = 10.0
 # headers that describe one hop's connection, not the message (RFC 9110 7.6.1), and those aiohttp sets itself;
 # Host passes on: a replica's same-origin check compares it with the page's Origin
 HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -74,6 +80,7 @@ class Front:
         self._session: aiohttp.ClientSession | None = None   # requests passed on: no cap on connections
         self._probe: aiohttp.ClientSession | None = None     # health checks and metrics, never queued behind them
         self._sockets: set[web.WebSocketResponse] = set()
+        self._relays: set[asyncio.Task] = set()  # handlers relaying an event stream: a stop ends theirs
 
     # ------------------------------------------------------------ routing
 
@@ -104,7 +111,7 @@ class Front:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_route("*", "/{tail:.*}", self._pass)
         app.cleanup_ctx.append(self._lifetime)
-        app.on_shutdown.append(self._close_sockets)
+        app.on_shutdown.append(self._drain)
         return app
 
     async def _lifetime(self, _app: web.Application) -> AsyncIterator[None]:
@@ -122,7 +129,20 @@ class Front:
             await self._session.close()
             await self._probe.close()
 
-    async def _close_sockets(self, _app: web.Application) -> None:
+    async def _drain(self, _app: web.Application, drain_s: float | None = None) -> None:
+        """Shutdown (the listener is closed): answers under way get `drain_s`
+        (default `DRAIN_S`) to end; then each event stream left ends with an
+        error event (its handler cancelled here, while its connection is still
+        open: aiohttp's own cancel closes it at once) and the realtime sockets
+        close going away; aiohttp cuts what is left."""
+        deadline = asyncio.get_running_loop().time() + (DRAIN_S if drain_s is None else drain_s)
+        while any(r.outstanding for r in self.replicas) and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        relays = list(self._relays)
+        for task in relays:  # each ends its stream with an error event while its connection is still open
+            task.cancel()
+        if relays:
+            await asyncio.wait(relays, timeout=1.0)
         for ws in list(self._sockets):
             await ws.close(code=aiohttp.WSCloseCode.GOING_AWAY, message=b"server shutdown")
 
@@ -217,30 +237,22 @@ class Front:
                 else:
                     response.content_length = int(upstream.headers["content-length"])
                 await response.prepare(request)
-                chunks = upstream.content.iter_any()
                 events = upstream.content_type == "text/event-stream"
-                held = b""   # of an event stream: an event not yet whole (a failure must not leave half of one)
-                while True:
-                    try:
-                        data = await chunks.__anext__()
-                    except StopAsyncIteration:
-                        if held:   # the replica's own last bytes, as it ended them
-                            with contextlib.suppress(ConnectionError):
-                                await response.write(held)
-                        break
-                    except aiohttp.ClientError as e:
-                        log.warning("replica failed mid-answer", replica=replica.index, error=str(e))
-                        return await _failed_mid_answer(request, response, events)
-                    if events:
-                        data, held = _whole_events(held + data)
-                        if not data:
-                            continue
-                    try:
-                        await response.write(data)
-                    except ConnectionError:   # the client left: leaving `upstream` tells the replica
-                        return response
-                await response.write_eof()
-                return response
+                task = asyncio.current_task()
+                if events and task is not None:
+                    self._relays.add(task)
+                try:
+                    return await _relay(replica, upstream, request, response, events)
+                except asyncio.CancelledError:  # the drain is over (`_drain`), or the client left
+                    if not events or task is None:
+                        raise   # chunked audio has no way to say more: it is cut
+                    task.uncancel()  # handled: the connection's task goes on to finish this answer
+                    with contextlib.suppress(ConnectionError, RuntimeError):  # a client that left hears nothing
+                        await response.write(_event(FRONT_STOPPED) + DONE)
+                        await response.write_eof()
+                    return response
+                finally:
+                    self._relays.discard(task)
         finally:
             replica.outstanding -= 1
 
@@ -282,6 +294,35 @@ class Front:
             replica.outstanding -= 1
 
 
+async def _relay(replica: Replica, upstream: aiohttp.ClientResponse, request: web.Request,
+                 response: web.StreamResponse, events: bool) -> web.StreamResponse:
+    """The replica's answer on to the client, as it comes (an event stream by
+    whole events, so a failure never leaves half of one)."""
+    chunks = upstream.content.iter_any()
+    held = b""   # of an event stream: an event not yet whole
+    while True:
+        try:
+            data = await chunks.__anext__()
+        except StopAsyncIteration:
+            if held:   # the replica's own last bytes, as it ended them
+                with contextlib.suppress(ConnectionError):
+                    await response.write(held)
+            break
+        except aiohttp.ClientError as e:
+            log.warning("replica failed mid-answer", replica=replica.index, error=str(e))
+            return await _failed_mid_answer(request, response, events)
+        if events:
+            data, held = _whole_events(held + data)
+            if not data:
+                continue
+        try:
+            await response.write(data)
+        except ConnectionError:   # the client left: leaving `upstream` tells the replica
+            return response
+    await response.write_eof()
+    return response
+
+
 async def _failed_mid_answer(request: web.Request, response: web.StreamResponse, events: bool) -> web.StreamResponse:
     """The replica failed after its answer began. An event stream ends with an
     `{"error": ...}` event (what OpenAI's clients raise), as the replica's own
@@ -290,7 +331,7 @@ async def _failed_mid_answer(request: web.Request, response: web.StreamResponse,
     `events`: the answer is an event stream, its whole events sent so far."""
     if events:
         try:
-            await response.write(b"data: " + json.dumps(REPLICA_LOST).encode() + b"\n\n")
+            await response.write(_event(REPLICA_LOST) + DONE)
             await response.write_eof()
             return response
         except ConnectionError:
@@ -299,6 +340,13 @@ async def _failed_mid_answer(request: web.Request, response: web.StreamResponse,
     if request.transport is not None:
         request.transport.abort()
     return response
+
+
+DONE = b"data: [DONE]\n\n"  # after an error event too, as a replica's own streams end
+
+
+def _event(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
 def _whole_events(data: bytes) -> tuple[bytes, bytes]:
@@ -434,7 +482,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     a = p.parse_args(argv)
     urls = [u.strip() for u in a.replicas.split(",") if u.strip()]
     web.run_app(Front(urls).app(), host=a.host, port=a.port, access_log=None, handler_cancellation=True,
-                backlog=BACKLOG)
+                backlog=BACKLOG, shutdown_timeout=GRACE_S - DRAIN_S)
 
 
 if __name__ == "__main__":
