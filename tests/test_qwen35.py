@@ -9,6 +9,7 @@ The official `openai` client's completions and chat against `qwen3.5-tiny`."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -166,13 +167,17 @@ async def test_chunked_and_mixed_prefills_carry_the_state_on(checkpoint: tuple[P
                         else decoding.set() if r.mode == "decode" else None)
     greedy = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
     try:
+        # a long answer decodes all along, so every prompt arrives beside running rows however slow the box
+        hold = asyncio.ensure_future(generated(eng, "hold", PROMPTS[0], dataclasses.replace(greedy, max_tokens=300)))
+        await asyncio.wait_for(decoding.wait(), 60)
         tasks = []
         for i, prompt in enumerate(PROMPTS):
             tasks.append(asyncio.ensure_future(generated(eng, f"r{i}", prompt, greedy)))
-            if i == 0:  # the others arrive while it decodes, however slow the box is to start it
-                await asyncio.wait_for(decoding.wait(), 60)
             await asyncio.sleep(0.05)
         assert list(await asyncio.gather(*tasks)) == want
+        assert not hold.done(), "the long answer ended before the prompts had all run beside it"
+        eng.abort("hold")
+        await hold
         stats = eng.workers[0].stats
         assert (stats.mixed_rows > 0) == mixed
         assert sum(chunks) + stats.mixed_rows >= 12   # unchunked, the 5 prompts would take 5 rows; chunked 12
