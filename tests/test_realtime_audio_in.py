@@ -299,7 +299,7 @@ async def test_an_audio_item_is_heard_and_the_conversation_carries_on(omni) -> N
 
 
 
-def test_a_spoken_answer_item_reads_back_as_the_assistants_text() -> None:
+async def test_a_spoken_answer_item_reads_back_as_the_assistants_text() -> None:
     """The next response's prompt holds each earlier answer as text: the
     transcript of an assistant item as this server types it (output_audio,
     output_text) or as older clients do (audio, text); a user item's heard
