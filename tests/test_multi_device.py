@@ -6,6 +6,7 @@ aborted requests leave nothing behind on either."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -195,28 +196,32 @@ async def test_the_gil_switch_interval_is_set_while_serving_and_restored() -> No
     assert sys.getswitchinterval() == before
 
 
-async def test_a_spoken_answer_cut_by_its_budget_on_another_device_ends_length() -> None:
+@pytest.mark.parametrize("text_ends", ["first", "last"])
+async def test_a_spoken_answer_cut_by_its_budget_on_another_device_ends_length(text_ends: str) -> None:
     """Qwen3-Omni's talker and code2wav on cpu:1, its thinker on cpu:0: the
     text stops on its own (a stop id) while the talker's frames run out at
-    their `max_tokens` on the other worker. The request ends "length" there
-    too, as on one device: its answer was cut short."""
+    their `max_tokens` on the other worker, before the text ends or after.
+    The request ends "length" there too, as on one device: its answer was
+    cut short."""
     hello = {"messages": [{"role": "user", "content": "Say hello."}]}
+    # the text's own sampling; a stop id it writes first at its 2nd token, or late (after the talker's 3 frames)
+    text = SamplingParams(max_tokens=60, temperature=0 if text_ends == "first" else 1.0, seed=7, ignore_eos=True)
     results = []
     for devices, spec in ((("cpu",), None), (TWO, "thinker=0,audio=0,vision=0,talker=1,code2wav=1")):
         eng = await _started(EngineConfig(model="qwen3-omni-tiny", devices=devices, max_model_len=512,
                                           **({"placement": parse_spec(spec)} if spec else {})))
         try:
-            chat = GenerateRequest("ids", "qwen3-omni-tiny", hello,
-                                   SamplingParams(max_tokens=4, temperature=0, seed=7, ignore_eos=True), walk="chat")
+            chat = GenerateRequest("ids", "qwen3-omni-tiny", hello, text, walk="chat")
             ids = [t for c in [c async for c in eng.submit(chat)] for t in c.token_ids]
+            at = 1 if text_ends == "first" else max(i for i in range(len(ids)) if ids[i] not in ids[:i])
             spoken = GenerateRequest("spoken", "qwen3-omni-tiny", {**hello, "voice": "ethan"},
-                                     SamplingParams(max_tokens=8, temperature=0, seed=7, ignore_eos=True,
-                                                    stop_token_ids=(ids[1],)),
-                                     walk="speak", sampling_by={"talker": {"max_tokens": 5, "stop_token_ids": [],
+                                     dataclasses.replace(text, stop_token_ids=(ids[at],)),
+                                     walk="speak", sampling_by={"talker": {"max_tokens": 3, "stop_token_ids": [],
                                                                            "temperature": 0}})
             chunks = [c async for c in eng.submit(spoken)]
-            results.append((chunks[-1].finish_reason, "".join(c.text for c in chunks)))
+            results.append((chunks[-1].finish_reason, sum(len(c.token_ids) for c in chunks), at + 1))
             await _drained(eng)
         finally:
             await eng.shutdown()
     assert results[0] == results[1] and results[0][0] == "length"
+    assert results[0][1] == results[0][2] and (results[0][1] == 2) == (text_ends == "first")  # the text's stop held

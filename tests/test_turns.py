@@ -187,3 +187,26 @@ async def test_a_piece_is_refused_when_what_the_request_spoke_leaves_no_room(eng
     eng.close_input("room")
     _, tail = await _collect(chunks)
     assert tail[-1].finished
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_request_ends_as_its_last_turn_did(eng: Engine) -> None:
+    """The first turn runs out at max_tokens ("length"), the second stops on a
+    stop id: the request ends "stop", as its last turn did, the first turn's
+    cut forgotten."""
+    p1, p2 = _prompt(eng, "hello there"), _prompt(eng, "and a second thing")
+    _, c1 = await _collect(eng.submit(GenerateRequest("g1", "orpheus-tiny", {"prompt_ids": p1}, GREEDY,
+                                                      walk="generate")))
+    t1 = [t for c in c1 for t in c.token_ids]
+    _, c2 = await _collect(eng.submit(GenerateRequest("g2", "orpheus-tiny", {"prompt_ids": p1 + t1[:-1] +
+                                                                             turn_after(t1[-1]) + p2}, GREEDY,
+                                                      walk="generate")))
+    stop = next(t for t in [t for c in c2 for t in c.token_ids][:TOKENS - 5] if t not in t1)
+    sp = SamplingParams(max_tokens=TOKENS, temperature=0.0, seed=5, ignore_eos=True, stop_token_ids=(stop,))
+    chunks = aiter(eng.submit(GenerateRequest("last", "orpheus-tiny", {"text": "hello there", "voice": "tara"}, sp,
+                                              more_input=True)))
+    await _until_awaiting(chunks)
+    eng.append("last", {"text": "and a second thing"})
+    eng.close_input("last")
+    _, tail = await _collect(chunks)
+    assert tail[-1].finish_reason == "stop" and tail[-1].num_output_tokens < 2 * TOKENS

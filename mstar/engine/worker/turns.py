@@ -113,6 +113,7 @@ class Turns:
         room = walker.max_model_len - row.kv_len - joined.num_tokens
         part.awaiting_input = False
         run.root_reason = None
+        run.cut = False  # a request ends as its last turn did
         if room < 1:  # the context is full: the request ends as if its cap was reached
             run.root_reason = "length"
             walker.cursor.restart(part, len(part.plan.program))

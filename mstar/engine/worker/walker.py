@@ -418,8 +418,9 @@ class Walker:
             if not run.shared:  # other workers' parts of the request still hold references (the engine drops them)
                 self.store.drop_owner(rid)
         generated = sum(r.generated for p in run.partitions.values() for r in p.rows.values()) if done else 0
-        if done and reason in ENDED and run.root_reason in ENDED:
-            # a request that ran its course ended as its root did (a spoken answer's text), unless a budget cut it
+        if done and reason in ENDED and (run.cut or run.root_reason in ENDED):
+            # a request that ran its course ended as its root did (a spoken answer's text), unless a budget cut
+            # it (known here even when this worker's part ended before the root's end reached it)
             reason = "length" if run.cut else run.root_reason
         self.on_finish(Finished(rid, part.name, reason, done, error, generated))
 

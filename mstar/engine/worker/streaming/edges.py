@@ -271,6 +271,7 @@ class Streams:
             buf.fills = 0  # the next turn's pass reads its own fill sequence after its items
             for row in cons.rows.values():
                 row.new_turn()  # its repetition penalty looks at this turn's tokens, as its root's does
+            cons.request.cut = False  # its last turn's cut is what the request's end reports
             self.walker.cursor.restart(cons, 0)
             return True
         if buf.closed:
