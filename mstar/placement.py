@@ -115,10 +115,13 @@ class Placement:
         units = _partition_units(walk, partition)
         return tuple(d for d in self.devices if all(d in self.units[u] for u in units))
 
-    def route(self, walk: WalkPlan, load: Mapping[str, int]) -> dict[str, str]:
-        """A device for each partition of one request: the root first, then
-        every other partition on a device already chosen where it can run,
-        else the least loaded device that can run it."""
+    def route(self, walk: WalkPlan, load: Mapping[str, int], root_load: Mapping[str, int] | None = None
+              ) -> dict[str, str]:
+        """A device for each partition of one request: the root first, on the
+        device of least `root_load` (default `load`: the roots each device
+        runs, so parts a placement pins to one device do not weigh it down as
+        a home for roots), then every other partition on a device already
+        chosen where it can run, else the least loaded device that can run it."""
         chosen: dict[str, str] = {}
         order = [walk.root] + [p for p in walk.partitions if p != walk.root]
         for name in order:
@@ -128,7 +131,8 @@ class Placement:
                 continue
             hosts = self.hosts(walk, name)
             used = [d for d in hosts if d in chosen.values()]
-            chosen[name] = min(used or hosts, key=lambda d: (load.get(d, 0), self.devices.index(d)))
+            weigh = root_load if root_load is not None and name == walk.root else load
+            chosen[name] = min(used or hosts, key=lambda d: (weigh.get(d, 0), self.devices.index(d)))
         return chosen
 
 

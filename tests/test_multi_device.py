@@ -98,6 +98,31 @@ async def test_a_component_on_two_devices_takes_roots_on_both() -> None:
         await eng.shutdown()
 
 
+async def test_a_part_placed_on_two_devices_spreads_over_them() -> None:
+    """`llm=0,codec=1+2`: every root on cpu:0, the codecs shared by cpu:1 and
+    cpu:2 by the parts each runs."""
+    eng = await _started(EngineConfig(model="orpheus-tiny", devices=("cpu:0", "cpu:1", "cpu:2"),
+                                      placement=parse_spec("llm=0,codec=1+2")))
+    try:
+        long = SamplingParams(max_tokens=300, temperature=0.6, seed=3, ignore_eos=True)
+        streams = [eng.submit(GenerateRequest(f"r{i}", "orpheus-tiny", {"text": f"text {i}"}, long))
+                   for i in range(4)]
+
+        def codecs() -> list[int]:  # tuple(): one C call, while the worker threads may be adding runs
+            return [sum("codec" in run.partitions for run in tuple(w.walker.runs.values())) for w in eng.workers]
+
+        for _ in range(3000):
+            if sum(codecs()) == 4:
+                break
+            await asyncio.sleep(0.01)
+        assert codecs() == [0, 2, 2]
+        for s in streams:
+            eng.abort(s.request_id)
+        await _drained(eng)
+    finally:
+        await eng.shutdown()
+
+
 async def test_turns_cross_devices_too() -> None:
     greedy = SamplingParams(max_tokens=35, temperature=0.0, seed=5, ignore_eos=True)
     results = []

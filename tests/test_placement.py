@@ -109,3 +109,17 @@ def test_route_keeps_a_request_together_and_balances_load() -> None:
     placed = mixed.route(speak, {"cuda:0": 0, "cuda:1": 5})
     assert placed == {root: "cuda:0", codec: "cuda:1"}
     assert mixed.route(speak, {"cuda:0": 9, "cuda:1": 0}) == {root: "cuda:1", codec: "cuda:1"}
+
+
+def test_a_root_goes_by_the_roots_each_device_runs_the_other_parts_by_all_they_run() -> None:
+    three = ("cuda:0", "cuda:1", "cuda:2")
+    # llm on 0 and 1, codec on 1: every request's codec is on cuda:1, which must not keep roots off it
+    shared = resolve(parse_spec("llm=0+1,codec=1"), three[:2], COMPONENTS, WALKS)
+    parts = {"cuda:0": 1, "cuda:1": 2}   # one request rooted on each; the cuda:0 one's codec on cuda:1 too
+    assert shared.route(WALKS["speak"], parts, {"cuda:0": 1, "cuda:1": 1})["llm"] == "cuda:0"   # a tie: the first
+    assert shared.route(WALKS["speak"], parts, {"cuda:0": 2, "cuda:1": 1}) == {"llm": "cuda:1", "codec": "cuda:1"}
+    assert shared.route(WALKS["speak"], parts)["llm"] == "cuda:0"   # without roots' counts: every part's
+    # codec on 1 or 2, llm on 0: the codec goes where the fewest parts run
+    spread = resolve(parse_spec("llm=0,codec=1+2"), three, COMPONENTS, WALKS)
+    route = spread.route(WALKS["speak"], {"cuda:0": 4, "cuda:1": 3, "cuda:2": 1}, {"cuda:0": 4})
+    assert route == {"llm": "cuda:0", "codec": "cuda:2"}

@@ -61,8 +61,10 @@ class Engine:
         self.stats: Counter[str] = Counter()
         self._states: dict[str, RequestState] = {}
         self._waiting = WaitingLine(config.max_waiting_requests, config.queue_timeout, self.stats)
-        # running requests whose root each worker runs: what routing balances (the parts a placement pins to
-        # one device, a codec on the last, would otherwise weigh that device down for every root it could take)
+        # running requests with a part on each worker, and those whose root it runs: routing places a root by
+        # the second (a part a placement pins to one device, a codec on the last, must not weigh that device
+        # down as a home for roots), every other part by the first
+        self._outstanding: list[int] = []
         self._rooted: list[int] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._report_hooks: list[Callable[[StepReport], None]] = []
@@ -98,6 +100,7 @@ class Engine:
         for w in self.workers:
             w.link.peers = self.workers
         self._index = {w.name: i for i, w in enumerate(self.workers)}
+        self._outstanding = [0] * len(self.workers)
         self._rooted = [0] * len(self.workers)
         for w in self.workers:
             w.start()
@@ -264,6 +267,7 @@ class Engine:
         shared = places if len(state.shards) > 1 else None
         self._rooted[idx] += 1
         for w in state.shards:  # the root's worker gets the inputs; the others start their partitions
+            self._outstanding[w] += 1
             self.workers[w].send(Submit(request.request_id, plan, prepared.values if w == idx else {},
                                         prepared.sampling, prepared.stop_ids, request.more_input, shared,
                                         request.priority))
@@ -346,8 +350,10 @@ class Engine:
     def _route(self, plan: WalkPlan) -> dict[str, int]:
         """A worker for each partition of a new request (see `Placement.route`):
         as few workers as it can, the least loaded among the live ones."""
-        load = {w.name: (self._rooted[i] if w.alive else 1 << 30) for i, w in enumerate(self.workers)}
-        return {part: self._index[device] for part, device in self.placement.route(plan, load).items()}
+        dead = 1 << 30
+        load = {w.name: (self._outstanding[i] if w.alive else dead) for i, w in enumerate(self.workers)}
+        roots = {w.name: (self._rooted[i] if w.alive else dead) for i, w in enumerate(self.workers)}
+        return {part: self._index[device] for part, device in self.placement.route(plan, load, roots).items()}
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free what it holds; idempotent."""
@@ -447,6 +453,7 @@ class Engine:
         if state is None or not fin.request_done:
             return
         # one worker is done with the request; the request is done when all of its workers are
+        self._outstanding[worker] -= 1
         state.shards_left -= 1
         state.num_generated += fin.num_generated
         if worker == state.worker:  # the root's worker: its last partition ends the way the root did
