@@ -250,3 +250,36 @@ async def test_a_spoken_answer_cut_by_its_budget_on_another_device_ends_length(t
             await eng.shutdown()
     assert results[0] == results[1] and results[0][0] == "length"
     assert results[0][1] == results[0][2] and (results[0][1] == 2) == (text_ends == "first")  # the text's stop held
+
+
+async def test_a_part_failing_on_another_device_after_the_root_ended_fails_the_request() -> None:
+    """The thinker (cpu:0) stops after two tokens; code2wav (cpu:1) then
+    fails: the request ends "error" with its error, not as its root did."""
+    hello = {"messages": [{"role": "user", "content": "Say hello."}]}
+    eng = await _started(EngineConfig(model="qwen3-omni-tiny", devices=TWO, max_model_len=512,
+                                      placement=parse_spec("thinker=0,audio=0,vision=0,talker=1,code2wav=1")))
+    try:
+        chat = GenerateRequest("ids", "qwen3-omni-tiny", hello,
+                               SamplingParams(max_tokens=4, temperature=0, seed=7, ignore_eos=True), walk="chat")
+        ids = [t for c in [c async for c in eng.submit(chat)] for t in c.token_ids]
+        runner = eng.workers[1].runners["code2wav"]
+        real, calls = runner.compute, [0]
+
+        def failing(batch, inputs):  # its fourth frame, long after the thinker's two tokens
+            calls[0] += 1
+            if calls[0] >= 4:
+                raise RuntimeError("code2wav broke")
+            return real(batch, inputs)
+
+        runner.compute = failing
+        spoken = GenerateRequest("spoken", "qwen3-omni-tiny", {**hello, "voice": "ethan"},
+                                 SamplingParams(max_tokens=8, temperature=0, seed=7, ignore_eos=True,
+                                                stop_token_ids=(ids[1],)),
+                                 walk="speak", sampling_by={"talker": {"max_tokens": 60, "stop_token_ids": [],
+                                                                       "temperature": 0}})
+        chunks = [c async for c in eng.submit(spoken)]
+        assert calls[0] >= 4 and sum(len(c.token_ids) for c in chunks) == 2   # the text had ended first
+        assert chunks[-1].finish_reason == "error" and "code2wav broke" in (chunks[-1].error or "")
+        await _drained(eng)
+    finally:
+        await eng.shutdown()

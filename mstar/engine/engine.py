@@ -460,12 +460,13 @@ class Engine:
             state.root_reason = fin.reason
             self._rooted[worker] -= 1
         state.cut = state.cut or fin.reason == "length"
-        if state.shards_left > 0:
-            if fin.reason == "error" and not state.finished:  # one part failed: so does the request
-                state.failed = fin.error
+        if fin.reason == "error" and not state.finished:  # one part failed: so does the request, whenever
+            state.failed = state.failed or fin.error or "a part of the request failed"
+            if state.shards_left > 0:
                 for w in state.shards:
                     if w != worker:
                         self.workers[w].send(Abort(fin.request_id, "error"))
+        if state.shards_left > 0:
             return
         del self._states[fin.request_id]
         if len(state.shards) > 1:
