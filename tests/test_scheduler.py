@@ -95,3 +95,40 @@ def test_rows_that_would_start_past_max_running_wait() -> None:
     s.row_ended("llm")
     b = s.schedule()
     assert b is not None and [i.request_id for i in b.items] == ["p2"] and s.running["llm"] == 2
+
+
+def test_rows_waiting_to_start_read_from_another_thread_while_plans_run() -> None:
+    """/metrics reads the count on the event loop while the worker plans; a
+    plan takes rows out of their queue while it weighs them, which a count of
+    the queues would catch half done."""
+    import sys
+    import threading
+    import time
+
+    s = _sched(pages=4)
+    s.pools["llm"].allocate(4)  # every page held by a running row: each new row waits for pages
+    for i in range(200):
+        s.add(WorkItem(f"r{i}", "llm", "llm", "prefill", num_tokens=8, pages_needed=1, starts_row=True))
+    assert s.num_to_start() == 200
+    stop = threading.Event()
+
+    def plans() -> None:
+        while not stop.is_set():
+            assert s.schedule() is None
+
+    worker = threading.Thread(target=plans)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.0005)
+    worker.start()
+    try:
+        seen = []
+        deadline = time.monotonic() + 0.5
+        while time.monotonic() < deadline:
+            seen.append(s.num_to_start())
+    finally:
+        stop.set()
+        worker.join()
+        sys.setswitchinterval(interval)
+    assert len(seen) > 100 and set(seen) == {200}
+    s.remove("r0")
+    assert s.num_to_start() == 199

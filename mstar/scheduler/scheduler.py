@@ -89,6 +89,7 @@ class Scheduler:
         self.running: dict[str, int] = dict.fromkeys(self.pools, 0)  # rows holding pages, per KV component
         self._queues: dict[QueueKey, deque[WorkItem]] = {k: deque() for k in self.caps}
         self._groups: list[_Standing] = []
+        self._to_start = 0  # `num_to_start`: published by each plan
         self._tickets = itertools.count()
 
     def ticket(self) -> int:
@@ -117,6 +118,7 @@ class Scheduler:
                 raise ValueError(f"a row needs {item.pages_needed} pages; the pool has {pool.num_pages}")
         item.ticket = next(self._tickets)
         self._insert(q, item)
+        self._to_start += item.starts_row
 
     @staticmethod
     def _insert(q: deque[WorkItem], item: WorkItem, lend: bool = True) -> None:
@@ -149,6 +151,7 @@ class Scheduler:
                 (removed if hit else keep).append(item)
             if len(keep) != len(q):
                 self._queues[key] = keep
+        self._to_start -= sum(item.starts_row for item in removed)
         return removed
 
     def rows_started(self, component: str, n: int) -> None:
@@ -194,17 +197,23 @@ class Scheduler:
         return sum(len(q) for q in self._queues.values()) + sum(len(g.group) for g in self._groups)
 
     def num_to_start(self) -> int:
-        """Rows waiting to start: new requests' first steps (and preempted
-        rows coming back) not admitted yet, as vLLM's waiting requests. Read
-        by /metrics on the event loop while the worker changes the queues: each
-        is copied whole (one C call under the GIL) before it is counted."""
-        return sum(item.starts_row for q in list(self._queues.values()) for item in tuple(q))
+        """Rows waiting to start: new KV rows' first steps (and preempted rows
+        coming back) not admitted yet, as vLLM's waiting requests: counted as
+        rows are queued and taken out, and again by each plan. /metrics reads
+        it on the event loop: a count of the queues there would race the
+        worker's plan, which takes rows out while it weighs them."""
+        return self._to_start
 
     def schedule(self, in_flight: bool = False) -> StepPlan | None:
         """The next step, or None when no queue can make progress.
         `in_flight`: steps the worker launched are not read yet, so a
         group's row state (lengths, who is still running) may change once
         they are."""
+        plan = self._next(in_flight)
+        self._to_start = sum(item.starts_row for q in self._queues.values() for item in q)
+        return plan
+
+    def _next(self, in_flight: bool) -> StepPlan | None:
         order: list[tuple[int, int, QueueKey, _Standing | None]] = [
             (q[0].ticket, 0, key, None) for key, q in self._queues.items() if q]
         order += [(g.group.ticket, 1, g.key, g) for g in self._groups if len(g.group)]
