@@ -81,12 +81,17 @@ async def test_sigterm_ends_a_realtime_response_then_closes_the_socket_going_awa
                 kinds.append(event["type"])
                 if event["type"] == "response.output_audio.delta" and kinds.count(event["type"]) == 1:
                     proc.send_signal(signal.SIGTERM)
+                    await asyncio.to_thread(wait_for_line, proc, "stop signal received; draining")
+                    await asyncio.sleep(0.5)
+                    cancelled_at = time.monotonic()
+                    await ws.send_json({"type": "response.cancel"})  # heard during the drain, not dropped
                 if event["type"] == "response.done":
-                    done = event
+                    done, done_at = event, time.monotonic()
             code = ws.close_code
         assert await asyncio.to_thread(proc.wait, SHUTDOWN_GRACE_S + 20) == 0
         assert kinds.count("response.done") == 1, (kinds[-5:], code)  # its last events, before the close
         assert done["response"]["status"] in ("cancelled", "failed")
+        assert done_at - cancelled_at < 3, "the cancel sent during the drain waited for its end"
         assert code == aiohttp.WSCloseCode.GOING_AWAY
     finally:
         if proc.poll() is None:

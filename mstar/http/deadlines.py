@@ -177,6 +177,14 @@ class DeadlineServer(web.Server):
     def __call__(self) -> web.RequestHandler:
         return HeadDeadlineHandler(self, loop=self._loop, header_timeout=self.header_timeout, **self._kwargs)
 
+    def pre_shutdown(self) -> None:
+        """Shutdown's first move: every connection stops taking requests,
+        except a websocket's, whose session reads on through the drain (a
+        realtime client's cancel must reach it); the drain closes those."""
+        for conn in self.connections:
+            if not conn._upgraded:  # aiohttp's own flag: the connection became a websocket
+                conn.close()
+
 
 class ServingRunner(web.AppRunner):
     """`web.AppRunner` whose connections have a header deadline of
