@@ -15,6 +15,7 @@ import pytest
 import pytest_asyncio
 from http_support import running_engine, serving, serving_app
 
+from mstar.cluster.serving import FrontRunner
 from mstar.cluster.front import Front, labelled, merged
 
 on_module_loop = pytest.mark.asyncio(loop_scope="module")
@@ -244,6 +245,49 @@ async def test_a_stopping_front_drains_then_ends_event_streams_with_an_error_eve
         assert data[-1] == "[DONE]" and orjson.loads(data[-2])["error"]["code"] == "aborted"
         assert orjson.loads(data[-3])["n"] > 10   # it ran on through the drain
         assert 0.5 <= took < 5, took
+
+
+def _echo_socket() -> aiohttp.web.Application:
+    async def health(request: aiohttp.web.Request) -> aiohttp.web.Response:
+        return aiohttp.web.json_response({"status": "ok"})
+
+    async def echo(request: aiohttp.web.Request) -> aiohttp.web.WebSocketResponse:
+        ws = aiohttp.web.WebSocketResponse()
+        await ws.prepare(request)
+        async for msg in ws:
+            await ws.send_str(msg.data)
+        return ws
+
+    app = aiohttp.web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/echo", echo)
+    return app
+
+
+@on_module_loop
+async def test_a_websocket_through_a_stopping_front_is_heard_until_the_drain_closes_it() -> None:
+    """A realtime client's message during the front's drain (a cancel, say)
+    reaches the replica and its answer comes back; then the socket closes 1001."""
+    async with serving_app(_echo_socket()) as replica, aiohttp.ClientSession() as session:
+        front = Front([replica])
+        app = front.app()
+        app.on_shutdown.clear()
+        app.on_shutdown.append(lambda a: front._drain(a, drain_s=1.0))
+        runner = FrontRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
+        await runner.setup()
+        site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = "http://%s:%d" % runner.addresses[0][:2]
+        async with session.ws_connect(f"{url}/echo") as ws:
+            await ws.send_str("before")
+            assert (await ws.receive(timeout=10)).data == "before"
+            stopping = asyncio.ensure_future(runner.cleanup())
+            await asyncio.sleep(0.3)   # the drain is under way
+            await ws.send_str("during")
+            assert (await ws.receive(timeout=10)).data == "during"
+            closed = await ws.receive(timeout=10)
+            assert closed.type == aiohttp.WSMsgType.CLOSE and closed.data == aiohttp.WSCloseCode.GOING_AWAY
+        await stopping
 
 
 def test_metrics_lines_get_the_replica_label_and_families_merge() -> None:

@@ -15,9 +15,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from aiohttp import web
 
-from mstar.cluster.front import BACKLOG, Front
+from mstar.cluster import serving
+from mstar.cluster.front import BACKLOG, SHUTDOWN_TIMEOUT_S, Front
 from mstar.cluster.ray_replicas import RayReplicas
 from mstar.cluster.replica import STARTUP_TIMEOUT_S, ReplicaSpec
 
@@ -63,8 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         urls = replicas.start(a.address)
         print(f"mstar cluster: {len(urls)} replicas ({', '.join(urls)}) behind http://{a.host}:{a.port}",
               flush=True)
-        web.run_app(replicas.serve(Front(urls)), host=a.host, port=a.port, access_log=None,
-                    handler_cancellation=True, print=None, backlog=BACKLOG)
+        serving.run(replicas.serve(Front(urls)), host=a.host, port=a.port, backlog=BACKLOG,
+                    shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     finally:
         replicas.stop()
     return 0

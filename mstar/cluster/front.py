@@ -32,6 +32,8 @@ import aiohttp
 import structlog
 from aiohttp import web
 
+from mstar.cluster import serving
+
 log = structlog.get_logger("mstar.cluster.front")
 
 # connections waiting to be accepted: a burst of streaming clients is more than aiohttp's default 128, past
@@ -48,6 +50,9 @@ FRONT_STOPPED = {"error": {"message": "the front is shutting down; send the requ
 # event and what is left is cut; the process is gone within GRACE_S (a realtime socket closes 1001 after the drain)
 DRAIN_S = 7.0
 GRACE_S = 10.0
+# aiohttp waits this long for the handlers left after the drain, and as long again once it cancelled them;
+# `_drain` spends up to 1 s ending event streams
+SHUTDOWN_TIMEOUT_S = (GRACE_S - DRAIN_S - 1.0) / 2
 # headers that describe one hop's connection, not the message (RFC 9110 7.6.1), and those aiohttp sets itself;
 # Host passes on: a replica's same-origin check compares it with the page's Origin
 HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -481,8 +486,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--port", type=int, default=8080, help="the front's port (default 8080)")
     a = p.parse_args(argv)
     urls = [u.strip() for u in a.replicas.split(",") if u.strip()]
-    web.run_app(Front(urls).app(), host=a.host, port=a.port, access_log=None, handler_cancellation=True,
-                backlog=BACKLOG, shutdown_timeout=GRACE_S - DRAIN_S)
+    print(f"mstar front over {', '.join(urls)} on http://{a.host}:{a.port}", flush=True)
+    serving.run(Front(urls).app(), host=a.host, port=a.port, backlog=BACKLOG, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,62 @@
+"""The front's process: its aiohttp app served on one address until a stop
+signal, then stopped within the front's grace (`front.DRAIN_S`, `GRACE_S`).
+
+aiohttp's own `run_app` stops every connection from reading at the start of a
+shutdown, websockets included, so a realtime client's messages during the
+drain (a `response.cancel`) would be dropped; here a websocket reads on until
+the front's drain closes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Awaitable
+
+from aiohttp import web
+
+
+class _Server(web.Server):
+    def pre_shutdown(self) -> None:
+        """Shutdown's first move: connections stop taking requests, but a
+        websocket's session reads on (the drain closes it)."""
+        for conn in self.connections:
+            if not conn._upgraded:  # aiohttp's own flag: the connection became a websocket
+                conn.close()
+
+
+class FrontRunner(web.AppRunner):
+    """`web.AppRunner` whose shutdown leaves websockets to the app's drain."""
+
+    async def _make_server(self) -> web.Server:
+        plain = await super()._make_server()  # runs the app's startup, builds aiohttp's own factory
+        return _Server(plain.request_handler, request_factory=plain.request_factory,
+                       handler_cancellation=plain.handler_cancellation, **plain._kwargs)
+
+
+def run(app: web.Application | Awaitable[web.Application], *, host: str, port: int, backlog: int,
+        shutdown_timeout: float) -> None:
+    """Serve `app` (or the app an awaitable gives, made on the serving loop)
+    until SIGINT or SIGTERM; then the app's shutdown (its drain) runs, and
+    aiohttp gives the handlers left `shutdown_timeout` s, twice (before and
+    after cancelling them)."""
+    asyncio.run(_serve(app, host, port, backlog, shutdown_timeout))
+
+
+async def _serve(app: web.Application | Awaitable[web.Application], host: str, port: int, backlog: int,
+                 shutdown_timeout: float) -> None:
+    if not isinstance(app, web.Application):
+        app = await app
+    runner = FrontRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=shutdown_timeout)
+    await runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await web.TCPSite(runner, host, port, backlog=backlog).start()
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
