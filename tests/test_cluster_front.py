@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
+from typing import Any
 
 import aiohttp
 import orjson
@@ -200,23 +201,45 @@ async def test_a_replica_failing_mid_answer_ends_the_answer_and_close_codes_pass
             assert await _settled(front)
 
 
-def _endless_events() -> aiohttp.web.Application:
-    """A replica whose event stream runs until it is cut."""
+def _stub_replica(**routes: Any) -> aiohttp.web.Application:
+    """A replica answering `/health` and GET `/<name>` with each handler given."""
     async def health(request: aiohttp.web.Request) -> aiohttp.web.Response:
         return aiohttp.web.json_response({"status": "ok"})
 
-    async def events(request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
-        response = aiohttp.web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        for i in range(10_000):
-            await response.write(b'data: {"n": %d}\n\n' % i)
-            await asyncio.sleep(0.02)
-        return response
-
     app = aiohttp.web.Application()
     app.router.add_get("/health", health)
-    app.router.add_get("/events", events)
+    for name, handler in routes.items():
+        app.router.add_get(f"/{name}", handler)
     return app
+
+
+async def _endless_events(request: aiohttp.web.Request) -> aiohttp.web.StreamResponse:
+    response = aiohttp.web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for i in range(10_000):
+        await response.write(b'data: {"n": %d}\n\n' % i)
+        await asyncio.sleep(0.02)
+    return response
+
+
+async def _echo(request: aiohttp.web.Request) -> aiohttp.web.WebSocketResponse:
+    ws = aiohttp.web.WebSocketResponse()
+    await ws.prepare(request)
+    async for msg in ws:
+        await ws.send_str(msg.data)
+    return ws
+
+
+async def _front_to_stop(replica: str, drain_s: float) -> tuple[FrontRunner, str]:
+    """A front over `replica` as `python -m mstar.cluster.front` serves it, with a drain of `drain_s`."""
+    front = Front([replica])
+    app = front.app()
+    app.on_shutdown.clear()
+    app.on_shutdown.append(lambda a: front._drain(a, drain_s=drain_s))
+    runner = FrontRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
+    await runner.setup()
+    await aiohttp.web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, "http://%s:%d" % runner.addresses[0][:2]
 
 
 @on_module_loop
@@ -224,16 +247,8 @@ async def test_a_stopping_front_drains_then_ends_event_streams_with_an_error_eve
     """The front's stop, as a replica's: an answer under way runs on for the
     drain, then its event stream ends with an error event and [DONE] (not a
     cut), within the grace."""
-    async with serving_app(_endless_events()) as replica, aiohttp.ClientSession() as session:
-        front = Front([replica])
-        app = front.app()
-        app.on_shutdown.clear()
-        app.on_shutdown.append(lambda a: front._drain(a, drain_s=0.5))
-        runner = aiohttp.web.AppRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
-        await runner.setup()
-        site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = "http://%s:%d" % runner.addresses[0][:2]
+    async with serving_app(_stub_replica(events=_endless_events)) as replica, aiohttp.ClientSession() as session:
+        runner, url = await _front_to_stop(replica, 0.5)
         async with session.get(f"{url}/events") as r:
             assert (await r.content.readline()).startswith(b"data: ")
             started = asyncio.get_running_loop().time()
@@ -247,37 +262,12 @@ async def test_a_stopping_front_drains_then_ends_event_streams_with_an_error_eve
         assert 0.5 <= took < 5, took
 
 
-def _echo_socket() -> aiohttp.web.Application:
-    async def health(request: aiohttp.web.Request) -> aiohttp.web.Response:
-        return aiohttp.web.json_response({"status": "ok"})
-
-    async def echo(request: aiohttp.web.Request) -> aiohttp.web.WebSocketResponse:
-        ws = aiohttp.web.WebSocketResponse()
-        await ws.prepare(request)
-        async for msg in ws:
-            await ws.send_str(msg.data)
-        return ws
-
-    app = aiohttp.web.Application()
-    app.router.add_get("/health", health)
-    app.router.add_get("/echo", echo)
-    return app
-
-
 @on_module_loop
 async def test_a_websocket_through_a_stopping_front_is_heard_until_the_drain_closes_it() -> None:
     """A realtime client's message during the front's drain (a cancel, say)
     reaches the replica and its answer comes back; then the socket closes 1001."""
-    async with serving_app(_echo_socket()) as replica, aiohttp.ClientSession() as session:
-        front = Front([replica])
-        app = front.app()
-        app.on_shutdown.clear()
-        app.on_shutdown.append(lambda a: front._drain(a, drain_s=1.0))
-        runner = FrontRunner(app, handler_cancellation=True, shutdown_timeout=0.5)
-        await runner.setup()
-        site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        url = "http://%s:%d" % runner.addresses[0][:2]
+    async with serving_app(_stub_replica(echo=_echo)) as replica, aiohttp.ClientSession() as session:
+        runner, url = await _front_to_stop(replica, 1.0)
         async with session.ws_connect(f"{url}/echo") as ws:
             await ws.send_str("before")
             assert (await ws.receive(timeout=10)).data == "before"

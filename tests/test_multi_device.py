@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -37,6 +39,19 @@ async def _drained(eng: Engine) -> None:
         await asyncio.sleep(0.01)
     raise AssertionError(f"not drained: {len(eng.store)} tensors, {eng.pages_in_use()} pages, "
                          f"{eng.num_running()} running")
+
+
+async def _per_worker(eng: Engine, holds: Callable[[Any], bool], total: int) -> list[int]:
+    """How many of each worker's running requests `holds`, once `total` do
+    (the workers take their Submits on their own threads)."""
+    def counts() -> list[int]:  # tuple(): one C call, while the worker threads may be adding runs
+        return [sum(holds(run) for run in tuple(w.walker.runs.values())) for w in eng.workers]
+
+    for _ in range(3000):
+        if sum(counts()) == total:
+            break
+        await asyncio.sleep(0.01)
+    return counts()
 
 
 async def _speak_all(eng: Engine, texts: list[str]) -> list[tuple[bytes, str | None, int]]:
@@ -74,48 +89,20 @@ async def test_orpheus_on_two_devices_speaks_as_on_one(placement: str) -> None:
         assert [d["components"] for d in health["devices"]] == [["llm"], ["codec"]]
 
 
-async def test_a_component_on_two_devices_takes_roots_on_both() -> None:
-    """`llm=0+1,codec=1`: the llm as two data-parallel copies. Every speech
-    request's codec runs on cpu:1, which must not weigh cpu:1 down as a home
-    for roots: concurrent requests' llm rows go to both devices."""
-    eng = await _started(EngineConfig(model="orpheus-tiny", devices=TWO, placement=parse_spec("llm=0+1,codec=1")))
+@pytest.mark.parametrize(("devices", "spec", "part", "want"), [
+    # the llm as two data-parallel copies: every request's codec on cpu:1 must not keep roots off cpu:1
+    (TWO, "llm=0+1,codec=1", "llm", [2, 2]),
+    # the codec on two devices: the codecs spread over them by the parts each runs
+    (("cpu:0", "cpu:1", "cpu:2"), "llm=0,codec=1+2", "codec", [0, 2, 2]),
+])
+async def test_a_component_on_two_devices_takes_its_parts_on_both(devices: tuple[str, ...], spec: str, part: str,
+                                                                 want: list[int]) -> None:
+    eng = await _started(EngineConfig(model="orpheus-tiny", devices=devices, placement=parse_spec(spec)))
     try:
         long = SamplingParams(max_tokens=300, temperature=0.6, seed=3, ignore_eos=True)
         streams = [eng.submit(GenerateRequest(f"r{i}", "orpheus-tiny", {"text": f"text {i}"}, long))
                    for i in range(4)]
-        def roots() -> list[int]:  # tuple(): one C call, while the worker threads may be adding runs
-            return [sum(run.walk.root in run.partitions for run in tuple(w.walker.runs.values())) for w in eng.workers]
-
-        for _ in range(3000):  # the workers take their Submits on their own threads
-            if sum(roots()) == 4:
-                break
-            await asyncio.sleep(0.01)
-        assert roots() == [2, 2]
-        for s in streams:
-            eng.abort(s.request_id)
-        await _drained(eng)
-    finally:
-        await eng.shutdown()
-
-
-async def test_a_part_placed_on_two_devices_spreads_over_them() -> None:
-    """`llm=0,codec=1+2`: every root on cpu:0, the codecs shared by cpu:1 and
-    cpu:2 by the parts each runs."""
-    eng = await _started(EngineConfig(model="orpheus-tiny", devices=("cpu:0", "cpu:1", "cpu:2"),
-                                      placement=parse_spec("llm=0,codec=1+2")))
-    try:
-        long = SamplingParams(max_tokens=300, temperature=0.6, seed=3, ignore_eos=True)
-        streams = [eng.submit(GenerateRequest(f"r{i}", "orpheus-tiny", {"text": f"text {i}"}, long))
-                   for i in range(4)]
-
-        def codecs() -> list[int]:  # tuple(): one C call, while the worker threads may be adding runs
-            return [sum("codec" in run.partitions for run in tuple(w.walker.runs.values())) for w in eng.workers]
-
-        for _ in range(3000):
-            if sum(codecs()) == 4:
-                break
-            await asyncio.sleep(0.01)
-        assert codecs() == [0, 2, 2]
+        assert await _per_worker(eng, lambda run: part in run.partitions, 4) == want
         for s in streams:
             eng.abort(s.request_id)
         await _drained(eng)
