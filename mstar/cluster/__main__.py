@@ -15,7 +15,6 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-
 from mstar.cluster import serving
 from mstar.cluster.front import BACKLOG, SHUTDOWN_TIMEOUT_S, Front
 from mstar.cluster.ray_replicas import RayReplicas

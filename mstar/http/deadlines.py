@@ -132,16 +132,6 @@ class HeadDeadlineHandler(web.RequestHandler):
         self._disarm()
         super().connection_lost(exc)
 
-    def close(self) -> None:
-        """At shutdown (`Server.pre_shutdown`) a connection waiting for its
-        next request closes now: aiohttp would keep it open, reading nothing,
-        until the drain ended, so a pooled client sending on it waited seconds
-        for the close. One whose request runs answers it, then closes."""
-        idle = self._waiting_for_request()
-        super().close()
-        if idle:
-            self.force_close()
-
     def _waiting_for_request(self) -> bool:
         return self._waiter is not None and not self._waiter.done()
 
@@ -178,12 +168,19 @@ class DeadlineServer(web.Server):
         return HeadDeadlineHandler(self, loop=self._loop, header_timeout=self.header_timeout, **self._kwargs)
 
     def pre_shutdown(self) -> None:
-        """Shutdown's first move: every connection stops taking requests,
-        except a websocket's, whose session reads on through the drain (a
+        """Shutdown's first move: every connection stops taking requests. One
+        waiting for its next request closes now (aiohttp would keep it open,
+        reading nothing, until the drain ended, so a pooled client sending on
+        it waited seconds for the close); one whose request runs answers it,
+        then closes. A websocket's session reads on through the drain (a
         realtime client's cancel must reach it); the drain closes those."""
         for conn in self.connections:
-            if not conn._upgraded:  # aiohttp's own flag: the connection became a websocket
-                conn.close()
+            if conn._upgraded:  # aiohttp's own flag: the connection became a websocket
+                continue
+            idle = isinstance(conn, HeadDeadlineHandler) and conn._waiting_for_request()
+            conn.close()
+            if idle:
+                conn.force_close()
 
 
 class ServingRunner(web.AppRunner):
