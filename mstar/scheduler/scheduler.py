@@ -210,7 +210,9 @@ class Scheduler:
         group's row state (lengths, who is still running) may change once
         they are."""
         plan = self._next(in_flight)
-        self._to_start = sum(item.starts_row for q in self._queues.values() for item in q)
+        # only a KV component's rows start (hold pages): a codec's queue of windows is not walked each step
+        self._to_start = sum(item.starts_row for (component, _), q in self._queues.items() if component in self.pools
+                             for item in q)
         return plan
 
     def _next(self, in_flight: bool) -> StepPlan | None:
