@@ -17,7 +17,8 @@ import pytest_asyncio
 from http_support import running_engine, serving, serving_app
 
 from mstar.cluster.serving import FrontRunner
-from mstar.cluster.front import Front, labelled, merged
+from mstar.cluster.front import Front
+from mstar.cluster.prometheus_text import labelled, merged
 
 on_module_loop = pytest.mark.asyncio(loop_scope="module")
 

@@ -23,8 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
-import uuid
 from collections.abc import AsyncIterator, Sequence, Set
 from dataclasses import dataclass
 
@@ -33,6 +31,8 @@ import structlog
 from aiohttp import web
 
 from mstar.cluster import serving
+from mstar.cluster.prometheus_text import labelled, merged
+from mstar.cluster.relay import DONE, FRONT_STOPPED, event, pump_both, relay
 
 log = structlog.get_logger("mstar.cluster.front")
 
@@ -42,10 +42,6 @@ BACKLOG = 2048
 HEALTH_EVERY_S = 2.0
 HEALTH_TIMEOUT_S = 5.0
 WS_MAX_MESSAGE = 16 << 20   # the replicas' realtime socket takes messages this large
-REPLICA_LOST = {"error": {"message": "the replica serving this request failed; send it again", "type": "server_error",
-                          "param": None, "code": "replica_failed"}}
-FRONT_STOPPED = {"error": {"message": "the front is shutting down; send the request again", "type": "server_error",
-                           "param": None, "code": "aborted"}}
 # a stop signal, as a replica takes one: running answers get DRAIN_S to end, then event streams end with an error
 # event and what is left is cut; the process is gone within GRACE_S (a realtime socket closes 1001 after the drain)
 DRAIN_S = 7.0
@@ -247,13 +243,13 @@ class Front:
                 if events and task is not None:
                     self._relays.add(task)
                 try:
-                    return await _relay(replica, upstream, request, response, events)
+                    return await relay(replica.index, upstream, request, response, events)
                 except asyncio.CancelledError:  # the drain is over (`_drain`), or the client left
                     if not events or task is None:
                         raise   # chunked audio has no way to say more: it is cut
                     task.uncancel()  # handled: the connection's task goes on to finish this answer
                     with contextlib.suppress(ConnectionError, RuntimeError):  # a client that left hears nothing
-                        await response.write(_event(FRONT_STOPPED) + DONE)
+                        await response.write(event(FRONT_STOPPED) + DONE)
                         await response.write_eof()
                     return response
                 finally:
@@ -290,74 +286,13 @@ class Front:
                 await client.prepare(request)
                 self._sockets.add(client)
                 try:
-                    await _pump_both(client, upstream)
+                    await pump_both(client, upstream)
                 finally:
                     self._sockets.discard(client)
                     await client.close()
             return client
         finally:
             replica.outstanding -= 1
-
-
-async def _relay(replica: Replica, upstream: aiohttp.ClientResponse, request: web.Request,
-                 response: web.StreamResponse, events: bool) -> web.StreamResponse:
-    """The replica's answer on to the client, as it comes (an event stream by
-    whole events, so a failure never leaves half of one)."""
-    chunks = upstream.content.iter_any()
-    held = b""   # of an event stream: an event not yet whole
-    while True:
-        try:
-            data = await chunks.__anext__()
-        except StopAsyncIteration:
-            if held:   # the replica's own last bytes, as it ended them
-                with contextlib.suppress(ConnectionError):
-                    await response.write(held)
-            break
-        except aiohttp.ClientError as e:
-            log.warning("replica failed mid-answer", replica=replica.index, error=str(e))
-            return await _failed_mid_answer(request, response, events)
-        if events:
-            data, held = _whole_events(held + data)
-            if not data:
-                continue
-        try:
-            await response.write(data)
-        except ConnectionError:   # the client left: leaving `upstream` tells the replica
-            return response
-    await response.write_eof()
-    return response
-
-
-async def _failed_mid_answer(request: web.Request, response: web.StreamResponse, events: bool) -> web.StreamResponse:
-    """The replica failed after its answer began. An event stream ends with an
-    `{"error": ...}` event (what OpenAI's clients raise), as the replica's own
-    failures do; any other body is cut, so the client sees it incomplete
-    (chunked audio has no way to say more), never a complete-looking answer.
-    `events`: the answer is an event stream, its whole events sent so far."""
-    if events:
-        try:
-            await response.write(_event(REPLICA_LOST) + DONE)
-            await response.write_eof()
-            return response
-        except ConnectionError:
-            return response
-    response.force_close()
-    if request.transport is not None:
-        request.transport.abort()
-    return response
-
-
-DONE = b"data: [DONE]\n\n"  # after an error event too, as a replica's own streams end
-
-
-def _event(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj).encode() + b"\n\n"
-
-
-def _whole_events(data: bytes) -> tuple[bytes, bytes]:
-    """Server-sent events' bytes split after their last whole event: (to send, to hold)."""
-    end = data.rfind(b"\n\n")
-    return (data[:end + 2], data[end + 2:]) if end >= 0 else (b"", data)
 
 
 def _forwarded(request: web.Request) -> dict[str, str]:
@@ -369,71 +304,6 @@ def _forwarded(request: web.Request) -> dict[str, str]:
         prior = request.headers.get("X-Forwarded-For")
         headers["X-Forwarded-For"] = f"{prior}, {peer}" if prior else peer
     return headers
-
-
-def merged(texts: list[str]) -> str:
-    """Prometheus texts of the same families as one: each family's HELP and TYPE once, then every text's
-    samples of it (a parser refuses a family whose lines are split, or a second TYPE line)."""
-    families: dict[str, tuple[list[str], list[str]]] = {}
-    for text in texts:
-        family = ""
-        for line in text.splitlines():
-            if line.startswith("# HELP ") or line.startswith("# TYPE "):
-                family = line.split()[2]
-                head, _ = families.setdefault(family, ([], []))
-                if line not in head:
-                    head.append(line)
-            elif line and not line.startswith("#"):
-                families.setdefault(family, ([], []))[1].append(line)
-    return "".join("\n".join(head + samples) + "\n" for head, samples in families.values())
-
-
-def labelled(text: str, index: int) -> str:
-    """Prometheus text with `replica="index"` on every sample (comments and blank lines kept)."""
-    out = []
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            out.append(line)
-            continue
-        name, sep, rest = line.partition(" ")
-        if "{" in name:
-            head, _, labels = name.partition("{")
-            name = f'{head}{{replica="{index}",{labels}'
-        else:
-            name = f'{name}{{replica="{index}"}}'
-        out.append(name + sep + rest)
-    return "\n".join(out) + "\n"
-
-
-async def _pump_both(client: web.WebSocketResponse, upstream: aiohttp.ClientWebSocketResponse) -> None:
-    """Frames client -> replica and replica -> client until either side closes."""
-    async def forward(src: web.WebSocketResponse | aiohttp.ClientWebSocketResponse,
-                      dst: web.WebSocketResponse | aiohttp.ClientWebSocketResponse) -> None:
-        async for msg in src:
-            if msg.type == aiohttp.WSMsgType.TEXT:
-                await dst.send_str(msg.data)
-            elif msg.type == aiohttp.WSMsgType.BINARY:
-                await dst.send_bytes(msg.data)
-            else:
-                break
-        if src is upstream and src.close_code in (None, aiohttp.WSCloseCode.ABNORMAL_CLOSURE):
-            # the replica went away without closing: the session is over, and the client is told why
-            event = {"type": "error", "event_id": f"event_{uuid.uuid4().hex[:20]}",
-                     "error": {**REPLICA_LOST["error"], "event_id": None}}
-            with contextlib.suppress(ConnectionError):
-                await dst.send_str(json.dumps(event))
-            await dst.close(code=aiohttp.WSCloseCode.INTERNAL_ERROR, message=b"replica failed")
-            return
-        # the side that closed says why: its code and reason go on to the other
-        await dst.close(code=src.close_code or aiohttp.WSCloseCode.OK)
-
-    tasks = [asyncio.create_task(forward(client, upstream)), asyncio.create_task(forward(upstream, client))]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    finally:   # a handler cancelled (the front shutting down) leaves no pump behind
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class _NotStarted(Exception):
