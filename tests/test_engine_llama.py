@@ -286,19 +286,24 @@ async def test_a_row_that_breaks_the_sampler_fails_alone_and_its_batch_goes_on(m
 
 
 async def test_a_stop_string_counts_the_tokens_taken_in_not_the_speculative_ones() -> None:
+    """Usage counts the tokens up to the stop string's, however many the
+    worker drew past it: later steps launched before the stop was seen, or
+    the request's `max_tokens` reached there before the stop arrived."""
     eng = Engine(EngineConfig(model="tiny-llama"))
     await eng.start()
     try:
-        ids = eng.tokenizer("tiny-llama").encode("Hello")
-        greedy = SamplingParams(max_tokens=16, temperature=0.0)
-        free, _ = await _run(eng, "free", ids, greedy)
-        text = eng.tokenizer("tiny-llama").decode(free)
+        tok = eng.tokenizer("tiny-llama")
+        ids = tok.encode("Hello")
+        free, _ = await _run(eng, "free", ids, SamplingParams(max_tokens=16, temperature=0.0))
+        text = tok.decode(free)
         stop = text[1:3]  # found a couple of tokens in: later steps were already launched when it is seen
-        chunks = [c async for c in eng.submit(GenerateRequest("stopped", eng.model_name, {"prompt_ids": ids},
-                                                              SamplingParams(max_tokens=16, temperature=0.0,
-                                                                             stop=(stop,))))]
-        got = [t for c in chunks for t in c.token_ids]
-        assert chunks[-1].finish_reason == "stop" and len(got) < 16
-        assert chunks[-1].num_output_tokens == len(got)
+        taken = next(n for n in range(1, 17) if stop in tok.decode(free[:n]))
+        for max_tokens in (taken + 1, taken + 2, taken + 3, 16):
+            chunks = [c async for c in eng.submit(GenerateRequest(
+                f"stopped{max_tokens}", eng.model_name, {"prompt_ids": ids},
+                SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=(stop,))))]
+            got = [t for c in chunks for t in c.token_ids]
+            assert chunks[-1].finish_reason == "stop" and len(got) == taken
+            assert chunks[-1].num_output_tokens == taken, max_tokens
     finally:
         await eng.shutdown()

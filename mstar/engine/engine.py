@@ -403,6 +403,8 @@ class Engine:
                 state = self._states.get(rid)
                 if state is None or state.finished or part in state.stopped:
                     self.stats["outputs_dropped"] += 1
+                    if state is not None and emit.modality == "text":
+                        state.drawn_after_stop += 1  # drawn before the stop reached the worker: not the answer's
                     continue
                 self._waiting.started(rid)
                 if emit.modality == "text" and isinstance(row, int):
@@ -454,19 +456,14 @@ class Engine:
             return
         # one worker is done with the request; the request is done when all of its workers are
         self._outstanding[worker] -= 1
-        state.shards_left -= 1
-        state.num_generated += fin.num_generated
-        if worker == state.worker:  # the root's worker: its last partition ends the way the root did
-            state.root_reason = fin.reason
+        if worker == state.worker:
             self._rooted[worker] -= 1
-        state.cut = state.cut or fin.reason == "length"
-        if fin.reason == "error" and not state.finished:  # one part failed: so does the request, whenever
-            state.failed = state.failed or fin.error or "a part of the request failed"
-            if state.shards_left > 0:
-                for w in state.shards:
-                    if w != worker:
-                        self.workers[w].send(Abort(fin.request_id, "error"))
-        if state.shards_left > 0:
+        reason = state.shard_done(fin.reason, fin.error, fin.num_generated, worker)
+        if fin.reason == "error" and not state.finished and state.shards_left > 0:  # so does the request
+            for w in state.shards:
+                if w != worker:
+                    self.workers[w].send(Abort(fin.request_id, "error"))
+        if reason is None:
             return
         del self._states[fin.request_id]
         if len(state.shards) > 1:
@@ -474,11 +471,6 @@ class Engine:
         if state.timer is not None:
             state.timer.cancel()
         self._waiting.started(fin.request_id)
-        # a walk that emits audio, not tokens, still reports what it sampled
-        state.num_output_tokens = max(state.num_output_tokens, state.num_generated)
-        ended = state.root_reason if len(state.shards) > 1 and state.root_reason else fin.reason
-        ended = "length" if ended == "stop" and state.cut else ended  # a spoken answer's frames cut on another worker
-        reason = state.stop_reason or ("error" if state.failed else ended)
         self.stats[f"finished_{reason}"] += 1
         status = reason if reason in STATUSES else "stop"
         self._metrics.finished(fin.request_id, status)

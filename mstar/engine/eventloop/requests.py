@@ -88,6 +88,7 @@ class RequestState:
         self.shards: tuple[int, ...] = tuple(sorted(set(self.places.values()))) or (self.worker,)
         self.shards_left = len(self.shards)
         self.num_generated = 0
+        self.drawn_after_stop = 0  # text tokens that came after a stop string had stopped their partition
         # tokens the context surely holds: the worker's count at the last catch-up, plus pieces appended since
         # (a speech walk's sampled tokens are audio the event loop never counts)
         self.context_floor = 0
@@ -143,6 +144,25 @@ class RequestState:
         self.stopped.add(partition)
         self.stop_reason = "stop"
         return True
+
+    def shard_done(self, reason: str, error: str | None, generated: int, worker: int) -> str | None:
+        """Worker `worker` is done with its part of the request, which ended
+        `reason` (`error`) having sampled `generated` tokens. The request's
+        final reason once every worker is done, else None."""
+        self.shards_left -= 1
+        self.num_generated += generated
+        if worker == self.worker:  # the root's worker: its last partition ends the way the root did
+            self.root_reason = reason
+        self.cut = self.cut or reason == "length"
+        if reason == "error" and not self.finished:  # one part failed: so does the request, whenever
+            self.failed = self.failed or error or "a part of the request failed"
+        if self.shards_left > 0:
+            return None
+        # a walk that emits audio, not tokens, still reports what it sampled
+        self.num_output_tokens = max(self.num_output_tokens, self.num_generated - self.drawn_after_stop)
+        ended = self.root_reason if len(self.shards) > 1 and self.root_reason else reason
+        ended = "length" if ended == "stop" and self.cut else ended  # a spoken answer's frames cut on another worker
+        return self.stop_reason or ("error" if self.failed else ended)
 
     def finish(self, reason: FinishReason, error: str | None = None) -> None:
         if self.finished:
