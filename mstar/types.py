@@ -34,7 +34,8 @@ class SamplingParams:
     greedy. `top_k <= 0` and `top_p == 1` disable those filters. `seed` makes a request's draws reproducible whatever it is batched
     with. `stop` strings are checked on the event loop, after detokenising.
     `min_tokens`: a loop's stop ids (EOS, `stop_token_ids`) are not drawn
-    before it has written that many tokens (vLLM's; a talker's EOS code is no
+    before it has written that many tokens, and a `stop` string counts only
+    where it ends in a later token's text (vLLM's; a talker's EOS code is no
     audio, so a fixed-length spoken answer asks for this, not `ignore_eos`).
     `logprobs` k (0..MAX_LOGPROBS) reports each sampled token's log
     probability and the k most likely tokens' (`OutputChunk.logprobs`), from

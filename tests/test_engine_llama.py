@@ -250,6 +250,36 @@ async def test_stop_string_stops_a_decoding_row_and_frees_it() -> None:
         await eng.shutdown()
 
 
+async def test_min_tokens_holds_stop_strings_back_as_it_holds_stop_ids() -> None:
+    """With `min_tokens`, as vLLM: a stop string within the text of the first
+    `min_tokens` tokens does not stop the answer; one that ends later does,
+    the text cut before it; usage counts the tokens up to that one."""
+    eng = Engine(EngineConfig(model="tiny-llama"))
+    await eng.start()
+    try:
+        tok = eng.tokenizer("tiny-llama")
+        ids = tok.encode("ab")
+        free, _ = await _run(eng, "free", ids, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+        texts = [tok.decode(free[:n]) for n in range(31)]
+        # a character of the 3rd token's text that comes again later, ending in a later token's text
+        stop = next(c for c in texts[3][len(texts[2]):] if c in texts[30][len(texts[6]):])
+        first_after = next(n for n in range(7, 31) if stop in texts[n][len(texts[6]):])
+        for min_tokens, taken in ((0, next(n for n in range(31) if stop in texts[n])), (6, first_after)):
+            chunks = [c async for c in eng.submit(GenerateRequest(
+                f"min{min_tokens}", eng.model_name, {"prompt_ids": ids},
+                SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=(stop,),
+                               min_tokens=min_tokens)))]
+            text = "".join(c.text for c in chunks)
+            assert chunks[-1].finish_reason == "stop" and chunks[-1].num_output_tokens == taken
+            armed = len(texts[min_tokens])  # a match must end past here
+            cut = next(i for i in range(len(texts[taken])) if texts[taken].startswith(stop, i) and i + len(stop) > armed)
+            assert text == texts[taken][:cut]
+        assert taken > 6 and stop in texts[6]  # the stop string was there before min_tokens, and passed
+        await _drained(eng)
+    finally:
+        await eng.shutdown()
+
+
 async def test_a_row_that_breaks_the_sampler_fails_alone_and_its_batch_goes_on(monkeypatch) -> None:
     """A prefill of several rows whose sampling raises for one of them runs
     again row by row: the others draw exactly what they draw alone (their KV

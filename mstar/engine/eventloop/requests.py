@@ -21,21 +21,29 @@ if TYPE_CHECKING:
 
 class StopStrings:
     """Finds the first stop string in streamed text and holds back any tail
-    that could still become one."""
+    that could still become one. Text pushed before the stops are armed (a
+    `min_tokens` not reached, as vLLM) is never matched on its own: a stop
+    string counts only where it ends in armed text."""
 
     def __init__(self, stops: tuple[str, ...]) -> None:
         self.stops = stops
         self.text = ""
         self.sent = 0
+        self.armed_at = 0  # where armed text starts
 
-    def push(self, new: str) -> tuple[str, bool]:
+    def push(self, new: str, armed: bool = True) -> tuple[str, bool]:
         """Text that is safe to send now, and whether a stop string matched
         (the text is then cut before it)."""
         if not self.stops:
             return new, False
         start = max(0, self.sent - max(len(s) for s in self.stops) + 1)
         self.text += new
-        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
+        if not armed:
+            self.armed_at = len(self.text)
+            hits = []
+        else:
+            hits = [i for i in (self.text.find(s, max(start, self.armed_at - len(s) + 1)) for s in self.stops)
+                    if i >= 0]
         if hits:
             cut = min(hits)
             out = self.text[self.sent:cut] if cut > self.sent else ""
@@ -114,7 +122,7 @@ class RequestState:
         row when its step computed some; returns True when a stop string
         matched (the caller then stops the partition on its worker)."""
         self.num_output_tokens += len(ids)
-        safe, hit = self.stops.push(text)
+        safe, hit = self.stops.push(text, armed=self.num_output_tokens > self.sampling.min_tokens)
         k = self.sampling.logprobs
         logprobs = (_token_logprob(ids[0], logprob, k),) if logprob is not None and k is not None else None
         self.queue.put_nowait(OutputChunk(
@@ -172,7 +180,7 @@ class RequestState:
         if self.stop_reason is None and reason in ("stop", "length"):
             # text held back (a partial character, a possible stop string) is final now
             rest = self.detok.flush() if self.detok is not None else ""
-            tail, hit = self.stops.push(rest)
+            tail, hit = self.stops.push(rest, armed=self.num_output_tokens > self.sampling.min_tokens)
             if not hit:
                 tail += self.stops.flush()
         self.queue.put_nowait(OutputChunk(

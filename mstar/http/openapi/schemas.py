@@ -68,7 +68,8 @@ def sampling_properties() -> dict[str, Schema]:
         "stop_token_ids": {**int_list(), "maxItems": MAX_STOP_TOKEN_IDS},
         "ignore_eos": {"type": "boolean", "default": DEFAULTS.ignore_eos},
         "min_tokens": {"type": "integer", "minimum": 0, "default": DEFAULTS.min_tokens,
-                       "description": "EOS and stop_token_ids are not drawn before this many tokens"},
+                       "description": "EOS and stop_token_ids are not drawn before this many tokens, and a stop "
+                                      "string counts only where it ends after them"},
     }
 
 
