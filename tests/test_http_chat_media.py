@@ -198,6 +198,8 @@ def test_parts_are_read_in_place_without_decoding() -> None:
     ({"type": "image_url", "image_url": {"detail": "low"}}, "image_url.url", "required"),
     ({"type": "image_url", "image_url": {"url": "data:,", "detail": "ultra"}}, "image_url.detail", "ultra"),
     ({"type": "image_url", "image_url": 7}, "image_url", "JSON object"),
+    ({"type": "image_url", "image_url": {"url": "data:,", "detial": "low"}}, "image_url.detial", "unknown field"),
+    ({"type": "input_audio", "input_audio": {"data": "AAAA", "fromat": "wav"}}, "input_audio.fromat", "unknown field"),
 ])
 def test_malformed_parts_are_refused_naming_their_field(part: dict[str, Any], field: str, says: str) -> None:
     with pytest.raises(RequestError) as caught:

@@ -52,6 +52,24 @@ async def test_completion_stream(client: openai.AsyncOpenAI) -> None:
     assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
 
 
+async def test_completion_stream_with_continuous_usage(client: openai.AsyncOpenAI) -> None:
+    """vLLM's `continuous_usage_stats`: every chunk carries the totals so
+    far, counting up to the whole answer's; without it, `usage: null`."""
+    whole = await client.completions.create(model=MODEL, prompt="Once upon", max_tokens=6, **GREEDY)
+    for continuous in (True, False):
+        stream = await client.completions.create(
+            model=MODEL, prompt="Once upon", max_tokens=6, stream=True,
+            stream_options={"include_usage": True, "continuous_usage_stats": continuous}, **GREEDY)
+        chunks = [c async for c in stream]
+        assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+        counts = [c.usage.completion_tokens if c.usage else None for c in chunks[:-1]]
+        if continuous:
+            assert all(c.usage.prompt_tokens == whole.usage.prompt_tokens for c in chunks)
+            assert counts == sorted(counts) and 0 < counts[0] and counts[-1] == 6
+        else:
+            assert counts == [None] * len(counts)
+
+
 async def test_chat(client: openai.AsyncOpenAI) -> None:
     answer = await client.chat.completions.create(
         model=MODEL, messages=[{"role": "system", "content": "be kind"}, {"role": "user", "content": "hello"}],

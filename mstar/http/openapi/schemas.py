@@ -112,7 +112,12 @@ def openai_common() -> dict[str, Schema]:
         "n": {"type": "integer", "minimum": 1, "maximum": MAX_N, "default": 1},
         "stream": {"type": "boolean", "default": False,
                    "description": "server-sent events (`data: {...}`, ending with `data: [DONE]`)"},
-        "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean", "default": False}},
+        "stream_options": {"type": "object", "additionalProperties": False,
+                           "properties": {"include_usage": {"type": "boolean", "default": False},
+                                          "continuous_usage_stats": {
+                                              "type": "boolean", "default": False,
+                                              "description": "vLLM's: with include_usage, the totals so far in "
+                                                             "every chunk"}},
                            "description": "only with `stream: true`"},
         "presence_penalty": {"enum": [0], "description": "not supported; only 0 is accepted"},
         "frequency_penalty": {"enum": [0], "description": "not supported; only 0 is accepted"},
@@ -203,6 +208,7 @@ AUDIO_PART: Schema = {
         "input_audio": {
             "type": "object",
             "required": ["data"],
+            "additionalProperties": False,
             "properties": {
                 "data": {"type": "string", "minLength": 1, "contentEncoding": "base64",
                          "description": "the audio file, base64; longer than the server's --max-audio-seconds "
@@ -224,7 +230,7 @@ IMAGE_PART: Schema = {
     "properties": {
         "type": {"const": "image_url"},
         "image_url": {"oneOf": [
-            {"type": "object", "required": ["url"],
+            {"type": "object", "required": ["url"], "additionalProperties": False,
              "properties": {"url": IMAGE_URL,
                             "detail": {"enum": list(IMAGE_DETAILS), "description": "accepted; every image is "
                                                                                     "seen whole"}}},

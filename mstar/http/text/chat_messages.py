@@ -25,6 +25,10 @@ from mstar.http.media import audio_format
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 PART_TYPES = ("text", "input_audio", "image_url")
 IMAGE_DETAILS = ("auto", "low", "high")  # OpenAI's; accepted and ignored: a model sees every image whole
+# a media part's own object is refused with a key it does not know (a typo, such as `detial`); a message or a
+# part with extra keys passes, as vLLM's do: clients carry keys of other APIs (`annotations`, `cache_control`)
+IMAGE_URL_KEYS = frozenset({"url", "detail"})
+INPUT_AUDIO_KEYS = frozenset({"data", "format"})
 
 # a message's content once read: a string, or its parts (text dicts and MediaParts)
 ChatMessage = dict[str, Any]
@@ -105,6 +109,7 @@ def _read_part(part: Fields) -> dict[str, str] | MediaPart:
         raise part.error("type", f"content part type {kind!r} is not supported; one of {list(PART_TYPES)} is")
     if kind == "input_audio":
         audio = _inner(part, "input_audio")
+        audio.refuse_unknown(INPUT_AUDIO_KEYS)
         declared = audio.raw("format")
         return MediaPart("audio", _payload(audio, "data"),
                          None if declared is None else audio_format(declared, audio.name("format")),
@@ -113,6 +118,7 @@ def _read_part(part: Fields) -> dict[str, str] | MediaPart:
     if isinstance(url, str):  # some clients send the URL itself
         return MediaPart("image", _payload(part, "image_url"), None, part.name("image_url"), at)
     image = _inner(part, "image_url")
+    image.refuse_unknown(IMAGE_URL_KEYS)
     detail = image.string("detail")
     if detail is not None and detail not in IMAGE_DETAILS:
         raise image.error("detail", f"must be one of {list(IMAGE_DETAILS)}, got {detail!r}")

@@ -90,7 +90,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     shapes = LogprobShapes(target.tokenizer) if body.sampling.logprobs is not None else None
     try:
         if body.stream:
-            return await stream_sse(request, sub, reply, _completion_piece(shapes), [], body.include_usage)
+            return await stream_sse(request, sub, reply, _completion_piece(shapes), [], body.include_usage,
+                                    continuous=body.continuous_usage)
         choices = await sub.run_to_end(client_gone(request))
         return json_response(reply.body([_completion_choice(c, shapes) for c in choices], usage=sub.usage()))
     finally:
@@ -146,9 +147,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             intro = [{"index": c.index, "delta": {"role": "assistant", "content": "" if spoken is None else None},
                       "logprobs": None, "finish_reason": None} for c in sub.choices]
             if spoken is None:
-                return await stream_sse(request, sub, chunk_reply, _chat_piece(shapes), intro, body.include_usage)
+                return await stream_sse(request, sub, chunk_reply, _chat_piece(shapes), intro, body.include_usage,
+                                        continuous=body.continuous_usage)
             return await stream_sse(request, sub, chunk_reply, spoken.deltas, intro, body.include_usage,
-                                    lambda: spoken_usage(sub.usage(), sub.choices))
+                                    lambda: spoken_usage(sub.usage(), sub.choices), continuous=body.continuous_usage)
         choices = await sub.run_to_end(client_gone(request))
         if spoken is None:
             return json_response(reply.body([_chat_message(c, shapes) for c in choices], usage=sub.usage()))
@@ -173,9 +175,11 @@ def _text_walk(target: Target) -> str | None:
 
 async def stream_sse(request: web.Request, sub: Submission, reply: Reply, piece: Piece,
                      intro: list[dict[str, Any]], include_usage: bool,
-                     usage: Callable[[], dict[str, Any]] | None = None) -> web.StreamResponse:
+                     usage: Callable[[], dict[str, Any]] | None = None,
+                     continuous: bool = False) -> web.StreamResponse:
     """Send a submission's chunks as SSE until every choice finished; with
-    `include_usage`, then `usage()` (default: the submission's).
+    `include_usage`, then `usage()` (default: the submission's), and with
+    `continuous` too, its totals so far in every chunk (vLLM's).
 
     A write that fails means the client left: we return, and the caller's
     `sub.aclose()` aborts what is still running. A failure after the headers
@@ -183,11 +187,13 @@ async def stream_sse(request: web.Request, sub: Submission, reply: Reply, piece:
     raise), then the stream ends.
     """
     events = await EventStream.open(request, "sse")
-    # With include_usage every chunk carries `usage: null`; the last one the totals.
-    extra: dict[str, Any] = {"usage": None} if include_usage else {}
+    usage = usage or sub.usage
+    # With include_usage every chunk carries `usage: null` (or, continuous, the totals so far); the last the totals.
+    def extra() -> dict[str, Any]:
+        return {"usage": usage()} if continuous else {"usage": None} if include_usage else {}
     try:
         for entry in intro:
-            await events.send(reply.body([entry], **extra))
+            await events.send(reply.body([entry], **extra()))
         async with aclosing(sub.chunks()) as chunks:
             async for choice, chunk in chunks:
                 if chunk.finished:
@@ -197,9 +203,9 @@ async def stream_sse(request: web.Request, sub: Submission, reply: Reply, piece:
                         await events.fail(error_body(failure.message, status=failure.status, code=failure.code))
                         return events.response
                 for entry in piece(choice, chunk):
-                    await events.send(reply.body([entry], **extra))
+                    await events.send(reply.body([entry], **extra()))
         if include_usage:
-            await events.send(reply.body([], usage=(usage or sub.usage)()))
+            await events.send(reply.body([], usage=usage()))
         await events.close()
     except ConnectionError:
         log.info("client went away mid-stream; aborting its requests")

@@ -37,6 +37,7 @@ GENERATE_KEYS = frozenset({"text", "input_ids", "model", "sampling_params", "str
                            "priority"})
 # Every route answers a field it does not know with a 400 naming it, as OpenAI does. The OpenAI routes know
 # each field of OpenAI's own request, whether served or refused with a reason, and mstar's sampling extensions.
+STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
 SAMPLING_EXTENSIONS = frozenset({"top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens",
                                  SAMPLING_BY, "priority"})
 OPENAI_KEYS = SAMPLING_EXTENSIONS | {
@@ -63,6 +64,7 @@ class CompletionBody:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # vLLM's `continuous_usage_stats`: the totals so far in every chunk
     sampling_by: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     priority: int = 0
 
@@ -79,6 +81,7 @@ class ChatBody:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False
     add_generation_prompt: bool = True
     max_tokens_field: str = "max_tokens"  # the name the client used, for errors
     sampling_by: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
@@ -127,7 +130,7 @@ def parse_completion(body: bytes) -> CompletionBody:
     prompts = _read_prompts(f)
     if len(prompts) * n > MAX_CHOICES:
         raise f.error("n", f"prompts x n must be at most {MAX_CHOICES}")
-    stream, include_usage = _read_stream(f)
+    stream, include_usage, continuous_usage = _read_stream(f)
     return CompletionBody(
         model=f.string("model"),
         prompts=prompts,
@@ -136,6 +139,7 @@ def parse_completion(body: bytes) -> CompletionBody:
         n=n,
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=continuous_usage,
         sampling_by=f.objects(SAMPLING_BY),
         priority=_read_priority(f),
     )
@@ -154,7 +158,7 @@ def parse_chat(body: bytes) -> ChatBody:
     # max_completion_tokens replaced max_tokens in the chat API; either works.
     key = "max_completion_tokens" if f.has("max_completion_tokens") else "max_tokens"
     n = _read_n(f)
-    stream, include_usage = _read_stream(f)
+    stream, include_usage, continuous_usage = _read_stream(f)
     logprobs = _chat_logprobs(f)
     audio = read_audio_output(f, stream=stream, logprobs=logprobs is not None)
     return ChatBody(
@@ -165,6 +169,7 @@ def parse_chat(body: bytes) -> ChatBody:
         n=n,
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=continuous_usage,
         add_generation_prompt=f.boolean("add_generation_prompt", True),
         max_tokens_field=key,
         sampling_by=f.objects(SAMPLING_BY),
@@ -291,14 +296,17 @@ def _read_n(f: Fields) -> int:
     return n
 
 
-def _read_stream(f: Fields) -> tuple[bool, bool]:
+def _read_stream(f: Fields) -> tuple[bool, bool, bool]:
+    """`stream`, and whether the usage ends the stream and is in every chunk."""
     stream = f.boolean("stream")
     if not f.has("stream_options"):
-        return stream, False
+        return stream, False, False
     if not stream:
         raise f.error("stream_options", "is only allowed when stream is true")
     opts = Fields(f.raw("stream_options"), "stream_options.")
-    return stream, opts.boolean("include_usage")
+    opts.refuse_unknown(STREAM_OPTIONS)
+    include, continuous = opts.boolean("include_usage"), opts.boolean("continuous_usage_stats")
+    return stream, include, include and continuous
 
 
 def _read_prompts(f: Fields) -> tuple[Prompt, ...]:
