@@ -58,6 +58,8 @@ async def test_http_answers_429_with_retry_after() -> None:
                 assert body["error"]["type"] == "requests"  # OpenAI's type for a 429 of too many requests
             async with http.get("/health") as r:  # not a generation route: never held back
                 assert r.status == 200
+            async with http.get("/metrics") as r:
+                assert "\nmstar_requests_refused_total 1\n" in await r.text()
     finally:
         await eng.shutdown()
 

@@ -115,6 +115,15 @@ async def test_metrics_after_some_requests(engine: Engine, http: aiohttp.ClientS
 
     counts = {s: value(samples, "mstar_requests_total", status=s) for s in ("stop", "length", "abort", "error")}
     assert counts == {"stop": 0, "length": 2, "abort": 1, "error": 0}
+    prompt = len(engine.tokenizer(MODEL).encode(body["prompt"]))
+    assert value(samples, "mstar_prompt_tokens_total") == 2 * prompt + 3
+    assert value(samples, "mstar_generation_tokens_total") >= 2 * 4 + 1  # the aborted one drew one or more
+    assert value(samples, "mstar_requests_refused_total") == 0
+    # the two answers that ran to their end, timed whole and per token after the first
+    assert value(samples, "mstar_e2e_request_latency_seconds_count") == 2
+    assert value(samples, "mstar_time_per_output_token_seconds_count") == 2
+    assert 0 < value(samples, "mstar_time_per_output_token_seconds_sum") < \
+        value(samples, "mstar_e2e_request_latency_seconds_sum")
     # every request produced tokens before it ended, the aborted one included
     assert value(samples, "mstar_time_to_first_token_seconds_count") == 3
     assert value(samples, "mstar_time_to_first_token_seconds_bucket", le="+Inf") == 3

@@ -345,7 +345,11 @@ class Engine:
             raise RequestError("the engine is not running", status=503, code="unavailable", retry_after=5)
         if self._draining:
             raise RequestError("the server is shutting down", status=503, code="unavailable", retry_after=5)
-        await self._waiting.admit(timeout)
+        try:
+            await self._waiting.admit(timeout)
+        except RequestError:
+            self._metrics.refused += 1
+            raise
 
     def _route(self, plan: WalkPlan) -> dict[str, int]:
         """A worker for each partition of a new request (see `Placement.route`):
@@ -473,7 +477,7 @@ class Engine:
         self._waiting.started(fin.request_id)
         self.stats[f"finished_{reason}"] += 1
         status = reason if reason in STATUSES else "stop"
-        self._metrics.finished(fin.request_id, status)
+        self._metrics.finished(fin.request_id, status, state.num_prompt_tokens, state.num_output_tokens)
         state.finish(status, state.failed or fin.error)
 
 

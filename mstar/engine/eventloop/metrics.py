@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 from mstar.engine.eventloop.prometheus import BATCH_BUCKETS, LATENCY_BUCKETS, Histogram, Labels, family
 
 LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0)
 GC_GENERATIONS = ("0", "1", "2")
 
 if TYPE_CHECKING:
@@ -103,6 +105,14 @@ class EngineMetrics:
         # per-row check in `outputs` is one dict pop on a small dict
         self._await_text: dict[str, float] = {}
         self._await_audio: dict[str, float] = {}
+        # answers that ran to their end: submit to end, and per output token after the first
+        self.e2e = Histogram(E2E_BUCKETS)
+        self.per_token = Histogram(TOKEN_GAP_BUCKETS)
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.refused = 0  # requests the waiting line turned away (429)
+        self._submitted_at: dict[str, float] = {}
+        self._first_at: dict[str, float] = {}  # when a request's first output of any kind came
 
     # ----------------------------------------------------------- recording
 
@@ -110,6 +120,7 @@ class EngineMetrics:
         now = time.perf_counter()
         self._await_text[request_id] = now
         self._await_audio[request_id] = now
+        self._submitted_at[request_id] = now
 
     def outputs(self, request_ids: Sequence[str], modality: str) -> None:
         """Chunks were produced for these requests (one emit batch)."""
@@ -126,15 +137,29 @@ class EngineMetrics:
             t0 = waiting.pop(rid, None)
             if t0 is not None:
                 hist.observe(now - t0)
+                self._first_at.setdefault(rid, now)
 
     def forget(self, request_id: str) -> None:
         """The request produces no more chunks (aborted): no first output to time."""
         self._await_text.pop(request_id, None)
         self._await_audio.pop(request_id, None)
 
-    def finished(self, request_id: str, status: str) -> None:
+    def finished(self, request_id: str, status: str, prompt_tokens: int = 0, output_tokens: int = 0) -> None:
+        """The request is over (its workers confirmed it), `output_tokens`
+        drawn after `prompt_tokens`: an answer that ran to its end ("stop",
+        "length") is timed whole and per output token after its first."""
         self.forget(request_id)
         self.requests[status if status in self.requests else "error"] += 1
+        self.prompt_tokens += prompt_tokens
+        self.generation_tokens += output_tokens
+        now = time.perf_counter()
+        t0, first = self._submitted_at.pop(request_id, None), self._first_at.pop(request_id, None)
+        if status not in ("stop", "length"):
+            return
+        if t0 is not None:
+            self.e2e.observe(now - t0)
+        if first is not None and output_tokens > 1:
+            self.per_token.observe((now - first) / (output_tokens - 1))
 
     def on_report(self, report: StepReport) -> None:
         """A report hook: one step's component, mode, rows and duration."""
@@ -165,6 +190,19 @@ class EngineMetrics:
                    [((("status", s),), n) for s, n in self.requests.items()]),
             family("mstar_requests_running", "gauge", "Requests submitted and not finished.",
                    [((), requests_running)]),
+            family("mstar_requests_refused_total", "counter",
+                   "Requests turned away with a 429: the waiting line stayed full (--max-waiting-requests) for "
+                   "--queue-timeout.", [((), self.refused)]),
+            family("mstar_prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
+                   [((), self.prompt_tokens)]),
+            family("mstar_generation_tokens_total", "counter",
+                   "Tokens finished requests drew (a spoken answer's audio codes included).",
+                   [((), self.generation_tokens)]),
+            family("mstar_e2e_request_latency_seconds", "histogram",
+                   "Seconds from submit to the end of answers that ran to it (stop, length).", self.e2e),
+            family("mstar_time_per_output_token_seconds", "histogram",
+                   "Per answer that ran to its end: seconds from its first output to its end over its output "
+                   "tokens after the first.", self.per_token),
             family("mstar_queue_depth", "gauge", "Rows waiting to start in the workers' schedulers: new requests "
                    "not admitted yet (running rows are not).", [((), waiting)]),
             family("mstar_time_to_first_token_seconds", "histogram",
