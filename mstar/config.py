@@ -30,8 +30,10 @@ class SchedulerConfig:
     gpu_memory_utilization: float = 0.9
     # "request": a request's first step reserves pages for its prompt plus max_tokens, so a running
     # request never runs short; "lazy": pages are taken as tokens arrive, and when the pool runs
-    # dry the youngest running rows are preempted (their KV swapped to host memory) and resumed later
-    kv_reservation: str = "request"
+    # dry the youngest running rows are preempted (their KV swapped to host memory) and resumed later;
+    # "auto": "request" for a request whose max_tokens leaves some of the context, "lazy" for one that
+    # may fill it (no max_tokens), and only such rows are preempted
+    kv_reservation: str = "auto"
     state_slots: int | None = None      # rows with per-row state at once (None: max_num_seqs)
     prefix_caching: bool = True         # rows share the KV pages of prompt prefixes seen before
     admit_every: int = 0                # running groups' steps between two steps that start new rows (0: any time)
@@ -199,9 +201,10 @@ def build_parser(builtin_models: Sequence[str] = ()) -> argparse.ArgumentParser:
     p.add_argument("--state-slots", type=int, default=None,
                    help="rows of a recurrent component's per-row state held at once (default: --max-num-seqs)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory to use")
-    p.add_argument("--kv-reservation", choices=("request", "lazy"), default="request",
+    p.add_argument("--kv-reservation", choices=("auto", "request", "lazy"), default="auto",
                    help="request: reserve prompt + max_tokens pages at the start; lazy: take pages as tokens "
-                        "arrive, and preempt (swap out) the youngest rows when they run out")
+                        "arrive, and preempt (swap out) the youngest rows when they run out; auto: reserve for a "
+                        "request whose max_tokens leaves some of the context, lazy for one that may fill it")
     p.add_argument("--admit-every", type=int, default=0,
                    help="while requests are decoding, steps they take between two prefill steps of new requests: "
                         "arrivals then share fewer, larger prefill steps (0: a prefill whenever its turn comes)")

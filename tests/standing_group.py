@@ -18,3 +18,6 @@ class FakeGroup:
 
     def pages(self, row: int) -> list[int]:
         return []
+
+    def growing(self) -> list[int]:
+        return list(range(self.rows))

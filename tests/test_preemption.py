@@ -91,6 +91,49 @@ async def test_preempted_speech_sounds_the_same() -> None:
         assert np.abs(x - y).max() <= 2  # the same tokens; codec batches differ in float rounding only
 
 
+async def _mixed(reservation: str, pages: int) -> tuple[list[list[int]], list[bool]]:
+    """Four requests with max_tokens and three without (free to fill the
+    context) at once: each one's tokens, and whether each row preemption took
+    was one that takes its pages as it goes."""
+    eng = Engine(EngineConfig(model="tiny-llama", max_model_len=MAX_LEN, scheduler=SchedulerConfig(
+        page_size=PAGE, num_pages=pages, kv_reservation=reservation)))
+    await eng.start()
+    taken: list[bool] = []
+    preemption = eng.workers[0].preemption
+    if preemption is not None:
+        swap = preemption._swap
+        preemption._swap = lambda row, component: (taken.append(row.grows), swap(row, component))[1]
+
+    async def one(i: int) -> list[int]:
+        sp = SamplingParams(max_tokens=40 if i % 2 == 0 else None, temperature=0.8, seed=i, ignore_eos=True)
+        request = GenerateRequest(f"r{i}", "tiny-llama", {"prompt_ids": list(range(5 + i, 25 + i))}, sp)
+        return [t async for c in eng.submit(request) for t in c.token_ids]
+
+    try:
+        out = list(await asyncio.gather(*[one(i) for i in range(7)]))
+        for _ in range(3000):
+            if not eng.workers[0].walker.runs:
+                break
+            await asyncio.sleep(0.01)
+        assert eng.workers[0].pages_in_use() == {"llm": 0} and eng.workers[0].scheduler.running == {"llm": 0}
+        return out, taken
+    finally:
+        await eng.shutdown()
+
+
+async def test_auto_reserves_for_a_bounded_answer_and_lets_an_open_one_grow() -> None:
+    """`--kv-reservation auto` (the default): a request with max_tokens holds
+    its pages from the start and is never preempted; one without takes pages
+    as it goes (three of them would reserve a 40-page pool thrice over) and
+    is swapped out when they run short; everyone's tokens are what they are
+    with every page reserved in a pool large enough."""
+    reserved, _ = await _mixed("request", 1024)
+    auto, taken = await _mixed("auto", 40)
+    assert auto == reserved
+    assert [len(t) for t in auto] == [40, MAX_LEN - 20] * 3 + [40]
+    assert taken and all(taken)  # preempted, and only rows that grow
+
+
 def test_swap_round_trip_moves_pages() -> None:
     cache = KVCache(KVSpec(num_layers=2, num_kv_heads=2, head_dim=4), 8, PAGE, "cpu", torch.float32)
     for t in cache.k + cache.v:
@@ -104,7 +147,8 @@ def test_swap_round_trip_moves_pages() -> None:
 
 
 def test_kv_reservation_flag() -> None:
-    assert parse_args([]).engine.scheduler.kv_reservation == "request"
+    assert parse_args([]).engine.scheduler.kv_reservation == "auto"
+    assert parse_args(["--kv-reservation", "request"]).engine.scheduler.kv_reservation == "request"
     assert parse_args(["--kv-reservation", "lazy"]).engine.scheduler.kv_reservation == "lazy"
 
 

@@ -1,7 +1,7 @@
 """The scheduler's step plans: rows admitted with their pages, a decode
 group's row window taken in turn, a page for each group row that needs one,
 and, when the pool is dry, a settle first, then the youngest rows preempted
-until the others fit. Groups are real `LoopGroup`s over Llama's decode loop."""
+(of those taking pages as they go, first) until the others fit. Groups are real `LoopGroup`s over Llama's decode loop."""
 
 from __future__ import annotations
 
@@ -118,6 +118,21 @@ def test_the_youngest_rows_make_room() -> None:
     assert s.running["llm"] == 2 and s.pools["llm"].num_free == 0
     _carry_out(group, plan)
     assert group.rows == parts[:2] and group.short_of_pages(PAGE) == []
+
+
+def test_rows_holding_all_their_pages_are_passed_over() -> None:
+    """With `--kv-reservation auto`, the youngest rows that take their pages
+    as they go make room; a younger row holding all of its own stays, and
+    the rows after a victim move down one."""
+    s = _scheduler(pages=4)
+    group, parts = _group(s, [4, 3, 4, 3])  # rows 0 and 2 are short
+    for i in (0, 2):
+        parts[i].row("llm").takes_pages(as_it_goes=True)
+    plan = s.schedule()
+    assert plan is not None and list(plan.preempt) == [2]  # not row 3, younger but reserved
+    assert plan.grow == [(0, parts[2].row("llm").pages[0])] and plan.rows == slice(0, 3)
+    _carry_out(group, plan)
+    assert group.rows == [parts[0], parts[1], parts[3]] and group.short_of_pages(PAGE) == []
 
 
 def test_a_short_victim_needs_no_page() -> None:

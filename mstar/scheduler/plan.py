@@ -31,6 +31,11 @@ class StandingGroup(Protocol):
         """The pages row `row` holds."""
         ...
 
+    def growing(self) -> list[int]:
+        """Rows, ascending, that take their pages as they go (the others hold
+        every page they may need): the rows preemption takes first."""
+        ...
+
 
 @dataclass(eq=False, slots=True)
 class StepPlan:
@@ -45,9 +50,9 @@ class StepPlan:
     worker reads what it launched, then asks again (the scheduler decides on
     exact row state only).
 
-    `preempt` lists the group's youngest rows, highest index first; the rows
-    in `grow` and `rows` are numbered as after those rows left, which leaves
-    the older rows' numbers as they are. The preempted rows' pages went back
+    `preempt` lists the group's youngest growing rows, highest index first;
+    the rows in `grow` and `rows` are numbered as after those rows left (a
+    row after one that left moves down one). The preempted rows' pages went back
     to the pool when the plan was made: the pages in `grow` may be among
     them, as the device runs the swap copy before the step that writes them.
     """
@@ -58,7 +63,7 @@ class StepPlan:
     group: StandingGroup | None = None
     rows: slice | None = None                  # the group's rows this step runs (its max_num_seqs window)
     grow: Sequence[tuple[int, int]] = ()       # (group row, page) to append to the row's pages
-    preempt: Sequence[int] = ()                # group rows to swap out, youngest first
+    preempt: Sequence[int] = ()                # group rows to swap out, highest first
     settle: bool = False
 
     @property

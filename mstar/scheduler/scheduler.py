@@ -23,7 +23,8 @@ ticket, renewed each time it steps, and is scheduled when its ticket is the
 oldest. The scheduler decides its whole step (`StepPlan`): the window of at
 most `max_rows` rows it runs, taken in turn when it holds more, and, when
 its rows get pages as they grow (`grow_pages`), a page for each row that
-needs one, making room by preempting the youngest rows when the pool is dry.
+needs one, making room by preempting the youngest rows that take their pages
+as they go (`StandingGroup.growing`) when the pool is dry.
 It decides that on exact row state only: with steps of the worker still
 unread, it first asks the worker to read them (`StepPlan.settle`). A group
 whose rows may share their step with new rows' prompts (`mix`) takes the
@@ -394,22 +395,29 @@ class Scheduler:
         return items
 
     def _victims(self, component: str, group: StandingGroup, short: list[int], pool: PagePool) -> list[int]:
-        """Preempt the youngest rows until the short rows left fit in the free
-        pages; `short` loses the victims. Their pages go back to the pool
-        now (a page another holder shares frees nothing), and each stops
-        being a running row: it is admitted again to resume."""
+        """Preempt the youngest growing rows (then, were that not enough, the
+        youngest others) until the short rows left fit in the free pages;
+        `short` loses the victims, and its rows are numbered as after they
+        left. The victims' pages go back to the pool now (a page another
+        holder shares frees nothing), and each stops being a running row: it
+        is admitted again to resume. Highest first."""
+        growing = group.growing()
+        held = set(growing)
+        order = growing[::-1] + [r for r in range(len(group) - 1, -1, -1) if r not in held]
         victims: list[int] = []
-        free = pool.num_free
-        while len(short) > free:
-            row = len(group) - 1 - len(victims)
+        free, needed, shorts = pool.num_free, len(short), set(short)
+        for row in order:
+            if needed <= free:
+                break
             victims.append(row)
-            if short and short[-1] == row:
-                short.pop()
+            needed -= row in shorts
             free += sum(pool.refcount(p) == 1 for p in group.pages(row))
         for row in victims:
             pool.free(list(group.pages(row)))
             self.row_ended(component)
-        return victims
+        gone = set(victims)
+        short[:] = [r - sum(v < r for v in victims) for r in short if r not in gone]
+        return sorted(victims, reverse=True)
 
     @staticmethod
     def _window(standing: _Standing, n: int, max_rows: int) -> slice:

@@ -66,7 +66,7 @@ class DeviceWorker:
         self.pools: dict[str, PagePool] = {}
         self.runners: dict[str, ComponentRunner] = {}
         self.profiler = WorkerProfiler(self.device)
-        self.preemption: Preemption | None = None  # with lazy pages: swaps rows out and in
+        self.preemption: Preemption | None = None  # where rows take pages as they go: swaps rows out and in
         self._thread = threading.Thread(target=self._main, name=f"mstar-worker-{device}", daemon=True)
 
     # ------------------------------------------------------------ control
@@ -131,18 +131,18 @@ class DeviceWorker:
                 caps[(name, FORK_MODE)] = ModeCaps(cfg.max_num_seqs, cfg.max_num_batched_tokens)
             for mode in modes:
                 caps[(name, mode)] = ModeCaps(cfg.max_num_seqs, cfg.max_num_batched_tokens)
-        lazy = cfg.kv_reservation == "lazy"
+        grows = cfg.kv_reservation != "request"  # some rows take their pages as they go, and may be preempted
         # a request that starts decoding beyond max_num_seqs running rows waits its turn
         # a component with per-row state: a row takes a slot with its first pages (slots are pages of one)
         slots = {name: PagePool(r.state.num_slots, 1) for name, r in self.runners.items() if r.state is not None}
         self.scheduler = Scheduler(caps, self.pools, max_running=dict.fromkeys(self.pools, cfg.max_num_seqs),
-                                   grow_pages=lazy, slots=slots, prefix_caching=cfg.prefix_caching,
+                                   grow_pages=grows, slots=slots, prefix_caching=cfg.prefix_caching,
                                    admit_every=cfg.admit_every, mix=self._mixing() if cfg.mixed_steps else {},
                                    mix_tokens={name: r.mixed_graphs.max_new_tokens for name, r in self.runners.items()
                                                if r.mixed_graphs is not None})
         token_loops = {n for n in self.placed if self.model.components[n].kv_cache and self.model.components[n].samples}
         self.walker = Walker(self.store, self.scheduler, self.pools, self.model.max_model_len, self._finished,
-                             token_loops, self.device, lazy_pages=lazy, join_turn=self.model.join_turn,
+                             token_loops, self.device, reservation=cfg.kv_reservation, join_turn=self.model.join_turn,
                              on_awaiting=lambda rid, n: self._finished(Awaiting(rid, n)),
                              index=self.index, send=self.link.send, components=self.model.components,
                              slots=slots)
@@ -152,7 +152,7 @@ class DeviceWorker:
         self.arena = HostArena(arena_mb << 20, pin=self.device.type == "cuda") if arena_mb else None
         caches = {name: r.kv for name, r in self.runners.items() if r.kv is not None}
         states = {name: r.state for name, r in self.runners.items() if r.state is not None}
-        self.preemption = Preemption(caches, self.walker, states, slots) if lazy else None
+        self.preemption = Preemption(caches, self.walker, states, slots) if grows else None
         self.executor = Executor(self.name, self.device, self.runners, self.walker, self.scheduler, self.store,
                                  self.link, self.post, self.arena, self.preemption, self.stats)
 

@@ -38,6 +38,7 @@ class KVRow:
     slot_new: bool = False            # its slot was zeroed for it and no step has run on it yet
     swapped_state: dict[str, torch.Tensor] | None = None  # preempted: its slot's state, in host memory
     token_ids: list[int] | None = None  # the ids its pages hold from position 0, while they are followed
+    grows: bool = False               # takes its pages as it goes (`--kv-reservation`): the rows preempted for pages
 
     @property
     def start(self) -> int:
@@ -53,10 +54,15 @@ class KVRow:
             self.kv_len = cached_tokens
         self.pages.extend(pages)
 
+    def takes_pages(self, as_it_goes: bool) -> None:
+        """Its first step (a turn's) is queued: it takes its pages as it goes,
+        and may be preempted for them, or reserves all it may hold at once."""
+        self.grows = as_it_goes
+
     def fork_from(self, main: KVRow, pages: list[int]) -> None:
         """A branch that starts with what `main` holds, in `pages` (its full
-        pages shared, a copy of its partial last one)."""
-        self.pages, self.kv_len, self.rope_delta = pages, main.kv_len, main.rope_delta
+        pages shared, a copy of its partial last one), taking pages as `main` does."""
+        self.pages, self.kv_len, self.rope_delta, self.grows = pages, main.kv_len, main.rope_delta, main.grows
 
     def follow(self, prompt: list[int]) -> None:
         """Follow the ids its pages hold, from its first step's `prompt` on:

@@ -1,4 +1,4 @@
-"""Swapping rows out and back in (`--kv-reservation lazy`): rows the
+"""Swapping rows out and back in (`--kv-reservation` lazy or auto): rows the
 scheduler's plan preempts in, their KV (and per-row state) in host memory
 out; preempted rows it admits again in, their KV in their new pages and
 their state in their new slot out.
@@ -85,8 +85,9 @@ class Preemption:
                 self._swap_waiting(scheduler, component, part.row(component, branch),
                                    queued.get((id(part), branch)))
                 return True
-            if len(holding) > 1:
-                item = holding[0]
+            growing = [i for i in holding if i.payload.part.row(component, i.payload.branch).grows]
+            if len(holding) > 1 and growing:
+                item = growing[0]
                 self._swap_waiting(scheduler, component, item.payload.part.row(component, item.payload.branch), item)
                 return True
         return False
@@ -105,8 +106,8 @@ class Preemption:
                 if id(part) in grouped:
                     continue
                 for (c, branch), row in part.rows.items():
-                    if c != component or not row.pages or row.swapped is not None:
-                        continue
+                    if c != component or not row.pages or row.swapped is not None or not row.grows:
+                        continue  # a row holding every page it needs (reserved) is never swapped
                     if run.request_id != oldest or (id(part), branch) not in queued:
                         yield part, branch
 

@@ -20,6 +20,7 @@ from mstar.engine.worker.cursor import Cursor
 from mstar.engine.worker.groups.joining import join_group
 from mstar.engine.worker.groups.loop_group import LoopGroup
 from mstar.engine.worker.groups.pending import Leave
+from mstar.engine.worker.kv_rows import KVRow
 from mstar.engine.worker.prompt_rows import PromptRow, prompt_row
 from mstar.engine.messages import Finished, Submit
 from mstar.engine.worker.rows import PartitionRun, RequestRun, StreamItem, Work
@@ -56,13 +57,14 @@ class Walker:
     def __init__(self, store: TensorStore, scheduler: Scheduler, pools: dict[str, PagePool],
                  max_model_len: int, on_finish: Callable[[Finished], None],
                  token_loops: set[str] = frozenset(), device: torch.device | None = None,
-                 lazy_pages: bool = False, join_turn: Callable[[int, list[int]], list[int]] | None = None,
+                 reservation: str = "request", join_turn: Callable[[int, list[int]], list[int]] | None = None,
                  on_awaiting: Callable[[str, int], None] | None = None, index: int = 0, send: Send | None = None,
                  components: dict[str, Component] | None = None, slots: dict[str, PagePool] | None = None) -> None:
         """`token_loops`: KV components that sample; their decode loops run
-        as `LoopGroup`s on `device`. `lazy_pages`: a request's first step
-        takes pages for its prompt only, and a group row gets more as it
-        grows (the scheduler's `StepPlan.grow`), instead of all of them up front.
+        as `LoopGroup`s on `device`. `reservation` (`--kv-reservation`):
+        which rows' first steps take pages for their prompt only, a group row
+        getting more as it grows (the scheduler's `StepPlan.grow`), instead of
+        all of them up front (`grows`).
         `join_turn`, `on_awaiting`: see `Turns`. `index`: this worker's
         place among the engine's workers; `send`: to another worker (see
         `Streams`); `components`: the model's, for the signatures of their
@@ -74,7 +76,7 @@ class Walker:
         self.on_finish = on_finish
         self.token_loops = token_loops
         self.device = device or torch.device("cpu")
-        self.lazy_pages = lazy_pages
+        self.reservation = reservation
         self.components = components or {}
         self.slots = slots or {}  # the free state slots of components with per-row state
         self.runs: dict[str, RequestRun] = {}
@@ -210,7 +212,7 @@ class Walker:
                 self.finish(part, "length")
                 return
             if (not row.pages and row.swapped is None) or part.pc == 0:  # the row's first step, or a later turn's
-                total += self._reserve(part)
+                total += self._reserve(part, row, total)
             pages = max(0, pool.pages_for(min(total, self.max_model_len)) - len(row.pages))
             if row.swapped is not None:  # preempted while it waited: its KV comes back into pages first
                 pages, capped = max(pages, row.swapped.num_pages), False  # it ran already: the cap is for new rows
@@ -270,13 +272,17 @@ class Walker:
             return self.store.get(query).shape[0]
         return self.store.numel(query)
 
-    def _reserve(self, part: PartitionRun) -> int:
-        """Tokens a KV partition will append after its first step: the cap of
-        the loop that step enters, so admission reserves the whole request once."""
+    def _reserve(self, part: PartitionRun, row: KVRow, tokens: int) -> int:
+        """Tokens a KV partition will append after its first step (of
+        `tokens`): the cap of the loop that step enters, so admission
+        reserves the whole request once; none for a row that takes its pages
+        as it goes: every row with lazy reservation, with auto those that may
+        fill the context (a request that left `max_tokens` to it)."""
         ins = part.instr()
-        if ins is None or not ins.enters or self.lazy_pages:
-            return 0
-        return part.loops[-1].cap or 0
+        cap = (part.loops[-1].cap or 0) if ins is not None and ins.enters else 0
+        grows = self.reservation == "lazy" or (self.reservation == "auto" and tokens + cap >= self.max_model_len)
+        row.takes_pages(grows)
+        return 0 if grows else cap
 
     def preempted(self, leave: Leave, pages: int, slot: bool) -> None:
         """A group row was preempted (its `pages` freed, its KV in host

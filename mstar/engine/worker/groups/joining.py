@@ -52,7 +52,7 @@ def join_group(walker: Walker, part: PartitionRun, ins: Run) -> bool:
     frame = part.loops[-1]
     cap, count = frame.cap, frame.count
     pool = walker.pools[step.component]
-    if cap is None or (not walker.lazy_pages and pool.pages_for(row.kv_len + cap - count) > len(row.pages)):
+    if cap is None or (not row.grows and pool.pages_for(row.kv_len + cap - count) > len(row.pages)):
         return False
     # rows of any walk whose loop steps this mode reading and keeping the same share a group (and its steps)
     key = (step.component, step.mode, tuple(sorted(shape.extras.items())), tuple(sorted(shape.carried.items())),

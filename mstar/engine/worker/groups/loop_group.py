@@ -240,6 +240,10 @@ class LoopGroup:
     def pages(self, row: int) -> list[int]:
         return self.rows[row].row(self.component).pages
 
+    def growing(self) -> list[int]:
+        """Rows that take their pages as they go (`KVRow.grows`): the ones preemption takes first."""
+        return [i for i, part in enumerate(self.rows) if part.row(self.component).grows]
+
     def add_page(self, i: int, page: int) -> None:
         """Row `i` owns one more page, at the end of its block table."""
         self.rows[i].row(self.component).add_page(page)
