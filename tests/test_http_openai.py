@@ -70,6 +70,23 @@ async def test_completion_stream_with_continuous_usage(client: openai.AsyncOpenA
             assert counts == [None] * len(counts)
 
 
+async def test_chat_template_kwargs_reach_the_template(client: openai.AsyncOpenAI, engine: Engine) -> None:
+    tok = engine.tokenizer(MODEL)
+    template = tok.chat_template
+    tok.chat_template = "{% if enable_thinking is defined and not enable_thinking %}no thinking: {% endif %}hi"
+    tok._compiled = None
+    try:
+        messages = [{"role": "user", "content": "hello"}]
+        counts = []
+        for kwargs in ({}, {"chat_template_kwargs": {"enable_thinking": False}}):
+            answer = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1,
+                                                          temperature=0, extra_body=kwargs)
+            counts.append(answer.usage.prompt_tokens)
+        assert counts == [len(tok.encode(text, add_special_tokens=False)) for text in ("hi", "no thinking: hi")]
+    finally:
+        tok.chat_template, tok._compiled = template, None
+
+
 async def test_chat(client: openai.AsyncOpenAI) -> None:
     answer = await client.chat.completions.create(
         model=MODEL, messages=[{"role": "system", "content": "be kind"}, {"role": "user", "content": "hello"}],

@@ -161,6 +161,12 @@ def test_chat_messages_and_limits() -> None:
     assert req.messages == ({"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"},
                             {"role": "assistant", "content": ""})
     assert req.max_tokens == 5  # max_completion_tokens wins over the older name
+    assert req.template_kwargs == {}
+    kwargs = parse_chat(body(messages=[{"role": "user", "content": "x"}],
+                             chat_template_kwargs={"enable_thinking": False})).template_kwargs
+    assert kwargs == {"enable_thinking": False}
+    assert refused(parse_chat, body(messages=[{"role": "user", "content": "x"}],
+                                    chat_template_kwargs=[1])).field == "chat_template_kwargs"
     assert parse_chat(body(messages=[{"role": "user", "content": "x"}], max_tokens=3)).max_tokens == 3
     assert parse_chat(body(messages=[{"role": "user", "content": "x"}])).max_tokens is None
 

@@ -143,6 +143,27 @@ def test_a_template_that_refuses_the_messages_names_them() -> None:
     assert error.field == "messages" and "only users speak here" in error.message
 
 
+def test_chat_template_kwargs_reach_the_template() -> None:
+    """vLLM's `chat_template_kwargs`: variables the template reads (Qwen's
+    `enable_thinking`), never one the server sets; a model that lays out its
+    chat itself, with no template, refuses them."""
+    model = load_model("tiny-llama")
+    model.tokenizer.chat_template = ("{% if enable_thinking is defined and not enable_thinking %}no thinking: "
+                                     "{% endif %}{{ messages[-1]['content'] }}")
+    tok = model.tokenizer
+    assert _ids(model, {"messages": CHAT}) == tok.encode("hi", add_special_tokens=False)
+    off = {"messages": CHAT, "chat_template_kwargs": {"enable_thinking": False}}
+    assert _ids(model, off) == tok.encode("no thinking: hi", add_special_tokens=False)
+    for kwargs, field in ((5, "chat_template_kwargs"), ({"messages": []}, "chat_template_kwargs.messages"),
+                          ({"add_generation_prompt": False}, "chat_template_kwargs.add_generation_prompt"),
+                          ({"not a name": 1}, "chat_template_kwargs")):
+        assert _refused(model, {"messages": CHAT, "chat_template_kwargs": kwargs}).field == field
+    omni = load_model("qwen3-omni-tiny", "dummy")
+    with pytest.raises(RequestError) as e:
+        omni.prepare(GenerateRequest("o", "qwen3-omni-tiny", off, SamplingParams(max_tokens=4), walk="chat"))
+    assert e.value.field == "chat_template_kwargs" and "lays out its chat itself" in e.value.message
+
+
 def test_a_model_without_a_tokenizer_takes_ids_only() -> None:
     model = Tokenless()
     for inputs in ({"prompt": "hi"}, {"messages": CHAT}):

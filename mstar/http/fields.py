@@ -149,6 +149,13 @@ class Fields:
             raise self.error(key, f"items must be at least {lo}")
         return tuple(value)
 
+    def mapping(self, key: str) -> dict[str, Any]:
+        """An object (empty when absent); its keys and values are for whoever reads it to check."""
+        value = self._get(key, {})
+        if not isinstance(value, dict):
+            raise self.error(key, f"must be an object, not {type_name(value)}")
+        return value
+
     def objects(self, key: str) -> dict[str, dict[str, Any]]:
         """An object whose every value is an object (mstar's `sampling_by`:
         sampling key -> fields); what the inner objects hold is checked by

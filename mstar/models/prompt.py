@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from mstar.models.tokenizer import Tokenizer
 
 PROMPT_INPUTS = ("prompt_ids", "prompt", "messages")  # one of them, in a request's inputs
+# what the chat template is given by the server (`Tokenizer.apply_chat_template`), not by a request's kwargs
+TEMPLATE_SETS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "documents"})
 
 
 def prompt_tokens(inputs: Mapping[str, Any], tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int,
@@ -36,7 +38,8 @@ def prompt_tokens(inputs: Mapping[str, Any], tokenizer: Tokenizer | None, vocab_
         raise RequestError(f"give one of {', '.join(PROMPT_INPUTS)}, not {' and '.join(given)}", field="prompt")
     if "messages" in inputs:
         field = "messages"
-        ids = chat_ids(inputs["messages"], generation_prompt(inputs), need_tokenizer(tokenizer, model), max_model_len)
+        ids = chat_ids(inputs["messages"], generation_prompt(inputs), need_tokenizer(tokenizer, model), max_model_len,
+                       template_variables(inputs))
     elif "prompt" in inputs:
         field = "prompt"
         ids = text_ids(inputs["prompt"], need_tokenizer(tokenizer, model), max_model_len)
@@ -62,27 +65,29 @@ def text_ids(text: Any, tokenizer: Tokenizer, max_model_len: int) -> list[int]:
     return ids
 
 
-def chat_ids(messages: Any, add_generation_prompt: bool, tokenizer: Tokenizer, max_model_len: int) -> list[int]:
-    """Messages through the chat template, then the tokenizer without
-    special tokens (the template placed them)."""
-    ids = list(tokenizer.encode(chat_text(messages, add_generation_prompt, tokenizer, max_model_len),
-                                add_special_tokens=False))
+def chat_ids(messages: Any, add_generation_prompt: bool, tokenizer: Tokenizer, max_model_len: int,
+             variables: Mapping[str, Any] | None = None) -> list[int]:
+    """Messages through the chat template (given `variables` too), then the
+    tokenizer without special tokens (the template placed them)."""
+    ids = list(tokenizer.encode(chat_text(messages, add_generation_prompt, tokenizer, max_model_len,
+                                          variables=variables), add_special_tokens=False))
     if not ids:
         raise RequestError("the messages have no tokens", field="messages")
     return ids
 
 
 def chat_text(messages: Any, add_generation_prompt: bool, tokenizer: Tokenizer, max_model_len: int,
-              media: Collection[str] = ()) -> str:
+              media: Collection[str] = (), variables: Mapping[str, Any] | None = None) -> str:
     """Messages through the chat template (`media`: the kinds of content
-    part it is given as parts, `Tokenizer.apply_chat_template`'s)."""
+    part it is given as parts; `variables`: more it reads;
+    `Tokenizer.apply_chat_template`'s)."""
     if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
         raise RequestError("must be a non-empty list of messages", field="messages")
     chars = sum(len(m["content"]) for m in messages if isinstance(m, Mapping) and isinstance(m.get("content"), str))
     check_length(tokenizer, chars, max_model_len, "messages")
     try:
         return tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                             media=media)
+                                             media=media, variables=variables)
     except (ValueError, TypeError, KeyError) as e:
         raise RequestError(f"the chat template refused these messages: {e}", field="messages") from None
     except Exception as e:  # jinja's TemplateError is raised by a template's raise_exception()
@@ -120,6 +125,22 @@ def need_tokenizer(tokenizer: Tokenizer | None, model: str) -> Tokenizer:
     if tokenizer is None:
         raise RequestError(f"model '{model}' has no tokenizer: send token ids", field="model")
     return tokenizer
+
+
+def template_variables(inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """A chat's `chat_template_kwargs` (vLLM's): more variables its template
+    reads, such as Qwen's `enable_thinking`; never one the server sets."""
+    value = inputs.get("chat_template_kwargs")
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise RequestError("must be an object", field="chat_template_kwargs")
+    for key in value:
+        if not isinstance(key, str) or not key.isidentifier():
+            raise RequestError(f"{key!r} is not a template variable's name", field="chat_template_kwargs")
+        if key in TEMPLATE_SETS:
+            raise RequestError(f"'{key}' is set by the server", field=f"chat_template_kwargs.{key}")
+    return dict(value)
 
 
 def generation_prompt(inputs: Mapping[str, Any]) -> bool:

@@ -184,18 +184,19 @@ class Tokenizer:
 
     # ------------------------------------------------------------ chat
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            media: Collection[str] = ()) -> str:
+                            media: Collection[str] = (), variables: Mapping[str, Any] | None = None) -> str:
         """The prompt text for a chat. Message content may be a string or a
         list of `{"type": "text", "text": ...}` parts (joined with newlines);
         with `media`, also parts of those types, which the template gets as
         a list of parts (`{"type": "image"}`, say: the template places the
-        media's tokens)."""
+        media's tokens). `variables`: more the template reads (a request's
+        `chat_template_kwargs`, such as Qwen's `enable_thinking`)."""
         if not isinstance(messages, list) or not messages:
             raise RequestError("must be a non-empty list", field="messages")
         msgs = [_normalise_message(m, i, media) for i, m in enumerate(messages)]
         template = self._template()
         try:
-            return template.render(messages=msgs, add_generation_prompt=add_generation_prompt,
+            return template.render(**(variables or {}), messages=msgs, add_generation_prompt=add_generation_prompt,
                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "",
                                    tools=None, documents=None)
         except _TemplateError as e:

@@ -267,6 +267,10 @@ CHAT_REQUEST: Schema = {
         "max_tokens": max_tokens(),
         "max_completion_tokens": {**max_tokens(), "description": "the newer name of `max_tokens`; wins over it"},
         "add_generation_prompt": {"type": "boolean", "default": True},
+        "chat_template_kwargs": {"type": "object",
+                                 "description": "vLLM's: more variables the model's chat template reads, such as "
+                                                "Qwen's `enable_thinking`; not the ones the server sets (messages, "
+                                                "add_generation_prompt, bos_token, eos_token, tools, documents)"},
         "tool_choice": {"enum": ["none", "auto"], "description": "tools are not supported"},
         "modalities": {"type": "array", "items": {"enum": list(MODALITIES)}, "minItems": 1, "uniqueItems": True,
                        "contains": {"const": "text"}, "default": ["text"],

@@ -126,6 +126,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     decoded = await decode_parts(request.app[MEDIA], parts, request.app[MEDIA_LIMITS])
     messages = with_media(body.messages, decoded)
     values: dict[str, Any] = {"messages": messages, "add_generation_prompt": body.add_generation_prompt}
+    if body.template_kwargs:
+        values["chat_template_kwargs"] = body.template_kwargs
     names = {"max_tokens": body.max_tokens_field}
     if body.audio is not None:
         values["voice"] = body.audio.voice

@@ -45,8 +45,8 @@ OPENAI_KEYS = SAMPLING_EXTENSIONS | {
     "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "response_format"}
 COMPLETION_KEYS = OPENAI_KEYS | {"prompt", "best_of", "echo", "suffix"}
 CHAT_KEYS = OPENAI_KEYS | {
-    "messages", "max_completion_tokens", "add_generation_prompt", "top_logprobs", "tools", "tool_choice",
-    "parallel_tool_calls", "functions", "function_call", "modalities", "audio", "prediction", "reasoning_effort",
+    "messages", "max_completion_tokens", "add_generation_prompt", "chat_template_kwargs", "top_logprobs", "tools",
+    "tool_choice", "parallel_tool_calls", "functions", "function_call", "modalities", "audio", "prediction", "reasoning_effort",
     "verbosity", "web_search_options", "metadata", "store", "service_tier", "safety_identifier",
     "prompt_cache_key"}
 SERVICE_TIERS = ("auto", "default")  # the tiers that ask for nothing special; one tier serves every request
@@ -83,6 +83,7 @@ class ChatBody:
     include_usage: bool = False
     continuous_usage: bool = False
     add_generation_prompt: bool = True
+    template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # vLLM's `chat_template_kwargs`
     max_tokens_field: str = "max_tokens"  # the name the client used, for errors
     sampling_by: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     audio: AudioOutput | None = None
@@ -171,6 +172,7 @@ def parse_chat(body: bytes) -> ChatBody:
         include_usage=include_usage,
         continuous_usage=continuous_usage,
         add_generation_prompt=f.boolean("add_generation_prompt", True),
+        template_kwargs=f.mapping("chat_template_kwargs"),
         max_tokens_field=key,
         sampling_by=f.objects(SAMPLING_BY),
         audio=audio,

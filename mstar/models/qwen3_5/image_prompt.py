@@ -60,15 +60,17 @@ def has_images(inputs: Mapping[str, Any]) -> bool:
 
 
 def image_prompt(messages: Sequence[Any], add_generation_prompt: bool, tokenizer: Tokenizer, recipe: PatchRecipe,
-                 tokens: ImageTokens, vocab_size: int, max_model_len: int) -> ImagePrompt:
-    """The prompt of `messages`; `RequestError`s name the field at fault.
+                 tokens: ImageTokens, vocab_size: int, max_model_len: int,
+                 variables: Mapping[str, Any] | None = None) -> ImagePrompt:
+    """The prompt of `messages` (`variables`: more the chat template reads);
+    `RequestError`s name the field at fault.
     Each image's token count comes from its size first, and a prompt past
     the context is refused before any image is cut into patches (a 4096 x
     4096 picture is ~400 MB of them)."""
     found: list[tuple[Any, str]] = []   # each image part's picture and field, in order
     stubbed = [_stubbed(message, m, found) for m, message in enumerate(messages)]
     grids = [recipe.grid(picture, where) for picture, where in found]
-    text = chat_text(stubbed, add_generation_prompt, tokenizer, max_model_len, media=("image",))
+    text = chat_text(stubbed, add_generation_prompt, tokenizer, max_model_len, media=("image",), variables=variables)
     pieces = text.split(PLACEHOLDER)
     if len(pieces) - 1 > len(found):  # the template places each image once: the others were typed in the text
         raise RequestError(TYPED_PLACEHOLDER, field="messages")

@@ -32,7 +32,7 @@ from mstar.models.checkpoint import check_load_format, generation_eos, read_json
 from mstar.models.language import LanguageModel
 from mstar.models.llama.loader import dummy_weights as plain_dummy_weights
 from mstar.models.prepared import PreparedPiece
-from mstar.models.prompt import generation_prompt, need_tokenizer, prompt_tokens
+from mstar.models.prompt import generation_prompt, need_tokenizer, prompt_tokens, template_variables
 from mstar.models.qwen3_5 import walks
 from mstar.models.qwen3_5.builtins import BUILTIN_CHAT_TEMPLATE
 from mstar.models.qwen3_5.config import MODEL_TYPES, Qwen35Config
@@ -142,7 +142,8 @@ class Qwen35Model(LanguageModel):
             assert self.config.image_tokens is not None
             prompt = image_prompt(request.inputs["messages"], generation_prompt(request.inputs),
                                   need_tokenizer(self.tokenizer, self.name), self.patch_recipe,
-                                  self.config.image_tokens, self.config.vocab_size, self._max_model_len)
+                                  self.config.image_tokens, self.config.vocab_size, self._max_model_len,
+                                  template_variables(request.inputs))
             return PreparedPiece(prompt.values(), len(prompt.ids), "messages")
         ids, field = prompt_tokens(request.inputs, self.tokenizer, self.config.vocab_size, self._max_model_len,
                                    self.name)

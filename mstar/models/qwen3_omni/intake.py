@@ -63,6 +63,9 @@ class Intake:
             raise RequestError(f"give exactly one of prompt_ids, prompt or messages (got {given or 'none'})",
                                field="prompt")
         media = PromptMedia()
+        if inputs.get("chat_template_kwargs"):
+            raise RequestError(f"model '{model}' lays out its chat itself, with no template to read these",
+                               field="chat_template_kwargs")
         if "messages" in inputs:
             opening = inputs.get("add_generation_prompt", True)
             if not isinstance(opening, bool):
