@@ -56,6 +56,8 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None
+    skip_special_tokens: bool = True           # the text leaves special tokens out (vLLM's)
+    include_stop_str_in_output: bool = False   # the text keeps the stop string that ended it (vLLM's)
 
     def validate(self, max_model_tokens: int | None = None) -> None:
         """Raise `RequestError` naming the first field out of range (or of
@@ -80,8 +82,9 @@ class SamplingParams:
             raise RequestError(f"must be integers in [0, {MAX_TOKEN_ID}]", field="stop_token_ids")
         if any((not isinstance(s, str)) or not s for s in self.stop):
             raise RequestError("must be non-empty strings", field="stop")
-        if not isinstance(self.ignore_eos, bool):
-            raise RequestError("must be a boolean", field="ignore_eos")
+        for flag in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, flag), bool):
+                raise RequestError("must be a boolean", field=flag)
         if not _integer(self.min_tokens) or self.min_tokens < 0:
             raise RequestError("must be a non-negative integer", field="min_tokens")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

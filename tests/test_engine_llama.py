@@ -5,6 +5,7 @@ requests sharing batches, stop rules, page admission under a tight budget, and
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 from pathlib import Path
 
@@ -275,6 +276,38 @@ async def test_min_tokens_holds_stop_strings_back_as_it_holds_stop_ids() -> None
             cut = next(i for i in range(len(texts[taken])) if texts[taken].startswith(stop, i) and i + len(stop) > armed)
             assert text == texts[taken][:cut]
         assert taken > 6 and stop in texts[6]  # the stop string was there before min_tokens, and passed
+        await _drained(eng)
+    finally:
+        await eng.shutdown()
+
+
+async def test_skip_special_tokens_and_include_stop_str_in_output_shape_the_text() -> None:
+    """vLLM's text options: `skip_special_tokens=False` keeps special tokens'
+    text; `include_stop_str_in_output` keeps the stop string that ended it."""
+    eng = Engine(EngineConfig(model="tiny-llama"))
+    await eng.start()
+    try:
+        tok = eng.tokenizer("tiny-llama")
+        ids = tok.encode("ab")
+
+        async def text(rid: str, params: SamplingParams) -> tuple[str, list[int]]:
+            chunks = [c async for c in eng.submit(GenerateRequest(rid, "tiny-llama", {"prompt_ids": ids}, params))]
+            return "".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids]
+
+        # a seeded draw hot enough to write a special token (ids 256 on) among the bytes
+        for seed in range(40):
+            hot = SamplingParams(max_tokens=48, temperature=3.0, seed=seed, ignore_eos=True)
+            if any(t >= 256 for t in (await text(f"hot{seed}", hot))[1]):
+                break
+        shown, got = await text("shown", dataclasses.replace(hot, skip_special_tokens=False))
+        skipped, _ = await text("skipped", hot)
+        assert shown == tok.decode(got, skip_special_tokens=False) != skipped == tok.decode(got)
+        greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+        full, _ = await text("full", greedy)
+        stop = full[8:10]
+        cut, _ = await text("cut", dataclasses.replace(greedy, stop=(stop,)))
+        kept, _ = await text("kept", dataclasses.replace(greedy, stop=(stop,), include_stop_str_in_output=True))
+        assert cut == full[:full.index(stop)] and kept == cut + stop
         await _drained(eng)
     finally:
         await eng.shutdown()

@@ -80,12 +80,14 @@ ACCEPTED_CHAT = {"user": "u1", "metadata": {"team": "a"}, "store": False, "servi
                  "stream": False, "audio": None, "prediction": None, "reasoning_effort": None, "verbosity": None,
                  "web_search_options": None, "temperature": 0, "top_p": 1, "top_k": 0, "min_p": 0,
                  "repetition_penalty": 1, "stop_token_ids": [], "ignore_eos": False, "min_tokens": 0,
-                 "add_generation_prompt": True, "sampling_by": {}, "priority": 0}
+                 "add_generation_prompt": True, "sampling_by": {}, "priority": 0, "chat_template_kwargs": {},
+                 "skip_special_tokens": True, "include_stop_str_in_output": False}
 ACCEPTED_COMPLETION = {"user": "u1", "seed": 1, "stop": "\n\n", "n": 1, "best_of": 1, "echo": False,
                        "suffix": None, "logprobs": None, "presence_penalty": 0, "frequency_penalty": 0,
                        "logit_bias": {}, "stream": False, "temperature": 0, "top_p": 1, "top_k": 0, "min_p": 0,
                        "repetition_penalty": 1, "stop_token_ids": [], "ignore_eos": False, "min_tokens": 0,
-                       "sampling_by": {}, "priority": 3}
+                       "sampling_by": {}, "priority": 3, "skip_special_tokens": True,
+                       "include_stop_str_in_output": False}
 
 
 @ON_LOOP

@@ -28,5 +28,7 @@ class TextSampling(Sampling, total=False):
 
     stop: str | list[str]
     stop_token_ids: list[int]
+    include_stop_str_in_output: bool
+    skip_special_tokens: bool
     logprobs: int | bool
     top_logprobs: int

@@ -257,8 +257,9 @@ class Engine:
         places = self._route(plan)
         idx = places[plan.root]
         tok = model.tokenizer
-        state = RequestState(request.request_id, plan, prepared.sampling[plan.root], prepared.num_prompt_tokens,
-                             idx, IncrementalDetokenizer(tok) if tok is not None else None,
+        sampling = prepared.sampling[plan.root]
+        state = RequestState(request.request_id, plan, sampling, prepared.num_prompt_tokens, idx,
+                             IncrementalDetokenizer(tok, sampling.skip_special_tokens) if tok is not None else None,
                              host_predicates=_host_predicates(plan), request=request, places=places)
         self._states[request.request_id] = state
         self._waiting.add(request.request_id)

@@ -25,8 +25,10 @@ class StopStrings:
     `min_tokens` not reached, as vLLM) is never matched on its own: a stop
     string counts only where it ends in armed text."""
 
-    def __init__(self, stops: tuple[str, ...]) -> None:
+    def __init__(self, stops: tuple[str, ...], keep: bool = False) -> None:
+        """`keep`: the text that ends at a stop string keeps it."""
         self.stops = stops
+        self.keep = keep
         self.text = ""
         self.sent = 0
         self.armed_at = 0  # where armed text starts
@@ -46,6 +48,8 @@ class StopStrings:
                     if i >= 0]
         if hits:
             cut = min(hits)
+            if self.keep:
+                cut += len(next(s for s in self.stops if self.text.startswith(s, cut)))
             out = self.text[self.sent:cut] if cut > self.sent else ""
             self.sent = max(self.sent, cut)
             return out, True
@@ -89,7 +93,7 @@ class RequestState:
     stops: StopStrings = field(init=False)
 
     def __post_init__(self) -> None:
-        self.stops = StopStrings(self.sampling.stop)
+        self.stops = StopStrings(self.sampling.stop, self.sampling.include_stop_str_in_output)
         self.timer: asyncio.TimerHandle | None = None  # the --request-timeout deadline
         self.input_open = self.request is not None and self.request.more_input
         # the workers running its partitions; it is done when each has reported its part done

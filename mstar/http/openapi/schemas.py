@@ -67,6 +67,10 @@ def sampling_properties() -> dict[str, Schema]:
                  "description": "a string, or an array of non-empty strings, that ends the generation"},
         "stop_token_ids": {**int_list(), "maxItems": MAX_STOP_TOKEN_IDS},
         "ignore_eos": {"type": "boolean", "default": DEFAULTS.ignore_eos},
+        "skip_special_tokens": {"type": "boolean", "default": DEFAULTS.skip_special_tokens,
+                                "description": "the text leaves special tokens out (vLLM's)"},
+        "include_stop_str_in_output": {"type": "boolean", "default": DEFAULTS.include_stop_str_in_output,
+                                       "description": "the text keeps the stop string that ended it (vLLM's)"},
         "min_tokens": {"type": "integer", "minimum": 0, "default": DEFAULTS.min_tokens,
                        "description": "EOS and stop_token_ids are not drawn before this many tokens, and a stop "
                                       "string counts only where it ends after them"},

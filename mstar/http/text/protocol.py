@@ -39,7 +39,7 @@ GENERATE_KEYS = frozenset({"text", "input_ids", "model", "sampling_params", "str
 # each field of OpenAI's own request, whether served or refused with a reason, and mstar's sampling extensions.
 STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
 SAMPLING_EXTENSIONS = frozenset({"top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens",
-                                 SAMPLING_BY, "priority"})
+                                 "skip_special_tokens", "include_stop_str_in_output", SAMPLING_BY, "priority"})
 OPENAI_KEYS = SAMPLING_EXTENSIONS | {
     "model", "max_tokens", "n", "stream", "stream_options", "temperature", "top_p", "seed", "stop", "user",
     "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "response_format"}
@@ -229,6 +229,8 @@ def read_sampling(f: Fields, logprobs: int | None = None) -> SamplingParams:
         ignore_eos=f.boolean("ignore_eos"),
         min_tokens=f.integer("min_tokens", 0),
         logprobs=logprobs,
+        skip_special_tokens=f.boolean("skip_special_tokens", True),
+        include_stop_str_in_output=f.boolean("include_stop_str_in_output"),
     )
     try:  # max_tokens is the route's, once the prompt is known: a min_tokens is checked against it then
         dataclasses.replace(params, max_tokens=None).validate()
