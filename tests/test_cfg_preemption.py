@@ -33,15 +33,17 @@ def _requests(seed: int, cases: list[Case]) -> list[tuple]:
             for ni, nt, rows, steps, scale in cases]
 
 
-async def _serve(model: ToyImageModel, seed: int, cases: list[Case], device: str = "cpu", **scheduler: int) -> int:
+async def _serve(model: ToyImageModel, seed: int, cases: list[Case], device: str = "cpu", reservation: str = "lazy",
+                 **scheduler: int) -> int:
     """Serve the requests of `cases` on one worker of `model` (a context of
-    48 tokens) with lazy pages of 4 tokens, each against its three-context
-    reference; how many rows were preempted."""
+    48 tokens) with lazy pages of 4 tokens (or auto: its rows enter no loop
+    with a cap, so they take pages as they go too), each against its
+    three-context reference; how many rows were preempted."""
     model.context = 48
     requests = _requests(seed, cases)
     expected = [cfg_reference(model, *r) for r in requests]
     eng = Engine(EngineConfig(model="toy-image", devices=(device,), dtype="float32", scheduler=SchedulerConfig(
-        page_size=4, kv_reservation="lazy", **scheduler)), model=model)
+        page_size=4, kv_reservation=reservation, **scheduler)), model=model)
     await eng.start()
     try:
         results = await asyncio.wait_for(asyncio.gather(*(_guided(eng, f"p{k}", *r) for k, r in enumerate(requests))),
@@ -56,11 +58,12 @@ async def _serve(model: ToyImageModel, seed: int, cases: list[Case], device: str
 
 
 @pytest.mark.parametrize("device", DEVICES)
-async def test_guidance_under_preemption_matches_three_contexts(device: str) -> None:
+@pytest.mark.parametrize("reservation", ["lazy", "auto"])
+async def test_guidance_under_preemption_matches_three_contexts(device: str, reservation: str) -> None:
     """Branch rows that wait for pages, or for their siblings, are swapped
     out (losing their share of the prompt's pages) and back."""
     # pages of 4: one request fits with its branches unshared (33), two do not
-    assert await _serve(ToyImageModel(), 8, CFG_CASES * 2, device, num_pages=36) > 0
+    assert await _serve(ToyImageModel(), 8, CFG_CASES * 2, device, reservation, num_pages=36) > 0
 
 
 LOAD = [(17, 2, 4, 2, 1.5), (30, 1, 8, 2, 2.0), (22, 3, 2, 2, 0.5), (25, 2, 6, 2, 1.0), (19, 3, 3, 2, 3.0)] * 2

@@ -223,6 +223,33 @@ async def test_audio_appended_runs_a_thinker_turn_and_restarts_the_talker(device
         await eng.shutdown()
 
 
+@pytest.mark.parametrize("reservation, pages", [("lazy", 34), ("auto", 34), ("auto", 40)])
+async def test_conversations_in_a_small_pool_go_on(reservation: str, pages: int) -> None:
+    """Conversations of two and three turns in a pool too small for all of
+    them: a turn's rows hold the turns before it and ask for more, so with
+    auto (the default) they take pages as they go and may be swapped out
+    like lazy ones, never waiting on each other for good."""
+    model = ToyOmniModel()
+    requests = _requests(9)
+    conversations = []
+    for k, (ids, mel, think, talk) in enumerate(requests[:4]):
+        turns = [(ids, mel), *[(i, m) for i, m, _, _ in requests[k + 1:k + 3]]]
+        ref = Reference(model)
+        conversations.append((turns, think, talk, [ref.turn(i, m, think, talk) for i, m in turns]))
+    eng = Engine(EngineConfig(model="toy-omni", devices=("cpu",), scheduler=SchedulerConfig(
+        page_size=4, num_pages=pages, kv_reservation=reservation)), model=model)
+    await eng.start()
+    try:
+        results = await asyncio.wait_for(asyncio.gather(*(_serve(eng, f"c{k}", turns, think, talk)
+                                                          for k, (turns, think, talk, _) in enumerate(conversations))),
+                                         60)
+        for got, (_, _, _, expected) in zip(results, conversations):
+            _check(got, expected)
+        await drained(eng)
+    finally:
+        await eng.shutdown()
+
+
 @torch.inference_mode()
 def frames_reference(model: ToyOmniModel, ids: list[int], mel: torch.Tensor, think: SamplingParams,
                      talk: SamplingParams, cp: SamplingParams, fused: bool = False) -> Expected:

@@ -85,7 +85,7 @@ class Preemption:
                 self._swap_waiting(scheduler, component, part.row(component, branch),
                                    queued.get((id(part), branch)))
                 return True
-            growing = [i for i in holding if i.payload.part.row(component, i.payload.branch).grows]
+            growing = [i for i in holding if i.pages_needed or i.payload.part.row(component, i.payload.branch).grows]
             if len(holding) > 1 and growing:
                 item = growing[0]
                 self._swap_waiting(scheduler, component, item.payload.part.row(component, item.payload.branch), item)
@@ -106,9 +106,12 @@ class Preemption:
                 if id(part) in grouped:
                     continue
                 for (c, branch), row in part.rows.items():
-                    if c != component or not row.pages or row.swapped is not None or not row.grows:
-                        continue  # a row holding every page it needs (reserved) is never swapped
-                    if run.request_id != oldest or (id(part), branch) not in queued:
+                    if c != component or not row.pages or row.swapped is not None:
+                        continue
+                    item = queued.get((id(part), branch))
+                    if not row.grows and not (item is not None and item.pages_needed):
+                        continue  # a row holding every page it will need (reserved) is never swapped
+                    if run.request_id != oldest or item is None:
                         yield part, branch
 
     def _swap_waiting(self, scheduler: Scheduler, component: str, row: KVRow, item: WorkItem | None) -> None:

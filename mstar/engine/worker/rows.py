@@ -39,6 +39,7 @@ class RequestRun:
     places: dict[str, int] = field(default_factory=dict)  # partition -> worker, where not all run here
     started: set[str] = field(default_factory=set)  # consumers on other workers that its streams started
     priority: int = 0  # lower: its waiting steps go first (`WorkItem.priority`)
+    takes_turns: bool = False  # submitted with input still to come: it runs a turn per piece
 
     @property
     def shared(self) -> bool:

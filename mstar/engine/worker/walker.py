@@ -93,9 +93,9 @@ class Walker:
         """Start the request's partitions that run here (all of them unless
         `sub.places` puts some on other workers)."""
         places = sub.places or {}
-        run = RequestRun(sub.request_id, sub.walk, sub.sampling, sub.stop_ids,
-                         input_open=sub.more_input and sub.walk.more_input is not None, places=places,
-                         priority=sub.priority)
+        turns = sub.more_input and sub.walk.more_input is not None
+        run = RequestRun(sub.request_id, sub.walk, sub.sampling, sub.stop_ids, input_open=turns, places=places,
+                         priority=sub.priority, takes_turns=turns)
         self.runs[run.request_id] = run
         here = [name for name in sub.walk.partitions if places.get(name, self.index) == self.index]
         for name in here:
@@ -276,13 +276,16 @@ class Walker:
         """Tokens a KV partition will append after its first step (of
         `tokens`): the cap of the loop that step enters, so admission
         reserves the whole request once; none for a row that takes its pages
-        as it goes: every row with lazy reservation, with auto those that may
-        fill the context (a request that left `max_tokens` to it)."""
+        as it goes: every row with lazy reservation; with auto, every row but
+        one whose first step enters a loop with a cap that leaves some of the
+        context (a request with `max_tokens`), in a request that takes no
+        turns (a turn's row holds the turns before it and asks for more)."""
         ins = part.instr()
-        cap = (part.loops[-1].cap or 0) if ins is not None and ins.enters else 0
-        grows = self.reservation == "lazy" or (self.reservation == "auto" and tokens + cap >= self.max_model_len)
+        cap = part.loops[-1].cap if ins is not None and ins.enters else None
+        bounded = cap is not None and tokens + cap < self.max_model_len and not part.request.takes_turns
+        grows = self.reservation == "lazy" or (self.reservation == "auto" and not bounded)
         row.takes_pages(grows)
-        return 0 if grows else cap
+        return 0 if grows else cap or 0
 
     def preempted(self, leave: Leave, pages: int, slot: bool) -> None:
         """A group row was preempted (its `pages` freed, its KV in host
