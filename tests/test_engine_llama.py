@@ -273,7 +273,8 @@ async def test_min_tokens_holds_stop_strings_back_as_it_holds_stop_ids() -> None
             text = "".join(c.text for c in chunks)
             assert chunks[-1].finish_reason == "stop" and chunks[-1].num_output_tokens == taken
             armed = len(texts[min_tokens])  # a match must end past here
-            cut = next(i for i in range(len(texts[taken])) if texts[taken].startswith(stop, i) and i + len(stop) > armed)
+            cut = next(i for i in range(len(texts[taken]))
+                       if texts[taken].startswith(stop, i) and i + len(stop) > armed)
             assert text == texts[taken][:cut]
         assert taken > 6 and stop in texts[6]  # the stop string was there before min_tokens, and passed
         await _drained(eng)

@@ -1,7 +1,8 @@
 """The scheduler's step plans: rows admitted with their pages, a decode
 group's row window taken in turn, a page for each group row that needs one,
 and, when the pool is dry, a settle first, then the youngest rows preempted
-(of those taking pages as they go, first) until the others fit. Groups are real `LoopGroup`s over Llama's decode loop."""
+(of those taking pages as they go, first) until the others fit. Groups are
+real `LoopGroup`s over Llama's decode loop."""
 
 from __future__ import annotations
 

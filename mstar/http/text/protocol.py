@@ -46,8 +46,8 @@ OPENAI_KEYS = SAMPLING_EXTENSIONS | {
 COMPLETION_KEYS = OPENAI_KEYS | {"prompt", "best_of", "echo", "suffix"}
 CHAT_KEYS = OPENAI_KEYS | {
     "messages", "max_completion_tokens", "add_generation_prompt", "chat_template_kwargs", "top_logprobs", "tools",
-    "tool_choice", "parallel_tool_calls", "functions", "function_call", "modalities", "audio", "prediction", "reasoning_effort",
-    "verbosity", "web_search_options", "metadata", "store", "service_tier", "safety_identifier",
+    "tool_choice", "parallel_tool_calls", "functions", "function_call", "modalities", "audio", "prediction",
+    "reasoning_effort", "verbosity", "web_search_options", "metadata", "store", "service_tier", "safety_identifier",
     "prompt_cache_key"}
 SERVICE_TIERS = ("auto", "default")  # the tiers that ask for nothing special; one tier serves every request
 
