@@ -294,6 +294,8 @@ def parse_args(argv: list[str] | None = None, builtin_models: Sequence[str] = ()
         raise ConfigError("--header-timeout and --body-timeout must not be negative")
     if a.max_waiting_requests < 0 or a.queue_timeout < 0 or a.request_timeout < 0:
         raise ConfigError("--max-waiting-requests, --queue-timeout and --request-timeout must not be negative")
+    if a.max_waiting_requests < 1:  # a line that holds no one would refuse every request, on an idle server too
+        raise ConfigError("--max-waiting-requests must be at least 1")
     for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
         if getattr(a, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")

@@ -309,6 +309,15 @@ async def test_skip_special_tokens_and_include_stop_str_in_output_shape_the_text
         cut, _ = await text("cut", dataclasses.replace(greedy, stop=(stop,)))
         kept, _ = await text("kept", dataclasses.replace(greedy, stop=(stop,), include_stop_str_in_output=True))
         assert cut == full[:full.index(stop)] and kept == cut + stop
+        # a stop id ends the text without its own, as vLLM's: kept only with include_stop_str_in_output
+        seeded = SamplingParams(max_tokens=30, temperature=1.0, seed=3, ignore_eos=True)
+        _, ids_full = await text("ids", seeded)
+        at = next(k for k in range(3, 30) if ids_full[k] not in ids_full[:k])
+        ended = dataclasses.replace(seeded, stop_token_ids=(ids_full[at],))
+        without, got = await text("without", ended)
+        with_it, _ = await text("with", dataclasses.replace(ended, include_stop_str_in_output=True))
+        assert got == ids_full[:at + 1]
+        assert (without, with_it) == (tok.decode(ids_full[:at]), tok.decode(ids_full[:at + 1]))
         await _drained(eng)
     finally:
         await eng.shutdown()

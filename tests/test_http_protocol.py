@@ -114,6 +114,7 @@ def test_stop_string_becomes_a_tuple() -> None:
     ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
     ({"stream": True, "stream_options": []}, "stream_options"),
     ({"stream": True, "stream_options": {"include_usage": True, "bogus": 1}}, "stream_options.bogus"),
+    ({"stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"frequency_penalty": -1}, "frequency_penalty"),
     ({"logprobs": 21}, "logprobs"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import pytest
 
 from fake_model import FakeModel, Hold
 from http_support import read_sse, serving
@@ -78,3 +79,13 @@ def test_request_timeout_flag() -> None:
         assert "--request-timeout" in str(e)
     else:
         raise AssertionError("a negative timeout must be refused")
+
+
+def test_a_waiting_line_that_holds_no_one_is_refused_at_startup() -> None:
+    """`--max-waiting-requests 0` would answer every request 429, an idle server's too."""
+    from mstar.config import parse_args
+    from mstar.errors import ConfigError
+
+    assert parse_args(["--max-waiting-requests", "1"]).engine.max_waiting_requests == 1
+    with pytest.raises(ConfigError, match="--max-waiting-requests must be at least 1"):
+        parse_args(["--max-waiting-requests", "0"])

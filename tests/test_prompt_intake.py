@@ -156,7 +156,10 @@ def test_chat_template_kwargs_reach_the_template() -> None:
     assert _ids(model, off) == tok.encode("no thinking: hi", add_special_tokens=False)
     for kwargs, field in ((5, "chat_template_kwargs"), ({"messages": []}, "chat_template_kwargs.messages"),
                           ({"add_generation_prompt": False}, "chat_template_kwargs.add_generation_prompt"),
-                          ({"not a name": 1}, "chat_template_kwargs")):
+                          ({"not a name": 1}, "chat_template_kwargs"),
+                          ({"namespace": 1}, "chat_template_kwargs.namespace"),  # the template's own names
+                          ({"raise_exception": 1}, "chat_template_kwargs.raise_exception"),
+                          ({"self": 1}, "chat_template_kwargs.self")):
         assert _refused(model, {"messages": CHAT, "chat_template_kwargs": kwargs}).field == field
     omni = load_model("qwen3-omni-tiny", "dummy")
     with pytest.raises(RequestError) as e:

@@ -260,7 +260,8 @@ class Engine:
         sampling = prepared.sampling[plan.root]
         state = RequestState(request.request_id, plan, sampling, prepared.num_prompt_tokens, idx,
                              IncrementalDetokenizer(tok, sampling.skip_special_tokens) if tok is not None else None,
-                             host_predicates=_host_predicates(plan), request=request, places=places)
+                             host_predicates=_host_predicates(plan), request=request, places=places,
+                             stop_token_ids=frozenset(prepared.stop_ids[plan.root]))
         self._states[request.request_id] = state
         self._waiting.add(request.request_id)
         self.stats["requests_submitted"] += 1
@@ -441,7 +442,7 @@ class Engine:
         """One token (and its packed logprobs, if its step computed any) for
         each of many requests: detokenised together (one call into the
         tokenizer for the step), then fed one by one."""
-        with_text = [i for i, (state, _, _, _) in enumerate(tokens) if state.detok is not None]
+        with_text = [i for i, (state, _, token, _) in enumerate(tokens) if state.detok is not None and state.shows(token)]
         texts = [""] * len(tokens)
         if with_text:
             pieces = push_batch([tokens[i][0].detok for i in with_text], [[tokens[i][2]] for i in with_text])

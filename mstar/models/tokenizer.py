@@ -195,6 +195,10 @@ class Tokenizer:
             raise RequestError("must be a non-empty list", field="messages")
         msgs = [_normalise_message(m, i, media) for i, m in enumerate(messages)]
         template = self._template()
+        for name in variables or {}:
+            if name in template.environment.globals or name == "self":  # would hide what templates call
+                raise RequestError(f"'{name}' is one of the chat template's own names",
+                                   field=f"chat_template_kwargs.{name}")
         try:
             return template.render(**(variables or {}), messages=msgs, add_generation_prompt=add_generation_prompt,
                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "",

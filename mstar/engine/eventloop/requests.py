@@ -90,6 +90,7 @@ class RequestState:
     stop_reason: FinishReason | None = None
     request: GenerateRequest | None = None  # as submitted: what later input inherits
     places: dict[str, int] = field(default_factory=dict)  # partition -> worker index
+    stop_token_ids: frozenset[int] = frozenset()  # the ids that end its text (EOS, `stop_token_ids`)
     stops: StopStrings = field(init=False)
 
     def __post_init__(self) -> None:
@@ -119,6 +120,11 @@ class RequestState:
         self.queue.put_nowait(OutputChunk(
             request_id=self.request_id, awaiting_input=True,
             num_prompt_tokens=self.num_prompt_tokens, num_output_tokens=self.num_output_tokens))
+
+    def shows(self, token: int) -> bool:
+        """Whether `token`'s text goes into the answer: not a stop id's, the
+        token that ends it, unless `include_stop_str_in_output` (vLLM's)."""
+        return token not in self.stop_token_ids or self.sampling.include_stop_str_in_output
 
     def feed_tokens(self, partition: str, ids: list[int], text: str, logprob: list[float] | None = None) -> bool:
         """New token ids from a step and their new text (detokenised by the

@@ -121,7 +121,10 @@ def openai_common() -> dict[str, Schema]:
                                           "continuous_usage_stats": {
                                               "type": "boolean", "default": False,
                                               "description": "vLLM's: with include_usage, the totals so far in "
-                                                             "every chunk"}},
+                                                             "every chunk"},
+                                          "include_obfuscation": {"enum": [False],
+                                                                  "description": "OpenAI's event padding: not "
+                                                                                 "served; only false is accepted"}},
                            "description": "only with `stream: true`"},
         "presence_penalty": {"enum": [0], "description": "not supported; only 0 is accepted"},
         "frequency_penalty": {"enum": [0], "description": "not supported; only 0 is accepted"},

@@ -37,7 +37,7 @@ GENERATE_KEYS = frozenset({"text", "input_ids", "model", "sampling_params", "str
                            "priority"})
 # Every route answers a field it does not know with a 400 naming it, as OpenAI does. The OpenAI routes know
 # each field of OpenAI's own request, whether served or refused with a reason, and mstar's sampling extensions.
-STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
+STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats", "include_obfuscation"})
 SAMPLING_EXTENSIONS = frozenset({"top_k", "min_p", "repetition_penalty", "stop_token_ids", "ignore_eos", "min_tokens",
                                  "skip_special_tokens", "include_stop_str_in_output", SAMPLING_BY, "priority"})
 OPENAI_KEYS = SAMPLING_EXTENSIONS | {
@@ -309,6 +309,8 @@ def _read_stream(f: Fields) -> tuple[bool, bool, bool]:
         raise f.error("stream_options", "is only allowed when stream is true")
     opts = Fields(f.raw("stream_options"), "stream_options.")
     opts.refuse_unknown(STREAM_OPTIONS)
+    if opts.boolean("include_obfuscation"):  # OpenAI's padding of stream events; false asks for what is served
+        raise opts.error("include_obfuscation", "is not supported (only false is accepted)")
     include, continuous = opts.boolean("include_usage"), opts.boolean("continuous_usage_stats")
     return stream, include, include and continuous
 
