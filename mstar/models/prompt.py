@@ -25,8 +25,6 @@ if TYPE_CHECKING:
     from mstar.models.tokenizer import Tokenizer
 
 PROMPT_INPUTS = ("prompt_ids", "prompt", "messages")  # one of them, in a request's inputs
-# what the chat template is given by the server (`Tokenizer.apply_chat_template`), not by a request's kwargs
-TEMPLATE_SETS = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token", "tools", "documents"})
 
 
 def prompt_tokens(inputs: Mapping[str, Any], tokenizer: Tokenizer | None, vocab_size: int, max_model_len: int,
@@ -129,7 +127,8 @@ def need_tokenizer(tokenizer: Tokenizer | None, model: str) -> Tokenizer:
 
 def template_variables(inputs: Mapping[str, Any]) -> dict[str, Any]:
     """A chat's `chat_template_kwargs` (vLLM's): more variables its template
-    reads, such as Qwen's `enable_thinking`; never one the server sets."""
+    reads, such as Qwen's `enable_thinking`; `Tokenizer.apply_chat_template`
+    refuses the names it sets or the template's environment has."""
     value = inputs.get("chat_template_kwargs")
     if value is None:
         return {}
@@ -138,8 +137,6 @@ def template_variables(inputs: Mapping[str, Any]) -> dict[str, Any]:
     for key in value:
         if not isinstance(key, str) or not key.isidentifier():
             raise RequestError(f"{key!r} is not a template variable's name", field="chat_template_kwargs")
-        if key in TEMPLATE_SETS:
-            raise RequestError(f"'{key}' is set by the server", field=f"chat_template_kwargs.{key}")
     return dict(value)
 
 

@@ -195,14 +195,16 @@ class Tokenizer:
             raise RequestError("must be a non-empty list", field="messages")
         msgs = [_normalise_message(m, i, media) for i, m in enumerate(messages)]
         template = self._template()
+        given = {"messages": msgs, "add_generation_prompt": add_generation_prompt, "bos_token": self.bos_token or "",
+                 "eos_token": self.eos_token or "", "tools": None, "documents": None}
         for name in variables or {}:
+            if name in given:
+                raise RequestError(f"'{name}' is set by the server", field=f"chat_template_kwargs.{name}")
             if name in template.environment.globals or name == "self":  # would hide what templates call
                 raise RequestError(f"'{name}' is one of the chat template's own names",
                                    field=f"chat_template_kwargs.{name}")
         try:
-            return template.render(**(variables or {}), messages=msgs, add_generation_prompt=add_generation_prompt,
-                                   bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                                   tools=None, documents=None)
+            return template.render(**(variables or {}), **given)
         except _TemplateError as e:
             raise RequestError(str(e), field="messages") from None
 
