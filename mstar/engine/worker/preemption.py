@@ -85,9 +85,9 @@ class Preemption:
                 self._swap_waiting(scheduler, component, part.row(component, branch),
                                    queued.get((id(part), branch)))
                 return True
-            growing = [i for i in holding if i.pages_needed or i.payload.part.row(component, i.payload.branch).grows]
-            if len(holding) > 1 and growing:
-                item = growing[0]
+            swappable = [i for i in holding if _swappable(i.payload.part.row(component, i.payload.branch), i)]
+            if len(holding) > 1 and swappable:
+                item = swappable[0]
                 self._swap_waiting(scheduler, component, item.payload.part.row(component, item.payload.branch), item)
                 return True
         return False
@@ -109,9 +109,7 @@ class Preemption:
                     if c != component or not row.pages or row.swapped is not None:
                         continue
                     item = queued.get((id(part), branch))
-                    if not row.grows and not (item is not None and item.pages_needed):
-                        continue  # a row holding every page it will need (reserved) is never swapped
-                    if run.request_id != oldest or item is None:
+                    if _swappable(row, item) and (run.request_id != oldest or item is None):
                         yield part, branch
 
     def _swap_waiting(self, scheduler: Scheduler, component: str, row: KVRow, item: WorkItem | None) -> None:
@@ -152,3 +150,10 @@ class Preemption:
             assert row.slot is not None
             self.states[component].swap_in(state, row.slot)
         self.resumed += 1
+
+
+def _swappable(row: KVRow, item: WorkItem | None) -> bool:
+    """Whether `unstick` may swap `row` out: it takes its pages as it goes, or
+    its queued step `item` asks for more. A row holding every page it will
+    need (reserved) is never swapped."""
+    return row.grows or (item is not None and item.pages_needed > 0)
