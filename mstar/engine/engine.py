@@ -442,7 +442,8 @@ class Engine:
         """One token (and its packed logprobs, if its step computed any) for
         each of many requests: detokenised together (one call into the
         tokenizer for the step), then fed one by one."""
-        with_text = [i for i, (state, _, token, _) in enumerate(tokens) if state.detok is not None and state.shows(token)]
+        with_text = [i for i, (state, _, token, _) in enumerate(tokens)
+                     if state.detok is not None and state.shows(token)]
         texts = [""] * len(tokens)
         if with_text:
             pieces = push_batch([tokens[i][0].detok for i in with_text], [[tokens[i][2]] for i in with_text])

@@ -121,6 +121,11 @@ class RequestState:
             request_id=self.request_id, awaiting_input=True,
             num_prompt_tokens=self.num_prompt_tokens, num_output_tokens=self.num_output_tokens))
 
+    @property
+    def _stops_armed(self) -> bool:
+        """Its stop strings count: its tokens are past `min_tokens` (vLLM's)."""
+        return self.num_output_tokens > self.sampling.min_tokens
+
     def shows(self, token: int) -> bool:
         """Whether `token`'s text goes into the answer: not a stop id's, the
         token that ends it, unless `include_stop_str_in_output` (vLLM's)."""
@@ -132,7 +137,7 @@ class RequestState:
         row when its step computed some; returns True when a stop string
         matched (the caller then stops the partition on its worker)."""
         self.num_output_tokens += len(ids)
-        safe, hit = self.stops.push(text, armed=self.num_output_tokens > self.sampling.min_tokens)
+        safe, hit = self.stops.push(text, self._stops_armed)
         k = self.sampling.logprobs
         logprobs = (_token_logprob(ids[0], logprob, k),) if logprob is not None and k is not None else None
         self.queue.put_nowait(OutputChunk(
@@ -190,7 +195,7 @@ class RequestState:
         if self.stop_reason is None and reason in ("stop", "length"):
             # text held back (a partial character, a possible stop string) is final now
             rest = self.detok.flush() if self.detok is not None else ""
-            tail, hit = self.stops.push(rest, armed=self.num_output_tokens > self.sampling.min_tokens)
+            tail, hit = self.stops.push(rest, self._stops_armed)
             if not hit:
                 tail += self.stops.flush()
         self.queue.put_nowait(OutputChunk(
