@@ -37,10 +37,6 @@ LONG = {**SPEECH, "extra_body": {**SPEECH["extra_body"], "max_tokens": 210}}   #
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[Cluster]:
-    # Ray's memory monitor kills workers by the whole machine's use, and the other test processes beside this
-    # one (engines holding KV pools) took the CI box past its 95% mark: it killed these replicas mid-test
-    monitor = os.environ.get("RAY_memory_monitor_refresh_ms")
-    os.environ["RAY_memory_monitor_refresh_ms"] = "0"
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
     cluster.add_node(num_cpus=2)
     cluster.wait_for_nodes()
@@ -50,10 +46,6 @@ def ray_cluster() -> Iterator[Cluster]:
     finally:
         ray.shutdown()
         cluster.shutdown()
-        if monitor is None:
-            os.environ.pop("RAY_memory_monitor_refresh_ms", None)
-        else:
-            os.environ["RAY_memory_monitor_refresh_ms"] = monitor
 
 
 class Front:
