@@ -189,7 +189,10 @@ async def test_the_queue_depth_counts_requests_waiting_to_start_not_running_ones
         streams = [eng.submit(GenerateRequest(f"q{i}", MODEL, {"prompt_ids": [1, 2, 3]}, long)) for i in range(3)]
         first = aiter(streams[0])
         await anext(first)  # the first runs
-        assert value(parse(eng.metrics_text()), "mstar_queue_depth") == 2
+        # the other two reach the worker's scheduler through its inbox, maybe after the first's chunk
+        depth = lambda: value(parse(eng.metrics_text()), "mstar_queue_depth")  # noqa: E731
+        assert await wait_until(lambda: depth() == 2, timeout=30), depth()
+        assert eng.num_running() == 3  # none of them finished: the first is long, so 2 still wait
         for s in streams:
             eng.abort(s.request_id)
         assert await wait_until(lambda: eng.num_running() == 0, timeout=30)
