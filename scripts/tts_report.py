@@ -36,14 +36,16 @@ SAMPLE_BYTES = 2  # PCM16
 REALTIME_SV = 0.99
 REALTIME_TTFA_P99_MS = 1000.0
 
-# M* measured earlier on the H200 (orpheus-3b, dummy weights, 1024 audio
-# tokens per request), printed beside a run's rows; None: not recorded.
+# M* on the H200 (orpheus-3b, dummy weights, 1024 audio tokens per request),
+# measured in one device call with ours on 2026-12-01, printed beside a run's
+# rows; None: not recorded.
 REFERENCE = {
-    1: {"ttfa_p50_ms": 127.0, "rtf_p50": 0.33, "audio_s_per_s": None},
-    16: {"ttfa_p50_ms": 333.0, "rtf_p50": 0.87, "audio_s_per_s": 18.3},
-    64: {"ttfa_p50_ms": 979.0, "rtf_p50": 2.78, "audio_s_per_s": 23.2},
+    1: {"ttfa_p50_ms": 127.0, "rtf_p50": 0.33, "audio_s_per_s": 3.0},
+    16: {"ttfa_p50_ms": 278.0, "rtf_p50": 0.79, "audio_s_per_s": 20.2},
+    64: {"ttfa_p50_ms": 1141.0, "rtf_p50": 2.72, "audio_s_per_s": 23.5},
 }
-REFERENCE_NOTE = "M* earlier on the H200, orpheus-3b with dummy weights, 1024 audio tokens per request"
+REFERENCE_NOTE = ("M* on the same H200 in one device call with ours (2026-12-01), orpheus-3b with dummy weights, "
+                  "1024 audio tokens per request")
 
 
 @dataclass
