@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import weakref
 
 import numpy as np
+import pytest
 import torch
 
 from mstar.config import EngineConfig, SchedulerConfig, parse_args
@@ -16,6 +18,7 @@ from mstar.engine.engine import Engine
 from mstar.engine.memory.kv_cache import KVCache
 from mstar.models.base import KVSpec
 from mstar.types import GenerateRequest, SamplingParams
+from toys.hybrid import ToyHybridModel
 
 MAX_LEN = 128
 PAGE = 4
@@ -132,6 +135,28 @@ async def test_auto_reserves_for_a_bounded_answer_and_lets_an_open_one_grow() ->
     assert auto == reserved
     assert [len(t) for t in auto] == [40, MAX_LEN - 20] * 3 + [40]
     assert taken and all(taken)  # preempted, and only rows that grow
+
+
+@pytest.mark.parametrize("reservation", ["request", "lazy", "auto"])
+async def test_a_stopped_worker_lets_go_of_its_kv_cache_and_state_slots(reservation: str) -> None:
+    """Shutdown gives the KV caches and state slots back though the engine
+    and its workers live on (a worker sits in reference cycles until the
+    cyclic collector runs), in every mode: under lazy and auto `Preemption`
+    holds them too, and a process starting many engines must not keep each
+    one's pool."""
+    eng = Engine(EngineConfig(model="toy-hybrid", devices=("cpu",), scheduler=SchedulerConfig(
+        kv_reservation=reservation)), model=ToyHybridModel())
+    await eng.start()
+    try:
+        runner = next(r for r in eng.workers[0].runners.values() if r.kv is not None and r.state is not None)
+        held = [weakref.ref(runner.kv), weakref.ref(runner.state)]
+        del runner
+        params = SamplingParams(max_tokens=4, temperature=0.0, seed=1)
+        async for _ in eng.submit(GenerateRequest("r", "toy-hybrid", {"prompt_ids": [1, 2, 3]}, params)):
+            pass
+    finally:
+        await eng.shutdown()
+    assert [ref() for ref in held] == [None, None]
 
 
 def test_swap_round_trip_moves_pages() -> None:

@@ -189,6 +189,8 @@ class DeviceWorker:
         if getattr(self, "arena", None) is not None:
             self.arena.close(force=True)  # blocks of reports nobody will read any more
         self.runners.clear()
+        if self.preemption is not None:  # it holds the KV caches and state slots too
+            self.preemption.clear()
         if getattr(self, "executor", None) is not None:
             self.executor.clear()
         if self.device.type == "cuda":

@@ -43,6 +43,12 @@ class Preemption:
         self.preempted_by: Counter[str] = Counter()  # ... by component
         self.resumed = 0
 
+    def clear(self) -> None:
+        """Let go of the KV caches and state slots: the worker is shutting
+        down, and gives their memory back though it may live on a while."""
+        self.caches.clear()
+        self.states.clear()
+
     def swap_out(self, group: LoopGroup, rows: Sequence[int]) -> None:
         """Take `rows` out of `group`, highest first, and swap their KV out
         (their pages are back in the pool since the plan was made)."""
