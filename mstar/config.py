@@ -32,9 +32,8 @@ class SchedulerConfig:
     # request never runs short; "lazy": pages are taken as tokens arrive, and when the pool runs
     # dry the youngest running rows are preempted (their KV swapped to host memory) and resumed later;
     # "auto": "request" for a request whose max_tokens leaves some of the context, "lazy" for one that
-    # may fill it (no max_tokens), and only such rows are preempted (opt-in: it tripled the memory and
-    # time of the toy omni tests, not understood yet)
-    kv_reservation: str = "request"
+    # may fill it (no max_tokens), and only such rows are preempted
+    kv_reservation: str = "auto"
     state_slots: int | None = None      # rows with per-row state at once (None: max_num_seqs)
     prefix_caching: bool = True         # rows share the KV pages of prompt prefixes seen before
     admit_every: int = 0                # running groups' steps between two steps that start new rows (0: any time)
@@ -202,7 +201,7 @@ def build_parser(builtin_models: Sequence[str] = ()) -> argparse.ArgumentParser:
     p.add_argument("--state-slots", type=int, default=None,
                    help="rows of a recurrent component's per-row state held at once (default: --max-num-seqs)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory to use")
-    p.add_argument("--kv-reservation", choices=("request", "lazy", "auto"), default="request",
+    p.add_argument("--kv-reservation", choices=("auto", "request", "lazy"), default="auto",
                    help="request: reserve prompt + max_tokens pages at the start; lazy: take pages as tokens "
                         "arrive, and preempt (swap out) the youngest rows when they run out; auto: reserve for a "
                         "request whose max_tokens leaves some of the context, lazy for one that may fill it")

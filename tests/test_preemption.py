@@ -125,7 +125,7 @@ async def _mixed(reservation: str, pages: int) -> tuple[list[list[int]], list[bo
 
 
 async def test_auto_reserves_for_a_bounded_answer_and_lets_an_open_one_grow() -> None:
-    """`--kv-reservation auto`: a request with max_tokens holds
+    """`--kv-reservation auto` (the default): a request with max_tokens holds
     its pages from the start and is never preempted; one without takes pages
     as it goes (three of them would reserve a 40-page pool thrice over) and
     is swapped out when they run short; everyone's tokens are what they are
@@ -172,8 +172,7 @@ def test_swap_round_trip_moves_pages() -> None:
 
 
 def test_kv_reservation_flag() -> None:
-    assert parse_args([]).engine.scheduler.kv_reservation == "request"
-    assert parse_args(["--kv-reservation", "auto"]).engine.scheduler.kv_reservation == "auto"
+    assert parse_args([]).engine.scheduler.kv_reservation == "auto"
     assert parse_args(["--kv-reservation", "request"]).engine.scheduler.kv_reservation == "request"
     assert parse_args(["--kv-reservation", "lazy"]).engine.scheduler.kv_reservation == "lazy"
 

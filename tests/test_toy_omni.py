@@ -227,7 +227,7 @@ async def test_audio_appended_runs_a_thinker_turn_and_restarts_the_talker(device
 async def test_conversations_in_a_small_pool_go_on(reservation: str, pages: int) -> None:
     """Conversations of two and three turns in a pool too small for all of
     them: a turn's rows hold the turns before it and ask for more, so with
-    auto they take pages as they go and may be swapped out
+    auto (the default) they take pages as they go and may be swapped out
     like lazy ones, never waiting on each other for good."""
     model = ToyOmniModel()
     requests = _requests(9)
