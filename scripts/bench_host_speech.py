@@ -10,7 +10,7 @@ last one ended. The server is `python -m mstar.http --model orpheus-tiny
 as the first argument), which monkeypatches, before the engine exists, only
 the work a GPU would do:
 - the LM head (`VocabHead.forward`): zeros expanded to [T, vocab], no matmul;
-- the sampler (`runner.sample`): random ids in Orpheus's audio range, so
+- the sampler (`row_sampler.sample`): random ids in Orpheus's audio range, so
   every token enters the codec stream and no audio-end id stops a request;
 - attention (`TorchPagedAttention.attend`): q passed through (the plan and
   the KV writes stay);
@@ -119,7 +119,7 @@ def apply_stubs(hits: dict[str, int], counters: Counters | None) -> None:
     attention stubbed, the sampler, the SNAC window) and of attention plans."""
     import torch
 
-    from mstar.engine.execution import runner
+    from mstar.engine.execution import row_sampler
     from mstar.engine.execution.backends import TorchBackend
     from mstar.engine.memory.attention import TorchPagedAttention
     from mstar.models.layers.linear import VocabHead
@@ -149,11 +149,11 @@ def apply_stubs(hits: dict[str, int], counters: Counters | None) -> None:
         return torch.zeros(rows, end - spf if frames >= 2 else 0, dtype=torch.float32, device=tokens.device)
 
     VocabHead.forward = head  # type: ignore[method-assign]
-    runner.sample = sample  # type: ignore[assignment]
+    row_sampler.sample = sample  # type: ignore[assignment]
     TorchPagedAttention.attend = attend  # type: ignore[method-assign]
     OrpheusCodec.window = window  # type: ignore[method-assign]
     timed(LlamaDecoder, "forward", counters, "model")
-    timed(runner, "sample", counters, "model")
+    timed(row_sampler, "sample", counters, "model")
     timed(OrpheusCodec, "window", counters, "model")
     timed(TorchBackend, "plan", counters, "plan")
 

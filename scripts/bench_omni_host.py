@@ -29,7 +29,7 @@ from bench_env import REPO, commit  # noqa: E402
 
 from mstar.config import EngineConfig, SchedulerConfig  # noqa: E402
 from mstar.engine.engine import Engine  # noqa: E402
-from mstar.engine.execution import runner as runner_module  # noqa: E402
+from mstar.engine.execution import row_sampler  # noqa: E402
 from mstar.models.qwen3_omni.speaking import TalkerSteps  # noqa: E402
 from mstar.models.qwen3_omni.speech.code2wav import Code2Wav  # noqa: E402
 from mstar.models.qwen3_omni.thinker import ThinkerDecoder  # noqa: E402
@@ -83,8 +83,9 @@ async def main() -> None:
     p.add_argument("--repeat", type=int, default=3, help="runs a level; the median is printed (the CPU is noisy)")
     args = p.parse_args()
     device = DeviceWork()
-    for owner, names in ((ThinkerDecoder, ("forward", "prefill", "decode")), (TalkerSteps, ("prefill", "speak", "read")),
-                         (Code2Wav, ("stream",)), (runner_module, ("sample", "token_logprobs"))):
+    for owner, names in ((ThinkerDecoder, ("forward", "prefill", "decode")),
+                         (TalkerSteps, ("prefill", "speak", "read")),
+                         (Code2Wav, ("stream",)), (row_sampler, ("sample", "token_logprobs"))):
         for name in names:
             if hasattr(owner, name):
                 device.wrap(owner, name)

@@ -327,10 +327,10 @@ async def test_a_row_that_breaks_the_sampler_fails_alone_and_its_batch_goes_on(m
     """A prefill of several rows whose sampling raises for one of them runs
     again row by row: the others draw exactly what they draw alone (their KV
     length and draw counter moved on once), only the bad row fails."""
-    from mstar.engine.execution import runner
+    from mstar.engine.execution import row_sampler
 
     bad_seed = 4242
-    real = runner.sample
+    real = row_sampler.sample
 
     def faulty(logits, st, seen=None, banned=None, **kw):
         if bool((st.seeds == bad_seed).any()):
@@ -344,7 +344,7 @@ async def test_a_row_that_breaks_the_sampler_fails_alone_and_its_batch_goes_on(m
         prompts = [tok.encode(t) for t in ("Once upon a time", "Hello", "The quick brown fox", "1 2 3")]
         params = [SamplingParams(max_tokens=12, temperature=0.8, repetition_penalty=1.2, seed=s) for s in range(4)]
         alone = [await _run(eng, f"alone{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
-        monkeypatch.setattr(runner, "sample", faulty)
+        monkeypatch.setattr(row_sampler, "sample", faulty)
         failed_before = eng.workers[0].stats.failed_steps
         # submitted together: their prefills run as one batch, which the bad row breaks
         crowd = await asyncio.gather(

@@ -239,11 +239,11 @@ def test_a_step_that_preempts_its_rows_admits_no_new_ones() -> None:
 
 async def test_a_failing_mixed_step_fails_its_new_rows_and_the_group_steps_on(hf_folder: Path,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    import mstar.engine.execution.runner as runner_module
+    import mstar.engine.execution.group_steps as group_steps_module
 
     def broken(*args, **kwargs):
         raise ValueError("a new row's table is broken")
-    monkeypatch.setattr(runner_module, "mixed_inputs", broken)
+    monkeypatch.setattr(group_steps_module, "mixed_inputs", broken)
     eng = Engine(EngineConfig(model=str(hf_folder), scheduler=SchedulerConfig(page_size=4, num_pages=256)))
     await eng.start()
     try:

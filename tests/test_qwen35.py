@@ -255,11 +255,11 @@ async def test_a_failed_mixed_step_fails_its_rows_with_state(checkpoint: tuple[P
     """A mixed step that raises may have updated the running rows' states in
     place before it did: those rows fail with the new ones instead of
     stepping again (a model without state steps them again alone)."""
-    from mstar.engine.execution import runner as runner_module
+    from mstar.engine.execution import group_steps as group_steps_module
 
     def broken(*args, **kwargs):
         raise ValueError("a new row's table is broken")
-    monkeypatch.setattr(runner_module, "mixed_inputs", broken)
+    monkeypatch.setattr(group_steps_module, "mixed_inputs", broken)
     eng = Engine(EngineConfig(model=str(checkpoint[0]), scheduler=SchedulerConfig(page_size=4)))
     await eng.start()
     try:

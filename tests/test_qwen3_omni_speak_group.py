@@ -16,7 +16,7 @@ import torch
 
 from mstar.config import EngineConfig, SchedulerConfig
 from mstar.engine.engine import Engine
-from mstar.engine.execution.runner import ComponentRunner
+from mstar.engine.execution.group_steps import GroupSteps
 from mstar.engine.worker import walker as walker_module
 from mstar.engine.worker.groups import joining as joining_module
 from mstar.engine.worker.executor import Executor
@@ -71,7 +71,7 @@ async def _speak(requests: list[GenerateRequest], max_model_len: int = 256, devi
 def counts(monkeypatch: pytest.MonkeyPatch) -> collections.Counter:
     """Talker steps by how they ran: group steps and item steps."""
     seen: collections.Counter = collections.Counter()
-    group_step, item_step = ComponentRunner._group_mode_step, Executor._run
+    group_step, item_step = GroupSteps._mode_step, Executor._run
 
     def grouped(self, group, sl, fed):
         seen["group", group.mode] += 1
@@ -80,7 +80,7 @@ def counts(monkeypatch: pytest.MonkeyPatch) -> collections.Counter:
     def item(self, batch, runner, t0):
         seen["item", batch.mode] += 1
         return item_step(self, batch, runner, t0)
-    monkeypatch.setattr(ComponentRunner, "_group_mode_step", grouped)
+    monkeypatch.setattr(GroupSteps, "_mode_step", grouped)
     monkeypatch.setattr(Executor, "_run", item)
     return seen
 

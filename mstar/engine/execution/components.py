@@ -174,6 +174,5 @@ def _runner(model: Model, name: str, module: nn.Module, device: torch.device, dt
              mixed_graphs=len(mixed.buckets) if mixed is not None else None,
              mode_graphs={m: g.buckets for m, g in by_mode.items()} or None)
     runner = ComponentRunner(name, spec, module, device, store, kv, attention, graphs, state=state,
-                             kv_graphs=by_mode)
-    runner.mixed_graphs, runner.sampler_graphs = mixed, draws
+                             kv_graphs=by_mode, mixed_graphs=mixed, sampler_graphs=draws)
     return runner, PagePool(num_pages, cfg.page_size, frozenset(kv.rows))

@@ -11,7 +11,8 @@ Plain modes: each input stacked over rows (a list when ragged) under its
 signature name, and the outputs named by the binding.
 
 Any mode: the stream chunks of token ids that every row of a step holds on
-the host (a codec's windows) made into one tensor (`host_id_rows`).
+the host (a codec's windows) made into one tensor (`host_id_rows`), and the
+rows' slots of a component's per-row state (`state_rows`).
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ from mstar.engine.movement.transfer import to_device
 from mstar.kernels.host_copy import together_on
 from mstar.engine.worker.kv_rows import KVRow
 from mstar.graph import In, Kind, Mode
-from mstar.types import AttentionContext, TokenBatch
+from mstar.types import AttentionContext, StateRows, TokenBatch
 
 if TYPE_CHECKING:
     from mstar.scheduler import WorkItem
     from mstar.engine.memory.kv_cache import KVCache
+    from mstar.engine.memory.state_slots import StatePool
 
 # the attention plan of a step: query_start [B + 1], context lens [B], page tables, causal in
 Planner = Callable[[torch.Tensor, torch.Tensor, list[list[int]], bool], AttentionContext]
@@ -304,3 +306,14 @@ def host_id_rows(items: list[WorkItem], names: list[list[str]]) -> dict[str, tup
         except (TypeError, ValueError, OverflowError):
             continue
     return out
+
+
+def state_rows(pool: StatePool | None, slots: list[int | None] | torch.Tensor,
+               device: torch.device) -> StateRows | None:
+    """The rows' slots of the component's per-row state (None without one)."""
+    if pool is None:
+        return None
+    if not isinstance(slots, torch.Tensor):
+        assert all(s is not None for s in slots), "a row of a component with state has no slot"
+        slots = torch.tensor(slots, dtype=torch.long)
+    return StateRows(pool.tensors, to_device(slots, device), host=slots.tolist())

@@ -7,12 +7,13 @@ row's paged KV cache and (when it samples) returns one token per row; any
 other component takes its inputs stacked over rows and returns named tensors.
 A mode that declares a signature gets its inputs by signature name and names
 its outputs the same way (`pack.py`); a name-only mode takes them by position.
+A KV component's decode groups step through the runner too, by its
+`GroupSteps` (`group_steps.py`).
 """
 
 from __future__ import annotations
 
 import functools
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -23,22 +24,25 @@ from mstar.engine.execution.backends import AttentionBackend
 from mstar.engine.execution.cuda_graphs import DecodeGraphs
 from mstar.engine.execution.draws import Draws
 from mstar.engine.execution.kv_mode_graphs import KVModeGraphs
-from mstar.engine.execution.mixed import NewRows, mixed_inputs
+from mstar.engine.execution.group_steps import GroupLaunch, GroupSteps
+from mstar.engine.execution.mixed import NewRows
+from mstar.engine.execution.mixed_graphs import MixedGraphs
 from mstar.engine.memory.kv_cache import KVCache
 from mstar.engine.worker.groups.loop_group import LoopGroup
 from mstar.engine.execution.mode_graphs import ModeGraphs, takes_seeds
-from mstar.engine.execution.pack import host_id_rows, kv_outputs, pack_kv, page_token_rows, step_indices
+from mstar.engine.execution.pack import (host_id_rows, kv_outputs, pack_kv, page_token_rows, state_rows,
+                                         step_indices)
 from mstar.engine.execution.plain_steps import PlainSteps, step_outputs
-from mstar.engine.worker.kv_rows import KVRow, seen_masks
+from mstar.engine.execution.row_sampler import DeviceClock, RowSampler
+from mstar.engine.worker.kv_rows import KVRow
 from mstar.engine.worker.rows import PartitionRun
-from mstar.engine.execution.sampler import SamplingTensors, banned_table, sample, token_logprobs
+from mstar.engine.execution.sampler import SamplingTensors
 from mstar.engine.execution.sampler_graphs import SamplerGraphs
 from mstar.engine.movement.tensor_store import TensorRef, TensorStore
-from mstar.engine.movement.transfer import to_device
 from mstar.graph import Component, Kind, Mode, Step, step_bindings
 from mstar.scheduler import Batch, WorkItem
 from mstar.engine.memory.state_slots import StatePool
-from mstar.types import AttentionContext, StateRows, TokenBatch
+from mstar.types import AttentionContext, TokenBatch
 
 
 @dataclass(eq=False)
@@ -52,27 +56,16 @@ class StepOutput:
     branches: list[str] | None = None       # the branch row each row stepped (after a fork); None: all "main"
 
 
-@dataclass(eq=False)
-class GroupLaunch:
-    """A launched group step's results, on the device and possibly not
-    computed yet: its rows' tokens, the packed logprobs of the rows that
-    asked, the outputs the group keeps (by walk value), and in a mixed step
-    the tokens (and logprobs) of the new rows whose prompt ended."""
-
-    tokens: torch.Tensor
-    logprobs: torch.Tensor | None
-    extras: dict[str, torch.Tensor]
-    new_tokens: torch.Tensor | None = None
-    new_logprobs: torch.Tensor | None = None
-
-
 class ComponentRunner:
     def __init__(self, name: str, spec: Component, module: nn.Module, device: torch.device,
                  store: TensorStore, kv: KVCache | None, attention: AttentionBackend | None = None,
                  graphs: DecodeGraphs | None = None, mode_graphs: dict[str, ModeGraphs] | None = None,
-                 state: StatePool | None = None, kv_graphs: dict[str, KVModeGraphs] | None = None) -> None:
+                 state: StatePool | None = None, kv_graphs: dict[str, KVModeGraphs] | None = None,
+                 mixed_graphs: MixedGraphs | None = None, sampler_graphs: SamplerGraphs | None = None) -> None:
         """`graphs`: the decode graphs of token loop groups; `mode_graphs`:
-        plain modes' graphs; `kv_graphs`: graphs of KV modes with a signature."""
+        plain modes' graphs; `kv_graphs`: graphs of KV modes with a signature;
+        `mixed_graphs`: graphs of mixed steps; `sampler_graphs`: graphs of the
+        decode graphs' draws (each where captured)."""
         self.name = name
         self.spec = spec
         self.module = module
@@ -84,17 +77,27 @@ class ComponentRunner:
         self.graphs = graphs
         self.mode_graphs = mode_graphs or {}
         self.kv_graphs = kv_graphs or {}
-        self.mixed_graphs = None  # graphs of mixed steps, where captured
-        self.sampler_graphs: SamplerGraphs | None = None  # graphs of the decode graphs' draws, where captured
+        self.mixed_graphs = mixed_graphs
         self.vocab_window: tuple[int, int] | None = getattr(module, "vocab_window", None)  # `VocabHead.restrict`
-        self.mixed_replayed = False  # the last mixed step replayed one
-        self.device_s = 0.0
-        self._cuda = device.type == "cuda"
+        self.clock = DeviceClock(device)
+        self.sampler = RowSampler(self.clock, self.vocab_window, sampler_graphs)
+        self.groups = GroupSteps(module, device, attention, graphs, self.kv_graphs, mixed_graphs, state,
+                                 self.clock, self.sampler)
         self._takes_seeds: dict[str, bool] = {}  # by mode
         self.plain = PlainSteps(self.mode_graphs, device)
         # `Component.own_stream`: the steps' work is queued here, beside the worker's stream
         self.stream = (torch.cuda.Stream(device, priority=-1 if spec.urgent else 0)
-                       if self._cuda and spec.own_stream else None)
+                       if device.type == "cuda" and spec.own_stream else None)
+
+    @property
+    def device_s(self) -> float:
+        """The device time of the last step, item or group."""
+        return self.clock.seconds
+
+    @property
+    def mixed_replayed(self) -> bool:
+        """The last mixed step replayed a graph."""
+        return self.groups.mixed_replayed
 
     def take_inputs(self, batch: Batch) -> list[dict[str, torch.Tensor]]:
         """Each row's inputs, read out of the store (its references dropped):
@@ -131,8 +134,8 @@ class ComponentRunner:
         parts = [item.payload.part for item in batch.items]
         branches = [item.payload.branch for item in batch.items]
         step = parts[0].current_step()
-        self.device_s = 0.0
-        fn = self._timed(getattr(self.module, batch.mode))
+        self.clock.reset()
+        fn = self.clock.timed(getattr(self.module, batch.mode))
         logprobs = None
         sig = self.spec.signatures.get(batch.mode)
         banned = [item.payload.banned for item in batch.items]
@@ -151,7 +154,7 @@ class ComponentRunner:
             seeds = self._row_seeds(parts, step) if self._seeded(batch.mode) else None
             if self.state is not None:  # the rows' slots, as the keyword `state`
                 rows = [p.row(self.name, b) for p, b in zip(parts, branches)]
-                state = self._state_rows([r.slot for r in rows])
+                state = state_rows(self.state, [r.slot for r in rows], self.device)
                 assert state is not None
                 state.new = [r.slot_new for r in rows]
                 fn = functools.partial(fn, state=state)
@@ -195,7 +198,7 @@ class ComponentRunner:
                 logits = self.mixed_graphs.run_prompts(NewRows(parts, kv, prompts, [
                     (start, start + n) for (start, _), n in zip(spans, lens)], banned))
             if logits is not None:
-                self.device_s += self.mixed_graphs.fence.wait_s
+                self.clock.seconds += self.mixed_graphs.fence.wait_s
         if logits is None:
             positions = [torch.arange(r.kv_len, r.kv_len + n) for r, n in zip(kv, lens)]
             query_start = torch.zeros(len(rows) + 1, dtype=torch.long)
@@ -206,14 +209,15 @@ class ComponentRunner:
             attn = self.attention.plan(query_start, torch.tensor([r.kv_len for r in kv], dtype=torch.long),
                                        [r.pages for r in kv])
             batch = TokenBatch(input_ids=input_ids, positions=flat_positions, query_start=query_start,
-                               logits_index=logits_index, attn=attn, state=self._state_rows([r.slot for r in kv]))
+                               logits_index=logits_index, attn=attn,
+                               state=state_rows(self.state, [r.slot for r in kv], self.device))
             with torch.profiler.record_function("mstar.forward"):
                 out = fn(batch)
             if self.spec.samples:
                 logits = out["logits"] if len(ends) == len(rows) else out["logits"][ends]
         if logits is not None:  # a repetition penalty sees the whole prompt, however it was computed
-            tokens, logprobs = self._sample(logits, [parts[i] for i in ends], [kv[i] for i in ends],
-                                            [rows[i].reshape(-1) for i in ends], [banned[i] for i in ends])
+            tokens, logprobs = self.sampler.rows(logits, [parts[i] for i in ends], [kv[i] for i in ends],
+                                                 [rows[i].reshape(-1) for i in ends], [banned[i] for i in ends])
             values = {step.outputs[0]: tokens}
         else:
             values, logprobs = step_outputs(step, out), None
@@ -249,7 +253,7 @@ class ComponentRunner:
             plans.append(args)
             return None if graphs is not None else self.attention.plan(*args)
         packed = pack_kv(rows, reads, kv, sig, self.spec.position_axes, plan, self.device, skips)
-        packed.batch.state = self._state_rows([r.slot for r in kv])
+        packed.batch.state = state_rows(self.state, [r.slot for r in kv], self.device)
         draws = steps[0].draws
         if draws is not None:
             packed.batch.draw = self._drawer(parts, kv, draws, sig.draws)
@@ -268,7 +272,7 @@ class ComponentRunner:
         if token is not None:
             if "logits" not in out:
                 raise RuntimeError(f"{steps[0].label} returned {sorted(out)}: no 'logits' to sample '{token}' from")
-            tokens, logprobs = self._sample(out["logits"], parts, kv, packed.ids, banned)
+            tokens, logprobs = self.sampler.rows(out["logits"], parts, kv, packed.ids, banned)
         values = kv_outputs(out, sig, writes, packed.lens, tokens, steps[0].label)
         if self.kv.rows:
             attn = packed.batch.attn
@@ -291,186 +295,14 @@ class ComponentRunner:
         st = SamplingTensors.build(params, [p.seed for p in params], [r.drawn.get(key, 0) for r in kv], self.device)
         return Draws(st, count)
 
-    def _state_rows(self, slots: list[int | None] | torch.Tensor) -> StateRows | None:
-        """The rows' slots of the component's per-row state (None without one)."""
-        if self.state is None:
-            return None
-        if not isinstance(slots, torch.Tensor):
-            assert all(s is not None for s in slots), "a row of a component with state has no slot"
-            slots = torch.tensor(slots, dtype=torch.long)
-        return StateRows(self.state.tensors, to_device(slots, self.device), host=slots.tolist())
-
-    def _sample(self, logits: torch.Tensor, parts: list[PartitionRun], kv: list[KVRow],
-                inputs: list[torch.Tensor], banned: list[tuple[int, ...]], wait: bool = True
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The rows' tokens, and the packed logprobs of those that asked (on
-        the host; with `wait` False nothing waits, and they stay on the
-        device); `banned`: each row's ids it may not draw."""
-        params = [p.sampling for p in parts]
-        st = SamplingTensors.build(params, [p.seed for p in parts], [r.generated for r in kv], logits.device)
-        seen = None
-        if st.any_penalty:
-            seen = seen_masks(kv, [toks if p.sampling.repetition_penalty != 1.0 else None
-                                   for p, toks in zip(parts, inputs)], logits.shape[-1], logits.device)
-        with torch.profiler.record_function("mstar.sample"):
-            tokens = self._timed(sample)(logits, st, seen, banned_table(banned, logits.device),
-                                         window=self.vocab_window)
-            logprobs = self._timed(token_logprobs)(logits, tokens, st)
-        if not wait:
-            return tokens, logprobs
-        self._wait()
-        return tokens, None if logprobs is None else logprobs.cpu()
-
     @torch.inference_mode()
     def run_group(self, group: LoopGroup, sl: slice, fed: list[int] | None = None,
                   new: NewRows | None = None) -> GroupLaunch:
         """Launch one decode step of rows `sl` of a token loop group (with
         `new`: and those new rows' prompt chunks, a mixed step). `fed`: each
         row's stream item, where the step reads one."""
-        assert self.kv is not None and self.attention is not None
-        self.device_s = 0.0
-        n = sl.stop - sl.start
-        ctx = group.kv_lens[sl]
-        logits = new_logits = None
-        bucket = None   # of the decode graph replayed: its draw may replay too
-        extras: dict[str, torch.Tensor] = {}
-        if new is not None:
-            logits = self._mixed_logits(group, sl, new)
-            logits, new_logits = logits[:n], logits[n:]
-        elif group.shape.reads_more:
-            out = self._group_mode_step(group, sl, fed)
-            logits = out["logits"]
-            extras = {value: out[name] for name, value in group.extras.items()}
-        elif self.graphs is not None:
-            replayed = self.graphs.run(group.tokens[sl], ctx, group.block_table[sl],
-                                       group.positions(sl) if group.shifted or group.axes > 1 else None,
-                                       group.slots[sl] if self.state is not None else None)
-            self.device_s += self.graphs.fence.wait_s
-            if replayed is not None:
-                logits, bucket = replayed["logits"], self.graphs.bucket(n)
-                # out of the static buffers, in stream order: the next replay rewrites them before they are read
-                extras = {value: replayed[name].clone() for name, value in group.extras.items()}
-        if logits is None:
-            query_start = torch.arange(n + 1, dtype=torch.long)
-            batch = TokenBatch(
-                input_ids=group.tokens[sl],
-                positions=to_device(group.positions(sl), self.device),
-                query_start=query_start,
-                logits_index=torch.arange(n, device=self.device),
-                attn=self.attention.plan(query_start, ctx, group.block_table[sl]),
-                state=self._state_rows(group.slots[sl]),
-            )
-            out = self._timed(getattr(self.module, group.mode))(batch)
-            logits = out["logits"]
-            extras = {value: out[name] for name, value in group.extras.items()}
-        seen = group.update_seen(sl)
-        st = group.sampling_for(sl)
-        banned = group.banned(sl)
-        launch = self._group_tokens(logits, st, seen, None if banned is None else to_device(banned, self.device),
-                                    extras, bucket)
-        if new is not None:
-            assert new_logits is not None
-            ends = new.ends
-            launch.new_tokens, launch.new_logprobs = self._sample(
-                new_logits, [new.parts[i] for i in ends], [new.kv[i] for i in ends],
-                [new.prompts[i].reshape(-1) for i in ends], [new.banned[i] for i in ends], wait=False)
-            ended = set(ends)
-            for i, (r, k) in enumerate(zip(new.kv, new.lens)):
-                r.advance(k, None, i in ended)
-        return launch
-
-    def _mixed_logits(self, group: LoopGroup, sl: slice, new: NewRows) -> torch.Tensor:
-        """The logits of a mixed step (`mixed.py`): the group's rows, then the
-        new rows whose prompt ends at this step."""
-        assert self.attention is not None
-        m = mixed_inputs(group, sl, new)
-        self.mixed_replayed = False
-        if self.mixed_graphs is not None:
-            with torch.profiler.record_function("mstar.replay"):
-                replayed = self.mixed_graphs.run(m)
-            if replayed is not None:
-                self.device_s += self.mixed_graphs.fence.wait_s
-                self.mixed_replayed = True
-                return replayed
-        batch = TokenBatch(
-            input_ids=torch.cat([m.group_tokens, to_device(m.new_ids, self.device)]),
-            positions=to_device(m.positions, self.device),
-            query_start=m.query_start,
-            logits_index=to_device(m.logits_index, self.device),
-            attn=self.attention.plan(m.query_start, m.context_lens, m.block_tables),
-            state=self._state_rows(m.slots),
-        )
-        with torch.profiler.record_function("mstar.forward"):
-            return self._timed(getattr(self.module, group.mode))(batch)["logits"]
-
-    def _group_mode_step(self, group: LoopGroup, sl: slice, fed: list[int] | None) -> dict[str, torch.Tensor]:
-        """The outputs of a group step whose mode reads more than its token
-        (`GroupShape`): what the rows carried from their last step, their
-        stream items and their own draws go in as an item step packs them;
-        the mode's captured graphs serve it where they fit."""
-        assert self.attention is not None
-        shape, n = group.shape, sl.stop - sl.start
-        extra: dict[str, torch.Tensor] = dict(group.read_back(sl))
-        if shape.fed is not None:
-            assert fed is not None and len(fed) == n
-            extra[shape.fed] = to_device(torch.tensor(fed, dtype=torch.long), self.device)
-        draw = None
-        if shape.draws is not None:
-            st = group.draws_for(sl)
-            assert st is not None
-            draw = Draws(st, shape.draws[1])
-        ctx = group.kv_lens[sl]
-        query_start = torch.arange(n + 1, dtype=torch.long)
-        # a copy that queues behind the step in flight: this one is launched before that one is read
-        positions = to_device(group.positions(sl).contiguous(), self.device)
-        # one token a row: each row starts at its position (every axis holds the same one)
-        starts = positions if positions.dim() == 1 else positions[0]
-        batch = TokenBatch(input_ids=group.tokens[sl], positions=positions,
-                           query_start=query_start, logits_index=torch.arange(n, device=self.device), attn=None,
-                           extra=extra, start_positions=starts, state=self._state_rows(group.slots[sl]), draw=draw)
-        graphs = self.kv_graphs.get(group.mode)
-        out = None
-        if graphs is not None and self.state is None and graphs.fits(n):
-            with torch.profiler.record_function("mstar.replay"):
-                out = graphs.run(batch, ctx, group.block_table[sl], draw)
-            self.device_s += graphs.fence.wait_s
-        if out is None:
-            batch.attn = self.attention.plan(query_start, ctx, group.block_table[sl])
-            out = self._timed(getattr(self.module, group.mode))(batch)
-        return out
-
-    def _group_tokens(self, logits: torch.Tensor, st: SamplingTensors, seen: torch.Tensor | None,
-                      banned: torch.Tensor | None, extras: dict[str, torch.Tensor],
-                      bucket: int | None = None) -> GroupLaunch:
-        """A group step's tokens sampled from its logits (a decode graph `bucket`'s: by a graph of the
-        draw, unless ids are banned), and their logprobs."""
-        # no wait: the worker reads these tokens after launching the next step. A graph's logits are
-        # its static output: read here, in stream order, before the next replay rewrites them
-        graphs = self.sampler_graphs if bucket is not None and banned is None else None
-        tokens = (graphs.draw(bucket, st, seen) if graphs
-                  else self._timed(sample)(logits, st, seen, banned, window=self.vocab_window))
-        return GroupLaunch(tokens, self._timed(token_logprobs)(logits, tokens, st), extras)
-
-    def _timed(self, fn: Callable) -> Callable:
-        """`fn`, adding its run time to `device_s` on the CPU, where compute is
-        synchronous. On CUDA calls only launch work; `_wait` measures there."""
-        if self._cuda:
-            return fn
-
-        def call(*args, **kwargs):
-            t0 = time.perf_counter()
-            out = fn(*args, **kwargs)
-            self.device_s += time.perf_counter() - t0
-            return out
-        return call
-
-    def _wait(self) -> None:
-        """On CUDA: wait for the step's kernels, counting the time as device
-        time (what is left of the step is host work)."""
-        if self._cuda:
-            t0 = time.perf_counter()
-            torch.cuda.current_stream(self.device).synchronize()
-            self.device_s += time.perf_counter() - t0
+        assert self.kv is not None
+        return self.groups.run(group, sl, fed, new)
 
     def _take(self, item: WorkItem, name: str) -> torch.Tensor:
         ref = item.payload.inputs[name]

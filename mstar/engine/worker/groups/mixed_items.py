@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from mstar.engine.execution.mixed import NewRows
-from mstar.engine.execution.runner import ComponentRunner, GroupLaunch, StepOutput
+from mstar.engine.execution.group_steps import GroupLaunch
+from mstar.engine.execution.runner import ComponentRunner, StepOutput
 from mstar.scheduler import Batch, WorkItem
 
 
