@@ -5,10 +5,10 @@ tokenised and templated there, sampling per key, validated there once) and
 hands it to its device workers; it returns a `RequestStream` of output
 chunks. `prepare` does the same preparing ahead, off the event loop for a
 long prompt, for a `submit` that starts from it. Workers report once per step
-through `loop.call_soon_threadsafe`; the engine turns each report into
-chunks for the requests in it, applies stop strings, and sends stops and
-aborts back. Every device runs a full replica of the model; a new
-request goes to the replica with the least outstanding requests.
+through `loop.call_soon_threadsafe` to the `ReportReader`, which turns each
+report into chunks for the requests in it, applies stop strings, and sends
+stops and aborts back. Every device runs a full replica of the model; a new
+request goes to the replica with the least outstanding requests (`WorkerLoad`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import asyncio
 import concurrent.futures
 import sys
 from collections import Counter
-from itertools import repeat
 from typing import Callable
 
 import structlog
@@ -26,20 +25,20 @@ import torch
 from mstar.config import EngineConfig
 from mstar.engine.execution.components import resolve_dtype
 from mstar.engine.eventloop.devices import check_devices
-from mstar.engine.messages import Abort, Append, CloseInput, Finished, Profile, Shutdown, StepReport, Stop, Submit
-from mstar.engine.eventloop.metrics import STATUSES, EngineMetrics, GCPauses, LagMonitor
-from mstar.engine.eventloop.pcm import pcm16
+from mstar.engine.messages import Abort, Append, CloseInput, Profile, Shutdown, StepReport, Submit
+from mstar.engine.eventloop.metrics import EngineMetrics, GCPauses, LagMonitor
+from mstar.engine.eventloop.report_reader import ReportReader
 from mstar.engine.eventloop.requests import RequestState, RequestStream
+from mstar.engine.eventloop.worker_load import WorkerLoad
 from mstar.engine.movement.tensor_store import TensorStore
 from mstar.engine.eventloop.waiting_line import WaitingLine
 from mstar.engine.worker.device_worker import DeviceWorker
 from mstar.engine.worker.walker import check_runnable
 from mstar.errors import ConfigError, MstarError, ModelNotFound, RequestError
-from mstar.graph import Emit, HostStop, WalkPlan, compile_walks
+from mstar.graph import HostStop, WalkPlan, compile_walks
 from mstar.models.base import Model
 from mstar.models.prepared import Prepared, check_roles, input_size
 from mstar.models.registry import load_model
-from mstar.models.detokenizer import push_batch
 from mstar.models.tokenizer import IncrementalDetokenizer
 from mstar.placement import describe, resolve
 from mstar.types import GenerateRequest, ModelCard
@@ -61,15 +60,10 @@ class Engine:
         self.stats: Counter[str] = Counter()
         self._states: dict[str, RequestState] = {}
         self._waiting = WaitingLine(config.max_waiting_requests, config.queue_timeout, self.stats)
-        # running requests with a part on each worker, and those whose root it runs: routing places a root by
-        # the second (a part a placement pins to one device, a codec on the last, must not weigh that device
-        # down as a home for roots), every other part by the first
-        self._outstanding: list[int] = []
-        self._rooted: list[int] = []
+        self._load: WorkerLoad | None = None  # the workers', from `start`
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._report_hooks: list[Callable[[StepReport], None]] = []
-        self._pre_hooks: list[Callable[[StepReport], None]] = []
         self._metrics = EngineMetrics()
+        self._reports = ReportReader(self._states, self._waiting, self.stats, self._metrics, self.store.drop_owner)
         self._lag: LagMonitor | None = None
         self._gc = GCPauses(self._metrics.gc_pauses)
         self._switch_interval: float | None = None  # Python's, to restore at shutdown
@@ -99,9 +93,8 @@ class Engine:
                         for i, d in enumerate(devices)]
         for w in self.workers:
             w.link.peers = self.workers
-        self._index = {w.name: i for i, w in enumerate(self.workers)}
-        self._outstanding = [0] * len(self.workers)
-        self._rooted = [0] * len(self.workers)
+        self._load = WorkerLoad(self.workers, self.placement)
+        self._reports.serve(self.plans, self.workers, self._load)
         for w in self.workers:
             w.start()
         for w in self.workers:
@@ -254,7 +247,7 @@ class Engine:
                              f"prepared for walk '{prepared.walk}'")
         elif not prepared.is_sampling_of(request):
             prepared = model.resample(request, plan, prepared)
-        places = self._route(plan)
+        places = self._load.route(plan)
         idx = places[plan.root]
         tok = model.tokenizer
         sampling = prepared.sampling[plan.root]
@@ -267,9 +260,8 @@ class Engine:
         self.stats["requests_submitted"] += 1
         self._metrics.submitted(request.request_id)
         shared = places if len(state.shards) > 1 else None
-        self._rooted[idx] += 1
+        self._load.started(idx, state.shards)
         for w in state.shards:  # the root's worker gets the inputs; the others start their partitions
-            self._outstanding[w] += 1
             self.workers[w].send(Submit(request.request_id, plan, prepared.values if w == idx else {},
                                         prepared.sampling, prepared.stop_ids, request.more_input, shared,
                                         request.priority))
@@ -353,14 +345,6 @@ class Engine:
             self._metrics.refused += 1
             raise
 
-    def _route(self, plan: WalkPlan) -> dict[str, int]:
-        """A worker for each partition of a new request (see `Placement.route`):
-        as few workers as it can, the least loaded among the live ones."""
-        dead = 1 << 30
-        load = {w.name: (self._outstanding[i] if w.alive else dead) for i, w in enumerate(self.workers)}
-        roots = {w.name: (self._rooted[i] if w.alive else dead) for i, w in enumerate(self.workers)}
-        return {part: self._index[device] for part, device in self.placement.route(plan, load, roots).items()}
-
     def abort(self, request_id: str) -> None:
         """Stop a request and free what it holds; idempotent."""
         state = self._states.get(request_id)
@@ -379,109 +363,18 @@ class Engine:
         """Called on a worker thread, once per step."""
         loop = self._loop
         if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._on_report, report)
+            loop.call_soon_threadsafe(self._reports.read, report)
 
     def add_report_hook(self, hook: Callable[[StepReport], None],
                         before: bool = False) -> Callable[[StepReport], None]:
         """Observe every step report on the event loop (metrics, tests), after
         the engine has handled it or, with `before`, just before. Returns
         `hook`, for `remove_report_hook`."""
-        (self._pre_hooks if before else self._report_hooks).append(hook)
+        self._reports.add_hook(hook, before)
         return hook
 
     def remove_report_hook(self, hook: Callable[[StepReport], None]) -> None:
-        for hooks in (self._pre_hooks, self._report_hooks):
-            if hook in hooks:
-                hooks.remove(hook)
-
-    def _on_report(self, report: StepReport) -> None:
-        for hook in self._pre_hooks:
-            hook(report)
-        for batch in report.emits:
-            emit = self._emit_of(batch.value)
-            if emit.modality == "audio":
-                data: list = pcm16(batch.data)
-            else:
-                data = batch.data.tolist() if hasattr(batch.data, "tolist") else [t.tolist() for t in batch.data]
-            tokens: list[tuple[RequestState, str, int, list[float] | None]] = []
-            logprobs = repeat(None) if batch.logprobs is None else batch.logprobs.tolist()
-            for rid, part, row, logprob in zip(batch.request_ids, batch.partitions, data, logprobs):
-                state = self._states.get(rid)
-                if state is None or state.finished or part in state.stopped:
-                    self.stats["outputs_dropped"] += 1
-                    if state is not None and emit.modality == "text":
-                        state.drawn_after_stop += 1  # drawn before the stop reached the worker: not the answer's
-                    continue
-                self._waiting.started(rid)
-                if emit.modality == "text" and isinstance(row, int):
-                    tokens.append((state, part, row, logprob))
-                elif (state.feed_value(part, batch.value, emit.modality, row, emit.sample_rate)
-                      or self._host_stop(state, part, batch.value, row)):
-                    self.workers[state.worker_of(part)].send(Stop(rid, part))
-            if tokens:
-                self._feed_tokens(tokens, batch.value)
-            self._metrics.outputs(batch.request_ids, emit.modality)
-        for fin in report.finished:
-            self._on_finished(fin, self._index.get(report.device, 0))
-        for waiting in report.awaiting:
-            state = self._states.get(waiting.request_id)
-            if state is not None and not state.finished:
-                state.awaiting(waiting.context_tokens)
-        for hook in self._report_hooks:
-            hook(report)
-        for batch in report.emits:
-            batch.release()  # read (hooks included): its arena blocks go back
-
-    def _emit_of(self, value: str) -> Emit:
-        for plan in self.plans.values():
-            if value in plan.emits:
-                return plan.emits[value]
-        return Emit(value)
-
-    def _feed_tokens(self, tokens: list[tuple[RequestState, str, int, list[float] | None]], value: str) -> None:
-        """One token (and its packed logprobs, if its step computed any) for
-        each of many requests: detokenised together (one call into the
-        tokenizer for the step), then fed one by one."""
-        with_text = [i for i, (state, _, token, _) in enumerate(tokens)
-                     if state.detok is not None and state.shows(token)]
-        texts = [""] * len(tokens)
-        if with_text:
-            pieces = push_batch([tokens[i][0].detok for i in with_text], [[tokens[i][2]] for i in with_text])
-            for i, piece in zip(with_text, pieces):
-                texts[i] = piece
-        for (state, part, token, logprob), text in zip(tokens, texts):
-            if state.feed_tokens(part, [token], text, logprob) or self._host_stop(state, part, value, token):
-                self.workers[state.worker_of(part)].send(Stop(state.request_id, part))
-
-    @staticmethod
-    def _host_stop(state: RequestState, part: str, value: str, data: object) -> bool:
-        return bool(state.host_predicates) and state.host_stop(part, value, data)
-
-    def _on_finished(self, fin: Finished, worker: int) -> None:
-        state = self._states.get(fin.request_id)
-        if state is None or not fin.request_done:
-            return
-        # one worker is done with the request; the request is done when all of its workers are
-        self._outstanding[worker] -= 1
-        if worker == state.worker:
-            self._rooted[worker] -= 1
-        reason = state.shard_done(fin.reason, fin.error, fin.num_generated, worker)
-        if fin.reason == "error" and not state.finished and state.shards_left > 0:  # so does the request
-            for w in state.shards:
-                if w != worker:
-                    self.workers[w].send(Abort(fin.request_id, "error"))
-        if reason is None:
-            return
-        del self._states[fin.request_id]
-        if len(state.shards) > 1:
-            self.store.drop_owner(fin.request_id)  # references one worker sent another and nobody took
-        if state.timer is not None:
-            state.timer.cancel()
-        self._waiting.started(fin.request_id)
-        self.stats[f"finished_{reason}"] += 1
-        status = reason if reason in STATUSES else "stop"
-        self._metrics.finished(fin.request_id, status, state.num_prompt_tokens, state.num_output_tokens)
-        state.finish(status, state.failed or fin.error)
+        self._reports.remove_hook(hook)
 
 
 def _host_predicates(plan: WalkPlan) -> dict[tuple[str, str], Callable[[object], bool]]:

@@ -1,0 +1,145 @@
+"""Workers' step reports into requests' output chunks, on the event loop:
+each emitted batch is fed to its requests (a step's text tokens detokenised
+together, stop strings and host stop rules judged there), stops go back to
+the workers that run the parts that stopped, and a request ends once every
+worker it ran on has finished it. Hooks observe every report, before and
+after it is read.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from itertools import repeat
+from typing import TYPE_CHECKING, Callable
+
+from mstar.engine.eventloop.metrics import STATUSES, EngineMetrics
+from mstar.engine.eventloop.pcm import pcm16
+from mstar.engine.eventloop.requests import RequestState
+from mstar.engine.eventloop.waiting_line import WaitingLine
+from mstar.engine.eventloop.worker_load import WorkerLoad
+from mstar.engine.messages import Abort, Finished, StepReport, Stop
+from mstar.graph import Emit, WalkPlan
+from mstar.models.detokenizer import push_batch
+
+if TYPE_CHECKING:
+    from mstar.engine.worker.device_worker import DeviceWorker
+
+
+class ReportReader:
+    def __init__(self, states: dict[str, RequestState], waiting: WaitingLine, stats: Counter[str],
+                 metrics: EngineMetrics, drop_owner: Callable[[str], None]) -> None:
+        """`states`: the running requests by id, the engine's; a request read
+        to its end leaves it here. `drop_owner`: the tensor store's, for what
+        one worker sent another for a request and nobody took."""
+        self._states = states
+        self._waiting = waiting
+        self._stats = stats
+        self._metrics = metrics
+        self._drop_owner = drop_owner
+        self._report_hooks: list[Callable[[StepReport], None]] = []
+        self._pre_hooks: list[Callable[[StepReport], None]] = []
+        self._plans: dict[str, WalkPlan] = {}
+        self._workers: Sequence[DeviceWorker] = []
+        self._load: WorkerLoad | None = None
+
+    def serve(self, plans: dict[str, WalkPlan], workers: Sequence[DeviceWorker], load: WorkerLoad) -> None:
+        """The walks, workers and load of the engine that starts: what its reports name."""
+        self._plans = plans
+        self._workers = workers
+        self._load = load
+
+    def add_hook(self, hook: Callable[[StepReport], None], before: bool = False) -> None:
+        (self._pre_hooks if before else self._report_hooks).append(hook)
+
+    def remove_hook(self, hook: Callable[[StepReport], None]) -> None:
+        for hooks in (self._pre_hooks, self._report_hooks):
+            if hook in hooks:
+                hooks.remove(hook)
+
+    def read(self, report: StepReport) -> None:
+        for hook in self._pre_hooks:
+            hook(report)
+        for batch in report.emits:
+            emit = self._emit_of(batch.value)
+            if emit.modality == "audio":
+                data: list = pcm16(batch.data)
+            else:
+                data = batch.data.tolist() if hasattr(batch.data, "tolist") else [t.tolist() for t in batch.data]
+            tokens: list[tuple[RequestState, str, int, list[float] | None]] = []
+            logprobs = repeat(None) if batch.logprobs is None else batch.logprobs.tolist()
+            for rid, part, row, logprob in zip(batch.request_ids, batch.partitions, data, logprobs):
+                state = self._states.get(rid)
+                if state is None or state.finished or part in state.stopped:
+                    self._stats["outputs_dropped"] += 1
+                    if state is not None and emit.modality == "text":
+                        state.drawn_after_stop += 1  # drawn before the stop reached the worker: not the answer's
+                    continue
+                self._waiting.started(rid)
+                if emit.modality == "text" and isinstance(row, int):
+                    tokens.append((state, part, row, logprob))
+                elif (state.feed_value(part, batch.value, emit.modality, row, emit.sample_rate)
+                      or self._host_stop(state, part, batch.value, row)):
+                    self._workers[state.worker_of(part)].send(Stop(rid, part))
+            if tokens:
+                self._feed_tokens(tokens, batch.value)
+            self._metrics.outputs(batch.request_ids, emit.modality)
+        for fin in report.finished:
+            self._on_finished(fin, self._load.index(report.device))
+        for waiting in report.awaiting:
+            state = self._states.get(waiting.request_id)
+            if state is not None and not state.finished:
+                state.awaiting(waiting.context_tokens)
+        for hook in self._report_hooks:
+            hook(report)
+        for batch in report.emits:
+            batch.release()  # read (hooks included): its arena blocks go back
+
+    def _emit_of(self, value: str) -> Emit:
+        for plan in self._plans.values():
+            if value in plan.emits:
+                return plan.emits[value]
+        return Emit(value)
+
+    def _feed_tokens(self, tokens: list[tuple[RequestState, str, int, list[float] | None]], value: str) -> None:
+        """One token (and its packed logprobs, if its step computed any) for
+        each of many requests: detokenised together (one call into the
+        tokenizer for the step), then fed one by one."""
+        with_text = [i for i, (state, _, token, _) in enumerate(tokens)
+                     if state.detok is not None and state.shows(token)]
+        texts = [""] * len(tokens)
+        if with_text:
+            pieces = push_batch([tokens[i][0].detok for i in with_text], [[tokens[i][2]] for i in with_text])
+            for i, piece in zip(with_text, pieces):
+                texts[i] = piece
+        for (state, part, token, logprob), text in zip(tokens, texts):
+            if state.feed_tokens(part, [token], text, logprob) or self._host_stop(state, part, value, token):
+                self._workers[state.worker_of(part)].send(Stop(state.request_id, part))
+
+    @staticmethod
+    def _host_stop(state: RequestState, part: str, value: str, data: object) -> bool:
+        return bool(state.host_predicates) and state.host_stop(part, value, data)
+
+    def _on_finished(self, fin: Finished, worker: int) -> None:
+        state = self._states.get(fin.request_id)
+        if state is None or not fin.request_done:
+            return
+        # one worker is done with the request; the request is done when all of its workers are
+        self._load.finished(worker, worker == state.worker)
+        reason = state.shard_done(fin.reason, fin.error, fin.num_generated, worker)
+        if fin.reason == "error" and not state.finished and state.shards_left > 0:  # so does the request
+            for w in state.shards:
+                if w != worker:
+                    self._workers[w].send(Abort(fin.request_id, "error"))
+        if reason is None:
+            return
+        del self._states[fin.request_id]
+        if len(state.shards) > 1:
+            self._drop_owner(fin.request_id)  # references one worker sent another and nobody took
+        if state.timer is not None:
+            state.timer.cancel()
+        self._waiting.started(fin.request_id)
+        self._stats[f"finished_{reason}"] += 1
+        status = reason if reason in STATUSES else "stop"
+        self._metrics.finished(fin.request_id, status, state.num_prompt_tokens, state.num_output_tokens)
+        state.finish(status, state.failed or fin.error)
