@@ -380,3 +380,25 @@ async def test_a_stop_string_counts_the_tokens_taken_in_not_the_speculative_ones
             assert chunks[-1].num_output_tokens == taken, max_tokens
     finally:
         await eng.shutdown()
+
+
+async def test_an_aborted_stream_settles_with_what_the_worker_sampled() -> None:
+    """`RequestStream.settled`: None while a worker still runs the request
+    (within the timeout), then, once the abort has reached every worker, the
+    count of tokens they sampled: at least those the client saw."""
+    eng = Engine(EngineConfig(model="tiny-llama"))
+    await eng.start()
+    try:
+        sp = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
+        stream = eng.submit(GenerateRequest("long", "tiny-llama", {"prompt_ids": [1, 2, 3]}, sp))
+        chunks = aiter(stream)  # held: a dropped iterator aborts its request
+        seen = 0
+        while seen < 3:
+            seen += len((await anext(chunks)).token_ids)
+        assert await stream.settled(0.05) is None  # 2,000 tokens take longer
+        eng.abort("long")
+        generated = await stream.settled(30.0)
+        assert generated is not None and seen <= generated < 2000
+        await _drained(eng)
+    finally:
+        await eng.shutdown()

@@ -101,6 +101,7 @@ class RequestState:
         self.shards: tuple[int, ...] = tuple(sorted(set(self.places.values()))) or (self.worker,)
         self.shards_left = len(self.shards)
         self.num_generated = 0
+        self.settled = asyncio.Event()  # every worker is done with it: num_generated is final
         self.drawn_after_stop = 0  # text tokens that came after a stop string had stopped their partition
         # tokens the context surely holds: the worker's count at the last catch-up, plus pieces appended since
         # (a speech walk's sampled tokens are audio the event loop never counts)
@@ -181,6 +182,7 @@ class RequestState:
             self.failed = self.failed or error or "a part of the request failed"
         if self.shards_left > 0:
             return None
+        self.settled.set()
         # a walk that emits audio, not tokens, still reports what it sampled
         self.num_output_tokens = max(self.num_output_tokens, self.num_generated - self.drawn_after_stop)
         ended = self.root_reason if len(self.shards) > 1 and self.root_reason else reason
@@ -225,6 +227,16 @@ class RequestStream:
         """Tokens the workers sampled for the request, once each is done with
         it (after an abort, a step after the last chunk); None before."""
         return self._state.num_generated if self._state.shards_left == 0 else None
+
+    async def settled(self, timeout: float) -> int | None:
+        """`num_generated` once every worker is done with the request (after
+        an abort, within a step), or None if they are not within `timeout`
+        seconds."""
+        try:
+            await asyncio.wait_for(self._state.settled.wait(), timeout)
+        except TimeoutError:
+            return None
+        return self.num_generated
 
     def __aiter__(self) -> AsyncIterator[OutputChunk]:
         return self._iterate()

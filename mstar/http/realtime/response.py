@@ -199,11 +199,7 @@ class ActiveResponse:
         """The tokens the engine sampled before the cancel. The abort's chunk
         comes at once and cannot know them for a walk that emits audio, not
         tokens; the workers tell within a step."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + SETTLE_S
-        while self.stream.num_generated is None and loop.time() < deadline:
-            await asyncio.sleep(0.01)
-        return self.stream.num_generated
+        return await self.stream.settled(SETTLE_S)
 
     def _finish(self, last: OutputChunk | None, generated: int | None) -> None:
         reason = "abort" if self.cancelled else (last.finish_reason if last is not None else "error")
