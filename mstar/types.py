@@ -31,8 +31,9 @@ class SamplingParams:
 
     `max_tokens` None is all the room the prompt leaves in the model's
     context (the model's prepare makes it a number). `temperature == 0` is
-    greedy. `top_k <= 0` and `top_p == 1` disable those filters. `seed` makes a request's draws reproducible whatever it is batched
-    with. `stop` strings are checked on the event loop, after detokenising.
+    greedy. `top_k <= 0` and `top_p == 1` disable those filters. `seed`
+    makes a request's draws reproducible whatever it is batched with.
+    `stop` strings are checked on the event loop, after detokenising.
     `min_tokens`: a loop's stop ids (EOS, `stop_token_ids`) are not drawn
     before it has written that many tokens, and a `stop` string counts only
     where it ends in a later token's text (vLLM's; a talker's EOS code is no

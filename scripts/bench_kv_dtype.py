@@ -87,7 +87,8 @@ def measure(batch: int, context: int, kv_dtype: torch.dtype, tensor_cores: bool,
     attend_us = graph_time_us(lambda i: run(q, stored[i % LAYERS]))
     kv_bytes = 2 * batch * context * HKV * D * torch.empty((), dtype=kv_dtype).element_size()
     return dict(batch=batch, context=context, kv_dtype=str(kv_dtype).removeprefix("torch."),
-                decode="xqa" if xqa else "tensor cores" if tensor_cores else "CUDA cores", split_kv="off" if no_split else "auto",
+                decode="xqa" if xqa else "tensor cores" if tensor_cores else "CUDA cores",
+                split_kv="off" if no_split else "auto",
                 attend_us=round(attend_us, 2),
                 kv_gbps=round(kv_bytes / attend_us / 1e3, 1), max_err=max_err, quant_err=quant_err)
 

@@ -60,7 +60,8 @@ def graph_time_us(fn, calls: int = CALLS, replays: int = REPLAYS) -> float:
     return start.elapsed_time(end) * 1000 / (calls * replays)
 
 
-def measure(page_size: int, tensor_cores: bool, batch: int, context: int, seed: int = 0) -> dict[str, float | int | str]:
+def measure(page_size: int, tensor_cores: bool, batch: int, context: int,
+            seed: int = 0) -> dict[str, float | int | str]:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     per_row = math.ceil(context / page_size)
     num_pages = batch * per_row + 1

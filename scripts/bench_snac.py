@@ -34,7 +34,8 @@ def main() -> None:
     parser.add_argument("--play", action="store_true",
                         help="decode only the second frame, as an Orpheus window plays it (SnacDecoder's play span)")
     parser.add_argument("--modules", action="store_true",
-                        help="run the residual units as modules (on CUDA the default fuses them: kernels/codec/snake_unit.py)")
+                        help="run the residual units as modules "
+                             "(on CUDA the default fuses them: kernels/codec/snake_unit.py)")
     parser.add_argument("--graphs", action="store_true", help="also time a CUDA graph replay (CUDA only)")
     parser.add_argument("--package", action="store_true", help="also time snac.SNAC.decode")
     parser.add_argument("--profile", action="store_true",

@@ -26,8 +26,8 @@ def _host_us(fn) -> float:
 
 def main() -> None:
     dev, dt = torch.device("cuda"), torch.bfloat16
-    print(torch.cuda.get_device_name(), "torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version(),
-          "CUDA_MODULE_LOADING", os.environ.get("CUDA_MODULE_LOADING"))
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "cuda", torch.version.cuda,
+          "cudnn", torch.backends.cudnn.version(), "CUDA_MODULE_LOADING", os.environ.get("CUDA_MODULE_LOADING"))
     w = torch.randn(5120, 2048, device=dev, dtype=dt)
     w2 = torch.randn(2048, 4096, device=dev, dtype=dt)
     x = torch.randn(4096, 4096, device=dev, dtype=dt)

@@ -58,7 +58,8 @@ class Front:
         self.log = open(log, "w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mstar.cluster", "--address", cluster.address, "--gpus", "cpu",
-             "--num-replicas", "2", "--name", prefix, "--port", str(self.port), "--", "--model", model, "--max-num-seqs", "8"],
+             "--num-replicas", "2", "--name", prefix, "--port", str(self.port), "--", "--model", model,
+             "--max-num-seqs", "8"],
             stdout=self.log, stderr=subprocess.STDOUT)
 
     def wait_healthy(self, count: int = 2, timeout: float = STARTUP_S) -> dict:

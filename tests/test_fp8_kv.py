@@ -55,7 +55,8 @@ def test_stores_round_into_float8_pages():
     slots = torch.tensor([0, 9, 23])
     store_kv(k, v, cache.k[1], cache.v[1], slots)
     flat_k, flat_v = cache.k[1].view(-1, 2, 16), cache.v[1].view(-1, 2, 16)
-    assert torch.equal(flat_k[slots].float(), k.to(FP8).float()) and torch.equal(flat_v[slots].float(), v.to(FP8).float())
+    assert (torch.equal(flat_k[slots].float(), k.to(FP8).float())
+            and torch.equal(flat_v[slots].float(), v.to(FP8).float()))
     # the normed, rotated store of Qwen3-style layers too: its k rounded once more, to e4m3
     qkv = torch.randn(3, (4 + 2 * 2) * 16, generator=gen)
     w, cos, sin = torch.ones(16), torch.ones(3, 16), torch.zeros(3, 16)

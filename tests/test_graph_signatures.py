@@ -9,8 +9,8 @@ import pytest
 from toys.audio_decoder import DECODE, ENCODE, PREFILL  # the toy audio decoder's signatures, which run
 
 from mstar.errors import WalkError
-from mstar.graph import (Collect, Component, Emit, EosToken, In, Kind, Loop, MaxSteps, MaxTokens, Mode, Out, SlidingWindow,
-                         Step, Stream, Walk, compile_walk)
+from mstar.graph import (Collect, Component, Emit, EosToken, In, Kind, Loop, MaxSteps, MaxTokens, Mode, Out,
+                         SlidingWindow, Step, Stream, Walk, compile_walk)
 
 TALK = Mode("talk", (In("ids", Kind.IDS), In("h", Kind.EMBEDS), In("j", Kind.INDEX, optional=True)),
             (Out("code", Kind.TOKEN),), kv="append", query="ids")

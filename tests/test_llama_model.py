@@ -108,7 +108,8 @@ def test_missing_unexpected_and_misshapen_tensors(folder, tmp_path):
     bad = _rewrite(folder, tmp_path / "missing", lambda t: t.pop("model.layers.0.self_attn.k_proj.weight"))
     with pytest.raises(ConfigError, match=r"missing 1 tensor.*qkv_proj\.weight\[k\]"):
         load_model(str(bad)).build_component("llm", cpu, torch.float32)
-    bad = _rewrite(folder, tmp_path / "extra", lambda t: t.update({"model.layers.7.mlp.up_proj.weight": t["lm_head.weight"].clone()}))
+    bad = _rewrite(folder, tmp_path / "extra",
+                   lambda t: t.update({"model.layers.7.mlp.up_proj.weight": t["lm_head.weight"].clone()}))
     with pytest.raises(ConfigError, match=r"unexpected 1 tensor.*layers\.7"):
         load_model(str(bad)).build_component("llm", cpu, torch.float32)
     bad = _rewrite(folder, tmp_path / "shape", lambda t: t.update({"model.norm.weight": torch.ones(31)}))

@@ -48,7 +48,8 @@ def test_sparse_moe_matches_transformers(part: str, kernel: bool, monkeypatch: p
     for p in theirs.parameters():  # transformers leaves the stacked experts uninitialised
         torch.nn.init.normal_(p, std=0.2)
     ours = SparseMoe(text.hidden_size, text.moe_intermediate_size, text.num_experts, text.num_experts_per_tok,
-                     text.norm_topk_prob, getattr(text, "shared_expert_intermediate_size", 0) if part == "talker" else 0)
+                     text.norm_topk_prob,
+                     getattr(text, "shared_expert_intermediate_size", 0) if part == "talker" else 0)
     _copy(ours, theirs)
     x = torch.randn(1, 37, text.hidden_size)
     with torch.no_grad():

@@ -64,7 +64,8 @@ def test_codec_graphs_replay_what_eager_computes() -> None:
     codec = _codec(torch.float16)
     # full windows and 3-frame last windows
     graphs = ModeGraphs("codec.window", codec.window, ((RowShape((WINDOW_TOKENS,), torch.long),),
-                                                       (RowShape((21,), torch.long),)), (1, 4, 16), torch.device("cuda"))
+                                                       (RowShape((21,), torch.long),)), (1, 4, 16),
+                        torch.device("cuda"))
     assert graphs.seeded
     graphs.capture(show_progress=False)
     for n in (1, 3, 16):  # exact and padded buckets

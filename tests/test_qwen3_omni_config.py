@@ -27,7 +27,8 @@ TEXT = dict(hidden_size=H, intermediate_size=128, num_hidden_layers=3, num_atten
 def tiny() -> Qwen3OmniMoeConfig:
     return Qwen3OmniMoeConfig(
         thinker_config=dict(
-            vision_start_token_id=151652, audio_token_id=151675, audio_start_token_id=151669, position_id_per_seconds=13,
+            vision_start_token_id=151652, audio_token_id=151675, audio_start_token_id=151669,
+            position_id_per_seconds=13,
             text_config=dict(TEXT, vocab_size=152064),
             audio_config=dict(encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=32, d_model=16, output_dim=H,
                               downsample_hidden_size=8),

@@ -85,7 +85,8 @@ async def test_each_turn_is_the_thinkers_answer_to_the_conversation_and_is_spoke
     assert audio == 2 * 1920 * (FRAMES - 1) - 555
 
 
-async def test_a_turn_the_model_refuses_fails_at_append_and_the_conversation_goes_on(folder: Path) -> None:  # noqa: F811
+async def test_a_turn_the_model_refuses_fails_at_append_and_the_conversation_goes_on(
+        folder: Path) -> None:  # noqa: F811
     eng = Engine(EngineConfig(model=str(folder), devices=("cpu",), max_model_len=512))
     await eng.start()
     try:

@@ -74,9 +74,9 @@ def _reference(model: Qwen3OmniMoeForConditionalGeneration, ids: list[int], clip
         kwargs["input_features"] = torch.cat([torch.nn.functional.pad(f["input_features"],
                                                                       (0, longest - f["input_features"].shape[-1]))
                                               for f in feats])
-        kwargs["feature_attention_mask"] = torch.cat([torch.nn.functional.pad(f["attention_mask"],
-                                                                              (0, longest - f["attention_mask"].shape[-1]))
-                                                      for f in feats])
+        kwargs["feature_attention_mask"] = torch.cat(
+            [torch.nn.functional.pad(f["attention_mask"], (0, longest - f["attention_mask"].shape[-1]))
+             for f in feats])
     with torch.no_grad():
         out = model.thinker.generate(input_ids=torch.tensor([ids]), max_new_tokens=TOKENS, do_sample=False,
                                      output_scores=True, return_dict_in_generate=True, **kwargs)

@@ -192,7 +192,8 @@ async def test_chat_and_spoken_chat_prefill_together_without_a_failed_step() -> 
         async def run(rid: str, walk: str) -> tuple[list[int], int]:
             request = GenerateRequest(rid, "qwen3-omni-tiny", {"messages": [{"role": "user", "content": "hi"}]},
                                       SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), walk=walk,
-                                      sampling_by={"talker": {"max_tokens": 3, "ignore_eos": True, "stop_token_ids": []}}
+                                      sampling_by={"talker": {"max_tokens": 3, "ignore_eos": True,
+                                                              "stop_token_ids": []}}
                                       if walk == "speak" else {})  # a sampled first code may be EOS: no audio
             text, audio = [], 0
             async for chunk in eng.submit(request):

@@ -69,7 +69,8 @@ class TorchPagedAttention(PagedDest):
         ctx = torch.as_tensor(context_lens, dtype=torch.int64).cpu()
         rows = qs.numel() - 1
         if rows < 0 or ctx.shape != (rows,):
-            raise ValueError(f"query_start [B+1] and context_lens [B] disagree: {tuple(qs.shape)} vs {tuple(ctx.shape)}")
+            raise ValueError(f"query_start [B+1] and context_lens [B] disagree: {tuple(qs.shape)} vs "
+                             f"{tuple(ctx.shape)}")
         q_lens = qs[1:] - qs[:-1]
         if (q_lens < 0).any() or (ctx < 0).any():
             raise ValueError("query_start must be non-decreasing and context_lens non-negative")
@@ -128,7 +129,8 @@ class TorchPagedAttention(PagedDest):
                 rotary: Rotary | None = None) -> torch.Tensor:
         t, hq, d = q.shape
         if t != self.num_tokens or k.shape[0] != t or v.shape[0] != t:
-            raise ValueError(f"attention planned for {self.num_tokens} tokens, got q/k/v of {t}/{k.shape[0]}/{v.shape[0]}")
+            raise ValueError(f"attention planned for {self.num_tokens} tokens, got q/k/v of "
+                             f"{t}/{k.shape[0]}/{v.shape[0]}")
         k_pages, v_pages = self.cache.layer(layer)
         hkv = k_pages.shape[2]
         if hq % hkv:

@@ -48,7 +48,8 @@ class RopeScaling:
             return cls()
         rope_type = d.get("rope_type", d.get("type", "default")) or "default"
         if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ConfigError(f"rope type '{rope_type}' is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+            raise ConfigError(f"rope type '{rope_type}' is not supported "
+                              f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
         if rope_type == "default":
             return cls()
         if "factor" not in d:

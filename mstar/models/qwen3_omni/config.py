@@ -103,7 +103,8 @@ class MoeDecoderConfig:
                   num_attention_heads=f.need("num_attention_heads"), num_key_value_heads=f.need("num_key_value_heads"),
                   head_dim=f.need("head_dim"), vocab_size=f.need("vocab_size"),
                   num_experts=f.get("num_experts", None) or f.need("num_local_experts"),
-                  num_experts_per_tok=f.need("num_experts_per_tok"), moe_intermediate_size=f.need("moe_intermediate_size"),
+                  num_experts_per_tok=f.need("num_experts_per_tok"),
+                  moe_intermediate_size=f.need("moe_intermediate_size"),
                   norm_topk_prob=f.get("norm_topk_prob", False, bool),
                   shared_expert_intermediate_size=f.need("shared_expert_intermediate_size") if shared_expert else 0,
                   rope_theta=theta, mrope_section=section, rms_norm_eps=f.get("rms_norm_eps", 1e-6, float),
@@ -203,8 +204,8 @@ class TalkerConfig:
                               f"code predictor's {cfg.code_predictor.num_code_groups}")
         if cfg.code_predictor.hidden_size != cfg.decoder.hidden_size:
             raise ConfigError(f"qwen3-omni config: {f.where}: the code predictor reads the talker's hidden state "
-                              f"({cfg.decoder.hidden_size}) without a projection, but is {cfg.code_predictor.hidden_size} "
-                              "wide")
+                              f"({cfg.decoder.hidden_size}) without a projection, but is "
+                              f"{cfg.code_predictor.hidden_size} wide")
         if not cfg.voices:
             raise ConfigError(f"qwen3-omni config: {f.where}.speaker_id names no voice")
         return cfg

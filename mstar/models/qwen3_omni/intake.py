@@ -5,14 +5,15 @@ and the media in the order the placeholders take them, out.
 
 Chat renders as the checkpoint's template does (ChatML: `<|im_start|>role\\n
 ... <|im_end|>\\n` per message, then the assistant's opening; each role is
-its one token, as the config names it), at the level of ids (without the assistant's opening when `add_generation_prompt` is false),
-so that media placeholders are placed and counted here rather than
-found again in rendered text: text through the tokenizer without special
-tokens, an audio part as `<|audio_start|>` + n x `<|audio_pad|>` +
-`<|audio_end|>`, an image part as `<|vision_start|>` + n x `<|image_pad|>` +
-`<|vision_end|>`. A part's media arrive decoded (the HTTP layer decodes
-bytes off the event loop): an audio part's `audio` is a mono float32
-16 kHz waveform, an image part's `image` RGB uint8 [H, W, 3].
+its one token, as the config names it), at the level of ids (without the
+assistant's opening when `add_generation_prompt` is false), so that media
+placeholders are placed and counted here rather than found again in
+rendered text: text through the tokenizer without special tokens, an audio
+part as `<|audio_start|>` + n x `<|audio_pad|>` + `<|audio_end|>`, an image
+part as `<|vision_start|>` + n x `<|image_pad|>` + `<|vision_end|>`. A
+part's media arrive decoded (the HTTP layer decodes bytes off the event
+loop): an audio part's `audio` is a mono float32 16 kHz waveform, an image
+part's `image` RGB uint8 [H, W, 3].
 """
 
 from __future__ import annotations

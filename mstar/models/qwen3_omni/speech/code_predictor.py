@@ -87,7 +87,8 @@ class FrameCache:
         # no mask to build, and grouped heads read their KV head in place
         mask = None
         if 1 < n < total:
-            mask = torch.arange(total, device=q.device)[None, :] <= (total - n + torch.arange(n, device=q.device))[:, None]
+            mask = (torch.arange(total, device=q.device)[None, :]
+                    <= (total - n + torch.arange(n, device=q.device))[:, None])
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
                                              is_causal=mask is None and n > 1, scale=scale, enable_gqa=True)
         return out.transpose(1, 2).reshape(b * n, *q.shape[2:])
