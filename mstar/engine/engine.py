@@ -7,8 +7,10 @@ chunks. `prepare` does the same preparing ahead, off the event loop for a
 long prompt, for a `submit` that starts from it. Workers report once per step
 through `loop.call_soon_threadsafe` to the `ReportReader`, which turns each
 report into chunks for the requests in it, applies stop strings, and sends
-stops and aborts back. Every device runs a full replica of the model; a new
-request goes to the replica with the least outstanding requests (`WorkerLoad`).
+stops and aborts back. The placement says which devices run which
+components (a replica of the whole model on each, or the model split across
+them); `WorkerLoad` sends a new request's partitions to as few workers as it
+can, the least loaded live ones.
 """
 
 from __future__ import annotations
@@ -247,6 +249,7 @@ class Engine:
                              f"prepared for walk '{prepared.walk}'")
         elif not prepared.is_sampling_of(request):
             prepared = model.resample(request, plan, prepared)
+        assert self._load is not None  # set by `start`, which `_intake` checked ran
         places = self._load.route(plan)
         idx = places[plan.root]
         tok = model.tokenizer

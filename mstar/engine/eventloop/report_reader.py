@@ -85,6 +85,7 @@ class ReportReader:
                 self._feed_tokens(tokens, batch.value)
             self._metrics.outputs(batch.request_ids, emit.modality)
         for fin in report.finished:
+            assert self._load is not None  # `serve` runs before any worker does
             self._on_finished(fin, self._load.index(report.device))
         for waiting in report.awaiting:
             state = self._states.get(waiting.request_id)
@@ -125,6 +126,7 @@ class ReportReader:
         if state is None or not fin.request_done:
             return
         # one worker is done with the request; the request is done when all of its workers are
+        assert self._load is not None
         self._load.finished(worker, worker == state.worker)
         reason = state.shard_done(fin.reason, fin.error, fin.num_generated, worker)
         if fin.reason == "error" and not state.finished and state.shards_left > 0:  # so does the request

@@ -1,6 +1,7 @@
 """The requests running on each device worker, counted as they start and as
 their workers finish them, and what routing reads of them: a worker for each
-partition of a new request (`Placement.route`), the least loaded live one.
+partition of a new request (`Placement.route`): as few workers as it can,
+the least loaded live ones.
 Event loop only.
 """
 

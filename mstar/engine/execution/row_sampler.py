@@ -3,7 +3,8 @@
 rows (the group's sampling tensors, a graph of the draw where one fits).
 
 The clock of a step's device time lives here too: both kinds of step count
-their forwards on it, and the draw is where a step waits for its kernels.
+their forwards on it, and an item step's draw is where it waits for its
+kernels (a group's draw does not wait).
 """
 
 from __future__ import annotations

@@ -74,20 +74,35 @@ class ComponentRunner:
         self.kv = kv
         self.state = state
         self.attention = attention
-        self.graphs = graphs
         self.mode_graphs = mode_graphs or {}
-        self.kv_graphs = kv_graphs or {}
-        self.mixed_graphs = mixed_graphs
-        self.vocab_window: tuple[int, int] | None = getattr(module, "vocab_window", None)  # `VocabHead.restrict`
         self.clock = DeviceClock(device)
-        self.sampler = RowSampler(self.clock, self.vocab_window, sampler_graphs)
-        self.groups = GroupSteps(module, device, attention, graphs, self.kv_graphs, mixed_graphs, state,
+        # the group steps and the sampler own the graphs and the head's window; the runner reads theirs
+        self.sampler = RowSampler(self.clock, getattr(module, "vocab_window", None), sampler_graphs)
+        self.groups = GroupSteps(module, device, attention, graphs, kv_graphs or {}, mixed_graphs, state,
                                  self.clock, self.sampler)
         self._takes_seeds: dict[str, bool] = {}  # by mode
         self.plain = PlainSteps(self.mode_graphs, device)
         # `Component.own_stream`: the steps' work is queued here, beside the worker's stream
         self.stream = (torch.cuda.Stream(device, priority=-1 if spec.urgent else 0)
                        if device.type == "cuda" and spec.own_stream else None)
+
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        """The decode graphs of token loop groups, where captured."""
+        return self.groups.graphs
+
+    @property
+    def kv_graphs(self) -> dict[str, KVModeGraphs]:
+        return self.groups.kv_graphs
+
+    @property
+    def mixed_graphs(self) -> MixedGraphs | None:
+        return self.groups.mixed_graphs
+
+    @property
+    def vocab_window(self) -> tuple[int, int] | None:
+        """The ids the head computes logits of (`VocabHead.restrict`); None: all."""
+        return self.sampler.vocab_window
 
     @property
     def device_s(self) -> float:
