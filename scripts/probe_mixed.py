@@ -22,7 +22,7 @@ import torch
 
 from mstar.config import EngineConfig
 from mstar.engine.execution.backends import attention_backend
-from mstar.engine.execution.cuda_graphs import DecodeGraphs
+from mstar.engine.execution.graphs.cuda_graphs import DecodeGraphs
 from mstar.engine.memory.flashinfer_attention import PREFILL_BACKEND, FlashInferContext
 from mstar.engine.memory.kv_cache import KVCache
 from mstar.engine.memory.paged_layout import build_layout

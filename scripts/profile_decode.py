@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from mstar.config import EngineConfig
 from mstar.engine.execution.backends import attention_backend
-from mstar.engine.execution.cuda_graphs import DecodeGraphs
+from mstar.engine.execution.graphs.cuda_graphs import DecodeGraphs
 from mstar.engine.memory.kv_cache import KVCache
 from mstar.engine.memory.state_slots import StatePool
 from mstar.engine.execution.sampler import SamplingTensors, sample

@@ -13,7 +13,7 @@ if not torch.cuda.is_available():
     pytest.skip("decode graphs need a CUDA device", allow_module_level=True)
 pytest.importorskip("flashinfer", reason="flashinfer is not installed")
 
-from mstar.engine.execution.cuda_graphs import DecodeGraphs  # noqa: E402
+from mstar.engine.execution.graphs.cuda_graphs import DecodeGraphs  # noqa: E402
 from mstar.engine.memory.flashinfer_attention import FlashInferAttention  # noqa: E402
 from mstar.engine.memory.kv_cache import KVCache  # noqa: E402
 from mstar.models.base import KVSpec  # noqa: E402

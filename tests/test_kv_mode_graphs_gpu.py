@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("flashinfer", reason="flashinfer is not installed")
 
 from mstar.engine.execution.draws import Draws  # noqa: E402
-from mstar.engine.execution.kv_mode_graphs import KVModeGraphs  # noqa: E402
+from mstar.engine.execution.graphs.kv_mode_graphs import KVModeGraphs  # noqa: E402
 from mstar.engine.execution.sampler import SamplingTensors  # noqa: E402
 from mstar.engine.memory.flashinfer_attention import FlashInferAttention  # noqa: E402
 from mstar.engine.memory.kv_cache import KVCache  # noqa: E402

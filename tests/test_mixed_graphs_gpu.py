@@ -24,7 +24,7 @@ pytest.importorskip("flashinfer", reason="flashinfer is not installed")
 from tiny_llama import save_tiny_llama  # noqa: E402
 from mstar.config import EngineConfig, SchedulerConfig  # noqa: E402
 from mstar.engine.engine import Engine  # noqa: E402
-from mstar.engine.execution.mixed_graphs import MixedGraphs  # noqa: E402
+from mstar.engine.execution.graphs.mixed_graphs import MixedGraphs  # noqa: E402
 from mstar.engine.memory.attention import TorchPagedAttention  # noqa: E402
 from mstar.engine.memory.flashinfer_attention import FlashInferAttention  # noqa: E402
 from mstar.types import GenerateRequest, SamplingParams  # noqa: E402

@@ -13,7 +13,7 @@ import torch
 
 from mstar.config import EngineConfig
 from mstar.engine.engine import Engine
-from mstar.engine.execution.mode_graphs import ModeGraphs
+from mstar.engine.execution.graphs.mode_graphs import ModeGraphs
 from mstar.models.base import RowShape
 from mstar.models.orpheus.codec import WINDOW_TOKENS, OrpheusCodec
 from mstar.models.orpheus.tokens import AUDIO_TOKEN_BASE, CODEBOOK_SIZE, FRAME_TOKENS

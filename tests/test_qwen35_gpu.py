@@ -25,7 +25,7 @@ if not torch.cuda.is_available():
 
 from mstar.config import EngineConfig, SchedulerConfig  # noqa: E402
 from mstar.engine.engine import Engine  # noqa: E402
-from mstar.engine.execution.cuda_graphs import DecodeGraphs  # noqa: E402
+from mstar.engine.execution.graphs.cuda_graphs import DecodeGraphs  # noqa: E402
 from mstar.types import SamplingParams  # noqa: E402
 
 transformers = pytest.importorskip("transformers")

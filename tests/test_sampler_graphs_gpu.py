@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     pytest.skip("sampler graphs need a CUDA device", allow_module_level=True)
 
 from mstar.engine.execution.sampler import SamplingTensors, sample  # noqa: E402
-from mstar.engine.execution.sampler_graphs import SamplerGraphs  # noqa: E402
+from mstar.engine.execution.graphs.sampler_graphs import SamplerGraphs  # noqa: E402
 from mstar.types import SamplingParams  # noqa: E402
 
 ORPHEUS = SamplingParams(temperature=0.6, top_p=0.8, repetition_penalty=1.3)

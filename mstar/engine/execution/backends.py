@@ -18,14 +18,14 @@ from torch import nn
 
 from mstar.config import EngineConfig
 from mstar.engine.memory.attention import TorchPagedAttention
-from mstar.engine.execution.cuda_graphs import DecodeGraphs
+from mstar.engine.execution.graphs.cuda_graphs import DecodeGraphs
 from mstar.engine.memory.kv_cache import KVCache
 from mstar.engine.memory.state_slots import StatePool
-from mstar.engine.execution.kv_mode_graphs import KVModeGraphs
-from mstar.engine.execution.mixed_graphs import MIXED_TOKEN_BUCKETS, MixedGraphs
-from mstar.engine.execution.mode_graphs import ModeGraphs
+from mstar.engine.execution.graphs.kv_mode_graphs import KVModeGraphs
+from mstar.engine.execution.graphs.mixed_graphs import MIXED_TOKEN_BUCKETS, MixedGraphs
+from mstar.engine.execution.graphs.mode_graphs import ModeGraphs
 from mstar.engine.execution.sampler import SamplingTensors
-from mstar.engine.execution.sampler_graphs import SamplerGraphs
+from mstar.engine.execution.graphs.sampler_graphs import SamplerGraphs
 from mstar.errors import ConfigError
 from mstar.graph import Component
 from mstar.models.base import Model

@@ -13,11 +13,11 @@ import torch
 from torch import nn
 
 from mstar.engine.execution.backends import AttentionBackend
-from mstar.engine.execution.cuda_graphs import DecodeGraphs
+from mstar.engine.execution.graphs.cuda_graphs import DecodeGraphs
 from mstar.engine.execution.draws import Draws
-from mstar.engine.execution.kv_mode_graphs import KVModeGraphs
+from mstar.engine.execution.graphs.kv_mode_graphs import KVModeGraphs
 from mstar.engine.execution.mixed import NewRows, mixed_inputs
-from mstar.engine.execution.mixed_graphs import MixedGraphs
+from mstar.engine.execution.graphs.mixed_graphs import MixedGraphs
 from mstar.engine.execution.pack import state_rows
 from mstar.engine.execution.row_sampler import DeviceClock, RowSampler
 from mstar.engine.memory.state_slots import StatePool

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from mstar.engine.execution.mode_graphs import ModeGraphs
+from mstar.engine.execution.graphs.mode_graphs import ModeGraphs
 from mstar.engine.execution.pack import named_outputs, stacked
 from mstar.engine.movement.transfer import to_device
 from mstar.graph import Mode, Step, step_bindings

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 
 from mstar.engine.execution.sampler import SamplingTensors, banned_table, sample, token_logprobs
-from mstar.engine.execution.sampler_graphs import SamplerGraphs
+from mstar.engine.execution.graphs.sampler_graphs import SamplerGraphs
 from mstar.engine.worker.kv_rows import KVRow, seen_masks
 from mstar.engine.worker.rows import PartitionRun
 

@@ -21,15 +21,15 @@ import torch
 from torch import nn
 
 from mstar.engine.execution.backends import AttentionBackend
-from mstar.engine.execution.cuda_graphs import DecodeGraphs
+from mstar.engine.execution.graphs.cuda_graphs import DecodeGraphs
 from mstar.engine.execution.draws import Draws
-from mstar.engine.execution.kv_mode_graphs import KVModeGraphs
+from mstar.engine.execution.graphs.kv_mode_graphs import KVModeGraphs
 from mstar.engine.execution.group_steps import GroupLaunch, GroupSteps
 from mstar.engine.execution.mixed import NewRows
-from mstar.engine.execution.mixed_graphs import MixedGraphs
+from mstar.engine.execution.graphs.mixed_graphs import MixedGraphs
 from mstar.engine.memory.kv_cache import KVCache
 from mstar.engine.worker.groups.loop_group import LoopGroup
-from mstar.engine.execution.mode_graphs import ModeGraphs, takes_seeds
+from mstar.engine.execution.graphs.mode_graphs import ModeGraphs, takes_seeds
 from mstar.engine.execution.pack import (host_id_rows, kv_outputs, pack_kv, page_token_rows, state_rows,
                                          step_indices)
 from mstar.engine.execution.plain_steps import PlainSteps, step_outputs
@@ -37,7 +37,7 @@ from mstar.engine.execution.row_sampler import DeviceClock, RowSampler
 from mstar.engine.worker.kv_rows import KVRow
 from mstar.engine.worker.rows import PartitionRun
 from mstar.engine.execution.sampler import SamplingTensors
-from mstar.engine.execution.sampler_graphs import SamplerGraphs
+from mstar.engine.execution.graphs.sampler_graphs import SamplerGraphs
 from mstar.engine.movement.tensor_store import TensorRef, TensorStore
 from mstar.graph import Component, Kind, Mode, Step, step_bindings
 from mstar.scheduler import Batch, WorkItem

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mstar.engine.execution.cuda_graphs import GraphAttention
+from mstar.engine.execution.graphs.cuda_graphs import GraphAttention
 from mstar.engine.execution.draws import DRAW_KINDS, Draws, StaticDraws
 from mstar.kernels.graph_capture import capture_buckets
 from mstar.models.base import RowShape
