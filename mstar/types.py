@@ -29,8 +29,10 @@ MAX_TOKEN_ID = 2**31 - 1  # top_k and token ids beyond any vocabulary; they beco
 class SamplingParams:
     """How a request's tokens are drawn and when its generation stops.
 
-    `max_tokens` None is all the room the prompt leaves in the model's
-    context (the model's prepare makes it a number). `temperature == 0` is
+    `max_tokens` None is the model's default budget (Orpheus speaks up to
+    1200 tokens) within the room the prompt leaves in the model's context,
+    or all that room where the model has none (the model's prepare makes
+    it a number). `temperature == 0` is
     greedy. `top_k <= 0` and `top_p == 1` disable those filters. `seed`
     makes a request's draws reproducible whatever it is batched with.
     `stop` strings are checked on the event loop, after detokenising.

@@ -324,3 +324,22 @@ async def test_openai_client_errors(client: openai.AsyncOpenAI) -> None:
     assert "voice" in str(bad.value)
     with pytest.raises(openai.NotFoundError):
         await client.audio.speech.create(model="no-such-model", voice="tara", input="hi")
+
+
+async def test_a_text_that_leaves_less_room_than_the_default_budget_is_spoken(speaker: Engine,
+                                                                              api: aiohttp.ClientSession) -> None:
+    """Orpheus's default budget (1200 tokens) is a ceiling: a text that
+    leaves less room in the context (2048) is spoken within that room. A
+    max_tokens the client sets is its own ask, and too large is refused."""
+    body = speech(input="hello " * 300, stream_format="sse", seed=3)
+    del body["max_tokens"]
+    async with api.post("/v1/audio/speech", json=body) as r:
+        assert r.status == 200, await r.text()
+        raw = (await r.read()).decode()
+    usage = orjson.loads(raw.strip().split("\n\n")[-1][len("data: "):])["usage"]
+    room = speaker.model.max_model_len - usage["input_tokens"]
+    assert room < model_defaults(speaker).max_tokens
+    assert 0 < usage["output_tokens"] <= room
+    async with api.post("/v1/audio/speech", json={**body, "max_tokens": room + 1}) as r:
+        assert r.status == 400
+        assert (await r.json())["error"]["param"] == "max_tokens"

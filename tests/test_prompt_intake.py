@@ -215,6 +215,30 @@ def test_fit_context() -> None:
     assert info.value.field == "messages"
 
 
+def test_a_models_default_budget_is_a_ceiling_within_the_room() -> None:
+    """A `max_tokens` None takes the model's default budget for the key, or
+    the room the prompt leaves where that is less; a `min_tokens` more than
+    that is refused, named as the client sent it."""
+    model = load_model("tiny-llama")
+    plan = model._compile(model.default_walk)
+    budgets = {"llm": SamplingParams(max_tokens=20), "other": SamplingParams(max_tokens=None)}
+
+    def fit(prompt: int, min_tokens: int = 0) -> tuple[int | None, int | None]:
+        sampling = {"llm": SamplingParams(max_tokens=None, min_tokens=min_tokens),
+                    "other": SamplingParams(max_tokens=None)}
+        fitted = fit_context(sampling, plan, model.components, PreparedPiece({}, prompt, "prompt"), 64,
+                             budgets.__getitem__)
+        return fitted["llm"].max_tokens, fitted["other"].max_tokens
+
+    assert fit(10) == (20, 54)   # the budget, where the room holds it; a key without one gets the room
+    assert fit(50) == (14, 14)   # the room, where it is less
+    assert fit(50, min_tokens=14) == (14, 14)
+    with pytest.raises(RequestError) as info:
+        fit(50, min_tokens=15)
+    assert info.value.field == "min_tokens"
+    assert model.default_sampling().max_tokens is None  # a plain language model's budget is the room
+
+
 def test_a_root_that_samples_no_tokens_is_not_held_to_max_tokens() -> None:
     """A denoising walk's root writes no tokens into the context: its
     `max_tokens` (a default it never uses) needs no room."""

@@ -18,6 +18,8 @@ from http_support import running_engine, serving
 
 from mstar.engine.engine import Engine
 from mstar.http.realtime.routes import MAX_MESSAGE_BYTES
+from mstar.models.orpheus.model import DEFAULT_MAX_TOKENS
+from mstar.types import GenerateRequest
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -114,10 +116,10 @@ MALFORMED: list[tuple[dict[str, Any], str]] = [
     ({"type": "response.create", "response": {"input": [_with([{"type": "input_audio", "transcript": 5}])]}},
      "response.input[0].content[0].transcript"),
     ({"type": "response.create", "response": {"input": [_with([5])]}}, "response.input[0].content[0]"),
-    # the text and the model's default cap (1200) do not fit the context (2048); with a cap of 1000, that cap
-    ({"type": "response.create", "response": {"input": [_user("hello " * 300)]}}, "response.input"),
-    ({"type": "response.create", "response": {"input": [_user("hello " * 300)], "max_output_tokens": 1000}},
-     "response.max_output_tokens"),
+    # a text longer than the context (2048 tokens), whatever the cap
+    ({"type": "response.create", "response": {"input": [_user("hello " * 400)]}}, "response.input"),
+    ({"type": "response.create", "response": {"input": [_user("hello " * 400)], "max_output_tokens": 10}},
+     "response.input"),
     ({"type": "conversation.item.create", "item": 5}, "item"),
     ({"type": "conversation.item.create", "item": {"type": "function_call"}}, "item.type"),
     ({"type": "conversation.item.create", "item": {**_user("hi"), "role": 5}}, "item.role"),
@@ -204,6 +206,28 @@ async def test_a_response_cut_by_max_output_tokens_is_incomplete(speech, session
         assert done["status"] == "incomplete"
         assert done["status_details"] == {"type": "incomplete", "reason": "max_output_tokens"}
         assert done["output"][0]["status"] == "incomplete"
+        await ws.close()
+
+
+@pytest.mark.parametrize("response", [{}, {"max_output_tokens": 1000}], ids=["model-default", "response-cap"])
+async def test_a_cap_larger_than_the_room_the_text_leaves_is_a_ceiling(speech, response) -> None:
+    """Orpheus's default budget (1200 tokens) and a response's cap are
+    ceilings: a text that leaves less room in the context (2048) gets an
+    answer within that room, not an error."""
+    engine, url = speech
+    text = "hello " * 300
+    prompt = engine.model.prepare(GenerateRequest("r", "orpheus-tiny", {"text": text})).num_prompt_tokens
+    room = engine.model.max_model_len - prompt
+    assert room < 1000 < DEFAULT_MAX_TOKENS
+    async with aiohttp.ClientSession() as http:
+        ws = await _socket(http, url)
+        await ws.send_json({"type": "response.create", "response": {"input": [_user(text)], **response}})
+        seen: list[dict[str, Any]] = []
+        done = (await _until(ws, "response.done", seen))["response"]
+        assert not [e for e in seen if e["type"] == "error"], seen
+        assert done["status"] in ("completed", "incomplete"), done
+        assert done["usage"]["input_tokens"] == prompt
+        assert 0 < done["usage"]["output_tokens"] <= room
         await ws.close()
 
 

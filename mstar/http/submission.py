@@ -87,10 +87,9 @@ def resolve_model(engine: Engine, requested: str | None) -> Target:
         raise
     except RequestError:
         tokenizer = None
-    tts = card.tts_sampling
-    if tts.max_tokens is not None and tts.max_tokens >= card.max_model_len:
-        # a default budget no prompt leaves room for: all the room the prompt leaves instead
-        tts = dataclasses.replace(tts, max_tokens=None)
+    # a request that gives no max_tokens sends None: the model's default budget within the room its prompt
+    # leaves (`fit_context`), so a default larger than a short context shortens the answer, not refuses it
+    tts = dataclasses.replace(card.tts_sampling, max_tokens=None)
     return Target(name=name, tokenizer=tokenizer, max_model_len=card.max_model_len, walks=tuple(card.walks),
                   default_walk=card.default_walk, input_modalities=tuple(card.input_modalities),
                   tts_walk=card.tts_walk, spoken_chat_walk=card.spoken_chat_walk, tts_sampling=tts,

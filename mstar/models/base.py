@@ -117,10 +117,12 @@ class Model:
         """What a request gets for the sampling fields it leaves out (a speech
         model's published defaults, say): of the root partition (`key` None;
         callers merge these under the request's own `sampling`), or of the
-        partition that samples under sampling key `key`."""
+        partition that samples under sampling key `key`. A `max_tokens` here
+        is the key's budget where a request leaves it None, within the
+        room its prompt leaves; None (this default) is all of that room."""
         from mstar.types import SamplingParams
 
-        return SamplingParams()
+        return SamplingParams(max_tokens=None)
 
     def state_spec(self, component: str) -> StateSpec:
         """The per-row state of a component declared with `state=True`."""
@@ -202,7 +204,7 @@ class Model:
 
     def _prepared(self, request: GenerateRequest, plan: WalkPlan, piece: PreparedPiece,
                   sampling: dict[str, SamplingParams]) -> Prepared:
-        sampling = fit_context(sampling, plan, self.components, piece, self.max_model_len)
+        sampling = fit_context(sampling, plan, self.components, piece, self.max_model_len, self.default_sampling)
         return Prepared(piece.values, sampling, stop_ids(sampling, self.eos_token_ids), piece.num_tokens, plan.name,
                         piece.field, (request.request_id, request.sampling, dict(request.sampling_by)))
 

@@ -11,7 +11,8 @@ for the key, then the request's `sampling` for the root key, then the
 request's `sampling_by[key]`. `SamplingParams.validate` runs here, once per
 key, and nowhere else on the engine's path. Once the prompt's size is known,
 the root key's `max_tokens` is fitted to the room it leaves in the context
-(`fit_context`: None becomes all of that room).
+(`fit_context`: None becomes the model's default budget for the key where
+it has one, else all of that room, and never more than the room).
 """
 
 from __future__ import annotations
@@ -163,12 +164,18 @@ def _override(base: SamplingParams, fields: dict[str, Any] | None, key: str, roo
 
 
 def fit_context(sampling: dict[str, SamplingParams], plan: WalkPlan, components: dict[str, Component],
-                piece: PreparedPiece, max_model_len: int) -> dict[str, SamplingParams]:
+                piece: PreparedPiece, max_model_len: int,
+                defaults: Callable[[str], SamplingParams] | None = None) -> dict[str, SamplingParams]:
     """Each key's params with a number of tokens: the prompt must leave room
     in the context (else the error names `piece.field`), the root's
     `max_tokens` must fit that room where the root samples tokens (its loops
     write them into the prompt's context; a denoising walk's root writes
-    none), and a `max_tokens` of None, any key's, is all of it."""
+    none), and a `max_tokens` of None, any key's, is the model's default
+    budget for the key (`defaults(key).max_tokens`: Orpheus speaks up to 1200
+    tokens) within that room, or all of the room where the model has none.
+    A default is a ceiling, not a demand: a prompt that leaves less room
+    than it shortens the answer instead of refusing the request (as a
+    generation config's `max_new_tokens` does in vLLM)."""
     root = plan.root
     room = max_model_len - piece.num_tokens
     if room < 1:
@@ -180,8 +187,17 @@ def fit_context(sampling: dict[str, SamplingParams], plan: WalkPlan, components:
         raise RequestError(f"{asked} tokens plus the {piece.num_tokens}-token prompt exceed the model's context of "
                            f"{max_model_len} tokens; at most {room} can be generated here", field="max_tokens",
                            code=CONTEXT_EXCEEDED)
-    return {key: params if params.max_tokens is not None else dataclasses.replace(params, max_tokens=room)
-            for key, params in sampling.items()}
+    fitted: dict[str, SamplingParams] = {}
+    for key, params in sampling.items():
+        if params.max_tokens is None:
+            budget = defaults(key).max_tokens if defaults is not None else None
+            params = dataclasses.replace(params, max_tokens=room if budget is None else min(budget, room))
+            if params.min_tokens > params.max_tokens:
+                name = "min_tokens" if key == root else f"sampling_by.{key}.min_tokens"
+                raise RequestError(f"{params.min_tokens} tokens are more than the {params.max_tokens} this request "
+                                   "can generate here", field=name)
+        fitted[key] = params
+    return fitted
 
 
 def input_size(value: Any) -> int:

@@ -47,6 +47,7 @@ from mstar.types import REALTIME_PRIORITY, GenerateRequest, ModelCard, SamplingP
 
 if TYPE_CHECKING:
     from mstar.engine.engine import Engine
+    from mstar.models.prepared import Prepared
 
 log = structlog.get_logger("mstar.realtime")
 
@@ -314,7 +315,8 @@ class RealtimeSession:
         given = field_of(params, "input", list, "response", required=False)
         rid = new_id("resp")
         defaults = model_defaults(self.engine)
-        sampling = dataclasses.replace(defaults, max_tokens=limit or defaults.max_tokens, seed=self.config.seed)
+        # no limit: the model's default budget within the room the prompt leaves (`fit_context`)
+        sampling = dataclasses.replace(defaults, max_tokens=None, seed=self.config.seed)
         if self.hears:
             return await self._conversation_plan(rid, given, instructions, asked_voice, sampling, limit, in_text)
         texts = self._input_texts(given) if given is not None else None
@@ -329,8 +331,9 @@ class RealtimeSession:
                                     "empty_input", "response.input")
             request = GenerateRequest(rid, self.target.name, {"text": spoken, "voice": voice}, sampling,
                                       walk=SPEAK_WALK, more_input=True, priority=REALTIME_PRIORITY)
-            return ResponsePlan(rid, request, await self.engine.prepare(request), modality="audio", spoken=spoken,
-                                voice=voice)
+            prepared = await self.engine.prepare(request)
+            return ResponsePlan(rid, self._within(request, prepared, limit), prepared, modality="audio",
+                                spoken=spoken, voice=voice)
         instructions = self.config.instructions if instructions is None else instructions
         messages = ([{"role": "system", "content": instructions}] if instructions else [])
         messages += texts if texts is not None else [
@@ -340,13 +343,19 @@ class RealtimeSession:
         # the model tokenises (off the event loop when long); a plain text if there is no chat template
         chat = self.target.tokenizer is not None and getattr(self.target.tokenizer, "chat_template", None)
         inputs = {"messages": messages} if chat else {"prompt": "\n".join(m["content"] for m in messages)}
-        # a response's limit is a ceiling: it takes what the context has room for, up to the limit
-        request = GenerateRequest(rid, self.target.name, inputs, dataclasses.replace(sampling, max_tokens=None),
-                                  priority=REALTIME_PRIORITY)
+        request = GenerateRequest(rid, self.target.name, inputs, sampling, priority=REALTIME_PRIORITY)
         prepared = await self.engine.prepare(request)
-        if limit is not None and limit < self.target.max_model_len - prepared.num_prompt_tokens:
-            request = dataclasses.replace(request, sampling=dataclasses.replace(sampling, max_tokens=limit))
-        return ResponsePlan(rid, request, prepared, modality="text")
+        return ResponsePlan(rid, self._within(request, prepared, limit), prepared, modality="text")
+
+    def _within(self, request: GenerateRequest, prepared: Prepared, limit: int | None) -> GenerateRequest:
+        """`request` with the response's limit, a ceiling: it takes what the
+        context has room for, up to the limit (the engine samples the
+        prepared prompt again with it, without tokenising it again)."""
+        if limit is None:
+            return request
+        room = self.target.max_model_len - prepared.num_prompt_tokens
+        return dataclasses.replace(request, sampling=dataclasses.replace(request.sampling,
+                                                                         max_tokens=min(limit, room)))
 
     async def _conversation_plan(self, rid: str, given: list[Any] | None, instructions: str | None,
                                  asked_voice: str | None, sampling: SamplingParams,

@@ -127,7 +127,7 @@ class Qwen3OmniModel(Model):
                                   stop_token_ids=(self.config.talker.codec_eos_id,))
         if key == "cp":
             return SamplingParams(temperature=1.0, top_k=50, top_p=0.8)
-        return SamplingParams()
+        return SamplingParams(max_tokens=None)
 
     def graph_rows(self, component: str, mode: str) -> tuple[RowShape, ...] | None:
         """The talker's frame step under CUDA graphs: besides its first code,
