@@ -46,8 +46,7 @@ from mstar.http.submission import SPEAK_WALK, Target, model_defaults
 from mstar.types import REALTIME_PRIORITY, GenerateRequest, ModelCard, SamplingParams
 
 if TYPE_CHECKING:
-    from mstar.engine.engine import Engine
-    from mstar.models.prepared import Prepared
+    from mstar.engine.engine import Engine, Prepared
 
 log = structlog.get_logger("mstar.realtime")
 
