@@ -22,6 +22,7 @@ FinishReason = Literal["stop", "length", "abort", "error", "timeout"]
 MAX_TEMPERATURE = 100.0
 MAX_LOGPROBS = 20  # most likely tokens reported per sampled token, as OpenAI's chat API allows
 MAX_REPETITION_PENALTY = 100.0
+MAX_OUTPUT_PENALTY = 2.0   # presence and frequency penalties lie in [-2, 2] (OpenAI's)
 MAX_TOKEN_ID = 2**31 - 1  # top_k and token ids beyond any vocabulary; they become int64 tensors on the device
 
 
@@ -32,9 +33,9 @@ class SamplingParams:
     `max_tokens` None is the model's default budget (Orpheus speaks up to
     1200 tokens) within the room the prompt leaves in the model's context,
     or all that room where the model has none (the model's prepare makes
-    it a number). `temperature == 0` is
-    greedy. `top_k <= 0` and `top_p == 1` disable those filters. `seed`
-    makes a request's draws reproducible whatever it is batched with.
+    it a number). `temperature == 0` is greedy. `top_k <= 0` and
+    `top_p == 1` disable those filters. `seed` makes a request's draws
+    reproducible whatever it is batched with.
     `stop` strings are checked on the event loop, after detokenising.
     `min_tokens`: a loop's stop ids (EOS, `stop_token_ids`) are not drawn
     before it has written that many tokens, and a `stop` string counts only
@@ -45,6 +46,12 @@ class SamplingParams:
     the model's raw distribution: log_softmax of the logits before the
     repetition penalty, temperature and top-k/top-p/min-p (vLLM's default),
     so the numbers do not depend on how the token was drawn.
+    `presence_penalty` and `frequency_penalty` (OpenAI's and vLLM's)
+    subtract from a token's logit, once it is among the tokens the request
+    generated, `presence_penalty`, and `frequency_penalty` times the number
+    of times it was generated; the prompt does not count (the repetition
+    penalty's history does). They apply after the repetition penalty and
+    before the temperature.
     """
 
     max_tokens: int | None = 16
@@ -53,6 +60,8 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
@@ -61,6 +70,11 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True           # the text leaves special tokens out (vLLM's)
     include_stop_str_in_output: bool = False   # the text keeps the stop string that ended it (vLLM's)
+
+    @property
+    def penalises_outputs(self) -> bool:
+        """A presence or frequency penalty is on: the sampler counts the tokens it generates."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def validate(self, max_model_tokens: int | None = None) -> None:
         """Raise `RequestError` naming the first field out of range (or of
@@ -79,6 +93,10 @@ class SamplingParams:
             raise RequestError("must be in [0, 1]", field="min_p")
         if not _number(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise RequestError(f"must be in (0, {MAX_REPETITION_PENALTY}]", field="repetition_penalty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _number(value) or not -MAX_OUTPUT_PENALTY <= value <= MAX_OUTPUT_PENALTY:
+                raise RequestError(f"must be in [-{MAX_OUTPUT_PENALTY:g}, {MAX_OUTPUT_PENALTY:g}]", field=name)
         if self.seed is not None and (not _integer(self.seed) or not 0 <= self.seed < 2**63):
             raise RequestError("must be in [0, 2**63)", field="seed")
         if any(not _integer(t) or not 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids):

@@ -38,7 +38,7 @@ async def error_of(response: aiohttp.ClientResponse) -> dict[str, Any]:
     ("/v1/completions", b'{"prompt": "x", "max_tokens": 2048}', "max_tokens"),
     ("/v1/completions", b'{"prompt": "x", "temperature": "0"}', "temperature"),
     ("/v1/completions", b'{"prompt": "x", "top_p": 2}', "top_p"),
-    ("/v1/completions", b'{"prompt": "x", "presence_penalty": 1}', "presence_penalty"),
+    ("/v1/completions", b'{"prompt": "x", "presence_penalty": 3}', "presence_penalty"),
     ("/v1/completions", b'{"prompt": "x", "logprobs": 21}', "logprobs"),
     ("/v1/completions", b'{"prompt": "x", "echo": true}', "echo"),
     ("/v1/completions", b'{"prompt": [1, 99999]}', "prompt"),

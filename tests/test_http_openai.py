@@ -11,6 +11,7 @@ import pytest_asyncio
 from http_support import MODEL, serving
 
 from mstar.engine.engine import Engine
+from mstar.types import GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -115,3 +116,26 @@ async def test_errors_reach_the_client(client: openai.AsyncOpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as missing:
         await client.chat.completions.create(model="no-such-model", messages=[{"role": "user", "content": "x"}])
     assert "no-such-model" in str(missing.value)
+
+
+async def test_presence_and_frequency_penalties_reach_the_sampler(client: openai.AsyncOpenAI,
+                                                                  engine: Engine) -> None:
+    """The official client's `presence_penalty` and `frequency_penalty`: the
+    penalised greedy answer is the engine's own with those params, and not
+    the plain greedy one."""
+    async def text(**fields) -> str:
+        answer = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "say it again and again"}], max_tokens=24,
+            **GREEDY, **fields)
+        return answer.choices[0].message.content or ""
+
+    plain = await text()
+    penalised = await text(presence_penalty=1.5, frequency_penalty=2.0)
+    assert penalised != plain
+    prompt = engine.model.prepare(GenerateRequest("p", MODEL, {"messages": [
+        {"role": "user", "content": "say it again and again"}]})).values["prompt_ids"].tolist()
+    sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, presence_penalty=1.5, frequency_penalty=2.0)
+    direct: list[int] = []
+    async for chunk in engine.submit(GenerateRequest("direct", MODEL, {"prompt_ids": prompt}, sp)):
+        direct += chunk.token_ids
+    assert penalised == engine.tokenizer(MODEL).decode(direct, skip_special_tokens=True)

@@ -115,8 +115,8 @@ def test_stop_string_becomes_a_tuple() -> None:
     ({"stream": True, "stream_options": []}, "stream_options"),
     ({"stream": True, "stream_options": {"include_usage": True, "bogus": 1}}, "stream_options.bogus"),
     ({"stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"frequency_penalty": -1}, "frequency_penalty"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": "1"}, "frequency_penalty"),
     ({"logprobs": 21}, "logprobs"),
     ({"logprobs": True}, "logprobs"),
     ({"echo": True}, "echo"),
@@ -146,8 +146,14 @@ def test_too_many_choices() -> None:
 
 
 def test_unsupported_feature_says_so() -> None:
-    err = refused(parse_completion, body(prompt="x", presence_penalty=1))
+    err = refused(parse_completion, body(prompt="x", logit_bias={"5": 1}))
     assert "not supported" in err.message
+
+
+def test_presence_and_frequency_penalties_are_read() -> None:
+    sampling = parse_completion(body(prompt="x", presence_penalty=0.5, frequency_penalty=-1)).sampling
+    assert (sampling.presence_penalty, sampling.frequency_penalty) == (0.5, -1.0)
+    assert refused(parse_completion, body(prompt="x", frequency_penalty=-2.5)).field == "frequency_penalty"
 
 
 # ------------------------------------------------------------------ chat

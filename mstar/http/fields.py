@@ -175,12 +175,6 @@ class Fields:
             if key not in known:
                 raise self.error(key, f"unknown field; expected one of {sorted(known)}")
 
-    def unsupported_unless_zero(self, key: str) -> None:
-        """Accept a number-valued feature only at its neutral value 0."""
-        value = self.number(key, 0.0)
-        if value != 0.0:
-            raise self.error(key, "is not supported (only 0 is accepted)")
-
     def unsupported_if_truthy(self, key: str, what: str | None = None) -> None:
         value = self.obj.get(key)
         if value:

@@ -122,9 +122,10 @@ def resolve_sampling(request: GenerateRequest, plan: WalkPlan, components: dict[
         base = request.sampling if key == plan.root else defaults(key)
         resolved[key] = _override(base, request.sampling_by.get(key), key, key == plan.root, max_model_len)
     for key in _draw_keys(plan):  # a mode's own draws see no history of the tokens it drew
-        if resolved[key].repetition_penalty != 1.0:
-            raise RequestError(f"tokens of key '{key}' are drawn inside a step, which keeps no repetition "
-                               "penalty", field=f"sampling_by.{key}.repetition_penalty")
+        for name, off in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
+            if getattr(resolved[key], name) != off:
+                raise RequestError(f"tokens of key '{key}' are drawn inside a step, which keeps no history of "
+                                   f"them for a {name.replace('_', ' ')}", field=f"sampling_by.{key}.{name}")
     root = resolved[plan.root]
     seed = root.seed if root.seed is not None else random.getrandbits(63)
     return {key: dataclasses.replace(params, seed=seed if key == plan.root else

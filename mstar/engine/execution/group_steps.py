@@ -104,8 +104,10 @@ class GroupSteps:
         seen = group.update_seen(sl)
         st = group.sampling_for(sl)
         banned = group.banned(sl)
+        outputs = group.outputs_for(sl, logits.shape[-1])
         launch = GroupLaunch(*self.sampler.group(logits, st, seen, None if banned is None
-                                                 else to_device(banned, self.device), bucket), extras)
+                                                 else to_device(banned, self.device), bucket, outputs), extras)
+        group.count_outputs(sl, launch.tokens)
         if new is not None:
             assert new_logits is not None
             ends = new.ends

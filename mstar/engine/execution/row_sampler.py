@@ -16,7 +16,7 @@ import torch
 
 from mstar.engine.execution.sampler import SamplingTensors, banned_table, sample, token_logprobs
 from mstar.engine.execution.graphs.sampler_graphs import SamplerGraphs
-from mstar.engine.worker.kv_rows import KVRow, seen_masks
+from mstar.engine.worker.kv_rows import KVRow, count_outputs, output_counts, seen_masks
 from mstar.engine.worker.rows import PartitionRun
 
 
@@ -72,26 +72,32 @@ class RowSampler:
         device); `banned`: each row's ids it may not draw."""
         params = [p.sampling for p in parts]
         st = SamplingTensors.build(params, [p.seed for p in parts], [r.generated for r in kv], logits.device)
-        seen = None
+        seen = outputs = None
         if st.any_penalty:
             seen = seen_masks(kv, [toks if p.sampling.repetition_penalty != 1.0 else None
                                    for p, toks in zip(parts, inputs)], logits.shape[-1], logits.device)
+        if st.any_output_penalty:
+            outputs = output_counts(kv, logits.shape[-1], logits.device)
         with torch.profiler.record_function("mstar.sample"):
             tokens = self.clock.timed(sample)(logits, st, seen, banned_table(banned, logits.device),
-                                              window=self.vocab_window)
+                                              window=self.vocab_window, outputs=outputs)
             logprobs = self.clock.timed(token_logprobs)(logits, tokens, st)
+        if outputs is not None:
+            count_outputs(kv, [p.sampling.penalises_outputs for p in parts], outputs, tokens)
         if not wait:
             return tokens, logprobs
         self.clock.wait()
         return tokens, None if logprobs is None else logprobs.cpu()
 
     def group(self, logits: torch.Tensor, st: SamplingTensors, seen: torch.Tensor | None,
-              banned: torch.Tensor | None, bucket: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+              banned: torch.Tensor | None, bucket: int | None = None, outputs: torch.Tensor | None = None,
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A group step's tokens sampled from its logits (a decode graph `bucket`'s: by a graph of the
-        draw, unless ids are banned), and their logprobs."""
+        draw, unless ids are banned or a row penalises its outputs), and their logprobs."""
         # no wait: the worker reads these tokens after launching the next step. A graph's logits are
         # its static output: read here, in stream order, before the next replay rewrites them
-        graphs = self.graphs if bucket is not None and banned is None else None
+        graphs = self.graphs if bucket is not None and banned is None and not st.any_output_penalty else None
         tokens = (graphs.draw(bucket, st, seen) if graphs
-                  else self.clock.timed(sample)(logits, st, seen, banned, window=self.vocab_window))
+                  else self.clock.timed(sample)(logits, st, seen, banned, window=self.vocab_window,
+                                                outputs=outputs))
         return tokens, self.clock.timed(token_logprobs)(logits, tokens, st)

@@ -1,7 +1,8 @@
 """A partition's rows of the paged KV cache: one `KVRow` per KV component a
 partition steps (a thinker's; a talker's and its code predictor's side by
 side), with its pages, how many tokens they hold, where its positions stand,
-its sampler's draw counter and what its repetition penalty has seen.
+its sampler's draw counter, what its repetition penalty has seen and how
+often it generated each id (its presence and frequency penalties').
 
 The methods below are the only writers of a row (`tests/test_kv_rows.py`
 holds every other module to that), so a row's state moves in a few named
@@ -33,6 +34,7 @@ class KVRow:
     generated: int = 0                # tokens it sampled so far (the sampler's draw counter)
     drawn: dict[str, int] = field(default_factory=dict)  # tokens its modes drew themselves, by sampling key
     seen: torch.Tensor | None = None  # [vocab] bool, for the repetition penalty
+    outputs: torch.Tensor | None = None  # [vocab] float32 counts of the ids it generated (presence, frequency)
     swapped: SwappedKV | None = None  # preempted: its KV, in host memory until it resumes
     slot: int | None = None           # its slot of the component's per-row state (a recurrent layer's)
     slot_new: bool = False            # its slot was zeroed for it and no step has run on it yet
@@ -118,14 +120,18 @@ class KVRow:
         step's masks (`seen_masks`), with what it was shown marked."""
         self.seen = mask
 
-    def new_turn(self) -> None:
-        """A later turn starts: the repetition penalty looks at it alone."""
-        self.seen = None
+    def counted_in(self, counts: torch.Tensor) -> None:
+        """Its output counts are now `counts`: its row of a step's counts
+        (`count_outputs`), with the token it drew counted."""
+        self.outputs = counts
 
-    def into_group(self) -> torch.Tensor | None:
-        """A decode group takes the row over; its seen mask goes with it."""
-        seen, self.seen = self.seen, None
-        return seen
+    def new_turn(self) -> None:
+        """A later turn starts: the penalties look at it alone."""
+        self.seen = self.outputs = None
+
+    def into_group(self) -> None:
+        """A decode group takes the row over; its seen mask and output counts go with it."""
+        self.seen = self.outputs = None
 
     def back_from_group(self, kv_len: int, generated: int, drawn: tuple[str, int] | None = None) -> None:
         """A decode group hands the row back as its last step left it
@@ -138,12 +144,18 @@ class KVRow:
         """The seen mask a decode group kept for the row, handed back."""
         self.seen = seen
 
+    def keep_outputs(self, outputs: torch.Tensor | None) -> None:
+        """The output counts a decode group kept for the row, handed back."""
+        self.outputs = outputs
+
     def swap_out(self, swapped: SwappedKV, state: dict[str, torch.Tensor] | None = None) -> None:
         """Preempted: its KV went to host memory, its pages back to the pool;
         with `state`, its slot's state went too and the slot is free."""
         self.swapped, self.pages = swapped, []
         if self.seen is not None:  # its own copy: a view would hold the whole step's masks while it waits
             self.seen = self.seen.clone()
+        if self.outputs is not None:
+            self.outputs = self.outputs.clone()
         if state is not None:
             self.swapped_state, self.slot = state, None
 
@@ -197,3 +209,24 @@ def seen_masks(rows: Sequence[KVRow], ids: Sequence[torch.Tensor | None], vocab:
     for i in marking:
         rows[i].saw_in(masks[i])
     return masks
+
+
+def output_counts(rows: Sequence[KVRow], vocab: int, device: torch.device) -> torch.Tensor:
+    """The output counts of a step's rows, [B, V] float32: each row's so far
+    (none: nothing generated yet, or no presence or frequency penalty)."""
+    counts = torch.zeros(len(rows), vocab, dtype=torch.float32, device=device)
+    for i, row in enumerate(rows):
+        if row.outputs is not None:  # a row that generated before: after a group, or a swap
+            counts[i] = row.outputs
+    return counts
+
+
+def count_outputs(rows: Sequence[KVRow], penalised: Sequence[bool], counts: torch.Tensor,
+                  tokens: torch.Tensor) -> None:
+    """Count the tokens [B] a step drew into `counts` [B, V] (`output_counts`),
+    on the device; a penalised row keeps its row of them as its counts (a
+    view, as `seen_masks`'s rows are)."""
+    counts.scatter_add_(1, tokens.reshape(-1, 1), torch.ones(len(rows), 1, dtype=counts.dtype, device=counts.device))
+    for i, row in enumerate(rows):
+        if penalised[i]:
+            row.counted_in(counts[i])

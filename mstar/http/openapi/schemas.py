@@ -25,7 +25,7 @@ from mstar.http.fields import Fields
 from mstar.http.text.protocol import COMPLETIONS_MAX_TOKENS, MAX_CHOICES, MAX_N, SERVICE_TIERS
 from mstar.http.speech.protocol import DEFAULT_FORMAT, MAX_INPUT_CHARS, StreamFormat
 from mstar.http.speech.protocol import SAMPLING_KEYS as SPEECH_SAMPLING_KEYS
-from mstar.types import MAX_LOGPROBS, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, SamplingParams
+from mstar.types import MAX_LOGPROBS, MAX_OUTPUT_PENALTY, MAX_REPETITION_PENALTY, MAX_TEMPERATURE, SamplingParams
 
 Schema = dict[str, Any]
 
@@ -60,6 +60,13 @@ def sampling_properties() -> dict[str, Schema]:
         "min_p": {"type": "number", "minimum": 0, "maximum": 1, "default": DEFAULTS.min_p},
         "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_REPETITION_PENALTY,
                                "default": DEFAULTS.repetition_penalty},
+        "presence_penalty": {"type": "number", "minimum": -MAX_OUTPUT_PENALTY, "maximum": MAX_OUTPUT_PENALTY,
+                             "default": DEFAULTS.presence_penalty,
+                             "description": "subtracted from the logit of every id the request has generated"},
+        "frequency_penalty": {"type": "number", "minimum": -MAX_OUTPUT_PENALTY, "maximum": MAX_OUTPUT_PENALTY,
+                              "default": DEFAULTS.frequency_penalty,
+                              "description": "subtracted from an id's logit once for each time the request "
+                                             "generated it"},
         "seed": {"type": "integer", "minimum": 0, "maximum": MAX_SEED,
                  "description": "makes the request's draws reproducible whatever it is batched with"},
         "stop": {"oneOf": [{"type": "string", "minLength": 1},
@@ -126,8 +133,6 @@ def openai_common() -> dict[str, Schema]:
                                                                   "description": "OpenAI's event padding: not "
                                                                                  "served; only false is accepted"}},
                            "description": "only with `stream: true`"},
-        "presence_penalty": {"enum": [0], "description": "not supported; only 0 is accepted"},
-        "frequency_penalty": {"enum": [0], "description": "not supported; only 0 is accepted"},
         "logit_bias": {"type": "object", "maxProperties": 0, "description": "not supported; only {} is accepted"},
         "user": {"type": "string"},
         "response_format": {"type": "object", "required": ["type"],

@@ -30,7 +30,7 @@ StreamFormat = Literal["audio", "sse"]
 OPENAI_KEYS = frozenset({"model", "input", "voice", "response_format", "stream_format", "speed", "instructions"})
 MORE_INPUT_KEYS = frozenset({"input"})
 SAMPLING_INTS = ("max_tokens", "min_tokens", "top_k", "seed")
-SAMPLING_NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty")
+SAMPLING_NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 SAMPLING_KEYS = frozenset(SAMPLING_INTS + SAMPLING_NUMBERS + ("ignore_eos",))
 SPEECH_KEYS = OPENAI_KEYS | SAMPLING_KEYS | {"stream", "early_audio", SAMPLING_BY}
 

@@ -223,6 +223,8 @@ def read_sampling(f: Fields, logprobs: int | None = None) -> SamplingParams:
         top_k=f.integer("top_k", 0),
         min_p=f.number("min_p", 0.0),
         repetition_penalty=f.number("repetition_penalty", 1.0),
+        presence_penalty=f.number("presence_penalty", 0.0),
+        frequency_penalty=f.number("frequency_penalty", 0.0),
         seed=f.integer("seed"),
         stop=f.stops("stop"),
         stop_token_ids=f.int_list("stop_token_ids"),
@@ -252,8 +254,6 @@ def _read_priority(f: Fields) -> int:
 
 def _refuse_openai_extras(f: Fields) -> None:
     """OpenAI features we do not implement: refused, never silently ignored."""
-    f.unsupported_unless_zero("presence_penalty")
-    f.unsupported_unless_zero("frequency_penalty")
     f.unsupported_if_truthy("logit_bias")
     f.string("user")
     fmt = f.raw("response_format")

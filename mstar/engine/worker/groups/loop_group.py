@@ -82,6 +82,7 @@ class LoopGroup:
         self.deltas = torch.empty(0, dtype=torch.long)    # each row's rope delta: its positions run ahead of kv_lens
         self.shifted = False                              # some row's delta is not 0
         self.seen: torch.Tensor | None = None
+        self.outputs: torch.Tensor | None = None  # [n, V] float32 output counts, once a row penalises them
         # what a step reads back of the step before, by signature input name: [n, ...] on the device
         self.carried: dict[str, torch.Tensor] = {}
         self.draw_sampling: SamplingTensors | None = None  # the mode's own draws' parameters and counters
@@ -185,9 +186,14 @@ class LoopGroup:
         deltas = torch.cat([self.deltas, longs([r.rope_delta for r in kv])])
         sampling = new if self.sampling is None else self.sampling.cat(new)
         for r in kv:
-            if r.seen is not None:  # made by the row's prefill on the worker's stream
-                self.stream.taken_in(r.seen)
-        seen = self._merged_seen([r.seen for r in kv])
+            for made in (r.seen, r.outputs):  # made by the row's earlier steps on the worker's stream
+                if made is not None:
+                    self.stream.taken_in(made)
+        # one row of each per group row, once any row has one: a repetition penalty's seen ids (from its
+        # prefill), the output counts of a presence or frequency penalty (from `outputs_for`, or a row's
+        # earlier steps)
+        seen = _with_rows(self.seen, [r.seen for r in kv], len(self.rows), torch.bool, dev)
+        outputs = _with_rows(self.outputs, [r.outputs for r in kv], len(self.rows), torch.float32, dev)
         carried = {}
         for name in self.shape.carried:
             joined = torch.stack([j.carried[name] for j in joins]).to(dev)
@@ -204,6 +210,7 @@ class LoopGroup:
         self.tokens, self.kv_lens, self.counts, self.caps = tokens, kv_lens, counts, caps
         self.block_table, self.page_counts, self.stop_table = block_table, page_counts, stop_table
         self.counters, self.sampling, self.seen, self.slots = counters, sampling, seen, slots
+        self.outputs = outputs
         self.deltas, self.shifted = deltas, bool(deltas.any())
         self.carried, self.draw_sampling, self.drawn = carried, draw_sampling, drawn
         self.mins = mins
@@ -217,17 +224,6 @@ class LoopGroup:
             self.followed += r.token_ids is not None
             route = route_of(p)
             self._routes[route] = self._routes.get(route, 0) + 1
-
-    def _merged_seen(self, seens: list[torch.Tensor | None]) -> torch.Tensor | None:
-        """One `seen` row per group row once any row has a repetition penalty."""
-        vocab = next((s.numel() for s in seens if s is not None), None)
-        if self.seen is None and vocab is None:
-            return None
-        vocab = vocab or self.seen.shape[1]
-        rows = [s if s is not None else torch.zeros(vocab, dtype=torch.bool, device=self.device) for s in seens]
-        old = self.seen if self.seen is not None else torch.zeros(
-            len(self.rows), vocab, dtype=torch.bool, device=self.device)
-        return torch.cat([old, torch.stack(rows)])
 
     # ---------------------------------------------------------- KV pages
 
@@ -420,6 +416,8 @@ class LoopGroup:
                 del self._routes[route]
             if self.seen is not None:
                 part.row(self.component).keep_seen(self.stream.handed_out(self.seen[i].clone()))
+            if self.outputs is not None and part.sampling.penalises_outputs:
+                part.row(self.component).keep_outputs(self.stream.handed_out(self.outputs[i].clone()))
         self._left_at.setdefault(seq, []).extend(id(self.rows[i]) for i in idx)
         keep = torch.ones(len(self.rows), dtype=torch.bool)
         keep[idx] = False
@@ -437,13 +435,15 @@ class LoopGroup:
         self.drawn, self.mins = self.drawn[kept], self.mins[kept]
         self.carried = {name: t[dev_kept] for name, t in self.carried.items()}
         if not self.rows:  # start afresh: no flags or penalty rows linger
-            self.sampling, self.seen, self.draw_sampling = None, None, None
+            self.sampling, self.seen, self.draw_sampling, self.outputs = None, None, None, None
         if self.sampling is not None:
             self.sampling = self.sampling.select(dev_kept, kept)
         if self.draw_sampling is not None:
             self.draw_sampling = self.draw_sampling.select(dev_kept, kept)
         if self.seen is not None:
             self.seen = self.seen[dev_kept]
+        if self.outputs is not None:
+            self.outputs = self.outputs[dev_kept]
 
     def update_seen(self, sl: slice) -> torch.Tensor | None:
         """Mark the tokens about to be fed back as seen (repetition penalty)."""
@@ -453,6 +453,35 @@ class LoopGroup:
         window = self.seen[sl]
         window.scatter_(1, self.tokens[sl].unsqueeze(1), True)
         return window
+
+    def outputs_for(self, sl: slice, vocab: int) -> torch.Tensor | None:
+        """Rows `sl`'s output counts for their draw, where a row of the group
+        has a presence or frequency penalty (made on first use, [n, vocab])."""
+        assert self.sampling is not None
+        if self.outputs is None:
+            if not self.sampling.any_output_penalty:
+                return None
+            self.outputs = torch.zeros(len(self.rows), vocab, device=self.device)
+        return self.outputs[sl]
+
+    def count_outputs(self, sl: slice, drawn: torch.Tensor) -> None:
+        """Count the tokens rows `sl` just drew (on the device), where the group counts."""
+        if self.outputs is not None:
+            window = self.outputs[sl]
+            window.scatter_add_(1, drawn.reshape(-1, 1), torch.ones_like(window[:, :1]))
+
+
+def _with_rows(table: torch.Tensor | None, rows: list[torch.Tensor | None], count: int, dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor | None:
+    """`table` [count, W] with `rows` below it (zeros for a None, or for a
+    None table); None while neither has any."""
+    width = next((r.numel() for r in rows if r is not None), None)
+    if table is None and width is None:
+        return None
+    width = width or table.shape[1]
+    base = table if table is not None else torch.zeros(count, width, dtype=dtype, device=device)
+    return torch.cat([base, torch.stack([r if r is not None else torch.zeros(width, dtype=dtype, device=device)
+                                         for r in rows])])
 
 
 def _cat_padded(table: torch.Tensor, rows: list, fill: int) -> torch.Tensor:
