@@ -15,7 +15,9 @@ need it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -81,7 +83,8 @@ def _hf(folder: Path, prompts: list[list[int]]) -> tuple[list[list[int]], list[l
     return tokens, margins
 
 
-async def _mstar(folder: Path, prompts: list[list[int]], eager: bool, mixed: bool = True) -> list[list[int]]:
+async def _mstar(folder: Path, prompts: list[list[int]], eager: bool, mixed: bool = True,
+                 params: Callable[[int], SamplingParams] | None = None) -> list[list[int]]:
     eng = Engine(EngineConfig(model=str(folder), devices=("cuda:0",), dtype="bfloat16", enforce_eager=eager,
                               cuda_graph_batch_sizes=(1, 2, 4, 8, 16),
                               scheduler=SchedulerConfig(page_size=16, num_pages=2048, mixed_steps=mixed)))
@@ -91,7 +94,8 @@ async def _mstar(folder: Path, prompts: list[list[int]], eager: bool, mixed: boo
 
         async def one(i: int, p: list[int]) -> list[int]:
             out: list[int] = []
-            async for chunk in eng.submit(GenerateRequest(f"r{i}", eng.model_name, {"prompt_ids": p}, sp)):
+            asked = params(i) if params is not None else sp
+            async for chunk in eng.submit(GenerateRequest(f"r{i}", eng.model_name, {"prompt_ids": p}, asked)):
                 out += chunk.token_ids
             return out
 
@@ -192,3 +196,21 @@ async def test_float32_serves_on_cuda_through_the_torch_reference(tiny: Path) ->
         out = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=16, do_sample=False,
                           min_new_tokens=16)
         assert toks == out[0, len(p):].tolist()
+
+
+async def test_presence_and_frequency_penalties_draw_alike_from_graphs_and_eagerly(tiny: Path) -> None:
+    """Rows with presence and frequency penalties beside rows without: a
+    decode graph's logits drawn eagerly (a step with such a row leaves the
+    draw's graph) give the tokens eager decode gives, greedy and seeded."""
+    prompts = _prompts(16, 1024)
+
+    def params(i: int) -> SamplingParams:
+        return SamplingParams(max_tokens=STEPS, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True,
+                              presence_penalty=[0.0, 1.5, -0.5, 0.7][i % 4], frequency_penalty=[0.0, 0.5, 2.0][i % 3])
+
+    graphs = await _mstar(tiny, prompts, eager=False, mixed=False, params=params)
+    eager = await _mstar(tiny, prompts, eager=True, mixed=False, params=params)
+    plain = await _mstar(tiny, prompts, eager=True, mixed=False,
+                         params=lambda i: dataclasses.replace(params(i), presence_penalty=0.0, frequency_penalty=0.0))
+    assert graphs == eager
+    assert sum(a != b for a, b in zip(eager, plain)) >= 8  # the penalties changed most rows' tokens
