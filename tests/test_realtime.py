@@ -146,6 +146,51 @@ async def test_text_appended_mid_response_is_spoken_in_the_same_request(speech) 
     await _settled(engine)
 
 
+async def test_a_speech_model_says_the_conversations_unanswered_user_items_in_order(speech) -> None:
+    """What a response speaks is the user items no response has taken, as
+    the conversation holds them now: a deleted item is not said, an item
+    inserted before another is said first, and a text too long for the
+    context, once deleted, no longer fails every response."""
+    engine, url = speech
+    async with _client(url).realtime.connect(model="orpheus-tiny") as conn:
+        await conn.session.update(session=FAST)
+        seen: list[Any] = []
+        await _until(conn, "session.updated", seen)
+
+        async def item(text: str, **where: Any) -> str:
+            await conn.send({"type": "conversation.item.create", "item": _user(text), **where})
+            return (await _until(conn, "conversation.item.done", seen)).item.id
+
+        async def spoken() -> str:
+            await conn.response.create()
+            done = await _until(conn, "response.done", seen)
+            return done.response.output[0].content[0].transcript
+
+        first = await item("first item")
+        await item("second item")
+        await conn.conversation.item.delete(item_id=first)
+        await _until(conn, "conversation.item.deleted", seen)
+        assert await spoken() == "second item"
+        later = await item("later")
+        await item("sooner", previous_item_id=_prior(seen, later))
+        assert await spoken() == "sooner later"
+        long = await item("hello " * 400)  # more tokens than the context (2048) holds
+        await conn.response.create()
+        error = await _until(conn, "error", seen)
+        assert error.error.code == "context_length_exceeded"
+        await conn.conversation.item.delete(item_id=long)
+        await _until(conn, "conversation.item.deleted", seen)
+        await item("short")
+        assert await spoken() == "short"
+    await _settled(engine)
+
+
+def _prior(seen: list[Any], item_id: str) -> str:
+    """The id of the item before `item_id` in the conversation (from its
+    `conversation.item.done` event)."""
+    return next(e.previous_item_id for e in seen if e.type == "conversation.item.done" and e.item.id == item_id)
+
+
 async def test_bad_events_get_error_events_and_the_socket_stays(speech) -> None:
     engine, url = speech
     ws_url = url.replace("http://", "ws://") + "/v1/realtime?model=orpheus-tiny"

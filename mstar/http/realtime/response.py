@@ -45,6 +45,7 @@ class ResponsePlan:
     spoken: str | None = None
     voice: str | None = None
     writes_transcript: bool = False  # the model's own text is the transcript of its audio
+    answers: tuple[str, ...] = ()    # the ids of the user items whose text it speaks
 
 
 # finish reason -> (status, reason) of response.done

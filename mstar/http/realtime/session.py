@@ -73,7 +73,9 @@ class RealtimeSession:
         self._resample = audio_resampler() if self.hears else None
         self._vad_item: str | None = None  # the item id speech_started announced
         self.items: list[dict[str, Any]] = []
-        self.unanswered: list[str] = []  # user text since the last response (what a speech model says next)
+        # user items a response took (its input, or appended while it spoke, or refused then): a speech model
+        # says the others next, in conversation order, so a deleted or inserted item changes what it says
+        self.taken: set[str] = set()
         self.response: ActiveResponse | None = None
         self.audio_ms: dict[str, int] = {}  # item id -> ms of its audio sent (truncation stays within it)
 
@@ -206,21 +208,26 @@ class RealtimeSession:
         for kind in ("conversation.item.added", "conversation.item.created", "conversation.item.done"):
             self.send(event(kind, previous_item_id=before, item=item))
         if role == "user" and text.strip():
-            self._user_text(text)
+            self._user_text(item, text)
 
-    def _user_text(self, text: str) -> None:
-        """User text: into the running speech response if there is one,
-        else kept for the next response."""
+    def _user_text(self, item: dict[str, Any], text: str) -> None:
+        """A user item's text: into the running speech response if there is
+        one (an error event if it can not take it: the item stays in the
+        conversation, unspoken), else left for the next response
+        (`_unanswered`)."""
         resp = self.response
-        if self.hears:
-            return  # the conversation's next response reads it
-        if self.speaks and resp is not None and resp.more_input_open:
-            try:
-                resp.append(text)
-                return
-            except RequestError as e:
-                raise ProtocolError(e.message, e.code or "invalid_request", "item.content") from None
-        self.unanswered.append(text)
+        if self.hears or not self.speaks or resp is None or not resp.more_input_open:
+            return  # the next response reads it from the conversation
+        self.taken.add(item["id"])
+        try:
+            resp.append(text)
+        except RequestError as e:
+            raise ProtocolError(e.message, e.code or "invalid_request", "item.content") from None
+
+    def _unanswered(self) -> list[dict[str, Any]]:
+        """The user items with text that no response has spoken, in conversation order."""
+        return [i for i in self.items if i.get("role") == "user" and i["id"] not in self.taken
+                and item_text(i, "item").strip()]
 
     async def _on_conversation_item_truncate(self, obj: dict[str, Any]) -> None:
         item_id = field_of(obj, "item_id", str, "")
@@ -251,6 +258,7 @@ class RealtimeSession:
         if self.response is not None and self.response.item["id"] == item_id:
             raise ProtocolError("the item of the active response cannot be deleted", "invalid_value", "item_id")
         del self.items[index]
+        self.taken.discard(item_id)
         self.send(event("conversation.item.deleted", item_id=item_id))
 
     async def _on_conversation_item_retrieve(self, obj: dict[str, Any]) -> None:
@@ -280,8 +288,7 @@ class RealtimeSession:
                                 kind=error_type(e.status)) from None
         except MstarError as e:
             raise ProtocolError(str(e), "server_error", kind="server_error") from None
-        if plan.spoken is not None:
-            self.unanswered.clear()
+        self.taken.update(plan.answers)
         self.response = ActiveResponse(self, plan, stream)
         self.items.append(self.response.item)
         self.response.start(on_done=self._response_done)
@@ -323,8 +330,9 @@ class RealtimeSession:
             voice = self.config.voice
             if asked_voice is not None:
                 voice = self.config.check_voice(asked_voice, "response.audio.output.voice")
+            pending = self._unanswered() if texts is None else []
             spoken = " ".join(t["content"] for t in texts if t["role"] == "user") if texts is not None \
-                else " ".join(self.unanswered)
+                else " ".join(item_text(i, "item") for i in pending)
             if not spoken.strip():
                 raise ProtocolError("there is no text to speak: add a user message (input_text) first",
                                     "empty_input", "response.input")
@@ -332,7 +340,7 @@ class RealtimeSession:
                                       walk=SPEAK_WALK, more_input=True, priority=REALTIME_PRIORITY)
             prepared = await self.engine.prepare(request)
             return ResponsePlan(rid, self._within(request, prepared, limit), prepared, modality="audio",
-                                spoken=spoken, voice=voice)
+                                spoken=spoken, voice=voice, answers=tuple(i["id"] for i in pending))
         instructions = self.config.instructions if instructions is None else instructions
         messages = ([{"role": "system", "content": instructions}] if instructions else [])
         messages += texts if texts is not None else [
