@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+CONTEXT_EXCEEDED = "context_length_exceeded"  # the code of input that does not fit the model's context (OpenAI's)
+
 
 class MstarError(Exception):
     """Base class of every mstar exception."""

@@ -18,6 +18,9 @@ from http_support import running_engine, serving
 from openai import AsyncOpenAI
 
 from mstar.engine.engine import Engine
+from mstar.errors import RequestError
+from mstar.http.realtime.conversation import fitted
+from mstar.types import GenerateRequest
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -295,3 +298,70 @@ async def test_a_conversations_next_response_starts_from_the_cached_conversation
         # the first prompt's full pages (16 tokens each) at least: the first message alone fills four
         assert after["hits"] - before["hits"] >= 4 * 16
         await _settled(engine)
+
+
+async def test_a_conversation_longer_than_the_context_drops_its_oldest_messages() -> None:
+    """Truncation "auto" (OpenAI's default): each response answers over the
+    newest messages that fit the context, the instructions kept; with
+    truncation "disabled" the context's error stands."""
+    async with running_engine("tiny-llama", max_model_len=256) as engine, serving(engine) as url:
+        async with _client(url).realtime.connect(model="tiny-llama") as conn:
+            created = await conn.recv()
+            assert created.session.truncation == "auto"
+            await conn.session.update(session={"type": "realtime", "instructions": "be brief",
+                                               "mstar": {"seed": 7}})
+            seen: list[Any] = []
+            prompts = []
+            for turn in range(6):
+                await conn.conversation.item.create(item=_user(f"turn {turn}: " + "tell me more " * 4))
+                await conn.response.create(response={"max_output_tokens": 20})
+                done = await _until(conn, "response.done", seen)
+                assert done.response.status == "incomplete", done.response
+                assert done.response.usage.output_tokens == 20  # its whole limit: truncation left it the room
+                prompts.append(done.response.usage.input_tokens)
+            assert not [e for e in seen if e.type == "error"]
+            # the conversation outgrew 256 tokens, and every prompt still fits with room to answer
+            assert max(prompts) <= 256 - 20  # room for each answer's 20 tokens
+            assert sum(p >= 120 for p in prompts) >= 3
+            await conn.session.update(session={"type": "realtime", "truncation": "disabled"})
+            await conn.conversation.item.create(item=_user("once more"))
+            await conn.response.create(response={"max_output_tokens": 20})
+            error = await _until(conn, "error", seen)
+            assert error.error.code == "context_length_exceeded"
+        await _settled(engine)
+
+
+async def test_truncation_leaves_out_the_fewest_oldest_messages() -> None:
+    """`conversation.fitted` against a stand-in prepare whose prompt is the
+    sum of the messages' sizes: the system message stays, the fewest oldest
+    others go, so that the answer has its room (else so that the rest fits)."""
+    sizes = {"sys": 10, **{f"m{i}": 30 for i in range(10)}}
+    messages = [{"role": "system", "content": "sys"}] + [{"role": "user", "content": f"m{i}"} for i in range(10)]
+
+    class Prepared:
+        def __init__(self, n: int) -> None:
+            self.num_prompt_tokens = n
+
+    async def prepare(request: GenerateRequest) -> Prepared:
+        n = sum(sizes[m["content"]] for m in request.inputs["messages"])
+        if n >= 200:
+            raise RequestError("too long", code="context_length_exceeded")
+        return Prepared(n)
+
+    def make(kept: list[dict[str, Any]]) -> GenerateRequest:
+        return GenerateRequest("r", "m", {"messages": kept})
+
+    async def kept(answer: int, truncate: bool = True) -> list[str]:
+        request, _, dropped = await fitted(messages, make, prepare, truncate, 200, answer)
+        names = [m["content"] for m in request.inputs["messages"]]
+        assert len(names) == len(messages) - dropped
+        return names
+
+    assert await kept(1) == ["sys"] + [f"m{i}" for i in range(4, 10)]      # 190 tokens: the most that fit
+    assert await kept(40) == ["sys"] + [f"m{i}" for i in range(5, 10)]     # 160: 40 left for the answer
+    assert await kept(195) == ["sys"] + [f"m{i}" for i in range(4, 10)]    # room for none: the most that fit
+    with pytest.raises(RequestError):
+        await kept(1, truncate=False)
+    sizes["m9"] = 250  # the newest alone is longer than the context: its error, whatever is left out
+    with pytest.raises(RequestError, match="too long"):
+        await kept(1)

@@ -85,6 +85,26 @@ MALFORMED: list[tuple[dict[str, Any], str]] = [
     ({"type": "session.update", "session": {"mstar": {"seed": "x"}}}, "session.mstar.seed"),
     ({"type": "session.update", "session": {"mstar": {"seed": 2**64}}}, "session.mstar.seed"),
     ({"type": "session.update", "session": {"mstar": {"input_linger_ms": 1.5}}}, "session.mstar.input_linger_ms"),
+    # fields the GA session does not have (the beta API's, or none at all), and values mstar does not serve
+    ({"type": "session.update", "session": {"voice": "leo"}}, "session.voice"),
+    ({"type": "session.update", "session": {"type": "realtime", "output_audio_format": "g711_ulaw"}},
+     "session.output_audio_format"),
+    ({"type": "session.update", "session": {"type": "realtime", "bogus": 1}}, "session.bogus"),
+    ({"type": "session.update", "session": {"audio": {"output": {"bogus": 1}}}}, "session.audio.output.bogus"),
+    ({"type": "session.update", "session": {"audio": {"input": {"bogus": 1}}}}, "session.audio.input.bogus"),
+    ({"type": "session.update", "session": {"audio": {"output": {"speed": 2.0}}}}, "session.audio.output.speed"),
+    ({"type": "session.update", "session": {"mstar": {"bogus": 1}}}, "session.mstar.bogus"),
+    ({"type": "session.update", "session": {"tools": [{"type": "function", "name": "f"}]}}, "session.tools"),
+    ({"type": "session.update", "session": {"tool_choice": "required"}}, "session.tool_choice"),
+    ({"type": "session.update", "session": {"truncation": {"type": "retention_ratio"}}}, "session.truncation"),
+    ({"type": "session.update", "session": {"tracing": "auto"}}, "session.tracing"),
+    ({"type": "session.update", "session": {"instructions": "be nice"}}, "session.instructions"),
+    ({"type": "response.create", "response": {"voice": "zoe"}}, "response.voice"),
+    ({"type": "response.create", "response": {"modalities": ["text"]}}, "response.modalities"),
+    ({"type": "response.create", "response": {"conversation": "none"}}, "response.conversation"),
+    ({"type": "response.create", "response": {"instructions": "be brief"}}, "response.instructions"),
+    ({"type": "response.create", "response": {"audio": {"output": {"speed": 1.0}}}}, "response.audio.output.speed"),
+    ({"type": "response.create", "response": {"tools": [{"type": "function"}]}}, "response.tools"),
     ({"type": "response.create", "response": 5}, "response"),
     ({"type": "response.create", "response": {"audio": 5}}, "response.audio"),
     ({"type": "response.create", "response": {"audio": {"output": 5}}}, "response.audio.output"),
@@ -170,6 +190,25 @@ async def test_a_malformed_event_names_its_param_and_the_socket_goes_on(speech, 
         assert done["response"]["status"] == "incomplete", done
         assert not [e for e in seen if e["type"] == "error"]
         assert any(e["type"] == "response.output_audio.delta" for e in seen)
+        await ws.close()
+
+
+async def test_the_session_a_client_was_given_may_be_sent_back(speech) -> None:
+    """`session.created`'s object as `session.update` (a client that keeps
+    the session and sends it back changed): its read-only fields pass; a
+    beta field's error says where the GA session keeps it."""
+    _, url = speech
+    async with aiohttp.ClientSession() as http:
+        ws = await http.ws_connect(url.replace("http://", "ws://") + "/v1/realtime?model=orpheus-tiny")
+        session = (await ws.receive_json())["session"]
+        session["audio"]["output"]["voice"] = "leo"
+        session["truncation"] = "disabled"
+        await ws.send_json({"type": "session.update", "session": session})
+        updated = (await _until(ws, "session.updated"))["session"]
+        assert updated["audio"]["output"]["voice"] == "leo" and updated["truncation"] == "disabled"
+        await ws.send_json({"type": "session.update", "session": {"voice": "leo"}})
+        error = (await _until(ws, "error"))["error"]
+        assert error["code"] == "unknown_parameter" and "session.audio.output.voice" in error["message"]
         await ws.close()
 
 

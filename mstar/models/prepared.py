@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from mstar.errors import ConfigError, RequestError
+from mstar.errors import CONTEXT_EXCEEDED, ConfigError, RequestError
 from mstar.graph import Component, Kind, WalkPlan
 from mstar.types import GenerateRequest, SamplingParams
 
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
 
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 _SEQUENCE_FIELDS = ("stop", "stop_token_ids")  # tuples in SamplingParams, arrays in an override
-CONTEXT_EXCEEDED = "context_length_exceeded"  # the error code of input that does not fit the context (OpenAI's)
 
 
 @dataclass(frozen=True)

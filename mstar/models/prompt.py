@@ -18,8 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mstar.errors import RequestError
-from mstar.models.prepared import CONTEXT_EXCEEDED
+from mstar.errors import CONTEXT_EXCEEDED, RequestError
 
 if TYPE_CHECKING:
     from mstar.models.tokenizer import Tokenizer

@@ -1,5 +1,6 @@
-"""A hearing model's conversation: realtime items in, the chat messages of
-one spoken-chat request out.
+"""A conversation's messages: realtime items in, the chat messages of one
+request out (a hearing model's spoken chat; a text model's chat), cut to
+the model's context where the session's truncation is "auto".
 
 Each response of a model that hears and speaks (Qwen3-Omni) is one request
 on its `spoken_chat_walk` over the whole conversation so far: the session's
@@ -12,11 +13,16 @@ file and the session's `_plan`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 import numpy as np
 
+from mstar.errors import CONTEXT_EXCEEDED, RequestError
 from mstar.http.realtime.protocol import ProtocolError, decode_audio, field_of
+from mstar.types import GenerateRequest
+
+if TYPE_CHECKING:
+    from mstar.engine.engine import Prepared
 
 TEXT_PARTS = ("input_text", "text", "output_text")
 AUDIO_PARTS = ("input_audio", "output_audio", "audio")
@@ -78,3 +84,53 @@ def _text_of(part: Any) -> str:
     if part.get("type") in TEXT_PARTS:
         return part.get("text") or ""
     return part.get("transcript") or ""
+
+
+async def fitted(messages: list[dict[str, Any]], make: Callable[[list[dict[str, Any]]], GenerateRequest],
+                 prepare: Callable[[GenerateRequest], Awaitable[Prepared]], truncate: bool, max_model_len: int,
+                 answer: int = 1) -> tuple[GenerateRequest, Prepared, int]:
+    """The request `make` builds over `messages`, prepared, and how many of
+    the oldest messages it leaves out. With `truncate` (OpenAI's "auto"
+    truncation), a conversation that leaves less than `answer` tokens of
+    the context for the answer drops its oldest messages, the system
+    message kept: the fewest that leave that room (found by bisection, each
+    try a whole prepare), else the fewest that fit at all. Without, or if
+    not even the newest message fits, the context's error stands."""
+    tries: dict[int, tuple[GenerateRequest, Prepared, int] | None] = {}  # k oldest left out -> its prepare
+    head = 1 if messages and messages[0].get("role") == "system" else 0
+    too_long: list[RequestError] = []  # the whole conversation's error
+
+    def roomy(prepared: Prepared) -> bool:
+        return prepared.num_prompt_tokens + answer <= max_model_len
+
+    async def attempt(k: int) -> tuple[GenerateRequest, Prepared, int] | None:
+        if k not in tries:
+            request = make(messages[:head] + messages[head + k:])
+            try:
+                tries[k] = request, await prepare(request), k
+            except RequestError as e:
+                if e.code != CONTEXT_EXCEEDED or not (truncate or k):
+                    raise
+                too_long.extend([e] if not k else [])
+                tries[k] = None
+        return tries[k]
+
+    async def fewest(good: Callable[[Prepared], bool]) -> tuple[GenerateRequest, Prepared, int] | None:
+        """The try with the fewest left out whose prepare is `good` (more left out is never worse)."""
+        lo, hi, best = 0, len(messages) - head - 1, None  # the newest message always stays
+        while lo <= hi:
+            k = (lo + hi) // 2
+            tried = await attempt(k)
+            if tried is not None and good(tried[1]):
+                best, hi = tried, k - 1
+            else:
+                lo = k + 1
+        return best
+
+    whole = await attempt(0)
+    if whole is not None and (not truncate or roomy(whole[1])):
+        return whole
+    best = await fewest(roomy) or await fewest(lambda p: True)
+    if best is None:  # not even the newest message fits
+        raise too_long[0]
+    return best

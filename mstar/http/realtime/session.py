@@ -34,8 +34,9 @@ import structlog
 from mstar.config import MediaLimits
 from mstar.engine import audio_resampler
 from mstar.errors import MstarError, RequestError
-from mstar.http.realtime.conversation import chat_messages, heard_parts
+from mstar.http.realtime.conversation import chat_messages, fitted, heard_parts
 from mstar.http.realtime.input_audio import InputAudioBuffer, Turn
+from mstar.http.realtime.known_fields import check_response, check_session
 from mstar.http.realtime.protocol import (ProtocolError, check_format, decode_audio, event, field_of, item_text,
                                           new_id, output_limit)
 from mstar.http.realtime.response import ActiveResponse, ResponsePlan
@@ -100,6 +101,7 @@ class RealtimeSession:
 
     async def _on_session_update(self, obj: dict[str, Any]) -> None:
         session = field_of(obj, "session", dict, "")
+        check_session(session, speaks_only=self.speaks and not self.hears)
         if session.get("input_audio_transcription") is not None:
             raise ProtocolError(f"model '{self.target.name}' provides no input transcription; leave it null",
                                 "unsupported_transcription", "session.input_audio_transcription")
@@ -278,6 +280,7 @@ class RealtimeSession:
             raise ProtocolError(f"response '{self.response.id}' is still in progress; cancel it or wait for "
                                 "response.done", "conversation_already_has_active_response")
         params = field_of(obj, "response", dict, "", required=False) or {}
+        check_response(params, speaks_only=self.speaks and not self.hears)
         limit, limit_param = self._limit(params)
         try:
             plan = await self._plan(params, limit)
@@ -349,10 +352,24 @@ class RealtimeSession:
             raise ProtocolError("the conversation is empty: add a message first", "empty_input", "response.input")
         # the model tokenises (off the event loop when long); a plain text if there is no chat template
         chat = self.target.tokenizer is not None and getattr(self.target.tokenizer, "chat_template", None)
-        inputs = {"messages": messages} if chat else {"prompt": "\n".join(m["content"] for m in messages)}
-        request = GenerateRequest(rid, self.target.name, inputs, sampling, priority=REALTIME_PRIORITY)
-        prepared = await self.engine.prepare(request)
+
+        def make(kept: list[dict[str, Any]]) -> GenerateRequest:
+            inputs = {"messages": kept} if chat else {"prompt": "\n".join(m["content"] for m in kept)}
+            return GenerateRequest(rid, self.target.name, inputs, sampling, priority=REALTIME_PRIORITY)
+
+        request, prepared = await self._fitted(messages, make, limit)
         return ResponsePlan(rid, self._within(request, prepared, limit), prepared, modality="text")
+
+    async def _fitted(self, messages: list[dict[str, Any]], make: Callable[[list[dict[str, Any]]], GenerateRequest],
+                      limit: int | None) -> tuple[GenerateRequest, Prepared]:
+        """`make(messages)` prepared, the conversation cut to the context under the session's truncation,
+        leaving the answer room for its limit (at most half the context: a large one keeps the conversation)."""
+        answer = min(limit, self.target.max_model_len // 2) if limit is not None else 1
+        request, prepared, dropped = await fitted(messages, make, self.engine.prepare,
+                                                  self.config.truncation == "auto", self.target.max_model_len, answer)
+        if dropped:
+            log.info("conversation truncated", session_id=self.config.session_id, dropped_messages=dropped)
+        return request, prepared
 
     def _within(self, request: GenerateRequest, prepared: Prepared, limit: int | None) -> GenerateRequest:
         """`request` with the response's limit, a ceiling: it takes what the
@@ -382,11 +399,14 @@ class RealtimeSession:
                                 "empty_input", "response.input")
         key = self.target.spoken_audio_key
         by: dict[str, dict[str, Any]] = {key: {"max_tokens": limit}} if None not in (limit, key) and not in_text else {}
-        inputs = {"messages": messages} if in_text else {"messages": messages, "voice": voice}
-        request = GenerateRequest(rid, self.target.name, inputs, dataclasses.replace(sampling, max_tokens=None),
-                                  sampling_by=by, walk=None if in_text else self.target.spoken_chat_walk,
-                                  priority=REALTIME_PRIORITY)
-        prepared = await self.engine.prepare(request)
+
+        def make(kept: list[dict[str, Any]]) -> GenerateRequest:
+            inputs = {"messages": kept} if in_text else {"messages": kept, "voice": voice}
+            return GenerateRequest(rid, self.target.name, inputs, dataclasses.replace(sampling, max_tokens=None),
+                                   sampling_by=by, walk=None if in_text else self.target.spoken_chat_walk,
+                                   priority=REALTIME_PRIORITY)
+
+        request, prepared = await self._fitted(messages, make, limit)
         if limit is not None and limit < self.target.max_model_len - prepared.num_prompt_tokens:
             request = dataclasses.replace(request, sampling=dataclasses.replace(sampling, max_tokens=limit))
             prepared = await self.engine.prepare(request)

@@ -38,6 +38,7 @@ class SessionConfig:
     hears: bool = False
     turn_detection: TurnDetection | None = None
     text_only: bool = False
+    truncation: str = "auto"  # "auto": a conversation too long for the context drops its oldest items (OpenAI's)
 
     def __post_init__(self) -> None:
         if self.hears and self.turn_detection is None:
@@ -58,7 +59,7 @@ class SessionConfig:
             "type": "realtime", "object": "realtime.session", "id": self.session_id, "model": self.model,
             "output_modalities": self.modalities, "instructions": self.instructions,
             "max_output_tokens": self.max_output_tokens if self.max_output_tokens is not None else "inf",
-            "tools": [], "tool_choice": "none",
+            "tools": [], "tool_choice": "none", "truncation": self.truncation,
             "audio": {
                 "input": {"format": AUDIO_FORMAT, "transcription": None, "noise_reduction": None,
                           "turn_detection": self.turn_detection.to_json() if self.turn_detection else None},
@@ -90,7 +91,10 @@ class SessionConfig:
         audio = field_of(session, "audio", dict, "session", required=False) or {}
         voice, turns = self._audio(audio)
         linger, seed = self._extension(session)
+        truncation = session.get("truncation")  # its value checked with the session's fields (`known_fields`)
         # all checked: apply together, so a refused update changes nothing
+        if truncation is not None:
+            self.truncation = truncation
         if answer is not None:
             self.text_only = self.speaks and answer == "text"
         if instructions is not None:

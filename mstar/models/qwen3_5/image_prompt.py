@@ -22,8 +22,7 @@ from typing import Any
 
 import torch
 
-from mstar.errors import RequestError
-from mstar.models.prepared import CONTEXT_EXCEEDED
+from mstar.errors import CONTEXT_EXCEEDED, RequestError
 from mstar.models.prompt import chat_text
 from mstar.models.qwen3_5.config import ImageTokens
 from mstar.models.tokenizer import Tokenizer

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mstar.errors import RequestError
+from mstar.errors import CONTEXT_EXCEEDED, RequestError
 from mstar.models.prompt import given_ids, text_ids
 from mstar.models.qwen3_omni.config import TokenIds
 from mstar.models.tokenizer import Tokenizer
@@ -96,7 +96,7 @@ class Intake:
             ids += [self.ids.im_end, *self._text("\n", model)]
             if len(ids) > max_model_len:
                 raise RequestError(f"the messages take more than the model's {max_model_len} tokens",
-                                   field="messages", code="context_length_exceeded")
+                                   field="messages", code=CONTEXT_EXCEEDED)
         if not opening:  # the last message is continued as it stands
             return ids
         return ids + [self.ids.im_start, self.ids.assistant, *self._text("\n", model)]

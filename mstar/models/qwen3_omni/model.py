@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from mstar.errors import ConfigError, RequestError
+from mstar.errors import CONTEXT_EXCEEDED, ConfigError, RequestError
 from mstar.graph import Component
 from mstar.models.base import KVSpec, Model, RowShape, StateSpec
 from mstar.models.checkpoint import check_load_format, generation_eos
@@ -292,7 +292,7 @@ class Qwen3OmniModel(Model):
                   *newline]
         if len(prompt) > self._max_model_len:
             raise RequestError(f"the text takes more than the model's {self._max_model_len} tokens", field="input",
-                               code="context_length_exceeded")
+                               code=CONTEXT_EXCEEDED)
         values = {"prompt_ids": torch.tensor(prompt, dtype=torch.long), "script": torch.tensor(script),
                   "script_first": torch.tensor(script[0]), **self._talker_inputs(request, prompt, [])}
         return PreparedPiece(values, values["talker_ids"].numel(), "input")
