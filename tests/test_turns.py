@@ -210,3 +210,49 @@ async def test_a_request_ends_as_its_last_turn_did(eng: Engine) -> None:
     eng.close_input("last")
     _, tail = await _collect(chunks)
     assert tail[-1].finish_reason == "stop" and tail[-1].num_output_tokens < 2 * TOKENS
+
+
+@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.parametrize("when", ["queued", "while-speaking"])
+async def test_a_turn_leaves_room_for_the_input_queued_behind_it(eng: Engine, when: str) -> None:
+    """No max_tokens: a turn could fill the context (256). Input the engine
+    took, sent before the turn began or while it speaks, is still spoken:
+    the turn stops where it leaves the queued piece room, the piece's turn
+    is prefilled and speaks, and the request then waits for more."""
+    prefills: list[int] = []
+    module = eng.workers[0].runners["llm"].module
+    real = module.prefill
+
+    def counting(batch):
+        prefills.append(int(batch.input_ids.numel()))
+        return real(batch)
+
+    sampling = SamplingParams(max_tokens=None, temperature=0.0, seed=5, ignore_eos=True)
+    rid = f"room-{when}"
+    module.prefill = counting
+    try:
+        stream = eng.submit(GenerateRequest(rid, "orpheus-tiny", {"text": "hello there"}, sampling,
+                                            more_input=True))
+        chunks = aiter(stream)
+        first = b""
+        if when == "while-speaking":
+            async for chunk in chunks:
+                first += chunk.audio or b""
+                if first:
+                    break
+        n2 = eng.append(rid, {"text": "and a second thing"})
+        audio, seen = await _until_awaiting(chunks)
+    finally:
+        module.prefill = real
+    p1, p2 = _prompt(eng, "hello there"), _prompt(eng, "and a second thing")
+    assert seen[-1].awaiting_input and not seen[-1].finished, seen[-1]  # it had room for the second turn
+    # the first prompt (its prefix cache hits aside), then the second turn's own tokens
+    assert len(prefills) == 2 and prefills[1] == len(turn_after(0)) + len(p2)
+    assert len(first + audio) >= 2 * 4 * 2048 * 2  # each turn spoke
+    eng.close_input(rid)
+    _, tail = await _collect(chunks)
+    assert tail[-1].finished and tail[-1].num_prompt_tokens == len(p1) + n2
+    # the two turns and the markers between them (the first turn's last token is one of its outputs) fill no more
+    # than the context
+    assert tail[-1].num_prompt_tokens + tail[-1].num_output_tokens + len(turn_after(0)) - 1 <= 256
+    assert eng.pages_in_use() == 0 and len(eng.store) == 0

@@ -310,7 +310,7 @@ class Engine:
                                f"in the model's context of {model.max_model_len} tokens", field="input")
         state.num_prompt_tokens += n
         state.context_floor += n
-        self.workers[state.worker].send(Append(request_id, dict(piece.values)))
+        self.workers[state.worker].send(Append(request_id, dict(piece.values), n))
         return n
 
     def close_input(self, request_id: str) -> None:

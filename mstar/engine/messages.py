@@ -42,6 +42,7 @@ class Append:
 
     request_id: str
     values: dict[str, torch.Tensor]
+    num_tokens: int = 0   # the piece's prompt tokens: the room the turn before it leaves in the context
 
 
 @dataclass(frozen=True)

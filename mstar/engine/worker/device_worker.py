@@ -257,7 +257,7 @@ class DeviceWorker:
         elif isinstance(msg, Stop):
             self.stats.cancelled_steps += self.walker.stop(msg.request_id, msg.partition)
         elif isinstance(msg, Append):
-            self.walker.turns.append(msg.request_id, msg.values)
+            self.walker.turns.append(msg.request_id, msg.values, msg.num_tokens)
         elif isinstance(msg, CloseInput):
             self.walker.turns.close(msg.request_id)
         elif isinstance(msg, Abort):

@@ -36,6 +36,7 @@ class RequestRun:
     # input that keeps arriving (WalkPlan.more_input): the pieces not started yet, and whether more may come
     input_open: bool = False
     more: list[dict[str, torch.Tensor]] = field(default_factory=list)  # by walk input name
+    more_tokens: list[int] = field(default_factory=list)  # the prompt tokens of each piece in `more`
     places: dict[str, int] = field(default_factory=dict)  # partition -> worker, where not all run here
     started: set[str] = field(default_factory=set)  # consumers on other workers that its streams started
     priority: int = 0  # lower: its waiting steps go first (`WorkItem.priority`)
@@ -90,6 +91,7 @@ class PartitionRun:
     rows: dict[tuple[str, str], KVRow] = field(default_factory=dict)  # by (KV component, branch)
     outstanding: int = 0            # branch rows of its step still queued or running
     turn_cap: int | None = None     # a later turn's write cap: what is left of the context
+    kv_ceiling: int | None = None   # a turn's KV holds at most this when its loop ends: room for the next piece
     awaiting_input: bool = False    # its turn is over and it waits for more input
     turn_token: int | None = None   # the last token of its last turn (not in the cache yet)
     inbox: StreamBuffer | None = None  # a stream consumer's: what it reads

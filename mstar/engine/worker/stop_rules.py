@@ -104,7 +104,7 @@ def stop_reasons(parts: list[PartitionRun], values: dict[str, torch.Tensor]) -> 
             continue
         loop, frame = checked
         loop_value = loop.value
-        if frame.cap is not None and frame.count + 1 >= frame.cap:
+        if frame.cap is not None and frame.count + 1 >= frame.cap or _at_ceiling(part):
             reasons[i] = "length"
         ids = frame_stop_ids(part, loop, frame)
         if ids:
@@ -121,3 +121,9 @@ def stop_reasons(parts: list[PartitionRun], values: dict[str, torch.Tensor]) -> 
             if hit[j]:
                 reasons[i] = "stop"
     return reasons
+
+
+def _at_ceiling(part: PartitionRun) -> bool:
+    """A turn's top-level loop has filled the context up to the room its
+    next piece of input needs (`PartitionRun.kv_ceiling`)."""
+    return part.kv_ceiling is not None and len(part.loops) == 1 and part.kv_row().kv_len + 1 >= part.kv_ceiling

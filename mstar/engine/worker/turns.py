@@ -8,7 +8,13 @@ open. It waits for the next piece, then starts over at its first step with
 the piece, joined to what came before by the model (`join_turn`: the turn's
 last sampled token, which the cache has not seen yet, the model's turn
 markers, positions going on from the cache's). The KV cache is kept, so only
-the new piece is prefilled. The partition's streams cut their tails as at the
+the new piece is prefilled. A turn leaves room in the context for the piece
+queued next: when the piece arrives (or the turn starts with one queued),
+the turn may take half of what the context has left besides that piece's
+tokens, and its loop stops ("length") there; the piece's turn has the rest.
+So input the engine took while a turn spoke is spoken, not dropped at a full
+context. (Room for the next piece only: reserving for every queued piece
+would starve every turn once more is queued than the context holds.) The partition's streams cut their tails as at the
 end of a stream and count a new segment, so each turn's audio is what a
 request of its own would have given; a consumer whose stream restarts at
 each turn runs again from its first node.
@@ -33,6 +39,9 @@ if TYPE_CHECKING:
 
 # (the turn's last token, the piece by input name, the position it starts at) -> the next turn's values
 JoinTurn = Callable[[int, dict[str, torch.Tensor], int], PreparedPiece]
+# tokens a queued piece takes besides its own: the turn's last token and the model's turn markers (Orpheus 3,
+# Qwen3-Omni 2), and its turn's first written token
+TURN_MARGIN = 8
 
 
 class Turns:
@@ -51,15 +60,45 @@ class Turns:
 
     # ---------------------------------------------------- from the inbox
 
-    def append(self, request_id: str, values: dict[str, torch.Tensor]) -> None:
-        """One more piece of input for a running request, by walk input name
-        (ignored once it has ended, or after `close`)."""
+    def append(self, request_id: str, values: dict[str, torch.Tensor], num_tokens: int = 0) -> None:
+        """One more piece of input for a running request, by walk input name,
+        of `num_tokens` prompt tokens (ignored once it has ended, or after
+        `close`). A turn under way leaves it room."""
         part = self._root(request_id)
         if part is None or not part.request.input_open:
             return
         part.request.more.append(dict(values))
+        part.request.more_tokens.append(num_tokens)
         if part.awaiting_input:
             self._next(part)
+        else:
+            self._leave_room(part)
+
+    def _ceiling(self, part: PartitionRun, kv_len: int) -> int | None:
+        """The KV a turn of `part` holding `kv_len` tokens may hold when its
+        loop ends: half of what the context has left besides the piece
+        queued next (None: none is)."""
+        queued = part.request.more_tokens
+        if not queued:
+            return None
+        return kv_len + max(self.walker.max_model_len - kv_len - queued[0] - TURN_MARGIN, 0) // 2
+
+    def _leave_room(self, part: PartitionRun) -> None:
+        """Hold the turn under way to the room its next piece needs (once:
+        a second piece waits for the first's turn): a decode group holding
+        its loop lowers the row's cap now; a row that joins one later is
+        capped as it joins (`joining.join_group`), and an item step checks
+        it (`stop_rules`)."""
+        if part.kv_ceiling is not None:
+            return
+        for group in self.walker.groups.values():
+            kv_len = group.kv_len_of(part)
+            if kv_len is not None:
+                part.kv_ceiling = self._ceiling(part, kv_len)
+                assert part.kv_ceiling is not None
+                group.hold_within(part, part.kv_ceiling)
+                return
+        part.kv_ceiling = self._ceiling(part, part.kv_row().kv_len)
 
     def close(self, request_id: str) -> None:
         """No more input: the request ends after the pieces it has."""
@@ -106,6 +145,7 @@ class Turns:
         assert self.join_turn is not None, "a walk taking more input on a worker given no join_turn"
         row = part.kv_row()
         try:
+            run.more_tokens.pop(0)
             joined = self.join_turn(part.turn_token, run.more.pop(0), row.start)
         except Exception as e:  # a model's refusal of the piece: this request fails, not the worker
             walker.abort(rid, "error", f"{type(e).__name__}: {e}")
@@ -130,5 +170,6 @@ class Turns:
         part.writes.clear()
         row.new_turn()  # the repetition penalty looks at this turn only, as a request of its own would
         part.turn_cap = room
+        part.kv_ceiling = self._ceiling(part, row.kv_len + joined.num_tokens)  # the piece queued next, if one is
         walker.cursor.restart(part, 0)
         walker.advance(part)

@@ -32,6 +32,7 @@ from mstar.engine.worker.groups.group_shape import GroupShape
 from mstar.engine.worker.groups.group_stream import GroupStream
 from mstar.engine.worker.rows import PartitionRun
 from mstar.engine.worker.groups.pending import Leave, Pending, Route, route_of
+from mstar.engine.worker.groups.row_tables import cat_padded, with_rows
 
 _NO_CAP = 2**62
 
@@ -121,6 +122,24 @@ class LoopGroup:
         self._joins.append(_Join(part, token, count, _NO_CAP if cap is None else cap, stop_ids, dict(carried or {}),
                                  min_tokens))
 
+    def kv_len_of(self, part: PartitionRun) -> int | None:
+        """The KV `part`'s row holds as its launched steps leave it (None: the group does not hold it)."""
+        if any(j.part is part for j in self._joins):
+            return part.row(self.component).kv_len
+        i = next((i for i, row in enumerate(self.rows) if row is part), None)
+        return None if i is None else int(self.kv_lens[i])
+
+    def hold_within(self, part: PartitionRun, kv_len: int) -> None:
+        """Lower `part`'s write cap so that its KV holds at most `kv_len`
+        tokens when its loop ends (a turn leaving room for the input queued
+        behind it); `part` is one of its rows or joins."""
+        for j in self._joins:
+            if j.part is part:
+                j.cap = min(j.cap, j.count + max(kv_len - part.row(self.component).kv_len, 0))
+                return
+        i = next(i for i, row in enumerate(self.rows) if row is part)
+        self.caps[i] = min(int(self.caps[i]), int(self.counts[i]) + max(kv_len - int(self.kv_lens[i]), 0))
+
     def joining(self) -> list[str]:
         """The requests of the rows that joined since the last step."""
         return [j.part.request_id for j in self._joins]
@@ -178,9 +197,9 @@ class LoopGroup:
         counts = torch.cat([self.counts, longs([j.count for j in joins])])
         caps = torch.cat([self.caps, longs([j.cap for j in joins])])
         mins = torch.cat([self.mins, longs([j.min_tokens for j in joins])])
-        block_table = _cat_padded(self.block_table, [r.pages for r in kv], 0)
+        block_table = cat_padded(self.block_table, [r.pages for r in kv], 0)
         page_counts = torch.cat([self.page_counts, longs([len(r.pages) for r in kv])])
-        stop_table = _cat_padded(self.stop_table, [j.stop_ids for j in joins], -1)
+        stop_table = cat_padded(self.stop_table, [j.stop_ids for j in joins], -1)
         counters = torch.cat([self.counters, longs([r.generated for r in kv])])
         slots = torch.cat([self.slots, longs([-1 if r.slot is None else r.slot for r in kv])])
         deltas = torch.cat([self.deltas, longs([r.rope_delta for r in kv])])
@@ -192,8 +211,8 @@ class LoopGroup:
         # one row of each per group row, once any row has one: a repetition penalty's seen ids (from its
         # prefill), the output counts of a presence or frequency penalty (from `outputs_for`, or a row's
         # earlier steps)
-        seen = _with_rows(self.seen, [r.seen for r in kv], len(self.rows), torch.bool, dev)
-        outputs = _with_rows(self.outputs, [r.outputs for r in kv], len(self.rows), torch.float32, dev)
+        seen = with_rows(self.seen, [r.seen for r in kv], len(self.rows), torch.bool, dev)
+        outputs = with_rows(self.outputs, [r.outputs for r in kv], len(self.rows), torch.float32, dev)
         carried = {}
         for name in self.shape.carried:
             joined = torch.stack([j.carried[name] for j in joins]).to(dev)
@@ -469,28 +488,3 @@ class LoopGroup:
         if self.outputs is not None:
             window = self.outputs[sl]
             window.scatter_add_(1, drawn.reshape(-1, 1), torch.ones_like(window[:, :1]))
-
-
-def _with_rows(table: torch.Tensor | None, rows: list[torch.Tensor | None], count: int, dtype: torch.dtype,
-               device: torch.device) -> torch.Tensor | None:
-    """`table` [count, W] with `rows` below it (zeros for a None, or for a
-    None table); None while neither has any."""
-    width = next((r.numel() for r in rows if r is not None), None)
-    if table is None and width is None:
-        return None
-    width = width or table.shape[1]
-    base = table if table is not None else torch.zeros(count, width, dtype=dtype, device=device)
-    return torch.cat([base, torch.stack([r if r is not None else torch.zeros(width, dtype=dtype, device=device)
-                                         for r in rows])])
-
-
-def _cat_padded(table: torch.Tensor, rows: list, fill: int) -> torch.Tensor:
-    width = max([table.shape[1]] + [len(r) for r in rows]) or 1
-    new = torch.full((len(rows), width), fill, dtype=torch.long)
-    for i, r in enumerate(rows):
-        if r:
-            new[i, : len(r)] = torch.tensor(list(r), dtype=torch.long)
-    if table.shape[1] < width:
-        table = torch.cat([table, torch.full((table.shape[0], width - table.shape[1]), fill, dtype=torch.long)], 1)
-    return torch.cat([table, new])
-
