@@ -147,3 +147,38 @@ async def test_a_preempted_penalised_request_draws_the_same_tokens() -> None:
     assert none == 0 and preempted > 0
     assert lazy == reserved
     assert all(len(t) == 60 for t in lazy)
+
+
+async def test_a_row_that_stops_on_a_token_keeps_the_counts_of_what_it_drew() -> None:
+    """A turn that ends on a stop token leaves its decode group with counts
+    of exactly the tokens it drew: the step the group launched past the
+    stop drew a dead token, which its counts leave out."""
+    eng = Engine(EngineConfig(model="orpheus-tiny", max_model_len=256))
+    await eng.start()
+    try:
+        sp = SamplingParams(max_tokens=60, temperature=0.0, frequency_penalty=0.5, ignore_eos=True)
+        prompt = eng.model.prepare(GenerateRequest("p", "orpheus-tiny", {"text": "count me", "voice": "tara"}))
+        plain: list[int] = []  # the speech's LLM tokens, from the LLM's own walk
+        async for chunk in eng.submit(GenerateRequest("plain", "orpheus-tiny",
+                                                      {"prompt_ids": prompt.values["prompt_ids"].tolist()}, sp,
+                                                      walk="generate")):
+            plain += chunk.token_ids
+        stop = plain[9]  # greedy: the turn below stops where this id is first drawn
+        drawn = plain[:plain.index(stop) + 1]
+        assert len(drawn) >= 3
+        stopping = dataclasses.replace(sp, stop_token_ids=(stop,))
+        stream = eng.submit(GenerateRequest("turn", "orpheus-tiny", {"text": "count me"}, stopping,
+                                            more_input=True))
+        async for chunk in stream:
+            if chunk.awaiting_input:
+                break
+        run = eng.workers[0].walker.runs["turn"]
+        counts = run.partitions[run.walk.root].kv_row().outputs  # the worker waits for input: nothing moves
+        assert counts is not None
+        expected = torch.zeros_like(counts).index_add_(0, torch.tensor(drawn), torch.ones(len(drawn)))
+        assert torch.equal(counts, expected)
+        eng.close_input("turn")
+        async for _ in stream:
+            pass
+    finally:
+        await eng.shutdown()

@@ -362,6 +362,9 @@ async def test_truncation_leaves_out_the_fewest_oldest_messages() -> None:
     assert await kept(195) == ["sys"] + [f"m{i}" for i in range(4, 10)]    # room for none: the most that fit
     with pytest.raises(RequestError):
         await kept(1, truncate=False)
+    only = [messages[0]]  # instructions alone, leaving less than the answer asks: they are the prompt
+    request, prepared, dropped = await fitted(only, make, prepare, True, 200, 195)
+    assert request.inputs["messages"] == only and dropped == 0
     sizes["m9"] = 250  # the newest alone is longer than the context: its error, whatever is left out
     with pytest.raises(RequestError, match="too long"):
         await kept(1)

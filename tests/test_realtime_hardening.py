@@ -98,6 +98,7 @@ MALFORMED: list[tuple[dict[str, Any], str]] = [
     ({"type": "session.update", "session": {"tool_choice": "required"}}, "session.tool_choice"),
     ({"type": "session.update", "session": {"truncation": {"type": "retention_ratio"}}}, "session.truncation"),
     ({"type": "session.update", "session": {"tracing": "auto"}}, "session.tracing"),
+    ({"type": "session.update", "session": {"reasoning": {"effort": "low"}}}, "session.reasoning"),
     ({"type": "session.update", "session": {"instructions": "be nice"}}, "session.instructions"),
     ({"type": "response.create", "response": {"voice": "zoe"}}, "response.voice"),
     ({"type": "response.create", "response": {"modalities": ["text"]}}, "response.modalities"),
@@ -203,6 +204,7 @@ async def test_the_session_a_client_was_given_may_be_sent_back(speech) -> None:
         session = (await ws.receive_json())["session"]
         session["audio"]["output"]["voice"] = "leo"
         session["truncation"] = "disabled"
+        session.update(parallel_tool_calls=True, reasoning=None, tracing=None)  # as the openai SDK's model dumps it
         await ws.send_json({"type": "session.update", "session": session})
         updated = (await _until(ws, "session.updated"))["session"]
         assert updated["audio"]["output"]["voice"] == "leo" and updated["truncation"] == "disabled"

@@ -15,6 +15,8 @@ import pytest_asyncio
 
 from mstar.config import EngineConfig
 from mstar.engine.engine import Engine
+from mstar.engine.worker import walker as walker_module
+from mstar.engine.worker.turns import TURN_MARGIN
 from mstar.errors import RequestError
 from mstar.models.orpheus.tokens import turn_after
 from mstar.types import GenerateRequest, OutputChunk, SamplingParams
@@ -213,26 +215,30 @@ async def test_a_request_ends_as_its_last_turn_did(eng: Engine) -> None:
 
 
 @pytest.mark.asyncio(loop_scope="module")
-@pytest.mark.parametrize("when", ["queued", "while-speaking"])
-async def test_a_turn_leaves_room_for_the_input_queued_behind_it(eng: Engine, when: str) -> None:
+@pytest.mark.parametrize("when", ["queued", "while-speaking", "item-steps"])
+async def test_a_turn_leaves_room_for_the_input_queued_behind_it(eng: Engine, when: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """No max_tokens: a turn could fill the context (256). Input the engine
     took, sent before the turn began or while it speaks, is still spoken:
-    the turn stops where it leaves the queued piece room, the piece's turn
-    is prefilled and speaks, and the request then waits for more."""
-    prefills: list[int] = []
+    the turn takes half of what the context has left besides the queued
+    piece (counted from its whole prompt, even when the piece came before
+    the prompt was read), the piece's turn the rest, and the request then
+    waits for more. With `item-steps` the loop runs outside a decode group."""
+    if when == "item-steps":
+        monkeypatch.setattr(walker_module, "join_group", lambda *args: False)
+    starts: list[tuple[int, int]] = []  # each prefill's first position and length
     module = eng.workers[0].runners["llm"].module
     real = module.prefill
 
     def counting(batch):
-        prefills.append(int(batch.input_ids.numel()))
+        starts.append((int(batch.positions.reshape(-1)[0]), int(batch.input_ids.numel())))
         return real(batch)
 
     sampling = SamplingParams(max_tokens=None, temperature=0.0, seed=5, ignore_eos=True)
-    rid = f"room-{when}"
+    rid, text = f"room-{when}", f"{when}: " + "hello there, " * 6
     module.prefill = counting
     try:
-        stream = eng.submit(GenerateRequest(rid, "orpheus-tiny", {"text": "hello there"}, sampling,
-                                            more_input=True))
+        stream = eng.submit(GenerateRequest(rid, "orpheus-tiny", {"text": text}, sampling, more_input=True))
         chunks = aiter(stream)
         first = b""
         if when == "while-speaking":
@@ -244,10 +250,15 @@ async def test_a_turn_leaves_room_for_the_input_queued_behind_it(eng: Engine, wh
         audio, seen = await _until_awaiting(chunks)
     finally:
         module.prefill = real
-    p1, p2 = _prompt(eng, "hello there"), _prompt(eng, "and a second thing")
+    p1, p2 = _prompt(eng, text), _prompt(eng, "and a second thing")
     assert seen[-1].awaiting_input and not seen[-1].finished, seen[-1]  # it had room for the second turn
-    # the first prompt (its prefix cache hits aside), then the second turn's own tokens
-    assert len(prefills) == 2 and prefills[1] == len(turn_after(0)) + len(p2)
+    assert len(starts) == 2 and starts[1][1] == len(turn_after(0)) + len(p2)  # then it read only its own tokens
+    room = 256 - n2 - TURN_MARGIN  # the most the first turn may hold and leave the piece its room
+    if when == "while-speaking":  # from where it stood when the piece came: past its first window of 28 tokens
+        assert len(p1) + 28 - 2 <= starts[1][0] <= room
+    else:  # its half of what the context had left besides the piece, counted from its whole prompt
+        half = len(p1) + (room - len(p1)) // 2
+        assert half - 2 <= starts[1][0] <= half + 1
     assert len(first + audio) >= 2 * 4 * 2048 * 2  # each turn spoke
     eng.close_input(rid)
     _, tail = await _collect(chunks)

@@ -107,7 +107,6 @@ class GroupSteps:
         outputs = group.outputs_for(sl, logits.shape[-1])
         launch = GroupLaunch(*self.sampler.group(logits, st, seen, None if banned is None
                                                  else to_device(banned, self.device), bucket, outputs), extras)
-        group.count_outputs(sl, launch.tokens)
         if new is not None:
             assert new_logits is not None
             ends = new.ends
@@ -117,6 +116,8 @@ class GroupSteps:
             ended = set(ends)
             for i, (r, k) in enumerate(zip(new.kv, new.lens)):
                 r.advance(k, None, i in ended)
+        # last: a step that raised above is run again without its new rows, on the group as it was
+        group.count_outputs(sl, launch.tokens)
         return launch
 
     def _mixed_logits(self, group: LoopGroup, sl: slice, new: NewRows) -> torch.Tensor:

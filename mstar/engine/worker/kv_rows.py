@@ -225,8 +225,8 @@ def count_outputs(rows: Sequence[KVRow], penalised: Sequence[bool], counts: torc
                   tokens: torch.Tensor) -> None:
     """Count the tokens [B] a step drew into `counts` [B, V] (`output_counts`),
     on the device; a penalised row keeps its row of them as its counts (a
-    view, as `seen_masks`'s rows are)."""
+    copy: a view would hold the step's whole [B, V] while the row waits)."""
     counts.scatter_add_(1, tokens.reshape(-1, 1), torch.ones(len(rows), 1, dtype=counts.dtype, device=counts.device))
     for i, row in enumerate(rows):
         if penalised[i]:
-            row.counted_in(counts[i])
+            row.counted_in(counts[i].clone())

@@ -43,8 +43,8 @@ class Router:
         """An item step's outputs: emits (into `report`), stop rules, then every
         row moves on. `sampled`: the step's outputs are token ids [B] it sampled."""
         parts = out.parts
-        reasons = stop_reasons(parts, {k: v for k, v in out.values.items()
-                                                   if isinstance(v, torch.Tensor)})
+        reasons = stop_reasons(parts, {k: v for k, v in out.values.items() if isinstance(v, torch.Tensor)},
+                               self.walker.max_model_len)
         rids = [p.request_id for p in parts]
         refs: dict[str, list[TensorRef]] = {}
         for name, data in out.values.items():

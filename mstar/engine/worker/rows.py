@@ -91,7 +91,8 @@ class PartitionRun:
     rows: dict[tuple[str, str], KVRow] = field(default_factory=dict)  # by (KV component, branch)
     outstanding: int = 0            # branch rows of its step still queued or running
     turn_cap: int | None = None     # a later turn's write cap: what is left of the context
-    kv_ceiling: int | None = None   # a turn's KV holds at most this when its loop ends: room for the next piece
+    room_for: int | None = None     # tokens the piece of input queued next needs in the context (`turns.py`)
+    kv_ceiling: int | None = None   # its turn's KV holds at most this when its loop ends (`turn_ceiling`)
     awaiting_input: bool = False    # its turn is over and it waits for more input
     turn_token: int | None = None   # the last token of its last turn (not in the cache yet)
     inbox: StreamBuffer | None = None  # a stream consumer's: what it reads
@@ -100,6 +101,19 @@ class PartitionRun:
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    def turn_ceiling(self, max_model_len: int, kv_len: int | None = None) -> int | None:
+        """The KV its turn may hold when its loop ends, leaving the piece of
+        input queued next its room (None: none is queued): half of what the
+        context has left besides that piece, fixed the first time it is
+        asked, once the turn's prompt is in the KV (`kv_len`: the KV as the
+        steps launched leave it; default its row's)."""
+        if self.room_for is None:
+            return None
+        if self.kv_ceiling is None:
+            held = self.kv_row().kv_len if kv_len is None else kv_len
+            self.kv_ceiling = held + max(max_model_len - held - self.room_for, 0) // 2
+        return self.kv_ceiling
 
     @property
     def name(self) -> str:

@@ -88,7 +88,7 @@ def checking_loop(part: PartitionRun) -> tuple[Loop, Frame] | None:
     return part.plan.loops[ins.checks].loop, frame
 
 
-def stop_reasons(parts: list[PartitionRun], values: dict[str, torch.Tensor]) -> list[str | None]:
+def stop_reasons(parts: list[PartitionRun], values: dict[str, torch.Tensor], max_model_len: int) -> list[str | None]:
     """Device-side stop rules for every row of a step, vectorised over the
     rows where the rule is about tokens: "stop" (a stop token), "length"
     (a write cap) or None."""
@@ -104,7 +104,7 @@ def stop_reasons(parts: list[PartitionRun], values: dict[str, torch.Tensor]) -> 
             continue
         loop, frame = checked
         loop_value = loop.value
-        if frame.cap is not None and frame.count + 1 >= frame.cap or _at_ceiling(part):
+        if frame.cap is not None and frame.count + 1 >= frame.cap or _at_ceiling(part, max_model_len):
             reasons[i] = "length"
         ids = frame_stop_ids(part, loop, frame)
         if ids:
@@ -123,7 +123,11 @@ def stop_reasons(parts: list[PartitionRun], values: dict[str, torch.Tensor]) -> 
     return reasons
 
 
-def _at_ceiling(part: PartitionRun) -> bool:
+def _at_ceiling(part: PartitionRun, max_model_len: int) -> bool:
     """A turn's top-level loop has filled the context up to the room its
-    next piece of input needs (`PartitionRun.kv_ceiling`)."""
-    return part.kv_ceiling is not None and len(part.loops) == 1 and part.kv_row().kv_len + 1 >= part.kv_ceiling
+    next piece of input needs (`PartitionRun.turn_ceiling`; the step that
+    ran is in the KV already)."""
+    if len(part.loops) != 1:
+        return False
+    ceiling = part.turn_ceiling(max_model_len)
+    return ceiling is not None and part.kv_row().kv_len >= ceiling

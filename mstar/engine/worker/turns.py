@@ -74,31 +74,28 @@ class Turns:
         else:
             self._leave_room(part)
 
-    def _ceiling(self, part: PartitionRun, kv_len: int) -> int | None:
-        """The KV a turn of `part` holding `kv_len` tokens may hold when its
-        loop ends: half of what the context has left besides the piece
-        queued next (None: none is)."""
+    @staticmethod
+    def _room_for(part: PartitionRun) -> int | None:
+        """What the piece queued next needs in the context (None: none is queued)."""
         queued = part.request.more_tokens
-        if not queued:
-            return None
-        return kv_len + max(self.walker.max_model_len - kv_len - queued[0] - TURN_MARGIN, 0) // 2
+        return queued[0] + TURN_MARGIN if queued else None
 
     def _leave_room(self, part: PartitionRun) -> None:
         """Hold the turn under way to the room its next piece needs (once:
-        a second piece waits for the first's turn): a decode group holding
-        its loop lowers the row's cap now; a row that joins one later is
-        capped as it joins (`joining.join_group`), and an item step checks
-        it (`stop_rules`)."""
-        if part.kv_ceiling is not None:
+        a second piece waits for the first's turn). A decode group holding
+        its loop lowers the row's cap now; else the ceiling is fixed once
+        the turn's prompt is in the KV: as the row joins a group
+        (`joining.join_group`), or at an item step's stop check (`stop_rules`)."""
+        if part.room_for is not None:
             return
+        part.room_for = self._room_for(part)
         for group in self.walker.groups.values():
             kv_len = group.kv_len_of(part)
             if kv_len is not None:
-                part.kv_ceiling = self._ceiling(part, kv_len)
-                assert part.kv_ceiling is not None
-                group.hold_within(part, part.kv_ceiling)
+                ceiling = part.turn_ceiling(self.walker.max_model_len, kv_len)
+                assert ceiling is not None
+                group.hold_within(part, ceiling)
                 return
-        part.kv_ceiling = self._ceiling(part, part.kv_row().kv_len)
 
     def close(self, request_id: str) -> None:
         """No more input: the request ends after the pieces it has."""
@@ -170,6 +167,6 @@ class Turns:
         part.writes.clear()
         row.new_turn()  # the repetition penalty looks at this turn only, as a request of its own would
         part.turn_cap = room
-        part.kv_ceiling = self._ceiling(part, row.kv_len + joined.num_tokens)  # the piece queued next, if one is
+        part.room_for, part.kv_ceiling = self._room_for(part), None  # the piece queued next, if one is
         walker.cursor.restart(part, 0)
         walker.advance(part)

@@ -130,7 +130,7 @@ async def fitted(messages: list[dict[str, Any]], make: Callable[[list[dict[str, 
     whole = await attempt(0)
     if whole is not None and (not truncate or roomy(whole[1])):
         return whole
-    best = await fewest(roomy) or await fewest(lambda p: True)
+    best = await fewest(roomy) or await fewest(lambda p: True) or whole
     if best is None:  # not even the newest message fits
         raise too_long[0]
     return best

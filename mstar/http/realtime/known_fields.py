@@ -19,14 +19,15 @@ from typing import Any
 from mstar.http.realtime.protocol import ProtocolError
 
 SESSION = frozenset({"type", "object", "id", "model", "instructions", "output_modalities", "max_output_tokens",
-                     "audio", "tools", "tool_choice", "tracing", "truncation", "prompt", "include", "mstar",
-                     "input_audio_transcription", "expires_at"})
+                     "audio", "tools", "tool_choice", "parallel_tool_calls", "tracing", "truncation", "prompt",
+                     "include", "reasoning", "mstar", "input_audio_transcription", "expires_at"})
 SESSION_AUDIO = frozenset({"input", "output"})
 SESSION_INPUT = frozenset({"format", "transcription", "noise_reduction", "turn_detection"})
 SESSION_OUTPUT = frozenset({"format", "voice", "speed"})
 SESSION_MSTAR = frozenset({"input_linger_ms", "seed", "voices", "audio_input"})
 RESPONSE = frozenset({"conversation", "input", "instructions", "max_output_tokens", "metadata",
-                      "output_modalities", "audio", "tools", "tool_choice", "prompt"})
+                      "output_modalities", "audio", "tools", "tool_choice", "parallel_tool_calls", "prompt",
+                      "reasoning"})
 RESPONSE_AUDIO = frozenset({"output"})
 RESPONSE_OUTPUT = frozenset({"format", "voice"})
 
@@ -67,7 +68,7 @@ def check_session(session: dict[str, Any], speaks_only: bool) -> None:
         raise ProtocolError(f"'session.truncation' must be one of {', '.join(TRUNCATION)} (a retention ratio is "
                             "not supported)", "invalid_value", "session.truncation")
     _no_tools(session, "session")
-    for name in ("tracing", "prompt"):
+    for name in ("tracing", "prompt", "reasoning"):
         if session.get(name) is not None:
             raise ProtocolError(f"'session.{name}' is not supported; leave it null", "invalid_value",
                                 f"session.{name}")
@@ -90,8 +91,10 @@ def check_response(params: dict[str, Any], speaks_only: bool) -> None:
         raise ProtocolError("a response outside the conversation is not supported ('conversation' must be 'auto')",
                             "invalid_value", "response.conversation")
     _no_tools(params, "response")
-    if params.get("prompt") is not None:
-        raise ProtocolError("'response.prompt' is not supported; leave it null", "invalid_value", "response.prompt")
+    for name in ("prompt", "reasoning"):
+        if params.get(name) is not None:
+            raise ProtocolError(f"'response.{name}' is not supported; leave it null", "invalid_value",
+                                f"response.{name}")
     instructions = params.get("instructions")
     if speaks_only and isinstance(instructions, str) and instructions:
         raise ProtocolError("this model reads the user's text aloud; it takes no instructions", "invalid_value",

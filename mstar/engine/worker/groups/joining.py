@@ -54,8 +54,9 @@ def join_group(walker: Walker, part: PartitionRun, ins: Run) -> bool:
     pool = walker.pools[step.component]
     if cap is None or (not row.grows and pool.pages_for(row.kv_len + cap - count) > len(row.pages)):
         return False
-    if part.kv_ceiling is not None and len(part.loops) == 1:  # a turn leaving room for its next piece of input
-        cap = min(cap, count + max(part.kv_ceiling - row.kv_len, 0))
+    ceiling = part.turn_ceiling(walker.max_model_len) if len(part.loops) == 1 else None
+    if ceiling is not None:  # a turn leaving room for its next piece of input
+        cap = min(cap, count + max(ceiling - row.kv_len, 0))
     # rows of any walk whose loop steps this mode reading and keeping the same share a group (and its steps)
     key = (step.component, step.mode, tuple(sorted(shape.extras.items())), tuple(sorted(shape.carried.items())),
            shape.fed, shape.draws)

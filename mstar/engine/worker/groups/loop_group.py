@@ -407,6 +407,10 @@ class LoopGroup:
             mark = max(self.seq, p.seq + 1)
             if id(part) not in self._left:  # it stopped on a token: still in the group
                 idx = next(j for j, r in enumerate(self.rows) if r is part)
+                if self.outputs is not None and int(self.counters[idx]) > int(p.counters[i]):
+                    # a step launched after this one (the worker reads a step before launching the one after
+                    # next) drew it a dead token, counted already: the counts it keeps leave that token out
+                    self.outputs[idx].scatter_add_(0, self.tokens[idx].reshape(1), self.outputs.new_full((1,), -1))
                 self._drop([idx], mark)
             elif self._left[id(part)] > mark:
                 # taken out at a later launch for reaching its cap, but it
@@ -461,8 +465,9 @@ class LoopGroup:
             self.draw_sampling = self.draw_sampling.select(dev_kept, kept)
         if self.seen is not None:
             self.seen = self.seen[dev_kept]
-        if self.outputs is not None:
-            self.outputs = self.outputs[dev_kept]
+        if self.outputs is not None:  # kept while a row penalises its outputs: else each join copies it
+            penalised = self.sampling is not None and self.sampling.any_output_penalty
+            self.outputs = self.outputs[dev_kept] if penalised else None
 
     def update_seen(self, sl: slice) -> torch.Tensor | None:
         """Mark the tokens about to be fed back as seen (repetition penalty)."""
@@ -480,7 +485,7 @@ class LoopGroup:
         if self.outputs is None:
             if not self.sampling.any_output_penalty:
                 return None
-            self.outputs = torch.zeros(len(self.rows), vocab, device=self.device)
+            self.outputs = torch.zeros(len(self.rows), vocab, dtype=torch.float32, device=self.device)
         return self.outputs[sl]
 
     def count_outputs(self, sl: slice, drawn: torch.Tensor) -> None:
