@@ -62,17 +62,34 @@ def _prompts(n: int, vocab: int) -> list[list[int]]:
     return [[1] + [rng.randrange(3, vocab) for _ in range(rng.randrange(4, 200))] for _ in range(n)]
 
 
-def _hf(folder: Path, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
+class _OutputPenalty(transformers.LogitsProcessor):
+    """Presence and frequency penalties over the ids generated after the prompt (transformers has none)."""
+
+    def __init__(self, prompt_len: int, presence: float, frequency: float) -> None:
+        self.prompt_len, self.presence, self.frequency = prompt_len, presence, frequency
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        out = input_ids[:, self.prompt_len:]
+        counts = torch.zeros_like(scores, dtype=torch.float32).scatter_add_(
+            1, out, torch.ones_like(out, dtype=torch.float32))
+        return scores.float() - self.frequency * counts - self.presence * (counts > 0).float()
+
+
+def _hf(folder: Path, prompts: list[list[int]], penalties: list[tuple[float, float]] | None = None,
+        ) -> tuple[list[list[int]], list[list[float]]]:
     """Greedy tokens and, per step, the top-1 minus top-2 logit margin in
-    bf16 ulps of the top logit."""
+    bf16 ulps of the top logit; `penalties`: each prompt's (presence, frequency)."""
     model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
     model.generation_config.eos_token_id = None
     tokens, margins = [], []
-    for p in prompts:
+    for i, p in enumerate(prompts):
         ids = torch.tensor([p], device="cuda")
+        processors = transformers.LogitsProcessorList(
+            [_OutputPenalty(len(p), *penalties[i])] if penalties is not None else [])
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=STEPS, do_sample=False,
-                                 pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+                                 pad_token_id=0, output_scores=True, return_dict_in_generate=True,
+                                 logits_processor=processors)
         tokens.append(out.sequences[0, len(p):].tolist())
         top2 = torch.stack([s[0].float().topk(2).values for s in out.scores])
         # in units of the bf16 ulp at the top logit (8 bits of mantissa)
@@ -214,3 +231,8 @@ async def test_presence_and_frequency_penalties_draw_alike_from_graphs_and_eager
                          params=lambda i: dataclasses.replace(params(i), presence_penalty=0.0, frequency_penalty=0.0))
     assert graphs == eager
     assert sum(a != b for a, b in zip(eager, plain)) >= 8  # the penalties changed most rows' tokens
+    # the greedy rows against transformers with the same penalties (up to its own near-ties)
+    greedy = [i for i in range(len(prompts)) if params(i).temperature == 0.0]
+    ref, margins = _hf(tiny, [prompts[i] for i in greedy],
+                       [(params(i).presence_penalty, params(i).frequency_penalty) for i in greedy])
+    assert _compare([graphs[i] for i in greedy], ref, margins) <= 2

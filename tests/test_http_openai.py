@@ -95,6 +95,9 @@ async def test_chat(client: openai.AsyncOpenAI) -> None:
     assert answer.object == "chat.completion" and len(answer.choices) == 2
     assert all(c.message.role == "assistant" and c.finish_reason == "length" for c in answer.choices)
     assert answer.usage is not None and answer.usage.completion_tokens == 8
+    # OpenAI's message carries these (null and empty here); strict clients read them
+    assert all(c.message.refusal is None and c.message.annotations == [] for c in answer.choices)
+    assert "refusal" in answer.choices[0].message.model_fields_set
 
 
 async def test_chat_stream(client: openai.AsyncOpenAI) -> None:

@@ -33,6 +33,7 @@ async def test_models_list(http: aiohttp.ClientSession) -> None:
     [card] = body["data"]
     assert card["id"] == MODEL and card["object"] == "model" and card["max_model_len"] > 0
     assert isinstance(card["created"], int) and card["owned_by"]
+    assert card["root"] == MODEL and card["parent"] is None  # vLLM's fields
     assert card["voices"] == []  # a text model; a speech model lists its voices (test_http_speech)
 
 

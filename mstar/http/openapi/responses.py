@@ -57,6 +57,8 @@ MODEL: Schema = {
     "required": ["id", "object", "created", "owned_by", "max_model_len"],
     "properties": {"id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
                    "owned_by": {"type": "string"}, "max_model_len": {"type": "integer"},
+                   "root": {"type": "string", "description": "vLLM's: the model it serves (its id here)"},
+                   "parent": {"type": "null", "description": "vLLM's: the model an adapter is of (none here)"},
                    "voices": {"type": "array", "items": {"type": "string"},
                               "description": "a speech model's voices (empty for others)"},
                    "input_modalities": {"type": "array", "items": {"enum": ["text", "audio", "image"]},
@@ -153,6 +155,8 @@ SPOKEN_PIECE: Schema = {
 MESSAGE: Schema = {"type": "object", "properties": {
     "role": {"const": "assistant"},
     "content": {"type": ["string", "null"], "description": "null in a spoken answer: its text is the transcript"},
+    "refusal": {"type": "null", "description": "OpenAI's: the model's refusal, never made here"},
+    "annotations": {"type": "array", "maxItems": 0, "description": "OpenAI's: citations, never made here"},
     "audio": {**SPOKEN, "description": "a spoken answer's"}}}
 DELTA: Schema = {"type": "object", "properties": {
     "role": {"const": "assistant"}, "content": {"type": ["string", "null"]},

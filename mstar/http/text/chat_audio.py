@@ -121,7 +121,7 @@ class SpokenAnswers:
         """A finished choice's `message`: its audio encoded whole (on a thread: a codec's work)."""
         rate = choice.sample_rate or SAMPLE_RATE
         data = await asyncio.to_thread(_base64_file, self.output.encoding, rate, bytes(choice.audio or b""))
-        return {"role": "assistant", "content": None,
+        return {"role": "assistant", "content": None, "refusal": None, "annotations": [],
                 "audio": {"id": self.ids[choice.index], "data": data, "expires_at": self.expires_at,
                           "transcript": choice.text}}
 

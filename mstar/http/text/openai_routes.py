@@ -71,7 +71,7 @@ async def retrieve_model(request: web.Request) -> web.Response:
 
 def _model(request: web.Request, card: ModelCard) -> dict[str, Any]:
     return {"id": card.name, "object": "model", "created": request.app[STARTED], "owned_by": "mstar",
-            "max_model_len": card.max_model_len, "voices": list(card.voices),
+            "root": card.name, "parent": None, "max_model_len": card.max_model_len, "voices": list(card.voices),
             "input_modalities": list(card.input_modalities)}
 
 
@@ -248,7 +248,11 @@ def _chat_piece(shapes: LogprobShapes | None) -> Piece:
     return piece
 
 
+# what OpenAI's assistant message carries when the model neither refused nor cited (strict clients read them)
+NO_REFUSAL: dict[str, Any] = {"refusal": None, "annotations": []}
+
+
 def _chat_message(choice: Choice, shapes: LogprobShapes | None) -> dict[str, Any]:
-    return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
+    return {"index": choice.index, "message": {"role": "assistant", "content": choice.text, **NO_REFUSAL},
             "logprobs": shapes.chat(choice.logprobs) if shapes else None, "finish_reason": choice.finish_reason}
 
