@@ -407,9 +407,7 @@ class RealtimeSession:
                                    priority=REALTIME_PRIORITY)
 
         request, prepared = await self._fitted(messages, make, limit)
-        if limit is not None and limit < self.target.max_model_len - prepared.num_prompt_tokens:
-            request = dataclasses.replace(request, sampling=dataclasses.replace(sampling, max_tokens=limit))
-            prepared = await self.engine.prepare(request)
+        request = self._within(request, prepared, limit)  # sampled again at submit: its audio is not prepared twice
         if in_text:
             return ResponsePlan(rid, request, prepared, modality="text")
         return ResponsePlan(rid, request, prepared, modality="audio", voice=voice, writes_transcript=True)
