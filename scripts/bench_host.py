@@ -8,26 +8,55 @@ routing, stop checks, hand-off), and the event loop's time handling the
 step's report.
 
     python scripts/bench_host.py --batches 1 64 256 --tokens 64
+    python scripts/bench_host.py --model orpheus-3b --load-format dummy --devices cuda:0 --batches 256 \
+        --tokens 200 --cprofile 40
+
+`--cprofile N`: Python's profiler over the worker's plans (made and carried
+out) at each batch, its N most costly functions by own time and by
+cumulative time among mstar's: where a step's host time goes, function by
+function (the profiler slows the host: read the shares, not the times).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import os
 import platform
+import pstats
 import statistics
 import time
+from typing import Any, Callable
 
 import torch
 
 from mstar.config import EngineConfig, SchedulerConfig
 from mstar.engine.engine import Engine
 from mstar.engine.messages import StepReport
+from mstar.engine.worker.executor import Executor
 from mstar.types import GenerateRequest, SamplingParams
 
 
-async def measure(model: str, devices: tuple[str, ...], batch: int, tokens: int, load_format: str) -> dict:
+_PROFILE: list[cProfile.Profile | None] = [None]  # the batch's, while --cprofile measures one
+
+
+def _profiled(method: Callable[..., Any]) -> Callable[..., Any]:
+    """An `Executor` method under the open profile (the worker's thread)."""
+    def call(self: Executor, *args: Any) -> Any:
+        prof = _PROFILE[0]
+        if prof is None:
+            return method(self, *args)
+        prof.enable()
+        try:
+            return method(self, *args)
+        finally:
+            prof.disable()
+    return call
+
+
+async def measure(model: str, devices: tuple[str, ...], batch: int, tokens: int, load_format: str,
+                  profile_rows: int = 0) -> dict:
     eng = Engine(EngineConfig(model=model, devices=devices, load_format=load_format,
                               scheduler=SchedulerConfig(max_num_seqs=max(batch, 1))))
     await eng.start()
@@ -55,9 +84,12 @@ async def measure(model: str, devices: tuple[str, ...], batch: int, tokens: int,
         async for _ in eng.submit(request):
             pass
 
+    if profile_rows:
+        _PROFILE[0] = cProfile.Profile()
     t0 = time.perf_counter()
     await asyncio.gather(*[one(i) for i in range(batch)])
     wall = time.perf_counter() - t0
+    prof, _PROFILE[0] = _PROFILE[0], None
     st = eng.workers[0].stats
     await eng.shutdown()
     med = statistics.median
@@ -73,6 +105,7 @@ async def measure(model: str, devices: tuple[str, ...], batch: int, tokens: int,
         "wait_ms": 1e3 * st.wait_s / max(st.steps, 1),
         "launch_ms": 1e3 * st.launch_s / max(st.steps, 1),
         "finalize_ms": 1e3 * st.finalize_s / max(st.steps, 1),
+        "profile": prof,
     }
 
 
@@ -83,7 +116,11 @@ def main() -> None:
     p.add_argument("--devices", default="cpu")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
     p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--cprofile", type=int, default=0, metavar="N",
+                   help="Python's profiler over the worker at each batch: its N costliest functions")
     a = p.parse_args()
+    if a.cprofile:
+        Executor.run, Executor.next_plan = _profiled(Executor.run), _profiled(Executor.next_plan)
     print(f"# {platform.platform()} | python {platform.python_version()} | torch {torch.__version__} "
           f"| {os.cpu_count()} cpus | threads {torch.get_num_threads()} | model {a.model} on {a.devices}")
     print("step = period between decode steps; device = blocked on the device (CPU: compute); host = step - device;")
@@ -91,10 +128,15 @@ def main() -> None:
     print(f"{'batch':>6} {'steps':>6} {'step ms':>8} {'device ms':>10} {'host ms':>8} {'loop ms':>8} "
           f"{'wait':>6} {'launch':>7} {'final':>6} {'tok/s':>9}")
     for b in a.batches:
-        r = asyncio.run(measure(a.model, tuple(a.devices.split(",")), b, a.tokens, a.load_format))
+        r = asyncio.run(measure(a.model, tuple(a.devices.split(",")), b, a.tokens, a.load_format, a.cprofile))
         print(f"{r['batch']:>6} {r['decode_steps']:>6} {r['step_ms']:>8.2f} {r['device_ms']:>10.2f} "
               f"{r['host_ms']:>8.2f} {r['loop_ms_per_report']:>8.2f} {r['wait_ms']:>6.2f} {r['launch_ms']:>7.2f} "
               f"{r['finalize_ms']:>6.2f} {r['tokens_per_s']:>9.0f}")
+        if r["profile"] is not None:
+            print(f"\n## batch {b}: the worker's Python, {r['decode_steps']} full decode steps", flush=True)
+            stats = pstats.Stats(r["profile"])
+            stats.sort_stats("tottime").print_stats(a.cprofile)
+            stats.sort_stats("cumulative").print_stats("mstar", a.cprofile)
 
 
 if __name__ == "__main__":
