@@ -17,6 +17,8 @@ import pytest_asyncio
 from http_support import running_engine, serving
 
 from mstar.engine.engine import Engine
+from mstar.http.realtime import known_fields
+from mstar.http.realtime.protocol import CLIENT_EVENTS
 from mstar.http.realtime.routes import MAX_MESSAGE_BYTES
 from mstar.models.orpheus.model import DEFAULT_MAX_TOKENS
 from mstar.types import GenerateRequest
@@ -99,6 +101,10 @@ MALFORMED: list[tuple[dict[str, Any], str]] = [
     ({"type": "session.update", "session": {"truncation": {"type": "retention_ratio"}}}, "session.truncation"),
     ({"type": "session.update", "session": {"tracing": "auto"}}, "session.tracing"),
     ({"type": "session.update", "session": {"reasoning": {"effort": "low"}}}, "session.reasoning"),
+    ({"type": "session.update", "session": {"input_audio_transcription": None}}, "session.input_audio_transcription"),
+    ({"type": "session.update", "bogus": 1, "session": {"type": "realtime"}}, "bogus"),
+    ({"type": "response.create", "bogus": 2}, "bogus"),
+    ({"type": "conversation.item.delete", "item_id": "known", "item": {}}, "item"),
     ({"type": "session.update", "session": {"instructions": "be nice"}}, "session.instructions"),
     ({"type": "response.create", "response": {"voice": "zoe"}}, "response.voice"),
     ({"type": "response.create", "response": {"modalities": ["text"]}}, "response.modalities"),
@@ -211,6 +217,27 @@ async def test_the_session_a_client_was_given_may_be_sent_back(speech) -> None:
         await ws.send_json({"type": "session.update", "session": {"voice": "leo"}})
         error = (await _until(ws, "error"))["error"]
         assert error["code"] == "unknown_parameter" and "session.audio.output.voice" in error["message"]
+        await ws.close()
+
+
+def test_every_client_event_has_its_fields_listed() -> None:
+    assert set(known_fields.EVENT) == CLIENT_EVENTS
+
+
+async def test_a_beta_fields_error_names_where_the_ga_api_keeps_it_and_metadata_comes_back(speech) -> None:
+    _, url = speech
+    async with aiohttp.ClientSession() as http:
+        ws = await _socket(http, url)
+        for response, where in (({"speed": 1.0}, "session.audio.output.speed"),
+                                ({"voice": "leo"}, "response.audio.output.voice")):
+            await ws.send_json({"type": "response.create", "response": response})
+            error = (await _until(ws, "error"))["error"]
+            assert error["code"] == "unknown_parameter" and f"'{where}'" in error["message"], error
+        await ws.send_json({"type": "response.create", "response": {
+            "input": [_user("hello")], "max_output_tokens": 14, "metadata": {"topic": "greeting"}}})
+        created = (await _until(ws, "response.created"))["response"]
+        done = (await _until(ws, "response.done"))["response"]
+        assert created["metadata"] == done["metadata"] == {"topic": "greeting"}
         await ws.close()
 
 

@@ -142,12 +142,15 @@ async def test_abort_while_waiting_for_input_frees_everything(eng: Engine) -> No
 
 @pytest.mark.asyncio(loop_scope="module")
 async def test_a_full_context_ends_the_request(eng: Engine) -> None:
+    """More pieces queued than the context holds: the turns that fit speak,
+    then the request ends with an error saying the rest was not spoken."""
     stream = eng.submit(GenerateRequest("full", "orpheus-tiny", {"text": "a"}, GREEDY, more_input=True))
     for i in range(10):  # 256 positions hold about four turns of this size
         eng.append("full", {"text": f"piece {i}"})
     audio, chunks = await _collect(stream)
-    assert chunks[-1].finished and chunks[-1].finish_reason == "length"
-    assert 0 < len(audio) < 10 * 4 * 2048 * 2
+    assert chunks[-1].finished and chunks[-1].finish_reason == "error"
+    assert "not spoken" in (chunks[-1].error or "")
+    assert 4 * 2048 * 2 < len(audio) < 10 * 4 * 2048 * 2
     assert eng.pages_in_use() == 0 and len(eng.store) == 0
 
 
@@ -266,4 +269,33 @@ async def test_a_turn_leaves_room_for_the_input_queued_behind_it(eng: Engine, wh
     # the two turns and the markers between them (the first turn's last token is one of its outputs) fill no more
     # than the context
     assert tail[-1].num_prompt_tokens + tail[-1].num_output_tokens + len(turn_after(0)) - 1 <= 256
+    assert eng.pages_in_use() == 0 and len(eng.store) == 0
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_piece_that_came_too_late_for_the_context_ends_the_request_with_an_error(eng: Engine) -> None:
+    """The engine takes a piece by its own count of the context, which lags
+    the worker's: a piece that still finds no room when its turn would start
+    is not spoken, and the request ends with an error that says so (it was
+    dropped without a word, and counted in usage)."""
+    sampling = SamplingParams(max_tokens=None, temperature=0.0, seed=5, ignore_eos=True)
+    stream = eng.submit(GenerateRequest("late", "orpheus-tiny", {"text": "hello"}, sampling, more_input=True))
+    chunks = aiter(stream)
+    async for chunk in chunks:
+        if chunk.audio:
+            break
+    state = eng._states["late"]
+    held = max(state.num_prompt_tokens + state.num_output_tokens, state.context_floor)
+    # the largest piece the engine takes now: its turn's markers and the turn before it leave it no room
+    base = eng.model.prepare_more(GenerateRequest("late", "orpheus-tiny", {}), {"text": "a"}).num_tokens - 1
+    n = eng.append("late", {"text": "a" * (256 - 1 - held - base)})
+    assert held + n == 255
+    eng.close_input("late")
+    _, rest = await _collect(chunks)
+    assert rest[-1].finished and rest[-1].finish_reason == "error"
+    assert "not spoken" in (rest[-1].error or "")
+    for _ in range(500):
+        if eng.pages_in_use() == 0 and len(eng.store) == 0:
+            break
+        await asyncio.sleep(0.01)
     assert eng.pages_in_use() == 0 and len(eng.store) == 0

@@ -148,14 +148,15 @@ class Turns:
             walker.abort(rid, "error", f"{type(e).__name__}: {e}")
             return
         room = walker.max_model_len - row.kv_len - joined.num_tokens
+        if room < 1:
+            # the engine took the piece while the turn before it still wrote (its count of the context lags the
+            # worker's): it is not spoken, and the client is told so, not left to find it missing
+            walker.abort(rid, "error", f"the context ({walker.max_model_len} tokens) was full when the next "
+                                       f"{joined.num_tokens} tokens of input came to be read; they were not spoken")
+            return
         part.awaiting_input = False
         run.root_reason = None
         run.cut = False  # a request ends as its last turn did
-        if room < 1:  # the context is full: the request ends as if its cap was reached
-            run.root_reason = "length"
-            walker.cursor.restart(part, len(part.plan.program))
-            walker.finish(part, "length")
-            return
         more = run.walk.more_input
         for name in [n for n in part.values if n in more or n not in run.walk.inputs]:
             walker.store.release(part.values.pop(name), rid)  # the turn's values; other inputs stay

@@ -20,7 +20,7 @@ from mstar.http.realtime.protocol import ProtocolError
 
 SESSION = frozenset({"type", "object", "id", "model", "instructions", "output_modalities", "max_output_tokens",
                      "audio", "tools", "tool_choice", "parallel_tool_calls", "tracing", "truncation", "prompt",
-                     "include", "reasoning", "mstar", "input_audio_transcription", "expires_at"})
+                     "include", "reasoning", "mstar", "expires_at"})
 SESSION_AUDIO = frozenset({"input", "output"})
 SESSION_INPUT = frozenset({"format", "transcription", "noise_reduction", "turn_detection"})
 SESSION_OUTPUT = frozenset({"format", "voice", "speed"})
@@ -31,22 +31,41 @@ RESPONSE = frozenset({"conversation", "input", "instructions", "max_output_token
 RESPONSE_AUDIO = frozenset({"output"})
 RESPONSE_OUTPUT = frozenset({"format", "voice"})
 
-# the beta API's session and response fields, and where the GA objects keep them
-BETA = {"voice": "audio.output.voice", "modalities": "output_modalities",
-        "output_audio_format": "audio.output.format", "input_audio_format": "audio.input.format",
-        "turn_detection": "audio.input.turn_detection", "max_response_output_tokens": "max_output_tokens",
-        "input_audio_noise_reduction": "audio.input.noise_reduction", "speed": "audio.output.speed"}
+# the beta API's session and response fields, and where the GA objects keep them (a response's audio settings
+# but its voice and format are the session's)
+_SESSION_BETA = {"voice": "audio.output.voice", "modalities": "output_modalities",
+                 "output_audio_format": "audio.output.format", "input_audio_format": "audio.input.format",
+                 "turn_detection": "audio.input.turn_detection", "max_response_output_tokens": "max_output_tokens",
+                 "input_audio_noise_reduction": "audio.input.noise_reduction", "speed": "audio.output.speed",
+                 "input_audio_transcription": "audio.input.transcription"}
+BETA = {"session": {k: f"session.{v}" for k, v in _SESSION_BETA.items()},
+        "response": {**{k: f"session.{v}" for k, v in _SESSION_BETA.items()},
+                     "voice": "response.audio.output.voice", "modalities": "response.output_modalities",
+                     "output_audio_format": "response.audio.output.format",
+                     "max_response_output_tokens": "response.max_output_tokens"}}
+# what each client event may hold besides its `type` and `event_id`
+EVENT = {"session.update": {"session"}, "input_audio_buffer.append": {"audio"}, "input_audio_buffer.commit": set(),
+         "input_audio_buffer.clear": set(), "conversation.item.create": {"item", "previous_item_id"},
+         "conversation.item.truncate": {"item_id", "content_index", "audio_end_ms"},
+         "conversation.item.delete": {"item_id"}, "conversation.item.retrieve": {"item_id"},
+         "response.create": {"response"}, "response.cancel": {"response_id"}}
 TRUNCATION = ("auto", "disabled")
 
 
-def refuse_unknown(obj: dict[str, Any], known: frozenset[str], where: str) -> None:
-    """An error naming the first key of `obj` not in `known`."""
+def refuse_unknown(obj: dict[str, Any], known: frozenset[str] | set[str], where: str) -> None:
+    """An error naming the first key of `obj` not in `known` (`where`: its
+    path; "" for an event's own keys)."""
     for key in obj:
         if key not in known:
-            param = f"{where}.{key}"
-            hint = BETA.get(key)
-            moved = f"; the GA {where} keeps it as '{where}.{hint}'" if hint is not None else ""
+            param = f"{where}.{key}" if where else key
+            hint = BETA.get(where, {}).get(key)
+            moved = f"; the GA API keeps it as '{hint}'" if hint is not None else ""
             raise ProtocolError(f"unknown parameter '{param}'{moved}", "unknown_parameter", param)
+
+
+def check_event(obj: dict[str, Any]) -> None:
+    """A client event's own keys (its `type` is a known one)."""
+    refuse_unknown(obj, EVENT[obj["type"]] | {"type", "event_id"}, "")
 
 
 def check_session(session: dict[str, Any], speaks_only: bool) -> None:

@@ -46,6 +46,7 @@ class ResponsePlan:
     voice: str | None = None
     writes_transcript: bool = False  # the model's own text is the transcript of its audio
     answers: tuple[str, ...] = ()    # the ids of the user items whose text it speaks
+    metadata: dict[str, Any] | None = None  # the client's, given back on the response object (OpenAI's)
 
 
 # finish reason -> (status, reason) of response.done
@@ -146,7 +147,7 @@ class ActiveResponse:
 
     def _response(self, status: str, **extra: Any) -> dict[str, Any]:
         return {"object": "realtime.response", "id": self.id, "status": status,
-                "output_modalities": [self.plan.modality], "conversation_id": None,
+                "output_modalities": [self.plan.modality], "conversation_id": None, "metadata": self.plan.metadata,
                 "output": [self.item] if self.item["content"] or status != "in_progress" else [],
                 "audio": {"output": {"format": {"type": "audio/pcm", "rate": SAMPLE_RATE},
                                      "voice": self.plan.voice}} if self.audio else None,

@@ -36,7 +36,7 @@ from mstar.engine import audio_resampler
 from mstar.errors import MstarError, RequestError
 from mstar.http.realtime.conversation import chat_messages, fitted, heard_parts
 from mstar.http.realtime.input_audio import InputAudioBuffer, Turn
-from mstar.http.realtime.known_fields import check_response, check_session
+from mstar.http.realtime.known_fields import check_event, check_response, check_session
 from mstar.http.realtime.protocol import (ProtocolError, check_format, decode_audio, event, field_of, item_text,
                                           new_id, output_limit)
 from mstar.http.realtime.response import ActiveResponse, ResponsePlan
@@ -88,6 +88,7 @@ class RealtimeSession:
     async def handle(self, obj: dict[str, Any]) -> None:
         """One client event; raises `ProtocolError` for one it refuses."""
         kind = obj["type"]
+        check_event(obj)
         handler = getattr(self, "_on_" + kind.replace(".", "_"))
         await handler(obj)
 
@@ -102,9 +103,6 @@ class RealtimeSession:
     async def _on_session_update(self, obj: dict[str, Any]) -> None:
         session = field_of(obj, "session", dict, "")
         check_session(session, speaks_only=self.speaks and not self.hears)
-        if session.get("input_audio_transcription") is not None:
-            raise ProtocolError(f"model '{self.target.name}' provides no input transcription; leave it null",
-                                "unsupported_transcription", "session.input_audio_transcription")
         before = self.config.turn_detection
         self.config.update(session)
         if self.config.turn_detection is not before:
@@ -281,9 +279,10 @@ class RealtimeSession:
                                 "response.done", "conversation_already_has_active_response")
         params = field_of(obj, "response", dict, "", required=False) or {}
         check_response(params, speaks_only=self.speaks and not self.hears)
+        metadata = field_of(params, "metadata", dict, "response", required=False)
         limit, limit_param = self._limit(params)
         try:
-            plan = await self._plan(params, limit)
+            plan = dataclasses.replace(await self._plan(params, limit), metadata=metadata)
             await self.engine.admit()
             stream = self.engine.submit(plan.request, plan.prepared)
         except RequestError as e:  # the type an HTTP answer of its status has (a full line's 429, a 503)
