@@ -220,7 +220,7 @@ async def test_the_session_a_client_was_given_may_be_sent_back(speech) -> None:
         await ws.close()
 
 
-def test_every_client_event_has_its_fields_listed() -> None:
+async def test_every_client_event_has_its_fields_listed() -> None:
     assert set(known_fields.EVENT) == CLIENT_EVENTS
 
 
