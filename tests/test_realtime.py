@@ -323,6 +323,11 @@ async def test_a_conversation_longer_than_the_context_drops_its_oldest_messages(
             # the conversation outgrew 256 tokens, and every prompt still fits with room to answer
             assert max(prompts) <= 256 - 20  # room for each answer's 20 tokens
             assert sum(p >= 120 for p in prompts) >= 3
+            # no limit: the conversation is cut to leave a quarter of the context for the answer
+            await conn.conversation.item.create(item=_user("and without a limit"))
+            await conn.response.create()
+            done = await _until(conn, "response.done", seen)
+            assert done.response.usage.input_tokens <= 256 - 256 // 4
             await conn.session.update(session={"type": "realtime", "truncation": "disabled"})
             await conn.conversation.item.create(item=_user("once more"))
             await conn.response.create(response={"max_output_tokens": 20})

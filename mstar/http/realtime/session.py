@@ -52,6 +52,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("mstar.realtime")
 
 ROLES = ("user", "system", "assistant")
+UNLIMITED_SHARE = 4  # a response without a limit has at least 1/4 of the context to answer in, under truncation
 # the engine's and the model's names (before any '.' or '[') for what the client gave a response
 ENGINE_FIELDS = {"input": "response.input", "prompt": "response.input", "messages": "response.input",
                  "voice": "response.audio.output.voice", "seed": "session.mstar.seed"}
@@ -362,8 +363,11 @@ class RealtimeSession:
     async def _fitted(self, messages: list[dict[str, Any]], make: Callable[[list[dict[str, Any]]], GenerateRequest],
                       limit: int | None) -> tuple[GenerateRequest, Prepared]:
         """`make(messages)` prepared, the conversation cut to the context under the session's truncation,
-        leaving the answer room for its limit (at most half the context: a large one keeps the conversation)."""
-        answer = min(limit, self.target.max_model_len // 2) if limit is not None else 1
+        leaving the answer room for its limit, or without one for the model's default budget (else a quarter
+        of the context), at most half the context: a large one keeps the conversation."""
+        if limit is None:
+            limit = model_defaults(self.engine).max_tokens or self.target.max_model_len // UNLIMITED_SHARE
+        answer = min(limit, self.target.max_model_len // 2)
         request, prepared, dropped = await fitted(messages, make, self.engine.prepare,
                                                   self.config.truncation == "auto", self.target.max_model_len, answer)
         if dropped:
