@@ -21,38 +21,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import cProfile
 import os
 import platform
 import pstats
 import statistics
 import time
-from typing import Any, Callable
 
 import torch
 
 from mstar.config import EngineConfig, SchedulerConfig
 from mstar.engine.engine import Engine
 from mstar.engine.messages import StepReport
-from mstar.engine.worker.executor import Executor
 from mstar.types import GenerateRequest, SamplingParams
 
-
-_PROFILE: list[cProfile.Profile | None] = [None]  # the batch's, while --cprofile measures one
-
-
-def _profiled(method: Callable[..., Any]) -> Callable[..., Any]:
-    """An `Executor` method under the open profile (the worker's thread)."""
-    def call(self: Executor, *args: Any) -> Any:
-        prof = _PROFILE[0]
-        if prof is None:
-            return method(self, *args)
-        prof.enable()
-        try:
-            return method(self, *args)
-        finally:
-            prof.disable()
-    return call
+import worker_profile  # this script's folder is on the path
 
 
 async def measure(model: str, devices: tuple[str, ...], batch: int, tokens: int, load_format: str,
@@ -85,11 +67,11 @@ async def measure(model: str, devices: tuple[str, ...], batch: int, tokens: int,
             pass
 
     if profile_rows:
-        _PROFILE[0] = cProfile.Profile()
+        worker_profile.start()
     t0 = time.perf_counter()
     await asyncio.gather(*[one(i) for i in range(batch)])
     wall = time.perf_counter() - t0
-    prof, _PROFILE[0] = _PROFILE[0], None
+    prof = worker_profile.stop()
     st = eng.workers[0].stats
     await eng.shutdown()
     med = statistics.median
@@ -120,7 +102,7 @@ def main() -> None:
                    help="Python's profiler over the worker at each batch: its N costliest functions")
     a = p.parse_args()
     if a.cprofile:
-        Executor.run, Executor.next_plan = _profiled(Executor.run), _profiled(Executor.next_plan)
+        worker_profile.install()
     print(f"# {platform.platform()} | python {platform.python_version()} | torch {torch.__version__} "
           f"| {os.cpu_count()} cpus | threads {torch.get_num_threads()} | model {a.model} on {a.devices}")
     print("step = period between decode steps; device = blocked on the device (CPU: compute); host = step - device;")

@@ -132,7 +132,8 @@ def apply_stubs(hits: dict[str, int], counters: Counters | None) -> None:
         return x.new_zeros(()).expand(*x.shape[:-1], self.out_features)
 
     def sample(logits: torch.Tensor, st: Any, seen: torch.Tensor | None = None, banned: torch.Tensor | None = None,
-               offset: int = 0, window: tuple[int, int] | None = None) -> torch.Tensor:
+               offset: int = 0, window: tuple[int, int] | None = None,
+               outputs: torch.Tensor | None = None) -> torch.Tensor:
         hits["sample"] += 1
         return torch.randint(AUDIO_TOKEN_BASE, AUDIO_TOKEN_END, (logits.shape[0],), device=logits.device)
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import cProfile
 import dataclasses
 import math
 import os
@@ -46,6 +45,8 @@ from mstar.engine.engine import Engine
 from mstar.engine.worker.executor import Executor
 from mstar.engine.messages import StepReport
 from mstar.types import GenerateRequest
+
+import worker_profile  # this script's folder is on the path
 
 CPROFILE_ROWS = 0  # --cprofile: Python profiler rows to print (0: torch profiler)
 TEXT = "The morning train was late again, so I bought a coffee and watched the pigeons argue over a crust of bread."
@@ -114,31 +115,14 @@ async def level(eng: Engine, c: int, tokens: int, trace_s: float, trace_after: f
             "host_cpu": {k: tuple(v) for k, v in HOST_CPU.items()}}
 
 
-_CPROFILE: list[cProfile.Profile | None] = [None]  # the window's, while one is open
-
-
-def _profiled(method: Callable) -> Callable:
-    """An `Executor` method under the open window's Python profiler (the worker's thread)."""
-    def call(self, *args):
-        prof = _CPROFILE[0]
-        if prof is None:
-            return method(self, *args)
-        prof.enable()
-        try:
-            return method(self, *args)
-        finally:
-            prof.disable()
-    return call
-
-
 async def _window(eng: Engine, seconds: float) -> torch.profiler.profile | pstats.Stats:
     """`seconds` of the worker: torch's profiler, or with `--cprofile` Python's
     over its plans (made and carried out)."""
     if not CPROFILE_ROWS:
         return await eng.profile(seconds)
-    _CPROFILE[0] = prof = cProfile.Profile()
+    prof = worker_profile.start()
     await asyncio.sleep(seconds)
-    _CPROFILE[0] = None
+    worker_profile.stop()
     await asyncio.sleep(0.1)  # the plan under way ends
     return pstats.Stats(prof)
 
@@ -259,7 +243,7 @@ if __name__ == "__main__":
         apply_stubs(defaultdict(int), None)
     CPROFILE_ROWS = args.cprofile
     if CPROFILE_ROWS:
-        Executor.run, Executor.next_plan = _profiled(Executor.run), _profiled(Executor.next_plan)
+        worker_profile.install()
     print(f"# {platform.platform()} | python {platform.python_version()} | torch {torch.__version__} "
           f"| {os.cpu_count()} cpus | model {args.model} ({args.load_format}) on {args.devices} "
           f"| kv {args.kv_cache_dtype}{' | audio logits only' if args.audio_logits_only else ''}")
