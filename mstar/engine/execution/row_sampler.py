@@ -83,7 +83,7 @@ class RowSampler:
                                               window=self.vocab_window, outputs=outputs)
             logprobs = self.clock.timed(token_logprobs)(logits, tokens, st)
         if outputs is not None:
-            count_outputs(kv, [p.sampling.penalises_outputs for p in parts], outputs, tokens)
+            count_outputs(kv, [p.penalises_outputs for p in params], outputs, tokens)
         if not wait:
             return tokens, logprobs
         self.clock.wait()

@@ -190,10 +190,8 @@ def seen_masks(rows: Sequence[KVRow], ids: Sequence[torch.Tensor | None], vocab:
     its own a row was three launches, hundreds for a burst of admissions.
     A row's view holds the whole [B, V] tensor until it lets go: joining a
     decode group (which copies), a new turn, or a swap (which clones)."""
-    masks = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
-    for i, row in enumerate(rows):
-        if row.seen is not None:  # a later chunk or turn of a row that saw tokens before
-            masks[i] = row.seen
+    # a later chunk or turn of a row that saw tokens before brings its mask
+    masks = _step_table([row.seen for row in rows], vocab, torch.bool, device)
     marking = [i for i, t in enumerate(ids) if t is not None]
     if not marking:
         return masks
@@ -214,11 +212,7 @@ def seen_masks(rows: Sequence[KVRow], ids: Sequence[torch.Tensor | None], vocab:
 def output_counts(rows: Sequence[KVRow], vocab: int, device: torch.device) -> torch.Tensor:
     """The output counts of a step's rows, [B, V] float32: each row's so far
     (none: nothing generated yet, or no presence or frequency penalty)."""
-    counts = torch.zeros(len(rows), vocab, dtype=torch.float32, device=device)
-    for i, row in enumerate(rows):
-        if row.outputs is not None:  # a row that generated before: after a group, or a swap
-            counts[i] = row.outputs
-    return counts
+    return _step_table([row.outputs for row in rows], vocab, torch.float32, device)
 
 
 def count_outputs(rows: Sequence[KVRow], penalised: Sequence[bool], counts: torch.Tensor,
@@ -230,3 +224,13 @@ def count_outputs(rows: Sequence[KVRow], penalised: Sequence[bool], counts: torc
     for i, row in enumerate(rows):
         if penalised[i]:
             row.counted_in(counts[i].clone())
+
+
+def _step_table(kept: Sequence[torch.Tensor | None], vocab: int, dtype: torch.dtype,
+                device: torch.device) -> torch.Tensor:
+    """A step's [B, vocab] table of what its rows kept (zeros where a row keeps none)."""
+    table = torch.zeros(len(kept), vocab, dtype=dtype, device=device)
+    for i, row in enumerate(kept):
+        if row is not None:
+            table[i] = row
+    return table

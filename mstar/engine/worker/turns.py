@@ -89,12 +89,14 @@ class Turns:
         if part.room_for is not None:
             return
         part.room_for = self._room_for(part)
+
+        def ceiling(kv_len: int) -> int:
+            held = part.turn_ceiling(self.walker.max_model_len, kv_len)
+            assert held is not None  # `room_for` is set: a piece is queued
+            return held
+
         for group in self.walker.groups.values():
-            kv_len = group.kv_len_of(part)
-            if kv_len is not None:
-                ceiling = part.turn_ceiling(self.walker.max_model_len, kv_len)
-                assert ceiling is not None
-                group.hold_within(part, ceiling)
+            if group.hold_within(part, ceiling):
                 return
 
     def close(self, request_id: str) -> None:

@@ -225,10 +225,11 @@ class RealtimeSession:
         except RequestError as e:
             raise ProtocolError(e.message, e.code or "invalid_request", "item.content") from None
 
-    def _unanswered(self) -> list[dict[str, Any]]:
-        """The user items with text that no response has spoken, in conversation order."""
-        return [i for i in self.items if i.get("role") == "user" and i["id"] not in self.taken
-                and item_text(i, "item").strip()]
+    def _unanswered(self) -> list[tuple[str, str]]:
+        """(id, text) of the user items with text that no response has spoken, in conversation order."""
+        texts = [(i["id"], item_text(i, "item")) for i in self.items
+                 if i.get("role") == "user" and i["id"] not in self.taken]
+        return [(item_id, text) for item_id, text in texts if text.strip()]
 
     async def _on_conversation_item_truncate(self, obj: dict[str, Any]) -> None:
         item_id = field_of(obj, "item_id", str, "")
@@ -335,7 +336,7 @@ class RealtimeSession:
                 voice = self.config.check_voice(asked_voice, "response.audio.output.voice")
             pending = self._unanswered() if texts is None else []
             spoken = " ".join(t["content"] for t in texts if t["role"] == "user") if texts is not None \
-                else " ".join(item_text(i, "item") for i in pending)
+                else " ".join(text for _, text in pending)
             if not spoken.strip():
                 raise ProtocolError("there is no text to speak: add a user message (input_text) first",
                                     "empty_input", "response.input")
@@ -343,7 +344,7 @@ class RealtimeSession:
                                       walk=SPEAK_WALK, more_input=True, priority=REALTIME_PRIORITY)
             prepared = await self.engine.prepare(request)
             return ResponsePlan(rid, self._within(request, prepared, limit), prepared, modality="audio",
-                                spoken=spoken, voice=voice, answers=tuple(i["id"] for i in pending))
+                                spoken=spoken, voice=voice, answers=tuple(item_id for item_id, _ in pending))
         instructions = self.config.instructions if instructions is None else instructions
         messages = ([{"role": "system", "content": instructions}] if instructions else [])
         messages += texts if texts is not None else [
@@ -405,9 +406,8 @@ class RealtimeSession:
 
         def make(kept: list[dict[str, Any]]) -> GenerateRequest:
             inputs = {"messages": kept} if in_text else {"messages": kept, "voice": voice}
-            return GenerateRequest(rid, self.target.name, inputs, dataclasses.replace(sampling, max_tokens=None),
-                                   sampling_by=by, walk=None if in_text else self.target.spoken_chat_walk,
-                                   priority=REALTIME_PRIORITY)
+            return GenerateRequest(rid, self.target.name, inputs, sampling, sampling_by=by,
+                                   walk=None if in_text else self.target.spoken_chat_walk, priority=REALTIME_PRIORITY)
 
         request, prepared = await self._fitted(messages, make, limit)
         request = self._within(request, prepared, limit)  # sampled again at submit: its audio is not prepared twice

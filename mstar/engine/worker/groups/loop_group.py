@@ -23,6 +23,7 @@ stream (`group_stream.py`), so that two components' decode overlap.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -122,23 +123,22 @@ class LoopGroup:
         self._joins.append(_Join(part, token, count, _NO_CAP if cap is None else cap, stop_ids, dict(carried or {}),
                                  min_tokens))
 
-    def kv_len_of(self, part: PartitionRun) -> int | None:
-        """The KV `part`'s row holds as its launched steps leave it (None: the group does not hold it)."""
-        if any(j.part is part for j in self._joins):
-            return part.row(self.component).kv_len
-        i = next((i for i, row in enumerate(self.rows) if row is part), None)
-        return None if i is None else int(self.kv_lens[i])
-
-    def hold_within(self, part: PartitionRun, kv_len: int) -> None:
-        """Lower `part`'s write cap so that its KV holds at most `kv_len`
-        tokens when its loop ends (a turn leaving room for the input queued
-        behind it); `part` is one of its rows or joins."""
+    def hold_within(self, part: PartitionRun, ceiling: Callable[[int], int]) -> bool:
+        """Lower `part`'s write cap so that its KV holds at most
+        `ceiling(the KV it holds as its launched steps leave it)` tokens when
+        its loop ends (a turn leaving room for the input queued behind it);
+        False when the group does not hold it."""
         for j in self._joins:
             if j.part is part:
-                j.cap = min(j.cap, j.count + max(kv_len - part.row(self.component).kv_len, 0))
-                return
-        i = next(i for i, row in enumerate(self.rows) if row is part)
-        self.caps[i] = min(int(self.caps[i]), int(self.counts[i]) + max(kv_len - int(self.kv_lens[i]), 0))
+                kv_len = part.row(self.component).kv_len
+                j.cap = min(j.cap, j.count + max(ceiling(kv_len) - kv_len, 0))
+                return True
+        i = next((i for i, row in enumerate(self.rows) if row is part), None)
+        if i is None:
+            return False
+        kv_len = int(self.kv_lens[i])
+        self.caps[i] = min(int(self.caps[i]), int(self.counts[i]) + max(ceiling(kv_len) - kv_len, 0))
+        return True
 
     def joining(self) -> list[str]:
         """The requests of the rows that joined since the last step."""
