@@ -218,6 +218,38 @@ async def test_an_answer_whose_frames_ran_out_ends_length(client: openai.AsyncOp
 
 
 @on_module_loop
+async def test_a_stop_string_in_the_text_leaves_every_frame_counted(client: openai.AsyncOpenAI) -> None:
+    """A stop string ends the text, not the talker's frames: usage counts the
+    text up to the stop and every frame the answer holds (the stopped text's
+    row, taken out of its decode group, had not handed its count back)."""
+    body = {**SPOKEN, "max_tokens": 8}
+    full = await client.chat.completions.create(model=OMNI, messages=HELLO, logprobs=True, max_tokens=8,
+                                                temperature=0, seed=SEED, extra_body={"ignore_eos": True})
+    assert full.choices[0].logprobs is not None and full.choices[0].logprobs.content is not None
+    pieces = [t.token for t in full.choices[0].logprobs.content]
+    stop = "".join(pieces[2:5])
+    at = next(i for i in range(len(pieces)) if stop in "".join(pieces[:i + 1]))  # the token that brings it
+    assert at < len(pieces) - 1
+    for stream in (False, True):
+        answer = await client.chat.completions.create(
+            model=OMNI, messages=HELLO, audio={"voice": "ethan", "format": "pcm16"}, stop=[stop],
+            stream=stream, **({"stream_options": {"include_usage": True}} if stream else {}), **body)
+        if stream:
+            chunks = [c async for c in answer]
+            pcm = b"".join(base64.b64decode(c.choices[0].delta.audio.data) for c in chunks
+                           if c.choices and c.choices[0].delta.audio and c.choices[0].delta.audio.data)
+            usage = chunks[-1].usage
+        else:
+            assert answer.choices[0].message.audio is not None and answer.choices[0].finish_reason == "stop"
+            pcm, usage = base64.b64decode(answer.choices[0].message.audio.data), answer.usage
+        assert usage is not None and usage.completion_tokens_details is not None
+        details = usage.completion_tokens_details
+        assert details.text_tokens == at + 1, stream
+        assert details.audio_tokens == TALKER_TOKENS and len(pcm) // 2 == SAMPLES, stream
+        assert usage.completion_tokens == at + 1 + TALKER_TOKENS
+
+
+@on_module_loop
 async def test_each_of_n_samples_speaks(client: openai.AsyncOpenAI) -> None:
     drawn = {**SPOKEN, "extra_body": {"ignore_eos": True, "sampling_by": {"talker": {**TALKER, "temperature": 1}}}}
     answer = await client.chat.completions.create(model=OMNI, messages=HELLO, n=2, audio={"voice": "ethan",

@@ -15,10 +15,12 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import soundfile as sf
+import torch
 from PIL import Image
 
 from mstar.errors import RequestError
 from mstar.models import media
+from mstar.models.qwen3_omni.encoders.mel import LogMel
 from mstar.models.resample import resample
 
 AUDIO = "messages[0].content[1].input_audio.data"
@@ -153,6 +155,19 @@ def test_audio_up_to_the_limit_passes_and_past_it_is_refused() -> None:
 def test_bad_audio_is_refused(data: bytes, words: tuple[str, ...]) -> None:
     with refused(AUDIO, *words):
         media.decode_audio(data, AUDIO, max_seconds=10)
+
+
+def test_float_audio_beyond_full_scale_is_clipped_to_it() -> None:
+    """A float file may hold any finite value; past ±1 it is clipped, as a
+    player would, so a model's features of it stay finite (1e30's power
+    overflows float32 to NaN)."""
+    loud = np.concatenate([np.full(8000, 1e30), tone(16000, 0.5, 440.0, 3.0)])
+    out = media.decode_audio(encoded(loud, 16000, "WAV", "FLOAT"), AUDIO, max_seconds=2)
+    assert np.array_equal(out, np.clip(loud, -1, 1).astype(np.float32))
+    [features] = LogMel()([torch.from_numpy(out)])
+    [wild] = LogMel()([torch.from_numpy(loud.astype(np.float32))])
+    assert not bool(torch.isfinite(wild).all())  # what clipping keeps out
+    assert bool(torch.isfinite(features).all())
 
 
 def test_truncated_audio() -> None:

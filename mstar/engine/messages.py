@@ -111,7 +111,8 @@ class Finished:
     reason: str                 # stop | length | abort | error
     request_done: bool
     error: str | None = None
-    num_generated: int = 0      # tokens the request sampled, all partitions (with request_done)
+    # with request_done: the tokens each of the request's partitions on this worker sampled
+    generated: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(eq=False)

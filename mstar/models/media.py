@@ -94,7 +94,9 @@ def decode_audio(data: bytes, field: str, *, rate: int = 16000, max_seconds: flo
     """WAV, MP3, FLAC or Ogg bytes as mono float32 at `rate` Hz: channels
     averaged, then resampled (`mstar.models.resample`). Refused: bytes that
     are no audio of those formats, no samples, more than `max_seconds`, rates
-    outside [MIN_AUDIO_RATE, MAX_AUDIO_RATE], samples that are not finite."""
+    outside [MIN_AUDIO_RATE, MAX_AUDIO_RATE], samples that are not finite.
+    A float file's samples beyond full scale (±1) are clipped to it, as a
+    player would: a model's features of 1e30 overflow to NaN."""
     if not data:
         raise RequestError("is empty", field=field)
     try:
@@ -118,7 +120,7 @@ def decode_audio(data: bytes, field: str, *, rate: int = 16000, max_seconds: flo
         raise RequestError("holds no audio samples", field=field)
     if not np.isfinite(mono).all():
         raise RequestError("holds samples that are not finite numbers", field=field)
-    return resample(mono, src, rate)
+    return resample(np.clip(mono, -1.0, 1.0, out=mono), src, rate)
 
 
 def _read_mono(f: sf.SoundFile, limit: int, field: str, max_seconds: float) -> np.ndarray:

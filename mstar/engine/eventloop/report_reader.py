@@ -72,8 +72,6 @@ class ReportReader:
                 state = self._states.get(rid)
                 if state is None or state.finished or part in state.stopped:
                     self._stats["outputs_dropped"] += 1
-                    if state is not None and emit.modality == "text":
-                        state.drawn_after_stop += 1  # drawn before the stop reached the worker: not the answer's
                     continue
                 self._waiting.started(rid)
                 if emit.modality == "text" and isinstance(row, int):
@@ -128,7 +126,7 @@ class ReportReader:
         # one worker is done with the request; the request is done when all of its workers are
         assert self._load is not None
         self._load.finished(worker, worker == state.worker)
-        reason = state.shard_done(fin.reason, fin.error, fin.num_generated, worker)
+        reason = state.shard_done(fin.reason, fin.error, fin.generated, worker)
         if fin.reason == "error" and not state.finished and state.shards_left > 0:  # so does the request
             for w in state.shards:
                 if w != worker:

@@ -100,9 +100,9 @@ class RequestState:
         # the workers running its partitions; it is done when each has reported its part done
         self.shards: tuple[int, ...] = tuple(sorted(set(self.places.values()))) or (self.worker,)
         self.shards_left = len(self.shards)
-        self.num_generated = 0
-        self.settled = asyncio.Event()  # every worker is done with it: num_generated is final
-        self.drawn_after_stop = 0  # text tokens that came after a stop string had stopped their partition
+        self.generated: dict[str, int] = {}  # partition -> tokens its worker says it sampled
+        self.fed: dict[str, int] = {}  # partition -> text tokens taken into the answer
+        self.settled = asyncio.Event()  # every worker is done with it: `generated` is final
         # tokens the context surely holds: the worker's count at the last catch-up, plus pieces appended since
         # (a speech walk's sampled tokens are audio the event loop never counts)
         self.context_floor = 0
@@ -138,6 +138,7 @@ class RequestState:
         row when its step computed some; returns True when a stop string
         matched (the caller then stops the partition on its worker)."""
         self.num_output_tokens += len(ids)
+        self.fed[partition] = self.fed.get(partition, 0) + len(ids)
         safe, hit = self.stops.push(text, self._stops_armed)
         k = self.sampling.logprobs
         logprobs = (_token_logprob(ids[0], logprob, k),) if logprob is not None and k is not None else None
@@ -169,12 +170,25 @@ class RequestState:
         self.stop_reason = "stop"
         return True
 
-    def shard_done(self, reason: str, error: str | None, generated: int, worker: int) -> str | None:
+    @property
+    def num_generated(self) -> int:
+        """The tokens the request's answer cost: a stopped partition's text
+        tokens up to the one that stopped it (a worker may have drawn more
+        before the stop reached it, and its count of a row a stop took out
+        of a decode group is the one it last had), every other partition's
+        tokens as its worker counted them (a speech walk's sampled tokens
+        are audio the event loop never counts)."""
+        parts = self.generated.keys() | self.fed.keys()
+        return sum(self.fed[p] if p in self.stopped and p in self.fed
+                   else max(self.fed.get(p, 0), self.generated.get(p, 0)) for p in parts)
+
+    def shard_done(self, reason: str, error: str | None, generated: dict[str, int], worker: int) -> str | None:
         """Worker `worker` is done with its part of the request, which ended
-        `reason` (`error`) having sampled `generated` tokens. The request's
-        final reason once every worker is done, else None."""
+        `reason` (`error`) with its partitions having sampled `generated`
+        tokens. The request's final reason once every worker is done, else None."""
         self.shards_left -= 1
-        self.num_generated += generated
+        for p, n in generated.items():
+            self.generated[p] = self.generated.get(p, 0) + n
         if worker == self.worker:  # the root's worker: its last partition ends the way the root did
             self.root_reason = reason
         self.cut = self.cut or reason == "length"
@@ -184,7 +198,7 @@ class RequestState:
             return None
         self.settled.set()
         # a walk that emits audio, not tokens, still reports what it sampled
-        self.num_output_tokens = max(self.num_output_tokens, self.num_generated - self.drawn_after_stop)
+        self.num_output_tokens = max(self.num_output_tokens, self.num_generated)
         ended = self.root_reason if len(self.shards) > 1 and self.root_reason else reason
         ended = "length" if ended == "stop" and self.cut else ended  # a spoken answer's frames cut on another worker
         return self.stop_reason or ("error" if self.failed else ended)

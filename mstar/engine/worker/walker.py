@@ -426,7 +426,8 @@ class Walker:
             self.runs.pop(rid, None)
             if not run.shared:  # other workers' parts of the request still hold references (the engine drops them)
                 self.store.drop_owner(rid)
-        generated = sum(r.generated for p in run.partitions.values() for r in p.rows.values()) if done else 0
+        generated = {name: sum(r.generated for r in p.rows.values()) for name, p in run.partitions.items()} \
+            if done else {}
         if done and reason in ENDED and (run.cut or run.root_reason in ENDED):
             # a request that ran its course ended as its root did (a spoken answer's text), unless a budget cut
             # it (known here even when this worker's part ended before the root's end reached it)
