@@ -95,7 +95,6 @@ def test_stop_string_becomes_a_tuple() -> None:
     ({"top_k": False}, "top_k"),
     ({"min_p": 2}, "min_p"),
     ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"seed": -1}, "seed"),
     ({"seed": 2**63}, "seed"),
     ({"seed": "1"}, "seed"),
     ({"stop": 5}, "stop"),
@@ -135,10 +134,19 @@ def test_integers_beyond_64_bits_are_refused_naming_the_field() -> None:
     # no tensor or counter downstream could hold them: refused before they get that far
     err = refused(parse_completion, b'{"prompt": "x", "max_tokens": 99999999999999999999999}')
     assert err.field == "max_tokens" and "out of range" in err.message
-    assert "1e+23" in err.message and "9999999999999999" not in err.message  # not the float's digits as an int
+    assert "64 bits" in err.message and "e+" not in err.message and "9999999999999999" not in err.message
     assert refused(parse_completion, b'{"prompt": "x", "seed": 100000000000000000000000}').field == "seed"
+    assert refused(parse_completion, b'{"prompt": "x", "seed": -9223372036854775809}').field == "seed"
     assert refused(parse_completion, b'{"prompt": "x", "top_k": 9223372036854775808}').field == "top_k"
     assert parse_completion(b'{"prompt": "x", "seed": 9223372036854775807}').sampling.seed == 2**63 - 1
+
+
+def test_any_int64_seed_is_taken() -> None:
+    """OpenAI and vLLM take any int64 seed; a negative one lands on the
+    engine's top half of [0, 2**63), distinct from every other negative one."""
+    seeds = {s: parse_completion(orjson.dumps({"prompt": "x", "seed": s})).sampling.seed
+             for s in (-1, -5, -(2**63), 0, 5)}
+    assert seeds == {-1: 2**63 - 1, -5: 2**63 - 5, -(2**63): 0, 0: 0, 5: 5}
 
 
 def test_too_many_choices() -> None:

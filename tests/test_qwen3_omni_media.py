@@ -167,3 +167,5 @@ def test_images_past_the_context_are_refused_before_they_are_cut(folder: Path,  
     with pytest.raises(RequestError) as refused:
         mine.prepare(GenerateRequest("p", "m", {"messages": _messages("what are they?", *[square] * count)}))
     assert refused.value.code == "context_length_exceeded" and refused.value.field == "messages"
+    assert f"more than the model's {mine.max_model_len} tokens: " in refused.value.message
+    assert "up to the end of messages[1]" in refused.value.message  # how far it counted (a system message first)

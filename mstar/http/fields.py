@@ -81,8 +81,10 @@ class Fields:
             return None
         # 2.0 is an integer to JSON; 2.5 is not.
         if isinstance(value, float) and not isinstance(value, bool) and value.is_integer():
-            if not -INT64_LIMIT <= value < INT64_LIMIT:  # a JSON integer past 64 bits the parser made a float:
-                raise self.error(key, f"is out of range, got {value:g}")  # its int() would show digits never sent
+            # a JSON integer past 64 bits the parser made a float (rounded: one just below -2**63 reads as it)
+            if not -INT64_LIMIT < value < INT64_LIMIT:
+                # the parser kept its magnitude, not its digits: show none that were never sent
+                raise self.error(key, "is out of range: an integer must fit in 64 bits")
             value = int(value)
         if not is_int(value):
             raise self.error(key, f"must be an integer, not {type_name(value)}")
@@ -94,6 +96,12 @@ class Fields:
         if hi is not None and value > hi:
             raise self.error(key, f"must be at most {hi}, got {value}")
         return value
+
+    def seed(self, key: str = "seed") -> int | None:
+        """A seed: any int64, as OpenAI and vLLM take it, folded into the
+        engine's [0, 2**63) (a negative one onto the top half)."""
+        value = self.integer(key)
+        return None if value is None else value % INT64_LIMIT
 
     def number(self, key: str, default: float | None = None, *, lo: float | None = None,
               hi: float | None = None, lo_open: bool = False) -> float | None:

@@ -32,7 +32,7 @@ Schema = dict[str, Any]
 # The list limits are `Fields` keyword defaults; read them rather than copy them.
 MAX_STOPS: int = inspect.signature(Fields.stops).parameters["max_count"].default
 MAX_STOP_TOKEN_IDS: int = inspect.signature(Fields.int_list).parameters["max_count"].default
-MAX_SEED = 2**63 - 1  # `SamplingParams.validate`: seed in [0, 2**63)
+MAX_SEED = 2**63 - 1  # any int64; `FieldReader.seed` folds it into the engine's [0, 2**63)
 DEFAULTS = SamplingParams()
 
 
@@ -67,7 +67,7 @@ def sampling_properties() -> dict[str, Schema]:
                               "default": DEFAULTS.frequency_penalty,
                               "description": "subtracted from an id's logit once for each time the request "
                                              "generated it"},
-        "seed": {"type": "integer", "minimum": 0, "maximum": MAX_SEED,
+        "seed": {"type": "integer", "minimum": -MAX_SEED - 1, "maximum": MAX_SEED,
                  "description": "makes the request's draws reproducible whatever it is batched with"},
         "stop": {"oneOf": [{"type": "string", "minLength": 1},
                            {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOPS}],

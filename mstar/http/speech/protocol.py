@@ -110,7 +110,7 @@ def _read_sampling(f: Fields) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key in SAMPLING_INTS:
         if f.has(key):
-            out[key] = f.integer(key, lo=1 if key == "max_tokens" else None)
+            out[key] = f.seed() if key == "seed" else f.integer(key, lo=1 if key == "max_tokens" else None)
     for key in SAMPLING_NUMBERS:
         if f.has(key):
             out[key] = f.number(key)

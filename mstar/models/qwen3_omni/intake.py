@@ -95,7 +95,9 @@ class Intake:
             ids += self._content(message.get("content"), f"{where}.content", media, model)
             ids += [self.ids.im_end, *self._text("\n", model)]
             if len(ids) > max_model_len:
-                raise RequestError(f"the messages take more than the model's {max_model_len} tokens",
+                # counted no further: the rest of the messages' media is never decoded
+                raise RequestError(f"the messages take more than the model's {max_model_len} tokens: "
+                                   f"{len(ids)} up to the end of {where}",
                                    field="messages", code=CONTEXT_EXCEEDED)
         if not opening:  # the last message is continued as it stands
             return ids
