@@ -322,7 +322,9 @@ async def test_async_realtime_refuses_an_unknown_model(speech_url: str) -> None:
     async with AsyncClient(speech_url) as client:
         with pytest.raises(MstarError) as e:
             await client.realtime("no-such-model")
-        assert e.value.status == 404
+        # the refused upgrade's own body, as an HTTP call's: not just its status
+        assert (e.value.status, e.value.code, e.value.param) == (404, "model_not_found", "model")
+        assert "no-such-model" in e.value.message
 
 
 def test_an_error_event_of_a_429s_type_is_retryable_as_the_429() -> None:

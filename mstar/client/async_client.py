@@ -22,6 +22,7 @@ import aiohttp
 from mstar.client.audio import Speech
 from mstar.client.errors import RETRYABLE, MstarError, connection_error, error_from_body
 from mstar.client.events import ndjson_events, sse_events
+from mstar.client.handshake import refusal_trace
 from mstar.client.realtime import AsyncRealtimeSession
 from mstar.client.results import Completion, Generation, Health, ModelCard
 from mstar.client.sampling import Sampling, TextSampling
@@ -32,8 +33,6 @@ T = TypeVar("T")
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 DEFAULT_TIMEOUT = 600.0  # the server's own --request-timeout default
 MAX_BACKOFF = 8.0        # seconds between retries when the server names no Retry-After
-# a refused websocket upgrade has no error body to read its code from
-HANDSHAKE_CODES = {401: "invalid_api_key", 404: "model_not_found"}
 
 # A completions prompt: text, token ids, or a batch of either.
 Prompt = str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]]
@@ -75,7 +74,8 @@ class AsyncClient:
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed:
             timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.timeout, sock_read=self.timeout)
-            self._session = aiohttp.ClientSession(timeout=timeout, headers=self.headers)
+            self._session = aiohttp.ClientSession(timeout=timeout, headers=self.headers,
+                                                  trace_configs=[refusal_trace()])
             self._loop = loop
         elif self._loop is not loop:
             raise RuntimeError("this AsyncClient's session belongs to another event loop; use one client per loop")
@@ -83,15 +83,14 @@ class AsyncClient:
 
     async def realtime(self, model: str | None = None, **update: Any) -> AsyncRealtimeSession:
         """A session on `/v1/realtime` (`update`: `session.update` fields such
-        as voice, max_output_tokens, input_linger_ms, sent once connected)."""
+        as voice, max_output_tokens, input_linger_ms, sent once connected).
+        A refused upgrade raises `MstarError` with the server's status, code
+        and Retry-After; `timeout` bounds the connect and each of the
+        session's waits for an event, as it does an HTTP answer's."""
         url = self.url("/v1/realtime").replace("http://", "ws://", 1).replace("https://", "wss://", 1)
         if model is not None:
             url += f"?model={quote(model)}"
-        try:
-            return await AsyncRealtimeSession.connect(await self.session(), url, **update)
-        except aiohttp.WSServerHandshakeError as e:
-            raise MstarError(f"the realtime session was refused: {e.message}", status=e.status,
-                             code=HANDSHAKE_CODES.get(e.status, "handshake_failed")) from None
+        return await AsyncRealtimeSession.connect(await self.session(), url, timeout=self.timeout, **update)
 
     async def aclose(self) -> None:
         if self._session is not None:

@@ -21,6 +21,12 @@ for such an event:
         reply = await rt.reply()                         # the answer the VAD's turn started
 
 `RealtimeSession` is the blocking twin, on the `Client`'s loop thread.
+
+The client's `timeout` bounds each wait for a server event (the first
+`session.created`, every event of `events()`, `reply()`, `until()`):
+that long without one raises `MstarError` with code `timeout` and leaves
+the session open, to wait again or close. A failed or refused connect
+raises `MstarError` too, and leaves no socket open.
 """
 
 from __future__ import annotations
@@ -38,7 +44,9 @@ import aiohttp
 
 from mstar.client.audio import DEFAULT_SAMPLE_RATE, SAMPLE_WIDTH, Speech
 from mstar.client.audio_in import CHUNK_MS, chunks, pcm16_input
-from mstar.client.errors import MstarError
+from mstar.client.errors import MstarError, connection_error
+from mstar.client.handshake import open_websocket
+from mstar.client.streams import TRANSPORT_ERRORS
 
 if TYPE_CHECKING:
     from mstar.client.loop_thread import LoopThread
@@ -72,20 +80,30 @@ class AsyncRealtimeSession:
     """Open with `await AsyncClient.realtime(...)`; close with `aclose()` or
     `async with`. Closing aborts whatever response is running."""
 
-    def __init__(self, ws: aiohttp.ClientWebSocketResponse, session: dict[str, Any]) -> None:
+    def __init__(self, ws: aiohttp.ClientWebSocketResponse, session: dict[str, Any],
+                 timeout: float | None = None) -> None:
         self.ws = ws
         self.session = session  # the latest session object the server sent
+        self.timeout = timeout  # seconds each wait for a server event may take; None: forever
 
     @classmethod
-    async def connect(cls, http: aiohttp.ClientSession, url: str, **update: Any) -> AsyncRealtimeSession:
-        ws = await http.ws_connect(url, max_msg_size=0)
-        first = await ws.receive_json()
-        if first.get("type") != "session.created":
-            await ws.close()
-            raise MstarError(f"expected session.created, got {first.get('type')!r}", code="protocol_error")
-        rt = cls(ws, first["session"])
-        if update:
-            await rt.update(**update)
+    async def connect(cls, http: aiohttp.ClientSession, url: str, *, timeout: float | None = None,
+                      **update: Any) -> AsyncRealtimeSession:
+        """The session at `url` once the server created it and took `update`."""
+        rt = cls(await open_websocket(http, url, timeout), {}, timeout)
+        try:
+            first = await rt._next()
+            if first is None:
+                raise MstarError("the websocket closed before session.created", code="connection_error")
+            if first.get("type") != "session.created":
+                raise MstarError(f"expected session.created, got {first.get('type')!r}", code="protocol_error")
+            rt.session = first["session"]
+            if update:
+                await rt.update(**update)
+        except BaseException:
+            # a session the caller never gets must not stay open on either side
+            await rt.aclose()
+            raise
         return rt
 
     async def aclose(self) -> None:
@@ -102,7 +120,10 @@ class AsyncRealtimeSession:
 
     async def send(self, event: dict[str, Any]) -> None:
         """Any client event, as is."""
-        await self.ws.send_json(event)
+        try:
+            await self.ws.send_json(event)
+        except TRANSPORT_ERRORS as e:  # the socket is closed, or its connection was cut
+            raise connection_error(e) from e
 
     async def update(self, *, voice: str | None = None, instructions: str | None = None,
                      max_output_tokens: int | str | None = None, input_linger_ms: int | None = None,
@@ -124,10 +145,8 @@ class AsyncRealtimeSession:
         if ext:
             session["mstar"] = ext
         await self.send({"type": "session.update", "session": session})
-        async for ev in self.events():
-            if ev["type"] == "session.updated":
-                self.session = ev["session"]
-                return self.session
+        self.session = (await self.until("session.updated"))["session"]
+        return self.session
 
     async def say(self, text: str, role: str = "user") -> None:
         """Add a message; a speech response that is running speaks it next."""
@@ -184,19 +203,33 @@ class AsyncRealtimeSession:
     # ----------------------------------------------------------- events in
 
     async def events(self) -> AsyncIterator[dict[str, Any]]:
-        """Server events as they come; an `error` event raises `MstarError`
-        (the session stays usable)."""
-        async for msg in self.ws:
-            if msg.type != aiohttp.WSMsgType.TEXT:
-                if msg.type == aiohttp.WSMsgType.ERROR:
-                    raise MstarError(f"the websocket failed: {self.ws.exception()}", code="connection_error")
-                continue
-            ev = msg.json()
+        """Server events as they come, until the socket closes; an `error`
+        event raises `MstarError` (the session stays usable), as does
+        `timeout` seconds without an event (code `timeout`)."""
+        while (ev := await self._next()) is not None:
             if ev.get("type") == "error":
                 err = ev.get("error") or {}
                 raise MstarError(err.get("message", "error"), code=err.get("code"), param=err.get("param"),
                                  type=err.get("type"))
             yield ev
+
+    async def _next(self) -> dict[str, Any] | None:
+        """The next server event as sent (None once the socket is closed)."""
+        while True:
+            try:
+                # aiohttp answers pings itself, each resetting this wait: a server that pings is alive
+                msg = await self.ws.receive(timeout=self.timeout)
+            except TimeoutError:
+                raise MstarError(f"no event from the server in {self.timeout} s", code="timeout") from None
+            if msg.type == aiohttp.WSMsgType.TEXT:
+                try:
+                    return msg.json()
+                except ValueError as e:
+                    raise MstarError(f"a server event is not JSON: {e}", code="invalid_response") from e
+            if msg.type == aiohttp.WSMsgType.ERROR:
+                raise MstarError(f"the websocket failed: {self.ws.exception()}", code="connection_error")
+            if msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSING, aiohttp.WSMsgType.CLOSED):
+                return None
 
     async def reply(self, started: float | None = None) -> RealtimeReply:
         """Read events up to the running response's `response.done`."""
