@@ -112,6 +112,17 @@ def _gone_app() -> aiohttp.web.Application:
     return aiohttp.web.Application()
 
 
+# what a replica's refusals carry (`mstar.http`: 401 with WWW-Authenticate, 429/503 with Retry-After)
+REFUSAL_HEADERS = {401: {"WWW-Authenticate": "Bearer"}, 404: {}, 429: {"Retry-After": "3"},
+                   503: {"Retry-After": "1"}}
+
+
+def _refusal(status: int) -> dict[str, Any]:
+    code = {401: "invalid_api_key", 404: "model_not_found", 429: "rate_limited", 503: "unavailable"}[status]
+    return {"error": {"message": f"refused: {code}", "type": "invalid_request_error" if status < 500 else
+                      "server_error", "param": None, "code": code}}
+
+
 def _failing_replica() -> aiohttp.web.Application:
     """A stand-in replica: healthy, a streamed answer it abandons halfway, a websocket it closes with 4001."""
     async def health(_r: aiohttp.web.Request) -> aiohttp.web.Response:
@@ -149,7 +160,7 @@ def _failing_replica() -> aiohttp.web.Application:
 
     async def refused_socket(request: aiohttp.web.Request) -> aiohttp.web.Response:
         status = int(request.query["status"])
-        return aiohttp.web.json_response({"error": {"message": "no"}}, status=status)
+        return aiohttp.web.json_response(_refusal(status), status=status, headers=REFUSAL_HEADERS[status])
 
     app = aiohttp.web.Application()
     app.router.add_get("/health", health)
@@ -189,8 +200,8 @@ async def test_a_replica_failing_mid_answer_ends_the_answer_and_close_codes_pass
                 assert event["type"] == "error" and event["error"]["code"] == "replica_failed"
                 msg = await ws.receive()
                 assert msg.type == aiohttp.WSMsgType.CLOSE and msg.data == aiohttp.WSCloseCode.INTERNAL_ERROR
-            # a handshake the replica refuses: its status, typed as the replicas type their errors
-            for status, kind in ((401, "invalid_request_error"), (429, "requests"), (503, "server_error")):
+            # a handshake the replica refuses: its status, body and headers, as the replica sent them
+            for status, headers in REFUSAL_HEADERS.items():
                 with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
                     await session.ws_connect(f"{url}/refused-ws?status={status}")
                 assert refused.value.status == status
@@ -198,7 +209,9 @@ async def test_a_replica_failing_mid_answer_ends_the_answer_and_close_codes_pass
                                        headers={"Upgrade": "websocket", "Connection": "Upgrade",
                                                 "Sec-WebSocket-Version": "13",
                                                 "Sec-WebSocket-Key": "dGhlIHNhbXBsZSBub25jZQ=="}) as r:
-                    assert r.status == status and (await r.json())["error"]["type"] == kind
+                    assert r.status == status and await r.json() == _refusal(status)
+                    assert {k: r.headers.get(k) for k in headers} == headers
+            assert all(r.healthy for r in front.replicas)   # a refusal is an answer: the replica is up
             assert await _settled(front)
 
 

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from mstar.cluster import serving
-from mstar.cluster.front import BACKLOG, SHUTDOWN_TIMEOUT_S, Front
+from mstar.cluster.front import BACKLOG, EXIT_S, GRACE_S, SHUTDOWN_TIMEOUT_S, Front, add_timeout_flag
 from mstar.cluster.ray_replicas import RayReplicas
 from mstar.cluster.replica import STARTUP_TIMEOUT_S, ReplicaSpec
 
@@ -38,6 +38,7 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--name", default="mstar", help="the replica actors' name prefix (one per front on a Ray cluster)")
     p.add_argument("--host", default="127.0.0.1", help="the front's address (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="the front's port")
+    add_timeout_flag(p)
     head, tail = list(argv), []
     if "--" in head:   # after `--`: the replicas' flags, whatever they are
         cut = head.index("--")
@@ -62,8 +63,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         urls = replicas.start(a.address)
         print(f"mstar cluster: {len(urls)} replicas ({', '.join(urls)}) behind http://{a.host}:{a.port}",
               flush=True)
-        serving.run(replicas.serve(Front(urls)), host=a.host, port=a.port, backlog=BACKLOG,
-                    shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+        front = Front(urls, replica_timeout=a.replica_timeout)
+        serving.run(replicas.serve(front), host=a.host, port=a.port, backlog=BACKLOG,
+                    shutdown_timeout=SHUTDOWN_TIMEOUT_S, stop_within_s=GRACE_S - EXIT_S)
     finally:
         replicas.stop()
     return 0

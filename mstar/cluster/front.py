@@ -4,14 +4,20 @@ to one replica and its answer streamed back as it comes; a websocket
 
 Routing takes the healthy replica with the fewest requests outstanding (the
 rule of in-process replicas), the one after the last pick on a tie. A replica
-that refuses a connection, or whose `/health` stops answering, is marked down
-and left out until its health check passes again; a request that could not
-reach one is tried on the next, since it never started there. A replica that
-fails after it began answering ends that answer: an event stream with an
-`{"error": ...}` event, a realtime session with an `error` event and close
-code 1011, any other body cut before its end; never a silent retry that
-could speak twice. `/health` lists the replicas; `/metrics` merges the replicas'
-metric families, every sample labelled `replica="<index>"`.
+that fails a request (refuses the connection, drops it, or sends nothing for
+`replica_timeout` s), or whose `/health` stops answering, is marked down and
+left out until its health check passes again. A request (or websocket
+handshake) that could not connect to one is tried on the next, since it never
+reached it. One the replica took and then dropped gets 502 `replica_failed`,
+one it went silent on 504 `replica_timeout`: never a silent retry that could
+speak twice (a bodiless GET, HEAD or OPTIONS excepted: it is tried on the
+next). A replica that fails after it began answering ends that answer: an
+event stream with an `{"error": ...}` event, a realtime session with an
+`error` event and close code 1011, any other body cut before its end.
+A replica's refusal of a websocket (401, 404, 429...) reaches the client as
+the replica sent it. `/health` lists the replicas; `/metrics` merges the
+replicas' metric families, every sample labelled `replica="<index>"`, each
+replica given `METRICS_TIMEOUT_S` to answer.
 
 Bodies pass through unbuffered both ways (NDJSON input streamed to the
 speech route included), so the front adds one hop per chunk, not a wait for
@@ -20,6 +26,7 @@ whole responses.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import itertools
@@ -32,7 +39,9 @@ from aiohttp import web
 
 from mstar.cluster import serving
 from mstar.cluster.prometheus_text import labelled, merged
-from mstar.cluster.relay import DONE, FRONT_STOPPED, event, pump_both, relay
+from mstar.cluster.relay import DONE, FRONT_STOPPED, ClientSocket, client_stopped, event, pump_both, relay
+from mstar.cluster.upstream import (HOP_HEADERS, Refused, could_not_connect, error_response, failed_before_answer,
+                                    keep_refusal, unavailable)
 
 log = structlog.get_logger("mstar.cluster.front")
 
@@ -41,18 +50,22 @@ log = structlog.get_logger("mstar.cluster.front")
 BACKLOG = 2048
 HEALTH_EVERY_S = 2.0
 HEALTH_TIMEOUT_S = 5.0
+METRICS_TIMEOUT_S = 2.0      # one replica's /metrics: a hung one is reported down, not waited on by the scrape
+CONNECT_TIMEOUT_S = 5.0
+# the longest a replica may send nothing while it holds a request: a non-streamed answer sends nothing until it is
+# whole, so this is above any answer's generation time; a stream that keeps producing is never cut (not a total)
+REPLICA_TIMEOUT_S = 300.0
+HANDSHAKE_TIMEOUT_S = 10.0   # a replica's websocket handshake answers at once; a hung one's goes to the next
 WS_MAX_MESSAGE = 16 << 20   # the replicas' realtime socket takes messages this large
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})   # without a body, no effects: sent again if a replica drops one
 # a stop signal, as a replica takes one: running answers get DRAIN_S to end, then event streams end with an error
 # event and what is left is cut; the process is gone within GRACE_S (a realtime socket closes 1001 after the drain)
 DRAIN_S = 7.0
 GRACE_S = 10.0
-# aiohttp waits this long for the handlers left after the drain, and as long again once it cancelled them;
-# `_drain` spends up to 1 s ending event streams
-SHUTDOWN_TIMEOUT_S = (GRACE_S - DRAIN_S - 1.0) / 2
-# headers that describe one hop's connection, not the message (RFC 9110 7.6.1), and those aiohttp sets itself;
-# Host passes on: a replica's same-origin check compares it with the page's Origin
-HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-                         "transfer-encoding", "upgrade", "content-length"})
+END_S = 1.0    # after the drain: event streams' error events and realtime sockets' closes, all at once
+EXIT_S = 0.5   # the app's cleanup (sessions closed, health checks ended) and the process's exit
+# aiohttp waits this long for the handlers left after `_drain`, and as long again once it cancelled them
+SHUTDOWN_TIMEOUT_S = (GRACE_S - DRAIN_S - END_S - EXIT_S) / 2
 
 
 @dataclass(eq=False)
@@ -73,10 +86,15 @@ class NoReplica(Exception):
 class Front:
     """The replicas behind one address; `app()` serves them."""
 
-    def __init__(self, urls: Sequence[str]) -> None:
+    def __init__(self, urls: Sequence[str], replica_timeout: float = REPLICA_TIMEOUT_S) -> None:
+        """`replica_timeout`: seconds a replica may send nothing while it holds
+        a request, before the client is told it stopped answering."""
         if not urls:
             raise ValueError("a front needs at least one replica")
+        if replica_timeout <= 0:
+            raise ValueError("replica_timeout must be positive")
         self.replicas = [Replica(url.rstrip("/"), i) for i, url in enumerate(urls)]
+        self.replica_timeout = replica_timeout
         self._turn = itertools.count()
         self._session: aiohttp.ClientSession | None = None   # requests passed on: no cap on connections
         self._probe: aiohttp.ClientSession | None = None     # health checks and metrics, never queued behind them
@@ -116,9 +134,11 @@ class Front:
         return app
 
     async def _lifetime(self, _app: web.Application) -> AsyncIterator[None]:
-        # no total timeout: a speech stream may run for minutes; connecting is bounded
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
-                                              auto_decompress=False, connector=aiohttp.TCPConnector(limit=0))
+        # no total timeout: a speech stream may run for minutes; connecting, and each read, are bounded
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=min(CONNECT_TIMEOUT_S, self.replica_timeout),
+                                        sock_read=self.replica_timeout)
+        self._session = aiohttp.ClientSession(timeout=timeout, auto_decompress=False, raise_for_status=keep_refusal,
+                                              connector=aiohttp.TCPConnector(limit=0))
         self._probe = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S))
         checkers = [asyncio.create_task(self._check_health(r)) for r in self.replicas]
         try:
@@ -132,20 +152,24 @@ class Front:
 
     async def _drain(self, _app: web.Application, drain_s: float | None = None) -> None:
         """Shutdown (the listener is closed): answers under way get `drain_s`
-        (default `DRAIN_S`) to end; then each event stream left ends with an
-        error event (its handler cancelled here, while its connection is still
-        open: aiohttp's own cancel closes it at once) and the realtime sockets
-        close going away; aiohttp cuts what is left."""
+        (default `DRAIN_S`) to end; then, within `END_S` all together, each
+        event stream left ends with an error event (its handler cancelled
+        here, while its connection is still open: aiohttp's own cancel closes
+        it at once) and the realtime sockets close going away (a client that
+        never answers the close is not waited on past it); aiohttp cuts what
+        is left."""
         deadline = asyncio.get_running_loop().time() + (DRAIN_S if drain_s is None else drain_s)
         while any(r.outstanding for r in self.replicas) and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
         relays = list(self._relays)
         for task in relays:  # each ends its stream with an error event while its connection is still open
             task.cancel()
-        if relays:
-            await asyncio.wait(relays, timeout=1.0)
-        for ws in list(self._sockets):
-            await ws.close(code=aiohttp.WSCloseCode.GOING_AWAY, message=b"server shutdown")
+        closes = [asyncio.create_task(ws.close(code=aiohttp.WSCloseCode.GOING_AWAY, message=b"server shutdown"))
+                  for ws in list(self._sockets)]
+        if relays or closes:
+            await asyncio.wait([*relays, *closes], timeout=END_S)
+        for task in closes:   # a close still waiting on its client: aiohttp's cancel of the handler cuts it
+            task.cancel()
 
     async def _check_health(self, replica: Replica) -> None:
         """One replica's checks, on their own: a slow one holds no other's."""
@@ -167,28 +191,46 @@ class Front:
             log.info("replica up" if ok else "replica down", replica=replica.index, url=replica.url)
         replica.healthy = ok
 
+    def _down(self, replica: Replica, error: BaseException) -> None:
+        """A request to `replica` failed on its connection: left out until its health check passes."""
+        if replica.healthy:
+            log.warning("replica down", replica=replica.index, url=replica.url, error=repr(error))
+        replica.healthy = False
+
     # ------------------------------------------------------------ routes
 
     async def _health(self, _request: web.Request) -> web.Response:
         replicas = [{"index": r.index, "url": r.url, "healthy": r.healthy, "outstanding": r.outstanding,
                      "served": r.served} for r in self.replicas]
         up = any(r.healthy for r in self.replicas)
+        # no replica up: a 503 says when to ask again, as the front's other 503s do
         return web.json_response({"status": "ok" if up else "unavailable", "replicas": replicas},
-                                 status=200 if up else 503)
+                                 status=200 if up else 503, headers=None if up else {"Retry-After": "1"})
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        """Every replica's metrics, labelled; the client's Authorization goes
+        on to each, and a replica's refusal of it (401, 403) is the answer:
+        the front checks no keys, its replicas' --api-key decides."""
         auth = {k: v for k, v in request.headers.items() if k.lower() == "authorization"}   # replicas with keys
-        texts = await asyncio.gather(*(self._replica_metrics(r, auth) for r in self.replicas))
+        scrapes = await asyncio.gather(*(self._replica_metrics(r, auth) for r in self.replicas))
+        for scrape in scrapes:
+            if isinstance(scrape, Refused):
+                return scrape.response()
+        texts = [t if isinstance(t, str) else None for t in scrapes]
         up = "".join(f'mstar_replica_up{{replica="{r.index}"}} {int(t is not None)}\n'
                      for r, t in zip(self.replicas, texts))
         body = ("# HELP mstar_replica_up whether the replica's /metrics answered\n# TYPE mstar_replica_up gauge\n"
                 + up + merged([labelled(t, r.index) for r, t in zip(self.replicas, texts) if t is not None]))
         return web.Response(text=body, content_type="text/plain", charset="utf-8")
 
-    async def _replica_metrics(self, replica: Replica, headers: dict[str, str]) -> str | None:
+    async def _replica_metrics(self, replica: Replica, headers: dict[str, str]) -> str | Refused | None:
+        """A replica's metrics text; its refusal of the client's key; None when it did not answer in time."""
         assert self._probe is not None
         try:
-            async with self._probe.get(f"{replica.url}/metrics", headers=headers) as r:
+            async with self._probe.get(f"{replica.url}/metrics", headers=headers,
+                                       timeout=aiohttp.ClientTimeout(total=METRICS_TIMEOUT_S)) as r:
+                if r.status in (401, 403):
+                    return Refused(r.status, r.reason, list(r.headers.items()), await r.read())
                 return await r.text() if r.status == 200 else None
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return None
@@ -198,34 +240,36 @@ class Front:
             return await self._pass_socket(request)
         tried: set[int] = set()
         body = request.content if request.body_exists else None
+        safe = body is None and request.method in SAFE_METHODS
         while True:
             try:
                 replica = self.pick(tried)
             except NoReplica:
-                return _unavailable()
+                return unavailable()
             tried.add(replica.index)
             try:
                 return await self._pass_to(replica, request, body)
-            except _NotStarted as e:
-                if body is not None and e.sent_body:
-                    # the body already went (in part) into the lost connection: it cannot be sent again
-                    return _unavailable()
-                if isinstance(e.error, aiohttp.ClientConnectorError):   # refused: down until its health answers
-                    replica.healthy = False
-                log.warning("replica unreachable; trying another", replica=replica.index, error=str(e.error))
+            except _NoAnswer as e:
+                self._down(replica, e.error)
+                if not (could_not_connect(e.error) or safe):
+                    # it reached the replica, which may have begun on it: not sent again (it could speak twice)
+                    log.warning("replica failed before answering", replica=replica.index, error=repr(e.error))
+                    return failed_before_answer(e.error)
+                log.warning("replica unreachable; trying another", replica=replica.index, error=repr(e.error))
 
     async def _pass_to(self, replica: Replica, request: web.Request,
                        body: aiohttp.StreamReader | None) -> web.StreamResponse:
         assert self._session is not None
         headers = _forwarded(request)
-        sent = _Sent(body)
         replica.outstanding += 1
         try:
             try:
+                # the session connects before it reads `body`: a request that could not connect can go elsewhere
                 upstream = await self._session.request(request.method, replica.url + request.rel_url.path_qs,
-                                                       headers=headers, data=sent.body(), allow_redirects=False)
+                                                       headers=headers, data=None if body is None else body.iter_any(),
+                                                       allow_redirects=False)
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
-                raise _NotStarted(e, sent.started) from None
+                raise _NoAnswer(e) from None
             replica.served += 1
             async with upstream:
                 response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
@@ -258,41 +302,59 @@ class Front:
             replica.outstanding -= 1
 
     async def _pass_socket(self, request: web.Request) -> web.StreamResponse:
-        """A websocket: one replica for the whole session, frames both ways."""
+        """A websocket: one replica for the whole session, frames both ways. A
+        handshake that got no answer from a replica goes to the next (no
+        session began there); a replica's refusal is the client's answer."""
+        tried: set[int] = set()
+        while True:
+            try:
+                replica = self.pick(tried)
+            except NoReplica:
+                return unavailable()
+            tried.add(replica.index)
+            replica.outstanding += 1
+            try:
+                try:
+                    upstream = await self._open_socket(replica, request)
+                except Refused as e:   # the replica's own answer (401, 404, 429, 503): passed on as it is
+                    return e.response()
+                except aiohttp.WSServerHandshakeError as e:   # a 101 that is no websocket's
+                    log.warning("replica answered a websocket wrongly", replica=replica.index, error=e.message)
+                    return error_response(502, "replica_failed", f"the replica's websocket handshake failed: "
+                                                                 f"{e.message}")
+                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                    self._down(replica, e)
+                    log.warning("replica unreachable for a websocket; trying another", replica=replica.index,
+                                error=repr(e))
+                    continue
+                replica.served += 1
+                return await self._session_through(request, upstream)
+            finally:
+                replica.outstanding -= 1
+
+    async def _open_socket(self, replica: Replica, request: web.Request) -> aiohttp.ClientWebSocketResponse:
         assert self._session is not None
-        try:
-            replica = self.pick()
-        except NoReplica:
-            return _unavailable()
         headers = {k: v for k, v in _forwarded(request).items() if not k.lower().startswith("sec-websocket")}
         offered = tuple(p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip())
-        replica.outstanding += 1
-        try:
+        async with asyncio.timeout(min(HANDSHAKE_TIMEOUT_S, self.replica_timeout)):
+            return await self._session.ws_connect(replica.url + request.rel_url.path_qs, headers=headers,
+                                                  protocols=offered, max_msg_size=WS_MAX_MESSAGE)
+
+    async def _session_through(self, request: web.Request,
+                               upstream: aiohttp.ClientWebSocketResponse) -> web.WebSocketResponse:
+        async with upstream:
+            client = ClientSocket(protocols=(upstream.protocol,) if upstream.protocol else (),
+                                  max_msg_size=WS_MAX_MESSAGE)
+            await client.prepare(request)
+            self._sockets.add(client)
             try:
-                upstream = await self._session.ws_connect(replica.url + request.rel_url.path_qs, headers=headers,
-                                                          protocols=offered, max_msg_size=WS_MAX_MESSAGE)
-            except aiohttp.WSServerHandshakeError as e:   # the replica's own answer (401, 403, 404): passed on
-                # typed by status as the replicas type theirs (`http/responses.error_type`; no mstar import here)
-                kind = "requests" if e.status == 429 else "invalid_request_error" if e.status < 500 else "server_error"
-                return web.json_response({"error": {"message": e.message, "type": kind, "param": None, "code": None}},
-                                         status=e.status)
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                log.warning("replica refused a websocket", replica=replica.index, error=str(e))
-                return _unavailable()
-            replica.served += 1
-            async with upstream:
-                client = web.WebSocketResponse(protocols=(upstream.protocol,) if upstream.protocol else (),
-                                               max_msg_size=WS_MAX_MESSAGE)
-                await client.prepare(request)
-                self._sockets.add(client)
-                try:
-                    await pump_both(client, upstream)
-                finally:
-                    self._sockets.discard(client)
-                    await client.close()
-            return client
-        finally:
-            replica.outstanding -= 1
+                await pump_both(client, upstream)
+            finally:
+                self._sockets.discard(client)
+                await client.close()
+        if client.too_big:   # the client may still be sending it: it hears the close, not a reset
+            await client_stopped(request)
+        return client
 
 
 def _forwarded(request: web.Request) -> dict[str, str]:
@@ -306,58 +368,40 @@ def _forwarded(request: web.Request) -> dict[str, str]:
     return headers
 
 
-class _NotStarted(Exception):
-    """The replica could not be reached: the request never started there."""
+class _NoAnswer(Exception):
+    """The replica's answer never began: it could not be reached, it dropped the request, or it went silent."""
 
-    def __init__(self, error: BaseException, sent_body: bool) -> None:
-        super().__init__(str(error))
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(repr(error))
         self.error = error
-        self.sent_body = sent_body
-
-
-class _Sent:
-    """The request body as it is passed on, noting whether any of it went."""
-
-    def __init__(self, body: aiohttp.StreamReader | None) -> None:
-        self._body = body
-        self.started = False
-
-    def body(self) -> AsyncIterator[bytes] | None:
-        """What aiohttp's `data=` streams on (None: no body)."""
-        if self._body is None:
-            return None
-        return self._chunks()
-
-    async def _chunks(self) -> AsyncIterator[bytes]:
-        assert self._body is not None
-        async for data in self._body.iter_any():
-            self.started = True
-            yield data
-
-
-def _unavailable() -> web.Response:
-    return web.json_response({"error": {"message": "no replica is available", "type": "server_error",
-                                        "param": None, "code": "unavailable"}}, status=503,
-                             headers={"Retry-After": "1"})
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """`python -m mstar.cluster.front --replicas URL,URL [--host H] [--port P]`: the front over
-    replicas already serving (each `python -m mstar.http` on its own host or port)."""
-    import argparse
-
+    """`python -m mstar.cluster.front --replicas URL,URL [--host H] [--port P] [--replica-timeout S]`: the
+    front over replicas already serving (each `python -m mstar.http` on its own host or port)."""
     p = argparse.ArgumentParser(prog="python -m mstar.cluster.front",
                                 description="One address over several mstar replicas. It checks no keys itself: "
                                             "a request's Authorization header goes on to the replica, whose "
-                                            "--api-key decides.")
+                                            "--api-key decides (/metrics too).")
     p.add_argument("--replicas", required=True, help="base URLs, comma-separated: http://10.0.0.2:8000,...")
     p.add_argument("--host", default="127.0.0.1", help="the front's address, as the server's "
                                                         "--host (0.0.0.0: every interface; default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080, help="the front's port (default 8080)")
+    add_timeout_flag(p)
     a = p.parse_args(argv)
     urls = [u.strip() for u in a.replicas.split(",") if u.strip()]
     print(f"mstar front over {', '.join(urls)} on http://{a.host}:{a.port}", flush=True)
-    serving.run(Front(urls).app(), host=a.host, port=a.port, backlog=BACKLOG, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    serving.run(Front(urls, replica_timeout=a.replica_timeout).app(), host=a.host, port=a.port, backlog=BACKLOG,
+                shutdown_timeout=SHUTDOWN_TIMEOUT_S, stop_within_s=GRACE_S - EXIT_S)
+
+
+def add_timeout_flag(p: argparse.ArgumentParser) -> None:
+    """`--replica-timeout`, for this command and `python -m mstar.cluster`."""
+    p.add_argument("--replica-timeout", type=float, default=REPLICA_TIMEOUT_S, metavar="S",
+                   help="seconds a replica may send nothing while it holds a request (a non-streamed answer sends "
+                        "nothing until it is whole) before the client gets 504 replica_timeout (or, mid-stream, an "
+                        "error event); streams that keep producing are never cut; a replica's connect is bounded "
+                        f"at {CONNECT_TIMEOUT_S:.0f} s (default {REPLICA_TIMEOUT_S:.0f})")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,8 @@
 """The front's process: its aiohttp app served on one address until a stop
-signal, then stopped within the front's grace (`front.DRAIN_S`, `GRACE_S`).
+signal, then stopped within the front's grace (`front.DRAIN_S`, `GRACE_S`):
+whatever of the stop is not done by `stop_within_s` after the signal is
+cancelled, so a handler or client that will not let go cannot hold the
+process past it.
 
 aiohttp's own `run_app` stops every connection from reading at the start of a
 shutdown, websockets included, so a realtime client's messages during the
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 from collections.abc import Awaitable
 
 from aiohttp import web
@@ -35,16 +39,17 @@ class FrontRunner(web.AppRunner):
 
 
 def run(app: web.Application | Awaitable[web.Application], *, host: str, port: int, backlog: int,
-        shutdown_timeout: float) -> None:
+        shutdown_timeout: float, stop_within_s: float | None = None) -> None:
     """Serve `app` (or the app an awaitable gives, made on the serving loop)
     until SIGINT or SIGTERM; then the app's shutdown (its drain) runs, and
     aiohttp gives the handlers left `shutdown_timeout` s, twice (before and
-    after cancelling them)."""
-    asyncio.run(_serve(app, host, port, backlog, shutdown_timeout))
+    after cancelling them); all of it cut at `stop_within_s` after the signal
+    (None: no bound)."""
+    asyncio.run(_serve(app, host, port, backlog, shutdown_timeout, stop_within_s))
 
 
 async def _serve(app: web.Application | Awaitable[web.Application], host: str, port: int, backlog: int,
-                 shutdown_timeout: float) -> None:
+                 shutdown_timeout: float, stop_within_s: float | None) -> None:
     if not isinstance(app, web.Application):
         app = await app
     runner = FrontRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=shutdown_timeout)
@@ -57,6 +62,9 @@ async def _serve(app: web.Application | Awaitable[web.Application], host: str, p
         await web.TCPSite(runner, host, port, backlog=backlog).start()
         await stop.wait()
     finally:
-        await runner.cleanup()
+        try:
+            await asyncio.wait_for(runner.cleanup(), stop_within_s)
+        except asyncio.TimeoutError:   # what is left (handlers, the app's cleanup) is cancelled as the loop ends
+            print(f"stop took over {stop_within_s} s; cutting what is left", file=sys.stderr, flush=True)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
