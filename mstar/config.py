@@ -194,7 +194,7 @@ def build_parser(builtin_models: Sequence[str] = ()) -> argparse.ArgumentParser:
                    help="context window in tokens, at most the model's positions (default: from the model)")
     p.add_argument("--max-num-seqs", type=int, default=256,
                    help="requests running (holding KV pages) per device, and rows in one step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="packed tokens in one step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="packed tokens in one step, a decode row's token included (at least --max-num-seqs)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--num-pages", type=int, default=None, help="KV pages per KV component (default: from memory)")
     p.add_argument("--kv-cache-memory", type=float, default=0.25, help="GiB of KV cache on CPU")
@@ -284,6 +284,24 @@ def build_parser(builtin_models: Sequence[str] = ()) -> argparse.ArgumentParser:
     return p
 
 
+def _check_numbers(a: argparse.Namespace) -> None:
+    """The numeric flags within their bounds, refused before anything starts:
+    past them a value fails later naming no flag (a NaN pool size, a negative
+    page count) or quietly means something else (0 pages as "from memory")."""
+    for name in ("header_timeout", "body_timeout", "queue_timeout", "request_timeout"):
+        if math.isnan(getattr(a, name)) or math.isinf(getattr(a, name)):
+            raise ConfigError(f"--{name.replace('_', '-')} must be a finite number of seconds (0: no limit)")
+    if a.num_pages is not None and a.num_pages < 1:
+        raise ConfigError("--num-pages must be positive (leave it out to size the pool from memory)")
+    if not (a.kv_cache_memory > 0 and math.isfinite(a.kv_cache_memory)):
+        raise ConfigError("--kv-cache-memory must be a positive number of GiB")
+    if not 0 < a.gpu_memory_utilization <= 1:
+        raise ConfigError("--gpu-memory-utilization must be a share of the GPU's memory, in (0, 1]")
+    if a.max_num_batched_tokens < a.max_num_seqs:
+        raise ConfigError(f"--max-num-batched-tokens ({a.max_num_batched_tokens}) must be at least --max-num-seqs "
+                          f"({a.max_num_seqs}): a decode step packs a token for each running request")
+
+
 def parse_args(argv: list[str] | None = None, builtin_models: Sequence[str] = ()) -> ServerConfig:
     a = build_parser(builtin_models).parse_args(argv)
     if a.max_model_len is not None and a.max_model_len < 1:
@@ -299,6 +317,7 @@ def parse_args(argv: list[str] | None = None, builtin_models: Sequence[str] = ()
     for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
         if getattr(a, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+    _check_numbers(a)
     if a.admit_every < 0:
         raise ConfigError("--admit-every must be 0 or more")
     if a.state_slots is not None and a.state_slots < 1:

@@ -89,3 +89,37 @@ def test_a_waiting_line_that_holds_no_one_is_refused_at_startup() -> None:
     assert parse_args(["--max-waiting-requests", "1"]).engine.max_waiting_requests == 1
     with pytest.raises(ConfigError, match="--max-waiting-requests must be at least 1"):
         parse_args(["--max-waiting-requests", "0"])
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--request-timeout", "nan"], "--request-timeout must be a finite number"),
+    (["--queue-timeout", "inf"], "--queue-timeout must be a finite number"),
+    (["--body-timeout", "nan"], "--body-timeout must be a finite number"),
+    (["--num-pages", "0"], "--num-pages must be positive"),
+    (["--num-pages", "-5"], "--num-pages must be positive"),
+    (["--kv-cache-memory", "-1"], "--kv-cache-memory must be a positive number"),
+    (["--kv-cache-memory", "nan"], "--kv-cache-memory must be a positive number"),
+    (["--gpu-memory-utilization", "5"], r"--gpu-memory-utilization must be a share of the GPU's memory, in \(0, 1\]"),
+    (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization must be a share"),
+    (["--max-num-batched-tokens", "4", "--max-num-seqs", "8"],
+     r"--max-num-batched-tokens \(4\) must be at least --max-num-seqs \(8\)"),
+])
+def test_numeric_flags_past_their_bounds_are_refused_at_startup(flags: list[str], says: str) -> None:
+    """Each used to start (0 pages quietly meant "from memory", a NaN timeout
+    none, a decode step ignored a token budget below its rows) or to fail in
+    the worker naming no flag."""
+    from mstar.config import parse_args
+    from mstar.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=says):
+        parse_args(flags)
+
+
+def test_numeric_flags_at_their_bounds_are_taken() -> None:
+    from mstar.config import parse_args
+
+    cfg = parse_args(["--num-pages", "1", "--gpu-memory-utilization", "1", "--max-num-batched-tokens", "8",
+                      "--max-num-seqs", "8", "--kv-cache-memory", "0.01", "--request-timeout", "0"])
+    sched = cfg.engine.scheduler
+    assert (sched.num_pages, sched.gpu_memory_utilization, sched.max_num_batched_tokens) == (1, 1.0, 8)
+    assert cfg.engine.request_timeout == 0.0
