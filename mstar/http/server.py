@@ -25,7 +25,7 @@ from mstar.http import demo_routes, metrics_routes, profile_routes
 from mstar.http.openapi import routes as openapi_routes
 from mstar.http.realtime import routes as realtime_routes
 from mstar.http.speech import routes as speech_routes
-from mstar.http.text import native_routes, openai_routes
+from mstar.http.text import native_routes, openai_routes, tokenize_routes
 from mstar.http.access import Origins, access_middlewares
 from mstar.http.deadlines import body_deadline
 from mstar.http.keys import ENGINE, MEDIA, MEDIA_LIMITS, SOCKETS, STARTED
@@ -152,6 +152,8 @@ def build_app(engine: Engine, *, manage_engine: bool = True, drain_s: float = DR
     app.router.add_post("/v1/chat/completions", openai_routes.chat_completions)
     app.router.add_post("/v1/audio/speech", speech_routes.speech)
     app.router.add_post("/generate", native_routes.generate)
+    app.router.add_post("/tokenize", tokenize_routes.tokenize)
+    app.router.add_post("/detokenize", tokenize_routes.detokenize)
     app.router.add_get("/v1/realtime", realtime_routes.realtime)
     app.router.add_get("/openapi.json", openapi_routes.openapi)
     app.router.add_get("/", demo_routes.index)

@@ -86,6 +86,10 @@ def document() -> Schema:
             **_json(req.ref("GenerateResponse")),
             "application/x-ndjson": {"schema": {"type": "string", "x-line-schema": req.ref("GenerateLine")}}},
             "the answer; with `stream`, one JSON object per line (NDJSON)"),
+        "/tokenize": _post("vLLM's: the token ids a prompt or chat starts from, as the completion routes prepare "
+                           "them", "TokenizeRequest", _json(req.ref("TokenizeResponse")), "the ids and their count"),
+        "/detokenize": _post("vLLM's: the text of token ids", "DetokenizeRequest",
+                             _json(req.ref("DetokenizeResponse")), "their text, special tokens included"),
         "/v1/audio/speech": _post("OpenAI text to speech, streamed", "SpeechRequest", speech_ok,
                                   "the audio in `response_format` (header X-Sample-Rate) as it is produced, or "
                                   "with `stream_format: sse` its base64 pieces as events; with `stream: false` "
@@ -113,6 +117,8 @@ def document() -> Schema:
     schemas = {
         "CompletionRequest": req.COMPLETION_REQUEST, "ChatRequest": req.CHAT_REQUEST,
         "GenerateRequest": req.GENERATE_REQUEST, "SpeechRequest": req.SPEECH_REQUEST,
+        "TokenizeRequest": req.TOKENIZE_REQUEST, "DetokenizeRequest": req.DETOKENIZE_REQUEST,
+        "TokenizeResponse": out.TOKENIZE, "DetokenizeResponse": out.DETOKENIZE,
         "Error": out.ERROR, "Health": out.HEALTH, "ModelList": out.MODEL_LIST, "Model": out.MODEL,
         "Completion": out.COMPLETION,
         "ChatCompletion": out.CHAT_COMPLETION, "ChatCompletionChunk": out.CHAT_CHUNK,

@@ -215,3 +215,16 @@ SPEECH_EVENT: Schema = {
         "error": ERROR["properties"]["error"],
     },
 }
+
+TOKENIZE: Schema = {
+    "type": "object",
+    "required": ["count", "max_model_len", "tokens"],
+    "properties": {
+        "count": {"type": "integer"}, "max_model_len": {"type": "integer"},
+        "tokens": {"type": "array", "items": {"type": "integer"}},
+        "token_strs": {"type": "array", "items": {"type": ["string", "null"]},
+                       "description": "with `return_token_strs`: each token's vocabulary string"},
+    },
+}
+
+DETOKENIZE: Schema = {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}

@@ -355,3 +355,30 @@ SPEECH_REQUEST: Schema = {
     },
     "description": "sampling fields left out take the model's defaults",
 }
+
+TOKENIZE_REQUEST: Schema = {
+    "type": "object",
+    "additionalProperties": False,
+    # Exactly one of prompt and messages.
+    "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}],
+    "properties": {
+        "prompt": {"type": "string", "examples": ["Hello!"], "description": "a text prompt, as /v1/completions "
+                                                                               "tokenises it"},
+        "messages": {**CHAT_REQUEST["properties"]["messages"],
+                     "description": "a chat, as /v1/chat/completions templates and tokenises it (media included)"},
+        "model": {"type": "string"},
+        "add_generation_prompt": {"type": "boolean", "default": True, "description": "with `messages` only"},
+        "chat_template_kwargs": {**CHAT_REQUEST["properties"]["chat_template_kwargs"]},
+        "add_special_tokens": {"type": "boolean",
+                               "description": "as the completion routes do: true for a prompt, false for messages "
+                                              "(their template has the special tokens); another value is a 400"},
+        "return_token_strs": {"type": "boolean", "default": False, "description": "each token's vocabulary string"},
+    },
+}
+
+DETOKENIZE_REQUEST: Schema = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["tokens"],
+    "properties": {"tokens": {**int_list(), "examples": [[1, 2, 3]]}, "model": {"type": "string"}},
+}

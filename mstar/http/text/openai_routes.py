@@ -86,7 +86,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     reply = Reply(f"cmpl-{uuid.uuid4().hex}", "text_completion", int(time.time()), target.name)
     sampling = dataclasses.replace(body.sampling, max_tokens=body.max_tokens)
     sub = await submit(engine, reply.id, target.name, prompts, sampling, n=body.n, sampling_by=body.sampling_by,
-                       priority=body.priority, walk=_text_walk(target))
+                       priority=body.priority, walk=text_walk(target))
     shapes = LogprobShapes(target.tokenizer) if body.sampling.logprobs is not None else None
     try:
         if body.stream:
@@ -119,7 +119,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                else "answers in text only")
         raise RequestError(f"model '{target.name}' {how}: 'audio' needs a model that speaks its answers",
                            field="modalities")
-    walk = target.spoken_chat_walk if body.audio else _text_walk(target)   # refused before any media is decoded
+    walk = target.spoken_chat_walk if body.audio else text_walk(target)   # refused before any media is decoded
     parts = media_parts(body.messages)
     refuse_untaken(parts, target.name, target.input_modalities)
     # decoded once for all n samples, before anything starts: a bad part refuses the whole request
@@ -163,7 +163,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         await sub.aclose()
 
 
-def _text_walk(target: Target) -> str | None:
+def text_walk(target: Target) -> str | None:
     """The walk a text answer runs: the model's default (None), or where that
     one speaks (Orpheus's), its `written_walk`; a 400 where that is not served
     (`--audio-logits-only`): an answer of speech has no text to give."""
