@@ -37,7 +37,7 @@ async def stub() -> AsyncIterator[Stub]:
     """`/v1/realtime?model=`: `busy` refuses with a 429 and Retry-After,
     `html` with a proxy's 502 page; `silent` upgrades and sends nothing;
     `strict` refuses every session.update; `slow` answers response.create
-    1.5 s late."""
+    with a text and an audio delta, then the rest 1.5 s late."""
     closed: defaultdict[str, asyncio.Event] = defaultdict(asyncio.Event)
 
     async def realtime(request: web.Request) -> web.StreamResponse:
@@ -60,7 +60,11 @@ async def stub() -> AsyncIterator[Stub]:
                         "type": "invalid_request_error", "code": "invalid_value", "message": "unknown voice 'bob'",
                         "param": "session.audio.output.voice"}})
                 elif model == "slow" and kind == "response.create":
+                    await ws.send_json({"type": "response.output_text.delta", "delta": "Hel"})
+                    await ws.send_json({"type": "response.output_audio.delta", "delta": "AAE="})
                     await asyncio.sleep(1.5)
+                    await ws.send_json({"type": "response.output_text.delta", "delta": "lo"})
+                    await ws.send_json({"type": "response.output_audio.delta", "delta": "AgM="})
                     await ws.send_json({"type": "response.done", "response": {"id": "r1", "status": "completed"}})
         finally:
             closed[model].set()
@@ -140,6 +144,8 @@ async def test_a_wait_for_the_answer_times_out_and_the_session_stays_open(stub: 
         rt.timeout = None  # the caller may wait on: the answer still comes
         reply = await asyncio.wait_for(rt.reply(), GUARD_S)
         assert (reply.response_id, reply.status) == ("r1", "completed")
+        # what came before the wait timed out is part of the answer read on
+        assert (reply.text, reply.audio) == ("Hello", bytes([0, 1, 2, 3]))
 
 
 async def test_the_blocking_session_times_out_too(stub: Stub) -> None:

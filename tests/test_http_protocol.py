@@ -147,6 +147,12 @@ def test_any_int64_seed_is_taken() -> None:
     seeds = {s: parse_completion(orjson.dumps({"prompt": "x", "seed": s})).sampling.seed
              for s in (-1, -5, -(2**63), 0, 5)}
     assert seeds == {-1: 2**63 - 1, -5: 2**63 - 5, -(2**63): 0, 0: 0, 5: 5}
+    # a sampling key's own seed too; one past int64 is left for the model to refuse, naming its field
+    by = parse_completion(orjson.dumps({"prompt": "x", "sampling_by": {"llm": {"seed": -5, "top_k": 3},
+                                                                       "codec": {"seed": 7}}})).sampling_by
+    assert by == {"llm": {"seed": 2**63 - 5, "top_k": 3}, "codec": {"seed": 7}}
+    assert parse_completion(b'{"prompt": "x", "sampling_by": {"llm": {"seed": 9223372036854775808}}}') \
+        .sampling_by == {"llm": {"seed": 2**63}}
 
 
 def test_too_many_choices() -> None:

@@ -82,6 +82,8 @@ async def test_ids_go_back_to_their_text(llama: tuple[Engine, aiohttp.ClientSess
     ("/tokenize", {"prompt": "a", "temperature": 1}, "temperature", "unknown field"),
     ("/tokenize", {"prompt": "x" * (CONTEXT + 10)}, "prompt", "context"),
     ("/detokenize", {"tokens": [1, 10**6]}, "tokens[1]", "vocabulary"),
+    ("/detokenize", {"tokens": [1, 2, 2**32]}, "tokens[2]", "vocabulary"),
+    ("/detokenize", {"tokens": [2**63 - 1]}, "tokens[0]", "vocabulary"),
     ("/detokenize", {"tokens": "abc"}, "tokens", "array of integers"),
     ("/detokenize", {}, "tokens", "required"),
 ])

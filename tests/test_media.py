@@ -165,6 +165,17 @@ def test_float_audio_beyond_full_scale_is_clipped_to_it() -> None:
     out = media.decode_audio(encoded(loud, 16000, "WAV", "FLOAT"), AUDIO, max_seconds=2)
     assert np.array_equal(out, np.clip(loud, -1, 1).astype(np.float32))
     [features] = LogMel()([torch.from_numpy(out)])
+    # clipped per channel, then mixed: a channel at 5 beside a silent one is half scale, not full
+    stereo = np.stack([np.full(1000, 5.0), np.zeros(1000)], axis=1)
+    assert np.array_equal(media.decode_audio(encoded(stereo, 16000, "WAV", "FLOAT"), AUDIO, max_seconds=1),
+                          np.full(1000, 0.5, dtype=np.float32))
+    # past float32 (a DOUBLE file), and a FLOAT file's largest values summed over channels, stay finite to clip
+    huge = np.stack([np.full(1000, 3e38), np.full(1000, 3e38)], axis=1)
+    assert np.array_equal(media.decode_audio(encoded(huge, 16000, "WAV", "FLOAT"), AUDIO, max_seconds=1),
+                          np.ones(1000, dtype=np.float32))
+    buf = io.BytesIO()
+    sf.write(buf, np.full(1000, -1e300), 16000, format="WAV", subtype="DOUBLE")
+    assert np.array_equal(media.decode_audio(buf.getvalue(), AUDIO, max_seconds=1), -np.ones(1000, np.float32))
     [wild] = LogMel()([torch.from_numpy(loud.astype(np.float32))])
     assert not bool(torch.isfinite(wild).all())  # what clipping keeps out
     assert bool(torch.isfinite(features).all())

@@ -279,6 +279,25 @@ async def test_a_text_model_answers_in_text() -> None:
                                                                                    "text": deltas}
 
 
+async def test_a_negative_seed_is_an_int64_seed_as_the_http_routes_take_it() -> None:
+    """`session.mstar.seed` -1 is echoed as given and draws as the HTTP
+    routes' seed -1 does: the engine's 2**63 - 1."""
+    async with running_engine("tiny-llama") as engine, serving(engine) as url:
+        texts = []
+        for seed in (-1, 2**63 - 1, 7):
+            async with _client(url).realtime.connect(model="tiny-llama") as conn:
+                await conn.recv()
+                await conn.session.update(session={"type": "realtime", "mstar": {"seed": seed}})
+                updated = await _until(conn, "session.updated", [])
+                assert updated.session.model_dump()["mstar"]["seed"] == seed
+                await conn.conversation.item.create(item=_user("say something"))
+                await conn.response.create(response={"max_output_tokens": 12})
+                seen: list[Any] = []
+                await _until(conn, "response.done", seen)
+                texts.append("".join(e.delta for e in seen if e.type == "response.output_text.delta"))
+        assert texts[0] == texts[1] != texts[2]
+
+
 async def test_a_conversations_next_response_starts_from_the_cached_conversation() -> None:
     """Each response is a request over the conversation so far: its prompt
     starts with the last one's, whose full KV pages the prefix cache holds."""

@@ -86,6 +86,7 @@ MALFORMED: list[tuple[dict[str, Any], str]] = [
     ({"type": "session.update", "session": {"mstar": 5}}, "session.mstar"),
     ({"type": "session.update", "session": {"mstar": {"seed": "x"}}}, "session.mstar.seed"),
     ({"type": "session.update", "session": {"mstar": {"seed": 2**64}}}, "session.mstar.seed"),
+    ({"type": "session.update", "session": {"mstar": {"seed": -(2**63) - 1}}}, "session.mstar.seed"),
     ({"type": "session.update", "session": {"mstar": {"input_linger_ms": 1.5}}}, "session.mstar.input_linger_ms"),
     # fields the GA session does not have (the beta API's, or none at all), and values mstar does not serve
     ({"type": "session.update", "session": {"voice": "leo"}}, "session.voice"),

@@ -76,6 +76,18 @@ class RealtimeReply:
         self.speech().to_wav(target)
 
 
+@dataclass
+class _Gathered:
+    """What a reply's events brought so far: kept across a wait that timed
+    out, so reading on gives the whole answer."""
+
+    started: float
+    audio: bytearray = field(default_factory=bytearray)
+    text: list[str] = field(default_factory=list)
+    transcript: list[str] = field(default_factory=list)
+    first: float | None = None
+
+
 class AsyncRealtimeSession:
     """Open with `await AsyncClient.realtime(...)`; close with `aclose()` or
     `async with`. Closing aborts whatever response is running."""
@@ -85,6 +97,7 @@ class AsyncRealtimeSession:
         self.ws = ws
         self.session = session  # the latest session object the server sent
         self.timeout = timeout  # seconds each wait for a server event may take; None: forever
+        self._gathered: _Gathered | None = None  # the reply being read, until its response.done
 
     @classmethod
     async def connect(cls, http: aiohttp.ClientSession, url: str, *, timeout: float | None = None,
@@ -232,24 +245,28 @@ class AsyncRealtimeSession:
                 return None
 
     async def reply(self, started: float | None = None) -> RealtimeReply:
-        """Read events up to the running response's `response.done`."""
-        started = time.perf_counter() if started is None else started
-        audio, text, transcript = bytearray(), [], []
-        first: float | None = None
+        """Read events up to the running response's `response.done`. A wait
+        that timed out (`MstarError` code `timeout`) keeps what came so far:
+        calling it again reads on and gives the whole answer."""
+        g = self._gathered
+        if g is None:
+            g = self._gathered = _Gathered(time.perf_counter() if started is None else started)
         async for ev in self.events():
             kind = ev["type"]
             if kind in ("response.output_audio.delta", "response.output_text.delta"):
-                first = first if first is not None else time.perf_counter() - started
+                g.first = g.first if g.first is not None else time.perf_counter() - g.started
                 if kind == "response.output_audio.delta":
-                    audio += base64.b64decode(ev["delta"])
+                    g.audio += base64.b64decode(ev["delta"])
                 else:
-                    text.append(ev["delta"])
+                    g.text.append(ev["delta"])
             elif kind == "response.output_audio_transcript.delta":
-                transcript.append(ev["delta"])
+                g.transcript.append(ev["delta"])
             elif kind == "response.done":
+                self._gathered = None
                 r = ev["response"]
-                return RealtimeReply(r["id"], r["status"], bytes(audio), "".join(text), "".join(transcript),
-                                     r.get("usage") or {}, first, time.perf_counter() - started)
+                return RealtimeReply(r["id"], r["status"], bytes(g.audio), "".join(g.text), "".join(g.transcript),
+                                     r.get("usage") or {}, g.first, time.perf_counter() - g.started)
+        self._gathered = None
         raise MstarError("the websocket closed before response.done", code="connection_error")
 
     async def speak(self, text: str, **response: Any) -> RealtimeReply:

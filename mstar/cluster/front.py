@@ -41,7 +41,7 @@ from mstar.cluster import serving
 from mstar.cluster.prometheus_text import labelled, merged
 from mstar.cluster.relay import DONE, FRONT_STOPPED, ClientSocket, client_stopped, event, pump_both, relay
 from mstar.cluster.upstream import (HOP_HEADERS, Refused, could_not_connect, error_response, failed_before_answer,
-                                    keep_refusal, unavailable)
+                                    keep_refusal, unavailable, went_silent)
 
 log = structlog.get_logger("mstar.cluster.front")
 
@@ -53,8 +53,10 @@ HEALTH_TIMEOUT_S = 5.0
 METRICS_TIMEOUT_S = 2.0      # one replica's /metrics: a hung one is reported down, not waited on by the scrape
 CONNECT_TIMEOUT_S = 5.0
 # the longest a replica may send nothing while it holds a request: a non-streamed answer sends nothing until it is
-# whole, so this is above any answer's generation time; a stream that keeps producing is never cut (not a total)
-REPLICA_TIMEOUT_S = 300.0
+# whole, so this is above the replicas' own --request-timeout default (600 s), past which they answer 504
+# themselves; a stream that keeps producing is never cut (not a total)
+REPLICA_TIMEOUT_S = 660.0
+HEARTBEAT_S = 30.0           # the front pings a client's websocket as a replica does (its own pings stop at the front)
 HANDSHAKE_TIMEOUT_S = 10.0   # a replica's websocket handshake answers at once; a hung one's goes to the next
 WS_MAX_MESSAGE = 16 << 20   # the replicas' realtime socket takes messages this large
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})   # without a body, no effects: sent again if a replica drops one
@@ -250,7 +252,8 @@ class Front:
             try:
                 return await self._pass_to(replica, request, body)
             except _NoAnswer as e:
-                self._down(replica, e.error)
+                if not went_silent(e.error):  # a busy replica can be silent for long: its health check decides
+                    self._down(replica, e.error)
                 if not (could_not_connect(e.error) or safe):
                     # it reached the replica, which may have begun on it: not sent again (it could speak twice)
                     log.warning("replica failed before answering", replica=replica.index, error=repr(e.error))
@@ -344,7 +347,7 @@ class Front:
                                upstream: aiohttp.ClientWebSocketResponse) -> web.WebSocketResponse:
         async with upstream:
             client = ClientSocket(protocols=(upstream.protocol,) if upstream.protocol else (),
-                                  max_msg_size=WS_MAX_MESSAGE)
+                                  max_msg_size=WS_MAX_MESSAGE, heartbeat=HEARTBEAT_S)
             await client.prepare(request)
             self._sockets.add(client)
             try:

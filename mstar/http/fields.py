@@ -176,6 +176,15 @@ class Fields:
                 raise RequestError(f"must be an object, not {type_name(inner)}", field=f"{self.name(key)}.{name}")
         return value
 
+    def sampling_by(self, key: str) -> dict[str, dict[str, Any]]:
+        """mstar's `sampling_by` (`objects`), each key's `seed` folded as the
+        top-level one is (`seed`); what else the entries hold, and a seed past
+        int64, is for the model to check, naming `key.<name>.<field>`."""
+        out = self.objects(key)
+        return {name: {**fields, "seed": fields["seed"] % INT64_LIMIT}
+                if is_int(fields.get("seed")) and -INT64_LIMIT <= fields["seed"] < INT64_LIMIT else fields
+                for name, fields in out.items()}
+
     def refuse_unknown(self, known: AbstractSet[str]) -> None:
         """A 400 naming the first key not in `known`: a typo such as
         `max_toknes` would otherwise be ignored without a word."""

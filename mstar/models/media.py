@@ -95,8 +95,9 @@ def decode_audio(data: bytes, field: str, *, rate: int = 16000, max_seconds: flo
     averaged, then resampled (`mstar.models.resample`). Refused: bytes that
     are no audio of those formats, no samples, more than `max_seconds`, rates
     outside [MIN_AUDIO_RATE, MAX_AUDIO_RATE], samples that are not finite.
-    A float file's samples beyond full scale (±1) are clipped to it, as a
-    player would: a model's features of 1e30 overflow to NaN."""
+    A float file's samples beyond full scale (±1) are clipped to it, each
+    channel before they are mixed, as a player would: a model's features of
+    1e30 overflow to NaN."""
     if not data:
         raise RequestError("is empty", field=field)
     try:
@@ -118,19 +119,19 @@ def decode_audio(data: bytes, field: str, *, rate: int = 16000, max_seconds: flo
         mono = _read_mono(f, int(max_seconds * src), field, max_seconds)
     if mono.size == 0:
         raise RequestError("holds no audio samples", field=field)
-    if not np.isfinite(mono).all():
-        raise RequestError("holds samples that are not finite numbers", field=field)
-    return resample(np.clip(mono, -1.0, 1.0, out=mono), src, rate)
+    return resample(mono, src, rate)
 
 
 def _read_mono(f: sf.SoundFile, limit: int, field: str, max_seconds: float) -> np.ndarray:
-    """Up to `limit` frames of `f`, channels averaged; a frame past it is refused."""
+    """Up to `limit` frames of `f`, each channel clipped to ±1, then averaged;
+    a frame past the limit, or a sample that is not finite, is refused."""
     block = max(1, _BLOCK_SAMPLES // f.channels)
     parts = []
     total = 0
     while True:
         try:
-            frames = f.read(min(block, limit + 1 - total), dtype="float32", always_2d=True)
+            # float64: a DOUBLE file's 1e300 or a FLOAT file's 3e38 summed over channels stays finite to clip
+            frames = f.read(min(block, limit + 1 - total), dtype="float64", always_2d=True)
         except sf.SoundFileError as e:
             raise RequestError(f"could not be decoded: {e}", field=field) from None
         if len(frames) == 0:
@@ -138,7 +139,10 @@ def _read_mono(f: sf.SoundFile, limit: int, field: str, max_seconds: float) -> n
         total += len(frames)
         if total > limit:
             raise RequestError(f"is longer than the {max_seconds:g} s this server takes", field=field)
-        parts.append(frames[:, 0].copy() if f.channels == 1 else frames.mean(axis=1, dtype=np.float32))
+        if not np.isfinite(frames).all():
+            raise RequestError("holds samples that are not finite numbers", field=field)
+        np.clip(frames, -1.0, 1.0, out=frames)  # each channel, as a player would, before they are mixed
+        parts.append((frames[:, 0] if f.channels == 1 else frames.mean(axis=1)).astype(np.float32))
     if len(parts) == 1:
         return parts[0]
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)

@@ -32,7 +32,7 @@ Schema = dict[str, Any]
 # The list limits are `Fields` keyword defaults; read them rather than copy them.
 MAX_STOPS: int = inspect.signature(Fields.stops).parameters["max_count"].default
 MAX_STOP_TOKEN_IDS: int = inspect.signature(Fields.int_list).parameters["max_count"].default
-MAX_SEED = 2**63 - 1  # any int64; `FieldReader.seed` folds it into the engine's [0, 2**63)
+MAX_SEED = 2**63 - 1  # any int64; `Fields.seed` folds it into the engine's [0, 2**63)
 DEFAULTS = SamplingParams()
 
 

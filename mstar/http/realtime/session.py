@@ -326,7 +326,8 @@ class RealtimeSession:
         rid = new_id("resp")
         defaults = model_defaults(self.engine)
         # no limit: the model's default budget within the room the prompt leaves (`fit_context`)
-        sampling = dataclasses.replace(defaults, max_tokens=None, seed=self.config.seed)
+        seed = self.config.seed  # as the client gave it (and the session echoes it); the engine's in [0, 2**63)
+        sampling = dataclasses.replace(defaults, max_tokens=None, seed=None if seed is None else seed % 2**63)
         if self.hears:
             return await self._conversation_plan(rid, given, instructions, asked_voice, sampling, limit, in_text)
         texts = self._input_texts(given) if given is not None else None

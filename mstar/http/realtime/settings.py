@@ -168,6 +168,6 @@ class SessionConfig:
             raise ProtocolError(f"must be in [0, {MAX_INPUT_LINGER_MS}]", "invalid_value",
                                 "session.mstar.input_linger_ms")
         seed = field_of(ext, "seed", int, "session.mstar", required=False)
-        if seed is not None and not 0 <= seed < 2**63:
-            raise ProtocolError("must be in [0, 2**63)", "invalid_value", "session.mstar.seed")
+        if seed is not None and not -2**63 <= seed < 2**63:  # any int64, as the HTTP routes take one
+            raise ProtocolError("must be an int64, in [-2**63, 2**63)", "invalid_value", "session.mstar.seed")
         return linger, seed

@@ -81,7 +81,7 @@ def parse_speech(body: bytes) -> SpeechBody:
         stream_format=stream_format,  # type: ignore[arg-type]  # checked just above
         sampling=_read_sampling(f),
         stream=stream,
-        sampling_by=f.objects(SAMPLING_BY),
+        sampling_by=f.sampling_by(SAMPLING_BY),
         early_audio=f.boolean("early_audio", False),
     )
 

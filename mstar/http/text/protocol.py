@@ -141,7 +141,7 @@ def parse_completion(body: bytes) -> CompletionBody:
         stream=stream,
         include_usage=include_usage,
         continuous_usage=continuous_usage,
-        sampling_by=f.objects(SAMPLING_BY),
+        sampling_by=f.sampling_by(SAMPLING_BY),
         priority=_read_priority(f),
     )
 
@@ -174,7 +174,7 @@ def parse_chat(body: bytes) -> ChatBody:
         add_generation_prompt=f.boolean("add_generation_prompt", True),
         template_kwargs=f.mapping("chat_template_kwargs"),
         max_tokens_field=key,
-        sampling_by=f.objects(SAMPLING_BY),
+        sampling_by=f.sampling_by(SAMPLING_BY),
         audio=audio,
         priority=_read_priority(f),
     )
@@ -208,7 +208,7 @@ def parse_generate(body: bytes) -> GenerateBody:
         voice=voice,
         walk=f.string("walk"),
         sampling_given=frozenset(k for k, v in sp.obj.items() if v is not None),
-        sampling_by=f.objects(SAMPLING_BY),
+        sampling_by=f.sampling_by(SAMPLING_BY),
         priority=_read_priority(f),
     )
 

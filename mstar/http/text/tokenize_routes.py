@@ -28,6 +28,7 @@ TOKENIZE_KEYS = frozenset({"model", "prompt", "messages", "add_generation_prompt
                            "return_token_strs", "add_special_tokens"})
 DETOKENIZE_KEYS = frozenset({"model", "tokens"})
 MAX_DETOKENIZE = 1 << 20  # ids in one body: more than any served context
+MAX_TOKEN_ID = 2**31 - 1  # what the other routes take as a token id
 
 
 @dataclass(frozen=True)
@@ -99,12 +100,16 @@ async def detokenize(request: web.Request) -> web.Response:
     if not f.has("tokens"):
         raise f.error("tokens", "is required: an array of token ids")
     tokens = f.int_list("tokens", max_count=MAX_DETOKENIZE)
-    target = resolve_model(request.app[ENGINE], f.string("model"))
-    tokenizer = _tokenizer(target)
+    tokenizer = _tokenizer(resolve_model(request.app[ENGINE], f.string("model")))
+    return json_response({"prompt": await off_loop(len(raw), _text_of, tokenizer, tokens)})
+
+
+def _text_of(tokenizer: Any, tokens: tuple[int, ...]) -> str:
     for i, t in enumerate(tokens):
-        if tokenizer.id_to_token(t) is None:
+        # past int32 the tokenizer's own lookup overflows rather than answering None
+        if t > MAX_TOKEN_ID or tokenizer.id_to_token(t) is None:
             raise RequestError(f"token id {t} is not in the model's vocabulary", field=f"tokens[{i}]")
-    return json_response({"prompt": tokenizer.decode(list(tokens), skip_special_tokens=False)})
+    return tokenizer.decode(list(tokens), skip_special_tokens=False)
 
 
 def _tokenizer(target: Target) -> Any:
