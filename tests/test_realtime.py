@@ -212,6 +212,8 @@ async def test_bad_events_get_error_events_and_the_socket_stays(speech) -> None:
         assert err["code"] == "invalid_base64" and err["event_id"] == "ev1"
         err = await error_for({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"\0\0").decode()})
         assert err["code"] == "audio_input_not_supported" and "no audio input" in err["message"]
+        err = await error_for({"type": "input_audio_buffer.commit"})  # the same refusal, not "the buffer is empty"
+        assert err["code"] == "audio_input_not_supported" and "no audio input" in err["message"]
         assert (await error_for({"type": "response.cancel"}))["code"] == "response_cancel_not_active"
         assert (await error_for({"type": "response.create"}))["code"] == "empty_input"
         err = await error_for({"type": "session.update", "session": {"audio": {"output": {"voice": "nobody"}}}})

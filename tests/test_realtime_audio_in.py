@@ -176,6 +176,7 @@ async def test_speech_during_a_response_cancels_it(omni) -> None:
         await _send(conn, burst(300))
         cut = await _until(conn, "response.done", seen)
         assert cut.response.id == first.response.id and cut.response.status == "cancelled"
+        assert cut.response.status_details.reason == "turn_detected"  # GA's: a barge-in, not the client's cancel
         await _send(conn, silence(600))
         second = await _until(conn, "response.created", seen)
         done = await _until(conn, "response.done", seen)
@@ -297,6 +298,71 @@ async def test_an_audio_item_is_heard_and_the_conversation_carries_on(omni) -> N
     assert second.response.usage.input_tokens > first.response.usage.input_tokens
     assert len(_audio(seen)) > 0
 
+
+
+async def test_an_audio_item_too_short_to_hear_is_refused_where_it_is_sent(omni) -> None:
+    """As a commit under 100 ms is: refused at conversation.item.create, naming
+    the part, not taken and then failing every later response."""
+    _, url = omni
+    async with _client(url).realtime.connect(model=OMNI) as conn:
+        await conn.session.update(session=NO_VAD)
+        seen: list[Any] = []
+        await _until(conn, "session.updated", seen)
+        for pcm in (b"", pcm16(burst(10)), pcm16(burst(99))):
+            await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": "Hi"}, {"type": "input_audio", "audio": base64.b64encode(pcm).decode()}]})
+            err = await _until(conn, "error", seen)
+            assert (err.error.param, err.error.code) == ("item.content[1].audio", "audio_too_short"), err
+        await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+            {"type": "input_audio", "audio": base64.b64encode(pcm16(burst(100))).decode()}]})
+        await conn.response.create()
+        done = await _until(conn, "response.done", seen)
+        assert done.response.status in ("completed", "incomplete")
+
+
+async def _answer_then_ask(url: str, truncate_at: float | None) -> tuple[str, str, int]:
+    """A spoken answer (truncated at `truncate_at` of its audio, if given),
+    then a text question: the answer's transcript as spoken, as the
+    conversation keeps it, and the question's input tokens."""
+    async with _client(url).realtime.connect(model=OMNI) as conn:
+        await conn.session.update(session={**NO_VAD, "max_output_tokens": 12})
+        seen: list[Any] = []
+        await _until(conn, "session.updated", seen)
+        await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "Tell me about lighthouses."}]})
+        await conn.response.create()
+        done = await _until(conn, "response.done", seen)
+        item = done.response.output[0]
+        spoken = item.content[0].transcript
+        sent_ms = len(_audio(seen)) // 2 * 1000 // RATE
+        if truncate_at is not None:
+            await conn.conversation.item.truncate(item_id=item.id, content_index=0,
+                                                  audio_end_ms=int(sent_ms * truncate_at))
+            await _until(conn, "conversation.item.truncated", seen)
+            if truncate_at < 1:  # a later truncation stays before the earlier one
+                await conn.conversation.item.truncate(item_id=item.id, content_index=0, audio_end_ms=sent_ms)
+                err = await _until(conn, "error", seen)
+                assert "past where this item was truncated before" in err.error.message
+        await conn.conversation.item.retrieve(item_id=item.id)
+        kept = (await _until(conn, "conversation.item.retrieved", seen)).item.content[0].transcript
+        await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "And?"}]})
+        await conn.response.create(response={"output_modalities": ["text"], "max_output_tokens": 1})
+        asked = await _until(conn, "response.done", seen)
+        return spoken, kept or "", asked.response.usage.input_tokens
+
+
+async def test_a_truncated_answer_keeps_only_what_was_heard_in_the_context(omni) -> None:
+    """OpenAI's truncate deletes the text the listener did not hear: the
+    transcript is cut to the share of its audio played, and the next
+    response's prompt holds only that."""
+    _, url = omni
+    spoken, kept, whole = await _answer_then_ask(url, None)
+    assert kept == spoken and len(spoken) > 2  # random weights: no spaces, so it is cut by characters
+    spoken_half, half, cut = await _answer_then_ask(url, 0.5)
+    assert spoken_half == spoken and spoken.startswith(half) and len(half) < len(spoken)
+    _, nothing, bare = await _answer_then_ask(url, 0.0)
+    assert nothing == "" and bare < cut < whole
 
 
 async def test_a_spoken_answer_item_reads_back_as_the_assistants_text() -> None:

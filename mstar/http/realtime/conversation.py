@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 import numpy as np
 
 from mstar.errors import CONTEXT_EXCEEDED, RequestError
+from mstar.http.realtime.input_audio import INPUT_RATE, MIN_COMMIT_MS
 from mstar.http.realtime.protocol import ProtocolError, decode_audio, field_of
 from mstar.types import GenerateRequest
 
@@ -44,7 +45,12 @@ def heard_parts(item: dict[str, Any], where: str) -> list[str | bytes]:
             data = field_of(part, "audio", str, path, required=False)
             transcript = field_of(part, "transcript", str, path, required=False)
             if data is not None and kind == "input_audio":
-                out.append(decode_audio(data, f"{path}.audio"))
+                pcm = decode_audio(data, f"{path}.audio")
+                if len(pcm) < MIN_COMMIT_MS * INPUT_RATE // 1000 * 2:  # as a committed turn: refused here, not at
+                    raise ProtocolError(  # every later response that would read it
+                        f"holds {len(pcm) // 2 * 1000 // INPUT_RATE} ms of audio; a user's audio needs at least "
+                        f"{MIN_COMMIT_MS} ms (24 kHz PCM16)", "audio_too_short", f"{path}.audio")
+                out.append(pcm)
             elif transcript:
                 out.append(transcript)
             elif kind == "input_audio":
@@ -53,6 +59,22 @@ def heard_parts(item: dict[str, Any], where: str) -> list[str | bytes]:
         else:
             raise ProtocolError(f"content part type {kind!r} is not supported", "unsupported_content", path)
     return out
+
+
+def cut_transcripts(item: dict[str, Any], share: float) -> None:
+    """An assistant item whose audio was heard for `share` of its length:
+    each spoken part's transcript cut to as much of its text, back to a
+    word's end where it has words (a text without spaces is cut by
+    characters)."""
+    for part in item.get("content", []):
+        text = part.get("transcript") if isinstance(part, dict) else None
+        if not text or share >= 1:
+            continue
+        n = int(len(text) * max(share, 0.0))
+        kept = text[:n]
+        if n < len(text) and not text[n].isspace() and any(c.isspace() for c in text):
+            kept = kept[:max(kept.rfind(" "), kept.rfind("\n")) + 1]  # mid-word: back to the last whole one
+        part["transcript"] = kept.rstrip()
 
 
 def chat_messages(items: list[dict[str, Any]], audio: dict[str, list[np.ndarray]],

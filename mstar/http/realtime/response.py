@@ -74,6 +74,7 @@ class ActiveResponse:
         # a response reading text aloud takes more text until it closes its input
         self.more_input_open = self.audio and not plan.writes_transcript
         self.cancelled = False
+        self.cancel_reason = "client_cancelled"
         self._linger: asyncio.TimerHandle | None = None
         self._task: asyncio.Task | None = None
 
@@ -108,11 +109,13 @@ class ActiveResponse:
             self._linger = None
         self._say(text)
 
-    def cancel(self) -> None:
-        """Stop now: the engine frees the request; audio not sent is dropped."""
+    def cancel(self, why: str = "client_cancelled") -> None:
+        """Stop now: the engine frees the request; audio not sent is dropped.
+        `why`: response.done's reason (GA's "turn_detected" for a barge-in)."""
         if self.cancelled:
             return
         self.cancelled = True
+        self.cancel_reason = why
         self.more_input_open = False
         if self._linger is not None:
             self._linger.cancel()
@@ -206,6 +209,7 @@ class ActiveResponse:
     def _finish(self, last: OutputChunk | None, generated: int | None) -> None:
         reason = "abort" if self.cancelled else (last.finish_reason if last is not None else "error")
         status, why = _STATUS.get(reason or "error", ("failed", None))
+        why = self.cancel_reason if self.cancelled else why
         done_part = self._part(True)
         self.item["status"] = "completed" if status == "completed" else "incomplete"
         # the same part in the assistant item, typed as GA's item content is (the events' part is not)

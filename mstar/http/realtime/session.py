@@ -34,7 +34,7 @@ import structlog
 from mstar.config import MediaLimits
 from mstar.engine import audio_resampler
 from mstar.errors import MstarError, RequestError
-from mstar.http.realtime.conversation import chat_messages, fitted, heard_parts
+from mstar.http.realtime.conversation import chat_messages, cut_transcripts, fitted, heard_parts
 from mstar.http.realtime.input_audio import InputAudioBuffer, Turn
 from mstar.http.realtime.known_fields import check_event, check_response, check_session
 from mstar.http.realtime.protocol import (ProtocolError, check_format, decode_audio, event, field_of, item_text,
@@ -80,6 +80,7 @@ class RealtimeSession:
         self.taken: set[str] = set()
         self.response: ActiveResponse | None = None
         self.audio_ms: dict[str, int] = {}  # item id -> ms of its audio sent (truncation stays within it)
+        self.cut_ms: dict[str, int] = {}  # item id -> where it was truncated: a later truncation stays before it
 
     def start(self) -> None:
         self.send(event("session.created", session=self.config.to_json()))
@@ -132,7 +133,7 @@ class RealtimeSession:
             self.send(event("input_audio_buffer.speech_started", audio_start_ms=ev.ms, item_id=item_id))
             if turns is not None and turns.interrupt_response and self.response is not None:
                 resp = self.response
-                resp.cancel()
+                resp.cancel("turn_detected")
                 await resp.wait()
             return
         item_id, self._vad_item = self._vad_item or item_id, None
@@ -147,8 +148,8 @@ class RealtimeSession:
 
     async def _on_input_audio_buffer_commit(self, obj: dict[str, Any]) -> None:
         if not self.hears:
-            raise ProtocolError(f"model '{self.target.name}' takes no audio input, so the buffer is empty",
-                                "input_audio_buffer_commit_empty")
+            raise ProtocolError(f"model '{self.target.name}' takes no audio input; send text with "
+                                "conversation.item.create", "audio_input_not_supported")
         await self._commit(self.buffer.commit(), new_id("item"))
 
     async def _commit(self, turn: Turn, item_id: str) -> None:
@@ -243,14 +244,19 @@ class RealtimeSession:
             raise ProtocolError("'content_index' must be 0 and 'audio_end_ms' >= 0", "invalid_value",
                                 "audio_end_ms" if content_index == 0 else "content_index")
         resp = self.response
-        heard = resp.audio_ms if resp is not None and resp.item["id"] == item_id else self.audio_ms.get(item_id, 0)
-        if audio_end_ms > heard:
-            raise ProtocolError(f"audio_end_ms {audio_end_ms} is past the {heard} ms of audio sent for this item",
-                                "invalid_value", "audio_end_ms")
+        sent = resp.audio_ms if resp is not None and resp.item["id"] == item_id else self.audio_ms.get(item_id, 0)
+        cut = self.cut_ms.get(item_id, sent)
+        if audio_end_ms > cut:
+            where = f"past where this item was truncated before ({cut} ms)" if cut < sent else \
+                f"past the {sent} ms of audio sent for this item"
+            raise ProtocolError(f"audio_end_ms {audio_end_ms} is {where}", "invalid_value", "audio_end_ms")
         if resp is not None and resp.item["id"] == item_id:
             resp.cancel()  # the client stopped playing it: nothing more of it is wanted
             await resp.wait()
-        self.audio_ms[item_id] = audio_end_ms
+            sent = self.audio_ms.get(item_id, sent)
+        self.cut_ms[item_id] = audio_end_ms
+        # the text the listener did not hear leaves the context (OpenAI's truncate deletes it too)
+        cut_transcripts(item, audio_end_ms / sent if sent else 0.0)
         self.send(event("conversation.item.truncated", item_id=item_id, content_index=0,
                               audio_end_ms=audio_end_ms))
 
