@@ -132,6 +132,10 @@ async def test_explicit_commit_without_vad(omni) -> None:
     assert not any(e.type.startswith("input_audio_buffer.speech") for e in seen)  # no VAD: the silence ends nothing
     assert committed.item_id and done.response.status in ("completed", "incomplete")
     assert len(_audio(seen)) > 0
+    # every item, the committed turn's and the answer's as a client's, is added, created and done, in that order
+    for item_id in (committed.item_id, done.response.output[0].id):
+        kinds = [e.type for e in seen if e.type.startswith("conversation.item.") and e.item.id == item_id]
+        assert kinds == ["conversation.item.added", "conversation.item.created", "conversation.item.done"], kinds
 
 
 async def test_a_text_only_session_answers_heard_audio_in_text(omni) -> None:
@@ -288,6 +292,8 @@ async def test_an_audio_item_is_heard_and_the_conversation_carries_on(omni) -> N
             {"type": "input_audio", "audio": clip}, {"type": "input_text", "text": "What is this?"}]})
         added = await _until(conn, "conversation.item.added", seen)
         assert "audio" not in added.item.content[0].model_dump(exclude_none=True)  # kept, not echoed
+        # shaped as a committed turn's part: its transcript there, null (no transcription runs)
+        assert "transcript" in added.item.content[0].model_fields_set and added.item.content[0].transcript is None
         await conn.response.create()
         first = await _until(conn, "response.done", seen)
         await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [

@@ -93,7 +93,8 @@ class ActiveResponse:
         self._on_done = on_done
         self._send("response.created", response=self._response("in_progress"))
         self._send("response.output_item.added", response_id=self.id, output_index=0, item=self.item)
-        self._send("conversation.item.added", previous_item_id=self._previous_id(), item=self.item)
+        for kind in ("conversation.item.added", "conversation.item.created"):  # GA's, then the one both APIs send
+            self._send(kind, previous_item_id=self._previous_id(), item=self.item)
         self._send("response.content_part.added", part=self._part(False), **self._where())
         if self.audio and self.plan.spoken:
             self._say(self.plan.spoken)

@@ -52,6 +52,8 @@ if TYPE_CHECKING:
 log = structlog.get_logger("mstar.realtime")
 
 ROLES = ("user", "system", "assistant")
+# an item whole at once (a client's, a committed turn): GA's added and done, and the created both APIs send
+ITEM_EVENTS = ("conversation.item.added", "conversation.item.created", "conversation.item.done")
 UNLIMITED_SHARE = 4  # a response without a limit has at least 1/4 of the context to answer in, under truncation
 # the engine's and the model's names (before any '.' or '[') for what the client gave a response
 ENGINE_FIELDS = {"input": "response.input", "prompt": "response.input", "messages": "response.input",
@@ -163,8 +165,8 @@ class RealtimeSession:
         self.items.append(item)
         self.heard[item_id] = [clip]
         self.send(event("input_audio_buffer.committed", previous_item_id=previous, item_id=item_id))
-        self.send(event("conversation.item.added", previous_item_id=previous, item=item))
-        self.send(event("conversation.item.done", previous_item_id=previous, item=item))
+        for kind in ITEM_EVENTS:
+            self.send(event(kind, previous_item_id=previous, item=item))
 
     async def _on_input_audio_buffer_clear(self, obj: dict[str, Any]) -> None:
         self.buffer.clear()
@@ -189,7 +191,8 @@ class RealtimeSession:
                 assert self._resample is not None
                 clips.append(await Turn(pcm, 0, 0).for_model(self._resample))
             # the item as echoed and kept: its audio is held apart, not sent back
-            item["content"] = [{k: v for k, v in part.items() if k != "audio"} for part in item["content"]]
+            item["content"] = [{**({"transcript": None} if part.get("type") == "input_audio" else {}),
+                                **{k: v for k, v in part.items() if k != "audio"}} for part in item["content"]]
         else:
             text = item_text(item, "item")
         previous = field_of(obj, "previous_item_id", str, "", required=False)
@@ -207,7 +210,7 @@ class RealtimeSession:
         if clips:
             self.heard[item["id"]] = clips
         before = self.items[index - 1]["id"] if index > 0 else None
-        for kind in ("conversation.item.added", "conversation.item.created", "conversation.item.done"):
+        for kind in ITEM_EVENTS:
             self.send(event(kind, previous_item_id=before, item=item))
         if role == "user" and text.strip():
             self._user_text(item, text)
