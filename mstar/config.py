@@ -46,6 +46,7 @@ class EngineConfig:
 
     model: str = DEFAULT_MODEL
     served_model_name: str | None = None  # the name clients use; default: `model`
+    served_model_aliases: tuple[str, ...] = ()  # more names they may use (--served-model-name's later ones)
     load_format: str = "auto"             # auto | dummy
     devices: tuple[str, ...] = ("cpu",)
     placement: PlacementSpec = field(default_factory=PlacementSpec)  # which devices run which components
@@ -179,7 +180,8 @@ def build_parser(builtin_models: Sequence[str] = ()) -> argparse.ArgumentParser:
                                 epilog=epilog, formatter_class=_DefaultsHelp)
     p.add_argument("--version", action="version", version=f"mstar {version()}")
     p.add_argument("--model", default=DEFAULT_MODEL, help="built-in model name or a local Hugging Face folder")
-    p.add_argument("--served-model-name", default=None, help="name clients use (default: --model)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="names clients use (default: --model); answers name the model by the first (vLLM's)")
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="auto: the folder's weights; dummy: random weights of the same shapes (benchmarks)")
     p.add_argument("--gpus", default="cpu", help="cpu | cpu:0,cpu:1 | 0 | 0,1: one worker thread per device")
@@ -341,7 +343,8 @@ def parse_args(argv: list[str] | None = None, builtin_models: Sequence[str] = ()
     )
     engine = EngineConfig(
         model=a.model,
-        served_model_name=a.served_model_name,
+        served_model_name=a.served_model_name[0] if a.served_model_name else None,
+        served_model_aliases=tuple(a.served_model_name[1:]) if a.served_model_name else (),
         load_format=a.load_format,
         devices=parse_devices(a.gpus),
         placement=parse_spec(a.placement, a.placement_file),

@@ -196,6 +196,10 @@ class ModelCard:
     early_tts_walk: str | None = None    # `tts_walk` with its first audio sooner, if it has one
     written_walk: str | None = None      # what text routes run where `default_walk` speaks, if it has one
     spoken_audio_key: str | None = None  # the sampling key of a spoken chat answer's audio frames, if it speaks so
+    aliases: tuple[str, ...] = ()        # more names clients may use for it; answers name it `name` (vLLM's)
+
+    def answers_to(self, name: str) -> bool:
+        return name == self.name or name in self.aliases
 
 
 @dataclass(frozen=True)

@@ -53,3 +53,27 @@ async def test_an_id_with_a_slash() -> None:
                 assert (await sdk.model("org/tiny-llama")).voices == ()
     finally:
         await engine.shutdown()
+
+
+async def test_several_served_names_answer_to_each_naming_the_first() -> None:
+    """vLLM's `--served-model-name a b`: the server answers to every name,
+    `/v1/models` lists each, and answers name the model by the first."""
+    from mstar.config import parse_args
+
+    config = parse_args(["--model", "tiny-llama", "--served-model-name", "tiny", "org/alias"]).engine
+    assert (config.served_model_name, config.served_model_aliases) == ("tiny", ("org/alias",))
+    engine = Engine(config)
+    await engine.start()
+    try:
+        async with serving(engine) as url:
+            client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
+            assert [m.id for m in (await client.models.list()).data] == ["tiny", "org/alias"]
+            assert (await client.models.retrieve("org/alias")).id == "org/alias"
+            for name in ("tiny", "org/alias"):
+                done = await client.completions.create(model=name, prompt="Hi", max_tokens=2)
+                assert done.model == "tiny"
+            for name in ("alias", "tiny-llama"):  # served under its names only, as vLLM serves it
+                with pytest.raises(openai.NotFoundError):
+                    await client.completions.create(model=name, prompt="Hi", max_tokens=2)
+    finally:
+        await engine.shutdown()

@@ -162,7 +162,7 @@ class Engine:
     def _model(self, name: str | None) -> Model:
         if self.model is None:
             raise MstarError("the engine has not started")
-        if name not in (None, self.model_name, self.config.model):
+        if name not in (None, self.model_name, self.config.model, *self.config.served_model_aliases):
             raise ModelNotFound(str(name))
         return self.model
 
@@ -180,7 +180,8 @@ class Engine:
             tts = m.default_sampling(self.plans[m.tts_walk].root) if m.tts_walk is not None else m.default_sampling()
             self._card = ModelCard(self.model_name, m.max_model_len, tuple(self.plans), m.default_walk, placed,
                                    tuple(m.voices), m.default_sampling(), tuple(m.input_modalities), m.tts_walk,
-                                   m.spoken_chat_walk, tts, m.early_tts_walk, m.written_walk, m.spoken_audio_key)
+                                   m.spoken_chat_walk, tts, m.early_tts_walk, m.written_walk, m.spoken_audio_key,
+                                   self.config.served_model_aliases)
         return [self._card]
 
     async def profile(self, seconds: float, worker: int = 0, stacks: bool = False) -> torch.profiler.profile:

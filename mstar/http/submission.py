@@ -78,7 +78,7 @@ def resolve_model(engine: Engine, requested: str | None) -> Target:
     `tokenizer` (None for a model without one) is for the answer's side:
     token strings of logprobs, whether a chat template is there."""
     name = requested or engine.model_name
-    card = next((c for c in engine.model_cards() if c.name == name), None)
+    card = next((c for c in engine.model_cards() if c.answers_to(name)), None)
     if card is None:
         raise ModelNotFound(name)
     try:
@@ -90,7 +90,8 @@ def resolve_model(engine: Engine, requested: str | None) -> Target:
     # a request that gives no max_tokens sends None: the model's default budget within the room its prompt
     # leaves (`fit_context`), so a default larger than a short context shortens the answer, not refuses it
     tts = dataclasses.replace(card.tts_sampling, max_tokens=None)
-    return Target(name=name, tokenizer=tokenizer, max_model_len=card.max_model_len, walks=tuple(card.walks),
+    # answers name the model as its card does, whichever of its names the request used (vLLM's)
+    return Target(name=card.name, tokenizer=tokenizer, max_model_len=card.max_model_len, walks=tuple(card.walks),
                   default_walk=card.default_walk, input_modalities=tuple(card.input_modalities),
                   tts_walk=card.tts_walk, spoken_chat_walk=card.spoken_chat_walk, tts_sampling=tts,
                   early_tts_walk=card.early_tts_walk, written_walk=card.written_walk,

@@ -56,21 +56,23 @@ class Reply:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    data = [_model(request, card) for card in request.app[ENGINE].model_cards()]
+    data = [_model(request, card, name) for card in request.app[ENGINE].model_cards()
+            for name in (card.name, *card.aliases)]
     return json_response({"object": "list", "data": data})
 
 
 async def retrieve_model(request: web.Request) -> web.Response:
     """`GET /v1/models/{model}`: one entry of the list; 404 `model_not_found` if it is not served."""
     name = request.match_info["model"]
-    card = next((c for c in request.app[ENGINE].model_cards() if c.name == name), None)
+    card = next((c for c in request.app[ENGINE].model_cards() if c.answers_to(name)), None)
     if card is None:
         raise ModelNotFound(name)
-    return json_response(_model(request, card))
+    return json_response(_model(request, card, name))
 
 
-def _model(request: web.Request, card: ModelCard) -> dict[str, Any]:
-    return {"id": card.name, "object": "model", "created": request.app[STARTED], "owned_by": "mstar",
+def _model(request: web.Request, card: ModelCard, name: str) -> dict[str, Any]:
+    """`card` as `/v1/models` lists it under `name` (its own or an alias)."""
+    return {"id": name, "object": "model", "created": request.app[STARTED], "owned_by": "mstar",
             "root": card.name, "parent": None, "max_model_len": card.max_model_len, "voices": list(card.voices),
             "input_modalities": list(card.input_modalities)}
 
