@@ -94,6 +94,8 @@ async def test_text_in_audio_out(speech) -> None:
     transcript = next(e for e in seen if e.type == "response.output_audio_transcript.done").transcript
     assert transcript == "hello world"
     assert done.response.usage.output_tokens == SHORT and done.response.usage.input_tokens > 0
+    details = done.response.usage.output_token_details  # a speech model writes no text: every token is audio
+    assert details is not None and (details.text_tokens, details.audio_tokens) == (0, SHORT)
     assert done.response.output[0].content[0].transcript == "hello world"
     # GA's item content is typed output_audio (the content_part events' part stays "audio")
     assert done.response.output[0].content[0].type == finished.item.content[0].type == "output_audio"
@@ -275,6 +277,8 @@ async def test_a_text_model_answers_in_text() -> None:
             done = await _until(conn, "response.done", seen)
         deltas = "".join(e.delta for e in seen if e.type == "response.output_text.delta")
         assert done.response.usage.output_tokens == 12
+        details = done.response.usage.output_token_details
+        assert details is not None and (details.text_tokens, details.audio_tokens) == (12, 0)
         assert done.response.status == "incomplete" and done.response.status_details.reason == "max_output_tokens"
         assert deltas and next(e for e in seen if e.type == "response.output_text.done").text == deltas
         assert done.response.output[0].content[0].model_dump(exclude_none=True) == {"type": "output_text",

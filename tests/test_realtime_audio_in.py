@@ -115,6 +115,10 @@ async def test_server_vad_commits_a_turn_and_answers_it(omni) -> None:
     transcript = "".join(e.delta for e in seen if e.type == "response.output_audio_transcript.delta")
     assert done.response.output[0].content[0].transcript == transcript
     assert done.response.usage.input_tokens > 0 and done.response.usage.output_tokens > 0
+    details = done.response.usage.output_token_details  # the text's tokens and the talker's frames, told apart
+    assert details is not None and details.text_tokens > 0 and details.audio_tokens > 0
+    assert details.text_tokens + details.audio_tokens == done.response.usage.output_tokens
+    assert details.text_tokens <= SHORT["max_output_tokens"]  # the limit is on the text; the frames follow it
 
 
 async def test_explicit_commit_without_vad(omni) -> None:

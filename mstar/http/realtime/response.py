@@ -71,6 +71,7 @@ class ActiveResponse:
             "status": "in_progress", "content": []}
         self.transcript: list[str] = []
         self.audio_bytes = 0
+        self.text_tokens = 0  # the answer's text tokens (the rest of its output tokens are audio frames)
         # a response reading text aloud takes more text until it closes its input
         self.more_input_open = self.audio and not plan.writes_transcript
         self.cancelled = False
@@ -185,6 +186,7 @@ class ActiveResponse:
             self._on_done(self)
 
     def _chunk(self, chunk: OutputChunk) -> None:
+        self.text_tokens += len(chunk.token_ids)
         if self.cancelled:
             return  # audio and text not sent yet are dropped
         if chunk.audio:
@@ -231,6 +233,8 @@ class ActiveResponse:
         usage = None
         if last is not None:
             output = max(last.num_output_tokens, generated or 0)
+            text = min(self.text_tokens, output)
             usage = {"input_tokens": last.num_prompt_tokens, "output_tokens": output,
-                     "total_tokens": last.num_prompt_tokens + output}
+                     "total_tokens": last.num_prompt_tokens + output,
+                     "output_token_details": {"text_tokens": text, "audio_tokens": output - text}}
         self._send("response.done", response=self._response(status, status_details=details, usage=usage))
