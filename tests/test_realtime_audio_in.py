@@ -211,6 +211,26 @@ async def test_clear_empties_the_buffer(omni) -> None:
     assert err.error.code == "input_audio_buffer_commit_empty"
 
 
+async def test_clear_mid_speech_forgets_the_turn_it_announced(omni) -> None:
+    """With server VAD, speech started, then the buffer cleared: its silence
+    after stops nothing (the announced item would never be committed), and
+    the next speech is a new turn, committed and answered."""
+    _, url = omni
+    async with _client(url).realtime.connect(model=OMNI) as conn:
+        await conn.session.update(session=SHORT)
+        seen: list[Any] = []
+        await _until(conn, "session.updated", seen)
+        await _send(conn, burst(500))
+        first = await _until(conn, "input_audio_buffer.speech_started", seen)
+        await conn.input_audio_buffer.clear()
+        await _until(conn, "input_audio_buffer.cleared", seen)
+        await _send(conn, np.concatenate([silence(900), burst(300), silence(900)]))
+        committed = await _until(conn, "input_audio_buffer.committed", seen)
+        await _until(conn, "response.done", seen)
+    stops = [e for e in seen if e.type == "input_audio_buffer.speech_stopped"]
+    assert [e.item_id for e in stops] == [committed.item_id] != [first.item_id]
+
+
 @pytest.mark.parametrize(("event", "param", "code"), [
     ({"type": "input_audio_buffer.append", "audio": "not base64!"}, "audio", "invalid_base64"),
     ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {

@@ -101,8 +101,12 @@ class InputAudioBuffer:
         self.start += cut
 
     def clear(self) -> None:
+        """Drop what the buffer holds, and the turn the VAD saw start in it:
+        its end would stop an item that is never committed."""
         self.start += self.samples.size
         self.samples = np.zeros(0, dtype=np.int16)
+        if self.vad is not None:
+            self.detect(self.vad.settings)
 
     def _keep_recent(self) -> None:
         # what a start detected later can reach back to: its padding, its run of voiced frames, a frame in flight

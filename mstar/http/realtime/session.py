@@ -170,6 +170,7 @@ class RealtimeSession:
 
     async def _on_input_audio_buffer_clear(self, obj: dict[str, Any]) -> None:
         self.buffer.clear()
+        self._vad_item = None  # the turn it announced is gone with the audio
         self.send(event("input_audio_buffer.cleared"))
 
     # --------------------------------------------------------- conversation
