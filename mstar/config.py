@@ -320,6 +320,7 @@ def parse_args(argv: list[str] | None = None, builtin_models: Sequence[str] = ()
         if getattr(a, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")
     _check_numbers(a)
+    names = tuple(dict.fromkeys(a.served_model_name or ()))  # each once, in the order given
     if a.admit_every < 0:
         raise ConfigError("--admit-every must be 0 or more")
     if a.state_slots is not None and a.state_slots < 1:
@@ -343,8 +344,8 @@ def parse_args(argv: list[str] | None = None, builtin_models: Sequence[str] = ()
     )
     engine = EngineConfig(
         model=a.model,
-        served_model_name=a.served_model_name[0] if a.served_model_name else None,
-        served_model_aliases=tuple(a.served_model_name[1:]) if a.served_model_name else (),
+        served_model_name=names[0] if names else None,
+        served_model_aliases=names[1:],
         load_format=a.load_format,
         devices=parse_devices(a.gpus),
         placement=parse_spec(a.placement, a.placement_file),

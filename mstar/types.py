@@ -97,8 +97,11 @@ class SamplingParams:
             value = getattr(self, name)
             if not _number(value) or not -MAX_OUTPUT_PENALTY <= value <= MAX_OUTPUT_PENALTY:
                 raise RequestError(f"must be in [-{MAX_OUTPUT_PENALTY:g}, {MAX_OUTPUT_PENALTY:g}]", field=name)
-        if self.seed is not None and (not _integer(self.seed) or not 0 <= self.seed < 2**63):
-            raise RequestError("must be in [0, 2**63)", field="seed")
+        if self.seed is not None and not _integer(self.seed):
+            raise RequestError("must be an integer", field="seed")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            # the HTTP routes fold any int64 into the engine's range: only a seed past 64 bits gets here from them
+            raise RequestError("must fit in 64 bits (the engine's own range is [0, 2**63))", field="seed")
         if any(not _integer(t) or not 0 <= t <= MAX_TOKEN_ID for t in self.stop_token_ids):
             raise RequestError(f"must be integers in [0, {MAX_TOKEN_ID}]", field="stop_token_ids")
         if any((not isinstance(s, str)) or not s for s in self.stop):
@@ -196,7 +199,8 @@ class ModelCard:
     early_tts_walk: str | None = None    # `tts_walk` with its first audio sooner, if it has one
     written_walk: str | None = None      # what text routes run where `default_walk` speaks, if it has one
     spoken_audio_key: str | None = None  # the sampling key of a spoken chat answer's audio frames, if it speaks so
-    aliases: tuple[str, ...] = ()        # more names clients may use for it; answers name it `name` (vLLM's)
+    aliases: tuple[str, ...] = ()        # more names clients may use for it (--served-model-name's later ones)
+    root: str = ""                       # what it was loaded from (--model), whatever name it is served under
 
     def answers_to(self, name: str) -> bool:
         return name == self.name or name in self.aliases

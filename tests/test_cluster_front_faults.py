@@ -210,6 +210,34 @@ def test_the_replica_timeout_is_a_flag_of_both_commands() -> None:
         Front(["http://127.0.0.1:1"], replica_timeout=0)
 
 
+@pytest.mark.parametrize(("flags", "says"), [
+    (["--replicas", "http://127.0.0.1:1", "--replica-timeout", "nan"], "--replica-timeout must be a positive"),
+    (["--replicas", "http://127.0.0.1:1", "--replica-timeout", "inf"], "--replica-timeout must be a positive"),
+    (["--replicas", "http://127.0.0.1:1", "--replica-timeout", "0"], "--replica-timeout must be a positive"),
+    (["--replicas", " , "], "--replicas names no replica"),
+])
+def test_the_fronts_bad_flags_are_one_line_not_a_traceback(flags: list[str], says: str) -> None:
+    out = subprocess.run([sys.executable, "-m", "mstar.cluster.front", *flags], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and says in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert "mstar front over" not in out.stdout  # nothing claims it serves
+    with pytest.raises(SystemExit):
+        from mstar.cluster.__main__ import parse
+        parse(["--replica-timeout", "nan"])
+
+
+def test_a_taken_port_is_one_line_not_a_traceback() -> None:
+    import socket
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "mstar.cluster.front", "--replicas", "http://127.0.0.1:1",
+                              "--port", str(port)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and f"error: cannot listen on 127.0.0.1:{port}" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and "mstar front over" not in out.stdout
+
+
 # ---------------------------------------------------------------- /metrics and /health
 
 

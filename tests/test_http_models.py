@@ -57,21 +57,30 @@ async def test_an_id_with_a_slash() -> None:
 
 async def test_several_served_names_answer_to_each_naming_the_first() -> None:
     """vLLM's `--served-model-name a b`: the server answers to every name,
-    `/v1/models` lists each, and answers name the model by the first."""
+    `/v1/models` lists each (its root the model it was loaded from), answers
+    echo the name the request used, and a realtime session takes either."""
     from mstar.config import parse_args
 
-    config = parse_args(["--model", "tiny-llama", "--served-model-name", "tiny", "org/alias"]).engine
-    assert (config.served_model_name, config.served_model_aliases) == ("tiny", ("org/alias",))
+    config = parse_args(["--model", "tiny-llama", "--served-model-name", "tiny", "org/alias", "tiny"]).engine
+    assert (config.served_model_name, config.served_model_aliases) == ("tiny", ("org/alias",))  # each once
     engine = Engine(config)
     await engine.start()
     try:
         async with serving(engine) as url:
             client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
-            assert [m.id for m in (await client.models.list()).data] == ["tiny", "org/alias"]
+            listed = (await client.models.list()).data
+            assert [m.id for m in listed] == ["tiny", "org/alias"]
+            assert all(m.model_extra["root"] == "tiny-llama" for m in listed)  # type: ignore[index]  # vLLM's
             assert (await client.models.retrieve("org/alias")).id == "org/alias"
             for name in ("tiny", "org/alias"):
                 done = await client.completions.create(model=name, prompt="Hi", max_tokens=2)
-                assert done.model == "tiny"
+                assert done.model == name  # the name the request used, as vLLM echoes it
+            async with client.realtime.connect(model="org/alias") as conn:
+                created = await conn.recv()
+                assert created.type == "session.created"
+                for name in ("org/alias", "tiny"):  # either of its names, repeated in an update
+                    await conn.session.update(session={"type": "realtime", "model": name})
+                    assert (await conn.recv()).type == "session.updated"
             for name in ("alias", "tiny-llama"):  # served under its names only, as vLLM serves it
                 with pytest.raises(openai.NotFoundError):
                     await client.completions.create(model=name, prompt="Hi", max_tokens=2)

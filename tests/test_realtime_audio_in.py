@@ -231,6 +231,22 @@ async def test_clear_mid_speech_forgets_the_turn_it_announced(omni) -> None:
     assert [e.item_id for e in stops] == [committed.item_id] != [first.item_id]
 
 
+async def test_a_turn_too_short_to_commit_is_said_to_be(omni) -> None:
+    """Server VAD heard 50 ms of speech, under a commit's 100 ms: its item is
+    never committed, and an error says so rather than leaving a client
+    waiting on the item speech_stopped named."""
+    _, url = omni
+    async with _client(url).realtime.connect(model=OMNI) as conn:
+        await conn.session.update(session=SHORT)
+        seen: list[Any] = []
+        await _until(conn, "session.updated", seen)
+        await _send(conn, np.concatenate([burst(50), silence(1500)]))
+        stopped = await _until(conn, "input_audio_buffer.speech_stopped", seen)
+        err = await _until(conn, "error", seen)
+    assert err.error.code == "input_audio_buffer_commit_empty" and stopped.item_id in err.error.message
+    assert not any(e.type == "input_audio_buffer.committed" for e in seen)
+
+
 @pytest.mark.parametrize(("event", "param", "code"), [
     ({"type": "input_audio_buffer.append", "audio": "not base64!"}, "audio", "invalid_base64"),
     ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {

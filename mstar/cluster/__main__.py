@@ -16,7 +16,8 @@ import sys
 from collections.abc import Sequence
 
 from mstar.cluster import serving
-from mstar.cluster.front import BACKLOG, EXIT_S, GRACE_S, SHUTDOWN_TIMEOUT_S, Front, add_timeout_flag
+from mstar.cluster.front import (BACKLOG, EXIT_S, GRACE_S, SHUTDOWN_TIMEOUT_S, Front, add_timeout_flag,
+                                 check_timeout_flag)
 from mstar.cluster.ray_replicas import RayReplicas
 from mstar.cluster.replica import STARTUP_TIMEOUT_S, ReplicaSpec
 
@@ -45,6 +46,7 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         head, tail = head[:cut], head[cut + 1:]
     a, rest = p.parse_known_args(head)
     rest += tail
+    check_timeout_flag(p, a)
     if a.gpus not in (None, "cpu"):
         p.error("--gpus takes only 'cpu' here; a replica's GPUs are --gpus-per-replica, placed by Ray")
     clash = [f for f in rest if f.split("=")[0] in (*OWN_FLAGS, "--gpus")]

@@ -30,6 +30,8 @@ import argparse
 import asyncio
 import contextlib
 import itertools
+import math
+import sys
 from collections.abc import AsyncIterator, Sequence, Set
 from dataclasses import dataclass
 
@@ -393,9 +395,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     add_timeout_flag(p)
     a = p.parse_args(argv)
     urls = [u.strip() for u in a.replicas.split(",") if u.strip()]
-    print(f"mstar front over {', '.join(urls)} on http://{a.host}:{a.port}", flush=True)
-    serving.run(Front(urls, replica_timeout=a.replica_timeout).app(), host=a.host, port=a.port, backlog=BACKLOG,
-                shutdown_timeout=SHUTDOWN_TIMEOUT_S, stop_within_s=GRACE_S - EXIT_S)
+    if not urls:
+        p.error("--replicas names no replica")
+    check_timeout_flag(p, a)
+    try:
+        serving.run(Front(urls, replica_timeout=a.replica_timeout).app(), host=a.host, port=a.port,
+                    backlog=BACKLOG, shutdown_timeout=SHUTDOWN_TIMEOUT_S, stop_within_s=GRACE_S - EXIT_S,
+                    ready=lambda: print(f"mstar front over {', '.join(urls)} on http://{a.host}:{a.port}",
+                                        flush=True))
+    except OSError as e:  # the address is taken, or not this host's
+        sys.exit(f"error: cannot listen on {a.host}:{a.port}: {e.strerror or e}")
+
+
+def check_timeout_flag(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """`--replica-timeout` a positive, finite number of seconds, or a usage error."""
+    if not (a.replica_timeout > 0 and math.isfinite(a.replica_timeout)):
+        p.error(f"--replica-timeout must be a positive, finite number of seconds, got {a.replica_timeout}")
 
 
 def add_timeout_flag(p: argparse.ArgumentParser) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
@@ -39,17 +39,18 @@ class FrontRunner(web.AppRunner):
 
 
 def run(app: web.Application | Awaitable[web.Application], *, host: str, port: int, backlog: int,
-        shutdown_timeout: float, stop_within_s: float | None = None) -> None:
+        shutdown_timeout: float, stop_within_s: float | None = None, ready: Callable[[], None] | None = None) -> None:
     """Serve `app` (or the app an awaitable gives, made on the serving loop)
     until SIGINT or SIGTERM; then the app's shutdown (its drain) runs, and
     aiohttp gives the handlers left `shutdown_timeout` s, twice (before and
     after cancelling them); all of it cut at `stop_within_s` after the signal
-    (None: no bound)."""
-    asyncio.run(_serve(app, host, port, backlog, shutdown_timeout, stop_within_s))
+    (None: no bound). `ready()` runs once it listens; an address it cannot
+    listen on raises OSError."""
+    asyncio.run(_serve(app, host, port, backlog, shutdown_timeout, stop_within_s, ready))
 
 
 async def _serve(app: web.Application | Awaitable[web.Application], host: str, port: int, backlog: int,
-                 shutdown_timeout: float, stop_within_s: float | None) -> None:
+                 shutdown_timeout: float, stop_within_s: float | None, ready: Callable[[], None] | None) -> None:
     if not isinstance(app, web.Application):
         app = await app
     runner = FrontRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=shutdown_timeout)
@@ -60,6 +61,8 @@ async def _serve(app: web.Application | Awaitable[web.Application], host: str, p
         loop.add_signal_handler(sig, stop.set)
     try:
         await web.TCPSite(runner, host, port, backlog=backlog).start()
+        if ready is not None:
+            ready()
         await stop.wait()
     finally:
         try:

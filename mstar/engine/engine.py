@@ -181,7 +181,7 @@ class Engine:
             self._card = ModelCard(self.model_name, m.max_model_len, tuple(self.plans), m.default_walk, placed,
                                    tuple(m.voices), m.default_sampling(), tuple(m.input_modalities), m.tts_walk,
                                    m.spoken_chat_walk, tts, m.early_tts_walk, m.written_walk, m.spoken_audio_key,
-                                   self.config.served_model_aliases)
+                                   self.config.served_model_aliases, self.config.model)
         return [self._card]
 
     async def profile(self, seconds: float, worker: int = 0, stacks: bool = False) -> torch.profiler.profile:

@@ -90,8 +90,8 @@ def resolve_model(engine: Engine, requested: str | None) -> Target:
     # a request that gives no max_tokens sends None: the model's default budget within the room its prompt
     # leaves (`fit_context`), so a default larger than a short context shortens the answer, not refuses it
     tts = dataclasses.replace(card.tts_sampling, max_tokens=None)
-    # answers name the model as its card does, whichever of its names the request used (vLLM's)
-    return Target(name=card.name, tokenizer=tokenizer, max_model_len=card.max_model_len, walks=tuple(card.walks),
+    # answers name the model as the request did, by whichever of its served names (vLLM's)
+    return Target(name=name, tokenizer=tokenizer, max_model_len=card.max_model_len, walks=tuple(card.walks),
                   default_walk=card.default_walk, input_modalities=tuple(card.input_modalities),
                   tts_walk=card.tts_walk, spoken_chat_walk=card.spoken_chat_walk, tts_sampling=tts,
                   early_tts_walk=card.early_tts_walk, written_walk=card.written_walk,

@@ -60,7 +60,7 @@ class _Socket(web.WebSocketResponse):
 async def realtime(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     target = resolve_model(engine, request.query.get("model"))
-    card = next(c for c in engine.model_cards() if c.name == target.name)
+    card = next(c for c in engine.model_cards() if c.answers_to(target.name))
     # "realtime": what a browser offers beside its key's subprotocol (access.py), and must hear back
     ws = _Socket(max_msg_size=MAX_MESSAGE_BYTES, heartbeat=HEARTBEAT_S, protocols=("realtime",))
     await ws.prepare(request)

@@ -37,8 +37,8 @@ from mstar.errors import MstarError, RequestError
 from mstar.http.realtime.conversation import chat_messages, cut_transcripts, fitted, heard_parts
 from mstar.http.realtime.input_audio import InputAudioBuffer, Turn
 from mstar.http.realtime.known_fields import check_event, check_response, check_session
-from mstar.http.realtime.protocol import (ProtocolError, check_format, decode_audio, event, field_of, item_text,
-                                          new_id, output_limit)
+from mstar.http.realtime.protocol import (ProtocolError, check_format, decode_audio, error_event, event, field_of,
+                                          item_text, new_id, output_limit)
 from mstar.http.realtime.response import ActiveResponse, ResponsePlan
 from mstar.http.realtime.settings import SessionConfig
 from mstar.http.realtime.vad import VadEvent
@@ -71,7 +71,7 @@ class RealtimeSession:
         self.speaks = self.hears or SPEAK_WALK in target.walks
         self.config = SessionConfig(new_id("sess"), target.name, self.speaks, tuple(card.voices),
                                     (card.voices[0] if card.voices else None), target.max_model_len,
-                                    hears=self.hears)
+                                    hears=self.hears, names=(card.name, *card.aliases))
         self.buffer = InputAudioBuffer((limits or MediaLimits()).max_audio_seconds, self.config.turn_detection)
         self.heard: dict[str, list[np.ndarray]] = {}  # user item id -> its audio at the model's rate
         self._resample = audio_resampler() if self.hears else None
@@ -142,8 +142,9 @@ class RealtimeSession:
         self.send(event("input_audio_buffer.speech_stopped", audio_end_ms=ev.ms, item_id=item_id))
         try:
             turn = self.buffer.commit(ev.ms)
-        except ProtocolError:
-            return  # too short to be a turn: nothing to answer
+        except ProtocolError as e:  # too short to be a turn: said, so a client waiting on its item need not
+            self.send(error_event(ProtocolError(f"the turn {item_id} was not committed: {e.message}", e.code)))
+            return
         await self._commit(turn, item_id)
         if turns is not None and turns.create_response and self.response is None:
             await self._on_response_create({"type": "response.create"})

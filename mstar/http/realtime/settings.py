@@ -39,6 +39,7 @@ class SessionConfig:
     turn_detection: TurnDetection | None = None
     text_only: bool = False
     truncation: str = "auto"  # "auto": a conversation too long for the context drops its oldest items (OpenAI's)
+    names: tuple[str, ...] = ()  # the model's other served names (--served-model-name), which name it too
 
     def __post_init__(self) -> None:
         if self.hears and self.turn_detection is None:
@@ -80,7 +81,7 @@ class SessionConfig:
             raise ProtocolError(f"session type {kind!r} is not supported (only 'realtime')", "invalid_value",
                                 "session.type")
         model = field_of(session, "model", str, "session", required=False)
-        if model is not None and model != self.model:
+        if model is not None and model != self.model and model not in self.names:
             raise ProtocolError(f"this session serves '{self.model}'; connect with ?model= to use another",
                                 "invalid_value", "session.model")
         instructions = field_of(session, "instructions", str, "session", required=False)

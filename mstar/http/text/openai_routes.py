@@ -73,7 +73,7 @@ async def retrieve_model(request: web.Request) -> web.Response:
 def _model(request: web.Request, card: ModelCard, name: str) -> dict[str, Any]:
     """`card` as `/v1/models` lists it under `name` (its own or an alias)."""
     return {"id": name, "object": "model", "created": request.app[STARTED], "owned_by": "mstar",
-            "root": card.name, "parent": None, "max_model_len": card.max_model_len, "voices": list(card.voices),
+            "root": card.root or card.name, "parent": None, "max_model_len": card.max_model_len, "voices": list(card.voices),
             "input_modalities": list(card.input_modalities)}
 
 
