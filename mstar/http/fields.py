@@ -35,6 +35,12 @@ def type_name(value: Any) -> str:
     return type(value).__name__
 
 
+def fold_seed(seed: int) -> int:
+    """An int64 seed (OpenAI's and vLLM's) in the engine's [0, 2**63): a
+    negative one lands on the top half."""
+    return seed % INT64_LIMIT
+
+
 def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -101,7 +107,7 @@ class Fields:
         """A seed: any int64, as OpenAI and vLLM take it, folded into the
         engine's [0, 2**63) (a negative one onto the top half)."""
         value = self.integer(key)
-        return None if value is None else value % INT64_LIMIT
+        return None if value is None else fold_seed(value)
 
     def number(self, key: str, default: float | None = None, *, lo: float | None = None,
               hi: float | None = None, lo_open: bool = False) -> float | None:
@@ -181,7 +187,7 @@ class Fields:
         top-level one is (`seed`); what else the entries hold, and a seed past
         int64, is for the model to check, naming `key.<name>.<field>`."""
         out = self.objects(key)
-        return {name: {**fields, "seed": fields["seed"] % INT64_LIMIT}
+        return {name: {**fields, "seed": fold_seed(fields["seed"])}
                 if is_int(fields.get("seed")) and -INT64_LIMIT <= fields["seed"] < INT64_LIMIT else fields
                 for name, fields in out.items()}
 

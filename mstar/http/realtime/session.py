@@ -34,6 +34,7 @@ import structlog
 from mstar.config import MediaLimits
 from mstar.engine import audio_resampler
 from mstar.errors import MstarError, RequestError
+from mstar.http.fields import fold_seed
 from mstar.http.realtime.conversation import chat_messages, cut_transcripts, fitted, heard_parts
 from mstar.http.realtime.input_audio import InputAudioBuffer, Turn
 from mstar.http.realtime.known_fields import check_event, check_response, check_session
@@ -338,7 +339,7 @@ class RealtimeSession:
         defaults = model_defaults(self.engine)
         # no limit: the model's default budget within the room the prompt leaves (`fit_context`)
         seed = self.config.seed  # as the client gave it (and the session echoes it); the engine's in [0, 2**63)
-        sampling = dataclasses.replace(defaults, max_tokens=None, seed=None if seed is None else seed % 2**63)
+        sampling = dataclasses.replace(defaults, max_tokens=None, seed=None if seed is None else fold_seed(seed))
         if self.hears:
             return await self._conversation_plan(rid, given, instructions, asked_voice, sampling, limit, in_text)
         texts = self._input_texts(given) if given is not None else None

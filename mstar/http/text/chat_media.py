@@ -15,7 +15,7 @@ from typing import Any
 from mstar.config import MediaLimits
 from mstar.errors import RequestError
 from mstar.http.media import MediaDecoder
-from mstar.http.text.chat_messages import ChatMessage, MediaPart
+from mstar.http.text.chat_messages import ChatMessage, MediaPart, media_parts
 
 AUDIO_RATE = 16000  # the rate of a chat audio part's samples, as models read them
 PART_TYPE = {"audio": "input_audio", "image": "image_url"}  # a part's modality -> its type in the request
@@ -58,6 +58,21 @@ def with_media(messages: Sequence[ChatMessage], decoded: Sequence[Any]) -> list[
     if next(arrays, None) is not None:
         raise ValueError("more decoded media than the messages' media parts")
     return out
+
+
+async def chat_inputs(decoder: MediaDecoder, limits: MediaLimits, messages: Sequence[ChatMessage], model: str,
+                      modalities: Sequence[str], add_generation_prompt: bool,
+                      template_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A chat's inputs for the model: its media checked against what `model`
+    takes (`modalities`), decoded once, and put back in its messages, with
+    the template's switches."""
+    parts = media_parts(messages)
+    refuse_untaken(parts, model, modalities)
+    decoded = await decode_parts(decoder, parts, limits)
+    values: dict[str, Any] = {"messages": with_media(messages, decoded), "add_generation_prompt": add_generation_prompt}
+    if template_kwargs:
+        values["chat_template_kwargs"] = template_kwargs
+    return values
 
 
 async def _decode(decoder: MediaDecoder, part: MediaPart, limits: MediaLimits) -> Any:

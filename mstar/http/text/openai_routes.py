@@ -26,8 +26,7 @@ from aiohttp import web
 from mstar.errors import ModelNotFound, RequestError
 from mstar.http.keys import ENGINE, MEDIA, MEDIA_LIMITS, STARTED
 from mstar.http.text.chat_audio import SpokenAnswers, spoken_usage
-from mstar.http.text.chat_media import decode_parts, refuse_untaken, with_media
-from mstar.http.text.chat_messages import media_parts
+from mstar.http.text.chat_media import chat_inputs
 from mstar.http.text.logprobs import LogprobShapes
 from mstar.http.text.protocol import ChatBody, parse_chat, parse_completion
 from mstar.http.responses import EventStream, client_gone, error_body, json_response
@@ -73,8 +72,8 @@ async def retrieve_model(request: web.Request) -> web.Response:
 def _model(request: web.Request, card: ModelCard, name: str) -> dict[str, Any]:
     """`card` as `/v1/models` lists it under `name` (its own or an alias)."""
     return {"id": name, "object": "model", "created": request.app[STARTED], "owned_by": "mstar",
-            "root": card.root or card.name, "parent": None, "max_model_len": card.max_model_len, "voices": list(card.voices),
-            "input_modalities": list(card.input_modalities)}
+            "root": card.root or card.name, "parent": None, "max_model_len": card.max_model_len,
+            "voices": list(card.voices), "input_modalities": list(card.input_modalities)}
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -122,14 +121,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise RequestError(f"model '{target.name}' {how}: 'audio' needs a model that speaks its answers",
                            field="modalities")
     walk = target.spoken_chat_walk if body.audio else text_walk(target)   # refused before any media is decoded
-    parts = media_parts(body.messages)
-    refuse_untaken(parts, target.name, target.input_modalities)
     # decoded once for all n samples, before anything starts: a bad part refuses the whole request
-    decoded = await decode_parts(request.app[MEDIA], parts, request.app[MEDIA_LIMITS])
-    messages = with_media(body.messages, decoded)
-    values: dict[str, Any] = {"messages": messages, "add_generation_prompt": body.add_generation_prompt}
-    if body.template_kwargs:
-        values["chat_template_kwargs"] = body.template_kwargs
+    values = await chat_inputs(request.app[MEDIA], request.app[MEDIA_LIMITS], body.messages, target.name,
+                               target.input_modalities, body.add_generation_prompt, body.template_kwargs)
     names = {"max_tokens": body.max_tokens_field}
     if body.audio is not None:
         values["voice"] = body.audio.voice

@@ -18,17 +18,16 @@ from mstar.http.fields import Fields
 from mstar.http.keys import ENGINE, MEDIA, MEDIA_LIMITS
 from mstar.http.responses import json_response
 from mstar.http.submission import Target, off_loop, resolve_model
-from mstar.http.text.chat_media import decode_parts, refuse_untaken, with_media
-from mstar.http.text.chat_messages import ChatMessage, media_parts, read_messages
+from mstar.http.text.chat_media import chat_inputs
+from mstar.http.text.chat_messages import ChatMessage, read_messages
 from mstar.http.text.openai_routes import text_walk
 from mstar.http.text.protocol import parse_json_object
-from mstar.types import GenerateRequest, SamplingParams
+from mstar.types import MAX_TOKEN_ID, GenerateRequest, SamplingParams
 
 TOKENIZE_KEYS = frozenset({"model", "prompt", "messages", "add_generation_prompt", "chat_template_kwargs",
                            "return_token_strs", "add_special_tokens"})
 DETOKENIZE_KEYS = frozenset({"model", "tokens"})
 MAX_DETOKENIZE = 1 << 20  # ids in one body: more than any served context
-MAX_TOKEN_ID = 2**31 - 1  # what the other routes take as a token id
 
 
 @dataclass(frozen=True)
@@ -70,13 +69,8 @@ async def tokenize(request: web.Request) -> web.Response:
     target = resolve_model(engine, body.model)
     walk = text_walk(target)
     if body.messages is not None:
-        parts = media_parts(body.messages)
-        refuse_untaken(parts, target.name, target.input_modalities)
-        decoded = await decode_parts(request.app[MEDIA], parts, request.app[MEDIA_LIMITS])
-        values: dict[str, Any] = {"messages": with_media(body.messages, decoded),
-                                  "add_generation_prompt": body.add_generation_prompt}
-        if body.template_kwargs:
-            values["chat_template_kwargs"] = body.template_kwargs
+        values = await chat_inputs(request.app[MEDIA], request.app[MEDIA_LIMITS], body.messages, target.name,
+                                   target.input_modalities, body.add_generation_prompt, body.template_kwargs)
     else:
         values = {"prompt": body.prompt}
     # max_tokens None: refused only where the prompt leaves the context no room for one token
