@@ -8,7 +8,7 @@ instructions as a system message, user items as text and audio parts (their
 audio at the encoder's 16 kHz, kept by item id since the client's items
 carry none back), assistant items as their transcripts. Building it here
 keeps the swap to one running request that takes more audio local to this
-file and the session's `_plan`.
+file and `planner.py`.
 """
 
 from __future__ import annotations

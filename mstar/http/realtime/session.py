@@ -29,33 +29,27 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
-import structlog
 
 from mstar.config import MediaLimits
 from mstar.engine import audio_resampler
 from mstar.errors import MstarError, RequestError
-from mstar.http.fields import fold_seed
-from mstar.http.realtime.conversation import chat_messages, cut_transcripts, fitted, heard_parts
+from mstar.http.realtime.conversation import cut_transcripts, heard_parts
 from mstar.http.realtime.input_audio import InputAudioBuffer, Turn
 from mstar.http.realtime.known_fields import check_event, check_response, check_session
-from mstar.http.realtime.protocol import (ProtocolError, check_format, decode_audio, error_event, event, field_of,
-                                          item_text, new_id, output_limit)
-from mstar.http.realtime.response import ActiveResponse, ResponsePlan
+from mstar.http.realtime.planner import ROLES, Planner
+from mstar.http.realtime.protocol import ProtocolError, decode_audio, error_event, event, field_of, item_text, new_id
+from mstar.http.realtime.response import ActiveResponse
 from mstar.http.realtime.settings import SessionConfig
 from mstar.http.realtime.vad import VadEvent
 from mstar.http.responses import error_type
-from mstar.http.submission import SPEAK_WALK, Target, model_defaults
-from mstar.types import REALTIME_PRIORITY, GenerateRequest, ModelCard, SamplingParams
+from mstar.http.submission import SPEAK_WALK, Target
+from mstar.types import ModelCard
 
 if TYPE_CHECKING:
-    from mstar.engine.engine import Engine, Prepared
+    from mstar.engine.engine import Engine
 
-log = structlog.get_logger("mstar.realtime")
-
-ROLES = ("user", "system", "assistant")
 # an item whole at once (a client's, a committed turn): GA's added and done, and the created both APIs send
 ITEM_EVENTS = ("conversation.item.added", "conversation.item.created", "conversation.item.done")
-UNLIMITED_SHARE = 4  # a response without a limit has at least 1/4 of the context to answer in, under truncation
 # the engine's and the model's names (before any '.' or '[') for what the client gave a response
 ENGINE_FIELDS = {"input": "response.input", "prompt": "response.input", "messages": "response.input",
                  "voice": "response.audio.output.voice", "seed": "session.mstar.seed"}
@@ -84,6 +78,7 @@ class RealtimeSession:
         self.response: ActiveResponse | None = None
         self.audio_ms: dict[str, int] = {}  # item id -> ms of its audio sent (truncation stays within it)
         self.cut_ms: dict[str, int] = {}  # item id -> where it was truncated: a later truncation stays before it
+        self.planner = Planner(self)
 
     def start(self) -> None:
         self.send(event("session.created", session=self.config.to_json()))
@@ -203,7 +198,7 @@ class RealtimeSession:
         if previous == "root":
             index = 0
         elif previous is not None:
-            index = self._index(previous, "previous_item_id") + 1
+            index = self.index_of(previous, "previous_item_id") + 1
         field_of(item, "id", str, "item", required=False)
         if any(i["id"] == item.get("id") for i in self.items):
             raise ProtocolError(f"an item with id '{item['id']}' exists already", "duplicate_item_id", "item.id")
@@ -222,7 +217,7 @@ class RealtimeSession:
         """A user item's text: into the running speech response if there is
         one (an error event if it can not take it: the item stays in the
         conversation, unspoken), else left for the next response
-        (`_unanswered`)."""
+        (`unanswered`)."""
         resp = self.response
         if self.hears or not self.speaks or resp is None or not resp.more_input_open:
             return  # the next response reads it from the conversation
@@ -232,7 +227,7 @@ class RealtimeSession:
         except RequestError as e:
             raise ProtocolError(e.message, e.code or "invalid_request", "item.content") from None
 
-    def _unanswered(self) -> list[tuple[str, str]]:
+    def unanswered(self) -> list[tuple[str, str]]:
         """(id, text) of the user items with text that no response has spoken, in conversation order."""
         texts = [(i["id"], item_text(i, "item")) for i in self.items
                  if i.get("role") == "user" and i["id"] not in self.taken]
@@ -240,7 +235,7 @@ class RealtimeSession:
 
     async def _on_conversation_item_truncate(self, obj: dict[str, Any]) -> None:
         item_id = field_of(obj, "item_id", str, "")
-        index = self._index(item_id, "item_id")
+        index = self.index_of(item_id, "item_id")
         content_index = field_of(obj, "content_index", int, "")
         audio_end_ms = field_of(obj, "audio_end_ms", int, "")
         item = self.items[index]
@@ -268,7 +263,7 @@ class RealtimeSession:
 
     async def _on_conversation_item_delete(self, obj: dict[str, Any]) -> None:
         item_id = field_of(obj, "item_id", str, "")
-        index = self._index(item_id, "item_id")
+        index = self.index_of(item_id, "item_id")
         if self.response is not None and self.response.item["id"] == item_id:
             raise ProtocolError("the item of the active response cannot be deleted", "invalid_value", "item_id")
         del self.items[index]
@@ -277,9 +272,9 @@ class RealtimeSession:
 
     async def _on_conversation_item_retrieve(self, obj: dict[str, Any]) -> None:
         item_id = field_of(obj, "item_id", str, "")
-        self.send(event("conversation.item.retrieved", item=self.items[self._index(item_id, "item_id")]))
+        self.send(event("conversation.item.retrieved", item=self.items[self.index_of(item_id, "item_id")]))
 
-    def _index(self, item_id: Any, param: str) -> int:
+    def index_of(self, item_id: Any, param: str) -> int:
         for i, item in enumerate(self.items):
             if item["id"] == item_id:
                 return i
@@ -294,9 +289,9 @@ class RealtimeSession:
         params = field_of(obj, "response", dict, "", required=False) or {}
         check_response(params, speaks_only=self.speaks and not self.hears)
         metadata = field_of(params, "metadata", dict, "response", required=False)
-        limit, limit_param = self._limit(params)
+        limit, limit_param = self.planner.limit(params)
         try:
-            plan = dataclasses.replace(await self._plan(params, limit), metadata=metadata)
+            plan = dataclasses.replace(await self.planner.plan(params, limit), metadata=metadata)
             await self.engine.admit()
             stream = self.engine.submit(plan.request, plan.prepared)
         except RequestError as e:  # the type an HTTP answer of its status has (a full line's 429, a 503)
@@ -313,166 +308,6 @@ class RealtimeSession:
         self.audio_ms[resp.item["id"]] = resp.audio_ms
         if self.response is resp:
             self.response = None
-
-    def _limit(self, params: dict[str, Any]) -> tuple[int | None, str | None]:
-        """The response's max_output_tokens and the param that set it; (None,
-        None): no limit, the model's default applies."""
-        raw = params.get("max_output_tokens")
-        if raw is None:
-            limit, param = self.config.max_output_tokens, "session.max_output_tokens"
-        else:
-            param = "response.max_output_tokens"
-            limit = output_limit(raw, param, self.target.max_model_len)
-        return limit, (param if limit is not None else None)
-
-    async def _plan(self, params: dict[str, Any], limit: int | None) -> ResponsePlan:
-        """The engine request a `response.create` starts."""
-        answer = self.config.check_modalities(params, "response")
-        in_text = answer == "text" if answer is not None else self.config.text_only
-        instructions = field_of(params, "instructions", str, "response", required=False)
-        audio = field_of(params, "audio", dict, "response", required=False) or {}
-        output = field_of(audio, "output", dict, "response.audio", required=False) or {}
-        check_format(output.get("format"), "response.audio.output.format")
-        asked_voice = field_of(output, "voice", str, "response.audio.output", required=False)
-        given = field_of(params, "input", list, "response", required=False)
-        rid = new_id("resp")
-        defaults = model_defaults(self.engine)
-        # no limit: the model's default budget within the room the prompt leaves (`fit_context`)
-        seed = self.config.seed  # as the client gave it (and the session echoes it); the engine's in [0, 2**63)
-        sampling = dataclasses.replace(defaults, max_tokens=None, seed=None if seed is None else fold_seed(seed))
-        if self.hears:
-            return await self._conversation_plan(rid, given, instructions, asked_voice, sampling, limit, in_text)
-        texts = self._input_texts(given) if given is not None else None
-        if self.speaks:
-            voice = self.config.voice
-            if asked_voice is not None:
-                voice = self.config.check_voice(asked_voice, "response.audio.output.voice")
-            pending = self._unanswered() if texts is None else []
-            spoken = " ".join(t["content"] for t in texts if t["role"] == "user") if texts is not None \
-                else " ".join(text for _, text in pending)
-            if not spoken.strip():
-                raise ProtocolError("there is no text to speak: add a user message (input_text) first",
-                                    "empty_input", "response.input")
-            request = GenerateRequest(rid, self.target.name, {"text": spoken, "voice": voice}, sampling,
-                                      walk=SPEAK_WALK, more_input=True, priority=REALTIME_PRIORITY)
-            prepared = await self.engine.prepare(request)
-            return ResponsePlan(rid, self._within(request, prepared, limit), prepared, modality="audio",
-                                spoken=spoken, voice=voice, answers=tuple(item_id for item_id, _ in pending))
-        instructions = self.config.instructions if instructions is None else instructions
-        messages = ([{"role": "system", "content": instructions}] if instructions else [])
-        messages += texts if texts is not None else [
-            {"role": i["role"], "content": item_text(i, "item")} for i in self.items if i.get("type") == "message"]
-        if not messages:
-            raise ProtocolError("the conversation is empty: add a message first", "empty_input", "response.input")
-        # the model tokenises (off the event loop when long); a plain text if there is no chat template
-        chat = self.target.tokenizer is not None and getattr(self.target.tokenizer, "chat_template", None)
-
-        def make(kept: list[dict[str, Any]]) -> GenerateRequest:
-            inputs = {"messages": kept} if chat else {"prompt": "\n".join(m["content"] for m in kept)}
-            return GenerateRequest(rid, self.target.name, inputs, sampling, priority=REALTIME_PRIORITY)
-
-        request, prepared = await self._fitted(messages, make, limit)
-        return ResponsePlan(rid, self._within(request, prepared, limit), prepared, modality="text")
-
-    async def _fitted(self, messages: list[dict[str, Any]], make: Callable[[list[dict[str, Any]]], GenerateRequest],
-                      limit: int | None) -> tuple[GenerateRequest, Prepared]:
-        """`make(messages)` prepared, the conversation cut to the context under the session's truncation,
-        leaving the answer room for its limit, or without one for the model's default budget (else a quarter
-        of the context), at most half the context: a large one keeps the conversation."""
-        if limit is None:
-            limit = model_defaults(self.engine).max_tokens or self.target.max_model_len // UNLIMITED_SHARE
-        answer = min(limit, self.target.max_model_len // 2)
-        request, prepared, dropped = await fitted(messages, make, self.engine.prepare,
-                                                  self.config.truncation == "auto", self.target.max_model_len, answer)
-        if dropped:
-            log.info("conversation truncated", session_id=self.config.session_id, dropped_messages=dropped)
-        return request, prepared
-
-    def _within(self, request: GenerateRequest, prepared: Prepared, limit: int | None) -> GenerateRequest:
-        """`request` with the response's limit, a ceiling: it takes what the
-        context has room for, up to the limit (the engine samples the
-        prepared prompt again with it, without tokenising it again)."""
-        if limit is None:
-            return request
-        room = self.target.max_model_len - prepared.num_prompt_tokens
-        return dataclasses.replace(request, sampling=dataclasses.replace(request.sampling,
-                                                                         max_tokens=min(limit, room)))
-
-    async def _conversation_plan(self, rid: str, given: list[Any] | None, instructions: str | None,
-                                 asked_voice: str | None, sampling: SamplingParams,
-                                 limit: int | None, in_text: bool = False) -> ResponsePlan:
-        """One spoken-chat request over the conversation (or `response.input`'s
-        items); `limit` caps the text and the talker's frames alike, as
-        OpenAI's counts audio tokens with text ones. `in_text`: the answer is
-        the chat walk's text, as a chat completion without audio out gives."""
-        voice = self.config.voice
-        if asked_voice is not None:
-            voice = self.config.check_voice(asked_voice, "response.audio.output.voice")
-        items, heard = (self.items, self.heard) if given is None else await self._given_items(given)
-        instructions = self.config.instructions if instructions is None else instructions
-        messages = chat_messages(items, heard, instructions)
-        if not any(m["role"] == "user" for m in messages):
-            raise ProtocolError("the conversation has nothing from the user: commit audio or add a message first",
-                                "empty_input", "response.input")
-        key = self.target.spoken_audio_key
-        by: dict[str, dict[str, Any]] = {key: {"max_tokens": limit}} if None not in (limit, key) and not in_text else {}
-
-        def make(kept: list[dict[str, Any]]) -> GenerateRequest:
-            inputs = {"messages": kept} if in_text else {"messages": kept, "voice": voice}
-            return GenerateRequest(rid, self.target.name, inputs, sampling, sampling_by=by,
-                                   walk=None if in_text else self.target.spoken_chat_walk, priority=REALTIME_PRIORITY)
-
-        request, prepared = await self._fitted(messages, make, limit)
-        request = self._within(request, prepared, limit)  # sampled again at submit: its audio is not prepared twice
-        if in_text:
-            return ResponsePlan(rid, request, prepared, modality="text")
-        return ResponsePlan(rid, request, prepared, modality="audio", voice=voice, writes_transcript=True)
-
-    async def _given_items(self, given: list[Any]) -> tuple[list[dict[str, Any]], dict[str, list[np.ndarray]]]:
-        """`response.input` for a hearing model: its items (references
-        resolved) and their audio by item id."""
-        items: list[dict[str, Any]] = []
-        heard: dict[str, list[np.ndarray]] = {}
-        for i, raw in enumerate(given):
-            where = f"response.input[{i}]"
-            item, role = self._given_item(raw, where)
-            if role is None:  # a reference to a conversation item
-                items.append(item)
-                heard[item["id"]] = self.heard.get(item["id"], [])
-                continue
-            parts = heard_parts(item, where)
-            key = new_id("item")
-            assert self._resample is not None
-            heard[key] = [await Turn(p, 0, 0).for_model(self._resample) for p in parts if isinstance(p, bytes)]
-            items.append({"id": key, "type": "message", "role": role,
-                          "content": [{"type": "input_text", "text": p} for p in parts if isinstance(p, str)]})
-        return items, heard
-
-    def _input_texts(self, given: list[Any]) -> list[dict[str, str]]:
-        """`response.input`: message items (or references to conversation
-        items) as {role, content} pairs."""
-        out = []
-        for i, raw in enumerate(given):
-            where = f"response.input[{i}]"
-            item, role = self._given_item(raw, where)
-            out.append({"role": role or field_of(item, "role", str, where), "content": item_text(item, where)})
-        return out
-
-    def _given_item(self, item: Any, where: str) -> tuple[dict[str, Any], str | None]:
-        """One `response.input` entry checked: a message and its role, or the
-        conversation item a reference names (role None)."""
-        if not isinstance(item, dict):
-            raise ProtocolError(f"'{where}' must be an object", "invalid_value", where)
-        kind = item.get("type", "message")
-        if kind == "item_reference":
-            return self.items[self._index(field_of(item, "id", str, where), f"{where}.id")], None
-        if kind != "message":
-            raise ProtocolError(f"item type {kind!r} is not supported (only 'message' and 'item_reference')",
-                                "unsupported_item_type", f"{where}.type")
-        role = field_of(item, "role", str, where)
-        if role not in ROLES:
-            raise ProtocolError(f"'{where}.role' must be one of {', '.join(ROLES)}", "invalid_value", f"{where}.role")
-        return item, role
 
     async def _on_response_cancel(self, obj: dict[str, Any]) -> None:
         resp = self.response
