@@ -247,6 +247,50 @@ async def test_a_turn_too_short_to_commit_is_said_to_be(omni) -> None:
     assert not any(e.type == "input_audio_buffer.committed" for e in seen)
 
 
+async def test_turning_vad_off_mid_speech_ends_the_announced_turn(omni) -> None:
+    """Speech started, then turn detection turned off: the announced item is
+    stopped and committed (a client waiting on it is answered), and with no
+    detection no response starts by itself."""
+    _, url = omni
+    async with _client(url).realtime.connect(model=OMNI) as conn:
+        await conn.session.update(session=SHORT)
+        seen: list[Any] = []
+        await _until(conn, "session.updated", seen)
+        await _send(conn, burst(500))
+        started = await _until(conn, "input_audio_buffer.speech_started", seen)
+        await conn.session.update(session=NO_VAD)
+        stopped = await _until(conn, "input_audio_buffer.speech_stopped", seen)
+        committed = await _until(conn, "input_audio_buffer.committed", seen)
+        await _until(conn, "conversation.item.done", seen)
+        await conn.response.create()
+        await _until(conn, "response.done", seen)
+    assert started.item_id == stopped.item_id == committed.item_id
+    assert [e.type for e in seen].count("response.created") == 1  # the one asked for
+
+
+async def test_a_commit_mid_speech_commits_the_announced_turn(omni) -> None:
+    """With server VAD, a client's commit during speech ends the turn VAD
+    announced: that item is committed once, and the silence after stops
+    nothing more."""
+    _, url = omni
+    async with _client(url).realtime.connect(model=OMNI) as conn:
+        await conn.session.update(session={**SHORT, "audio": {"input": {"turn_detection": {
+            "type": "server_vad", "create_response": False}}}})
+        seen: list[Any] = []
+        await _until(conn, "session.updated", seen)
+        await _send(conn, burst(500))
+        started = await _until(conn, "input_audio_buffer.speech_started", seen)
+        await conn.input_audio_buffer.commit()
+        committed = await _until(conn, "input_audio_buffer.committed", seen)
+        await _send(conn, silence(1500))
+        await conn.conversation.item.retrieve(item_id=committed.item_id)
+        await _until(conn, "conversation.item.retrieved", seen)
+    assert committed.item_id == started.item_id
+    assert [e.item_id for e in seen if e.type == "input_audio_buffer.speech_stopped"] == [started.item_id]
+    assert [e.type for e in seen].count("input_audio_buffer.committed") == 1
+    assert not [e for e in seen if e.type == "error"]
+
+
 @pytest.mark.parametrize(("event", "param", "code"), [
     ({"type": "input_audio_buffer.append", "audio": "not base64!"}, "audio", "invalid_base64"),
     ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {

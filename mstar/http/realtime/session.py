@@ -105,9 +105,12 @@ class RealtimeSession:
         check_session(session, speaks_only=self.speaks and not self.hears)
         before = self.config.turn_detection
         self.config.update(session)
-        if self.config.turn_detection is not before:
-            self.buffer.detect(self.config.turn_detection)
         self.send(event("session.updated", session=self.config.to_json()))
+        if self.config.turn_detection is not before:
+            if self._vad_item is not None:  # a new detector ends the turn the old one announced
+                await self._end_announced_turn()
+            else:
+                self.buffer.detect(self.config.turn_detection)
 
     # ---------------------------------------------------------------- audio
 
@@ -149,7 +152,17 @@ class RealtimeSession:
         if not self.hears:
             raise ProtocolError(f"model '{self.target.name}' takes no audio input; send text with "
                                 "conversation.item.create", "audio_input_not_supported")
+        if self._vad_item is not None:  # mid-speech: the turn server VAD announced ends here
+            await self._end_announced_turn()
+            return
         await self._commit(self.buffer.commit(), new_id("item"))
+
+    async def _end_announced_turn(self) -> None:
+        """The turn speech_started announced ends where the buffer does, as if
+        the VAD had heard it stop: stopped, committed under its item id (a
+        client pairs the two), answered if the session's detection says so."""
+        self.buffer.detect(self.config.turn_detection)  # the detector's turn in progress is over
+        await self._on_vad(VadEvent("stopped", self.buffer.ms(self.buffer.received)))
 
     async def _commit(self, turn: Turn, item_id: str) -> None:
         """A committed turn becomes a user item: `committed`, then the item's
