@@ -139,7 +139,7 @@ class ReportReader:
         if state.timer is not None:
             state.timer.cancel()
         self._waiting.started(fin.request_id)
-        self._stats[f"finished_{reason}"] += 1
-        status = reason if reason in STATUSES else "stop"
+        # finished first: its held-back text may complete a stop string, which is then how it ended
+        status = state.finish(reason if reason in STATUSES else "stop", state.failed or fin.error)
+        self._stats[f"finished_{status if reason in STATUSES else reason}"] += 1
         self._metrics.finished(fin.request_id, status, state.num_prompt_tokens, state.num_output_tokens)
-        state.finish(status, state.failed or fin.error)

@@ -203,20 +203,25 @@ class RequestState:
         ended = "length" if ended == "stop" and self.cut else ended  # a spoken answer's frames cut on another worker
         return self.stop_reason or ("error" if self.failed else ended)
 
-    def finish(self, reason: FinishReason, error: str | None = None) -> None:
+    def finish(self, reason: FinishReason, error: str | None = None) -> FinishReason:
+        """Close the stream with `reason`; returns the reason it ended with:
+        "stop" where the text held back until now completes a stop string."""
         if self.finished:
-            return
+            return reason
         self.finished = True
         tail = ""
         if self.stop_reason is None and reason in ("stop", "length"):
             # text held back (a partial character, a possible stop string) is final now
             rest = self.detok.flush() if self.detok is not None else ""
             tail, hit = self.stops.push(rest, self._stops_armed)
-            if not hit:
+            if hit:  # the answer is cut at a stop string, so it ends as one (vLLM checks stops before length)
+                self.stop_reason = reason = "stop"
+            else:
                 tail += self.stops.flush()
         self.queue.put_nowait(OutputChunk(
             request_id=self.request_id, text=tail, finished=True, finish_reason=reason, error=error,
             num_prompt_tokens=self.num_prompt_tokens, num_output_tokens=self.num_output_tokens))
+        return reason
 
 
 def _token_logprob(token: int, row: list[float], k: int) -> TokenLogprob:
