@@ -238,6 +238,19 @@ async def test_async_speech_wav_stream_gives_the_same_pcm(speech_url: str) -> No
     assert bad.value.status == 400 and bad.value.param == "input"
 
 
+async def test_whole_speech_is_the_servers_file_with_true_sizes(speech_url: str) -> None:
+    """`stream=False` asks the server for one file: a streamed FLAC says its
+    sample count is unknown, which soundfile cannot read."""
+    soundfile = pytest.importorskip("soundfile")
+    async with AsyncClient(speech_url) as c:
+        pcm = await c.speech("Hello from mstar.", stream=False, **SPEECH)
+        flac = await c.speech("Hello from mstar.", response_format="flac", stream=False, **SPEECH)
+    info = soundfile.info(io.BytesIO(flac.audio))
+    assert (info.samplerate, info.frames) == (RATE, len(pcm.pcm) // 2) and len(pcm.pcm) > 0
+    samples, _ = soundfile.read(io.BytesIO(flac.audio), dtype="int16")
+    assert samples.tobytes() == pcm.pcm  # lossless: the same seeded audio
+
+
 # ---------------------------------------------------------------- a stub server
 
 

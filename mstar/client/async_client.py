@@ -230,10 +230,16 @@ class AsyncClient:
                      response_format: str = "pcm", max_tokens: int | None = None, stream: bool = True,
                      **sampling: Unpack[Sampling]) -> AsyncSpeechStream | Speech:
         """OpenAI's `/v1/audio/speech`. Streamed (the default), the audio
-        chunks as they arrive; else the whole `Speech`. Sampling left out
+        chunks as they arrive; else the whole `Speech`, asked of the server as
+        one file (`"stream": false`). Sampling left out
         takes the model's defaults (Orpheus: up to 1200 tokens)."""
         body = _present({"input": input, "voice": voice, "model": model, "response_format": response_format,
                          "max_tokens": max_tokens, **sampling})
+        if not stream:
+            # The server's whole answer, not a stream read to its end: a file whose header has its true
+            # sizes (a streamed FLAC's sample count is "unknown", which libsndfile refuses to read), and a
+            # failure as its JSON error rather than a body cut short.
+            body["stream"] = False
         response, sent_at = await self._send("POST", "/v1/audio/speech", body)
         audio = AsyncSpeechStream(response, response_format, sent_at)
         if stream:
