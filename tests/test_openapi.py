@@ -187,3 +187,13 @@ def test_speech_schema_agrees_with_its_parser() -> None:
             # Ranges are checked by the engine's one rule, once the model's defaults are merged as the route does.
             speech_sampling(SamplingParams(), parse_speech(orjson.dumps(with_value(base, keys, bad)))).validate()
         assert caught.value.field == field, (field, bad, caught.value)
+
+
+def test_the_speech_event_stream_is_described_as_it_ends() -> None:
+    """The speech stream ends with `speech.audio.done`, as OpenAI's, with no
+    `data: [DONE]` after it; the text routes' streams do end with one."""
+    answers = document()["paths"]["/v1/audio/speech"]["post"]["responses"]["200"]["content"]
+    description = answers["text/event-stream"]["schema"]["description"]
+    assert "speech.audio.done" in description and "no `data: [DONE]`" in description
+    chat = document()["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
+    assert "ending with `data: [DONE]`" in chat["text/event-stream"]["schema"]["description"]

@@ -55,7 +55,7 @@ def document() -> Schema:
     """The document; callers must not mutate it (it is shared)."""
     speech_ok = {media: {"schema": {"type": "string", "contentMediaType": media}}
                  for media in sorted(set(CONTENT_TYPES.values()))}
-    speech_ok["text/event-stream"] = {"schema": out.sse(req.ref("SpeechEvent"))}
+    speech_ok["text/event-stream"] = {"schema": out.sse(req.ref("SpeechEvent"), out.SPEECH_SSE_DESCRIPTION)}
     demo_file = _get("a file of the browser demo", {media: {"schema": {"type": "string"}} for media in
                                                     ("text/html", "text/css", "text/javascript")},
                      **{"404": {"description": "no such file", "content": _json(req.ref("Error"))}})

@@ -167,11 +167,15 @@ CHAT_CHUNK = reply("chat.completion.chunk", choice(CHAT_LOGPROBS, delta=DELTA))
 
 SSE_DESCRIPTION = ("server-sent events: each `data: {json}` frame a chunk, the stream ending with "
                    "`data: [DONE]`; a failure after the headers is an `{\"error\": ...}` frame")
+# OpenAI's speech stream has no `[DONE]`: a client waiting for one would wait past the end.
+SPEECH_SSE_DESCRIPTION = ("server-sent events: each `data: {json}` frame a `speech.audio.delta`, the stream "
+                          "ending with a `speech.audio.done` frame carrying the usage (no `data: [DONE]`); a "
+                          "failure after the headers is a last `{\"type\": \"error\", \"error\": ...}` frame")
 
 
-def sse(event: Schema) -> Schema:
+def sse(event: Schema, description: str = SSE_DESCRIPTION) -> Schema:
     # OpenAPI 3.1 has no schema for event streams; the event's schema rides along for readers.
-    return {"type": "string", "description": SSE_DESCRIPTION, "x-event-schema": event}
+    return {"type": "string", "description": description, "x-event-schema": event}
 
 
 AUDIO_B64: Schema = {"type": "string", "contentEncoding": "base64", "description": "PCM16 little-endian mono"}
