@@ -197,3 +197,13 @@ def test_the_speech_event_stream_is_described_as_it_ends() -> None:
     assert "speech.audio.done" in description and "no `data: [DONE]`" in description
     chat = document()["paths"]["/v1/chat/completions"]["post"]["responses"]["200"]["content"]
     assert "ending with `data: [DONE]`" in chat["text/event-stream"]["schema"]["description"]
+
+
+def test_speech_sampling_fields_claim_no_default_of_their_own() -> None:
+    """Left out, a speech request's sampling is the model's (Orpheus: temperature
+    0.6, top_p 0.8), not the text routes' defaults the schema would otherwise state."""
+    fields = body_schema("/v1/audio/speech")["properties"]
+    for key in ("temperature", "top_p", "repetition_penalty", "top_k", "min_p", "ignore_eos", "min_tokens"):
+        assert "default" not in fields[key], key
+    assert fields["temperature"]["maximum"] > 0  # the constraints stay
+    assert "default" in body_schema("/v1/completions")["properties"]["temperature"]

@@ -350,7 +350,10 @@ SPEECH_REQUEST: Schema = {
                                        "context (Orpheus: after 2 frames of tokens instead of 4; later frames "
                                        "are the same); 400 for a model without such a walk"},
         "max_tokens": max_tokens(),
-        **{k: v for k, v in sampling_properties().items() if k in SPEECH_SAMPLING_KEYS},
+        # No `default`: what is left out takes the model's (Orpheus: temperature 0.6, not 1.0), and a
+        # client generated from the document would send the text routes' defaults as if asked for.
+        **{k: {f: x for f, x in v.items() if f != "default"} for k, v in sampling_properties().items()
+           if k in SPEECH_SAMPLING_KEYS},
         "sampling_by": sampling_by(),
     },
     "description": "sampling fields left out take the model's defaults",
