@@ -9,6 +9,7 @@ them into `OutputChunk`s; `finish` closes the stream once.
 from __future__ import annotations
 
 import asyncio
+import collections
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
@@ -74,6 +75,37 @@ class StopStrings:
         return best
 
 
+class ChunkQueue:
+    """A request's chunks on their way to its one reader: `asyncio.Queue`'s
+    put and get without its bounds, getter lists and per-put wakeup
+    bookkeeping (a step puts a chunk for every running request, all on the
+    event loop)."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: collections.deque[OutputChunk] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, chunk: OutputChunk) -> None:
+        self._items.append(chunk)
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def get_nowait(self) -> OutputChunk:
+        return self._items.popleft()
+
+    async def get(self) -> OutputChunk:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        return self._items.popleft()
+
+
 @dataclass(eq=False)
 class RequestState:
     request_id: str
@@ -83,7 +115,7 @@ class RequestState:
     worker: int
     detok: IncrementalDetokenizer | None
     host_predicates: dict[tuple[str, str], Callable[[object], bool]] = field(default_factory=dict)
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    queue: ChunkQueue = field(default_factory=ChunkQueue)
     num_output_tokens: int = 0
     finished: bool = False
     stopped: set[str] = field(default_factory=set)   # partitions the event loop has stopped
