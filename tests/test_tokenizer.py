@@ -167,6 +167,17 @@ def test_folder_tokenizer(tmp_path, post_processor, add_bos):
         assert "".join(_stream(tok, ids, [1] * 30)) == tok.decode(ids)
 
 
+@pytest.mark.parametrize("total", [40, 40_000])  # a step's short windows (one decode each) and past the batch call's
+def test_decode_batch_is_each_sequences_decode(tmp_path, total: int) -> None:
+    tok = Tokenizer.from_folder(_trained_folder(tmp_path, True, None))
+    rng = random.Random(total)
+    seqs: list[list[int]] = []
+    while sum(map(len, seqs)) < total:
+        seqs.append([rng.randrange(tok.vocab_size) for _ in range(rng.randrange(0, 9))])
+    for skip in (True, False):
+        assert tok.decode_batch(seqs, skip) == [tok.decode(s, skip) for s in seqs]
+
+
 def test_token_bytes_join_into_the_texts_utf8(tmp_path):
     """`token_bytes`: a token holding part of a character is that part, so the bytes of a text's tokens join
     into its UTF-8 (byte-level BPE: the builtin and a trained one with merges; a byte-fallback vocabulary,
