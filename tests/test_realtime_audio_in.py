@@ -211,17 +211,22 @@ async def test_clear_empties_the_buffer(omni) -> None:
     assert err.error.code == "input_audio_buffer_commit_empty"
 
 
+async def _speech_started(conn, session: dict[str, Any], seen: list[Any]) -> Any:
+    """`session` set, then half a second of speech: the speech_started event."""
+    await conn.session.update(session=session)
+    await _until(conn, "session.updated", seen)
+    await _send(conn, burst(500))
+    return await _until(conn, "input_audio_buffer.speech_started", seen)
+
+
 async def test_clear_mid_speech_forgets_the_turn_it_announced(omni) -> None:
     """With server VAD, speech started, then the buffer cleared: its silence
     after stops nothing (the announced item would never be committed), and
     the next speech is a new turn, committed and answered."""
     _, url = omni
     async with _client(url).realtime.connect(model=OMNI) as conn:
-        await conn.session.update(session=SHORT)
         seen: list[Any] = []
-        await _until(conn, "session.updated", seen)
-        await _send(conn, burst(500))
-        first = await _until(conn, "input_audio_buffer.speech_started", seen)
+        first = await _speech_started(conn, SHORT, seen)
         await conn.input_audio_buffer.clear()
         await _until(conn, "input_audio_buffer.cleared", seen)
         await _send(conn, np.concatenate([silence(900), burst(300), silence(900)]))
@@ -253,11 +258,8 @@ async def test_turning_vad_off_mid_speech_ends_the_announced_turn(omni) -> None:
     detection no response starts by itself."""
     _, url = omni
     async with _client(url).realtime.connect(model=OMNI) as conn:
-        await conn.session.update(session=SHORT)
         seen: list[Any] = []
-        await _until(conn, "session.updated", seen)
-        await _send(conn, burst(500))
-        started = await _until(conn, "input_audio_buffer.speech_started", seen)
+        started = await _speech_started(conn, SHORT, seen)
         await conn.session.update(session=NO_VAD)
         stopped = await _until(conn, "input_audio_buffer.speech_stopped", seen)
         committed = await _until(conn, "input_audio_buffer.committed", seen)
@@ -274,12 +276,9 @@ async def test_a_commit_mid_speech_commits_the_announced_turn(omni) -> None:
     nothing more."""
     _, url = omni
     async with _client(url).realtime.connect(model=OMNI) as conn:
-        await conn.session.update(session={**SHORT, "audio": {"input": {"turn_detection": {
-            "type": "server_vad", "create_response": False}}}})
         seen: list[Any] = []
-        await _until(conn, "session.updated", seen)
-        await _send(conn, burst(500))
-        started = await _until(conn, "input_audio_buffer.speech_started", seen)
+        started = await _speech_started(conn, {**SHORT, "audio": {"input": {"turn_detection": {
+            "type": "server_vad", "create_response": False}}}}, seen)
         await conn.input_audio_buffer.commit()
         committed = await _until(conn, "input_audio_buffer.committed", seen)
         await _send(conn, silence(1500))

@@ -105,8 +105,9 @@ class Planner:
         if limit is None:
             limit = model_defaults(self.s.engine).max_tokens or self.s.target.max_model_len // UNLIMITED_SHARE
         answer = min(limit, self.s.target.max_model_len // 2)
-        request, prepared, dropped = await fitted(messages, make, self.s.engine.prepare,
-                                                  self.s.config.truncation == "auto", self.s.target.max_model_len, answer)
+        auto = self.s.config.truncation == "auto"
+        request, prepared, dropped = await fitted(messages, make, self.s.engine.prepare, auto,
+                                                  self.s.target.max_model_len, answer)
         if dropped:
             log.info("conversation truncated", session_id=self.s.config.session_id, dropped_messages=dropped)
         return request, prepared
