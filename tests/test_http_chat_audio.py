@@ -239,14 +239,36 @@ async def test_a_stop_string_in_the_text_leaves_every_frame_counted(client: open
             pcm = b"".join(base64.b64decode(c.choices[0].delta.audio.data) for c in chunks
                            if c.choices and c.choices[0].delta.audio and c.choices[0].delta.audio.data)
             usage = chunks[-1].usage
-        else:
-            assert answer.choices[0].message.audio is not None and answer.choices[0].finish_reason == "stop"
+        else:  # the frames ran to their max_tokens: cut short, as when a stop id ends the text
+            assert answer.choices[0].message.audio is not None and answer.choices[0].finish_reason == "length"
             pcm, usage = base64.b64decode(answer.choices[0].message.audio.data), answer.usage
         assert usage is not None and usage.completion_tokens_details is not None
         details = usage.completion_tokens_details
         assert details.text_tokens == at + 1, stream
         assert details.audio_tokens == TALKER_TOKENS and len(pcm) // 2 == SAMPLES, stream
         assert usage.completion_tokens == at + 1 + TALKER_TOKENS
+
+
+@on_module_loop
+async def test_frames_cut_after_a_stop_string_end_length(client: openai.AsyncOpenAI) -> None:
+    """A stop string ends the text as a stop id does; frames that then run
+    out at their max_tokens still cut the answer short: "length", streamed
+    or not (a stop string used to win, so the cut audio said "stop")."""
+    full = await client.chat.completions.create(model=OMNI, messages=HELLO, max_tokens=8, temperature=0, seed=SEED,
+                                                extra_body={"ignore_eos": True})
+    text = full.choices[0].message.content
+    assert text is not None and len(text) > 3
+    talker = {"sampling_by": {"talker": {"max_tokens": 2, "stop_token_ids": [], "temperature": 0}}}
+    for stream in (False, True):
+        answer = await client.chat.completions.create(
+            model=OMNI, messages=HELLO, audio={"voice": "ethan", "format": "pcm16"}, modalities=["text", "audio"],
+            stop=[text[2:4]], max_tokens=8, temperature=0, seed=SEED, stream=stream,
+            extra_body={"ignore_eos": True, **talker})
+        if stream:
+            reasons = [c.choices[0].finish_reason async for c in answer if c.choices and c.choices[0].finish_reason]
+        else:
+            reasons = [answer.choices[0].finish_reason]
+        assert reasons == ["length"], stream
 
 
 @on_module_loop

@@ -233,7 +233,20 @@ class RequestState:
         self.num_output_tokens = max(self.num_output_tokens, self.num_generated)
         ended = self.root_reason if len(self.shards) > 1 and self.root_reason else reason
         ended = "length" if ended == "stop" and self.cut else ended  # a spoken answer's frames cut on another worker
+        if self.stop_reason == "stop" and self.cut and not self.failed and not self._stopped_at_budget():
+            # a stop string ended the text before its budget, so the budget that cut was another loop's (a spoken
+            # answer's frames): the answer was cut short, as when a stop id ends its text
+            return "length"
         return self.stop_reason or ("error" if self.failed else ended)
+
+    def _stopped_at_budget(self) -> bool:
+        """Whether a partition the event loop stopped reached its whole
+        `max_tokens` too (its worker may have drawn on before the stop came):
+        then its own budget may be the "length" a worker reported, and the
+        stop wins, as vLLM checks stops before length."""
+        budget = self.sampling.max_tokens
+        return budget is not None and any(max(self.fed.get(p, 0), self.generated.get(p, 0)) >= budget
+                                          for p in self.stopped)
 
     def finish(self, reason: FinishReason, error: str | None = None) -> FinishReason:
         """Close the stream with `reason`; returns the reason it ended with:
