@@ -122,6 +122,7 @@ def wait_for(driver: Any, check: Callable[[dict[str, Any]], bool], what: str, ti
 
 def open_page(driver: Any, server: str, max_tokens: int, stream: bool = False) -> None:
     """A fresh page, connected, with the token limit and mode set."""
+    driver.get_log("browser")  # the log outlives pages: what an earlier test left is not this page's
     driver.get(server + "/")
     wait_for(driver, lambda s: s["connected"] and s["session"] is not None, "session.created", timeout=30)
     driver.find_element(By.ID, "maxTokens").send_keys(str(max_tokens))
@@ -217,3 +218,21 @@ def test_the_page_takes_the_servers_api_key(keyed_server: str, browser: Any) -> 
     state = wait_for(browser, lambda s: len(s["responses"]) == 1, "response.done")
     assert state["responses"][0] in ("completed", "incomplete") and state["audioBytes"] > 0, state
     assert len(state["errors"]) == 1  # only the refusal before the key
+
+
+def test_a_refused_response_ends_the_pages_wait(server: str, browser: Any) -> None:
+    open_page(browser, server, max_tokens=99_999_999)  # over the context: the server refuses response.create
+    type_text(browser, "Too long an answer.")
+    browser.find_element(By.ID, "speak").click()
+    state = wait_for(browser, lambda s: s["errors"] and not s["active"], "the refusal to end the response", 30)
+    assert [e["code"] for e in state["errors"]] == ["invalid_value"], state["errors"]
+    assert state["responses"] == ["failed"] and text_of(browser, "status") == "failed"
+    assert browser.find_element(By.ID, "stop").get_attribute("disabled") is not None
+
+    limit = browser.find_element(By.ID, "maxTokens")  # a fixed limit: Speak starts a response again
+    limit.clear()
+    limit.send_keys("20")
+    browser.find_element(By.ID, "speak").click()
+    state = wait_for(browser, lambda s: len(s["responses"]) == 2, "the second response's response.done")
+    assert state["responses"][1] in ("completed", "incomplete") and state["audioBytes"] > 0, state
+    no_console_errors(browser)

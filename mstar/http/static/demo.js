@@ -29,6 +29,8 @@ let playAt = 0;         // context time where the next chunk starts, so chunks p
 let sources = new Set();
 let muted = false;      // after Stop: deltas still in flight are counted, not played
 let mic = null;         // {stream, node, ctx} while the microphone records
+let createId = null;    // event_id of the page's response.create the server has not yet answered
+let eventSeq = 0;
 
 function render() {
   $("connection").textContent = state.connected ? `open (${state.model})` : "closed";
@@ -106,6 +108,7 @@ function onEvent(ev) {
       if (ev.type === "session.created") sessionStarted(ev.session);
       break;
     case "response.created":
+      createId = null;
       if (!state.active) serverResponse();  // the VAD answered a turn
       state.responseId = ev.response.id;
       break;
@@ -136,6 +139,11 @@ function onEvent(ev) {
       break;
     case "error":
       addError(ev.error.code, ev.error.message);
+      // a refused response.create starts no response, so no response.done would ever end the page's wait
+      if (createId !== null && ev.error.event_id === createId) {
+        createId = null;
+        if (state.active && state.responseId === null) endResponse("failed");
+      }
       break;
   }
   render();
@@ -197,7 +205,8 @@ function startResponse() {
   sentMore = spokenMore = said = 0;
   muted = false;
   t0 = performance.now();
-  send({type: "response.create", response});
+  createId = `demo_create_${++eventSeq}`;
+  send({type: "response.create", event_id: createId, response});
   render();
 }
 
