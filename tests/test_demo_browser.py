@@ -236,3 +236,21 @@ def test_a_refused_response_ends_the_pages_wait(server: str, browser: Any) -> No
     state = wait_for(browser, lambda s: len(s["responses"]) == 2, "the second response's response.done")
     assert state["responses"][1] in ("completed", "incomplete") and state["audioBytes"] > 0, state
     no_console_errors(browser)
+
+
+def test_a_new_key_mid_response_ends_that_response(server: str, browser: Any) -> None:
+    open_page(browser, server, max_tokens=1000)
+    type_text(browser, "A long answer that a new key cuts short.")
+    browser.find_element(By.ID, "speak").click()
+    wait_for(browser, lambda s: s["audioBytes"] > 0, "the first audio")
+    browser.find_element(By.ID, "apiKey").send_keys("sk-any" + Keys.TAB)  # the server has no key: still let in
+    state = wait_for(browser, lambda s: not s["active"] and s["connected"], "the page to reconnect, idle", 30)
+    assert state["responses"] == ["disconnected"] and state["scheduled"] == 0, state
+    assert browser.find_element(By.ID, "sendMore").get_attribute("disabled") is not None
+
+    browser.find_element(By.ID, "maxTokens").clear()
+    browser.find_element(By.ID, "maxTokens").send_keys("20")
+    browser.find_element(By.ID, "speak").click()
+    state = wait_for(browser, lambda s: len(s["responses"]) == 2, "a response on the new socket")
+    assert state["responses"][1] in ("completed", "incomplete") and state["errors"] == [], state
+    no_console_errors(browser)

@@ -372,6 +372,9 @@ async function init() {
     connect(state.model).catch(() => {});
   };
   $("apiKey").onchange = () => {
+    // the old socket's close is ignored once it is replaced, so its response must end here
+    if (state.active) endResponse("disconnected");
+    silence();
     if (ws) ws.close();
     ws = null;
     state.connected = false;
