@@ -220,6 +220,15 @@ def test_the_page_takes_the_servers_api_key(keyed_server: str, browser: Any) -> 
     assert len(state["errors"]) == 1  # only the refusal before the key
 
 
+@pytest.fixture
+def stoppable_server() -> Iterator[tuple[str, Callable[[], None]]]:
+    """A server of the test's own, stopped when the test says (it stops at the end otherwise)."""
+    serving = serve_in_thread()
+    url = next(serving)
+    yield url, lambda: next(serving, None)
+    next(serving, None)
+
+
 def test_a_refused_response_ends_the_pages_wait(server: str, browser: Any) -> None:
     open_page(browser, server, max_tokens=99_999_999)  # over the context: the server refuses response.create
     type_text(browser, "Too long an answer.")
@@ -254,3 +263,18 @@ def test_a_new_key_mid_response_ends_that_response(server: str, browser: Any) ->
     state = wait_for(browser, lambda s: len(s["responses"]) == 2, "a response on the new socket")
     assert state["responses"][1] in ("completed", "incomplete") and state["errors"] == [], state
     no_console_errors(browser)
+
+
+def test_the_server_ending_the_session_is_shown(stoppable_server: tuple[str, Callable[[], None]],
+                                                browser: Any) -> None:
+    url, stop_server = stoppable_server
+    open_page(browser, url, max_tokens=1000)
+    type_text(browser, "A long answer the server's shutdown cuts short.")
+    browser.find_element(By.ID, "speak").click()
+    wait_for(browser, lambda s: s["audioBytes"] > 0, "the first audio")
+    stop_server()
+    state = wait_for(browser, lambda s: not s["connected"] and not s["active"], "the socket's close", 30)
+    # the close's code 1001 comes with the server's reason; the user reads why the answer stopped
+    assert {"code": "websocket", "message": "the realtime session closed: the server is shutting down"} \
+        in state["errors"], state["errors"]
+    assert "the server is shutting down" in text_of(browser, "errors")

@@ -78,10 +78,12 @@ function connect(model) {
       }
       if (sock === ws) onEvent(ev);
     };
-    sock.onclose = () => {
+    sock.onclose = (e) => {
       reject(new Error("the websocket closed before the session started"));
       if (sock !== ws) return;  // a socket we replaced: its end changes nothing
       if (!started) addError("websocket", `could not open a realtime session for ${model}`);
+      // the page closes only sockets it replaced, so this end was the server's or the network's
+      else addError("websocket", `the realtime session closed: ${e.reason || `code ${e.code}`}`);
       state.connected = false;
       if (state.active) endResponse("disconnected");
       render();
