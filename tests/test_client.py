@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import gc
 import io
 import subprocess
 import sys
@@ -202,6 +203,30 @@ async def test_blocking_client_inside_a_running_loop(text_url: str) -> None:
         whole = c.completions("Hello", **TEXT)
         assert streamed_text(list(c.completions("Hello", stream=True, **TEXT))) == whole.text
     assert whole.usage is not None and whole.usage.completion_tokens == 6
+
+
+def wait_idle(client: Client, timeout: float = 5.0) -> int:
+    """The server's running requests once none are left, or as they are at `timeout`."""
+    deadline = time.monotonic() + timeout
+    while (running := client.health().requests_running) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return running
+
+
+def test_a_stream_left_unclosed_frees_the_servers_request(text_url: str, speech_url: str) -> None:
+    """A bare `break` out of a stream, the stream then dropped: the server
+    stops generating for it, without waiting for the client to close."""
+    with Client(text_url) as text, Client(speech_url) as speech:
+        chunks = text.completions("Hi", stream=True, max_tokens=1900, ignore_eos=True)
+        for chunk in chunks:
+            break
+        audio = speech.speech("A long sentence that nobody listens to.", voice="tara", max_tokens=1200)
+        for pcm in audio:
+            break
+        assert text.health().requests_running == 1 and speech.health().requests_running == 1
+        del chunks, chunk, audio, pcm
+        gc.collect()
+        assert (wait_idle(text), wait_idle(speech)) == (0, 0)
 
 
 # ---------------------------------------------------------------- speech

@@ -5,12 +5,15 @@ and `SpeechStream` are the same for the blocking `Client`.
 
 Leaving a stream early (`aclose`, or `async with` around a `break`) closes
 the connection, which the server takes as the client hanging up: it aborts
-the request and frees what it held.
+the request and frees what it held. A stream dropped unfinished and unclosed
+(a bare `break` out of a `for`) is closed too, once it is garbage.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+import weakref
 from collections.abc import AsyncGenerator, Callable, Iterator
 from types import TracebackType
 from typing import Any, Generic, Self, TypeVar
@@ -27,6 +30,24 @@ T = TypeVar("T")
 TRANSPORT_ERRORS = (aiohttp.ClientError, TimeoutError)
 
 
+def close_when_dropped(stream: object, response: aiohttp.ClientResponse) -> None:
+    """Close `response` once `stream` is garbage. aiohttp keeps an unread
+    response alive from its connection (the end-of-body callback), so a
+    dropped stream would otherwise hold the server's request until the
+    client closes, generating for nobody."""
+    finalizer = weakref.finalize(stream, _close_on_loop, asyncio.get_running_loop(), response)
+    finalizer.atexit = False  # at exit the client's own shutdown closes its connections
+
+
+def _close_on_loop(loop: asyncio.AbstractEventLoop, response: aiohttp.ClientResponse) -> None:
+    # the last reference may go on another thread (the blocking Client's caller); the transport is the loop's
+    if not loop.is_closed():
+        try:
+            loop.call_soon_threadsafe(response.close)
+        except RuntimeError:  # closed meanwhile: its connections are gone with it
+            pass
+
+
 class AsyncStream(Generic[T]):
     """The events of one streamed answer, each parsed into a `T`. An error
     event (the request failed after the stream began) raises `MstarError`."""
@@ -36,6 +57,7 @@ class AsyncStream(Generic[T]):
         self._response = response
         self._events = events
         self._parse = parse
+        close_when_dropped(self, response)
 
     def __aiter__(self) -> Self:
         return self
@@ -94,6 +116,7 @@ class AsyncSpeechStream:
         self._carry = b""            # bytes of a sample split across chunks
         self._pieces: list[bytes] = []
         self._done = False
+        close_when_dropped(self, response)
 
     def __aiter__(self) -> Self:
         return self
