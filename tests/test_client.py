@@ -365,6 +365,19 @@ async def test_async_realtime_refuses_an_unknown_model(speech_url: str) -> None:
         assert "no-such-model" in e.value.message
 
 
+async def test_a_refusal_read_later_names_the_event_it_refused(speech_url: str) -> None:
+    """Appends on a model that does not hear are refused by error events the
+    next read raises (here `update`'s wait): the error names the append, not
+    the update, and the session goes on."""
+    async with AsyncClient(speech_url) as client, await client.realtime("orpheus-tiny") as rt:
+        await rt.append_audio(b"\0\0" * 2400)
+        with pytest.raises(MstarError) as e:
+            await rt.update(voice="leo")
+        assert e.value.event_type == "input_audio_buffer.append" and e.value.event_id is not None
+        assert e.value.code == "audio_input_not_supported" and "input_audio_buffer.append" in str(e.value)
+        assert (await rt.until("session.updated"))["session"]["audio"]["output"]["voice"] == "leo"
+
+
 def test_an_error_event_of_a_429s_type_is_retryable_as_the_429() -> None:
     """A realtime `error` event has no status: its type says the server was
     busy (`requests`, what a 429 answer carries), so it is worth sending again."""

@@ -26,10 +26,13 @@ class MstarError(Exception):
     (then `code` says why, e.g. "timeout"), or the connection failed
     (`code` "connection_error"). `param` names the request field at fault.
     `retry_after` is in seconds, when the server said when to come back.
+    A realtime session's refusal names the client event it refused
+    (`event_id`, and `event_type` when this client sent it).
     """
 
     def __init__(self, message: str, *, status: int | None = None, code: str | None = None,
-                 param: str | None = None, type: str | None = None, retry_after: float | None = None) -> None:
+                 param: str | None = None, type: str | None = None, retry_after: float | None = None,
+                 event_id: str | None = None, event_type: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
@@ -37,6 +40,8 @@ class MstarError(Exception):
         self.param = param
         self.type = type
         self.retry_after = retry_after
+        self.event_id = event_id
+        self.event_type = event_type
 
     @property
     def retryable(self) -> bool:

@@ -27,12 +27,18 @@ The client's `timeout` bounds each wait for a server event (the first
 that long without one raises `MstarError` with code `timeout` and leaves
 the session open, to wait again or close. A failed or refused connect
 raises `MstarError` too, and leaves no socket open.
+
+Events the server does not acknowledge (`append_audio`, `say`) are refused,
+if at all, by an `error` event that the next read raises, whatever it waits
+for: its `MstarError` names the refused event (`event_type`, `event_id`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import collections
+import itertools
 import os
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -52,6 +58,7 @@ if TYPE_CHECKING:
     from mstar.client.loop_thread import LoopThread
 
 UNSET: Any = object()  # a session field `update` leaves as it is
+SENT_KEPT = 4096  # event types kept by id: a refusal comes within a few events of its own
 
 
 @dataclass
@@ -98,6 +105,10 @@ class AsyncRealtimeSession:
         self.session = session  # the latest session object the server sent
         self.timeout = timeout  # seconds each wait for a server event may take; None: forever
         self._gathered: _Gathered | None = None  # the reply being read, until its response.done
+        # the type of each event sent, by the event_id the server's refusal of it names: an error read while
+        # waiting for something else (an append refused, read by the next update) says what it refused
+        self._sent: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._count = itertools.count(1)
 
     @classmethod
     async def connect(cls, http: aiohttp.ClientSession, url: str, *, timeout: float | None = None,
@@ -132,7 +143,12 @@ class AsyncRealtimeSession:
     # ---------------------------------------------------------- events out
 
     async def send(self, event: dict[str, Any]) -> None:
-        """Any client event, as is."""
+        """Any client event, as is; one without an `event_id` gets one."""
+        if "event_id" not in event:
+            event = {**event, "event_id": f"sdk_{next(self._count)}"}
+        self._sent[str(event["event_id"])] = str(event.get("type"))
+        if len(self._sent) > SENT_KEPT:
+            self._sent.popitem(last=False)
         try:
             await self.ws.send_json(event)
         except TRANSPORT_ERRORS as e:  # the socket is closed, or its connection was cut
@@ -222,8 +238,12 @@ class AsyncRealtimeSession:
         while (ev := await self._next()) is not None:
             if ev.get("type") == "error":
                 err = ev.get("error") or {}
-                raise MstarError(err.get("message", "error"), code=err.get("code"), param=err.get("param"),
-                                 type=err.get("type"))
+                event_id = err.get("event_id")
+                kind = self._sent.get(event_id) if isinstance(event_id, str) else None
+                message = err.get("message", "error")
+                raise MstarError(f"{kind} ({event_id}) refused: {message}" if kind else message,
+                                 code=err.get("code"), param=err.get("param"), type=err.get("type"),
+                                 event_id=event_id, event_type=kind)
             yield ev
 
     async def _next(self) -> dict[str, Any] | None:
