@@ -299,6 +299,12 @@ def _check_numbers(a: argparse.Namespace) -> None:
         raise ConfigError("--kv-cache-memory must be a positive number of GiB")
     if not 0 < a.gpu_memory_utilization <= 1:
         raise ConfigError("--gpu-memory-utilization must be a share of the GPU's memory, in (0, 1]")
+    # Python refuses a switch interval of 0 or less with a traceback at engine start, and takes NaN as 9e12 s
+    if a.gil_switch_interval_ms is not None and not (a.gil_switch_interval_ms > 0
+                                                     and math.isfinite(a.gil_switch_interval_ms)):
+        raise ConfigError("--gil-switch-interval-ms must be a positive number of milliseconds")
+    if a.host_arena_mb is not None and a.host_arena_mb < 0:
+        raise ConfigError("--host-arena-mb must not be negative (0: no arena)")
     if a.max_num_batched_tokens < a.max_num_seqs:
         raise ConfigError(f"--max-num-batched-tokens ({a.max_num_batched_tokens}) must be at least --max-num-seqs "
                           f"({a.max_num_seqs}): a decode step packs a token for each running request")

@@ -103,11 +103,16 @@ def test_a_waiting_line_that_holds_no_one_is_refused_at_startup() -> None:
     (["--gpu-memory-utilization", "0"], "--gpu-memory-utilization must be a share"),
     (["--max-num-batched-tokens", "4", "--max-num-seqs", "8"],
      r"--max-num-batched-tokens \(4\) must be at least --max-num-seqs \(8\)"),
+    (["--gil-switch-interval-ms", "0"], "--gil-switch-interval-ms must be a positive number"),
+    (["--gil-switch-interval-ms", "-1"], "--gil-switch-interval-ms must be a positive number"),
+    (["--gil-switch-interval-ms", "nan"], "--gil-switch-interval-ms must be a positive number"),
+    (["--host-arena-mb", "-5"], "--host-arena-mb must not be negative"),
 ])
 def test_numeric_flags_past_their_bounds_are_refused_at_startup(flags: list[str], says: str) -> None:
     """Each used to start (0 pages quietly meant "from memory", a NaN timeout
-    none, a decode step ignored a token budget below its rows) or to fail in
-    the worker naming no flag."""
+    none, a decode step ignored a token budget below its rows, a NaN switch
+    interval became 9e12 s), or to fail in the worker naming no flag (a negative
+    arena), or with a traceback (a switch interval of 0 or less)."""
     from mstar.config import parse_args
     from mstar.errors import ConfigError
 
@@ -119,7 +124,9 @@ def test_numeric_flags_at_their_bounds_are_taken() -> None:
     from mstar.config import parse_args
 
     cfg = parse_args(["--num-pages", "1", "--gpu-memory-utilization", "1", "--max-num-batched-tokens", "8",
-                      "--max-num-seqs", "8", "--kv-cache-memory", "0.01", "--request-timeout", "0"])
+                      "--max-num-seqs", "8", "--kv-cache-memory", "0.01", "--request-timeout", "0",
+                      "--host-arena-mb", "0", "--gil-switch-interval-ms", "0.5"])
     sched = cfg.engine.scheduler
     assert (sched.num_pages, sched.gpu_memory_utilization, sched.max_num_batched_tokens) == (1, 1.0, 8)
     assert cfg.engine.request_timeout == 0.0
+    assert (cfg.engine.host_arena_mb, cfg.engine.gil_switch_interval_ms) == (0, 0.5)
