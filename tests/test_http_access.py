@@ -166,6 +166,24 @@ async def test_a_preflight_is_answered_without_the_key(url: str, http: aiohttp.C
         assert "Origin" in r.headers.getall("Vary")
 
 
+async def test_a_preflight_allows_the_headers_the_openai_sdk_sends(url: str, http: aiohttp.ClientSession) -> None:
+    """The `openai` JS SDK in a browser sends X-Stainless-* headers on every call: a preflight that named only
+    Authorization and Content-Type made the browser drop each request before it left."""
+    asked = "authorization, content-type, x-stainless-os, x-stainless-retry-count, openai-organization"
+    async with http.options(url + "/v1/chat/completions", headers={
+            "Origin": ORIGIN, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": asked}) as r:
+        assert r.status == 204
+        allowed = {h.strip().lower() for h in r.headers["Access-Control-Allow-Headers"].split(",")}
+        assert {h.strip() for h in asked.split(",")} <= allowed
+        assert {"authorization", "content-type"} <= allowed
+        assert "Access-Control-Request-Headers" in ", ".join(r.headers.getall("Vary"))
+    async with http.options(url + "/v1/chat/completions", headers={  # a name no header can have is not echoed
+            "Origin": ORIGIN, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type, bad name"}) as r:
+        assert r.status == 204
+        assert "bad name" not in r.headers["Access-Control-Allow-Headers"]
+
+
 async def test_a_preflight_from_another_origin_is_refused(url: str, http: aiohttp.ClientSession) -> None:
     async with http.options(url + "/v1/models", headers={"Origin": "https://evil.example",
                                                          "Access-Control-Request-Method": "GET"}) as r:

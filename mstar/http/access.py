@@ -10,6 +10,7 @@ A missing or wrong key gets a 401 in the OpenAI error shape with
 
 With allowed origins (CORS), a browser's preflight `OPTIONS` is answered here,
 before the key is asked for (browsers send no credentials on a preflight),
+allowing the headers it asks for (SDKs add their own, such as X-Stainless-*),
 and every answer to an allowed origin carries `Access-Control-Allow-Origin`.
 Without origins no CORS header is ever sent, so browsers keep other origins
 out. Browsers apply no CORS to websockets, so a websocket upgrade from a page
@@ -21,6 +22,7 @@ on a server that listens on the user's machine.
 from __future__ import annotations
 
 import hmac
+import re
 from collections.abc import Iterable
 from urllib.parse import urlsplit
 
@@ -38,6 +40,8 @@ ALLOWED_HEADERS = "Authorization, Content-Type, X-Request-Id"
 # headers a browser script may read besides the CORS-safelisted ones
 EXPOSED_HEADERS = "X-Request-Id, Retry-After, X-Sample-Rate"
 PREFLIGHT_MAX_AGE_S = 600
+# an HTTP field name (RFC 9110 token): what a preflight may ask for and be echoed
+_FIELD_NAME = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 
 
 def is_open(path: str) -> bool:
@@ -131,12 +135,14 @@ class Origins:
         if allowed is None:
             return error_response(f"origin '{origin}' is not allowed (--allowed-origins)", status=403,
                                   param="Origin", code="origin_not_allowed")
-        return web.Response(status=204, headers={
+        response = web.Response(status=204, headers={
             hdrs.ACCESS_CONTROL_ALLOW_ORIGIN: allowed,
             hdrs.ACCESS_CONTROL_ALLOW_METHODS: ALLOWED_METHODS,
-            hdrs.ACCESS_CONTROL_ALLOW_HEADERS: ALLOWED_HEADERS,
+            hdrs.ACCESS_CONTROL_ALLOW_HEADERS: allowed_headers(request),
             hdrs.ACCESS_CONTROL_MAX_AGE: str(PREFLIGHT_MAX_AGE_S),
             hdrs.VARY: "Origin"})
+        response.headers.add(hdrs.VARY, hdrs.ACCESS_CONTROL_REQUEST_HEADERS)  # the allowed headers echo it
+        return response
 
     async def add_headers(self, request: web.Request, response: web.StreamResponse) -> None:
         """on_response_prepare: every answer, streamed ones included, before its headers go out."""
@@ -149,6 +155,17 @@ class Origins:
         if allowed is not None:
             response.headers[hdrs.ACCESS_CONTROL_ALLOW_ORIGIN] = allowed
             response.headers[hdrs.ACCESS_CONTROL_EXPOSE_HEADERS] = EXPOSED_HEADERS
+
+
+def allowed_headers(request: web.Request) -> str:
+    """Our own headers plus whatever the preflight asks for. SDKs send headers of their own on every call
+    (the `openai` JS SDK's X-Stainless-*), and a browser drops a request whose preflight left one out; the
+    origin is allowed already and may send the key, so no header it adds gives it more."""
+    names = {h.strip().lower(): h.strip() for h in ALLOWED_HEADERS.split(",")}
+    for h in request.headers.get(hdrs.ACCESS_CONTROL_REQUEST_HEADERS, "").split(","):
+        if _FIELD_NAME.match(h.strip()):
+            names.setdefault(h.strip().lower(), h.strip())
+    return ", ".join(names.values())
 
 
 def access_middlewares(api_key: str | None, origins: Origins) -> list[Middleware]:
