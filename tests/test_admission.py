@@ -86,3 +86,30 @@ async def test_a_full_waiting_line_refuses_a_realtime_response_as_http_does() ->
             ("requests", "queue_full")
     finally:
         await eng.shutdown()
+
+
+async def test_a_drain_refuses_requests_waiting_for_room_and_late_submissions() -> None:
+    """SIGTERM with the waiting line full: the requests waiting for room used to be let in when the drain
+    aborted the running ones, then streamed until aiohttp cut them, past the 10 s the process promises."""
+    hold = Hold()
+    eng = Engine(EngineConfig(model="fake", max_waiting_requests=1, queue_timeout=30),
+                 model=FakeModel(gate=hold, max_steps=3))
+    await eng.start()
+    try:
+        stream = eng.submit(GenerateRequest("r0", "fake", {"x": 0}, SamplingParams(), walk="count"))
+        waiter = asyncio.create_task(eng.admit())
+        await asyncio.sleep(0.05)
+        assert not waiter.done()
+        drain = asyncio.create_task(eng.drain(0.5))
+        with pytest.raises(RequestError) as e:  # at once, not when the drain frees the line
+            await asyncio.wait_for(waiter, 0.2)
+        assert e.value.status == 503 and e.value.retry_after
+        assert await drain == 1
+        assert [c async for c in stream][-1].finish_reason == "abort"
+        # admitted before the signal, its body read after the drain ended: nothing would abort it now
+        with pytest.raises(RequestError) as e:
+            eng.submit(GenerateRequest("r1", "fake", {"x": 0}, SamplingParams(), walk="count"))
+        assert e.value.status == 503 and "r1" not in eng._states
+    finally:
+        hold.released.set()
+        await eng.shutdown()

@@ -33,7 +33,7 @@ from mstar.engine.eventloop.report_reader import ReportReader
 from mstar.engine.eventloop.requests import RequestState, RequestStream
 from mstar.engine.eventloop.worker_load import WorkerLoad
 from mstar.engine.movement.tensor_store import TensorStore
-from mstar.engine.eventloop.waiting_line import WaitingLine
+from mstar.engine.eventloop.waiting_line import WaitingLine, shutting_down
 from mstar.engine.worker.device_worker import DeviceWorker
 from mstar.engine.worker.walker import check_runnable
 from mstar.errors import ConfigError, MstarError, ModelNotFound, RequestError
@@ -70,6 +70,7 @@ class Engine:
         self._gc = GCPauses(self._metrics.gc_pauses)
         self._switch_interval: float | None = None  # Python's, to restore at shutdown
         self._draining = False  # shutting down: running requests may finish, new ones are refused
+        self._drained = False   # the drain aborted what ran: a request submitted now would outlive it
         self._card: ModelCard | None = None
         self.add_report_hook(self._metrics.on_report)
 
@@ -142,11 +143,13 @@ class Engine:
         seconds, then abort the rest: their streams end with an "abort" that
         the routes turn into an error event. Returns how many were aborted."""
         self._draining = True
+        self._waiting.close()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
         while self._states and loop.time() < deadline:
             await asyncio.sleep(0.05)
         left = list(self._states)
+        self._drained = True
         for request_id in left:
             self.abort(request_id)
         if left:
@@ -242,6 +245,8 @@ class Engine:
         prompt: its own sampling is resolved again, its inputs are not), or
         by default what the model prepares here, on the event loop. Bad input
         raises `RequestError` here, before anything is queued."""
+        if self._drained:  # admitted before the drain, its body or prompt took longer than the grace
+            raise shutting_down()
         model, plan = self._intake(request)
         if prepared is None:
             prepared = model.prepare(request, plan)
@@ -342,7 +347,7 @@ class Engine:
         if not self.workers or not any(w.alive for w in self.workers):
             raise RequestError("the engine is not running", status=503, code="unavailable", retry_after=5)
         if self._draining:
-            raise RequestError("the server is shutting down", status=503, code="unavailable", retry_after=5)
+            raise shutting_down()
         try:
             await self._waiting.admit(timeout)
         except RequestError:

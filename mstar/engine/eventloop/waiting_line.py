@@ -21,6 +21,7 @@ class WaitingLine:
         self.stats = stats
         self._waiting: set[str] = set()
         self._room: asyncio.Event | None = None
+        self.closed = False  # the server is shutting down: no one gets in, waiting or new
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -41,10 +42,19 @@ class WaitingLine:
             if self._room is not None and len(self._waiting) < self.limit:
                 self._room.set()
 
+    def close(self) -> None:
+        """Refuse everyone from now on, those waiting for room included: room the drain makes by aborting
+        running requests must not let in requests it would then have to cut."""
+        self.closed = True
+        if self._room is not None:
+            self._room.set()
+
     async def admit(self, timeout: float | None = None) -> None:
         """Wait until fewer than `limit` requests are waiting, at most
         `timeout` seconds (default: the configured queue timeout); then raise
         a 429 asking the client to retry."""
+        if self.closed:
+            raise shutting_down()
         if len(self._waiting) < self.limit:
             return
         loop = asyncio.get_running_loop()
@@ -52,6 +62,8 @@ class WaitingLine:
         if self._room is None:
             self._room = asyncio.Event()
         while len(self._waiting) >= self.limit:
+            if self.closed:
+                raise shutting_down()
             self._room.clear()
             left = deadline - loop.time()
             if left <= 0:
@@ -62,3 +74,9 @@ class WaitingLine:
                 await asyncio.wait_for(self._room.wait(), left)
             except TimeoutError:
                 pass
+        if self.closed:
+            raise shutting_down()
+
+
+def shutting_down() -> RequestError:
+    return RequestError("the server is shutting down", status=503, code="unavailable", retry_after=5)
