@@ -245,3 +245,34 @@ async def test_a_pause_past_the_deadline_ends_the_streamed_input(speaker) -> Non
     # the input ended at the idle deadline: the first turn is spoken to the end, then the connection closes
     assert took < BODY_S + SLACK_S + 3.0
     assert status_of(answer) == 200 and answer.endswith(b"0\r\n\r\n")
+
+
+async def test_shutdown_cancels_a_stuck_handler_within_the_runners_timeout() -> None:
+    """A handler stuck in a write to a client that stopped reading: aiohttp waited the shutdown timeout for
+    it, then as long again after cancelling only the request's body (which it never reads), so the process
+    exited 13 s after SIGTERM instead of within its 10 s grace."""
+    stuck = asyncio.Event()
+
+    async def never_ends(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        stuck.set()
+        await asyncio.Event().wait()  # as a write that never drains
+        return response
+
+    app = web.Application()
+    app.router.add_get("/", never_ends)
+    runner = ServingRunner(app, header_timeout=HEAD_S, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    reader, writer = await asyncio.open_connection(*runner.addresses[0][:2])
+    try:
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        await asyncio.wait_for(stuck.wait(), 10)
+        start = time.monotonic()
+        await runner.cleanup()
+        assert time.monotonic() - start < 1.0 + 0.5
+    finally:
+        writer.close()

@@ -10,7 +10,9 @@ client likes. So:
   `HeadDeadlineHandler`, which closes a connection whose header block has not
   fully arrived `header_timeout` seconds after the connection opened or the
   head's first byte came (with a 408 when some of it did). The keep-alive
-  timer still governs an idle connection between requests. It reads two of
+  timer still governs an idle connection between requests. At shutdown a
+  connection's handler is cancelled within the runner's shutdown timeout
+  (aiohttp alone takes up to twice it). It reads two of
   aiohttp's protocol internals, as aiohttp's own keep-alive check does:
   `_waiter` (pending while the connection waits for a request) and
   `_request_count` (requests whose heads were parsed); the runner builds its
@@ -131,6 +133,12 @@ class HeadDeadlineHandler(web.RequestHandler):
     def connection_lost(self, exc: BaseException | None) -> None:
         self._disarm()
         super().connection_lost(exc)
+
+    async def shutdown(self, timeout: float | None = 15.0) -> None:
+        # aiohttp waits `timeout` for the handler, then as long again after cancelling only the request's body,
+        # which a handler blocked writing to a client that stopped reading never notices; only then does it
+        # cancel the handler. Half each keeps the whole within the runner's shutdown timeout.
+        await super().shutdown(None if timeout is None else timeout / 2)
 
     def _waiting_for_request(self) -> bool:
         return self._waiter is not None and not self._waiter.done()
