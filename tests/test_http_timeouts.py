@@ -99,6 +99,28 @@ async def test_an_unfinished_header_block_is_closed_with_408(address) -> None:
     assert body_of(answer)["error"]["code"] == "request_timeout"
 
 
+@pytest.mark.parametrize("raw", [
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-" + b"a" * 9000 + b"\r\n\r\n",
+    b"GARBAGE\r\n\r\n",
+])
+async def test_a_malformed_head_is_a_json_400_without_an_error_traceback(
+        address, raw: bytes, caplog: pytest.LogCaptureFixture) -> None:
+    """aiohttp answered these in text/plain and logged each at error level with a traceback: a client's
+    mistake (or a scanner) raised the server's alarms."""
+    reader, writer = await asyncio.open_connection(*address)
+    with caplog.at_level("INFO"):
+        writer.write(raw)
+        answer, _ = await read_until_closed(reader)
+    writer.close()
+    assert status_of(answer) == 400 and b"Content-Type: application/json" in answer
+    error = body_of(answer)["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "bad_request" and error["message"]
+    assert not [r for r in caplog.records if r.levelname == "ERROR" or r.exc_info]
+    assert "sk-aaa" not in caplog.text  # the message quotes the header: the log line must not
+
+
 async def test_a_trickled_header_block_is_closed_at_its_deadline(address) -> None:
     reader, writer = await asyncio.open_connection(*address)
 

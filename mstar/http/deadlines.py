@@ -12,7 +12,8 @@ client likes. So:
   head's first byte came (with a 408 when some of it did). The keep-alive
   timer still governs an idle connection between requests. At shutdown a
   connection's handler is cancelled within the runner's shutdown timeout
-  (aiohttp alone takes up to twice it). It reads two of
+  (aiohttp alone takes up to twice it). A head the parser refuses is a JSON
+  400 and one log line, as other refusals are. It reads two of
   aiohttp's protocol internals, as aiohttp's own keep-alive check does:
   `_waiter` (pending while the connection waits for a request) and
   `_request_count` (requests whose heads were parsed); the runner builds its
@@ -29,11 +30,13 @@ client likes. So:
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import orjson
 import structlog
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMethod, HttpProcessingError
 from aiohttp.streams import StreamReader
 from aiohttp.typedefs import Middleware
 
@@ -133,6 +136,20 @@ class HeadDeadlineHandler(web.RequestHandler):
     def connection_lost(self, exc: BaseException | None) -> None:
         self._disarm()
         super().connection_lost(exc)
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if status >= 500 or not isinstance(exc, HttpProcessingError) or request.writer.output_size > 0:
+            return super().handle_error(request, status, exc, message)
+        # a head the parser refused is the client's fault: aiohttp logs each at error level with a traceback
+        # and answers in text/plain, where every other refusal is a JSON error and one log line. The line
+        # names the error's kind only: its message quotes the offending header, an Authorization one too.
+        # Not HTTP at all (TLS to this port, a scanner) stays at debug, as aiohttp has it.
+        level = logging.DEBUG if isinstance(exc, BadHttpMethod) else logging.INFO
+        log.log(level, "malformed request", status=status, error=type(exc).__name__, remote=request.remote)
+        response = error_response(message or "malformed request", status=status, code="bad_request")
+        response.force_close()
+        return response
 
     async def shutdown(self, timeout: float | None = 15.0) -> None:
         # aiohttp waits `timeout` for the handler, then as long again after cancelling only the request's body,
