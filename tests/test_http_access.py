@@ -152,6 +152,44 @@ async def test_the_blocking_client_sends_its_key(url: str) -> None:
     await asyncio.to_thread(calls)
 
 
+async def _expect_answer(url: str, head: bytes, body: bytes | None = None) -> bytes:
+    """What the server says to a head carrying `Expect: 100-continue`, before the body is sent (then the
+    rest, once `body` goes)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(head)
+        got = await asyncio.wait_for(reader.read(65536), 10)
+        if body is not None and got.startswith(b"HTTP/1.1 100 "):
+            writer.write(body)
+            got += await asyncio.wait_for(reader.read(65536), 30)
+        return got
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize(("key", "length", "status"), [(None, 100, b"401"), ("wrong", 100, b"401"),
+                                                        (KEY, 33 * 2**20, b"413")])
+async def test_a_body_that_would_be_refused_is_refused_before_it_is_sent(
+        url: str, key: str | None, length: int, status: bytes) -> None:
+    """`Expect: 100-continue` (curl sends it for bodies over 1 MB) asks whether to send the body: the
+    server said yes before checking the key or the length, so the client uploaded up to 32 MiB for a 401."""
+    auth = b"" if key is None else b"Authorization: Bearer %s\r\n" % key.encode()
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n%s"
+            b"Content-Length: %d\r\nExpect: 100-continue\r\n\r\n" % (auth, length))
+    answer = await _expect_answer(url, head)
+    assert answer.startswith(b"HTTP/1.1 " + status), answer[:200]
+    assert b"100 Continue" not in answer and b"application/json" in answer
+
+
+async def test_a_body_that_is_welcome_is_asked_for(url: str) -> None:
+    body = b'{"model": "tiny-llama", "prompt": "Hello", "max_tokens": 2}'
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nAuthorization: "
+            b"Bearer %s\r\nContent-Length: %d\r\nExpect: 100-continue\r\n\r\n" % (KEY.encode(), len(body)))
+    answer = await _expect_answer(url, head, body)
+    assert answer.startswith(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 "), answer[:200]
+
+
 # ----------------------------------------------------------------------- CORS
 
 async def test_a_preflight_is_answered_without_the_key(url: str, http: aiohttp.ClientSession) -> None:

@@ -12,6 +12,7 @@ deadline (`deadlines.py`).
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from typing import TYPE_CHECKING
@@ -26,7 +27,7 @@ from mstar.http.openapi import routes as openapi_routes
 from mstar.http.realtime import routes as realtime_routes
 from mstar.http.speech import routes as speech_routes
 from mstar.http.text import native_routes, openai_routes, tokenize_routes
-from mstar.http.access import Origins, access_middlewares
+from mstar.http.access import Origins, access_middlewares, expect_handler
 from mstar.http.deadlines import body_deadline
 from mstar.http.keys import ENGINE, MEDIA, MEDIA_LIMITS, SOCKETS, STARTED
 from mstar.http.media import MediaDecoder
@@ -144,20 +145,21 @@ def build_app(engine: Engine, *, manage_engine: bool = True, drain_s: float = DR
         app.on_shutdown.append(drain_engine)
         app.on_cleanup.append(stop_engine)
     app.on_shutdown.append(realtime_routes.close_sockets)  # after the drain: their responses ended by then
+    post = functools.partial(app.router.add_post, expect_handler=expect_handler(config.api_key, MAX_BODY_BYTES))
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics_routes.metrics)
     app.router.add_get("/v1/models", openai_routes.list_models)
     app.router.add_get("/v1/models/{model:.+}", openai_routes.retrieve_model)  # an id may hold slashes
-    app.router.add_post("/v1/completions", openai_routes.completions)
-    app.router.add_post("/v1/chat/completions", openai_routes.chat_completions)
-    app.router.add_post("/v1/audio/speech", speech_routes.speech)
-    app.router.add_post("/generate", native_routes.generate)
-    app.router.add_post("/tokenize", tokenize_routes.tokenize)
-    app.router.add_post("/detokenize", tokenize_routes.detokenize)
+    post("/v1/completions", openai_routes.completions)
+    post("/v1/chat/completions", openai_routes.chat_completions)
+    post("/v1/audio/speech", speech_routes.speech)
+    post("/generate", native_routes.generate)
+    post("/tokenize", tokenize_routes.tokenize)
+    post("/detokenize", tokenize_routes.detokenize)
     app.router.add_get("/v1/realtime", realtime_routes.realtime)
     app.router.add_get("/openapi.json", openapi_routes.openapi)
     app.router.add_get("/", demo_routes.index)
     app.router.add_get("/static/{name}", demo_routes.static_file)
     if config.profiling:
-        app.router.add_post("/debug/profile", profile_routes.profile)
+        post("/debug/profile", profile_routes.profile)
     return app
