@@ -138,15 +138,17 @@ class Engine:
         self._states.clear()
         self._waiting.clear()
 
-    async def drain(self, grace: float) -> int:
+    async def drain(self, grace: float, busy: Callable[[], bool] | None = None) -> int:
         """Refuse new requests, let the running ones finish for up to `grace`
         seconds, then abort the rest: their streams end with an "abort" that
-        the routes turn into an error event. Returns how many were aborted."""
+        the routes turn into an error event. `busy`: whether requests admitted
+        before the drain have yet to reach the engine (a body still arriving);
+        they are waited for too. Returns how many were aborted."""
         self._draining = True
         self._waiting.close()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
-        while self._states and loop.time() < deadline:
+        while (self._states or (busy is not None and busy())) and loop.time() < deadline:
             await asyncio.sleep(0.05)
         left = list(self._states)
         self._drained = True

@@ -126,7 +126,16 @@ class HeadDeadlineHandler(web.RequestHandler):
 
     def data_received(self, data: bytes) -> None:
         parsed = self._request_count
-        super().data_received(data)
+        if self._close and not self._force_close and self._request_in_progress:
+            # shutdown began (`close`), and aiohttp drops whatever arrives from then on: a body half sent
+            # would never end, and its request would be cut with no answer although the drain waits for it
+            self._close = False
+            try:
+                super().data_received(data)
+            finally:
+                self._close = True
+        else:
+            super().data_received(data)
         if self._request_count != parsed:
             self._disarm()  # a head arrived; its body has a deadline of its own
         elif data and (self._head_timer is not None or self._waiting_for_request()):

@@ -29,7 +29,7 @@ from mstar.http.speech import routes as speech_routes
 from mstar.http.text import native_routes, openai_routes, tokenize_routes
 from mstar.http.access import Origins, access_middlewares, expect_handler
 from mstar.http.deadlines import body_deadline
-from mstar.http.keys import ENGINE, MEDIA, MEDIA_LIMITS, SOCKETS, STARTED
+from mstar.http.keys import ADMITTED_NOW, ENGINE, MEDIA, MEDIA_LIMITS, SOCKETS, STARTED
 from mstar.http.media import MediaDecoder
 from mstar.http.logs import Handler, add_request_id_header, request_context
 from mstar.http.responses import error_response, json_response, request_error_body
@@ -85,9 +85,15 @@ ADMITTED = frozenset({"/generate", "/v1/completions", "/v1/chat/completions", "/
 
 @web.middleware
 async def admission(request: web.Request, handler: Handler) -> web.StreamResponse:
-    if request.method == "POST" and request.path in ADMITTED:
-        await request.app[ENGINE].admit()
-    return await handler(request)
+    if request.method != "POST" or request.path not in ADMITTED:
+        return await handler(request)
+    await request.app[ENGINE].admit()
+    running = request.app[ADMITTED_NOW]
+    running.add(id(request))  # a request is not hashable
+    try:
+        return await handler(request)
+    finally:
+        running.discard(id(request))
 
 
 async def health(request: web.Request) -> web.Response:
@@ -101,8 +107,8 @@ def build_app(engine: Engine, *, manage_engine: bool = True, drain_s: float = DR
 
     With `manage_engine` (the default) the app owns the engine's lifetime:
     `engine.start()` runs on app startup; on shutdown (the listening socket
-    is closed by then) running requests get `drain_s` seconds to finish and
-    the rest are aborted, so their streams end with an error event rather
+    is closed by then) running requests, those whose bodies are still
+    arriving included, get `drain_s` seconds to finish and the rest are aborted, so their streams end with an error event rather
     than a cut; `engine.shutdown()` runs on cleanup, once the handlers ended.
     Pass `manage_engine=False` when the caller starts and stops the engine
     itself (tests sharing one engine across several apps).
@@ -120,6 +126,7 @@ def build_app(engine: Engine, *, manage_engine: bool = True, drain_s: float = DR
                           client_max_size=MAX_BODY_BYTES)
     app[ENGINE] = engine
     app[SOCKETS] = set()
+    admitted = app[ADMITTED_NOW] = set()
     app[STARTED] = int(time.time())
     media = app[MEDIA] = MediaDecoder(config.media_workers)  # its processes start with the first decode
     app[MEDIA_LIMITS] = config.media_limits
@@ -136,7 +143,7 @@ def build_app(engine: Engine, *, manage_engine: bool = True, drain_s: float = DR
             await engine.start()
 
         async def drain_engine(_: web.Application) -> None:
-            await engine.drain(drain_s)
+            await engine.drain(drain_s, busy=lambda: bool(admitted))
 
         async def stop_engine(_: web.Application) -> None:
             await engine.shutdown()
