@@ -108,8 +108,9 @@ def build_app(engine: Engine, *, manage_engine: bool = True, drain_s: float = DR
     With `manage_engine` (the default) the app owns the engine's lifetime:
     `engine.start()` runs on app startup; on shutdown (the listening socket
     is closed by then) running requests, those whose bodies are still
-    arriving included, get `drain_s` seconds to finish and the rest are aborted, so their streams end with an error event rather
-    than a cut; `engine.shutdown()` runs on cleanup, once the handlers ended.
+    arriving included, get `drain_s` seconds to finish and the rest are
+    aborted, so their streams end with an error event rather than a cut;
+    `engine.shutdown()` runs on cleanup, once the handlers ended.
     Pass `manage_engine=False` when the caller starts and stops the engine
     itself (tests sharing one engine across several apps).
 
