@@ -180,6 +180,7 @@ async def test_a_body_that_would_be_refused_is_refused_before_it_is_sent(
     answer = await _expect_answer(url, head)
     assert answer.startswith(b"HTTP/1.1 " + status), answer[:200]
     assert b"100 Continue" not in answer and b"application/json" in answer
+    assert b"X-Request-Id: " in answer  # refused by the middlewares, so logged as every other request
 
 
 async def test_a_body_that_is_welcome_is_asked_for(url: str) -> None:

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import hmac
 import re
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Iterable
 from urllib.parse import urlsplit
 
-from aiohttp import HttpVersion11, hdrs, web
+from aiohttp import hdrs, web
 from aiohttp.typedefs import Middleware
 
 from mstar.http.logs import Handler
@@ -78,22 +78,16 @@ def bearer_auth(api_key: str) -> Middleware:
     """The middleware that turns away a request without the key."""
     @web.middleware
     async def authorize(request: web.Request, handler: Handler) -> web.StreamResponse:
-        refusal = key_refusal(request, api_key)
-        return refusal if refusal is not None else await handler(request)
+        if is_open(request.path):
+            return await handler(request)
+        presented = presented_key(request)
+        if presented is None:
+            return unauthorized("no API key: send 'Authorization: Bearer <key>' (on the realtime websocket, the "
+                                f"'{SUBPROTOCOL_KEY_PREFIX}<key>' subprotocol also works)")
+        if not key_matches(presented, api_key):
+            return unauthorized("the API key is not valid")
+        return await handler(request)
     return authorize
-
-
-def key_refusal(request: web.Request, api_key: str) -> web.Response | None:
-    """The 401 for a request to a keyed route without the key; None when it may pass."""
-    if is_open(request.path):
-        return None
-    presented = presented_key(request)
-    if presented is None:
-        return unauthorized("no API key: send 'Authorization: Bearer <key>' (on the realtime websocket, the "
-                            f"'{SUBPROTOCOL_KEY_PREFIX}<key>' subprotocol also works)")
-    if not key_matches(presented, api_key):
-        return unauthorized("the API key is not valid")
-    return None
 
 
 class Origins:
@@ -172,31 +166,6 @@ def allowed_headers(request: web.Request) -> str:
         if _FIELD_NAME.match(h.strip()):
             names.setdefault(h.strip().lower(), h.strip())
     return ", ".join(names.values())
-
-
-def expect_handler(api_key: str | None,
-                   max_body_bytes: int) -> Callable[[web.Request], Awaitable[web.Response | None]]:
-    """The answer to `Expect: 100-continue` (curl sends it for bodies over 1 MB): aiohttp's says "100
-    Continue" before any middleware has looked, so a client uploads up to `max_body_bytes` only to be told
-    its key is wrong or its body too long. Those are answered now, before the body is sent."""
-    async def expect(request: web.Request) -> web.Response | None:
-        if request.version != HttpVersion11:
-            return None
-        if request.headers.get(hdrs.EXPECT, "").lower() != "100-continue":
-            return error_response(f"unknown Expect: {request.headers.get(hdrs.EXPECT)}", status=417,
-                                  code="expectation_failed")
-        refusal = key_refusal(request, api_key) if api_key else None
-        if refusal is None and (request.content_length or 0) > max_body_bytes:
-            refusal = error_response(f"the request body is larger than the server's limit of {max_body_bytes} "
-                                     f"bytes ({max_body_bytes // 2**20} MiB)", status=413,
-                                     code="request_entity_too_large")
-        if refusal is not None:
-            refusal.force_close()  # the body was not sent: the connection cannot carry another request
-            return refusal
-        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        request.writer.output_size = 0  # as aiohttp's own: the answer proper has not begun
-        return None
-    return expect
 
 
 def access_middlewares(api_key: str | None, origins: Origins) -> list[Middleware]:

@@ -18,7 +18,7 @@ import time
 from typing import TYPE_CHECKING
 
 import structlog
-from aiohttp import web
+from aiohttp import HttpVersion11, hdrs, web
 
 from mstar.config import ServerConfig
 from mstar.errors import RequestError
@@ -27,7 +27,7 @@ from mstar.http.openapi import routes as openapi_routes
 from mstar.http.realtime import routes as realtime_routes
 from mstar.http.speech import routes as speech_routes
 from mstar.http.text import native_routes, openai_routes, tokenize_routes
-from mstar.http.access import Origins, access_middlewares, expect_handler
+from mstar.http.access import Origins, access_middlewares
 from mstar.http.deadlines import body_deadline
 from mstar.http.keys import ADMITTED_NOW, ENGINE, MEDIA, MEDIA_LIMITS, SOCKETS, STARTED
 from mstar.http.media import MediaDecoder
@@ -44,6 +44,8 @@ log = structlog.get_logger("mstar.http")
 DRAIN_S = 7.0
 # Token-id prompts are long in JSON; aiohttp's 1 MiB default is too small.
 MAX_BODY_BYTES = 32 * 2**20
+TOO_LARGE = (f"the request body is larger than the server's limit of {MAX_BODY_BYTES} bytes "
+             f"({MAX_BODY_BYTES // 2**20} MiB)")
 
 
 @web.middleware
@@ -69,8 +71,7 @@ async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamRe
         elif e.status == 405:
             message = f"method {request.method} is not allowed on {request.path}"
         elif e.status == 413:
-            message = (f"the request body is larger than the server's limit of {MAX_BODY_BYTES} bytes "
-                       f"({MAX_BODY_BYTES // 2**20} MiB)")
+            message = TOO_LARGE
         else:
             message = e.reason
         return error_response(message, status=e.status, code=e.reason.lower().replace(" ", "_"))
@@ -94,6 +95,29 @@ async def admission(request: web.Request, handler: Handler) -> web.StreamRespons
         return await handler(request)
     finally:
         running.discard(id(request))
+
+
+async def expect_later(request: web.Request) -> web.Response | None:
+    """aiohttp's answer to `Expect: 100-continue` (curl sends it for bodies over 1 MB) is "100 Continue"
+    before any middleware has looked, so a client uploaded up to 32 MiB only to be told its key was wrong,
+    the line full or the body too long. Here only an Expect we do not know is refused; `continue_body`
+    asks for the body once the middlewares before it let the request through."""
+    expect = request.headers.get(hdrs.EXPECT, "")
+    if request.version == HttpVersion11 and expect.lower() != "100-continue":
+        return error_response(f"unknown Expect: {expect}", status=417, code="expectation_failed")
+    return None
+
+
+@web.middleware
+async def continue_body(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if request.version == HttpVersion11 and request.headers.get(hdrs.EXPECT, "").lower() == "100-continue":
+        if (request.content_length or 0) > MAX_BODY_BYTES:
+            response = error_response(TOO_LARGE, status=413, code="request_entity_too_large")
+            response.force_close()  # the body was never sent: the connection cannot carry another request
+            return response
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # as aiohttp's own: the answer proper has not begun
+    return await handler(request)
 
 
 async def health(request: web.Request) -> web.Response:
@@ -123,7 +147,7 @@ def build_app(engine: Engine, *, manage_engine: bool = True, drain_s: float = DR
     config = config or ServerConfig()
     origins = Origins(config.allowed_origins)
     app = web.Application(middlewares=[request_context, errors_as_json, *access_middlewares(config.api_key, origins),
-                                       admission, body_deadline(config.body_timeout)],
+                                       admission, continue_body, body_deadline(config.body_timeout)],
                           client_max_size=MAX_BODY_BYTES)
     app[ENGINE] = engine
     app[SOCKETS] = set()
@@ -153,7 +177,7 @@ def build_app(engine: Engine, *, manage_engine: bool = True, drain_s: float = DR
         app.on_shutdown.append(drain_engine)
         app.on_cleanup.append(stop_engine)
     app.on_shutdown.append(realtime_routes.close_sockets)  # after the drain: their responses ended by then
-    post = functools.partial(app.router.add_post, expect_handler=expect_handler(config.api_key, MAX_BODY_BYTES))
+    post = functools.partial(app.router.add_post, expect_handler=expect_later)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics_routes.metrics)
     app.router.add_get("/v1/models", openai_routes.list_models)
