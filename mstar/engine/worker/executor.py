@@ -265,6 +265,8 @@ class Executor:
         n = sl.stop - sl.start
         launched: Pending | None = None
         mixed = self._take_mixed(plan, runner)
+        # new rows whose mixed step failed, with their inputs: each runs again on its own
+        broke: tuple[Batch, list[dict[str, torch.Tensor]]] | None = None
         if n:
             try:
                 fed = self.walker.streams.take_items(group.rows[sl]) if group.shape.fed is not None else None
@@ -272,13 +274,15 @@ class Executor:
                     group.stream.after_worker()
                     try:
                         launch = runner.run_group(group, sl, fed, mixed.rows if mixed else None)
-                    except Exception as e:
+                    except Exception:
                         if mixed is None or runner.state is not None:
                             raise   # rows of per-row state may be half updated in place: none can step again
-                        # the group's state is as it was: its rows step alone, the new rows fail
+                        # the group's state is as it was: its rows step again alone; each new row runs on its
+                        # own after it, so that only a row whose input breaks a step fails
+                        self.stats.failed_steps += 1
                         log.exception("mixed step failed", device=self.name, component=group.component,
                                       rows=n, new_rows=len(mixed.items))
-                        self._fail(Batch(group.component, mixed.items[0].mode, mixed.items), f"{type(e).__name__}: {e}")
+                        broke = Batch(group.component, mixed.items[0].mode, mixed.items), mixed.inputs
                         mixed = None
                         launch = runner.run_group(group, sl, fed)
                     launched = group.launched(sl, launch.tokens, launch.logprobs, launch.extras)
@@ -297,6 +301,8 @@ class Executor:
                     self.stats.mixed_steps += 1
                     self.stats.mixed_graph_steps += runner.mixed_replayed
                     self.stats.mixed_rows += len(mixed.items)
+        if broke is not None:
+            self._retry_alone(*broke)
         t1, c1 = time.perf_counter(), time.thread_time()
         # on CUDA the runner only waited for the previous step's inputs to land;
         # on the CPU it computed (synchronously) for that long
