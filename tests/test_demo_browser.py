@@ -26,6 +26,7 @@ from mstar.http.server import build_app
 CHROMIUM = "/usr/bin/chromium"
 DRIVER = "/usr/bin/chromedriver"
 MODEL = "orpheus-tiny"
+HEARING_MODEL = "qwen3-omni-tiny"
 KEY = "sk-demo-key"
 
 try:
@@ -51,15 +52,15 @@ FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "-
          "--autoplay-policy=no-user-gesture-required", "--disable-dev-shm-usage")
 
 
-def serve_in_thread(config: ServerConfig | None = None) -> Iterator[str]:
-    """orpheus-tiny behind the app, on a loop of its own in a thread: the
-    Selenium calls block, so the server cannot share the test's loop."""
+def serve_in_thread(config: ServerConfig | None = None, model: str = MODEL) -> Iterator[str]:
+    """`model` (orpheus-tiny) behind the app, on a loop of its own in a thread:
+    the Selenium calls block, so the server cannot share the test's loop."""
     started = threading.Event()
     box: dict[str, Any] = {}
 
     async def serve() -> None:
         try:
-            async with running_engine(MODEL) as engine, \
+            async with running_engine(model) as engine, \
                     serving_app(build_app(engine, manage_engine=False, config=config), handler_cancellation=True,
                                 access_log=None, shutdown_timeout=1.0) as url:
                 box["stop"] = asyncio.Event()
@@ -94,10 +95,14 @@ def keyed_server() -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
+    yield from chromium()
+
+
+def chromium(*flags: str) -> Iterator[Any]:
     profile = tempfile.mkdtemp(prefix="mstar-chromium-")
     options = Options()
     options.binary_location = CHROMIUM
-    for flag in (*FLAGS, f"--user-data-dir={profile}"):
+    for flag in (*FLAGS, *flags, f"--user-data-dir={profile}"):
         options.add_argument(flag)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(service=Service(executable_path=DRIVER), options=options)
@@ -278,3 +283,28 @@ def test_the_server_ending_the_session_is_shown(stoppable_server: tuple[str, Cal
     assert {"code": "websocket", "message": "the realtime session closed: the server is shutting down"} \
         in state["errors"], state["errors"]
     assert "the server is shutting down" in text_of(browser, "errors")
+
+
+@pytest.fixture(scope="module")
+def hearing_server() -> Iterator[str]:
+    yield from serve_in_thread(model=HEARING_MODEL)
+
+
+@pytest.fixture(scope="module")
+def listening_browser() -> Iterator[Any]:
+    """Chromium whose microphone is its fake device (a tone that does not stop), granted without asking."""
+    yield from chromium("--use-fake-device-for-media-stream", "--use-fake-ui-for-media-stream")
+
+
+def test_stopping_the_microphone_mid_turn_answers_that_turn(hearing_server: str, listening_browser: Any) -> None:
+    """The server's VAD heard speech start and waits for silence; recording
+    stops first: the page commits the turn, which the server stops, commits
+    and answers as the silence would have."""
+    open_page(listening_browser, hearing_server, max_tokens=4)
+    listening_browser.find_element(By.ID, "mic").click()
+    wait_for(listening_browser, lambda s: s["vad"] == "speech", "the VAD hearing the fake microphone", 60)
+    listening_browser.find_element(By.ID, "mic").click()
+    # the server's own response (its VAD answers a turn), which the page follows
+    state = wait_for(listening_browser, lambda s: s["active"] and s["audioBytes"] > 0, "the turn's answer", 120)
+    assert len(state["turns"]) == 1 and state["turns"][0][1] is not None, state["turns"]  # its speech_stopped came
+    no_console_errors(listening_browser)

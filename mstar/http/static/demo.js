@@ -299,7 +299,8 @@ function play(b64) {
 // ------------------------------------------------------------- microphone
 
 // Records 24 kHz PCM16 into input_audio_buffer.append, 100 ms at a time. With the server's VAD on, turns are
-// committed and answered there; with it off, the second click commits and asks for a response.
+// committed and answered there (a turn still under way when recording stops is committed by the second click);
+// with it off, the second click commits and asks for a response.
 // Enabled only when the session says the model takes audio input.
 async function toggleMic() {
   if (mic) {
@@ -309,11 +310,16 @@ async function toggleMic() {
     flush(mic);
     mic = null;
     $("mic").textContent = "Microphone";
+    const speaking = state.vad === "speech";
     state.vad = "off";
     const detecting = state.session && state.session.audio && state.session.audio.input.turn_detection;
     if (!detecting) {
       send({type: "input_audio_buffer.commit"});
       startResponse();
+    } else if (speaking) {
+      // the VAD would wait for silence that no longer comes: the turn under way ends where the recording did,
+      // and the server stops, commits and answers it as it would have
+      send({type: "input_audio_buffer.commit"});
     }
     render();
     return;
