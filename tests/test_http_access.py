@@ -7,6 +7,7 @@ origins only; the SDK sends the key; the flags and the env var parse."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -181,6 +182,41 @@ async def test_a_body_that_would_be_refused_is_refused_before_it_is_sent(
     assert answer.startswith(b"HTTP/1.1 " + status), answer[:200]
     assert b"100 Continue" not in answer and b"application/json" in answer
     assert b"X-Request-Id: " in answer  # refused by the middlewares, so logged as every other request
+
+
+async def _all_answers(url: str, *sent: bytes) -> list[bytes]:
+    """What the server says on one connection after each of `sent` (each read until it pauses 1 s or closes)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    answers = []
+    try:
+        for data in sent:
+            with contextlib.suppress(ConnectionError):
+                writer.write(data)
+            got = b""
+            with contextlib.suppress(TimeoutError, ConnectionError):
+                while chunk := await asyncio.wait_for(reader.read(65536), 1.0):
+                    got += chunk
+            answers.append(got)
+        return answers
+    finally:
+        writer.close()
+
+
+async def test_a_refusal_before_the_body_closes_its_connection(url: str) -> None:
+    """The refused request's body never comes: read on, the next request on the connection would be taken
+    for it (a GET's bytes as the POST's body, the rest a 400). The refusal says it closes, and does."""
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer wrong\r\nContent-Length: 20\r\nExpect: 100-continue\r\n\r\n")
+    refused, after = await _all_answers(url, head, b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert refused.startswith(b"HTTP/1.1 401 ") and b"Connection: close" in refused, refused[:400]
+    assert after == b"", after[:400]
+
+
+async def test_a_route_that_asks_at_once_says_100_continue_once(url: str) -> None:
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nConnection: close\r\n\r\n"
+    [answer] = await _all_answers(url, head)
+    assert answer.count(b"100 Continue") == 1 and b"HTTP/1.1 200 " in answer, answer[:400]
 
 
 async def test_a_body_that_is_welcome_is_asked_for(url: str) -> None:

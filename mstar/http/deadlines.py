@@ -126,7 +126,7 @@ class HeadDeadlineHandler(web.RequestHandler):
 
     def data_received(self, data: bytes) -> None:
         parsed = self._request_count
-        if self._close and not self._force_close and self._request_in_progress:
+        if self._close and not self._force_close:
             # shutdown began (`close`), and aiohttp drops whatever arrives from then on: a body half sent
             # would never end, and its request would be cut with no answer although the drain waits for it
             self._close = False
@@ -209,7 +209,8 @@ class DeadlineServer(web.Server):
         then closes. A websocket's session reads on through the drain (a
         realtime client's cancel must reach it); the drain closes those."""
         for conn in self.connections:
-            if conn._upgraded:  # aiohttp's own flag: the connection became a websocket
+            # aiohttp's own flag that the connection became a websocket (`_upgrade` before 3.14)
+            if getattr(conn, "_upgraded", getattr(conn, "_upgrade", False)):
                 continue
             idle = isinstance(conn, HeadDeadlineHandler) and conn._waiting_for_request()
             conn.close()

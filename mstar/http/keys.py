@@ -18,9 +18,9 @@ ENGINE: web.AppKey[Engine] = web.AppKey("mstar_engine")
 STARTED = web.AppKey("mstar_started", int)      # unix time the app was built
 # realtime connections open now: shutdown closes them with "going away" once their responses ended
 SOCKETS = web.AppKey("mstar_sockets", set)
-# generation requests past admission whose handlers run: the drain waits for them too (one may still be
-# uploading its body, with nothing in the engine yet)
-ADMITTED_NOW = web.AppKey("mstar_admitted_now", set)
+# generation requests past admission whose handlers run, by id: the drain waits for those whose bodies are
+# still arriving (nothing of them in the engine yet)
+ADMITTED_NOW = web.AppKey("mstar_admitted_now", dict)
 MEDIA: web.AppKey[MediaDecoder] = web.AppKey("mstar_media")  # decodes requests' audio and images off the loop
 MEDIA_LIMITS: web.AppKey[MediaLimits] = web.AppKey("mstar_media_limits")  # what the decoder may be asked to decode
 REQUEST_ID = web.RequestKey("mstar_request_id", str)

@@ -44,6 +44,8 @@ log = structlog.get_logger("mstar.http")
 DRAIN_S = 7.0
 # Token-id prompts are long in JSON; aiohttp's 1 MiB default is too small.
 MAX_BODY_BYTES = 32 * 2**20
+# a request whose route holds "100 Continue" back until the middlewares have looked (`expect_later`)
+CONTINUE_OWED = web.RequestKey("mstar_continue_owed", bool)
 TOO_LARGE = (f"the request body is larger than the server's limit of {MAX_BODY_BYTES} bytes "
              f"({MAX_BODY_BYTES // 2**20} MiB)")
 
@@ -90,11 +92,11 @@ async def admission(request: web.Request, handler: Handler) -> web.StreamRespons
         return await handler(request)
     await request.app[ENGINE].admit()
     running = request.app[ADMITTED_NOW]
-    running.add(id(request))  # a request is not hashable
+    running[id(request)] = request  # a request is not hashable
     try:
         return await handler(request)
     finally:
-        running.discard(id(request))
+        running.pop(id(request), None)
 
 
 async def expect_later(request: web.Request) -> web.Response | None:
@@ -104,20 +106,34 @@ async def expect_later(request: web.Request) -> web.Response | None:
     asks for the body once the middlewares before it let the request through."""
     expect = request.headers.get(hdrs.EXPECT, "")
     if request.version == HttpVersion11 and expect.lower() != "100-continue":
-        return error_response(f"unknown Expect: {expect}", status=417, code="expectation_failed")
+        response = error_response(f"unknown Expect: {expect}", status=417, code="expectation_failed")
+        response.force_close()
+        return response
+    if request.version == HttpVersion11:
+        request[CONTINUE_OWED] = True
     return None
 
 
 @web.middleware
 async def continue_body(request: web.Request, handler: Handler) -> web.StreamResponse:
-    if request.version == HttpVersion11 and request.headers.get(hdrs.EXPECT, "").lower() == "100-continue":
+    if request.get(CONTINUE_OWED):
         if (request.content_length or 0) > MAX_BODY_BYTES:
             response = error_response(TOO_LARGE, status=413, code="request_entity_too_large")
             response.force_close()  # the body was never sent: the connection cannot carry another request
             return response
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.writer.output_size = 0  # as aiohttp's own: the answer proper has not begun
+        request[CONTINUE_OWED] = False
     return await handler(request)
+
+
+async def close_if_body_unasked(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: a request refused before its "100 Continue" (a
+    401, a 429) never sends its body, so its connection can carry nothing
+    after it: read on, the next request would be taken for that body."""
+    if request.get(CONTINUE_OWED):
+        response.force_close()
+        response.headers[hdrs.CONNECTION] = "close"  # the hook runs after the headers were made
 
 
 async def health(request: web.Request) -> web.Response:
@@ -151,7 +167,7 @@ def build_app(engine: Engine, *, manage_engine: bool = True, drain_s: float = DR
                           client_max_size=MAX_BODY_BYTES)
     app[ENGINE] = engine
     app[SOCKETS] = set()
-    admitted = app[ADMITTED_NOW] = set()
+    admitted = app[ADMITTED_NOW] = {}
     app[STARTED] = int(time.time())
     media = app[MEDIA] = MediaDecoder(config.media_workers)  # its processes start with the first decode
     app[MEDIA_LIMITS] = config.media_limits
@@ -161,6 +177,7 @@ def build_app(engine: Engine, *, manage_engine: bool = True, drain_s: float = DR
 
     app.on_cleanup.append(stop_media)
     app.on_response_prepare.append(add_request_id_header)
+    app.on_response_prepare.append(close_if_body_unasked)
     if origins:
         app.on_response_prepare.append(origins.add_headers)
     if manage_engine:
@@ -168,7 +185,9 @@ def build_app(engine: Engine, *, manage_engine: bool = True, drain_s: float = DR
             await engine.start()
 
         async def drain_engine(_: web.Application) -> None:
-            await engine.drain(drain_s, busy=lambda: bool(admitted))
+            # a body still arriving is a request the engine has yet to see; one that only writes an answer out
+            # (to a client that may have stopped reading) holds nothing the drain could finish
+            await engine.drain(drain_s, busy=lambda: any(not r.content.is_eof() for r in admitted.values()))
 
         async def stop_engine(_: web.Application) -> None:
             await engine.shutdown()
