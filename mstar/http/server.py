@@ -117,10 +117,8 @@ async def expect_later(request: web.Request) -> web.Response | None:
 @web.middleware
 async def continue_body(request: web.Request, handler: Handler) -> web.StreamResponse:
     if request.get(CONTINUE_OWED):
-        if (request.content_length or 0) > MAX_BODY_BYTES:
-            response = error_response(TOO_LARGE, status=413, code="request_entity_too_large")
-            response.force_close()  # the body was never sent: the connection cannot carry another request
-            return response
+        if (request.content_length or 0) > MAX_BODY_BYTES:  # its connection closes (`close_if_body_unasked`)
+            return error_response(TOO_LARGE, status=413, code="request_entity_too_large")
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.writer.output_size = 0  # as aiohttp's own: the answer proper has not begun
         request[CONTINUE_OWED] = False

@@ -61,9 +61,7 @@ class WaitingLine:
         deadline = loop.time() + (self.timeout if timeout is None else timeout)
         if self._room is None:
             self._room = asyncio.Event()
-        while len(self._waiting) >= self.limit:
-            if self.closed:
-                raise shutting_down()
+        while len(self._waiting) >= self.limit and not self.closed:
             self._room.clear()
             left = deadline - loop.time()
             if left <= 0:
