@@ -116,11 +116,15 @@ class RealtimeSession:
 
     async def _on_input_audio_buffer_append(self, obj: dict[str, Any]) -> None:
         pcm = decode_audio(field_of(obj, "audio", str, ""), "audio")
-        if not self.hears:
-            raise ProtocolError(f"model '{self.target.name}' takes no audio input; send text with "
-                                "conversation.item.create", "audio_input_not_supported", "audio")
+        self._needs_hearing("audio")
         for ev in self.buffer.append(pcm):
             await self._on_vad(ev)
+
+    def _needs_hearing(self, param: str | None) -> None:
+        """An input buffer event on a model that does not hear is refused (`param`: the field at fault)."""
+        if not self.hears:
+            raise ProtocolError(f"model '{self.target.name}' takes no audio input; send text with "
+                                "conversation.item.create", "audio_input_not_supported", param)
 
     async def _on_vad(self, ev: VadEvent) -> None:
         """Speech started: the buffer keeps audio from there on, and a running
@@ -149,9 +153,7 @@ class RealtimeSession:
             await self._on_response_create({"type": "response.create"})
 
     async def _on_input_audio_buffer_commit(self, obj: dict[str, Any]) -> None:
-        if not self.hears:
-            raise ProtocolError(f"model '{self.target.name}' takes no audio input; send text with "
-                                "conversation.item.create", "audio_input_not_supported")
+        self._needs_hearing(None)
         if self._vad_item is not None:  # mid-speech: the turn server VAD announced ends here
             await self._end_announced_turn()
             return
