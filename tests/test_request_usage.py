@@ -20,8 +20,8 @@ def _state(**fields: Any) -> RequestState:
 def test_a_stopped_text_partition_counts_what_was_taken_in_and_the_rest_what_was_sampled() -> None:
     st = _state()
     for _ in range(4):
-        assert not st.feed_tokens("thinker", [5], "a")
-    assert st.feed_tokens("thinker", [6], "xx")  # the stop string: the event loop stops the partition
+        assert not st.feed_token("thinker", 5, "a")
+    assert st.feed_token("thinker", 6, "xx")  # the stop string: the event loop stops the partition
     assert st.stopped == {"thinker"}
     # the worker's count of the stopped row is the one it last had (2); the talker's frames ran to their end (9)
     assert st.shard_done("stop", None, {"thinker": 2, "talker": 9}, 0) == "stop"
@@ -30,8 +30,8 @@ def test_a_stopped_text_partition_counts_what_was_taken_in_and_the_rest_what_was
 
 def test_a_stopped_partition_does_not_count_what_its_worker_drew_after_the_stop() -> None:
     st = _state()
-    st.feed_tokens("llm", [5], "a")
-    st.feed_tokens("llm", [6], "xx")
+    st.feed_token("llm", 5, "a")
+    st.feed_token("llm", 6, "xx")
     st.shard_done("stop", None, {"llm": 4}, 0)  # two more drawn before the stop reached the worker
     assert st.num_generated == 2 and st.num_output_tokens == 2
 
@@ -42,14 +42,14 @@ def test_a_partition_that_ran_its_course_counts_what_its_worker_sampled() -> Non
     assert spoken.num_output_tokens == 40
     text = _state()
     for _ in range(3):
-        text.feed_tokens("llm", [5], "a")
+        text.feed_token("llm", 5, "a")
     text.shard_done("length", None, {"llm": 3}, 0)
     assert text.num_output_tokens == 3
 
 
 def test_parts_on_two_workers_add_up_once_both_are_done() -> None:
     st = _state(places={"thinker": 0, "talker": 1})
-    st.feed_tokens("thinker", [5], "a")
+    st.feed_token("thinker", 5, "a")
     assert st.shard_done("stop", None, {"thinker": 1}, 0) is None and st.num_output_tokens == 1
     assert st.shard_done("stop", None, {"talker": 6}, 1) == "stop"
     assert st.num_generated == 7 and st.num_output_tokens == 7

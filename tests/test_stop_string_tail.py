@@ -22,7 +22,7 @@ def _last_token_holds_back(st: RequestState) -> None:
     a three-byte character) renders as text ending in U+FFFD: all of it is held."""
     assert st.detok is not None
     assert st.detok.push([ord("a"), ord("b"), 0xE2]) == ""
-    assert not st.feed_tokens("llm", [0xE2], "")
+    assert not st.feed_token("llm", 0xE2, "")
 
 
 def _chunks(st: RequestState) -> list[OutputChunk]:

@@ -14,6 +14,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors,
 from tokenizers import Tokenizer as HFTokenizer
 
 from mstar.errors import RequestError
+from mstar.models.detokenizer import WINDOW
 from mstar.models.tokenizer import (BYTE_TOKENIZER_VOCAB_SIZE, IncrementalDetokenizer, Tokenizer,
                                     builtin_byte_tokenizer)
 
@@ -123,8 +124,36 @@ def test_detokenizer_window_stays_small():
     for _ in range(500):
         detok.push([97])
         detok.push([260])  # skipped special: must not grow the window
-    assert len(detok._window) <= 2
+        assert len(detok._window) <= WINDOW
     assert detok.text == "a" * 500
+    for _ in range(500):  # a run of them with no text between
+        assert detok.push([260]) == ""
+    assert len(detok._window) <= WINDOW
+    assert detok.push([98]) == "b"
+
+
+def test_detokenizer_over_long_sequences_matches_decode():
+    """Windows start again from their last ids many times over: what streams
+    still joins into the whole decode, for a byte-level BPE and for a
+    sentencepiece-style vocabulary whose decoder strips a leading space."""
+    rng = random.Random(3)
+    words = ["the", "héllo", "世界", "🎉", "fox", "a", "\n", "über"]
+    text = " ".join(rng.choice(words) for _ in range(400))
+    bpe = HFTokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator([text], trainers.BpeTrainer(vocab_size=300,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    pieces = sorted({"\u2581" + w for w in words} | {c for w in words for c in w} | {"\u2581"})
+    sp = HFTokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[]))
+    sp.pre_tokenizer = pre_tokenizers.Metaspace()
+    sp.decoder = decoders.Metaspace()
+    for hf in (bpe, sp):
+        tok = Tokenizer(hf)
+        ids = hf.encode(text).ids
+        assert len(ids) > 10 * WINDOW
+        chunks = [rng.randint(1, 3) for _ in range(len(ids))]
+        assert "".join(_stream(tok, ids, chunks)) == hf.decode(ids)
 
 
 def _trained_folder(tmp_path, post_processor: bool, add_bos: bool | None):

@@ -10,7 +10,7 @@ Importable without torch.
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +142,12 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @property
+    def decode_list(self) -> Callable[[list[int], bool], str]:
+        """`decode` for a list of ints, without the copy and keyword (a call
+        for every running request's token, on the event loop)."""
+        return self._tok.decode
 
     def decode_batch(self, seqs: Sequence[Sequence[int]], skip_special_tokens: bool = True) -> list[str]:
         """Several decodes, each as `decode` gives it. The library's batch call

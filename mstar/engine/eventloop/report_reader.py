@@ -1,6 +1,6 @@
 """Workers' step reports into requests' output chunks, on the event loop:
-each emitted batch is fed to its requests (a step's text tokens detokenised
-together, stop strings and host stop rules judged there), stops go back to
+each emitted batch is fed to its requests (text tokens detokenised, stop
+strings and host stop rules judged there), stops go back to
 the workers that run the parts that stopped, and a request ends once every
 worker it ran on has finished it. Hooks observe every report, before and
 after it is read.
@@ -20,7 +20,6 @@ from mstar.engine.eventloop.waiting_line import WaitingLine
 from mstar.engine.eventloop.worker_load import WorkerLoad
 from mstar.engine.messages import Abort, Finished, StepReport, Stop
 from mstar.graph import Emit, WalkPlan
-from mstar.models.detokenizer import push_batch
 
 if TYPE_CHECKING:
     from mstar.engine.worker.device_worker import DeviceWorker
@@ -66,21 +65,22 @@ class ReportReader:
                 data: list = pcm16(batch.data)
             else:
                 data = batch.data.tolist() if hasattr(batch.data, "tolist") else [t.tolist() for t in batch.data]
-            tokens: list[tuple[RequestState, str, int, list[float] | None]] = []
             logprobs = repeat(None) if batch.logprobs is None else batch.logprobs.tolist()
+            text = emit.modality == "text"
             for rid, part, row, logprob in zip(batch.request_ids, batch.partitions, data, logprobs):
                 state = self._states.get(rid)
                 if state is None or state.finished or part in state.stopped:
                     self._stats["outputs_dropped"] += 1
                     continue
-                self._waiting.started(rid)
-                if emit.modality == "text" and isinstance(row, int):
-                    tokens.append((state, part, row, logprob))
-                elif (state.feed_value(part, batch.value, emit.modality, row, emit.sample_rate)
-                      or self._host_stop(state, part, batch.value, row)):
+                if self._waiting:
+                    self._waiting.started(rid)
+                if text and isinstance(row, int):
+                    stop = self._feed_token(state, part, row, logprob, batch.value)
+                else:
+                    stop = (state.feed_value(part, batch.value, emit.modality, row, emit.sample_rate)
+                            or self._host_stop(state, part, batch.value, row))
+                if stop:
                     self._workers[state.worker_of(part)].send(Stop(rid, part))
-            if tokens:
-                self._feed_tokens(tokens, batch.value)
             self._metrics.outputs(batch.request_ids, emit.modality)
         for fin in report.finished:
             assert self._load is not None  # `serve` runs before any worker does
@@ -100,20 +100,13 @@ class ReportReader:
                 return plan.emits[value]
         return Emit(value)
 
-    def _feed_tokens(self, tokens: list[tuple[RequestState, str, int, list[float] | None]], value: str) -> None:
-        """One token (and its packed logprobs, if its step computed any) for
-        each of many requests: detokenised together (one call into the
-        tokenizer for the step), then fed one by one."""
-        with_text = [i for i, (state, _, token, _) in enumerate(tokens)
-                     if state.detok is not None and state.shows(token)]
-        texts = [""] * len(tokens)
-        if with_text:
-            pieces = push_batch([tokens[i][0].detok for i in with_text], [[tokens[i][2]] for i in with_text])
-            for i, piece in zip(with_text, pieces):
-                texts[i] = piece
-        for (state, part, token, logprob), text in zip(tokens, texts):
-            if state.feed_tokens(part, [token], text, logprob) or self._host_stop(state, part, value, token):
-                self._workers[state.worker_of(part)].send(Stop(state.request_id, part))
+    def _feed_token(self, state: RequestState, part: str, token: int, logprob: list[float] | None,
+                    value: str) -> bool:
+        """One text token (and its packed logprobs, if its step computed
+        any) into its request; whether the request's part stops there."""
+        detok = state.detok
+        text = detok.push((token,)) if detok is not None and state.shows(token) else ""
+        return state.feed_token(part, token, text, logprob) or self._host_stop(state, part, value, token)
 
     @staticmethod
     def _host_stop(state: RequestState, part: str, value: str, data: object) -> bool:

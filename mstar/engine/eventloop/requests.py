@@ -164,18 +164,22 @@ class RequestState:
         token that ends it, unless `include_stop_str_in_output` (vLLM's)."""
         return token not in self.stop_token_ids or self.sampling.include_stop_str_in_output
 
-    def feed_tokens(self, partition: str, ids: list[int], text: str, logprob: list[float] | None = None) -> bool:
-        """New token ids from a step and their new text (detokenised by the
-        caller, for many requests at once), with the token's packed logprobs
-        row when its step computed some; returns True when a stop string
-        matched (the caller then stops the partition on its worker)."""
-        self.num_output_tokens += len(ids)
-        self.fed[partition] = self.fed.get(partition, 0) + len(ids)
-        safe, hit = self.stops.push(text, self._stops_armed)
+    def feed_token(self, partition: str, token: int, text: str, logprob: list[float] | None = None) -> bool:
+        """A new token from a step and its new text (detokenised by the
+        caller), with the token's packed logprobs row when its step computed
+        some; returns True when a stop string matched (the caller then stops
+        the partition on its worker). Runs for every running request's token."""
+        self.num_output_tokens += 1
+        fed = self.fed
+        fed[partition] = fed.get(partition, 0) + 1
+        if self.stops.stops:
+            text, hit = self.stops.push(text, self._stops_armed)
+        else:
+            hit = False
         k = self.sampling.logprobs
-        logprobs = (_token_logprob(ids[0], logprob, k),) if logprob is not None and k is not None else None
+        logprobs = (_token_logprob(token, logprob, k),) if logprob is not None and k is not None else None
         self.queue.put_nowait(OutputChunk(
-            request_id=self.request_id, token_ids=tuple(ids), text=safe, logprobs=logprobs,
+            request_id=self.request_id, token_ids=(token,), text=text, logprobs=logprobs,
             num_prompt_tokens=self.num_prompt_tokens, num_output_tokens=self.num_output_tokens))
         if hit:
             self.stopped.add(partition)

@@ -86,9 +86,11 @@ class Router:
             self._route_tokens(report, p, host, route, keep if on is None else [i for i in keep if i in on],
                                going_on if on is None else [i for i in going_on if i in on])
         if group.followed:  # rows following their ids for the prefix cache (those leaving get theirs as they go)
-            ids = host.tolist()
-            for i in going_on:
-                p.rows[i].row(group.component).sampled(ids[i])
+            ids, rows, component = host.tolist(), p.rows, group.component
+            for i in going_on:  # every row, every step: `KVRow.sampled` without two calls a row
+                followed = rows[i].row(component).token_ids
+                if followed is not None:
+                    followed.append(ids[i])
         extras = self._group_extras(report, group, p, keep, going_on, {leave.row for leave in leaving})
         for leave in leaving:
             self.walker.left_group(leave, {name: refs[leave.row] for name, refs in extras.items()})
