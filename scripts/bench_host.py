@@ -68,9 +68,11 @@ async def measure(model: str, devices: tuple[str, ...], batch: int, tokens: int,
 
     if profile_rows:
         worker_profile.start()
-    t0 = time.perf_counter()
+    worker_cpu_s = getattr(eng.workers[0], "cpu_s", lambda: 0.0)  # 0: a tree older than it (compare runs)
+    t0, loop_cpu0, worker_cpu0 = time.perf_counter(), time.thread_time(), worker_cpu_s()
     await asyncio.gather(*[one(i) for i in range(batch)])
     wall = time.perf_counter() - t0
+    loop_cpu, worker_cpu = time.thread_time() - loop_cpu0, worker_cpu_s() - worker_cpu0
     prof = worker_profile.stop()
     st = eng.workers[0].stats
     await eng.shutdown()
@@ -87,6 +89,9 @@ async def measure(model: str, devices: tuple[str, ...], batch: int, tokens: int,
         "wait_ms": 1e3 * st.wait_s / max(st.steps, 1),
         "launch_ms": 1e3 * st.launch_s / max(st.steps, 1),
         "finalize_ms": 1e3 * st.finalize_s / max(st.steps, 1),
+        # the two threads' CPU time over the run, per step: under one GIL a step takes at least their Python
+        "worker_cpu_ms": 1e3 * worker_cpu / max(st.steps, 1),
+        "loop_cpu_ms": 1e3 * loop_cpu / max(st.steps, 1),
         "profile": prof,
     }
 
@@ -106,14 +111,15 @@ def main() -> None:
     print(f"# {platform.platform()} | python {platform.python_version()} | torch {torch.__version__} "
           f"| {os.cpu_count()} cpus | threads {torch.get_num_threads()} | model {a.model} on {a.devices}")
     print("step = period between decode steps; device = blocked on the device (CPU: compute); host = step - device;")
-    print("loop = event loop per report; wait/launch/finalize = the worker's phases per step")
+    print("loop = event loop per report; wait/launch/finalize = the worker's phases per step;")
+    print("cpu w / l = the worker's and the event loop's thread CPU time per step, over the whole run")
     print(f"{'batch':>6} {'steps':>6} {'step ms':>8} {'device ms':>10} {'host ms':>8} {'loop ms':>8} "
-          f"{'wait':>6} {'launch':>7} {'final':>6} {'tok/s':>9}")
+          f"{'wait':>6} {'launch':>7} {'final':>6} {'cpu w':>6} {'cpu l':>6} {'tok/s':>9}")
     for b in a.batches:
         r = asyncio.run(measure(a.model, tuple(a.devices.split(",")), b, a.tokens, a.load_format, a.cprofile))
         print(f"{r['batch']:>6} {r['decode_steps']:>6} {r['step_ms']:>8.2f} {r['device_ms']:>10.2f} "
               f"{r['host_ms']:>8.2f} {r['loop_ms_per_report']:>8.2f} {r['wait_ms']:>6.2f} {r['launch_ms']:>7.2f} "
-              f"{r['finalize_ms']:>6.2f} {r['tokens_per_s']:>9.0f}")
+              f"{r['finalize_ms']:>6.2f} {r['worker_cpu_ms']:>6.2f} {r['loop_cpu_ms']:>6.2f} {r['tokens_per_s']:>9.0f}")
         if r["profile"] is not None:
             print(f"\n## batch {b}: the worker's Python, {r['decode_steps']} full decode steps", flush=True)
             stats = pstats.Stats(r["profile"])

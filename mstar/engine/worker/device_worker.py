@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import traceback
 from typing import Callable
 
@@ -79,6 +80,11 @@ class DeviceWorker:
 
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
+
+    def cpu_s(self) -> float:
+        """The worker thread's CPU time so far, in seconds (0.0 before it starts)."""
+        ident = self._thread.ident
+        return 0.0 if ident is None else time.clock_gettime(time.pthread_getcpuclockid(ident))
 
     @property
     def components(self) -> list[str]:
