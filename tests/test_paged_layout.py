@@ -112,3 +112,36 @@ def test_refusals_name_the_problem():
         decode_bucket(1, torch.tensor([0, 0]), torch.zeros(2, 1, dtype=torch.long), PAGE, NUM_PAGES)
     with pytest.raises(ValueError, match="disagree"):
         build_layout(torch.tensor([0, 1]), torch.tensor([0, 0]), [[1], [2]], PAGE, NUM_PAGES)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_decode_tables_as_arrays_lay_out_as_the_general_path_does(seed):
+    """Decode rows over [B, P] tables (and `decode_bucket`'s padding) take a path of their own: the same
+    layout as the general one gives the same tables as lists, padding rows spelled out."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, width = 1 + seed * 5, 2 + seed
+    ctx = torch.randint(0, width * PAGE, (rows,), generator=gen)
+    bt = torch.randint(0, NUM_PAGES + 1, (rows, width), generator=gen)
+    fields = ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len", "slot_mapping", "seq_lens")
+
+    def same(a, b):
+        assert a.max_query_len == b.max_query_len
+        for f in fields:
+            x, y = getattr(a, f), getattr(b, f)
+            assert x.dtype == y.dtype and x.tolist() == y.tolist(), f
+
+    same(build_layout(torch.arange(rows + 1), ctx, bt, PAGE, NUM_PAGES),
+         build_layout(torch.arange(rows + 1), ctx, bt.tolist(), PAGE, NUM_PAGES))
+    pad = seed
+    same(decode_bucket(rows + pad, ctx, bt, PAGE, NUM_PAGES),
+         build_layout(torch.arange(rows + pad + 1), ctx.tolist() + [0] * pad, bt.tolist() + [[NUM_PAGES]] * pad,
+                      PAGE, NUM_PAGES))
+    with pytest.raises(ValueError, match="outside"):
+        build_layout(torch.arange(2), torch.tensor([0]), torch.tensor([[NUM_PAGES + 1]]), PAGE, NUM_PAGES)
+    with pytest.raises(ValueError, match="row 0 needs 2 pages for 5 tokens, its block table has 1"):
+        decode_bucket(2, torch.tensor([PAGE]), torch.tensor([[1]]), PAGE, NUM_PAGES)
+    with pytest.raises(ValueError, match="non-negative"):
+        decode_bucket(2, torch.tensor([-1]), torch.tensor([[1]]), PAGE, NUM_PAGES)
+    # a table of no pages: its row reads the scratch page, as the padded table gave it
+    same(decode_bucket(2, torch.tensor([1]), torch.zeros(1, 0, dtype=torch.long), PAGE, NUM_PAGES),
+         build_layout(torch.arange(3), [1, 0], [[NUM_PAGES], [NUM_PAGES]], PAGE, NUM_PAGES))

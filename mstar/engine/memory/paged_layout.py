@@ -88,6 +88,11 @@ def build_layout(query_start: torch.Tensor | np.ndarray, context_lens: torch.Ten
     q_lens = np.diff(qs)
     if (q_lens < 0).any() or (ctx < 0).any():
         raise ValueError("query_start must be non-decreasing and context_lens non-negative")
+    if rows and isinstance(block_tables, (torch.Tensor, np.ndarray)) and (q_lens == 1).all():
+        bt = _ints(block_tables)
+        if bt.ndim != 2 or bt.shape[0] != rows:
+            raise ValueError(f"block_tables must be [B, P] with B = {rows}, got shape {tuple(bt.shape)}")
+        return _decode_layout(ctx, bt, page_size, max_page_id, 0, 0)
     flat, starts, lengths = _flat_tables(block_tables, rows)
 
     seq_lens = ctx + q_lens
@@ -135,11 +140,48 @@ def decode_bucket(batch_size: int, context_lens: torch.Tensor, block_tables: tor
     bt = _ints(block_tables)
     if bt.ndim != 2 or bt.shape[0] != n:
         raise ValueError(f"block_tables must be [n, P] with n = {n}, got shape {tuple(bt.shape)}")
-    padded = np.full((batch_size, max(bt.shape[1], 1)), scratch_page, dtype=np.int64)
-    padded[:n, :bt.shape[1]] = bt
-    full_ctx = np.zeros(batch_size, dtype=np.int64)
-    full_ctx[:n] = ctx
-    return build_layout(np.arange(batch_size + 1), full_ctx, padded, page_size, scratch_page)
+    if (ctx < 0).any():
+        raise ValueError("query_start must be non-decreasing and context_lens non-negative")
+    if not bt.shape[1]:  # a table of no pages reads as one column of the scratch page
+        bt = np.full((n, 1), scratch_page, dtype=np.int64)
+    return _decode_layout(ctx, bt, page_size, scratch_page, batch_size - n, scratch_page)
+
+
+def _decode_layout(ctx: np.ndarray, bt: np.ndarray, page_size: int, max_page_id: int, pad: int,
+                   pad_page: int) -> PagedLayout:
+    """`build_layout` of n rows of one new token each (`ctx` [n] >= 0, `bt`
+    [n, P]), then `pad` rows of context 0 on page `pad_page`: what the
+    general path gives, with no per-token gathers (every row's slot is in
+    its last page), and no copy of the tables into a padded one."""
+    n = ctx.size
+    rows = n + pad
+    pages = ctx // page_size + 1
+    short = np.flatnonzero(pages > bt.shape[1])
+    if short.size:
+        i = int(short[0])
+        raise ValueError(f"row {i} needs {int(pages[i])} pages for {int(ctx[i]) + 1} tokens, "
+                         f"its block table has {bt.shape[1]}")
+    # row after row, each row's first pages (int32: half the bytes to compare, the mask twice as fast)
+    used = bt[np.arange(bt.shape[1], dtype=np.int32) < pages.astype(np.int32)[:, None]]
+    if used.size and (used.min() < 0 or used.max() > max_page_id):
+        raise ValueError(f"block_tables hold page ids outside [0, {max_page_id}]")
+    kv_indptr = np.empty(rows + 1, dtype=np.int32)
+    kv_indptr[0] = 0
+    np.cumsum(pages, out=kv_indptr[1:n + 1])
+    kv_indptr[n + 1:] = kv_indptr[n] + np.arange(1, pad + 1)
+    kv_indices = np.empty(used.size + pad, dtype=np.int32)
+    kv_indices[:used.size] = used
+    kv_indices[used.size:] = pad_page
+    seq_lens = np.ones(rows, dtype=np.int32)
+    seq_lens[:n] = ctx + 1
+    last_page_len = np.ones(rows, dtype=np.int32)
+    last_page_len[:n] = ctx % page_size + 1
+    slots = np.full(rows, pad_page * page_size, dtype=np.int64)
+    slots[:n] = bt[np.arange(n), pages - 1] * page_size + ctx % page_size
+    return PagedLayout(qo_indptr=torch.arange(rows + 1, dtype=torch.int32), kv_indptr=torch.from_numpy(kv_indptr),
+                       kv_indices=torch.from_numpy(kv_indices), kv_last_page_len=torch.from_numpy(last_page_len),
+                       slot_mapping=torch.from_numpy(slots), max_query_len=1 if rows else 0,
+                       seq_lens=torch.from_numpy(seq_lens))
 
 
 class _HostLens(torch.Tensor):
