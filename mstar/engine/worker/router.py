@@ -76,19 +76,25 @@ class Router:
         host = p.host.clone()  # its pinned buffer is reused two launches on; the event loop reads later
         leaving = group.finalize(p)
         valid = group.valid_rows(p)
-        keep = range(len(p.rows)) if valid is None else valid
-        self.stats.dropped_rows += len(p.rows) - len(keep)
-        gone = {id(leave.part) for leave in leaving}
-        going_on = [i for i in keep if id(p.rows[i]) not in gone and not p.rows[i].done]
+        rows = p.rows
+        keep = range(len(rows)) if valid is None else valid
+        self.stats.dropped_rows += len(rows) - len(keep)
+        if leaving:
+            gone = {id(leave.part) for leave in leaving}
+            going_on = [i for i in keep if id(rows[i]) not in gone and not rows[i].done]
+        elif valid is None:  # the steady state: every row's output counts, and none left at this step
+            going_on = [i for i, part in enumerate(rows) if not part.done]
+        else:
+            going_on = [i for i in keep if not rows[i].done]
         routes = p.route_rows()
         for route, idx in routes:  # one, unless rows of several walks stepped together
             on = set(idx) if len(routes) > 1 else None
             self._route_tokens(report, p, host, route, keep if on is None else [i for i in keep if i in on],
                                going_on if on is None else [i for i in going_on if i in on])
         if group.followed:  # rows following their ids for the prefix cache (those leaving get theirs as they go)
-            ids, rows, component = host.tolist(), p.rows, group.component
-            for i in going_on:  # every row, every step: `KVRow.sampled` without two calls a row
-                followed = rows[i].row(component).token_ids
+            ids, kv = host.tolist(), p.kv
+            for i in going_on:  # every row, every step: `KVRow.sampled` without a call a row
+                followed = kv[i].token_ids
                 if followed is not None:
                     followed.append(ids[i])
         extras = self._group_extras(report, group, p, keep, going_on, {leave.row for leave in leaving})

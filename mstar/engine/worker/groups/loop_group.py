@@ -31,6 +31,7 @@ from mstar.engine.execution.sampler import SamplingTensors
 from mstar.engine.movement.transfer import to_device
 from mstar.engine.worker.groups.group_shape import GroupShape
 from mstar.engine.worker.groups.group_stream import GroupStream
+from mstar.engine.worker.kv_rows import KVRow
 from mstar.engine.worker.rows import PartitionRun
 from mstar.engine.worker.groups.pending import Leave, Pending, Route, route_of
 from mstar.engine.worker.groups.row_tables import cat_padded, with_rows
@@ -67,6 +68,7 @@ class LoopGroup:
         self.axes = axes
         self.ticket = -1
         self.rows: list[PartitionRun] = []
+        self.kv_rows: list[KVRow] = []  # each row's KV row of the component: what a step's reader updates
         self.request_ids: list[str] = []
         self.partitions: list[str] = []
         self._joins: list[_Join] = []
@@ -235,6 +237,7 @@ class LoopGroup:
         self.mins = mins
         self._joins = []
         self.rows += parts
+        self.kv_rows += kv
         self.request_ids += [p.request_id for p in parts]
         self.partitions += [p.name for p in parts]
         for p, r in zip(parts, kv):
@@ -370,7 +373,7 @@ class LoopGroup:
         routes = list(self._routes) if len(self._routes) == 1 else [route_of(part) for part in rows]
         pending = Pending(self.seq, rows, self.request_ids[sl], self.partitions[sl], new_tokens, host,
                           event, self.stop_table[sl], self.kv_lens[sl].clone(), counts, self.counters[sl].clone(),
-                          self.drawn[sl].clone(), exhausted, logprobs, dict(extras or {}), routes)
+                          self.drawn[sl].clone(), exhausted, logprobs, dict(extras or {}), routes, self.kv_rows[sl])
         if bool(exhausted.any()):
             # valid in this step's output, gone from the next
             self._drop((exhausted.nonzero().flatten() + sl.start).tolist(), self.seq + 1)
@@ -447,6 +450,7 @@ class LoopGroup:
         kept = keep.nonzero().flatten()
         gone = set(idx)
         self.rows = [r for i, r in enumerate(self.rows) if i not in gone]
+        self.kv_rows = [r for i, r in enumerate(self.kv_rows) if i not in gone]
         self.request_ids = [r.request_id for r in self.rows]
         self.partitions = [r.name for r in self.rows]
         dev_kept = to_device(kept, self.device)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mstar.engine.worker.kv_rows import KVRow
 from mstar.engine.worker.rows import PartitionRun
 from mstar.graph import WalkPlan
 
@@ -69,6 +70,7 @@ class Pending:
     extras: dict[str, torch.Tensor] = field(default_factory=dict)  # walk value -> [n, ...] on the device
     routes: list[Route] = field(default_factory=list)  # where its rows' tokens go: one route covering every row,
     #                                                    or one per row when rows of several walks stepped
+    kv: list[KVRow] = field(default_factory=list)  # each row's KV row of the group's component
 
     def route_rows(self) -> list[tuple[Route, list[int]]]:
         """Each route with the rows it covers."""
