@@ -34,7 +34,8 @@ from mstar.engine.worker.groups.group_stream import GroupStream
 from mstar.engine.worker.kv_rows import KVRow
 from mstar.engine.worker.rows import PartitionRun
 from mstar.engine.worker.groups.pending import Leave, Pending, Route, route_of
-from mstar.engine.worker.groups.row_tables import cat_padded, with_rows
+from mstar.engine.worker.groups.step_inputs import StepInputs
+from mstar.engine.worker.groups.row_tables import cat_padded, rows_of, stepped, with_rows
 
 _NO_CAP = 2**62
 
@@ -50,7 +51,7 @@ class _Join:
     min_tokens: int       # writes before which its stop ids may not be drawn
 
 
-class LoopGroup:
+class LoopGroup(StepInputs):
     def __init__(self, component: str, mode: str, device: torch.device,
                  shape: GroupShape | None = None, axes: int = 1, stream: torch.cuda.Stream | None = None) -> None:
         """`shape`: what a step reads and keeps besides the token; `axes`: of
@@ -294,33 +295,6 @@ class LoopGroup:
 
     # ----------------------------------------------------------------- step
 
-    def sampling_for(self, sl: slice) -> SamplingTensors:
-        assert self.sampling is not None
-        return self.sampling if sl == slice(0, len(self.rows)) else self.sampling.rows(sl)
-
-    def draws_for(self, sl: slice) -> SamplingTensors | None:
-        """Rows `sl`'s parameters for the mode's own draws (None: it draws none)."""
-        st = self.draw_sampling
-        return st if st is None or sl == slice(0, len(self.rows)) else st.rows(sl)
-
-    def banned(self, sl: slice) -> torch.Tensor | None:
-        """Rows `sl`'s stop ids that their next step may not draw (its loop
-        has not written `min_tokens` yet), [n, S] on the host, -1 pads;
-        None when no row bans any."""
-        short = self.counts[sl] < self.mins[sl]
-        if not bool(short.any()):
-            return None
-        return torch.where(short[:, None], self.stop_table[sl], -1)
-
-    def read_back(self, sl: slice) -> dict[str, torch.Tensor]:
-        """What rows `sl`'s next step reads of their last one, by signature input name."""
-        return {name: t[sl] for name, t in self.carried.items()}
-
-    def positions(self, sl: slice) -> torch.Tensor:
-        """Rows `sl`'s next positions on the host: [n], or [axes, n]."""
-        pos = self.kv_lens[sl] + self.deltas[sl] if self.shifted else self.kv_lens[sl]
-        return pos if self.axes == 1 else pos.expand(self.axes, -1)
-
     def launched(self, sl: slice, new_tokens: torch.Tensor, logprobs: torch.Tensor | None = None,
                  extras: dict[str, torch.Tensor] | None = None) -> Pending:
         """Rows `sl` have just been given a step that samples `new_tokens`
@@ -330,16 +304,17 @@ class LoopGroup:
         step brings to their write cap."""
         assert self.sampling is not None
         self.seq += 1
-        self.tokens[sl] = new_tokens
-        self.kv_lens[sl] += 1
-        self.counts[sl] += 1
-        self.counters[sl] += 1
-        self.sampling.counters[sl] += 1
+        full = sl == slice(0, len(self.rows))
+        # the host tables advance into new tensors: the step's Pending keeps views of them, which no later step
+        # writes (a window's rows or all of them: no slicing, copying or cloning when all)
+        self.kv_lens, self.counts = stepped(self.kv_lens, sl, 1, full), stepped(self.counts, sl, 1, full)
+        self.counters = stepped(self.counters, sl, 1, full)
+        (self.tokens if full else self.tokens[sl]).copy_(new_tokens)
+        (self.sampling.counters if full else self.sampling.counters[sl]).add_(1)
         if self.shape.draws is not None:
             assert self.draw_sampling is not None
-            self.drawn[sl] += self.shape.draws[1]
+            self.drawn = stepped(self.drawn, sl, self.shape.draws[1], full)
             self.draw_sampling.counters[sl] += self.shape.draws[1]
-        full = sl == slice(0, len(self.rows))
         for name, out in self.shape.carried.items():
             new = (extras or {})[self.extras[out]]
             if full:  # the step's output itself: the store holds it too, so it is never written in place
@@ -367,13 +342,14 @@ class LoopGroup:
             event.record()
         else:
             host = new_tokens
-        counts = self.counts[sl].clone()
-        exhausted = counts >= self.caps[sl]
+        counts, caps, stops, kv_lens, counters, drawn = rows_of(
+            (self.counts, self.caps, self.stop_table, self.kv_lens, self.counters, self.drawn), sl, full)
+        exhausted = counts >= caps
         rows = self.rows[sl]
         routes = list(self._routes) if len(self._routes) == 1 else [route_of(part) for part in rows]
-        pending = Pending(self.seq, rows, self.request_ids[sl], self.partitions[sl], new_tokens, host,
-                          event, self.stop_table[sl], self.kv_lens[sl].clone(), counts, self.counters[sl].clone(),
-                          self.drawn[sl].clone(), exhausted, logprobs, dict(extras or {}), routes, self.kv_rows[sl])
+        pending = Pending(self.seq, rows, self.request_ids[sl], self.partitions[sl], new_tokens, host, event, stops,
+                          kv_lens, counts, counters, drawn, exhausted, logprobs, dict(extras or {}), routes,
+                          self.kv_rows[sl])
         if bool(exhausted.any()):
             # valid in this step's output, gone from the next
             self._drop((exhausted.nonzero().flatten() + sl.start).tolist(), self.seq + 1)
@@ -472,28 +448,3 @@ class LoopGroup:
         if self.outputs is not None:  # kept while a row penalises its outputs: else each join copies it
             penalised = self.sampling is not None and self.sampling.any_output_penalty
             self.outputs = self.outputs[dev_kept] if penalised else None
-
-    def update_seen(self, sl: slice) -> torch.Tensor | None:
-        """Mark the tokens about to be fed back as seen (repetition penalty)."""
-        if self.seen is None:
-            return None
-        # a scatter of a scalar: indexed assignment of a Python value waits for the device on CUDA
-        window = self.seen[sl]
-        window.scatter_(1, self.tokens[sl].unsqueeze(1), True)
-        return window
-
-    def outputs_for(self, sl: slice, vocab: int) -> torch.Tensor | None:
-        """Rows `sl`'s output counts for their draw, where a row of the group
-        has a presence or frequency penalty (made on first use, [n, vocab])."""
-        assert self.sampling is not None
-        if self.outputs is None:
-            if not self.sampling.any_output_penalty:
-                return None
-            self.outputs = torch.zeros(len(self.rows), vocab, dtype=torch.float32, device=self.device)
-        return self.outputs[sl]
-
-    def count_outputs(self, sl: slice, drawn: torch.Tensor) -> None:
-        """Count the tokens rows `sl` just drew (on the device), where the group counts."""
-        if self.outputs is not None:
-            window = self.outputs[sl]
-            window.scatter_add_(1, drawn.reshape(-1, 1), torch.ones_like(window[:, :1]))

@@ -1,6 +1,7 @@
 """A decode group's per-row tables grown by joining rows: a table of ids
 (page tables, stop ids) padded to its widest row, and a table that exists
-once any row has a row of it (the penalties' seen ids and output counts).
+once any row has a row of it (the penalties' seen ids and output counts);
+a step's advance of its counts, and the rows of a window.
 """
 
 from __future__ import annotations
@@ -32,3 +33,17 @@ def cat_padded(table: torch.Tensor, rows: list, fill: int) -> torch.Tensor:
     if table.shape[1] < width:
         table = torch.cat([table, torch.full((table.shape[0], width - table.shape[1]), fill, dtype=torch.long)], 1)
     return torch.cat([table, new])
+
+
+def stepped(table: torch.Tensor, rows: slice, by: int, every: bool) -> torch.Tensor:
+    """A new `table` [n] whose `rows` (`every`: all n) count `by` more; `table` itself is left as it was."""
+    if every:
+        return table + by
+    table = table.clone()
+    table[rows] += by
+    return table
+
+
+def rows_of(tables: tuple[torch.Tensor, ...], rows: slice, every: bool) -> tuple[torch.Tensor, ...]:
+    """Rows `rows` of each table: the tables themselves where `rows` is `every` row."""
+    return tables if every else tuple(t[rows] for t in tables)
