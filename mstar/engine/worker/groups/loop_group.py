@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from mstar.engine.execution.sampler import SamplingTensors
@@ -80,6 +81,7 @@ class LoopGroup(StepInputs):
         self.counts = torch.empty(0, dtype=torch.long)
         self.caps = torch.empty(0, dtype=torch.long)
         self.mins = torch.empty(0, dtype=torch.long)  # each row's min_tokens
+        self.banning = False  # some row may be short of its min_tokens (False: none is)
         self.stop_table = torch.full((0, 1), -1, dtype=torch.long)
         self.sampling: SamplingTensors | None = None
         self.counters = torch.empty(0, dtype=torch.long)  # host copy of the sampler's draw counters
@@ -236,6 +238,7 @@ class LoopGroup(StepInputs):
         self.deltas, self.shifted = deltas, bool(deltas.any())
         self.carried, self.draw_sampling, self.drawn = carried, draw_sampling, drawn
         self.mins = mins
+        self.banning = self.banning or any(j.count < j.min_tokens for j in joins)
         self._joins = []
         self.rows += parts
         self.kv_rows += kv
@@ -254,7 +257,8 @@ class LoopGroup(StepInputs):
         """Rows whose pages cannot hold the token the next step writes (at
         position kv_lens, which counts the steps launched already)."""
         assert not self._joins, "rows that joined are merged before the group is planned"
-        return (self.kv_lens >= self.page_counts * page_size).nonzero().flatten().tolist()
+        # numpy: a few hundred ints, where each torch op costs more than its work (and lets go of the GIL)
+        return np.flatnonzero(self.kv_lens.numpy() >= self.page_counts.numpy() * page_size).tolist()
 
     def pages(self, row: int) -> list[int]:
         return self.rows[row].row(self.component).pages
@@ -370,8 +374,8 @@ class LoopGroup(StepInputs):
             return self._finalize(p)
 
     def _finalize(self, p: Pending) -> list[Leave]:
-        hit_stop = (p.stop_table == p.host.to("cpu")[:, None]).any(dim=1)
-        done = (hit_stop | p.exhausted).nonzero().flatten().tolist()
+        hit_stop = (p.stop_table.numpy() == p.host.numpy()[:, None]).any(axis=1)
+        done = np.flatnonzero(hit_stop | p.exhausted.numpy()).tolist()
         for seq in [q for q in self._left_at if q < p.seq]:
             # rows that left before launch p.seq are in no step still to finalise
             for key in self._left_at.pop(seq):

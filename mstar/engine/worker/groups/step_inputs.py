@@ -25,6 +25,7 @@ class StepInputs:
     mins: torch.Tensor
     deltas: torch.Tensor
     shifted: bool
+    banning: bool
     stop_table: torch.Tensor
     carried: dict[str, torch.Tensor]
     sampling: SamplingTensors | None
@@ -45,8 +46,12 @@ class StepInputs:
         """Rows `sl`'s stop ids that their next step may not draw (its loop
         has not written `min_tokens` yet), [n, S] on the host, -1 pads;
         None when no row bans any."""
+        if not self.banning:
+            return None
         short = self.counts[sl] < self.mins[sl]
         if not bool(short.any()):
+            # counts only grow: once no row is short of its min_tokens, none is until a row joins
+            self.banning = bool((self.counts < self.mins).any())
             return None
         return torch.where(short[:, None], self.stop_table[sl], -1)
 
