@@ -58,3 +58,18 @@ def test_stop_ids_are_banned_below_min_tokens_also_for_a_late_joiner() -> None:
     banned = group.banned(slice(0, 2))
     assert banned is not None and banned.tolist() == [[-1], [2]]
     assert group.short_of_pages(1) == [] and group.short_of_pages(0) == [0, 1]
+
+
+def test_pages_added_together_land_as_one_at_a_time() -> None:
+    """`add_pages`: rows' new pages at the ends of their block tables (widened as needed), a row named twice
+    taking both in order, as one call a page would."""
+    group = LoopGroup("llm", "decode", torch.device("cpu"))
+    parts = [_join(group, i, 3) for i in range(3)]
+    group.merge()
+    group.add_pages([(2, 90), (0, 91)])
+    group.add_pages([(1, 92), (1, 93)])
+    group.add_pages([])
+    assert group.page_counts.tolist() == [9, 10, 9]
+    assert group.block_table.shape == (3, 10)
+    assert group.block_table[:, 8:].tolist() == [[91, 0], [92, 93], [90, 0]]
+    assert [p.row("llm").pages[8:] for p in parts] == [[91], [92, 93], [90]]

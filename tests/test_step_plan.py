@@ -57,8 +57,7 @@ def _carry_out(group: LoopGroup, plan: StepPlan) -> None:
     """The page side of what the worker's executor does with a plan."""
     for row in plan.preempt:
         group.evict(row).part.row("llm").swap_out(SwappedKV([], 0))  # its pages went back with the plan
-    for row, page in plan.grow:
-        group.add_page(row, page)
+    group.add_pages(plan.grow)
 
 
 def test_admitted_items_come_with_their_pages_and_settle_first() -> None:

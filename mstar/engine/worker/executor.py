@@ -255,8 +255,7 @@ class Executor:
         if plan.preempt:
             assert self.preemption is not None
             self.preemption.swap_out(group, plan.preempt)
-        for row, page in plan.grow:
-            group.add_page(row, page)
+        group.add_pages(plan.grow)
         if group.shape.fed is not None:
             sl = self._fed_window(group, sl)
         runner = self.runners[group.component]

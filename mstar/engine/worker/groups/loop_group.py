@@ -23,7 +23,7 @@ stream (`group_stream.py`), so that two components' decode overlap.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -267,15 +267,28 @@ class LoopGroup(StepInputs):
         """Rows that take their pages as they go (`KVRow.grows`): the ones preemption takes first."""
         return [i for i, part in enumerate(self.rows) if part.row(self.component).grows]
 
-    def add_page(self, i: int, page: int) -> None:
-        """Row `i` owns one more page, at the end of its block table."""
-        self.rows[i].row(self.component).add_page(page)
-        n = int(self.page_counts[i])
-        if n >= self.block_table.shape[1]:
-            pad = torch.zeros(self.block_table.shape[0], n + 1 - self.block_table.shape[1], dtype=torch.long)
+    def add_pages(self, grow: Sequence[tuple[int, int]]) -> None:
+        """Each (row, page) of `grow`: the row owns one more page, at the end
+        of its block table. Written into the tables at once (rows cross a
+        page boundary together when their lengths agree)."""
+        if len(set(i for i, _ in grow)) < len(grow):  # a row named twice takes its pages in turn
+            for one in grow:
+                self.add_pages([one])
+            return
+        if not grow:
+            return
+        for i, page in grow:
+            self.kv_rows[i].add_page(page)
+        idx = np.array([i for i, _ in grow])
+        counts = self.page_counts.numpy()
+        cols = counts[idx]
+        width = int(cols.max()) + 1
+        if width > self.block_table.shape[1]:
+            pad = torch.zeros(self.block_table.shape[0], width - self.block_table.shape[1], dtype=torch.long)
             self.block_table = torch.cat([self.block_table, pad], 1)
-        self.block_table[i, n] = page
-        self.page_counts[i] = n + 1
+        # numpy over the host tables' memory: a torch setitem a row costs more than the page it writes
+        self.block_table.numpy()[idx, cols] = [page for _, page in grow]
+        counts[idx] = cols + 1
 
     def evict(self, i: int, reason: str = "preempt") -> Leave:
         """Take row `i` out with its state exact, to be resumed later (the
