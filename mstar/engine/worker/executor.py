@@ -28,6 +28,7 @@ from mstar.engine.worker.groups.mixed_items import MixedItems
 from mstar.engine.worker.outbox import Outbox
 from mstar.engine.worker.streaming.peer_link import PeerLink
 from mstar.engine.worker.preemption import Preemption
+from mstar.engine.worker.profiling import ranged
 from mstar.engine.worker.router import Router
 from mstar.engine.worker.walker import FORK_MODE, Walker
 from mstar.scheduler import Batch, Scheduler, StepPlan, WorkItem
@@ -269,7 +270,7 @@ class Executor:
         if n:
             try:
                 fed = self.walker.streams.take_items(group.rows[sl]) if group.shape.fed is not None else None
-                with torch.profiler.record_function(f"mstar.{group.component}.{group.mode}"), group.stream.on():
+                with ranged(f"mstar.{group.component}.{group.mode}"), group.stream.on():
                     group.stream.after_worker()
                     try:
                         launch = runner.run_group(group, sl, fed, mixed.rows if mixed else None)
@@ -306,7 +307,7 @@ class Executor:
         # on CUDA the runner only waited for the previous step's inputs to land;
         # on the CPU it computed (synchronously) for that long
         device = runner.device_s if n else 0.0
-        with torch.profiler.record_function("mstar.finalize"):
+        with ranged("mstar.finalize"):
             waited = self.router.read_group(self.report, group, prev) if prev is not None else 0.0
         blocked = waited + (device if self.device.type == "cuda" else 0.0)
         self.stats.wait_s += blocked

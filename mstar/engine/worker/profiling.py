@@ -14,6 +14,7 @@ for the first case).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import threading
 import time
 
@@ -23,6 +24,14 @@ from mstar.engine.messages import Profile
 from mstar.errors import ProfilerBusy
 
 _ONE_AT_A_TIME = threading.Lock()  # torch's profiler is process-wide
+
+
+def ranged(name: str) -> contextlib.AbstractContextManager:
+    """torch's profiler range `name` while a profile runs, else nothing: a
+    range costs a torch op on entry (about 10 us of the worker's thread, and
+    a chance for another thread to take the GIL) whether a profiler listens
+    or not, and a decode step enters two."""
+    return torch.profiler.record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
 
 
 def _resolve(done: concurrent.futures.Future, result: object = None, error: BaseException | None = None) -> None:
