@@ -387,8 +387,8 @@ class LoopGroup(StepInputs):
             return self._finalize(p)
 
     def _finalize(self, p: Pending) -> list[Leave]:
-        hit_stop = (p.stop_table.numpy() == p.host.numpy()[:, None]).any(axis=1)
-        done = np.flatnonzero(hit_stop | p.exhausted.numpy()).tolist()
+        hit_stop = (p.stop_table == p.host.to("cpu")[:, None]).any(dim=1)
+        done = (hit_stop | p.exhausted).nonzero().flatten().tolist()
         for seq in [q for q in self._left_at if q < p.seq]:
             # rows that left before launch p.seq are in no step still to finalise
             for key in self._left_at.pop(seq):
