@@ -4,8 +4,10 @@ Runs the engine in-process on `--model` (default: the built-in tiny-llama, on
 CPU) with N concurrent greedy requests of a fixed length, and reports per
 decode step: the whole step on the worker, the part spent in forward and
 sampling, the host work around them (batch building, input preparation,
-routing, stop checks, hand-off), and the event loop's time handling the
-step's report.
+routing, stop checks, hand-off), the event loop's time handling the
+step's report, and each thread's CPU time per step over the run (the worker's
+counts CUDA's spinning wait for a step's event; under one GIL a step takes at
+least the two threads' Python).
 
     python scripts/bench_host.py --batches 1 64 256 --tokens 64
     python scripts/bench_host.py --model orpheus-3b --load-format dummy --devices cuda:0 --batches 256 \
