@@ -30,3 +30,7 @@ def test_profile_tts_runs_on_the_stand_ins_under_the_python_profiler() -> None:
 def test_bench_host_prints_the_workers_profile() -> None:
     out = _run(str(SCRIPTS / "bench_host.py"), "--batches", "2", "--tokens", "8", "--cprofile", "3")
     assert "## batch 2: the worker's Python" in out and "Ordered by: cumulative time" in out
+    header = next(line.split() for line in out.splitlines() if line.split()[:2] == ["batch", "steps"])
+    row = next(line.split() for line in out.splitlines() if line.split()[:1] == ["2"])
+    # the worker's thread CPU a step (`DeviceWorker.cpu_s`), read from outside that thread
+    assert header[-3:] == ["cpu", "l", "tok/s"] and float(row[-3]) > 0
