@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import aiohttp
 import structlog
 from aiohttp import web
+from yarl import URL
 
 from mstar.cluster import serving
 from mstar.cluster.prometheus_text import labelled, merged
@@ -270,7 +271,7 @@ class Front:
         try:
             try:
                 # the session connects before it reads `body`: a request that could not connect can go elsewhere
-                upstream = await self._session.request(request.method, replica.url + request.rel_url.path_qs,
+                upstream = await self._session.request(request.method, _target(replica, request),
                                                        headers=headers, data=None if body is None else body.iter_any(),
                                                        allow_redirects=False)
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
@@ -342,7 +343,7 @@ class Front:
         headers = {k: v for k, v in _forwarded(request).items() if not k.lower().startswith("sec-websocket")}
         offered = tuple(p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip())
         async with asyncio.timeout(min(HANDSHAKE_TIMEOUT_S, self.replica_timeout)):
-            return await self._session.ws_connect(replica.url + request.rel_url.path_qs, headers=headers,
+            return await self._session.ws_connect(_target(replica, request), headers=headers,
                                                   protocols=offered, max_msg_size=WS_MAX_MESSAGE)
 
     async def _session_through(self, request: web.Request,
@@ -360,6 +361,12 @@ class Front:
         if client.too_big:   # the client may still be sending it: it hears the close, not a reset
             await client_stopped(request)
         return client
+
+
+def _target(replica: Replica, request: web.Request) -> URL:
+    """The request's target on `replica`, as the client encoded it: decoding it would turn an escaped `?`, `#`
+    or `/` of a path or query value into a delimiter, and the replica would read another path or query."""
+    return URL(replica.url + request.rel_url.raw_path_qs, encoded=True)
 
 
 def _forwarded(request: web.Request) -> dict[str, str]:
