@@ -1,9 +1,13 @@
 """What the front passes on unchanged: a request's target as the client
 encoded it (an escaped `?`, `#` or `/` stays a character of its path segment
-or query value), for plain requests and websocket handshakes alike. Stub
-replicas on loopback ports, no engine."""
+or query value), for plain requests and websocket handshakes alike; a body
+still arriving when the front stops. Stub replicas on loopback ports, no
+engine."""
 
 from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
 
 import aiohttp
 from aiohttp import web
@@ -11,6 +15,7 @@ from http_support import serving_app
 from yarl import URL
 
 from mstar.cluster.front import Front
+from mstar.cluster.serving import FrontRunner
 
 # a model id holding a slash, a `?` and a `#`, and a query value holding `#`, `&` and `+`, each escaped
 ESCAPED_PATH = "/v1/models/org%2Fa%3Fb%23c"
@@ -59,3 +64,36 @@ async def test_a_websocket_handshake_keeps_its_escaped_query() -> None:
                 seen = await ws.receive_json(timeout=10)
             assert seen["raw"] == ESCAPED_QUERY
             assert seen["query"] == {"model": "tiny#x", "voice": "a&b+c"}
+
+
+async def test_a_body_still_arriving_when_the_front_stops_reaches_the_replica() -> None:
+    """A request whose body is still coming in (NDJSON text streamed to the
+    speech route, say) is an answer under way: the drain lets it finish, so
+    the rest of its body must still be read, not dropped."""
+    async def count(request: web.Request) -> web.Response:
+        return web.json_response({"bytes": len(await request.read())})
+
+    app = _echoing_replica()
+    app.router.add_post("/count", count)
+    async with serving_app(app) as replica, aiohttp.ClientSession() as session:
+        front = Front([replica])
+        front_app = front.app()
+        front_app.on_shutdown.clear()   # a short drain: the test's body ends well within it
+        front_app.on_shutdown.append(lambda a: front._drain(a, drain_s=5.0))
+        runner = FrontRunner(front_app, handler_cancellation=True, shutdown_timeout=0.5)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        url = "http://%s:%d" % runner.addresses[0][:2]
+        stopping: list[asyncio.Future] = []
+
+        async def body() -> AsyncIterator[bytes]:
+            yield b"a" * 1000
+            while not front.replicas[0].outstanding:   # the front has passed the request on
+                await asyncio.sleep(0.01)
+            stopping.append(asyncio.ensure_future(runner.cleanup()))
+            await asyncio.sleep(0.2)   # the stop has begun: the front takes no new requests
+            yield b"b" * 1000
+
+        async with session.post(f"{url}/count", data=body(), timeout=aiohttp.ClientTimeout(total=20)) as r:
+            assert r.status == 200 and await r.json() == {"bytes": 2000}
+        await stopping[0]

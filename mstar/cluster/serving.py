@@ -6,8 +6,9 @@ process past it.
 
 aiohttp's own `run_app` stops every connection from reading at the start of a
 shutdown, websockets included, so a realtime client's messages during the
-drain (a `response.cancel`) would be dropped; here a websocket reads on until
-the front's drain closes it.
+drain (a `response.cancel`) would be dropped, and so would the rest of a body
+still coming in; here a websocket reads on until the front's drain closes it,
+and a request's body is read to its end while its answer drains.
 """
 
 from __future__ import annotations
@@ -20,7 +21,24 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 
+class _Connection(web.RequestHandler):
+    def data_received(self, data: bytes) -> None:
+        if self._close and not self._force_close:
+            # the stop began (`_Server.pre_shutdown`), and aiohttp drops whatever arrives from then on: a request
+            # whose body is still coming in would never see its end, although the drain waits for its answer
+            self._close = False
+            try:
+                super().data_received(data)
+            finally:
+                self._close = True
+        else:
+            super().data_received(data)
+
+
 class _Server(web.Server):
+    def __call__(self) -> web.RequestHandler:
+        return _Connection(self, loop=self._loop, **self._kwargs)
+
     def pre_shutdown(self) -> None:
         """Shutdown's first move: connections stop taking requests, but a
         websocket's session reads on (the drain closes it)."""
