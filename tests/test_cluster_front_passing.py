@@ -1,12 +1,14 @@
 """What the front passes on unchanged: a request's target as the client
 encoded it (an escaped `?`, `#` or `/` stays a character of its path segment
 or query value), for plain requests and websocket handshakes alike; a body
-still arriving when the front stops. Stub replicas on loopback ports, no
+still arriving when the front stops; a head it cannot parse answered in the
+replicas' JSON error shape. Stub replicas on loopback ports, no
 engine."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -97,3 +99,22 @@ async def test_a_body_still_arriving_when_the_front_stops_reaches_the_replica() 
         async with session.post(f"{url}/count", data=body(), timeout=aiohttp.ClientTimeout(total=20)) as r:
             assert r.status == 200 and await r.json() == {"bytes": 2000}
         await stopping[0]
+
+
+async def test_a_head_the_front_cannot_parse_gets_the_replicas_json_error() -> None:
+    async with serving_app(_echoing_replica()) as replica:
+        runner = FrontRunner(Front([replica]).app(), handler_cancellation=True)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        host, port = runner.addresses[0][:2]
+        try:
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 20_000 + b"\r\n\r\n")
+            head, _, body = (await asyncio.wait_for(reader.read(), 10)).partition(b"\r\n\r\n")
+            writer.close()
+        finally:
+            await runner.cleanup()
+        assert head.startswith(b"HTTP/1.") and b" 400 " in head.split(b"\r\n")[0], head
+        assert b"application/json" in head.lower()
+        error = json.loads(body)["error"]
+        assert error["code"] == "bad_request" and error["type"] == "invalid_request_error", error

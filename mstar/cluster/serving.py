@@ -19,6 +19,9 @@ import sys
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+
+from mstar.cluster.upstream import error_response
 
 
 class _Connection(web.RequestHandler):
@@ -33,6 +36,16 @@ class _Connection(web.RequestHandler):
                 self._close = True
         else:
             super().data_received(data)
+
+    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if status >= 500 or not isinstance(exc, HttpProcessingError) or request.writer.output_size > 0:
+            return super().handle_error(request, status, exc, message)
+        # a head the parser refused (a header over 8 KiB, say) never reaches a replica: answered in the
+        # replicas' JSON error shape, as they answer it, not aiohttp's text/plain
+        response = error_response(status, "bad_request", message or "malformed request")
+        response.force_close()
+        return response
 
 
 class _Server(web.Server):
