@@ -25,6 +25,10 @@ from mstar.cluster.upstream import error_response
 
 
 class _Connection(web.RequestHandler):
+    """A front's connection: reads a body to its end through a stop, and answers a head it cannot parse as a
+    replica would. A replica's connections read on the same way (`mstar/http/deadlines.py`); cluster/ imports
+    no other mstar module, so the few lines are its own."""
+
     def data_received(self, data: bytes) -> None:
         if self._close and not self._force_close:
             # the stop began (`_Server.pre_shutdown`), and aiohttp drops whatever arrives from then on: a request
