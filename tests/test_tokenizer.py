@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
 from mstar.errors import RequestError
@@ -154,6 +154,44 @@ def test_detokenizer_over_long_sequences_matches_decode():
         assert len(ids) > 10 * WINDOW
         chunks = [rng.randint(1, 3) for _ in range(len(ids))]
         assert "".join(_stream(tok, ids, chunks)) == hf.decode(ids)
+
+
+def _byte_fallback_tokenizer() -> Tokenizer:
+    """Llama-2's kind of vocabulary: sentencepiece pieces, and a character no piece spells as its UTF-8 bytes
+    (`<0xE2>`...), which its decoder renders as U+FFFD, every byte of the run, unless the run is whole UTF-8."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ["\u2581", "\u2581the", "\u2581fox", "\u2581a", "a", "t", "h", "e"]:
+        vocab[piece] = len(vocab)
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    hf.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    hf.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    hf.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    return Tokenizer(hf, bos_token="<s>", eos_token="</s>")
+
+
+@pytest.mark.parametrize("text", ["a 世界 fox", "the €\nthe", "the €🎉 the", "a €€€ the 日本語のテキスト"])
+def test_detokenizer_keeps_byte_fallback_characters_whole(text: str) -> None:
+    """Characters spelled as byte runs, one after another: each window the detokenizer starts again from begins
+    where a character does, so no run is split and no character turns into U+FFFD."""
+    tok = _byte_fallback_tokenizer()
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) > 2 * WINDOW
+    assert "".join(_stream(tok, ids, [1] * len(ids))) == tok.decode(ids) == text
+
+
+def test_detokenizer_without_prompt_context_keeps_a_left_neighbour() -> None:
+    """`context=0` takes no prompt ids; the text it streams still sees the ids before it (a sentencepiece
+    decoder strips the space of a word it decodes first)."""
+    words = ["the", "fox", "a", "über"]
+    pieces = sorted({"\u2581" + w for w in words} | {c for w in words for c in w} | {"\u2581"})
+    sp = HFTokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[]))
+    sp.pre_tokenizer = pre_tokenizers.Metaspace()
+    sp.decoder = decoders.Metaspace()
+    text = "the fox a the fox über a the"
+    ids = sp.encode(text).ids
+    detok = IncrementalDetokenizer(Tokenizer(sp), context=0)
+    assert "".join([detok.push([i]) for i in ids] + [detok.flush()]) == sp.decode(ids) == text
 
 
 def _trained_folder(tmp_path, post_processor: bool, add_bos: bool | None):

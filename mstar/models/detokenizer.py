@@ -12,12 +12,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from mstar.models.tokenizer import Tokenizer
 
-# the window grows by the pushed ids until it holds this many, then starts again from its last CONTEXT
-# ids: until then the window's text before a push is the text after the previous one, already known, so
-# most pushes cost one decode, not two (the event loop pays this for every running request's token); a
+# the window grows by the pushed ids until it holds this many, then starts again from the ids it just
+# emitted: until then the window's text before a push is the text after the previous one, already known,
+# so most pushes cost one decode, not two (the event loop pays this for every running request's token); a
 # longer window costs more in each decode than it saves in restarts
 WINDOW = 4
-CONTEXT = 1
 
 
 class IncrementalDetokenizer:
@@ -33,11 +32,11 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
-                 prompt_ids: Sequence[int] = (), context: int = CONTEXT) -> None:
+                 prompt_ids: Sequence[int] = (), context: int = 5) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self._decode = tokenizer.decode_list
-        self._context = context
+        """`prompt_ids`: what the answer follows; its last `context` ids are the first push's left neighbour."""
         # window = context tokens [0, _read) + unemitted tokens [_read, end); _before is the context's text
         self._window: list[int] = [int(i) for i in list(prompt_ids)[-context:]] if context > 0 else []
         self._read = len(self._window)
@@ -74,9 +73,12 @@ class IncrementalDetokenizer:
         if not final and (len(after) <= len(before) or after.endswith("\ufffd")):
             return ""
         delta = after[len(before):]
-        if len(self._window) >= WINDOW:  # start again from the last ids, the context of what comes next
-            del self._window[:len(self._window) - self._context]
-            self._before = self._decode(self._window, self.skip_special_tokens) if self._context else ""
+        if len(self._window) >= WINDOW:
+            # start again from the ids just emitted, the next push's left neighbour: they begin where a
+            # character does (a later id alone may be the last byte of one, which a byte-fallback decoder
+            # would render, with the next character's bytes, as U+FFFD)
+            del self._window[:self._read]
+            self._before = self._decode(self._window, self.skip_special_tokens)
         else:  # what was just emitted joins the context
             self._before = after
         self._read = len(self._window)
