@@ -6,6 +6,7 @@ the stand-ins replace methods process-wide."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -34,3 +35,13 @@ def test_bench_host_prints_the_workers_profile() -> None:
     row = next(line.split() for line in out.splitlines() if line.split()[:1] == ["2"])
     # the worker's thread CPU a step (`DeviceWorker.cpu_s`), read from outside that thread
     assert header[-3:] == ["cpu", "l", "tok/s"] and float(row[-3]) > 0
+
+
+def test_bench_sse_host_measures_the_event_loop_per_streamed_token() -> None:
+    with socket.socket() as s:  # a port free a moment ago, for the server the script starts
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = _run(str(SCRIPTS / "bench_sse_host.py"), "--clients", "3", "--tokens", "5", "--port", str(port))
+    row = next(line.split() for line in out.splitlines() if line.split()[:1] == ["3"])
+    # every token's event read (besides each stream's role and finish events), and the loop's CPU for them
+    assert int(row[1]) >= 3 * 5 and float(row[-1]) > 0
