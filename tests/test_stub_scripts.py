@@ -43,5 +43,6 @@ def test_bench_sse_host_measures_the_event_loop_per_streamed_token() -> None:
         port = s.getsockname()[1]
     out = _run(str(SCRIPTS / "bench_sse_host.py"), "--clients", "3", "--tokens", "5", "--port", str(port))
     row = next(line.split() for line in out.splitlines() if line.split()[:1] == ["3"])
-    # every token's event read (besides each stream's role and finish events), and the loop's CPU for them
-    assert int(row[1]) >= 3 * 5 and float(row[-1]) > 0
+    # every token's event read, besides each stream's role and finish events (the loop's CPU for so few is
+    # below /proc's clock tick: only its column is read)
+    assert int(row[1]) >= 3 * 5 and float(row[-1]) >= 0
