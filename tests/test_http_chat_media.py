@@ -320,6 +320,24 @@ async def test_bad_parts_are_400s_naming_their_field(client: openai.AsyncOpenAI,
 
 
 @on_module_loop
+async def test_placeholder_ids_without_their_media_name_the_prompts_field(client: openai.AsyncOpenAI,
+                                                                         omni_app: tuple[str, Spy]) -> None:
+    """An image's placeholder ids sent as a prompt, without the image: a 400
+    naming the field the ids came in (`prompt`, `input_ids`), one the client has."""
+    async with aiohttp.ClientSession(base_url=omni_app[0]) as http:
+        async with http.post("/tokenize", json={"model": OMNI, "messages": asking(
+                {"type": "image_url", "image_url": {"url": png_url()}})}) as r:
+            ids = (await r.json())["tokens"]
+        error = await refused(client.completions.create(model=OMNI, prompt=ids, max_tokens=2))
+        assert error["param"] == "prompt" and "image placeholders" in error["message"], error
+        async with http.post("/generate", json={"model": OMNI, "input_ids": ids,
+                                                "sampling_params": {"max_tokens": 2}}) as r:
+            assert r.status == 400
+            error = (await r.json())["error"]
+        assert error["param"] == "input_ids" and "image placeholders" in error["message"], error
+
+
+@on_module_loop
 async def test_a_text_model_refuses_media_by_the_parts_type(engine: Engine) -> None:
     async with serving(engine) as url:
         api = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)

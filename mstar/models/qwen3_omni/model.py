@@ -209,7 +209,7 @@ class Qwen3OmniModel(Model):
                                        audio_frames=[m.shape[1] for m in mels],
                                        image_grids=[p.grid_thw for p in images],
                                        spatial_merge=cfg.vision.spatial_merge_size,
-                                       per_second=cfg.position_id_per_seconds)
+                                       per_second=cfg.position_id_per_seconds, field=field)
         values = {"prompt_ids": torch.tensor(ids, dtype=torch.long), "positions": positions}
         walk = self.walk_for(request)
         if mels or walk == walks.CONVERSE:

@@ -29,10 +29,11 @@ def audio_tokens(mel_frames: int) -> int:
 
 def mrope_positions(ids: Sequence[int], *, audio_id: int, image_id: int, audio_frames: Sequence[int] = (),
                     image_grids: Sequence[tuple[int, int, int]] = (), spatial_merge: int = 2,
-                    per_second: int = 13) -> tuple[torch.Tensor, int]:
+                    per_second: int = 13, field: str = "input") -> tuple[torch.Tensor, int]:
     """[3, len(ids)] positions and the rope delta, as `prompt_positions`
     places them, each run of `audio_id` the next clip of `audio_frames`
-    (mel frames) and each run of `image_id` the next grid of `image_grids`."""
+    (mel frames) and each run of `image_id` the next grid of `image_grids`;
+    a refusal names `field`."""
     return prompt_positions(ids, image_id=image_id, image_grids=image_grids, spatial_merge=spatial_merge,
                             per_second=per_second, audio_id=audio_id,
-                            audio_lengths=[audio_tokens(f) for f in audio_frames])
+                            audio_lengths=[audio_tokens(f) for f in audio_frames], field=field)
