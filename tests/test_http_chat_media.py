@@ -195,6 +195,8 @@ def test_parts_are_read_in_place_without_decoding() -> None:
     ({"type": "input_audio", "input_audio": {"format": "wav"}}, "input_audio.data", "required"),
     ({"type": "input_audio", "input_audio": {"data": "", "format": "wav"}}, "input_audio.data", "empty"),
     ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "aac"}}, "input_audio.format", "aac"),
+    ({"type": "input_audio", "input_audio": {"data": "data:audio/wav;base64,UklGRg==", "format": "wav"}},
+     "input_audio.data", "is a data URL"),
     ({"type": "image_url", "image_url": {"detail": "low"}}, "image_url.url", "required"),
     ({"type": "image_url", "image_url": {"url": "data:,", "detail": "ultra"}}, "image_url.detail", "ultra"),
     ({"type": "image_url", "image_url": 7}, "image_url", "JSON object"),

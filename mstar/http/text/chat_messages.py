@@ -111,7 +111,11 @@ def _read_part(part: Fields) -> dict[str, str] | MediaPart:
         audio = _inner(part, "input_audio")
         audio.refuse_unknown(INPUT_AUDIO_KEYS)
         declared = audio.raw("format")
-        return MediaPart("audio", _payload(audio, "data"),
+        data = _payload(audio, "data")
+        if data[:5].lower() == "data:":  # an image_url habit; said plainly, not as the base64 error it would be
+            raise audio.error("data", "is a data URL; input_audio.data takes the file's base64 alone (its type "
+                                      "goes in input_audio.format)")
+        return MediaPart("audio", data,
                          None if declared is None else audio_format(declared, audio.name("format")),
                          audio.name("data"), at)
     url = part.raw("image_url")
