@@ -119,7 +119,8 @@ def demo(driver: Any) -> dict[str, Any]:
 
 def wait_for(driver: Any, check: Callable[[dict[str, Any]], bool], what: str, timeout: float = 120) -> dict:
     try:
-        WebDriverWait(driver, timeout, poll_frequency=0.05).until(lambda d: check(demo(d)))
+        # the page's state is None until its script has run (a loaded box can poll before that)
+        WebDriverWait(driver, timeout, poll_frequency=0.05).until(lambda d: (s := demo(d)) is not None and check(s))
     except TimeoutException:
         pytest.fail(f"timed out waiting for {what}; page state {demo(driver)}; console {driver.get_log('browser')}")
     return demo(driver)
