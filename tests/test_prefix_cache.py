@@ -96,6 +96,23 @@ def test_a_row_starting_with_a_cached_prefix_shares_its_pages_and_computes_at_le
     assert sched.schedule().items == [big] and big.cached_tokens == 12
 
 
+def test_prompts_that_start_alike_in_one_step_compute_their_first_pages_once() -> None:
+    """Rows queued together whose prompts share uncached full pages: one computes them, the others wait a
+    step and find them cached."""
+    pool = PagePool(64, 4)
+    sched = Scheduler({("llm", "prefill"): ModeCaps(8, 1000)}, {"llm": pool}, prefix_caching=True)
+    a, b, c = _item("a", 12, pool), _item("b", 12, pool), _item("c", 13, pool)
+    other = WorkItem("o", "main", "llm", "prefill", num_tokens=12, pages_needed=3, starts_row=True,
+                     prefix=page_keys(list(range(50, 62)), 4))
+    short = _item("s", 4, pool)  # no full page it could take from the cache: never waits
+    for item in (a, b, other, c, short):
+        sched.add(item)
+    assert sched.schedule().items == [a, other, short]
+    sched.cache_prefix(a, a.granted)
+    assert sched.schedule().items == [b, c]
+    assert (b.cached_tokens, c.cached_tokens) == (8, 12) and b.granted[:2] == c.granted[:2] == a.granted[:2]
+
+
 def test_without_prefix_caching_no_row_shares() -> None:
     pool = PagePool(16, 4)
     sched = Scheduler({("llm", "prefill"): ModeCaps(8, 1000)}, {"llm": pool})
@@ -162,6 +179,26 @@ async def test_greedy_seeded_and_penalised_outputs_are_the_same_with_the_cache_o
         assert pool.num_used == 0 and pool.num_cached == stats["pages"] > 0
     finally:
         await eng.shutdown()
+
+
+async def test_a_prompt_sent_four_times_at_once_is_computed_once(hf_folder: Path) -> None:
+    """Four requests of one prompt submitted together (as a request's `n` samples are): the first computes its
+    pages, the other three start from them a step later, and every answer is what it is without the cache."""
+    prompt = _cases()[0][0][:41]  # ten full pages of four tokens and one more token
+    answers = {}
+    for caching in (False, True):
+        eng = Engine(EngineConfig(model=str(hf_folder), dtype="float32", scheduler=SchedulerConfig(
+            page_size=4, num_pages=256, prefix_caching=caching)))
+        await eng.start()
+        try:
+            answers[caching] = await asyncio.gather(*[generated(
+                eng, f"n{i}", prompt, SamplingParams(max_tokens=6, temperature=0.8, seed=i)) for i in range(4)])
+            if caching:
+                stats = eng.health()["devices"][0]["prefix_cache"]["llm"]
+                assert (stats["queries"], stats["hits"]) == (4 * 41, 3 * 40)
+        finally:
+            await eng.shutdown()
+    assert answers[True] == answers[False]
 
 
 async def test_aborted_rows_leave_only_cached_pages(hf_folder: Path) -> None:

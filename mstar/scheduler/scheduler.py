@@ -258,6 +258,7 @@ class Scheduler:
         tokens = 0
         limit = self.max_running.get(key[0])
         short = False   # a row that starts waits for pages: rows that start behind it wait too
+        computing: set[bytes] = set()  # first pages of the prompts this step computes whole, uncached
         while q and len(taken) < max_rows:
             item = q[0]
             if chunks_only and not item.chunkable:
@@ -266,6 +267,12 @@ class Scheduler:
             if full and not (item.chunkable and tokens < max_tokens) and (taken or chunks_only):
                 break
             if short and item.starts_row:
+                held.append(q.popleft())
+                continue
+            first = self._uncached_first_page(item, pool)
+            if first is not None and first in computing:
+                # a prompt this step computes starts the same way (a request's n samples, a shared system
+                # prompt arriving at once): a step later its pages are in the cache, not computed twice
                 held.append(q.popleft())
                 continue
             if item.starts_row and item.capped and limit is not None and self.running.get(key[0], 0) >= limit:
@@ -300,9 +307,22 @@ class Scheduler:
             taken.append(item)
             if item.chunkable:  # as much as the cap leaves room for (a cached prefix counts for nothing)
                 item.chunk = min(item.remaining, max(max_tokens - tokens, 1))
+            if first is not None:  # its pages enter the cache once this step ran (a chunk fills the step's budget)
+                computing.add(first)
             tokens += item.chunk if item.chunkable else item.num_tokens
         q.extendleft(reversed(held))  # they keep their places at the front
         return taken
+
+    def _uncached_first_page(self, item: WorkItem, pool: PagePool | None) -> bytes | None:
+        """The key of the first page a starting row would look up in its
+        component's prefix cache and not find there now (None: no lookup,
+        or a hit)."""
+        cache = self.caches.get(item.component)
+        if cache is None or pool is None or not item.prefix or not item.starts_row or item.done:
+            return None
+        if min(len(item.prefix), (item.num_tokens - 1) // pool.page_size, item.pages_needed) < 1:
+            return None  # not a full page it could take from the cache (its last token is always computed)
+        return None if cache.match(item.prefix[:1]) else item.prefix[0]
 
     def _admit_pages(self, item: WorkItem, pool: PagePool) -> list[int] | None:
         """The pages `item` needs, a cached prefix's first (shared; at least
