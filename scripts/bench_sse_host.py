@@ -23,6 +23,8 @@ import time
 
 import aiohttp
 
+from bench_front import wait_healthy  # this script's folder is on the path
+
 
 def main_thread_cpu_s(pid: int) -> float:
     """The process's main thread's user + system CPU seconds (its thread id is the pid)."""
@@ -52,22 +54,6 @@ async def level(port: int, pid: int, model: str, clients: int, tokens: int) -> d
     return {"clients": clients, "chunks": chunks, "wall_s": wall, "loop_cpu_s": cpu}
 
 
-async def wait_ready(port: int, proc: subprocess.Popen, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as s:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise SystemExit(f"the server exited with {proc.returncode}")
-            try:
-                async with s.get(f"http://127.0.0.1:{port}/health") as r:
-                    if r.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.5)
-    raise SystemExit("the server did not come up")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny-llama")
@@ -81,7 +67,7 @@ def main() -> None:
                                "--port", str(a.port), "--max-num-seqs", seqs],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        asyncio.run(wait_ready(a.port, server))
+        asyncio.run(wait_healthy(f"http://127.0.0.1:{a.port}"))
         print(f"# {platform.platform()} | python {platform.python_version()} | {os.cpu_count()} cpus | "
               f"model {a.model} on {a.gpus} | commit {os.environ.get('MSTAR_COMMIT', '?')}")
         print(f"{'clients':>8} {'events':>8} {'wall s':>7} {'loop cpu s':>11} {'us/event':>9}")
