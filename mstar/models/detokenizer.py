@@ -33,10 +33,10 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True,
                  prompt_ids: Sequence[int] = (), context: int = 5) -> None:
+        """`prompt_ids`: what the answer follows; its last `context` ids are the first push's left neighbour."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self._decode = tokenizer.decode_list
-        """`prompt_ids`: what the answer follows; its last `context` ids are the first push's left neighbour."""
         # window = context tokens [0, _read) + unemitted tokens [_read, end); _before is the context's text
         self._window: list[int] = [int(i) for i in list(prompt_ids)[-context:]] if context > 0 else []
         self._read = len(self._window)

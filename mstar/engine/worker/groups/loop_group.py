@@ -261,11 +261,11 @@ class LoopGroup(StepInputs):
         return np.flatnonzero(self.kv_lens.numpy() >= self.page_counts.numpy() * page_size).tolist()
 
     def pages(self, row: int) -> list[int]:
-        return self.rows[row].row(self.component).pages
+        return self.kv_rows[row].pages
 
     def growing(self) -> list[int]:
         """Rows that take their pages as they go (`KVRow.grows`): the ones preemption takes first."""
-        return [i for i, part in enumerate(self.rows) if part.row(self.component).grows]
+        return [i for i, kv in enumerate(self.kv_rows) if kv.grows]
 
     def add_pages(self, grow: Sequence[tuple[int, int]]) -> None:
         """Each (row, page) of `grow`: the row owns one more page, at the end
@@ -426,17 +426,17 @@ class LoopGroup(StepInputs):
         if not idx:
             return
         for i in idx:
-            part = self.rows[i]
+            part, kv = self.rows[i], self.kv_rows[i]
             self._left[id(part)] = seq
-            self.followed -= part.row(self.component).token_ids is not None
+            self.followed -= kv.token_ids is not None
             route = route_of(part)
             self._routes[route] -= 1
             if not self._routes[route]:
                 del self._routes[route]
             if self.seen is not None:
-                part.row(self.component).keep_seen(self.stream.handed_out(self.seen[i].clone()))
+                kv.keep_seen(self.stream.handed_out(self.seen[i].clone()))
             if self.outputs is not None and part.sampling.penalises_outputs:
-                part.row(self.component).keep_outputs(self.stream.handed_out(self.outputs[i].clone()))
+                kv.keep_outputs(self.stream.handed_out(self.outputs[i].clone()))
         self._left_at.setdefault(seq, []).extend(id(self.rows[i]) for i in idx)
         keep = torch.ones(len(self.rows), dtype=torch.bool)
         keep[idx] = False
