@@ -58,6 +58,9 @@
 #                                   QWEN35_PROBES=0 keeps only the bf16 probe with fla-core)
 #   scripts/gpu_check.sh first-burst  what the first burst of streams after startup pays (scripts/probe_first_burst.sh),
 #                                   then one stream's and 64 streams' first audio with and without early_audio
+#   scripts/gpu_check.sh gemv       the few-row projection kernel's GPU tests and Llama's parity with it, then
+#                                   scripts/bench_gemv.py (it against cuBLAS at Orpheus-3B's shapes), then the decode
+#                                   step at 1-4 and 64 rows of this tree against $BASE's (as compare, one round)
 #   scripts/gpu_check.sh all        tests and bench (default)
 # FlashInfer compiles its kernels on first use into ~/.cache/flashinfer; a
 # second call on the same (still warm) machine reuses them.
@@ -83,7 +86,8 @@ fi
 # FlashInfer's prefill and decode kernels in one parallel build, before anything needs them
 if [[ $what != moe ]]; then
   t0=$SECONDS
-  python3 -c 'import torch; from mstar.engine.memory.flashinfer_attention import build_kernels; build_kernels(torch.bfloat16, 128); build_kernels(torch.bfloat16, 128, torch.float8_e4m3fn)' \
+  fp8=$([[ $what == gemv ]] && echo "" || echo "build_kernels(torch.bfloat16, 128, torch.float8_e4m3fn)")
+  python3 -c "import torch; from mstar.engine.memory.flashinfer_attention import build_kernels; build_kernels(torch.bfloat16, 128); $fp8" \
     2>&1 | tail -20 | tee "$OUT/jit.txt"
   echo "FlashInfer JIT build: $((SECONDS - t0)) s" | tee -a "$OUT/jit.txt"
 fi
@@ -253,6 +257,20 @@ fi
 if [[ $what == scheduler-profile ]]; then  # where the worker's time goes in bench_scheduler's phases, over HTTP
   timeout 300 python3 scripts/bench_scheduler.py --label "${SCHED_LABEL:-${MSTAR_COMMIT:-local}}_profiled" \
       --short-tokens 140 --profile 2 --metrics-dir "$OUT" 2>&1 | grep -v "\[info" | tail -12
+fi
+if [[ $what == gemv ]]; then
+  timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gemv.py tests/test_llama_parity_model.py \
+      tests/test_gpu_engine.py > "$OUT/gemv_tests.txt" 2>&1 || rc=1
+  tail -8 "$OUT/gemv_tests.txt"
+  PYTHONPATH=$PWD:$PWD/scripts timeout 240 python3 scripts/bench_gemv.py --rows 1 2 4 --out "$OUT/gemv.json" 2>&1 \
+      | tee "$OUT/bench_gemv.txt" | grep -v "^  rows"
+  for tree in ${BASE:+"$BASE"} "$PWD"; do
+    name=$([[ $tree == "$PWD" ]] && echo new || echo base)
+    echo "== $name" | tee -a "$OUT/compare.txt"
+    (cd "$tree" && PYTHONPATH=$tree timeout 120 python3 scripts/bench_decode.py --model orpheus-3b \
+        --load-format dummy --batches 1 2 4 64 --contexts 512 --skip-hf --out "$OUT/decode_$name.json" 2>&1 \
+        | grep -v "\[info\|capturing" | tail -9) | tee -a "$OUT/compare.txt"
+  done
 fi
 if [[ $what == sampler ]]; then  # the wide-vocabulary draw against the torch form: equal draws, then their times
   timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider -k "wide_draw or wide_descent or draw_tokens or penalty" tests/test_kernels_gpu.py \

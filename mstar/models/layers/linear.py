@@ -11,7 +11,8 @@ rows are padded for the matmul. `quantize_linears` turns projections to fp8
 Outside CUDA graphs, a projection of more than `SMALL_ROWS` rows on CUDA runs
 at `padded_rows` rows (the extra ones computed and dropped): cuBLAS spends
 milliseconds of host time choosing a kernel the first time it sees a shape,
-and an eager prefill's token count is new at almost every step.
+and an eager prefill's token count is new at almost every step. A projection
+of a few rows on CUDA takes the few-row kernel (`kernels/gemv.py`) instead.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mstar.kernels import gemv
 from mstar.models.layers.fp8 import FP8, can_quantize, fp8_linear, quantize_weight
 
 SMALL_ROWS = 16  # up to here every count is its own shape: few, and seen at once
@@ -55,6 +57,14 @@ def linear_padded(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return F.linear(wide, weight, bias)[:m]
 
 
+def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for a float weight: the few-row kernel where
+    it applies, else `linear_padded`."""
+    if bias is None and gemv.applies(x, weight):
+        return gemv.linear(x, weight)
+    return linear_padded(x, weight, bias)
+
+
 class Linear(nn.Module):
     """`y = x @ weight.T + bias` with weight [out, in]."""
 
@@ -73,7 +83,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == FP8:   # `quantize_linears`
             return fp8_linear(x, self.weight, self.weight_scale, self.bias, gemm_rows(x))
-        return linear_padded(x, self.weight, self.bias)
+        return project(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, bias={self.bias is not None}"
@@ -115,14 +125,14 @@ class VocabHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.window is None:
-            return linear_padded(x, self.padded, None)[..., : self.out_features]
+            return project(x, self.padded, None)[..., : self.out_features]
         # only the window's rows multiply; the other ids' logits are -inf, so every reader of the logits sees
         # the distribution the window leaves (the fill is one write, a fraction of the rows' matmul)
         first, end = self._window[0], -(-self._window[1] // self.ALIGN) * self.ALIGN  # whole padded rows
         out = x.new_empty(*x.shape[:-1], self.padded.shape[0])
         out[..., :first].fill_(float("-inf"))
         out[..., end:].fill_(float("-inf"))
-        out[..., first:end] = linear_padded(x, self.padded[first:end], None)
+        out[..., first:end] = project(x, self.padded[first:end], None)
         return out[..., : self.out_features]
 
     @property

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from mstar.models.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, VocabHead, qkv_linear, token_embedding
+from mstar.models.layers.norm_linear import norm_project
 from mstar.models.llama.config import LlamaConfig
 from mstar.types import AttentionContext, Rotary, TokenBatch
 
@@ -38,8 +39,12 @@ class LlamaAttention(nn.Module):
                              device=device, dtype=dtype)
 
     def forward(self, x: torch.Tensor, rotary: Rotary, attn: AttentionContext) -> torch.Tensor:
-        t = x.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        return self.attend(self.qkv_proj(x), rotary, attn)
+
+    def attend(self, qkv: torch.Tensor, rotary: Rotary, attn: AttentionContext) -> torch.Tensor:
+        """The block after its input projection: qkv [T, (Hq + 2 Hkv) D] in."""
+        t = qkv.shape[0]
+        q, k, v = self.qkv_proj.split(qkv)
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
@@ -60,11 +65,12 @@ class LlamaLayer(nn.Module):
                 attn: AttentionContext) -> tuple[torch.Tensor, torch.Tensor]:
         """(h, residual) in, (this layer's MLP output, the stream before it) out;
         the stream after the layer is their sum, which the next norm forms.
-        The first layer gets residual None: its input is the stream itself."""
-        h, residual = self.input_layernorm.stream(h, residual)
-        h = self.self_attn(h, rotary, attn)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        The first layer gets residual None: its input is the stream itself.
+        Each norm runs with the projection after it (`norm_project`)."""
+        qkv, residual = norm_project(self.input_layernorm, self.self_attn.qkv_proj, h, residual)
+        h = self.self_attn.attend(qkv, rotary, attn)
+        act, residual = norm_project(self.post_attention_layernorm, self.mlp.gate_up, h, residual, silu=True)
+        return self.mlp.down(act), residual
 
 
 class LlamaDecoder(nn.Module):

@@ -1,0 +1,187 @@
+"""Projections of a few rows: activations x [M, K] (M at most `MAX_ROWS`)
+and a weight [N, K] in, x @ weight.T [M, N] out, in x's dtype; optionally
+with the RMSNorm before the projection and the SiLU-and-multiply after it
+done in the same kernel.
+
+At one to a few decode rows a projection only streams its weight through
+the GPU. cuBLAS's GEMM for such a shape splits K over programs and adds a
+reduction kernel, and the norm and activation around it are kernels of
+their own: at one Orpheus-3B row an H200 spends ~0.4 ms a step of ~2.7 in
+those small launches and their gaps. Here each program reads a block of the
+weight's rows once and owns their outputs: with `norm_weight` it forms the
+normed input itself (each program reads the few rows of x, which stay in
+cache, and takes their statistics first), and with `silu` the weight is a
+merged gate/up [2I, K] and the program computes both halves of its columns
+and writes silu(gate) * up [M, I].
+
+The arithmetic matches the unfused torch path: the residual add, the normed
+value and the weight multiply are rounded to x's dtype where the reference
+rounds them (`kernels/norm.py`), the products accumulate in float32, and the
+gate is rounded before its SiLU (`kernels/activation.py`). Only the
+summation order of the dot products differs from cuBLAS's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from mstar.kernels.activation import silu_and_mul_reference
+from mstar.kernels.backend import block_size, jit, tl, use_triton
+from mstar.kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
+
+MAX_ROWS = 4    # past this cuBLAS's tensor-core GEMMs read the weight as fast and do the arithmetic better
+MIN_WEIGHT = 1 << 20  # elements; a smaller weight's projection is a few microseconds either way
+KERNEL_ROWS = 16  # the most rows a launch takes (its accumulators grow with them)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """How a launch tiles the weight: output columns and K per program step."""
+    block_n: int = 8
+    block_k: int = 256
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear`/`norm_linear` take the kernel for x [M, K] and this
+    weight: CUDA, at most MAX_ROWS rows, a plain float weight of x's dtype
+    with unit stride along K, of at least MIN_WEIGHT elements."""
+    return (use_triton(x) and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and weight.dtype == x.dtype
+            and x.dtype in DTYPES and weight.dim() == 2 and weight.stride(-1) == 1 and x.stride(-1) == 1
+            and weight.numel() >= MIN_WEIGHT)
+
+
+def config_for(rows: int, n: int, k: int) -> GemvConfig:
+    """A fixed tiling from the shape (no autotuning: launches stay the same
+    from run to run and capturable). Enough programs that every SM streams
+    weight rows: a block of 8 columns gives 384 programs for a 3,072-wide
+    output, 2,048 for a 16,384-wide one."""
+    block_n = 8 if n >= 1024 else 4
+    block_k = 256 if rows <= 2 else 128
+    return GemvConfig(block_n=block_n, block_k=min(block_k, block_size(k)))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T, no bias."""
+    return _launch(x, None, None, 0.0, False, weight, False, config)[0]
+
+
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                weight: torch.Tensor, *, centered: bool = False, silu: bool = False,
+                config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(projection of rmsnorm(x + residual), x + residual); residual None:
+    the norm of x itself, and x comes back as the stream. With `silu` the
+    weight is gate and up stacked [2I, K] and the output silu(gate) * up."""
+    if use_triton(x):
+        return _launch(x, residual, norm_weight, eps, centered, weight, silu, config)
+    return norm_linear_reference(x, residual, norm_weight, eps, weight, centered=centered, silu=silu)
+
+
+def norm_linear_reference(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                          weight: torch.Tensor, *, centered: bool = False,
+                          silu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    if residual is None:
+        normed, stream = rms_norm_reference(x, norm_weight, eps, centered), x
+    else:
+        normed, stream = fused_add_rms_norm_reference(x, residual, norm_weight, eps, centered)
+    y = F.linear(normed, weight)
+    return (silu_and_mul_reference(y) if silu else y), stream
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
+            centered: bool, weight: torch.Tensor, silu: bool,
+            config: GemvConfig | None) -> tuple[torch.Tensor, torch.Tensor]:
+    if not (x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]):
+        raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not make a projection")
+    m, k = x.shape
+    if m > KERNEL_ROWS:
+        raise ValueError(f"{m} rows: the kernel takes at most {KERNEL_ROWS}")
+    if silu and weight.shape[0] % 2:
+        raise ValueError(f"a merged gate/up weight needs an even number of rows, got {weight.shape[0]}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    n = weight.shape[0] // 2 if silu else weight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    res = residual if residual is None or residual.stride(-1) == 1 else residual.contiguous()
+    stream = torch.empty_like(x) if res is not None else x
+    cfg = config or config_for(m, n, k)
+    if m and n and k:
+        norm = norm_weight is not None
+        _gemv_kernel[(triton_cdiv(n, cfg.block_n),)](
+            x, res if res is not None else x, norm_weight.contiguous() if norm else x, weight, out, stream,
+            m, n, k, x.stride(0), res.stride(0) if res is not None else 0, weight.stride(0), out.stride(0),
+            stream.stride(0), n if silu else 0, eps,
+            ROWS=block_size(m), NORM=norm, RESIDUAL=res is not None, CENTERED=centered, SILU=silu,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out, stream
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@jit(any_value=("m",))
+def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, stream_ptr, m, n, k,
+                 stride_x, stride_r, stride_w, stride_out, stride_stream, up_rows, eps,
+                 ROWS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, CENTERED: tl.constexpr,
+                 SILU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = tl.arange(0, ROWS)
+    row_mask = rows < m
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n
+    offs_k = tl.arange(0, BLOCK_K)
+    dtype = out_ptr.dtype.element_ty
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
+    if NORM:
+        # the rows' statistics first: every program reads the few rows of x (from cache after the first)
+        sq = tl.zeros([ROWS], dtype=tl.float32)
+        for k0 in range(0, k, BLOCK_K):
+            kk = k0 + offs_k
+            mask = row_mask[:, None] & (kk < k)[None, :]
+            xs = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=mask, other=0.0).to(tl.float32)
+            if RESIDUAL:
+                rs = tl.load(r_ptr + rows[:, None] * stride_r + kk[None, :], mask=mask, other=0.0).to(tl.float32)
+                summed = (xs + rs).to(dtype)
+                # the stream after the add, written once, by the first program
+                tl.store(stream_ptr + rows[:, None] * stride_stream + kk[None, :], summed, mask=mask & (pid == 0))
+                xs = summed.to(tl.float32)
+            sq += tl.sum(xs * xs, axis=1)
+        inv = tl.rsqrt(sq / k + eps)
+    acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    if SILU:
+        acc_up = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        kk = k0 + offs_k
+        k_mask = kk < k
+        mask = row_mask[:, None] & k_mask[None, :]
+        xs = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=mask, other=0.0).to(tl.float32)
+        if NORM:
+            if RESIDUAL:
+                rs = tl.load(r_ptr + rows[:, None] * stride_r + kk[None, :], mask=mask, other=0.0).to(tl.float32)
+                xs = (xs + rs).to(dtype).to(tl.float32)
+            nw = tl.load(nw_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+            if CENTERED:
+                xs = (xs * inv[:, None] * (1.0 + nw[None, :])).to(dtype).to(tl.float32)
+            else:
+                xs = ((xs * inv[:, None]).to(dtype).to(tl.float32) * nw[None, :]).to(dtype).to(tl.float32)
+        w_mask = col_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
+        acc += xs[:, None, :] * w[None, :, :]
+        if SILU:
+            wu = tl.load(w_rows + up_rows * stride_w + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            acc_up += xs[:, None, :] * wu[None, :, :]
+    y = tl.sum(acc, axis=2)
+    if SILU:
+        gate = y.to(dtype).to(tl.float32)
+        act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+        y = act * tl.sum(acc_up, axis=2).to(dtype).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y.to(dtype),
+             mask=row_mask[:, None] & col_mask[None, :])

@@ -1,0 +1,153 @@
+"""The few-row projection kernel (`mstar.kernels.gemv`) against cuBLAS, at
+Orpheus-3B's shapes: each projection alone (with the norm before it and the
+SiLU-and-multiply after it where a decoder layer has them), over a sweep of
+tilings, then a whole 28-layer step's projections both ways. Every layer has
+its own weights (5.6 GB in all), so nothing is read from L2 twice; times come
+from CUDA graphs, so launch gaps inside the graph count, host time does not.
+
+    python scripts/bench_gemv.py --rows 1 2 4 --out $OUT/gemv.json     # device tool, carry .wheels
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import platform
+
+import torch
+import torch.nn.functional as F
+
+from bench_env import commit, version, REPO
+from bench_page_size import graph_time_us
+from decode_measures import copy_bandwidth_gbps
+from mstar.kernels import gemv
+from mstar.kernels.activation import silu_and_mul_triton
+from mstar.kernels.norm import fused_add_rms_norm_triton
+
+LAYERS = 28
+HIDDEN, INTER, QKV = 3072, 8192, 5120
+EPS = 1e-5
+# name: (K, weight rows, norm before, silu after)
+SHAPES = {"qkv": (HIDDEN, QKV, True, False), "o": (HIDDEN, HIDDEN, False, False),
+          "gate_up": (HIDDEN, 2 * INTER, True, True), "down": (INTER, HIDDEN, False, False)}
+HEADS = {"head_window": 28736, "head_full": 156992}
+
+
+def sweep(rows: int) -> list[gemv.GemvConfig]:
+    if rows == 1:
+        grid = itertools.product((4, 8, 16), (128, 256, 512), (4, 8), (1, 3))
+    else:
+        grid = itertools.product((4, 8), (64, 128, 256), (4,), (1, 3))
+    return [gemv.GemvConfig(*c) for c in grid]
+
+
+def weights(k: int, n: int, count: int, gen: torch.Generator) -> list[torch.Tensor]:
+    return [(torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16) for _ in range(count)]
+
+
+class Shape:
+    """One projection of every layer, with its inputs at `rows` rows."""
+
+    def __init__(self, name: str, rows: int, ws: list[torch.Tensor], gen: torch.Generator) -> None:
+        k, _n, self.norm, self.silu = SHAPES.get(name, (HIDDEN, 0, False, False))
+        self.ws = ws
+        self.x = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
+        self.r = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
+        self.nw = (1 + 0.1 * torch.randn(k, device="cuda", generator=gen)).to(torch.bfloat16)
+
+    def cublas(self, i: int) -> torch.Tensor:
+        x = fused_add_rms_norm_triton(self.x, self.r, self.nw, EPS)[0] if self.norm else self.x
+        y = F.linear(x, self.ws[i % len(self.ws)])
+        return silu_and_mul_triton(y) if self.silu else y
+
+    def fused(self, i: int, cfg: gemv.GemvConfig | None) -> torch.Tensor:
+        w = self.ws[i % len(self.ws)]
+        if self.norm:
+            return gemv.norm_linear(self.x, self.r, self.nw, EPS, w, silu=self.silu, config=cfg)[0]
+        return gemv.linear(self.x, w, cfg)
+
+    def error(self, cfg: gemv.GemvConfig | None) -> float:
+        """Largest difference from the cuBLAS path, in units of the output's largest magnitude."""
+        ref = self.cublas(0).float()
+        return ((self.fused(0, cfg).float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+
+
+def per_shape(rows: list[int], all_weights: dict[str, list[torch.Tensor]], gen: torch.Generator) -> dict:
+    out: dict = {}
+    for m in rows:
+        for name, ws in all_weights.items():
+            shape = Shape(name, m, ws, gen)
+            calls = len(ws)
+            base = graph_time_us(shape.cublas, calls=calls, replays=10)
+            results = []
+            for cfg in sweep(m):
+                try:
+                    us = graph_time_us(lambda i, c=cfg: shape.fused(i, c), calls=calls, replays=10)
+                except Exception as e:  # a tiling the compiler refuses (registers): skip it, say so
+                    print(f"  rows {m} {name} {cfg}: {type(e).__name__}", flush=True)
+                    continue
+                results.append((us, cfg))
+            results.sort(key=lambda t: t[0])
+            best_us, best = results[0]
+            default = gemv.config_for(m, ws[0].shape[0] // (2 if shape.silu else 1), ws[0].shape[1])
+            default_us = graph_time_us(lambda i: shape.fused(i, default), calls=calls, replays=10)
+            nbytes = ws[0].numel() * ws[0].element_size()
+            out[f"{m}/{name}"] = {"rows": m, "shape": name, "cublas_us": round(base, 2), "best_us": round(best_us, 2),
+                                  "best": best.__dict__, "default_us": round(default_us, 2),
+                                  "default": default.__dict__, "error": shape.error(best),
+                                  "weight_MB": round(nbytes / 1e6, 1),
+                                  "best_GBps": round(nbytes / best_us / 1e3, 1),
+                                  "cublas_GBps": round(nbytes / base / 1e3, 1),
+                                  "top5": [(round(u, 2), c.__dict__) for u, c in results[:5]]}
+            r = out[f"{m}/{name}"]
+            print(f"rows {m:>2} {name:>12}: cuBLAS {base:8.2f} us ({r['cublas_GBps']:7.1f} GB/s)  "
+                  f"gemv best {best_us:8.2f} us ({r['best_GBps']:7.1f} GB/s) {best}  default {default_us:8.2f} us  "
+                  f"err {r['error']:.2e}", flush=True)
+    return out
+
+
+def step(rows: list[int], layer_weights: dict[str, list[torch.Tensor]], best: dict, gen: torch.Generator,
+         gbps: float) -> dict:
+    """A 28-layer step's projections, norms and activation: cuBLAS with the separate kernels, or the gemv
+    kernels (the tilings found best, and the defaults)."""
+    out = {}
+    floor_ms = sum(ws[0].numel() * 2 for ws in layer_weights.values()) * LAYERS / gbps / 1e6
+    for m in rows:
+        shapes = {name: Shape(name, m, ws, gen) for name, ws in layer_weights.items()}
+
+        def run(i: int, how: str) -> None:
+            for name, s in shapes.items():
+                if how == "cublas":
+                    s.cublas(i)
+                else:
+                    s.fused(i, gemv.GemvConfig(**best[f"{m}/{name}"]["best"]) if how == "best" else None)
+        times = {how: graph_time_us(lambda i, h=how: run(i, h), calls=LAYERS, replays=10) * LAYERS / 1e3
+                 for how in ("cublas", "best", "default")}
+        out[m] = {k: round(v, 3) for k, v in times.items()} | {"floor_ms": round(floor_ms, 3)}
+        print(f"rows {m}: a step's projections: cuBLAS {times['cublas']:.3f} ms, gemv best {times['best']:.3f}, "
+              f"gemv default {times['default']:.3f}; the weights' floor {floor_ms:.3f} ms", flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    gbps = copy_bandwidth_gbps(torch.device("cuda"))
+    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": version("triton"),
+           "python": platform.python_version(), "commit": commit(REPO), "copy_GBps": round(gbps, 1)}
+    print(env, flush=True)
+    layer_weights = {name: weights(k, n, LAYERS, gen) for name, (k, n, _, _) in SHAPES.items()}
+    heads = {name: weights(HIDDEN, n, 1, gen) for name, n in HEADS.items()}
+    shapes = per_shape(args.rows, layer_weights | heads, gen)
+    result = {"env": env, "shapes": shapes, "step": step(args.rows, layer_weights, shapes, gen, gbps)}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""The few-row projection kernel (`mstar.kernels.gemv`) against the unfused
+torch path: alone, with the norm before it (with and without the residual
+add, plain and centered weights) and with SiLU-and-multiply after it. On CPU
+tensors through Triton's interpreter (conftest switches it on), on CUDA at
+Orpheus-3B's shapes, under CUDA-graph replay, and picked by the model's
+layers for a few CUDA rows only."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kernel_cases import same_on_replay
+
+from mstar.kernels import gemv
+from mstar.kernels.backend import HAVE_TRITON
+from mstar.models.layers import CenteredRMSNorm, Linear, MergedLinear, RMSNorm
+from mstar.models.layers.norm_linear import norm_project
+
+EPS = 1e-5
+interpreted = pytest.mark.skipif(
+    not HAVE_TRITON or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs triton with TRITON_INTERPRET=1 (pip install triton==3.7.1; conftest sets it without CUDA)")
+cuda = pytest.mark.skipif(not (torch.cuda.is_available() and HAVE_TRITON),
+                          reason="needs CUDA and triton (runs on the GPU machine)")
+
+
+def _inputs(m: int, n: int, k: int, dtype: torch.dtype, device: str, silu: bool):
+    """x and the residual as row views of wider tensors (strides the kernel must honour), a norm weight,
+    and a projection weight scaled so outputs stay near one."""
+    gen = torch.Generator().manual_seed(m * 100_003 + n * 101 + k)
+    x = (torch.randn(m, k + 8, generator=gen) * 2).to(device=device, dtype=dtype)[:, 4:4 + k]
+    residual = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
+    norm_weight = (1 + 0.3 * torch.randn(k, generator=gen)).to(device=device, dtype=dtype)
+    weight = (torch.randn(2 * n if silu else n, k, generator=gen) * k ** -0.5).to(device=device, dtype=dtype)
+    return x, residual, norm_weight, weight
+
+
+def _tolerance(dtype: torch.dtype, interpreted_run: bool) -> dict[str, float]:
+    if dtype == torch.float32:
+        return {"atol": 1e-4, "rtol": 1e-4}
+    # bf16 outputs after up to four roundings (sum, normed value, weight product, gate): a few ulps of the
+    # largest output. Triton's interpreter rounds float32 -> bf16 toward zero, not to nearest: more there
+    return {"atol": 0.12, "rtol": 4e-2} if interpreted_run else {"atol": 3e-2, "rtol": 2e-2}
+
+
+def check(m: int, n: int, k: int, dtype: torch.dtype, device: str, *, norm: bool, add: bool, silu: bool,
+          centered: bool, config: gemv.GemvConfig | None = None) -> None:
+    x, residual, norm_weight, weight = _inputs(m, n, k, dtype, device, silu)
+    tol = _tolerance(dtype, device == "cpu")
+    if not norm:
+        got = gemv.linear(x, weight, config)
+        assert got.shape == (m, n) and got.dtype == dtype
+        torch.testing.assert_close(got, F.linear(x, weight), **tol)
+        return
+    res = residual if add else None
+    got, stream = gemv._launch(x, res, norm_weight, EPS, centered, weight, silu, config)
+    want, want_stream = gemv.norm_linear_reference(x, res, norm_weight, EPS, weight, centered=centered, silu=silu)
+    assert got.shape == want.shape == (m, n) and got.dtype == dtype
+    torch.testing.assert_close(got, want, **tol)
+    torch.testing.assert_close(stream, want_stream, **_tolerance(dtype, device == "cpu"))
+    if not add:
+        assert stream is x   # the stream is the input itself: nothing was written
+
+
+FORMS = [dict(norm=False, add=False, silu=False, centered=False),
+         dict(norm=True, add=False, silu=False, centered=False),
+         dict(norm=True, add=True, silu=False, centered=False),
+         dict(norm=True, add=True, silu=True, centered=False),
+         dict(norm=True, add=True, silu=False, centered=True),
+         dict(norm=True, add=False, silu=True, centered=True)]
+FORM_IDS = ["plain", "norm", "add_norm", "add_norm_silu", "add_centered", "centered_silu"]
+
+
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 96), (3, 64, 300), (4, 13, 64)])
+@pytest.mark.parametrize("form", FORMS, ids=FORM_IDS)
+def test_gemv_interpreted(m, n, k, dtype, form):
+    # tiles smaller than the shapes, so columns and K both span several blocks and end in a partial one
+    check(m, n, k, dtype, "cpu", config=gemv.GemvConfig(block_n=8, block_k=64, num_warps=4, num_stages=1), **form)
+
+
+def test_gemv_refuses_what_it_cannot_take():
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="do not make a projection"):
+        gemv._launch(x, None, None, 0.0, False, torch.randn(8, 32), False, None)
+    with pytest.raises(ValueError, match="at most"):
+        gemv._launch(torch.randn(gemv.KERNEL_ROWS + 1, 64), None, None, 0.0, False, torch.randn(8, 64), False, None)
+    with pytest.raises(ValueError, match="even number"):
+        gemv._launch(x, None, torch.ones(64), 1e-5, False, torch.randn(7, 64), True, None)
+
+
+def test_cpu_tensors_take_the_modules():
+    """On CPU `norm_project` is the norm, the projection and the activation as modules compute them."""
+    gen = torch.Generator().manual_seed(0)
+    h, residual = torch.randn(2, 64, generator=gen), torch.randn(2, 64, generator=gen)
+    for norm in (RMSNorm(64, EPS), CenteredRMSNorm(64, EPS)):
+        norm.weight.data.normal_(generator=gen)
+        gate_up = MergedLinear(64, (("gate", 32), ("up", 32)))
+        gate_up.weight.data.normal_(generator=gen)
+        assert not gemv.applies(h, gate_up.weight)
+        for res in (None, residual):
+            got, stream = norm_project(norm, gate_up, h, res, silu=True)
+            x, want_stream = norm.stream(h, res)
+            y = gate_up(x)
+            assert torch.equal(got, F.silu(y[:, :32]) * y[:, 32:]) and torch.equal(stream, want_stream)
+
+
+@cuda
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("n,k,form", [(5120, 3072, 2), (3072, 3072, 0), (8192, 3072, 3), (3072, 8192, 0),
+                                      (28736, 3072, 0), (2048, 4096, 4), (1000, 520, 5)])
+def test_gemv_cuda(m, n, k, form):
+    check(m, n, k, torch.bfloat16, "cuda", **FORMS[form])
+
+
+@cuda
+@pytest.mark.parametrize("form", FORMS, ids=FORM_IDS)
+def test_gemv_cuda_float32(form):
+    check(2, 300, 1000, torch.float32, "cuda", **form)
+
+
+@cuda
+def test_gemv_replays_under_cuda_graphs():
+    gen = torch.Generator(device="cuda").manual_seed(5)
+
+    def make():
+        return [torch.randn(s, generator=gen, device="cuda", dtype=torch.bfloat16)
+                for s in ((1, 3072), (1, 3072), (3072,), (2 * 4096, 3072))]
+    same_on_replay(make, lambda x, r, nw, w: gemv.norm_linear(x, r, nw, EPS, w, silu=True))
+    same_on_replay(make, lambda x, r, nw, w: gemv.linear(x, w))
+
+
+@cuda
+def test_layers_take_the_kernel_for_a_few_cuda_rows_only():
+    """`Linear` and `norm_project` give the kernel's exact output at up to MAX_ROWS rows, cuBLAS's above."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    lin = Linear(2048, 1024, device="cuda", dtype=torch.bfloat16)
+    lin.weight.data.normal_(generator=gen)
+    norm = RMSNorm(2048, EPS, device="cuda", dtype=torch.bfloat16)
+    for m in (1, gemv.MAX_ROWS, gemv.MAX_ROWS + 1):
+        x = torch.randn(m, 2048, generator=gen, device="cuda", dtype=torch.bfloat16)
+        r = torch.randn(m, 2048, generator=gen, device="cuda", dtype=torch.bfloat16)
+        few = m <= gemv.MAX_ROWS
+        assert torch.equal(lin(x), gemv.linear(x, lin.weight) if few else F.linear(x, lin.weight))
+        got = norm_project(norm, lin, x, r)
+        if few:
+            want = gemv.norm_linear(x, r, norm.weight, EPS, lin.weight)
+        else:
+            normed, stream = norm(x, r)
+            want = (F.linear(normed, lin.weight), stream)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
