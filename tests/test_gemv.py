@@ -153,3 +153,10 @@ def test_layers_take_the_kernel_for_a_few_cuda_rows_only():
             normed, stream = norm(x, r)
             want = (F.linear(normed, lin.weight), stream)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@interpreted
+@pytest.mark.parametrize("form", FORMS, ids=FORM_IDS)
+def test_gemv_interpreted_summing_each_block(form):
+    check(3, 20, 200, torch.float32, "cpu",
+          config=gemv.GemvConfig(block_n=4, block_k=64, num_warps=4, num_stages=1, reduce_each=True), **form)

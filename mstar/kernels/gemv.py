@@ -45,6 +45,7 @@ class GemvConfig:
     block_k: int = 256
     num_warps: int = 4
     num_stages: int = 3
+    reduce_each: bool = False  # sum each K block's products at once (fewer registers) or once at the end
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -119,7 +120,8 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
             m, n, k, x.stride(0), res.stride(0) if res is not None else 0, weight.stride(0), out.stride(0),
             stream.stride(0), n if silu else 0, eps,
             ROWS=block_size(m), NORM=norm, RESIDUAL=res is not None, CENTERED=centered, SILU=silu,
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, REDUCE_EACH=cfg.reduce_each, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
     return out, stream
 
 
@@ -131,7 +133,7 @@ def triton_cdiv(a: int, b: int) -> int:
 def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, stream_ptr, m, n, k,
                  stride_x, stride_r, stride_w, stride_out, stride_stream, up_rows, eps,
                  ROWS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, CENTERED: tl.constexpr,
-                 SILU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 SILU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, REDUCE_EACH: tl.constexpr):
     pid = tl.program_id(0)
     rows = tl.arange(0, ROWS)
     row_mask = rows < m
@@ -155,8 +157,11 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, stream_ptr, m, n, k,
                 xs = summed.to(tl.float32)
             sq += tl.sum(xs * xs, axis=1)
         inv = tl.rsqrt(sq / k + eps)
-    acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    if SILU:
+    if REDUCE_EACH:
+        acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    else:
+        acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
         acc_up = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, k, BLOCK_K):
         kk = k0 + offs_k
@@ -174,14 +179,21 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, stream_ptr, m, n, k,
                 xs = ((xs * inv[:, None]).to(dtype).to(tl.float32) * nw[None, :]).to(dtype).to(tl.float32)
         w_mask = col_mask[:, None] & k_mask[None, :]
         w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
-        acc += xs[:, None, :] * w[None, :, :]
         if SILU:
             wu = tl.load(w_rows + up_rows * stride_w + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
-            acc_up += xs[:, None, :] * wu[None, :, :]
-    y = tl.sum(acc, axis=2)
+        if REDUCE_EACH:
+            acc += tl.sum(xs[:, None, :] * w[None, :, :], axis=2)
+            if SILU:
+                acc_up += tl.sum(xs[:, None, :] * wu[None, :, :], axis=2)
+        else:
+            acc += xs[:, None, :] * w[None, :, :]
+            if SILU:
+                acc_up += xs[:, None, :] * wu[None, :, :]
+    y = acc if REDUCE_EACH else tl.sum(acc, axis=2)
     if SILU:
         gate = y.to(dtype).to(tl.float32)
         act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-        y = act * tl.sum(acc_up, axis=2).to(dtype).to(tl.float32)
+        up = acc_up if REDUCE_EACH else tl.sum(acc_up, axis=2)
+        y = act * up.to(dtype).to(tl.float32)
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y.to(dtype),
              mask=row_mask[:, None] & col_mask[None, :])
