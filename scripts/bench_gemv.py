@@ -36,9 +36,9 @@ HEADS = {"head_window": 28736, "head_full": 156992}
 
 def sweep(rows: int) -> list[gemv.GemvConfig]:
     if rows == 1:
-        grid = itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8), (1,), (False, True))
+        grid = itertools.product((2, 4, 8), (512, 1024, 2048, 4096), (4, 8), (1,))
     else:
-        grid = itertools.product((2, 4, 8), (256, 512, 1024), (4, 8), (1,), (True,))
+        grid = itertools.product((2, 4, 8), (256, 512, 1024), (4, 8), (1,))
     return [gemv.GemvConfig(*c) for c in grid]
 
 

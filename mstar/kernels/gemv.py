@@ -1,18 +1,17 @@
-"""Projections of a few rows: activations x [M, K] (M at most `MAX_ROWS`)
-and a weight [N, K] in, x @ weight.T [M, N] out, in x's dtype; optionally
-with the RMSNorm before the projection and the SiLU-and-multiply after it
-done in the same kernel.
+"""Projections of a few rows: activations x [M, K] (up to `KERNEL_ROWS`;
+the layers send one, `MAX_ROWS`) and a weight [N, K] in, x @ weight.T
+[M, N] out, in x's dtype; optionally with the RMSNorm before the projection
+and the SiLU-and-multiply after it done in the same kernel.
 
-At one to a few decode rows a projection only streams its weight through
-the GPU. cuBLAS's GEMM for such a shape splits K over programs and adds a
-reduction kernel, and the norm and activation around it are kernels of
-their own: at one Orpheus-3B row an H200 spends ~0.4 ms a step of ~2.7 in
-those small launches and their gaps. Here each program reads a block of the
-weight's rows once and owns their outputs: with `norm_weight` it forms the
-normed input itself (each program reads the few rows of x, which stay in
-cache, and takes their statistics first), and with `silu` the weight is a
-merged gate/up [2I, K] and the program computes both halves of its columns
-and writes silu(gate) * up [M, I].
+At one decode row a projection only streams its weight through the GPU.
+cuBLAS's GEMM for such a shape may split K over programs and add a reduction
+kernel, and the norm and the activation around it are kernels of their own.
+Here each program reads a block of the weight's rows once and owns their
+outputs: with `norm_weight` it forms the normed input itself (each program
+reads the few rows of x, which stay in cache, and takes their statistics
+first), and with `silu` the weight is a merged gate/up [2I, K] and the
+program computes both halves of its columns and writes silu(gate) * up
+[M, I].
 
 The arithmetic matches the unfused torch path: the residual add, the normed
 value and the weight multiply are rounded to x's dtype where the reference
@@ -32,7 +31,7 @@ from mstar.kernels.activation import silu_and_mul_reference
 from mstar.kernels.backend import block_size, jit, tl, use_triton
 from mstar.kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
 
-MAX_ROWS = 4    # past this cuBLAS's tensor-core GEMMs read the weight as fast and do the arithmetic better
+MAX_ROWS = 1    # at two rows cuBLAS was as fast or faster on three of a Llama layer's four projections (H100)
 MIN_WEIGHT = 1 << 20  # elements; a smaller weight's projection is a few microseconds either way
 KERNEL_ROWS = 16  # the most rows a launch takes (its accumulators grow with them)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -44,8 +43,7 @@ class GemvConfig:
     block_n: int = 8
     block_k: int = 256
     num_warps: int = 4
-    num_stages: int = 3
-    reduce_each: bool = False  # sum each K block's products at once (fewer registers) or once at the end
+    num_stages: int = 1
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -59,12 +57,13 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def config_for(rows: int, n: int, k: int) -> GemvConfig:
     """A fixed tiling from the shape (no autotuning: launches stay the same
-    from run to run and capturable). Enough programs that every SM streams
-    weight rows: a block of 8 columns gives 384 programs for a 3,072-wide
-    output, 2,048 for a 16,384-wide one."""
-    block_n = 8 if n >= 1024 else 4
-    block_k = 256 if rows <= 2 else 128
-    return GemvConfig(block_n=block_n, block_k=min(block_k, block_size(k)))
+    from run to run and capturable), the fastest of a sweep at one row of
+    Orpheus-3B's projections on an H100 (`scripts/bench_gemv.py`): narrow
+    blocks of columns (768 programs for a 3,072-wide output) over wide
+    blocks of K, so that each program keeps several KB of the weight in
+    flight; narrower K blocks at more rows, whose products take registers."""
+    block_k = (2048 if k >= 8192 else 1024) // block_size(rows)
+    return GemvConfig(block_n=4, block_k=max(16, min(block_k, block_size(k))))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
@@ -120,8 +119,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
             m, n, k, x.stride(0), res.stride(0) if res is not None else 0, weight.stride(0), out.stride(0),
             stream.stride(0), n if silu else 0, eps,
             ROWS=block_size(m), NORM=norm, RESIDUAL=res is not None, CENTERED=centered, SILU=silu,
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, REDUCE_EACH=cfg.reduce_each, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages)
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out, stream
 
 
@@ -133,7 +131,7 @@ def triton_cdiv(a: int, b: int) -> int:
 def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, stream_ptr, m, n, k,
                  stride_x, stride_r, stride_w, stride_out, stride_stream, up_rows, eps,
                  ROWS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, CENTERED: tl.constexpr,
-                 SILU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, REDUCE_EACH: tl.constexpr):
+                 SILU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     rows = tl.arange(0, ROWS)
     row_mask = rows < m
@@ -157,12 +155,10 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, stream_ptr, m, n, k,
                 xs = summed.to(tl.float32)
             sq += tl.sum(xs * xs, axis=1)
         inv = tl.rsqrt(sq / k + eps)
-    if REDUCE_EACH:
-        acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-    else:
-        acc = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
-        acc_up = tl.zeros([ROWS, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    # each K block's products summed at once: accumulators of [ROWS, BLOCK_N] leave registers for wide blocks of
+    # the weight in flight, which is what sets a few-row projection's speed
+    acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, k, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < k
@@ -181,19 +177,13 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, stream_ptr, m, n, k,
         w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
         if SILU:
             wu = tl.load(w_rows + up_rows * stride_w + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
-        if REDUCE_EACH:
-            acc += tl.sum(xs[:, None, :] * w[None, :, :], axis=2)
-            if SILU:
-                acc_up += tl.sum(xs[:, None, :] * wu[None, :, :], axis=2)
-        else:
-            acc += xs[:, None, :] * w[None, :, :]
-            if SILU:
-                acc_up += xs[:, None, :] * wu[None, :, :]
-    y = acc if REDUCE_EACH else tl.sum(acc, axis=2)
+        acc += tl.sum(xs[:, None, :] * w[None, :, :], axis=2)
+        if SILU:
+            acc_up += tl.sum(xs[:, None, :] * wu[None, :, :], axis=2)
+    y = acc
     if SILU:
         gate = y.to(dtype).to(tl.float32)
         act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-        up = acc_up if REDUCE_EACH else tl.sum(acc_up, axis=2)
-        y = act * up.to(dtype).to(tl.float32)
+        y = act * acc_up.to(dtype).to(tl.float32)
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y.to(dtype),
              mask=row_mask[:, None] & col_mask[None, :])

@@ -12,7 +12,7 @@ Outside CUDA graphs, a projection of more than `SMALL_ROWS` rows on CUDA runs
 at `padded_rows` rows (the extra ones computed and dropped): cuBLAS spends
 milliseconds of host time choosing a kernel the first time it sees a shape,
 and an eager prefill's token count is new at almost every step. A projection
-of a few rows on CUDA takes the few-row kernel (`kernels/gemv.py`) instead.
+of one row on CUDA takes the few-row kernel (`kernels/gemv.py`) instead.
 """
 
 from __future__ import annotations
