@@ -153,7 +153,13 @@ async def test_greedy_tokens_match_transformers(which: str, request: pytest.Fixt
             if which == "tiny":  # its sharpened 1k-token head rarely ties; the 157k-token one often does
                 assert ties <= max(1, batch // 4), f"{ties} of {batch} rows hit near-ties"
         graph_decode = await _mstar(folder, prompts, eager=False, mixed=False)
-        assert graph_decode == eager, "CUDA-graph replay and eager decode disagree"
+        if batch == 1:
+            assert graph_decode == eager, "CUDA-graph replay and eager decode disagree"
+        else:
+            # the rows of a batch are admitted over one or a few steps, as the worker finds them queued, so a row
+            # may decode some steps alone in one run and not in the other; a lone row's projections take the
+            # one-row kernel (`kernels/gemv.py`), whose sums are ordered otherwise than cuBLAS's: equal up to ties
+            _compare(graph_decode, ref, margins)
 
 
 @pytest.mark.parametrize("which", ["tiny", "shaped_3b"])
