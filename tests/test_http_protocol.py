@@ -7,8 +7,8 @@ import orjson
 import pytest
 
 from mstar.errors import RequestError
-from mstar.http.text.protocol import (COMPLETIONS_MAX_TOKENS, MAX_N, parse_chat, parse_completion, parse_generate,
-                                 parse_json_object)
+from mstar.http.text.protocol import (COMPLETIONS_MAX_TOKENS, MAX_CHOICES, MAX_N, parse_chat, parse_completion,
+                                      parse_generate, parse_json_object)
 from mstar.types import SamplingParams
 
 
@@ -157,6 +157,14 @@ def test_any_int64_seed_is_taken() -> None:
 
 def test_too_many_choices() -> None:
     assert refused(parse_completion, body(prompt=["a"] * 10, n=MAX_N)).field == "n"
+    # a list of prompts alone past the limit names the prompts, not an n the client never sent
+    err = refused(parse_completion, body(prompt=["a"] * (MAX_CHOICES + 1)))
+    assert err.field == "prompt" and f"{MAX_CHOICES + 1} prompts x n = 1" in str(err)
+
+
+def test_a_body_that_is_not_utf8_says_so() -> None:
+    err = refused(parse_json_object, b'{"prompt": "\xff\xfe", "max_tokens": 2}')
+    assert err.field == "body" and "not valid UTF-8 (byte 12)" in str(err)
 
 
 def test_unsupported_feature_says_so() -> None:

@@ -10,8 +10,9 @@ shows it: a token holding part of a multi-byte character reads U+FFFD. Its
 are: joined over a text's tokens they make its UTF-8, a character split over
 tokens included (a sentencepiece word marker is a space, so a text's first
 word there keeps the space its string drops). `text_offset` counts the characters of
-the choice's token strings before each token (`echo` is not supported, so the
-prompt is not part of the text). JSON has no -inf: a logprob below -9999 (a
+the choice's token strings before each token, a special token that the text
+leaves out (`skip_special_tokens`) counting none, so that it indexes the text
+(`echo` is not supported, so the prompt is not part of the text). JSON has no -inf: a logprob below -9999 (a
 token the model rules out) is reported as -9999, as OpenAI does.
 """
 
@@ -34,8 +35,9 @@ class LogprobShapes:
     served model's tokenizer. Keeps each completions choice's text offset, so
     a stream's chunks continue where the previous one ended."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self._offsets: dict[int, int] = {}  # choice index -> characters of its token strings so far
 
     def _strings(self, entries: Sequence[TokenLogprob]) -> dict[int, str]:
@@ -47,11 +49,16 @@ class LogprobShapes:
         """`/v1/completions`' `logprobs` for choice `index`'s `entries` (its next tokens)."""
         text = self._strings(entries)
         tokens = [text[e.token_id] for e in entries]
+        widths = [len(t) for t in tokens]
+        if self.skip_special_tokens:  # a token that decodes to nothing without its specials is not in the text
+            ids = list(dict.fromkeys(e.token_id for e in entries))
+            shown = dict(zip(ids, self.tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=True)))
+            widths = [w if shown[e.token_id] else 0 for w, e in zip(widths, entries)]
         offsets = []
         at = self._offsets.get(index, 0)
-        for token in tokens:
+        for width in widths:
             offsets.append(at)
-            at += len(token)
+            at += width
         self._offsets[index] = at
         return {"tokens": tokens, "token_logprobs": [_number(e.logprob) for e in entries],
                 "top_logprobs": [_top_map(e, text) for e in entries], "text_offset": offsets}

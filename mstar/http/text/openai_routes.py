@@ -88,7 +88,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     sampling = dataclasses.replace(body.sampling, max_tokens=body.max_tokens)
     sub = await submit(engine, reply.id, target.name, prompts, sampling, n=body.n, sampling_by=body.sampling_by,
                        priority=body.priority, walk=text_walk(target))
-    shapes = LogprobShapes(target.tokenizer) if body.sampling.logprobs is not None else None
+    shapes = (LogprobShapes(target.tokenizer, body.sampling.skip_special_tokens)
+              if body.sampling.logprobs is not None else None)
     try:
         if body.stream:
             return await stream_sse(request, sub, reply, _completion_piece(shapes), [], body.include_usage,

@@ -112,6 +112,11 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     try:
         obj = orjson.loads(body)
     except orjson.JSONDecodeError as e:
+        try:  # orjson reads bytes that are not UTF-8 as "surrogates not allowed": name what is wrong
+            body.decode("utf-8")
+        except UnicodeDecodeError as bad:
+            raise RequestError(f"is not valid UTF-8 (byte {bad.start}); JSON bodies are UTF-8",
+                               field="body") from None
         raise RequestError(f"invalid JSON: {e}", field="body") from None
     if not isinstance(obj, dict):
         raise RequestError(f"must be a JSON object, not {type_name(obj)}", field="body")
@@ -130,7 +135,9 @@ def parse_completion(body: bytes) -> CompletionBody:
         raise f.error("best_of", "is not supported (only best_of == n is accepted)")
     prompts = _read_prompts(f)
     if len(prompts) * n > MAX_CHOICES:
-        raise f.error("n", f"prompts x n must be at most {MAX_CHOICES}")
+        # named after what the client sent: a long prompt list alone, or one multiplied by n
+        raise f.error("n" if n > 1 else "prompt", f"{len(prompts)} prompts x n = {n} make {len(prompts) * n} "
+                      f"choices; a request may ask for at most {MAX_CHOICES}")
     stream, include_usage, continuous_usage = _read_stream(f)
     return CompletionBody(
         model=f.string("model"),
