@@ -174,6 +174,7 @@ class OutputChunk:
     data: Any = None              # an emitted value of another modality, as host data
     finished: bool = False
     finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # a "stop" finish's stop string or stop id (vLLM's); None for EOS
     error: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0

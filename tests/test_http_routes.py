@@ -190,3 +190,34 @@ async def test_empty_prompt_is_just_the_special_tokens(http: aiohttp.ClientSessi
         assert r.status == 200
         body = await r.json()
     assert body["usage"]["prompt_tokens"] == len(engine.tokenizer(MODEL).encode(""))
+
+
+async def test_stop_reason_names_what_stopped_a_choice(http: aiohttp.ClientSession) -> None:
+    """vLLM's `stop_reason`: the stop string or the `stop_token_ids` id that ended a choice, null when the
+    length (or EOS) ended it; in a stream, null until the choice's last chunk."""
+    async with http.post("/generate", json={"text": "hello", "sampling_params": greedy(12)}) as r:
+        whole = await r.json()
+    text, ids = whole["text"], whole["token_ids"]
+    stop = next((c for c in text if c.isprintable() and c.strip()), None)
+    if stop is None:
+        pytest.skip(f"the random model wrote nothing printable: {text!r}")
+    base = {"model": MODEL, "prompt": "hello", **greedy(12)}
+    async with http.post("/v1/completions", json={**base, "stop": ["never-written", stop]}) as r:
+        [choice] = (await r.json())["choices"]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == stop
+    async with http.post("/v1/completions", json={**base, "stop_token_ids": [ids[3]]}) as r:
+        [choice] = (await r.json())["choices"]
+    assert choice["finish_reason"] == "stop" and choice["stop_reason"] == ids[3]
+    async with http.post("/v1/completions", json=base) as r:
+        [choice] = (await r.json())["choices"]
+    assert choice["finish_reason"] == "length" and choice["stop_reason"] is None
+    async with http.post("/v1/completions", json={**base, "stop": [stop], "stream": True}) as r:
+        events = await read_sse(r)
+    pieces = [e["choices"][0] for e in events[:-1] if e["choices"]]
+    assert [p["stop_reason"] for p in pieces] == [None] * (len(pieces) - 1) + [stop]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], **greedy(12),
+            "stop_token_ids": [ids[3]]}
+    async with http.post("/v1/chat/completions", json=chat) as r:
+        [choice] = (await r.json())["choices"]
+    # the chat's prompt differs, so its answer may end otherwise: stop_reason says which way
+    assert (choice["finish_reason"], choice["stop_reason"]) in (("stop", ids[3]), ("length", None))

@@ -156,6 +156,7 @@ class Choice:
     num_output_tokens: int = 0
     num_prompt_tokens: int = 0       # as the engine counts it (it grows as input streams in)
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # what stopped it (`OutputChunk.stop_reason`)
     error: str | None = None
     audio: bytearray | None = None   # PCM16 so far, if `keep_audio` (streams send it on instead)
     sample_rate: int | None = None
@@ -182,6 +183,7 @@ class Choice:
         self.num_prompt_tokens = max(self.num_prompt_tokens, chunk.num_prompt_tokens)
         if chunk.finished:
             self.finish_reason = chunk.finish_reason or "stop"
+            self.stop_reason = chunk.stop_reason
             self.error = chunk.error
 
 

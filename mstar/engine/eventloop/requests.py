@@ -33,6 +33,7 @@ class StopStrings:
         self.text = ""
         self.sent = 0
         self.armed_at = 0  # where armed text starts
+        self.matched: str | None = None  # the stop string that cut the text, once one has
 
     def push(self, new: str, armed: bool = True) -> tuple[str, bool]:
         """Text that is safe to send now, and whether a stop string matched
@@ -49,8 +50,9 @@ class StopStrings:
                     if i >= 0]
         if hits:
             cut = min(hits)
+            self.matched = next(s for s in self.stops if self.text.startswith(s, cut))
             if self.keep:
-                cut += len(next(s for s in self.stops if self.text.startswith(s, cut)))
+                cut += len(self.matched)
             out = self.text[self.sent:cut] if cut > self.sent else ""
             self.sent = max(self.sent, cut)
             return out, True
@@ -141,6 +143,7 @@ class RequestState:
         self.root_reason: str | None = None
         self.cut = False  # a worker's part of it ended "length" (a budget cut it), whatever the root's reason
         self.failed: str | None = None  # the error of a part that failed
+        self.last_token: int | None = None  # the last token fed: the stop id that ended the text, if one did
 
     def worker_of(self, partition: str) -> int:
         return self.places.get(partition, self.worker)
@@ -170,6 +173,7 @@ class RequestState:
         some; returns True when a stop string matched (the caller then stops
         the partition on its worker). Runs for every running request's token."""
         self.num_output_tokens += 1
+        self.last_token = token
         fed = self.fed
         fed[partition] = fed.get(partition, 0) + 1
         if self.stops.stops:
@@ -269,8 +273,18 @@ class RequestState:
                 tail += self.stops.flush()
         self.queue.put_nowait(OutputChunk(
             request_id=self.request_id, text=tail, finished=True, finish_reason=reason, error=error,
-            num_prompt_tokens=self.num_prompt_tokens, num_output_tokens=self.num_output_tokens))
+            num_prompt_tokens=self.num_prompt_tokens, num_output_tokens=self.num_output_tokens,
+            stop_reason=self._stopped_by() if reason == "stop" else None))
         return reason
+
+    def _stopped_by(self) -> int | str | None:
+        """What ended an answer that stopped (vLLM's `stop_reason`): its stop
+        string, else the `stop_token_ids` id it ended on; None for EOS or a
+        walk's own stop."""
+        if self.stops.matched is not None:
+            return self.stops.matched
+        last = self.last_token
+        return last if last is not None and last in self.sampling.stop_token_ids else None
 
 
 def _token_logprob(token: int, row: list[float], k: int) -> TokenLogprob:

@@ -94,7 +94,11 @@ def choice(logprobs: Schema, **fields: Schema) -> Schema:
                            "logprobs": {"oneOf": [logprobs, {"type": "null"}],
                                         "description": "null unless the request asked; in a stream, of the "
                                                        "chunk's tokens"},
-                           "finish_reason": FINISH_REASON}}
+                           "finish_reason": FINISH_REASON,
+                           "stop_reason": {"oneOf": [{"type": "string"}, {"type": "integer"}, {"type": "null"}],
+                                           "description": "vLLM's: the stop string or stop_token_ids id that ended "
+                                                          "the choice (finish_reason stop); null for EOS, other "
+                                                          "ends, and before the end"}}}
 
 
 NUMBERS: Schema = {"type": "array", "items": {"type": "number"}}

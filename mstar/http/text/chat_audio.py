@@ -152,7 +152,8 @@ def spoken_usage(usage: dict[str, int], choices: Sequence[Choice]) -> dict[str, 
 
 
 def _entry(choice: Choice, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
-    return {"index": choice.index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return {"index": choice.index, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
+            "stop_reason": choice.stop_reason if finish_reason is not None else None}
 
 
 def _base64_file(encoding: str, sample_rate: int, pcm: bytes) -> str:
