@@ -190,6 +190,33 @@ async def test_a_speech_model_says_the_conversations_unanswered_user_items_in_or
     await _settled(engine)
 
 
+async def test_under_auto_truncation_a_text_too_long_to_say_gives_way_to_newer_ones(speech) -> None:
+    """A speech model's unspoken text too long for the context fails its response; a newer text then is
+    said alone, and the long one, left out, is never offered again. With truncation disabled it stays."""
+    engine, url = speech
+    for truncation, after in (("auto", "short"), ("disabled", None)):
+        async with _client(url).realtime.connect(model="orpheus-tiny") as conn:
+            await conn.session.update(session={**FAST, "truncation": truncation})
+            seen: list[Any] = []
+            await _until(conn, "session.updated", seen)
+            for text in ("hello " * 400, "short"):  # more tokens than the context (2048) holds, then a few
+                await conn.send({"type": "conversation.item.create", "item": _user(text)})
+                await _until(conn, "conversation.item.done", seen)
+                await conn.response.create()
+                if text == "short" and after is not None:
+                    done = await _until(conn, "response.done", seen)
+                    assert done.response.output[0].content[0].transcript == after
+                else:
+                    assert (await _until(conn, "error", seen)).error.code == "context_length_exceeded"
+            if after is not None:
+                await conn.send({"type": "conversation.item.create", "item": _user("again")})
+                await _until(conn, "conversation.item.done", seen)
+                await conn.response.create()
+                done = await _until(conn, "response.done", seen)
+                assert done.response.output[0].content[0].transcript == "again"
+    await _settled(engine)
+
+
 def _prior(seen: list[Any], item_id: str) -> str:
     """The id of the item before `item_id` in the conversation (from its
     `conversation.item.done` event)."""

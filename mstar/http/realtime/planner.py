@@ -71,16 +71,26 @@ class Planner:
             if asked_voice is not None:
                 voice = self.s.config.check_voice(asked_voice, "response.audio.output.voice")
             pending = self.s.unanswered() if texts is None else []
-            spoken = " ".join(t["content"] for t in texts if t["role"] == "user") if texts is not None \
-                else " ".join(text for _, text in pending)
-            if not spoken.strip():
+            said = [t["content"] for t in texts if t["role"] == "user"] if texts is not None \
+                else [text for _, text in pending]
+            if not " ".join(said).strip():
                 raise ProtocolError("there is no text to speak: add a user message (input_text) first",
                                     "empty_input", "response.input")
-            request = GenerateRequest(rid, self.s.target.name, {"text": spoken, "voice": voice}, sampling,
-                                      walk=SPEAK_WALK, more_input=True, priority=REALTIME_PRIORITY)
-            prepared = await self.s.engine.prepare(request)
+
+            def make(kept: list[dict[str, Any]]) -> GenerateRequest:
+                return GenerateRequest(rid, self.s.target.name, {"text": " ".join(m["content"] for m in kept),
+                                                                 "voice": voice}, sampling,
+                                       walk=SPEAK_WALK, more_input=True, priority=REALTIME_PRIORITY)
+            # under "auto" truncation the oldest unspoken texts are left out when all of them overrun the
+            # context, and count as answered: one text too long for it must not refuse every later response
+            request, prepared, dropped = await fitted(
+                [{"role": "user", "content": t} for t in said], make, self.s.engine.prepare,
+                self.s.config.truncation == "auto" and texts is None, self.s.target.max_model_len)
+            if dropped:
+                log.info("unspoken text truncated", session_id=self.s.config.session_id, dropped_items=dropped)
             return ResponsePlan(rid, self._within(request, prepared, limit), prepared, modality="audio",
-                                spoken=spoken, voice=voice, answers=tuple(item_id for item_id, _ in pending))
+                                spoken=request.inputs["text"], voice=voice,
+                                answers=tuple(item_id for item_id, _ in pending))
         instructions = self.s.config.instructions if instructions is None else instructions
         messages = ([{"role": "system", "content": instructions}] if instructions else [])
         messages += texts if texts is not None else [
