@@ -14,11 +14,13 @@ from typing import Any
 import aiohttp
 import pytest
 import pytest_asyncio
+import structlog
 from http_support import running_engine, serving
 from openai import AsyncOpenAI
 
 from mstar.engine.engine import Engine
 from mstar.errors import RequestError
+from mstar.http.realtime import routes as realtime_routes
 from mstar.http.realtime.conversation import fitted
 from mstar.types import GenerateRequest
 
@@ -273,14 +275,25 @@ async def test_bad_events_get_error_events_and_the_socket_stays(speech) -> None:
 
 
 async def test_closing_the_socket_mid_response_frees_everything(speech) -> None:
+    """Freed on the engine, and the session's own close runs to its end (the handler a hang-up cancels
+    does not cut it short): its writer stops and it says it closed."""
     engine, url = speech
-    async with _client(url).realtime.connect(model="orpheus-tiny") as conn:
-        await conn.session.update(session={"type": "realtime", "max_output_tokens": 1000})
-        await conn.conversation.item.create(item=_user("talk for a while"))
-        await conn.response.create()
-        await _until(conn, "response.output_audio.delta", [])
-        assert engine.pages_in_use() > 0
-    await _settled(engine)
+    with structlog.testing.capture_logs() as logs:
+        async with _client(url).realtime.connect(model="orpheus-tiny") as conn:
+            await conn.session.update(session={"type": "realtime", "max_output_tokens": 1000})
+            await conn.conversation.item.create(item=_user("talk for a while"))
+            await conn.response.create()
+            await _until(conn, "response.output_audio.delta", [])
+            assert engine.pages_in_use() > 0
+        await _settled(engine)
+        for _ in range(100):
+            if any(e["event"] == "realtime session closed" for e in logs) and not realtime_routes._CLOSING:
+                break
+            await asyncio.sleep(0.05)
+    opened = [e["session_id"] for e in logs if e["event"] == "realtime session opened"]
+    closed = [e["session_id"] for e in logs if e["event"] == "realtime session closed"]
+    assert opened and closed == opened and not realtime_routes._CLOSING
+    assert not [t for t in asyncio.all_tasks() if t.get_name() == "realtime-writer"]
 
 
 async def test_unknown_model_is_refused_before_the_upgrade(speech) -> None:

@@ -85,17 +85,33 @@ async def realtime(request: web.Request) -> web.StreamResponse:
                 break
     finally:
         request.app[SOCKETS].discard(connection)
-        await session.close()
-        outbox.put_nowait(None)
-        try:
-            await asyncio.wait_for(writer, 5.0)
-        except (TimeoutError, ConnectionError):
-            writer.cancel()
-        await ws.close()
-        if ws.too_big:
-            await _client_stopped(request)
-        log.info("realtime session closed", session_id=session.config.session_id)
+        # a client that hangs up cancels this handler (aiohttp's handler_cancellation), also while it closes
+        # the session: the close runs in a task of its own, so it finishes (and says so) whatever happens here
+        closing = asyncio.get_running_loop().create_task(_close(request, session, outbox, writer, ws),
+                                                         name="realtime-close")
+        _CLOSING.add(closing)
+        closing.add_done_callback(_CLOSING.discard)
+        await asyncio.shield(closing)
     return ws
+
+
+_CLOSING: set[asyncio.Task[None]] = set()  # sessions' closes still running (the loop keeps tasks weakly)
+
+
+async def _close(request: web.Request, session: RealtimeSession, outbox: asyncio.Queue[bytes | None],
+                 writer: asyncio.Task[None], ws: _Socket) -> None:
+    """End the session's response and free it, let the writer send what is
+    queued (at most 5 s), close the socket."""
+    await session.close()
+    outbox.put_nowait(None)
+    try:
+        await asyncio.wait_for(writer, 5.0)
+    except (TimeoutError, ConnectionError):
+        writer.cancel()
+    await ws.close()
+    if ws.too_big:
+        await _client_stopped(request)
+    log.info("realtime session closed", session_id=session.config.session_id)
 
 
 @dataclass(eq=False)
