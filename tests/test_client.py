@@ -378,6 +378,21 @@ async def test_a_refusal_read_later_names_the_event_it_refused(speech_url: str) 
         assert (await rt.until("session.updated"))["session"]["audio"]["output"]["voice"] == "leo"
 
 
+async def test_speak_that_reads_an_earlier_refusal_ends_its_own_response_first(speech_url: str) -> None:
+    """`speak` raises a refusal of an earlier event read on the way, having cancelled and read out the
+    response it started: the next `speak` gets its own answer, not a refusal or the leftover response's."""
+    async with AsyncClient(speech_url) as client, \
+            await client.realtime("orpheus-tiny", max_output_tokens=35, input_linger_ms=0, seed=3) as rt:
+        await rt.append_audio(b"\0\0" * 2400)  # refused later: this model does not hear
+        with pytest.raises(MstarError) as e:
+            await rt.speak("First sentence.")
+        assert e.value.event_type == "input_audio_buffer.append" and e.value.code == "audio_input_not_supported"
+        second = await rt.speak("Second sentence.")
+        assert second.transcript == "Second sentence." and second.status in ("completed", "incomplete")
+        third = await rt.speak("Third one.")
+        assert third.transcript == "Third one." and third.response_id != second.response_id
+
+
 def test_an_error_event_of_a_429s_type_is_retryable_as_the_429() -> None:
     """A realtime `error` event has no status: its type says the server was
     busy (`requests`, what a 429 answer carries), so it is worth sending again."""

@@ -109,6 +109,7 @@ class AsyncRealtimeSession:
         # waiting for something else (an append refused, read by the next update) says what it refused
         self._sent: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._count = itertools.count(1)
+        self._backlog: collections.deque[dict[str, Any]] = collections.deque()  # events read ahead, to read again
 
     @classmethod
     async def connect(cls, http: aiohttp.ClientSession, url: str, *, timeout: float | None = None,
@@ -182,9 +183,12 @@ class AsyncRealtimeSession:
         await self.send({"type": "conversation.item.create", "item": {
             "type": "message", "role": role, "content": [{"type": "input_text", "text": text}]}})
 
-    async def respond(self, **response: Any) -> None:
-        """`response.create` (fields of its `response` object as keywords)."""
-        await self.send({"type": "response.create", **({"response": response} if response else {})})
+    async def respond(self, **response: Any) -> str:
+        """`response.create` (fields of its `response` object as keywords); its event_id."""
+        event_id = f"sdk_{next(self._count)}"
+        event = {"type": "response.create", "event_id": event_id}
+        await self.send({**event, "response": response} if response else event)
+        return event_id
 
     async def cancel(self) -> None:
         await self.send({"type": "response.cancel"})
@@ -248,6 +252,8 @@ class AsyncRealtimeSession:
 
     async def _next(self) -> dict[str, Any] | None:
         """The next server event as sent (None once the socket is closed)."""
+        if self._backlog:
+            return self._backlog.popleft()
         while True:
             try:
                 # aiohttp answers pings itself, each resetting this wait: a server that pings is alive
@@ -290,11 +296,41 @@ class AsyncRealtimeSession:
         raise MstarError("the websocket closed before response.done", code="connection_error")
 
     async def speak(self, text: str, **response: Any) -> RealtimeReply:
-        """Say `text` as a user message, start a response and read it to the end."""
+        """Say `text` as a user message, start a response and read it to the
+        end. A refusal read on the way of another event than its own
+        `response.create` (an earlier audio append's, say) raises, as any
+        read does, once the response this call started is cancelled and read
+        to its `response.done`: the session is free for the next response,
+        and this call's text is not left to run into it."""
         await self.say(text)
         started = time.perf_counter()
-        await self.respond(**response)
-        return await self.reply(started)
+        create = await self.respond(**response)
+        try:
+            return await self.reply(started)
+        except MstarError as e:
+            if e.event_id is not None and e.event_id != create:
+                await self._end_response(create)
+            raise
+
+    async def _end_response(self, create: str) -> None:
+        """Cancel the response `create` started and read up to its end (or to
+        `create`'s refusal); refusals of other events read meanwhile wait for
+        the next read. A timeout or a closed socket here is left to that read."""
+        self._gathered = None
+        cancel = f"sdk_{next(self._count)}"
+        await self.send({"type": "response.cancel", "event_id": cancel})
+        try:
+            while (ev := await self._next()) is not None:
+                if ev.get("type") == "response.done":
+                    return
+                if ev.get("type") == "error":
+                    event_id = (ev.get("error") or {}).get("event_id")
+                    if event_id == create:  # it never started
+                        return
+                    if event_id != cancel:  # the response may have ended before the cancel came: no news
+                        self._backlog.append(ev)
+        except MstarError:
+            return
 
 
 class RealtimeSession:
@@ -326,8 +362,8 @@ class RealtimeSession:
     def say(self, text: str, role: str = "user") -> None:
         self._runner.run(self.aio.say(text, role))
 
-    def respond(self, **response: Any) -> None:
-        self._runner.run(self.aio.respond(**response))
+    def respond(self, **response: Any) -> str:
+        return self._runner.run(self.aio.respond(**response))
 
     def cancel(self) -> None:
         self._runner.run(self.aio.cancel())
