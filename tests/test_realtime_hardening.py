@@ -176,6 +176,8 @@ MALFORMED: list[tuple[dict[str, Any], str]] = [
     ({"type": "input_audio_buffer.append", "audio": 5}, "audio"),
     ({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"\0").decode()}, "audio"),
     ({"type": "response.cancel", "response_id": 5}, "response_id"),
+    ({"type": "foo.bar"}, "type"),  # an unknown type's refusal still names the client's event_id
+    ({"type": 5}, "type"),
 ]
 
 
@@ -198,6 +200,19 @@ async def test_a_malformed_event_names_its_param_and_the_socket_goes_on(speech, 
         assert done["response"]["status"] == "incomplete", done
         assert not [e for e in seen if e["type"] == "error"]
         assert any(e["type"] == "response.output_audio.delta" for e in seen)
+        await ws.close()
+
+
+async def test_the_envelopes_refusals_say_what_is_wrong(speech) -> None:
+    """A `type` that is not a string is an invalid value, not a missing one; an `event_id` must be a string."""
+    engine, url = speech
+    async with aiohttp.ClientSession() as http:
+        ws = await _socket(http, url)
+        for bad, code, param in (({"type": 5}, "invalid_value", "type"), ({}, "missing_field", "type"),
+                                 ({"type": "response.cancel", "event_id": 7}, "invalid_value", "event_id")):
+            await ws.send_json(bad)
+            ev = await ws.receive_json(timeout=30)
+            assert (ev["type"], ev["error"]["code"], ev["error"]["param"]) == ("error", code, param), ev
         await ws.close()
 
 

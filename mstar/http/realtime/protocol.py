@@ -1,6 +1,6 @@
 """The OpenAI Realtime API's events (GA names), as the websocket carries them.
 
-Client events come in as JSON objects; `parse_event` checks the envelope and
+Client events come in as JSON objects; `check_event` checks the envelope and
 `field_of` each field, raising `ProtocolError` (code, message, param), which
 the session sends back as an `error` event: a bad event never drops the
 socket. Server events go out as plain dicts built here, so their shapes live
@@ -61,19 +61,27 @@ def error_event(err: ProtocolError, client_event_id: str | None = None) -> dict[
 
 
 def parse_event(raw: str | bytes) -> dict[str, Any]:
-    """A client event's JSON object, with a known `type`."""
+    """A client event's JSON object, its envelope not checked yet (`check_event`)."""
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         raise ProtocolError(f"the message is not valid JSON: {e}", "invalid_json") from None
     if not isinstance(obj, dict):
         raise ProtocolError("an event must be a JSON object", "invalid_event")
+    return obj
+
+
+def check_event(obj: dict[str, Any]) -> None:
+    """The envelope: a string `event_id` if any, and a known `type`."""
+    if "event_id" in obj and not isinstance(obj["event_id"], str):
+        raise ProtocolError("'event_id' must be a string", "invalid_value", "event_id")
     kind = obj.get("type")
-    if not isinstance(kind, str):
+    if kind is None:
         raise ProtocolError("the event has no 'type'", "missing_field", "type")
+    if not isinstance(kind, str):
+        raise ProtocolError("'type' must be a string", "invalid_value", "type")
     if kind not in CLIENT_EVENTS:
         raise ProtocolError(f"unknown event type '{kind}'", "unknown_event_type", "type")
-    return obj
 
 
 def field_of(obj: dict[str, Any], name: str, kind: type | tuple[type, ...], where: str,

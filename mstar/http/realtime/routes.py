@@ -24,7 +24,7 @@ import structlog
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from mstar.http.keys import ENGINE, MEDIA_LIMITS, SOCKETS
-from mstar.http.realtime.protocol import ProtocolError, error_event, parse_event
+from mstar.http.realtime.protocol import ProtocolError, check_event, error_event, parse_event
 from mstar.http.realtime.session import RealtimeSession
 from mstar.http.submission import resolve_model
 
@@ -153,7 +153,9 @@ async def _handle(session: RealtimeSession, data: str | bytes, send) -> None:
     client_event_id = None
     try:
         obj = parse_event(data)
+        # read first: the refusal of an event of an unknown type still names the event the client sent
         client_event_id = obj.get("event_id") if isinstance(obj.get("event_id"), str) else None
+        check_event(obj)
         await session.handle(obj)
     except ProtocolError as e:
         send(error_event(e, client_event_id))
