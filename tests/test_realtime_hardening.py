@@ -177,6 +177,8 @@ MALFORMED: list[tuple[dict[str, Any], str]] = [
     ({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"\0").decode()}, "audio"),
     ({"type": "response.cancel", "response_id": 5}, "response_id"),
     ({"type": "foo.bar"}, "type"),  # an unknown type's refusal still names the client's event_id
+    ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {"turn_detection": {
+        "type": "server_vad", "foo": 1}}}}}, "session.audio.input.turn_detection.foo"),
     ({"type": 5}, "type"),
 ]
 
@@ -213,6 +215,10 @@ async def test_the_envelopes_refusals_say_what_is_wrong(speech) -> None:
             await ws.send_json(bad)
             ev = await ws.receive_json(timeout=30)
             assert (ev["type"], ev["error"]["code"], ev["error"]["param"]) == ("error", code, param), ev
+        # a value out of its range: the message names the field too, not only `param`
+        await ws.send_json({"type": "session.update", "session": {"mstar": {"input_linger_ms": -1}}})
+        ev = await ws.receive_json(timeout=30)
+        assert ev["error"]["message"].startswith("'session.mstar.input_linger_ms' must be in [0, "), ev
         await ws.close()
 
 

@@ -23,6 +23,8 @@ SESSION = frozenset({"type", "object", "id", "model", "instructions", "output_mo
                      "include", "reasoning", "mstar", "expires_at"})
 SESSION_AUDIO = frozenset({"input", "output"})
 SESSION_INPUT = frozenset({"format", "transcription", "noise_reduction", "turn_detection"})
+TURN_DETECTION = frozenset({"type", "threshold", "prefix_padding_ms", "silence_duration_ms", "create_response",
+                            "interrupt_response", "idle_timeout_ms", "eagerness"})  # the last: semantic_vad's
 SESSION_OUTPUT = frozenset({"format", "voice", "speed"})
 SESSION_MSTAR = frozenset({"input_linger_ms", "seed", "voices", "audio_input"})
 RESPONSE = frozenset({"conversation", "input", "instructions", "max_output_tokens", "metadata",
@@ -75,7 +77,10 @@ def check_session(session: dict[str, Any], speaks_only: bool) -> None:
     refuse_unknown(session, SESSION, "session")
     audio = _object(session, "audio", "session")
     refuse_unknown(audio, SESSION_AUDIO, "session.audio")
-    refuse_unknown(_object(audio, "input", "session.audio"), SESSION_INPUT, "session.audio.input")
+    inp = _object(audio, "input", "session.audio")
+    refuse_unknown(inp, SESSION_INPUT, "session.audio.input")
+    if isinstance(inp.get("turn_detection"), dict):
+        refuse_unknown(inp["turn_detection"], TURN_DETECTION, "session.audio.input.turn_detection")
     output = _object(audio, "output", "session.audio")
     refuse_unknown(output, SESSION_OUTPUT, "session.audio.output")
     refuse_unknown(_object(session, "mstar", "session"), SESSION_MSTAR, "session.mstar")

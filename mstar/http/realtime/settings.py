@@ -166,8 +166,8 @@ class SessionConfig:
         ext = field_of(session, "mstar", dict, "session", required=False) or {}
         linger = field_of(ext, "input_linger_ms", int, "session.mstar", required=False)
         if linger is not None and not 0 <= linger <= MAX_INPUT_LINGER_MS:
-            raise ProtocolError(f"must be in [0, {MAX_INPUT_LINGER_MS}]", "invalid_value",
-                                "session.mstar.input_linger_ms")
+            raise ProtocolError(f"'session.mstar.input_linger_ms' must be in [0, {MAX_INPUT_LINGER_MS}]",
+                                "invalid_value", "session.mstar.input_linger_ms")
         seed = field_of(ext, "seed", int, "session.mstar", required=False)
         if seed is not None and not -2**63 <= seed < 2**63:  # any int64, as the HTTP routes take one
             raise ProtocolError("must be an int64, in [-2**63, 2**63)", "invalid_value", "session.mstar.seed")

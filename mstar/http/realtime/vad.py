@@ -61,14 +61,15 @@ class TurnDetection:
         base = current or cls()
         threshold = field_of(obj, "threshold", (int, float), where, required=False)
         if threshold is not None and not 0.0 <= threshold <= 1.0:
-            raise ProtocolError("must be in [0, 1]", "invalid_value", f"{where}.threshold")
+            raise ProtocolError(f"'{where}.threshold' must be in [0, 1]", "invalid_value", f"{where}.threshold")
         padding = field_of(obj, "prefix_padding_ms", int, where, required=False)
         if padding is not None and not 0 <= padding <= MAX_PADDING_MS:
-            raise ProtocolError(f"must be in [0, {MAX_PADDING_MS}]", "invalid_value", f"{where}.prefix_padding_ms")
+            raise ProtocolError(f"'{where}.prefix_padding_ms' must be in [0, {MAX_PADDING_MS}]", "invalid_value",
+                                f"{where}.prefix_padding_ms")
         silence = field_of(obj, "silence_duration_ms", int, where, required=False)
         if silence is not None and not FRAME_MS <= silence <= MAX_SILENCE_MS:
-            raise ProtocolError(f"must be in [{FRAME_MS}, {MAX_SILENCE_MS}]", "invalid_value",
-                                f"{where}.silence_duration_ms")
+            raise ProtocolError(f"'{where}.silence_duration_ms' must be in [{FRAME_MS}, {MAX_SILENCE_MS}]",
+                                "invalid_value", f"{where}.silence_duration_ms")
         create = field_of(obj, "create_response", bool, where, required=False)
         interrupt = field_of(obj, "interrupt_response", bool, where, required=False)
         if obj.get("idle_timeout_ms") is not None:
