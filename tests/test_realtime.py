@@ -102,6 +102,10 @@ async def test_text_in_audio_out(speech) -> None:
     # GA's item content is typed output_audio (the content_part events' part stays "audio")
     assert done.response.output[0].content[0].type == finished.item.content[0].type == "output_audio"
     assert next(e for e in seen if e.type == "response.content_part.done").part.type == "audio"
+    # the response joined the session's conversation ("auto"): its id, as OpenAI's GA responses give it
+    created_event = next(e for e in seen if e.type == "response.created")
+    assert done.response.conversation_id.startswith("conv_")
+    assert created_event.response.conversation_id == done.response.conversation_id
     await _settled(engine)
 
 

@@ -152,7 +152,8 @@ class ActiveResponse:
 
     def _response(self, status: str, **extra: Any) -> dict[str, Any]:
         return {"object": "realtime.response", "id": self.id, "status": status,
-                "output_modalities": [self.plan.modality], "conversation_id": None, "metadata": self.plan.metadata,
+                "output_modalities": [self.plan.modality], "conversation_id": self.session.conversation_id,
+                "metadata": self.plan.metadata,
                 "output": [self.item] if self.item["content"] or status != "in_progress" else [],
                 "audio": {"output": {"format": {"type": "audio/pcm", "rate": SAMPLE_RATE},
                                      "voice": self.plan.voice}} if self.audio else None,

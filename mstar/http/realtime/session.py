@@ -72,6 +72,7 @@ class RealtimeSession:
         self._resample = audio_resampler() if self.hears else None
         self._vad_item: str | None = None  # the item id speech_started announced
         self.items: list[dict[str, Any]] = []
+        self.conversation_id = new_id("conv")  # the session's one conversation, which every response joins
         # user items a response took (its input, or appended while it spoke, or refused then): a speech model
         # says the others next, in conversation order, so a deleted or inserted item changes what it says
         self.taken: set[str] = set()
