@@ -176,7 +176,9 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, stream_ptr, m, n, k,
         w_mask = col_mask[:, None] & k_mask[None, :]
         w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
         if SILU:
-            wu = tl.load(w_rows + up_rows * stride_w + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            # the up half's offset in 64 bits: I x K passes 2**31 elements in a wide enough MLP
+            up = w_rows + up_rows.to(tl.int64) * stride_w
+            wu = tl.load(up + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
         acc += tl.sum(xs[:, None, :] * w[None, :, :], axis=2)
         if SILU:
             acc_up += tl.sum(xs[:, None, :] * wu[None, :, :], axis=2)
