@@ -300,6 +300,28 @@ async def test_closing_the_socket_mid_response_frees_everything(speech) -> None:
     assert not [t for t in asyncio.all_tasks() if t.get_name() == "realtime-writer"]
 
 
+async def test_a_fault_while_closing_a_session_still_closes_it(speech, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A session whose response fails to end cleanly is still closed: its writer stops, and the close and the
+    fault are logged."""
+    engine, url = speech
+
+    async def failing(self) -> None:
+        raise RuntimeError("a response that would not end")
+    monkeypatch.setattr(realtime_routes.RealtimeSession, "close", failing)
+    with structlog.testing.capture_logs() as logs:
+        async with _client(url).realtime.connect(model="orpheus-tiny") as conn:
+            await conn.session.update(session=FAST)
+            await _until(conn, "session.updated", [])
+        for _ in range(100):
+            if any(e["event"] == "realtime session closed" for e in logs) and not realtime_routes._CLOSING:
+                break
+            await asyncio.sleep(0.05)
+    events = [e["event"] for e in logs]
+    assert "realtime session closed" in events and "realtime session's response did not end cleanly" in events
+    assert not realtime_routes._CLOSING
+    assert not [t for t in asyncio.all_tasks() if t.get_name() == "realtime-writer"]
+
+
 async def test_unknown_model_is_refused_before_the_upgrade(speech) -> None:
     _, url = speech
     async with aiohttp.ClientSession() as http:

@@ -81,11 +81,13 @@ class Planner:
                 return GenerateRequest(rid, self.s.target.name, {"text": " ".join(m["content"] for m in kept),
                                                                  "voice": voice}, sampling,
                                        walk=SPEAK_WALK, more_input=True, priority=REALTIME_PRIORITY)
-            # under "auto" truncation the oldest unspoken texts are left out when all of them overrun the
-            # context, and count as answered: one text too long for it must not refuse every later response
+            # under "auto" truncation the oldest unspoken texts are left out when all of them leave the audio
+            # too little room (as a chat's oldest messages are), and count as answered: one text too long for
+            # the context must not refuse every later response
             request, prepared, dropped = await fitted(
                 [{"role": "user", "content": t} for t in said], make, self.s.engine.prepare,
-                self.s.config.truncation == "auto" and texts is None, self.s.target.max_model_len)
+                self.s.config.truncation == "auto" and texts is None, self.s.target.max_model_len,
+                self._answer_room(limit))
             if dropped:
                 log.info("unspoken text truncated", session_id=self.s.config.session_id, dropped_items=dropped)
             return ResponsePlan(rid, self._within(request, prepared, limit), prepared, modality="audio",
@@ -112,15 +114,19 @@ class Planner:
         """`make(messages)` prepared, the conversation cut to the context under the session's truncation,
         leaving the answer room for its limit, or without one for the model's default budget (else a quarter
         of the context), at most half the context: a large one keeps the conversation."""
-        if limit is None:
-            limit = model_defaults(self.s.engine).max_tokens or self.s.target.max_model_len // UNLIMITED_SHARE
-        answer = min(limit, self.s.target.max_model_len // 2)
         auto = self.s.config.truncation == "auto"
         request, prepared, dropped = await fitted(messages, make, self.s.engine.prepare, auto,
-                                                  self.s.target.max_model_len, answer)
+                                                  self.s.target.max_model_len, self._answer_room(limit))
         if dropped:
             log.info("conversation truncated", session_id=self.s.config.session_id, dropped_messages=dropped)
         return request, prepared
+
+    def _answer_room(self, limit: int | None) -> int:
+        """The tokens truncation leaves an answer: its limit, or without one the model's default budget (else a
+        quarter of the context), at most half the context."""
+        if limit is None:
+            limit = model_defaults(self.s.engine).max_tokens or self.s.target.max_model_len // UNLIMITED_SHARE
+        return min(limit, self.s.target.max_model_len // 2)
 
     def _within(self, request: GenerateRequest, prepared: Prepared, limit: int | None) -> GenerateRequest:
         """`request` with the response's limit, a ceiling: it takes what the

@@ -30,6 +30,7 @@ from mstar.http.submission import resolve_model
 
 log = structlog.get_logger("mstar.realtime")
 
+CLOSE_S = 10.0  # seconds a closing session's response may take to end and free what it holds
 MAX_MESSAGE_BYTES = 16 * 2**20  # a client event (an audio append, say); larger ones close the socket (1009)
 HEARTBEAT_S = 30.0
 TOO_BIG_GRACE_S = 5.0  # how long a client sending a message over the limit may take to stop
@@ -100,18 +101,26 @@ _CLOSING: set[asyncio.Task[None]] = set()  # sessions' closes still running (the
 
 async def _close(request: web.Request, session: RealtimeSession, outbox: asyncio.Queue[bytes | None],
                  writer: asyncio.Task[None], ws: _Socket) -> None:
-    """End the session's response and free it, let the writer send what is
-    queued (at most 5 s), close the socket."""
-    await session.close()
-    outbox.put_nowait(None)
+    """End the session's response and free it (at most `CLOSE_S`), let the
+    writer send what is queued (at most 5 s), close the socket. Each step
+    runs whatever the one before it did: a fault is logged, not left to stop
+    the rest (nothing awaits this task once its handler was cancelled)."""
     try:
-        await asyncio.wait_for(writer, 5.0)
-    except (TimeoutError, ConnectionError):
-        writer.cancel()
-    await ws.close()
-    if ws.too_big:
-        await _client_stopped(request)
-    log.info("realtime session closed", session_id=session.config.session_id)
+        await asyncio.wait_for(session.close(), CLOSE_S)
+    except Exception:
+        log.exception("realtime session's response did not end cleanly", session_id=session.config.session_id)
+    finally:
+        outbox.put_nowait(None)
+        try:
+            await asyncio.wait_for(writer, 5.0)
+        except (TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.cancel()
+            await ws.close()
+            if ws.too_big:
+                await _client_stopped(request)
+            log.info("realtime session closed", session_id=session.config.session_id)
 
 
 @dataclass(eq=False)
@@ -139,6 +148,8 @@ async def close_sockets(app: web.Application) -> None:
     """At shutdown, once running requests were drained: each open socket gets
     its response's last events, then a close with 1001 (going away)."""
     await asyncio.gather(*(c.going_away() for c in list(app[SOCKETS])), return_exceptions=True)
+    if _CLOSING:  # sessions already closing when the shutdown came: the engine outlives their closes
+        await asyncio.wait(list(_CLOSING), timeout=CLOSE_S + 5.0)
 
 
 async def _client_stopped(request: web.Request) -> None:
