@@ -391,6 +391,14 @@ async def test_speak_that_reads_an_earlier_refusal_ends_its_own_response_first(s
         assert second.transcript == "Second sentence." and second.status in ("completed", "incomplete")
         third = await rt.speak("Third one.")
         assert third.transcript == "Third one." and third.response_id != second.response_id
+        # the same with a response.create the server refuses too: nothing started, so nothing is left to end,
+        # and neither that refusal nor the one of the cancel sent to end it reaches the next call
+        await rt.append_audio(b"\0\0" * 2400)
+        with pytest.raises(MstarError) as e:
+            await rt.speak("Fourth.", max_output_tokens=-3)
+        assert e.value.event_type == "input_audio_buffer.append"
+        fifth = await asyncio.wait_for(rt.speak("Fifth."), 60)
+        assert fifth.transcript.endswith("Fifth.") and fifth.status in ("completed", "incomplete")
 
 
 def test_an_error_event_of_a_429s_type_is_retryable_as_the_429() -> None:

@@ -59,6 +59,7 @@ if TYPE_CHECKING:
 
 UNSET: Any = object()  # a session field `update` leaves as it is
 SENT_KEPT = 4096  # event types kept by id: a refusal comes within a few events of its own
+END_S = 30.0  # seconds `speak` waits for the response it gives up on to end, when the client has no timeout
 
 
 @dataclass
@@ -93,6 +94,7 @@ class _Gathered:
     text: list[str] = field(default_factory=list)
     transcript: list[str] = field(default_factory=list)
     first: float | None = None
+    response_id: str | None = None  # from its response.created
 
 
 class AsyncRealtimeSession:
@@ -110,6 +112,7 @@ class AsyncRealtimeSession:
         self._sent: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._count = itertools.count(1)
         self._backlog: collections.deque[dict[str, Any]] = collections.deque()  # events read ahead, to read again
+        self._quiet: set[str] = set()  # event_ids of this client's own cancels: their refusals are no news
 
     @classmethod
     async def connect(cls, http: aiohttp.ClientSession, url: str, *, timeout: float | None = None,
@@ -243,6 +246,9 @@ class AsyncRealtimeSession:
             if ev.get("type") == "error":
                 err = ev.get("error") or {}
                 event_id = err.get("event_id")
+                if event_id in self._quiet:  # a cancel `speak` sent found its response over already
+                    self._quiet.discard(event_id)
+                    continue
                 kind = self._sent.get(event_id) if isinstance(event_id, str) else None
                 message = err.get("message", "error")
                 raise MstarError(f"{kind} ({event_id}) refused: {message}" if kind else message,
@@ -254,6 +260,10 @@ class AsyncRealtimeSession:
         """The next server event as sent (None once the socket is closed)."""
         if self._backlog:
             return self._backlog.popleft()
+        return await self._receive()
+
+    async def _receive(self) -> dict[str, Any] | None:
+        """The next event from the socket (past any read ahead)."""
         while True:
             try:
                 # aiohttp answers pings itself, each resetting this wait: a server that pings is alive
@@ -287,6 +297,8 @@ class AsyncRealtimeSession:
                     g.text.append(ev["delta"])
             elif kind == "response.output_audio_transcript.delta":
                 g.transcript.append(ev["delta"])
+            elif kind == "response.created":
+                g.response_id = (ev.get("response") or {}).get("id")
             elif kind == "response.done":
                 self._gathered = None
                 r = ev["response"]
@@ -299,9 +311,11 @@ class AsyncRealtimeSession:
         """Say `text` as a user message, start a response and read it to the
         end. A refusal read on the way of another event than its own
         `response.create` (an earlier audio append's, say) raises, as any
-        read does, once the response this call started is cancelled and read
-        to its `response.done`: the session is free for the next response,
-        and this call's text is not left to run into it."""
+        read does, once the response this call started, if the server
+        started it, is cancelled and read to its `response.done` (a refusal
+        of this call's own create is then no news and is dropped): the
+        session is free for the next response. Events read meanwhile that
+        are not that response's wait for the next read."""
         await self.say(text)
         started = time.perf_counter()
         create = await self.respond(**response)
@@ -313,23 +327,36 @@ class AsyncRealtimeSession:
             raise
 
     async def _end_response(self, create: str) -> None:
-        """Cancel the response `create` started and read up to its end (or to
-        `create`'s refusal); refusals of other events read meanwhile wait for
-        the next read. A timeout or a closed socket here is left to that read."""
+        """Cancel the response `create` started, if the server started it, and
+        read up to its `response.done` (or `create`'s refusal), at most the
+        client's timeout (else `END_S`). What else is read meanwhile waits for
+        the next read; the cancel's own refusal (the response was over) is
+        dropped whenever it comes."""
+        ours = self._gathered.response_id if self._gathered is not None else None
         self._gathered = None
         cancel = f"sdk_{next(self._count)}"
+        self._quiet.add(cancel)
         await self.send({"type": "response.cancel", "event_id": cancel})
         try:
-            while (ev := await self._next()) is not None:
-                if ev.get("type") == "response.done":
-                    return
-                if ev.get("type") == "error":
-                    event_id = (ev.get("error") or {}).get("event_id")
-                    if event_id == create:  # it never started
+            async with asyncio.timeout(self.timeout or END_S):
+                while (ev := await self._receive()) is not None:
+                    kind = ev.get("type")
+                    body = ev.get("response") or {}
+                    if kind == "error":
+                        event_id = (ev.get("error") or {}).get("event_id")
+                        if event_id == create:  # it never started
+                            return
+                        if event_id in self._quiet:
+                            self._quiet.discard(event_id)
+                        else:
+                            self._backlog.append(ev)
+                    elif kind == "response.created" and ours is None:
+                        ours = body.get("id")
+                    elif kind == "response.done" and body.get("id") == ours:
                         return
-                    if event_id != cancel:  # the response may have ended before the cancel came: no news
+                    elif ours is None or ev.get("response_id") != ours:  # not this response's own output
                         self._backlog.append(ev)
-        except MstarError:
+        except (TimeoutError, MstarError):
             return
 
 
