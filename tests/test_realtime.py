@@ -290,14 +290,22 @@ async def test_closing_the_socket_mid_response_frees_everything(speech) -> None:
             await _until(conn, "response.output_audio.delta", [])
             assert engine.pages_in_use() > 0
         await _settled(engine)
-        for _ in range(100):
-            if any(e["event"] == "realtime session closed" for e in logs) and not realtime_routes._CLOSING:
-                break
-            await asyncio.sleep(0.05)
-    opened = [e["session_id"] for e in logs if e["event"] == "realtime session opened"]
-    closed = [e["session_id"] for e in logs if e["event"] == "realtime session closed"]
-    assert opened and closed == opened and not realtime_routes._CLOSING
-    assert not [t for t in asyncio.all_tasks() if t.get_name() == "realtime-writer"]
+        await _all_closed(logs)
+
+
+async def _all_closed(logs: list[dict[str, Any]]) -> None:
+    """Every session opened in `logs` says it closed, and no close is still running (a session of an earlier
+    test may close meanwhile too)."""
+    def ids(event: str) -> set[str]:
+        return {e["session_id"] for e in logs if e["event"] == event}
+    for _ in range(100):
+        if ids("realtime session opened") <= ids("realtime session closed") and not realtime_routes._CLOSING:
+            break
+        await asyncio.sleep(0.05)
+    opened = ids("realtime session opened")
+    assert opened and opened <= ids("realtime session closed") and not realtime_routes._CLOSING
+    # and their writers have stopped
+    assert not {t.get_name() for t in asyncio.all_tasks()} & {f"realtime-writer-{s}" for s in opened}
 
 
 async def test_a_fault_while_closing_a_session_still_closes_it(speech, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -312,14 +320,8 @@ async def test_a_fault_while_closing_a_session_still_closes_it(speech, monkeypat
         async with _client(url).realtime.connect(model="orpheus-tiny") as conn:
             await conn.session.update(session=FAST)
             await _until(conn, "session.updated", [])
-        for _ in range(100):
-            if any(e["event"] == "realtime session closed" for e in logs) and not realtime_routes._CLOSING:
-                break
-            await asyncio.sleep(0.05)
-    events = [e["event"] for e in logs]
-    assert "realtime session closed" in events and "realtime session's response did not end cleanly" in events
-    assert not realtime_routes._CLOSING
-    assert not [t for t in asyncio.all_tasks() if t.get_name() == "realtime-writer"]
+        await _all_closed(logs)
+    assert "realtime session's response did not end cleanly" in [e["event"] for e in logs]
 
 
 async def test_unknown_model_is_refused_before_the_upgrade(speech) -> None:

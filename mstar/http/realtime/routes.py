@@ -71,8 +71,9 @@ async def realtime(request: web.Request) -> web.StreamResponse:
         # serialised now: an event shows the state of the moment it was made
         outbox.put_nowait(orjson.dumps(obj))
 
-    writer = asyncio.get_running_loop().create_task(_write(ws, outbox), name="realtime-writer")
     session = RealtimeSession(engine, target, card, send, request.app.get(MEDIA_LIMITS))
+    writer = asyncio.get_running_loop().create_task(_write(ws, outbox),
+                                                    name=f"realtime-writer-{session.config.session_id}")
     connection = _Connection(ws, session, outbox)
     request.app[SOCKETS].add(connection)
     log.info("realtime session opened", session_id=session.config.session_id, model=target.name)
