@@ -58,6 +58,11 @@ def use_triton(x: torch.Tensor) -> bool:
     return HAVE_TRITON and x.is_cuda
 
 
+def cdiv(a: int, b: int) -> int:
+    """How many blocks of `b` cover `a` (a launch grid's size)."""
+    return -(-a // b)
+
+
 def block_size(n: int) -> int:
     """The power of two a kernel tiles `n` elements with (tl.arange needs one)."""
     return 1 << max(n - 1, 0).bit_length()
@@ -77,7 +82,7 @@ def row_tiles(rows: int, width: int, tile: int = 1024, min_block: int = 16) -> t
     vocoder block's few dozen samples) do not leave most lanes masked."""
     block = min(tile, max(min_block, block_size(width)))
     per = tile // block
-    return per, block, (-(-rows // per), -(-width // block))
+    return per, block, (cdiv(rows, per), cdiv(width, block))
 
 
-__all__ = ["HAVE_TRITON", "block_size", "jit", "num_warps", "row_tiles", "tl", "triton", "use_triton"]
+__all__ = ["HAVE_TRITON", "block_size", "cdiv", "jit", "num_warps", "row_tiles", "tl", "triton", "use_triton"]

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from mstar.kernels.backend import block_size, jit, tl
+from mstar.kernels.backend import block_size, cdiv, jit, tl
 
 L2_EPS = 1e-6
 # state columns a program of `recurrent_step` covers: of 16, 32 and 64 (and 2, 4 or 8 warps), 64 with 4 warps
@@ -40,7 +40,7 @@ def conv_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor, slots:
         raise ValueError("conv_step needs unit channel strides and a state of [S, C, K - 1] per slot")
     out = torch.empty((rows, channels), dtype=x.dtype, device=x.device)
     if rows:
-        _conv_step_kernel[(rows, -(-channels // _BC))](
+        _conv_step_kernel[(rows, cdiv(channels, _BC))](
             x, weight.reshape(channels, width).contiguous(), state, slots, out, channels,
             x.stride(0), state.stride(0), WIDTH=width, TAPS=block_size(width), BC=_BC, num_warps=4)
     return out
@@ -66,7 +66,7 @@ def recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.T
     out = torch.empty((rows, v_heads, dv), dtype=out_dtype, device=v.device)
     bv = min(block_v, block_size(dv))
     if rows:
-        _recurrent_step_kernel[(rows * v_heads, -(-dv // bv))](
+        _recurrent_step_kernel[(rows * v_heads, cdiv(dv, bv))](
             q, k, v, a, b, a_log, dt_bias, state, slots, out,
             q.stride(0), k.stride(0), v.stride(0), a.stride(0), b.stride(0), state.stride(0), dk ** -0.5, L2_EPS,
             HV=v_heads, GROUPS=v_heads // k_heads, DK=dk, DV=dv, BV=bv, num_warps=warps)

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from mstar.kernels.activation import silu_and_mul_reference
-from mstar.kernels.backend import block_size, jit, tl, use_triton
+from mstar.kernels.backend import block_size, cdiv, jit, tl, use_triton
 from mstar.kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
 
 MAX_ROWS = 1    # at two rows cuBLAS was as fast or faster on three of a Llama layer's four projections (H100)
@@ -114,17 +114,13 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
     cfg = config or config_for(m, n, k)
     if m and n and k:
         norm = norm_weight is not None
-        _gemv_kernel[(triton_cdiv(n, cfg.block_n),)](
+        _gemv_kernel[(cdiv(n, cfg.block_n),)](
             x, res if res is not None else x, norm_weight.contiguous() if norm else x, weight, out, stream,
             m, n, k, x.stride(0), res.stride(0) if res is not None else 0, weight.stride(0), out.stride(0),
             stream.stride(0), n if silu else 0, eps,
             ROWS=block_size(m), NORM=norm, RESIDUAL=res is not None, CENTERED=centered, SILU=silu,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out, stream
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @jit(any_value=("m",))

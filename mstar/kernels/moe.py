@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from mstar.kernels.activation import silu_and_mul_reference
-from mstar.kernels.backend import block_size, jit, tl, use_triton
+from mstar.kernels.backend import block_size, cdiv, jit, tl, use_triton
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,7 @@ def fused_moe_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
 
     act = torch.empty(blocks * tiles.block_m, inter, dtype=x.dtype, device=x.device)
     g = tiles.gate_up
-    _gate_up_kernel[(blocks * _cdiv(inter, g.n),)](
+    _gate_up_kernel[(blocks * cdiv(inter, g.n),)](
         x, gate_up, act, slots, block_expert, used, n_slots, top_k, hidden, inter,
         x.stride(0), *gate_up.stride(), act.stride(0),
         BLOCK_M=tiles.block_m, BLOCK_N=g.n, BLOCK_K=g.k, INTERPRETED=interpreted, PRECISION=precision,
@@ -166,16 +166,12 @@ def fused_moe_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     rows = torch.empty(n_slots, hidden, dtype=x.dtype, device=x.device)
     route = weights.reshape(-1)
     d = tiles.down
-    _down_kernel[(blocks * _cdiv(hidden, d.n),)](
+    _down_kernel[(blocks * cdiv(hidden, d.n),)](
         act, down, rows, route, slots, block_expert, used, n_slots, hidden, inter,
         act.stride(0), *down.stride(), rows.stride(0),
         BLOCK_M=tiles.block_m, BLOCK_N=d.n, BLOCK_K=d.k, INTERPRETED=interpreted, PRECISION=precision,
         num_warps=d.warps, num_stages=d.stages)
     return rows.view(t, top_k, hidden).sum(dim=1)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def align_blocks(flat_experts: torch.Tensor, n_slots: int, num_experts: int,
@@ -187,7 +183,7 @@ def align_blocks(flat_experts: torch.Tensor, n_slots: int, num_experts: int,
     used[0] / block_m blocks are written."""
     # an expert gets block_m - 1 padding at most, and only experts chosen at all get any
     most = n_slots + min(num_experts, n_slots) * (block_m - 1)
-    blocks = _cdiv(most, block_m)
+    blocks = cdiv(most, block_m)
     device = flat_experts.device
     slots = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=device)

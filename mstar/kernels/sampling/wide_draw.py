@@ -40,7 +40,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mstar.kernels.backend import jit, tl
+from mstar.kernels.backend import cdiv, jit, tl
 from mstar.kernels.sampling.noise import _INV_2_24, _MUL_A, _MUL_B, _ROW_SALT
 from mstar.kernels.sampling.wide_blocks import _block_in, _kept_probs, _race_block, _top_k_kept
 from mstar.kernels.sampling.wide_descent import SETTLED, STEPS, descend
@@ -76,7 +76,7 @@ def draw_tokens_wide(logits: Tensor, temperature: Tensor, top_k: Tensor, top_p: 
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     dev, f32, i64 = logits.device, torch.float32, torch.int64
-    blocks = -(-vocab // block)
+    blocks = cdiv(vocab, block)
     grid = (rows, blocks)
     stride = logits.stride(0)
     temp = temperature.to(f32).contiguous()
