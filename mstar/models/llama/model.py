@@ -38,11 +38,9 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, cfg.attention_bias,
                              device=device, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, rotary: Rotary, attn: AttentionContext) -> torch.Tensor:
-        return self.attend(self.qkv_proj(x), rotary, attn)
-
-    def attend(self, qkv: torch.Tensor, rotary: Rotary, attn: AttentionContext) -> torch.Tensor:
-        """The block after its input projection: qkv [T, (Hq + 2 Hkv) D] in."""
+    def forward(self, qkv: torch.Tensor, rotary: Rotary, attn: AttentionContext) -> torch.Tensor:
+        """The block after its input projection, which the layer runs with its
+        norm (`norm_project`): qkv [T, (Hq + 2 Hkv) D] in, [T, hidden] out."""
         t = qkv.shape[0]
         q, k, v = self.qkv_proj.split(qkv)
         q = q.reshape(t, self.num_heads, self.head_dim)
@@ -68,7 +66,7 @@ class LlamaLayer(nn.Module):
         The first layer gets residual None: its input is the stream itself.
         Each norm runs with the projection after it (`norm_project`)."""
         qkv, residual = norm_project(self.input_layernorm, self.self_attn.qkv_proj, h, residual)
-        h = self.self_attn.attend(qkv, rotary, attn)
+        h = self.self_attn(qkv, rotary, attn)
         act, residual = norm_project(self.post_attention_layernorm, self.mlp.gate_up, h, residual, silu=True)
         return self.mlp.down(act), residual
 
