@@ -167,6 +167,14 @@ class Choice:
     def text(self) -> str:
         return "".join(self.texts)
 
+    def ending(self, finished: bool = True) -> dict[str, Any]:
+        """Its `finish_reason` and vLLM's `stop_reason` (the stop string or
+        stop id that ended it, null otherwise) as a choice object carries
+        them: both null before it ends."""
+        if not finished:
+            return {"finish_reason": None, "stop_reason": None}
+        return {"finish_reason": self.finish_reason, "stop_reason": self.stop_reason}
+
     def record(self, chunk: OutputChunk) -> None:
         if chunk.text:
             self.texts.append(chunk.text)

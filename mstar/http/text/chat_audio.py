@@ -138,7 +138,7 @@ class SpokenAnswers:
         out = [_entry(choice, {"audio": {"id": audio_id, **piece}})] if piece else []
         if chunk.finished:
             out.append(_entry(choice, {"audio": {"id": audio_id, "expires_at": self.expires_at}}))
-            out.append(_entry(choice, {}, choice.finish_reason))
+            out.append(_entry(choice, {}, finished=True))
         return out
 
 
@@ -151,9 +151,8 @@ def spoken_usage(usage: dict[str, int], choices: Sequence[Choice]) -> dict[str, 
                                                    "audio_tokens": usage["completion_tokens"] - text}}
 
 
-def _entry(choice: Choice, delta: dict[str, Any], finish_reason: str | None = None) -> dict[str, Any]:
-    return {"index": choice.index, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
-            "stop_reason": choice.stop_reason if finish_reason is not None else None}
+def _entry(choice: Choice, delta: dict[str, Any], finished: bool = False) -> dict[str, Any]:
+    return {"index": choice.index, "delta": delta, "logprobs": None, **choice.ending(finished)}
 
 
 def _base64_file(encoding: str, sample_rate: int, pcm: bytes) -> str:

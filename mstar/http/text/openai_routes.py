@@ -144,7 +144,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
             chunk_reply = Reply(reply.id, "chat.completion.chunk", reply.created, reply.model)
             # OpenAI opens each choice's stream with the role, before any content (a spoken answer has none).
             intro = [{"index": c.index, "delta": {"role": "assistant", "content": "" if spoken is None else None},
-                      "logprobs": None, **_finish(c, False)} for c in sub.choices]
+                      "logprobs": None, **c.ending(False)} for c in sub.choices]
             if spoken is None:
                 return await stream_sse(request, sub, chunk_reply, _chat_piece(shapes), intro, body.include_usage,
                                         continuous=body.continuous_usage)
@@ -153,7 +153,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         choices = await sub.run_to_end(client_gone(request))
         if spoken is None:
             return json_response(reply.body([_chat_message(c, shapes) for c in choices], usage=sub.usage()))
-        answers = [{"index": c.index, "message": await spoken.message(c), "logprobs": None, **_finish(c)}
+        answers = [{"index": c.index, "message": await spoken.message(c), "logprobs": None, **c.ending()}
                    for c in choices]
         return json_response(reply.body(answers, usage=spoken_usage(sub.usage(), choices)))
     finally:
@@ -219,7 +219,7 @@ def _completion_piece(shapes: LogprobShapes | None) -> Piece:
         if not _worth_sending(chunk):
             return []
         logprobs = shapes.completion(choice.index, chunk.logprobs) if shapes and chunk.logprobs else None
-        return [{"index": choice.index, "text": chunk.text, "logprobs": logprobs, **_finish(choice, chunk.finished)}]
+        return [{"index": choice.index, "text": chunk.text, "logprobs": logprobs, **choice.ending(chunk.finished)}]
     return piece
 
 
@@ -230,15 +230,8 @@ def _worth_sending(chunk: OutputChunk) -> bool:
 
 def _completion_choice(choice: Choice, shapes: LogprobShapes | None) -> dict[str, Any]:
     return {"index": choice.index, "text": choice.text,
-            "logprobs": shapes.completion(choice.index, choice.logprobs) if shapes else None, **_finish(choice)}
+            "logprobs": shapes.completion(choice.index, choice.logprobs) if shapes else None, **choice.ending()}
 
-
-def _finish(choice: Choice, finished: bool = True) -> dict[str, Any]:
-    """A choice's `finish_reason` and vLLM's `stop_reason` (the stop string or
-    stop id that ended it, null otherwise), both null before it ends."""
-    if not finished:
-        return {"finish_reason": None, "stop_reason": None}
-    return {"finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
 
 
 def _chat_piece(shapes: LogprobShapes | None) -> Piece:
@@ -247,7 +240,7 @@ def _chat_piece(shapes: LogprobShapes | None) -> Piece:
             return []
         return [{"index": choice.index, "delta": {"content": chunk.text} if chunk.text else {},
                  "logprobs": shapes.chat(chunk.logprobs) if shapes and chunk.logprobs else None,
-                 **_finish(choice, chunk.finished)}]
+                 **choice.ending(chunk.finished)}]
     return piece
 
 
@@ -257,5 +250,5 @@ NO_REFUSAL: dict[str, Any] = {"refusal": None, "annotations": []}
 
 def _chat_message(choice: Choice, shapes: LogprobShapes | None) -> dict[str, Any]:
     return {"index": choice.index, "message": {"role": "assistant", "content": choice.text, **NO_REFUSAL},
-            "logprobs": shapes.chat(choice.logprobs) if shapes else None, **_finish(choice)}
+            "logprobs": shapes.chat(choice.logprobs) if shapes else None, **choice.ending()}
 
