@@ -146,8 +146,8 @@ class AsyncRealtimeSession:
 
     # ---------------------------------------------------------- events out
 
-    async def send(self, event: dict[str, Any]) -> None:
-        """Any client event, as is; one without an `event_id` gets one."""
+    async def send(self, event: dict[str, Any]) -> str:
+        """Any client event, as is; one without an `event_id` gets one. Its event_id."""
         if "event_id" not in event:
             event = {**event, "event_id": f"sdk_{next(self._count)}"}
         self._sent[str(event["event_id"])] = str(event.get("type"))
@@ -157,6 +157,7 @@ class AsyncRealtimeSession:
             await self.ws.send_json(event)
         except TRANSPORT_ERRORS as e:  # the socket is closed, or its connection was cut
             raise connection_error(e) from e
+        return str(event["event_id"])
 
     async def update(self, *, voice: str | None = None, instructions: str | None = None,
                      max_output_tokens: int | str | None = None, input_linger_ms: int | None = None,
@@ -188,10 +189,7 @@ class AsyncRealtimeSession:
 
     async def respond(self, **response: Any) -> str:
         """`response.create` (fields of its `response` object as keywords); its event_id."""
-        event_id = f"sdk_{next(self._count)}"
-        event = {"type": "response.create", "event_id": event_id}
-        await self.send({**event, "response": response} if response else event)
-        return event_id
+        return await self.send({"type": "response.create", **({"response": response} if response else {})})
 
     async def cancel(self) -> None:
         await self.send({"type": "response.cancel"})
@@ -334,9 +332,7 @@ class AsyncRealtimeSession:
         dropped whenever it comes."""
         ours = self._gathered.response_id if self._gathered is not None else None
         self._gathered = None
-        cancel = f"sdk_{next(self._count)}"
-        self._quiet.add(cancel)
-        await self.send({"type": "response.cancel", "event_id": cancel})
+        self._quiet.add(await self.send({"type": "response.cancel"}))
         try:
             async with asyncio.timeout(self.timeout or END_S):
                 while (ev := await self._receive()) is not None:
@@ -346,7 +342,7 @@ class AsyncRealtimeSession:
                         event_id = (ev.get("error") or {}).get("event_id")
                         if event_id == create:  # it never started
                             return
-                        if event_id in self._quiet:
+                        if event_id in self._quiet:  # the cancel's: the response was over already
                             self._quiet.discard(event_id)
                         else:
                             self._backlog.append(ev)
@@ -380,8 +376,8 @@ class RealtimeSession:
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
 
-    def send(self, event: dict[str, Any]) -> None:
-        self._runner.run(self.aio.send(event))
+    def send(self, event: dict[str, Any]) -> str:
+        return self._runner.run(self.aio.send(event))
 
     def update(self, **fields: Any) -> dict[str, Any]:
         return self._runner.run(self.aio.update(**fields))
