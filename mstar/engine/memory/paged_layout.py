@@ -140,8 +140,8 @@ def decode_bucket(batch_size: int, context_lens: torch.Tensor, block_tables: tor
     bt = _ints(block_tables)
     if bt.ndim != 2 or bt.shape[0] != n:
         raise ValueError(f"block_tables must be [n, P] with n = {n}, got shape {tuple(bt.shape)}")
-    if (ctx < 0).any():
-        raise ValueError("query_start must be non-decreasing and context_lens non-negative")
+    if (ctx < 0).any():  # its rows' queries are one token each: only the contexts can be wrong
+        raise ValueError("context_lens must be non-negative")
     if not bt.shape[1]:  # a table of no pages reads as one column of the scratch page
         bt = np.full((n, 1), scratch_page, dtype=np.int64)
     return _decode_layout(ctx, bt, page_size, scratch_page, batch_size - n, scratch_page)
