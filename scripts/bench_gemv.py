@@ -1,7 +1,8 @@
 """The few-row projection kernel (`mstar.kernels.gemv`) against cuBLAS, at
 Orpheus-3B's shapes: each projection alone (with the norm before it and the
 SiLU-and-multiply after it where a decoder layer has them), over a sweep of
-tilings, then a whole 28-layer step's projections both ways. Every layer has
+tilings (launched as programmatic dependents where the GPU has them; the
+default tiling also without), then a whole 28-layer step's projections both ways. Every layer has
 its own weights (5.6 GB in all), so nothing is read from L2 twice; times come
 from CUDA graphs, so launch gaps inside the graph count, host time does not.
 
@@ -11,6 +12,7 @@ from CUDA graphs, so launch gaps inside the graph count, host time does not.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import platform
@@ -73,6 +75,11 @@ class Shape:
         return ((self.fused(0, cfg).float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
 
 
+def default_config(rows: int, shape: Shape) -> gemv.GemvConfig:
+    w = shape.ws[0]
+    return gemv.config_for(rows, w.shape[0] // (2 if shape.silu else 1), w.shape[1])
+
+
 def per_shape(rows: list[int], all_weights: dict[str, list[torch.Tensor]], gen: torch.Generator) -> dict:
     out: dict = {}
     for m in rows:
@@ -90,19 +97,23 @@ def per_shape(rows: list[int], all_weights: dict[str, list[torch.Tensor]], gen: 
                 results.append((us, cfg))
             results.sort(key=lambda t: t[0])
             best_us, best = results[0]
-            default = gemv.config_for(m, ws[0].shape[0] // (2 if shape.silu else 1), ws[0].shape[1])
+            default = default_config(m, shape)
             default_us = graph_time_us(lambda i: shape.fused(i, default), calls=calls, replays=10)
+            plain = dataclasses.replace(default, pdl=False)
+            plain_us = graph_time_us(lambda i: shape.fused(i, plain), calls=calls, replays=10)
             nbytes = ws[0].numel() * ws[0].element_size()
             out[f"{m}/{name}"] = {"rows": m, "shape": name, "cublas_us": round(base, 2), "best_us": round(best_us, 2),
                                   "best": best.__dict__, "default_us": round(default_us, 2),
-                                  "default": default.__dict__, "error": shape.error(best),
+                                  "default": default.__dict__, "plain_us": round(plain_us, 2),
+                                  "error": shape.error(best),
                                   "weight_MB": round(nbytes / 1e6, 1),
                                   "best_GBps": round(nbytes / best_us / 1e3, 1),
                                   "cublas_GBps": round(nbytes / base / 1e3, 1),
                                   "top5": [(round(u, 2), c.__dict__) for u, c in results[:5]]}
             r = out[f"{m}/{name}"]
             print(f"rows {m:>2} {name:>12}: cuBLAS {base:8.2f} us ({r['cublas_GBps']:7.1f} GB/s)  "
-                  f"gemv best {best_us:8.2f} us ({r['best_GBps']:7.1f} GB/s) {best}  default {default_us:8.2f} us  "
+                  f"gemv best {best_us:8.2f} us ({r['best_GBps']:7.1f} GB/s) {best}  default {default_us:8.2f} us "
+                  f"({plain_us:8.2f} without dependent launch)  "
                   f"err {r['error']:.2e}", flush=True)
     return out
 
@@ -116,19 +127,22 @@ def step(rows: list[int], layer_weights: dict[str, list[torch.Tensor]], best: di
     for m in rows:
         shapes = {name: Shape(name, m, ws, gen) for name, ws in layer_weights.items()}
 
+        plain = {name: dataclasses.replace(default_config(m, s), pdl=False) for name, s in shapes.items()}
+
         def run(i: int, how: str) -> None:
             for name, s in shapes.items():
                 found = best[f"{m}/{name}"]
                 if how == "cublas" or (how == "fastest" and found["cublas_us"] <= found["best_us"]):
                     s.cublas(i)
                 else:
-                    s.fused(i, gemv.GemvConfig(**found["best"]) if how != "default" else None)
+                    s.fused(i, {"default": None, "plain": plain[name]}.get(how, gemv.GemvConfig(**found["best"])))
+        # "plain": the default tiling launched without programmatic dependent launch
         times = {how: graph_time_us(lambda i, h=how: run(i, h), calls=LAYERS, replays=10) * LAYERS / 1e3
-                 for how in ("cublas", "best", "default", "fastest")}
+                 for how in ("cublas", "best", "default", "plain", "fastest")}
         out[m] = {k: round(v, 3) for k, v in times.items()} | {"floor_ms": round(floor_ms, 3)}
         print(f"rows {m}: a step's projections: cuBLAS {times['cublas']:.3f} ms, gemv best {times['best']:.3f}, "
-              f"gemv default {times['default']:.3f}, each projection the faster way {times['fastest']:.3f}; "
-              f"the weights' floor {floor_ms:.3f} ms", flush=True)
+              f"gemv default {times['default']:.3f} ({times['plain']:.3f} without dependent launch), each "
+              f"projection the faster way {times['fastest']:.3f}; the weights' floor {floor_ms:.3f} ms", flush=True)
     return out
 
 

@@ -125,7 +125,7 @@ if [[ $what == bench || $what == all ]]; then
 fi
 if [[ $what == compare ]]; then
   [[ -d ${BASE:-} ]] || { echo "compare needs BASE, a folder holding the older tree"; exit 2; }
-  for round in 1 2; do
+  for round in $(seq "${ROUNDS:-2}"); do
     for tree in "$BASE" "$PWD"; do
       name=$([[ $tree == "$PWD" ]] && echo new || echo base)
       commit=$([[ $tree == "$PWD" ]] && echo "${MSTAR_COMMIT:-}" || echo "${BASE_COMMIT:-}")
@@ -264,7 +264,7 @@ if [[ $what == gemv ]]; then
   tail -8 "$OUT/gemv_tests.txt"
   PYTHONPATH=$PWD:$PWD/scripts timeout 150 python3 scripts/bench_gemv.py --rows 1 --out "$OUT/gemv.json" 2>&1 \
       | tee "$OUT/bench_gemv.txt" | grep -v "^  rows"
-  for round in 1 2; do
+  for round in $(seq "${ROUNDS:-2}"); do
     for tree in ${BASE:+"$BASE"} "$PWD"; do
       name=$([[ $tree == "$PWD" ]] && echo new || echo base)
       echo "== $name, round $round" | tee -a "$OUT/compare.txt"

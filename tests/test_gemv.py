@@ -134,6 +134,37 @@ def test_gemv_replays_under_cuda_graphs():
     same_on_replay(make, lambda x, r, nw, w: gemv.linear(x, w))
 
 
+def _layer_chain(x, r, nw, wq, wo, wgu, wd, config: gemv.GemvConfig):
+    """Two decoder layers' projections back to back, each reading the one before's output (and the stream
+    its first program wrote): what a launch that starts before the kernel ahead of it ends must wait for."""
+    for _ in range(2):
+        q, r = gemv.norm_linear(x, r, nw, EPS, wq, config=config)
+        o = gemv.linear(q, wo, config)
+        a, r = gemv.norm_linear(o, r, nw, EPS, wgu, silu=True, config=config)
+        x = gemv.linear(a, wd, config)
+    return x, r
+
+
+@cuda
+def test_dependent_launches_read_what_the_kernel_before_wrote():
+    """With programmatic dependent launch (Hopper) the chain's outputs are exactly those of plain launches,
+    eagerly and replayed from a CUDA graph."""
+    gen = torch.Generator(device="cuda").manual_seed(9)
+
+    def make():
+        def t(*shape, scale=1.0):
+            return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(torch.bfloat16)
+        return [t(1, 3072), t(1, 3072), 1 + t(3072, scale=0.1), t(3072, 3072, scale=3072 ** -0.5),
+                t(3072, 3072, scale=3072 ** -0.5), t(2 * 8192, 3072, scale=3072 ** -0.5),
+                t(3072, 8192, scale=8192 ** -0.5)]
+    inputs = make()
+    on, off = (gemv.GemvConfig(block_n=4, block_k=1024, pdl=p) for p in (True, False))
+    for _ in range(3):
+        for got, want in zip(_layer_chain(*inputs, on), _layer_chain(*inputs, off)):
+            assert torch.equal(got, want)
+    same_on_replay(make, lambda *a: _layer_chain(*a, on))
+
+
 @cuda
 def test_layers_take_the_kernel_for_a_few_cuda_rows_only():
     """`Linear` and `norm_project` give the kernel's exact output at up to MAX_ROWS rows, cuBLAS's above."""

@@ -9,7 +9,9 @@ the kernels are decorated).
 
 from __future__ import annotations
 
+import functools
 import inspect
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -58,6 +60,24 @@ def use_triton(x: torch.Tensor) -> bool:
     return HAVE_TRITON and x.is_cuda
 
 
+@functools.cache
+def _dependent_launch(device: int) -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in CUDAOptions.__dataclass_fields__ and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def dependent_launch(x: torch.Tensor) -> bool:
+    """Whether a kernel on x's device may launch as a programmatic dependent
+    of the one before it (Hopper and later, and a triton that can ask for
+    it): its programs then start while that kernel's last ones run, and wait
+    for its memory where the kernel says (`tl.extra.cuda.gdc_wait`)."""
+    return use_triton(x) and os.environ.get("TRITON_INTERPRET") != "1" and _dependent_launch(
+        torch.cuda.current_device() if x.device.index is None else x.device.index)
+
+
 def cdiv(a: int, b: int) -> int:
     """How many blocks of `b` cover `a` (a launch grid's size)."""
     return -(-a // b)
@@ -85,4 +105,4 @@ def row_tiles(rows: int, width: int, tile: int = 1024, min_block: int = 16) -> t
     return per, block, (cdiv(rows, per), cdiv(width, block))
 
 
-__all__ = ["HAVE_TRITON", "block_size", "cdiv", "jit", "num_warps", "row_tiles", "tl", "triton", "use_triton"]
+__all__ = ["HAVE_TRITON", "block_size", "cdiv", "dependent_launch", "jit", "num_warps", "row_tiles", "tl", "triton", "use_triton"]

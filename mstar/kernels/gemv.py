@@ -13,6 +13,12 @@ first), and with `silu` the weight is a merged gate/up [2I, K] and the
 program computes both halves of its columns and writes silu(gate) * up
 [M, I].
 
+On Hopper and later a launch is a programmatic dependent of the kernel
+before it: its programs start while that kernel's last ones run, read their
+first block of the weight, and only then wait for its output. The weight is
+never written by the kernel just before (a model's weights are fixed while it
+serves), so that read needs no wait.
+
 The arithmetic matches the unfused torch path: the residual add, the normed
 value and the weight multiply are rounded to x's dtype where the reference
 rounds them (`kernels/norm.py`), the products accumulate in float32, and the
@@ -28,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from mstar.kernels.activation import silu_and_mul_reference
-from mstar.kernels.backend import block_size, cdiv, jit, tl, use_triton
+from mstar.kernels.backend import block_size, cdiv, dependent_launch, jit, tl, use_triton
 from mstar.kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
 
 MAX_ROWS = 1    # at two rows cuBLAS was as fast or faster on three of a Llama layer's four projections (H100)
@@ -44,6 +50,7 @@ class GemvConfig:
     block_k: int = 256
     num_warps: int = 4
     num_stages: int = 1
+    pdl: bool = True  # launch as a programmatic dependent where the device has it (Hopper and later)
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -114,20 +121,50 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
     cfg = config or config_for(m, n, k)
     if m and n and k:
         norm = norm_weight is not None
+        pdl = cfg.pdl and dependent_launch(x)
         _gemv_kernel[(cdiv(n, cfg.block_n),)](
             x, res if res is not None else x, norm_weight.contiguous() if norm else x, weight, out, stream,
             m, n, k, x.stride(0), res.stride(0) if res is not None else 0, weight.stride(0), out.stride(0),
             stream.stride(0), n if silu else 0, eps,
             ROWS=block_size(m), NORM=norm, RESIDUAL=res is not None, CENTERED=centered, SILU=silu,
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **({"launch_pdl": True} if pdl else {}))
     return out, stream
+
+
+@jit
+def _weight_block(w_rows, up_offset, kk, w_mask, SILU: tl.constexpr):
+    """A block of the program's weight rows (and of their up half's), in float32."""
+    w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
+    wu = w
+    if SILU:
+        wu = tl.load(w_rows + up_offset + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
+    return w, wu
+
+
+@jit
+def _input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, kk, k_mask, inv, dtype: tl.constexpr,
+                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, CENTERED: tl.constexpr):
+    """A block of the rows the weight multiplies: x, or x (+ residual) normed, rounded where torch rounds."""
+    mask = row_mask[:, None] & k_mask[None, :]
+    xs = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        if RESIDUAL:
+            rs = tl.load(r_ptr + rows[:, None] * stride_r + kk[None, :], mask=mask, other=0.0).to(tl.float32)
+            xs = (xs + rs).to(dtype).to(tl.float32)
+        nw = tl.load(nw_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
+        if CENTERED:
+            xs = (xs * inv[:, None] * (1.0 + nw[None, :])).to(dtype).to(tl.float32)
+        else:
+            xs = ((xs * inv[:, None]).to(dtype).to(tl.float32) * nw[None, :]).to(dtype).to(tl.float32)
+    return xs
 
 
 @jit(any_value=("m",))
 def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, stream_ptr, m, n, k,
                  stride_x, stride_r, stride_w, stride_out, stride_stream, up_rows, eps,
                  ROWS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, CENTERED: tl.constexpr,
-                 SILU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 SILU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     rows = tl.arange(0, ROWS)
     row_mask = rows < m
@@ -136,6 +173,14 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, stream_ptr, m, n, k,
     offs_k = tl.arange(0, BLOCK_K)
     dtype = out_ptr.dtype.element_ty
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
+    # the up half's offset in 64 bits: I x K passes 2**31 elements in a wide enough MLP
+    up_offset = up_rows.to(tl.int64) * stride_w
+    if PDL:
+        # the first block of the weight while the kernel before ends; its output (x, the residual) after the wait
+        w_first, wu_first = _weight_block(w_rows, up_offset, offs_k, col_mask[:, None] & (offs_k < k)[None, :], SILU)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    inv = tl.zeros([ROWS], dtype=tl.float32)
     if NORM:
         # the rows' statistics first: every program reads the few rows of x (from cache after the first)
         sq = tl.zeros([ROWS], dtype=tl.float32)
@@ -155,26 +200,18 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, stream_ptr, m, n, k,
     # the weight in flight, which is what sets a few-row projection's speed
     acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, k, BLOCK_K):
+    if PDL:
+        xs = _input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, offs_k, offs_k < k, inv, dtype,
+                          NORM, RESIDUAL, CENTERED)
+        acc += tl.sum(xs[:, None, :] * w_first[None, :, :], axis=2)
+        if SILU:
+            acc_up += tl.sum(xs[:, None, :] * wu_first[None, :, :], axis=2)
+    for k0 in range(BLOCK_K if PDL else 0, k, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < k
-        mask = row_mask[:, None] & k_mask[None, :]
-        xs = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=mask, other=0.0).to(tl.float32)
-        if NORM:
-            if RESIDUAL:
-                rs = tl.load(r_ptr + rows[:, None] * stride_r + kk[None, :], mask=mask, other=0.0).to(tl.float32)
-                xs = (xs + rs).to(dtype).to(tl.float32)
-            nw = tl.load(nw_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
-            if CENTERED:
-                xs = (xs * inv[:, None] * (1.0 + nw[None, :])).to(dtype).to(tl.float32)
-            else:
-                xs = ((xs * inv[:, None]).to(dtype).to(tl.float32) * nw[None, :]).to(dtype).to(tl.float32)
-        w_mask = col_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
-        if SILU:
-            # the up half's offset in 64 bits: I x K passes 2**31 elements in a wide enough MLP
-            up = w_rows + up_rows.to(tl.int64) * stride_w
-            wu = tl.load(up + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
+        xs = _input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, kk, k_mask, inv, dtype,
+                          NORM, RESIDUAL, CENTERED)
+        w, wu = _weight_block(w_rows, up_offset, kk, col_mask[:, None] & k_mask[None, :], SILU)
         acc += tl.sum(xs[:, None, :] * w[None, :, :], axis=2)
         if SILU:
             acc_up += tl.sum(xs[:, None, :] * wu[None, :, :], axis=2)
