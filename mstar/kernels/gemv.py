@@ -62,15 +62,19 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.numel() >= MIN_WEIGHT)
 
 
-def config_for(rows: int, n: int, k: int) -> GemvConfig:
+def config_for(rows: int, n: int, k: int, norm: bool = False) -> GemvConfig:
     """A fixed tiling from the shape (no autotuning: launches stay the same
     from run to run and capturable), the fastest of a sweep at one row of
     Orpheus-3B's projections on an H100 (`scripts/bench_gemv.py`): narrow
     blocks of columns (768 programs for a 3,072-wide output) over wide
     blocks of K, so that each program keeps several KB of the weight in
-    flight; narrower K blocks at more rows, whose products take registers."""
-    block_k = (2048 if k >= 8192 else 1024) // block_size(rows)
-    return GemvConfig(block_n=4, block_k=max(16, min(block_k, block_size(k))))
+    flight; narrower K blocks at more rows, whose products take registers.
+    A plain projection of a hidden-wide output takes the widest blocks; one
+    with the norm ahead (whose input blocks cost more registers) and a
+    vocabulary's (whose many programs fill the GPU anyway) take 1,024."""
+    plain = not norm and n < 16384
+    block_k = (2048 if k >= 8192 else 1024) * (2 if plain else 1) // block_size(rows)
+    return GemvConfig(block_n=4, block_k=max(16, min(block_k, block_size(k))), num_warps=8 if plain else 4)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
@@ -118,7 +122,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     res = residual if residual is None or residual.stride(-1) == 1 else residual.contiguous()
     stream = torch.empty_like(x) if res is not None else x
-    cfg = config or config_for(m, n, k)
+    cfg = config or config_for(m, n, k, norm_weight is not None)
     if m and n and k:
         norm = norm_weight is not None
         pdl = cfg.pdl and dependent_launch(x)
