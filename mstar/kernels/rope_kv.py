@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from mstar.kernels.backend import block_size, jit, num_warps, tl, use_triton
+from mstar.kernels.backend import block_size, dependent_launch, jit, num_warps, tl, use_triton
 
 
 def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -88,13 +88,14 @@ def rope_and_store_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
     if t:
         block_half = block_size(d // 2)
         block_q, block_kv = block_size(hq), block_size(hkv)
+        pdl = dependent_launch(q)
         _rope_and_store_kernel[(t,)](
             q, k, v, cos, sin, positions, slot_mapping, out, k_flat, v_flat,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             cos.stride(0), sin.stride(0), out.stride(0), out.stride(1),
             k_flat.stride(0), k_flat.stride(1), v_flat.stride(0), v_flat.stride(1), hq, hkv,
-            HALF=d // 2, BLOCK_HALF=block_half, BLOCK_Q=block_q, BLOCK_KV=block_kv,
-            num_warps=num_warps(2 * block_q * block_half))
+            HALF=d // 2, BLOCK_HALF=block_half, BLOCK_Q=block_q, BLOCK_KV=block_kv, PDL=pdl,
+            num_warps=num_warps(2 * block_q * block_half), **({"launch_pdl": True} if pdl else {}))
     return out
 
 
@@ -122,8 +123,13 @@ def _rope_and_store_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slot_
                            stride_cos, stride_sin, stride_ot, stride_oh, stride_kcs, stride_kch,
                            stride_vcs, stride_vch, n_q_heads, n_kv_heads,
                            HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_Q: tl.constexpr,
-                           BLOCK_KV: tl.constexpr):
+                           BLOCK_KV: tl.constexpr, PDL: tl.constexpr):
     # one program per token: its q heads, k heads and v heads
+    if PDL:
+        # launched while the projection before still runs (Hopper): everything here may be its output, so the
+        # program waits for it first; the launch itself is what overlaps
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     slot = tl.load(slot_ptr + t).to(tl.int64)
