@@ -130,10 +130,10 @@ if [[ $what == compare ]]; then
       name=$([[ $tree == "$PWD" ]] && echo new || echo base)
       commit=$([[ $tree == "$PWD" ]] && echo "${MSTAR_COMMIT:-}" || echo "${BASE_COMMIT:-}")
       echo "== $name ($commit), round $round" | tee -a "$OUT/compare.txt"
-      (cd "$tree" && MSTAR_COMMIT=$commit PYTHONPATH=$tree timeout 150 python3 scripts/bench_decode.py \
+      (cd "$tree" && MSTAR_COMMIT=$commit PYTHONPATH=$PWD timeout 150 python3 scripts/bench_decode.py \
           --model orpheus-3b --load-format dummy --batches 1 64 --contexts 512 --skip-hf \
           --out "$OUT/decode_${name}_$round.json" 2>&1 | grep -v "\[info\|capturing" | tail -12) | tee -a "$OUT/compare.txt"
-      (cd "$tree" && MSTAR_COMMIT=$commit PYTHONPATH=$tree timeout 100 python3 scripts/bench_host.py \
+      (cd "$tree" && MSTAR_COMMIT=$commit PYTHONPATH=$PWD timeout 100 python3 scripts/bench_host.py \
           --model orpheus-3b --load-format dummy --devices cuda:0 --batches 1 64 256 --tokens 64 2>&1 \
           | grep -v "\[info\|capturing" | tail -8) | tee -a "$OUT/compare.txt"
     done
@@ -268,7 +268,7 @@ if [[ $what == gemv ]]; then
     for tree in ${BASE:+"$BASE"} "$PWD"; do
       name=$([[ $tree == "$PWD" ]] && echo new || echo base)
       echo "== $name, round $round" | tee -a "$OUT/compare.txt"
-      (cd "$tree" && PYTHONPATH=$tree timeout 100 python3 scripts/bench_decode.py --model orpheus-3b \
+      (cd "$tree" && PYTHONPATH=$PWD timeout 100 python3 scripts/bench_decode.py --model orpheus-3b \
           --load-format dummy --batches 1 64 --contexts 512 --skip-hf --out "$OUT/decode_${name}_$round.json" 2>&1 \
           | grep -v "\[info\|capturing" | tail -4) | tee -a "$OUT/compare.txt"
     done
