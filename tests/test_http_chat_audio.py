@@ -40,7 +40,7 @@ FRAMES = TALKER_TOKENS - 1  # the last draw starts a frame the budget never lets
 SAMPLES = 1920 * FRAMES - 555  # code2wav: 1920 samples a frame, less what the first holds back
 SEED = 7
 # greedy: random weights' codes are near a tie, so drawn ones would follow the seed rather than the voice
-TALKER = {"max_tokens": TALKER_TOKENS, "stop_token_ids": [], "temperature": 0}
+TALKER = {"max_tokens": TALKER_TOKENS, "ignore_eos": True, "temperature": 0}
 GREEDY_TALK = {"talker": TALKER, "cp": {"temperature": 0}}
 SPOKEN: dict[str, Any] = {"modalities": ["text", "audio"], "max_tokens": TOKENS, "temperature": 0, "seed": SEED,
                           "extra_body": {"ignore_eos": True, "sampling_by": GREEDY_TALK}}
@@ -181,7 +181,7 @@ async def test_max_tokens_caps_the_spoken_frames_too(client: openai.AsyncOpenAI)
     tokens: `max_tokens` alone (no `sampling_by`) caps the talker's draws as
     well as the text, where they would run to the talker's own default of
     thousands; a `sampling_by` entry for the talker still wins."""
-    body = {"ignore_eos": True, "sampling_by": {"talker": {"stop_token_ids": []}}}
+    body = {"ignore_eos": True, "sampling_by": {"talker": {"ignore_eos": True}}}
     capped = await client.chat.completions.create(model=OMNI, messages=HELLO, modalities=["text", "audio"],
                                                   audio={"voice": "ethan", "format": "pcm16"}, max_tokens=3,
                                                   seed=SEED, extra_body=body)
@@ -205,7 +205,7 @@ async def test_an_answer_whose_frames_ran_out_ends_length(client: openai.AsyncOp
                                                                             ignore_eos=True), walk="chat")
     ids = [t for c in [c async for c in omni.submit(chat, await omni.prepare(chat))] for t in c.token_ids]
     text = {"ignore_eos": True, "stop_token_ids": [ids[1]]}
-    talker = {"sampling_by": {"talker": {"stop_token_ids": [], "temperature": 0}}}
+    talker = {"sampling_by": {"talker": {"ignore_eos": True, "temperature": 0}}}
     for audio, reason in ((None, "stop"), ({"voice": "ethan", "format": "pcm16"}, "length")):
         spoken: dict[str, Any] = {"modalities": ["text", "audio"], "audio": audio} if audio else {}
         answer = await client.chat.completions.create(model=OMNI, messages=HELLO, temperature=0, seed=SEED,

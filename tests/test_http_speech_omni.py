@@ -39,7 +39,7 @@ FRAMES = 6          # the tts walk's root is the talker: max_tokens is its draws
 SAMPLES = 1920 * (FRAMES - 1) - 555
 # greedy, and no codec EOS: the same codes every time, as many as asked
 TALK: dict[str, Any] = {"max_tokens": FRAMES, "temperature": 0,
-                        "sampling_by": {"talker": {"stop_token_ids": []}, "cp": {"temperature": 0}}}
+                        "sampling_by": {"talker": {"ignore_eos": True}, "cp": {"temperature": 0}}}
 
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
@@ -133,7 +133,8 @@ async def test_the_walks_own_defaults_apply_within_the_context(omni: Engine) -> 
     [card] = omni.model_cards()
     assert (card.tts_walk, card.spoken_chat_walk, card.voices) == ("tts", "speak", VOICES)
     talker = omni_defaults(omni)
-    assert card.tts_sampling == talker and talker.temperature == 0.9 and talker.stop_token_ids
+    # the codec's EOS ends the talker as its key's EOS (`eos_ids`), not as a stop id a request's own would replace
+    assert card.tts_sampling == talker and talker.temperature == 0.9 and talker.stop_token_ids == ()
     assert talker.max_tokens == CONTEXT  # the released 4096 frames, within this server's context
     # a default no prompt leaves room for: whatever room the prompt leaves
     assert resolve_model(omni, OMNI).tts_sampling.max_tokens is None

@@ -22,6 +22,7 @@ from mstar.config import EngineConfig
 from mstar.engine.engine import Engine
 from mstar.errors import RequestError
 from mstar.models.qwen3_omni.model import Qwen3OmniModel
+from mstar.models.registry import load_model
 from mstar.types import GenerateRequest, SamplingParams
 from test_qwen3_omni_media import _audio, _clip, _messages, folder  # noqa: F401  (a fixture)
 from test_qwen3_omni_thinker import saved  # noqa: F401  (a fixture)
@@ -178,6 +179,48 @@ async def test_a_talker_without_a_stop_ends_at_the_edge_of_the_context() -> None
             last = chunk
         assert last is not None and last.error is None and last.finish_reason == "length"
         assert samples > 1920 * 40  # it spoke until the context was full (96 tokens, its prompt's about 20)
+    finally:
+        await eng.shutdown()
+
+
+def test_the_talker_stops_at_the_codec_eos_which_its_own_fields_move() -> None:
+    """The talker draws codec ids: its key ends at the codec's EOS (not the
+    thinker's text EOS, an id past its vocabulary); `ignore_eos` drops it and
+    `stop_token_ids` add to it, as they do for the text."""
+    model = load_model("qwen3-omni-tiny")
+    codec_eos = model.config.talker.codec_eos_id
+
+    def stops(**talker: object) -> dict[str, tuple[int, ...]]:
+        return model.prepare(GenerateRequest("s", "qwen3-omni-tiny", {"messages": [{"role": "user", "content": "hi"}]},
+                                             walk="speak", sampling_by={"talker": talker})).stop_ids
+    assert stops() == {"thinker": model.eos_token_ids, "talker": (codec_eos,), "cp": ()}
+    assert stops(ignore_eos=True)["talker"] == ()
+    assert stops(stop_token_ids=[7])["talker"] == (codec_eos, 7)
+
+
+async def test_min_tokens_bans_only_ids_of_the_keys_vocabulary() -> None:
+    """`min_tokens` bans a key's stop ids while it is short: the talker's (the
+    codec's EOS), and a text stop id past the vocabulary, which no draw gives,
+    bans nothing rather than failing the step."""
+    eng = Engine(EngineConfig(model="qwen3-omni-tiny", devices=("cpu",), max_model_len=256))
+    await eng.start()
+    try:
+        messages = {"messages": [{"role": "user", "content": "hi"}]}
+        cases = [GenerateRequest("text", "qwen3-omni-tiny", messages,
+                                 SamplingParams(max_tokens=3, min_tokens=2, stop_token_ids=(999_999, 2**31 - 1))),
+                 GenerateRequest("spoken", "qwen3-omni-tiny", messages, SamplingParams(max_tokens=2, ignore_eos=True),
+                                 walk="speak", sampling_by={"talker": {"min_tokens": 3, "max_tokens": 4}})]
+        for request in cases:
+            tokens, samples, last = 0, 0, None
+            async for chunk in eng.submit(request):
+                tokens += len(chunk.token_ids)
+                samples += len(chunk.audio or b"") // 2
+                last = chunk
+            assert last is not None and last.error is None, (request.request_id, last)
+            if request.walk == "speak":
+                assert samples > 0 and last.finish_reason is not None
+            else:
+                assert tokens >= 2
     finally:
         await eng.shutdown()
 

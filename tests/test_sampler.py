@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from mstar.engine.execution.sampler import SamplingTensors, banned_table, sample
+from mstar.engine.execution.sampler import SamplingTensors, banned_mask, banned_table, sample
 from mstar.kernels.sampling.noise import exponential_noise_reference, random_bits
 from mstar.kernels.sampling.penalty import repetition_penalty
 from mstar.types import SamplingParams
@@ -234,6 +234,9 @@ def test_banned_ids_are_never_drawn_and_pads_ban_nothing() -> None:
         hot.counters.fill_(counter)
         drawn = sample(logits, hot, banned=banned).tolist()
         assert drawn[0] != 0 and drawn[1] not in (1, 2)
+    past = torch.tensor([[999_999, 0], [2**31 - 1, -1], [4, 1]])  # ids past the vocabulary ban nothing
+    assert banned_mask(past, 4).tolist() == [[True, False, False, False], [False] * 4, [False, True, False, False]]
+    assert sample(logits, greedy, banned=past).tolist() == [1, 2, 0]
     assert banned_table([(), ()], "cpu") is None
     assert banned_table([(3,), (), (4, 5)], "cpu").tolist() == [[3, -1], [-1, -1], [4, 5]]
 

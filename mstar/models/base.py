@@ -98,6 +98,13 @@ class Model:
     def eos_token_ids(self) -> tuple[int, ...]:
         return ()
 
+    def eos_ids(self, key: str) -> tuple[int, ...]:
+        """The ids that end the token loops sampled under sampling key `key`
+        unless the request sets `ignore_eos` for it: `eos_token_ids`, the
+        text's, unless the key draws from another vocabulary (a talker's
+        codec, say)."""
+        return self.eos_token_ids
+
     @property
     def max_model_len(self) -> int:
         raise NotImplementedError
@@ -205,7 +212,7 @@ class Model:
     def _prepared(self, request: GenerateRequest, plan: WalkPlan, piece: PreparedPiece,
                   sampling: dict[str, SamplingParams]) -> Prepared:
         sampling = fit_context(sampling, plan, self.components, piece, self.max_model_len, self.default_sampling)
-        return Prepared(piece.values, sampling, stop_ids(sampling, self.eos_token_ids), piece.num_tokens, plan.name,
+        return Prepared(piece.values, sampling, stop_ids(sampling, self.eos_ids), piece.num_tokens, plan.name,
                         piece.field, (request.request_id, request.sampling, dict(request.sampling_by)))
 
     def prepare_inputs(self, request: GenerateRequest, sampling: SamplingParams) -> PreparedPiece:

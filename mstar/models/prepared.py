@@ -226,8 +226,9 @@ def key_seed(seed: int, key: str) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def stop_ids(sampling: dict[str, SamplingParams], eos_token_ids: tuple[int, ...]) -> dict[str, tuple[int, ...]]:
-    """The ids that end each key's token loops: the model's EOS ids unless
-    `ignore_eos`, then the key's `stop_token_ids`."""
-    return {key: (() if p.ignore_eos else tuple(eos_token_ids)) + tuple(p.stop_token_ids)
+def stop_ids(sampling: dict[str, SamplingParams],
+             eos_ids: Callable[[str], tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The ids that end each key's token loops: the model's EOS ids of the
+    key unless `ignore_eos`, then the key's `stop_token_ids`."""
+    return {key: (() if p.ignore_eos else tuple(eos_ids(key))) + tuple(p.stop_token_ids)
             for key, p in sampling.items()}

@@ -149,8 +149,10 @@ def _or_zeros(x: Tensor | None, st: SamplingTensors) -> Tensor:
 
 
 def banned_mask(banned: Tensor, vocab: int) -> Tensor:
-    """[B, V] bool: the ids of each row of `banned` [B, S] (-1: none)."""
-    index = torch.where(banned >= 0, banned, vocab)  # the pads land in a column cut off below
+    """[B, V] bool: the ids of each row of `banned` [B, S] (-1: none; an id
+    past the vocabulary, which no draw gives, bans nothing)."""
+    # the pads and ids past the vocabulary land in a column cut off below
+    index = torch.where((banned >= 0) & (banned < vocab), banned, vocab)
     mask = torch.zeros(banned.shape[0], vocab + 1, dtype=torch.bool, device=banned.device)
     return mask.scatter_(1, index, True)[:, :vocab]
 

@@ -103,6 +103,11 @@ class Qwen3OmniModel(Model):
     def eos_token_ids(self) -> tuple[int, ...]:
         return self._eos
 
+    def eos_ids(self, key: str) -> tuple[int, ...]:
+        """The talker draws codec ids: its speech ends at the codec's EOS, not
+        the text's; the code predictor's draws (`cp`) end by their count."""
+        return {"talker": (self.config.talker.codec_eos_id,), "cp": ()}.get(key, self._eos)
+
     @property
     def max_model_len(self) -> int:
         return self._max_model_len
@@ -123,8 +128,7 @@ class Qwen3OmniModel(Model):
         request (greedy unless asked)."""
         if key == "talker":  # its budget within what a context of this server holds, so that it is valid here
             return SamplingParams(temperature=0.9, top_k=50, repetition_penalty=1.05,
-                                  max_tokens=min(TALKER_MAX_FRAMES, self._max_model_len),
-                                  stop_token_ids=(self.config.talker.codec_eos_id,))
+                                  max_tokens=min(TALKER_MAX_FRAMES, self._max_model_len))
         if key == "cp":
             return SamplingParams(temperature=1.0, top_k=50, top_p=0.8)
         return SamplingParams(max_tokens=None)
