@@ -228,7 +228,7 @@ async def test_a_spoken_answer_cut_by_its_budget_on_another_device_ends_length(t
             at = 1 if text_ends == "first" else max(i for i in range(len(ids)) if ids[i] not in ids[:i])
             spoken = GenerateRequest("spoken", "qwen3-omni-tiny", {**hello, "voice": "ethan"},
                                      dataclasses.replace(text, stop_token_ids=(ids[at],)),
-                                     walk="speak", sampling_by={"talker": {"max_tokens": 3, "stop_token_ids": [],
+                                     walk="speak", sampling_by={"talker": {"max_tokens": 3, "ignore_eos": True,
                                                                            "temperature": 0}})
             chunks = [c async for c in eng.submit(spoken)]
             results.append((chunks[-1].finish_reason, sum(len(c.token_ids) for c in chunks), at + 1))
