@@ -90,6 +90,7 @@ async def test_unknown_route_and_method_are_json(http: aiohttp.ClientSession) ->
         assert r.status == 404 and "/v1/nothing" in (await error_of(r))["message"]
     async with http.get("/v1/completions") as r:
         assert r.status == 405 and (await error_of(r))["message"]
+        assert r.headers["Allow"] == "POST"  # RFC 9110: a 405 names the methods the route takes
 
 
 async def test_refused_requests_leave_nothing_running(http: aiohttp.ClientSession, engine: Engine) -> None:

@@ -5,6 +5,7 @@ official `openai` client, and a client that hangs up."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 from collections.abc import AsyncIterator
@@ -16,6 +17,7 @@ import openai
 import orjson
 import pytest
 import pytest_asyncio
+import yarl
 from http_support import read_ndjson, running_engine, serving, wait_until
 
 from mstar.engine.engine import Engine
@@ -245,6 +247,26 @@ async def test_a_text_model_does_not_speak(http: aiohttp.ClientSession) -> None:
         assert r.status == 400
         error = (await r.json())["error"]
     assert error["param"] == "model" and "speak" in error["message"]
+
+
+@pytest.mark.parametrize("stream_format", ["audio", "sse"])
+async def test_an_http10_client_gets_the_stream_closed_by_the_connection(speech_server: str, api: aiohttp.ClientSession,
+                                                                        stream_format: str) -> None:
+    """HTTP/1.0 has no chunked encoding: the streamed body ends where the
+    server closes the connection, as on the text routes."""
+    body = orjson.dumps(speech(response_format="pcm", stream_format=stream_format))
+    url = yarl.URL(speech_server)
+    reader, writer = await asyncio.open_connection(url.host, url.port)
+    writer.write(b"POST /v1/audio/speech HTTP/1.0\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    answer = await asyncio.wait_for(reader.read(), 120)  # to the end of the connection
+    writer.close()
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200") and b"chunked" not in head.lower(), head
+    if stream_format == "audio":
+        assert len(payload) == await reference_length(api) > 0
+    else:
+        assert payload.rstrip().split(b"\n\n")[-1].startswith(b'data: {"type":"speech.audio.done"')
 
 
 async def test_client_hanging_up_aborts_the_request(api: aiohttp.ClientSession, speaker: Engine) -> None:

@@ -76,7 +76,10 @@ async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamRe
             message = TOO_LARGE
         else:
             message = e.reason
-        return error_response(message, status=e.status, code=e.reason.lower().replace(" ", "_"))
+        response = error_response(message, status=e.status, code=e.reason.lower().replace(" ", "_"))
+        if "Allow" in e.headers:  # a 405 says which methods the route takes (RFC 9110)
+            response.headers["Allow"] = e.headers["Allow"]
+        return response
     except Exception:
         log.exception("unhandled error", method=request.method, path=request.path)
         return error_response("internal server error", status=500, code="internal_error")

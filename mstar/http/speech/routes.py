@@ -153,7 +153,7 @@ async def _open(request: web.Request, content_type: str, sample_rate: int) -> we
     response.headers["X-Accel-Buffering"] = "no"
     # Raw PCM says nothing of its rate; the header does (every format gets it).
     response.headers["X-Sample-Rate"] = str(sample_rate)
-    response.enable_chunked_encoding()
+    # no length: aiohttp chunks the body for HTTP/1.1 and ends it by closing the connection for HTTP/1.0
     try:
         await response.prepare(request)
     except ConnectionError:
