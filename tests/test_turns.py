@@ -145,9 +145,13 @@ async def test_a_full_context_ends_the_request(eng: Engine) -> None:
     """More pieces queued than the context holds: the turns that fit speak,
     then the request ends with an error saying the rest was not spoken."""
     stream = eng.submit(GenerateRequest("full", "orpheus-tiny", {"text": "a"}, GREEDY, more_input=True))
-    for i in range(10):  # 256 positions hold about four turns of this size
-        eng.append("full", {"text": f"piece {i}"})
-    audio, chunks = await _collect(stream)
+    taken = 0
+    with pytest.raises(RequestError) as e:  # by the engine's count (prompts only, nothing spoken yet) about six
+        for i in range(10):
+            eng.append("full", {"text": f"piece {i}"})
+            taken += 1
+    assert e.value.field == "input" and 4 <= taken < 10
+    audio, chunks = await _collect(stream)  # 256 positions hold about four turns of this size
     assert chunks[-1].finished and chunks[-1].finish_reason == "error"
     assert "not spoken" in (chunks[-1].error or "")
     assert 4 * 2048 * 2 < len(audio) < 10 * 4 * 2048 * 2
@@ -281,19 +285,25 @@ async def test_a_piece_that_came_too_late_for_the_context_ends_the_request_with_
     sampling = SamplingParams(max_tokens=None, temperature=0.0, seed=5, ignore_eos=True)
     stream = eng.submit(GenerateRequest("late", "orpheus-tiny", {"text": "hello"}, sampling, more_input=True))
     chunks = aiter(stream)
+    frames = 0
     async for chunk in chunks:
-        if chunk.audio:
+        frames += len(chunk.audio or b"") // (2048 * 2)
+        if frames >= 6:  # 28 + 3 x 7 tokens written, which the engine has not counted yet
             break
     state = eng._states["late"]
     held = max(state.num_prompt_tokens + state.num_output_tokens, state.context_floor)
-    # the largest piece the engine takes now: its turn's markers and the turn before it leave it no room
+    # the largest piece the engine takes now: by its count the two turns keep a first window each
     base = eng.model.prepare_more(GenerateRequest("late", "orpheus-tiny", {}), {"text": "a"}).num_tokens - 1
-    n = eng.append("late", {"text": "a" * (256 - 1 - held - base)})
-    assert held + n == 255
+    room = 256 - TURN_MARGIN - 2 * eng.model.min_turn_tokens
+    with pytest.raises(RequestError) as e:
+        eng.append("late", {"text": "a" * (room + 1 - held - base)})
+    assert e.value.field == "input" and "too little room" in e.value.message
+    n = eng.append("late", {"text": "a" * (room - held - base)})
+    assert held + n == room
     eng.close_input("late")
     _, rest = await _collect(chunks)
     assert rest[-1].finished and rest[-1].finish_reason == "error"
-    assert "not spoken" in (rest[-1].error or "")
+    assert "not spoken" in (rest[-1].error or "") and "fewer than a turn needs (28)" in rest[-1].error
     for _ in range(500):
         if eng.pages_in_use() == 0 and len(eng.store) == 0:
             break

@@ -35,6 +35,7 @@ from mstar.engine.eventloop.worker_load import WorkerLoad
 from mstar.engine.movement.tensor_store import TensorStore
 from mstar.engine.eventloop.waiting_line import WaitingLine, shutting_down
 from mstar.engine.worker.device_worker import DeviceWorker
+from mstar.engine.worker.turns import TURN_MARGIN
 from mstar.engine.worker.walker import check_runnable
 from mstar.errors import ConfigError, MstarError, ModelNotFound, RequestError
 from mstar.graph import HostStop, WalkPlan, compile_walks
@@ -313,9 +314,13 @@ class Engine:
         piece = model.prepare_more(state.request, inputs)
         n = piece.num_tokens
         held = max(state.num_prompt_tokens + state.num_output_tokens, state.context_floor)
-        if held + n >= model.max_model_len:  # refused here, while the client can still be told
-            raise RequestError(f"{n} more tokens on top of the {held} the request has would leave no room "
-                               f"in the model's context of {model.max_model_len} tokens", field="input")
+        # refused here, while the client can still be told: the turn under way is cut to leave the piece room
+        # (`Turns`), and each of the two must still be able to answer
+        need = held + n + TURN_MARGIN + 2 * model.min_turn_tokens
+        if need > model.max_model_len:
+            raise RequestError(f"{n} more tokens on top of the {held} the request has would leave the turns too "
+                               f"little room to answer (at least {model.min_turn_tokens} tokens each) in the "
+                               f"model's context of {model.max_model_len} tokens", field="input")
         state.num_prompt_tokens += n
         state.context_floor += n
         self.workers[state.worker].send(Append(request_id, dict(piece.values), n))

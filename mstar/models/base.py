@@ -114,6 +114,13 @@ class Model:
         """Whether the weights are random (no checkpoint): such a model talks nonsense."""
         return False
 
+    @property
+    def min_turn_tokens(self) -> int:
+        """The fewest tokens a turn of a request that takes more input must
+        be able to write to answer at all (a speech model's first window of
+        audio): a piece of input that would leave less is refused."""
+        return 1
+
     def walk_for(self, request: GenerateRequest) -> str:
         """The walk `request` runs: the one it names, else the default (a
         model may refine the name by what the inputs hold: the encoders a

@@ -151,7 +151,7 @@ class DeviceWorker:
                              token_loops, self.device, reservation=cfg.kv_reservation, join_turn=self.model.join_turn,
                              on_awaiting=lambda rid, n: self._finished(Awaiting(rid, n)),
                              index=self.index, send=self.link.send, components=self.model.components,
-                             slots=slots)
+                             slots=slots, min_turn_tokens=self.model.min_turn_tokens)
         arena_mb = self.config.host_arena_mb
         if arena_mb is None:  # pinned staging pays on CUDA; on the CPU rows are host memory already
             arena_mb = DEFAULT_ARENA_MB if self.device.type == "cuda" else 0

@@ -46,9 +46,10 @@ TURN_MARGIN = 8
 
 class Turns:
     def __init__(self, walker: Walker, join_turn: JoinTurn | None,
-                 on_awaiting: Callable[[str, int], None] | None) -> None:
+                 on_awaiting: Callable[[str, int], None] | None, min_turn_tokens: int = 1) -> None:
         self.walker = walker
         self.join_turn = join_turn
+        self.min_turn_tokens = min_turn_tokens  # the model's: less room than this and a turn answers nothing
         self.on_awaiting = on_awaiting or (lambda request_id, context_tokens: None)
 
     def _root(self, request_id: str) -> PartitionRun | None:
@@ -150,11 +151,12 @@ class Turns:
             walker.abort(rid, "error", f"{type(e).__name__}: {e}")
             return
         room = walker.max_model_len - row.kv_len - joined.num_tokens
-        if room < 1:
+        if room < self.min_turn_tokens:
             # the engine took the piece while the turn before it still wrote (its count of the context lags the
             # worker's): it is not spoken, and the client is told so, not left to find it missing
-            walker.abort(rid, "error", f"the context ({walker.max_model_len} tokens) was full when the next "
-                                       f"{joined.num_tokens} tokens of input came to be read; they were not spoken")
+            walker.abort(rid, "error", f"the context ({walker.max_model_len} tokens) had {max(room, 0)} tokens left "
+                                       f"to answer the next {joined.num_tokens} tokens of input, fewer than a turn "
+                                       f"needs ({self.min_turn_tokens}); they were not spoken")
             return
         part.awaiting_input = False
         run.root_reason = None

@@ -59,13 +59,14 @@ class Walker:
                  token_loops: set[str] = frozenset(), device: torch.device | None = None,
                  reservation: str = "request", join_turn: Callable[[int, list[int]], list[int]] | None = None,
                  on_awaiting: Callable[[str, int], None] | None = None, index: int = 0, send: Send | None = None,
-                 components: dict[str, Component] | None = None, slots: dict[str, PagePool] | None = None) -> None:
+                 components: dict[str, Component] | None = None, slots: dict[str, PagePool] | None = None,
+                 min_turn_tokens: int = 1) -> None:
         """`token_loops`: KV components that sample; their decode loops run
         as `LoopGroup`s on `device`. `reservation` (`--kv-reservation`):
         which rows' first steps take pages for their prompt only, a group row
         getting more as it grows (the scheduler's `StepPlan.grow`), instead of
         all of them up front (`grows`).
-        `join_turn`, `on_awaiting`: see `Turns`. `index`: this worker's
+        `join_turn`, `on_awaiting`, `min_turn_tokens`: see `Turns`. `index`: this worker's
         place among the engine's workers; `send`: to another worker (see
         `Streams`); `components`: the model's, for the signatures of their
         modes."""
@@ -84,7 +85,7 @@ class Walker:
         self.group_streams: dict[str, torch.cuda.Stream] = {}  # on CUDA, per component: its groups' steps
         self.index = index
         self.cursor = Cursor(self)
-        self.turns = Turns(self, join_turn, on_awaiting)
+        self.turns = Turns(self, join_turn, on_awaiting, min_turn_tokens)
         self.streams = Streams(self, send)
 
     # --------------------------------------------------------------- start

@@ -137,6 +137,10 @@ class OrpheusModel(LlamaModel):
         # tokenizer's EOS ids are ordinary text ids in Orpheus's vocabulary
         return tuple(dict.fromkeys((*self._generation_eos, *self.config.eos_token_ids)))
 
+    @property
+    def min_turn_tokens(self) -> int:
+        return WINDOW_TOKENS  # a turn cut shorter than the first window plays no audio
+
     def default_sampling(self, key: str | None = None) -> SamplingParams:
         """Orpheus's own sampling for speech (engine_class.py defaults):
         temperature 0.6, top_p 0.8, repetition_penalty 1.3, max_tokens 1200
