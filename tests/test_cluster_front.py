@@ -60,6 +60,9 @@ async def test_speech_streams_through_the_front_and_spreads_over_both(replicas: 
         async with session.get(f"{url}/health") as r:
             health = await r.json()
         assert r.status == 200 and [x["healthy"] for x in health["replicas"]] == [True, True]
+        # a replica's own fields too, as their last health checks (every 2 s) found them: what reads one
+        # replica's /health reads the front's
+        assert health["model"] == "orpheus-tiny" and health["requests_running"] in (0, 1, 2)
         async with session.get(f"{url}/metrics") as r:
             text = await r.text()
         assert 'mstar_replica_up{replica="0"} 1' in text and 'mstar_replica_up{replica="1"} 1' in text

@@ -183,6 +183,19 @@ async def test_a_hung_replica_gives_504_not_a_hang() -> None:
             await _settled(front)
 
 
+async def test_a_bodiless_get_every_replica_leaves_unanswered_gives_504_not_unavailable() -> None:
+    """Sent again to the next replica (it has no effects), then out of replicas: the client hears that they went
+    silent, as a POST does, not that none was available (/health still lists them up)."""
+    async with _serve(_replica(work=_hangs)) as a, _serve(_replica(work=_hangs)) as b, \
+            aiohttp.ClientSession() as session:
+        front = Front([a, b], replica_timeout=0.3)
+        async with serving_app(front.app()) as url:
+            async with session.get(f"{url}/work", timeout=aiohttp.ClientTimeout(total=10)) as r:
+                body = await r.json()
+            assert r.status == 504 and body["error"]["code"] == "replica_timeout", body
+            await _settled(front)
+
+
 async def test_a_stream_that_keeps_producing_outlives_the_read_timeout_and_one_that_stops_does_not() -> None:
     async with _serve(_replica(events=_slow_events)) as replica, aiohttp.ClientSession() as session:
         front = Front([replica], replica_timeout=0.6)   # under the stream's 2 s, over its 0.2 s gaps
@@ -205,7 +218,7 @@ def test_the_replica_timeout_is_a_flag_of_both_commands() -> None:
     assert parse([])[0].replica_timeout == front_module.REPLICA_TIMEOUT_S
     for module in ("mstar.cluster.front", "mstar.cluster"):
         out = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, check=True)
-        assert "--replica-timeout" in out.stdout
+        assert "--replica-timeout" in out.stdout and "--header-timeout" in out.stdout
     with pytest.raises(ValueError):
         Front(["http://127.0.0.1:1"], replica_timeout=0)
 

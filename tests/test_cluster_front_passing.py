@@ -118,3 +118,26 @@ async def test_a_head_the_front_cannot_parse_gets_the_replicas_json_error() -> N
         assert b"application/json" in head.lower()
         error = json.loads(body)["error"]
         assert error["code"] == "bad_request" and error["type"] == "invalid_request_error", error
+
+
+async def test_a_head_that_stalls_gets_a_408_and_a_silent_connection_is_closed() -> None:
+    """The front reaches a replica only with a whole head, so it holds the head's deadline itself."""
+    async with serving_app(_echoing_replica()) as replica:
+        runner = FrontRunner(Front([replica]).app(), handler_cancellation=True, header_timeout=0.5)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        host, port = runner.addresses[0][:2]
+        try:
+            reader, writer = await asyncio.open_connection(host, port)
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")   # no blank line: the head never ends
+            head, _, body = (await asyncio.wait_for(reader.read(), 10)).partition(b"\r\n\r\n")
+            writer.close()
+            silent_reader, silent = await asyncio.open_connection(host, port)
+            assert await asyncio.wait_for(silent_reader.read(), 10) == b""   # closed without a word
+            silent.close()
+            async with aiohttp.ClientSession() as session, session.get(f"http://{host}:{port}/v1/models") as r:
+                assert r.status == 200   # a whole head in time still goes through
+        finally:
+            await runner.cleanup()
+        assert head.startswith(b"HTTP/1.1 408"), head
+        assert json.loads(body)["error"]["code"] == "request_timeout"

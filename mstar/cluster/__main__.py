@@ -67,7 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               flush=True)
         front = Front(urls, replica_timeout=a.replica_timeout)
         serving.run(replicas.serve(front), host=a.host, port=a.port, backlog=BACKLOG,
-                    shutdown_timeout=SHUTDOWN_TIMEOUT_S, stop_within_s=GRACE_S - EXIT_S)
+                    shutdown_timeout=SHUTDOWN_TIMEOUT_S, stop_within_s=GRACE_S - EXIT_S,
+                    header_timeout=a.header_timeout)
     finally:
         replicas.stop()
     return 0

@@ -15,7 +15,11 @@ next). A replica that fails after it began answering ends that answer: an
 event stream with an `{"error": ...}` event, a realtime session with an
 `error` event and close code 1011, any other body cut before its end.
 A replica's refusal of a websocket (401, 404, 429...) reaches the client as
-the replica sent it. `/health` lists the replicas; `/metrics` merges the
+the replica sent it. A safe request every replica took and none answered is a
+504 too. `/health` lists the replicas, with a replica's own fields (the
+model, the requests running on all) as their health checks last found them;
+a client's head that stalls is cut at the front's `--header-timeout` (408),
+since it never reaches a replica's own. `/metrics` merges the
 replicas' metric families, every sample labelled `replica="<index>"`, each
 replica given `METRICS_TIMEOUT_S` to answer.
 
@@ -82,6 +86,7 @@ class Replica:
     healthy: bool = True
     outstanding: int = 0
     served: int = 0
+    health: dict | None = None   # its last /health answer that was a JSON object
 
 
 class NoReplica(Exception):
@@ -190,7 +195,10 @@ class Front:
         try:
             async with self._probe.get(f"{replica.url}/health") as r:
                 ok = r.status == 200
-        except (aiohttp.ClientError, asyncio.TimeoutError):
+                answer = await r.json(content_type=None) if ok else None
+            if isinstance(answer, dict):
+                replica.health = answer
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             ok = False
         if ok != replica.healthy:
             log.info("replica up" if ok else "replica down", replica=replica.index, url=replica.url)
@@ -207,9 +215,16 @@ class Front:
     async def _health(self, _request: web.Request) -> web.Response:
         replicas = [{"index": r.index, "url": r.url, "healthy": r.healthy, "outstanding": r.outstanding,
                      "served": r.served} for r in self.replicas]
-        up = any(r.healthy for r in self.replicas)
+        up = [r for r in self.replicas if r.healthy]
+        # a replica's own fields, as its last health check found them (HEALTH_EVERY_S), so that what reads one replica's
+        # /health (the SDK's `health()`, a probe) reads the front's: the model, the requests running on all
+        seen = [r.health for r in up if r.health is not None]
+        models = list(dict.fromkeys(str(h.get("model", "")) for h in seen))
+        fields = {"model": models[0]} if len(models) == 1 else {"models": models} if models else {}
+        if seen:
+            fields["requests_running"] = sum(int(h.get("requests_running", 0)) for h in seen)
         # no replica up: a 503 says when to ask again, as the front's other 503s do
-        return web.json_response({"status": "ok" if up else "unavailable", "replicas": replicas},
+        return web.json_response({"status": "ok" if up else "unavailable", **fields, "replicas": replicas},
                                  status=200 if up else 503, headers=None if up else {"Retry-After": "1"})
 
     async def _metrics(self, request: web.Request) -> web.Response:
@@ -246,15 +261,18 @@ class Front:
         tried: set[int] = set()
         body = request.content if request.body_exists else None
         safe = body is None and request.method in SAFE_METHODS
+        last: BaseException | None = None   # why the last replica tried gave no answer
         while True:
             try:
                 replica = self.pick(tried)
             except NoReplica:
-                return unavailable()
+                # a safe request every replica took and none answered timed out; it did not find none available
+                return unavailable() if last is None or could_not_connect(last) else failed_before_answer(last)
             tried.add(replica.index)
             try:
                 return await self._pass_to(replica, request, body)
             except _NoAnswer as e:
+                last = e.error
                 if not went_silent(e.error):  # a busy replica can be silent for long: its health check decides
                     self._down(replica, e.error)
                 if not (could_not_connect(e.error) or safe):
@@ -408,6 +426,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         serving.run(Front(urls, replica_timeout=a.replica_timeout).app(), host=a.host, port=a.port,
                     backlog=BACKLOG, shutdown_timeout=SHUTDOWN_TIMEOUT_S, stop_within_s=GRACE_S - EXIT_S,
+                    header_timeout=a.header_timeout,
                     ready=lambda: print(f"mstar front over {', '.join(urls)} on http://{a.host}:{a.port}",
                                         flush=True))
     except OSError as e:  # the address is taken, or not this host's
@@ -418,10 +437,15 @@ def check_timeout_flag(p: argparse.ArgumentParser, a: argparse.Namespace) -> Non
     """`--replica-timeout` a positive, finite number of seconds, or a usage error."""
     if not (a.replica_timeout > 0 and math.isfinite(a.replica_timeout)):
         p.error(f"--replica-timeout must be a positive, finite number of seconds, got {a.replica_timeout}")
+    if not (a.header_timeout >= 0 and math.isfinite(a.header_timeout)):
+        p.error(f"--header-timeout must be a finite number of seconds, 0 or more, got {a.header_timeout}")
 
 
 def add_timeout_flag(p: argparse.ArgumentParser) -> None:
-    """`--replica-timeout`, for this command and `python -m mstar.cluster`."""
+    """`--replica-timeout` and `--header-timeout`, for this command and `python -m mstar.cluster`."""
+    p.add_argument("--header-timeout", type=float, default=serving.HEADER_TIMEOUT_S, metavar="S",
+                   help="seconds a client's request head may take to arrive before the front answers 408 and "
+                        f"closes the connection (0: no limit; default {serving.HEADER_TIMEOUT_S:.0f})")
     p.add_argument("--replica-timeout", type=float, default=REPLICA_TIMEOUT_S, metavar="S",
                    help="seconds a replica may send nothing while it holds a request (a non-streamed answer sends "
                         "nothing until it is whole) before the client gets 504 replica_timeout (or, mid-stream, an "

@@ -14,22 +14,44 @@ and a request's body is read to its end while its answer drains.
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import sys
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from mstar.cluster.upstream import error_response
 
+HEADER_TIMEOUT_S = 10.0  # as a replica's --header-timeout
+
 
 class _Connection(web.RequestHandler):
-    """A front's connection: reads a body to its end through a stop, and answers a head it cannot parse as a
-    replica would. A replica's connections read on the same way (`mstar/http/deadlines.py`); cluster/ imports
-    no other mstar module, so the few lines are its own."""
+    """A front's connection: reads a body to its end through a stop, answers a head it cannot parse as a
+    replica would, and closes one whose header block has not arrived `header_timeout` seconds after the
+    connection opened or the head's first byte came (a 408 when some of it did): the front reaches a replica
+    only with a whole head, so a replica's own deadline never sees a client that stalls in it. A replica's
+    connections do the same (`mstar/http/deadlines.py`); cluster/ imports no other mstar module, so the few
+    lines are its own."""
+
+    def __init__(self, manager: web.Server, *, header_timeout: float, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self.header_timeout = header_timeout
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._head_bytes = False  # some of the awaited head arrived: it gets a 408, not a silent close
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        parsed = self._request_count  # aiohttp's count of the heads it parsed
         if self._close and not self._force_close:
             # the stop began (`_Server.pre_shutdown`), and aiohttp drops whatever arrives from then on: a request
             # whose body is still coming in would never see its end, although the drain waits for its answer
@@ -40,6 +62,34 @@ class _Connection(web.RequestHandler):
                 self._close = True
         else:
             super().data_received(data)
+        if self._request_count != parsed:
+            self._disarm()
+        elif data and (self._head_timer is not None or (self._waiter is not None and not self._waiter.done())):
+            self._arm()  # bytes of a head, the connection waiting for its request (aiohttp's `_waiter`)
+            self._head_bytes = True
+
+    def _arm(self) -> None:
+        if self._head_timer is None and self.header_timeout > 0:
+            self._head_timer = self._loop.call_later(self.header_timeout, self._head_overdue)
+
+    def _disarm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        self._head_bytes = False
+
+    def _head_overdue(self) -> None:
+        self._head_timer = None
+        if self.transport is None:
+            return
+        if self._head_bytes:
+            body = json.dumps({"error": {"message": f"the request head did not arrive within "
+                                                    f"{self.header_timeout:g} s (--header-timeout)",
+                                         "type": "invalid_request_error", "param": None,
+                                         "code": "request_timeout"}}).encode()
+            self.transport.write(b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
+                                 b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        self.force_close()
 
     def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
@@ -53,8 +103,12 @@ class _Connection(web.RequestHandler):
 
 
 class _Server(web.Server):
+    def __init__(self, *args: Any, header_timeout: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.header_timeout = header_timeout
+
     def __call__(self) -> web.RequestHandler:
-        return _Connection(self, loop=self._loop, **self._kwargs)
+        return _Connection(self, loop=self._loop, header_timeout=self.header_timeout, **self._kwargs)
 
     def pre_shutdown(self) -> None:
         """Shutdown's first move: connections stop taking requests, but a
@@ -65,30 +119,39 @@ class _Server(web.Server):
 
 
 class FrontRunner(web.AppRunner):
-    """`web.AppRunner` whose shutdown leaves websockets to the app's drain."""
+    """`web.AppRunner` whose shutdown leaves websockets to the app's drain, and
+    whose connections have a header deadline of `header_timeout` s (0: none)."""
+
+    def __init__(self, app: web.Application, *, header_timeout: float = HEADER_TIMEOUT_S, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self.header_timeout = header_timeout
 
     async def _make_server(self) -> web.Server:
         plain = await super()._make_server()  # runs the app's startup, builds aiohttp's own factory
         return _Server(plain.request_handler, request_factory=plain.request_factory,
-                       handler_cancellation=plain.handler_cancellation, **plain._kwargs)
+                       handler_cancellation=plain.handler_cancellation, header_timeout=self.header_timeout,
+                       **plain._kwargs)
 
 
 def run(app: web.Application | Awaitable[web.Application], *, host: str, port: int, backlog: int,
-        shutdown_timeout: float, stop_within_s: float | None = None, ready: Callable[[], None] | None = None) -> None:
+        shutdown_timeout: float, stop_within_s: float | None = None, ready: Callable[[], None] | None = None,
+        header_timeout: float = HEADER_TIMEOUT_S) -> None:
     """Serve `app` (or the app an awaitable gives, made on the serving loop)
     until SIGINT or SIGTERM; then the app's shutdown (its drain) runs, and
     aiohttp gives the handlers left `shutdown_timeout` s, twice (before and
     after cancelling them); all of it cut at `stop_within_s` after the signal
     (None: no bound). `ready()` runs once it listens; an address it cannot
-    listen on raises OSError."""
-    asyncio.run(_serve(app, host, port, backlog, shutdown_timeout, stop_within_s, ready))
+    listen on raises OSError. `header_timeout`: see `FrontRunner`."""
+    asyncio.run(_serve(app, host, port, backlog, shutdown_timeout, stop_within_s, ready, header_timeout))
 
 
 async def _serve(app: web.Application | Awaitable[web.Application], host: str, port: int, backlog: int,
-                 shutdown_timeout: float, stop_within_s: float | None, ready: Callable[[], None] | None) -> None:
+                 shutdown_timeout: float, stop_within_s: float | None, ready: Callable[[], None] | None,
+                 header_timeout: float) -> None:
     if not isinstance(app, web.Application):
         app = await app
-    runner = FrontRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=shutdown_timeout)
+    runner = FrontRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=shutdown_timeout,
+                         header_timeout=header_timeout)
     await runner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
