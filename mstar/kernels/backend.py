@@ -105,4 +105,5 @@ def row_tiles(rows: int, width: int, tile: int = 1024, min_block: int = 16) -> t
     return per, block, (cdiv(rows, per), cdiv(width, block))
 
 
-__all__ = ["HAVE_TRITON", "block_size", "cdiv", "dependent_launch", "jit", "num_warps", "row_tiles", "tl", "triton", "use_triton"]
+__all__ = ["HAVE_TRITON", "block_size", "cdiv", "dependent_launch", "jit", "num_warps", "row_tiles", "tl", "triton",
+           "use_triton"]
