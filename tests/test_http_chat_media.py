@@ -209,6 +209,15 @@ def test_malformed_parts_are_refused_naming_their_field(part: dict[str, Any], fi
     assert caught.value.field == f"messages[0].content[1].{field}" and says in caught.value.message
 
 
+def test_an_empty_array_of_parts_is_refused_but_from_the_assistant() -> None:
+    with pytest.raises(RequestError) as caught:
+        read_messages(Fields({"messages": [{"role": "user", "content": []}]}))
+    assert caught.value.field == "messages[0].content" and "empty array" in caught.value.message
+    messages = read_messages(Fields({"messages": [{"role": "user", "content": "hi"},
+                                                  {"role": "assistant", "content": []}]}))
+    assert messages[1] == {"role": "assistant", "content": ""}
+
+
 def test_the_limits_are_flags() -> None:
     assert parse_args([]).media_limits == MediaLimits(600.0, 4096 * 4096)
     assert parse_args(["--max-audio-seconds", "30", "--max-image-pixels", "1000"]).media_limits == \

@@ -91,6 +91,8 @@ def _read_content(m: Fields, role: str) -> str | list[dict[str, str] | MediaPart
         return value
     if not isinstance(value, list):
         raise m.error("content", "must be a string or an array of content parts")
+    if not value and role != "assistant":  # OpenAI's too: an array of at least one part (an answer may be empty)
+        raise m.error("content", "is an empty array; it needs at least one content part")
     parts = [_read_part(Fields(raw, f"{m.name('content')}[{j}].")) for j, raw in enumerate(value)]
     if any(isinstance(p, MediaPart) for p in parts):
         return parts
