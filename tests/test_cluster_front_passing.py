@@ -137,6 +137,17 @@ async def test_a_head_that_stalls_gets_a_408_and_a_silent_connection_is_closed()
             silent.close()
             async with aiohttp.ClientSession() as session, session.get(f"http://{host}:{port}/v1/models") as r:
                 assert r.status == 200   # a whole head in time still goes through
+            kept_reader, kept = await asyncio.open_connection(host, port)
+            for stray in (b"", b"\r\n"):   # a bare CRLF between requests is no head (RFC 9112)
+                kept.write(stray)
+                await asyncio.sleep(0.8 if stray else 0)
+                kept.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+                answer = await asyncio.wait_for(kept_reader.readuntil(b"\r\n\r\n"), 10)
+                assert answer.startswith(b"HTTP/1.1 200"), answer
+                length = int(next(line.split(b":")[1] for line in answer.split(b"\r\n")
+                                  if line.lower().startswith(b"content-length")))
+                await kept_reader.readexactly(length)
+            kept.close()
         finally:
             await runner.cleanup()
         assert head.startswith(b"HTTP/1.1 408"), head

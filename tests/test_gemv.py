@@ -134,7 +134,7 @@ def test_gemv_replays_under_cuda_graphs():
     same_on_replay(make, lambda x, r, nw, w: gemv.linear(x, w))
 
 
-def _layer_chain(x, r, nw, wq, wo, wgu, wd, config: gemv.GemvConfig):
+def _layer_chain(x, r, nw, wq, wo, wgu, wd, config: gemv.GemvConfig | None):
     """Two decoder layers' projections back to back, each reading the one before's output (and the stream
     its first program wrote): what a launch that starts before the kernel ahead of it ends must wait for."""
     for _ in range(2):
@@ -157,12 +157,16 @@ def test_dependent_launches_read_what_the_kernel_before_wrote():
         return [t(1, 3072), t(1, 3072), 1 + t(3072, scale=0.1), t(3072, 3072, scale=3072 ** -0.5),
                 t(3072, 3072, scale=3072 ** -0.5), t(2 * 8192, 3072, scale=3072 ** -0.5),
                 t(3072, 8192, scale=8192 ** -0.5)]
-    inputs = make()
     on, off = (gemv.GemvConfig(block_n=4, block_k=1024, pdl=p) for p in (True, False))
-    for _ in range(3):
-        for got, want in zip(_layer_chain(*inputs, on), _layer_chain(*inputs, off)):
-            assert torch.equal(got, want)
-    same_on_replay(make, lambda *a: _layer_chain(*a, on))
+    for config in (on, None):  # a fixed tiling, and the shapes' own (`config_for`)
+        for _ in range(3):
+            # fresh inputs, the dependent launches first: the blocks the allocator hands out hold another
+            # round's values, so an output read before its kernel wrote it differs
+            inputs = make()
+            got = _layer_chain(*inputs, config)
+            for g, want in zip(got, _layer_chain(*inputs, off)):
+                assert torch.equal(g, want)
+        same_on_replay(make, lambda *a, c=config: _layer_chain(*a, c))
 
 
 @cuda

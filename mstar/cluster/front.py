@@ -195,10 +195,13 @@ class Front:
         try:
             async with self._probe.get(f"{replica.url}/health") as r:
                 ok = r.status == 200
-                answer = await r.json(content_type=None) if ok else None
+                try:   # its fields, for the front's /health; a body that is not a JSON object leaves it up
+                    answer = await r.json(content_type=None) if ok else None
+                except ValueError:
+                    answer = None
             if isinstance(answer, dict):
                 replica.health = answer
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        except (aiohttp.ClientError, asyncio.TimeoutError):
             ok = False
         if ok != replica.healthy:
             log.info("replica up" if ok else "replica down", replica=replica.index, url=replica.url)
@@ -221,8 +224,9 @@ class Front:
         seen = [r.health for r in up if r.health is not None]
         models = list(dict.fromkeys(str(h.get("model", "")) for h in seen))
         fields = {"model": models[0]} if len(models) == 1 else {"models": models} if models else {}
-        if seen:
-            fields["requests_running"] = sum(int(h.get("requests_running", 0)) for h in seen)
+        running = [h.get("requests_running") for h in seen]
+        if running and all(isinstance(n, int) for n in running):
+            fields["requests_running"] = sum(running)
         # no replica up: a 503 says when to ask again, as the front's other 503s do
         return web.json_response({"status": "ok" if up else "unavailable", **fields, "replicas": replicas},
                                  status=200 if up else 503, headers=None if up else {"Retry-After": "1"})
@@ -261,18 +265,19 @@ class Front:
         tried: set[int] = set()
         body = request.content if request.body_exists else None
         safe = body is None and request.method in SAFE_METHODS
-        last: BaseException | None = None   # why the last replica tried gave no answer
+        taken: BaseException | None = None   # why a replica that took the request gave no answer
         while True:
             try:
                 replica = self.pick(tried)
             except NoReplica:
-                # a safe request every replica took and none answered timed out; it did not find none available
-                return unavailable() if last is None or could_not_connect(last) else failed_before_answer(last)
+                # a safe request some replica took and none answered failed there; it did not find none available
+                return unavailable() if taken is None else failed_before_answer(taken)
             tried.add(replica.index)
             try:
                 return await self._pass_to(replica, request, body)
             except _NoAnswer as e:
-                last = e.error
+                if not could_not_connect(e.error):
+                    taken = e.error
                 if not went_silent(e.error):  # a busy replica can be silent for long: its health check decides
                     self._down(replica, e.error)
                 if not (could_not_connect(e.error) or safe):

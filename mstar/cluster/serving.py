@@ -64,8 +64,11 @@ class _Connection(web.RequestHandler):
             super().data_received(data)
         if self._request_count != parsed:
             self._disarm()
-        elif data and (self._head_timer is not None or (self._waiter is not None and not self._waiter.done())):
-            self._arm()  # bytes of a head, the connection waiting for its request (aiohttp's `_waiter`)
+        elif data.strip(b"\r\n") and (self._head_timer is not None
+                                       or (self._waiter is not None and not self._waiter.done())):
+            # bytes of a head, the connection waiting for its request (aiohttp's `_waiter`); a bare CRLF between
+            # requests is none (RFC 9112: ignored, as the parser does)
+            self._arm()
             self._head_bytes = True
 
     def _arm(self) -> None:

@@ -138,7 +138,8 @@ class HeadDeadlineHandler(web.RequestHandler):
             super().data_received(data)
         if self._request_count != parsed:
             self._disarm()  # a head arrived; its body has a deadline of its own
-        elif data and (self._head_timer is not None or self._waiting_for_request()):
+        elif data.strip(b"\r\n") and (self._head_timer is not None or self._waiting_for_request()):
+            # bytes of a head; a bare CRLF between requests is not one (RFC 9112: ignored, as the parser does)
             self._arm()
             self._head_bytes = True
 

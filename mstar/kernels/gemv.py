@@ -17,7 +17,8 @@ On Hopper and later a launch is a programmatic dependent of the kernel
 before it: its programs start while that kernel's last ones run, read their
 first block of the weight, and only then wait for its output. The weight is
 never written by the kernel just before (a model's weights are fixed while it
-serves), so that read needs no wait.
+serves; a weight `_launch` has to copy first turns the overlap off), so that
+read needs no wait.
 
 The arithmetic matches the unfused torch path: the residual add, the normed
 value and the weight multiply are rounded to x's dtype where the reference
@@ -117,7 +118,8 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
     x = x if x.stride(-1) == 1 else x.contiguous()
-    weight = weight if weight.stride(-1) == 1 else weight.contiguous()
+    copied = weight.stride(-1) != 1
+    weight = weight.contiguous() if copied else weight
     n = weight.shape[0] // 2 if silu else weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     res = residual if residual is None or residual.stride(-1) == 1 else residual.contiguous()
@@ -125,7 +127,8 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
     cfg = config or config_for(m, n, k, norm_weight is not None)
     if m and n and k:
         norm = norm_weight is not None
-        pdl = cfg.pdl and dependent_launch(x)
+        # a weight copied by the kernel just before is read only after the wait: no dependent launch then
+        pdl = cfg.pdl and not copied and dependent_launch(x)
         _gemv_kernel[(cdiv(n, cfg.block_n),)](
             x, res if res is not None else x, norm_weight.contiguous() if norm else x, weight, out, stream,
             m, n, k, x.stride(0), res.stride(0) if res is not None else 0, weight.stride(0), out.stride(0),
