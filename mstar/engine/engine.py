@@ -314,13 +314,14 @@ class Engine:
         piece = model.prepare_more(state.request, inputs)
         n = piece.num_tokens
         held = max(state.num_prompt_tokens + state.num_output_tokens, state.context_floor)
-        # refused here, while the client can still be told: the turn under way is cut to leave the piece room
+        # refused here, while the client can still be told: a turn under way is cut to leave the piece room
         # (`Turns`), and each of the two must still be able to answer
-        need = held + n + TURN_MARGIN + 2 * model.min_turn_tokens
-        if need > model.max_model_len:
+        turns = 1 if state.between_turns else 2
+        if held + n + TURN_MARGIN + turns * model.min_turn_tokens > model.max_model_len:
             raise RequestError(f"{n} more tokens on top of the {held} the request has would leave the turns too "
                                f"little room to answer (at least {model.min_turn_tokens} tokens each) in the "
                                f"model's context of {model.max_model_len} tokens", field="input")
+        state.between_turns = False
         state.num_prompt_tokens += n
         state.context_floor += n
         self.workers[state.worker].send(Append(request_id, dict(piece.values), n))

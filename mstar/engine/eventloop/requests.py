@@ -140,6 +140,7 @@ class RequestState:
         # tokens the context surely holds: the worker's count at the last catch-up, plus pieces appended since
         # (a speech walk's sampled tokens are audio the event loop never counts)
         self.context_floor = 0
+        self.between_turns = False  # it ran all its input and no piece came since: no turn is under way
         self.root_reason: str | None = None
         self.cut = False  # a worker's part of it ended "length" (a budget cut it), whatever the root's reason
         self.failed: str | None = None  # the error of a part that failed
@@ -153,6 +154,7 @@ class RequestState:
         Its context holds `context_tokens` now: the floor of what it holds,
         which pieces appended later add to."""
         self.context_floor = max(self.context_floor, context_tokens)
+        self.between_turns = True
         self.queue.put_nowait(OutputChunk(
             request_id=self.request_id, awaiting_input=True,
             num_prompt_tokens=self.num_prompt_tokens, num_output_tokens=self.num_output_tokens))

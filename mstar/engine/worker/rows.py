@@ -92,6 +92,7 @@ class PartitionRun:
     outstanding: int = 0            # branch rows of its step still queued or running
     turn_cap: int | None = None     # a later turn's write cap: what is left of the context
     room_for: int | None = None     # tokens the piece of input queued next needs in the context (`turns.py`)
+    answer_room: int = 1            # and the fewest its turn must keep to answer (the model's `min_turn_tokens`)
     kv_ceiling: int | None = None   # its turn's KV holds at most this when its loop ends (`turn_ceiling`)
     awaiting_input: bool = False    # its turn is over and it waits for more input
     turn_token: int | None = None   # the last token of its last turn (not in the cache yet)
@@ -105,14 +106,16 @@ class PartitionRun:
     def turn_ceiling(self, max_model_len: int, kv_len: int | None = None) -> int | None:
         """The KV its turn may hold when its loop ends, leaving the piece of
         input queued next its room (None: none is queued): half of what the
-        context has left besides that piece, fixed the first time it is
-        asked, once the turn's prompt is in the KV (`kv_len`: the KV as the
-        steps launched leave it; default its row's)."""
+        context has left besides that piece, less where the piece's turn
+        would keep fewer than `answer_room` tokens to answer in; fixed the
+        first time it is asked, once the turn's prompt is in the KV
+        (`kv_len`: the KV as the steps launched leave it; default its row's)."""
         if self.room_for is None:
             return None
         if self.kv_ceiling is None:
             held = self.kv_row().kv_len if kv_len is None else kv_len
-            self.kv_ceiling = held + max(max_model_len - held - self.room_for, 0) // 2
+            left = max_model_len - held - self.room_for
+            self.kv_ceiling = held + max(min(left // 2, left - self.answer_room), 0)
         return self.kv_ceiling
 
     @property

@@ -89,7 +89,7 @@ class Turns:
         (`joining.join_group`), or at an item step's stop check (`stop_rules`)."""
         if part.room_for is not None:
             return
-        part.room_for = self._room_for(part)
+        part.room_for, part.answer_room = self._room_for(part), self.min_turn_tokens
 
         def ceiling(kv_len: int) -> int:
             held = part.turn_ceiling(self.walker.max_model_len, kv_len)
@@ -173,5 +173,6 @@ class Turns:
         row.new_turn()  # the repetition penalty looks at this turn only, as a request of its own would
         part.turn_cap = room
         part.room_for, part.kv_ceiling = self._room_for(part), None  # the piece queued next, if one is
+        part.answer_room = self.min_turn_tokens
         walker.cursor.restart(part, 0)
         walker.advance(part)

@@ -139,7 +139,7 @@ class OrpheusModel(LlamaModel):
 
     @property
     def min_turn_tokens(self) -> int:
-        return WINDOW_TOKENS  # a turn cut shorter than the first window plays no audio
+        return 2 * FRAME_TOKENS  # a stream's last window plays from two frames on (one of audio)
 
     def default_sampling(self, key: str | None = None) -> SamplingParams:
         """Orpheus's own sampling for speech (engine_class.py defaults):
