@@ -445,3 +445,25 @@ async def test_audio_decodes_at_once_while_another_request_streams(omni: Engine,
         answers = [p.result() for p in posts]
     for status, answer in answers:
         assert status == 400 and answer["error"]["param"] == "messages", answer
+
+
+def test_spoken_answers_are_kept_for_their_hour_and_the_newest_only() -> None:
+    from mstar.http.text.transcripts import Transcripts
+
+    kept = Transcripts(keep_s=3600, max_kept=2)
+    now = int(time.time())
+    kept.keep("a", "first", now)
+    kept.keep("b", "second", now - 3601)   # made over an hour ago: expired
+    messages = read_messages(Fields({"messages": [{"role": "user", "content": "hi"},
+                                                  {"role": "assistant", "audio": {"id": "a"}},
+                                                  {"role": "user", "content": "more"}]}))
+    assert kept.resolve(messages)[1] == {"role": "assistant", "content": "first"}
+    for gone in ("b", "nobody"):
+        with pytest.raises(RequestError) as caught:
+            kept.resolve(read_messages(Fields({"messages": [{"role": "assistant", "audio": {"id": gone}}]})))
+        assert caught.value.field == "messages[0].audio.id" and "transcript" in caught.value.message
+    kept.keep("c", "third", now)
+    kept.keep("d", "fourth", now)   # past max_kept: the oldest, "a", is dropped
+    with pytest.raises(RequestError):
+        kept.resolve(read_messages(Fields({"messages": [{"role": "assistant", "audio": {"id": "a"}}]})))
+    assert kept.expires_at(now) == now + 3600

@@ -1,7 +1,7 @@
 """Typed keys of what the aiohttp application and each request hold: the
 engine served, when the app was built (the `created` time `/v1/models`
-shows), the open realtime sockets, the media decoder and its limits, and the
-request's id."""
+shows), the open realtime sockets, the media decoder and its limits, spoken
+answers' transcripts, and the request's id."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from mstar.engine.engine import Engine
     from mstar.config import MediaLimits
     from mstar.http.media import MediaDecoder
+    from mstar.http.text.transcripts import Transcripts
 
 ENGINE: web.AppKey[Engine] = web.AppKey("mstar_engine")
 STARTED = web.AppKey("mstar_started", int)      # unix time the app was built
@@ -23,4 +24,6 @@ SOCKETS = web.AppKey("mstar_sockets", set)
 ADMITTED_NOW = web.AppKey("mstar_admitted_now", dict)
 MEDIA: web.AppKey[MediaDecoder] = web.AppKey("mstar_media")  # decodes requests' audio and images off the loop
 MEDIA_LIMITS: web.AppKey[MediaLimits] = web.AppKey("mstar_media_limits")  # what the decoder may be asked to decode
+# spoken answers' transcripts, by audio id, for later turns that name them
+TRANSCRIPTS: web.AppKey[Transcripts] = web.AppKey("mstar_transcripts")
 REQUEST_ID = web.RequestKey("mstar_request_id", str)

@@ -29,11 +29,12 @@ from mstar.http.speech import routes as speech_routes
 from mstar.http.text import native_routes, openai_routes, tokenize_routes
 from mstar.http.access import Origins, access_middlewares
 from mstar.http.deadlines import body_deadline
-from mstar.http.keys import ADMITTED_NOW, ENGINE, MEDIA, MEDIA_LIMITS, SOCKETS, STARTED
+from mstar.http.keys import ADMITTED_NOW, ENGINE, MEDIA, MEDIA_LIMITS, SOCKETS, STARTED, TRANSCRIPTS
 from mstar.http.media import MediaDecoder
 from mstar.http.logs import Handler, add_request_id_header, request_context
 from mstar.http.responses import error_response, json_response, request_error_body
 from mstar.http.submission import ClientGone, GenerationFailed
+from mstar.http.text.transcripts import Transcripts
 
 if TYPE_CHECKING:
     from mstar.engine.engine import Engine
@@ -172,6 +173,7 @@ def build_app(engine: Engine, *, manage_engine: bool = True, drain_s: float = DR
     app[STARTED] = int(time.time())
     media = app[MEDIA] = MediaDecoder(config.media_workers)  # its processes start with the first decode
     app[MEDIA_LIMITS] = config.media_limits
+    app[TRANSCRIPTS] = Transcripts()
 
     async def stop_media(_: web.Application) -> None:
         await media.close()

@@ -142,7 +142,8 @@ SPOKEN: Schema = {
         "data": {"type": "string", "contentEncoding": "base64",
                  "description": "the whole answer's audio, in the request's `audio.format`"},
         "expires_at": {"type": "integer",
-                       "description": "the answer's `created`: no audio is kept for a later turn"},
+                       "description": "until when a later turn may name this answer by its id (an assistant "
+                                      "message's `audio.id`): its transcript is kept an hour"},
         "transcript": {"type": "string", "description": "the answer's text"},
     },
 }

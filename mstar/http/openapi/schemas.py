@@ -261,6 +261,10 @@ CHAT_MESSAGE: Schema = {
         "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": CONTENT_PART}],
                     "description": "required but for `assistant`; a message of text parts only has them joined "
                                    "with newlines; audio and image parts are decoded before the model reads them"},
+        "audio": {"type": ["object", "null"], "required": ["id"], "additionalProperties": False,
+                  "properties": {"id": {"type": "string", "minLength": 1}},
+                  "description": "an assistant's only: an earlier spoken answer by its audio id, read as its "
+                                 "transcript (kept an hour, on the server that made it)"},
         "tool_calls": unsupported("tool_calls"),
         "function_call": unsupported("function_call"),
     },

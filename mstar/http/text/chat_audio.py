@@ -11,9 +11,9 @@ Out: a finished choice as `message.audio` (`id`, `data`: the whole audio in
 the asked format, base64, `expires_at`, `transcript`: the answer's text)
 with `content` null; streamed, each chunk's text and PCM16 as a `delta.audio`
 piece (`id` with `transcript` and/or `data`), then an update of only
-`expires_at`, then the choice's finish. Nothing is kept for a later turn, so
-an answer's audio expires as it is made: `expires_at` is the answer's
-`created`. Usage tells the audio's tokens (the ones the talker sampled) from
+`expires_at`, then the choice's finish. A finished answer's transcript is
+kept for later turns that name its audio id (`transcripts.py`) until its
+`expires_at`. Usage tells the audio's tokens (the ones the talker sampled) from
 the text's in `completion_tokens_details`. Importable without torch.
 """
 
@@ -33,6 +33,7 @@ from mstar.types import OutputChunk
 
 if TYPE_CHECKING:
     from mstar.http.submission import Choice
+    from mstar.http.text.transcripts import Transcripts
 
 MODALITIES = ("text", "audio")
 # OpenAI's chat audio formats -> `speech.audio`'s encoders
@@ -112,15 +113,22 @@ class SpokenAnswers:
     """The audio side of one request's choices: each one's audio id, the
     format its whole audio is encoded in, and when the audio expires."""
 
-    def __init__(self, output: AudioOutput, choices: int, created: int) -> None:
+    def __init__(self, output: AudioOutput, choices: int, created: int, kept: Transcripts) -> None:
         self.output = output
         self.ids = [f"audio_{uuid.uuid4().hex}" for _ in range(choices)]
-        self.expires_at = created
+        self.created = created
+        self.kept = kept
+        self.expires_at = kept.expires_at(created)
+
+    def _keep(self, choice: Choice) -> None:
+        """A finished choice's transcript, for a later turn that names its audio id."""
+        self.kept.keep(self.ids[choice.index], choice.text, self.created)
 
     async def message(self, choice: Choice) -> dict[str, Any]:
         """A finished choice's `message`: its audio encoded whole (on a thread: a codec's work)."""
         rate = choice.sample_rate or SAMPLE_RATE
         data = await asyncio.to_thread(_base64_file, self.output.encoding, rate, bytes(choice.audio or b""))
+        self._keep(choice)
         return {"role": "assistant", "content": None, "refusal": None, "annotations": [],
                 "audio": {"id": self.ids[choice.index], "data": data, "expires_at": self.expires_at,
                           "transcript": choice.text}}
@@ -137,6 +145,7 @@ class SpokenAnswers:
             piece["data"] = base64.b64encode(chunk.audio).decode("ascii")
         out = [_entry(choice, {"audio": {"id": audio_id, **piece}})] if piece else []
         if chunk.finished:
+            self._keep(choice)
             out.append(_entry(choice, {"audio": {"id": audio_id, "expires_at": self.expires_at}}))
             out.append(_entry(choice, {}, finished=True))
         return out

@@ -32,6 +32,9 @@ INPUT_AUDIO_KEYS = frozenset({"data", "format"})
 
 # a message's content once read: a string, or its parts (text dicts and MediaParts)
 ChatMessage = dict[str, Any]
+# an assistant message naming an earlier spoken answer by its audio id holds (id, field) under this key until
+# the route puts that answer's transcript in its place (`transcripts.py`)
+AUDIO_ID = "audio_id"
 
 
 @dataclass(frozen=True)
@@ -66,12 +69,19 @@ def read_messages(f: Fields) -> tuple[ChatMessage, ...]:
             raise m.error("role", f"must be one of {list(CHAT_ROLES)}, got {role!r}")
         m.unsupported_if_truthy("tool_calls")
         m.unsupported_if_truthy("function_call")
-        if m.has("audio"):  # OpenAI's reference to an earlier spoken answer, by its id
-            raise m.error("audio", "earlier answers' audio is not kept here: send the answer's transcript as "
-                                   "its content")
         content = _read_content(m, role)
         # Hugging Face chat templates know "system", not OpenAI's newer "developer".
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        message = {"role": "system" if role == "developer" else role, "content": content}
+        if m.has("audio"):  # OpenAI's reference to an earlier spoken answer, by its id
+            if role != "assistant":
+                raise m.error("audio", "only an assistant message names an earlier spoken answer")
+            audio = Fields(m.mapping("audio"), m.name("audio") + ".")
+            audio.refuse_unknown(frozenset({"id"}))
+            audio_id = audio.string("id")
+            if not audio_id:
+                raise audio.error("id", "is required: the id of an earlier spoken answer")
+            message[AUDIO_ID] = (audio_id, audio.name("id"))
+        out.append(message)
     return tuple(out)
 
 

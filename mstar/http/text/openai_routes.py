@@ -24,7 +24,7 @@ import structlog
 from aiohttp import web
 
 from mstar.errors import ModelNotFound, RequestError
-from mstar.http.keys import ENGINE, MEDIA, MEDIA_LIMITS, STARTED
+from mstar.http.keys import ENGINE, MEDIA, MEDIA_LIMITS, STARTED, TRANSCRIPTS
 from mstar.http.text.chat_audio import SpokenAnswers, spoken_usage
 from mstar.http.text.chat_media import chat_inputs
 from mstar.http.text.logprobs import LogprobShapes
@@ -122,8 +122,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         raise RequestError(f"model '{target.name}' {how}: 'audio' needs a model that speaks its answers",
                            field="modalities")
     walk = target.spoken_chat_walk if body.audio else text_walk(target)   # refused before any media is decoded
+    transcripts = request.app[TRANSCRIPTS]
+    messages = transcripts.resolve(body.messages)   # earlier spoken answers named by their audio ids
     # decoded once for all n samples, before anything starts: a bad part refuses the whole request
-    values = await chat_inputs(request.app[MEDIA], request.app[MEDIA_LIMITS], body.messages, target.name,
+    values = await chat_inputs(request.app[MEDIA], request.app[MEDIA_LIMITS], messages, target.name,
                                target.input_modalities, body.add_generation_prompt, body.template_kwargs)
     names = {"max_tokens": body.max_tokens_field}
     if body.audio is not None:
@@ -139,7 +141,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
                        keep_audio=body.audio is not None and not body.stream, priority=body.priority)
     shapes = LogprobShapes(target.tokenizer) if body.sampling.logprobs is not None else None
     try:  # from here on, whatever happens, the submission is closed (aborted if it still runs)
-        spoken = SpokenAnswers(body.audio, len(sub.choices), reply.created) if body.audio is not None else None
+        spoken = (SpokenAnswers(body.audio, len(sub.choices), reply.created, transcripts)
+                  if body.audio is not None else None)
         if body.stream:
             chunk_reply = Reply(reply.id, "chat.completion.chunk", reply.created, reply.model)
             # OpenAI opens each choice's stream with the role, before any content (a spoken answer has none).

@@ -15,7 +15,7 @@ from aiohttp import web
 
 from mstar.errors import RequestError
 from mstar.http.fields import Fields
-from mstar.http.keys import ENGINE, MEDIA, MEDIA_LIMITS
+from mstar.http.keys import ENGINE, MEDIA, MEDIA_LIMITS, TRANSCRIPTS
 from mstar.http.responses import json_response
 from mstar.http.submission import Target, off_loop, resolve_model
 from mstar.http.text.chat_media import chat_inputs
@@ -69,7 +69,8 @@ async def tokenize(request: web.Request) -> web.Response:
     target = resolve_model(engine, body.model)
     walk = text_walk(target)
     if body.messages is not None:
-        values = await chat_inputs(request.app[MEDIA], request.app[MEDIA_LIMITS], body.messages, target.name,
+        values = await chat_inputs(request.app[MEDIA], request.app[MEDIA_LIMITS],
+                                   request.app[TRANSCRIPTS].resolve(body.messages), target.name,
                                    target.input_modalities, body.add_generation_prompt, body.template_kwargs)
     else:
         values = {"prompt": body.prompt}
