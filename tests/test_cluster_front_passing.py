@@ -152,3 +152,26 @@ async def test_a_head_that_stalls_gets_a_408_and_a_silent_connection_is_closed()
             await runner.cleanup()
         assert head.startswith(b"HTTP/1.1 408"), head
         assert json.loads(body)["error"]["code"] == "request_timeout"
+
+
+async def test_an_http10_client_gets_a_streamed_answer_closed_by_the_connection() -> None:
+    """A replica's chunked answer reaches an HTTP/1.0 client (which has no chunked encoding) as the bytes,
+    ended by the front closing the connection, as a replica answers it."""
+    async def streamed(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse()
+        await response.prepare(request)
+        for piece in (b"one ", b"two ", b"three"):
+            await response.write(piece)
+        await response.write_eof()
+        return response
+
+    app = _echoing_replica()
+    app.router.add_get("/stream", streamed)
+    async with serving_app(app) as replica, serving_app(Front([replica]).app()) as url:
+        front = URL(url)
+        reader, writer = await asyncio.open_connection(front.host, front.port)
+        writer.write(b"GET /stream HTTP/1.0\r\n\r\n")
+        head, _, body = (await asyncio.wait_for(reader.read(), 10)).partition(b"\r\n\r\n")
+        writer.close()
+    assert head.startswith(b"HTTP/1.0 200") and b"chunked" not in head.lower(), head
+    assert body == b"one two three"

@@ -305,11 +305,11 @@ class Front:
                 for k, v in upstream.headers.items():
                     if k.lower() not in HOP_HEADERS:
                         response.headers.add(k, v)
-                if upstream.headers.get("transfer-encoding", "").lower() == "chunked" or \
-                        "content-length" not in upstream.headers:
-                    response.enable_chunked_encoding()
-                else:
+                if upstream.headers.get("transfer-encoding", "").lower() != "chunked" and \
+                        "content-length" in upstream.headers:
                     response.content_length = int(upstream.headers["content-length"])
+                # else no length: aiohttp chunks the body for HTTP/1.1, and for an HTTP/1.0 client (which has no
+                # chunked encoding) ends it by closing the connection
                 await response.prepare(request)
                 events = upstream.content_type == "text/event-stream"
                 task = asyncio.current_task()
