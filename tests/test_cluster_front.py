@@ -66,6 +66,8 @@ async def test_speech_streams_through_the_front_and_spreads_over_both(replicas: 
         async with session.get(f"{url}/metrics") as r:
             text = await r.text()
         assert 'mstar_replica_up{replica="0"} 1' in text and 'mstar_replica_up{replica="1"} 1' in text
+        # the front's own count of the answers each replica began: two speeches, /v1/models, /health not counted
+        assert 'mstar_front_answers_total{replica="0",code="200"}' in text and "mstar_front_retries_total 0" in text
         assert any(line.startswith("mstar_") and 'replica="1"' in line for line in text.splitlines()[2:])
 
 

@@ -193,6 +193,10 @@ async def test_a_bodiless_get_every_replica_leaves_unanswered_gives_504_not_unav
             async with session.get(f"{url}/work", timeout=aiohttp.ClientTimeout(total=10)) as r:
                 body = await r.json()
             assert r.status == 504 and body["error"]["code"] == "replica_timeout", body
+            async with session.get(f"{url}/metrics") as r:
+                text = await r.text()
+            # the front's own counters: its 504, and the one request sent on to the second replica
+            assert 'mstar_front_own_answers_total{code="504"} 1' in text and "mstar_front_retries_total 1" in text
             await _settled(front)
 
 

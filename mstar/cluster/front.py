@@ -45,6 +45,7 @@ from aiohttp import web
 from yarl import URL
 
 from mstar.cluster import serving
+from mstar.cluster.front_metrics import FrontCounters
 from mstar.cluster.prometheus_text import labelled, merged
 from mstar.cluster.relay import DONE, FRONT_STOPPED, ClientSocket, client_stopped, event, pump_both, relay
 from mstar.cluster.upstream import (HOP_HEADERS, Refused, could_not_connect, error_response, failed_before_answer,
@@ -108,6 +109,7 @@ class Front:
         self._turn = itertools.count()
         self._session: aiohttp.ClientSession | None = None   # requests passed on: no cap on connections
         self._probe: aiohttp.ClientSession | None = None     # health checks and metrics, never queued behind them
+        self.counters = FrontCounters()
         self._sockets: set[web.WebSocketResponse] = set()
         self._relays: set[asyncio.Task] = set()  # handlers relaying an event stream: a stop ends theirs
 
@@ -244,7 +246,8 @@ class Front:
         up = "".join(f'mstar_replica_up{{replica="{r.index}"}} {int(t is not None)}\n'
                      for r, t in zip(self.replicas, texts))
         body = ("# HELP mstar_replica_up whether the replica's /metrics answered\n# TYPE mstar_replica_up gauge\n"
-                + up + merged([labelled(t, r.index) for r, t in zip(self.replicas, texts) if t is not None]))
+                + up + self.counters.text()
+                + merged([labelled(t, r.index) for r, t in zip(self.replicas, texts) if t is not None]))
         return web.Response(text=body, content_type="text/plain", charset="utf-8")
 
     async def _replica_metrics(self, replica: Replica, headers: dict[str, str]) -> str | Refused | None:
@@ -271,7 +274,11 @@ class Front:
                 replica = self.pick(tried)
             except NoReplica:
                 # a safe request some replica took and none answered failed there; it did not find none available
-                return unavailable() if taken is None else failed_before_answer(taken)
+                own = unavailable() if taken is None else failed_before_answer(taken)
+                self.counters.own[own.status] += 1
+                return own
+            if tried:
+                self.counters.retries += 1
             tried.add(replica.index)
             try:
                 return await self._pass_to(replica, request, body)
@@ -283,7 +290,9 @@ class Front:
                 if not (could_not_connect(e.error) or safe):
                     # it reached the replica, which may have begun on it: not sent again (it could speak twice)
                     log.warning("replica failed before answering", replica=replica.index, error=repr(e.error))
-                    return failed_before_answer(e.error)
+                    own = failed_before_answer(e.error)
+                    self.counters.own[own.status] += 1
+                    return own
                 log.warning("replica unreachable; trying another", replica=replica.index, error=repr(e.error))
 
     async def _pass_to(self, replica: Replica, request: web.Request,
@@ -300,6 +309,7 @@ class Front:
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
                 raise _NoAnswer(e) from None
             replica.served += 1
+            self.counters.answers[replica.index, upstream.status] += 1
             async with upstream:
                 response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
                 for k, v in upstream.headers.items():
