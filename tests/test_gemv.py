@@ -93,6 +93,20 @@ def test_gemv_refuses_what_it_cannot_take():
         gemv._launch(x, None, torch.ones(64), 1e-5, False, torch.randn(7, 64), True, None)
 
 
+@pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
+def test_dependent_launch_needs_hopper_and_a_driver_whose_graphs_capture_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    from mstar.kernels import backend
+    asks = "launch_pdl" in CUDAOptions.__dataclass_fields__   # a triton that can ask for it
+    for capability, driver, expect in (((9, 0), 12030, asks), ((9, 0), 12020, False), ((8, 0), 13000, False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device, c=capability: c)
+        monkeypatch.setattr(torch._C, "_cuda_getDriverVersion", lambda d=driver: d, raising=False)
+        backend._dependent_launch.cache_clear()
+        assert backend._dependent_launch(0) == expect, (capability, driver)
+    backend._dependent_launch.cache_clear()
+
+
 def test_cpu_tensors_take_the_modules():
     """On CPU `norm_project` is the norm, the projection and the activation as modules compute them."""
     gen = torch.Generator().manual_seed(0)

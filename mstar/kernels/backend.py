@@ -66,7 +66,10 @@ def _dependent_launch(device: int) -> bool:
         from triton.backends.nvidia.compiler import CUDAOptions
     except ImportError:
         return False
-    return "launch_pdl" in CUDAOptions.__dataclass_fields__ and torch.cuda.get_device_capability(device)[0] >= 9
+    driver = getattr(torch._C, "_cuda_getDriverVersion", None)  # a CUDA build's
+    # CUDA graphs capture such launches from driver 12.3 on
+    return ("launch_pdl" in CUDAOptions.__dataclass_fields__ and torch.cuda.get_device_capability(device)[0] >= 9
+            and (driver is None or driver() >= 12030))
 
 
 def dependent_launch(x: torch.Tensor) -> bool:
