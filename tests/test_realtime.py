@@ -298,12 +298,15 @@ async def _all_closed(logs: list[dict[str, Any]]) -> None:
     test may close meanwhile too)."""
     def ids(event: str) -> set[str]:
         return {e["session_id"] for e in logs if e["event"] == event}
+
+    def closing() -> bool:  # a session's close task still running (`routes._close`)
+        return any(t.get_name() == "realtime-close" for t in asyncio.all_tasks())
     for _ in range(100):
-        if ids("realtime session opened") <= ids("realtime session closed") and not realtime_routes._CLOSING:
+        if ids("realtime session opened") <= ids("realtime session closed") and not closing():
             break
         await asyncio.sleep(0.05)
     opened = ids("realtime session opened")
-    assert opened and opened <= ids("realtime session closed") and not realtime_routes._CLOSING
+    assert opened and opened <= ids("realtime session closed") and not closing()
     # and their writers have stopped
     assert not {t.get_name() for t in asyncio.all_tasks()} & {f"realtime-writer-{s}" for s in opened}
 

@@ -19,6 +19,9 @@ ENGINE: web.AppKey[Engine] = web.AppKey("mstar_engine")
 STARTED = web.AppKey("mstar_started", int)      # unix time the app was built
 # realtime connections open now: shutdown closes them with "going away" once their responses ended
 SOCKETS = web.AppKey("mstar_sockets", set)
+# realtime sessions' closes still running after their sockets went (the loop keeps tasks only weakly): shutdown
+# waits for them
+CLOSING = web.AppKey("mstar_realtime_closing", set)
 # generation requests past admission whose handlers run, by id: the drain waits for those whose bodies are
 # still arriving (nothing of them in the engine yet)
 ADMITTED_NOW = web.AppKey("mstar_admitted_now", dict)

@@ -23,7 +23,7 @@ import orjson
 import structlog
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from mstar.http.keys import ENGINE, MEDIA_LIMITS, SOCKETS
+from mstar.http.keys import CLOSING, ENGINE, MEDIA_LIMITS, SOCKETS
 from mstar.http.realtime.protocol import ProtocolError, check_event, error_event, parse_event
 from mstar.http.realtime.session import RealtimeSession
 from mstar.http.submission import resolve_model
@@ -91,13 +91,10 @@ async def realtime(request: web.Request) -> web.StreamResponse:
         # the session: the close runs in a task of its own, so it finishes (and says so) whatever happens here
         closing = asyncio.get_running_loop().create_task(_close(request, session, outbox, writer, ws),
                                                          name="realtime-close")
-        _CLOSING.add(closing)
-        closing.add_done_callback(_CLOSING.discard)
+        request.app[CLOSING].add(closing)
+        closing.add_done_callback(request.app[CLOSING].discard)
         await asyncio.shield(closing)
     return ws
-
-
-_CLOSING: set[asyncio.Task[None]] = set()  # sessions' closes still running (the loop keeps tasks weakly)
 
 
 async def _close(request: web.Request, session: RealtimeSession, outbox: asyncio.Queue[bytes | None],
@@ -149,8 +146,8 @@ async def close_sockets(app: web.Application) -> None:
     """At shutdown, once running requests were drained: each open socket gets
     its response's last events, then a close with 1001 (going away)."""
     await asyncio.gather(*(c.going_away() for c in list(app[SOCKETS])), return_exceptions=True)
-    if _CLOSING:  # sessions already closing when the shutdown came: the engine outlives their closes
-        await asyncio.wait(list(_CLOSING), timeout=CLOSE_S + 5.0)
+    if app[CLOSING]:  # sessions already closing when the shutdown came: the engine outlives their closes
+        await asyncio.wait(list(app[CLOSING]), timeout=CLOSE_S + 5.0)
 
 
 async def _client_stopped(request: web.Request) -> None:
