@@ -75,11 +75,13 @@ class Turns:
         else:
             self._leave_room(part)
 
-    @staticmethod
-    def _room_for(part: PartitionRun) -> int | None:
-        """What the piece queued next needs in the context (None: none is queued)."""
+    def _hold_room(self, part: PartitionRun) -> None:
+        """What the piece queued next needs in the context (`room_for`, None:
+        none is queued) and its turn to answer (`answer_room`), for the turn
+        under way to leave it (`PartitionRun.turn_ceiling`, fixed afresh)."""
         queued = part.request.more_tokens
-        return queued[0] + TURN_MARGIN if queued else None
+        part.room_for = queued[0] + TURN_MARGIN if queued else None
+        part.answer_room, part.kv_ceiling = self.min_turn_tokens, None
 
     def _leave_room(self, part: PartitionRun) -> None:
         """Hold the turn under way to the room its next piece needs (once:
@@ -89,7 +91,7 @@ class Turns:
         (`joining.join_group`), or at an item step's stop check (`stop_rules`)."""
         if part.room_for is not None:
             return
-        part.room_for, part.answer_room = self._room_for(part), self.min_turn_tokens
+        self._hold_room(part)
 
         def ceiling(kv_len: int) -> int:
             held = part.turn_ceiling(self.walker.max_model_len, kv_len)
@@ -172,7 +174,6 @@ class Turns:
         part.writes.clear()
         row.new_turn()  # the repetition penalty looks at this turn only, as a request of its own would
         part.turn_cap = room
-        part.room_for, part.kv_ceiling = self._room_for(part), None  # the piece queued next, if one is
-        part.answer_room = self.min_turn_tokens
+        self._hold_room(part)  # for the piece queued next, if one is
         walker.cursor.restart(part, 0)
         walker.advance(part)
