@@ -274,9 +274,7 @@ class Front:
                 replica = self.pick(tried)
             except NoReplica:
                 # a safe request some replica took and none answered failed there; it did not find none available
-                own = unavailable() if taken is None else failed_before_answer(taken)
-                self.counters.own[own.status] += 1
-                return own
+                return self._own(unavailable() if taken is None else failed_before_answer(taken))
             if tried:
                 self.counters.retries += 1
             tried.add(replica.index)
@@ -290,10 +288,13 @@ class Front:
                 if not (could_not_connect(e.error) or safe):
                     # it reached the replica, which may have begun on it: not sent again (it could speak twice)
                     log.warning("replica failed before answering", replica=replica.index, error=repr(e.error))
-                    own = failed_before_answer(e.error)
-                    self.counters.own[own.status] += 1
-                    return own
+                    return self._own(failed_before_answer(e.error))
                 log.warning("replica unreachable; trying another", replica=replica.index, error=repr(e.error))
+
+    def _own(self, response: web.Response) -> web.Response:
+        """An answer the front gives itself, counted."""
+        self.counters.own[response.status] += 1
+        return response
 
     async def _pass_to(self, replica: Replica, request: web.Request,
                        body: aiohttp.StreamReader | None) -> web.StreamResponse:
