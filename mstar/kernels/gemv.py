@@ -150,6 +150,15 @@ def _weight_block(w_rows, up_offset, kk, w_mask, SILU: tl.constexpr):
 
 
 @jit
+def _products(acc, acc_up, xs, w, wu, SILU: tl.constexpr):
+    """The accumulators with a K block's products added: the rows times the weight block (and its up half)."""
+    acc += tl.sum(xs[:, None, :] * w[None, :, :], axis=2)
+    if SILU:
+        acc_up += tl.sum(xs[:, None, :] * wu[None, :, :], axis=2)
+    return acc, acc_up
+
+
+@jit
 def _input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, kk, k_mask, inv, dtype: tl.constexpr,
                  NORM: tl.constexpr, RESIDUAL: tl.constexpr, CENTERED: tl.constexpr):
     """A block of the rows the weight multiplies: x, or x (+ residual) normed, rounded where torch rounds."""
@@ -210,18 +219,14 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, stream_ptr, m, n, k,
     if PDL:
         xs = _input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, offs_k, offs_k < k, inv, dtype,
                           NORM, RESIDUAL, CENTERED)
-        acc += tl.sum(xs[:, None, :] * w_first[None, :, :], axis=2)
-        if SILU:
-            acc_up += tl.sum(xs[:, None, :] * wu_first[None, :, :], axis=2)
+        acc, acc_up = _products(acc, acc_up, xs, w_first, wu_first, SILU)
     for k0 in range(BLOCK_K if PDL else 0, k, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < k
         xs = _input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, kk, k_mask, inv, dtype,
                           NORM, RESIDUAL, CENTERED)
         w, wu = _weight_block(w_rows, up_offset, kk, col_mask[:, None] & k_mask[None, :], SILU)
-        acc += tl.sum(xs[:, None, :] * w[None, :, :], axis=2)
-        if SILU:
-            acc_up += tl.sum(xs[:, None, :] * wu[None, :, :], axis=2)
+        acc, acc_up = _products(acc, acc_up, xs, w, wu, SILU)
     y = acc
     if SILU:
         gate = y.to(dtype).to(tl.float32)
