@@ -236,7 +236,6 @@ def _completion_choice(choice: Choice, shapes: LogprobShapes | None) -> dict[str
             "logprobs": shapes.completion(choice.index, choice.logprobs) if shapes else None, **choice.ending()}
 
 
-
 def _chat_piece(shapes: LogprobShapes | None) -> Piece:
     def piece(choice: Choice, chunk: OutputChunk) -> list[dict[str, Any]]:
         if not _worth_sending(chunk):

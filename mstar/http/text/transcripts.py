@@ -31,14 +31,14 @@ class Transcripts:
     def __init__(self, keep_s: float = KEEP_S, max_kept: int = MAX_KEPT) -> None:
         self.keep_s = keep_s
         self.max_kept = max_kept
-        self._kept: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._kept: OrderedDict[str, tuple[str, int]] = OrderedDict()
 
     def expires_at(self, created: int) -> int:
         """The unix time an answer made at `created` stops being known here."""
         return int(created + self.keep_s)
 
     def keep(self, audio_id: str, transcript: str, created: int) -> None:
-        self._kept[audio_id] = (transcript, created + self.keep_s)
+        self._kept[audio_id] = (transcript, self.expires_at(created))
         self._kept.move_to_end(audio_id)
         while len(self._kept) > self.max_kept:
             self._kept.popitem(last=False)
