@@ -21,6 +21,7 @@ import torch
 
 from mstar.config import EngineConfig, SchedulerConfig
 from mstar.engine.engine import Engine
+from mstar.engine.messages import Forward, Submit
 from mstar.errors import RequestError
 from mstar.models.prepared import key_seed
 from mstar.placement import parse_spec
@@ -437,3 +438,40 @@ async def test_rows_swapped_out_and_back_speak_the_same() -> None:
         if swapped["thinker"] and swapped["talker"]:
             break
     assert swapped["thinker"] >= 1 and swapped["talker"] >= 1, swapped
+
+
+async def test_a_stream_reaching_a_worker_before_its_submit_is_not_lost() -> None:
+    """The root's worker may run a request's first steps and forward its
+    stream start to the talker's worker before the event loop has put that
+    worker's `Submit` in its inbox (the event loop stalled between the two
+    sends): here the event loop is held there until the forward has gone.
+    The talker's partition must still start, and speak what it should."""
+    model = ToyOmniModel()
+    (ids, mel, think, talk, cp), = _frame_requests()[2:3]
+    want = frames_reference(model, ids, mel, think, talk, cp)
+    eng = Engine(EngineConfig(model="toy-omni", devices=("cpu:0", "cpu:1"),
+                              placement=parse_spec("enc=0,thinker=0,talker=1,codec=1"), dtype="float32"), model=model)
+    await eng.start()
+    root, talker = eng.workers
+    root_submitted, forwarded = threading.Event(), threading.Event()
+    send_root, send_talker = root.send, talker.send
+
+    def to_root(msg: object) -> None:
+        send_root(msg)
+        if isinstance(msg, Submit):
+            root_submitted.set()
+
+    def to_talker(msg: object) -> None:
+        if isinstance(msg, Submit) and root_submitted.is_set():
+            forwarded.wait(10)  # the event loop stalls here while the root's worker runs ahead
+        send_talker(msg)
+        if isinstance(msg, Forward):
+            forwarded.set()
+
+    root.send, talker.send = to_root, to_talker  # type: ignore[method-assign]
+    try:
+        got = await asyncio.wait_for(_serve(eng, "late", [(ids, mel)], think, talk, cp, walk="chat_frames"), 30)
+        _check(got, [want])
+        await drained(eng)
+    finally:
+        await eng.shutdown()

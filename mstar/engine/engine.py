@@ -273,7 +273,10 @@ class Engine:
         self._metrics.submitted(request.request_id)
         shared = places if len(state.shards) > 1 else None
         self._load.started(idx, state.shards)
-        for w in state.shards:  # the root's worker gets the inputs; the others start their partitions
+        # the root's worker gets the inputs; the others start their partitions. The root's goes last: its worker
+        # may run the request's first steps and forward their streams at once, and a worker that has no Submit
+        # for a request drops what is forwarded for it (`Streams._local`)
+        for w in sorted(state.shards, key=lambda w: w == idx):
             self.workers[w].send(Submit(request.request_id, plan, prepared.values if w == idx else {},
                                         prepared.sampling, prepared.stop_ids, request.more_input, shared,
                                         request.priority))
