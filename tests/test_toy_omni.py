@@ -163,13 +163,18 @@ async def _serve(eng: Engine, rid: str, turns: list[tuple[list[int], torch.Tenso
 def _check(got: Served, want: list[Expected]) -> None:
     """What a request got against what its turns give one at a time."""
     text, codes, pcm, reason = got
-    assert reason == "length"
-    assert text == [t for e in want for t in e.text]
-    assert codes == [c for e in want for c in e.codes]
     want_pcm = [p for e in want for p in e.pcm]
-    assert len(pcm) == len(want_pcm)
-    for chunk, ref in zip(pcm, want_pcm):
-        torch.testing.assert_close(torch.tensor(chunk), ref, atol=TOL, rtol=0)
+    # every part is compared before any fails: which of them went wrong together tells where a fault lies
+    wrong = {"reason": (reason, "length"), "text": (text, [t for e in want for t in e.text]),
+             "codes": (codes, [c for e in want for c in e.codes]),
+             "pcm chunks": ([len(c) for c in pcm], [len(r) for r in want_pcm])}
+    wrong = {k: v for k, v in wrong.items() if v[0] != v[1]}
+    if "pcm chunks" not in wrong:
+        far = [i for i, (chunk, ref) in enumerate(zip(pcm, want_pcm))
+               if not torch.allclose(torch.tensor(chunk), ref, atol=TOL, rtol=0)]
+        if far:
+            wrong["pcm chunks beyond the tolerance"] = (far, [])
+    assert not wrong, wrong
 
 
 SETUPS = [(("cpu",), "replicas"), (("cpu:0", "cpu:1"), "enc=0,thinker=0,talker=1,codec=1")]
