@@ -11,7 +11,11 @@ handshake) that could not connect to one is tried on the next, since it never
 reached it. One the replica took and then dropped gets 502 `replica_failed`,
 one it went silent on 504 `replica_timeout`: never a silent retry that could
 speak twice (a bodiless GET, HEAD or OPTIONS excepted: it is tried on the
-next). A replica that fails after it began answering ends that answer: an
+next). A replica that answers 429 (its waiting line full) or 503 (stopping,
+or its engine down) did not begin on the request: one whose body the front
+holds (`upstream.replayable`) goes to the next, and the client hears the
+last refusal once every replica refused. A replica that fails after it
+began answering ends that answer: an
 event stream with an `{"error": ...}` event, a realtime session with an
 `error` event and close code 1011, any other body cut before its end.
 A replica's refusal of a websocket (401, 404, 429...) reaches the client as
@@ -23,9 +27,9 @@ since it never reaches a replica's own. `/metrics` merges the
 replicas' metric families, every sample labelled `replica="<index>"`, each
 replica given `METRICS_TIMEOUT_S` to answer.
 
-Bodies pass through unbuffered both ways (NDJSON input streamed to the
-speech route included), so the front adds one hop per chunk, not a wait for
-whole responses.
+Answers pass through unbuffered, and so do request bodies but small ones
+with a length (NDJSON input streamed to the speech route included), so the
+front adds one hop per chunk, not a wait for whole responses.
 """
 
 from __future__ import annotations
@@ -48,8 +52,9 @@ from mstar.cluster import serving
 from mstar.cluster.front_metrics import FrontCounters
 from mstar.cluster.prometheus_text import labelled, merged
 from mstar.cluster.relay import DONE, FRONT_STOPPED, ClientSocket, client_stopped, event, pump_both, relay
-from mstar.cluster.upstream import (HOP_HEADERS, Refused, could_not_connect, error_response, failed_before_answer,
-                                    keep_refusal, unavailable, went_silent)
+from mstar.cluster.upstream import (HOP_HEADERS, NOT_BEGUN, Refused, body_overdue, could_not_connect, error_response,
+                                    failed_before_answer, keep_refusal, read_held, replayable, unavailable,
+                                    went_silent)
 
 log = structlog.get_logger("mstar.cluster.front")
 
@@ -266,13 +271,22 @@ class Front:
         if request.headers.get("upgrade", "").lower() == "websocket":
             return await self._pass_socket(request)
         tried: set[int] = set()
-        body = request.content if request.body_exists else None
+        body: bytes | aiohttp.StreamReader | None = None
+        if replayable(request):
+            body = await read_held(request)
+            if body is None:
+                return self._own(body_overdue())
+        elif request.body_exists:
+            body = request.content
         safe = body is None and request.method in SAFE_METHODS
         taken: BaseException | None = None   # why a replica that took the request gave no answer
+        refused: Refused | None = None       # the last replica's refusal (`NOT_BEGUN`) of a request sent again
         while True:
             try:
                 replica = self.pick(tried)
             except NoReplica:
+                if refused is not None:  # every replica left refused it: the client hears the last one
+                    return refused.response()
                 # a safe request some replica took and none answered failed there; it did not find none available
                 return self._own(unavailable() if taken is None else failed_before_answer(taken))
             if tried:
@@ -280,6 +294,9 @@ class Front:
             tried.add(replica.index)
             try:
                 return await self._pass_to(replica, request, body)
+            except Refused as e:
+                log.info("replica refused; trying another", replica=replica.index, status=e.status)
+                refused = e
             except _NoAnswer as e:
                 if not could_not_connect(e.error):
                     taken = e.error
@@ -297,20 +314,26 @@ class Front:
         return response
 
     async def _pass_to(self, replica: Replica, request: web.Request,
-                       body: aiohttp.StreamReader | None) -> web.StreamResponse:
+                       body: bytes | aiohttp.StreamReader | None) -> web.StreamResponse:
+        """`body`: read whole (bytes), or streamed through. Raises `Refused`
+        for a `NOT_BEGUN` answer to a request it can send again."""
         assert self._session is not None
         headers = _forwarded(request)
+        data = body.iter_any() if isinstance(body, aiohttp.StreamReader) else body
         replica.outstanding += 1
         try:
             try:
                 # the session connects before it reads `body`: a request that could not connect can go elsewhere
                 upstream = await self._session.request(request.method, _target(replica, request),
-                                                       headers=headers, data=None if body is None else body.iter_any(),
-                                                       allow_redirects=False)
+                                                       headers=headers, data=data, allow_redirects=False)
+                replica.served += 1
+                self.counters.answers[replica.index, upstream.status] += 1
+                if upstream.status in NOT_BEGUN and not isinstance(body, aiohttp.StreamReader):
+                    async with upstream:
+                        raise Refused(upstream.status, upstream.reason, list(upstream.headers.items()),
+                                      await upstream.read())
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
                 raise _NoAnswer(e) from None
-            replica.served += 1
-            self.counters.answers[replica.index, upstream.status] += 1
             async with upstream:
                 response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
                 for k, v in upstream.headers.items():

@@ -2,7 +2,8 @@
 replicas' samples: answers each replica began, by status; answers the front
 gave itself (no replica available 503, a replica that dropped the request
 502, one that went silent 504); requests sent on to another replica after
-one could not be reached (or a safe one went unanswered). Owned by the
+one could not be reached, refused it (429, 503), or left a safe one
+unanswered. Owned by the
 front's event loop."""
 
 from __future__ import annotations
@@ -25,6 +26,6 @@ class FrontCounters:
                   "502 a replica dropped the request, 504 a replica went silent",
                   "# TYPE mstar_front_own_answers_total counter"]
         lines += [f'mstar_front_own_answers_total{{code="{s}"}} {n}' for s, n in sorted(self.own.items())]
-        lines += ["# HELP mstar_front_retries_total requests sent on to another replica after one gave no answer",
+        lines += ["# HELP mstar_front_retries_total requests sent on to another replica after one refused or gave no answer",
                   "# TYPE mstar_front_retries_total counter", f"mstar_front_retries_total {self.retries}"]
         return "\n".join(lines) + "\n"

@@ -22,6 +22,40 @@ HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "prox
                          "transfer-encoding", "upgrade", "content-length"})
 # connecting failed or took too long: the request never reached the replica (the session connects before it sends)
 NOT_CONNECTED = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
+# a replica's answers that say it did not begin on the request: its waiting line is full (429), or it is
+# stopping or its engine is down (503). A request the front can send again goes to another replica instead
+NOT_BEGUN = frozenset({429, 503})
+# a body with a Content-Length this small is read whole before it is passed on, so that a refusal can send it
+# again (a chat or speech request); a larger one, or one streamed in without a length (NDJSON text into speech),
+# passes through unbuffered and is never sent twice
+REPLAYABLE_BYTES = 1 << 20
+# as the replicas' own --body-timeout default: a body the front reads whole must have arrived by then (408)
+BODY_TIMEOUT_S = 60.0
+
+
+def replayable(request: web.Request) -> bool:
+    """Whether the front reads `request`'s body whole before passing it on."""
+    length = request.content_length
+    return request.body_exists and length is not None and length <= REPLAYABLE_BYTES
+
+
+async def read_held(request: web.Request) -> bytes | None:
+    """A `replayable` body, read whole; None when it did not arrive within
+    `BODY_TIMEOUT_S` (its stream is failed then, so that aiohttp waits for
+    no more of it once the answer is sent)."""
+    try:
+        return await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        request.content.set_exception(ConnectionResetError("the request body is overdue"))
+        return None
+
+
+def body_overdue() -> web.Response:
+    """The answer to a body `read_held` gave up on; the connection closes."""
+    response = error_response(408, "request_timeout",
+                              f"the request body did not finish arriving within {BODY_TIMEOUT_S:g} s")
+    response.force_close()
+    return response
 
 
 def could_not_connect(error: BaseException) -> bool:
@@ -56,10 +90,11 @@ def failed_before_answer(error: BaseException) -> web.Response:
 
 class Refused(Exception):
     """A replica answered a websocket handshake with an HTTP response (401,
-    404, 429, 503...): its status, headers and body, for the client as they are."""
+    404, 429, 503...), or a request with one of `NOT_BEGUN`: its status,
+    headers and body, for the client as they are."""
 
     def __init__(self, status: int, reason: str | None, headers: list[tuple[str, str]], body: bytes) -> None:
-        super().__init__(f"replica refused the websocket: {status}")
+        super().__init__(f"replica refused: {status}")
         self.status, self.reason, self.headers, self.body = status, reason, headers, body
 
     def response(self) -> web.Response:
