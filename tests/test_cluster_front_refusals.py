@@ -1,14 +1,19 @@
-"""The front when a replica refuses a request it did not begin (429: its
-waiting line is full; 503: stopping, or its engine down): a body the front
-read whole goes to the next replica, counted as a retry; once every replica
-refused, the client hears the last refusal as it was sent; a body streamed
-in without a length, or past `REPLAYABLE_BYTES`, is never sent twice, and
-its refusal reaches the client; a held body that stalls gets a 408. Stub replicas on loopback ports, no engine."""
+"""The front when a replica refuses a request and says it did not begin on
+it (429 `queue_full`, 503 `unavailable`): a body the front held goes to the
+next replica, counted as a retry, also when the refusal's own body was cut;
+once every replica refused, the client hears the last refusal as it was
+sent. A 503 `aborted` (work done, then cut) reaches the client and is not
+sent again; nor is a body the front did not hold (streamed in without a
+length, past `REPLAYABLE_BYTES`, or NDJSON into speech). A held body that
+stalls gets a 408 and its connection closes, and a stop's drain waits for a
+held body still arriving. Stub replicas on loopback ports, no engine."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import time
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -16,15 +21,18 @@ import pytest
 from aiohttp import web
 from http_support import serving_app
 
-from mstar.cluster import upstream
+from mstar.cluster import held_body
 from mstar.cluster.front import Front
 
 ROUTE = "/v1/chat/completions"
+SPEECH = "/v1/audio/speech"
 BODY = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hello"}]}).encode()
+CODES = {429: "queue_full", 503: "unavailable"}   # what an mstar replica's admission refusals carry
 
 
-def _replica(status: int, seen: list[bytes]) -> web.Application:
-    """A stand-in replica answering every POST with `status`, keeping each body it was sent."""
+def _replica(status: int, seen: list[bytes], code: str | None = None) -> web.Application:
+    """A stand-in replica answering every POST with `status` (an error with
+    `code`, by default its admission refusal's), keeping each body it was sent."""
     async def health(_r: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
@@ -33,12 +41,13 @@ def _replica(status: int, seen: list[bytes]) -> web.Application:
         if status == 200:
             return web.json_response({"served": True})
         return web.json_response({"error": {"message": f"refused with {status}", "type": "server_error",
-                                            "param": None, "code": f"refused_{status}"}},
+                                            "param": None, "code": code or CODES[status]}},
                                  status=status, headers={"Retry-After": "7"})
 
     app = web.Application()
     app.router.add_get("/health", health)
     app.router.add_post(ROUTE, answer)
+    app.router.add_post(SPEECH, answer)
     return app
 
 
@@ -64,17 +73,56 @@ async def test_a_refused_request_goes_to_the_next_replica(status: int) -> None:
             assert await _retries(session, url) == len(refused_seen)
 
 
+async def test_a_refusal_whose_body_was_cut_still_sends_the_request_on() -> None:
+    async def health(_r: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def cut(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(status=429)
+        response.content_length = 100
+        await response.prepare(request)
+        await response.write(b'{"error": ')
+        assert request.transport is not None
+        request.transport.close()   # the answer's head came, its body never will
+        return response
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post(ROUTE, cut)
+    served: list[bytes] = []
+    async with serving_app(app) as cutting, serving_app(_replica(200, served)) as serving, \
+            aiohttp.ClientSession() as session:
+        async with serving_app(Front([cutting, serving]).app()) as url:
+            async with session.post(url + ROUTE, data=BODY) as r:   # the first pick: the cutting replica
+                assert r.status == 200
+            assert served == [BODY]
+
+
 async def test_when_every_replica_refuses_the_client_hears_the_last_refusal() -> None:
     seen: list[bytes] = []
     async with serving_app(_replica(429, seen)) as first, serving_app(_replica(503, seen)) as second, \
             aiohttp.ClientSession() as session:
         async with serving_app(Front([first, second]).app()) as url:
-            async with session.post(url + ROUTE, data=BODY) as r:
-                body = await r.json()
-                assert r.status in (429, 503) and body["error"]["code"] == f"refused_{r.status}"
+            async with session.post(url + ROUTE, data=BODY) as r:   # the first replica, then the second
+                assert r.status == 503
+                assert (await r.json())["error"]["code"] == "unavailable"
                 assert r.headers["Retry-After"] == "7"
             assert seen == [BODY, BODY]  # each replica was asked once
             assert await _retries(session, url) == 1
+
+
+async def test_an_aborted_answer_is_the_clients_and_not_sent_again() -> None:
+    aborted: list[bytes] = []
+    served: list[bytes] = []
+    async with serving_app(_replica(503, aborted, code="aborted")) as aborting, \
+            serving_app(_replica(200, served)) as serving, aiohttp.ClientSession() as session:
+        async with serving_app(Front([aborting, serving]).app()) as url:
+            async with session.post(url + ROUTE, data=BODY) as r:
+                assert r.status == 503
+                assert (await r.json())["error"]["code"] == "aborted"
+            assert aborted == [BODY] and served == []
+            assert await _retries(session, url) == 0
 
 
 async def _streamed() -> AsyncIterator[bytes]:
@@ -82,35 +130,61 @@ async def _streamed() -> AsyncIterator[bytes]:
     yield BODY[10:]
 
 
-@pytest.mark.parametrize("how", ["streamed without a length", "past the replayable size"])
+@pytest.mark.parametrize("how", ["streamed without a length", "past the replayable size", "ndjson into speech"])
 async def test_a_body_the_front_did_not_hold_is_not_sent_again(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if how == "past the replayable size":
-        monkeypatch.setattr(upstream, "REPLAYABLE_BYTES", len(BODY) - 1)
+        monkeypatch.setattr(held_body, "REPLAYABLE_BYTES", len(BODY) - 1)
     refused_seen: list[bytes] = []
     served_seen: list[bytes] = []
+    route, headers = (SPEECH, {"Content-Type": "application/x-ndjson"}) if how == "ndjson into speech" else (ROUTE, {})
     async with serving_app(_replica(429, refused_seen)) as refusing, \
             serving_app(_replica(200, served_seen)) as serving, aiohttp.ClientSession() as session:
         async with serving_app(Front([refusing, serving]).app()) as url:
             data = _streamed() if how == "streamed without a length" else BODY
-            async with session.post(url + ROUTE, data=data) as r:  # the first pick: the refusing replica
+            async with session.post(url + route, data=data, headers=headers) as r:  # the first pick: the refusing one
                 assert r.status == 429
-                assert (await r.json())["error"]["code"] == "refused_429"
+                assert (await r.json())["error"]["code"] == "queue_full"
             assert refused_seen == [BODY] and served_seen == []
             assert await _retries(session, url) == 0
 
 
-async def test_a_held_body_that_stalls_gets_a_408(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The front reads a small body whole itself, so it bounds its arrival as a replica would."""
-    monkeypatch.setattr(upstream, "BODY_TIMEOUT_S", 0.3)
+async def _partial_body(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection to `url` that sent a request's head and the first bytes of its body, and stalls."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(f"POST {ROUTE} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(BODY)}\r\n\r\n".encode() + BODY[:10])
+    await writer.drain()
+    return reader, writer
+
+
+async def test_a_held_body_that_stalls_gets_a_408_and_its_connection_closes(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(held_body, "BODY_TIMEOUT_S", 0.3)
     seen: list[bytes] = []
     async with serving_app(_replica(200, seen)) as replica:
         async with serving_app(Front([replica]).app()) as url:
-            host, port = url.removeprefix("http://").split(":")
-            reader, writer = await asyncio.open_connection(host, int(port))
-            writer.write(f"POST {ROUTE} HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(BODY)}\r\n\r\n".encode()
-                         + BODY[:10])
-            await writer.drain()
-            head = await asyncio.wait_for(reader.readline(), 10)
+            reader, writer = await _partial_body(url)
+            with caplog.at_level(logging.ERROR):
+                answer = await asyncio.wait_for(reader.read(), 5)   # to the end: the front closes it
             writer.close()
-            assert head.split()[1] == b"408"
+            assert answer.split(b"\r\n")[0].split()[1] == b"408"
+            assert b"request_timeout" in answer
             assert seen == []
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_a_stops_drain_waits_for_a_held_body_still_arriving() -> None:
+    seen: list[bytes] = []
+    async with serving_app(_replica(200, seen)) as replica:
+        front = Front([replica])
+        async with serving_app(front.app()) as url:
+            reader, writer = await _partial_body(url)
+            await asyncio.sleep(0.2)   # the front is reading it
+            t0 = time.monotonic()
+            await front._drain(web.Application(), drain_s=0.5)
+            assert time.monotonic() - t0 >= 0.45
+            writer.write(BODY[10:])   # it arrives after all, and is answered
+            await writer.drain()
+            assert (await asyncio.wait_for(reader.readline(), 5)).split()[1] == b"200"
+            writer.close()
+            assert seen == [BODY]

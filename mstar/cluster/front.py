@@ -12,9 +12,9 @@ reached it. One the replica took and then dropped gets 502 `replica_failed`,
 one it went silent on 504 `replica_timeout`: never a silent retry that could
 speak twice (a bodiless GET, HEAD or OPTIONS excepted: it is tried on the
 next). A replica that answers 429 (its waiting line full) or 503 (stopping,
-or its engine down) did not begin on the request: one whose body the front
-holds (`upstream.replayable`) goes to the next, and the client hears the
-last refusal once every replica refused. A replica that fails after it
+or its engine down) and says so by its error code did not begin on the
+request: one whose body the front holds (`held_body.py`) goes to the next,
+and the client hears the last refusal once every replica refused. A replica that fails after it
 began answering ends that answer: an
 event stream with an `{"error": ...}` event, a realtime session with an
 `error` event and close code 1011, any other body cut before its end.
@@ -27,9 +27,9 @@ since it never reaches a replica's own. `/metrics` merges the
 replicas' metric families, every sample labelled `replica="<index>"`, each
 replica given `METRICS_TIMEOUT_S` to answer.
 
-Answers pass through unbuffered, and so do request bodies but small ones
-with a length (NDJSON input streamed to the speech route included), so the
-front adds one hop per chunk, not a wait for whole responses.
+Answers pass through unbuffered, and so do request bodies but those the
+front holds (NDJSON input streamed to the speech route included), so it
+adds one hop per chunk, not a wait for whole responses.
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ from mstar.cluster import serving
 from mstar.cluster.front_metrics import FrontCounters
 from mstar.cluster.prometheus_text import labelled, merged
 from mstar.cluster.relay import DONE, FRONT_STOPPED, ClientSocket, client_stopped, event, pump_both, relay
-from mstar.cluster.upstream import (HOP_HEADERS, NOT_BEGUN, Refused, body_overdue, could_not_connect, error_response,
-                                    failed_before_answer, keep_refusal, read_held, replayable, unavailable,
+from mstar.cluster.held_body import body_overdue, read_held, replayable
+from mstar.cluster.upstream import (HOP_HEADERS, NOT_BEGUN, NoAnswer, Refused, could_not_connect, error_response,
+                                    failed_before_answer, forwarded_headers, keep_refusal, refusal, unavailable,
                                     went_silent)
 
 log = structlog.get_logger("mstar.cluster.front")
@@ -117,6 +118,8 @@ class Front:
         self.counters = FrontCounters()
         self._sockets: set[web.WebSocketResponse] = set()
         self._relays: set[asyncio.Task] = set()  # handlers relaying an event stream: a stop ends theirs
+        self._held = 0       # bytes of request bodies held whole (`held_body`)
+        self._reading = 0    # held bodies still arriving
 
     # ------------------------------------------------------------ routing
 
@@ -176,7 +179,8 @@ class Front:
         never answers the close is not waited on past it); aiohttp cuts what
         is left."""
         deadline = asyncio.get_running_loop().time() + (DRAIN_S if drain_s is None else drain_s)
-        while any(r.outstanding for r in self.replicas) and asyncio.get_running_loop().time() < deadline:
+        while (self._reading or any(r.outstanding for r in self.replicas)) \
+                and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
         relays = list(self._relays)
         for task in relays:  # each ends its stream with an error event while its connection is still open
@@ -270,17 +274,26 @@ class Front:
     async def _pass(self, request: web.Request) -> web.StreamResponse:
         if request.headers.get("upgrade", "").lower() == "websocket":
             return await self._pass_socket(request)
+        if not replayable(request, self._held):
+            return await self._pass_on(request, request.content if request.body_exists else None)
+        length = request.content_length or 0
+        self._held += length
+        try:
+            self._reading += 1   # a stop's drain waits for it, as for an answer under way
+            try:
+                body = await read_held(request)
+            finally:
+                self._reading -= 1
+            return self._own(body_overdue()) if body is None else await self._pass_on(request, body)
+        finally:
+            self._held -= length
+
+    async def _pass_on(self, request: web.Request, body: bytes | aiohttp.StreamReader | None) -> web.StreamResponse:
+        """`body`: held whole (bytes: a replica's refusal sends it to the next), or streamed through."""
         tried: set[int] = set()
-        body: bytes | aiohttp.StreamReader | None = None
-        if replayable(request):
-            body = await read_held(request)
-            if body is None:
-                return self._own(body_overdue())
-        elif request.body_exists:
-            body = request.content
         safe = body is None and request.method in SAFE_METHODS
         taken: BaseException | None = None   # why a replica that took the request gave no answer
-        refused: Refused | None = None       # the last replica's refusal (`NOT_BEGUN`) of a request sent again
+        refused: Refused | None = None       # the last replica's refusal of a request sent again
         while True:
             try:
                 replica = self.pick(tried)
@@ -295,9 +308,11 @@ class Front:
             try:
                 return await self._pass_to(replica, request, body)
             except Refused as e:
+                if not e.resend:   # it may have begun: its answer is the client's
+                    return e.response()
                 log.info("replica refused; trying another", replica=replica.index, status=e.status)
                 refused = e
-            except _NoAnswer as e:
+            except NoAnswer as e:
                 if not could_not_connect(e.error):
                     taken = e.error
                 if not went_silent(e.error):  # a busy replica can be silent for long: its health check decides
@@ -318,7 +333,7 @@ class Front:
         """`body`: read whole (bytes), or streamed through. Raises `Refused`
         for a `NOT_BEGUN` answer to a request it can send again."""
         assert self._session is not None
-        headers = _forwarded(request)
+        headers = forwarded_headers(request)
         data = body.iter_any() if isinstance(body, aiohttp.StreamReader) else body
         replica.outstanding += 1
         try:
@@ -330,10 +345,9 @@ class Front:
                 self.counters.answers[replica.index, upstream.status] += 1
                 if upstream.status in NOT_BEGUN and not isinstance(body, aiohttp.StreamReader):
                     async with upstream:
-                        raise Refused(upstream.status, upstream.reason, list(upstream.headers.items()),
-                                      await upstream.read())
+                        raise await refusal(upstream)
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
-                raise _NoAnswer(e) from None
+                raise NoAnswer(e) from None
             async with upstream:
                 response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
                 for k, v in upstream.headers.items():
@@ -397,7 +411,7 @@ class Front:
 
     async def _open_socket(self, replica: Replica, request: web.Request) -> aiohttp.ClientWebSocketResponse:
         assert self._session is not None
-        headers = {k: v for k, v in _forwarded(request).items() if not k.lower().startswith("sec-websocket")}
+        headers = {k: v for k, v in forwarded_headers(request).items() if not k.lower().startswith("sec-websocket")}
         offered = tuple(p.strip() for p in request.headers.get("Sec-WebSocket-Protocol", "").split(",") if p.strip())
         async with asyncio.timeout(min(HANDSHAKE_TIMEOUT_S, self.replica_timeout)):
             return await self._session.ws_connect(_target(replica, request), headers=headers,
@@ -424,25 +438,6 @@ def _target(replica: Replica, request: web.Request) -> URL:
     """The request's target on `replica`, as the client encoded it: decoding it would turn an escaped `?`, `#`
     or `/` of a path or query value into a delimiter, and the replica would read another path or query."""
     return URL(replica.url + request.rel_url.raw_path_qs, encoded=True)
-
-
-def _forwarded(request: web.Request) -> dict[str, str]:
-    """The request's headers for the replica: end-to-end ones, and who the client is."""
-    named = {h.strip().lower() for h in request.headers.get("Connection", "").split(",")}   # hop-by-hop too
-    headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS and k.lower() not in named}
-    peer = request.remote
-    if peer:
-        prior = request.headers.get("X-Forwarded-For")
-        headers["X-Forwarded-For"] = f"{prior}, {peer}" if prior else peer
-    return headers
-
-
-class _NoAnswer(Exception):
-    """The replica's answer never began: it could not be reached, it dropped the request, or it went silent."""
-
-    def __init__(self, error: BaseException) -> None:
-        super().__init__(repr(error))
-        self.error = error
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -1,5 +1,7 @@
-"""What the front tells a client when a replica did not answer, and a
-replica's refusal of a websocket passed on whole.
+"""The front's side of a replica: the headers a request goes on with, what
+a client hears when a replica did not answer, and a replica's refusal passed
+on whole (a websocket's, or a request's that a held body may send to another
+replica instead: `refusal`).
 
 A failure before a replica's answer began is one of three: the front could
 not connect (nothing reached the replica: the request goes to another), the
@@ -12,6 +14,7 @@ the replicas' own shape, `{"error": {"message", "type", "param", "code"}}`.
 from __future__ import annotations
 
 import asyncio
+import json
 
 import aiohttp
 from aiohttp import web
@@ -22,40 +25,31 @@ HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "prox
                          "transfer-encoding", "upgrade", "content-length"})
 # connecting failed or took too long: the request never reached the replica (the session connects before it sends)
 NOT_CONNECTED = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
-# a replica's answers that say it did not begin on the request: its waiting line is full (429), or it is
-# stopping or its engine is down (503). A request the front can send again goes to another replica instead
+# a replica's answers that may say it did not begin on the request, and the error codes that do say so: its
+# waiting line is full (429 `queue_full`), or it is stopping or its engine is down (503 `unavailable`). A 503
+# `aborted` comes after work (a drain's end, a worker lost): it is passed on, not sent again
 NOT_BEGUN = frozenset({429, 503})
-# a body with a Content-Length this small is read whole before it is passed on, so that a refusal can send it
-# again (a chat or speech request); a larger one, or one streamed in without a length (NDJSON text into speech),
-# passes through unbuffered and is never sent twice
-REPLAYABLE_BYTES = 1 << 20
-# as the replicas' own --body-timeout default: a body the front reads whole must have arrived by then (408)
-BODY_TIMEOUT_S = 60.0
+NOT_BEGUN_CODES = frozenset({"queue_full", "unavailable"})
+REFUSAL_READ_S = 5.0   # a refusal's body is short: one that does not arrive by then is left out
 
 
-def replayable(request: web.Request) -> bool:
-    """Whether the front reads `request`'s body whole before passing it on."""
-    length = request.content_length
-    return request.body_exists and length is not None and length <= REPLAYABLE_BYTES
+def forwarded_headers(request: web.Request) -> dict[str, str]:
+    """The request's headers for the replica: end-to-end ones, and who the client is."""
+    named = {h.strip().lower() for h in request.headers.get("Connection", "").split(",")}   # hop-by-hop too
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS and k.lower() not in named}
+    peer = request.remote
+    if peer:
+        prior = request.headers.get("X-Forwarded-For")
+        headers["X-Forwarded-For"] = f"{prior}, {peer}" if prior else peer
+    return headers
 
 
-async def read_held(request: web.Request) -> bytes | None:
-    """A `replayable` body, read whole; None when it did not arrive within
-    `BODY_TIMEOUT_S` (its stream is failed then, so that aiohttp waits for
-    no more of it once the answer is sent)."""
-    try:
-        return await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
-    except asyncio.TimeoutError:
-        request.content.set_exception(ConnectionResetError("the request body is overdue"))
-        return None
+class NoAnswer(Exception):
+    """The replica's answer never began: it could not be reached, it dropped the request, or it went silent."""
 
-
-def body_overdue() -> web.Response:
-    """The answer to a body `read_held` gave up on; the connection closes."""
-    response = error_response(408, "request_timeout",
-                              f"the request body did not finish arriving within {BODY_TIMEOUT_S:g} s")
-    response.force_close()
-    return response
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(repr(error))
+        self.error = error
 
 
 def could_not_connect(error: BaseException) -> bool:
@@ -91,11 +85,13 @@ def failed_before_answer(error: BaseException) -> web.Response:
 class Refused(Exception):
     """A replica answered a websocket handshake with an HTTP response (401,
     404, 429, 503...), or a request with one of `NOT_BEGUN`: its status,
-    headers and body, for the client as they are."""
+    headers and body, for the client as they are. `resend`: it said it did
+    not begin on the request (`refusal`)."""
 
-    def __init__(self, status: int, reason: str | None, headers: list[tuple[str, str]], body: bytes) -> None:
+    def __init__(self, status: int, reason: str | None, headers: list[tuple[str, str]], body: bytes,
+                 resend: bool = False) -> None:
         super().__init__(f"replica refused: {status}")
-        self.status, self.reason, self.headers, self.body = status, reason, headers, body
+        self.status, self.reason, self.headers, self.body, self.resend = status, reason, headers, body, resend
 
     def response(self) -> web.Response:
         response = web.Response(status=self.status, reason=self.reason, body=self.body)
@@ -115,3 +111,20 @@ async def keep_refusal(response: aiohttp.ClientResponse) -> None:
         return
     body = await response.read()
     raise Refused(response.status, response.reason, list(response.headers.items()), body)
+
+
+async def refusal(response: aiohttp.ClientResponse) -> Refused:
+    """A `NOT_BEGUN` answer to a request, read: to be sent again where its
+    error code says the replica did not begin (a body that could not be read
+    leaves a 429 that, and the answer bodiless)."""
+    headers = list(response.headers.items())
+    try:
+        body = await asyncio.wait_for(response.read(), REFUSAL_READ_S)
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        headers = [(k, v) for k, v in headers if k.lower() != "content-encoding"]
+        return Refused(response.status, response.reason, headers, b"", resend=response.status == 429)
+    try:
+        code = json.loads(body)["error"]["code"]
+    except (ValueError, TypeError, KeyError, UnicodeDecodeError):
+        code = None
+    return Refused(response.status, response.reason, headers, body, resend=code in NOT_BEGUN_CODES)
