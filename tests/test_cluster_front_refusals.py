@@ -1,16 +1,19 @@
 """The front when a replica refuses a request and says it did not begin on
-it (429 `queue_full`, 503 `unavailable`): a body the front held goes to the
-next replica, counted as a retry, also when the refusal's own body was cut;
+it (a 429 of any code, a 503 `unavailable`): a body the front held goes to
+the next replica, counted as a retry, also when a 429's own body was cut or
+stalled;
 once every replica refused, the client hears the last refusal as it was
 sent. A 503 `aborted` (work done, then cut) reaches the client and is not
 sent again; nor is a body the front did not hold (streamed in without a
-length, past `REPLAYABLE_BYTES`, or NDJSON into speech). A held body that
+length, past `REPLAYABLE_BYTES` or the `HELD_BYTES` budget, or NDJSON into
+speech). Every front ends holding no body. A held body that
 stalls gets a 408 and its connection closes, and a stop's drain waits for a
 held body still arriving. Stub replicas on loopback ports, no engine."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -21,7 +24,7 @@ import pytest
 from aiohttp import web
 from http_support import serving_app
 
-from mstar.cluster import held_body
+from mstar.cluster import held_body, upstream
 from mstar.cluster.front import Front
 
 ROUTE = "/v1/chat/completions"
@@ -51,6 +54,15 @@ def _replica(status: int, seen: list[bytes], code: str | None = None) -> web.App
     return app
 
 
+@contextlib.asynccontextmanager
+async def _front(replicas: list[str]) -> AsyncIterator[str]:
+    """A front over `replicas`, served; once it stopped, it holds no body and is reading none."""
+    front = Front(replicas)
+    async with serving_app(front.app()) as url:
+        yield url
+    assert front._held == 0 and front._reading == 0
+
+
 async def _retries(session: aiohttp.ClientSession, url: str) -> int:
     async with session.get(f"{url}/metrics") as r:
         text = await r.text()
@@ -63,7 +75,7 @@ async def test_a_refused_request_goes_to_the_next_replica(status: int) -> None:
     served_seen: list[bytes] = []
     async with serving_app(_replica(status, refused_seen)) as refusing, \
             serving_app(_replica(200, served_seen)) as serving, aiohttp.ClientSession() as session:
-        async with serving_app(Front([refusing, serving]).app()) as url:
+        async with _front([refusing, serving]) as url:
             for _ in range(2):  # the front's first pick is the first replica: one of these meets the refusal
                 async with session.post(url + ROUTE, data=BODY, headers={"Content-Type": "application/json"}) as r:
                     assert r.status == 200
@@ -73,7 +85,11 @@ async def test_a_refused_request_goes_to_the_next_replica(status: int) -> None:
             assert await _retries(session, url) == len(refused_seen)
 
 
-async def test_a_refusal_whose_body_was_cut_still_sends_the_request_on() -> None:
+@pytest.mark.parametrize("how", ["cut", "stalled"])
+async def test_a_429_whose_body_never_came_still_sends_the_request_on(how: str,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(upstream, "REFUSAL_READ_S", 0.3)
+
     async def health(_r: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
@@ -84,16 +100,19 @@ async def test_a_refusal_whose_body_was_cut_still_sends_the_request_on() -> None
         await response.prepare(request)
         await response.write(b'{"error": ')
         assert request.transport is not None
-        request.transport.close()   # the answer's head came, its body never will
+        if how == "cut":
+            request.transport.close()   # the answer's head came, its body never will
+        else:
+            await asyncio.sleep(3600)   # alive, and sends no more of it
         return response
 
     app = web.Application()
     app.router.add_get("/health", health)
     app.router.add_post(ROUTE, cut)
     served: list[bytes] = []
-    async with serving_app(app) as cutting, serving_app(_replica(200, served)) as serving, \
+    async with serving_app(app, shutdown_timeout=0.2) as cutting, serving_app(_replica(200, served)) as serving, \
             aiohttp.ClientSession() as session:
-        async with serving_app(Front([cutting, serving]).app()) as url:
+        async with _front([cutting, serving]) as url:
             async with session.post(url + ROUTE, data=BODY) as r:   # the first pick: the cutting replica
                 assert r.status == 200
             assert served == [BODY]
@@ -103,7 +122,7 @@ async def test_when_every_replica_refuses_the_client_hears_the_last_refusal() ->
     seen: list[bytes] = []
     async with serving_app(_replica(429, seen)) as first, serving_app(_replica(503, seen)) as second, \
             aiohttp.ClientSession() as session:
-        async with serving_app(Front([first, second]).app()) as url:
+        async with _front([first, second]) as url:
             async with session.post(url + ROUTE, data=BODY) as r:   # the first replica, then the second
                 assert r.status == 503
                 assert (await r.json())["error"]["code"] == "unavailable"
@@ -117,7 +136,7 @@ async def test_an_aborted_answer_is_the_clients_and_not_sent_again() -> None:
     served: list[bytes] = []
     async with serving_app(_replica(503, aborted, code="aborted")) as aborting, \
             serving_app(_replica(200, served)) as serving, aiohttp.ClientSession() as session:
-        async with serving_app(Front([aborting, serving]).app()) as url:
+        async with _front([aborting, serving]) as url:
             async with session.post(url + ROUTE, data=BODY) as r:
                 assert r.status == 503
                 assert (await r.json())["error"]["code"] == "aborted"
@@ -130,16 +149,30 @@ async def _streamed() -> AsyncIterator[bytes]:
     yield BODY[10:]
 
 
-@pytest.mark.parametrize("how", ["streamed without a length", "past the replayable size", "ndjson into speech"])
+async def test_a_429_of_any_code_is_sent_on() -> None:
+    refused: list[bytes] = []
+    served: list[bytes] = []
+    async with serving_app(_replica(429, refused, code="rate_limited")) as refusing, \
+            serving_app(_replica(200, served)) as serving, aiohttp.ClientSession() as session:
+        async with _front([refusing, serving]) as url:
+            async with session.post(url + ROUTE, data=BODY) as r:
+                assert r.status == 200
+            assert refused == [BODY] and served == [BODY]
+
+
+@pytest.mark.parametrize("how", ["streamed without a length", "past the replayable size", "past the held budget",
+                                 "ndjson into speech"])
 async def test_a_body_the_front_did_not_hold_is_not_sent_again(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if how == "past the replayable size":
         monkeypatch.setattr(held_body, "REPLAYABLE_BYTES", len(BODY) - 1)
+    if how == "past the held budget":
+        monkeypatch.setattr(held_body, "HELD_BYTES", len(BODY) - 1)
     refused_seen: list[bytes] = []
     served_seen: list[bytes] = []
     route, headers = (SPEECH, {"Content-Type": "application/x-ndjson"}) if how == "ndjson into speech" else (ROUTE, {})
     async with serving_app(_replica(429, refused_seen)) as refusing, \
             serving_app(_replica(200, served_seen)) as serving, aiohttp.ClientSession() as session:
-        async with serving_app(Front([refusing, serving]).app()) as url:
+        async with _front([refusing, serving]) as url:
             data = _streamed() if how == "streamed without a length" else BODY
             async with session.post(url + route, data=data, headers=headers) as r:  # the first pick: the refusing one
                 assert r.status == 429
@@ -162,7 +195,7 @@ async def test_a_held_body_that_stalls_gets_a_408_and_its_connection_closes(
     monkeypatch.setattr(held_body, "BODY_TIMEOUT_S", 0.3)
     seen: list[bytes] = []
     async with serving_app(_replica(200, seen)) as replica:
-        async with serving_app(Front([replica]).app()) as url:
+        async with _front([replica]) as url:
             reader, writer = await _partial_body(url)
             with caplog.at_level(logging.ERROR):
                 answer = await asyncio.wait_for(reader.read(), 5)   # to the end: the front closes it
@@ -188,3 +221,4 @@ async def test_a_stops_drain_waits_for_a_held_body_still_arriving() -> None:
             assert (await asyncio.wait_for(reader.readline(), 5)).split()[1] == b"200"
             writer.close()
             assert seen == [BODY]
+        assert front._held == 0 and front._reading == 0

@@ -11,13 +11,13 @@ handshake) that could not connect to one is tried on the next, since it never
 reached it. One the replica took and then dropped gets 502 `replica_failed`,
 one it went silent on 504 `replica_timeout`: never a silent retry that could
 speak twice (a bodiless GET, HEAD or OPTIONS excepted: it is tried on the
-next). A replica that answers 429 (its waiting line full) or 503 (stopping,
-or its engine down) and says so by its error code did not begin on the
+next). A replica that answers 429 (its waiting line full) or 503 with the
+code `unavailable` (stopping, or its engine down) did not begin on the
 request: one whose body the front holds (`held_body.py`) goes to the next,
-and the client hears the last refusal once every replica refused. A replica that fails after it
-began answering ends that answer: an
-event stream with an `{"error": ...}` event, a realtime session with an
-`error` event and close code 1011, any other body cut before its end.
+and the client hears the last refusal once every replica refused. A
+replica that fails after it began answering ends that answer: an event
+stream with an `{"error": ...}` event, a realtime session with an `error`
+event and close code 1011, any other body cut before its end.
 A replica's refusal of a websocket (401, 404, 429...) reaches the client as
 the replica sent it. A safe request every replica took and none answered is a
 504 too. `/health` lists the replicas, with a replica's own fields (the
@@ -27,9 +27,10 @@ since it never reaches a replica's own. `/metrics` merges the
 replicas' metric families, every sample labelled `replica="<index>"`, each
 replica given `METRICS_TIMEOUT_S` to answer.
 
-Answers pass through unbuffered, and so do request bodies but those the
-front holds (NDJSON input streamed to the speech route included), so it
-adds one hop per chunk, not a wait for whole responses.
+Answers pass through unbuffered, and so do request bodies (NDJSON input
+streamed to the speech route always) but the small ones the front holds
+(`held_body.py`), so it adds one hop per chunk, not a wait for whole
+responses.
 """
 
 from __future__ import annotations

@@ -25,11 +25,10 @@ HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "prox
                          "transfer-encoding", "upgrade", "content-length"})
 # connecting failed or took too long: the request never reached the replica (the session connects before it sends)
 NOT_CONNECTED = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
-# a replica's answers that may say it did not begin on the request, and the error codes that do say so: its
-# waiting line is full (429 `queue_full`), or it is stopping or its engine is down (503 `unavailable`). A 503
-# `aborted` comes after work (a drain's end, a worker lost): it is passed on, not sent again
+# a replica's answers that may say it did not begin on the request: a 429 always does (its waiting line is full;
+# RFC 6585), a 503 only with the code `unavailable` (stopping, or its engine down). A 503 `aborted` comes after
+# work (a drain's end, a worker lost): it is passed on, not sent again
 NOT_BEGUN = frozenset({429, 503})
-NOT_BEGUN_CODES = frozenset({"queue_full", "unavailable"})
 REFUSAL_READ_S = 5.0   # a refusal's body is short: one that does not arrive by then is left out
 
 
@@ -114,9 +113,9 @@ async def keep_refusal(response: aiohttp.ClientResponse) -> None:
 
 
 async def refusal(response: aiohttp.ClientResponse) -> Refused:
-    """A `NOT_BEGUN` answer to a request, read: to be sent again where its
-    error code says the replica did not begin (a body that could not be read
-    leaves a 429 that, and the answer bodiless)."""
+    """A `NOT_BEGUN` answer to a request, read: to be sent again where it
+    says the replica did not begin (a body that could not be read leaves the
+    answer bodiless, and a 503 undecided: not sent again)."""
     headers = list(response.headers.items())
     try:
         body = await asyncio.wait_for(response.read(), REFUSAL_READ_S)
@@ -127,4 +126,5 @@ async def refusal(response: aiohttp.ClientResponse) -> Refused:
         code = json.loads(body)["error"]["code"]
     except (ValueError, TypeError, KeyError, UnicodeDecodeError):
         code = None
-    return Refused(response.status, response.reason, headers, body, resend=code in NOT_BEGUN_CODES)
+    return Refused(response.status, response.reason, headers, body,
+                   resend=response.status == 429 or code == "unavailable")
