@@ -131,33 +131,24 @@ async def test_when_every_replica_refuses_the_client_hears_the_last_refusal() ->
             assert await _retries(session, url) == 1
 
 
-async def test_an_aborted_answer_is_the_clients_and_not_sent_again() -> None:
-    aborted: list[bytes] = []
+@pytest.mark.parametrize("status, code, sent_on", [(429, "rate_limited", True), (503, "aborted", False)])
+async def test_any_429_is_sent_on_and_an_aborted_503_is_the_clients(status: int, code: str, sent_on: bool) -> None:
+    refused: list[bytes] = []
     served: list[bytes] = []
-    async with serving_app(_replica(503, aborted, code="aborted")) as aborting, \
+    async with serving_app(_replica(status, refused, code=code)) as refusing, \
             serving_app(_replica(200, served)) as serving, aiohttp.ClientSession() as session:
-        async with _front([aborting, serving]) as url:
-            async with session.post(url + ROUTE, data=BODY) as r:
-                assert r.status == 503
-                assert (await r.json())["error"]["code"] == "aborted"
-            assert aborted == [BODY] and served == []
-            assert await _retries(session, url) == 0
+        async with _front([refusing, serving]) as url:
+            async with session.post(url + ROUTE, data=BODY) as r:   # the first pick: the refusing replica
+                assert r.status == (200 if sent_on else status)
+                if not sent_on:
+                    assert (await r.json())["error"]["code"] == code
+            assert refused == [BODY] and served == ([BODY] if sent_on else [])
+            assert await _retries(session, url) == int(sent_on)
 
 
 async def _streamed() -> AsyncIterator[bytes]:
     yield BODY[:10]
     yield BODY[10:]
-
-
-async def test_a_429_of_any_code_is_sent_on() -> None:
-    refused: list[bytes] = []
-    served: list[bytes] = []
-    async with serving_app(_replica(429, refused, code="rate_limited")) as refusing, \
-            serving_app(_replica(200, served)) as serving, aiohttp.ClientSession() as session:
-        async with _front([refusing, serving]) as url:
-            async with session.post(url + ROUTE, data=BODY) as r:
-                assert r.status == 200
-            assert refused == [BODY] and served == [BODY]
 
 
 @pytest.mark.parametrize("how", ["streamed without a length", "past the replayable size", "past the held budget",
