@@ -1,14 +1,14 @@
 """The front when a replica refuses a request and says it did not begin on
 it (a 429 of any code, a 503 `unavailable`): a body the front held goes to
 the next replica, counted as a retry, also when a 429's own body was cut or
-stalled;
-once every replica refused, the client hears the last refusal as it was
-sent. A 503 `aborted` (work done, then cut) reaches the client and is not
-sent again; nor is a body the front did not hold (streamed in without a
-length, past `REPLAYABLE_BYTES` or the `HELD_BYTES` budget, or NDJSON into
-speech). Every front ends holding no body. A held body that
-stalls gets a 408 and its connection closes, and a stop's drain waits for a
-held body still arriving. Stub replicas on loopback ports, no engine."""
+stalled; once every replica refused, the client hears the last refusal as
+it was sent. A 503 `aborted` (work done, then cut) reaches the client and
+is not sent again; nor is a body the front did not hold (streamed in
+without a length, past `REPLAYABLE_BYTES` or the `HELD_BYTES` budget, or
+NDJSON into speech). A held body that stalls gets a 408 and its connection
+closes, and a stop's drain waits for a held body still arriving. Every
+front ends holding and reading no body. Stub replicas on loopback ports,
+no engine."""
 
 from __future__ import annotations
 
