@@ -6,8 +6,9 @@ it was sent. A 503 `aborted` (work done, then cut) reaches the client and
 is not sent again; nor is a body the front did not hold (streamed in
 without a length, past `REPLAYABLE_BYTES` or the `HELD_BYTES` budget, or
 NDJSON into speech). A held body that stalls gets a 408 and its connection
-closes, and a stop's drain waits for a held body still arriving. Every
-front ends holding and reading no body. Stub replicas on loopback ports,
+closes, and a stop's drain waits for a held body still arriving. A
+websocket handshake refused so goes to the next replica too. Every front
+ends holding and reading no body. Stub replicas on loopback ports,
 no engine."""
 
 from __future__ import annotations
@@ -213,3 +214,40 @@ async def test_a_stops_drain_waits_for_a_held_body_still_arriving() -> None:
             writer.close()
             assert seen == [BODY]
         assert front._held == 0 and front._reading == 0
+
+
+@pytest.mark.parametrize("status, code, sent_on", [(429, "queue_full", True), (503, "unavailable", True),
+                                                   (503, "aborted", False), (401, "invalid_api_key", False)])
+async def test_a_websocket_refused_before_it_began_goes_to_the_next_replica(status: int, code: str,
+                                                                           sent_on: bool) -> None:
+    async def health(_r: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def refuse(_r: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "no", "type": "server_error", "param": None, "code": code}},
+                                 status=status)
+
+    async def accept(request: web.Request) -> web.WebSocketResponse:
+        ws = web.WebSocketResponse()
+        await ws.prepare(request)
+        await ws.send_str("hello")
+        await ws.close()
+        return ws
+
+    apps = []
+    for handler in (refuse, accept):
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_get("/v1/realtime", handler)
+        apps.append(app)
+    async with serving_app(apps[0]) as refusing, serving_app(apps[1]) as accepting, \
+            aiohttp.ClientSession() as session:
+        async with _front([refusing, accepting]) as url:   # the first pick: the refusing replica
+            if sent_on:
+                async with session.ws_connect(f"{url}/v1/realtime") as ws:
+                    assert (await ws.receive()).data == "hello"
+            else:
+                with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+                    await session.ws_connect(f"{url}/v1/realtime")
+                assert refused.value.status == status
+            assert await _retries(session, url) == int(sent_on)

@@ -18,14 +18,15 @@ and the client hears the last refusal once every replica refused. A
 replica that fails after it began answering ends that answer: an event
 stream with an `{"error": ...}` event, a realtime session with an `error`
 event and close code 1011, any other body cut before its end.
-A replica's refusal of a websocket (401, 404, 429...) reaches the client as
-the replica sent it. A safe request every replica took and none answered is a
-504 too. `/health` lists the replicas, with a replica's own fields (the
-model, the requests running on all) as their health checks last found them;
-a client's head that stalls is cut at the front's `--header-timeout` (408),
-since it never reaches a replica's own. `/metrics` merges the
-replicas' metric families, every sample labelled `replica="<index>"`, each
-replica given `METRICS_TIMEOUT_S` to answer.
+A replica's refusal of a websocket (401, 404...) reaches the client as the
+replica sent it; one that says it did not begin goes to the next, as above.
+A safe request every replica took and none answered is a 504 too.
+`/health` lists the replicas, with a replica's own fields (the model, the
+requests running on all) as their health checks last found them; a
+client's head that stalls is cut at the front's `--header-timeout` (408),
+since it never reaches a replica's own. `/metrics` merges the replicas'
+metric families, every sample labelled `replica="<index>"`, each replica
+given `METRICS_TIMEOUT_S` to answer.
 
 Answers pass through unbuffered, and so do request bodies (NDJSON input
 streamed to the speech route always) but the small ones the front holds
@@ -380,26 +381,31 @@ class Front:
             replica.outstanding -= 1
 
     async def _pass_socket(self, request: web.Request) -> web.StreamResponse:
-        """A websocket: one replica for the whole session, frames both ways. A
-        handshake that got no answer from a replica goes to the next (no
-        session began there); a replica's refusal is the client's answer."""
+        """A websocket: one replica for the whole session, frames both ways. A handshake with no answer, or
+        refused but `not_begun`, goes to the next; another refusal, or the last, is the client's answer."""
         tried: set[int] = set()
+        refused: Refused | None = None
         while True:
             try:
                 replica = self.pick(tried)
             except NoReplica:
-                return unavailable()
+                return refused.response() if refused is not None else self._own(unavailable())
+            if tried:
+                self.counters.retries += 1
             tried.add(replica.index)
             replica.outstanding += 1
             try:
                 try:
                     upstream = await self._open_socket(replica, request)
                 except Refused as e:   # the replica's own answer (401, 404, 429, 503): passed on as it is
-                    return e.response()
+                    if not e.resend:
+                        return e.response()
+                    refused = e
+                    continue
                 except aiohttp.WSServerHandshakeError as e:   # a 101 that is no websocket's
                     log.warning("replica answered a websocket wrongly", replica=replica.index, error=e.message)
-                    return error_response(502, "replica_failed", f"the replica's websocket handshake failed: "
-                                                                 f"{e.message}")
+                    return self._own(error_response(502, "replica_failed", f"the replica's websocket handshake "
+                                                                           f"failed: {e.message}"))
                 except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                     self._down(replica, e)
                     log.warning("replica unreachable for a websocket; trying another", replica=replica.index,

@@ -109,7 +109,18 @@ async def keep_refusal(response: aiohttp.ClientResponse) -> None:
     if response.status == 101 or upgrade.lower() != "websocket":
         return
     body = await response.read()
-    raise Refused(response.status, response.reason, list(response.headers.items()), body)
+    raise Refused(response.status, response.reason, list(response.headers.items()), body,
+                  resend=not_begun(response.status, body))
+
+
+def not_begun(status: int, body: bytes) -> bool:
+    """Whether a replica's refusal says it did not begin: a 429, or a 503 with the code `unavailable`."""
+    if status == 429:
+        return True
+    try:
+        return status == 503 and json.loads(body)["error"]["code"] == "unavailable"
+    except (ValueError, TypeError, KeyError, UnicodeDecodeError):
+        return False
 
 
 async def refusal(response: aiohttp.ClientResponse) -> Refused:
@@ -122,9 +133,4 @@ async def refusal(response: aiohttp.ClientResponse) -> Refused:
     except (aiohttp.ClientError, asyncio.TimeoutError):
         headers = [(k, v) for k, v in headers if k.lower() != "content-encoding"]
         return Refused(response.status, response.reason, headers, b"", resend=response.status == 429)
-    try:
-        code = json.loads(body)["error"]["code"]
-    except (ValueError, TypeError, KeyError, UnicodeDecodeError):
-        code = None
-    return Refused(response.status, response.reason, headers, body,
-                   resend=response.status == 429 or code == "unavailable")
+    return Refused(response.status, response.reason, headers, body, resend=not_begun(response.status, body))
