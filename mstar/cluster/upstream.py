@@ -131,6 +131,5 @@ async def refusal(response: aiohttp.ClientResponse) -> Refused:
     try:
         body = await asyncio.wait_for(response.read(), REFUSAL_READ_S)
     except (aiohttp.ClientError, asyncio.TimeoutError):
-        headers = [(k, v) for k, v in headers if k.lower() != "content-encoding"]
-        return Refused(response.status, response.reason, headers, b"", resend=response.status == 429)
+        body, headers = b"", [(k, v) for k, v in headers if k.lower() != "content-encoding"]
     return Refused(response.status, response.reason, headers, body, resend=not_begun(response.status, body))
