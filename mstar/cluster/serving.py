@@ -23,7 +23,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from mstar.cluster.upstream import error_response
+from mstar.cluster.upstream import error_body, error_response
 
 HEADER_TIMEOUT_S = 10.0  # as a replica's --header-timeout
 
@@ -86,10 +86,9 @@ class _Connection(web.RequestHandler):
         if self.transport is None:
             return
         if self._head_bytes:
-            body = json.dumps({"error": {"message": f"the request head did not arrive within "
-                                                    f"{self.header_timeout:g} s (--header-timeout)",
-                                         "type": "invalid_request_error", "param": None,
-                                         "code": "request_timeout"}}).encode()
+            body = json.dumps(error_body(408, "request_timeout", f"the request head did not arrive within "
+                                                                 f"{self.header_timeout:g} s (--header-timeout)")
+                              ).encode()
             self.transport.write(b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
                                  b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
         self.force_close()

@@ -61,12 +61,16 @@ def went_silent(error: BaseException) -> bool:
     return isinstance(error, (aiohttp.ServerTimeoutError, asyncio.TimeoutError)) and not could_not_connect(error)
 
 
-def error_response(status: int, code: str, message: str, retry_after: bool = False) -> web.Response:
+def error_body(status: int, code: str, message: str) -> dict:
     """An error of the replicas' shape, typed as they type a status (`http/responses`; no mstar import here)."""
+    return {"error": {"message": message, "type": "server_error" if status >= 500 else "invalid_request_error",
+                      "param": None, "code": code}}
+
+
+def error_response(status: int, code: str, message: str, retry_after: bool = False) -> web.Response:
+    """`error_body` as a JSON response."""
     headers = {"Retry-After": "1"} if retry_after else None
-    return web.json_response({"error": {"message": message, "type": "server_error" if status >= 500 else
-                                        "invalid_request_error", "param": None, "code": code}},
-                             status=status, headers=headers)
+    return web.json_response(error_body(status, code, message), status=status, headers=headers)
 
 
 def unavailable() -> web.Response:
