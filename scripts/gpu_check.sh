@@ -105,6 +105,7 @@ if [[ $what == tests || $what == all ]]; then
             tests/test_gpu_engine.py tests/test_llama_parity_model.py tests/test_paged_attention.py \
             tests/test_orpheus_gpu.py tests/test_logprobs_gpu.py tests/test_decode_graphs_gpu.py tests/test_sampler_graphs_gpu.py tests/test_prefix_cache.py \
             tests/test_mixed_graphs_gpu.py tests/test_mixed_steps.py tests/test_qwen35_gpu.py tests/test_qwen35_kernels.py \
+            tests/test_gemv.py \
             2>/dev/null)
   # ~150 s on a machine that served before; a fresh one also compiles every Triton kernel the tests use
   timeout 420 python3 -m pytest -q -rfE -p no:cacheprovider -o timeout=250 $tests > "$OUT/gpu_tests.txt" 2>&1
