@@ -227,10 +227,27 @@ def test_the_replica_timeout_is_a_flag_of_both_commands() -> None:
         Front(["http://127.0.0.1:1"], replica_timeout=0)
 
 
+def test_the_body_timeout_is_the_fronts_and_the_replicas() -> None:
+    """`python -m mstar.cluster --body-timeout S` bounds the bodies the front holds and, as it did before the
+    front held any, the replicas' own; after `--` it is the replicas' alone."""
+    from mstar.cluster.__main__ import parse
+    from mstar.cluster.held_body import BODY_TIMEOUT_S
+
+    a, rest = parse(["--body-timeout", "120", "--", "--model", "tiny-llama"])
+    assert a.body_timeout == 120 and rest == ["--body-timeout=120", "--model", "tiny-llama"]
+    a, rest = parse(["--", "--body-timeout", "5"])
+    assert a.body_timeout == BODY_TIMEOUT_S and rest == ["--body-timeout", "5"]
+    assert parse(["--body-timeout=0"])[0].body_timeout == 0   # no limit, as a replica's 0
+    with pytest.raises(ValueError):
+        Front(["http://127.0.0.1:1"], body_timeout=-1)
+
+
 @pytest.mark.parametrize(("flags", "says"), [
     (["--replicas", "http://127.0.0.1:1", "--replica-timeout", "nan"], "--replica-timeout must be a positive"),
     (["--replicas", "http://127.0.0.1:1", "--replica-timeout", "inf"], "--replica-timeout must be a positive"),
     (["--replicas", "http://127.0.0.1:1", "--replica-timeout", "0"], "--replica-timeout must be a positive"),
+    (["--replicas", "http://127.0.0.1:1", "--body-timeout", "-1"], "--body-timeout must be a finite number"),
+    (["--replicas", "http://127.0.0.1:1", "--body-timeout", "inf"], "--body-timeout must be a finite number"),
     (["--replicas", " , "], "--replicas names no replica"),
 ])
 def test_the_fronts_bad_flags_are_one_line_not_a_traceback(flags: list[str], says: str) -> None:

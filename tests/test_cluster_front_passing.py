@@ -123,7 +123,8 @@ async def test_a_head_the_front_cannot_parse_gets_the_replicas_json_error() -> N
 async def test_a_head_that_stalls_gets_a_408_and_a_silent_connection_is_closed() -> None:
     """The front reaches a replica only with a whole head, so it holds the head's deadline itself."""
     async with serving_app(_echoing_replica()) as replica:
-        runner = FrontRunner(Front([replica]).app(), handler_cancellation=True, header_timeout=0.5)
+        front = Front([replica])
+        runner = FrontRunner(front.app(), handler_cancellation=True, header_timeout=0.5)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", 0).start()
         host, port = runner.addresses[0][:2]
@@ -152,6 +153,7 @@ async def test_a_head_that_stalls_gets_a_408_and_a_silent_connection_is_closed()
             await runner.cleanup()
         assert head.startswith(b"HTTP/1.1 408"), head
         assert json.loads(body)["error"]["code"] == "request_timeout"
+        assert front.counters.own == {408: 1}   # the stalled head was answered; the silent connection was not
 
 
 async def test_an_http10_client_gets_a_streamed_answer_closed_by_the_connection() -> None:

@@ -56,9 +56,10 @@ def _replica(status: int, seen: list[bytes], code: str | None = None) -> web.App
 
 
 @contextlib.asynccontextmanager
-async def _front(replicas: list[str]) -> AsyncIterator[str]:
-    """A front over `replicas`, served; once it stopped, it holds no body and is reading none."""
-    front = Front(replicas)
+async def _front(replicas: list[str], **kwargs: float) -> AsyncIterator[str]:
+    """A front over `replicas` (`kwargs`: `Front`'s), served; once it stopped, it holds no body and is reading
+    none."""
+    front = Front(replicas, **kwargs)
     async with serving_app(front.app()) as url:
         yield url
     assert front._held == 0 and front._reading == 0
@@ -183,17 +184,18 @@ async def _partial_body(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamW
 
 
 async def test_a_held_body_that_stalls_gets_a_408_and_its_connection_closes(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    monkeypatch.setattr(held_body, "BODY_TIMEOUT_S", 0.3)
+        caplog: pytest.LogCaptureFixture) -> None:
     seen: list[bytes] = []
     async with serving_app(_replica(200, seen)) as replica:
-        async with _front([replica]) as url:
+        async with _front([replica], body_timeout=0.3) as url:
             reader, writer = await _partial_body(url)
+            t0 = time.monotonic()
             with caplog.at_level(logging.ERROR):
                 answer = await asyncio.wait_for(reader.read(), 5)   # to the end: the front closes it
             writer.close()
+            assert 0.2 <= time.monotonic() - t0 < 3   # the front's own deadline, not the 60 s default
             assert answer.split(b"\r\n")[0].split()[1] == b"408"
-            assert b"request_timeout" in answer
+            assert b"request_timeout" in answer and b"within 0.3 s (--body-timeout)" in answer
             assert seen == []
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 

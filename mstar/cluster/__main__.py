@@ -6,7 +6,8 @@
 
 Flags after `--` (and any this command does not know) go to every
 replica's `python -m mstar.http`; the replicas' --host, --port and --gpus
-are set by the cluster (--gpus cpu here gives CPU replicas).
+are set by the cluster (--gpus cpu here gives CPU replicas). --body-timeout
+is the front's and the replicas' both.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import sys
 from collections.abc import Sequence
 
 from mstar.cluster import serving
-from mstar.cluster.front import (BACKLOG, EXIT_S, GRACE_S, SHUTDOWN_TIMEOUT_S, Front, add_timeout_flag,
-                                 check_timeout_flag)
+from mstar.cluster.front import BACKLOG, EXIT_S, GRACE_S, SHUTDOWN_TIMEOUT_S, Front
+from mstar.cluster.front_cli import add_deadline_flags, check_deadline_flags
 from mstar.cluster.ray_replicas import RayReplicas
 from mstar.cluster.replica import STARTUP_TIMEOUT_S, ReplicaSpec
 
@@ -39,14 +40,16 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--name", default="mstar", help="the replica actors' name prefix (one per front on a Ray cluster)")
     p.add_argument("--host", default="127.0.0.1", help="the front's address (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="the front's port")
-    add_timeout_flag(p)
+    add_deadline_flags(p)
     head, tail = list(argv), []
     if "--" in head:   # after `--`: the replicas' flags, whatever they are
         cut = head.index("--")
         head, tail = head[:cut], head[cut + 1:]
     a, rest = p.parse_known_args(head)
+    if any(f.split("=")[0] == "--body-timeout" for f in head):   # the front's and, as before, the replicas'
+        rest += [f"--body-timeout={a.body_timeout:g}"]
     rest += tail
-    check_timeout_flag(p, a)
+    check_deadline_flags(p, a)
     if a.gpus not in (None, "cpu"):
         p.error("--gpus takes only 'cpu' here; a replica's GPUs are --gpus-per-replica, placed by Ray")
     clash = [f for f in rest if f.split("=")[0] in (*OWN_FLAGS, "--gpus")]
@@ -65,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         urls = replicas.start(a.address)
         print(f"mstar cluster: {len(urls)} replicas ({', '.join(urls)}) behind http://{a.host}:{a.port}",
               flush=True)
-        front = Front(urls, replica_timeout=a.replica_timeout)
+        front = Front(urls, replica_timeout=a.replica_timeout, body_timeout=a.body_timeout)
         serving.run(replicas.serve(front), host=a.host, port=a.port, backlog=BACKLOG,
                     shutdown_timeout=SHUTDOWN_TIMEOUT_S, stop_within_s=GRACE_S - EXIT_S,
                     header_timeout=a.header_timeout)

@@ -36,12 +36,9 @@ responses.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import itertools
-import math
-import sys
 from collections.abc import AsyncIterator, Sequence, Set
 from dataclasses import dataclass
 
@@ -54,7 +51,7 @@ from mstar.cluster import serving
 from mstar.cluster.front_metrics import FrontCounters
 from mstar.cluster.prometheus_text import labelled, merged
 from mstar.cluster.relay import DONE, FRONT_STOPPED, ClientSocket, client_stopped, event, pump_both, relay
-from mstar.cluster.held_body import body_overdue, read_held, replayable
+from mstar.cluster.held_body import BODY_TIMEOUT_S, body_overdue, read_held, replayable
 from mstar.cluster.upstream import (HOP_HEADERS, NOT_BEGUN, NoAnswer, Refused, could_not_connect, error_response,
                                     failed_before_answer, forwarded_headers, keep_refusal, refusal, unavailable,
                                     went_silent)
@@ -105,15 +102,19 @@ class NoReplica(Exception):
 class Front:
     """The replicas behind one address; `app()` serves them."""
 
-    def __init__(self, urls: Sequence[str], replica_timeout: float = REPLICA_TIMEOUT_S) -> None:
+    def __init__(self, urls: Sequence[str], replica_timeout: float = REPLICA_TIMEOUT_S,
+                 body_timeout: float = BODY_TIMEOUT_S) -> None:
         """`replica_timeout`: seconds a replica may send nothing while it holds
-        a request, before the client is told it stopped answering."""
+        a request, before the client is told it stopped answering;
+        `body_timeout`: seconds a body the front holds may take to arrive (408;
+        0: no limit)."""
         if not urls:
             raise ValueError("a front needs at least one replica")
-        if replica_timeout <= 0:
-            raise ValueError("replica_timeout must be positive")
+        if replica_timeout <= 0 or body_timeout < 0:
+            raise ValueError("replica_timeout must be positive, body_timeout 0 or more")
         self.replicas = [Replica(url.rstrip("/"), i) for i, url in enumerate(urls)]
         self.replica_timeout = replica_timeout
+        self.body_timeout = body_timeout
         self._turn = itertools.count()
         self._session: aiohttp.ClientSession | None = None   # requests passed on: no cap on connections
         self._probe: aiohttp.ClientSession | None = None     # health checks and metrics, never queued behind them
@@ -153,7 +154,12 @@ class Front:
         app.router.add_route("*", "/{tail:.*}", self._pass)
         app.cleanup_ctx.append(self._lifetime)
         app.on_shutdown.append(self._drain)
+        app[serving.HEAD_OVERDUE] = self._head_overdue
         return app
+
+    def _head_overdue(self) -> None:
+        """The front's connection answered a stalled request head with 408 (`serving`): one of its own answers."""
+        self.counters.own[408] += 1
 
     async def _lifetime(self, _app: web.Application) -> AsyncIterator[None]:
         # no total timeout: a speech stream may run for minutes; connecting, and each read, are bounded
@@ -283,10 +289,10 @@ class Front:
         try:
             self._reading += 1   # a stop's drain waits for it, as for an answer under way
             try:
-                body = await read_held(request)
+                body = await read_held(request, self.body_timeout)
             finally:
                 self._reading -= 1
-            return self._own(body_overdue()) if body is None else await self._pass_on(request, body)
+            return self._own(body_overdue(self.body_timeout)) if body is None else await self._pass_on(request, body)
         finally:
             self._held -= length
 
@@ -447,52 +453,6 @@ def _target(replica: Replica, request: web.Request) -> URL:
     return URL(replica.url + request.rel_url.raw_path_qs, encoded=True)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """`python -m mstar.cluster.front --replicas URL,URL [--host H] [--port P] [--replica-timeout S]`: the
-    front over replicas already serving (each `python -m mstar.http` on its own host or port)."""
-    p = argparse.ArgumentParser(prog="python -m mstar.cluster.front",
-                                description="One address over several mstar replicas. It checks no keys itself: "
-                                            "a request's Authorization header goes on to the replica, whose "
-                                            "--api-key decides (/metrics too).")
-    p.add_argument("--replicas", required=True, help="base URLs, comma-separated: http://10.0.0.2:8000,...")
-    p.add_argument("--host", default="127.0.0.1", help="the front's address, as the server's "
-                                                        "--host (0.0.0.0: every interface; default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8080, help="the front's port (default 8080)")
-    add_timeout_flag(p)
-    a = p.parse_args(argv)
-    urls = [u.strip() for u in a.replicas.split(",") if u.strip()]
-    if not urls:
-        p.error("--replicas names no replica")
-    check_timeout_flag(p, a)
-    try:
-        serving.run(Front(urls, replica_timeout=a.replica_timeout).app(), host=a.host, port=a.port,
-                    backlog=BACKLOG, shutdown_timeout=SHUTDOWN_TIMEOUT_S, stop_within_s=GRACE_S - EXIT_S,
-                    header_timeout=a.header_timeout,
-                    ready=lambda: print(f"mstar front over {', '.join(urls)} on http://{a.host}:{a.port}",
-                                        flush=True))
-    except OSError as e:  # the address is taken, or not this host's
-        sys.exit(f"error: cannot listen on {a.host}:{a.port}: {e.strerror or e}")
-
-
-def check_timeout_flag(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
-    """`--replica-timeout` a positive, finite number of seconds, or a usage error."""
-    if not (a.replica_timeout > 0 and math.isfinite(a.replica_timeout)):
-        p.error(f"--replica-timeout must be a positive, finite number of seconds, got {a.replica_timeout}")
-    if not (a.header_timeout >= 0 and math.isfinite(a.header_timeout)):
-        p.error(f"--header-timeout must be a finite number of seconds, 0 or more, got {a.header_timeout}")
-
-
-def add_timeout_flag(p: argparse.ArgumentParser) -> None:
-    """`--replica-timeout` and `--header-timeout`, for this command and `python -m mstar.cluster`."""
-    p.add_argument("--header-timeout", type=float, default=serving.HEADER_TIMEOUT_S, metavar="S",
-                   help="seconds a client's request head may take to arrive before the front answers 408 and "
-                        f"closes the connection (0: no limit; default {serving.HEADER_TIMEOUT_S:.0f})")
-    p.add_argument("--replica-timeout", type=float, default=REPLICA_TIMEOUT_S, metavar="S",
-                   help="seconds a replica may send nothing while it holds a request (a non-streamed answer sends "
-                        "nothing until it is whole) before the client gets 504 replica_timeout (or, mid-stream, an "
-                        "error event); streams that keep producing are never cut; a replica's connect is bounded "
-                        f"at {CONNECT_TIMEOUT_S:.0f} s (default {REPLICA_TIMEOUT_S:.0f})")
-
-
-if __name__ == "__main__":
+if __name__ == "__main__":   # `python -m mstar.cluster.front`: its command line lives beside it
+    from mstar.cluster.front_cli import main
     main()

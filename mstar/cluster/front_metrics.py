@@ -1,7 +1,8 @@
 """The front's own counters, in Prometheus text for its `/metrics` beside the
 replicas' samples: answers each replica began, by status; answers the front
 gave itself (no replica available 503, a replica that dropped the request
-502, one that went silent 504, a held body that did not arrive 408);
+502, one that went silent 504, a request head or held body that did not arrive
+408);
 requests sent on to another replica after one could not be reached, refused
 it (429, 503), or left a safe one unanswered. Owned by the front's event
 loop."""
@@ -24,7 +25,7 @@ class FrontCounters:
                   for (r, s), n in sorted(self.answers.items())]
         lines += ["# HELP mstar_front_own_answers_total answers the front gave itself: 503 no replica available, "
                   "502 a replica dropped the request, 504 a replica went silent, "
-                  "408 a held body did not arrive",
+                  "408 a request head or held body did not arrive in time",
                   "# TYPE mstar_front_own_answers_total counter"]
         lines += [f'mstar_front_own_answers_total{{code="{s}"}} {n}' for s, n in sorted(self.own.items())]
         lines += ["# HELP mstar_front_retries_total requests sent on to another replica after one refused or gave "

@@ -16,7 +16,7 @@ from mstar.cluster.upstream import error_response
 
 REPLAYABLE_BYTES = 1 << 20      # a chat or speech request fits
 HELD_BYTES = 256 << 20          # bodies held at once, all requests together: past it a body streams through
-# as the replicas' own --body-timeout default: a held body must have arrived by then (408)
+# the front's --body-timeout default, as the replicas' own: a held body must have arrived by then (408)
 BODY_TIMEOUT_S = 60.0
 # bodies that keep arriving while the answer streams out: a replica bounds only their idle time
 STREAMED_IN = frozenset({("/v1/audio/speech", "application/x-ndjson")})
@@ -34,20 +34,20 @@ def replayable(request: web.Request, held: int) -> bool:
             and (request.path, request.content_type) not in STREAMED_IN)
 
 
-async def read_held(request: web.Request) -> bytes | None:
+async def read_held(request: web.Request, timeout: float = BODY_TIMEOUT_S) -> bytes | None:
     """A `replayable` body, read whole; None when it did not arrive within
-    `BODY_TIMEOUT_S` (its stream is failed then, so that aiohttp waits for
-    no more of it once the answer is sent)."""
+    `timeout` s (0: no limit; its stream is failed then, so that aiohttp
+    waits for no more of it once the answer is sent)."""
     try:
-        return await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+        return await asyncio.wait_for(request.read(), timeout or None)
     except asyncio.TimeoutError:
         request.content.set_exception(BodyOverdue("the request body is overdue"))
         return None
 
 
-def body_overdue() -> web.Response:
-    """The answer to a body `read_held` gave up on; the connection closes."""
+def body_overdue(timeout: float) -> web.Response:
+    """The answer to a body `read_held` gave up on after `timeout` s; the connection closes."""
     response = error_response(408, "request_timeout",
-                              f"the request body did not finish arriving within {BODY_TIMEOUT_S:g} s")
+                              f"the request body did not finish arriving within {timeout:g} s (--body-timeout)")
     response.force_close()
     return response

@@ -26,6 +26,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 from mstar.cluster.upstream import error_body, error_response
 
 HEADER_TIMEOUT_S = 10.0  # as a replica's --header-timeout
+# the app's hook for each 408 a connection answers a stalled head with itself, before any handler sees it
+HEAD_OVERDUE = web.AppKey("head_overdue", Callable[[], None])
 
 
 class _Connection(web.RequestHandler):
@@ -36,9 +38,11 @@ class _Connection(web.RequestHandler):
     connections do the same (`mstar/http/deadlines.py`); cluster/ imports no other mstar module, so the few
     lines are its own."""
 
-    def __init__(self, manager: web.Server, *, header_timeout: float, **kwargs: Any) -> None:
+    def __init__(self, manager: web.Server, *, header_timeout: float, on_head_408: Callable[[], None] | None,
+                 **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self.header_timeout = header_timeout
+        self.on_head_408 = on_head_408
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_bytes = False  # some of the awaited head arrived: it gets a 408, not a silent close
 
@@ -91,6 +95,8 @@ class _Connection(web.RequestHandler):
                               ).encode()
             self.transport.write(b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\n"
                                  b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+            if self.on_head_408 is not None:
+                self.on_head_408()
         self.force_close()
 
     def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
@@ -105,12 +111,15 @@ class _Connection(web.RequestHandler):
 
 
 class _Server(web.Server):
-    def __init__(self, *args: Any, header_timeout: float, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, header_timeout: float, on_head_408: Callable[[], None] | None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.header_timeout = header_timeout
+        self.on_head_408 = on_head_408
 
     def __call__(self) -> web.RequestHandler:
-        return _Connection(self, loop=self._loop, header_timeout=self.header_timeout, **self._kwargs)
+        return _Connection(self, loop=self._loop, header_timeout=self.header_timeout, on_head_408=self.on_head_408,
+                           **self._kwargs)
 
     def pre_shutdown(self) -> None:
         """Shutdown's first move: connections stop taking requests, but a
@@ -132,7 +141,7 @@ class FrontRunner(web.AppRunner):
         plain = await super()._make_server()  # runs the app's startup, builds aiohttp's own factory
         return _Server(plain.request_handler, request_factory=plain.request_factory,
                        handler_cancellation=plain.handler_cancellation, header_timeout=self.header_timeout,
-                       **plain._kwargs)
+                       on_head_408=self.app.get(HEAD_OVERDUE), **plain._kwargs)
 
 
 def run(app: web.Application | Awaitable[web.Application], *, host: str, port: int, backlog: int,
