@@ -197,6 +197,11 @@ def test_truncated_audio() -> None:
 
 def test_base64_refusals_name_the_field() -> None:
     assert media.b64("aGk", AUDIO) == b"hi"  # padding may be left off
+    raw = bytes([0xfb, 0xff, 0xfe, 0x3e, 0x3f])   # both alphabets' last two characters
+    assert base64.urlsafe_b64encode(raw).decode() == "-__-Pj8="
+    assert media.b64("-__-Pj8=", AUDIO) == media.b64("-__-Pj8", AUDIO) == raw   # URL-safe, padded or not
+    with refused(AUDIO, "not valid base64"):
+        media.b64("-__+Pj8=", AUDIO)   # both alphabets at once: neither encoder writes that
     with refused(AUDIO, "not valid base64"):
         media.b64("not base64!", AUDIO)
     with refused(AUDIO, "empty"):

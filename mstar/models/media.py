@@ -41,12 +41,15 @@ _WHITE = (255, 255, 255, 255)
 _GREY16 = frozenset({"I", "I;16", "I;16B", "I;16L", "I;16N"})
 # what Pillow raises on a corrupt or truncated file while decoding it
 _IMAGE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, IndexError, struct.error)
+_URL_SAFE = str.maketrans("-_", "+/")
 
 
 def b64(data: str, field: str) -> bytes:
     """Base64 text as bytes. Line breaks and other whitespace in the text
-    (MIME-style wrapping) and missing `=` padding are tolerated; any other
-    character outside the standard alphabet is refused."""
+    (MIME-style wrapping), missing `=` padding and the URL-safe alphabet
+    (`-` and `_` for `+` and `/`, as JavaScript's and Python's URL-safe
+    encoders write it) are tolerated; any other character is refused, and
+    so is text that mixes the two alphabets."""
     if not isinstance(data, str):
         raise RequestError(f"must be a base64 string, not {type(data).__name__}", field=field)
     if not data:
@@ -57,6 +60,8 @@ def b64(data: str, field: str) -> bytes:
         pass
     compact = "".join(data.split())
     compact += "=" * (-len(compact) % 4)
+    if ("-" in compact or "_" in compact) and not ("+" in compact or "/" in compact):
+        compact = compact.translate(_URL_SAFE)
     try:
         out = base64.b64decode(compact, validate=True)
     except ValueError:
