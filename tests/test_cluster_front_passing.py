@@ -2,7 +2,8 @@
 encoded it (an escaped `?`, `#` or `/` stays a character of its path segment
 or query value), for plain requests and websocket handshakes alike; a body
 still arriving when the front stops; a head it cannot parse answered in the
-replicas' JSON error shape. Stub replicas on loopback ports, no
+replicas' JSON error shape; a client's connection closed when a replica gave up on
+its body. Stub replicas on loopback ports, no
 engine."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 from collections.abc import AsyncIterator
 
 import aiohttp
+import pytest
 from aiohttp import web
 from http_support import serving_app
 from yarl import URL
@@ -177,3 +179,41 @@ async def test_an_http10_client_gets_a_streamed_answer_closed_by_the_connection(
         writer.close()
     assert head.startswith(b"HTTP/1.0 200") and b"chunked" not in head.lower(), head
     assert body == b"one two three"
+
+
+def _impatient_replica() -> web.Application:
+    """A stand-in replica that reads the first bytes of a body and answers 408, closing, as a replica's
+    --body-timeout does; a GET is answered 200."""
+    async def post(request: web.Request) -> web.Response:
+        await request.content.readany()
+        response = web.json_response({"error": {"code": "request_timeout"}}, status=408)
+        response.force_close()
+        request.content.set_exception(TimeoutError("overdue"))   # reads no more of it, as the replica's deadline
+        return response
+
+    async def get(_r: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_post("/{tail:.*}", post)
+    app.router.add_get("/{tail:.*}", get)
+    return app
+
+
+@pytest.mark.parametrize("framing", ["chunked", "length"])
+async def test_a_replica_that_gives_up_on_a_streamed_body_closes_the_clients_connection(framing: str) -> None:
+    """The client is mid-body when the replica answers: the front closes its connection at once, so what the client
+    sends next is never read as a request of its own, and no 10 s linger holds it."""
+    head = (b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n" if framing == "chunked"
+            else b"Content-Length: %d\r\n\r\nhello" % (2 << 20))   # over what the front holds: streamed through
+    async with serving_app(_impatient_replica()) as replica, serving_app(Front([replica]).app()) as url:
+        front = URL(url)
+        reader, writer = await asyncio.open_connection(front.host, front.port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + head)
+        answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+        assert answer.startswith(b"HTTP/1.1 408") and b"connection: close" in answer.lower(), answer
+        ending = b"0\r\n\r\n" if framing == "chunked" else b""
+        writer.write(ending + b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        rest = await asyncio.wait_for(reader.read(), 3)   # closed well before aiohttp's 10 s linger
+        writer.close()
+        assert b"HTTP/1.1 200" not in rest, rest
