@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from mstar.kernels.backend import block_size, jit, num_warps, tl, use_triton
+from mstar.kernels.sampling.head_race import HEAD_MIN_VOCAB, filtered_race_head
 from mstar.kernels.sampling.noise import _INV_2_24, _MUL_A, _MUL_B, _ROW_SALT, _exp_noise, _row_key, exponential_noise
 from mstar.kernels.sampling.race import MAX_VOCAB, _sorted_weights, filtered_race_reference
 from mstar.kernels.sampling.wide_draw import draw_tokens_wide
@@ -84,11 +85,14 @@ def draw_tokens_reference(logits: Tensor, temperature: Tensor, top_k: Tensor, to
     greedy = torch.argmax(logits, dim=-1)
     is_greedy = temperature <= 0
     scaled = logits / torch.where(is_greedy, torch.ones_like(temperature), temperature)[:, None]
-    noise = exponential_noise(seeds, counters + offset if offset else counters, logits.shape[-1], first)
-    if filtered:
-        drawn = filtered_race_reference(scaled, top_k, top_p, min_p, noise)
+    counters = counters + offset if offset else counters
+    if filtered and logits.device.type == "cpu" and logits.shape[-1] >= HEAD_MIN_VOCAB:
+        # the same tokens as the race below, sorting only each row's head
+        drawn = filtered_race_head(scaled, top_k, top_p, min_p, seeds, counters, first, active=~is_greedy)
     else:
-        drawn = torch.argmax(torch.softmax(scaled, dim=-1) / noise, dim=-1)
+        noise = exponential_noise(seeds, counters, logits.shape[-1], first)
+        drawn = (filtered_race_reference(scaled, top_k, top_p, min_p, noise) if filtered
+                 else torch.argmax(torch.softmax(scaled, dim=-1) / noise, dim=-1))
     return torch.where(is_greedy, greedy, drawn)
 
 

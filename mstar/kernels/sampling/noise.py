@@ -73,6 +73,15 @@ def exponential_noise_reference(seeds: Tensor, counters: Tensor, vocab_size: int
 
 
 
+def exponential_noise_at(seeds: Tensor, counters: Tensor, columns: Tensor, first: int = 0) -> Tensor:
+    """`exponential_noise_reference`'s draws [B, C] at vocabulary indices
+    `first + columns` [B, C] only (the same bits: the same ops, elementwise)."""
+    keys = row_keys(seeds, counters)
+    bits = mix32(keys[:, None] ^ mix32(columns.to(torch.int64) + first))
+    u = (((bits >> 8).to(torch.float32) + 0.5) * _INV_2_24).clamp(max=_U_MAX)
+    return -torch.log(u)
+
+
 BLOCK = 1024
 
 

@@ -29,11 +29,11 @@ MAX_VOCAB = 4096  # a row's sort stays in registers
 def filtered_race_reference(scaled: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, noise: Tensor) -> Tensor:
     """Top-k, then top-p over the survivors, then min-p; race in sorted order."""
     vocab = scaled.shape[-1]
-    sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
+    _, order = scaled.sort(dim=-1, descending=True, stable=True)
     rank = torch.arange(vocab, device=scaled.device)[None, :]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
     keep = rank < k[:, None]
-    probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
+    probs = kept_softmax(scaled, keep, order).gather(1, order)
     # Keep a token while the mass before it is short of p: the smallest set
     # reaching p, and never empty since the first token has nothing before it.
     mass_before = torch.cumsum(probs, dim=-1) - probs
@@ -43,6 +43,17 @@ def filtered_race_reference(scaled: Tensor, top_k: Tensor, top_p: Tensor, min_p:
     weights = probs.masked_fill(~keep, 0.0)
     winner = torch.argmax(weights / noise.gather(1, order), dim=-1, keepdim=True)
     return order.gather(1, winner).squeeze(1)
+
+
+def kept_softmax(scaled: Tensor, keep: Tensor, order: Tensor) -> Tensor:
+    """The softmax of each row over the tokens `keep` (in sorted order, as
+    `order` sorts the row) holds, in vocabulary order: summed in that order,
+    whatever sorted the row, so a form that sorts only a row's head
+    (`head_race.py`) gets the same bits."""
+    if bool(keep.all()):
+        return torch.softmax(scaled, dim=-1)
+    kept = torch.zeros_like(keep).scatter_(1, order, keep)
+    return torch.softmax(scaled.masked_fill(~kept, float("-inf")), dim=-1)
 
 
 @jit

@@ -1,0 +1,143 @@
+"""The filtered race (`race.filtered_race_reference`) over a wide vocabulary
+on the CPU, sorting only the head of each row: the scaled logits [B, V],
+the filters and the rows' noise keys in; the reference's tokens [B] out.
+
+The reference sorts every row whole (~8 ms a row of Orpheus's 157k ids on
+one core) to find the tokens top-k, top-p and min-p keep, most often a few
+hundred. Here each row's softmax is taken in vocabulary order, as the
+reference takes it (`race.kept_softmax`); a bound on the tokens the filters
+keep is read from it (`_head_size`); only that head is found (`topk`) and
+sorted, by value then index, as the reference's stable sort orders it. A
+cumulative sum is a sequential scan, so the head's sums are the prefix of
+the reference's, and every keep or cut inside the head is the reference's,
+bit for bit; the noise is drawn at the head's ids only. A row whose head
+cannot be shown to hold every kept token (a loose bound, ties across its
+end, NaN probabilities) is raced by the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mstar.kernels.sampling.noise import exponential_noise_at, exponential_noise_reference
+from mstar.kernels.sampling.race import filtered_race_reference
+
+HEAD_MIN_VOCAB = 8192   # narrower rows sort whole in about the time this form's passes take
+# A cut by top-p at the head's last token holds for every later token only if that token's probability
+# outweighs the rounding of the sums around it (a few float32 ulps of a mass near 1): see `_settled`.
+SETTLED_MASS = 1e-6
+BINS_PER_OCTAVE = 8     # the head's bound reads the probabilities in bins of 2^(1/8)
+OCTAVES = 150           # past float32's smallest normal probability: one bin holds the rest
+HEAD_SLACK = 16         # tokens beyond the bound, for a cut that falls a token later than the bins say
+MAX_HEAD_SHARE = 4      # a head past 1/4 of the row: the whole sort is as cheap
+
+
+def filtered_race_head(scaled: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, seeds: Tensor,
+                       counters: Tensor, first: int = 0, active: Tensor | None = None) -> Tensor:
+    """`filtered_race_reference(scaled, top_k, top_p, min_p, noise)` with the noise of `seeds` and `counters`
+    (`exponential_noise_reference` from vocabulary index `first`); rows not `active` get token 0 without a
+    race (a greedy row's draw is discarded)."""
+    rows, vocab = scaled.shape
+    out = torch.zeros(rows, dtype=torch.long)
+    todo = torch.arange(rows) if active is None else active.nonzero().squeeze(1)
+    if todo.numel() == 0:
+        return out
+    x, k = scaled[todo], torch.where(top_k[todo] > 0, top_k[todo].clamp(max=vocab), vocab)
+    p, floor = top_p[todo], min_p[todo]
+    whole = k >= vocab
+    probs = torch.softmax(x, dim=-1)   # the reference's, for every row top-k leaves whole
+    bound = torch.where(whole, _head_size(probs, p, floor), k)
+    head = torch.where(bound + 1 + HEAD_SLACK <= vocab // MAX_HEAD_SHARE, bound, -1)
+    settled = torch.zeros(todo.numel(), dtype=torch.bool)
+    near = (head >= 0).nonzero().squeeze(1)
+    if near.numel():
+        size = int(head[near].max()) + 1 + HEAD_SLACK
+        tokens, ok = _race_heads(x[near], k[near], p[near], floor[near], probs[near], whole[near], size,
+                                 seeds[todo[near]], counters[todo[near]], first)
+        out[todo[near[ok]]] = tokens[ok]
+        settled[near[ok]] = True
+    rest = todo[~settled]
+    if rest.numel():
+        noise = exponential_noise_reference(seeds[rest], counters[rest], vocab, first)
+        out[rest] = filtered_race_reference(scaled[rest], top_k[rest], top_p[rest], min_p[rest], noise)
+    return out
+
+
+def _head_size(probs: Tensor, p: Tensor, floor: Tensor) -> Tensor:
+    """A bound [B] on the tokens top-p (`p`) and min-p (`floor`) keep of rows `probs` [B, V] (top-k left
+    them whole): min-p's count exactly; top-p's as every token in the bins of 2^(1/8) down to the one where
+    the mass reaches p. The row's length where neither filters."""
+    rows, vocab = probs.shape
+    bound = torch.full((rows,), vocab, dtype=torch.long)
+    if bool((floor > 0).any()):
+        kept = (probs >= floor[:, None] * probs.amax(dim=-1, keepdim=True)).sum(dim=-1)
+        bound = torch.where(floor > 0, kept, bound)
+    if bool((p < 1).any()):
+        nbins = OCTAVES * BINS_PER_OCTAVE
+        level = (-torch.log2(probs) * BINS_PER_OCTAVE).nan_to_num(posinf=nbins - 1)
+        bins = level.clamp(0, nbins - 1).long()
+        mass = torch.zeros(rows, nbins, dtype=probs.dtype).scatter_add_(1, bins, probs).cumsum(dim=-1)
+        count = torch.zeros(rows, nbins, dtype=torch.long).scatter_add_(1, bins, torch.ones_like(bins))
+        # the first bin whose mass, with every bin above it, reaches p (none: the whole row)
+        reached = mass >= p[:, None]
+        crossing = torch.where(reached.any(dim=-1), reached.long().argmax(dim=-1), nbins - 1)
+        upto = count.cumsum(dim=-1).gather(1, crossing[:, None]).squeeze(1)
+        bound = torch.where(p < 1, torch.minimum(bound, upto), bound)
+    return bound
+
+
+def _race_heads(x: Tensor, k: Tensor, p: Tensor, floor: Tensor, probs: Tensor, whole: Tensor, size: int,
+                seeds: Tensor, counters: Tensor, first: int) -> tuple[Tensor, Tensor]:
+    """The race over each row's `size` largest logits: (tokens [B], which rows it settled [B])."""
+    ids, vals = _sorted_head(x, size)
+    rank = torch.arange(size)
+    # exact: the first r tokens are the reference's first r, in its order, where the r-th is larger than the next
+    steps = vals[:, :-1] > vals[:, 1:]
+    exact = torch.where(steps, rank[1:], 0).amax(dim=-1)
+    if not bool(whole.all()):   # top-k's rows: the softmax over their k tokens, found exact in the head
+        in_k = torch.zeros_like(x, dtype=torch.bool).scatter_(1, ids, rank < torch.minimum(k, exact)[:, None])
+        probs = torch.where(whole[:, None], probs, torch.softmax(x.masked_fill(~in_k, float("-inf")), dim=-1))
+    weights = probs.gather(1, ids)
+    mass_before = weights.cumsum(dim=-1) - weights
+    keep = (rank < k[:, None]) & (rank < exact[:, None]) & ((mass_before < p[:, None]) | (p[:, None] >= 1.0))
+    keep &= weights >= floor[:, None] * weights[:, :1]
+    # a top-k row's softmax is the reference's only where its k tokens were all exact
+    ok = _settled(exact, k, p, floor, weights, mass_before) & (whole | (k <= exact)) & ~probs.isnan().any(dim=-1)
+    noise = exponential_noise_at(seeds, counters, ids, first)
+    winner = torch.argmax(weights.masked_fill(~keep, 0.0) / noise, dim=-1, keepdim=True)
+    return ids.gather(1, winner).squeeze(1), ok
+
+
+def _sorted_head(x: Tensor, size: int) -> tuple[Tensor, Tensor]:
+    """The `size` largest logits of each row [B, size] as the reference's stable descending sort orders them
+    (equal values by index), and their ids. One sort of a key that holds both: a float's bits made
+    order-preserving above the index's complement."""
+    ids = _head_ids(x, size)
+    vals = x.gather(1, ids)
+    vals = torch.where(vals == 0, 0.0, vals)   # -0.0 sorts with 0.0, as torch's sort compares them
+    bits = vals.view(torch.int32)
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)
+    key = (ordered << 32) + (0x7FFFFFFF - ids)
+    key, _ = key.sort(dim=-1, descending=True)
+    ids = 0x7FFFFFFF - (key & 0xFFFFFFFF)
+    return ids, x.gather(1, ids)
+
+
+def _head_ids(x: Tensor, size: int) -> Tensor:
+    """Ids of each row's `size` largest logits, in no order; which of a run of equal logits across the end
+    it takes is unspecified (the exact prefix, `_race_heads`, does not depend on it)."""
+    return x.topk(size, dim=-1, sorted=False).indices
+
+
+def _settled(exact: Tensor, k: Tensor, p: Tensor, floor: Tensor, weights: Tensor, mass_before: Tensor) -> Tensor:
+    """Rows whose filters cut every token from the head's exact end on, so the head holds all they keep:
+    top-k within it; min-p already below its floor at the last exact token (probabilities only fall); or
+    top-p reached before it, by a token heavy enough that the later sums, each rounded, cannot fall back
+    under p (`SETTLED_MASS`)."""
+    last = (exact - 1).clamp(min=0)[:, None]
+    at_last = weights.gather(1, last).squeeze(1)
+    by_k = k <= exact
+    by_floor = (floor > 0) & (at_last < floor * weights[:, 0])
+    by_p = (p < 1) & (mass_before.gather(1, last).squeeze(1) >= p) & (at_last >= SETTLED_MASS)
+    return (exact > 0) & (by_k | by_floor | by_p)
