@@ -7,6 +7,8 @@ layers for a few CUDA rows only."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 
 import pytest
@@ -15,7 +17,7 @@ import torch.nn.functional as F
 from kernel_cases import same_on_replay
 
 from mstar.kernels import gemv
-from mstar.kernels.backend import HAVE_TRITON
+from mstar.kernels.backend import HAVE_TRITON, dependent_launch
 from mstar.models.layers import CenteredRMSNorm, Linear, MergedLinear, RMSNorm
 from mstar.models.layers.norm_linear import norm_project
 
@@ -160,9 +162,9 @@ def _layer_chain(x, r, nw, wq, wo, wgu, wd, config: gemv.GemvConfig | None):
 
 
 @cuda
-def test_dependent_launches_read_what_the_kernel_before_wrote():
-    """With programmatic dependent launch (Hopper) the chain's outputs are exactly those of plain launches,
-    eagerly and replayed from a CUDA graph."""
+def test_dependent_launches_read_what_the_kernel_before_wrote(monkeypatch):
+    """With programmatic dependent launch (Hopper) the chain's outputs are exactly those of plain launches of
+    the same tiling, eagerly and replayed from a CUDA graph."""
     gen = torch.Generator(device="cuda").manual_seed(9)
 
     def make():
@@ -171,14 +173,28 @@ def test_dependent_launches_read_what_the_kernel_before_wrote():
         return [t(1, 3072), t(1, 3072), 1 + t(3072, scale=0.1), t(3072, 3072, scale=3072 ** -0.5),
                 t(3072, 3072, scale=3072 ** -0.5), t(2 * 8192, 3072, scale=3072 ** -0.5),
                 t(3072, 8192, scale=8192 ** -0.5)]
-    on, off = (gemv.GemvConfig(block_n=4, block_k=1024, pdl=p) for p in (True, False))
+    on = gemv.GemvConfig(block_n=4, block_k=1024, pdl=True)
+    shapes_own = gemv.config_for
+
+    def plain(config):
+        """The chain as `config` tiles it, launched plainly."""
+        if config is not None:
+            return lambda *a: _layer_chain(*a, dataclasses.replace(config, pdl=False))
+        def chain(*a):
+            with monkeypatch.context() as m:
+                m.setattr(gemv, "config_for", lambda *s, **kw: dataclasses.replace(shapes_own(*s, **kw), pdl=False))
+                return _layer_chain(*a, None)
+        return chain
+
+    if not dependent_launch(torch.zeros(1, device="cuda")):   # it would compare plain launches with themselves
+        pytest.skip("no programmatic dependent launch on this device")
     for config in (on, None):  # a fixed tiling, and the shapes' own (`config_for`)
         for _ in range(3):
             # fresh inputs, the dependent launches first: the blocks the allocator hands out hold another
             # round's values, so an output read before its kernel wrote it differs
             inputs = make()
             got = _layer_chain(*inputs, config)
-            for g, want in zip(got, _layer_chain(*inputs, off)):
+            for g, want in zip(got, plain(config)(*inputs)):
                 assert torch.equal(g, want)
         same_on_replay(make, lambda *a, c=config: _layer_chain(*a, c))
 

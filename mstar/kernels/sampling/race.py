@@ -49,9 +49,8 @@ def kept_softmax(scaled: Tensor, keep: Tensor, order: Tensor) -> Tensor:
     """The softmax of each row over the tokens `keep` (in sorted order, as
     `order` sorts the row) holds, in vocabulary order: summed in that order,
     whatever sorted the row, so a form that sorts only a row's head
-    (`head_race.py`) gets the same bits."""
-    if bool(keep.all()):
-        return torch.softmax(scaled, dim=-1)
+    (`head_race.py`) gets the same bits. No branch on the values: a CUDA
+    graph captures it (the sampler's)."""
     kept = torch.zeros_like(keep).scatter_(1, order, keep)
     return torch.softmax(scaled.masked_fill(~kept, float("-inf")), dim=-1)
 
