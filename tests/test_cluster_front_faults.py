@@ -234,7 +234,9 @@ def test_the_body_timeout_is_the_fronts_and_the_replicas() -> None:
     from mstar.cluster.held_body import BODY_TIMEOUT_S
 
     a, rest = parse(["--body-timeout", "120", "--", "--model", "tiny-llama"])
-    assert a.body_timeout == 120 and rest == ["--body-timeout=120", "--model", "tiny-llama"]
+    assert a.body_timeout == 120 and rest == ["--body-timeout=120.0", "--model", "tiny-llama"]
+    a, rest = parse(["--body-time", "5"])   # an abbreviation is a replica's flag, as before the front held bodies
+    assert a.body_timeout == BODY_TIMEOUT_S and rest == ["--body-time", "5"]
     a, rest = parse(["--", "--body-timeout", "5"])
     assert a.body_timeout == BODY_TIMEOUT_S and rest == ["--body-timeout", "5"]
     assert parse(["--body-timeout=0"])[0].body_timeout == 0   # no limit, as a replica's 0

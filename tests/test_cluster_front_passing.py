@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import aiohttp
 import pytest
@@ -196,24 +197,60 @@ def _impatient_replica() -> web.Application:
 
     app = web.Application()
     app.router.add_post("/{tail:.*}", post)
-    app.router.add_get("/{tail:.*}", get)
+    app.router.add_get("/{tail:.*}", get)   # /health too
     return app
+
+
+@asynccontextmanager
+async def _front_over(replica: str) -> AsyncIterator[URL]:
+    """A front over `replica` that lingers 1 s (aiohttp's default is 10) for a body it will not read."""
+    runner = FrontRunner(Front([replica]).app(), handler_cancellation=True, lingering_time=1.0)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    host, port = runner.addresses[0][:2]
+    try:
+        yield URL(f"http://{host}:{port}")
+    finally:
+        await runner.cleanup()
 
 
 @pytest.mark.parametrize("framing", ["chunked", "length"])
 async def test_a_replica_that_gives_up_on_a_streamed_body_closes_the_clients_connection(framing: str) -> None:
-    """The client is mid-body when the replica answers: the front closes its connection at once, so what the client
-    sends next is never read as a request of its own, and no 10 s linger holds it."""
+    """The client is mid-body when the replica answers 408 and closes: the front's answer says the connection
+    closes, and it does, so what the client sends next is never read as a request of its own."""
     head = (b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n" if framing == "chunked"
             else b"Content-Length: %d\r\n\r\nhello" % (2 << 20))   # over what the front holds: streamed through
-    async with serving_app(_impatient_replica()) as replica, serving_app(Front([replica]).app()) as url:
-        front = URL(url)
+    async with serving_app(_impatient_replica()) as replica, _front_over(replica) as front:
         reader, writer = await asyncio.open_connection(front.host, front.port)
         writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + head)
         answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
         assert answer.startswith(b"HTTP/1.1 408") and b"connection: close" in answer.lower(), answer
         ending = b"0\r\n\r\n" if framing == "chunked" else b""
         writer.write(ending + b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
-        rest = await asyncio.wait_for(reader.read(), 3)   # closed well before aiohttp's 10 s linger
+        rest = await asyncio.wait_for(reader.read(), 10)   # to the close
         writer.close()
         assert b"HTTP/1.1 200" not in rest, rest
+
+
+async def test_a_client_that_sends_its_whole_body_before_reading_gets_an_early_answer() -> None:
+    """A replica answers 401 without reading a large body; a client that writes all of it first (http.client
+    does) still reads the 401: the front drains the body rather than resetting the connection."""
+    async def refuse(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"code": "invalid_api_key"}}, status=401)
+
+    async def health(_r: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/{tail:.*}", refuse)
+    size = 8 << 20
+    async with serving_app(app) as replica, _front_over(replica) as front:
+        for _ in range(2):
+            reader, writer = await asyncio.open_connection(front.host, front.port)
+            writer.write(b"POST /v1/audio/transcriptions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % size)
+            writer.write(b"x" * size)
+            await writer.drain()
+            answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            writer.close()
+            assert answer.startswith(b"HTTP/1.1 401"), answer

@@ -109,6 +109,18 @@ def test_nan_rows_and_inactive_rows() -> None:
     assert got.tolist() == [want[0], 0, want[2]]
 
 
+def test_a_nan_with_its_sign_bit_set_is_raced_as_the_reference_races_it() -> None:
+    """x86 makes the NaN 0xFFC00000 (inf - inf): torch's sort puts every NaN first, its bits below -inf."""
+    x = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(2)) * 2
+    x[:, :50] += 9
+    x[0, 777] = torch.tensor(float("-inf")) + float("inf")
+    x[1, 777] = float("nan")
+    filters = (torch.tensor([20, 20]), torch.ones(2), torch.zeros(2))
+    seeds, counters = torch.tensor([1, 1]), torch.zeros(2, dtype=torch.long)
+    want = _reference(x, *filters, seeds, counters)
+    assert head_race.filtered_race_head(x, *filters, seeds, counters).tolist() == want.tolist()
+
+
 def test_noise_at_columns_is_the_whole_rows_noise() -> None:
     seeds, counters = torch.tensor([5, -7, 2**40 + 3]), torch.tensor([0, 9, 2**33])
     whole = exponential_noise_reference(seeds, counters, 5000, 21)

@@ -26,7 +26,8 @@ OWN_FLAGS = ("--host", "--port")   # of the front: a replica's are the cluster's
 
 
 def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(prog="python -m mstar.cluster", description=__doc__,
+    # no abbreviations: a flag not spelled out is a replica's (`--body-time` is the replicas' own abbreviation)
+    p = argparse.ArgumentParser(prog="python -m mstar.cluster", description=__doc__, allow_abbrev=False,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--address", default=None,
                    help="the Ray cluster to join (auto, host:port, ray://host:10001); none: start a local one")
@@ -47,7 +48,7 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
         head, tail = head[:cut], head[cut + 1:]
     a, rest = p.parse_known_args(head)
     if any(f.split("=")[0] == "--body-timeout" for f in head):   # the front's and, as before, the replicas'
-        rest += [f"--body-timeout={a.body_timeout:g}"]
+        rest += [f"--body-timeout={a.body_timeout!r}"]
     rest += tail
     check_deadline_flags(p, a)
     if a.gpus not in (None, "cpu"):

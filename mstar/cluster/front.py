@@ -51,7 +51,7 @@ from mstar.cluster import serving
 from mstar.cluster.front_metrics import FrontCounters
 from mstar.cluster.prometheus_text import labelled, merged
 from mstar.cluster.relay import DONE, FRONT_STOPPED, ClientSocket, client_stopped, event, pump_both, relay
-from mstar.cluster.held_body import BODY_TIMEOUT_S, BodyOverdue, body_overdue, read_held, replayable
+from mstar.cluster.held_body import BODY_TIMEOUT_S, body_overdue, read_held, replayable
 from mstar.cluster.upstream import (HOP_HEADERS, NOT_BEGUN, NoAnswer, Refused, could_not_connect, error_response,
                                     failed_before_answer, forwarded_headers, keep_refusal, refusal, unavailable,
                                     went_silent)
@@ -364,11 +364,12 @@ class Front:
                 if upstream.headers.get("transfer-encoding", "").lower() != "chunked" and \
                         "content-length" in upstream.headers:
                     response.content_length = int(upstream.headers["content-length"])
-                streamed_in = isinstance(body, aiohttp.StreamReader)
-                if streamed_in and upstream.headers.get("connection", "").lower() == "close":
-                    # the replica gave up on the body (its 408, 413): the client's connection is mid-body too,
-                    # so it closes, and what the client sends after is never read as a new request
-                    _abandon(request, response)
+                if isinstance(body, aiohttp.StreamReader) and upstream.headers.get("connection", "").lower() == "close":
+                    # the replica gave up on the body (its 408, 413): the client's connection is mid-body too, so
+                    # it closes once aiohttp has drained what the client still sends (a close with unread data
+                    # would reset it, and a client that reads only after sending would lose this answer); nothing
+                    # after is read as a new request
+                    response.force_close()
                 # else no length: aiohttp chunks the body for HTTP/1.1, and for an HTTP/1.0 client (which has no
                 # chunked encoding) ends it by closing the connection
                 await response.prepare(request)
@@ -377,10 +378,7 @@ class Front:
                 if events and task is not None:
                     self._relays.add(task)
                 try:
-                    await relay(replica.index, upstream, request, response, events)
-                    if streamed_in and not body.at_eof():   # answered before the body ended: as above
-                        _abandon(request, response)
-                    return response
+                    return await relay(replica.index, upstream, request, response, events)
                 except asyncio.CancelledError:  # the drain is over (`_drain`), or the client left
                     if not events or task is None:
                         raise   # chunked audio has no way to say more: it is cut
@@ -453,14 +451,6 @@ class Front:
         if client.too_big:   # the client may still be sending it: it hears the close, not a reset
             await client_stopped(request)
         return client
-
-
-def _abandon(request: web.Request, response: web.StreamResponse) -> None:
-    """Close the client's connection once `response` is sent, reading no more of a body still arriving (aiohttp
-    would otherwise linger up to 10 s reading it)."""
-    response.force_close()
-    if not request.content.at_eof():
-        request.content.set_exception(BodyOverdue("the answer came before the request body ended"))
 
 
 def _target(replica: Replica, request: web.Request) -> URL:

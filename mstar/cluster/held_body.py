@@ -23,9 +23,8 @@ STREAMED_IN = frozenset({("/v1/audio/speech", "application/x-ndjson")})
 
 
 class BodyOverdue(TimeoutError):
-    """Set on a body's stream the front reads no more of (a held one that did not arrive in time, one a replica
-    answered before it ended): aiohttp's read of what is left, after the answer, ends on it quietly (a timeout,
-    as the replicas' own body deadline raises)."""
+    """Set on a held body's stream that did not arrive in time: aiohttp's read of what is left, after the 408,
+    ends on it quietly (a timeout, as the replicas' own body deadline raises)."""
 
 
 def replayable(request: web.Request, held: int) -> bool:
