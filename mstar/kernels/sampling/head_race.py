@@ -27,6 +27,7 @@ HEAD_MIN_VOCAB = 8192   # narrower rows sort whole in about the time this form's
 # A cut by top-p at the head's last token holds for every later token only if that token's probability
 # outweighs the rounding of the sums around it (a few float32 ulps of a mass near 1): see `_settled`.
 SETTLED_MASS = 1e-6
+FLOOR_MARGIN = 1e-5     # relative: see `_settled`
 BINS_PER_OCTAVE = 8     # the head's bound reads the probabilities in bins of 2^(1/8)
 OCTAVES = 150           # past float32's smallest normal probability: one bin holds the rest
 HEAD_SLACK = 16         # tokens beyond the bound, for a cut that falls a token later than the bins say
@@ -141,6 +142,7 @@ def _settled(exact: Tensor, k: Tensor, p: Tensor, floor: Tensor, weights: Tensor
     last = (exact - 1).clamp(min=0)[:, None]
     at_last = weights.gather(1, last).squeeze(1)
     by_k = k <= exact
-    by_floor = (floor > 0) & (at_last < floor * weights[:, 0])
+    # with a margin of a few ulps: nothing promises that float exp never rises by one as its argument falls
+    by_floor = (floor > 0) & (at_last * (1 + FLOOR_MARGIN) < floor * weights[:, 0])
     by_p = (p < 1) & (mass_before.gather(1, last).squeeze(1) >= p) & (at_last >= SETTLED_MASS)
     return (exact > 0) & (by_k | by_floor | by_p)
