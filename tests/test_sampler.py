@@ -65,6 +65,22 @@ def test_hash_matches_python_reference() -> None:
             assert int(bits[row, v]) == _py_bits(s, c, v), (s, c, v)
 
 
+def test_cpu_noise_is_the_int64_forms_bits() -> None:
+    """The CPU's noise, mixed in numpy's uint32, is the torch int64 form's, bit for bit; so is its draw at
+    chosen columns."""
+    from mstar.kernels.sampling.noise import _exp_of_bits, exponential_noise_at
+
+    seeds = torch.tensor([0, 1, -1, 2**63 - 1, -(2**63), 2**32 + 5, 123456789], dtype=torch.int64)
+    counters = torch.tensor([0, 2**32 - 1, 2**32, 7, 2**40 + 3, 1, 99], dtype=torch.int64)
+    for vocab, first in ((300, 0), (5000, 17), (1, 2**31 - 2)):
+        want = _exp_of_bits(random_bits(seeds, counters, vocab, first) >> 8)
+        got = exponential_noise_reference(seeds, counters, vocab, first)
+        assert got.dtype == torch.float32 and torch.equal(got, want), (vocab, first)
+        columns = torch.randint(0, vocab, (len(seeds), 9), generator=torch.Generator().manual_seed(vocab))
+        assert torch.equal(exponential_noise_at(seeds, counters, columns, first), want.gather(1, columns))
+    assert exponential_noise_reference(seeds[:0], counters[:0], 10).shape == (0, 10)
+
+
 def test_hash_bits_look_uniform() -> None:
     bits = random_bits(torch.arange(64), torch.zeros(64, dtype=torch.int64), 4096)
     # Each bit position is set about half the time over 262144 draws.
