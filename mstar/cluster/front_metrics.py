@@ -1,11 +1,10 @@
 """The front's own counters, in Prometheus text for its `/metrics` beside the
 replicas' samples: answers each replica began, by status; answers the front
 gave itself (no replica available 503, a replica that dropped the request
-502, one that went silent 504, a request head or held body that did not arrive
-408);
-requests sent on to another replica after one could not be reached, refused
-it (429, 503), or left a safe one unanswered. Owned by the front's event
-loop."""
+502, one that went silent 504, a request head or held body that did not
+arrive 408); requests sent on to another replica after one could not be
+reached, refused it (429, 503), or left a safe one unanswered. Owned by the
+front's event loop."""
 
 from __future__ import annotations
 

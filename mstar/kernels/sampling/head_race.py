@@ -48,7 +48,9 @@ def filtered_race_head(scaled: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tens
     p, floor = top_p[todo], min_p[todo]
     whole = k >= vocab
     probs = torch.softmax(x, dim=-1)   # the reference's, for every row top-k leaves whole
-    bound = torch.where(whole, _head_size(probs, p, floor), k)
+    bound = k.clone()   # top-k bounds its rows; the softmax bounds the rest
+    if bool(whole.any()):
+        bound[whole] = _head_size(probs[whole], p[whole], floor[whole])
     head = torch.where(bound + 1 + HEAD_SLACK <= vocab // MAX_HEAD_SHARE, bound, -1)
     settled = torch.zeros(todo.numel(), dtype=torch.bool)
     near = (head >= 0).nonzero().squeeze(1)
