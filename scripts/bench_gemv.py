@@ -36,12 +36,12 @@ SHAPES = {"qkv": (HIDDEN, QKV, True, False), "o": (HIDDEN, HIDDEN, False, False)
 HEADS = {"head_window": 28736, "head_full": 156992}
 
 
-def sweep(rows: int) -> list[gemv.GemvConfig]:
-    if rows == 1:
-        grid = itertools.product((2, 4, 8), (512, 1024, 2048, 4096), (4, 8), (1,))
-    else:
-        grid = itertools.product((2, 4, 8), (256, 512, 1024), (4, 8), (1,))
-    return [gemv.GemvConfig(*c) for c in grid]
+GRID = {"block_n": (2, 4, 8), "block_k": None, "warps": (4, 8), "stages": (1,)}
+
+
+def sweep(rows: int, grid: dict) -> list[gemv.GemvConfig]:
+    block_k = grid["block_k"] or ((512, 1024, 2048, 4096) if rows == 1 else (256, 512, 1024))
+    return [gemv.GemvConfig(*c) for c in itertools.product(grid["block_n"], block_k, grid["warps"], grid["stages"])]
 
 
 def weights(k: int, n: int, count: int, gen: torch.Generator) -> list[torch.Tensor]:
@@ -80,7 +80,8 @@ def default_config(rows: int, shape: Shape) -> gemv.GemvConfig:
     return gemv.config_for(rows, w.shape[0] // (2 if shape.silu else 1), w.shape[1], shape.norm)
 
 
-def per_shape(rows: list[int], all_weights: dict[str, list[torch.Tensor]], gen: torch.Generator) -> dict:
+def per_shape(rows: list[int], all_weights: dict[str, list[torch.Tensor]], gen: torch.Generator,
+              grid: dict) -> dict:
     out: dict = {}
     for m in rows:
         for name, ws in all_weights.items():
@@ -88,7 +89,7 @@ def per_shape(rows: list[int], all_weights: dict[str, list[torch.Tensor]], gen: 
             calls = len(ws)
             base = graph_time_us(shape.cublas, calls=calls, replays=10)
             results = []
-            for cfg in sweep(m):
+            for cfg in sweep(m, grid):
                 try:
                     us = graph_time_us(lambda i, c=cfg: shape.fused(i, c), calls=calls, replays=10)
                 except Exception as e:  # a tiling the compiler refuses (registers): skip it, say so
@@ -150,7 +151,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--out", default=None)
+    for name, default in GRID.items():  # the sweep's tilings: every combination of these
+        ap.add_argument(f"--{name.replace('_', '-')}", type=int, nargs="+", default=default,
+                        help=f"the sweep's {name} values (default {default or 'by rows'})")
+    ap.add_argument("--shapes", nargs="+", default=None, help="only these projections (default all)")
     args = ap.parse_args()
+    grid = {name: getattr(args, name) for name in GRID}
     gen = torch.Generator(device="cuda").manual_seed(0)
     gbps = copy_bandwidth_gbps(torch.device("cuda"))
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": version("triton"),
@@ -158,7 +164,11 @@ def main() -> None:
     print(env, flush=True)
     layer_weights = {name: weights(k, n, LAYERS, gen) for name, (k, n, _, _) in SHAPES.items()}
     heads = {name: weights(HIDDEN, n, 1, gen) for name, n in HEADS.items()}
-    shapes = per_shape(args.rows, layer_weights | heads, gen)
+    measured = {name: ws for name, ws in (layer_weights | heads).items() if not args.shapes or name in args.shapes}
+    shapes = per_shape(args.rows, measured, gen, grid)
+    if set(layer_weights) - set(measured):  # a step needs every layer projection's best tiling
+        print(json.dumps(shapes, indent=1))
+        return
     result = {"env": env, "shapes": shapes, "step": step(args.rows, layer_weights, shapes, gen, gbps)}
     if args.out:
         with open(args.out, "w") as f:
