@@ -13,7 +13,8 @@ prefill kernel on tensor cores) it prints:
   max_err     against TorchPagedAttention on the same cache
 
 usage: python3 scripts/bench_page_size.py [--batch 64] [--context 512]
-       [--page-sizes 1 16 32 64] [--out results.json]
+       [--page-sizes 1 16 32 64] [--tensor-cores both|on|off] [--split-kv on|off|both]
+       [--batches 1 16 64] [--contexts 512 1024] [--out results.json]
 """
 
 from __future__ import annotations
@@ -60,8 +61,8 @@ def graph_time_us(fn, calls: int = CALLS, replays: int = REPLAYS) -> float:
     return start.elapsed_time(end) * 1000 / (calls * replays)
 
 
-def measure(page_size: int, tensor_cores: bool, batch: int, context: int,
-            seed: int = 0) -> dict[str, float | int | str]:
+def measure(page_size: int, tensor_cores: bool, batch: int, context: int, seed: int = 0,
+            split_kv: bool = True) -> dict[str, float | int | str | bool]:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     per_row = math.ceil(context / page_size)
     num_pages = batch * per_row + 1
@@ -71,7 +72,7 @@ def measure(page_size: int, tensor_cores: bool, batch: int, context: int,
     tables = torch.randperm(num_pages, generator=gen, device="cuda")[:batch * per_row].view(batch, per_row).cpu()
     context_lens = torch.full((batch,), context - 1, dtype=torch.long)
     attn = FlashInferAttention(cache, HQ, graph_batch_sizes=(batch,), max_pages_per_row=per_row,
-                               decode_tensor_cores=tensor_cores)
+                               decode_tensor_cores=tensor_cores, split_kv=split_kv)
     ctx: FlashInferContext = attn.plan_graph(batch, context_lens, tables)
     q = torch.randn(batch, HQ, D, device="cuda", generator=gen).to(torch.bfloat16)
     k = torch.randn(batch, HKV, D, device="cuda", generator=gen).to(torch.bfloat16)
@@ -91,7 +92,7 @@ def measure(page_size: int, tensor_cores: bool, batch: int, context: int,
     kv_bytes = 2 * batch * context * HKV * D * 2
     del attn, cache
     torch.cuda.empty_cache()
-    return dict(page_size=page_size, decode="tensor cores" if tensor_cores else "CUDA cores",
+    return dict(page_size=page_size, decode="tensor cores" if tensor_cores else "CUDA cores", split_kv=split_kv,
                 attend_us=round(attend_us, 2), forward_us=round(forward_us, 2),
                 kv_gbps=round(kv_bytes / attend_us / 1e3, 1), plan_us=round(plan_us, 1), max_err=max_err)
 
@@ -101,12 +102,20 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--page-sizes", type=int, nargs="+", default=[1, 16, 32, 64])
+    p.add_argument("--tensor-cores", choices=("both", "on", "off"), default="both")
+    p.add_argument("--split-kv", choices=("both", "on", "off"), default="on",
+                   help="whether a row's keys may split over programs (FlashInfer's default), or both ways")
+    p.add_argument("--batches", type=int, nargs="+", default=None, help="several batch sizes (replaces --batch)")
+    p.add_argument("--contexts", type=int, nargs="+", default=None, help="several contexts (replaces --context)")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     build_kernels(torch.bfloat16, D)
-    rows = [measure(ps, tc, a.batch, a.context) for ps in a.page_sizes for tc in (False, True)]
-    print(f"decode attention, batch {a.batch}, context {a.context}, Hq {HQ} Hkv {HKV} D {D} bf16, "
-          f"{torch.cuda.get_device_name()}")
+    ways = {"both": (False, True), "on": (True,), "off": (False,)}
+    batches, contexts = a.batches or [a.batch], a.contexts or [a.context]
+    rows = [dict(batch=b, context=c) | measure(ps, tc, b, c, split_kv=sk)
+            for b in batches for c in contexts for ps in a.page_sizes
+            for tc in ways[a.tensor_cores] for sk in ways[a.split_kv][::-1]]
+    print(f"decode attention, Hq {HQ} Hkv {HKV} D {D} bf16, {torch.cuda.get_device_name()}")
     cols = list(rows[0])
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
@@ -114,7 +123,7 @@ def main() -> None:
         print("| " + " | ".join(f"{r[c]:.2e}" if c == "max_err" else str(r[c]) for c in cols) + " |")
     if a.out:
         with open(a.out, "w") as f:
-            json.dump(dict(batch=a.batch, context=a.context, rows=rows), f, indent=1)
+            json.dump(dict(batches=batches, contexts=contexts, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -195,10 +195,12 @@ class FlashInferAttention:
     def __init__(self, cache: KVCache, num_qo_heads: int, *, graph_batch_sizes: Sequence[int] = (),
                  max_pages_per_row: int, workspace_bytes: int = 256 << 20,
                  decode_tensor_cores: bool = DECODE_TENSOR_CORES, mixed_tokens: Sequence[int] = (),
-                 mixed_rows: int = 0, mixed_buckets: Sequence[int] | None = None) -> None:
+                 mixed_rows: int = 0, mixed_buckets: Sequence[int] | None = None, split_kv: bool = True) -> None:
         """`mixed_tokens`, `mixed_rows`: the new tokens and most new rows of
         the mixed-step graphs (`plan_mixed_graph`), beside each decode bucket
-        of `mixed_buckets` (default: every one)."""
+        of `mixed_buckets` (default: every one). `split_kv` False: bf16
+        decode never splits a row's keys over programs (no partials to
+        merge, one program per row and KV head)."""
         if cache.device.type != "cuda":
             raise ConfigError(f"FlashInfer attention needs a CUDA device, the KV cache is on {cache.device}")
         if num_qo_heads < 1 or num_qo_heads % cache.spec.num_kv_heads:
@@ -209,6 +211,7 @@ class FlashInferAttention:
         self.num_qo_heads = num_qo_heads
         self.max_pages_per_row = max_pages_per_row
         self.decode_tensor_cores = decode_tensor_cores
+        self.split_kv = split_kv
         # what every plan() of every wrapper is told: the pages' shape and dtype
         self._dims = (num_qo_heads, cache.spec.num_kv_heads, cache.spec.head_dim, cache.page_size)
         self._dtypes = dict(q_data_type=cache.dtype, kv_data_type=cache.kv_dtype)
@@ -241,7 +244,7 @@ class FlashInferAttention:
             wrapper.plan(layout)
             return
         wrapper.plan(layout.kv_indptr, layout.kv_indices, layout.kv_last_page_len, *self._dims,
-                     seq_lens=host_lens(layout.seq_lens), **self._dtypes)
+                     seq_lens=host_lens(layout.seq_lens), disable_split_kv=not self.split_kv, **self._dtypes)
 
     def plan(self, query_start: torch.Tensor, context_lens: torch.Tensor,
              block_tables: torch.Tensor | list[list[int]], causal: bool = True) -> FlashInferContext:
@@ -291,7 +294,8 @@ class FlashInferAttention:
         bucket.pinned_indices[:n].copy_(layout.kv_indices)
         bucket.indices_stage[:n].copy_(bucket.pinned_indices[:n], non_blocking=True)
         bucket.wrapper.plan(bucket.pinned_indptr, bucket.indices_stage[:n], bucket.pinned_last, *self._dims,
-                            non_blocking=True, seq_lens=host_lens(layout.seq_lens), **self._dtypes)
+                            non_blocking=True, seq_lens=host_lens(layout.seq_lens), disable_split_kv=not self.split_kv,
+                            **self._dtypes)
 
     @property
     def mixed_graph_buckets(self) -> list[tuple[int, int]]:
