@@ -266,7 +266,8 @@ class Engine:
         state = RequestState(request.request_id, plan, sampling, prepared.num_prompt_tokens, idx,
                              IncrementalDetokenizer(tok, sampling.skip_special_tokens) if tok is not None else None,
                              host_predicates=_host_predicates(plan), request=request, places=places,
-                             stop_token_ids=frozenset(prepared.stop_ids[plan.root]))
+                             stop_token_ids=frozenset(prepared.stop_ids[plan.root]),
+                             eos_ids=frozenset() if sampling.ignore_eos else frozenset(model.eos_ids(plan.root)))
         self._states[request.request_id] = state
         self._waiting.add(request.request_id)
         self.stats["requests_submitted"] += 1

@@ -125,6 +125,7 @@ class RequestState:
     request: GenerateRequest | None = None  # as submitted: what later input inherits
     places: dict[str, int] = field(default_factory=dict)  # partition -> worker index
     stop_token_ids: frozenset[int] = frozenset()  # the ids that end its text (EOS, `stop_token_ids`)
+    eos_ids: frozenset[int] = frozenset()  # the model's EOS ids among them (none with `ignore_eos`)
     stops: StopStrings = field(init=False)
 
     def __post_init__(self) -> None:
@@ -281,12 +282,15 @@ class RequestState:
 
     def _stopped_by(self) -> int | str | None:
         """What ended an answer that stopped (vLLM's `stop_reason`): its stop
-        string, else the `stop_token_ids` id it ended on; None for EOS or a
-        walk's own stop."""
+        string, else the `stop_token_ids` id it ended on; None for EOS (also
+        when `stop_token_ids` names it: vLLM checks EOS first) or a walk's
+        own stop."""
         if self.stops.matched is not None:
             return self.stops.matched
         last = self.last_token
-        return last if last is not None and last in self.sampling.stop_token_ids else None
+        if last is None or last in self.eos_ids:
+            return None
+        return last if last in self.sampling.stop_token_ids else None
 
 
 def _token_logprob(token: int, row: list[float], k: int) -> TokenLogprob:
