@@ -296,6 +296,18 @@ class Front:
         finally:
             self._held -= length
 
+    def _next_replica(self, tried: set[int]) -> Replica | None:
+        """The replica a request tries next, not one of `tried` (None: none is
+        left), counting a retry where it is not the first; it joins `tried`."""
+        try:
+            replica = self.pick(tried)
+        except NoReplica:
+            return None
+        if tried:
+            self.counters.retries += 1
+        tried.add(replica.index)
+        return replica
+
     async def _pass_on(self, request: web.Request, body: bytes | aiohttp.StreamReader | None) -> web.StreamResponse:
         """`body`: held whole (bytes: a replica's refusal sends it to the next), or streamed through."""
         tried: set[int] = set()
@@ -303,16 +315,12 @@ class Front:
         taken: BaseException | None = None   # why a replica that took the request gave no answer
         refused: Refused | None = None       # the last replica's refusal of a request sent again
         while True:
-            try:
-                replica = self.pick(tried)
-            except NoReplica:
+            replica = self._next_replica(tried)
+            if replica is None:
                 if refused is not None:  # every replica left refused it: the client hears the last one
                     return refused.response()
                 # a safe request some replica took and none answered failed there; it did not find none available
                 return self._own(unavailable() if taken is None else failed_before_answer(taken))
-            if tried:
-                self.counters.retries += 1
-            tried.add(replica.index)
             try:
                 return await self._pass_to(replica, request, body)
             except Refused as e:
@@ -398,13 +406,9 @@ class Front:
         tried: set[int] = set()
         refused: Refused | None = None
         while True:
-            try:
-                replica = self.pick(tried)
-            except NoReplica:
+            replica = self._next_replica(tried)
+            if replica is None:
                 return refused.response() if refused is not None else self._own(unavailable())
-            if tried:
-                self.counters.retries += 1
-            tried.add(replica.index)
             replica.outstanding += 1
             try:
                 try:
