@@ -59,7 +59,8 @@
 #   scripts/gpu_check.sh first-burst  what the first burst of streams after startup pays (scripts/probe_first_burst.sh),
 #                                   then one stream's and 64 streams' first audio with and without early_audio
 #   scripts/gpu_check.sh gemv       the few-row projection kernel's GPU tests and Llama's parity with it, then
-#                                   scripts/bench_gemv.py (it against cuBLAS at Orpheus-3B's shapes), then the decode
+#                                   scripts/bench_gemv.py (it against cuBLAS at Orpheus-3B's shapes; $GEMV_ARGS adds
+#                                   flags, e.g. the sweep's grid: --block-n 2 4 8 --stages 1 2), then the decode
 #                                   step at 1 and 64 rows of this tree against $BASE's (as compare, $ROUNDS rounds, default 2)
 #   scripts/gpu_check.sh all        tests and bench (default)
 # FlashInfer compiles its kernels on first use into ~/.cache/flashinfer; a
@@ -267,8 +268,8 @@ if [[ $what == gemv ]]; then
   timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gemv.py tests/test_llama_parity_model.py \
       > "$OUT/gemv_tests.txt" 2>&1 || rc=1
   tail -8 "$OUT/gemv_tests.txt"
-  PYTHONPATH=$PWD:$PWD/scripts timeout 150 python3 scripts/bench_gemv.py --rows 1 --out "$OUT/gemv.json" 2>&1 \
-      | tee "$OUT/bench_gemv.txt" | grep -v "^  rows"
+  PYTHONPATH=$PWD:$PWD/scripts timeout 240 python3 scripts/bench_gemv.py --rows 1 ${GEMV_ARGS:-} \
+      --out "$OUT/gemv.json" 2>&1 | tee "$OUT/bench_gemv.txt" | grep -v "^  rows"
   for round in $(seq "${ROUNDS:-2}"); do
     for tree in ${BASE:+"$BASE"} "$PWD"; do
       name=$([[ $tree == "$PWD" ]] && echo new || echo base)
