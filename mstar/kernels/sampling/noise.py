@@ -100,10 +100,16 @@ def _mix32_u32(x: np.ndarray) -> np.ndarray:
 def exponential_noise_at(seeds: Tensor, counters: Tensor, columns: Tensor, first: int = 0) -> Tensor:
     """`exponential_noise_reference`'s draws [B, C] at vocabulary indices
     `first + columns` [B, C] only (the same bits: the same ops, elementwise)."""
-    keys = row_keys(seeds, counters)
+    keys, at = row_keys(seeds, counters), columns.to(torch.int64) + first
     if seeds.device.type == "cpu":
-        return _exp_of_bits(_cpu_bits(keys, (columns.to(torch.int64) + first).numpy().astype(np.uint32)))
-    return _exp_of_bits(mix32(keys[:, None] ^ mix32(columns.to(torch.int64) + first)) >> 8)
+        return _exp_of_bits(_cpu_bits(keys, at.numpy().astype(np.uint32)))
+    return _exp_of_bits(_bits_at(keys, at))
+
+
+def _bits_at(keys: Tensor, at: Tensor) -> Tensor:
+    """`random_bits`' top 24 bits [B, C] for row keys [B] at vocabulary indices `at` [B, C], in int64 torch ops
+    (any device)."""
+    return mix32(keys[:, None] ^ mix32(at)) >> 8
 
 
 BLOCK = 1024
