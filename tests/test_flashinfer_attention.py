@@ -99,13 +99,15 @@ def reference(ref: TorchPagedAttention, layer: int, q, k, v, rotary: Rotary | No
 
 
 def check_step(ctx: list[int], new: list[int], seed: int, *, use_rotary: bool = False,
-               tensor_cores: bool = False, causal: bool = True, kv_dtype: torch.dtype = BF16) -> None:
+               tensor_cores: bool = False, causal: bool = True, kv_dtype: torch.dtype = BF16,
+               split_kv: bool = True) -> None:
     gen = torch.Generator().manual_seed(seed)
     fi_cache, ref_cache = caches(seed, kv_dtype)
     bt = tables(gen, ctx, new, kv_dtype=kv_dtype)
     qs = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()])
     context_lens = torch.tensor(ctx)
-    attn = FlashInferAttention(fi_cache, HQ, max_pages_per_row=64, decode_tensor_cores=tensor_cores)
+    attn = FlashInferAttention(fi_cache, HQ, max_pages_per_row=64, decode_tensor_cores=tensor_cores,
+                               split_kv=split_kv)
     fi = attn.plan(qs, context_lens, bt, causal)
     ref = TorchPagedAttention(ref_cache, qs, context_lens, bt, causal)
     rows = torch.repeat_interleave(torch.arange(len(ctx)), torch.tensor(new))
@@ -122,13 +124,14 @@ def check_step(ctx: list[int], new: list[int], seed: int, *, use_rotary: bool = 
         torch.testing.assert_close(fi_cache.v[layer].float(), ref_cache.v[layer].float(), atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("tensor_cores,kv_dtype", [(False, BF16), (True, BF16), (True, FP8)])
-def test_decode_batch(tensor_cores, kv_dtype):
+@pytest.mark.parametrize("tensor_cores,kv_dtype,split_kv", [(False, BF16, True), (True, BF16, True), (True, FP8, True),
+                                                             (True, BF16, False)])
+def test_decode_batch(tensor_cores, kv_dtype, split_kv):
     gen = torch.Generator().manual_seed(1)
     ctx = torch.randint(0, 300, (16,), generator=gen).tolist()
     ctx[0], ctx[1], ctx[2] = 0, PAGE - 1, PAGE  # first token, last slot of a page, first slot of the next
     ctx[3] = 139   # a length of 140: the first fp8 benchmark crashed there
-    check_step(ctx, [1] * 16, seed=2, tensor_cores=tensor_cores, kv_dtype=kv_dtype)
+    check_step(ctx, [1] * 16, seed=2, tensor_cores=tensor_cores, kv_dtype=kv_dtype, split_kv=split_kv)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 64])
@@ -161,14 +164,15 @@ def test_rotary_is_applied_before_the_write(kv_dtype):
     check_step(ctx=[3, 40, 170], new=[1, 1, 1], seed=6, use_rotary=True, kv_dtype=kv_dtype)
 
 
-@pytest.mark.parametrize("use_rotary,tensor_cores,kv_dtype", [
-    (False, False, BF16), (False, True, BF16), (True, False, BF16), (True, True, BF16), (True, True, FP8)])
-def test_cuda_graph_bucket_replays_with_new_rows(tensor_cores, use_rotary, kv_dtype):
+@pytest.mark.parametrize("use_rotary,tensor_cores,kv_dtype,split_kv", [
+    (False, False, BF16, True), (False, True, BF16, True), (True, False, BF16, True), (True, True, BF16, True),
+    (True, True, FP8, True), (True, True, BF16, False)])
+def test_cuda_graph_bucket_replays_with_new_rows(tensor_cores, use_rotary, kv_dtype, split_kv):
     bucket, rows, layers = 8, 5, range(LAYERS)
     gen = torch.Generator().manual_seed(7)
     fi_cache, ref_cache = caches(7, kv_dtype)
     attn = FlashInferAttention(fi_cache, HQ, graph_batch_sizes=(4, bucket), max_pages_per_row=24,
-                               decode_tensor_cores=tensor_cores)
+                               decode_tensor_cores=tensor_cores, split_kv=split_kv)
     q_in = torch.zeros(bucket, HQ, D, device=DEVICE, dtype=torch.bfloat16)
     k_in = torch.zeros(bucket, HKV, D, device=DEVICE, dtype=torch.bfloat16)
     v_in = torch.zeros(bucket, HKV, D, device=DEVICE, dtype=torch.bfloat16)
