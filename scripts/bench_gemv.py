@@ -36,12 +36,15 @@ SHAPES = {"qkv": (HIDDEN, QKV, True, False), "o": (HIDDEN, HIDDEN, False, False)
 HEADS = {"head_window": 28736, "head_full": 156992}
 
 
-GRID = {"block_n": (2, 4, 8), "block_k": None, "warps": (4, 8), "stages": (1,)}
+GRID = {"block_n": (2, 4, 8), "block_k": None, "warps": (4, 8), "stages": (1,), "stats_block": (0,)}
 
 
-def sweep(rows: int, grid: dict) -> list[gemv.GemvConfig]:
+def sweep(rows: int, grid: dict, norm: bool) -> list[gemv.GemvConfig]:
+    """Every tiling of the grid; the statistics' block only where a norm comes first (0: the tiling's block_k)."""
     block_k = grid["block_k"] or ((512, 1024, 2048, 4096) if rows == 1 else (256, 512, 1024))
-    return [gemv.GemvConfig(*c) for c in itertools.product(grid["block_n"], block_k, grid["warps"], grid["stages"])]
+    stats = grid["stats_block"] if norm else (0,)
+    return [gemv.GemvConfig(n, kb, w, st, stats_block=sb)
+            for n, kb, w, st, sb in itertools.product(grid["block_n"], block_k, grid["warps"], grid["stages"], stats)]
 
 
 def weights(k: int, n: int, count: int, gen: torch.Generator) -> list[torch.Tensor]:
@@ -89,7 +92,7 @@ def per_shape(rows: list[int], all_weights: dict[str, list[torch.Tensor]], gen: 
             calls = len(ws)
             base = graph_time_us(shape.cublas, calls=calls, replays=10)
             results = []
-            for cfg in sweep(m, grid):
+            for cfg in sweep(m, grid, shape.norm):
                 try:
                     us = graph_time_us(lambda i, c=cfg: shape.fused(i, c), calls=calls, replays=10)
                 except Exception as e:  # a tiling the compiler refuses (registers): skip it, say so

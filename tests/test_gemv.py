@@ -83,6 +83,8 @@ FORM_IDS = ["plain", "norm", "add_norm", "add_norm_silu", "add_centered", "cente
 def test_gemv_interpreted(m, n, k, dtype, form):
     # tiles smaller than the shapes, so columns and K both span several blocks and end in a partial one
     check(m, n, k, dtype, "cpu", config=gemv.GemvConfig(block_n=8, block_k=64), **form)
+    if form["norm"]:  # the norm's statistics in blocks of another width than the projection's
+        check(m, n, k, dtype, "cpu", config=gemv.GemvConfig(block_n=8, block_k=64, stats_block=128), **form)
 
 
 def test_gemv_refuses_what_it_cannot_take():

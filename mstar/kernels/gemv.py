@@ -52,6 +52,9 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 1
     pdl: bool = True  # launch as a programmatic dependent where the device has it (Hopper and later)
+    # K per step of the norm's statistics pass (0: block_k); a block as wide as K reads x in one trip to the
+    # cache before the weight's stream starts, where block_k's steps take several
+    stats_block: int = 0
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -134,7 +137,8 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
             m, n, k, x.stride(0), res.stride(0) if res is not None else 0, weight.stride(0), out.stride(0),
             stream.stride(0), n if silu else 0, eps,
             ROWS=block_size(m), NORM=norm, RESIDUAL=res is not None, CENTERED=centered, SILU=silu,
-            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STATS_BLOCK=cfg.stats_block or cfg.block_k, PDL=pdl,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **({"launch_pdl": True} if pdl else {}))
     return out, stream
 
@@ -180,7 +184,8 @@ def _input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, kk, k
 def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, stream_ptr, m, n, k,
                  stride_x, stride_r, stride_w, stride_out, stride_stream, up_rows, eps,
                  ROWS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, CENTERED: tl.constexpr,
-                 SILU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                 SILU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STATS_BLOCK: tl.constexpr,
+                 PDL: tl.constexpr):
     pid = tl.program_id(0)
     rows = tl.arange(0, ROWS)
     row_mask = rows < m
@@ -200,8 +205,9 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, stream_ptr, m, n, k,
     if NORM:
         # the rows' statistics first: every program reads the few rows of x (from cache after the first)
         sq = tl.zeros([ROWS], dtype=tl.float32)
-        for k0 in range(0, k, BLOCK_K):
-            kk = k0 + offs_k
+        offs_s = tl.arange(0, STATS_BLOCK)
+        for k0 in range(0, k, STATS_BLOCK):
+            kk = k0 + offs_s
             mask = row_mask[:, None] & (kk < k)[None, :]
             xs = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=mask, other=0.0).to(tl.float32)
             if RESIDUAL:
