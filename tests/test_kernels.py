@@ -446,3 +446,25 @@ def test_a_kernel_unspecialised_on_a_parameter_it_lacks_is_refused():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantize_rows(m, k, dtype):
     check_quantize_rows(m, k, dtype, "cpu", interpreted=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_repetition_penalty_at_seen_tokens_is_the_whole_forms(dtype):
+    """The CPU's penalty, computed at the seen tokens only, equals the torch form over every id bit for bit
+    (-inf and NaN logits, rows without a penalty), and leaves its input as it was."""
+    from mstar.kernels.sampling import penalty as penalty_kernels
+
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(6, 3000, generator=gen) * 4).to(dtype)
+    logits[:, ::11] = float("-inf")
+    logits[2, 5] = float("nan")
+    seen = torch.rand(6, 3000, generator=gen) < 0.2
+    seen[2, 5] = True
+    penalty = torch.tensor([1.3, 1.0, 2.0, 0.7, 1.1, 3.0])
+    before = logits.clone()
+    x, pen = logits.float(), penalty[:, None]
+    whole = torch.where(seen, torch.where(x > 0, x / pen, x * pen), x)
+    got = penalty_kernels.repetition_penalty_reference(logits, seen, penalty)
+    assert got.dtype == torch.float32 and torch.equal(got.isnan(), whole.isnan())
+    assert torch.equal(got.nan_to_num(0.0), whole.nan_to_num(0.0))
+    assert torch.equal(logits.isnan(), before.isnan()) and torch.equal(logits.nan_to_num(0.0), before.nan_to_num(0.0))
