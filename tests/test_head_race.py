@@ -142,3 +142,20 @@ def test_the_cpu_draw_takes_the_head_race_for_a_wide_vocabulary(monkeypatch: pyt
     scaled = x / torch.tensor([1.0, 0.7, 1.0, 1.3])[:, None]
     want = _reference(scaled, *filters, seeds, counters + 2)
     assert got.tolist() == [int(x[0].argmax())] + want[1:].tolist()
+
+
+def test_a_whole_rows_order_is_the_stable_sorts() -> None:
+    """The order the whole race is handed for rows the head cannot settle: torch's stable descending sort's,
+    with ties, -0.0 beside 0.0, infinities, and NaN of either sign (those rows by the sort itself)."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(7, 20000, generator=g) * 3).round() / 2   # many equal values
+    x[0, :50] = -0.0
+    x[0, 50:100] = 0.0
+    x[1, ::7] = float("-inf")
+    x[2, 3] = float("inf")
+    x[3, 9] = float("nan")
+    x[4, 11] = torch.tensor(float("-inf")) + float("inf")   # a NaN, by x86 with its sign bit set
+    want = x.sort(dim=-1, descending=True, stable=True).indices
+    assert torch.equal(head_race._descending_order(x), want)
+    assert torch.equal(head_race._descending_order(x[[0, 1, 2, 5, 6]]), want[[0, 1, 2, 5, 6]])
+    assert torch.equal(head_race._descending_order(x[[3, 4]]), want[[3, 4]])

@@ -17,6 +17,7 @@ end, NaN probabilities) is raced by the reference.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -63,7 +64,8 @@ def filtered_race_head(scaled: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tens
     rest = todo[~settled]
     if rest.numel():
         noise = exponential_noise_reference(seeds[rest], counters[rest], vocab, first)
-        out[rest] = filtered_race_reference(scaled[rest], top_k[rest], top_p[rest], min_p[rest], noise)
+        xr = scaled[rest]
+        out[rest] = filtered_race_reference(xr, top_k[rest], top_p[rest], min_p[rest], noise, _descending_order(xr))
     return out
 
 
@@ -117,23 +119,48 @@ def _race_heads(x: Tensor, k: Tensor, p: Tensor, floor: Tensor, probs: Tensor, w
 
 def _sorted_head(x: Tensor, size: int) -> tuple[Tensor, Tensor]:
     """The `size` largest logits of each row [B, size] as the reference's stable descending sort orders them
-    (equal values by index), and their ids. One sort of a key that holds both: a float's bits made
-    order-preserving above the index's complement."""
+    (equal values by index), and their ids."""
     ids = _head_ids(x, size)
-    vals = x.gather(1, ids)
+    ids = _by_value_then_index(x.gather(1, ids), ids)
+    return ids, x.gather(1, ids)
+
+
+def _by_value_then_index(vals: Tensor, ids: Tensor) -> Tensor:
+    """`ids` [B, n] (float32 `vals` [B, n] at them, no NaN) in the order the reference's stable descending
+    sort puts them: by value, equal values by index. One sort of a key that holds both, a float's bits made
+    order-preserving above the index's complement; a row's keys are distinct, so any sort orders them alike,
+    and numpy's sorts int64 keys ~5x faster than torch's sort."""
     vals = torch.where(vals == 0, 0.0, vals)   # -0.0 sorts with 0.0, as torch's sort compares them
     bits = vals.view(torch.int32)
     ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)
     key = (ordered << 32) + (0x7FFFFFFF - ids)
-    key, _ = key.sort(dim=-1, descending=True)
-    ids = 0x7FFFFFFF - (key & 0xFFFFFFFF)
-    return ids, x.gather(1, ids)
+    key = torch.from_numpy(np.ascontiguousarray(np.sort(key.numpy(), axis=-1)[:, ::-1]))
+    return 0x7FFFFFFF - (key & 0xFFFFFFFF)
+
+
+def _descending_order(x: Tensor) -> Tensor:
+    """The order [B, V] the reference's stable descending sort gives each whole row of `x`: by the int64 keys
+    where it is float32 and a row has no NaN (one with its sign bit set orders otherwise by its bits), else
+    by that sort itself."""
+    nan = x.isnan().any(dim=-1) if x.dtype == torch.float32 else torch.ones(x.shape[0], dtype=torch.bool)
+    if bool(nan.all()):
+        return x.sort(dim=-1, descending=True, stable=True).indices
+    order = torch.empty(x.shape, dtype=torch.long)
+    fine = ~nan
+    order[fine] = _by_value_then_index(x[fine], torch.arange(x.shape[-1]).expand(int(fine.sum()), -1))
+    if bool(nan.any()):
+        order[nan] = x[nan].sort(dim=-1, descending=True, stable=True).indices
+    return order
 
 
 def _head_ids(x: Tensor, size: int) -> Tensor:
     """Ids of each row's `size` largest logits, in no order; which of a run of equal logits across the end
-    it takes is unspecified (the exact prefix, `_race_heads`, does not depend on it)."""
-    return x.topk(size, dim=-1, sorted=False).indices
+    it takes is unspecified (the exact prefix, `_race_heads`, does not depend on it). numpy's partition finds
+    a head of tens of thousands ~3x faster than torch's topk."""
+    if x.dtype not in (torch.float32, torch.float64):   # numpy has no bfloat16
+        return x.topk(size, dim=-1, sorted=False).indices
+    cut = x.shape[-1] - size
+    return torch.from_numpy(np.ascontiguousarray(np.argpartition(x.numpy(), cut, axis=-1)[:, cut:]))
 
 
 def _settled(exact: Tensor, k: Tensor, p: Tensor, floor: Tensor, weights: Tensor, mass_before: Tensor) -> Tensor:

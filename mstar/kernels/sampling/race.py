@@ -26,10 +26,13 @@ from mstar.kernels.backend import jit, tl
 MAX_VOCAB = 4096  # a row's sort stays in registers
 
 
-def filtered_race_reference(scaled: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, noise: Tensor) -> Tensor:
-    """Top-k, then top-p over the survivors, then min-p; race in sorted order."""
+def filtered_race_reference(scaled: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, noise: Tensor,
+                            order: Tensor | None = None) -> Tensor:
+    """Top-k, then top-p over the survivors, then min-p; race in sorted order. `order`: the rows' stable
+    descending sort's indices, where the caller found them another way (the CPU's `head_race`)."""
     vocab = scaled.shape[-1]
-    _, order = scaled.sort(dim=-1, descending=True, stable=True)
+    if order is None:
+        _, order = scaled.sort(dim=-1, descending=True, stable=True)
     rank = torch.arange(vocab, device=scaled.device)[None, :]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
     keep = rank < k[:, None]
