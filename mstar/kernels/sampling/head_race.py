@@ -80,14 +80,13 @@ def _head_size(probs: Tensor, p: Tensor, floor: Tensor) -> Tensor:
         bound = torch.where(floor > 0, kept, bound)
     if bool((p < 1).any()):
         nbins = OCTAVES * BINS_PER_OCTAVE
-        level = (-torch.log2(probs) * BINS_PER_OCTAVE).nan_to_num(posinf=nbins - 1)
-        bins = level.clamp(0, nbins - 1).long()
-        mass = torch.zeros(rows, nbins, dtype=probs.dtype).scatter_add_(1, bins, probs).cumsum(dim=-1)
-        count = torch.zeros(rows, nbins, dtype=torch.long).scatter_add_(1, bins, torch.ones_like(bins))
+        # in place, each pass over the row once: a zero probability's +inf to the last bin, NaN to the first
+        bins = torch.log2(probs).mul_(-BINS_PER_OCTAVE).clamp_(0, nbins - 1).nan_to_num_(nan=0.0).long()
+        mass = torch.zeros(rows, nbins, dtype=probs.dtype).scatter_add_(1, bins, probs).cumsum_(dim=-1)
         # the first bin whose mass, with every bin above it, reaches p (none: the whole row)
         reached = mass >= p[:, None]
         crossing = torch.where(reached.any(dim=-1), reached.long().argmax(dim=-1), nbins - 1)
-        upto = count.cumsum(dim=-1).gather(1, crossing[:, None]).squeeze(1)
+        upto = (bins <= crossing[:, None]).sum(dim=-1)
         bound = torch.where(p < 1, torch.minimum(bound, upto), bound)
     return bound
 
