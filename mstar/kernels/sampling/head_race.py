@@ -108,9 +108,10 @@ def _race_heads(x: Tensor, k: Tensor, p: Tensor, floor: Tensor, probs: Tensor, w
     keep &= weights >= floor[:, None] * weights[:, :1]
     # a top-k row's softmax is the reference's only where its k tokens were all exact
     # a NaN logit (one with its sign bit set sorts below -inf by its bits, where torch's sort puts every NaN
-    # first) and NaN probabilities: the reference's
+    # first) and NaN probabilities: the reference's. A row's sum is NaN where any of it is (one pass, where
+    # isnan and any take two); a sum of +inf and -inf sends a row without NaN there too, which is only slower
     ok = (_settled(exact, k, p, floor, weights, mass_before) & (whole | (k <= exact))
-          & ~probs.isnan().any(dim=-1) & ~x.isnan().any(dim=-1))
+          & ~probs.sum(dim=-1).isnan() & ~x.sum(dim=-1).isnan())
     noise = exponential_noise_at(seeds, counters, ids, first)
     winner = torch.argmax(weights.masked_fill(~keep, 0.0) / noise, dim=-1, keepdim=True)
     return ids.gather(1, winner).squeeze(1), ok
