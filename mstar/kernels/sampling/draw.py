@@ -82,8 +82,12 @@ def draw_tokens_reference(logits: Tensor, temperature: Tensor, top_k: Tensor, to
                           seeds: Tensor, counters: Tensor, offset: int = 0, filtered: bool = True,
                           first: int = 0) -> Tensor:
     logits = logits.float()
-    greedy = torch.argmax(logits, dim=-1)
     is_greedy = temperature <= 0
+    # the CPU skips the argmax where no row is greedy (elsewhere a CUDA graph may capture this: no branch)
+    if logits.device.type == "cpu" and not bool(is_greedy.any()):
+        greedy = torch.zeros(logits.shape[0], dtype=torch.long)
+    else:
+        greedy = torch.argmax(logits, dim=-1)
     scaled = logits / torch.where(is_greedy, torch.ones_like(temperature), temperature)[:, None]
     counters = counters + offset if offset else counters
     if filtered and logits.device.type == "cpu" and logits.shape[-1] >= HEAD_MIN_VOCAB:

@@ -45,7 +45,8 @@ def filtered_race_head(scaled: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tens
     todo = torch.arange(rows) if active is None else active.nonzero().squeeze(1)
     if todo.numel() == 0:
         return out
-    x, k = scaled[todo], torch.where(top_k[todo] > 0, top_k[todo].clamp(max=vocab), vocab)
+    x = scaled if todo.numel() == rows else scaled[todo]   # every row: no copy
+    k = torch.where(top_k[todo] > 0, top_k[todo].clamp(max=vocab), vocab)
     p, floor = top_p[todo], min_p[todo]
     whole = k >= vocab
     probs = torch.softmax(x, dim=-1)   # the reference's, for every row top-k leaves whole
