@@ -159,3 +159,5 @@ def test_a_whole_rows_order_is_the_stable_sorts() -> None:
     assert torch.equal(head_race._descending_order(x), want)
     assert torch.equal(head_race._descending_order(x[[0, 1, 2, 5, 6]]), want[[0, 1, 2, 5, 6]])
     assert torch.equal(head_race._descending_order(x[[3, 4]]), want[[3, 4]])
+    one = torch.zeros(3, 1)   # a row of one token: its reversed sort is a view numpy calls contiguous
+    assert head_race._descending_order(one).tolist() == [[0]] * 3

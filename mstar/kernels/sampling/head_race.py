@@ -135,7 +135,7 @@ def _by_value_then_index(vals: Tensor, ids: Tensor) -> Tensor:
     bits = vals.view(torch.int32)
     ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF).to(torch.int64)
     key = (ordered << 32) + (0x7FFFFFFF - ids)
-    key = torch.from_numpy(np.ascontiguousarray(np.sort(key.numpy(), axis=-1)[:, ::-1]))
+    key = torch.from_numpy(np.sort(key.numpy(), axis=-1)[:, ::-1].copy())   # copy: positive strides
     return 0x7FFFFFFF - (key & 0xFFFFFFFF)
 
 
