@@ -1,5 +1,5 @@
 """The filtered race (`race.filtered_race_reference`) over a wide vocabulary
-on the CPU, sorting only the head of each row: the scaled logits [B, V],
+on the CPU, sorting only the head of each row: the scaled float32 logits [B, V],
 the filters and the rows' noise keys in; the reference's tokens [B] out.
 
 The reference sorts every row whole (~8 ms a row of Orpheus's 157k ids on
@@ -158,10 +158,8 @@ def _head_ids(x: Tensor, size: int) -> Tensor:
     """Ids of each row's `size` largest logits, in no order; which of a run of equal logits across the end
     it takes is unspecified (the exact prefix, `_race_heads`, does not depend on it). numpy's partition finds
     a head of tens of thousands ~3x faster than torch's topk."""
-    if x.dtype not in (torch.float32, torch.float64):   # numpy has no bfloat16
-        return x.topk(size, dim=-1, sorted=False).indices
     cut = x.shape[-1] - size
-    return torch.from_numpy(np.ascontiguousarray(np.argpartition(x.numpy(), cut, axis=-1)[:, cut:]))
+    return torch.from_numpy(np.ascontiguousarray(np.argpartition(x.detach().numpy(), cut, axis=-1)[:, cut:]))
 
 
 def _settled(exact: Tensor, k: Tensor, p: Tensor, floor: Tensor, weights: Tensor, mass_before: Tensor) -> Tensor:
