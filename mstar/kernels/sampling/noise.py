@@ -53,10 +53,14 @@ def random_bits(seeds: Tensor, counters: Tensor, vocab_size: int, first: int = 0
     """[B, V] int64 of 32 random bits for each (row, vocab index), the
     indices from `first` (a window of the vocabulary draws the noise its ids
     would draw in the whole)."""
-    keys = row_keys(seeds, counters)
+    at = torch.arange(first, first + vocab_size, device=seeds.device, dtype=torch.int64)
+    return _mix_at(row_keys(seeds, counters), at)
+
+
+def _mix_at(keys: Tensor, at: Tensor) -> Tensor:
+    """32 random bits (int64) for row keys [B] at vocabulary indices `at`: [C] for every row, or [B, C]."""
     # Pre-mixing the index keeps neighbouring indices from sharing low-bit patterns.
-    idx = mix32(torch.arange(first, first + vocab_size, device=seeds.device, dtype=torch.int64))
-    return mix32(keys[:, None] ^ idx[None, :])
+    return mix32(keys[:, None] ^ mix32(at))
 
 
 def exponential_noise(seeds: Tensor, counters: Tensor, vocab_size: int, first: int = 0) -> Tensor:
@@ -96,20 +100,13 @@ def _mix32_u32(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint32(16))
 
 
-
 def exponential_noise_at(seeds: Tensor, counters: Tensor, columns: Tensor, first: int = 0) -> Tensor:
     """`exponential_noise_reference`'s draws [B, C] at vocabulary indices
     `first + columns` [B, C] only (the same bits: the same ops, elementwise)."""
     keys, at = row_keys(seeds, counters), columns.to(torch.int64) + first
     if seeds.device.type == "cpu":
         return _exp_of_bits(_cpu_bits(keys, at.numpy().astype(np.uint32)))
-    return _exp_of_bits(_bits_at(keys, at))
-
-
-def _bits_at(keys: Tensor, at: Tensor) -> Tensor:
-    """`random_bits`' top 24 bits [B, C] for row keys [B] at vocabulary indices `at` [B, C], in int64 torch ops
-    (any device)."""
-    return mix32(keys[:, None] ^ mix32(at)) >> 8
+    return _exp_of_bits(_mix_at(keys, at) >> 8)
 
 
 BLOCK = 1024
