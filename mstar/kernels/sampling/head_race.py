@@ -6,7 +6,7 @@ The reference sorts every row whole (~8 ms a row of Orpheus's 157k ids on
 one core) to find the tokens top-k, top-p and min-p keep, most often a few
 hundred. Here each row's softmax is taken in vocabulary order, as the
 reference takes it (`race.kept_softmax`); a bound on the tokens the filters
-keep is read from it (`_head_size`); only that head is found (`topk`) and
+keep is read from it (`_head_size`); only that head is found (a partition) and
 sorted, by value then index, as the reference's stable sort orders it. A
 cumulative sum is a sequential scan, so the head's sums are the prefix of
 the reference's, and every keep or cut inside the head is the reference's,
@@ -141,9 +141,8 @@ def _by_value_then_index(vals: Tensor, ids: Tensor) -> Tensor:
 
 def _descending_order(x: Tensor) -> Tensor:
     """The order [B, V] the reference's stable descending sort gives each whole row of `x`: by the int64 keys
-    where it is float32 and a row has no NaN (one with its sign bit set orders otherwise by its bits), else
-    by that sort itself."""
-    nan = x.isnan().any(dim=-1) if x.dtype == torch.float32 else torch.ones(x.shape[0], dtype=torch.bool)
+    where a row has no NaN (one with its sign bit set orders otherwise by its bits), else by that sort itself."""
+    nan = x.isnan().any(dim=-1)
     if bool(nan.all()):
         return x.sort(dim=-1, descending=True, stable=True).indices
     order = torch.empty(x.shape, dtype=torch.long)
