@@ -169,10 +169,9 @@ def main() -> None:
     heads = {name: weights(HIDDEN, n, 1, gen) for name, n in HEADS.items()}
     measured = {name: ws for name, ws in (layer_weights | heads).items() if not args.shapes or name in args.shapes}
     shapes = per_shape(args.rows, measured, gen, grid)
-    if set(layer_weights) - set(measured):  # a step needs every layer projection's best tiling
-        print(json.dumps(shapes, indent=1))
-        return
-    result = {"env": env, "shapes": shapes, "step": step(args.rows, layer_weights, shapes, gen, gbps)}
+    result = {"env": env, "shapes": shapes}
+    if not set(layer_weights) - set(measured):  # a step needs every layer projection's best tiling
+        result["step"] = step(args.rows, layer_weights, shapes, gen, gbps)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
