@@ -85,6 +85,18 @@ def test_gemv_interpreted(m, n, k, dtype, form):
     check(m, n, k, dtype, "cpu", config=gemv.GemvConfig(block_n=8, block_k=64), **form)
     if form["norm"]:  # the norm's statistics in blocks of another width than the projection's
         check(m, n, k, dtype, "cpu", config=gemv.GemvConfig(block_n=8, block_k=64, stats_block=128), **form)
+    # programs that walk several blocks of columns (the interpreter counts one multiprocessor): one program
+    # for all of them, and two with unequal shares where the blocks do not divide evenly
+    for per_sm in (1, 2):
+        check(m, n, k, dtype, "cpu", config=gemv.GemvConfig(block_n=8, block_k=64, programs_per_sm=per_sm), **form)
+
+
+def test_persistent_programs_share_the_blocks_evenly():
+    cpu = torch.device("cpu")
+    assert gemv._programs(cpu, 5, 0) == 5
+    assert gemv._programs(cpu, 5, 2) == 2      # 3 and 2 blocks
+    assert gemv._programs(cpu, 768, 264) == 256  # 3 blocks each rather than 264 programs of 2 or 3
+    assert gemv._programs(cpu, 7, 100) == 7
 
 
 def test_gemv_refuses_what_it_cannot_take():
@@ -131,8 +143,11 @@ def test_cpu_tensors_take_the_modules():
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize("n,k,form", [(5120, 3072, 2), (3072, 3072, 0), (8192, 3072, 3), (3072, 8192, 0),
                                       (28736, 3072, 0), (2048, 4096, 4), (1000, 520, 5)])
-def test_gemv_cuda(m, n, k, form):
-    check(m, n, k, torch.bfloat16, "cuda", **FORMS[form])
+@pytest.mark.parametrize("config", [None, gemv.GemvConfig(block_n=4, block_k=1024, programs_per_sm=2),
+                                    gemv.GemvConfig(block_n=4, block_k=4096, programs_per_sm=3)],
+                         ids=["shapes_own", "persistent", "persistent_one_k_step"])
+def test_gemv_cuda(m, n, k, form, config):
+    check(m, n, k, torch.bfloat16, "cuda", config=config, **FORMS[form])
 
 
 @cuda
@@ -190,7 +205,9 @@ def test_dependent_launches_read_what_the_kernel_before_wrote(monkeypatch):
 
     if not dependent_launch(torch.zeros(1, device="cuda")):   # it would compare plain launches with themselves
         pytest.skip("no programmatic dependent launch on this device")
-    for config in (on, None):  # a fixed tiling, and the shapes' own (`config_for`)
+    persistent = [dataclasses.replace(on, programs_per_sm=2), dataclasses.replace(on, block_k=4096, programs_per_sm=1)]
+    # a fixed tiling, the shapes' own (`config_for`), and programs walking several blocks (one K step or more)
+    for config in (on, None, *persistent):
         for _ in range(3):
             # fresh inputs, the dependent launches first: the blocks the allocator hands out hold another
             # round's values, so an output read before its kernel wrote it differs

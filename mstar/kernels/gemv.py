@@ -29,6 +29,7 @@ summation order of the dot products differs from cuBLAS's.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,9 @@ class GemvConfig:
     # K per step of the norm's statistics pass (0: block_k); a block as wide as K reads x in one trip to the
     # cache before the weight's stream starts, where block_k's steps take several
     stats_block: int = 0
+    # programs per multiprocessor, each walking several blocks of columns in one loop (0: a program per block);
+    # a program's loads then run on from one block into the next, and its norm statistics serve them all
+    programs_per_sm: int = 0
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -132,7 +136,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
         norm = norm_weight is not None
         # a weight copied by the kernel just before is read only after the wait: no dependent launch then
         pdl = cfg.pdl and not copied and dependent_launch(x)
-        _gemv_kernel[(cdiv(n, cfg.block_n),)](
+        _gemv_kernel[(_programs(x.device, cdiv(n, cfg.block_n), cfg.programs_per_sm),)](
             x, res if res is not None else x, norm_weight.contiguous() if norm else x, weight, out, stream,
             m, n, k, x.stride(0), res.stride(0) if res is not None else 0, weight.stride(0), out.stride(0),
             stream.stride(0), n if silu else 0, eps,
@@ -141,6 +145,19 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **({"launch_pdl": True} if pdl else {}))
     return out, stream
+
+
+def _programs(device: torch.device, blocks: int, per_sm: int) -> int:
+    """The grid: a program per block of columns, or about `per_sm` a multiprocessor, sharing the blocks evenly."""
+    if not per_sm:
+        return blocks
+    return cdiv(blocks, cdiv(blocks, _multiprocessors(device) * per_sm))
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    # the interpreter runs programs one by one on the CPU: one "multiprocessor" gives each program several blocks
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 @jit
@@ -180,25 +197,44 @@ def _input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, kk, k
     return xs
 
 
+@jit
+def _store_block(out_ptr, acc, acc_up, rows, row_mask, cols, col_mask, stride_out, dtype: tl.constexpr,
+                 SILU: tl.constexpr):
+    """A block of columns' outputs: the products, or silu(gate) * up, rounded where torch rounds."""
+    y = acc
+    if SILU:
+        gate = y.to(dtype).to(tl.float32)
+        act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+        y = act * acc_up.to(dtype).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y.to(dtype),
+             mask=row_mask[:, None] & col_mask[None, :])
+
+
 @jit(any_value=("m",))
 def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, stream_ptr, m, n, k,
                  stride_x, stride_r, stride_w, stride_out, stride_stream, up_rows, eps,
                  ROWS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, CENTERED: tl.constexpr,
                  SILU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STATS_BLOCK: tl.constexpr,
                  PDL: tl.constexpr):
+    # program p owns the blocks of columns p, p + G, p + 2G, ... (G programs), walked as one loop over
+    # (block, K step): the weight's loads stay back to back across blocks, and the norm's statistics are
+    # taken once per program
     pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    k_steps = tl.cdiv(k, BLOCK_K)
+    steps = tl.cdiv(tl.cdiv(n, BLOCK_N) - pid, programs) * k_steps
     rows = tl.arange(0, ROWS)
     row_mask = rows < m
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < n
+    offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     dtype = out_ptr.dtype.element_ty
-    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
     # the up half's offset in 64 bits: I x K passes 2**31 elements in a wide enough MLP
     up_offset = up_rows.to(tl.int64) * stride_w
     if PDL:
         # the first block of the weight while the kernel before ends; its output (x, the residual) after the wait
-        w_first, wu_first = _weight_block(w_rows, up_offset, offs_k, col_mask[:, None] & (offs_k < k)[None, :], SILU)
+        cols = pid * BLOCK_N + offs_n
+        w_first, wu_first = _weight_block(w_ptr + cols.to(tl.int64)[:, None] * stride_w, up_offset, offs_k,
+                                          (cols < n)[:, None] & (offs_k < k)[None, :], SILU)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     inv = tl.zeros([ROWS], dtype=tl.float32)
@@ -226,17 +262,22 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, stream_ptr, m, n, k,
         xs = _input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, offs_k, offs_k < k, inv, dtype,
                           NORM, RESIDUAL, CENTERED)
         acc, acc_up = _products(acc, acc_up, xs, w_first, wu_first, SILU)
-    for k0 in range(BLOCK_K if PDL else 0, k, BLOCK_K):
-        kk = k0 + offs_k
+        if k_steps == 1:
+            cols = pid * BLOCK_N + offs_n
+            _store_block(out_ptr, acc, acc_up, rows, row_mask, cols, cols < n, stride_out, dtype, SILU)
+            acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+            acc_up = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+    for step in range(1 if PDL else 0, steps):
+        cols = (pid + (step // k_steps) * programs) * BLOCK_N + offs_n
+        col_mask = cols < n
+        kk = (step % k_steps) * BLOCK_K + offs_k
         k_mask = kk < k
         xs = _input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, kk, k_mask, inv, dtype,
                           NORM, RESIDUAL, CENTERED)
-        w, wu = _weight_block(w_rows, up_offset, kk, col_mask[:, None] & k_mask[None, :], SILU)
+        w, wu = _weight_block(w_ptr + cols.to(tl.int64)[:, None] * stride_w, up_offset, kk,
+                              col_mask[:, None] & k_mask[None, :], SILU)
         acc, acc_up = _products(acc, acc_up, xs, w, wu, SILU)
-    y = acc
-    if SILU:
-        gate = y.to(dtype).to(tl.float32)
-        act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-        y = act * acc_up.to(dtype).to(tl.float32)
-    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y.to(dtype),
-             mask=row_mask[:, None] & col_mask[None, :])
+        if step % k_steps == k_steps - 1:
+            _store_block(out_ptr, acc, acc_up, rows, row_mask, cols, col_mask, stride_out, dtype, SILU)
+            acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
+            acc_up = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
