@@ -37,16 +37,16 @@ HEADS = {"head_window": 28736, "head_full": 156992}
 
 
 GRID = {"block_n": (2, 4, 8), "block_k": None, "warps": (4, 8), "stages": (1,), "stats_block": (0,),
-        "programs_per_sm": (0,)}
+        "programs_per_sm": (0,), "prefetch": (0,)}
 
 
 def sweep(rows: int, grid: dict, norm: bool) -> list[gemv.GemvConfig]:
     """Every tiling of the grid; the statistics' block only where a norm comes first (0: the tiling's block_k)."""
     block_k = grid["block_k"] or ((512, 1024, 2048, 4096) if rows == 1 else (256, 512, 1024))
     stats = grid["stats_block"] if norm else (0,)
-    return [gemv.GemvConfig(n, kb, w, st, stats_block=sb, programs_per_sm=p)
-            for n, kb, w, st, sb, p in itertools.product(grid["block_n"], block_k, grid["warps"], grid["stages"], stats,
-                                                        grid["programs_per_sm"])]
+    return [gemv.GemvConfig(n, kb, w, st, stats_block=sb, programs_per_sm=p, prefetch=bool(pre))
+            for n, kb, w, st, sb, p, pre in itertools.product(grid["block_n"], block_k, grid["warps"], grid["stages"],
+                                                             stats, grid["programs_per_sm"], grid["prefetch"])]
 
 
 def weights(k: int, n: int, count: int, gen: torch.Generator) -> list[torch.Tensor]:

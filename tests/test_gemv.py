@@ -86,9 +86,11 @@ def test_gemv_interpreted(m, n, k, dtype, form):
     if form["norm"]:  # the norm's statistics in blocks of another width than the projection's
         check(m, n, k, dtype, "cpu", config=gemv.GemvConfig(block_n=8, block_k=64, stats_block=128), **form)
     # programs that walk several blocks of columns (the interpreter counts one multiprocessor): one program
-    # for all of them, and two with unequal shares where the blocks do not divide evenly
-    for per_sm in (1, 2):
-        check(m, n, k, dtype, "cpu", config=gemv.GemvConfig(block_n=8, block_k=64, programs_per_sm=per_sm), **form)
+    # for all of them, and two with unequal shares where the blocks do not divide evenly; with the next step's
+    # weight loaded ahead, across K steps and across blocks
+    for per_sm, prefetch in ((1, False), (2, False), (0, True), (2, True)):
+        check(m, n, k, dtype, "cpu", **form,
+              config=gemv.GemvConfig(block_n=8, block_k=64, programs_per_sm=per_sm, prefetch=prefetch))
 
 
 def test_persistent_programs_share_the_blocks_evenly():
@@ -144,8 +146,10 @@ def test_cpu_tensors_take_the_modules():
 @pytest.mark.parametrize("n,k,form", [(5120, 3072, 2), (3072, 3072, 0), (8192, 3072, 3), (3072, 8192, 0),
                                       (28736, 3072, 0), (2048, 4096, 4), (1000, 520, 5)])
 @pytest.mark.parametrize("config", [None, gemv.GemvConfig(block_n=4, block_k=1024, programs_per_sm=2),
-                                    gemv.GemvConfig(block_n=4, block_k=4096, programs_per_sm=3)],
-                         ids=["shapes_own", "persistent", "persistent_one_k_step"])
+                                    gemv.GemvConfig(block_n=4, block_k=4096, programs_per_sm=3),
+                                    gemv.GemvConfig(block_n=4, block_k=1024, prefetch=True),
+                                    gemv.GemvConfig(block_n=4, block_k=4096, programs_per_sm=2, prefetch=True)],
+                         ids=["shapes_own", "persistent", "persistent_one_k_step", "prefetch", "persistent_prefetch"])
 def test_gemv_cuda(m, n, k, form, config):
     check(m, n, k, torch.bfloat16, "cuda", config=config, **FORMS[form])
 
@@ -205,8 +209,10 @@ def test_dependent_launches_read_what_the_kernel_before_wrote(monkeypatch):
 
     if not dependent_launch(torch.zeros(1, device="cuda")):   # it would compare plain launches with themselves
         pytest.skip("no programmatic dependent launch on this device")
-    persistent = [dataclasses.replace(on, programs_per_sm=2), dataclasses.replace(on, block_k=4096, programs_per_sm=1)]
-    # a fixed tiling, the shapes' own (`config_for`), and programs walking several blocks (one K step or more)
+    persistent = [dataclasses.replace(on, programs_per_sm=2), dataclasses.replace(on, block_k=4096, programs_per_sm=1),
+                  dataclasses.replace(on, prefetch=True), dataclasses.replace(on, programs_per_sm=2, prefetch=True)]
+    # a fixed tiling, the shapes' own (`config_for`), programs walking several blocks (one K step or more), and
+    # the next step's weight loaded ahead (before the wait, under a dependent launch)
     for config in (on, None, *persistent):
         for _ in range(3):
             # fresh inputs, the dependent launches first: the blocks the allocator hands out hold another

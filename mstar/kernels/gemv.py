@@ -59,6 +59,8 @@ class GemvConfig:
     # programs per multiprocessor, each walking several blocks of columns in one loop (0: a program per block);
     # a program's loads then run on from one block into the next, and its norm statistics serve them all
     programs_per_sm: int = 0
+    # each step issues the next step's weight loads before its own products: twice the bytes in flight a program
+    prefetch: bool = False
 
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -142,6 +144,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
             stream.stride(0), n if silu else 0, eps,
             ROWS=block_size(m), NORM=norm, RESIDUAL=res is not None, CENTERED=centered, SILU=silu,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STATS_BLOCK=cfg.stats_block or cfg.block_k, PDL=pdl,
+            PREFETCH=cfg.prefetch,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **({"launch_pdl": True} if pdl else {}))
     return out, stream
@@ -161,21 +164,22 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 @jit
-def _weight_block(w_rows, up_offset, kk, w_mask, SILU: tl.constexpr):
-    """A block of the program's weight rows (and of their up half's), in float32."""
-    w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
+def _weight_block(w_ptr, stride_w, up_offset, cols, kk, w_mask, SILU: tl.constexpr):
+    """A block of the weight's rows `cols` (and of their up half's), as stored."""
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
+    w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0)
     wu = w
     if SILU:
-        wu = tl.load(w_rows + up_offset + kk[None, :], mask=w_mask, other=0.0).to(tl.float32)
+        wu = tl.load(w_rows + up_offset + kk[None, :], mask=w_mask, other=0.0)
     return w, wu
 
 
 @jit
 def _products(acc, acc_up, xs, w, wu, SILU: tl.constexpr):
     """The accumulators with a K block's products added: the rows times the weight block (and its up half)."""
-    acc += tl.sum(xs[:, None, :] * w[None, :, :], axis=2)
+    acc += tl.sum(xs[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     if SILU:
-        acc_up += tl.sum(xs[:, None, :] * wu[None, :, :], axis=2)
+        acc_up += tl.sum(xs[:, None, :] * wu.to(tl.float32)[None, :, :], axis=2)
     return acc, acc_up
 
 
@@ -215,10 +219,10 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, stream_ptr, m, n, k,
                  stride_x, stride_r, stride_w, stride_out, stride_stream, up_rows, eps,
                  ROWS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, CENTERED: tl.constexpr,
                  SILU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STATS_BLOCK: tl.constexpr,
-                 PDL: tl.constexpr):
+                 PDL: tl.constexpr, PREFETCH: tl.constexpr):
     # program p owns the blocks of columns p, p + G, p + 2G, ... (G programs), walked as one loop over
-    # (block, K step): the weight's loads stay back to back across blocks, and the norm's statistics are
-    # taken once per program
+    # (block, K step): the weight's loads run on from one block into the next, and the norm's statistics are
+    # taken once per program. With PREFETCH each step issues the next step's weight loads before its products.
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     k_steps = tl.cdiv(k, BLOCK_K)
@@ -230,11 +234,16 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, stream_ptr, m, n, k,
     dtype = out_ptr.dtype.element_ty
     # the up half's offset in 64 bits: I x K passes 2**31 elements in a wide enough MLP
     up_offset = up_rows.to(tl.int64) * stride_w
-    if PDL:
-        # the first block of the weight while the kernel before ends; its output (x, the residual) after the wait
+    if PDL or PREFETCH:
+        # the first block of the weight (under PDL while the kernel before ends; its output, x and the
+        # residual, only after the wait)
         cols = pid * BLOCK_N + offs_n
-        w_first, wu_first = _weight_block(w_ptr + cols.to(tl.int64)[:, None] * stride_w, up_offset, offs_k,
-                                          (cols < n)[:, None] & (offs_k < k)[None, :], SILU)
+        first_mask = (cols < n)[:, None] & (offs_k < k)[None, :]
+        if PREFETCH:
+            w_cur, wu_cur = _weight_block(w_ptr, stride_w, up_offset, cols, offs_k, first_mask, SILU)
+        else:
+            w_first, wu_first = _weight_block(w_ptr, stride_w, up_offset, cols, offs_k, first_mask, SILU)
+    if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     inv = tl.zeros([ROWS], dtype=tl.float32)
@@ -258,7 +267,7 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, stream_ptr, m, n, k,
     # the weight in flight, which is what sets a few-row projection's speed
     acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-    if PDL:
+    if PDL and not PREFETCH:
         xs = _input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, offs_k, offs_k < k, inv, dtype,
                           NORM, RESIDUAL, CENTERED)
         acc, acc_up = _products(acc, acc_up, xs, w_first, wu_first, SILU)
@@ -267,16 +276,27 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, stream_ptr, m, n, k,
             _store_block(out_ptr, acc, acc_up, rows, row_mask, cols, cols < n, stride_out, dtype, SILU)
             acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
             acc_up = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-    for step in range(1 if PDL else 0, steps):
+    for step in range(1 if PDL and not PREFETCH else 0, steps):
         cols = (pid + (step // k_steps) * programs) * BLOCK_N + offs_n
         col_mask = cols < n
         kk = (step % k_steps) * BLOCK_K + offs_k
         k_mask = kk < k
+        if PREFETCH:
+            ahead = step + 1
+            cols_ahead = (pid + (ahead // k_steps) * programs) * BLOCK_N + offs_n
+            kk_ahead = (ahead % k_steps) * BLOCK_K + offs_k
+            w_next, wu_next = _weight_block(w_ptr, stride_w, up_offset, cols_ahead, kk_ahead,
+                                            (cols_ahead < n)[:, None] & (kk_ahead < k)[None, :] & (ahead < steps),
+                                            SILU)
+        else:
+            w_cur, wu_cur = _weight_block(w_ptr, stride_w, up_offset, cols, kk, col_mask[:, None] & k_mask[None, :],
+                                          SILU)
         xs = _input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, kk, k_mask, inv, dtype,
                           NORM, RESIDUAL, CENTERED)
-        w, wu = _weight_block(w_ptr + cols.to(tl.int64)[:, None] * stride_w, up_offset, kk,
-                              col_mask[:, None] & k_mask[None, :], SILU)
-        acc, acc_up = _products(acc, acc_up, xs, w, wu, SILU)
+        acc, acc_up = _products(acc, acc_up, xs, w_cur, wu_cur, SILU)
+        if PREFETCH:
+            w_cur = w_next
+            wu_cur = wu_next
         if step % k_steps == k_steps - 1:
             _store_block(out_ptr, acc, acc_up, rows, row_mask, cols, col_mask, stride_out, dtype, SILU)
             acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
