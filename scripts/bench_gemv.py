@@ -82,7 +82,7 @@ class Shape:
 
 def default_config(rows: int, shape: Shape) -> gemv.GemvConfig:
     w = shape.ws[0]
-    return gemv.config_for(rows, w.shape[0] // (2 if shape.silu else 1), w.shape[1], shape.norm)
+    return gemv.config_for(rows, w.shape[0] // (2 if shape.silu else 1), w.shape[1], shape.norm, shape.silu)
 
 
 def per_shape(rows: list[int], all_weights: dict[str, list[torch.Tensor]], gen: torch.Generator,

@@ -93,6 +93,15 @@ def test_gemv_interpreted(m, n, k, dtype, form):
               config=gemv.GemvConfig(block_n=8, block_k=64, programs_per_sm=per_sm, prefetch=prefetch))
 
 
+
+@interpreted
+@pytest.mark.parametrize("form", FORMS, ids=FORM_IDS)
+def test_gemv_interpreted_shapes_own_tiling(form):
+    # `config_for`'s one-row tilings (whole-K blocks, programs walking several blocks, loads ahead) at a
+    # small shape: K and the columns end in partial blocks
+    check(1, 40, 96, torch.bfloat16, "cpu", **form)
+
+
 def test_persistent_programs_share_the_blocks_evenly():
     cpu = torch.device("cpu")
     assert gemv._programs(cpu, 5, 0) == 5

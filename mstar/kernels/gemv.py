@@ -72,19 +72,31 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.numel() >= MIN_WEIGHT)
 
 
-def config_for(rows: int, n: int, k: int, norm: bool = False) -> GemvConfig:
+def config_for(rows: int, n: int, k: int, norm: bool = False, silu: bool = False) -> GemvConfig:
     """A fixed tiling from the shape (no autotuning: launches stay the same
-    from run to run and capturable), the fastest of a sweep at one row of
-    Orpheus-3B's projections on an H100 (`scripts/bench_gemv.py`): narrow
-    blocks of columns (768 programs for a 3,072-wide output) over wide
-    blocks of K, so that each program keeps several KB of the weight in
-    flight; narrower K blocks at more rows, whose products take registers.
-    A plain projection of a hidden-wide output takes the widest blocks; one
-    with the norm ahead (whose input blocks cost more registers) and a
-    vocabulary's (whose many programs fill the GPU anyway) take 1,024."""
+    from run to run and capturable), the fastest of a sweep of Orpheus-3B's
+    projections (`scripts/bench_gemv.py`, on an H100).
+
+    One row: a projection of a hidden-wide output runs a few programs a
+    multiprocessor, each walking narrow blocks of columns over the whole of
+    K with the next block's weight loaded ahead, so that its loads run back
+    to back (plain: 2 columns, 4 per multiprocessor; with the norm ahead,
+    whose statistics each program then takes once: 4 columns, 2 per
+    multiprocessor). The merged gate/up (two weight streams a program) keeps
+    a program per block of 2 columns, its statistics in one pass over K. A
+    vocabulary's head has programs enough to fill the GPU in blocks of 1,024.
+    More rows: narrower K blocks, whose products take registers."""
+    whole_k = block_size(k)
+    if rows == 1 and n < 16384:
+        if silu:
+            return GemvConfig(block_n=2, block_k=min(1024, whole_k), num_warps=4, prefetch=True,
+                              stats_block=min(4096, whole_k))
+        if norm:
+            return GemvConfig(block_n=4, block_k=min(4096, whole_k), num_warps=8, programs_per_sm=2, prefetch=True)
+        return GemvConfig(block_n=2, block_k=min(4096, whole_k), num_warps=4, programs_per_sm=4, prefetch=True)
     plain = not norm and n < 16384
     block_k = (2048 if k >= 8192 else 1024) * (2 if plain else 1) // block_size(rows)
-    return GemvConfig(block_n=4, block_k=max(16, min(block_k, block_size(k))), num_warps=8 if plain else 4)
+    return GemvConfig(block_n=4, block_k=max(16, min(block_k, whole_k)), num_warps=8 if plain else 4)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
@@ -133,7 +145,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     res = residual if residual is None or residual.stride(-1) == 1 else residual.contiguous()
     stream = torch.empty_like(x) if res is not None else x
-    cfg = config or config_for(m, n, k, norm_weight is not None)
+    cfg = config or config_for(m, n, k, norm_weight is not None, silu)
     if m and n and k:
         norm = norm_weight is not None
         # a weight copied by the kernel just before is read only after the wait: no dependent launch then
