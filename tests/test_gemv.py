@@ -178,16 +178,6 @@ def test_gemv_cuda(m, n, k, form, config):
 
 
 @cuda
-@pytest.mark.parametrize("m", [17, 64, 128])
-@pytest.mark.parametrize("n,k,form", [(5120, 3072, 0), (8192, 3072, 3), (3072, 8192, 0), (1000, 520, 5)])
-@pytest.mark.parametrize("config", [None, gemv.GemvConfig(block_n=64, block_k=64, num_stages=3),
-                                    gemv.GemvConfig(block_n=32, block_k=128, num_stages=4, programs_per_sm=1)],
-                         ids=["shapes_own", "block_a_program", "persistent"])
-def test_gemv_cuda_tensor_core_rows(m, n, k, form, config):
-    check(m, n, k, torch.bfloat16, "cuda", config=config, **FORMS[form])
-
-
-@cuda
 @pytest.mark.parametrize("form", FORMS, ids=FORM_IDS)
 def test_gemv_cuda_float32(form):
     check(2, 300, 1000, torch.float32, "cuda", **form)
