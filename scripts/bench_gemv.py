@@ -1,7 +1,6 @@
 """The few-row projection kernel (`mstar.kernels.gemv`) against cuBLAS, at
 Orpheus-3B's shapes: each projection alone (with the norm before it and the
-SiLU-and-multiply after it where a decoder layer has them; past the kernel's
-BROADCAST_ROWS the norm runs as its own kernel first), over a sweep of
+SiLU-and-multiply after it where a decoder layer has them), over a sweep of
 tilings (launched as programmatic dependents where the GPU has them; the
 default tiling also without), then a whole 28-layer step's projections both ways. Every layer has
 its own weights (5.6 GB in all), so nothing is read from L2 twice; times come
@@ -43,9 +42,8 @@ GRID = {"block_n": (2, 4, 8), "block_k": None, "warps": (4, 8), "stages": (1,), 
 
 def sweep(rows: int, grid: dict, norm: bool) -> list[gemv.GemvConfig]:
     """Every tiling of the grid; the statistics' block only where a norm comes first (0: the tiling's block_k)."""
-    by_rows = (512, 1024, 2048, 4096) if rows == 1 else (256, 512, 1024) if rows <= gemv.BROADCAST_ROWS else (64, 128)
-    block_k = grid["block_k"] or by_rows
-    stats = grid["stats_block"] if norm and rows <= gemv.BROADCAST_ROWS else (0,)
+    block_k = grid["block_k"] or ((512, 1024, 2048, 4096) if rows == 1 else (256, 512, 1024))
+    stats = grid["stats_block"] if norm else (0,)
     return [gemv.GemvConfig(n, kb, w, st, stats_block=sb, programs_per_sm=p, prefetch=bool(pre))
             for n, kb, w, st, sb, p, pre in itertools.product(grid["block_n"], block_k, grid["warps"], grid["stages"],
                                                              stats, grid["programs_per_sm"], grid["prefetch"])]
@@ -72,10 +70,6 @@ class Shape:
 
     def fused(self, i: int, cfg: gemv.GemvConfig | None) -> torch.Tensor:
         w = self.ws[i % len(self.ws)]
-        if self.norm and self.x.shape[0] > gemv.BROADCAST_ROWS:
-            # at tensor-core rows the norm runs as its own kernel (every program would take all rows' statistics)
-            x = fused_add_rms_norm_triton(self.x, self.r, self.nw, EPS)[0]
-            return gemv._launch(x, None, None, 0.0, False, w, self.silu, cfg)[0]
         if self.norm:
             return gemv.norm_linear(self.x, self.r, self.nw, EPS, w, silu=self.silu, config=cfg)[0]
         return gemv.linear(self.x, w, cfg)

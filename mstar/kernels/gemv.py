@@ -30,7 +30,6 @@ summation order of the dot products differs from cuBLAS's.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -42,9 +41,7 @@ from mstar.kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
 
 MAX_ROWS = 1    # at two rows cuBLAS was as fast or faster on three of a Llama layer's four projections (H100)
 MIN_WEIGHT = 1 << 20  # elements; a smaller weight's projection is a few microseconds either way
-KERNEL_ROWS = 128  # the most rows a launch takes (its accumulators grow with them)
-# up to this many rows a program sums its products itself (exact in float32 too); past it, on the tensor cores
-BROADCAST_ROWS = 16
+KERNEL_ROWS = 16  # the most rows a launch takes (its accumulators grow with them)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -90,8 +87,6 @@ def config_for(rows: int, n: int, k: int, norm: bool = False, silu: bool = False
     vocabulary's head has programs enough to fill the GPU in blocks of 1,024.
     More rows: narrower K blocks, whose products take registers."""
     whole_k = block_size(k)
-    if rows > BROADCAST_ROWS:
-        return GemvConfig(block_n=32, block_k=min(128, whole_k), num_warps=4, num_stages=4, programs_per_sm=2)
     if rows == 1 and n < 16384:
         if silu:
             return GemvConfig(block_n=2, block_k=min(1024, whole_k), num_warps=4, prefetch=True,
@@ -139,8 +134,6 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
     m, k = x.shape
     if m > KERNEL_ROWS:
         raise ValueError(f"{m} rows: the kernel takes at most {KERNEL_ROWS}")
-    if m > BROADCAST_ROWS and x.dtype == torch.float32:
-        raise ValueError(f"{m} rows of float32: the tensor cores' products take bf16 or fp16 past {BROADCAST_ROWS}")
     if silu and weight.shape[0] % 2:
         raise ValueError(f"a merged gate/up weight needs an even number of rows, got {weight.shape[0]}")
     if residual is not None and residual.shape != x.shape:
@@ -163,7 +156,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
             stream.stride(0), n if silu else 0, eps,
             ROWS=block_size(m), NORM=norm, RESIDUAL=res is not None, CENTERED=centered, SILU=silu,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STATS_BLOCK=cfg.stats_block or cfg.block_k, PDL=pdl,
-            PREFETCH=cfg.prefetch, DOT=0 if m <= BROADCAST_ROWS else 2 if _interpreted() else 1,
+            PREFETCH=cfg.prefetch,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
             **({"launch_pdl": True} if pdl else {}))
     return out, stream
@@ -174,10 +167,6 @@ def _programs(device: torch.device, blocks: int, per_sm: int) -> int:
     if not per_sm:
         return blocks
     return cdiv(blocks, cdiv(blocks, _multiprocessors(device) * per_sm))
-
-
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @functools.cache
@@ -198,36 +187,21 @@ def _weight_block(w_ptr, stride_w, up_offset, cols, kk, w_mask, SILU: tl.constex
 
 
 @jit
-def _products(acc, acc_up, xs, w, wu, SILU: tl.constexpr, DOT: tl.constexpr):
-    """The accumulators with a K block's products added: the rows times the weight block (and its up half).
-    DOT 1: on the tensor cores in the weight's dtype (the rows' values are of that dtype, so the cast back is
-    exact); 2: the same products in float32 (Triton's interpreter multiplies bf16 as the integers it stores)."""
-    if DOT == 1:
-        acc = tl.dot(xs.to(w.dtype), tl.trans(w), acc)
-        if SILU:
-            acc_up = tl.dot(xs.to(w.dtype), tl.trans(wu), acc_up)
-    elif DOT == 2:
-        xf = xs.to(tl.float32)
-        acc = tl.dot(xf, tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
-        if SILU:
-            acc_up = tl.dot(xf, tl.trans(wu.to(tl.float32)), acc_up, input_precision="ieee")
-    else:
-        xf = xs.to(tl.float32)
-        acc += tl.sum(xf[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-        if SILU:
-            acc_up += tl.sum(xf[:, None, :] * wu.to(tl.float32)[None, :, :], axis=2)
+def _products(acc, acc_up, xs, w, wu, SILU: tl.constexpr):
+    """The accumulators with a K block's products added: the rows times the weight block (and its up half)."""
+    acc += tl.sum(xs[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    if SILU:
+        acc_up += tl.sum(xs[:, None, :] * wu.to(tl.float32)[None, :, :], axis=2)
     return acc, acc_up
 
 
 @jit
 def _input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, kk, k_mask, inv, dtype: tl.constexpr,
                  NORM: tl.constexpr, RESIDUAL: tl.constexpr, CENTERED: tl.constexpr):
-    """A block of the rows the weight multiplies: x as stored, or x (+ residual) normed, rounded where torch
-    rounds (in float32)."""
+    """A block of the rows the weight multiplies: x, or x (+ residual) normed, rounded where torch rounds."""
     mask = row_mask[:, None] & k_mask[None, :]
-    xs = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=mask, other=0.0)
+    xs = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=mask, other=0.0).to(tl.float32)
     if NORM:
-        xs = xs.to(tl.float32)
         if RESIDUAL:
             rs = tl.load(r_ptr + rows[:, None] * stride_r + kk[None, :], mask=mask, other=0.0).to(tl.float32)
             xs = (xs + rs).to(dtype).to(tl.float32)
@@ -257,7 +231,7 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, stream_ptr, m, n, k,
                  stride_x, stride_r, stride_w, stride_out, stride_stream, up_rows, eps,
                  ROWS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, CENTERED: tl.constexpr,
                  SILU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STATS_BLOCK: tl.constexpr,
-                 PDL: tl.constexpr, PREFETCH: tl.constexpr, DOT: tl.constexpr):
+                 PDL: tl.constexpr, PREFETCH: tl.constexpr):
     # program p owns the blocks of columns p, p + G, p + 2G, ... (G programs), walked as one loop over
     # (block, K step): the weight's loads run on from one block into the next, and the norm's statistics are
     # taken once per program. With PREFETCH each step issues the next step's weight loads before its products.
@@ -308,7 +282,7 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, stream_ptr, m, n, k,
     if PDL and not PREFETCH:
         xs = _input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, offs_k, offs_k < k, inv, dtype,
                           NORM, RESIDUAL, CENTERED)
-        acc, acc_up = _products(acc, acc_up, xs, w_first, wu_first, SILU, DOT)
+        acc, acc_up = _products(acc, acc_up, xs, w_first, wu_first, SILU)
         if k_steps == 1:
             cols = pid * BLOCK_N + offs_n
             _store_block(out_ptr, acc, acc_up, rows, row_mask, cols, cols < n, stride_out, dtype, SILU)
@@ -331,7 +305,7 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, stream_ptr, m, n, k,
                                           SILU)
         xs = _input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, kk, k_mask, inv, dtype,
                           NORM, RESIDUAL, CENTERED)
-        acc, acc_up = _products(acc, acc_up, xs, w_cur, wu_cur, SILU, DOT)
+        acc, acc_up = _products(acc, acc_up, xs, w_cur, wu_cur, SILU)
         if PREFETCH:
             w_cur = w_next
             wu_cur = wu_next
