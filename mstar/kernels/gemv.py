@@ -6,12 +6,16 @@ and the SiLU-and-multiply after it done in the same kernel.
 At one decode row a projection only streams its weight through the GPU.
 cuBLAS's GEMM for such a shape may split K over programs and add a reduction
 kernel, and the norm and the activation around it are kernels of their own.
-Here each program reads a block of the weight's rows once and owns their
+Here each program reads blocks of the weight's rows once and owns their
 outputs: with `norm_weight` it forms the normed input itself (each program
 reads the few rows of x, which stay in cache, and takes their statistics
 first), and with `silu` the weight is a merged gate/up [2I, K] and the
 program computes both halves of its columns and writes silu(gate) * up
-[M, I].
+[M, I]. A program may own several blocks of columns (`programs_per_sm`),
+walked as one loop over (block, K step), and load each step's weight one
+step ahead (`prefetch`): Triton does not pipeline this loop itself (its
+products are no `tl.dot`), and a one-row projection's speed is the bytes
+of weight in flight.
 
 On Hopper and later a launch is a programmatic dependent of the kernel
 before it: its programs start while that kernel's last ones run, read their
