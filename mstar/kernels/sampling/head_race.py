@@ -62,11 +62,13 @@ def filtered_race_head(scaled: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tens
                                  seeds[todo[near]], counters[todo[near]], first)
         out[todo[near[ok]]] = tokens[ok]
         settled[near[ok]] = True
-    rest = todo[~settled]
-    if rest.numel():
+    left = (~settled).nonzero().squeeze(1)
+    if left.numel():
+        rest = todo[left]
         noise = exponential_noise_reference(seeds[rest], counters[rest], vocab, first)
         xr = scaled[rest]
-        out[rest] = filtered_race_reference(xr, top_k[rest], top_p[rest], min_p[rest], noise, _descending_order(xr))
+        out[rest] = filtered_race_reference(xr, top_k[rest], top_p[rest], min_p[rest], noise, _descending_order(xr),
+                                            probs[left])
     return out
 
 

@@ -27,16 +27,24 @@ MAX_VOCAB = 4096  # a row's sort stays in registers
 
 
 def filtered_race_reference(scaled: Tensor, top_k: Tensor, top_p: Tensor, min_p: Tensor, noise: Tensor,
-                            order: Tensor | None = None) -> Tensor:
-    """Top-k, then top-p over the survivors, then min-p; race in sorted order. `order`: the rows' stable
-    descending sort's indices, where the caller found them another way (the CPU's `head_race`)."""
+                            order: Tensor | None = None, softmax: Tensor | None = None) -> Tensor:
+    """Top-k, then top-p over the survivors, then min-p; race in sorted order. Where the caller found them
+    another way (the CPU's `head_race`): `order`, the rows' stable descending sort's indices; `softmax`, the
+    rows' softmax over the whole vocabulary, which is their kept softmax where top-k keeps every token."""
     vocab = scaled.shape[-1]
     if order is None:
         _, order = scaled.sort(dim=-1, descending=True, stable=True)
     rank = torch.arange(vocab, device=scaled.device)[None, :]
     k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
     keep = rank < k[:, None]
-    probs = kept_softmax(scaled, keep, order).gather(1, order)
+    if softmax is None:
+        kept = kept_softmax(scaled, keep, order)
+    else:  # masking nothing leaves the same bits; the rows top-k cuts take theirs
+        cut = (k < vocab).nonzero().squeeze(1)
+        kept = softmax.clone() if cut.numel() else softmax
+        if cut.numel():
+            kept[cut] = kept_softmax(scaled[cut], keep[cut], order[cut])
+    probs = kept.gather(1, order)
     # Keep a token while the mass before it is short of p: the smallest set
     # reaching p, and never empty since the first token has nothing before it.
     mass_before = torch.cumsum(probs, dim=-1) - probs
