@@ -3,7 +3,8 @@ session reads, given a wrong type or value, gets an `error` event naming its
 full path and the client's event_id, and the socket then runs a response;
 a message over the size limit closes with 1009 and a reason; a response cut
 by max_output_tokens ends `incomplete`; a cancelled one counts the tokens
-the engine sampled."""
+the engine sampled, and so does one the server stopped (its timeout, its
+abort at shutdown), which ends `failed` with the reason, not as a cancel."""
 
 from __future__ import annotations
 
@@ -340,5 +341,33 @@ async def test_a_cancelled_response_counts_the_tokens_sampled(speech, monkeypatc
         # each frame of 2048 samples is 7 tokens of the model; more were sampled than were heard
         assert done["usage"]["output_tokens"] >= 7 * frames // 4096
         assert done["usage"]["output_tokens"] < 1000
+        assert done["usage"]["total_tokens"] == done["usage"]["input_tokens"] + done["usage"]["output_tokens"]
+        await ws.close()
+
+
+@pytest.mark.parametrize("how", ["timeout", "abort"])
+async def test_a_response_the_server_stops_fails_and_counts_the_tokens_sampled(
+        speech, how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the engine's own endings of a running request: its deadline (--request-timeout) and the abort its drain
+    # sends at shutdown; neither is the client's cancel
+    from mstar.http.realtime import response as response_module
+    monkeypatch.setattr(response_module, "SETTLE_S", 20.0)
+    engine, url = speech
+    async with aiohttp.ClientSession() as http:
+        ws = await _socket(http, url)
+        await ws.send_json({"type": "session.update", "session": {"type": "realtime", "max_output_tokens": 1000}})
+        await ws.send_json({"type": "response.create", "response": {"input": [_user("a long answer")]}})
+        seen: list[dict[str, Any]] = []
+        for _ in range(3):
+            await _until(ws, "response.output_audio.delta", seen)
+        (request_id,) = list(engine._states)
+        (engine._expire if how == "timeout" else engine.abort)(request_id)
+        done = (await _until(ws, "response.done", seen))["response"]
+        assert done["status"] == "failed", done
+        error = done["status_details"]["error"]
+        assert error["code"] == {"timeout": "timeout", "abort": "aborted"}[how] and error["message"]
+        frames = sum(len(base64.b64decode(e["delta"])) for e in seen if e["type"] == "response.output_audio.delta")
+        assert frames > 0
+        assert 7 * frames // 4096 <= done["usage"]["output_tokens"] < 1000
         assert done["usage"]["total_tokens"] == done["usage"]["input_tokens"] + done["usage"]["output_tokens"]
         await ws.close()

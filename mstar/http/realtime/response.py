@@ -49,14 +49,18 @@ class ResponsePlan:
     metadata: dict[str, Any] | None = None  # the client's, given back on the response object (OpenAI's)
 
 
-# finish reason -> (status, reason) of response.done
+# finish reason -> (status, reason) of response.done; a client's cancel is "cancelled" whatever the chunk says.
+# "abort" without one: the server stopped it (its drain at shutdown), so the response failed
 _STATUS = {
     "stop": ("completed", None),
     "length": ("incomplete", "max_output_tokens"),
-    "abort": ("cancelled", "client_cancelled"),
+    "abort": ("failed", None),
     "timeout": ("failed", None),
     "error": ("failed", None),
 }
+# a failed response's error code and default message where they are not the finish reason's own (HTTP's too)
+_CODES = {"abort": "aborted"}
+_MESSAGES = {"abort": "the response was aborted (the server may be shutting down)"}
 
 
 class ActiveResponse:
@@ -182,7 +186,9 @@ class ActiveResponse:
             if self._linger is not None:
                 self._linger.cancel()
             self.more_input_open = False
-            generated = await self._generated() if self.cancelled else None
+            # a chunk that ends a response early cannot count the tokens of a walk that emits audio
+            early = self.cancelled or last is None or last.finish_reason not in ("stop", "length")
+            generated = await self._generated() if early else None
             self._finish(last, generated)
             self._on_done(self)
 
@@ -205,15 +211,15 @@ class ActiveResponse:
             self._linger = asyncio.get_running_loop().call_later(linger, self._close_input)
 
     async def _generated(self) -> int | None:
-        """The tokens the engine sampled before the cancel. The abort's chunk
-        comes at once and cannot know them for a walk that emits audio, not
-        tokens; the workers tell within a step."""
+        """The tokens the engine sampled before a cancel (or a timeout, an
+        error, the server's abort). The ending chunk comes at once and cannot
+        know them for a walk that emits audio, not tokens; the workers tell
+        within a step."""
         return await self.stream.settled(SETTLE_S)
 
     def _finish(self, last: OutputChunk | None, generated: int | None) -> None:
-        reason = "abort" if self.cancelled else (last.finish_reason if last is not None else "error")
-        status, why = _STATUS.get(reason or "error", ("failed", None))
-        why = self.cancel_reason if self.cancelled else why
+        reason = (last.finish_reason if last is not None else None) or "error"
+        status, why = ("cancelled", self.cancel_reason) if self.cancelled else _STATUS.get(reason, ("failed", None))
         done_part = self._part(True)
         self.item["status"] = "completed" if status == "completed" else "incomplete"
         # the same part in the assistant item, typed as GA's item content is (the events' part is not)
@@ -229,8 +235,9 @@ class ActiveResponse:
         self._send("conversation.item.done", previous_item_id=self._previous_id(), item=self.item)
         details: dict[str, Any] = {"type": status, "reason": why}
         if status == "failed":
-            details["error"] = {"type": "server_error", "code": reason,
-                                "message": (last.error if last is not None else None) or "the response failed"}
+            details["error"] = {"type": "server_error", "code": _CODES.get(reason, reason),
+                                "message": (last.error if last is not None else None)
+                                or _MESSAGES.get(reason, "the response failed")}
         usage = None
         if last is not None:
             output = max(last.num_output_tokens, generated or 0)
