@@ -98,7 +98,7 @@ FORM_IDS = ["plain", "norm", "add_norm", "add_norm_silu", "add_centered", "cente
 
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,n,k", [(1, 40, 96), (3, 64, 300), (4, 13, 64)])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 96), (3, 64, 300), (4, 13, 64), (gemv.KERNEL_ROWS, 24, 80)])
 @pytest.mark.parametrize("form", FORMS, ids=FORM_IDS)
 def test_gemv_interpreted(m, n, k, dtype, form):
     # tiles smaller than the shapes, so columns and K both span several blocks and end in a partial one
@@ -120,6 +120,13 @@ def test_gemv_interpreted_shapes_own_tiling(form):
     # `config_for`'s one-row tilings (whole-K blocks, programs walking several blocks, loads ahead) at a
     # small shape: K and the columns end in partial blocks
     check(1, 40, 96, torch.bfloat16, "cpu", **form)
+
+
+@interpreted
+@pytest.mark.parametrize("form", FORMS, ids=FORM_IDS)
+def test_gemv_interpreted_float16(form):
+    check(5, 40, 96, torch.float16, "cpu", config=gemv.GemvConfig(block_n=8, block_k=64, programs_per_sm=2,
+                                                                  prefetch=True), **form)
 
 
 def test_persistent_programs_share_the_blocks_evenly():
