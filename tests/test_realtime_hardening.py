@@ -9,7 +9,7 @@ abort at shutdown), which ends `failed` with the reason, not as a cancel."""
 from __future__ import annotations
 
 import base64
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -322,27 +322,33 @@ async def test_a_cap_larger_than_the_room_the_text_leaves_is_a_ceiling(speech, r
         await ws.close()
 
 
+async def _stopped_mid_answer(http: aiohttp.ClientSession, url: str,
+                              stop: Callable[[aiohttp.ClientWebSocketResponse], Awaitable[None]]) -> dict[str, Any]:
+    """A long answer stopped by `stop` after its third audio delta: its response.done's response, checked to
+    count at least the tokens of the frames sent (7 a frame of 2,048 samples; more were sampled than heard)."""
+    ws = await _socket(http, url)
+    await ws.send_json({"type": "session.update", "session": {"type": "realtime", "max_output_tokens": 1000}})
+    await ws.send_json({"type": "response.create", "response": {"input": [_user("a long answer")]}})
+    seen: list[dict[str, Any]] = []
+    for _ in range(3):
+        await _until(ws, "response.output_audio.delta", seen)
+    await stop(ws)
+    done = (await _until(ws, "response.done", seen))["response"]
+    frames = sum(len(base64.b64decode(e["delta"])) for e in seen if e["type"] == "response.output_audio.delta")
+    assert frames % 4096 == 0 and frames > 0
+    assert 7 * frames // 4096 <= done["usage"]["output_tokens"] < 1000
+    assert done["usage"]["total_tokens"] == done["usage"]["input_tokens"] + done["usage"]["output_tokens"]
+    await ws.close()
+    return done
+
+
 async def test_a_cancelled_response_counts_the_tokens_sampled(speech, monkeypatch: pytest.MonkeyPatch) -> None:
     from mstar.http.realtime import response as response_module
     monkeypatch.setattr(response_module, "SETTLE_S", 20.0)  # the count comes within a step: before _until's 30 s
     _, url = speech
     async with aiohttp.ClientSession() as http:
-        ws = await _socket(http, url)
-        await ws.send_json({"type": "session.update", "session": {"type": "realtime", "max_output_tokens": 1000}})
-        await ws.send_json({"type": "response.create", "response": {"input": [_user("a long answer")]}})
-        seen: list[dict[str, Any]] = []
-        for _ in range(3):
-            await _until(ws, "response.output_audio.delta", seen)
-        await ws.send_json({"type": "response.cancel"})
-        done = (await _until(ws, "response.done", seen))["response"]
-        assert done["status"] == "cancelled"
-        frames = sum(len(base64.b64decode(e["delta"])) for e in seen if e["type"] == "response.output_audio.delta")
-        assert frames % 4096 == 0 and frames > 0
-        # each frame of 2048 samples is 7 tokens of the model; more were sampled than were heard
-        assert done["usage"]["output_tokens"] >= 7 * frames // 4096
-        assert done["usage"]["output_tokens"] < 1000
-        assert done["usage"]["total_tokens"] == done["usage"]["input_tokens"] + done["usage"]["output_tokens"]
-        await ws.close()
+        done = await _stopped_mid_answer(http, url, lambda ws: ws.send_json({"type": "response.cancel"}))
+    assert done["status"] == "cancelled" and done["status_details"]["reason"] == "client_cancelled"
 
 
 @pytest.mark.parametrize("how", ["timeout", "abort"])
@@ -353,21 +359,12 @@ async def test_a_response_the_server_stops_fails_and_counts_the_tokens_sampled(
     from mstar.http.realtime import response as response_module
     monkeypatch.setattr(response_module, "SETTLE_S", 20.0)
     engine, url = speech
-    async with aiohttp.ClientSession() as http:
-        ws = await _socket(http, url)
-        await ws.send_json({"type": "session.update", "session": {"type": "realtime", "max_output_tokens": 1000}})
-        await ws.send_json({"type": "response.create", "response": {"input": [_user("a long answer")]}})
-        seen: list[dict[str, Any]] = []
-        for _ in range(3):
-            await _until(ws, "response.output_audio.delta", seen)
+
+    async def stop(_: aiohttp.ClientWebSocketResponse) -> None:
         (request_id,) = list(engine._states)
         (engine._expire if how == "timeout" else engine.abort)(request_id)
-        done = (await _until(ws, "response.done", seen))["response"]
-        assert done["status"] == "failed", done
-        error = done["status_details"]["error"]
-        assert error["code"] == {"timeout": "timeout", "abort": "aborted"}[how] and error["message"]
-        frames = sum(len(base64.b64decode(e["delta"])) for e in seen if e["type"] == "response.output_audio.delta")
-        assert frames > 0
-        assert 7 * frames // 4096 <= done["usage"]["output_tokens"] < 1000
-        assert done["usage"]["total_tokens"] == done["usage"]["input_tokens"] + done["usage"]["output_tokens"]
-        await ws.close()
+    async with aiohttp.ClientSession() as http:
+        done = await _stopped_mid_answer(http, url, stop)
+    assert done["status"] == "failed", done
+    error = done["status_details"]["error"]
+    assert error["code"] == {"timeout": "timeout", "abort": "aborted"}[how] and error["message"]
