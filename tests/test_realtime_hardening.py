@@ -1,7 +1,8 @@
 """`/v1/realtime` against malformed client events, on CPU: every field the
 session reads, given a wrong type or value, gets an `error` event naming its
 full path and the client's event_id, and the socket then runs a response;
-a message over the size limit closes with 1009 and a reason; a response cut
+a message over the size limit closes with 1009 and a reason; a plain GET is
+told to upgrade (426); a response cut
 by max_output_tokens ends `incomplete`; a cancelled one counts the tokens
 the engine sampled, and so does one the server stopped (its timeout, its
 abort at shutdown), which ends `failed` with the reason, not as a cancel."""
@@ -221,6 +222,15 @@ async def test_the_envelopes_refusals_say_what_is_wrong(speech) -> None:
         ev = await ws.receive_json(timeout=30)
         assert ev["error"]["message"].startswith("'session.mstar.input_linger_ms' must be in [0, "), ev
         await ws.close()
+
+
+async def test_a_plain_request_is_told_to_upgrade(speech) -> None:
+    _, url = speech
+    async with aiohttp.ClientSession() as http:
+        async with http.get(url + "/v1/realtime?model=orpheus-tiny") as r:
+            assert r.status == 426 and r.headers["Upgrade"] == "websocket"
+            body = await r.json()
+    assert body["error"]["code"] == "upgrade_required" and "websocket" in body["error"]["message"], body
 
 
 async def test_the_session_a_client_was_given_may_be_sent_back(speech) -> None:

@@ -75,11 +75,14 @@ async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamRe
             message = f"method {request.method} is not allowed on {request.path}"
         elif e.status == 413:
             message = TOO_LARGE
+        elif e.status == 426:
+            message = f"{request.path} speaks websocket only: open it with an 'Upgrade: websocket' request"
         else:
             message = e.reason
         response = error_response(message, status=e.status, code=e.reason.lower().replace(" ", "_"))
-        if "Allow" in e.headers:  # a 405 says which methods the route takes (RFC 9110)
-            response.headers["Allow"] = e.headers["Allow"]
+        for name in ("Allow", "Upgrade"):  # a 405 says which methods the route takes, a 426 what to upgrade to
+            if name in e.headers:
+                response.headers[name] = e.headers[name]
         return response
     except Exception:
         log.exception("unhandled error", method=request.method, path=request.path)

@@ -30,7 +30,8 @@ def _errors(*statuses: int) -> dict[str, Any]:
                 "`Retry-After` header's seconds",
            503: "the engine is not running; retry after the `Retry-After` header's seconds",
            413: "the request body is larger than the server accepts; the message gives the limit",
-           504: "the request ran past the server's --request-timeout (a stream ends with an error event instead)"}
+           504: "the request ran past the server's --request-timeout (a stream ends with an error event instead)",
+           426: "a plain request to a websocket route: open it with `Upgrade: websocket` (the header says so)"}
     retry = {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}}}
     return {str(s): {"description": why[s], "content": _json(req.ref("Error")),
                      **({"headers": retry} if s in (429, 503) else {})} for s in statuses}
@@ -103,7 +104,7 @@ def document() -> Schema:
             "parameters": [{"name": "model", "in": "query", "required": False, "schema": {"type": "string"},
                             "description": "the served model (default: the one the server runs)"}],
             "responses": {"101": {"description": "switching to the websocket protocol"},
-                          **_errors(400, 404, 500)}}},
+                          **_errors(400, 404, 426, 500)}}},
     }
     # text streamed in while the audio streams out: the body's first line, then {"input": ...} lines
     paths["/v1/audio/speech"]["post"]["requestBody"]["content"]["application/x-ndjson"] = {"schema": {

@@ -59,11 +59,13 @@ class _Socket(web.WebSocketResponse):
 
 
 async def realtime(request: web.Request) -> web.StreamResponse:
+    # "realtime": what a browser offers beside its key's subprotocol (access.py), and must hear back
+    ws = _Socket(max_msg_size=MAX_MESSAGE_BYTES, heartbeat=HEARTBEAT_S, protocols=("realtime",))
+    if not ws.can_prepare(request).ok:  # a plain request: the route speaks websocket only (RFC 9110's 426)
+        raise web.HTTPUpgradeRequired(headers={"Upgrade": "websocket", "Connection": "Upgrade"})
     engine = request.app[ENGINE]
     target = resolve_model(engine, request.query.get("model"))
     card = next(c for c in engine.model_cards() if c.answers_to(target.name))
-    # "realtime": what a browser offers beside its key's subprotocol (access.py), and must hear back
-    ws = _Socket(max_msg_size=MAX_MESSAGE_BYTES, heartbeat=HEARTBEAT_S, protocols=("realtime",))
     await ws.prepare(request)
     outbox: asyncio.Queue[bytes | None] = asyncio.Queue()
 
