@@ -265,7 +265,7 @@ if [[ $what == scheduler-profile ]]; then  # where the worker's time goes in ben
       --short-tokens 140 --profile 2 --metrics-dir "$OUT" 2>&1 | grep -v "\[info" | tail -12
 fi
 if [[ $what == gemv ]]; then
-  timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gemv.py tests/test_llama_parity_model.py \
+  timeout 200 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gemv.py tests/test_llama_parity_model.py \
       > "$OUT/gemv_tests.txt" 2>&1 || rc=1
   tail -8 "$OUT/gemv_tests.txt"
   PYTHONPATH=$PWD:$PWD/scripts timeout 240 python3 scripts/bench_gemv.py --rows 1 ${GEMV_ARGS:-} \
