@@ -40,9 +40,10 @@ def filtered_race_reference(scaled: Tensor, top_k: Tensor, top_p: Tensor, min_p:
     if softmax is None:
         kept = kept_softmax(scaled, keep, order)
     else:  # masking nothing leaves the same bits; the rows top-k cuts take theirs
+        kept = softmax
         cut = (k < vocab).nonzero().squeeze(1)
-        kept = softmax.clone() if cut.numel() else softmax
         if cut.numel():
+            kept = softmax.clone()
             kept[cut] = kept_softmax(scaled[cut], keep[cut], order[cut])
     probs = kept.gather(1, order)
     # Keep a token while the mass before it is short of p: the smallest set
