@@ -60,7 +60,8 @@
 #                                   then one stream's and 64 streams' first audio with and without early_audio
 #   scripts/gpu_check.sh gemv       the few-row projection kernel's GPU tests and Llama's parity with it, then
 #                                   scripts/bench_gemv.py (it against cuBLAS at Orpheus-3B's shapes; $GEMV_ARGS adds
-#                                   flags, e.g. the sweep's grid: --block-n 2 4 --programs-per-sm 0 2 4 --prefetch 0 1), then the decode
+#                                   flags, e.g. the sweep's grid: --block-n 2 4 --programs-per-sm 0 2 4
+#                                   --prefetch 0 1), then the decode
 #                                   step at 1 and 64 rows of this tree against $BASE's (as compare, $ROUNDS rounds, default 2)
 #   scripts/gpu_check.sh all        tests and bench (default)
 # FlashInfer compiles its kernels on first use into ~/.cache/flashinfer; a
