@@ -126,6 +126,12 @@ def parse_devices(spec: str) -> tuple[str, ...]:
     return tuple(out)
 
 
+# The default decode graphs stop here, however many rows a step may hold: each
+# bucket keeps its own logits and a capture at startup, and the memory reserve
+# (engine/memory/sizing.py) is sized for buckets up to 512 rows.
+GRAPH_MAX_BATCH_CAP = 512
+
+
 def graph_buckets(max_batch: int) -> tuple[int, ...]:
     """The decode graphs' batch sizes up to `max_batch`, and `max_batch`
     itself: 1, 2, 4, 8, 12, then four to a doubling (16, 20, 24, 28, 32, 40,
@@ -252,9 +258,9 @@ def build_parser(builtin_models: Sequence[str] = ()) -> argparse.ArgumentParser:
     p.add_argument("--host-arena-mb", type=int, default=None,
                    help="MiB of shared, page-locked host memory per worker for outputs on their way to clients "
                         "(default: 64 on a GPU, none on the CPU)")
-    p.add_argument("--cuda-graph-max-batch", type=int, default=256,
+    p.add_argument("--cuda-graph-max-batch", type=int, default=None,
                    help="capture decode graphs for batch sizes 1, 2, 4, 8, 12, 16, 20, ... (four to a doubling, "
-                        "eight from 256) up to this")
+                        f"eight from 256) up to this (default: --max-num-seqs, at most {GRAPH_MAX_BATCH_CAP})")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one)")
     p.add_argument("--log-format", choices=("console", "json"), default="console", help="log line format")
@@ -368,7 +374,8 @@ def parse_args(argv: list[str] | None = None, builtin_models: Sequence[str] = ()
         audio_logits_only=a.audio_logits_only,
         host_arena_mb=a.host_arena_mb,
         gil_switch_interval_ms=a.gil_switch_interval_ms,
-        cuda_graph_batch_sizes=graph_buckets(a.cuda_graph_max_batch),
+        cuda_graph_batch_sizes=graph_buckets(min(a.max_num_seqs, GRAPH_MAX_BATCH_CAP) if a.cuda_graph_max_batch is None
+                                              else a.cuda_graph_max_batch),
         scheduler=sched,
     )
     return ServerConfig(engine=engine, host=a.host, port=a.port, log_format=a.log_format,

@@ -130,3 +130,24 @@ def test_numeric_flags_at_their_bounds_are_taken() -> None:
     assert (sched.num_pages, sched.gpu_memory_utilization, sched.max_num_batched_tokens) == (1, 1.0, 8)
     assert cfg.engine.request_timeout == 0.0
     assert (cfg.engine.host_arena_mb, cfg.engine.gil_switch_interval_ms) == (0, 0.5)
+
+
+def test_decode_graphs_reach_max_num_seqs_by_default() -> None:
+    """Without `--cuda-graph-max-batch` the decode graphs cover every step
+    `--max-num-seqs` allows, up to 512 rows; a step past the last bucket would
+    run eagerly, its launches on the host."""
+    from mstar.config import parse_args
+    from mstar.errors import ConfigError
+
+    def top(flags: list[str]) -> int:
+        return parse_args(flags).engine.cuda_graph_batch_sizes[-1]
+
+    assert top([]) == 256
+    assert top(["--max-num-seqs", "512"]) == 512
+    assert top(["--max-num-seqs", "64"]) == 64
+    assert top(["--max-num-seqs", "400"]) == 400
+    assert top(["--max-num-seqs", "2048", "--max-num-batched-tokens", "8192"]) == 512
+    assert top(["--max-num-seqs", "512", "--cuda-graph-max-batch", "128"]) == 128
+    assert top(["--max-num-seqs", "64", "--cuda-graph-max-batch", "256"]) == 256
+    with pytest.raises(ConfigError, match="cuda-graph-max-batch"):
+        parse_args(["--cuda-graph-max-batch", "0"])
