@@ -229,8 +229,15 @@ async def test_a_plain_request_is_told_to_upgrade(speech) -> None:
     async with aiohttp.ClientSession() as http:
         async with http.get(url + "/v1/realtime?model=orpheus-tiny") as r:
             assert r.status == 426 and r.headers["Upgrade"] == "websocket"
+            assert r.headers["Connection"].lower() == "upgrade"
             body = await r.json()
-    assert body["error"]["code"] == "upgrade_required" and "websocket" in body["error"]["message"], body
+        assert body["error"]["code"] == "upgrade_required" and "websocket" in body["error"]["message"], body
+        # a websocket handshake that is malformed (no key) is not told to upgrade: it gets aiohttp's 400
+        headers = {"Upgrade": "websocket", "Connection": "Upgrade", "Sec-WebSocket-Version": "13"}
+        async with http.get(url + "/v1/realtime?model=orpheus-tiny", headers=headers) as r:
+            assert r.status == 400, r.status
+            error = (await r.json())["error"]
+        assert error["code"] == "bad_request" and error["message"].startswith("Handshake error"), error
 
 
 async def test_the_session_a_client_was_given_may_be_sent_back(speech) -> None:

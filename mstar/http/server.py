@@ -77,10 +77,12 @@ async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamRe
             message = TOO_LARGE
         elif e.status == 426:
             message = f"{request.path} speaks websocket only: open it with an 'Upgrade: websocket' request"
-        else:
-            message = e.reason
+        else:  # the text aiohttp gave it (a websocket handshake's fault, say), or its reason phrase
+            text = e.text or ""
+            message = e.reason if text in ("", f"{e.status}: {e.reason}") else text
         response = error_response(message, status=e.status, code=e.reason.lower().replace(" ", "_"))
-        for name in ("Allow", "Upgrade"):  # a 405 says which methods the route takes, a 426 what to upgrade to
+        # a 405 says which methods the route takes, a 426 what to upgrade to (with the upgrade connection option)
+        for name in ("Allow", "Upgrade", "Connection"):
             if name in e.headers:
                 response.headers[name] = e.headers[name]
         return response

@@ -195,6 +195,10 @@ class Choice:
             self.error = chunk.error
 
 
+# what a request the server stopped (its drain at shutdown) tells its client, over HTTP and the realtime socket
+ABORTED_MESSAGE = "the request was aborted (the server may be shutting down)"
+
+
 def failure_of(choice: Choice) -> GenerationFailed | None:
     """Why a finished choice has no answer to give, if it has none."""
     if choice.finish_reason == "error":
@@ -202,8 +206,7 @@ def failure_of(choice: Choice) -> GenerationFailed | None:
     if choice.finish_reason == "timeout":
         return GenerationFailed(choice.error or "the request timed out", status=504, code="timeout")
     if choice.finish_reason == "abort":
-        return GenerationFailed("the request was aborted (the server may be shutting down)",
-                                status=503, code="aborted")
+        return GenerationFailed(ABORTED_MESSAGE, status=503, code="aborted")
     return None
 
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import structlog
 
 from mstar.http.realtime.protocol import event, new_id
+from mstar.http.submission import ABORTED_MESSAGE
 from mstar.types import GenerateRequest, OutputChunk
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ _STATUS = {
 }
 # a failed response's error code and default message where they are not the finish reason's own (HTTP's too)
 _CODES = {"abort": "aborted"}
-_MESSAGES = {"abort": "the response was aborted (the server may be shutting down)"}
+_MESSAGES = {"abort": ABORTED_MESSAGE}
 
 
 class ActiveResponse:
@@ -186,8 +187,9 @@ class ActiveResponse:
             if self._linger is not None:
                 self._linger.cancel()
             self.more_input_open = False
-            # a chunk that ends a response early cannot count the tokens of a walk that emits audio
-            early = self.cancelled or last is None or last.finish_reason not in ("stop", "length")
+            # a chunk that ends a response early cannot count the tokens of a walk that emits audio; with no
+            # chunk at all there is no usage to count them into
+            early = last is not None and (self.cancelled or last.finish_reason not in ("stop", "length"))
             generated = await self._generated() if early else None
             self._finish(last, generated)
             self._on_done(self)

@@ -25,6 +25,7 @@ from aiohttp import WSCloseCode, WSMsgType, web
 
 from mstar.http.keys import CLOSING, ENGINE, MEDIA_LIMITS, SOCKETS
 from mstar.http.realtime.protocol import ProtocolError, check_event, error_event, parse_event
+from mstar.http.realtime.response import SETTLE_S
 from mstar.http.realtime.session import RealtimeSession
 from mstar.http.submission import resolve_model
 
@@ -34,7 +35,9 @@ CLOSE_S = 10.0  # seconds a closing session's response may take to end and free 
 MAX_MESSAGE_BYTES = 16 * 2**20  # a client event (an audio append, say); larger ones close the socket (1009)
 HEARTBEAT_S = 30.0
 TOO_BIG_GRACE_S = 5.0  # how long a client sending a message over the limit may take to stop
-GOING_AWAY_S = 1.0  # at shutdown, how long an aborted response may take to send its last events
+# at shutdown, how long an aborted response may take to send its last events: the workers' count of its tokens
+# (up to SETTLE_S), then the events themselves
+GOING_AWAY_S = SETTLE_S + 1.0
 
 
 class _Socket(web.WebSocketResponse):
@@ -61,7 +64,9 @@ class _Socket(web.WebSocketResponse):
 async def realtime(request: web.Request) -> web.StreamResponse:
     # "realtime": what a browser offers beside its key's subprotocol (access.py), and must hear back
     ws = _Socket(max_msg_size=MAX_MESSAGE_BYTES, heartbeat=HEARTBEAT_S, protocols=("realtime",))
-    if not ws.can_prepare(request).ok:  # a plain request: the route speaks websocket only (RFC 9110's 426)
+    if request.headers.get("Upgrade", "").strip().lower() != "websocket":
+        # a plain request: the route speaks websocket only (RFC 9110's 426); a websocket handshake that is
+        # malformed gets aiohttp's own 400 from `prepare`, which says what is wrong with it
         raise web.HTTPUpgradeRequired(headers={"Upgrade": "websocket", "Connection": "Upgrade"})
     engine = request.app[ENGINE]
     target = resolve_model(engine, request.query.get("model"))
