@@ -63,8 +63,13 @@ class EngineConfig:
     quantization: str | None = None       # None | fp8: the projections' weights (opt-in: it changes the output)
     kv_cache_dtype: str = "auto"          # auto (the model's dtype) | fp8: K and V pages in float8 e4m3 (opt-in)
     audio_logits_only: bool = False       # a speech model's head computes its audio ids' logits only (opt-in)
-    cuda_graph_batch_sizes: tuple[int, ...] = field(default_factory=lambda: graph_buckets(256))
+    # decode graphs' batch sizes; None: `default_graph_buckets` of the scheduler's max_num_seqs
+    cuda_graph_batch_sizes: tuple[int, ...] | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.cuda_graph_batch_sizes is None:
+            object.__setattr__(self, "cuda_graph_batch_sizes", default_graph_buckets(self.scheduler.max_num_seqs))
 
 
 def default_media_workers() -> int:
@@ -130,6 +135,13 @@ def parse_devices(spec: str) -> tuple[str, ...]:
 # bucket keeps its own logits and a capture at startup, and the memory reserve
 # (engine/memory/sizing.py) is sized for buckets up to 512 rows.
 GRAPH_MAX_BATCH_CAP = 512
+
+
+def default_graph_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """The decode graphs when none are asked for: every step `max_num_seqs`
+    allows, up to GRAPH_MAX_BATCH_CAP rows (a step past the last bucket runs
+    eagerly, its launches on the host)."""
+    return graph_buckets(min(max_num_seqs, GRAPH_MAX_BATCH_CAP))
 
 
 def graph_buckets(max_batch: int) -> tuple[int, ...]:
@@ -374,8 +386,7 @@ def parse_args(argv: list[str] | None = None, builtin_models: Sequence[str] = ()
         audio_logits_only=a.audio_logits_only,
         host_arena_mb=a.host_arena_mb,
         gil_switch_interval_ms=a.gil_switch_interval_ms,
-        cuda_graph_batch_sizes=graph_buckets(min(a.max_num_seqs, GRAPH_MAX_BATCH_CAP) if a.cuda_graph_max_batch is None
-                                              else a.cuda_graph_max_batch),
+        cuda_graph_batch_sizes=None if a.cuda_graph_max_batch is None else graph_buckets(a.cuda_graph_max_batch),
         scheduler=sched,
     )
     return ServerConfig(engine=engine, host=a.host, port=a.port, log_format=a.log_format,

@@ -37,7 +37,7 @@ import torch
 from decode_measures import (GiB, build_hf, build_hf_qwen35, copy_bandwidth_gbps, hf_decode_tokens_per_s,
                              kv_bytes_per_step, module_weight_bytes, state_bytes_per_step, weight_bytes_per_step)
 from decode_report import environment, write_markdown
-from mstar.config import GRAPH_MAX_BATCH_CAP, EngineConfig, SchedulerConfig, graph_buckets, parse_devices
+from mstar.config import EngineConfig, SchedulerConfig, parse_devices
 from mstar.engine.engine import Engine
 from mstar.engine.messages import StepReport
 from mstar.models.base import Model
@@ -126,12 +126,10 @@ async def bench_engine(a: argparse.Namespace, model: Model, device: torch.device
     per_row = -(-(max(a.contexts) + a.new_tokens) // page) + 1  # +1: room for a step launched ahead
     # the worker insists that one request of max_model_len fits
     pages = a.num_pages or max(max(a.batches) * per_row, -(-model.max_model_len // page))
-    rows = max(256, *a.batches)
-    # decode graphs up to the rows a step holds, as the server's default gives them
+    # the decode graphs follow max_num_seqs, as the server's do by default
     cfg = EngineConfig(model=a.model, load_format=a.load_format, devices=(str(device),), dtype=a.dtype,
                        max_model_len=a.max_model_len,
-                       cuda_graph_batch_sizes=graph_buckets(min(rows, GRAPH_MAX_BATCH_CAP)),
-                       scheduler=SchedulerConfig(max_num_seqs=rows, page_size=page, num_pages=pages,
+                       scheduler=SchedulerConfig(max_num_seqs=max(256, *a.batches), page_size=page, num_pages=pages,
                                                  max_num_batched_tokens=a.max_num_batched_tokens))
     engine = Engine(cfg, model=model)
     t0 = time.perf_counter()

@@ -98,7 +98,7 @@ FORM_IDS = ["plain", "norm", "add_norm", "add_norm_silu", "add_centered", "cente
 
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,n,k", [(1, 40, 96), (3, 64, 300), (4, 13, 64), (gemv.KERNEL_ROWS, 24, 80)])
+@pytest.mark.parametrize("m,n,k", [(1, 40, 96), (3, 64, 300), (4, 13, 64), (2, 37, 150), (gemv.KERNEL_ROWS, 24, 80)])
 @pytest.mark.parametrize("form", FORMS, ids=FORM_IDS)
 def test_gemv_interpreted(m, n, k, dtype, form):
     # tiles smaller than the shapes, so columns and K both span several blocks and end in a partial one
@@ -113,13 +113,13 @@ def test_gemv_interpreted(m, n, k, dtype, form):
               config=gemv.GemvConfig(block_n=8, block_k=64, programs_per_sm=per_sm, prefetch=prefetch))
 
 
-
 @interpreted
 @pytest.mark.parametrize("form", FORMS, ids=FORM_IDS)
 def test_gemv_interpreted_shapes_own_tiling(form):
     # `config_for`'s one-row tilings (whole-K blocks, programs walking several blocks, loads ahead) at a
-    # small shape: K and the columns end in partial blocks
-    check(1, 40, 96, torch.bfloat16, "cpu", **form)
+    # small shape: the columns end in a partial block (41 over blocks of 2 or 4), and the programs' shares of
+    # the blocks are unequal (21 blocks over 4 programs, 11 over 2)
+    check(1, 41, 96, torch.bfloat16, "cpu", **form)
 
 
 @interpreted
@@ -145,6 +145,15 @@ def test_gemv_refuses_what_it_cannot_take():
         gemv._launch(torch.randn(gemv.KERNEL_ROWS + 1, 64), None, None, 0.0, False, torch.randn(8, 64), False, None)
     with pytest.raises(ValueError, match="even number"):
         gemv._launch(x, None, torch.ones(64), 1e-5, False, torch.randn(7, 64), True, None)
+    for bad in (dict(programs_per_sm=-1), dict(stats_block=-2), dict(block_n=0), dict(num_warps=0)):
+        with pytest.raises(ValueError, match="must"):
+            gemv.GemvConfig(**bad)
+
+
+def test_an_empty_k_projects_to_zeros():
+    # nothing is launched: the output is the sum of no products, not uninitialised memory
+    got = gemv.linear(torch.randn(1, 0), torch.randn(3, 0))
+    assert got.shape == (1, 3) and torch.equal(got, torch.zeros(1, 3))
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="needs triton")
@@ -180,7 +189,7 @@ def test_cpu_tensors_take_the_modules():
 @cuda
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize("n,k,form", [(5120, 3072, 2), (3072, 3072, 0), (8192, 3072, 3), (3072, 8192, 0),
-                                      (28736, 3072, 0), (2048, 4096, 4), (1000, 520, 5)])
+                                      (28736, 3072, 0), (2048, 4096, 4), (1001, 520, 5)])
 @pytest.mark.parametrize("config", [None, gemv.GemvConfig(block_n=4, block_k=1024, programs_per_sm=2),
                                     gemv.GemvConfig(block_n=4, block_k=4096, programs_per_sm=3),
                                     gemv.GemvConfig(block_n=4, block_k=1024, prefetch=True),

@@ -47,6 +47,7 @@ MAX_ROWS = 1    # at two rows cuBLAS was as fast or faster on three of a Llama l
 MIN_WEIGHT = 1 << 20  # elements; a smaller weight's projection is a few microseconds either way
 KERNEL_ROWS = 16  # the most rows a launch takes (its accumulators grow with them)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+HEAD_WIDTH = 16384  # outputs from which a projection is a vocabulary's head: its blocks fill the GPU as they are
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,12 @@ class GemvConfig:
     # each step issues the next step's weight loads before its own products: twice the bytes in flight a program
     prefetch: bool = False
 
+    def __post_init__(self) -> None:
+        if self.block_n < 1 or self.block_k < 1 or self.num_warps < 1 or self.num_stages < 1:
+            raise ValueError(f"{self}: blocks, warps and stages must be positive")
+        if self.stats_block < 0 or self.programs_per_sm < 0:
+            raise ValueError(f"{self}: stats_block and programs_per_sm must not be negative (0: the default)")
+
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear`/`norm_linear` take the kernel for x [M, K] and this
@@ -82,8 +89,8 @@ def config_for(rows: int, n: int, k: int, norm: bool = False, silu: bool = False
     projections (`scripts/bench_gemv.py`, on an H100).
 
     One row: a projection of a hidden-wide output runs a few programs a
-    multiprocessor, each walking narrow blocks of columns over the whole of
-    K with the next block's weight loaded ahead, so that its loads run back
+    multiprocessor, each walking narrow blocks of columns in K steps of up
+    to 4,096 with the next step's weight loaded ahead, so that its loads run back
     to back (plain: 2 columns, 4 per multiprocessor; with the norm ahead,
     whose statistics each program then takes once: 4 columns, 2 per
     multiprocessor). The merged gate/up (two weight streams a program) keeps
@@ -91,14 +98,14 @@ def config_for(rows: int, n: int, k: int, norm: bool = False, silu: bool = False
     vocabulary's head has programs enough to fill the GPU in blocks of 1,024.
     More rows: narrower K blocks, whose products take registers."""
     whole_k = block_size(k)
-    if rows == 1 and n < 16384:
+    if rows == 1 and n < HEAD_WIDTH:
         if silu:
             return GemvConfig(block_n=2, block_k=min(1024, whole_k), num_warps=4, prefetch=True,
                               stats_block=min(4096, whole_k))
         if norm:
             return GemvConfig(block_n=4, block_k=min(4096, whole_k), num_warps=8, programs_per_sm=2, prefetch=True)
         return GemvConfig(block_n=2, block_k=min(4096, whole_k), num_warps=4, programs_per_sm=4, prefetch=True)
-    plain = not norm and n < 16384
+    plain = not norm and n < HEAD_WIDTH
     block_k = (2048 if k >= 8192 else 1024) * (2 if plain else 1) // block_size(rows)
     return GemvConfig(block_n=4, block_k=max(16, min(block_k, whole_k)), num_warps=8 if plain else 4)
 
@@ -146,7 +153,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
     copied = weight.stride(-1) != 1
     weight = weight.contiguous() if copied else weight
     n = weight.shape[0] // 2 if silu else weight.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = (torch.empty if k else torch.zeros)(m, n, dtype=x.dtype, device=x.device)  # no K: a sum of nothing
     res = residual if residual is None or residual.stride(-1) == 1 else residual.contiguous()
     stream = torch.empty_like(x) if res is not None else x
     cfg = config or config_for(m, n, k, norm_weight is not None, silu)
