@@ -48,8 +48,10 @@ async def test_completion_logprobs_are_the_native_ones_by_token_string(http: aio
     tok = engine.tokenizer(MODEL)
     assert lp["tokens"] == [tok.decode([i], skip_special_tokens=False) for i in ids]
     assert lp["token_logprobs"] == pytest.approx([e["logprob"] for e in native["logprobs"]], abs=1e-5)
-    offsets = [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(ids))]
-    assert lp["text_offset"] == offsets
+    # offsets index the text: in order, within it, and at each whole token's own string
+    offsets, text = lp["text_offset"], choice["text"]
+    assert offsets == sorted(offsets) and all(0 <= o < len(text) for o in offsets), (offsets, text)
+    assert all(text[o:].startswith(t) for o, t in zip(offsets, lp["tokens"]) if "\ufffd" not in t)
     for token, logprob, top, entry in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], native["logprobs"]):
         # keyed by token string: ids whose strings are equal (byte tokens reading U+FFFD) share a key
         assert set(top) == {token} | {tok.decode([t["token_id"]], skip_special_tokens=False)

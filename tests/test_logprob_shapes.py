@@ -1,6 +1,7 @@
 """`LogprobShapes.completion`'s `text_offset` indexes the choice's text: a
 special token the text leaves out counts no characters, one it keeps counts
-its string, and a stream's pieces continue each choice's offsets."""
+its string, a character split over tokens counts once, and a stream's pieces
+continue each choice's offsets."""
 
 from __future__ import annotations
 
@@ -31,3 +32,16 @@ def test_text_offset_continues_over_a_stream_per_choice():
     assert shapes.completion(0, _entries([ord("a"), BYTE_TOKENIZER_BOS]))["text_offset"] == [0, 1]
     assert shapes.completion(1, _entries([ord("x")]))["text_offset"] == [0]
     assert shapes.completion(0, _entries([ord("b"), ord("c")]))["text_offset"] == [1, 2]
+
+
+def test_text_offset_counts_a_character_split_over_tokens_once():
+    tok = builtin_byte_tokenizer()
+    e_acute, snowman = "é".encode(), "☃".encode()  # two and three bytes: a byte token each
+    ids = [ord("a"), *e_acute, ord("b"), *snowman, ord("c")]
+    text = tok.decode(ids)
+    assert text == "aéb☃c"
+    shapes = LogprobShapes(tok)  # in two pieces of a stream, the first ending inside "é"
+    got = shapes.completion(0, _entries(ids[:2]))["text_offset"] + shapes.completion(0, _entries(ids[2:]))["text_offset"]
+    # the bytes of one character share its offset, and each token's offset indexes the text
+    assert got == [0, 1, 1, 2, 3, 3, 3, 4]
+    assert [text[o] for o in got] == ["a", "é", "é", "b", "☃", "☃", "☃", "c"]

@@ -243,10 +243,11 @@ async def test_bad_events_get_error_events_and_the_socket_stays(speech) -> None:
 
         assert (await error_for("{not json"))["code"] == "invalid_json"
         assert (await error_for({"type": "no.such.event"}))["code"] == "unknown_event_type"
-        err = await error_for({"type": "input_audio_buffer.append", "audio": "***", "event_id": "ev1"})
-        assert err["code"] == "invalid_base64" and err["event_id"] == "ev1"
-        err = await error_for({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"\0\0").decode()})
-        assert err["code"] == "audio_input_not_supported" and "no audio input" in err["message"]
+        # a model that does not hear refuses the buffer before looking at the audio (its base64, its samples)
+        for audio in ("***", base64.b64encode(b"\0\0\0").decode(), base64.b64encode(b"\0\0").decode()):
+            err = await error_for({"type": "input_audio_buffer.append", "audio": audio, "event_id": "ev1"})
+            assert err["code"] == "audio_input_not_supported" and "no audio input" in err["message"], err
+            assert err["event_id"] == "ev1"
         err = await error_for({"type": "input_audio_buffer.commit"})  # the same refusal, not "the buffer is empty"
         assert err["code"] == "audio_input_not_supported" and "no audio input" in err["message"]
         assert (await error_for({"type": "response.cancel"}))["code"] == "response_cancel_not_active"

@@ -116,8 +116,8 @@ class RealtimeSession:
     # ---------------------------------------------------------------- audio
 
     async def _on_input_audio_buffer_append(self, obj: dict[str, Any]) -> None:
+        self._needs_hearing("audio")  # before the audio's own faults: no audio is taken here at all
         pcm = decode_audio(field_of(obj, "audio", str, ""), "audio")
-        self._needs_hearing("audio")
         for ev in self.buffer.append(pcm):
             await self._on_vad(ev)
 

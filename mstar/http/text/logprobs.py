@@ -9,15 +9,19 @@ shows it: a token holding part of a multi-byte character reads U+FFFD. Its
 `bytes` are its own bytes of the text (`Tokenizer.token_bytes`), as OpenAI's
 are: joined over a text's tokens they make its UTF-8, a character split over
 tokens included (a sentencepiece word marker is a space, so a text's first
-word there keeps the space its string drops). `text_offset` counts the characters of
-the choice's token strings before each token, a special token that the text
-leaves out (`skip_special_tokens`) counting none, so that it indexes the text
-(`echo` is not supported, so the prompt is not part of the text). JSON has no -inf: a logprob below -9999 (a
-token the model rules out) is reported as -9999, as OpenAI does.
+word there keeps the space its string drops). `text_offset` counts the
+characters of the choice's text before each token: its tokens' bytes decoded
+as UTF-8 as they come, a character split over tokens counting once, at the
+token that completes it (the tokens of one character share its offset), and
+a special token that the text leaves out (`skip_special_tokens`) counting
+none (`echo` is not supported, so the prompt is not part of the text). JSON
+has no -inf: a logprob below -9999 (a token the model rules out) is reported
+as -9999, as OpenAI does.
 """
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,7 +42,9 @@ class LogprobShapes:
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self._offsets: dict[int, int] = {}  # choice index -> characters of its token strings so far
+        # choice index -> characters of its text so far, and the decoder holding a character's first bytes
+        self._offsets: dict[int, int] = {}
+        self._decoders: dict[int, codecs.IncrementalDecoder] = {}
 
     def _strings(self, entries: Sequence[TokenLogprob]) -> dict[int, str]:
         """Every token id of `entries` (sampled and top) decoded, in one call."""
@@ -49,16 +55,17 @@ class LogprobShapes:
         """`/v1/completions`' `logprobs` for choice `index`'s `entries` (its next tokens)."""
         text = self._strings(entries)
         tokens = [text[e.token_id] for e in entries]
-        widths = [len(t) for t in tokens]
+        ids = list(dict.fromkeys(e.token_id for e in entries))
+        raw = dict(zip(ids, self.tokenizer.token_bytes(ids)))
         if self.skip_special_tokens:  # a token that decodes to nothing without its specials is not in the text
-            ids = list(dict.fromkeys(e.token_id for e in entries))
             shown = dict(zip(ids, self.tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=True)))
-            widths = [w if shown[e.token_id] else 0 for w, e in zip(widths, entries)]
+            raw = {i: b if shown[i] else b"" for i, b in raw.items()}
+        decoder = self._decoders.setdefault(index, codecs.getincrementaldecoder("utf-8")(errors="replace"))
         offsets = []
         at = self._offsets.get(index, 0)
-        for width in widths:
+        for e in entries:
             offsets.append(at)
-            at += width
+            at += len(decoder.decode(raw[e.token_id]))
         self._offsets[index] = at
         return {"tokens": tokens, "token_logprobs": [_number(e.logprob) for e in entries],
                 "top_logprobs": [_top_map(e, text) for e in entries], "text_offset": offsets}

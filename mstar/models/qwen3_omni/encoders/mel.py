@@ -124,6 +124,6 @@ class LogMel:
             raise RequestError("audio is empty", field=field)
         if clip.numel() < MIN_SAMPLES:
             # the count after resampling to 16 kHz: a duration reads the same whatever rate was sent
-            raise RequestError(f"audio is {1000 * clip.numel() / SAMPLE_RATE:.1f} ms long ({clip.numel()} samples "
-                               f"at 16 kHz); at least {1000 * MIN_SAMPLES / SAMPLE_RATE:.1f} ms ({MIN_SAMPLES} "
+            raise RequestError(f"audio is {1000 * clip.numel() / SAMPLE_RATE:.3g} ms long ({clip.numel()} samples "
+                               f"at 16 kHz); at least {1000 * MIN_SAMPLES / SAMPLE_RATE:.3g} ms ({MIN_SAMPLES} "
                                "samples) are needed", field=field)
