@@ -41,7 +41,8 @@ def test_text_offset_counts_a_character_split_over_tokens_once():
     text = tok.decode(ids)
     assert text == "aéb☃c"
     shapes = LogprobShapes(tok)  # in two pieces of a stream, the first ending inside "é"
-    got = shapes.completion(0, _entries(ids[:2]))["text_offset"] + shapes.completion(0, _entries(ids[2:]))["text_offset"]
+    got = [*shapes.completion(0, _entries(ids[:2]))["text_offset"],
+           *shapes.completion(0, _entries(ids[2:]))["text_offset"]]
     # the bytes of one character share its offset, and each token's offset indexes the text
     assert got == [0, 1, 1, 2, 3, 3, 3, 4]
     assert [text[o] for o in got] == ["a", "é", "é", "b", "☃", "☃", "☃", "c"]
