@@ -46,3 +46,14 @@ def test_text_offset_counts_a_character_split_over_tokens_once():
     # the bytes of one character share its offset, and each token's offset indexes the text
     assert got == [0, 1, 1, 2, 3, 3, 3, 4]
     assert [text[o] for o in got] == ["a", "é", "é", "b", "☃", "☃", "☃", "c"]
+
+
+def test_text_offset_of_bytes_that_never_complete_a_character():
+    # two lead bytes with nothing to complete them: the text shows a U+FFFD for each, and "r" comes after both
+    tok = builtin_byte_tokenizer()
+    ids = [0xE5, 0xC3, ord("r"), 0xE2, 0x98, ord("!")]  # the last two bytes of three, then "!"
+    text = tok.decode(ids)
+    assert text == "\ufffd\ufffdr\ufffd!"
+    got = LogprobShapes(tok).completion(0, _entries(ids))["text_offset"]
+    assert got == [0, 1, 2, 3, 3, 4]
+    assert text[got[2]] == "r" and text[got[5]] == "!"

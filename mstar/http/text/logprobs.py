@@ -12,7 +12,8 @@ tokens included (a sentencepiece word marker is a space, so a text's first
 word there keeps the space its string drops). `text_offset` counts the
 characters of the choice's text before each token: its tokens' bytes decoded
 as UTF-8 as they come, a character split over tokens counting once, at the
-token that completes it (the tokens of one character share its offset), and
+token that completes it (the tokens of one character share its offset; bytes
+that never complete one are the text's U+FFFD), and
 a special token that the text leaves out (`skip_special_tokens`) counting
 none (`echo` is not supported, so the prompt is not part of the text). JSON
 has no -inf: a logprob below -9999 (a token the model rules out) is reported
@@ -64,8 +65,12 @@ class LogprobShapes:
         offsets = []
         at = self._offsets.get(index, 0)
         for e in entries:
-            offsets.append(at)
-            at += len(decoder.decode(raw[e.token_id]))
+            data = raw[e.token_id]
+            # a token that starts a character ends what the decoder holds of the one before: bytes that never
+            # completed one, which the text shows as one U+FFFD ahead of this token
+            cut = bool(data) and not 0x80 <= data[0] < 0xC0 and bool(decoder.getstate()[0])
+            offsets.append(at + cut)
+            at += len(decoder.decode(data))
         self._offsets[index] = at
         return {"tokens": tokens, "token_logprobs": [_number(e.logprob) for e in entries],
                 "top_logprobs": [_top_map(e, text) for e in entries], "text_offset": offsets}
