@@ -62,8 +62,6 @@ class _Socket(web.WebSocketResponse):
 
 
 async def realtime(request: web.Request) -> web.StreamResponse:
-    # "realtime": what a browser offers beside its key's subprotocol (access.py), and must hear back
-    ws = _Socket(max_msg_size=MAX_MESSAGE_BYTES, heartbeat=HEARTBEAT_S, protocols=("realtime",))
     if request.headers.get("Upgrade", "").strip().lower() != "websocket":
         # a plain request: the route speaks websocket only (RFC 9110's 426); a websocket handshake that is
         # malformed gets aiohttp's own 400 from `prepare`, which says what is wrong with it
@@ -71,6 +69,8 @@ async def realtime(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     target = resolve_model(engine, request.query.get("model"))
     card = next(c for c in engine.model_cards() if c.answers_to(target.name))
+    # "realtime": what a browser offers beside its key's subprotocol (access.py), and must hear back
+    ws = _Socket(max_msg_size=MAX_MESSAGE_BYTES, heartbeat=HEARTBEAT_S, protocols=("realtime",))
     await ws.prepare(request)
     outbox: asyncio.Queue[bytes | None] = asyncio.Queue()
 
