@@ -8,7 +8,11 @@ per wall second, the share of sampled tokens that were audio ids, and per
 the share of the worker's time. With `--trace S`, S seconds of torch
 profiler in each level (from `--trace-after` seconds in) print the worker's phases
 (the `mstar.*` ranges: CPU time and the device time of what they launched)
-and the top CUDA kernels. A short warm-up level runs first, uncounted.
+and the top CUDA kernels. A short warm-up level runs first, uncounted. Each
+level prints what it may have paid once (`level_costs.py`: pinned and device
+blocks allocated, garbage collections): `--concurrency 64 64` compares a
+first burst with the same burst again; `--quiet-gc` sets Python's collector
+as the server does.
 
     python scripts/profile_tts.py --concurrency 1 64 256 --tokens 512
     python scripts/profile_tts.py --model orpheus-tiny --devices cpu --concurrency 2 --tokens 70
@@ -44,9 +48,11 @@ from mstar.config import EngineConfig, SchedulerConfig, graph_buckets
 from mstar.engine.engine import Engine
 from mstar.engine.worker.executor import Executor
 from mstar.engine.messages import StepReport
+from mstar.http import __main__ as http_main
 from mstar.types import GenerateRequest
 
 import worker_profile  # this script's folder is on the path
+from level_costs import LevelCosts
 
 CPROFILE_ROWS = 0  # --cprofile: Python profiler rows to print (0: torch profiler)
 TEXT = "The morning train was late again, so I bought a coffee and watched the pigeons argue over a crust of bread."
@@ -86,6 +92,9 @@ async def level(eng: Engine, c: int, tokens: int, trace_s: float, trace_after: f
             turn += 1
 
     HOST_CPU.clear()
+    costs = LevelCosts.start()
+    worker = eng.workers[0]
+    stats0, cpu0 = dataclasses.replace(worker.stats), worker.cpu_s()
     t0 = time.perf_counter()
     tasks = [asyncio.create_task(one(i)) for i in range(c)]
     prof = arrivals_prof = None
@@ -109,10 +118,14 @@ async def level(eng: Engine, c: int, tokens: int, trace_s: float, trace_after: f
         await asyncio.gather(*arrivals)
     await asyncio.gather(*tasks)
     wall = time.perf_counter() - t0
+    costs.stop()
+    st = worker.stats
+    phases = {name: getattr(st, name) - getattr(stats0, name) for name in ("wait_s", "launch_s", "finalize_s")}
+    phases["cpu_s"] = worker.cpu_s() - cpu0
     eng.remove_report_hook(hook)
     return {"c": c, "wall": wall, "audio_s": audio_bytes / 2 / 24_000, "sampled": sampled, "steps": dict(by_step),
             "first_audio": sorted(first_audio), "prof": prof, "arrivals_prof": arrivals_prof,
-            "host_cpu": {k: tuple(v) for k, v in HOST_CPU.items()}}
+            "host_cpu": {k: tuple(v) for k, v in HOST_CPU.items()}, "costs": costs, "phases": phases}
 
 
 async def _window(eng: Engine, seconds: float) -> torch.profiler.profile | pstats.Stats:
@@ -172,6 +185,11 @@ def show(r: dict, tokens: int) -> None:
         per_token = f"decode steps per request token: {len(decode) / tokens:.2f}; " \
             if r["arrivals_prof"] is None else ""
         print(f"{per_token}mean period {1e3 * r['wall'] / len(decode):.2f} ms")
+        ph = {k: 1e3 * v / len(decode) for k, v in r["phases"].items()}
+        print(f"the worker per decode step: {ph['wait_s']:.2f} ms waiting on the device, {ph['launch_s']:.2f} "
+              f"launching, {ph['finalize_s']:.2f} reading the step before; {ph['cpu_s']:.2f} ms of its thread's CPU "
+              f"time (item steps included)")
+    print(r["costs"].line())
     for label, (cpu_s, rows) in r["host_cpu"].items():
         print(f"worker thread CPU, {label}: {1e6 * cpu_s / max(rows, 1):.2f} us ({rows} rows)")
     for name, key in (("", "prof"), (" (with arrivals)", "arrivals_prof")):
@@ -201,6 +219,8 @@ async def main(a: argparse.Namespace) -> None:
                               cuda_graph_batch_sizes=graph_buckets(max(256, rows)),
                               scheduler=SchedulerConfig(max_num_seqs=rows)))
     await eng.start()
+    if a.quiet_gc:
+        print(f"# quiet_gc as the server sets it: {http_main.quiet_gc()} objects frozen")
     try:
         # not counted: first uses compile the Triton kernels and warm the allocators
         await level(eng, 2, min(a.tokens, 64), 0.0, 0.0)
@@ -229,6 +249,7 @@ if __name__ == "__main__":
     p.add_argument("--cprofile", type=int, default=0, metavar="ROWS",
                    help="in the trace windows, Python's profiler over the worker's plans instead of torch's; "
                         "print this many functions")
+    p.add_argument("--quiet-gc", action="store_true", help="Python's collector set as the server sets it")
     p.add_argument("--stub-compute", action="store_true",
                    help="bench_host_speech.py's stand-ins for the model's heavy compute (host cost on the CPU)")
     p.add_argument("--host-cpu", action="store_true",
