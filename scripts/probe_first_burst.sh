@@ -7,7 +7,10 @@
 # request, a burst of $FB_BURST streams with torch's profiler over the worker
 # for its first seconds (`POST /debug/profile`, Python stacks), the kernels
 # Triton and FlashInfer compiled since the mark, the same burst again, then
-# bench_tts's levels $FB_LEVELS with and without `early_audio`.
+# bench_tts's levels $FB_LEVELS with and without `early_audio` ($FB_EARLY=0: without
+# only). The server's /metrics after each level go to $OUT/fb_metrics_<n>_<label>.txt,
+# numbered in order: their differences say how each level was admitted (mixed
+# steps, prefill steps) and the server's own first-audio times.
 #
 #   OUT=/tmp/out scripts/probe_first_burst.sh
 set -uo pipefail
@@ -27,15 +30,19 @@ for _ in $(seq 300); do
   sleep 1
 done
 marker=$(mktemp) && touch "$marker"
+curl -s "$url/metrics" > "$OUT/fb_metrics_0_start.txt"
 compiled() {  # kernels built since the server was healthy
   find "$TRITON_CACHE_DIR" "$HOME/.cache/flashinfer" -newer "$marker" -type f \( -name '*.json' -o -name '*.so' \) \
       2>/dev/null | grep -v '__grp__' | sed "s|$HOME/||"
 }
 runs=$(mktemp -d)
+snapshots=0
 level() {  # bench_tts against this server: a label, then its flags; its JSON goes into $OUT/fb.tgz
   local label=$1; shift
   timeout 200 python3 scripts/bench_tts.py --url "$url" --requests-per-client 1 --skip-baseline --warmup 0 \
       --out "$runs/$label.json" "$@" 2>&1 | grep -E "^ +[0-9]+ " | sed "s/^/$label: /"
+  snapshots=$((snapshots + 1))
+  curl -s "$url/metrics" > "$OUT/fb_metrics_${snapshots}_$label.txt"
 }
 profiled() {  # a level with the worker profiled from just before it (bench_tts takes ~2 s to send)
   local label=$1; shift
@@ -55,7 +62,7 @@ level burst2 --concurrency "$burst"
 echo "compiled during the second burst:"; compiled
 for c in ${FB_LEVELS:-1 64}; do
   level "c$c" --concurrency "$c"
-  profiled "c${c}_early" --concurrency "$c" --early-audio
+  [[ ${FB_EARLY:-1} == 0 ]] || profiled "c${c}_early" --concurrency "$c" --early-audio
 done
 [[ -n ${FB_AGAIN:-1} ]] && level "again${burst}" --concurrency "$burst"
 tar czf "$OUT/fb.tgz" -C "$runs" .
