@@ -55,6 +55,7 @@ import worker_profile  # this script's folder is on the path
 from level_costs import LevelCosts
 
 CPROFILE_ROWS = 0  # --cprofile: Python profiler rows to print (0: torch profiler)
+TRACE_CPU_ROWS = 0  # --trace-cpu: ops by host time to print beside the kernels
 TEXT = "The morning train was late again, so I bought a coffee and watched the pigeons argue over a crust of bread."
 
 
@@ -208,6 +209,8 @@ def show(r: dict, tokens: int) -> None:
             print(f"  {e.key:<24} {e.cpu_time_total / 1e3:9.1f} {e.count:>6} {device}")
         sort = "self_cuda_time_total" if cuda and not r["arrivals_prof"] else "self_cpu_time_total"
         print(events.table(sort_by=sort, row_limit=25 if r["arrivals_prof"] else 18, max_name_column_width=70))
+        if sort != "self_cpu_time_total" and TRACE_CPU_ROWS:  # --trace-cpu: the host's side as well
+            print(events.table(sort_by="self_cpu_time_total", row_limit=TRACE_CPU_ROWS, max_name_column_width=70))
 
 
 async def main(a: argparse.Namespace) -> None:
@@ -241,6 +244,8 @@ if __name__ == "__main__":
     p.add_argument("--audio-logits-only", action="store_true", help="the server's flag: the head and the draw over "
                    "Orpheus's own ids only")
     p.add_argument("--trace", type=float, default=0.0, help="seconds of torch profiler in each level")
+    p.add_argument("--trace-cpu", type=int, default=0, metavar="ROWS",
+                   help="with --trace on CUDA, also this many ops by their own host time")
     p.add_argument("--trace-after", type=float, default=1.0, help="when the trace starts, in seconds into a level")
     p.add_argument("--arrivals", type=float, default=0.0,
                    help="after the trace, a new short request every this many seconds, traced as long again "
@@ -263,6 +268,7 @@ if __name__ == "__main__":
         from bench_host_speech import apply_stubs  # this script's folder is on the path
         apply_stubs(defaultdict(int), None)
     CPROFILE_ROWS = args.cprofile
+    TRACE_CPU_ROWS = args.trace_cpu
     if CPROFILE_ROWS:
         worker_profile.install()
     print(f"# {platform.platform()} | python {platform.python_version()} | torch {torch.__version__} "

@@ -1,7 +1,8 @@
 """A device worker: the one thread that runs the components placed on its
 device.
 
-Its loop: drain the inbox (submits, stops, aborts) → ask the scheduler for
+Its loop: drain the inbox (the submits, stops and aborts that have come by
+then) → ask the scheduler for
 the next step's plan → carry it out (`Executor`: prepare inputs, forward,
 sample, then stop rules, loop-back, streams, emits) → hand the event loop
 one `StepReport` for the whole step → next plan. It never waits for the
@@ -244,10 +245,18 @@ class DeviceWorker:
                 msg = self.inbox.get_nowait()
         except queue.Empty:
             return True
+        # only what had come by now: under a burst the event loop sends submits about as fast as they are
+        # applied, and a drain that waited for the inbox to run dry would start none of them until the last
+        # had come (the first request of 64 waited for the other 63's arrival); the rest are applied after
+        # the next step is planned and launched
+        more = self.inbox.qsize()
         while True:
             if isinstance(msg, Shutdown):
                 return False
             self._apply(msg)
+            if more <= 0:
+                return True
+            more -= 1
             try:
                 msg = self.inbox.get_nowait()
             except queue.Empty:
