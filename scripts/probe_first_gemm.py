@@ -31,12 +31,18 @@ def timed(fn) -> float:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, nargs="+", default=[40, 64, 416, 830, 2900, 8192])
+    p.add_argument("--shapes", type=int, default=len(SHAPES), help="the first this many of the four shapes")
+    p.add_argument("--blas", choices=("default", "cublas", "cublaslt"), default="default",
+                   help="torch.backends.cuda.preferred_blas_library")
     a = p.parse_args()
+    if a.blas != "default":
+        torch.backends.cuda.preferred_blas_library(a.blas)
     dev = torch.device("cuda:0")
-    weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for n, k in SHAPES]
+    weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) for n, k in SHAPES[:a.shapes]]
     print(f"# {torch.cuda.get_device_name(dev)} | torch {torch.__version__} | "
-          f"CUDA_MODULE_LOADING={os.environ.get('CUDA_MODULE_LOADING', '(default)')}")
-    print(f"{'rows':>6} " + " ".join(f"{f'{n}x{k} cold/warm ms':>26}" for n, k in SHAPES))
+          f"CUDA_MODULE_LOADING={os.environ.get('CUDA_MODULE_LOADING', '(default)')} | "
+          f"blas {torch.backends.cuda.preferred_blas_library()}")
+    print(f"{'rows':>6} " + " ".join(f"{f'{n}x{k} cold/warm ms':>26}" for n, k in SHAPES[:a.shapes]))
     for m in a.rows:
         cells = []
         for w in weights:
