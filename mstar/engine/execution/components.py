@@ -3,15 +3,12 @@ in, a `ComponentRunner` each out, with what the runner needs. For a KV
 component: the KV cache (sized from the memory left once every component's
 weights are in place), its page pool, its attention backend and its decode
 CUDA graphs, and the graphs of its other modes worth them. For any other:
-the CUDA graphs of the modes the model declares row shapes for. On CUDA,
-every row count an eager projection runs at then runs once
-(`shape_warmup.py`).
+the CUDA graphs of the modes the model declares row shapes for.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Sequence
 
 import structlog
@@ -24,7 +21,6 @@ from mstar.engine.execution.backends import (attention_backend, decode_graphs, k
 from mstar.engine.memory.kv_cache import FP8_KV, KVCache
 from mstar.errors import ConfigError
 from mstar.models.layers import VocabHead, quantize_linears
-from mstar.models.layers.shape_warmup import warm_projections
 from mstar.kernels.sampling.draw import compile_wide_draw
 from mstar.engine.memory.sizing import kv_cache_log_fields, kv_cache_pages
 from mstar.engine.memory.state_slots import StatePool
@@ -73,14 +69,8 @@ def build_runners(model: Model, names: Sequence[str], device: torch.device, stor
             kv_dtype=kv_cache_dtype(config, device, dtype),
             gpu_memory_utilization=cfg.gpu_memory_utilization, cpu_bytes=cfg.kv_cache_memory * 2**30,
             max_model_len=model.max_model_len)
-    runners = {name: _runner(model, name, modules[name], device, dtype, store, config, num_pages, states.get(name))
-               for name in names}
-    if device.type == "cuda":  # the first launch of each GEMM kernel, here and not in a request's step
-        t0 = time.perf_counter()
-        calls = sum(warm_projections(m, dtype, cfg.max_num_batched_tokens, cfg.max_num_seqs) for m in modules.values())
-        torch.cuda.synchronize(device)
-        log.info("projections warmed", device=str(device), calls=calls, seconds=round(time.perf_counter() - t0, 2))
-    return runners
+    return {name: _runner(model, name, modules[name], device, dtype, store, config, num_pages, states.get(name))
+            for name in names}
 
 
 def kv_cache_dtype(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> torch.dtype:
