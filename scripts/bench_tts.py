@@ -16,7 +16,10 @@ Per request: TTFA (send -> first audio byte), the chunks' arrival times and
 sizes (PCM16 mono -> seconds of audio), RTF (first -> last byte over the
 audio's duration; also over the whole request) and stalls (see
 tts_report.py). Per level: TTFA p50/p99, RTF p50, SV (share of all chunks on
-time), audio seconds per wall second; and max_realtime_streams, the largest
+time), audio seconds per wall second, and the server's own mean first-audio
+time (submit -> first chunk, from its /metrics around the level: what of a
+client's TTFA the server spent, the rest being the client's send, HTTP and
+the wait before the submit); and max_realtime_streams, the largest
 concurrency with SV >= 0.99, TTFA p99 <= 1 s and no failed request.
 
 Baseline (unless `--skip-baseline`), after the server is gone: transformers
@@ -62,8 +65,8 @@ from typing import Any
 import aiohttp
 
 # sibling module: the script's folder is first on sys.path
-from tts_report import (Level, Stream, environment, expected_audio_s, level_extras, level_row, max_realtime_streams,
-                        write_markdown)
+from tts_report import (Level, Stream, environment, expected_audio_s, first_audio_totals, level_extras, level_row,
+                        max_realtime_streams, write_markdown)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -249,6 +252,7 @@ async def run_level(session: aiohttp.ClientSession, url: str, model: str, concur
     """`concurrency` clients, each sending its next request as soon as its
     last one ended, for the rounds or seconds of `a`."""
     streams: list[Stream] = []
+    before = await server_first_audio(session, url)
     start = time.perf_counter()
 
     async def client(i: int) -> None:
@@ -259,7 +263,24 @@ async def run_level(session: aiohttp.ClientSession, url: str, model: str, concur
             streams.append(await speak(session, url, speech_body(a, model, n), a.timeout))
 
     await asyncio.gather(*(client(i) for i in range(concurrency)))
-    return Level(concurrency, streams, time.perf_counter() - start)
+    wall = time.perf_counter() - start
+    after = await server_first_audio(session, url)
+    spent = (after[0] - before[0], after[1] - before[1]) if before and after else None
+    return Level(concurrency, streams, wall, spent)
+
+
+
+async def server_first_audio(session: aiohttp.ClientSession, url: str) -> tuple[float, float] | None:
+    """The server's first-audio histogram's sum and count from /metrics
+    (None: no such metric, or /metrics did not answer)."""
+    try:
+        async with session.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
+            if r.status != 200:
+                return None
+            text = await r.text()
+    except (aiohttp.ClientError, TimeoutError):
+        return None
+    return first_audio_totals(text)
 
 
 class Results:
@@ -336,7 +357,7 @@ async def bench_server(a: argparse.Namespace, url: str, server: Server | None, r
             state = f"{s.audio_s:.2f} s of audio" if s.ok else f"failed: {s.error}"
             print(f"# warm-up request {i + 1}: {time.perf_counter() - t:.1f} s, {state}", flush=True)
         print(f"{'conc':>5} {'reqs':>5} {'errs':>5} {'refd':>5} {'ttfa p50':>9} {'ttfa p99':>9} {'rtf p50':>8} "
-              f"{'rtf tot':>8} {'sv':>6} {'audio/s':>8} {'audio/req':>9} {'wall s':>7}", flush=True)
+              f"{'rtf tot':>8} {'sv':>6} {'audio/s':>8} {'audio/req':>9} {'wall s':>7} {'srv ttfa':>9}", flush=True)
         n = a.warmup
         for c in a.concurrency:
             if server is not None and server.exited() is not None:
@@ -357,7 +378,8 @@ def print_level(level: Level) -> None:
         return
     print(f"{level.concurrency:>5} {x['requests']:>5} {x['errors']:>5} {x['refused']:>5} {row['ttfa_p50_ms']:>7.0f}ms "
           f"{row['ttfa_p99_ms']:>7.0f}ms {row['rtf_p50']:>8.3f} {x['rtf_total_p50']:>8.3f} {row['sv']:>6.3f} "
-          f"{row['audio_s_per_s']:>8.2f} {x['audio_s_per_request']:>8.2f}s {x['wall_s']:>7.1f}", flush=True)
+          f"{row['audio_s_per_s']:>8.2f} {x['audio_s_per_request']:>8.2f}s {x['wall_s']:>7.1f} "
+          f"{x['server_ttfa_mean_ms']:>7.0f}ms", flush=True)
     if x["errors"]:
         print(f"#   first error: {level.errors[0]}", flush=True)
 

@@ -109,6 +109,9 @@ class Level:
     concurrency: int
     streams: list[Stream]
     wall_s: float
+    # the server's own first-audio seconds over the level (its `mstar_time_to_first_audio_seconds`, submit to first
+    # chunk: sum and count between two /metrics reads); None: not read
+    server_first_audio: tuple[float, float] | None = None
 
     @property
     def good(self) -> list[Stream]:
@@ -163,7 +166,34 @@ def level_extras(level: Level) -> dict[str, Any]:
         "audio_s_per_request": round(sum(s.audio_s for s in good) / len(good), 2) if good else 0.0,
         "chunks_per_request": round(sum(len(s.sizes) for s in good) / len(good), 1) if good else 0.0,
         "wall_s": round(level.wall_s, 1),
+        "server_ttfa_mean_ms": server_ttfa_mean_ms(level),
     }
+
+
+FIRST_AUDIO_METRIC = "mstar_time_to_first_audio_seconds"
+
+
+def first_audio_totals(metrics_text: str) -> tuple[float, float] | None:
+    """The sum and count of the server's first-audio histogram in its
+    /metrics text (None: not there)."""
+    found = {}
+    for line in metrics_text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in (f"{FIRST_AUDIO_METRIC}_sum", f"{FIRST_AUDIO_METRIC}_count"):
+            found[name] = float(value)
+    if len(found) != 2:
+        return None
+    return found[f"{FIRST_AUDIO_METRIC}_sum"], found[f"{FIRST_AUDIO_METRIC}_count"]
+
+
+def server_ttfa_mean_ms(level: Level) -> float:
+    """The mean of the server's own first-audio times over the level (NaN
+    when not read, or when it timed none): what of a client's TTFA the
+    server spent between submitting the request and its first chunk."""
+    if level.server_first_audio is None or level.server_first_audio[1] <= 0:
+        return math.nan
+    seconds, count = level.server_first_audio
+    return round(1e3 * seconds / count, 1)
 
 
 def max_realtime_streams(rows: Sequence[dict[str, Any]], extras: dict[int, dict[str, Any]]) -> int:
@@ -262,19 +292,20 @@ def write_markdown(path: Path, result: dict[str, Any], extras: dict[int, dict[st
                    "after Retry-After; refused counts those answers). RTF: (last byte - first byte) / audio "
                    "seconds; RTF total counts from the send. SV: share of chunks that arrive before a player "
                    "that started at the first byte runs dry (after a stall it resumes with the late chunk). "
-                   "audio s/s: audio received / the level's wall time. "
+                   "audio s/s: audio received / the level's wall time. Server TTFA: the mean of the server's "
+                   "own submit -> first chunk over the level (`mstar_time_to_first_audio_seconds`). "
                    f"Real time: SV >= {REALTIME_SV} and TTFA p99 <= "
                    f"{REALTIME_TTFA_P99_MS:.0f} ms with no failed request."), ""]
     lines += [("| concurrency | requests | errors | refused | TTFA p50 ms | TTFA p99 ms | RTF p50 | RTF total p50 | "
-               "SV | audio s/s | audio s / request | chunks / request | wall s |"),
-              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+               "SV | audio s/s | audio s / request | chunks / request | wall s | server TTFA mean ms |"),
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in result["rows"]:
         x = extras[r["concurrency"]]
         lines.append(f"| {r['concurrency']} | {x['requests']} | {x['errors']} | {x['refused']} | "
                      f"{r['ttfa_p50_ms']:.0f} | "
                      f"{r['ttfa_p99_ms']:.0f} | {r['rtf_p50']:.2f} | {_num(x['rtf_total_p50'], '.2f')} | "
                      f"{r['sv']:.3f} | {r['audio_s_per_s']:.1f} | {x['audio_s_per_request']:.2f} | "
-                     f"{x['chunks_per_request']:.0f} | {x['wall_s']:.0f} |")
+                     f"{x['chunks_per_request']:.0f} | {x['wall_s']:.0f} | {_num(x['server_ttfa_mean_ms'], '.0f')} |")
     lines += ["", f"max_realtime_streams: **{result['max_realtime_streams']}**", ""]
     lines += [f"Side by side with the reference ({REFERENCE_NOTE}):", "",
               "| concurrency | TTFA p50 ms | reference | RTF p50 | reference | audio s/s | reference |",
