@@ -68,7 +68,8 @@ import aiohttp
 
 # sibling modules: the script's folder is first on sys.path (the launcher's too)
 from bench_env import REPO, commit, version
-from bench_tts import SENTENCES, Server, free_port, run_async, wait_healthy
+from bench_server import Server, free_port, run_async, wait_healthy
+from bench_tts import SENTENCES
 
 SERVE = "serve"  # argv[1] that makes this file the server's launcher
 SAMPLE_RATE = 24_000

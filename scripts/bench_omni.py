@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from bench_env import REPO, commit, version
-from bench_tts import add_server_args, on_sigterm, start_server, wait_healthy
+from bench_server import add_server_args, on_sigterm, start_server, wait_healthy
 
 sys.path.insert(0, str(REPO))
 

@@ -32,7 +32,7 @@ from typing import Any
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_tts import add_server_args, on_sigterm, run_async, start_server, wait_healthy  # noqa: E402
+from bench_server import add_server_args, on_sigterm, run_async, start_server, wait_healthy  # noqa: E402
 from tts_report import environment, percentile  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent

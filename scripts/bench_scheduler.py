@@ -46,8 +46,8 @@ from typing import Any
 
 import aiohttp
 
-from bench_tts import (SENTENCES, Server, add_server_args, on_sigterm, run_async, speak, start_server,
-                       wait_healthy)
+from bench_server import Server, add_server_args, on_sigterm, run_async, start_server, wait_healthy
+from bench_tts import SENTENCES, speak
 from tts_report import SAMPLE_BYTES, Stream, environment, percentile
 
 

@@ -69,7 +69,7 @@ import aiohttp
 
 # sibling module (the script's folder is first on sys.path): the server
 # subprocess, its health wait and the uvloop runner are shared, not copied
-from bench_tts import Server, add_server_args, on_sigterm, run_async, start_server, wait_healthy
+from bench_server import Server, add_server_args, on_sigterm, run_async, start_server, wait_healthy
 from loadtest_cases import MALFORMED, POISONED, big_prompt
 from loadtest_checks import SPEECH_ROUTE, check_error, check_stream
 
