@@ -166,7 +166,6 @@ async def run_level(session: aiohttp.ClientSession, url: str, model: str, concur
     return Level(concurrency, streams, wall, spent)
 
 
-
 async def server_first_audio(session: aiohttp.ClientSession, url: str) -> tuple[float, float] | None:
     """The server's first-audio histogram's sum and count from /metrics
     (None: no such metric, or /metrics did not answer)."""
@@ -234,7 +233,7 @@ class Results:
         return result
 
 
-async def bench_server(a: argparse.Namespace, url: str, server: Server | None, results: Results) -> None:
+async def run_levels(a: argparse.Namespace, url: str, server: Server | None, results: Results) -> None:
     """Health, warm-up, then every level, each written out as it ends."""
     t0 = time.perf_counter()
     health = await wait_healthy(url, a.startup_timeout, server)
@@ -383,7 +382,7 @@ def main() -> None:
         a, ["--model", a.model, "--load-format", a.load_format, "--gpus", a.gpus], "bench_tts_server_")
     results = Results(a, server_desc)
     try:
-        run_async(bench_server(a, url, server, results))
+        run_async(run_levels(a, url, server, results))
     finally:
         if server is not None:
             server.stop()  # before the baseline: it needs the GPU memory the server holds

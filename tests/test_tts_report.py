@@ -33,6 +33,15 @@ def test_the_first_audio_histogram_is_read_from_metrics_text() -> None:
     assert first_audio_totals(METRICS) == (14.595752148999395, 65.0)
     assert first_audio_totals("mstar_time_to_first_token_seconds_sum 1\n") is None
     assert first_audio_totals("") is None
+    # a cluster front labels each replica's series: they add up
+    front = ('mstar_time_to_first_audio_seconds_sum{replica="0"} 1.5\n'
+             'mstar_time_to_first_audio_seconds_count{replica="0"} 3\n'
+             'mstar_time_to_first_audio_seconds_sum{replica="1"} 0.5\n'
+             'mstar_time_to_first_audio_seconds_count{replica="1"} 1\n')
+    assert first_audio_totals(front) == (2.0, 4.0)
+    # a sample with a timestamp reads its value; one that is not a number reads as none
+    assert first_audio_totals(METRICS.replace("_count 65", "_count 65 1712345678000")) == (14.595752148999395, 65.0)
+    assert first_audio_totals(METRICS.replace("_count 65", "_count many")) is None
 
 
 def test_a_levels_server_first_audio_is_the_mean_of_what_it_timed_in_the_level() -> None:

@@ -5,6 +5,7 @@ cannot hold the next step back until the stream ends."""
 from __future__ import annotations
 
 import queue
+import threading
 
 from mstar.engine.messages import Shutdown
 from mstar.engine.worker.device_worker import DeviceWorker
@@ -62,3 +63,44 @@ def test_a_drain_stops_at_shutdown_and_returns_at_an_empty_inbox() -> None:
     w.inbox.put("after")
     assert DeviceWorker._drain(w, block=True) is False  # type: ignore[arg-type]
     assert w.applied == ["a"]
+
+
+class _NoPlans:
+    """An executor with nothing to launch: every turn of the loop ends idle."""
+
+    in_flight = False
+    outbox = None
+
+    def next_plan(self) -> None:
+        return None
+
+    def idle(self) -> None:
+        pass
+
+
+class _Link(_Idle):
+    def poll(self) -> None:
+        pass
+
+
+def test_the_loop_applies_messages_sent_meanwhile_and_stops_at_shutdown() -> None:
+    """An idle worker blocks on its inbox between drains; messages sent while
+    others are applied must still be applied (no turn may block with messages
+    left), and the loop ends at the `Shutdown` behind them."""
+    w = _Worker(sends_while_applying=50)
+    w.executor, w.link = _NoPlans(), _Link()
+    for i in range(5):
+        w.inbox.put(f"early{i}")
+    applied = w._apply
+
+    def apply(msg: object) -> None:
+        applied(msg)
+        if len(w.applied) == 55:  # every message sent, then the stop
+            w.inbox.put(Shutdown())
+    w._apply = apply
+    w._drain = lambda block: DeviceWorker._drain(w, block)  # type: ignore[arg-type]
+    loop = threading.Thread(target=DeviceWorker._loop, args=(w,), daemon=True)
+    loop.start()
+    loop.join(timeout=10)
+    assert not loop.is_alive(), f"the loop hung with {w.inbox.qsize()} messages queued"
+    assert len(w.applied) == 55 and w.inbox.empty()

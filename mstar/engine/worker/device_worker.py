@@ -232,7 +232,8 @@ class DeviceWorker:
             ex.flush()
 
     def _drain(self, block: bool) -> bool:
-        """Apply every message in the inbox; False on shutdown."""
+        """Apply the messages in the inbox when the drain begins (waiting for
+        one first when `block`); False on shutdown."""
         try:
             if block:
                 self.profiler.check()

@@ -139,7 +139,7 @@ class Intake:
 
     def _hook(self, hook: MediaHook | None, kind: str, value: Any, at: str) -> tuple[Any, int]:
         if hook is None:
-            raise RequestError(f"this model takes no {kind} input", field=at)
+            raise RequestError(f"this model takes no {kind} input", field=f"{at}.type")
         return hook(value, at)
 
     def _text(self, text: str, model: str) -> list[int]:
