@@ -24,8 +24,9 @@ for round in $(seq "${ROUNDS:-2}"); do
   for i in 0 1; do
     tree=${sides[$i]%%|*} extra=${sides[$i]#*|} label=${labels[$i]}
     name=$(echo "${round}_$label" | tr -c 'A-Za-z0-9_.\n-' '_')
+    log="$OUT/server_$name.log"
     (cd "$tree" && exec env PYTHONPATH="$PWD" python3 -m mstar.http --model "${MODEL:-orpheus-3b}" \
-        --load-format dummy --gpus "${GPUS:-0}" --host 127.0.0.1 --port $port ${SERVER_ARGS:-} $extra) > "$OUT/server_$name.log" 2>&1 &
+        --load-format dummy --gpus "${GPUS:-0}" --host 127.0.0.1 --port $port ${SERVER_ARGS:-} $extra) > "$log" 2>&1 &
     server=$!
     for _ in $(seq 300); do curl -sf "http://127.0.0.1:$port/health" > /dev/null && break; sleep 1; done
     echo "## round $round, $label"
