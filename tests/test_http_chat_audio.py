@@ -310,7 +310,8 @@ WAV = {"voice": "ethan", "format": "wav"}
     ({"messages": [*HELLO, {"role": "tool", "content": "42"}]}, "messages[1].role", "developer"),
     # 10 samples at 24 kHz: the message gives its length in time, whatever rate it came at
     ({"messages": asking(audio_part(encoded(clip(10 / 24000, 24000), "wav", 24000)))},
-     "messages[0].content[1].input_audio.data", "audio is 0.438 ms long (7 samples at 16 kHz); at least 12.6 ms (201 samples) are needed"),
+     "messages[0].content[1].input_audio.data",
+     "audio is 0.438 ms long (7 samples at 16 kHz); at least 12.6 ms (201 samples) are needed"),
     ({"modalities": ["text", "audio"], "audio": WAV,
       "messages": [*HELLO, {"role": "assistant", "audio": {"id": "audio_1"}}, *HELLO]}, "messages[1].audio.id",
      "transcript"),
