@@ -30,6 +30,11 @@ class RequestError(MstarError):
         return self.message if self.field is None else f"{self.field}: {self.message}"
 
 
+# a request the server would not run because it is stopping: refused before it began (503, Retry-After), so that
+# a client or a cluster front sends it elsewhere
+SHUTTING_DOWN = "the server is shutting down"
+
+
 class ModelNotFound(RequestError):
     def __init__(self, name: str) -> None:
         super().__init__(f"model '{name}' is not served here", field="model", status=404, code="model_not_found")

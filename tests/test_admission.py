@@ -5,15 +5,16 @@ answers 503."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import aiohttp
 import pytest
 
 from fake_model import FakeModel, Hold
 from http_support import serving
-from mstar.config import EngineConfig
+from mstar.config import EngineConfig, SchedulerConfig
 from mstar.engine.engine import Engine
-from mstar.errors import RequestError
+from mstar.errors import SHUTTING_DOWN, RequestError
 from mstar.types import GenerateRequest, SamplingParams
 
 
@@ -112,4 +113,62 @@ async def test_a_drain_refuses_requests_waiting_for_room_and_late_submissions() 
         assert e.value.status == 503 and "r1" not in eng._states
     finally:
         hold.released.set()
+        await eng.shutdown()
+
+
+async def test_a_drain_refuses_at_once_the_requests_queued_behind_the_running_ones() -> None:
+    """SIGTERM with one request running and two queued behind it (one row at a time): the two never ran, so
+    they end at once, refused as the server is shutting down (the routes answer 503 with Retry-After), and only
+    the running one gets the grace before it is aborted."""
+    eng = Engine(EngineConfig(model="tiny-llama", devices=("cpu",), scheduler=SchedulerConfig(max_num_seqs=1)))
+    await eng.start()
+    try:
+        sp = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
+        running = aiter(eng.submit(GenerateRequest("run", eng.model_name, {"prompt_ids": [5, 6, 7]}, sp,
+                                                   walk="generate")))
+        first = await anext(running)  # it runs: its first token is out
+        assert first.token_ids
+        queued = [eng.submit(GenerateRequest(f"q{i}", eng.model_name, {"prompt_ids": [8, 9]}, sp, walk="generate"))
+                  for i in range(2)]
+        await asyncio.sleep(0.2)  # they wait for the one running row
+        grace = 3.0
+        t0 = time.monotonic()
+        drain = asyncio.create_task(eng.drain(grace))
+        for q in queued:
+            chunks = [c async for c in q]
+            assert [c.token_ids for c in chunks if c.token_ids] == []  # it never produced a token
+            assert chunks[-1].finish_reason == "abort" and chunks[-1].error == SHUTTING_DOWN, chunks[-1]
+        assert time.monotonic() - t0 < grace / 2, "the queued requests waited for the grace"
+        assert await drain == 1  # the running one, at the grace's end
+        assert [c async for c in running][-1].finish_reason == "abort"
+        for _ in range(100):  # its worker's word that it let the aborted row go
+            if eng.num_running() == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert eng.num_running() == 0
+    finally:
+        await eng.shutdown()
+
+
+async def test_over_http_a_request_refused_at_shutdown_is_a_503_with_retry_after() -> None:
+    """The route's answer for a request the drain refused before it began: 503 `unavailable` with Retry-After
+    (a client or a cluster front retries it elsewhere), not the `aborted` of a request cut while it ran."""
+    eng = Engine(EngineConfig(model="tiny-llama", devices=("cpu",), scheduler=SchedulerConfig(max_num_seqs=1)))
+    await eng.start()
+    try:
+        async with serving(eng) as url, aiohttp.ClientSession() as http:
+            long = {"model": eng.model_name, "prompt": "hello", "max_tokens": 2000, "ignore_eos": True,
+                    "stream": True}
+            async with http.post(url + "/v1/completions", json=long) as running:
+                assert running.status == 200
+                await running.content.readline()  # it runs
+                queued = asyncio.ensure_future(http.post(url + "/v1/completions", json={**long, "stream": False}))
+                await asyncio.sleep(0.3)
+                drain = asyncio.create_task(eng.drain(2.0))
+                r = await asyncio.wait_for(queued, 1.5)
+                body = await r.json()
+                assert r.status == 503 and r.headers.get("Retry-After") == "5", (r.status, body)
+                assert body["error"]["code"] == "unavailable" and "had not started" in body["error"]["message"]
+                await drain
+    finally:
         await eng.shutdown()

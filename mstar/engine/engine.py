@@ -27,7 +27,7 @@ import torch
 from mstar.config import EngineConfig
 from mstar.engine.execution.components import resolve_dtype
 from mstar.engine.eventloop.devices import check_devices
-from mstar.engine.messages import Abort, Append, CloseInput, Profile, Shutdown, StepReport, Submit
+from mstar.engine.messages import Abort, Append, CloseInput, Profile, Shutdown, StepReport, Submit, Unstarted
 from mstar.engine.eventloop.metrics import EngineMetrics, GCPauses, LagMonitor
 from mstar.engine.eventloop.report_reader import ReportReader
 from mstar.engine.eventloop.requests import RequestState, RequestStream
@@ -37,7 +37,7 @@ from mstar.engine.eventloop.waiting_line import WaitingLine, shutting_down
 from mstar.engine.worker.device_worker import DeviceWorker
 from mstar.engine.worker.turns import TURN_MARGIN
 from mstar.engine.worker.walker import check_runnable
-from mstar.errors import ConfigError, MstarError, ModelNotFound, RequestError
+from mstar.errors import SHUTTING_DOWN, ConfigError, MstarError, ModelNotFound, RequestError
 from mstar.graph import HostStop, WalkPlan, compile_walks
 from mstar.models.base import Model
 from mstar.models.prepared import Prepared, check_roles, input_size
@@ -48,6 +48,7 @@ from mstar.types import GenerateRequest, ModelCard
 
 log = structlog.get_logger("mstar.engine")
 
+REFUSE_WAIT_S = 1.0  # how long a drain waits for the workers to say which requests never ran
 OFF_LOOP_SIZE = 1 << 16  # inputs from this size on (characters, ids) are prepared on a thread
 
 
@@ -140,15 +141,17 @@ class Engine:
         self._waiting.clear()
 
     async def drain(self, grace: float, busy: Callable[[], bool] | None = None) -> int:
-        """Refuse new requests, let the running ones finish for up to `grace`
-        seconds, then abort the rest: their streams end with an "abort" that
-        the routes turn into an error event. `busy`: whether requests admitted
+        """Refuse new requests, and those submitted that never ran (queued
+        behind the running ones: `_refuse_unstarted`); let the running ones
+        finish for up to `grace` seconds, then abort the rest: their streams
+        end with an "abort" that the routes turn into an error event. `busy`: whether requests admitted
         before the drain have yet to reach the engine (a body still arriving);
         they are waited for too. Returns how many were aborted."""
         self._draining = True
         self._waiting.close()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + grace
+        await self._refuse_unstarted(min(REFUSE_WAIT_S, grace))
         while (self._states or (busy is not None and busy())) and loop.time() < deadline:
             await asyncio.sleep(0.05)
         left = list(self._states)
@@ -158,6 +161,45 @@ class Engine:
         if left:
             log.warning("aborted requests still running at shutdown", requests=len(left), grace_s=grace)
         return len(left)
+
+    async def _refuse_unstarted(self, wait: float) -> int:
+        """A drain's first act: the requests that produced nothing and whose
+        worker never ran them (queued behind the running ones) end at once,
+        refused as the server is shutting down (the routes answer 503 with
+        Retry-After: another server may take them); only the requests that
+        started get the grace. A worker that does not answer within `wait`
+        seconds (a long step) leaves its requests the grace. Returns how many
+        were refused."""
+        asked: dict[int, list[str]] = {}
+        for rid, state in self._states.items():
+            if rid in self._waiting and not state.finished and self.workers[state.worker].alive:
+                asked.setdefault(state.worker, []).append(rid)
+        answers = []
+        for w, ids in asked.items():
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            self.workers[w].send(Unstarted(frozenset(ids), done))
+            answers.append(asyncio.wrap_future(done))
+        if not answers:
+            return 0
+        ready, late = await asyncio.wait(answers, timeout=wait)
+        for answer in late:  # a worker busy past the wait: its requests keep the grace
+            answer.cancel()
+        refused = 0
+        for answer in ready:
+            for rid in answer.result():
+                state = self._states.get(rid)
+                if state is None or state.finished or rid not in self._waiting:
+                    continue  # it ended, or produced its first output, meanwhile
+                self.stats["requests_refused_at_shutdown"] += 1
+                self._metrics.forget(rid)
+                self._metrics.refused += 1
+                state.finish("abort", SHUTTING_DOWN)
+                for w in state.shards:
+                    self.workers[w].send(Abort(rid))
+                refused += 1
+        if refused:
+            log.info("refused requests that had not started", requests=refused)
+        return refused
 
     # -------------------------------------------------------------- queries
 

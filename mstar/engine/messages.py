@@ -2,7 +2,8 @@
 
 Into a worker's inbox: `Submit`, `Append` and `CloseInput` (input that keeps
 arriving), `Stop` (one partition of a request, keyed by (request,
-partition)), `Abort` (a whole request), `Shutdown`, and from other workers
+partition)), `Abort` (a whole request), `Unstarted` (at shutdown: which of
+some requests never ran here), `Shutdown`, and from other workers
 `Forward` (stream items of a request whose partitions run on several
 devices). Out of a worker, once per
 step for the whole batch: a `StepReport`.
@@ -69,6 +70,17 @@ class Abort:
 @dataclass(frozen=True)
 class Shutdown:
     pass
+
+
+@dataclass(frozen=True)
+class Unstarted:
+    """Which of `request_ids` are still queued here with none of their rows
+    ever admitted (no KV pages, no state slot, nothing sampled): `done` gets
+    that set. The drain at shutdown refuses those at once instead of letting
+    them wait out the grace."""
+
+    request_ids: frozenset[str]
+    done: concurrent.futures.Future
 
 
 @dataclass

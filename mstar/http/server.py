@@ -65,7 +65,10 @@ async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamRe
         return web.Response(status=ClientGone.status)
     except GenerationFailed as e:
         log.warning("generation failed", error=e.message)
-        return error_response(e.message, status=e.status, code=e.code)
+        response = error_response(e.message, status=e.status, code=e.code)
+        if e.retry_after is not None:
+            response.headers["Retry-After"] = str(max(1, math.ceil(e.retry_after)))
+        return response
     except web.HTTPException as e:
         if e.status < 400:
             raise

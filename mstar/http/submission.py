@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from mstar.errors import ModelNotFound, MstarError, RequestError
+from mstar.errors import SHUTTING_DOWN, ModelNotFound, MstarError, RequestError
 from mstar.http.text.protocol import SAMPLING_KEYS, Prompt
 from mstar.types import GenerateRequest, OutputChunk, SamplingParams, TokenLogprob
 
@@ -35,11 +35,13 @@ OFF_LOOP_SIZE = 1 << 16  # request bodies from this size on are parsed on a thre
 class GenerationFailed(MstarError):
     """A request the engine accepted but could not finish: a 5xx answer."""
 
-    def __init__(self, message: str, status: int = 500, code: str = "generation_failed") -> None:
+    def __init__(self, message: str, status: int = 500, code: str = "generation_failed",
+                 retry_after: float | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.code = code
+        self.retry_after = retry_after  # seconds, for an answer that asks the client to come back
 
 
 class ClientGone(MstarError):
@@ -205,6 +207,9 @@ def failure_of(choice: Choice) -> GenerationFailed | None:
         return GenerationFailed(f"generation failed: {choice.error or 'unknown error'}")
     if choice.finish_reason == "timeout":
         return GenerationFailed(choice.error or "the request timed out", status=504, code="timeout")
+    if choice.finish_reason == "abort" and choice.error == SHUTTING_DOWN:  # refused at shutdown before it began
+        return GenerationFailed(f"{SHUTTING_DOWN}; the request had not started", status=503, code="unavailable",
+                                retry_after=5)
     if choice.finish_reason == "abort":
         return GenerationFailed(ABORTED_MESSAGE, status=503, code="aborted")
     return None

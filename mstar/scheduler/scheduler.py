@@ -166,6 +166,11 @@ class Scheduler:
 
     # ------------------------------------------------------------ batching
 
+    def starting(self) -> set[str]:
+        """The requests with a queued item that starts a row (admitted yet
+        to be, or preempted and waiting to come back)."""
+        return {item.request_id for q in self._queues.values() for item in q if item.starts_row}
+
     def has_work(self) -> bool:
         return any(self._queues.values()) or any(len(g.group) for g in self._groups)
 

@@ -110,7 +110,7 @@ class EngineMetrics:
         self.per_token = Histogram(TOKEN_GAP_BUCKETS)
         self.prompt_tokens = 0
         self.generation_tokens = 0
-        self.refused = 0  # requests the waiting line turned away (429)
+        self.refused = 0  # requests turned away: the waiting line full (429), or a drain before they began (503)
         self._submitted_at: dict[str, float] = {}
         self._first_at: dict[str, float] = {}  # when a request's first output of any kind came
 
@@ -191,8 +191,9 @@ class EngineMetrics:
             family("mstar_requests_running", "gauge", "Requests submitted and not finished.",
                    [((), requests_running)]),
             family("mstar_requests_refused_total", "counter",
-                   "Requests turned away with a 429: the waiting line stayed full (--max-waiting-requests) for "
-                   "--queue-timeout.", [((), self.refused)]),
+                   "Requests turned away: with a 429, the waiting line stayed full (--max-waiting-requests) for "
+                   "--queue-timeout; with a 503, the server began shutting down before they started.",
+                   [((), self.refused)]),
             family("mstar_prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
                    [((), self.prompt_tokens)]),
             family("mstar_generation_tokens_total", "counter",

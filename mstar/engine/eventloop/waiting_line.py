@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
-from mstar.errors import RequestError
+from mstar.errors import SHUTTING_DOWN, RequestError
 
 
 class WaitingLine:
@@ -77,4 +77,4 @@ class WaitingLine:
 
 
 def shutting_down() -> RequestError:
-    return RequestError("the server is shutting down", status=503, code="unavailable", retry_after=5)
+    return RequestError(SHUTTING_DOWN, status=503, code="unavailable", retry_after=5)

@@ -27,7 +27,7 @@ from mstar.config import EngineConfig
 from mstar.engine.execution.components import build_runners
 from mstar.engine.execution.runner import ComponentRunner
 from mstar.engine.messages import (Abort, Append, Awaiting, CloseInput, Finished, Forward, Profile, Shutdown, Stop,
-                                   StepReport, Submit)
+                                   StepReport, Submit, Unstarted)
 from mstar.engine.movement.arena import HostArena
 from mstar.engine.movement.tensor_store import TensorStore
 from mstar.engine.worker.executor import Executor, WorkerStats
@@ -282,6 +282,8 @@ class DeviceWorker:
             self.link.receive(msg, self.walker.streams)
         elif isinstance(msg, Profile):
             self.profiler.start(msg)
+        elif isinstance(msg, Unstarted):
+            msg.done.set_result(self.walker.unstarted(msg.request_ids))
         else:
             raise TypeError(f"unknown worker message {msg!r}")
 

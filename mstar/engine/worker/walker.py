@@ -462,6 +462,19 @@ class Walker:
         self.finish(part, "stop")
         return len(cancelled) + grouped
 
+    def unstarted(self, request_ids: frozenset[str]) -> set[str]:
+        """Of `request_ids`, those queued to start whose rows here never ran:
+        none holds pages, swapped KV or a state slot, or has sampled."""
+        out = set()
+        for rid in self.scheduler.starting() & request_ids:
+            run = self.runs.get(rid)
+            if run is None:
+                continue
+            rows = [row for part in run.partitions.values() for row in part.rows.values()]
+            if all(not row.pages and row.swapped is None and row.slot is None and not row.generated for row in rows):
+                out.add(rid)
+        return out
+
     def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> int:
         """Tear a whole request down; returns how many queued steps it had."""
         run = self.runs.get(request_id)
