@@ -82,7 +82,8 @@ class SamplingParams:
         if self.max_tokens is not None and (not _integer(self.max_tokens) or self.max_tokens < 1):
             raise RequestError("must be a positive integer", field="max_tokens")
         if max_model_tokens is not None and self.max_tokens is not None and self.max_tokens > max_model_tokens:
-            raise RequestError(f"must be at most {max_model_tokens}", field="max_tokens")
+            raise RequestError(f"must be at most {max_model_tokens}, the model's context length (the prompt takes "
+                               "its share of it too)", field="max_tokens")
         if not _number(self.temperature) or not 0.0 <= self.temperature <= MAX_TEMPERATURE:
             raise RequestError(f"must be in [0, {MAX_TEMPERATURE}]", field="temperature")
         if not _integer(self.top_k) or (self.top_k < 0 and self.top_k != -1) or self.top_k > MAX_TOKEN_ID:

@@ -129,6 +129,12 @@ def test_an_invalid_override_names_its_key_and_field(sampling: SamplingParams | 
     assert e.value.field == field and e.value.status == 400, e.value
 
 
+def test_a_max_tokens_past_the_context_says_the_limit_is_the_context_less_the_prompt() -> None:
+    with pytest.raises(RequestError) as e:
+        PairModel().prepare(_request(sampling=SamplingParams(max_tokens=10**6)))
+    assert e.value.field == "max_tokens" and "context length" in e.value.message and "prompt" in e.value.message
+
+
 def test_more_input_is_a_piece_of_values_and_its_token_count() -> None:
     model = load_model("orpheus-tiny")
     first = GenerateRequest("p", "orpheus-tiny", {"text": "hi", "voice": "tara"})
