@@ -59,11 +59,9 @@ from typing import Any
 import aiohttp
 
 # sibling modules: the script's folder is first on sys.path
-from bench_server import Server, add_server_args, on_sigterm, run_async, start_server, wait_healthy
+from bench_server import REPO, Server, add_server_args, on_sigterm, run_async, start_server, wait_healthy
 from tts_report import (Level, Stream, environment, expected_audio_s, first_audio_totals, level_extras, level_row,
                         max_realtime_streams, write_markdown)
-
-REPO = Path(__file__).resolve().parents[1]
 
 # Tens of words each: long enough to be a real utterance's prompt, short
 # enough that prefill is a small part of a request next to 1024 decode steps.

@@ -191,11 +191,8 @@ class Engine:
                 if state is None or state.finished or rid not in self._waiting:
                     continue  # it ended, or produced its first output, meanwhile
                 self.stats["requests_refused_at_shutdown"] += 1
-                self._metrics.forget(rid)
                 self._metrics.refused += 1
-                state.finish("abort", SHUTTING_DOWN)
-                for w in state.shards:
-                    self.workers[w].send(Abort(rid))
+                self._end(state, SHUTTING_DOWN)
                 refused += 1
         if refused:
             log.info("refused requests that had not started", requests=refused)
@@ -415,10 +412,16 @@ class Engine:
             return
         if not state.finished:
             self.stats["requests_aborted"] += 1
-            self._metrics.forget(request_id)
-            state.finish("abort")
+        self._end(state)
+
+    def _end(self, state: RequestState, error: str | None = None) -> None:
+        """End `state`'s stream with "abort" (and `error`), if it is still open,
+        and tell every worker running a part of it to let it go."""
+        if not state.finished:
+            self._metrics.forget(state.request_id)
+            state.finish("abort", error)
         for w in state.shards:
-            self.workers[w].send(Abort(request_id))
+            self.workers[w].send(Abort(state.request_id))
 
     # -------------------------------------------------------- worker reports
 

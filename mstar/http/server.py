@@ -51,24 +51,25 @@ TOO_LARGE = (f"the request body is larger than the server's limit of {MAX_BODY_B
              f"({MAX_BODY_BYTES // 2**20} MiB)")
 
 
+def _retry_after(response: web.Response, seconds: float | None) -> web.Response:
+    """`response` asking the client to come back in `seconds` (whole, at least 1), if given."""
+    if seconds is not None:
+        response.headers["Retry-After"] = str(max(1, math.ceil(seconds)))
+    return response
+
+
 @web.middleware
 async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except RequestError as e:
-        response = json_response(request_error_body(e), status=e.status)
-        if e.retry_after is not None:
-            response.headers["Retry-After"] = str(max(1, math.ceil(e.retry_after)))
-        return response
+        return _retry_after(json_response(request_error_body(e), status=e.status), e.retry_after)
     except ClientGone:
         log.info("client went away before its answer; aborted")
         return web.Response(status=ClientGone.status)
     except GenerationFailed as e:
         log.warning("generation failed", error=e.message)
-        response = error_response(e.message, status=e.status, code=e.code)
-        if e.retry_after is not None:
-            response.headers["Retry-After"] = str(max(1, math.ceil(e.retry_after)))
-        return response
+        return _retry_after(error_response(e.message, status=e.status, code=e.code), e.retry_after)
     except web.HTTPException as e:
         if e.status < 400:
             raise
