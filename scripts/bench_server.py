@@ -32,13 +32,14 @@ class Server:
     the benchmark's client and the server must not share an event loop or a
     GIL, or the client's timing would measure its own server."""
 
-    def __init__(self, argv: list[str], log_path: Path) -> None:
+    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
         self.argv = argv
         self.log_path = log_path
+        self.env = env or {}
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        env = dict(os.environ)
+        env = dict(os.environ) | self.env
         # the server imports mstar from this checkout whether or not it is pip-installed
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
         with open(self.log_path, "wb") as log:
@@ -83,6 +84,8 @@ def add_server_args(p: argparse.ArgumentParser, *, startup_timeout: float) -> No
     p.add_argument("--server-log", type=Path, default=None, help="the server's output (default: a temp file)")
     p.add_argument("--url", default=None, help="use a running server instead of starting one")
     p.add_argument("--startup-timeout", type=float, default=startup_timeout, help="seconds to wait for /health")
+    p.add_argument("--server-trace", type=Path, default=None, metavar="FILE",
+                   help="start scripts/traced_server.py instead, its engine's timeline written to FILE at exit")
 
 
 def start_server(a: argparse.Namespace, serve_args: list[str], log_prefix: str) -> tuple[str, Server | None, str]:
@@ -93,12 +96,15 @@ def start_server(a: argparse.Namespace, serve_args: list[str], log_prefix: str) 
         url = a.url.rstrip("/")
         return url, None, f"running server at {url}"
     port = a.port or free_port()
-    argv = [sys.executable, "-m", "mstar.http", *serve_args, "--host", "127.0.0.1", "--port", str(port),
+    entry, env = ["-m", "mstar.http"], {}
+    if getattr(a, "server_trace", None) is not None:
+        entry, env = [str(REPO / "scripts" / "traced_server.py")], {"MSTAR_TRACE_OUT": str(a.server_trace.resolve())}
+    argv = [sys.executable, *entry, *serve_args, "--host", "127.0.0.1", "--port", str(port),
             *shlex.split(a.server_args)]
     log_path = a.server_log or Path(tempfile.mkstemp(prefix=log_prefix, suffix=".log")[1])
-    desc = "python -m mstar.http " + " ".join(shlex.quote(x) for x in argv[3:])
+    desc = " ".join(["python", *entry, *(shlex.quote(x) for x in argv[1 + len(entry):])])
     print(f"# starting: {desc} (log: {log_path})", flush=True)
-    server = Server(argv, log_path)
+    server = Server(argv, log_path, env)
     server.start()
     return f"http://127.0.0.1:{port}", server, desc
 
