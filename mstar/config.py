@@ -37,6 +37,9 @@ class SchedulerConfig:
     state_slots: int | None = None      # rows with per-row state at once (None: max_num_seqs)
     prefix_caching: bool = True         # rows share the KV pages of prompt prefixes seen before
     admit_every: int = 0                # running groups' steps between two steps that start new rows (0: any time)
+    # a request that arrives this soon after the one before waits for the rest of its burst, so that the burst's
+    # prompts start in one step (`scheduler/burst_gate.py`; 0: each starts as soon as its turn comes)
+    admission_gather_ms: float = 2.0
     mixed_steps: bool = True            # new rows' prompt tokens ride in running decode groups' steps
 
 
@@ -228,6 +231,10 @@ def build_parser(builtin_models: Sequence[str] = ()) -> argparse.ArgumentParser:
     p.add_argument("--admit-every", type=int, default=0,
                    help="while requests are decoding, steps they take between two prefill steps of new requests: "
                         "arrivals then share fewer, larger prefill steps (0: a prefill whenever its turn comes)")
+    p.add_argument("--admission-gather-ms", type=float, default=2.0,
+                   help="a request that arrives within this many ms of the one before waits until arrivals pause "
+                        "this long (at most 16 times as long in all), so that a burst of requests starts in one "
+                        "prefill step instead of many small ones; a request that comes alone starts at once (0: off)")
     p.add_argument("--no-mixed-steps", dest="mixed_steps", action="store_false",
                    help="run new requests' prompts in steps of their own instead of inside running decode steps "
                         "(by default they ride in them)")
@@ -347,6 +354,8 @@ def parse_args(argv: list[str] | None = None, builtin_models: Sequence[str] = ()
     names = tuple(dict.fromkeys(a.served_model_name or ()))  # each once, in the order given
     if a.admit_every < 0:
         raise ConfigError("--admit-every must be 0 or more")
+    if not (a.admission_gather_ms >= 0 and math.isfinite(a.admission_gather_ms)):
+        raise ConfigError("--admission-gather-ms must be 0 or a positive number of milliseconds")
     if a.state_slots is not None and a.state_slots < 1:
         raise ConfigError("--state-slots must be positive")
     if a.media_workers is not None and a.media_workers < 1:
@@ -364,6 +373,7 @@ def parse_args(argv: list[str] | None = None, builtin_models: Sequence[str] = ()
         state_slots=a.state_slots,
         prefix_caching=a.prefix_caching,
         admit_every=a.admit_every,
+        admission_gather_ms=a.admission_gather_ms,
         mixed_steps=a.mixed_steps,
     )
     engine = EngineConfig(

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import sys
+import time
 from collections import Counter
 from typing import Callable
 
@@ -316,10 +317,11 @@ class Engine:
         # the root's worker gets the inputs; the others start their partitions. The root's goes last: its worker
         # may run the request's first steps and forward their streams at once, and a worker that has no Submit
         # for a request drops what is forwarded for it (`Streams._local`)
+        sent_at = time.monotonic()
         for w in sorted(state.shards, key=lambda w: w == idx):
             self.workers[w].send(Submit(request.request_id, plan, prepared.values if w == idx else {},
                                         prepared.sampling, prepared.stop_ids, request.more_input, shared,
-                                        request.priority))
+                                        request.priority, sent_at))
         if self.config.request_timeout > 0:
             state.timer = asyncio.get_running_loop().call_later(self.config.request_timeout, self._expire,
                                                                 request.request_id)

@@ -34,6 +34,7 @@ class Submit:
     # worker of the request gets a Submit, and only the root's worker gets `values`
     places: dict[str, int] | None = None
     priority: int = 0           # the request's: lower is served first among waiting rows
+    sent_at: float | None = None  # `time.monotonic()` when the event loop sent it (`BurstGate`)
 
 
 @dataclass(frozen=True)

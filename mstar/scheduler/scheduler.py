@@ -78,6 +78,7 @@ class Scheduler:
         rides in chunks: past its graphs' largest bucket a mixed step runs
         eagerly, holding the group's rows that long)."""
         self.admit_every = admit_every
+        self.held = False  # new rows wait (the worker's `BurstGate`: a burst of requests is still arriving)
         self.mix = dict(mix or {})
         self.mix_tokens = dict(mix_tokens or {})
         self._since_admit: dict[str, int] = {}  # group steps per component since a step started rows
@@ -241,10 +242,15 @@ class Scheduler:
         return None
 
     def _admission_waits(self, key: QueueKey) -> bool:
-        """Whether `key`'s queue, headed by a row that would start, waits for
-        its component's running groups to step (`admit_every`)."""
+        """Whether `key`'s queue, headed by a row that would start, waits:
+        for the rest of a burst (`held`), or for its component's running
+        groups to step (`admit_every`)."""
         q = self._queues[key]
-        if not self.admit_every or not q[0].starts_row:
+        if not q[0].starts_row:
+            return False
+        if self.held:
+            return True
+        if not self.admit_every:
             return False
         running = any(len(g.group) for g in self._groups if g.key[0] == key[0])
         return running and self._since_admit.get(key[0], self.admit_every) < self.admit_every

@@ -37,6 +37,7 @@ from mstar.engine.worker.profiling import WorkerProfiler
 from mstar.engine.worker.walker import FORK_MODE, Walker
 from mstar.models.base import Model
 from mstar.scheduler import ModeCaps, PagePool, Scheduler
+from mstar.scheduler.burst_gate import BurstGate
 
 log = structlog.get_logger("mstar.worker")
 
@@ -142,6 +143,7 @@ class DeviceWorker:
         # a request that starts decoding beyond max_num_seqs running rows waits its turn
         # a component with per-row state: a row takes a slot with its first pages (slots are pages of one)
         slots = {name: PagePool(r.state.num_slots, 1) for name, r in self.runners.items() if r.state is not None}
+        self.gate = BurstGate(cfg.admission_gather_ms / 1000)
         self.scheduler = Scheduler(caps, self.pools, max_running=dict.fromkeys(self.pools, cfg.max_num_seqs),
                                    grow_pages=grows, slots=slots, prefix_caching=cfg.prefix_caching,
                                    admit_every=cfg.admit_every, mix=self._mixing() if cfg.mixed_steps else {},
@@ -222,6 +224,7 @@ class DeviceWorker:
             if not self._drain(block=waiting or idle):
                 return
             self.link.poll()
+            self.scheduler.held = self.gate.held(time.monotonic())
             plan = ex.next_plan()
             if plan is None:  # nothing to launch: read what is in flight
                 ex.idle()
@@ -240,6 +243,9 @@ class DeviceWorker:
                 timeout = _IDLE_WAIT_S if self.scheduler.has_work() or self.profiler.running else None
                 if self.link.pending:  # a copy's source is released once the copy is done: look again soon
                     timeout = _COPY_POLL_S
+                held = self.gate.wait_s(time.monotonic())  # new rows start when the burst pauses, if nothing comes
+                if held is not None:
+                    timeout = held if timeout is None else min(timeout, held)
                 msg = self.inbox.get(timeout=timeout)
             else:
                 self.profiler.check()
@@ -265,6 +271,8 @@ class DeviceWorker:
 
     def _apply(self, msg: object) -> None:
         if isinstance(msg, Submit):
+            if msg.sent_at is not None:
+                self.gate.arrived(msg.sent_at)
             try:
                 self.walker.start(msg)
             except Exception as e:  # a bad request must not take the worker down
