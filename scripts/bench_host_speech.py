@@ -53,7 +53,6 @@ import json
 import mmap
 import os
 import platform
-import re
 import shlex
 import struct
 import subprocess
@@ -70,6 +69,7 @@ import aiohttp
 from bench_env import REPO, commit, version
 from bench_server import Server, free_port, run_async, wait_healthy
 from bench_tts import SENTENCES
+from prometheus_samples import Samples, samples, total
 
 SERVE = "serve"  # argv[1] that makes this file the server's launcher
 SAMPLE_RATE = 24_000
@@ -182,25 +182,6 @@ def serve(argv: list[str]) -> int:
 
 # -- the client side
 
-METRIC = re.compile(r'^(\w+)(?:\{([^}]*)\})?\s+(\S+)$')
-
-
-def scrape(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """Prometheus text -> {(name, sorted labels): value}."""
-    out = {}
-    for line in text.splitlines():
-        m = METRIC.match(line)
-        if m:
-            labels = tuple(sorted(tuple(kv.split("=", 1)) for kv in m.group(2).split(","))) if m.group(2) else ()
-            out[(m.group(1), tuple((k, v.strip('"')) for k, v in labels))] = float(m.group(3))
-    return out
-
-
-def total(metrics: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **match: str) -> float:
-    """The sum of `name` over the series whose labels include `match`."""
-    return sum(v for (n, labels), v in metrics.items() if n == name and match.items() <= dict(labels).items())
-
-
 def cpu_seconds(pid: int) -> tuple[float, float]:
     """(the whole process's, its main thread's) utime + stime in seconds."""
     def read(path: str) -> float:
@@ -265,9 +246,9 @@ class Clients:
                 await asyncio.sleep(0.5)
 
 
-async def metrics(session: aiohttp.ClientSession, url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+async def metrics(session: aiohttp.ClientSession, url: str) -> Samples:
     async with session.get(f"{url}/metrics") as r:
-        return scrape(await r.text())
+        return samples(await r.text())
 
 
 async def snapshot(session: aiohttp.ClientSession, url: str, pid: int, clients: Clients,

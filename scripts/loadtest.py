@@ -72,6 +72,7 @@ import aiohttp
 from bench_server import Server, add_server_args, on_sigterm, run_async, start_server, wait_healthy
 from loadtest_cases import MALFORMED, POISONED, big_prompt
 from loadtest_checks import SPEECH_ROUTE, check_error, check_stream
+from prometheus_samples import Samples, samples, total, totals
 
 MAX_TOKENS = 32
 PROMPTS = ("Hello", "The quick brown fox", "Once upon a time, in a land far away,", "1 2 3 4 5",
@@ -269,36 +270,22 @@ async def fire(url: str, jobs: list[Job], a: argparse.Namespace) -> Tally:
     return tally
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text to {name: value}, samples of one name summed over labels
-    (pages over devices and components), except requests_total kept by status."""
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        series, _, value = line.rpartition(" ")
-        name = series.split("{", 1)[0]
-        if name == "mstar_requests_total":
-            name = series  # one entry per status
-        values[name] = values.get(name, 0.0) + float(value)
-    return values
-
-
-async def scrape(session: aiohttp.ClientSession, url: str) -> dict[str, float]:
+async def scrape(session: aiohttp.ClientSession, url: str) -> Samples:
     async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as r:
         r.raise_for_status()
-        return parse_metrics(await r.text())
+        return samples(await r.text())
 
 
-async def settle(session: aiohttp.ClientSession, url: str, seconds: float) -> dict[str, float]:
+async def settle(session: aiohttp.ClientSession, url: str, seconds: float) -> Samples:
     """Poll /metrics until nothing is held or `seconds` pass: aborts of cut
     streams reach the workers a step or so after the client left."""
     end = time.monotonic() + seconds
     while True:
-        m = await scrape(session, url)
+        found = await scrape(session, url)
+        m = totals(found)  # summed over devices, components and a front's replicas
         held = (m.get("mstar_kv_pages_in_use", 0), m.get("mstar_tensors_held", 0), m.get("mstar_requests_running", 0))
         if not any(held) or time.monotonic() >= end:
-            return m
+            return found
         await asyncio.sleep(0.25)
 
 
@@ -310,7 +297,7 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(q / 100 * len(xs) + 0.5) - 1))]
 
 
-def report(tally: Tally, before: dict[str, float], after: dict[str, float], own_server: bool) -> list[str]:
+def report(tally: Tally, before: Samples, after: Samples, own_server: bool) -> list[str]:
     """Print the figures; the failed checks."""
     outs = tally.outcomes
     streams = [o for o in outs if o.job.kind != "malformed"]
@@ -322,11 +309,13 @@ def report(tally: Tally, before: dict[str, float], after: dict[str, float], own_
     five = [o for o in outs if o.status >= 500 and o.status != 503]
     refused = [o for o in outs if o.refusals]
     lat = [o.latency_s for o in done]
-    pages = after.get("mstar_kv_pages_in_use", -1)
-    tensors = after.get("mstar_tensors_held", -1)
-    running = after.get("mstar_requests_running", -1)
-    finished = {s: after.get(f'mstar_requests_total{{status="{s}"}}', 0) - before.get(
-        f'mstar_requests_total{{status="{s}"}}', 0) for s in ("stop", "length", "abort", "error")}
+    # -1: the server did not report it (a check that then fails rather than passes on a missing gauge)
+    held = totals(after)
+    pages = held.get("mstar_kv_pages_in_use", -1)
+    tensors = held.get("mstar_tensors_held", -1)
+    running = held.get("mstar_requests_running", -1)
+    finished = {s: total(after, "mstar_requests_total", status=s) - total(before, "mstar_requests_total", status=s)
+                for s in ("stop", "length", "abort", "error")}
 
     print(f"requests sent       {len(outs)} in {tally.wall_s:.1f} s ({len(outs) / max(tally.wall_s, 1e-9):.1f} req/s), "
           f"{tally.not_started} not started before the deadline")
@@ -341,7 +330,7 @@ def report(tally: Tally, before: dict[str, float], after: dict[str, float], own_
     print(f"5xx                 {len(five)} (503 with Retry-After counts as refused)")
     print(f"metrics after       kv_pages_in_use {pages:g} (leaked pages), tensors_held {tensors:g}, "
           f"requests_running {running:g}; preemptions "
-          f"{after.get('mstar_preemptions_total', 0) - before.get('mstar_preemptions_total', 0):g} (this run)")
+          f"{total(after, 'mstar_preemptions_total') - total(before, 'mstar_preemptions_total'):g} (this run)")
     print("requests finished   " + ", ".join(f"{s} {n:g}" for s, n in finished.items()) + " (this run)")
     for label, group in (("lost", lost), ("malformed", bad_wrong)):
         for o in group[:5]:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_env import commit, version
+from prometheus_samples import samples, totals
 
 SAMPLE_BYTES = 2  # PCM16
 
@@ -176,19 +177,11 @@ FIRST_AUDIO_METRIC = "mstar_time_to_first_audio_seconds"
 def first_audio_totals(metrics_text: str) -> tuple[float, float] | None:
     """The sum and count of the server's first-audio histogram in its
     /metrics text, added over its label sets (a cluster front labels each
-    replica's); None: not there, or not a number."""
-    found: dict[str, float] = {}
-    for line in metrics_text.splitlines():
-        series, _, rest = line.partition(" ")
-        name = series.split("{", 1)[0]
-        if name in (f"{FIRST_AUDIO_METRIC}_sum", f"{FIRST_AUDIO_METRIC}_count"):
-            try:
-                found[name] = found.get(name, 0.0) + float(rest.split()[0])
-            except (IndexError, ValueError):
-                return None
-    if len(found) != 2:
-        return None
-    return found[f"{FIRST_AUDIO_METRIC}_sum"], found[f"{FIRST_AUDIO_METRIC}_count"]
+    replica's); None: not there (a sample whose value is no number is
+    passed over, `prometheus_samples.py`)."""
+    found = totals(samples(metrics_text))
+    seconds, count = found.get(f"{FIRST_AUDIO_METRIC}_sum"), found.get(f"{FIRST_AUDIO_METRIC}_count")
+    return None if seconds is None or count is None else (seconds, count)
 
 
 def server_ttfa_mean_ms(level: Level) -> float:

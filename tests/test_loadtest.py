@@ -15,9 +15,10 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
 import aiohttp
 from aiohttp import web
 from http_support import serving_app
-from loadtest import (POISONED, SPEECH_ROUTE, Job, check_error, check_stream, make_jobs, parse_metrics, percentile,
-                      poison_bursts, run_job)
+from loadtest import (POISONED, SPEECH_ROUTE, Job, Tally, check_error, check_stream, make_jobs, percentile,
+                      poison_bursts, report, run_job)
 from loadtest_cases import BigPrompt
+from prometheus_samples import samples
 
 
 def _sse(n: int, finish: str = "length") -> list:
@@ -95,13 +96,15 @@ def test_error_must_be_4xx_naming_the_field() -> None:
     assert "JSON" in check_error(400, "oops", "max_tokens")
 
 
-def test_metrics_sum_over_labels_and_keep_statuses() -> None:
-    text = ('# HELP x\nmstar_kv_pages_in_use{device="cpu",component="llm"} 2\n'
-            'mstar_kv_pages_in_use{device="cpu",component="talker"} 1\nmstar_tensors_held 0\n'
-            'mstar_requests_total{status="abort"} 4\n')
-    m = parse_metrics(text)
-    assert m["mstar_kv_pages_in_use"] == 3 and m["mstar_tensors_held"] == 0
-    assert m['mstar_requests_total{status="abort"}'] == 4
+def test_the_report_reads_metrics_summed_over_labels_and_by_status() -> None:
+    # a cluster front labels each replica's series; an error finished on either counts
+    before = samples('mstar_requests_total{replica="0",status="error"} 1\n')
+    after = samples('mstar_kv_pages_in_use{replica="0",device="cpu"} 0\nmstar_tensors_held 0\n'
+                    'mstar_requests_running 0\nmstar_requests_total{replica="0",status="error"} 1\n'
+                    'mstar_requests_total{replica="1",status="error"} 2\n')
+    assert report(Tally(), before, after, own_server=False) == ["2 requests finished as error"]
+    # a gauge the server did not report fails its check rather than passing as 0
+    assert "kv_pages_in_use -1" in report(Tally(), before, samples("mstar_tensors_held 0\n"), own_server=False)
 
 
 def test_jobs_mix_and_percentile() -> None:

@@ -39,6 +39,8 @@ def test_the_first_audio_histogram_is_read_from_metrics_text() -> None:
              'mstar_time_to_first_audio_seconds_sum{replica="1"} 0.5\n'
              'mstar_time_to_first_audio_seconds_count{replica="1"} 1\n')
     assert first_audio_totals(front) == (2.0, 4.0)
+    # a label value may hold a space, a comma or a brace (an earlier reader split the series there)
+    assert first_audio_totals(front.replace('replica="1"', 'replica="1",model="a b, {c}"')) == (2.0, 4.0)
     # a sample with a timestamp reads its value; one that is not a number reads as none
     assert first_audio_totals(METRICS.replace("_count 65", "_count 65 1712345678000")) == (14.595752148999395, 65.0)
     assert first_audio_totals(METRICS.replace("_count 65", "_count many")) is None
