@@ -62,17 +62,19 @@ def with_media(messages: Sequence[ChatMessage], decoded: Sequence[Any]) -> list[
 
 async def chat_inputs(decoder: MediaDecoder, limits: MediaLimits, messages: Sequence[ChatMessage], model: str,
                       modalities: Sequence[str], add_generation_prompt: bool,
-                      template_kwargs: dict[str, Any]) -> dict[str, Any]:
+                      template_kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     """A chat's inputs for the model: its media checked against what `model`
     takes (`modalities`), decoded once, and put back in its messages, with
-    the template's switches."""
+    the template's switches; and each media part's field in errors, by the
+    part's place (the model names a decoded part by its content part, the
+    client sent it in the part's payload), from the one listing of parts."""
     parts = media_parts(messages)
     refuse_untaken(parts, model, modalities)
     decoded = await decode_parts(decoder, parts, limits)
     values: dict[str, Any] = {"messages": with_media(messages, decoded), "add_generation_prompt": add_generation_prompt}
     if template_kwargs:
         values["chat_template_kwargs"] = template_kwargs
-    return values
+    return values, {p.at: p.field for p in parts}
 
 
 async def _decode(decoder: MediaDecoder, part: MediaPart, limits: MediaLimits) -> Any:

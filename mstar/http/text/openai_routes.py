@@ -27,7 +27,6 @@ from mstar.errors import ModelNotFound, RequestError
 from mstar.http.keys import ENGINE, MEDIA, MEDIA_LIMITS, STARTED, TRANSCRIPTS
 from mstar.http.text.chat_audio import SpokenAnswers, spoken_usage
 from mstar.http.text.chat_media import chat_inputs
-from mstar.http.text.chat_messages import media_parts
 from mstar.http.text.logprobs import LogprobShapes
 from mstar.http.text.protocol import ChatBody, parse_chat, parse_completion
 from mstar.http.responses import EventStream, client_gone, error_body, json_response
@@ -126,10 +125,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     transcripts = request.app[TRANSCRIPTS]
     messages = transcripts.resolve(body.messages)   # earlier spoken answers named by their audio ids
     # decoded once for all n samples, before anything starts: a bad part refuses the whole request
-    values = await chat_inputs(request.app[MEDIA], request.app[MEDIA_LIMITS], messages, target.name,
-                               target.input_modalities, body.add_generation_prompt, body.template_kwargs)
-    # the model names a decoded audio or image by its content part; the client sent it in the part's payload
-    names = {"max_tokens": body.max_tokens_field, **{p.at: p.field for p in media_parts(messages)}}
+    values, media_names = await chat_inputs(request.app[MEDIA], request.app[MEDIA_LIMITS], messages, target.name,
+                                            target.input_modalities, body.add_generation_prompt, body.template_kwargs)
+    names = {"max_tokens": body.max_tokens_field, **media_names}
     if body.audio is not None:
         values["voice"] = body.audio.voice
         # a prompt the talker cannot answer lacks the assistant's header

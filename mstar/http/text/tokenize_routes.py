@@ -69,9 +69,9 @@ async def tokenize(request: web.Request) -> web.Response:
     target = resolve_model(engine, body.model)
     walk = text_walk(target)
     if body.messages is not None:
-        values = await chat_inputs(request.app[MEDIA], request.app[MEDIA_LIMITS],
-                                   request.app[TRANSCRIPTS].resolve(body.messages), target.name,
-                                   target.input_modalities, body.add_generation_prompt, body.template_kwargs)
+        values, _ = await chat_inputs(request.app[MEDIA], request.app[MEDIA_LIMITS],
+                                      request.app[TRANSCRIPTS].resolve(body.messages), target.name,
+                                      target.input_modalities, body.add_generation_prompt, body.template_kwargs)
     else:
         values = {"prompt": body.prompt}
     # max_tokens None: refused only where the prompt leaves the context no room for one token
