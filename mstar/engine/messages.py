@@ -199,6 +199,9 @@ class StepReport:
     rows: int = 0
     step_s: float = 0.0     # the whole step on the worker
     device_s: float = 0.0   # of which forward and sampling; the rest is host work
+    # a request id for each token the step sampled that no emit brings to the event loop (a speech walk's audio
+    # codes, which a codec takes on the worker): counted as they are drawn, as the text tokens of `emits` are
+    sampled: list[str] = field(default_factory=list)
 
     def empty(self) -> bool:
-        return not self.emits and not self.finished and not self.awaiting
+        return not self.emits and not self.finished and not self.awaiting and not self.sampled

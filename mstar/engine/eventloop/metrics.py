@@ -144,14 +144,26 @@ class EngineMetrics:
         self._await_text.pop(request_id, None)
         self._await_audio.pop(request_id, None)
 
-    def finished(self, request_id: str, status: str, prompt_tokens: int = 0, output_tokens: int = 0) -> None:
+    def generated(self, tokens: int) -> None:
+        """Running requests drew `tokens` more (text tokens the event loop
+        took in, audio codes the workers reported): counted now, so that a
+        scrape during a long answer sees it grow (vLLM's
+        generation_tokens_total moves as tokens are drawn)."""
+        self.generation_tokens += tokens
+
+    def finished(self, request_id: str, status: str, prompt_tokens: int = 0, output_tokens: int = 0,
+                 counted: int = 0) -> None:
         """The request is over (its workers confirmed it), `output_tokens`
-        drawn after `prompt_tokens`: an answer that ran to its end ("stop",
-        "length") is timed whole and per output token after its first."""
+        drawn after `prompt_tokens`, `counted` of them counted already as
+        they came (`generated`): the rest count now. An answer that ran to
+        its end ("stop", "length") is timed whole and per output token after
+        its first."""
         self.forget(request_id)
         self.requests[status if status in self.requests else "error"] += 1
         self.prompt_tokens += prompt_tokens
-        self.generation_tokens += output_tokens
+        # never less than counted: a counter does not go back (a worker that failed reports no count, and the
+        # tokens it reported drawing stay counted)
+        self.generation_tokens += max(0, output_tokens - counted)
         now = time.perf_counter()
         t0, first = self._submitted_at.pop(request_id, None), self._first_at.pop(request_id, None)
         if status not in ("stop", "length"):
@@ -197,7 +209,8 @@ class EngineMetrics:
             family("mstar_prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
                    [((), self.prompt_tokens)]),
             family("mstar_generation_tokens_total", "counter",
-                   "Tokens finished requests drew (a spoken answer's audio codes included).",
+                   "Tokens requests drew (a spoken answer's audio codes included), counted as they are drawn: once "
+                   "a request ends, its share is its usage's completion tokens.",
                    [((), self.generation_tokens)]),
             family("mstar_e2e_request_latency_seconds", "histogram",
                    "Seconds from submit to the end of answers that ran to it (stop, length).", self.e2e),

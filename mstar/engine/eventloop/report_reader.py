@@ -59,6 +59,8 @@ class ReportReader:
     def read(self, report: StepReport) -> None:
         for hook in self._pre_hooks:
             hook(report)
+        if report.sampled:
+            self._count_sampled(report.sampled)
         for batch in report.emits:
             emit = self._emit_of(batch.value)
             if emit.modality == "audio":
@@ -67,6 +69,7 @@ class ReportReader:
                 data = batch.data.tolist() if hasattr(batch.data, "tolist") else [t.tolist() for t in batch.data]
             logprobs = repeat(None) if batch.logprobs is None else batch.logprobs.tolist()
             text = emit.modality == "text"
+            fed = 0
             for rid, part, row, logprob in zip(batch.request_ids, batch.partitions, data, logprobs):
                 state = self._states.get(rid)
                 if state is None or state.finished or part in state.stopped:
@@ -75,12 +78,15 @@ class ReportReader:
                 if self._waiting:
                     self._waiting.started(rid)
                 if text and isinstance(row, int):
+                    fed += 1
                     stop = self._feed_token(state, part, row, logprob, batch.value)
                 else:
                     stop = (state.feed_value(part, batch.value, emit.modality, row, emit.sample_rate)
                             or self._host_stop(state, part, batch.value, row))
                 if stop:
                     self._workers[state.worker_of(part)].send(Stop(rid, part))
+            if fed:  # the text tokens taken in, counted as they come: one call a batch, not one a token
+                self._metrics.generated(fed)
             self._metrics.outputs(batch.request_ids, emit.modality)
         for fin in report.finished:
             assert self._load is not None  # `serve` runs before any worker does
@@ -93,6 +99,19 @@ class ReportReader:
             hook(report)
         for batch in report.emits:
             batch.release()  # read (hooks included): its arena blocks go back
+
+    def _count_sampled(self, request_ids: list[str]) -> None:
+        """Tokens the workers drew that reach no client as tokens (a speech
+        walk's audio codes), one request id each: counted now, and in each
+        running request's share, which its end does not count again."""
+        states = self._states
+        n = 0
+        for rid in request_ids:
+            state = states.get(rid)
+            if state is not None:
+                state.unseen_tokens += 1
+                n += 1
+        self._metrics.generated(n)
 
     def _emit_of(self, value: str) -> Emit:
         for plan in self._plans.values():
@@ -135,4 +154,5 @@ class ReportReader:
         # finished first: its held-back text may complete a stop string, which is then how it ended
         status = state.finish(reason if reason in STATUSES else "stop", state.failed or fin.error)
         self._stats[f"finished_{status if reason in STATUSES else reason}"] += 1
-        self._metrics.finished(fin.request_id, status, state.num_prompt_tokens, state.num_output_tokens)
+        self._metrics.finished(fin.request_id, status, state.num_prompt_tokens, state.num_output_tokens,
+                               state.num_counted)

@@ -137,6 +137,8 @@ class RequestState:
         self.shards_left = len(self.shards)
         self.generated: dict[str, int] = {}  # partition -> tokens its worker says it sampled
         self.fed: dict[str, int] = {}  # partition -> text tokens taken into the answer
+        # tokens its workers reported drawing that no emit brought here (audio codes a codec took)
+        self.unseen_tokens = 0
         self.settled = asyncio.Event()  # every worker is done with it: `generated` is final
         # tokens the context surely holds: the worker's count at the last catch-up, plus pieces appended since
         # (a speech walk's sampled tokens are audio the event loop never counts)
@@ -224,6 +226,15 @@ class RequestState:
         parts = self.generated.keys() | self.fed.keys()
         return sum(self.fed[p] if p in self.stopped and p in self.fed
                    else max(self.fed.get(p, 0), self.generated.get(p, 0)) for p in parts)
+
+    @property
+    def num_counted(self) -> int:
+        """Its tokens the metrics counted as they came: the text tokens taken
+        in, and those its workers reported drawing that reach no client as
+        tokens. `num_generated` at its end counts them all (a stopped
+        partition's text tokens as taken in, every other partition's as its
+        worker sampled them), so its end adds what is left."""
+        return sum(self.fed.values()) + self.unseen_tokens
 
     def shard_done(self, reason: str, error: str | None, generated: dict[str, int], worker: int) -> str | None:
         """Worker `worker` is done with its part of the request, which ended

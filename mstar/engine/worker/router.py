@@ -23,6 +23,7 @@ from mstar.engine.movement.tensor_store import TensorRef, TensorStore
 from mstar.engine.worker.groups.loop_group import LoopGroup
 from mstar.engine.worker.groups.pending import Pending, Route
 from mstar.engine.worker.outbox import Outbox
+from mstar.engine.worker.rows import PartitionRun
 from mstar.engine.worker.stop_rules import stop_reasons
 from mstar.engine.worker.walker import Walker
 
@@ -62,6 +63,8 @@ class Router:
         else:
             tokens = {name: data.tolist() for name, data in out.values.items()
                       if sampled and isinstance(data, torch.Tensor) and data.dim() == 1}
+        if tokens:  # before the rows move on: a row that finishes at this step counts its token too
+            report.sampled += unseen_tokens(parts, tokens)
         branches = out.branches or ["main"] * len(parts)
         for i, part in enumerate(parts):
             self.walker.completed(part, {name: rs[i] for name, rs in refs.items()}, reasons[i],
@@ -107,10 +110,12 @@ class Router:
         """The tokens of `p`'s rows on `route`: to the clients of the rows whose
         output counts (`keep`), and into the streams of those going on."""
         value, walk = route.value, route.walk
+        every = len(keep) == len(p.rows)
         if value in walk.emits and len(keep):
-            every = len(keep) == len(p.rows)
             self.outbox.emit_rows(report, value, host, None if every else list(keep), p.request_ids,
                                   p.partitions, p.logprobs)
+        elif len(keep):  # tokens no client sees as tokens (audio codes for a codec): counted where they are drawn
+            report.sampled += p.request_ids if every else [p.request_ids[i] for i in keep]
         if walk.streams.get(value):
             items = host.tolist()  # token ids enter streams as host ints
             self.walker.streams.feed_ids([p.rows[i] for i in going_on], value, [items[i] for i in going_on])
@@ -143,3 +148,12 @@ class Router:
                 if i not in left:
                     self.store.release(refs[i], rids[i])
         return out
+
+
+def unseen_tokens(parts: list[PartitionRun], tokens: dict[str, list[int]]) -> list[str]:
+    """For `StepReport.sampled`: the request of each of an item step's rows
+    that sampled `tokens` (by value name) none of which its walk emits, a
+    token the event loop would see only in the worker's count at the end.
+    A row whose partition is done already (its request aborted meanwhile)
+    is left out: that count was taken before this token."""
+    return [p.request_id for p in parts if not p.done and not any(name in p.request.walk.emits for name in tokens)]
