@@ -15,6 +15,7 @@ import torch
 from tiny_llama import generated, save_tiny_llama
 from mstar.config import EngineConfig, SchedulerConfig
 from mstar.engine.engine import Engine
+import mstar.scheduler.scheduler as scheduler_module
 from mstar.scheduler import ModeCaps, PagePool, Scheduler, WorkItem
 from mstar.scheduler.prefix_cache import PrefixCache, page_keys
 from mstar.types import GenerateRequest, SamplingParams
@@ -96,9 +97,11 @@ def test_a_row_starting_with_a_cached_prefix_shares_its_pages_and_computes_at_le
     assert sched.schedule().items == [big] and big.cached_tokens == 12
 
 
-def test_prompts_that_start_alike_in_one_step_compute_their_first_pages_once() -> None:
+def test_prompts_that_start_alike_in_one_step_compute_their_first_pages_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows queued together whose prompts share uncached full pages: one computes them, the others wait a
-    step and find them cached."""
+    step and find them cached (prompts of `SHARE_MIN_TOKENS` or more; the test's are short, so it is lowered)."""
+    monkeypatch.setattr(scheduler_module, "SHARE_MIN_TOKENS", 12)
     pool = PagePool(64, 4)
     sched = Scheduler({("llm", "prefill"): ModeCaps(8, 1000)}, {"llm": pool}, prefix_caching=True)
     a, b, c = _item("a", 12, pool), _item("b", 12, pool), _item("c", 13, pool)
@@ -111,6 +114,16 @@ def test_prompts_that_start_alike_in_one_step_compute_their_first_pages_once() -
     sched.cache_prefix(a, a.granted)
     assert sched.schedule().items == [b, c]
     assert (b.cached_tokens, c.cached_tokens) == (8, 12) and b.granted[:2] == c.granted[:2] == a.granted[:2]
+
+
+def test_short_prompts_that_start_alike_are_computed_in_the_one_step() -> None:
+    """Under `SHARE_MIN_TOKENS` a duplicate does not wait a step for the cache: computing it again costs less."""
+    pool = PagePool(64, 4)
+    sched = Scheduler({("llm", "prefill"): ModeCaps(8, 1000)}, {"llm": pool}, prefix_caching=True)
+    a, b = _item("a", 12, pool), _item("b", 12, pool)
+    sched.add(a)
+    sched.add(b)
+    assert sched.schedule().items == [a, b]
 
 
 def test_without_prefix_caching_no_row_shares() -> None:
@@ -181,9 +194,13 @@ async def test_greedy_seeded_and_penalised_outputs_are_the_same_with_the_cache_o
         await eng.shutdown()
 
 
-async def test_a_prompt_sent_four_times_at_once_is_computed_once(hf_folder: Path) -> None:
-    """Four requests of one prompt submitted together (as a request's `n` samples are): the first computes its
-    pages, the other three start from them a step later, and every answer is what it is without the cache."""
+@pytest.mark.parametrize("share_from", [32, 64])
+async def test_a_prompt_sent_four_times_at_once_is_computed_once_if_long(hf_folder: Path, share_from: int,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four requests of one prompt submitted together (as a request's `n` samples are): a prompt of
+    `SHARE_MIN_TOKENS` or more is computed by the first, and the other three start from its pages a step
+    later; a shorter one is computed four times in the one step. Every answer is what it is without the cache."""
+    monkeypatch.setattr(scheduler_module, "SHARE_MIN_TOKENS", share_from)
     prompt = _cases()[0][0][:41]  # ten full pages of four tokens and one more token
     answers = {}
     for caching in (False, True):
@@ -195,7 +212,7 @@ async def test_a_prompt_sent_four_times_at_once_is_computed_once(hf_folder: Path
                 eng, f"n{i}", prompt, SamplingParams(max_tokens=6, temperature=0.8, seed=i)) for i in range(4)])
             if caching:
                 stats = eng.health()["devices"][0]["prefix_cache"]["llm"]
-                assert (stats["queries"], stats["hits"]) == (4 * 41, 3 * 40)
+                assert (stats["queries"], stats["hits"]) == (4 * 41, 3 * 40 if len(prompt) >= share_from else 0)
         finally:
             await eng.shutdown()
     assert answers[True] == answers[False]

@@ -9,6 +9,7 @@ import threading
 
 from mstar.engine.messages import Shutdown
 from mstar.engine.worker.device_worker import DeviceWorker
+from mstar.scheduler.burst_gate import BurstGate
 
 
 class _Idle:
@@ -29,6 +30,7 @@ class _Worker:
     def __init__(self, sends_while_applying: int) -> None:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.profiler = self.scheduler = self.link = _Idle()
+        self.gate = BurstGate(0.0)
         self.applied: list[object] = []
         self.sends = sends_while_applying
 
