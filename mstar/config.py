@@ -37,7 +37,7 @@ class SchedulerConfig:
     state_slots: int | None = None      # rows with per-row state at once (None: max_num_seqs)
     prefix_caching: bool = True         # rows share the KV pages of prompt prefixes seen before
     admit_every: int = 0                # running groups' steps between two steps that start new rows (0: any time)
-    # new rows wait until arrivals pause this long (32 ms at most), so that a burst's prompts start in one step
+    # new rows wait until arrivals pause this long (50 ms at most), so that a burst's prompts start in one step
     # (`scheduler/burst_gate.py`; 0: each starts as soon as its turn comes)
     admission_gather_ms: float = 1.0
     mixed_steps: bool = True            # new rows' prompt tokens ride in running decode groups' steps
@@ -232,7 +232,7 @@ def build_parser(builtin_models: Sequence[str] = ()) -> argparse.ArgumentParser:
                    help="while requests are decoding, steps they take between two prefill steps of new requests: "
                         "arrivals then share fewer, larger prefill steps (0: a prefill whenever its turn comes)")
     p.add_argument("--admission-gather-ms", type=float, default=1.0,
-                   help="new requests start once arrivals have paused this many ms (32 ms at most after the first "
+                   help="new requests start once arrivals have paused this many ms (50 ms at most after the first "
                         "of a burst), so that a burst of requests starts in one prefill step instead of many small "
                         "ones; a request that comes alone waits this long (0: each starts when its turn comes)")
     p.add_argument("--no-mixed-steps", dest="mixed_steps", action="store_false",

@@ -82,7 +82,7 @@ class Scheduler:
         rides in chunks: past its graphs' largest bucket a mixed step runs
         eagerly, holding the group's rows that long)."""
         self.admit_every = admit_every
-        self.held = False  # new rows wait (the worker's `BurstGate`: a burst of requests is still arriving)
+        self.held = False  # an idle component's new rows wait (the worker's `BurstGate`: a burst is arriving)
         self.mix = dict(mix or {})
         self.mix_tokens = dict(mix_tokens or {})
         self._since_admit: dict[str, int] = {}  # group steps per component since a step started rows
@@ -246,18 +246,16 @@ class Scheduler:
         return None
 
     def _admission_waits(self, key: QueueKey) -> bool:
-        """Whether `key`'s queue, headed by a row that would start, waits:
-        for the rest of a burst (`held`), or for its component's running
-        groups to step (`admit_every`)."""
+        """Whether `key`'s queue, headed by a row that would start, waits: on
+        an idle component, for the rest of a burst (`held`); beside running
+        groups, for them to step (`admit_every`). Running groups take new
+        rows into their own steps (mixed), so a burst is not held there."""
         q = self._queues[key]
         if not q[0].starts_row:
             return False
-        if self.held:
-            return True
-        if not self.admit_every:
-            return False
-        running = any(len(g.group) for g in self._groups if g.key[0] == key[0])
-        return running and self._since_admit.get(key[0], self.admit_every) < self.admit_every
+        if not any(len(g.group) for g in self._groups if g.key[0] == key[0]):
+            return self.held
+        return self.admit_every > 0 and self._since_admit.get(key[0], self.admit_every) < self.admit_every
 
     def _take(self, key: QueueKey, max_rows: int | None = None, max_tokens: int | None = None,
               chunks_only: bool = False) -> list[WorkItem]:

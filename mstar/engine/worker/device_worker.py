@@ -224,7 +224,7 @@ class DeviceWorker:
             if not self._drain(block=waiting or idle):
                 return
             self.link.poll()
-            self.scheduler.held = self.gate.held(time.monotonic())
+            self.scheduler.held = self.gate.held(time.monotonic(), arriving=not self.inbox.empty())
             plan = ex.next_plan()
             if plan is None:  # nothing to launch: read what is in flight
                 ex.idle()
