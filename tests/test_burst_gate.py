@@ -105,7 +105,7 @@ def test_a_burst_is_held_only_where_no_group_runs() -> None:
 
 def test_the_flag_reaches_the_scheduler_config() -> None:
     assert parse_args(["--admission-gather-ms", "0"], {}).engine.scheduler.admission_gather_ms == 0
-    assert parse_args([], {}).engine.scheduler.admission_gather_ms == 1.0
+    assert parse_args([], {}).engine.scheduler.admission_gather_ms == 2.0
     for bad in ("-1", "nan", "inf"):
         with pytest.raises(ConfigError, match="admission-gather-ms"):
             parse_args(["--admission-gather-ms", bad], {})
