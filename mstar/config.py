@@ -217,7 +217,8 @@ def build_parser(builtin_models: Sequence[str] = ()) -> argparse.ArgumentParser:
                    help="context window in tokens, at most the model's positions (default: from the model)")
     p.add_argument("--max-num-seqs", type=int, default=256,
                    help="requests running (holding KV pages) per device, and rows in one step")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="packed tokens in one step, a decode row's token included (at least --max-num-seqs)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="packed tokens in one step, a decode row's token included (at least --max-num-seqs)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     p.add_argument("--num-pages", type=int, default=None, help="KV pages per KV component (default: from memory)")
     p.add_argument("--kv-cache-memory", type=float, default=0.25, help="GiB of KV cache on CPU")
