@@ -101,6 +101,8 @@ def given_ids(value: Any) -> list[int]:
         return value.tolist()
     if value is None:
         return []
+    if type(value) is list and set(map(type, value)) <= {int}:  # the usual case, without a Python loop
+        return list(value)
     if not isinstance(value, (list, tuple)) or not all(
             type(t) is int or (isinstance(t, int) and not isinstance(t, bool)) for t in value):
         raise RequestError("must be a list of integer token ids", field="prompt")
