@@ -31,6 +31,7 @@ class _Worker:
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.profiler = self.scheduler = self.link = _Idle()
         self.gate = BurstGate(0.0)
+        self.submits_sent = self.submits_applied = 0
         self.applied: list[object] = []
         self.sends = sends_while_applying
 

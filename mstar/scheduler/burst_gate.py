@@ -2,7 +2,7 @@
 
 The event loop stamps each new request with when it sent it; a worker feeds
 those stamps in as it applies the requests. New rows wait (`held`) until
-`window_s` has passed since the latest arrival with none waiting to be
+`window_s` has passed since the latest arrival with no request waiting to be
 applied, or `CAP_S` since the burst's first: then every prompt that came
 starts in one prompt step. A request that comes alone waits `window_s`. The
 worker itself may wake late (the intake holds the GIL): what waits in its
@@ -35,7 +35,7 @@ class BurstGate:
         self._last = at if self._last is None else max(self._last, at)
 
     def held(self, now: float, arriving: bool = False) -> bool:
-        """Whether new rows wait now (`arriving`: messages wait in the inbox);
+        """Whether new rows wait now (`arriving`: requests wait in the inbox);
         a burst that paused or ran its cap closes."""
         if self._opened is None:
             return False

@@ -62,6 +62,10 @@ class DeviceWorker:
         self.store = store
         self.post = post
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        # new requests sent (by the event loop alone) and applied (by this thread alone): one writer each, so
+        # the worker can tell that requests wait in its inbox among other workers' stream messages
+        self.submits_sent = 0
+        self.submits_applied = 0
         self.stats = WorkerStats()
         self.ready = threading.Event()
         self.error: BaseException | None = None
@@ -78,6 +82,8 @@ class DeviceWorker:
         self._thread.start()
 
     def send(self, msg: object) -> None:
+        if isinstance(msg, Submit):
+            self.submits_sent += 1
         self.inbox.put(msg)
 
     def join(self, timeout: float | None = None) -> None:
@@ -224,7 +230,8 @@ class DeviceWorker:
             if not self._drain(block=waiting or idle):
                 return
             self.link.poll()
-            self.scheduler.held = self.gate.held(time.monotonic(), arriving=not self.inbox.empty())
+            arriving = self.submits_sent != self.submits_applied  # requests in the inbox: the burst goes on
+            self.scheduler.held = self.gate.held(time.monotonic(), arriving=arriving)
             plan = ex.next_plan()
             if plan is None:  # nothing to launch: read what is in flight
                 ex.idle()
@@ -271,6 +278,7 @@ class DeviceWorker:
 
     def _apply(self, msg: object) -> None:
         if isinstance(msg, Submit):
+            self.submits_applied += 1
             if msg.sent_at is not None:
                 self.gate.arrived(msg.sent_at)
             try:
