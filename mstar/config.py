@@ -233,9 +233,10 @@ def build_parser(builtin_models: Sequence[str] = ()) -> argparse.ArgumentParser:
                    help="while requests are decoding, steps they take between two prefill steps of new requests: "
                         "arrivals then share fewer, larger prefill steps (0: a prefill whenever its turn comes)")
     p.add_argument("--admission-gather-ms", type=float, default=2.0,
-                   help="new requests start once arrivals have paused this many ms (50 ms at most after the first "
-                        "of a burst), so that a burst of requests starts in one prefill step instead of many small "
-                        "ones; a request that comes alone waits this long (0: each starts when its turn comes)")
+                   help="where no requests are running, new ones start once arrivals have paused this many ms "
+                        "(50 ms at most after the first of a burst), so that a burst of requests starts in one "
+                        "prefill step instead of many small ones; a request that comes alone waits this long "
+                        "(0: each starts when its turn comes)")
     p.add_argument("--no-mixed-steps", dest="mixed_steps", action="store_false",
                    help="run new requests' prompts in steps of their own instead of inside running decode steps "
                         "(by default they ride in them)")

@@ -101,7 +101,7 @@ def test_prompts_that_start_alike_in_one_step_compute_their_first_pages_once(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows queued together whose prompts share uncached full pages: one computes them, the others wait a
     step and find them cached (prompts of `SHARE_MIN_TOKENS` or more; the test's are short, so it is lowered)."""
-    monkeypatch.setattr(scheduler_module, "SHARE_MIN_TOKENS", 12)
+    monkeypatch.setattr(scheduler_module, "SHARE_MIN_TOKENS", 8)
     pool = PagePool(64, 4)
     sched = Scheduler({("llm", "prefill"): ModeCaps(8, 1000)}, {"llm": pool}, prefix_caching=True)
     a, b, c = _item("a", 12, pool), _item("b", 12, pool), _item("c", 13, pool)

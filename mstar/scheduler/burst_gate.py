@@ -12,6 +12,11 @@ loop; a worker that started the first at once ran its prompt step (and the
 decode steps after it) beside the intake under one GIL, and the rest of the
 burst waited for those steps before its own prompt step.
 
+A burst that ran to its cap is a stream, not a burst: no new one opens until
+arrivals pause, so steady arrivals are held once, not every `CAP_S`. The
+worker's scheduler holds only the rows of the open burst (`opened`): rows
+queued before it, or left by an earlier step, start when their turn comes.
+
 Clock: `time.monotonic()` seconds, the same on both threads.
 """
 
@@ -25,22 +30,33 @@ class BurstGate:
         self.window_s = window_s
         self._last: float | None = None  # the latest arrival
         self._opened: float | None = None  # the first arrival of the open burst; None: none open
+        self._streaming = False  # the last burst ran to the cap: none opens until arrivals pause
 
-    def arrived(self, at: float) -> None:
-        """A new request, sent at `at`."""
+    def arrived(self, at: float) -> bool:
+        """A new request, sent at `at`; True when it opens a burst."""
         if self.window_s <= 0:
-            return
-        if self._opened is None:
-            self._opened = at
+            return False
+        paused = self._last is None or at - self._last >= self.window_s
         self._last = at if self._last is None else max(self._last, at)
+        if self._streaming and paused:
+            self._streaming = False
+        if self._opened is None and not self._streaming:
+            self._opened = at
+            return True
+        return False
 
     def held(self, now: float, arriving: bool = False) -> bool:
         """Whether new rows wait now (`arriving`: requests wait in the inbox);
         a burst that paused or ran its cap closes."""
         if self._opened is None:
+            if self._streaming and not arriving and self._last is not None and now - self._last >= self.window_s:
+                self._streaming = False
             return False
-        if now - self._opened >= CAP_S or (not arriving and now - self._last >= self.window_s):
+        if not arriving and now - self._last >= self.window_s:
             self._opened = None
+            return False
+        if now - self._opened >= CAP_S:  # still arriving at the cap
+            self._opened, self._streaming = None, True
             return False
         return True
 

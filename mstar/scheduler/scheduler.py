@@ -49,10 +49,10 @@ MIXED_ROWS = 4
 # a prompt that would ride in chunks smaller than this (a group leaving little of the step's token cap) takes
 # steps of its own instead, or a long prompt would creep a few tokens a step
 MIXED_MIN_CHUNK = 64
-# a prompt that starts as one this step computes waits a step for its pages from the cache only from this long:
-# a shorter one is computed twice in the one step (~5 ms of an H100 at this length), which costs less than the
-# extra step its wait would add for every running row
-SHARE_MIN_TOKENS = 512
+# a prompt that starts as one this step computes waits a step to take those pages from the cache only when they
+# hold this many tokens or more: a shorter shared start (a short prompt sent twice) is computed again in the one
+# step, for less than the extra step its wait would cost (17-27 ms beside 59 rows on an H100, for 40 tokens)
+SHARE_MIN_TOKENS = 64
 
 
 @dataclass(eq=False, slots=True)
@@ -83,6 +83,8 @@ class Scheduler:
         eagerly, holding the group's rows that long)."""
         self.admit_every = admit_every
         self.held = False  # an idle component's new rows wait (the worker's `BurstGate`: a burst is arriving)
+        self.burst_from = 0  # the first ticket of the open burst's rows: older items are never held
+        self.held_back = False  # the last plan held a queue back (so an empty plan is not a stuck pool)
         self.mix = dict(mix or {})
         self.mix_tokens = dict(mix_tokens or {})
         self._since_admit: dict[str, int] = {}  # group steps per component since a step started rows
@@ -226,7 +228,12 @@ class Scheduler:
                              for item in q)
         return plan
 
+    def opened_burst(self) -> None:
+        """A burst of arrivals opened: the rows queued from now on are its own."""
+        self.burst_from = self.ticket()
+
     def _next(self, in_flight: bool) -> StepPlan | None:
+        self.held_back = False
         order: list[tuple[int, int, QueueKey, _Standing | None]] = [
             (q[0].ticket, 0, key, None) for key, q in self._queues.items() if q]
         order += [(g.group.ticket, 1, g.key, g) for g in self._groups if len(g.group)]
@@ -254,7 +261,10 @@ class Scheduler:
         if not q[0].starts_row:
             return False
         if not any(len(g.group) for g in self._groups if g.key[0] == key[0]):
-            return self.held
+            # only a queue of the burst's new rows waits: one with older rows, or a prompt's next chunk, goes
+            held = self.held and all(i.starts_row and i.ticket >= self.burst_from for i in q)
+            self.held_back |= held
+            return held
         return self.admit_every > 0 and self._since_admit.get(key[0], self.admit_every) < self.admit_every
 
     def _take(self, key: QueueKey, max_rows: int | None = None, max_tokens: int | None = None,
@@ -271,7 +281,7 @@ class Scheduler:
         tokens = 0
         limit = self.max_running.get(key[0])
         short = False   # a row that starts waits for pages: rows that start behind it wait too
-        computing: set[bytes] = set()  # first pages of the prompts this step computes whole, uncached
+        computing: set[bytes] = set()  # full pages of the prompts this step computes, uncached
         while q and len(taken) < max_rows:
             item = q[0]
             if chunks_only and not item.chunkable:
@@ -282,8 +292,10 @@ class Scheduler:
             if short and item.starts_row:
                 held.append(q.popleft())
                 continue
-            first = self._uncached_first_page(item, pool) if item.num_tokens >= SHARE_MIN_TOKENS else None
-            if first is not None and first in computing:
+            first = self._uncached_first_page(item, pool)
+            start = item.prefix[:self._usable_pages(item, pool)] if first is not None else ()  # before its pages
+            if (first is not None and first in computing
+                    and self._shared_tokens(item, computing, pool) >= SHARE_MIN_TOKENS):
                 # a prompt this step computes starts the same way (a request's n samples, a shared system
                 # prompt arriving at once): a step later its pages are in the cache, not computed twice
                 held.append(q.popleft())
@@ -321,10 +333,26 @@ class Scheduler:
             if item.chunkable:  # as much as the cap leaves room for (a cached prefix counts for nothing)
                 item.chunk = min(item.remaining, max(max_tokens - tokens, 1))
             if first is not None:  # its pages enter the cache once this step ran (a chunk fills the step's budget)
-                computing.add(first)
+                computing.update(start)
             tokens += item.chunk if item.chunkable else item.num_tokens
         q.extendleft(reversed(held))  # they keep their places at the front
         return taken
+
+    @staticmethod
+    def _usable_pages(item: WorkItem, pool: PagePool) -> int:
+        """Full pages of `item`'s prompt it could take from the prefix cache
+        (its last token is always computed, for the step's logits)."""
+        return min(len(item.prefix), (item.num_tokens - 1) // pool.page_size, item.pages_needed)
+
+    def _shared_tokens(self, item: WorkItem, computing: set[bytes], pool: PagePool) -> int:
+        """Tokens of `item`'s prompt start that pages this step computes hold
+        (page keys chain their prefixes: the leading keys found are shared)."""
+        n = 0
+        for key in item.prefix[:self._usable_pages(item, pool)]:
+            if key not in computing:
+                break
+            n += 1
+        return n * pool.page_size
 
     def _uncached_first_page(self, item: WorkItem, pool: PagePool | None) -> bytes | None:
         """The key of the first page a starting row would look up in its
@@ -333,8 +361,8 @@ class Scheduler:
         cache = self.caches.get(item.component)
         if cache is None or pool is None or not item.prefix or not item.starts_row or item.done:
             return None
-        if min(len(item.prefix), (item.num_tokens - 1) // pool.page_size, item.pages_needed) < 1:
-            return None  # not a full page it could take from the cache (its last token is always computed)
+        if self._usable_pages(item, pool) < 1:
+            return None  # not a full page it could take from the cache
         return None if cache.match(item.prefix[:1]) else item.prefix[0]
 
     def _admit_pages(self, item: WorkItem, pool: PagePool) -> list[int] | None:
@@ -344,7 +372,7 @@ class Scheduler:
         hit: list[int] = []
         looks_up = cache is not None and item.prefix and item.starts_row and item.done == 0
         if looks_up:
-            usable = min(len(item.prefix), (item.num_tokens - 1) // pool.page_size, item.pages_needed)
+            usable = self._usable_pages(item, pool)
             hit = cache.match(item.prefix[:usable])
             pool.share(hit)  # held before the allocation below may take unheld cached pages
         fresh = pool.allocate(item.pages_needed - len(hit))

@@ -82,9 +82,9 @@ class DeviceWorker:
         self._thread.start()
 
     def send(self, msg: object) -> None:
-        if isinstance(msg, Submit):
-            self.submits_sent += 1
         self.inbox.put(msg)
+        if isinstance(msg, Submit):  # after the put: a count ahead of the inbox would have the worker poll it
+            self.submits_sent += 1
 
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)
@@ -230,7 +230,7 @@ class DeviceWorker:
             if not self._drain(block=waiting or idle):
                 return
             self.link.poll()
-            arriving = self.submits_sent != self.submits_applied  # requests in the inbox: the burst goes on
+            arriving = self.submits_sent > self.submits_applied  # requests in the inbox: the burst goes on
             self.scheduler.held = self.gate.held(time.monotonic(), arriving=arriving)
             plan = ex.next_plan()
             if plan is None:  # nothing to launch: read what is in flight
@@ -279,8 +279,8 @@ class DeviceWorker:
     def _apply(self, msg: object) -> None:
         if isinstance(msg, Submit):
             self.submits_applied += 1
-            if msg.sent_at is not None:
-                self.gate.arrived(msg.sent_at)
+            if msg.sent_at is not None and self.gate.arrived(msg.sent_at):
+                self.scheduler.opened_burst()
             try:
                 self.walker.start(msg)
             except Exception as e:  # a bad request must not take the worker down

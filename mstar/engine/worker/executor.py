@@ -93,7 +93,7 @@ class Executor:
             self._merge_joins()
             plan = self.scheduler.schedule(in_flight=bool(self._inflight))
             if (plan is None and self.preemption is not None and not self._inflight and self.scheduler.has_work()
-                    and not self.scheduler.held):
+                    and not self.scheduler.held_back):
                 if self.preemption.unstick(self.scheduler):
                     continue  # a waiting row gave its pages back: the others may move on
             if plan is None or plan.has_work:
