@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mstar.scheduler.pages import PagePool
+from mstar.scheduler.work import WorkItem
 
 
 def page_keys(ids: Sequence[int], page_size: int, salt: bytes = b"",
@@ -36,6 +37,24 @@ def page_keys(ids: Sequence[int], page_size: int, salt: bytes = b"",
         parent = h.digest()
         keys.append(parent)
     return tuple(keys)
+
+
+def usable_pages(item: WorkItem, page_size: int) -> int:
+    """Full pages of `item`'s prompt it could take from a prefix cache (its
+    last token is always computed, for the step's logits)."""
+    return min(len(item.prefix), (item.num_tokens - 1) // page_size, item.pages_needed)
+
+
+def shared_tokens(item: WorkItem, computing: set[bytes], page_size: int) -> int:
+    """Tokens of `item`'s prompt start that the pages `computing` (keys)
+    hold: page keys chain their prefixes, so the leading keys found are
+    shared."""
+    n = 0
+    for key in item.prefix[:usable_pages(item, page_size)]:
+        if key not in computing:
+            break
+        n += 1
+    return n * page_size
 
 
 @dataclass(slots=True)

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 from mstar.scheduler.pages import PagePool
 from mstar.scheduler.plan import StandingGroup, StepPlan
-from mstar.scheduler.prefix_cache import PrefixCache, page_keys
+from mstar.scheduler.prefix_cache import PrefixCache, page_keys, shared_tokens, usable_pages
 from mstar.scheduler.work import ModeCaps, QueueKey, WorkItem
 
 # new rows a mixed step takes at most: its CUDA graphs are captured for that many
@@ -293,9 +293,9 @@ class Scheduler:
                 held.append(q.popleft())
                 continue
             first = self._uncached_first_page(item, pool)
-            start = item.prefix[:self._usable_pages(item, pool)] if first is not None else ()  # before its pages
+            start = item.prefix[:usable_pages(item, pool.page_size)] if first is not None else ()  # before its pages
             if (first is not None and first in computing
-                    and self._shared_tokens(item, computing, pool) >= SHARE_MIN_TOKENS):
+                    and shared_tokens(item, computing, pool.page_size) >= SHARE_MIN_TOKENS):
                 # a prompt this step computes starts the same way (a request's n samples, a shared system
                 # prompt arriving at once): a step later its pages are in the cache, not computed twice
                 held.append(q.popleft())
@@ -338,22 +338,6 @@ class Scheduler:
         q.extendleft(reversed(held))  # they keep their places at the front
         return taken
 
-    @staticmethod
-    def _usable_pages(item: WorkItem, pool: PagePool) -> int:
-        """Full pages of `item`'s prompt it could take from the prefix cache
-        (its last token is always computed, for the step's logits)."""
-        return min(len(item.prefix), (item.num_tokens - 1) // pool.page_size, item.pages_needed)
-
-    def _shared_tokens(self, item: WorkItem, computing: set[bytes], pool: PagePool) -> int:
-        """Tokens of `item`'s prompt start that pages this step computes hold
-        (page keys chain their prefixes: the leading keys found are shared)."""
-        n = 0
-        for key in item.prefix[:self._usable_pages(item, pool)]:
-            if key not in computing:
-                break
-            n += 1
-        return n * pool.page_size
-
     def _uncached_first_page(self, item: WorkItem, pool: PagePool | None) -> bytes | None:
         """The key of the first page a starting row would look up in its
         component's prefix cache and not find there now (None: no lookup,
@@ -361,7 +345,7 @@ class Scheduler:
         cache = self.caches.get(item.component)
         if cache is None or pool is None or not item.prefix or not item.starts_row or item.done:
             return None
-        if self._usable_pages(item, pool) < 1:
+        if usable_pages(item, pool.page_size) < 1:
             return None  # not a full page it could take from the cache
         return None if cache.match(item.prefix[:1]) else item.prefix[0]
 
@@ -372,7 +356,7 @@ class Scheduler:
         hit: list[int] = []
         looks_up = cache is not None and item.prefix and item.starts_row and item.done == 0
         if looks_up:
-            usable = self._usable_pages(item, pool)
+            usable = usable_pages(item, pool.page_size)
             hit = cache.match(item.prefix[:usable])
             pool.share(hit)  # held before the allocation below may take unheld cached pages
         fresh = pool.allocate(item.pages_needed - len(hit))
