@@ -48,9 +48,7 @@ class BurstGate:
     def held(self, now: float, arriving: bool = False) -> bool:
         """Whether new rows wait now (`arriving`: requests wait in the inbox);
         a burst that paused or ran its cap closes."""
-        if self._opened is None:
-            if self._streaming and not arriving and self._last is not None and now - self._last >= self.window_s:
-                self._streaming = False
+        if self._opened is None:  # a stream ends at the next arrival after a pause (`arrived`)
             return False
         if not arriving and now - self._last >= self.window_s:
             self._opened = None

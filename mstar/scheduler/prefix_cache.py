@@ -45,12 +45,12 @@ def usable_pages(item: WorkItem, page_size: int) -> int:
     return min(len(item.prefix), (item.num_tokens - 1) // page_size, item.pages_needed)
 
 
-def shared_tokens(item: WorkItem, computing: set[bytes], page_size: int) -> int:
-    """Tokens of `item`'s prompt start that the pages `computing` (keys)
+def shared_tokens(start: Sequence[bytes], computing: set[bytes], page_size: int) -> int:
+    """Tokens of a prompt's start (its page keys) that the pages `computing`
     hold: page keys chain their prefixes, so the leading keys found are
     shared."""
     n = 0
-    for key in item.prefix[:usable_pages(item, page_size)]:
+    for key in start:
         if key not in computing:
             break
         n += 1

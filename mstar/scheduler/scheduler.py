@@ -292,10 +292,10 @@ class Scheduler:
             if short and item.starts_row:
                 held.append(q.popleft())
                 continue
-            first = self._uncached_first_page(item, pool)
-            start = item.prefix[:usable_pages(item, pool.page_size)] if first is not None else ()  # before its pages
-            if (first is not None and first in computing
-                    and shared_tokens(item, computing, pool.page_size) >= SHARE_MIN_TOKENS):
+            # the full pages it could take from the cache and would compute now (counted before it gets pages)
+            start = () if self._uncached_first_page(item, pool) is None else item.prefix[:usable_pages(
+                item, pool.page_size)]
+            if start and shared_tokens(start, computing, pool.page_size) >= SHARE_MIN_TOKENS:
                 # a prompt this step computes starts the same way (a request's n samples, a shared system
                 # prompt arriving at once): a step later its pages are in the cache, not computed twice
                 held.append(q.popleft())
@@ -332,8 +332,8 @@ class Scheduler:
             taken.append(item)
             if item.chunkable:  # as much as the cap leaves room for (a cached prefix counts for nothing)
                 item.chunk = min(item.remaining, max(max_tokens - tokens, 1))
-            if first is not None:  # its pages enter the cache once this step ran (a chunk fills the step's budget)
-                computing.update(start)
+            # its pages enter the cache once this step ran (a chunk fills the step's budget)
+            computing.update(start)
             tokens += item.chunk if item.chunkable else item.num_tokens
         q.extendleft(reversed(held))  # they keep their places at the front
         return taken
