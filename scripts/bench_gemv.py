@@ -5,8 +5,12 @@ tilings (launched as programmatic dependents where the GPU has them; the
 default tiling also without), then a whole 28-layer step's projections both ways. Every layer has
 its own weights (5.6 GB in all), so nothing is read from L2 twice; times come
 from CUDA graphs, so launch gaps inside the graph count, host time does not.
+With `--fp8` the layers' weights are float8 rows with their scales
+(`--quantization fp8`) and the baseline is the fp8 GEMM path (the row
+quantizer and `torch._scaled_mm`) that more rows take.
 
     python scripts/bench_gemv.py --rows 1 2 4 --out $OUT/gemv.json     # device tool, carry .wheels
+    python scripts/bench_gemv.py --rows 1 --fp8 --out $OUT/gemv_fp8.json
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from decode_measures import copy_bandwidth_gbps
 from mstar.kernels import gemv
 from mstar.kernels.activation import silu_and_mul_triton
 from mstar.kernels.norm import fused_add_rms_norm_triton
+from mstar.kernels.quantize import quantize_rows_triton
+from mstar.models.layers.fp8 import fp8_linear
 
 LAYERS = 28
 HIDDEN, INTER, QKV = 3072, 8192, 5120
@@ -49,8 +55,24 @@ def sweep(rows: int, grid: dict, norm: bool) -> list[gemv.GemvConfig]:
                                                              stats, grid["programs_per_sm"], grid["prefetch"])]
 
 
-def weights(k: int, n: int, count: int, gen: torch.Generator) -> list[torch.Tensor]:
-    return [(torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16) for _ in range(count)]
+def weights(k: int, n: int, count: int, gen: torch.Generator, fp8: bool = False) -> list[torch.Tensor]:
+    """`count` weights [n, k]; with `fp8` float8 rows, each with its scale in `SCALES`."""
+    ws = [(torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16) for _ in range(count)]
+    if not fp8:
+        return ws
+    quantized = []
+    for w in ws:
+        q, scale = quantize_rows_triton(w)
+        SCALES[q.data_ptr()] = scale.reshape(-1)
+        quantized.append(q)
+    return quantized
+
+
+SCALES: dict[int, torch.Tensor] = {}  # a float8 weight's row scales, by its storage
+
+
+def scale_of(w: torch.Tensor) -> torch.Tensor | None:
+    return SCALES.get(w.data_ptr()) if w.element_size() == 1 else None
 
 
 class Shape:
@@ -65,14 +87,17 @@ class Shape:
 
     def cublas(self, i: int) -> torch.Tensor:
         x = fused_add_rms_norm_triton(self.x, self.r, self.nw, EPS)[0] if self.norm else self.x
-        y = F.linear(x, self.ws[i % len(self.ws)])
+        w = self.ws[i % len(self.ws)]
+        scale = scale_of(w)
+        y = F.linear(x, w) if scale is None else fp8_linear(x, w, scale, None, x.shape[0])
         return silu_and_mul_triton(y) if self.silu else y
 
     def fused(self, i: int, cfg: gemv.GemvConfig | None) -> torch.Tensor:
         w = self.ws[i % len(self.ws)]
         if self.norm:
-            return gemv.norm_linear(self.x, self.r, self.nw, EPS, w, silu=self.silu, config=cfg)[0]
-        return gemv.linear(self.x, w, cfg)
+            return gemv.norm_linear(self.x, self.r, self.nw, EPS, w, silu=self.silu, config=cfg,
+                                    weight_scale=scale_of(w))[0]
+        return gemv.linear(self.x, w, cfg, weight_scale=scale_of(w))
 
     def error(self, cfg: gemv.GemvConfig | None) -> float:
         """Largest difference from the cuBLAS path, in units of the output's largest magnitude."""
@@ -82,7 +107,8 @@ class Shape:
 
 def default_config(rows: int, shape: Shape) -> gemv.GemvConfig:
     w = shape.ws[0]
-    return gemv.config_for(rows, w.shape[0] // (2 if shape.silu else 1), w.shape[1], shape.norm, shape.silu)
+    return gemv.config_for(rows, w.shape[0] // (2 if shape.silu else 1), w.shape[1], shape.norm, shape.silu,
+                           w.element_size() == 1)
 
 
 def per_shape(rows: list[int], all_weights: dict[str, list[torch.Tensor]], gen: torch.Generator,
@@ -129,7 +155,7 @@ def step(rows: list[int], layer_weights: dict[str, list[torch.Tensor]], best: di
     """A 28-layer step's projections, norms and activation: cuBLAS with the separate kernels, or the gemv
     kernels (the tilings found best, and the defaults)."""
     out = {}
-    floor_ms = sum(ws[0].numel() * 2 for ws in layer_weights.values()) * LAYERS / gbps / 1e6
+    floor_ms = sum(ws[0].numel() * ws[0].element_size() for ws in layer_weights.values()) * LAYERS / gbps / 1e6
     for m in rows:
         shapes = {name: Shape(name, m, ws, gen) for name, ws in layer_weights.items()}
 
@@ -160,15 +186,17 @@ def main() -> None:
         ap.add_argument(f"--{name.replace('_', '-')}", type=int, nargs="+", default=default,
                         help=f"the sweep's {name} values (default {default or 'by rows'})")
     ap.add_argument("--shapes", nargs="+", default=None, help="only these projections (default all)")
+    ap.add_argument("--fp8", action="store_true", help="the layers' weights as float8 rows (no heads)")
     args = ap.parse_args()
     grid = {name: getattr(args, name) for name in GRID}
     gen = torch.Generator(device="cuda").manual_seed(0)
     gbps = copy_bandwidth_gbps(torch.device("cuda"))
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": version("triton"),
-           "python": platform.python_version(), "commit": commit(REPO), "copy_GBps": round(gbps, 1)}
+           "python": platform.python_version(), "commit": commit(REPO), "copy_GBps": round(gbps, 1),
+           "weights": "fp8" if args.fp8 else "bf16"}
     print(env, flush=True)
-    layer_weights = {name: weights(k, n, LAYERS, gen) for name, (k, n, _, _) in SHAPES.items()}
-    heads = {name: weights(HIDDEN, n, 1, gen) for name, n in HEADS.items()}
+    layer_weights = {name: weights(k, n, LAYERS, gen, args.fp8) for name, (k, n, _, _) in SHAPES.items()}
+    heads = {} if args.fp8 else {name: weights(HIDDEN, n, 1, gen) for name, n in HEADS.items()}
     measured = {name: ws for name, ws in (layer_weights | heads).items() if not args.shapes or name in args.shapes}
     shapes = per_shape(args.rows, measured, gen, grid)
     result = {"env": env, "shapes": shapes}

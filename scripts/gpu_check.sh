@@ -37,8 +37,9 @@
 #   scripts/gpu_check.sh sampler    the wide-vocabulary draw's, the penalty's, the sampler graphs' and the fp8 projections' GPU
 #                                   tests, then scripts/bench_sampler.py (it against the torch form, batch 1 to 400 over
 #                                   Orpheus's vocabulary)
-#   scripts/gpu_check.sh fp8        the fp8 projections' GPU tests, then scripts/bench_fp8.py (their GEMMs against bf16,
-#                                   and Orpheus-3B's greedy tokens with and without --quantization fp8)
+#   scripts/gpu_check.sh fp8        the fp8 projections' GPU tests (GEMM and one-row kernel), then scripts/bench_fp8.py
+#                                   (their GEMMs against bf16, and Orpheus-3B's greedy tokens with and without
+#                                   --quantization fp8)
 #   scripts/gpu_check.sh kvdtype    decode attention over bf16 and fp8 KV pages, CUDA and tensor cores, 64-400 rows
 #                                   (scripts/bench_kv_dtype.py; $KV_ARGS replaces its flags)
 #   scripts/gpu_check.sh fp8kv      --kv-cache-dtype fp8's GPU tests: FlashInfer prefill and XQA decode over float8
@@ -107,7 +108,7 @@ if [[ $what == tests || $what == all ]]; then
             tests/test_gpu_engine.py tests/test_llama_parity_model.py tests/test_paged_attention.py \
             tests/test_orpheus_gpu.py tests/test_logprobs_gpu.py tests/test_decode_graphs_gpu.py tests/test_sampler_graphs_gpu.py tests/test_prefix_cache.py \
             tests/test_mixed_graphs_gpu.py tests/test_mixed_steps.py tests/test_qwen35_gpu.py tests/test_qwen35_kernels.py \
-            tests/test_gemv.py \
+            tests/test_gemv.py tests/test_gemv_fp8.py \
             2>/dev/null)
   # ~150 s on a machine that served before; a fresh one also compiles every Triton kernel the tests use (~420 s
   # on a fresh H200). Past $TESTS_S pytest is interrupted (SIGINT), so it still prints what failed so far, and
@@ -291,7 +292,8 @@ if [[ $what == sampler ]]; then  # the wide-vocabulary draw against the torch fo
   timeout 200 python3 scripts/bench_sampler.py --batches 1 16 64 128 256 400 --profile 2>&1 | tee "$OUT/bench_sampler.txt"
 fi
 if [[ $what == fp8 ]]; then
-  timeout 120 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_fp8_gpu.py > "$OUT/fp8_tests.txt" 2>&1
+  timeout 240 python3 -m pytest -q -rfE -p no:cacheprovider tests/test_fp8_gpu.py tests/test_gemv_fp8.py \
+      > "$OUT/fp8_tests.txt" 2>&1
   rc=$?
   tail -4 "$OUT/fp8_tests.txt"
   timeout 360 python3 scripts/bench_fp8.py ${FP8_ARGS:-} 2>&1 | grep -v "\[info\|capturing" | tee "$OUT/bench_fp8.txt"

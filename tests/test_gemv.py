@@ -75,7 +75,7 @@ def check(m: int, n: int, k: int, dtype: torch.dtype, device: str, *, norm: bool
         return
     res = residual if add else None
     with _poisoned_outputs():
-        got, stream = gemv._launch(x, res, norm_weight, EPS, centered, weight, silu, config)
+        got, stream = gemv._launch(x, res, norm_weight, EPS, centered, weight, None, silu, config)
     want, want_stream = gemv.norm_linear_reference(x, res, norm_weight, EPS, weight, centered=centered, silu=silu)
     assert got.shape == want.shape == (m, n) and got.dtype == dtype
     torch.testing.assert_close(got, want, **tol)
@@ -140,11 +140,12 @@ def test_persistent_programs_share_the_blocks_evenly():
 def test_gemv_refuses_what_it_cannot_take():
     x = torch.randn(2, 64)
     with pytest.raises(ValueError, match="do not make a projection"):
-        gemv._launch(x, None, None, 0.0, False, torch.randn(8, 32), False, None)
+        gemv._launch(x, None, None, 0.0, False, torch.randn(8, 32), None, False, None)
     with pytest.raises(ValueError, match="at most"):
-        gemv._launch(torch.randn(gemv.KERNEL_ROWS + 1, 64), None, None, 0.0, False, torch.randn(8, 64), False, None)
+        gemv._launch(torch.randn(gemv.KERNEL_ROWS + 1, 64), None, None, 0.0, False, torch.randn(8, 64), None, False,
+                     None)
     with pytest.raises(ValueError, match="even number"):
-        gemv._launch(x, None, torch.ones(64), 1e-5, False, torch.randn(7, 64), True, None)
+        gemv._launch(x, None, torch.ones(64), 1e-5, False, torch.randn(7, 64), None, True, None)
     for bad in (dict(programs_per_sm=-1), dict(stats_block=-2), dict(block_n=0), dict(num_warps=0)):
         with pytest.raises(ValueError, match="must"):
             gemv.GemvConfig(**bad)

@@ -24,6 +24,13 @@ never written by the kernel just before (a model's weights are fixed while it
 serves; a weight `_launch` has to copy first turns the overlap off), so that
 read needs no wait.
 
+With `weight_scale` the weight is float8 (e4m3) rows with a float32 scale
+each (`--quantization fp8`, `models/layers/fp8.py`), half the bytes to
+stream: each program first takes the largest magnitude of the (normed) rows
+it multiplies, quantizes each block of them to e4m3 as the row quantizer
+does (`kernels/quantize.py`), sums the products of the two float8 sides in
+float32 and scales the sums by both rows' scales, as `torch._scaled_mm` does.
+
 The arithmetic matches the unfused torch path: the residual add, the normed
 value and the weight multiply are rounded to x's dtype where the reference
 rounds them (`kernels/norm.py`), the products accumulate in float32, and the
@@ -42,6 +49,7 @@ import torch.nn.functional as F
 from mstar.kernels.activation import silu_and_mul_reference
 from mstar.kernels.backend import block_size, cdiv, dependent_launch, jit, tl, use_triton
 from mstar.kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
+from mstar.kernels.quantize import FP8, FP8_MAX, MIN_AMAX, fp8_linear_reference
 
 MAX_ROWS = 1    # at two rows cuBLAS was as fast or faster on three of a Llama layer's four projections (H100)
 MIN_WEIGHT = 1 << 20  # elements; a smaller weight's projection is a few microseconds either way
@@ -76,14 +84,15 @@ class GemvConfig:
 
 def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear`/`norm_linear` take the kernel for x [M, K] and this
-    weight: CUDA, at most MAX_ROWS rows, a plain float weight of x's dtype
-    with unit stride along K, of at least MIN_WEIGHT elements."""
-    return (use_triton(x) and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and weight.dtype == x.dtype
+    weight: CUDA, at most MAX_ROWS rows, a weight of x's dtype (or float8
+    rows, with their scales) with unit stride along K, of at least
+    MIN_WEIGHT elements."""
+    return (use_triton(x) and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and weight.dtype in (x.dtype, FP8)
             and x.dtype in DTYPES and weight.dim() == 2 and weight.stride(-1) == 1 and x.stride(-1) == 1
             and weight.numel() >= MIN_WEIGHT)
 
 
-def config_for(rows: int, n: int, k: int, norm: bool = False, silu: bool = False) -> GemvConfig:
+def config_for(rows: int, n: int, k: int, norm: bool = False, silu: bool = False, fp8: bool = False) -> GemvConfig:
     """A fixed tiling from the shape (no autotuning: launches stay the same
     from run to run and capturable), the fastest of a sweep of Orpheus-3B's
     projections (`scripts/bench_gemv.py`, on an H100).
@@ -96,8 +105,16 @@ def config_for(rows: int, n: int, k: int, norm: bool = False, silu: bool = False
     multiprocessor). The merged gate/up (two weight streams a program) keeps
     a program per block of 2 columns, its statistics in one pass over K. A
     vocabulary's head has programs enough to fill the GPU in blocks of 1,024.
-    More rows: narrower K blocks, whose products take registers."""
+    More rows: narrower K blocks, whose products take registers. float8
+    weights: twice the columns a block, the same bytes in flight."""
     whole_k = block_size(k)
+    if fp8 and rows == 1 and n < HEAD_WIDTH:
+        if silu:
+            return GemvConfig(block_n=4, block_k=min(1024, whole_k), num_warps=4, prefetch=True,
+                              stats_block=min(4096, whole_k))
+        if norm:
+            return GemvConfig(block_n=8, block_k=min(4096, whole_k), num_warps=8, programs_per_sm=2, prefetch=True)
+        return GemvConfig(block_n=4, block_k=min(4096, whole_k), num_warps=8, programs_per_sm=4, prefetch=True)
     if rows == 1 and n < HEAD_WIDTH:
         if silu:
             return GemvConfig(block_n=2, block_k=min(1024, whole_k), num_warps=4, prefetch=True,
@@ -110,38 +127,49 @@ def config_for(rows: int, n: int, k: int, norm: bool = False, silu: bool = False
     return GemvConfig(block_n=4, block_k=max(16, min(block_k, whole_k)), num_warps=8 if plain else 4)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K].T, no bias."""
-    return _launch(x, None, None, 0.0, False, weight, False, config)[0]
+def linear(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None,
+           weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T, no bias; `weight_scale` [N]: the weight is
+    float8 rows, each times its scale."""
+    return _launch(x, None, None, 0.0, False, weight, weight_scale, False, config)[0]
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                 weight: torch.Tensor, *, centered: bool = False, silu: bool = False,
-                config: GemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                config: GemvConfig | None = None,
+                weight_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(projection of rmsnorm(x + residual), x + residual); residual None:
     the norm of x itself, and x comes back as the stream. With `silu` the
-    weight is gate and up stacked [2I, K] and the output silu(gate) * up."""
+    weight is gate and up stacked [2I, K] and the output silu(gate) * up;
+    with `weight_scale` [N] it is float8 rows, each times its scale."""
     if use_triton(x):
-        return _launch(x, residual, norm_weight, eps, centered, weight, silu, config)
-    return norm_linear_reference(x, residual, norm_weight, eps, weight, centered=centered, silu=silu)
+        return _launch(x, residual, norm_weight, eps, centered, weight, weight_scale, silu, config)
+    return norm_linear_reference(x, residual, norm_weight, eps, weight, centered=centered, silu=silu,
+                                 weight_scale=weight_scale)
 
 
 def norm_linear_reference(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                          weight: torch.Tensor, *, centered: bool = False,
-                          silu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                          weight: torch.Tensor, *, centered: bool = False, silu: bool = False,
+                          weight_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     if residual is None:
         normed, stream = rms_norm_reference(x, norm_weight, eps, centered), x
     else:
         normed, stream = fused_add_rms_norm_reference(x, residual, norm_weight, eps, centered)
-    y = F.linear(normed, weight)
+    y = F.linear(normed, weight) if weight_scale is None else fp8_linear_reference(normed, weight, weight_scale)
     return (silu_and_mul_reference(y) if silu else y), stream
 
 
+
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
-            centered: bool, weight: torch.Tensor, silu: bool,
+            centered: bool, weight: torch.Tensor, weight_scale: torch.Tensor | None, silu: bool,
             config: GemvConfig | None) -> tuple[torch.Tensor, torch.Tensor]:
     if not (x.dim() == 2 and weight.dim() == 2 and x.shape[1] == weight.shape[1]):
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not make a projection")
+    fp8 = weight.dtype == FP8
+    if fp8 != (weight_scale is not None) or (fp8 and weight_scale.numel() != weight.shape[0]):
+        raise ValueError(f"a {weight.dtype} weight {tuple(weight.shape)} with scales "
+                         f"{None if weight_scale is None else tuple(weight_scale.shape)}: float8 weights, and only "
+                         f"they, take one scale per row")
     m, k = x.shape
     if m > KERNEL_ROWS:
         raise ValueError(f"{m} rows: the kernel takes at most {KERNEL_ROWS}")
@@ -156,16 +184,17 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
     out = (torch.empty if k else torch.zeros)(m, n, dtype=x.dtype, device=x.device)  # no K: a sum of nothing
     res = residual if residual is None or residual.stride(-1) == 1 else residual.contiguous()
     stream = torch.empty_like(x) if res is not None else x
-    cfg = config or config_for(m, n, k, norm_weight is not None, silu)
+    cfg = config or config_for(m, n, k, norm_weight is not None, silu, fp8)
     if m and n and k:
         norm = norm_weight is not None
         # a weight copied by the kernel just before is read only after the wait: no dependent launch then
         pdl = cfg.pdl and not copied and dependent_launch(x)
         _gemv_kernel[(_programs(x.device, cdiv(n, cfg.block_n), cfg.programs_per_sm),)](
-            x, res if res is not None else x, norm_weight.contiguous() if norm else x, weight, out, stream,
+            x, res if res is not None else x, norm_weight.contiguous() if norm else x, weight,
+            weight_scale.reshape(-1).float() if fp8 else x, out, stream,
             m, n, k, x.stride(0), res.stride(0) if res is not None else 0, weight.stride(0), out.stride(0),
-            stream.stride(0), n if silu else 0, eps,
-            ROWS=block_size(m), NORM=norm, RESIDUAL=res is not None, CENTERED=centered, SILU=silu,
+            stream.stride(0), n if silu else 0, eps, FP8_MAX, 1.0 / FP8_MAX, MIN_AMAX,
+            ROWS=block_size(m), NORM=norm, RESIDUAL=res is not None, CENTERED=centered, SILU=silu, FP8=fp8,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STATS_BLOCK=cfg.stats_block or cfg.block_k, PDL=pdl,
             PREFETCH=cfg.prefetch,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -207,9 +236,11 @@ def _products(acc, acc_up, xs, w, wu, SILU: tl.constexpr):
 
 
 @jit
-def _input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, kk, k_mask, inv, dtype: tl.constexpr,
-                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, CENTERED: tl.constexpr):
-    """A block of the rows the weight multiplies: x, or x (+ residual) normed, rounded where torch rounds."""
+def _input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, kk, k_mask, inv, x_scale, fp8_max,
+                 dtype: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, CENTERED: tl.constexpr,
+                 FP8: tl.constexpr):
+    """A block of the rows the weight multiplies: x, or x (+ residual) normed, rounded where torch rounds; with
+    FP8, quantized to e4m3 by the rows' scales as the row quantizer does (`kernels/quantize.py`)."""
     mask = row_mask[:, None] & k_mask[None, :]
     xs = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=mask, other=0.0).to(tl.float32)
     if NORM:
@@ -221,13 +252,21 @@ def _input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, kk, k
             xs = (xs * inv[:, None] * (1.0 + nw[None, :])).to(dtype).to(tl.float32)
         else:
             xs = ((xs * inv[:, None]).to(dtype).to(tl.float32) * nw[None, :]).to(dtype).to(tl.float32)
+    if FP8:
+        q = tl.minimum(tl.maximum(tl.math.div_rn(xs, x_scale[:, None]), -fp8_max), fp8_max)
+        xs = q.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.float32)
     return xs
 
 
 @jit
-def _store_block(out_ptr, acc, acc_up, rows, row_mask, cols, col_mask, stride_out, dtype: tl.constexpr,
-                 SILU: tl.constexpr):
-    """A block of columns' outputs: the products, or silu(gate) * up, rounded where torch rounds."""
+def _store_block(out_ptr, acc, acc_up, rows, row_mask, cols, col_mask, stride_out, ws_ptr, x_scale, up_rows,
+                 dtype: tl.constexpr, SILU: tl.constexpr, FP8: tl.constexpr):
+    """A block of columns' outputs: the products, or silu(gate) * up, rounded where torch rounds; with FP8 the
+    float8 products' sums times the row's and the weight rows' scales first."""
+    if FP8:
+        acc = acc * x_scale[:, None] * tl.load(ws_ptr + cols, mask=col_mask, other=0.0)[None, :]
+        if SILU:
+            acc_up = acc_up * x_scale[:, None] * tl.load(ws_ptr + up_rows + cols, mask=col_mask, other=0.0)[None, :]
     y = acc
     if SILU:
         gate = y.to(dtype).to(tl.float32)
@@ -237,12 +276,27 @@ def _store_block(out_ptr, acc, acc_up, rows, row_mask, cols, col_mask, stride_ou
              mask=row_mask[:, None] & col_mask[None, :])
 
 
+@jit
+def _row_scales(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, k, inv, min_amax, inv_max,
+                dtype: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, CENTERED: tl.constexpr,
+                STATS_BLOCK: tl.constexpr):
+    """Each row's float8 scale: its largest magnitude (after the norm) over 448, as the row quantizer's."""
+    amax = tl.zeros_like(inv)
+    offs = tl.arange(0, STATS_BLOCK)
+    for k0 in range(0, k, STATS_BLOCK):
+        kk = k0 + offs
+        xs = _input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, kk, kk < k, inv, inv, 0.0,
+                          dtype, NORM, RESIDUAL, CENTERED, False)
+        amax = tl.maximum(amax, tl.max(tl.abs(xs), axis=1))
+    return tl.maximum(amax, min_amax) * inv_max
+
+
 @jit(any_value=("m",))
-def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, stream_ptr, m, n, k,
-                 stride_x, stride_r, stride_w, stride_out, stride_stream, up_rows, eps,
+def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, ws_ptr, out_ptr, stream_ptr, m, n, k,
+                 stride_x, stride_r, stride_w, stride_out, stride_stream, up_rows, eps, fp8_max, inv_max, min_amax,
                  ROWS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, CENTERED: tl.constexpr,
-                 SILU: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STATS_BLOCK: tl.constexpr,
-                 PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                 SILU: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 STATS_BLOCK: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     # program p owns the blocks of columns p, p + G, p + 2G, ... (G programs), walked as one loop over
     # (block, K step): the weight's loads run on from one block into the next, and the norm's statistics are
     # taken once per program. With PREFETCH each step issues the next step's weight loads before its products.
@@ -286,17 +340,23 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, stream_ptr, m, n, k,
                 xs = summed.to(tl.float32)
             sq += tl.sum(xs * xs, axis=1)
         inv = tl.rsqrt(sq / k + eps)
+    x_scale = inv
+    if FP8:
+        # every program takes the rows' scales itself (the rows stay in cache), before its first product
+        x_scale = _row_scales(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, k, inv, min_amax, inv_max,
+                              dtype, NORM, RESIDUAL, CENTERED, STATS_BLOCK)
     # each K block's products summed at once: accumulators of [ROWS, BLOCK_N] leave registers for wide blocks of
     # the weight in flight, which is what sets a few-row projection's speed
     acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
     if PDL and not PREFETCH:
-        xs = _input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, offs_k, offs_k < k, inv, dtype,
-                          NORM, RESIDUAL, CENTERED)
+        xs = _input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, offs_k, offs_k < k, inv, x_scale,
+                          fp8_max, dtype, NORM, RESIDUAL, CENTERED, FP8)
         acc, acc_up = _products(acc, acc_up, xs, w_first, wu_first, SILU)
         if k_steps == 1:
             cols = pid * BLOCK_N + offs_n
-            _store_block(out_ptr, acc, acc_up, rows, row_mask, cols, cols < n, stride_out, dtype, SILU)
+            _store_block(out_ptr, acc, acc_up, rows, row_mask, cols, cols < n, stride_out, ws_ptr, x_scale, up_rows,
+                         dtype, SILU, FP8)
             acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
             acc_up = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
     for step in range(1 if PDL and not PREFETCH else 0, steps):
@@ -314,13 +374,14 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, out_ptr, stream_ptr, m, n, k,
         else:
             w_cur, wu_cur = _weight_block(w_ptr, stride_w, up_offset, cols, kk, col_mask[:, None] & k_mask[None, :],
                                           SILU)
-        xs = _input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, kk, k_mask, inv, dtype,
-                          NORM, RESIDUAL, CENTERED)
+        xs = _input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, kk, k_mask, inv, x_scale,
+                          fp8_max, dtype, NORM, RESIDUAL, CENTERED, FP8)
         acc, acc_up = _products(acc, acc_up, xs, w_cur, wu_cur, SILU)
         if PREFETCH:
             w_cur = w_next
             wu_cur = wu_next
         if step % k_steps == k_steps - 1:
-            _store_block(out_ptr, acc, acc_up, rows, row_mask, cols, col_mask, stride_out, dtype, SILU)
+            _store_block(out_ptr, acc, acc_up, rows, row_mask, cols, col_mask, stride_out, ws_ptr, x_scale, up_rows,
+                         dtype, SILU, FP8)
             acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
             acc_up = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)

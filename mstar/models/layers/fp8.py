@@ -12,8 +12,11 @@ error of each product near e4m3's 2^-4 relative step.
 
 On CUDA the rows are quantized by one kernel (`kernels/quantize.py`) and the
 product is `torch._scaled_mm` with row-wise scales (Ada, Hopper and later);
-elsewhere the reference dequantizes both sides and multiplies in
-float32, the same arithmetic up to summation order.
+one row (a lone decode step, where a projection only streams its weight)
+takes the few-row kernel (`kernels/gemv.py`), which quantizes the row itself
+(after the norm it fuses) and reads half the bytes a bf16 weight has.
+Elsewhere the reference dequantizes both sides and multiplies in float32,
+the same arithmetic up to summation order.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mstar.kernels.quantize import FP8, quantize_rows_reference, quantize_rows_triton
+from mstar.kernels.quantize import FP8, fp8_linear_reference, quantize_rows_reference, quantize_rows_triton
 
 ALIGN = 16        # fp8 GEMMs want both of the weight's dimensions a multiple of this
 
@@ -65,8 +68,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor
         out = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale.reshape(1, -1),
                                out_dtype=torch.bfloat16)[:m]
     else:
-        q, scale = quantize_rows_reference(x2)
-        out = ((q.float() * scale) @ (weight.float() * weight_scale[:, None]).t()).to(x.dtype)
+        out = fp8_linear_reference(x2, weight, weight_scale)
     if bias is not None:
         out = out + bias
     return out.reshape(*shape[:-1], weight.shape[0])

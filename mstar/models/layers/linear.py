@@ -12,7 +12,8 @@ Outside CUDA graphs, a projection of more than `SMALL_ROWS` rows on CUDA runs
 at `padded_rows` rows (the extra ones computed and dropped): cuBLAS spends
 milliseconds of host time choosing a kernel the first time it sees a shape,
 and an eager prefill's token count is new at almost every step. A projection
-of one row on CUDA takes the few-row kernel (`kernels/gemv.py`) instead.
+of one row on CUDA takes the few-row kernel (`kernels/gemv.py`) instead, with
+float8 weights too.
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == FP8:   # `quantize_linears`
+            if self.bias is None and gemv.applies(x, self.weight):
+                return gemv.linear(x, self.weight, weight_scale=self.weight_scale)
             return fp8_linear(x, self.weight, self.weight_scale, self.bias, gemm_rows(x))
         return project(x, self.weight, self.bias)
 

@@ -24,7 +24,8 @@ def norm_project(norm: RMSNorm | CenteredRMSNorm, linear: Linear, h: torch.Tenso
     the normed value; residual None: h is the stream itself."""
     if linear.bias is None and gemv.applies(h, linear.weight):
         return gemv.norm_linear(h, residual, norm.weight, norm.eps, linear.weight,
-                                centered=isinstance(norm, CenteredRMSNorm), silu=silu)
+                                centered=isinstance(norm, CenteredRMSNorm), silu=silu,
+                                weight_scale=getattr(linear, "weight_scale", None))
     x, stream = norm.stream(h, residual)
     y = linear(x)
     return (silu_and_mul(y) if silu else y), stream

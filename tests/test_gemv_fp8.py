@@ -1,0 +1,174 @@
+"""The few-row projection kernel over float8 weight rows (`--quantization
+fp8`): the kernel quantizes its (normed) input rows itself and scales the
+float8 products' sums by both sides' scales. Checked against the reference
+(the rows quantized by `quantize_rows_reference`, both sides dequantized and
+multiplied in float32) in every form the layers use (alone, after the norm
+with and without the residual add, with SiLU-and-multiply after it): on CPU
+tensors through Triton's interpreter, on CUDA at Orpheus-3B's shapes, under
+CUDA-graph replay, and picked by `Linear` and `norm_project` at one CUDA row."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from kernel_cases import same_on_replay
+
+from mstar.kernels import gemv
+from mstar.kernels.backend import HAVE_TRITON
+from mstar.kernels.quantize import FP8, fp8_linear_reference, quantize_rows_reference
+from mstar.models.layers import Linear, RMSNorm
+from mstar.models.layers.fp8 import fp8_linear, quantize_weight
+from mstar.models.layers.norm_linear import norm_project
+
+EPS = 1e-5
+interpreted = pytest.mark.skipif(
+    not HAVE_TRITON or os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs triton with TRITON_INTERPRET=1 (pip install triton==3.7.1; conftest sets it without CUDA)")
+cuda = pytest.mark.skipif(not (torch.cuda.is_available() and HAVE_TRITON
+                               and torch.cuda.get_device_capability() >= (8, 9)),
+                          reason="needs CUDA of compute capability 8.9 or later and triton (the GPU machine)")
+
+
+
+@pytest.fixture
+def exact_fp8_casts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton's interpreter (3.7) rounds float32 -> e4m3 wrongly where rounding up carries into the exponent
+    (124.3 -> 64, not 128; ~1 % of values) and ties away from even: casts to e4m3 go through torch's instead,
+    so the interpreted kernel is checked for what it computes, not for the interpreter's cast."""
+    from triton.runtime import interpreter
+
+    convert = interpreter._convert_float
+
+    def cast(data, src, dst, rounding):
+        if dst.primitive_bitwidth == 8 and dst.fp_mantissa_width == 3 and src.primitive_bitwidth == 32:
+            f32 = torch.from_numpy(np.ascontiguousarray(data).view(np.float32).copy())
+            return f32.to(FP8).view(torch.uint8).numpy().reshape(data.shape)
+        return convert(data, src, dst, rounding)
+    monkeypatch.setattr(interpreter, "_convert_float", cast)
+
+
+# (norm, residual add, silu)
+FORMS = {"plain": (False, False, False), "norm": (True, False, False), "add_norm": (True, True, False),
+         "add_norm_silu": (True, True, True)}
+
+
+def _inputs(m: int, n: int, k: int, dtype: torch.dtype, device: str, silu: bool):
+    gen = torch.Generator().manual_seed(m * 7919 + n * 31 + k)
+    x = (torch.randn(m, k + 8, generator=gen) * 2).to(device=device, dtype=dtype)[:, 4:4 + k]
+    residual = torch.randn(m, k, generator=gen).to(device=device, dtype=dtype)
+    norm_weight = (1 + 0.3 * torch.randn(k, generator=gen)).to(device=device, dtype=dtype)
+    full = torch.randn(2 * n if silu else n, k, generator=gen) * k ** -0.5
+    q, scale = quantize_rows_reference(full)
+    return x, residual, norm_weight, q.to(device), scale.reshape(-1).to(device)
+
+
+def check(m: int, n: int, k: int, dtype: torch.dtype, device: str, form: str, rel: float,
+          config: gemv.GemvConfig | None = None) -> None:
+    """The kernel's output within `rel` of the reference's largest magnitude."""
+    norm, add, silu = FORMS[form]
+    x, residual, norm_weight, w, w_scale = _inputs(m, n, k, dtype, device, silu)
+    if norm:
+        res = residual if add else None
+        got, stream = gemv.norm_linear(x, res, norm_weight, EPS, w, silu=silu, config=config, weight_scale=w_scale)
+        want, want_stream = gemv.norm_linear_reference(x, res, norm_weight, EPS, w, silu=silu,
+                                                       weight_scale=w_scale)
+        torch.testing.assert_close(stream, want_stream, atol=rel, rtol=rel)
+    else:
+        got, want = gemv.linear(x, w, config, weight_scale=w_scale), fp8_linear_reference(x, w, w_scale)
+    assert got.shape == want.shape == (m, n) and got.dtype == dtype
+    scale = want.float().abs().max().item()
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= rel * scale, f"{form} {m}x{n}x{k} {dtype}: off by {err:.3g} of {scale:.3g}"
+
+
+@interpreted
+@pytest.mark.parametrize("m,n,k", [(1, 40, 96), (3, 37, 150)])
+@pytest.mark.parametrize("form", list(FORMS))
+def test_fp8_gemv_interpreted(m, n, k, form, exact_fp8_casts):
+    # float32 rows: the kernel's quantized input is the reference's exactly, only the summation order differs
+    for config in (gemv.GemvConfig(block_n=8, block_k=64), gemv.GemvConfig(block_n=8, block_k=64, stats_block=128),
+                   gemv.GemvConfig(block_n=8, block_k=64, programs_per_sm=2, prefetch=True)):
+        check(m, n, k, torch.float32, "cpu", form, 1e-5, config)
+    # bfloat16 rows: the interpreter rounds float32 -> bf16 toward zero, which can move an element of the normed
+    # input across an e4m3 rounding boundary (one step of 1/16 of it) and the output by a bf16 ulp or two
+    check(m, n, k, torch.bfloat16, "cpu", form, 3e-2, gemv.GemvConfig(block_n=8, block_k=64))
+
+
+@interpreted
+@pytest.mark.parametrize("form", list(FORMS))
+def test_fp8_gemv_interpreted_shapes_own_tiling(form, exact_fp8_casts):
+    check(1, 41, 96, torch.bfloat16, "cpu", form, 3e-2)
+
+
+def test_fp8_weights_come_with_their_scales_only():
+    x = torch.randn(1, 64)
+    w = torch.randn(32, 64)
+    q, scale = quantize_rows_reference(w)
+    with pytest.raises(ValueError, match="one scale per row"):
+        gemv._launch(x, None, None, EPS, False, q, None, False, None)
+    with pytest.raises(ValueError, match="one scale per row"):
+        gemv._launch(x, None, None, EPS, False, w, scale.reshape(-1), False, None)
+    with pytest.raises(ValueError, match="one scale per row"):
+        gemv._launch(x, None, None, EPS, False, q, scale.reshape(-1)[:5], False, None)
+
+
+def test_the_reference_dequantizes_both_sides():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 64, generator=gen)
+    w = torch.randn(16, 64, generator=gen)
+    wq, ws = quantize_rows_reference(w)
+    xq, xs = quantize_rows_reference(x)
+    want = (xq.float() * xs) @ (wq.float() * ws).t()
+    assert torch.equal(fp8_linear_reference(x, wq, ws.reshape(-1)), want)
+    assert wq.dtype == FP8
+
+
+@cuda
+@pytest.mark.parametrize("n,k,form", [(5120, 3072, "add_norm"), (3072, 3072, "plain"), (8192, 3072, "add_norm_silu"),
+                                      (3072, 8192, "plain"), (5120, 3072, "norm"), (1001, 520, "add_norm_silu")])
+@pytest.mark.parametrize("config", [None, gemv.GemvConfig(block_n=4, block_k=1024, programs_per_sm=2, prefetch=True),
+                                    gemv.GemvConfig(block_n=8, block_k=4096, programs_per_sm=2, prefetch=True)],
+                         ids=["shapes_own", "persistent_prefetch", "wide"])
+def test_fp8_gemv_cuda(n, k, form, config):
+    # summation order and cuda's own bf16 rounding only: within a bf16 ulp or two of the output's magnitude
+    check(1, n, k, torch.bfloat16, "cuda", form, 1.6e-2, config)
+
+
+@cuda
+def test_fp8_gemv_replays_under_cuda_graphs():
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    _, scale = quantize_rows_reference(torch.randn(2 * 4096, 3072, device="cuda", generator=gen))
+
+    def make():
+        x, r, nw = (torch.randn(s, generator=gen, device="cuda", dtype=torch.bfloat16)
+                    for s in ((1, 3072), (1, 3072), (3072,)))
+        w = torch.randn(2 * 4096, 3072, generator=gen, device="cuda").to(FP8)
+        return [x, r, nw, w]
+    same_on_replay(make, lambda x, r, nw, w: gemv.norm_linear(x, r, nw, EPS, w, silu=True,
+                                                              weight_scale=scale.reshape(-1)))
+
+
+@cuda
+def test_fp8_layers_take_the_kernel_at_one_cuda_row_only():
+    """A float8 `Linear` and `norm_project` give the kernel's exact output at one row, the fp8 GEMM's above;
+    the two stay close."""
+    torch.manual_seed(1)
+    lin = Linear(3072, 1024, device="cuda", dtype=torch.bfloat16)
+    lin.weight.data.normal_(0, 0.02)
+    quantize_weight(lin)
+    norm = RMSNorm(3072, EPS, device="cuda", dtype=torch.bfloat16)
+    for m in (1, 2):
+        x = torch.randn(m, 3072, device="cuda", dtype=torch.bfloat16)
+        r = torch.randn(m, 3072, device="cuda", dtype=torch.bfloat16)
+        gemm = fp8_linear(x, lin.weight, lin.weight_scale, None, 16)
+        if m <= gemv.MAX_ROWS:
+            assert torch.equal(lin(x), gemv.linear(x, lin.weight, weight_scale=lin.weight_scale))
+            got = norm_project(norm, lin, x, r)
+            want = gemv.norm_linear(x, r, norm.weight, EPS, lin.weight, weight_scale=lin.weight_scale)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        else:
+            assert torch.equal(lin(x), gemm)
+        torch.testing.assert_close(lin(x), gemm, atol=2e-2 * gemm.abs().max().item(), rtol=0)
