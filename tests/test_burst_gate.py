@@ -2,7 +2,9 @@
 on a component with no running rows, new rows wait until arrivals pause for
 the window (a lone request waits the window) or the cap passes; arrivals
 that run to the cap are a stream, held no more until they pause; only the
-burst's own rows wait, and running rows keep stepping."""
+first steps of the burst's own requests wait (not a row a running request
+starts later: a talker's first, a preempted one), and running rows keep
+stepping."""
 
 from __future__ import annotations
 
@@ -112,13 +114,13 @@ def test_a_burst_is_held_only_where_no_group_runs() -> None:
     group = FakeGroup(0)
     sched.add_group(("llm", "decode"), group)
     sched.opened_burst()
-    sched.add(WorkItem("new", "main", "llm", "prefill", starts_row=True))
+    sched.add(WorkItem("new", "main", "llm", "prefill", starts_row=True, new_request=True))
     sched.held = True
     assert sched.schedule() is None and sched.held_back  # nothing runs: the worker waits for the burst to pause
     sched.held = False
     assert [i.request_id for i in sched.schedule().items] == ["new"] and not sched.held_back
     group.rows = 2
-    sched.add(WorkItem("more", "main", "llm", "prefill", starts_row=True))
+    sched.add(WorkItem("more", "main", "llm", "prefill", starts_row=True, new_request=True))
     sched.held = True
     order = []
     for _ in range(2):
@@ -132,15 +134,54 @@ def test_only_the_open_burst_s_rows_wait() -> None:
     a prompt's next chunk) go at once, with the burst's rows that came."""
     caps = {("llm", "prefill"): ModeCaps(8, 100)}
     sched = Scheduler(caps)
-    sched.add(WorkItem("old", "main", "llm", "prefill", starts_row=True))
+    sched.add(WorkItem("old", "main", "llm", "prefill", starts_row=True, new_request=True))
     sched.opened_burst()
-    sched.add(WorkItem("new", "main", "llm", "prefill", starts_row=True))
+    sched.add(WorkItem("new", "main", "llm", "prefill", starts_row=True, new_request=True))
     sched.held = True
     assert [i.request_id for i in sched.schedule().items] == ["old", "new"]
-    sched.add(WorkItem("next", "main", "llm", "prefill", starts_row=True))
+    sched.add(WorkItem("next", "main", "llm", "prefill", starts_row=True, new_request=True))
     assert sched.schedule() is None  # a queue of the burst's rows alone waits
     sched.add(WorkItem("chunk", "main", "llm", "prefill", starts_row=False))
     assert [i.request_id for i in sched.schedule().items] == ["next", "chunk"]
+
+
+def test_rows_a_running_request_starts_are_not_held() -> None:
+    """A row that starts without being a new request's first step (a
+    talker's first, a preempted row coming back, a prompt swapped out between
+    its chunks) goes while a burst is open; a new request's first step waits."""
+    caps = {("thinker", "prefill"): ModeCaps(8, 100), ("talker", "prefill"): ModeCaps(8, 100),
+            ("thinker", "decode"): ModeCaps(8, 100)}
+    sched = Scheduler(caps)
+    sched.opened_burst()
+    sched.held = True
+    sched.add(WorkItem("new", "main", "thinker", "prefill", starts_row=True, new_request=True))
+    sched.add(WorkItem("spoken", "talker", "talker", "prefill", starts_row=True))
+    assert [i.request_id for i in sched.schedule().items] == ["spoken"]
+    assert sched.schedule() is None and sched.held_back
+    sched.add(WorkItem("back", "main", "thinker", "decode", starts_row=True))  # preempted, its KV coming back
+    assert [i.request_id for i in sched.schedule().items] == ["back"]
+    assert sched.schedule() is None
+    sched.held = False
+    assert [i.request_id for i in sched.schedule().items] == ["new"]
+
+
+def test_a_first_step_that_started_its_row_is_new_no_more() -> None:
+    """A chunked prompt's next chunk, and a row swapped out and admitted
+    again, ran already: a burst that opens meanwhile does not hold them."""
+    caps = {("llm", "prefill"): ModeCaps(8, 4)}
+    sched = Scheduler(caps)
+    item = WorkItem("long", "main", "llm", "prefill", num_tokens=10, starts_row=True, new_request=True,
+                    chunkable=True)
+    sched.add(item)
+    assert sched.schedule().items == [item] and item.chunk == 4
+    sched.next_chunk(item)
+    assert not item.new_request
+    sched.opened_burst()
+    sched.held = True
+    sched.running["llm"] = 1
+    sched.requeued(item, 0)
+    assert item.starts_row and not item.new_request
+    assert sched.schedule().items == [item]
 
 
 def test_the_flag_reaches_the_scheduler_config() -> None:
@@ -177,3 +218,46 @@ def test_a_burst_of_requests_starts_in_one_prompt_step_with_the_same_tokens() ->
     assert gathered == [8]
     _, plain = asyncio.run(_prompt_steps(0.0, 8))
     assert tokens == plain and all(len(t) == 6 for t in tokens)
+
+
+async def _added(model: str, requests: list[GenerateRequest], **config) -> list[WorkItem]:
+    """Every work item the walker queued for `requests` run together."""
+    eng = Engine(EngineConfig(model=model, devices=("cpu",), **config))
+    await eng.start()
+    sched = eng.workers[0].scheduler
+    added: list[WorkItem] = []
+    add = sched.add
+    sched.add = lambda item: (added.append(item), add(item))[1]
+    try:
+        async def run(request: GenerateRequest) -> None:
+            async for chunk in eng.submit(request):
+                assert chunk.error is None, chunk.error
+        await asyncio.gather(*(run(r) for r in requests))
+        return added
+    finally:
+        await eng.shutdown()
+
+
+def test_only_a_submitted_request_s_first_step_is_new() -> None:
+    """The walker marks the step it queues as a Submit is applied; a talker's
+    first row starts a row too, later in a running request, and is not new."""
+    request = GenerateRequest("s", "qwen3-omni-tiny", {"messages": [{"role": "user", "content": "hi"}]},
+                              SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), walk="speak",
+                              sampling_by={"talker": {"max_tokens": 3, "ignore_eos": True, "stop_token_ids": []}})
+    added = asyncio.run(_added("qwen3-omni-tiny", [request], max_model_len=256))
+    new = [(i.component, i.mode) for i in added if i.new_request]
+    assert new == [("thinker", "prefill")]
+    talker = [i for i in added if i.component == "talker"]
+    assert talker and talker[0].starts_row and not talker[0].new_request
+
+
+def test_a_preempted_row_coming_back_is_not_new() -> None:
+    """Rows swapped out for want of pages start again, not as new requests."""
+    sp = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    requests = [GenerateRequest(f"r{i}", "tiny-llama", {"prompt_ids": list(range(5 + i, 25 + i))}, sp)
+                for i in range(6)]
+    added = asyncio.run(_added("tiny-llama", requests, max_model_len=128, scheduler=SchedulerConfig(
+        page_size=4, num_pages=32, kv_reservation="lazy")))
+    back = [i for i in added if i.starts_row and i.payload.rejoin]
+    assert back and not any(i.new_request for i in back)
+    assert sorted(i.request_id for i in added if i.new_request) == [f"r{i}" for i in range(6)]

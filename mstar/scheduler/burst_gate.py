@@ -14,8 +14,10 @@ burst waited for those steps before its own prompt step.
 
 A burst that ran to its cap is a stream, not a burst: no new one opens until
 arrivals pause, so steady arrivals are held once, not every `CAP_S`. The
-worker's scheduler holds only the rows of the open burst (`opened`): rows
-queued before it, or left by an earlier step, start when their turn comes.
+worker's scheduler holds only the first rows of the open burst's requests
+(`opened`, `WorkItem.new_request`): rows queued before it, left by an earlier
+step, or started later by a running request (a talker's first, a preempted
+row coming back) start when their turn comes.
 
 Clock: `time.monotonic()` seconds, the same on both threads.
 """

@@ -82,7 +82,7 @@ class Scheduler:
         rides in chunks: past its graphs' largest bucket a mixed step runs
         eagerly, holding the group's rows that long)."""
         self.admit_every = admit_every
-        self.held = False  # an idle component's new rows wait (the worker's `BurstGate`: a burst is arriving)
+        self.held = False  # an idle component's new requests' rows wait (the worker's `BurstGate`: a burst is arriving)
         self.burst_from = 0  # the first ticket of the open burst's rows: older items are never held
         self.held_back = False  # the last plan held a queue back (so an empty plan is not a stuck pool)
         self.mix = dict(mix or {})
@@ -202,8 +202,8 @@ class Scheduler:
         them and what it needed besides."""
         item.pages_needed += pages
         item.needs_slot = item.needs_slot or slot
-        item.starts_row = True
-        item.capped = False  # it ran already: the running cap holds back new rows, not returning ones
+        item.starts_row, item.new_request = True, False  # it ran already: no burst holds it
+        item.capped = False  # the running cap holds back new rows, not returning ones
         self.running[item.component] -= 1
 
     def num_waiting(self) -> int:
@@ -261,8 +261,9 @@ class Scheduler:
         if not q[0].starts_row:
             return False
         if not any(len(g.group) for g in self._groups if g.key[0] == key[0]):
-            # only a queue of the burst's new rows waits: one with older rows, or a prompt's next chunk, goes
-            held = self.held and all(i.starts_row and i.ticket >= self.burst_from for i in q)
+            # only a queue of the burst's new requests waits: one with older rows, a prompt's next chunk, or a
+            # running request's row (a talker's first, a preempted one), goes
+            held = self.held and all(i.new_request and i.starts_row and i.ticket >= self.burst_from for i in q)
             self.held_back |= held
             return held
         return self.admit_every > 0 and self._since_admit.get(key[0], self.admit_every) < self.admit_every
@@ -373,7 +374,7 @@ class Scheduler:
         back of the line, behind the steps of running rows."""
         item.done += item.chunk
         item.chunk = 0
-        item.starts_row = False
+        item.starts_row = item.new_request = False
         item.ticket = next(self._tickets)
         self._insert(self._queues[item.key], item, lend=False)
 

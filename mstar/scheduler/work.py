@@ -33,6 +33,11 @@ class WorkItem:
     (shared), as many as leave the step at least one token to compute.
     `chunkable`: a step computes as many of its tokens as the step's token
     cap leaves room for (`chunk`); the rest wait in line for later steps.
+    `new_request`: it starts the row of a request just submitted (queued as
+    its Submit was applied), the only kind of row a burst of arrivals holds
+    (`Scheduler.held`); a row that starts later in a running request (a
+    talker's first, one preempted and coming back, a rejoining branch) does not
+    wait for other requests' arrivals.
     """
 
     request_id: str
@@ -55,6 +60,7 @@ class WorkItem:
     chunk: int = 0             # tokens its next step computes (a chunkable item's, set as it is taken)
     priority: int = 0          # lower goes first in its queue (its request's priority)
     passed: bool = False       # an item of better priority took its place in line (once: see `Scheduler._insert`)
+    new_request: bool = False  # a just-submitted request's first step (cleared once its row started)
 
     @property
     def key(self) -> QueueKey:

@@ -41,6 +41,7 @@ class RequestRun:
     started: set[str] = field(default_factory=set)  # consumers on other workers that its streams started
     priority: int = 0  # lower: its waiting steps go first (`WorkItem.priority`)
     takes_turns: bool = False  # submitted with input still to come: it runs a turn per piece
+    entering: bool = False  # its Submit is being applied: the rows its steps start now are new (`WorkItem.new_request`)
 
     @property
     def shared(self) -> bool:

@@ -96,20 +96,22 @@ class Walker:
         places = sub.places or {}
         turns = sub.more_input and sub.walk.more_input is not None
         run = RequestRun(sub.request_id, sub.walk, sub.sampling, sub.stop_ids, input_open=turns, places=places,
-                         priority=sub.priority, takes_turns=turns)
+                         priority=sub.priority, takes_turns=turns, entering=True)
         self.runs[run.request_id] = run
         here = [name for name in sub.walk.partitions if places.get(name, self.index) == self.index]
         for name in here:
             if sub.walk.partitions[name].stream is not None:
                 self._add_partition(run, name)
         if sub.walk.root not in here:
-            return  # its producers run elsewhere and feed these consumers through `Streams`
+            run.entering = False  # its producers run elsewhere and feed these consumers through `Streams`
+            return
         root = self._add_partition(run, sub.walk.root)
         rid = run.request_id
         for name, tensor in sub.values.items():
             root.values[name] = TensorRef(self.store.put(tensor, (rid,)))
         self.fork(root, 0)
         self.advance(root)
+        run.entering = False  # what it queues from now on (a talker's row, a resumed one) is no new request's
 
     def _add_partition(self, run: RequestRun, name: str) -> PartitionRun:
         part = PartitionRun(run, run.walk.partitions[name])
@@ -235,7 +237,8 @@ class Walker:
         self.scheduler.add(WorkItem(rid, part.name, step.component, step.mode, num_tokens, pages,
                                     payload=Work(part, inputs, branch, banned=banned), starts_row=starts_row,
                                     needs_slot=needs_slot, capped=capped, prefix=prompt.prefix,
-                                    chunkable=prompt.chunkable, priority=part.request.priority))
+                                    chunkable=prompt.chunkable, priority=part.request.priority,
+                                    new_request=starts_row and part.request.entering))
 
     @staticmethod
     def _follows(part: PartitionRun) -> bool:
