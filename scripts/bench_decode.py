@@ -128,7 +128,7 @@ async def bench_engine(a: argparse.Namespace, model: Model, device: torch.device
     pages = a.num_pages or max(max(a.batches) * per_row, -(-model.max_model_len // page))
     # the decode graphs follow max_num_seqs, as the server's do by default
     cfg = EngineConfig(model=a.model, load_format=a.load_format, devices=(str(device),), dtype=a.dtype,
-                       max_model_len=a.max_model_len,
+                       max_model_len=a.max_model_len, quantization=a.quantization,
                        scheduler=SchedulerConfig(max_num_seqs=max(256, *a.batches), page_size=page, num_pages=pages,
                                                  max_num_batched_tokens=a.max_num_batched_tokens))
     engine = Engine(cfg, model=model)
@@ -137,9 +137,9 @@ async def bench_engine(a: argparse.Namespace, model: Model, device: torch.device
     print(f"# engine started in {time.perf_counter() - t0:.1f} s ({pages} KV pages of {page})", flush=True)
     bench = Bench(engine, a.new_tokens)
     state = model.state_spec("llm") if model.components["llm"].state else None
-    if isinstance(model, LlamaModel):
+    if isinstance(model, LlamaModel) and not a.quantization:
         weights = weight_bytes_per_step(model.config, torch.empty((), dtype=dtype).element_size())
-    else:  # every weight once (a MoE decoder's floor would count only the experts a step routes to)
+    else:  # every weight once, as stored (a MoE decoder's floor would count only the experts a step routes to)
         weights = module_weight_bytes(engine.workers[0].runners["llm"].module)
     spec = model.kv_spec("llm")
     try:
@@ -194,6 +194,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--num-pages", type=int, default=None, help="default: enough for the largest run")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--quantization", choices=("fp8",), default=None,
+                   help="the server's flag: float8 projections (the floor then counts their bytes as stored)")
     p.add_argument("--out", type=Path, default=Path("docs/benchmarks/decode.json"))
     a = p.parse_args()
     if a.new_tokens < 3:

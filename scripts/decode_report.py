@@ -16,7 +16,8 @@ def environment(device: torch.device, a: argparse.Namespace, dtype: torch.dtype)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or 'unknown'})"
     return {
         "gpu": gpu,
-        "model": f"{a.model} ({a.load_format} weights, {str(dtype).removeprefix('torch.')})",
+        "model": f"{a.model} ({a.load_format} weights, {str(dtype).removeprefix('torch.')}"
+                 f"{', projections ' + a.quantization if getattr(a, 'quantization', None) else ''})",
         "torch": torch.__version__,
         "cuda": torch.version.cuda or "none",
         "flashinfer": version("flashinfer-python", "flashinfer"),
