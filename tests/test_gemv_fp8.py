@@ -1,24 +1,23 @@
 """The few-row projection kernel over float8 weight rows (`--quantization
-fp8`): the kernel quantizes its (normed) input rows itself and scales the
-float8 products' sums by both sides' scales. Checked against the reference
-(the rows quantized by `quantize_rows_reference`, both sides dequantized and
-multiplied in float32) in every form the layers use (alone, after the norm
-with and without the residual add, with SiLU-and-multiply after it): on CPU
-tensors through Triton's interpreter, on CUDA at Orpheus-3B's shapes, under
-CUDA-graph replay, and picked by `Linear` and `norm_project` at one CUDA row."""
+fp8`), weight-only: the input rows as they are, each column's float32 sum
+times its weight row's scale. Checked against its reference
+(`gemv.weight_only_reference`) in every form the layers use (alone, after
+the norm with and without the residual add, with SiLU-and-multiply after
+it): on CPU tensors through Triton's interpreter, on CUDA at Orpheus-3B's
+shapes, under CUDA-graph replay, and picked by `Linear` and `norm_project`
+at one CUDA row, close to the fp8 GEMM that more rows take."""
 
 from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 import torch
 from kernel_cases import same_on_replay
 
 from mstar.kernels import gemv
 from mstar.kernels.backend import HAVE_TRITON
-from mstar.kernels.quantize import FP8, fp8_linear_reference, quantize_rows_reference
+from mstar.kernels.quantize import FP8, quantize_rows_reference
 from mstar.models.layers import Linear, RMSNorm
 from mstar.models.layers.fp8 import fp8_linear, quantize_weight
 from mstar.models.layers.norm_linear import norm_project
@@ -31,23 +30,6 @@ cuda = pytest.mark.skipif(not (torch.cuda.is_available() and HAVE_TRITON
                                and torch.cuda.get_device_capability() >= (8, 9)),
                           reason="needs CUDA of compute capability 8.9 or later and triton (the GPU machine)")
 
-
-
-@pytest.fixture
-def exact_fp8_casts(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Triton's interpreter (3.7) rounds float32 -> e4m3 wrongly where rounding up carries into the exponent
-    (124.3 -> 64, not 128; ~1 % of values) and ties away from even: casts to e4m3 go through torch's instead,
-    so the interpreted kernel is checked for what it computes, not for the interpreter's cast."""
-    from triton.runtime import interpreter
-
-    convert = interpreter._convert_float
-
-    def cast(data, src, dst, rounding):
-        if dst.primitive_bitwidth == 8 and dst.fp_mantissa_width == 3 and src.primitive_bitwidth == 32:
-            f32 = torch.from_numpy(np.ascontiguousarray(data).view(np.float32).copy())
-            return f32.to(FP8).view(torch.uint8).numpy().reshape(data.shape)
-        return convert(data, src, dst, rounding)
-    monkeypatch.setattr(interpreter, "_convert_float", cast)
 
 
 # (norm, residual add, silu)
@@ -77,7 +59,7 @@ def check(m: int, n: int, k: int, dtype: torch.dtype, device: str, form: str, re
                                                        weight_scale=w_scale)
         torch.testing.assert_close(stream, want_stream, atol=rel, rtol=rel)
     else:
-        got, want = gemv.linear(x, w, config, weight_scale=w_scale), fp8_linear_reference(x, w, w_scale)
+        got, want = gemv.linear(x, w, config, weight_scale=w_scale), gemv.weight_only_reference(x, w, w_scale)
     assert got.shape == want.shape == (m, n) and got.dtype == dtype
     scale = want.float().abs().max().item()
     err = (got.float() - want.float()).abs().max().item()
@@ -87,19 +69,18 @@ def check(m: int, n: int, k: int, dtype: torch.dtype, device: str, form: str, re
 @interpreted
 @pytest.mark.parametrize("m,n,k", [(1, 40, 96), (3, 37, 150)])
 @pytest.mark.parametrize("form", list(FORMS))
-def test_fp8_gemv_interpreted(m, n, k, form, exact_fp8_casts):
-    # float32 rows: the kernel's quantized input is the reference's exactly, only the summation order differs
+def test_fp8_gemv_interpreted(m, n, k, form):
+    # float32 rows: only the summation order differs from the reference
     for config in (gemv.GemvConfig(block_n=8, block_k=64), gemv.GemvConfig(block_n=8, block_k=64, stats_block=128),
                    gemv.GemvConfig(block_n=8, block_k=64, programs_per_sm=2, prefetch=True)):
         check(m, n, k, torch.float32, "cpu", form, 1e-5, config)
-    # bfloat16 rows: the interpreter rounds float32 -> bf16 toward zero, which can move an element of the normed
-    # input across an e4m3 rounding boundary (one step of 1/16 of it) and the output by a bf16 ulp or two
+    # bfloat16 rows: the interpreter rounds float32 -> bf16 toward zero (the normed input, the output): a few ulps
     check(m, n, k, torch.bfloat16, "cpu", form, 3e-2, gemv.GemvConfig(block_n=8, block_k=64))
 
 
 @interpreted
 @pytest.mark.parametrize("form", list(FORMS))
-def test_fp8_gemv_interpreted_shapes_own_tiling(form, exact_fp8_casts):
+def test_fp8_gemv_interpreted_shapes_own_tiling(form):
     check(1, 41, 96, torch.bfloat16, "cpu", form, 3e-2)
 
 
@@ -115,15 +96,18 @@ def test_fp8_weights_come_with_their_scales_only():
         gemv._launch(x, None, None, EPS, False, q, scale.reshape(-1)[:5], False, None)
 
 
-def test_the_reference_dequantizes_both_sides():
+def test_the_weight_only_reference_is_near_the_full_product():
+    # x stays as it is: the error is the weight's rounding alone, within e4m3's relative step (2^-4) of the
+    # largest output, and scaling the sums by the row scales equals dequantizing the weight first
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(2, 64, generator=gen)
-    w = torch.randn(16, 64, generator=gen)
+    x = torch.randn(2, 512, generator=gen)
+    w = torch.randn(64, 512, generator=gen) * 0.05
     wq, ws = quantize_rows_reference(w)
-    xq, xs = quantize_rows_reference(x)
-    want = (xq.float() * xs) @ (wq.float() * ws).t()
-    assert torch.equal(fp8_linear_reference(x, wq, ws.reshape(-1)), want)
     assert wq.dtype == FP8
+    got = gemv.weight_only_reference(x, wq, ws.reshape(-1))
+    full = x @ w.t()
+    assert (got - full).abs().max() <= 2 ** -4 * full.abs().max()
+    torch.testing.assert_close(got, x @ (wq.float() * ws).t(), atol=1e-5, rtol=1e-5)
 
 
 @cuda
@@ -154,7 +138,7 @@ def test_fp8_gemv_replays_under_cuda_graphs():
 @cuda
 def test_fp8_layers_take_the_kernel_at_one_cuda_row_only():
     """A float8 `Linear` and `norm_project` give the kernel's exact output at one row, the fp8 GEMM's above;
-    the two stay close."""
+    the two stay close (the GEMM quantizes x too: a few % of the largest output)."""
     torch.manual_seed(1)
     lin = Linear(3072, 1024, device="cuda", dtype=torch.bfloat16)
     lin.weight.data.normal_(0, 0.02)
@@ -171,4 +155,4 @@ def test_fp8_layers_take_the_kernel_at_one_cuda_row_only():
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         else:
             assert torch.equal(lin(x), gemm)
-        torch.testing.assert_close(lin(x), gemm, atol=2e-2 * gemm.abs().max().item(), rtol=0)
+        torch.testing.assert_close(lin(x), gemm, atol=6e-2 * gemm.abs().max().item(), rtol=0)

@@ -26,10 +26,12 @@ read needs no wait.
 
 With `weight_scale` the weight is float8 (e4m3) rows with a float32 scale
 each (`--quantization fp8`, `models/layers/fp8.py`), half the bytes to
-stream: each program first takes the largest magnitude of the (normed) rows
-it multiplies, quantizes each block of them to e4m3 as the row quantizer
-does (`kernels/quantize.py`), sums the products of the two float8 sides in
-float32 and scales the sums by both rows' scales, as `torch._scaled_mm` does.
+stream. The input rows stay as they are (weight-only): the products of x
+and the float8 weight sum in float32, and each column's sum is times its
+row's scale. The fp8 GEMM of more rows quantizes x too (`torch._scaled_mm`
+takes two float8 sides); here that would cost each program a division per
+element of x on top of the weight's stream (measured on an H100: ~0.7-1.0
+TB/s against cuBLAS's fp8 path's ~0.7-1.7), for a less exact product.
 
 The arithmetic matches the unfused torch path: the residual add, the normed
 value and the weight multiply are rounded to x's dtype where the reference
@@ -49,7 +51,7 @@ import torch.nn.functional as F
 from mstar.kernels.activation import silu_and_mul_reference
 from mstar.kernels.backend import block_size, cdiv, dependent_launch, jit, tl, use_triton
 from mstar.kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
-from mstar.kernels.quantize import FP8, FP8_MAX, MIN_AMAX, fp8_linear_reference
+from mstar.kernels.quantize import FP8
 
 MAX_ROWS = 1    # at two rows cuBLAS was as fast or faster on three of a Llama layer's four projections (H100)
 MIN_WEIGHT = 1 << 20  # elements; a smaller weight's projection is a few microseconds either way
@@ -155,8 +157,16 @@ def norm_linear_reference(x: torch.Tensor, residual: torch.Tensor | None, norm_w
         normed, stream = rms_norm_reference(x, norm_weight, eps, centered), x
     else:
         normed, stream = fused_add_rms_norm_reference(x, residual, norm_weight, eps, centered)
-    y = F.linear(normed, weight) if weight_scale is None else fp8_linear_reference(normed, weight, weight_scale)
+    y = F.linear(normed, weight) if weight_scale is None else weight_only_reference(normed, weight, weight_scale)
     return (silu_and_mul_reference(y) if silu else y), stream
+
+
+def weight_only_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] times float8 weight rows [N, K] with their scales [N], as the
+    kernel computes it: x as it is, the float8 weight, their products summed
+    in float32, each column's sum times its row's scale, in x's dtype."""
+    sums = x.float() @ weight.float().t()
+    return (sums * weight_scale.reshape(1, -1).float()).to(x.dtype)
 
 
 
@@ -193,7 +203,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
             x, res if res is not None else x, norm_weight.contiguous() if norm else x, weight,
             weight_scale.reshape(-1).float() if fp8 else x, out, stream,
             m, n, k, x.stride(0), res.stride(0) if res is not None else 0, weight.stride(0), out.stride(0),
-            stream.stride(0), n if silu else 0, eps, FP8_MAX, 1.0 / FP8_MAX, MIN_AMAX,
+            stream.stride(0), n if silu else 0, eps,
             ROWS=block_size(m), NORM=norm, RESIDUAL=res is not None, CENTERED=centered, SILU=silu, FP8=fp8,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, STATS_BLOCK=cfg.stats_block or cfg.block_k, PDL=pdl,
             PREFETCH=cfg.prefetch,
@@ -236,11 +246,9 @@ def _products(acc, acc_up, xs, w, wu, SILU: tl.constexpr):
 
 
 @jit
-def _input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, kk, k_mask, inv, x_scale, fp8_max,
-                 dtype: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, CENTERED: tl.constexpr,
-                 FP8: tl.constexpr):
-    """A block of the rows the weight multiplies: x, or x (+ residual) normed, rounded where torch rounds; with
-    FP8, quantized to e4m3 by the rows' scales as the row quantizer does (`kernels/quantize.py`)."""
+def _input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, kk, k_mask, inv, dtype: tl.constexpr,
+                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, CENTERED: tl.constexpr):
+    """A block of the rows the weight multiplies: x, or x (+ residual) normed, rounded where torch rounds."""
     mask = row_mask[:, None] & k_mask[None, :]
     xs = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=mask, other=0.0).to(tl.float32)
     if NORM:
@@ -252,21 +260,18 @@ def _input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, kk, k
             xs = (xs * inv[:, None] * (1.0 + nw[None, :])).to(dtype).to(tl.float32)
         else:
             xs = ((xs * inv[:, None]).to(dtype).to(tl.float32) * nw[None, :]).to(dtype).to(tl.float32)
-    if FP8:
-        q = tl.minimum(tl.maximum(tl.math.div_rn(xs, x_scale[:, None]), -fp8_max), fp8_max)
-        xs = q.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.float32)
     return xs
 
 
 @jit
-def _store_block(out_ptr, acc, acc_up, rows, row_mask, cols, col_mask, stride_out, ws_ptr, x_scale, up_rows,
+def _store_block(out_ptr, acc, acc_up, rows, row_mask, cols, col_mask, stride_out, ws_ptr, up_rows,
                  dtype: tl.constexpr, SILU: tl.constexpr, FP8: tl.constexpr):
     """A block of columns' outputs: the products, or silu(gate) * up, rounded where torch rounds; with FP8 the
-    float8 products' sums times the row's and the weight rows' scales first."""
+    sums times their float8 weight rows' scales first."""
     if FP8:
-        acc = acc * x_scale[:, None] * tl.load(ws_ptr + cols, mask=col_mask, other=0.0)[None, :]
+        acc = acc * tl.load(ws_ptr + cols, mask=col_mask, other=0.0)[None, :]
         if SILU:
-            acc_up = acc_up * x_scale[:, None] * tl.load(ws_ptr + up_rows + cols, mask=col_mask, other=0.0)[None, :]
+            acc_up = acc_up * tl.load(ws_ptr + up_rows + cols, mask=col_mask, other=0.0)[None, :]
     y = acc
     if SILU:
         gate = y.to(dtype).to(tl.float32)
@@ -276,24 +281,9 @@ def _store_block(out_ptr, acc, acc_up, rows, row_mask, cols, col_mask, stride_ou
              mask=row_mask[:, None] & col_mask[None, :])
 
 
-@jit
-def _row_scales(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, k, inv, min_amax, inv_max,
-                dtype: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, CENTERED: tl.constexpr,
-                STATS_BLOCK: tl.constexpr):
-    """Each row's float8 scale: its largest magnitude (after the norm) over 448, as the row quantizer's."""
-    amax = tl.zeros_like(inv)
-    offs = tl.arange(0, STATS_BLOCK)
-    for k0 in range(0, k, STATS_BLOCK):
-        kk = k0 + offs
-        xs = _input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, kk, kk < k, inv, inv, 0.0,
-                          dtype, NORM, RESIDUAL, CENTERED, False)
-        amax = tl.maximum(amax, tl.max(tl.abs(xs), axis=1))
-    return tl.maximum(amax, min_amax) * inv_max
-
-
 @jit(any_value=("m",))
 def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, ws_ptr, out_ptr, stream_ptr, m, n, k,
-                 stride_x, stride_r, stride_w, stride_out, stride_stream, up_rows, eps, fp8_max, inv_max, min_amax,
+                 stride_x, stride_r, stride_w, stride_out, stride_stream, up_rows, eps,
                  ROWS: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, CENTERED: tl.constexpr,
                  SILU: tl.constexpr, FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  STATS_BLOCK: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
@@ -340,22 +330,17 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, ws_ptr, out_ptr, stream_ptr, m, n,
                 xs = summed.to(tl.float32)
             sq += tl.sum(xs * xs, axis=1)
         inv = tl.rsqrt(sq / k + eps)
-    x_scale = inv
-    if FP8:
-        # every program takes the rows' scales itself (the rows stay in cache), before its first product
-        x_scale = _row_scales(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, k, inv, min_amax, inv_max,
-                              dtype, NORM, RESIDUAL, CENTERED, STATS_BLOCK)
     # each K block's products summed at once: accumulators of [ROWS, BLOCK_N] leave registers for wide blocks of
     # the weight in flight, which is what sets a few-row projection's speed
     acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
     if PDL and not PREFETCH:
-        xs = _input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, offs_k, offs_k < k, inv, x_scale,
-                          fp8_max, dtype, NORM, RESIDUAL, CENTERED, FP8)
+        xs = _input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, offs_k, offs_k < k, inv, dtype,
+                          NORM, RESIDUAL, CENTERED)
         acc, acc_up = _products(acc, acc_up, xs, w_first, wu_first, SILU)
         if k_steps == 1:
             cols = pid * BLOCK_N + offs_n
-            _store_block(out_ptr, acc, acc_up, rows, row_mask, cols, cols < n, stride_out, ws_ptr, x_scale, up_rows,
+            _store_block(out_ptr, acc, acc_up, rows, row_mask, cols, cols < n, stride_out, ws_ptr, up_rows,
                          dtype, SILU, FP8)
             acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
             acc_up = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
@@ -374,14 +359,14 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, ws_ptr, out_ptr, stream_ptr, m, n,
         else:
             w_cur, wu_cur = _weight_block(w_ptr, stride_w, up_offset, cols, kk, col_mask[:, None] & k_mask[None, :],
                                           SILU)
-        xs = _input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, kk, k_mask, inv, x_scale,
-                          fp8_max, dtype, NORM, RESIDUAL, CENTERED, FP8)
+        xs = _input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, kk, k_mask, inv, dtype,
+                          NORM, RESIDUAL, CENTERED)
         acc, acc_up = _products(acc, acc_up, xs, w_cur, wu_cur, SILU)
         if PREFETCH:
             w_cur = w_next
             wu_cur = wu_next
         if step % k_steps == k_steps - 1:
-            _store_block(out_ptr, acc, acc_up, rows, row_mask, cols, col_mask, stride_out, ws_ptr, x_scale, up_rows,
+            _store_block(out_ptr, acc, acc_up, rows, row_mask, cols, col_mask, stride_out, ws_ptr, up_rows,
                          dtype, SILU, FP8)
             acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
             acc_up = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
