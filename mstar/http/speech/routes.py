@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
-import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
@@ -45,6 +44,7 @@ from aiohttp import web
 
 from mstar.errors import MstarError, RequestError
 from mstar.http.speech.audio import CONTENT_TYPES, AudioEncoder, encode_whole, encoder_for
+from mstar.http.ids import uuid4_hex
 from mstar.http.keys import ENGINE
 from mstar.http.responses import client_gone, error_body, request_error_body
 from mstar.http.speech.streamed_input import StreamedInput
@@ -82,7 +82,7 @@ async def speech(request: web.Request) -> web.StreamResponse:
     # no voice: the model's default one
     values = {"text": body.input, **({"voice": body.voice} if body.voice is not None else {})}
     spoken = Inputs(values, spoken_names("input", "max_tokens" if "max_tokens" in body.sampling else None))
-    sub = await submit(engine, f"speech-{uuid.uuid4().hex}", target.name, [spoken], sampling, walk=walk,
+    sub = await submit(engine, f"speech-{uuid4_hex()}", target.name, [spoken], sampling, walk=walk,
                        sampling_by=body.sampling_by, more_input=streamed, keep_audio=not body.stream)
     more = StreamedInput(request, engine, sub.streams[0].request_id) if streamed else None
 
