@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import dataclasses
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
@@ -109,7 +108,7 @@ def speech_sampling(defaults: SamplingParams, body: SpeechBody) -> SamplingParam
     """The model's defaults with what the client gave on top. The engine
     range-checks them when it prepares the request; the fields keep their
     body names in its errors (`spoken_names`)."""
-    return dataclasses.replace(defaults, **body.sampling)
+    return defaults.replace(**body.sampling)
 
 
 async def _whole(request: web.Request, sub: Submission, response_format: str, failed: Failure) -> web.Response:
