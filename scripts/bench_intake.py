@@ -24,6 +24,9 @@ on the event loop, with `time.thread_time()` (the loop thread's CPU only):
   burst's first request to its last submit, over the burst's requests: the
   span plus aiohttp's own share (the HTTP parse, the connection's task,
   the request object) and anything else the loop did meanwhile;
+- `worker`: per burst, the device workers' CPU over the same window, over
+  the burst's requests (each Submit wakes a worker, which takes the GIL to
+  apply it);
 - `gap`: the wall time between consecutive submits of a burst (the
   spacing at which a burst reaches the engine).
 At exit (the benchmark's SIGTERM) it writes them as JSON to
@@ -158,6 +161,7 @@ class Probe:
     def __init__(self, profile: str | None) -> None:
         self.notes: list[dict[str, Any]] = []
         self.spans: dict[Any, Span] = {}  # the handler task's span, until its submit
+        self.engine: Any = None  # the engine, from its first submit
         self.profile_path = profile
         self.profiler: Any = None
         if profile:
@@ -165,7 +169,12 @@ class Probe:
             self.profiler = cProfile.Profile(time.thread_time)  # CPU: not the waits for the GIL
 
     def received(self) -> None:
-        self.notes.append({"kind": "recv", "wall": time.perf_counter(), "cpu": time.thread_time()})
+        self.notes.append({"kind": "recv", "wall": time.perf_counter(), "cpu": time.thread_time(),
+                           "worker_cpu": self.worker_cpu()})
+
+    def worker_cpu(self) -> float:
+        """The device workers' CPU so far (0 until the engine's first submit)."""
+        return sum(w.cpu_s() for w in self.engine.workers) if self.engine is not None else 0.0
 
     def profiling(self, on: bool) -> None:
         if self.profiler is not None:
@@ -187,7 +196,8 @@ class Probe:
             return
         span.cpu += cpu - span.step_at
         span.wall += wall - span.wall_at
-        span.note = {"kind": "submit", "wall": wall, "cpu": cpu, "span": span.cpu, "span_wall": span.wall,
+        span.note = {"kind": "submit", "wall": wall, "cpu": cpu, "worker_cpu": self.worker_cpu(),
+                     "span": span.cpu, "span_wall": span.wall,
                      "before": span.before, "steps": span.steps}
         self.notes.append(span.note)
 
@@ -229,6 +239,7 @@ def instrument(probe: Probe) -> None:
     submit = Engine.submit
 
     def submitted(self: Any, request: Any, prepared: Any = None) -> Any:
+        probe.engine = self
         try:
             return submit(self, request, prepared)
         finally:
@@ -353,11 +364,12 @@ def summary(notes: list[dict[str, Any]], a: argparse.Namespace) -> dict[str, Any
     if not counted:
         raise SystemExit(f"no burst of {a.requests} submits was noted; see the server's log")
     submits = [n for b in counted for n in b if n["kind"] == "submit"]
-    loop, gaps = [], []
+    loop, worker, gaps = [], [], []
     for b in counted:
         mine = [n for n in b if n["kind"] == "submit"]
         first = next(n for n in b if n["kind"] == "recv")
         loop.append(1e6 * (mine[-1]["cpu"] - first["cpu"]) / len(mine))
+        worker.append(1e6 * (mine[-1]["worker_cpu"] - first["worker_cpu"]) / len(mine))
         gaps += [1e6 * (y["wall"] - x["wall"]) for x, y in zip(mine, mine[1:])]
 
     def us(key: str) -> list[float]:
@@ -373,6 +385,7 @@ def summary(notes: list[dict[str, Any]], a: argparse.Namespace) -> dict[str, Any
             "before_route_us_median": statistics.median(us("before")),
             "tail_us_median": statistics.median(us("tail")),
             "loop_us_per_request_median": statistics.median(loop), "loop_us_per_request_min": min(loop),
+            "worker_us_per_request_median": statistics.median(worker),
             "gap_us_median": statistics.median(gaps) if gaps else 0.0}
 
 
@@ -456,6 +469,8 @@ def main() -> None:
     print(f"  after the submit, the rest of that step (until it waits for audio): median {s['tail_us_median']:.1f}")
     print(f"loop us/request over a burst (first bytes -> last submit): median {s['loop_us_per_request_median']:.1f}"
           f"  min {s['loop_us_per_request_min']:.1f}")
+    print(f"worker us/request over the same window (the device workers' CPU, under the same GIL): median "
+          f"{s['worker_us_per_request_median']:.1f}")
     print(f"submit gap (wall): median {s['gap_us_median']:.1f} us", flush=True)
     if a.profile:
         print_profile(a.profile, a.top)

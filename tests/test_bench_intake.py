@@ -44,10 +44,10 @@ def test_a_span_counts_its_own_steps_until_its_submit() -> None:
 
 
 def _burst(t0: float, n: int, span: float = 100e-6) -> list[dict[str, Any]]:
-    notes: list[dict[str, Any]] = [{"kind": "recv", "wall": t0, "cpu": t0}]
+    notes: list[dict[str, Any]] = [{"kind": "recv", "wall": t0, "cpu": t0, "worker_cpu": t0 / 2}]
     for i in range(n):
         at = t0 + (i + 1) * 1e-3
-        notes.append({"kind": "submit", "wall": at, "cpu": at, "span": span, "span_wall": span,
+        notes.append({"kind": "submit", "wall": at, "cpu": at, "worker_cpu": at / 2, "span": span, "span_wall": span,
                       "before": span / 4, "tail": span / 10, "steps": 1})
     return notes
 
@@ -59,6 +59,7 @@ def test_notes_split_into_bursts_of_the_asked_size() -> None:
     assert s["bursts"] == 1 and s["requests"] == 4
     assert round(s["span_us_median"]) == 200 and round(s["before_route_us_median"]) == 50
     assert round(s["loop_us_per_request_median"]) == 1000 and round(s["gap_us_median"]) == 1000
+    assert round(s["worker_us_per_request_median"]) == 500
 
 
 def test_the_client_reads_chunked_and_sized_answers() -> None:
