@@ -75,7 +75,8 @@ class Engine:
         self._draining = False  # shutting down: running requests may finish, new ones are refused
         self._drained = False   # the drain aborted what ran: a request submitted now would outlive it
         self._card: ModelCard | None = None
-        self._constants: dict[str, tuple] = {}  # walk -> (plan, model, ...): `_plan_constants`
+        # walk -> (its plan, the plan's host-stop predicates): `_plan_predicates`
+        self._predicates: dict[str, tuple[WalkPlan, dict[tuple[str, str], Callable[[object], bool]]]] = {}
         self.add_report_hook(self._metrics.on_report)
 
     # ------------------------------------------------------------ lifecycle
@@ -304,12 +305,11 @@ class Engine:
         idx = places[plan.root]
         tok = model.tokenizer
         sampling = prepared.sampling[plan.root]
-        predicates, eos_ids = self._plan_constants(model, plan)
         state = RequestState(request.request_id, plan, sampling, prepared.num_prompt_tokens, idx,
                              IncrementalDetokenizer(tok, sampling.skip_special_tokens) if tok is not None else None,
-                             host_predicates=predicates, request=request, places=places,
+                             host_predicates=self._plan_predicates(plan), request=request, places=places,
                              stop_token_ids=frozenset(prepared.stop_ids[plan.root]),
-                             eos_ids=frozenset() if sampling.ignore_eos else eos_ids)
+                             eos_ids=frozenset() if sampling.ignore_eos else frozenset(model.eos_ids(plan.root)))
         self._states[request.request_id] = state
         self._waiting.add(request.request_id)
         self.stats["requests_submitted"] += 1
@@ -329,16 +329,13 @@ class Engine:
                                                                 request.request_id)
         return RequestStream(state, self.abort)
 
-    def _plan_constants(self, model: Model, plan: WalkPlan) -> tuple[dict[tuple[str, str], Callable[[object], bool]],
-                                                                    frozenset[int]]:
-        """What every request of `plan` gets alike: its host stops' predicates
-        (only read) and the model's EOS ids of its root; worked out once per
-        plan, not per request."""
-        kept = self._constants.get(plan.name)
-        if kept is None or kept[0] is not plan or kept[1] is not model:
-            kept = self._constants[plan.name] = (plan, model, _host_predicates(plan),
-                                                 frozenset(model.eos_ids(plan.root)))
-        return kept[2], kept[3]
+    def _plan_predicates(self, plan: WalkPlan) -> dict[tuple[str, str], Callable[[object], bool]]:
+        """`plan`'s host stops' predicates, which every request of it reads
+        (and none writes): gathered once per plan, not per request."""
+        kept = self._predicates.get(plan.name)
+        if kept is None or kept[0] is not plan:
+            kept = self._predicates[plan.name] = (plan, _host_predicates(plan))
+        return kept[1]
 
     def _intake(self, request: GenerateRequest) -> tuple[Model, WalkPlan]:
         """The model and walk plan of a request the engine can take now."""
