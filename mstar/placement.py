@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +93,9 @@ class Placement:
 
     devices: tuple[str, ...]
     units: dict[Unit, tuple[str, ...]]
+    # (walk, partition) -> (the walk's plan, `hosts`): routing asks for every new request's partitions
+    _hosts: dict[tuple[str, str], tuple[WalkPlan, tuple[str, ...]]] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
 
     def on(self, device: str) -> dict[str, tuple[str, ...]]:
         """The components `device` runs, each with the modes it runs there."""
@@ -112,8 +115,13 @@ class Placement:
 
     def hosts(self, walk: WalkPlan, partition: str) -> tuple[str, ...]:
         """The devices that run every step of `partition`, in --gpus order."""
+        kept = self._hosts.get((walk.name, partition))
+        if kept is not None and kept[0] is walk:
+            return kept[1]
         units = _partition_units(walk, partition)
-        return tuple(d for d in self.devices if all(d in self.units[u] for u in units))
+        hosts = tuple(d for d in self.devices if all(d in self.units[u] for u in units))
+        self._hosts[(walk.name, partition)] = (walk, hosts)
+        return hosts
 
     def route(self, walk: WalkPlan, load: Mapping[str, int], root_load: Mapping[str, int] | None = None
               ) -> dict[str, str]:
@@ -131,6 +139,9 @@ class Placement:
                 continue
             hosts = self.hosts(walk, name)
             used = [d for d in hosts if d in chosen.values()]
+            if len(used or hosts) == 1:  # one device to choose (one GPU, or one that runs it): no weighing
+                chosen[name] = (used or hosts)[0]
+                continue
             weigh = root_load if root_load is not None and name == walk.root else load
             chosen[name] = min(used or hosts, key=lambda d: (weigh.get(d, 0), self.devices.index(d)))
         return chosen

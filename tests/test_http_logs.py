@@ -10,7 +10,7 @@ import orjson
 import pytest
 import structlog
 from aiohttp import web
-from aiohttp.test_utils import TestClient, TestServer
+from aiohttp.test_utils import TestClient, TestServer, make_mocked_request
 
 from mstar.http.logs import add_request_id_header, configure_logging, request_context
 
@@ -58,3 +58,24 @@ async def test_request_id_on_every_line(restore_logging: None, capsys: pytest.Ca
 def test_bad_level_is_refused() -> None:
     with pytest.raises(ValueError):
         configure_logging("json", "chatty")
+
+
+
+async def test_the_request_id_is_bound_only_while_its_request_runs() -> None:
+    seen: list[object] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        seen.append(structlog.contextvars.get_contextvars().get("request_id"))
+        return web.Response(text="ok")
+
+    outer = structlog.contextvars.bind_contextvars(request_id="outer", other=1)
+    try:
+        for headers in ({"X-Request-Id": "req-1"}, {}):
+            response = await request_context(make_mocked_request("GET", "/x", headers=headers), handler)
+            assert response.status == 200
+            # after it, what was bound before, and nothing else touched
+            assert structlog.contextvars.get_contextvars() == {"request_id": "outer", "other": 1}
+    finally:
+        structlog.contextvars.reset_contextvars(**outer)
+    assert seen[0] == "req-1" and isinstance(seen[1], str) and len(seen[1]) == 32  # while it ran: its own id
+    assert "request_id" not in structlog.contextvars.get_contextvars()

@@ -8,6 +8,7 @@ partition, an invalid override named `sampling_by.<key>.<field>`, and
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,7 +26,8 @@ from mstar.errors import RequestError
 from mstar.graph import Component, Emit, EosToken, FanOut, HostStop, Loop, MaxTokens, Step, Walk, compile_walk
 from mstar.models.base import Model
 from mstar.models.llama import LlamaModel
-from mstar.models.prepared import PreparedPiece, key_seed
+from mstar.models import prepared as intake
+from mstar.models.prepared import PreparedPiece, key_seed, sampling_keys
 from mstar.models.registry import load_model
 from mstar.types import GenerateRequest, SamplingParams
 
@@ -141,6 +143,46 @@ def test_more_input_is_a_piece_of_values_and_its_token_count() -> None:
     piece = model.prepare_more(first, {"text": "and more."})
     assert isinstance(piece, PreparedPiece)
     assert piece.num_tokens == len(piece.values["prompt_ids"]) > len("and more.")
+
+
+def test_params_replace_is_dataclasses_replace() -> None:
+    base = SamplingParams(max_tokens=5, stop=("x",), seed=3)
+    every = {"max_tokens": 9, "temperature": 0.5, "top_k": 4, "top_p": 0.9, "min_p": 0.1, "repetition_penalty": 1.2,
+             "presence_penalty": 0.3, "frequency_penalty": -0.3, "seed": 11, "stop_token_ids": (1,), "stop": ("y",),
+             "ignore_eos": True, "min_tokens": 2, "logprobs": 3, "skip_special_tokens": False,
+             "include_stop_str_in_output": True}
+    assert every.keys() == {f.name for f in dataclasses.fields(SamplingParams)}
+    for changes in [{}, every, *({name: value} for name, value in every.items())]:
+        got, want = base.replace(**changes), dataclasses.replace(base, **changes)
+        assert got == want and vars(got) == vars(want) and hash(got) == hash(want) and type(got) is SamplingParams
+        assert got is not base
+    with pytest.raises(TypeError, match="bogus"):
+        base.replace(bogus=1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        base.replace(seed=1).seed = 2  # type: ignore[misc]
+    # the shortcut holds while the generated __init__ only sets the fields
+    assert not hasattr(SamplingParams, "__post_init__")
+
+
+def test_a_walks_keys_are_worked_out_once_per_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = PairModel()
+    drawn: list[str] = []
+    real = intake._draw_keys
+
+    def counted(plan: Any) -> tuple[str, ...]:
+        drawn.append(plan.name)
+        return real(plan)
+
+    monkeypatch.setattr(intake, "_draw_keys", counted)
+    plan = compile_walk("pair", model.walks["pair"], model.components)
+    for _ in range(3):
+        assert sampling_keys(plan, model.components) == ("llm", "echo")
+    assert drawn == ["pair"]
+    # another plan of the same walk, or other components, are their own
+    again = compile_walk("pair", model.walks["pair"], model.components)
+    assert sampling_keys(again, model.components) == ("llm", "echo") and drawn == ["pair"] * 2
+    assert sampling_keys(again, dict(model.components)) == ("llm", "echo") and drawn == ["pair"] * 3
+    assert sampling_keys(plan, model.components) == ("llm", "echo") and drawn == ["pair"] * 3
 
 
 # ------------------------------------------------------------------ engine

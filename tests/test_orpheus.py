@@ -211,6 +211,7 @@ def test_prompt_format(tiny) -> None:
     (_speak("   "), "input"),
     (_speak(None), "input"),
     (_speak("hi", max_tokens=2040), "max_tokens"),
+    (_speak("x" * 3000), "input"),  # a prompt past the context names the text it came from
 ])
 def test_bad_requests(tiny, request_, field) -> None:
     with pytest.raises(RequestError) as e:

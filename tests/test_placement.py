@@ -123,3 +123,29 @@ def test_a_root_goes_by_the_roots_each_device_runs_the_other_parts_by_all_they_r
     spread = resolve(parse_spec("llm=0,codec=1+2"), three, COMPONENTS, WALKS)
     route = spread.route(WALKS["speak"], {"cuda:0": 4, "cuda:1": 3, "cuda:2": 1}, {"cuda:0": 4})
     assert route == {"llm": "cuda:0", "codec": "cuda:2"}
+
+
+def test_a_partitions_hosts_are_worked_out_once_per_walk_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    import mstar.placement as placement
+
+    looked: list[str] = []
+    real = placement._partition_units
+
+    def counted(walk: object, partition: str) -> list:
+        looked.append(partition)
+        return real(walk, partition)
+
+    monkeypatch.setattr(placement, "_partition_units", counted)
+    mixed = resolve(parse_spec("llm=0+1,codec=1"), DEVICES, COMPONENTS, WALKS)
+    speak = WALKS["speak"]
+    assert mixed.route(speak, {"cuda:0": 0, "cuda:1": 5}) == {"llm": "cuda:0", "codec": "cuda:1"}
+    assert {"llm", "codec"} <= set(looked)
+    looked.clear()
+    for _ in range(3):
+        assert mixed.route(speak, {"cuda:0": 0, "cuda:1": 5}) == {"llm": "cuda:0", "codec": "cuda:1"}
+        assert mixed.route(speak, {"cuda:0": 9, "cuda:1": 0}) == {"llm": "cuda:1", "codec": "cuda:1"}
+    assert looked == []
+    # a plan of the same name compiled again (an engine that started again) is looked at afresh
+    again = compile_walks({"speak": Walk(Step("codec", "window", "p", "t"), inputs=("p",))}, COMPONENTS)["speak"]
+    assert mixed.hosts(again, again.root) == ("cuda:1",) and looked == [again.root]
+    assert mixed.hosts(speak, again.root) == ("cuda:1",) and looked == [again.root] * 2

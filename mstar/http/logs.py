@@ -14,13 +14,13 @@ import logging
 import re
 import sys
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 
 import orjson
 import structlog
 from aiohttp import web
 
+from mstar.http.ids import uuid4_hex
 from mstar.http.keys import REQUEST_ID
 
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -80,7 +80,7 @@ def configure_logging(fmt: str = "console", level: str = "info") -> None:
 def request_id_for(request: web.Request) -> str:
     """The client's `X-Request-Id` when it is a sane token, else a fresh one."""
     given = request.headers.get(REQUEST_ID_HEADER, "")
-    return given if _CLIENT_ID.match(given) else uuid.uuid4().hex
+    return given if _CLIENT_ID.match(given) else uuid4_hex()
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -94,7 +94,9 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
     request[REQUEST_ID] = request_id
     start = time.perf_counter()
     status = 500
-    with structlog.contextvars.bound_contextvars(request_id=request_id):
+    # set and reset by token: `bound_contextvars` copies the whole context to save what it binds over
+    bound = structlog.contextvars.bind_contextvars(request_id=request_id)
+    try:
         try:
             response = await handler(request)
             status = response.status
@@ -109,6 +111,8 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
             level = logging.DEBUG if request.path == "/health" else logging.INFO
             log.log(level, "request", method=request.method, path=request.path, status=status,
                     duration_ms=round((time.perf_counter() - start) * 1000, 2))
+    finally:
+        structlog.contextvars.reset_contextvars(**bound)
 
 
 async def add_request_id_header(request: web.Request, response: web.StreamResponse) -> None:

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from mstar.errors import SHUTTING_DOWN, ModelNotFound, MstarError, RequestError
 from mstar.http.text.protocol import SAMPLING_KEYS, Prompt
-from mstar.types import GenerateRequest, OutputChunk, SamplingParams, TokenLogprob
+from mstar.types import GenerateRequest, ModelCard, OutputChunk, SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from mstar.engine.engine import Engine, Prepared, RequestStream
@@ -89,15 +91,29 @@ def resolve_model(engine: Engine, requested: str | None) -> Target:
         raise
     except RequestError:
         tokenizer = None
+    kept = _TARGETS.get((id(card), name))
+    if kept is not None and kept[0] is card and kept[1].tokenizer is tokenizer:
+        return kept[1]
     # a request that gives no max_tokens sends None: the model's default budget within the room its prompt
     # leaves (`fit_context`), so a default larger than a short context shortens the answer, not refuses it
-    tts = dataclasses.replace(card.tts_sampling, max_tokens=None)
+    tts = card.tts_sampling.replace(max_tokens=None)
     # answers name the model as the request did, by whichever of its served names (vLLM's)
-    return Target(name=name, tokenizer=tokenizer, max_model_len=card.max_model_len, walks=tuple(card.walks),
-                  default_walk=card.default_walk, input_modalities=tuple(card.input_modalities),
-                  tts_walk=card.tts_walk, spoken_chat_walk=card.spoken_chat_walk, tts_sampling=tts,
-                  early_tts_walk=card.early_tts_walk, written_walk=card.written_walk,
-                  spoken_audio_key=card.spoken_audio_key)
+    target = Target(name=name, tokenizer=tokenizer, max_model_len=card.max_model_len, walks=tuple(card.walks),
+                    default_walk=card.default_walk, input_modalities=tuple(card.input_modalities),
+                    tts_walk=card.tts_walk, spoken_chat_walk=card.spoken_chat_walk, tts_sampling=tts,
+                    early_tts_walk=card.early_tts_walk, written_walk=card.written_walk,
+                    spoken_audio_key=card.spoken_audio_key)
+    if len(_TARGETS) >= TARGETS_KEPT:
+        _TARGETS.clear()
+    _TARGETS[(id(card), name)] = (card, target)
+    return target
+
+
+# (card id, name) -> (card, its Target): a Target is made of the card, the name and the tokenizer alone, the card
+# (frozen) is the engine's own until it restarts, and every request resolves one; the card is kept to tell a
+# reused id from its own
+_TARGETS: dict[tuple[int, str], tuple[ModelCard, Target]] = {}
+TARGETS_KEPT = 16  # targets kept; past it the cache starts over
 
 
 async def off_loop(size: int, fn: Callable[..., R], *args: Any) -> R:
@@ -130,12 +146,15 @@ def sampling_names(prefix: str) -> dict[str, str]:
     return {name: prefix + name for name in SAMPLING_KEYS}
 
 
-def spoken_names(prompt_field: str, tokens_field: str | None, sampling_prefix: str = "") -> dict[str, str]:
+@functools.lru_cache(maxsize=64)  # a route asks for one of a few, for every request
+def spoken_names(prompt_field: str, tokens_field: str | None, sampling_prefix: str = "") -> Mapping[str, str]:
     """The route's names for a model that builds its own prompt (text and a
     voice): its sampling fields under `sampling_prefix`, its `input` as
     `prompt_field`, and `max_tokens` as `tokens_field`, or, when the client
-    gave none (the model's default did not fit), as `prompt_field`."""
-    return {**sampling_names(sampling_prefix), "max_tokens": tokens_field or prompt_field, "input": prompt_field}
+    gave none (the model's default did not fit), as `prompt_field`. Read
+    only: every request with these fields shares it."""
+    return MappingProxyType({**sampling_names(sampling_prefix), "max_tokens": tokens_field or prompt_field,
+                             "input": prompt_field})
 
 
 def renamed(error: RequestError, names: Mapping[str, str]) -> RequestError:

@@ -72,12 +72,32 @@ def sampling_keys(plan: WalkPlan, components: dict[str, Component]) -> tuple[str
     """The walk's sampling keys, the root's first: each partition with a step
     that samples under the partition's key, each step's own key, and the keys
     of in-mode draws."""
+    return _walk_keys(plan, components)[0]
+
+
+# plan id -> (plan, components, its sampling keys, its draw keys): every request's intake asks for them, and a
+# plan (frozen, compiled once) and a model's components do not change; the plan and components are kept to tell
+# a reused id from theirs
+_KEYS: dict[int, tuple[WalkPlan, dict[str, Component], tuple[str, ...], tuple[str, ...]]] = {}
+KEYS_KEPT = 256  # plans whose keys are kept; past it the cache starts over
+
+
+def _walk_keys(plan: WalkPlan, components: dict[str, Component]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """`plan`'s (sampling keys, draw keys)."""
+    kept = _KEYS.get(id(plan))
+    if kept is not None and kept[0] is plan and kept[1] is components:
+        return kept[2], kept[3]
+    draws = _draw_keys(plan)
     sampling = [name for name, part in plan.partitions.items()
                 if any(_samples(components[step.component], step.mode) and step.sampling is None
                        for step in part.steps)]
     sampling += [step.sampling for part in plan.partitions.values() for step in part.steps
                  if step.sampling is not None]
-    return tuple(dict.fromkeys((plan.root, *sampling, *_draw_keys(plan))))
+    keys = tuple(dict.fromkeys((plan.root, *sampling, *draws)))
+    if len(_KEYS) >= KEYS_KEPT:
+        _KEYS.clear()
+    _KEYS[id(plan)] = (plan, components, keys, draws)
+    return keys, draws
 
 
 def check_roles(model: Model, plans: dict[str, WalkPlan]) -> None:
@@ -111,7 +131,7 @@ def resolve_sampling(request: GenerateRequest, plan: WalkPlan, components: dict[
     """Every sampling key's params, validated, each with a seed: the root
     keeps the request's (a random one if it has none), another key without
     its own seed draws from `key_seed(root seed, key)`."""
-    keys = sampling_keys(plan, components)
+    keys, draws = _walk_keys(plan, components)
     for key in request.sampling_by:
         if key not in keys:
             raise RequestError(f"walk '{plan.name}' has no sampling key '{key}'; its keys are {list(keys)}",
@@ -120,15 +140,15 @@ def resolve_sampling(request: GenerateRequest, plan: WalkPlan, components: dict[
     for key in keys:
         base = request.sampling if key == plan.root else defaults(key)
         resolved[key] = _override(base, request.sampling_by.get(key), key, key == plan.root, max_model_len)
-    for key in _draw_keys(plan):  # a mode's own draws see no history of the tokens it drew
+    for key in draws:  # a mode's own draws see no history of the tokens it drew
         for name, off in (("repetition_penalty", 1.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0)):
             if getattr(resolved[key], name) != off:
                 raise RequestError(f"tokens of key '{key}' are drawn inside a step, which keeps no history of "
                                    f"them for a {name.replace('_', ' ')}", field=f"sampling_by.{key}.{name}")
     root = resolved[plan.root]
     seed = root.seed if root.seed is not None else random.getrandbits(63)
-    return {key: dataclasses.replace(params, seed=seed if key == plan.root else
-                                     params.seed if params.seed is not None else key_seed(seed, key))
+    return {key: params.replace(seed=seed if key == plan.root else
+                                params.seed if params.seed is not None else key_seed(seed, key))
             for key, params in resolved.items()}
 
 
@@ -153,7 +173,7 @@ def _override(base: SamplingParams, fields: dict[str, Any] | None, key: str, roo
                 raise RequestError("must be an array", field=f"{where}.{name}")
             value = tuple(value)
         changes[name] = value
-    params = dataclasses.replace(base, **changes) if changes else base
+    params = base.replace(**changes) if changes else base
     try:
         params.validate(max_model_len)
     except RequestError as e:
@@ -182,8 +202,9 @@ def fit_context(sampling: dict[str, SamplingParams], plan: WalkPlan, components:
         raise RequestError(f"the prompt is {piece.num_tokens} tokens but the model's context is {max_model_len} "
                            "tokens, leaving no room to generate", field=piece.field, code=CONTEXT_EXCEEDED)
     asked = sampling[root].max_tokens
-    generates = any(_samples(components[step.component], step.mode) for step in plan.partitions[root].steps)
-    if generates and asked is not None and asked > room:
+    # whether the root generates is asked last: only a budget past the room needs it
+    if asked is not None and asked > room and any(_samples(components[step.component], step.mode)
+                                                  for step in plan.partitions[root].steps):
         raise RequestError(f"{asked} tokens plus the {piece.num_tokens}-token prompt exceed the model's context of "
                            f"{max_model_len} tokens; at most {room} can be generated here", field="max_tokens",
                            code=CONTEXT_EXCEEDED)
@@ -191,7 +212,7 @@ def fit_context(sampling: dict[str, SamplingParams], plan: WalkPlan, components:
     for key, params in sampling.items():
         if params.max_tokens is None:
             budget = defaults(key).max_tokens if defaults is not None else None
-            params = dataclasses.replace(params, max_tokens=room if budget is None else min(budget, room))
+            params = params.replace(max_tokens=room if budget is None else min(budget, room))
             if params.min_tokens > params.max_tokens:
                 name = "min_tokens" if key == root else f"sampling_by.{key}.min_tokens"
                 raise RequestError(f"{params.min_tokens} tokens are more than the {params.max_tokens} this request "

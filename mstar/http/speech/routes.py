@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import dataclasses
-import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from typing import Any
@@ -45,6 +43,7 @@ from aiohttp import web
 
 from mstar.errors import MstarError, RequestError
 from mstar.http.speech.audio import CONTENT_TYPES, AudioEncoder, encode_whole, encoder_for
+from mstar.http.ids import uuid4_hex
 from mstar.http.keys import ENGINE
 from mstar.http.responses import client_gone, error_body, request_error_body
 from mstar.http.speech.streamed_input import StreamedInput
@@ -82,7 +81,7 @@ async def speech(request: web.Request) -> web.StreamResponse:
     # no voice: the model's default one
     values = {"text": body.input, **({"voice": body.voice} if body.voice is not None else {})}
     spoken = Inputs(values, spoken_names("input", "max_tokens" if "max_tokens" in body.sampling else None))
-    sub = await submit(engine, f"speech-{uuid.uuid4().hex}", target.name, [spoken], sampling, walk=walk,
+    sub = await submit(engine, f"speech-{uuid4_hex()}", target.name, [spoken], sampling, walk=walk,
                        sampling_by=body.sampling_by, more_input=streamed, keep_audio=not body.stream)
     more = StreamedInput(request, engine, sub.streams[0].request_id) if streamed else None
 
@@ -109,7 +108,7 @@ def speech_sampling(defaults: SamplingParams, body: SpeechBody) -> SamplingParam
     """The model's defaults with what the client gave on top. The engine
     range-checks them when it prepares the request; the fields keep their
     body names in its errors (`spoken_names`)."""
-    return dataclasses.replace(defaults, **body.sampling)
+    return defaults.replace(**body.sampling)
 
 
 async def _whole(request: web.Request, sub: Submission, response_format: str, failed: Failure) -> web.Response:

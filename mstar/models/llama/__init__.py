@@ -12,7 +12,10 @@ the vocabulary; the real Orpheus tokenizer comes with the Orpheus model).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
+
 import torch
 
 from mstar.errors import ConfigError
@@ -113,6 +116,12 @@ class LlamaModel(LanguageModel):
     def prepare_inputs(self, request: GenerateRequest, sampling: SamplingParams) -> PreparedPiece:
         """`prompt_ids`, a text `prompt` or chat `messages` (`prompt.py`) ->
         `{"prompt_ids"}`; the context fit is `Model.prepare`'s."""
-        ids, field = prompt_tokens(request.inputs, self.tokenizer, self.config.vocab_size, self._max_model_len,
-                                   self.name)
-        return PreparedPiece({"prompt_ids": torch.tensor(ids, dtype=torch.long)}, len(ids), field)
+        return self.prompt_piece(request.inputs)
+
+    def prompt_piece(self, inputs: Mapping[str, Any], field: str | None = None) -> PreparedPiece:
+        """The prompt of `inputs` (one of `prompt_ids`, `prompt`, `messages`)
+        as `{"prompt_ids"}`, checked against the vocabulary (a bad id names
+        the input it came from); `field`: the input a prompt that does not
+        fit the context names (default: that one too)."""
+        ids, named = prompt_tokens(inputs, self.tokenizer, self.config.vocab_size, self._max_model_len, self.name)
+        return PreparedPiece({"prompt_ids": torch.tensor(ids, dtype=torch.long)}, len(ids), field or named)

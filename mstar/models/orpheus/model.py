@@ -32,7 +32,6 @@ Where the weights come from:
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -200,8 +199,7 @@ class OrpheusModel(LlamaModel):
             raise RequestError(f"model '{self.name}' has no tokenizer: send prompt_ids", field="input")
         ids = prompt_ids(self.tokenizer.encode(voice_text(text, voice)))
         # the Llama's check of the ids against the vocabulary; a prompt that does not fit names the text
-        piece = super().prepare_inputs(dataclasses.replace(request, inputs={"prompt_ids": ids}), sampling)
-        return dataclasses.replace(piece, field="input")
+        return self.prompt_piece({"prompt_ids": ids}, field="input")
 
     def prepare_more(self, request: GenerateRequest, inputs: dict[str, Any]) -> PreparedPiece:
         """More text for a running `speak` request: the next human turn, in
