@@ -21,6 +21,7 @@ _CLEAR = ~((0xc000 << 48) | (0xf000 << 64))
 _SET = (0x8000 << 48) | (4 << 76)
 
 _pool: list[str] = []
+_forks_watched: list[bool] = []
 
 
 def uuid4_hex() -> str:
@@ -28,13 +29,12 @@ def uuid4_hex() -> str:
     try:
         return _pool.pop()
     except IndexError:  # list.pop and list.extend are atomic under the GIL: a race only refills twice
+        if not _forks_watched:  # at the first draw, not at import: a forked child must not hand out its parent's
+            _forks_watched.append(True)
+            os.register_at_fork(after_in_child=_pool.clear)
         _pool.extend(_hexes(os.urandom(16 * BATCH)))
         return _pool.pop()
 
 
 def _hexes(raw: bytes) -> list[str]:
     return [f"{int.from_bytes(raw[i:i + 16], 'big') & _CLEAR | _SET:032x}" for i in range(0, len(raw), 16)]
-
-
-# a forked child must not hand out its parent's ids
-os.register_at_fork(after_in_child=_pool.clear)
