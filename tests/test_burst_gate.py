@@ -186,7 +186,8 @@ def test_a_first_step_that_started_its_row_is_new_no_more() -> None:
 
 def test_the_flag_reaches_the_scheduler_config() -> None:
     assert parse_args(["--admission-gather-ms", "0"], {}).engine.scheduler.admission_gather_ms == 0
-    assert parse_args([], {}).engine.scheduler.admission_gather_ms == 2.0
+    assert parse_args(["--admission-gather-ms", "2"], {}).engine.scheduler.admission_gather_ms == 2.0
+    assert parse_args([], {}).engine.scheduler.admission_gather_ms == 0  # opt-in: no gain measured on a GPU
     for bad in ("-1", "nan", "inf"):
         with pytest.raises(ConfigError, match="admission-gather-ms"):
             parse_args(["--admission-gather-ms", bad], {})

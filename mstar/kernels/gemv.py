@@ -108,15 +108,15 @@ def config_for(rows: int, n: int, k: int, norm: bool = False, silu: bool = False
     a program per block of 2 columns, its statistics in one pass over K. A
     vocabulary's head has programs enough to fill the GPU in blocks of 1,024.
     More rows: narrower K blocks, whose products take registers. float8
-    weights: twice the columns a block, the same bytes in flight."""
+    weights: blocks of 4 columns (their conversion to float32, not their
+    bytes, sets the pace)."""
     whole_k = block_size(k)
-    if fp8 and rows == 1 and n < HEAD_WIDTH:
+    if fp8 and rows == 1 and n < HEAD_WIDTH:  # the fastest of `bench_gemv.py --fp8`'s sweep (H100)
         if silu:
-            return GemvConfig(block_n=4, block_k=min(1024, whole_k), num_warps=4, prefetch=True,
+            return GemvConfig(block_n=4, block_k=min(1024, whole_k), num_warps=4, programs_per_sm=4, prefetch=True,
                               stats_block=min(4096, whole_k))
-        if norm:
-            return GemvConfig(block_n=8, block_k=min(4096, whole_k), num_warps=8, programs_per_sm=2, prefetch=True)
-        return GemvConfig(block_n=4, block_k=min(4096, whole_k), num_warps=8, programs_per_sm=4, prefetch=True)
+        return GemvConfig(block_n=4, block_k=min(4096, whole_k), num_warps=4, programs_per_sm=2 if norm else 4,
+                          prefetch=True)
     if rows == 1 and n < HEAD_WIDTH:
         if silu:
             return GemvConfig(block_n=2, block_k=min(1024, whole_k), num_warps=4, prefetch=True,
