@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import base64
 import binascii
-import uuid
 from typing import Any
 
 import orjson
+
+from mstar.http.ids import uuid4_hex
 
 # what mstar speaks on the websocket: 24 kHz mono PCM16 both ways
 AUDIO_FORMAT = {"type": "audio/pcm", "rate": 24_000}
@@ -45,7 +46,7 @@ class ProtocolError(Exception):
 
 def new_id(prefix: str) -> str:
     """Ids in OpenAI's style (`event_...`, `item_...`, `resp_...`)."""
-    return f"{prefix}_{uuid.uuid4().hex[:20]}"
+    return f"{prefix}_{uuid4_hex()[:20]}"
 
 
 def event(kind: str, **fields: Any) -> dict[str, Any]:

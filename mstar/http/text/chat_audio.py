@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mstar.errors import RequestError
 from mstar.http.fields import Fields, read_voice
+from mstar.http.ids import uuid4_hex
 from mstar.http.speech.audio import check_format, encode_whole
 from mstar.types import OutputChunk
 
@@ -115,7 +115,7 @@ class SpokenAnswers:
 
     def __init__(self, output: AudioOutput, choices: int, created: int, kept: Transcripts) -> None:
         self.output = output
-        self.ids = [f"audio_{uuid.uuid4().hex}" for _ in range(choices)]
+        self.ids = [f"audio_{uuid4_hex()}" for _ in range(choices)]
         self.created = created
         self.kept = kept
         self.expires_at = kept.expires_at(created)

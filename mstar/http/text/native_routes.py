@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import uuid
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +28,7 @@ import structlog
 from aiohttp import web
 
 from mstar.errors import RequestError
+from mstar.http.ids import uuid4_hex
 from mstar.http.keys import ENGINE
 from mstar.http.text.logprobs import native_logprobs
 from mstar.http.text.protocol import GenerateBody, parse_generate
@@ -50,7 +50,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     body = await off_loop(len(raw), parse_generate, raw)
     engine = request.app[ENGINE]
     target = resolve_model(engine, body.model)
-    request_id = f"gen-{uuid.uuid4().hex}"
+    request_id = f"gen-{uuid4_hex()}"
     if body.voice is not None and target.tts_walk is None:
         raise RequestError(f"model '{target.name}' has no voices: it does not speak (its walks: "
                            f"{', '.join(target.walks)})", field="voice")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import uuid
 from collections.abc import Callable
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ import structlog
 from aiohttp import web
 
 from mstar.errors import ModelNotFound, RequestError
+from mstar.http.ids import uuid4_hex
 from mstar.http.keys import ENGINE, MEDIA, MEDIA_LIMITS, STARTED, TRANSCRIPTS
 from mstar.http.text.chat_audio import SpokenAnswers, spoken_usage
 from mstar.http.text.chat_media import chat_inputs
@@ -84,7 +84,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     many = len(body.prompts) > 1
     prompts = [Inputs(prompt_inputs(p), {"prompt": f"prompt[{i}]"} if many else {})
                for i, p in enumerate(body.prompts)]
-    reply = Reply(f"cmpl-{uuid.uuid4().hex}", "text_completion", int(time.time()), target.name)
+    reply = Reply(f"cmpl-{uuid4_hex()}", "text_completion", int(time.time()), target.name)
     sampling = dataclasses.replace(body.sampling, max_tokens=body.max_tokens)
     sub = await submit(engine, reply.id, target.name, prompts, sampling, n=body.n, sampling_by=body.sampling_by,
                        priority=body.priority, walk=text_walk(target))
@@ -132,7 +132,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         values["voice"] = body.audio.voice
         # a prompt the talker cannot answer lacks the assistant's header
         names.update(voice="audio.voice", input="add_generation_prompt")
-    reply = Reply(f"chatcmpl-{uuid.uuid4().hex}", "chat.completion", int(time.time()), target.name)
+    reply = Reply(f"chatcmpl-{uuid4_hex()}", "chat.completion", int(time.time()), target.name)
     # max_tokens None: all the room the messages leave in the context
     sampling = dataclasses.replace(body.sampling, max_tokens=body.max_tokens)
     sub = await submit(engine, reply.id, target.name, [Inputs(values, names)], sampling, n=body.n,

@@ -7,7 +7,6 @@ the served context. Token ids go in to `/detokenize`; their text comes out.
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +14,7 @@ from aiohttp import web
 
 from mstar.errors import RequestError
 from mstar.http.fields import Fields
+from mstar.http.ids import uuid4_hex
 from mstar.http.keys import ENGINE, MEDIA, MEDIA_LIMITS, TRANSCRIPTS
 from mstar.http.responses import json_response
 from mstar.http.submission import Target, off_loop, resolve_model
@@ -75,7 +75,7 @@ async def tokenize(request: web.Request) -> web.Response:
     else:
         values = {"prompt": body.prompt}
     # max_tokens None: refused only where the prompt leaves the context no room for one token
-    gen = GenerateRequest(f"tokenize-{uuid.uuid4().hex}", target.name, values, SamplingParams(max_tokens=None),
+    gen = GenerateRequest(f"tokenize-{uuid4_hex()}", target.name, values, SamplingParams(max_tokens=None),
                           walk=walk)
     prepared = await engine.prepare(gen)
     ids = prepared.values.get("prompt_ids")
