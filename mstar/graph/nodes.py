@@ -130,6 +130,12 @@ class Loop:
         assert first is not None
         return first
 
+    @functools.cached_property  # read at every request's loop start; a walk's nodes never change
+    def writer(self) -> Step | None:
+        """The step directly in its body that writes its value (None: a
+        nested loop's or an `Each`'s does)."""
+        return next((s for s in self.body if isinstance(s, Step) and self.value in s.outputs), None)
+
 
 def _first_step(body: tuple) -> Step | None:
     for node in body:

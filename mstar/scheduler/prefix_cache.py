@@ -27,13 +27,24 @@ def page_keys(ids: Sequence[int], page_size: int, salt: bytes = b"",
     """The hash chain of the full pages of `ids` (a prompt's token ids from
     position 0): one key per full page. `columns`: more per-token ints that
     decide the KV (a multimodal prompt's positions), hashed along."""
+    return page_keys_of(array("q", ids).tobytes(), page_size, salt, [array("q", c).tobytes() for c in columns])
+
+
+def page_keys_of(data: bytes, page_size: int, salt: bytes = b"", columns: Sequence[bytes] = ()) -> tuple[bytes, ...]:
+    """`page_keys` of ids already as int64 bytes in the machine's order (a
+    tensor's: a prompt's ids reach here without a list of ints, each
+    converted back to 8 bytes), `columns` the same way."""
+    width = page_size * 8
+    view = memoryview(data)
+    cols = [memoryview(c) for c in columns]
+    blake2b = hashlib.blake2b
     keys: list[bytes] = []
     parent = salt
-    for start in range(0, len(ids) - page_size + 1, page_size):
-        h = hashlib.blake2b(parent, digest_size=16)
-        h.update(array("q", ids[start:start + page_size]).tobytes())
-        for column in columns:
-            h.update(array("q", column[start:start + page_size]).tobytes())
+    for start in range(0, len(data) - width + 1, width):
+        h = blake2b(parent, digest_size=16)
+        h.update(view[start:start + width])
+        for column in cols:
+            h.update(column[start:start + width])
         parent = h.digest()
         keys.append(parent)
     return tuple(keys)

@@ -47,7 +47,9 @@ class TensorStore:
         may appear several times); returns its handle."""
         handle = f"t{next(self._handles):x}"
         entry = _Entry(tensor)
-        entry.refs.update(owners)
+        refs = entry.refs
+        for owner in owners:  # not `Counter.update`: its check for a mapping costs more than the one owner
+            refs[owner] = refs.get(owner, 0) + 1
         if not entry.refs:
             return handle  # nobody will read it: nothing to keep
         with self._lock:

@@ -29,7 +29,7 @@ from mstar.engine.movement.tensor_store import TensorRef, TensorStore
 from mstar.engine.worker.kv_rows import KVRow
 from mstar.engine.worker.rows import StreamItem
 from mstar.graph import Component, Kind, Mode, Step, step_bindings
-from mstar.scheduler.prefix_cache import page_keys
+from mstar.scheduler.prefix_cache import page_keys, page_keys_of
 
 Inputs = dict[str, TensorRef | list[StreamItem] | int]
 
@@ -40,7 +40,13 @@ class PromptRow:
 
     chunkable: bool = False        # it may run over several steps, a chunk of its tokens each
     prefix: tuple[bytes, ...] = ()  # the keys of its prompt's full pages, for the prefix cache
-    ids: tuple[int, ...] = ()      # a name-only prompt's ids, where the cache is on (the row may follow them)
+    # a name-only prompt's ids, where the cache is on: the row may follow them (`ids`); kept as the
+    # tensor because most rows do not follow theirs, and a list of a prompt's ints costs a few us per request
+    tokens: torch.Tensor | None = None
+
+    def ids(self) -> list[int]:
+        """The prompt's ids a row follows (none without `tokens`)."""
+        return [] if self.tokens is None else self.tokens.reshape(-1).tolist()
 
 
 def prompt_row(store: TensorStore, comp: Component | None, step: Step, inputs: Inputs, row: KVRow,
@@ -72,8 +78,9 @@ def prompt_row(store: TensorStore, comp: Component | None, step: Step, inputs: I
         return PromptRow()
     if not caching:
         return PromptRow(chunkable=True)
-    prompt = ids.reshape(-1).tolist()
-    return PromptRow(chunkable=True, prefix=page_keys(prompt, page_size, salt=salt), ids=tuple(prompt))
+    # what `page_keys` hashes of the ids' ints, in their flat order (a tensor's bytes, C order)
+    data = (ids if ids.dtype is torch.int64 and ids.device.type == "cpu" else ids.to("cpu", torch.int64)).numpy()
+    return PromptRow(chunkable=True, prefix=page_keys_of(data.tobytes(), page_size, salt=salt), tokens=ids)
 
 
 def _reusable(sig: Mode, step: Step, token_rows: frozenset[str]) -> bool:

@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from mstar.engine.worker.rows import Frame, PartitionRun
-from mstar.graph import EosToken, Loop, MaxSteps, MaxTokens, Step, StopRule, TokenIn
+from mstar.graph import EosToken, Loop, MaxSteps, MaxTokens, StopRule, TokenIn
 
 
 def _rules(rule: StopRule | None) -> tuple[StopRule, ...]:
@@ -21,8 +21,7 @@ def _rules(rule: StopRule | None) -> tuple[StopRule, ...]:
 def loop_key(part: PartitionRun, loop: Loop) -> str:
     """The sampling key a loop's stop rules read (`max_tokens`, stop ids): the
     key of the step of its body that writes its value."""
-    writer = next((s for s in loop.body if isinstance(s, Step) and loop.value in s.outputs), None)
-    return part.key(writer)
+    return part.key(loop.writer)
 
 
 def ran_out(part: PartitionRun, loop: Loop, frame: Frame) -> bool:

@@ -222,8 +222,8 @@ class Walker:
             starts_row = not row.pages
             prompt = prompt_row(self.store, self.components.get(step.component), step, inputs, row, pool.page_size,
                                 step.component in self.scheduler.caches, pool.token_rows)
-            if prompt.ids and self._follows(part):
-                row.follow(list(prompt.ids))
+            if prompt.tokens is not None and self._follows(part) and (ids := prompt.ids()):
+                row.follow(ids)
             elif row.token_ids is not None and not self._loops_back(part, step):
                 row.unfollow()
         for refs in inputs.values():
