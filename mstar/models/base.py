@@ -191,7 +191,9 @@ class Model:
         """The component's module, weights loaded, on `device`. Each mode of
         the component is a method of the module named after the mode. A module
         that captures CUDA graphs of its own has an `enforce_eager` attribute,
-        which the runtime sets from `--enforce-eager`."""
+        which the runtime sets from `--enforce-eager`. Called on each device
+        worker's thread: GPU workers' calls may run at once, CPU workers'
+        (which a model may hand one module) run one at a time."""
         raise NotImplementedError
 
     def prepare(self, request: GenerateRequest, plan: WalkPlan | None = None) -> Prepared:

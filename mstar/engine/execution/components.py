@@ -8,7 +8,9 @@ the CUDA graphs of the modes the model declares row shapes for.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
 from collections.abc import Sequence
 
 import structlog
@@ -34,6 +36,13 @@ log = structlog.get_logger("mstar.worker")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
+# CPU workers (`cpu:0`, `cpu:1`: replicas on one host) may be handed one module by a model that keeps its
+# modules (the toys do). torch takes `cpu:1` for another device than the parameters' `cpu`, so `.to` copies
+# each parameter and swaps the copy in (`param.data =`), freeing the storage another worker's `.to` may be
+# copying from that moment: under CPU load now and then a weight came out as freed memory's bytes (1e34,
+# or an image of NaNs). So CPU workers build one at a time; GPU workers build their own modules at once.
+_CPU_BUILDS = threading.Lock()
+
 
 def resolve_dtype(model: Model, config: EngineConfig, device: torch.device) -> torch.dtype:
     """`--dtype`, or the model's own choice for `device` under `auto`."""
@@ -48,17 +57,8 @@ def build_runners(model: Model, names: Sequence[str], device: torch.device, stor
     what memory is left: each KV component gets the same number of pages
     (a request's thinker and talker hold about as many tokens each)."""
     dtype = resolve_dtype(model, config, device)
-    modules = {name: model.build_component(name, device, dtype) for name in names}
-    if config.quantization == "fp8":
-        _fp8({name: m for name, m in modules.items() if model.components[name].kv_cache}, device, dtype)
-    if config.audio_logits_only:
-        _audio_logits(model, modules)
-    for module in modules.values():  # a module that captures graphs of its own runs eagerly when told to
-        if hasattr(module, "enforce_eager"):
-            module.enforce_eager = config.enforce_eager
-        for part in module.modules():  # kernels compiled on first use compile now, not in a request's step
-            if hasattr(part, "compile_kernels"):
-                part.compile_kernels()
+    with _CPU_BUILDS if device.type == "cpu" else contextlib.nullcontext():
+        modules = _modules(model, names, device, dtype, config)
     cfg = config.scheduler
     kv_names = [name for name in names if model.components[name].kv_cache]
     states = {name: _state_pool(model, name, device, config) for name in names if model.components[name].state}
@@ -71,6 +71,24 @@ def build_runners(model: Model, names: Sequence[str], device: torch.device, stor
             max_model_len=model.max_model_len)
     return {name: _runner(model, name, modules[name], device, dtype, store, config, num_pages, states.get(name))
             for name in names}
+
+
+def _modules(model: Model, names: Sequence[str], device: torch.device, dtype: torch.dtype,
+             config: EngineConfig) -> dict[str, nn.Module]:
+    """Components `names` built on `device`, made ready to serve (fp8
+    weights, restricted heads, eager flags, kernels compiled)."""
+    modules = {name: model.build_component(name, device, dtype) for name in names}
+    if config.quantization == "fp8":
+        _fp8({name: m for name, m in modules.items() if model.components[name].kv_cache}, device, dtype)
+    if config.audio_logits_only:
+        _audio_logits(model, modules)
+    for module in modules.values():  # a module that captures graphs of its own runs eagerly when told to
+        if hasattr(module, "enforce_eager"):
+            module.enforce_eager = config.enforce_eager
+        for part in module.modules():  # kernels compiled on first use compile now, not in a request's step
+            if hasattr(part, "compile_kernels"):
+                part.compile_kernels()
+    return modules
 
 
 def kv_cache_dtype(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> torch.dtype:
