@@ -199,13 +199,15 @@ async def test_a_prompt_sent_four_times_at_once_is_computed_once_if_long(hf_fold
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Four requests of one prompt submitted together (as a request's `n` samples are): a prompt of
     `SHARE_MIN_TOKENS` or more is computed by the first, and the other three start from its pages a step
-    later; a shorter one is computed four times in the one step. Every answer is what it is without the cache."""
+    later; a shorter one is computed four times in the one step. Every answer is what it is without the cache.
+    The burst gate (opt-in) starts the four in one step: without it the first may run before the worker has
+    applied the others, and they would find its pages cached."""
     monkeypatch.setattr(scheduler_module, "SHARE_MIN_TOKENS", share_from)
     prompt = _cases()[0][0][:41]  # ten full pages of four tokens and one more token
     answers = {}
     for caching in (False, True):
         eng = Engine(EngineConfig(model=str(hf_folder), dtype="float32", scheduler=SchedulerConfig(
-            page_size=4, num_pages=256, prefix_caching=caching)))
+            page_size=4, num_pages=256, prefix_caching=caching, admission_gather_ms=20)))
         await eng.start()
         try:
             answers[caching] = await asyncio.gather(*[generated(
