@@ -169,7 +169,6 @@ def weight_only_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: t
     return (sums * weight_scale.reshape(1, -1).float()).to(x.dtype)
 
 
-
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
             centered: bool, weight: torch.Tensor, weight_scale: torch.Tensor | None, silu: bool,
             config: GemvConfig | None) -> tuple[torch.Tensor, torch.Tensor]:

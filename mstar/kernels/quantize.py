@@ -35,14 +35,6 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return q, scale
 
 
-def fp8_linear_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] times float8 weight rows [N, K] with their scales [N], in
-    x's dtype: x's rows quantized as above, both sides dequantized and
-    multiplied in float32 (the fp8 GEMMs' arithmetic up to summation order)."""
-    q, scale = quantize_rows_reference(x)
-    return ((q.float() * scale) @ (weight.float() * weight_scale.reshape(-1, 1).float()).t()).to(x.dtype)
-
-
 def quantize_rows_triton(x: torch.Tensor, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`rows`: at least x's; the rows past x's come out as zeros with scale
     1 (a GEMM's padding)."""

@@ -263,7 +263,7 @@ class Scheduler:
         if not any(len(g.group) for g in self._groups if g.key[0] == key[0]):
             # only a queue of the burst's new requests waits: one with older rows, a prompt's next chunk, or a
             # running request's row (a talker's first, a preempted one), goes
-            held = self.held and all(i.new_request and i.starts_row and i.ticket >= self.burst_from for i in q)
+            held = self.held and all(i.new_request and i.ticket >= self.burst_from for i in q)
             self.held_back |= held
             return held
         return self.admit_every > 0 and self._since_admit.get(key[0], self.admit_every) < self.admit_every
