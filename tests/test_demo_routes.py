@@ -10,7 +10,7 @@ import re
 import aiohttp
 import pytest
 
-from mstar.http.demo_routes import STATIC_DIR
+from mstar.http.ops.demo import STATIC_DIR
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

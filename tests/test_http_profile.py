@@ -18,7 +18,7 @@ from profile_support import DEADLINE_S, ProfileGate, profiler_free
 from mstar.config import EngineConfig, ServerConfig, parse_args
 from mstar.engine.engine import Engine
 from mstar.engine.messages import StepReport
-from mstar.http import profile_routes
+from mstar.http.ops import profile as profile_routes
 from mstar.http.server import build_app
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -22,7 +22,7 @@ from aiohttp import HttpVersion11, hdrs, web
 
 from mstar.config import ServerConfig
 from mstar.errors import RequestError
-from mstar.http import demo_routes, metrics_routes, profile_routes
+from mstar.http.ops import demo, metrics, profile
 from mstar.http.openapi import routes as openapi_routes
 from mstar.http.realtime import routes as realtime_routes
 from mstar.http.speech import routes as speech_routes
@@ -211,7 +211,7 @@ def build_app(engine: Engine, *, manage_engine: bool = True, drain_s: float = DR
     app.on_shutdown.append(realtime_routes.close_sockets)  # after the drain: their responses ended by then
     post = functools.partial(app.router.add_post, expect_handler=expect_later)
     app.router.add_get("/health", health)
-    app.router.add_get("/metrics", metrics_routes.metrics)
+    app.router.add_get("/metrics", metrics.metrics)
     app.router.add_get("/v1/models", openai_routes.list_models)
     app.router.add_get("/v1/models/{model:.+}", openai_routes.retrieve_model)  # an id may hold slashes
     post("/v1/completions", openai_routes.completions)
@@ -222,8 +222,8 @@ def build_app(engine: Engine, *, manage_engine: bool = True, drain_s: float = DR
     post("/detokenize", tokenize_routes.detokenize)
     app.router.add_get("/v1/realtime", realtime_routes.realtime)
     app.router.add_get("/openapi.json", openapi_routes.openapi)
-    app.router.add_get("/", demo_routes.index)
-    app.router.add_get("/static/{name}", demo_routes.static_file)
+    app.router.add_get("/", demo.index)
+    app.router.add_get("/static/{name}", demo.static_file)
     if config.profiling:
-        post("/debug/profile", profile_routes.profile)
+        post("/debug/profile", profile.profile)
     return app
