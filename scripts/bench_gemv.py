@@ -11,6 +11,8 @@ quantizer and `torch._scaled_mm`) that more rows take.
 
     python scripts/bench_gemv.py --rows 1 2 4 --out $OUT/gemv.json     # device tool, carry .wheels
     python scripts/bench_gemv.py --rows 1 --fp8 --out $OUT/gemv_fp8.json
+    python scripts/bench_gemv.py --rows 1 --fp8 --mma 1 --block-n 16 32 64 --block-k 128 256 --stages 3 4 \
+        --programs-per-sm 0 --prefetch 0      # the tensor-core form's tilings
 """
 
 from __future__ import annotations
@@ -43,16 +45,24 @@ HEADS = {"head_window": 28736, "head_full": 156992}
 
 
 GRID = {"block_n": (2, 4, 8), "block_k": None, "warps": (4, 8), "stages": (1,), "stats_block": (0,),
-        "programs_per_sm": (0,), "prefetch": (0,)}
+        "programs_per_sm": (0,), "prefetch": (0,), "mma": (0,)}
 
 
 def sweep(rows: int, grid: dict, norm: bool) -> list[gemv.GemvConfig]:
-    """Every tiling of the grid; the statistics' block only where a norm comes first (0: the tiling's block_k)."""
+    """Every tiling of the grid; the statistics' block only where a norm comes first (0: the tiling's block_k).
+    Tensor-core tilings (`--mma 1`, float8 weights at one row) take blocks of 16 or more and neither
+    programs_per_sm nor prefetch: the grid's values of those that do not apply are left out."""
     block_k = grid["block_k"] or ((512, 1024, 2048, 4096) if rows == 1 else (256, 512, 1024))
     stats = grid["stats_block"] if norm else (0,)
-    return [gemv.GemvConfig(n, kb, w, st, stats_block=sb, programs_per_sm=p, prefetch=bool(pre))
-            for n, kb, w, st, sb, p, pre in itertools.product(grid["block_n"], block_k, grid["warps"], grid["stages"],
-                                                             stats, grid["programs_per_sm"], grid["prefetch"])]
+    out = []
+    for n, kb, w, st, sb, p, pre, mma in itertools.product(grid["block_n"], block_k, grid["warps"], grid["stages"],
+                                                           stats, grid["programs_per_sm"], grid["prefetch"],
+                                                           grid["mma"]):
+        if mma and (n < 16 or kb < 16 or p or pre):
+            continue
+        out.append(gemv.GemvConfig(n, kb, w, st, stats_block=sb, programs_per_sm=p, prefetch=bool(pre),
+                                   mma=bool(mma)))
+    return out
 
 
 def weights(k: int, n: int, count: int, gen: torch.Generator, fp8: bool = False) -> list[torch.Tensor]:

@@ -5,7 +5,9 @@ times its weight row's scale. Checked against its reference
 the norm with and without the residual add, with SiLU-and-multiply after
 it): on CPU tensors through Triton's interpreter, on CUDA at Orpheus-3B's
 shapes, under CUDA-graph replay, and picked by `Linear` and `norm_project`
-at one CUDA row, close to the fp8 GEMM that more rows take."""
+at one CUDA row, close to the fp8 GEMM that more rows take. Its tensor-core
+form (`GemvConfig.mma`, `gemv_mma.py`) likewise, and across the magnitudes
+its power-of-two scaling of the row into float16 covers."""
 
 from __future__ import annotations
 
@@ -84,6 +86,54 @@ def test_fp8_gemv_interpreted_shapes_own_tiling(form):
     check(1, 41, 96, torch.bfloat16, "cpu", form, 3e-2)
 
 
+MMA_CONFIGS = [gemv.GemvConfig(block_n=16, block_k=32, mma=True),
+               gemv.GemvConfig(block_n=32, block_k=64, stats_block=128, mma=True)]
+
+
+@interpreted
+@pytest.mark.parametrize("n,k", [(40, 96), (37, 150)])
+@pytest.mark.parametrize("form", list(FORMS))
+def test_fp8_gemv_mma_interpreted(n, k, form):
+    # float16 rows go in as they are and come out rounded once: within an ulp (2^-11) of the largest output;
+    # bfloat16 rows: the interpreter rounds float32 -> bf16 toward zero, a bf16 ulp or two
+    for config in MMA_CONFIGS:
+        check(1, n, k, torch.float16, "cpu", form, 1e-3, config)
+        check(1, n, k, torch.bfloat16, "cpu", form, 1e-2, config)
+
+
+@interpreted
+@pytest.mark.parametrize("magnitude", [1e-30, 1e-6, 1e5, 1e30])
+@pytest.mark.parametrize("form", ["plain", "norm"])
+def test_fp8_gemv_mma_scales_any_row_into_float16(magnitude, form):
+    """Rows far outside float16's range (large: inf unscaled; small: its subnormals) or a norm weight that
+    takes them there: the power-of-two scaling keeps the product the reference's."""
+    x, _, nw, w, ws = _inputs(1, 40, 96, torch.bfloat16, "cpu", False)
+    config = MMA_CONFIGS[0]
+    if form == "plain":
+        x = (x.float() * magnitude).to(torch.bfloat16)
+        got, want = gemv.linear(x, w, config, weight_scale=ws), gemv.weight_only_reference(x, w, ws)
+    else:
+        nw = (nw.float() * magnitude).to(torch.bfloat16)
+        got = gemv.norm_linear(x, None, nw, EPS, w, config=config, weight_scale=ws)[0]
+        want = gemv.norm_linear_reference(x, None, nw, EPS, w, weight_scale=ws)[0]
+    assert torch.isfinite(got).all()
+    assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
+
+
+def test_fp8_gemv_mma_takes_one_float8_row_of_half_precision():
+    with pytest.raises(ValueError, match="16 or more"):
+        gemv.GemvConfig(block_n=8, block_k=64, mma=True)
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    w = torch.randn(32, 64, dtype=torch.bfloat16)
+    q, scale = quantize_rows_reference(w.float())
+    with pytest.raises(ValueError, match="float8 weights"):
+        gemv.linear(x, w, MMA_CONFIGS[0])
+    with pytest.raises(ValueError, match="one row"):
+        gemv.linear(torch.randn(2, 64, dtype=torch.bfloat16), q, MMA_CONFIGS[0], weight_scale=scale.reshape(-1))
+    with pytest.raises(ValueError, match="one row"):
+        gemv.linear(x.float(), q, MMA_CONFIGS[0], weight_scale=scale.reshape(-1))
+
+
 def test_fp8_weights_come_with_their_scales_only():
     x = torch.randn(1, 64)
     w = torch.randn(32, 64)
@@ -114,8 +164,10 @@ def test_the_weight_only_reference_is_near_the_full_product():
 @pytest.mark.parametrize("n,k,form", [(5120, 3072, "add_norm"), (3072, 3072, "plain"), (8192, 3072, "add_norm_silu"),
                                       (3072, 8192, "plain"), (5120, 3072, "norm"), (1001, 520, "add_norm_silu")])
 @pytest.mark.parametrize("config", [None, gemv.GemvConfig(block_n=4, block_k=1024, programs_per_sm=2, prefetch=True),
-                                    gemv.GemvConfig(block_n=8, block_k=4096, programs_per_sm=2, prefetch=True)],
-                         ids=["shapes_own", "persistent_prefetch", "wide"])
+                                    gemv.GemvConfig(block_n=8, block_k=4096, programs_per_sm=2, prefetch=True),
+                                    gemv.GemvConfig(block_n=16, block_k=128, num_stages=3, mma=True),
+                                    gemv.GemvConfig(block_n=64, block_k=256, num_warps=8, num_stages=4, mma=True)],
+                         ids=["shapes_own", "persistent_prefetch", "wide", "mma", "mma_wide"])
 def test_fp8_gemv_cuda(n, k, form, config):
     # summation order and cuda's own bf16 rounding only: within a bf16 ulp or two of the output's magnitude
     check(1, n, k, torch.bfloat16, "cuda", form, 1.6e-2, config)
@@ -131,8 +183,9 @@ def test_fp8_gemv_replays_under_cuda_graphs():
                     for s in ((1, 3072), (1, 3072), (3072,)))
         w = torch.randn(2 * 4096, 3072, generator=gen, device="cuda").to(FP8)
         return [x, r, nw, w]
-    same_on_replay(make, lambda x, r, nw, w: gemv.norm_linear(x, r, nw, EPS, w, silu=True,
-                                                              weight_scale=scale.reshape(-1)))
+    for config in (None, gemv.GemvConfig(block_n=16, block_k=128, num_stages=3, mma=True)):
+        same_on_replay(make, lambda x, r, nw, w: gemv.norm_linear(x, r, nw, EPS, w, silu=True, config=config,
+                                                                  weight_scale=scale.reshape(-1)))
 
 
 @cuda

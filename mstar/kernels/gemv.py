@@ -49,7 +49,9 @@ import torch
 import torch.nn.functional as F
 
 from mstar.kernels.activation import silu_and_mul_reference
+from mstar.kernels import gemv_mma
 from mstar.kernels.backend import block_size, cdiv, dependent_launch, jit, tl, use_triton
+from mstar.kernels.gemv_blocks import input_block, store_block
 from mstar.kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
 from mstar.kernels.quantize import FP8
 
@@ -76,10 +78,15 @@ class GemvConfig:
     programs_per_sm: int = 0
     # each step issues the next step's weight loads before its own products: twice the bytes in flight a program
     prefetch: bool = False
+    # float8 weights at one row: the products on the tensor cores (`gemv_mma.py`), a program a block of columns
+    # (blocks of 16 or more; programs_per_sm and prefetch do not apply, num_stages pipelines its K steps)
+    mma: bool = False
 
     def __post_init__(self) -> None:
         if self.block_n < 1 or self.block_k < 1 or self.num_warps < 1 or self.num_stages < 1:
             raise ValueError(f"{self}: blocks, warps and stages must be positive")
+        if self.mma and (self.block_n < 16 or self.block_k < 16):
+            raise ValueError(f"{self}: tensor-core products take blocks of 16 or more")
         if self.stats_block < 0 or self.programs_per_sm < 0:
             raise ValueError(f"{self}: stats_block and programs_per_sm must not be negative (0: the default)")
 
@@ -198,6 +205,13 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
         norm = norm_weight is not None
         # a weight copied by the kernel just before is read only after the wait: no dependent launch then
         pdl = cfg.pdl and not copied and dependent_launch(x)
+        if cfg.mma:
+            if not fp8:
+                raise ValueError(f"{cfg}: the tensor-core kernel takes float8 weights, got {weight.dtype}")
+            gemv_mma.launch(x, res, norm_weight.contiguous() if norm else None, eps, centered, weight,
+                            weight_scale.reshape(-1).float(), silu, out, stream, cfg.block_n, cfg.block_k,
+                            cfg.stats_block or cfg.block_k, cfg.num_warps, cfg.num_stages, pdl)
+            return out, stream
         _gemv_kernel[(_programs(x.device, cdiv(n, cfg.block_n), cfg.programs_per_sm),)](
             x, res if res is not None else x, norm_weight.contiguous() if norm else x, weight,
             weight_scale.reshape(-1).float() if fp8 else x, out, stream,
@@ -242,42 +256,6 @@ def _products(acc, acc_up, xs, w, wu, SILU: tl.constexpr):
     if SILU:
         acc_up += tl.sum(xs[:, None, :] * wu.to(tl.float32)[None, :, :], axis=2)
     return acc, acc_up
-
-
-@jit
-def _input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, kk, k_mask, inv, dtype: tl.constexpr,
-                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, CENTERED: tl.constexpr):
-    """A block of the rows the weight multiplies: x, or x (+ residual) normed, rounded where torch rounds."""
-    mask = row_mask[:, None] & k_mask[None, :]
-    xs = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=mask, other=0.0).to(tl.float32)
-    if NORM:
-        if RESIDUAL:
-            rs = tl.load(r_ptr + rows[:, None] * stride_r + kk[None, :], mask=mask, other=0.0).to(tl.float32)
-            xs = (xs + rs).to(dtype).to(tl.float32)
-        nw = tl.load(nw_ptr + kk, mask=k_mask, other=0.0).to(tl.float32)
-        if CENTERED:
-            xs = (xs * inv[:, None] * (1.0 + nw[None, :])).to(dtype).to(tl.float32)
-        else:
-            xs = ((xs * inv[:, None]).to(dtype).to(tl.float32) * nw[None, :]).to(dtype).to(tl.float32)
-    return xs
-
-
-@jit
-def _store_block(out_ptr, acc, acc_up, rows, row_mask, cols, col_mask, stride_out, ws_ptr, up_rows,
-                 dtype: tl.constexpr, SILU: tl.constexpr, FP8: tl.constexpr):
-    """A block of columns' outputs: the products, or silu(gate) * up, rounded where torch rounds; with FP8 the
-    sums times their float8 weight rows' scales first."""
-    if FP8:
-        acc = acc * tl.load(ws_ptr + cols, mask=col_mask, other=0.0)[None, :]
-        if SILU:
-            acc_up = acc_up * tl.load(ws_ptr + up_rows + cols, mask=col_mask, other=0.0)[None, :]
-    y = acc
-    if SILU:
-        gate = y.to(dtype).to(tl.float32)
-        act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-        y = act * acc_up.to(dtype).to(tl.float32)
-    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], y.to(dtype),
-             mask=row_mask[:, None] & col_mask[None, :])
 
 
 @jit(any_value=("m",))
@@ -334,12 +312,12 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, ws_ptr, out_ptr, stream_ptr, m, n,
     acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
     if PDL and not PREFETCH:
-        xs = _input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, offs_k, offs_k < k, inv, dtype,
+        xs = input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, offs_k, offs_k < k, inv, dtype,
                           NORM, RESIDUAL, CENTERED)
         acc, acc_up = _products(acc, acc_up, xs, w_first, wu_first, SILU)
         if k_steps == 1:
             cols = pid * BLOCK_N + offs_n
-            _store_block(out_ptr, acc, acc_up, rows, row_mask, cols, cols < n, stride_out, ws_ptr, up_rows,
+            store_block(out_ptr, acc, acc_up, rows, row_mask, cols, cols < n, stride_out, ws_ptr, up_rows,
                          dtype, SILU, FP8)
             acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
             acc_up = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
@@ -358,14 +336,14 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, ws_ptr, out_ptr, stream_ptr, m, n,
         else:
             w_cur, wu_cur = _weight_block(w_ptr, stride_w, up_offset, cols, kk, col_mask[:, None] & k_mask[None, :],
                                           SILU)
-        xs = _input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, kk, k_mask, inv, dtype,
+        xs = input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, kk, k_mask, inv, dtype,
                           NORM, RESIDUAL, CENTERED)
         acc, acc_up = _products(acc, acc_up, xs, w_cur, wu_cur, SILU)
         if PREFETCH:
             w_cur = w_next
             wu_cur = wu_next
         if step % k_steps == k_steps - 1:
-            _store_block(out_ptr, acc, acc_up, rows, row_mask, cols, col_mask, stride_out, ws_ptr, up_rows,
+            store_block(out_ptr, acc, acc_up, rows, row_mask, cols, col_mask, stride_out, ws_ptr, up_rows,
                          dtype, SILU, FP8)
             acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
             acc_up = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)

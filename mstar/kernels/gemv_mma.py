@@ -1,0 +1,131 @@
+"""One row's projection over float8 weight rows with its products on the
+tensor cores: x [1, K] (optionally RMSNormed first, after a residual add)
+and a float8 weight [N, K] with a float32 scale per row in, x @ weight.T
+[1, N] (or silu(gate) * up of a merged gate/up weight) out, in x's dtype.
+`gemv.py` launches it for a tiling with `mma` set.
+
+The CUDA-core kernel (`gemv.py`) turns every float8 weight element into
+float32 before its product, which sets its pace at about twice its bytes'
+floor. Here a program takes a block of weight rows [BLOCK_N, BLOCK_K] as
+float16 (one conversion instruction per two elements on Hopper) and
+multiplies it by the row repeated as the sixteen columns a tensor-core
+product needs at the least; the products are exact in float32 and sum
+there, as the CUDA-core kernel's do.
+
+The row goes in as float16. A bfloat16 value converts exactly within
+float16's range, so the product is the weight-only reference's
+(`gemv.weight_only_reference`) up to the order of its sums. Out of range
+is kept out by scaling: each program first bounds the row's magnitude (its
+largest element; through the norm, its largest element times the row's
+inverse RMS times the norm weight's largest), takes the row times the power
+of two that brings that bound to 2**13-2**14, and the sums times its
+inverse: exact both ways, and a row of small values keeps its bits clear of
+float16's subnormals.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mstar.kernels.backend import cdiv, jit, tl
+from mstar.kernels.gemv_blocks import input_block, store_block
+
+MMA_COLUMNS = 16  # the row repeated: a tensor-core product takes no narrower side
+RANGE_LOG2 = 14   # the row's bound in float16 after scaling (its largest finite value is ~2**16)
+SHIFT_MIN = 100   # the most a row is scaled up (2**100): float32's range holds the factor and its inverse
+MMA_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def launch(x: torch.Tensor, res: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float, centered: bool,
+           weight: torch.Tensor, weight_scale: torch.Tensor, silu: bool, out: torch.Tensor, stream: torch.Tensor,
+           block_n: int, block_k: int, stats_block: int, num_warps: int, num_stages: int, pdl: bool) -> None:
+    """Fill `out` (and, after a residual add, `stream`) for one row; the
+    caller (`gemv._launch`) has checked the shapes."""
+    if x.shape[0] != 1 or x.dtype not in MMA_DTYPES:
+        raise ValueError(f"the tensor-core kernel takes one row of {MMA_DTYPES}, got {tuple(x.shape)} {x.dtype}")
+    if block_n < 16 or block_k < 16:
+        raise ValueError(f"tensor-core products take blocks of 16 or more, got {block_n} x {block_k}")
+    n, k = out.shape[1], x.shape[1]
+    norm = norm_weight is not None
+    _gemv_mma_kernel[(cdiv(n, block_n),)](
+        x, res if res is not None else x, norm_weight if norm else x, weight, weight_scale, out, stream,
+        n, k, weight.stride(0), n if silu else 0, eps,
+        NORM=norm, RESIDUAL=res is not None, CENTERED=centered, SILU=silu, BLOCK_N=block_n, BLOCK_K=block_k,
+        STATS_BLOCK=stats_block, COLUMNS=MMA_COLUMNS, RANGE=RANGE_LOG2, SHIFT_MIN=SHIFT_MIN, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
+        **({"launch_pdl": True} if pdl else {}))
+
+
+@jit
+def _row_bound(x_ptr, r_ptr, nw_ptr, stream_ptr, k, eps, pid, dtype: tl.constexpr, NORM: tl.constexpr,
+               RESIDUAL: tl.constexpr, CENTERED: tl.constexpr, STATS_BLOCK: tl.constexpr):
+    """The row's inverse RMS (1 without the norm) and a bound on the
+    magnitude of what the weight multiplies. After a residual add the first
+    program writes the stream (the sum) as it goes."""
+    offs = tl.arange(0, STATS_BLOCK)
+    sq = tl.zeros([STATS_BLOCK], dtype=tl.float32)
+    top = tl.zeros([STATS_BLOCK], dtype=tl.float32)
+    gain = tl.zeros([STATS_BLOCK], dtype=tl.float32)
+    for k0 in range(0, k, STATS_BLOCK):
+        kk = k0 + offs
+        mask = kk < k
+        xs = tl.load(x_ptr + kk, mask=mask, other=0.0).to(tl.float32)
+        if RESIDUAL:
+            summed = (xs + tl.load(r_ptr + kk, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+            tl.store(stream_ptr + kk, summed, mask=mask & (pid == 0))
+            xs = summed.to(tl.float32)
+        top = tl.maximum(top, tl.abs(xs))
+        if NORM:
+            sq += xs * xs
+            nw = tl.load(nw_ptr + kk, mask=mask, other=0.0).to(tl.float32)
+            gain = tl.maximum(gain, tl.abs(1.0 + nw) if CENTERED else tl.abs(nw))
+    inv = 1.0
+    bound = tl.max(top, axis=0)
+    if NORM:
+        inv = tl.rsqrt(tl.sum(sq, axis=0) / k + eps)
+        bound = bound * inv * tl.max(gain, axis=0)
+    return inv, bound
+
+
+@jit
+def _gemv_mma_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, ws_ptr, out_ptr, stream_ptr, n, k, stride_w, up_rows, eps,
+                     NORM: tl.constexpr, RESIDUAL: tl.constexpr, CENTERED: tl.constexpr, SILU: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STATS_BLOCK: tl.constexpr,
+                     COLUMNS: tl.constexpr, RANGE: tl.constexpr, SHIFT_MIN: tl.constexpr, PDL: tl.constexpr):
+    pid = tl.program_id(0)
+    dtype = out_ptr.dtype.element_ty
+    if PDL:  # the weight is never the kernel before's output; x and the residual are
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    inv, bound = _row_bound(x_ptr, r_ptr, nw_ptr, stream_ptr, k, eps, pid, dtype, NORM, RESIDUAL, CENTERED,
+                            STATS_BLOCK)
+    inv_row = tl.zeros([1], dtype=tl.float32) + inv
+    # a power of two that brings the bound to 2**13-2**14: the row's float16 form stays exact (a small row's too,
+    # clear of float16's subnormals), and so do the sums brought back; a row of zeros as it is
+    shift = tl.where(bound > 0, tl.maximum(tl.ceil(tl.log2(bound)) - RANGE, -SHIFT_MIN), 0.0)
+    down = tl.exp2(-shift)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
+    up_offset = up_rows.to(tl.int64) * stride_w
+    offs_k = tl.arange(0, BLOCK_K)
+    one = tl.arange(0, 1)
+    acc = tl.zeros([BLOCK_N, COLUMNS], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, COLUMNS], dtype=tl.float32)
+    for k0 in range(0, k, BLOCK_K):
+        kk = k0 + offs_k
+        k_mask = kk < k
+        xs = input_block(x_ptr, r_ptr, nw_ptr, one, one < 1, 0, 0, kk, k_mask, inv_row, dtype, NORM, RESIDUAL,
+                         CENTERED)
+        row = tl.broadcast_to(tl.trans(xs * down).to(tl.float16), (BLOCK_K, COLUMNS))
+        w_mask = col_mask[:, None] & k_mask[None, :]
+        acc = tl.dot(tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0).to(tl.float16), row, acc)
+        if SILU:
+            wu = tl.load(w_rows + up_offset + kk[None, :], mask=w_mask, other=0.0).to(tl.float16)
+            acc_up = tl.dot(wu, row, acc_up)
+    # every column of the products is the row's: keep the first, times the scaling's inverse
+    first = tl.arange(0, COLUMNS)[None, :] == 0
+    up = tl.exp2(shift)
+    y = tl.sum(tl.where(first, acc, 0.0), axis=1) * up
+    y_up = tl.sum(tl.where(first, acc_up, 0.0), axis=1) * up
+    store_block(out_ptr, y[None, :], y_up[None, :], one, one < 1, cols, col_mask, 0, ws_ptr, up_rows, dtype, SILU,
+                 True)
