@@ -51,7 +51,8 @@ def launch(x: torch.Tensor, res: torch.Tensor | None, norm_weight: torch.Tensor 
         x, res if res is not None else x, norm_weight if norm else x, weight, weight_scale, out, stream,
         n, k, weight.stride(0), n if silu else 0, eps,
         NORM=norm, RESIDUAL=res is not None, CENTERED=centered, SILU=silu, BLOCK_N=block_n, BLOCK_K=block_k,
-        STATS_BLOCK=stats_block, COLUMNS=MMA_COLUMNS, RANGE=RANGE_LOG2, SHIFT_MIN=SHIFT_MIN, PDL=pdl, num_warps=num_warps, num_stages=num_stages,
+        STATS_BLOCK=stats_block, COLUMNS=MMA_COLUMNS, RANGE=RANGE_LOG2, SHIFT_MIN=SHIFT_MIN, PDL=pdl,
+        num_warps=num_warps, num_stages=num_stages,
         **({"launch_pdl": True} if pdl else {}))
 
 
