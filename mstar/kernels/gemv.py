@@ -60,6 +60,9 @@ MIN_WEIGHT = 1 << 20  # elements; a smaller weight's projection is a few microse
 KERNEL_ROWS = 16  # the most rows a launch takes (its accumulators grow with them)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 HEAD_WIDTH = 16384  # outputs from which a projection is a vocabulary's head: its blocks fill the GPU as they are
+# the tensor-core kernel's pass over the row before its products (its bound; the norm's statistics): in one
+# block where K allows, since nothing else is in flight while it runs
+MMA_STATS_BLOCK = 4096
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,8 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.numel() >= MIN_WEIGHT)
 
 
-def config_for(rows: int, n: int, k: int, norm: bool = False, silu: bool = False, fp8: bool = False) -> GemvConfig:
+def config_for(rows: int, n: int, k: int, norm: bool = False, silu: bool = False, fp8: bool = False,
+               half: bool = True) -> GemvConfig:
     """A fixed tiling from the shape (no autotuning: launches stay the same
     from run to run and capturable), the fastest of a sweep of Orpheus-3B's
     projections (`scripts/bench_gemv.py`, on an H100).
@@ -115,9 +119,15 @@ def config_for(rows: int, n: int, k: int, norm: bool = False, silu: bool = False
     a program per block of 2 columns, its statistics in one pass over K. A
     vocabulary's head has programs enough to fill the GPU in blocks of 1,024.
     More rows: narrower K blocks, whose products take registers. float8
-    weights: blocks of 4 columns (their conversion to float32, not their
-    bytes, sets the pace)."""
+    weights at one row of half precision (`half`): with the norm ahead, the
+    tensor-core kernel (`gemv_mma.py`) in blocks of 32-64 columns; plain,
+    blocks of 4 columns on CUDA cores (their conversion to float32, not
+    their bytes, sets the pace)."""
     whole_k = block_size(k)
+    if fp8 and rows == 1 and n < HEAD_WIDTH and (norm or silu) and half:  # tensor cores: the fastest of
+        # `bench_gemv.py --fp8 --mma 1`'s sweep (H100), against ~1.3x their time on CUDA cores
+        return GemvConfig(block_n=32 if silu else 64, block_k=max(16, min(256, whole_k)), num_warps=4,
+                          num_stages=3 if silu else 4, mma=True)
     if fp8 and rows == 1 and n < HEAD_WIDTH:  # the fastest of `bench_gemv.py --fp8`'s sweep (H100)
         if silu:
             return GemvConfig(block_n=4, block_k=min(1024, whole_k), num_warps=4, programs_per_sm=4, prefetch=True,
@@ -200,7 +210,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
     out = (torch.empty if k else torch.zeros)(m, n, dtype=x.dtype, device=x.device)  # no K: a sum of nothing
     res = residual if residual is None or residual.stride(-1) == 1 else residual.contiguous()
     stream = torch.empty_like(x) if res is not None else x
-    cfg = config or config_for(m, n, k, norm_weight is not None, silu, fp8)
+    cfg = config or config_for(m, n, k, norm_weight is not None, silu, fp8, x.dtype in gemv_mma.MMA_DTYPES)
     if m and n and k:
         norm = norm_weight is not None
         # a weight copied by the kernel just before is read only after the wait: no dependent launch then
@@ -210,7 +220,8 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
                 raise ValueError(f"{cfg}: the tensor-core kernel takes float8 weights, got {weight.dtype}")
             gemv_mma.launch(x, res, norm_weight.contiguous() if norm else None, eps, centered, weight,
                             weight_scale.reshape(-1).float(), silu, out, stream, cfg.block_n, cfg.block_k,
-                            cfg.stats_block or cfg.block_k, cfg.num_warps, cfg.num_stages, pdl)
+                            cfg.stats_block or min(block_size(k), MMA_STATS_BLOCK), cfg.num_warps, cfg.num_stages,
+                            pdl)
             return out, stream
         _gemv_kernel[(_programs(x.device, cdiv(n, cfg.block_n), cfg.programs_per_sm),)](
             x, res if res is not None else x, norm_weight.contiguous() if norm else x, weight,
