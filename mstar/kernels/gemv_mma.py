@@ -88,13 +88,47 @@ def _row_bound(x_ptr, r_ptr, nw_ptr, stream_ptr, k, eps, pid, dtype: tl.constexp
 
 
 @jit
+def _weight_block(w_rows, up_offset, kk, mask, SILU: tl.constexpr):
+    """A K block of the program's weight rows (and of their up half's), as stored."""
+    w = tl.load(w_rows + kk[None, :], mask=mask, other=0.0)
+    wu = w
+    if SILU:
+        wu = tl.load(w_rows + up_offset + kk[None, :], mask=mask, other=0.0)
+    return w, wu
+
+
+@jit
+def _products(acc, acc_up, w, wu, x_ptr, r_ptr, nw_ptr, kk, k_mask, inv_row, down, dtype: tl.constexpr,
+              NORM: tl.constexpr, RESIDUAL: tl.constexpr, CENTERED: tl.constexpr, SILU: tl.constexpr,
+              BLOCK_K: tl.constexpr, COLUMNS: tl.constexpr):
+    """The accumulators with a K block's products added: the weight block as float16 times the row's block,
+    scaled into float16 and repeated as the product's columns."""
+    one = tl.arange(0, 1)
+    xs = input_block(x_ptr, r_ptr, nw_ptr, one, one < 1, 0, 0, kk, k_mask, inv_row, dtype, NORM, RESIDUAL,
+                     CENTERED)
+    row = tl.broadcast_to(tl.trans(xs * down).to(tl.float16), (BLOCK_K, COLUMNS))
+    acc = tl.dot(w.to(tl.float16), row, acc)
+    if SILU:
+        acc_up = tl.dot(wu.to(tl.float16), row, acc_up)
+    return acc, acc_up
+
+
+@jit
 def _gemv_mma_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, ws_ptr, out_ptr, stream_ptr, n, k, stride_w, up_rows, eps,
                      NORM: tl.constexpr, RESIDUAL: tl.constexpr, CENTERED: tl.constexpr, SILU: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STATS_BLOCK: tl.constexpr,
                      COLUMNS: tl.constexpr, RANGE: tl.constexpr, SHIFT_MIN: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     dtype = out_ptr.dtype.element_ty
-    if PDL:  # the weight is never the kernel before's output; x and the residual are
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
+    up_offset = up_rows.to(tl.int64) * stride_w
+    offs_k = tl.arange(0, BLOCK_K)
+    # the weight's first K block ahead of the row's pass: under PDL it loads while the kernel before ends (the
+    # weight is never that kernel's output; x and the residual are, read after the wait)
+    w, wu = _weight_block(w_rows, up_offset, offs_k, col_mask[:, None] & (offs_k < k)[None, :], SILU)
+    if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     inv, bound = _row_bound(x_ptr, r_ptr, nw_ptr, stream_ptr, k, eps, pid, dtype, NORM, RESIDUAL, CENTERED,
@@ -104,29 +138,22 @@ def _gemv_mma_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, ws_ptr, out_ptr, stream_ptr, n
     # clear of float16's subnormals), and so do the sums brought back; a row of zeros as it is
     shift = tl.where(bound > 0, tl.maximum(tl.ceil(tl.log2(bound)) - RANGE, -SHIFT_MIN), 0.0)
     down = tl.exp2(-shift)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < n
-    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
-    up_offset = up_rows.to(tl.int64) * stride_w
-    offs_k = tl.arange(0, BLOCK_K)
-    one = tl.arange(0, 1)
     acc = tl.zeros([BLOCK_N, COLUMNS], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, COLUMNS], dtype=tl.float32)
-    for k0 in range(0, k, BLOCK_K):
+    acc, acc_up = _products(acc, acc_up, w, wu, x_ptr, r_ptr, nw_ptr, offs_k, offs_k < k, inv_row, down, dtype,
+                            NORM, RESIDUAL, CENTERED, SILU, BLOCK_K, COLUMNS)
+    for k0 in range(BLOCK_K, k, BLOCK_K):
         kk = k0 + offs_k
         k_mask = kk < k
-        xs = input_block(x_ptr, r_ptr, nw_ptr, one, one < 1, 0, 0, kk, k_mask, inv_row, dtype, NORM, RESIDUAL,
-                         CENTERED)
-        row = tl.broadcast_to(tl.trans(xs * down).to(tl.float16), (BLOCK_K, COLUMNS))
-        w_mask = col_mask[:, None] & k_mask[None, :]
-        acc = tl.dot(tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0).to(tl.float16), row, acc)
-        if SILU:
-            wu = tl.load(w_rows + up_offset + kk[None, :], mask=w_mask, other=0.0).to(tl.float16)
-            acc_up = tl.dot(wu, row, acc_up)
+        # names of the loop's own: the first block's are no loop-carried values
+        w_k, wu_k = _weight_block(w_rows, up_offset, kk, col_mask[:, None] & k_mask[None, :], SILU)
+        acc, acc_up = _products(acc, acc_up, w_k, wu_k, x_ptr, r_ptr, nw_ptr, kk, k_mask, inv_row, down, dtype,
+                                NORM, RESIDUAL, CENTERED, SILU, BLOCK_K, COLUMNS)
     # every column of the products is the row's: keep the first, times the scaling's inverse
     first = tl.arange(0, COLUMNS)[None, :] == 0
     up = tl.exp2(shift)
     y = tl.sum(tl.where(first, acc, 0.0), axis=1) * up
     y_up = tl.sum(tl.where(first, acc_up, 0.0), axis=1) * up
+    one = tl.arange(0, 1)
     store_block(out_ptr, y[None, :], y_up[None, :], one, one < 1, cols, col_mask, 0, ws_ptr, up_rows, dtype, SILU,
-                 True)
+                True)
