@@ -1,6 +1,6 @@
 """What every request's intake resolves alike, worked out once: the served
-model a request names as a `Target` (for as long as the engine's card and
-tokenizer are the same), and a route's names for the fields the model
+model a request names as a `Target` (by the app's `Targets`, for as long as
+the engine's card and tokenizer are the same), and a route's names for the fields the model
 names in its errors."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 
 from mstar.errors import ModelNotFound, RequestError
-from mstar.http.submission import resolve_model, spoken_names
+from mstar.http.submission import Targets, spoken_names
 from mstar.types import ModelCard, SamplingParams
 
 
 class FakeEngine:
-    """What `resolve_model` reads of an engine: its name, cards and tokenizer."""
+    """What `Targets` reads of an engine: its name, cards and tokenizer."""
 
     def __init__(self, card: ModelCard, tokenizer: Any = None) -> None:
         self.card, self.tok = card, tokenizer
@@ -39,27 +39,30 @@ def card(**kw: Any) -> ModelCard:
 
 def test_a_target_is_made_once_per_card_name_and_tokenizer() -> None:
     engine = FakeEngine(card(), tokenizer=object())
-    target = resolve_model(engine, None)
+    targets = Targets(engine)
+    target = targets.resolve(None)
     assert target.name == "m" and target.tokenizer is engine.tok and target.tts_walk == "speak"
     assert target.tts_sampling == SamplingParams(max_tokens=None, temperature=0.6)
-    assert resolve_model(engine, "m") is target and resolve_model(engine, None) is target
-    alias = resolve_model(engine, "alias")
-    assert alias.name == "alias" and alias is not target and resolve_model(engine, "alias") is alias
+    assert targets.resolve("m") is target and targets.resolve(None) is target
+    alias = targets.resolve("alias")
+    assert alias.name == "alias" and alias is not target and targets.resolve("alias") is alias
     # an engine that started again has a new card; a tokenizer of its own is another target too
     engine.card = card()
-    restarted = resolve_model(engine, "m")
+    restarted = targets.resolve("m")
     assert restarted is not target and restarted == target
     engine.tok = object()
-    assert resolve_model(engine, "m").tokenizer is engine.tok
+    assert targets.resolve("m").tokenizer is engine.tok
     engine.tok = None
-    assert resolve_model(engine, "m").tokenizer is None
+    assert targets.resolve("m").tokenizer is None
+    # another app's resolver keeps its own
+    assert Targets(engine).resolve("m") is not targets.resolve("m")
 
 
 def test_a_model_not_served_is_still_refused() -> None:
-    engine = FakeEngine(card())
-    resolve_model(engine, "m")
+    targets = Targets(FakeEngine(card()))
+    targets.resolve("m")
     with pytest.raises(ModelNotFound):
-        resolve_model(engine, "other")
+        targets.resolve("other")
 
 
 def test_spoken_names_are_shared_and_read_only() -> None:

@@ -23,11 +23,11 @@ from mstar.config import EngineConfig
 from mstar.engine.engine import Engine
 from mstar.engine.messages import StepReport
 from mstar.errors import RequestError
-from mstar.graph import Component, Emit, EosToken, FanOut, HostStop, Loop, MaxTokens, Step, Walk, compile_walk
+from mstar.graph import (Component, Emit, EosToken, FanOut, HostStop, Loop, MaxTokens, Step, Walk, compile_walk,
+                         samples)
 from mstar.models.base import Model
 from mstar.models.llama import LlamaModel
-from mstar.models import prepared as intake
-from mstar.models.prepared import PreparedPiece, key_seed, sampling_keys
+from mstar.models.prepared import PreparedPiece, key_seed
 from mstar.models.registry import load_model
 from mstar.types import GenerateRequest, SamplingParams
 
@@ -164,25 +164,12 @@ def test_params_replace_is_dataclasses_replace() -> None:
     assert not hasattr(SamplingParams, "__post_init__")
 
 
-def test_a_walks_keys_are_worked_out_once_per_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_walks_sampling_keys_come_compiled_in_its_plan() -> None:
+    # worked out once, when the walk compiles: every request's intake reads them off the plan
     model = PairModel()
-    drawn: list[str] = []
-    real = intake._draw_keys
-
-    def counted(plan: Any) -> tuple[str, ...]:
-        drawn.append(plan.name)
-        return real(plan)
-
-    monkeypatch.setattr(intake, "_draw_keys", counted)
     plan = compile_walk("pair", model.walks["pair"], model.components)
-    for _ in range(3):
-        assert sampling_keys(plan, model.components) == ("llm", "echo")
-    assert drawn == ["pair"]
-    # another plan of the same walk, or other components, are their own
-    again = compile_walk("pair", model.walks["pair"], model.components)
-    assert sampling_keys(again, model.components) == ("llm", "echo") and drawn == ["pair"] * 2
-    assert sampling_keys(again, dict(model.components)) == ("llm", "echo") and drawn == ["pair"] * 3
-    assert sampling_keys(plan, model.components) == ("llm", "echo") and drawn == ["pair"] * 3
+    assert plan.sampling_keys == ("llm", "echo") and plan.draw_keys == ()
+    assert samples(model.components["llm"], "prefill")
 
 
 # ------------------------------------------------------------------ engine

@@ -72,6 +72,10 @@ class WalkPlan:
     streams: dict[str, tuple[StreamPlan, ...]] = field(default_factory=dict)
     forks: dict[tuple[str, int], tuple[str, ...]] = field(default_factory=dict)
     more_input: tuple[str, ...] | None = None   # the inputs a later turn brings (`Walk.more_input`)
+    # the keys a request's sampling takes, the root's first: each partition with a step that samples under the
+    # partition's key, each step's own key (`Step.sampling`), and the keys of tokens modes draw themselves
+    sampling_keys: tuple[str, ...] = ()
+    draw_keys: tuple[str, ...] = ()  # of those, the keys of in-mode draws (`Step.draws`)
 
     def components(self) -> set[str]:
         return {s.component for p in self.partitions.values() for s in p.steps}
@@ -103,6 +107,12 @@ def _bind(what: str, declared: tuple[In, ...] | tuple[Out, ...], values: tuple[s
     if unknown:
         raise BindingError(f"binds {what}s {unknown} the mode does not have; it has {have}")
     return dict(zip(names, values))
+
+
+def samples(component: Component, mode: str) -> bool:
+    """Whether steps of `mode` draw tokens: a sampling component's, or a mode declaring a TOKEN output."""
+    sig = component.signature(mode)
+    return component.samples or (sig is not None and any(o.kind is Kind.TOKEN for o in sig.outputs))
 
 
 def compile_walk(name: str, walk: Walk, components: dict[str, Component]) -> WalkPlan:
@@ -151,6 +161,13 @@ class _Builder:
                 raise self.fail(f"emit {value}", f"emits '{value}', which an Each writes per branch: emit what a "
                                                  f"step joining them writes instead")
         self._check_more_input(root)
+        draws = tuple(step.draws for part in self.partitions.values() for step in part.steps
+                      if step.draws is not None)
+        sampling = [name for name, part in self.partitions.items()
+                    if any(samples(self.components[step.component], step.mode) and step.sampling is None
+                           for step in part.steps)]
+        sampling += [step.sampling for part in self.partitions.values() for step in part.steps
+                     if step.sampling is not None]
         return WalkPlan(
             name=self.name,
             inputs=self.walk.inputs,
@@ -160,7 +177,10 @@ class _Builder:
             streams={k: tuple(v) for k, v in self.streams.items()},
             forks=self.forks,
             more_input=self.walk.more_input,
+            sampling_keys=tuple(dict.fromkeys((root, *sampling, *draws))),
+            draw_keys=draws,
         )
+
 
     def _check_more_input(self, root: str) -> None:
         more = self.walk.more_input

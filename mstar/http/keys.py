@@ -1,5 +1,5 @@
 """Typed keys of what the aiohttp application and each request hold: the
-engine served, when the app was built (the `created` time `/v1/models`
+engine served and the models it serves as requests resolve them, when the app was built (the `created` time `/v1/models`
 shows), the open realtime sockets, the media decoder and its limits, spoken
 answers' transcripts, and the request's id."""
 
@@ -13,9 +13,11 @@ if TYPE_CHECKING:
     from mstar.engine.engine import Engine
     from mstar.config import MediaLimits
     from mstar.http.media import MediaDecoder
+    from mstar.http.submission import Targets
     from mstar.http.text.transcripts import Transcripts
 
 ENGINE: web.AppKey[Engine] = web.AppKey("mstar_engine")
+TARGETS: web.AppKey[Targets] = web.AppKey("mstar_targets")  # the served models a request may name, resolved
 STARTED = web.AppKey("mstar_started", int)      # unix time the app was built
 # realtime connections open now: shutdown closes them with "going away" once their responses ended
 SOCKETS = web.AppKey("mstar_sockets", set)

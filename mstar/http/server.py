@@ -29,11 +29,12 @@ from mstar.http.speech import routes as speech_routes
 from mstar.http.text import native_routes, openai_routes, tokenize_routes
 from mstar.http.access import Origins, access_middlewares
 from mstar.http.deadlines import body_deadline
-from mstar.http.keys import ADMITTED_NOW, CLOSING, ENGINE, MEDIA, MEDIA_LIMITS, SOCKETS, STARTED, TRANSCRIPTS
+from mstar.http.keys import (ADMITTED_NOW, CLOSING, ENGINE, MEDIA, MEDIA_LIMITS, SOCKETS, STARTED, TARGETS,
+                             TRANSCRIPTS)
 from mstar.http.media import MediaDecoder
 from mstar.http.logs import Handler, add_request_id_header, request_context
 from mstar.http.responses import error_response, json_response, request_error_body
-from mstar.http.submission import ClientGone, GenerationFailed
+from mstar.http.submission import ClientGone, GenerationFailed, Targets
 from mstar.http.text.transcripts import Transcripts
 
 if TYPE_CHECKING:
@@ -177,6 +178,7 @@ def build_app(engine: Engine, *, manage_engine: bool = True, drain_s: float = DR
                                        admission, continue_body, body_deadline(config.body_timeout)],
                           client_max_size=MAX_BODY_BYTES)
     app[ENGINE] = engine
+    app[TARGETS] = Targets(engine)
     app[SOCKETS] = set()
     app[CLOSING] = set()
     admitted = app[ADMITTED_NOW] = {}

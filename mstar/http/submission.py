@@ -77,43 +77,46 @@ class Target:
         return (walk or self.default_walk) in (self.tts_walk, self.early_tts_walk)
 
 
-def resolve_model(engine: Engine, requested: str | None) -> Target:
-    """The model a request names (default: the engine's); 404 if not served.
-    `tokenizer` (None for a model without one) is for the answer's side:
-    token strings of logprobs, whether a chat template is there."""
-    name = requested or engine.model_name
-    card = next((c for c in engine.model_cards() if c.answers_to(name)), None)
-    if card is None:
-        raise ModelNotFound(name)
-    try:
-        tokenizer = engine.tokenizer(name)
-    except ModelNotFound:
-        raise
-    except RequestError:
-        tokenizer = None
-    kept = _TARGETS.get((id(card), name))
-    if kept is not None and kept[0] is card and kept[1].tokenizer is tokenizer:
-        return kept[1]
-    # a request that gives no max_tokens sends None: the model's default budget within the room its prompt
-    # leaves (`fit_context`), so a default larger than a short context shortens the answer, not refuses it
-    tts = card.tts_sampling.replace(max_tokens=None)
-    # answers name the model as the request did, by whichever of its served names (vLLM's)
-    target = Target(name=name, tokenizer=tokenizer, max_model_len=card.max_model_len, walks=tuple(card.walks),
-                    default_walk=card.default_walk, input_modalities=tuple(card.input_modalities),
-                    tts_walk=card.tts_walk, spoken_chat_walk=card.spoken_chat_walk, tts_sampling=tts,
-                    early_tts_walk=card.early_tts_walk, written_walk=card.written_walk,
-                    spoken_audio_key=card.spoken_audio_key)
-    if len(_TARGETS) >= TARGETS_KEPT:
-        _TARGETS.clear()
-    _TARGETS[(id(card), name)] = (card, target)
-    return target
+class Targets:
+    """The served models' `Target`s, made once per (card, name, tokenizer):
+    a Target is made of those alone, every request resolves one, and a card
+    (frozen) is the engine's own until it starts again. The app owns one
+    (`keys.TARGETS`), beside its engine."""
 
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._kept: dict[str, tuple[ModelCard, Any, Target]] = {}  # by the name requested
 
-# (card id, name) -> (card, its Target): a Target is made of the card, the name and the tokenizer alone, the card
-# (frozen) is the engine's own until it restarts, and every request resolves one; the card is kept to tell a
-# reused id from its own
-_TARGETS: dict[tuple[int, str], tuple[ModelCard, Target]] = {}
-TARGETS_KEPT = 16  # targets kept; past it the cache starts over
+    def resolve(self, requested: str | None) -> Target:
+        """The model a request names (default: the engine's); 404 if not
+        served. `tokenizer` (None for a model without one) is for the
+        answer's side: token strings of logprobs, whether a chat template
+        is there."""
+        engine = self._engine
+        name = requested or engine.model_name
+        card = next((c for c in engine.model_cards() if c.answers_to(name)), None)
+        if card is None:
+            raise ModelNotFound(name)
+        try:
+            tokenizer = engine.tokenizer(name)
+        except ModelNotFound:
+            raise
+        except RequestError:
+            tokenizer = None
+        kept = self._kept.get(name)
+        if kept is not None and kept[0] is card and kept[1] is tokenizer:
+            return kept[2]
+        # a request that gives no max_tokens sends None: the model's default budget within the room its prompt
+        # leaves (`fit_context`), so a default larger than a short context shortens the answer, not refuses it
+        tts = card.tts_sampling.replace(max_tokens=None)
+        # answers name the model as the request did, by whichever of its served names (vLLM's)
+        target = Target(name=name, tokenizer=tokenizer, max_model_len=card.max_model_len, walks=tuple(card.walks),
+                        default_walk=card.default_walk, input_modalities=tuple(card.input_modalities),
+                        tts_walk=card.tts_walk, spoken_chat_walk=card.spoken_chat_walk, tts_sampling=tts,
+                        early_tts_walk=card.early_tts_walk, written_walk=card.written_walk,
+                        spoken_audio_key=card.spoken_audio_key)
+        self._kept[name] = (card, tokenizer, target)  # a name per model and alias: a handful
+        return target
 
 
 async def off_loop(size: int, fn: Callable[..., R], *args: Any) -> R:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mstar.errors import CONTEXT_EXCEEDED, ConfigError, RequestError
-from mstar.graph import Component, Kind, WalkPlan
+from mstar.graph import Component, WalkPlan, samples
 from mstar.types import GenerateRequest, SamplingParams
 
 if TYPE_CHECKING:
@@ -68,38 +68,6 @@ class Prepared:
         return self.sampling_of == (request.request_id, request.sampling, request.sampling_by)
 
 
-def sampling_keys(plan: WalkPlan, components: dict[str, Component]) -> tuple[str, ...]:
-    """The walk's sampling keys, the root's first: each partition with a step
-    that samples under the partition's key, each step's own key, and the keys
-    of in-mode draws."""
-    return _walk_keys(plan, components)[0]
-
-
-# plan id -> (plan, components, its sampling keys, its draw keys): every request's intake asks for them, and a
-# plan (frozen, compiled once) and a model's components do not change; the plan and components are kept to tell
-# a reused id from theirs
-_KEYS: dict[int, tuple[WalkPlan, dict[str, Component], tuple[str, ...], tuple[str, ...]]] = {}
-KEYS_KEPT = 256  # plans whose keys are kept; past it the cache starts over
-
-
-def _walk_keys(plan: WalkPlan, components: dict[str, Component]) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """`plan`'s (sampling keys, draw keys)."""
-    kept = _KEYS.get(id(plan))
-    if kept is not None and kept[0] is plan and kept[1] is components:
-        return kept[2], kept[3]
-    draws = _draw_keys(plan)
-    sampling = [name for name, part in plan.partitions.items()
-                if any(_samples(components[step.component], step.mode) and step.sampling is None
-                       for step in part.steps)]
-    sampling += [step.sampling for part in plan.partitions.values() for step in part.steps
-                 if step.sampling is not None]
-    keys = tuple(dict.fromkeys((plan.root, *sampling, *draws)))
-    if len(_KEYS) >= KEYS_KEPT:
-        _KEYS.clear()
-    _KEYS[id(plan)] = (plan, components, keys, draws)
-    return keys, draws
-
-
 def check_roles(model: Model, plans: dict[str, WalkPlan]) -> None:
     """The walks a model names for its APIs are among its walks, and the key
     it names for a spoken answer's frames is a sampling key of its spoken
@@ -109,21 +77,9 @@ def check_roles(model: Model, plans: dict[str, WalkPlan]) -> None:
         if walk is not None and walk not in plans:
             raise ConfigError(f"model '{model.name}': its {role} '{walk}' is not one of its walks ({', '.join(plans)})")
     key, walk = model.spoken_audio_key, model.spoken_chat_walk
-    if key is not None and (walk is None or key not in sampling_keys(plans[walk], model.components)):
+    if key is not None and (walk is None or key not in plans[walk].sampling_keys):
         raise ConfigError(f"model '{model.name}': its spoken_audio_key '{key}' is not a sampling key of its "
                           f"spoken_chat_walk '{walk}'")
-
-
-def _draw_keys(plan: WalkPlan) -> tuple[str, ...]:
-    """The keys of tokens modes sample themselves (`Step(draws=)`)."""
-    return tuple(step.draws for part in plan.partitions.values() for step in part.steps if step.draws is not None)
-
-
-def _samples(component: Component, mode: str) -> bool:
-    """Whether steps of `mode` draw tokens: a declared TOKEN output, or a
-    name-only mode of a sampling component."""
-    sig = component.signature(mode)
-    return component.samples or (sig is not None and any(o.kind is Kind.TOKEN for o in sig.outputs))
 
 
 def resolve_sampling(request: GenerateRequest, plan: WalkPlan, components: dict[str, Component],
@@ -131,7 +87,7 @@ def resolve_sampling(request: GenerateRequest, plan: WalkPlan, components: dict[
     """Every sampling key's params, validated, each with a seed: the root
     keeps the request's (a random one if it has none), another key without
     its own seed draws from `key_seed(root seed, key)`."""
-    keys, draws = _walk_keys(plan, components)
+    keys, draws = plan.sampling_keys, plan.draw_keys
     for key in request.sampling_by:
         if key not in keys:
             raise RequestError(f"walk '{plan.name}' has no sampling key '{key}'; its keys are {list(keys)}",
@@ -203,7 +159,7 @@ def fit_context(sampling: dict[str, SamplingParams], plan: WalkPlan, components:
                            "tokens, leaving no room to generate", field=piece.field, code=CONTEXT_EXCEEDED)
     asked = sampling[root].max_tokens
     # whether the root generates is asked last: only a budget past the room needs it
-    if asked is not None and asked > room and any(_samples(components[step.component], step.mode)
+    if asked is not None and asked > room and any(samples(components[step.component], step.mode)
                                                   for step in plan.partitions[root].steps):
         raise RequestError(f"{asked} tokens plus the {piece.num_tokens}-token prompt exceed the model's context of "
                            f"{max_model_len} tokens; at most {room} can be generated here", field="max_tokens",

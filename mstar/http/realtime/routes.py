@@ -23,11 +23,10 @@ import orjson
 import structlog
 from aiohttp import WSCloseCode, WSMsgType, web
 
-from mstar.http.keys import CLOSING, ENGINE, MEDIA_LIMITS, SOCKETS
+from mstar.http.keys import CLOSING, ENGINE, MEDIA_LIMITS, SOCKETS, TARGETS
 from mstar.http.realtime.protocol import ProtocolError, check_event, error_event, parse_event
 from mstar.http.realtime.response import SETTLE_S
 from mstar.http.realtime.session import RealtimeSession
-from mstar.http.submission import resolve_model
 
 log = structlog.get_logger("mstar.realtime")
 
@@ -67,7 +66,7 @@ async def realtime(request: web.Request) -> web.StreamResponse:
         # malformed gets aiohttp's own 400 from `prepare`, which says what is wrong with it
         raise web.HTTPUpgradeRequired(headers={"Upgrade": "websocket", "Connection": "Upgrade"})
     engine = request.app[ENGINE]
-    target = resolve_model(engine, request.query.get("model"))
+    target = request.app[TARGETS].resolve(request.query.get("model"))
     card = next(c for c in engine.model_cards() if c.answers_to(target.name))
     # "realtime": what a browser offers beside its key's subprotocol (access.py), and must hear back
     ws = _Socket(max_msg_size=MAX_MESSAGE_BYTES, heartbeat=HEARTBEAT_S, protocols=("realtime",))

@@ -44,12 +44,12 @@ from aiohttp import web
 from mstar.errors import MstarError, RequestError
 from mstar.http.speech.audio import CONTENT_TYPES, AudioEncoder, encode_whole, encoder_for
 from mstar.http.ids import uuid4_hex
-from mstar.http.keys import ENGINE
+from mstar.http.keys import ENGINE, TARGETS
 from mstar.http.responses import client_gone, error_body, request_error_body
 from mstar.http.speech.streamed_input import StreamedInput
 from mstar.http.speech.protocol import SpeechBody, parse_speech
 from mstar.http.submission import (Choice, ClientGone, GenerationFailed, Inputs, Submission, failure_of,
-                                   resolve_model, spoken_names, submit)
+                                   spoken_names, submit)
 from mstar.types import OutputChunk, SamplingParams
 
 log = structlog.get_logger("mstar.http")
@@ -68,7 +68,7 @@ async def speech(request: web.Request) -> web.StreamResponse:
     streamed = request.content_type == NDJSON
     body = parse_speech(await request.content.readline() if streamed else await request.read())
     engine = request.app[ENGINE]
-    target = resolve_model(engine, body.model)
+    target = request.app[TARGETS].resolve(body.model)
     if target.tts_walk is None:
         raise RequestError(f"model '{target.name}' does not speak: it has no text-to-speech walk (its walks: "
                            f"{', '.join(target.walks)})", field="model")

@@ -29,12 +29,12 @@ from aiohttp import web
 
 from mstar.errors import RequestError
 from mstar.http.ids import uuid4_hex
-from mstar.http.keys import ENGINE
+from mstar.http.keys import ENGINE, TARGETS
 from mstar.http.text.logprobs import native_logprobs
 from mstar.http.text.protocol import GenerateBody, parse_generate
 from mstar.http.responses import EventStream, client_gone, error_body, json_response
 from mstar.http.submission import (Choice, Inputs, Submission, Target, failure_of, off_loop, prompt_inputs,
-                                   resolve_model, sampling_names, spoken_names, submit)
+                                   sampling_names, spoken_names, submit)
 from mstar.types import OutputChunk
 
 if TYPE_CHECKING:
@@ -49,7 +49,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     raw = await request.read()
     body = await off_loop(len(raw), parse_generate, raw)
     engine = request.app[ENGINE]
-    target = resolve_model(engine, body.model)
+    target = request.app[TARGETS].resolve(body.model)
     request_id = f"gen-{uuid4_hex()}"
     if body.voice is not None and target.tts_walk is None:
         raise RequestError(f"model '{target.name}' has no voices: it does not speak (its walks: "

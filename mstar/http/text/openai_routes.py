@@ -24,14 +24,14 @@ from aiohttp import web
 
 from mstar.errors import ModelNotFound, RequestError
 from mstar.http.ids import uuid4_hex
-from mstar.http.keys import ENGINE, MEDIA, MEDIA_LIMITS, STARTED, TRANSCRIPTS
+from mstar.http.keys import ENGINE, MEDIA, MEDIA_LIMITS, STARTED, TARGETS, TRANSCRIPTS
 from mstar.http.text.chat_audio import SpokenAnswers, spoken_usage
 from mstar.http.text.chat_media import chat_inputs
 from mstar.http.text.logprobs import LogprobShapes
 from mstar.http.text.protocol import ChatBody, parse_chat, parse_completion
 from mstar.http.responses import EventStream, client_gone, error_body, json_response
 from mstar.http.submission import (Choice, Inputs, Submission, Target, failure_of, off_loop, prompt_inputs,
-                                   resolve_model, submit)
+                                   submit)
 from mstar.types import ModelCard, OutputChunk
 
 log = structlog.get_logger("mstar.http")
@@ -80,7 +80,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     raw = await request.read()
     body = await off_loop(len(raw), parse_completion, raw)
     engine = request.app[ENGINE]
-    target = resolve_model(engine, body.model)
+    target = request.app[TARGETS].resolve(body.model)
     many = len(body.prompts) > 1
     prompts = [Inputs(prompt_inputs(p), {"prompt": f"prompt[{i}]"} if many else {})
                for i, p in enumerate(body.prompts)]
@@ -115,7 +115,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     raw = await request.read()
     body = await off_loop(len(raw), parse_chat, raw)
     engine = request.app[ENGINE]
-    target = resolve_model(engine, body.model)
+    target = request.app[TARGETS].resolve(body.model)
     if body.audio is not None and target.spoken_chat_walk is None:
         how = ("speaks text it is given (/v1/audio/speech), not chat answers" if target.tts_walk
                else "answers in text only")

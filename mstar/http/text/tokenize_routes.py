@@ -15,9 +15,9 @@ from aiohttp import web
 from mstar.errors import RequestError
 from mstar.http.fields import Fields
 from mstar.http.ids import uuid4_hex
-from mstar.http.keys import ENGINE, MEDIA, MEDIA_LIMITS, TRANSCRIPTS
+from mstar.http.keys import ENGINE, MEDIA, MEDIA_LIMITS, TARGETS, TRANSCRIPTS
 from mstar.http.responses import json_response
-from mstar.http.submission import Target, off_loop, resolve_model
+from mstar.http.submission import Target, off_loop
 from mstar.http.text.chat_media import chat_inputs
 from mstar.http.text.chat_messages import ChatMessage, read_messages
 from mstar.http.text.openai_routes import text_walk
@@ -66,7 +66,7 @@ async def tokenize(request: web.Request) -> web.Response:
     raw = await request.read()
     body = await off_loop(len(raw), parse_tokenize, raw)
     engine = request.app[ENGINE]
-    target = resolve_model(engine, body.model)
+    target = request.app[TARGETS].resolve(body.model)
     walk = text_walk(target)
     if body.messages is not None:
         values, _ = await chat_inputs(request.app[MEDIA], request.app[MEDIA_LIMITS],
@@ -95,7 +95,7 @@ async def detokenize(request: web.Request) -> web.Response:
     if not f.has("tokens"):
         raise f.error("tokens", "is required: an array of token ids")
     tokens = f.int_list("tokens", max_count=MAX_DETOKENIZE)
-    tokenizer = _tokenizer(resolve_model(request.app[ENGINE], f.string("model")))
+    tokenizer = _tokenizer(request.app[TARGETS].resolve(f.string("model")))
     return json_response({"prompt": await off_loop(len(raw), _text_of, tokenizer, tokens)})
 
 
