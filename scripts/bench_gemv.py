@@ -118,7 +118,7 @@ class Shape:
 def default_config(rows: int, shape: Shape) -> gemv.GemvConfig:
     w = shape.ws[0]
     return gemv.config_for(rows, w.shape[0] // (2 if shape.silu else 1), w.shape[1], shape.norm, shape.silu,
-                           w.element_size() == 1)
+                           w.element_size() == 1, half=True)  # the rows are bf16
 
 
 def per_shape(rows: list[int], all_weights: dict[str, list[torch.Tensor]], gen: torch.Generator,

@@ -7,16 +7,13 @@ layers for a few CUDA rows only."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-from collections.abc import Iterator
-from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_cases import same_on_replay
+from kernel_cases import poisoned_outputs, same_on_replay
 
 from mstar.kernels import gemv
 from mstar.kernels.backend import HAVE_TRITON, dependent_launch
@@ -50,31 +47,18 @@ def _tolerance(dtype: torch.dtype, interpreted_run: bool) -> dict[str, float]:
     return {"atol": 0.12, "rtol": 4e-2} if interpreted_run else {"atol": 3e-2, "rtol": 2e-2}
 
 
-@contextlib.contextmanager
-def _poisoned_outputs() -> Iterator[None]:
-    """The kernel's outputs start as NaN: an element no program writes fails the comparison, even where the
-    allocator hands back a block an earlier launch of the same shape filled correctly."""
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def poison(t: torch.Tensor) -> torch.Tensor:
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-    with mock.patch.object(torch, "empty", lambda *a, **kw: poison(empty(*a, **kw))), \
-            mock.patch.object(torch, "empty_like", lambda *a, **kw: poison(empty_like(*a, **kw))):
-        yield
-
-
 def check(m: int, n: int, k: int, dtype: torch.dtype, device: str, *, norm: bool, add: bool, silu: bool,
           centered: bool, config: gemv.GemvConfig | None = None) -> None:
     x, residual, norm_weight, weight = _inputs(m, n, k, dtype, device, silu)
     tol = _tolerance(dtype, device == "cpu")
     if not norm:
-        with _poisoned_outputs():
+        with poisoned_outputs():
             got = gemv.linear(x, weight, config)
         assert got.shape == (m, n) and got.dtype == dtype
         torch.testing.assert_close(got, F.linear(x, weight), **tol)
         return
     res = residual if add else None
-    with _poisoned_outputs():
+    with poisoned_outputs():
         got, stream = gemv._launch(x, res, norm_weight, EPS, centered, weight, None, silu, config)
     want, want_stream = gemv.norm_linear_reference(x, res, norm_weight, EPS, weight, centered=centered, silu=silu)
     assert got.shape == want.shape == (m, n) and got.dtype == dtype

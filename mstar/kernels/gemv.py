@@ -33,6 +33,10 @@ takes two float8 sides); here that would cost each program a division per
 element of x on top of the weight's stream (measured on an H100: ~0.7-1.0
 TB/s against cuBLAS's fp8 path's ~0.7-1.7), for a less exact product.
 
+At one row of float8 weights with the norm ahead, the tensor-core form
+(`gemv_mma.py`, `GemvConfig.mma`) takes the products instead, the weight as
+float16: its conversion costs half an instruction an element there.
+
 The arithmetic matches the unfused torch path: the residual add, the normed
 value and the weight multiply are rounded to x's dtype where the reference
 rounds them (`kernels/norm.py`), the products accumulate in float32, and the
@@ -90,6 +94,9 @@ class GemvConfig:
             raise ValueError(f"{self}: blocks, warps and stages must be positive")
         if self.mma and (self.block_n < 16 or self.block_k < 16):
             raise ValueError(f"{self}: tensor-core products take blocks of 16 or more")
+        if self.mma and (self.programs_per_sm or self.prefetch):
+            raise ValueError(f"{self}: the tensor-core kernel runs a program a block, its K steps pipelined: "
+                             f"programs_per_sm and prefetch do not apply")
         if self.stats_block < 0 or self.programs_per_sm < 0:
             raise ValueError(f"{self}: stats_block and programs_per_sm must not be negative (0: the default)")
 
@@ -105,7 +112,7 @@ def applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def config_for(rows: int, n: int, k: int, norm: bool = False, silu: bool = False, fp8: bool = False,
-               half: bool = True) -> GemvConfig:
+               half: bool = False) -> GemvConfig:
     """A fixed tiling from the shape (no autotuning: launches stay the same
     from run to run and capturable), the fastest of a sweep of Orpheus-3B's
     projections (`scripts/bench_gemv.py`, on an H100).
@@ -119,9 +126,10 @@ def config_for(rows: int, n: int, k: int, norm: bool = False, silu: bool = False
     a program per block of 2 columns, its statistics in one pass over K. A
     vocabulary's head has programs enough to fill the GPU in blocks of 1,024.
     More rows: narrower K blocks, whose products take registers. float8
-    weights at one row of half precision (`half`): with the norm ahead, the
-    tensor-core kernel (`gemv_mma.py`) in blocks of 32-64 columns; plain,
-    blocks of 4 columns on CUDA cores (their conversion to float32, not
+    weights at one row of half precision (`half`: bf16 or float16 x): with
+    the norm ahead (the merged gate/up's too), the tensor-core kernel
+    (`gemv_mma.py`) in blocks of 32-64 columns; else blocks of 4 columns on
+    CUDA cores (their conversion to float32, not
     their bytes, sets the pace)."""
     whole_k = block_size(k)
     if fp8 and rows == 1 and n < HEAD_WIDTH and (norm or silu) and half:  # tensor cores: the fastest of
@@ -201,6 +209,8 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
         raise ValueError(f"{m} rows: the kernel takes at most {KERNEL_ROWS}")
     if silu and weight.shape[0] % 2:
         raise ValueError(f"a merged gate/up weight needs an even number of rows, got {weight.shape[0]}")
+    if residual is not None and norm_weight is None:
+        raise ValueError("a residual add comes with the norm after it (norm_linear)")
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -324,12 +334,12 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, ws_ptr, out_ptr, stream_ptr, m, n,
     acc_up = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
     if PDL and not PREFETCH:
         xs = input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, offs_k, offs_k < k, inv, dtype,
-                          NORM, RESIDUAL, CENTERED)
+                         NORM, RESIDUAL, CENTERED)
         acc, acc_up = _products(acc, acc_up, xs, w_first, wu_first, SILU)
         if k_steps == 1:
             cols = pid * BLOCK_N + offs_n
             store_block(out_ptr, acc, acc_up, rows, row_mask, cols, cols < n, stride_out, ws_ptr, up_rows,
-                         dtype, SILU, FP8)
+                        dtype, SILU, FP8)
             acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
             acc_up = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
     for step in range(1 if PDL and not PREFETCH else 0, steps):
@@ -348,13 +358,13 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, ws_ptr, out_ptr, stream_ptr, m, n,
             w_cur, wu_cur = _weight_block(w_ptr, stride_w, up_offset, cols, kk, col_mask[:, None] & k_mask[None, :],
                                           SILU)
         xs = input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, kk, k_mask, inv, dtype,
-                          NORM, RESIDUAL, CENTERED)
+                         NORM, RESIDUAL, CENTERED)
         acc, acc_up = _products(acc, acc_up, xs, w_cur, wu_cur, SILU)
         if PREFETCH:
             w_cur = w_next
             wu_cur = wu_next
         if step % k_steps == k_steps - 1:
             store_block(out_ptr, acc, acc_up, rows, row_mask, cols, col_mask, stride_out, ws_ptr, up_rows,
-                         dtype, SILU, FP8)
+                        dtype, SILU, FP8)
             acc = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
             acc_up = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)

@@ -11,7 +11,7 @@ from mstar.kernels.backend import jit, tl
 
 @jit
 def input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, kk, k_mask, inv, dtype: tl.constexpr,
-                 NORM: tl.constexpr, RESIDUAL: tl.constexpr, CENTERED: tl.constexpr):
+                NORM: tl.constexpr, RESIDUAL: tl.constexpr, CENTERED: tl.constexpr):
     """A block of the rows the weight multiplies: x, or x (+ residual) normed, rounded where torch rounds."""
     mask = row_mask[:, None] & k_mask[None, :]
     xs = tl.load(x_ptr + rows[:, None] * stride_x + kk[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -29,7 +29,7 @@ def input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, kk, k_
 
 @jit
 def store_block(out_ptr, acc, acc_up, rows, row_mask, cols, col_mask, stride_out, ws_ptr, up_rows,
-                 dtype: tl.constexpr, SILU: tl.constexpr, FP8: tl.constexpr):
+                dtype: tl.constexpr, SILU: tl.constexpr, FP8: tl.constexpr):
     """A block of columns' outputs: the products, or silu(gate) * up, rounded where torch rounds; with FP8 the
     sums times their float8 weight rows' scales first."""
     if FP8:

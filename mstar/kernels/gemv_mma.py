@@ -16,11 +16,13 @@ The row goes in as float16. A bfloat16 value converts exactly within
 float16's range, so the product is the weight-only reference's
 (`gemv.weight_only_reference`) up to the order of its sums. Out of range
 is kept out by scaling: each program first bounds the row's magnitude (its
-largest element; through the norm, its largest element times the row's
-inverse RMS times the norm weight's largest), takes the row times the power
+largest element; through the norm, the largest of its elements each times
+its norm weight, times the row's inverse RMS), takes the row times the power
 of two that brings that bound to 2**13-2**14, and the sums times its
 inverse: exact both ways, and a row of small values keeps its bits clear of
-float16's subnormals.
+float16's subnormals (but for elements some 2**27 under the row's largest,
+whose share of a sum is below float32's resolution anyway). An inf in a row
+gives NaN outputs here where the reference gives inf.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from mstar.kernels.gemv_blocks import input_block, store_block
 
 MMA_COLUMNS = 16  # the row repeated: a tensor-core product takes no narrower side
 RANGE_LOG2 = 14   # the row's bound in float16 after scaling (its largest finite value is ~2**16)
-SHIFT_MIN = 100   # the most a row is scaled up (2**100): float32's range holds the factor and its inverse
+SHIFT_MIN = 126   # the most a row is scaled up (2**126): the factor and its inverse are normal float32
 MMA_DTYPES = (torch.bfloat16, torch.float16)
 
 
@@ -65,7 +67,6 @@ def _row_bound(x_ptr, r_ptr, nw_ptr, stream_ptr, k, eps, pid, dtype: tl.constexp
     offs = tl.arange(0, STATS_BLOCK)
     sq = tl.zeros([STATS_BLOCK], dtype=tl.float32)
     top = tl.zeros([STATS_BLOCK], dtype=tl.float32)
-    gain = tl.zeros([STATS_BLOCK], dtype=tl.float32)
     for k0 in range(0, k, STATS_BLOCK):
         kk = k0 + offs
         mask = kk < k
@@ -74,16 +75,16 @@ def _row_bound(x_ptr, r_ptr, nw_ptr, stream_ptr, k, eps, pid, dtype: tl.constexp
             summed = (xs + tl.load(r_ptr + kk, mask=mask, other=0.0).to(tl.float32)).to(dtype)
             tl.store(stream_ptr + kk, summed, mask=mask & (pid == 0))
             xs = summed.to(tl.float32)
-        top = tl.maximum(top, tl.abs(xs))
         if NORM:
             sq += xs * xs
             nw = tl.load(nw_ptr + kk, mask=mask, other=0.0).to(tl.float32)
-            gain = tl.maximum(gain, tl.abs(1.0 + nw) if CENTERED else tl.abs(nw))
+            xs = xs * (1.0 + nw if CENTERED else nw)  # each element times its own gain: the bound stays tight
+        top = tl.maximum(top, tl.abs(xs))
     inv = 1.0
     bound = tl.max(top, axis=0)
     if NORM:
         inv = tl.rsqrt(tl.sum(sq, axis=0) / k + eps)
-        bound = bound * inv * tl.max(gain, axis=0)
+        bound = bound * inv
     return inv, bound
 
 
@@ -134,9 +135,11 @@ def _gemv_mma_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, ws_ptr, out_ptr, stream_ptr, n
     inv, bound = _row_bound(x_ptr, r_ptr, nw_ptr, stream_ptr, k, eps, pid, dtype, NORM, RESIDUAL, CENTERED,
                             STATS_BLOCK)
     inv_row = tl.zeros([1], dtype=tl.float32) + inv
-    # a power of two that brings the bound to 2**13-2**14: the row's float16 form stays exact (a small row's too,
-    # clear of float16's subnormals), and so do the sums brought back; a row of zeros as it is
-    shift = tl.where(bound > 0, tl.maximum(tl.ceil(tl.log2(bound)) - RANGE, -SHIFT_MIN), 0.0)
+    # a power of two that brings the bound to 2**13-2**14, 4x under float16's largest (room for the approximate
+    # log2 and the roundings of the normed values): the row's float16 form stays exact (a small row's too, clear of
+    # float16's subnormals), and so do the sums brought back; a row of zeros (log2: -inf) takes the largest
+    # factor, harmlessly
+    shift = tl.maximum(tl.ceil(tl.log2(bound)) - RANGE, -SHIFT_MIN)
     down = tl.exp2(-shift)
     acc = tl.zeros([BLOCK_N, COLUMNS], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, COLUMNS], dtype=tl.float32)
