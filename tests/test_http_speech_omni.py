@@ -27,7 +27,7 @@ from test_http_chat_audio import OMNI, RATE
 
 from mstar.engine.engine import Engine
 from mstar.http.speech.audio import wav_header
-from mstar.http.submission import resolve_model
+from mstar.http.submission import Targets
 from mstar.types import GenerateRequest, SamplingParams
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -137,7 +137,7 @@ async def test_the_walks_own_defaults_apply_within_the_context(omni: Engine) -> 
     assert card.tts_sampling == talker and talker.temperature == 0.9 and talker.stop_token_ids == ()
     assert talker.max_tokens == CONTEXT  # the released 4096 frames, within this server's context
     # a default no prompt leaves room for: whatever room the prompt leaves
-    assert resolve_model(omni, OMNI).tts_sampling.max_tokens is None
+    assert Targets(omni).resolve(OMNI).tts_sampling.max_tokens is None
 
 
 @pytest.mark.parametrize(("body", "param", "says"), [
