@@ -1,4 +1,4 @@
-"""The few-row projection kernel (`mstar.kernels.gemv`) against cuBLAS, at
+"""The few-row projection kernel (`mstar.kernels.projection.gemv`) against cuBLAS, at
 Orpheus-3B's shapes: each projection alone (with the norm before it and the
 SiLU-and-multiply after it where a decoder layer has them), over a sweep of
 tilings (launched as programmatic dependents where the GPU has them; the
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from bench_env import commit, version, REPO
 from bench_page_size import graph_time_us
 from decode_measures import copy_bandwidth_gbps
-from mstar.kernels import gemv
+from mstar.kernels.projection import gemv
 from mstar.kernels.activation import silu_and_mul_triton
 from mstar.kernels.norm import fused_add_rms_norm_triton
 from mstar.kernels.quantize import quantize_rows_triton

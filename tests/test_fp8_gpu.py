@@ -12,7 +12,7 @@ import torch
 if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
     pytest.skip("fp8 GEMMs need a CUDA device of compute capability 8.9 or later", allow_module_level=True)
 
-from mstar.kernels.gemv import weight_only_reference  # noqa: E402
+from mstar.kernels.projection.gemv import weight_only_reference  # noqa: E402
 from mstar.models.layers import Linear  # noqa: E402
 from mstar.models.layers.fp8 import quantize_weight  # noqa: E402
 

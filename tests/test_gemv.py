@@ -1,4 +1,4 @@
-"""The few-row projection kernel (`mstar.kernels.gemv`) against the unfused
+"""The few-row projection kernel (`mstar.kernels.projection.gemv`) against the unfused
 torch path: alone, with the norm before it (with and without the residual
 add, plain and centered weights) and with SiLU-and-multiply after it. On CPU
 tensors through Triton's interpreter (conftest switches it on), on CUDA at
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from kernel_cases import poisoned_outputs, same_on_replay
 
-from mstar.kernels import gemv
+from mstar.kernels.projection import gemv
 from mstar.kernels.backend import HAVE_TRITON, dependent_launch
 from mstar.models.layers import CenteredRMSNorm, Linear, MergedLinear, RMSNorm
 from mstar.models.layers.norm_linear import norm_project

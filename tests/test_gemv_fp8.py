@@ -17,7 +17,7 @@ import pytest
 import torch
 from kernel_cases import poisoned_outputs, same_on_replay
 
-from mstar.kernels import gemv
+from mstar.kernels.projection import gemv
 from mstar.kernels.backend import HAVE_TRITON
 from mstar.kernels.quantize import FP8, quantize_rows_reference
 from mstar.models.layers import Linear, RMSNorm

@@ -12,7 +12,7 @@ Outside CUDA graphs, a projection of more than `SMALL_ROWS` rows on CUDA runs
 at `padded_rows` rows (the extra ones computed and dropped): cuBLAS spends
 milliseconds of host time choosing a kernel the first time it sees a shape,
 and an eager prefill's token count is new at almost every step. A projection
-of one row on CUDA takes the few-row kernel (`kernels/gemv.py`) instead, with
+of one row on CUDA takes the few-row kernel (`kernels/projection/gemv.py`) instead, with
 float8 weights too.
 """
 
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mstar.kernels import gemv
+from mstar.kernels.projection import gemv
 from mstar.models.layers.fp8 import FP8, can_quantize, fp8_linear, quantize_weight
 
 SMALL_ROWS = 16  # up to here every count is its own shape: few, and seen at once

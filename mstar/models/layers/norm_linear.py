@@ -3,7 +3,7 @@ states and the residual stream [T, H] in, (the projection of the normed
 stream, the stream) out; with `silu` the projection is a merged gate/up and
 the output silu(gate) * up.
 
-At one row on CUDA (`gemv.MAX_ROWS`) both run in one kernel (`kernels/gemv.py`), which saves
+At one row on CUDA (`gemv.MAX_ROWS`) both run in one kernel (`kernels/projection/gemv.py`), which saves
 the norm's launch and its round trip through memory, and the activation's;
 otherwise the norm, the projection and the activation run as the modules do.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from mstar.kernels import gemv
+from mstar.kernels.projection import gemv
 from mstar.kernels.activation import silu_and_mul
 from mstar.models.layers.linear import Linear
 from mstar.models.layers.norm import CenteredRMSNorm, RMSNorm

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from mstar.kernels.backend import cdiv, jit, tl
-from mstar.kernels.gemv_blocks import input_block, store_block
+from mstar.kernels.projection.blocks import input_block, store_block
 
 MMA_COLUMNS = 16  # the row repeated: a tensor-core product takes no narrower side
 RANGE_LOG2 = 14   # the row's bound in float16 after scaling (its largest finite value is ~2**16)

@@ -53,10 +53,10 @@ import torch
 import torch.nn.functional as F
 
 from mstar.kernels.activation import silu_and_mul_reference
-from mstar.kernels import gemv_mma
 from mstar.kernels.backend import block_size, cdiv, dependent_launch, jit, tl, use_triton
-from mstar.kernels.gemv_blocks import input_block, store_block
 from mstar.kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
+from mstar.kernels.projection import gemv_mma
+from mstar.kernels.projection.blocks import input_block, store_block
 from mstar.kernels.quantize import FP8
 
 MAX_ROWS = 1    # at two rows cuBLAS was as fast or faster on three of a Llama layer's four projections (H100)
