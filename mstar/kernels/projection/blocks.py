@@ -1,12 +1,24 @@
 """The blocks both projection kernels (`gemv.py` on CUDA cores, `gemv_mma.py`
-on tensor cores) share: a block of the rows the weight multiplies (x, or x
-plus the residual, normed, rounded where torch rounds), and a block of
-outputs stored (float8 rows' scales, SiLU-and-multiply, the output dtype).
+on tensor cores) share: a block of the weight's rows as stored, a block of
+the rows the weight multiplies (x, or x plus the residual, normed, rounded
+where torch rounds), and a block of outputs stored (float8 rows' scales,
+SiLU-and-multiply, the output dtype).
 """
 
 from __future__ import annotations
 
 from mstar.kernels.backend import jit, tl
+
+
+@jit
+def weight_block(w_ptr, stride_w, up_offset, cols, kk, w_mask, SILU: tl.constexpr):
+    """A block of the weight's rows `cols` (and of their up half's), as stored."""
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
+    w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0)
+    wu = w
+    if SILU:
+        wu = tl.load(w_rows + up_offset + kk[None, :], mask=w_mask, other=0.0)
+    return w, wu
 
 
 @jit

@@ -56,7 +56,7 @@ from mstar.kernels.activation import silu_and_mul_reference
 from mstar.kernels.backend import block_size, cdiv, dependent_launch, jit, tl, use_triton
 from mstar.kernels.norm import fused_add_rms_norm_reference, rms_norm_reference
 from mstar.kernels.projection import gemv_mma
-from mstar.kernels.projection.blocks import input_block, store_block
+from mstar.kernels.projection.blocks import input_block, store_block, weight_block
 from mstar.kernels.quantize import FP8
 
 MAX_ROWS = 1    # at two rows cuBLAS was as fast or faster on three of a Llama layer's four projections (H100)
@@ -260,17 +260,6 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 @jit
-def _weight_block(w_ptr, stride_w, up_offset, cols, kk, w_mask, SILU: tl.constexpr):
-    """A block of the weight's rows `cols` (and of their up half's), as stored."""
-    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
-    w = tl.load(w_rows + kk[None, :], mask=w_mask, other=0.0)
-    wu = w
-    if SILU:
-        wu = tl.load(w_rows + up_offset + kk[None, :], mask=w_mask, other=0.0)
-    return w, wu
-
-
-@jit
 def _products(acc, acc_up, xs, w, wu, SILU: tl.constexpr):
     """The accumulators with a K block's products added: the rows times the weight block (and its up half)."""
     acc += tl.sum(xs[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
@@ -305,9 +294,9 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, ws_ptr, out_ptr, stream_ptr, m, n,
         cols = pid * BLOCK_N + offs_n
         first_mask = (cols < n)[:, None] & (offs_k < k)[None, :]
         if PREFETCH:
-            w_cur, wu_cur = _weight_block(w_ptr, stride_w, up_offset, cols, offs_k, first_mask, SILU)
+            w_cur, wu_cur = weight_block(w_ptr, stride_w, up_offset, cols, offs_k, first_mask, SILU)
         else:
-            w_first, wu_first = _weight_block(w_ptr, stride_w, up_offset, cols, offs_k, first_mask, SILU)
+            w_first, wu_first = weight_block(w_ptr, stride_w, up_offset, cols, offs_k, first_mask, SILU)
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -351,12 +340,12 @@ def _gemv_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, ws_ptr, out_ptr, stream_ptr, m, n,
             ahead = step + 1
             cols_ahead = (pid + (ahead // k_steps) * programs) * BLOCK_N + offs_n
             kk_ahead = (ahead % k_steps) * BLOCK_K + offs_k
-            w_next, wu_next = _weight_block(w_ptr, stride_w, up_offset, cols_ahead, kk_ahead,
-                                            (cols_ahead < n)[:, None] & (kk_ahead < k)[None, :] & (ahead < steps),
-                                            SILU)
+            w_next, wu_next = weight_block(w_ptr, stride_w, up_offset, cols_ahead, kk_ahead,
+                                           (cols_ahead < n)[:, None] & (kk_ahead < k)[None, :] & (ahead < steps),
+                                           SILU)
         else:
-            w_cur, wu_cur = _weight_block(w_ptr, stride_w, up_offset, cols, kk, col_mask[:, None] & k_mask[None, :],
-                                          SILU)
+            w_cur, wu_cur = weight_block(w_ptr, stride_w, up_offset, cols, kk, col_mask[:, None] & k_mask[None, :],
+                                         SILU)
         xs = input_block(x_ptr, r_ptr, nw_ptr, rows, row_mask, stride_x, stride_r, kk, k_mask, inv, dtype,
                          NORM, RESIDUAL, CENTERED)
         acc, acc_up = _products(acc, acc_up, xs, w_cur, wu_cur, SILU)

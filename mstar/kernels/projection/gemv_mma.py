@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from mstar.kernels.backend import cdiv, jit, tl
-from mstar.kernels.projection.blocks import input_block, store_block
+from mstar.kernels.projection.blocks import input_block, store_block, weight_block
 
 MMA_COLUMNS = 16  # the row repeated: a tensor-core product takes no narrower side
 RANGE_LOG2 = 14   # the row's bound in float16 after scaling (its largest finite value is ~2**16)
@@ -89,16 +89,6 @@ def _row_bound(x_ptr, r_ptr, nw_ptr, stream_ptr, k, eps, pid, dtype: tl.constexp
 
 
 @jit
-def _weight_block(w_rows, up_offset, kk, mask, SILU: tl.constexpr):
-    """A K block of the program's weight rows (and of their up half's), as stored."""
-    w = tl.load(w_rows + kk[None, :], mask=mask, other=0.0)
-    wu = w
-    if SILU:
-        wu = tl.load(w_rows + up_offset + kk[None, :], mask=mask, other=0.0)
-    return w, wu
-
-
-@jit
 def _products(acc, acc_up, w, wu, x_ptr, r_ptr, nw_ptr, kk, k_mask, inv_row, down, dtype: tl.constexpr,
               NORM: tl.constexpr, RESIDUAL: tl.constexpr, CENTERED: tl.constexpr, SILU: tl.constexpr,
               BLOCK_K: tl.constexpr, COLUMNS: tl.constexpr):
@@ -123,12 +113,11 @@ def _gemv_mma_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, ws_ptr, out_ptr, stream_ptr, n
     dtype = out_ptr.dtype.element_ty
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < n
-    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
     up_offset = up_rows.to(tl.int64) * stride_w
     offs_k = tl.arange(0, BLOCK_K)
     # the weight's first K block ahead of the row's pass: under PDL it loads while the kernel before ends (the
     # weight is never that kernel's output; x and the residual are, read after the wait)
-    w, wu = _weight_block(w_rows, up_offset, offs_k, col_mask[:, None] & (offs_k < k)[None, :], SILU)
+    w, wu = weight_block(w_ptr, stride_w, up_offset, cols, offs_k, col_mask[:, None] & (offs_k < k)[None, :], SILU)
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -149,7 +138,7 @@ def _gemv_mma_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, ws_ptr, out_ptr, stream_ptr, n
         kk = k0 + offs_k
         k_mask = kk < k
         # names of the loop's own: the first block's are no loop-carried values
-        w_k, wu_k = _weight_block(w_rows, up_offset, kk, col_mask[:, None] & k_mask[None, :], SILU)
+        w_k, wu_k = weight_block(w_ptr, stride_w, up_offset, cols, kk, col_mask[:, None] & k_mask[None, :], SILU)
         acc, acc_up = _products(acc, acc_up, w_k, wu_k, x_ptr, r_ptr, nw_ptr, kk, k_mask, inv_row, down, dtype,
                                 NORM, RESIDUAL, CENTERED, SILU, BLOCK_K, COLUMNS)
     # every column of the products is the row's: keep the first, times the scaling's inverse
