@@ -172,3 +172,30 @@ async def test_realtime_text_past_the_context_is_an_error_event(speaker) -> None
 
 def _user(text: str) -> dict[str, Any]:
     return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+
+
+async def test_a_first_input_leaving_less_than_a_window_is_refused_not_silent(speaker) -> None:
+    """A text whose prompt leaves the context fewer tokens than the model's
+    shortest spoken answer (`min_turn_tokens`: two frames) is a 400 naming
+    `input`, as a later line's is, not a 200 with no audio; one that leaves
+    exactly that many is spoken."""
+    engine, url = speaker
+    need, context = engine.model.min_turn_tokens, engine.model.max_model_len
+
+    def room(n: int) -> int:
+        request = GenerateRequest("probe", "orpheus-tiny", {"text": "a" * n, "voice": "tara"},
+                                  SamplingParams(max_tokens=None))
+        return context - engine.model.prepare(request).num_prompt_tokens
+
+    short = 2000 + room(2000) - need + 1  # the byte tokenizer: a token a character
+    assert room(short - 1) == need  # (its prepare refuses `short` itself, as the route below is to)
+    body = {"model": "orpheus-tiny", "voice": "tara", "response_format": "pcm", "ignore_eos": True, "seed": 3}
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{url}/v1/audio/speech", json={**body, "input": "a" * short}) as r:
+            assert r.status == 400
+            error = (await r.json())["error"]
+            assert error["param"] == "input" and error["code"] == "context_length_exceeded"
+            assert f"fewer than the {need}" in error["message"]
+        async with http.post(f"{url}/v1/audio/speech", json={**body, "input": "a" * (short - 1)}) as r:
+            assert r.status == 200 and len(await r.read()) > 0
+    await _idle(engine)

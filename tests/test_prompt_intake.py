@@ -23,7 +23,7 @@ import mstar.http
 from mstar.config import EngineConfig
 from mstar.engine import engine as engine_module
 from mstar.engine.engine import Engine
-from mstar.errors import RequestError
+from mstar.errors import CONTEXT_EXCEEDED, RequestError
 from mstar.models.llama import LlamaModel
 from mstar.models.prepared import PreparedPiece, fit_context
 from mstar.models.registry import load_model
@@ -237,6 +237,27 @@ def test_a_models_default_budget_is_a_ceiling_within_the_room() -> None:
         fit(50, min_tokens=15)
     assert info.value.field == "min_tokens"
     assert model.default_sampling().max_tokens is None  # a plain language model's budget is the room
+
+
+def test_a_prompt_leaving_less_than_the_shortest_answer_is_refused() -> None:
+    """`min_answer` (a speech model's first window of audio): a prompt that
+    leaves less room is refused, naming the prompt, not answered with
+    nothing; a root that samples no tokens is not held to it."""
+    model = load_model("tiny-llama")
+    plan = model._compile(model.default_walk)
+
+    def fit(prompt: int, root: str = "llm", plan=plan, components=model.components) -> int | None:
+        sampling = {root: SamplingParams(max_tokens=None)}
+        return fit_context(sampling, plan, components, PreparedPiece({}, prompt, "input"), 64,
+                           min_answer=14)[root].max_tokens
+
+    assert fit(50) == 14
+    with pytest.raises(RequestError) as info:
+        fit(51)
+    assert info.value.field == "input" and info.value.code == CONTEXT_EXCEEDED and "14" in info.value.message
+    image = ToyImageModel()
+    denoise = image._compile("generate_cfg")
+    assert fit(60, denoise.root, denoise, image.components) == 4
 
 
 def test_a_root_that_samples_no_tokens_is_not_held_to_max_tokens() -> None:

@@ -220,7 +220,8 @@ class Model:
 
     def _prepared(self, request: GenerateRequest, plan: WalkPlan, piece: PreparedPiece,
                   sampling: dict[str, SamplingParams]) -> Prepared:
-        sampling = fit_context(sampling, plan, self.components, piece, self.max_model_len, self.default_sampling)
+        sampling = fit_context(sampling, plan, self.components, piece, self.max_model_len, self.default_sampling,
+                               self.min_turn_tokens)
         return Prepared(piece.values, sampling, stop_ids(sampling, self.eos_ids), piece.num_tokens, plan.name,
                         piece.field, (request.request_id, request.sampling, dict(request.sampling_by)))
 

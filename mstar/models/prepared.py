@@ -141,7 +141,8 @@ def _override(base: SamplingParams, fields: dict[str, Any] | None, key: str, roo
 
 def fit_context(sampling: dict[str, SamplingParams], plan: WalkPlan, components: dict[str, Component],
                 piece: PreparedPiece, max_model_len: int,
-                defaults: Callable[[str], SamplingParams] | None = None) -> dict[str, SamplingParams]:
+                defaults: Callable[[str], SamplingParams] | None = None,
+                min_answer: int = 1) -> dict[str, SamplingParams]:
     """Each key's params with a number of tokens: the prompt must leave room
     in the context (else the error names `piece.field`), the root's
     `max_tokens` must fit that room where the root samples tokens (its loops
@@ -151,16 +152,25 @@ def fit_context(sampling: dict[str, SamplingParams], plan: WalkPlan, components:
     tokens) within that room, or all of the room where the model has none.
     A default is a ceiling, not a demand: a prompt that leaves less room
     than it shortens the answer instead of refusing the request (as a
-    generation config's `max_new_tokens` does in vLLM)."""
+    generation config's `max_new_tokens` does in vLLM). `min_answer`: the
+    fewest tokens a root that samples must have room for to answer at all
+    (`Model.min_turn_tokens`: a speech model's first window of audio); a
+    prompt that leaves fewer is refused, not answered with nothing."""
     root = plan.root
     room = max_model_len - piece.num_tokens
     if room < 1:
         raise RequestError(f"the prompt is {piece.num_tokens} tokens but the model's context is {max_model_len} "
                            "tokens, leaving no room to generate", field=piece.field, code=CONTEXT_EXCEEDED)
+
+    def root_samples() -> bool:  # asked only where a room or budget is short
+        return any(samples(components[step.component], step.mode) for step in plan.partitions[root].steps)
+
+    if room < min_answer and root_samples():
+        raise RequestError(f"the prompt is {piece.num_tokens} tokens but the model's context is {max_model_len} "
+                           f"tokens, leaving room for {room}, fewer than the {min_answer} its shortest answer takes",
+                           field=piece.field, code=CONTEXT_EXCEEDED)
     asked = sampling[root].max_tokens
-    # whether the root generates is asked last: only a budget past the room needs it
-    if asked is not None and asked > room and any(samples(components[step.component], step.mode)
-                                                  for step in plan.partitions[root].steps):
+    if asked is not None and asked > room and root_samples():
         raise RequestError(f"{asked} tokens plus the {piece.num_tokens}-token prompt exceed the model's context of "
                            f"{max_model_len} tokens; at most {room} can be generated here", field="max_tokens",
                            code=CONTEXT_EXCEEDED)
