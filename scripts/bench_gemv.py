@@ -115,10 +115,11 @@ class Shape:
         return ((self.fused(0, cfg).float() - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
 
 
-def default_config(rows: int, shape: Shape) -> gemv.GemvConfig:
+def default_config(rows: int, shape: Shape, half: bool = True) -> gemv.GemvConfig:
+    """`config_for`'s tiling; `half` False: as for rows of float32, which the tensor cores do not take."""
     w = shape.ws[0]
     return gemv.config_for(rows, w.shape[0] // (2 if shape.silu else 1), w.shape[1], shape.norm, shape.silu,
-                           w.element_size() == 1, half=True)  # the rows are bf16
+                           w.element_size() == 1, half=half)  # the benchmark's rows are bf16
 
 
 def per_shape(rows: list[int], all_weights: dict[str, list[torch.Tensor]], gen: torch.Generator,
@@ -170,6 +171,8 @@ def step(rows: list[int], layer_weights: dict[str, list[torch.Tensor]], best: di
         shapes = {name: Shape(name, m, ws, gen) for name, ws in layer_weights.items()}
 
         plain = {name: dataclasses.replace(default_config(m, s), pdl=False) for name, s in shapes.items()}
+        # the default tilings as CUDA cores alone would take them (float8: no tensor-core form)
+        cores = {name: default_config(m, s, half=False) for name, s in shapes.items()}
 
         def run(i: int, how: str) -> None:
             for name, s in shapes.items():
@@ -177,14 +180,16 @@ def step(rows: list[int], layer_weights: dict[str, list[torch.Tensor]], best: di
                 if how == "cublas" or (how == "fastest" and found["cublas_us"] <= found["best_us"]):
                     s.cublas(i)
                 else:
-                    s.fused(i, {"default": None, "plain": plain[name]}.get(how, gemv.GemvConfig(**found["best"])))
+                    s.fused(i, {"default": None, "plain": plain[name], "cores": cores[name]}.get(
+                        how, gemv.GemvConfig(**found["best"])))
         # "plain": the default tiling launched without programmatic dependent launch
         times = {how: graph_time_us(lambda i, h=how: run(i, h), calls=LAYERS, replays=10) * LAYERS / 1e3
-                 for how in ("cublas", "best", "default", "plain", "fastest")}
+                 for how in ("cublas", "best", "default", "plain", "cores", "fastest")}
         out[m] = {k: round(v, 3) for k, v in times.items()} | {"floor_ms": round(floor_ms, 3)}
         print(f"rows {m}: a step's projections: cuBLAS {times['cublas']:.3f} ms, gemv best {times['best']:.3f}, "
-              f"gemv default {times['default']:.3f} ({times['plain']:.3f} without dependent launch), each "
-              f"projection the faster way {times['fastest']:.3f}; the weights' floor {floor_ms:.3f} ms", flush=True)
+              f"gemv default {times['default']:.3f} ({times['plain']:.3f} without dependent launch, "
+              f"{times['cores']:.3f} on CUDA cores alone), each projection the faster way {times['fastest']:.3f}; "
+              f"the weights' floor {floor_ms:.3f} ms", flush=True)
     return out
 
 
