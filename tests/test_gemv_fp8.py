@@ -132,16 +132,20 @@ def test_fp8_gemv_mma_scales_any_row_into_float16(magnitude, form):
 @pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning", "ignore:invalid value:RuntimeWarning")  # numpy's,
 @pytest.mark.parametrize("form", ["plain", "norm", "add_norm_silu"])                       # under the interpreter
 def test_fp8_gemv_mma_zero_and_nonfinite_rows(form):
-    """A row of zeros gives zeros (no shift from log2(0)); an inf or NaN in the row gives no finite output."""
+    """A row of zeros gives zeros (no shift from log2(0)); an inf or NaN in the row gives the reference's infs
+    and NaNs, column by column."""
     norm, add, silu, _ = FORMS[form]
     x, r, nw, w, ws = _inputs(1, 40, 96, torch.float16, "cpu", silu)
     res, nw = (torch.zeros_like(r) if add else None), (nw if norm else None)
     zero = gemv._launch(torch.zeros_like(x), res, nw, EPS, False, w, ws, silu, MMA_CONFIGS[0])[0]
     assert torch.equal(zero, torch.zeros_like(zero))
     for bad in (float("inf"), float("nan")):
-        got = gemv._launch(x.clone().index_fill_(1, torch.tensor([3]), bad), res, nw, EPS, False, w, ws, silu,
-                           MMA_CONFIGS[0])[0]
+        row = x.clone().index_fill_(1, torch.tensor([3]), bad)
+        got = gemv._launch(row, res, nw, EPS, False, w, ws, silu, MMA_CONFIGS[0])[0]
+        want = (gemv.norm_linear_reference(row, res, nw, EPS, w, silu=silu, weight_scale=ws)[0] if norm
+                else gemv.weight_only_reference(row, w, ws))
         assert not torch.isfinite(got).any()
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isposinf(), want.isposinf())
 
 
 def test_fp8_config_for_sends_only_one_half_precision_row_to_the_tensor_cores():

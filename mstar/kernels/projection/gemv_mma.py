@@ -21,8 +21,7 @@ its norm weight, times the row's inverse RMS), takes the row times the power
 of two that brings that bound to 2**13-2**14, and the sums times its
 inverse: exact both ways, and a row of small values keeps its bits clear of
 float16's subnormals (but for elements some 2**27 under the row's largest,
-whose share of a sum is below float32's resolution anyway). An inf in a row
-gives NaN outputs here where the reference gives inf.
+whose share of a sum is below float32's resolution anyway).
 """
 
 from __future__ import annotations
@@ -127,8 +126,8 @@ def _gemv_mma_kernel(x_ptr, r_ptr, nw_ptr, w_ptr, ws_ptr, out_ptr, stream_ptr, n
     # a power of two that brings the bound to 2**13-2**14, 4x under float16's largest (room for the approximate
     # log2 and the roundings of the normed values): the row's float16 form stays exact (a small row's too, clear of
     # float16's subnormals), and so do the sums brought back; a row of zeros (log2: -inf) takes the largest
-    # factor, harmlessly
-    shift = tl.maximum(tl.ceil(tl.log2(bound)) - RANGE, -SHIFT_MIN)
+    # factor, harmlessly, and a row holding an inf none (its products are then the reference's infs, not inf * 0)
+    shift = tl.where(bound < float("inf"), tl.maximum(tl.ceil(tl.log2(bound)) - RANGE, -SHIFT_MIN), 0.0)
     down = tl.exp2(-shift)
     acc = tl.zeros([BLOCK_N, COLUMNS], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, COLUMNS], dtype=tl.float32)
