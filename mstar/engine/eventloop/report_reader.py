@@ -18,7 +18,7 @@ from mstar.engine.eventloop.pcm import pcm16
 from mstar.engine.eventloop.requests import RequestState
 from mstar.engine.eventloop.waiting_line import WaitingLine
 from mstar.engine.eventloop.worker_load import WorkerLoad
-from mstar.engine.messages import Abort, Finished, StepReport, Stop
+from mstar.engine.messages import Abort, EmitBatch, Finished, StepReport, Stop
 from mstar.graph import Emit, WalkPlan
 
 if TYPE_CHECKING:
@@ -62,32 +62,7 @@ class ReportReader:
         if report.sampled:
             self._count_sampled(report.sampled)
         for batch in report.emits:
-            emit = self._emit_of(batch.value)
-            if emit.modality == "audio":
-                data: list = pcm16(batch.data)
-            else:
-                data = batch.data.tolist() if hasattr(batch.data, "tolist") else [t.tolist() for t in batch.data]
-            logprobs = repeat(None) if batch.logprobs is None else batch.logprobs.tolist()
-            text = emit.modality == "text"
-            fed = 0
-            for rid, part, row, logprob in zip(batch.request_ids, batch.partitions, data, logprobs):
-                state = self._states.get(rid)
-                if state is None or state.finished or part in state.stopped:
-                    self._stats["outputs_dropped"] += 1
-                    continue
-                if self._waiting:
-                    self._waiting.started(rid)
-                if text and isinstance(row, int):
-                    fed += 1
-                    stop = self._feed_token(state, part, row, logprob, batch.value)
-                else:
-                    stop = (state.feed_value(part, batch.value, emit.modality, row, emit.sample_rate)
-                            or self._host_stop(state, part, batch.value, row))
-                if stop:
-                    self._workers[state.worker_of(part)].send(Stop(rid, part))
-            if fed:  # the text tokens taken in, counted as they come: one call a batch, not one a token
-                self._metrics.generated(fed)
-            self._metrics.outputs(batch.request_ids, emit.modality)
+            self._read_batch(batch)
         for fin in report.finished:
             assert self._load is not None  # `serve` runs before any worker does
             self._on_finished(fin, self._load.index(report.device))
@@ -99,6 +74,38 @@ class ReportReader:
             hook(report)
         for batch in report.emits:
             batch.release()  # read (hooks included): its arena blocks go back
+
+    def _read_batch(self, batch: EmitBatch) -> None:
+        """One emitted value's rows into their requests (a decode step's: one row for each running request)."""
+        emit = self._emit_of(batch.value)
+        if emit.modality == "audio":
+            data: list = pcm16(batch.data)
+        else:
+            data = batch.data.tolist() if hasattr(batch.data, "tolist") else [t.tolist() for t in batch.data]
+        logprobs = repeat(None) if batch.logprobs is None else batch.logprobs.tolist()
+        text = emit.modality == "text"
+        states, value = self._states, batch.value
+        # reading a report only takes requests off the waiting line: one empty now stays empty for the batch
+        waiting = self._waiting if self._waiting else None
+        fed = 0
+        for rid, part, row, logprob in zip(batch.request_ids, batch.partitions, data, logprobs):
+            state = states.get(rid)
+            if state is None or state.finished or part in state.stopped:
+                self._stats["outputs_dropped"] += 1
+                continue
+            if waiting is not None:
+                waiting.started(rid)
+            if text and isinstance(row, int):
+                fed += 1
+                stop = self._feed_token(state, part, row, logprob, value)
+            else:
+                stop = (state.feed_value(part, value, emit.modality, row, emit.sample_rate)
+                        or self._host_stop(state, part, value, row))
+            if stop:
+                self._workers[state.worker_of(part)].send(Stop(rid, part))
+        if fed:  # the text tokens taken in, counted as they come: one call a batch, not one a token
+            self._metrics.generated(fed)
+        self._metrics.outputs(batch.request_ids, emit.modality)
 
     def _count_sampled(self, request_ids: list[str]) -> None:
         """Tokens the workers drew that reach no client as tokens (a speech
@@ -124,8 +131,10 @@ class ReportReader:
         """One text token (and its packed logprobs, if its step computed
         any) into its request; whether the request's part stops there."""
         detok = state.detok
-        text = detok.push((token,)) if detok is not None and state.shows(token) else ""
-        return state.feed_token(part, token, text, logprob) or self._host_stop(state, part, value, token)
+        text = detok.push((token,)) if detok is not None and token not in state.hidden_ids else ""
+        if state.feed_token(part, token, text, logprob):
+            return True
+        return bool(state.host_predicates) and state.host_stop(part, value, token)
 
     @staticmethod
     def _host_stop(state: RequestState, part: str, value: str, data: object) -> bool:

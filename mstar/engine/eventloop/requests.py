@@ -148,6 +148,9 @@ class RequestState:
         self.cut = False  # a worker's part of it ended "length" (a budget cut it), whatever the root's reason
         self.failed: str | None = None  # the error of a part that failed
         self.last_token: int | None = None  # the last token fed: the stop id that ended the text, if one did
+        # the ids whose text the answer leaves out: a stop id's, the token that ends it, unless
+        # `include_stop_str_in_output` (vLLM's); the same for each of its tokens, so worked out once
+        self.hidden_ids = frozenset() if self.sampling.include_stop_str_in_output else self.stop_token_ids
 
     def worker_of(self, partition: str) -> int:
         return self.places.get(partition, self.worker)
@@ -167,11 +170,6 @@ class RequestState:
         """Its stop strings count: its tokens are past `min_tokens` (vLLM's)."""
         return self.num_output_tokens > self.sampling.min_tokens
 
-    def shows(self, token: int) -> bool:
-        """Whether `token`'s text goes into the answer: not a stop id's, the
-        token that ends it, unless `include_stop_str_in_output` (vLLM's)."""
-        return token not in self.stop_token_ids or self.sampling.include_stop_str_in_output
-
     def feed_token(self, partition: str, token: int, text: str, logprob: list[float] | None = None) -> bool:
         """A new token from a step and its new text (detokenised by the
         caller), with the token's packed logprobs row when its step computed
@@ -185,8 +183,9 @@ class RequestState:
             text, hit = self.stops.push(text, self._stops_armed)
         else:
             hit = False
-        k = self.sampling.logprobs
-        logprobs = (_token_logprob(token, logprob, k),) if logprob is not None and k is not None else None
+        logprobs = None
+        if logprob is not None and self.sampling.logprobs is not None:  # its step computed some, and it asked
+            logprobs = (_token_logprob(token, logprob, self.sampling.logprobs),)
         self.queue.put_nowait(OutputChunk(
             request_id=self.request_id, token_ids=(token,), text=text, logprobs=logprobs,
             num_prompt_tokens=self.num_prompt_tokens, num_output_tokens=self.num_output_tokens))
@@ -341,9 +340,10 @@ class RequestStream:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[OutputChunk]:
+        queue = self._state.queue
         try:
             while not self._done:
-                chunk = await self._state.queue.get()
+                chunk = await queue.get()
                 if chunk.finished:
                     self._done = True
                 yield chunk
