@@ -51,11 +51,12 @@ class IncrementalDetokenizer:
     def push(self, new_ids: Iterable[int]) -> str:
         """Append `new_ids`; return the text that is now safe to show."""
         window = self._window
-        held = len(window) - self._read
+        read = self._read
+        held = len(window) - read
         window.extend(new_ids)
-        if len(window) == self._read:
+        if len(window) == read:
             return ""
-        return self._advance(self._decode(window, self.skip_special_tokens), final=False, held=held)
+        return self._advance(self._decode(window, self.skip_special_tokens), False, held)
 
     def flush(self) -> str:
         """The text held back at the end of generation (an incomplete character)."""
@@ -64,24 +65,24 @@ class IncrementalDetokenizer:
         return self._advance(self._decode(self._window, self.skip_special_tokens), final=True, held=-1)
 
     def _advance(self, after: str, final: bool, held: int) -> str:
-        before = self._before
+        before, window = self._before, self._window
         if after == before and held == 0:
             # the new ids render as nothing (skipped specials): forget them so a
             # long run of them does not grow the window
-            del self._window[self._read:]
+            del window[self._read:]
             return ""
         if not final and (len(after) <= len(before) or after.endswith("\ufffd")):
             return ""
         delta = after[len(before):]
-        if len(self._window) >= WINDOW:
+        if len(window) >= WINDOW:
             # start again from the ids just emitted, the next push's left neighbour: they begin where a
             # character does (a later id alone may be the last byte of one, which a byte-fallback decoder
             # would render, with the next character's bytes, as U+FFFD)
-            del self._window[:self._read]
-            self._before = self._decode(self._window, self.skip_special_tokens)
+            del window[:self._read]
+            self._before = self._decode(window, self.skip_special_tokens)
         else:  # what was just emitted joins the context
             self._before = after
-        self._read = len(self._window)
+        self._read = len(window)
         self._pieces.append(delta)
         return delta
 
