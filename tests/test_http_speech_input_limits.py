@@ -199,3 +199,35 @@ async def test_a_first_input_leaving_less_than_a_window_is_refused_not_silent(sp
         async with http.post(f"{url}/v1/audio/speech", json={**body, "input": "a" * (short - 1)}) as r:
             assert r.status == 200 and len(await r.read()) > 0
     await _idle(engine)
+
+
+async def test_a_realtime_text_leaving_less_than_a_window_is_an_error_event(speaker) -> None:
+    """The same on /v1/realtime: the response is refused with an `error` event naming its input, and the
+    session answers the next text."""
+    engine, url = speaker
+    need, context = engine.model.min_turn_tokens, engine.model.max_model_len
+    request = GenerateRequest("probe", "orpheus-tiny", {"text": "a" * 1000, "voice": "tara"},
+                              SamplingParams(max_tokens=None))
+    short = 1000 + context - engine.model.prepare(request).num_prompt_tokens - need + 1
+    client = AsyncOpenAI(base_url=f"{url}/v1", api_key="unused")
+    async with client.realtime.connect(model="orpheus-tiny") as conn:
+        await conn.session.update(session={"type": "realtime", "max_output_tokens": 35, "mstar": {"seed": 7}})
+        await conn.conversation.item.create(item=_user("a" * short))
+        await conn.response.create()
+        long_item = None
+        async for ev in conn:
+            assert ev.type != "response.created", "a response began that has no room to answer"
+            if ev.type == "conversation.item.done":
+                long_item = ev.item.id
+            if ev.type == "error":
+                assert ev.error.code == "context_length_exceeded" and f"fewer than the {need}" in ev.error.message
+                break
+        assert long_item is not None
+        await conn.conversation.item.delete(item_id=long_item)
+        await conn.conversation.item.create(item=_user("hello there"))
+        await conn.response.create()
+        async for ev in conn:
+            if ev.type == "response.done":
+                assert ev.response.usage.output_tokens > 0
+                break
+    await _idle(engine)
