@@ -164,6 +164,22 @@ def test_params_replace_is_dataclasses_replace() -> None:
     assert not hasattr(SamplingParams, "__post_init__")
 
 
+def test_a_plans_host_predicates_are_its_loops_host_stops() -> None:
+    # read by every request's intake, gathered once per plan: the same mapping each time, read-only
+    model = PairModel()
+    plan = compile_walk("pair", model.walks["pair"], model.components)
+    assert dict(plan.host_predicates) == {}  # `HostStop()` without a predicate: stop strings, judged apart
+    limit = lambda v: v > 3  # noqa: E731
+    walk = Walk(Step("llm", "prefill", "prompt_ids", "token"),
+                Loop(Step("llm", "decode", "token", "token"), until=MaxTokens() | HostStop(predicate=limit)),
+                Emit("token", modality="text"), inputs=("prompt_ids",))
+    judged = compile_walk("judged", walk, model.components)
+    assert dict(judged.host_predicates) == {(judged.root, "token"): limit}
+    assert judged.host_predicates is judged.host_predicates
+    with pytest.raises(TypeError):
+        judged.host_predicates[("other", "token")] = limit  # type: ignore[index]
+
+
 def test_a_walks_sampling_keys_come_compiled_in_its_plan() -> None:
     # worked out once, when the walk compiles: every request's intake reads them off the plan
     model = PairModel()

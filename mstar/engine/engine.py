@@ -39,7 +39,7 @@ from mstar.engine.worker.device_worker import DeviceWorker
 from mstar.engine.worker.turns import TURN_MARGIN
 from mstar.engine.worker.walker import check_runnable
 from mstar.errors import SHUTTING_DOWN, ConfigError, MstarError, ModelNotFound, RequestError
-from mstar.graph import HostStop, WalkPlan, compile_walks
+from mstar.graph import WalkPlan, compile_walks
 from mstar.models.base import Model
 from mstar.models.prepared import Prepared, check_roles, input_size
 from mstar.models.registry import load_model
@@ -75,8 +75,6 @@ class Engine:
         self._draining = False  # shutting down: running requests may finish, new ones are refused
         self._drained = False   # the drain aborted what ran: a request submitted now would outlive it
         self._card: ModelCard | None = None
-        # walk -> (its plan, the plan's host-stop predicates): `_plan_predicates`
-        self._predicates: dict[str, tuple[WalkPlan, dict[tuple[str, str], Callable[[object], bool]]]] = {}
         self.add_report_hook(self._metrics.on_report)
 
     # ------------------------------------------------------------ lifecycle
@@ -307,7 +305,7 @@ class Engine:
         sampling = prepared.sampling[plan.root]
         state = RequestState(request.request_id, plan, sampling, prepared.num_prompt_tokens, idx,
                              IncrementalDetokenizer(tok, sampling.skip_special_tokens) if tok is not None else None,
-                             host_predicates=self._plan_predicates(plan), request=request, places=places,
+                             host_predicates=plan.host_predicates, request=request, places=places,
                              stop_token_ids=frozenset(prepared.stop_ids[plan.root]),
                              eos_ids=frozenset() if sampling.ignore_eos else frozenset(model.eos_ids(plan.root)))
         self._states[request.request_id] = state
@@ -328,14 +326,6 @@ class Engine:
             state.timer = asyncio.get_running_loop().call_later(self.config.request_timeout, self._expire,
                                                                 request.request_id)
         return RequestStream(state, self.abort)
-
-    def _plan_predicates(self, plan: WalkPlan) -> dict[tuple[str, str], Callable[[object], bool]]:
-        """`plan`'s host stops' predicates, which every request of it reads
-        (and none writes): gathered once per plan, not per request."""
-        kept = self._predicates.get(plan.name)
-        if kept is None or kept[0] is not plan:
-            kept = self._predicates[plan.name] = (plan, _host_predicates(plan))
-        return kept[1]
 
     def _intake(self, request: GenerateRequest) -> tuple[Model, WalkPlan]:
         """The model and walk plan of a request the engine can take now."""
@@ -454,13 +444,3 @@ class Engine:
     def remove_report_hook(self, hook: Callable[[StepReport], None]) -> None:
         self._reports.remove_hook(hook)
 
-
-def _host_predicates(plan: WalkPlan) -> dict[tuple[str, str], Callable[[object], bool]]:
-    out = {}
-    for pname, part in plan.partitions.items():
-        for spec in part.loops:
-            if spec.loop.until is not None:
-                for rule in spec.loop.until.rules():
-                    if isinstance(rule, HostStop) and rule.predicate is not None:
-                        out[(pname, spec.loop.value)] = rule.predicate
-    return out

@@ -7,7 +7,7 @@ feed streams and which reach the client."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -79,6 +79,15 @@ class WalkPlan:
 
     def components(self) -> set[str]:
         return {s.component for p in self.partitions.values() for s in p.steps}
+
+    @functools.cached_property  # read by every request's intake; the plan never changes
+    def host_predicates(self) -> Mapping[tuple[str, str], Callable[[object], bool]]:
+        """(partition, loop value) -> the predicate of the loop's `HostStop`,
+        which the event loop judges each of the loop's outputs by."""
+        return MappingProxyType({(name, spec.loop.value): rule.predicate
+                                 for name, part in self.partitions.items() for spec in part.loops
+                                 if spec.loop.until is not None for rule in spec.loop.until.rules()
+                                 if isinstance(rule, HostStop) and rule.predicate is not None})
 
 
 class BindingError(ValueError):
@@ -180,7 +189,6 @@ class _Builder:
             sampling_keys=tuple(dict.fromkeys((root, *sampling, *draws))),
             draw_keys=draws,
         )
-
 
     def _check_more_input(self, root: str) -> None:
         more = self.walk.more_input

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
@@ -116,7 +117,7 @@ class RequestState:
     num_prompt_tokens: int
     worker: int
     detok: IncrementalDetokenizer | None
-    host_predicates: dict[tuple[str, str], Callable[[object], bool]] = field(default_factory=dict)
+    host_predicates: Mapping[tuple[str, str], Callable[[object], bool]] = field(default_factory=dict)  # the plan's
     queue: ChunkQueue = field(default_factory=ChunkQueue)
     num_output_tokens: int = 0
     finished: bool = False
