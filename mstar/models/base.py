@@ -206,7 +206,7 @@ class Model:
         (`prepared.fit_context`). Raises `RequestError` for bad input."""
         if plan is None:
             plan = self._compile(self.walk_for(request))
-        sampling = resolve_sampling(request, plan, self.components, self.default_sampling, self.max_model_len)
+        sampling = resolve_sampling(request, plan, self.default_sampling, self.max_model_len)
         return self._prepared(request, plan, self.prepare_inputs(request, sampling[plan.root]), sampling)
 
     def resample(self, request: GenerateRequest, plan: WalkPlan, prepared: Prepared) -> Prepared:
@@ -214,7 +214,7 @@ class Model:
         `request`'s own sampling, resolved, seeded and fitted as `prepare`
         would: another sample of one prompt, without preparing its inputs
         again."""
-        sampling = resolve_sampling(request, plan, self.components, self.default_sampling, self.max_model_len)
+        sampling = resolve_sampling(request, plan, self.default_sampling, self.max_model_len)
         piece = PreparedPiece(prepared.values, prepared.num_prompt_tokens, prepared.prompt_field)
         return self._prepared(request, plan, piece, sampling)
 

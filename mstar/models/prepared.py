@@ -82,8 +82,8 @@ def check_roles(model: Model, plans: dict[str, WalkPlan]) -> None:
                           f"spoken_chat_walk '{walk}'")
 
 
-def resolve_sampling(request: GenerateRequest, plan: WalkPlan, components: dict[str, Component],
-                     defaults: Callable[[str], SamplingParams], max_model_len: int) -> dict[str, SamplingParams]:
+def resolve_sampling(request: GenerateRequest, plan: WalkPlan, defaults: Callable[[str], SamplingParams],
+                     max_model_len: int) -> dict[str, SamplingParams]:
     """Every sampling key's params, validated, each with a seed: the root
     keeps the request's (a random one if it has none), another key without
     its own seed draws from `key_seed(root seed, key)`."""
