@@ -132,9 +132,7 @@ class ReportReader:
         any) into its request; whether the request's part stops there."""
         detok = state.detok
         text = detok.push((token,)) if detok is not None and token not in state.hidden_ids else ""
-        if state.feed_token(part, token, text, logprob):
-            return True
-        return bool(state.host_predicates) and state.host_stop(part, value, token)
+        return state.feed_token(part, token, text, logprob) or self._host_stop(state, part, value, token)
 
     @staticmethod
     def _host_stop(state: RequestState, part: str, value: str, data: object) -> bool:

@@ -129,8 +129,8 @@ def config_for(rows: int, n: int, k: int, norm: bool = False, silu: bool = False
     weights at one row of half precision (`half`: bf16 or float16 x): with
     the norm ahead (the merged gate/up's too), the tensor-core kernel
     (`gemv_mma.py`) in blocks of 32-64 columns; else blocks of 4 columns on
-    CUDA cores (their conversion to float32, not
-    their bytes, sets the pace)."""
+    CUDA cores (their conversion to float32, not their bytes, sets the
+    pace)."""
     whole_k = block_size(k)
     if fp8 and rows == 1 and n < HEAD_WIDTH and (norm or silu) and half:  # tensor cores: the fastest of
         # `bench_gemv.py --fp8 --mma 1`'s sweep (H100), against ~1.3x their time on CUDA cores
@@ -223,19 +223,20 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
     cfg = config or config_for(m, n, k, norm_weight is not None, silu, fp8, x.dtype in gemv_mma.MMA_DTYPES)
     if m and n and k:
         norm = norm_weight is not None
+        nw = norm_weight.contiguous() if norm_weight is not None else None
+        scale = weight_scale.reshape(-1).float() if weight_scale is not None else None
         # a weight copied by the kernel just before is read only after the wait: no dependent launch then
         pdl = cfg.pdl and not copied and dependent_launch(x)
         if cfg.mma:
-            if not fp8:
+            if scale is None:
                 raise ValueError(f"{cfg}: the tensor-core kernel takes float8 weights, got {weight.dtype}")
-            gemv_mma.launch(x, res, norm_weight.contiguous() if norm else None, eps, centered, weight,
-                            weight_scale.reshape(-1).float(), silu, out, stream, cfg.block_n, cfg.block_k,
+            gemv_mma.launch(x, res, nw, eps, centered, weight, scale, silu, out, stream, cfg.block_n, cfg.block_k,
                             cfg.stats_block or min(block_size(k), MMA_STATS_BLOCK), cfg.num_warps, cfg.num_stages,
                             pdl)
             return out, stream
         _gemv_kernel[(_programs(x.device, cdiv(n, cfg.block_n), cfg.programs_per_sm),)](
-            x, res if res is not None else x, norm_weight.contiguous() if norm else x, weight,
-            weight_scale.reshape(-1).float() if fp8 else x, out, stream,
+            x, res if res is not None else x, nw if nw is not None else x, weight, scale if scale is not None else x,
+            out, stream,
             m, n, k, x.stride(0), res.stride(0) if res is not None else 0, weight.stride(0), out.stride(0),
             stream.stride(0), n if silu else 0, eps,
             ROWS=block_size(m), NORM=norm, RESIDUAL=res is not None, CENTERED=centered, SILU=silu, FP8=fp8,

@@ -41,11 +41,10 @@ def launch(x: torch.Tensor, res: torch.Tensor | None, norm_weight: torch.Tensor 
            weight: torch.Tensor, weight_scale: torch.Tensor, silu: bool, out: torch.Tensor, stream: torch.Tensor,
            block_n: int, block_k: int, stats_block: int, num_warps: int, num_stages: int, pdl: bool) -> None:
     """Fill `out` (and, after a residual add, `stream`) for one row; the
-    caller (`gemv._launch`) has checked the shapes."""
+    caller (`gemv._launch`) has checked the shapes, and `GemvConfig` the
+    blocks (16 or more)."""
     if x.shape[0] != 1 or x.dtype not in MMA_DTYPES:
         raise ValueError(f"the tensor-core kernel takes one row of {MMA_DTYPES}, got {tuple(x.shape)} {x.dtype}")
-    if block_n < 16 or block_k < 16:
-        raise ValueError(f"tensor-core products take blocks of 16 or more, got {block_n} x {block_k}")
     n, k = out.shape[1], x.shape[1]
     norm = norm_weight is not None
     _gemv_mma_kernel[(cdiv(n, block_n),)](
