@@ -1,5 +1,5 @@
-"""The few-row projection kernel (`mstar.kernels.projection.gemv`) against cuBLAS, at
-Orpheus-3B's shapes: each projection alone (with the norm before it and the
+"""The few-row projection kernels (`mstar.kernels.projection`) against cuBLAS,
+at Orpheus-3B's shapes: each projection alone (with the norm before it and the
 SiLU-and-multiply after it where a decoder layer has them), over a sweep of
 tilings (launched as programmatic dependents where the GPU has them; the
 default tiling also without), then a whole 28-layer step's projections both ways. Every layer has

@@ -158,7 +158,7 @@ async def test_greedy_tokens_match_transformers(which: str, request: pytest.Fixt
         else:
             # the rows of a batch are admitted over one or a few steps, as the worker finds them queued, so a row
             # may decode some steps alone in one run and not in the other; a lone row's projections take the
-            # one-row kernel (`kernels/projection/gemv.py`), whose sums are ordered otherwise than cuBLAS's: equal up to ties
+            # one-row kernel (`kernels/projection/`), whose sums are ordered otherwise than cuBLAS's: equal up to ties
             _compare(graph_decode, ref, margins)
 
 

@@ -1,7 +1,8 @@
 """Typed keys of what the aiohttp application and each request hold: the
-engine served and the models it serves as requests resolve them, when the app was built (the `created` time `/v1/models`
-shows), the open realtime sockets, the media decoder and its limits, spoken
-answers' transcripts, and the request's id."""
+engine served and the models it serves as requests resolve them, when the
+app was built (the `created` time `/v1/models` shows), the open realtime
+sockets, the media decoder and its limits, spoken answers' transcripts, and
+the request's id."""
 
 from __future__ import annotations
 

@@ -13,9 +13,9 @@ error of each product near e4m3's 2^-4 relative step.
 On CUDA the rows are quantized by one kernel (`kernels/quantize.py`) and the
 product is `torch._scaled_mm` with row-wise scales (Ada, Hopper and later);
 one row (a lone decode step, where a projection only streams its weight)
-takes the few-row kernel (`kernels/projection/gemv.py`) instead, weight-only: the row
-stays in bf16 (quantizing it there costs more than the weight's stream), so
-a lone row's product is a little nearer the bf16 one than a batch's.
+takes the one-row kernels (`kernels/projection/`) instead, weight-only: the
+row is not quantized (there that costs more than the weight's stream), so a
+lone row's product is a little nearer the bf16 one than a batch's.
 Elsewhere the reference dequantizes both sides and multiplies in float32,
 the same arithmetic up to summation order.
 """

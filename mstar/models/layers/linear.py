@@ -12,8 +12,8 @@ Outside CUDA graphs, a projection of more than `SMALL_ROWS` rows on CUDA runs
 at `padded_rows` rows (the extra ones computed and dropped): cuBLAS spends
 milliseconds of host time choosing a kernel the first time it sees a shape,
 and an eager prefill's token count is new at almost every step. A projection
-of one row on CUDA takes the few-row kernel (`kernels/projection/gemv.py`) instead, with
-float8 weights too.
+of one row on CUDA takes the few-row kernel (`kernels/projection/gemv.py`)
+instead, with float8 weights too.
 """
 
 from __future__ import annotations

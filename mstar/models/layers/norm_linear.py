@@ -3,9 +3,10 @@ states and the residual stream [T, H] in, (the projection of the normed
 stream, the stream) out; with `silu` the projection is a merged gate/up and
 the output silu(gate) * up.
 
-At one row on CUDA (`gemv.MAX_ROWS`) both run in one kernel (`kernels/projection/gemv.py`), which saves
-the norm's launch and its round trip through memory, and the activation's;
-otherwise the norm, the projection and the activation run as the modules do.
+At one row on CUDA (`gemv.MAX_ROWS`) both run in one kernel
+(`kernels/projection/`), which saves the norm's launch and its round trip
+through memory, and the activation's; otherwise the norm, the projection and
+the activation run as the modules do.
 """
 
 from __future__ import annotations
