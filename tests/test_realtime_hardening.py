@@ -385,3 +385,23 @@ async def test_a_response_the_server_stops_fails_and_counts_the_tokens_sampled(
     assert done["status"] == "failed", done
     error = done["status_details"]["error"]
     assert error["code"] == {"timeout": "timeout", "abort": "aborted"}[how] and error["message"]
+
+
+async def test_a_cancelled_text_answer_counts_no_audio_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A text model's cancelled response: the tokens sampled past the deltas sent are text, not audio."""
+    from mstar.http.realtime import response as response_module
+    monkeypatch.setattr(response_module, "SETTLE_S", 20.0)
+    async with running_engine("tiny-llama") as engine, serving(engine) as url, aiohttp.ClientSession() as http:
+        ws = await http.ws_connect(url.replace("http://", "ws://") + "/v1/realtime?model=tiny-llama")
+        assert (await ws.receive_json())["type"] == "session.created"
+        await ws.send_json({"type": "session.update", "session": {"mstar": {"seed": 7}}})
+        await ws.send_json({"type": "response.create",
+                            "response": {"max_output_tokens": 1000, "input": [_user("a long answer")]}})
+        for _ in range(3):
+            await _until(ws, "response.output_text.delta")
+        await ws.send_json({"type": "response.cancel"})
+        done = (await _until(ws, "response.done"))["response"]
+        await ws.close()
+    assert done["status"] == "cancelled"
+    usage = done["usage"]
+    assert usage["output_token_details"] == {"text_tokens": usage["output_tokens"], "audio_tokens": 0}, usage

@@ -243,7 +243,8 @@ class ActiveResponse:
         usage = None
         if last is not None:
             output = max(last.num_output_tokens, generated or 0)
-            text = min(self.text_tokens, output)
+            # a text answer's tokens sampled but never sent (a cancel's) are text too, not audio frames
+            text = min(self.text_tokens, output) if self.audio else output
             usage = {"input_tokens": last.num_prompt_tokens, "output_tokens": output,
                      "total_tokens": last.num_prompt_tokens + output,
                      "output_token_details": {"text_tokens": text, "audio_tokens": output - text}}
