@@ -35,6 +35,9 @@ class StopStrings:
         self.sent = 0
         self.armed_at = 0  # where armed text starts
         self.matched: str | None = None  # the stop string that cut the text, once one has
+        # per stop, the longest suffix of the text that is a proper prefix of it: a push of k characters can
+        # lengthen it by k at most, so the next search starts there instead of at the stop's whole length
+        self._tails = [0] * len(stops)
 
     def push(self, new: str, armed: bool = True) -> tuple[str, bool]:
         """Text that is safe to send now, and whether a stop string matched
@@ -56,8 +59,9 @@ class StopStrings:
                 cut += len(self.matched)
             out = self.text[self.sent:cut] if cut > self.sent else ""
             self.sent = max(self.sent, cut)
+            self._tails = [len(s) for s in self.stops]  # not tracked past a match: a later search is a full one
             return out, True
-        safe = len(self.text) - self._held_tail()
+        safe = len(self.text) - self._held_tail(len(new))
         out = self.text[self.sent:safe] if safe > self.sent else ""
         self.sent = max(self.sent, safe)
         return out, False
@@ -67,15 +71,16 @@ class StopStrings:
         self.sent = len(self.text)
         return out
 
-    def _held_tail(self) -> int:
+    def _held_tail(self, pushed: int) -> int:
         """Length of the longest text suffix that is a proper prefix of a stop."""
-        best = 0
-        for s in self.stops:
-            for n in range(min(len(s) - 1, len(self.text)), best, -1):
+        for i, s in enumerate(self.stops):
+            tail = 0
+            for n in range(min(len(s) - 1, len(self.text), self._tails[i] + pushed), 0, -1):
                 if self.text.endswith(s[:n]):
-                    best = n
+                    tail = n
                     break
-        return best
+            self._tails[i] = tail
+        return max(self._tails, default=0)
 
 
 class ChunkQueue:
