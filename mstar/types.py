@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from mstar.errors import RequestError
+from mstar.errors import CONTEXT_EXCEEDED, RequestError
 
 if TYPE_CHECKING:
     import torch
@@ -96,7 +96,7 @@ class SamplingParams:
             raise RequestError("must be a positive integer", field="max_tokens")
         if max_model_tokens is not None and self.max_tokens is not None and self.max_tokens > max_model_tokens:
             raise RequestError(f"must be at most {max_model_tokens}, the model's context length (the prompt takes "
-                               "its share of it too)", field="max_tokens")
+                               "its share of it too)", field="max_tokens", code=CONTEXT_EXCEEDED)
         if not _number(self.temperature) or not 0.0 <= self.temperature <= MAX_TEMPERATURE:
             raise RequestError(f"must be in [0, {MAX_TEMPERATURE}]", field="temperature")
         if not _integer(self.top_k) or (self.top_k < 0 and self.top_k != -1) or self.top_k > MAX_TOKEN_ID:

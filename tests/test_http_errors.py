@@ -65,6 +65,21 @@ async def test_a_prompt_longer_than_the_context_names_the_prompt(http: aiohttp.C
         assert r.status == 400 and (await error_of(r))["param"] == "prompt"
 
 
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/completions", {"prompt": "x", "max_tokens": 100_000}, "max_tokens"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 100_000}, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_tokens": 100_000}, "max_tokens"),
+    ("/v1/completions", {"prompt": [5] * 2048}, "prompt"),
+])
+async def test_whatever_does_not_fit_the_context_is_context_length_exceeded(http: aiohttp.ClientSession, path: str,
+                                                                            body: dict, param: str) -> None:
+    # OpenAI's code for a prompt or a max_tokens past the context, whichever check finds it first
+    async with http.post(path, json=body) as r:
+        assert r.status == 400
+        err = await error_of(r)
+    assert (err["param"], err["code"], err["type"]) == (param, "context_length_exceeded", "invalid_request_error")
+
+
 @pytest.mark.parametrize("path, body", [
     ("/v1/completions", {"model": "gpt-nope", "prompt": "x"}),
     ("/v1/chat/completions", {"model": "gpt-nope", "messages": CHAT}),
