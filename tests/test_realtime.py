@@ -447,7 +447,7 @@ async def test_truncation_leaves_out_the_fewest_oldest_messages() -> None:
     async def prepare(request: GenerateRequest) -> Prepared:
         n = sum(sizes[m["content"]] for m in request.inputs["messages"])
         if n >= 200:
-            raise RequestError("too long", code="context_length_exceeded")
+            raise RequestError(f"too long: {n}", code="context_length_exceeded")
         return Prepared(n)
 
     def make(kept: list[dict[str, Any]]) -> GenerateRequest:
@@ -467,6 +467,8 @@ async def test_truncation_leaves_out_the_fewest_oldest_messages() -> None:
     only = [messages[0]]  # instructions alone, leaving less than the answer asks: they are the prompt
     request, prepared, dropped = await fitted(only, make, prepare, True, 200, 195)
     assert request.inputs["messages"] == only and dropped == 0
-    sizes["m9"] = 250  # the newest alone is longer than the context: its error, whatever is left out
-    with pytest.raises(RequestError, match="too long"):
+    sizes["m9"] = 250  # the newest alone is longer than the context: its own error (with the system message's 10),
+    with pytest.raises(RequestError, match="too long: 260$"):  # not the whole conversation's
         await kept(1)
+    with pytest.raises(RequestError, match="too long: 530$"):  # without truncation: the whole conversation's
+        await kept(1, truncate=False)

@@ -117,10 +117,12 @@ async def fitted(messages: list[dict[str, Any]], make: Callable[[list[dict[str, 
     the context for the answer drops its oldest messages, the system
     message kept: the fewest that leave that room (found by bisection, each
     try a whole prepare), else the fewest that fit at all. Without, or if
-    not even the newest message fits, the context's error stands."""
+    not even the newest message fits, the context's error stands: with
+    `truncate`, the error of the newest message alone (the system message
+    kept), which no truncation could shorten."""
     tries: dict[int, tuple[GenerateRequest, Prepared, int] | None] = {}  # k oldest left out -> its prepare
     head = 1 if messages and messages[0].get("role") == "system" else 0
-    too_long: list[RequestError] = []  # the whole conversation's error
+    too_long: dict[int, RequestError] = {}  # k oldest left out -> the context's error
 
     def roomy(prepared: Prepared) -> bool:
         return prepared.num_prompt_tokens + answer <= max_model_len
@@ -133,7 +135,7 @@ async def fitted(messages: list[dict[str, Any]], make: Callable[[list[dict[str, 
             except RequestError as e:
                 if e.code != CONTEXT_EXCEEDED or not (truncate or k):
                     raise
-                too_long.extend([e] if not k else [])
+                too_long[k] = e
                 tries[k] = None
         return tries[k]
 
@@ -153,6 +155,6 @@ async def fitted(messages: list[dict[str, Any]], make: Callable[[list[dict[str, 
     if whole is not None and (not truncate or roomy(whole[1])):
         return whole
     best = await fewest(roomy) or await fewest(lambda p: True) or whole
-    if best is None:  # not even the newest message fits
-        raise too_long[0]
+    if best is None:  # not even the newest message fits: its own error (the search tried it last)
+        raise too_long[max(too_long)]
     return best
