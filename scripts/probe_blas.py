@@ -27,21 +27,30 @@ LIBRARIES = ("cublas", "cublaslt")
 
 def measure(rows: list[int], layer_weights: dict[str, list[torch.Tensor]], gen: torch.Generator) -> dict:
     out: dict = {}
-    for library in LIBRARIES:
-        torch.backends.cuda.preferred_blas_library(library)
-        for m in rows:
-            total = 0.0
-            for name, ws in layer_weights.items():
-                x = torch.randn(m, ws[0].shape[1], device="cuda", generator=gen).to(torch.bfloat16)
-                us = graph_time_us(lambda i, x=x, ws=ws: F.linear(x, ws[i % len(ws)]), calls=len(ws), replays=10)
-                nbytes = ws[0].numel() * ws[0].element_size()
-                out[f"{library}/{m}/{name}"] = {"us": round(us, 2), "GBps": round(nbytes / us / 1e3, 1)}
-                total += us * LAYERS / 1e3
-                print(f"{library:>8} rows {m:>3} {name:>8}: {us:8.2f} us ({nbytes / us / 1e3:7.1f} GB/s)", flush=True)
-            out[f"{library}/{m}/step_ms"] = round(total, 3)
-            print(f"{library:>8} rows {m:>3}: a step's four projections x {LAYERS}: {total:.3f} ms", flush=True)
-    torch.backends.cuda.preferred_blas_library("cublas")
+    before = torch.backends.cuda.preferred_blas_library()
+    try:
+        for library in LIBRARIES:
+            torch.backends.cuda.preferred_blas_library(library)
+            _measure_library(library, rows, layer_weights, gen, out)
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
     return out
+
+
+def _measure_library(library: str, rows: list[int], layer_weights: dict[str, list[torch.Tensor]],
+                     gen: torch.Generator, out: dict) -> None:
+    """Each row count's four projections under `library` (the preferred one now), into `out`."""
+    for m in rows:
+        total = 0.0
+        for name, ws in layer_weights.items():
+            x = torch.randn(m, ws[0].shape[1], device="cuda", generator=gen).to(torch.bfloat16)
+            us = graph_time_us(lambda i, x=x, ws=ws: F.linear(x, ws[i % len(ws)]), calls=len(ws), replays=10)
+            nbytes = ws[0].numel() * ws[0].element_size()
+            out[f"{library}/{m}/{name}"] = {"us": round(us, 2), "GBps": round(nbytes / us / 1e3, 1)}
+            total += us * LAYERS / 1e3
+            print(f"{library:>8} rows {m:>3} {name:>8}: {us:8.2f} us ({nbytes / us / 1e3:7.1f} GB/s)", flush=True)
+        out[f"{library}/{m}/step_ms"] = round(total, 3)
+        print(f"{library:>8} rows {m:>3}: a step's four projections x {LAYERS}: {total:.3f} ms", flush=True)
 
 
 def main() -> None:

@@ -50,11 +50,12 @@ class StopStrings:
             self.armed_at = len(self.text)
             hits = []
         else:
-            hits = [i for i in (self.text.find(s, max(start, self.armed_at - len(s) + 1)) for s in self.stops)
-                    if i >= 0]
+            # each stop's first match that ends in armed text: a shorter stop may start at the same place and
+            # end before it, so the stop is the one found there, not any that starts there
+            hits = [(i, s) for i, s in ((self.text.find(s, max(start, self.armed_at - len(s) + 1)), s)
+                                        for s in self.stops) if i >= 0]
         if hits:
-            cut = min(hits)
-            self.matched = next(s for s in self.stops if self.text.startswith(s, cut))
+            cut, self.matched = min(hits, key=lambda hit: hit[0])  # the earliest; of those, the first stop given
             if self.keep:
                 cut += len(self.matched)
             out = self.text[self.sent:cut] if cut > self.sent else ""
