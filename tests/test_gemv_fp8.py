@@ -148,14 +148,14 @@ def test_fp8_gemv_mma_zero_and_nonfinite_rows(form):
         assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isposinf(), want.isposinf())
 
 
-def test_fp8_config_for_sends_only_one_half_precision_row_to_the_tensor_cores():
+def test_fp8_config_for_sends_only_one_half_precision_gate_up_row_to_the_tensor_cores():
     n, k = 3072, 3072
-    assert gemv.config_for(1, n, k, norm=True, fp8=True, half=True).mma
     assert gemv.config_for(1, n, k, silu=True, norm=True, fp8=True, half=True).mma
-    assert gemv.config_for(1, n, 8, norm=True, fp8=True, half=True).block_k == 16
-    for kwargs in (dict(rows=2, norm=True, fp8=True, half=True), dict(rows=1, norm=True, fp8=True),
-                   dict(rows=1, fp8=True, half=True), dict(rows=1, norm=True, half=True),
-                   dict(rows=1, n=gemv.HEAD_WIDTH, norm=True, fp8=True, half=True)):
+    assert gemv.config_for(1, n, 8, silu=True, norm=True, fp8=True, half=True).block_k == 16
+    for kwargs in (dict(rows=2, silu=True, norm=True, fp8=True, half=True), dict(rows=1, silu=True, norm=True,
+                   fp8=True), dict(rows=1, norm=True, fp8=True, half=True), dict(rows=1, fp8=True, half=True),
+                   dict(rows=1, silu=True, norm=True, half=True),
+                   dict(rows=1, n=gemv.HEAD_WIDTH, silu=True, norm=True, fp8=True, half=True)):
         assert not gemv.config_for(**{"n": n, "k": k, **kwargs}).mma, kwargs
 
 
