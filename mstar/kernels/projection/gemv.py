@@ -33,9 +33,10 @@ takes two float8 sides); here that would cost each program a division per
 element of x on top of the weight's stream (measured on an H100: ~0.7-1.0
 TB/s against cuBLAS's fp8 path's ~0.7-1.7), for a less exact product.
 
-At one row of float8 weights with the norm ahead, the tensor-core form
-(`gemv_mma.py`, `GemvConfig.mma`) takes the products instead, the weight as
-float16: its conversion costs half an instruction an element there.
+At one row of float8 weights the tensor-core form (`gemv_mma.py`,
+`GemvConfig.mma`) may take the products instead, the weight as float16:
+its conversion costs half an instruction an element there. `config_for`
+sends it the merged gate/up, the one projection it is faster for.
 
 The arithmetic matches the unfused torch path: the residual add, the normed
 value and the weight multiply are rounded to x's dtype where the reference
