@@ -66,7 +66,10 @@
 #                                   step at 1 and 64 rows of this tree against $BASE's (as compare, $ROUNDS rounds, default 2)
 #   scripts/gpu_check.sh all        tests and bench (default)
 # FlashInfer compiles its kernels on first use into ~/.cache/flashinfer; a
-# second call on the same (still warm) machine reuses them.
+# second call on the same (still warm) machine reuses them. Commands run
+# beside it in the same call (`scripts/gpu_check.sh none; python3 scripts/...`)
+# need `export PYTHONPATH=$PWD:$PWD/scripts` first: this script's export is
+# its own.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-all}
