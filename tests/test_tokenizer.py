@@ -303,3 +303,25 @@ def test_importable_without_torch():
     code = ("import sys; import mstar.models.tokenizer as t; t.builtin_byte_tokenizer().encode('x'); "
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
+
+
+def test_a_long_run_of_invalid_bytes_costs_linear_decoding_and_still_matches_decode():
+    """A run of invalid UTF-8 bytes ends in U+FFFD after every push, so it is held to its end; the window is
+    decoded again only as the held ids double, not at every push (each decode takes the whole window)."""
+    tok = builtin_byte_tokenizer()
+    stray = tok.encode("\u00e9", add_special_tokens=False)[1]  # a continuation byte alone: invalid on its own
+    for tail in ("", "ok", "\u00e9 done", "\u4e16", "more text " * 500):
+        ids = [stray] * 4000 + tok.encode(tail, add_special_tokens=False) + [stray] * 3
+        detok = IncrementalDetokenizer(tok)
+        decoded = detok._decode
+        cost = [0]
+
+        def counted(window: list[int], skip: bool) -> str:
+            cost[0] += len(window)
+            return decoded(window, skip)
+        detok._decode = counted
+        pieces = [detok.push([i]) for i in ids] + [detok.flush()]
+        assert "".join(pieces) == tok.decode(ids)
+        assert cost[0] <= 8 * len(ids), cost[0]  # every push decoding the window: ~8 million ids
+        if len(tail) > 4000:  # text as long as the run comes out once the held ids have doubled, before the end
+            assert "more text " * 100 in "".join(pieces[:-1])

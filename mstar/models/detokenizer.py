@@ -17,6 +17,11 @@ if TYPE_CHECKING:
 # so most pushes cost one decode, not two (the event loop pays this for every running request's token); a
 # longer window costs more in each decode than it saves in restarts
 WINDOW = 4
+# Text ending in U+FFFD is held (usually a character split across ids), and each push decodes the whole window:
+# a long run of invalid bytes, which never stops ending in U+FFFD, would cost each push more. Past this many held
+# ids the window is decoded again only when their count has doubled since, so such a run costs linear time in
+# all; its text comes out with the first check that finds it no longer ending in U+FFFD, or at `flush`
+HELD_CHECKED = 16
 
 
 class IncrementalDetokenizer:
@@ -42,6 +47,7 @@ class IncrementalDetokenizer:
         self._read = len(self._window)
         self._before = self._decode(self._window, skip_special_tokens) if self._window else ""
         self._pieces: list[str] = []
+        self._next_check = 0  # held ids at which a long hold decodes again
 
     @property
     def text(self) -> str:
@@ -56,7 +62,13 @@ class IncrementalDetokenizer:
         window.extend(new_ids)
         if len(window) == read:
             return ""
-        return self._advance(self._decode(window, self.skip_special_tokens), False, held)
+        now = len(window) - read
+        if HELD_CHECKED < now < self._next_check:
+            return ""
+        out = self._advance(self._decode(window, self.skip_special_tokens), False, held)
+        if len(self._window) - self._read > HELD_CHECKED:  # still held: look again when twice as many are
+            self._next_check = 2 * (len(self._window) - self._read)
+        return out
 
     def flush(self) -> str:
         """The text held back at the end of generation (an incomplete character)."""
