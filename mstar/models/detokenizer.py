@@ -19,9 +19,11 @@ if TYPE_CHECKING:
 WINDOW = 4
 # Text ending in U+FFFD is held (usually a character split across ids), and each push decodes the whole window:
 # a long run of invalid bytes, which never stops ending in U+FFFD, would cost each push more. Past this many held
-# ids the window is decoded again only when their count has doubled since, so such a run costs linear time in
-# all; its text comes out with the first check that finds it no longer ending in U+FFFD, or at `flush`
+# ids the window is decoded again only when their count has doubled since, and at the CHAR_IDS pushes after each
+# such check (a character spans at most 4 ids that carry bytes, so one of them ends where a character does): a
+# run costs linear time in all, and text after it comes out within about as many ids as the run held
 HELD_CHECKED = 16
+CHAR_IDS = 4
 
 
 class IncrementalDetokenizer:
@@ -48,6 +50,7 @@ class IncrementalDetokenizer:
         self._before = self._decode(self._window, skip_special_tokens) if self._window else ""
         self._pieces: list[str] = []
         self._next_check = 0  # held ids at which a long hold decodes again
+        self._checked = 0     # held ids at its last decode
 
     @property
     def text(self) -> str:
@@ -63,11 +66,15 @@ class IncrementalDetokenizer:
         if len(window) == read:
             return ""
         now = len(window) - read
-        if HELD_CHECKED < now < self._next_check:
+        if HELD_CHECKED < now < self._next_check and now > self._checked + CHAR_IDS:
             return ""
         out = self._advance(self._decode(window, self.skip_special_tokens), False, held)
-        if len(self._window) - self._read > HELD_CHECKED:  # still held: look again when twice as many are
-            self._next_check = 2 * (len(self._window) - self._read)
+        still = len(self._window) - self._read
+        if still > HELD_CHECKED:  # still held: look again over the next few pushes, then when twice as many are
+            if still >= self._next_check:
+                self._next_check, self._checked = 2 * still, still
+        else:
+            self._next_check = self._checked = 0
         return out
 
     def flush(self) -> str:
