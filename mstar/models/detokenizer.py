@@ -21,7 +21,7 @@ WINDOW = 4
 # a long run of invalid bytes, which never stops ending in U+FFFD, would cost each push more. Past this many held
 # ids the window is decoded again only when their count has doubled since, and at the CHAR_IDS pushes after each
 # such check (a character spans at most 4 ids that carry bytes, so one of them ends where a character does): a
-# run costs linear time in all, and text after it comes out within about as many ids as the run held
+# run costs linear time in all, and text after it comes out within about twice as many ids as the run held
 HELD_CHECKED = 16
 CHAR_IDS = 4
 
@@ -50,7 +50,7 @@ class IncrementalDetokenizer:
         self._before = self._decode(self._window, skip_special_tokens) if self._window else ""
         self._pieces: list[str] = []
         self._next_check = 0  # held ids at which a long hold decodes again
-        self._checked = 0     # held ids at its last decode
+        self._checked = 0     # held ids at its last doubling check (the next few pushes decode too)
 
     @property
     def text(self) -> str:
