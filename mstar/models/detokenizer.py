@@ -73,8 +73,8 @@ class IncrementalDetokenizer:
         if still > HELD_CHECKED:  # still held: look again over the next few pushes, then when twice as many are
             if still >= self._next_check:
                 self._next_check, self._checked = 2 * still, still
-        elif self._next_check:  # released: the next long hold starts its schedule afresh (a token's usual path
-            self._next_check = self._checked = 0  # writes nothing here)
+        elif self._next_check:  # released: the next long hold starts afresh (a token's usual path skips this)
+            self._next_check = self._checked = 0
         return out
 
     def flush(self) -> str:
