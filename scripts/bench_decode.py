@@ -65,7 +65,7 @@ class Run:
             self.last_prefill_at = time.perf_counter()
             self.decode_tokens = 0
         elif r.mode == "decode":
-            self.decode_tokens += r.rows
+            self.decode_tokens += r.rows * getattr(r, "steps", 1)
             if r.rows == self.batch:
                 self.full.append(r)
 
@@ -111,8 +111,9 @@ def row_of(run: Run, batch: int, context: int, new_tokens: int, weights: int, sp
     """`state`: the model's per-row `StateSpec`, whose bytes a step reads and writes (None: no state)."""
     if not run.full:
         raise SystemExit(f"batch {batch} context {context}: no decode step ran with all {batch} rows")
-    step = statistics.median(r.step_s for r in run.full)
-    host = statistics.median(r.step_s - r.device_s for r in run.full)
+    # a launch of several steps reports once for them all (a tree older than such launches has no `steps`)
+    step = statistics.median(r.step_s / getattr(r, "steps", 1) for r in run.full)
+    host = statistics.median((r.step_s - r.device_s) / getattr(r, "steps", 1) for r in run.full)
     # the context grows by one per step: take its mean over the decode steps
     moved = weights + kv_bytes_per_step(spec, dtype, batch, context + new_tokens / 2)
     floor = (moved + (state_bytes_per_step(state, batch) if state is not None else 0)) / (gbps * 1e9)
@@ -130,7 +131,9 @@ async def bench_engine(a: argparse.Namespace, model: Model, device: torch.device
     cfg = EngineConfig(model=a.model, load_format=a.load_format, devices=(str(device),), dtype=a.dtype,
                        max_model_len=a.max_model_len, quantization=a.quantization,
                        scheduler=SchedulerConfig(max_num_seqs=max(256, *a.batches), page_size=page, num_pages=pages,
-                                                 max_num_batched_tokens=a.max_num_batched_tokens))
+                                                 max_num_batched_tokens=a.max_num_batched_tokens,
+                                                 **({"num_scheduler_steps": a.num_scheduler_steps}
+                                                    if a.num_scheduler_steps > 1 else {})))
     engine = Engine(cfg, model=model)
     t0 = time.perf_counter()
     await engine.start()
@@ -194,6 +197,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--num-pages", type=int, default=None, help="default: enough for the largest run")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--num-scheduler-steps", type=int, default=1, help="decode steps a launch (the server's flag)")
     p.add_argument("--quantization", choices=("fp8",), default=None,
                    help="the server's flag: float8 projections (the floor then counts their bytes as stored)")
     p.add_argument("--out", type=Path, default=Path("docs/benchmarks/decode.json"))
@@ -218,6 +222,8 @@ def main() -> None:
                          f"{model.max_model_len}: pass --max-model-len")
     dtype = DTYPES.get(a.dtype) or model.default_dtype(device)
     env = environment(device, a, dtype)
+    if a.num_scheduler_steps > 1:
+        env["num scheduler steps"] = a.num_scheduler_steps
     print("# " + " | ".join(f"{k} {v}" for k, v in env.items()), flush=True)
     gbps = copy_bandwidth_gbps(device, int(a.copy_gib * GiB))
     print(f"# copy bandwidth {gbps:.0f} GB/s (read + write)", flush=True)

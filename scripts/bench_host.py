@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import platform
 import pstats
@@ -39,13 +40,21 @@ from mstar.types import GenerateRequest, SamplingParams
 import worker_profile  # this script's folder is on the path
 
 
+def launched(r: StepReport) -> int:
+    """Decode steps the report's launch ran (a tree older than multi-step launches ran one)."""
+    return getattr(r, "steps", 1)
+
+
 async def measure(model: str, devices: tuple[str, ...], batch: int, tokens: int, load_format: str,
-                  profile_rows: int = 0) -> dict:
-    eng = Engine(EngineConfig(model=model, devices=devices, load_format=load_format,
-                              scheduler=SchedulerConfig(max_num_seqs=max(batch, 1))))
+                  profile_rows: int = 0, steps: int = 1) -> dict:
+    scheduler = SchedulerConfig(max_num_seqs=max(batch, 1))
+    if steps > 1:  # a tree older than --num-scheduler-steps takes the default
+        scheduler = dataclasses.replace(scheduler, num_scheduler_steps=steps)
+    eng = Engine(EngineConfig(model=model, devices=devices, load_format=load_format, scheduler=scheduler))
     await eng.start()
     steps: list[StepReport] = []
     loop_s: list[float] = []
+    full_loop_s: list[float] = []  # per decode step of a launch with every row
     t_in = 0.0
 
     def before(_r: StepReport) -> None:
@@ -56,6 +65,7 @@ async def measure(model: str, devices: tuple[str, ...], batch: int, tokens: int,
         loop_s.append(time.perf_counter() - t_in)
         if r.mode == "decode" and r.rows == batch:
             steps.append(r)
+            full_loop_s.append(loop_s[-1] / launched(r))
 
     eng.add_report_hook(before, before=True)
     eng.add_report_hook(after)
@@ -81,11 +91,12 @@ async def measure(model: str, devices: tuple[str, ...], batch: int, tokens: int,
     med = statistics.median
     return {
         "batch": batch,
-        "decode_steps": len(steps),
-        "step_ms": 1e3 * med(r.step_s for r in steps),
-        "device_ms": 1e3 * med(r.device_s for r in steps),
-        "host_ms": 1e3 * med(r.step_s - r.device_s for r in steps),
+        "decode_steps": sum(launched(r) for r in steps),
+        "step_ms": 1e3 * med(r.step_s / launched(r) for r in steps),
+        "device_ms": 1e3 * med(r.device_s / launched(r) for r in steps),
+        "host_ms": 1e3 * med((r.step_s - r.device_s) / launched(r) for r in steps),
         "loop_ms_per_report": 1e3 * med(loop_s),
+        "loop_ms_per_step": 1e3 * med(full_loop_s),
         "tokens_per_s": batch * tokens / wall,
         # per decode group step, from the worker's phase counters
         "wait_ms": 1e3 * st.wait_s / max(st.steps, 1),
@@ -105,6 +116,7 @@ def main() -> None:
     p.add_argument("--devices", default="cpu")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
     p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--num-scheduler-steps", type=int, default=1, help="decode steps a launch (the server's flag)")
     p.add_argument("--cprofile", type=int, default=0, metavar="N",
                    help="Python's profiler over the worker at each batch: its N costliest functions")
     a = p.parse_args()
@@ -113,14 +125,16 @@ def main() -> None:
     print(f"# {platform.platform()} | python {platform.python_version()} | torch {torch.__version__} "
           f"| {os.cpu_count()} cpus | threads {torch.get_num_threads()} | model {a.model} on {a.devices}")
     print("step = period between decode steps; device = blocked on the device (CPU: compute); host = step - device;")
-    print("loop = event loop per report; wait/launch/finalize = the worker's phases per step;")
+    print("loop = event loop per decode step (a launch's report over its steps); wait/launch/finalize = the "
+          "worker's phases per step;")
     print("cpu w / l = the worker's and the event loop's thread CPU time per step, over the whole run")
     print(f"{'batch':>6} {'steps':>6} {'step ms':>8} {'device ms':>10} {'host ms':>8} {'loop ms':>8} "
           f"{'wait':>6} {'launch':>7} {'final':>6} {'cpu w':>6} {'cpu l':>6} {'tok/s':>9}")
     for b in a.batches:
-        r = asyncio.run(measure(a.model, tuple(a.devices.split(",")), b, a.tokens, a.load_format, a.cprofile))
+        r = asyncio.run(measure(a.model, tuple(a.devices.split(",")), b, a.tokens, a.load_format, a.cprofile,
+                                a.num_scheduler_steps))
         print(f"{r['batch']:>6} {r['decode_steps']:>6} {r['step_ms']:>8.2f} {r['device_ms']:>10.2f} "
-              f"{r['host_ms']:>8.2f} {r['loop_ms_per_report']:>8.2f} {r['wait_ms']:>6.2f} {r['launch_ms']:>7.2f} "
+              f"{r['host_ms']:>8.2f} {r['loop_ms_per_step']:>8.2f} {r['wait_ms']:>6.2f} {r['launch_ms']:>7.2f} "
               f"{r['finalize_ms']:>6.2f} {r['worker_cpu_ms']:>6.2f} {r['loop_cpu_ms']:>6.2f} {r['tokens_per_s']:>9.0f}")
         if r["profile"] is not None:
             print(f"\n## batch {b}: the worker's Python, {r['decode_steps']} full decode steps", flush=True)

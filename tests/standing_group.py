@@ -13,8 +13,11 @@ class FakeGroup:
     def __len__(self) -> int:
         return self.rows
 
-    def short_of_pages(self, page_size: int) -> list[int]:
+    def short_of_pages(self, page_size: int, ahead: int = 1) -> list[int]:
         return []
+
+    def steps_room(self, most: int) -> int:
+        return 1
 
     def pages(self, row: int) -> list[int]:
         return []

@@ -225,7 +225,7 @@ def test_a_step_that_preempts_its_rows_admits_no_new_ones() -> None:
     sched = Scheduler(caps, {"llm": pool}, grow_pages=True, mix={"llm": frozenset({"prefill", "decode"})})
 
     class Short(FakeGroup):
-        def short_of_pages(self, page_size: int) -> list[int]:
+        def short_of_pages(self, page_size: int, ahead: int = 1) -> list[int]:
             return list(range(self.rows))
 
         def pages(self, row: int) -> list[int]:

@@ -197,6 +197,7 @@ class StepReport:
     component: str = ""
     mode: str = ""
     rows: int = 0
+    steps: int = 1          # decode steps the launch ran back to back (`step_s` and `device_s` cover them all)
     step_s: float = 0.0     # the whole step on the worker
     device_s: float = 0.0   # of which forward and sampling; the rest is host work
     # a request id for each token the step sampled that no emit brings to the event loop (a speech walk's audio

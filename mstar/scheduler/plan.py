@@ -22,9 +22,14 @@ class StandingGroup(Protocol):
 
     def __len__(self) -> int: ...
 
-    def short_of_pages(self, page_size: int) -> list[int]:
-        """Rows, ascending, whose pages cannot hold the token their next step
-        writes (vectorised over the rows)."""
+    def short_of_pages(self, page_size: int, ahead: int = 1) -> list[int]:
+        """Rows, ascending, whose pages cannot hold the tokens their next
+        `ahead` steps write, each once per page it lacks (vectorised over the
+        rows)."""
+        ...
+
+    def steps_room(self, most: int) -> int:
+        """Steps (1 to `most`) its next launch may run back to back."""
         ...
 
     def pages(self, row: int) -> Sequence[int]:
@@ -65,6 +70,7 @@ class StepPlan:
     grow: Sequence[tuple[int, int]] = ()       # (group row, page) to append to the row's pages
     preempt: Sequence[int] = ()                # group rows to swap out, highest first
     settle: bool = False
+    steps: int = 1                             # the group's steps to run back to back (`grow` covers them all)
 
     @property
     def has_work(self) -> bool:

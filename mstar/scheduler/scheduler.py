@@ -67,7 +67,7 @@ class Scheduler:
                  max_running: dict[str, int] | None = None, grow_pages: bool = False,
                  slots: dict[str, PagePool] | None = None, prefix_caching: bool = False,
                  admit_every: int = 0, mix: dict[str, frozenset[str]] | None = None,
-                 mix_tokens: dict[str, int] | None = None) -> None:
+                 mix_tokens: dict[str, int] | None = None, steps: int = 1) -> None:
         """`grow_pages`: a standing group's rows get their pages one at a
         time, as they need them, instead of holding them from admission.
         `slots`: per component with per-row state, its free slots (pages of
@@ -80,8 +80,11 @@ class Scheduler:
         waiting prompts of the others into its steps; `mix_tokens`: per
         component, most prompt tokens one such step takes (a longer prompt
         rides in chunks: past its graphs' largest bucket a mixed step runs
-        eagerly, holding the group's rows that long)."""
+        eagerly, holding the group's rows that long). `steps`: most decode
+        steps a group's launch runs back to back, while no new row of its
+        component waits to start."""
         self.admit_every = admit_every
+        self.steps = steps
         self.held = False  # an idle component's new requests' rows wait (the worker's `BurstGate`: a burst is arriving)
         self.burst_from = 0  # the first ticket of the open burst's rows: older items are never held
         self.held_back = False  # the last plan held a queue back (so an empty plan is not a stuck pool)
@@ -398,11 +401,14 @@ class Scheduler:
         key, group = standing.key, standing.group
         max_rows = self.caps[key].max_rows
         pool = self.pools.get(key[0]) if self.grow_pages else None
+        steps = group.steps_room(self.steps) if self.steps > 1 and not self._starting(key[0]) else 1
         if pool is None:  # its rows hold every page they need
             group.ticket = self.ticket()
             rows = self._window(standing, len(group), max_rows)
-            return StepPlan(key[0], key[1], self._mixed(standing, rows), group=group, rows=rows)
-        short = group.short_of_pages(pool.page_size)
+            return StepPlan(key[0], key[1], self._mixed(standing, rows), group=group, rows=rows, steps=steps)
+        short = group.short_of_pages(pool.page_size, steps)
+        if steps > 1 and len(short) > pool.num_free:  # one step at a time before a settle or a preemption
+            steps, short = 1, group.short_of_pages(pool.page_size)
         preempt: list[int] = []
         if len(short) > pool.num_free:
             if in_flight:  # finished rows free pages, and the rest have exact lengths
@@ -414,7 +420,13 @@ class Scheduler:
         rows = self._window(standing, len(group) - len(preempt), max_rows)
         # a step that preempts its rows for pages admits no new ones with the pages it freed
         mixed = [] if preempt else self._mixed(standing, rows)
-        return StepPlan(key[0], key[1], mixed, group=group, rows=rows, grow=list(zip(short, pages)), preempt=preempt)
+        return StepPlan(key[0], key[1], mixed, group=group, rows=rows, grow=list(zip(short, pages)), preempt=preempt,
+                        steps=steps)
+
+    def _starting(self, component: str) -> bool:
+        """Rows of `component` wait to start (or to take their next chunk):
+        a group's launch then runs one step, so that they start after it."""
+        return any(q and k[0] == component for k, q in self._queues.items())
 
     def _mixed(self, standing: _Standing, rows: slice) -> list[WorkItem]:
         """The waiting prompts a group step takes in beside its rows: from the

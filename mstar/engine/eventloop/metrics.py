@@ -178,10 +178,11 @@ class EngineMetrics:
         if report.rows <= 0 or not report.component:
             return  # an inbox pass or an empty group launch: no step ran
         labels: Labels = (("component", report.component), ("mode", report.mode))
-        self.step_seconds.observe(report.step_s, labels)
-        self.batch_size.observe(report.rows, labels)
+        for _ in range(report.steps):  # a launch of several steps: each counts, at its share of the time
+            self.step_seconds.observe(report.step_s / report.steps, labels)
+            self.batch_size.observe(report.rows, labels)
         if report.mode == "decode":
-            self.decode_steps += 1
+            self.decode_steps += report.steps
 
     # ----------------------------------------------------------- rendering
 

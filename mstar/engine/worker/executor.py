@@ -265,7 +265,9 @@ class Executor:
         t0, c0 = time.perf_counter(), time.thread_time()
         n = sl.stop - sl.start
         launched: Pending | None = None
+        device = 0.0  # on CUDA the runner only waited for the step before's inputs; on the CPU it computed
         mixed = self._take_mixed(plan, runner)
+        steps = plan.steps if mixed is None else 1
         # new rows whose mixed step failed, with their inputs: each runs again on its own
         broke: tuple[Batch, list[dict[str, torch.Tensor]]] | None = None
         if n:
@@ -273,22 +275,26 @@ class Executor:
                 fed = self.walker.streams.take_items(group.rows[sl]) if group.shape.fed is not None else None
                 with ranged(f"mstar.{group.component}.{group.mode}"), group.stream.on():
                     group.stream.after_worker()
-                    try:
-                        launch = runner.run_group(group, sl, fed, mixed.rows if mixed else None)
-                    except Exception:
-                        if mixed is None or runner.state is not None:
-                            raise   # rows of per-row state may be half updated in place: none can step again
-                        # the group's state is as it was: its rows step again alone; each new row runs on its
-                        # own after it, so that only a row whose input breaks a step fails
-                        self.stats.failed_steps += 1
-                        log.exception("mixed step failed", device=self.name, component=group.component,
-                                      rows=n, new_rows=len(mixed.items))
-                        broke = Batch(group.component, mixed.items[0].mode, mixed.items), mixed.inputs
-                        mixed = None
-                        launch = runner.run_group(group, sl, fed)
-                    launched = group.launched(sl, launch.tokens, launch.logprobs, launch.extras)
-                    if mixed is not None:
-                        mixed.launch = launch
+                    if steps > 1:
+                        launched, device = self._launch_steps(group, sl, runner, steps)
+                    else:
+                        try:
+                            launch = runner.run_group(group, sl, fed, mixed.rows if mixed else None)
+                        except Exception:
+                            if mixed is None or runner.state is not None:
+                                raise   # rows of per-row state may be half updated in place: none can step again
+                            # the group's state is as it was: its rows step again alone; each new row runs on its
+                            # own after it, so that only a row whose input breaks a step fails
+                            self.stats.failed_steps += 1
+                            log.exception("mixed step failed", device=self.name, component=group.component,
+                                          rows=n, new_rows=len(mixed.items))
+                            broke = Batch(group.component, mixed.items[0].mode, mixed.items), mixed.inputs
+                            mixed = None
+                            launch = runner.run_group(group, sl, fed)
+                        device = runner.device_s
+                        launched = group.launched(sl, launch.tokens, launch.logprobs, launch.extras)
+                        if mixed is not None:
+                            mixed.launch = launch
             except Exception as e:
                 self.stats.failed_steps += 1
                 log.exception("step failed", device=self.name, component=group.component, mode=group.mode, rows=n)
@@ -296,8 +302,8 @@ class Executor:
                     self.walker.abort(rid, "error", f"{type(e).__name__}: {e}")
                 mixed = None
             else:
-                self.stats.steps += 1
-                self.stats.rows += n
+                self.stats.steps += steps
+                self.stats.rows += n * steps
                 if mixed is not None:
                     self.stats.mixed_steps += 1
                     self.stats.mixed_graph_steps += runner.mixed_replayed
@@ -305,9 +311,6 @@ class Executor:
         if broke is not None:
             self._retry_alone(*broke)
         t1, c1 = time.perf_counter(), time.thread_time()
-        # on CUDA the runner only waited for the previous step's inputs to land;
-        # on the CPU it computed (synchronously) for that long
-        device = runner.device_s if n else 0.0
         with ranged("mstar.finalize"):
             waited = self.router.read_group(self.report, group, prev) if prev is not None else 0.0
         blocked = waited + (device if self.device.type == "cuda" else 0.0)
@@ -332,9 +335,24 @@ class Executor:
         now = time.perf_counter()
         r = self.report
         r.component, r.mode, r.rows = group.component, group.mode, n
+        r.steps = steps if launched is not None else 1
         r.step_s = now - self._group_mark.get(group, t0)
         r.device_s = waited + device
         self._group_mark[group] = now
+
+    @staticmethod
+    def _launch_steps(group: LoopGroup, sl: slice, runner: ComponentRunner, steps: int) -> tuple[Pending, float]:
+        """Launch `steps` decode steps of rows `sl` back to back, each row's
+        token fed to its next step on the device; their `Pending`, and the
+        seconds the runner spent on the device (CPU) or waiting for its inputs."""
+        drawn, device = [], 0.0
+        for k in range(steps):
+            launch = runner.run_group(group, sl)
+            device += runner.device_s
+            drawn.append(launch.tokens)
+            if k < steps - 1:
+                group.advance(sl, launch.tokens)
+        return group.launched(sl, torch.stack(drawn), steps=steps), device
 
     def _take_mixed(self, plan: StepPlan, runner: ComponentRunner) -> MixedItems | None:
         """The new rows riding in a group step, admitted, with their inputs;

@@ -21,7 +21,7 @@ from mstar.engine.messages import StepReport
 from mstar.engine.movement.arena import HostArena
 from mstar.engine.movement.tensor_store import TensorRef, TensorStore
 from mstar.engine.worker.groups.loop_group import LoopGroup
-from mstar.engine.worker.groups.pending import Pending, Route
+from mstar.engine.worker.groups.pending import Leave, Pending, Route
 from mstar.engine.worker.outbox import Outbox
 from mstar.engine.worker.rows import PartitionRun
 from mstar.engine.worker.stop_rules import stop_reasons
@@ -82,6 +82,11 @@ class Router:
         rows = p.rows
         keep = range(len(rows)) if valid is None else valid
         self.stats.dropped_rows += len(rows) - len(keep)
+        if p.steps > 1:
+            self._read_steps(report, p, host, keep, leaving)
+            for leave in leaving:
+                self.walker.left_group(leave, {})
+            return waited
         if leaving:
             gone = {id(leave.part) for leave in leaving}
             going_on = [i for i in keep if id(rows[i]) not in gone and not rows[i].done]
@@ -94,7 +99,7 @@ class Router:
             on = set(idx) if len(routes) > 1 else None
             self._route_tokens(report, p, host, route, keep if on is None else [i for i in keep if i in on],
                                going_on if on is None else [i for i in going_on if i in on])
-        if group.followed:  # rows following their ids for the prefix cache (those leaving get theirs as they go)
+        if p.followed:  # rows following their ids for the prefix cache (those leaving get theirs as they go)
             ids, kv = host.tolist(), p.kv
             for i in going_on:  # every row, every step: `KVRow.sampled` without a call a row
                 followed = kv[i].token_ids
@@ -104,6 +109,32 @@ class Router:
         for leave in leaving:
             self.walker.left_group(leave, {name: refs[leave.row] for name, refs in extras.items()})
         return waited
+
+    def _read_steps(self, report: StepReport, p: Pending, host: torch.Tensor, keep: range | list[int],
+                    leaving: list[Leave]) -> None:
+        """Route the tokens of a launch of several steps, step by step: each
+        row's up to and with its stop id (`Pending.ends`) to its clients, and
+        into its streams those it goes on from (a row that leaves goes on
+        with its last token through `Walker.left_group`)."""
+        ends = p.ends()
+        gone = {leave.row for leave in leaving}
+        last = [int(ends[i]) - (i in gone) for i in range(len(p.rows))]  # steps whose token a row goes on from
+        live = [i for i in keep if not p.rows[i].done]
+        routes = p.route_rows()
+        for k in range(p.steps):
+            counted = [i for i in keep if ends[i] > k]
+            going_on = [i for i in live if last[i] > k]
+            for route, idx in routes:
+                on = set(idx) if len(routes) > 1 else None
+                self._route_tokens(report, p, host[k], route,
+                                   counted if on is None else [i for i in counted if i in on],
+                                   going_on if on is None else [i for i in going_on if i in on])
+        if p.followed:
+            ids = host.t().tolist()
+            for i in live:  # the prefix cache's ids; a leaving row's last one goes with it
+                followed = p.kv[i].token_ids
+                if followed is not None:
+                    followed.extend(ids[i][:last[i]])
 
     def _route_tokens(self, report: StepReport, p: Pending, host: torch.Tensor, route: Route, keep: range | list[int],
                       going_on: list[int]) -> None:

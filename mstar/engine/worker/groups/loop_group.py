@@ -18,21 +18,28 @@ been computed once more in step K; `finalize` drops that output. Rows that
 reach their write cap are known on the host and are never launched past it.
 On CUDA a group's steps and the updates of its tensors go on its component's
 stream (`group_stream.py`), so that two components' decode overlap.
+
+A launch may run several steps back to back (`--num-scheduler-steps`,
+`multi_step.py`): between them each row's token and tables advance on the
+device and in the host tables (`advance`), and one `Pending` holds them all;
+a row that stops at one of them computes the rest for nothing, as it does
+the step after.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable
 
-import numpy as np
 import torch
 
 from mstar.engine.execution.sampler import SamplingTensors
 from mstar.engine.movement.transfer import to_device
+from mstar.engine.worker.groups.group_pages import GroupPages
 from mstar.engine.worker.groups.group_shape import GroupShape
 from mstar.engine.worker.groups.group_stream import GroupStream
 from mstar.engine.worker.kv_rows import KVRow
+from mstar.engine.worker.groups.multi_step import steps_room
 from mstar.engine.worker.rows import PartitionRun
 from mstar.engine.worker.groups.pending import Leave, Pending, Route, route_of
 from mstar.engine.worker.groups.step_inputs import StepInputs
@@ -52,13 +59,15 @@ class _Join:
     min_tokens: int       # writes before which its stop ids may not be drawn
 
 
-class LoopGroup(StepInputs):
+class LoopGroup(StepInputs, GroupPages):
     def __init__(self, component: str, mode: str, device: torch.device,
-                 shape: GroupShape | None = None, axes: int = 1, stream: torch.cuda.Stream | None = None) -> None:
+                 shape: GroupShape | None = None, axes: int = 1, stream: torch.cuda.Stream | None = None,
+                 most_steps: int = 1) -> None:
         """`shape`: what a step reads and keeps besides the token; `axes`: of
         the component's positions (every axis at a row's next position);
         `stream`: on CUDA, the one its steps and its tensors' updates go on
-        (the component's groups share it), beside the worker's stream. Rows
+        (the component's groups share it), beside the worker's stream;
+        `most_steps`: steps one launch may run (`multi_step.steps_room`). Rows
         of any walks whose loops step `component.mode` the same way share a
         group; each row's tokens go where its own walk sends them (`Route`)."""
         self.stream = GroupStream(stream, device)
@@ -89,6 +98,11 @@ class LoopGroup(StepInputs):
         self.deltas = torch.empty(0, dtype=torch.long)    # each row's rope delta: its positions run ahead of kv_lens
         self.shifted = False                              # some row's delta is not 0
         self.seen: torch.Tensor | None = None
+        self.most_steps = most_steps
+        # while launches may run several steps: [n] on the device, the rows that have drawn no stop id before
+        # the token a step marks seen (what a row draws after its stop is never its own)
+        self.live: torch.Tensor | None = None
+        self.stop_ids = torch.full((0, 1), -1, dtype=torch.long, device=device)  # the stop table, on the device
         self.outputs: torch.Tensor | None = None  # [n, V] float32 output counts, once a row penalises them
         # what a step reads back of the step before, by signature input name: [n, ...] on the device
         self.carried: dict[str, torch.Tensor] = {}
@@ -230,6 +244,12 @@ class LoopGroup(StepInputs):
             more = SamplingTensors.build(params, [q.seed for q in params], draw_counts, dev)
             draw_sampling = more if draw_sampling is None else draw_sampling.cat(more)
         drawn = torch.cat([self.drawn, longs(draw_counts)])
+        live = stop_ids = None
+        if self.most_steps > 1:
+            live = torch.cat([self.live if self.live is not None else torch.ones(len(self.rows), dtype=torch.bool,
+                                                                                  device=dev),
+                              torch.ones(len(joins), dtype=torch.bool, device=dev)])
+            stop_ids = to_device(stop_table, dev)
         # nothing below raises
         self.tokens, self.kv_lens, self.counts, self.caps = tokens, kv_lens, counts, caps
         self.block_table, self.page_counts, self.stop_table = block_table, page_counts, stop_table
@@ -238,6 +258,8 @@ class LoopGroup(StepInputs):
         self.deltas, self.shifted = deltas, bool(deltas.any())
         self.carried, self.draw_sampling, self.drawn = carried, draw_sampling, drawn
         self.mins = mins
+        if live is not None and stop_ids is not None:
+            self.live, self.stop_ids = live, stop_ids
         self.banning = self.banning or any(j.count < j.min_tokens for j in joins)
         self._joins = []
         self.rows += parts
@@ -251,44 +273,9 @@ class LoopGroup(StepInputs):
             route = route_of(p)
             self._routes[route] = self._routes.get(route, 0) + 1
 
-    # ---------------------------------------------------------- KV pages
-
-    def short_of_pages(self, page_size: int) -> list[int]:
-        """Rows whose pages cannot hold the token the next step writes (at
-        position kv_lens, which counts the steps launched already)."""
-        assert not self._joins, "rows that joined are merged before the group is planned"
-        # numpy: a few hundred ints, where each torch op costs more than its work (and lets go of the GIL)
-        return np.flatnonzero(self.kv_lens.numpy() >= self.page_counts.numpy() * page_size).tolist()
-
-    def pages(self, row: int) -> list[int]:
-        return self.kv_rows[row].pages
-
-    def growing(self) -> list[int]:
-        """Rows that take their pages as they go (`KVRow.grows`): the ones preemption takes first."""
-        return [i for i, kv in enumerate(self.kv_rows) if kv.grows]
-
-    def add_pages(self, grow: Sequence[tuple[int, int]]) -> None:
-        """Each (row, page) of `grow`: the row owns one more page, at the end
-        of its block table. Written into the tables at once (rows cross a
-        page boundary together when their lengths agree)."""
-        if len(set(i for i, _ in grow)) < len(grow):  # a row named twice takes its pages in turn
-            for one in grow:
-                self.add_pages([one])
-            return
-        if not grow:
-            return
-        for i, page in grow:
-            self.kv_rows[i].add_page(page)
-        idx = np.array([i for i, _ in grow])
-        counts = self.page_counts.numpy()
-        cols = counts[idx]
-        width = int(cols.max()) + 1
-        if width > self.block_table.shape[1]:
-            pad = torch.zeros(self.block_table.shape[0], width - self.block_table.shape[1], dtype=torch.long)
-            self.block_table = torch.cat([self.block_table, pad], 1)
-        # numpy over the host tables' memory: a torch setitem a row costs more than the page it writes
-        self.block_table.numpy()[idx, cols] = [page for _, page in grow]
-        counts[idx] = cols + 1
+    def steps_room(self, most: int) -> int:
+        """Steps (1 to `most`) its next launch may run back to back (`multi_step.py`)."""
+        return steps_room(self, most)
 
     def evict(self, i: int, reason: str = "preempt") -> Leave:
         """Take row `i` out with its state exact, to be resumed later (the
@@ -312,21 +299,33 @@ class LoopGroup(StepInputs):
 
     # ----------------------------------------------------------------- step
 
+    def advance(self, sl: slice, new_tokens: torch.Tensor) -> None:
+        """Rows `sl` drew `new_tokens` (on the device) at a step that is not
+        the last of its launch: the next step reads them, at the next
+        position, with the next draw counters. The counts that a row which
+        leaves keeps advance with the launch (`launched`)."""
+        assert self.sampling is not None
+        full = sl == slice(0, len(self.rows))
+        self.kv_lens = stepped(self.kv_lens, sl, 1, full)
+        (self.tokens if full else self.tokens[sl]).copy_(new_tokens)
+        (self.sampling.counters if full else self.sampling.counters[sl]).add_(1)
+
     def launched(self, sl: slice, new_tokens: torch.Tensor, logprobs: torch.Tensor | None = None,
-                 extras: dict[str, torch.Tensor] | None = None) -> Pending:
+                 extras: dict[str, torch.Tensor] | None = None, steps: int = 1) -> Pending:
         """Rows `sl` have just been given a step that samples `new_tokens`
         (still being computed on the device), with the packed `logprobs` of
-        the rows that asked. Advances their state, starts the copy of the
-        tokens (and logprobs) to the host, and takes out the rows that this
-        step brings to their write cap."""
+        the rows that asked; or `steps` steps, `new_tokens` [steps, n], the
+        ones before the last `advance`d through already. Advances their
+        state, starts the copy of the tokens (and logprobs) to the host, and
+        takes out the rows that this launch brings to their write cap."""
         assert self.sampling is not None
         self.seq += 1
         full = sl == slice(0, len(self.rows))
         # the host tables advance into new tensors: the step's Pending keeps views of them, which no later step
         # writes (a window's rows or all of them: no slicing, copying or cloning when all)
-        self.kv_lens, self.counts = stepped(self.kv_lens, sl, 1, full), stepped(self.counts, sl, 1, full)
-        self.counters = stepped(self.counters, sl, 1, full)
-        (self.tokens if full else self.tokens[sl]).copy_(new_tokens)
+        self.kv_lens, self.counts = stepped(self.kv_lens, sl, 1, full), stepped(self.counts, sl, steps, full)
+        self.counters = stepped(self.counters, sl, steps, full)
+        (self.tokens if full else self.tokens[sl]).copy_(new_tokens[-1] if steps > 1 else new_tokens)
         (self.sampling.counters if full else self.sampling.counters[sl]).add_(1)
         if self.shape.draws is not None:
             assert self.draw_sampling is not None
@@ -366,7 +365,7 @@ class LoopGroup(StepInputs):
         routes = list(self._routes) if len(self._routes) == 1 else [route_of(part) for part in rows]
         pending = Pending(self.seq, rows, self.request_ids[sl], self.partitions[sl], new_tokens, host, event, stops,
                           kv_lens, counts, counters, drawn, exhausted, logprobs, dict(extras or {}), routes,
-                          self.kv_rows[sl])
+                          self.kv_rows[sl], steps, self.followed > 0)
         if bool(exhausted.any()):
             # valid in this step's output, gone from the next
             self._drop((exhausted.nonzero().flatten() + sl.start).tolist(), self.seq + 1)
@@ -387,7 +386,13 @@ class LoopGroup(StepInputs):
             return self._finalize(p)
 
     def _finalize(self, p: Pending) -> list[Leave]:
-        hit_stop = (p.stop_table == p.host.to("cpu")[:, None]).any(dim=1)
+        if p.steps > 1:
+            ends = p.ends()
+            hit_stop = torch.from_numpy(ends < p.steps) | (p.stop_table == p.host[-1][:, None]).any(dim=1)
+            last = p.host[torch.from_numpy(ends - 1), torch.arange(len(p.rows))]
+        else:
+            ends, last = None, p.host.to("cpu")
+            hit_stop = (p.stop_table == last[:, None]).any(dim=1)
         done = (hit_stop | p.exhausted).nonzero().flatten().tolist()
         for seq in [q for q in self._left_at if q < p.seq]:
             # rows that left before launch p.seq are in no step still to finalise
@@ -401,9 +406,10 @@ class LoopGroup(StepInputs):
                 continue  # stopped or aborted meanwhile
             # its outputs after this step are dead (this one still counts)
             mark = max(self.seq, p.seq + 1)
+            back = 0 if ends is None else p.steps - int(ends[i])  # its launch's steps after its stop
             if id(part) not in self._left:  # it stopped on a token: still in the group
                 idx = next(j for j, r in enumerate(self.rows) if r is part)
-                if self.outputs is not None and int(self.counters[idx]) > int(p.counters[i]):
+                if self.outputs is not None and int(self.counters[idx]) > int(p.counters[i]) - back:
                     # a step launched after this one (the worker reads a step before launching the one after
                     # next) drew it a dead token, counted already: the counts it keeps leave that token out
                     self.outputs[idx].scatter_add_(0, self.tokens[idx].reshape(1), self.outputs.new_full((1,), -1))
@@ -413,11 +419,11 @@ class LoopGroup(StepInputs):
                 # stopped on a token before: that later output is dead too
                 self._left[id(part)] = mark
                 self._left_at.setdefault(mark, []).append(id(part))
-            self._hand_back(part, int(p.kv_lens[i]), int(p.counters[i]), int(p.drawn[i]))
+            self._hand_back(part, int(p.kv_lens[i]) - back, int(p.counters[i]) - back, int(p.drawn[i]))
             # the walker counts this step's write when it routes the row on
-            part.set_loop_count(int(p.counts[i]) - 1)
+            part.set_loop_count(int(p.counts[i]) - back - 1)
             # its token from the host's copy: whatever reads it next needs no wait for this stream
-            host = int(p.host[i])
+            host = int(last[i])
             out.append(Leave(part, torch.tensor(host), "stop" if bool(hit_stop[i]) else "length", host, row=i))
         return out
 
@@ -454,6 +460,8 @@ class LoopGroup(StepInputs):
         self.page_counts = self.page_counts[kept]
         self.drawn, self.mins = self.drawn[kept], self.mins[kept]
         self.carried = {name: t[dev_kept] for name, t in self.carried.items()}
+        if self.live is not None:
+            self.live, self.stop_ids = self.live[dev_kept], self.stop_ids[dev_kept]
         if not self.rows:  # start afresh: no flags or penalty rows linger
             self.sampling, self.seen, self.draw_sampling, self.outputs = None, None, None, None
         if self.sampling is not None:

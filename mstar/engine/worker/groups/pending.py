@@ -1,13 +1,14 @@
 """What a decode group's launched step leaves for the host to read
-(`Pending`: per row, the state after the step), where each row's tokens go
-(`Route`: its walk and its loop's name for them), and a row leaving the
-group (`Leave`).
+(`Pending`: per row, the state after the step, or after the last of the
+several steps one launch ran), where each row's tokens go (`Route`: its walk
+and its loop's name for them), and a row leaving the group (`Leave`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from mstar.engine.worker.kv_rows import KVRow
@@ -51,14 +52,17 @@ def route_of(part: PartitionRun) -> Route:
 @dataclass(eq=False)
 class Pending:
     """A launched step whose tokens the host has not read yet; per row, the
-    state after the step (what a row that leaves with it keeps)."""
+    state after the step (what a row that leaves with it keeps). A launch of
+    `steps` > 1 ran that many steps back to back: its tokens are [steps, n],
+    and its tables hold the state after the last (a row that stopped at an
+    earlier one keeps that one's, `steps_back` fewer)."""
 
     seq: int
     rows: list[PartitionRun]
     request_ids: list[str]
     partitions: list[str]
-    tokens: torch.Tensor        # [n] on the device
-    host: torch.Tensor          # [n] host copy, valid once `event` is done
+    tokens: torch.Tensor        # [n] on the device ([steps, n] for several)
+    host: torch.Tensor          # the same shape: host copy, valid once `event` is done
     event: torch.cuda.Event | None
     stop_table: torch.Tensor    # [n, S]
     kv_lens: torch.Tensor       # [n]
@@ -71,6 +75,20 @@ class Pending:
     routes: list[Route] = field(default_factory=list)  # where its rows' tokens go: one route covering every row,
     #                                                    or one per row when rows of several walks stepped
     kv: list[KVRow] = field(default_factory=list)  # each row's KV row of the group's component
+    steps: int = 1
+    followed: bool = False  # some row follows its ids for the prefix cache (counted before the launch's drops)
+    _ends: np.ndarray | None = None
+
+    def ends(self) -> np.ndarray:
+        """Per row, how many of the launch's tokens count: up to and with
+        its first stop id, else all `steps` (a row that left earlier, or was
+        taken out meanwhile, is the caller's to skip)."""
+        if self._ends is None:
+            host = self.host.reshape(self.steps, -1).numpy()
+            stops = self.stop_table.numpy()
+            hit = (host[:, :, None] == stops[None]).any(axis=2)  # [steps, n]: -1 pads no drawn id matches
+            self._ends = np.where(hit.any(axis=0), hit.argmax(axis=0) + 1, self.steps)
+        return self._ends
 
     def route_rows(self) -> list[tuple[Route, list[int]]]:
         """Each route with the rows it covers."""

@@ -32,6 +32,8 @@ class StepInputs:
     draw_sampling: SamplingTensors | None
     seen: torch.Tensor | None
     outputs: torch.Tensor | None
+    live: torch.Tensor | None
+    stop_ids: torch.Tensor
 
     def sampling_for(self, sl: slice) -> SamplingTensors:
         assert self.sampling is not None
@@ -70,7 +72,15 @@ class StepInputs:
             return None
         # a scatter of a scalar: indexed assignment of a Python value waits for the device on CUDA
         window = self.seen[sl]
-        window.scatter_(1, self.tokens[sl].unsqueeze(1), True)
+        tokens = self.tokens[sl].unsqueeze(1)
+        if self.live is None:
+            window.scatter_(1, tokens, True)
+            return window
+        # launches of several steps: a row's tokens after its stop id are not its own (nor seen by it); a stop
+        # id itself is marked, as a single step's pipeline marks it in the step after
+        live = self.live[sl]
+        window.scatter_(1, tokens, window.gather(1, tokens) | live.unsqueeze(1))
+        live &= (self.stop_ids[sl] != tokens).all(dim=1)
         return window
 
     def outputs_for(self, sl: slice, vocab: int) -> torch.Tensor | None:

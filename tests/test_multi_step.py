@@ -1,0 +1,241 @@
+"""Several decode steps a launch (`--num-scheduler-steps`): the outputs are
+those of one step a launch (greedy, seeded, with a repetition penalty, stop
+ids hit inside a launch, caps, min_tokens, logprobs), the prefix cache gets
+the same ids, no page leaks, and the scheduler plans the steps (a launch's
+pages for all of them, one step while new rows wait)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tiny_llama import save_tiny_llama
+from mstar.config import EngineConfig, SchedulerConfig
+from mstar.engine.engine import Engine
+from mstar.engine.worker.executor import Executor
+from mstar.scheduler import ModeCaps, PagePool, Scheduler, WorkItem
+from mstar.types import GenerateRequest, SamplingParams
+from standing_group import FakeGroup
+
+pytest.importorskip("transformers")
+
+VOCAB = 384
+DECODE = ("llm", "decode")
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("llama_multi_step"), VOCAB)
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(5)
+    shared = [1] + [rng.randrange(3, VOCAB) for _ in range(21)]
+    return [shared + [rng.randrange(3, VOCAB) for _ in range(n)] for n in (2, 9, 30)] + [[1, 7], [1, 8, 9]]
+
+
+def _params(stop: int | None) -> list[SamplingParams]:
+    """Rows of several kinds in one group; `stop`: an id some rows stop at."""
+    stops = (stop,) if stop is not None else ()
+    return [SamplingParams(max_tokens=23, temperature=0.0, ignore_eos=True, stop_token_ids=stops),
+            SamplingParams(max_tokens=17, temperature=0.9, seed=3, repetition_penalty=1.3, ignore_eos=True,
+                           stop_token_ids=stops),
+            SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, top_k=40, seed=5, repetition_penalty=1.2),
+            SamplingParams(max_tokens=7, temperature=0.7, seed=9, ignore_eos=True)]
+
+
+async def _run(eng: Engine, rid: str, prompt: list[int], sp: SamplingParams) -> tuple[list[int], str | None]:
+    toks: list[int] = []
+    reason = None
+    async for chunk in eng.submit(GenerateRequest(rid, eng.model_name, {"prompt_ids": prompt}, sp)):
+        assert chunk.error is None, chunk.error
+        toks.extend(chunk.token_ids)
+        reason = chunk.finish_reason or reason
+    return toks, reason
+
+
+class _Counts:
+    """Launches of several steps, and the ids each ending row put in the prefix cache."""
+
+    def __init__(self) -> None:
+        self.launches: list[int] = []
+        self.cached: list[list[int]] = []
+
+
+async def _outputs(folder: Path, steps: int, params: list[SamplingParams], reservation: str = "lazy",
+                   late: list[SamplingParams] | None = None, device: str = "cpu",
+                   ) -> tuple[list[tuple[list[int], str | None]], _Counts]:
+    """The outputs of every prompt under every `params`, started together;
+    then `late`'s, started while the first still run."""
+    counts = _Counts()
+    launch_steps, cache_pages = Executor._launch_steps, Scheduler.cache_pages
+
+    def counting_launch(group, sl, runner, k):  # type: ignore[no-untyped-def]
+        counts.launches.append(k)
+        return launch_steps(group, sl, runner, k)
+
+    def counting_cache(self, component, ids, pages):  # type: ignore[no-untyped-def]
+        counts.cached.append(list(ids))
+        return cache_pages(self, component, ids, pages)
+
+    eng = Engine(EngineConfig(model=str(folder), devices=(device,), dtype="float32", scheduler=SchedulerConfig(
+        page_size=4, num_pages=768, kv_reservation=reservation, num_scheduler_steps=steps)))
+    await eng.start()
+    Executor._launch_steps = staticmethod(counting_launch)  # type: ignore[method-assign]
+    Scheduler.cache_pages = counting_cache  # type: ignore[method-assign]
+    try:
+        tasks = [asyncio.ensure_future(_run(eng, f"r{i}.{j}", prompt, sp))
+                 for i, prompt in enumerate(_prompts()) for j, sp in enumerate(params)]
+        if late:
+            await asyncio.sleep(0.05)
+            tasks += [asyncio.ensure_future(_run(eng, f"late{j}", _prompts()[0], sp)) for j, sp in enumerate(late)]
+        outs = await asyncio.gather(*tasks)
+        prompts = [p for p in _prompts() for _ in params] + [_prompts()[0]] * len(late or [])
+        ran = [prompt + out for prompt, (out, _) in zip(prompts, outs)]
+        for ids in counts.cached:  # each ending row's ids, as its pages hold them: its prompt, then its output
+            assert any(seq[:len(ids)] == ids for seq in ran), ids
+        for _ in range(500):
+            if eng.pages_in_use() == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert eng.pages_in_use() == 0  # every page back in the pool (the prefix cache's idle ones count free)
+        return outs, counts
+    finally:
+        Executor._launch_steps = staticmethod(launch_steps)  # type: ignore[method-assign]
+        Scheduler.cache_pages = cache_pages  # type: ignore[method-assign]
+        await eng.shutdown()
+
+
+@pytest.mark.parametrize("reservation,device", [("lazy", "cpu"), ("request", "cpu")]
+                         + ([("lazy", "cuda:0")] if torch.cuda.is_available() else []))
+async def test_outputs_are_those_of_one_step_a_launch(hf_folder: Path, reservation: str, device: str) -> None:
+    plain, _ = await _outputs(hf_folder, 1, _params(None), reservation, device=device)
+    # a stop id the first greedy row meets first at its 6th, 7th or 8th token: inside its second launch of 4
+    greedy = plain[0][0]
+    at = next(i for i in (5, 6, 7) if greedy[i] not in greedy[:i])
+    one, counts_one = await _outputs(hf_folder, 1, _params(greedy[at]), reservation, device=device)
+    assert not counts_one.launches
+    assert one[0] == (greedy[:at + 1], "stop")
+    for steps in (4, 3):
+        many, counts = await _outputs(hf_folder, steps, _params(greedy[at]), reservation, device=device)
+        assert many == one
+        assert counts.launches and max(counts.launches) == steps
+        assert sorted(counts.cached) == sorted(counts_one.cached)
+
+
+async def test_rows_that_need_a_decision_a_step_keep_launches_single_until_they_leave(hf_folder: Path) -> None:
+    """min_tokens (stop ids banned a while) and logprobs launch one step at a
+    time while such a row runs; the others' outputs do not change."""
+    params = _params(None)
+    late = [SamplingParams(max_tokens=9, temperature=0.0, logprobs=2),
+            SamplingParams(max_tokens=11, temperature=0.5, seed=1, min_tokens=8, stop_token_ids=(5, 6, 7))]
+    one, _ = await _outputs(hf_folder, 1, params, late=late)
+    many, counts = await _outputs(hf_folder, 4, params, late=late)
+    assert many == one and counts.launches
+
+
+# ---------------------------------------------------------------- the scheduler's plans
+
+
+class _Group(FakeGroup):
+    """A standing group whose rows lack pages at lengths `kv` and may run `room` steps."""
+
+    def __init__(self, kv: list[int], held: list[int], room: int) -> None:
+        super().__init__(len(kv))
+        self.kv, self.held, self.room = kv, held, room
+
+    def short_of_pages(self, page_size: int, ahead: int = 1) -> list[int]:
+        out = []
+        for i, (kv, held) in enumerate(zip(self.kv, self.held)):
+            out += [i] * max(0, -(-(kv + ahead) // page_size) - held)
+        return out
+
+    def steps_room(self, most: int) -> int:
+        return min(most, self.room)
+
+
+def _scheduler(steps: int, pages: int = 64) -> tuple[Scheduler, PagePool]:
+    pool = PagePool(pages, 4)
+    caps = {DECODE: ModeCaps(max_rows=8, max_tokens=64), ("llm", "prefill"): ModeCaps(max_rows=8, max_tokens=64)}
+    return Scheduler(caps, {"llm": pool}, grow_pages=True, steps=steps), pool
+
+
+def test_a_launch_of_several_steps_gets_the_pages_all_of_them_write() -> None:
+    sched, pool = _scheduler(4)
+    group = _Group(kv=[3, 4, 6, 8], held=[1, 1, 2, 3], room=9)
+    sched.add_group(DECODE, group)
+    plan = sched.schedule()
+    assert plan is not None and plan.steps == 4
+    assert [row for row, _ in plan.grow] == [0, 1, 2]  # rows 0-2 cross into a page they lack; row 3 holds 8..11
+    group.room = 2
+    assert sched.schedule().steps == 2  # a row within 2 of its cap
+
+
+def test_one_step_a_launch_while_new_rows_wait_or_pages_run_short() -> None:
+    sched, pool = _scheduler(4)
+    group = _Group(kv=[3, 4], held=[1, 1], room=9)
+    sched.add_group(DECODE, group)
+    item = WorkItem("new", "main", "llm", "prefill", num_tokens=5, pages_needed=2, starts_row=True)
+    sched.add(item)
+    pool.allocate(pool.num_free)  # no page for the prompt: it waits, and the group steps one at a time
+    plan = sched.schedule()
+    assert plan is not None and plan.group is group and plan.steps == 1
+    sched, pool = _scheduler(4, pages=4)
+    pool.allocate(3)
+    group = _Group(kv=[4, 7], held=[1, 2], room=9)  # 4 steps need 2 pages, one step needs 1
+    sched.add_group(DECODE, group)
+    plan = sched.schedule()
+    assert plan.steps == 1 and [row for row, _ in plan.grow] == [0]
+
+
+def test_the_cli_takes_and_checks_the_steps() -> None:
+    from mstar.config import ConfigError, parse_args
+
+    assert parse_args(["--num-scheduler-steps", "8"]).engine.scheduler.num_scheduler_steps == 8
+    assert parse_args([]).engine.scheduler.num_scheduler_steps == 1
+    with pytest.raises(ConfigError):
+        parse_args(["--num-scheduler-steps", "0"])
+
+
+
+async def _speech(steps: int) -> tuple[list[np.ndarray], list[int]]:
+    """Four seeded speech requests of Orpheus (tiny) decoding together; and
+    the steps of each launch of several."""
+    eng = Engine(EngineConfig(model="orpheus-tiny", scheduler=SchedulerConfig(num_scheduler_steps=steps)))
+    await eng.start()
+    launches: list[int] = []
+    launch_steps = Executor._launch_steps
+
+    def counting_launch(group, sl, runner, k):  # type: ignore[no-untyped-def]
+        launches.append(k)
+        return launch_steps(group, sl, runner, k)
+
+    Executor._launch_steps = staticmethod(counting_launch)  # type: ignore[method-assign]
+
+    async def speak(i: int) -> np.ndarray:
+        sp = SamplingParams(max_tokens=35 + 9 * i, temperature=0.6, top_p=0.8, repetition_penalty=1.3, seed=7 + i)
+        audio = b""
+        async for chunk in eng.submit(GenerateRequest(f"s{i}", "orpheus-tiny", {"text": f"words {i}", "voice": "tara"},
+                                                      sp)):
+            assert chunk.error is None, chunk.error
+            audio += chunk.audio or b""
+        return np.frombuffer(audio, dtype="<i2").astype(np.int32)
+
+    try:
+        return list(await asyncio.gather(*[speak(i) for i in range(4)])), launches
+    finally:
+        Executor._launch_steps = staticmethod(launch_steps)  # type: ignore[method-assign]
+        await eng.shutdown()
+
+
+async def test_speech_is_the_same_with_several_steps_a_launch() -> None:
+    (one, none), (many, launches) = await _speech(1), await _speech(4)
+    assert not none and launches.count(4) >= 4
+    for a, b in zip(one, many):
+        assert a.size > 0 and a.size == b.size
+        assert np.abs(a - b).max() <= 2  # the same codes; codec windows may batch differently (float rounding)
