@@ -348,7 +348,7 @@ class LoopGroup(StepInputs, GroupPages):
             if buf is None or buf.numel() < new_tokens.numel():
                 buf = self._pinned[slot] = torch.empty(max(new_tokens.numel(), 256), dtype=torch.long,
                                                        pin_memory=True)
-            host = buf[: new_tokens.numel()]
+            host = buf[: new_tokens.numel()].view(new_tokens.shape)
             host.copy_(new_tokens, non_blocking=True)
             if logprobs is not None:
                 # not a reused buffer: the event loop reads these after later launches
