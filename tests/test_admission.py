@@ -122,6 +122,14 @@ async def test_a_drain_refuses_at_once_the_requests_queued_behind_the_running_on
     the running one gets the grace before it is aborted."""
     eng = Engine(EngineConfig(model="tiny-llama", devices=("cpu",), scheduler=SchedulerConfig(max_num_seqs=1)))
     await eng.start()
+    module = eng.workers[0].runners["llm"].module
+    decode = module.decode
+
+    def slow_decode(batch):  # type: ignore[no-untyped-def]
+        time.sleep(0.005)  # the running row must outlast the grace on any box: 2,000 steps take 10 s at least
+        return decode(batch)
+
+    module.decode = slow_decode
     try:
         sp = SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True)
         running = aiter(eng.submit(GenerateRequest("run", eng.model_name, {"prompt_ids": [5, 6, 7]}, sp,
