@@ -34,7 +34,9 @@ def steps_room(group: LoopGroup, most: int) -> int:
     if st is None or st.any_logprobs or group.outputs is not None or group.banning:
         # logprobs are packed a step at a time; output counts and banned stop ids change between steps
         return 1
-    if bool((group.slots >= 0).any()):
+    # numpy over the host tables: a few hundred ints, where a torch op costs more than its work and lets go
+    # of the GIL (the event loop then holds it)
+    if int(group.slots.numpy().max()) >= 0:
         return 1  # per-row state is updated in place: a step past a stop would change what the row keeps
-    room = int((group.caps - group.counts).min())
+    room = int((group.caps.numpy() - group.counts.numpy()).min())
     return max(1, min(most, room))
