@@ -121,16 +121,22 @@ class Router:
         last = [int(ends[i]) - (i in gone) for i in range(len(p.rows))]  # steps whose token a row goes on from
         live = [i for i in keep if not p.rows[i].done]
         routes = p.route_rows()
-        for k in range(p.steps):
+        for k in range(p.steps):  # to clients, a step at a time (no stream is fed here: `going_on` is empty)
             counted = [i for i in keep if ends[i] > k]
-            going_on = [i for i in live if last[i] > k]
             for route, idx in routes:
                 on = set(idx) if len(routes) > 1 else None
                 self._route_tokens(report, p, host[k], route,
-                                   counted if on is None else [i for i in counted if i in on],
-                                   going_on if on is None else [i for i in going_on if i in on])
+                                   counted if on is None else [i for i in counted if i in on], [])
+        streams = [(route, idx) for route, idx in routes if route.walk.streams.get(route.value)]
+        if not streams and not p.followed:
+            return
+        ids = host.t().tolist()
+        for route, idx in streams:  # into the streams: each row's run of ids in one call
+            on = set(idx) if len(routes) > 1 else None
+            going_on = [i for i in live if last[i] and (on is None or i in on)]
+            self.walker.streams.feed_ids([p.rows[i] for i in going_on], route.value,
+                                         [ids[i][:last[i]] for i in going_on])
         if p.followed:
-            ids = host.t().tolist()
             for i in live:  # the prefix cache's ids; a leaving row's last one goes with it
                 followed = p.kv[i].token_ids
                 if followed is not None:
@@ -147,7 +153,7 @@ class Router:
                                   p.partitions, p.logprobs)
         elif len(keep):  # tokens no client sees as tokens (audio codes for a codec): counted where they are drawn
             report.sampled += p.request_ids if every else [p.request_ids[i] for i in keep]
-        if walk.streams.get(value):
+        if going_on and walk.streams.get(value):
             items = host.tolist()  # token ids enter streams as host ints
             self.walker.streams.feed_ids([p.rows[i] for i in going_on], value, [items[i] for i in going_on])
 

@@ -71,33 +71,33 @@ class Streams:
                 if first or cons.inbox.pending:  # else no chunk was cut: a parked consumer would park again
                     self._wake(cons)
 
-    def feed_ids(self, parts: list[PartitionRun], value: str, ids: list[int]) -> None:
-        """`feed` of one host token id per row (a decode group's step), the
-        same writes: a row whose stream is started and whose consumer is
-        here takes its item straight into the consumer's buffer, waking the
-        consumer only when it is parked and a chunk waits; any other row goes
-        through `feed`. At hundreds of rows a step the per-row call chain is
-        the cost."""
-        for part, item in zip(parts, ids):
+    def feed_ids(self, parts: list[PartitionRun], value: str, ids: list[int] | list[list[int]]) -> None:
+        """`feed` of host token ids, one per row (a decode group's step) or
+        each row's in order (a launch of several steps), the same writes: a
+        row whose stream is started and whose consumer is here takes its
+        items straight into the consumer's buffer, waking the consumer only
+        when it is parked and a chunk waits; any other item goes through
+        `feed`. At hundreds of rows a step the per-row call chain is the cost."""
+        runs = bool(ids) and isinstance(ids[0], list)
+        for part, items in zip(parts, ids):
             run = part.request
             plans = run.walk.streams.get(value, ())
-            if len(plans) != 1:
-                self.feed(part, value, item)
-                continue
-            sp = plans[0]
-            cons = run.partitions.get(sp.consumer)
+            sp = plans[0] if len(plans) == 1 else None
+            cons = run.partitions.get(sp.consumer) if sp is not None else None
             buf = cons.inbox if cons is not None else None
-            if (buf is None or cons.done or sp.producer != part.name or sp.consumer not in run.started
-                    or (sp.accept is not None and not sp.accept[0] <= item < sp.accept[1])):
-                # a first item, a remote or finished consumer, an id the stream does not take
-                self.feed(part, value, item)
-            elif not buf.append_uncut(item):
-                for ref in buf.take(item):
-                    self.release(ref, run.request_id)
-                if buf.pending and cons.parked:
+            direct = sp is not None and buf is not None and not cons.done and sp.producer == part.name
+            for item in items if runs else (items,):
+                if (not direct or sp.consumer not in run.started
+                        or (sp.accept is not None and not sp.accept[0] <= item < sp.accept[1])):
+                    # a first item, a remote or finished consumer, an id the stream does not take
+                    self.feed(part, value, item)
+                elif not buf.append_uncut(item):
+                    for ref in buf.take(item):
+                        self.release(ref, run.request_id)
+                    if buf.pending and cons.parked:
+                        self._wake(cons)
+                elif buf.pending and cons.parked:  # a chunk already waits for it: as `feed`, wake it
                     self._wake(cons)
-            elif buf.pending and cons.parked:  # a chunk already waits for it: as `feed`, wake it
-                self._wake(cons)
 
     def _carried(self, part: PartitionRun, sp: StreamPlan) -> dict[str, TensorRef]:
         """The producer's values the consumer reads, each with a reference of
