@@ -220,7 +220,7 @@ async def main(a: argparse.Namespace) -> None:
     eng = Engine(EngineConfig(model=a.model, devices=tuple(a.devices.split(",")), load_format=a.load_format,
                               kv_cache_dtype=a.kv_cache_dtype, audio_logits_only=a.audio_logits_only,
                               cuda_graph_batch_sizes=graph_buckets(max(256, rows)),
-                              scheduler=SchedulerConfig(max_num_seqs=rows)))
+                              scheduler=SchedulerConfig(max_num_seqs=rows, num_scheduler_steps=a.num_scheduler_steps)))
     await eng.start()
     if a.quiet_gc:
         print(f"# quiet_gc as the server sets it: {http_main.quiet_gc()} objects frozen")
@@ -254,6 +254,7 @@ if __name__ == "__main__":
     p.add_argument("--cprofile", type=int, default=0, metavar="ROWS",
                    help="in the trace windows, Python's profiler over the worker's plans instead of torch's; "
                         "print this many functions")
+    p.add_argument("--num-scheduler-steps", type=int, default=1, help="the server's flag: decode steps a launch")
     p.add_argument("--quiet-gc", action="store_true", help="Python's collector set as the server sets it")
     p.add_argument("--stub-compute", action="store_true",
                    help="bench_host_speech.py's stand-ins for the model's heavy compute (host cost on the CPU)")
