@@ -7,7 +7,9 @@ pages for all of them, one step while new rows wait)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +61,23 @@ async def _run(eng: Engine, rid: str, prompt: list[int], sp: SamplingParams) -> 
     return toks, reason
 
 
+@contextlib.contextmanager
+def _launches() -> Iterator[list[int]]:
+    """The steps of each launch of several, while the block runs."""
+    launches: list[int] = []
+    launch_steps = Executor._launch_steps
+
+    def counting_launch(group, sl, runner, k):  # type: ignore[no-untyped-def]
+        launches.append(k)
+        return launch_steps(group, sl, runner, k)
+
+    Executor._launch_steps = staticmethod(counting_launch)  # type: ignore[method-assign]
+    try:
+        yield launches
+    finally:
+        Executor._launch_steps = staticmethod(launch_steps)  # type: ignore[method-assign]
+
+
 class _Counts:
     """Launches of several steps, and the ids each ending row put in the prefix cache."""
 
@@ -67,34 +86,41 @@ class _Counts:
         self.cached: list[list[int]] = []
 
 
+@contextlib.contextmanager
+def _cached() -> Iterator[list[list[int]]]:
+    """The ids each ending row hands the prefix cache, while the block runs."""
+    cached: list[list[int]] = []
+    cache_pages = Scheduler.cache_pages
+
+    def counting_cache(self, component, ids, pages):  # type: ignore[no-untyped-def]
+        cached.append(list(ids))
+        return cache_pages(self, component, ids, pages)
+
+    Scheduler.cache_pages = counting_cache  # type: ignore[method-assign]
+    try:
+        yield cached
+    finally:
+        Scheduler.cache_pages = cache_pages  # type: ignore[method-assign]
+
+
 async def _outputs(folder: Path, steps: int, params: list[SamplingParams], reservation: str = "lazy",
                    late: list[SamplingParams] | None = None, device: str = "cpu",
                    ) -> tuple[list[tuple[list[int], str | None]], _Counts]:
     """The outputs of every prompt under every `params`, started together;
     then `late`'s, started while the first still run."""
     counts = _Counts()
-    launch_steps, cache_pages = Executor._launch_steps, Scheduler.cache_pages
-
-    def counting_launch(group, sl, runner, k):  # type: ignore[no-untyped-def]
-        counts.launches.append(k)
-        return launch_steps(group, sl, runner, k)
-
-    def counting_cache(self, component, ids, pages):  # type: ignore[no-untyped-def]
-        counts.cached.append(list(ids))
-        return cache_pages(self, component, ids, pages)
-
     eng = Engine(EngineConfig(model=str(folder), devices=(device,), dtype="float32", scheduler=SchedulerConfig(
         page_size=4, num_pages=768, kv_reservation=reservation, num_scheduler_steps=steps)))
     await eng.start()
-    Executor._launch_steps = staticmethod(counting_launch)  # type: ignore[method-assign]
-    Scheduler.cache_pages = counting_cache  # type: ignore[method-assign]
     try:
-        tasks = [asyncio.ensure_future(_run(eng, f"r{i}.{j}", prompt, sp))
-                 for i, prompt in enumerate(_prompts()) for j, sp in enumerate(params)]
-        if late:
-            await asyncio.sleep(0.05)
-            tasks += [asyncio.ensure_future(_run(eng, f"late{j}", _prompts()[0], sp)) for j, sp in enumerate(late)]
-        outs = await asyncio.gather(*tasks)
+        with _launches() as counts.launches, _cached() as counts.cached:
+            tasks = [asyncio.ensure_future(_run(eng, f"r{i}.{j}", prompt, sp))
+                     for i, prompt in enumerate(_prompts()) for j, sp in enumerate(params)]
+            if late:
+                await asyncio.sleep(0.05)
+                tasks += [asyncio.ensure_future(_run(eng, f"late{j}", _prompts()[0], sp))
+                          for j, sp in enumerate(late)]
+            outs = await asyncio.gather(*tasks)
         prompts = [p for p in _prompts() for _ in params] + [_prompts()[0]] * len(late or [])
         ran = [prompt + out for prompt, (out, _) in zip(prompts, outs)]
         for ids in counts.cached:  # each ending row's ids, as its pages hold them: its prompt, then its output
@@ -106,8 +132,6 @@ async def _outputs(folder: Path, steps: int, params: list[SamplingParams], reser
         assert eng.pages_in_use() == 0  # every page back in the pool (the prefix cache's idle ones count free)
         return outs, counts
     finally:
-        Executor._launch_steps = staticmethod(launch_steps)  # type: ignore[method-assign]
-        Scheduler.cache_pages = cache_pages  # type: ignore[method-assign]
         await eng.shutdown()
 
 
@@ -208,14 +232,6 @@ async def _speech(steps: int) -> tuple[list[np.ndarray], list[int]]:
     the steps of each launch of several."""
     eng = Engine(EngineConfig(model="orpheus-tiny", scheduler=SchedulerConfig(num_scheduler_steps=steps)))
     await eng.start()
-    launches: list[int] = []
-    launch_steps = Executor._launch_steps
-
-    def counting_launch(group, sl, runner, k):  # type: ignore[no-untyped-def]
-        launches.append(k)
-        return launch_steps(group, sl, runner, k)
-
-    Executor._launch_steps = staticmethod(counting_launch)  # type: ignore[method-assign]
 
     async def speak(i: int) -> np.ndarray:
         sp = SamplingParams(max_tokens=35 + 9 * i, temperature=0.6, top_p=0.8, repetition_penalty=1.3, seed=7 + i)
@@ -227,9 +243,9 @@ async def _speech(steps: int) -> tuple[list[np.ndarray], list[int]]:
         return np.frombuffer(audio, dtype="<i2").astype(np.int32)
 
     try:
-        return list(await asyncio.gather(*[speak(i) for i in range(4)])), launches
+        with _launches() as launches:
+            return list(await asyncio.gather(*[speak(i) for i in range(4)])), launches
     finally:
-        Executor._launch_steps = staticmethod(launch_steps)  # type: ignore[method-assign]
         await eng.shutdown()
 
 
@@ -239,3 +255,44 @@ async def test_speech_is_the_same_with_several_steps_a_launch() -> None:
     for a, b in zip(one, many):
         assert a.size > 0 and a.size == b.size
         assert np.abs(a - b).max() <= 2  # the same codes; codec windows may batch differently (float rounding)
+
+
+async def _texts(steps: int, params: list[SamplingParams]) -> tuple[list[tuple[str, tuple[int, ...], str | None,
+                                                                               int | str | None, int]], list[int]]:
+    """Text prompts on the built-in tiny-llama (a byte tokenizer), run
+    together: each request's text, ids, finish and stop reasons, usage."""
+    eng = Engine(EngineConfig(model="tiny-llama", scheduler=SchedulerConfig(num_scheduler_steps=steps)))
+    await eng.start()
+
+    async def one(i: int, sp: SamplingParams) -> tuple[str, tuple[int, ...], str | None, int | str | None, int]:
+        text, ids, last = "", (), None
+        async for chunk in eng.submit(GenerateRequest(f"t{i}", eng.model_name, {"prompt": f"story {i}:"}, sp)):
+            assert chunk.error is None, chunk.error
+            text, ids, last = text + chunk.text, ids + chunk.token_ids, chunk
+        assert last is not None
+        return text, ids, last.finish_reason, last.stop_reason, last.num_output_tokens
+
+    try:
+        with _launches() as launches:
+            return list(await asyncio.gather(*[one(i, sp) for i, sp in enumerate(params)])), launches
+    finally:
+        await eng.shutdown()
+
+
+async def test_text_stop_strings_and_usage_are_those_of_one_step_a_launch() -> None:
+    """Detokenised text in runs of a launch's tokens, stop strings found
+    between them (the tokens after a match dropped), usage counted alike."""
+    base = [SamplingParams(max_tokens=40, temperature=0.8, seed=20 + i, ignore_eos=True) for i in range(4)]
+    plain, _ = await _texts(1, base)
+    stop = plain[0][0][9:11]  # a stop string the first request meets in its tenth or eleventh byte
+    params = [SamplingParams(max_tokens=40, temperature=0.8, seed=20, ignore_eos=True, stop=[stop]),
+              SamplingParams(max_tokens=40, temperature=0.8, seed=21, ignore_eos=True, stop=[stop],
+                             include_stop_str_in_output=True),
+              SamplingParams(max_tokens=40, temperature=0.8, seed=22, ignore_eos=True),
+              SamplingParams(max_tokens=33, temperature=0.8, seed=23, ignore_eos=True,
+                             stop_token_ids=(plain[3][1][13],))]
+    one, none = await _texts(1, params)
+    assert one[0][2] == "stop" and one[0][3] == stop and len(one[0][1]) < 40
+    assert one[3][2] == "stop"  # its stop id, the 14th token's, inside a launch of 4
+    many, launches = await _texts(4, params)
+    assert many == one and not none and launches.count(4) >= 5

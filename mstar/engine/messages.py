@@ -105,7 +105,7 @@ class EmitBatch:
     value: str
     request_ids: list[str]
     partitions: list[str]
-    data: torch.Tensor | list[torch.Tensor]
+    data: torch.Tensor | list[torch.Tensor] | list[list[int]]  # the last: each row's token ids of a launch
     blocks: list = field(default_factory=list)  # arena blocks under `data`: released once the engine read it
     logprobs: torch.Tensor | None = None
 

@@ -81,7 +81,8 @@ class ReportReader:
         if emit.modality == "audio":
             data: list = pcm16(batch.data)
         else:
-            data = batch.data.tolist() if hasattr(batch.data, "tolist") else [t.tolist() for t in batch.data]
+            data = batch.data.tolist() if hasattr(batch.data, "tolist") else [
+                t if isinstance(t, list) else t.tolist() for t in batch.data]
         logprobs = repeat(None) if batch.logprobs is None else batch.logprobs.tolist()
         text = emit.modality == "text"
         states, value = self._states, batch.value
@@ -98,6 +99,9 @@ class ReportReader:
             if text and isinstance(row, int):
                 fed += 1
                 stop = self._feed_token(state, part, row, logprob, value)
+            elif text and isinstance(row, list):  # a launch of several steps: the row's tokens in order
+                taken, stop = self._feed_run(state, part, row, value)
+                fed += taken
             else:
                 stop = (state.feed_value(part, value, emit.modality, row, emit.sample_rate)
                         or self._host_stop(state, part, value, row))
@@ -133,6 +137,22 @@ class ReportReader:
         detok = state.detok
         text = detok.push((token,)) if detok is not None and token not in state.hidden_ids else ""
         return state.feed_token(part, token, text, logprob) or self._host_stop(state, part, value, token)
+
+    def _feed_run(self, state: RequestState, part: str, tokens: list[int], value: str) -> tuple[int, bool]:
+        """Several text tokens of one launch into their request, as one chunk
+        where nothing is checked between them; else one at a time, up to a
+        stop string's match (the tokens after it are dropped, as a later
+        step's are). How many it took, and whether the part stops."""
+        if state.stops.stops or state.host_predicates:
+            for n, token in enumerate(tokens, 1):
+                if self._feed_token(state, part, token, None, value):
+                    self._stats["outputs_dropped"] += len(tokens) - n
+                    return n, True
+            return len(tokens), False
+        detok, hidden = state.detok, state.hidden_ids
+        shown = [t for t in tokens if t not in hidden] if hidden else tokens
+        state.feed_run(part, tokens, detok.push(shown) if detok is not None and shown else "")
+        return len(tokens), False
 
     @staticmethod
     def _host_stop(state: RequestState, part: str, value: str, data: object) -> bool:

@@ -201,6 +201,18 @@ class RequestState:
             self.stop_reason = "stop"
         return hit
 
+    def feed_run(self, partition: str, tokens: list[int], text: str) -> None:
+        """Several tokens of one launch and their new text, as one chunk: for
+        a request with no stop strings to look for between them (the caller
+        feeds such a request's tokens one at a time)."""
+        self.num_output_tokens += len(tokens)
+        self.last_token = tokens[-1]
+        fed = self.fed
+        fed[partition] = fed.get(partition, 0) + len(tokens)
+        self.queue.put_nowait(OutputChunk(
+            request_id=self.request_id, token_ids=tuple(tokens), text=text,
+            num_prompt_tokens=self.num_prompt_tokens, num_output_tokens=self.num_output_tokens))
+
     def feed_value(self, partition: str, value: str, modality: str, data: object,
                    sample_rate: int | None = None) -> bool:
         """A non-token value: audio as PCM16 bytes, anything else as host data."""

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from mstar.engine.execution.runner import StepOutput
-from mstar.engine.messages import StepReport
+from mstar.engine.messages import EmitBatch, StepReport
 from mstar.engine.movement.arena import HostArena
 from mstar.engine.movement.tensor_store import TensorRef, TensorStore
 from mstar.engine.worker.groups.loop_group import LoopGroup
@@ -112,30 +112,30 @@ class Router:
 
     def _read_steps(self, report: StepReport, p: Pending, host: torch.Tensor, keep: range | list[int],
                     leaving: list[Leave]) -> None:
-        """Route the tokens of a launch of several steps, step by step: each
-        row's up to and with its stop id (`Pending.ends`) to its clients, and
-        into its streams those it goes on from (a row that leaves goes on
+        """Route the tokens of a launch of several steps, a run of them a row:
+        each row's up to and with its stop id (`Pending.ends`) to its clients,
+        and into its streams those it goes on from (a row that leaves goes on
         with its last token through `Walker.left_group`)."""
-        ends = p.ends()
+        ends = p.ends().tolist()
         gone = {leave.row for leave in leaving}
-        last = [int(ends[i]) - (i in gone) for i in range(len(p.rows))]  # steps whose token a row goes on from
+        last = [end - (i in gone) for i, end in enumerate(ends)]  # steps whose token a row goes on from
         live = [i for i in keep if not p.rows[i].done]
-        routes = p.route_rows()
-        for k in range(p.steps):  # to clients, a step at a time (no stream is fed here: `going_on` is empty)
-            counted = [i for i in keep if ends[i] > k]
-            for route, idx in routes:
-                on = set(idx) if len(routes) > 1 else None
-                self._route_tokens(report, p, host[k], route,
-                                   counted if on is None else [i for i in counted if i in on], [])
-        streams = [(route, idx) for route, idx in routes if route.walk.streams.get(route.value)]
-        if not streams and not p.followed:
-            return
         ids = host.t().tolist()
-        for route, idx in streams:  # into the streams: each row's run of ids in one call
+        routes = p.route_rows()
+        for route, idx in routes:
             on = set(idx) if len(routes) > 1 else None
-            going_on = [i for i in live if last[i] and (on is None or i in on)]
-            self.walker.streams.feed_ids([p.rows[i] for i in going_on], route.value,
-                                         [ids[i][:last[i]] for i in going_on])
+            counted = [i for i in keep if on is None or i in on]
+            value, walk = route.value, route.walk
+            if value in walk.emits and counted:  # to clients: each row's tokens, up to its stop id, in one row
+                self.outbox.emit(report, EmitBatch(value, [p.request_ids[i] for i in counted],
+                                                   [p.partitions[i] for i in counted],
+                                                   [ids[i][:ends[i]] for i in counted]))
+            elif counted:  # tokens no client sees as tokens (a codec's codes): counted where they are drawn
+                report.sampled += [p.request_ids[i] for i in counted for _ in range(ends[i])]
+            if walk.streams.get(value):  # into the streams: each row's run of ids in one call
+                going_on = [i for i in live if last[i] and (on is None or i in on)]
+                self.walker.streams.feed_ids([p.rows[i] for i in going_on], value,
+                                             [ids[i][:last[i]] for i in going_on])
         if p.followed:
             for i in live:  # the prefix cache's ids; a leaving row's last one goes with it
                 followed = p.kv[i].token_ids
