@@ -206,9 +206,13 @@ def test_one_step_a_launch_while_new_rows_wait_or_pages_run_short() -> None:
     sched.add_group(DECODE, group)
     item = WorkItem("new", "main", "llm", "prefill", num_tokens=5, pages_needed=2, starts_row=True)
     sched.add(item)
-    pool.allocate(pool.num_free)  # no page for the prompt: it waits, and the group steps one at a time
+    taken = pool.allocate(pool.num_free)  # no page for the prompt: it waits, and the group steps one at a time
     plan = sched.schedule()
     assert plan is not None and plan.group is group and plan.steps == 1
+    pool.free(taken)
+    sched.running["llm"] = sched.max_running["llm"] = 2  # the prompt waits for a running row to end: no hold
+    plan = sched.schedule()
+    assert plan is not None and plan.group is group and plan.steps == 4
     sched, pool = _scheduler(4, pages=4)
     pool.allocate(3)
     group = _Group(kv=[4, 7], held=[1, 2], room=9)  # 4 steps need 2 pages, one step needs 1

@@ -424,9 +424,12 @@ class Scheduler:
                         steps=steps)
 
     def _starting(self, component: str) -> bool:
-        """Rows of `component` wait to start (or to take their next chunk):
-        a group's launch then runs one step, so that they start after it."""
-        return any(q and k[0] == component for k, q in self._queues.items())
+        """Rows of `component` wait and could run (start, or take their next
+        chunk): a group's launch then runs one step, so that they run after
+        it. Rows that only wait for the running cap do not hold it back."""
+        full = self.running.get(component, 0) >= self.max_running.get(component, 1 << 62)
+        return any(q and (not full or any(not item.starts_row for item in q))
+                   for k, q in self._queues.items() if k[0] == component)
 
     def _mixed(self, standing: _Standing, rows: slice) -> list[WorkItem]:
         """The waiting prompts a group step takes in beside its rows: from the
