@@ -300,3 +300,37 @@ async def test_text_stop_strings_and_usage_are_those_of_one_step_a_launch() -> N
     assert one[3][2] == "stop"  # its stop id, the 14th token's, inside a launch of 4
     many, launches = await _texts(4, params)
     assert many == one and not none and launches.count(4) >= 5
+
+
+async def _aborted_on_stop(folder: Path, steps: int, stop: int | None) -> tuple[list[int], int]:
+    """A greedy request aborted by the worker right after launching the
+    steps that draw `stop` (none: not aborted); its tokens and the tokens
+    its usage counts."""
+    run_group = Executor._run_group
+
+    def aborting(self, plan):  # type: ignore[no-untyped-def]
+        run_group(self, plan)
+        p = self._inflight.get(plan.group)
+        if stop is not None and p is not None and "r" in p.request_ids and stop in p.host.reshape(-1).tolist():
+            self.walker.abort("r")  # that launch is still unread, as when an abort is taken in
+
+    eng = Engine(EngineConfig(model=str(folder), devices=("cpu",), dtype="float32", scheduler=SchedulerConfig(
+        page_size=4, num_pages=256, num_scheduler_steps=steps)))
+    await eng.start()
+    Executor._run_group = aborting  # type: ignore[method-assign]
+    try:
+        stream = eng.submit(GenerateRequest("r", eng.model_name, {"prompt_ids": [1, 17, 99, 230, 5, 61]},
+                                            SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                                           stop_token_ids=(stop,) if stop is not None else ())))
+        tokens = [t async for chunk in stream for t in chunk.token_ids]
+        return tokens, await stream.settled(5.0)
+    finally:
+        Executor._run_group = run_group  # type: ignore[method-assign]
+        await eng.shutdown()
+
+
+async def test_an_abort_counts_no_token_drawn_after_the_stop_id(hf_folder: Path) -> None:
+    plain, _ = await _aborted_on_stop(hf_folder, 1, None)
+    stop = plain[next(i for i in range(3, 20) if plain[i] not in plain[:i])]
+    one, many = await _aborted_on_stop(hf_folder, 1, stop), await _aborted_on_stop(hf_folder, 8, stop)
+    assert many[1] == one[1] and many[1] <= plain.index(stop) + 2

@@ -114,6 +114,7 @@ class LoopGroup(StepInputs, GroupPages):
         self.followed = 0  # rows that follow their ids for the prefix cache (`KVRow.follow`): read their tokens
         self._left: dict[int, int] = {}           # id(row) -> the launch after which it left
         self._left_at: dict[int, list[int]] = {}  # launch seq -> ids of the rows that left after it
+        self._unread: Pending | None = None  # the last launch, while it ran several steps and is not read
 
     @property
     def extras(self) -> dict[str, str]:
@@ -181,10 +182,25 @@ class LoopGroup(StepInputs, GroupPages):
                if r == request_id and (partition is None or p == partition)]
         for i in idx:
             if count_sampled:
-                self._hand_back(self.rows[i], int(self.kv_lens[i]), int(self.counters[i]), int(self.drawn[i]))
+                back = self._after_stop(self.rows[i])
+                self._hand_back(self.rows[i], int(self.kv_lens[i]) - back, int(self.counters[i]) - back,
+                                int(self.drawn[i]))
             out.append(Leave(self.rows[i], self.tokens[i].clone(), None))
         self._drop(idx, self.seq)
         return out
+
+    def _after_stop(self, part: PartitionRun) -> int:
+        """Steps of the last launch, still unread, that `part` ran past its
+        stop id (what it drew there is not its own): 0 unless that launch ran
+        several steps. Reading them waits for it."""
+        p = self._unread
+        if p is None or p.seq != self.seq:
+            return 0
+        j = next((j for j, row in enumerate(p.rows) if row is part), None)
+        if j is None:
+            return 0
+        p.wait()
+        return p.steps - int(p.ends()[j])
 
     def merge(self) -> None:
         """Fold the rows that joined since the last step into the tensors. All
@@ -366,6 +382,7 @@ class LoopGroup(StepInputs, GroupPages):
         pending = Pending(self.seq, rows, self.request_ids[sl], self.partitions[sl], new_tokens, host, event, stops,
                           kv_lens, counts, counters, drawn, exhausted, logprobs, dict(extras or {}), routes,
                           self.kv_rows[sl], steps, self.followed > 0)
+        self._unread = pending if steps > 1 else None
         if bool(exhausted.any()):
             # valid in this step's output, gone from the next
             self._drop((exhausted.nonzero().flatten() + sl.start).tolist(), self.seq + 1)
@@ -386,6 +403,8 @@ class LoopGroup(StepInputs, GroupPages):
             return self._finalize(p)
 
     def _finalize(self, p: Pending) -> list[Leave]:
+        if p is self._unread:
+            self._unread = None
         if p.steps > 1:
             ends = p.ends()
             hit_stop = torch.from_numpy(ends < p.steps) | (p.stop_table == p.host[-1][:, None]).any(dim=1)

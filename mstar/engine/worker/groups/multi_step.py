@@ -31,7 +31,7 @@ def steps_room(group: LoopGroup, most: int) -> int:
     if shape.reads_more or shape.extras or shape.fed is not None:
         return 1  # a step that reads what the last one kept, or an item of a stream, is planned one at a time
     st = group.sampling
-    if st is None or st.any_logprobs or group.outputs is not None or group.banning:
+    if st is None or st.any_logprobs or st.any_output_penalty or group.outputs is not None or group.banning:
         # logprobs are packed a step at a time; output counts and banned stop ids change between steps
         return 1
     # numpy over the host tables: a few hundred ints, where a torch op costs more than its work and lets go
