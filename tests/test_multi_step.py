@@ -67,15 +67,15 @@ def _launches() -> Iterator[list[int]]:
     launches: list[int] = []
     launch_steps = Executor._launch_steps
 
-    def counting_launch(group, sl, runner, k):  # type: ignore[no-untyped-def]
+    def counting_launch(self, group, sl, runner, k, *rest):  # type: ignore[no-untyped-def]
         launches.append(k)
-        return launch_steps(group, sl, runner, k)
+        return launch_steps(self, group, sl, runner, k, *rest)
 
-    Executor._launch_steps = staticmethod(counting_launch)  # type: ignore[method-assign]
+    Executor._launch_steps = counting_launch  # type: ignore[method-assign]
     try:
         yield launches
     finally:
-        Executor._launch_steps = staticmethod(launch_steps)  # type: ignore[method-assign]
+        Executor._launch_steps = launch_steps  # type: ignore[method-assign]
 
 
 class _Counts:

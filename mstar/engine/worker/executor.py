@@ -270,14 +270,15 @@ class Executor:
         steps = plan.steps if mixed is None else 1
         # new rows whose mixed step failed, with their inputs: each runs again on its own
         broke: tuple[Batch, list[dict[str, torch.Tensor]]] | None = None
+        early: list[float] = []  # the launch before, read inside a launch of several steps: its wait and wall time
         if n:
             try:
                 fed = self.walker.streams.take_items(group.rows[sl]) if group.shape.fed is not None else None
-                with ranged(f"mstar.{group.component}.{group.mode}"), group.stream.on():
-                    group.stream.after_worker()
-                    if steps > 1:
-                        launched, device = self._launch_steps(group, sl, runner, steps)
-                    else:
+                if steps > 1:
+                    launched, device = self._launch_steps(group, sl, runner, steps, prev, early)
+                else:
+                    with ranged(f"mstar.{group.component}.{group.mode}"), group.stream.on():
+                        group.stream.after_worker()
                         try:
                             launch = runner.run_group(group, sl, fed, mixed.rows if mixed else None)
                         except Exception:
@@ -308,15 +309,21 @@ class Executor:
                     self.stats.mixed_steps += 1
                     self.stats.mixed_graph_steps += runner.mixed_replayed
                     self.stats.mixed_rows += len(mixed.items)
+        group.drop_held()  # a launch of several steps that failed after reading the one before: after the aborts
         if broke is not None:
             self._retry_alone(*broke)
         t1, c1 = time.perf_counter(), time.thread_time()
-        with ranged("mstar.finalize"):
-            waited = self.router.read_group(self.report, group, prev) if prev is not None else 0.0
+        if early:
+            waited, read_s = early
+            t0 += read_s  # that read is the finalize phase's, not the launch's
+        else:
+            with ranged("mstar.finalize"):
+                waited = self.router.read_group(self.report, group, prev) if prev is not None else 0.0
+            read_s = 0.0
         blocked = waited + (device if self.device.type == "cuda" else 0.0)
         self.stats.wait_s += blocked
         self.stats.launch_s += t1 - t0 - (device if self.device.type == "cuda" else 0.0)
-        self.stats.finalize_s += time.perf_counter() - t1 - waited
+        self.stats.finalize_s += time.perf_counter() - t1 + read_s - waited
         self.stats.launch_cpu_s += c1 - c0
         self.stats.finalize_cpu_s += time.thread_time() - c1
         if launched is not None:
@@ -340,19 +347,35 @@ class Executor:
         r.device_s = waited + device
         self._group_mark[group] = now
 
-    @staticmethod
-    def _launch_steps(group: LoopGroup, sl: slice, runner: ComponentRunner, steps: int) -> tuple[Pending, float]:
+    def _launch_steps(self, group: LoopGroup, sl: slice, runner: ComponentRunner, steps: int,
+                      prev: Pending | None, early: list[float]) -> tuple[Pending, float]:
         """Launch `steps` decode steps of rows `sl` back to back, each row's
         token fed to its next step on the device; their `Pending`, and the
-        seconds the runner spent on the device (CPU) or waiting for its inputs."""
+        seconds the runner spent on the device (CPU) or waiting for its
+        inputs. The launch before (`prev`) is read once the first step is
+        queued, while the device still runs it (each later step's replay
+        waits for the one before the last): its tokens reach their streams
+        a launch sooner. Its rows that stop stay in the tensors, stepping for
+        nothing, until this launch is launched; `early` gets that read's
+        wait and wall time."""
         drawn, device = [], 0.0
         for k in range(steps):
-            launch = runner.run_group(group, sl)
-            device += runner.device_s
-            drawn.append(launch.tokens)
-            if k < steps - 1:
-                group.advance(sl, launch.tokens)
-        return group.launched(sl, torch.stack(drawn), steps=steps), device
+            if k == 1 and prev is not None:
+                group.hold_drops()
+                t0 = time.perf_counter()
+                with ranged("mstar.finalize"):
+                    early += [self.router.read_group(self.report, group, prev), 0.0]
+                early[1] = time.perf_counter() - t0
+            with ranged(f"mstar.{group.component}.{group.mode}"), group.stream.on():
+                if not k:
+                    group.stream.after_worker()
+                launch = runner.run_group(group, sl)
+                device += runner.device_s
+                drawn.append(launch.tokens)
+                if k < steps - 1:
+                    group.advance(sl, launch.tokens)
+        with group.stream.on():
+            return group.launched(sl, torch.stack(drawn), steps=steps), device
 
     def _take_mixed(self, plan: StepPlan, runner: ComponentRunner) -> MixedItems | None:
         """The new rows riding in a group step, admitted, with their inputs;

@@ -35,6 +35,7 @@ import torch
 
 from mstar.engine.execution.sampler import SamplingTensors
 from mstar.engine.movement.transfer import to_device
+from mstar.engine.worker.groups.group_leaving import GroupLeaving
 from mstar.engine.worker.groups.group_pages import GroupPages
 from mstar.engine.worker.groups.group_shape import GroupShape
 from mstar.engine.worker.groups.group_stream import GroupStream
@@ -59,7 +60,7 @@ class _Join:
     min_tokens: int       # writes before which its stop ids may not be drawn
 
 
-class LoopGroup(StepInputs, GroupPages):
+class LoopGroup(StepInputs, GroupPages, GroupLeaving):
     def __init__(self, component: str, mode: str, device: torch.device,
                  shape: GroupShape | None = None, axes: int = 1, stream: torch.cuda.Stream | None = None,
                  most_steps: int = 1) -> None:
@@ -74,6 +75,7 @@ class LoopGroup(StepInputs, GroupPages):
         self.component = component
         self.mode = mode
         self._routes: dict[Route, int] = {}  # the routes of its rows, and how many rows each
+        self.row_routes: list[Route] = []    # each row's (kept: a row whose loop ended may step on, held)
         self.device = device
         self.shape = shape or GroupShape()
         self.axes = axes
@@ -115,6 +117,7 @@ class LoopGroup(StepInputs, GroupPages):
         self._left: dict[int, int] = {}           # id(row) -> the launch after which it left
         self._left_at: dict[int, list[int]] = {}  # launch seq -> ids of the rows that left after it
         self._unread: Pending | None = None  # the last launch, while it ran several steps and is not read
+        self._held: list[PartitionRun] | None = None  # rows that left during a launch, dropped once it is launched
 
     @property
     def extras(self) -> dict[str, str]:
@@ -163,44 +166,6 @@ class LoopGroup(StepInputs, GroupPages):
     def joining(self) -> list[str]:
         """The requests of the rows that joined since the last step."""
         return [j.part.request_id for j in self._joins]
-
-    def take_out(self, request_id: str, partition: str | None, count_sampled: bool = False) -> list[Leave]:
-        """Remove a request's rows (of one partition, or all) without a step.
-        `count_sampled` (an abort): the rows count every token they sampled,
-        steps in flight included, as what the request cost; a stop counts
-        only what the event loop has taken in."""
-        with self.stream.on():
-            return self._take_out(request_id, partition, count_sampled)
-
-    def _take_out(self, request_id: str, partition: str | None, count_sampled: bool) -> list[Leave]:
-        out = []
-        for j in [j for j in self._joins if j.part.request_id == request_id
-                  and (partition is None or j.part.name == partition)]:
-            self._joins.remove(j)
-            out.append(Leave(j.part, j.token, None))
-        idx = [i for i, (r, p) in enumerate(zip(self.request_ids, self.partitions))
-               if r == request_id and (partition is None or p == partition)]
-        for i in idx:
-            if count_sampled:
-                back = self._after_stop(self.rows[i])
-                self._hand_back(self.rows[i], int(self.kv_lens[i]) - back, int(self.counters[i]) - back,
-                                int(self.drawn[i]))
-            out.append(Leave(self.rows[i], self.tokens[i].clone(), None))
-        self._drop(idx, self.seq)
-        return out
-
-    def _after_stop(self, part: PartitionRun) -> int:
-        """Steps of the last launch, still unread, that `part` ran past its
-        stop id (what it drew there is not its own): 0 unless that launch ran
-        several steps. Reading them waits for it."""
-        p = self._unread
-        if p is None or p.seq != self.seq:
-            return 0
-        j = next((j for j, row in enumerate(p.rows) if row is part), None)
-        if j is None:
-            return 0
-        p.wait()
-        return p.steps - int(p.ends()[j])
 
     def merge(self) -> None:
         """Fold the rows that joined since the last step into the tensors. All
@@ -288,30 +253,11 @@ class LoopGroup(StepInputs, GroupPages):
             self.followed += r.token_ids is not None
             route = route_of(p)
             self._routes[route] = self._routes.get(route, 0) + 1
+            self.row_routes.append(route)
 
     def steps_room(self, most: int) -> int:
         """Steps (1 to `most`) its next launch may run back to back (`multi_step.py`)."""
         return steps_room(self, most)
-
-    def evict(self, i: int, reason: str = "preempt") -> Leave:
-        """Take row `i` out with its state exact, to be resumed later (the
-        caller has read every launched step: nothing of the row is in
-        flight). Its pages stay in its list, for the caller to swap out
-        (preempted), or keep (a row waiting for its stream's next item)."""
-        part = self.rows[i]
-        self._hand_back(part, int(self.kv_lens[i]), int(self.counters[i]), int(self.drawn[i]))
-        part.set_loop_count(int(self.counts[i]))
-        with self.stream.on():
-            token = self.stream.handed_out(self.tokens[i].clone())
-            carried = {self.extras[out]: self.stream.handed_out(self.carried[name][i].clone())
-                       for name, out in self.shape.carried.items()}
-            self._drop([i], self.seq)
-        self.stream.worker_waits()  # what it hands back is read there next
-        return Leave(part, token, reason, carried=carried)
-
-    def _hand_back(self, part: PartitionRun, kv_len: int, generated: int, drawn: int) -> None:
-        key = self.shape.draws[0] if self.shape.draws is not None else None
-        part.row(self.component).back_from_group(kv_len, generated, None if key is None else (key, drawn))
 
     # ----------------------------------------------------------------- step
 
@@ -378,7 +324,7 @@ class LoopGroup(StepInputs, GroupPages):
             (self.counts, self.caps, self.stop_table, self.kv_lens, self.counters, self.drawn), sl, full)
         exhausted = counts >= caps
         rows = self.rows[sl]
-        routes = list(self._routes) if len(self._routes) == 1 else [route_of(part) for part in rows]
+        routes = list(self._routes) if len(self._routes) == 1 else self.row_routes[sl]
         pending = Pending(self.seq, rows, self.request_ids[sl], self.partitions[sl], new_tokens, host, event, stops,
                           kv_lens, counts, counters, drawn, exhausted, logprobs, dict(extras or {}), routes,
                           self.kv_rows[sl], steps, self.followed > 0)
@@ -386,6 +332,7 @@ class LoopGroup(StepInputs, GroupPages):
         if bool(exhausted.any()):
             # valid in this step's output, gone from the next
             self._drop((exhausted.nonzero().flatten() + sl.start).tolist(), self.seq + 1)
+        self.drop_held()
         return pending
 
     def valid_rows(self, p: Pending) -> list[int] | None:
@@ -432,7 +379,7 @@ class LoopGroup(StepInputs, GroupPages):
                     # a step launched after this one (the worker reads a step before launching the one after
                     # next) drew it a dead token, counted already: the counts it keeps leave that token out
                     self.outputs[idx].scatter_add_(0, self.tokens[idx].reshape(1), self.outputs.new_full((1,), -1))
-                self._drop([idx], mark)
+                self._leave(idx, mark)
             elif self._left[id(part)] > mark:
                 # taken out at a later launch for reaching its cap, but it
                 # stopped on a token before: that later output is dead too
@@ -445,50 +392,3 @@ class LoopGroup(StepInputs, GroupPages):
             host = int(last[i])
             out.append(Leave(part, torch.tensor(host), "stop" if bool(hit_stop[i]) else "length", host, row=i))
         return out
-
-    def _drop(self, idx: list[int], seq: int) -> None:
-        """Remove rows from the tensors; they count as gone after launch `seq`."""
-        if not idx:
-            return
-        for i in idx:
-            part, kv = self.rows[i], self.kv_rows[i]
-            self._left[id(part)] = seq
-            self.followed -= kv.token_ids is not None
-            route = route_of(part)
-            self._routes[route] -= 1
-            if not self._routes[route]:
-                del self._routes[route]
-            if self.seen is not None:
-                kv.keep_seen(self.stream.handed_out(self.seen[i].clone()))
-            if self.outputs is not None and part.sampling.penalises_outputs:
-                kv.keep_outputs(self.stream.handed_out(self.outputs[i].clone()))
-        self._left_at.setdefault(seq, []).extend(id(self.rows[i]) for i in idx)
-        keep = torch.ones(len(self.rows), dtype=torch.bool)
-        keep[idx] = False
-        kept = keep.nonzero().flatten()
-        gone = set(idx)
-        self.rows = [r for i, r in enumerate(self.rows) if i not in gone]
-        self.kv_rows = [r for i, r in enumerate(self.kv_rows) if i not in gone]
-        self.request_ids = [r.request_id for r in self.rows]
-        self.partitions = [r.name for r in self.rows]
-        dev_kept = to_device(kept, self.device)
-        self.tokens = self.tokens[dev_kept]
-        self.kv_lens, self.counts, self.caps = self.kv_lens[kept], self.counts[kept], self.caps[kept]
-        self.counters, self.slots, self.deltas = self.counters[kept], self.slots[kept], self.deltas[kept]
-        self.block_table, self.stop_table = self.block_table[kept], self.stop_table[kept]
-        self.page_counts = self.page_counts[kept]
-        self.drawn, self.mins = self.drawn[kept], self.mins[kept]
-        self.carried = {name: t[dev_kept] for name, t in self.carried.items()}
-        if self.live is not None:
-            self.live, self.stop_ids = self.live[dev_kept], self.stop_ids[dev_kept]
-        if not self.rows:  # start afresh: no flags or penalty rows linger
-            self.sampling, self.seen, self.draw_sampling, self.outputs = None, None, None, None
-        if self.sampling is not None:
-            self.sampling = self.sampling.select(dev_kept, kept)
-        if self.draw_sampling is not None:
-            self.draw_sampling = self.draw_sampling.select(dev_kept, kept)
-        if self.seen is not None:
-            self.seen = self.seen[dev_kept]
-        if self.outputs is not None:  # kept while a row penalises its outputs: else each join copies it
-            penalised = self.sampling is not None and self.sampling.any_output_penalty
-            self.outputs = self.outputs[dev_kept] if penalised else None
