@@ -261,18 +261,26 @@ async def test_speech_is_the_same_with_several_steps_a_launch() -> None:
         assert np.abs(a - b).max() <= 2  # the same codes; codec windows may batch differently (float rounding)
 
 
-async def _texts(steps: int, params: list[SamplingParams]) -> tuple[list[tuple[str, tuple[int, ...], str | None,
-                                                                               int | str | None, int]], list[int]]:
+Shown = list[dict[int, str]]  # per request: its text so far at each chunk's count of output tokens
+
+
+async def _texts(steps: int, params: list[SamplingParams], shown: Shown | None = None
+                 ) -> tuple[list[tuple[str, tuple[int, ...], str | None, int | str | None, int]], list[int]]:
     """Text prompts on the built-in tiny-llama (a byte tokenizer), run
-    together: each request's text, ids, finish and stop reasons, usage."""
+    together: each request's text, ids, finish and stop reasons, usage;
+    into `shown`, the text each had shown at each of its chunks."""
     eng = Engine(EngineConfig(model="tiny-llama", scheduler=SchedulerConfig(num_scheduler_steps=steps)))
     await eng.start()
 
     async def one(i: int, sp: SamplingParams) -> tuple[str, tuple[int, ...], str | None, int | str | None, int]:
         text, ids, last = "", (), None
+        seen: dict[int, str] = {}
         async for chunk in eng.submit(GenerateRequest(f"t{i}", eng.model_name, {"prompt": f"story {i}:"}, sp)):
             assert chunk.error is None, chunk.error
             text, ids, last = text + chunk.text, ids + chunk.token_ids, chunk
+            seen[chunk.num_output_tokens] = text
+        if shown is not None:
+            shown.append(seen)
         assert last is not None
         return text, ids, last.finish_reason, last.stop_reason, last.num_output_tokens
 
@@ -300,6 +308,20 @@ async def test_text_stop_strings_and_usage_are_those_of_one_step_a_launch() -> N
     assert one[3][2] == "stop"  # its stop id, the 14th token's, inside a launch of 4
     many, launches = await _texts(4, params)
     assert many == one and not none and launches.count(4) >= 5
+
+
+async def test_streamed_text_is_shown_as_soon_as_one_step_a_launch_shows_it() -> None:
+    """A launch's run of byte tokens is detokenised a token at a time: its
+    complete characters are not held back behind an incomplete last one."""
+    params = [SamplingParams(max_tokens=60, temperature=1.0, seed=7 + i, ignore_eos=True) for i in range(3)]
+    one: Shown = []
+    many: Shown = []
+    await _texts(1, params, one)
+    await _texts(8, params, many)
+    for a, b in zip(one, many):
+        assert len(b) < len(a)  # fewer, larger chunks
+        for count, text in b.items():
+            assert text == a[count], count  # what the run shows by its last token: what one step a launch had
 
 
 async def _aborted_on_stop(folder: Path, steps: int, stop: int | None) -> tuple[list[int], int]:

@@ -151,7 +151,10 @@ class ReportReader:
             return len(tokens), False
         detok, hidden = state.detok, state.hidden_ids
         shown = [t for t in tokens if t not in hidden] if hidden else tokens
-        state.feed_run(part, tokens, detok.push(shown) if detok is not None and shown else "")
+        # a push a token, as one step a launch pushes them: a run pushed whole would hold back its complete
+        # characters while its last one is incomplete
+        text = "".join([detok.push((t,)) for t in shown]) if detok is not None else ""
+        state.feed_run(part, tokens, text)
         return len(tokens), False
 
     @staticmethod
