@@ -356,3 +356,36 @@ async def test_an_abort_counts_no_token_drawn_after_the_stop_id(hf_folder: Path)
     stop = plain[next(i for i in range(3, 20) if plain[i] not in plain[:i])]
     one, many = await _aborted_on_stop(hf_folder, 1, stop), await _aborted_on_stop(hf_folder, 8, stop)
     assert many[1] == one[1] and many[1] <= plain.index(stop) + 2
+
+
+async def _omni(steps: int) -> tuple[list[tuple[list[int], int]], list[int]]:
+    """Three seeded spoken answers of Qwen3-Omni (tiny): the thinker's
+    tokens and the audio's length of each; and the launches of several steps."""
+    eng = Engine(EngineConfig(model="qwen3-omni-tiny", load_format="dummy",
+                              scheduler=SchedulerConfig(num_scheduler_steps=steps)))
+    await eng.start()
+
+    async def speak(i: int) -> tuple[list[int], int]:
+        tokens, audio = [], 0
+        sp = SamplingParams(max_tokens=12, temperature=0.8, seed=i, ignore_eos=True)
+        request = GenerateRequest(f"o{i}", eng.model_name, {"messages": [{"role": "user", "content": f"hello {i}"}]},
+                                  sp, walk="speak")
+        async for chunk in eng.submit(request):
+            assert chunk.error is None, chunk.error
+            tokens += chunk.token_ids
+            audio += len(chunk.audio or b"")
+        return tokens, audio
+
+    try:
+        with _launches() as launches:
+            return list(await asyncio.gather(*[speak(i) for i in range(3)])), launches
+    finally:
+        await eng.shutdown()
+
+
+async def test_a_thinker_steps_several_a_launch_beside_its_talker() -> None:
+    """Qwen3-Omni: the thinker's plain token loop runs several steps a
+    launch; the talker's (it reads the thinker's hidden states) one."""
+    (one, none), (many, launches) = await _omni(1), await _omni(4)
+    assert not none and launches.count(4) >= 1
+    assert many == one and all(audio > 0 for _, audio in one)
