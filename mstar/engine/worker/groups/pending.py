@@ -55,7 +55,7 @@ class Pending:
     state after the step (what a row that leaves with it keeps). A launch of
     `steps` > 1 ran that many steps back to back: its tokens are [steps, n],
     and its tables hold the state after the last (a row that stopped at an
-    earlier one keeps that one's, `steps_back` fewer)."""
+    earlier one keeps that one's: `ends` says which)."""
 
     seq: int
     rows: list[PartitionRun]
