@@ -8,55 +8,29 @@ from __future__ import annotations
 
 import torch
 
-from mstar.engine.execution.sampler import SamplingTensors
 from mstar.engine.movement.transfer import to_device
 from mstar.engine.worker.groups.group_shape import GroupShape
 from mstar.engine.worker.groups.group_stream import GroupStream
+from mstar.engine.worker.groups.group_tables import GroupTables
 from mstar.engine.worker.groups.pending import Leave, Pending, Route
-from mstar.engine.worker.kv_rows import KVRow
 from mstar.engine.worker.rows import PartitionRun
 
 
-class GroupLeaving:
+class GroupLeaving(GroupTables):
     """The leaving side of a `LoopGroup`: what rows take with them, and the
     marks that make a launched step's output of a gone row dead."""
 
     component: str
-    device: torch.device
     stream: GroupStream
     shape: GroupShape
     seq: int
-    rows: list[PartitionRun]
-    kv_rows: list[KVRow]
-    request_ids: list[str]
-    partitions: list[str]
-    tokens: torch.Tensor
-    kv_lens: torch.Tensor
-    counts: torch.Tensor
-    caps: torch.Tensor
-    mins: torch.Tensor
-    counters: torch.Tensor
-    slots: torch.Tensor
-    deltas: torch.Tensor
-    drawn: torch.Tensor
-    block_table: torch.Tensor
-    stop_table: torch.Tensor
-    page_counts: torch.Tensor
-    carried: dict[str, torch.Tensor]
     followed: int
-    _joins: list
     _routes: dict[Route, int]
     row_routes: list[Route]
     _left: dict[int, int]
     _left_at: dict[int, list[int]]
     _unread: Pending | None
     _held: list[PartitionRun] | None
-    sampling: SamplingTensors | None
-    draw_sampling: SamplingTensors | None
-    seen: torch.Tensor | None
-    outputs: torch.Tensor | None
-    live: torch.Tensor | None
-    stop_ids: torch.Tensor
 
     def take_out(self, request_id: str, partition: str | None, count_sampled: bool = False) -> list[Leave]:
         """Remove a request's rows (of one partition, or all) without a step.

@@ -10,17 +10,11 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from mstar.engine.worker.kv_rows import KVRow
+from mstar.engine.worker.groups.group_tables import GroupTables
 
 
-class GroupPages:
+class GroupPages(GroupTables):
     """The page side of a `LoopGroup`: its rows' lengths, pages and block table."""
-
-    kv_rows: list[KVRow]
-    kv_lens: torch.Tensor
-    page_counts: torch.Tensor
-    block_table: torch.Tensor
-    _joins: list
 
     def short_of_pages(self, page_size: int, ahead: int = 1) -> list[int]:
         """Rows whose pages cannot hold the tokens the next `ahead` steps

@@ -10,30 +10,15 @@ from __future__ import annotations
 import torch
 
 from mstar.engine.execution.sampler import SamplingTensors
-from mstar.engine.worker.rows import PartitionRun
+from mstar.engine.worker.groups.group_tables import GroupTables
 
 
-class StepInputs:
+class StepInputs(GroupTables):
     """Rows `sl` of a `LoopGroup`'s tables, as its next step reads them."""
 
-    rows: list[PartitionRun]
-    device: torch.device
     axes: int
-    tokens: torch.Tensor
-    kv_lens: torch.Tensor
-    counts: torch.Tensor
-    mins: torch.Tensor
-    deltas: torch.Tensor
     shifted: bool
     banning: bool
-    stop_table: torch.Tensor
-    carried: dict[str, torch.Tensor]
-    sampling: SamplingTensors | None
-    draw_sampling: SamplingTensors | None
-    seen: torch.Tensor | None
-    outputs: torch.Tensor | None
-    live: torch.Tensor | None
-    stop_ids: torch.Tensor
 
     def sampling_for(self, sl: slice) -> SamplingTensors:
         assert self.sampling is not None
