@@ -262,10 +262,9 @@ class LoopGroup(StepInputs, GroupPages, GroupLeaving):
     # ----------------------------------------------------------------- step
 
     def advance(self, sl: slice, new_tokens: torch.Tensor) -> None:
-        """Rows `sl` drew `new_tokens` (on the device) at a step that is not
-        the last of its launch: the next step reads them, at the next
-        position, with the next draw counters. The counts that a row which
-        leaves keeps advance with the launch (`launched`)."""
+        """Rows `sl` drew `new_tokens` (on the device): the next step reads
+        them, at the next position, with the next draw counters. The counts
+        that a row which leaves keeps advance with the launch (`launched`)."""
         assert self.sampling is not None
         full = sl == slice(0, len(self.rows))
         self.kv_lens = stepped(self.kv_lens, sl, 1, full)
@@ -280,15 +279,12 @@ class LoopGroup(StepInputs, GroupPages, GroupLeaving):
         ones before the last `advance`d through already. Advances their
         state, starts the copy of the tokens (and logprobs) to the host, and
         takes out the rows that this launch brings to their write cap."""
-        assert self.sampling is not None
         self.seq += 1
         full = sl == slice(0, len(self.rows))
         # the host tables advance into new tensors: the step's Pending keeps views of them, which no later step
         # writes (a window's rows or all of them: no slicing, copying or cloning when all)
-        self.kv_lens, self.counts = stepped(self.kv_lens, sl, 1, full), stepped(self.counts, sl, steps, full)
-        self.counters = stepped(self.counters, sl, steps, full)
-        (self.tokens if full else self.tokens[sl]).copy_(new_tokens[-1] if steps > 1 else new_tokens)
-        (self.sampling.counters if full else self.sampling.counters[sl]).add_(1)
+        self.advance(sl, new_tokens[-1] if steps > 1 else new_tokens)
+        self.counts, self.counters = stepped(self.counts, sl, steps, full), stepped(self.counters, sl, steps, full)
         if self.shape.draws is not None:
             assert self.draw_sampling is not None
             self.drawn = stepped(self.drawn, sl, self.shape.draws[1], full)
