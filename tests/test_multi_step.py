@@ -9,8 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
 import pytest
@@ -27,6 +28,7 @@ from standing_group import FakeGroup
 pytest.importorskip("transformers")
 
 VOCAB = 384
+T = TypeVar("T")
 DECODE = ("llm", "decode")
 
 
@@ -76,6 +78,16 @@ def _launches() -> Iterator[list[int]]:
         yield launches
     finally:
         Executor._launch_steps = launch_steps  # type: ignore[method-assign]
+
+
+async def _together(eng: Engine, calls: list[Coroutine[Any, Any, T]]) -> tuple[list[T], list[int]]:
+    """`calls` run together on the started `eng`, which then shuts down; and
+    the steps of each launch of several meanwhile."""
+    try:
+        with _launches() as launches:
+            return list(await asyncio.gather(*calls)), launches
+    finally:
+        await eng.shutdown()
 
 
 class _Counts:
@@ -246,11 +258,7 @@ async def _speech(steps: int) -> tuple[list[np.ndarray], list[int]]:
             audio += chunk.audio or b""
         return np.frombuffer(audio, dtype="<i2").astype(np.int32)
 
-    try:
-        with _launches() as launches:
-            return list(await asyncio.gather(*[speak(i) for i in range(4)])), launches
-    finally:
-        await eng.shutdown()
+    return await _together(eng, [speak(i) for i in range(4)])
 
 
 async def test_speech_is_the_same_with_several_steps_a_launch() -> None:
@@ -284,11 +292,7 @@ async def _texts(steps: int, params: list[SamplingParams], shown: Shown | None =
         assert last is not None
         return text, ids, last.finish_reason, last.stop_reason, last.num_output_tokens
 
-    try:
-        with _launches() as launches:
-            return list(await asyncio.gather(*[one(i, sp) for i, sp in enumerate(params)])), launches
-    finally:
-        await eng.shutdown()
+    return await _together(eng, [one(i, sp) for i, sp in enumerate(params)])
 
 
 async def test_text_stop_strings_and_usage_are_those_of_one_step_a_launch() -> None:
@@ -376,11 +380,7 @@ async def _omni(steps: int) -> tuple[list[tuple[list[int], int]], list[int]]:
             audio += len(chunk.audio or b"")
         return tokens, audio
 
-    try:
-        with _launches() as launches:
-            return list(await asyncio.gather(*[speak(i) for i in range(3)])), launches
-    finally:
-        await eng.shutdown()
+    return await _together(eng, [speak(i) for i in range(3)])
 
 
 async def test_a_thinker_steps_several_a_launch_beside_its_talker() -> None:
