@@ -109,11 +109,6 @@ class ComponentRunner:
         """The device time of the last step, item or group."""
         return self.clock.seconds
 
-    def replays_decode(self, rows: int) -> bool:
-        """A plain decode step of `rows` rows replays a captured graph (not eagerly planned and run)."""
-        graphs = self.groups.graphs
-        return graphs is not None and graphs.bucket(rows) is not None
-
     @property
     def mixed_replayed(self) -> bool:
         """The last mixed step replayed a graph."""

@@ -226,6 +226,9 @@ class FlashInferAttention:
         # the graph sets replaying into these buckets (decode, mixed, a KV mode's) rewrite the same page-locked
         # staging: each waits, through this one fence, for the last replay's copies, whichever set made it
         self.fence = StagingFence()
+        # an eager plan writes its plan info into its wrapper's one page-locked buffer and copies it out
+        # asynchronously: the next plan of that wrapper must not rewrite the buffer before that copy has run
+        self._prefill_fence, self._decode_fence = StagingFence(), StagingFence()
         self.mixed_rows = mixed_rows
         self._prefills = {t: _PrefillBucket(self, t, mixed_rows, max_pages_per_row)
                           for t in sorted(set(mixed_tokens))} if mixed_rows and self._buckets else {}
@@ -255,12 +258,15 @@ class FlashInferAttention:
         slots = to_device(layout.slot_mapping, self.cache.device)  # page-locked: queues behind the steps in flight
         if layout.num_tokens == 0:  # nothing to attend; FlashInfer's planners divide by the batch size
             return FlashInferContext(self.cache, None, slots, 0)
+        wrapper, fence = (self._decode, self._decode_fence) if layout.is_decode else (self._prefill, self._prefill_fence)
+        fence.wait()
         if layout.is_decode:
-            self._plan_decode(self._decode, layout)
-            return FlashInferContext(self.cache, self._decode, slots, layout.num_tokens)
-        self._prefill.plan(layout.qo_indptr, layout.kv_indptr, layout.kv_indices, layout.kv_last_page_len,
-                           *self._dims, causal=causal, **self._dtypes)
-        return FlashInferContext(self.cache, self._prefill, slots, layout.num_tokens)
+            self._plan_decode(wrapper, layout)
+        else:
+            wrapper.plan(layout.qo_indptr, layout.kv_indptr, layout.kv_indices, layout.kv_last_page_len,
+                         *self._dims, causal=causal, **self._dtypes)
+        fence.record()
+        return FlashInferContext(self.cache, wrapper, slots, layout.num_tokens)
 
     @property
     def graph_batch_sizes(self) -> tuple[int, ...]:

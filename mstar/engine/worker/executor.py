@@ -268,10 +268,6 @@ class Executor:
         device = 0.0  # on CUDA the runner only waited for the step before's inputs; on the CPU it computed
         mixed = self._take_mixed(plan, runner)
         steps = plan.steps if mixed is None else 1
-        if steps > 1 and self.device.type == "cuda" and not runner.replays_decode(n):
-            # an eager step's attention plan goes through the planner's own page-locked buffer, rewritten by the
-            # next plan before the copy out of it may have run: only a graph's replay waits for that (its fence)
-            steps = 1
         # new rows whose mixed step failed, with their inputs: each runs again on its own
         broke: tuple[Batch, list[dict[str, torch.Tensor]]] | None = None
         early: list[float] = []  # the launch before, read inside a launch of several steps: its wait and wall time
