@@ -27,7 +27,7 @@ from mstar.graph import (Component, Emit, EosToken, FanOut, HostStop, Loop, MaxT
                          samples)
 from mstar.models.base import Model
 from mstar.models.llama import LlamaModel
-from mstar.models.prepared import PreparedPiece, key_seed
+from mstar.models.prepared import GREEDY_SEED, PreparedPiece, key_seed
 from mstar.models.registry import load_model
 from mstar.types import GenerateRequest, SamplingParams
 
@@ -96,6 +96,13 @@ def test_the_root_keeps_the_requests_seed_and_another_key_derives_a_stable_one()
     unseeded = model.prepare(_request(sampling=SamplingParams()))
     root_seed = unseeded.sampling["llm"].seed
     assert root_seed is not None and unseeded.sampling["echo"].seed == key_seed(root_seed, "echo")
+    # without a seed, a request that samples nothing draws what is left (a codec's noise) from a fixed one
+    greedy = model.prepare(_request(sampling=SamplingParams(temperature=0.0), echo={"temperature": 0.0}))
+    assert greedy.sampling["llm"].seed == GREEDY_SEED
+    assert greedy.sampling["echo"].seed == key_seed(GREEDY_SEED, "echo")
+    half = [model.prepare(_request(sampling=SamplingParams(temperature=0.0), echo={"temperature": 0.5}))
+            .sampling["llm"].seed for _ in range(3)]
+    assert len(set(half)) == 3   # a key that samples keeps the random seed: 2**-63 odds of a repeat
 
 
 def test_a_resample_resolves_every_key_as_a_fresh_prepare_would() -> None:

@@ -13,8 +13,8 @@ from mstar.engine.engine import Engine
 from mstar.types import GenerateRequest, SamplingParams
 
 
-async def _speak(eng: Engine, rid: str, text: str, seed: int) -> bytes:
-    sp = SamplingParams(max_tokens=63, temperature=0.6, top_p=0.8, repetition_penalty=1.3, seed=seed,
+async def _speak(eng: Engine, rid: str, text: str, seed: int | None, temperature: float = 0.6) -> bytes:
+    sp = SamplingParams(max_tokens=63, temperature=temperature, top_p=0.8, repetition_penalty=1.3, seed=seed,
                         ignore_eos=True)
     audio = b""
     async for chunk in eng.submit(GenerateRequest(rid, "orpheus-tiny", {"text": text, "voice": "tara"}, sp)):
@@ -37,5 +37,22 @@ async def test_seeded_speech_is_the_same_alone_and_batched() -> None:
         other = np.frombuffer(crowd[0], dtype="<i2").astype(np.int32)
         n = min(other.size, a.size)
         assert other.size != a.size or np.abs(other[:n] - a[:n]).max() > 100
+    finally:
+        await eng.shutdown()
+
+
+async def test_greedy_speech_without_a_seed_repeats() -> None:
+    """Temperature 0 and no seed: the tokens are greedy, and the codec's noise follows a fixed seed, so the
+    same text gives the same audio; sampled speech without a seed does not repeat."""
+    eng = Engine(EngineConfig(model="orpheus-tiny"))
+    await eng.start()
+    try:
+        first, second = [np.frombuffer(await _speak(eng, f"g{i}", "the quick brown fox", None, 0.0), dtype="<i2")
+                         for i in range(2)]
+        assert first.size > 0 and np.array_equal(first, second)
+        a, b = [np.frombuffer(await _speak(eng, f"s{i}", "the quick brown fox", None), dtype="<i2").astype(np.int32)
+                for i in range(2)]
+        n = min(a.size, b.size)
+        assert a.size != b.size or np.abs(a[:n] - b[:n]).max() > 100
     finally:
         await eng.shutdown()

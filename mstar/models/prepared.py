@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 _SEQUENCE_FIELDS = ("stop", "stop_token_ids")  # tuples in SamplingParams, arrays in an override
+GREEDY_SEED = 0  # the seed of a request that gives none and samples nothing
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,9 @@ def check_roles(model: Model, plans: dict[str, WalkPlan]) -> None:
 def resolve_sampling(request: GenerateRequest, plan: WalkPlan, defaults: Callable[[str], SamplingParams],
                      max_model_len: int) -> dict[str, SamplingParams]:
     """Every sampling key's params, validated, each with a seed: the root
-    keeps the request's (a random one if it has none), another key without
-    its own seed draws from `key_seed(root seed, key)`."""
+    keeps the request's (if it has none, a random one, or `GREEDY_SEED` when
+    every key is greedy), another key without its own seed draws from
+    `key_seed(root seed, key)`."""
     keys, draws = plan.sampling_keys, plan.draw_keys
     for key in request.sampling_by:
         if key not in keys:
@@ -102,7 +104,13 @@ def resolve_sampling(request: GenerateRequest, plan: WalkPlan, defaults: Callabl
                 raise RequestError(f"tokens of key '{key}' are drawn inside a step, which keeps no history of "
                                    f"them for a {name.replace('_', ' ')}", field=f"sampling_by.{key}.{name}")
     root = resolved[plan.root]
-    seed = root.seed if root.seed is not None else random.getrandbits(63)
+    if root.seed is not None:
+        seed = root.seed
+    elif all(params.temperature == 0 for params in resolved.values()):
+        # nothing is sampled: the draws left (a codec's noise) follow a fixed seed, so greedy output repeats
+        seed = GREEDY_SEED
+    else:
+        seed = random.getrandbits(63)
     return {key: params.replace(seed=seed if key == plan.root else
                                 params.seed if params.seed is not None else key_seed(seed, key))
             for key, params in resolved.items()}
