@@ -41,6 +41,8 @@ def test_completion_defaults() -> None:
     assert req.max_tokens == COMPLETIONS_MAX_TOKENS and req.n == 1
     assert not req.stream and not req.include_usage
     assert req.sampling == SamplingParams()
+    # an explicit null is vLLM's "all the room the prompt leaves", not the default's 16
+    assert parse_completion(body(model="m", prompt="hello", max_tokens=None)).max_tokens is None
 
 
 def test_completion_reads_every_sampling_field() -> None:

@@ -37,6 +37,19 @@ async def test_models_list(http: aiohttp.ClientSession) -> None:
     assert card["voices"] == []  # a text model; a speech model lists its voices (test_http_speech)
 
 
+async def test_completions_max_tokens_null_fills_the_context(http: aiohttp.ClientSession) -> None:
+    """vLLM's reading: an explicit null leaves all the room the prompt leaves; left out it is OpenAI's 16."""
+    async with http.get("/v1/models") as r:
+        room = (await r.json())["data"][0]["max_model_len"]
+    request = {"prompt": [5] * (room - 3), "max_tokens": None, "temperature": 0, "ignore_eos": True}
+    async with http.post("/v1/completions", json=request) as r:
+        assert r.status == 200, await r.text()
+        body = await r.json()
+    assert body["usage"]["completion_tokens"] == 3 and body["choices"][0]["finish_reason"] == "length"
+    async with http.post("/v1/completions", json={"prompt": [5, 6], "temperature": 0, "ignore_eos": True}) as r:
+        assert (await r.json())["usage"]["completion_tokens"] == 16
+
+
 async def test_generate_counts_and_text(http: aiohttp.ClientSession, engine: Engine) -> None:
     tok = engine.tokenizer(MODEL)
     async with http.post("/generate", json={"text": "hello", "sampling_params": greedy(6)}) as r:

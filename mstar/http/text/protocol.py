@@ -59,7 +59,7 @@ class CompletionBody:
 
     model: str | None
     prompts: tuple[Prompt, ...]
-    max_tokens: int
+    max_tokens: int | None   # None: all the room each prompt leaves in the context
     sampling: SamplingParams
     n: int = 1
     stream: bool = False
@@ -142,7 +142,9 @@ def parse_completion(body: bytes) -> CompletionBody:
     return CompletionBody(
         model=f.string("model"),
         prompts=prompts,
-        max_tokens=f.integer("max_tokens", COMPLETIONS_MAX_TOKENS, lo=1),
+        # left out: OpenAI's 16; an explicit null: all the room the prompt leaves, as vLLM reads it
+        max_tokens=None if "max_tokens" in f.obj and f.obj["max_tokens"] is None
+        else f.integer("max_tokens", COMPLETIONS_MAX_TOKENS, lo=1),
         sampling=read_sampling(f, f.integer("logprobs", None, lo=0, hi=MAX_LOGPROBS)),
         n=n,
         stream=stream,
