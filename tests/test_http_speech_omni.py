@@ -108,6 +108,16 @@ async def test_voices_differ_and_ethan_is_the_default(client: openai.AsyncOpenAI
     assert await speak(client, "Aiden", "pcm") == aiden  # names in any case, as the model reads them
 
 
+async def test_greedy_speech_without_a_seed_repeats(client: openai.AsyncOpenAI) -> None:
+    """`temperature` 0 reaches the talker only; its code predictor keeps sampling under its own key, from the
+    greedy request's fixed seed: the same audio on every run. Sampled, without a seed, it differs."""
+    greedy = {"max_tokens": FRAMES, "temperature": 0, "sampling_by": {"talker": {"ignore_eos": True}}}
+    first, second = [await speak(client, "ethan", "pcm", **greedy) for _ in range(2)]
+    assert len(first) == 2 * SAMPLES and first == second
+    sampled = {**greedy, "temperature": 0.9}
+    assert await speak(client, "ethan", "pcm", **sampled) != await speak(client, "ethan", "pcm", **sampled)
+
+
 async def test_sse_pieces_join_to_the_audio(url: str, omni: Engine) -> None:
     body = {"model": OMNI, "input": TEXT, "voice": "chelsie", "response_format": "pcm", "stream_format": "sse",
             **TALK}

@@ -96,13 +96,13 @@ def test_the_root_keeps_the_requests_seed_and_another_key_derives_a_stable_one()
     unseeded = model.prepare(_request(sampling=SamplingParams()))
     root_seed = unseeded.sampling["llm"].seed
     assert root_seed is not None and unseeded.sampling["echo"].seed == key_seed(root_seed, "echo")
-    # without a seed, a request that samples nothing draws what is left (a codec's noise) from a fixed one
-    greedy = model.prepare(_request(sampling=SamplingParams(temperature=0.0), echo={"temperature": 0.0}))
+    # without a seed, a greedy request's other draws (another key's, a codec's noise) follow a fixed one
+    greedy = model.prepare(_request(sampling=SamplingParams(temperature=0.0), echo={"temperature": 0.5}))
     assert greedy.sampling["llm"].seed == GREEDY_SEED
     assert greedy.sampling["echo"].seed == key_seed(GREEDY_SEED, "echo")
-    half = [model.prepare(_request(sampling=SamplingParams(temperature=0.0), echo={"temperature": 0.5}))
-            .sampling["llm"].seed for _ in range(3)]
-    assert len(set(half)) == 3   # a key that samples keeps the random seed: 2**-63 odds of a repeat
+    sampled = [model.prepare(_request(sampling=SamplingParams(temperature=0.5), echo={"temperature": 0.0}))
+               .sampling["llm"].seed for _ in range(3)]
+    assert len(set(sampled)) == 3   # a sampled root keeps a random seed: 2**-63 odds of a repeat
 
 
 def test_a_resample_resolves_every_key_as_a_fresh_prepare_would() -> None:

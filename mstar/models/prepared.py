@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 _SEQUENCE_FIELDS = ("stop", "stop_token_ids")  # tuples in SamplingParams, arrays in an override
-GREEDY_SEED = 0  # the seed of a request that gives none and samples nothing
+GREEDY_SEED = 0  # the seed of a greedy request that gives none
 
 
 @dataclass(frozen=True)
@@ -86,8 +86,8 @@ def check_roles(model: Model, plans: dict[str, WalkPlan]) -> None:
 def resolve_sampling(request: GenerateRequest, plan: WalkPlan, defaults: Callable[[str], SamplingParams],
                      max_model_len: int) -> dict[str, SamplingParams]:
     """Every sampling key's params, validated, each with a seed: the root
-    keeps the request's (if it has none, a random one, or `GREEDY_SEED` when
-    every key is greedy), another key without its own seed draws from
+    keeps the request's (if it has none, a random one, or `GREEDY_SEED`
+    when the root is greedy), another key without its own seed draws from
     `key_seed(root seed, key)`."""
     keys, draws = plan.sampling_keys, plan.draw_keys
     for key in request.sampling_by:
@@ -106,8 +106,9 @@ def resolve_sampling(request: GenerateRequest, plan: WalkPlan, defaults: Callabl
     root = resolved[plan.root]
     if root.seed is not None:
         seed = root.seed
-    elif all(params.temperature == 0 for params in resolved.values()):
-        # nothing is sampled: the draws left (a codec's noise) follow a fixed seed, so greedy output repeats
+    elif root.temperature == 0:
+        # a greedy request's other draws (a code predictor's tokens under their own key, a codec's noise) follow
+        # a fixed seed: what asks for temperature 0 gets the same output on every run
         seed = GREEDY_SEED
     else:
         seed = random.getrandbits(63)
