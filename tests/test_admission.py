@@ -170,13 +170,17 @@ async def test_over_http_a_request_refused_at_shutdown_is_a_503_with_retry_after
             async with http.post(url + "/v1/completions", json=long) as running:
                 assert running.status == 200
                 await running.content.readline()  # it runs
-                queued = asyncio.ensure_future(http.post(url + "/v1/completions", json={**long, "stream": False}))
+                # whole, streamed (its headers wait for its first chunk) and the native route's NDJSON
+                queued = [asyncio.ensure_future(http.post(url + path, json=body)) for path, body in (
+                    ("/v1/completions", {**long, "stream": False}), ("/v1/completions", long),
+                    ("/generate", {"model": eng.model_name, "text": "hello", "stream": True,
+                                   "sampling_params": {"max_tokens": 2000, "ignore_eos": True}}))]
                 await asyncio.sleep(0.3)
                 drain = asyncio.create_task(eng.drain(2.0))
-                r = await asyncio.wait_for(queued, 1.5)
-                body = await r.json()
-                assert r.status == 503 and r.headers.get("Retry-After") == "5", (r.status, body)
-                assert body["error"]["code"] == "unavailable" and "had not started" in body["error"]["message"]
+                for r in await asyncio.wait_for(asyncio.gather(*queued), 1.5):
+                    body = await r.json()
+                    assert r.status == 503 and r.headers.get("Retry-After") == "5", (r.status, body)
+                    assert body["error"]["code"] == "unavailable" and "had not started" in body["error"]["message"]
                 await drain
     finally:
         await eng.shutdown()

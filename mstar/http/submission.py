@@ -237,6 +237,31 @@ def failure_of(choice: Choice) -> GenerationFailed | None:
     return None
 
 
+Chunks = AsyncIterator[tuple[Choice, OutputChunk]]
+
+
+async def first_chunk(chunks: Chunks) -> tuple[Choice, OutputChunk] | None:
+    """A streamed answer's first chunk, taken before its headers go out: a
+    request that ended without output (refused at shutdown before it ran,
+    timed out in the queue, failed) raises its failure, so it is answered
+    with its own status (503 and Retry-After, 504, ...) as a whole answer
+    is, and a proxy in front may send it on to another server."""
+    first = await anext(chunks, None)
+    if first is not None and first[1].finished:
+        failure = failure_of(first[0])
+        if failure is not None:
+            raise failure
+    return first
+
+
+async def after(first: tuple[Choice, OutputChunk] | None, chunks: Chunks) -> Chunks:
+    """`first` (taken by `first_chunk`), then the rest of `chunks`."""
+    if first is not None:
+        yield first
+    async for item in chunks:
+        yield item
+
+
 @dataclass
 class Submission:
     """The engine requests one HTTP request started; `streams[i]` is choice i.

@@ -33,8 +33,8 @@ from mstar.http.keys import ENGINE, TARGETS
 from mstar.http.text.logprobs import native_logprobs
 from mstar.http.text.protocol import GenerateBody, parse_generate
 from mstar.http.responses import EventStream, client_gone, error_body, json_response
-from mstar.http.submission import (Choice, Inputs, Submission, Target, failure_of, off_loop, prompt_inputs,
-                                   sampling_names, spoken_names, submit)
+from mstar.http.submission import (Choice, Inputs, Submission, Target, after, failure_of, first_chunk, off_loop,
+                                   prompt_inputs, sampling_names, spoken_names, submit)
 from mstar.types import OutputChunk
 
 if TYPE_CHECKING:
@@ -98,12 +98,15 @@ def _audio_of(source: Choice | OutputChunk) -> dict[str, Any]:
 
 
 async def _stream_ndjson(request: web.Request, sub: Submission, request_id: str) -> web.StreamResponse:
-    """One line per engine chunk; a failure after the headers is a final line
-    with `error`; a client that left ends the loop and the caller aborts."""
-    events = await EventStream.open(request, "ndjson")
-    try:
-        async with aclosing(sub.chunks()) as chunks:
-            async for choice, chunk in chunks:
+    """One line per engine chunk, the headers with the first (a request that
+    ends before any output answers with its status: `first_chunk`); a
+    failure after the headers is a final line with `error`; a client that
+    left ends the loop and the caller aborts."""
+    async with aclosing(sub.chunks()) as chunks:
+        first = await first_chunk(chunks)
+        events = await EventStream.open(request, "ndjson")
+        try:
+            async for choice, chunk in after(first, chunks):
                 line: dict[str, Any] = {"request_id": request_id, "token_ids": list(chunk.token_ids),
                                         "text": chunk.text, **_audio_of(chunk), "finished": chunk.finished}
                 if chunk.logprobs is not None:
@@ -118,11 +121,11 @@ async def _stream_ndjson(request: web.Request, sub: Submission, request_id: str)
                     line["finish_reason"] = choice.finish_reason
                     line["usage"] = sub.usage()
                 await events.send(line)
-        await events.close()
-    except ConnectionError:
-        log.info("client went away mid-stream; aborting its request")
-    except Exception:
-        log.exception("stream failed")
-        await events.fail({"request_id": request_id, "finished": True,
-                           **error_body("internal server error", status=500, code="internal_error")})
+            await events.close()
+        except ConnectionError:
+            log.info("client went away mid-stream; aborting its request")
+        except Exception:
+            log.exception("stream failed")
+            await events.fail({"request_id": request_id, "finished": True,
+                               **error_body("internal server error", status=500, code="internal_error")})
     return events.response

@@ -30,8 +30,8 @@ from mstar.http.text.chat_media import chat_inputs
 from mstar.http.text.logprobs import LogprobShapes
 from mstar.http.text.protocol import ChatBody, parse_chat, parse_completion
 from mstar.http.responses import EventStream, client_gone, error_body, json_response
-from mstar.http.submission import (Choice, Inputs, Submission, Target, failure_of, off_loop, prompt_inputs,
-                                   submit)
+from mstar.http.submission import (Choice, Inputs, Submission, Target, after, failure_of, first_chunk, off_loop,
+                                   prompt_inputs, submit)
 from mstar.types import ModelCard, OutputChunk
 
 log = structlog.get_logger("mstar.http")
@@ -183,21 +183,24 @@ async def stream_sse(request: web.Request, sub: Submission, reply: Reply, piece:
     `include_usage`, then `usage()` (default: the submission's), and with
     `continuous` too, its totals so far in every chunk (vLLM's).
 
-    A write that fails means the client left: we return, and the caller's
-    `sub.aclose()` aborts what is still running. A failure after the headers
-    went out is sent as an `{"error": ...}` event (which OpenAI's clients
-    raise), then the stream ends.
+    The headers go out with the first chunk: a request that ends before any
+    output answers with its status (`first_chunk`). A write that fails means
+    the client left: we return, and the caller's `sub.aclose()` aborts what
+    is still running. A failure after the headers went out is sent as an
+    `{"error": ...}` event (which OpenAI's clients raise), then the stream
+    ends.
     """
-    events = await EventStream.open(request, "sse")
     usage = usage or sub.usage
     # With include_usage every chunk carries `usage: null` (or, continuous, the totals so far); the last the totals.
     def extra() -> dict[str, Any]:
         return {"usage": usage()} if continuous else {"usage": None} if include_usage else {}
-    try:
-        for entry in intro:
-            await events.send(reply.body([entry], **extra()))
-        async with aclosing(sub.chunks()) as chunks:
-            async for choice, chunk in chunks:
+    async with aclosing(sub.chunks()) as chunks:
+        first = await first_chunk(chunks)
+        events = await EventStream.open(request, "sse")
+        try:
+            for entry in intro:
+                await events.send(reply.body([entry], **extra()))
+            async for choice, chunk in after(first, chunks):
                 if chunk.finished:
                     failure = failure_of(choice)
                     if failure is not None:
@@ -206,14 +209,14 @@ async def stream_sse(request: web.Request, sub: Submission, reply: Reply, piece:
                         return events.response
                 for entry in piece(choice, chunk):
                     await events.send(reply.body([entry], **extra()))
-        if include_usage:
-            await events.send(reply.body([], usage=usage()))
-        await events.close()
-    except ConnectionError:
-        log.info("client went away mid-stream; aborting its requests")
-    except Exception:
-        log.exception("stream failed")
-        await events.fail(error_body("internal server error", status=500, code="internal_error"))
+            if include_usage:
+                await events.send(reply.body([], usage=usage()))
+            await events.close()
+        except ConnectionError:
+            log.info("client went away mid-stream; aborting its requests")
+        except Exception:
+            log.exception("stream failed")
+            await events.fail(error_body("internal server error", status=500, code="internal_error"))
     return events.response
 
 
