@@ -57,6 +57,7 @@ def test_refusals() -> None:
     refused("instructions", instructions="calm")
     refused("voice", voice="")
     refused("voice", voice={"name": "x"})
+    refused("voice.x", voice={"id": "leo", "x": 1})   # as any object's unknown field
     refused("voice", voice=5)
     refused("max_tokens", max_tokens=0)
     refused("temperature", temperature="hot")

@@ -209,9 +209,11 @@ def read_voice(f: Fields) -> str | None:
     name, or OpenAI's custom-voice object `{"id": name}`."""
     value = f.raw("voice")
     if isinstance(value, dict):
-        value = Fields(value, f.name("voice") + ".").string("id")
+        fields = Fields(value, f.name("voice") + ".")
+        value = fields.string("id")
         if value is None:
             raise f.error("voice", "an object voice needs an 'id'")
+        fields.refuse_unknown({"id"})
     if value is not None and not isinstance(value, str):
         raise f.error("voice", f"must be a string or an object with an 'id', not {type_name(value)}")
     if value is not None and not value.strip():
