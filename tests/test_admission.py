@@ -184,3 +184,26 @@ async def test_over_http_a_request_refused_at_shutdown_is_a_503_with_retry_after
                 await drain
     finally:
         await eng.shutdown()
+
+
+async def test_over_http_a_whole_answer_cut_at_shutdown_is_a_503_aborted_with_retry_after() -> None:
+    """A non-streamed request still running when the drain's grace ends: 503 `aborted`, with Retry-After as every
+    503 has (the cluster front does not send it on: it may have had effects; its client may)."""
+    eng = Engine(EngineConfig(model="tiny-llama", devices=("cpu",), scheduler=SchedulerConfig(max_num_seqs=1)))
+    await eng.start()
+    try:
+        async with serving(eng) as url, aiohttp.ClientSession() as http:
+            long = {"model": eng.model_name, "prompt": "hello", "max_tokens": 2000, "ignore_eos": True}
+            running = asyncio.ensure_future(http.post(url + "/v1/completions", json=long))
+            for _ in range(200):
+                if eng.num_running():
+                    break
+                await asyncio.sleep(0.02)
+            assert eng.num_running() == 1
+            await eng.drain(0.2)
+            r = await asyncio.wait_for(running, 5)
+            body = await r.json()
+            assert r.status == 503 and r.headers.get("Retry-After") == "5", (r.status, body)
+            assert body["error"]["code"] == "aborted"
+    finally:
+        await eng.shutdown()

@@ -233,7 +233,8 @@ def failure_of(choice: Choice) -> GenerationFailed | None:
         return GenerationFailed(f"{SHUTTING_DOWN}; the request had not started", status=503, code="unavailable",
                                 retry_after=5)
     if choice.finish_reason == "abort":
-        return GenerationFailed(ABORTED_MESSAGE, status=503, code="aborted")
+        # cut while it ran, at a shutdown: its client may send it again (elsewhere, or here after a restart)
+        return GenerationFailed(ABORTED_MESSAGE, status=503, code="aborted", retry_after=5)
     return None
 
 
