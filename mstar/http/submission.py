@@ -256,7 +256,9 @@ async def first_chunk(chunks: Chunks) -> tuple[Choice, OutputChunk] | None:
 
 
 async def after(first: tuple[Choice, OutputChunk] | None, chunks: Chunks) -> Chunks:
-    """`first` (taken by `first_chunk`), then the rest of `chunks`."""
+    """`first` (taken by `first_chunk`), then the rest of `chunks`. It holds
+    nothing of its own: the caller closes `chunks` (`aclosing`), and a loop
+    left early leaves this to the event loop's finalizer."""
     if first is not None:
         yield first
     async for item in chunks:
