@@ -353,8 +353,9 @@ class Executor:
         token fed to its next step on the device; their `Pending`, and the
         seconds the runner spent on the device (CPU) or waiting for its
         inputs. The launch before (`prev`) is read once the first step is
-        queued, while the device still runs it (each later step's replay
-        waits for the one before the last): its tokens reach their streams
+        queued, while the device still runs it (each later step waits until
+        the copies of the step before it have run, so that it may rewrite their
+        page-locked staging): its tokens reach their streams
         a launch sooner. Its rows that stop stay in the tensors, stepping for
         nothing, until this launch is launched; `early` gets that read's
         wait and wall time."""
@@ -364,8 +365,8 @@ class Executor:
                 group.hold_drops()
                 t0 = time.perf_counter()
                 with ranged("mstar.finalize"):
-                    early += [self.router.read_group(self.report, group, prev), 0.0]
-                early[1] = time.perf_counter() - t0
+                    waited = self.router.read_group(self.report, group, prev)
+                early[:] = [waited, time.perf_counter() - t0]
             with ranged(f"mstar.{group.component}.{group.mode}"), group.stream.on():
                 if not k:
                     group.stream.after_worker()
