@@ -20,6 +20,7 @@ import torch
 from tiny_llama import save_tiny_llama
 from mstar.config import EngineConfig, SchedulerConfig
 from mstar.engine.engine import Engine
+from mstar.engine.messages import StepReport
 from mstar.engine.worker.executor import Executor
 from mstar.scheduler import ModeCaps, PagePool, Scheduler, WorkItem
 from mstar.types import GenerateRequest, SamplingParams
@@ -271,6 +272,43 @@ async def test_speech_is_the_same_with_several_steps_a_launch() -> None:
     for a, b in zip(one, many):
         assert a.size > 0 and a.size == b.size
         assert np.abs(a - b).max() <= 2  # the same codes; codec windows may batch differently (float rounding)
+
+
+async def _first_window_after(steps: int) -> tuple[int, list[int]]:
+    """One speech request of Orpheus (tiny): the decode steps the LLM had
+    launched when the codec's first window ran, and the steps of each launch."""
+    eng = Engine(EngineConfig(model="orpheus-tiny", scheduler=SchedulerConfig(num_scheduler_steps=steps)))
+    await eng.start()
+    launched: list[int] = []    # the LLM's decode launches, in order
+    first: list[int] = []       # decode steps launched before the first codec step
+
+    def seen(r: StepReport) -> None:
+        if r.component == "llm" and r.mode == "decode":
+            launched.append(r.steps)
+        elif r.component != "llm" and not first:
+            first.append(sum(launched))
+
+    eng.add_report_hook(seen)
+
+    async def speak() -> None:
+        sp = SamplingParams(max_tokens=80, temperature=0.6, top_p=0.8, repetition_penalty=1.3, seed=3,
+                            ignore_eos=True)
+        async for chunk in eng.submit(GenerateRequest("s", "orpheus-tiny", {"text": "words", "voice": "tara"}, sp)):
+            assert chunk.error is None, chunk.error
+
+    await _together(eng, [speak()])
+    assert first, "no codec step ran"
+    return first[0], launched
+
+
+async def test_a_first_window_waits_for_no_more_steps_than_with_one_step_a_launch() -> None:
+    """Launches end at the step that completes a stream's first window, and
+    run one step until its consumer has read it: the codec's first window
+    runs after as many decode steps as with one step a launch, while later
+    launches run several."""
+    (one, _), (many, launched) = await _first_window_after(1), await _first_window_after(4)
+    assert many == one
+    assert launched.count(4) >= 4 and 1 in launched
 
 
 Shown = list[dict[int, str]]  # per request: its text so far at each chunk's count of output tokens

@@ -63,12 +63,13 @@ class _Join:
 class LoopGroup(StepInputs, GroupPages, GroupLeaving):
     def __init__(self, component: str, mode: str, device: torch.device,
                  shape: GroupShape | None = None, axes: int = 1, stream: torch.cuda.Stream | None = None,
-                 most_steps: int = 1) -> None:
+                 most_steps: int = 1, first_cut_room: Callable[[], int | None] | None = None) -> None:
         """`shape`: what a step reads and keeps besides the token; `axes`: of
         the component's positions (every axis at a row's next position);
         `stream`: on CUDA, the one its steps and its tensors' updates go on
         (the component's groups share it), beside the worker's stream;
-        `most_steps`: steps one launch may run (`multi_step.steps_room`). Rows
+        `most_steps`: steps one launch may run (`multi_step.steps_room`), no
+        more than `first_cut_room` says (`Streams.first_cut_room`). Rows
         of any walks whose loops step `component.mode` the same way share a
         group; each row's tokens go where its own walk sends them (`Route`)."""
         self.stream = GroupStream(stream, device)
@@ -101,6 +102,8 @@ class LoopGroup(StepInputs, GroupPages, GroupLeaving):
         self.shifted = False                              # some row's delta is not 0
         self.seen: torch.Tensor | None = None
         self.most_steps = most_steps
+        self.first_cut_room = first_cut_room
+        self.unread_steps = 0  # steps of its last launch, until it is read
         # while launches may run several steps: [n] on the device, the rows that have drawn no stop id before
         # the token a step marks seen (what a row draws after its stop is never its own)
         self.live: torch.Tensor | None = None
@@ -325,6 +328,7 @@ class LoopGroup(StepInputs, GroupPages, GroupLeaving):
                           kv_lens, counts, counters, drawn, exhausted, logprobs, dict(extras or {}), routes,
                           self.kv_rows[sl], steps, self.followed > 0)
         self._unread = pending if steps > 1 else None
+        self.unread_steps = steps
         if bool(exhausted.any()):
             # valid in this step's output, gone from the next
             self._drop((exhausted.nonzero().flatten() + sl.start).tolist(), self.seq + 1)
@@ -348,6 +352,8 @@ class LoopGroup(StepInputs, GroupPages, GroupLeaving):
     def _finalize(self, p: Pending) -> list[Leave]:
         if p is self._unread:
             self._unread = None
+        if p.seq == self.seq:
+            self.unread_steps = 0
         if p.steps > 1:
             ends = p.ends()
             hit_stop = torch.from_numpy(ends < p.steps) | (p.stop_table == p.host[-1][:, None]).any(dim=1)

@@ -10,6 +10,12 @@ stop only when the launch is read, as they do one step late today. So a
 launch runs several steps only where that late stop changes nothing a row
 keeps: its tokens drawn after a stop id are never routed, never marked seen
 (`LoopGroup.live`), and write KV past the length the row hands back.
+
+A launch also ends at the step that writes the item cutting a stream's first
+chunk of a turn (`Streams.first_cut_room`, less the steps of the launch not
+read yet), and launches run one step from then until the consumer has read
+that chunk: its first pass (a speech stream's first audio) is queued as
+soon after that item as with one step a launch.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ def steps_room(group: LoopGroup, most: int) -> int:
     """Steps (1 to `most`) the group's next launch may run: one while any
     row needs a decision between two steps, else as many as every row may
     still write before its cap (so that a row reaches it only at the
-    launch's last step)."""
+    launch's last step) and no stream watched for its first chunk is cut
+    before the last step."""
     if most <= 1 or group.most_steps <= 1 or not len(group.rows):
         return 1
     shape = group.shape
@@ -39,4 +46,7 @@ def steps_room(group: LoopGroup, most: int) -> int:
     if int(group.slots.numpy().max()) >= 0:
         return 1  # per-row state is updated in place: a step past a stop would change what the row keeps
     room = int((group.caps.numpy() - group.counts.numpy()).min())
+    first = group.first_cut_room() if group.first_cut_room is not None else None
+    if first is not None:  # the launch in flight may write that many items before this one starts
+        room = min(room, first - group.unread_steps)
     return max(1, min(most, room))

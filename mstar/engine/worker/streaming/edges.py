@@ -14,6 +14,11 @@ device). Then what the producer writes goes out as `StreamStart`,
 `StreamItems`, `StreamSegment` and `StreamEnd` (in order, batched per step by
 the worker), and the consumer's worker takes them in through `receive_*`
 exactly as if they had been written there.
+
+While launches may run several decode steps (`--num-scheduler-steps`), the
+streams whose current turn has cut no chunk yet are watched: a launch runs no
+further than the item that cuts the first of them (`first_cut_room`), so
+that a stream's first chunk, its first audio, waits for no later step.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ class Streams:
         self.walker = walker
         self.store = walker.store
         self.send = send
+        # consumers whose stream's current turn has not had its first chunk run, while launches may run several steps
+        self._first: dict[int, PartitionRun] = {}
 
     # ------------------------------------------------------ producer side
 
@@ -108,6 +115,32 @@ class Streams:
             self.store.retain(ref, part.request_id)
             out[name] = ref
         return out
+
+    def first_cut_room(self) -> int | None:
+        """Items the watched stream nearest its turn's first chunk still needs
+        before it cuts it: 0 once cut, until its consumer's step that read it
+        has run (None: none is watched). A producer's write may not enter its
+        stream (an id it does not take), so a launch bounded by it ends at
+        that item or before."""
+        room = None
+        for key, cons in list(self._first.items()):
+            buf = cons.inbox
+            assert buf is not None
+            due = buf.plan.chunks.due(0)
+            ran = buf.chunks_cut > buf.segment_cuts and not buf.pending and not cons.busy
+            if cons.done or buf.closed or due <= 0 or ran:
+                del self._first[key]  # over, read and run, or a policy that checks at every item (`ChunkPolicy.due`)
+                continue
+            left = max(0, due - (buf.produced - buf.segment_start))
+            room = left if room is None else min(room, left)
+        return room
+
+    def _watch_first(self, cons: PartitionRun) -> None:
+        """Watch the turn of `cons`'s stream until its first chunk was read
+        and run (only where a launch may run several steps: nothing else
+        asks)."""
+        if self.walker.scheduler.steps > 1:
+            self._first[id(cons)] = cons
 
     def end_segment(self, part: PartitionRun) -> None:
         """`part` ended a turn and will start another: its streams cut their
@@ -198,11 +231,13 @@ class Streams:
         else:
             cons.values.update(values)
             buf.started = True
+            self._watch_first(cons)
         self._wake(cons)
 
     def _segment(self, cons: PartitionRun) -> None:
         assert cons.inbox is not None
         cons.inbox.segment()
+        self._watch_first(cons)
         self._wake(cons)
 
     def _close(self, cons: PartitionRun) -> None:
