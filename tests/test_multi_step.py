@@ -65,14 +65,18 @@ async def _run(eng: Engine, rid: str, prompt: list[int], sp: SamplingParams) -> 
 
 
 @contextlib.contextmanager
-def _launches() -> Iterator[list[int]]:
-    """The steps of each launch of several, while the block runs."""
+def _launches(ran: list[int] | None = None) -> Iterator[list[int]]:
+    """The steps planned for each launch of several, while the block runs;
+    `ran` gets the steps each of them ran."""
     launches: list[int] = []
     launch_steps = Executor._launch_steps
 
     def counting_launch(self, group, sl, runner, k, *rest):  # type: ignore[no-untyped-def]
         launches.append(k)
-        return launch_steps(self, group, sl, runner, k, *rest)
+        out = launch_steps(self, group, sl, runner, k, *rest)
+        if ran is not None:
+            ran.append(out[0].steps)
+        return out
 
     Executor._launch_steps = counting_launch  # type: ignore[method-assign]
     try:
@@ -97,6 +101,7 @@ class _Counts:
     def __init__(self) -> None:
         self.launches: list[int] = []
         self.cached: list[list[int]] = []
+        self.ran: list[int] = []  # the steps each of those ran
 
 
 @contextlib.contextmanager
@@ -118,16 +123,21 @@ def _cached() -> Iterator[list[list[int]]]:
 
 async def _outputs(folder: Path, steps: int, params: list[SamplingParams], reservation: str = "lazy",
                    late: list[SamplingParams] | None = None, device: str = "cpu", eager: bool = False,
-                   ) -> tuple[list[tuple[list[int], str | None]], _Counts]:
+                   arriving: float = 0.0) -> tuple[list[tuple[list[int], str | None]], _Counts]:
     """The outputs of every prompt under every `params`, started together;
-    then `late`'s, started while the first still run. `eager`: no CUDA graphs."""
+    then `late`'s, started while the first still run. `eager`: no CUDA graphs;
+    `arriving`: the share of a launch's steps after which the worker is told
+    that new requests wait (seeded), which ends the launch there."""
     counts = _Counts()
     eng = Engine(EngineConfig(model=str(folder), devices=(device,), dtype="float32", enforce_eager=eager,
                               scheduler=SchedulerConfig(
         page_size=4, num_pages=768, kv_reservation=reservation, num_scheduler_steps=steps)))
     await eng.start()
+    if arriving:
+        rng = random.Random(11)
+        eng.workers[0].executor.arriving = lambda: rng.random() < arriving
     try:
-        with _launches() as counts.launches, _cached() as counts.cached:
+        with _launches(counts.ran) as counts.launches, _cached() as counts.cached:
             tasks = [asyncio.ensure_future(_run(eng, f"r{i}.{j}", prompt, sp))
                      for i, prompt in enumerate(_prompts()) for j, sp in enumerate(params)]
             if late:
@@ -167,6 +177,20 @@ async def test_outputs_are_those_of_one_step_a_launch(hf_folder: Path, reservati
         assert many == one
         assert counts.launches and max(counts.launches) == steps
         assert sorted(counts.cached) == sorted(counts_one.cached)
+
+
+async def test_launches_that_arrivals_end_early_keep_the_outputs(hf_folder: Path) -> None:
+    """A launch ends at the step it has queued when new requests wait: its
+    rows' tokens, stops and cached ids are those of one step a launch."""
+    plain, _ = await _outputs(hf_folder, 1, _params(None))
+    greedy = plain[0][0]
+    at = next(i for i in (5, 6, 7) if greedy[i] not in greedy[:i])
+    one, counts_one = await _outputs(hf_folder, 1, _params(greedy[at]))
+    many, counts = await _outputs(hf_folder, 4, _params(greedy[at]), arriving=0.4)
+    assert many == one
+    assert sorted(counts.cached) == sorted(counts_one.cached)
+    cut = [(planned, ran) for planned, ran in zip(counts.launches, counts.ran) if ran < planned]
+    assert len(counts.ran) == len(counts.launches) and len(cut) >= 3 and 4 in counts.ran
 
 
 async def test_rows_that_need_a_decision_a_step_keep_launches_single_until_they_leave(hf_folder: Path) -> None:

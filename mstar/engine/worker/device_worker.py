@@ -169,7 +169,8 @@ class DeviceWorker:
         states = {name: r.state for name, r in self.runners.items() if r.state is not None}
         self.preemption = Preemption(caches, self.walker, states, slots) if grows else None
         self.executor = Executor(self.name, self.device, self.runners, self.walker, self.scheduler, self.store,
-                                 self.link, self.post, self.arena, self.preemption, self.stats)
+                                 self.link, self.post, self.arena, self.preemption, self.stats,
+                                 lambda: self.submits_sent > self.submits_applied)
 
     # --------------------------------------------------------------- loop
 

@@ -60,9 +60,12 @@ class WorkerStats:
 class Executor:
     def __init__(self, name: str, device: torch.device, runners: dict[str, ComponentRunner], walker: Walker,
                  scheduler: Scheduler, store: TensorStore, link: PeerLink, post: Callable[[StepReport], None],
-                 arena: HostArena | None, preemption: Preemption | None, stats: WorkerStats) -> None:
+                 arena: HostArena | None, preemption: Preemption | None, stats: WorkerStats,
+                 arriving: Callable[[], bool] = lambda: False) -> None:
         """`post`: hands a step's report to the event loop; `preemption`:
-        swaps rows out and in (None unless pages are reserved lazily)."""
+        swaps rows out and in (None unless pages are reserved lazily);
+        `arriving`: new requests wait in the worker's inbox (a launch of
+        several steps then ends at the step it has queued)."""
         self.name = name
         self.device = device
         self.runners = runners
@@ -72,6 +75,7 @@ class Executor:
         self.post = post
         self.preemption = preemption
         self.stats = stats
+        self.arriving = arriving
         self.outbox = Outbox()
         self.router = Router(walker, store, self.outbox, arena, stats)
         self.report = StepReport(device=name)   # of the step under way, posted by `flush`
@@ -276,6 +280,7 @@ class Executor:
                 fed = self.walker.streams.take_items(group.rows[sl]) if group.shape.fed is not None else None
                 if steps > 1:
                     launched, device = self._launch_steps(group, sl, runner, steps, prev, early)
+                    steps = launched.steps
                 else:
                     with ranged(f"mstar.{group.component}.{group.mode}"), group.stream.on():
                         group.stream.after_worker()
@@ -358,7 +363,9 @@ class Executor:
         page-locked staging): its tokens reach their streams
         a launch sooner. Its rows that stop stay in the tensors, stepping for
         nothing, until this launch is launched; `early` gets that read's
-        wait and wall time."""
+        wait and wall time. New requests arriving end the launch at the step
+        it has queued (its `Pending.steps`), so that they wait for no more of
+        it than for one step a launch."""
         drawn, device = [], 0.0
         for k in range(steps):
             if k == 1 and prev is not None:
@@ -373,10 +380,13 @@ class Executor:
                 launch = runner.run_group(group, sl)
                 device += runner.device_s
                 drawn.append(launch.tokens)
-                if k < steps - 1:
-                    group.advance(sl, launch.tokens)
+                if k == steps - 1 or self.arriving():
+                    break
+                group.advance(sl, launch.tokens)
         with group.stream.on():
-            return group.launched(sl, torch.stack(drawn), steps=steps), device
+            if len(drawn) == 1:
+                return group.launched(sl, drawn[0]), device
+            return group.launched(sl, torch.stack(drawn), steps=len(drawn)), device
 
     def _take_mixed(self, plan: StepPlan, runner: ComponentRunner) -> MixedItems | None:
         """The new rows riding in a group step, admitted, with their inputs;
