@@ -63,7 +63,7 @@ class _Join:
 class LoopGroup(StepInputs, GroupPages, GroupLeaving):
     def __init__(self, component: str, mode: str, device: torch.device,
                  shape: GroupShape | None = None, axes: int = 1, stream: torch.cuda.Stream | None = None,
-                 most_steps: int = 1, first_cut_room: Callable[[], int | None] | None = None) -> None:
+                 most_steps: int = 1, first_cut_room: Callable[[str], int | None] | None = None) -> None:
         """`shape`: what a step reads and keeps besides the token; `axes`: of
         the component's positions (every axis at a row's next position);
         `stream`: on CUDA, the one its steps and its tensors' updates go on

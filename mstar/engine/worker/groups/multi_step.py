@@ -46,7 +46,7 @@ def steps_room(group: LoopGroup, most: int) -> int:
     if int(group.slots.numpy().max()) >= 0:
         return 1  # per-row state is updated in place: a step past a stop would change what the row keeps
     room = int((group.caps.numpy() - group.counts.numpy()).min())
-    first = group.first_cut_room() if group.first_cut_room is not None else None
+    first = group.first_cut_room(group.component) if group.first_cut_room is not None else None
     if first is not None:  # the launch in flight may write that many items before this one starts
         room = min(room, first - group.unread_steps)
     return max(1, min(most, room))

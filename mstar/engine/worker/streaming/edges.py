@@ -116,21 +116,25 @@ class Streams:
             out[name] = ref
         return out
 
-    def first_cut_room(self) -> int | None:
-        """Items the watched stream nearest its turn's first chunk still needs
-        before it cuts it: 0 once cut, until its consumer's step that read it
-        has run (None: none is watched). A producer's write may not enter its
-        stream (an id it does not take), so a launch bounded by it ends at
-        that item or before."""
+    def first_cut_room(self, component: str) -> int | None:
+        """Items the watched stream nearest its turn's first chunk, of those
+        `component`'s rows write, still needs before it cuts that chunk: 0
+        once cut, until its consumer's step that read it has run (None: none
+        is watched). A producer's write may not enter its stream (an id it
+        does not take), so a launch bounded by it ends at that item or
+        before."""
         room = None
         for key, cons in list(self._first.items()):
-            buf = cons.inbox
-            assert buf is not None
-            due = buf.plan.chunks.due(0)
+            buf, sp = cons.inbox, cons.plan.stream
+            assert buf is not None and sp is not None
+            due = sp.chunks.due(0)
             ran = buf.chunks_cut > buf.segment_cuts and not buf.pending and not cons.busy
             if cons.done or buf.closed or due <= 0 or ran:
                 del self._first[key]  # over, read and run, or a policy that checks at every item (`ChunkPolicy.due`)
                 continue
+            producer = cons.request.partitions.get(sp.producer)
+            if producer is None or all(c != component for c, _ in producer.rows):
+                continue  # another component's stream: its launches end there
             left = max(0, due - (buf.produced - buf.segment_start))
             room = left if room is None else min(room, left)
         return room
