@@ -309,7 +309,7 @@ async def _first_window_after(steps: int) -> tuple[int, list[int]]:
     def seen(r: StepReport) -> None:
         if r.component == "llm" and r.mode == "decode":
             launched.append(r.steps)
-        elif r.component != "llm" and not first:
+        elif r.component == "codec" and not first:
             first.append(sum(launched))
 
     eng.add_report_hook(seen)
@@ -447,6 +447,75 @@ async def _omni(steps: int) -> tuple[list[tuple[list[int], int]], list[int]]:
         return tokens, audio
 
     return await _together(eng, [speak(i) for i in range(3)])
+
+
+async def test_a_talkers_first_chunk_holds_no_other_requests_launches() -> None:
+    """Qwen3-Omni: a chat answer's thinker runs several steps a launch while
+    a spoken answer's talker reads the thinker's text (its consumer runs as
+    a row of the talker's group, never idle), and no first chunk stays
+    watched once the answers end."""
+    eng = Engine(EngineConfig(model="qwen3-omni-tiny", load_format="dummy",
+                              scheduler=SchedulerConfig(num_scheduler_steps=4)))
+    await eng.start()
+    planned: list[tuple[str, int]] = []
+    launch_steps = Executor._launch_steps
+
+    def counting_launch(self, group, sl, runner, k, *rest):  # type: ignore[no-untyped-def]
+        planned.append((group.component, k))
+        return launch_steps(self, group, sl, runner, k, *rest)
+
+    async def answer(rid: str, walk: str | None, tokens: int) -> None:
+        sp = SamplingParams(max_tokens=tokens, temperature=0.8, seed=1, ignore_eos=True)
+        request = GenerateRequest(rid, eng.model_name, {"messages": [{"role": "user", "content": rid}]}, sp,
+                                  walk=walk)
+        async for chunk in eng.submit(request):
+            assert chunk.error is None, chunk.error
+
+    Executor._launch_steps = counting_launch  # type: ignore[method-assign]
+    try:
+        await asyncio.gather(answer("spoken", "speak", 40), answer("chat", None, 40))
+        assert [k for c, k in planned if c == "thinker"].count(4) >= 5
+        assert not eng.workers[0].walker.streams._first
+    finally:
+        Executor._launch_steps = launch_steps  # type: ignore[method-assign]
+        await eng.shutdown()
+
+
+async def test_a_conversation_waiting_for_its_next_turn_holds_no_launches() -> None:
+    """Qwen3-Omni in full duplex: while a conversation waits for its user's
+    next turn (its streams' turn ended), a chat answer's thinker runs several
+    steps a launch."""
+    eng = Engine(EngineConfig(model="qwen3-omni-tiny", load_format="dummy",
+                              scheduler=SchedulerConfig(num_scheduler_steps=4)))
+    await eng.start()
+    planned: list[tuple[str, int]] = []
+    launch_steps = Executor._launch_steps
+
+    def counting_launch(self, group, sl, runner, k, *rest):  # type: ignore[no-untyped-def]
+        planned.append((group.component, k))
+        return launch_steps(self, group, sl, runner, k, *rest)
+
+    sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    talk = GenerateRequest("c", eng.model_name, {"messages": [{"role": "user", "content": "hi"}]}, sp,
+                           walk="converse", more_input=True, sampling_by={"talker": {"max_tokens": 8}})
+    chat = GenerateRequest("chat", eng.model_name, {"messages": [{"role": "user", "content": "hello"}]},
+                           SamplingParams(max_tokens=40, temperature=0.8, seed=1, ignore_eos=True))
+    waited = 0
+    Executor._launch_steps = counting_launch  # type: ignore[method-assign]
+    try:
+        async for chunk in eng.submit(talk):
+            assert chunk.error is None, chunk.error
+            if chunk.awaiting_input:
+                waited += 1
+                planned.clear()
+                async for out in eng.submit(chat):
+                    assert out.error is None, out.error
+                assert [k for c, k in planned if c == "thinker"].count(4) >= 5
+                eng.close_input("c")
+        assert waited == 1
+    finally:
+        Executor._launch_steps = launch_steps  # type: ignore[method-assign]
+        await eng.shutdown()
 
 
 async def test_a_thinker_steps_several_a_launch_beside_its_talker() -> None:

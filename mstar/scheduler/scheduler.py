@@ -423,11 +423,15 @@ class Scheduler:
         return StepPlan(key[0], key[1], mixed, group=group, rows=rows, grow=list(zip(short, pages)), preempt=preempt,
                         steps=steps)
 
+    def at_cap(self, component: str) -> bool:
+        """`component` runs as many rows as it may: a new one waits."""
+        return self.running.get(component, 0) >= self.max_running.get(component, 1 << 62)
+
     def _starting(self, component: str) -> bool:
         """Rows of `component` wait and could run (start, or take their next
         chunk): a group's launch then runs one step, so that they run after
         it. Rows that only wait for the running cap do not hold it back."""
-        full = self.running.get(component, 0) >= self.max_running.get(component, 1 << 62)
+        full = self.at_cap(component)
         return any(q and (not full or any(not item.starts_row for item in q))
                    for k, q in self._queues.items() if k[0] == component)
 

@@ -365,7 +365,8 @@ class Executor:
         nothing, until this launch is launched; `early` gets that read's
         wait and wall time. New requests arriving end the launch at the step
         it has queued (its `Pending.steps`), so that they wait for no more of
-        it than for one step a launch."""
+        it than for one step a launch, unless the component runs all the rows
+        it may (they would wait anyway)."""
         drawn, device = [], 0.0
         for k in range(steps):
             if k == 1 and prev is not None:
@@ -380,7 +381,7 @@ class Executor:
                 launch = runner.run_group(group, sl)
                 device += runner.device_s
                 drawn.append(launch.tokens)
-                if k == steps - 1 or self.arriving():
+                if k == steps - 1 or (self.arriving() and not self.scheduler.at_cap(group.component)):
                     break
                 group.advance(sl, launch.tokens)
         with group.stream.on():

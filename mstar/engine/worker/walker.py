@@ -420,6 +420,7 @@ class Walker:
             self.store.release(ref, rid)
         part.values.clear()
         if part.inbox is not None:
+            self.streams.forget(part)
             for ref in part.inbox.clear():
                 self.streams.release(ref, rid)
         self.free_pages(part)

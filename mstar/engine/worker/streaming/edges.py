@@ -43,7 +43,9 @@ class Streams:
         self.walker = walker
         self.store = walker.store
         self.send = send
-        # consumers whose stream's current turn has not had its first chunk run, while launches may run several steps
+        # while launches may run several steps: the consumers here of producers here whose turn has written its
+        # first item and whose consumer has not yet run a step on the turn's first chunk
+        self._watching = walker.scheduler.steps > 1
         self._first: dict[int, PartitionRun] = {}
 
     # ------------------------------------------------------ producer side
@@ -73,6 +75,8 @@ class Streams:
                 assert cons.inbox is not None
                 if first:
                     self._start(cons, self._carried(part, sp))
+                if self._watching and cons.inbox.produced == cons.inbox.segment_start:
+                    self._watch_first(cons)
                 for ref in cons.inbox.take(item):
                     self.release(ref, run.request_id)
                 if first or cons.inbox.pending:  # else no chunk was cut: a parked consumer would park again
@@ -86,6 +90,7 @@ class Streams:
         when it is parked and a chunk waits; any other item goes through
         `feed`. At hundreds of rows a step the per-row call chain is the cost."""
         runs = bool(ids) and isinstance(ids[0], list)
+        watching = self._watching
         for part, items in zip(parts, ids):
             run = part.request
             plans = run.walk.streams.get(value, ())
@@ -98,7 +103,10 @@ class Streams:
                         or (sp.accept is not None and not sp.accept[0] <= item < sp.accept[1])):
                     # a first item, a remote or finished consumer, an id the stream does not take
                     self.feed(part, value, item)
-                elif not buf.append_uncut(item):
+                    continue
+                if watching and buf.produced == buf.segment_start:  # the turn's first item
+                    self._watch_first(cons)
+                if not buf.append_uncut(item):
                     for ref in buf.take(item):
                         self.release(ref, run.request_id)
                     if buf.pending and cons.parked:
@@ -119,32 +127,34 @@ class Streams:
     def first_cut_room(self, component: str) -> int | None:
         """Items the watched stream nearest its turn's first chunk, of those
         `component`'s rows write, still needs before it cuts that chunk: 0
-        once cut, until its consumer's step that read it has run (None: none
-        is watched). A producer's write may not enter its stream (an id it
-        does not take), so a launch bounded by it ends at that item or
-        before."""
+        once cut, until its consumer's step on it has run (None: none is
+        watched). A producer's write may not enter its stream (an id it does
+        not take), so a launch bounded by it ends at that item or before."""
         room = None
         for key, cons in list(self._first.items()):
             buf, sp = cons.inbox, cons.plan.stream
             assert buf is not None and sp is not None
-            due = sp.chunks.due(0)
-            ran = buf.chunks_cut > buf.segment_cuts and not buf.pending and not cons.busy
-            if cons.done or buf.closed or due <= 0 or ran:
-                del self._first[key]  # over, read and run, or a policy that checks at every item (`ChunkPolicy.due`)
+            if cons.done or buf.closed:
+                del self._first[key]
                 continue
             producer = cons.request.partitions.get(sp.producer)
             if producer is None or all(c != component for c, _ in producer.rows):
-                continue  # another component's stream: its launches end there
-            left = max(0, due - (buf.produced - buf.segment_start))
+                continue  # another component's stream: its own launches end there
+            left = max(0, sp.chunks.due(0) - (buf.produced - buf.segment_start))
             room = left if room is None else min(room, left)
         return room
 
     def _watch_first(self, cons: PartitionRun) -> None:
-        """Watch the turn of `cons`'s stream until its first chunk was read
-        and run (only where a launch may run several steps: nothing else
-        asks)."""
-        if self.walker.scheduler.steps > 1:
+        """The turn of `cons`'s stream takes its first item: watch it until
+        the consumer has run a step on the turn's first chunk (`consumed`),
+        unless its chunk policy checks at every item (`ChunkPolicy.due`)."""
+        assert cons.plan.stream is not None
+        if cons.plan.stream.chunks.due(0) > 0:
             self._first[id(cons)] = cons
+
+    def forget(self, cons: PartitionRun) -> None:
+        """`cons` ended: it is watched no more."""
+        self._first.pop(id(cons), None)
 
     def end_segment(self, part: PartitionRun) -> None:
         """`part` ended a turn and will start another: its streams cut their
@@ -235,13 +245,11 @@ class Streams:
         else:
             cons.values.update(values)
             buf.started = True
-            self._watch_first(cons)
         self._wake(cons)
 
     def _segment(self, cons: PartitionRun) -> None:
         assert cons.inbox is not None
         cons.inbox.segment()
-        self._watch_first(cons)
         self._wake(cons)
 
     def _close(self, cons: PartitionRun) -> None:
@@ -341,9 +349,15 @@ class Streams:
         return out
 
     def consumed(self, cons: PartitionRun) -> None:
-        """A step that read a chunk ran: release the items no later chunk reads."""
-        assert cons.inbox is not None
-        for ref in cons.inbox.read():
+        """A step that read a chunk ran: release the items no later chunk
+        reads; a watched turn whose first chunk that was is watched no more."""
+        buf = cons.inbox
+        assert buf is not None
+        if self._first and id(cons) in self._first:
+            unread = sum(chunk != TURN_OVER for chunk in buf.pending)
+            if buf.chunks_cut - unread > buf.segment_cuts:  # a chunk of this turn was read
+                del self._first[id(cons)]
+        for ref in buf.read():
             if type(ref) is not int:  # token ids on the host hold nothing in the store
                 self.release(ref, cons.request_id)
 
