@@ -65,16 +65,18 @@ async def _run(eng: Engine, rid: str, prompt: list[int], sp: SamplingParams) -> 
 
 
 @contextlib.contextmanager
-def _launches(ran: list[int] | None = None) -> Iterator[list[int]]:
-    """The steps planned for each launch of several, while the block runs;
-    `ran` gets the steps each of them ran."""
+def _launches(ran: list[int] | None = None, of: str | None = None) -> Iterator[list[int]]:
+    """The steps planned for each launch of several (of component `of`'s
+    groups only, if given), while the block runs; `ran` gets the steps each
+    of them ran."""
     launches: list[int] = []
     launch_steps = Executor._launch_steps
 
     def counting_launch(self, group, sl, runner, k, *rest):  # type: ignore[no-untyped-def]
-        launches.append(k)
+        if of is None or group.component == of:
+            launches.append(k)
         out = launch_steps(self, group, sl, runner, k, *rest)
-        if ran is not None:
+        if ran is not None and (of is None or group.component == of):
             ran.append(out[0].steps)
         return out
 
@@ -457,12 +459,6 @@ async def test_a_talkers_first_chunk_holds_no_other_requests_launches() -> None:
     eng = Engine(EngineConfig(model="qwen3-omni-tiny", load_format="dummy",
                               scheduler=SchedulerConfig(num_scheduler_steps=4)))
     await eng.start()
-    planned: list[tuple[str, int]] = []
-    launch_steps = Executor._launch_steps
-
-    def counting_launch(self, group, sl, runner, k, *rest):  # type: ignore[no-untyped-def]
-        planned.append((group.component, k))
-        return launch_steps(self, group, sl, runner, k, *rest)
 
     async def answer(rid: str, walk: str | None, tokens: int) -> None:
         sp = SamplingParams(max_tokens=tokens, temperature=0.8, seed=1, ignore_eos=True)
@@ -471,13 +467,12 @@ async def test_a_talkers_first_chunk_holds_no_other_requests_launches() -> None:
         async for chunk in eng.submit(request):
             assert chunk.error is None, chunk.error
 
-    Executor._launch_steps = counting_launch  # type: ignore[method-assign]
     try:
-        await asyncio.gather(answer("spoken", "speak", 40), answer("chat", None, 40))
-        assert [k for c, k in planned if c == "thinker"].count(4) >= 5
+        with _launches(of="thinker") as thinker:
+            await asyncio.gather(answer("spoken", "speak", 40), answer("chat", None, 40))
+        assert thinker.count(4) >= 5
         assert not eng.workers[0].walker.streams._first
     finally:
-        Executor._launch_steps = launch_steps  # type: ignore[method-assign]
         await eng.shutdown()
 
 
@@ -488,33 +483,24 @@ async def test_a_conversation_waiting_for_its_next_turn_holds_no_launches() -> N
     eng = Engine(EngineConfig(model="qwen3-omni-tiny", load_format="dummy",
                               scheduler=SchedulerConfig(num_scheduler_steps=4)))
     await eng.start()
-    planned: list[tuple[str, int]] = []
-    launch_steps = Executor._launch_steps
-
-    def counting_launch(self, group, sl, runner, k, *rest):  # type: ignore[no-untyped-def]
-        planned.append((group.component, k))
-        return launch_steps(self, group, sl, runner, k, *rest)
-
     sp = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     talk = GenerateRequest("c", eng.model_name, {"messages": [{"role": "user", "content": "hi"}]}, sp,
                            walk="converse", more_input=True, sampling_by={"talker": {"max_tokens": 8}})
     chat = GenerateRequest("chat", eng.model_name, {"messages": [{"role": "user", "content": "hello"}]},
                            SamplingParams(max_tokens=40, temperature=0.8, seed=1, ignore_eos=True))
     waited = 0
-    Executor._launch_steps = counting_launch  # type: ignore[method-assign]
     try:
         async for chunk in eng.submit(talk):
             assert chunk.error is None, chunk.error
             if chunk.awaiting_input:
                 waited += 1
-                planned.clear()
-                async for out in eng.submit(chat):
-                    assert out.error is None, out.error
-                assert [k for c, k in planned if c == "thinker"].count(4) >= 5
+                with _launches(of="thinker") as thinker:
+                    async for out in eng.submit(chat):
+                        assert out.error is None, out.error
+                assert thinker.count(4) >= 5
                 eng.close_input("c")
         assert waited == 1
     finally:
-        Executor._launch_steps = launch_steps  # type: ignore[method-assign]
         await eng.shutdown()
 
 
