@@ -37,6 +37,7 @@ import argparse
 import asyncio
 import json
 import random
+import shlex
 import signal
 import statistics
 import sys
@@ -272,6 +273,8 @@ def main() -> None:
     a = p.parse_args()
     if a.profile and a.metrics_dir is None:
         p.error("--profile writes its tables to --metrics-dir")
+    if "--audio-logits-only" in shlex.split(a.server_args or "") and not a.long_speech:
+        p.error("a server with --audio-logits-only serves speech walks only: its long prompt needs --long-speech")
     signal.signal(signal.SIGTERM, on_sigterm)
     flags = ["--model", a.model, "--load-format", a.load_format, "--gpus", a.gpus]
     url, server, desc = start_server(a, flags + (["--enable-profiling"] if a.profile else []),
