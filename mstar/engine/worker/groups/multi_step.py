@@ -13,9 +13,9 @@ keeps: its tokens drawn after a stop id are never routed, never marked seen
 
 A launch also ends at the step that writes the item cutting a stream's first
 chunk of a turn (`Streams.first_cut_room`, less the steps of the launch not
-read yet), and launches run one step from then until the consumer has read
-that chunk: its first pass (a speech stream's first audio) is queued as
-soon after that item as with one step a launch.
+read yet), and launches run one step from then until the consumer's step on
+that chunk has run: its first pass (a speech stream's first audio) is queued
+as soon after that item as with one step a launch.
 """
 
 from __future__ import annotations

@@ -15,10 +15,12 @@ device). Then what the producer writes goes out as `StreamStart`,
 the worker), and the consumer's worker takes them in through `receive_*`
 exactly as if they had been written there.
 
-While launches may run several decode steps (`--num-scheduler-steps`), the
-streams whose current turn has cut no chunk yet are watched: a launch runs no
-further than the item that cuts the first of them (`first_cut_room`), so
-that a stream's first chunk, its first audio, waits for no later step.
+While launches may run several decode steps (`--num-scheduler-steps`), a
+turn of a stream whose producer and consumer are both here is watched from
+its first item until the consumer's step on the turn's first chunk has run:
+a launch of the producer's component runs no further than the item that
+cuts that chunk (`first_cut_room`), so that a stream's first chunk, its
+first audio, waits for no later step.
 """
 
 from __future__ import annotations
