@@ -64,6 +64,10 @@
 #                                   flags, e.g. the sweep's grid: --block-n 2 4 --programs-per-sm 0 2 4
 #                                   --prefetch 0 1), then the decode
 #                                   step at 1 and 64 rows of this tree against $BASE's (as compare, $ROUNDS rounds, default 2)
+#   scripts/gpu_check.sh multistep  --num-scheduler-steps 4 against one step a launch: first audio and RTF at
+#                                   1/64/400 streams (compare_tts.sh; $TTS_ARGS replaces its levels), then the
+#                                   decode step and host time at 1/64/256 rows for N = 1, 4, 8; all in
+#                                   $OUT/multistep.tgz (the device tool brings back 8 files at most)
 #   scripts/gpu_check.sh all        tests and bench (default)
 # FlashInfer compiles its kernels on first use into ~/.cache/flashinfer; a
 # second call on the same (still warm) machine reuses them. Commands run
@@ -133,6 +137,20 @@ if [[ $what == bench || $what == all ]]; then
   sleep 5  # let the driver take back the last process's memory before sizing a KV pool again
   timeout 240 python3 scripts/bench_host.py --model orpheus-3b --load-format dummy --devices cuda:0 \
       --batches 1 64 256 --tokens 64 2>&1 | grep -v "\[info" | tail -10 | tee "$OUT/bench_host.txt"
+fi
+if [[ $what == multistep ]]; then
+  ms=/tmp/multistep
+  mkdir -p $ms
+  OUT=$ms ROUNDS=1 A_ARGS="" B_ARGS="--num-scheduler-steps 4" \
+      SERVER_ARGS="--max-num-seqs 448 --kv-cache-dtype fp8 --audio-logits-only" \
+      TTS_ARGS="${TTS_ARGS:---concurrency 1 64 400 --requests-per-client 1 --audio-tokens 512}" \
+      timeout 300 scripts/compare_tts.sh
+  for n in 1 4 8; do
+    timeout 120 python3 scripts/bench_decode.py --model orpheus-3b --load-format dummy --skip-hf --batches 1 64 256 \
+        --contexts 512 --new-tokens 24 --num-scheduler-steps $n --out $ms/decode_n$n.json 2>&1 \
+        | grep -A4 "step ms" | head -5
+  done
+  tar czf "$OUT/multistep.tgz" -C /tmp multistep
 fi
 if [[ $what == compare ]]; then
   [[ -d ${BASE:-} ]] || { echo "compare needs BASE, a folder holding the older tree"; exit 2; }
