@@ -21,6 +21,7 @@ from tiny_llama import save_tiny_llama
 from mstar.config import EngineConfig, SchedulerConfig
 from mstar.engine.engine import Engine
 from mstar.engine.messages import StepReport
+from mstar.placement import parse_spec
 from mstar.engine.worker.executor import Executor
 from mstar.scheduler import ModeCaps, PagePool, Scheduler, WorkItem
 from mstar.types import GenerateRequest, SamplingParams
@@ -300,10 +301,12 @@ async def test_speech_is_the_same_with_several_steps_a_launch() -> None:
         assert np.abs(a - b).max() <= 2  # the same codes; codec windows may batch differently (float rounding)
 
 
-async def _first_window_after(steps: int) -> tuple[int, list[int]]:
+async def _first_window_after(steps: int, split: bool = False) -> tuple[int, list[int]]:
     """One speech request of Orpheus (tiny): the decode steps the LLM had
-    launched when the codec's first window ran, and the steps of each launch."""
-    eng = Engine(EngineConfig(model="orpheus-tiny", scheduler=SchedulerConfig(num_scheduler_steps=steps)))
+    launched when the codec's first window ran, and the steps of each launch.
+    `split`: the codec on a second device (the first count is then racy)."""
+    eng = Engine(EngineConfig(model="orpheus-tiny", scheduler=SchedulerConfig(num_scheduler_steps=steps),
+                              **({"devices": ("cpu:0", "cpu:1"), "placement": parse_spec("split")} if split else {})))
     await eng.start()
     launched: list[int] = []    # the LLM's decode launches, in order
     first: list[int] = []       # decode steps launched before the first codec step
@@ -335,6 +338,17 @@ async def test_a_first_window_waits_for_no_more_steps_than_with_one_step_a_launc
     (one, _), (many, launched) = await _first_window_after(1), await _first_window_after(4)
     assert many == one
     assert launched.count(4) >= 4 and 1 in launched
+
+
+async def test_a_first_window_on_another_device_is_sent_after_the_launch_that_completes_it() -> None:
+    """The codec on a second device: a launch ends at the same step as with
+    the codec beside the LLM (its first window's items go out once that
+    launch is read), and later launches run several steps again."""
+    _, here = await _first_window_after(4)
+    _, split = await _first_window_after(4, split=True)
+    end = here.index(3) + 1  # the launch that ends at the window's last item (4 x 6, then 3, on this model)
+    assert split[:end] == here[:end] and sum(here[:end]) % 4
+    assert split[end] == 1 and split[end + 1] == 4
 
 
 Shown = list[dict[int, str]]  # per request: its text so far at each chunk's count of output tokens

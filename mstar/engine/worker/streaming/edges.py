@@ -16,16 +16,18 @@ the worker), and the consumer's worker takes them in through `receive_*`
 exactly as if they had been written there.
 
 While launches may run several decode steps (`--num-scheduler-steps`), a
-turn of a stream whose producer and consumer are both here is watched from
-its first item until the consumer's step on the turn's first chunk has run:
-a launch of the producer's component runs no further than the item that
-cuts that chunk (`first_cut_room`), so that a stream's first chunk, its
-first audio, waits for no later step.
+turn of a stream is watched from its first item: a launch of the producer's
+component runs no further than the item that cuts the turn's first chunk
+(`first_cut_room`), so that a stream's first chunk, its first audio, waits
+for no later step. A consumer here is watched until its step on that chunk
+has run (it queues behind the producer's launches); a consumer on another
+worker, until that chunk's items are sent (its worker runs it at once).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mstar.engine.messages import StreamEnd, StreamItems, StreamSegment, StreamStart
@@ -40,6 +42,15 @@ if TYPE_CHECKING:
 Send = Callable[[int, object], None]  # (worker index, message)
 
 
+@dataclass(eq=False, slots=True)
+class _Sent:
+    """A turn of a stream to a consumer on another worker, watched until its
+    first chunk's items are sent."""
+    producer: PartitionRun
+    plan: StreamPlan
+    count: int = 0  # items sent in the turn
+
+
 class Streams:
     def __init__(self, walker: Walker, send: Send | None = None) -> None:
         self.walker = walker
@@ -49,6 +60,7 @@ class Streams:
         # first item and whose consumer has not yet run a step on the turn's first chunk
         self._watching = walker.scheduler.steps > 1
         self._first: dict[int, PartitionRun] = {}
+        self._sent: dict[tuple[str, str], _Sent] = {}  # by (request, consumer): the turns sent to other workers
 
     # ------------------------------------------------------ producer side
 
@@ -73,6 +85,8 @@ class Streams:
                 if first:
                     self._send(run, sp.consumer, StreamStart(run.request_id, sp.consumer, self._carried(part, sp)))
                 self._send(run, sp.consumer, StreamItems(run.request_id, sp.consumer, [item]))
+                if self._watching:
+                    self._count_sent(part, sp, first)
             else:
                 assert cons.inbox is not None
                 if first:
@@ -129,8 +143,8 @@ class Streams:
     def first_cut_room(self, component: str) -> int | None:
         """Items the watched stream nearest its turn's first chunk, of those
         `component`'s rows write, still needs before it cuts that chunk: 0
-        once cut, until its consumer's step on it has run (None: none is
-        watched). A producer's write may not enter its stream (an id it does
+        once cut, until its consumer here has run its step on it (None: none
+        is watched). A producer's write may not enter its stream (an id it does
         not take), so a launch bounded by it ends at that item or before."""
         room = None
         for key, cons in list(self._first.items()):
@@ -144,7 +158,25 @@ class Streams:
                 continue  # another component's stream: its own launches end there
             left = max(0, sp.chunks.due(0) - (buf.produced - buf.segment_start))
             room = left if room is None else min(room, left)
+        for key, sent in list(self._sent.items()):
+            if sent.producer.done:
+                del self._sent[key]
+            elif sent.count and any(c == component for c, _ in sent.producer.rows):  # its turn has begun
+                left = sent.plan.chunks.due(0) - sent.count
+                room = left if room is None else min(room, left)
         return room
+
+    def _count_sent(self, part: PartitionRun, sp: StreamPlan, first: bool) -> None:
+        """An item of `part`'s stream went to another worker; `first`: the
+        stream's first, or a restarted turn's."""
+        key = (part.request_id, sp.consumer)
+        if first and sp.chunks.due(0) > 0:
+            self._sent[key] = _Sent(part, sp)
+        sent = self._sent.get(key)
+        if sent is not None:
+            sent.count += 1
+            if sent.count >= sp.chunks.due(0):  # the first chunk's items are on their way
+                del self._sent[key]
 
     def _watch_first(self, cons: PartitionRun) -> None:
         """The turn of `cons`'s stream takes its first item: watch it until
@@ -166,6 +198,8 @@ class Streams:
                 part.request.started.discard(sp.consumer)
             if cons is None:
                 self._send(part.request, sp.consumer, StreamSegment(part.request_id, sp.consumer))
+                if self._watching and sp.chunks.due(0) > 0:  # the next turn's first chunk is counted anew
+                    self._sent[(part.request_id, sp.consumer)] = _Sent(part, sp)
             else:
                 self._segment(cons)
 
@@ -175,6 +209,7 @@ class Streams:
         for cons, sp in list(self._consumers(part)):
             if cons is None:
                 self._send(run, sp.consumer, StreamEnd(run.request_id, sp.consumer, run.root_reason or "stop"))
+                self._sent.pop((run.request_id, sp.consumer), None)
             else:
                 self._close(cons)
 
