@@ -66,7 +66,7 @@ class GroupLeaving(GroupTables):
         stop id (what it drew there is not its own): 0 unless that launch ran
         several steps. Reading them waits for it."""
         p = self._unread
-        if p is None or p.seq != self.seq:
+        if p is None or p.steps == 1 or p.seq != self.seq:
             return 0
         j = next((j for j, row in enumerate(p.rows) if row is part), None)
         if j is None:

@@ -103,7 +103,6 @@ class LoopGroup(StepInputs, GroupPages, GroupLeaving):
         self.seen: torch.Tensor | None = None
         self.most_steps = most_steps
         self.first_cut_room = first_cut_room
-        self.unread_steps = 0  # steps of its last launch, until it is read
         # while launches may run several steps: [n] on the device, the rows that have drawn no stop id before
         # the token a step marks seen (what a row draws after its stop is never its own)
         self.live: torch.Tensor | None = None
@@ -119,7 +118,7 @@ class LoopGroup(StepInputs, GroupPages, GroupLeaving):
         self.followed = 0  # rows that follow their ids for the prefix cache (`KVRow.follow`): read their tokens
         self._left: dict[int, int] = {}           # id(row) -> the launch after which it left
         self._left_at: dict[int, list[int]] = {}  # launch seq -> ids of the rows that left after it
-        self._unread: Pending | None = None  # the last launch, while it ran several steps and is not read
+        self._unread: Pending | None = None  # the last launch, while it is not read
         self._held: list[PartitionRun] | None = None  # rows that left during a launch, dropped once it is launched
 
     @property
@@ -258,6 +257,11 @@ class LoopGroup(StepInputs, GroupPages, GroupLeaving):
             self._routes[route] = self._routes.get(route, 0) + 1
             self.row_routes.append(route)
 
+    @property
+    def unread_steps(self) -> int:
+        """Steps of its last launch, until it is read."""
+        return self._unread.steps if self._unread is not None else 0
+
     def steps_room(self, most: int) -> int:
         """Steps (1 to `most`) its next launch may run back to back (`multi_step.py`)."""
         return steps_room(self, most)
@@ -327,8 +331,7 @@ class LoopGroup(StepInputs, GroupPages, GroupLeaving):
         pending = Pending(self.seq, rows, self.request_ids[sl], self.partitions[sl], new_tokens, host, event, stops,
                           kv_lens, counts, counters, drawn, exhausted, logprobs, dict(extras or {}), routes,
                           self.kv_rows[sl], steps, self.followed > 0)
-        self._unread = pending if steps > 1 else None
-        self.unread_steps = steps
+        self._unread = pending
         if bool(exhausted.any()):
             # valid in this step's output, gone from the next
             self._drop((exhausted.nonzero().flatten() + sl.start).tolist(), self.seq + 1)
@@ -352,8 +355,6 @@ class LoopGroup(StepInputs, GroupPages, GroupLeaving):
     def _finalize(self, p: Pending) -> list[Leave]:
         if p is self._unread:
             self._unread = None
-        if p.seq == self.seq:
-            self.unread_steps = 0
         if p.steps > 1:
             ends = p.ends()
             hit_stop = torch.from_numpy(ends < p.steps) | (p.stop_table == p.host[-1][:, None]).any(dim=1)
