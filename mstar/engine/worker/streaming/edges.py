@@ -42,6 +42,12 @@ if TYPE_CHECKING:
 Send = Callable[[int, object], None]  # (worker index, message)
 
 
+def _writes(producer: PartitionRun | None, component: str) -> bool:
+    """Whether `producer` (None: on another worker) steps rows of `component`:
+    its stream's first chunk bounds that component's launches, not another's."""
+    return producer is not None and any(c == component for c, _ in producer.rows)
+
+
 @dataclass(eq=False, slots=True)
 class _Sent:
     """A turn of a stream to a consumer on another worker, watched until its
@@ -146,25 +152,20 @@ class Streams:
         once cut, until its consumer here has run its step on it (None: none
         is watched). A producer's write may not enter its stream (an id it does
         not take), so a launch bounded by it ends at that item or before."""
-        room = None
+        left: list[int] = []
         for key, cons in list(self._first.items()):
             buf, sp = cons.inbox, cons.plan.stream
             assert buf is not None and sp is not None
             if cons.done or buf.closed:
                 del self._first[key]
-                continue
-            producer = cons.request.partitions.get(sp.producer)
-            if producer is None or all(c != component for c, _ in producer.rows):
-                continue  # another component's stream: its own launches end there
-            left = max(0, sp.chunks.due(0) - (buf.produced - buf.segment_start))
-            room = left if room is None else min(room, left)
+            elif _writes(cons.request.partitions.get(sp.producer), component):
+                left.append(max(0, sp.chunks.due(0) - (buf.produced - buf.segment_start)))
         for key, sent in list(self._sent.items()):
             if sent.producer.done:
                 del self._sent[key]
-            elif sent.count and any(c == component for c, _ in sent.producer.rows):  # its turn has begun
-                left = sent.plan.chunks.due(0) - sent.count
-                room = left if room is None else min(room, left)
-        return room
+            elif sent.count and _writes(sent.producer, component):  # its turn has begun
+                left.append(sent.plan.chunks.due(0) - sent.count)
+        return min(left, default=None)
 
     def _count_sent(self, part: PartitionRun, sp: StreamPlan, first: bool) -> None:
         """An item of `part`'s stream went to another worker; `first`: the
