@@ -43,8 +43,9 @@ class SchedulerConfig:
     admission_gather_ms: float = 0.0
     mixed_steps: bool = True            # new rows' prompt tokens ride in running decode groups' steps
     # decode steps a running group's launch runs back to back while no new row waits (its host work per step
-    # divided by them; a row's stop is seen when the launch is read, its later tokens dropped)
-    num_scheduler_steps: int = 1
+    # divided by them; a row's stop is seen when the launch is read, its later tokens dropped); None: auto,
+    # several for a group whose tokens no client reads as they come (`LaunchSteps.of`)
+    num_scheduler_steps: int | None = None
 
 
 @dataclass(frozen=True)
@@ -198,6 +199,19 @@ def version() -> str:
         return "unknown"
 
 
+def scheduler_steps(text: str) -> int | None:
+    """`--num-scheduler-steps`: "auto" (None) or a positive number."""
+    if text == "auto":
+        return None
+    try:
+        steps = int(text)
+    except ValueError:
+        steps = 0
+    if steps < 1:
+        raise ConfigError(f"--num-scheduler-steps must be auto or a positive number, not {text!r}")
+    return steps
+
+
 def build_parser(builtin_models: Sequence[str] = ()) -> argparse.ArgumentParser:
     """The command line; `builtin_models`: the names `--model` takes without a folder, for `--help`."""
     epilog = f"built-in models (served without a folder): {', '.join(builtin_models)}" if builtin_models else None
@@ -244,11 +258,13 @@ def build_parser(builtin_models: Sequence[str] = ()) -> argparse.ArgumentParser:
     p.add_argument("--no-mixed-steps", dest="mixed_steps", action="store_false",
                    help="run new requests' prompts in steps of their own instead of inside running decode steps "
                         "(by default they ride in them)")
-    p.add_argument("--num-scheduler-steps", type=int, default=1,
+    p.add_argument("--num-scheduler-steps", default="auto", metavar="{auto,N}",
                    help="decode steps a running batch takes per launch while no new request waits to start: the "
                         "host's work per step (planning, reading tokens back, routing, the event loop's report) "
                         "is paid once per launch; a request that stops mid-launch computes the launch's remaining "
-                        "steps for nothing, and its output is unchanged (default 1)")
+                        "steps for nothing, and its output is unchanged. auto (the default): 4 for batches whose "
+                        "tokens reach clients only through another component (Orpheus's speech, through its "
+                        "codec), 1 where a client reads them as they come (text streams)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="compute every prompt's KV, even where a full page of its prefix was computed before "
                         "(by default the prefix cache is on)")
@@ -358,7 +374,7 @@ def parse_args(argv: list[str] | None = None, builtin_models: Sequence[str] = ()
         raise ConfigError("--max-waiting-requests, --queue-timeout and --request-timeout must not be negative")
     if a.max_waiting_requests < 1:  # a line that holds no one would refuse every request, on an idle server too
         raise ConfigError("--max-waiting-requests must be at least 1")
-    for name in ("max_num_seqs", "max_num_batched_tokens", "page_size", "num_scheduler_steps"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
         if getattr(a, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")
     _check_numbers(a)
@@ -386,7 +402,7 @@ def parse_args(argv: list[str] | None = None, builtin_models: Sequence[str] = ()
         admit_every=a.admit_every,
         admission_gather_ms=a.admission_gather_ms,
         mixed_steps=a.mixed_steps,
-        num_scheduler_steps=a.num_scheduler_steps,
+        num_scheduler_steps=scheduler_steps(a.num_scheduler_steps),
     )
     engine = EngineConfig(
         model=a.model,

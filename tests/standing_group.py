@@ -5,10 +5,11 @@ from __future__ import annotations
 
 
 class FakeGroup:
-    def __init__(self, rows: int, mixes: bool = False) -> None:
+    def __init__(self, rows: int, mixes: bool = False, emits: bool = False) -> None:
         self.ticket = -1
         self.rows = rows
         self.mixes = mixes
+        self.emits = emits
 
     def __len__(self) -> int:
         return self.rows

@@ -23,7 +23,8 @@ from mstar.engine.engine import Engine
 from mstar.engine.messages import StepReport
 from mstar.placement import parse_spec
 from mstar.engine.worker.executor import Executor
-from mstar.scheduler import ModeCaps, PagePool, Scheduler, WorkItem
+from mstar.scheduler import LaunchSteps, ModeCaps, PagePool, Scheduler, WorkItem
+from mstar.scheduler.plan import AUTO_STEPS
 from mstar.types import GenerateRequest, SamplingParams
 from standing_group import FakeGroup
 
@@ -213,8 +214,8 @@ async def test_rows_that_need_a_decision_a_step_keep_launches_single_until_they_
 class _Group(FakeGroup):
     """A standing group whose rows lack pages at lengths `kv` and may run `room` steps."""
 
-    def __init__(self, kv: list[int], held: list[int], room: int) -> None:
-        super().__init__(len(kv))
+    def __init__(self, kv: list[int], held: list[int], room: int, emits: bool = False) -> None:
+        super().__init__(len(kv), emits=emits)
         self.kv, self.held, self.room = kv, held, room
 
     def short_of_pages(self, page_size: int, ahead: int = 1) -> list[int]:
@@ -227,10 +228,10 @@ class _Group(FakeGroup):
         return min(most, self.room)
 
 
-def _scheduler(steps: int, pages: int = 64) -> tuple[Scheduler, PagePool]:
+def _scheduler(steps: int | None, pages: int = 64) -> tuple[Scheduler, PagePool]:
     pool = PagePool(pages, 4)
     caps = {DECODE: ModeCaps(max_rows=8, max_tokens=64), ("llm", "prefill"): ModeCaps(max_rows=8, max_tokens=64)}
-    return Scheduler(caps, {"llm": pool}, grow_pages=True, steps=steps), pool
+    return Scheduler(caps, {"llm": pool}, grow_pages=True, steps=LaunchSteps.of(steps)), pool
 
 
 def test_a_launch_of_several_steps_gets_the_pages_all_of_them_write() -> None:
@@ -265,24 +266,31 @@ def test_one_step_a_launch_while_new_rows_wait_or_pages_run_short() -> None:
     assert plan.steps == 1 and [row for row, _ in plan.grow] == [0]
 
 
+def test_auto_runs_several_steps_only_for_a_group_whose_tokens_no_client_reads() -> None:
+    for emits, steps, want in ((False, None, AUTO_STEPS), (True, None, 1), (True, 8, 8), (False, 8, 8),
+                               (False, 1, 1)):
+        sched, _ = _scheduler(steps)
+        sched.add_group(DECODE, _Group(kv=[3, 4], held=[2, 2], room=9, emits=emits))
+        plan = sched.schedule()
+        assert plan is not None and plan.steps == want, (emits, steps)
+
+
 def test_the_cli_takes_and_checks_the_steps() -> None:
     from mstar.config import ConfigError, parse_args
 
     assert parse_args(["--num-scheduler-steps", "8"]).engine.scheduler.num_scheduler_steps == 8
-    assert parse_args([]).engine.scheduler.num_scheduler_steps == 1
-    with pytest.raises(ConfigError):
-        parse_args(["--num-scheduler-steps", "0"])
+    assert parse_args(["--num-scheduler-steps", "auto"]).engine.scheduler.num_scheduler_steps is None
+    assert parse_args([]).engine.scheduler.num_scheduler_steps is None
+    for bad in ("0", "-2", "four"):
+        with pytest.raises(ConfigError):
+            parse_args(["--num-scheduler-steps", bad])
 
 
 
-async def _speech(steps: int) -> tuple[list[np.ndarray], list[int]]:
-    """Four seeded speech requests of Orpheus (tiny) decoding together; and
-    the steps of each launch of several."""
-    eng = Engine(EngineConfig(model="orpheus-tiny", scheduler=SchedulerConfig(num_scheduler_steps=steps)))
-    await eng.start()
-
-    async def speak(i: int) -> np.ndarray:
-        sp = SamplingParams(max_tokens=35 + 9 * i, temperature=0.6, top_p=0.8, repetition_penalty=1.3, seed=7 + i)
+def _speaking(eng: Engine, i: int, max_tokens: int) -> Coroutine[Any, Any, np.ndarray]:
+    """Seeded speech request `i` of Orpheus (tiny): its PCM."""
+    async def speak() -> np.ndarray:
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.6, top_p=0.8, repetition_penalty=1.3, seed=7 + i)
         audio = b""
         async for chunk in eng.submit(GenerateRequest(f"s{i}", "orpheus-tiny", {"text": f"words {i}", "voice": "tara"},
                                                       sp)):
@@ -290,7 +298,44 @@ async def _speech(steps: int) -> tuple[list[np.ndarray], list[int]]:
             audio += chunk.audio or b""
         return np.frombuffer(audio, dtype="<i2").astype(np.int32)
 
-    return await _together(eng, [speak(i) for i in range(4)])
+    return speak()
+
+
+async def _writing(eng: Engine, i: int, max_tokens: int) -> list[int]:
+    """Greedy text request `i` through Orpheus (tiny)'s LLM walk: its tokens."""
+    toks: list[int] = []
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    async for chunk in eng.submit(GenerateRequest(f"t{i}", "orpheus-tiny", {"prompt_ids": [1, 5 + i, 9]}, sp,
+                                                  walk="generate")):
+        assert chunk.error is None, chunk.error
+        toks += chunk.token_ids
+    return toks
+
+
+async def test_by_default_speech_runs_several_steps_a_launch_and_text_one() -> None:
+    """auto (the default): Orpheus's speech walks, whose tokens go to the
+    codec, launch several steps; its LLM walk, whose tokens a client reads as
+    they come, one; and so does a group holding both kinds of rows."""
+    eng = Engine(EngineConfig(model="orpheus-tiny"))
+    await eng.start()
+    _, launches = await _together(eng, [_speaking(eng, i, 60) for i in range(4)])
+    assert launches.count(AUTO_STEPS) >= 4
+    eng = Engine(EngineConfig(model="orpheus-tiny"))
+    await eng.start()
+    texts, launches = await _together(eng, [_writing(eng, i, 40) for i in range(3)])
+    assert [len(t) for t in texts] == [40] * 3 and launches == []
+    eng = Engine(EngineConfig(model="orpheus-tiny"))
+    await eng.start()
+    both, launches = await _together(eng, [_writing(eng, 0, 200)] + [_speaking(eng, i, 60) for i in range(3)])
+    assert len(both[0]) == 200 and all(pcm.size for pcm in both[1:]) and launches == []
+
+
+async def _speech(steps: int) -> tuple[list[np.ndarray], list[int]]:
+    """Four seeded speech requests of Orpheus (tiny) decoding together; and
+    the steps of each launch of several."""
+    eng = Engine(EngineConfig(model="orpheus-tiny", scheduler=SchedulerConfig(num_scheduler_steps=steps)))
+    await eng.start()
+    return await _together(eng, [_speaking(eng, i, 35 + 9 * i) for i in range(4)])
 
 
 async def test_speech_is_the_same_with_several_steps_a_launch() -> None:

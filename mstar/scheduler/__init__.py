@@ -2,8 +2,8 @@
 and the plan of each step (`StepPlan`)."""
 
 from mstar.scheduler.pages import PagePool
-from mstar.scheduler.plan import StandingGroup, StepPlan
+from mstar.scheduler.plan import LaunchSteps, StandingGroup, StepPlan
 from mstar.scheduler.scheduler import Scheduler
 from mstar.scheduler.work import Batch, ModeCaps, WorkItem
 
-__all__ = ["Batch", "ModeCaps", "PagePool", "Scheduler", "StandingGroup", "StepPlan", "WorkItem"]
+__all__ = ["Batch", "LaunchSteps", "ModeCaps", "PagePool", "Scheduler", "StandingGroup", "StepPlan", "WorkItem"]

@@ -12,6 +12,31 @@ from typing import Protocol
 from mstar.scheduler.work import WorkItem
 
 
+# Several decode steps a launch where the tokens reach clients only through a consumer (a speech stream's codec):
+# its chunks hide the burst, and the host's work per step falls to about a third at 256 rows
+AUTO_STEPS = 4
+
+
+@dataclass(frozen=True)
+class LaunchSteps:
+    """Most decode steps a group's launch runs back to back
+    (`--num-scheduler-steps`): `most` for a group whose tokens no client
+    reads as they come (a speech walk's go to its codec), `emitted` for one
+    where some row's walk emits them (its client then gets them a launch at
+    a time)."""
+
+    most: int = 1
+    emitted: int = 1
+
+    @classmethod
+    def of(cls, num_scheduler_steps: int | None) -> LaunchSteps:
+        """The flag's value: a number for every group, or None ("auto"):
+        `AUTO_STEPS` where no row's tokens are emitted, one step where they are."""
+        if num_scheduler_steps is None:
+            return cls(AUTO_STEPS, 1)
+        return cls(num_scheduler_steps, num_scheduler_steps)
+
+
 class StandingGroup(Protocol):
     """Rows that step together until each stops (the worker's decode
     `LoopGroup`), as the scheduler sees them. Rows are numbered in the order
@@ -19,6 +44,7 @@ class StandingGroup(Protocol):
 
     ticket: int  # its place in line, renewed each time it steps
     mixes: bool  # its steps can take new rows' prompt tokens beside its rows
+    emits: bool  # some row's walk sends its tokens to a client as they come
 
     def __len__(self) -> int: ...
 

@@ -40,7 +40,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from mstar.scheduler.pages import PagePool
-from mstar.scheduler.plan import StandingGroup, StepPlan
+from mstar.scheduler.plan import LaunchSteps, StandingGroup, StepPlan
 from mstar.scheduler.prefix_cache import PrefixCache, page_keys, shared_tokens, usable_pages
 from mstar.scheduler.work import ModeCaps, QueueKey, WorkItem
 
@@ -67,7 +67,7 @@ class Scheduler:
                  max_running: dict[str, int] | None = None, grow_pages: bool = False,
                  slots: dict[str, PagePool] | None = None, prefix_caching: bool = False,
                  admit_every: int = 0, mix: dict[str, frozenset[str]] | None = None,
-                 mix_tokens: dict[str, int] | None = None, steps: int = 1) -> None:
+                 mix_tokens: dict[str, int] | None = None, steps: LaunchSteps = LaunchSteps()) -> None:
         """`grow_pages`: a standing group's rows get their pages one at a
         time, as they need them, instead of holding them from admission.
         `slots`: per component with per-row state, its free slots (pages of
@@ -81,8 +81,8 @@ class Scheduler:
         component, most prompt tokens one such step takes (a longer prompt
         rides in chunks: past its graphs' largest bucket a mixed step runs
         eagerly, holding the group's rows that long). `steps`: most decode
-        steps a group's launch runs back to back, while no new row of its
-        component waits to start."""
+        steps a group's launch runs back to back (by whether it emits its
+        tokens), while no new row of its component waits to start."""
         self.admit_every = admit_every
         self.steps = steps
         self.held = False  # an idle component's new requests' rows wait (the worker's `BurstGate`: a burst is arriving)
@@ -401,7 +401,8 @@ class Scheduler:
         key, group = standing.key, standing.group
         max_rows = self.caps[key].max_rows
         pool = self.pools.get(key[0]) if self.grow_pages else None
-        steps = group.steps_room(self.steps) if self.steps > 1 and not self._starting(key[0]) else 1
+        most = self.steps.most if self.steps.most > 1 and not group.emits else self.steps.emitted
+        steps = group.steps_room(most) if most > 1 and not self._starting(key[0]) else 1
         if pool is None:  # its rows hold every page they need
             group.ticket = self.ticket()
             rows = self._window(standing, len(group), max_rows)

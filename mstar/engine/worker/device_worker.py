@@ -36,7 +36,7 @@ from mstar.engine.worker.preemption import Preemption
 from mstar.engine.worker.profiling import WorkerProfiler
 from mstar.engine.worker.walker import FORK_MODE, Walker
 from mstar.models.base import Model
-from mstar.scheduler import ModeCaps, PagePool, Scheduler
+from mstar.scheduler import LaunchSteps, ModeCaps, PagePool, Scheduler
 from mstar.scheduler.burst_gate import BurstGate
 
 log = structlog.get_logger("mstar.worker")
@@ -154,7 +154,7 @@ class DeviceWorker:
                                    grow_pages=grows, slots=slots, prefix_caching=cfg.prefix_caching,
                                    admit_every=cfg.admit_every, mix=self._mixing() if cfg.mixed_steps else {},
                                    mix_tokens={name: r.mixed_graphs.max_new_tokens for name, r in self.runners.items()
-                                               if r.mixed_graphs is not None}, steps=cfg.num_scheduler_steps)
+                                               if r.mixed_graphs is not None}, steps=LaunchSteps.of(cfg.num_scheduler_steps))
         token_loops = {n for n in self.placed if self.model.components[n].kv_cache and self.model.components[n].samples}
         self.walker = Walker(self.store, self.scheduler, self.pools, self.model.max_model_len, self._finished,
                              token_loops, self.device, reservation=cfg.kv_reservation, join_turn=self.model.join_turn,

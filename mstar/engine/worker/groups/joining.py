@@ -71,7 +71,7 @@ def join_group(walker: Walker, part: PartitionRun, ins: Run) -> bool:
                                                                                  priority=-1 if urgent else 0)
         group = walker.groups[key] = LoopGroup(step.component, step.mode, walker.device, shape,
                                              comp.position_axes if comp is not None else 1, stream,
-                                             walker.scheduler.steps, walker.streams.first_cut_room)
+                                             walker.scheduler.steps.most, walker.streams.first_cut_room)
         walker.scheduler.add_group((step.component, step.mode), group)
     if not len(group):
         group.ticket = walker.scheduler.ticket()

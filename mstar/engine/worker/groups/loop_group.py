@@ -258,6 +258,12 @@ class LoopGroup(StepInputs, GroupPages, GroupLeaving):
             self.row_routes.append(route)
 
     @property
+    def emits(self) -> bool:
+        """Some row's walk sends the loop's tokens to its client as they come
+        (a text stream), rather than only to a consumer (a speech codec)."""
+        return any(route.value in route.walk.emits for route in self._routes)
+
+    @property
     def unread_steps(self) -> int:
         """Steps of its last launch, until it is read."""
         return self._unread.steps if self._unread is not None else 0

@@ -64,7 +64,7 @@ class Streams:
         self.send = send
         # while launches may run several steps: the consumers here of producers here whose turn has written its
         # first item and whose consumer has not yet run a step on the turn's first chunk
-        self._watching = walker.scheduler.steps > 1
+        self._watching = walker.scheduler.steps.most > 1
         self._first: dict[int, PartitionRun] = {}
         self._sent: dict[tuple[str, str], _Sent] = {}  # by (request, consumer): the turns sent to other workers
 
