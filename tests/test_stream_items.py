@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import pytest
 
-from mstar.config import EngineConfig
+from mstar.config import EngineConfig, SchedulerConfig
 from mstar.engine.engine import Engine
 from mstar.engine.worker.streaming.edges import Streams
 from mstar.types import GenerateRequest, SamplingParams
 
 
-async def test_token_streams_carry_host_ints(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A decode group's tokens come through `feed_ids` (which hands some rows on to `feed`); the prefill's
-    through `feed`."""
+@pytest.mark.parametrize("steps", [1, None])  # one decode step a launch, and the default (several, for speech)
+async def test_token_streams_carry_host_ints(monkeypatch: pytest.MonkeyPatch, steps: int | None) -> None:
+    """A decode group's tokens come through `feed_ids` (which hands some rows on to `feed`), a row's
+    several of a launch together; the prefill's through `feed`."""
     fed: list[object] = []
     original, original_ids = Streams.feed, Streams.feed_ids
     grouped = [False]
@@ -25,8 +26,8 @@ async def test_token_streams_carry_host_ints(monkeypatch: pytest.MonkeyPatch) ->
         return original(self, part, value, item)
 
     def spy_ids(self, parts, value, ids):
-        if value == "token":
-            fed.extend(ids)
+        if value == "token":  # one id a row, or each row's ids of a launch of several steps
+            fed.extend(i for row in ids for i in (row if isinstance(row, list) else (row,)))
         grouped[0] = True
         try:
             return original_ids(self, parts, value, ids)
@@ -35,7 +36,7 @@ async def test_token_streams_carry_host_ints(monkeypatch: pytest.MonkeyPatch) ->
 
     monkeypatch.setattr(Streams, "feed", spy)
     monkeypatch.setattr(Streams, "feed_ids", spy_ids)
-    eng = Engine(EngineConfig(model="orpheus-tiny"))
+    eng = Engine(EngineConfig(model="orpheus-tiny", scheduler=SchedulerConfig(num_scheduler_steps=steps)))
     await eng.start()
     try:
         sp = SamplingParams(max_tokens=30, temperature=0.6, seed=3, ignore_eos=True)
