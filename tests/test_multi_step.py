@@ -330,6 +330,18 @@ async def test_by_default_speech_runs_several_steps_a_launch_and_text_one() -> N
     assert len(both[0]) == 200 and all(pcm.size for pcm in both[1:]) and launches == []
 
 
+async def test_auto_keeps_one_step_for_a_model_that_streams_no_tokens_to_a_consumer() -> None:
+    """auto: a model whose walks emit every token they stream (text alone)
+    keeps one step a launch and none of the bookkeeping several need."""
+    for model, want in (("tiny-llama", LaunchSteps(1, 1)), ("orpheus-tiny", LaunchSteps(AUTO_STEPS, 1))):
+        eng = Engine(EngineConfig(model=model))
+        await eng.start()
+        try:
+            assert [w.scheduler.steps for w in eng.workers] == [want], model
+        finally:
+            await eng.shutdown()
+
+
 async def _speech(steps: int) -> tuple[list[np.ndarray], list[int]]:
     """Four seeded speech requests of Orpheus (tiny) decoding together; and
     the steps of each launch of several."""

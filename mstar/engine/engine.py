@@ -45,6 +45,7 @@ from mstar.models.prepared import Prepared, check_roles, input_size
 from mstar.models.registry import load_model
 from mstar.models.tokenizer import IncrementalDetokenizer
 from mstar.placement import describe, resolve
+from mstar.scheduler import LaunchSteps
 from mstar.types import GenerateRequest, ModelCard
 
 log = structlog.get_logger("mstar.engine")
@@ -95,7 +96,10 @@ class Engine:
         self.placement = resolve(cfg.placement, cfg.devices, self.model.components, self.plans,
                                  self.model.split_placement(len(cfg.devices)))
         devices = [d for d in cfg.devices if self.placement.on(d)]
-        self.workers = [DeviceWorker(d, self.model, cfg, self.store, self._post, self.placement.on(d), i)
+        # several decode steps a launch pay only where a walk's tokens go to a consumer, not to the client
+        streamed = any(value not in plan.emits for plan in self.plans.values() for value in plan.streams)
+        steps = LaunchSteps.of(cfg.scheduler.num_scheduler_steps, streamed)
+        self.workers = [DeviceWorker(d, self.model, cfg, self.store, self._post, self.placement.on(d), i, steps)
                         for i, d in enumerate(devices)]
         for w in self.workers:
             w.link.peers = self.workers

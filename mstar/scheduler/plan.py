@@ -29,11 +29,14 @@ class LaunchSteps:
     emitted: int = 1
 
     @classmethod
-    def of(cls, num_scheduler_steps: int | None) -> LaunchSteps:
+    def of(cls, num_scheduler_steps: int | None, streamed: bool = True) -> LaunchSteps:
         """The flag's value: a number for every group, or None ("auto"):
-        `AUTO_STEPS` where no row's tokens are emitted, one step where they are."""
+        `AUTO_STEPS` where no row's tokens are emitted, one step where they
+        are; one step everywhere unless some served walk streams a value to
+        a consumer without emitting it (`streamed`), so that a model of text
+        walks alone keeps none of the bookkeeping several steps need."""
         if num_scheduler_steps is None:
-            return cls(AUTO_STEPS, 1)
+            return cls(AUTO_STEPS, 1) if streamed else cls()
         return cls(num_scheduler_steps, num_scheduler_steps)
 
 

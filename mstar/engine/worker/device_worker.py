@@ -49,9 +49,11 @@ _COPY_POLL_S = 0.001  # how long to wait for the inbox while copies from other d
 class DeviceWorker:
     def __init__(self, device: str, model: Model, config: EngineConfig, store: TensorStore,
                  post: Callable[[StepReport], None], components: dict[str, tuple[str, ...]] | None = None,
-                 index: int = 0) -> None:
+                 index: int = 0, steps: LaunchSteps = LaunchSteps()) -> None:
         """`components`: what runs here, component -> modes (default: the
-        whole model); `index`: this worker's place among the engine's."""
+        whole model); `index`: this worker's place among the engine's;
+        `steps`: most decode steps a group's launch runs (the engine's reading
+        of `--num-scheduler-steps` against the served walks)."""
         self.device = torch.device(device)
         self.name = device
         self.index = index
@@ -59,6 +61,7 @@ class DeviceWorker:
         self.link = PeerLink(self.device, store)  # to and from the other workers (`peers` set by the engine)
         self.model = model
         self.config = config
+        self.steps = steps
         self.store = store
         self.post = post
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -154,7 +157,7 @@ class DeviceWorker:
                                    grow_pages=grows, slots=slots, prefix_caching=cfg.prefix_caching,
                                    admit_every=cfg.admit_every, mix=self._mixing() if cfg.mixed_steps else {},
                                    mix_tokens={name: r.mixed_graphs.max_new_tokens for name, r in self.runners.items()
-                                               if r.mixed_graphs is not None}, steps=LaunchSteps.of(cfg.num_scheduler_steps))
+                                               if r.mixed_graphs is not None}, steps=self.steps)
         token_loops = {n for n in self.placed if self.model.components[n].kv_cache and self.model.components[n].samples}
         self.walker = Walker(self.store, self.scheduler, self.pools, self.model.max_model_len, self._finished,
                              token_loops, self.device, reservation=cfg.kv_reservation, join_turn=self.model.join_turn,
