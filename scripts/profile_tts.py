@@ -183,10 +183,11 @@ def show(r: dict, tokens: int) -> None:
               f"{1e3 * sum(x.device_s for x in reps) / n:>10.2f} {step / total:>6.0%}")
     decode = r["steps"].get(("llm", "decode"), [])
     if decode:  # with arrivals streams restart and arrivals add steps: no count per request token
-        per_token = f"decode steps per request token: {len(decode) / tokens:.2f}; " \
-            if r["arrivals_prof"] is None else ""
-        print(f"{per_token}mean period {1e3 * r['wall'] / len(decode):.2f} ms")
-        ph = {k: 1e3 * v / len(decode) for k, v in r["phases"].items()}
+        n = sum(getattr(x, "steps", 1) for x in decode)  # a launch may run several (`--num-scheduler-steps`)
+        per_token = f"decode steps per request token: {n / tokens:.2f}; " if r["arrivals_prof"] is None else ""
+        launches = f" ({n / len(decode):.2f} steps a launch)" if n != len(decode) else ""
+        print(f"{per_token}mean period {1e3 * r['wall'] / n:.2f} ms{launches}")
+        ph = {k: 1e3 * v / n for k, v in r["phases"].items()}
         print(f"the worker per decode step: {ph['wait_s']:.2f} ms waiting on the device, {ph['launch_s']:.2f} "
               f"launching, {ph['finalize_s']:.2f} reading the step before; {ph['cpu_s']:.2f} ms of its thread's CPU "
               f"time (item steps included)")
