@@ -255,8 +255,8 @@ if __name__ == "__main__":
     p.add_argument("--cprofile", type=int, default=0, metavar="ROWS",
                    help="in the trace windows, Python's profiler over the worker's plans instead of torch's; "
                         "print this many functions")
-    p.add_argument("--num-scheduler-steps", type=scheduler_steps, default=None,
-                   help="the server's flag: decode steps a launch (default auto)")
+    p.add_argument("--num-scheduler-steps", type=scheduler_steps, default=1,
+                   help="the server's flag: decode steps a launch, or auto (default 1)")
     p.add_argument("--quiet-gc", action="store_true", help="Python's collector set as the server sets it")
     p.add_argument("--stub-compute", action="store_true",
                    help="bench_host_speech.py's stand-ins for the model's heavy compute (host cost on the CPU)")

@@ -280,7 +280,7 @@ def test_the_cli_takes_and_checks_the_steps() -> None:
 
     assert parse_args(["--num-scheduler-steps", "8"]).engine.scheduler.num_scheduler_steps == 8
     assert parse_args(["--num-scheduler-steps", "auto"]).engine.scheduler.num_scheduler_steps is None
-    assert parse_args([]).engine.scheduler.num_scheduler_steps is None
+    assert parse_args([]).engine.scheduler.num_scheduler_steps == 1
     for bad in ("0", "-2", "four"):
         with pytest.raises(ConfigError):
             parse_args(["--num-scheduler-steps", bad])
@@ -312,19 +312,24 @@ async def _writing(eng: Engine, i: int, max_tokens: int) -> list[int]:
     return toks
 
 
-async def test_by_default_speech_runs_several_steps_a_launch_and_text_one() -> None:
-    """auto (the default): Orpheus's speech walks, whose tokens go to the
-    codec, launch several steps; its LLM walk, whose tokens a client reads as
-    they come, one; and so does a group holding both kinds of rows."""
-    eng = Engine(EngineConfig(model="orpheus-tiny"))
+async def test_auto_runs_speech_several_steps_a_launch_and_text_one() -> None:
+    """auto: Orpheus's speech walks, whose tokens go to the codec, launch
+    several steps; its LLM walk, whose tokens a client reads as they come,
+    one; and so does a group holding both kinds of rows. By default, one."""
+    auto = SchedulerConfig(num_scheduler_steps=None)
+    eng = Engine(EngineConfig(model="orpheus-tiny", scheduler=auto))
     await eng.start()
     _, launches = await _together(eng, [_speaking(eng, i, 60) for i in range(4)])
     assert launches.count(AUTO_STEPS) >= 4
     eng = Engine(EngineConfig(model="orpheus-tiny"))
     await eng.start()
+    _, launches = await _together(eng, [_speaking(eng, i, 60) for i in range(4)])
+    assert launches == []
+    eng = Engine(EngineConfig(model="orpheus-tiny", scheduler=auto))
+    await eng.start()
     texts, launches = await _together(eng, [_writing(eng, i, 40) for i in range(3)])
     assert [len(t) for t in texts] == [40] * 3 and launches == []
-    eng = Engine(EngineConfig(model="orpheus-tiny"))
+    eng = Engine(EngineConfig(model="orpheus-tiny", scheduler=auto))
     await eng.start()
     both, launches = await _together(eng, [_writing(eng, 0, 200)] + [_speaking(eng, i, 60) for i in range(3)])
     assert len(both[0]) == 200 and all(pcm.size for pcm in both[1:]) and launches == []
@@ -334,7 +339,7 @@ async def test_auto_keeps_one_step_for_a_model_that_streams_no_tokens_to_a_consu
     """auto: a model whose walks emit every token they stream (text alone)
     keeps one step a launch and none of the bookkeeping several need."""
     for model, want in (("tiny-llama", LaunchSteps(1, 1)), ("orpheus-tiny", LaunchSteps(AUTO_STEPS, 1))):
-        eng = Engine(EngineConfig(model=model))
+        eng = Engine(EngineConfig(model=model, scheduler=SchedulerConfig(num_scheduler_steps=None)))
         await eng.start()
         try:
             assert [w.scheduler.steps for w in eng.workers] == [want], model

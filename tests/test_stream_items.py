@@ -12,7 +12,7 @@ from mstar.engine.worker.streaming.edges import Streams
 from mstar.types import GenerateRequest, SamplingParams
 
 
-@pytest.mark.parametrize("steps", [1, None])  # one decode step a launch, and the default (several, for speech)
+@pytest.mark.parametrize("steps", [1, None])  # one decode step a launch, and auto (several, for speech)
 async def test_token_streams_carry_host_ints(monkeypatch: pytest.MonkeyPatch, steps: int | None) -> None:
     """A decode group's tokens come through `feed_ids` (which hands some rows on to `feed`), a row's
     several of a launch together; the prefill's through `feed`."""
