@@ -21,7 +21,7 @@ from mstar.engine.execution.runner import ComponentRunner
 from mstar.graph import Component
 from standing_group import FakeGroup
 from mstar.scheduler import ModeCaps, PagePool, Scheduler, WorkItem
-from mstar.scheduler.scheduler import MIXED_MIN_CHUNK, MIXED_ROWS
+from mstar.scheduler.group_steps import MIXED_MIN_CHUNK, MIXED_ROWS
 from mstar.types import GenerateRequest, SamplingParams
 
 pytest.importorskip("transformers")

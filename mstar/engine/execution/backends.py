@@ -29,7 +29,7 @@ from mstar.engine.execution.graphs.sampler_graphs import SamplerGraphs
 from mstar.errors import ConfigError
 from mstar.graph import Component
 from mstar.models.base import Model
-from mstar.scheduler.scheduler import MIXED_ROWS
+from mstar.scheduler.group_steps import MIXED_ROWS
 from mstar.types import AttentionContext, SamplingParams, TokenBatch
 
 log = structlog.get_logger("mstar.backends")
