@@ -17,9 +17,9 @@ from typing import Callable
 import torch
 
 from mstar.engine.worker.cursor import Cursor
+from mstar.engine.worker.groups.group_exits import GroupExits
 from mstar.engine.worker.groups.joining import join_group
 from mstar.engine.worker.groups.loop_group import LoopGroup
-from mstar.engine.worker.groups.pending import Leave
 from mstar.engine.worker.kv_rows import KVRow
 from mstar.engine.worker.prompt_rows import PromptRow, prompt_row
 from mstar.engine.messages import Finished, Submit
@@ -28,7 +28,6 @@ from mstar.engine.worker.streaming.buffer import StreamBuffer
 from mstar.engine.worker.stop_rules import banned_ids, ran_out
 from mstar.engine.worker.streaming.edges import Send, Streams
 from mstar.engine.movement.tensor_store import TensorRef, TensorStore
-from mstar.engine.movement.transfer import to_device
 from mstar.engine.worker.turns import Turns
 from mstar.errors import ConfigError
 from mstar.graph import Component, ForkRows, Kind, Step, WalkPlan, step_bindings
@@ -53,7 +52,7 @@ def check_runnable(plans: dict[str, WalkPlan], components: dict[str, Component])
                     raise ConfigError(f"walk '{walk.name}', step {step.label}: {reason}")
 
 
-class Walker:
+class Walker(GroupExits):
     def __init__(self, store: TensorStore, scheduler: Scheduler, pools: dict[str, PagePool],
                  max_model_len: int, on_finish: Callable[[Finished], None],
                  token_loops: set[str] = frozenset(), device: torch.device | None = None,
@@ -290,59 +289,6 @@ class Walker:
         grows = self.reservation == "lazy" or (self.reservation == "auto" and not bounded)
         row.takes_pages(grows)
         return 0 if grows else cap or 0
-
-    def preempted(self, leave: Leave, pages: int, slot: bool) -> None:
-        """A group row was preempted (its `pages` freed, its KV in host
-        memory; with `slot`, its state slot too): it waits in its loop's
-        queue for as many pages (and a slot), then resumes."""
-        part = leave.part
-        self._keep_group_values(leave)
-        part.busy = True
-        step = part.current_step()
-        self.scheduler.add(WorkItem(part.request_id, part.name, step.component, step.mode, 1, pages,
-                                    payload=Work(part, {}, rejoin=True), starts_row=True, needs_slot=slot))
-
-    def _keep_group_values(self, leave: Leave) -> None:
-        """What a row taken out of its group with its state exact reads when
-        it comes back: its last token and the values its step reads back."""
-        part = leave.part
-        loop = part.loop()
-        assert loop is not None
-        for value, tensor in {loop.value: leave.token, **leave.carried}.items():
-            part.values[value] = TensorRef(self.store.put(tensor, (part.request_id,)))
-
-    def awaits_stream(self, leave: Leave) -> None:
-        """A group row whose stream had no item for its next step left its
-        group, pages kept: it parks, and joins again once one is there."""
-        self._keep_group_values(leave)
-        leave.part.busy = False
-        self.advance(leave.part)
-
-    def resume(self, part: PartitionRun) -> None:
-        """A preempted row has its pages and KV back: into its group again."""
-        part.busy = False
-        self.advance(part)
-
-    def left_group(self, leave: Leave, extras: dict[str, TensorRef] | None = None) -> None:
-        """A row's loop stopped inside its group: move it on like any row.
-        `extras`: the hidden states the group kept of its last step."""
-        part = leave.part
-        loop = part.loop()
-        assert loop is not None
-        value = loop.value
-        # on the device, like the loop's other writes (a leave made from the host's copy is queued on the
-        # worker's stream from page-locked memory: nothing waits)
-        ref = TensorRef(self.store.put(to_device(leave.token, self.device), (part.request_id,)))
-        host = {value: leave.host_token} if leave.host_token is not None else None
-        self.completed(part, {value: ref, **(extras or {})}, leave.reason, host)
-
-    def _take_out_of_groups(self, request_id: str, partition: str | None, count_sampled: bool = False) -> int:
-        n = 0
-        for group in self.groups.values():
-            for leave in group.take_out(request_id, partition, count_sampled):
-                leave.part.busy = False
-                n += 1
-        return n
 
     def cancel(self, items: list[WorkItem]) -> None:
         """Release what queued items hold (they will never run)."""
