@@ -45,6 +45,7 @@ from typing import Callable
 import torch
 
 from mstar.config import EngineConfig, SchedulerConfig, graph_buckets, scheduler_steps
+from mstar.errors import ConfigError
 from mstar.engine.engine import Engine
 from mstar.engine.worker.executor import Executor
 from mstar.engine.messages import StepReport
@@ -177,9 +178,9 @@ def show(r: dict, tokens: int) -> None:
     total = sum(x.step_s for reps in r["steps"].values() for x in reps) or 1.0
     print(f"{'component/mode':>16} {'steps':>6} {'rows':>7} {'step ms':>8} {'device ms':>10} {'share':>6}")
     for (comp, mode), reps in sorted(r["steps"].items()):
-        n = len(reps)
+        n = sum(getattr(x, "steps", 1) for x in reps)  # a launch's report covers its steps
         step = sum(x.step_s for x in reps)
-        print(f"{comp + '/' + mode:>16} {n:>6} {sum(x.rows for x in reps) / n:>7.1f} {1e3 * step / n:>8.2f} "
+        print(f"{comp + '/' + mode:>16} {n:>6} {sum(x.rows for x in reps) / len(reps):>7.1f} {1e3 * step / n:>8.2f} "
               f"{1e3 * sum(x.device_s for x in reps) / n:>10.2f} {step / total:>6.0%}")
     decode = r["steps"].get(("llm", "decode"), [])
     if decode:  # with arrivals streams restart and arrivals add steps: no count per request token
@@ -234,6 +235,14 @@ async def main(a: argparse.Namespace) -> None:
         await eng.shutdown()
 
 
+def _steps(text: str) -> int | None:
+    """The server's `--num-scheduler-steps` value, as argparse's type."""
+    try:
+        return scheduler_steps(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="orpheus-3b")
@@ -255,7 +264,7 @@ if __name__ == "__main__":
     p.add_argument("--cprofile", type=int, default=0, metavar="ROWS",
                    help="in the trace windows, Python's profiler over the worker's plans instead of torch's; "
                         "print this many functions")
-    p.add_argument("--num-scheduler-steps", type=scheduler_steps, default=1,
+    p.add_argument("--num-scheduler-steps", type=_steps, default=1,
                    help="the server's flag: decode steps a launch, or auto (default 1)")
     p.add_argument("--quiet-gc", action="store_true", help="Python's collector set as the server sets it")
     p.add_argument("--stub-compute", action="store_true",
@@ -266,7 +275,8 @@ if __name__ == "__main__":
     if args.host_cpu:
         from mstar.engine.worker.streaming.edges import Streams
         _host_timed(Executor, "_step", lambda a: (f"{a[1].component}/{a[1].mode} item steps, per row", len(a[1].items)))
-        _host_timed(Streams, "feed_ids", lambda a: ("a decode group's tokens into their streams, per token", len(a[1])))
+        _host_timed(Streams, "feed_ids", lambda a: ("a decode group's tokens into their streams, per token",
+                                                    sum(len(x) if isinstance(x, list) else 1 for x in a[3])))
     if args.stub_compute:
         from bench_host_speech import apply_stubs  # this script's folder is on the path
         apply_stubs(defaultdict(int), None)

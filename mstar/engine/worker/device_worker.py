@@ -49,11 +49,12 @@ _COPY_POLL_S = 0.001  # how long to wait for the inbox while copies from other d
 class DeviceWorker:
     def __init__(self, device: str, model: Model, config: EngineConfig, store: TensorStore,
                  post: Callable[[StepReport], None], components: dict[str, tuple[str, ...]] | None = None,
-                 index: int = 0, steps: LaunchSteps = LaunchSteps()) -> None:
+                 index: int = 0, steps: LaunchSteps | None = None) -> None:
         """`components`: what runs here, component -> modes (default: the
         whole model); `index`: this worker's place among the engine's;
         `steps`: most decode steps a group's launch runs (the engine's reading
-        of `--num-scheduler-steps` against the served walks)."""
+        of `--num-scheduler-steps` against the served walks; default: the
+        flag's alone)."""
         self.device = torch.device(device)
         self.name = device
         self.index = index
@@ -61,7 +62,7 @@ class DeviceWorker:
         self.link = PeerLink(self.device, store)  # to and from the other workers (`peers` set by the engine)
         self.model = model
         self.config = config
-        self.steps = steps
+        self.steps = steps or LaunchSteps.of(config.scheduler.num_scheduler_steps)
         self.store = store
         self.post = post
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
