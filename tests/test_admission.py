@@ -195,11 +195,11 @@ async def test_over_http_a_whole_answer_cut_at_shutdown_is_a_503_aborted_with_re
         async with serving(eng) as url, aiohttp.ClientSession() as http:
             long = {"model": eng.model_name, "prompt": "hello", "max_tokens": 2000, "ignore_eos": True}
             running = asyncio.ensure_future(http.post(url + "/v1/completions", json=long))
-            for _ in range(200):
-                if eng.num_running():
+            for _ in range(200):  # started on the worker (its pages taken), not only submitted: a request still
+                if eng.num_running() and eng.pages_in_use():  # in line at the drain is refused, "unavailable"
                     break
                 await asyncio.sleep(0.02)
-            assert eng.num_running() == 1
+            assert eng.num_running() == 1 and eng.pages_in_use()
             await eng.drain(0.2)
             r = await asyncio.wait_for(running, 5)
             body = await r.json()
