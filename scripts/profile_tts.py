@@ -168,6 +168,11 @@ async def _drain(eng: Engine, req: GenerateRequest) -> None:
         pass
 
 
+def _steps_in(reports: list[StepReport]) -> int:
+    """Steps the reports cover: a launch of several (`--num-scheduler-steps`) reports them all at once."""
+    return sum(getattr(r, "steps", 1) for r in reports)
+
+
 def show(r: dict, tokens: int) -> None:
     audio_ids = r["audio_s"] * 24_000 / 2048 * 7
     ttfa = r["first_audio"]
@@ -178,13 +183,13 @@ def show(r: dict, tokens: int) -> None:
     total = sum(x.step_s for reps in r["steps"].values() for x in reps) or 1.0
     print(f"{'component/mode':>16} {'steps':>6} {'rows':>7} {'step ms':>8} {'device ms':>10} {'share':>6}")
     for (comp, mode), reps in sorted(r["steps"].items()):
-        n = sum(getattr(x, "steps", 1) for x in reps)  # a launch's report covers its steps
+        n = _steps_in(reps)
         step = sum(x.step_s for x in reps)
         print(f"{comp + '/' + mode:>16} {n:>6} {sum(x.rows for x in reps) / len(reps):>7.1f} {1e3 * step / n:>8.2f} "
               f"{1e3 * sum(x.device_s for x in reps) / n:>10.2f} {step / total:>6.0%}")
     decode = r["steps"].get(("llm", "decode"), [])
     if decode:  # with arrivals streams restart and arrivals add steps: no count per request token
-        n = sum(getattr(x, "steps", 1) for x in decode)  # a launch may run several (`--num-scheduler-steps`)
+        n = _steps_in(decode)
         per_token = f"decode steps per request token: {n / tokens:.2f}; " if r["arrivals_prof"] is None else ""
         launches = f" ({n / len(decode):.2f} steps a launch)" if n != len(decode) else ""
         print(f"{per_token}mean period {1e3 * r['wall'] / n:.2f} ms{launches}")

@@ -12,8 +12,10 @@ from typing import Protocol
 from mstar.scheduler.work import WorkItem
 
 
-# Several decode steps a launch where the tokens reach clients only through a consumer (a speech stream's codec):
-# its chunks hide the burst, and the host's work per step falls to about a third at 256 rows
+# Several decode steps a launch where the tokens reach clients only through a consumer (a speech stream's codec),
+# whose chunks hide the burst: 4 took bench_decode's host work a step at 256 rows to about a third on an H100,
+# while 8 would hold a chunk back by up to a chunk's audio at 400 streams (served speech gained nothing there:
+# analysis.md, "Several steps a launch for speech alone")
 AUTO_STEPS = 4
 
 
