@@ -5,7 +5,9 @@ concurrent `speak` requests (the model's default sampling, `ignore_eos`,
 `--tokens` new tokens each) and prints, per level: wall time, audio seconds
 per wall second, the share of sampled tokens that were audio ids, and per
 (component, mode): steps, mean rows, mean step and device milliseconds, and
-the share of the worker's time. With `--trace S`, S seconds of torch
+the share of the worker's time, and the first audio of the level's first
+requests (and of `--arrivals`) in parts: waiting for the first code, the
+decode steps to the first window's last code, the window (`first_audio_parts.py`). With `--trace S`, S seconds of torch
 profiler in each level (from `--trace-after` seconds in) print the worker's phases
 (the `mstar.*` ranges: CPU time and the device time of what they launched)
 and the top CUDA kernels. A short warm-up level runs first, uncounted. Each
@@ -53,10 +55,12 @@ from mstar.http import __main__ as http_main
 from mstar.types import GenerateRequest
 
 import worker_profile  # this script's folder is on the path
+from first_audio_parts import FirstAudioParts
 from level_costs import LevelCosts
 
 CPROFILE_ROWS = 0  # --cprofile: Python profiler rows to print (0: torch profiler)
 TRACE_CPU_ROWS = 0  # --trace-cpu: ops by host time to print beside the kernels
+UNTRACED_ARRIVALS_S = 3.0  # --arrivals without --trace: arrivals for this long after the first second's
 TEXT = "The morning train was late again, so I bought a coffee and watched the pigeons argue over a crust of bread."
 
 
@@ -64,6 +68,8 @@ async def level(eng: Engine, c: int, tokens: int, trace_s: float, trace_after: f
                 arrival_tokens: int = 140) -> dict:
     by_step: dict[tuple[str, str], list[StepReport]] = defaultdict(list)
     hook = eng.add_report_hook(lambda r: by_step[(r.component, r.mode)].append(r) if r.component else None)
+    parts = FirstAudioParts()  # the level's first requests' and the arrivals' ways to their first audio
+    parts_hook = eng.add_report_hook(parts.on_report)
     sampling = dataclasses.replace(eng.model.default_sampling(), max_tokens=tokens, ignore_eos=True)
     audio_bytes = 0
     sampled = 0
@@ -83,11 +89,14 @@ async def level(eng: Engine, c: int, tokens: int, trace_s: float, trace_after: f
                 params = dataclasses.replace(params, max_tokens=max(1, tokens * (i + 1) // c))
             req = GenerateRequest(f"p{c}-{i}-{turn}", eng.model_name, {"text": TEXT, "voice": None}, params)
             heard = turn > 0  # the first audio of the level's first requests only
+            if not heard:
+                parts.submitted(req.request_id)
             async for out in eng.submit(req):
                 if out.audio:
                     if not heard:
                         heard = True
                         first_audio.append(time.perf_counter() - t0)
+                        parts.heard(req.request_id)
                     audio_bytes += len(out.audio)
                 if out.finished:
                     sampled += out.num_output_tokens
@@ -110,11 +119,15 @@ async def level(eng: Engine, c: int, tokens: int, trace_s: float, trace_after: f
             while True:
                 short = dataclasses.replace(sampling, max_tokens=arrival_tokens, seed=len(arrivals))
                 req = GenerateRequest(f"a{c}-{len(arrivals)}", eng.model_name, {"text": TEXT, "voice": None}, short)
-                arrivals.append(asyncio.create_task(_drain(eng, req)))
+                parts.submitted(req.request_id)
+                arrivals.append(asyncio.create_task(_drain(eng, req, parts)))
                 await asyncio.sleep(every)
         feeder = asyncio.create_task(arrive())
         await asyncio.sleep(1.0)
-        arrivals_prof = await _window(eng, trace_s)
+        if trace_s > 0:
+            arrivals_prof = await _window(eng, trace_s)
+        else:  # untraced: the arrivals' ways to their first audio as served, without the profiler's slowdown
+            await asyncio.sleep(UNTRACED_ARRIVALS_S)
         feeder.cancel()
         arrivals_over.set()
         await asyncio.gather(*arrivals)
@@ -125,9 +138,11 @@ async def level(eng: Engine, c: int, tokens: int, trace_s: float, trace_after: f
     phases = {name: getattr(st, name) - getattr(stats0, name) for name in ("wait_s", "launch_s", "finalize_s")}
     phases["cpu_s"] = worker.cpu_s() - cpu0
     eng.remove_report_hook(hook)
+    eng.remove_report_hook(parts_hook)
     return {"c": c, "wall": wall, "audio_s": audio_bytes / 2 / 24_000, "sampled": sampled, "steps": dict(by_step),
-            "first_audio": sorted(first_audio), "prof": prof, "arrivals_prof": arrivals_prof,
-            "host_cpu": {k: tuple(v) for k, v in HOST_CPU.items()}, "costs": costs, "phases": phases}
+            "first_audio": sorted(first_audio), "prof": prof, "arrivals_prof": arrivals_prof, "arrivals": every > 0,
+            "host_cpu": {k: tuple(v) for k, v in HOST_CPU.items()}, "costs": costs, "phases": phases,
+            "parts": parts}
 
 
 async def _window(eng: Engine, seconds: float) -> torch.profiler.profile | pstats.Stats:
@@ -163,9 +178,10 @@ def _host_timed(owner: type, name: str, counted: Callable[[tuple], tuple[str, in
     setattr(owner, name, call)
 
 
-async def _drain(eng: Engine, req: GenerateRequest) -> None:
-    async for _ in eng.submit(req):
-        pass
+async def _drain(eng: Engine, req: GenerateRequest, parts: FirstAudioParts) -> None:
+    async for out in eng.submit(req):
+        if out.audio:
+            parts.heard(req.request_id)
 
 
 def _steps_in(reports: list[StepReport]) -> int:
@@ -190,13 +206,17 @@ def show(r: dict, tokens: int) -> None:
     decode = r["steps"].get(("llm", "decode"), [])
     if decode:  # with arrivals streams restart and arrivals add steps: no count per request token
         n = _steps_in(decode)
-        per_token = f"decode steps per request token: {n / tokens:.2f}; " if r["arrivals_prof"] is None else ""
+        per_token = f"decode steps per request token: {n / tokens:.2f}; " if not r["arrivals"] else ""
         launches = f" ({n / len(decode):.2f} steps a launch)" if n != len(decode) else ""
         print(f"{per_token}mean period {1e3 * r['wall'] / n:.2f} ms{launches}")
         ph = {k: 1e3 * v / n for k, v in r["phases"].items()}
         print(f"the worker per decode step: {ph['wait_s']:.2f} ms waiting on the device, {ph['launch_s']:.2f} "
               f"launching, {ph['finalize_s']:.2f} reading the step before; {ph['cpu_s']:.2f} ms of its thread's CPU "
               f"time (item steps included)")
+    for who, prefix in (("the level's first requests", "p"), ("arrivals", "a")):
+        line = r["parts"].summary(prefix)
+        if line:
+            print(f"{who}: {line}")
     print(r["costs"].line())
     for label, (cpu_s, rows) in r["host_cpu"].items():
         print(f"worker thread CPU, {label}: {1e6 * cpu_s / max(rows, 1):.2f} us ({rows} rows)")
@@ -223,7 +243,8 @@ def show(r: dict, tokens: int) -> None:
 async def main(a: argparse.Namespace) -> None:
     # room for every arrival of a level beside its streams (at most that many run at once), or they would wait
     # for a stream to end instead of running beside them
-    rows = max(a.concurrency) + (math.ceil((1.0 + a.trace) / a.arrivals) + 1 if a.arrivals > 0 else 0)
+    arriving_s = 1.0 + (a.trace or UNTRACED_ARRIVALS_S)
+    rows = max(a.concurrency) + (math.ceil(arriving_s / a.arrivals) + 1 if a.arrivals > 0 else 0)
     eng = Engine(EngineConfig(model=a.model, devices=tuple(a.devices.split(",")), load_format=a.load_format,
                               kv_cache_dtype=a.kv_cache_dtype, audio_logits_only=a.audio_logits_only,
                               cuda_graph_batch_sizes=graph_buckets(max(256, rows)),
@@ -264,7 +285,8 @@ if __name__ == "__main__":
     p.add_argument("--trace-after", type=float, default=1.0, help="when the trace starts, in seconds into a level")
     p.add_argument("--arrivals", type=float, default=0.0,
                    help="after the trace, a new short request every this many seconds, traced as long again "
-                        "(host time per phase and op, with and without arrivals)")
+                        "(host time per phase and op, with and without arrivals); without --trace, for 4 s "
+                        "untraced. Either way the arrivals' first audio is split in parts (first_audio_parts.py)")
     p.add_argument("--arrival-tokens", type=int, default=140)
     p.add_argument("--cprofile", type=int, default=0, metavar="ROWS",
                    help="in the trace windows, Python's profiler over the worker's plans instead of torch's; "
