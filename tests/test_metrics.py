@@ -7,13 +7,14 @@ from __future__ import annotations
 import gc
 import math
 import re
+import time
 
 import aiohttp
 import pytest
 from http_support import MODEL, wait_until
 
 from mstar.engine.engine import Engine
-from mstar.engine.eventloop.metrics import LAG_BUCKETS, GCPauses
+from mstar.engine.eventloop.metrics import LAG_BUCKETS, EngineMetrics, GCPauses
 from mstar.engine.eventloop.prometheus import Histogram, family
 from mstar.types import GenerateRequest, SamplingParams
 
@@ -60,6 +61,17 @@ def value(samples: list[Sample], name: str, **labels: str) -> float:
     found = [v for n, ls, v in samples if n == name and all(ls.get(k) == x for k, x in labels.items())]
     assert found, f"no sample {name}{labels}"
     return sum(found)
+
+
+def leftovers(metrics: EngineMetrics) -> dict[str, dict]:
+    """The per-request dicts of `metrics` that still hold something."""
+    return {k: v for k, v in vars(metrics).items() if k.startswith("_") and isinstance(v, dict) and v}
+
+
+def phases(samples: list[Sample], suffix: str) -> tuple[float, float, float]:
+    """The queue, prefill and decode histograms' `_sum` or `_count`."""
+    return tuple(value(samples, f"mstar_request_{p}_time_seconds_{suffix}")  # type: ignore[return-value]
+                 for p in ("queue", "prefill", "decode"))
 
 
 def test_renderer() -> None:
@@ -128,6 +140,14 @@ async def test_metrics_after_some_requests(engine: Engine, http: aiohttp.ClientS
     assert value(samples, "mstar_time_to_first_token_seconds_count") == 3
     assert value(samples, "mstar_time_to_first_token_seconds_bucket", le="+Inf") == 3
     assert value(samples, "mstar_time_to_first_audio_seconds_count") == 0
+    # that time split: every request waited for its first step and computed to its first token; the aborted
+    # one has no end to time its decode to
+    assert phases(samples, "count") == (3, 3, 2)
+    queue, prefill, decode = phases(samples, "sum")
+    assert queue > 0 and prefill > 0 and decode > 0
+    assert queue + prefill <= value(samples, "mstar_time_to_first_token_seconds_sum") + 1e-9
+    assert decode < value(samples, "mstar_e2e_request_latency_seconds_sum")
+    assert leftovers(engine._metrics) == {}
     assert value(samples, "mstar_kv_pages_in_use", component="llm") == 0
     assert value(samples, "mstar_kv_pages_total", component="llm") > 0
     assert value(samples, "mstar_kv_rows_running", component="llm") == 0
@@ -196,6 +216,138 @@ async def test_the_queue_depth_counts_requests_waiting_to_start_not_running_ones
         for s in streams:
             eng.abort(s.request_id)
         assert await wait_until(lambda: eng.num_running() == 0, timeout=30)
-        assert value(parse(eng.metrics_text()), "mstar_queue_depth") == 0
+        samples = parse(eng.metrics_text())
+        assert value(samples, "mstar_queue_depth") == 0
+        # the two that never started leave no queue time, and nothing behind
+        assert phases(samples, "count") == (1, 1, 0)
+        assert leftovers(eng._metrics) == {}
     finally:
         await eng.shutdown()
+
+
+async def test_a_request_queued_behind_a_full_batch_waits_longer_for_its_first_step() -> None:
+    """One row at a time: the second request's first step waits for the
+    first request's whole answer, and its queue time says so."""
+    from mstar.config import EngineConfig, SchedulerConfig
+
+    eng = Engine(EngineConfig(model=MODEL, scheduler=SchedulerConfig(max_num_seqs=1)))
+    await eng.start()
+    try:
+        sp = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0)
+        streams = [eng.submit(GenerateRequest(f"b{i}", MODEL, {"prompt_ids": [1, 2, 3]}, sp)) for i in range(2)]
+        first = aiter(streams[0])
+        await anext(first)
+        samples = parse(eng.metrics_text())
+        assert phases(samples, "count")[:2] == (1, 1)  # the first started and drew; the second waits
+        q1 = value(samples, "mstar_request_queue_time_seconds_sum")
+        async for _ in first:
+            pass
+        async for _ in streams[1]:
+            pass
+        assert await wait_until(lambda: eng.num_running() == 0, timeout=30)
+        samples = parse(eng.metrics_text())
+        assert phases(samples, "count") == (2, 2, 2)
+        q2 = value(samples, "mstar_request_queue_time_seconds_sum") - q1
+        # it waited out the first's 40 tokens: longer than the first waited, and than the first computed its first
+        assert q2 > q1 and q2 > value(samples, "mstar_request_prefill_time_seconds_sum") / 2
+        assert leftovers(eng._metrics) == {}
+    finally:
+        await eng.shutdown()
+
+
+async def test_a_prompt_that_rides_in_decode_steps_starts_at_its_first_chunk() -> None:
+    """A request arriving while another decodes: its prompt rides in the
+    running group's steps (mixed), in two chunks of the step's token budget;
+    the step of its first chunk, and only that one, reports its start."""
+    from mstar.config import EngineConfig, SchedulerConfig
+
+    eng = Engine(EngineConfig(model=MODEL, scheduler=SchedulerConfig(max_num_batched_tokens=80)))
+    await eng.start()
+    starts: list[tuple[str, str, float]] = []  # (request, mode of the step, its start)
+    eng.add_report_hook(lambda r: starts.extend((rid, r.mode, r.started_at) for rid in r.started))
+    try:
+        long = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0.0)
+        running = aiter(eng.submit(GenerateRequest("running", MODEL, {"prompt_ids": [1, 2, 3]}, long)))
+        await anext(running)
+        await anext(running)  # decoding now
+        sp = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)
+        t = time.perf_counter()
+        late = [c async for c in eng.submit(GenerateRequest("late", MODEL, {"prompt_ids": list(range(5, 155))}, sp))]
+        assert late[-1].finish_reason == "length"
+        eng.abort("running")
+        assert await wait_until(lambda: eng.num_running() == 0, timeout=30)
+        samples = parse(eng.metrics_text())
+        assert value(samples, "mstar_mixed_rows_total") >= 2  # its 150 tokens: 79 beside the running row, 71
+        assert [(rid, mode) for rid, mode, _ in starts] == [("running", "prefill"), ("late", "decode")]
+        assert t < starts[1][2] < time.perf_counter()
+        assert phases(samples, "count") == (2, 2, 1)
+        assert leftovers(eng._metrics) == {}
+    finally:
+        await eng.shutdown()
+
+
+async def test_a_spoken_answer_splits_its_time_to_first_audio() -> None:
+    """Orpheus `speak`: no token reaches the event loop; its first audio
+    code (`StepReport.sampled`) ends its prefill, many codes before its
+    first audio."""
+    from mstar.config import EngineConfig
+
+    eng = Engine(EngineConfig(model="orpheus-tiny"))
+    await eng.start()
+    try:
+        sp = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+        chunks = [c async for c in eng.submit(GenerateRequest("spoken", "orpheus-tiny", {"text": "hi"}, sp))]
+        assert chunks[-1].finish_reason == "length" and any(c.audio is not None for c in chunks)
+        assert await wait_until(lambda: eng.num_running() == 0, timeout=30)
+        samples = parse(eng.metrics_text())
+        assert value(samples, "mstar_time_to_first_token_seconds_count") == 0
+        assert value(samples, "mstar_time_to_first_audio_seconds_count") == 1
+        assert phases(samples, "count") == (1, 1, 1)
+        queue, prefill, decode = phases(samples, "sum")
+        assert queue > 0 and prefill > 0 and decode > 0
+        # its first code came with its prompt step; its first audio waited for a window of codes after it, 27 of
+        # the 49 decode steps
+        assert value(samples, "mstar_time_to_first_audio_seconds_sum") - (queue + prefill) > decode / 5
+        # one answer, timed whole: the three phases are its end-to-end time
+        assert math.isclose(queue + prefill + decode, value(samples, "mstar_e2e_request_latency_seconds_sum"),
+                            rel_tol=1e-9, abs_tol=1e-9)
+        assert leftovers(eng._metrics) == {}
+    finally:
+        await eng.shutdown()
+
+
+def test_a_cancelled_request_leaves_nothing_behind() -> None:
+    """A request cancelled at any point (before its first step, before its
+    first token, after it) leaves every per-request dict at once, and what
+    its workers still report of it after that (the steps they had under
+    way, its end) puts nothing back; only answers that ran to their end time
+    their decode."""
+    m = EngineMetrics()
+    for stage in range(4):
+        rid = f"r{stage}"
+        m.submitted(rid)
+        if stage >= 1:
+            m.started([rid], time.perf_counter())
+        if stage >= 2:
+            m.drawn([rid])
+        if stage >= 3:
+            m.outputs([rid], "text")
+        m.forget(rid)
+        assert leftovers(m) == {}, stage
+        m.started([rid], time.perf_counter())
+        m.drawn([rid])
+        m.outputs([rid], "text")
+        m.outputs([rid], "audio")
+        m.finished(rid, "abort", 3, 2, 2)
+        assert leftovers(m) == {}, stage
+    assert (m.queue_time.count(), m.prefill_time.count(), m.decode_time.count(), m.ttft.count()) == (3, 2, 0, 1)
+    # one that ran to its end, its first step reported twice (a later component's first): timed once
+    m.submitted("done")
+    at = time.perf_counter()
+    m.started(["done"], at)
+    m.started(["done"], at + 1.0)
+    m.outputs(["done"], "text")
+    m.finished("done", "stop", 3, 2, 2)
+    assert (m.queue_time.count(), m.prefill_time.count(), m.decode_time.count()) == (4, 3, 1)
+    assert 0 < m.prefill_time.series[()][-1] < 1.0  # timed from the first start: from the second, it would be < 0
+    assert leftovers(m) == {}

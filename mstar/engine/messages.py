@@ -203,6 +203,12 @@ class StepReport:
     # a request id for each token the step sampled that no emit brings to the event loop (a speech walk's audio
     # codes, which a codec takes on the worker): counted as they are drawn, as the text tokens of `emits` are
     sampled: list[str] = field(default_factory=list)
+    # requests whose first step (a just-submitted request's first prompt chunk: `WorkItem.new_request`) ran in
+    # this report's step, and that step's `time.perf_counter()` at its start (workers are threads of the event
+    # loop's process: one clock): their queue time ends there. A report that covers several steps with new rows
+    # (a batch run as one call per way its rows name their outputs) keeps the earliest start.
+    started: list[str] = field(default_factory=list)
+    started_at: float = 0.0
 
     def empty(self) -> bool:
-        return not self.emits and not self.finished and not self.awaiting and not self.sampled
+        return not self.emits and not self.finished and not self.awaiting and not self.sampled and not self.started

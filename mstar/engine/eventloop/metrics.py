@@ -113,6 +113,19 @@ class EngineMetrics:
         self.refused = 0  # requests turned away: the waiting line full (429), or a drain before they began (503)
         self._submitted_at: dict[str, float] = {}
         self._first_at: dict[str, float] = {}  # when a request's first output of any kind came
+        # a request's time to its first token, split (vLLM's request_queue/prefill/decode_time_seconds): submit
+        # to its first step's start (waiting), that start to its first drawn token (computing), and that token
+        # to the end of an answer that ran to it. Workers report a start only for a KV row's first prompt chunk
+        # (`WorkItem.new_request`): a request whose first step is a media encoder's reports none, and is left
+        # out of all three
+        self.queue_time = Histogram(LATENCY_BUCKETS)
+        self.prefill_time = Histogram(LATENCY_BUCKETS)
+        self.decode_time = Histogram(E2E_BUCKETS)
+        # as `_await_text`: submit times until the first step started, then its start until the first token
+        # is drawn; small, and empty in the steady state, where the per-row checks are one `if not dict`
+        self._await_start: dict[str, float] = {}
+        self._await_draw: dict[str, float] = {}
+        self._drawn_at: dict[str, float] = {}  # when a request's first token was drawn, until it ends
 
     # ----------------------------------------------------------- recording
 
@@ -121,10 +134,41 @@ class EngineMetrics:
         self._await_text[request_id] = now
         self._await_audio[request_id] = now
         self._submitted_at[request_id] = now
+        self._await_start[request_id] = now
+
+    def started(self, request_ids: Sequence[str], at: float) -> None:
+        """A worker step that began at `at` (`time.perf_counter()`) computed
+        the first work of these requests (`StepReport.started`). The first
+        such step counts: a later one of the same request (another
+        component's first) finds it gone from the dict."""
+        waiting = self._await_start
+        if not waiting:
+            return
+        for rid in request_ids:
+            t0 = waiting.pop(rid, None)
+            if t0 is not None:
+                self.queue_time.observe(at - t0)
+                self._await_draw[rid] = at
+
+    def drawn(self, request_ids: Sequence[str]) -> None:
+        """A report read now brings tokens these requests drew (text tokens
+        emitted, or audio codes only counted: `StepReport.sampled`): a
+        request's first ends its prefill time."""
+        waiting = self._await_draw
+        if not waiting:  # the steady state: every running request has drawn its first token
+            return
+        now = time.perf_counter()
+        for rid in request_ids:
+            t0 = waiting.pop(rid, None)
+            if t0 is not None:
+                self.prefill_time.observe(now - t0)
+                self._drawn_at[rid] = now
 
     def outputs(self, request_ids: Sequence[str], modality: str) -> None:
         """Chunks were produced for these requests (one emit batch)."""
         if modality == "text":
+            if self._await_draw:  # before the first token's time below: queue + prefill never exceed it
+                self.drawn(request_ids)
             waiting, hist = self._await_text, self.ttft
         elif modality == "audio":
             waiting, hist = self._await_audio, self.ttfa
@@ -140,9 +184,12 @@ class EngineMetrics:
                 self._first_at.setdefault(rid, now)
 
     def forget(self, request_id: str) -> None:
-        """The request produces no more chunks (aborted): no first output to time."""
-        self._await_text.pop(request_id, None)
-        self._await_audio.pop(request_id, None)
+        """The request produces no more chunks (aborted, timed out): nothing
+        of it is timed, and it leaves every per-request dict now (its
+        workers' confirmation may never come)."""
+        for times in (self._await_text, self._await_audio, self._await_start, self._await_draw, self._drawn_at,
+                      self._submitted_at, self._first_at):
+            times.pop(request_id, None)
 
     def generated(self, tokens: int) -> None:
         """Running requests drew `tokens` more (text tokens the event loop
@@ -157,7 +204,9 @@ class EngineMetrics:
         drawn after `prompt_tokens`, `counted` of them counted already as
         they came (`generated`): the rest count now. An answer that ran to
         its end ("stop", "length") is timed whole and per output token after
-        its first."""
+        its first, and from its first drawn token to its end."""
+        t0, first = self._submitted_at.get(request_id), self._first_at.get(request_id)
+        drawn = self._drawn_at.get(request_id)
         self.forget(request_id)
         self.requests[status if status in self.requests else "error"] += 1
         self.prompt_tokens += prompt_tokens
@@ -165,11 +214,12 @@ class EngineMetrics:
         # tokens it reported drawing stay counted)
         self.generation_tokens += max(0, output_tokens - counted)
         now = time.perf_counter()
-        t0, first = self._submitted_at.pop(request_id, None), self._first_at.pop(request_id, None)
         if status not in ("stop", "length"):
             return
         if t0 is not None:
             self.e2e.observe(now - t0)
+        if drawn is not None:
+            self.decode_time.observe(now - drawn)
         if first is not None and output_tokens > 1:
             self.per_token.observe((now - first) / (output_tokens - 1))
 
@@ -224,6 +274,17 @@ class EngineMetrics:
                    "Seconds from submit to the first chunk with tokens or text.", self.ttft),
             family("mstar_time_to_first_audio_seconds", "histogram",
                    "Seconds from submit to the first chunk with audio.", self.ttfa),
+            family("mstar_request_queue_time_seconds", "histogram",
+                   "Seconds from submit to the start of the first worker step that computed any of the request's "
+                   "work (its first prompt chunk, in a prompt step or a decode step it rode in): time waiting. "
+                   "A request whose first step encodes media (audio, images) is not timed here.",
+                   self.queue_time),
+            family("mstar_request_prefill_time_seconds", "histogram",
+                   "Seconds from the start of a request's first step to its first drawn token (a text token, or "
+                   "a spoken answer's first audio code), as the event loop reads it.", self.prefill_time),
+            family("mstar_request_decode_time_seconds", "histogram",
+                   "Per answer that ran to its end (stop, length): seconds from its first drawn token to its end.",
+                   self.decode_time),
             family("mstar_step_seconds", "histogram", "Seconds per worker step.", self.step_seconds),
             family("mstar_batch_size", "histogram", "Rows per worker step.", self.batch_size),
             family("mstar_decode_steps_total", "counter", "Decode steps run.", [((), self.decode_steps)]),

@@ -59,6 +59,8 @@ class ReportReader:
     def read(self, report: StepReport) -> None:
         for hook in self._pre_hooks:
             hook(report)
+        if report.started:  # before the step's tokens below: a prompt step draws its rows' first
+            self._metrics.started(report.started, report.started_at)
         if report.sampled:
             self._count_sampled(report.sampled)
         for batch in report.emits:
@@ -123,6 +125,7 @@ class ReportReader:
                 state.unseen_tokens += 1
                 n += 1
         self._metrics.generated(n)
+        self._metrics.drawn(request_ids)  # one `if` unless some request still waits for its first token
 
     def _emit_of(self, value: str) -> Emit:
         for plan in self._plans.values():

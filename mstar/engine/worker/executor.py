@@ -181,6 +181,8 @@ class Executor:
         self._run(batch, runner, t0)
 
     def _run(self, batch: Batch, runner: ComponentRunner, t0: float) -> None:
+        if runner.kv is not None:  # only a KV component's rows start a request's work: a codec's steps scan nothing
+            self._started(batch.items, t0)
         inputs: list[dict[str, torch.Tensor]] | None = None
         try:
             inputs = runner.take_inputs(batch)
@@ -207,6 +209,19 @@ class Executor:
         r.component, r.mode, r.rows = batch.component, batch.mode, len(batch)
         r.step_s = time.perf_counter() - t0
         r.device_s = self.runners[batch.component].device_s
+
+    def _started(self, items: list[WorkItem], t0: float) -> None:
+        """Tell the event loop which of `items` start a just-submitted
+        request's work (`WorkItem.new_request`, set on its first prompt chunk
+        until that step ran) in the step that began at `t0`: its queue time
+        ends there, its prefill time starts."""
+        ids = [item.request_id for item in items if item.new_request]
+        if not ids:
+            return
+        r = self.report
+        # a batch split by its outputs' names runs as several calls into one report: the first began first
+        r.started_at = min(r.started_at, t0) if r.started else t0
+        r.started += ids
 
     def _fork(self, batch: Batch) -> None:
         cache = self.runners[batch.component].kv
@@ -271,6 +286,8 @@ class Executor:
         launched: Pending | None = None
         device = 0.0  # on CUDA the runner only waited for the step before's inputs; on the CPU it computed
         mixed = self._take_mixed(plan, runner)
+        if mixed is not None:  # the new rows only: the group's running rows are no request's first step
+            self._started(mixed.items, t0)
         steps = plan.steps if mixed is None else 1
         # new rows whose mixed step failed, with their inputs: each runs again on its own
         broke: tuple[Batch, list[dict[str, torch.Tensor]]] | None = None
