@@ -351,3 +351,34 @@ def test_a_cancelled_request_leaves_nothing_behind() -> None:
     assert (m.queue_time.count(), m.prefill_time.count(), m.decode_time.count()) == (4, 3, 1)
     assert 0 < m.prefill_time.series[()][-1] < 1.0  # timed from the first start: from the second, it would be < 0
     assert leftovers(m) == {}
+
+
+async def test_a_request_that_starts_with_its_media_is_timed_from_the_encoder_step() -> None:
+    """Qwen3-Omni `chat` with an audio part: the request's first step is the
+    audio encoder's, not a KV prompt chunk; its queue time ends there, and
+    its prefill (the encoder and the thinker's prompt) runs to its first
+    text token."""
+    import numpy as np
+
+    from mstar.config import EngineConfig
+
+    t = np.arange(16000) / 16000  # a second of a tone, as the HTTP layer decodes an input_audio part (16 kHz mono)
+    heard = {"type": "audio", "audio": (0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)}
+    eng = Engine(EngineConfig(model="qwen3-omni-tiny", max_model_len=512))
+    await eng.start()
+    try:
+        messages = [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, heard]}]
+        sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        request = GenerateRequest("heard", "qwen3-omni-tiny", {"messages": messages}, sp, walk="chat")
+        chunks = [c async for c in eng.submit(request, await eng.prepare(request))]
+        assert chunks[-1].finish_reason == "length"
+        assert await wait_until(lambda: eng.num_running() == 0, timeout=30)
+        samples = parse(eng.metrics_text())
+        assert value(samples, "mstar_time_to_first_token_seconds_count") == 1
+        assert phases(samples, "count") == (1, 1, 1)
+        queue, prefill, _ = phases(samples, "sum")
+        assert queue > 0 and prefill > 0
+        assert queue + prefill <= value(samples, "mstar_time_to_first_token_seconds_sum")
+        assert leftovers(eng._metrics) == {}
+    finally:
+        await eng.shutdown()

@@ -193,7 +193,7 @@ class Scheduler(GroupSteps):
         them and what it needed besides."""
         item.pages_needed += pages
         item.needs_slot = item.needs_slot or slot
-        item.starts_row, item.new_request = True, False  # it ran already: no burst holds it
+        item.starts_row, item.new_request, item.first_step = True, False, False  # it ran already: no burst holds it
         item.capped = False  # the running cap holds back new rows, not returning ones
         self.running[item.component] -= 1
 
@@ -365,7 +365,7 @@ class Scheduler(GroupSteps):
         back of the line, behind the steps of running rows."""
         item.done += item.chunk
         item.chunk = 0
-        item.starts_row = item.new_request = False
+        item.starts_row = item.new_request = item.first_step = False
         item.ticket = next(self._tickets)
         self._insert(self._queues[item.key], item, lend=False)
 

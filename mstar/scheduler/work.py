@@ -37,7 +37,9 @@ class WorkItem:
     its Submit was applied), the only kind of row a burst of arrivals holds
     (`Scheduler.held`); a row that starts later in a running request (a
     talker's first, one preempted and coming back, a rejoining branch) does not
-    wait for other requests' arrivals.
+    wait for other requests' arrivals. `first_step`: queued as its request's
+    Submit was applied, of any component (a media encoder's too): the step
+    that runs it ends the request's queue time (`StepReport.started`).
     """
 
     request_id: str
@@ -61,6 +63,7 @@ class WorkItem:
     priority: int = 0          # lower goes first in its queue (its request's priority)
     passed: bool = False       # an item of better priority took its place in line (once: see `Scheduler._insert`)
     new_request: bool = False  # a just-submitted request's first step (cleared once its row started)
+    first_step: bool = False   # queued as its request's Submit was applied, of any component (cleared once it ran)
 
     @property
     def key(self) -> QueueKey:

@@ -115,9 +115,8 @@ class EngineMetrics:
         self._first_at: dict[str, float] = {}  # when a request's first output of any kind came
         # a request's time to its first token, split (vLLM's request_queue/prefill/decode_time_seconds): submit
         # to its first step's start (waiting), that start to its first drawn token (computing), and that token
-        # to the end of an answer that ran to it. Workers report a start only for a KV row's first prompt chunk
-        # (`WorkItem.new_request`): a request whose first step is a media encoder's reports none, and is left
-        # out of all three
+        # to the end of an answer that ran to it. Workers report the start of the step that ran the request's
+        # first work item (`WorkItem.first_step`: its first prompt chunk, or the media encoder's step before it)
         self.queue_time = Histogram(LATENCY_BUCKETS)
         self.prefill_time = Histogram(LATENCY_BUCKETS)
         self.decode_time = Histogram(E2E_BUCKETS)
@@ -276,8 +275,8 @@ class EngineMetrics:
                    "Seconds from submit to the first chunk with audio.", self.ttfa),
             family("mstar_request_queue_time_seconds", "histogram",
                    "Seconds from submit to the start of the first worker step that computed any of the request's "
-                   "work (its first prompt chunk, in a prompt step or a decode step it rode in): time waiting. "
-                   "A request whose first step encodes media (audio, images) is not timed here.",
+                   "work (its media's encoding, or its first prompt chunk in a prompt step or a decode step it "
+                   "rode in): time waiting.",
                    self.queue_time),
             family("mstar_request_prefill_time_seconds", "histogram",
                    "Seconds from the start of a request's first step to its first drawn token (a text token, or "

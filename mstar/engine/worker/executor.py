@@ -181,8 +181,7 @@ class Executor:
         self._run(batch, runner, t0)
 
     def _run(self, batch: Batch, runner: ComponentRunner, t0: float) -> None:
-        if runner.kv is not None:  # only a KV component's rows start a request's work: a codec's steps scan nothing
-            self._started(batch.items, t0)
+        self._started(batch.items, t0)
         inputs: list[dict[str, torch.Tensor]] | None = None
         try:
             inputs = runner.take_inputs(batch)
@@ -212,10 +211,10 @@ class Executor:
 
     def _started(self, items: list[WorkItem], t0: float) -> None:
         """Tell the event loop which of `items` start a just-submitted
-        request's work (`WorkItem.new_request`, set on its first prompt chunk
-        until that step ran) in the step that began at `t0`: its queue time
-        ends there, its prefill time starts."""
-        ids = [item.request_id for item in items if item.new_request]
+        request's work (`WorkItem.first_step`: its first prompt chunk, or a
+        media encoder's step that comes before it) in the step that began at
+        `t0`: its queue time ends there, its prefill time starts."""
+        ids = [item.request_id for item in items if item.first_step]
         if not ids:
             return
         r = self.report

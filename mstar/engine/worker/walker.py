@@ -237,7 +237,8 @@ class Walker(GroupExits):
                                     payload=Work(part, inputs, branch, banned=banned), starts_row=starts_row,
                                     needs_slot=needs_slot, capped=capped, prefix=prompt.prefix,
                                     chunkable=prompt.chunkable, priority=part.request.priority,
-                                    new_request=starts_row and part.request.entering))
+                                    new_request=starts_row and part.request.entering,
+                                    first_step=part.request.entering))
 
     @staticmethod
     def _follows(part: PartitionRun) -> bool:
