@@ -294,6 +294,9 @@ if __name__ == "__main__":
     p.add_argument("--num-scheduler-steps", type=_steps, default=1,
                    help="the server's flag: decode steps a launch, or auto (default 1)")
     p.add_argument("--quiet-gc", action="store_true", help="Python's collector set as the server sets it")
+    p.add_argument("--urgent", nargs="+", default=(), choices=("llm", "codec"),
+                   help="an experiment on Orpheus's declaration: these components' CUDA streams at high priority "
+                        "(`Component.urgent`; the codec then gets a stream of its own, beside the LLM's groups')")
     p.add_argument("--stub-compute", action="store_true",
                    help="bench_host_speech.py's stand-ins for the model's heavy compute (host cost on the CPU)")
     p.add_argument("--host-cpu", action="store_true",
@@ -304,6 +307,12 @@ if __name__ == "__main__":
         _host_timed(Executor, "_step", lambda a: (f"{a[1].component}/{a[1].mode} item steps, per row", len(a[1].items)))
         _host_timed(Streams, "feed_ids", lambda a: ("a decode group's tokens into their streams, per token",
                                                     sum(len(x) if isinstance(x, list) else 1 for x in a[3])))
+    if args.urgent:
+        from mstar.models.orpheus.model import OrpheusModel
+        urgent = set(args.urgent)  # a plain component takes the priority on a stream of its own
+        OrpheusModel.components = {
+            name: dataclasses.replace(c, urgent=name in urgent, own_stream=c.own_stream or (
+                name in urgent and not c.kv_cache)) for name, c in OrpheusModel.components.items()}
     if args.stub_compute:
         from bench_host_speech import apply_stubs  # this script's folder is on the path
         apply_stubs(defaultdict(int), None)
@@ -313,5 +322,6 @@ if __name__ == "__main__":
         worker_profile.install()
     print(f"# {platform.platform()} | python {platform.python_version()} | torch {torch.__version__} "
           f"| {os.cpu_count()} cpus | model {args.model} ({args.load_format}) on {args.devices} "
-          f"| kv {args.kv_cache_dtype}{' | audio logits only' if args.audio_logits_only else ''}")
+          f"| kv {args.kv_cache_dtype}{' | audio logits only' if args.audio_logits_only else ''}"
+          f"{' | urgent ' + ','.join(args.urgent) if args.urgent else ''}")
     asyncio.run(main(args))
