@@ -112,6 +112,8 @@ async def level(eng: Engine, c: int, tokens: int, trace_s: float, trace_after: f
     if trace_s > 0:
         await asyncio.sleep(trace_after)
         prof = await _window(eng, trace_s)
+    elif every > 0:  # the level's first requests' first audio comes alone, before any arrival
+        await asyncio.sleep(trace_after)
     if every > 0:  # then new short requests every `every` s, traced as long again
         arrivals: list[asyncio.Task] = []
 
@@ -282,7 +284,8 @@ if __name__ == "__main__":
     p.add_argument("--trace", type=float, default=0.0, help="seconds of torch profiler in each level")
     p.add_argument("--trace-cpu", type=int, default=0, metavar="ROWS",
                    help="with --trace on CUDA, also this many ops by their own host time")
-    p.add_argument("--trace-after", type=float, default=1.0, help="when the trace starts, in seconds into a level")
+    p.add_argument("--trace-after", type=float, default=1.0,
+                   help="when the trace (untraced: the arrivals) starts, in seconds into a level")
     p.add_argument("--arrivals", type=float, default=0.0,
                    help="after the trace, a new short request every this many seconds, traced as long again "
                         "(host time per phase and op, with and without arrivals); without --trace, for 4 s "
