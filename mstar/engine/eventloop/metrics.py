@@ -90,6 +90,17 @@ class GCPauses:
             gc.callbacks.remove(self._on_gc)
 
 
+def _firsts(waiting: dict[str, float], request_ids: Sequence[str], hist: Histogram, seen: dict[str, float]) -> None:
+    """The requests of `request_ids` still `waiting` (since when) stop waiting now: `hist` times each wait, and
+    `seen` keeps when it ended (the first end, should one come again)."""
+    now = time.perf_counter()
+    for rid in request_ids:
+        t0 = waiting.pop(rid, None)
+        if t0 is not None:
+            hist.observe(now - t0)
+            seen.setdefault(rid, now)
+
+
 class EngineMetrics:
     def __init__(self) -> None:
         self.requests: dict[str, int] = dict.fromkeys(STATUSES, 0)
@@ -156,12 +167,7 @@ class EngineMetrics:
         waiting = self._await_draw
         if not waiting:  # the steady state: every running request has drawn its first token
             return
-        now = time.perf_counter()
-        for rid in request_ids:
-            t0 = waiting.pop(rid, None)
-            if t0 is not None:
-                self.prefill_time.observe(now - t0)
-                self._drawn_at[rid] = now
+        _firsts(waiting, request_ids, self.prefill_time, self._drawn_at)
 
     def outputs(self, request_ids: Sequence[str], modality: str) -> None:
         """Chunks were produced for these requests (one emit batch)."""
@@ -173,14 +179,8 @@ class EngineMetrics:
             waiting, hist = self._await_audio, self.ttfa
         else:
             return
-        if not waiting:  # the steady state: every running request has had its first output
-            return
-        now = time.perf_counter()
-        for rid in request_ids:
-            t0 = waiting.pop(rid, None)
-            if t0 is not None:
-                hist.observe(now - t0)
-                self._first_at.setdefault(rid, now)
+        if waiting:  # else the steady state: every running request has had its first output
+            _firsts(waiting, request_ids, hist, self._first_at)
 
     def forget(self, request_id: str) -> None:
         """The request produces no more chunks (aborted, timed out): nothing
