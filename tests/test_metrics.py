@@ -4,6 +4,7 @@ as the Prometheus exposition format; plus the renderer on its own."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import math
 import re
@@ -264,7 +265,7 @@ async def test_a_prompt_that_rides_in_decode_steps_starts_at_its_first_chunk() -
     eng = Engine(EngineConfig(model=MODEL, scheduler=SchedulerConfig(max_num_batched_tokens=80)))
     await eng.start()
     starts: list[tuple[str, str, float]] = []  # (request, mode of the step, its start)
-    eng.add_report_hook(lambda r: starts.extend((rid, r.mode, r.started_at) for rid in r.started))
+    eng.add_report_hook(lambda r: starts.extend((rid, r.mode, at) for rid, at in r.started))
     try:
         long = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0.0)
         running = aiter(eng.submit(GenerateRequest("running", MODEL, {"prompt_ids": [1, 2, 3]}, long)))
@@ -327,14 +328,14 @@ def test_a_cancelled_request_leaves_nothing_behind() -> None:
         rid = f"r{stage}"
         m.submitted(rid)
         if stage >= 1:
-            m.started([rid], time.perf_counter())
+            m.started([(rid, time.perf_counter())])
         if stage >= 2:
             m.drawn([rid])
         if stage >= 3:
             m.outputs([rid], "text")
         m.forget(rid)
         assert leftovers(m) == {}, stage
-        m.started([rid], time.perf_counter())
+        m.started([(rid, time.perf_counter())])
         m.drawn([rid])
         m.outputs([rid], "text")
         m.outputs([rid], "audio")
@@ -344,8 +345,8 @@ def test_a_cancelled_request_leaves_nothing_behind() -> None:
     # one that ran to its end, its first step reported twice (a later component's first): timed once
     m.submitted("done")
     at = time.perf_counter()
-    m.started(["done"], at)
-    m.started(["done"], at + 1.0)
+    m.started([("done", at)])
+    m.started([("done", at + 1.0)])
     m.outputs(["done"], "text")
     m.finished("done", "stop", 3, 2, 2)
     assert (m.queue_time.count(), m.prefill_time.count(), m.decode_time.count()) == (4, 3, 1)
@@ -380,5 +381,49 @@ async def test_a_request_that_starts_with_its_media_is_timed_from_the_encoder_st
         assert queue > 0 and prefill > 0
         assert queue + prefill <= value(samples, "mstar_time_to_first_token_seconds_sum")
         assert leftovers(eng._metrics) == {}
+    finally:
+        await eng.shutdown()
+
+
+async def test_a_batch_run_as_two_calls_starts_each_request_at_its_own_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3-Omni: a `chat` prompt and a `speak` prompt in one prompt step
+    write different values, so the step runs as two calls
+    (`ComponentRunner.by_writes`); each request's start is its own call's,
+    not the first call's (the second call waits for the first to end)."""
+    from mstar.config import EngineConfig
+    from mstar.engine.execution.runner import ComponentRunner
+
+    calls: list[tuple[list[str], float, float]] = []  # each prompt call's requests, its start and end
+    compute = ComponentRunner.compute
+
+    def slow(self: ComponentRunner, batch, inputs):  # type: ignore[no-untyped-def]
+        t0 = time.perf_counter()
+        if batch.mode == "prefill" and batch.component == "thinker":
+            time.sleep(0.1)  # a prompt step long enough to tell the calls' starts apart
+        try:
+            return compute(self, batch, inputs)
+        finally:
+            if batch.mode == "prefill" and batch.component == "thinker":
+                calls.append(([i.request_id for i in batch.items], t0, time.perf_counter()))
+
+    monkeypatch.setattr(ComponentRunner, "compute", slow)
+    eng = Engine(EngineConfig(model="qwen3-omni-tiny", max_model_len=512))
+    await eng.start()
+    starts: dict[str, float] = {}
+    eng.add_report_hook(lambda r: starts.update(r.started))
+    try:
+        hello = {"messages": [{"role": "user", "content": "hello"}]}
+        sp = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0)
+        chat = GenerateRequest("chat", "qwen3-omni-tiny", hello, sp, walk="chat")
+        speak = GenerateRequest("speak", "qwen3-omni-tiny", {**hello, "voice": "ethan"}, sp, walk="speak",
+                                sampling_by={"talker": {"max_tokens": 3, "ignore_eos": True}})
+
+        async def run(req: GenerateRequest) -> None:
+            async for _ in eng.submit(req, await eng.prepare(req)):
+                pass
+        await asyncio.gather(run(chat), run(speak))
+        (one, t1, end1), (two, t2, _) = calls[:2]  # submitted together, they share a prompt step
+        assert t2 >= end1  # the second call began after the first ended
+        assert starts[one[0]] <= t1 and starts[two[0]] >= end1 - 1e-3
     finally:
         await eng.shutdown()

@@ -203,12 +203,11 @@ class StepReport:
     # a request id for each token the step sampled that no emit brings to the event loop (a speech walk's audio
     # codes, which a codec takes on the worker): counted as they are drawn, as the text tokens of `emits` are
     sampled: list[str] = field(default_factory=list)
-    # requests whose first step (a just-submitted request's first prompt chunk: `WorkItem.new_request`) ran in
-    # this report's step, and that step's `time.perf_counter()` at its start (workers are threads of the event
-    # loop's process: one clock): their queue time ends there. A report that covers several steps with new rows
-    # (a batch run as one call per way its rows name their outputs) keeps the earliest start.
-    started: list[str] = field(default_factory=list)
-    started_at: float = 0.0
+    # (request id, `time.perf_counter()` at its step's start) of each request whose first work item
+    # (`WorkItem.first_step`) this report's step ran: its queue time ends there (workers are threads of the event
+    # loop's process: one clock). Per request, as a batch whose rows name their outputs differently runs as
+    # several calls into one report, each beginning when the one before it ended.
+    started: list[tuple[str, float]] = field(default_factory=list)
 
     def empty(self) -> bool:
         return not self.emits and not self.finished and not self.awaiting and not self.sampled and not self.started

@@ -146,15 +146,15 @@ class EngineMetrics:
         self._submitted_at[request_id] = now
         self._await_start[request_id] = now
 
-    def started(self, request_ids: Sequence[str], at: float) -> None:
-        """A worker step that began at `at` (`time.perf_counter()`) computed
-        the first work of these requests (`StepReport.started`). The first
-        such step counts: a later one of the same request (another
+    def started(self, starts: Sequence[tuple[str, float]]) -> None:
+        """Worker steps computed the first work of these requests, each step
+        beginning at its `time.perf_counter()` (`StepReport.started`). The
+        first such step counts: a later one of the same request (another
         component's first) finds it gone from the dict."""
         waiting = self._await_start
         if not waiting:
             return
-        for rid in request_ids:
+        for rid, at in starts:
             t0 = waiting.pop(rid, None)
             if t0 is not None:
                 self.queue_time.observe(at - t0)
@@ -171,9 +171,11 @@ class EngineMetrics:
 
     def outputs(self, request_ids: Sequence[str], modality: str) -> None:
         """Chunks were produced for these requests (one emit batch)."""
+        if modality != "audio" and self._await_draw:
+            # a step's own output (text tokens; a toy walk's data): before the first token's time below, so that
+            # queue + prefill never exceed it. Audio comes from a codec, after the codes `sampled` brought
+            self.drawn(request_ids)
         if modality == "text":
-            if self._await_draw:  # before the first token's time below: queue + prefill never exceed it
-                self.drawn(request_ids)
             waiting, hist = self._await_text, self.ttft
         elif modality == "audio":
             waiting, hist = self._await_audio, self.ttfa

@@ -60,7 +60,7 @@ class ReportReader:
         for hook in self._pre_hooks:
             hook(report)
         if report.started:  # before the step's tokens below: a prompt step draws its rows' first
-            self._metrics.started(report.started, report.started_at)
+            self._metrics.started(report.started)
         if report.sampled:
             self._count_sampled(report.sampled)
         for batch in report.emits:

@@ -214,13 +214,7 @@ class Executor:
         request's work (`WorkItem.first_step`: its first prompt chunk, or a
         media encoder's step that comes before it) in the step that began at
         `t0`: its queue time ends there, its prefill time starts."""
-        ids = [item.request_id for item in items if item.first_step]
-        if not ids:
-            return
-        r = self.report
-        # a batch split by its outputs' names runs as several calls into one report: the first began first
-        r.started_at = min(r.started_at, t0) if r.started else t0
-        r.started += ids
+        self.report.started += [(item.request_id, t0) for item in items if item.first_step]
 
     def _fork(self, batch: Batch) -> None:
         cache = self.runners[batch.component].kv
