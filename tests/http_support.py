@@ -24,8 +24,10 @@ MODEL = "tiny-llama"
 
 
 @asynccontextmanager
-async def running_engine(model: str = MODEL, max_model_len: int | None = None) -> AsyncIterator[Engine]:
-    engine = Engine(EngineConfig(model=model, max_model_len=max_model_len))
+async def running_engine(model: str = MODEL, max_model_len: int | None = None,
+                         config: EngineConfig | None = None) -> AsyncIterator[Engine]:
+    """A started engine of `model` (or of the whole `config`), shut down on the way out."""
+    engine = Engine(config or EngineConfig(model=model, max_model_len=max_model_len))
     await engine.start()
     try:
         yield engine

@@ -12,7 +12,7 @@ import time
 
 import aiohttp
 import pytest
-from http_support import MODEL, wait_until
+from http_support import MODEL, running_engine, wait_until
 
 from mstar.engine.engine import Engine
 from mstar.engine.eventloop.metrics import LAG_BUCKETS, EngineMetrics, GCPauses
@@ -203,9 +203,8 @@ async def test_the_queue_depth_counts_requests_waiting_to_start_not_running_ones
     num_requests_waiting)."""
     from mstar.config import EngineConfig, SchedulerConfig
 
-    eng = Engine(EngineConfig(model=MODEL, scheduler=SchedulerConfig(max_num_seqs=1)))
-    await eng.start()
-    try:
+    one_row = EngineConfig(model=MODEL, scheduler=SchedulerConfig(max_num_seqs=1))
+    async with running_engine(config=one_row) as eng:
         long = SamplingParams(max_tokens=2000, ignore_eos=True, temperature=0.0)
         streams = [eng.submit(GenerateRequest(f"q{i}", MODEL, {"prompt_ids": [1, 2, 3]}, long)) for i in range(3)]
         first = aiter(streams[0])
@@ -222,8 +221,6 @@ async def test_the_queue_depth_counts_requests_waiting_to_start_not_running_ones
         # the two that never started leave no queue time, and nothing behind
         assert phases(samples, "count") == (1, 1, 0)
         assert leftovers(eng._metrics) == {}
-    finally:
-        await eng.shutdown()
 
 
 async def test_a_request_queued_behind_a_full_batch_waits_longer_for_its_first_step() -> None:
@@ -231,9 +228,8 @@ async def test_a_request_queued_behind_a_full_batch_waits_longer_for_its_first_s
     first request's whole answer, and its queue time says so."""
     from mstar.config import EngineConfig, SchedulerConfig
 
-    eng = Engine(EngineConfig(model=MODEL, scheduler=SchedulerConfig(max_num_seqs=1)))
-    await eng.start()
-    try:
+    one_row = EngineConfig(model=MODEL, scheduler=SchedulerConfig(max_num_seqs=1))
+    async with running_engine(config=one_row) as eng:
         sp = SamplingParams(max_tokens=40, ignore_eos=True, temperature=0.0)
         streams = [eng.submit(GenerateRequest(f"b{i}", MODEL, {"prompt_ids": [1, 2, 3]}, sp)) for i in range(2)]
         first = aiter(streams[0])
@@ -252,8 +248,6 @@ async def test_a_request_queued_behind_a_full_batch_waits_longer_for_its_first_s
         # it waited out the first's 40 tokens: longer than the first waited, and than the first computed its first
         assert q2 > q1 and q2 > value(samples, "mstar_request_prefill_time_seconds_sum") / 2
         assert leftovers(eng._metrics) == {}
-    finally:
-        await eng.shutdown()
 
 
 async def test_a_prompt_that_rides_in_decode_steps_starts_at_its_first_chunk() -> None:
@@ -262,11 +256,10 @@ async def test_a_prompt_that_rides_in_decode_steps_starts_at_its_first_chunk() -
     the step of its first chunk, and only that one, reports its start."""
     from mstar.config import EngineConfig, SchedulerConfig
 
-    eng = Engine(EngineConfig(model=MODEL, scheduler=SchedulerConfig(max_num_batched_tokens=80)))
-    await eng.start()
-    starts: list[tuple[str, str, float]] = []  # (request, mode of the step, its start)
-    eng.add_report_hook(lambda r: starts.extend((rid, r.mode, at) for rid, at in r.started))
-    try:
+    budget = EngineConfig(model=MODEL, scheduler=SchedulerConfig(max_num_batched_tokens=80))
+    async with running_engine(config=budget) as eng:
+        starts: list[tuple[str, str, float]] = []  # (request, mode of the step, its start)
+        eng.add_report_hook(lambda r: starts.extend((rid, r.mode, at) for rid, at in r.started))
         long = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0.0)
         running = aiter(eng.submit(GenerateRequest("running", MODEL, {"prompt_ids": [1, 2, 3]}, long)))
         await anext(running)
@@ -283,19 +276,13 @@ async def test_a_prompt_that_rides_in_decode_steps_starts_at_its_first_chunk() -
         assert t < starts[1][2] < time.perf_counter()
         assert phases(samples, "count") == (2, 2, 1)
         assert leftovers(eng._metrics) == {}
-    finally:
-        await eng.shutdown()
 
 
 async def test_a_spoken_answer_splits_its_time_to_first_audio() -> None:
     """Orpheus `speak`: no token reaches the event loop; its first audio
     code (`StepReport.sampled`) ends its prefill, many codes before its
     first audio."""
-    from mstar.config import EngineConfig
-
-    eng = Engine(EngineConfig(model="orpheus-tiny"))
-    await eng.start()
-    try:
+    async with running_engine("orpheus-tiny") as eng:
         sp = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
         chunks = [c async for c in eng.submit(GenerateRequest("spoken", "orpheus-tiny", {"text": "hi"}, sp))]
         assert chunks[-1].finish_reason == "length" and any(c.audio is not None for c in chunks)
@@ -313,8 +300,6 @@ async def test_a_spoken_answer_splits_its_time_to_first_audio() -> None:
         assert math.isclose(queue + prefill + decode, value(samples, "mstar_e2e_request_latency_seconds_sum"),
                             rel_tol=1e-9, abs_tol=1e-9)
         assert leftovers(eng._metrics) == {}
-    finally:
-        await eng.shutdown()
 
 
 def test_a_cancelled_request_leaves_nothing_behind() -> None:
@@ -361,13 +346,9 @@ async def test_a_request_that_starts_with_its_media_is_timed_from_the_encoder_st
     text token."""
     import numpy as np
 
-    from mstar.config import EngineConfig
-
     t = np.arange(16000) / 16000  # a second of a tone, as the HTTP layer decodes an input_audio part (16 kHz mono)
     heard = {"type": "audio", "audio": (0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)}
-    eng = Engine(EngineConfig(model="qwen3-omni-tiny", max_model_len=512))
-    await eng.start()
-    try:
+    async with running_engine("qwen3-omni-tiny", 512) as eng:
         messages = [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, heard]}]
         sp = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
         request = GenerateRequest("heard", "qwen3-omni-tiny", {"messages": messages}, sp, walk="chat")
@@ -381,8 +362,6 @@ async def test_a_request_that_starts_with_its_media_is_timed_from_the_encoder_st
         assert queue > 0 and prefill > 0
         assert queue + prefill <= value(samples, "mstar_time_to_first_token_seconds_sum")
         assert leftovers(eng._metrics) == {}
-    finally:
-        await eng.shutdown()
 
 
 async def test_a_batch_run_as_two_calls_starts_each_request_at_its_own_call(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -390,7 +369,6 @@ async def test_a_batch_run_as_two_calls_starts_each_request_at_its_own_call(monk
     write different values, so the step runs as two calls
     (`ComponentRunner.by_writes`); each request's start is its own call's,
     not the first call's (the second call waits for the first to end)."""
-    from mstar.config import EngineConfig
     from mstar.engine.execution.runner import ComponentRunner
 
     calls: list[tuple[list[str], float, float]] = []  # each prompt call's requests, its start and end
@@ -407,11 +385,9 @@ async def test_a_batch_run_as_two_calls_starts_each_request_at_its_own_call(monk
                 calls.append(([i.request_id for i in batch.items], t0, time.perf_counter()))
 
     monkeypatch.setattr(ComponentRunner, "compute", slow)
-    eng = Engine(EngineConfig(model="qwen3-omni-tiny", max_model_len=512))
-    await eng.start()
-    starts: dict[str, float] = {}
-    eng.add_report_hook(lambda r: starts.update(r.started))
-    try:
+    async with running_engine("qwen3-omni-tiny", 512) as eng:
+        starts: dict[str, float] = {}
+        eng.add_report_hook(lambda r: starts.update(r.started))
         hello = {"messages": [{"role": "user", "content": "hello"}]}
         sp = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0)
         chat = GenerateRequest("chat", "qwen3-omni-tiny", hello, sp, walk="chat")
@@ -425,5 +401,3 @@ async def test_a_batch_run_as_two_calls_starts_each_request_at_its_own_call(monk
         (one, t1, end1), (two, t2, _) = calls[:2]  # submitted together, they share a prompt step
         assert t2 >= end1  # the second call began after the first ended
         assert starts[one[0]] <= t1 and starts[two[0]] >= end1 - 1e-3
-    finally:
-        await eng.shutdown()
