@@ -171,7 +171,7 @@ class EngineMetrics:
 
     def outputs(self, request_ids: Sequence[str], modality: str) -> None:
         """Chunks were produced for these requests (one emit batch)."""
-        if modality != "audio" and self._await_draw:
+        if modality != "audio":
             # a step's own output (text tokens; a toy walk's data): before the first token's time below, so that
             # queue + prefill never exceed it. Audio comes from a codec, after the codes `sampled` brought
             self.drawn(request_ids)
