@@ -127,3 +127,42 @@ def test_better_priority_chunks_and_arrivals_still_let_running_groups_step() -> 
     chunks = seq.count("urgent")
     assert chunks == 13 and seq[-1] == "plain"
     assert all(seq[i + 1] == "group" for i, s in enumerate(seq[:-1]) if s == "urgent" and seq[i + 1] != "plain")
+
+
+def test_a_step_on_a_streams_first_chunk_goes_ahead_of_the_line_once() -> None:
+    """A consumer's step on a stream's first chunk (`leads`) goes in front of
+    its queue (behind other leading items, whatever their priority) and
+    takes that queue ahead of an older group; a prompt's later chunks do not
+    lead, nor does a queue once its leading items ran."""
+    caps = {("llm", "prefill"): ModeCaps(8, 16), ("llm", "decode"): ModeCaps(8, 32),
+            ("codec", "window"): ModeCaps(2, 2)}
+    sched = Scheduler(caps, {"llm": PagePool(256, 4)})
+    group = FakeGroup(4)
+    sched.add_group(("llm", "decode"), group)
+    assert sched.schedule().group is group  # its ticket is renewed: now behind what comes next
+    late = WorkItem("late", "codec-part", "codec", "window", priority=REALTIME_PRIORITY)
+    first = WorkItem("first", "codec-part", "codec", "window", priority=5, leads=True)
+    second = WorkItem("second", "codec-part", "codec", "window", leads=True)
+    for item in (late, first, second):
+        sched.add(item)
+    plan = sched.schedule()
+    assert plan.group is None and [i.request_id for i in plan.items] == ["first", "second"]
+    assert sched.schedule().group is group  # "late" leads nothing: the group's older ticket goes first
+    assert [i.request_id for i in sched.schedule().items] == ["late"]
+    long = WorkItem("long", "main", "llm", "prefill", num_tokens=40, pages_needed=10, starts_row=True,
+                    chunkable=True, leads=True)
+    sched.add(long)
+    seq = []
+    while sched.has_work() and "done" not in seq:
+        plan = sched.schedule()
+        if plan.group is not None:
+            seq.append("group")
+            if seq.count("long") >= 3:
+                seq.append("done")
+            continue
+        seq += [item.request_id for item in plan.items]
+        for item in plan.items:
+            item.granted = []
+            if item.partial:
+                sched.next_chunk(item)
+    assert seq[:4] == ["long", "group", "long", "group"]  # its first chunk leads; the others take turns

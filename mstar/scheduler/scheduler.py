@@ -3,7 +3,9 @@ building under per-mode caps, FIFO fairness, and KV page admission.
 
 Work items come in (`add`), batches go out (`schedule`). The queue served next
 is the one whose oldest item has waited longest, so prefills of new requests
-and decode steps of running ones take turns in arrival order. Within a queue,
+and decode steps of running ones take turns in arrival order; a queue headed
+by a step on a stream's first chunk (`WorkItem.leads`: a codec's first window,
+whose audio a listener waits for) goes before them all. Within a queue,
 an item of a better (lower) priority goes ahead of the others (`_insert`),
 and items are taken in order until a cap is reached or an item cannot get its
 pages; an item that cannot get pages waits at the head of its queue (nothing
@@ -126,13 +128,24 @@ class Scheduler(GroupSteps):
         queue keeps its place in line and the item goes where that one would
         have; each item lends its place once (and a prompt's next chunk takes
         none, `lend=False`), or a stream of better-priority arrivals, or of a
-        long prompt's chunks, would keep its queue ahead of running groups."""
+        long prompt's chunks, would keep its queue ahead of running groups.
+        A leading item (`WorkItem.leads`) goes in front of all but the
+        queue's other leading items."""
+        if item.leads:  # behind the queue's other leading items only
+            at = 0
+            while at < len(q) and q[at].leads:
+                at += 1
+            q.insert(at, item)
+            return
         if not q or q[-1].priority <= item.priority:
             q.append(item)
             return
         at = len(q)
-        while at > 0 and q[at - 1].priority > item.priority:
+        while at > 0 and q[at - 1].priority > item.priority and not q[at - 1].leads:
             at -= 1
+        if at == len(q):  # only leading items are worse: they keep the front
+            q.append(item)
+            return
         if lend and not q[at].passed:
             q[at].passed = True
             item.ticket = min(item.ticket, q[at].ticket)
@@ -225,11 +238,13 @@ class Scheduler(GroupSteps):
 
     def _next(self, in_flight: bool) -> StepPlan | None:
         self.held_back = False
-        order: list[tuple[int, int, QueueKey, Standing | None]] = [
-            (q[0].ticket, 0, key, None) for key, q in self._queues.items() if q]
-        order += [(g.group.ticket, 1, g.key, g) for g in self._groups if len(g.group)]
-        order.sort(key=lambda entry: (entry[0], entry[1]))
-        for _, _, key, standing in order:
+        # a queue headed by a step on a stream's first chunk goes first: that chunk came out of a step just read,
+        # and the producer's next step would otherwise go ahead of it (a listener's first audio a step later)
+        order: list[tuple[bool, int, int, QueueKey, Standing | None]] = [
+            (not q[0].leads, q[0].ticket, 0, key, None) for key, q in self._queues.items() if q]
+        order += [(True, g.group.ticket, 1, g.key, g) for g in self._groups if len(g.group)]
+        order.sort(key=lambda entry: entry[:3])
+        for _, _, _, key, standing in order:
             if standing is not None:
                 self._since_admit[key[0]] = self._since_admit.get(key[0], self.admit_every) + 1
                 return self._group_step(standing, in_flight)
@@ -365,7 +380,8 @@ class Scheduler(GroupSteps):
         back of the line, behind the steps of running rows."""
         item.done += item.chunk
         item.chunk = 0
-        item.starts_row = item.new_request = item.first_step = False
+        # nor do its later chunks lead: a long prompt would otherwise keep its queue ahead of the running groups
+        item.starts_row = item.new_request = item.first_step = item.leads = False
         item.ticket = next(self._tickets)
         self._insert(self._queues[item.key], item, lend=False)
 

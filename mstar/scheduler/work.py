@@ -40,6 +40,9 @@ class WorkItem:
     wait for other requests' arrivals. `first_step`: queued as its request's
     Submit was applied, of any component (a media encoder's too): the step
     that runs it ends the request's queue time (`StepReport.started`).
+    `leads`: a step on the first chunk of a stream's turn (a listener's first
+    audio waits on it, not only on the producer's steps): it goes to the front
+    of its queue, and that queue ahead of the line (`Scheduler._next`).
     """
 
     request_id: str
@@ -64,6 +67,7 @@ class WorkItem:
     passed: bool = False       # an item of better priority took its place in line (once: see `Scheduler._insert`)
     new_request: bool = False  # a just-submitted request's first step (cleared once its row started)
     first_step: bool = False   # queued as its request's Submit was applied, of any component (cleared once it ran)
+    leads: bool = False        # a step on a stream turn's first chunk: ahead of the line
 
     @property
     def key(self) -> QueueKey:

@@ -156,11 +156,13 @@ class Walker(GroupExits):
             return
         inputs: dict[str, TensorRef | list[StreamItem] | int] = {}
         stream = part.plan.stream
+        leads = False
         if stream is not None and stream.as_ in ins.step.inputs:
             chunk = self.streams.read(part)
             if chunk is None:
                 return  # parked until a chunk is cut, or the stream is over
             inputs[stream.as_], index = chunk
+            leads = index == 0
             if "@chunk" in ins.step.inputs:
                 inputs["@chunk"] = index
             for name in ins.step.outputs:  # a seeded consumer draws by its chunk's place in the segment
@@ -171,12 +173,12 @@ class Walker(GroupExits):
                 inputs[n] = (part.loops[ins.depth - 1].iteration if n == "@i" else
                              [part.values[f"{n}@{b}"] for b in joins[n]] if n in joins else part.values[n])
         if not ins.branches:
-            self.enqueue(part, ins.step, inputs)
+            self.enqueue(part, ins.step, inputs, leads=leads)
             return
         part.outstanding = len(ins.branches)
         for branch in ins.branches:  # one row each, queued together: they share the step
             self.enqueue(part, ins.step, {n: part.values[f"{n}@{branch}"] if n in ins.own else ref
-                                          for n, ref in inputs.items()}, branch)
+                                          for n, ref in inputs.items()}, branch, leads=leads)
 
     def _fork_rows(self, part: PartitionRun, fork: ForkRows) -> None:
         """Queue the split of `part`'s KV row: a page for each shared branch's
@@ -200,7 +202,9 @@ class Walker(GroupExits):
     # ------------------------------------------------------------ queueing
 
     def enqueue(self, part: PartitionRun, step: Step, inputs: dict[str, TensorRef | list[StreamItem] | int],
-                branch: str = "main") -> None:
+                branch: str = "main", leads: bool = False) -> None:
+        """Queue `part`'s `step` with `inputs`; `leads`: it reads the first
+        chunk of its stream's turn (`WorkItem.leads`)."""
         rid = part.request_id
         pool = self.pools.get(step.component)
         num_tokens, pages, starts_row, capped, prompt = 1, 0, False, branch == "main", PromptRow()
@@ -238,7 +242,7 @@ class Walker(GroupExits):
                                     needs_slot=needs_slot, capped=capped, prefix=prompt.prefix,
                                     chunkable=prompt.chunkable, priority=part.request.priority,
                                     new_request=starts_row and part.request.entering,
-                                    first_step=part.request.entering))
+                                    first_step=part.request.entering, leads=leads))
 
     @staticmethod
     def _follows(part: PartitionRun) -> bool:
