@@ -275,6 +275,8 @@ def main() -> None:
         p.error("--profile writes its tables to --metrics-dir")
     if "--audio-logits-only" in shlex.split(a.server_args or "") and not a.long_speech:
         p.error("a server with --audio-logits-only serves speech walks only: its long prompt needs --long-speech")
+    if a.metrics_dir is not None:  # before the server starts: a missing folder would end the run after its load
+        a.metrics_dir.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, on_sigterm)
     flags = ["--model", a.model, "--load-format", a.load_format, "--gpus", a.gpus]
     url, server, desc = start_server(a, flags + (["--enable-profiling"] if a.profile else []),
