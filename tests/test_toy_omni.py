@@ -378,12 +378,12 @@ async def test_frames_under_preemption_speak_the_same() -> None:
     worker = eng.workers[0]
     enqueue, idle_swaps = worker.walker.enqueue, []
 
-    def swap_idle_cp_rows(part, step, inputs, branch="main"):  # on the worker thread, as its walker runs
+    def swap_idle_cp_rows(part, step, inputs, branch="main", **kw):  # on the worker thread, as its walker runs
         row = part.rows.get(("cp", branch))
         if step.component == "cp" and step.mode == "prefill" and row is not None and row.pages:
             worker.preemption._swap_waiting(worker.scheduler, "cp", row, None)
             idle_swaps.append(part.request_id)
-        enqueue(part, step, inputs, branch)
+        enqueue(part, step, inputs, branch, **kw)
 
     worker.walker.enqueue = swap_idle_cp_rows
     try:
