@@ -124,17 +124,19 @@ class EngineMetrics:
         self.refused = 0  # requests turned away: the waiting line full (429), or a drain before they began (503)
         self._submitted_at: dict[str, float] = {}
         self._first_at: dict[str, float] = {}  # when a request's first output of any kind came
-        # a request's time to its first token, split (vLLM's request_queue/prefill/decode_time_seconds): submit
-        # to its first step's start (waiting), that start to its first drawn token (computing), and that token
-        # to the end of an answer that ran to it. Workers report the start of the step that ran the request's
-        # first work item (`WorkItem.first_step`: its first prompt chunk, or the media encoder's step before it)
+        # an answer's time, split (vLLM's request_queue/prefill/decode_time_seconds): submit to its first step's
+        # start (waiting), that start to its first drawn token (computing), and that token to its end. Workers
+        # report the start of the step that ran the request's first work item (`WorkItem.first_step`: its first
+        # prompt chunk, or the media encoder's step before it). All three are observed as the answer ends, as
+        # vLLM records a finished request's: the same answers in each, which add up to their end-to-end time
         self.queue_time = Histogram(LATENCY_BUCKETS)
         self.prefill_time = Histogram(LATENCY_BUCKETS)
         self.decode_time = Histogram(E2E_BUCKETS)
-        # as `_await_text`: submit times until the first step started, then its start until the first token
-        # is drawn; small, and empty in the steady state, where the per-row checks are one `if not dict`
+        # as `_await_text`: requests until their first step started, then until their first token is drawn;
+        # small, and empty in the steady state, where the per-row checks are one `if not dict`
         self._await_start: dict[str, float] = {}
         self._await_draw: dict[str, float] = {}
+        self._started_at: dict[str, float] = {}  # when a request's first step started, until it ends
         self._drawn_at: dict[str, float] = {}  # when a request's first token was drawn, until it ends
 
     # ----------------------------------------------------------- recording
@@ -155,10 +157,8 @@ class EngineMetrics:
         if not waiting:
             return
         for rid, at in starts:
-            t0 = waiting.pop(rid, None)
-            if t0 is not None:
-                self.queue_time.observe(at - t0)
-                self._await_draw[rid] = at
+            if waiting.pop(rid, None) is not None:
+                self._started_at[rid] = self._await_draw[rid] = at
 
     def drawn(self, request_ids: Sequence[str]) -> None:
         """A report read now brings tokens these requests drew (text tokens
@@ -167,7 +167,10 @@ class EngineMetrics:
         waiting = self._await_draw
         if not waiting:  # the steady state: every running request has drawn its first token
             return
-        _firsts(waiting, request_ids, self.prefill_time, self._drawn_at)
+        now = time.perf_counter()
+        for rid in request_ids:
+            if waiting.pop(rid, None) is not None:
+                self._drawn_at[rid] = now
 
     def outputs(self, request_ids: Sequence[str], modality: str) -> None:
         """Chunks were produced for these requests (one emit batch)."""
@@ -188,8 +191,8 @@ class EngineMetrics:
         """The request produces no more chunks (aborted, timed out): nothing
         of it is timed, and it leaves every per-request dict now (its
         workers' confirmation may never come)."""
-        for times in (self._await_text, self._await_audio, self._await_start, self._await_draw, self._drawn_at,
-                      self._submitted_at, self._first_at):
+        for times in (self._await_text, self._await_audio, self._await_start, self._await_draw, self._started_at,
+                      self._drawn_at, self._submitted_at, self._first_at):
             times.pop(request_id, None)
 
     def generated(self, tokens: int) -> None:
@@ -205,9 +208,10 @@ class EngineMetrics:
         drawn after `prompt_tokens`, `counted` of them counted already as
         they came (`generated`): the rest count now. An answer that ran to
         its end ("stop", "length") is timed whole and per output token after
-        its first, and from its first drawn token to its end."""
+        its first, and split: waiting, computing to its first drawn token,
+        and from there to its end."""
         t0, first = self._submitted_at.get(request_id), self._first_at.get(request_id)
-        drawn = self._drawn_at.get(request_id)
+        started, drawn = self._started_at.get(request_id), self._drawn_at.get(request_id)
         self.forget(request_id)
         self.requests[status if status in self.requests else "error"] += 1
         self.prompt_tokens += prompt_tokens
@@ -219,6 +223,10 @@ class EngineMetrics:
             return
         if t0 is not None:
             self.e2e.observe(now - t0)
+            if started is not None:
+                self.queue_time.observe(started - t0)
+        if started is not None and drawn is not None:
+            self.prefill_time.observe(drawn - started)
         if drawn is not None:
             self.decode_time.observe(now - drawn)
         if first is not None and output_tokens > 1:
@@ -276,13 +284,14 @@ class EngineMetrics:
             family("mstar_time_to_first_audio_seconds", "histogram",
                    "Seconds from submit to the first chunk with audio.", self.ttfa),
             family("mstar_request_queue_time_seconds", "histogram",
-                   "Seconds from submit to the start of the first worker step that computed any of the request's "
-                   "work (its media's encoding, or its first prompt chunk in a prompt step or a decode step it "
-                   "rode in): time waiting.",
+                   "Per answer that ran to its end (stop, length): seconds from submit to the start of the first "
+                   "worker step that computed any of its work (its media's encoding, or its first prompt chunk in "
+                   "a prompt step or a decode step it rode in): time waiting.",
                    self.queue_time),
             family("mstar_request_prefill_time_seconds", "histogram",
-                   "Seconds from the start of a request's first step to its first drawn token (a text token, or "
-                   "a spoken answer's first audio code), as the event loop reads it.", self.prefill_time),
+                   "Per answer that ran to its end (stop, length): seconds from the start of its first step to "
+                   "its first drawn token (a text token, or a spoken answer's first audio code), as the event "
+                   "loop reads it.", self.prefill_time),
             family("mstar_request_decode_time_seconds", "histogram",
                    "Per answer that ran to its end (stop, length): seconds from its first drawn token to its end.",
                    self.decode_time),
