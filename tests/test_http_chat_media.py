@@ -202,6 +202,8 @@ def test_parts_are_read_in_place_without_decoding() -> None:
     ({"type": "image_url", "image_url": 7}, "image_url", "JSON object"),
     ({"type": "image_url", "image_url": {"url": "data:,", "detial": "low"}}, "image_url.detial", "unknown field"),
     ({"type": "input_audio", "input_audio": {"data": "AAAA", "fromat": "wav"}}, "input_audio.fromat", "unknown field"),
+    ({"type": "refusal", "refusal": "no"}, "type", "assistant message"),
+    ({"type": "input_text"}, "text", "required"),
 ])
 def test_malformed_parts_are_refused_naming_their_field(part: dict[str, Any], field: str, says: str) -> None:
     with pytest.raises(RequestError) as caught:
@@ -216,6 +218,20 @@ def test_an_empty_array_of_parts_is_refused_but_from_the_assistant() -> None:
     messages = read_messages(Fields({"messages": [{"role": "user", "content": "hi"},
                                                   {"role": "assistant", "content": []}]}))
     assert messages[1] == {"role": "assistant", "content": ""}
+
+
+def test_input_text_parts_and_an_answers_refusal_parts_are_text() -> None:
+    """As vLLM reads them: the Responses API's `input_text`, and an earlier
+    answer's `refusal` replayed in the history (OpenAI's schema allows it in
+    assistant messages only)."""
+    messages = read_messages(Fields({"messages": [
+        {"role": "user", "content": [{"type": "input_text", "text": "hi"}, {"type": "text", "text": "there"}]},
+        {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't help with that."}]}]}))
+    assert messages == ({"role": "user", "content": "hi\nthere"},
+                        {"role": "assistant", "content": "I can't help with that."})
+    with pytest.raises(RequestError) as caught:
+        read_messages(Fields({"messages": [{"role": "assistant", "content": [{"type": "refusal"}]}]}))
+    assert caught.value.field == "messages[0].content[0].refusal"
 
 
 def test_the_limits_are_flags() -> None:

@@ -211,7 +211,11 @@ COMPLETION_REQUEST: Schema = {
 }
 
 TEXT_PART: Schema = {"type": "object", "required": ["type", "text"],
-                     "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+                     "properties": {"type": {"enum": ["text", "input_text"]}, "text": {"type": "string"}},
+                     "description": "`input_text` (the Responses API's name) is read as `text`"}
+REFUSAL_PART: Schema = {"type": "object", "required": ["type", "refusal"],
+                        "properties": {"type": {"const": "refusal"}, "refusal": {"type": "string"}},
+                        "description": "an assistant message's only (an earlier answer replayed): read as its text"}
 AUDIO_PART: Schema = {
     "type": "object",
     "required": ["type", "input_audio"],
@@ -251,7 +255,7 @@ IMAGE_PART: Schema = {
     },
     "description": "for a model whose `input_modalities` include `image`",
 }
-CONTENT_PART: Schema = {"oneOf": [TEXT_PART, AUDIO_PART, IMAGE_PART]}
+CONTENT_PART: Schema = {"oneOf": [TEXT_PART, REFUSAL_PART, AUDIO_PART, IMAGE_PART]}
 
 CHAT_MESSAGE: Schema = {
     "type": "object",

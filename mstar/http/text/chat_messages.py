@@ -7,7 +7,9 @@ parts keeps its parts in order, so that a part's index is the one the
 client sent (the model names `messages[i].content[j]` in its errors): text
 parts as `{"type": "text", "text"}`, media parts as `MediaPart`s whose
 payload is not decoded here; `chat_media.py` decodes them off the event
-loop and puts the arrays in their place. Tool calls and unknown roles or
+loop and puts the arrays in their place. An `input_text` part is text, as
+is an assistant message's `refusal` part (replayed history, as vLLM reads
+it). Tool calls and unknown roles or
 part types are refused naming the field, and so is an assistant message's
 `audio` (an earlier spoken answer by id: none is kept). Importable without
 torch.
@@ -23,7 +25,9 @@ from mstar.http.fields import Fields, type_name
 from mstar.http.media import audio_format
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-PART_TYPES = ("text", "input_audio", "image_url")
+PART_TYPES = ("text", "input_text", "refusal", "input_audio", "image_url")
+# parts read as text: the Responses API's `input_text` as vLLM reads it, and an earlier answer's `refusal`
+TEXT_KEYS = {"text": "text", "input_text": "text", "refusal": "refusal"}
 IMAGE_DETAILS = ("auto", "low", "high")  # OpenAI's; accepted and ignored: a model sees every image whole
 # a media part's own object is refused with a key it does not know (a typo, such as `detial`); a message or a
 # part with extra keys passes, as vLLM's do: clients carry keys of other APIs (`annotations`, `cache_control`)
@@ -103,19 +107,22 @@ def _read_content(m: Fields, role: str) -> str | list[dict[str, str] | MediaPart
         raise m.error("content", "must be a string or an array of content parts")
     if not value and role != "assistant":  # OpenAI's too: an array of at least one part (an answer may be empty)
         raise m.error("content", "is an empty array; it needs at least one content part")
-    parts = [_read_part(Fields(raw, f"{m.name('content')}[{j}].")) for j, raw in enumerate(value)]
+    parts = [_read_part(Fields(raw, f"{m.name('content')}[{j}]."), role) for j, raw in enumerate(value)]
     if any(isinstance(p, MediaPart) for p in parts):
         return parts
     return "\n".join(p["text"] for p in parts if isinstance(p, dict))
 
 
-def _read_part(part: Fields) -> dict[str, str] | MediaPart:
+def _read_part(part: Fields, role: str) -> dict[str, str] | MediaPart:
     kind = part.string("type")
     at = part.prefix.rstrip(".")
-    if kind == "text":
-        text = part.string("text")
+    if kind == "refusal" and role != "assistant":
+        raise part.error("type", "a refusal part belongs to an assistant message")
+    if kind in TEXT_KEYS:
+        key = TEXT_KEYS[kind]
+        text = part.string(key)
         if text is None:
-            raise part.error("text", "is required")
+            raise part.error(key, "is required")
         return {"type": "text", "text": text}
     if kind not in PART_TYPES:
         raise part.error("type", f"content part type {kind!r} is not supported; one of {list(PART_TYPES)} is")
