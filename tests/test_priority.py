@@ -166,3 +166,24 @@ def test_a_step_on_a_streams_first_chunk_goes_ahead_of_the_line_once() -> None:
             if item.partial:
                 sched.next_chunk(item)
     assert seq[:4] == ["long", "group", "long", "group"]  # its first chunk leads; the others take turns
+
+
+def test_a_first_chunk_waits_in_line_while_the_step_in_flight_cuts_more() -> None:
+    """Where the producer's step in flight cuts more chunks for the same
+    consumer (`Scheduler.cuts_next`, the walker's streams), a first chunk
+    keeps its place in line: ahead, it would take a consumer step of its
+    own, and those chunks another."""
+    caps = {("llm", "decode"): ModeCaps(8, 32), ("codec", "window"): ModeCaps(8, 8)}
+    sched = Scheduler(caps, {"llm": PagePool(64, 4)})
+    group = FakeGroup(4)
+    sched.add_group(("llm", "decode"), group)
+    cutting = {"codec-part": True}
+    sched.cuts_next = lambda partition: cutting.get(partition, False)
+    assert sched.schedule().group is group
+    sched.add(WorkItem("first", "codec-part", "codec", "window", leads=True))
+    assert sched.schedule().group is group  # in line: the group's ticket is older
+    sched.add(WorkItem("next", "codec-part", "codec", "window"))
+    cutting["codec-part"] = False
+    assert [i.request_id for i in sched.schedule().items] == ["first", "next"]
+    sched.add(WorkItem("other", "other-part", "codec", "window", leads=True))
+    assert [i.request_id for i in sched.schedule().items] == ["other"]  # another consumer's chunks: none cut

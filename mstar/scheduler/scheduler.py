@@ -5,7 +5,8 @@ Work items come in (`add`), batches go out (`schedule`). The queue served next
 is the one whose oldest item has waited longest, so prefills of new requests
 and decode steps of running ones take turns in arrival order; a queue headed
 by a step on a stream's first chunk (`WorkItem.leads`: a codec's first window,
-whose audio a listener waits for) goes before them all. Within a queue,
+whose audio a listener waits for) goes before them all, unless the step in
+flight cuts more chunks for it (`_leads`). Within a queue,
 an item of a better (lower) priority goes ahead of the others (`_insert`),
 and items are taken in order until a cap is reached or an item cannot get its
 pages; an item that cannot get pages waits at the head of its queue (nothing
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
+from collections.abc import Callable
 
 from mstar.scheduler.group_steps import GroupSteps, Standing
 from mstar.scheduler.pages import PagePool
@@ -81,6 +83,9 @@ class Scheduler(GroupSteps):
         self.mix = dict(mix or {})
         self.mix_tokens = dict(mix_tokens or {})
         self._since_admit: dict[str, int] = {}  # group steps per component since a step started rows
+        # whether the group step launched last will cut a chunk for a consumer partition (by name) when it is
+        # read: the walker's streams say (`Streams.cuts_next`); without streams, never
+        self.cuts_next: Callable[[str], bool] = lambda partition: False
         self.caps = dict(caps)
         self.pools = dict(pools or {})
         self.caches = {name: PrefixCache(pool) for name, pool in self.pools.items()} if prefix_caching else {}
@@ -238,10 +243,8 @@ class Scheduler(GroupSteps):
 
     def _next(self, in_flight: bool) -> StepPlan | None:
         self.held_back = False
-        # a queue headed by a step on a stream's first chunk goes first: that chunk came out of a step just read,
-        # and the producer's next step would otherwise go ahead of it (a listener's first audio a step later)
         order: list[tuple[bool, int, int, QueueKey, Standing | None]] = [
-            (not q[0].leads, q[0].ticket, 0, key, None) for key, q in self._queues.items() if q]
+            (not self._leads(key, q), q[0].ticket, 0, key, None) for key, q in self._queues.items() if q]
         order += [(True, g.group.ticket, 1, g.key, g) for g in self._groups if len(g.group)]
         order.sort(key=lambda entry: entry[:3])
         for _, _, _, key, standing in order:
@@ -257,6 +260,18 @@ class Scheduler(GroupSteps):
                 # a KV step changes pages and groups that launched steps read
                 return StepPlan(key[0], key[1], items, settle=key[0] in self.pools)
         return None
+
+    def _leads(self, key: QueueKey, q: deque[WorkItem]) -> bool:
+        """Whether `key`'s queue goes ahead of the line: headed by a step on a
+        stream's first chunk, which came out of a step just read (after the
+        producer's next step, a listener's first audio would come a step
+        later), while the step in flight cuts no chunk for it. In line, the
+        queue would run after that step's read, with the chunks it cuts;
+        ahead of it, those would take a step of their own (beside many
+        streams in many phases, a codec step after every decode step instead
+        of every other, each with its fixed cost). So it leads only where
+        it runs the same steps as in line, sooner."""
+        return q[0].leads and not self.cuts_next(q[0].partition)
 
     def _admission_waits(self, key: QueueKey) -> bool:
         """Whether `key`'s queue, headed by a row that would start, waits: on

@@ -86,6 +86,7 @@ class Walker(GroupExits):
         self.cursor = Cursor(self)
         self.turns = Turns(self, join_turn, on_awaiting, min_turn_tokens)
         self.streams = Streams(self, send)
+        scheduler.cuts_next = self.streams.cuts_next  # a first chunk leads only where it costs no extra step
 
     # --------------------------------------------------------------- start
 

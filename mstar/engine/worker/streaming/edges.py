@@ -67,6 +67,8 @@ class Streams:
         self._watching = walker.scheduler.steps.most > 1
         self._first: dict[int, PartitionRun] = {}
         self._sent: dict[tuple[str, str], _Sent] = {}  # by (request, consumer): the turns sent to other workers
+        # by consumer partition: whether the last group step read here left a row whose next item cuts a chunk
+        self._cut_next: dict[str, bool] = {}
 
     # ------------------------------------------------------ producer side
 
@@ -113,6 +115,8 @@ class Streams:
         `feed`. At hundreds of rows a step the per-row call chain is the cost."""
         runs = bool(ids) and isinstance(ids[0], list)
         watching = self._watching
+        fed: set[str] = set()  # consumer partitions fed here, and those that cut at their next item
+        cutting: set[str] = set()
         for part, items in zip(parts, ids):
             run = part.request
             plans = run.walk.streams.get(value, ())
@@ -135,6 +139,19 @@ class Streams:
                         self._wake(cons)
                 elif buf.pending and cons.parked:  # a chunk already waits for it: as `feed`, wake it
                     self._wake(cons)
+            if direct:
+                fed.add(sp.consumer)
+                if buf.produced + 1 - buf.segment_start >= buf.due:
+                    cutting.add(sp.consumer)
+        for name in fed:
+            self._cut_next[name] = name in cutting
+
+    def cuts_next(self, consumer: str) -> bool:
+        """Whether the next item of some row of the group step read last
+        here cuts a chunk for consumer partitions named `consumer` (the
+        scheduler's `cuts_next`: a first chunk goes ahead of the producer's
+        step only where that step cuts no other)."""
+        return self._cut_next.get(consumer, False)
 
     def _carried(self, part: PartitionRun, sp: StreamPlan) -> dict[str, TensorRef]:
         """The producer's values the consumer reads, each with a reference of
