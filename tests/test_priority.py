@@ -5,6 +5,7 @@ routes read it and realtime sessions ask for REALTIME_PRIORITY."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import pytest
 
@@ -101,6 +102,24 @@ def test_admit_every_holds_new_rows_until_running_groups_have_stepped() -> None:
     assert [i.request_id for i in sched.schedule().items] == ["late"]
 
 
+def _order(sched: Scheduler, done: Callable[[list[str]], bool]) -> list[str]:
+    """What the scheduler's plans run until `done` says so: each item's
+    request, or "group" for a group step; an item's pages are taken as
+    granted, and a chunked prompt's next chunk goes back in line."""
+    seq: list[str] = []
+    while not done(seq):
+        plan = sched.schedule()
+        if plan.group is not None:
+            seq.append("group")
+            continue
+        seq += [item.request_id for item in plan.items]
+        for item in plan.items:
+            item.granted = []
+            if item.partial:
+                sched.next_chunk(item)
+    return seq
+
+
 def test_better_priority_chunks_and_arrivals_still_let_running_groups_step() -> None:
     """Each waiting item lends its place in line once, and a prompt's next
     chunk borrows none: otherwise its queue would keep the oldest ticket."""
@@ -113,17 +132,7 @@ def test_better_priority_chunks_and_arrivals_still_let_running_groups_step() -> 
                     chunkable=True, priority=REALTIME_PRIORITY)
     sched.add(waiting)
     sched.add(long)
-    seq = []
-    while "plain" not in seq:
-        plan = sched.schedule()
-        if plan.group is not None:
-            seq.append("group")
-            continue
-        seq += [item.request_id for item in plan.items]
-        for item in plan.items:
-            item.granted = []
-            if item.partial:
-                sched.next_chunk(item)
+    seq = _order(sched, lambda seq: "plain" in seq)
     chunks = seq.count("urgent")
     assert chunks == 13 and seq[-1] == "plain"
     assert all(seq[i + 1] == "group" for i, s in enumerate(seq[:-1]) if s == "urgent" and seq[i + 1] != "plain")
@@ -152,19 +161,7 @@ def test_a_step_on_a_streams_first_chunk_goes_ahead_of_the_line_once() -> None:
     long = WorkItem("long", "main", "llm", "prefill", num_tokens=40, pages_needed=10, starts_row=True,
                     chunkable=True, leads=True)
     sched.add(long)
-    seq = []
-    while sched.has_work() and "done" not in seq:
-        plan = sched.schedule()
-        if plan.group is not None:
-            seq.append("group")
-            if seq.count("long") >= 3:
-                seq.append("done")
-            continue
-        seq += [item.request_id for item in plan.items]
-        for item in plan.items:
-            item.granted = []
-            if item.partial:
-                sched.next_chunk(item)
+    seq = _order(sched, lambda seq: seq.count("long") >= 3)
     assert seq[:4] == ["long", "group", "long", "group"]  # its first chunk leads; the others take turns
 
 
