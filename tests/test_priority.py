@@ -140,9 +140,9 @@ def test_better_priority_chunks_and_arrivals_still_let_running_groups_step() -> 
 
 def test_a_step_on_a_streams_first_chunk_goes_ahead_of_the_line_once() -> None:
     """A consumer's step on a stream's first chunk (`leads`) goes in front of
-    its queue (behind other leading items, whatever their priority) and
-    takes that queue ahead of an older group; a prompt's later chunks do not
-    lead, nor does a queue once its leading items ran."""
+    its queue (behind leading items of its priority or better) and takes
+    that queue ahead of an older group; a prompt's later chunks do not lead,
+    nor does a queue once its leading items ran."""
     caps = {("llm", "prefill"): ModeCaps(8, 16), ("llm", "decode"): ModeCaps(8, 32),
             ("codec", "window"): ModeCaps(2, 2)}
     sched = Scheduler(caps, {"llm": PagePool(256, 4)})
@@ -155,7 +155,7 @@ def test_a_step_on_a_streams_first_chunk_goes_ahead_of_the_line_once() -> None:
     for item in (late, first, second):
         sched.add(item)
     plan = sched.schedule()
-    assert plan.group is None and [i.request_id for i in plan.items] == ["first", "second"]
+    assert plan.group is None and [i.request_id for i in plan.items] == ["second", "first"]
     assert sched.schedule().group is group  # "late" leads nothing: the group's older ticket goes first
     assert [i.request_id for i in sched.schedule().items] == ["late"]
     long = WorkItem("long", "main", "llm", "prefill", num_tokens=40, pages_needed=10, starts_row=True,
@@ -166,21 +166,31 @@ def test_a_step_on_a_streams_first_chunk_goes_ahead_of_the_line_once() -> None:
 
 
 def test_a_first_chunk_waits_in_line_while_the_step_in_flight_cuts_more() -> None:
-    """Where the producer's step in flight cuts more chunks for the same
-    consumer (`Scheduler.cuts_next`, the walker's streams), a first chunk
-    keeps its place in line: ahead, it would take a consumer step of its
-    own, and those chunks another."""
-    caps = {("llm", "decode"): ModeCaps(8, 32), ("codec", "window"): ModeCaps(8, 8)}
+    """Where reading the producer's step in flight will wake a consumer onto
+    the same queue (`Scheduler.cuts_next`, the walker's streams), a first
+    chunk keeps its queue's place in line: ahead, it would take a consumer
+    step of its own, and those chunks another. Older items of its queue keep
+    theirs; with no step in flight nothing is cut meanwhile."""
+    caps = {("llm", "decode"): ModeCaps(8, 32), ("codec", "window"): ModeCaps(2, 2)}
     sched = Scheduler(caps, {"llm": PagePool(64, 4)})
     group = FakeGroup(4)
     sched.add_group(("llm", "decode"), group)
     cutting = {"codec-part": True}
-    sched.cuts_next = lambda partition: cutting.get(partition, False)
-    assert sched.schedule().group is group
+    sched.cuts_next = lambda item: cutting.get(item.partition, False)
+    assert sched.schedule(in_flight=True).group is group
     sched.add(WorkItem("first", "codec-part", "codec", "window", leads=True))
-    assert sched.schedule().group is group  # in line: the group's ticket is older
-    sched.add(WorkItem("next", "codec-part", "codec", "window"))
+    assert sched.schedule(in_flight=True).group is group  # in line: the group's ticket is older
+    assert sched.schedule(in_flight=False).items[0].request_id == "first"  # nothing in flight: nothing cut
+    # older windows than the group's renewed ticket: a first chunk in line in front of them keeps their place
+    for rid in ("w1", "w2", "w3"):
+        sched.add(WorkItem(rid, "codec-part", "codec", "window"))
+    assert sched.schedule(in_flight=True).group is group
+    assert [i.request_id for i in sched.schedule(in_flight=True).items] == ["w1", "w2"]
+    sched.add(WorkItem("second", "codec-part", "codec", "window", leads=True))
+    assert [i.request_id for i in sched.schedule(in_flight=True).items] == ["second", "w3"]
+    sched.add(WorkItem("other", "other-part", "codec", "window", leads=True))  # another consumer's: none cut
+    assert [i.request_id for i in sched.schedule(in_flight=True).items] == ["other"]
     cutting["codec-part"] = False
-    assert [i.request_id for i in sched.schedule().items] == ["first", "next"]
-    sched.add(WorkItem("other", "other-part", "codec", "window", leads=True))
-    assert [i.request_id for i in sched.schedule().items] == ["other"]  # another consumer's chunks: none cut
+    assert sched.schedule(in_flight=True).group is group
+    sched.add(WorkItem("third", "codec-part", "codec", "window", leads=True))
+    assert [i.request_id for i in sched.schedule(in_flight=True).items] == ["third"]

@@ -83,9 +83,9 @@ class Scheduler(GroupSteps):
         self.mix = dict(mix or {})
         self.mix_tokens = dict(mix_tokens or {})
         self._since_admit: dict[str, int] = {}  # group steps per component since a step started rows
-        # whether the group step launched last will cut a chunk for a consumer partition (by name) when it is
-        # read: the walker's streams say (`Streams.cuts_next`); without streams, never
-        self.cuts_next: Callable[[str], bool] = lambda partition: False
+        # whether reading the group step in flight will queue another consumer step beside an item (a chunk it
+        # cuts wakes a parked consumer onto the item's queue): the walker's streams say (`Streams.cuts_next`)
+        self.cuts_next: Callable[[WorkItem], bool] = lambda item: False
         self.caps = dict(caps)
         self.pools = dict(pools or {})
         self.caches = {name: PrefixCache(pool) for name, pool in self.pools.items()} if prefix_caching else {}
@@ -135,11 +135,14 @@ class Scheduler(GroupSteps):
         none, `lend=False`), or a stream of better-priority arrivals, or of a
         long prompt's chunks, would keep its queue ahead of running groups.
         A leading item (`WorkItem.leads`) goes in front of all but the
-        queue's other leading items."""
-        if item.leads:  # behind the queue's other leading items only
+        queue's leading items of its priority or better, and takes the ticket
+        of the first it passes."""
+        if item.leads:  # behind the queue's leading items of its priority or better only
             at = 0
-            while at < len(q) and q[at].leads:
+            while at < len(q) and q[at].leads and q[at].priority <= item.priority:
                 at += 1
+            if at < len(q):  # the queue keeps its place in line, should it not lead
+                item.ticket = min(item.ticket, q[at].ticket)
             q.insert(at, item)
             return
         if not q or q[-1].priority <= item.priority:
@@ -244,7 +247,7 @@ class Scheduler(GroupSteps):
     def _next(self, in_flight: bool) -> StepPlan | None:
         self.held_back = False
         order: list[tuple[bool, int, int, QueueKey, Standing | None]] = [
-            (not self._leads(key, q), q[0].ticket, 0, key, None) for key, q in self._queues.items() if q]
+            (not self._leads(q, in_flight), q[0].ticket, 0, key, None) for key, q in self._queues.items() if q]
         order += [(True, g.group.ticket, 1, g.key, g) for g in self._groups if len(g.group)]
         order.sort(key=lambda entry: entry[:3])
         for _, _, _, key, standing in order:
@@ -261,7 +264,7 @@ class Scheduler(GroupSteps):
                 return StepPlan(key[0], key[1], items, settle=key[0] in self.pools)
         return None
 
-    def _leads(self, key: QueueKey, q: deque[WorkItem]) -> bool:
+    def _leads(self, q: deque[WorkItem], in_flight: bool) -> bool:
         """Whether `key`'s queue goes ahead of the line: headed by a step on a
         stream's first chunk, which came out of a step just read (after the
         producer's next step, a listener's first audio would come a step
@@ -270,8 +273,9 @@ class Scheduler(GroupSteps):
         ahead of it, those would take a step of their own (beside many
         streams in many phases, a codec step after every decode step instead
         of every other, each with its fixed cost). So it leads only where
-        it runs the same steps as in line, sooner."""
-        return q[0].leads and not self.cuts_next(q[0].partition)
+        it runs the same steps as in line, sooner. With no step in flight,
+        none is cut meanwhile."""
+        return q[0].leads and not (in_flight and self.cuts_next(q[0]))
 
     def _admission_waits(self, key: QueueKey) -> bool:
         """Whether `key`'s queue, headed by a row that would start, waits: on

@@ -77,6 +77,7 @@ class Router:
         p.wait()
         waited = time.perf_counter() - t0
         host = p.host.clone()  # its pinned buffer is reused two launches on; the event loop reads later
+        self.walker.streams.begin_read()
         leaving = group.finalize(p)
         valid = group.valid_rows(p)
         rows = p.rows

@@ -38,6 +38,7 @@ from mstar.graph import Items, StreamPlan
 
 if TYPE_CHECKING:
     from mstar.engine.worker.walker import Walker
+    from mstar.scheduler import WorkItem
 
 Send = Callable[[int, object], None]  # (worker index, message)
 
@@ -67,8 +68,11 @@ class Streams:
         self._watching = walker.scheduler.steps.most > 1
         self._first: dict[int, PartitionRun] = {}
         self._sent: dict[tuple[str, str], _Sent] = {}  # by (request, consumer): the turns sent to other workers
-        # by consumer partition: whether the last group step read here left a row whose next item cuts a chunk
-        self._cut_next: dict[str, bool] = {}
+        # the queues (consumer partition, component, mode) that the group step in flight will wake a parked
+        # consumer on when it is read (a row's next item cuts a chunk), as the last read of each consumer's
+        # producers left them; and the consumer partitions the read under way has fed so far
+        self._cut_keys: set[tuple[str, str, str]] = set()
+        self._read_fed: set[str] = set()
 
     # ------------------------------------------------------ producer side
 
@@ -115,8 +119,8 @@ class Streams:
         `feed`. At hundreds of rows a step the per-row call chain is the cost."""
         runs = bool(ids) and isinstance(ids[0], list)
         watching = self._watching
-        fed: set[str] = set()  # consumer partitions fed here, and those that cut at their next item
-        cutting: set[str] = set()
+        fed: set[str] = set()  # consumer partitions fed here
+        cutting: set[tuple[str, str, str]] = set()  # the queues their next items wake parked consumers on
         for part, items in zip(parts, ids):
             run = part.request
             plans = run.walk.streams.get(value, ())
@@ -141,17 +145,27 @@ class Streams:
                     self._wake(cons)
             if direct:
                 fed.add(sp.consumer)
-                if buf.produced + 1 - buf.segment_start >= buf.due:
-                    cutting.add(sp.consumer)
-        for name in fed:
-            self._cut_next[name] = name in cutting
+                # before its first item a buffer's `due` is 0: its policy's first chunk says when it cuts
+                if cons.parked and buf.produced + 1 - buf.segment_start >= (buf.due or sp.chunks.due(0)):
+                    ins = cons.instr()
+                    if ins is not None:
+                        cutting.add((sp.consumer, ins.step.component, ins.step.mode))
+        if fresh := fed - self._read_fed:  # a read's routes each feed: the first of them drops the last read's
+            self._cut_keys = {key for key in self._cut_keys if key[0] not in fresh}
+            self._read_fed |= fresh
+        self._cut_keys |= cutting
 
-    def cuts_next(self, consumer: str) -> bool:
-        """Whether the next item of some row of the group step read last
-        here cuts a chunk for consumer partitions named `consumer` (the
-        scheduler's `cuts_next`: a first chunk goes ahead of the producer's
-        step only where that step cuts no other)."""
-        return self._cut_next.get(consumer, False)
+    def begin_read(self) -> None:
+        """A group step's read begins: its `feed_ids` calls (one a route)
+        say together what the step launched after it will cut."""
+        self._read_fed.clear()
+
+    def cuts_next(self, item: WorkItem) -> bool:
+        """Whether reading the group step in flight will wake a parked
+        consumer onto `item`'s queue: its partition's name, component and
+        mode (the scheduler's `cuts_next`: a first chunk goes ahead of that
+        step only where it would run no more steps than in line)."""
+        return (item.partition, item.component, item.mode) in self._cut_keys
 
     def _carried(self, part: PartitionRun, sp: StreamPlan) -> dict[str, TensorRef]:
         """The producer's values the consumer reads, each with a reference of
