@@ -265,7 +265,7 @@ class Scheduler(GroupSteps):
         return None
 
     def _leads(self, q: deque[WorkItem], in_flight: bool) -> bool:
-        """Whether `key`'s queue goes ahead of the line: headed by a step on a
+        """Whether queue `q` goes ahead of the line: headed by a step on a
         stream's first chunk, which came out of a step just read (after the
         producer's next step, a listener's first audio would come a step
         later), while the step in flight cuts no chunk for it. In line, the

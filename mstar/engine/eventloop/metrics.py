@@ -90,17 +90,6 @@ class GCPauses:
             gc.callbacks.remove(self._on_gc)
 
 
-def _firsts(waiting: dict[str, float], request_ids: Sequence[str], hist: Histogram, seen: dict[str, float]) -> None:
-    """The requests of `request_ids` still `waiting` (since when) stop waiting now: `hist` times each wait, and
-    `seen` keeps when it ended (the first end, should one come again)."""
-    now = time.perf_counter()
-    for rid in request_ids:
-        t0 = waiting.pop(rid, None)
-        if t0 is not None:
-            hist.observe(now - t0)
-            seen.setdefault(rid, now)
-
-
 class EngineMetrics:
     def __init__(self) -> None:
         self.requests: dict[str, int] = dict.fromkeys(STATUSES, 0)
@@ -184,8 +173,14 @@ class EngineMetrics:
             waiting, hist = self._await_audio, self.ttfa
         else:
             return
-        if waiting:  # else the steady state: every running request has had its first output
-            _firsts(waiting, request_ids, hist, self._first_at)
+        if not waiting:  # the steady state: every running request has had its first output
+            return
+        now = time.perf_counter()
+        for rid in request_ids:
+            t0 = waiting.pop(rid, None)
+            if t0 is not None:
+                hist.observe(now - t0)
+                self._first_at.setdefault(rid, now)  # the first output of any kind
 
     def forget(self, request_id: str) -> None:
         """The request produces no more chunks (aborted, timed out): nothing
