@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The measurements issues 14 and 15 still owe an H200, in two device calls of under ten minutes each on one warm
+# The measurements issues 14 and 15 still owe an H200, in three device calls of under ten minutes each on one warm
 # machine (carry .wheels). Each part leaves one tarball, $OUT/refresh_<part>.tgz, with every file the commands
 # wrote (the device tool brings back 8 files at most), plus the printed tails in $OUT/refresh_<part>.txt:
 #   MSTAR_COMMIT=<sha> scripts/refresh_h200.sh 1   issue 14's arrivals beside 64 streams of 1,024 tokens
@@ -7,11 +7,13 @@
 #                                                  floor at 1/64/256 rows, then the one-row projection sweep
 #   MSTAR_COMMIT=<sha> scripts/refresh_h200.sh 2   the speech benchmark at 1-512 streams, then the realtime
 #                                                  websocket's first audio delta at 1 and 64 sessions
+#   MSTAR_COMMIT=<sha> scripts/refresh_h200.sh 3   where a speech step's time goes at 1, 64 and 400 streams
+#                                                  (torch's profiler over 1 s of each level, in-process)
 # On any other GPU it prints the card and stops, unless ANY_GPU=1: the goals are the H200's, and an H100's
 # numbers go to files named for it by hand.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-part=${1:?part 1 or 2}
+part=${1:?part 1, 2 or 3}
 OUT=${OUT:-/tmp/out}
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "card: $card"
@@ -43,6 +45,10 @@ speech_flags="--kv-cache-dtype fp8 --audio-logits-only"
     timeout 150 python3 scripts/bench_realtime.py --sessions 1 64 --out "$res/realtime.json" \
         --server-log "$res/realtime_server.log" \
         --server-args "--max-num-seqs 512 --cuda-graph-max-batch 512 $speech_flags" 2>&1 | tail -12
+  elif [[ $part == 3 ]]; then
+    timeout 540 python3 scripts/profile_tts.py --concurrency 1 64 400 --tokens 1024 $speech_flags --trace 1 \
+        --trace-after 1.5 > "$res/profile_tts.txt" 2>&1
+    grep -v "\[info" "$res/profile_tts.txt" | tail -150
   else
     echo "unknown part $part"
   fi
