@@ -80,6 +80,19 @@ async def test_a_bad_override_is_a_400_naming_it(llama: str, path: str, sampling
     assert status == 400 and answer["error"]["param"] == param, answer
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_n_samples_seeded_by_an_override_differ_as_the_bodys_seed_makes_them(llama: str, path: str) -> None:
+    # the body's seed gives sample j seed + j; a seed set through sampling_by must not give every sample one draw
+    body, _ = ROUTES[path]
+    body = {k: v for k, v in body.items() if k != "seed"}
+    texts = {}
+    for name, sent in (("seed", {**body, "seed": 3}), ("override", {**body, "sampling_by": {ROOT: {"seed": 3}}})):
+        status, answer = await _post(llama + path, {**sent, "n": 3})
+        assert status == 200, answer
+        texts[name] = [c.get("text", (c.get("message") or {}).get("content")) for c in answer["choices"]]
+    assert texts["override"] == texts["seed"] and len(set(texts["seed"])) == 3, texts
+
+
 async def test_speech_takes_an_override_of_its_root_key(orpheus: str) -> None:
     body = {"input": "hi", "response_format": "pcm", "max_tokens": 28, "seed": 1, "temperature": 0.9}
     hot = await _post(orpheus + "/v1/audio/speech", body)

@@ -21,6 +21,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from mstar.errors import SHUTTING_DOWN, ModelNotFound, MstarError, RequestError
+from mstar.http.fields import is_int
 from mstar.http.text.protocol import SAMPLING_KEYS, Prompt
 from mstar.types import GenerateRequest, ModelCard, OutputChunk, SamplingParams, TokenLogprob
 
@@ -370,7 +371,8 @@ async def submit(engine: Engine, base_id: str, model: str, prompts: Sequence[Inp
             for j in range(n):
                 request = first if j == 0 else dataclasses.replace(
                     first, request_id=f"{base_id}-{p * n + j}", sampling=dataclasses.replace(
-                        sampling, seed=None if sampling.seed is None else (sampling.seed + j) % 2**63))
+                        sampling, seed=None if sampling.seed is None else (sampling.seed + j) % 2**63),
+                    sampling_by=_sample_seeds(first.sampling_by, j))
                 try:
                     streams.append(engine.submit(request, ready))
                 except RequestError as e:
@@ -383,6 +385,14 @@ async def submit(engine: Engine, base_id: str, model: str, prompts: Sequence[Inp
     # the engine counts each prompt's tokens once it is prepared
     return Submission(streams=streams, choices=choices,
                       prompt_lengths=[streams[p * n].num_prompt_tokens for p in range(len(prompts))])
+
+
+def _sample_seeds(sampling_by: dict[str, dict[str, Any]], j: int) -> dict[str, dict[str, Any]]:
+    """`sampling_by` for sample j: a seed it sets moves by j as the body's own does, else every sample
+    would draw the same tokens. One the model refuses (not an int64) refused the first sample already."""
+    return {key: {**fields, "seed": (fields["seed"] + j) % 2**63}
+            if is_int(fields.get("seed")) and 0 <= fields["seed"] < 2**63 else fields
+            for key, fields in sampling_by.items()}
 
 
 def model_defaults(engine: Engine) -> SamplingParams:
