@@ -93,6 +93,13 @@ async def test_n_samples_seeded_by_an_override_differ_as_the_bodys_seed_makes_th
     assert texts["override"] == texts["seed"] and len(set(texts["seed"])) == 3, texts
 
 
+@pytest.mark.parametrize("path", list(ROUTES))
+async def test_logprobs_in_an_override_are_refused_not_dropped(llama: str, path: str) -> None:
+    # the answer shapes logprobs from the route's own field only: an override's would be computed, then lost
+    status, answer = await _post(llama + path, {**ROUTES[path][0], "sampling_by": {ROOT: {"logprobs": 2}}})
+    assert status == 400 and answer["error"]["param"] == f"sampling_by.{ROOT}.logprobs", answer
+
+
 async def test_speech_takes_an_override_of_its_root_key(orpheus: str) -> None:
     body = {"input": "hi", "response_format": "pcm", "max_tokens": 28, "seed": 1, "temperature": 0.9}
     hot = await _post(orpheus + "/v1/audio/speech", body)

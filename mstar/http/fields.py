@@ -185,8 +185,14 @@ class Fields:
     def sampling_by(self, key: str) -> dict[str, dict[str, Any]]:
         """mstar's `sampling_by` (`objects`), each key's `seed` folded as the
         top-level one is (`seed`); what else the entries hold, and a seed past
-        int64, is for the model to check, naming `key.<name>.<field>`."""
+        int64, is for the model to check, naming `key.<name>.<field>`. `logprobs`
+        is refused: an answer carries those its route's own field asks for, so an
+        override's would be computed and then dropped without a word."""
         out = self.objects(key)
+        for name, fields in out.items():
+            if fields.get("logprobs") is not None:
+                raise RequestError("is not taken here: ask for logprobs with the route's own field",
+                                   field=f"{self.name(key)}.{name}.logprobs")
         return {name: {**fields, "seed": fold_seed(fields["seed"])}
                 if is_int(fields.get("seed")) and -INT64_LIMIT <= fields["seed"] < INT64_LIMIT else fields
                 for name, fields in out.items()}
