@@ -100,8 +100,8 @@ def sampling_by() -> Schema:
     """mstar's `sampling_by`: the route checks its shape, the model the rest."""
     return {"type": "object",
             "additionalProperties": {"type": "object",
-                                     "properties": {"max_tokens": max_tokens(), **sampling_properties(),
-                                                    "logprobs": logprobs_count("logprobs")},
+                                     # logprobs are asked with the route's own field: an answer shapes only those
+                                     "properties": {"max_tokens": max_tokens(), **sampling_properties()},
                                      "additionalProperties": False},
             "examples": [{"llm": {"temperature": 0}}],
             "description": "mstar's: sampling per sampling key of the walk (a partition that samples; the root "
