@@ -25,10 +25,11 @@ from mstar.client.audio import Speech
 from mstar.client.client import Client
 from mstar.client.errors import MstarError
 from mstar.client.realtime import AsyncRealtimeSession, RealtimeReply, RealtimeSession
-from mstar.client.results import Choice, Completion, Generation, Health, ModelCard, Usage
-from mstar.client.sampling import Sampling, TextSampling
+from mstar.client.results import ChatAudio, Choice, Completion, Generation, Health, ModelCard, Usage
+from mstar.client.sampling import ChatOptions, Sampling, TextSampling
 from mstar.client.streams import AsyncSpeechStream, AsyncStream, SpeechStream, Stream
 
-__all__ = ["AsyncClient", "AsyncRealtimeSession", "AsyncSpeechStream", "AsyncStream", "Choice", "Client",
-           "Completion", "Generation", "Health", "ModelCard", "MstarError", "Prompt", "RealtimeReply",
-           "RealtimeSession", "Sampling", "Speech", "SpeechStream", "Stream", "TextSampling", "Usage"]
+__all__ = ["AsyncClient", "AsyncRealtimeSession", "AsyncSpeechStream", "AsyncStream", "ChatAudio", "ChatOptions",
+           "Choice", "Client", "Completion", "Generation", "Health", "ModelCard", "MstarError", "Prompt",
+           "RealtimeReply", "RealtimeSession", "Sampling", "Speech", "SpeechStream", "Stream", "TextSampling",
+           "Usage"]

@@ -25,7 +25,7 @@ from mstar.client.events import ndjson_events, sse_events
 from mstar.client.handshake import refusal_trace
 from mstar.client.realtime import AsyncRealtimeSession
 from mstar.client.results import Completion, Generation, Health, ModelCard
-from mstar.client.sampling import Sampling, TextSampling
+from mstar.client.sampling import ChatOptions, Sampling, TextSampling
 from mstar.client.streams import TRANSPORT_ERRORS, AsyncSpeechStream, AsyncStream
 
 T = TypeVar("T")
@@ -189,24 +189,25 @@ class AsyncClient:
     @overload
     async def chat(self, messages: Sequence[Mapping[str, Any]], *, model: str | None = ...,
                    max_tokens: int | None = ..., n: int | None = ..., stream: Literal[False] = ...,
-                   include_usage: bool = ..., **sampling: Unpack[TextSampling]) -> Completion: ...
+                   include_usage: bool = ..., **sampling: Unpack[ChatOptions]) -> Completion: ...
 
     @overload
     async def chat(self, messages: Sequence[Mapping[str, Any]], *, model: str | None = ...,
                    max_tokens: int | None = ..., n: int | None = ..., stream: Literal[True],
-                   include_usage: bool = ..., **sampling: Unpack[TextSampling]) -> AsyncStream[Completion]: ...
+                   include_usage: bool = ..., **sampling: Unpack[ChatOptions]) -> AsyncStream[Completion]: ...
 
     @overload
     async def chat(self, messages: Sequence[Mapping[str, Any]], *, model: str | None = ...,
                    max_tokens: int | None = ..., n: int | None = ..., stream: bool, include_usage: bool = ...,
-                   **sampling: Unpack[TextSampling]) -> Completion | AsyncStream[Completion]: ...
+                   **sampling: Unpack[ChatOptions]) -> Completion | AsyncStream[Completion]: ...
 
     async def chat(self, messages: Sequence[Mapping[str, Any]], *, model: str | None = None,
                    max_tokens: int | None = None, n: int | None = None, stream: bool = False,
                    include_usage: bool = False,
-                   **sampling: Unpack[TextSampling]) -> Completion | AsyncStream[Completion]:
+                   **sampling: Unpack[ChatOptions]) -> Completion | AsyncStream[Completion]:
         """OpenAI's `/v1/chat/completions`; a choice's `text` is the message
-        content (streamed: the delta's, after a first chunk with the role)."""
+        content (streamed: the delta's, after a first chunk with the role),
+        its `audio` a spoken answer's (`modalities`, `audio`: `ChatOptions`)."""
         body = _present({"messages": [dict(m) for m in messages], "model": model, "max_tokens": max_tokens,
                          "n": n, **sampling})
         return await self._openai("/v1/chat/completions", body, stream, include_usage)

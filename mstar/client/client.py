@@ -20,7 +20,7 @@ from mstar.client.audio import Speech
 from mstar.client.loop_thread import LoopThread
 from mstar.client.realtime import RealtimeSession
 from mstar.client.results import Completion, Generation, Health, ModelCard
-from mstar.client.sampling import Sampling, TextSampling
+from mstar.client.sampling import ChatOptions, Sampling, TextSampling
 from mstar.client.streams import AsyncSpeechStream, AsyncStream, SpeechStream, Stream
 
 
@@ -109,21 +109,21 @@ class Client:
     @overload
     def chat(self, messages: Sequence[Mapping[str, Any]], *, model: str | None = ..., max_tokens: int | None = ...,
              n: int | None = ..., stream: Literal[False] = ..., include_usage: bool = ...,
-             **sampling: Unpack[TextSampling]) -> Completion: ...
+             **sampling: Unpack[ChatOptions]) -> Completion: ...
 
     @overload
     def chat(self, messages: Sequence[Mapping[str, Any]], *, model: str | None = ..., max_tokens: int | None = ...,
              n: int | None = ..., stream: Literal[True], include_usage: bool = ...,
-             **sampling: Unpack[TextSampling]) -> Stream[Completion]: ...
+             **sampling: Unpack[ChatOptions]) -> Stream[Completion]: ...
 
     @overload
     def chat(self, messages: Sequence[Mapping[str, Any]], *, model: str | None = ..., max_tokens: int | None = ...,
              n: int | None = ..., stream: bool, include_usage: bool = ...,
-             **sampling: Unpack[TextSampling]) -> Completion | Stream[Completion]: ...
+             **sampling: Unpack[ChatOptions]) -> Completion | Stream[Completion]: ...
 
     def chat(self, messages: Sequence[Mapping[str, Any]], *, model: str | None = None, max_tokens: int | None = None,
              n: int | None = None, stream: bool = False, include_usage: bool = False,
-             **sampling: Unpack[TextSampling]) -> Completion | Stream[Completion]:
+             **sampling: Unpack[ChatOptions]) -> Completion | Stream[Completion]:
         """OpenAI's `/v1/chat/completions`; see `AsyncClient.chat`."""
         return self._wrap(self._runner.run(self.aio.chat(
             messages, model=model, max_tokens=max_tokens, n=n, stream=stream, include_usage=include_usage,

@@ -28,22 +28,45 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class ChatAudio:
+    """A chat answer's speech (`modalities: ["text", "audio"]`): whole, the
+    file in the asked `format` and the whole transcript; streamed, each
+    chunk's piece of PCM16 and of the transcript (either may be empty), the
+    last one carrying `expires_at`. `id` names the answer in a later turn."""
+
+    id: str
+    data: bytes
+    transcript: str
+    expires_at: int | None = None
+
+    @classmethod
+    def of(cls, obj: Any) -> ChatAudio | None:
+        if not isinstance(obj, Mapping):
+            return None
+        data, expires = obj.get("data"), obj.get("expires_at")
+        return cls(str(obj.get("id", "")), base64.b64decode(data) if data else b"", obj.get("transcript") or "",
+                   int(expires) if expires is not None else None)
+
+
+@dataclass(frozen=True)
 class Choice:
     """One choice: the whole text of an answer, or the new text of a chunk
-    (for chat, the message's or the delta's content)."""
+    (for chat, the message's or the delta's content, and its `audio` when
+    the answer is spoken too)."""
 
     index: int
     text: str
     finish_reason: str | None
     role: str | None = None  # chat only: "assistant"
     logprobs: Any = None     # as the server sent them (OpenAI's shape for the route), if asked for
+    audio: ChatAudio | None = None
 
     @classmethod
     def of(cls, obj: Mapping[str, Any]) -> Choice:
         message = obj.get("message") or obj.get("delta")
         if isinstance(message, Mapping):  # chat
             return cls(int(obj.get("index", 0)), message.get("content") or "", obj.get("finish_reason"),
-                       message.get("role"), obj.get("logprobs"))
+                       message.get("role"), obj.get("logprobs"), ChatAudio.of(message.get("audio")))
         return cls(int(obj.get("index", 0)), obj.get("text") or "", obj.get("finish_reason"),
                    logprobs=obj.get("logprobs"))
 

@@ -4,7 +4,7 @@ of a request body out (top level on the OpenAI routes, under
 
 from __future__ import annotations
 
-from typing import TypedDict
+from typing import Any, TypedDict
 
 
 class Sampling(TypedDict, total=False):
@@ -32,3 +32,13 @@ class TextSampling(Sampling, total=False):
     skip_special_tokens: bool
     logprobs: int | bool
     top_logprobs: int
+
+
+class ChatOptions(TextSampling, total=False):
+    """A chat may ask a model that speaks in chat (Qwen3-Omni) for its answer
+    in speech too, as OpenAI's chat does: `modalities=["text", "audio"]`,
+    `audio={"voice": ..., "format": "wav"}` ("pcm16" when streamed); each
+    choice's `audio` then holds it."""
+
+    modalities: list[str]
+    audio: dict[str, Any]
