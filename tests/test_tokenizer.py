@@ -346,3 +346,11 @@ def test_text_after_a_held_run_comes_out_soon(run: int, after: str):
         # out by the check after the held ids doubled past the run and its first character, or its few pushes
         assert n <= len(before) + 2 * (run + len(first)) + CHAR_IDS, (n, len(ids))
         assert "".join([sent, *(detok.push([i]) for i in ids[n:]), detok.flush()]) == tok.decode(ids)
+
+
+def test_chat_template_file_wins_over_the_tokenizer_config(tmp_path):
+    """A folder with both (an older template left in tokenizer_config.json): transformers renders
+    chat_template.jinja's, so vLLM serving the folder does; the same prompt here."""
+    folder = _trained_folder(tmp_path, True, None)
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    assert Tokenizer.from_folder(folder).apply_chat_template([{"role": "user", "content": "x"}]) == "[x]"

@@ -103,7 +103,7 @@ class Tokenizer:
             named = {t.get("name"): t.get("template") for t in template}
             template = named.get("default") or next(iter(named.values()), None)
         jinja_file = folder / "chat_template.jinja"
-        if template is None and jinja_file.is_file():
+        if jinja_file.is_file():  # over tokenizer_config.json's, as transformers (and so vLLM) reads a folder
             template = jinja_file.read_text()
         gen_eos = gen.get("eos_token_id")
         gen_eos_ids = [gen_eos] if isinstance(gen_eos, int) else list(gen_eos or [])
