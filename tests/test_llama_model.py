@@ -4,6 +4,7 @@ request preparation."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -119,6 +120,29 @@ def test_missing_unexpected_and_misshapen_tensors(folder, tmp_path):
     (tmp_path / "empty" / "config.json").write_text((folder / "config.json").read_text())
     with pytest.raises(ConfigError, match="safetensors"):
         load_model(str(tmp_path / "empty")).build_component("llm", cpu, torch.float32)
+
+
+def test_an_unreadable_safetensors_file_is_refused_naming_it(folder, tmp_path):
+    """A truncated download, or an index that puts a tensor in a shard without it: a `ConfigError` naming the
+    file (the engine shows a ConfigError's message alone), not safetensors' bare error."""
+    cpu = torch.device("cpu")
+    cut = _rewrite(folder, tmp_path / "cut", lambda t: None)
+    data = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[:len(data) // 2])
+    with pytest.raises(ConfigError, match=r"cut/model\.safetensors: cannot read.*not fully covered"):
+        load_model(str(cut)).build_component("llm", cpu, torch.float32)
+    lies = tmp_path / "lies"
+    lies.mkdir()
+    (lies / "config.json").write_text((folder / "config.json").read_text())
+    tensors = load_file(str(folder / "model.safetensors"))
+    names = sorted(tensors)
+    save_file({n: tensors[n] for n in names[:2]}, str(lies / "a.safetensors"))
+    save_file({n: tensors[n] for n in names[2:]}, str(lies / "b.safetensors"))
+    where = {n: "a.safetensors" for n in names[:2]} | {n: "b.safetensors" for n in names[2:]}
+    where[names[-1]] = "a.safetensors"
+    (lies / "model.safetensors.index.json").write_text(json.dumps({"weight_map": where}))
+    with pytest.raises(ConfigError, match=rf"lies/a\.safetensors: cannot read.*{re.escape(names[-1])}"):
+        load_model(str(lies)).build_component("llm", cpu, torch.float32)
 
 
 @pytest.mark.parametrize("tied", [False, True])

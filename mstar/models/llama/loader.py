@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -56,7 +57,7 @@ class CheckpointFiles:
             if missing:
                 raise ConfigError(f"{self.folder}: shards listed in {INDEX_FILE} are missing: {', '.join(missing)}")
         elif single.is_file():
-            with safe_open(str(single), framework="pt") as f:
+            with _unreadable_names(single), safe_open(str(single), framework="pt") as f:
                 self.where = {name: single for name in f.keys()}
         else:
             raise ConfigError(f"{self.folder}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors checkpoints load)")
@@ -74,9 +75,23 @@ class CheckpointFiles:
             if only is None or only(name):
                 by_file.setdefault(file, []).append(name)
         for file in sorted(by_file):
-            with safe_open(str(file), framework="pt", device="cpu") as f:
+            with _unreadable_names(file), safe_open(str(file), framework="pt", device="cpu") as f:
                 for name in by_file[file]:
                     yield name, f.get_tensor(name)
+
+
+@contextmanager
+def _unreadable_names(file: Path) -> Iterator[None]:
+    """A file that safetensors cannot read (a truncated download, a header
+    that is not one, a tensor the index puts in the wrong shard) as a
+    `ConfigError` naming the file: a sharded folder's message otherwise
+    leaves the user to guess which shard is bad."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (SafetensorError, OSError) as e:
+        raise ConfigError(f"{file}: cannot read the safetensors file: {e}") from None
 
 
 def checkpoint_has_lm_head(folder: str | Path) -> bool:
