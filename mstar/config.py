@@ -220,7 +220,7 @@ def build_parser(builtin_models: Sequence[str] = ()) -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"mstar {version()}")
     p.add_argument("--model", default=DEFAULT_MODEL, help="built-in model name or a local Hugging Face folder")
     p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="names clients use (default: --model); answers name the model by the first (vLLM's)")
+                   help="names clients use (default: --model); an answer echoes the name its request used (vLLM's)")
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="auto: the folder's weights; dummy: random weights of the same shapes (benchmarks)")
     p.add_argument("--gpus", default="cpu", help="cpu | cpu:0,cpu:1 | 0 | 0,1: one worker thread per device")

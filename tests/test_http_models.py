@@ -55,6 +55,14 @@ async def test_an_id_with_a_slash() -> None:
         await engine.shutdown()
 
 
+def test_served_model_name_help_says_what_answers_name() -> None:
+    """The help said answers name the model by the first name; they echo the request's (the test below)."""
+    from mstar.config import build_parser
+
+    flag = next(a for a in build_parser()._actions if "--served-model-name" in a.option_strings)
+    assert "echoes the name its request used" in flag.help and "by the first" not in flag.help
+
+
 async def test_several_served_names_answer_to_each_naming_the_first() -> None:
     """vLLM's `--served-model-name a b`: the server answers to every name,
     `/v1/models` lists each (its root the model it was loaded from), answers
