@@ -71,6 +71,9 @@ class EngineConfig:
     quantization: str | None = None       # None | fp8: the projections' weights (opt-in: it changes the output)
     kv_cache_dtype: str = "auto"          # auto (the model's dtype) | fp8: K and V pages in float8 e4m3 (opt-in)
     audio_logits_only: bool = False       # a speech model's head computes its audio ids' logits only (opt-in)
+    # where text requests' default sampling comes from: auto (the served folder's generation_config.json) | none
+    # (SamplingParams' own) | a folder holding a generation_config.json
+    generation_config: str = "auto"
     # decode graphs' batch sizes; None: `default_graph_buckets` of the scheduler's max_num_seqs
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -231,6 +234,10 @@ def build_parser(builtin_models: Sequence[str] = ()) -> argparse.ArgumentParser:
     p.add_argument("--placement-file", default=None, help="the same as a JSON or YAML mapping")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="weights and activations; auto: float32 on CPU, bfloat16 on a GPU")
+    p.add_argument("--generation-config", default="auto",
+                   help="auto: a text request's unset temperature, top_p, top_k, min_p, repetition_penalty and "
+                        "max_tokens come from the model folder's generation_config.json; none (or vllm): from "
+                        "the API's defaults; a folder: from its generation_config.json")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context window in tokens, at most the model's positions (default: from the model)")
     p.add_argument("--max-num-seqs", type=int, default=256,
@@ -423,6 +430,7 @@ def parse_args(argv: list[str] | None = None, builtin_models: Sequence[str] = ()
         quantization=a.quantization,
         kv_cache_dtype=a.kv_cache_dtype,
         audio_logits_only=a.audio_logits_only,
+        generation_config=a.generation_config,
         host_arena_mb=a.host_arena_mb,
         gil_switch_interval_ms=a.gil_switch_interval_ms,
         cuda_graph_batch_sizes=None if a.cuda_graph_max_batch is None else graph_buckets(a.cuda_graph_max_batch),

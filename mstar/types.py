@@ -220,6 +220,9 @@ class ModelCard:
     spoken_audio_key: str | None = None  # the sampling key of a spoken chat answer's audio frames, if it speaks so
     aliases: tuple[str, ...] = ()        # more names clients may use for it (--served-model-name's later ones)
     root: str = ""                       # what it was loaded from (--model), whatever name it is served under
+    # what a text request gets for the sampling fields it leaves out (the generation config's, --generation-config);
+    # its max_tokens is the model's own default budget, within the room a prompt leaves
+    text_defaults: dict[str, float | int] = field(default_factory=dict)
 
     def answers_to(self, name: str) -> bool:
         return name == self.name or name in self.aliases

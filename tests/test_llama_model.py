@@ -122,6 +122,14 @@ def test_missing_unexpected_and_misshapen_tensors(folder, tmp_path):
         load_model(str(tmp_path / "empty")).build_component("llm", cpu, torch.float32)
 
 
+def test_an_untied_config_without_a_head_serves_the_embedding_and_says_so(folder, tmp_path, caplog):
+    headless = _rewrite(folder, tmp_path / "headless", lambda t: t.pop("lm_head.weight"))
+    with caplog.at_level("WARNING"):
+        decoder = load_model(str(headless)).build_component("llm", torch.device("cpu"), torch.float32)
+    assert decoder.lm_head.weight.data_ptr() == decoder.embed_tokens.weight.data_ptr()
+    assert any("no lm_head.weight though config.json unties it" in r.getMessage() for r in caplog.records)
+
+
 def test_an_unreadable_safetensors_file_is_refused_naming_it(folder, tmp_path):
     """A truncated download, or an index that puts a tensor in a shard without it: a `ConfigError` naming the
     file (the engine shows a ConfigError's message alone), not safetensors' bare error."""

@@ -72,6 +72,13 @@ class Target:
     early_tts_walk: str | None = None  # `tts_walk` with its first audio sooner (`early_audio`), if it has one
     written_walk: str | None = None    # what text routes run where `default_walk` speaks (`Model.written_walk`)
     spoken_audio_key: str | None = None  # the sampling key of a spoken chat answer's frames (`Model.spoken_audio_key`)
+    text_defaults: dict[str, float | int] = field(default_factory=dict)  # `ModelCard.text_defaults`
+
+    def text_sampling(self, sampling: SamplingParams, given: frozenset[str]) -> SamplingParams:
+        """A text request's `sampling` with the fields it left out (not in
+        `given`) taken from the model's generation config, as vLLM does."""
+        fill = {k: v for k, v in self.text_defaults.items() if k not in given}
+        return sampling.replace(**fill) if fill else sampling
 
     def speaks(self, walk: str | None) -> bool:
         """Whether `walk` (None: the default) is one of its text-to-speech walks."""
@@ -115,7 +122,7 @@ class Targets:
                         default_walk=card.default_walk, input_modalities=tuple(card.input_modalities),
                         tts_walk=card.tts_walk, spoken_chat_walk=card.spoken_chat_walk, tts_sampling=tts,
                         early_tts_walk=card.early_tts_walk, written_walk=card.written_walk,
-                        spoken_audio_key=card.spoken_audio_key)
+                        spoken_audio_key=card.spoken_audio_key, text_defaults=card.text_defaults)
         self._kept[name] = (card, tokenizer, target)  # a name per model and alias: a handful
         return target
 

@@ -8,7 +8,9 @@ It knows nothing of scheduling, batching, threads or HTTP.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 from mstar.errors import ConfigError, RequestError
@@ -85,6 +87,9 @@ class Model:
     # the sampling key whose tokens are a spoken chat answer's audio (its frames): a request's `max_tokens` caps them
     spoken_audio_key: str | None = None
     written_walk: str | None = None      # what text routes run where the default walk speaks (its ids as text)
+    # the served folder's generation_config.json sampling (`registry.sampling_defaults`), set by the engine: the
+    # defaults of a model file that declares none of its own (`default_sampling`)
+    generation_defaults: Mapping[str, float | int] = MappingProxyType({})
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -133,10 +138,12 @@ class Model:
         callers merge these under the request's own `sampling`), or of the
         partition that samples under sampling key `key`. A `max_tokens` here
         is the key's budget where a request leaves it None, within the
-        room its prompt leaves; None (this default) is all of that room."""
+        room its prompt leaves; None (this default) is all of that room.
+        Here: the API's defaults, with the served folder's generation config
+        on top (`generation_defaults`)."""
         from mstar.types import SamplingParams
 
-        return SamplingParams(max_tokens=None)
+        return SamplingParams(max_tokens=None).replace(**self.generation_defaults)
 
     def state_spec(self, component: str) -> StateSpec:
         """The per-row state of a component declared with `state=True`."""

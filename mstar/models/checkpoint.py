@@ -1,5 +1,6 @@
 """What loaders share about checkpoint folders: the load formats, reading
-their JSON files (and the EOS ids of a generation config), and the error that
+their JSON files (and the EOS ids and sampling defaults of a generation
+config), and the error that
 lists the tensors a checkpoint lacks and the ones it has that the model does
 not. Importable without torch."""
 
@@ -10,7 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mstar.errors import ConfigError
+from mstar.errors import ConfigError, RequestError
+from mstar.types import SamplingParams
 
 _SHOWN = 8
 LOAD_FORMATS = ("auto", "dummy")   # a folder's weights, or seeded random ones of its shape
@@ -40,6 +42,39 @@ def generation_eos(folder: Path) -> tuple[int, ...]:
     gen = read_json(folder / "generation_config.json", required=False)
     eos = gen.get("eos_token_id") if isinstance(gen, dict) else None
     return (eos,) if isinstance(eos, int) else tuple(eos or ())
+
+
+# generation_config.json's fields a server takes as its default sampling (vLLM's set), by `SamplingParams` name
+_SAMPLING_FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                    "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+_INTEGER_FIELDS = ("top_k", "max_tokens")
+
+
+def generation_defaults(folder: Path) -> dict[str, float | int]:
+    """The sampling the folder's generation_config.json sets, by
+    `SamplingParams` field ({} when the file is absent): what its authors
+    ship as the model's defaults, for the fields a request leaves out.
+    `max_new_tokens` is `max_tokens`. A value out of `SamplingParams`'
+    ranges is a `ConfigError` naming the file and the field."""
+    file = folder / "generation_config.json"
+    gen = read_json(file, required=False)
+    if not isinstance(gen, dict):
+        return {}
+    out: dict[str, float | int] = {}
+    for key, name in _SAMPLING_FIELDS.items():
+        value = gen.get(key)
+        if value is None:
+            continue
+        integer = name in _INTEGER_FIELDS
+        if isinstance(value, bool) or not isinstance(value, int if integer else (int, float)):
+            raise ConfigError(f"{file}: '{key}' must be {'an integer' if integer else 'a number'}, not {value!r}")
+        out[name] = value if integer else float(value)
+    try:
+        SamplingParams(**out).validate()
+    except RequestError as e:
+        key = next((k for k, n in _SAMPLING_FIELDS.items() if n == e.field), e.field)
+        raise ConfigError(f"{file}: '{key}' {e.message}") from None
+    return out
 
 
 def mismatch_error(folder: str | Path, model: str, missing: Sequence[str],

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from mstar.errors import ConfigError
-from mstar.models.checkpoint import read_json
+from mstar.models.checkpoint import generation_defaults, read_json
 from mstar.models.base import Model
 
 # (name_or_path, load_format, max_model_len) -> Model
@@ -139,3 +139,20 @@ def load_model(name_or_path: str, load_format: str = "auto", max_model_len: int 
         return factory(str(folder), load_format, max_model_len)
     raise ConfigError(f"unknown model '{name_or_path}': not a builtin ({', '.join(sorted(BUILTINS))}) "
                       f"and not a local folder")
+
+
+def sampling_defaults(source: str, model: str) -> dict[str, float | int]:
+    """`--generation-config`: what a text request of `model` gets for the
+    sampling fields it leaves out. 'auto': its folder's generation_config.json
+    (a built-in model has none); 'none' (or vLLM's spelling, 'vllm'): none;
+    else the generation_config.json of the folder `source` names."""
+    if source in ("none", "vllm"):
+        return {}
+    if source == "auto":
+        folder = Path(model).expanduser()
+        return generation_defaults(folder) if model not in BUILTINS and folder.is_dir() else {}
+    folder = Path(source).expanduser()
+    if not (folder / "generation_config.json").is_file():
+        raise ConfigError(f"--generation-config '{source}' is not auto, none or a folder with a "
+                          "generation_config.json")
+    return generation_defaults(folder)

@@ -60,8 +60,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
     else:
         field = "text" if isinstance(body.prompt, str) else "input_ids"
         names = {**sampling_names(SAMPLING_PREFIX), "prompt": field}  # max_tokens among the sampling fields
+        sampling = body.sampling if speech else target.text_sampling(body.sampling, body.sampling_given)
         sub = await submit(engine, request_id, target.name, [Inputs(prompt_inputs(body.prompt), names)],
-                           body.sampling, walk=body.walk, sampling_by=body.sampling_by, priority=body.priority)
+                           sampling, walk=body.walk, sampling_by=body.sampling_by, priority=body.priority)
     try:
         if body.stream:
             return await _stream_ndjson(request, sub, request_id)

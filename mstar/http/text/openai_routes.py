@@ -12,7 +12,6 @@ model's spoken-chat walk (`Model.spoken_chat_walk`) and is answered in
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 from contextlib import aclosing
@@ -85,7 +84,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     prompts = [Inputs(prompt_inputs(p), {"prompt": f"prompt[{i}]"} if many else {})
                for i, p in enumerate(body.prompts)]
     reply = Reply(f"cmpl-{uuid4_hex()}", "text_completion", int(time.time()), target.name)
-    sampling = dataclasses.replace(body.sampling, max_tokens=body.max_tokens)
+    sampling = target.text_sampling(body.sampling, body.sampling_given).replace(max_tokens=body.max_tokens)
     sub = await submit(engine, reply.id, target.name, prompts, sampling, n=body.n, sampling_by=body.sampling_by,
                        priority=body.priority, walk=text_walk(target))
     shapes = (LogprobShapes(target.tokenizer, body.sampling.skip_special_tokens)
@@ -134,7 +133,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         names.update(voice="audio.voice", input="add_generation_prompt")
     reply = Reply(f"chatcmpl-{uuid4_hex()}", "chat.completion", int(time.time()), target.name)
     # max_tokens None: all the room the messages leave in the context
-    sampling = dataclasses.replace(body.sampling, max_tokens=body.max_tokens)
+    sampling = target.text_sampling(body.sampling, body.sampling_given).replace(max_tokens=body.max_tokens)
     sub = await submit(engine, reply.id, target.name, [Inputs(values, names)], sampling, n=body.n,
                        sampling_by=_spoken_cap(body.sampling_by, target, body) if body.audio else body.sampling_by,
                        walk=walk,

@@ -67,6 +67,7 @@ class CompletionBody:
     continuous_usage: bool = False  # vLLM's `continuous_usage_stats`: the totals so far in every chunk
     sampling_by: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     priority: int = 0
+    sampling_given: frozenset[str] = frozenset()  # the keys the client set: sampling the model's defaults leave be
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ class ChatBody:
     sampling_by: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     audio: AudioOutput | None = None
     priority: int = 0
+    sampling_given: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,7 @@ def parse_completion(body: bytes) -> CompletionBody:
         continuous_usage=continuous_usage,
         sampling_by=f.sampling_by(SAMPLING_BY),
         priority=_read_priority(f),
+        sampling_given=_given(f),
     )
 
 
@@ -186,6 +189,7 @@ def parse_chat(body: bytes) -> ChatBody:
         sampling_by=f.sampling_by(SAMPLING_BY),
         audio=audio,
         priority=_read_priority(f),
+        sampling_given=_given(f),
     )
 
 
@@ -252,6 +256,11 @@ def read_sampling(f: Fields, logprobs: int | None = None) -> SamplingParams:
 
 
 # ----------------------------------------------------------------- helpers
+
+
+def _given(f: Fields) -> frozenset[str]:
+    """The body's keys with a value (null is the default, as left out)."""
+    return frozenset(k for k, v in f.obj.items() if v is not None)
 
 
 def _read_priority(f: Fields) -> int:

@@ -12,6 +12,7 @@ the vocabulary; the real Orpheus tokenizer comes with the Orpheus model).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,8 @@ from mstar.models.tokenizer import BYTE_TOKENIZER_VOCAB_SIZE, Tokenizer, builtin
 from mstar.types import GenerateRequest, SamplingParams
 
 DUMMY_SEED = 0
+
+log = logging.getLogger(__name__)
 
 __all__ = ["LlamaConfig", "LlamaDecoder", "LlamaModel"]
 
@@ -99,8 +102,10 @@ class LlamaModel(LanguageModel):
         if component != "llm":
             raise ConfigError(f"model '{self.name}' has no component '{component}'")
         tie = self.config.tie_word_embeddings
-        if self.load_format != "dummy" and self.path is not None:
-            tie = tie or not checkpoint_has_lm_head(self.path)
+        if not tie and self.load_format != "dummy" and self.path is not None and not checkpoint_has_lm_head(self.path):
+            # served, as checkpoints that save a tied head once are; said, since an untied model's head is then wrong
+            log.warning("%s: no lm_head.weight though config.json unties it: the head is the embedding", self.path)
+            tie = True
         # positions never pass the served length: tables for 128k positions
         # would cost 128 MiB of device memory for nothing
         max_positions = self._max_model_len
