@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 import torch
 from http_support import serving
-from tiny_qwen35 import CHAT_TEMPLATE, SPECIALS
+from tiny_qwen35 import save_byte_tokenizer
 
 from mstar.config import EngineConfig, parse_args
 from mstar.engine.engine import Engine
@@ -33,20 +33,13 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Llama with a byte-level tokenizer, a chat template and a
     generation config that ships sampling defaults."""
     import transformers
-    from transformers.models.qwen3_5.tokenization_qwen3_5 import Qwen3_5Tokenizer
-
-    from mstar.models.tokenizer import _byte_alphabet
 
     path = tmp_path_factory.mktemp("shipped")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                    num_key_value_heads=1, vocab_size=384, max_position_embeddings=256)
     transformers.LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
-    vocab = {ch: b for b, ch in enumerate(_byte_alphabet())} | {s: 256 + i for i, s in enumerate(SPECIALS)}
-    tokenizer = Qwen3_5Tokenizer(vocab=vocab, merges=[])
-    tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIALS[1:])})
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(path)
+    save_byte_tokenizer(path)
     (path / "generation_config.json").write_text(json.dumps(SHIPPED))
     return path
 

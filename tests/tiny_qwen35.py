@@ -85,9 +85,6 @@ def save_tiny_qwen35_vl(folder: Path, experts: int = 0, head_dim: int = 32) -> P
     a 4 x 4 position table (stretched to each grid); `head_dim` of the
     decoder's attention (64 or more for FlashInfer's kernels)."""
     import transformers
-    from transformers.models.qwen3_5.tokenization_qwen3_5 import Qwen3_5Tokenizer
-
-    from mstar.models.tokenizer import _byte_alphabet
 
     torch.manual_seed(0)
     vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=16, temporal_patch_size=2,
@@ -102,10 +99,20 @@ def save_tiny_qwen35_vl(folder: Path, experts: int = 0, head_dim: int = 32) -> P
     _off_initial(model)
     lively(model.model.visual, seed=2)
     model.save_pretrained(folder, safe_serialization=True)
+    save_byte_tokenizer(folder)
+    (folder / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
+    return folder
+
+
+def save_byte_tokenizer(folder: Path) -> None:
+    """Byte b as token b, then `SPECIALS` (256 on), with `CHAT_TEMPLATE`: a
+    folder's tokenizer files, for a model of at least 263 ids."""
+    from transformers.models.qwen3_5.tokenization_qwen3_5 import Qwen3_5Tokenizer
+
+    from mstar.models.tokenizer import _byte_alphabet
+
     vocab = {ch: b for b, ch in enumerate(_byte_alphabet())} | {s: 256 + i for i, s in enumerate(SPECIALS)}
     tokenizer = Qwen3_5Tokenizer(vocab=vocab, merges=[])
     tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIALS[1:])})
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(folder)
-    (folder / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
-    return folder
