@@ -8,7 +8,7 @@ HTTP layer and the Python client can use these dataclasses too.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -220,9 +220,9 @@ class ModelCard:
     spoken_audio_key: str | None = None  # the sampling key of a spoken chat answer's audio frames, if it speaks so
     aliases: tuple[str, ...] = ()        # more names clients may use for it (--served-model-name's later ones)
     root: str = ""                       # what it was loaded from (--model), whatever name it is served under
-    # what a text request gets for the sampling fields it leaves out (the generation config's, --generation-config);
-    # its max_tokens is the model's own default budget, within the room a prompt leaves
-    text_defaults: dict[str, float | int] = field(default_factory=dict)
+    # what a text request gets for the sampling fields it leaves out (the generation config's, --generation-config),
+    # max_tokens aside: the budget of one that sets none is `default_sampling`'s, within the room its prompt leaves
+    text_defaults: Mapping[str, float | int] = field(default_factory=dict)
 
     def answers_to(self, name: str) -> bool:
         return name == self.name or name in self.aliases

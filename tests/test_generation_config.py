@@ -21,7 +21,7 @@ from mstar.config import EngineConfig, parse_args
 from mstar.engine.engine import Engine
 from mstar.errors import ConfigError
 from mstar.models.checkpoint import generation_defaults
-from mstar.models.registry import sampling_defaults
+from mstar.models.registry import load_model, sampling_defaults
 from mstar.types import GenerateRequest
 
 SHIPPED = {"temperature": 0.0, "top_p": 0.8, "top_k": 7, "repetition_penalty": 1.2, "max_new_tokens": 5,
@@ -50,6 +50,7 @@ def test_the_fields_it_reads_and_the_ones_it_refuses(tmp_path: Path) -> None:
     assert generation_defaults(tmp_path) == {"temperature": 0.0, "top_p": 0.8, "top_k": 7,
                                              "repetition_penalty": 1.2, "max_tokens": 5}
     for bad, named in (({"top_p": 0}, "'top_p' must be in"), ({"max_new_tokens": 0}, "'max_new_tokens' must be"),
+                       ([0.7], "not a JSON object"),
                        ({"top_k": 2.5}, "'top_k' must be an integer"), ({"temperature": "hot"}, "must be a number")):
         (tmp_path / "generation_config.json").write_text(json.dumps(bad))
         with pytest.raises(ConfigError, match=named):
@@ -100,10 +101,11 @@ async def test_a_request_gets_the_folders_defaults_under_its_own(folder: Path) -
             own = await _post(url, "/v1/chat/completions", {**chat, "temperature": 0.7, "top_k": None,
                                                             "max_tokens": 9})
             assert own["usage"]["completion_tokens"] == 9
-            text = await _post(url, "/v1/completions", {"prompt": "hi", "top_p": 0.5})
-            assert text["usage"]["completion_tokens"] <= 16  # OpenAI's 16 when left out: a default is set
-            ids = await _post(url, "/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}})
-            assert len(ids["token_ids"]) <= 2
+            text = await _post(url, "/v1/completions", {"prompt": "hi", "top_p": 0.5, "ignore_eos": True})
+            assert text["usage"]["completion_tokens"] == 16  # OpenAI's 16 when left out: a default is set
+            ids = await _post(url, "/generate", {"input_ids": [1, 2, 3],
+                                                 "sampling_params": {"max_tokens": 2, "ignore_eos": True}})
+            assert len(ids["token_ids"]) == 2
         shipped = dict(temperature=0.0, top_p=0.8, top_k=7, repetition_penalty=1.2, min_p=0.0)
         got = [{k: getattr(r.sampling, k) for k in shipped} for r in seen]
         assert got[0] == shipped
@@ -127,5 +129,33 @@ async def test_none_keeps_the_apis_defaults(folder: Path) -> None:
         sampling = seen[0].sampling
         assert (sampling.temperature, sampling.top_p, sampling.top_k, sampling.repetition_penalty) == (1.0, 1.0, 0,
                                                                                                         1.0)
+    finally:
+        await engine.shutdown()
+
+
+def test_models_that_publish_their_own_sampling(folder: Path) -> None:
+    """Qwen3-Omni's text answers take the file's sampling and budget (its
+    talker and code predictor keep their released draws); Orpheus keeps its
+    published speech sampling and takes none."""
+    omni = load_model("qwen3-omni-tiny", generation_config=str(folder))
+    root = omni.default_sampling()
+    assert (root.temperature, root.top_k, root.max_tokens) == (0.0, 7, 5)
+    assert omni.text_defaults == {"temperature": 0.0, "top_p": 0.8, "top_k": 7, "repetition_penalty": 1.2}
+    assert omni.default_sampling("talker").temperature == 0.9
+    orpheus = load_model("orpheus-tiny", generation_config=str(folder))
+    assert orpheus.generation_defaults == {} and orpheus.text_defaults == {}
+    assert orpheus.default_sampling() == load_model("orpheus-tiny").default_sampling()
+
+
+@pytest.mark.asyncio
+async def test_a_budget_past_the_room_a_prompt_leaves_shortens_the_answer(folder: Path, tmp_path: Path) -> None:
+    (tmp_path / "generation_config.json").write_text(json.dumps({"max_new_tokens": 100000}))
+    engine = Engine(EngineConfig(model=str(folder), generation_config=str(tmp_path), max_model_len=64))
+    await engine.start()
+    try:
+        async with serving(engine) as url:
+            chat = {"messages": [{"role": "user", "content": "hi"}], "ignore_eos": True}
+            usage = (await _post(url, "/v1/chat/completions", chat))["usage"]
+            assert usage["prompt_tokens"] + usage["completion_tokens"] == 64
     finally:
         await engine.shutdown()

@@ -199,11 +199,16 @@ def test_the_speech_event_stream_is_described_as_it_ends() -> None:
     assert "ending with `data: [DONE]`" in chat["text/event-stream"]["schema"]["description"]
 
 
-def test_speech_sampling_fields_claim_no_default_of_their_own() -> None:
+def test_sampling_fields_that_the_model_may_set_claim_no_default() -> None:
     """Left out, a speech request's sampling is the model's (Orpheus: temperature
     0.6, top_p 0.8), not the text routes' defaults the schema would otherwise state."""
     fields = body_schema("/v1/audio/speech")["properties"]
     for key in ("temperature", "top_p", "repetition_penalty", "top_k", "min_p", "ignore_eos", "min_tokens"):
         assert "default" not in fields[key], key
     assert fields["temperature"]["maximum"] > 0  # the constraints stay
-    assert "default" in body_schema("/v1/completions")["properties"]["temperature"]
+    assert "generation config" not in fields["temperature"].get("description", "")
+    text = body_schema("/v1/completions")["properties"]
+    # neither do the text routes' five a served folder's generation config may set: the description says
+    for key in ("temperature", "top_p", "repetition_penalty", "top_k", "min_p"):
+        assert "default" not in text[key] and "generation config" in text[key]["description"], key
+    assert text["presence_penalty"]["default"] == 0.0

@@ -20,6 +20,7 @@ import concurrent.futures
 import sys
 import time
 from collections import Counter
+from types import MappingProxyType
 from typing import Callable
 
 import structlog
@@ -42,7 +43,7 @@ from mstar.errors import SHUTTING_DOWN, ConfigError, MstarError, ModelNotFound, 
 from mstar.graph import WalkPlan, compile_walks
 from mstar.models.base import Model
 from mstar.models.prepared import Prepared, check_roles, input_size
-from mstar.models.registry import load_model, sampling_defaults
+from mstar.models.registry import load_model
 from mstar.models.tokenizer import IncrementalDetokenizer
 from mstar.placement import describe, resolve
 from mstar.scheduler import LaunchSteps
@@ -87,11 +88,7 @@ class Engine:
         check_devices(cfg.devices)
         if self.model is None:
             self.model = await self._loop.run_in_executor(
-                None, lambda: load_model(cfg.model, cfg.load_format, cfg.max_model_len))
-        defaults = sampling_defaults(cfg.generation_config, cfg.model)
-        if defaults:  # said once: a client's answers differ from the API's defaults by these
-            log.info("sampling defaults from the generation config", source=cfg.generation_config, **defaults)
-        self.model.generation_defaults = defaults
+                None, lambda: load_model(cfg.model, cfg.load_format, cfg.max_model_len, cfg.generation_config))
         self.plans = compile_walks(self.model.walks, self.model.components)
         check_runnable(self.plans, self.model.components)
         check_roles(self.model, self.plans)
@@ -236,7 +233,7 @@ class Engine:
                                    tuple(m.voices), m.default_sampling(), tuple(m.input_modalities), m.tts_walk,
                                    m.spoken_chat_walk, tts, m.early_tts_walk, m.written_walk, m.spoken_audio_key,
                                    self.config.served_model_aliases, self.config.model,
-                                   {k: v for k, v in m.generation_defaults.items() if k != "max_tokens"})
+                                   MappingProxyType(dict(m.text_defaults)))
         return [self._card]
 
     async def profile(self, seconds: float, worker: int = 0, stacks: bool = False) -> torch.profiler.profile:

@@ -72,7 +72,7 @@ class Target:
     early_tts_walk: str | None = None  # `tts_walk` with its first audio sooner (`early_audio`), if it has one
     written_walk: str | None = None    # what text routes run where `default_walk` speaks (`Model.written_walk`)
     spoken_audio_key: str | None = None  # the sampling key of a spoken chat answer's frames (`Model.spoken_audio_key`)
-    text_defaults: dict[str, float | int] = field(default_factory=dict)  # `ModelCard.text_defaults`
+    text_defaults: Mapping[str, float | int] = field(default_factory=dict)  # `ModelCard.text_defaults`
 
     def text_sampling(self, sampling: SamplingParams, given: frozenset[str]) -> SamplingParams:
         """A text request's `sampling` with the fields it left out (not in

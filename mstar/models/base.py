@@ -87,8 +87,9 @@ class Model:
     # the sampling key whose tokens are a spoken chat answer's audio (its frames): a request's `max_tokens` caps them
     spoken_audio_key: str | None = None
     written_walk: str | None = None      # what text routes run where the default walk speaks (its ids as text)
-    # the served folder's generation_config.json sampling (`registry.sampling_defaults`), set by the engine: the
-    # defaults of a model file that declares none of its own (`default_sampling`)
+    # whether the served folder's generation_config.json sampling applies (a model file that publishes its own
+    # root defaults, Orpheus's for speech, keeps them), and that sampling: `registry.load_model` sets it
+    takes_generation_config: bool = True
     generation_defaults: Mapping[str, float | int] = MappingProxyType({})
 
     def __init__(self, name: str) -> None:
@@ -125,6 +126,13 @@ class Model:
         be able to write to answer at all (a speech model's first window of
         audio): a piece of input that would leave less is refused."""
         return 1
+
+    @property
+    def text_defaults(self) -> Mapping[str, float | int]:
+        """What text routes give a request for the sampling fields it leaves
+        out, its budget aside: that is `default_sampling`'s `max_tokens`, a
+        ceiling within the room its prompt leaves, not a demand."""
+        return {k: v for k, v in self.generation_defaults.items() if k != "max_tokens"}
 
     def walk_for(self, request: GenerateRequest) -> str:
         """The walk `request` runs: the one it names, else the default (a

@@ -1,8 +1,7 @@
 """What loaders share about checkpoint folders: the load formats, reading
 their JSON files (and the EOS ids and sampling defaults of a generation
-config), and the error that
-lists the tensors a checkpoint lacks and the ones it has that the model does
-not. Importable without torch."""
+config), and the error that lists the tensors a checkpoint lacks and the
+ones it has that the model does not. Importable without torch."""
 
 from __future__ import annotations
 
@@ -58,8 +57,10 @@ def generation_defaults(folder: Path) -> dict[str, float | int]:
     ranges is a `ConfigError` naming the file and the field."""
     file = folder / "generation_config.json"
     gen = read_json(file, required=False)
-    if not isinstance(gen, dict):
+    if gen is None:
         return {}
+    if not isinstance(gen, dict):
+        raise ConfigError(f"{file}: not a JSON object")
     out: dict[str, float | int] = {}
     for key, name in _SAMPLING_FIELDS.items():
         value = gen.get(key)

@@ -11,12 +11,16 @@ runtime only calls `load_model`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
+from types import MappingProxyType
 
 from mstar.errors import ConfigError
 from mstar.models.checkpoint import generation_defaults, read_json
 from mstar.models.base import Model
+
+log = logging.getLogger(__name__)
 
 # (name_or_path, load_format, max_model_len) -> Model
 ModelFactory = Callable[[str, str, "int | None"], Model]
@@ -125,8 +129,21 @@ def _model_type(folder: Path) -> object:
     return data.get("model_type") if isinstance(data, dict) else None
 
 
-def load_model(name_or_path: str, load_format: str = "auto", max_model_len: int | None = None) -> Model:
-    """The model named `name_or_path`: a builtin name or a local HF folder."""
+def load_model(name_or_path: str, load_format: str = "auto", max_model_len: int | None = None,
+               generation_config: str = "auto") -> Model:
+    """The model named `name_or_path`: a builtin name or a local HF folder,
+    with the sampling defaults `generation_config` gives it
+    (`sampling_defaults`) where its model file takes them."""
+    model = _build(name_or_path, load_format, max_model_len)
+    if model.takes_generation_config:
+        defaults = sampling_defaults(generation_config, name_or_path)
+        if defaults:  # said once: answers differ from the API's defaults by these
+            log.info("sampling defaults from %s: %s", generation_config, defaults)
+        model.generation_defaults = MappingProxyType(defaults)
+    return model
+
+
+def _build(name_or_path: str, load_format: str, max_model_len: int | None) -> Model:
     if name_or_path in BUILTINS:
         return BUILTINS[name_or_path](name_or_path, load_format, max_model_len)
     folder = Path(name_or_path).expanduser()

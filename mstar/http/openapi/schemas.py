@@ -34,6 +34,7 @@ MAX_STOPS: int = inspect.signature(Fields.stops).parameters["max_count"].default
 MAX_STOP_TOKEN_IDS: int = inspect.signature(Fields.int_list).parameters["max_count"].default
 MAX_SEED = 2**63 - 1  # any int64; `Fields.seed` folds it into the engine's [0, 2**63)
 DEFAULTS = SamplingParams()
+_SHIPPED = "the served model's generation config's (--generation-config), else"
 
 
 def ref(name: str) -> Schema:
@@ -50,16 +51,20 @@ def int_list(min_items: int = 0) -> Schema:
 
 
 def sampling_properties() -> dict[str, Schema]:
-    """`SamplingParams` by name (all but `max_tokens`), as `read_sampling` reads them."""
+    """`SamplingParams` by name (all but `max_tokens`), as `read_sampling` reads them. The five a served
+    folder's generation config may set declare no `default`: a client generated from the document would send
+    the API's as if asked for, over the model's."""
     return {
-        "temperature": {"type": "number", "minimum": 0, "maximum": MAX_TEMPERATURE, "default": DEFAULTS.temperature,
-                        "description": "0 is greedy"},
-        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": DEFAULTS.top_p},
-        "top_k": {"type": "integer", "minimum": -1, "default": DEFAULTS.top_k,
-                  "description": "0 or -1 disables top-k"},
-        "min_p": {"type": "number", "minimum": 0, "maximum": 1, "default": DEFAULTS.min_p},
+        "temperature": {"type": "number", "minimum": 0, "maximum": MAX_TEMPERATURE,
+                        "description": f"0 is greedy; left out: {_SHIPPED} {DEFAULTS.temperature}"},
+        "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1,
+                  "description": f"left out: {_SHIPPED} {DEFAULTS.top_p}"},
+        "top_k": {"type": "integer", "minimum": -1,
+                  "description": f"0 or -1 disables top-k; left out: {_SHIPPED} {DEFAULTS.top_k}"},
+        "min_p": {"type": "number", "minimum": 0, "maximum": 1,
+                  "description": f"left out: {_SHIPPED} {DEFAULTS.min_p}"},
         "repetition_penalty": {"type": "number", "exclusiveMinimum": 0, "maximum": MAX_REPETITION_PENALTY,
-                               "default": DEFAULTS.repetition_penalty},
+                               "description": f"left out: {_SHIPPED} {DEFAULTS.repetition_penalty}"},
         "presence_penalty": {"type": "number", "minimum": -MAX_OUTPUT_PENALTY, "maximum": MAX_OUTPUT_PENALTY,
                              "default": DEFAULTS.presence_penalty,
                              "description": "subtracted from the logit of every id the request has generated"},
@@ -284,7 +289,9 @@ CHAT_REQUEST: Schema = {
     "properties": {
         "messages": {"type": "array", "items": CHAT_MESSAGE, "minItems": 1,
                      "examples": [[{"role": "user", "content": "Hello!"}]]},
-        "max_tokens": max_tokens(),
+        "max_tokens": {**max_tokens(), "description": "at most the context window less the prompt; left out: the "
+                                                      "served model's generation config's max_new_tokens, within "
+                                                      "that room, else all of it"},
         "max_completion_tokens": {**max_tokens(), "description": "the newer name of `max_tokens`; wins over it"},
         "add_generation_prompt": {"type": "boolean", "default": True},
         "chat_template_kwargs": {"type": "object",
@@ -360,8 +367,8 @@ SPEECH_REQUEST: Schema = {
         "max_tokens": max_tokens(),
         # No `default`: what is left out takes the model's (Orpheus: temperature 0.6, not 1.0), and a
         # client generated from the document would send the text routes' defaults as if asked for.
-        **{k: {f: x for f, x in v.items() if f != "default"} for k, v in sampling_properties().items()
-           if k in SPEECH_SAMPLING_KEYS},
+        **{k: {f: x for f, x in v.items() if f != "default" and not (f == "description" and _SHIPPED in x)}
+           for k, v in sampling_properties().items() if k in SPEECH_SAMPLING_KEYS},
         "sampling_by": sampling_by(),
     },
     "description": "sampling fields left out take the model's defaults",

@@ -132,7 +132,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         # a prompt the talker cannot answer lacks the assistant's header
         names.update(voice="audio.voice", input="add_generation_prompt")
     reply = Reply(f"chatcmpl-{uuid4_hex()}", "chat.completion", int(time.time()), target.name)
-    # max_tokens None: all the room the messages leave in the context
+    # max_tokens None: the model's default budget (its generation config's), within the room the messages leave
     sampling = target.text_sampling(body.sampling, body.sampling_given).replace(max_tokens=body.max_tokens)
     sub = await submit(engine, reply.id, target.name, [Inputs(values, names)], sampling, n=body.n,
                        sampling_by=_spoken_cap(body.sampling_by, target, body) if body.audio else body.sampling_by,

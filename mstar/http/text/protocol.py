@@ -59,7 +59,7 @@ class CompletionBody:
 
     model: str | None
     prompts: tuple[Prompt, ...]
-    max_tokens: int | None   # None: all the room each prompt leaves in the context
+    max_tokens: int | None   # None: the model's default budget within the room each prompt leaves, else all of it
     sampling: SamplingParams
     n: int = 1
     stream: bool = False
@@ -72,7 +72,7 @@ class CompletionBody:
 
 @dataclass(frozen=True)
 class ChatBody:
-    """`/v1/chat/completions`. `max_tokens` None: whatever the context leaves;
+    """`/v1/chat/completions`. `max_tokens` None: the model's default budget, within what the context leaves;
     `audio` None: a text answer, else a spoken one in that voice and format."""
 
     model: str | None
@@ -144,7 +144,7 @@ def parse_completion(body: bytes) -> CompletionBody:
     return CompletionBody(
         model=f.string("model"),
         prompts=prompts,
-        # left out: OpenAI's 16; an explicit null: all the room the prompt leaves, as vLLM reads it
+        # left out: OpenAI's 16; an explicit null: the model's default budget, as vLLM reads it
         max_tokens=None if "max_tokens" in f.obj and f.obj["max_tokens"] is None
         else f.integer("max_tokens", COMPLETIONS_MAX_TOKENS, lo=1),
         sampling=read_sampling(f, f.integer("logprobs", None, lo=0, hi=MAX_LOGPROBS)),

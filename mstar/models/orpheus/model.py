@@ -107,6 +107,7 @@ class OrpheusModel(LlamaModel):
     }
     default_walk = "speak"
     tts_walk = "speak"
+    takes_generation_config = False  # its speech sampling is the released engine's (`default_sampling`)
     early_tts_walk = "speak_early"
     # /v1/completions and /v1/chat/completions: the Llama's ids as text, what a plain Llama server of the
     # checkpoint answers

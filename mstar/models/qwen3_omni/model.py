@@ -125,13 +125,13 @@ class Qwen3OmniModel(Model):
     def default_sampling(self, key: str | None = None) -> SamplingParams:
         """The released generation defaults: the talker's first codes and the
         code predictor's draws (`cp`) sample; the thinker's text follows the
-        request (greedy unless asked)."""
+        request, over the folder's generation config (`generation_defaults`)."""
         if key == "talker":  # its budget within what a context of this server holds, so that it is valid here
             return SamplingParams(temperature=0.9, top_k=50, repetition_penalty=1.05,
                                   max_tokens=min(TALKER_MAX_FRAMES, self._max_model_len))
         if key == "cp":
             return SamplingParams(temperature=1.0, top_k=50, top_p=0.8)
-        return SamplingParams(max_tokens=None)
+        return SamplingParams(max_tokens=None).replace(**self.generation_defaults)
 
     def graph_rows(self, component: str, mode: str) -> tuple[RowShape, ...] | None:
         """The talker's frame step under CUDA graphs: besides its first code,
