@@ -103,6 +103,11 @@ async def test_a_request_gets_the_folders_defaults_under_its_own(folder: Path) -
             assert own["usage"]["completion_tokens"] == 9
             text = await _post(url, "/v1/completions", {"prompt": "hi", "top_p": 0.5, "ignore_eos": True})
             assert text["usage"]["completion_tokens"] == 16  # OpenAI's 16 when left out: a default is set
+            async with aiohttp.ClientSession() as session, session.post(
+                    url + "/v1/chat/completions", json={**chat, "min_tokens": 8}) as r:
+                refused = await r.json()
+                assert r.status == 400 and refused["error"]["param"] == "min_tokens", refused
+                assert "default budget, which a max_tokens raises" in refused["error"]["message"]
             ids = await _post(url, "/generate", {"input_ids": [1, 2, 3],
                                                  "sampling_params": {"max_tokens": 2, "ignore_eos": True}})
             assert len(ids["token_ids"]) == 2

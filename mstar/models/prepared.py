@@ -190,8 +190,10 @@ def fit_context(sampling: dict[str, SamplingParams], plan: WalkPlan, components:
             params = params.replace(max_tokens=room if budget is None else min(budget, room))
             if params.min_tokens > params.max_tokens:
                 name = "min_tokens" if key == root else f"sampling_by.{key}.min_tokens"
+                why = ("the model's default budget, which a max_tokens raises"
+                       if budget is not None and budget < room else "the room its prompt leaves in the context")
                 raise RequestError(f"{params.min_tokens} tokens are more than the {params.max_tokens} this request "
-                                   "can generate here", field=name)
+                                   f"can generate here: {why}", field=name)
         fitted[key] = params
     return fitted
 
