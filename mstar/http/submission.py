@@ -377,8 +377,8 @@ async def submit(engine: Engine, base_id: str, model: str, prompts: Sequence[Inp
         for p, (first, ready) in enumerate(zip(requests, prepared)):
             for j in range(n):
                 request = first if j == 0 else dataclasses.replace(
-                    first, request_id=f"{base_id}-{p * n + j}", sampling=dataclasses.replace(
-                        sampling, seed=None if sampling.seed is None else (sampling.seed + j) % 2**63),
+                    first, request_id=f"{base_id}-{p * n + j}",
+                    sampling=dataclasses.replace(sampling, seed=_sample_seed(sampling.seed, j)),
                     sampling_by=_sample_seeds(first.sampling_by, j))
                 try:
                     streams.append(engine.submit(request, ready))
@@ -394,10 +394,15 @@ async def submit(engine: Engine, base_id: str, model: str, prompts: Sequence[Inp
                       prompt_lengths=[streams[p * n].num_prompt_tokens for p in range(len(prompts))])
 
 
+def _sample_seed(seed: int | None, j: int) -> int | None:
+    """Sample j's seed: the request's moved by j (vLLM's), so that its samples differ and each is reproducible."""
+    return None if seed is None else (seed + j) % 2**63
+
+
 def _sample_seeds(sampling_by: dict[str, dict[str, Any]], j: int) -> dict[str, dict[str, Any]]:
     """`sampling_by` for sample j: a seed it sets moves by j as the body's own does, else every sample
     would draw the same tokens. One the model refuses (not an int64) refused the first sample already."""
-    return {key: {**fields, "seed": (fields["seed"] + j) % 2**63}
+    return {key: {**fields, "seed": _sample_seed(fields["seed"], j)}
             if is_int(fields.get("seed")) and 0 <= fields["seed"] < 2**63 else fields
             for key, fields in sampling_by.items()}
 
